@@ -1,0 +1,138 @@
+//! Teams' credentials: API keys (`e2b_…`) and access tokens (`sk_e2b_…`), stored as SHA-256
+//! hashes and shown in full only once.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::ids::{self, ACCESS_TOKEN_PREFIX, API_KEY_PREFIX};
+use crate::model::Team;
+use crate::store::{Store, StoreError, StoredSecret};
+
+/// Hex SHA-256 of a secret: keys are long and random, so a fast hash is enough to make a
+/// leaked database useless for authentication.
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// The first credentials of an installation, written once for the operator.
+#[derive(Debug, Clone, Serialize)]
+pub struct Credentials {
+    #[serde(rename = "apiKey")]
+    pub api_key: String,
+    #[serde(rename = "accessToken")]
+    pub access_token: String,
+    #[serde(rename = "teamID")]
+    pub team_id: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    #[error("missing api key: send it in the X-API-Key header")]
+    MissingApiKey,
+    #[error("invalid api key")]
+    InvalidApiKey,
+    #[error("missing access token: send it as Authorization: Bearer <token>")]
+    MissingAccessToken,
+    #[error("invalid access token")]
+    InvalidAccessToken,
+    #[error("the requested first api key is malformed: expected e2b_ followed by 40 lowercase hex characters")]
+    MalformedRequestedKey,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct TeamLimits {
+    pub max_concurrent_sandboxes: u32,
+    pub max_sandbox_timeout_secs: u64,
+}
+
+#[derive(Clone)]
+pub struct Auth {
+    store: Arc<dyn Store>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth").finish_non_exhaustive()
+    }
+}
+
+fn stored(team_id: &str, name: &str, secret: &str, prefix: &str) -> StoredSecret {
+    let value = &secret[prefix.len()..];
+    StoredSecret {
+        id: ids::new_uuid(),
+        team_id: team_id.to_owned(),
+        name: name.to_owned(),
+        secret_hash: hash_secret(secret),
+        mask_prefix: value[..2].to_owned(),
+        mask_suffix: value[value.len() - 4..].to_owned(),
+        created_at: Utc::now(),
+    }
+}
+
+impl Auth {
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self { store }
+    }
+
+    /// On an empty store, creates the default team with its first API key (the requested one
+    /// if given) and access token, and returns them; afterwards returns `None`.
+    pub async fn bootstrap(
+        &self,
+        requested_api_key: Option<&str>,
+        limits: TeamLimits,
+    ) -> Result<Option<Credentials>, AuthError> {
+        if let Some(key) = requested_api_key
+            && !ids::is_well_formed_secret(key, API_KEY_PREFIX)
+        {
+            return Err(AuthError::MalformedRequestedKey);
+        }
+        if self.store.team_count().await? > 0 {
+            return Ok(None);
+        }
+        let team = Team {
+            id: ids::new_uuid(),
+            name: "default".into(),
+            max_concurrent_sandboxes: limits.max_concurrent_sandboxes,
+            max_sandbox_timeout_secs: limits.max_sandbox_timeout_secs,
+        };
+        self.store.insert_team(&team).await?;
+        let api_key = requested_api_key
+            .map(str::to_owned)
+            .unwrap_or_else(|| ids::new_secret(API_KEY_PREFIX));
+        let access_token = ids::new_secret(ACCESS_TOKEN_PREFIX);
+        self.store
+            .insert_api_key(&stored(&team.id, "default", &api_key, API_KEY_PREFIX))
+            .await?;
+        self.store
+            .insert_access_token(&stored(&team.id, "default", &access_token, ACCESS_TOKEN_PREFIX))
+            .await?;
+        Ok(Some(Credentials {
+            api_key,
+            access_token,
+            team_id: team.id,
+        }))
+    }
+
+    pub async fn team_for_api_key(&self, key: Option<&str>) -> Result<Team, AuthError> {
+        let key = key.filter(|k| !k.is_empty()).ok_or(AuthError::MissingApiKey)?;
+        self.store
+            .team_by_api_key_hash(&hash_secret(key))
+            .await?
+            .ok_or(AuthError::InvalidApiKey)
+    }
+
+    pub async fn team_for_access_token(&self, token: Option<&str>) -> Result<Team, AuthError> {
+        let token = token
+            .filter(|k| !k.is_empty())
+            .ok_or(AuthError::MissingAccessToken)?;
+        self.store
+            .team_by_access_token_hash(&hash_secret(token))
+            .await?
+            .ok_or(AuthError::InvalidAccessToken)
+    }
+}

@@ -1,0 +1,26 @@
+//! Sandbar's domain: teams and their credentials, templates, sandboxes, and the typed
+//! operations on them.
+//!
+//! The core knows nothing of HTTP, SQL or Linux: it talks to storage through [`Store`] and to
+//! the machine that runs sandboxes through [`Runtime`], so transports and backends can change
+//! without touching the rules written here.
+
+pub mod auth;
+pub mod ids;
+pub mod model;
+pub mod runtime;
+pub mod sandboxes;
+pub mod store;
+pub mod templates;
+
+pub use auth::{Auth, AuthError, Credentials};
+pub use model::{
+    BuildStatus, Sandbox, SandboxState, Team, Template, DEFAULT_TEMPLATE_ALIAS,
+};
+pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+pub use sandboxes::{
+    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, Page, SandboxError,
+    Sandboxes, SandboxesConfig,
+};
+pub use store::{Store, StoreError};
+pub use templates::{TemplateError, Templates};

@@ -1,0 +1,125 @@
+//! The records the core reasons about.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::runtime::RuntimeHandle;
+
+/// Alias of the template every installation builds on first start.
+pub const DEFAULT_TEMPLATE_ALIAS: &str = "base";
+
+/// A team owns every other resource; its limits are per team so operators can set them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Team {
+    pub id: String,
+    pub name: String,
+    pub max_concurrent_sandboxes: u32,
+    pub max_sandbox_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    Building,
+    Waiting,
+    Ready,
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Building => "building",
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "building" => BuildStatus::Building,
+            "waiting" => BuildStatus::Waiting,
+            "ready" => BuildStatus::Ready,
+            "error" => BuildStatus::Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    pub id: String,
+    /// `None` for templates every team may use (the built-in ones).
+    pub team_id: Option<String>,
+    pub aliases: Vec<String>,
+    pub public: bool,
+    pub build_id: String,
+    pub build_status: BuildStatus,
+    /// Why the last build failed, when it did.
+    pub build_error: Option<String>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub envd_version: String,
+    /// Where the node keeps the built root filesystem; meaningful to the runtime only.
+    pub rootfs: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub last_spawned_at: Option<DateTime<Utc>>,
+    pub spawn_count: u64,
+    pub build_count: u64,
+}
+
+impl Template {
+    pub fn visible_to(&self, team_id: &str) -> bool {
+        self.public || self.team_id.as_deref().is_none_or(|owner| owner == team_id)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    Running,
+    Paused,
+}
+
+impl SandboxState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "running" => Some(SandboxState::Running),
+            "paused" => Some(SandboxState::Paused),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sandbox {
+    pub id: String,
+    pub team_id: String,
+    pub template_id: String,
+    /// The alias the sandbox was created by, if it was created by one.
+    pub alias: Option<String>,
+    pub started_at: DateTime<Utc>,
+    pub end_at: DateTime<Utc>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub allow_internet_access: bool,
+    pub envd_access_token: String,
+    pub envd_version: String,
+    pub state: SandboxState,
+    pub handle: RuntimeHandle,
+}

@@ -1,0 +1,66 @@
+//! What the core needs from the machine that runs sandboxes.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::Template;
+
+/// Runtime-specific facts about a running sandbox (process, cgroups, network slot), kept in
+/// the store so a restarted server can find and clean up the sandbox. Opaque to the core.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(transparent)]
+pub struct RuntimeHandle(pub serde_json::Value);
+
+/// How the edge reaches a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Unix socket the sandbox's agent serves envd's protocol on.
+    pub agent_socket: PathBuf,
+    /// Address of the sandbox inside the node's private network, for user ports.
+    pub address: IpAddr,
+}
+
+/// Everything a runtime needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct LaunchSpec {
+    pub sandbox_id: String,
+    pub template: Template,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub env_vars: BTreeMap<String, String>,
+    pub allow_internet_access: bool,
+    pub envd_access_token: String,
+    pub default_user: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("template {template_id} has no root filesystem on this node")]
+    TemplateMissing { template_id: String },
+    #[error("sandbox {sandbox_id}: {message}")]
+    Sandbox { sandbox_id: String, message: String },
+    #[error("sandbox {sandbox_id} has a runtime handle this node cannot read: {message}")]
+    BadHandle { sandbox_id: String, message: String },
+}
+
+#[async_trait::async_trait]
+pub trait Runtime: Send + Sync + 'static {
+    /// Starts a sandbox and returns once its agent answers.
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError>;
+
+    /// Stops a sandbox and releases everything it held; succeeds if it is already gone.
+    async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError>;
+
+    /// After a restart: whether the sandbox still runs, and if so how to reach it (the runtime
+    /// re-applies any host state, such as firewall rules, that did not survive).
+    async fn adopt(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        allow_internet_access: bool,
+    ) -> Result<Option<Endpoint>, RuntimeError>;
+}

@@ -1,0 +1,505 @@
+//! The sandbox lifecycle: create, look up, list, extend, kill, expire and recover.
+//!
+//! The store is the record of every sandbox; `live` mirrors the ones this process manages so
+//! the edge can route without a query, and so the concurrency limit is checked and reserved
+//! atomically while a sandbox is still starting.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+
+use crate::ids;
+use crate::model::{Sandbox, SandboxState, Team};
+use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError};
+use crate::store::{Store, StoreError};
+use crate::templates::{TemplateError, Templates};
+
+#[derive(Debug, Clone)]
+pub struct SandboxesConfig {
+    /// How long a create waits for its template to finish building.
+    pub template_wait: Duration,
+    /// User for agent calls that name none.
+    pub default_user: String,
+}
+
+impl Default for SandboxesConfig {
+    fn default() -> Self {
+        Self {
+            template_wait: Duration::from_secs(900),
+            default_user: "user".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CreateSandbox {
+    pub template: String,
+    pub timeout_secs: u64,
+    pub metadata: BTreeMap<String, String>,
+    pub env_vars: BTreeMap<String, String>,
+    pub allow_internet_access: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CreateSandboxError {
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+    #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
+    TimeoutTooLong { requested: u64, max: u64 },
+    #[error("team has reached its limit of {limit} concurrent sandboxes")]
+    ConcurrencyLimit { limit: u32 },
+    #[error("cannot start sandbox: {0}")]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Errors of operations on one existing sandbox.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("sandbox '{0}' not found")]
+    NotFound(String),
+    #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
+    TimeoutTooLong { requested: u64, max: u64 },
+    #[error("cannot stop sandbox: {0}")]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ListSandboxesError {
+    #[error("invalid nextToken '{0}'")]
+    BadToken(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ListQuery {
+    /// Every pair must match exactly.
+    pub metadata: BTreeMap<String, String>,
+    /// `None` means every state.
+    pub states: Option<Vec<SandboxState>>,
+    pub limit: usize,
+    pub next_token: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Page<T> {
+    pub items: Vec<T>,
+    pub next_token: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Starting,
+    Running,
+    Stopping,
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    team_id: String,
+    end_at: DateTime<Utc>,
+    endpoint: Option<Endpoint>,
+    phase: Phase,
+}
+
+pub struct Sandboxes {
+    store: Arc<dyn Store>,
+    runtime: Arc<dyn Runtime>,
+    templates: Templates,
+    config: SandboxesConfig,
+    live: Mutex<HashMap<String, Live>>,
+}
+
+impl std::fmt::Debug for Sandboxes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sandboxes")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn seconds(secs: u64) -> TimeDelta {
+    TimeDelta::seconds(i64::try_from(secs).unwrap_or(i64::MAX / 1000).min(i64::MAX / 1000))
+}
+
+fn page_token(sandbox: &Sandbox) -> String {
+    hex::encode(format!(
+        "{}:{}",
+        sandbox.started_at.timestamp_micros(),
+        sandbox.id
+    ))
+}
+
+fn parse_page_token(token: &str) -> Option<(i64, String)> {
+    let raw = String::from_utf8(hex::decode(token).ok()?).ok()?;
+    let (micros, id) = raw.split_once(':')?;
+    Some((micros.parse().ok()?, id.to_owned()))
+}
+
+impl Sandboxes {
+    pub fn new(
+        store: Arc<dyn Store>,
+        runtime: Arc<dyn Runtime>,
+        templates: Templates,
+        config: SandboxesConfig,
+    ) -> Self {
+        Self {
+            store,
+            runtime,
+            templates,
+            config,
+            live: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn live(&self) -> MutexGuard<'_, HashMap<String, Live>> {
+        // A panic while holding this lock leaves plain data behind, still consistent enough to
+        // serve: recover it rather than poisoning every later request.
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub async fn create(
+        &self,
+        team: &Team,
+        request: CreateSandbox,
+    ) -> Result<Sandbox, CreateSandboxError> {
+        if request.timeout_secs > team.max_sandbox_timeout_secs {
+            return Err(CreateSandboxError::TimeoutTooLong {
+                requested: request.timeout_secs,
+                max: team.max_sandbox_timeout_secs,
+            });
+        }
+        let template = self.templates.resolve(team, &request.template).await?;
+        let template = self
+            .templates
+            .wait_ready(template, self.config.template_wait)
+            .await?;
+
+        let id = ids::new_sandbox_id();
+        let now = Utc::now();
+        self.reserve(team, &id, now + seconds(request.timeout_secs))?;
+
+        let spec = LaunchSpec {
+            sandbox_id: id.clone(),
+            cpu_count: template.cpu_count,
+            memory_mb: template.memory_mb,
+            disk_size_mb: template.disk_size_mb,
+            env_vars: request.env_vars.clone(),
+            allow_internet_access: request.allow_internet_access,
+            envd_access_token: ids::new_secret(""),
+            default_user: self.config.default_user.clone(),
+            template: template.clone(),
+        };
+        let token = spec.envd_access_token.clone();
+        let (handle, endpoint) = match self.runtime.launch(spec).await {
+            Ok(started) => started,
+            Err(err) => {
+                self.live().remove(&id);
+                return Err(err.into());
+            }
+        };
+
+        // The timeout runs from the moment the sandbox is usable, not from the request.
+        let started_at = Utc::now();
+        let sandbox = Sandbox {
+            id: id.clone(),
+            team_id: team.id.clone(),
+            template_id: template.id.clone(),
+            alias: template
+                .aliases
+                .iter()
+                .find(|a| request.template.starts_with(a.as_str()))
+                .or(template.aliases.first())
+                .cloned(),
+            started_at,
+            end_at: started_at + seconds(request.timeout_secs),
+            cpu_count: template.cpu_count,
+            memory_mb: template.memory_mb,
+            disk_size_mb: template.disk_size_mb,
+            metadata: request.metadata,
+            env_vars: request.env_vars,
+            allow_internet_access: request.allow_internet_access,
+            envd_access_token: token,
+            envd_version: template.envd_version.clone(),
+            state: SandboxState::Running,
+            handle,
+        };
+        if let Err(err) = self.store.insert_sandbox(&sandbox).await {
+            if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
+                tracing::error!(sandbox_id = %id, error = %destroy, "cannot clean up unrecorded sandbox");
+            }
+            self.live().remove(&id);
+            return Err(err.into());
+        }
+        if let Some(entry) = self.live().get_mut(&id) {
+            entry.phase = Phase::Running;
+            entry.endpoint = Some(endpoint);
+            entry.end_at = sandbox.end_at;
+        }
+        if let Err(err) = self.store.record_template_spawn(&template.id, started_at).await {
+            tracing::warn!(template_id = %template.id, error = %err, "cannot record template spawn");
+        }
+        tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
+        Ok(sandbox)
+    }
+
+    fn reserve(&self, team: &Team, id: &str, end_at: DateTime<Utc>) -> Result<(), CreateSandboxError> {
+        let mut live = self.live();
+        let active = live
+            .values()
+            .filter(|l| l.team_id == team.id && l.phase != Phase::Stopping)
+            .count();
+        if active >= team.max_concurrent_sandboxes as usize {
+            return Err(CreateSandboxError::ConcurrencyLimit {
+                limit: team.max_concurrent_sandboxes,
+            });
+        }
+        live.insert(
+            id.to_owned(),
+            Live {
+                team_id: team.id.clone(),
+                end_at,
+                endpoint: None,
+                phase: Phase::Starting,
+            },
+        );
+        Ok(())
+    }
+
+    /// A team's sandbox; another team's is reported as not found.
+    pub async fn get(&self, team: &Team, id: &str) -> Result<Sandbox, SandboxError> {
+        let stopping = self
+            .live()
+            .get(id)
+            .is_some_and(|l| l.phase == Phase::Stopping);
+        match self.store.sandbox(id).await? {
+            Some(sandbox) if sandbox.team_id == team.id && !stopping => Ok(sandbox),
+            _ => Err(SandboxError::NotFound(id.to_owned())),
+        }
+    }
+
+    pub async fn list(
+        &self,
+        team: &Team,
+        query: &ListQuery,
+    ) -> Result<Page<Sandbox>, ListSandboxesError> {
+        let after = query
+            .next_token
+            .as_deref()
+            .map(|t| parse_page_token(t).ok_or_else(|| ListSandboxesError::BadToken(t.to_owned())))
+            .transpose()?;
+        let stopping: Vec<String> = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.phase == Phase::Stopping)
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut matching = self
+            .store
+            .team_sandboxes(&team.id)
+            .await?
+            .into_iter()
+            .filter(|s| !stopping.contains(&s.id))
+            .filter(|s| query.states.as_ref().is_none_or(|st| st.contains(&s.state)))
+            .filter(|s| {
+                query
+                    .metadata
+                    .iter()
+                    .all(|(k, v)| s.metadata.get(k) == Some(v))
+            })
+            .filter(|s| match &after {
+                None => true,
+                Some((micros, id)) => {
+                    let key = s.started_at.timestamp_micros();
+                    key < *micros || (key == *micros && s.id.as_str() < id.as_str())
+                }
+            });
+        let items: Vec<Sandbox> = matching.by_ref().take(query.limit).collect();
+        let next_token = match (items.last(), matching.next()) {
+            (Some(last), Some(_)) => Some(page_token(last)),
+            _ => None,
+        };
+        Ok(Page { items, next_token })
+    }
+
+    /// Sets the end time to `timeout_secs` from now; may shorten the sandbox's life.
+    pub async fn set_timeout(
+        &self,
+        team: &Team,
+        id: &str,
+        timeout_secs: u64,
+    ) -> Result<(), SandboxError> {
+        self.check_timeout(team, timeout_secs)?;
+        let sandbox = self.get(team, id).await?;
+        self.set_end(&sandbox, Utc::now() + seconds(timeout_secs)).await
+    }
+
+    /// Extends the end time to `timeout_secs` from now unless it is already later.
+    pub async fn extend(
+        &self,
+        team: &Team,
+        id: &str,
+        timeout_secs: u64,
+    ) -> Result<Sandbox, SandboxError> {
+        self.check_timeout(team, timeout_secs)?;
+        let mut sandbox = self.get(team, id).await?;
+        let wanted = Utc::now() + seconds(timeout_secs);
+        if wanted > sandbox.end_at {
+            self.set_end(&sandbox, wanted).await?;
+            sandbox.end_at = wanted;
+        }
+        Ok(sandbox)
+    }
+
+    fn check_timeout(&self, team: &Team, timeout_secs: u64) -> Result<(), SandboxError> {
+        if timeout_secs > team.max_sandbox_timeout_secs {
+            return Err(SandboxError::TimeoutTooLong {
+                requested: timeout_secs,
+                max: team.max_sandbox_timeout_secs,
+            });
+        }
+        Ok(())
+    }
+
+    async fn set_end(&self, sandbox: &Sandbox, end_at: DateTime<Utc>) -> Result<(), SandboxError> {
+        self.store.set_sandbox_end(&sandbox.id, end_at).await?;
+        if let Some(entry) = self.live().get_mut(&sandbox.id) {
+            entry.end_at = end_at;
+        }
+        Ok(())
+    }
+
+    pub async fn kill(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
+        let sandbox = self.get(team, id).await?;
+        self.stop(&sandbox).await
+    }
+
+    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let previous = {
+            let mut live = self.live();
+            match live.get_mut(&sandbox.id) {
+                Some(entry) if entry.phase == Phase::Stopping => {
+                    return Err(SandboxError::NotFound(sandbox.id.clone()));
+                }
+                Some(entry) => Some(std::mem::replace(&mut entry.phase, Phase::Stopping)),
+                None => None,
+            }
+        };
+        if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+            if let Some(phase) = previous
+                && let Some(entry) = self.live().get_mut(&sandbox.id)
+            {
+                entry.phase = phase;
+            }
+            return Err(err.into());
+        }
+        let deleted = self.store.delete_sandbox(&sandbox.id).await;
+        self.live().remove(&sandbox.id);
+        deleted?;
+        tracing::info!(sandbox_id = %sandbox.id, "sandbox stopped");
+        Ok(())
+    }
+
+    /// Where the edge should send traffic for a running sandbox.
+    pub fn route(&self, id: &str) -> Option<Endpoint> {
+        self.live()
+            .get(id)
+            .filter(|l| l.phase == Phase::Running)
+            .and_then(|l| l.endpoint.clone())
+    }
+
+    /// Stops every sandbox whose end time has passed.
+    pub async fn reap_expired(&self) {
+        let now = Utc::now();
+        let expired: Vec<String> = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.phase == Phase::Running && l.end_at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            match self.store.sandbox(&id).await {
+                Ok(Some(sandbox)) => {
+                    if let Err(err) = self.stop(&sandbox).await {
+                        tracing::error!(sandbox_id = %id, error = %err, "cannot stop expired sandbox");
+                    } else {
+                        tracing::info!(sandbox_id = %id, "sandbox expired");
+                    }
+                }
+                Ok(None) => {
+                    self.live().remove(&id);
+                }
+                Err(err) => tracing::error!(sandbox_id = %id, error = %err, "cannot load expired sandbox"),
+            }
+        }
+    }
+
+    /// Runs [`Self::reap_expired`] forever, about once a second.
+    pub async fn run_reaper(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(500));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.reap_expired().await;
+        }
+    }
+
+    /// After a restart: takes back every recorded sandbox that still runs, and cleans up the
+    /// rest. Expired ones are left for the reaper so their end is logged like any other.
+    pub async fn recover(&self) -> Result<usize, StoreError> {
+        let mut adopted = 0;
+        for sandbox in self.store.all_sandboxes().await? {
+            match self
+                .runtime
+                .adopt(&sandbox.id, &sandbox.handle, sandbox.allow_internet_access)
+                .await
+            {
+                Ok(Some(endpoint)) => {
+                    self.live().insert(
+                        sandbox.id.clone(),
+                        Live {
+                            team_id: sandbox.team_id.clone(),
+                            end_at: sandbox.end_at,
+                            endpoint: Some(endpoint),
+                            phase: Phase::Running,
+                        },
+                    );
+                    adopted += 1;
+                }
+                Ok(None) => {
+                    tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
+                    if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
+                    }
+                    self.store.delete_sandbox(&sandbox.id).await?;
+                }
+                Err(err) => {
+                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
+                }
+            }
+        }
+        Ok(adopted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_tokens_round_trip() {
+        let token = hex::encode("1700000000000000:iabc");
+        assert_eq!(
+            parse_page_token(&token),
+            Some((1_700_000_000_000_000, "iabc".to_owned()))
+        );
+        assert_eq!(parse_page_token("zz"), None);
+        assert_eq!(parse_page_token(&hex::encode("nocolon")), None);
+    }
+}

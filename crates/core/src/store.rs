@@ -1,0 +1,54 @@
+//! What the core needs from persistent storage.
+
+use chrono::{DateTime, Utc};
+
+use crate::model::{BuildStatus, Sandbox, Team, Template};
+
+/// Storage failures are opaque to the core: it can only report them.
+#[derive(Debug, thiserror::Error)]
+#[error("store: {0}")]
+pub struct StoreError(pub String);
+
+/// A stored credential: only the hash of the secret is kept.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredSecret {
+    pub id: String,
+    pub team_id: String,
+    pub name: String,
+    pub secret_hash: String,
+    pub mask_prefix: String,
+    pub mask_suffix: String,
+    pub created_at: DateTime<Utc>,
+}
+
+#[async_trait::async_trait]
+pub trait Store: Send + Sync + 'static {
+    async fn team_count(&self) -> Result<u64, StoreError>;
+    async fn insert_team(&self, team: &Team) -> Result<(), StoreError>;
+    async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError>;
+    async fn insert_access_token(&self, token: &StoredSecret) -> Result<(), StoreError>;
+    /// The team owning the API key whose hash is `hash`, recording the use.
+    async fn team_by_api_key_hash(&self, hash: &str) -> Result<Option<Team>, StoreError>;
+    async fn team_by_access_token_hash(&self, hash: &str) -> Result<Option<Team>, StoreError>;
+
+    async fn upsert_template(&self, template: &Template) -> Result<(), StoreError>;
+    async fn template(&self, id: &str) -> Result<Option<Template>, StoreError>;
+    async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>, StoreError>;
+    async fn templates(&self) -> Result<Vec<Template>, StoreError>;
+    async fn set_template_build(
+        &self,
+        id: &str,
+        status: BuildStatus,
+        error: Option<&str>,
+        rootfs: Option<&str>,
+    ) -> Result<(), StoreError>;
+    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
+
+    async fn insert_sandbox(&self, sandbox: &Sandbox) -> Result<(), StoreError>;
+    async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError>;
+    /// A team's sandboxes, newest first.
+    async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError>;
+    async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError>;
+    async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError>;
+    async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
+}

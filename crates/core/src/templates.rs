@@ -1,0 +1,166 @@
+//! Templates: lookup by ID or alias, visibility per team, and waiting for a build to finish.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+use crate::model::{BuildStatus, Team, Template};
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("invalid template reference '{0}'")]
+    BadReference(String),
+    #[error("template '{0}' not found")]
+    NotFound(String),
+    #[error("template '{0}' belongs to another team")]
+    Forbidden(String),
+    #[error("template '{id}' failed to build: {reason}")]
+    BuildFailed { id: String, reason: String },
+    #[error("template '{0}' is still building; try again shortly")]
+    StillBuilding(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Clone)]
+pub struct Templates {
+    store: Arc<dyn Store>,
+    build_finished: Arc<Notify>,
+}
+
+impl std::fmt::Debug for Templates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Templates").finish_non_exhaustive()
+    }
+}
+
+fn valid_reference(reference: &str) -> bool {
+    !reference.is_empty()
+        && reference.len() <= 256
+        && reference
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"-_./:".contains(&c))
+}
+
+impl Templates {
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            build_finished: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Finds a template by ID or alias (`name` or `name:default`) that `team` may use.
+    pub async fn resolve(&self, team: &Team, reference: &str) -> Result<Template, TemplateError> {
+        if !valid_reference(reference) {
+            return Err(TemplateError::BadReference(reference.to_owned()));
+        }
+        let name = reference.strip_suffix(":default").unwrap_or(reference);
+        let found = match self.store.template(name).await? {
+            Some(t) => Some(t),
+            None => self.store.template_by_alias(name).await?,
+        };
+        let template = found.ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
+        if !template.visible_to(&team.id) {
+            return Err(TemplateError::Forbidden(reference.to_owned()));
+        }
+        Ok(template)
+    }
+
+    /// Waits until `template` has finished building, up to `patience`, and returns it fresh.
+    pub async fn wait_ready(
+        &self,
+        template: Template,
+        patience: Duration,
+    ) -> Result<Template, TemplateError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut current = template;
+        loop {
+            match current.build_status {
+                BuildStatus::Ready => return Ok(current),
+                BuildStatus::Error => {
+                    return Err(TemplateError::BuildFailed {
+                        id: current.id.clone(),
+                        reason: current.build_error.clone().unwrap_or_default(),
+                    });
+                }
+                BuildStatus::Building | BuildStatus::Waiting => {}
+            }
+            let notified = self.build_finished.notified();
+            // A bounded sleep as well as the notification: another process may finish a build.
+            if tokio::time::timeout_at(deadline, async {
+                tokio::select! {
+                    _ = notified => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            })
+            .await
+            .is_err()
+            {
+                return Err(TemplateError::StillBuilding(current.id));
+            }
+            current = self
+                .store
+                .template(&current.id)
+                .await?
+                .ok_or_else(|| TemplateError::NotFound(current.id.clone()))?;
+        }
+    }
+
+    pub async fn list(&self, team: &Team) -> Result<Vec<Template>, TemplateError> {
+        Ok(self
+            .store
+            .templates()
+            .await?
+            .into_iter()
+            .filter(|t| t.visible_to(&team.id))
+            .collect())
+    }
+
+    /// Registers a template (or refreshes an existing one) before its build starts.
+    pub async fn register(&self, template: &Template) -> Result<(), TemplateError> {
+        self.store.upsert_template(template).await?;
+        Ok(())
+    }
+
+    pub async fn finish_build(
+        &self,
+        id: &str,
+        outcome: Result<String, String>,
+    ) -> Result<(), TemplateError> {
+        match outcome {
+            Ok(rootfs) => {
+                self.store
+                    .set_template_build(id, BuildStatus::Ready, None, Some(&rootfs))
+                    .await?
+            }
+            Err(reason) => {
+                self.store
+                    .set_template_build(id, BuildStatus::Error, Some(&reason), None)
+                    .await?
+            }
+        }
+        self.build_finished.notify_waiters();
+        Ok(())
+    }
+
+    pub async fn template(&self, id: &str) -> Result<Option<Template>, TemplateError> {
+        Ok(self.store.template(id).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::valid_reference;
+
+    #[test]
+    fn references_are_checked() {
+        assert!(valid_reference("base"));
+        assert!(valid_reference("team/name:tag"));
+        assert!(!valid_reference(""));
+        assert!(!valid_reference("a b"));
+        assert!(!valid_reference("x\"y"));
+    }
+}

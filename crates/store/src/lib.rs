@@ -1,0 +1,418 @@
+//! SQLite implementation of [`sandbar_core::Store`].
+//!
+//! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
+//! integers; maps are stored as JSON text.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::StoredSecret;
+use sandbar_core::{
+    BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team, Template,
+};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
+use sqlx::{Row, SqlitePool};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpenStoreError {
+    #[error("cannot open database {path}: {source}")]
+    Open { path: String, source: sqlx::Error },
+    #[error("cannot migrate database {path}: {source}")]
+    Migrate {
+        path: String,
+        source: sqlx::migrate::MigrateError,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+}
+
+fn err(e: impl std::fmt::Display) -> StoreError {
+    StoreError(e.to_string())
+}
+
+fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+fn time(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or_default()
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file and applies pending migrations.
+    pub async fn open(path: &Path) -> Result<Self, OpenStoreError> {
+        let shown = path.display().to_string();
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .foreign_keys(true)
+            .busy_timeout(std::time::Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .map_err(|source| OpenStoreError::Open {
+                path: shown.clone(),
+                source,
+            })?;
+        sqlx::migrate!("./migrations")
+            .run(&pool)
+            .await
+            .map_err(|source| OpenStoreError::Migrate {
+                path: shown,
+                source,
+            })?;
+        Ok(Self { pool })
+    }
+
+    async fn aliases(&self, template_id: &str) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
+            .bind(template_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter().map(|r| r.try_get("alias").map_err(err)).collect()
+    }
+
+    async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
+        let id: String = row.try_get("id").map_err(err)?;
+        let status: String = row.try_get("build_status").map_err(err)?;
+        Ok(Template {
+            aliases: self.aliases(&id).await?,
+            team_id: row.try_get("team_id").map_err(err)?,
+            public: row.try_get("public").map_err(err)?,
+            build_id: row.try_get("build_id").map_err(err)?,
+            build_status: BuildStatus::parse(&status)
+                .ok_or_else(|| err(format!("template {id} has unknown build status {status}")))?,
+            build_error: row.try_get("build_error").map_err(err)?,
+            cpu_count: row.try_get("cpu_count").map_err(err)?,
+            memory_mb: row.try_get("memory_mb").map_err(err)?,
+            disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
+            envd_version: row.try_get("envd_version").map_err(err)?,
+            rootfs: row.try_get("rootfs").map_err(err)?,
+            created_at: time(row.try_get("created_at").map_err(err)?),
+            updated_at: time(row.try_get("updated_at").map_err(err)?),
+            last_spawned_at: row
+                .try_get::<Option<i64>, _>("last_spawned_at")
+                .map_err(err)?
+                .map(time),
+            spawn_count: row.try_get::<i64, _>("spawn_count").map_err(err)? as u64,
+            build_count: row.try_get::<i64, _>("build_count").map_err(err)? as u64,
+            id,
+        })
+    }
+}
+
+fn team_from_row(row: &SqliteRow) -> Result<Team, StoreError> {
+    Ok(Team {
+        id: row.try_get("id").map_err(err)?,
+        name: row.try_get("name").map_err(err)?,
+        max_concurrent_sandboxes: row.try_get("max_concurrent_sandboxes").map_err(err)?,
+        max_sandbox_timeout_secs: row
+            .try_get::<i64, _>("max_sandbox_timeout_secs")
+            .map_err(err)? as u64,
+    })
+}
+
+fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
+    let id: String = row.try_get("id").map_err(err)?;
+    let state: String = row.try_get("state").map_err(err)?;
+    let metadata: String = row.try_get("metadata").map_err(err)?;
+    let env_vars: String = row.try_get("env_vars").map_err(err)?;
+    let handle: String = row.try_get("handle").map_err(err)?;
+    Ok(Sandbox {
+        team_id: row.try_get("team_id").map_err(err)?,
+        template_id: row.try_get("template_id").map_err(err)?,
+        alias: row.try_get("alias").map_err(err)?,
+        started_at: time(row.try_get("started_at").map_err(err)?),
+        end_at: time(row.try_get("end_at").map_err(err)?),
+        cpu_count: row.try_get("cpu_count").map_err(err)?,
+        memory_mb: row.try_get("memory_mb").map_err(err)?,
+        disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
+        metadata: serde_json::from_str(&metadata).map_err(err)?,
+        env_vars: serde_json::from_str(&env_vars).map_err(err)?,
+        allow_internet_access: row.try_get("allow_internet_access").map_err(err)?,
+        envd_access_token: row.try_get("envd_access_token").map_err(err)?,
+        envd_version: row.try_get("envd_version").map_err(err)?,
+        state: SandboxState::parse(&state)
+            .ok_or_else(|| err(format!("sandbox {id} has unknown state {state}")))?,
+        handle: RuntimeHandle(serde_json::Value::from_str(&handle).map_err(err)?),
+        id,
+    })
+}
+
+#[async_trait::async_trait]
+impl Store for SqliteStore {
+    async fn team_count(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(n as u64)
+    }
+
+    async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO teams (id, name, max_concurrent_sandboxes, max_sandbox_timeout_secs, created_at) VALUES (?, ?, ?, ?, ?)",
+        )
+        .bind(&team.id)
+        .bind(&team.name)
+        .bind(team.max_concurrent_sandboxes)
+        .bind(team.max_sandbox_timeout_secs as i64)
+        .bind(micros(Utc::now()))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&key.id)
+        .bind(&key.team_id)
+        .bind(&key.name)
+        .bind(&key.secret_hash)
+        .bind(&key.mask_prefix)
+        .bind(&key.mask_suffix)
+        .bind(micros(key.created_at))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_access_token(&self, token: &StoredSecret) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&token.id)
+        .bind(&token.team_id)
+        .bind(&token.name)
+        .bind(&token.secret_hash)
+        .bind(&token.mask_prefix)
+        .bind(&token.mask_suffix)
+        .bind(micros(token.created_at))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn team_by_api_key_hash(&self, hash: &str) -> Result<Option<Team>, StoreError> {
+        let row = sqlx::query(
+            "SELECT t.* FROM teams t JOIN api_keys k ON k.team_id = t.id WHERE k.key_hash = ?",
+        )
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        row.as_ref().map(team_from_row).transpose()
+    }
+
+    async fn team_by_access_token_hash(&self, hash: &str) -> Result<Option<Team>, StoreError> {
+        let row = sqlx::query(
+            "SELECT t.* FROM teams t JOIN access_tokens a ON a.team_id = t.id WHERE a.token_hash = ?",
+        )
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        row.as_ref().map(team_from_row).transpose()
+    }
+
+    async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        sqlx::query(
+            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, rootfs, created_at, updated_at, last_spawned_at, spawn_count, build_count)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+             ON CONFLICT(id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
+               build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
+               memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
+               rootfs = excluded.rootfs, updated_at = excluded.updated_at, build_count = excluded.build_count",
+        )
+        .bind(&t.id)
+        .bind(&t.team_id)
+        .bind(t.public)
+        .bind(&t.build_id)
+        .bind(t.build_status.as_str())
+        .bind(&t.build_error)
+        .bind(t.cpu_count)
+        .bind(t.memory_mb)
+        .bind(t.disk_size_mb)
+        .bind(&t.envd_version)
+        .bind(&t.rootfs)
+        .bind(micros(t.created_at))
+        .bind(micros(t.updated_at))
+        .bind(t.last_spawned_at.map(micros))
+        .bind(t.spawn_count as i64)
+        .bind(t.build_count as i64)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        for alias in &t.aliases {
+            sqlx::query(
+                "INSERT INTO template_aliases (alias, template_id) VALUES (?, ?)
+                 ON CONFLICT(alias) DO UPDATE SET template_id = excluded.template_id",
+            )
+            .bind(alias)
+            .bind(&t.id)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
+        let row = sqlx::query("SELECT * FROM templates WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        match row {
+            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>, StoreError> {
+        let row = sqlx::query(
+            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id WHERE a.alias = ?",
+        )
+        .bind(alias)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        match row {
+            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn templates(&self) -> Result<Vec<Template>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM templates ORDER BY created_at DESC, id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            out.push(self.template_from_row(row).await?);
+        }
+        Ok(out)
+    }
+
+    async fn set_template_build(
+        &self,
+        id: &str,
+        status: BuildStatus,
+        error: Option<&str>,
+        rootfs: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET build_status = ?, build_error = ?, rootfs = COALESCE(?, rootfs), updated_at = ? WHERE id = ?",
+        )
+        .bind(status.as_str())
+        .bind(error)
+        .bind(rootfs)
+        .bind(micros(Utc::now()))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET spawn_count = spawn_count + 1, last_spawned_at = ? WHERE id = ?",
+        )
+        .bind(micros(at))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&s.id)
+        .bind(&s.team_id)
+        .bind(&s.template_id)
+        .bind(&s.alias)
+        .bind(micros(s.started_at))
+        .bind(micros(s.end_at))
+        .bind(s.cpu_count)
+        .bind(s.memory_mb)
+        .bind(s.disk_size_mb)
+        .bind(serde_json::to_string(&s.metadata).map_err(err)?)
+        .bind(serde_json::to_string(&s.env_vars).map_err(err)?)
+        .bind(s.allow_internet_access)
+        .bind(&s.envd_access_token)
+        .bind(&s.envd_version)
+        .bind(s.state.as_str())
+        .bind(s.handle.0.to_string())
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
+        let row = sqlx::query("SELECT * FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(sandbox_from_row).transpose()
+    }
+
+    async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM sandboxes WHERE team_id = ? ORDER BY started_at DESC, id DESC",
+        )
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter().map(sandbox_from_row).collect()
+    }
+
+    async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM sandboxes ORDER BY started_at DESC, id DESC")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter().map(sandbox_from_row).collect()
+    }
+
+    async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET end_at = ? WHERE id = ?")
+            .bind(micros(end_at))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}

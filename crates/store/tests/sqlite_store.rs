@@ -1,0 +1,127 @@
+//! The SQLite store against a real database file.
+
+use std::collections::BTreeMap;
+
+use chrono::{TimeDelta, Utc};
+use sandbar_core::auth::{Auth, TeamLimits};
+use sandbar_core::{
+    BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, Template,
+};
+use sandbar_store::SqliteStore;
+use std::sync::Arc;
+
+const LIMITS: TeamLimits = TeamLimits {
+    max_concurrent_sandboxes: 10,
+    max_sandbox_timeout_secs: 3600,
+};
+
+async fn open() -> (tempfile::TempDir, Arc<SqliteStore>) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SqliteStore::open(&dir.path().join("db.sqlite"))
+        .await
+        .expect("open");
+    (dir, Arc::new(store))
+}
+
+#[tokio::test]
+async fn bootstrap_happens_once_and_keys_are_stored_hashed() {
+    let (dir, store) = open().await;
+    let auth = Auth::new(store.clone());
+    let key = format!("e2b_{}", "ab".repeat(20));
+    let creds = auth
+        .bootstrap(Some(&key), LIMITS)
+        .await
+        .expect("bootstrap")
+        .expect("first start creates credentials");
+    assert_eq!(creds.api_key, key);
+    assert!(creds.access_token.starts_with("sk_e2b_"));
+    assert!(auth.bootstrap(None, LIMITS).await.expect("second").is_none());
+
+    let team = auth.team_for_api_key(Some(&key)).await.expect("key works");
+    assert_eq!(team.id, creds.team_id);
+    assert!(auth.team_for_api_key(Some("e2b_wrong")).await.is_err());
+    assert!(auth.team_for_api_key(None).await.is_err());
+    auth.team_for_access_token(Some(&creds.access_token))
+        .await
+        .expect("token works");
+
+    drop(store);
+    let raw = std::fs::read(dir.path().join("db.sqlite")).expect("read db");
+    let raw = String::from_utf8_lossy(&raw);
+    assert!(!raw.contains(&key[4..]), "the api key must not be stored in clear");
+}
+
+#[tokio::test]
+async fn malformed_requested_key_is_refused() {
+    let (_dir, store) = open().await;
+    let auth = Auth::new(store.clone());
+    assert!(auth.bootstrap(Some("e2b_XYZ"), LIMITS).await.is_err());
+    assert_eq!(store.team_count().await.expect("count"), 0);
+}
+
+#[tokio::test]
+async fn templates_and_sandboxes_round_trip() {
+    let (_dir, store) = open().await;
+    let auth = Auth::new(store.clone());
+    let creds = auth.bootstrap(None, LIMITS).await.expect("boot").expect("creds");
+    let now = Utc::now();
+    let template = Template {
+        id: "tpl0000000000000000a".into(),
+        team_id: None,
+        aliases: vec!["base".into()],
+        public: true,
+        build_id: "b".into(),
+        build_status: BuildStatus::Building,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        envd_version: "0.5.7".into(),
+        rootfs: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 1,
+    };
+    store.upsert_template(&template).await.expect("upsert");
+    store
+        .set_template_build(&template.id, BuildStatus::Ready, None, Some("/x"))
+        .await
+        .expect("ready");
+    let by_alias = store
+        .template_by_alias("base")
+        .await
+        .expect("query")
+        .expect("found");
+    assert_eq!(by_alias.build_status, BuildStatus::Ready);
+    assert_eq!(by_alias.rootfs.as_deref(), Some("/x"));
+    assert_eq!(by_alias.aliases, vec!["base".to_owned()]);
+
+    let sandbox = Sandbox {
+        id: "iaaaaaaaaaaaaaaaaaaaa".into(),
+        team_id: creds.team_id.clone(),
+        template_id: template.id.clone(),
+        alias: Some("base".into()),
+        started_at: now,
+        end_at: now + TimeDelta::seconds(60),
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        metadata: BTreeMap::from([("k".into(), "v".into())]),
+        env_vars: BTreeMap::new(),
+        allow_internet_access: true,
+        envd_access_token: "t".into(),
+        envd_version: "0.5.7".into(),
+        state: SandboxState::Running,
+        handle: RuntimeHandle(serde_json::json!({"pid": 5})),
+    };
+    store.insert_sandbox(&sandbox).await.expect("insert");
+    let loaded = store.sandbox(&sandbox.id).await.expect("get").expect("found");
+    assert_eq!(loaded.metadata, sandbox.metadata);
+    assert_eq!(loaded.handle, sandbox.handle);
+    assert_eq!(loaded.end_at.timestamp_micros(), sandbox.end_at.timestamp_micros());
+    assert_eq!(store.team_sandboxes(&creds.team_id).await.expect("list").len(), 1);
+    store.delete_sandbox(&sandbox.id).await.expect("delete");
+    assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
+}
