@@ -1,0 +1,216 @@
+//! Per-sandbox cgroups with a driver for each cgroup version: hosts still mix v1 hierarchies
+//! (where resource controllers may live only in v1) with pure v2 ones.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const PARENT: &str = "sandbar";
+const ROOT: &str = "/sys/fs/cgroup";
+
+/// Resource limits of one sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub pids_max: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no usable cgroup hierarchy: {0}")]
+    Unsupported(String),
+    #[error("cannot write {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot create cgroup {path}: {source}")]
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cgroup {path} still has processes after killing them")]
+    Busy { path: PathBuf },
+}
+
+#[derive(Debug, Clone)]
+pub enum CgroupDriver {
+    /// One directory per controller hierarchy.
+    V1 { controllers: Vec<(&'static str, PathBuf)> },
+    /// One unified hierarchy.
+    V2 { root: PathBuf },
+}
+
+fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
+    std::fs::write(path, value).map_err(|source| CgroupError::Write {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+impl CgroupDriver {
+    /// Picks v2 when the unified hierarchy owns the controllers, v1 otherwise.
+    pub fn detect() -> Result<Self, CgroupError> {
+        let root = Path::new(ROOT);
+        if root.join("cgroup.controllers").exists() {
+            let available = std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+            for needed in ["memory", "cpu", "pids"] {
+                if !available.split_whitespace().any(|c| c == needed) {
+                    return Err(CgroupError::Unsupported(format!(
+                        "controller {needed} is not available in {ROOT}"
+                    )));
+                }
+            }
+            return Ok(CgroupDriver::V2 {
+                root: root.to_owned(),
+            });
+        }
+        let mut controllers = Vec::new();
+        for name in ["memory", "cpu", "pids", "freezer"] {
+            let dir = root.join(name);
+            if dir.join("cgroup.procs").exists() {
+                controllers.push((name, dir));
+            } else if name != "freezer" {
+                return Err(CgroupError::Unsupported(format!(
+                    "cgroup v1 controller {name} is not mounted at {}",
+                    dir.display()
+                )));
+            }
+        }
+        Ok(CgroupDriver::V1 { controllers })
+    }
+
+    pub fn version(&self) -> u8 {
+        match self {
+            CgroupDriver::V1 { .. } => 1,
+            CgroupDriver::V2 { .. } => 2,
+        }
+    }
+
+    fn dirs(&self, sandbox_id: &str) -> Vec<(&'static str, PathBuf)> {
+        match self {
+            CgroupDriver::V1 { controllers } => controllers
+                .iter()
+                .map(|(name, dir)| (*name, dir.join(PARENT).join(sandbox_id)))
+                .collect(),
+            CgroupDriver::V2 { root } => vec![("unified", root.join(PARENT).join(sandbox_id))],
+        }
+    }
+
+    /// The `cgroup.procs` files a process writes itself into to join the sandbox's cgroups.
+    pub fn procs_files(&self, sandbox_id: &str) -> Vec<PathBuf> {
+        self.dirs(sandbox_id)
+            .into_iter()
+            .map(|(_, dir)| dir.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// The directory whose `cgroup.procs` lists every process of the sandbox.
+    fn census_dir(&self, sandbox_id: &str) -> PathBuf {
+        let dirs = self.dirs(sandbox_id);
+        dirs.iter()
+            .find(|(name, _)| *name == "pids" || *name == "unified")
+            .or(dirs.first())
+            .map(|(_, d)| d.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn create(&self, sandbox_id: &str, limits: Limits) -> Result<(), CgroupError> {
+        if let CgroupDriver::V2 { root } = self {
+            // Controllers must be enabled on every ancestor for the leaf to get the files.
+            write(&root.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+            let parent = root.join(PARENT);
+            std::fs::create_dir_all(&parent).map_err(|source| CgroupError::Create {
+                path: parent.clone(),
+                source,
+            })?;
+            write(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        }
+        let memory = u64::from(limits.memory_mb) * 1024 * 1024;
+        let period: u64 = 100_000;
+        let quota = period * u64::from(limits.cpu_count.max(1));
+        for (name, dir) in self.dirs(sandbox_id) {
+            std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
+                path: dir.clone(),
+                source,
+            })?;
+            match name {
+                "memory" => {
+                    write(&dir.join("memory.limit_in_bytes"), &memory.to_string())?;
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    if memsw.exists() {
+                        write(&memsw, &memory.to_string())?;
+                    }
+                }
+                "cpu" => {
+                    write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
+                    write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                }
+                "pids" => write(&dir.join("pids.max"), &limits.pids_max.to_string())?,
+                "unified" => {
+                    write(&dir.join("memory.max"), &memory.to_string())?;
+                    let swap = dir.join("memory.swap.max");
+                    if swap.exists() {
+                        write(&swap, "0")?;
+                    }
+                    write(&dir.join("cpu.max"), &format!("{quota} {period}"))?;
+                    write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Process IDs (host view) still in the sandbox's cgroups.
+    pub fn members(&self, sandbox_id: &str) -> Vec<i32> {
+        std::fs::read_to_string(self.census_dir(sandbox_id).join("cgroup.procs"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect()
+    }
+
+    /// Kills every process in the sandbox's cgroups and waits until none is left.
+    pub async fn kill_all(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        let census = self.census_dir(sandbox_id);
+        if !census.exists() {
+            return Ok(());
+        }
+        if let CgroupDriver::V2 { .. } = self {
+            let _ = std::fs::write(census.join("cgroup.kill"), "1");
+        }
+        for _ in 0..250 {
+            let members = self.members(sandbox_id);
+            if members.is_empty() {
+                return Ok(());
+            }
+            for pid in members {
+                // SAFETY: kill with a PID read from the sandbox's own cgroup.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(CgroupError::Busy { path: census })
+    }
+
+    /// Removes the sandbox's (empty) cgroups.
+    pub async fn remove(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        for (_, dir) in self.dirs(sandbox_id) {
+            let mut attempts = 0;
+            loop {
+                match std::fs::remove_dir(&dir) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    // Just-killed tasks may linger for a moment before the cgroup is free.
+                    Err(_) if attempts < 100 => {
+                        attempts += 1;
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(_) => return Err(CgroupError::Busy { path: dir }),
+                }
+            }
+        }
+        Ok(())
+    }
+}

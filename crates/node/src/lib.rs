@@ -1,0 +1,10 @@
+//! The sandbox host: builds template root filesystems, and starts, adopts and stops sandboxes
+//! with Linux namespaces, cgroups, an overlay root and a private routed network.
+
+mod agent_client;
+pub mod cgroups;
+pub mod network;
+mod runtime;
+pub mod templates;
+
+pub use runtime::{LinuxRuntime, NodeConfig, NodeError};

@@ -1,0 +1,395 @@
+//! [`LinuxRuntime`]: the core's [`Runtime`] on a Linux host.
+//!
+//! A sandbox is the agent binary started with `boot`: it joins the sandbox's cgroups, unshares
+//! its namespaces and forks the sandbox's PID 1, then the node wires the network namespace to
+//! the host. The sandbox is not a child of the server, so it outlives a server restart; its
+//! [`Handle`] in the store is how a restarted server finds it again.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+use sandbar_jail::{AgentConfig, JailSpec, LISTENER_FD};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::agent_client;
+use crate::cgroups::{CgroupDriver, CgroupError, Limits};
+use crate::network::{Network, NetworkError};
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    /// The statically linked agent binary started in every sandbox.
+    pub agent_bin: PathBuf,
+    pub network_base: Ipv4Addr,
+    pub network_prefix_len: u8,
+    pub pids_max: u32,
+    /// Written to each sandbox's `/etc/resolv.conf`.
+    pub nameservers: Vec<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+    #[error("agent binary {path} is missing: {source}")]
+    AgentMissing {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot prepare {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What the store keeps about a running sandbox for this runtime.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+struct Handle {
+    /// Host PID of the sandbox's PID 1 (the agent).
+    pid: i32,
+    /// Its start time in clock ticks since boot, to tell it from a later process with a
+    /// recycled PID.
+    start_ticks: u64,
+    slot: u32,
+}
+
+#[derive(Debug)]
+pub struct LinuxRuntime {
+    config: NodeConfig,
+    cgroups: CgroupDriver,
+    network: Network,
+    slots: Mutex<BTreeSet<u32>>,
+}
+
+fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Sandbox {
+        sandbox_id: id.to_owned(),
+        message: message.to_string(),
+    }
+}
+
+/// Field 22 of `/proc/PID/stat`: when the process started.
+fn start_ticks(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may contain spaces and parentheses; fields resume after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+fn is_alive(handle: &Handle) -> bool {
+    start_ticks(handle.pid) == Some(handle.start_ticks)
+}
+
+impl LinuxRuntime {
+    /// Checks the host and prepares the node's directories and firewall.
+    pub async fn new(config: NodeConfig) -> Result<Self, NodeError> {
+        std::fs::metadata(&config.agent_bin).map_err(|source| NodeError::AgentMissing {
+            path: config.agent_bin.clone(),
+            source,
+        })?;
+        let cgroups = CgroupDriver::detect()?;
+        let network = Network::new(config.network_base, config.network_prefix_len);
+        network.init().await?;
+        for dir in [config.data_dir.join("sandboxes"), config.data_dir.join("run")] {
+            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            // Agent sockets and sandbox layers are the host's business only.
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+        }
+        tracing::info!(cgroup_version = cgroups.version(), "node ready");
+        Ok(Self {
+            config,
+            cgroups,
+            network,
+            slots: Mutex::new(BTreeSet::new()),
+        })
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("sandboxes").join(id)
+    }
+
+    fn socket_path(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("run").join(format!("{id}.sock"))
+    }
+
+    fn take_slot(&self) -> Option<u32> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let free = (0..self.network.capacity()).find(|s| !slots.contains(s))?;
+        slots.insert(free);
+        Some(free)
+    }
+
+    fn free_slot(&self, slot: u32) {
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&slot);
+    }
+
+    fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
+        let addrs = self
+            .network
+            .addrs(slot)
+            .map_err(|e| sandbox_err(id, e))?;
+        Ok(Endpoint {
+            agent_socket: self.socket_path(id),
+            address: IpAddr::V4(addrs.sandbox),
+        })
+    }
+
+    /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
+    async fn spawn_jailed(&self, spec: &LaunchSpec, dir: &Path) -> Result<i32, RuntimeError> {
+        let id = &spec.sandbox_id;
+        let rootfs = spec
+            .template
+            .rootfs
+            .as_deref()
+            .map(PathBuf::from)
+            .ok_or_else(|| RuntimeError::TemplateMissing {
+                template_id: spec.template.id.clone(),
+            })?;
+        let jail = JailSpec {
+            lower_dir: rootfs,
+            upper_dir: dir.join("upper"),
+            work_dir: dir.join("work"),
+            root_dir: dir.join("root"),
+            hostname: "e2b.local".into(),
+            cgroup_procs: self.cgroups.procs_files(id),
+            nameservers: self.config.nameservers.clone(),
+            agent: AgentConfig {
+                access_token: Some(spec.envd_access_token.clone()),
+                default_user: spec.default_user.clone(),
+                env_vars: spec.env_vars.clone(),
+            },
+        };
+        for sub in [&jail.upper_dir, &jail.work_dir, &jail.root_dir] {
+            std::fs::create_dir_all(sub).map_err(|e| sandbox_err(id, format!("create {}: {e}", sub.display())))?;
+        }
+
+        let socket = self.socket_path(id);
+        let _ = std::fs::remove_file(&socket);
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
+        let log = std::fs::File::create(dir.join("agent.log"))
+            .map_err(|e| sandbox_err(id, format!("create agent log: {e}")))?;
+
+        let listener_fd = listener.as_raw_fd();
+        let mut command = tokio::process::Command::new(&self.config.agent_bin);
+        command
+            .arg("boot")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .env_clear()
+            .env("RUST_LOG", "info");
+        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
+        // functions (setsid, dup2) on descriptors that exist in the child.
+        unsafe {
+            command.pre_exec(move || {
+                // A new session keeps terminal signals aimed at the server off the sandbox.
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::dup2(listener_fd, LISTENER_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command
+            .spawn()
+            .map_err(|e| sandbox_err(id, format!("start agent {}: {e}", self.config.agent_bin.display())))?;
+        // The agent holds its own copy now; ours would keep the socket accepting after the
+        // sandbox died and hang clients instead of refusing them.
+        drop(listener);
+
+        let payload = serde_json::to_vec(&jail).map_err(|e| sandbox_err(id, e))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(&payload)
+                .await
+                .map_err(|e| sandbox_err(id, format!("send jail spec: {e}")))?;
+        }
+        let mut line = String::new();
+        if let Some(stdout) = child.stdout.take() {
+            BufReader::new(stdout)
+                .read_line(&mut line)
+                .await
+                .map_err(|e| sandbox_err(id, format!("read sandbox pid: {e}")))?;
+        }
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
+        let pid: i32 = line.trim().parse().map_err(|_| {
+            let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+            sandbox_err(id, format!("boot exited with {status} before starting the sandbox: {}", log.trim()))
+        })?;
+        Ok(pid)
+    }
+
+    async fn teardown(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
+        if let Some(h) = handle
+            && is_alive(h)
+        {
+            // SAFETY: the PID was checked against its start time just above; killing a PID
+            // namespace's init kills every process in it.
+            unsafe { libc::kill(h.pid, libc::SIGKILL) };
+        }
+        self.cgroups
+            .kill_all(id)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
+        if let Some(h) = handle {
+            for _ in 0..250 {
+                if !is_alive(h) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            self.network.release(h.slot).await;
+            self.free_slot(h.slot);
+        }
+        self.cgroups.remove(id).await.map_err(|e| sandbox_err(id, e))?;
+        let _ = std::fs::remove_file(self.socket_path(id));
+        let dir = self.sandbox_dir(id);
+        if dir.exists() {
+            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir))
+                .await
+                .map_err(|e| sandbox_err(id, e))?
+                .map_err(|e| sandbox_err(id, format!("remove sandbox files: {e}")))?;
+        }
+        Ok(())
+    }
+
+    async fn launch_in(&self, spec: &LaunchSpec, slot: u32) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let dir = self.sandbox_dir(id);
+        self.cgroups
+            .create(
+                id,
+                Limits {
+                    cpu_count: spec.cpu_count,
+                    memory_mb: spec.memory_mb,
+                    pids_max: self.config.pids_max,
+                },
+            )
+            .map_err(|e| (None, sandbox_err(id, e)))?;
+        let pid = self.spawn_jailed(spec, &dir).await.map_err(|e| (None, e))?;
+        let handle = Handle {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or_default(),
+            slot,
+        };
+        let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        self.network
+            .attach(slot, pid)
+            .await
+            .map_err(|e| fail(sandbox_err(id, e)))?;
+        if spec.allow_internet_access {
+            self.network
+                .allow_egress(slot)
+                .await
+                .map_err(|e| fail(sandbox_err(id, e)))?;
+        }
+        let endpoint = self.endpoint(id, slot).map_err(fail)?;
+        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
+            .await
+            .map_err(|e| {
+                let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+                fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
+            })?;
+        Ok((handle, endpoint))
+    }
+}
+
+fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError> {
+    serde_json::from_value(handle.0.clone()).map_err(|e| RuntimeError::BadHandle {
+        sandbox_id: id.to_owned(),
+        message: e.to_string(),
+    })
+}
+
+#[async_trait::async_trait]
+impl Runtime for LinuxRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        let id = spec.sandbox_id.clone();
+        let slot = self
+            .take_slot()
+            .ok_or_else(|| sandbox_err(&id, "no free network slot on this node"))?;
+        match self.launch_in(&spec, slot).await {
+            Ok((handle, endpoint)) => {
+                let value = serde_json::to_value(&handle).map_err(|e| sandbox_err(&id, e))?;
+                Ok((RuntimeHandle(value), endpoint))
+            }
+            Err((handle, err)) => {
+                let handle = handle.unwrap_or(Handle {
+                    pid: 0,
+                    start_ticks: 0,
+                    slot,
+                });
+                if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
+                    tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
+                }
+                self.free_slot(slot);
+                Err(err)
+            }
+        }
+    }
+
+    async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle).ok();
+        self.teardown(sandbox_id, handle.as_ref()).await
+    }
+
+    async fn adopt(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        allow_internet_access: bool,
+    ) -> Result<Option<Endpoint>, RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&handle) {
+            return Ok(None);
+        }
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(handle.slot);
+        if allow_internet_access {
+            self.network
+                .allow_egress(handle.slot)
+                .await
+                .map_err(|e| sandbox_err(sandbox_id, e))?;
+        }
+        Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_start_time_is_readable_and_stable() {
+        let pid = std::process::id() as i32;
+        let first = start_ticks(pid).expect("own stat");
+        assert_eq!(start_ticks(pid), Some(first));
+        assert!(is_alive(&Handle { pid, start_ticks: first, slot: 0 }));
+        assert!(!is_alive(&Handle { pid, start_ticks: first + 1, slot: 0 }));
+    }
+}
