@@ -19,6 +19,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// The envd protocol version the agent implements; the SDKs enable features by it.
+pub const ENVD_VERSION: &str = "0.5.7";
+
 /// Descriptor on which the node hands the agent its already-listening Unix socket.
 pub const LISTENER_FD: i32 = 3;
 

@@ -1,1 +1,282 @@
-fn main() {}
+//! `sandbar serve`: the REST API, the edge and a node in one process.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use axum::serve::ListenerExt;
+use chrono::Utc;
+use clap::{Parser, Subcommand};
+use sandbar_api::{AppState, EdgeConfig};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::{
+    Auth, BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandboxes, SandboxesConfig, Template, Templates,
+};
+use sandbar_node::{LinuxRuntime, NodeConfig};
+use sandbar_store::SqliteStore;
+
+#[derive(Parser, Debug)]
+#[command(name = "sandbar", version, about = "Self-hosted sandboxes behind E2B's API")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the API, the edge and a sandbox node on this host.
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Address for API and agent traffic alike.
+    #[arg(long, env = "SANDBAR_LISTEN", default_value = "127.0.0.1:3000")]
+    listen: SocketAddr,
+    /// Database, credentials, templates and sandbox layers live here.
+    #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
+    data_dir: PathBuf,
+    /// Domain for Host-based routing: `{port}-{sandboxID}.{domain}`.
+    #[arg(long, env = "SANDBAR_DOMAIN", default_value = "sandbar.localhost")]
+    domain: String,
+    /// The in-sandbox agent; defaults to `sandbar-agent` next to this executable.
+    #[arg(long, env = "SANDBAR_AGENT_BIN")]
+    agent_bin: Option<PathBuf>,
+    /// Private IPv4 range sandboxes are numbered from, one /30 each.
+    #[arg(long, env = "SANDBAR_NETWORK", default_value = "10.213.0.0/16")]
+    network: String,
+    /// Name servers written into sandboxes' /etc/resolv.conf.
+    #[arg(long = "nameserver", env = "SANDBAR_NAMESERVERS", value_delimiter = ',')]
+    nameservers: Vec<String>,
+    /// Debian mirror the default template is built from.
+    #[arg(long, env = "SANDBAR_DEBIAN_MIRROR", default_value = "http://deb.debian.org/debian")]
+    debian_mirror: String,
+    /// Concurrent sandboxes allowed to the default team created on first start.
+    #[arg(long, env = "SANDBAR_MAX_SANDBOXES", default_value_t = 100)]
+    max_sandboxes: u32,
+    /// Longest sandbox lifetime, in seconds, for the default team created on first start.
+    #[arg(long, env = "SANDBAR_MAX_TIMEOUT", default_value_t = 86_400)]
+    max_timeout: u64,
+    /// Cap on processes and threads in each sandbox.
+    #[arg(long, env = "SANDBAR_PIDS_MAX", default_value_t = 1024)]
+    pids_max: u32,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    match Cli::parse().command {
+        Command::Serve(args) => serve(args).await,
+    }
+}
+
+fn parse_network(cidr: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
+    let (addr, len) = cidr
+        .split_once('/')
+        .with_context(|| format!("network '{cidr}' must look like 10.213.0.0/16"))?;
+    let addr: Ipv4Addr = addr.parse().with_context(|| format!("bad address in '{cidr}'"))?;
+    let len: u8 = len.parse().with_context(|| format!("bad prefix length in '{cidr}'"))?;
+    if !(8..=28).contains(&len) || !addr.is_private() {
+        bail!("network '{cidr}' must be a private range between /8 and /28");
+    }
+    Ok((addr, len))
+}
+
+/// Name servers of the host that a sandbox can reach (not loopback ones).
+fn host_nameservers() -> Vec<String> {
+    std::fs::read_to_string("/etc/resolv.conf")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.strip_prefix("nameserver"))
+        .map(|s| s.trim().to_owned())
+        .filter(|s| s.parse::<std::net::IpAddr>().is_ok_and(|ip| !ip.is_loopback()))
+        .collect()
+}
+
+fn write_credentials(path: &Path, credentials: &sandbar_core::Credentials) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot create {}", path.display()))?;
+    file.write_all(serde_json::to_string_pretty(credentials)?.as_bytes())?;
+    Ok(())
+}
+
+/// Registers the default template and builds it in the background unless it is cached.
+async fn ensure_base_template(
+    templates: &Templates,
+    store: &SqliteStore,
+    templates_dir: PathBuf,
+    mirror: String,
+    envd_version: &str,
+) -> anyhow::Result<()> {
+    use sandbar_core::Store;
+    let now = Utc::now();
+    let existing = store.template_by_alias(DEFAULT_TEMPLATE_ALIAS).await?;
+    let built = sandbar_node::templates::base_is_built(&templates_dir);
+    let rootfs = sandbar_node::templates::base_rootfs(&templates_dir)
+        .display()
+        .to_string();
+    let mut template = existing.unwrap_or_else(|| Template {
+        id: sandbar_core::ids::new_template_id(),
+        team_id: None,
+        aliases: vec![DEFAULT_TEMPLATE_ALIAS.into()],
+        public: true,
+        build_id: sandbar_core::ids::new_uuid(),
+        build_status: BuildStatus::Building,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 2048,
+        envd_version: envd_version.into(),
+        rootfs: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 0,
+    });
+    template.envd_version = envd_version.into();
+    template.updated_at = now;
+    if built {
+        template.build_status = BuildStatus::Ready;
+        template.build_error = None;
+        template.rootfs = Some(rootfs);
+        templates.register(&template).await?;
+        tracing::info!(template_id = %template.id, "default template 'base' is cached");
+        return Ok(());
+    }
+    template.build_status = BuildStatus::Building;
+    template.build_error = None;
+    template.build_count += 1;
+    template.build_id = sandbar_core::ids::new_uuid();
+    templates.register(&template).await?;
+    let templates = templates.clone();
+    tokio::spawn(async move {
+        let outcome = sandbar_node::templates::build_base(&templates_dir, &mirror)
+            .await
+            .map(|p| p.display().to_string())
+            .map_err(|e| e.to_string());
+        if let Err(reason) = &outcome {
+            tracing::error!(error = %reason, "default template 'base' failed to build");
+        }
+        if let Err(e) = templates.finish_build(&template.id, outcome).await {
+            tracing::error!(error = %e, "cannot record the default template's build");
+        }
+    });
+    Ok(())
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
+    let data_dir = args
+        .data_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+    let (network_base, network_prefix_len) = parse_network(&args.network)?;
+    let agent_bin = match args.agent_bin {
+        Some(path) => path,
+        None => std::env::current_exe()?
+            .parent()
+            .context("executable has no directory")?
+            .join("sandbar-agent"),
+    };
+
+    let store = Arc::new(SqliteStore::open(&data_dir.join("sandbar.db")).await?);
+    let auth = Auth::new(store.clone());
+    let requested_key = std::env::var("SANDBAR_API_KEY").ok().filter(|k| !k.is_empty());
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: args.max_sandboxes,
+        max_sandbox_timeout_secs: args.max_timeout,
+    };
+    let credentials_path = data_dir.join("credentials.json");
+    if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
+        write_credentials(&credentials_path, &credentials)?;
+        tracing::info!(path = %credentials_path.display(), team_id = %credentials.team_id, "first start: credentials written");
+    }
+
+    let nameservers = if args.nameservers.is_empty() {
+        host_nameservers()
+    } else {
+        args.nameservers
+    };
+    let runtime = Arc::new(
+        LinuxRuntime::new(NodeConfig {
+            data_dir: data_dir.clone(),
+            agent_bin,
+            network_base,
+            network_prefix_len,
+            pids_max: args.pids_max,
+            nameservers,
+        })
+        .await?,
+    );
+
+    let templates = Templates::new(store.clone());
+    ensure_base_template(
+        &templates,
+        &store,
+        data_dir.join("templates"),
+        args.debian_mirror,
+        sandbar_jail::ENVD_VERSION,
+    )
+    .await?;
+
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime,
+        templates.clone(),
+        SandboxesConfig::default(),
+    ));
+    let adopted = sandboxes.recover().await?;
+    if adopted > 0 {
+        tracing::info!(count = adopted, "adopted running sandboxes");
+    }
+    tokio::spawn(sandboxes.clone().run_reaper());
+
+    let app = sandbar_api::router(AppState {
+        auth,
+        sandboxes,
+        templates,
+        edge: Arc::new(EdgeConfig {
+            domain: args.domain,
+        }),
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?
+        .tap_io(|tcp| {
+            // Small request/response exchanges stall ~40 ms on Nagle + delayed ACK otherwise.
+            let _ = tcp.set_nodelay(true);
+        });
+    tracing::info!(address = %args.listen, "sandbar is serving");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
+    tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
+    else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

@@ -1,0 +1,214 @@
+//! The edge: requests that name a sandbox (by the `E2b-Sandbox-Id` / `E2b-Sandbox-Port`
+//! headers, or by a Host of the form `{port}-{sandboxID}.{domain}`) are forwarded to that
+//! sandbox's agent (port 49983) or to the port inside the sandbox; everything else falls
+//! through to the REST API.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, HeaderName, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The port the SDKs address the agent on.
+pub const AGENT_PORT: u16 = 49983;
+
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// Domain of Host-based routing: `{port}-{sandboxID}.{domain}`.
+    pub domain: String,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+struct Target {
+    sandbox_id: String,
+    port: u16,
+}
+
+fn target_from_headers(headers: &HeaderMap) -> Option<Result<Target, ApiError>> {
+    let id = headers.get("e2b-sandbox-id")?.to_str().ok()?.trim().to_owned();
+    let port = match headers.get("e2b-sandbox-port") {
+        None => Ok(AGENT_PORT),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|p| p.trim().parse::<u16>().ok())
+            .filter(|p| *p != 0)
+            .ok_or_else(|| ApiError::bad_request("E2b-Sandbox-Port must be a port number")),
+    };
+    Some(port.map(|port| Target {
+        sandbox_id: id,
+        port,
+    }))
+}
+
+fn target_from_host(host: &str, domain: &str) -> Option<Target> {
+    let name = host.rsplit_once(':').map_or(host, |(name, port)| {
+        if port.bytes().all(|c| c.is_ascii_digit()) { name } else { host }
+    });
+    let label = name.strip_suffix(domain)?.strip_suffix('.')?;
+    if label.contains('.') {
+        return None;
+    }
+    let (port, id) = label.split_once('-')?;
+    Some(Target {
+        sandbox_id: id.to_owned(),
+        port: port.parse().ok()?,
+    })
+}
+
+fn not_found(sandbox_id: &str) -> Response {
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!("The sandbox was not found: sandbox '{sandbox_id}' is not running"),
+    )
+    .into_response()
+}
+
+/// Middleware in front of the API router.
+pub(crate) async fn route_to_sandbox(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let target = match target_from_headers(request.headers()) {
+        Some(Ok(t)) => Some(t),
+        Some(Err(e)) => return e.into_response(),
+        None => request
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| target_from_host(h, &state.edge.domain)),
+    };
+    let Some(target) = target else {
+        return next.run(request).await;
+    };
+    let Some(endpoint) = state.sandboxes.route(&target.sandbox_id) else {
+        return not_found(&target.sandbox_id);
+    };
+    let result = if target.port == AGENT_PORT {
+        match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
+            Ok(stream) => forward(stream, request).await,
+            Err(e) => Err(unreachable(&target, &endpoint.agent_socket, e)),
+        }
+    } else {
+        let addr = SocketAddr::new(endpoint.address, target.port);
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(stream) => {
+                let _ = stream.set_nodelay(true);
+                forward(stream, request).await
+            }
+            Err(e) => Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "sandbox '{}' has nothing listening on port {}: {e}",
+                    target.sandbox_id, target.port
+                ),
+            )),
+        }
+    };
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+fn unreachable(target: &Target, socket: &Path, e: std::io::Error) -> ApiError {
+    tracing::warn!(sandbox_id = %target.sandbox_id, socket = %socket.display(), error = %e, "agent unreachable");
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!(
+            "The sandbox was not found: the agent of sandbox '{}' does not answer",
+            target.sandbox_id
+        ),
+    )
+}
+
+/// Headers that describe one hop's connection, not the message.
+fn strip_hop_headers(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+        header::TRAILER,
+        header::PROXY_AUTHORIZATION,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+    ] {
+        headers.remove(name);
+    }
+}
+
+async fn forward<S>(stream: S, request: Request) -> Result<Response, ApiError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, format!("cannot reach sandbox: {e}")))?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "sandbox connection ended with an error");
+        }
+    });
+    let (mut parts, body) = request.into_parts();
+    strip_hop_headers(&mut parts.headers);
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_owned();
+    parts.uri = path
+        .parse()
+        .map_err(|_| ApiError::bad_request("invalid request path"))?;
+    let upstream = hyper::Request::from_parts(parts, body);
+    let response = sender
+        .send_request(upstream)
+        .await
+        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, format!("sandbox request failed: {e}")))?;
+    let (mut parts, body) = response.into_parts();
+    strip_hop_headers(&mut parts.headers);
+    Ok(Response::from_parts(parts, Body::new(body)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_routing_reads_port_and_id() {
+        assert_eq!(
+            target_from_host("49983-iabc.sandbar.localhost:3000", "sandbar.localhost"),
+            Some(Target {
+                sandbox_id: "iabc".into(),
+                port: 49983
+            })
+        );
+        assert_eq!(
+            target_from_host("8080-iabc.sandbar.localhost", "sandbar.localhost"),
+            Some(Target {
+                sandbox_id: "iabc".into(),
+                port: 8080
+            })
+        );
+        assert_eq!(target_from_host("127.0.0.1:3000", "sandbar.localhost"), None);
+        assert_eq!(target_from_host("sandbar.localhost", "sandbar.localhost"), None);
+        assert_eq!(target_from_host("x.8080-iabc.sandbar.localhost", "sandbar.localhost"), None);
+        assert_eq!(target_from_host("evilsandbar.localhost", "sandbar.localhost"), None);
+    }
+
+    #[test]
+    fn header_routing_defaults_to_the_agent_port() {
+        let mut headers = HeaderMap::new();
+        headers.insert("e2b-sandbox-id", "iabc".parse().expect("header"));
+        let target = target_from_headers(&headers).expect("present").expect("valid");
+        assert_eq!(target.port, AGENT_PORT);
+        headers.insert("e2b-sandbox-port", "nope".parse().expect("header"));
+        assert!(target_from_headers(&headers).expect("present").is_err());
+    }
+}

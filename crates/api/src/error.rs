@@ -1,0 +1,122 @@
+//! The API's error body `{"code": int, "message": str}` and the mapping from domain errors.
+
+use axum::Json;
+use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use sandbar_core::{
+    AuthError, CreateSandboxError, ListSandboxesError, SandboxError, TemplateError,
+};
+use serde_json::json;
+
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    fn internal(err: &dyn std::fmt::Display) -> Self {
+        tracing::error!(error = %err, "request failed");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (
+            self.status,
+            Json(json!({"code": self.status.as_u16(), "message": self.message})),
+        )
+            .into_response();
+        if self.status.is_server_error() {
+            // Retrying a failed sandbox operation blindly would not help; the SDKs honour this.
+            response
+                .headers_mut()
+                .insert("Should-Retry", axum::http::HeaderValue::from_static("false"));
+        }
+        response
+    }
+}
+
+impl From<AuthError> for ApiError {
+    fn from(e: AuthError) -> Self {
+        match e {
+            AuthError::Store(ref s) => Self::internal(s),
+            AuthError::MalformedRequestedKey => Self::bad_request(e.to_string()),
+            _ => Self::new(StatusCode::UNAUTHORIZED, e.to_string()),
+        }
+    }
+}
+
+impl From<TemplateError> for ApiError {
+    fn from(e: TemplateError) -> Self {
+        let status = match &e {
+            TemplateError::BadReference(_) => StatusCode::BAD_REQUEST,
+            TemplateError::NotFound(_) => StatusCode::NOT_FOUND,
+            TemplateError::Forbidden(_) => StatusCode::FORBIDDEN,
+            TemplateError::BuildFailed { .. } => StatusCode::BAD_REQUEST,
+            TemplateError::StillBuilding(_) => StatusCode::CONFLICT,
+            TemplateError::Store(s) => return Self::internal(s),
+        };
+        Self::new(status, e.to_string())
+    }
+}
+
+impl From<CreateSandboxError> for ApiError {
+    fn from(e: CreateSandboxError) -> Self {
+        match e {
+            CreateSandboxError::Template(t) => t.into(),
+            CreateSandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
+            CreateSandboxError::ConcurrencyLimit { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            CreateSandboxError::Runtime(ref r) => Self::internal(r),
+            CreateSandboxError::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<SandboxError> for ApiError {
+    fn from(e: SandboxError) -> Self {
+        match e {
+            SandboxError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
+            SandboxError::Runtime(ref r) => Self::internal(r),
+            SandboxError::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<ListSandboxesError> for ApiError {
+    fn from(e: ListSandboxesError) -> Self {
+        match e {
+            ListSandboxesError::BadToken(_) => Self::bad_request(e.to_string()),
+            ListSandboxesError::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+pub(crate) async fn no_route(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("no such endpoint: {method} {}", uri.path()),
+    )
+}
+
+pub(crate) async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("method {method} is not allowed on {}", uri.path()),
+    )
+}

@@ -1,0 +1,94 @@
+//! Request extractors that fail with the API's JSON error body instead of axum's plain text.
+
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use sandbar_core::Team;
+use serde::de::DeserializeOwned;
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The team authenticated by the `X-API-Key` header.
+pub(crate) struct ApiKeyTeam(pub Team);
+
+impl FromRequestParts<AppState> for ApiKeyTeam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let key = parts
+            .headers
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
+        Ok(ApiKeyTeam(state.auth.team_for_api_key(key).await?))
+    }
+}
+
+/// A JSON request body; an absent body reads as `{}` so optional bodies may be omitted.
+pub(crate) struct JsonBody<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(|e| ApiError::bad_request(format!("cannot read request body: {e}")))?;
+        let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+            b"{}"
+        } else {
+            &bytes
+        };
+        serde_json::from_slice(text)
+            .map(JsonBody)
+            .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+    }
+}
+
+/// Decoded query pairs, in order, repeated keys kept.
+pub(crate) struct QueryPairs(pub Vec<(String, String)>);
+
+impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        let raw = parts.uri.query().unwrap_or("");
+        Ok(QueryPairs(
+            url::form_urlencoded::parse(raw.as_bytes())
+                .into_owned()
+                .collect(),
+        ))
+    }
+}
+
+impl QueryPairs {
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// An optional integer parameter within `range`.
+    pub fn int_in(
+        &self,
+        key: &str,
+        range: std::ops::RangeInclusive<i64>,
+    ) -> Result<Option<i64>, ApiError> {
+        let Some(raw) = self.get(key) else {
+            return Ok(None);
+        };
+        let value: i64 = raw
+            .parse()
+            .map_err(|_| ApiError::bad_request(format!("query parameter {key} must be an integer, got '{raw}'")))?;
+        if !range.contains(&value) {
+            return Err(ApiError::bad_request(format!(
+                "query parameter {key} must be between {} and {}, got {value}",
+                range.start(),
+                range.end()
+            )));
+        }
+        Ok(Some(value))
+    }
+}

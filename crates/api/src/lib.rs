@@ -1,0 +1,63 @@
+//! Sandbar's HTTP surface on one listener: E2B's REST API, and the edge that forwards agent
+//! and user-port traffic to sandboxes.
+//!
+//! Handlers only parse and validate; every decision is a typed call into `sandbar-core`, and
+//! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
+
+mod dto;
+mod edge;
+mod error;
+mod extract;
+mod sandboxes;
+mod templates;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::routing::{get, post};
+use sandbar_core::{Auth, Sandboxes, Templates};
+
+pub use edge::EdgeConfig;
+
+/// Everything handlers need, cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    pub auth: Auth,
+    pub sandboxes: Arc<Sandboxes>,
+    pub templates: Templates,
+    pub edge: Arc<EdgeConfig>,
+}
+
+/// The complete application: edge routing in front of the REST API.
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/health", get(health))
+        .route(
+            "/sandboxes",
+            get(sandboxes::list_v1).post(sandboxes::create_v1),
+        )
+        .route(
+            "/v2/sandboxes",
+            get(sandboxes::list_v2).post(sandboxes::create_v2),
+        )
+        .route(
+            "/sandboxes/{sandbox_id}",
+            get(sandboxes::detail).delete(sandboxes::kill),
+        )
+        .route("/sandboxes/{sandbox_id}/timeout", post(sandboxes::set_timeout))
+        .route("/sandboxes/{sandbox_id}/refreshes", post(sandboxes::refresh))
+        .route("/sandboxes/{sandbox_id}/connect", post(sandboxes::connect_v1))
+        .route("/v2/sandboxes/{sandbox_id}/connect", post(sandboxes::connect_v2))
+        .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
+        .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
+        .route("/templates", get(templates::list))
+        .route("/templates/aliases/{alias}", get(templates::alias))
+        .fallback(error::no_route)
+        .method_not_allowed_fallback(error::method_not_allowed);
+    api.layer(axum::middleware::from_fn_with_state(state.clone(), edge::route_to_sandbox))
+        .with_state(state)
+}
+
+async fn health() -> axum::http::StatusCode {
+    axum::http::StatusCode::NO_CONTENT
+}

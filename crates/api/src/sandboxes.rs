@@ -1,0 +1,324 @@
+//! Sandbox endpoints: parse and validate, then call [`sandbar_core::Sandboxes`].
+
+use std::collections::BTreeMap;
+
+use axum::Json;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sandbar_core::{CreateSandbox, ListQuery, SandboxState, Team};
+
+use crate::AppState;
+use crate::dto::{
+    ListedSandbox, NewSandbox, OptionalTimeoutBody, RefreshBody, SandboxCreated, SandboxDetail,
+    TimeoutBody,
+};
+use crate::error::ApiError;
+use crate::extract::{ApiKeyTeam, JsonBody, QueryPairs};
+
+/// Default lifetime when a v2 create names none (E2B's documented default).
+const DEFAULT_TIMEOUT_V2: i32 = 300;
+/// The v1 create's documented default; real clients always send one.
+const DEFAULT_TIMEOUT_V1: i32 = 15;
+const MAX_PAGE: i64 = 100;
+const MAX_REFRESH_SECS: i64 = 3600;
+
+fn non_negative(field: &str, value: i32) -> Result<u64, ApiError> {
+    u64::try_from(value)
+        .map_err(|_| ApiError::bad_request(format!("{field} must be zero or more seconds, got {value}")))
+}
+
+fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandbox, ApiError> {
+    let unsupported = |what: &str| {
+        Err(ApiError::bad_request(format!(
+            "{what} is not supported by this server"
+        )))
+    };
+    if body.auto_pause == Some(true) || body.auto_resume.is_some() {
+        return unsupported("autoPause/autoResume");
+    }
+    if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
+        return unsupported("mcp");
+    }
+    if body.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
+        return unsupported("volumeMounts");
+    }
+    let network = body.network.unwrap_or_default();
+    if network.allow_out.as_ref().is_some_and(|v| !v.is_empty())
+        || network.deny_out.as_ref().is_some_and(|v| !v.is_empty())
+        || network.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
+    {
+        return unsupported("network.allowOut/denyOut/egressProxy (use allow_internet_access)");
+    }
+    let env_vars = body.env_vars.unwrap_or_default();
+    if let Some(bad) = env_vars
+        .keys()
+        .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
+    {
+        return Err(ApiError::bad_request(format!(
+            "invalid environment variable name '{bad}'"
+        )));
+    }
+    Ok(CreateSandbox {
+        template: body.template_id,
+        timeout_secs: non_negative("timeout", body.timeout.unwrap_or(default_timeout))?,
+        metadata: body.metadata.unwrap_or_default(),
+        env_vars,
+        allow_internet_access: body.allow_internet_access.unwrap_or(true),
+    })
+}
+
+async fn create(state: &AppState, team: &Team, request: CreateSandbox) -> Result<Response, ApiError> {
+    let sandbox = state.sandboxes.create(team, request).await?;
+    Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))).into_response())
+}
+
+pub(crate) async fn create_v2(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    JsonBody(body): JsonBody<NewSandbox>,
+) -> Result<Response, ApiError> {
+    let request = validate_create(body, DEFAULT_TIMEOUT_V2)?;
+    create(&state, &team, request).await
+}
+
+pub(crate) async fn create_v1(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    JsonBody(body): JsonBody<NewSandbox>,
+) -> Result<Response, ApiError> {
+    let request = validate_create(body, DEFAULT_TIMEOUT_V1)?;
+    create(&state, &team, request).await
+}
+
+/// The `metadata` filter arrives as `k=v&k2=v2` whose keys and values were URL-encoded before
+/// the whole string was encoded again as one query value: undo both.
+fn metadata_filter(query: &QueryPairs) -> Result<BTreeMap<String, String>, ApiError> {
+    let Some(raw) = query.get("metadata") else {
+        return Ok(BTreeMap::new());
+    };
+    let once = percent_encoding::percent_decode_str(raw)
+        .decode_utf8()
+        .map_err(|_| ApiError::bad_request("metadata filter is not valid UTF-8"))?;
+    let mut filter = BTreeMap::new();
+    for (k, v) in url::form_urlencoded::parse(once.as_bytes()) {
+        if k.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "invalid metadata filter '{raw}': expected key=value pairs joined by &"
+            )));
+        }
+        filter.insert(k.into_owned(), v.into_owned());
+    }
+    Ok(filter)
+}
+
+fn state_filter(query: &QueryPairs) -> Result<Option<Vec<SandboxState>>, ApiError> {
+    let values: Vec<&str> = query
+        .0
+        .iter()
+        .filter(|(k, _)| k == "state")
+        .flat_map(|(_, v)| v.split(','))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .collect();
+    if values.is_empty() {
+        return Ok(None);
+    }
+    values
+        .into_iter()
+        .map(|v| {
+            SandboxState::parse(v).ok_or_else(|| {
+                ApiError::bad_request(format!("invalid state '{v}': expected running or paused"))
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+pub(crate) async fn list_v2(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    query: QueryPairs,
+) -> Result<Response, ApiError> {
+    let limit = query.int_in("limit", 1..=MAX_PAGE)?.unwrap_or(MAX_PAGE);
+    let list = ListQuery {
+        metadata: metadata_filter(&query)?,
+        states: state_filter(&query)?,
+        limit: limit as usize,
+        next_token: query
+            .get("nextToken")
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned),
+    };
+    let page = state.sandboxes.list(&team, &list).await?;
+    let items: Vec<ListedSandbox> = page.items.iter().map(ListedSandbox::from).collect();
+    let mut headers = HeaderMap::new();
+    if let Some(token) = page.next_token
+        && let Ok(value) = HeaderValue::from_str(&token)
+    {
+        headers.insert("X-Next-Token", value);
+    }
+    Ok((headers, Json(items)).into_response())
+}
+
+pub(crate) async fn list_v1(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    query: QueryPairs,
+) -> Result<Json<Vec<ListedSandbox>>, ApiError> {
+    let mut list = ListQuery {
+        metadata: metadata_filter(&query)?,
+        states: Some(vec![SandboxState::Running]),
+        limit: MAX_PAGE as usize,
+        next_token: None,
+    };
+    let mut items = Vec::new();
+    loop {
+        let page = state.sandboxes.list(&team, &list).await?;
+        items.extend(page.items.iter().map(ListedSandbox::from));
+        match page.next_token {
+            Some(token) => list.next_token = Some(token),
+            None => break,
+        }
+    }
+    Ok(Json(items))
+}
+
+pub(crate) async fn detail(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+) -> Result<Json<SandboxDetail>, ApiError> {
+    let sandbox = state.sandboxes.get(&team, &sandbox_id).await?;
+    Ok(Json(SandboxDetail::from(&sandbox)))
+}
+
+pub(crate) async fn kill(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.sandboxes.kill(&team, &sandbox_id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub(crate) async fn set_timeout(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+    JsonBody(body): JsonBody<TimeoutBody>,
+) -> Result<StatusCode, ApiError> {
+    let timeout = non_negative("timeout", body.timeout)?;
+    state
+        .sandboxes
+        .set_timeout(&team, &sandbox_id, timeout)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+pub(crate) async fn refresh(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+    JsonBody(body): JsonBody<RefreshBody>,
+) -> Result<StatusCode, ApiError> {
+    let duration = body.duration.unwrap_or(0);
+    if !(0..=MAX_REFRESH_SECS).contains(&duration) {
+        return Err(ApiError::bad_request(format!(
+            "duration must be between 0 and {MAX_REFRESH_SECS} seconds, got {duration}"
+        )));
+    }
+    state
+        .sandboxes
+        .extend(&team, &sandbox_id, duration as u64)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn connect(
+    state: &AppState,
+    team: &Team,
+    sandbox_id: &str,
+    timeout: Option<i32>,
+) -> Result<Json<SandboxCreated>, ApiError> {
+    let sandbox = match timeout {
+        Some(t) => {
+            state
+                .sandboxes
+                .extend(team, sandbox_id, non_negative("timeout", t)?)
+                .await?
+        }
+        None => state.sandboxes.get(team, sandbox_id).await?,
+    };
+    Ok(Json(SandboxCreated::from(&sandbox)))
+}
+
+pub(crate) async fn connect_v2(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+    JsonBody(body): JsonBody<OptionalTimeoutBody>,
+) -> Result<Json<SandboxCreated>, ApiError> {
+    connect(&state, &team, &sandbox_id, body.timeout).await
+}
+
+pub(crate) async fn connect_v1(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+    JsonBody(body): JsonBody<TimeoutBody>,
+) -> Result<Json<SandboxCreated>, ApiError> {
+    connect(&state, &team, &sandbox_id, Some(body.timeout)).await
+}
+
+/// Pausing needs snapshots of processes; until then say so plainly instead of pretending.
+pub(crate) async fn pause(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.sandboxes.get(&team, &sandbox_id).await?;
+    Err(ApiError::new(
+        StatusCode::NOT_IMPLEMENTED,
+        format!("pausing sandbox '{sandbox_id}' is not supported by this server"),
+    ))
+}
+
+pub(crate) async fn resume(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(sandbox_id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.sandboxes.get(&team, &sandbox_id).await?;
+    Err(ApiError::new(
+        StatusCode::CONFLICT,
+        format!("sandbox '{sandbox_id}' is running, not paused"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(raw: &str) -> QueryPairs {
+        QueryPairs(url::form_urlencoded::parse(raw.as_bytes()).into_owned().collect())
+    }
+
+    #[test]
+    fn metadata_filter_undoes_the_sdks_double_encoding() {
+        let filter = metadata_filter(&pairs("metadata=k%3Dv%252520w")).expect("parse");
+        assert_eq!(filter.get("k").map(String::as_str), Some("v w"));
+        let two = metadata_filter(&pairs("metadata=a%3D1%26b%3D2")).expect("parse");
+        assert_eq!(two.len(), 2);
+    }
+
+    #[test]
+    fn states_are_checked() {
+        assert_eq!(
+            state_filter(&pairs("state=running%2Cpaused")).expect("parse"),
+            Some(vec![SandboxState::Running, SandboxState::Paused])
+        );
+        assert!(state_filter(&pairs("state=killed")).is_err());
+        assert_eq!(state_filter(&pairs("")).expect("none"), None);
+    }
+}

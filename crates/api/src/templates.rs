@@ -1,0 +1,29 @@
+//! Template endpoints.
+
+use axum::Json;
+use axum::extract::{Path, State};
+use serde_json::{Value, json};
+
+use crate::AppState;
+use crate::dto::TemplateItem;
+use crate::error::ApiError;
+use crate::extract::ApiKeyTeam;
+
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+) -> Result<Json<Vec<TemplateItem>>, ApiError> {
+    let templates = state.templates.list(&team).await?;
+    Ok(Json(templates.iter().map(TemplateItem::from).collect()))
+}
+
+pub(crate) async fn alias(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    Path(alias): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let template = state.templates.resolve(&team, &alias).await?;
+    Ok(Json(
+        json!({"templateID": template.id, "public": template.public}),
+    ))
+}
