@@ -1,0 +1,428 @@
+//! `GET /files` and `POST /files`: streamed downloads and uploads.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{FromRequest, Multipart, Query, Request, State};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use serde::Deserialize;
+use tokio::io::AsyncReadExt as _;
+use tokio::sync::mpsc;
+
+use crate::AgentState;
+use crate::auth::{FileOperation, basic_auth_user, header_token_ok, verify_file_signature};
+use crate::fs::{ensure_dirs, resolve_path};
+use crate::http_error::{HttpError, json_error};
+use crate::users::{Accounts, User};
+
+const CHUNK: usize = 64 * 1024;
+
+/// Query parameters shared by download and upload.
+#[derive(Debug, Deserialize)]
+pub struct FileQuery {
+    path: Option<String>,
+    username: Option<String>,
+    signature: Option<String>,
+    signature_expiration: Option<i64>,
+}
+
+fn authorize(
+    state: &AgentState,
+    headers: &HeaderMap,
+    query: &FileQuery,
+    operation: FileOperation,
+) -> Result<(), HttpError> {
+    let Some(token) = state.config.access_token.as_deref() else {
+        return Ok(());
+    };
+    if headers.get(crate::auth::ACCESS_TOKEN_HEADER).is_some()
+        && header_token_ok(headers, Some(token))
+    {
+        return Ok(());
+    }
+    let Some(signature) = query.signature.as_deref() else {
+        return Err(HttpError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized access, please provide a valid access token or signature",
+        ));
+    };
+    let path = query.path.as_deref().unwrap_or_default();
+    let named = query.username.as_deref().unwrap_or_default();
+    let now = chrono::Utc::now().timestamp();
+    verify_file_signature(
+        signature,
+        path,
+        operation,
+        &[named, state.config.default_user.as_str()],
+        token,
+        query.signature_expiration,
+        now,
+    )
+    .map_err(|e| HttpError::new(StatusCode::UNAUTHORIZED, e.to_string()))
+}
+
+fn pick_user(
+    state: &AgentState,
+    headers: &HeaderMap,
+    query: &FileQuery,
+) -> Result<(User, Accounts), HttpError> {
+    let name = query
+        .username
+        .clone()
+        .filter(|u| !u.is_empty())
+        .or_else(|| basic_auth_user(headers))
+        .unwrap_or_else(|| state.config.default_user.clone());
+    let accounts = Accounts::load()
+        .map_err(|e| HttpError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let user = accounts
+        .user(&name)
+        .map_err(|e| HttpError::new(StatusCode::UNAUTHORIZED, e.to_string()))?;
+    Ok((user, accounts))
+}
+
+fn io_status(e: &std::io::Error) -> StatusCode {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => StatusCode::NOT_FOUND,
+        std::io::ErrorKind::PermissionDenied => StatusCode::UNAUTHORIZED,
+        std::io::ErrorKind::StorageFull => StatusCode::INSUFFICIENT_STORAGE,
+        std::io::ErrorKind::IsADirectory | std::io::ErrorKind::NotADirectory => {
+            StatusCode::BAD_REQUEST
+        }
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+fn accepts_gzip(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|enc| {
+            let mut parts = enc.trim().split(';');
+            let name = parts.next().unwrap_or_default().trim();
+            let rejected = parts.any(|p| p.trim().replace(' ', "") == "q=0");
+            name.eq_ignore_ascii_case("gzip") && !rejected
+        })
+}
+
+/// `GET /files`.
+pub async fn download(
+    State(state): State<Arc<AgentState>>,
+    headers: HeaderMap,
+    Query(query): Query<FileQuery>,
+) -> Response {
+    if let Err(e) = authorize(&state, &headers, &query, FileOperation::Read) {
+        return e.into_response();
+    }
+    let (user, _) = match pick_user(&state, &headers, &query) {
+        Ok(u) => u,
+        Err(e) => return e.into_response(),
+    };
+    let Some(raw_path) = query.path.as_deref().filter(|p| !p.is_empty()) else {
+        return json_error(StatusCode::BAD_REQUEST, "missing 'path' query parameter");
+    };
+    let path = resolve_path(raw_path, &user);
+    let meta = match tokio::fs::metadata(&path).await {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return json_error(
+                StatusCode::NOT_FOUND,
+                format!("path '{}' does not exist", path.display()),
+            );
+        }
+        Err(e) => return json_error(io_status(&e), format!("stat '{}': {e}", path.display())),
+    };
+    if meta.is_dir() {
+        return json_error(
+            StatusCode::BAD_REQUEST,
+            format!("path '{}' is a directory", path.display()),
+        );
+    }
+    let file = match tokio::fs::File::open(&path).await {
+        Ok(f) => f,
+        Err(e) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().replace('"', ""))
+        .unwrap_or_default();
+    let mut builder = Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(
+            header::CONTENT_DISPOSITION,
+            HeaderValue::from_str(&format!("inline; filename=\"{name}\""))
+                .unwrap_or(HeaderValue::from_static("inline")),
+        );
+    let body = if accepts_gzip(&headers) {
+        builder = builder
+            .header(header::CONTENT_ENCODING, "gzip")
+            .header(header::VARY, "Accept-Encoding");
+        gzip_body(file.into_std().await)
+    } else {
+        builder = builder.header(header::CONTENT_LENGTH, meta.len());
+        Body::from_stream(file_stream(file))
+    };
+    builder
+        .body(body)
+        .unwrap_or_else(|e| json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+}
+
+fn file_stream(file: tokio::fs::File) -> impl Stream<Item = std::io::Result<Bytes>> {
+    futures_util::stream::unfold(Some(file), |file| async move {
+        let mut file = file?;
+        let mut buf = bytes::BytesMut::with_capacity(CHUNK);
+        match file.read_buf(&mut buf).await {
+            Ok(0) => None,
+            Ok(_) => Some((Ok(buf.freeze()), Some(file))),
+            Err(e) => Some((Err(e), None)),
+        }
+    })
+}
+
+/// Sends what a blocking writer produces to an async body.
+struct ChannelWriter(mpsc::Sender<std::io::Result<Bytes>>);
+
+impl std::io::Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .blocking_send(Ok(Bytes::copy_from_slice(buf)))
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::BrokenPipe))?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn gzip_body(mut file: std::fs::File) -> Body {
+    let (tx, rx) = mpsc::channel(8);
+    let errors = tx.clone();
+    tokio::task::spawn_blocking(move || {
+        let sink = std::io::BufWriter::with_capacity(CHUNK, ChannelWriter(tx));
+        let mut encoder = flate2::write::GzEncoder::new(sink, flate2::Compression::fast());
+        let result = std::io::copy(&mut file, &mut encoder)
+            .and_then(|_| encoder.finish())
+            .and_then(|mut sink| sink.flush());
+        if let Err(e) = result {
+            let _ = errors.blocking_send(Err(e));
+        }
+    });
+    Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }))
+}
+
+#[derive(Debug, serde::Serialize)]
+struct WrittenEntry {
+    name: String,
+    r#type: &'static str,
+    path: String,
+}
+
+/// `POST /files`.
+pub async fn upload(
+    State(state): State<Arc<AgentState>>,
+    Query(query): Query<FileQuery>,
+    request: Request,
+) -> Response {
+    let headers = request.headers().clone();
+    if let Err(e) = authorize(&state, &headers, &query, FileOperation::Write) {
+        return e.into_response();
+    }
+    let (user, _) = match pick_user(&state, &headers, &query) {
+        Ok(u) => u,
+        Err(e) => return e.into_response(),
+    };
+    let query_path = query
+        .path
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .map(|p| resolve_path(p, &user));
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+
+    let mut written: Vec<PathBuf> = Vec::new();
+    if content_type.starts_with("multipart/") {
+        let mut multipart = match Multipart::from_request(request, &()).await {
+            Ok(m) => m,
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+        };
+        loop {
+            let field = match multipart.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return json_error(StatusCode::BAD_REQUEST, e.body_text()),
+            };
+            if field.name() != Some("file") {
+                continue;
+            }
+            let dest = match (&query_path, field.file_name()) {
+                (Some(p), _) => p.clone(),
+                (None, Some(name)) if !name.is_empty() => resolve_path(name, &user),
+                _ => {
+                    return json_error(
+                        StatusCode::BAD_REQUEST,
+                        "file part has no filename and no 'path' query parameter was given",
+                    );
+                }
+            };
+            if written.contains(&dest) {
+                return json_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot upload several files to '{}'", dest.display()),
+                );
+            }
+            let stream = futures_util::stream::unfold(field, |mut field| async move {
+                match field.chunk().await {
+                    Ok(Some(chunk)) => Some((Ok(chunk), field)),
+                    Ok(None) => None,
+                    Err(e) => Some((Err(std::io::Error::other(e.body_text())), field)),
+                }
+            });
+            if let Err(e) = write_stream(&dest, &user, false, stream).await {
+                return e.into_response();
+            }
+            written.push(dest);
+        }
+    } else {
+        let Some(dest) = query_path else {
+            return json_error(StatusCode::BAD_REQUEST, "missing 'path' query parameter");
+        };
+        let gzip = headers
+            .get(header::CONTENT_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("gzip"));
+        let stream = request
+            .into_body()
+            .into_data_stream()
+            .map(|r| r.map_err(std::io::Error::other));
+        if let Err(e) = write_stream(&dest, &user, gzip, stream).await {
+            return e.into_response();
+        }
+        written.push(dest);
+    }
+    let entries: Vec<WrittenEntry> = written
+        .into_iter()
+        .map(|p| WrittenEntry {
+            name: p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            r#type: "file",
+            path: p.to_string_lossy().into_owned(),
+        })
+        .collect();
+    (StatusCode::OK, Json(entries)).into_response()
+}
+
+/// Writes a body to `dest` on a blocking thread (gunzipping it when asked), creating missing
+/// parents, and gives the file to `user`.
+async fn write_stream(
+    dest: &Path,
+    user: &User,
+    gzip: bool,
+    stream: impl Stream<Item = std::io::Result<Bytes>>,
+) -> Result<(), HttpError> {
+    if let Some(parent) = dest.parent() {
+        ensure_dirs(parent, user).map_err(|e| HttpError::new(fs_status(&e), e.to_string()))?;
+    }
+    if tokio::fs::metadata(dest).await.is_ok_and(|m| m.is_dir()) {
+        return Err(HttpError::new(
+            StatusCode::BAD_REQUEST,
+            format!("path '{}' is a directory", dest.display()),
+        ));
+    }
+    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
+    let target = dest.to_owned();
+    let owner = user.clone();
+    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        let file = std::fs::File::create(&target)?;
+        std::os::unix::fs::fchown(&file, Some(owner.uid), Some(owner.gid))?;
+        let mut out: Box<dyn std::io::Write> = if gzip {
+            Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(file)))
+        } else {
+            Box::new(std::io::BufWriter::new(file))
+        };
+        while let Some(chunk) = rx.blocking_recv() {
+            out.write_all(&chunk)?;
+        }
+        out.flush()
+    });
+    let mut stream = std::pin::pin!(stream);
+    let mut body_error = None;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(chunk) => {
+                if tx.send(chunk).await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => {
+                body_error = Some(e);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let result = writer
+        .await
+        .map_err(|e| HttpError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    if let Some(e) = body_error {
+        return Err(HttpError::new(
+            StatusCode::BAD_REQUEST,
+            format!("reading upload for '{}': {e}", dest.display()),
+        ));
+    }
+    result.map_err(|e| {
+        let status = if gzip
+            && matches!(
+                e.kind(),
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData
+            ) {
+            StatusCode::BAD_REQUEST
+        } else {
+            io_status(&e)
+        };
+        HttpError::new(status, format!("writing '{}': {e}", dest.display()))
+    })
+}
+
+fn fs_status(e: &crate::fs::FsError) -> StatusCode {
+    use crate::fs::FsError;
+    match e {
+        FsError::NotFound(_) => StatusCode::NOT_FOUND,
+        FsError::AlreadyExists(_) | FsError::Invalid { .. } => StatusCode::BAD_REQUEST,
+        FsError::PermissionDenied(_) => StatusCode::UNAUTHORIZED,
+        FsError::Io { source, .. } => io_status(source),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gzip_negotiation() {
+        let mut h = HeaderMap::new();
+        assert!(!accepts_gzip(&h));
+        h.insert(
+            header::ACCEPT_ENCODING,
+            "deflate, gzip;q=0.8".parse().unwrap(),
+        );
+        assert!(accepts_gzip(&h));
+        h.insert(header::ACCEPT_ENCODING, "gzip;q=0".parse().unwrap());
+        assert!(!accepts_gzip(&h));
+    }
+}

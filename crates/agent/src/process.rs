@@ -1,0 +1,654 @@
+//! Starting, tracking and talking to user processes.
+//!
+//! Output is fanned out to the streams attached to a process through bounded channels, so a
+//! slow attached client slows the process's output down instead of losing it. A process keeps
+//! running when every stream detaches; its output is then dropped until someone reattaches.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::sync::{mpsc, watch};
+
+use crate::reaper::{ExitStatus, Reaper};
+use crate::users::User;
+
+/// How long to keep draining output after the process exited, for when a descendant still
+/// holds the pipes open (e.g. a backgrounded `sleep &`).
+const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+/// Messages buffered per attached stream before output applies back-pressure.
+const SUBSCRIBER_BUFFER: usize = 64;
+/// PATH for processes whose environment does not set one.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// One thing that happened to a process, in the order attached streams see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProcessOutput {
+    /// Bytes written to stdout.
+    Stdout(Vec<u8>),
+    /// Bytes written to stderr.
+    Stderr(Vec<u8>),
+    /// Bytes written to the terminal.
+    Pty(Vec<u8>),
+    /// The process ended; always the last message.
+    End(EndInfo),
+}
+
+/// The `end` event of a process, shaped like Go's `os.ProcessState` as envd reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndInfo {
+    /// Exit code, or -1 when a signal ended the process.
+    pub exit_code: i32,
+    /// True only for a normal exit.
+    pub exited: bool,
+    /// `exit status N` or `signal: killed`.
+    pub status: String,
+    /// Set when the process did not exit with code 0.
+    pub error: Option<String>,
+}
+
+impl From<Option<ExitStatus>> for EndInfo {
+    fn from(status: Option<ExitStatus>) -> Self {
+        match status {
+            Some(ExitStatus::Exited(code)) => {
+                let status = format!("exit status {code}");
+                EndInfo {
+                    exit_code: code,
+                    exited: true,
+                    error: (code != 0).then(|| status.clone()),
+                    status,
+                }
+            }
+            Some(ExitStatus::Signaled(sig)) => {
+                let status = format!("signal: {}", signal_name(sig));
+                EndInfo {
+                    exit_code: -1,
+                    exited: false,
+                    error: Some(status.clone()),
+                    status,
+                }
+            }
+            None => EndInfo {
+                exit_code: -1,
+                exited: false,
+                status: "unknown".into(),
+                error: Some("exit status of the process was lost".into()),
+            },
+        }
+    }
+}
+
+/// Signal descriptions as Go prints them, since SDK users see envd's wording.
+fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        libc::SIGHUP => "hangup",
+        libc::SIGINT => "interrupt",
+        libc::SIGQUIT => "quit",
+        libc::SIGILL => "illegal instruction",
+        libc::SIGTRAP => "trace/breakpoint trap",
+        libc::SIGABRT => "aborted",
+        libc::SIGBUS => "bus error",
+        libc::SIGFPE => "floating point exception",
+        libc::SIGKILL => "killed",
+        libc::SIGUSR1 => "user defined signal 1",
+        libc::SIGSEGV => "segmentation fault",
+        libc::SIGUSR2 => "user defined signal 2",
+        libc::SIGPIPE => "broken pipe",
+        libc::SIGALRM => "alarm clock",
+        libc::SIGTERM => "terminated",
+        _ => return format!("signal {sig}"),
+    };
+    name.to_owned()
+}
+
+/// Errors from process operations; each names the process involved.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// No running process matches the selector.
+    #[error("process {0} not found")]
+    NotFound(String),
+    /// The command could not be started.
+    #[error("cannot start '{cmd}': {source}")]
+    Spawn {
+        /// The command.
+        cmd: String,
+        /// The cause.
+        source: io::Error,
+    },
+    /// Setting up pipes or the terminal failed.
+    #[error("cannot set up io for '{cmd}': {source}")]
+    Io {
+        /// The command.
+        cmd: String,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The process has no open stdin.
+    #[error("stdin of process {0} is not open")]
+    StdinClosed(u32),
+    /// The process was not started with a terminal.
+    #[error("process {0} has no terminal")]
+    NoPty(u32),
+    /// The process has a terminal, where the operation needs pipes.
+    #[error("process {0} uses a terminal; send end-of-transmission (0x04) instead")]
+    IsPty(u32),
+    /// Writing input failed.
+    #[error("cannot write to process {pid}: {source}")]
+    Write {
+        /// The process.
+        pid: u32,
+        /// The cause.
+        source: io::Error,
+    },
+    /// Sending a signal failed.
+    #[error("cannot signal process {pid}: {source}")]
+    Signal {
+        /// The process.
+        pid: u32,
+        /// The cause.
+        source: io::Error,
+    },
+    /// The tag is already used by a running process.
+    #[error("a process with tag '{0}' is already running")]
+    TagInUse(String),
+}
+
+/// Terminal size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PtySize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
+/// Everything needed to start one process.
+#[derive(Debug, Clone)]
+pub struct SpawnSpec {
+    /// Program to run (looked up in the child's PATH when not a path).
+    pub cmd: String,
+    /// Arguments after the program name.
+    pub args: Vec<String>,
+    /// Full environment of the child.
+    pub env: Vec<(String, String)>,
+    /// Working directory.
+    pub cwd: PathBuf,
+    /// Account to run as.
+    pub user: User,
+    /// Primary and supplementary group ids.
+    pub groups: Vec<u32>,
+    /// Allocate a terminal of this size.
+    pub pty: Option<PtySize>,
+    /// Keep a stdin pipe open (otherwise stdin is `/dev/null`).
+    pub stdin: bool,
+    /// Optional name to select the process by.
+    pub tag: Option<String>,
+    /// The request's process configuration, echoed by `List`.
+    pub config: crate::proto::process::ProcessConfig,
+}
+
+#[derive(Debug, Default)]
+struct Fanout {
+    subscribers: Vec<mpsc::Sender<ProcessOutput>>,
+    end: Option<EndInfo>,
+}
+
+/// A process started by the agent and still tracked by it.
+#[derive(Debug)]
+pub struct ManagedProcess {
+    /// Process id (in the sandbox's PID namespace).
+    pub pid: u32,
+    /// Optional tag.
+    pub tag: Option<String>,
+    /// Configuration it was started with.
+    pub config: crate::proto::process::ProcessConfig,
+    stdin: tokio::sync::Mutex<Option<Arc<AsyncFd<OwnedFd>>>>,
+    pty: Option<Arc<AsyncFd<OwnedFd>>>,
+    fanout: Mutex<Fanout>,
+    done: watch::Sender<bool>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the data consistent, so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl ManagedProcess {
+    /// Attaches a new stream. When the process already ended, the stream gets just the end.
+    pub fn subscribe(&self) -> mpsc::Receiver<ProcessOutput> {
+        let (tx, rx) = mpsc::channel(SUBSCRIBER_BUFFER);
+        let mut fanout = lock(&self.fanout);
+        match &fanout.end {
+            Some(end) => {
+                let _ = tx.try_send(ProcessOutput::End(end.clone()));
+            }
+            None => fanout.subscribers.push(tx),
+        }
+        rx
+    }
+
+    /// True once the process has been reaped.
+    pub fn is_done(&self) -> bool {
+        *self.done.borrow()
+    }
+
+    /// Resolves once the process has been reaped.
+    pub async fn wait_done(&self) {
+        let mut rx = self.done.subscribe();
+        let _ = rx.wait_for(|done| *done).await;
+    }
+
+    async fn publish(&self, output: ProcessOutput) {
+        let subscribers = lock(&self.fanout).subscribers.clone();
+        let mut lost = false;
+        for sub in &subscribers {
+            lost |= sub.send(output.clone()).await.is_err();
+        }
+        if lost {
+            lock(&self.fanout).subscribers.retain(|s| !s.is_closed());
+        }
+    }
+
+    async fn finish(&self, end: EndInfo) {
+        let subscribers = {
+            let mut fanout = lock(&self.fanout);
+            fanout.end = Some(end.clone());
+            std::mem::take(&mut fanout.subscribers)
+        };
+        for sub in subscribers {
+            let _ = sub.send(ProcessOutput::End(end.clone())).await;
+        }
+    }
+
+    /// Writes to the stdin pipe, or to the terminal for a terminal process.
+    pub async fn write_stdin(&self, data: &[u8]) -> Result<(), ProcessError> {
+        let pipe = self.stdin.lock().await.clone();
+        let target = match (pipe, &self.pty) {
+            (Some(pipe), _) => pipe,
+            (None, Some(pty)) => pty.clone(),
+            (None, None) => return Err(ProcessError::StdinClosed(self.pid)),
+        };
+        write_all(&target, data)
+            .await
+            .map_err(|source| ProcessError::Write {
+                pid: self.pid,
+                source,
+            })
+    }
+
+    /// Writes to the terminal.
+    pub async fn write_pty(&self, data: &[u8]) -> Result<(), ProcessError> {
+        let pty = self.pty.as_ref().ok_or(ProcessError::NoPty(self.pid))?;
+        write_all(pty, data)
+            .await
+            .map_err(|source| ProcessError::Write {
+                pid: self.pid,
+                source,
+            })
+    }
+
+    /// Closes stdin so the process reads end-of-file.
+    pub async fn close_stdin(&self) -> Result<(), ProcessError> {
+        if self.pty.is_some() {
+            return Err(ProcessError::IsPty(self.pid));
+        }
+        self.stdin.lock().await.take();
+        Ok(())
+    }
+
+    /// Changes the terminal size.
+    pub fn resize(&self, size: PtySize) -> Result<(), ProcessError> {
+        let pty = self.pty.as_ref().ok_or(ProcessError::NoPty(self.pid))?;
+        set_winsize(pty.get_ref(), size).map_err(|source| ProcessError::Write {
+            pid: self.pid,
+            source,
+        })
+    }
+
+    /// Sends a signal to the process (not its group, as envd does).
+    pub fn signal(&self, signal: i32) -> Result<(), ProcessError> {
+        if self.is_done() {
+            return Err(ProcessError::NotFound(self.pid.to_string()));
+        }
+        let pid = libc::pid_t::try_from(self.pid)
+            .map_err(|_| ProcessError::NotFound(self.pid.to_string()))?;
+        // SAFETY: kill has no memory-safety preconditions; the pid is still ours because it
+        // is only reaped (and so reusable) after `done` is set.
+        let rc = unsafe { libc::kill(pid, signal) };
+        if rc != 0 {
+            return Err(ProcessError::Signal {
+                pid: self.pid,
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+}
+
+async fn write_all(fd: &AsyncFd<OwnedFd>, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        let mut guard = fd.writable().await?;
+        match guard
+            .try_io(|inner| rustix::io::write(inner.get_ref(), data).map_err(io::Error::from))
+        {
+            Ok(Ok(n)) => data = &data[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_would_block) => continue,
+        }
+    }
+    Ok(())
+}
+
+fn set_winsize(fd: impl AsFd, size: PtySize) -> io::Result<()> {
+    let winsize = rustix::termios::Winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    rustix::termios::tcsetwinsize(fd, winsize).map_err(io::Error::from)
+}
+
+fn nonblocking(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
+    rustix::io::ioctl_fionbio(&fd, true)?;
+    // SAFETY: the `OwnedFd` moves into the `AsyncFd`, so the descriptor stays open and refers
+    // to the same file description until the `AsyncFd` is dropped.
+    unsafe { AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)
+}
+
+/// Which stream a pipe or terminal carries.
+#[derive(Debug, Clone, Copy)]
+enum Channel {
+    Stdout,
+    Stderr,
+    Pty,
+}
+
+async fn pump(fd: AsyncFd<OwnedFd>, channel: Channel, process: Arc<ManagedProcess>) {
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        let Ok(mut guard) = fd.readable().await else {
+            return;
+        };
+        let read = guard.try_io(|inner| {
+            rustix::io::read(inner.get_ref(), &mut buf[..]).map_err(io::Error::from)
+        });
+        match read {
+            Ok(Ok(0)) => return,
+            Ok(Ok(n)) => {
+                let bytes = buf[..n].to_vec();
+                let output = match channel {
+                    Channel::Stdout => ProcessOutput::Stdout(bytes),
+                    Channel::Stderr => ProcessOutput::Stderr(bytes),
+                    Channel::Pty => ProcessOutput::Pty(bytes),
+                };
+                process.publish(output).await;
+            }
+            // A terminal master reports EIO once every slave descriptor is closed.
+            Ok(Err(_)) => return,
+            Err(_would_block) => continue,
+        }
+    }
+}
+
+/// All processes the agent started that have not ended yet.
+#[derive(Debug, Default)]
+pub struct ProcessManager {
+    processes: Mutex<HashMap<u32, Arc<ManagedProcess>>>,
+}
+
+/// How a call names a process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Selector {
+    /// By process id.
+    Pid(u32),
+    /// By tag given at start.
+    Tag(String),
+}
+
+impl std::fmt::Display for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Selector::Pid(pid) => write!(f, "with pid {pid}"),
+            Selector::Tag(tag) => write!(f, "with tag '{tag}'"),
+        }
+    }
+}
+
+struct ChildIo {
+    stdin: Option<OwnedFd>,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+    pty: Option<OwnedFd>,
+}
+
+fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    Ok(rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?)
+}
+
+fn open_pty(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
+    use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
+    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+    grantpt(&master)?;
+    unlockpt(&master)?;
+    let name = ptsname(&master, Vec::new())?;
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        rustix::fs::OFlags::RDWR | rustix::fs::OFlags::NOCTTY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?;
+    set_winsize(&master, size)?;
+    Ok((master, slave))
+}
+
+impl ProcessManager {
+    /// Finds a running process.
+    pub fn get(&self, selector: &Selector) -> Result<Arc<ManagedProcess>, ProcessError> {
+        let processes = lock(&self.processes);
+        let found = match selector {
+            Selector::Pid(pid) => processes.get(pid).cloned(),
+            Selector::Tag(tag) => processes
+                .values()
+                .find(|p| p.tag.as_deref() == Some(tag.as_str()))
+                .cloned(),
+        };
+        found.ok_or_else(|| ProcessError::NotFound(selector.to_string()))
+    }
+
+    /// Running processes, by pid.
+    pub fn list(&self) -> Vec<Arc<ManagedProcess>> {
+        let mut all: Vec<_> = lock(&self.processes).values().cloned().collect();
+        all.sort_by_key(|p| p.pid);
+        all
+    }
+
+    /// Starts a process and returns it with a stream already attached, so no early output is
+    /// lost. Must run inside a tokio runtime.
+    pub fn start(
+        self: &Arc<Self>,
+        spec: SpawnSpec,
+    ) -> Result<(Arc<ManagedProcess>, mpsc::Receiver<ProcessOutput>), ProcessError> {
+        if let Some(tag) = &spec.tag
+            && self.get(&Selector::Tag(tag.clone())).is_ok()
+        {
+            return Err(ProcessError::TagInUse(tag.clone()));
+        }
+        let io_err = |source: io::Error| ProcessError::Io {
+            cmd: spec.cmd.clone(),
+            source,
+        };
+
+        let mut command = Command::new(&spec.cmd);
+        command
+            .args(&spec.args)
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(&spec.cwd);
+
+        let mut parent = ChildIo {
+            stdin: None,
+            stdout: None,
+            stderr: None,
+            pty: None,
+        };
+        let use_pty = spec.pty.is_some();
+        if let Some(size) = spec.pty {
+            let (master, slave) = open_pty(size).map_err(io_err)?;
+            command
+                .stdin(Stdio::from(slave.try_clone().map_err(io_err)?))
+                .stdout(Stdio::from(slave.try_clone().map_err(io_err)?))
+                .stderr(Stdio::from(slave));
+            parent.pty = Some(master);
+        } else {
+            if spec.stdin {
+                let (read, write) = pipe().map_err(io_err)?;
+                command.stdin(Stdio::from(read));
+                parent.stdin = Some(write);
+            } else {
+                command.stdin(Stdio::null());
+            }
+            let (out_read, out_write) = pipe().map_err(io_err)?;
+            let (err_read, err_write) = pipe().map_err(io_err)?;
+            command
+                .stdout(Stdio::from(out_write))
+                .stderr(Stdio::from(err_write));
+            parent.stdout = Some(out_read);
+            parent.stderr = Some(err_read);
+        }
+
+        let switch_user = rustix::process::geteuid().is_root();
+        let uid = spec.user.uid;
+        let gid = spec.user.gid;
+        let groups: Vec<libc::gid_t> = spec.groups.clone();
+        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
+        // system calls on data prepared before the fork; it allocates nothing.
+        unsafe {
+            command.pre_exec(move || {
+                // A new session detaches the child from the agent's terminal (if any) and lets
+                // a terminal become its controlling tty.
+                if libc::setsid() < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if use_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if switch_user
+                    && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
+                        || libc::setgid(gid) < 0
+                        || libc::setuid(uid) < 0)
+                {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+
+        let (pid, exit_rx) = {
+            let mut guard = Reaper::global().spawn_guard();
+            let child = command.spawn().map_err(|source| ProcessError::Spawn {
+                cmd: spec.cmd.clone(),
+                source,
+            })?;
+            let pid = child.id();
+            // The child is waited for by the reaper, never through `Child`.
+            drop(child);
+            (pid, guard.register(pid))
+        };
+        // Drop our copies of the child's ends so end-of-file arrives when it exits.
+        drop(command);
+
+        let pty = parent
+            .pty
+            .map(nonblocking)
+            .transpose()
+            .map_err(io_err)?
+            .map(Arc::new);
+        let stdin = parent
+            .stdin
+            .map(nonblocking)
+            .transpose()
+            .map_err(io_err)?
+            .map(Arc::new);
+        let (done, _) = watch::channel(false);
+        let process = Arc::new(ManagedProcess {
+            pid,
+            tag: spec.tag.clone(),
+            config: spec.config.clone(),
+            stdin: tokio::sync::Mutex::new(stdin),
+            pty: pty.clone(),
+            fanout: Mutex::new(Fanout::default()),
+            done,
+        });
+        let rx = process.subscribe();
+        lock(&self.processes).insert(pid, process.clone());
+
+        let mut pumps = Vec::new();
+        let readers = [
+            (parent.stdout, Channel::Stdout),
+            (parent.stderr, Channel::Stderr),
+        ];
+        for (fd, channel) in readers {
+            if let Some(fd) = fd {
+                let fd = nonblocking(fd).map_err(io_err)?;
+                pumps.push(tokio::spawn(pump(fd, channel, process.clone())));
+            }
+        }
+        if let Some(master) = pty {
+            // The master is shared between writers and this reader; reading needs its own
+            // registration, so duplicate the descriptor.
+            let reader = master.get_ref().try_clone().map_err(io_err)?;
+            let reader = nonblocking(reader).map_err(io_err)?;
+            pumps.push(tokio::spawn(pump(reader, Channel::Pty, process.clone())));
+        }
+
+        let manager = self.clone();
+        let supervised = process.clone();
+        tokio::spawn(async move {
+            let status = exit_rx.await.ok();
+            supervised.done.send_replace(true);
+            let drained = async {
+                for pump in &mut pumps {
+                    let _ = pump.await;
+                }
+            };
+            if tokio::time::timeout(DRAIN_AFTER_EXIT, drained)
+                .await
+                .is_err()
+            {
+                for pump in &pumps {
+                    pump.abort();
+                }
+            }
+            lock(&manager.processes).remove(&supervised.pid);
+            supervised.finish(EndInfo::from(status)).await;
+        });
+        Ok((process, rx))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_info_follows_go_process_state() {
+        let ok = EndInfo::from(Some(ExitStatus::Exited(0)));
+        assert_eq!(ok.exit_code, 0);
+        assert!(ok.exited);
+        assert_eq!(ok.status, "exit status 0");
+        assert_eq!(ok.error, None);
+        let failed = EndInfo::from(Some(ExitStatus::Exited(3)));
+        assert_eq!(failed.error.as_deref(), Some("exit status 3"));
+        let killed = EndInfo::from(Some(ExitStatus::Signaled(libc::SIGKILL)));
+        assert_eq!(killed.exit_code, -1);
+        assert!(!killed.exited);
+        assert_eq!(killed.status, "signal: killed");
+    }
+}
