@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the host packages Sandbar needs (Debian/Ubuntu, as root): mmdebstrap builds the default
+# template, nftables and iproute2 wire sandbox networks, util-linux provides nsenter.
+# Pass --test to also install what the test suite and benchmark use.
+set -euo pipefail
+
+packages=(mmdebstrap nftables iproute2 util-linux ca-certificates)
+if [[ "${1:-}" == "--test" ]]; then
+  packages+=(python3-pip runc procps)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting and lints, Rust unit and integration tests, then the
+# end-to-end suite that drives a real `sandbar serve` with the official E2B Python SDK.
+# Needs root (sandboxes use namespaces, cgroups and nftables).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/install-deps.sh --test
+python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
+
+cargo fmt --all -- --check
+cargo clippy --release --all-targets -- -D warnings
+cargo build --release --bin sandbar --bin sandbar-agent
+cargo test --release --workspace
+
+python3 -m pytest tests/e2e -q -p no:cacheprovider "$@"
