@@ -78,16 +78,23 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
-/// Field 22 of `/proc/PID/stat`: when the process started.
-fn start_ticks(pid: i32) -> Option<u64> {
+/// State letter and start time (field 22, clock ticks since boot) of `/proc/PID/stat`.
+fn stat_of(pid: i32) -> Option<(char, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may contain spaces and parentheses; fields resume after the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 2..].split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.nth(18)?.parse().ok()?))
 }
 
+fn start_ticks(pid: i32) -> Option<u64> {
+    stat_of(pid).map(|(_, ticks)| ticks)
+}
+
+/// Whether the handle's process still runs. A zombie counts as gone: it has already left its
+/// namespaces and cgroups, and only waits for the host's init to reap it.
 fn is_alive(handle: &Handle) -> bool {
-    start_ticks(handle.pid) == Some(handle.start_ticks)
+    stat_of(handle.pid).is_some_and(|(state, ticks)| ticks == handle.start_ticks && state != 'Z')
 }
 
 impl LinuxRuntime {
