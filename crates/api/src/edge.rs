@@ -33,7 +33,12 @@ struct Target {
 }
 
 fn target_from_headers(headers: &HeaderMap) -> Option<Result<Target, ApiError>> {
-    let id = headers.get("e2b-sandbox-id")?.to_str().ok()?.trim().to_owned();
+    let id = headers
+        .get("e2b-sandbox-id")?
+        .to_str()
+        .ok()?
+        .trim()
+        .to_owned();
     let port = match headers.get("e2b-sandbox-port") {
         None => Ok(AGENT_PORT),
         Some(v) => v
@@ -51,7 +56,11 @@ fn target_from_headers(headers: &HeaderMap) -> Option<Result<Target, ApiError>> 
 
 fn target_from_host(host: &str, domain: &str) -> Option<Target> {
     let name = host.rsplit_once(':').map_or(host, |(name, port)| {
-        if port.bytes().all(|c| c.is_ascii_digit()) { name } else { host }
+        if port.bytes().all(|c| c.is_ascii_digit()) {
+            name
+        } else {
+            host
+        }
     });
     let label = name.strip_suffix(domain)?.strip_suffix('.')?;
     if label.contains('.') {
@@ -150,7 +159,12 @@ where
 {
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, format!("cannot reach sandbox: {e}")))?;
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("cannot reach sandbox: {e}"),
+            )
+        })?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "sandbox connection ended with an error");
@@ -167,10 +181,12 @@ where
         .parse()
         .map_err(|_| ApiError::bad_request("invalid request path"))?;
     let upstream = hyper::Request::from_parts(parts, body);
-    let response = sender
-        .send_request(upstream)
-        .await
-        .map_err(|e| ApiError::new(StatusCode::BAD_GATEWAY, format!("sandbox request failed: {e}")))?;
+    let response = sender.send_request(upstream).await.map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("sandbox request failed: {e}"),
+        )
+    })?;
     let (mut parts, body) = response.into_parts();
     strip_hop_headers(&mut parts.headers);
     Ok(Response::from_parts(parts, Body::new(body)))
@@ -196,17 +212,31 @@ mod tests {
                 port: 8080
             })
         );
-        assert_eq!(target_from_host("127.0.0.1:3000", "sandbar.localhost"), None);
-        assert_eq!(target_from_host("sandbar.localhost", "sandbar.localhost"), None);
-        assert_eq!(target_from_host("x.8080-iabc.sandbar.localhost", "sandbar.localhost"), None);
-        assert_eq!(target_from_host("evilsandbar.localhost", "sandbar.localhost"), None);
+        assert_eq!(
+            target_from_host("127.0.0.1:3000", "sandbar.localhost"),
+            None
+        );
+        assert_eq!(
+            target_from_host("sandbar.localhost", "sandbar.localhost"),
+            None
+        );
+        assert_eq!(
+            target_from_host("x.8080-iabc.sandbar.localhost", "sandbar.localhost"),
+            None
+        );
+        assert_eq!(
+            target_from_host("evilsandbar.localhost", "sandbar.localhost"),
+            None
+        );
     }
 
     #[test]
     fn header_routing_defaults_to_the_agent_port() {
         let mut headers = HeaderMap::new();
         headers.insert("e2b-sandbox-id", "iabc".parse().expect("header"));
-        let target = target_from_headers(&headers).expect("present").expect("valid");
+        let target = target_from_headers(&headers)
+            .expect("present")
+            .expect("valid");
         assert_eq!(target.port, AGENT_PORT);
         headers.insert("e2b-sandbox-port", "nope".parse().expect("header"));
         assert!(target_from_headers(&headers).expect("present").is_err());

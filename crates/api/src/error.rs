@@ -41,9 +41,10 @@ impl IntoResponse for ApiError {
             .into_response();
         if self.status.is_server_error() {
             // Retrying a failed sandbox operation blindly would not help; the SDKs honour this.
-            response
-                .headers_mut()
-                .insert("Should-Retry", axum::http::HeaderValue::from_static("false"));
+            response.headers_mut().insert(
+                "Should-Retry",
+                axum::http::HeaderValue::from_static("false"),
+            );
         }
         response
     }

@@ -79,9 +79,11 @@ impl QueryPairs {
         let Some(raw) = self.get(key) else {
             return Ok(None);
         };
-        let value: i64 = raw
-            .parse()
-            .map_err(|_| ApiError::bad_request(format!("query parameter {key} must be an integer, got '{raw}'")))?;
+        let value: i64 = raw.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "query parameter {key} must be an integer, got '{raw}'"
+            ))
+        })?;
         if !range.contains(&value) {
             return Err(ApiError::bad_request(format!(
                 "query parameter {key} must be between {} and {}, got {value}",

@@ -44,18 +44,33 @@ pub fn router(state: AppState) -> Router {
             "/sandboxes/{sandbox_id}",
             get(sandboxes::detail).delete(sandboxes::kill),
         )
-        .route("/sandboxes/{sandbox_id}/timeout", post(sandboxes::set_timeout))
-        .route("/sandboxes/{sandbox_id}/refreshes", post(sandboxes::refresh))
-        .route("/sandboxes/{sandbox_id}/connect", post(sandboxes::connect_v1))
-        .route("/v2/sandboxes/{sandbox_id}/connect", post(sandboxes::connect_v2))
+        .route(
+            "/sandboxes/{sandbox_id}/timeout",
+            post(sandboxes::set_timeout),
+        )
+        .route(
+            "/sandboxes/{sandbox_id}/refreshes",
+            post(sandboxes::refresh),
+        )
+        .route(
+            "/sandboxes/{sandbox_id}/connect",
+            post(sandboxes::connect_v1),
+        )
+        .route(
+            "/v2/sandboxes/{sandbox_id}/connect",
+            post(sandboxes::connect_v2),
+        )
         .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
         .route("/templates", get(templates::list))
         .route("/templates/aliases/{alias}", get(templates::alias))
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
-    api.layer(axum::middleware::from_fn_with_state(state.clone(), edge::route_to_sandbox))
-        .with_state(state)
+    api.layer(axum::middleware::from_fn_with_state(
+        state.clone(),
+        edge::route_to_sandbox,
+    ))
+    .with_state(state)
 }
 
 async fn health() -> axum::http::StatusCode {

@@ -24,8 +24,9 @@ const MAX_PAGE: i64 = 100;
 const MAX_REFRESH_SECS: i64 = 3600;
 
 fn non_negative(field: &str, value: i32) -> Result<u64, ApiError> {
-    u64::try_from(value)
-        .map_err(|_| ApiError::bad_request(format!("{field} must be zero or more seconds, got {value}")))
+    u64::try_from(value).map_err(|_| {
+        ApiError::bad_request(format!("{field} must be zero or more seconds, got {value}"))
+    })
 }
 
 fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandbox, ApiError> {
@@ -68,7 +69,11 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
     })
 }
 
-async fn create(state: &AppState, team: &Team, request: CreateSandbox) -> Result<Response, ApiError> {
+async fn create(
+    state: &AppState,
+    team: &Team,
+    request: CreateSandbox,
+) -> Result<Response, ApiError> {
     let sandbox = state.sandboxes.create(team, request).await?;
     Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))).into_response())
 }
@@ -301,7 +306,11 @@ mod tests {
     use super::*;
 
     fn pairs(raw: &str) -> QueryPairs {
-        QueryPairs(url::form_urlencoded::parse(raw.as_bytes()).into_owned().collect())
+        QueryPairs(
+            url::form_urlencoded::parse(raw.as_bytes())
+                .into_owned()
+                .collect(),
+        )
     }
 
     #[test]

@@ -38,7 +38,9 @@ pub enum AuthError {
     MissingAccessToken,
     #[error("invalid access token")]
     InvalidAccessToken,
-    #[error("the requested first api key is malformed: expected e2b_ followed by 40 lowercase hex characters")]
+    #[error(
+        "the requested first api key is malformed: expected e2b_ followed by 40 lowercase hex characters"
+    )]
     MalformedRequestedKey,
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -109,7 +111,12 @@ impl Auth {
             .insert_api_key(&stored(&team.id, "default", &api_key, API_KEY_PREFIX))
             .await?;
         self.store
-            .insert_access_token(&stored(&team.id, "default", &access_token, ACCESS_TOKEN_PREFIX))
+            .insert_access_token(&stored(
+                &team.id,
+                "default",
+                &access_token,
+                ACCESS_TOKEN_PREFIX,
+            ))
             .await?;
         Ok(Some(Credentials {
             api_key,
@@ -119,7 +126,9 @@ impl Auth {
     }
 
     pub async fn team_for_api_key(&self, key: Option<&str>) -> Result<Team, AuthError> {
-        let key = key.filter(|k| !k.is_empty()).ok_or(AuthError::MissingApiKey)?;
+        let key = key
+            .filter(|k| !k.is_empty())
+            .ok_or(AuthError::MissingApiKey)?;
         self.store
             .team_by_api_key_hash(&hash_secret(key))
             .await?

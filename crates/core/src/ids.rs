@@ -62,7 +62,10 @@ mod tests {
         let id = new_sandbox_id();
         assert_eq!(id.len(), 21);
         assert!(id.starts_with('i'));
-        assert!(id.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()));
+        assert!(
+            id.bytes()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
+        );
     }
 
     #[test]

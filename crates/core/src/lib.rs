@@ -14,9 +14,7 @@ pub mod store;
 pub mod templates;
 
 pub use auth::{Auth, AuthError, Credentials};
-pub use model::{
-    BuildStatus, Sandbox, SandboxState, Team, Template, DEFAULT_TEMPLATE_ALIAS,
-};
+pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, Page, SandboxError,

@@ -125,7 +125,11 @@ impl std::fmt::Debug for Sandboxes {
 }
 
 fn seconds(secs: u64) -> TimeDelta {
-    TimeDelta::seconds(i64::try_from(secs).unwrap_or(i64::MAX / 1000).min(i64::MAX / 1000))
+    TimeDelta::seconds(
+        i64::try_from(secs)
+            .unwrap_or(i64::MAX / 1000)
+            .min(i64::MAX / 1000),
+    )
 }
 
 fn page_token(sandbox: &Sandbox) -> String {
@@ -242,14 +246,23 @@ impl Sandboxes {
             entry.endpoint = Some(endpoint);
             entry.end_at = sandbox.end_at;
         }
-        if let Err(err) = self.store.record_template_spawn(&template.id, started_at).await {
+        if let Err(err) = self
+            .store
+            .record_template_spawn(&template.id, started_at)
+            .await
+        {
             tracing::warn!(template_id = %template.id, error = %err, "cannot record template spawn");
         }
         tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
         Ok(sandbox)
     }
 
-    fn reserve(&self, team: &Team, id: &str, end_at: DateTime<Utc>) -> Result<(), CreateSandboxError> {
+    fn reserve(
+        &self,
+        team: &Team,
+        id: &str,
+        end_at: DateTime<Utc>,
+    ) -> Result<(), CreateSandboxError> {
         let mut live = self.live();
         let active = live
             .values()
@@ -337,7 +350,8 @@ impl Sandboxes {
     ) -> Result<(), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
-        self.set_end(&sandbox, Utc::now() + seconds(timeout_secs)).await
+        self.set_end(&sandbox, Utc::now() + seconds(timeout_secs))
+            .await
     }
 
     /// Extends the end time to `timeout_secs` from now unless it is already later.
@@ -435,7 +449,9 @@ impl Sandboxes {
                 Ok(None) => {
                     self.live().remove(&id);
                 }
-                Err(err) => tracing::error!(sandbox_id = %id, error = %err, "cannot load expired sandbox"),
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot load expired sandbox")
+                }
             }
         }
     }

@@ -57,7 +57,9 @@ pub(crate) fn drop_to_sandbox_set() -> Result<(), BootError> {
         // SAFETY: prctl with integer arguments only.
         let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
         if rc != 0 {
-            return Err(os_err(&format!("drop capability {cap} from the bounding set")));
+            return Err(os_err(&format!(
+                "drop capability {cap} from the bounding set"
+            )));
         }
     }
     // SAFETY: prctl with integer arguments only.

@@ -14,8 +14,14 @@ fn step(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> BootError {
 
 pub(crate) fn build_root(spec: &JailSpec) -> Result<(), BootError> {
     // Nothing mounted from here on may propagate back into the host's mount namespace.
-    mount("", Path::new("/"), None, libc::MS_REC | libc::MS_PRIVATE, None)
-        .map_err(step("make private", Path::new("/")))?;
+    mount(
+        "",
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+    .map_err(step("make private", Path::new("/")))?;
 
     let root = &spec.root_dir;
     let overlay = format!(
@@ -63,7 +69,13 @@ fn build_dev(root: &Path) -> Result<(), BootError> {
     )
     .map_err(step("mount tmpfs on", &dev))?;
 
-    for (name, minor) in [("null", 3), ("zero", 5), ("full", 7), ("random", 8), ("urandom", 9)] {
+    for (name, minor) in [
+        ("null", 3),
+        ("zero", 5),
+        ("full", 7),
+        ("random", 8),
+        ("urandom", 9),
+    ] {
         let node = dev.join(name);
         mknod_char(&node, 0o666, 1, minor).map_err(step("mknod", &node))?;
     }

@@ -83,10 +83,21 @@ pub(crate) fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     check(unsafe { libc::syscall(libc::SYS_pivot_root, new_root.as_ptr(), put_old.as_ptr()) } as _)
 }
 
-pub(crate) fn mknod_char(path: &Path, mode: libc::mode_t, major: u32, minor: u32) -> io::Result<()> {
+pub(crate) fn mknod_char(
+    path: &Path,
+    mode: libc::mode_t,
+    major: u32,
+    minor: u32,
+) -> io::Result<()> {
     let c = cstring(path)?;
     // SAFETY: `c` is a valid nul-terminated path.
-    check(unsafe { libc::mknod(c.as_ptr(), libc::S_IFCHR | mode, libc::makedev(major, minor)) })?;
+    check(unsafe {
+        libc::mknod(
+            c.as_ptr(),
+            libc::S_IFCHR | mode,
+            libc::makedev(major, minor),
+        )
+    })?;
     // mknod honours the umask; device nodes need their exact mode.
     // SAFETY: as above.
     check(unsafe { libc::chmod(c.as_ptr(), mode) })

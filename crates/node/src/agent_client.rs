@@ -34,7 +34,10 @@ async fn health(socket: &Path) -> Result<(), String> {
         .header(hyper::header::HOST, "agent")
         .body(Empty::<Bytes>::new())
         .map_err(|e| e.to_string())?;
-    let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())?;
     if response.status().is_success() {
         Ok(())
     } else {

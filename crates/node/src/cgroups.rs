@@ -36,7 +36,9 @@ pub enum CgroupError {
 #[derive(Debug, Clone)]
 pub enum CgroupDriver {
     /// One directory per controller hierarchy.
-    V1 { controllers: Vec<(&'static str, PathBuf)> },
+    V1 {
+        controllers: Vec<(&'static str, PathBuf)>,
+    },
     /// One unified hierarchy.
     V2 { root: PathBuf },
 }
@@ -53,7 +55,8 @@ impl CgroupDriver {
     pub fn detect() -> Result<Self, CgroupError> {
         let root = Path::new(ROOT);
         if root.join("cgroup.controllers").exists() {
-            let available = std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+            let available =
+                std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
             for needed in ["memory", "cpu", "pids"] {
                 if !available.split_whitespace().any(|c| c == needed) {
                     return Err(CgroupError::Unsupported(format!(

@@ -44,10 +44,19 @@ pub struct SlotAddrs {
     pub sandbox: Ipv4Addr,
 }
 
-async fn run(program: &str, args: &[&str], stdin: Option<&str>, what: &str) -> Result<(), NetworkError> {
+async fn run(
+    program: &str,
+    args: &[&str],
+    stdin: Option<&str>,
+    what: &str,
+) -> Result<(), NetworkError> {
     let mut child = tokio::process::Command::new(program)
         .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
@@ -184,7 +193,10 @@ table inet {TABLE} {{
     /// Removes everything slot `slot` holds on the host; missing pieces are not an error.
     pub async fn release(&self, slot: u32) {
         if let Ok(addrs) = self.addrs(slot) {
-            let cmd = format!("delete element inet {TABLE} egress {{ {} }}\n", addrs.sandbox);
+            let cmd = format!(
+                "delete element inet {TABLE} egress {{ {} }}\n",
+                addrs.sandbox
+            );
             let _ = run("nft", &["-f", "-"], Some(&cmd), &iface_name(slot)).await;
         }
         let iface = iface_name(slot);

@@ -107,7 +107,10 @@ impl LinuxRuntime {
         let cgroups = CgroupDriver::detect()?;
         let network = Network::new(config.network_base, config.network_prefix_len);
         network.init().await?;
-        for dir in [config.data_dir.join("sandboxes"), config.data_dir.join("run")] {
+        for dir in [
+            config.data_dir.join("sandboxes"),
+            config.data_dir.join("run"),
+        ] {
             std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
                 path: dir.clone(),
                 source,
@@ -148,10 +151,7 @@ impl LinuxRuntime {
     }
 
     fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
-        let addrs = self
-            .network
-            .addrs(slot)
-            .map_err(|e| sandbox_err(id, e))?;
+        let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
         Ok(Endpoint {
             agent_socket: self.socket_path(id),
             address: IpAddr::V4(addrs.sandbox),
@@ -184,7 +184,8 @@ impl LinuxRuntime {
             },
         };
         for sub in [&jail.upper_dir, &jail.work_dir, &jail.root_dir] {
-            std::fs::create_dir_all(sub).map_err(|e| sandbox_err(id, format!("create {}: {e}", sub.display())))?;
+            std::fs::create_dir_all(sub)
+                .map_err(|e| sandbox_err(id, format!("create {}: {e}", sub.display())))?;
         }
 
         let socket = self.socket_path(id);
@@ -217,9 +218,12 @@ impl LinuxRuntime {
                 Ok(())
             });
         }
-        let mut child = command
-            .spawn()
-            .map_err(|e| sandbox_err(id, format!("start agent {}: {e}", self.config.agent_bin.display())))?;
+        let mut child = command.spawn().map_err(|e| {
+            sandbox_err(
+                id,
+                format!("start agent {}: {e}", self.config.agent_bin.display()),
+            )
+        })?;
         // The agent holds its own copy now; ours would keep the socket accepting after the
         // sandbox died and hang clients instead of refusing them.
         drop(listener);
@@ -244,7 +248,13 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
         let pid: i32 = line.trim().parse().map_err(|_| {
             let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-            sandbox_err(id, format!("boot exited with {status} before starting the sandbox: {}", log.trim()))
+            sandbox_err(
+                id,
+                format!(
+                    "boot exited with {status} before starting the sandbox: {}",
+                    log.trim()
+                ),
+            )
         })?;
         Ok(pid)
     }
@@ -271,7 +281,10 @@ impl LinuxRuntime {
             self.network.release(h.slot).await;
             self.free_slot(h.slot);
         }
-        self.cgroups.remove(id).await.map_err(|e| sandbox_err(id, e))?;
+        self.cgroups
+            .remove(id)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
         let dir = self.sandbox_dir(id);
         if dir.exists() {
@@ -283,7 +296,11 @@ impl LinuxRuntime {
         Ok(())
     }
 
-    async fn launch_in(&self, spec: &LaunchSpec, slot: u32) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+    async fn launch_in(
+        &self,
+        spec: &LaunchSpec,
+        slot: u32,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
         let id = &spec.sandbox_id;
         let dir = self.sandbox_dir(id);
         self.cgroups
@@ -396,7 +413,15 @@ mod tests {
         let pid = std::process::id() as i32;
         let first = start_ticks(pid).expect("own stat");
         assert_eq!(start_ticks(pid), Some(first));
-        assert!(is_alive(&Handle { pid, start_ticks: first, slot: 0 }));
-        assert!(!is_alive(&Handle { pid, start_ticks: first + 1, slot: 0 }));
+        assert!(is_alive(&Handle {
+            pid,
+            start_ticks: first,
+            slot: 0
+        }));
+        assert!(!is_alive(&Handle {
+            pid,
+            start_ticks: first + 1,
+            slot: 0
+        }));
     }
 }

@@ -25,7 +25,9 @@ pub enum TemplateBuildError {
 
 /// Where the default template's root lives once built.
 pub fn base_rootfs(templates_dir: &Path) -> PathBuf {
-    templates_dir.join(format!("base-v{BASE_RECIPE_VERSION}")).join("rootfs")
+    templates_dir
+        .join(format!("base-v{BASE_RECIPE_VERSION}"))
+        .join("rootfs")
 }
 
 /// Whether the default template is already built.
@@ -49,11 +51,18 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     let target_dir = rootfs.parent().map(Path::to_owned).unwrap_or_default();
     let staging = templates_dir.join(format!(".base-v{BASE_RECIPE_VERSION}.partial"));
     if staging.exists() {
-        tokio::fs::remove_dir_all(&staging).await.map_err(io(&staging))?;
+        tokio::fs::remove_dir_all(&staging)
+            .await
+            .map_err(io(&staging))?;
     }
-    tokio::fs::create_dir_all(templates_dir).await.map_err(io(templates_dir))?;
+    tokio::fs::create_dir_all(templates_dir)
+        .await
+        .map_err(io(templates_dir))?;
 
-    tracing::info!(packages = BASE_PACKAGES, "building the default template 'base' with mmdebstrap");
+    tracing::info!(
+        packages = BASE_PACKAGES,
+        "building the default template 'base' with mmdebstrap"
+    );
     let started = std::time::Instant::now();
     let mut child = tokio::process::Command::new("mmdebstrap")
         .args([
@@ -99,7 +108,10 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         }
     }
     let _ = stdout_task.await;
-    let status = child.wait().await.map_err(TemplateBuildError::MissingTool)?;
+    let status = child
+        .wait()
+        .await
+        .map_err(TemplateBuildError::MissingTool)?;
     if !status.success() {
         let _ = tokio::fs::remove_dir_all(&staging).await;
         return Err(TemplateBuildError::Failed {
@@ -109,12 +121,21 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     }
 
     if target_dir.exists() {
-        tokio::fs::remove_dir_all(&target_dir).await.map_err(io(&target_dir))?;
+        tokio::fs::remove_dir_all(&target_dir)
+            .await
+            .map_err(io(&target_dir))?;
     }
-    tokio::fs::create_dir_all(&target_dir).await.map_err(io(&target_dir))?;
-    tokio::fs::rename(&staging, &rootfs).await.map_err(io(&rootfs))?;
+    tokio::fs::create_dir_all(&target_dir)
+        .await
+        .map_err(io(&target_dir))?;
+    tokio::fs::rename(&staging, &rootfs)
+        .await
+        .map_err(io(&rootfs))?;
     let marker = target_dir.join("complete");
     tokio::fs::write(&marker, b"").await.map_err(io(&marker))?;
-    tracing::info!(seconds = started.elapsed().as_secs_f32(), "default template 'base' is ready");
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f32(),
+        "default template 'base' is ready"
+    );
     Ok(rootfs)
 }

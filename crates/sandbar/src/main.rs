@@ -18,7 +18,11 @@ use sandbar_node::{LinuxRuntime, NodeConfig};
 use sandbar_store::SqliteStore;
 
 #[derive(Parser, Debug)]
-#[command(name = "sandbar", version, about = "Self-hosted sandboxes behind E2B's API")]
+#[command(
+    name = "sandbar",
+    version,
+    about = "Self-hosted sandboxes behind E2B's API"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -48,10 +52,18 @@ struct ServeArgs {
     #[arg(long, env = "SANDBAR_NETWORK", default_value = "10.213.0.0/16")]
     network: String,
     /// Name servers written into sandboxes' /etc/resolv.conf.
-    #[arg(long = "nameserver", env = "SANDBAR_NAMESERVERS", value_delimiter = ',')]
+    #[arg(
+        long = "nameserver",
+        env = "SANDBAR_NAMESERVERS",
+        value_delimiter = ','
+    )]
     nameservers: Vec<String>,
     /// Debian mirror the default template is built from.
-    #[arg(long, env = "SANDBAR_DEBIAN_MIRROR", default_value = "http://deb.debian.org/debian")]
+    #[arg(
+        long,
+        env = "SANDBAR_DEBIAN_MIRROR",
+        default_value = "http://deb.debian.org/debian"
+    )]
     debian_mirror: String,
     /// Concurrent sandboxes allowed to the default team created on first start.
     #[arg(long, env = "SANDBAR_MAX_SANDBOXES", default_value_t = 100)]
@@ -68,8 +80,7 @@ struct ServeArgs {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
     match Cli::parse().command {
@@ -81,8 +92,12 @@ fn parse_network(cidr: &str) -> anyhow::Result<(Ipv4Addr, u8)> {
     let (addr, len) = cidr
         .split_once('/')
         .with_context(|| format!("network '{cidr}' must look like 10.213.0.0/16"))?;
-    let addr: Ipv4Addr = addr.parse().with_context(|| format!("bad address in '{cidr}'"))?;
-    let len: u8 = len.parse().with_context(|| format!("bad prefix length in '{cidr}'"))?;
+    let addr: Ipv4Addr = addr
+        .parse()
+        .with_context(|| format!("bad address in '{cidr}'"))?;
+    let len: u8 = len
+        .parse()
+        .with_context(|| format!("bad prefix length in '{cidr}'"))?;
     if !(8..=28).contains(&len) || !addr.is_private() {
         bail!("network '{cidr}' must be a private range between /8 and /28");
     }
@@ -96,7 +111,10 @@ fn host_nameservers() -> Vec<String> {
         .lines()
         .filter_map(|l| l.strip_prefix("nameserver"))
         .map(|s| s.trim().to_owned())
-        .filter(|s| s.parse::<std::net::IpAddr>().is_ok_and(|ip| !ip.is_loopback()))
+        .filter(|s| {
+            s.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| !ip.is_loopback())
+        })
         .collect()
 }
 
@@ -195,7 +213,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let store = Arc::new(SqliteStore::open(&data_dir.join("sandbar.db")).await?);
     let auth = Auth::new(store.clone());
-    let requested_key = std::env::var("SANDBAR_API_KEY").ok().filter(|k| !k.is_empty());
+    let requested_key = std::env::var("SANDBAR_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
     let limits = TeamLimits {
         max_concurrent_sandboxes: args.max_sandboxes,
         max_sandbox_timeout_secs: args.max_timeout,
@@ -270,8 +290,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         std::future::pending::<()>().await;
         return;
     };

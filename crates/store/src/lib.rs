@@ -71,12 +71,15 @@ impl SqliteStore {
     }
 
     async fn aliases(&self, template_id: &str) -> Result<Vec<String>, StoreError> {
-        let rows = sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
-            .bind(template_id)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(err)?;
-        rows.iter().map(|r| r.try_get("alias").map_err(err)).collect()
+        let rows =
+            sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
+                .bind(template_id)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(err)?;
+        rows.iter()
+            .map(|r| r.try_get("alias").map_err(err))
+            .collect()
     }
 
     async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {

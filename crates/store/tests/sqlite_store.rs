@@ -4,9 +4,7 @@ use std::collections::BTreeMap;
 
 use chrono::{TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
-use sandbar_core::{
-    BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, Template,
-};
+use sandbar_core::{BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, Template};
 use sandbar_store::SqliteStore;
 use std::sync::Arc;
 
@@ -35,7 +33,12 @@ async fn bootstrap_happens_once_and_keys_are_stored_hashed() {
         .expect("first start creates credentials");
     assert_eq!(creds.api_key, key);
     assert!(creds.access_token.starts_with("sk_e2b_"));
-    assert!(auth.bootstrap(None, LIMITS).await.expect("second").is_none());
+    assert!(
+        auth.bootstrap(None, LIMITS)
+            .await
+            .expect("second")
+            .is_none()
+    );
 
     let team = auth.team_for_api_key(Some(&key)).await.expect("key works");
     assert_eq!(team.id, creds.team_id);
@@ -48,7 +51,10 @@ async fn bootstrap_happens_once_and_keys_are_stored_hashed() {
     drop(store);
     let raw = std::fs::read(dir.path().join("db.sqlite")).expect("read db");
     let raw = String::from_utf8_lossy(&raw);
-    assert!(!raw.contains(&key[4..]), "the api key must not be stored in clear");
+    assert!(
+        !raw.contains(&key[4..]),
+        "the api key must not be stored in clear"
+    );
 }
 
 #[tokio::test]
@@ -63,7 +69,11 @@ async fn malformed_requested_key_is_refused() {
 async fn templates_and_sandboxes_round_trip() {
     let (_dir, store) = open().await;
     let auth = Auth::new(store.clone());
-    let creds = auth.bootstrap(None, LIMITS).await.expect("boot").expect("creds");
+    let creds = auth
+        .bootstrap(None, LIMITS)
+        .await
+        .expect("boot")
+        .expect("creds");
     let now = Utc::now();
     let template = Template {
         id: "tpl0000000000000000a".into(),
@@ -117,11 +127,25 @@ async fn templates_and_sandboxes_round_trip() {
         handle: RuntimeHandle(serde_json::json!({"pid": 5})),
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
-    let loaded = store.sandbox(&sandbox.id).await.expect("get").expect("found");
+    let loaded = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("get")
+        .expect("found");
     assert_eq!(loaded.metadata, sandbox.metadata);
     assert_eq!(loaded.handle, sandbox.handle);
-    assert_eq!(loaded.end_at.timestamp_micros(), sandbox.end_at.timestamp_micros());
-    assert_eq!(store.team_sandboxes(&creds.team_id).await.expect("list").len(), 1);
+    assert_eq!(
+        loaded.end_at.timestamp_micros(),
+        sandbox.end_at.timestamp_micros()
+    );
+    assert_eq!(
+        store
+            .team_sandboxes(&creds.team_id)
+            .await
+            .expect("list")
+            .len(),
+        1
+    );
     store.delete_sandbox(&sandbox.id).await.expect("delete");
     assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
 }
