@@ -4,7 +4,7 @@ use axum::Json;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{
-    AuthError, CreateSandboxError, ListSandboxesError, SandboxError, TemplateError,
+    AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TemplateError,
 };
 use serde_json::json;
 
@@ -12,6 +12,8 @@ use serde_json::json;
 pub(crate) struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// Seconds a client should wait before retrying (sent as `Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -19,6 +21,7 @@ impl ApiError {
         Self {
             status,
             message: message.into(),
+            retry_after: None,
         }
     }
 
@@ -39,6 +42,11 @@ impl IntoResponse for ApiError {
             Json(json!({"code": self.status.as_u16(), "message": self.message})),
         )
             .into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
         if self.status.is_server_error() {
             // Retrying a failed sandbox operation blindly would not help; the SDKs honour this.
             response.headers_mut().insert(
@@ -57,6 +65,16 @@ impl From<AuthError> for ApiError {
             AuthError::MalformedRequestedKey => Self::bad_request(e.to_string()),
             _ => Self::new(StatusCode::UNAUTHORIZED, e.to_string()),
         }
+    }
+}
+
+impl From<RateLimited> for ApiError {
+    fn from(e: RateLimited) -> Self {
+        let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+        // Retry-After has whole seconds; round up so a client never retries too early.
+        error.retry_after =
+            Some(e.retry_after.as_secs() + u64::from(e.retry_after.subsec_nanos() > 0));
+        error
     }
 }
 

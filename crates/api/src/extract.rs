@@ -21,7 +21,9 @@ impl FromRequestParts<AppState> for ApiKeyTeam {
             .get("x-api-key")
             .and_then(|v| v.to_str().ok())
             .map(str::trim);
-        Ok(ApiKeyTeam(state.auth.team_for_api_key(key).await?))
+        let team = state.auth.team_for_api_key(key).await?;
+        state.rate_limits.check(&team)?;
+        Ok(ApiKeyTeam(team))
     }
 }
 

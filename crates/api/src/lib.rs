@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
-use sandbar_core::{Auth, Sandboxes, Templates};
+use sandbar_core::{Auth, RateLimits, Sandboxes, Templates};
 
 pub use edge::EdgeConfig;
 
@@ -25,6 +25,7 @@ pub struct AppState {
     pub auth: Auth,
     pub sandboxes: Arc<Sandboxes>,
     pub templates: Templates,
+    pub rate_limits: Arc<RateLimits>,
     pub edge: Arc<EdgeConfig>,
 }
 

@@ -50,6 +50,7 @@ pub enum AuthError {
 pub struct TeamLimits {
     pub max_concurrent_sandboxes: u32,
     pub max_sandbox_timeout_secs: u64,
+    pub requests_per_minute: u32,
 }
 
 #[derive(Clone)]
@@ -101,6 +102,7 @@ impl Auth {
             name: "default".into(),
             max_concurrent_sandboxes: limits.max_concurrent_sandboxes,
             max_sandbox_timeout_secs: limits.max_sandbox_timeout_secs,
+            requests_per_minute: limits.requests_per_minute,
         };
         self.store.insert_team(&team).await?;
         let api_key = requested_api_key

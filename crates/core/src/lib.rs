@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod ids;
+pub mod limits;
 pub mod model;
 pub mod runtime;
 pub mod sandboxes;
@@ -14,6 +15,7 @@ pub mod store;
 pub mod templates;
 
 pub use auth::{Auth, AuthError, Credentials};
+pub use limits::{RateLimited, RateLimits};
 pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 pub use sandboxes::{

@@ -17,6 +17,8 @@ pub struct Team {
     pub name: String,
     pub max_concurrent_sandboxes: u32,
     pub max_sandbox_timeout_secs: u64,
+    /// API requests allowed per minute; 0 means no limit.
+    pub requests_per_minute: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -71,6 +71,9 @@ struct ServeArgs {
     /// Longest sandbox lifetime, in seconds, for the default team created on first start.
     #[arg(long, env = "SANDBAR_MAX_TIMEOUT", default_value_t = 86_400)]
     max_timeout: u64,
+    /// API requests per minute for the default team created on first start; 0 for no limit.
+    #[arg(long, env = "SANDBAR_RATE_LIMIT", default_value_t = 6000)]
+    rate_limit: u32,
     /// Cap on processes and threads in each sandbox.
     #[arg(long, env = "SANDBAR_PIDS_MAX", default_value_t = 1024)]
     pids_max: u32,
@@ -219,6 +222,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let limits = TeamLimits {
         max_concurrent_sandboxes: args.max_sandboxes,
         max_sandbox_timeout_secs: args.max_timeout,
+        requests_per_minute: args.rate_limit,
     };
     let credentials_path = data_dir.join("credentials.json");
     if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
@@ -269,6 +273,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         auth,
         sandboxes,
         templates,
+        rate_limits: Arc::new(sandbar_core::RateLimits::default()),
         edge: Arc::new(EdgeConfig {
             domain: args.domain,
         }),

@@ -119,6 +119,7 @@ fn team_from_row(row: &SqliteRow) -> Result<Team, StoreError> {
         max_sandbox_timeout_secs: row
             .try_get::<i64, _>("max_sandbox_timeout_secs")
             .map_err(err)? as u64,
+        requests_per_minute: row.try_get("requests_per_minute").map_err(err)?,
     })
 }
 
@@ -161,12 +162,13 @@ impl Store for SqliteStore {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO teams (id, name, max_concurrent_sandboxes, max_sandbox_timeout_secs, created_at) VALUES (?, ?, ?, ?, ?)",
+            "INSERT INTO teams (id, name, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, created_at) VALUES (?, ?, ?, ?, ?, ?)",
         )
         .bind(&team.id)
         .bind(&team.name)
         .bind(team.max_concurrent_sandboxes)
         .bind(team.max_sandbox_timeout_secs as i64)
+        .bind(team.requests_per_minute)
         .bind(micros(Utc::now()))
         .execute(&self.pool)
         .await

@@ -11,6 +11,7 @@ use std::sync::Arc;
 const LIMITS: TeamLimits = TeamLimits {
     max_concurrent_sandboxes: 10,
     max_sandbox_timeout_secs: 3600,
+    requests_per_minute: 0,
 };
 
 async fn open() -> (tempfile::TempDir, Arc<SqliteStore>) {
