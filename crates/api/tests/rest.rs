@@ -1,0 +1,574 @@
+//! The REST surface in-process: a real SQLite store and router, with a runtime double that
+//! records launches instead of starting processes (the end-to-end suite covers real sandboxes).
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::StoredSecret;
+use sandbar_core::{
+    Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
+    Sandboxes, SandboxesConfig, Store, Team, Template, Templates,
+};
+use sandbar_store::SqliteStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+#[derive(Default)]
+struct RecordingRuntime {
+    launched: Mutex<Vec<String>>,
+    destroyed: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl Runtime for RecordingRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.launched
+            .lock()
+            .expect("lock")
+            .push(spec.sandbox_id.clone());
+        Ok((
+            RuntimeHandle(json!({})),
+            Endpoint {
+                agent_socket: "/nonexistent/agent.sock".into(),
+                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            },
+        ))
+    }
+
+    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        self.destroyed
+            .lock()
+            .expect("lock")
+            .push(sandbox_id.to_owned());
+        Ok(())
+    }
+
+    async fn adopt(
+        &self,
+        _: &str,
+        _: &RuntimeHandle,
+        _: bool,
+    ) -> Result<Option<Endpoint>, RuntimeError> {
+        Ok(None)
+    }
+}
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    app: axum::Router,
+    runtime: Arc<RecordingRuntime>,
+    store: Arc<SqliteStore>,
+    key: String,
+}
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+
+async fn harness(limits: TeamLimits) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let auth = Auth::new(store.clone());
+    auth.bootstrap(Some(KEY), limits).await.expect("bootstrap");
+    let templates = Templates::new(store.clone());
+    let now = Utc::now();
+    templates
+        .register(&Template {
+            id: "base000000000000000a".into(),
+            team_id: None,
+            aliases: vec!["base".into()],
+            public: true,
+            build_id: "b".into(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: 2,
+            memory_mb: 512,
+            disk_size_mb: 2048,
+            envd_version: "0.5.7".into(),
+            rootfs: Some("/nonexistent".into()),
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 1,
+        })
+        .await
+        .expect("template");
+    let runtime = Arc::new(RecordingRuntime::default());
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates.clone(),
+        SandboxesConfig::default(),
+    ));
+    let app = router(AppState {
+        auth,
+        sandboxes,
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+    });
+    Harness {
+        _dir: dir,
+        app,
+        runtime,
+        store,
+        key: KEY.into(),
+    }
+}
+
+const GENEROUS: TeamLimits = TeamLimits {
+    max_concurrent_sandboxes: 100,
+    max_sandbox_timeout_secs: 3600,
+    requests_per_minute: 0,
+};
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+impl Harness {
+    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = key {
+            request = request.header("X-API-Key", key);
+        }
+        if body.is_some() {
+            request = request.header("content-type", "application/json");
+        }
+        let request = request
+            .body(Body::from(body.unwrap_or("").to_owned()))
+            .expect("request");
+        let response = self.app.clone().oneshot(request).await.expect("call");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| panic!("{method} {path}: body is not JSON: {bytes:?}"))
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    async fn api(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
+        self.call(method, path, Some(&self.key.clone()), body).await
+    }
+
+    async fn create(&self, body: &str) -> String {
+        let reply = self.api("POST", "/v2/sandboxes", Some(body)).await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+        reply.body["sandboxID"]
+            .as_str()
+            .expect("sandboxID")
+            .to_owned()
+    }
+
+    fn launched(&self) -> usize {
+        self.runtime.launched.lock().expect("lock").len()
+    }
+}
+
+fn assert_error_body(reply: &Reply, status: StatusCode) {
+    assert_eq!(reply.status, status, "{:?}", reply.body);
+    assert_eq!(
+        reply.body["code"].as_u64(),
+        Some(u64::from(status.as_u16()))
+    );
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty())
+    );
+}
+
+#[tokio::test]
+async fn api_key_is_required_and_checked() {
+    let h = harness(GENEROUS).await;
+    assert_error_body(
+        &h.call("GET", "/v2/sandboxes", None, None).await,
+        StatusCode::UNAUTHORIZED,
+    );
+    let wrong = "e2b_ffffffffffffffffffffffffffffffffffffffff";
+    assert_error_body(
+        &h.call("GET", "/v2/sandboxes", Some(wrong), None).await,
+        StatusCode::UNAUTHORIZED,
+    );
+    assert_error_body(
+        &h.call(
+            "POST",
+            "/v2/sandboxes",
+            Some(wrong),
+            Some(r#"{"templateID":"base"}"#),
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+    );
+    assert_eq!(h.launched(), 0);
+    assert_eq!(
+        h.api("GET", "/v2/sandboxes", None).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn create_answers_every_field_the_sdk_requires() {
+    let h = harness(GENEROUS).await;
+    for path in ["/v2/sandboxes", "/sandboxes"] {
+        let reply = h
+            .api(
+                "POST",
+                path,
+                Some(r#"{"templateID":"base","timeout":300,"secure":true,"allow_internet_access":true,"metadata":{"k":"v"},"envVars":{"A":"1"},"unknownField":1}"#),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+        for field in [
+            "templateID",
+            "sandboxID",
+            "clientID",
+            "envdVersion",
+            "envdAccessToken",
+        ] {
+            assert!(
+                reply.body[field].is_string(),
+                "{path}: {field} missing in {:?}",
+                reply.body
+            );
+        }
+        let id = reply.body["sandboxID"].as_str().expect("id");
+        let detail = h.api("GET", &format!("/sandboxes/{id}"), None).await;
+        assert_eq!(detail.status, StatusCode::OK);
+        for field in [
+            "startedAt",
+            "endAt",
+            "cpuCount",
+            "memoryMB",
+            "diskSizeMB",
+            "state",
+            "envdVersion",
+            "clientID",
+        ] {
+            assert!(!detail.body[field].is_null(), "detail lacks {field}");
+        }
+        assert_eq!(detail.body["metadata"]["k"], "v");
+        assert_eq!(detail.body["state"], "running");
+    }
+}
+
+#[tokio::test]
+async fn bad_create_requests_are_refused_and_start_nothing() {
+    let h = harness(GENEROUS).await;
+    let cases = [
+        ("{not json", StatusCode::BAD_REQUEST),
+        (r#"{"templateID": 5}"#, StatusCode::BAD_REQUEST),
+        (
+            r#"{"templateID":"base","timeout":"x"}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"templateID":"base","timeout":-1}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"templateID":"base","timeout":999999}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"templateID":"base","metadata":{"k":1}}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (r#"{"timeout":10}"#, StatusCode::BAD_REQUEST),
+        (
+            r#"{"templateID":"no-such-template"}"#,
+            StatusCode::NOT_FOUND,
+        ),
+        (r#"{"templateID":"bad name!"}"#, StatusCode::BAD_REQUEST),
+        (
+            r#"{"templateID":"base","autoPause":true}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"templateID":"base","network":{"denyOut":["0.0.0.0/0"]}}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+    ];
+    for (body, status) in cases {
+        let reply = h.api("POST", "/v2/sandboxes", Some(body)).await;
+        assert_error_body(&reply, status);
+    }
+    assert_eq!(h.launched(), 0);
+    let list = h.api("GET", "/v2/sandboxes", None).await;
+    assert_eq!(list.body.as_array().map(Vec::len), Some(0));
+}
+
+#[tokio::test]
+async fn list_paginates_and_filters() {
+    let h = harness(GENEROUS).await;
+    let mut created = Vec::new();
+    for i in 0..5 {
+        created.push(
+            h.create(&format!(
+                r#"{{"templateID":"base","metadata":{{"group":"g","n":"{i}"}}}}"#
+            ))
+            .await,
+        );
+    }
+    h.create(r#"{"templateID":"base","metadata":{"group":"other"}}"#)
+        .await;
+
+    let mut seen = Vec::new();
+    let mut path = "/v2/sandboxes?limit=2&metadata=group%3Dg".to_owned();
+    loop {
+        let reply = h.api("GET", &path, None).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        let items = reply.body.as_array().expect("array");
+        assert!(items.len() <= 2);
+        seen.extend(
+            items
+                .iter()
+                .map(|i| i["sandboxID"].as_str().expect("id").to_owned()),
+        );
+        match reply.headers.get("x-next-token") {
+            Some(token) => {
+                path = format!(
+                    "/v2/sandboxes?limit=2&metadata=group%3Dg&nextToken={}",
+                    token.to_str().expect("token")
+                )
+            }
+            None => break,
+        }
+    }
+    seen.sort();
+    created.sort();
+    assert_eq!(seen, created);
+
+    let encoded = h
+        .api("GET", "/v2/sandboxes?metadata=n%3D3%26group%3Dg", None)
+        .await;
+    assert_eq!(encoded.body.as_array().map(Vec::len), Some(1));
+    let running = h
+        .api("GET", "/v2/sandboxes?state=running%2Cpaused", None)
+        .await;
+    assert_eq!(running.body.as_array().map(Vec::len), Some(6));
+    let v1 = h.api("GET", "/sandboxes", None).await;
+    assert_eq!(v1.body.as_array().map(Vec::len), Some(6));
+
+    for bad in [
+        "limit=0",
+        "limit=101",
+        "limit=x",
+        "state=killed",
+        "nextToken=zz",
+    ] {
+        assert_error_body(
+            &h.api("GET", &format!("/v2/sandboxes?{bad}"), None).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
+}
+
+#[tokio::test]
+async fn timeouts_kill_and_unknown_ids() {
+    let h = harness(GENEROUS).await;
+    let id = h.create(r#"{"templateID":"base","timeout":60}"#).await;
+    let end = |r: &Reply| r.body["endAt"].as_str().expect("endAt").to_owned();
+    let before = end(&h.api("GET", &format!("/sandboxes/{id}"), None).await);
+
+    let reply = h
+        .api(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":600}"#),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::NO_CONTENT);
+    let after = end(&h.api("GET", &format!("/sandboxes/{id}"), None).await);
+    assert!(after > before);
+
+    assert_error_body(
+        &h.api(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":-5}"#),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+    );
+    assert_error_body(
+        &h.api(
+            "POST",
+            &format!("/sandboxes/{id}/refreshes"),
+            Some(r#"{"duration":3601}"#),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+    );
+    let connect = h
+        .api("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
+        .await;
+    assert_eq!(connect.status, StatusCode::OK);
+    assert_eq!(connect.body["sandboxID"], id.as_str());
+
+    for (method, path) in [
+        ("GET", "/sandboxes/inope"),
+        ("DELETE", "/sandboxes/inope"),
+        ("POST", "/v2/sandboxes/inope/connect"),
+    ] {
+        assert_error_body(
+            &h.api(method, path, Some("{}")).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
+    assert_error_body(
+        &h.api("POST", "/sandboxes/inope/timeout", Some(r#"{"timeout":5}"#))
+            .await,
+        StatusCode::NOT_FOUND,
+    );
+
+    assert_eq!(
+        h.api("DELETE", &format!("/sandboxes/{id}"), None)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(
+        h.runtime.destroyed.lock().expect("lock").as_slice(),
+        [id.clone()]
+    );
+    assert_error_body(
+        &h.api("DELETE", &format!("/sandboxes/{id}"), None).await,
+        StatusCode::NOT_FOUND,
+    );
+}
+
+#[tokio::test]
+async fn another_teams_sandbox_is_invisible() {
+    let h = harness(GENEROUS).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let other = Team {
+        id: "other-team".into(),
+        name: "other".into(),
+        max_concurrent_sandboxes: 5,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+    };
+    h.store.insert_team(&other).await.expect("team");
+    let other_key = "e2b_1111111111111111111111111111111111111111";
+    h.store
+        .insert_api_key(&StoredSecret {
+            id: "k2".into(),
+            team_id: other.id.clone(),
+            name: "k".into(),
+            secret_hash: sandbar_core::auth::hash_secret(other_key),
+            mask_prefix: "11".into(),
+            mask_suffix: "1111".into(),
+            created_at: Utc::now(),
+        })
+        .await
+        .expect("key");
+    let path = format!("/sandboxes/{id}");
+    assert_error_body(
+        &h.call("GET", &path, Some(other_key), None).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_error_body(
+        &h.call("DELETE", &path, Some(other_key), None).await,
+        StatusCode::NOT_FOUND,
+    );
+    let list = h.call("GET", "/v2/sandboxes", Some(other_key), None).await;
+    assert_eq!(list.body.as_array().map(Vec::len), Some(0));
+    assert_eq!(h.api("GET", &path, None).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn team_limits_answer_429() {
+    let h = harness(TeamLimits {
+        max_concurrent_sandboxes: 2,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+    })
+    .await;
+    h.create(r#"{"templateID":"base"}"#).await;
+    h.create(r#"{"templateID":"base"}"#).await;
+    let third = h
+        .api("POST", "/v2/sandboxes", Some(r#"{"templateID":"base"}"#))
+        .await;
+    assert_error_body(&third, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(h.launched(), 2);
+
+    let limited = harness(TeamLimits {
+        max_concurrent_sandboxes: 2,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 3,
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(
+            limited.api("GET", "/v2/sandboxes", None).await.status,
+            StatusCode::OK
+        );
+    }
+    let refused = limited.api("GET", "/v2/sandboxes", None).await;
+    assert_error_body(&refused, StatusCode::TOO_MANY_REQUESTS);
+    let wait: u64 = refused.headers["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("secs");
+    assert!((1..=60).contains(&wait));
+}
+
+#[tokio::test]
+async fn edge_answers_502_for_unknown_sandboxes() {
+    let h = harness(GENEROUS).await;
+    let request = Request::builder()
+        .method("POST")
+        .uri("/process.Process/List")
+        .header("E2b-Sandbox-Id", "inope")
+        .header("E2b-Sandbox-Port", "49983")
+        .body(Body::from("{}"))
+        .expect("request");
+    let response = h.app.clone().oneshot(request).await.expect("call");
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("sandbox was not found"));
+
+    let by_host = Request::builder()
+        .uri("/health")
+        .header("Host", "49983-inope.sandbar.localhost:3000")
+        .body(Body::empty())
+        .expect("request");
+    let response = h.app.clone().oneshot(by_host).await.expect("call");
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+
+    let unknown_route = h.api("GET", "/no/such/route", None).await;
+    assert_error_body(&unknown_route, StatusCode::NOT_FOUND);
+}
