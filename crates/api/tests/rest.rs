@@ -454,10 +454,7 @@ async fn timeouts_kill_and_unknown_ids() {
             .status,
         StatusCode::NO_CONTENT
     );
-    assert_eq!(
-        h.runtime.destroyed.lock().expect("lock").as_slice(),
-        [id.clone()]
-    );
+    assert_eq!(*h.runtime.destroyed.lock().expect("lock"), vec![id.clone()]);
     assert_error_body(
         &h.api("DELETE", &format!("/sandboxes/{id}"), None).await,
         StatusCode::NOT_FOUND,
