@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(mmdebstrap nftables iproute2 util-linux ca-certificates)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(python3-pip runc procps)
+  command -v npm >/dev/null || packages+=(nodejs npm)
 fi
 
 missing=()

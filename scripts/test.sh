@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh --test
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
+npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
 
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Builds Sandbar in release mode, starts a server on a free loopback port with its own data
+# directory, waits for the default template, runs sandbar-bench against it, and stops the server.
+# Arguments are passed to sandbar-bench (see `target/release/sandbar-bench --help`).
+# Must run as root. Environment:
+#   SANDBAR_BENCH_DATA_DIR  data directory of the benchmark server (default /var/tmp/sandbar-bench)
+#   SANDBAR_BENCH_READY_TIMEOUT  seconds to wait for the template build (default 600)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ $EUID -ne 0 ]]; then
+  echo "bench.sh: must run as root (sandboxes and runc need it)" >&2
+  exit 1
+fi
+
+data_dir="${SANDBAR_BENCH_DATA_DIR:-/var/tmp/sandbar-bench}"
+ready_timeout="${SANDBAR_BENCH_READY_TIMEOUT:-600}"
+# Registered on the first start of a data directory only, so it never changes.
+api_key="e2b_78b389cd3477e8e0738f8909e035846bc6bfc143"
+
+./scripts/install-deps.sh --test
+cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-bench
+
+# A free port on 127.0.0.1: nothing accepts a connection on it.
+port=""
+for _ in $(seq 1 50); do
+  candidate=$((20000 + RANDOM % 40000))
+  if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
+    port=$candidate
+    break
+  fi
+done
+if [[ -z "$port" ]]; then
+  echo "bench.sh: no free port found" >&2
+  exit 1
+fi
+url="http://127.0.0.1:$port"
+
+log="$(mktemp -t sandbar-bench-server.XXXXXX.log)"
+server_pid=""
+stop_server() {
+  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then
+    kill -TERM "$server_pid" 2>/dev/null || true
+    wait "$server_pid" 2>/dev/null || true
+  fi
+  rm -f "$log"
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+mkdir -p "$data_dir"
+SANDBAR_API_KEY="$api_key" RUST_LOG="${RUST_LOG:-warn}" \
+  ./target/release/sandbar serve --listen "127.0.0.1:$port" --data-dir "$data_dir" >"$log" 2>&1 &
+server_pid=$!
+
+echo "bench.sh: server on $url (data in $data_dir), waiting for the 'base' template" >&2
+deadline=$((SECONDS + ready_timeout))
+while :; do
+  if ! kill -0 "$server_pid" 2>/dev/null; then
+    echo "bench.sh: the server exited:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+  templates="$(curl -fsS -H "X-API-Key: $api_key" "$url/templates" 2>/dev/null || true)"
+  if grep -q '"buildStatus":"ready"' <<<"$templates"; then
+    break
+  fi
+  if grep -q '"buildStatus":"error"' <<<"$templates"; then
+    echo "bench.sh: the template failed to build: $templates" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+  if ((SECONDS >= deadline)); then
+    echo "bench.sh: the template was not ready after ${ready_timeout}s" >&2
+    tail -n 20 "$log" >&2
+    exit 1
+  fi
+  sleep 1
+done
+
+status=0
+./target/release/sandbar-bench --api-url "$url" --api-key "$api_key" --data-dir "$data_dir" "$@" \
+  || status=$?
+if ((status != 0)); then
+  echo "bench.sh: sandbar-bench failed; server log:" >&2
+  tail -n 40 "$log" >&2
+fi
+exit "$status"
