@@ -132,6 +132,7 @@ table inet {TABLE} {{
     iifname \"{p}*\" oifname \"{p}*\" drop
     oifname \"{p}*\" ct state established,related accept
     oifname \"{p}*\" drop
+    iifname \"{p}*\" ip daddr {{ 169.254.0.0/16, 224.0.0.0/4 }} drop
     iifname \"{p}*\" ip saddr @egress accept
     iifname \"{p}*\" drop
   }}
