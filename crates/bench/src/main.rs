@@ -1,0 +1,407 @@
+//! `sandbar-bench`: measures a running Sandbar server the way a client sees it.
+//!
+//! 1. create→first-command-output latency (`POST /v2/sandboxes`, then `echo ready` through
+//!    `process.Process/Start` on the edge), sequentially and with concurrent clients;
+//! 2. host memory per idle sandbox;
+//! 3. reference points on the same host: `runc run /bin/true` on the template's root
+//!    filesystem, `unshare … /bin/true`, and a plain fork+exec.
+//!
+//! Every sandbox it creates is killed before it exits, on failure too.
+
+mod baseline;
+mod client;
+mod memory;
+mod stats;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+
+use crate::client::Api;
+use crate::memory::{CgroupVersion, IdleMemory};
+use crate::stats::{Summary, summarize};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sandbar-bench",
+    version,
+    about = "Latency and memory benchmark of a running Sandbar server"
+)]
+struct Args {
+    /// Base URL of the server (API and edge alike).
+    #[arg(long, env = "SANDBAR_API_URL", default_value = "http://127.0.0.1:3000")]
+    api_url: String,
+    /// API key (`e2b_…`) of the server's team.
+    #[arg(long, env = "SANDBAR_API_KEY")]
+    api_key: String,
+    /// The server's data directory; locates the template root filesystem.
+    #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
+    data_dir: PathBuf,
+    /// Root filesystem of the runc baseline [default: <data-dir>/templates/base-v1/rootfs].
+    #[arg(long)]
+    rootfs: Option<PathBuf>,
+    /// Sequential create→first-output iterations (also the runc/unshare repetitions).
+    #[arg(long, default_value_t = 30)]
+    iterations: usize,
+    /// Rounds of simultaneous create→first-output requests.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Simultaneous requests per round.
+    #[arg(long, default_value_t = 10)]
+    concurrency: usize,
+    /// Idle sandboxes for the memory measurement.
+    #[arg(long, default_value_t = 20)]
+    idle: usize,
+    /// Untimed iterations before each latency series.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Times the idle memory measurement is repeated (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    idle_cycles: usize,
+    /// Pause before and after creating the idle sandboxes, in milliseconds.
+    #[arg(long, default_value_t = 2000)]
+    settle_ms: u64,
+    /// Skip the runc/unshare baselines.
+    #[arg(long)]
+    no_baseline: bool,
+}
+
+/// Latencies of one create→first-output request, split into its parts.
+#[derive(Debug, Default)]
+struct Series {
+    total: Vec<Duration>,
+    create: Vec<Duration>,
+    start: Vec<Duration>,
+}
+
+impl Series {
+    fn extend(&mut self, other: Series) {
+        self.total.extend(other.total);
+        self.create.extend(other.create);
+        self.start.extend(other.start);
+    }
+}
+
+/// One full client round trip; the sandbox is left for the caller to kill.
+async fn create_then_echo(api: &Api) -> anyhow::Result<(String, [Duration; 3])> {
+    let started = Instant::now();
+    let sandbox = api.create().await?;
+    let create = started.elapsed();
+    let start = api
+        .first_output(&sandbox)
+        .await
+        .with_context(|| format!("sandbox {}", sandbox.id))?;
+    Ok((sandbox.id, [create + start, create, start]))
+}
+
+/// `rounds` rounds of `concurrency` simultaneous round trips; sandboxes are killed (untimed)
+/// after each round. The first `warmup` rounds are not recorded.
+async fn latency(
+    api: &Api,
+    warmup: usize,
+    rounds: usize,
+    concurrency: usize,
+) -> anyhow::Result<(Series, Vec<Duration>)> {
+    let mut series = Series::default();
+    let mut walls = Vec::with_capacity(rounds);
+    for round in 0..warmup + rounds {
+        let mut tasks = tokio::task::JoinSet::new();
+        let started = Instant::now();
+        for _ in 0..concurrency {
+            let api = api.clone();
+            tasks.spawn(async move { create_then_echo(&api).await });
+        }
+        let mut this = Series::default();
+        let mut failure = None;
+        while let Some(joined) = tasks.join_next().await {
+            match joined.map_err(anyhow::Error::from).and_then(|r| r) {
+                Ok((_, [total, create, start])) => {
+                    this.total.push(total);
+                    this.create.push(create);
+                    this.start.push(start);
+                }
+                Err(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        let wall = started.elapsed();
+        let leftovers = api.kill_all().await;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        if let Some((id, e)) = leftovers.into_iter().next() {
+            return Err(e.context(format!("cannot kill sandbox {id}")));
+        }
+        if round >= warmup {
+            series.extend(this);
+            walls.push(wall);
+        }
+    }
+    Ok((series, walls))
+}
+
+#[derive(Debug, Default)]
+struct Results {
+    rows: Vec<(String, Option<Summary>)>,
+    idle: Option<IdleMemory>,
+    idle_cycles: Vec<IdleMemory>,
+}
+
+impl Results {
+    fn row(&mut self, name: impl Into<String>, samples: &[Duration]) {
+        self.rows.push((name.into(), summarize(samples)));
+    }
+
+    fn find(&self, prefix: &str) -> Option<Summary> {
+        self.rows
+            .iter()
+            .find(|(name, _)| name.starts_with(prefix))
+            .and_then(|(_, s)| *s)
+    }
+}
+
+async fn run(
+    args: &Args,
+    api: &Api,
+    cgroups: CgroupVersion,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    if !api
+        .base_template_ready()
+        .await
+        .context("the server is not reachable")?
+    {
+        bail!("the server has no ready template aliased 'base' yet");
+    }
+
+    if !args.no_baseline {
+        let rootfs = args
+            .rootfs
+            .clone()
+            .unwrap_or_else(|| args.data_dir.join("templates/base-v1/rootfs"));
+        eprintln!(
+            "baseline: fork+exec, unshare and runc run of /bin/true, {} times each",
+            args.iterations
+        );
+        let fork = baseline::fork_exec(args.warmup, args.iterations).await?;
+        results.row("fork+exec `/bin/true`", &fork);
+        match baseline::unshare(args.warmup, args.iterations).await {
+            Ok(samples) => results.row("`unshare -muinpf --mount-proc /bin/true`", &samples),
+            Err(e) => eprintln!("warning: unshare baseline skipped: {e:#}"),
+        }
+        let runc = baseline::runc(&rootfs, args.warmup, args.iterations).await?;
+        results.row("`runc run` `/bin/true` (template rootfs, read-only)", &runc);
+    }
+
+    eprintln!(
+        "latency: {} sequential create→first output",
+        args.iterations
+    );
+    let (seq, _) = latency(api, args.warmup, args.iterations, 1).await?;
+    results.row("create→first output, c=1", &seq.total);
+    results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
+    results.row("  Start → first stdout, c=1", &seq.start);
+
+    let c = args.concurrency;
+    eprintln!(
+        "latency: {} rounds of {c} simultaneous create→first output",
+        args.rounds
+    );
+    let (par, walls) = latency(api, args.warmup.min(1), args.rounds, c).await?;
+    results.row(format!("create→first output, c={c}"), &par.total);
+    results.row(
+        format!("  create (`POST /v2/sandboxes` → 201), c={c}"),
+        &par.create,
+    );
+    results.row(format!("  Start → first stdout, c={c}"), &par.start);
+    results.row(format!("  wall time of a round of {c}"), &walls);
+
+    eprintln!(
+        "memory: {} idle sandboxes, {} times",
+        args.idle, args.idle_cycles
+    );
+    let (idle, cycles) = memory::idle_cycles(
+        api,
+        cgroups,
+        args.idle,
+        c,
+        Duration::from_millis(args.settle_ms),
+        args.idle_cycles,
+    )
+    .await?;
+    results.idle = Some(idle);
+    results.idle_cycles = cycles;
+    Ok(())
+}
+
+fn machine(cgroups: CgroupVersion) -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown".into());
+    let total = memory::mem_total().map_or_else(
+        |_| "unknown".into(),
+        |b| format!("{:.1} GiB", b as f64 / (1024.0 * 1024.0 * 1024.0)),
+    );
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into());
+    format!(
+        "- CPUs (nproc): {cpus}\n- kernel: {kernel}\n- cgroups: {}\n- memory: {total}\n- load average (1 min) before the run: {load}\n",
+        cgroups.describe()
+    )
+}
+
+fn report(args: &Args, machine: &str, results: &Results) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "## Machine\n\n{machine}");
+    let _ = writeln!(
+        out,
+        "## Latency (ms)\n\n| measurement | n | p50 | p95 | p99 | mean | min | max |\n|---|--:|--:|--:|--:|--:|--:|--:|"
+    );
+    for (name, summary) in &results.rows {
+        match summary {
+            Some(s) => {
+                let _ = writeln!(
+                    out,
+                    "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    s.n, s.p50, s.p95, s.p99, s.mean, s.min, s.max
+                );
+            }
+            None => {
+                let _ = writeln!(out, "| {name} | 0 | – | – | – | – | – | – |");
+            }
+        }
+    }
+    if let Some(m) = &results.idle {
+        let _ = writeln!(
+            out,
+            "\n## Idle memory ({} sandboxes, MiB per sandbox, median of {} cycles)\n\n| measurement | MiB |\n|---|--:|",
+            m.n,
+            results.idle_cycles.len()
+        );
+        for (name, value) in [
+            (
+                "estimate: kernel growth + memory cgroup usage, / N",
+                m.kernel + m.cgroup_usage,
+            ),
+            ("host MemAvailable drop / N", m.host_available_drop),
+            (
+                "kernel SUnreclaim+KernelStack+PageTables+Percpu growth / N",
+                m.kernel,
+            ),
+            (
+                "memory cgroup usage / N (page cache included)",
+                m.cgroup_usage,
+            ),
+            ("memory cgroup anonymous (rss) / N", m.cgroup_anon),
+            ("agent (PID 1) VmRSS, mean", m.agent_rss),
+            ("agent (PID 1) PSS, mean", m.agent_pss),
+            ("VmRSS of all sandbox processes, mean", m.all_processes_rss),
+        ] {
+            let _ = writeln!(out, "| {name} | {value:.2} |");
+        }
+        if let Some(regained) = m.host_available_regained {
+            let _ = writeln!(
+                out,
+                "| host MemAvailable regained after killing them / N | {regained:.2} |"
+            );
+        }
+        let _ = writeln!(out, "| processes per idle sandbox | {:.1} |", m.processes);
+        let cycles: Vec<String> = results
+            .idle_cycles
+            .iter()
+            .map(|c| {
+                format!(
+                    "{:.2}/{}",
+                    c.host_available_drop,
+                    c.host_available_regained
+                        .map_or_else(|| "–".into(), |r| format!("{r:.2}"))
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "\nMemAvailable drop/regained per sandbox in each cycle (MiB): {}",
+            cycles.join(", ")
+        );
+    }
+    let _ = writeln!(out, "\n## Goals\n");
+    let create = results.find("create→first output, c=1");
+    let runc = results.find("`runc run`");
+    match (create, runc) {
+        (Some(s), Some(r)) => {
+            let _ = writeln!(
+                out,
+                "- create→first output p50 {:.1} ms vs `runc run /bin/true` p50 {:.1} ms: {}",
+                s.p50,
+                r.p50,
+                if s.p50 <= r.p50 { "met" } else { "not met" }
+            );
+        }
+        _ => {
+            let _ = writeln!(out, "- create→first output vs runc: not measured");
+        }
+    }
+    if let Some(m) = &results.idle {
+        let verdict = |mib: f64| if mib < 5.0 { "met" } else { "not met" };
+        let estimate = m.kernel + m.cgroup_usage;
+        let _ = writeln!(
+            out,
+            "- host memory per idle sandbox (kernel growth + cgroup usage) {estimate:.2} MiB vs 5 MiB: {}",
+            verdict(estimate)
+        );
+        let _ = writeln!(
+            out,
+            "- host MemAvailable drop per idle sandbox {:.2} MiB vs 5 MiB: {} (host-wide: disturbed by anything else running)",
+            m.host_available_drop,
+            verdict(m.host_available_drop)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nParameters: --iterations {} --rounds {} --concurrency {} --idle {} --idle-cycles {} --warmup {}",
+        args.iterations, args.rounds, args.concurrency, args.idle, args.idle_cycles, args.warmup
+    );
+    out
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    if args.iterations == 0 || args.rounds == 0 || args.concurrency == 0 {
+        eprintln!("error: --iterations, --rounds and --concurrency must be at least 1");
+        return ExitCode::FAILURE;
+    }
+    let api = Api::new(&args.api_url, &args.api_key);
+    let cgroups = CgroupVersion::detect();
+    let machine = machine(cgroups);
+    let mut results = Results::default();
+    let started = Instant::now();
+    let outcome = tokio::select! {
+        outcome = run(&args, &api, cgroups, &mut results) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    // Whatever happened, leave no sandbox or container behind.
+    let leftovers = api.kill_all().await;
+    baseline::delete_runc_leftovers().await;
+    for (id, e) in &leftovers {
+        eprintln!("warning: sandbox {id} may still be running: {e:#}");
+    }
+    println!("{}", report(&args, &machine, &results));
+    eprintln!("finished in {:.1} s", started.elapsed().as_secs_f64());
+    match outcome {
+        Ok(()) if leftovers.is_empty() => ExitCode::SUCCESS,
+        Ok(()) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
