@@ -8,10 +8,14 @@ use std::path::Path;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD_NO_PAD;
 use hyper_util::rt::TokioIo;
+use sandbar_core::Endpoint;
+use sha2::{Digest, Sha256};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::AppState;
@@ -96,11 +100,15 @@ pub(crate) async fn route_to_sandbox(
             .and_then(|h| h.to_str().ok())
             .and_then(|h| target_from_host(h, &state.edge.domain)),
     };
-    let Some(target) = target else {
-        return next.run(request).await;
-    };
-    let Some(endpoint) = state.sandboxes.route(&target.sandbox_id) else {
-        return not_found(&target.sandbox_id);
+    let (target, endpoint) = match target {
+        Some(target) => match state.sandboxes.route(&target.sandbox_id) {
+            Some(endpoint) => (target, endpoint),
+            None => return not_found(&target.sandbox_id),
+        },
+        None => match signed_file_route(&state, &request) {
+            Some(routed) => routed,
+            None => return next.run(request).await,
+        },
     };
     let result = if target.port == AGENT_PORT {
         match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
@@ -124,6 +132,48 @@ pub(crate) async fn route_to_sandbox(
         }
     };
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
+/// sandbox whose agent token produced the URL's signature.
+fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Endpoint)> {
+    if request.uri().path() != "/files" {
+        return None;
+    }
+    let operation = match *request.method() {
+        Method::GET => "read",
+        Method::POST => "write",
+        _ => return None,
+    };
+    let query = request.uri().query()?;
+    let param = |name: &str| {
+        url::form_urlencoded::parse(query.as_bytes())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.into_owned())
+    };
+    let signature = param("signature")?;
+    let path = param("path")?;
+    let user = param("username").unwrap_or_default();
+    let expiration = param("signature_expiration");
+    let (sandbox_id, endpoint) = state.sandboxes.route_by_token(|token| {
+        let raw = match &expiration {
+            Some(exp) => format!("{path}:{operation}:{user}:{token}:{exp}"),
+            None => format!("{path}:{operation}:{user}:{token}"),
+        };
+        let expected = format!(
+            "v1_{}",
+            STANDARD_NO_PAD.encode(Sha256::digest(raw.as_bytes()))
+        );
+        // Query decoding turns an unescaped '+' of the base64 into a space.
+        expected == signature || expected == signature.replace(' ', "+")
+    })?;
+    Some((
+        Target {
+            sandbox_id,
+            port: AGENT_PORT,
+        },
+        endpoint,
+    ))
 }
 
 fn unreachable(target: &Target, socket: &Path, e: std::io::Error) -> ApiError {

@@ -146,9 +146,19 @@ pub(crate) async fn list_v2(
     query: QueryPairs,
 ) -> Result<Response, ApiError> {
     let limit = query.int_in("limit", 1..=MAX_PAGE)?.unwrap_or(MAX_PAGE);
+    let ascending = match query.get("order") {
+        None | Some("desc") => false,
+        Some("asc") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "invalid order '{other}': expected asc or desc"
+            )));
+        }
+    };
     let list = ListQuery {
         metadata: metadata_filter(&query)?,
         states: state_filter(&query)?,
+        ascending,
         limit: limit as usize,
         next_token: query
             .get("nextToken")
@@ -176,6 +186,7 @@ pub(crate) async fn list_v1(
         states: Some(vec![SandboxState::Running]),
         limit: MAX_PAGE as usize,
         next_token: None,
+        ascending: false,
     };
     let mut items = Vec::new();
     loop {

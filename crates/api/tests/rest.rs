@@ -49,12 +49,7 @@ impl Runtime for RecordingRuntime {
         Ok(())
     }
 
-    async fn adopt(
-        &self,
-        _: &str,
-        _: &RuntimeHandle,
-        _: bool,
-    ) -> Result<Option<Endpoint>, RuntimeError> {
+    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
         Ok(None)
     }
 }

@@ -55,12 +55,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// Stops a sandbox and releases everything it held; succeeds if it is already gone.
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError>;
 
-    /// After a restart: whether the sandbox still runs, and if so how to reach it (the runtime
-    /// re-applies any host state, such as firewall rules, that did not survive).
+    /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-        allow_internet_access: bool,
     ) -> Result<Option<Endpoint>, RuntimeError>;
 }

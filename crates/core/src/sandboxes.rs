@@ -85,6 +85,8 @@ pub struct ListQuery {
     pub states: Option<Vec<SandboxState>>,
     pub limit: usize,
     pub next_token: Option<String>,
+    /// Oldest first instead of newest first.
+    pub ascending: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -105,6 +107,8 @@ struct Live {
     team_id: String,
     end_at: DateTime<Utc>,
     endpoint: Option<Endpoint>,
+    /// The agent's access token, to find the sandbox a signed file URL belongs to.
+    access_token: String,
     phase: Phase,
 }
 
@@ -244,6 +248,7 @@ impl Sandboxes {
         if let Some(entry) = self.live().get_mut(&id) {
             entry.phase = Phase::Running;
             entry.endpoint = Some(endpoint);
+            entry.access_token = sandbox.envd_access_token.clone();
             entry.end_at = sandbox.end_at;
         }
         if let Err(err) = self
@@ -279,6 +284,7 @@ impl Sandboxes {
                 team_id: team.id.clone(),
                 end_at,
                 endpoint: None,
+                access_token: String::new(),
                 phase: Phase::Starting,
             },
         );
@@ -313,10 +319,11 @@ impl Sandboxes {
             .filter(|(_, l)| l.phase == Phase::Stopping)
             .map(|(id, _)| id.clone())
             .collect();
-        let mut matching = self
-            .store
-            .team_sandboxes(&team.id)
-            .await?
+        let mut sandboxes = self.store.team_sandboxes(&team.id).await?;
+        if query.ascending {
+            sandboxes.reverse();
+        }
+        let mut matching = sandboxes
             .into_iter()
             .filter(|s| !stopping.contains(&s.id))
             .filter(|s| query.states.as_ref().is_none_or(|st| st.contains(&s.state)))
@@ -329,8 +336,13 @@ impl Sandboxes {
             .filter(|s| match &after {
                 None => true,
                 Some((micros, id)) => {
-                    let key = s.started_at.timestamp_micros();
-                    key < *micros || (key == *micros && s.id.as_str() < id.as_str())
+                    let position = (s.started_at.timestamp_micros(), s.id.as_str());
+                    let cursor = (*micros, id.as_str());
+                    if query.ascending {
+                        position > cursor
+                    } else {
+                        position < cursor
+                    }
                 }
             });
         let items: Vec<Sandbox> = matching.by_ref().take(query.limit).collect();
@@ -428,6 +440,16 @@ impl Sandboxes {
             .and_then(|l| l.endpoint.clone())
     }
 
+    /// The running sandbox whose agent access token satisfies `matches`. Signed file URLs
+    /// carry no sandbox ID, only a signature made with that token.
+    pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Endpoint)> {
+        self.live()
+            .iter()
+            .filter(|(_, l)| l.phase == Phase::Running && !l.access_token.is_empty())
+            .find(|(_, l)| matches(&l.access_token))
+            .and_then(|(id, l)| Some((id.clone(), l.endpoint.clone()?)))
+    }
+
     /// Stops every sandbox whose end time has passed.
     pub async fn reap_expired(&self) {
         let now = Utc::now();
@@ -471,11 +493,7 @@ impl Sandboxes {
     pub async fn recover(&self) -> Result<usize, StoreError> {
         let mut adopted = 0;
         for sandbox in self.store.all_sandboxes().await? {
-            match self
-                .runtime
-                .adopt(&sandbox.id, &sandbox.handle, sandbox.allow_internet_access)
-                .await
-            {
+            match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
                     self.live().insert(
                         sandbox.id.clone(),
@@ -483,6 +501,7 @@ impl Sandboxes {
                             team_id: sandbox.team_id.clone(),
                             end_at: sandbox.end_at,
                             endpoint: Some(endpoint),
+                            access_token: sandbox.envd_access_token.clone(),
                             phase: Phase::Running,
                         },
                     );

@@ -48,8 +48,9 @@ pub struct JailSpec {
     /// Empty directory the overlay is mounted on (inside the sandbox's mount namespace only).
     pub root_dir: PathBuf,
     pub hostname: String,
-    /// `cgroup.procs` files the sandbox joins before it unshares its cgroup namespace.
-    pub cgroup_procs: Vec<PathBuf>,
+    /// Files the booting process writes `0` (itself) into to join the sandbox's cgroups,
+    /// before it unshares its cgroup namespace.
+    pub cgroup_join: Vec<PathBuf>,
     /// Name servers written to the sandbox's `/etc/resolv.conf`.
     pub nameservers: Vec<String>,
     pub agent: AgentConfig,
@@ -100,12 +101,10 @@ pub fn boot() -> Result<Booted, BootError> {
         .map_err(BootError::ReadSpec)?;
     let spec: JailSpec = serde_json::from_str(&raw).map_err(BootError::ParseSpec)?;
 
-    for procs in &spec.cgroup_procs {
-        std::fs::write(procs, std::process::id().to_string()).map_err(|source| {
-            BootError::JoinCgroup {
-                path: procs.clone(),
-                source,
-            }
+    for file in &spec.cgroup_join {
+        std::fs::write(file, "0").map_err(|source| BootError::JoinCgroup {
+            path: file.clone(),
+            source,
         })?;
     }
     sys::unshare(
@@ -177,7 +176,7 @@ mod tests {
             work_dir: "/w".into(),
             root_dir: "/r".into(),
             hostname: "sbx".into(),
-            cgroup_procs: vec!["/sys/fs/cgroup/pids/sandbar/x/cgroup.procs".into()],
+            cgroup_join: vec!["/sys/fs/cgroup/pids/sandbar/x/tasks".into()],
             nameservers: vec!["10.0.0.1".into()],
             agent: AgentConfig {
                 access_token: Some("tok".into()),

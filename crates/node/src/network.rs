@@ -9,6 +9,11 @@ use tokio::io::AsyncWriteExt;
 
 /// Host-side interface names start with this; the firewall matches on it.
 pub const IFACE_PREFIX: &str = "sbx";
+/// Sandboxes allowed to reach the outside have host interfaces `sbxe<slot>`, isolated ones
+/// `sbxi<slot>`: the firewall tells them apart by name, so starting a sandbox needs no
+/// firewall change at all.
+const EGRESS_MARK: char = 'e';
+const ISOLATED_MARK: char = 'i';
 const TABLE: &str = "sandbar";
 
 #[derive(Debug, thiserror::Error)]
@@ -89,8 +94,20 @@ async fn run(
     Ok(())
 }
 
-pub fn iface_name(slot: u32) -> String {
-    format!("{IFACE_PREFIX}{slot}")
+/// Host-side interface of slot `slot`.
+pub fn iface_name(slot: u32, egress: bool) -> String {
+    let mark = if egress { EGRESS_MARK } else { ISOLATED_MARK };
+    format!("{IFACE_PREFIX}{mark}{slot}")
+}
+
+fn iface_exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
+
+/// Whether anything on the host already uses slot `slot`'s interface names (a sandbox of
+/// this node, a leftover, or another process).
+pub fn slot_in_use(slot: u32) -> bool {
+    iface_exists(&iface_name(slot, true)) || iface_exists(&iface_name(slot, false))
 }
 
 impl Network {
@@ -117,8 +134,7 @@ impl Network {
         format!("{}/{}", self.base, self.prefix_len)
     }
 
-    /// Enables forwarding and (re)creates the firewall table. Egress permissions of adopted
-    /// sandboxes must be re-added afterwards with [`Network::allow_egress`].
+    /// Enables forwarding and (re)creates the firewall table.
     pub async fn init(&self) -> Result<(), NetworkError> {
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(NetworkError::Forwarding)?;
         let p = IFACE_PREFIX;
@@ -126,14 +142,13 @@ impl Network {
             "table inet {TABLE}
 delete table inet {TABLE}
 table inet {TABLE} {{
-  set egress {{ type ipv4_addr; }}
   chain forward {{
     type filter hook forward priority filter - 1; policy accept;
     iifname \"{p}*\" oifname \"{p}*\" drop
     oifname \"{p}*\" ct state established,related accept
     oifname \"{p}*\" drop
     iifname \"{p}*\" ip daddr {{ 169.254.0.0/16, 224.0.0.0/4 }} drop
-    iifname \"{p}*\" ip saddr @egress accept
+    iifname \"{p}{e}*\" accept
     iifname \"{p}*\" drop
   }}
   chain input {{
@@ -147,15 +162,21 @@ table inet {TABLE} {{
   }}
 }}
 ",
-            cidr = self.cidr()
+            cidr = self.cidr(),
+            e = EGRESS_MARK,
         );
         run("nft", &["-f", "-"], Some(&ruleset), "the sandbox firewall").await
     }
 
     /// Connects the network namespace of `pid` to the host through slot `slot`.
-    pub async fn attach(&self, slot: u32, pid: i32) -> Result<SlotAddrs, NetworkError> {
+    pub async fn attach(
+        &self,
+        slot: u32,
+        pid: i32,
+        egress: bool,
+    ) -> Result<SlotAddrs, NetworkError> {
         let addrs = self.addrs(slot)?;
-        let iface = iface_name(slot);
+        let iface = iface_name(slot, egress);
         let host_side = format!(
             "link add {iface} type veth peer name eth0 netns {pid}\n\
              addr add {host}/30 dev {iface}\n\
@@ -185,24 +206,14 @@ table inet {TABLE} {{
         Ok(addrs)
     }
 
-    pub async fn allow_egress(&self, slot: u32) -> Result<(), NetworkError> {
-        let addrs = self.addrs(slot)?;
-        let cmd = format!("add element inet {TABLE} egress {{ {} }}\n", addrs.sandbox);
-        run("nft", &["-f", "-"], Some(&cmd), &iface_name(slot)).await
-    }
-
-    /// Removes everything slot `slot` holds on the host; missing pieces are not an error.
+    /// Removes what slot `slot` holds on the host. The veth pair normally dies with the
+    /// sandbox's namespace; this covers a namespace that is somehow still alive.
     pub async fn release(&self, slot: u32) {
-        if let Ok(addrs) = self.addrs(slot) {
-            let cmd = format!(
-                "delete element inet {TABLE} egress {{ {} }}\n",
-                addrs.sandbox
-            );
-            let _ = run("nft", &["-f", "-"], Some(&cmd), &iface_name(slot)).await;
-        }
-        let iface = iface_name(slot);
-        if std::path::Path::new("/sys/class/net").join(&iface).exists() {
-            let _ = run("ip", &["link", "del", &iface], None, &iface).await;
+        for egress in [true, false] {
+            let iface = iface_name(slot, egress);
+            if iface_exists(&iface) {
+                let _ = run("ip", &["link", "del", &iface], None, &iface).await;
+            }
         }
     }
 }

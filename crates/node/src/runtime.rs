@@ -138,7 +138,8 @@ impl LinuxRuntime {
 
     fn take_slot(&self) -> Option<u32> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let free = (0..self.network.capacity()).find(|s| !slots.contains(s))?;
+        let free = (0..self.network.capacity())
+            .find(|s| !slots.contains(s) && !crate::network::slot_in_use(*s))?;
         slots.insert(free);
         Some(free)
     }
@@ -175,7 +176,7 @@ impl LinuxRuntime {
             work_dir: dir.join("work"),
             root_dir: dir.join("root"),
             hostname: "e2b.local".into(),
-            cgroup_procs: self.cgroups.procs_files(id),
+            cgroup_join: self.cgroups.join_files(id),
             nameservers: self.config.nameservers.clone(),
             agent: AgentConfig {
                 access_token: Some(spec.envd_access_token.clone()),
@@ -303,6 +304,7 @@ impl LinuxRuntime {
     ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
         let id = &spec.sandbox_id;
         let dir = self.sandbox_dir(id);
+        let started = std::time::Instant::now();
         self.cgroups
             .create(
                 id,
@@ -313,7 +315,9 @@ impl LinuxRuntime {
                 },
             )
             .map_err(|e| (None, sandbox_err(id, e)))?;
+        let cgroups_done = started.elapsed();
         let pid = self.spawn_jailed(spec, &dir).await.map_err(|e| (None, e))?;
+        let spawned = started.elapsed();
         let handle = Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
@@ -321,15 +325,10 @@ impl LinuxRuntime {
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         self.network
-            .attach(slot, pid)
+            .attach(slot, pid, spec.allow_internet_access)
             .await
             .map_err(|e| fail(sandbox_err(id, e)))?;
-        if spec.allow_internet_access {
-            self.network
-                .allow_egress(slot)
-                .await
-                .map_err(|e| fail(sandbox_err(id, e)))?;
-        }
+        let networked = started.elapsed();
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
             .await
@@ -337,6 +336,14 @@ impl LinuxRuntime {
                 let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
                 fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
             })?;
+        tracing::debug!(
+            sandbox_id = %id,
+            cgroups_us = cgroups_done.as_micros() as u64,
+            spawned_us = spawned.as_micros() as u64,
+            networked_us = networked.as_micros() as u64,
+            healthy_us = started.elapsed().as_micros() as u64,
+            "sandbox launch timings"
+        );
         Ok((handle, endpoint))
     }
 }
@@ -384,7 +391,6 @@ impl Runtime for LinuxRuntime {
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-        allow_internet_access: bool,
     ) -> Result<Option<Endpoint>, RuntimeError> {
         let handle = parse_handle(sandbox_id, handle)?;
         if !is_alive(&handle) {
@@ -394,12 +400,6 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(handle.slot);
-        if allow_internet_access {
-            self.network
-                .allow_egress(handle.slot)
-                .await
-                .map_err(|e| sandbox_err(sandbox_id, e))?;
-        }
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }
