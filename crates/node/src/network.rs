@@ -2,8 +2,13 @@
 //! veth pair on a /30 of a private range. Traffic is routed, not bridged, so every packet
 //! between sandboxes, or from a sandbox to the host, crosses the host's firewall.
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
 use std::process::Stdio;
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::link::{InfoData, InfoVeth};
+use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
 
 use tokio::io::AsyncWriteExt;
 
@@ -31,15 +36,20 @@ pub enum NetworkError {
     },
     #[error("cannot enable ip forwarding: {0}")]
     Forwarding(std::io::Error),
+    #[error("netlink: {what}: {message}")]
+    Netlink { what: String, message: String },
+    #[error("cannot open a netlink socket: {0}")]
+    Socket(std::io::Error),
     #[error("network slot {0} is outside the sandbox range")]
     SlotOutOfRange(u32),
 }
 
 /// The private range sandboxes are numbered from, one /30 per slot.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Network {
     base: Ipv4Addr,
     prefix_len: u8,
+    host: tokio::sync::OnceCell<Handle>,
 }
 
 /// Addresses of one slot.
@@ -112,7 +122,11 @@ pub fn slot_in_use(slot: u32) -> bool {
 
 impl Network {
     pub fn new(base: Ipv4Addr, prefix_len: u8) -> Self {
-        Self { base, prefix_len }
+        Self {
+            base,
+            prefix_len,
+            host: tokio::sync::OnceCell::new(),
+        }
     }
 
     pub fn capacity(&self) -> u32 {
@@ -168,7 +182,8 @@ table inet {TABLE} {{
         run("nft", &["-f", "-"], Some(&ruleset), "the sandbox firewall").await
     }
 
-    /// Connects the network namespace of `pid` to the host through slot `slot`.
+    /// Connects the network namespace of `pid` to the host through slot `slot`, with
+    /// netlink calls made from this process (no helper programs on the start path).
     pub async fn attach(
         &self,
         slot: u32,
@@ -177,45 +192,139 @@ table inet {TABLE} {{
     ) -> Result<SlotAddrs, NetworkError> {
         let addrs = self.addrs(slot)?;
         let iface = iface_name(slot, egress);
-        let host_side = format!(
-            "link add {iface} type veth peer name eth0 netns {pid}\n\
-             addr add {host}/30 dev {iface}\n\
-             link set {iface} up\n",
-            host = addrs.host,
-        );
-        run("ip", &["-batch", "-"], Some(&host_side), &iface).await?;
+        let fail = |step: &str| {
+            let what = format!("{step} for {iface}");
+            move |e: rtnetlink::Error| NetworkError::Netlink {
+                what,
+                message: e.to_string(),
+            }
+        };
+
+        let host = self.host_netlink().await?;
+        // The peer is created directly inside the sandbox's namespace, already named eth0.
+        let peer = LinkUnspec::new_with_name("eth0")
+            .setns_by_pid(pid as u32)
+            .build();
+        let veth = LinkVeth::new(&iface, "eth0")
+            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+            .build();
+        host.link()
+            .add(veth)
+            .execute()
+            .await
+            .map_err(fail("create veth"))?;
+        let index = link_index(&host, &iface).await.map_err(fail("find veth"))?;
+        host.address()
+            .add(index, IpAddr::V4(addrs.host), 30)
+            .execute()
+            .await
+            .map_err(fail("address veth"))?;
+        host.link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(fail("bring up veth"))?;
         // Reverse-path filtering drops packets whose source address does not belong to the
         // slot they arrive on.
         let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
-        let inside = format!(
-            "link set lo up\n\
-             addr add {sandbox}/30 dev eth0\n\
-             link set eth0 up\n\
-             route add default via {host}\n",
-            sandbox = addrs.sandbox,
-            host = addrs.host,
-        );
-        let netns = format!("--net=/proc/{pid}/ns/net");
-        run(
-            "nsenter",
-            &[&netns, "ip", "-batch", "-"],
-            Some(&inside),
-            &format!("the namespace of pid {pid}"),
-        )
-        .await?;
+
+        let inside = netlink_in_namespace_of(pid)?;
+        let lo = link_index(&inside, "lo").await.map_err(fail("find lo"))?;
+        inside
+            .link()
+            .set(LinkUnspec::new_with_index(lo).up().build())
+            .execute()
+            .await
+            .map_err(fail("bring up lo"))?;
+        let eth0 = link_index(&inside, "eth0")
+            .await
+            .map_err(fail("find eth0"))?;
+        inside
+            .address()
+            .add(eth0, IpAddr::V4(addrs.sandbox), 30)
+            .execute()
+            .await
+            .map_err(fail("address eth0"))?;
+        inside
+            .link()
+            .set(LinkUnspec::new_with_index(eth0).up().build())
+            .execute()
+            .await
+            .map_err(fail("bring up eth0"))?;
+        inside
+            .route()
+            .add(
+                RouteMessageBuilder::<Ipv4Addr>::new()
+                    .gateway(addrs.host)
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(fail("add default route"))?;
         Ok(addrs)
+    }
+
+    /// One netlink connection in the host's namespace, opened on first use and shared.
+    async fn host_netlink(&self) -> Result<Handle, NetworkError> {
+        self.host
+            .get_or_try_init(|| async {
+                let (connection, handle, _) =
+                    rtnetlink::new_connection().map_err(NetworkError::Socket)?;
+                tokio::spawn(connection);
+                Ok(handle)
+            })
+            .await
+            .cloned()
     }
 
     /// Removes what slot `slot` holds on the host. The veth pair normally dies with the
     /// sandbox's namespace; this covers a namespace that is somehow still alive.
     pub async fn release(&self, slot: u32) {
+        let Ok(host) = self.host_netlink().await else {
+            return;
+        };
         for egress in [true, false] {
             let iface = iface_name(slot, egress);
-            if iface_exists(&iface) {
-                let _ = run("ip", &["link", "del", &iface], None, &iface).await;
+            if iface_exists(&iface)
+                && let Ok(index) = link_index(&host, &iface).await
+            {
+                let _ = host.link().del(index).execute().await;
             }
         }
     }
+}
+
+async fn link_index(handle: &Handle, name: &str) -> Result<u32, rtnetlink::Error> {
+    let mut links = handle.link().get().match_name(name.to_owned()).execute();
+    match links.try_next().await? {
+        Some(link) => Ok(link.header.index),
+        None => Err(rtnetlink::Error::RequestFailed),
+    }
+}
+
+/// A netlink connection whose socket lives in the network namespace of `pid`.
+///
+/// A socket stays in the namespace it was created in, so a short-lived thread switches into
+/// the sandbox's namespace, opens the socket and ends; no thread of the server ever changes
+/// namespace for longer than that.
+fn netlink_in_namespace_of(pid: i32) -> Result<Handle, NetworkError> {
+    let runtime = tokio::runtime::Handle::current();
+    let netns_path = format!("/proc/{pid}/ns/net");
+    let opened = std::thread::spawn(move || -> Result<_, NetworkError> {
+        let netns = std::fs::File::open(&netns_path).map_err(NetworkError::Socket)?;
+        // SAFETY: setns on a descriptor we own; it only changes this thread's namespace.
+        if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(NetworkError::Socket(std::io::Error::last_os_error()));
+        }
+        // The socket registers with the runtime's reactor as it is created.
+        let _entered = runtime.enter();
+        rtnetlink::new_connection().map_err(NetworkError::Socket)
+    })
+    .join()
+    .map_err(|_| NetworkError::Socket(std::io::Error::other("netlink thread panicked")))??;
+    let (connection, handle, _) = opened;
+    tokio::spawn(connection);
+    Ok(handle)
 }
 
 #[cfg(test)]

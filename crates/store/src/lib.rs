@@ -11,7 +11,9 @@ use sandbar_core::store::StoredSecret;
 use sandbar_core::{
     BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team, Template,
 };
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
+};
 use sqlx::{Row, SqlitePool};
 
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +52,9 @@ impl SqliteStore {
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
+            // With WAL, NORMAL keeps the database consistent and loses nothing on a process
+            // crash (only on power loss), and saves an fsync per write on the create path.
+            .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(std::time::Duration::from_secs(5));
         let pool = SqlitePoolOptions::new()
