@@ -49,6 +49,10 @@ impl Runtime for RecordingRuntime {
         Ok(())
     }
 
+    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
+        Ok(0)
+    }
+
     async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
         Ok(None)
     }

@@ -55,6 +55,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// Stops a sandbox and releases everything it held; succeeds if it is already gone.
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError>;
 
+    /// Stops and removes every sandbox of this runtime that is not in `recorded`: leftovers of
+    /// a crash between starting a sandbox and recording it. Returns how many it removed.
+    async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError>;
+
     /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(
         &self,

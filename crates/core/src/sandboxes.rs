@@ -492,7 +492,14 @@ impl Sandboxes {
     /// rest. Expired ones are left for the reaper so their end is logged like any other.
     pub async fn recover(&self) -> Result<usize, StoreError> {
         let mut adopted = 0;
-        for sandbox in self.store.all_sandboxes().await? {
+        let recorded = self.store.all_sandboxes().await?;
+        let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
+        match self.runtime.sweep(&ids).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
+            Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
+        }
+        for sandbox in recorded {
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
                     self.live().insert(

@@ -387,6 +387,22 @@ impl Runtime for LinuxRuntime {
         self.teardown(sandbox_id, handle.as_ref()).await
     }
 
+    async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
+        let dir = self.config.data_dir.join("sandboxes");
+        let entries = std::fs::read_dir(&dir)
+            .map_err(|e| sandbox_err("*", format!("cannot list {}: {e}", dir.display())))?;
+        let mut removed = 0;
+        for entry in entries.flatten() {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            if recorded.contains(&id) {
+                continue;
+            }
+            self.teardown(&id, None).await?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
     async fn adopt(
         &self,
         sandbox_id: &str,
