@@ -1,0 +1,271 @@
+"""End-to-end fixtures for Sandbar.
+
+The suite starts one `sandbar serve` process for the whole test run and talks
+to it with the official E2B Python SDK (and with plain HTTP where the wire
+format itself is under test).
+
+Environment:
+  SANDBAR_BIN            path of the server binary
+                         (default: <repo>/target/release/sandbar)
+  SANDBAR_E2E_DATA_DIR   data dir, kept between runs so the base template is
+                         built once per machine (default: /var/tmp/sandbar-e2e)
+  SANDBAR_E2E_LOG_DIR    where the server log goes
+                         (default: /tmp/sandbar-e2e-logs)
+  SANDBAR_E2E_TEMPLATE_WAIT  seconds to wait for the base template (default 900)
+
+The tests must run as root on a Linux host (network namespaces, cgroups).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+from e2e_util import (
+    CREATED_IDS,
+    acquire_run_lock,
+    DATA_DIR,
+    LOG_DIR,
+    SANDBAR_BIN,
+    SandbarServer,
+    all_pids,
+    free_port,
+    host_links,
+    host_mounts_mentioning,
+    host_netns,
+    kill_all_listed,
+    other_sandbar_servers,
+    private_binaries,
+    record_sandbox_creation,
+    sandbox_cgroup_dirs,
+    sandbox_like_processes,
+)
+
+# Test files whose tests must run after every other file (they restart the server).
+RUN_LAST = ("test_restart.py",)
+
+
+# --------------------------------------------------------------------------
+# pytest hooks
+# --------------------------------------------------------------------------
+
+_SERVER: Optional[SandbarServer] = None
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Run the server-restarting tests after everything else."""
+    first = [i for i in items if i.path.name not in RUN_LAST]
+    last = [i for i in items if i.path.name in RUN_LAST]
+    items[:] = first + last
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and _SERVER is not None:
+        rep.sections.append(("sandbar server log", _SERVER.log_tail(80)))
+
+
+# --------------------------------------------------------------------------
+# fixtures
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sandbar():
+    """The running server. Offers .url, .port, .api_key, .restart(kill9), .log_tail()."""
+    global _SERVER
+    if os.geteuid() != 0:
+        pytest.exit("the Sandbar e2e suite must run as root", returncode=2)
+    if not SANDBAR_BIN.is_file():
+        pytest.exit(
+            f"sandbar binary not found at {SANDBAR_BIN}; build it with `cargo build --release -p sandbar` "
+            "or set SANDBAR_BIN",
+            returncode=2,
+        )
+
+    # Two runs must not share a data dir: they would kill each other's sandboxes.
+    lock = acquire_run_lock(DATA_DIR)
+
+    baseline_pids = all_pids()
+    baseline_cgroups = sandbox_cgroup_dirs()
+    baseline_links = host_links("sbx")
+    baseline_netns = host_netns()
+
+    log_path = LOG_DIR / f"sandbar-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    binary, _agent = private_binaries(SANDBAR_BIN)
+    server = SandbarServer(binary, DATA_DIR, log_path, free_port())
+    print(
+        f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "
+        f"data dir {DATA_DIR}, log {log_path}",
+        file=sys.stderr,
+    )
+    server.start()
+    _SERVER = server
+    try:
+        server.wait_healthy(timeout=60)
+        server.load_api_key()
+        server.wait_base_template()
+    except Exception as e:
+        server.stop(kill9=True)
+        shutil.rmtree(binary.parent, ignore_errors=True)
+        lock.close()
+        pytest.exit(f"could not start sandbar: {e}", returncode=3)
+
+    undo_recording = record_sandbox_creation()
+    old_env = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
+    os.environ["E2B_API_URL"] = server.url
+    os.environ["E2B_SANDBOX_URL"] = server.url
+    os.environ["E2B_API_KEY"] = server.api_key
+    os.environ["E2B_DOMAIN"] = server.domain
+
+    # Sandboxes left over by an earlier, interrupted run of this suite.
+    leftovers = kill_all_listed(server)
+    if leftovers:
+        print(f"[e2e] killed {len(leftovers)} sandboxes left from an earlier run", file=sys.stderr)
+
+    try:
+        yield server
+    finally:
+        problems: List[str] = []
+        try:
+            if server.proc is None or server.proc.poll() is not None:
+                # The server died (or a test left it stopped); bring it back to clean up.
+                server.proc = None
+                server.start()
+                server.wait_healthy(timeout=60)
+            kill_all_listed(server)
+            remaining = server.sandbox_ids()
+            if remaining:
+                problems.append(f"sandboxes still listed after kill: {sorted(remaining)}")
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"cleanup through the API failed: {e!r}")
+        try:
+            server.stop(kill9=False)
+        except Exception as e:  # noqa: BLE001
+            problems.append(f"stopping sandbar: {e}")
+            server.stop(kill9=True)
+        _SERVER = None
+        undo_recording()
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+        # Leak checks: resources may take a moment to disappear. Resources that
+        # cannot be tied to this run only count when no other Sandbar server is
+        # running on this machine.
+        def leaks():
+            out, notes = [], []
+            strict = not other_sandbar_servers()
+            loose = out if strict else notes
+            new_cg = sandbox_cgroup_dirs() - baseline_cgroups
+            mine = {d for d in new_cg if Path(d).name in CREATED_IDS}
+            if mine:
+                out.append(f"cgroup dirs left: {sorted(mine)}")
+            if new_cg - mine:
+                loose.append(f"cgroup dirs of unknown sandboxes left: {sorted(new_cg - mine)}")
+            links = host_links("sbx") - baseline_links
+            if links:
+                loose.append(f"host links left: {sorted(links)}")
+            ns = {n for n in host_netns() - baseline_netns if n.startswith("sbtest-")}
+            if ns:
+                out.append(f"test network namespaces left: {sorted(ns)}")
+            procs = sandbox_like_processes(DATA_DIR, baseline_pids, CREATED_IDS)
+            for mine_flag, target in ((True, out), (False, loose)):
+                sel = sorted((p, d["desc"]) for p, d in procs.items() if d["mine"] == mine_flag)
+                if sel:
+                    target.append("sandbox processes left: " + "; ".join(f"{p}: {d}" for p, d in sel[:20]))
+            mounts = host_mounts_mentioning(str(DATA_DIR))
+            if mounts:
+                out.append(f"host mounts under the data dir: {mounts[:10]}")
+            return out, notes
+
+        deadline = time.monotonic() + 20
+        found, notes = leaks()
+        while found and time.monotonic() < deadline:
+            time.sleep(1)
+            found, notes = leaks()
+        problems.extend(found)
+        shutil.rmtree(binary.parent, ignore_errors=True)
+        lock.close()
+        for n in notes:
+            print(f"[e2e] warning (another sandbar server is running): {n}", file=sys.stderr)
+        if problems:
+            tail = ""
+            try:
+                with open(log_path, "rb") as f:
+                    tail = f.read()[-8000:].decode("utf-8", "replace")
+            except OSError:
+                pass
+            pytest.fail("resource leaks after the run:\n  " + "\n  ".join(problems) + "\n" + tail)
+
+
+@pytest.fixture(scope="session")
+def base_template(sandbar) -> dict:
+    return sandbar.base_template or sandbar.wait_base_template()
+
+
+def _kill_quietly(sandbox_id: str) -> None:
+    from e2b import Sandbox
+
+    try:
+        Sandbox.kill(sandbox_id)
+    except Exception:  # noqa: BLE001 - teardown must not mask the test result
+        pass
+
+
+@pytest.fixture
+def sandbox(sandbar):
+    """A fresh sandbox from the default template (timeout 120 s), always killed afterwards."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(timeout=120)
+    try:
+        yield sbx
+    finally:
+        _kill_quietly(sbx.sandbox_id)
+
+
+@pytest.fixture
+def make_sandbox(sandbar):
+    """Factory for extra sandboxes: make_sandbox(**Sandbox.create kwargs). All are killed in teardown."""
+    from e2b import Sandbox
+
+    created: List = []
+
+    def _make(**kwargs):
+        kwargs.setdefault("timeout", 120)
+        sbx = Sandbox.create(**kwargs)
+        created.append(sbx)
+        return sbx
+
+    try:
+        yield _make
+    finally:
+        for sbx in created:
+            _kill_quietly(sbx.sandbox_id)
+
+
+@pytest.fixture
+def track_sandbox_id(sandbar):
+    """Register sandbox IDs created outside the SDK (raw HTTP) so they are killed in teardown."""
+    ids: List[str] = []
+
+    def _track(sandbox_id: str) -> None:
+        ids.append(sandbox_id)
+        CREATED_IDS.add(sandbox_id)
+
+    try:
+        yield _track
+    finally:
+        for sid in ids:
+            _kill_quietly(sid)

@@ -1,0 +1,477 @@
+"""Shared pieces of the Sandbar end-to-end suite: the server wrapper and host probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SANDBAR_BIN = Path(os.environ.get("SANDBAR_BIN") or REPO_ROOT / "target" / "release" / "sandbar")
+DATA_DIR = Path(os.environ.get("SANDBAR_E2E_DATA_DIR") or "/var/tmp/sandbar-e2e")
+LOG_DIR = Path(os.environ.get("SANDBAR_E2E_LOG_DIR") or "/tmp/sandbar-e2e-logs")
+TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
+
+# Fixed key registered on the first start of the data dir.
+TEST_API_KEY = "e2b_" + "5a4db0e2e0" * 4
+DEFAULT_DOMAIN = "sandbar.localhost"
+ENVD_PORT = 49983
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+# --------------------------------------------------------------------------
+# small utilities
+# --------------------------------------------------------------------------
+
+
+def acquire_run_lock(data_dir: Path, wait_s: float = float(os.environ.get("SANDBAR_E2E_LOCK_WAIT") or 1800)):
+    """Hold an exclusive lock for the data dir for the whole run; waits for another run to finish."""
+    import fcntl
+
+    lock_path = data_dir.parent / (data_dir.name + ".e2e-lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(lock_path, "a+")
+    deadline = time.monotonic() + wait_s
+    announced = False
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return f
+        except BlockingIOError:
+            if not announced:
+                print(f"[e2e] another run holds {lock_path}; waiting up to {wait_s:.0f}s", flush=True)
+                announced = True
+            if time.monotonic() > deadline:
+                f.close()
+                raise RuntimeError(f"another e2e run still holds {lock_path}")
+            time.sleep(2)
+
+
+def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
+    """Copy the server and its `sandbar-agent` sibling to a private dir.
+
+    A rebuild of target/release while the tests run would otherwise give the
+    server and the agent different versions halfway through.
+    """
+    import shutil
+    import tempfile
+
+    dest = Path(tempfile.mkdtemp(prefix="sandbar-e2e-bin-"))
+    server = dest / binary.name
+    shutil.copy2(binary, server)
+    agent_src = binary.parent / "sandbar-agent"
+    agent = None
+    if agent_src.is_file():
+        agent = dest / "sandbar-agent"
+        shutil.copy2(agent_src, agent)
+    return server, agent
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(
+    predicate: Callable[[], object],
+    timeout: float,
+    interval: float = 0.25,
+    message: str = "condition",
+):
+    """Poll `predicate` until it returns a truthy value; return that value.
+
+    Exceptions raised by the predicate count as "not yet". On timeout an
+    AssertionError names the condition and the last exception seen.
+    """
+    deadline = time.monotonic() + timeout
+    last_exc: Optional[BaseException] = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+            last_exc = None
+        except Exception as e:  # noqa: BLE001 - polled condition
+            last_exc = e
+        if time.monotonic() >= deadline:
+            extra = f" (last error: {last_exc!r})" if last_exc else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{extra}")
+        time.sleep(interval)
+
+
+def sandbar_cgroup_parents() -> List[Path]:
+    """Directories under which Sandbar creates one cgroup per sandbox."""
+    parents = []
+    if CGROUP_ROOT.is_dir():
+        for child in CGROUP_ROOT.iterdir():
+            cand = child / "sandbar"
+            if cand.is_dir():
+                parents.append(cand)
+        if (CGROUP_ROOT / "sandbar").is_dir():
+            parents.append(CGROUP_ROOT / "sandbar")
+    return parents
+
+
+def sandbox_cgroup_dirs(sandbox_id: Optional[str] = None) -> Set[str]:
+    """Existing per-sandbox cgroup directories (optionally only for one sandbox)."""
+    found = set()
+    for parent in sandbar_cgroup_parents():
+        try:
+            for child in parent.iterdir():
+                if child.is_dir() and (sandbox_id is None or child.name == sandbox_id):
+                    found.add(str(child))
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def host_links(prefix: str = "sbx") -> Set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    names = set()
+    for line in out.splitlines():
+        m = re.match(r"^\d+:\s+([^:@\s]+)", line)
+        if m and m.group(1).startswith(prefix):
+            names.add(m.group(1))
+    return names
+
+
+def host_netns() -> Set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _readlink(p: str) -> str:
+    try:
+        return os.readlink(p)
+    except OSError:
+        return ""
+
+
+def _read(p: str) -> str:
+    try:
+        with open(p, "r", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def all_pids() -> Set[int]:
+    return {int(d) for d in os.listdir("/proc") if d.isdigit()}
+
+
+def sandbox_like_processes(data_dir: Path, baseline: Iterable[int], ours: Iterable[str]) -> Dict[int, dict]:
+    """Processes that look like they belong to a sandbox and were not there when the run started.
+
+    A process counts if its cgroup path is under a `sandbar/` cgroup, its root or
+    cwd is inside the data dir, or it lives in another PID namespace than ours.
+    `mine` tells whether it can be tied to this run (a cgroup named after one of
+    `ours`, or a root/cwd inside the data dir).
+    """
+    baseline = set(baseline)
+    ours = set(ours)
+    own_pidns = _readlink("/proc/self/ns/pid")
+    data = str(data_dir)
+    found = {}
+    for pid in all_pids():
+        if pid in baseline or pid == os.getpid():
+            continue
+        cg = _read(f"/proc/{pid}/cgroup")
+        root = _readlink(f"/proc/{pid}/root")
+        cwd = _readlink(f"/proc/{pid}/cwd")
+        pidns = _readlink(f"/proc/{pid}/ns/pid")
+        if not (cg or root or pidns):
+            continue  # already gone
+        reasons = []
+        mine = False
+        for sid in sorted(set(re.findall(r":/sandbar/([^/\n]+)", cg))):
+            reasons.append(f"cgroup sandbar/{sid}")
+            mine = mine or sid in ours
+        if root.startswith(data) or cwd.startswith(data):
+            reasons.append("root/cwd in data dir")
+            mine = True
+        if pidns and own_pidns and pidns != own_pidns:
+            reasons.append("other pid namespace")
+        if reasons:
+            cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+            found[pid] = {"desc": f"{cmd!r} ({', '.join(reasons)})", "mine": mine}
+    return found
+
+
+def other_sandbar_servers(exclude: Iterable[int] = ()) -> List[int]:
+    """PIDs of `sandbar serve` processes other than ours (another server on this machine)."""
+    exclude = set(exclude)
+    pids = []
+    for pid in all_pids():
+        if pid in exclude:
+            continue
+        cmd = _read(f"/proc/{pid}/cmdline").split("\0")
+        if len(cmd) >= 2 and os.path.basename(cmd[0]) == "sandbar" and "serve" in cmd[1:]:
+            pids.append(pid)
+    return pids
+
+
+# IDs of every sandbox this run created or saw listed; used to tie leftovers to this run.
+CREATED_IDS: Set[str] = set()
+
+
+def record_sandbox_creation() -> Callable[[], None]:
+    """Wrap Sandbox._create so that every sandbox made through the SDK lands in CREATED_IDS."""
+    from e2b import Sandbox
+
+    original = Sandbox.__dict__["_create"]
+
+    def _create(cls, *args, **kwargs):
+        sbx = original.__func__(cls, *args, **kwargs)
+        CREATED_IDS.add(sbx.sandbox_id)
+        return sbx
+
+    Sandbox._create = classmethod(_create)
+
+    def undo():
+        Sandbox._create = original
+
+    return undo
+
+
+def host_mounts_mentioning(text: str) -> List[str]:
+    return [line for line in _read("/proc/self/mounts").splitlines() if text in line]
+
+
+# --------------------------------------------------------------------------
+# the server under test
+# --------------------------------------------------------------------------
+
+
+class SandbarServer:
+    """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
+
+    def __init__(self, binary: Path, data_dir: Path, log_path: Path, port: int):
+        self.binary = binary
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.domain = DEFAULT_DOMAIN
+        self.proc: Optional[subprocess.Popen] = None
+        self.api_key = TEST_API_KEY
+        self.base_template: Optional[dict] = None
+        self._log_file = None
+        self.starts = 0
+
+    # ---- process control -------------------------------------------------
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "ab", buffering=0)
+        self._log_file.write(f"\n===== sandbar start #{self.starts + 1} at {time.ctime()} =====\n".encode())
+        env = dict(os.environ)
+        env.update(
+            {
+                "SANDBAR_API_KEY": TEST_API_KEY,
+                "SANDBAR_LISTEN": f"127.0.0.1:{self.port}",
+                "SANDBAR_DATA_DIR": str(self.data_dir),
+                "RUST_BACKTRACE": "1",
+            }
+        )
+        env.setdefault("RUST_LOG", "info")
+        # Never hand our E2B settings to the server.
+        for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+            env.pop(k, None)
+        self.proc = subprocess.Popen(
+            [
+                str(self.binary),
+                "serve",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--data-dir",
+                str(self.data_dir),
+            ],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self.starts += 1
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"sandbar exited with code {self.proc.returncode} before becoming healthy\n" + self.log_tail()
+                )
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code in (200, 204):
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sandbar did not answer GET /health within {timeout}s\n" + self.log_tail())
+            time.sleep(0.2)
+
+    def load_api_key(self) -> None:
+        creds = self.data_dir / "credentials.json"
+        try:
+            data = json.loads(creds.read_text())
+            key = data.get("apiKey")
+            if isinstance(key, str) and key:
+                self.api_key = key
+        except (OSError, ValueError):
+            pass
+
+    def wait_base_template(self, timeout: float = TEMPLATE_WAIT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"sandbar exited with code {self.proc.returncode} while building the base template\n"
+                    + self.log_tail()
+                )
+            try:
+                r = httpx.get(self.url + "/templates", headers={"X-API-Key": self.api_key}, timeout=10)
+                last = f"{r.status_code} {r.text[:500]}"
+                if r.status_code == 200:
+                    for t in r.json():
+                        names = list(t.get("aliases") or []) + list(t.get("names") or [])
+                        if "base" in names:
+                            status = t.get("buildStatus")
+                            if status == "ready":
+                                self.base_template = t
+                                return t
+                            if status == "error":
+                                raise RuntimeError("base template build failed\n" + self.log_tail())
+            except httpx.HTTPError as e:
+                last = repr(e)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"base template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
+                )
+            time.sleep(2)
+
+    def stop(self, kill9: bool = False, timeout: float = 30) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill9 else signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+                if not kill9:
+                    raise AssertionError(f"sandbar did not exit within {timeout}s of SIGTERM\n" + self.log_tail())
+        self.proc = None
+        if self._log_file:
+            self._log_file.close()
+            self._log_file = None
+
+    def restart(self, kill9: bool = False, downtime: float = 0.0) -> None:
+        """Stop the server (SIGKILL or SIGTERM) and start it again on the same port and data dir."""
+        self.stop(kill9=kill9)
+        if downtime:
+            time.sleep(downtime)
+        deadline = time.monotonic() + 20
+        while True:
+            self.start()
+            try:
+                self.wait_healthy(timeout=60)
+                break
+            except RuntimeError:
+                # The port may briefly still be held; retry a few times.
+                if self.proc is not None and self.proc.poll() is not None and time.monotonic() < deadline:
+                    self.stop()
+                    time.sleep(0.5)
+                    continue
+                raise
+        self.wait_base_template(timeout=120)
+
+    # ---- logs --------------------------------------------------------------
+
+    def log_tail(self, lines: int = 150) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no server log)"
+        tail = "\n".join(text.splitlines()[-lines:])
+        return f"--- tail of {self.log_path} ---\n{tail}\n--- end of server log ---"
+
+    # ---- HTTP shortcuts ----------------------------------------------------
+
+    def client(self, api_key: Optional[str] = "__default__", **kw) -> httpx.Client:
+        headers = dict(kw.pop("headers", {}) or {})
+        if api_key == "__default__":
+            api_key = self.api_key
+        if api_key is not None:
+            headers["X-API-Key"] = api_key
+        return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 60), **kw)
+
+    def list_all_sandboxes(self) -> List[dict]:
+        """Every sandbox the server lists (all states, all pages), via GET /v2/sandboxes."""
+        items: List[dict] = []
+        token = None
+        with self.client() as c:
+            for _ in range(100):
+                params = {"limit": 100}
+                if token:
+                    params["nextToken"] = token
+                r = c.get("/v2/sandboxes", params=params)
+                assert r.status_code == 200, f"GET /v2/sandboxes -> {r.status_code} {r.text}"
+                items.extend(r.json())
+                CREATED_IDS.update(i["sandboxID"] for i in r.json())
+                token = r.headers.get("x-next-token")
+                if not token:
+                    break
+        return items
+
+    def sandbox_ids(self) -> Set[str]:
+        return {s["sandboxID"] for s in self.list_all_sandboxes()}
+
+
+def kill_all_listed(server: SandbarServer) -> List[str]:
+    """Kill every sandbox the server lists, using the SDK (Sandbox.list over all pages)."""
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    killed: List[str] = []
+    for _ in range(3):
+        ids = []
+        paginator = Sandbox.list(
+            query=SandboxQuery(state=[SandboxState.RUNNING, SandboxState.PAUSED]), limit=100
+        )
+        pages = 0
+        while paginator.has_next and pages < 100:
+            ids.extend(s.sandbox_id for s in paginator.next_items())
+            pages += 1
+        if not ids:
+            break
+        CREATED_IDS.update(ids)
+        for sid in ids:
+            try:
+                Sandbox.kill(sid)
+            except Exception:  # noqa: BLE001 - best effort cleanup
+                pass
+            killed.append(sid)
+    return killed
+
+
+
+def unique(prefix: str = "e2e") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,574 @@
+"""Isolation of sandboxes from the host and from each other.
+
+These tests run as root on the host. The only network peers they use are
+loopback, the sandboxes themselves, and a network namespace that the test
+creates (`sbtest-inet-*`), which stands in for "the internet".
+"""
+
+import errno
+import os
+import random
+import secrets
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import CommandExitException, SandboxException
+
+from e2e_util import (
+    DATA_DIR,
+    ENVD_PORT,
+    REPO_ROOT,
+    host_links,
+    host_mounts_mentioning,
+    sandbox_cgroup_dirs,
+    wait_until,
+)
+
+EXCLUDES = r"\( -path /proc -o -path /sys -o -path /dev \) -prune -o"
+
+
+def root(sbx, cmd, **kw):
+    kw.setdefault("timeout", 120)
+    return sbx.commands.run(cmd, user="root", **kw)
+
+
+def run_rc(sbx, cmd, user=None, timeout=60):
+    """Run a command and return (exit_code, stdout, stderr) without raising on non-zero exit."""
+    try:
+        r = sbx.commands.run(cmd, user=user, timeout=timeout)
+        return r.exit_code, r.stdout, r.stderr
+    except CommandExitException as e:
+        return e.exit_code, e.stdout, e.stderr
+
+
+FIB_TRIE_IPS = r"""python3 - <<'PY'
+import re
+data = open('/proc/net/fib_trie').read()
+ips = set(re.findall(r'\|-- (\d+\.\d+\.\d+\.\d+)\n\s+/32 host LOCAL', data))
+print(' '.join(sorted(i for i in ips if not i.startswith('127.'))))
+PY"""
+
+DEFAULT_GW = r"""python3 - <<'PY'
+import socket, struct
+for line in open('/proc/net/route').read().splitlines()[1:]:
+    f = line.split()
+    if f[1] == '00000000' and int(f[3], 16) & 2:
+        print(socket.inet_ntoa(struct.pack('<L', int(f[2], 16))))
+        break
+PY"""
+
+
+def tcp_probe_cmd(host, port, timeout=5):
+    return (
+        "python3 -c "
+        + shlex.quote(
+            "import socket,sys\n"
+            f"s=socket.socket(); s.settimeout({timeout})\n"
+            "try:\n"
+            f"    s.connect(({host!r}, {int(port)})); print('CONNECTED')\n"
+            "except Exception as e:\n"
+            "    print('FAILED', type(e).__name__, e)\n"
+        )
+    )
+
+
+def http_get_cmd(url, timeout=5):
+    return "python3 -c " + shlex.quote(
+        f"import urllib.request;r=urllib.request.urlopen({url!r},timeout={timeout});print(r.status);print(r.read().decode())"
+    )
+
+
+# ---- processes ---------------------------------------------------------------
+
+
+def test_host_processes_invisible(sandbox):
+    out = root(sandbox, "ps -e -o pid=,comm=").stdout
+    procs = {}
+    for line in out.splitlines():
+        pid, _, comm = line.strip().partition(" ")
+        procs[int(pid)] = comm.strip()
+    assert 1 in procs, out
+    assert len(procs) < 25, f"the sandbox sees {len(procs)} processes:\n{out}"
+    cmdline1 = root(sandbox, "tr '\\0' ' ' < /proc/1/cmdline").stdout
+    assert "agent" in procs[1] or "agent" in cmdline1, f"pid 1 is {procs[1]!r} ({cmdline1!r})"
+
+    args = root(sandbox, "ps -eo args=").stdout
+    assert "pytest" not in args
+    assert "serve --listen" not in args
+    me = os.getpid()
+    if me > 1000:
+        rc, _, _ = run_rc(sandbox, f"test -e /proc/{me}", user="root")
+        assert rc != 0, f"/proc/{me} (the test runner's pid) exists inside the sandbox"
+
+
+def test_namespaces_differ_from_host(sandbox):
+    for ns in ("pid", "net", "mnt", "uts", "ipc"):
+        host = os.readlink(f"/proc/self/ns/{ns}")
+        inside = root(sandbox, f"readlink /proc/self/ns/{ns}").stdout.strip()
+        assert inside and inside != host, f"{ns} namespace is shared with the host ({inside})"
+
+
+def test_hostname_differs(sandbox):
+    inside = sandbox.commands.run("cat /proc/sys/kernel/hostname").stdout.strip()
+    assert inside
+    assert inside != socket.gethostname()
+
+
+# ---- files -------------------------------------------------------------------
+
+
+def test_host_files_invisible(sandbox):
+    name = "sbx-e2e-host-marker-" + secrets.token_hex(8)
+    token = secrets.token_hex(16)
+    markers = [Path("/tmp") / name, Path("/root") / name]
+    try:
+        for m in markers:
+            m.write_text(token)
+        found = root(sandbox, f"find / {EXCLUDES} -name {name} -print 2>/dev/null; true").stdout
+        assert found.strip() == "", f"host marker visible in the sandbox: {found}"
+        via_proc = root(
+            sandbox,
+            f"ls -d /proc/*/root/tmp/{name} /proc/*/root/root/{name} /proc/*/cwd/{name} 2>/dev/null; true",
+        ).stdout
+        assert via_proc.strip() == "", f"host marker reachable through /proc: {via_proc}"
+        rc, out, _ = run_rc(sandbox, f"cat /proc/1/root/tmp/{name} /tmp/{name} /root/{name}", user="root")
+        assert rc != 0 and token not in out
+        # the repository and the server's data dir are not visible either
+        for p in (REPO_ROOT / "Cargo.toml", DATA_DIR / "credentials.json"):
+            rc, _, _ = run_rc(sandbox, f"test -e {shlex.quote(str(p))}", user="root")
+            assert rc != 0, f"{p} is visible inside the sandbox"
+    finally:
+        for m in markers:
+            m.unlink(missing_ok=True)
+
+
+def test_sandbox_files_not_visible_to_host_mounts(sandbox):
+    sandbox.files.write("/home/user/host-mount-check.txt", "x")
+    assert host_mounts_mentioning(str(DATA_DIR)) == [], "sandbox mounts leak into the host mount table"
+
+
+def test_no_block_devices(sandbox):
+    out = root(sandbox, "find /dev -type b 2>/dev/null; true").stdout
+    assert out.strip() == "", f"block devices visible in the sandbox: {out}"
+
+
+def test_sandboxes_cannot_see_each_others_files(make_sandbox):
+    a = make_sandbox()
+    b = make_sandbox()
+    name = "sbx-e2e-secret-" + secrets.token_hex(6)
+    part1, part2 = secrets.token_hex(8), secrets.token_hex(8)
+    token = part1 + part2
+    a.files.write(f"/tmp/{name}", token)
+    a.files.write(f"/home/user/{name}", token)
+    root(a, f"cp /tmp/{name} /root/{name}")
+
+    # The token is assembled inside the shell so that it never appears
+    # literally in a command line or in a log of the command.
+    search = (
+        f"P1={part1}; P2={part2}; "
+        f"find / {EXCLUDES} -name {name} -print 2>/dev/null; "
+        'grep -rlsF -D skip "$P1$P2" /tmp /home /root /var /opt /srv /etc /run 2>/dev/null; true'
+    )
+    # positive control: A finds its own files
+    found_in_a = root(a, search).stdout
+    assert f"/tmp/{name}" in found_in_a and f"/home/user/{name}" in found_in_a, found_in_a
+    # B finds nothing
+    found_in_b = root(b, search).stdout
+    assert found_in_b.strip() == "", f"B sees A's secret: {found_in_b}"
+    rc, out, _ = run_rc(b, f"cat /tmp/{name}", user="root")
+    assert rc != 0 and token not in out
+
+
+def test_sandboxes_cannot_see_each_others_processes(make_sandbox):
+    a = make_sandbox()
+    b = make_sandbox()
+    h = a.commands.run("sleep 1234567", background=True)
+    try:
+        wait_until(lambda: "sleep 1234567" in root(a, "ps -eo args=").stdout, timeout=10, message="sleep in A")
+        assert "1234567" not in root(b, "ps -eo args=").stdout
+        rc, _, _ = run_rc(b, "pkill -f 'sleep 1234567'", user="root")
+        assert rc != 0, "B could signal a process of A"
+        assert "sleep 1234567" in root(a, "ps -eo args=").stdout
+    finally:
+        h.kill()
+
+
+# ---- resources ------------------------------------------------------------------
+
+
+def test_memory_limit_oom_kills_only_the_hog(sandbox, sandbar):
+    hog = "python3 -c " + shlex.quote(
+        "import sys\nb = b'x' * (1024 * 1024 * 1024)\nprint('allocated', len(b))\nsys.stdout.flush()"
+    )
+    with pytest.raises(CommandExitException) as ei:
+        sandbox.commands.run(hog, timeout=120)
+    e = ei.value
+    assert "allocated" not in (e.stdout or "")
+    assert e.exit_code != 0
+    # killed by a signal (137 = 128 + SIGKILL, or a negative/-1 signal status)
+    assert e.exit_code in (137, -9, -1, 9) or e.exit_code >= 128, f"unexpected exit code {e.exit_code}"
+    # the sandbox and the host are fine
+    assert sandbox.commands.run("echo ok", timeout=30).stdout == "ok\n"
+    assert sandbox.is_running()
+    r = httpx.get(sandbar.url + "/health", timeout=10)
+    assert r.status_code in (200, 204)
+    assert sandbar.proc is not None and sandbar.proc.poll() is None, "the server died"
+
+
+FORK_LOOP = r"""python3 - <<'PY'
+import os, signal, sys
+pids = []
+err = None
+for i in range(3000):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        err = e.errno
+        break
+    if pid == 0:
+        try:
+            os.execv('/bin/sleep', ['sleep', '60'])
+        finally:
+            os._exit(1)
+    pids.append(pid)
+print(len(pids), err, flush=True)
+for p in pids:
+    try:
+        os.kill(p, signal.SIGKILL)
+    except OSError:
+        pass
+for p in pids:
+    try:
+        os.waitpid(p, 0)
+    except OSError:
+        pass
+PY"""
+
+
+@pytest.mark.parametrize("user", ["user", "root"])
+def test_process_count_is_capped(sandbox, sandbar, user):
+    out = sandbox.commands.run(FORK_LOOP, user=user, timeout=120).stdout.split()
+    count, err = int(out[0]), out[1]
+    assert count < 3000, f"{count} processes could be forked as {user}: no pids cap"
+    assert err == str(errno.EAGAIN), f"fork failed with errno {err}, expected EAGAIN from the pids cap"
+    assert count >= 50, f"only {count} forks succeeded; the cap is unreasonably low"
+    # the sandbox recovers
+    wait_until(
+        lambda: sandbox.commands.run("echo ok", timeout=20).stdout == "ok\n",
+        timeout=60,
+        interval=1,
+        message="the sandbox to answer after the fork loop",
+    )
+    assert httpx.get(sandbar.url + "/health", timeout=10).status_code in (200, 204)
+
+
+def _pids_max(sandbox_id):
+    for d in map(Path, sandbox_cgroup_dirs(sandbox_id)):
+        f = d / "pids.max"
+        if f.exists():
+            return f.read_text().strip()
+    return None
+
+
+def test_fork_bomb_is_contained(sandbox, sandbar):
+    cap = _pids_max(sandbox.sandbox_id)
+    # never run a real fork bomb without a cap in place
+    assert cap is not None and cap.isdigit() and int(cap) <= 4096, f"no usable pids cap ({cap}); not running the bomb"
+    start = time.monotonic()
+    try:
+        sandbox.commands.run(":(){ :|:& };:", timeout=10)
+    except SandboxException:
+        pass
+    assert time.monotonic() - start < 60
+    wait_until(
+        lambda: sandbox.commands.run("echo ok", timeout=10).stdout == "ok\n",
+        timeout=90,
+        interval=2,
+        message="the sandbox to answer after the fork bomb",
+    )
+    assert httpx.get(sandbar.url + "/health", timeout=10).status_code in (200, 204)
+    assert sandbar.proc is not None and sandbar.proc.poll() is None
+
+
+def test_cgroup_limits_on_host(sandbox):
+    sid = sandbox.sandbox_id
+    dirs = sandbox_cgroup_dirs(sid)
+    assert dirs, f"no cgroup directory named {sid} under any sandbar cgroup parent"
+    pids_max = None
+    mem_max = None
+    for d in map(Path, dirs):
+        for f in ("pids.max",):
+            if (d / f).exists():
+                pids_max = (d / f).read_text().strip()
+        for f in ("memory.limit_in_bytes", "memory.max"):
+            if (d / f).exists():
+                mem_max = (d / f).read_text().strip()
+    assert pids_max is not None and pids_max != "max", f"pids.max = {pids_max}"
+    assert 16 <= int(pids_max) <= 4096
+    assert mem_max is not None and mem_max != "max", f"memory limit = {mem_max}"
+    assert int(mem_max) <= 600 * 1024 * 1024, f"memory limit {mem_max} is above ~512 MiB"
+    sandbox.kill()
+    wait_until(lambda: not sandbox_cgroup_dirs(sid), timeout=15, message=f"cgroups of {sid} to be removed")
+
+
+def test_host_link_removed_on_kill(make_sandbox):
+    before = host_links("sbx")
+    sbx = make_sandbox()
+    sbx.commands.run("true")
+    new = host_links("sbx") - before
+    assert new, "no host-side sbx* link appeared for a new sandbox"
+    sbx.kill()
+    wait_until(lambda: not (host_links("sbx") & new), timeout=15, message=f"links {new} to be removed")
+
+
+def test_no_zombies_left_by_killed_sandboxes(make_sandbox, sandbar):
+    for _ in range(3):
+        sbx = make_sandbox(timeout=60)
+        sbx.commands.run("true")
+        assert sbx.kill() is True
+    server_pid = sandbar.proc.pid
+
+    def zombies():
+        out = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] == "Z" and int(fields[1]) == server_pid:
+                out.append(pid)
+        return out
+
+    wait_until(lambda: not zombies(), timeout=10, message="the server to reap its exited children")
+
+
+# ---- privileges -------------------------------------------------------------------
+
+
+def test_root_cannot_mount(sandbox):
+    rc, out, err = run_rc(sandbox, "sudo mount -t tmpfs x /mnt")
+    assert rc != 0, f"mount succeeded: {out} {err}"
+    assert "tmpfs" not in root(sandbox, "awk '$2==\"/mnt\"' /proc/mounts").stdout
+
+
+def test_root_cannot_change_network_devices(sandbox):
+    has_ip = run_rc(sandbox, "command -v ip")[0] == 0
+    if has_ip:
+        rc, out, err = run_rc(sandbox, "sudo ip link add e2edummy0 type dummy")
+        assert rc != 0, f"ip link add succeeded: {out} {err}"
+    probe = "python3 -c " + shlex.quote(
+        "import socket, fcntl, struct\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+        "mtu = struct.unpack('16si12x', fcntl.ioctl(s, 0x8921, struct.pack('16si12x', b'lo', 0)))[1]\n"
+        "try:\n"
+        "    fcntl.ioctl(s, 0x8922, struct.pack('16si12x', b'lo', mtu)); print('ALLOWED')\n"
+        "except OSError as e:\n"
+        "    print('DENIED', e.errno)\n"
+    )
+    out = sandbox.commands.run("sudo " + probe).stdout
+    assert out.startswith("DENIED"), f"root in the sandbox has CAP_NET_ADMIN: {out}"
+
+
+def test_proc_kcore_unreadable(sandbox):
+    out = sandbox.commands.run("sudo head -c 64 /proc/kcore 2>/dev/null | wc -c").stdout.strip()
+    assert out == "0", f"read {out} bytes of /proc/kcore"
+
+
+def test_sys_is_read_only(sandbox):
+    lines = [l.split() for l in root(sandbox, "cat /proc/mounts").stdout.splitlines()]
+    sys_mounts = [l for l in lines if len(l) >= 4 and l[1] == "/sys"]
+    if sys_mounts:
+        opts = sys_mounts[-1][3].split(",")
+        assert "ro" in opts, f"/sys is mounted {sys_mounts[-1][3]}"
+    else:
+        # no sysfs at all is fine too, as long as nothing is writable there
+        rc, _, _ = run_rc(sandbox, "test -w /sys/kernel", user="root")
+        assert rc != 0
+
+
+# ---- network ------------------------------------------------------------------------
+
+
+def _sh(*args, check=True):
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def fake_internet():
+    """A network namespace with a web server, reachable from the host through a veth pair."""
+    routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
+    for _ in range(50):
+        r = random.randint(1, 254)
+        if f"10.254.{r}." not in routes:
+            break
+    else:
+        pytest.skip("no free 10.254.x.0/30 subnet")
+    suffix = secrets.token_hex(3)
+    ns = f"sbtest-inet-{suffix}"
+    host_if, ns_if = f"sbth{suffix}", f"sbtn{suffix}"
+    host_ip, ns_ip = f"10.254.{r}.1", f"10.254.{r}.2"
+    port = random.randint(20000, 30000)
+    webroot = tempfile.mkdtemp(prefix="sbtest-www-")
+    marker = "internet-" + secrets.token_hex(8)
+    Path(webroot, "marker.txt").write_text(marker)
+    log_path = Path(webroot) / "access.log"
+    proc = None
+    log = None
+    try:
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _sh("ip", "link", "set", ns_if, "netns", ns)
+        _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        _sh("ip", "link", "set", host_if, "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
+        _sh("ip", "-n", ns, "link", "set", ns_if, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        log = open(log_path, "wb")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "python3", "-m", "http.server", str(port), "--bind", ns_ip, "--directory", webroot],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        url = f"http://{ns_ip}:{port}/marker.txt"
+        wait_until(
+            lambda: httpx.get(url, timeout=2).text == marker,
+            timeout=20,
+            message="the web server in the test namespace",
+        )
+        yield {"ip": ns_ip, "port": port, "url": url, "marker": marker, "log": log_path, "ns": ns}
+    finally:
+        if proc is not None:
+            proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if log is not None:
+            log.close()
+        _sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", host_if, check=False)
+        subprocess.run(["rm", "-rf", webroot], check=False)
+
+
+def test_egress_allowed_by_default(sandbox, fake_internet):
+    r = sandbox.commands.run(http_get_cmd(fake_internet["url"]), timeout=30)
+    lines = r.stdout.splitlines()
+    assert lines[0] == "200"
+    assert lines[1] == fake_internet["marker"]
+
+
+def test_egress_allowed_explicitly(make_sandbox, fake_internet):
+    sbx = make_sandbox(allow_internet_access=True)
+    r = sbx.commands.run(http_get_cmd(fake_internet["url"]), timeout=30)
+    assert r.stdout.splitlines()[0] == "200"
+
+
+def test_egress_blocked_without_internet_access(make_sandbox, fake_internet, sandbar):
+    sbx = make_sandbox(allow_internet_access=False)
+    probe_path = "blocked-probe-" + secrets.token_hex(6)
+    url = f"http://{fake_internet['ip']}:{fake_internet['port']}/{probe_path}"
+    rc, out, err = run_rc(sbx, http_get_cmd(url), timeout=30)
+    assert rc != 0, f"request from a sandbox without internet access succeeded: {out}"
+    rc, out, _ = run_rc(sbx, tcp_probe_cmd(fake_internet["ip"], fake_internet["port"]), timeout=30)
+    assert out.startswith("FAILED"), out
+    time.sleep(0.5)
+    assert probe_path not in fake_internet["log"].read_text(errors="replace")
+
+    # loopback inside the sandbox still works
+    h = sbx.commands.run("python3 -m http.server 8123 --bind 127.0.0.1", background=True)
+    try:
+        wait_until(
+            lambda: run_rc(sbx, http_get_cmd("http://127.0.0.1:8123/"))[0] == 0,
+            timeout=20,
+            interval=0.5,
+            message="loopback web server inside the sandbox",
+        )
+    finally:
+        h.kill()
+    # inbound traffic through the user-port proxy still reaches the sandbox
+    h2 = sbx.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True)
+    try:
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        wait_until(
+            lambda: httpx.get(sandbar.url + "/", headers=headers, timeout=5).status_code == 200,
+            timeout=20,
+            interval=0.5,
+            message="the proxy to reach a server in a sandbox without internet access",
+        )
+    finally:
+        h2.kill()
+
+
+def _sandbox_ips(sbx):
+    return sbx.commands.run(FIB_TRIE_IPS).stdout.split()
+
+
+def test_sandbox_cannot_reach_another_sandbox(make_sandbox):
+    a = make_sandbox()
+    b = make_sandbox()
+    h = a.commands.run("python3 -m http.server 8000 --bind 0.0.0.0", background=True)
+    try:
+        ips = _sandbox_ips(a)
+        assert ips, "could not find the sandbox's own address"
+        a_ip = ips[0]
+        # positive control: A reaches its own server on that address
+        wait_until(
+            lambda: run_rc(a, http_get_cmd(f"http://{a_ip}:8000/"))[0] == 0,
+            timeout=20,
+            interval=0.5,
+            message="A's web server on its own address",
+        )
+        for ip in ips:
+            out = b.commands.run(tcp_probe_cmd(ip, 8000), timeout=30).stdout
+            assert out.startswith("FAILED"), f"B connected to A at {ip}:8000"
+    finally:
+        h.kill()
+
+
+def test_sandbox_cannot_reach_host_server(sandbox, sandbar):
+    targets = set()
+    gw = sandbox.commands.run(DEFAULT_GW).stdout.strip()
+    if gw:
+        targets.add(gw)
+    # host-side addresses of the sandbox links
+    out = _sh("ip", "-4", "-o", "addr", "show").stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[1].startswith("sbx"):
+            targets.add(parts[3].split("/")[0])
+    assert targets, "found neither a default gateway in the sandbox nor a host address on an sbx* link"
+    for t in sorted(targets):
+        for port in (sandbar.port, ENVD_PORT):
+            res = sandbox.commands.run(tcp_probe_cmd(t, port), timeout=30).stdout
+            assert res.startswith("FAILED"), f"the sandbox reached the host at {t}:{port}"
+        # a host service listening on that very address is not reachable either
+        with socket.socket() as listener:
+            try:
+                listener.bind((t, 0))
+            except OSError:
+                continue  # not an address of this host
+            listener.listen(8)
+            port = listener.getsockname()[1]
+            with socket.create_connection((t, port), timeout=5):
+                pass  # positive control from the host itself
+            res = sandbox.commands.run(tcp_probe_cmd(t, port), timeout=30).stdout
+            assert res.startswith("FAILED"), f"the sandbox reached a host service at {t}:{port}"
+
+
+def test_sandbox_loopback_is_its_own(sandbox, sandbar):
+    # 127.0.0.1 inside the sandbox is not the host's loopback, where the server listens
+    res = sandbox.commands.run(tcp_probe_cmd("127.0.0.1", sandbar.port), timeout=30).stdout
+    assert res.startswith("FAILED"), "the sandbox reached the server through 127.0.0.1"
+

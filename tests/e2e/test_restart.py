@@ -1,0 +1,129 @@
+"""Sandboxes outlive the server process: restarts (kill -9 and SIGTERM) keep them, the reaper still applies.
+
+conftest.py moves these tests to the end of the run because they restart the server.
+"""
+
+import time
+from datetime import datetime, timezone
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
+
+from e2e_util import ENVD_PORT, sandbox_cgroup_dirs, unique, wait_until
+
+
+def _now():
+    return datetime.now(timezone.utc)
+
+
+def _listed(tag):
+    p = Sandbox.list(query=SandboxQuery(metadata={"restart-tag": tag}))
+    ids = set()
+    while p.has_next:
+        ids.update(s.sandbox_id for s in p.next_items())
+    return ids
+
+
+def _gone(sid):
+    try:
+        Sandbox.get_info(sid)
+        return False
+    except SandboxNotFoundException:
+        return True
+
+
+def test_kill9_restart_keeps_sandboxes_and_timeouts_still_apply(make_sandbox, sandbar):
+    tag = unique("restart9")
+    long = make_sandbox(timeout=60, metadata={"restart-tag": tag})
+    short = make_sandbox(timeout=20, metadata={"restart-tag": tag})
+    long.files.write("/home/user/persist.txt", "survives kill -9")
+    bg = long.commands.run("sleep 1234567", background=True)
+    short_end = short.get_info().end_at
+    long_end = long.get_info().end_at
+
+    sandbar.restart(kill9=True)
+
+    remaining = (short_end - _now()).total_seconds()
+    assert remaining > 3, f"the restart took too long; the 20 s sandbox has {remaining:.1f}s left"
+
+    assert _listed(tag) == {long.sandbox_id, short.sandbox_id}
+    assert long.files.read("/home/user/persist.txt") == "survives kill -9"
+    assert long.commands.run("echo alive").stdout == "alive\n"
+    assert short.commands.run("echo alive too").stdout == "alive too\n"
+    # processes started before the restart are still there and still known to the agent
+    assert bg.pid in [p.pid for p in long.commands.list()]
+    # the timeouts were kept
+    assert abs((long.get_info().end_at - long_end).total_seconds()) <= 1
+    assert abs((short.get_info().end_at - short_end).total_seconds()) <= 1
+    # the proxy knows the sandboxes again
+    r = httpx.get(
+        sandbar.url + "/health",
+        headers={"E2b-Sandbox-Id": long.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)},
+        timeout=10,
+    )
+    assert r.status_code == 204
+
+    # the reaper kills the short one once its end time has passed
+    wait_s = max(0.0, (short_end - _now()).total_seconds()) + 3
+    time.sleep(wait_s)
+    wait_until(lambda: _gone(short.sandbox_id), timeout=15, message="the 20 s sandbox to be reaped")
+    assert short.is_running() is False
+    assert _listed(tag) == {long.sandbox_id}
+    wait_until(
+        lambda: not sandbox_cgroup_dirs(short.sandbox_id),
+        timeout=15,
+        message="the reaped sandbox's cgroups to go away",
+    )
+    # the long one is untouched
+    assert long.is_running() is True
+    assert long.commands.run("cat /home/user/persist.txt").stdout == "survives kill -9"
+    assert long.kill() is True
+    assert short.kill() is False
+
+
+def test_sigterm_restart_keeps_sandboxes(make_sandbox, sandbar):
+    tag = unique("restart15")
+    sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    sbx.files.write("/home/user/graceful.txt", "survives SIGTERM")
+    end = sbx.get_info().end_at
+
+    sandbar.restart(kill9=False)
+
+    assert _listed(tag) == {sbx.sandbox_id}
+    assert sbx.files.read("/home/user/graceful.txt") == "survives SIGTERM"
+    assert sbx.commands.run("echo still here").stdout == "still here\n"
+    assert abs((sbx.get_info().end_at - end).total_seconds()) <= 1
+    # new sandboxes can be created after the restart
+    other = make_sandbox(timeout=60)
+    assert other.commands.run("echo new").stdout == "new\n"
+    assert sbx.kill() is True
+
+
+def test_sandbox_expiring_while_server_is_down_is_reaped(make_sandbox, sandbar):
+    tag = unique("restartdown")
+    sbx = make_sandbox(timeout=6, metadata={"restart-tag": tag})
+    keeper = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    end = sbx.get_info().end_at
+    downtime = max(0.0, (end - _now()).total_seconds()) + 2
+    sandbar.restart(kill9=True, downtime=downtime)
+
+    wait_until(lambda: _gone(sbx.sandbox_id), timeout=15, message="the expired sandbox to be reaped after start")
+    assert _listed(tag) == {keeper.sandbox_id}
+    assert keeper.commands.run("echo ok").stdout == "ok\n"
+    wait_until(
+        lambda: not sandbox_cgroup_dirs(sbx.sandbox_id),
+        timeout=15,
+        message="the expired sandbox's cgroups to go away",
+    )
+
+
+def test_killed_sandbox_stays_dead_after_restart(make_sandbox, sandbar):
+    """A sandbox killed through the API stays dead across a restart."""
+    sbx = make_sandbox(timeout=120)
+    sid = sbx.sandbox_id
+    assert sbx.kill() is True
+    sandbar.restart(kill9=True)
+    assert _gone(sid)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sid)
