@@ -31,12 +31,7 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::routing::get;
 use axum::serve::ListenerExt as _;
 use http::StatusCode;
-pub use sandbar_jail::AgentConfig;
-
-/// The envd version this agent reports. 0.5.7 enables close_stdin, octet-stream and gzip
-/// uploads in the SDKs, all implemented here; later gates (file metadata xattrs in 0.6.2) are
-/// not implemented.
-pub const ENVD_VERSION: &str = "0.5.7";
+pub use sandbar_jail::{AgentConfig, ENVD_VERSION};
 
 /// State shared by every handler.
 #[derive(Debug)]

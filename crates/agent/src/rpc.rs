@@ -44,6 +44,17 @@ impl Services {
         let user = accounts.user(&name).map_err(user_error)?;
         Ok((user, accounts))
     }
+
+    /// The process a request's selector names.
+    fn process(
+        &self,
+        selected: Option<&pp::ProcessSelector>,
+    ) -> Result<Arc<crate::process::ManagedProcess>, ConnectError> {
+        self.state
+            .processes
+            .get(&selector(selected)?)
+            .map_err(process_error)
+    }
 }
 
 fn user_error(e: UserError) -> ConnectError {
@@ -411,11 +422,7 @@ impl Process for Services {
         request: ServiceRequest<'_, pp::UpdateRequest>,
     ) -> ServiceResult<pp::UpdateResponse> {
         let request = request.to_owned_message();
-        let process = self
-            .state
-            .processes
-            .get(&selector(request.process.as_option())?)
-            .map_err(process_error)?;
+        let process = self.process(request.process.as_option())?;
         if let Some(size) = request.pty.as_option().and_then(|p| p.size.as_option()) {
             let cols = u16::try_from(size.cols).unwrap_or(u16::MAX);
             let rows = u16::try_from(size.rows).unwrap_or(u16::MAX);
@@ -458,11 +465,7 @@ impl Process for Services {
         request: ServiceRequest<'_, pp::SendInputRequest>,
     ) -> ServiceResult<pp::SendInputResponse> {
         let request = request.to_owned_message();
-        let process = self
-            .state
-            .processes
-            .get(&selector(request.process.as_option())?)
-            .map_err(process_error)?;
+        let process = self.process(request.process.as_option())?;
         write_input(&process, request.input.as_option()).await?;
         Response::ok(pp::SendInputResponse::default())
     }
@@ -473,11 +476,7 @@ impl Process for Services {
         request: ServiceRequest<'_, pp::SendSignalRequest>,
     ) -> ServiceResult<pp::SendSignalResponse> {
         let request = request.to_owned_message();
-        let process = self
-            .state
-            .processes
-            .get(&selector(request.process.as_option())?)
-            .map_err(process_error)?;
+        let process = self.process(request.process.as_option())?;
         let signal = match request.signal.as_known() {
             Some(pp::Signal::SIGNAL_SIGKILL) => libc::SIGKILL,
             Some(pp::Signal::SIGNAL_SIGTERM) => libc::SIGTERM,
@@ -493,11 +492,7 @@ impl Process for Services {
         request: ServiceRequest<'_, pp::CloseStdinRequest>,
     ) -> ServiceResult<pp::CloseStdinResponse> {
         let request = request.to_owned_message();
-        let process = self
-            .state
-            .processes
-            .get(&selector(request.process.as_option())?)
-            .map_err(process_error)?;
+        let process = self.process(request.process.as_option())?;
         process.close_stdin().await.map_err(process_error)?;
         Response::ok(pp::CloseStdinResponse::default())
     }

@@ -75,6 +75,26 @@ impl SqliteStore {
         Ok(Self { pool })
     }
 
+    /// API keys and access tokens share one shape; only their table differs.
+    async fn insert_secret(
+        &self,
+        insert: &'static str,
+        secret: &StoredSecret,
+    ) -> Result<(), StoreError> {
+        sqlx::query(insert)
+            .bind(&secret.id)
+            .bind(&secret.team_id)
+            .bind(&secret.name)
+            .bind(&secret.secret_hash)
+            .bind(&secret.mask_prefix)
+            .bind(&secret.mask_suffix)
+            .bind(micros(secret.created_at))
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
     async fn aliases(&self, template_id: &str) -> Result<Vec<String>, StoreError> {
         let rows =
             sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
@@ -182,37 +202,19 @@ impl Store for SqliteStore {
     }
 
     async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
-        sqlx::query(
+        self.insert_secret(
             "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            key,
         )
-        .bind(&key.id)
-        .bind(&key.team_id)
-        .bind(&key.name)
-        .bind(&key.secret_hash)
-        .bind(&key.mask_prefix)
-        .bind(&key.mask_suffix)
-        .bind(micros(key.created_at))
-        .execute(&self.pool)
         .await
-        .map_err(err)?;
-        Ok(())
     }
 
     async fn insert_access_token(&self, token: &StoredSecret) -> Result<(), StoreError> {
-        sqlx::query(
+        self.insert_secret(
             "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            token,
         )
-        .bind(&token.id)
-        .bind(&token.team_id)
-        .bind(&token.name)
-        .bind(&token.secret_hash)
-        .bind(&token.mask_prefix)
-        .bind(&token.mask_suffix)
-        .bind(micros(token.created_at))
-        .execute(&self.pool)
         .await
-        .map_err(err)?;
-        Ok(())
     }
 
     async fn team_by_api_key_hash(&self, hash: &str) -> Result<Option<Team>, StoreError> {
