@@ -24,8 +24,6 @@ pub(crate) struct NewSandbox {
     pub auto_pause: Option<bool>,
     #[serde(rename = "autoResume")]
     pub auto_resume: Option<serde_json::Value>,
-    #[allow(dead_code)]
-    pub secure: Option<bool>,
     pub allow_internet_access: Option<bool>,
     pub network: Option<NetworkConfig>,
     pub metadata: Option<BTreeMap<String, String>>,
