@@ -61,6 +61,7 @@ impl Runtime for RecordingRuntime {
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
+    templates: Templates,
     runtime: Arc<RecordingRuntime>,
     store: Arc<SqliteStore>,
     key: String,
@@ -108,6 +109,7 @@ async fn harness(limits: TeamLimits) -> Harness {
         templates.clone(),
         SandboxesConfig::default(),
     ));
+    let templates_handle = templates.clone();
     let app = router(AppState {
         auth,
         sandboxes,
@@ -120,6 +122,7 @@ async fn harness(limits: TeamLimits) -> Harness {
     Harness {
         _dir: dir,
         app,
+        templates: templates_handle,
         runtime,
         store,
         key: KEY.into(),
@@ -567,4 +570,82 @@ async fn edge_answers_502_for_unknown_sandboxes() {
 
     let unknown_route = h.api("GET", "/no/such/route", None).await;
     assert_error_body(&unknown_route, StatusCode::NOT_FOUND);
+}
+
+/// Registers a second template that is still building, as the default one is on first start.
+async fn building_template(h: &Harness, alias: &str) -> String {
+    let now = Utc::now();
+    let id = format!("{alias:0<20}");
+    h.templates
+        .register(&Template {
+            id: id.clone(),
+            team_id: None,
+            aliases: vec![alias.into()],
+            public: true,
+            build_id: "b2".into(),
+            build_status: BuildStatus::Building,
+            build_error: None,
+            cpu_count: 1,
+            memory_mb: 256,
+            disk_size_mb: 1024,
+            envd_version: "0.5.7".into(),
+            rootfs: None,
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 1,
+        })
+        .await
+        .expect("register");
+    id
+}
+
+#[tokio::test]
+async fn create_waits_for_a_building_template() {
+    let h = Arc::new(harness(GENEROUS).await);
+    let id = building_template(&h, "slow").await;
+    let creating = {
+        let h = h.clone();
+        tokio::spawn(async move {
+            h.api("POST", "/v2/sandboxes", Some(r#"{"templateID":"slow"}"#))
+                .await
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(
+        !creating.is_finished(),
+        "create must wait while the template builds"
+    );
+    assert_eq!(h.launched(), 0);
+    h.templates
+        .finish_build(&id, Ok("/rootfs".into()))
+        .await
+        .expect("finish");
+    let reply = creating.await.expect("join");
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+    assert_eq!(reply.body["templateID"], id.as_str());
+    assert_eq!(h.launched(), 1);
+}
+
+#[tokio::test]
+async fn create_from_a_failed_template_says_why() {
+    let h = harness(GENEROUS).await;
+    let id = building_template(&h, "broken").await;
+    h.templates
+        .finish_build(&id, Err("mirror unreachable".into()))
+        .await
+        .expect("finish");
+    let reply = h
+        .api("POST", "/v2/sandboxes", Some(r#"{"templateID":"broken"}"#))
+        .await;
+    assert_error_body(&reply, StatusCode::BAD_REQUEST);
+    assert!(
+        reply.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("mirror unreachable")),
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(h.launched(), 0);
 }
