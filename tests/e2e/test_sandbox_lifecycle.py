@@ -1,6 +1,9 @@
 """Sandbox lifecycle through the E2B SDK: create, info, list, timeout, expiry, kill, connect."""
 
+import os
+import signal
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 from e2b import (
@@ -11,7 +14,7 @@ from e2b import (
     SandboxState,
 )
 
-from e2e_util import unique, wait_until
+from e2e_util import sandbox_cgroup_dirs, unique, wait_until
 
 
 def _now():
@@ -173,6 +176,28 @@ def test_expiry(make_sandbox):
     assert Sandbox.kill(sid) is False
     with pytest.raises(SandboxException):
         sbx.commands.run("echo should-not-run", timeout=10)
+
+
+def test_sandbox_that_dies_is_cleaned_up(make_sandbox):
+    """If a sandbox's processes die behind the server's back, it is unlisted and released."""
+    sbx = make_sandbox(timeout=300)
+    sid = sbx.sandbox_id
+    procs = [Path(d) / "cgroup.procs" for d in sandbox_cgroup_dirs(sid)]
+    pids = sorted({int(p) for f in procs if f.exists() for p in f.read_text().split()})
+    assert pids, f"no host processes found for {sid}"
+    # The lowest host PID is the sandbox's init; killing it ends the whole PID namespace.
+    os.kill(pids[0], signal.SIGKILL)
+
+    def gone():
+        try:
+            Sandbox.get_info(sid)
+            return False
+        except SandboxNotFoundException:
+            return True
+
+    wait_until(gone, timeout=20, interval=0.5, message="the dead sandbox to be cleaned up")
+    assert sid not in _listed_ids()
+    assert sandbox_cgroup_dirs(sid) == set()
 
 
 def test_kill_returns_true_then_false(make_sandbox):

@@ -49,6 +49,10 @@ impl Runtime for RecordingRuntime {
         Ok(())
     }
 
+    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
+        true
+    }
+
     async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
         Ok(0)
     }

@@ -55,6 +55,9 @@ pub trait Runtime: Send + Sync + 'static {
     /// Stops a sandbox and releases everything it held; succeeds if it is already gone.
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError>;
 
+    /// Whether the sandbox's processes still run (cheap; called periodically).
+    fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool;
+
     /// Stops and removes every sandbox of this runtime that is not in `recorded`: leftovers of
     /// a crash between starting a sandbox and recording it. Returns how many it removed.
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError>;

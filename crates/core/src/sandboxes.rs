@@ -478,13 +478,49 @@ impl Sandboxes {
         }
     }
 
-    /// Runs [`Self::reap_expired`] forever, about once a second.
+    /// Cleans up sandboxes whose processes died on their own (their agent can no longer
+    /// answer), so they stop being listed and routed to.
+    pub async fn reap_dead(&self) {
+        let running: Vec<String> = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.phase == Phase::Running)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in running {
+            let sandbox = match self.store.sandbox(&id).await {
+                Ok(Some(sandbox)) => sandbox,
+                Ok(None) => continue,
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot load sandbox");
+                    continue;
+                }
+            };
+            if self.runtime.is_alive(&id, &sandbox.handle) {
+                continue;
+            }
+            tracing::warn!(sandbox_id = %id, "sandbox died; cleaning up");
+            match self.stop(&sandbox).await {
+                // Killed by a request in the meantime.
+                Ok(()) | Err(SandboxError::NotFound(_)) => {}
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot clean up dead sandbox")
+                }
+            }
+        }
+    }
+
+    /// Expires sandboxes about twice a second and looks for dead ones every few seconds,
+    /// forever.
     pub async fn run_reaper(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        for round in 0u64.. {
             tick.tick().await;
             self.reap_expired().await;
+            if round % 10 == 0 {
+                self.reap_dead().await;
+            }
         }
     }
 

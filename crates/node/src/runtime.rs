@@ -387,6 +387,10 @@ impl Runtime for LinuxRuntime {
         self.teardown(sandbox_id, handle.as_ref()).await
     }
 
+    fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool {
+        parse_handle(sandbox_id, handle).is_ok_and(|h| is_alive(&h))
+    }
+
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
         let dir = self.config.data_dir.join("sandboxes");
         let entries = std::fs::read_dir(&dir)
