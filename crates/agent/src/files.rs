@@ -227,6 +227,27 @@ struct WrittenEntry {
     path: String,
 }
 
+/// Most of an upload a refused client may still be sending that is read before answering.
+const REJECTED_UPLOAD_DRAIN_LIMIT: usize = 8 << 20;
+
+/// Answers a refused upload only after reading what the client is still sending (within a
+/// bound): closing the connection on an unread body makes the client, or the proxy in front
+/// of the agent, see a broken pipe instead of the refusal.
+async fn reject_unread_upload(request: Request, error: HttpError) -> Response {
+    let mut body = request.into_body().into_data_stream();
+    let drain = async {
+        let mut seen = 0;
+        while let Some(Ok(chunk)) = body.next().await {
+            seen += chunk.len();
+            if seen > REJECTED_UPLOAD_DRAIN_LIMIT {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+    error.into_response()
+}
+
 /// `POST /files`.
 pub async fn upload(
     State(state): State<Arc<AgentState>>,
@@ -235,11 +256,11 @@ pub async fn upload(
 ) -> Response {
     let headers = request.headers().clone();
     if let Err(e) = authorize(&state, &headers, &query, FileOperation::Write) {
-        return e.into_response();
+        return reject_unread_upload(request, e).await;
     }
     let (user, _) = match pick_user(&state, &headers, &query) {
         Ok(u) => u,
-        Err(e) => return e.into_response(),
+        Err(e) => return reject_unread_upload(request, e).await,
     };
     let query_path = query
         .path
