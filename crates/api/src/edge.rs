@@ -151,7 +151,8 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.into_owned())
     };
-    let signature = param("signature")?;
+    // Query decoding turns an unescaped '+' of the base64 into a space.
+    let signature = param("signature")?.replace(' ', "+");
     let path = param("path")?;
     let user = param("username").unwrap_or_default();
     let expiration = param("signature_expiration");
@@ -164,8 +165,7 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
             "v1_{}",
             STANDARD_NO_PAD.encode(Sha256::digest(raw.as_bytes()))
         );
-        // Query decoding turns an unescaped '+' of the base64 into a space.
-        expected == signature || expected == signature.replace(' ', "+")
+        expected == signature
     })?;
     Some((
         Target {

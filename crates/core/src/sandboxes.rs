@@ -12,7 +12,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::ids;
 use crate::model::{Sandbox, SandboxState, Team};
-use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError};
+use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::store::{Store, StoreError};
 use crate::templates::{TemplateError, Templates};
 
@@ -109,6 +109,8 @@ struct Live {
     endpoint: Option<Endpoint>,
     /// The agent's access token, to find the sandbox a signed file URL belongs to.
     access_token: String,
+    /// What the runtime needs to check on or stop the sandbox; empty while starting.
+    handle: RuntimeHandle,
     phase: Phase,
 }
 
@@ -222,7 +224,10 @@ impl Sandboxes {
             alias: template
                 .aliases
                 .iter()
-                .find(|a| request.template.starts_with(a.as_str()))
+                .find(|a| {
+                    let named = &request.template;
+                    named.strip_suffix(":default").unwrap_or(named) == a.as_str()
+                })
                 .or(template.aliases.first())
                 .cloned(),
             started_at,
@@ -249,6 +254,7 @@ impl Sandboxes {
             entry.phase = Phase::Running;
             entry.endpoint = Some(endpoint);
             entry.access_token = sandbox.envd_access_token.clone();
+            entry.handle = sandbox.handle.clone();
             entry.end_at = sandbox.end_at;
         }
         if let Err(err) = self
@@ -285,6 +291,7 @@ impl Sandboxes {
                 end_at,
                 endpoint: None,
                 access_token: String::new(),
+                handle: RuntimeHandle::default(),
                 phase: Phase::Starting,
             },
         );
@@ -403,32 +410,32 @@ impl Sandboxes {
 
     pub async fn kill(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
         let sandbox = self.get(team, id).await?;
-        self.stop(&sandbox).await
+        self.stop(&sandbox.id, &sandbox.handle).await
     }
 
-    async fn stop(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+    async fn stop(&self, id: &str, handle: &RuntimeHandle) -> Result<(), SandboxError> {
         let previous = {
             let mut live = self.live();
-            match live.get_mut(&sandbox.id) {
+            match live.get_mut(id) {
                 Some(entry) if entry.phase == Phase::Stopping => {
-                    return Err(SandboxError::NotFound(sandbox.id.clone()));
+                    return Err(SandboxError::NotFound(id.to_owned()));
                 }
                 Some(entry) => Some(std::mem::replace(&mut entry.phase, Phase::Stopping)),
                 None => None,
             }
         };
-        if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+        if let Err(err) = self.runtime.destroy(id, handle).await {
             if let Some(phase) = previous
-                && let Some(entry) = self.live().get_mut(&sandbox.id)
+                && let Some(entry) = self.live().get_mut(id)
             {
                 entry.phase = phase;
             }
             return Err(err.into());
         }
-        let deleted = self.store.delete_sandbox(&sandbox.id).await;
-        self.live().remove(&sandbox.id);
+        let deleted = self.store.delete_sandbox(id).await;
+        self.live().remove(id);
         deleted?;
-        tracing::info!(sandbox_id = %sandbox.id, "sandbox stopped");
+        tracing::info!(sandbox_id = %id, "sandbox stopped");
         Ok(())
     }
 
@@ -450,64 +457,44 @@ impl Sandboxes {
             .and_then(|(id, l)| Some((id.clone(), l.endpoint.clone()?)))
     }
 
+    /// Running sandboxes (ID and handle) that `pick` selects, read from the registry alone.
+    fn running_where(&self, pick: impl Fn(&str, &Live) -> bool) -> Vec<(String, RuntimeHandle)> {
+        self.live()
+            .iter()
+            .filter(|(id, l)| l.phase == Phase::Running && pick(id, l))
+            .map(|(id, l)| (id.clone(), l.handle.clone()))
+            .collect()
+    }
+
+    /// Stops each of `sandboxes`, logging why; one failure does not hold up the rest.
+    async fn stop_all(&self, sandboxes: Vec<(String, RuntimeHandle)>, why: &str) {
+        for (id, handle) in sandboxes {
+            match self.stop(&id, &handle).await {
+                Ok(()) => tracing::info!(sandbox_id = %id, "{why}: stopped"),
+                // Stopped by a request in the meantime.
+                Err(SandboxError::NotFound(_)) => {}
+                Err(err) => tracing::error!(sandbox_id = %id, error = %err, "{why}: cannot stop"),
+            }
+        }
+    }
+
     /// Stops every sandbox whose end time has passed.
     pub async fn reap_expired(&self) {
         let now = Utc::now();
-        let expired: Vec<String> = self
-            .live()
-            .iter()
-            .filter(|(_, l)| l.phase == Phase::Running && l.end_at <= now)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in expired {
-            match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => {
-                    if let Err(err) = self.stop(&sandbox).await {
-                        tracing::error!(sandbox_id = %id, error = %err, "cannot stop expired sandbox");
-                    } else {
-                        tracing::info!(sandbox_id = %id, "sandbox expired");
-                    }
-                }
-                Ok(None) => {
-                    self.live().remove(&id);
-                }
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot load expired sandbox")
-                }
-            }
-        }
+        let expired = self.running_where(|_, l| l.end_at <= now);
+        self.stop_all(expired, "sandbox expired").await;
     }
 
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
     /// answer), so they stop being listed and routed to.
     pub async fn reap_dead(&self) {
-        let running: Vec<String> = self
-            .live()
-            .iter()
-            .filter(|(_, l)| l.phase == Phase::Running)
-            .map(|(id, _)| id.clone())
+        // Checked outside the registry lock: each check reads /proc.
+        let dead = self
+            .running_where(|_, _| true)
+            .into_iter()
+            .filter(|(id, handle)| !self.runtime.is_alive(id, handle))
             .collect();
-        for id in running {
-            let sandbox = match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => sandbox,
-                Ok(None) => continue,
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot load sandbox");
-                    continue;
-                }
-            };
-            if self.runtime.is_alive(&id, &sandbox.handle) {
-                continue;
-            }
-            tracing::warn!(sandbox_id = %id, "sandbox died; cleaning up");
-            match self.stop(&sandbox).await {
-                // Killed by a request in the meantime.
-                Ok(()) | Err(SandboxError::NotFound(_)) => {}
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot clean up dead sandbox")
-                }
-            }
-        }
+        self.stop_all(dead, "sandbox died").await;
     }
 
     /// Expires sandboxes about twice a second and looks for dead ones every few seconds,
@@ -545,6 +532,7 @@ impl Sandboxes {
                             end_at: sandbox.end_at,
                             endpoint: Some(endpoint),
                             access_token: sandbox.envd_access_token.clone(),
+                            handle: sandbox.handle.clone(),
                             phase: Phase::Running,
                         },
                     );
