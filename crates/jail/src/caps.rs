@@ -1,5 +1,7 @@
 //! Capabilities: the sandbox keeps a container runtime's usual default set, minus `CAP_MKNOD`
-//! (no device cgroup guards host block devices here) and `CAP_NET_RAW` (no forged packets).
+//! (no device cgroup guards host block devices here), `CAP_NET_RAW` (no forged packets) and
+//! `CAP_AUDIT_WRITE` (the host's audit log is none of a sandbox's business). All of them are
+//! capabilities of the sandbox's user namespace only.
 
 use crate::BootError;
 
@@ -14,7 +16,6 @@ const KEPT: &[u32] = &[
     8,  // CAP_SETPCAP
     10, // CAP_NET_BIND_SERVICE
     18, // CAP_SYS_CHROOT
-    29, // CAP_AUDIT_WRITE
     31, // CAP_SETFCAP
 ];
 

@@ -1,18 +1,26 @@
-//! The sandbox's root filesystem: an overlay over the template with fresh `/proc`, `/sys` and
-//! `/dev`, entered with `pivot_root` so the host's tree is unreachable afterwards.
+//! The sandbox's root filesystem: an overlay over the id-mapped template with fresh `/proc`,
+//! `/sys` and `/dev`, entered with `pivot_root` so the host's tree is unreachable afterwards.
+//!
+//! Everything here runs as root of the sandbox's user namespace, with paths relative to the
+//! sandbox's directory on the host (the working directory the boot process set).
 
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
-use crate::sys::{self, mknod_char, mount};
-use crate::{BootError, JailSpec};
+use crate::sys::{self, mount};
+use crate::{BootError, JailSpec, layout};
 
 const NOSUID_NODEV_NOEXEC: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+
+/// Host device nodes bound into every sandbox's `/dev`. A user namespace cannot create device
+/// nodes, and binding the host's few harmless ones is what rootless container runtimes do.
+const DEVICES: &[&str] = &["null", "zero", "full", "random", "urandom", "tty"];
 
 fn step(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> BootError {
     BootError::syscall(format!("{what} {}", path.display()))
 }
 
-pub(crate) fn build_root(spec: &JailSpec) -> Result<(), BootError> {
+pub(crate) fn build_root(spec: &JailSpec, template: OwnedFd) -> Result<(), BootError> {
     // Nothing mounted from here on may propagate back into the host's mount namespace.
     mount(
         "",
@@ -23,12 +31,17 @@ pub(crate) fn build_root(spec: &JailSpec) -> Result<(), BootError> {
     )
     .map_err(step("make private", Path::new("/")))?;
 
-    let root = &spec.root_dir;
+    let lower = Path::new(layout::LOWER);
+    sys::move_mount_to(&template, lower).map_err(step("attach the template at", lower))?;
+    drop(template);
+
+    // Relative layer paths keep host paths out of the sandbox's /proc/mounts.
+    let root = Path::new(layout::ROOT);
     let overlay = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        spec.lower_dir.display(),
-        spec.upper_dir.display(),
-        spec.work_dir.display()
+        "lowerdir={},upperdir={},workdir={},userxattr",
+        layout::LOWER,
+        layout::UPPER,
+        layout::WORK
     );
     mount("overlay", root, Some("overlay"), 0, Some(&overlay))
         .map_err(step("mount overlay on", root))?;
@@ -47,8 +60,7 @@ pub(crate) fn build_root(spec: &JailSpec) -> Result<(), BootError> {
     )
     .map_err(step("mount sysfs on", &sys_dir))?;
 
-    build_dev(root)?;
-    write_etc(root, spec)?;
+    build_dev(root, spec.pty_max)?;
     Ok(())
 }
 
@@ -58,37 +70,41 @@ fn ensure_dir(root: &Path, name: &str) -> Result<PathBuf, BootError> {
     Ok(dir)
 }
 
-fn build_dev(root: &Path) -> Result<(), BootError> {
+fn build_dev(root: &Path, pty_max: u32) -> Result<(), BootError> {
     let dev = ensure_dir(root, "dev")?;
     mount(
         "tmpfs",
         &dev,
         Some("tmpfs"),
-        libc::MS_NOSUID | libc::MS_STRICTATIME,
-        Some("mode=755,size=65536k"),
+        libc::MS_NOSUID | libc::MS_NOEXEC | libc::MS_STRICTATIME,
+        Some("mode=755,size=64k,nr_inodes=64"),
     )
     .map_err(step("mount tmpfs on", &dev))?;
 
-    for (name, minor) in [
-        ("null", 3),
-        ("zero", 5),
-        ("full", 7),
-        ("random", 8),
-        ("urandom", 9),
-    ] {
+    for name in DEVICES {
         let node = dev.join(name);
-        mknod_char(&node, 0o666, 1, minor).map_err(step("mknod", &node))?;
+        std::fs::File::create(&node).map_err(step("create", &node))?;
+        let host = Path::new("/dev").join(name);
+        mount(
+            &host.to_string_lossy(),
+            &node,
+            None,
+            libc::MS_BIND | libc::MS_NOSUID | libc::MS_NOEXEC,
+            None,
+        )
+        .map_err(step("bind the host's device onto", &node))?;
     }
-    let tty = dev.join("tty");
-    mknod_char(&tty, 0o666, 5, 0).map_err(step("mknod", &tty))?;
 
     let pts = ensure_dir(&dev, "pts")?;
+    // Every devpts instance draws from the kernel's one pool of ptys: `max` keeps one sandbox
+    // from taking them all.
+    let options = format!("newinstance,ptmxmode=0666,mode=0620,gid=5,max={pty_max}");
     mount(
         "devpts",
         &pts,
         Some("devpts"),
         libc::MS_NOSUID | libc::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        Some(&options),
     )
     .map_err(step("mount devpts on", &pts))?;
 
@@ -115,8 +131,14 @@ fn build_dev(root: &Path) -> Result<(), BootError> {
     Ok(())
 }
 
-fn write_etc(root: &Path, spec: &JailSpec) -> Result<(), BootError> {
-    let etc = ensure_dir(root, "etc")?;
+/// Writes `/etc/hostname`, `hosts` and `resolv.conf` inside the finished root. The writable
+/// layer may come from an earlier life of the sandbox or from a template, so any of these may
+/// be a link planted by sandbox code: they are replaced, never written through.
+pub(crate) fn write_etc(spec: &JailSpec) -> Result<(), BootError> {
+    let etc = Path::new("/etc");
+    if !etc.is_dir() {
+        std::fs::create_dir(etc).map_err(step("create", etc))?;
+    }
     let hosts = format!(
         "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n",
         spec.hostname
@@ -132,9 +154,7 @@ fn write_etc(root: &Path, spec: &JailSpec) -> Result<(), BootError> {
         ("resolv.conf", resolv),
     ] {
         let path = etc.join(name);
-        // Images often ship these as symlinks into /run; replace them with plain files.
-        let _ = std::fs::remove_file(&path);
-        std::fs::write(&path, content).map_err(step("write", &path))?;
+        sys::replace_file(&path, content.as_bytes(), 0o644).map_err(step("write", &path))?;
     }
     Ok(())
 }
@@ -149,30 +169,60 @@ pub(crate) fn pivot_into(root: &Path) -> Result<(), BootError> {
     Ok(())
 }
 
-/// Hides kernel interfaces that leak host state or allow host-wide changes, as container
-/// runtimes do by default.
-pub(crate) fn harden_proc() -> Result<(), BootError> {
-    for file in [
-        "/proc/kcore",
-        "/proc/keys",
-        "/proc/timer_list",
-        "/proc/sched_debug",
-        "/proc/sysrq-trigger",
-        "/proc/latency_stats",
-    ] {
+/// Files that describe or reach the host, hidden behind `/dev/null` as container runtimes do
+/// (plus the kernel command line, which names the host's boot devices and options).
+const MASKED_FILES: &[&str] = &[
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/sysrq-trigger",
+    "/proc/latency_stats",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/proc/kpagecgroup",
+    "/proc/slabinfo",
+    "/proc/cmdline",
+    "/proc/config.gz",
+];
+
+/// Directories replaced by an empty read-only tmpfs.
+const MASKED_DIRS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/scsi",
+    "/proc/driver",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+    "/sys/kernel/debug",
+    "/sys/kernel/security",
+];
+
+/// Directories that stay visible but read-only.
+const READ_ONLY_DIRS: &[&str] = &["/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq"];
+
+/// Hides kernel interfaces that leak host state or allow host-wide changes.
+pub(crate) fn harden_proc_and_sys() -> Result<(), BootError> {
+    for file in MASKED_FILES {
         let path = Path::new(file);
         if path.exists() {
             mount("/dev/null", path, None, libc::MS_BIND, None).map_err(step("mask", path))?;
         }
     }
-    for dir in ["/proc/acpi", "/proc/scsi"] {
+    for dir in MASKED_DIRS {
         let path = Path::new(dir);
-        if path.exists() {
-            mount("tmpfs", path, Some("tmpfs"), libc::MS_RDONLY, None)
-                .map_err(step("mask", path))?;
+        if path.is_dir() {
+            mount(
+                "tmpfs",
+                path,
+                Some("tmpfs"),
+                libc::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+                Some("size=0,nr_inodes=1"),
+            )
+            .map_err(step("mask", path))?;
         }
     }
-    for dir in ["/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq"] {
+    for dir in READ_ONLY_DIRS {
         let path = Path::new(dir);
         if path.exists() {
             mount(dir, path, None, libc::MS_BIND | libc::MS_REC, None)

@@ -15,7 +15,7 @@ mod sys;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -38,23 +38,54 @@ pub struct AgentConfig {
     pub env_vars: BTreeMap<String, String>,
 }
 
+/// Names inside a sandbox's directory on the host. The boot process works relative to that
+/// directory, so neither the overlay's options nor anything else the sandbox can read names a
+/// host path, and the sandbox's own (unprivileged) credentials never traverse host directories.
+pub mod layout {
+    /// Mount point of the id-mapped, read-only template.
+    pub const LOWER: &str = "lower";
+    /// The sandbox's writable layer, owned by the sandbox's root.
+    pub const UPPER: &str = "upper";
+    /// Overlay work directory, on the same filesystem as [`UPPER`], owned like it.
+    pub const WORK: &str = "work";
+    /// Mount point of the overlay that becomes the sandbox's `/`.
+    pub const ROOT: &str = "root";
+}
+
+/// The host ids a sandbox's ids 0..`size` stand for: a range of its own, so a process that
+/// escaped its namespaces would be an unprivileged user on the host who owns nothing of any
+/// other sandbox.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct IdMap {
+    /// Host uid and gid of the sandbox's root.
+    pub host_base: u32,
+    pub size: u32,
+}
+
+impl IdMap {
+    /// The host id of the sandbox's id `id`, if it is inside the range.
+    pub fn host_id(&self, id: u32) -> Option<u32> {
+        (id < self.size).then(|| self.host_base + id)
+    }
+}
+
 /// Everything the node decides about a sandbox's isolation.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JailSpec {
     /// Read-only template root filesystem, the overlay's lower layer.
-    pub lower_dir: PathBuf,
-    /// The sandbox's own writable layer.
-    pub upper_dir: PathBuf,
-    /// Overlay work directory, on the same filesystem as `upper_dir`.
-    pub work_dir: PathBuf,
-    /// Empty directory the overlay is mounted on (inside the sandbox's mount namespace only).
-    pub root_dir: PathBuf,
+    pub template_dir: PathBuf,
+    /// The sandbox's directory: holds the [`layout`] entries, prepared by the node.
+    pub sandbox_dir: PathBuf,
     pub hostname: String,
     /// Files the booting process writes `0` (itself) into to join the sandbox's cgroups,
     /// before it unshares its cgroup namespace.
     pub cgroup_join: Vec<PathBuf>,
     /// Name servers written to the sandbox's `/etc/resolv.conf`.
     pub nameservers: Vec<String>,
+    pub id_map: IdMap,
+    /// Pseudo-terminals the sandbox may hold at once (its own devpts instance's `max`): every
+    /// instance draws from one kernel-wide pool.
+    pub pty_max: u32,
     pub agent: AgentConfig,
 }
 
@@ -93,7 +124,28 @@ impl BootError {
     }
 }
 
+/// Namespaces every sandbox gets; the user namespace is created in the same call, so it owns
+/// all the others.
+const NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
+    | libc::CLONE_NEWNS
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWNET
+    | libc::CLONE_NEWCGROUP
+    | libc::CLONE_NEWPID;
+
 /// Builds the sandbox and returns inside it as its PID 1. See the crate documentation.
+///
+/// Three processes take part, each single-threaded:
+/// 1. this one, host root: joins the cgroups, takes a detached copy of the template's mount,
+///    and forks the next;
+/// 2. the namespace maker: with its effective ids set to the sandbox's host base (so the new
+///    user namespace, and every kernel count charged to its owner such as inotify instances,
+///    belongs to that unprivileged host user and not to host root), unshares all namespaces
+///    and waits; step 1 then writes its id maps and id-maps the template's mount through the
+///    new user namespace, which only host root may do; step 2 becomes root of the namespace
+///    and forks the sandbox's PID 1, printing its host PID;
+/// 3. PID 1: builds the root filesystem and drops privileges.
 ///
 /// Must be called before any thread is started: it forks.
 pub fn boot() -> Result<Booted, BootError> {
@@ -109,19 +161,82 @@ pub fn boot() -> Result<Booted, BootError> {
             source,
         })?;
     }
-    sys::unshare(
-        libc::CLONE_NEWNS
-            | libc::CLONE_NEWUTS
-            | libc::CLONE_NEWIPC
-            | libc::CLONE_NEWNET
-            | libc::CLONE_NEWCGROUP
-            | libc::CLONE_NEWPID,
-    )
-    .map_err(BootError::syscall("unshare"))?;
+    std::env::set_current_dir(&spec.sandbox_dir).map_err(BootError::syscall(format!(
+        "chdir {}",
+        spec.sandbox_dir.display()
+    )))?;
+    let template = sys::open_tree_clone(&spec.template_dir).map_err(BootError::syscall(
+        format!("open_tree {}", spec.template_dir.display()),
+    ))?;
+    let (unshared_rx, unshared_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
+    let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
-    // The first child in the new PID namespace becomes its init. The parent only reports the
-    // child's host PID and leaves, so the sandbox is no descendant of the node's process tree
-    // once the node reaps it: a restarted node finds the sandbox alive.
+    let maker = match sys::fork().map_err(BootError::syscall("fork"))? {
+        sys::Fork::Parent(pid) => pid,
+        sys::Fork::Child => {
+            drop((unshared_rx, mapped_tx));
+            let result = make_namespaces(&spec, &unshared_tx, &mapped_rx);
+            drop((unshared_tx, mapped_rx));
+            return match result {
+                Ok(()) => enter(&spec, template),
+                Err(err) => {
+                    let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
+                    std::process::exit(1)
+                }
+            };
+        }
+    };
+    drop((unshared_tx, mapped_rx));
+    let result = map_ids(maker, &spec, &template, &unshared_rx, &mapped_tx);
+    drop((unshared_rx, mapped_tx, template));
+    if let Err(err) = result {
+        let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
+        // SAFETY: the maker is our own child, not yet reaped.
+        unsafe { libc::kill(maker, libc::SIGKILL) };
+    }
+    // The sandbox's PID 1 is the maker's child: once both have exited, the sandbox is no
+    // descendant of the node's process tree, so a restarted node finds it alive.
+    let code = sys::wait_exit_code(maker).unwrap_or(1);
+    std::process::exit(code)
+}
+
+/// Step 1, host root: gives the maker's new user namespace its id range and id-maps the
+/// template through it.
+fn map_ids(
+    maker: libc::pid_t,
+    spec: &JailSpec,
+    template: &OwnedFd,
+    unshared: &OwnedFd,
+    mapped: &OwnedFd,
+) -> Result<(), BootError> {
+    sys::wait_ready(unshared).map_err(BootError::syscall("wait for the namespaces"))?;
+    let map = format!("0 {} {}\n", spec.id_map.host_base, spec.id_map.size);
+    for file in ["uid_map", "gid_map"] {
+        let path = PathBuf::from(format!("/proc/{maker}/{file}"));
+        std::fs::write(&path, &map)
+            .map_err(BootError::syscall(format!("write {}", path.display())))?;
+    }
+    let userns_path = format!("/proc/{maker}/ns/user");
+    let userns: OwnedFd = std::fs::File::open(&userns_path)
+        .map_err(BootError::syscall(format!("open {userns_path}")))?
+        .into();
+    sys::idmap_read_only(template, &userns).map_err(BootError::syscall(format!(
+        "id-map the template {}",
+        spec.template_dir.display()
+    )))?;
+    sys::signal_ready(mapped).map_err(BootError::syscall("resume the namespace maker"))
+}
+
+/// Step 2: enters the new namespaces and forks the sandbox's PID 1; only PID 1 returns.
+fn make_namespaces(spec: &JailSpec, unshared: &OwnedFd, mapped: &OwnedFd) -> Result<(), BootError> {
+    sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
+        .map_err(BootError::syscall("set effective ids"))?;
+    sys::unshare(NAMESPACES).map_err(BootError::syscall("unshare"))?;
+    sys::signal_ready(unshared).map_err(BootError::syscall("report the namespaces"))?;
+    sys::wait_ready(mapped).map_err(BootError::syscall("wait for the id maps"))?;
+    sys::become_root().map_err(BootError::syscall("become root of the user namespace"))?;
+
+    // The first child in the new PID namespace becomes its init.
     match sys::fork().map_err(BootError::syscall("fork"))? {
         sys::Fork::Parent(child) => {
             let mut out = std::io::stdout().lock();
@@ -129,24 +244,31 @@ pub fn boot() -> Result<Booted, BootError> {
             let _ = out.flush();
             std::process::exit(0);
         }
-        sys::Fork::Child => {}
+        sys::Fork::Child => Ok(()),
     }
+}
 
-    let result = enter(&spec);
+/// Step 3, the sandbox's PID 1.
+fn enter(spec: &JailSpec, template: OwnedFd) -> Result<Booted, BootError> {
+    let result = build_and_lock(spec, template);
     if let Err(err) = &result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
     }
     result
 }
 
-fn enter(spec: &JailSpec) -> Result<Booted, BootError> {
+fn build_and_lock(spec: &JailSpec, template: OwnedFd) -> Result<Booted, BootError> {
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
-    fs::build_root(spec)?;
-    fs::pivot_into(&spec.root_dir)?;
-    fs::harden_proc()?;
+    fs::build_root(spec, template)?;
+    fs::pivot_into(Path::new(layout::ROOT))?;
+    fs::write_etc(spec)?;
+    fs::harden_proc_and_sys()?;
 
-    // The agent must survive its sandbox running out of memory, or every process dies with it.
-    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    // A core limit of exactly 1 is the one value that also stops a host whose core pattern
+    // is a pipe from running its helper (as host root) for a crashing sandbox process; below
+    // a page, no core file is written either. Lowering it stays possible (see
+    // docs/security.md).
+    sys::set_rlimit(libc::RLIMIT_CORE, 1, 1).map_err(BootError::syscall("limit core size"))?;
     sys::detach_stdio().map_err(BootError::syscall("redirect standard input and output"))?;
 
     // SAFETY: the node passes an open, listening Unix socket as LISTENER_FD and nothing else in
@@ -157,7 +279,9 @@ fn enter(spec: &JailSpec) -> Result<Booted, BootError> {
     seccomp::install()?;
     caps::drop_to_sandbox_set()?;
     // Non-dumpable keeps sandbox root from reaching the agent's host-side files through
-    // /proc/1 (its executable, its log descriptor).
+    // /proc/1 (its executable, its log descriptor): this process was created on the host, so
+    // a non-dumpable /proc/1 belongs to host root, whom the sandbox's user namespace does not
+    // map.
     sys::set_non_dumpable().map_err(BootError::syscall("prctl(PR_SET_DUMPABLE)"))?;
 
     Ok(Booted {
@@ -173,11 +297,14 @@ mod tests {
     #[test]
     fn spec_round_trips_through_json() {
         let spec = JailSpec {
-            lower_dir: "/t".into(),
-            upper_dir: "/u".into(),
-            work_dir: "/w".into(),
-            root_dir: "/r".into(),
+            template_dir: "/t".into(),
+            sandbox_dir: "/s".into(),
             hostname: "sbx".into(),
+            id_map: IdMap {
+                host_base: 1 << 30,
+                size: 65536,
+            },
+            pty_max: 64,
             cgroup_join: vec!["/sys/fs/cgroup/pids/sandbar/x/tasks".into()],
             nameservers: vec!["10.0.0.1".into()],
             agent: AgentConfig {

@@ -83,26 +83,6 @@ pub(crate) fn pivot_root(new_root: &Path, put_old: &Path) -> io::Result<()> {
     check(unsafe { libc::syscall(libc::SYS_pivot_root, new_root.as_ptr(), put_old.as_ptr()) } as _)
 }
 
-pub(crate) fn mknod_char(
-    path: &Path,
-    mode: libc::mode_t,
-    major: u32,
-    minor: u32,
-) -> io::Result<()> {
-    let c = cstring(path)?;
-    // SAFETY: `c` is a valid nul-terminated path.
-    check(unsafe {
-        libc::mknod(
-            c.as_ptr(),
-            libc::S_IFCHR | mode,
-            libc::makedev(major, minor),
-        )
-    })?;
-    // mknod honours the umask; device nodes need their exact mode.
-    // SAFETY: as above.
-    check(unsafe { libc::chmod(c.as_ptr(), mode) })
-}
-
 pub(crate) fn set_cloexec(fd: &OwnedFd) -> io::Result<()> {
     // SAFETY: F_SETFD on a descriptor we own.
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) })
@@ -125,4 +105,229 @@ pub(crate) fn detach_stdio() -> io::Result<()> {
         check(unsafe { libc::dup2(null.as_raw_fd(), target) })?;
     }
     Ok(())
+}
+
+/// A detached copy of the mount at `path` (`open_tree(OPEN_TREE_CLONE)`): a mount that no
+/// namespace shows until it is attached with [`move_mount_to`], and whose attributes (such as
+/// an id mapping) can be changed first.
+pub(crate) fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
+    let c = cstring(path)?;
+    // SAFETY: `c` is a valid nul-terminated path; the returned descriptor is checked before it
+    // is owned.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC) as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: open_tree returned a new descriptor that nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
+/// The kernel's `struct mount_attr` (size version 0).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
+/// Makes the detached mount `tree` read-only, device-free and id-mapped through the user
+/// namespace `userns`: files owned by host id N appear owned by N inside that namespace.
+pub(crate) fn idmap_read_only(tree: &OwnedFd, userns: &OwnedFd) -> io::Result<()> {
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    let empty = c"";
+    // SAFETY: `attr` has the kernel's layout and its size is passed; the path is an empty
+    // nul-terminated string used with AT_EMPTY_PATH on a descriptor we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check(rc as libc::c_int)
+}
+
+/// Attaches the detached mount `tree` at `target` (relative to the working directory).
+pub(crate) fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
+    let target = cstring(target)?;
+    let empty = c"";
+    // SAFETY: both paths are valid nul-terminated strings; `tree` is a descriptor we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            libc::MOVE_MOUNT_F_EMPTY_PATH as libc::c_uint,
+        )
+    };
+    check(rc as libc::c_int)
+}
+
+/// Sets only the effective user and group, keeping the real and saved ids (root), so that
+/// the process can become root again.
+pub(crate) fn set_effective_ids(uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: setresgid/setresuid with integer arguments only; -1 leaves an id unchanged.
+    check(unsafe { libc::setresgid(u32::MAX, gid, u32::MAX) })?;
+    // SAFETY: as above.
+    check(unsafe { libc::setresuid(u32::MAX, uid, u32::MAX) })
+}
+
+/// Becomes root of the current user namespace with no supplementary groups.
+pub(crate) fn become_root() -> io::Result<()> {
+    // SAFETY: setgroups with an empty list, then integer-only id calls.
+    check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+    // SAFETY: integer arguments only.
+    check(unsafe { libc::setresgid(0, 0, 0) })?;
+    // SAFETY: integer arguments only.
+    check(unsafe { libc::setresuid(0, 0, 0) })
+}
+
+pub(crate) fn set_rlimit(
+    resource: libc::__rlimit_resource_t,
+    soft: u64,
+    hard: u64,
+) -> io::Result<()> {
+    let limit = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: `limit` is a valid rlimit that outlives the call.
+    check(unsafe { libc::setrlimit(resource, &limit) })
+}
+
+/// Waits for `pid` and returns its exit code (128 + signal when a signal ended it).
+pub(crate) fn wait_exit_code(pid: libc::pid_t) -> io::Result<i32> {
+    let mut status = 0;
+    loop {
+        // SAFETY: `status` is a valid out-pointer for waitpid.
+        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if rc == pid {
+            break;
+        }
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::Interrupted {
+            return Err(err);
+        }
+    }
+    if libc::WIFEXITED(status) {
+        Ok(libc::WEXITSTATUS(status))
+    } else {
+        Ok(128 + libc::WTERMSIG(status))
+    }
+}
+
+/// The kernel's `struct open_how` for openat2.
+#[repr(C)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Creates (or replaces) the regular file `path` with `content` without following a link
+/// anywhere: the old entry is unlinked (a symlink is removed, not followed) and the new file
+/// is created exclusively, with every directory on the way resolved without magic links.
+pub(crate) fn replace_file(path: &Path, content: &[u8], mode: u32) -> io::Result<()> {
+    use std::io::Write;
+    let c = cstring(path)?;
+    // SAFETY: `c` is a valid nul-terminated path.
+    let rc = unsafe { libc::unlink(c.as_ptr()) };
+    if rc < 0 {
+        let err = io::Error::last_os_error();
+        if err.kind() != io::ErrorKind::NotFound {
+            return Err(err);
+        }
+    }
+    let how = OpenHow {
+        flags: (libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            as u64,
+        mode: u64::from(mode),
+        resolve: libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: `how` has the kernel's layout and its size is passed; `c` is a valid path.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+    file.write_all(content)
+}
+
+pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    check(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 returned two new descriptors that nothing else owns.
+    Ok(unsafe {
+        (
+            <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[0]),
+            <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// Writes one byte: the boot steps hand each other control through pipes.
+pub(crate) fn signal_ready(fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: writes one byte from a valid buffer to a descriptor we own.
+    let rc = unsafe { libc::write(fd.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+    if rc == 1 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Waits for one byte; end of file means the other side died first.
+pub(crate) fn wait_ready(fd: &OwnedFd) -> io::Result<()> {
+    let mut byte = [0u8; 1];
+    loop {
+        // SAFETY: reads at most one byte into a valid buffer from a descriptor we own.
+        let rc = unsafe { libc::read(fd.as_raw_fd(), byte.as_mut_ptr().cast(), 1) };
+        match rc {
+            1 => return Ok(()),
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the other boot step exited",
+                ));
+            }
+            _ => {
+                let err = io::Error::last_os_error();
+                if err.kind() != io::ErrorKind::Interrupted {
+                    return Err(err);
+                }
+            }
+        }
+    }
 }

@@ -3,6 +3,7 @@
 
 mod agent_client;
 pub mod cgroups;
+pub mod disks;
 pub mod network;
 mod runtime;
 pub mod templates;

@@ -14,12 +14,13 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
-use sandbar_jail::{AgentConfig, JailSpec, LISTENER_FD};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::agent_client;
 use crate::cgroups::{CgroupDriver, CgroupError, Limits};
+use crate::disks::{DiskError, DiskPool, PoolConfig};
 use crate::network::{Network, NetworkError};
 
 #[derive(Debug, Clone)]
@@ -32,7 +33,19 @@ pub struct NodeConfig {
     pub pids_max: u32,
     /// Written to each sandbox's `/etc/resolv.conf`.
     pub nameservers: Vec<String>,
+    /// Enforce `diskSizeMB` with a btrfs pool under the data directory.
+    pub disk_quotas: bool,
+    /// Size of the disk pool image when it is first made; `None`: half the free space.
+    pub disk_pool_bytes: Option<u64>,
+    /// Host uid/gid of the first sandbox id range; slot N gets
+    /// `id_base + N * SANDBOX_IDS` onwards.
+    pub id_base: u32,
+    /// Pseudo-terminals one sandbox may hold at once.
+    pub pty_max: u32,
 }
+
+/// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
+pub const SANDBOX_IDS: u32 = 65536;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -45,6 +58,10 @@ pub enum NodeError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    #[error("the sandbox id ranges from {base} do not fit in 32 bits for {slots} slots")]
+    IdRange { base: u32, slots: u32 },
     #[error("cannot prepare {path}: {source}")]
     Io {
         path: PathBuf,
@@ -61,6 +78,10 @@ struct Handle {
     /// recycled PID.
     start_ticks: u64,
     slot: u32,
+    /// Host uid and gid of the sandbox's root; absent in handles from before user
+    /// namespaces, whose sandboxes ran as host root.
+    #[serde(default)]
+    id_base: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -68,6 +89,7 @@ pub struct LinuxRuntime {
     config: NodeConfig,
     cgroups: CgroupDriver,
     network: Network,
+    disks: DiskPool,
     slots: Mutex<BTreeSet<u32>>,
 }
 
@@ -106,11 +128,26 @@ impl LinuxRuntime {
         })?;
         let cgroups = CgroupDriver::detect()?;
         let network = Network::new(config.network_base, config.network_prefix_len);
+        let last_id =
+            u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
+        if last_id > u64::from(u32::MAX - 1) {
+            return Err(NodeError::IdRange {
+                base: config.id_base,
+                slots: network.capacity(),
+            });
+        }
         network.init().await?;
-        for dir in [
-            config.data_dir.join("sandboxes"),
-            config.data_dir.join("run"),
-        ] {
+        let disks = DiskPool::open(&PoolConfig {
+            dir: config.data_dir.join("sandboxes"),
+            image: config.data_dir.join("sandboxes.img"),
+            size_bytes: config.disk_pool_bytes,
+            quotas: config.disk_quotas,
+        })
+        .await?;
+        if !disks.enforces_quotas() {
+            tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
+        }
+        for dir in [config.data_dir.join("run"), config.data_dir.join("logs")] {
             std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
                 path: dir.clone(),
                 source,
@@ -124,12 +161,25 @@ impl LinuxRuntime {
             config,
             cgroups,
             network,
+            disks,
             slots: Mutex::new(BTreeSet::new()),
         })
     }
 
-    fn sandbox_dir(&self, id: &str) -> PathBuf {
-        self.config.data_dir.join("sandboxes").join(id)
+    fn log_path(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("logs").join(format!("{id}.log"))
+    }
+
+    fn id_map(&self, slot: u32) -> IdMap {
+        IdMap {
+            host_base: self.config.id_base + slot * SANDBOX_IDS,
+            size: SANDBOX_IDS,
+        }
+    }
+
+    /// Unmounts what the node keeps mounted for sandboxes when none is left (clean shutdown).
+    pub async fn release(&self) {
+        self.disks.release_if_empty().await;
     }
 
     fn socket_path(&self, id: &str) -> PathBuf {
@@ -160,7 +210,12 @@ impl LinuxRuntime {
     }
 
     /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
-    async fn spawn_jailed(&self, spec: &LaunchSpec, dir: &Path) -> Result<i32, RuntimeError> {
+    async fn spawn_jailed(
+        &self,
+        spec: &LaunchSpec,
+        dir: &Path,
+        id_map: IdMap,
+    ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
         let rootfs = spec
             .template
@@ -171,30 +226,27 @@ impl LinuxRuntime {
                 template_id: spec.template.id.clone(),
             })?;
         let jail = JailSpec {
-            lower_dir: rootfs,
-            upper_dir: dir.join("upper"),
-            work_dir: dir.join("work"),
-            root_dir: dir.join("root"),
+            template_dir: rootfs,
+            sandbox_dir: dir.to_owned(),
             hostname: "e2b.local".into(),
             cgroup_join: self.cgroups.join_files(id),
             nameservers: self.config.nameservers.clone(),
+            id_map,
+            pty_max: self.config.pty_max,
             agent: AgentConfig {
                 access_token: Some(spec.envd_access_token.clone()),
                 default_user: spec.default_user.clone(),
                 env_vars: spec.env_vars.clone(),
             },
         };
-        for sub in [&jail.upper_dir, &jail.work_dir, &jail.root_dir] {
-            std::fs::create_dir_all(sub)
-                .map_err(|e| sandbox_err(id, format!("create {}: {e}", sub.display())))?;
-        }
 
         let socket = self.socket_path(id);
         let _ = std::fs::remove_file(&socket);
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
-        let log = std::fs::File::create(dir.join("agent.log"))
-            .map_err(|e| sandbox_err(id, format!("create agent log: {e}")))?;
+        let log_path = self.log_path(id);
+        let log = std::fs::File::create(&log_path)
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
         let listener_fd = listener.as_raw_fd();
         let mut command = tokio::process::Command::new(&self.config.agent_bin);
@@ -248,7 +300,7 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
         let pid: i32 = line.trim().parse().map_err(|_| {
-            let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
             sandbox_err(
                 id,
                 format!(
@@ -287,13 +339,13 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
-        let dir = self.sandbox_dir(id);
-        if dir.exists() {
-            tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir))
-                .await
-                .map_err(|e| sandbox_err(id, e))?
-                .map_err(|e| sandbox_err(id, format!("remove sandbox files: {e}")))?;
-        }
+        let _ = std::fs::remove_file(self.log_path(id));
+        let disks = self.disks.clone();
+        let owned_id = id.to_owned();
+        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, e))?;
         Ok(())
     }
 
@@ -303,8 +355,8 @@ impl LinuxRuntime {
         slot: u32,
     ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
         let id = &spec.sandbox_id;
-        let dir = self.sandbox_dir(id);
         let started = std::time::Instant::now();
+        let id_map = self.id_map(slot);
         self.cgroups
             .create(
                 id,
@@ -316,12 +368,21 @@ impl LinuxRuntime {
             )
             .map_err(|e| (None, sandbox_err(id, e)))?;
         let cgroups_done = started.elapsed();
-        let pid = self.spawn_jailed(spec, &dir).await.map_err(|e| (None, e))?;
+        let dir = self
+            .disks
+            .create(id, spec.disk_size_mb, id_map.host_base)
+            .map_err(|e| (None, sandbox_err(id, e)))?;
+        let disk_done = started.elapsed();
+        let pid = self
+            .spawn_jailed(spec, &dir, id_map)
+            .await
+            .map_err(|e| (None, e))?;
         let spawned = started.elapsed();
         let handle = Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
             slot,
+            id_base: Some(id_map.host_base),
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         self.network
@@ -333,12 +394,13 @@ impl LinuxRuntime {
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
             .await
             .map_err(|e| {
-                let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+                let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
                 fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
             })?;
         tracing::debug!(
             sandbox_id = %id,
             cgroups_us = cgroups_done.as_micros() as u64,
+            disk_us = disk_done.as_micros() as u64,
             spawned_us = spawned.as_micros() as u64,
             networked_us = networked.as_micros() as u64,
             healthy_us = started.elapsed().as_micros() as u64,
@@ -372,6 +434,7 @@ impl Runtime for LinuxRuntime {
                     pid: 0,
                     start_ticks: 0,
                     slot,
+                    id_base: None,
                 });
                 if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
                     tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
@@ -392,12 +455,8 @@ impl Runtime for LinuxRuntime {
     }
 
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
-        let dir = self.config.data_dir.join("sandboxes");
-        let entries = std::fs::read_dir(&dir)
-            .map_err(|e| sandbox_err("*", format!("cannot list {}: {e}", dir.display())))?;
         let mut removed = 0;
-        for entry in entries.flatten() {
-            let id = entry.file_name().to_string_lossy().into_owned();
+        for id in self.disks.list() {
             if recorded.contains(&id) {
                 continue;
             }
@@ -436,12 +495,14 @@ mod tests {
         assert!(is_alive(&Handle {
             pid,
             start_ticks: first,
-            slot: 0
+            slot: 0,
+            id_base: None,
         }));
         assert!(!is_alive(&Handle {
             pid,
             start_ticks: first + 1,
-            slot: 0
+            slot: 0,
+            id_base: None,
         }));
     }
 }

@@ -2,6 +2,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -77,6 +78,26 @@ struct ServeArgs {
     /// Cap on processes and threads in each sandbox.
     #[arg(long, env = "SANDBAR_PIDS_MAX", default_value_t = 1024)]
     pids_max: u32,
+    /// Disk size, in MiB, of sandboxes of the default template 'base' (their writable layer,
+    /// data and inodes alike).
+    #[arg(long, env = "SANDBAR_BASE_DISK_MB", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(64..))]
+    base_disk_mb: u32,
+    /// Cap on pseudo-terminals open at once in each sandbox.
+    #[arg(long, env = "SANDBAR_PTY_MAX", default_value_t = 256)]
+    pty_max: u32,
+    /// Enforce each sandbox's diskSizeMB (inodes included) with a btrfs pool in
+    /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
+    #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
+    disk_quotas: bool,
+    /// Size of the disk pool image when it is first made, in GiB (a sparse file); default
+    /// half the free space of the data directory's filesystem.
+    #[arg(long, env = "SANDBAR_DISK_POOL_GB")]
+    disk_pool_gb: Option<u64>,
+    /// First host uid/gid of sandbox id ranges: each sandbox maps its ids 0-65535 to a range
+    /// of its own from here on, so no host user may own ids in
+    /// [id-base, id-base + 65536 * sandbox slots).
+    #[arg(long, env = "SANDBAR_ID_BASE", default_value_t = 1 << 30)]
+    id_base: u32,
 }
 
 #[tokio::main]
@@ -140,6 +161,7 @@ async fn ensure_base_template(
     templates_dir: PathBuf,
     mirror: String,
     envd_version: &str,
+    disk_size_mb: u32,
 ) -> anyhow::Result<()> {
     use sandbar_core::Store;
     let now = Utc::now();
@@ -168,6 +190,7 @@ async fn ensure_base_template(
         build_count: 0,
     });
     template.envd_version = envd_version.into();
+    template.disk_size_mb = disk_size_mb;
     template.updated_at = now;
     if built {
         template.build_status = BuildStatus::Ready;
@@ -201,6 +224,13 @@ async fn ensure_base_template(
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
+    // The store holds every sandbox's envd access token: nobody but the server's user may
+    // enter the data directory, and the database files are private too in case the
+    // directory is ever opened up.
+    std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
+    restrict_database_files(&args.data_dir)?;
+    warn_about_core_pipe();
     let data_dir = args
         .data_dir
         .canonicalize()
@@ -243,9 +273,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             network_prefix_len,
             pids_max: args.pids_max,
             nameservers,
+            disk_quotas: args.disk_quotas,
+            disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
+            id_base: args.id_base,
+            pty_max: args.pty_max,
         })
         .await?,
     );
+    let node = runtime.clone();
 
     let templates = Templates::new(store.clone());
     ensure_base_template(
@@ -254,6 +289,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         data_dir.join("templates"),
         args.debian_mirror,
         sandbar_jail::ENVD_VERSION,
+        args.base_disk_mb,
     )
     .await?;
 
@@ -289,8 +325,44 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
     Ok(())
+}
+
+/// Creates the database file owner-only if it is new (SQLite gives its WAL and shared-memory
+/// files the database file's mode) and narrows the mode of existing ones.
+fn restrict_database_files(data_dir: &Path) -> anyhow::Result<()> {
+    let db = data_dir.join("sandbar.db");
+    if !db.exists() {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&db)
+            .with_context(|| format!("cannot create {}", db.display()))?;
+    }
+    for suffix in ["", "-wal", "-shm"] {
+        let path = data_dir.join(format!("sandbar.db{suffix}"));
+        if path.exists() {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+                .with_context(|| format!("cannot restrict {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// A core pattern that pipes to a helper makes the kernel run that helper as host root for
+/// a crashing process; sandboxes start with the core limit that stops it, but a sandbox can
+/// lower its own limit, so the operator should know.
+fn warn_about_core_pipe() {
+    let pattern = std::fs::read_to_string("/proc/sys/kernel/core_pattern").unwrap_or_default();
+    if pattern.starts_with('|') {
+        tracing::warn!(
+            core_pattern = pattern.trim(),
+            "the host pipes core dumps to a helper that runs as root for crashes inside sandboxes too; consider a file pattern"
+        );
+    }
 }
 
 async fn shutdown_signal() {

@@ -1,0 +1,590 @@
+//! Sandbox disks: every sandbox's directory is a btrfs subvolume in one pool, with a qgroup
+//! limit of its `diskSizeMB`. The quota counts data and metadata alike, so it bounds bytes and
+//! inodes together: a sandbox that fills its disk gets `EDQUOT` while the host and every other
+//! sandbox carry on. No filesystem is made or mounted per sandbox: a subvolume and its limit
+//! are two ioctls, and removing one is another, however deep the tree inside it.
+//!
+//! The pool is a btrfs filesystem in a sparse image file under the data directory, loop-mounted
+//! once on the sandboxes directory (ext4 and XFS quotas are not available on every kernel,
+//! btrfs qgroups are).
+
+use std::ffi::{CString, OsStr, OsString};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use rustix::fs::{AtFlags, Mode, OFlags};
+use sandbar_jail::layout;
+
+const BTRFS_SUPER_MAGIC: i64 = 0x9123_683e;
+/// Inode number of every btrfs subvolume's root directory.
+const SUBVOLUME_ROOT_INODE: u64 = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("cannot prepare the disk pool at {path}: {message}")]
+    Pool { path: PathBuf, message: String },
+    #[error("cannot create the disk of sandbox {sandbox_id}: {source}")]
+    Create {
+        sandbox_id: String,
+        source: std::io::Error,
+    },
+    #[error("cannot remove the disk of sandbox {sandbox_id}: {source}")]
+    Remove {
+        sandbox_id: String,
+        source: std::io::Error,
+    },
+}
+
+/// Where and how big the pool is.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Directory holding one entry per sandbox; the pool is mounted here.
+    pub dir: PathBuf,
+    /// The pool's image file, made on first start.
+    pub image: PathBuf,
+    /// Size of a new image; `None` picks half the free space of the image's filesystem.
+    pub size_bytes: Option<u64>,
+    /// Without quotas, sandbox directories are plain directories and disk sizes are not
+    /// enforced.
+    pub quotas: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct DiskPool {
+    dir: PathBuf,
+    quotas: bool,
+    /// `/sys/fs/btrfs/<fsid>`: qgroup usage without a syscall per sample.
+    sysfs: Option<PathBuf>,
+}
+
+/// Used and total bytes of one sandbox's disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskUsage {
+    pub used: u64,
+    pub total: u64,
+}
+
+// Linux `_IOC` request numbers for the btrfs ioctls used here (magic 0x94).
+const fn ioc(dir: u64, nr: u64, size: usize) -> u64 {
+    (dir << 30) | ((size as u64) << 16) | (0x94 << 8) | nr
+}
+const IOC_WRITE: u64 = 1;
+const IOC_READ: u64 = 2;
+
+#[repr(C)]
+struct VolArgs {
+    fd: i64,
+    name: [u8; 4088],
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct QgroupLimit {
+    flags: u64,
+    max_rfer: u64,
+    max_excl: u64,
+    rsv_rfer: u64,
+    rsv_excl: u64,
+}
+
+#[repr(C)]
+struct QgroupLimitArgs {
+    qgroupid: u64,
+    lim: QgroupLimit,
+}
+
+#[repr(C)]
+struct QuotaCtlArgs {
+    cmd: u64,
+    status: u64,
+}
+
+#[repr(C)]
+struct InoLookupArgs {
+    treeid: u64,
+    objectid: u64,
+    name: [u8; 4080],
+}
+
+#[repr(C)]
+struct FsInfoArgs {
+    max_id: u64,
+    num_devices: u64,
+    fsid: [u8; 16],
+    rest: [u8; 1024 - 32],
+}
+
+const SUBVOL_CREATE: u64 = ioc(IOC_WRITE, 14, size_of::<VolArgs>());
+const SNAP_DESTROY: u64 = ioc(IOC_WRITE, 15, size_of::<VolArgs>());
+const INO_LOOKUP: u64 = ioc(IOC_READ | IOC_WRITE, 18, size_of::<InoLookupArgs>());
+const FS_INFO: u64 = ioc(IOC_READ, 31, size_of::<FsInfoArgs>());
+const QUOTA_CTL: u64 = ioc(IOC_READ | IOC_WRITE, 40, size_of::<QuotaCtlArgs>());
+const QGROUP_LIMIT: u64 = ioc(IOC_READ, 43, size_of::<QgroupLimitArgs>());
+const QUOTA_CTL_ENABLE: u64 = 1;
+const QGROUP_LIMIT_MAX_RFER: u64 = 1;
+
+/// # Safety
+/// `arg` must point to the structure the request `request` expects.
+unsafe fn ioctl<T>(fd: BorrowedFd<'_>, request: u64, arg: *mut T) -> std::io::Result<()> {
+    // SAFETY: guaranteed by the caller.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request as _, arg) };
+    if rc < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn vol_args(name: &OsStr) -> std::io::Result<VolArgs> {
+    let bytes = name.as_bytes();
+    if bytes.is_empty() || bytes.len() >= 4088 || bytes.contains(&b'/') || bytes.contains(&0) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a plain directory name",
+        ));
+    }
+    let mut args = VolArgs {
+        fd: 0,
+        name: [0; 4088],
+    };
+    args.name[..bytes.len()].copy_from_slice(bytes);
+    Ok(args)
+}
+
+fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        path,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+        Mode::empty(),
+    )?)
+}
+
+fn is_btrfs(path: &Path) -> bool {
+    rustix::fs::statfs(path).is_ok_and(|s| s.f_type == BTRFS_SUPER_MAGIC)
+}
+
+fn is_mount_point(path: &Path) -> bool {
+    let (Ok(dir), Some(Ok(parent))) = (
+        std::fs::metadata(path),
+        path.parent().map(std::fs::metadata),
+    ) else {
+        return false;
+    };
+    dir.dev() != parent.dev()
+}
+
+async fn run(program: &str, args: &[&OsStr]) -> Result<(), String> {
+    let out = tokio::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{program} failed with {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl DiskPool {
+    /// Mounts (making it first if needed) the pool and turns quotas on.
+    pub async fn open(config: &PoolConfig) -> Result<Self, DiskError> {
+        let fail = |message: String| DiskError::Pool {
+            path: config.dir.clone(),
+            message,
+        };
+        std::fs::create_dir_all(&config.dir).map_err(|e| fail(e.to_string()))?;
+        if !config.quotas {
+            return Ok(Self {
+                dir: config.dir.clone(),
+                quotas: false,
+                sysfs: None,
+            });
+        }
+        if !(is_mount_point(&config.dir) && is_btrfs(&config.dir)) {
+            if !config.image.exists() {
+                make_image(config).await.map_err(fail)?;
+            }
+            run(
+                "mount",
+                &[
+                    OsStr::new("-t"),
+                    OsStr::new("btrfs"),
+                    OsStr::new("-o"),
+                    OsStr::new("loop,noatime"),
+                    config.image.as_os_str(),
+                    config.dir.as_os_str(),
+                ],
+            )
+            .await
+            .map_err(fail)?;
+        }
+        let root = open_dir(&config.dir).map_err(|e| fail(e.to_string()))?;
+        let mut ctl = QuotaCtlArgs {
+            cmd: QUOTA_CTL_ENABLE,
+            status: 0,
+        };
+        // SAFETY: QUOTA_CTL takes a btrfs_ioctl_quota_ctl_args, which `ctl` is.
+        unsafe { ioctl(root.as_fd(), QUOTA_CTL, &mut ctl) }
+            .map_err(|e| fail(format!("cannot enable quotas: {e}")))?;
+        let mut info = FsInfoArgs {
+            max_id: 0,
+            num_devices: 0,
+            fsid: [0; 16],
+            rest: [0; 1024 - 32],
+        };
+        // SAFETY: FS_INFO fills a btrfs_ioctl_fs_info_args, which `info` is.
+        unsafe { ioctl(root.as_fd(), FS_INFO, &mut info) }
+            .map_err(|e| fail(format!("cannot read the pool's id: {e}")))?;
+        let sysfs = Path::new("/sys/fs/btrfs").join(format_uuid(&info.fsid));
+        // Sandbox layers are the host's business only.
+        let _ = std::fs::set_permissions(&config.dir, std::fs::Permissions::from_mode(0o700));
+        tracing::info!(pool = %config.dir.display(), "sandbox disk pool ready, quotas on");
+        Ok(Self {
+            dir: config.dir.clone(),
+            quotas: true,
+            sysfs: Some(sysfs),
+        })
+    }
+
+    pub fn enforces_quotas(&self) -> bool {
+        self.quotas
+    }
+
+    /// The sandbox's directory (whether or not it exists).
+    pub fn path(&self, sandbox_id: &str) -> PathBuf {
+        self.dir.join(sandbox_id)
+    }
+
+    /// Makes the sandbox's directory with the [`layout`] entries: the writable layer and the
+    /// overlay's work directory owned by `owner` (the sandbox's root on the host).
+    pub fn create(&self, sandbox_id: &str, size_mb: u32, owner: u32) -> Result<PathBuf, DiskError> {
+        let fail = |source| DiskError::Create {
+            sandbox_id: sandbox_id.to_owned(),
+            source,
+        };
+        let path = self.path(sandbox_id);
+        if self.quotas {
+            let parent = open_dir(&self.dir).map_err(fail)?;
+            let mut args = vol_args(OsStr::new(sandbox_id)).map_err(fail)?;
+            // SAFETY: SUBVOL_CREATE takes a btrfs_ioctl_vol_args, which `args` is.
+            unsafe { ioctl(parent.as_fd(), SUBVOL_CREATE, &mut args) }.map_err(fail)?;
+            let subvolume = open_dir(&path).map_err(fail)?;
+            let mut limit = QgroupLimitArgs {
+                // Zero means the subvolume the descriptor is in.
+                qgroupid: 0,
+                lim: QgroupLimit {
+                    flags: QGROUP_LIMIT_MAX_RFER,
+                    max_rfer: u64::from(size_mb) * 1024 * 1024,
+                    ..QgroupLimit::default()
+                },
+            };
+            // SAFETY: QGROUP_LIMIT takes a btrfs_ioctl_qgroup_limit_args, which `limit` is.
+            unsafe { ioctl(subvolume.as_fd(), QGROUP_LIMIT, &mut limit) }.map_err(fail)?;
+        } else {
+            std::fs::create_dir(&path).map_err(fail)?;
+        }
+        for (name, owned) in [
+            (layout::UPPER, true),
+            (layout::WORK, true),
+            (layout::LOWER, false),
+            (layout::ROOT, false),
+        ] {
+            let sub = path.join(name);
+            std::fs::create_dir(&sub).map_err(fail)?;
+            if owned {
+                std::os::unix::fs::chown(&sub, Some(owner), Some(owner)).map_err(fail)?;
+            }
+        }
+        // The sandbox's boot works relative to this directory as the sandbox's root, which
+        // must be able to search it; nobody else may.
+        std::os::unix::fs::chown(&path, Some(owner), Some(owner)).map_err(fail)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).map_err(fail)?;
+        Ok(path)
+    }
+
+    /// Removes the sandbox's directory and everything in it; succeeds if it is already gone.
+    pub fn remove(&self, sandbox_id: &str) -> Result<(), DiskError> {
+        let fail = |source| DiskError::Remove {
+            sandbox_id: sandbox_id.to_owned(),
+            source,
+        };
+        let path = self.path(sandbox_id);
+        let meta = match std::fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(fail(e)),
+        };
+        if meta.is_dir() && meta.ino() == SUBVOLUME_ROOT_INODE && is_btrfs(&path) {
+            let parent = open_dir(&self.dir).map_err(fail)?;
+            let mut args = vol_args(OsStr::new(sandbox_id)).map_err(fail)?;
+            // SAFETY: SNAP_DESTROY takes a btrfs_ioctl_vol_args, which `args` is.
+            return unsafe { ioctl(parent.as_fd(), SNAP_DESTROY, &mut args) }.map_err(fail);
+        }
+        remove_tree(&path).map_err(fail)
+    }
+
+    /// Names of every sandbox directory in the pool.
+    pub fn list(&self) -> Vec<String> {
+        std::fs::read_dir(&self.dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// What the sandbox's disk holds against its limit (from the qgroup's counters).
+    pub fn usage(&self, sandbox_id: &str) -> Option<DiskUsage> {
+        let sysfs = self.sysfs.as_ref()?;
+        let dir = open_dir(&self.path(sandbox_id)).ok()?;
+        let mut lookup = InoLookupArgs {
+            treeid: 0,
+            objectid: SUBVOLUME_ROOT_INODE,
+            name: [0; 4080],
+        };
+        // SAFETY: INO_LOOKUP takes a btrfs_ioctl_ino_lookup_args, which `lookup` is.
+        unsafe { ioctl(dir.as_fd(), INO_LOOKUP, &mut lookup) }.ok()?;
+        let qgroup = sysfs.join("qgroups").join(format!("0_{}", lookup.treeid));
+        let read = |name: &str| -> Option<u64> {
+            std::fs::read_to_string(qgroup.join(name))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        Some(DiskUsage {
+            used: read("referenced")?,
+            total: read("max_referenced")?,
+        })
+    }
+
+    /// Unmounts the pool when no sandbox directory is left in it (on a clean shutdown), so
+    /// the node leaves no mount behind; a pool with sandboxes stays mounted for them.
+    pub async fn release_if_empty(&self) {
+        if !self.quotas || !self.list().is_empty() || !is_mount_point(&self.dir) {
+            return;
+        }
+        match run("umount", &[self.dir.as_os_str()]).await {
+            Ok(()) => tracing::info!(pool = %self.dir.display(), "sandbox disk pool unmounted"),
+            Err(e) => tracing::warn!(error = %e, "cannot unmount the sandbox disk pool"),
+        }
+    }
+}
+
+async fn make_image(config: &PoolConfig) -> Result<(), String> {
+    let size = match config.size_bytes {
+        Some(size) => size,
+        None => {
+            let parent = config.image.parent().unwrap_or(Path::new("/"));
+            let stat = rustix::fs::statvfs(parent).map_err(|e| e.to_string())?;
+            stat.f_bavail * stat.f_frsize / 2
+        }
+    };
+    // btrfs needs a few hundred MiB for itself.
+    let size = size.max(1 << 30);
+    let staging = config.image.with_extension("partial");
+    let file = File::create(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
+    file.set_len(size)
+        .map_err(|e| format!("{}: {e}", staging.display()))?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| e.to_string())?;
+    drop(file);
+    tracing::info!(image = %config.image.display(), size_mib = size >> 20, "making the sandbox disk pool");
+    run(
+        "mkfs.btrfs",
+        &[
+            OsStr::new("-q"),
+            OsStr::new("-m"),
+            OsStr::new("single"),
+            staging.as_os_str(),
+        ],
+    )
+    .await
+    .map_err(|e| format!("{e} (is btrfs-progs installed?)"))?;
+    std::fs::rename(&staging, &config.image).map_err(|e| e.to_string())
+}
+
+fn format_uuid(bytes: &[u8; 16]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// Removes a directory tree without recursion and with at most two directories open: every
+/// nested directory is first moved up to the top of the tree, so a tree deeper than the
+/// open-file limit or the stack (which a sandbox can build) goes like a flat one.
+pub fn remove_tree(path: &Path) -> std::io::Result<()> {
+    let top = match open_dir(path) {
+        Ok(fd) => fd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e)
+            if e.raw_os_error() == Some(libc::ENOTDIR) || e.raw_os_error() == Some(libc::ELOOP) =>
+        {
+            return std::fs::remove_file(path);
+        }
+        Err(e) => return Err(e),
+    };
+    let mut moved = 0u64;
+    let mut pending: Vec<OsString> = Vec::new();
+    empty_into(&top, &top, &mut pending, &mut moved)?;
+    while let Some(name) = pending.pop() {
+        let dir = rustix::fs::openat(
+            &top,
+            name.as_os_str(),
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
+            Mode::empty(),
+        )?;
+        empty_into(&dir, &top, &mut pending, &mut moved)?;
+        drop(dir);
+        rustix::fs::unlinkat(&top, name.as_os_str(), AtFlags::REMOVEDIR)?;
+    }
+    drop(top);
+    std::fs::remove_dir(path)
+}
+
+/// Unlinks every non-directory in `dir` and moves every directory in it to `top` under a
+/// fresh name, recording those names in `pending`.
+fn empty_into(
+    dir: &OwnedFd,
+    top: &OwnedFd,
+    pending: &mut Vec<OsString>,
+    moved: &mut u64,
+) -> std::io::Result<()> {
+    loop {
+        // Collect first: changing a directory while reading it may skip entries.
+        let mut entries = Vec::new();
+        let mut reader = rustix::fs::Dir::read_from(dir)?;
+        for entry in reader.by_ref() {
+            let entry = entry?;
+            let name = entry.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            entries.push((
+                OsStr::from_bytes(name).to_owned(),
+                entry.file_type() == rustix::fs::FileType::Directory,
+            ));
+        }
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for (name, is_dir) in entries {
+            let is_dir = is_dir
+                || (rustix::fs::statat(dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|s| rustix::fs::FileType::from_raw_mode(s.st_mode).is_dir()));
+            if !is_dir {
+                rustix::fs::unlinkat(dir, name.as_os_str(), AtFlags::empty())?;
+                continue;
+            }
+            if std::ptr::eq(dir, top) {
+                pending.push(name);
+                continue;
+            }
+            *moved += 1;
+            let fresh = OsString::from(format!(".removing-{moved}"));
+            let fresh_c = CString::new(fresh.as_bytes()).map_err(std::io::Error::other)?;
+            rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str())?;
+            pending.push(fresh);
+        }
+        if std::ptr::eq(dir, top) {
+            // Directories at the top stay where they are until popped.
+            return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_numbers_match_the_kernel_headers() {
+        assert_eq!(SUBVOL_CREATE, 0x5000_940e);
+        assert_eq!(SNAP_DESTROY, 0x5000_940f);
+        assert_eq!(QGROUP_LIMIT, 0x8030_942b);
+        assert_eq!(QUOTA_CTL, 0xc010_9428);
+        assert_eq!(INO_LOOKUP, 0xd000_9412);
+        assert_eq!(FS_INFO, 0x8400_941f);
+    }
+
+    #[test]
+    fn removes_a_tree_deeper_than_the_open_file_limit() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let top = tmp.path().join("tree");
+        std::fs::create_dir(&top).expect("mkdir");
+        // Build the chain with *at calls so its depth is not limited by PATH_MAX.
+        let mut dir = open_dir(&top).expect("open");
+        let depth = 5000;
+        for i in 0..depth {
+            rustix::fs::mkdirat(&dir, "d", Mode::from_raw_mode(0o755)).expect("mkdirat");
+            if i % 7 == 0 {
+                let f = rustix::fs::openat(
+                    &dir,
+                    "f",
+                    OFlags::CREATE | OFlags::WRONLY | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o644),
+                )
+                .expect("file");
+                drop(f);
+                rustix::fs::symlinkat("/etc/passwd", &dir, "link").expect("symlink");
+            }
+            dir = rustix::fs::openat(
+                &dir,
+                "d",
+                OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .expect("descend");
+        }
+        drop(dir);
+        // Keep the process's descriptor limit far below the depth while removing.
+        let before = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        rustix::process::setrlimit(
+            rustix::process::Resource::Nofile,
+            rustix::process::Rlimit {
+                current: Some(64),
+                maximum: before.maximum,
+            },
+        )
+        .expect("lower the limit");
+        let result = remove_tree(&top);
+        rustix::process::setrlimit(rustix::process::Resource::Nofile, before).expect("restore");
+        result.expect("remove");
+        assert!(!top.exists());
+        assert!(Path::new("/etc/passwd").exists());
+    }
+
+    #[test]
+    fn removing_a_missing_tree_succeeds() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        remove_tree(&tmp.path().join("absent")).expect("absent is fine");
+    }
+
+    #[test]
+    fn formats_a_filesystem_id_like_sysfs() {
+        let id = [
+            0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab,
+            0xcd, 0xef,
+        ];
+        assert_eq!(format_uuid(&id), "01234567-89ab-cdef-0123-456789abcdef");
+    }
+}
