@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs the host packages Sandbar needs (Debian/Ubuntu, as root): mmdebstrap builds the default
-# template, nftables and iproute2 wire sandbox networks, util-linux provides nsenter.
+# template, nftables and iproute2 wire sandbox networks, util-linux provides mount and nsenter,
+# btrfs-progs makes the pool that holds sandbox disks under quota.
 # Pass --test to also install what the test suite and benchmark use.
 set -euo pipefail
 
-packages=(mmdebstrap nftables iproute2 util-linux ca-certificates)
+packages=(mmdebstrap nftables iproute2 util-linux ca-certificates btrfs-progs)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(python3-pip runc procps)
   command -v npm >/dev/null || packages+=(nodejs npm)
