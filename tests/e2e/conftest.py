@@ -29,6 +29,7 @@ import pytest
 
 from e2e_util import (
     CREATED_IDS,
+    FakeDns,
     acquire_run_lock,
     DATA_DIR,
     LOG_DIR,
@@ -56,6 +57,7 @@ RUN_LAST = ("test_restart.py",)
 # --------------------------------------------------------------------------
 
 _SERVER: Optional[SandbarServer] = None
+FAKE_DNS: Optional[FakeDns] = None
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -101,7 +103,17 @@ def sandbar():
 
     log_path = LOG_DIR / f"sandbar-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     binary, _agent = private_binaries(SANDBAR_BIN)
-    server = SandbarServer(binary, DATA_DIR, log_path, free_port())
+    global FAKE_DNS
+    FAKE_DNS = FakeDns()
+    # Small disks keep the disk-exhaustion probes fast; the upstream resolver is the fake one,
+    # so nothing a sandbox resolves ever reaches a real resolver.
+    server = SandbarServer(
+        binary,
+        DATA_DIR,
+        log_path,
+        free_port(),
+        extra_args=["--base-disk-mb", "512", "--nameserver", FAKE_DNS.address],
+    )
     print(
         f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "
         f"data dir {DATA_DIR}, log {log_path}",
@@ -207,6 +219,13 @@ def sandbar():
             except OSError:
                 pass
             pytest.fail("resource leaks after the run:\n  " + "\n  ".join(problems) + "\n" + tail)
+
+
+@pytest.fixture(scope="session")
+def fake_dns(sandbar) -> FakeDns:
+    """The server's upstream resolver: set `fake_dns.records[name] = ip`."""
+    assert FAKE_DNS is not None
+    return FAKE_DNS
 
 
 @pytest.fixture(scope="session")

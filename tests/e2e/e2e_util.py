@@ -256,8 +256,9 @@ def host_mounts_mentioning(text: str) -> List[str]:
 class SandbarServer:
     """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
 
-    def __init__(self, binary: Path, data_dir: Path, log_path: Path, port: int):
+    def __init__(self, binary: Path, data_dir: Path, log_path: Path, port: int, extra_args: Optional[List[str]] = None):
         self.binary = binary
+        self.extra_args = list(extra_args or [])
         self.data_dir = data_dir
         self.log_path = log_path
         self.port = port
@@ -297,6 +298,7 @@ class SandbarServer:
                 f"127.0.0.1:{self.port}",
                 "--data-dir",
                 str(self.data_dir),
+                *self.extra_args,
             ],
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
@@ -475,3 +477,100 @@ def kill_all_listed(server: SandbarServer) -> List[str]:
 
 def unique(prefix: str = "e2e") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+# --------------------------------------------------------------------------
+# a fake upstream resolver
+# --------------------------------------------------------------------------
+
+# Names under this suffix resolve through FakeDns; everything else is NXDOMAIN, so no test ever
+# makes the server ask a real resolver.
+FAKE_DNS_SUFFIX = "sandbar-test."
+
+
+class FakeDns:
+    """A tiny DNS server on 127.0.0.1 (UDP and TCP) answering A queries from a table.
+
+    The server under test uses it as its upstream resolver; tests set `records` (lower-case
+    name without the trailing dot -> IPv4 address) while it runs.
+    """
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.records: dict = {}
+        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.udp.bind(("127.0.0.1", 0))
+        self.port = self.udp.getsockname()[1]
+        self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.tcp.bind(("127.0.0.1", self.port))
+        self.tcp.listen(16)
+        self.queries: List[str] = []
+        self._stop = False
+        threading.Thread(target=self._serve_udp, daemon=True).start()
+        threading.Thread(target=self._serve_tcp, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def answer(self, query: bytes) -> bytes:
+        import struct
+
+        if len(query) < 12:
+            return b""
+        qid = query[:2]
+        labels, pos = [], 12
+        while pos < len(query) and query[pos] != 0:
+            n = query[pos]
+            labels.append(query[pos + 1 : pos + 1 + n].decode("ascii", "replace"))
+            pos += 1 + n
+        qtype = struct.unpack("!H", query[pos + 1 : pos + 3])[0] if pos + 3 <= len(query) else 0
+        question = query[12 : pos + 5]
+        name = ".".join(labels).lower()
+        self.queries.append(name)
+        address = self.records.get(name)
+        if address is None:
+            return qid + b"\x81\x83" + struct.pack("!HHHH", 1, 0, 0, 0) + question
+        if qtype != 1:
+            return qid + b"\x81\x80" + struct.pack("!HHHH", 1, 0, 0, 0) + question
+        rdata = bytes(int(x) for x in address.split("."))
+        record = b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 30, 4) + rdata
+        return qid + b"\x81\x80" + struct.pack("!HHHH", 1, 1, 0, 0) + question + record
+
+    def _serve_udp(self):
+        while not self._stop:
+            try:
+                data, peer = self.udp.recvfrom(4096)
+                self.udp.sendto(self.answer(data), peer)
+            except OSError:
+                return
+
+    def _serve_tcp(self):
+        import struct
+
+        while not self._stop:
+            try:
+                conn, _ = self.tcp.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    n = struct.unpack("!H", conn.recv(2))[0]
+                    data = b""
+                    while len(data) < n:
+                        chunk = conn.recv(n - len(data))
+                        if not chunk:
+                            break
+                        data += chunk
+                    reply = self.answer(data)
+                    conn.sendall(struct.pack("!H", len(reply)) + reply)
+                except (OSError, struct.error):
+                    pass
+
+    def close(self):
+        self._stop = True
+        self.udp.close()
+        self.tcp.close()

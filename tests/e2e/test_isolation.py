@@ -21,6 +21,7 @@ import pytest
 from e2b import CommandExitException, SandboxException
 
 from e2e_util import (
+    CREATED_IDS,
     DATA_DIR,
     ENVD_PORT,
     REPO_ROOT,
@@ -150,7 +151,12 @@ def test_host_files_invisible(sandbox):
 
 def test_sandbox_files_not_visible_to_host_mounts(sandbox):
     sandbox.files.write("/home/user/host-mount-check.txt", "x")
-    assert host_mounts_mentioning(str(DATA_DIR)) == [], "sandbox mounts leak into the host mount table"
+    # The node's disk pool is the one mount it keeps on the host, while it runs; nothing of a
+    # sandbox (its overlay, /proc, /dev, the id-mapped template) may appear there.
+    pool = f"{DATA_DIR}/sandboxes btrfs "
+    mounts = [m for m in host_mounts_mentioning(str(DATA_DIR)) if pool not in m]
+    assert mounts == [], "sandbox mounts leak into the host mount table"
+    assert not [m for m in host_mounts_mentioning(sandbox.sandbox_id)]
 
 
 def test_no_block_devices(sandbox):
@@ -402,10 +408,22 @@ def _sh(*args, check=True):
     return subprocess.run(list(args), capture_output=True, text=True, check=check)
 
 
+# Addresses the fake internet serves. The "public" one is a retired relay range that no real
+# route needs here; the others stand for what sandboxes must not reach beyond the host: a
+# private network, a shared-address-space (cloud metadata) address and Azure's wire server.
+# Each is reached only through a /32 route into the test's own namespace, checked before use,
+# so no packet to them ever leaves the machine.
+FAKE_PUBLIC_IP = "192.88.99.10"
+FAKE_PRIVATE_IPS = ("10.255.77.7", "100.100.100.200", "168.63.129.16")
+
+
 @pytest.fixture(scope="module")
 def fake_internet():
-    """A network namespace with a web server, reachable from the host through a veth pair."""
+    """A network namespace with a web server on several addresses, reached through /32 routes."""
     routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
+    for served in (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS):
+        if served in routes:
+            pytest.skip(f"{served} is already routed on this host")
     for _ in range(50):
         r = random.randint(1, 254)
         if f"10.254.{r}." not in routes:
@@ -423,6 +441,7 @@ def fake_internet():
     log_path = Path(webroot) / "access.log"
     proc = None
     log = None
+    routed = []
     try:
         _sh("ip", "netns", "add", ns)
         _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
@@ -433,21 +452,35 @@ def fake_internet():
         _sh("ip", "-n", ns, "link", "set", ns_if, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
         _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        for served in (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS):
+            _sh("ip", "-n", ns, "addr", "add", f"{served}/32", "dev", "lo")
+            _sh("ip", "route", "add", f"{served}/32", "via", ns_ip, "dev", host_if)
+            routed.append(served)
+            got = _sh("ip", "-4", "route", "get", served).stdout
+            assert f"dev {host_if}" in got, f"{served} would not go to the test namespace: {got}"
         log = open(log_path, "wb")
         proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "python3", "-m", "http.server", str(port), "--bind", ns_ip, "--directory", webroot],
+            ["ip", "netns", "exec", ns, "python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        url = f"http://{ns_ip}:{port}/marker.txt"
+        url = f"http://{FAKE_PUBLIC_IP}:{port}/marker.txt"
         wait_until(
             lambda: httpx.get(url, timeout=2).text == marker,
             timeout=20,
             message="the web server in the test namespace",
         )
-        yield {"ip": ns_ip, "port": port, "url": url, "marker": marker, "log": log_path, "ns": ns}
+        yield {
+            "ip": FAKE_PUBLIC_IP,
+            "port": port,
+            "url": url,
+            "marker": marker,
+            "log": log_path,
+            "ns": ns,
+            "private_ips": FAKE_PRIVATE_IPS,
+        }
     finally:
         if proc is not None:
             proc.kill()
@@ -457,6 +490,8 @@ def fake_internet():
                 pass
         if log is not None:
             log.close()
+        for served in routed:
+            _sh("ip", "route", "del", f"{served}/32", check=False)
         _sh("ip", "netns", "del", ns, check=False)
         _sh("ip", "link", "del", host_if, check=False)
         subprocess.run(["rm", "-rf", webroot], check=False)
@@ -509,6 +544,50 @@ def test_egress_blocked_without_internet_access(make_sandbox, fake_internet, san
         )
     finally:
         h2.kill()
+
+
+def test_private_destinations_refused_by_default(sandbox, fake_internet):
+    # The host reaches each address, so a refusal is the firewall's doing.
+    for ip in fake_internet["private_ips"]:
+        url = f"http://{ip}:{fake_internet['port']}/marker.txt"
+        assert httpx.get(url, timeout=5).text == fake_internet["marker"]
+    for ip in fake_internet["private_ips"]:
+        probe_path = "private-probe-" + secrets.token_hex(6)
+        url = f"http://{ip}:{fake_internet['port']}/{probe_path}"
+        rc, out, _ = run_rc(sandbox, http_get_cmd(url), timeout=30)
+        assert rc != 0, f"a sandbox reached the private address {ip}: {out}"
+        time.sleep(0.3)
+        assert probe_path not in fake_internet["log"].read_text(errors="replace")
+    # The public address stays reachable from the same sandbox.
+    r = sandbox.commands.run(http_get_cmd(fake_internet["url"]), timeout=30)
+    assert r.stdout.splitlines()[0] == "200"
+
+
+def test_dns_through_the_gateway_resolver(sandbox, fake_internet, fake_dns):
+    name = f"www-{secrets.token_hex(4)}.sandbar-test"
+    fake_dns.records[name] = fake_internet["ip"]
+    resolv = sandbox.commands.run("cat /etc/resolv.conf").stdout
+    gateway = sandbox.commands.run("ip -4 route show default").stdout.split()[2]
+    assert f"nameserver {gateway}" in resolv
+    py = f"import socket; print(socket.gethostbyname('{name}'))"
+    r = sandbox.commands.run(f"python3 -c \"{py}\"", timeout=30)
+    assert r.stdout.strip() == fake_internet["ip"]
+    assert name in fake_dns.queries
+    url = f"http://{name}:{fake_internet['port']}/marker.txt"
+    r = sandbox.commands.run(http_get_cmd(url), timeout=30)
+    assert r.stdout.splitlines()[1] == fake_internet["marker"]
+    # Unknown names fail cleanly instead of hanging.
+    rc, _, err = run_rc(sandbox, "python3 -c \"import socket; socket.gethostbyname('nope.sandbar-test')\"", timeout=30)
+    assert rc != 0 and "gaierror" in err
+
+
+def test_no_dns_without_internet_access(make_sandbox, fake_dns):
+    sbx = make_sandbox(allow_internet_access=False)
+    name = f"isolated-{secrets.token_hex(4)}.sandbar-test"
+    fake_dns.records[name] = "192.88.99.10"
+    rc, _, _ = run_rc(sbx, f"python3 -c \"import socket; socket.gethostbyname('{name}')\"", timeout=30)
+    assert rc != 0
+    assert name not in fake_dns.queries
 
 
 def _sandbox_ips(sbx):
@@ -572,3 +651,40 @@ def test_sandbox_loopback_is_its_own(sandbox, sandbar):
     res = sandbox.commands.run(tcp_probe_cmd("127.0.0.1", sandbar.port), timeout=30).stdout
     assert res.startswith("FAILED"), "the sandbox reached the server through 127.0.0.1"
 
+
+
+def test_memory_admission_refuses_before_the_host_runs_out(sandbar):
+    """Sandboxes are admitted while their memory limits fit in the host's memory."""
+    headers = {"X-API-Key": sandbar.api_key}
+    created = []
+    refusal = None
+    try:
+        for _ in range(120):
+            r = httpx.post(
+                sandbar.url + "/sandboxes",
+                headers=headers,
+                json={"templateID": "base", "timeout": 120},
+                timeout=60,
+            )
+            if r.status_code == 201:
+                sid = r.json()["sandboxID"]
+                created.append(sid)
+                CREATED_IDS.add(sid)
+                continue
+            refusal = r
+            break
+        assert refusal is not None, "120 sandboxes of 512 MiB were admitted on this host"
+        assert refusal.status_code == 503, refusal.text
+        body = refusal.json()
+        assert body["code"] == 503 and "memory" in body["message"], body
+        meminfo = Path("/proc/meminfo").read_text()
+        total_mb = int(next(l for l in meminfo.splitlines() if l.startswith("MemTotal:")).split()[1]) // 1024
+        assert len(created) * 512 <= total_mb
+    finally:
+        for sid in created:
+            httpx.delete(f"{sandbar.url}/sandboxes/{sid}", headers=headers, timeout=60)
+    # Capacity comes back as sandboxes end.
+    r = httpx.post(sandbar.url + "/sandboxes", headers=headers, json={"templateID": "base", "timeout": 60}, timeout=60)
+    assert r.status_code == 201, r.text
+    CREATED_IDS.add(r.json()["sandboxID"])
+    httpx.delete(f"{sandbar.url}/sandboxes/{r.json()['sandboxID']}", headers=headers, timeout=60)

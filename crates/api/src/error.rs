@@ -100,6 +100,9 @@ impl From<CreateSandboxError> for ApiError {
             CreateSandboxError::ConcurrencyLimit { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
             }
+            CreateSandboxError::Runtime(sandbar_core::RuntimeError::NoCapacity { .. }) => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
             CreateSandboxError::Runtime(ref r) => Self::internal(r),
             CreateSandboxError::Store(ref s) => Self::internal(s),
         }

@@ -43,6 +43,9 @@ pub enum RuntimeError {
     TemplateMissing { template_id: String },
     #[error("sandbox {sandbox_id}: {message}")]
     Sandbox { sandbox_id: String, message: String },
+    /// The node would grant more than it has: refused before the host runs short.
+    #[error("no capacity for sandbox {sandbox_id}: {message}")]
+    NoCapacity { sandbox_id: String, message: String },
     #[error("sandbox {sandbox_id} has a runtime handle this node cannot read: {message}")]
     BadHandle { sandbox_id: String, message: String },
 }

@@ -42,6 +42,54 @@ pub enum NetworkError {
     Socket(std::io::Error),
     #[error("network slot {0} is outside the sandbox range")]
     SlotOutOfRange(u32),
+    #[error("'{0}' is not an IPv4 range like 10.1.0.0/16")]
+    BadRange(String),
+}
+
+/// Destinations sandboxes may not reach even with internet access: private, shared, loopback,
+/// link-local, documentation, benchmark, multicast and reserved ranges, and the cloud metadata
+/// addresses outside them. Beyond the host these lead to the operator's own networks.
+pub const REFUSED_RANGES: &[&str] = &[
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "168.63.129.16/32",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.0.2.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+    "198.51.100.0/24",
+    "203.0.113.0/24",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+/// Parses `a.b.c.d/len` (or a bare address, as /32) into its network address and length.
+pub fn parse_range(text: &str) -> Result<(Ipv4Addr, u8), NetworkError> {
+    let bad = || NetworkError::BadRange(text.to_owned());
+    let (addr, len) = match text.trim().split_once('/') {
+        Some((addr, len)) => (addr, len.parse::<u8>().map_err(|_| bad())?),
+        None => (text.trim(), 32),
+    };
+    let addr: Ipv4Addr = addr.parse().map_err(|_| bad())?;
+    if len > 32 {
+        return Err(bad());
+    }
+    let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
+    Ok((Ipv4Addr::from(u32::from(addr) & mask), len))
+}
+
+/// What the firewall needs beyond the sandbox range.
+#[derive(Debug, Clone, Default)]
+pub struct FirewallConfig {
+    /// Port of the server's sandbox resolver, to which sandboxes' DNS traffic to their
+    /// gateway is redirected.
+    pub resolver_port: u16,
+    /// Ranges of [`REFUSED_RANGES`] the operator lets sandboxes with internet access reach.
+    pub allowed_private: Vec<(Ipv4Addr, u8)>,
 }
 
 /// The private range sandboxes are numbered from, one /30 per slot.
@@ -149,10 +197,38 @@ impl Network {
     }
 
     /// Enables forwarding and (re)creates the firewall table.
-    pub async fn init(&self) -> Result<(), NetworkError> {
+    pub async fn init(&self, firewall: &FirewallConfig) -> Result<(), NetworkError> {
         std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").map_err(NetworkError::Forwarding)?;
+        run(
+            "nft",
+            &["-f", "-"],
+            Some(&self.ruleset(firewall)),
+            "the sandbox firewall",
+        )
+        .await
+    }
+
+    /// The node's whole nftables table. Sandboxes are told apart by interface name only, so
+    /// it never changes per sandbox.
+    fn ruleset(&self, firewall: &FirewallConfig) -> String {
         let p = IFACE_PREFIX;
-        let ruleset = format!(
+        let e = EGRESS_MARK;
+        let refused = REFUSED_RANGES.join(", ");
+        let allowed = if firewall.allowed_private.is_empty() {
+            String::new()
+        } else {
+            let ranges: Vec<String> = firewall
+                .allowed_private
+                .iter()
+                .map(|(addr, len)| format!("{addr}/{len}"))
+                .collect();
+            format!(
+                "    iifname \"{p}{e}*\" ip daddr {{ {} }} accept\n",
+                ranges.join(", ")
+            )
+        };
+        let dns = firewall.resolver_port;
+        format!(
             "table inet {TABLE}
 delete table inet {TABLE}
 table inet {TABLE} {{
@@ -161,14 +237,21 @@ table inet {TABLE} {{
     iifname \"{p}*\" oifname \"{p}*\" drop
     oifname \"{p}*\" ct state established,related accept
     oifname \"{p}*\" drop
-    iifname \"{p}*\" ip daddr {{ 169.254.0.0/16, 224.0.0.0/4 }} drop
+    iifname \"{p}*\" meta nfproto ipv6 drop
+{allowed}    iifname \"{p}*\" ip daddr {{ {refused} }} drop
     iifname \"{p}{e}*\" accept
     iifname \"{p}*\" drop
+  }}
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname \"{p}{e}*\" ip daddr {cidr} meta l4proto {{ tcp, udp }} th dport 53 redirect to :{dns}
   }}
   chain input {{
     type filter hook input priority filter - 1; policy accept;
     iifname \"{p}*\" ct state established,related accept
+    iifname \"{p}{e}*\" meta l4proto {{ tcp, udp }} th dport {dns} accept
     iifname \"{p}*\" drop
+    meta l4proto {{ tcp, udp }} th dport {dns} drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -177,9 +260,7 @@ table inet {TABLE} {{
 }}
 ",
             cidr = self.cidr(),
-            e = EGRESS_MARK,
-        );
-        run("nft", &["-f", "-"], Some(&ruleset), "the sandbox firewall").await
+        )
     }
 
     /// Connects the network namespace of `pid` to the host through slot `slot`, with
@@ -341,5 +422,39 @@ mod tests {
         let b = net.addrs(64).expect("slot 64");
         assert_eq!(b.host, Ipv4Addr::new(10, 213, 1, 1));
         assert!(net.addrs(16384).is_err());
+    }
+
+    #[test]
+    fn ranges_parse_to_their_network() {
+        assert_eq!(
+            parse_range("10.1.2.3/16").expect("range"),
+            (Ipv4Addr::new(10, 1, 0, 0), 16)
+        );
+        assert_eq!(
+            parse_range("168.63.129.16").expect("bare address"),
+            (Ipv4Addr::new(168, 63, 129, 16), 32)
+        );
+        assert!(parse_range("10.0.0.0/33").is_err());
+        assert!(parse_range("example.com").is_err());
+        for range in REFUSED_RANGES {
+            parse_range(range).expect("refused ranges are valid");
+        }
+    }
+
+    #[test]
+    fn ruleset_refuses_private_ranges_and_redirects_dns() {
+        let net = Network::new(Ipv4Addr::new(10, 213, 0, 0), 16);
+        let rules = net.ruleset(&FirewallConfig {
+            resolver_port: 40053,
+            allowed_private: vec![(Ipv4Addr::new(10, 9, 0, 0), 16)],
+        });
+        assert!(rules.contains("ip daddr { 10.9.0.0/16 } accept"));
+        assert!(rules.contains("100.64.0.0/10"));
+        assert!(rules.contains("168.63.129.16/32"));
+        assert!(rules.contains("redirect to :40053"));
+        // The operator's exemption must come before the refusal.
+        let allow = rules.find("10.9.0.0/16").expect("allow rule");
+        let refuse = rules.find("0.0.0.0/8").expect("refuse rule");
+        assert!(allow < refuse);
     }
 }

@@ -31,8 +31,10 @@ pub struct NodeConfig {
     pub network_base: Ipv4Addr,
     pub network_prefix_len: u8,
     pub pids_max: u32,
-    /// Written to each sandbox's `/etc/resolv.conf`.
+    /// Upstream resolvers the sandboxes' resolver forwards to (address or address:port).
     pub nameservers: Vec<String>,
+    /// Private ranges sandboxes with internet access may reach (refused by default).
+    pub allowed_private: Vec<String>,
     /// Enforce `diskSizeMB` with a btrfs pool under the data directory.
     pub disk_quotas: bool,
     /// Size of the disk pool image when it is first made; `None`: half the free space.
@@ -42,6 +44,9 @@ pub struct NodeConfig {
     pub id_base: u32,
     /// Pseudo-terminals one sandbox may hold at once.
     pub pty_max: u32,
+    /// Memory kept for the host and the server: sandboxes are granted at most the host's
+    /// memory minus this, in MiB.
+    pub memory_reserve_mb: u64,
 }
 
 /// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
@@ -60,6 +65,8 @@ pub enum NodeError {
     },
     #[error(transparent)]
     Disk(#[from] DiskError),
+    #[error(transparent)]
+    Dns(#[from] crate::dns::DnsError),
     #[error("the sandbox id ranges from {base} do not fit in 32 bits for {slots} slots")]
     IdRange { base: u32, slots: u32 },
     #[error("cannot prepare {path}: {source}")]
@@ -82,6 +89,9 @@ struct Handle {
     /// namespaces, whose sandboxes ran as host root.
     #[serde(default)]
     id_base: Option<u32>,
+    /// Memory limit granted to the sandbox, counted against the node's capacity.
+    #[serde(default)]
+    memory_mb: u32,
 }
 
 #[derive(Debug)]
@@ -90,6 +100,10 @@ pub struct LinuxRuntime {
     cgroups: CgroupDriver,
     network: Network,
     disks: DiskPool,
+    /// Memory limits granted to live sandboxes, by sandbox id.
+    granted_memory: Mutex<std::collections::BTreeMap<String, u32>>,
+    /// What may be granted in all, in MiB.
+    memory_capacity_mb: u64,
     slots: Mutex<BTreeSet<u32>>,
 }
 
@@ -136,7 +150,19 @@ impl LinuxRuntime {
                 slots: network.capacity(),
             });
         }
-        network.init().await?;
+        let allowed_private = config
+            .allowed_private
+            .iter()
+            .map(|range| crate::network::parse_range(range))
+            .collect::<Result<Vec<_>, _>>()?;
+        let upstreams = crate::dns::parse_upstreams(&config.nameservers)?;
+        let resolver = crate::dns::Resolver::start(upstreams).await?;
+        network
+            .init(&crate::network::FirewallConfig {
+                resolver_port: resolver.port,
+                allowed_private,
+            })
+            .await?;
         let disks = DiskPool::open(&PoolConfig {
             dir: config.data_dir.join("sandboxes"),
             image: config.data_dir.join("sandboxes.img"),
@@ -157,11 +183,20 @@ impl LinuxRuntime {
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
         }
         tracing::info!(cgroup_version = cgroups.version(), "node ready");
+        let memory_capacity_mb = host_memory_mb()
+            .unwrap_or(0)
+            .saturating_sub(config.memory_reserve_mb);
+        tracing::info!(
+            memory_capacity_mb,
+            "sandboxes may be granted this much memory in all"
+        );
         Ok(Self {
             config,
             cgroups,
             network,
             disks,
+            granted_memory: Mutex::new(std::collections::BTreeMap::new()),
+            memory_capacity_mb,
             slots: Mutex::new(BTreeSet::new()),
         })
     }
@@ -201,6 +236,35 @@ impl LinuxRuntime {
             .remove(&slot);
     }
 
+    /// Reserves `memory_mb` for sandbox `id`, or says why the node cannot: a sandbox's memory
+    /// limit is a promise, and granting more than the host has would leave the host's OOM
+    /// killer to choose among the server and every sandbox.
+    fn grant_memory(&self, id: &str, memory_mb: u32) -> Result<(), RuntimeError> {
+        let mut granted = self
+            .granted_memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let in_use: u64 = granted.values().map(|mb| u64::from(*mb)).sum();
+        if in_use + u64::from(memory_mb) > self.memory_capacity_mb {
+            return Err(RuntimeError::NoCapacity {
+                sandbox_id: id.to_owned(),
+                message: format!(
+                    "this node has granted {in_use} of {} MiB of memory to sandboxes and cannot grant {memory_mb} MiB more; try again when sandboxes end",
+                    self.memory_capacity_mb
+                ),
+            });
+        }
+        granted.insert(id.to_owned(), memory_mb);
+        Ok(())
+    }
+
+    fn release_memory(&self, id: &str) {
+        self.granted_memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+    }
+
     fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
         let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
         Ok(Endpoint {
@@ -214,6 +278,7 @@ impl LinuxRuntime {
         &self,
         spec: &LaunchSpec,
         dir: &Path,
+        slot: u32,
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
@@ -230,7 +295,14 @@ impl LinuxRuntime {
             sandbox_dir: dir.to_owned(),
             hostname: "e2b.local".into(),
             cgroup_join: self.cgroups.join_files(id),
-            nameservers: self.config.nameservers.clone(),
+            // The gateway: the firewall redirects DNS sent there to the server's resolver.
+            nameservers: vec![
+                self.network
+                    .addrs(slot)
+                    .map_err(|e| sandbox_err(id, e))?
+                    .host
+                    .to_string(),
+            ],
             id_map,
             pty_max: self.config.pty_max,
             agent: AgentConfig {
@@ -374,7 +446,7 @@ impl LinuxRuntime {
             .map_err(|e| (None, sandbox_err(id, e)))?;
         let disk_done = started.elapsed();
         let pid = self
-            .spawn_jailed(spec, &dir, id_map)
+            .spawn_jailed(spec, &dir, slot, id_map)
             .await
             .map_err(|e| (None, e))?;
         let spawned = started.elapsed();
@@ -383,6 +455,7 @@ impl LinuxRuntime {
             start_ticks: start_ticks(pid).unwrap_or_default(),
             slot,
             id_base: Some(id_map.host_base),
+            memory_mb: spec.memory_mb,
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         self.network
@@ -410,6 +483,14 @@ impl LinuxRuntime {
     }
 }
 
+/// `MemTotal` of the host, in MiB.
+fn host_memory_mb() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024)
+}
+
 fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError> {
     serde_json::from_value(handle.0.clone()).map_err(|e| RuntimeError::BadHandle {
         sandbox_id: id.to_owned(),
@@ -421,9 +502,14 @@ fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError
 impl Runtime for LinuxRuntime {
     async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.clone();
-        let slot = self
-            .take_slot()
-            .ok_or_else(|| sandbox_err(&id, "no free network slot on this node"))?;
+        self.grant_memory(&id, spec.memory_mb)?;
+        let Some(slot) = self.take_slot() else {
+            self.release_memory(&id);
+            return Err(RuntimeError::NoCapacity {
+                sandbox_id: id,
+                message: "no free network slot on this node".into(),
+            });
+        };
         match self.launch_in(&spec, slot).await {
             Ok((handle, endpoint)) => {
                 let value = serde_json::to_value(&handle).map_err(|e| sandbox_err(&id, e))?;
@@ -435,11 +521,13 @@ impl Runtime for LinuxRuntime {
                     start_ticks: 0,
                     slot,
                     id_base: None,
+                    memory_mb: 0,
                 });
                 if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
                     tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
                 }
                 self.free_slot(slot);
+                self.release_memory(&id);
                 Err(err)
             }
         }
@@ -447,7 +535,9 @@ impl Runtime for LinuxRuntime {
 
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         let handle = parse_handle(sandbox_id, handle).ok();
-        self.teardown(sandbox_id, handle.as_ref()).await
+        self.teardown(sandbox_id, handle.as_ref()).await?;
+        self.release_memory(sandbox_id);
+        Ok(())
     }
 
     fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool {
@@ -479,6 +569,10 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(handle.slot);
+        self.granted_memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), handle.memory_mb);
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }
@@ -497,12 +591,14 @@ mod tests {
             start_ticks: first,
             slot: 0,
             id_base: None,
+            memory_mb: 0,
         }));
         assert!(!is_alive(&Handle {
             pid,
             start_ticks: first + 1,
             slot: 0,
             id_base: None,
+            memory_mb: 0,
         }));
     }
 }

@@ -82,6 +82,18 @@ struct ServeArgs {
     /// data and inodes alike).
     #[arg(long, env = "SANDBAR_BASE_DISK_MB", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(64..))]
     base_disk_mb: u32,
+    /// Private IPv4 ranges (CIDR) that sandboxes with internet access may reach; all private,
+    /// shared, link-local and metadata destinations are refused otherwise.
+    #[arg(
+        long = "allow-private",
+        env = "SANDBAR_ALLOW_PRIVATE",
+        value_delimiter = ','
+    )]
+    allow_private: Vec<String>,
+    /// Memory, in MiB, never granted to sandboxes: new sandboxes are refused (503) once the
+    /// memory limits of running ones would exceed the host's memory minus this.
+    #[arg(long, env = "SANDBAR_MEMORY_RESERVE_MB", default_value_t = 1024)]
+    memory_reserve_mb: u64,
     /// Cap on pseudo-terminals open at once in each sandbox.
     #[arg(long, env = "SANDBAR_PTY_MAX", default_value_t = 256)]
     pty_max: u32,
@@ -135,10 +147,8 @@ fn host_nameservers() -> Vec<String> {
         .lines()
         .filter_map(|l| l.strip_prefix("nameserver"))
         .map(|s| s.trim().to_owned())
-        .filter(|s| {
-            s.parse::<std::net::IpAddr>()
-                .is_ok_and(|ip| !ip.is_loopback())
-        })
+        // The resolver runs on the host, so a loopback resolver (systemd-resolved) works too.
+        .filter(|s| s.parse::<std::net::IpAddr>().is_ok())
         .collect()
 }
 
@@ -273,10 +283,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             network_prefix_len,
             pids_max: args.pids_max,
             nameservers,
+            allowed_private: args.allow_private,
             disk_quotas: args.disk_quotas,
             disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
             id_base: args.id_base,
             pty_max: args.pty_max,
+            memory_reserve_mb: args.memory_reserve_mb,
         })
         .await?,
     );
