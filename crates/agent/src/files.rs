@@ -248,6 +248,45 @@ async fn reject_unread_upload(request: Request, error: HttpError) -> Response {
     error.into_response()
 }
 
+/// How much of a request body the agent still reads after its handler answered.
+const TRAILING_BODY_DRAIN_LIMIT: usize = 8 << 20;
+
+/// Hands the handler a body that is read to its end (within a bound) before the response
+/// leaves. A multipart parser stops at the closing boundary, and an early error stops sooner;
+/// if the answer went out while the client (or the edge in front of the agent) was still
+/// sending the rest, the server would close the connection under it and the sender would see
+/// a failed body write instead of the answer (seen under CPU load as sporadic 502s on
+/// uploads).
+pub async fn read_whole_body(request: Request, next: axum::middleware::Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, axum::Error>>(8);
+    let pump = tokio::spawn(async move {
+        let mut stream = body.into_data_stream();
+        let mut discarded = 0usize;
+        let mut forwarding = true;
+        while let Some(item) = stream.next().await {
+            if forwarding {
+                if let Err(returned) = tx.send(item).await {
+                    // The handler is done with the body: keep reading, without keeping.
+                    forwarding = false;
+                    discarded += returned.0.map_or(0, |b| b.len());
+                }
+            } else {
+                discarded += item.map_or(0, |b| b.len());
+            }
+            if discarded > TRAILING_BODY_DRAIN_LIMIT {
+                break;
+            }
+        }
+    });
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    }));
+    let response = next.run(Request::from_parts(parts, body)).await;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), pump).await;
+    response
+}
+
 /// `POST /files`.
 pub async fn upload(
     State(state): State<Arc<AgentState>>,

@@ -69,6 +69,9 @@ pub fn router(config: AgentConfig) -> axum::Router {
             "/files",
             get(files::download)
                 .post(files::upload)
+                .layer::<_, std::convert::Infallible>(axum::middleware::from_fn(
+                    files::read_whole_body,
+                ))
                 .layer(DefaultBodyLimit::disable()),
         )
         .fallback_service(connect.into_axum_service())
