@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import random
+import re
 import secrets
 import shlex
 import socket
@@ -1238,6 +1239,78 @@ def test_inode_exhaustion_is_contained(sandbar, track_sandbox_id):
     assert run(sbx, "echo ok")[1] == "ok\n", "the agent stopped answering with no inodes left"
     used_on_host = inodes_before - inodes_during
     assert used_on_host < max(10_000, res["made"] // 2), f"the host's data disk lost {used_on_host} inodes"
+
+
+def cpu_cgroup(sid):
+    """(quota in CPUs or None, a function returning CPU seconds used) of a sandbox's cgroups."""
+    quota, usage, procs = None, None, None
+    for d in map(Path, sandbox_cgroup_dirs(sid)):
+        if (d / "cpu.cfs_quota_us").exists():
+            q, per = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+            quota = q / per if q > 0 else None
+        if (d / "cpu.max").exists():
+            q, per = (d / "cpu.max").read_text().split()
+            quota = None if q == "max" else int(q) / int(per)
+        if (d / "cpuacct.usage").exists():
+            usage = lambda f=d / "cpuacct.usage": int(f.read_text()) / 1e9  # noqa: E731
+        elif (d / "cpu.stat").exists() and "usage_usec" in (d / "cpu.stat").read_text():
+            usage = lambda f=d / "cpu.stat": int(re.search(r"usage_usec (\d+)", f.read_text()).group(1)) / 1e6  # noqa: E731
+        if (d / "cgroup.procs").exists():
+            procs = d / "cgroup.procs"
+    if usage is None and procs is not None:
+        # No CPU accounting controller: add up the times of the cgroup's live processes.
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def usage():
+            total = 0
+            for pid in procs.read_text().split():
+                try:
+                    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += int(fields[11]) + int(fields[12])
+                except (OSError, IndexError, ValueError):
+                    pass
+            return total / tick
+
+    return quota, usage
+
+
+CPU_HOG = r"""
+import os, sys, time
+n, seconds = int(sys.argv[1]), float(sys.argv[2])
+for _ in range(n):
+    if os.fork() == 0:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        os._exit(0)
+for _ in range(n):
+    os.wait()
+"""
+
+
+def test_cpu_hog_is_held_to_its_quota(sandbar, make_sandbox):
+    sbx = make_sandbox(timeout=120)
+    with sandbar.client() as c:
+        cpus = int(c.get(f"/sandboxes/{sbx.sandbox_id}").json()["cpuCount"])
+    quota, usage = cpu_cgroup(sbx.sandbox_id)
+    assert usage is not None, f"no CPU accounting for {sbx.sandbox_id}"
+    assert quota is not None and abs(quota - cpus) < 0.01, f"CPU quota {quota} for a sandbox of {cpus} CPUs"
+    hog = sbx.commands.run(py_cmd(CPU_HOG, 2 * cpus + 1, 4), background=True, user="root")
+    try:
+        time.sleep(0.8)
+        u0, t0 = usage(), time.monotonic()
+        time.sleep(2)
+        u1, t1 = usage(), time.monotonic()
+        start = time.monotonic()
+        with sandbar.client() as c:
+            health = c.get("/health").status_code
+        health_s = time.monotonic() - start
+    finally:
+        hog.kill()
+    rate = (u1 - u0) / (t1 - t0)
+    assert rate > 0.5, f"the hog used only {rate:.2f} CPUs; the probe measured nothing"
+    assert rate <= cpus * 1.1 + 0.05, f"a sandbox of {cpus} CPUs used {rate:.2f}"
+    assert health in (200, 204) and health_s < 2, f"the server answered /health with {health} after {health_s:.2f}s"
 
 
 DEEP_TREE = r"""
