@@ -20,6 +20,8 @@ const CREATE_BODY: &str = r#"{"templateID":"base","timeout":60}"#;
 /// What `sandbox.commands.run("echo ready")` sends to `process.Process/Start`.
 const START_BODY: &str =
     r#"{"process":{"cmd":"/bin/bash","args":["-l","-c","echo ready"]},"stdin":false}"#;
+/// Starts a busy loop that outlives the command (its output goes nowhere), then says ready.
+const HOG_BODY: &str = r#"{"process":{"cmd":"/bin/sh","args":["-c","sh -c 'while :; do :; done' </dev/null >/dev/null 2>&1 & echo ready"]},"stdin":false}"#;
 /// The output `echo ready` must produce.
 const EXPECTED_STDOUT: &[u8] = b"ready\n";
 /// The agent's port, as the SDKs address it.
@@ -63,6 +65,11 @@ struct TemplateInfo {
 }
 
 impl Api {
+    /// A client of the same server that keeps its own list of sandboxes to kill.
+    pub fn detached(&self) -> Self {
+        Self::new(&self.inner.base, &self.inner.key)
+    }
+
     pub fn new(base: &str, key: &str) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -162,7 +169,16 @@ impl Api {
     /// request to the arrival of the first stdout event. The stream is drained before
     /// returning, and the output and exit code are checked.
     pub async fn first_output(&self, sandbox: &Sandbox) -> anyhow::Result<Duration> {
-        let payload = START_BODY.as_bytes();
+        self.start_and_read(sandbox, START_BODY).await
+    }
+
+    /// Starts a CPU-burning loop in the sandbox, in the background, and returns once it runs.
+    pub async fn start_cpu_hog(&self, sandbox: &Sandbox) -> anyhow::Result<()> {
+        self.start_and_read(sandbox, HOG_BODY).await.map(|_| ())
+    }
+
+    async fn start_and_read(&self, sandbox: &Sandbox, body: &str) -> anyhow::Result<Duration> {
+        let payload = body.as_bytes();
         let mut envelope = Vec::with_capacity(5 + payload.len());
         envelope.push(0u8);
         envelope.extend_from_slice(&u32::try_from(payload.len())?.to_be_bytes());

@@ -67,6 +67,10 @@ struct Args {
     /// Skip the runc/unshare baselines.
     #[arg(long)]
     no_baseline: bool,
+    /// Also measure create→first output sequentially while this many sandboxes each burn
+    /// CPU in a busy loop (0: skip).
+    #[arg(long, default_value_t = 2)]
+    cpu_hogs: usize,
 }
 
 /// Latencies of one create→first-output request, split into its parts.
@@ -205,6 +209,39 @@ async fn run(
     results.row("create→first output, c=1", &seq.total);
     results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
     results.row("  Start → first stdout, c=1", &seq.start);
+
+    if args.cpu_hogs > 0 {
+        eprintln!(
+            "latency: {} sequential create→first output next to {} CPU-burning sandboxes",
+            args.iterations, args.cpu_hogs
+        );
+        // A separate client, so the latency series' clean-up leaves the hogs alone.
+        let hogs = api.detached();
+        let measured = async {
+            for _ in 0..args.cpu_hogs {
+                let sandbox = hogs.create().await?;
+                hogs.start_cpu_hog(&sandbox)
+                    .await
+                    .with_context(|| format!("start a busy loop in {}", sandbox.id))?;
+            }
+            // Let the loops reach full speed before measuring.
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            latency(api, args.warmup, args.iterations, 1).await
+        }
+        .await;
+        let leftovers = hogs.kill_all().await;
+        let (loaded, _) = measured?;
+        if let Some((id, e)) = leftovers.into_iter().next() {
+            return Err(e.context(format!("cannot kill sandbox {id}")));
+        }
+        results.row(
+            format!(
+                "create→first output, c=1, next to {} CPU-burning sandboxes",
+                args.cpu_hogs
+            ),
+            &loaded.total,
+        );
+    }
 
     let c = args.concurrency;
     eprintln!(
@@ -348,6 +385,20 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
         _ => {
             let _ = writeln!(out, "- create→first output vs runc: not measured");
         }
+    }
+    let loaded = results.find("create→first output, c=1, next to");
+    if let (Some(idle), Some(busy)) = (create, loaded) {
+        let _ = writeln!(
+            out,
+            "- create→first output next to CPU-burning sandboxes p50 {:.1} ms vs 2 × idle p50 {:.1} ms: {}",
+            busy.p50,
+            2.0 * idle.p50,
+            if busy.p50 <= 2.0 * idle.p50 {
+                "met"
+            } else {
+                "not met"
+            }
+        );
     }
     if let Some(m) = &results.idle {
         let verdict = |mib: f64| if mib < 5.0 { "met" } else { "not met" };
