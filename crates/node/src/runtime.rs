@@ -323,6 +323,8 @@ impl LinuxRuntime {
         let listener_fd = listener.as_raw_fd();
         let mut command = tokio::process::Command::new(&self.config.agent_bin);
         command
+            // Sandboxes read PID 1's command line: it must not name a host path.
+            .arg0("sandbar-agent")
             .arg("boot")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
