@@ -90,10 +90,15 @@ fn io_status(e: &std::io::Error) -> StatusCode {
     match e.kind() {
         std::io::ErrorKind::NotFound => StatusCode::NOT_FOUND,
         std::io::ErrorKind::PermissionDenied => StatusCode::UNAUTHORIZED,
-        std::io::ErrorKind::StorageFull => StatusCode::INSUFFICIENT_STORAGE,
-        std::io::ErrorKind::IsADirectory | std::io::ErrorKind::NotADirectory => {
-            StatusCode::BAD_REQUEST
+        // Out of space, or over the sandbox's disk quota: envd's 507, which the SDKs turn
+        // into their not-enough-space error.
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded => {
+            StatusCode::INSUFFICIENT_STORAGE
         }
+        // A path through a magic link is one the agent cannot use, like a bad path.
+        std::io::ErrorKind::IsADirectory
+        | std::io::ErrorKind::NotADirectory
+        | std::io::ErrorKind::InvalidInput => StatusCode::BAD_REQUEST,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
@@ -129,7 +134,22 @@ pub async fn download(
         return json_error(StatusCode::BAD_REQUEST, "missing 'path' query parameter");
     };
     let path = resolve_path(raw_path, &user);
-    let meta = match tokio::fs::metadata(&path).await {
+    let opened = {
+        let path = path.clone();
+        tokio::task::spawn_blocking(move || crate::paths::open_read(&path)).await
+    };
+    let file = match opened {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            return json_error(
+                StatusCode::NOT_FOUND,
+                format!("path '{}' does not exist", path.display()),
+            );
+        }
+        Ok(Err(e)) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
+        Err(e) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    };
+    let meta = match file.metadata() {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return json_error(
@@ -145,10 +165,7 @@ pub async fn download(
             format!("path '{}' is a directory", path.display()),
         );
     }
-    let file = match tokio::fs::File::open(&path).await {
-        Ok(f) => f,
-        Err(e) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
-    };
+    let file = tokio::fs::File::from_std(file);
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().replace('"', ""))
@@ -407,7 +424,7 @@ async fn write_stream(
     let target = dest.to_owned();
     let owner = user.clone();
     let writer = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-        let file = std::fs::File::create(&target)?;
+        let file = crate::paths::create_write(&target)?;
         std::os::unix::fs::fchown(&file, Some(owner.uid), Some(owner.gid))?;
         let mut out: Box<dyn std::io::Write> = if gzip {
             Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(file)))

@@ -44,6 +44,12 @@ pub enum FsError {
 impl FsError {
     /// Classifies an I/O error on `path`.
     pub fn from_io(op: &'static str, path: &Path, source: io::Error) -> Self {
+        if crate::paths::is_link_refusal(&source) || source.kind() == io::ErrorKind::InvalidInput {
+            return FsError::Invalid {
+                path: path.to_owned(),
+                reason: "leads through a link into /proc that the agent does not follow",
+            };
+        }
         match source.kind() {
             io::ErrorKind::NotFound => FsError::NotFound(path.to_owned()),
             io::ErrorKind::AlreadyExists => FsError::AlreadyExists(path.to_owned()),
@@ -125,6 +131,7 @@ fn timestamp(seconds: i64, nanos: i64) -> buffa_types::google::protobuf::Timesta
 /// Describes the entry at `path` without following a final symlink for its identity; a
 /// symlink reports its target's type and size and sets `isSymlink`/`symlinkTarget`.
 pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError> {
+    crate::paths::check_parent(path).map_err(|e| FsError::from_io("stat", path, e))?;
     let lmeta = std::fs::symlink_metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
     let is_symlink = lmeta.file_type().is_symlink();
     let (meta, symlink_target) = if is_symlink {
@@ -133,7 +140,8 @@ pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError
             let joined = base.join(t);
             resolve_path(&joined.to_string_lossy(), &User::root_like())
         });
-        (std::fs::metadata(path).ok(), target)
+        // A magic link's target (a host object of the agent's) is never described.
+        (crate::paths::metadata(path).ok(), target)
     } else {
         (None, None)
     };
@@ -184,6 +192,7 @@ pub fn chown_to(path: &Path, user: &User) -> Result<(), FsError> {
 
 /// Creates `dir` and any missing parents, giving each newly created one to `user`.
 pub fn ensure_dirs(dir: &Path, user: &User) -> Result<(), FsError> {
+    crate::paths::check(dir).map_err(|e| FsError::from_io("create directory", dir, e))?;
     let mut missing = Vec::new();
     let mut cursor = Some(dir);
     while let Some(current) = cursor {
@@ -218,6 +227,7 @@ pub fn stat(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError> {
 
 /// `MakeDir`: creates the directory and its parents; an existing one is `AlreadyExists`.
 pub fn make_dir(path: &Path, user: &User, accounts: &Accounts) -> Result<EntryInfo, FsError> {
+    crate::paths::check(path).map_err(|e| FsError::from_io("create directory", path, e))?;
     match std::fs::metadata(path) {
         Ok(meta) if meta.is_dir() => return Err(FsError::AlreadyExists(path.to_owned())),
         Ok(_) => {
@@ -239,6 +249,7 @@ pub fn rename(
     user: &User,
     accounts: &Accounts,
 ) -> Result<EntryInfo, FsError> {
+    crate::paths::check_parent(source).map_err(|e| FsError::from_io("rename", source, e))?;
     std::fs::symlink_metadata(source).map_err(|e| FsError::from_io("stat", source, e))?;
     if let Some(parent) = destination.parent() {
         ensure_dirs(parent, user)?;
@@ -249,6 +260,7 @@ pub fn rename(
 
 /// `Remove`: deletes a file, a symlink, or a directory tree.
 pub fn remove(path: &Path) -> Result<(), FsError> {
+    crate::paths::check_parent(path).map_err(|e| FsError::from_io("remove", path, e))?;
     let meta = std::fs::symlink_metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
     let result = if meta.is_dir() {
         std::fs::remove_dir_all(path)
@@ -261,7 +273,7 @@ pub fn remove(path: &Path) -> Result<(), FsError> {
 /// `ListDir`: entries below `path` down to `depth` levels (0 is treated as 1). Symlinked
 /// directories are listed but not descended into, to avoid cycles.
 pub fn list_dir(path: &Path, depth: u32, accounts: &Accounts) -> Result<Vec<EntryInfo>, FsError> {
-    let meta = std::fs::metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
+    let meta = crate::paths::metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
     if !meta.is_dir() {
         return Err(FsError::Invalid {
             path: path.to_owned(),

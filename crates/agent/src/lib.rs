@@ -8,6 +8,7 @@ pub mod auth;
 pub mod files;
 pub mod fs;
 mod http_error;
+pub mod paths;
 pub mod process;
 pub mod reaper;
 pub mod rpc;

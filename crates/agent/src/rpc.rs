@@ -72,7 +72,9 @@ fn fs_error(e: FsError) -> ConnectError {
         FsError::AlreadyExists(_) => ConnectError::already_exists(message),
         FsError::Invalid { .. } => ConnectError::invalid_argument(message),
         FsError::PermissionDenied(_) => ConnectError::permission_denied(message),
-        FsError::Io { ref source, .. } if source.raw_os_error() == Some(libc::ENOSPC) => {
+        FsError::Io { ref source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+        {
             ConnectError::resource_exhausted(message)
         }
         FsError::Io { .. } => ConnectError::internal(message),

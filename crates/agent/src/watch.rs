@@ -61,7 +61,7 @@ pub fn watch(
     recursive: bool,
     include_entry: bool,
 ) -> Result<mpsc::Receiver<FilesystemEvent>, FsError> {
-    let meta = std::fs::metadata(&root).map_err(|e| FsError::from_io("stat", &root, e))?;
+    let meta = crate::paths::metadata(&root).map_err(|e| FsError::from_io("stat", &root, e))?;
     if !meta.is_dir() {
         return Err(FsError::Invalid {
             path: root,
