@@ -5,19 +5,15 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use http::{HeaderMap, Method, StatusCode};
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
+pub use sandbar_envd::{
+    FileOperation, SignatureError, file_signature, secrets_equal, verify_file_signature,
+};
 
 use crate::AgentState;
 use crate::http_error::json_error;
 
 /// Header carrying the sandbox's envd access token.
 pub const ACCESS_TOKEN_HEADER: &str = "x-access-token";
-
-/// Compares two secrets without leaking the position of the first difference.
-pub fn secrets_equal(a: &str, b: &str) -> bool {
-    a.as_bytes().ct_eq(b.as_bytes()).into()
-}
 
 /// True when the request carries the configured token, or when no token is configured.
 pub fn header_token_ok(headers: &HeaderMap, expected: Option<&str>) -> bool {
@@ -28,86 +24,6 @@ pub fn header_token_ok(headers: &HeaderMap, expected: Option<&str>) -> bool {
         .get(ACCESS_TOKEN_HEADER)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|given| secrets_equal(given, expected))
-}
-
-/// Which side of a file transfer a signature grants.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FileOperation {
-    /// `GET /files`.
-    Read,
-    /// `POST /files`.
-    Write,
-}
-
-impl FileOperation {
-    fn as_str(self) -> &'static str {
-        match self {
-            Self::Read => "read",
-            Self::Write => "write",
-        }
-    }
-}
-
-/// The signature the SDKs put on download/upload URLs:
-/// `v1_` + unpadded base64 of SHA-256 over `path:operation:user:token[:expiration]`.
-pub fn file_signature(
-    path: &str,
-    operation: FileOperation,
-    username: &str,
-    token: &str,
-    expiration: Option<i64>,
-) -> String {
-    let mut payload = format!("{path}:{}:{username}:{token}", operation.as_str());
-    if let Some(exp) = expiration {
-        payload.push_str(&format!(":{exp}"));
-    }
-    let digest = Sha256::digest(payload.as_bytes());
-    format!(
-        "v1_{}",
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
-    )
-}
-
-/// Why a signed URL was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum SignatureError {
-    /// `signature_expiration` lies in the past.
-    #[error("signature for '{0}' has expired")]
-    Expired(String),
-    /// The signature does not match.
-    #[error("invalid signature for '{0}'")]
-    Mismatch(String),
-}
-
-/// Checks a signed URL. The SDKs sign with the `username` they put in the query, which is
-/// empty when the caller relies on the default user; both spellings are accepted.
-pub fn verify_file_signature(
-    signature: &str,
-    path: &str,
-    operation: FileOperation,
-    usernames: &[&str],
-    token: &str,
-    expiration: Option<i64>,
-    now_unix: i64,
-) -> Result<(), SignatureError> {
-    if let Some(exp) = expiration
-        && exp < now_unix
-    {
-        return Err(SignatureError::Expired(path.to_owned()));
-    }
-    // An unencoded `+` in a query string decodes to a space; undo that for hand-built URLs.
-    let signature = signature.replace(' ', "+");
-    let ok = usernames.iter().any(|user| {
-        secrets_equal(
-            &signature,
-            &file_signature(path, operation, user, token, expiration),
-        )
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err(SignatureError::Mismatch(path.to_owned()))
-    }
 }
 
 /// The user named by `Authorization: Basic base64("<user>:")`, if any.
@@ -148,6 +64,7 @@ pub async fn require_token(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use sha2::{Digest, Sha256};
 
     #[test]
     fn signature_matches_reference_formula() {

@@ -11,11 +11,9 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
-use base64::engine::general_purpose::STANDARD_NO_PAD;
 use hyper_util::rt::TokioIo;
 use sandbar_core::Endpoint;
-use sha2::{Digest, Sha256};
+use sandbar_envd::{FileOperation, signature_matches};
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::AppState;
@@ -141,8 +139,8 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
         return None;
     }
     let operation = match *request.method() {
-        Method::GET => "read",
-        Method::POST => "write",
+        Method::GET => FileOperation::Read,
+        Method::POST => FileOperation::Write,
         _ => return None,
     };
     let query = request.uri().query()?;
@@ -151,21 +149,26 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.into_owned())
     };
-    // Query decoding turns an unescaped '+' of the base64 into a space.
-    let signature = param("signature")?.replace(' ', "+");
+    let signature = param("signature")?;
     let path = param("path")?;
     let user = param("username").unwrap_or_default();
-    let expiration = param("signature_expiration");
+    // An unparsable expiration matches no signature; the agent would refuse it too.
+    let expiration = match param("signature_expiration") {
+        Some(exp) => Some(exp.parse::<i64>().ok()?),
+        None => None,
+    };
+    // The agent's own check, constant-time, with the users it accepts; expiry is left to the
+    // agent so that the client hears why its URL no longer works.
     let (sandbox_id, endpoint) = state.sandboxes.route_by_token(|token| {
-        let raw = match &expiration {
-            Some(exp) => format!("{path}:{operation}:{user}:{token}:{exp}"),
-            None => format!("{path}:{operation}:{user}:{token}"),
-        };
-        let expected = format!(
-            "v1_{}",
-            STANDARD_NO_PAD.encode(Sha256::digest(raw.as_bytes()))
-        );
-        expected == signature
+        signature_matches(
+            &signature,
+            &path,
+            operation,
+            // As the agent: the named user, or the default one of templates (`user`).
+            &[user.as_str(), "user"],
+            token,
+            expiration,
+        )
     })?;
     Some((
         Target {

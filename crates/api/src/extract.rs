@@ -27,6 +27,27 @@ impl FromRequestParts<AppState> for ApiKeyTeam {
     }
 }
 
+/// A path parameter; one that is not valid UTF-8 or does not parse is a 400 with the API's
+/// JSON error body instead of axum's plain-text rejection.
+pub(crate) struct PathParam<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for PathParam<T>
+where
+    T: DeserializeOwned + Send,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map(|axum::extract::Path(value)| PathParam(value))
+            .map_err(|rejection| {
+                ApiError::bad_request(format!("invalid path parameter: {}", rejection.body_text()))
+            })
+    }
+}
+
 /// A JSON request body; an absent body reads as `{}` so optional bodies may be omitted.
 pub(crate) struct JsonBody<T>(pub T);
 

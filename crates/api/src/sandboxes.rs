@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{CreateSandbox, ListQuery, SandboxState, Team};
@@ -14,7 +14,7 @@ use crate::dto::{
     TimeoutBody,
 };
 use crate::error::ApiError;
-use crate::extract::{ApiKeyTeam, JsonBody, QueryPairs};
+use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
 
 /// Default lifetime when a v2 create names none (E2B's documented default).
 const DEFAULT_TIMEOUT_V2: i32 = 300;
@@ -203,7 +203,7 @@ pub(crate) async fn list_v1(
 pub(crate) async fn detail(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
 ) -> Result<Json<SandboxDetail>, ApiError> {
     let sandbox = state.sandboxes.get(&team, &sandbox_id).await?;
     Ok(Json(SandboxDetail::from(&sandbox)))
@@ -212,7 +212,7 @@ pub(crate) async fn detail(
 pub(crate) async fn kill(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
 ) -> Result<StatusCode, ApiError> {
     state.sandboxes.kill(&team, &sandbox_id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -221,7 +221,7 @@ pub(crate) async fn kill(
 pub(crate) async fn set_timeout(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<TimeoutBody>,
 ) -> Result<StatusCode, ApiError> {
     let timeout = non_negative("timeout", body.timeout)?;
@@ -235,7 +235,7 @@ pub(crate) async fn set_timeout(
 pub(crate) async fn refresh(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<RefreshBody>,
 ) -> Result<StatusCode, ApiError> {
     let duration = body.duration.unwrap_or(0);
@@ -272,7 +272,7 @@ async fn connect(
 pub(crate) async fn connect_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<OptionalTimeoutBody>,
 ) -> Result<Json<SandboxCreated>, ApiError> {
     connect(&state, &team, &sandbox_id, body.timeout).await
@@ -281,7 +281,7 @@ pub(crate) async fn connect_v2(
 pub(crate) async fn connect_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<TimeoutBody>,
 ) -> Result<Json<SandboxCreated>, ApiError> {
     connect(&state, &team, &sandbox_id, Some(body.timeout)).await
@@ -291,7 +291,7 @@ pub(crate) async fn connect_v1(
 pub(crate) async fn pause(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
 ) -> Result<StatusCode, ApiError> {
     state.sandboxes.get(&team, &sandbox_id).await?;
     Err(ApiError::new(
@@ -303,7 +303,7 @@ pub(crate) async fn pause(
 pub(crate) async fn resume(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(sandbox_id): Path<String>,
+    PathParam(sandbox_id): PathParam<String>,
 ) -> Result<StatusCode, ApiError> {
     state.sandboxes.get(&team, &sandbox_id).await?;
     Err(ApiError::new(

@@ -1,13 +1,13 @@
 //! Template endpoints.
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use serde_json::{Value, json};
 
 use crate::AppState;
 use crate::dto::TemplateItem;
 use crate::error::ApiError;
-use crate::extract::ApiKeyTeam;
+use crate::extract::{ApiKeyTeam, PathParam};
 
 pub(crate) async fn list(
     State(state): State<AppState>,
@@ -20,7 +20,7 @@ pub(crate) async fn list(
 pub(crate) async fn alias(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
-    Path(alias): Path<String>,
+    PathParam(alias): PathParam<String>,
 ) -> Result<Json<Value>, ApiError> {
     let template = state.templates.resolve(&team, &alias).await?;
     Ok(Json(

@@ -653,3 +653,26 @@ async fn create_from_a_failed_template_says_why() {
     );
     assert_eq!(h.launched(), 0);
 }
+
+#[tokio::test]
+async fn undecodable_path_parameters_get_json_errors() {
+    let h = harness(GENEROUS).await;
+    for (method, path) in [
+        ("GET", "/sandboxes/%FF"),
+        ("DELETE", "/sandboxes/%FF"),
+        ("POST", "/sandboxes/%C3%28/timeout"),
+        ("POST", "/sandboxes/%FF/refreshes"),
+        ("GET", "/templates/aliases/%FF"),
+    ] {
+        let reply = h.api(method, path, Some("{}")).await;
+        assert_error_body(&reply, StatusCode::BAD_REQUEST);
+        assert!(
+            reply.body["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("path parameter")),
+            "{method} {path}: {:?}",
+            reply.body
+        );
+    }
+    assert_eq!(h.launched(), 0);
+}
