@@ -2,10 +2,11 @@
 //!
 //! The node starts the agent binary with the argument `boot`, a serialised [`JailSpec`] on its
 //! standard input and the agent's listening socket as file descriptor [`LISTENER_FD`]. The
-//! agent, still single-threaded, calls [`boot`]: it joins the sandbox's cgroups, enters fresh
-//! namespaces, forks the sandbox's PID 1 (whose host PID the original process prints on
-//! standard output before it exits), builds the root filesystem and drops privileges. Only the
-//! PID 1 process returns from [`boot`], with what the agent needs to serve.
+//! agent, still single-threaded, calls [`boot`]: it joins the sandbox's cgroups, clones the
+//! sandbox's PID 1 into a new user namespace and fresh other namespaces, gives it its id range
+//! and the id-mapped template (whose host PID the original process prints on standard output
+//! before it exits); PID 1 builds the root filesystem and drops privileges. Only the PID 1
+//! process returns from [`boot`], with what the agent needs to serve.
 
 mod caps;
 mod fs;
@@ -136,16 +137,15 @@ const NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
 
 /// Builds the sandbox and returns inside it as its PID 1. See the crate documentation.
 ///
-/// Three processes take part, each single-threaded:
+/// Two processes take part, each single-threaded:
 /// 1. this one, host root: joins the cgroups, takes a detached copy of the template's mount,
-///    and forks the next;
-/// 2. the namespace maker: with its effective ids set to the sandbox's host base (so the new
-///    user namespace, and every kernel count charged to its owner such as inotify instances,
-///    belongs to that unprivileged host user and not to host root), unshares all namespaces
-///    and waits; step 1 then writes its id maps and id-maps the template's mount through the
-///    new user namespace, which only host root may do; step 2 becomes root of the namespace
-///    and forks the sandbox's PID 1, printing its host PID;
-/// 3. PID 1: builds the root filesystem and drops privileges.
+///    and, with its effective ids set to the sandbox's host base (so the new user namespace,
+///    and every kernel count charged to its owner such as inotify instances, belongs to that
+///    unprivileged host user and not to host root), clones the sandbox's PID 1 into a new user
+///    namespace and all the other new namespaces at once. It then writes the child's id maps
+///    and id-maps the template's mount through the new user namespace (both only host root
+///    may do), lets the child go, prints its host PID and exits;
+/// 2. PID 1: becomes root of its namespace, builds the root filesystem and drops privileges.
 ///
 /// Must be called before any thread is started: it forks.
 pub fn boot() -> Result<Booted, BootError> {
@@ -168,16 +168,22 @@ pub fn boot() -> Result<Booted, BootError> {
     let template = sys::open_tree_clone(&spec.template_dir).map_err(BootError::syscall(
         format!("open_tree {}", spec.template_dir.display()),
     ))?;
-    let (unshared_rx, unshared_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
     let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
-    let maker = match sys::fork().map_err(BootError::syscall("fork"))? {
-        sys::Fork::Parent(pid) => pid,
-        sys::Fork::Child => {
-            drop((unshared_rx, mapped_tx));
-            let result = make_namespaces(&spec, &unshared_tx, &mapped_rx);
-            drop((unshared_tx, mapped_rx));
-            return match result {
+    sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
+        .map_err(BootError::syscall("set effective ids"))?;
+    let forked = sys::fork_into_namespaces(NAMESPACES);
+    match forked {
+        Ok(sys::Fork::Child) => {
+            drop(mapped_tx);
+            let ready = sys::wait_ready(&mapped_rx)
+                .map_err(BootError::syscall("wait for the id maps"))
+                .and_then(|()| {
+                    sys::become_root()
+                        .map_err(BootError::syscall("become root of the user namespace"))
+                });
+            drop(mapped_rx);
+            return match ready {
                 Ok(()) => enter(&spec, template),
                 Err(err) => {
                     let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
@@ -185,67 +191,50 @@ pub fn boot() -> Result<Booted, BootError> {
                 }
             };
         }
+        Ok(sys::Fork::Parent(_)) | Err(_) => {
+            sys::set_effective_ids(0, 0).map_err(BootError::syscall("restore effective ids"))?;
+        }
+    }
+    let child = match forked {
+        Ok(sys::Fork::Parent(child)) => child,
+        Ok(sys::Fork::Child) => unreachable!("the child returned above"),
+        Err(e) => return Err(BootError::syscall("clone into new namespaces")(e)),
     };
-    drop((unshared_tx, mapped_rx));
-    let result = map_ids(maker, &spec, &template, &unshared_rx, &mapped_tx);
-    drop((unshared_rx, mapped_tx, template));
+    drop(mapped_rx);
+    let result = map_ids(child, &spec, &template)
+        .and_then(|()| sys::signal_ready(&mapped_tx).map_err(BootError::syscall("resume PID 1")));
+    drop((mapped_tx, template));
     if let Err(err) = result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
-        // SAFETY: the maker is our own child, not yet reaped.
-        unsafe { libc::kill(maker, libc::SIGKILL) };
+        // SAFETY: the child is our own, not yet reaped; without its id maps it is useless.
+        unsafe { libc::kill(child, libc::SIGKILL) };
+        std::process::exit(1);
     }
-    // The sandbox's PID 1 is the maker's child: once both have exited, the sandbox is no
-    // descendant of the node's process tree, so a restarted node finds it alive.
-    let code = sys::wait_exit_code(maker).unwrap_or(1);
-    std::process::exit(code)
+    // Once this process exits, the sandbox is no descendant of the node's process tree, so a
+    // restarted node finds it alive.
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{child}");
+    let _ = out.flush();
+    std::process::exit(0);
 }
 
-/// Step 1, host root: gives the maker's new user namespace its id range and id-maps the
-/// template through it.
-fn map_ids(
-    maker: libc::pid_t,
-    spec: &JailSpec,
-    template: &OwnedFd,
-    unshared: &OwnedFd,
-    mapped: &OwnedFd,
-) -> Result<(), BootError> {
-    sys::wait_ready(unshared).map_err(BootError::syscall("wait for the namespaces"))?;
+/// Host root gives the child's new user namespace its id range and id-maps the template
+/// through it.
+fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &OwnedFd) -> Result<(), BootError> {
     let map = format!("0 {} {}\n", spec.id_map.host_base, spec.id_map.size);
     for file in ["uid_map", "gid_map"] {
-        let path = PathBuf::from(format!("/proc/{maker}/{file}"));
+        let path = PathBuf::from(format!("/proc/{child}/{file}"));
         std::fs::write(&path, &map)
             .map_err(BootError::syscall(format!("write {}", path.display())))?;
     }
-    let userns_path = format!("/proc/{maker}/ns/user");
+    let userns_path = format!("/proc/{child}/ns/user");
     let userns: OwnedFd = std::fs::File::open(&userns_path)
         .map_err(BootError::syscall(format!("open {userns_path}")))?
         .into();
     sys::idmap_read_only(template, &userns).map_err(BootError::syscall(format!(
         "id-map the template {}",
         spec.template_dir.display()
-    )))?;
-    sys::signal_ready(mapped).map_err(BootError::syscall("resume the namespace maker"))
-}
-
-/// Step 2: enters the new namespaces and forks the sandbox's PID 1; only PID 1 returns.
-fn make_namespaces(spec: &JailSpec, unshared: &OwnedFd, mapped: &OwnedFd) -> Result<(), BootError> {
-    sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
-        .map_err(BootError::syscall("set effective ids"))?;
-    sys::unshare(NAMESPACES).map_err(BootError::syscall("unshare"))?;
-    sys::signal_ready(unshared).map_err(BootError::syscall("report the namespaces"))?;
-    sys::wait_ready(mapped).map_err(BootError::syscall("wait for the id maps"))?;
-    sys::become_root().map_err(BootError::syscall("become root of the user namespace"))?;
-
-    // The first child in the new PID namespace becomes its init.
-    match sys::fork().map_err(BootError::syscall("fork"))? {
-        sys::Fork::Parent(child) => {
-            let mut out = std::io::stdout().lock();
-            let _ = writeln!(out, "{child}");
-            let _ = out.flush();
-            std::process::exit(0);
-        }
-        sys::Fork::Child => Ok(()),
-    }
+    )))
 }
 
 /// Step 3, the sandbox's PID 1.

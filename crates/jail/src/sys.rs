@@ -19,24 +19,55 @@ pub(crate) fn cstring(path: &Path) -> io::Result<CString> {
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a nul byte"))
 }
 
-pub(crate) fn unshare(flags: libc::c_int) -> io::Result<()> {
-    // SAFETY: unshare takes flags only and touches no memory of ours.
-    check(unsafe { libc::unshare(flags) })
-}
-
 pub(crate) enum Fork {
     Parent(libc::pid_t),
     Child,
 }
 
-pub(crate) fn fork() -> io::Result<Fork> {
-    // SAFETY: the caller runs single-threaded (boot happens before any runtime starts), so the
-    // child inherits a consistent copy of the process.
-    let pid = unsafe { libc::fork() };
+/// `prctl` option reading the address the kernel clears when the calling thread exits.
+const PR_GET_TID_ADDRESS: libc::c_int = 40;
+
+/// Forks into new namespaces (`clone` with namespace flags, which `fork` cannot pass). The
+/// child's thread id is written where libc keeps the thread's own id, as libc's `fork` does,
+/// so the child's libc state is the same as after `fork`. The caller must be single-threaded.
+pub(crate) fn fork_into_namespaces(namespaces: libc::c_int) -> io::Result<Fork> {
+    let mut tid_address: *mut libc::pid_t = std::ptr::null_mut();
+    // SAFETY: PR_GET_TID_ADDRESS stores one pointer at the address given.
+    let known = unsafe {
+        libc::prctl(
+            PR_GET_TID_ADDRESS,
+            &mut tid_address as *mut *mut libc::pid_t as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    } == 0
+        && !tid_address.is_null();
+    let mut flags = namespaces as libc::c_ulong | libc::SIGCHLD as libc::c_ulong;
+    if known {
+        flags |= (libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID) as libc::c_ulong;
+    }
+    // SAFETY: a fork-style clone (no new stack, no shared memory) from a single-threaded
+    // process; the child tid pointer is libc's own slot for this thread, which the child's
+    // copy of the memory has at the same address.
+    let pid = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            flags,
+            0usize,
+            0usize,
+            if known {
+                tid_address
+            } else {
+                std::ptr::null_mut()
+            },
+            0usize,
+        )
+    };
     match pid {
         p if p < 0 => Err(io::Error::last_os_error()),
         0 => Ok(Fork::Child),
-        p => Ok(Fork::Parent(p)),
+        p => Ok(Fork::Parent(p as libc::pid_t)),
     }
 }
 
@@ -215,27 +246,6 @@ pub(crate) fn set_rlimit(
     };
     // SAFETY: `limit` is a valid rlimit that outlives the call.
     check(unsafe { libc::setrlimit(resource, &limit) })
-}
-
-/// Waits for `pid` and returns its exit code (128 + signal when a signal ended it).
-pub(crate) fn wait_exit_code(pid: libc::pid_t) -> io::Result<i32> {
-    let mut status = 0;
-    loop {
-        // SAFETY: `status` is a valid out-pointer for waitpid.
-        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if rc == pid {
-            break;
-        }
-        let err = io::Error::last_os_error();
-        if err.kind() != io::ErrorKind::Interrupted {
-            return Err(err);
-        }
-    }
-    if libc::WIFEXITED(status) {
-        Ok(libc::WEXITSTATUS(status))
-    } else {
-        Ok(128 + libc::WTERMSIG(status))
-    }
 }
 
 /// The kernel's `struct open_how` for openat2.
