@@ -34,14 +34,54 @@ pub(crate) struct NewSandbox {
     pub volume_mounts: Option<Vec<serde_json::Value>>,
 }
 
+/// `SandboxNetworkConfig` on create, and (with `allow_internet_access`) the body of
+/// `PUT /sandboxes/{id}/network`, `SandboxNetworkUpdateConfig`.
 #[derive(Debug, Deserialize, Default)]
 pub(crate) struct NetworkConfig {
     #[serde(rename = "allowOut")]
     pub allow_out: Option<Vec<String>>,
     #[serde(rename = "denyOut")]
     pub deny_out: Option<Vec<String>>,
+    #[serde(rename = "dnsServers")]
+    pub dns_servers: Option<Vec<String>>,
     #[serde(rename = "egressProxy")]
     pub egress_proxy: Option<serde_json::Value>,
+    pub rules: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(rename = "httpsPorts")]
+    pub https_ports: Option<Vec<serde_json::Value>>,
+    #[serde(rename = "allowPublicTraffic")]
+    pub allow_public_traffic: Option<bool>,
+    #[serde(rename = "maskRequestHost")]
+    pub mask_request_host: Option<String>,
+    /// Update only: false closes egress like `0.0.0.0/0` in `denyOut`.
+    pub allow_internet_access: Option<bool>,
+}
+
+/// `SandboxNetworkConfig` as `GET /sandboxes/{id}` shows it.
+#[derive(Debug, Serialize)]
+pub(crate) struct NetworkView {
+    #[serde(rename = "allowOut")]
+    allow_out: Vec<String>,
+    #[serde(rename = "denyOut")]
+    deny_out: Vec<String>,
+    #[serde(rename = "dnsServers", skip_serializing_if = "Option::is_none")]
+    dns_servers: Option<Vec<String>>,
+    #[serde(rename = "allowPublicTraffic")]
+    allow_public_traffic: bool,
+    #[serde(rename = "maskRequestHost", skip_serializing_if = "Option::is_none")]
+    mask_request_host: Option<String>,
+}
+
+impl From<&sandbar_core::NetworkConfig> for NetworkView {
+    fn from(n: &sandbar_core::NetworkConfig) -> Self {
+        Self {
+            allow_out: n.egress.allow_out.clone(),
+            deny_out: n.egress.deny_out.clone(),
+            dns_servers: n.egress.dns_servers.clone(),
+            allow_public_traffic: n.allow_public_traffic,
+            mask_request_host: n.mask_request_host.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -88,7 +128,7 @@ impl From<&Sandbox> for SandboxCreated {
             client_id: CLIENT_ID,
             envd_version: s.envd_version.clone(),
             envd_access_token: s.envd_access_token.clone(),
-            traffic_access_token: None,
+            traffic_access_token: s.traffic_access_token.clone(),
             domain: None,
         }
     }
@@ -150,6 +190,8 @@ pub(crate) struct SandboxDetail {
     domain: Option<String>,
     #[serde(rename = "allowInternetAccess")]
     allow_internet_access: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    network: Option<NetworkView>,
     lifecycle: serde_json::Value,
 }
 
@@ -160,6 +202,7 @@ impl From<&Sandbox> for SandboxDetail {
             envd_access_token: s.envd_access_token.clone(),
             domain: None,
             allow_internet_access: s.allow_internet_access,
+            network: (!s.network.is_default()).then(|| NetworkView::from(&s.network)),
             lifecycle: serde_json::json!({"autoResume": false, "onTimeout": "kill"}),
         }
     }

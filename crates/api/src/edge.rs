@@ -86,7 +86,7 @@ fn not_found(sandbox_id: &str) -> Response {
 /// Middleware in front of the API router.
 pub(crate) async fn route_to_sandbox(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let target = match target_from_headers(request.headers()) {
@@ -108,6 +108,12 @@ pub(crate) async fn route_to_sandbox(
             None => return next.run(request).await,
         },
     };
+    if target.port != AGENT_PORT
+        && let Err(refused) =
+            crate::traffic::admit(&state, &target.sandbox_id, target.port, &mut request)
+    {
+        return refused.into_response();
+    }
     let result = if target.port == AGENT_PORT {
         match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
             Ok(stream) => forward(stream, request).await,

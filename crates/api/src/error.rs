@@ -5,6 +5,7 @@ use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{
     AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TemplateError,
+    UpdateNetworkError,
 };
 use serde_json::json;
 
@@ -96,7 +97,9 @@ impl From<CreateSandboxError> for ApiError {
     fn from(e: CreateSandboxError) -> Self {
         match e {
             CreateSandboxError::Template(t) => t.into(),
-            CreateSandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
+            CreateSandboxError::TimeoutTooLong { .. } | CreateSandboxError::Network(_) => {
+                Self::bad_request(e.to_string())
+            }
             CreateSandboxError::ConcurrencyLimit { .. } => {
                 Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
             }
@@ -116,6 +119,17 @@ impl From<SandboxError> for ApiError {
             SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<UpdateNetworkError> for ApiError {
+    fn from(e: UpdateNetworkError) -> Self {
+        match e {
+            UpdateNetworkError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            UpdateNetworkError::Invalid(_) => Self::bad_request(e.to_string()),
+            UpdateNetworkError::Runtime { .. } => Self::internal(&e),
+            UpdateNetworkError::Store(ref s) => Self::internal(s),
         }
     }
 }

@@ -10,11 +10,12 @@ mod error;
 mod extract;
 mod sandboxes;
 mod templates;
+mod traffic;
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use sandbar_core::{Auth, RateLimits, Sandboxes, Templates};
 
 pub use edge::EdgeConfig;
@@ -60,6 +61,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v2/sandboxes/{sandbox_id}/connect",
             post(sandboxes::connect_v2),
+        )
+        .route(
+            "/sandboxes/{sandbox_id}/network",
+            put(sandboxes::update_network),
         )
         .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))

@@ -6,12 +6,12 @@ use axum::Json;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use sandbar_core::{CreateSandbox, ListQuery, SandboxState, Team};
+use sandbar_core::{CreateSandbox, EgressConfig, ListQuery, SandboxState, Team};
 
 use crate::AppState;
 use crate::dto::{
-    ListedSandbox, NewSandbox, OptionalTimeoutBody, RefreshBody, SandboxCreated, SandboxDetail,
-    TimeoutBody,
+    ListedSandbox, NetworkConfig, NewSandbox, OptionalTimeoutBody, RefreshBody, SandboxCreated,
+    SandboxDetail, TimeoutBody,
 };
 use crate::error::ApiError;
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
@@ -45,12 +45,12 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
         return unsupported("volumeMounts");
     }
     let network = body.network.unwrap_or_default();
-    if network.allow_out.as_ref().is_some_and(|v| !v.is_empty())
-        || network.deny_out.as_ref().is_some_and(|v| !v.is_empty())
-        || network.egress_proxy.as_ref().is_some_and(|v| !v.is_null())
-    {
-        return unsupported("network.allowOut/denyOut/egressProxy (use allow_internet_access)");
-    }
+    let egress = egress_config(&network)?;
+    let network = sandbar_core::NetworkConfig {
+        egress,
+        allow_public_traffic: network.allow_public_traffic.unwrap_or(true),
+        mask_request_host: network.mask_request_host,
+    };
     let env_vars = body.env_vars.unwrap_or_default();
     if let Some(bad) = env_vars
         .keys()
@@ -66,7 +66,52 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
         metadata: body.metadata.unwrap_or_default(),
         env_vars,
         allow_internet_access: body.allow_internet_access.unwrap_or(true),
+        network,
     })
+}
+
+/// The egress part of a network config; options this server cannot honour are refused rather
+/// than ignored, since a client relying on them would be misled.
+fn egress_config(network: &NetworkConfig) -> Result<EgressConfig, ApiError> {
+    let unsupported = |what: &str| {
+        Err(ApiError::bad_request(format!(
+            "{what} is not supported by this server"
+        )))
+    };
+    if network.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
+        return unsupported("network.egressProxy");
+    }
+    if network.rules.as_ref().is_some_and(|r| !r.is_empty()) {
+        return unsupported("network.rules (egress request transforms)");
+    }
+    if network.https_ports.as_ref().is_some_and(|p| !p.is_empty()) {
+        return unsupported("network.httpsPorts");
+    }
+    Ok(EgressConfig {
+        allow_out: network.allow_out.clone().unwrap_or_default(),
+        deny_out: network.deny_out.clone().unwrap_or_default(),
+        dns_servers: network.dns_servers.clone(),
+    })
+}
+
+/// `PUT /sandboxes/{id}/network`: replaces the egress rules; omitted fields clear.
+pub(crate) async fn update_network(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    PathParam(sandbox_id): PathParam<String>,
+    JsonBody(body): JsonBody<NetworkConfig>,
+) -> Result<StatusCode, ApiError> {
+    let egress = egress_config(&body)?;
+    state
+        .sandboxes
+        .update_network(
+            &team,
+            &sandbox_id,
+            egress,
+            body.allow_internet_access.unwrap_or(true),
+        )
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn create(

@@ -317,7 +317,7 @@ async fn bad_create_requests_are_refused_and_start_nothing() {
             StatusCode::BAD_REQUEST,
         ),
         (
-            r#"{"templateID":"base","network":{"denyOut":["0.0.0.0/0"]}}"#,
+            r#"{"templateID":"base","network":{"denyOut":["example.com"]}}"#,
             StatusCode::BAD_REQUEST,
         ),
     ];

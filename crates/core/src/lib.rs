@@ -9,6 +9,7 @@ pub mod auth;
 pub mod ids;
 pub mod limits;
 pub mod model;
+pub mod network;
 pub mod runtime;
 pub mod sandboxes;
 pub mod store;
@@ -17,10 +18,11 @@ pub mod templates;
 pub use auth::{Auth, AuthError, Credentials};
 pub use limits::{RateLimited, RateLimits};
 pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
+pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, Page, SandboxError,
-    Sandboxes, SandboxesConfig,
+    Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
 };
 pub use store::{Store, StoreError};
 pub use templates::{TemplateError, Templates};

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::network::NetworkConfig;
 use crate::runtime::RuntimeHandle;
 
 /// Alias of the template every installation builds on first start.
@@ -120,6 +121,10 @@ pub struct Sandbox {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub allow_internet_access: bool,
+    /// Egress rules and user-port access as the client set them.
+    pub network: NetworkConfig,
+    /// Required on user-port requests when `network.allow_public_traffic` is false.
+    pub traffic_access_token: Option<String>,
     pub envd_access_token: String,
     pub envd_version: String,
     pub state: SandboxState,

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::model::Template;
+use crate::network::EgressRules;
 
 /// Runtime-specific facts about a running sandbox (process, cgroups, network slot), kept in
 /// the store so a restarted server can find and clean up the sandbox. Opaque to the core.
@@ -32,7 +33,10 @@ pub struct LaunchSpec {
     pub memory_mb: u32,
     pub disk_size_mb: u32,
     pub env_vars: BTreeMap<String, String>,
+    /// Whether the sandbox may reach anything outside; false isolates it entirely.
     pub allow_internet_access: bool,
+    /// Per-sandbox egress rules; empty for the node's default egress.
+    pub egress: EgressRules,
     pub envd_access_token: String,
     pub default_user: String,
 }
@@ -64,6 +68,20 @@ pub trait Runtime: Send + Sync + 'static {
     /// Stops and removes every sandbox of this runtime that is not in `recorded`: leftovers of
     /// a crash between starting a sandbox and recording it. Returns how many it removed.
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError>;
+
+    /// Replaces the egress rules of a running sandbox (also called after `adopt` for sandboxes
+    /// that have rules, since a restarted node starts from its default firewall).
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+        _rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot enforce egress rules".into(),
+        })
+    }
 
     /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(

@@ -12,6 +12,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::ids;
 use crate::model::{Sandbox, SandboxState, Team};
+use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::store::{Store, StoreError};
 use crate::templates::{TemplateError, Templates};
@@ -40,12 +41,36 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
     pub env_vars: BTreeMap<String, String>,
     pub allow_internet_access: bool,
+    pub network: NetworkConfig,
+}
+
+/// How a sandbox's user ports may be reached, for the edge.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UserPortAccess {
+    /// Token a request must carry (`e2b-traffic-access-token`); `None`: public.
+    pub traffic_access_token: Option<String>,
+    /// Host header to send instead of the client's (with `${PORT}` still in it).
+    pub mask_request_host: Option<String>,
+}
+
+impl UserPortAccess {
+    fn of(sandbox: &Sandbox) -> Self {
+        Self {
+            traffic_access_token: sandbox
+                .traffic_access_token
+                .clone()
+                .filter(|_| !sandbox.network.allow_public_traffic),
+            mask_request_host: sandbox.network.mask_request_host.clone(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum CreateSandboxError {
     #[error(transparent)]
     Template(#[from] TemplateError),
+    #[error(transparent)]
+    Network(#[from] NetworkConfigError),
     #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
     TimeoutTooLong { requested: u64, max: u64 },
     #[error("team has reached its limit of {limit} concurrent sandboxes")]
@@ -65,6 +90,21 @@ pub enum SandboxError {
     TimeoutTooLong { requested: u64, max: u64 },
     #[error("cannot stop sandbox: {0}")]
     Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpdateNetworkError {
+    #[error("sandbox '{0}' not found")]
+    NotFound(String),
+    #[error(transparent)]
+    Invalid(#[from] NetworkConfigError),
+    #[error("cannot change the network of sandbox {sandbox_id}: {source}")]
+    Runtime {
+        sandbox_id: String,
+        source: RuntimeError,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -112,6 +152,7 @@ struct Live {
     /// What the runtime needs to check on or stop the sandbox; empty while starting.
     handle: RuntimeHandle,
     phase: Phase,
+    user_ports: UserPortAccess,
 }
 
 pub struct Sandboxes {
@@ -120,6 +161,8 @@ pub struct Sandboxes {
     templates: Templates,
     config: SandboxesConfig,
     live: Mutex<HashMap<String, Live>>,
+    /// Network updates run one at a time, so the firewall and the store agree on the last.
+    network_updates: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -165,6 +208,7 @@ impl Sandboxes {
             templates,
             config,
             live: Mutex::new(HashMap::new()),
+            network_updates: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -185,6 +229,7 @@ impl Sandboxes {
                 max: team.max_sandbox_timeout_secs,
             });
         }
+        let egress = request.network.validate(request.allow_internet_access)?;
         let template = self.templates.resolve(team, &request.template).await?;
         let template = self
             .templates
@@ -201,7 +246,8 @@ impl Sandboxes {
             memory_mb: template.memory_mb,
             disk_size_mb: template.disk_size_mb,
             env_vars: request.env_vars.clone(),
-            allow_internet_access: request.allow_internet_access,
+            allow_internet_access: !egress.is_isolated(),
+            egress,
             envd_access_token: ids::new_secret(""),
             default_user: self.config.default_user.clone(),
             template: template.clone(),
@@ -238,6 +284,9 @@ impl Sandboxes {
             metadata: request.metadata,
             env_vars: request.env_vars,
             allow_internet_access: request.allow_internet_access,
+            traffic_access_token: (!request.network.allow_public_traffic)
+                .then(|| ids::new_secret("")),
+            network: request.network,
             envd_access_token: token,
             envd_version: template.envd_version.clone(),
             state: SandboxState::Running,
@@ -256,6 +305,7 @@ impl Sandboxes {
             entry.access_token = sandbox.envd_access_token.clone();
             entry.handle = sandbox.handle.clone();
             entry.end_at = sandbox.end_at;
+            entry.user_ports = UserPortAccess::of(&sandbox);
         }
         if let Err(err) = self
             .store
@@ -293,6 +343,7 @@ impl Sandboxes {
                 access_token: String::new(),
                 handle: RuntimeHandle::default(),
                 phase: Phase::Starting,
+                user_ports: UserPortAccess::default(),
             },
         );
         Ok(())
@@ -439,6 +490,48 @@ impl Sandboxes {
         Ok(())
     }
 
+    /// Replaces a running sandbox's egress rules (`allowOut`, `denyOut`, `dnsServers`); an
+    /// omitted `allow_internet_access` means allowed, as on create.
+    pub async fn update_network(
+        &self,
+        team: &Team,
+        id: &str,
+        egress: EgressConfig,
+        allow_internet_access: bool,
+    ) -> Result<(), UpdateNetworkError> {
+        let _serial = self.network_updates.lock().await;
+        let sandbox = match self.get(team, id).await {
+            Ok(sandbox) => sandbox,
+            Err(SandboxError::Store(e)) => return Err(e.into()),
+            Err(_) => return Err(UpdateNetworkError::NotFound(id.to_owned())),
+        };
+        let network = NetworkConfig {
+            egress,
+            ..sandbox.network
+        };
+        let rules = network.validate(allow_internet_access)?;
+        self.runtime
+            .update_network(id, &sandbox.handle, &rules)
+            .await
+            .map_err(|source| UpdateNetworkError::Runtime {
+                sandbox_id: id.to_owned(),
+                source,
+            })?;
+        self.store
+            .set_sandbox_network(id, &network, allow_internet_access)
+            .await?;
+        tracing::info!(sandbox_id = %id, "sandbox network updated");
+        Ok(())
+    }
+
+    /// How the edge may let requests through to a running sandbox's user ports.
+    pub fn user_port_access(&self, id: &str) -> Option<UserPortAccess> {
+        self.live()
+            .get(id)
+            .filter(|l| l.phase == Phase::Running)
+            .map(|l| l.user_ports.clone())
+    }
+
     /// Where the edge should send traffic for a running sandbox.
     pub fn route(&self, id: &str) -> Option<Endpoint> {
         self.live()
@@ -525,6 +618,16 @@ impl Sandboxes {
         for sandbox in recorded {
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
+                    if let Err(err) = self.restore_network(&sandbox).await {
+                        // Running on with the node's default egress would ignore the owner's
+                        // rules: stop the sandbox instead.
+                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
+                        if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                            tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
+                        }
+                        self.store.delete_sandbox(&sandbox.id).await?;
+                        continue;
+                    }
                     self.live().insert(
                         sandbox.id.clone(),
                         Live {
@@ -534,6 +637,7 @@ impl Sandboxes {
                             access_token: sandbox.envd_access_token.clone(),
                             handle: sandbox.handle.clone(),
                             phase: Phase::Running,
+                            user_ports: UserPortAccess::of(&sandbox),
                         },
                     );
                     adopted += 1;
@@ -551,6 +655,22 @@ impl Sandboxes {
             }
         }
         Ok(adopted)
+    }
+
+    /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when
+    /// it starts.
+    async fn restore_network(&self, sandbox: &Sandbox) -> Result<(), String> {
+        let rules = sandbox
+            .network
+            .validate(sandbox.allow_internet_access)
+            .map_err(|e| e.to_string())?;
+        if rules.is_empty() {
+            return Ok(());
+        }
+        self.runtime
+            .update_network(&sandbox.id, &sandbox.handle, &rules)
+            .await
+            .map_err(|e| e.to_string())
     }
 }
 

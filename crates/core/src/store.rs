@@ -3,6 +3,7 @@
 use chrono::{DateTime, Utc};
 
 use crate::model::{BuildStatus, Sandbox, Team, Template};
+use crate::network::NetworkConfig;
 
 /// Storage failures are opaque to the core: it can only report them.
 #[derive(Debug, thiserror::Error)]
@@ -50,5 +51,11 @@ pub trait Store: Send + Sync + 'static {
     async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError>;
     async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError>;
     async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError>;
+    async fn set_sandbox_network(
+        &self,
+        id: &str,
+        network: &NetworkConfig,
+        allow_internet_access: bool,
+    ) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
 }

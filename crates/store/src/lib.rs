@@ -9,7 +9,8 @@ use std::str::FromStr;
 use chrono::{DateTime, Utc};
 use sandbar_core::store::StoredSecret;
 use sandbar_core::{
-    BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team, Template,
+    BuildStatus, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team,
+    Template,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
@@ -154,6 +155,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
     let metadata: String = row.try_get("metadata").map_err(err)?;
     let env_vars: String = row.try_get("env_vars").map_err(err)?;
     let handle: String = row.try_get("handle").map_err(err)?;
+    let network: String = row.try_get("network").map_err(err)?;
     Ok(Sandbox {
         team_id: row.try_get("team_id").map_err(err)?,
         template_id: row.try_get("template_id").map_err(err)?,
@@ -166,6 +168,8 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
         metadata: serde_json::from_str(&metadata).map_err(err)?,
         env_vars: serde_json::from_str(&env_vars).map_err(err)?,
         allow_internet_access: row.try_get("allow_internet_access").map_err(err)?,
+        network: serde_json::from_str(&network).map_err(err)?,
+        traffic_access_token: row.try_get("traffic_access_token").map_err(err)?,
         envd_access_token: row.try_get("envd_access_token").map_err(err)?,
         envd_version: row.try_get("envd_version").map_err(err)?,
         state: SandboxState::parse(&state)
@@ -356,8 +360,8 @@ impl Store for SqliteStore {
 
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -375,6 +379,8 @@ impl Store for SqliteStore {
         .bind(&s.envd_version)
         .bind(s.state.as_str())
         .bind(s.handle.0.to_string())
+        .bind(serde_json::to_string(&s.network).map_err(err)?)
+        .bind(&s.traffic_access_token)
         .execute(&self.pool)
         .await
         .map_err(err)?;
@@ -412,6 +418,22 @@ impl Store for SqliteStore {
     async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError> {
         sqlx::query("UPDATE sandboxes SET end_at = ? WHERE id = ?")
             .bind(micros(end_at))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn set_sandbox_network(
+        &self,
+        id: &str,
+        network: &NetworkConfig,
+        allow_internet_access: bool,
+    ) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET network = ?, allow_internet_access = ? WHERE id = ?")
+            .bind(serde_json::to_string(network).map_err(err)?)
+            .bind(allow_internet_access)
             .bind(id)
             .execute(&self.pool)
             .await

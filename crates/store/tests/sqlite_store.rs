@@ -4,7 +4,9 @@ use std::collections::BTreeMap;
 
 use chrono::{TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
-use sandbar_core::{BuildStatus, RuntimeHandle, Sandbox, SandboxState, Store, Template};
+use sandbar_core::{
+    BuildStatus, EgressConfig, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, Template,
+};
 use sandbar_store::SqliteStore;
 use std::sync::Arc;
 
@@ -122,6 +124,11 @@ async fn templates_and_sandboxes_round_trip() {
         metadata: BTreeMap::from([("k".into(), "v".into())]),
         env_vars: BTreeMap::new(),
         allow_internet_access: true,
+        network: NetworkConfig {
+            allow_public_traffic: false,
+            ..NetworkConfig::default()
+        },
+        traffic_access_token: Some("traffic".into()),
         envd_access_token: "t".into(),
         envd_version: "0.5.7".into(),
         state: SandboxState::Running,
@@ -147,6 +154,25 @@ async fn templates_and_sandboxes_round_trip() {
             .len(),
         1
     );
+    assert_eq!(loaded.network, sandbox.network);
+    assert_eq!(loaded.traffic_access_token.as_deref(), Some("traffic"));
+    let mut network = sandbox.network.clone();
+    network.egress = EgressConfig {
+        allow_out: vec!["example.com".into()],
+        deny_out: vec!["0.0.0.0/0".into()],
+        dns_servers: None,
+    };
+    store
+        .set_sandbox_network(&sandbox.id, &network, false)
+        .await
+        .expect("update network");
+    let updated = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("get")
+        .expect("found");
+    assert_eq!(updated.network, network);
+    assert!(!updated.allow_internet_access);
     store.delete_sandbox(&sandbox.id).await.expect("delete");
     assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
 }

@@ -1,0 +1,52 @@
+//! Access to a sandbox's user ports: with `allowPublicTraffic: false` a request must carry the
+//! sandbox's traffic access token, and `maskRequestHost` replaces the Host header the sandbox
+//! sees. The agent port has its own token (`X-Access-Token`) and is not affected.
+
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, header};
+use sandbar_core::network::masked_host;
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The header E2B's proxy reads the traffic access token from.
+pub(crate) const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// Admits a request for `port` of `sandbox_id` and rewrites its Host when the sandbox asks for
+/// it, or answers why not.
+pub(crate) fn admit(
+    state: &AppState,
+    sandbox_id: &str,
+    port: u16,
+    request: &mut Request,
+) -> Result<(), ApiError> {
+    let Some(access) = state.sandboxes.user_port_access(sandbox_id) else {
+        return Ok(());
+    };
+    if let Some(expected) = &access.traffic_access_token {
+        let given = request
+            .headers()
+            .get(TRAFFIC_TOKEN_HEADER)
+            .and_then(|v| v.to_str().ok());
+        if !given.is_some_and(|given| sandbar_envd::secrets_equal(given, expected)) {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "sandbox '{sandbox_id}' does not allow public traffic: port {port} needs the sandbox's traffic access token in the {TRAFFIC_TOKEN_HEADER} header"
+                ),
+            ));
+        }
+        // The token is for the edge; the service in the sandbox has no use for it.
+        request.headers_mut().remove(TRAFFIC_TOKEN_HEADER);
+    }
+    if let Some(mask) = &access.mask_request_host {
+        let host = HeaderValue::from_str(&masked_host(mask, port)).map_err(|_| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("sandbox '{sandbox_id}' has an unusable maskRequestHost '{mask}'"),
+            )
+        })?;
+        request.headers_mut().insert(header::HOST, host);
+    }
+    Ok(())
+}
