@@ -14,6 +14,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
 
+use crate::egress::{Egress, QueryVerdict, refusal};
+
 /// Longest wait for an upstream answer before trying the next resolver.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);
 /// Queries in flight at once, over all sandboxes: a sandbox flooding the resolver cannot make
@@ -51,7 +53,9 @@ pub fn parse_upstreams(names: &[String]) -> Result<Vec<SocketAddr>, DnsError> {
 impl Resolver {
     /// Binds UDP and TCP on one free port of every host address and serves until the process
     /// ends. The firewall lets only sandbox interfaces reach this port.
-    pub async fn start(upstreams: Vec<SocketAddr>) -> Result<Self, DnsError> {
+    /// `egress` decides which queries of sandboxes with rules are answered, and learns the
+    /// addresses their allowed domains resolve to.
+    pub async fn start(upstreams: Vec<SocketAddr>, egress: Arc<Egress>) -> Result<Self, DnsError> {
         let mut last_error = None;
         for _ in 0..16 {
             let udp = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
@@ -62,8 +66,13 @@ impl Resolver {
                 Ok(tcp) => {
                     let upstreams: Arc<[SocketAddr]> = upstreams.into();
                     let limit = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-                    tokio::spawn(serve_udp(Arc::new(udp), upstreams.clone(), limit.clone()));
-                    tokio::spawn(serve_tcp(tcp, upstreams, limit));
+                    tokio::spawn(serve_udp(
+                        Arc::new(udp),
+                        upstreams.clone(),
+                        limit.clone(),
+                        egress.clone(),
+                    ));
+                    tokio::spawn(serve_tcp(tcp, upstreams, limit, egress));
                     tracing::info!(port, "sandbox resolver listening");
                     return Ok(Self { port });
                 }
@@ -76,7 +85,28 @@ impl Resolver {
     }
 }
 
-async fn serve_udp(socket: Arc<UdpSocket>, upstreams: Arc<[SocketAddr]>, limit: Arc<Semaphore>) {
+/// Answers one query: refused, or relayed with `ask` after which `egress` sees the answer
+/// before the client does (so allowed addresses are open by the time it connects).
+async fn answer<F>(egress: &Egress, client: SocketAddr, query: &[u8], ask: F) -> Option<Vec<u8>>
+where
+    F: std::future::Future<Output = Option<Vec<u8>>>,
+{
+    match egress.admit(client.ip(), query) {
+        QueryVerdict::Refuse => refusal(query),
+        QueryVerdict::Forward => {
+            let answer = ask.await?;
+            egress.answered(client.ip(), &answer).await;
+            Some(answer)
+        }
+    }
+}
+
+async fn serve_udp(
+    socket: Arc<UdpSocket>,
+    upstreams: Arc<[SocketAddr]>,
+    limit: Arc<Semaphore>,
+    egress: Arc<Egress>,
+) {
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let Ok((len, client)) = socket.recv_from(&mut buf).await else {
@@ -89,8 +119,10 @@ async fn serve_udp(socket: Arc<UdpSocket>, upstreams: Arc<[SocketAddr]>, limit: 
         let query = buf[..len].to_vec();
         let socket = socket.clone();
         let upstreams = upstreams.clone();
+        let egress = egress.clone();
         tokio::spawn(async move {
-            if let Some(answer) = ask_udp(&upstreams, &query).await {
+            let reply = answer(&egress, client, &query, ask_udp(&upstreams, &query)).await;
+            if let Some(answer) = reply {
                 let _ = socket.send_to(&answer, client).await;
             }
             drop(permit);
@@ -124,17 +156,24 @@ async fn ask_udp(upstreams: &[SocketAddr], query: &[u8]) -> Option<Vec<u8>> {
     None
 }
 
-async fn serve_tcp(listener: TcpListener, upstreams: Arc<[SocketAddr]>, limit: Arc<Semaphore>) {
+async fn serve_tcp(
+    listener: TcpListener,
+    upstreams: Arc<[SocketAddr]>,
+    limit: Arc<Semaphore>,
+    egress: Arc<Egress>,
+) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let Ok((stream, client)) = listener.accept().await else {
             continue;
         };
         let Ok(permit) = limit.clone().try_acquire_owned() else {
             continue;
         };
         let upstreams = upstreams.clone();
+        let egress = egress.clone();
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(UPSTREAM_TIMEOUT * 4, relay_tcp(stream, &upstreams)).await;
+            let relay = relay_tcp(stream, client, &upstreams, &egress);
+            let _ = tokio::time::timeout(UPSTREAM_TIMEOUT * 4, relay).await;
             drop(permit);
         });
     }
@@ -156,31 +195,38 @@ async fn write_message(stream: &mut TcpStream, message: &[u8]) -> std::io::Resul
 }
 
 /// Answers queries on one client connection, one at a time, until the client closes it.
-async fn relay_tcp(mut client: TcpStream, upstreams: &[SocketAddr]) -> std::io::Result<()> {
+async fn relay_tcp(
+    mut client: TcpStream,
+    peer: SocketAddr,
+    upstreams: &[SocketAddr],
+    egress: &Egress,
+) -> std::io::Result<()> {
     loop {
         let query = read_message(&mut client).await?;
-        let mut answered = false;
-        for upstream in upstreams {
-            let Ok(Ok(mut server)) =
-                tokio::time::timeout(UPSTREAM_TIMEOUT, TcpStream::connect(upstream)).await
-            else {
-                continue;
-            };
-            if write_message(&mut server, &query).await.is_err() {
-                continue;
-            }
-            if let Ok(Ok(answer)) =
-                tokio::time::timeout(UPSTREAM_TIMEOUT, read_message(&mut server)).await
-            {
-                write_message(&mut client, &answer).await?;
-                answered = true;
-                break;
-            }
-        }
-        if !answered {
-            return Ok(());
+        match answer(egress, peer, &query, ask_tcp(upstreams, &query)).await {
+            Some(reply) => write_message(&mut client, &reply).await?,
+            None => return Ok(()),
         }
     }
+}
+
+async fn ask_tcp(upstreams: &[SocketAddr], query: &[u8]) -> Option<Vec<u8>> {
+    for upstream in upstreams {
+        let Ok(Ok(mut server)) =
+            tokio::time::timeout(UPSTREAM_TIMEOUT, TcpStream::connect(upstream)).await
+        else {
+            continue;
+        };
+        if write_message(&mut server, query).await.is_err() {
+            continue;
+        }
+        if let Ok(Ok(answer)) =
+            tokio::time::timeout(UPSTREAM_TIMEOUT, read_message(&mut server)).await
+        {
+            return Some(answer);
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -222,9 +268,12 @@ mod tests {
                 }
             }
         });
-        let resolver = Resolver::start(vec![SocketAddr::from(([127, 0, 0, 1], port))])
-            .await
-            .expect("start");
+        let resolver = Resolver::start(
+            vec![SocketAddr::from(([127, 0, 0, 1], port))],
+            Arc::new(Egress::default()),
+        )
+        .await
+        .expect("start");
 
         let client = UdpSocket::bind("127.0.0.1:0").await.expect("client");
         client

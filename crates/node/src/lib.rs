@@ -5,6 +5,7 @@ mod agent_client;
 pub mod cgroups;
 pub mod disks;
 pub mod dns;
+pub mod egress;
 pub mod network;
 mod runtime;
 pub mod templates;

@@ -19,7 +19,7 @@ pub const IFACE_PREFIX: &str = "sbx";
 /// firewall change at all.
 const EGRESS_MARK: char = 'e';
 const ISOLATED_MARK: char = 'i';
-const TABLE: &str = "sandbar";
+pub(crate) const TABLE: &str = "sandbar";
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -107,7 +107,7 @@ pub struct SlotAddrs {
     pub sandbox: Ipv4Addr,
 }
 
-async fn run(
+pub(crate) async fn run(
     program: &str,
     args: &[&str],
     stdin: Option<&str>,
@@ -208,8 +208,10 @@ impl Network {
         .await
     }
 
-    /// The node's whole nftables table. Sandboxes are told apart by interface name only, so
-    /// it never changes per sandbox.
+    /// The node's whole nftables table. Sandboxes are told apart by interface name; the only
+    /// part that changes per sandbox is the `egress` map, for sandboxes with their own rules
+    /// (see `egress.rs`). Order for a new connection out of a sandbox: refused ranges, the
+    /// sandbox's own allowed then denied destinations, then the node's default by name.
     fn ruleset(&self, firewall: &FirewallConfig) -> String {
         let p = IFACE_PREFIX;
         let e = EGRESS_MARK;
@@ -222,23 +224,26 @@ impl Network {
                 .iter()
                 .map(|(addr, len)| format!("{addr}/{len}"))
                 .collect();
-            format!(
-                "    iifname \"{p}{e}*\" ip daddr {{ {} }} accept\n",
-                ranges.join(", ")
-            )
+            // Exempt from the refusal only: a sandbox's own deny rules still apply to them.
+            format!("ip daddr != {{ {} }} ", ranges.join(", "))
         };
         let dns = firewall.resolver_port;
         format!(
             "table inet {TABLE}
 delete table inet {TABLE}
 table inet {TABLE} {{
+  map {map} {{
+    type ifname : verdict;
+  }}
   chain forward {{
     type filter hook forward priority filter - 1; policy accept;
     iifname \"{p}*\" oifname \"{p}*\" drop
     oifname \"{p}*\" ct state established,related accept
     oifname \"{p}*\" drop
+    iifname \"{p}*\" ct state established,related accept
     iifname \"{p}*\" meta nfproto ipv6 drop
-{allowed}    iifname \"{p}*\" ip daddr {{ {refused} }} drop
+    iifname \"{p}*\" {allowed}ip daddr {{ {refused} }} drop
+    iifname vmap @{map}
     iifname \"{p}{e}*\" accept
     iifname \"{p}*\" drop
   }}
@@ -260,6 +265,7 @@ table inet {TABLE} {{
 }}
 ",
             cidr = self.cidr(),
+            map = crate::egress::EGRESS_MAP,
         )
     }
 
@@ -343,6 +349,47 @@ table inet {TABLE} {{
             .await
             .map_err(fail("add default route"))?;
         Ok(addrs)
+    }
+
+    /// Renames slot `slot`'s host interface to mark it for egress or isolation (the firewall
+    /// and the resolver go by that name), when a running sandbox's rules change which it is.
+    pub async fn set_egress(&self, slot: u32, egress: bool) -> Result<(), NetworkError> {
+        let wanted = iface_name(slot, egress);
+        if iface_exists(&wanted) {
+            return Ok(());
+        }
+        let current = iface_name(slot, !egress);
+        let fail = |step: &str| {
+            let what = format!("{step} {current} to {wanted}");
+            move |e: rtnetlink::Error| NetworkError::Netlink {
+                what,
+                message: e.to_string(),
+            }
+        };
+        let host = self.host_netlink().await?;
+        let index = link_index(&host, &current).await.map_err(fail("find"))?;
+        // A link must be down to be renamed; its address stays, its route returns with it.
+        host.link()
+            .set(LinkUnspec::new_with_index(index).down().build())
+            .execute()
+            .await
+            .map_err(fail("bring down"))?;
+        let renamed = host
+            .link()
+            .set(
+                LinkUnspec::new_with_index(index)
+                    .name(wanted.clone())
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(fail("rename"));
+        host.link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(fail("bring up"))?;
+        renamed
     }
 
     /// One netlink connection in the host's namespace, opened on first use and shared.
@@ -448,13 +495,15 @@ mod tests {
             resolver_port: 40053,
             allowed_private: vec![(Ipv4Addr::new(10, 9, 0, 0), 16)],
         });
-        assert!(rules.contains("ip daddr { 10.9.0.0/16 } accept"));
+        assert!(rules.contains("ip daddr != { 10.9.0.0/16 } ip daddr { 0.0.0.0/8,"));
+        assert!(rules.contains("iifname vmap @egress\n"));
         assert!(rules.contains("100.64.0.0/10"));
         assert!(rules.contains("168.63.129.16/32"));
         assert!(rules.contains("redirect to :40053"));
-        // The operator's exemption must come before the refusal.
-        let allow = rules.find("10.9.0.0/16").expect("allow rule");
+        // Refused ranges first, then the sandbox's own rules, then the default.
         let refuse = rules.find("0.0.0.0/8").expect("refuse rule");
-        assert!(allow < refuse);
+        let own = rules.find("vmap @egress").expect("per-sandbox rules");
+        let default = rules.find("iifname \"sbxe*\" accept").expect("default");
+        assert!(refuse < own && own < default);
     }
 }

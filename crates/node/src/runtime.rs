@@ -13,7 +13,7 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use sandbar_core::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -99,6 +99,7 @@ pub struct LinuxRuntime {
     config: NodeConfig,
     cgroups: CgroupDriver,
     network: Network,
+    egress: std::sync::Arc<crate::egress::Egress>,
     disks: DiskPool,
     /// Memory limits granted to live sandboxes, by sandbox id.
     granted_memory: Mutex<std::collections::BTreeMap<String, u32>>,
@@ -156,7 +157,8 @@ impl LinuxRuntime {
             .map(|range| crate::network::parse_range(range))
             .collect::<Result<Vec<_>, _>>()?;
         let upstreams = crate::dns::parse_upstreams(&config.nameservers)?;
-        let resolver = crate::dns::Resolver::start(upstreams).await?;
+        let egress = crate::egress::Egress::new();
+        let resolver = crate::dns::Resolver::start(upstreams, egress.clone()).await?;
         network
             .init(&crate::network::FirewallConfig {
                 resolver_port: resolver.port,
@@ -194,6 +196,7 @@ impl LinuxRuntime {
             config,
             cgroups,
             network,
+            egress,
             disks,
             granted_memory: Mutex::new(std::collections::BTreeMap::new()),
             memory_capacity_mb,
@@ -405,6 +408,9 @@ impl LinuxRuntime {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
+            if let Ok(addrs) = self.network.addrs(h.slot) {
+                self.egress.remove(addrs.sandbox).await;
+            }
             self.network.release(h.slot).await;
             self.free_slot(h.slot);
         }
@@ -460,6 +466,10 @@ impl LinuxRuntime {
             memory_mb: spec.memory_mb,
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        // Before the link exists: the sandbox never has a moment without its rules.
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(fail)?;
         self.network
             .attach(slot, pid, spec.allow_internet_access)
             .await
@@ -482,6 +492,31 @@ impl LinuxRuntime {
             "sandbox launch timings"
         );
         Ok((handle, endpoint))
+    }
+}
+
+impl LinuxRuntime {
+    /// Installs `rules` for slot `slot`; an isolated sandbox needs none (its interface name
+    /// already cuts it off).
+    async fn apply_egress(
+        &self,
+        id: &str,
+        slot: u32,
+        egress: bool,
+        rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
+        let none = EgressRules::default();
+        let wanted = if egress { rules } else { &none };
+        self.egress
+            .apply(
+                slot,
+                addrs.sandbox,
+                &crate::network::iface_name(slot, egress),
+                wanted,
+            )
+            .await
+            .map_err(|e| sandbox_err(id, e))
     }
 }
 
@@ -556,6 +591,30 @@ impl Runtime for LinuxRuntime {
             removed += 1;
         }
         Ok(removed)
+    }
+
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle)?;
+        let open = !rules.is_isolated();
+        // Rules first when opening, the name first when closing: never more open than either.
+        if open {
+            self.apply_egress(sandbox_id, handle.slot, true, rules)
+                .await?;
+        }
+        self.network
+            .set_egress(handle.slot, open)
+            .await
+            .map_err(|e| sandbox_err(sandbox_id, e))?;
+        if !open {
+            self.apply_egress(sandbox_id, handle.slot, false, rules)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn adopt(
