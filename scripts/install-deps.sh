@@ -2,12 +2,14 @@
 # Installs the host packages Sandbar needs (Debian/Ubuntu, as root): mmdebstrap builds the default
 # template, nftables and iproute2 wire sandbox networks, util-linux provides mount and nsenter,
 # btrfs-progs makes the pool that holds sandbox disks under quota.
-# Pass --test to also install what the test suite and benchmark use.
+# Pass --test to also install what the test suite and benchmark use (the custom-template tests run
+# local registries with docker-registry, build images with umoci from busybox-static, push them with
+# skopeo, and make the registry password with htpasswd from apache2-utils).
 set -euo pipefail
 
 packages=(mmdebstrap nftables iproute2 util-linux ca-certificates btrfs-progs)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(python3-pip runc procps)
+  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils)
   command -v npm >/dev/null || packages+=(nodejs npm)
 fi
 

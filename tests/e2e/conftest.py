@@ -13,6 +13,9 @@ Environment:
                          (default: /tmp/sandbar-e2e-logs)
   SANDBAR_E2E_TEMPLATE_WAIT  seconds to wait for the base template (default 900)
 
+The `registry` fixture (registry.py) adds two local OCI registries with busybox
+fixture images for the custom-template tests.
+
 The tests must run as root on a Linux host (network namespaces, cgroups).
 """
 
@@ -58,6 +61,7 @@ RUN_LAST = ("test_restart.py",)
 
 _SERVER: Optional[SandbarServer] = None
 FAKE_DNS: Optional[FakeDns] = None
+_REGISTRY = None
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -73,6 +77,8 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.failed and _SERVER is not None:
         rep.sections.append(("sandbar server log", _SERVER.log_tail(80)))
+    if rep.failed and _REGISTRY is not None and "registry" in getattr(item, "fixturenames", ()):
+        rep.sections.append(("registry logs", _REGISTRY.log_tail(20)))
 
 
 # --------------------------------------------------------------------------
@@ -226,6 +232,31 @@ def fake_dns(sandbar) -> FakeDns:
     """The server's upstream resolver: set `fake_dns.records[name] = ip`."""
     assert FAKE_DNS is not None
     return FAKE_DNS
+
+
+@pytest.fixture(scope="session")
+def registry():
+    """Local OCI registries with the fixture images, for custom templates (see registry.py).
+
+    Offers .host and .auth_host ("127.0.0.1:<port>", plain HTTP), .image("e2e/tiny:1") and
+    .image("e2e/tiny:2") on the open registry, .auth_image ("<auth_host>/e2e/private:1"),
+    .username and .password for the auth registry, and .closed_host (a port nothing listens on).
+    Both registries start empty for the session and are stopped at its end; the OCI layout the
+    images are pushed from is cached under <data dir>/e2e-fixtures.
+    """
+    global _REGISTRY
+    from registry import LocalRegistries
+
+    try:
+        reg = LocalRegistries.start(cache_dir=DATA_DIR / "e2e-fixtures")
+    except Exception as e:  # noqa: BLE001 - reported as the fixture's error
+        pytest.fail(f"could not set up the local registries: {e}", pytrace=False)
+    _REGISTRY = reg
+    try:
+        yield reg
+    finally:
+        _REGISTRY = None
+        reg.close()
 
 
 @pytest.fixture(scope="session")

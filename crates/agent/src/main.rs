@@ -23,6 +23,7 @@ fn parse_serve(args: &[String]) -> anyhow::Result<(Listen, AgentConfig)> {
         access_token: None,
         default_user: "root".into(),
         env_vars: BTreeMap::new(),
+        default_workdir: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {

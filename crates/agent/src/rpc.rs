@@ -360,7 +360,14 @@ impl Process for Services {
         }
         let cwd = match config.cwd.as_deref().filter(|c| !c.is_empty()) {
             Some(cwd) => resolve_path(cwd, &user),
-            None => user.home.clone(),
+            None => self
+                .state
+                .config
+                .default_workdir
+                .as_deref()
+                .map(std::path::PathBuf::from)
+                .filter(|dir| dir.is_dir())
+                .unwrap_or_else(|| user.home.clone()),
         };
         if !cwd.is_dir() {
             return Err(ConnectError::invalid_argument(format!(
@@ -383,7 +390,13 @@ impl Process for Services {
             config.envs.iter().map(|(k, v)| (k.clone(), v.clone())),
         );
         let spec = SpawnSpec {
-            cmd: config.cmd.clone(),
+            // The SDKs wrap every command in `/bin/bash -l -c`; images without bash (busybox,
+            // alpine) still run them with their POSIX shell.
+            cmd: if config.cmd == "/bin/bash" && !std::path::Path::new("/bin/bash").exists() {
+                "/bin/sh".to_owned()
+            } else {
+                config.cmd.clone()
+            },
             args: config.args.clone(),
             env,
             cwd,

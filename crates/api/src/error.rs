@@ -156,3 +156,71 @@ pub(crate) async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
         format!("method {method} is not allowed on {}", uri.path()),
     )
 }
+
+impl From<sandbar_core::builds::RequestBuildError> for ApiError {
+    fn from(e: sandbar_core::builds::RequestBuildError) -> Self {
+        use sandbar_core::builds::RequestBuildError as E;
+        match e {
+            E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+impl From<sandbar_core::builds::StartBuildError> for ApiError {
+    fn from(e: sandbar_core::builds::StartBuildError) -> Self {
+        use sandbar_core::builds::StartBuildError as E;
+        match e {
+            E::TemplateNotFound(_) | E::BuildNotFound { .. } => {
+                Self::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            E::AlreadyStarted(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Invalid(_) => Self::bad_request(e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::builds::BuildLookupError> for ApiError {
+    fn from(e: sandbar_core::builds::BuildLookupError) -> Self {
+        use sandbar_core::builds::BuildLookupError as E;
+        match e {
+            E::Store(ref s) => Self::internal(s),
+            _ => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+        }
+    }
+}
+
+impl From<sandbar_core::builds::UploadLinkError> for ApiError {
+    fn from(e: sandbar_core::builds::UploadLinkError) -> Self {
+        use sandbar_core::builds::{UploadError, UploadLinkError as E};
+        match e {
+            E::TemplateNotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::BadHash(_) => Self::bad_request(e.to_string()),
+            E::BadToken => Self::new(StatusCode::FORBIDDEN, e.to_string()),
+            E::Upload(UploadError::TooLarge { .. }) => {
+                Self::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
+            }
+            E::Upload(ref u) => Self::internal(u),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::builds::TemplateAdminError> for ApiError {
+    fn from(e: sandbar_core::builds::TemplateAdminError) -> Self {
+        use sandbar_core::builds::TemplateAdminError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::BuiltIn(_) => Self::new(StatusCode::FORBIDDEN, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::StoreError> for ApiError {
+    fn from(e: sandbar_core::StoreError) -> Self {
+        Self::internal(&e)
+    }
+}

@@ -15,8 +15,8 @@ mod traffic;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{get, post, put};
-use sandbar_core::{Auth, RateLimits, Sandboxes, Templates};
+use axum::routing::{get, patch, post, put};
+use sandbar_core::{Auth, Builds, RateLimits, Sandboxes, Templates};
 
 pub use edge::EdgeConfig;
 
@@ -26,6 +26,7 @@ pub struct AppState {
     pub auth: Auth,
     pub sandboxes: Arc<Sandboxes>,
     pub templates: Templates,
+    pub builds: Builds,
     pub rate_limits: Arc<RateLimits>,
     pub edge: Arc<EdgeConfig>,
 }
@@ -70,6 +71,35 @@ pub fn router(state: AppState) -> Router {
         .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
         .route("/templates", get(templates::list))
         .route("/templates/aliases/{alias}", get(templates::alias))
+        .route("/v3/templates", post(templates::request_build))
+        .route("/v2/templates", post(templates::request_build))
+        .route(
+            "/templates/{template_id}",
+            get(templates::detail)
+                .delete(templates::delete)
+                .patch(templates::update),
+        )
+        .route("/v2/templates/{template_id}", patch(templates::update))
+        .route(
+            "/templates/{template_id}/files/{hash}",
+            get(templates::file_link),
+        )
+        .route(
+            "/upload/templates/{template_id}/files/{hash}",
+            put(templates::upload),
+        )
+        .route(
+            "/v2/templates/{template_id}/builds/{build_id}",
+            post(templates::start_build),
+        )
+        .route(
+            "/templates/{template_id}/builds/{build_id}/status",
+            get(templates::build_status),
+        )
+        .route(
+            "/templates/{template_id}/builds/{build_id}/logs",
+            get(templates::build_logs),
+        )
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     api.layer(axum::middleware::from_fn_with_state(

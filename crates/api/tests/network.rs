@@ -3,6 +3,8 @@
 //! host mask on user ports (served by a plain HTTP server on 127.0.0.1).
 
 use std::net::{IpAddr, Ipv4Addr};
+mod common;
+
 use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
@@ -115,7 +117,7 @@ async fn harness() -> Harness {
             memory_mb: 512,
             disk_size_mb: 2048,
             envd_version: "0.5.7".into(),
-            rootfs: Some("/nonexistent".into()),
+            image: Some(common::image()),
             created_at: now,
             updated_at: now,
             last_spawned_at: None,
@@ -131,9 +133,11 @@ async fn harness() -> Harness {
         templates.clone(),
         SandboxesConfig::default(),
     ));
+    let templates_for_builds = templates.clone();
     let app = router(AppState {
         auth,
         sandboxes,
+        builds: common::builds(store.clone(), &templates_for_builds),
         templates,
         rate_limits: Arc::new(RateLimits::default()),
         edge: Arc::new(EdgeConfig {

@@ -2,6 +2,8 @@
 //! records launches instead of starting processes (the end-to-end suite covers real sandboxes).
 
 use std::net::{IpAddr, Ipv4Addr};
+mod common;
+
 use std::sync::{Arc, Mutex};
 
 use axum::body::Body;
@@ -97,7 +99,7 @@ async fn harness(limits: TeamLimits) -> Harness {
             memory_mb: 512,
             disk_size_mb: 2048,
             envd_version: "0.5.7".into(),
-            rootfs: Some("/nonexistent".into()),
+            image: Some(common::image()),
             created_at: now,
             updated_at: now,
             last_spawned_at: None,
@@ -114,9 +116,11 @@ async fn harness(limits: TeamLimits) -> Harness {
         SandboxesConfig::default(),
     ));
     let templates_handle = templates.clone();
+    let templates_for_builds = templates.clone();
     let app = router(AppState {
         auth,
         sandboxes,
+        builds: common::builds(store.clone(), &templates_for_builds),
         templates,
         rate_limits: Arc::new(RateLimits::default()),
         edge: Arc::new(EdgeConfig {
@@ -593,7 +597,7 @@ async fn building_template(h: &Harness, alias: &str) -> String {
             memory_mb: 256,
             disk_size_mb: 1024,
             envd_version: "0.5.7".into(),
-            rootfs: None,
+            image: None,
             created_at: now,
             updated_at: now,
             last_spawned_at: None,
@@ -622,10 +626,11 @@ async fn create_waits_for_a_building_template() {
         "create must wait while the template builds"
     );
     assert_eq!(h.launched(), 0);
-    h.templates
-        .finish_build(&id, Ok("/rootfs".into()))
+    h.store
+        .set_template_image(&id, "b2", &common::image())
         .await
         .expect("finish");
+    h.templates.build_finished().notify_waiters();
     let reply = creating.await.expect("join");
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     assert_eq!(reply.body["templateID"], id.as_str());
@@ -636,10 +641,11 @@ async fn create_waits_for_a_building_template() {
 async fn create_from_a_failed_template_says_why() {
     let h = harness(GENEROUS).await;
     let id = building_template(&h, "broken").await;
-    h.templates
-        .finish_build(&id, Err("mirror unreachable".into()))
+    h.store
+        .set_template_build(&id, BuildStatus::Error, Some("mirror unreachable"))
         .await
         .expect("finish");
+    h.templates.build_finished().notify_waiters();
     let reply = h
         .api("POST", "/v2/sandboxes", Some(r#"{"templateID":"broken"}"#))
         .await;

@@ -6,6 +6,7 @@
 //! without touching the rules written here.
 
 pub mod auth;
+pub mod builds;
 pub mod ids;
 pub mod limits;
 pub mod model;
@@ -16,6 +17,10 @@ pub mod store;
 pub mod templates;
 
 pub use auth::{Auth, AuthError, Credentials};
+pub use builds::{
+    BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
+    BuildStep, Builder, Builds, BuildsConfig, LogLevel, StepKind, TemplateImage,
+};
 pub use limits::{RateLimited, RateLimits};
 pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+use crate::builds::TemplateImage;
 use crate::network::NetworkConfig;
 use crate::runtime::RuntimeHandle;
 
@@ -67,8 +68,8 @@ pub struct Template {
     pub memory_mb: u32,
     pub disk_size_mb: u32,
     pub envd_version: String,
-    /// Where the node keeps the built root filesystem; meaningful to the runtime only.
-    pub rootfs: Option<String>,
+    /// What sandboxes of the template start from: the last successful build's image.
+    pub image: Option<TemplateImage>,
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub last_spawned_at: Option<DateTime<Utc>>,

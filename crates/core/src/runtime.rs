@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::builds::TemplateImage;
 use crate::model::Template;
 use crate::network::EgressRules;
 
@@ -29,6 +30,8 @@ pub struct Endpoint {
 pub struct LaunchSpec {
     pub sandbox_id: String,
     pub template: Template,
+    /// The layers, environment, user and start command the sandbox starts from.
+    pub image: TemplateImage,
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub disk_size_mb: u32,
@@ -38,11 +41,13 @@ pub struct LaunchSpec {
     /// Per-sandbox egress rules; empty for the node's default egress.
     pub egress: EgressRules,
     pub envd_access_token: String,
-    pub default_user: String,
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    /// The template's start command did not become ready.
+    #[error("sandbox {sandbox_id}: {message}")]
+    NotReady { sandbox_id: String, message: String },
     #[error("template {template_id} has no root filesystem on this node")]
     TemplateMissing { template_id: String },
     #[error("sandbox {sandbox_id}: {message}")]

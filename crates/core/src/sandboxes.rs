@@ -240,16 +240,22 @@ impl Sandboxes {
         let now = Utc::now();
         self.reserve(team, &id, now + seconds(request.timeout_secs))?;
 
+        let Some(image) = template.image.clone() else {
+            self.live().remove(&id);
+            return Err(TemplateError::StillBuilding(template.id.clone()).into());
+        };
+        let mut env_vars = image.env.clone();
+        env_vars.extend(request.env_vars.clone());
         let spec = LaunchSpec {
             sandbox_id: id.clone(),
+            image,
             cpu_count: template.cpu_count,
             memory_mb: template.memory_mb,
             disk_size_mb: template.disk_size_mb,
-            env_vars: request.env_vars.clone(),
+            env_vars,
             allow_internet_access: !egress.is_isolated(),
             egress,
             envd_access_token: ids::new_secret(""),
-            default_user: self.config.default_user.clone(),
             template: template.clone(),
         };
         let token = spec.envd_access_token.clone();

@@ -2,6 +2,7 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
 use crate::model::{BuildStatus, Sandbox, Team, Template};
 use crate::network::NetworkConfig;
 
@@ -36,13 +37,57 @@ pub trait Store: Send + Sync + 'static {
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError>;
     async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>, StoreError>;
     async fn templates(&self) -> Result<Vec<Template>, StoreError>;
+    /// Records the status of the template's latest build.
     async fn set_template_build(
         &self,
         id: &str,
         status: BuildStatus,
         error: Option<&str>,
-        rootfs: Option<&str>,
     ) -> Result<(), StoreError>;
+    /// Makes `build_id`'s image the one new sandboxes of the template get.
+    async fn set_template_image(
+        &self,
+        id: &str,
+        build_id: &str,
+        image: &TemplateImage,
+    ) -> Result<(), StoreError>;
+    /// Removes a template with its names, builds, tags and logs.
+    async fn delete_template(&self, id: &str) -> Result<(), StoreError>;
+
+    async fn insert_build(&self, build: &BuildRecord) -> Result<(), StoreError>;
+    async fn update_build(&self, build: &BuildRecord) -> Result<(), StoreError>;
+    async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError>;
+    /// A template's builds, newest first.
+    async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError>;
+    /// Builds still `waiting` or `building`.
+    async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError>;
+    async fn set_build_tags(
+        &self,
+        template_id: &str,
+        build_id: &str,
+        tags: &[String],
+    ) -> Result<(), StoreError>;
+    /// The newest successful build of the template carrying `tag`.
+    async fn tagged_build(
+        &self,
+        template_id: &str,
+        tag: &str,
+    ) -> Result<Option<BuildRecord>, StoreError>;
+    async fn append_build_log(
+        &self,
+        build_id: &str,
+        seq: u64,
+        entry: &BuildLogEntry,
+    ) -> Result<(), StoreError>;
+    async fn build_logs(
+        &self,
+        build_id: &str,
+        offset: u64,
+        limit: u64,
+        min_level: Option<LogLevel>,
+    ) -> Result<Vec<BuildLogEntry>, StoreError>;
+    /// Every layer named by a successful build that a template or tag still points at.
+    async fn layers_in_use(&self) -> Result<Vec<String>, StoreError>;
     async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
 
     async fn insert_sandbox(&self, sandbox: &Sandbox) -> Result<(), StoreError>;

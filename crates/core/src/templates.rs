@@ -52,19 +52,28 @@ impl Templates {
         }
     }
 
-    /// Finds a template by ID or alias (`name` or `name:default`) that `team` may use.
+    /// Finds a template by ID or name (`name`, `name:default` or `name:<tag>`) that `team`
+    /// may use; with a tag, the image is the one of the newest successful build so tagged.
     pub async fn resolve(&self, team: &Team, reference: &str) -> Result<Template, TemplateError> {
         if !valid_reference(reference) {
             return Err(TemplateError::BadReference(reference.to_owned()));
         }
-        let name = reference.strip_suffix(":default").unwrap_or(reference);
+        let (name, tag) = crate::builds::split_name(reference);
         let found = match self.store.template(name).await? {
             Some(t) => Some(t),
             None => self.store.template_by_alias(name).await?,
         };
-        let template = found.ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
+        let mut template = found.ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
         if !template.visible_to(&team.id) {
             return Err(TemplateError::Forbidden(reference.to_owned()));
+        }
+        if let Some(tag) = tag.filter(|t| *t != "default") {
+            let build = self
+                .store
+                .tagged_build(&template.id, tag)
+                .await?
+                .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
+            template.image = build.image;
         }
         Ok(template)
     }
@@ -78,6 +87,11 @@ impl Templates {
         let deadline = tokio::time::Instant::now() + patience;
         let mut current = template;
         loop {
+            // A template with a good build serves it while a newer build runs or after one
+            // failed.
+            if current.image.is_some() {
+                return Ok(current);
+            }
             match current.build_status {
                 BuildStatus::Ready => return Ok(current),
                 BuildStatus::Error => {
@@ -125,25 +139,9 @@ impl Templates {
         Ok(())
     }
 
-    pub async fn finish_build(
-        &self,
-        id: &str,
-        outcome: Result<String, String>,
-    ) -> Result<(), TemplateError> {
-        match outcome {
-            Ok(rootfs) => {
-                self.store
-                    .set_template_build(id, BuildStatus::Ready, None, Some(&rootfs))
-                    .await?
-            }
-            Err(reason) => {
-                self.store
-                    .set_template_build(id, BuildStatus::Error, Some(&reason), None)
-                    .await?
-            }
-        }
-        self.build_finished.notify_waiters();
-        Ok(())
+    /// Wakes callers of [`Templates::wait_ready`]; the build service calls it when a build ends.
+    pub fn build_finished(&self) -> Arc<Notify> {
+        self.build_finished.clone()
     }
 
     pub async fn template(&self, id: &str) -> Result<Option<Template>, TemplateError> {

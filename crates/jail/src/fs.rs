@@ -20,7 +20,7 @@ fn step(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> BootError {
     BootError::syscall(format!("{what} {}", path.display()))
 }
 
-pub(crate) fn build_root(spec: &JailSpec, template: OwnedFd) -> Result<(), BootError> {
+pub(crate) fn build_root(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<(), BootError> {
     // Nothing mounted from here on may propagate back into the host's mount namespace.
     mount(
         "",
@@ -31,15 +31,18 @@ pub(crate) fn build_root(spec: &JailSpec, template: OwnedFd) -> Result<(), BootE
     )
     .map_err(step("make private", Path::new("/")))?;
 
-    let lower = Path::new(layout::LOWER);
-    sys::move_mount_to(&template, lower).map_err(step("attach the template at", lower))?;
-    drop(template);
+    let mut lowers = Vec::with_capacity(template.len());
+    for (i, layer) in template.into_iter().enumerate() {
+        let lower = Path::new(layout::LOWER).join(i.to_string());
+        sys::move_mount_to(&layer, &lower).map_err(step("attach a template layer at", &lower))?;
+        lowers.push(lower.display().to_string());
+    }
 
     // Relative layer paths keep host paths out of the sandbox's /proc/mounts.
     let root = Path::new(layout::ROOT);
     let overlay = format!(
         "lowerdir={},upperdir={},workdir={},userxattr",
-        layout::LOWER,
+        lowers.join(":"),
         layout::UPPER,
         layout::WORK
     );

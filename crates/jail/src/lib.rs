@@ -35,15 +35,21 @@ pub struct AgentConfig {
     pub access_token: Option<String>,
     /// Linux user for calls that name none.
     pub default_user: String,
-    /// Environment given to every process the agent starts (the sandbox's `envVars`).
+    /// Environment given to every process the agent starts (the template's and the
+    /// sandbox's `envVars`).
     pub env_vars: BTreeMap<String, String>,
+    /// Working directory of processes started without one (the template's `WORKDIR`); the
+    /// user's home when unset.
+    #[serde(default)]
+    pub default_workdir: Option<String>,
 }
 
 /// Names inside a sandbox's directory on the host. The boot process works relative to that
 /// directory, so neither the overlay's options nor anything else the sandbox can read names a
 /// host path, and the sandbox's own (unprivileged) credentials never traverse host directories.
 pub mod layout {
-    /// Mount point of the id-mapped, read-only template.
+    /// Holds the mount points `0`, `1`, … of the id-mapped, read-only template layers, `0`
+    /// the topmost.
     pub const LOWER: &str = "lower";
     /// The sandbox's writable layer, owned by the sandbox's root.
     pub const UPPER: &str = "upper";
@@ -73,8 +79,8 @@ impl IdMap {
 /// Everything the node decides about a sandbox's isolation.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct JailSpec {
-    /// Read-only template root filesystem, the overlay's lower layer.
-    pub template_dir: PathBuf,
+    /// Read-only template layers, the topmost first: the overlay's lower layers.
+    pub template_layers: Vec<PathBuf>,
     /// The sandbox's directory: holds the [`layout`] entries, prepared by the node.
     pub sandbox_dir: PathBuf,
     pub hostname: String,
@@ -165,9 +171,27 @@ pub fn boot() -> Result<Booted, BootError> {
         "chdir {}",
         spec.sandbox_dir.display()
     )))?;
-    let template = sys::open_tree_clone(&spec.template_dir).map_err(BootError::syscall(
-        format!("open_tree {}", spec.template_dir.display()),
-    ))?;
+    if spec.template_layers.is_empty() {
+        return Err(BootError::syscall("open the template")(
+            std::io::Error::other("the template has no layers"),
+        ));
+    }
+    let mut template = Vec::with_capacity(spec.template_layers.len());
+    for (i, layer) in spec.template_layers.iter().enumerate() {
+        let mount_point = Path::new(layout::LOWER).join(i.to_string());
+        if let Err(e) = std::fs::create_dir(&mount_point)
+            && e.kind() != std::io::ErrorKind::AlreadyExists
+        {
+            return Err(BootError::syscall(format!(
+                "create {}",
+                mount_point.display()
+            ))(e));
+        }
+        template.push(
+            sys::open_tree_clone(layer)
+                .map_err(BootError::syscall(format!("open_tree {}", layer.display())))?,
+        );
+    }
     let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
     sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
@@ -220,7 +244,7 @@ pub fn boot() -> Result<Booted, BootError> {
 
 /// Host root gives the child's new user namespace its id range and id-maps the template
 /// through it.
-fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &OwnedFd) -> Result<(), BootError> {
+fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &[OwnedFd]) -> Result<(), BootError> {
     let map = format!("0 {} {}\n", spec.id_map.host_base, spec.id_map.size);
     for file in ["uid_map", "gid_map"] {
         let path = PathBuf::from(format!("/proc/{child}/{file}"));
@@ -231,14 +255,17 @@ fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &OwnedFd) -> Result<()
     let userns: OwnedFd = std::fs::File::open(&userns_path)
         .map_err(BootError::syscall(format!("open {userns_path}")))?
         .into();
-    sys::idmap_read_only(template, &userns).map_err(BootError::syscall(format!(
-        "id-map the template {}",
-        spec.template_dir.display()
-    )))
+    for (layer, path) in template.iter().zip(&spec.template_layers) {
+        sys::idmap_read_only(layer, &userns).map_err(BootError::syscall(format!(
+            "id-map the template layer {}",
+            path.display()
+        )))?;
+    }
+    Ok(())
 }
 
 /// Step 3, the sandbox's PID 1.
-fn enter(spec: &JailSpec, template: OwnedFd) -> Result<Booted, BootError> {
+fn enter(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
     let result = build_and_lock(spec, template);
     if let Err(err) = &result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
@@ -246,7 +273,7 @@ fn enter(spec: &JailSpec, template: OwnedFd) -> Result<Booted, BootError> {
     result
 }
 
-fn build_and_lock(spec: &JailSpec, template: OwnedFd) -> Result<Booted, BootError> {
+fn build_and_lock(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
     fs::build_root(spec, template)?;
     fs::pivot_into(Path::new(layout::ROOT))?;
@@ -286,7 +313,7 @@ mod tests {
     #[test]
     fn spec_round_trips_through_json() {
         let spec = JailSpec {
-            template_dir: "/t".into(),
+            template_layers: vec!["/t/1".into(), "/t/0".into()],
             sandbox_dir: "/s".into(),
             hostname: "sbx".into(),
             id_map: IdMap {
@@ -300,6 +327,7 @@ mod tests {
                 access_token: Some("tok".into()),
                 default_user: "user".into(),
                 env_vars: BTreeMap::from([("A".into(), "1".into())]),
+                default_workdir: Some("/app".into()),
             },
         };
         let json = serde_json::to_string(&spec).expect("serialise");

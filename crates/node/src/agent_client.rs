@@ -44,3 +44,140 @@ async fn health(socket: &Path) -> Result<(), String> {
         Err(format!("health answered {}", response.status()))
     }
 }
+
+/// A command to run through a sandbox agent, as `sh -c`.
+#[derive(Debug, Clone)]
+pub(crate) struct Exec<'a> {
+    pub token: &'a str,
+    pub user: &'a str,
+    pub command: &'a str,
+    pub envs: &'a std::collections::BTreeMap<String, String>,
+    pub cwd: Option<&'a str>,
+}
+
+/// What a started process reported.
+#[derive(Debug)]
+pub(crate) enum ExecEvent {
+    Output(Bytes),
+    Exited(i32),
+}
+
+/// Starts `exec` through the agent's `process.Process/Start` stream and returns the stream
+/// of its output and exit, or the agent's refusal.
+pub(crate) async fn start(
+    socket: &Path,
+    exec: &Exec<'_>,
+) -> Result<tokio::sync::mpsc::Receiver<ExecEvent>, String> {
+    use base64::Engine as _;
+    use http_body_util::BodyExt as _;
+
+    let mut process = serde_json::json!({
+        "cmd": "/bin/sh",
+        "args": ["-c", exec.command],
+        "envs": exec.envs,
+    });
+    if let Some(cwd) = exec.cwd {
+        process["cwd"] = serde_json::Value::String(cwd.to_owned());
+    }
+    let message = serde_json::to_vec(&serde_json::json!({ "process": process }))
+        .map_err(|e| e.to_string())?;
+    let mut body = Vec::with_capacity(message.len() + 5);
+    body.push(0);
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(&message);
+
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let basic = base64::engine::general_purpose::STANDARD.encode(format!("{}:", exec.user));
+    let request = hyper::Request::post("/process.Process/Start")
+        .header(hyper::header::HOST, "agent")
+        .header(hyper::header::CONTENT_TYPE, "application/connect+json")
+        .header("connect-protocol-version", "1")
+        .header("x-access-token", exec.token)
+        .header(hyper::header::AUTHORIZATION, format!("Basic {basic}"))
+        .body(http_body_util::Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !response.status().is_success() {
+        let status = response.status();
+        let text = response
+            .into_body()
+            .collect()
+            .await
+            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+            .unwrap_or_default();
+        return Err(format!("agent answered {status}: {text}"));
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let mut body = response.into_body();
+    tokio::spawn(async move {
+        let mut buffer: Vec<u8> = Vec::new();
+        let mut exited = false;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { break };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            buffer.extend_from_slice(&data);
+            while buffer.len() >= 5 {
+                let len = u32::from_be_bytes([buffer[1], buffer[2], buffer[3], buffer[4]]) as usize;
+                if buffer.len() < 5 + len {
+                    break;
+                }
+                let flags = buffer[0];
+                let message: Vec<u8> = buffer.drain(..5 + len).skip(5).collect();
+                if flags & 0x02 != 0 {
+                    continue;
+                }
+                let Ok(value) = serde_json::from_slice::<serde_json::Value>(&message) else {
+                    continue;
+                };
+                let event = &value["event"];
+                if let Some(data) = event.get("data") {
+                    for key in ["stdout", "stderr", "pty"] {
+                        if let Some(text) = data.get(key).and_then(|v| v.as_str())
+                            && let Ok(bytes) =
+                                base64::engine::general_purpose::STANDARD.decode(text)
+                        {
+                            let _ = tx.send(ExecEvent::Output(Bytes::from(bytes))).await;
+                        }
+                    }
+                } else if let Some(end) = event.get("end") {
+                    // Proto3 JSON leaves a zero exit code out.
+                    let code = end.get("exitCode").and_then(|v| v.as_i64()).unwrap_or(0);
+                    exited = true;
+                    let _ = tx.send(ExecEvent::Exited(code as i32)).await;
+                }
+            }
+        }
+        if !exited {
+            let _ = tx.send(ExecEvent::Exited(-1)).await;
+        }
+    });
+    Ok(rx)
+}
+
+/// Runs `exec` to its end, handing output to `on_output`; returns the exit code (-1 when the
+/// process vanished without one, e.g. killed with its sandbox).
+pub(crate) async fn run(
+    socket: &Path,
+    exec: &Exec<'_>,
+    mut on_output: impl FnMut(&[u8]),
+) -> Result<i32, String> {
+    let mut events = start(socket, exec).await?;
+    while let Some(event) = events.recv().await {
+        match event {
+            ExecEvent::Output(bytes) => on_output(&bytes),
+            ExecEvent::Exited(code) => return Ok(code),
+        }
+    }
+    Ok(-1)
+}

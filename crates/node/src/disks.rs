@@ -314,18 +314,27 @@ impl DiskPool {
 
     /// Removes the sandbox's directory and everything in it; succeeds if it is already gone.
     pub fn remove(&self, sandbox_id: &str) -> Result<(), DiskError> {
+        self.remove_in(&self.dir, sandbox_id)
+    }
+
+    /// Removes `parent/name` (a subvolume or a plain tree) on the pool, e.g. a step layer.
+    pub fn remove_at(&self, parent: &Path, name: &str) -> Result<(), String> {
+        self.remove_in(parent, name).map_err(|e| e.to_string())
+    }
+
+    fn remove_in(&self, parent_dir: &Path, sandbox_id: &str) -> Result<(), DiskError> {
         let fail = |source| DiskError::Remove {
             sandbox_id: sandbox_id.to_owned(),
             source,
         };
-        let path = self.path(sandbox_id);
+        let path = parent_dir.join(sandbox_id);
         let meta = match std::fs::symlink_metadata(&path) {
             Ok(meta) => meta,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
             Err(e) => return Err(fail(e)),
         };
         if meta.is_dir() && meta.ino() == SUBVOLUME_ROOT_INODE && is_btrfs(&path) {
-            let parent = open_dir(&self.dir).map_err(fail)?;
+            let parent = open_dir(parent_dir).map_err(fail)?;
             let mut args = vol_args(OsStr::new(sandbox_id)).map_err(fail)?;
             // SAFETY: SNAP_DESTROY takes a btrfs_ioctl_vol_args, which `args` is.
             return unsafe { ioctl(parent.as_fd(), SNAP_DESTROY, &mut args) }.map_err(fail);
@@ -333,13 +342,15 @@ impl DiskPool {
         remove_tree(&path).map_err(fail)
     }
 
-    /// Names of every sandbox directory in the pool.
+    /// Names of every sandbox directory in the pool (dot names hold the node's own data,
+    /// such as step layers).
     pub fn list(&self) -> Vec<String> {
         std::fs::read_dir(&self.dir)
             .map(|entries| {
                 entries
                     .flatten()
                     .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                    .filter(|e| !e.file_name().as_encoded_bytes().starts_with(b"."))
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .collect()
             })

@@ -2,12 +2,15 @@
 //! with Linux namespaces, cgroups, an overlay root and a private routed network.
 
 mod agent_client;
+pub mod builder;
 pub mod cgroups;
 pub mod disks;
 pub mod dns;
 pub mod egress;
+pub mod layers;
 pub mod network;
 mod runtime;
 pub mod templates;
 
+pub use builder::NodeBuilder;
 pub use runtime::{LinuxRuntime, NodeConfig, NodeError};

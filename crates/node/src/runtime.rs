@@ -92,6 +92,10 @@ struct Handle {
     /// Memory limit granted to the sandbox, counted against the node's capacity.
     #[serde(default)]
     memory_mb: u32,
+    /// Template layers the sandbox runs on: kept while it lives, whatever happens to its
+    /// template.
+    #[serde(default)]
+    layers: Vec<String>,
 }
 
 #[derive(Debug)]
@@ -106,6 +110,9 @@ pub struct LinuxRuntime {
     /// What may be granted in all, in MiB.
     memory_capacity_mb: u64,
     slots: Mutex<BTreeSet<u32>>,
+    layers: crate::layers::LayerStore,
+    /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
+    layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -192,7 +199,18 @@ impl LinuxRuntime {
             memory_capacity_mb,
             "sandboxes may be granted this much memory in all"
         );
+        let layers = crate::layers::LayerStore::new(
+            config.data_dir.join("templates"),
+            config.data_dir.join("images").join("layers"),
+            config.data_dir.join("sandboxes").join(".layers"),
+        );
+        std::fs::create_dir_all(layers.steps_dir()).map_err(|source| NodeError::Io {
+            path: layers.steps_dir().to_owned(),
+            source,
+        })?;
         Ok(Self {
+            layers,
+            layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
             cgroups,
             network,
@@ -285,16 +303,13 @@ impl LinuxRuntime {
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
-        let rootfs = spec
-            .template
-            .rootfs
-            .as_deref()
-            .map(PathBuf::from)
-            .ok_or_else(|| RuntimeError::TemplateMissing {
-                template_id: spec.template.id.clone(),
-            })?;
+        let template_layers = self.layers.stack(&spec.image.layers).map_err(|message| {
+            RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", spec.template.id),
+            }
+        })?;
         let jail = JailSpec {
-            template_dir: rootfs,
+            template_layers,
             sandbox_dir: dir.to_owned(),
             hostname: "e2b.local".into(),
             cgroup_join: self.cgroups.join_files(id),
@@ -310,8 +325,11 @@ impl LinuxRuntime {
             pty_max: self.config.pty_max,
             agent: AgentConfig {
                 access_token: Some(spec.envd_access_token.clone()),
-                default_user: spec.default_user.clone(),
+                default_user: spec.image.user.clone(),
                 env_vars: spec.env_vars.clone(),
+                // The template's home-directory default leaves each user in their own home.
+                default_workdir: Some(spec.image.workdir.clone())
+                    .filter(|w| *w != format!("/home/{}", spec.image.user)),
             },
         };
 
@@ -390,6 +408,22 @@ impl LinuxRuntime {
     }
 
     async fn teardown(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
+        self.stop(id, handle).await?;
+        let disks = self.disks.clone();
+        let owned_id = id.to_owned();
+        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, e))?;
+        Ok(())
+    }
+
+    /// Ends the sandbox's processes and frees everything but its disk.
+    async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         if let Some(h) = handle
             && is_alive(h)
         {
@@ -420,12 +454,6 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
         let _ = std::fs::remove_file(self.log_path(id));
-        let disks = self.disks.clone();
-        let owned_id = id.to_owned();
-        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-            .map_err(|e| sandbox_err(id, e))?;
         Ok(())
     }
 
@@ -464,6 +492,7 @@ impl LinuxRuntime {
             slot,
             id_base: Some(id_map.host_base),
             memory_mb: spec.memory_mb,
+            layers: spec.image.layers.clone(),
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         // Before the link exists: the sandbox never has a moment without its rules.
@@ -482,6 +511,11 @@ impl LinuxRuntime {
                 let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
                 fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
             })?;
+        if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
+            self.start_and_wait_ready(spec, &endpoint)
+                .await
+                .map_err(fail)?;
+        }
         tracing::debug!(
             sandbox_id = %id,
             cgroups_us = cgroups_done.as_micros() as u64,
@@ -492,6 +526,159 @@ impl LinuxRuntime {
             "sandbox launch timings"
         );
         Ok((handle, endpoint))
+    }
+}
+
+/// How long a new sandbox's ready command may take to succeed.
+const READY_PATIENCE: Duration = Duration::from_secs(60);
+
+impl LinuxRuntime {
+    pub fn layer_store(&self) -> &crate::layers::LayerStore {
+        &self.layers
+    }
+
+    /// Layers live sandboxes run on.
+    pub fn layers_of_live_sandboxes(&self) -> Vec<String> {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+
+    /// Starts the template's start command in the background, then runs its ready command
+    /// until it succeeds.
+    async fn start_and_wait_ready(
+        &self,
+        spec: &LaunchSpec,
+        endpoint: &Endpoint,
+    ) -> Result<(), RuntimeError> {
+        let id = &spec.sandbox_id;
+        let exec = |command| agent_client::Exec {
+            token: &spec.envd_access_token,
+            user: &spec.image.user,
+            command,
+            envs: &spec.env_vars,
+            cwd: Some(&spec.image.workdir),
+        };
+        if let Some(start) = &spec.image.start_cmd {
+            // The output stream is dropped: the process keeps running detached.
+            agent_client::start(&endpoint.agent_socket, &exec(start))
+                .await
+                .map_err(|e| RuntimeError::NotReady {
+                    sandbox_id: id.clone(),
+                    message: format!("cannot run the start command: {e}"),
+                })?;
+        }
+        let Some(ready) = &spec.image.ready_cmd else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + READY_PATIENCE;
+        let mut last;
+        loop {
+            let mut output = Vec::new();
+            let code = agent_client::run(&endpoint.agent_socket, &exec(ready), |b| {
+                if output.len() < 4096 {
+                    output.extend_from_slice(b);
+                }
+            })
+            .await
+            .map_err(|e| RuntimeError::NotReady {
+                sandbox_id: id.clone(),
+                message: format!("cannot run the ready command: {e}"),
+            })?;
+            if code == 0 {
+                return Ok(());
+            }
+            last = format!(
+                "exit code {code}: {}",
+                String::from_utf8_lossy(&output).trim()
+            );
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(RuntimeError::NotReady {
+            sandbox_id: id.clone(),
+            message: format!(
+                "the ready command '{ready}' did not succeed within {} s (last: {last})",
+                READY_PATIENCE.as_secs()
+            ),
+        })
+    }
+
+    /// Stops a build sandbox and makes its writable layer the step layer `key`: owners
+    /// shifted into the sandbox id range every sandbox maps, read-only from now on.
+    pub async fn commit_layer(
+        &self,
+        id: &str,
+        handle: &RuntimeHandle,
+        key: &str,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(id, handle)?;
+        self.stop(id, Some(&h)).await?;
+        self.release_memory(id);
+        let base = h.id_base.unwrap_or(0);
+        let dir = self.disks.path(id);
+        let target = self.layers.steps_dir().join(key);
+        let disks = self.disks.clone();
+        let owned_id = id.to_owned();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for scratch in [
+                sandbar_jail::layout::WORK,
+                sandbar_jail::layout::LOWER,
+                sandbar_jail::layout::ROOT,
+            ] {
+                crate::disks::remove_tree(&dir.join(scratch))?;
+            }
+            let upper = dir.join(sandbar_jail::layout::UPPER);
+            crate::layers::shift_owners(&upper, base, SANDBOX_IDS)?;
+            std::os::unix::fs::lchown(&dir, Some(0), Some(0))?;
+            if target.exists() {
+                // Another build made the same layer meanwhile; keep theirs.
+                return disks.remove(&owned_id).map_err(std::io::Error::other);
+            }
+            std::fs::rename(&dir, &target)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot keep the layer {key}: {e}")))?;
+        Ok(())
+    }
+
+    /// Removes step and image layers that neither `keep` nor a live sandbox uses.
+    pub fn collect_layers(&self, keep: &[String], images_dir: &Path) {
+        let mut keep: BTreeSet<String> = keep.iter().cloned().collect();
+        keep.extend(self.layers_of_live_sandboxes());
+        let steps = self.layers.steps_dir().to_owned();
+        for (dir, kind) in [(steps.as_path(), "layer"), (images_dir, "image")] {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') || keep.contains(&format!("{kind}/{name}")) {
+                    continue;
+                }
+                let path = entry.path();
+                let removed = if kind == "layer" {
+                    self.disks.remove_at(&steps, &name)
+                } else {
+                    crate::disks::remove_tree(&path).map_err(|e| e.to_string())
+                };
+                match removed {
+                    Ok(()) => {
+                        tracing::info!(layer = %format!("{kind}/{name}"), "removed unused layer")
+                    }
+                    Err(e) => {
+                        tracing::warn!(layer = %name, error = %e, "cannot remove unused layer")
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -547,6 +734,10 @@ impl Runtime for LinuxRuntime {
                 message: "no free network slot on this node".into(),
             });
         };
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone(), spec.image.layers.clone());
         match self.launch_in(&spec, slot).await {
             Ok((handle, endpoint)) => {
                 let value = serde_json::to_value(&handle).map_err(|e| sandbox_err(&id, e))?;
@@ -559,6 +750,7 @@ impl Runtime for LinuxRuntime {
                     slot,
                     id_base: None,
                     memory_mb: 0,
+                    layers: Vec::new(),
                 });
                 if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
                     tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
@@ -634,6 +826,10 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(sandbox_id.to_owned(), handle.memory_mb);
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), handle.layers.clone());
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }
@@ -653,6 +849,7 @@ mod tests {
             slot: 0,
             id_base: None,
             memory_mb: 0,
+            layers: Vec::new(),
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -660,6 +857,7 @@ mod tests {
             slot: 0,
             id_base: None,
             memory_mb: 0,
+            layers: Vec::new(),
         }));
     }
 }

@@ -8,6 +8,8 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// Bump when the recipe below changes, so nodes rebuild instead of reusing a stale root.
 const BASE_RECIPE_VERSION: u32 = 1;
+/// The default template's layer name (see [`crate::layers::LayerStore`]).
+pub const BASE_LAYER: &str = "base/v1";
 const BASE_PACKAGES: &str = "bash,python3,ca-certificates,sudo,procps,curl,iproute2,coreutils";
 
 #[derive(Debug, thiserror::Error)]

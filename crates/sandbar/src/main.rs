@@ -13,7 +13,8 @@ use clap::{Parser, Subcommand};
 use sandbar_api::{AppState, EdgeConfig};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::{
-    Auth, BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandboxes, SandboxesConfig, Template, Templates,
+    Auth, BuildStatus, Builds, BuildsConfig, DEFAULT_TEMPLATE_ALIAS, Sandboxes, SandboxesConfig,
+    Template, TemplateImage, Templates,
 };
 use sandbar_node::{LinuxRuntime, NodeConfig};
 use sandbar_store::SqliteStore;
@@ -82,6 +83,17 @@ struct ServeArgs {
     /// data and inodes alike).
     #[arg(long, env = "SANDBAR_BASE_DISK_MB", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(64..))]
     base_disk_mb: u32,
+    /// Registries (host or host:port) pulled from over plain HTTP besides localhost and
+    /// 127.0.0.1, which always are.
+    #[arg(
+        long = "plain-http-registry",
+        env = "SANDBAR_PLAIN_HTTP_REGISTRIES",
+        value_delimiter = ','
+    )]
+    plain_http_registries: Vec<String>,
+    /// Largest build-context upload accepted, in MiB.
+    #[arg(long, env = "SANDBAR_MAX_UPLOAD_MB", default_value_t = 1024)]
+    max_upload_mb: u64,
     /// Private IPv4 ranges (CIDR) that sandboxes with internet access may reach; all private,
     /// shared, link-local and metadata destinations are refused otherwise.
     #[arg(
@@ -177,9 +189,6 @@ async fn ensure_base_template(
     let now = Utc::now();
     let existing = store.template_by_alias(DEFAULT_TEMPLATE_ALIAS).await?;
     let built = sandbar_node::templates::base_is_built(&templates_dir);
-    let rootfs = sandbar_node::templates::base_rootfs(&templates_dir)
-        .display()
-        .to_string();
     let mut template = existing.unwrap_or_else(|| Template {
         id: sandbar_core::ids::new_template_id(),
         team_id: None,
@@ -192,7 +201,7 @@ async fn ensure_base_template(
         memory_mb: 512,
         disk_size_mb: 2048,
         envd_version: envd_version.into(),
-        rootfs: None,
+        image: None,
         created_at: now,
         updated_at: now,
         last_spawned_at: None,
@@ -205,7 +214,7 @@ async fn ensure_base_template(
     if built {
         template.build_status = BuildStatus::Ready;
         template.build_error = None;
-        template.rootfs = Some(rootfs);
+        template.image = Some(base_image());
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
         return Ok(());
@@ -215,20 +224,41 @@ async fn ensure_base_template(
     template.build_count += 1;
     template.build_id = sandbar_core::ids::new_uuid();
     templates.register(&template).await?;
-    let templates = templates.clone();
+    let store = store.clone();
+    let finished = templates.build_finished();
     tokio::spawn(async move {
-        let outcome = sandbar_node::templates::build_base(&templates_dir, &mirror)
-            .await
-            .map(|p| p.display().to_string())
-            .map_err(|e| e.to_string());
-        if let Err(reason) = &outcome {
-            tracing::error!(error = %reason, "default template 'base' failed to build");
-        }
-        if let Err(e) = templates.finish_build(&template.id, outcome).await {
+        let outcome = sandbar_node::templates::build_base(&templates_dir, &mirror).await;
+        let recorded = match outcome {
+            Ok(_) => {
+                store
+                    .set_template_image(&template.id, &template.build_id, &base_image())
+                    .await
+            }
+            Err(reason) => {
+                tracing::error!(error = %reason, "default template 'base' failed to build");
+                store
+                    .set_template_build(&template.id, BuildStatus::Error, Some(&reason.to_string()))
+                    .await
+            }
+        };
+        if let Err(e) = recorded {
             tracing::error!(error = %e, "cannot record the default template's build");
         }
+        finished.notify_waiters();
     });
     Ok(())
+}
+
+/// The default template: one Debian layer, the `user` account, its home as working directory.
+fn base_image() -> TemplateImage {
+    TemplateImage {
+        layers: vec![sandbar_node::templates::BASE_LAYER.into()],
+        env: Default::default(),
+        user: "user".into(),
+        workdir: "/home/user".into(),
+        start_cmd: None,
+        ready_cmd: None,
+    }
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -305,6 +335,36 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
 
+    let builder = Arc::new(sandbar_node::NodeBuilder::new(
+        runtime.clone(),
+        &data_dir,
+        args.plain_http_registries,
+    ));
+    let builds = Builds::new(
+        store.clone(),
+        builder,
+        BuildsConfig {
+            default_cpu_count: 2,
+            default_memory_mb: 512,
+            disk_size_mb: args.base_disk_mb,
+            max_cpu_count: 8,
+            max_memory_mb: 8192,
+            max_upload_bytes: args.max_upload_mb << 20,
+            upload_link_ttl: std::time::Duration::from_secs(3600),
+            concurrent_builds: 2,
+            envd_version: sandbar_jail::ENVD_VERSION,
+        },
+        templates.build_finished(),
+    );
+    let interrupted = builds.recover().await?;
+    if interrupted > 0 {
+        tracing::warn!(
+            count = interrupted,
+            "builds interrupted by the last stop were marked failed"
+        );
+    }
+    builds.collect_garbage().await;
+
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime,
@@ -321,6 +381,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         auth,
         sandboxes,
         templates,
+        builds: builds.clone(),
         rate_limits: Arc::new(sandbar_core::RateLimits::default()),
         edge: Arc::new(EdgeConfig {
             domain: args.domain,
@@ -337,6 +398,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    builds.shutdown().await;
     node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
     Ok(())

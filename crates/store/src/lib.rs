@@ -8,6 +8,7 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::StoredSecret;
+use sandbar_core::{BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, LogLevel, TemplateImage};
 use sandbar_core::{
     BuildStatus, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team,
     Template,
@@ -35,6 +36,43 @@ pub struct SqliteStore {
 
 fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError(e.to_string())
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(err)
+}
+
+fn json_opt<T: serde::de::DeserializeOwned>(
+    row: &SqliteRow,
+    column: &str,
+) -> Result<Option<T>, StoreError> {
+    let text: Option<String> = row.try_get(column).map_err(err)?;
+    text.map(|t| serde_json::from_str(&t).map_err(err))
+        .transpose()
+}
+
+fn build_from_row(row: &SqliteRow) -> Result<BuildRecord, StoreError> {
+    let id: String = row.try_get("id").map_err(err)?;
+    let status: String = row.try_get("status").map_err(err)?;
+    Ok(BuildRecord {
+        template_id: row.try_get("template_id").map_err(err)?,
+        team_id: row.try_get("team_id").map_err(err)?,
+        status: BuildStatus::parse(&status)
+            .ok_or_else(|| err(format!("build {id} has unknown status {status}")))?,
+        failure: json_opt::<BuildFailure>(row, "failure")?,
+        spec: json_opt::<BuildSpec>(row, "spec")?,
+        image: json_opt::<TemplateImage>(row, "image")?,
+        cpu_count: row.try_get("cpu_count").map_err(err)?,
+        memory_mb: row.try_get("memory_mb").map_err(err)?,
+        disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
+        created_at: time(row.try_get("created_at").map_err(err)?),
+        updated_at: time(row.try_get("updated_at").map_err(err)?),
+        finished_at: row
+            .try_get::<Option<i64>, _>("finished_at")
+            .map_err(err)?
+            .map(time),
+        id,
+    })
 }
 
 fn micros(t: DateTime<Utc>) -> i64 {
@@ -123,7 +161,7 @@ impl SqliteStore {
             memory_mb: row.try_get("memory_mb").map_err(err)?,
             disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
             envd_version: row.try_get("envd_version").map_err(err)?,
-            rootfs: row.try_get("rootfs").map_err(err)?,
+            image: json_opt::<TemplateImage>(row, "image")?,
             created_at: time(row.try_get("created_at").map_err(err)?),
             updated_at: time(row.try_get("updated_at").map_err(err)?),
             last_spawned_at: row
@@ -246,12 +284,12 @@ impl Store for SqliteStore {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         sqlx::query(
-            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, rootfs, created_at, updated_at, last_spawned_at, spawn_count, build_count)
+            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
              VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
              ON CONFLICT(id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
                build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
                memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
-               rootfs = excluded.rootfs, updated_at = excluded.updated_at, build_count = excluded.build_count",
+               image = excluded.image, updated_at = excluded.updated_at, build_count = excluded.build_count",
         )
         .bind(&t.id)
         .bind(&t.team_id)
@@ -263,7 +301,7 @@ impl Store for SqliteStore {
         .bind(t.memory_mb)
         .bind(t.disk_size_mb)
         .bind(&t.envd_version)
-        .bind(&t.rootfs)
+        .bind(t.image.as_ref().map(to_json).transpose()?)
         .bind(micros(t.created_at))
         .bind(micros(t.updated_at))
         .bind(t.last_spawned_at.map(micros))
@@ -330,20 +368,251 @@ impl Store for SqliteStore {
         id: &str,
         status: BuildStatus,
         error: Option<&str>,
-        rootfs: Option<&str>,
     ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE templates SET build_status = ?, build_error = ?, rootfs = COALESCE(?, rootfs), updated_at = ? WHERE id = ?",
+            "UPDATE templates SET build_status = ?, build_error = ?, updated_at = ? WHERE id = ?",
         )
         .bind(status.as_str())
         .bind(error)
-        .bind(rootfs)
         .bind(micros(Utc::now()))
         .bind(id)
         .execute(&self.pool)
         .await
         .map_err(err)?;
         Ok(())
+    }
+
+    async fn set_template_image(
+        &self,
+        id: &str,
+        build_id: &str,
+        image: &TemplateImage,
+    ) -> Result<(), StoreError> {
+        // Only the latest build also sets the template's status: an older build finishing
+        // late still becomes the image, but must not hide a newer build's progress.
+        sqlx::query(
+            "UPDATE templates SET image = ?, ready_build_id = ?, updated_at = ?,
+               build_status = CASE WHEN build_id = ? THEN 'ready' ELSE build_status END,
+               build_error = CASE WHEN build_id = ? THEN NULL ELSE build_error END
+             WHERE id = ?",
+        )
+        .bind(to_json(image)?)
+        .bind(build_id)
+        .bind(micros(Utc::now()))
+        .bind(build_id)
+        .bind(build_id)
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for statement in [
+            "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = ?)",
+            "DELETE FROM build_tags WHERE template_id = ?",
+            "DELETE FROM template_builds WHERE template_id = ?",
+            "DELETE FROM template_aliases WHERE template_id = ?",
+            "DELETE FROM templates WHERE id = ?",
+        ] {
+            sqlx::query(statement)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&b.id)
+        .bind(&b.template_id)
+        .bind(&b.team_id)
+        .bind(b.status.as_str())
+        .bind(b.failure.as_ref().map(to_json).transpose()?)
+        .bind(b.spec.as_ref().map(to_json).transpose()?)
+        .bind(b.image.as_ref().map(to_json).transpose()?)
+        .bind(b.cpu_count)
+        .bind(b.memory_mb)
+        .bind(b.disk_size_mb)
+        .bind(micros(b.created_at))
+        .bind(micros(b.updated_at))
+        .bind(b.finished_at.map(micros))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE template_builds SET status = ?, failure = ?, spec = ?, image = ?, updated_at = ?, finished_at = ? WHERE id = ?",
+        )
+        .bind(b.status.as_str())
+        .bind(b.failure.as_ref().map(to_json).transpose()?)
+        .bind(b.spec.as_ref().map(to_json).transpose()?)
+        .bind(b.image.as_ref().map(to_json).transpose()?)
+        .bind(micros(b.updated_at))
+        .bind(b.finished_at.map(micros))
+        .bind(&b.id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
+        let row = sqlx::query("SELECT * FROM template_builds WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(build_from_row).transpose()
+    }
+
+    async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM template_builds WHERE template_id = ? ORDER BY created_at DESC, id",
+        )
+        .bind(template_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter().map(build_from_row).collect()
+    }
+
+    async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter().map(build_from_row).collect()
+    }
+
+    async fn set_build_tags(
+        &self,
+        template_id: &str,
+        build_id: &str,
+        tags: &[String],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for tag in tags {
+            sqlx::query(
+                "INSERT INTO build_tags (template_id, build_id, tag) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+            )
+            .bind(template_id)
+            .bind(build_id)
+            .bind(tag)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn tagged_build(
+        &self,
+        template_id: &str,
+        tag: &str,
+    ) -> Result<Option<BuildRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT b.* FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+             WHERE t.template_id = ? AND t.tag = ? AND b.status = 'ready'
+             ORDER BY b.finished_at DESC LIMIT 1",
+        )
+        .bind(template_id)
+        .bind(tag)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        row.as_ref().map(build_from_row).transpose()
+    }
+
+    async fn append_build_log(
+        &self,
+        build_id: &str,
+        seq: u64,
+        entry: &BuildLogEntry,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO build_logs (build_id, seq, at, level, step, message) VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(build_id)
+        .bind(seq as i64)
+        .bind(micros(entry.timestamp))
+        .bind(entry.level.as_str())
+        .bind(&entry.step)
+        .bind(&entry.message)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn build_logs(
+        &self,
+        build_id: &str,
+        offset: u64,
+        limit: u64,
+        min_level: Option<LogLevel>,
+    ) -> Result<Vec<BuildLogEntry>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT at, level, step, message FROM build_logs WHERE build_id = ? ORDER BY seq",
+        )
+        .bind(build_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut out = Vec::new();
+        for row in &rows {
+            let level: String = row.try_get("level").map_err(err)?;
+            let level = LogLevel::parse(&level).unwrap_or(LogLevel::Info);
+            if min_level.is_some_and(|min| level < min) {
+                continue;
+            }
+            out.push(BuildLogEntry {
+                timestamp: time(row.try_get("at").map_err(err)?),
+                level,
+                step: row.try_get("step").map_err(err)?,
+                message: row.try_get("message").map_err(err)?,
+            });
+        }
+        Ok(out
+            .into_iter()
+            .skip(offset.min(usize::MAX as u64) as usize)
+            .take(limit.min(usize::MAX as u64) as usize)
+            .collect())
+    }
+
+    async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT image FROM templates WHERE image IS NOT NULL
+             UNION ALL
+             SELECT b.image FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+             WHERE b.image IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut layers = Vec::new();
+        for row in &rows {
+            let text: String = row.try_get("image").map_err(err)?;
+            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+            layers.extend(image.layers);
+        }
+        layers.sort();
+        layers.dedup();
+        Ok(layers)
     }
 
     async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {

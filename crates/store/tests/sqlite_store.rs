@@ -90,7 +90,7 @@ async fn templates_and_sandboxes_round_trip() {
         memory_mb: 512,
         disk_size_mb: 1024,
         envd_version: "0.5.7".into(),
-        rootfs: None,
+        image: None,
         created_at: now,
         updated_at: now,
         last_spawned_at: None,
@@ -98,8 +98,16 @@ async fn templates_and_sandboxes_round_trip() {
         build_count: 1,
     };
     store.upsert_template(&template).await.expect("upsert");
+    let image = sandbar_core::TemplateImage {
+        layers: vec!["base/v1".into(), "layer/ab".into()],
+        env: [("A".to_owned(), "1".to_owned())].into(),
+        user: "user".into(),
+        workdir: "/app".into(),
+        start_cmd: Some("serve".into()),
+        ready_cmd: None,
+    };
     store
-        .set_template_build(&template.id, BuildStatus::Ready, None, Some("/x"))
+        .set_template_image(&template.id, "b", &image)
         .await
         .expect("ready");
     let by_alias = store
@@ -108,7 +116,11 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("query")
         .expect("found");
     assert_eq!(by_alias.build_status, BuildStatus::Ready);
-    assert_eq!(by_alias.rootfs.as_deref(), Some("/x"));
+    assert_eq!(by_alias.image.as_ref(), Some(&image));
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec!["base/v1".to_owned(), "layer/ab".to_owned()]
+    );
     assert_eq!(by_alias.aliases, vec!["base".to_owned()]);
 
     let sandbox = Sandbox {

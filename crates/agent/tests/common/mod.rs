@@ -60,6 +60,7 @@ impl Agent {
             access_token: Some(TOKEN.to_owned()),
             default_user: "root".to_owned(),
             env_vars,
+            default_workdir: None,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

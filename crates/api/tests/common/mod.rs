@@ -1,0 +1,63 @@
+//! Shared pieces of the API's handler tests.
+
+use std::sync::Arc;
+
+use sandbar_core::builds::{BuildFailure, BuildJob, BuildLog, UploadBody, UploadError};
+use sandbar_core::{Builder, Builds, BuildsConfig, Store, TemplateImage, Templates};
+
+/// A builder that fails every build: these tests exercise the HTTP surface, not builds.
+#[derive(Debug, Default)]
+pub struct RefusingBuilder;
+
+#[async_trait::async_trait]
+impl Builder for RefusingBuilder {
+    async fn build(&self, job: BuildJob, _: BuildLog) -> Result<TemplateImage, BuildFailure> {
+        Err(BuildFailure {
+            message: format!("build {} refused by the test builder", job.build_id),
+            step: None,
+        })
+    }
+    async fn has_upload(&self, _: &str, _: &str) -> bool {
+        false
+    }
+    async fn store_upload(
+        &self,
+        _: &str,
+        _: &str,
+        _: UploadBody,
+        _: u64,
+    ) -> Result<(), UploadError> {
+        Ok(())
+    }
+    async fn collect_garbage(&self, _: &[String]) {}
+}
+
+pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
+    Builds::new(
+        store,
+        Arc::new(RefusingBuilder),
+        BuildsConfig {
+            default_cpu_count: 2,
+            default_memory_mb: 512,
+            disk_size_mb: 1024,
+            max_cpu_count: 8,
+            max_memory_mb: 8192,
+            max_upload_bytes: 1 << 20,
+            upload_link_ttl: std::time::Duration::from_secs(60),
+            concurrent_builds: 1,
+            envd_version: "0.5.7",
+        },
+        templates.build_finished(),
+    )
+}
+
+pub fn image() -> TemplateImage {
+    TemplateImage {
+        layers: vec!["base/v1".into()],
+        env: Default::default(),
+        user: "user".into(),
+        workdir: "/home/user".into(),
+        start_cmd: None,
+        ready_cmd: None,
+    }
+}

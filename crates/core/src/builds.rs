@@ -1,0 +1,1023 @@
+//! Template builds: what a build asks for, what it produces, and the service that queues,
+//! runs (through a [`Builder`]), records and reports them.
+//!
+//! A built template is a [`TemplateImage`]: a stack of read-only layers (opaque names the
+//! node resolves) plus the environment, user, working directory and start command every
+//! sandbox of the template gets. The core decides who may build what and keeps the record;
+//! how layers are made is the builder's business.
+
+use std::collections::{BTreeMap, HashMap};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncRead;
+use tokio::sync::{Notify, Semaphore};
+
+use crate::model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Team, Template};
+use crate::store::{Store, StoreError};
+
+/// What every sandbox of a template starts from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateImage {
+    /// Read-only layers, the first one at the bottom of the stack.
+    pub layers: Vec<String>,
+    /// Environment every process in the sandbox gets (the image's and the build's `ENV`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Default Linux user of the sandbox's processes and files.
+    pub user: String,
+    /// Default working directory.
+    pub workdir: String,
+    /// Runs in every new sandbox of the template, as `user` in `workdir`.
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    /// Must succeed (after `start_cmd` started) before a new sandbox is handed out.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+}
+
+/// Registry credentials for `fromImage`.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegistryCredentials {
+    pub username: String,
+    pub password: String,
+}
+
+impl std::fmt::Debug for RegistryCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryCredentials")
+            .field("username", &self.username)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BuildSource {
+    /// An image from a registry, e.g. `python:3.12` or `127.0.0.1:5000/app:1`.
+    Image {
+        reference: String,
+        #[serde(skip_serializing_if = "Option::is_none", default)]
+        credentials: Option<RegistryCredentials>,
+    },
+    /// Another template's current image, by ID or name.
+    Template { reference: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type")]
+pub enum StepKind {
+    /// Files uploaded under `files_hash` (a tar relative to the build context), `src`
+    /// selecting within it, placed at `dest`.
+    Copy {
+        src: String,
+        dest: String,
+        owner: Option<String>,
+        mode: Option<u32>,
+        files_hash: String,
+    },
+    Run {
+        command: String,
+        user: Option<String>,
+    },
+    Env {
+        vars: Vec<(String, String)>,
+    },
+    Workdir {
+        path: String,
+    },
+    User {
+        user: String,
+    },
+}
+
+impl StepKind {
+    pub fn name(&self) -> &'static str {
+        match self {
+            StepKind::Copy { .. } => "COPY",
+            StepKind::Run { .. } => "RUN",
+            StepKind::Env { .. } => "ENV",
+            StepKind::Workdir { .. } => "WORKDIR",
+            StepKind::User { .. } => "USER",
+        }
+    }
+
+    /// The step as a build log shows it.
+    pub fn describe(&self) -> String {
+        match self {
+            StepKind::Copy { src, dest, .. } => format!("COPY {src} {dest}"),
+            StepKind::Run { command, user } => match user {
+                Some(u) => format!("RUN (as {u}) {command}"),
+                None => format!("RUN {command}"),
+            },
+            StepKind::Env { vars } => {
+                let pairs: Vec<String> = vars.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                format!("ENV {}", pairs.join(" "))
+            }
+            StepKind::Workdir { path } => format!("WORKDIR {path}"),
+            StepKind::User { user } => format!("USER {user}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildStep {
+    pub kind: StepKind,
+    /// Rebuild this step (and so every later one) whatever the cache holds.
+    pub force: bool,
+}
+
+/// Everything a build was asked to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildSpec {
+    pub source: BuildSource,
+    pub steps: Vec<BuildStep>,
+    /// Ignore the layer cache for the whole build.
+    pub force: bool,
+    pub start_cmd: Option<String>,
+    pub ready_cmd: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl LogLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Debug => "debug",
+            LogLevel::Info => "info",
+            LogLevel::Warn => "warn",
+            LogLevel::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "debug" => LogLevel::Debug,
+            "info" => LogLevel::Info,
+            "warn" => LogLevel::Warn,
+            "error" => LogLevel::Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BuildLogEntry {
+    pub timestamp: DateTime<Utc>,
+    pub level: LogLevel,
+    pub message: String,
+    /// `base`, a step number counted from 1, or `finalize`.
+    pub step: Option<String>,
+}
+
+/// Why a build ended in `error`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuildFailure {
+    pub message: String,
+    pub step: Option<String>,
+}
+
+impl BuildFailure {
+    pub fn at(step: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            step: Some(step.into()),
+        }
+    }
+}
+
+/// Step names the SDKs map back to their own call sites.
+pub const BASE_STEP: &str = "base";
+pub const FINALIZE_STEP: &str = "finalize";
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuildRecord {
+    pub id: String,
+    pub template_id: String,
+    pub team_id: Option<String>,
+    pub status: BuildStatus,
+    pub failure: Option<BuildFailure>,
+    pub spec: Option<BuildSpec>,
+    pub image: Option<TemplateImage>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+/// One build handed to a [`Builder`].
+#[derive(Debug, Clone)]
+pub struct BuildJob {
+    pub build_id: String,
+    pub template_id: String,
+    pub team_id: Option<String>,
+    pub spec: BuildSpec,
+    /// The image of `BuildSource::Template`, resolved by the core.
+    pub base: Option<TemplateImage>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+}
+
+/// Where a builder reports progress.
+#[derive(Clone)]
+pub struct BuildLog {
+    sink: Arc<dyn Fn(BuildLogEntry) + Send + Sync>,
+}
+
+impl std::fmt::Debug for BuildLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BuildLog").finish_non_exhaustive()
+    }
+}
+
+impl BuildLog {
+    pub fn new(sink: impl Fn(BuildLogEntry) + Send + Sync + 'static) -> Self {
+        Self {
+            sink: Arc::new(sink),
+        }
+    }
+
+    pub fn log(&self, level: LogLevel, step: Option<&str>, message: impl Into<String>) {
+        (self.sink)(BuildLogEntry {
+            timestamp: Utc::now(),
+            level,
+            message: message.into(),
+            step: step.map(str::to_owned),
+        });
+    }
+
+    pub fn info(&self, step: Option<&str>, message: impl Into<String>) {
+        self.log(LogLevel::Info, step, message);
+    }
+}
+
+pub type UploadBody = Pin<Box<dyn AsyncRead + Send>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UploadError {
+    #[error("upload of files {hash} is larger than the limit of {limit} bytes")]
+    TooLarge { hash: String, limit: u64 },
+    #[error("upload of files {hash} failed: {message}")]
+    Failed { hash: String, message: String },
+}
+
+/// Makes templates: pulls sources, runs steps, keeps layers and uploaded files.
+#[async_trait::async_trait]
+pub trait Builder: Send + Sync + 'static {
+    /// Runs `job` to the end, reporting through `log`.
+    async fn build(&self, job: BuildJob, log: BuildLog) -> Result<TemplateImage, BuildFailure>;
+    /// Whether the team already uploaded the files of `hash`.
+    async fn has_upload(&self, team_id: &str, hash: &str) -> bool;
+    /// Keeps an uploaded build-context tar under the team and hash.
+    async fn store_upload(
+        &self,
+        team_id: &str,
+        hash: &str,
+        body: UploadBody,
+        limit: u64,
+    ) -> Result<(), UploadError>;
+    /// Drops layers that none of `in_use` (and no running sandbox) needs.
+    async fn collect_garbage(&self, in_use: &[String]);
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RequestBuildError {
+    #[error("invalid template name '{0}': use lower-case letters, digits, '-', '_' and '.'")]
+    BadName(String),
+    #[error("invalid tag '{0}'")]
+    BadTag(String),
+    #[error("a template name is required")]
+    MissingName,
+    #[error("template name '{0}' belongs to another team")]
+    NameTaken(String),
+    #[error("{field} must be between {min} and {max}, got {value}")]
+    OutOfRange {
+        field: &'static str,
+        min: u32,
+        max: u32,
+        value: u32,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartBuildError {
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
+    #[error("build '{build_id}' of template '{template_id}' not found")]
+    BuildNotFound {
+        template_id: String,
+        build_id: String,
+    },
+    #[error("build '{0}' was already started")]
+    AlreadyStarted(String),
+    #[error("invalid build: {0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BuildLookupError {
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
+    #[error("build '{build_id}' of template '{template_id}' not found")]
+    BuildNotFound {
+        template_id: String,
+        build_id: String,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UploadLinkError {
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
+    #[error("invalid files hash '{0}': expected 64 hexadecimal characters")]
+    BadHash(String),
+    #[error("the upload link is invalid, used or expired")]
+    BadToken,
+    #[error(transparent)]
+    Upload(#[from] UploadError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateAdminError {
+    #[error("template '{0}' not found")]
+    NotFound(String),
+    #[error("template '{0}' is built in and cannot be changed")]
+    BuiltIn(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What `POST /v3/templates` asks for.
+#[derive(Debug, Clone, Default)]
+pub struct RequestBuild {
+    pub name: Option<String>,
+    pub tags: Vec<String>,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct BuildRequested {
+    pub template: Template,
+    pub build_id: String,
+    pub tags: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct BuildsConfig {
+    pub default_cpu_count: u32,
+    pub default_memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub max_cpu_count: u32,
+    pub max_memory_mb: u32,
+    /// Largest build-context upload accepted, in bytes.
+    pub max_upload_bytes: u64,
+    /// How long an upload link stays valid.
+    pub upload_link_ttl: Duration,
+    /// Builds that run at once; others wait in `waiting`.
+    pub concurrent_builds: usize,
+    /// The agent protocol version sandboxes of new templates report.
+    pub envd_version: &'static str,
+}
+
+struct UploadGrant {
+    team_id: String,
+    hash: String,
+    expires: tokio::time::Instant,
+}
+
+/// The build service: requests, uploads, the queue and its records.
+#[derive(Clone)]
+pub struct Builds {
+    store: Arc<dyn Store>,
+    builder: Arc<dyn Builder>,
+    config: BuildsConfig,
+    slots: Arc<Semaphore>,
+    grants: Arc<Mutex<HashMap<String, UploadGrant>>>,
+    finished: Arc<Notify>,
+    tasks: Arc<Mutex<tokio::task::JoinSet<()>>>,
+}
+
+impl std::fmt::Debug for Builds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Builds")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Splits `name[:tag]`.
+pub fn split_name(name: &str) -> (&str, Option<&str>) {
+    match name.split_once(':') {
+        Some((n, t)) => (n, Some(t)),
+        None => (name, None),
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"-_.".contains(&c))
+        && name
+            .bytes()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric())
+}
+
+fn valid_tag(tag: &str) -> bool {
+    !tag.is_empty()
+        && tag.len() <= 128
+        && tag
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(&c))
+}
+
+pub fn valid_files_hash(hash: &str) -> bool {
+    hash.len() == 64 && hash.bytes().all(|c| c.is_ascii_hexdigit())
+}
+
+impl Builds {
+    /// `finished` is notified whenever a build ends (see [`crate::Templates::build_finished`]).
+    pub fn new(
+        store: Arc<dyn Store>,
+        builder: Arc<dyn Builder>,
+        config: BuildsConfig,
+        finished: Arc<Notify>,
+    ) -> Self {
+        Self {
+            store,
+            builder,
+            slots: Arc::new(Semaphore::new(config.concurrent_builds.max(1))),
+            config,
+            grants: Arc::new(Mutex::new(HashMap::new())),
+            finished,
+            tasks: Arc::new(Mutex::new(tokio::task::JoinSet::new())),
+        }
+    }
+
+    /// Marks builds a previous server process left unfinished as failed: their work is gone.
+    pub async fn recover(&self) -> Result<usize, StoreError> {
+        let stale = self.store.unfinished_builds().await?;
+        for build in &stale {
+            self.finish(
+                build,
+                Err(BuildFailure {
+                    message: "the build was interrupted by a server restart".into(),
+                    step: None,
+                }),
+            )
+            .await?;
+        }
+        Ok(stale.len())
+    }
+
+    /// Stops running builds (their sandboxes go with the builder's cleanup) and records them
+    /// as failed.
+    pub async fn shutdown(&self) {
+        let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        if let Err(e) = self.recover().await {
+            tracing::warn!(error = %e, "cannot record interrupted builds");
+        }
+    }
+
+    /// `POST /v3/templates`: finds or creates the team's template by name and opens a build.
+    pub async fn request(
+        &self,
+        team: &Team,
+        request: RequestBuild,
+    ) -> Result<BuildRequested, RequestBuildError> {
+        let full = request.name.ok_or(RequestBuildError::MissingName)?;
+        let (name, tag) = split_name(&full);
+        if !valid_name(name) || name == DEFAULT_TEMPLATE_ALIAS {
+            return Err(RequestBuildError::BadName(full.clone()));
+        }
+        let mut tags = request.tags;
+        if let Some(tag) = tag {
+            tags.push(tag.to_owned());
+        }
+        for tag in &tags {
+            if !valid_tag(tag) {
+                return Err(RequestBuildError::BadTag(tag.clone()));
+            }
+        }
+        tags.sort();
+        tags.dedup();
+        let cpu = request.cpu_count.unwrap_or(self.config.default_cpu_count);
+        if cpu == 0 || cpu > self.config.max_cpu_count {
+            return Err(RequestBuildError::OutOfRange {
+                field: "cpuCount",
+                min: 1,
+                max: self.config.max_cpu_count,
+                value: cpu,
+            });
+        }
+        let memory = request.memory_mb.unwrap_or(self.config.default_memory_mb);
+        if !(128..=self.config.max_memory_mb).contains(&memory) {
+            return Err(RequestBuildError::OutOfRange {
+                field: "memoryMB",
+                min: 128,
+                max: self.config.max_memory_mb,
+                value: memory,
+            });
+        }
+        let now = Utc::now();
+        let existing = self.store.template_by_alias(name).await?;
+        let mut template = match existing {
+            Some(t) if t.team_id.as_deref() == Some(team.id.as_str()) => t,
+            Some(_) => return Err(RequestBuildError::NameTaken(name.to_owned())),
+            None => Template {
+                id: crate::ids::new_template_id(),
+                team_id: Some(team.id.clone()),
+                aliases: vec![name.to_owned()],
+                public: false,
+                build_id: String::new(),
+                build_status: BuildStatus::Waiting,
+                build_error: None,
+                cpu_count: cpu,
+                memory_mb: memory,
+                disk_size_mb: self.config.disk_size_mb,
+                envd_version: self.config.envd_version.to_owned(),
+                image: None,
+                created_at: now,
+                updated_at: now,
+                last_spawned_at: None,
+                spawn_count: 0,
+                build_count: 0,
+            },
+        };
+        let build_id = crate::ids::new_uuid();
+        template.build_id = build_id.clone();
+        template.build_status = BuildStatus::Waiting;
+        template.build_error = None;
+        template.build_count += 1;
+        template.updated_at = now;
+        self.store.upsert_template(&template).await?;
+        self.store
+            .insert_build(&BuildRecord {
+                id: build_id.clone(),
+                template_id: template.id.clone(),
+                team_id: Some(team.id.clone()),
+                status: BuildStatus::Waiting,
+                failure: None,
+                spec: None,
+                image: None,
+                cpu_count: cpu,
+                memory_mb: memory,
+                disk_size_mb: self.config.disk_size_mb,
+                created_at: now,
+                updated_at: now,
+                finished_at: None,
+            })
+            .await?;
+        self.store
+            .set_build_tags(&template.id, &build_id, &tags)
+            .await?;
+        Ok(BuildRequested {
+            template,
+            build_id,
+            tags,
+        })
+    }
+
+    async fn own_template(&self, team: &Team, template_id: &str) -> Result<Template, StoreError> {
+        self.store
+            .template(template_id)
+            .await?
+            .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
+            .ok_or_else(|| StoreError(format!("template '{template_id}' not found")))
+    }
+
+    /// `GET /templates/{id}/files/{hash}`: whether the files are cached, and if not a
+    /// single-use token to upload them with.
+    pub async fn upload_link(
+        &self,
+        team: &Team,
+        template_id: &str,
+        hash: &str,
+    ) -> Result<(bool, Option<String>), UploadLinkError> {
+        if !valid_files_hash(hash) {
+            return Err(UploadLinkError::BadHash(hash.to_owned()));
+        }
+        self.own_template(team, template_id)
+            .await
+            .map_err(|_| UploadLinkError::TemplateNotFound(template_id.to_owned()))?;
+        let present = self.builder.has_upload(&team.id, hash).await;
+        let token = crate::ids::new_secret("");
+        let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let now = tokio::time::Instant::now();
+        grants.retain(|_, g| g.expires > now);
+        grants.insert(
+            token.clone(),
+            UploadGrant {
+                team_id: team.id.clone(),
+                hash: hash.to_owned(),
+                expires: now + self.config.upload_link_ttl,
+            },
+        );
+        Ok((present, Some(token)))
+    }
+
+    /// The `PUT` behind an upload link: no API key, the token is the authority.
+    pub async fn upload(
+        &self,
+        hash: &str,
+        token: &str,
+        body: UploadBody,
+    ) -> Result<(), UploadLinkError> {
+        let grant = {
+            let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+            grants.remove(token)
+        };
+        let grant = grant
+            .filter(|g| g.expires > tokio::time::Instant::now() && g.hash == hash)
+            .ok_or(UploadLinkError::BadToken)?;
+        self.builder
+            .store_upload(
+                &grant.team_id,
+                &grant.hash,
+                body,
+                self.config.max_upload_bytes,
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// `POST /v2/templates/{id}/builds/{buildID}`: validates and queues the build.
+    pub async fn start(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+        spec: BuildSpec,
+    ) -> Result<(), StartBuildError> {
+        let template = self
+            .own_template(team, template_id)
+            .await
+            .map_err(|_| StartBuildError::TemplateNotFound(template_id.to_owned()))?;
+        let mut build = self
+            .store
+            .build(build_id)
+            .await?
+            .filter(|b| b.template_id == template.id)
+            .ok_or_else(|| StartBuildError::BuildNotFound {
+                template_id: template_id.to_owned(),
+                build_id: build_id.to_owned(),
+            })?;
+        if build.spec.is_some() || build.status != BuildStatus::Waiting {
+            return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
+        }
+        let base = match &spec.source {
+            BuildSource::Template { reference } => {
+                let base = self.resolve_base(team, reference).await?;
+                if base.id == template.id {
+                    return Err(StartBuildError::Invalid(format!(
+                        "template '{reference}' cannot be built from itself"
+                    )));
+                }
+                Some(base.image.ok_or_else(|| {
+                    StartBuildError::Invalid(format!(
+                        "template '{reference}' has no successful build yet"
+                    ))
+                })?)
+            }
+            BuildSource::Image { reference, .. } => {
+                if reference.is_empty() || reference.len() > 512 || reference.contains(' ') {
+                    return Err(StartBuildError::Invalid(format!(
+                        "invalid image reference '{reference}'"
+                    )));
+                }
+                None
+            }
+        };
+        for (i, step) in spec.steps.iter().enumerate() {
+            if let StepKind::Copy { files_hash, .. } = &step.kind
+                && !valid_files_hash(files_hash)
+            {
+                return Err(StartBuildError::Invalid(format!(
+                    "step {}: invalid filesHash '{files_hash}'",
+                    i + 1
+                )));
+            }
+        }
+        build.spec = Some(spec.clone());
+        build.status = BuildStatus::Building;
+        build.updated_at = Utc::now();
+        self.store.update_build(&build).await?;
+        self.store
+            .set_template_build(&template.id, BuildStatus::Building, None)
+            .await?;
+        let job = BuildJob {
+            build_id: build.id.clone(),
+            template_id: template.id.clone(),
+            team_id: Some(team.id.clone()),
+            spec,
+            base,
+            cpu_count: build.cpu_count,
+            memory_mb: build.memory_mb,
+            disk_size_mb: build.disk_size_mb,
+        };
+        self.spawn(build, job);
+        Ok(())
+    }
+
+    /// Starts a build of a built-in template (no team, no upload), e.g. at first start.
+    pub async fn start_builtin(
+        &self,
+        template: &Template,
+        spec: BuildSpec,
+        base: Option<TemplateImage>,
+    ) -> Result<String, StoreError> {
+        let now = Utc::now();
+        let build = BuildRecord {
+            id: crate::ids::new_uuid(),
+            template_id: template.id.clone(),
+            team_id: None,
+            status: BuildStatus::Building,
+            failure: None,
+            spec: Some(spec.clone()),
+            image: None,
+            cpu_count: template.cpu_count,
+            memory_mb: template.memory_mb,
+            disk_size_mb: template.disk_size_mb,
+            created_at: now,
+            updated_at: now,
+            finished_at: None,
+        };
+        self.store.insert_build(&build).await?;
+        let mut template = template.clone();
+        template.build_id = build.id.clone();
+        template.build_status = BuildStatus::Building;
+        template.build_count += 1;
+        template.updated_at = now;
+        self.store.upsert_template(&template).await?;
+        let job = BuildJob {
+            build_id: build.id.clone(),
+            template_id: template.id.clone(),
+            team_id: None,
+            spec,
+            base,
+            cpu_count: build.cpu_count,
+            memory_mb: build.memory_mb,
+            disk_size_mb: build.disk_size_mb,
+        };
+        let id = build.id.clone();
+        self.spawn(build, job);
+        Ok(id)
+    }
+
+    async fn resolve_base(
+        &self,
+        team: &Team,
+        reference: &str,
+    ) -> Result<Template, StartBuildError> {
+        let (name, tag) = split_name(reference);
+        let found = match self.store.template(name).await? {
+            Some(t) => Some(t),
+            None => self.store.template_by_alias(name).await?,
+        };
+        let mut template = found
+            .filter(|t| t.visible_to(&team.id))
+            .ok_or_else(|| StartBuildError::Invalid(format!("template '{reference}' not found")))?;
+        if let Some(tag) = tag.filter(|t| *t != "default") {
+            let build = self
+                .store
+                .tagged_build(&template.id, tag)
+                .await?
+                .ok_or_else(|| {
+                    StartBuildError::Invalid(format!("template '{reference}' not found"))
+                })?;
+            template.image = build.image;
+        }
+        Ok(template)
+    }
+
+    fn spawn(&self, build: BuildRecord, job: BuildJob) {
+        let this = self.clone();
+        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        while tasks.try_join_next().is_some() {}
+        tasks.spawn(async move {
+            let Ok(_slot) = this.slots.clone().acquire_owned().await else {
+                return;
+            };
+            let store = this.store.clone();
+            let build_id = build.id.clone();
+            // Log lines are written in order by one task, so a slow store never reorders them.
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<BuildLogEntry>();
+            let writer = tokio::spawn(async move {
+                let mut seq: u64 = 0;
+                while let Some(entry) = rx.recv().await {
+                    if let Err(e) = store.append_build_log(&build_id, seq, &entry).await {
+                        tracing::warn!(error = %e, "cannot record a build log line");
+                    }
+                    seq += 1;
+                }
+            });
+            let log = BuildLog::new(move |entry| {
+                let _ = tx.send(entry);
+            });
+            tracing::info!(template_id = %job.template_id, build_id = %job.build_id, "build started");
+            let outcome = this.builder.build(job, log).await;
+            // The builder dropped its log handle; wait until every line is stored so a
+            // finished build's logs are complete when its status says so.
+            let _ = writer.await;
+            if let Err(e) = this.finish(&build, outcome).await {
+                tracing::error!(error = %e, build_id = %build.id, "cannot record the build's end");
+            }
+        });
+    }
+
+    async fn finish(
+        &self,
+        build: &BuildRecord,
+        outcome: Result<TemplateImage, BuildFailure>,
+    ) -> Result<(), StoreError> {
+        let mut record = self.store.build(&build.id).await?.unwrap_or(build.clone());
+        let now = Utc::now();
+        record.updated_at = now;
+        record.finished_at = Some(now);
+        match outcome {
+            Ok(image) => {
+                tracing::info!(build_id = %record.id, "build ready");
+                record.status = BuildStatus::Ready;
+                record.image = Some(image.clone());
+                self.store.update_build(&record).await?;
+                self.store
+                    .set_template_image(&record.template_id, &record.id, &image)
+                    .await?;
+            }
+            Err(failure) => {
+                tracing::info!(build_id = %record.id, reason = %failure.message, "build failed");
+                record.status = BuildStatus::Error;
+                record.failure = Some(failure.clone());
+                self.store.update_build(&record).await?;
+                if let Some(t) = self.store.template(&record.template_id).await?
+                    && t.build_id == record.id
+                {
+                    self.store
+                        .set_template_build(
+                            &record.template_id,
+                            BuildStatus::Error,
+                            Some(&failure.message),
+                        )
+                        .await?;
+                }
+            }
+        }
+        self.finished.notify_waiters();
+        self.collect_garbage().await;
+        Ok(())
+    }
+
+    /// Asks the builder to drop layers no template build still refers to.
+    pub async fn collect_garbage(&self) {
+        match self.store.layers_in_use().await {
+            Ok(in_use) => self.builder.collect_garbage(&in_use).await,
+            Err(e) => tracing::warn!(error = %e, "cannot list layers in use"),
+        }
+    }
+
+    /// A build of a template the team may see, with its log lines from `offset`.
+    pub async fn status(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+        offset: u64,
+        limit: u64,
+        min_level: Option<LogLevel>,
+    ) -> Result<(BuildRecord, Vec<BuildLogEntry>), BuildLookupError> {
+        let build = self.visible_build(team, template_id, build_id).await?;
+        let logs = self
+            .store
+            .build_logs(&build.id, offset, limit, min_level)
+            .await?;
+        Ok((build, logs))
+    }
+
+    pub async fn visible_build(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+    ) -> Result<BuildRecord, BuildLookupError> {
+        let template = self
+            .store
+            .template(template_id)
+            .await?
+            .filter(|t| t.team_id.as_deref().is_none_or(|o| o == team.id))
+            .ok_or_else(|| BuildLookupError::TemplateNotFound(template_id.to_owned()))?;
+        self.store
+            .build(build_id)
+            .await?
+            .filter(|b| b.template_id == template.id)
+            .ok_or_else(|| BuildLookupError::BuildNotFound {
+                template_id: template_id.to_owned(),
+                build_id: build_id.to_owned(),
+            })
+    }
+
+    /// All log lines of a build (for cursor-based reading).
+    pub async fn all_logs(&self, build_id: &str) -> Result<Vec<BuildLogEntry>, StoreError> {
+        self.store.build_logs(build_id, 0, u64::MAX, None).await
+    }
+
+    pub async fn builds_of(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
+        self.store.template_builds(template_id).await
+    }
+
+    /// `DELETE /templates/{id}`: running sandboxes keep their layers (the node holds them
+    /// until they stop).
+    pub async fn delete_template(
+        &self,
+        team: &Team,
+        template_id: &str,
+    ) -> Result<(), TemplateAdminError> {
+        let template = self.find_own(team, template_id).await?;
+        self.store.delete_template(&template.id).await?;
+        self.collect_garbage().await;
+        Ok(())
+    }
+
+    pub async fn set_public(
+        &self,
+        team: &Team,
+        template_id: &str,
+        public: bool,
+    ) -> Result<Template, TemplateAdminError> {
+        let mut template = self.find_own(team, template_id).await?;
+        template.public = public;
+        template.updated_at = Utc::now();
+        self.store.upsert_template(&template).await?;
+        Ok(template)
+    }
+
+    async fn find_own(&self, team: &Team, reference: &str) -> Result<Template, TemplateAdminError> {
+        let found = match self.store.template(reference).await? {
+            Some(t) => Some(t),
+            None => self.store.template_by_alias(reference).await?,
+        };
+        let template = found.ok_or_else(|| TemplateAdminError::NotFound(reference.to_owned()))?;
+        match template.team_id.as_deref() {
+            None => Err(TemplateAdminError::BuiltIn(reference.to_owned())),
+            Some(owner) if owner == team.id => Ok(template),
+            Some(_) => Err(TemplateAdminError::NotFound(reference.to_owned())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_tags() {
+        assert_eq!(split_name("app:v1"), ("app", Some("v1")));
+        assert_eq!(split_name("app"), ("app", None));
+        assert!(valid_name("my-app_1.0"));
+        assert!(!valid_name("My-App"));
+        assert!(!valid_name("-x"));
+        assert!(!valid_name(""));
+        assert!(valid_tag("v1.2-rc"));
+        assert!(!valid_tag("a/b"));
+        assert!(valid_files_hash(&"a".repeat(64)));
+        assert!(!valid_files_hash(&"g".repeat(64)));
+    }
+
+    #[test]
+    fn steps_describe_themselves() {
+        let run = StepKind::Run {
+            command: "echo hi".into(),
+            user: Some("root".into()),
+        };
+        assert_eq!(run.describe(), "RUN (as root) echo hi");
+        let env = StepKind::Env {
+            vars: vec![("A".into(), "1".into()), ("B".into(), "2".into())],
+        };
+        assert_eq!(env.describe(), "ENV A=1 B=2");
+    }
+}
