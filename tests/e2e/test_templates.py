@@ -455,6 +455,16 @@ def test_exists_list_tags_and_delete(sandbar, tiny1, make_sandbox):
         assert run(tagged, "cat /tmp/which") == name + "\n"
         running = make_sandbox(template=name)
 
+        # Tags move between builds through the SDK's own calls.
+        assigned = Template.assign_tags(f"{name}:v1", ["stable"])
+        assert assigned.tags == ["stable"] and assigned.build_id == b.info.build_id, assigned
+        assert sorted(t.tag for t in Template.get_tags(b.info.template_id)) == ["stable", "v1"]
+        assert run(make_sandbox(template=f"{name}:stable"), "cat /tmp/which") == name + "\n"
+        Template.remove_tags(name, ["stable"])
+        assert [t.tag for t in Template.get_tags(b.info.template_id)] == ["v1"]
+        r = api.post("/v2/sandboxes", json={"templateID": f"{name}:stable", "timeout": 30})
+        assert r.status_code == 404, f"create from a removed tag: {r.status_code} {r.text}"
+
         r = api.delete(f"/templates/{b.info.template_id}")
         assert r.status_code in (200, 204), f"{r.status_code} {r.text}"
         assert Template.exists(name) is False

@@ -214,6 +214,7 @@ impl From<sandbar_core::builds::TemplateAdminError> for ApiError {
         match e {
             E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::BuiltIn(_) => Self::new(StatusCode::FORBIDDEN, e.to_string()),
+            E::Invalid(_) => Self::bad_request(e.to_string()),
             E::Store(ref s) => Self::internal(s),
         }
     }

@@ -72,6 +72,11 @@ pub fn router(state: AppState) -> Router {
         .route("/templates", get(templates::list))
         .route("/templates/aliases/{alias}", get(templates::alias))
         .route("/v3/templates", post(templates::request_build))
+        .route(
+            "/templates/tags",
+            post(templates::assign_tags).delete(templates::delete_tags),
+        )
+        .route("/templates/{template_id}/tags", get(templates::tags))
         .route("/v2/templates", post(templates::request_build))
         .route(
             "/templates/{template_id}",

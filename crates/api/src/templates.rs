@@ -509,3 +509,66 @@ pub(crate) async fn update(
     };
     Ok(Json(json!({ "names": template.aliases })))
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct AssignTagsBody {
+    target: String,
+    tags: Vec<String>,
+}
+
+/// `POST /templates/tags`.
+pub(crate) async fn assign_tags(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    JsonBody(body): JsonBody<AssignTagsBody>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let (build_id, tags) = state
+        .builds
+        .assign_tags(&team, &body.target, &body.tags)
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({ "buildID": build_id, "tags": tags })),
+    ))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct DeleteTagsBody {
+    name: String,
+    tags: Vec<String>,
+}
+
+/// `DELETE /templates/tags`.
+pub(crate) async fn delete_tags(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    JsonBody(body): JsonBody<DeleteTagsBody>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .builds
+        .delete_tags(&team, &body.name, &body.tags)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /templates/{id}/tags`.
+pub(crate) async fn tags(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    PathParam(template_id): PathParam<String>,
+) -> Result<Json<Value>, ApiError> {
+    let tags = state.builds.tags(&team, &template_id).await?;
+    Ok(Json(Value::Array(
+        tags.iter()
+            .map(|(tag, build)| {
+                json!({
+                    "tag": tag,
+                    "buildID": build.id,
+                    "createdAt": rfc3339(build.finished_at.unwrap_or(build.created_at)),
+                })
+            })
+            .collect(),
+    )))
+}

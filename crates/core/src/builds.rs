@@ -362,6 +362,8 @@ pub enum UploadLinkError {
 pub enum TemplateAdminError {
     #[error("template '{0}' not found")]
     NotFound(String),
+    #[error("{0}")]
+    Invalid(String),
     #[error("template '{0}' is built in and cannot be changed")]
     BuiltIn(String),
     #[error(transparent)]
@@ -974,6 +976,76 @@ impl Builds {
         template.updated_at = Utc::now();
         self.store.upsert_template(&template).await?;
         Ok(template)
+    }
+
+    /// `POST /templates/tags`: gives the build `target` (`name` or `name:tag`) more tags.
+    pub async fn assign_tags(
+        &self,
+        team: &Team,
+        target: &str,
+        tags: &[String],
+    ) -> Result<(String, Vec<String>), TemplateAdminError> {
+        let (name, tag) = split_name(target);
+        for t in tags {
+            if !valid_tag(t) {
+                return Err(TemplateAdminError::Invalid(format!("invalid tag '{t}'")));
+            }
+        }
+        if tags.is_empty() {
+            return Err(TemplateAdminError::Invalid("tags must not be empty".into()));
+        }
+        let template = self.find_own(team, name).await?;
+        let build = match tag.filter(|t| *t != "default") {
+            Some(tag) => self.store.tagged_build(&template.id, tag).await?,
+            None => self
+                .store
+                .template_builds(&template.id)
+                .await?
+                .into_iter()
+                .filter(|b| b.status == BuildStatus::Ready)
+                .max_by_key(|b| b.finished_at),
+        }
+        .ok_or_else(|| TemplateAdminError::NotFound(target.to_owned()))?;
+        let mut tags = tags.to_vec();
+        tags.sort();
+        tags.dedup();
+        // A tag names one build: moving it takes it off the build it named before.
+        self.store.delete_build_tags(&template.id, &tags).await?;
+        self.store
+            .set_build_tags(&template.id, &build.id, &tags)
+            .await?;
+        Ok((build.id, tags))
+    }
+
+    /// `DELETE /templates/tags`.
+    pub async fn delete_tags(
+        &self,
+        team: &Team,
+        name: &str,
+        tags: &[String],
+    ) -> Result<(), TemplateAdminError> {
+        let template = self.find_own(team, name).await?;
+        if tags.is_empty() {
+            return Err(TemplateAdminError::Invalid("tags must not be empty".into()));
+        }
+        if self.store.delete_build_tags(&template.id, tags).await? == 0 {
+            return Err(TemplateAdminError::NotFound(format!(
+                "{name}:{}",
+                tags.join(",")
+            )));
+        }
+        self.collect_garbage().await;
+        Ok(())
+    }
+
+    /// `GET /templates/{id}/tags`.
+    pub async fn tags(
+        &self,
+        team: &Team,
+        template_id: &str,
+    ) -> Result<Vec<(String, BuildRecord)>, TemplateAdminError> {
+        let template = self.find_own(team, template_id).await?;
+        Ok(self.store.template_tags(&template.id).await?)
     }
 
     async fn find_own(&self, team: &Team, reference: &str) -> Result<Template, TemplateAdminError> {

@@ -67,6 +67,17 @@ pub trait Store: Send + Sync + 'static {
         build_id: &str,
         tags: &[String],
     ) -> Result<(), StoreError>;
+    /// Removes `tags` from every build of the template; returns how many were removed.
+    async fn delete_build_tags(
+        &self,
+        template_id: &str,
+        tags: &[String],
+    ) -> Result<u64, StoreError>;
+    /// Every (tag, build) pair of the template's successful builds, by tag.
+    async fn template_tags(
+        &self,
+        template_id: &str,
+    ) -> Result<Vec<(String, BuildRecord)>, StoreError>;
     /// The newest successful build of the template carrying `tag`.
     async fn tagged_build(
         &self,

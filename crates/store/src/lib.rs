@@ -520,6 +520,48 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    async fn delete_build_tags(
+        &self,
+        template_id: &str,
+        tags: &[String],
+    ) -> Result<u64, StoreError> {
+        let mut removed = 0;
+        for tag in tags {
+            removed += sqlx::query("DELETE FROM build_tags WHERE template_id = ? AND tag = ?")
+                .bind(template_id)
+                .bind(tag)
+                .execute(&self.pool)
+                .await
+                .map_err(err)?
+                .rows_affected();
+        }
+        Ok(removed)
+    }
+
+    async fn template_tags(
+        &self,
+        template_id: &str,
+    ) -> Result<Vec<(String, BuildRecord)>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT t.tag AS tag, b.* FROM build_tags t JOIN template_builds b ON b.id = t.build_id
+             WHERE t.template_id = ? AND b.status = 'ready' ORDER BY t.tag, b.finished_at DESC",
+        )
+        .bind(template_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut out: Vec<(String, BuildRecord)> = Vec::new();
+        for row in &rows {
+            let tag: String = row.try_get("tag").map_err(err)?;
+            // Only the newest build per tag is what the tag names.
+            if out.last().is_some_and(|(t, _)| *t == tag) {
+                continue;
+            }
+            out.push((tag, build_from_row(row)?));
+        }
+        Ok(out)
+    }
+
     async fn tagged_build(
         &self,
         template_id: &str,
