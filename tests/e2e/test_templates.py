@@ -673,3 +673,77 @@ def test_hostile_upload_archive_fails_the_build(sandbar, base_template, good_tem
         assert_good_build_intact(good_template)
     finally:
         shutil.rmtree(canary, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Dockerfile builds (POST /templates, the seed's v1 flow)
+# --------------------------------------------------------------------------
+
+
+def _wait_build(api, template_id: str, build_id: str, timeout: float = BUILD_TIMEOUT) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params={"logsOffset": 0})
+        assert s.status_code == 200, f"{s.status_code} {s.text}"
+        if s.json()["status"] in ("ready", "error"):
+            return s.json()
+        time.sleep(0.2)
+    raise AssertionError(f"build {build_id} did not finish in {timeout} s")
+
+
+def test_dockerfile_build_with_context_and_access_token(sandbar, tiny1, make_sandbox):
+    name = unique("dockerfile")
+    dockerfile = (
+        f"ARG FLAVOUR=plain\nFROM {tiny1}\nENV GREETING=hello\n"
+        "RUN echo built-$FLAVOUR > /built.txt\n"
+        "COPY --chown=user --chmod=640 app.txt /app/\nWORKDIR /app\nUSER user\nLABEL purpose=test\n"
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        _tar_entry(tar, "app.txt", data=f"{name}\n".encode())
+    context = buf.getvalue()
+    context_hash = hashlib.sha256(context).hexdigest()
+    token = __import__("json").loads((sandbar.data_dir / "credentials.json").read_text())["accessToken"]
+    # The seed's Dockerfile routes take an access token as a bearer.
+    with httpx.Client(base_url=sandbar.url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as bearer:
+        r = bearer.post("/templates", json={"dockerfile": dockerfile, "alias": name, "memoryMB": 512})
+        assert r.status_code == 202, f"{r.status_code} {r.text}"
+        template_id, build_id = r.json()["templateID"], r.json()["buildID"]
+        assert name in r.json()["aliases"], r.json()
+        link = bearer.get(f"/templates/{template_id}/files/{context_hash}").json()
+        assert httpx.put(link["url"], content=context, timeout=60).status_code < 300
+        r = bearer.post(f"/templates/{template_id}/builds/{build_id}")
+        assert r.status_code == 202, f"{r.status_code} {r.text}"
+        status = _wait_build(bearer, template_id, build_id)
+        assert status["status"] == "ready", status
+    sbx = make_sandbox(template=name)
+    assert run(sbx, "cat /app/app.txt /built.txt") == f"{name}\nbuilt-plain\n"
+    assert run(sbx, "pwd; whoami; echo $GREETING") == "/app\nuser\nhello\n"
+    assert run(sbx, "stat -c %a:%U /app/app.txt") == "640:user\n"
+
+
+@pytest.mark.parametrize(
+    "dockerfile,expected",
+    [
+        ("FROM alpine\nRUN true\nHEALTHCHECK CMD true\n", ["line 3", "HEALTHCHECK"]),
+        ("FROM alpine AS one\nFROM alpine\n", ["line 2", "FROM"]),
+        ("FROM alpine\nADD https://example.invalid/x /x\n", ["line 2", "ADD"]),
+        ("FROM alpine\nFROBNICATE x\n", ["line 2"]),
+        ("RUN echo no base\n", ["FROM"]),
+    ],
+)
+def test_unsupported_or_malformed_dockerfiles_are_refused(sandbar, dockerfile, expected):
+    with sandbar.client() as api:
+        r = api.post("/templates", json={"dockerfile": dockerfile, "alias": unique("bad")})
+        assert r.status_code == 400, f"{r.status_code} {r.text}"
+        message = r.json()["message"]
+        for part in expected:
+            assert part in message, message
+
+
+def test_dockerfile_copy_without_context_is_refused(sandbar, tiny1):
+    with sandbar.client() as api:
+        r = api.post("/templates", json={"dockerfile": f"FROM {tiny1}\nCOPY a.txt /a.txt\n", "alias": unique("noctx")})
+        assert r.status_code == 202, f"{r.status_code} {r.text}"
+        r = api.post(f"/templates/{r.json()['templateID']}/builds/{r.json()['buildID']}")
+        assert r.status_code == 400 and "build context" in r.json()["message"], f"{r.status_code} {r.text}"

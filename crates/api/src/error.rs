@@ -162,6 +162,7 @@ impl From<sandbar_core::builds::RequestBuildError> for ApiError {
         use sandbar_core::builds::RequestBuildError as E;
         match e {
             E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::TemplateNotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::Store(ref s) => Self::internal(s),
             _ => Self::bad_request(e.to_string()),
         }

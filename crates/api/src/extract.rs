@@ -27,6 +27,37 @@ impl FromRequestParts<AppState> for ApiKeyTeam {
     }
 }
 
+/// The team authenticated by `X-API-Key`, or else by an access token as
+/// `Authorization: Bearer …` (routes the seed marks for either).
+pub(crate) struct TeamAuth(pub Team);
+
+impl FromRequestParts<AppState> for TeamAuth {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if parts.headers.contains_key("x-api-key") {
+            return ApiKeyTeam::from_request_parts(parts, state)
+                .await
+                .map(|ApiKeyTeam(team)| TeamAuth(team));
+        }
+        let bearer = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if bearer.is_none() {
+            // Without either credential, the API key is what most clients forgot.
+            return ApiKeyTeam::from_request_parts(parts, state)
+                .await
+                .map(|ApiKeyTeam(team)| TeamAuth(team));
+        }
+        let team = state.auth.team_for_access_token(bearer).await?;
+        state.rate_limits.check(&team)?;
+        Ok(TeamAuth(team))
+    }
+}
+
 /// A path parameter; one that is not valid UTF-8 or does not parse is a 400 with the API's
 /// JSON error body instead of axum's plain-text rejection.
 pub(crate) struct PathParam<T>(pub T);

@@ -69,7 +69,10 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
         .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
-        .route("/templates", get(templates::list))
+        .route(
+            "/templates",
+            get(templates::list).post(templates::create_from_dockerfile),
+        )
         .route("/templates/aliases/{alias}", get(templates::alias))
         .route("/v3/templates", post(templates::request_build))
         .route(
@@ -81,6 +84,7 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/templates/{template_id}",
             get(templates::detail)
+                .post(templates::rebuild_from_dockerfile)
                 .delete(templates::delete)
                 .patch(templates::update),
         )
@@ -92,6 +96,10 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/upload/templates/{template_id}/files/{hash}",
             put(templates::upload),
+        )
+        .route(
+            "/templates/{template_id}/builds/{build_id}",
+            post(templates::start_dockerfile_build),
         )
         .route(
             "/v2/templates/{template_id}/builds/{build_id}",

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use crate::AppState;
 use crate::dto::{TemplateItem, rfc3339};
 use crate::error::ApiError;
-use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
+use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs, TeamAuth};
 
 pub(crate) async fn list(
     State(state): State<AppState>,
@@ -103,7 +103,7 @@ fn external_base(headers: &HeaderMap) -> String {
 /// `GET /templates/{id}/files/{hash}`.
 pub(crate) async fn file_link(
     State(state): State<AppState>,
-    ApiKeyTeam(team): ApiKeyTeam,
+    TeamAuth(team): TeamAuth,
     PathParam((template_id, hash)): PathParam<(String, String)>,
     headers: HeaderMap,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
@@ -340,7 +340,7 @@ fn level_param(query: &QueryPairs) -> Result<Option<LogLevel>, ApiError> {
 /// `GET /templates/{id}/builds/{buildID}/status`.
 pub(crate) async fn build_status(
     State(state): State<AppState>,
-    ApiKeyTeam(team): ApiKeyTeam,
+    TeamAuth(team): TeamAuth,
     PathParam((template_id, build_id)): PathParam<(String, String)>,
     query: QueryPairs,
 ) -> Result<Json<Value>, ApiError> {
@@ -373,7 +373,7 @@ pub(crate) async fn build_status(
 /// `GET /templates/{id}/builds/{buildID}/logs` (`cursor` in milliseconds, `direction`).
 pub(crate) async fn build_logs(
     State(state): State<AppState>,
-    ApiKeyTeam(team): ApiKeyTeam,
+    TeamAuth(team): TeamAuth,
     PathParam((template_id, build_id)): PathParam<(String, String)>,
     query: QueryPairs,
 ) -> Result<Json<Value>, ApiError> {
@@ -571,4 +571,78 @@ pub(crate) async fn tags(
             })
             .collect(),
     )))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(crate) struct DockerfileBody {
+    dockerfile: String,
+    alias: Option<String>,
+    #[serde(rename = "teamID")]
+    #[allow(dead_code)]
+    team_id: Option<String>,
+    start_cmd: Option<String>,
+    ready_cmd: Option<String>,
+    cpu_count: Option<u32>,
+    #[serde(rename = "memoryMB")]
+    memory_mb: Option<u32>,
+}
+
+async fn dockerfile_build(
+    state: &AppState,
+    team: &sandbar_core::Team,
+    template_id: Option<&str>,
+    body: DockerfileBody,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    let requested = state
+        .builds
+        .request_dockerfile(
+            team,
+            template_id,
+            sandbar_core::builds::DockerfileRequest {
+                dockerfile: body.dockerfile,
+                alias: body.alias,
+                start_cmd: body.start_cmd,
+                ready_cmd: body.ready_cmd,
+                cpu_count: body.cpu_count,
+                memory_mb: body.memory_mb,
+            },
+        )
+        .await?;
+    let mut item = serde_json::to_value(TemplateItem::from(&requested.template))
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    item["buildID"] = Value::String(requested.build_id);
+    Ok((StatusCode::ACCEPTED, Json(item)))
+}
+
+/// `POST /templates`: a new template from a Dockerfile.
+pub(crate) async fn create_from_dockerfile(
+    State(state): State<AppState>,
+    TeamAuth(team): TeamAuth,
+    JsonBody(body): JsonBody<DockerfileBody>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    dockerfile_build(&state, &team, None, body).await
+}
+
+/// `POST /templates/{id}`: a new Dockerfile build of an existing template.
+pub(crate) async fn rebuild_from_dockerfile(
+    State(state): State<AppState>,
+    TeamAuth(team): TeamAuth,
+    PathParam(template_id): PathParam<String>,
+    JsonBody(body): JsonBody<DockerfileBody>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    dockerfile_build(&state, &team, Some(&template_id), body).await
+}
+
+/// `POST /templates/{id}/builds/{buildID}`: starts a Dockerfile build.
+pub(crate) async fn start_dockerfile_build(
+    State(state): State<AppState>,
+    TeamAuth(team): TeamAuth,
+    PathParam((template_id, build_id)): PathParam<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .builds
+        .start_dockerfile(&team, &template_id, &build_id)
+        .await?;
+    Ok(StatusCode::ACCEPTED)
 }

@@ -295,6 +295,10 @@ pub trait Builder: Send + Sync + 'static {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestBuildError {
+    #[error(transparent)]
+    Dockerfile(#[from] crate::dockerfile::DockerfileError),
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
     #[error("invalid template name '{0}': use lower-case letters, digits, '-', '_' and '.'")]
     BadName(String),
     #[error("invalid tag '{0}'")]
@@ -370,6 +374,21 @@ pub enum TemplateAdminError {
     Store(#[from] StoreError),
 }
 
+/// Stands for the build context's files hash until a Dockerfile build starts.
+const CONTEXT_PLACEHOLDER: &str =
+    "0000000000000000000000000000000000000000000000000000000000000000";
+
+/// What `POST /templates` asks for.
+#[derive(Debug, Clone, Default)]
+pub struct DockerfileRequest {
+    pub dockerfile: String,
+    pub alias: Option<String>,
+    pub start_cmd: Option<String>,
+    pub ready_cmd: Option<String>,
+    pub cpu_count: Option<u32>,
+    pub memory_mb: Option<u32>,
+}
+
 /// What `POST /v3/templates` asks for.
 #[derive(Debug, Clone, Default)]
 pub struct RequestBuild {
@@ -417,6 +436,9 @@ pub struct Builds {
     config: BuildsConfig,
     slots: Arc<Semaphore>,
     grants: Arc<Mutex<HashMap<String, UploadGrant>>>,
+    /// The files a template's Dockerfile build reads as its context: the last ones its
+    /// owner asked an upload link for.
+    contexts: Arc<Mutex<HashMap<String, String>>>,
     finished: Arc<Notify>,
     tasks: Arc<Mutex<tokio::task::JoinSet<()>>>,
 }
@@ -475,6 +497,7 @@ impl Builds {
             slots: Arc::new(Semaphore::new(config.concurrent_builds.max(1))),
             config,
             grants: Arc::new(Mutex::new(HashMap::new())),
+            contexts: Arc::new(Mutex::new(HashMap::new())),
             finished,
             tasks: Arc::new(Mutex::new(tokio::task::JoinSet::new())),
         }
@@ -629,6 +652,10 @@ impl Builds {
             .await
             .map_err(|_| UploadLinkError::TemplateNotFound(template_id.to_owned()))?;
         let present = self.builder.has_upload(&team.id, hash).await;
+        self.contexts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(template_id.to_owned(), hash.to_owned());
         let token = crate::ids::new_secret("");
         let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
         let now = tokio::time::Instant::now();
@@ -681,7 +708,7 @@ impl Builds {
             .own_template(team, template_id)
             .await
             .map_err(|_| StartBuildError::TemplateNotFound(template_id.to_owned()))?;
-        let mut build = self
+        let build = self
             .store
             .build(build_id)
             .await?
@@ -690,7 +717,7 @@ impl Builds {
                 template_id: template_id.to_owned(),
                 build_id: build_id.to_owned(),
             })?;
-        if build.spec.is_some() || build.status != BuildStatus::Waiting {
+        if build.status != BuildStatus::Waiting {
             return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
         }
         let base = match &spec.source {
@@ -726,6 +753,18 @@ impl Builds {
                 )));
             }
         }
+        self.launch(team, &template, build, spec, base).await
+    }
+
+    /// Marks the build running and queues it.
+    async fn launch(
+        &self,
+        team: &Team,
+        template: &Template,
+        mut build: BuildRecord,
+        spec: BuildSpec,
+        base: Option<TemplateImage>,
+    ) -> Result<(), StartBuildError> {
         build.spec = Some(spec.clone());
         build.status = BuildStatus::Building;
         build.updated_at = Utc::now();
@@ -745,6 +784,114 @@ impl Builds {
         };
         self.spawn(build, job);
         Ok(())
+    }
+
+    /// `POST /templates` and `POST /templates/{id}`: a Dockerfile build, parsed now (a bad
+    /// Dockerfile is refused before anything is recorded) and started by
+    /// [`Builds::start_dockerfile`].
+    pub async fn request_dockerfile(
+        &self,
+        team: &Team,
+        template_id: Option<&str>,
+        request: DockerfileRequest,
+    ) -> Result<BuildRequested, RequestBuildError> {
+        let parsed = crate::dockerfile::to_build(&request.dockerfile, Some(CONTEXT_PLACEHOLDER))?;
+        let name = match template_id {
+            Some(id) => {
+                let template = self
+                    .own_template(team, id)
+                    .await
+                    .map_err(|_| RequestBuildError::TemplateNotFound(id.to_owned()))?;
+                template.aliases.first().cloned().or(request.alias.clone())
+            }
+            None => request.alias.clone(),
+        };
+        let requested = match (template_id, name) {
+            (_, Some(name)) => {
+                self.request(
+                    team,
+                    RequestBuild {
+                        name: Some(name),
+                        tags: Vec::new(),
+                        cpu_count: request.cpu_count,
+                        memory_mb: request.memory_mb,
+                    },
+                )
+                .await?
+            }
+            (Some(id), None) => return Err(RequestBuildError::TemplateNotFound(id.to_owned())),
+            (None, None) => {
+                self.request(
+                    team,
+                    RequestBuild {
+                        name: Some(format!("template-{}", &crate::ids::new_secret("")[..12])),
+                        tags: Vec::new(),
+                        cpu_count: request.cpu_count,
+                        memory_mb: request.memory_mb,
+                    },
+                )
+                .await?
+            }
+        };
+        let mut spec = parsed.spec;
+        spec.start_cmd = request.start_cmd.or(spec.start_cmd);
+        spec.ready_cmd = request.ready_cmd;
+        let mut build = self
+            .store
+            .build(&requested.build_id)
+            .await?
+            .ok_or_else(|| StoreError(format!("build {} vanished", requested.build_id)))?;
+        build.spec = Some(spec);
+        self.store.update_build(&build).await?;
+        Ok(requested)
+    }
+
+    /// `POST /templates/{id}/builds/{buildID}`: starts a Dockerfile build, its `COPY`/`ADD`
+    /// reading the files last uploaded for the template.
+    pub async fn start_dockerfile(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+    ) -> Result<(), StartBuildError> {
+        let template = self
+            .own_template(team, template_id)
+            .await
+            .map_err(|_| StartBuildError::TemplateNotFound(template_id.to_owned()))?;
+        let build = self
+            .store
+            .build(build_id)
+            .await?
+            .filter(|b| b.template_id == template.id)
+            .ok_or_else(|| StartBuildError::BuildNotFound {
+                template_id: template_id.to_owned(),
+                build_id: build_id.to_owned(),
+            })?;
+        if build.status != BuildStatus::Waiting {
+            return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
+        }
+        let mut spec = build.spec.clone().ok_or_else(|| {
+            StartBuildError::Invalid(format!(
+                "build '{build_id}' has no Dockerfile; start it with POST /v2/templates/{template_id}/builds/{build_id}"
+            ))
+        })?;
+        let context = self
+            .contexts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&template.id)
+            .cloned();
+        for (i, step) in spec.steps.iter_mut().enumerate() {
+            if let StepKind::Copy { files_hash, .. } = &mut step.kind {
+                *files_hash = context.clone().ok_or_else(|| {
+                    StartBuildError::Invalid(format!(
+                        "step {}: the Dockerfile copies files but no build context was uploaded (GET /templates/{template_id}/files/{{hash}}, then PUT the tar)",
+                        i + 1
+                    ))
+                })?;
+            }
+        }
+        self.launch(team, &template, build, spec, None).await
     }
 
     /// Starts a build of a built-in template (no team, no upload), e.g. at first start.

@@ -7,6 +7,7 @@
 
 pub mod auth;
 pub mod builds;
+pub mod dockerfile;
 pub mod ids;
 pub mod limits;
 pub mod model;
