@@ -65,6 +65,8 @@ pub enum BuildSource {
     },
     /// Another template's current image, by ID or name.
     Template { reference: String },
+    /// A root filesystem the node makes itself (the default template's Debian root).
+    Builtin { layer: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -733,6 +735,11 @@ impl Builds {
                         "template '{reference}' has no successful build yet"
                     ))
                 })?)
+            }
+            BuildSource::Builtin { layer } => {
+                return Err(StartBuildError::Invalid(format!(
+                    "'{layer}' can only be built by the server itself"
+                )));
             }
             BuildSource::Image { reference, .. } => {
                 if reference.is_empty() || reference.len() > 512 || reference.contains(' ') {

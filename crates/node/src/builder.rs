@@ -35,6 +35,9 @@ pub struct NodeBuilder {
     uploads_dir: PathBuf,
     /// Layers running builds use or made, kept from the garbage collector.
     pinned: Mutex<HashMap<String, Vec<String>>>,
+    templates_dir: PathBuf,
+    /// Debian mirror the built-in root is made from.
+    mirror: String,
 }
 
 fn sha(parts: &[&[u8]]) -> String {
@@ -65,9 +68,12 @@ impl NodeBuilder {
         runtime: Arc<LinuxRuntime>,
         data_dir: &Path,
         plain_http_registries: Vec<String>,
+        mirror: String,
     ) -> Self {
         let images_root = data_dir.join("images");
         Self {
+            templates_dir: data_dir.join("templates"),
+            mirror,
             runtime,
             images_layers_dir: images_root.join("layers"),
             images: sandbar_image::ImageCache::new(images_root, plain_http_registries),
@@ -102,6 +108,32 @@ impl NodeBuilder {
         log: &BuildLog,
     ) -> Result<State, BuildFailure> {
         match &job.spec.source {
+            BuildSource::Builtin { layer } => {
+                if layer != crate::templates::BASE_LAYER {
+                    return Err(BuildFailure::at(
+                        BASE_STEP,
+                        format!("unknown built-in root '{layer}'"),
+                    ));
+                }
+                if self.store().exists(layer) {
+                    log.info(Some(BASE_STEP), format!("CACHED FROM {layer}"));
+                } else {
+                    log.info(
+                        Some(BASE_STEP),
+                        format!("FROM {layer}: building the Debian root with mmdebstrap"),
+                    );
+                    crate::templates::build_base(&self.templates_dir, &self.mirror)
+                        .await
+                        .map_err(|e| BuildFailure::at(BASE_STEP, e.to_string()))?;
+                }
+                Ok(State {
+                    key: sha(&[b"builtin", layer.as_bytes()]),
+                    layers: vec![layer.clone()],
+                    env: BTreeMap::new(),
+                    user: SANDBOX_USER.into(),
+                    workdir: format!("/home/{SANDBOX_USER}"),
+                })
+            }
             BuildSource::Template { reference } => {
                 let base = job.base.clone().ok_or_else(|| {
                     BuildFailure::at(BASE_STEP, format!("template '{reference}' has no image"))

@@ -176,26 +176,25 @@ fn write_credentials(path: &Path, credentials: &sandbar_core::Credentials) -> an
     Ok(())
 }
 
-/// Registers the default template and builds it in the background unless it is cached.
+/// Registers the default template and, unless it already has an image, builds it through the
+/// build service like any template (the Debian root is cached on disk across data resets).
 async fn ensure_base_template(
     templates: &Templates,
+    builds: &Builds,
     store: &SqliteStore,
-    templates_dir: PathBuf,
-    mirror: String,
     envd_version: &str,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
     use sandbar_core::Store;
     let now = Utc::now();
     let existing = store.template_by_alias(DEFAULT_TEMPLATE_ALIAS).await?;
-    let built = sandbar_node::templates::base_is_built(&templates_dir);
     let mut template = existing.unwrap_or_else(|| Template {
         id: sandbar_core::ids::new_template_id(),
         team_id: None,
         aliases: vec![DEFAULT_TEMPLATE_ALIAS.into()],
         public: true,
         build_id: sandbar_core::ids::new_uuid(),
-        build_status: BuildStatus::Building,
+        build_status: BuildStatus::Waiting,
         build_error: None,
         cpu_count: 2,
         memory_mb: 512,
@@ -211,41 +210,28 @@ async fn ensure_base_template(
     template.envd_version = envd_version.into();
     template.disk_size_mb = disk_size_mb;
     template.updated_at = now;
-    if built {
-        template.build_status = BuildStatus::Ready;
-        template.build_error = None;
-        template.image = Some(base_image());
+    if template.image.as_ref() == Some(&base_image()) {
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
         return Ok(());
     }
-    template.build_status = BuildStatus::Building;
-    template.build_error = None;
-    template.build_count += 1;
-    template.build_id = sandbar_core::ids::new_uuid();
     templates.register(&template).await?;
-    let store = store.clone();
-    let finished = templates.build_finished();
-    tokio::spawn(async move {
-        let outcome = sandbar_node::templates::build_base(&templates_dir, &mirror).await;
-        let recorded = match outcome {
-            Ok(_) => {
-                store
-                    .set_template_image(&template.id, &template.build_id, &base_image())
-                    .await
-            }
-            Err(reason) => {
-                tracing::error!(error = %reason, "default template 'base' failed to build");
-                store
-                    .set_template_build(&template.id, BuildStatus::Error, Some(&reason.to_string()))
-                    .await
-            }
-        };
-        if let Err(e) = recorded {
-            tracing::error!(error = %e, "cannot record the default template's build");
-        }
-        finished.notify_waiters();
-    });
+    let build_id = builds
+        .start_builtin(
+            &template,
+            sandbar_core::BuildSpec {
+                source: sandbar_core::BuildSource::Builtin {
+                    layer: sandbar_node::templates::BASE_LAYER.into(),
+                },
+                steps: Vec::new(),
+                force: false,
+                start_cmd: None,
+                ready_cmd: None,
+            },
+            None,
+        )
+        .await?;
+    tracing::info!(template_id = %template.id, %build_id, "building the default template 'base'");
     Ok(())
 }
 
@@ -325,20 +311,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let node = runtime.clone();
 
     let templates = Templates::new(store.clone());
-    ensure_base_template(
-        &templates,
-        &store,
-        data_dir.join("templates"),
-        args.debian_mirror,
-        sandbar_jail::ENVD_VERSION,
-        args.base_disk_mb,
-    )
-    .await?;
-
     let builder = Arc::new(sandbar_node::NodeBuilder::new(
         runtime.clone(),
         &data_dir,
         args.plain_http_registries,
+        args.debian_mirror,
     ));
     let builds = Builds::new(
         store.clone(),
@@ -364,6 +341,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     builds.collect_garbage().await;
+    ensure_base_template(
+        &templates,
+        &builds,
+        &store,
+        sandbar_jail::ENVD_VERSION,
+        args.base_disk_mb,
+    )
+    .await?;
 
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
