@@ -193,6 +193,19 @@ impl ImageCache {
         auth: Option<&RegistryAuth>,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<PulledImage, PullError> {
+        self.pull_for("", reference, auth, progress).await
+    }
+
+    /// [`ImageCache::pull`] on behalf of `owner` (a tenant): a layer another owner unpacked
+    /// is reused only after this owner downloaded its blob and it decompressed to the same
+    /// diff id. Knowing a private layer's digests is then not enough to get its contents.
+    pub async fn pull_for(
+        &self,
+        owner: &str,
+        reference: &str,
+        auth: Option<&RegistryAuth>,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<PulledImage, PullError> {
         let image = parse_reference(reference)?;
         let name = image.whole();
         self.prepare_dirs()?;
@@ -301,7 +314,9 @@ impl ImageCache {
         let tasks: Vec<_> = layers
             .iter()
             .zip(&diff_ids)
-            .map(|(layer, diff_id)| self.layer(&client, &image, layer, diff_id, &name, progress))
+            .map(|(layer, diff_id)| {
+                self.layer(&client, &image, layer, diff_id, (&name, owner), progress)
+            })
             .collect();
         let pulled: Vec<PulledLayer> = futures_util::stream::iter(tasks)
             .buffered(PARALLEL_LAYERS)
@@ -439,7 +454,7 @@ impl ImageCache {
         image: &Reference,
         descriptor: &Descriptor,
         diff_id: &str,
-        name: &str,
+        (name, owner): (&str, &str),
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<PulledLayer, PullError> {
         let Some(diff_hex) = sha256_hex(diff_id) else {
@@ -452,8 +467,31 @@ impl ImageCache {
         let slot = self.inflight_slot(diff_hex);
         let _held = Arc::clone(&slot.lock).lock_owned().await;
 
-        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+        let proof = self.owner_proof(owner, diff_hex);
+        let unpacked = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+        if unpacked && proof.as_ref().is_none_or(|p| p.exists()) {
             progress(format!("layer {} cached", short(diff_id)));
+            return Ok(PulledLayer {
+                diff_id: diff_id.to_owned(),
+                path,
+            });
+        }
+        if unpacked {
+            progress(format!(
+                "verifying access to cached layer {}",
+                short(diff_id)
+            ));
+            let blob = self.download(client, image, descriptor, name).await?;
+            let blob_path = blob.0.clone();
+            let expected = diff_hex.to_owned();
+            tokio::task::spawn_blocking(move || verify_diff_id(&blob_path, &expected))
+                .await
+                .map_err(|e| PullError::Io {
+                    path: path.clone(),
+                    source: io::Error::other(e),
+                })??;
+            drop(blob);
+            self.record_proof(proof.as_deref())?;
             return Ok(PulledLayer {
                 diff_id: diff_id.to_owned(),
                 path,
@@ -479,6 +517,7 @@ impl ImageCache {
                     source: io::Error::other(e),
                 })??;
         drop(blob);
+        self.record_proof(proof.as_deref())?;
         progress(format!(
             "layer {} unpacked ({} files, {})",
             short(diff_id),
@@ -489,6 +528,23 @@ impl ImageCache {
             diff_id: diff_id.to_owned(),
             path,
         })
+    }
+
+    /// Where the cache records that `owner` proved it can download the layer; `None` for
+    /// the shared owner, who trusts every cached layer.
+    fn owner_proof(&self, owner: &str, diff_hex: &str) -> Option<PathBuf> {
+        (!owner.is_empty()).then(|| {
+            let owner_dir = hex::encode(Sha256::digest(owner.as_bytes()));
+            self.root.join("owners").join(owner_dir).join(diff_hex)
+        })
+    }
+
+    fn record_proof(&self, proof: Option<&Path>) -> Result<(), PullError> {
+        let Some(proof) = proof else { return Ok(()) };
+        if let Some(dir) = proof.parent() {
+            std::fs::create_dir_all(dir).map_err(io_at(dir))?;
+        }
+        std::fs::write(proof, b"").map_err(io_at(proof))
     }
 
     fn inflight_slot(&self, key: &str) -> InflightSlot<'_> {
@@ -597,7 +653,10 @@ impl Drop for Staging {
 
 /// Decompresses and unpacks a downloaded layer blob, verifies the uncompressed digest against
 /// the config's diff id and moves the result into place.
-fn unpack_blob(blob: &Path, layers_dir: &Path, diff_hex: &str) -> Result<UnpackStats, PullError> {
+/// Uncompressed bytes one layer may hold: a small compressed blob must not fill the disk.
+pub const MAX_LAYER_BYTES: u64 = 32 << 30;
+
+fn open_layer_stream(blob: &Path) -> Result<HashingReader<Box<dyn Read>>, PullError> {
     let file = File::open(blob).map_err(io_at(blob))?;
     let mut reader = BufReader::with_capacity(256 << 10, file);
     let magic = reader.fill_buf().map_err(io_at(blob))?;
@@ -609,10 +668,28 @@ fn unpack_blob(blob: &Path, layers_dir: &Path, diff_hex: &str) -> Result<UnpackS
     } else {
         Box::new(reader)
     };
-    let mut tar = HashingReader {
-        inner: tar,
+    Ok(HashingReader {
+        inner: Box::new(tar.take(MAX_LAYER_BYTES)),
         hasher: Sha256::new(),
-    };
+    })
+}
+
+/// Checks that `blob` decompresses to the layer `diff_hex` names.
+fn verify_diff_id(blob: &Path, diff_hex: &str) -> Result<(), PullError> {
+    let mut tar = open_layer_stream(blob)?;
+    io::copy(&mut tar, &mut io::sink()).map_err(|e| PullError::Unpack(UnpackError::Tar(e)))?;
+    let actual = hex::encode(tar.hasher.finalize());
+    if actual != diff_hex {
+        return Err(PullError::DigestMismatch {
+            expected: format!("sha256:{diff_hex}"),
+            actual: format!("sha256:{actual}"),
+        });
+    }
+    Ok(())
+}
+
+fn unpack_blob(blob: &Path, layers_dir: &Path, diff_hex: &str) -> Result<UnpackStats, PullError> {
+    let mut tar = open_layer_stream(blob)?;
 
     let staging = Staging {
         path: layers_dir.join(staging_name()),

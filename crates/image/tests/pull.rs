@@ -346,6 +346,8 @@ async fn pulls_from_a_local_registry() {
     );
     let wrong_diff = (gzip(&odd), gz, format!("sha256:{}", "e".repeat(64)));
     let corrupt = (gzip(&broken), gz, broken_id);
+    // Claims the private base layer's diff id without having its contents.
+    let forged = (gzip(&odd), gz, base_id.clone());
 
     let mut oci = Layout::new(tmp.path().join("layout"));
     let tiny = oci.image(host_arch(), &[&base_layer, &top_layer]);
@@ -367,7 +369,9 @@ async fn pulls_from_a_local_registry() {
         "wrong-diff",
     );
     oci.tag(oci.image(host_arch(), &[&corrupt]), "corrupt");
+    oci.tag(oci.image(host_arch(), &[&forged]), "forged");
     for (tag, all) in [
+        ("forged", false),
         ("1", false),
         ("multi", true),
         ("foreign", true),
@@ -453,6 +457,45 @@ async fn pulls_from_a_local_registry() {
         !progress.iter().any(|l| l.starts_with("pulling layer")),
         "{progress:?}"
     );
+
+    // Another owner reuses the unpacked layers only after downloading and checking them, so
+    // a forged image naming a cached layer's diff id gets nothing.
+    let owned = Progress::default();
+    let as_b = cache
+        .pull_for("team-b", &reference, None, &|l| {
+            owned.0.lock().unwrap().push(l)
+        })
+        .await
+        .unwrap();
+    assert_eq!(as_b.layers, image.layers);
+    assert_eq!(
+        owned
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("verifying access"))
+            .count(),
+        2,
+        "{:?}",
+        owned.lines()
+    );
+    let again_b = Progress::default();
+    cache
+        .pull_for("team-b", &reference, None, &|l| {
+            again_b.0.lock().unwrap().push(l)
+        })
+        .await
+        .unwrap();
+    assert!(
+        !again_b.lines().iter().any(|l| l.starts_with("verifying")),
+        "{:?}",
+        again_b.lines()
+    );
+    let forged_ref = format!("{host}/tiny:forged");
+    let err = cache
+        .pull_for("team-c", &forged_ref, None, &|_| {})
+        .await
+        .unwrap_err();
+    assert!(matches!(err, PullError::DigestMismatch { .. }), "{err}");
 
     // By digest, and through an index that also lists another architecture.
     let pinned = format!("{host}/tiny@{}", image.manifest_digest);

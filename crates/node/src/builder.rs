@@ -161,7 +161,12 @@ impl NodeBuilder {
                 let progress = move |line: String| progress_log.info(Some(BASE_STEP), line);
                 let image = self
                     .images
-                    .pull(reference, auth.as_ref(), &progress)
+                    .pull_for(
+                        job.team_id.as_deref().unwrap_or(""),
+                        reference,
+                        auth.as_ref(),
+                        &progress,
+                    )
                     .await
                     .map_err(|e| {
                         BuildFailure::at(BASE_STEP, format!("cannot pull image '{reference}': {e}"))
