@@ -127,3 +127,22 @@ def test_killed_sandbox_stays_dead_after_restart(make_sandbox, sandbar):
     assert _gone(sid)
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect(sid)
+
+
+def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
+    sbx = make_sandbox(timeout=300)
+    sbx.files.write("/home/user/kept.txt", "kept")
+    sbx.commands.run(
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done", background=True
+    )
+    time.sleep(0.5)
+    before = int(sbx.commands.run("cat /tmp/count").stdout)
+    assert sbx.pause() is True
+    sandbar.restart(kill9=True)
+    with sandbar.client() as api:
+        r = api.get(f"/sandboxes/{sbx.sandbox_id}")
+        assert r.status_code == 200 and r.json()["state"] == "paused", r.text
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    after = int(resumed.commands.run("cat /tmp/count").stdout)
+    assert before <= after < before + 40, (before, after)
+    assert resumed.files.read("/home/user/kept.txt") == "kept"

@@ -22,6 +22,8 @@ pub(crate) struct NewSandbox {
     pub timeout: Option<i32>,
     #[serde(rename = "autoPause")]
     pub auto_pause: Option<bool>,
+    #[serde(rename = "autoPauseMemory")]
+    pub auto_pause_memory: Option<bool>,
     #[serde(rename = "autoResume")]
     pub auto_resume: Option<serde_json::Value>,
     pub allow_internet_access: Option<bool>,
@@ -203,7 +205,10 @@ impl From<&Sandbox> for SandboxDetail {
             domain: None,
             allow_internet_access: s.allow_internet_access,
             network: (!s.network.is_default()).then(|| NetworkView::from(&s.network)),
-            lifecycle: serde_json::json!({"autoResume": false, "onTimeout": "kill"}),
+            lifecycle: serde_json::json!({
+                "autoResume": false,
+                "onTimeout": if s.auto_pause { "pause" } else { "kill" },
+            }),
         }
     }
 }

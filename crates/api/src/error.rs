@@ -117,6 +117,7 @@ impl From<SandboxError> for ApiError {
         match e {
             SandboxError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
+            SandboxError::Conflict { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
         }

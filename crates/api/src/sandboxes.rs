@@ -35,8 +35,17 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
             "{what} is not supported by this server"
         )))
     };
-    if body.auto_pause == Some(true) || body.auto_resume.is_some() {
-        return unsupported("autoPause/autoResume");
+    let auto_resume = body
+        .auto_resume
+        .as_ref()
+        .filter(|v| !v.is_null())
+        .map(|v| v.get("enabled").and_then(|e| e.as_bool()).unwrap_or(true))
+        .unwrap_or(false);
+    if auto_resume {
+        return unsupported("autoResume");
+    }
+    if body.auto_pause == Some(true) && body.auto_pause_memory == Some(false) {
+        return unsupported("a filesystem-only autoPause (autoPauseMemory: false)");
     }
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return unsupported("mcp");
@@ -67,6 +76,7 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
         env_vars,
         allow_internet_access: body.allow_internet_access.unwrap_or(true),
         network,
+        auto_pause: body.auto_pause.unwrap_or(false),
     })
 }
 
@@ -301,17 +311,18 @@ async fn connect(
     team: &Team,
     sandbox_id: &str,
     timeout: Option<i32>,
-) -> Result<Json<SandboxCreated>, ApiError> {
-    let sandbox = match timeout {
-        Some(t) => {
-            state
-                .sandboxes
-                .extend(team, sandbox_id, non_negative("timeout", t)?)
-                .await?
-        }
-        None => state.sandboxes.get(team, sandbox_id).await?,
+) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
+    let timeout = non_negative("timeout", timeout.unwrap_or(DEFAULT_TIMEOUT_V2))?;
+    let (sandbox, resumed) = state
+        .sandboxes
+        .resume(team, sandbox_id, timeout, false)
+        .await?;
+    let status = if resumed {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
     };
-    Ok(Json(SandboxCreated::from(&sandbox)))
+    Ok((status, Json(SandboxCreated::from(&sandbox))))
 }
 
 pub(crate) async fn connect_v2(
@@ -319,7 +330,7 @@ pub(crate) async fn connect_v2(
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<OptionalTimeoutBody>,
-) -> Result<Json<SandboxCreated>, ApiError> {
+) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
     connect(&state, &team, &sandbox_id, body.timeout).await
 }
 
@@ -328,33 +339,56 @@ pub(crate) async fn connect_v1(
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<TimeoutBody>,
-) -> Result<Json<SandboxCreated>, ApiError> {
+) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
     connect(&state, &team, &sandbox_id, Some(body.timeout)).await
 }
 
-/// Pausing needs snapshots of processes; until then say so plainly instead of pretending.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct PauseBody {
+    memory: Option<bool>,
+    #[allow(dead_code)]
+    require_healthy_guest: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory (204; 409 when it
+/// is already paused).
 pub(crate) async fn pause(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
+    JsonBody(body): JsonBody<PauseBody>,
 ) -> Result<StatusCode, ApiError> {
-    state.sandboxes.get(&team, &sandbox_id).await?;
-    Err(ApiError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        format!("pausing sandbox '{sandbox_id}' is not supported by this server"),
-    ))
+    if body.memory == Some(false) {
+        return Err(ApiError::bad_request(
+            "pausing without memory (memory: false) is not supported by this server",
+        ));
+    }
+    state.sandboxes.pause(&team, &sandbox_id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct ResumeBody {
+    timeout: Option<i32>,
+    #[allow(dead_code)]
+    auto_pause: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/resume` (older SDKs): 201 with the sandbox; 409 unless paused.
 pub(crate) async fn resume(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
-) -> Result<StatusCode, ApiError> {
-    state.sandboxes.get(&team, &sandbox_id).await?;
-    Err(ApiError::new(
-        StatusCode::CONFLICT,
-        format!("sandbox '{sandbox_id}' is running, not paused"),
-    ))
+    JsonBody(body): JsonBody<ResumeBody>,
+) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
+    let timeout = non_negative("timeout", body.timeout.unwrap_or(DEFAULT_TIMEOUT_V1))?;
+    let (sandbox, _) = state
+        .sandboxes
+        .resume(&team, &sandbox_id, timeout, true)
+        .await?;
+    Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))))
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod builds;
 pub mod dockerfile;
 pub mod ids;
+pub mod lifecycle;
 pub mod limits;
 pub mod model;
 pub mod network;

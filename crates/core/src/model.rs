@@ -130,4 +130,6 @@ pub struct Sandbox {
     pub envd_version: String,
     pub state: SandboxState,
     pub handle: RuntimeHandle,
+    /// Pause instead of stopping when the timeout passes.
+    pub auto_pause: bool,
 }

@@ -88,6 +88,28 @@ pub trait Runtime: Send + Sync + 'static {
         })
     }
 
+    /// Freezes every process of the sandbox in place, memory kept.
+    async fn pause(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot pause sandboxes".into(),
+        })
+    }
+
+    /// Lets a paused sandbox run again.
+    async fn resume(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot resume sandboxes".into(),
+        })
+    }
+
+    /// Whether the sandbox's processes are frozen (after a restart: to settle a pause or
+    /// resume the server did not see through).
+    fn is_paused(&self, _sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
+        false
+    }
+
     /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(
         &self,

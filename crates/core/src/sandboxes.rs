@@ -11,6 +11,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::ids;
+use crate::lifecycle::SandboxStatus;
 use crate::model::{Sandbox, SandboxState, Team};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
@@ -42,6 +43,8 @@ pub struct CreateSandbox {
     pub env_vars: BTreeMap<String, String>,
     pub allow_internet_access: bool,
     pub network: NetworkConfig,
+    /// Pause instead of stopping when the timeout passes.
+    pub auto_pause: bool,
 }
 
 /// How a sandbox's user ports may be reached, for the edge.
@@ -88,8 +91,10 @@ pub enum SandboxError {
     NotFound(String),
     #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
     TimeoutTooLong { requested: u64, max: u64 },
-    #[error("cannot stop sandbox: {0}")]
+    #[error("sandbox operation failed: {0}")]
     Runtime(#[from] RuntimeError),
+    #[error("sandbox '{id}' is {state}")]
+    Conflict { id: String, state: &'static str },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -135,13 +140,6 @@ pub struct Page<T> {
     pub next_token: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    Starting,
-    Running,
-    Stopping,
-}
-
 #[derive(Debug, Clone)]
 struct Live {
     team_id: String,
@@ -151,8 +149,9 @@ struct Live {
     access_token: String,
     /// What the runtime needs to check on or stop the sandbox; empty while starting.
     handle: RuntimeHandle,
-    phase: Phase,
+    status: SandboxStatus,
     user_ports: UserPortAccess,
+    auto_pause: bool,
 }
 
 pub struct Sandboxes {
@@ -297,6 +296,7 @@ impl Sandboxes {
             envd_version: template.envd_version.clone(),
             state: SandboxState::Running,
             handle,
+            auto_pause: request.auto_pause,
         };
         if let Err(err) = self.store.insert_sandbox(&sandbox).await {
             if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
@@ -306,12 +306,13 @@ impl Sandboxes {
             return Err(err.into());
         }
         if let Some(entry) = self.live().get_mut(&id) {
-            entry.phase = Phase::Running;
+            entry.status = SandboxStatus::Running;
             entry.endpoint = Some(endpoint);
             entry.access_token = sandbox.envd_access_token.clone();
             entry.handle = sandbox.handle.clone();
             entry.end_at = sandbox.end_at;
             entry.user_ports = UserPortAccess::of(&sandbox);
+            entry.auto_pause = sandbox.auto_pause;
         }
         if let Err(err) = self
             .store
@@ -333,7 +334,7 @@ impl Sandboxes {
         let mut live = self.live();
         let active = live
             .values()
-            .filter(|l| l.team_id == team.id && l.phase != Phase::Stopping)
+            .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
             .count();
         if active >= team.max_concurrent_sandboxes as usize {
             return Err(CreateSandboxError::ConcurrencyLimit {
@@ -348,8 +349,9 @@ impl Sandboxes {
                 endpoint: None,
                 access_token: String::new(),
                 handle: RuntimeHandle::default(),
-                phase: Phase::Starting,
+                status: SandboxStatus::Starting,
                 user_ports: UserPortAccess::default(),
+                auto_pause: false,
             },
         );
         Ok(())
@@ -360,7 +362,7 @@ impl Sandboxes {
         let stopping = self
             .live()
             .get(id)
-            .is_some_and(|l| l.phase == Phase::Stopping);
+            .is_some_and(|l| l.status == SandboxStatus::Stopping);
         match self.store.sandbox(id).await? {
             Some(sandbox) if sandbox.team_id == team.id && !stopping => Ok(sandbox),
             _ => Err(SandboxError::NotFound(id.to_owned())),
@@ -380,7 +382,7 @@ impl Sandboxes {
         let stopping: Vec<String> = self
             .live()
             .iter()
-            .filter(|(_, l)| l.phase == Phase::Stopping)
+            .filter(|(_, l)| l.status == SandboxStatus::Stopping)
             .map(|(id, _)| id.clone())
             .collect();
         let mut sandboxes = self.store.team_sandboxes(&team.id).await?;
@@ -474,10 +476,19 @@ impl Sandboxes {
         let previous = {
             let mut live = self.live();
             match live.get_mut(id) {
-                Some(entry) if entry.phase == Phase::Stopping => {
+                Some(entry) if entry.status == SandboxStatus::Stopping => {
                     return Err(SandboxError::NotFound(id.to_owned()));
                 }
-                Some(entry) => Some(std::mem::replace(&mut entry.phase, Phase::Stopping)),
+                Some(entry) if !entry.status.can_stop() => {
+                    return Err(SandboxError::Conflict {
+                        id: id.to_owned(),
+                        state: "being paused or resumed; try again",
+                    });
+                }
+                Some(entry) => Some(std::mem::replace(
+                    &mut entry.status,
+                    SandboxStatus::Stopping,
+                )),
                 None => None,
             }
         };
@@ -485,7 +496,7 @@ impl Sandboxes {
             if let Some(phase) = previous
                 && let Some(entry) = self.live().get_mut(id)
             {
-                entry.phase = phase;
+                entry.status = phase;
             }
             return Err(err.into());
         }
@@ -534,7 +545,7 @@ impl Sandboxes {
     pub fn user_port_access(&self, id: &str) -> Option<UserPortAccess> {
         self.live()
             .get(id)
-            .filter(|l| l.phase == Phase::Running)
+            .filter(|l| l.status == SandboxStatus::Running)
             .map(|l| l.user_ports.clone())
     }
 
@@ -542,7 +553,7 @@ impl Sandboxes {
     pub fn route(&self, id: &str) -> Option<Endpoint> {
         self.live()
             .get(id)
-            .filter(|l| l.phase == Phase::Running)
+            .filter(|l| l.status == SandboxStatus::Running)
             .and_then(|l| l.endpoint.clone())
     }
 
@@ -551,7 +562,7 @@ impl Sandboxes {
     pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Endpoint)> {
         self.live()
             .iter()
-            .filter(|(_, l)| l.phase == Phase::Running && !l.access_token.is_empty())
+            .filter(|(_, l)| l.status == SandboxStatus::Running && !l.access_token.is_empty())
             .find(|(_, l)| matches(&l.access_token))
             .and_then(|(id, l)| Some((id.clone(), l.endpoint.clone()?)))
     }
@@ -560,7 +571,7 @@ impl Sandboxes {
     fn running_where(&self, pick: impl Fn(&str, &Live) -> bool) -> Vec<(String, RuntimeHandle)> {
         self.live()
             .iter()
-            .filter(|(id, l)| l.phase == Phase::Running && pick(id, l))
+            .filter(|(id, l)| l.status == SandboxStatus::Running && pick(id, l))
             .map(|(id, l)| (id.clone(), l.handle.clone()))
             .collect()
     }
@@ -580,7 +591,21 @@ impl Sandboxes {
     /// Stops every sandbox whose end time has passed.
     pub async fn reap_expired(&self) {
         let now = Utc::now();
-        let expired = self.running_where(|_, l| l.end_at <= now);
+        let to_pause = self.running_where(|_, l| l.end_at <= now && l.auto_pause);
+        for (id, _) in to_pause {
+            let paused = match self.store.sandbox(&id).await {
+                Ok(Some(sandbox)) => self.pause_sandbox(&sandbox).await,
+                Ok(None) => continue,
+                Err(err) => Err(err.into()),
+            };
+            match paused {
+                Ok(()) => tracing::info!(sandbox_id = %id, "sandbox timed out: paused"),
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, error = %err, "sandbox timed out: cannot pause")
+                }
+            }
+        }
+        let expired = self.running_where(|_, l| l.end_at <= now && !l.auto_pause);
         self.stop_all(expired, "sandbox expired").await;
     }
 
@@ -634,6 +659,7 @@ impl Sandboxes {
                         self.store.delete_sandbox(&sandbox.id).await?;
                         continue;
                     }
+                    let status = self.settle(&sandbox).await?;
                     self.live().insert(
                         sandbox.id.clone(),
                         Live {
@@ -642,8 +668,9 @@ impl Sandboxes {
                             endpoint: Some(endpoint),
                             access_token: sandbox.envd_access_token.clone(),
                             handle: sandbox.handle.clone(),
-                            phase: Phase::Running,
+                            status,
                             user_ports: UserPortAccess::of(&sandbox),
+                            auto_pause: sandbox.auto_pause,
                         },
                     );
                     adopted += 1;
@@ -661,6 +688,149 @@ impl Sandboxes {
             }
         }
         Ok(adopted)
+    }
+
+    /// After a restart: makes the stored state and the processes agree. A pause or resume
+    /// the server died in the middle of is finished in the direction the store says: a
+    /// sandbox recorded paused is frozen again, one recorded running is thawed.
+    async fn settle(&self, sandbox: &Sandbox) -> Result<SandboxStatus, StoreError> {
+        let frozen = self.runtime.is_paused(&sandbox.id, &sandbox.handle);
+        match (sandbox.state, frozen) {
+            (SandboxState::Paused, true) => Ok(SandboxStatus::Paused),
+            (SandboxState::Running, false) => Ok(SandboxStatus::Running),
+            (SandboxState::Paused, false) => {
+                match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
+                    Ok(()) => Ok(SandboxStatus::Paused),
+                    Err(err) => {
+                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
+                        self.store
+                            .set_sandbox_state(&sandbox.id, SandboxState::Running)
+                            .await?;
+                        Ok(SandboxStatus::Running)
+                    }
+                }
+            }
+            (SandboxState::Running, true) => {
+                if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
+                    tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
+                    self.store
+                        .set_sandbox_state(&sandbox.id, SandboxState::Paused)
+                        .await?;
+                    return Ok(SandboxStatus::Paused);
+                }
+                Ok(SandboxStatus::Running)
+            }
+        }
+    }
+
+    /// Moves a live sandbox from `from` to `to` if its status allows; the status it had
+    /// otherwise.
+    fn transition(
+        &self,
+        id: &str,
+        check: impl Fn(SandboxStatus) -> bool,
+        to: SandboxStatus,
+    ) -> Result<SandboxStatus, Option<SandboxStatus>> {
+        let mut live = self.live();
+        let entry = live.get_mut(id).ok_or(None)?;
+        if !check(entry.status) || !entry.status.can_become(to) {
+            return Err(Some(entry.status));
+        }
+        Ok(std::mem::replace(&mut entry.status, to))
+    }
+
+    fn set_status(&self, id: &str, status: SandboxStatus) {
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.status = status;
+        }
+    }
+
+    /// Freezes a running sandbox in place (memory kept). `Conflict` if it is not running.
+    pub async fn pause(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
+        let sandbox = self.get(team, id).await?;
+        self.pause_sandbox(&sandbox).await
+    }
+
+    async fn pause_sandbox(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let id = sandbox.id.as_str();
+        match self.transition(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
+            Ok(_) => {}
+            Err(Some(SandboxStatus::Paused)) => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "already paused",
+                });
+            }
+            Err(_) => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "not running",
+                });
+            }
+        }
+        if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
+            self.set_status(id, SandboxStatus::Running);
+            return Err(err.into());
+        }
+        if let Err(err) = self.store.set_sandbox_state(id, SandboxState::Paused).await {
+            // The store still says running: thaw so both agree.
+            let _ = self.runtime.resume(id, &sandbox.handle).await;
+            self.set_status(id, SandboxStatus::Running);
+            return Err(err.into());
+        }
+        self.set_status(id, SandboxStatus::Paused);
+        tracing::info!(sandbox_id = %id, "sandbox paused");
+        Ok(())
+    }
+
+    /// Thaws a paused sandbox and gives it `timeout_secs` to live from now. Returns the
+    /// sandbox and whether it was paused (`Conflict` when `require_paused` and it was not).
+    pub async fn resume(
+        &self,
+        team: &Team,
+        id: &str,
+        timeout_secs: u64,
+        require_paused: bool,
+    ) -> Result<(Sandbox, bool), SandboxError> {
+        self.check_timeout(team, timeout_secs)?;
+        let mut sandbox = self.get(team, id).await?;
+        match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
+            Ok(_) => {}
+            Err(Some(SandboxStatus::Running)) if !require_paused => {
+                // Connecting to a running sandbox only ever extends its life.
+                let sandbox = self.extend(team, id, timeout_secs).await?;
+                return Ok((sandbox, false));
+            }
+            Err(_) => {
+                return Err(SandboxError::Conflict {
+                    id: id.to_owned(),
+                    state: "not paused",
+                });
+            }
+        }
+        let end_at = Utc::now() + seconds(timeout_secs);
+        let result = async {
+            self.store.set_sandbox_end(id, end_at).await?;
+            self.runtime.resume(id, &sandbox.handle).await?;
+            self.store
+                .set_sandbox_state(id, SandboxState::Running)
+                .await?;
+            Ok::<(), SandboxError>(())
+        }
+        .await;
+        if let Err(err) = result {
+            let _ = self.runtime.pause(id, &sandbox.handle).await;
+            self.set_status(id, SandboxStatus::Paused);
+            return Err(err);
+        }
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.end_at = end_at;
+            entry.status = SandboxStatus::Running;
+        }
+        sandbox.end_at = end_at;
+        sandbox.state = SandboxState::Running;
+        tracing::info!(sandbox_id = %id, "sandbox resumed");
+        Ok((sandbox, true))
     }
 
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when

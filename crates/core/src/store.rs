@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 
 use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
-use crate::model::{BuildStatus, Sandbox, Team, Template};
+use crate::model::{BuildStatus, Sandbox, SandboxState, Team, Template};
 use crate::network::NetworkConfig;
 
 /// Storage failures are opaque to the core: it can only report them.
@@ -113,5 +113,6 @@ pub trait Store: Send + Sync + 'static {
         network: &NetworkConfig,
         allow_internet_access: bool,
     ) -> Result<(), StoreError>;
+    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
 }

@@ -809,6 +809,31 @@ impl Runtime for LinuxRuntime {
         Ok(())
     }
 
+    async fn pause(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
+        }
+        self.cgroups
+            .freeze(sandbox_id)
+            .await
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox's processes are gone"));
+        }
+        self.cgroups
+            .thaw(sandbox_id)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
+        self.cgroups.is_frozen(sandbox_id)
+    }
+
     async fn adopt(
         &self,
         sandbox_id: &str,

@@ -208,6 +208,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
         allow_internet_access: row.try_get("allow_internet_access").map_err(err)?,
         network: serde_json::from_str(&network).map_err(err)?,
         traffic_access_token: row.try_get("traffic_access_token").map_err(err)?,
+        auto_pause: row.try_get("auto_pause").map_err(err)?,
         envd_access_token: row.try_get("envd_access_token").map_err(err)?,
         envd_version: row.try_get("envd_version").map_err(err)?,
         state: SandboxState::parse(&state)
@@ -671,8 +672,8 @@ impl Store for SqliteStore {
 
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -692,6 +693,7 @@ impl Store for SqliteStore {
         .bind(s.handle.0.to_string())
         .bind(serde_json::to_string(&s.network).map_err(err)?)
         .bind(&s.traffic_access_token)
+        .bind(s.auto_pause)
         .execute(&self.pool)
         .await
         .map_err(err)?;
@@ -745,6 +747,16 @@ impl Store for SqliteStore {
         sqlx::query("UPDATE sandboxes SET network = ?, allow_internet_access = ? WHERE id = ?")
             .bind(serde_json::to_string(network).map_err(err)?)
             .bind(allow_internet_access)
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?")
+            .bind(state.as_str())
             .bind(id)
             .execute(&self.pool)
             .await

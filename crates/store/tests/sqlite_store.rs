@@ -145,8 +145,26 @@ async fn templates_and_sandboxes_round_trip() {
         envd_version: "0.5.7".into(),
         state: SandboxState::Running,
         handle: RuntimeHandle(serde_json::json!({"pid": 5})),
+        auto_pause: true,
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
+    store
+        .set_sandbox_state(&sandbox.id, SandboxState::Paused)
+        .await
+        .expect("pause");
+    let paused = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("read")
+        .expect("found");
+    assert_eq!(
+        (paused.state, paused.auto_pause),
+        (SandboxState::Paused, true)
+    );
+    store
+        .set_sandbox_state(&sandbox.id, SandboxState::Running)
+        .await
+        .expect("resume");
     let loaded = store
         .sandbox(&sandbox.id)
         .await
