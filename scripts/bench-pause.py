@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Pause and resume latency against a running server, through its REST API (one HTTP
+round trip each, as the SDK makes them), next to create.
+
+    E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000 \\
+    E2B_API_KEY=e2b_... python3 scripts/bench-pause.py [--iterations 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import httpx
+from e2b import Sandbox
+
+
+def summary(name: str, samples: list) -> str:
+    samples = sorted(samples)
+    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
+    return f"| {name} | {len(samples)} | {statistics.median(samples):.2f} | {p95:.2f} |"
+
+
+def cycle(api: httpx.Client, sandbox_id: str, n: int):
+    pauses, resumes = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        assert api.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        pauses.append((time.perf_counter() - t) * 1000)
+        t = time.perf_counter()
+        r = api.post(f"/v2/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        resumes.append((time.perf_counter() - t) * 1000)
+    return pauses, resumes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=30)
+    args = parser.parse_args()
+    api = httpx.Client(
+        base_url=os.environ["E2B_API_URL"],
+        headers={"X-API-Key": os.environ["E2B_API_KEY"]},
+        timeout=60,
+    )
+    rows = []
+    creates = []
+    for _ in range(args.iterations):
+        t = time.perf_counter()
+        r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert r.status_code == 201, r.text
+        creates.append((time.perf_counter() - t) * 1000)
+        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    rows.append(summary("create (`POST /v2/sandboxes`)", creates))
+    for label, setup in [
+        ("idle", None),
+        (
+            "100 MiB resident",
+            "python3 -c 'import time; b = bytearray(100 << 20); [b.__setitem__(i, 1) for i in range(0, len(b), 4096)]; time.sleep(3600)'",
+        ),
+    ]:
+        sbx = Sandbox.create("base", timeout=300)
+        try:
+            if setup:
+                sbx.commands.run(setup, background=True)
+                time.sleep(2)
+            pauses, resumes = cycle(api, sbx.sandbox_id, args.iterations)
+            rows.append(summary(f"pause, {label}", pauses))
+            rows.append(summary(f"resume (`connect`), {label}", resumes))
+        finally:
+            sbx.kill()
+    print("| measurement | n | p50 ms | p95 ms |")
+    print("|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
