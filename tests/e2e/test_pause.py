@@ -10,7 +10,12 @@ from e2b import Sandbox
 
 from e2e_util import wait_until
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done"
+# The count is written beside and renamed over, so a freeze between the shell's truncate and
+# its write can never leave a reader an empty file.
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
+    "sleep 0.05; done"
+)
 
 
 def read_count(sbx) -> int:
@@ -112,3 +117,23 @@ def test_many_pause_resume_cycles_never_lose_state(sandbar, make_sandbox):
             assert count >= last, (count, last)
             last = count
     assert sbx.files.read("/home/user/data.bin") == "x" * 4096
+
+
+def test_auto_resume_on_traffic(sandbar, make_sandbox):
+    sbx = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sbx.files.write("/home/user/woken.txt", "still here")
+    with sandbar.client() as api:
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["lifecycle"]["autoResume"] is True
+    wait_until(lambda: state_of(sandbar, sbx.sandbox_id) == "paused", timeout=15)
+    # The SDK's next call through the edge wakes it.
+    assert sbx.files.read("/home/user/woken.txt") == "still here"
+    assert state_of(sandbar, sbx.sandbox_id) == "running"
+
+
+def test_without_auto_resume_traffic_does_not_wake(sandbar, make_sandbox):
+    sbx = make_sandbox()
+    sbx.pause()
+    with sandbar.client() as api:
+        r = api.get("/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"})
+        assert r.status_code == 502, r.text
+    assert state_of(sandbar, sbx.sandbox_id) == "paused"

@@ -133,7 +133,10 @@ def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
     sbx = make_sandbox(timeout=300)
     sbx.files.write("/home/user/kept.txt", "kept")
     sbx.commands.run(
-        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done", background=True
+        # Written beside and renamed over: a freeze can never leave an empty file to read.
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
+        "sleep 0.05; done",
+        background=True,
     )
     time.sleep(0.5)
     before = int(sbx.commands.run("cat /tmp/count").stdout)

@@ -206,7 +206,7 @@ impl From<&Sandbox> for SandboxDetail {
             allow_internet_access: s.allow_internet_access,
             network: (!s.network.is_default()).then(|| NetworkView::from(&s.network)),
             lifecycle: serde_json::json!({
-                "autoResume": false,
+                "autoResume": s.auto_resume,
                 "onTimeout": if s.auto_pause { "pause" } else { "kill" },
             }),
         }

@@ -99,7 +99,7 @@ pub(crate) async fn route_to_sandbox(
             .and_then(|h| target_from_host(h, &state.edge.domain)),
     };
     let (target, endpoint) = match target {
-        Some(target) => match state.sandboxes.route(&target.sandbox_id) {
+        Some(target) => match state.sandboxes.route_or_wake(&target.sandbox_id).await {
             Some(endpoint) => (target, endpoint),
             None => return not_found(&target.sandbox_id),
         },

@@ -68,6 +68,8 @@ pub fn router(state: AppState) -> Router {
             put(sandboxes::update_network),
         )
         .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
+        .route("/sandboxes/{sandbox_id}/metrics", get(sandboxes::metrics))
+        .route("/sandboxes/metrics", get(sandboxes::batch_metrics))
         .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
         .route(
             "/templates",

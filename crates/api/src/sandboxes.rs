@@ -41,8 +41,10 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
         .filter(|v| !v.is_null())
         .map(|v| v.get("enabled").and_then(|e| e.as_bool()).unwrap_or(true))
         .unwrap_or(false);
-    if auto_resume {
-        return unsupported("autoResume");
+    if auto_resume && body.auto_pause != Some(true) {
+        return Err(ApiError::bad_request(
+            "autoResume needs autoPause: only a sandbox that pauses on timeout can resume on traffic",
+        ));
     }
     if body.auto_pause == Some(true) && body.auto_pause_memory == Some(false) {
         return unsupported("a filesystem-only autoPause (autoPauseMemory: false)");
@@ -77,6 +79,7 @@ fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandb
         allow_internet_access: body.allow_internet_access.unwrap_or(true),
         network,
         auto_pause: body.auto_pause.unwrap_or(false),
+        auto_resume,
     })
 }
 
@@ -341,6 +344,89 @@ pub(crate) async fn connect_v1(
     JsonBody(body): JsonBody<TimeoutBody>,
 ) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
     connect(&state, &team, &sandbox_id, Some(body.timeout)).await
+}
+
+fn metric_json(point: &sandbar_core::MetricPoint) -> serde_json::Value {
+    serde_json::json!({
+        "timestamp": crate::dto::rfc3339(point.at),
+        "timestampUnix": point.at.timestamp(),
+        "cpuCount": point.cpu_count,
+        "cpuUsedPct": point.cpu_used_pct,
+        "memUsed": point.mem_used,
+        "memTotal": point.mem_total,
+        "memCache": point.mem_cache,
+        "diskUsed": point.disk_used,
+        "diskTotal": point.disk_total,
+    })
+}
+
+fn unix_param(
+    query: &QueryPairs,
+    key: &str,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
+    query
+        .int_in(key, 0..=i64::from(i32::MAX) * 4)?
+        .map(|secs| {
+            chrono::DateTime::from_timestamp(secs, 0).ok_or_else(|| {
+                ApiError::bad_request(format!("{key} is not a valid Unix time: {secs}"))
+            })
+        })
+        .transpose()
+}
+
+/// `GET /sandboxes/{id}/metrics` (`start`, `end` in Unix seconds).
+pub(crate) async fn metrics(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    PathParam(sandbox_id): PathParam<String>,
+    query: QueryPairs,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let start = unix_param(&query, "start")?;
+    let end = unix_param(&query, "end")?;
+    if let (Some(s), Some(e)) = (start, end)
+        && s > e
+    {
+        return Err(ApiError::bad_request("start must not be after end"));
+    }
+    let points = state
+        .sandboxes
+        .metrics(&team, &sandbox_id, start, end)
+        .await?;
+    Ok(Json(serde_json::Value::Array(
+        points.iter().map(metric_json).collect(),
+    )))
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each (at most 100).
+pub(crate) async fn batch_metrics(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    query: QueryPairs,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let ids: Vec<String> = query
+        .0
+        .iter()
+        .filter(|(k, _)| k == "sandbox_ids")
+        .flat_map(|(_, v)| v.split(','))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_owned)
+        .collect();
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("sandbox_ids is required"));
+    }
+    if ids.len() > 100 {
+        return Err(ApiError::bad_request(format!(
+            "sandbox_ids holds at most 100 IDs, got {}",
+            ids.len()
+        )));
+    }
+    let latest = state.sandboxes.latest_metrics(&team, &ids).await?;
+    let map: serde_json::Map<String, serde_json::Value> = latest
+        .iter()
+        .map(|(id, p)| (id.clone(), metric_json(p)))
+        .collect();
+    Ok(Json(serde_json::json!({ "sandboxes": map })))
 }
 
 #[derive(Debug, serde::Deserialize)]

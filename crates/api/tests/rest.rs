@@ -317,7 +317,7 @@ async fn bad_create_requests_are_refused_and_start_nothing() {
         ),
         (r#"{"templateID":"bad name!"}"#, StatusCode::BAD_REQUEST),
         (
-            r#"{"templateID":"base","autoResume":{"enabled":true}}"#,
+            r#"{"templateID":"base","autoPause":false,"autoResume":{"enabled":true}}"#,
             StatusCode::BAD_REQUEST,
         ),
         (

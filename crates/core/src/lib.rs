@@ -28,8 +28,8 @@ pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 pub use sandboxes::{
-    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, Page, SandboxError,
-    Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
+    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page,
+    SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
 };
 pub use store::{Store, StoreError};
 pub use templates::{TemplateError, Templates};

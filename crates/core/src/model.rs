@@ -132,4 +132,6 @@ pub struct Sandbox {
     pub handle: RuntimeHandle,
     /// Pause instead of stopping when the timeout passes.
     pub auto_pause: bool,
+    /// Traffic through the edge resumes the sandbox when it is paused.
+    pub auto_resume: bool,
 }

@@ -43,6 +43,17 @@ pub struct LaunchSpec {
     pub envd_access_token: String,
 }
 
+/// A sandbox's resource use at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RuntimeStats {
+    /// CPU time used since the sandbox started, in nanoseconds.
+    pub cpu_ns: u64,
+    pub memory_used: u64,
+    pub memory_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// The template's start command did not become ready.
@@ -86,6 +97,11 @@ pub trait Runtime: Send + Sync + 'static {
             sandbox_id: sandbox_id.to_owned(),
             message: "this runtime cannot enforce egress rules".into(),
         })
+    }
+
+    /// What the sandbox uses now: cumulative CPU time, memory, disk.
+    fn stats(&self, _sandbox_id: &str, _handle: &RuntimeHandle) -> Option<RuntimeStats> {
+        None
     }
 
     /// Freezes every process of the sandbox in place, memory kept.

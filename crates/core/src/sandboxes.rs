@@ -45,7 +45,12 @@ pub struct CreateSandbox {
     pub network: NetworkConfig,
     /// Pause instead of stopping when the timeout passes.
     pub auto_pause: bool,
+    /// Resume on traffic when paused.
+    pub auto_resume: bool,
 }
+
+/// How long a sandbox woken by traffic lives before its timeout applies again.
+const AUTO_RESUME_TIMEOUT_SECS: u64 = 300;
 
 /// How a sandbox's user ports may be reached, for the edge.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -152,6 +157,33 @@ struct Live {
     status: SandboxStatus,
     user_ports: UserPortAccess,
     auto_pause: bool,
+    auto_resume: bool,
+    cpu_count: u32,
+    memory_mb: u32,
+    disk_size_mb: u32,
+}
+
+/// One sample of a sandbox's resource use, as `GET /sandboxes/{id}/metrics` reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricPoint {
+    pub at: DateTime<Utc>,
+    pub cpu_count: u32,
+    pub cpu_used_pct: f64,
+    pub mem_used: u64,
+    pub mem_total: u64,
+    pub mem_cache: u64,
+    pub disk_used: u64,
+    pub disk_total: u64,
+}
+
+/// How often sandboxes are sampled, and for how long samples are kept.
+const METRICS_EVERY_ROUNDS: u64 = 4;
+const METRICS_KEPT: usize = 1800;
+
+#[derive(Debug, Default)]
+struct MetricSeries {
+    last_cpu: Option<(std::time::Instant, u64)>,
+    points: std::collections::VecDeque<MetricPoint>,
 }
 
 pub struct Sandboxes {
@@ -162,6 +194,7 @@ pub struct Sandboxes {
     live: Mutex<HashMap<String, Live>>,
     /// Network updates run one at a time, so the firewall and the store agree on the last.
     network_updates: tokio::sync::Mutex<()>,
+    metrics: Mutex<HashMap<String, MetricSeries>>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -208,6 +241,7 @@ impl Sandboxes {
             config,
             live: Mutex::new(HashMap::new()),
             network_updates: tokio::sync::Mutex::new(()),
+            metrics: Mutex::new(HashMap::new()),
         }
     }
 
@@ -297,6 +331,7 @@ impl Sandboxes {
             state: SandboxState::Running,
             handle,
             auto_pause: request.auto_pause,
+            auto_resume: request.auto_resume,
         };
         if let Err(err) = self.store.insert_sandbox(&sandbox).await {
             if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
@@ -313,6 +348,10 @@ impl Sandboxes {
             entry.end_at = sandbox.end_at;
             entry.user_ports = UserPortAccess::of(&sandbox);
             entry.auto_pause = sandbox.auto_pause;
+            entry.auto_resume = sandbox.auto_resume;
+            entry.cpu_count = sandbox.cpu_count;
+            entry.memory_mb = sandbox.memory_mb;
+            entry.disk_size_mb = sandbox.disk_size_mb;
         }
         if let Err(err) = self
             .store
@@ -352,6 +391,10 @@ impl Sandboxes {
                 status: SandboxStatus::Starting,
                 user_ports: UserPortAccess::default(),
                 auto_pause: false,
+                auto_resume: false,
+                cpu_count: 0,
+                memory_mb: 0,
+                disk_size_mb: 0,
             },
         );
         Ok(())
@@ -502,6 +545,10 @@ impl Sandboxes {
         }
         let deleted = self.store.delete_sandbox(id).await;
         self.live().remove(id);
+        self.metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
         deleted?;
         tracing::info!(sandbox_id = %id, "sandbox stopped");
         Ok(())
@@ -632,6 +679,9 @@ impl Sandboxes {
             if round % 10 == 0 {
                 self.reap_dead().await;
             }
+            if round % METRICS_EVERY_ROUNDS == 0 {
+                self.sample_metrics();
+            }
         }
     }
 
@@ -671,6 +721,10 @@ impl Sandboxes {
                             status,
                             user_ports: UserPortAccess::of(&sandbox),
                             auto_pause: sandbox.auto_pause,
+                            auto_resume: sandbox.auto_resume,
+                            cpu_count: sandbox.cpu_count,
+                            memory_mb: sandbox.memory_mb,
+                            disk_size_mb: sandbox.disk_size_mb,
                         },
                     );
                     adopted += 1;
@@ -688,6 +742,114 @@ impl Sandboxes {
             }
         }
         Ok(adopted)
+    }
+
+    /// Takes one resource sample of every running or paused sandbox.
+    pub fn sample_metrics(&self) {
+        let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
+            .live()
+            .iter()
+            .filter(|(_, l)| matches!(l.status, SandboxStatus::Running | SandboxStatus::Paused))
+            .map(|(id, l)| {
+                (
+                    id.clone(),
+                    l.handle.clone(),
+                    l.cpu_count,
+                    l.memory_mb,
+                    l.disk_size_mb,
+                )
+            })
+            .collect();
+        let now = std::time::Instant::now();
+        let at = Utc::now();
+        let mut metrics = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        for (id, handle, cpu_count, memory_mb, disk_size_mb) in targets {
+            let Some(stats) = self.runtime.stats(&id, &handle) else {
+                continue;
+            };
+            let series = metrics.entry(id).or_default();
+            let cpu_used_pct = match series.last_cpu {
+                Some((then, cpu_ns)) => {
+                    let wall = now.duration_since(then).as_nanos() as f64;
+                    let used = stats.cpu_ns.saturating_sub(cpu_ns) as f64;
+                    if wall > 0.0 {
+                        (used / (wall * f64::from(cpu_count.max(1))) * 100.0).clamp(0.0, 100.0)
+                    } else {
+                        0.0
+                    }
+                }
+                None => 0.0,
+            };
+            series.last_cpu = Some((now, stats.cpu_ns));
+            series.points.push_back(MetricPoint {
+                at,
+                cpu_count,
+                cpu_used_pct,
+                mem_used: stats.memory_used,
+                mem_total: u64::from(memory_mb) << 20,
+                mem_cache: stats.memory_cache,
+                disk_used: stats.disk_used,
+                disk_total: if stats.disk_total > 0 {
+                    stats.disk_total
+                } else {
+                    u64::from(disk_size_mb) << 20
+                },
+            });
+            while series.points.len() > METRICS_KEPT {
+                series.points.pop_front();
+            }
+        }
+    }
+
+    /// A team's sandbox's samples between `start` and `end` (inclusive, either open).
+    pub async fn metrics(
+        &self,
+        team: &Team,
+        id: &str,
+        start: Option<DateTime<Utc>>,
+        end: Option<DateTime<Utc>>,
+    ) -> Result<Vec<MetricPoint>, SandboxError> {
+        self.get(team, id).await?;
+        Ok(self.metric_points(id, start, end))
+    }
+
+    /// The newest sample of each of `ids` that belongs to `team`.
+    pub async fn latest_metrics(
+        &self,
+        team: &Team,
+        ids: &[String],
+    ) -> Result<Vec<(String, MetricPoint)>, SandboxError> {
+        let mut out = Vec::new();
+        for id in ids {
+            if self.get(team, id).await.is_err() {
+                continue;
+            }
+            if let Some(point) = self.metric_points(id, None, None).pop() {
+                out.push((id.clone(), point));
+            }
+        }
+        Ok(out)
+    }
+
+    fn metric_points(
+        &self,
+        id: &str,
+        start: Option<DateTime<Utc>>,
+        end: Option<DateTime<Utc>>,
+    ) -> Vec<MetricPoint> {
+        self.metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .map(|series| {
+                series
+                    .points
+                    .iter()
+                    .filter(|p| start.is_none_or(|s| p.at >= s) && end.is_none_or(|e| p.at <= e))
+                    .cloned()
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// After a restart: makes the stored state and the processes agree. A pause or resume
@@ -793,7 +955,7 @@ impl Sandboxes {
         require_paused: bool,
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
-        let mut sandbox = self.get(team, id).await?;
+        let sandbox = self.get(team, id).await?;
         match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
             Ok(_) => {}
             Err(Some(SandboxStatus::Running)) if !require_paused => {
@@ -808,29 +970,72 @@ impl Sandboxes {
                 });
             }
         }
+        let sandbox = self.thaw(sandbox, timeout_secs).await?;
+        Ok((sandbox, true))
+    }
+
+    /// Thaws a sandbox already marked `Resuming`.
+    async fn thaw(&self, mut sandbox: Sandbox, timeout_secs: u64) -> Result<Sandbox, SandboxError> {
+        let id = sandbox.id.clone();
         let end_at = Utc::now() + seconds(timeout_secs);
         let result = async {
-            self.store.set_sandbox_end(id, end_at).await?;
-            self.runtime.resume(id, &sandbox.handle).await?;
+            self.store.set_sandbox_end(&id, end_at).await?;
+            self.runtime.resume(&id, &sandbox.handle).await?;
             self.store
-                .set_sandbox_state(id, SandboxState::Running)
+                .set_sandbox_state(&id, SandboxState::Running)
                 .await?;
             Ok::<(), SandboxError>(())
         }
         .await;
         if let Err(err) = result {
-            let _ = self.runtime.pause(id, &sandbox.handle).await;
-            self.set_status(id, SandboxStatus::Paused);
+            let _ = self.runtime.pause(&id, &sandbox.handle).await;
+            self.set_status(&id, SandboxStatus::Paused);
             return Err(err);
         }
-        if let Some(entry) = self.live().get_mut(id) {
+        if let Some(entry) = self.live().get_mut(&id) {
             entry.end_at = end_at;
             entry.status = SandboxStatus::Running;
         }
         sandbox.end_at = end_at;
         sandbox.state = SandboxState::Running;
         tracing::info!(sandbox_id = %id, "sandbox resumed");
-        Ok((sandbox, true))
+        Ok(sandbox)
+    }
+
+    /// The endpoint of a running sandbox; a paused one with `autoResume` is resumed first
+    /// (the edge calls this for every request naming a sandbox).
+    pub async fn route_or_wake(&self, id: &str) -> Option<Endpoint> {
+        if let Some(endpoint) = self.route(id) {
+            return Some(endpoint);
+        }
+        let wake = self
+            .live()
+            .get(id)
+            .is_some_and(|l| l.auto_resume && l.status == SandboxStatus::Paused);
+        if !wake {
+            return None;
+        }
+        let sandbox = self.store.sandbox(id).await.ok().flatten()?;
+        if self
+            .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
+            .is_ok()
+        {
+            match self.thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS).await {
+                Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
+                Err(err) => {
+                    tracing::warn!(sandbox_id = %id, error = %err, "cannot resume on traffic")
+                }
+            }
+        } else {
+            // Another request is resuming it: wait for that.
+            for _ in 0..200 {
+                if self.route(id).is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        self.route(id)
     }
 
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when

@@ -50,6 +50,16 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
+/// A sandbox's resource use as its cgroups count it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupStats {
+    /// CPU time used since the sandbox started.
+    pub cpu_ns: u64,
+    /// Memory in use, page cache excluded.
+    pub memory_used: u64,
+    pub memory_cache: u64,
+}
+
 impl CgroupDriver {
     /// Picks v2 when the unified hierarchy owns the controllers, v1 otherwise.
     pub fn detect() -> Result<Self, CgroupError> {
@@ -69,11 +79,19 @@ impl CgroupDriver {
             });
         }
         let mut controllers = Vec::new();
-        for name in ["memory", "cpu", "pids", "freezer"] {
+        for name in ["memory", "cpu", "pids", "freezer", "cpuacct"] {
             let dir = root.join(name);
             if dir.join("cgroup.procs").exists() {
+                // Where cpu and cpuacct share a hierarchy, the cpu directory is already it.
+                if name == "cpuacct"
+                    && controllers
+                        .iter()
+                        .any(|(_, d): &(&str, PathBuf)| d.join("cpuacct.usage").exists())
+                {
+                    continue;
+                }
                 controllers.push((name, dir));
-            } else if name != "freezer" {
+            } else if name != "freezer" && name != "cpuacct" {
                 return Err(CgroupError::Unsupported(format!(
                     "cgroup v1 controller {name} is not mounted at {}",
                     dir.display()
@@ -198,6 +216,47 @@ impl CgroupDriver {
                 .into_iter()
                 .next()
                 .map(|(_, dir)| (dir.join("cgroup.freeze"), "1", "0")),
+        }
+    }
+
+    /// CPU time used so far and memory held now.
+    pub fn stats(&self, sandbox_id: &str) -> Option<CgroupStats> {
+        let read = |path: PathBuf| std::fs::read_to_string(path).ok();
+        let stat_value = |text: &str, key: &str| -> Option<u64> {
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
+        };
+        let dirs = self.dirs(sandbox_id);
+        match self {
+            CgroupDriver::V1 { .. } => {
+                let cpu_ns = dirs
+                    .iter()
+                    .find_map(|(_, d)| read(d.join("cpuacct.usage"))?.trim().parse().ok())?;
+                let memory = dirs.iter().find(|(n, _)| *n == "memory")?.1.clone();
+                let stat = read(memory.join("memory.stat")).unwrap_or_default();
+                let cache = stat_value(&stat, "total_cache").unwrap_or(0);
+                let usage: u64 = read(memory.join("memory.usage_in_bytes"))?
+                    .trim()
+                    .parse()
+                    .ok()?;
+                Some(CgroupStats {
+                    cpu_ns,
+                    memory_used: usage.saturating_sub(cache),
+                    memory_cache: cache,
+                })
+            }
+            CgroupDriver::V2 { .. } => {
+                let dir = &dirs.first()?.1;
+                let cpu = read(dir.join("cpu.stat"))?;
+                let stat = read(dir.join("memory.stat")).unwrap_or_default();
+                let cache = stat_value(&stat, "file").unwrap_or(0);
+                let usage: u64 = read(dir.join("memory.current"))?.trim().parse().ok()?;
+                Some(CgroupStats {
+                    cpu_ns: stat_value(&cpu, "usage_usec")? * 1000,
+                    memory_used: usage.saturating_sub(cache),
+                    memory_cache: cache,
+                })
+            }
         }
     }
 

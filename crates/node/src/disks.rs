@@ -214,13 +214,15 @@ impl DiskPool {
             if !config.image.exists() {
                 make_image(config).await.map_err(fail)?;
             }
+            // commit=5: qgroup counters (the disk usage in sandbox metrics) move at each
+            // transaction commit, so this bounds how stale they are (30 s by default).
             run(
                 "mount",
                 &[
                     OsStr::new("-t"),
                     OsStr::new("btrfs"),
                     OsStr::new("-o"),
-                    OsStr::new("loop,noatime"),
+                    OsStr::new("loop,noatime,commit=5"),
                     config.image.as_os_str(),
                     config.dir.as_os_str(),
                 ],

@@ -830,6 +830,22 @@ impl Runtime for LinuxRuntime {
             .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
+    fn stats(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Option<sandbar_core::runtime::RuntimeStats> {
+        let cgroup = self.cgroups.stats(sandbox_id)?;
+        let disk = self.disks.usage(sandbox_id);
+        Some(sandbar_core::runtime::RuntimeStats {
+            cpu_ns: cgroup.cpu_ns,
+            memory_used: cgroup.memory_used,
+            memory_cache: cgroup.memory_cache,
+            disk_used: disk.map_or(0, |d| d.used),
+            disk_total: disk.map_or(0, |d| d.total),
+        })
+    }
+
     fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
         self.cgroups.is_frozen(sandbox_id)
     }

@@ -209,6 +209,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
         network: serde_json::from_str(&network).map_err(err)?,
         traffic_access_token: row.try_get("traffic_access_token").map_err(err)?,
         auto_pause: row.try_get("auto_pause").map_err(err)?,
+        auto_resume: row.try_get("auto_resume").map_err(err)?,
         envd_access_token: row.try_get("envd_access_token").map_err(err)?,
         envd_version: row.try_get("envd_version").map_err(err)?,
         state: SandboxState::parse(&state)
@@ -672,8 +673,8 @@ impl Store for SqliteStore {
 
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause, auto_resume)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -694,6 +695,7 @@ impl Store for SqliteStore {
         .bind(serde_json::to_string(&s.network).map_err(err)?)
         .bind(&s.traffic_access_token)
         .bind(s.auto_pause)
+        .bind(s.auto_resume)
         .execute(&self.pool)
         .await
         .map_err(err)?;

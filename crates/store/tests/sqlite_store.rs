@@ -146,6 +146,7 @@ async fn templates_and_sandboxes_round_trip() {
         state: SandboxState::Running,
         handle: RuntimeHandle(serde_json::json!({"pid": 5})),
         auto_pause: true,
+        auto_resume: false,
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
     store

@@ -1,0 +1,45 @@
+"""Sandbox metrics as the SDK reads them: real samples of the sandbox's cgroups and disk."""
+
+from __future__ import annotations
+
+from e2b import Sandbox
+
+from e2e_util import wait_until
+
+
+def test_busy_sandbox_shows_cpu_and_idle_one_does_not(sandbar, make_sandbox):
+    busy = make_sandbox()
+    idle = make_sandbox()
+    busy.commands.run("sh -c 'while :; do :; done'", background=True)
+    # sync: disk usage is counted at the filesystem's next commit, which this forces.
+    busy.commands.run("head -c 20000000 /dev/urandom > /home/user/blob && sync", timeout=60)
+
+    def hot():
+        points = busy.get_metrics()
+        if points and points[-1].cpu_used_pct > 30 and points[-1].disk_used >= 20_000_000:
+            return points
+        return None
+
+    points = wait_until(hot, timeout=30, message="a busy sample")
+    last = points[-1]
+    assert last.cpu_count >= 1
+    assert last.mem_total > 0 and 0 < last.mem_used < last.mem_total
+    assert last.disk_total > 0 and last.disk_used >= 20_000_000, last
+
+    quiet = wait_until(lambda: len(idle.get_metrics()) >= 2 and idle.get_metrics(), timeout=30)
+    assert quiet[-1].cpu_used_pct < 20, quiet[-1]
+
+
+def test_metrics_of_unknown_sandbox_and_batch(sandbar, make_sandbox):
+    sbx = make_sandbox()
+    wait_until(lambda: sbx.get_metrics(), timeout=30)
+    with sandbar.client() as api:
+        assert api.get("/sandboxes/nosuchsandbox/metrics").status_code == 404
+        r = api.get("/sandboxes/metrics", params={"sandbox_ids": f"{sbx.sandbox_id},nosuchsandbox"})
+        assert r.status_code == 200, r.text
+        assert list(r.json()["sandboxes"]) == [sbx.sandbox_id], r.json()
+        assert api.get("/sandboxes/metrics").status_code == 400
+        r = api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 10, "end": 5})
+        assert r.status_code == 400, r.text
+        r = api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 0, "end": 1})
+        assert r.status_code == 200 and r.json() == [], r.text
