@@ -38,7 +38,9 @@ def acquire_run_lock(data_dir: Path, wait_s: float = float(os.environ.get("SANDB
     """Hold an exclusive lock for the data dir for the whole run; waits for another run to finish."""
     import fcntl
 
-    lock_path = data_dir.parent / (data_dir.name + ".e2e-lock")
+    # One lock per machine unless told otherwise: two servers would share network ranges and
+    # nftables tables even with different data dirs.
+    lock_path = Path(os.environ.get("SANDBAR_E2E_LOCK") or "/var/tmp/sandbar-e2e.e2e-lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     f = open(lock_path, "a+")
     deadline = time.monotonic() + wait_s
