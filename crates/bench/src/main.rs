@@ -7,10 +7,14 @@
 //!    filesystem, `unshare … /bin/true`, and a plain fork+exec.
 //!
 //! Every sandbox it creates is killed before it exits, on failure too.
+//!
+//! `sandbar-bench pull` instead times an image pull into an empty cache against
+//! `skopeo copy` + `umoci unpack` of the same image (see `pull.rs`); it needs no server.
 
 mod baseline;
 mod client;
 mod memory;
+mod pull;
 mod stats;
 
 use std::path::PathBuf;
@@ -18,7 +22,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 
 use crate::client::Api;
 use crate::memory::{CgroupVersion, IdleMemory};
@@ -28,15 +32,21 @@ use crate::stats::{Summary, summarize};
 #[command(
     name = "sandbar-bench",
     version,
-    about = "Latency and memory benchmark of a running Sandbar server"
+    about = "Latency and memory benchmark of a running Sandbar server",
+    // `pull` needs no server, so the server's flags (the API key among them) are neither
+    // required nor accepted with it.
+    subcommand_negates_reqs = true,
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
+    #[command(subcommand)]
+    command: Option<Mode>,
     /// Base URL of the server (API and edge alike).
     #[arg(long, env = "SANDBAR_API_URL", default_value = "http://127.0.0.1:3000")]
     api_url: String,
     /// API key (`e2b_…`) of the server's team.
-    #[arg(long, env = "SANDBAR_API_KEY")]
-    api_key: String,
+    #[arg(long, env = "SANDBAR_API_KEY", required = true)]
+    api_key: Option<String>,
     /// The server's data directory; locates the template root filesystem.
     #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
     data_dir: PathBuf,
@@ -71,6 +81,13 @@ struct Args {
     /// CPU in a busy loop (0: skip).
     #[arg(long, default_value_t = 2)]
     cpu_hogs: usize,
+}
+
+#[derive(Subcommand, Debug)]
+enum Mode {
+    /// Time an image pull into an empty cache (`ImageCache::pull`) against `skopeo copy` +
+    /// `umoci unpack` of the same image.
+    Pull(pull::PullArgs),
 }
 
 /// Latencies of one create→first-output request, split into its parts.
@@ -425,12 +442,19 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if let Some(Mode::Pull(pull)) = args.command.take() {
+        return pull::main(pull).await;
+    }
+    let Some(api_key) = args.api_key.as_deref() else {
+        eprintln!("error: --api-key (or SANDBAR_API_KEY) is required");
+        return ExitCode::FAILURE;
+    };
     if args.iterations == 0 || args.rounds == 0 || args.concurrency == 0 {
         eprintln!("error: --iterations, --rounds and --concurrency must be at least 1");
         return ExitCode::FAILURE;
     }
-    let api = Api::new(&args.api_url, &args.api_key);
+    let api = Api::new(&args.api_url, api_key);
     let cgroups = CgroupVersion::detect();
     let machine = machine(cgroups);
     let mut results = Results::default();

@@ -7,6 +7,7 @@ use std::time::Duration;
 pub struct Summary {
     pub n: usize,
     pub p50: f64,
+    pub p90: f64,
     pub p95: f64,
     pub p99: f64,
     pub mean: f64,
@@ -35,6 +36,7 @@ pub fn summarize(samples: &[Duration]) -> Option<Summary> {
     Some(Summary {
         n,
         p50: percentile(&sorted, 50.0),
+        p90: percentile(&sorted, 90.0),
         p95: percentile(&sorted, 95.0),
         p99: percentile(&sorted, 99.0),
         mean: sorted.iter().sum::<f64>() / n as f64,
@@ -53,6 +55,7 @@ mod tests {
         let s = summarize(&samples).expect("samples");
         assert_eq!(s.n, 100);
         assert!((s.p50 - 50.0).abs() < 1e-9);
+        assert!((s.p90 - 90.0).abs() < 1e-9);
         assert!((s.p95 - 95.0).abs() < 1e-9);
         assert!((s.p99 - 99.0).abs() < 1e-9);
         assert!((s.min - 1.0).abs() < 1e-9);
