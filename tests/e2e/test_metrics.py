@@ -16,7 +16,7 @@ def test_busy_sandbox_shows_cpu_and_idle_one_does_not(sandbar, make_sandbox):
 
     def hot():
         points = busy.get_metrics()
-        if points and points[-1].cpu_used_pct > 30 and points[-1].disk_used >= 20_000_000:
+        if points and points[-1].cpu_used_pct > 15 and points[-1].disk_used >= 20_000_000:
             return points
         return None
 
@@ -26,8 +26,10 @@ def test_busy_sandbox_shows_cpu_and_idle_one_does_not(sandbar, make_sandbox):
     assert last.mem_total > 0 and 0 < last.mem_used < last.mem_total
     assert last.disk_total > 0 and last.disk_used >= 20_000_000, last
 
+    # One spinning core is 50 % of two; on a host busy with other work the spinner gets less,
+    # so the bounds leave room on both sides.
     quiet = wait_until(lambda: len(idle.get_metrics()) >= 2 and idle.get_metrics(), timeout=30)
-    assert quiet[-1].cpu_used_pct < 20, quiet[-1]
+    assert quiet[-1].cpu_used_pct < 10, quiet[-1]
 
 
 def test_metrics_of_unknown_sandbox_and_batch(sandbar, make_sandbox):
@@ -43,3 +45,21 @@ def test_metrics_of_unknown_sandbox_and_batch(sandbar, make_sandbox):
         assert r.status_code == 400, r.text
         r = api.get(f"/sandboxes/{sbx.sandbox_id}/metrics", params={"start": 0, "end": 1})
         assert r.status_code == 200 and r.json() == [], r.text
+
+
+def test_prometheus_endpoint_counts_real_sandboxes(sandbar, make_sandbox):
+    sbx = make_sandbox()
+    sbx.commands.run("true")
+    with sandbar.client() as api:
+        r = api.get("/metrics", headers={"X-API-Key": ""})
+        assert r.status_code == 200, r.text
+    values = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values['sandbar_sandboxes{state="running"}'] >= 1, r.text
+    assert values["sandbar_sandbox_create_duration_seconds_count"] >= 1, r.text
+    # The SDK's agent calls went through the edge and were counted as such.
+    assert any(k.startswith('sandbar_edge_requests_total{target="agent"') for k in values), r.text
+    assert sbx.sandbox_id not in r.text

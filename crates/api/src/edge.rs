@@ -18,6 +18,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::telemetry::EdgeResponse;
 
 /// The port the SDKs address the agent on.
 pub const AGENT_PORT: u16 = 49983;
@@ -86,7 +87,7 @@ fn not_found(sandbox_id: &str) -> Response {
 /// Middleware in front of the API router.
 pub(crate) async fn route_to_sandbox(
     State(state): State<AppState>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Response {
     let target = match target_from_headers(request.headers()) {
@@ -101,16 +102,33 @@ pub(crate) async fn route_to_sandbox(
     let (target, endpoint) = match target {
         Some(target) => match state.sandboxes.route_or_wake(&target.sandbox_id).await {
             Some(endpoint) => (target, endpoint),
-            None => return not_found(&target.sandbox_id),
+            None => return mark(not_found(&target.sandbox_id), target.port),
         },
         None => match signed_file_route(&state, &request) {
             Some(routed) => routed,
             None => return next.run(request).await,
         },
     };
+    let port = target.port;
+    mark(forward_to(&state, target, endpoint, request).await, port)
+}
+
+fn mark(mut response: Response, port: u16) -> Response {
+    response.extensions_mut().insert(EdgeResponse {
+        to_agent: port == AGENT_PORT,
+    });
+    response
+}
+
+async fn forward_to(
+    state: &AppState,
+    target: Target,
+    endpoint: Endpoint,
+    mut request: Request,
+) -> Response {
     if target.port != AGENT_PORT
         && let Err(refused) =
-            crate::traffic::admit(&state, &target.sandbox_id, target.port, &mut request)
+            crate::traffic::admit(state, &target.sandbox_id, target.port, &mut request)
     {
         return refused.into_response();
     }

@@ -9,6 +9,7 @@ mod edge;
 mod error;
 mod extract;
 mod sandboxes;
+mod telemetry;
 mod templates;
 mod traffic;
 
@@ -117,11 +118,22 @@ pub fn router(state: AppState) -> Router {
         )
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
-    api.layer(axum::middleware::from_fn_with_state(
-        state.clone(),
-        edge::route_to_sandbox,
-    ))
-    .with_state(state)
+    let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
+    let operator = Router::new()
+        .route("/metrics", get(telemetry::metrics))
+        .with_state(telemetry.clone());
+    // Route layers run after routing, so `observe` sees the matched route template; it is
+    // outermost so that it also counts what the edge answers.
+    api.merge(operator)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            edge::route_to_sandbox,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            telemetry,
+            telemetry::observe,
+        ))
+        .with_state(state)
 }
 
 async fn health() -> axum::http::StatusCode {

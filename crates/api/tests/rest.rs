@@ -682,3 +682,73 @@ async fn undecodable_path_parameters_get_json_errors() {
     }
     assert_eq!(h.launched(), 0);
 }
+
+async fn scrape(h: &Harness) -> String {
+    let request = Request::builder()
+        .uri("/metrics")
+        .body(Body::empty())
+        .expect("request");
+    let response = h.app.clone().oneshot(request).await.expect("call");
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    String::from_utf8(body.to_vec()).expect("utf-8")
+}
+
+#[tokio::test]
+async fn prometheus_metrics_count_requests_by_route_sandboxes_by_state_and_edge_errors() {
+    let h = harness(GENEROUS).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    assert_eq!(
+        h.api("GET", &format!("/sandboxes/{id}"), None).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h.api("GET", "/sandboxes/nosuchsandbox", None).await.status,
+        StatusCode::NOT_FOUND
+    );
+    let edge = Request::builder()
+        .uri("/health")
+        .header("E2b-Sandbox-Id", "inope")
+        .body(Body::empty())
+        .expect("request");
+    let response = h.app.clone().oneshot(edge).await.expect("call");
+    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
+
+    let text = scrape(&h).await;
+    let has = |line: &str| text.lines().any(|l| l == line);
+    assert!(
+        has(r#"sandbar_http_requests_total{method="POST",route="/v2/sandboxes",status="201"} 1"#),
+        "{text}"
+    );
+    // Ids never become labels: both lookups count under the route template.
+    assert!(
+        has(
+            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandbox_id}",status="200"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(
+        has(
+            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandbox_id}",status="404"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(!text.contains(&id), "{text}");
+    assert!(
+        has("sandbar_sandbox_create_duration_seconds_count 1"),
+        "{text}"
+    );
+    assert!(has(r#"sandbar_sandboxes{state="running"} 1"#), "{text}");
+    assert!(has(r#"sandbar_sandboxes{state="paused"} 0"#), "{text}");
+    assert!(
+        has(r#"sandbar_edge_requests_total{target="agent",status="502"} 1"#),
+        "{text}"
+    );
+    // The edge's answers are not API requests.
+    assert!(!text.contains(r#"route="/health""#), "{text}");
+}

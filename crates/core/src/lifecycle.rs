@@ -20,6 +20,27 @@ pub enum SandboxStatus {
 }
 
 impl SandboxStatus {
+    pub const ALL: [SandboxStatus; 6] = [
+        SandboxStatus::Starting,
+        SandboxStatus::Running,
+        SandboxStatus::Pausing,
+        SandboxStatus::Paused,
+        SandboxStatus::Resuming,
+        SandboxStatus::Stopping,
+    ];
+
+    /// Lower-case name, as logs and metrics labels show it.
+    pub fn name(self) -> &'static str {
+        match self {
+            SandboxStatus::Starting => "starting",
+            SandboxStatus::Running => "running",
+            SandboxStatus::Pausing => "pausing",
+            SandboxStatus::Paused => "paused",
+            SandboxStatus::Resuming => "resuming",
+            SandboxStatus::Stopping => "stopping",
+        }
+    }
+
     /// Whether `self → next` is a transition the lifecycle allows.
     pub fn can_become(self, next: SandboxStatus) -> bool {
         use SandboxStatus::*;
@@ -62,7 +83,7 @@ impl SandboxStatus {
 mod tests {
     use super::SandboxStatus::{self, *};
 
-    const ALL: [SandboxStatus; 6] = [Starting, Running, Pausing, Paused, Resuming, Stopping];
+    const ALL: [SandboxStatus; 6] = SandboxStatus::ALL;
 
     #[test]
     fn the_transition_table_is_exactly_this() {

@@ -412,6 +412,15 @@ impl Sandboxes {
         }
     }
 
+    /// How many of this server's sandboxes are in each status, every status listed.
+    pub fn count_by_status(&self) -> Vec<(SandboxStatus, usize)> {
+        let live = self.live();
+        SandboxStatus::ALL
+            .iter()
+            .map(|&status| (status, live.values().filter(|l| l.status == status).count()))
+            .collect()
+    }
+
     pub async fn list(
         &self,
         team: &Team,

@@ -1,0 +1,239 @@
+//! Operators' view of the server: Prometheus metrics on `GET /metrics`.
+//!
+//! One explicit registry per router (no process globals, so tests can build many). Request
+//! metrics are labelled by the matched route template, never by the raw path, so sandbox and
+//! template ids cannot blow up the number of series.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{Method, StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use sandbar_core::Sandboxes;
+use tracing::Instrument;
+
+use crate::error::ApiError;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    method: String,
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    method: String,
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EdgeLabels {
+    target: &'static str,
+    status: u16,
+}
+
+/// Set on responses the edge produced, so they are counted as sandbox traffic and not as
+/// API requests.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EdgeResponse {
+    pub to_agent: bool,
+}
+
+pub(crate) struct Telemetry {
+    registry: Registry,
+    sandboxes: Arc<Sandboxes>,
+    requests: Family<RequestLabels, Counter>,
+    durations: Family<RouteLabels, Histogram>,
+    creates: Histogram,
+    edge: Family<EdgeLabels, Counter>,
+    by_state: Family<StateLabels, Gauge>,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry").finish_non_exhaustive()
+    }
+}
+
+/// 0.5 ms to ~16 s: a hot create or resume is a few milliseconds, a build poll or a slow
+/// upload many seconds.
+fn latency_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.0005, 2.0, 16)
+}
+
+/// Creates whose route answers this are the ones the create histogram describes.
+fn is_sandbox_create(method: &Method, route: &str) -> bool {
+    method == Method::POST && matches!(route, "/sandboxes" | "/v2/sandboxes")
+}
+
+impl Telemetry {
+    pub(crate) fn new(sandboxes: Arc<Sandboxes>) -> Self {
+        let mut registry = Registry::with_prefix("sandbar");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "http_requests",
+            "API requests answered, by method, route template and status",
+            requests.clone(),
+        );
+        let durations = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(latency_buckets())
+        });
+        registry.register(
+            "http_request_duration_seconds",
+            "Time from request to response headers, by method and route template",
+            durations.clone(),
+        );
+        let creates = Histogram::new(latency_buckets());
+        registry.register(
+            "sandbox_create_duration_seconds",
+            "Time to create a sandbox whose agent answers (successful creates only)",
+            creates.clone(),
+        );
+        let edge = Family::<EdgeLabels, Counter>::default();
+        registry.register(
+            "edge_requests",
+            "Requests forwarded to sandboxes, by target (agent or a user port) and status; \
+             502 means the sandbox or its agent did not answer",
+            edge.clone(),
+        );
+        let by_state = Family::<StateLabels, Gauge>::default();
+        registry.register(
+            "sandboxes",
+            "Sandboxes on this server by state",
+            by_state.clone(),
+        );
+        Self {
+            registry,
+            sandboxes,
+            requests,
+            durations,
+            creates,
+            edge,
+            by_state,
+        }
+    }
+
+    fn record(&self, method: &Method, route: &str, status: StatusCode, started: Instant) {
+        let elapsed = started.elapsed().as_secs_f64();
+        self.requests
+            .get_or_create(&RequestLabels {
+                method: method.as_str().to_owned(),
+                route: route.to_owned(),
+                status: status.as_u16(),
+            })
+            .inc();
+        self.durations
+            .get_or_create(&RouteLabels {
+                method: method.as_str().to_owned(),
+                route: route.to_owned(),
+            })
+            .observe(elapsed);
+        if status == StatusCode::CREATED && is_sandbox_create(method, route) {
+            self.creates.observe(elapsed);
+        }
+    }
+
+    fn render(&self) -> Result<String, std::fmt::Error> {
+        for (status, count) in self.sandboxes.count_by_status() {
+            let count = i64::try_from(count).unwrap_or(i64::MAX);
+            self.by_state
+                .get_or_create(&StateLabels {
+                    state: status.name(),
+                })
+                .set(count);
+        }
+        let mut out = String::new();
+        encode(&mut out, &self.registry)?;
+        Ok(out)
+    }
+}
+
+/// Counts every response: edge traffic by target, everything else by its route template
+/// (`unmatched` for paths no route knows).
+pub(crate) async fn observe(
+    State(telemetry): State<Arc<Telemetry>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let started = Instant::now();
+    let method = request.method().clone();
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned());
+    // Whatever a handler logs carries the request it serves.
+    let span = tracing::info_span!(
+        "request",
+        method = %method,
+        route = route.as_deref().unwrap_or("unmatched")
+    );
+    let response = next.run(request).instrument(span).await;
+    match response.extensions().get::<EdgeResponse>() {
+        Some(edge) => {
+            telemetry
+                .edge
+                .get_or_create(&EdgeLabels {
+                    target: if edge.to_agent { "agent" } else { "port" },
+                    status: response.status().as_u16(),
+                })
+                .inc();
+        }
+        None => telemetry.record(
+            &method,
+            route.as_deref().unwrap_or("unmatched"),
+            response.status(),
+            started,
+        ),
+    }
+    response
+}
+
+/// `GET /metrics` in Prometheus' text format.
+pub(crate) async fn metrics(State(telemetry): State<Arc<Telemetry>>) -> Response {
+    match telemetry.render() {
+        Ok(body) => (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            body,
+        )
+            .into_response(),
+        Err(e) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode metrics: {e}"),
+        )
+        .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_sandbox_creates_feed_the_create_histogram() {
+        assert!(is_sandbox_create(&Method::POST, "/v2/sandboxes"));
+        assert!(is_sandbox_create(&Method::POST, "/sandboxes"));
+        assert!(!is_sandbox_create(&Method::GET, "/v2/sandboxes"));
+        assert!(!is_sandbox_create(
+            &Method::POST,
+            "/sandboxes/{sandbox_id}/pause"
+        ));
+    }
+}
