@@ -12,7 +12,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, SandboxState, Team};
+use crate::model::{Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::store::{Store, StoreError};
@@ -82,7 +82,18 @@ pub enum CreateSandboxError {
     #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
     TimeoutTooLong { requested: u64, max: u64 },
     #[error("team has reached its limit of {limit} concurrent sandboxes")]
-    ConcurrencyLimit { limit: u32 },
+    ConcurrencyLimit {
+        limit: u32,
+        /// When a slot is expected to free up: the team's next sandbox timeout.
+        retry_after_secs: u64,
+    },
+    #[error("template '{template_id}' needs {field} {value}, above this team's limit of {max}")]
+    ResourceLimit {
+        template_id: String,
+        field: &'static str,
+        value: u32,
+        max: u32,
+    },
     #[error("cannot start sandbox: {0}")]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
@@ -268,6 +279,7 @@ impl Sandboxes {
             .templates
             .wait_ready(template, self.config.template_wait)
             .await?;
+        check_resources(team, &template)?;
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
@@ -376,8 +388,19 @@ impl Sandboxes {
             .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
             .count();
         if active >= team.max_concurrent_sandboxes as usize {
+            let now = Utc::now();
+            let next_end = live
+                .values()
+                .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
+                .map(|l| l.end_at)
+                .min()
+                .unwrap_or(now);
+            // A kill can free a slot at any moment, so a client is never told to wait longer
+            // than a minute even when the team's sandboxes live for hours.
+            let retry_after_secs = (next_end - now).num_seconds().clamp(1, 60) as u64;
             return Err(CreateSandboxError::ConcurrencyLimit {
                 limit: team.max_concurrent_sandboxes,
+                retry_after_secs,
             });
         }
         live.insert(
@@ -1055,6 +1078,25 @@ impl Sandboxes {
     }
 }
 
+/// A team's per-sandbox ceilings (0: none) against what the template would get.
+fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandboxError> {
+    for (field, value, max) in [
+        ("cpuCount", template.cpu_count, team.max_vcpu),
+        ("memoryMB", template.memory_mb, team.max_memory_mb),
+        ("diskSizeMB", template.disk_size_mb, team.max_disk_mb),
+    ] {
+        if max != 0 && value > max {
+            return Err(CreateSandboxError::ResourceLimit {
+                template_id: template.id.clone(),
+                field,
+                value,
+                max,
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1070,3 +1112,4 @@ mod tests {
         assert_eq!(parse_page_token(&hex::encode("nocolon")), None);
     }
 }
+
