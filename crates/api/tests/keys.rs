@@ -706,3 +706,72 @@ async fn operator_limits_are_range_checked() {
     let team = h.auth.find_team("default").await.expect("by name");
     assert_eq!(team.limits(), LIMITS);
 }
+
+#[tokio::test]
+async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
+    let h = harness().await;
+    let key = Cred::Key(&h.key);
+    let sandbox = h
+        .call("POST", "/v2/sandboxes", key, Some(r#"{"templateID":"base"}"#))
+        .await;
+    let sandbox_id = sandbox.body["sandboxID"].as_str().expect("id").to_owned();
+    let build = h
+        .call("POST", "/v3/templates", key, Some(r#"{"name":"ranges"}"#))
+        .await;
+    assert_eq!(build.status, StatusCode::ACCEPTED, "{:?}", build.body);
+    let template_id = build.body["templateID"].as_str().expect("template");
+    let build_id = build.body["buildID"].as_str().expect("build");
+    let builds = format!("/templates/{template_id}/builds/{build_id}");
+    let many_ids = vec!["i"; 101].join(",");
+    let cases: Vec<(&str, String, Option<&str>, &str)> = vec![
+        ("GET", "/v2/sandboxes?limit=0".into(), None, "limit"),
+        ("GET", "/v2/sandboxes?limit=101".into(), None, "limit"),
+        ("GET", format!("/templates/{template_id}?limit=101"), None, "limit"),
+        ("GET", format!("{builds}/status?limit=101"), None, "limit"),
+        ("GET", format!("{builds}/status?logsOffset=-1"), None, "logsOffset"),
+        ("GET", format!("{builds}/logs?limit=101"), None, "limit"),
+        ("GET", format!("{builds}/logs?cursor=-1"), None, "cursor"),
+        (
+            "GET",
+            format!("/sandboxes/metrics?sandbox_ids={many_ids}"),
+            None,
+            "sandbox_ids",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/refreshes"),
+            Some(r#"{"duration":3601}"#),
+            "duration",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/timeout"),
+            Some(r#"{"timeout":-1}"#),
+            "timeout",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/connect"),
+            Some(r#"{"timeout":-1}"#),
+            "timeout",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/timeout"),
+            Some(r#"{"timeout":2147483648}"#),
+            "timeout",
+        ),
+    ];
+    for (method, path, body, field) in cases {
+        let reply = h.call(method, &path, key, body).await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, field);
+    }
+    for path in [
+        "/v2/sandboxes?limit=1",
+        "/v2/sandboxes?limit=100",
+        &format!("{builds}/logs?limit=0"),
+        &format!("{builds}/status?limit=100"),
+    ] {
+        assert_eq!(h.call("GET", path, key, None).await.status, StatusCode::OK, "{path}");
+    }
+}
