@@ -4,8 +4,8 @@
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -253,7 +253,10 @@ async fn api_keys_are_listed_masked_created_once_renamed_and_deleted() {
     assert!(!listed[0].to_string().contains(&h.key[4..]));
     assert_eq!(first["createdBy"], Value::Null);
     assert_eq!(first["lastUsed"], Value::Null);
-    assert_eq!(first["mask"]["maskedValueSuffix"], &h.key[h.key.len() - 4..]);
+    assert_eq!(
+        first["mask"]["maskedValueSuffix"],
+        &h.key[h.key.len() - 4..]
+    );
 
     // Using a key records it, at most once every few seconds.
     assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
@@ -425,7 +428,12 @@ async fn another_teams_keys_tokens_and_team_are_out_of_reach() {
         .call("GET", "/api-keys", Cred::Bearer(&other.access_token), None)
         .await;
     assert_eq!(theirs.body[0]["name"], "default");
-    assert!(!h.keys().await.iter().any(|k| k["id"] == their_key_id.as_str()));
+    assert!(
+        !h.keys()
+            .await
+            .iter()
+            .any(|k| k["id"] == their_key_id.as_str())
+    );
 
     // Naming their team, or a team that does not exist, is refused alike.
     for team in [other.team.id.as_str(), "no-such-team"] {
@@ -444,7 +452,12 @@ async fn another_teams_keys_tokens_and_team_are_out_of_reach() {
         assert_error(&reply, StatusCode::FORBIDDEN, team);
     }
     let ours = h
-        .call("GET", "/api-keys", Cred::BearerTeam(&h.token, &h.team_id), None)
+        .call(
+            "GET",
+            "/api-keys",
+            Cred::BearerTeam(&h.token, &h.team_id),
+            None,
+        )
         .await;
     assert_eq!(ours.status, StatusCode::OK);
     assert_eq!(
@@ -495,7 +508,12 @@ async fn another_teams_keys_tokens_and_team_are_out_of_reach() {
 async fn access_tokens_are_created_once_and_stop_working_when_deleted() {
     let h = harness().await;
     let reply = h
-        .call("POST", "/access-tokens", h.bearer(), Some(r#"{"name":"laptop"}"#))
+        .call(
+            "POST",
+            "/access-tokens",
+            h.bearer(),
+            Some(r#"{"name":"laptop"}"#),
+        )
         .await;
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     let token = reply.body["token"].as_str().expect("token").to_owned();
@@ -528,8 +546,13 @@ async fn access_tokens_are_created_once_and_stop_working_when_deleted() {
     );
     // The template endpoints that take an access token refuse it as well.
     assert_error(
-        &h.call("GET", "/templates/nope/builds/nope/status", Cred::Bearer(&token), None)
-            .await,
+        &h.call(
+            "GET",
+            "/templates/nope/builds/nope/status",
+            Cred::Bearer(&token),
+            None,
+        )
+        .await,
         StatusCode::UNAUTHORIZED,
         "access token",
     );
@@ -578,7 +601,11 @@ async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
             "diskSizeMB",
         ),
     ] {
-        let team = h.auth.set_team_limits(&h.team_id, changes).await.expect("set");
+        let team = h
+            .auth
+            .set_team_limits(&h.team_id, changes)
+            .await
+            .expect("set");
         let reply = h
             .call(
                 "POST",
@@ -670,12 +697,22 @@ async fn changed_limits_apply_to_the_next_request() {
         .expect("set");
     assert_error(&create().await, StatusCode::BAD_REQUEST, "timeout");
     assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
-    let limited = h.call("GET", "/v2/sandboxes", Cred::Key(&h.key), None).await;
-    assert_error(&limited, StatusCode::TOO_MANY_REQUESTS, "2 requests per minute");
+    let limited = h
+        .call("GET", "/v2/sandboxes", Cred::Key(&h.key), None)
+        .await;
+    assert_error(
+        &limited,
+        StatusCode::TOO_MANY_REQUESTS,
+        "2 requests per minute",
+    );
     assert!(limited.headers.contains_key("retry-after"));
     // The key-management routes count against the same budget.
     let limited = h.call("GET", "/api-keys", h.bearer(), None).await;
-    assert_error(&limited, StatusCode::TOO_MANY_REQUESTS, "requests per minute");
+    assert_error(
+        &limited,
+        StatusCode::TOO_MANY_REQUESTS,
+        "requests per minute",
+    );
 }
 
 #[tokio::test]
@@ -712,7 +749,12 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
     let h = harness().await;
     let key = Cred::Key(&h.key);
     let sandbox = h
-        .call("POST", "/v2/sandboxes", key, Some(r#"{"templateID":"base"}"#))
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            key,
+            Some(r#"{"templateID":"base"}"#),
+        )
         .await;
     let sandbox_id = sandbox.body["sandboxID"].as_str().expect("id").to_owned();
     let build = h
@@ -726,9 +768,19 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
     let cases: Vec<(&str, String, Option<&str>, &str)> = vec![
         ("GET", "/v2/sandboxes?limit=0".into(), None, "limit"),
         ("GET", "/v2/sandboxes?limit=101".into(), None, "limit"),
-        ("GET", format!("/templates/{template_id}?limit=101"), None, "limit"),
+        (
+            "GET",
+            format!("/templates/{template_id}?limit=101"),
+            None,
+            "limit",
+        ),
         ("GET", format!("{builds}/status?limit=101"), None, "limit"),
-        ("GET", format!("{builds}/status?logsOffset=-1"), None, "logsOffset"),
+        (
+            "GET",
+            format!("{builds}/status?logsOffset=-1"),
+            None,
+            "logsOffset",
+        ),
         ("GET", format!("{builds}/logs?limit=101"), None, "limit"),
         ("GET", format!("{builds}/logs?cursor=-1"), None, "cursor"),
         (
@@ -772,6 +824,10 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
         &format!("{builds}/logs?limit=0"),
         &format!("{builds}/status?limit=100"),
     ] {
-        assert_eq!(h.call("GET", path, key, None).await.status, StatusCode::OK, "{path}");
+        assert_eq!(
+            h.call("GET", path, key, None).await.status,
+            StatusCode::OK,
+            "{path}"
+        );
     }
 }

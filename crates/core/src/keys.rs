@@ -506,8 +506,9 @@ impl Auth {
     ) -> Result<NewTeam, TeamAdminError> {
         let name = check_name(name).map_err(TeamAdminError::BadName)?;
         limits.validate()?;
-        let (team, api_key, access_token) =
-            self.insert_team_with_credentials(&name, limits, None).await?;
+        let (team, api_key, access_token) = self
+            .insert_team_with_credentials(&name, limits, None)
+            .await?;
         let api_key_id = self
             .store
             .team_api_keys(&team.id)

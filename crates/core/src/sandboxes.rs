@@ -1112,4 +1112,3 @@ mod tests {
         assert_eq!(parse_page_token(&hex::encode("nocolon")), None);
     }
 }
-

@@ -147,8 +147,12 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes the key if it belongs to `team_id` (any team's for `None`); whether it did.
     async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError>;
     /// Creates a user who is a member of `team_id`.
-    async fn insert_user(&self, id: &str, team_id: &str, is_default: bool)
-    -> Result<(), StoreError>;
+    async fn insert_user(
+        &self,
+        id: &str,
+        team_id: &str,
+        is_default: bool,
+    ) -> Result<(), StoreError>;
     async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError>;
     async fn access_token_by_hash(
         &self,

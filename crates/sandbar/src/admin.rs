@@ -169,7 +169,9 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
             let auth = open(&data).await?;
             let changes = limits.changes();
             if limits_empty(&changes) {
-                bail!("nothing to change: give at least one of --max-sandboxes, --max-timeout-secs, --requests-per-minute, --max-vcpu, --max-memory-mb, --max-disk-mb");
+                bail!(
+                    "nothing to change: give at least one of --max-sandboxes, --max-timeout-secs, --requests-per-minute, --max-vcpu, --max-memory-mb, --max-disk-mb"
+                );
             }
             let t = auth.set_team_limits(&team, changes).await?;
             println!("{}  {}  {}", t.id, t.name, print_limits(&t));

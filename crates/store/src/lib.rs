@@ -819,7 +819,10 @@ impl Store for SqliteStore {
             return Ok(None);
         };
         let key = api_key_from_row(&key)?;
-        Ok(self.team(&key.secret.team_id).await?.map(|team| (key, team)))
+        Ok(self
+            .team(&key.secret.team_id)
+            .await?
+            .map(|team| (key, team)))
     }
 
     async fn touch_api_key(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
@@ -880,12 +883,13 @@ impl Store for SqliteStore {
     }
 
     async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM api_keys WHERE id = ? AND (?2 IS NULL OR team_id = ?2)")
-            .bind(id)
-            .bind(team_id)
-            .execute(&self.pool)
-            .await
-            .map_err(err)?;
+        let done =
+            sqlx::query("DELETE FROM api_keys WHERE id = ? AND (?2 IS NULL OR team_id = ?2)")
+                .bind(id)
+                .bind(team_id)
+                .execute(&self.pool)
+                .await
+                .map_err(err)?;
         Ok(done.rows_affected() > 0)
     }
 
@@ -935,13 +939,12 @@ impl Store for SqliteStore {
         &self,
         hash: &str,
     ) -> Result<Option<StoredAccessToken>, StoreError> {
-        let Some(row) = sqlx::query(
-            "SELECT * FROM access_tokens WHERE token_hash = ? AND user_id IS NOT NULL",
-        )
-        .bind(hash)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(err)?
+        let Some(row) =
+            sqlx::query("SELECT * FROM access_tokens WHERE token_hash = ? AND user_id IS NOT NULL")
+                .bind(hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
         else {
             return Ok(None);
         };
