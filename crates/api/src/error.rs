@@ -122,6 +122,13 @@ impl From<SandboxError> for ApiError {
             SandboxError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
             SandboxError::Conflict { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SandboxError::ConcurrencyLimit {
+                retry_after_secs, ..
+            } => {
+                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+                error.retry_after = Some(retry_after_secs);
+                error
+            }
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
         }

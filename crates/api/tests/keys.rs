@@ -50,6 +50,12 @@ impl Runtime for CountingRuntime {
     async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
         Ok(None)
     }
+    async fn pause(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    async fn resume(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
 }
 
 const LIMITS: TeamLimits = TeamLimits {
@@ -830,4 +836,57 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
             "{path}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
+    let h = harness().await;
+    h.auth
+        .set_team_limits(
+            &h.team_id,
+            LimitChanges {
+                max_concurrent_sandboxes: Some(1),
+                ..LimitChanges::default()
+            },
+        )
+        .await
+        .expect("set");
+    let key = Cred::Key(&h.key);
+    let create = r#"{"templateID":"base","timeout":30}"#;
+    let first = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    let first_id = first.body["sandboxID"].as_str().expect("id").to_owned();
+    let paused = h
+        .call("POST", &format!("/sandboxes/{first_id}/pause"), key, None)
+        .await;
+    assert_eq!(paused.status, StatusCode::NO_CONTENT, "{:?}", paused.body);
+    let second = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
+    let second_id = second.body["sandboxID"].as_str().expect("id").to_owned();
+
+    for path in [
+        format!("/sandboxes/{first_id}/resume"),
+        format!("/sandboxes/{first_id}/connect"),
+    ] {
+        let refused = h.call("POST", &path, key, Some(r#"{"timeout":30}"#)).await;
+        assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, &first_id);
+        assert!(refused.headers.contains_key("retry-after"));
+    }
+    let detail = h
+        .call("GET", &format!("/sandboxes/{first_id}"), key, None)
+        .await;
+    assert_eq!(detail.body["state"], "paused");
+
+    let killed = h
+        .call("DELETE", &format!("/sandboxes/{second_id}"), key, None)
+        .await;
+    assert_eq!(killed.status, StatusCode::NO_CONTENT);
+    let resumed = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{first_id}/resume"),
+            key,
+            Some(r#"{"timeout":30}"#),
+        )
+        .await;
+    assert_eq!(resumed.status, StatusCode::CREATED, "{:?}", resumed.body);
 }

@@ -111,6 +111,14 @@ pub enum SandboxError {
     Runtime(#[from] RuntimeError),
     #[error("sandbox '{id}' is {state}")]
     Conflict { id: String, state: &'static str },
+    #[error(
+        "cannot resume sandbox '{id}': team has reached its limit of {limit} concurrent sandboxes"
+    )]
+    ConcurrencyLimit {
+        id: String,
+        limit: u32,
+        retry_after_secs: u64,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -388,19 +396,9 @@ impl Sandboxes {
             .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
             .count();
         if active >= team.max_concurrent_sandboxes as usize {
-            let now = Utc::now();
-            let next_end = live
-                .values()
-                .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
-                .map(|l| l.end_at)
-                .min()
-                .unwrap_or(now);
-            // A kill can free a slot at any moment, so a client is never told to wait longer
-            // than a minute even when the team's sandboxes live for hours.
-            let retry_after_secs = (next_end - now).num_seconds().clamp(1, 60) as u64;
             return Err(CreateSandboxError::ConcurrencyLimit {
                 limit: team.max_concurrent_sandboxes,
-                retry_after_secs,
+                retry_after_secs: slot_wait(&live, team),
             });
         }
         live.insert(
@@ -924,6 +922,24 @@ impl Sandboxes {
         Ok(std::mem::replace(&mut entry.status, to))
     }
 
+    /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
+    /// its concurrency limit; else how long to wait. Paused sandboxes free their slot, so a
+    /// resume has to win one back like a create.
+    fn within_slots(&self, team: &Team, resuming: &str) -> Result<(), u64> {
+        let live = self.live();
+        let active = live
+            .iter()
+            .filter(|(id, l)| {
+                l.team_id == team.id && (l.status.holds_a_slot() || id.as_str() == resuming)
+            })
+            .count();
+        if active > team.max_concurrent_sandboxes as usize {
+            Err(slot_wait(&live, team))
+        } else {
+            Ok(())
+        }
+    }
+
     fn set_status(&self, id: &str, status: SandboxStatus) {
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = status;
@@ -993,6 +1009,14 @@ impl Sandboxes {
                 });
             }
         }
+        if let Err(retry_after_secs) = self.within_slots(team, id) {
+            self.set_status(id, SandboxStatus::Paused);
+            return Err(SandboxError::ConcurrencyLimit {
+                id: id.to_owned(),
+                limit: team.max_concurrent_sandboxes,
+                retry_after_secs,
+            });
+        }
         let sandbox = self.thaw(sandbox, timeout_secs).await?;
         Ok((sandbox, true))
     }
@@ -1039,10 +1063,16 @@ impl Sandboxes {
             return None;
         }
         let sandbox = self.store.sandbox(id).await.ok().flatten()?;
+        let team = self.store.team(&sandbox.team_id).await.ok().flatten()?;
         if self
             .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
             .is_ok()
         {
+            if self.within_slots(&team, id).is_err() {
+                self.set_status(id, SandboxStatus::Paused);
+                tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
+                return None;
+            }
             match self.thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS).await {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
                 Err(err) => {
@@ -1076,6 +1106,20 @@ impl Sandboxes {
             .await
             .map_err(|e| e.to_string())
     }
+}
+
+/// Seconds until one of the team's slots is expected to free up: its next sandbox timeout. A
+/// kill can free a slot at any moment, so a client is never told to wait more than a minute
+/// even when the team's sandboxes live for hours.
+fn slot_wait(live: &HashMap<String, Live>, team: &Team) -> u64 {
+    let now = Utc::now();
+    let next_end = live
+        .values()
+        .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
+        .map(|l| l.end_at)
+        .min()
+        .unwrap_or(now);
+    (next_end - now).num_seconds().clamp(1, 60) as u64
 }
 
 /// A team's per-sandbox ceilings (0: none) against what the template would get.
