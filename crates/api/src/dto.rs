@@ -19,7 +19,7 @@ pub(crate) fn rfc3339(t: DateTime<Utc>) -> String {
 pub(crate) struct NewSandbox {
     #[serde(rename = "templateID")]
     pub template_id: String,
-    pub timeout: Option<i32>,
+    pub timeout: Option<i64>,
     #[serde(rename = "autoPause")]
     pub auto_pause: Option<bool>,
     #[serde(rename = "autoPauseMemory")]
@@ -88,12 +88,12 @@ impl From<&sandbar_core::NetworkConfig> for NetworkView {
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct TimeoutBody {
-    pub timeout: i32,
+    pub timeout: i64,
 }
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct OptionalTimeoutBody {
-    pub timeout: Option<i32>,
+    pub timeout: Option<i64>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -97,11 +97,15 @@ impl From<CreateSandboxError> for ApiError {
     fn from(e: CreateSandboxError) -> Self {
         match e {
             CreateSandboxError::Template(t) => t.into(),
-            CreateSandboxError::TimeoutTooLong { .. } | CreateSandboxError::Network(_) => {
-                Self::bad_request(e.to_string())
-            }
-            CreateSandboxError::ConcurrencyLimit { .. } => {
-                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            CreateSandboxError::TimeoutTooLong { .. }
+            | CreateSandboxError::Network(_)
+            | CreateSandboxError::ResourceLimit { .. } => Self::bad_request(e.to_string()),
+            CreateSandboxError::ConcurrencyLimit {
+                retry_after_secs, ..
+            } => {
+                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+                error.retry_after = Some(retry_after_secs);
+                error
             }
             CreateSandboxError::Runtime(sandbar_core::RuntimeError::NoCapacity { .. }) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
@@ -118,6 +122,13 @@ impl From<SandboxError> for ApiError {
             SandboxError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
             SandboxError::Conflict { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SandboxError::ConcurrencyLimit {
+                retry_after_secs, ..
+            } => {
+                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+                error.retry_after = Some(retry_after_secs);
+                error
+            }
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
         }
@@ -225,5 +236,57 @@ impl From<sandbar_core::builds::TemplateAdminError> for ApiError {
 impl From<sandbar_core::StoreError> for ApiError {
     fn from(e: sandbar_core::StoreError) -> Self {
         Self::internal(&e)
+    }
+}
+
+impl From<sandbar_core::TeamAccessError> for ApiError {
+    fn from(e: sandbar_core::TeamAccessError) -> Self {
+        use sandbar_core::TeamAccessError as E;
+        match e {
+            E::NoAccess(_) => Self::new(StatusCode::FORBIDDEN, e.to_string()),
+            E::Auth(a) => a.into(),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::CreateCredentialError> for ApiError {
+    fn from(e: sandbar_core::CreateCredentialError) -> Self {
+        use sandbar_core::CreateCredentialError as E;
+        match e {
+            E::BadName(_) => Self::bad_request(e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::RenameApiKeyError> for ApiError {
+    fn from(e: sandbar_core::RenameApiKeyError) -> Self {
+        use sandbar_core::RenameApiKeyError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::BadName(_) => Self::bad_request(e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::DeleteApiKeyError> for ApiError {
+    fn from(e: sandbar_core::DeleteApiKeyError) -> Self {
+        use sandbar_core::DeleteApiKeyError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::DeleteAccessTokenError> for ApiError {
+    fn from(e: sandbar_core::DeleteAccessTokenError) -> Self {
+        use sandbar_core::DeleteAccessTokenError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
     }
 }

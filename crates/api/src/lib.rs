@@ -8,6 +8,7 @@ mod dto;
 mod edge;
 mod error;
 mod extract;
+mod keys;
 mod sandboxes;
 mod telemetry;
 mod templates;
@@ -116,6 +117,7 @@ pub fn router(state: AppState) -> Router {
             "/templates/{template_id}/builds/{build_id}/logs",
             get(templates::build_logs),
         )
+        .merge(keys::routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));

@@ -17,19 +17,26 @@ use crate::error::ApiError;
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
 
 /// Default lifetime when a v2 create names none (E2B's documented default).
-const DEFAULT_TIMEOUT_V2: i32 = 300;
+const DEFAULT_TIMEOUT_V2: i64 = 300;
 /// The v1 create's documented default; real clients always send one.
-const DEFAULT_TIMEOUT_V1: i32 = 15;
+const DEFAULT_TIMEOUT_V1: i64 = 15;
 const MAX_PAGE: i64 = 100;
 const MAX_REFRESH_SECS: i64 = 3600;
 
-fn non_negative(field: &str, value: i32) -> Result<u64, ApiError> {
-    u64::try_from(value).map_err(|_| {
-        ApiError::bad_request(format!("{field} must be zero or more seconds, got {value}"))
-    })
+/// The API types timeouts as int32: parsed wider so an out-of-range value gets an error that
+/// names the field instead of serde's.
+fn non_negative(field: &str, value: i64) -> Result<u64, ApiError> {
+    if (0..=i64::from(i32::MAX)).contains(&value) {
+        Ok(value as u64)
+    } else {
+        Err(ApiError::bad_request(format!(
+            "{field} must be between 0 and {} seconds, got {value}",
+            i32::MAX
+        )))
+    }
 }
 
-fn validate_create(body: NewSandbox, default_timeout: i32) -> Result<CreateSandbox, ApiError> {
+fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandbox, ApiError> {
     let unsupported = |what: &str| {
         Err(ApiError::bad_request(format!(
             "{what} is not supported by this server"
@@ -313,7 +320,7 @@ async fn connect(
     state: &AppState,
     team: &Team,
     sandbox_id: &str,
-    timeout: Option<i32>,
+    timeout: Option<i64>,
 ) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
     let timeout = non_negative("timeout", timeout.unwrap_or(DEFAULT_TIMEOUT_V2))?;
     let (sandbox, resumed) = state
@@ -457,7 +464,7 @@ pub(crate) async fn pause(
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct ResumeBody {
-    timeout: Option<i32>,
+    timeout: Option<i64>,
     #[allow(dead_code)]
     auto_pause: Option<bool>,
 }

@@ -381,7 +381,7 @@ pub(crate) async fn build_logs(
         .builds
         .visible_build(&team, &template_id, &build_id)
         .await?;
-    let limit = query.int_in("limit", 0..=1000)?.unwrap_or(100) as usize;
+    let limit = query.int_in("limit", 0..=100)?.unwrap_or(100) as usize;
     let cursor = query.int_in("cursor", 0..=i64::MAX)?;
     let level = level_param(&query)?;
     let forward = match query.get("direction").unwrap_or("forward") {

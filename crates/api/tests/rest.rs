@@ -141,6 +141,9 @@ const GENEROUS: TeamLimits = TeamLimits {
     max_concurrent_sandboxes: 100,
     max_sandbox_timeout_secs: 3600,
     requests_per_minute: 0,
+    max_vcpu: 0,
+    max_memory_mb: 0,
+    max_disk_mb: 0,
 };
 
 struct Reply {
@@ -481,6 +484,9 @@ async fn another_teams_sandbox_is_invisible() {
         max_concurrent_sandboxes: 5,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
     };
     h.store.insert_team(&other).await.expect("team");
     let other_key = "e2b_1111111111111111111111111111111111111111";
@@ -516,6 +522,9 @@ async fn team_limits_answer_429() {
         max_concurrent_sandboxes: 2,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
     })
     .await;
     h.create(r#"{"templateID":"base"}"#).await;
@@ -530,6 +539,9 @@ async fn team_limits_answer_429() {
         max_concurrent_sandboxes: 2,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 3,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
     })
     .await;
     for _ in 0..3 {

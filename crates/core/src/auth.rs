@@ -7,7 +7,8 @@ use chrono::Utc;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::ids::{self, ACCESS_TOKEN_PREFIX, API_KEY_PREFIX};
+use crate::ids::{self, API_KEY_PREFIX};
+use crate::keys::{LAST_USED_RESOLUTION, same_hash};
 use crate::model::Team;
 use crate::store::{Store, StoreError, StoredSecret};
 
@@ -46,16 +47,21 @@ pub enum AuthError {
     Store(#[from] StoreError),
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TeamLimits {
     pub max_concurrent_sandboxes: u32,
     pub max_sandbox_timeout_secs: u64,
+    /// 0 means no limit.
     pub requests_per_minute: u32,
+    /// Per-sandbox ceilings; 0 leaves only the server's own limits.
+    pub max_vcpu: u32,
+    pub max_memory_mb: u32,
+    pub max_disk_mb: u32,
 }
 
 #[derive(Clone)]
 pub struct Auth {
-    store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn Store>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -64,7 +70,7 @@ impl std::fmt::Debug for Auth {
     }
 }
 
-fn stored(team_id: &str, name: &str, secret: &str, prefix: &str) -> StoredSecret {
+pub(crate) fn stored(team_id: &str, name: &str, secret: &str, prefix: &str) -> StoredSecret {
     let value = &secret[prefix.len()..];
     StoredSecret {
         id: ids::new_uuid(),
@@ -97,28 +103,8 @@ impl Auth {
         if self.store.team_count().await? > 0 {
             return Ok(None);
         }
-        let team = Team {
-            id: ids::new_uuid(),
-            name: "default".into(),
-            max_concurrent_sandboxes: limits.max_concurrent_sandboxes,
-            max_sandbox_timeout_secs: limits.max_sandbox_timeout_secs,
-            requests_per_minute: limits.requests_per_minute,
-        };
-        self.store.insert_team(&team).await?;
-        let api_key = requested_api_key
-            .map(str::to_owned)
-            .unwrap_or_else(|| ids::new_secret(API_KEY_PREFIX));
-        let access_token = ids::new_secret(ACCESS_TOKEN_PREFIX);
-        self.store
-            .insert_api_key(&stored(&team.id, "default", &api_key, API_KEY_PREFIX))
-            .await?;
-        self.store
-            .insert_access_token(&stored(
-                &team.id,
-                "default",
-                &access_token,
-                ACCESS_TOKEN_PREFIX,
-            ))
+        let (team, api_key, access_token) = self
+            .insert_team_with_credentials("default", limits, requested_api_key)
             .await?;
         Ok(Some(Credentials {
             api_key,
@@ -127,22 +113,38 @@ impl Auth {
         }))
     }
 
+    /// The team of an API key, read from the store on every call so that a revoked key or a
+    /// changed limit applies to the very next request.
     pub async fn team_for_api_key(&self, key: Option<&str>) -> Result<Team, AuthError> {
         let key = key
             .filter(|k| !k.is_empty())
             .ok_or(AuthError::MissingApiKey)?;
-        self.store
-            .team_by_api_key_hash(&hash_secret(key))
+        let hash = hash_secret(key);
+        let (stored, team) = self
+            .store
+            .api_key_by_hash(&hash)
             .await?
-            .ok_or(AuthError::InvalidApiKey)
+            .filter(|(stored, _)| same_hash(&stored.secret.secret_hash, &hash))
+            .ok_or(AuthError::InvalidApiKey)?;
+        let now = Utc::now();
+        if stored
+            .last_used
+            .is_none_or(|last| now - last >= LAST_USED_RESOLUTION)
+        {
+            // Bounded to one write per key every few seconds, so busy keys do not serialize
+            // every request on the database's write lock.
+            self.store.touch_api_key(&stored.secret.id, now).await?;
+        }
+        Ok(team)
     }
 
     pub async fn team_for_access_token(&self, token: Option<&str>) -> Result<Team, AuthError> {
         let token = token
             .filter(|k| !k.is_empty())
             .ok_or(AuthError::MissingAccessToken)?;
+        let user = self.user_for_access_token(Some(token)).await?;
         self.store
-            .team_by_access_token_hash(&hash_secret(token))
+            .team(&user.token_team_id)
             .await?
             .ok_or(AuthError::InvalidAccessToken)
     }

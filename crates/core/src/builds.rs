@@ -316,6 +316,12 @@ pub enum RequestBuildError {
         max: u32,
         value: u32,
     },
+    #[error("{field} {value} is above this team's limit of {max}")]
+    TeamLimit {
+        field: &'static str,
+        value: u32,
+        max: u32,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -571,6 +577,15 @@ impl Builds {
                 max: self.config.max_memory_mb,
                 value: memory,
             });
+        }
+        for (field, value, max) in [
+            ("cpuCount", cpu, team.max_vcpu),
+            ("memoryMB", memory, team.max_memory_mb),
+            ("diskSizeMB", self.config.disk_size_mb, team.max_disk_mb),
+        ] {
+            if max != 0 && value > max {
+                return Err(RequestBuildError::TeamLimit { field, value, max });
+            }
         }
         let now = Utc::now();
         let existing = self.store.template_by_alias(name).await?;

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod builds;
 pub mod dockerfile;
 pub mod ids;
+pub mod keys;
 pub mod lifecycle;
 pub mod limits;
 pub mod model;
@@ -22,6 +23,11 @@ pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
     BuildStep, Builder, Builds, BuildsConfig, LogLevel, StepKind, TemplateImage,
+};
+pub use keys::{
+    ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,
+    DeleteApiKeyError, LimitChanges, Mask, NewTeam, RenameApiKeyError, TeamAccessError,
+    TeamAdminError, TeamView, User,
 };
 pub use limits::{RateLimited, RateLimits};
 pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};

@@ -72,6 +72,9 @@ mod tests {
             max_concurrent_sandboxes: 1,
             max_sandbox_timeout_secs: 1,
             requests_per_minute: per_minute,
+            max_vcpu: 0,
+            max_memory_mb: 0,
+            max_disk_mb: 0,
         }
     }
 

@@ -21,6 +21,10 @@ pub struct Team {
     pub max_sandbox_timeout_secs: u64,
     /// API requests allowed per minute; 0 means no limit.
     pub requests_per_minute: u32,
+    /// Ceilings on one sandbox's resources; 0 leaves only the server's own limits.
+    pub max_vcpu: u32,
+    pub max_memory_mb: u32,
+    pub max_disk_mb: u32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -12,7 +12,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, SandboxState, Team};
+use crate::model::{Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::store::{Store, StoreError};
@@ -82,7 +82,18 @@ pub enum CreateSandboxError {
     #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
     TimeoutTooLong { requested: u64, max: u64 },
     #[error("team has reached its limit of {limit} concurrent sandboxes")]
-    ConcurrencyLimit { limit: u32 },
+    ConcurrencyLimit {
+        limit: u32,
+        /// When a slot is expected to free up: the team's next sandbox timeout.
+        retry_after_secs: u64,
+    },
+    #[error("template '{template_id}' needs {field} {value}, above this team's limit of {max}")]
+    ResourceLimit {
+        template_id: String,
+        field: &'static str,
+        value: u32,
+        max: u32,
+    },
     #[error("cannot start sandbox: {0}")]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
@@ -100,6 +111,14 @@ pub enum SandboxError {
     Runtime(#[from] RuntimeError),
     #[error("sandbox '{id}' is {state}")]
     Conflict { id: String, state: &'static str },
+    #[error(
+        "cannot resume sandbox '{id}': team has reached its limit of {limit} concurrent sandboxes"
+    )]
+    ConcurrencyLimit {
+        id: String,
+        limit: u32,
+        retry_after_secs: u64,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -268,6 +287,7 @@ impl Sandboxes {
             .templates
             .wait_ready(template, self.config.template_wait)
             .await?;
+        check_resources(team, &template)?;
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
@@ -378,6 +398,7 @@ impl Sandboxes {
         if active >= team.max_concurrent_sandboxes as usize {
             return Err(CreateSandboxError::ConcurrencyLimit {
                 limit: team.max_concurrent_sandboxes,
+                retry_after_secs: slot_wait(&live, team),
             });
         }
         live.insert(
@@ -910,6 +931,24 @@ impl Sandboxes {
         Ok(std::mem::replace(&mut entry.status, to))
     }
 
+    /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
+    /// its concurrency limit; else how long to wait. Paused sandboxes free their slot, so a
+    /// resume has to win one back like a create.
+    fn within_slots(&self, team: &Team, resuming: &str) -> Result<(), u64> {
+        let live = self.live();
+        let active = live
+            .iter()
+            .filter(|(id, l)| {
+                l.team_id == team.id && (l.status.holds_a_slot() || id.as_str() == resuming)
+            })
+            .count();
+        if active > team.max_concurrent_sandboxes as usize {
+            Err(slot_wait(&live, team))
+        } else {
+            Ok(())
+        }
+    }
+
     fn set_status(&self, id: &str, status: SandboxStatus) {
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = status;
@@ -979,6 +1018,14 @@ impl Sandboxes {
                 });
             }
         }
+        if let Err(retry_after_secs) = self.within_slots(team, id) {
+            self.set_status(id, SandboxStatus::Paused);
+            return Err(SandboxError::ConcurrencyLimit {
+                id: id.to_owned(),
+                limit: team.max_concurrent_sandboxes,
+                retry_after_secs,
+            });
+        }
         let sandbox = self.thaw(sandbox, timeout_secs).await?;
         Ok((sandbox, true))
     }
@@ -1025,10 +1072,16 @@ impl Sandboxes {
             return None;
         }
         let sandbox = self.store.sandbox(id).await.ok().flatten()?;
+        let team = self.store.team(&sandbox.team_id).await.ok().flatten()?;
         if self
             .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
             .is_ok()
         {
+            if self.within_slots(&team, id).is_err() {
+                self.set_status(id, SandboxStatus::Paused);
+                tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
+                return None;
+            }
             match self.thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS).await {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
                 Err(err) => {
@@ -1062,6 +1115,39 @@ impl Sandboxes {
             .await
             .map_err(|e| e.to_string())
     }
+}
+
+/// Seconds until one of the team's slots is expected to free up: its next sandbox timeout. A
+/// kill can free a slot at any moment, so a client is never told to wait more than a minute
+/// even when the team's sandboxes live for hours.
+fn slot_wait(live: &HashMap<String, Live>, team: &Team) -> u64 {
+    let now = Utc::now();
+    let next_end = live
+        .values()
+        .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
+        .map(|l| l.end_at)
+        .min()
+        .unwrap_or(now);
+    (next_end - now).num_seconds().clamp(1, 60) as u64
+}
+
+/// A team's per-sandbox ceilings (0: none) against what the template would get.
+fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandboxError> {
+    for (field, value, max) in [
+        ("cpuCount", template.cpu_count, team.max_vcpu),
+        ("memoryMB", template.memory_mb, team.max_memory_mb),
+        ("diskSizeMB", template.disk_size_mb, team.max_disk_mb),
+    ] {
+        if max != 0 && value > max {
+            return Err(CreateSandboxError::ResourceLimit {
+                template_id: template.id.clone(),
+                field,
+                value,
+                max,
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

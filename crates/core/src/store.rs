@@ -2,6 +2,7 @@
 
 use chrono::{DateTime, Utc};
 
+use crate::auth::TeamLimits;
 use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
 use crate::model::{BuildStatus, Sandbox, SandboxState, Team, Template};
 use crate::network::NetworkConfig;
@@ -21,6 +22,22 @@ pub struct StoredSecret {
     pub mask_prefix: String,
     pub mask_suffix: String,
     pub created_at: DateTime<Utc>,
+}
+
+/// An API key as listed: its secret's hash and mask, who made it and when it was last used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredApiKey {
+    pub secret: StoredSecret,
+    /// The user whose access token created the key; `None` for the operator's keys.
+    pub created_by: Option<String>,
+    pub last_used: Option<DateTime<Utc>>,
+}
+
+/// An access token; `secret.team_id` is the team it was created for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredAccessToken {
+    pub secret: StoredSecret,
+    pub user_id: String,
 }
 
 #[async_trait::async_trait]
@@ -115,4 +132,39 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
+
+    // Keys, access tokens, users and team limits
+    /// The API key whose hash is `hash`, with its team.
+    async fn api_key_by_hash(&self, hash: &str)
+    -> Result<Option<(StoredApiKey, Team)>, StoreError>;
+    async fn touch_api_key(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
+    async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError>;
+    /// A team's API keys, oldest first.
+    async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError>;
+    /// Renames the key if it belongs to `team_id`; whether it did.
+    async fn rename_api_key(&self, team_id: &str, id: &str, name: &str)
+    -> Result<bool, StoreError>;
+    /// Deletes the key if it belongs to `team_id` (any team's for `None`); whether it did.
+    async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError>;
+    /// Creates a user who is a member of `team_id`.
+    async fn insert_user(
+        &self,
+        id: &str,
+        team_id: &str,
+        is_default: bool,
+    ) -> Result<(), StoreError>;
+    async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError>;
+    async fn access_token_by_hash(
+        &self,
+        hash: &str,
+    ) -> Result<Option<StoredAccessToken>, StoreError>;
+    /// Deletes the token if it belongs to `user_id`; whether it did.
+    async fn delete_access_token(&self, user_id: &str, id: &str) -> Result<bool, StoreError>;
+    /// The teams `user_id` is a member of, each with whether it is the user's default.
+    async fn user_teams(&self, user_id: &str) -> Result<Vec<(Team, bool)>, StoreError>;
+    async fn team(&self, id: &str) -> Result<Option<Team>, StoreError>;
+    /// Every team, oldest first.
+    async fn teams(&self) -> Result<Vec<Team>, StoreError>;
+    /// Replaces the team's limits; whether the team exists.
+    async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError>;
 }

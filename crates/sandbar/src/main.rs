@@ -19,6 +19,8 @@ use sandbar_core::{
 use sandbar_node::{LinuxRuntime, NodeConfig};
 use sandbar_store::SqliteStore;
 
+mod admin;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "sandbar",
@@ -34,6 +36,12 @@ struct Cli {
 enum Command {
     /// Run the API, the edge and a sandbox node on this host.
     Serve(ServeArgs),
+    /// Manage teams and their limits (works while the server runs).
+    #[command(subcommand)]
+    Team(admin::TeamCommand),
+    /// Manage a team's API keys (works while the server runs).
+    #[command(subcommand)]
+    Key(admin::KeyCommand),
 }
 
 #[derive(clap::Args, Debug)]
@@ -140,6 +148,8 @@ async fn main() -> anyhow::Result<()> {
     }
     match Cli::parse().command {
         Command::Serve(args) => serve(args).await,
+        Command::Team(command) => admin::team(command).await,
+        Command::Key(command) => admin::key(command).await,
     }
 }
 
@@ -286,6 +296,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         max_concurrent_sandboxes: args.max_sandboxes,
         max_sandbox_timeout_secs: args.max_timeout,
         requests_per_minute: args.rate_limit,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
     };
     let credentials_path = data_dir.join("credentials.json");
     if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {

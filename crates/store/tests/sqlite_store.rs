@@ -14,6 +14,9 @@ const LIMITS: TeamLimits = TeamLimits {
     max_concurrent_sandboxes: 10,
     max_sandbox_timeout_secs: 3600,
     requests_per_minute: 0,
+    max_vcpu: 0,
+    max_memory_mb: 0,
+    max_disk_mb: 0,
 };
 
 async fn open() -> (tempfile::TempDir, Arc<SqliteStore>) {

@@ -1,0 +1,892 @@
+//! API keys, access tokens, teams and per-team limits over the REST surface, in-process with a
+//! real SQLite store and a runtime double that only records launches.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::{
+    Auth, BuildStatus, Endpoint, LaunchSpec, LimitChanges, RateLimits, Runtime, RuntimeError,
+    RuntimeHandle, Sandboxes, SandboxesConfig, Template, Templates,
+};
+use sandbar_store::SqliteStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+#[derive(Default)]
+struct CountingRuntime {
+    launched: AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Runtime for CountingRuntime {
+    async fn launch(&self, _: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.launched.fetch_add(1, Ordering::SeqCst);
+        Ok((
+            RuntimeHandle(json!({})),
+            Endpoint {
+                agent_socket: "/nonexistent/agent.sock".into(),
+                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            },
+        ))
+    }
+    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
+        true
+    }
+    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
+        Ok(0)
+    }
+    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
+        Ok(None)
+    }
+    async fn pause(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    async fn resume(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+const LIMITS: TeamLimits = TeamLimits {
+    max_concurrent_sandboxes: 100,
+    max_sandbox_timeout_secs: 3600,
+    requests_per_minute: 0,
+    max_vcpu: 0,
+    max_memory_mb: 0,
+    max_disk_mb: 0,
+};
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    app: axum::Router,
+    auth: Auth,
+    runtime: Arc<CountingRuntime>,
+    team_id: String,
+    key: String,
+    token: String,
+}
+
+/// How a request authenticates.
+#[derive(Clone, Copy)]
+enum Cred<'a> {
+    None,
+    Key(&'a str),
+    Bearer(&'a str),
+    BearerTeam(&'a str, &'a str),
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+async fn harness() -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let auth = Auth::new(store.clone());
+    let creds = auth
+        .bootstrap(None, LIMITS)
+        .await
+        .expect("bootstrap")
+        .expect("first start");
+    let templates = Templates::new(store.clone());
+    let now = Utc::now();
+    templates
+        .register(&Template {
+            id: "base000000000000000a".into(),
+            team_id: None,
+            aliases: vec!["base".into()],
+            public: true,
+            build_id: "b".into(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: 2,
+            memory_mb: 512,
+            disk_size_mb: 2048,
+            envd_version: "0.5.7".into(),
+            image: Some(common::image()),
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 1,
+        })
+        .await
+        .expect("template");
+    let runtime = Arc::new(CountingRuntime::default());
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates.clone(),
+        SandboxesConfig::default(),
+    ));
+    let app = router(AppState {
+        auth: auth.clone(),
+        sandboxes,
+        builds: common::builds(store.clone(), &templates),
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+    });
+    Harness {
+        _dir: dir,
+        app,
+        auth,
+        runtime,
+        team_id: creds.team_id,
+        key: creds.api_key,
+        token: creds.access_token,
+    }
+}
+
+impl Harness {
+    async fn call(&self, method: &str, path: &str, cred: Cred<'_>, body: Option<&str>) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        match cred {
+            Cred::None => {}
+            Cred::Key(k) => request = request.header("X-API-Key", k),
+            Cred::Bearer(t) => request = request.header("Authorization", format!("Bearer {t}")),
+            Cred::BearerTeam(t, team) => {
+                request = request
+                    .header("Authorization", format!("Bearer {t}"))
+                    .header("X-Team-ID", team);
+            }
+        }
+        if body.is_some() {
+            request = request.header("content-type", "application/json");
+        }
+        let request = request
+            .body(Body::from(body.unwrap_or("").to_owned()))
+            .expect("request");
+        let response = self.app.clone().oneshot(request).await.expect("call");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes)
+                .unwrap_or_else(|_| panic!("{method} {path}: body is not JSON: {bytes:?}"))
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    fn bearer(&self) -> Cred<'_> {
+        Cred::Bearer(&self.token)
+    }
+
+    async fn keys(&self) -> Vec<Value> {
+        let reply = self.call("GET", "/api-keys", self.bearer(), None).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        reply.body.as_array().expect("array").clone()
+    }
+
+    async fn new_key(&self, name: &str) -> Value {
+        let reply = self
+            .call(
+                "POST",
+                "/api-keys",
+                self.bearer(),
+                Some(&json!({ "name": name }).to_string()),
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+        reply.body
+    }
+
+    async fn sandboxes_status(&self, key: &str) -> StatusCode {
+        self.call("GET", "/v2/sandboxes", Cred::Key(key), None)
+            .await
+            .status
+    }
+}
+
+fn assert_error(reply: &Reply, status: StatusCode, mentions: &str) {
+    assert_eq!(reply.status, status, "{:?}", reply.body);
+    assert_eq!(
+        reply.body["code"].as_u64(),
+        Some(u64::from(status.as_u16()))
+    );
+    let message = reply.body["message"].as_str().expect("message");
+    assert!(
+        message.to_lowercase().contains(&mentions.to_lowercase()),
+        "{message:?} does not mention {mentions:?}"
+    );
+}
+
+fn assert_mask(mask: &Value, prefix: &str) {
+    assert_eq!(mask["prefix"], prefix);
+    assert_eq!(mask["valueLength"], 40);
+    assert_eq!(mask["maskedValuePrefix"].as_str().map(str::len), Some(2));
+    assert_eq!(mask["maskedValueSuffix"].as_str().map(str::len), Some(4));
+}
+
+#[tokio::test]
+async fn api_keys_are_listed_masked_created_once_renamed_and_deleted() {
+    let h = harness().await;
+    let listed = h.keys().await;
+    assert_eq!(listed.len(), 1);
+    let first = &listed[0];
+    assert_mask(&first["mask"], "e2b_");
+    assert!(first.get("key").is_none(), "a listed key shows its value");
+    assert!(!listed[0].to_string().contains(&h.key[4..]));
+    assert_eq!(first["createdBy"], Value::Null);
+    assert_eq!(first["lastUsed"], Value::Null);
+    assert_eq!(
+        first["mask"]["maskedValueSuffix"],
+        &h.key[h.key.len() - 4..]
+    );
+
+    // Using a key records it, at most once every few seconds.
+    assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
+    let used = h.keys().await[0]["lastUsed"].clone();
+    assert!(used.is_string(), "{used:?}");
+    assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
+    assert_eq!(h.keys().await[0]["lastUsed"], used);
+
+    let created = h.new_key("ci").await;
+    let key = created["key"].as_str().expect("key").to_owned();
+    assert!(key.starts_with("e2b_") && key.len() == 44, "{key}");
+    assert_mask(&created["mask"], "e2b_");
+    assert_eq!(created["name"], "ci");
+    assert!(created["createdAt"].is_string());
+    assert!(created["createdBy"]["id"].is_string());
+    assert_eq!(created["createdBy"]["email"], Value::Null);
+    let id = created["id"].as_str().expect("id").to_owned();
+    assert_eq!(h.sandboxes_status(&key).await, StatusCode::OK);
+
+    let listed = h.keys().await;
+    assert_eq!(listed.len(), 2);
+    assert!(!listed.iter().any(|k| k.get("key").is_some()));
+
+    let renamed = h
+        .call(
+            "PATCH",
+            &format!("/api-keys/{id}"),
+            h.bearer(),
+            Some(r#"{"name":"deploy"}"#),
+        )
+        .await;
+    assert_eq!(renamed.status, StatusCode::OK, "{:?}", renamed.body);
+    assert!(h.keys().await.iter().any(|k| k["name"] == "deploy"));
+
+    let deleted = h
+        .call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
+        .await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    assert_error(
+        &h.call("GET", "/v2/sandboxes", Cred::Key(&key), None).await,
+        StatusCode::UNAUTHORIZED,
+        "invalid api key",
+    );
+    assert_error(
+        &h.call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
+            .await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    assert_eq!(h.keys().await.len(), 1);
+}
+
+#[tokio::test]
+async fn the_last_api_key_may_be_deleted_and_the_token_makes_a_new_one() {
+    let h = harness().await;
+    let id = h.keys().await[0]["id"].as_str().expect("id").to_owned();
+    let reply = h
+        .call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
+        .await;
+    assert_eq!(reply.status, StatusCode::NO_CONTENT);
+    assert!(h.keys().await.is_empty());
+    assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::UNAUTHORIZED);
+    let teams = h.call("GET", "/teams", h.bearer(), None).await;
+    assert_eq!(teams.body[0]["apiKey"], "");
+    let key = h.new_key("again").await["key"]
+        .as_str()
+        .expect("key")
+        .to_owned();
+    assert_eq!(h.sandboxes_status(&key).await, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn key_management_needs_a_valid_access_token() {
+    let h = harness().await;
+    let id = h.keys().await[0]["id"].as_str().expect("id").to_owned();
+    let wrong = "sk_e2b_ffffffffffffffffffffffffffffffffffffffff";
+    let item = format!("/api-keys/{id}");
+    for (method, path, body) in [
+        ("GET", "/api-keys", None),
+        ("POST", "/api-keys", Some(r#"{"name":"x"}"#)),
+        ("PATCH", item.as_str(), Some(r#"{"name":"x"}"#)),
+        ("DELETE", item.as_str(), None),
+        ("POST", "/access-tokens", Some(r#"{"name":"x"}"#)),
+        ("DELETE", "/access-tokens/nope", None),
+        ("GET", "/teams", None),
+    ] {
+        for cred in [Cred::None, Cred::Key(&h.key), Cred::Bearer(wrong)] {
+            let reply = h.call(method, path, cred, body).await;
+            assert_error(&reply, StatusCode::UNAUTHORIZED, "access token");
+        }
+    }
+    let keys = h.keys().await;
+    assert_eq!(keys.len(), 1);
+    assert_eq!(keys[0]["name"], "default");
+}
+
+#[tokio::test]
+async fn bad_bodies_are_refused_and_change_nothing() {
+    let h = harness().await;
+    let id = h.keys().await[0]["id"].as_str().expect("id").to_owned();
+    let item = format!("/api-keys/{id}");
+    for body in [
+        "",
+        "{}",
+        "{not json",
+        r#"{"name":5}"#,
+        r#"{"name":null}"#,
+        r#"{"name":"   "}"#,
+        r#"{"name":"a\nb"}"#,
+        "[]",
+    ] {
+        for (method, path) in [
+            ("POST", "/api-keys"),
+            ("PATCH", item.as_str()),
+            ("POST", "/access-tokens"),
+        ] {
+            let reply = h.call(method, path, h.bearer(), Some(body)).await;
+            assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{method} {body}");
+            assert!(reply.body["message"].is_string());
+        }
+    }
+    let long = json!({ "name": "x".repeat(300) }).to_string();
+    assert_error(
+        &h.call("POST", "/api-keys", h.bearer(), Some(&long)).await,
+        StatusCode::BAD_REQUEST,
+        "name",
+    );
+    let keys = h.keys().await;
+    assert_eq!(keys.len(), 1);
+    assert_eq!(keys[0]["name"], "default");
+    assert_error(
+        &h.call(
+            "PATCH",
+            "/api-keys/00000000-0000-4000-8000-000000000000",
+            h.bearer(),
+            Some(r#"{"name":"x"}"#),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "00000000-0000-4000-8000-000000000000",
+    );
+}
+
+#[tokio::test]
+async fn another_teams_keys_tokens_and_team_are_out_of_reach() {
+    let h = harness().await;
+    let other = h
+        .auth
+        .create_team("other", LIMITS)
+        .await
+        .expect("other team");
+    let their_key_id = other.api_key_id.clone();
+    let their_item = format!("/api-keys/{their_key_id}");
+
+    // Their key ids are unknown to us, whatever the operation.
+    assert_error(
+        &h.call("PATCH", &their_item, h.bearer(), Some(r#"{"name":"mine"}"#))
+            .await,
+        StatusCode::NOT_FOUND,
+        &their_key_id,
+    );
+    assert_error(
+        &h.call("DELETE", &their_item, h.bearer(), None).await,
+        StatusCode::NOT_FOUND,
+        &their_key_id,
+    );
+    assert_eq!(h.sandboxes_status(&other.api_key).await, StatusCode::OK);
+    let theirs = h
+        .call("GET", "/api-keys", Cred::Bearer(&other.access_token), None)
+        .await;
+    assert_eq!(theirs.body[0]["name"], "default");
+    assert!(
+        !h.keys()
+            .await
+            .iter()
+            .any(|k| k["id"] == their_key_id.as_str())
+    );
+
+    // Naming their team, or a team that does not exist, is refused alike.
+    for team in [other.team.id.as_str(), "no-such-team"] {
+        let reply = h
+            .call("GET", "/api-keys", Cred::BearerTeam(&h.token, team), None)
+            .await;
+        assert_error(&reply, StatusCode::FORBIDDEN, team);
+        let reply = h
+            .call(
+                "POST",
+                "/api-keys",
+                Cred::BearerTeam(&h.token, team),
+                Some(r#"{"name":"sneaky"}"#),
+            )
+            .await;
+        assert_error(&reply, StatusCode::FORBIDDEN, team);
+    }
+    let ours = h
+        .call(
+            "GET",
+            "/api-keys",
+            Cred::BearerTeam(&h.token, &h.team_id),
+            None,
+        )
+        .await;
+    assert_eq!(ours.status, StatusCode::OK);
+    assert_eq!(
+        h.auth
+            .team_api_keys(&other.team.id)
+            .await
+            .expect("keys")
+            .len(),
+        1
+    );
+
+    // Their access token ids too.
+    let token = h
+        .call(
+            "POST",
+            "/access-tokens",
+            Cred::Bearer(&other.access_token),
+            Some(r#"{"name":"t"}"#),
+        )
+        .await;
+    let token_id = token.body["id"].as_str().expect("id").to_owned();
+    assert_error(
+        &h.call(
+            "DELETE",
+            &format!("/access-tokens/{token_id}"),
+            h.bearer(),
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        &token_id,
+    );
+    let still = token.body["token"].as_str().expect("token");
+    assert_eq!(
+        h.call("GET", "/teams", Cred::Bearer(still), None)
+            .await
+            .status,
+        StatusCode::OK
+    );
+
+    let teams = h.call("GET", "/teams", h.bearer(), None).await;
+    let teams = teams.body.as_array().expect("array");
+    assert_eq!(teams.len(), 1);
+    assert_eq!(teams[0]["teamID"], h.team_id.as_str());
+}
+
+#[tokio::test]
+async fn access_tokens_are_created_once_and_stop_working_when_deleted() {
+    let h = harness().await;
+    let reply = h
+        .call(
+            "POST",
+            "/access-tokens",
+            h.bearer(),
+            Some(r#"{"name":"laptop"}"#),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+    let token = reply.body["token"].as_str().expect("token").to_owned();
+    assert!(token.starts_with("sk_e2b_") && token.len() == 47, "{token}");
+    assert_mask(&reply.body["mask"], "sk_e2b_");
+    assert_eq!(reply.body["name"], "laptop");
+    assert!(reply.body["createdAt"].is_string());
+    let id = reply.body["id"].as_str().expect("id").to_owned();
+
+    // The new token is the same user's: it sees the same team and its keys.
+    let teams = h.call("GET", "/teams", Cred::Bearer(&token), None).await;
+    assert_eq!(teams.body[0]["teamID"], h.team_id.as_str());
+    let keys = h.call("GET", "/api-keys", Cred::Bearer(&token), None).await;
+    assert_eq!(keys.body.as_array().map(Vec::len), Some(1));
+
+    let deleted = h
+        .call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
+        .await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    assert_error(
+        &h.call("GET", "/api-keys", Cred::Bearer(&token), None).await,
+        StatusCode::UNAUTHORIZED,
+        "invalid access token",
+    );
+    assert_error(
+        &h.call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
+            .await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    // The template endpoints that take an access token refuse it as well.
+    assert_error(
+        &h.call(
+            "GET",
+            "/templates/nope/builds/nope/status",
+            Cred::Bearer(&token),
+            None,
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+        "access token",
+    );
+}
+
+#[tokio::test]
+async fn teams_list_the_users_teams_with_a_masked_key() {
+    let h = harness().await;
+    let reply = h.call("GET", "/teams", h.bearer(), None).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let teams = reply.body.as_array().expect("array");
+    assert_eq!(teams.len(), 1);
+    assert_eq!(teams[0]["teamID"], h.team_id.as_str());
+    assert_eq!(teams[0]["name"], "default");
+    assert_eq!(teams[0]["isDefault"], true);
+    let shown = teams[0]["apiKey"].as_str().expect("apiKey");
+    assert_eq!(shown.len(), h.key.len());
+    assert!(shown.starts_with(&h.key[..6]) && shown.ends_with(&h.key[40..]));
+    assert!(shown.contains('*'));
+    assert_ne!(shown, h.key);
+}
+
+#[tokio::test]
+async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
+    let h = harness().await;
+    for (changes, field) in [
+        (
+            LimitChanges {
+                max_vcpu: Some(1),
+                ..LimitChanges::default()
+            },
+            "cpuCount",
+        ),
+        (
+            LimitChanges {
+                max_memory_mb: Some(256),
+                ..LimitChanges::default()
+            },
+            "memoryMB",
+        ),
+        (
+            LimitChanges {
+                max_disk_mb: Some(512),
+                ..LimitChanges::default()
+            },
+            "diskSizeMB",
+        ),
+    ] {
+        let team = h
+            .auth
+            .set_team_limits(&h.team_id, changes)
+            .await
+            .expect("set");
+        let reply = h
+            .call(
+                "POST",
+                "/v2/sandboxes",
+                Cred::Key(&h.key),
+                Some(r#"{"templateID":"base"}"#),
+            )
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, field);
+        let reply = h
+            .call(
+                "POST",
+                "/v3/templates",
+                Cred::Key(&h.key),
+                Some(r#"{"name":"big","cpuCount":2,"memoryMB":512}"#),
+            )
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, field);
+        // Back to no ceilings for the next field.
+        h.auth
+            .set_team_limits(
+                &team.id,
+                LimitChanges {
+                    max_vcpu: Some(0),
+                    max_memory_mb: Some(0),
+                    max_disk_mb: Some(0),
+                    ..LimitChanges::default()
+                },
+            )
+            .await
+            .expect("reset");
+    }
+    assert_eq!(h.runtime.launched.load(Ordering::SeqCst), 0);
+    let reply = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Cred::Key(&h.key),
+            Some(r#"{"templateID":"base"}"#),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+}
+
+#[tokio::test]
+async fn changed_limits_apply_to_the_next_request() {
+    let h = harness().await;
+    let create = || async {
+        h.call(
+            "POST",
+            "/v2/sandboxes",
+            Cred::Key(&h.key),
+            Some(r#"{"templateID":"base","timeout":30}"#),
+        )
+        .await
+    };
+    assert_eq!(create().await.status, StatusCode::CREATED);
+    h.auth
+        .set_team_limits(
+            &h.team_id,
+            LimitChanges {
+                max_concurrent_sandboxes: Some(1),
+                ..LimitChanges::default()
+            },
+        )
+        .await
+        .expect("set");
+    let refused = create().await;
+    assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "1 concurrent");
+    let wait: u64 = refused.headers["retry-after"]
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    assert!((1..=30).contains(&wait), "{wait}");
+    assert_eq!(h.runtime.launched.load(Ordering::SeqCst), 1);
+
+    h.auth
+        .set_team_limits(
+            &h.team_id,
+            LimitChanges {
+                max_sandbox_timeout_secs: Some(10),
+                max_concurrent_sandboxes: Some(5),
+                requests_per_minute: Some(2),
+                ..LimitChanges::default()
+            },
+        )
+        .await
+        .expect("set");
+    assert_error(&create().await, StatusCode::BAD_REQUEST, "timeout");
+    assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
+    let limited = h
+        .call("GET", "/v2/sandboxes", Cred::Key(&h.key), None)
+        .await;
+    assert_error(
+        &limited,
+        StatusCode::TOO_MANY_REQUESTS,
+        "2 requests per minute",
+    );
+    assert!(limited.headers.contains_key("retry-after"));
+    // The key-management routes count against the same budget.
+    let limited = h.call("GET", "/api-keys", h.bearer(), None).await;
+    assert_error(
+        &limited,
+        StatusCode::TOO_MANY_REQUESTS,
+        "requests per minute",
+    );
+}
+
+#[tokio::test]
+async fn operator_limits_are_range_checked() {
+    let h = harness().await;
+    for changes in [
+        LimitChanges {
+            max_concurrent_sandboxes: Some(0),
+            ..LimitChanges::default()
+        },
+        LimitChanges {
+            max_sandbox_timeout_secs: Some(0),
+            ..LimitChanges::default()
+        },
+        LimitChanges {
+            max_vcpu: Some(5000),
+            ..LimitChanges::default()
+        },
+    ] {
+        assert!(h.auth.set_team_limits(&h.team_id, changes).await.is_err());
+    }
+    assert!(
+        h.auth
+            .set_team_limits("no-such-team", LimitChanges::default())
+            .await
+            .is_err()
+    );
+    let team = h.auth.find_team("default").await.expect("by name");
+    assert_eq!(team.limits(), LIMITS);
+}
+
+#[tokio::test]
+async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
+    let h = harness().await;
+    let key = Cred::Key(&h.key);
+    let sandbox = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            key,
+            Some(r#"{"templateID":"base"}"#),
+        )
+        .await;
+    let sandbox_id = sandbox.body["sandboxID"].as_str().expect("id").to_owned();
+    let build = h
+        .call("POST", "/v3/templates", key, Some(r#"{"name":"ranges"}"#))
+        .await;
+    assert_eq!(build.status, StatusCode::ACCEPTED, "{:?}", build.body);
+    let template_id = build.body["templateID"].as_str().expect("template");
+    let build_id = build.body["buildID"].as_str().expect("build");
+    let builds = format!("/templates/{template_id}/builds/{build_id}");
+    let many_ids = vec!["i"; 101].join(",");
+    let cases: Vec<(&str, String, Option<&str>, &str)> = vec![
+        ("GET", "/v2/sandboxes?limit=0".into(), None, "limit"),
+        ("GET", "/v2/sandboxes?limit=101".into(), None, "limit"),
+        (
+            "GET",
+            format!("/templates/{template_id}?limit=101"),
+            None,
+            "limit",
+        ),
+        ("GET", format!("{builds}/status?limit=101"), None, "limit"),
+        (
+            "GET",
+            format!("{builds}/status?logsOffset=-1"),
+            None,
+            "logsOffset",
+        ),
+        ("GET", format!("{builds}/logs?limit=101"), None, "limit"),
+        ("GET", format!("{builds}/logs?cursor=-1"), None, "cursor"),
+        (
+            "GET",
+            format!("/sandboxes/metrics?sandbox_ids={many_ids}"),
+            None,
+            "sandbox_ids",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/refreshes"),
+            Some(r#"{"duration":3601}"#),
+            "duration",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/timeout"),
+            Some(r#"{"timeout":-1}"#),
+            "timeout",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/connect"),
+            Some(r#"{"timeout":-1}"#),
+            "timeout",
+        ),
+        (
+            "POST",
+            format!("/sandboxes/{sandbox_id}/timeout"),
+            Some(r#"{"timeout":2147483648}"#),
+            "timeout",
+        ),
+    ];
+    for (method, path, body, field) in cases {
+        let reply = h.call(method, &path, key, body).await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, field);
+    }
+    for path in [
+        "/v2/sandboxes?limit=1",
+        "/v2/sandboxes?limit=100",
+        &format!("{builds}/logs?limit=0"),
+        &format!("{builds}/status?limit=100"),
+    ] {
+        assert_eq!(
+            h.call("GET", path, key, None).await.status,
+            StatusCode::OK,
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
+    let h = harness().await;
+    h.auth
+        .set_team_limits(
+            &h.team_id,
+            LimitChanges {
+                max_concurrent_sandboxes: Some(1),
+                ..LimitChanges::default()
+            },
+        )
+        .await
+        .expect("set");
+    let key = Cred::Key(&h.key);
+    let create = r#"{"templateID":"base","timeout":30}"#;
+    let first = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    let first_id = first.body["sandboxID"].as_str().expect("id").to_owned();
+    let paused = h
+        .call("POST", &format!("/sandboxes/{first_id}/pause"), key, None)
+        .await;
+    assert_eq!(paused.status, StatusCode::NO_CONTENT, "{:?}", paused.body);
+    let second = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
+    let second_id = second.body["sandboxID"].as_str().expect("id").to_owned();
+
+    for path in [
+        format!("/sandboxes/{first_id}/resume"),
+        format!("/sandboxes/{first_id}/connect"),
+    ] {
+        let refused = h.call("POST", &path, key, Some(r#"{"timeout":30}"#)).await;
+        assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, &first_id);
+        assert!(refused.headers.contains_key("retry-after"));
+    }
+    let detail = h
+        .call("GET", &format!("/sandboxes/{first_id}"), key, None)
+        .await;
+    assert_eq!(detail.body["state"], "paused");
+
+    let killed = h
+        .call("DELETE", &format!("/sandboxes/{second_id}"), key, None)
+        .await;
+    assert_eq!(killed.status, StatusCode::NO_CONTENT);
+    let resumed = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{first_id}/resume"),
+            key,
+            Some(r#"{"timeout":30}"#),
+        )
+        .await;
+    assert_eq!(resumed.status, StatusCode::CREATED, "{:?}", resumed.body);
+}

@@ -1,0 +1,228 @@
+//! `sandbar team …` and `sandbar key …`: the operator's commands on the store a server uses.
+//!
+//! They open the same SQLite database (WAL lets them write next to a running server) and go
+//! through the same core operations as the API. A running server sees their changes with the
+//! next request, because it reads the team and the key from the store on every request.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::{Auth, LimitChanges};
+use sandbar_store::SqliteStore;
+
+#[derive(clap::Args, Debug)]
+pub struct DataDir {
+    /// The server's data directory (its database is `sandbar.db` in it).
+    #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
+    data_dir: PathBuf,
+}
+
+#[derive(clap::Args, Debug, Default)]
+pub struct Limits {
+    /// Sandboxes the team may run at once.
+    #[arg(long)]
+    max_sandboxes: Option<u32>,
+    /// Longest sandbox lifetime, in seconds.
+    #[arg(long)]
+    max_timeout_secs: Option<u64>,
+    /// API requests per minute; 0 for no limit.
+    #[arg(long)]
+    requests_per_minute: Option<u32>,
+    /// vCPUs one sandbox (or template build) may have; 0 for no team limit.
+    #[arg(long)]
+    max_vcpu: Option<u32>,
+    /// Memory, in MiB, one sandbox (or template build) may have; 0 for no team limit.
+    #[arg(long)]
+    max_memory_mb: Option<u32>,
+    /// Disk, in MiB, one sandbox (or template build) may have; 0 for no team limit.
+    #[arg(long)]
+    max_disk_mb: Option<u32>,
+}
+
+impl Limits {
+    fn changes(&self) -> LimitChanges {
+        LimitChanges {
+            max_concurrent_sandboxes: self.max_sandboxes,
+            max_sandbox_timeout_secs: self.max_timeout_secs,
+            requests_per_minute: self.requests_per_minute,
+            max_vcpu: self.max_vcpu,
+            max_memory_mb: self.max_memory_mb,
+            max_disk_mb: self.max_disk_mb,
+        }
+    }
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum TeamCommand {
+    /// Create a team; prints its id, an API key and an access token (shown only now).
+    Create {
+        name: String,
+        #[command(flatten)]
+        limits: Limits,
+        #[command(flatten)]
+        data: DataDir,
+    },
+    /// List teams with their limits.
+    List {
+        #[command(flatten)]
+        data: DataDir,
+    },
+    /// Change some of a team's limits (team by id or unique name).
+    SetLimits {
+        team: String,
+        #[command(flatten)]
+        limits: Limits,
+        #[command(flatten)]
+        data: DataDir,
+    },
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum KeyCommand {
+    /// Create an API key for a team (by id or unique name); prints it once.
+    Create {
+        team: String,
+        #[arg(long, default_value = "cli")]
+        name: String,
+        #[command(flatten)]
+        data: DataDir,
+    },
+    /// List a team's API keys, masked.
+    List {
+        team: String,
+        #[command(flatten)]
+        data: DataDir,
+    },
+    /// Delete an API key by id; it stops working with the server's next request.
+    Revoke {
+        key_id: String,
+        #[command(flatten)]
+        data: DataDir,
+    },
+}
+
+/// Limits of a team made by `team create`: those `sandbar serve` gives its first team.
+const NEW_TEAM_LIMITS: TeamLimits = TeamLimits {
+    max_concurrent_sandboxes: 100,
+    max_sandbox_timeout_secs: 86_400,
+    requests_per_minute: 6000,
+    max_vcpu: 0,
+    max_memory_mb: 0,
+    max_disk_mb: 0,
+};
+
+async fn open(data: &DataDir) -> anyhow::Result<Auth> {
+    let db = data.data_dir.join("sandbar.db");
+    // Creating the database here would leave it with this process's umask; the server makes
+    // it owner-only, so it has to exist first.
+    if !db.exists() {
+        bail!(
+            "no database at {}: start `sandbar serve --data-dir {}` once first",
+            db.display(),
+            data.data_dir.display()
+        );
+    }
+    let store = SqliteStore::open(&db)
+        .await
+        .with_context(|| format!("cannot open {}", db.display()))?;
+    Ok(Auth::new(Arc::new(store)))
+}
+
+fn print_limits(t: &sandbar_core::Team) -> String {
+    format!(
+        "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={}",
+        t.max_concurrent_sandboxes,
+        t.max_sandbox_timeout_secs,
+        t.requests_per_minute,
+        t.max_vcpu,
+        t.max_memory_mb,
+        t.max_disk_mb
+    )
+}
+
+pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
+    match command {
+        TeamCommand::Create { name, limits, data } => {
+            let auth = open(&data).await?;
+            let limits = NEW_TEAM_LIMITS.with(limits.changes());
+            let created = auth.create_team(&name, limits).await?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "teamID": created.team.id,
+                    "name": created.team.name,
+                    "apiKeyID": created.api_key_id,
+                    "apiKey": created.api_key,
+                    "accessToken": created.access_token,
+                }))?
+            );
+        }
+        TeamCommand::List { data } => {
+            let auth = open(&data).await?;
+            for t in auth.all_teams().await? {
+                println!("{}  {}  {}", t.id, t.name, print_limits(&t));
+            }
+        }
+        TeamCommand::SetLimits { team, limits, data } => {
+            let auth = open(&data).await?;
+            let changes = limits.changes();
+            if limits_empty(&changes) {
+                bail!(
+                    "nothing to change: give at least one of --max-sandboxes, --max-timeout-secs, --requests-per-minute, --max-vcpu, --max-memory-mb, --max-disk-mb"
+                );
+            }
+            let t = auth.set_team_limits(&team, changes).await?;
+            println!("{}  {}  {}", t.id, t.name, print_limits(&t));
+        }
+    }
+    Ok(())
+}
+
+fn limits_empty(c: &LimitChanges) -> bool {
+    c.max_concurrent_sandboxes.is_none()
+        && c.max_sandbox_timeout_secs.is_none()
+        && c.requests_per_minute.is_none()
+        && c.max_vcpu.is_none()
+        && c.max_memory_mb.is_none()
+        && c.max_disk_mb.is_none()
+}
+
+pub async fn key(command: KeyCommand) -> anyhow::Result<()> {
+    match command {
+        KeyCommand::Create { team, name, data } => {
+            let auth = open(&data).await?;
+            let created = auth.create_team_api_key(&team, &name).await?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "id": created.info.id,
+                    "name": created.info.name,
+                    "key": created.key,
+                }))?
+            );
+        }
+        KeyCommand::List { team, data } => {
+            let auth = open(&data).await?;
+            for k in auth.team_api_keys(&team).await? {
+                println!(
+                    "{}  {}  {}  created {}  last used {}",
+                    k.id,
+                    k.mask.display(),
+                    k.name,
+                    k.created_at.to_rfc3339(),
+                    k.last_used
+                        .map(|t| t.to_rfc3339())
+                        .unwrap_or_else(|| "never".into())
+                );
+            }
+        }
+        KeyCommand::Revoke { key_id, data } => {
+            let auth = open(&data).await?;
+            auth.revoke_api_key(&key_id).await?;
+            println!("revoked {key_id}");
+        }
+    }
+    Ok(())
+}
