@@ -11,6 +11,7 @@ mod extract;
 mod sandboxes;
 mod templates;
 mod traffic;
+mod volumes;
 
 use std::sync::Arc;
 
@@ -115,6 +116,7 @@ pub fn router(state: AppState) -> Router {
             "/templates/{template_id}/builds/{build_id}/logs",
             get(templates::build_logs),
         )
+        .merge(volumes::routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     api.layer(axum::middleware::from_fn_with_state(
