@@ -264,7 +264,9 @@ pub(crate) async fn detail(
 ) -> Result<Json<SandboxDetail>, ApiError> {
     let sandbox = state.sandboxes.get(&team, &sandbox_id).await?;
     let mounts = crate::volumes::sandbox_mounts(&state, &sandbox.id).await?;
-    Ok(Json(SandboxDetail::from(&sandbox).with_volume_mounts(mounts)))
+    Ok(Json(
+        SandboxDetail::from(&sandbox).with_volume_mounts(mounts),
+    ))
 }
 
 pub(crate) async fn kill(

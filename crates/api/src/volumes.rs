@@ -33,7 +33,10 @@ pub(crate) fn routes() -> axum::Router<AppState> {
                 .put(write_file)
                 .layer(axum::extract::DefaultBodyLimit::max(MAX_UPLOAD_BYTES)),
         )
-        .route("/volumecontent/{volume_id}/dir", get(list_dir).post(make_dir))
+        .route(
+            "/volumecontent/{volume_id}/dir",
+            get(list_dir).post(make_dir),
+        )
 }
 
 /// `volumeMounts` of a create request: `[{name, path}]`, each entry named in errors.
@@ -216,8 +219,7 @@ impl FromRequestParts<AppState> for Authorized {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let PathParam(volume_id) =
-            PathParam::<String>::from_request_parts(parts, state).await?;
+        let PathParam(volume_id) = PathParam::<String>::from_request_parts(parts, state).await?;
         let token = parts
             .headers
             .get(header::AUTHORIZATION)
@@ -265,10 +267,7 @@ fn flag(query: &QueryPairs, key: &str) -> Result<bool, ApiError> {
 }
 
 /// `GET /volumecontent/{id}/path`: one entry, links not followed.
-pub(crate) async fn stat(
-    auth: Authorized,
-    query: QueryPairs,
-) -> Result<Json<EntryView>, ApiError> {
+pub(crate) async fn stat(auth: Authorized, query: QueryPairs) -> Result<Json<EntryView>, ApiError> {
     let path = auth.path(&query)?;
     let entry = auth.volumes.stat(&auth.volume, path).await?;
     Ok(Json(entry.into()))

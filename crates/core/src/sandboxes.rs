@@ -284,9 +284,7 @@ impl Sandboxes {
             (_, true) => (Vec::new(), None),
             (None, false) => return Err(VolumeMountError::Disabled.into()),
             (Some(volumes), false) => {
-                let (mounts, guard) = volumes
-                    .resolve_mounts(team, &request.volume_mounts)
-                    .await?;
+                let (mounts, guard) = volumes.resolve_mounts(team, &request.volume_mounts).await?;
                 (mounts, Some(guard))
             }
         };

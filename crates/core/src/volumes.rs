@@ -641,7 +641,11 @@ impl Volumes {
             .await
     }
 
-    pub async fn remove(&self, volume: &Volume, path: VolumePath) -> Result<(), VolumeContentError> {
+    pub async fn remove(
+        &self,
+        volume: &Volume,
+        path: VolumePath,
+    ) -> Result<(), VolumeContentError> {
         if path.is_root() {
             return Err(VolumeContentError::Io {
                 volume_id: volume.id.clone(),
@@ -667,14 +671,12 @@ impl Volumes {
 async fn blocking<T: Send + 'static>(
     op: impl FnOnce() -> Result<T, VolumeIoError> + Send + 'static,
 ) -> Result<T, VolumeIoError> {
-    tokio::task::spawn_blocking(op)
-        .await
-        .unwrap_or_else(|e| {
-            Err(VolumeIoError::Io {
-                path: String::new(),
-                message: format!("host operation panicked: {e}"),
-            })
+    tokio::task::spawn_blocking(op).await.unwrap_or_else(|e| {
+        Err(VolumeIoError::Io {
+            path: String::new(),
+            message: format!("host operation panicked: {e}"),
         })
+    })
 }
 
 #[cfg(test)]

@@ -186,7 +186,11 @@ const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 /// Makes the detached mount `tree` id-mapped through `userns`, writable, without devices or
 /// set-id programs: a volume shared by sandboxes of different host ranges.
 pub(crate) fn idmap_volume(tree: &OwnedFd, userns: &OwnedFd) -> io::Result<()> {
-    set_attr(tree, MOUNT_ATTR_IDMAP | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID, userns)
+    set_attr(
+        tree,
+        MOUNT_ATTR_IDMAP | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID,
+        userns,
+    )
 }
 
 /// Makes the detached mount `tree` read-only, device-free and id-mapped through the user

@@ -1,5 +1,9 @@
-//! Volumes on the host: one directory per volume under `<data>/volumes/<team>/<volume>`,
-//! outside the disk pool, so a volume outlives every sandbox and the pool's own lifecycle.
+//! Volumes on the host: one directory per volume, `<pool>/.volumes/<team>/<volume>`, in the
+//! sandbox disk pool (a dot name, so the pool's sweep and its empty check skip it) and never
+//! inside a sandbox's directory, so a volume outlives every sandbox. Being on the pool's own
+//! filesystem also keeps host paths out of the sandbox: a bind mount's root, which every
+//! sandbox reads in `/proc/self/mountinfo`, is its path within its filesystem, here
+//! `/.volumes/<team>/<volume>`, where it would be the full host path on the host's root.
 //!
 //! Files are stored with the ids sandboxes see (0–65535, like template layers): the boot
 //! id-maps the directory through each sandbox's user namespace. Sandboxes write into these
@@ -18,8 +22,10 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
-use sandbar_core::volumes::{EntryKind, EntryOwner, EntryStat, VolumeHost, VolumeIoError, VolumePath};
 use sandbar_core::Volume;
+use sandbar_core::volumes::{
+    EntryKind, EntryOwner, EntryStat, VolumeHost, VolumeIoError, VolumePath,
+};
 
 /// Mode of a new volume's root: every sandbox user may create files in it.
 const ROOT_MODE: u32 = 0o777;
@@ -81,10 +87,16 @@ fn beneath(
     mode: u32,
     shown: &str,
 ) -> Result<OwnedFd, VolumeIoError> {
+    // openat2 refuses O_PATH with any flag that only matters to an opened file.
+    let extra = if flags.contains(OFlags::PATH) {
+        OFlags::CLOEXEC
+    } else {
+        OFlags::CLOEXEC | OFlags::NOCTTY
+    };
     rustix::fs::openat2(
         dir,
         path,
-        flags | OFlags::CLOEXEC | OFlags::NOCTTY,
+        flags | extra,
         Mode::from_raw_mode(mode),
         ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
     )
@@ -165,13 +177,17 @@ fn parent_owner(owner: EntryOwner) -> EntryOwner {
     }
 }
 
-/// Where a node keeps its volumes.
+/// Where a node keeps its volumes: in the disk pool mounted on `<data>/sandboxes`.
 pub fn volumes_root(data_dir: &Path) -> PathBuf {
-    data_dir.join("volumes")
+    data_dir.join("sandboxes").join(".volumes")
 }
 
 /// The host directory of a volume of a node whose data directory is `data_dir`.
-pub fn volume_dir(data_dir: &Path, team_id: &str, volume_id: &str) -> Result<PathBuf, VolumeIoError> {
+pub fn volume_dir(
+    data_dir: &Path,
+    team_id: &str,
+    volume_id: &str,
+) -> Result<PathBuf, VolumeIoError> {
     Ok(volumes_root(data_dir)
         .join(plain(team_id)?)
         .join(plain(volume_id)?))
@@ -208,7 +224,12 @@ impl HostVolumes {
             OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
             Mode::empty(),
         )
-        .map_err(|e| io_err(&volume.id, format!("cannot open the volume's directory: {e}")))
+        .map_err(|e| {
+            io_err(
+                &volume.id,
+                format!("cannot open the volume's directory: {e}"),
+            )
+        })
     }
 
     /// The directory holding `path`'s last component, and that component. With `create`,

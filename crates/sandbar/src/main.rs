@@ -379,10 +379,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
 
-    let volume_host = sandbar_node::volumes::HostVolumes::open(
-        &sandbar_node::volumes::volumes_root(&data_dir),
-    )
-    .context("cannot prepare the volumes directory")?;
+    let volume_host =
+        sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(&data_dir))
+            .context("cannot prepare the volumes directory")?;
     let volumes = Arc::new(sandbar_core::Volumes::new(
         store.clone(),
         Arc::new(volume_host),
