@@ -280,6 +280,13 @@ impl Sandboxes {
             });
         }
         let egress = request.network.validate(request.allow_internet_access)?;
+        let template = self.templates.resolve(team, &request.template).await?;
+        let template = self
+            .templates
+            .wait_ready(template, self.config.template_wait)
+            .await?;
+        // After the wait for the template: the guard holds off volume deletes until the
+        // mounts are recorded, which must not include a build's duration.
         let (mounts, _mounting) = match (&self.volumes, request.volume_mounts.is_empty()) {
             (_, true) => (Vec::new(), None),
             (None, false) => return Err(VolumeMountError::Disabled.into()),
@@ -288,11 +295,6 @@ impl Sandboxes {
                 (mounts, Some(guard))
             }
         };
-        let template = self.templates.resolve(team, &request.template).await?;
-        let template = self
-            .templates
-            .wait_ready(template, self.config.template_wait)
-            .await?;
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
