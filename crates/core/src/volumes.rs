@@ -684,13 +684,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hmac_matches_rfc4231_case_2_shape() {
-        // RFC 4231 test case with a 32-byte key is not published; check determinism and key
-        // sensitivity instead.
-        let a = hmac_sha256(&[1; 32], b"v");
-        assert_eq!(a, hmac_sha256(&[1; 32], b"v"));
-        assert_ne!(a, hmac_sha256(&[2; 32], b"v"));
-        assert_ne!(a, hmac_sha256(&[1; 32], b"w"));
+    fn hmac_matches_rfc4231_test_case_1() {
+        // HMAC pads the key with zeros to the block size, so the 20-byte key of the RFC's
+        // first case padded to 32 bytes is the same key.
+        let mut key = [0u8; 32];
+        key[..20].fill(0x0b);
+        assert_eq!(
+            hex::encode(hmac_sha256(&key, b"Hi There")),
+            "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"
+        );
     }
 
     #[test]
