@@ -124,6 +124,18 @@ def test_mounted_volume_is_shared_across_slots_and_survives_kill(sandbar, make_s
     assert (vol.get_info("/udir/f").uid, vol.get_info("/user.txt").uid) == (1000, 1000)
 
 
+def test_paused_sandbox_keeps_its_volume(sandbar, make_sandbox, make_volume, volume_api):
+    vol = make_volume()
+    sbx = make_sandbox(volume_mounts={"/mnt/v": vol})
+    sbx.commands.run("echo kept > /mnt/v/f", user="user")
+    sbx.pause()
+    r = _api(sandbar, "DELETE", f"/volumes/{vol.volume_id}")
+    assert r.status_code == 409, r.text
+    assert vol.read_file("/f") == "kept\n"
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.commands.run("cat /mnt/v/f").stdout == "kept\n"
+
+
 def test_user_cannot_write_roots_file(make_sandbox, make_volume):
     vol = make_volume()
     sbx = make_sandbox(volume_mounts={"/mnt/v": vol})
