@@ -195,6 +195,16 @@ pub(crate) struct SandboxDetail {
     #[serde(skip_serializing_if = "Option::is_none")]
     network: Option<NetworkView>,
     lifecycle: serde_json::Value,
+    #[serde(rename = "volumeMounts", skip_serializing_if = "Vec::is_empty")]
+    volume_mounts: Vec<serde_json::Value>,
+}
+
+impl SandboxDetail {
+    /// Adds the sandbox's volume mounts as `[{name, path}]`.
+    pub(crate) fn with_volume_mounts(mut self, mounts: Vec<serde_json::Value>) -> Self {
+        self.volume_mounts = mounts;
+        self
+    }
 }
 
 impl From<&Sandbox> for SandboxDetail {
@@ -209,6 +219,7 @@ impl From<&Sandbox> for SandboxDetail {
                 "autoResume": s.auto_resume,
                 "onTimeout": if s.auto_pause { "pause" } else { "kill" },
             }),
+            volume_mounts: Vec::new(),
         }
     }
 }

@@ -97,6 +97,7 @@ impl From<CreateSandboxError> for ApiError {
     fn from(e: CreateSandboxError) -> Self {
         match e {
             CreateSandboxError::Template(t) => t.into(),
+            CreateSandboxError::Volumes(v) => v.into(),
             CreateSandboxError::TimeoutTooLong { .. }
             | CreateSandboxError::Network(_)
             | CreateSandboxError::ResourceLimit { .. } => Self::bad_request(e.to_string()),
@@ -288,5 +289,72 @@ impl From<sandbar_core::DeleteAccessTokenError> for ApiError {
             E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::Store(ref s) => Self::internal(s),
         }
+    }
+}
+
+impl From<sandbar_core::CreateVolumeError> for ApiError {
+    fn from(e: sandbar_core::CreateVolumeError) -> Self {
+        use sandbar_core::CreateVolumeError as E;
+        match e {
+            E::BadName(_) => Self::bad_request(e.to_string()),
+            E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Host { .. } => Self::internal(&e),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::GetVolumeError> for ApiError {
+    fn from(e: sandbar_core::GetVolumeError) -> Self {
+        use sandbar_core::GetVolumeError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::DeleteVolumeError> for ApiError {
+    fn from(e: sandbar_core::DeleteVolumeError) -> Self {
+        use sandbar_core::DeleteVolumeError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::InUse { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<sandbar_core::VolumeMountError> for ApiError {
+    fn from(e: sandbar_core::VolumeMountError) -> Self {
+        use sandbar_core::VolumeMountError as E;
+        match e {
+            E::Store(ref s) => Self::internal(s),
+            E::Disabled => Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string()),
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+impl From<sandbar_core::VolumeContentError> for ApiError {
+    fn from(e: sandbar_core::VolumeContentError) -> Self {
+        use sandbar_core::VolumeContentError as E;
+        use sandbar_core::VolumeIoError as Io;
+        let status = match &e {
+            E::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            E::BadPath { .. } | E::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            E::Io { source, .. } => match source {
+                Io::NotFound(_) => StatusCode::NOT_FOUND,
+                Io::AlreadyExists(_) => StatusCode::CONFLICT,
+                Io::Escapes(_)
+                | Io::NotADirectory(_)
+                | Io::IsADirectory(_)
+                | Io::Symlink(_)
+                | Io::Root => StatusCode::BAD_REQUEST,
+                Io::Io { .. } => return Self::internal(&e),
+            },
+            E::Store(s) => return Self::internal(s),
+        };
+        Self::new(status, e.to_string())
     }
 }

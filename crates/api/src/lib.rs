@@ -13,6 +13,7 @@ mod sandboxes;
 mod telemetry;
 mod templates;
 mod traffic;
+mod volumes;
 
 use std::sync::Arc;
 
@@ -118,6 +119,7 @@ pub fn router(state: AppState) -> Router {
             get(templates::build_logs),
         )
         .merge(keys::routes())
+        .merge(volumes::routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));

@@ -59,9 +59,7 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return unsupported("mcp");
     }
-    if body.volume_mounts.as_ref().is_some_and(|v| !v.is_empty()) {
-        return unsupported("volumeMounts");
-    }
+    let volume_mounts = crate::volumes::mount_requests(body.volume_mounts.as_deref())?;
     let network = body.network.unwrap_or_default();
     let egress = egress_config(&network)?;
     let network = sandbar_core::NetworkConfig {
@@ -87,6 +85,7 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
         network,
         auto_pause: body.auto_pause.unwrap_or(false),
         auto_resume,
+        volume_mounts,
     })
 }
 
@@ -271,7 +270,10 @@ pub(crate) async fn detail(
     PathParam(sandbox_id): PathParam<String>,
 ) -> Result<Json<SandboxDetail>, ApiError> {
     let sandbox = state.sandboxes.get(&team, &sandbox_id).await?;
-    Ok(Json(SandboxDetail::from(&sandbox)))
+    let mounts = crate::volumes::sandbox_mounts(&state, &sandbox.id).await?;
+    Ok(Json(
+        SandboxDetail::from(&sandbox).with_volume_mounts(mounts),
+    ))
 }
 
 pub(crate) async fn kill(

@@ -18,6 +18,7 @@ pub mod runtime;
 pub mod sandboxes;
 pub mod store;
 pub mod templates;
+pub mod volumes;
 
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
@@ -39,3 +40,7 @@ pub use sandboxes::{
 };
 pub use store::{Store, StoreError};
 pub use templates::{TemplateError, Templates};
+pub use volumes::{
+    CreateVolumeError, DeleteVolumeError, GetVolumeError, MountRequest, Volume, VolumeContentError,
+    VolumeHost, VolumeIoError, VolumeMount, VolumeMountError, Volumes,
+};

@@ -41,6 +41,8 @@ pub struct LaunchSpec {
     /// Per-sandbox egress rules; empty for the node's default egress.
     pub egress: EgressRules,
     pub envd_access_token: String,
+    /// Volumes bind-mounted read-write into the sandbox.
+    pub volumes: Vec<crate::volumes::VolumeMount>,
 }
 
 /// A sandbox's resource use at one moment.

@@ -17,6 +17,7 @@ use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::store::{Store, StoreError};
 use crate::templates::{TemplateError, Templates};
+use crate::volumes::{MountRequest, VolumeMountError, Volumes};
 
 #[derive(Debug, Clone)]
 pub struct SandboxesConfig {
@@ -47,6 +48,8 @@ pub struct CreateSandbox {
     pub auto_pause: bool,
     /// Resume on traffic when paused.
     pub auto_resume: bool,
+    /// The team's volumes to mount, in order.
+    pub volume_mounts: Vec<MountRequest>,
 }
 
 /// How long a sandbox woken by traffic lives before its timeout applies again.
@@ -79,6 +82,8 @@ pub enum CreateSandboxError {
     Template(#[from] TemplateError),
     #[error(transparent)]
     Network(#[from] NetworkConfigError),
+    #[error(transparent)]
+    Volumes(#[from] VolumeMountError),
     #[error("timeout {requested}s is longer than this team's maximum of {max}s")]
     TimeoutTooLong { requested: u64, max: u64 },
     #[error("team has reached its limit of {limit} concurrent sandboxes")]
@@ -214,6 +219,7 @@ pub struct Sandboxes {
     /// Network updates run one at a time, so the firewall and the store agree on the last.
     network_updates: tokio::sync::Mutex<()>,
     metrics: Mutex<HashMap<String, MetricSeries>>,
+    volumes: Option<Arc<Volumes>>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -261,7 +267,18 @@ impl Sandboxes {
             live: Mutex::new(HashMap::new()),
             network_updates: tokio::sync::Mutex::new(()),
             metrics: Mutex::new(HashMap::new()),
+            volumes: None,
         }
+    }
+
+    /// Lets sandboxes mount the team's volumes.
+    pub fn with_volumes(mut self, volumes: Arc<Volumes>) -> Self {
+        self.volumes = Some(volumes);
+        self
+    }
+
+    pub fn volumes(&self) -> Option<&Arc<Volumes>> {
+        self.volumes.as_ref()
     }
 
     fn live(&self) -> MutexGuard<'_, HashMap<String, Live>> {
@@ -288,6 +305,16 @@ impl Sandboxes {
             .wait_ready(template, self.config.template_wait)
             .await?;
         check_resources(team, &template)?;
+        // After the wait for the template: the guard holds off volume deletes until the
+        // mounts are recorded, which must not include a build's duration.
+        let (mounts, _mounting) = match (&self.volumes, request.volume_mounts.is_empty()) {
+            (_, true) => (Vec::new(), None),
+            (None, false) => return Err(VolumeMountError::Disabled.into()),
+            (Some(volumes), false) => {
+                let (mounts, guard) = volumes.resolve_mounts(team, &request.volume_mounts).await?;
+                (mounts, Some(guard))
+            }
+        };
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
@@ -310,6 +337,7 @@ impl Sandboxes {
             egress,
             envd_access_token: ids::new_secret(""),
             template: template.clone(),
+            volumes: mounts.clone(),
         };
         let token = spec.envd_access_token.clone();
         let (handle, endpoint) = match self.runtime.launch(spec).await {
@@ -353,7 +381,20 @@ impl Sandboxes {
             auto_pause: request.auto_pause,
             auto_resume: request.auto_resume,
         };
-        if let Err(err) = self.store.insert_sandbox(&sandbox).await {
+        let recorded = match self.store.insert_sandbox(&sandbox).await {
+            Ok(()) if mounts.is_empty() => Ok(()),
+            Ok(()) => {
+                let mounted = self.store.insert_sandbox_volumes(&id, &mounts).await;
+                if mounted.is_err()
+                    && let Err(err) = self.store.delete_sandbox(&id).await
+                {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot remove half-recorded sandbox");
+                }
+                mounted
+            }
+            Err(err) => Err(err),
+        };
+        if let Err(err) = recorded {
             if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %id, error = %destroy, "cannot clean up unrecorded sandbox");
             }

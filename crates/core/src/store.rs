@@ -6,6 +6,7 @@ use crate::auth::TeamLimits;
 use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
 use crate::model::{BuildStatus, Sandbox, SandboxState, Team, Template};
 use crate::network::NetworkConfig;
+use crate::volumes::{Volume, VolumeMount};
 
 /// Storage failures are opaque to the core: it can only report them.
 #[derive(Debug, thiserror::Error)]
@@ -167,4 +168,23 @@ pub trait Store: Send + Sync + 'static {
     async fn teams(&self) -> Result<Vec<Team>, StoreError>;
     /// Replaces the team's limits; whether the team exists.
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError>;
+
+    // Volumes
+    /// Records a new volume; false if the team already has a volume of that name.
+    async fn insert_volume(&self, volume: &Volume) -> Result<bool, StoreError>;
+    async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError>;
+    async fn volume_by_name(&self, team_id: &str, name: &str)
+    -> Result<Option<Volume>, StoreError>;
+    /// A team's volumes, oldest first.
+    async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError>;
+    /// Recorded sandboxes (running or paused) that mount the volume.
+    async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError>;
+    async fn delete_volume(&self, id: &str) -> Result<(), StoreError>;
+    /// Records a sandbox's mounts, in order; the sandbox must be recorded already.
+    async fn insert_sandbox_volumes(
+        &self,
+        sandbox_id: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<(), StoreError>;
+    async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError>;
 }

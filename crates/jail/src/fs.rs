@@ -162,6 +162,16 @@ pub(crate) fn write_etc(spec: &JailSpec) -> Result<(), BootError> {
     Ok(())
 }
 
+/// Attaches each id-mapped volume at its mount point, creating the directory when missing.
+pub(crate) fn attach_volumes(spec: &JailSpec, volumes: Vec<OwnedFd>) -> Result<(), BootError> {
+    for (volume, tree) in spec.volumes.iter().zip(volumes) {
+        let target = &volume.target;
+        std::fs::create_dir_all(target).map_err(step("create the mount point", target))?;
+        sys::move_mount_to(&tree, target).map_err(step("attach a volume at", target))?;
+    }
+    Ok(())
+}
+
 pub(crate) fn pivot_into(root: &Path) -> Result<(), BootError> {
     std::env::set_current_dir(root).map_err(step("chdir", root))?;
     // Stacking the old root under the new one and detaching it avoids needing a spare

@@ -94,6 +94,20 @@ pub struct JailSpec {
     /// instance draws from one kernel-wide pool.
     pub pty_max: u32,
     pub agent: AgentConfig,
+    /// Persistent volumes, bind-mounted read-write.
+    #[serde(default)]
+    pub volumes: Vec<VolumeBind>,
+}
+
+/// A host directory mounted into the sandbox. Like the template, it is id-mapped through the
+/// sandbox's user namespace: files stored with ids 0–65535 appear with the same ids in every
+/// sandbox that mounts it, whatever host range the sandbox runs as.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeBind {
+    /// The directory on the host; its last component is never followed if it is a link.
+    pub source: PathBuf,
+    /// Absolute path inside the sandbox, resolved inside the sandbox's root.
+    pub target: PathBuf,
 }
 
 /// What [`boot`] hands to the agent inside the finished sandbox.
@@ -192,6 +206,15 @@ pub fn boot() -> Result<Booted, BootError> {
                 .map_err(BootError::syscall(format!("open_tree {}", layer.display())))?,
         );
     }
+    let mut volumes = Vec::with_capacity(spec.volumes.len());
+    for volume in &spec.volumes {
+        volumes.push(
+            sys::open_tree_clone_nofollow(&volume.source).map_err(BootError::syscall(format!(
+                "open_tree {}",
+                volume.source.display()
+            )))?,
+        );
+    }
     let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
     sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
@@ -208,7 +231,7 @@ pub fn boot() -> Result<Booted, BootError> {
                 });
             drop(mapped_rx);
             return match ready {
-                Ok(()) => enter(&spec, template),
+                Ok(()) => enter(&spec, template, volumes),
                 Err(err) => {
                     let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
                     std::process::exit(1)
@@ -225,9 +248,9 @@ pub fn boot() -> Result<Booted, BootError> {
         Err(e) => return Err(BootError::syscall("clone into new namespaces")(e)),
     };
     drop(mapped_rx);
-    let result = map_ids(child, &spec, &template)
+    let result = map_ids(child, &spec, &template, &volumes)
         .and_then(|()| sys::signal_ready(&mapped_tx).map_err(BootError::syscall("resume PID 1")));
-    drop((mapped_tx, template));
+    drop((mapped_tx, template, volumes));
     if let Err(err) = result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
         // SAFETY: the child is our own, not yet reaped; without its id maps it is useless.
@@ -244,7 +267,12 @@ pub fn boot() -> Result<Booted, BootError> {
 
 /// Host root gives the child's new user namespace its id range and id-maps the template
 /// through it.
-fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &[OwnedFd]) -> Result<(), BootError> {
+fn map_ids(
+    child: libc::pid_t,
+    spec: &JailSpec,
+    template: &[OwnedFd],
+    volumes: &[OwnedFd],
+) -> Result<(), BootError> {
     let map = format!("0 {} {}\n", spec.id_map.host_base, spec.id_map.size);
     for file in ["uid_map", "gid_map"] {
         let path = PathBuf::from(format!("/proc/{child}/{file}"));
@@ -261,22 +289,39 @@ fn map_ids(child: libc::pid_t, spec: &JailSpec, template: &[OwnedFd]) -> Result<
             path.display()
         )))?;
     }
+    for (tree, volume) in volumes.iter().zip(&spec.volumes) {
+        sys::idmap_volume(tree, &userns).map_err(BootError::syscall(format!(
+            "id-map the volume {}",
+            volume.source.display()
+        )))?;
+    }
     Ok(())
 }
 
 /// Step 3, the sandbox's PID 1.
-fn enter(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
-    let result = build_and_lock(spec, template);
+fn enter(
+    spec: &JailSpec,
+    template: Vec<OwnedFd>,
+    volumes: Vec<OwnedFd>,
+) -> Result<Booted, BootError> {
+    let result = build_and_lock(spec, template, volumes);
     if let Err(err) = &result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
     }
     result
 }
 
-fn build_and_lock(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
+fn build_and_lock(
+    spec: &JailSpec,
+    template: Vec<OwnedFd>,
+    volumes: Vec<OwnedFd>,
+) -> Result<Booted, BootError> {
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
     fs::build_root(spec, template)?;
     fs::pivot_into(Path::new(layout::ROOT))?;
+    // After the pivot, so a mount point's path (and any link the template put on it) resolves
+    // inside the sandbox's own root and never on the host.
+    fs::attach_volumes(spec, volumes)?;
     fs::write_etc(spec)?;
     fs::harden_proc_and_sys()?;
 
@@ -329,6 +374,10 @@ mod tests {
                 env_vars: BTreeMap::from([("A".into(), "1".into())]),
                 default_workdir: Some("/app".into()),
             },
+            volumes: vec![VolumeBind {
+                source: "/v/t/1".into(),
+                target: "/data".into(),
+            }],
         };
         let json = serde_json::to_string(&spec).expect("serialise");
         let back: JailSpec = serde_json::from_str(&json).expect("parse");

@@ -142,6 +142,15 @@ pub(crate) fn detach_stdio() -> io::Result<()> {
 /// namespace shows until it is attached with [`move_mount_to`], and whose attributes (such as
 /// an id mapping) can be changed first.
 pub(crate) fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
+    open_tree_with(path, 0)
+}
+
+/// [`open_tree_clone`] refusing a symlink as the last component of `path`.
+pub(crate) fn open_tree_clone_nofollow(path: &Path) -> io::Result<OwnedFd> {
+    open_tree_with(path, libc::AT_SYMLINK_NOFOLLOW as libc::c_uint)
+}
+
+fn open_tree_with(path: &Path, extra: libc::c_uint) -> io::Result<OwnedFd> {
     let c = cstring(path)?;
     // SAFETY: `c` is a valid nul-terminated path; the returned descriptor is checked before it
     // is owned.
@@ -150,7 +159,7 @@ pub(crate) fn open_tree_clone(path: &Path) -> io::Result<OwnedFd> {
             libc::SYS_open_tree,
             libc::AT_FDCWD,
             c.as_ptr(),
-            (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC) as libc::c_uint,
+            (libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC) as libc::c_uint | extra,
         )
     };
     if fd < 0 {
@@ -171,13 +180,32 @@ struct MountAttr {
 
 const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
 const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
+/// Makes the detached mount `tree` id-mapped through `userns`, writable, without devices or
+/// set-id programs: a volume shared by sandboxes of different host ranges.
+pub(crate) fn idmap_volume(tree: &OwnedFd, userns: &OwnedFd) -> io::Result<()> {
+    set_attr(
+        tree,
+        MOUNT_ATTR_IDMAP | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID,
+        userns,
+    )
+}
 
 /// Makes the detached mount `tree` read-only, device-free and id-mapped through the user
 /// namespace `userns`: files owned by host id N appear owned by N inside that namespace.
 pub(crate) fn idmap_read_only(tree: &OwnedFd, userns: &OwnedFd) -> io::Result<()> {
+    set_attr(
+        tree,
+        MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
+        userns,
+    )
+}
+
+fn set_attr(tree: &OwnedFd, attr_set: u64, userns: &OwnedFd) -> io::Result<()> {
     let attr = MountAttr {
-        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
+        attr_set,
         attr_clr: 0,
         propagation: 0,
         userns_fd: userns.as_raw_fd() as u64,

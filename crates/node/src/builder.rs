@@ -366,6 +366,7 @@ impl NodeBuilder {
             allow_internet_access: true,
             egress: EgressRules::default(),
             envd_access_token: token.to_owned(),
+            volumes: Vec::new(),
         }
     }
 

@@ -11,6 +11,7 @@ pub mod layers;
 pub mod network;
 mod runtime;
 pub mod templates;
+pub mod volumes;
 
 pub use builder::NodeBuilder;
 pub use runtime::{LinuxRuntime, NodeConfig, NodeError};

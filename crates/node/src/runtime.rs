@@ -323,6 +323,21 @@ impl LinuxRuntime {
             ],
             id_map,
             pty_max: self.config.pty_max,
+            volumes: spec
+                .volumes
+                .iter()
+                .map(|m| {
+                    Ok(sandbar_jail::VolumeBind {
+                        source: crate::volumes::volume_dir(
+                            &self.config.data_dir,
+                            &m.team_id,
+                            &m.volume_id,
+                        )
+                        .map_err(|e| sandbox_err(id, e))?,
+                        target: m.path.clone().into(),
+                    })
+                })
+                .collect::<Result<_, RuntimeError>>()?,
             agent: AgentConfig {
                 access_token: Some(spec.envd_access_token.clone()),
                 default_user: spec.image.user.clone(),

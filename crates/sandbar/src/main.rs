@@ -193,6 +193,35 @@ fn write_credentials(path: &Path, credentials: &sandbar_core::Credentials) -> an
     Ok(())
 }
 
+/// The key volume tokens are derived from, made on first start and kept with the database:
+/// with another key, the tokens handed out would no longer match the hashes in the store.
+fn volume_token_key(data_dir: &Path) -> anyhow::Result<[u8; 32]> {
+    use std::io::{Read, Write};
+    let path = data_dir.join("volume-token.key");
+    let mut key = [0u8; 32];
+    match std::fs::File::open(&path) {
+        Ok(mut file) => {
+            file.read_exact(&mut key)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::File::open("/dev/urandom")
+                .and_then(|mut r| r.read_exact(&mut key))
+                .context("cannot read /dev/urandom")?;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("cannot create {}", path.display()))?;
+            file.write_all(&key)?;
+            file.sync_all()?;
+        }
+        Err(e) => return Err(e).with_context(|| format!("cannot open {}", path.display())),
+    }
+    Ok(key)
+}
+
 /// Registers the default template and, unless it already has an image, builds it through the
 /// build service like any template (the Debian root is cached on disk across data resets).
 async fn ensure_base_template(
@@ -370,12 +399,23 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
 
-    let sandboxes = Arc::new(Sandboxes::new(
+    let volume_host =
+        sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(&data_dir))
+            .context("cannot prepare the volumes directory")?;
+    let volumes = Arc::new(sandbar_core::Volumes::new(
         store.clone(),
-        runtime,
-        templates.clone(),
-        SandboxesConfig::default(),
+        Arc::new(volume_host),
+        volume_token_key(&data_dir)?,
     ));
+    let sandboxes = Arc::new(
+        Sandboxes::new(
+            store.clone(),
+            runtime,
+            templates.clone(),
+            SandboxesConfig::default(),
+        )
+        .with_volumes(volumes),
+    );
     let adopted = sandboxes.recover().await?;
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");

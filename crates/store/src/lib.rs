@@ -12,7 +12,7 @@ use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret};
 use sandbar_core::{BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, LogLevel, TemplateImage};
 use sandbar_core::{
     BuildStatus, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team,
-    Template,
+    Template, Volume, VolumeMount,
 };
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
@@ -1014,4 +1014,125 @@ impl Store for SqliteStore {
         .map_err(err)?;
         Ok(done.rows_affected() > 0)
     }
+
+    async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO volumes (id, team_id, name, token_hash, created_at) VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (team_id, name) DO NOTHING",
+        )
+        .bind(&v.id)
+        .bind(&v.team_id)
+        .bind(&v.name)
+        .bind(&v.token_hash)
+        .bind(micros(v.created_at))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
+        let row = sqlx::query("SELECT * FROM volumes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(volume_from_row).transpose()
+    }
+
+    async fn volume_by_name(
+        &self,
+        team_id: &str,
+        name: &str,
+    ) -> Result<Option<Volume>, StoreError> {
+        let row = sqlx::query("SELECT * FROM volumes WHERE team_id = ? AND name = ?")
+            .bind(team_id)
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(volume_from_row).transpose()
+    }
+
+    async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM volumes WHERE team_id = ? ORDER BY created_at, id")
+            .bind(team_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter().map(volume_from_row).collect()
+    }
+
+    async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT DISTINCT sandbox_id FROM sandbox_volumes WHERE volume_id = ? ORDER BY sandbox_id",
+        )
+        .bind(volume_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)
+    }
+
+    async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM volumes WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_sandbox_volumes(
+        &self,
+        sandbox_id: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for (position, m) in mounts.iter().enumerate() {
+            sqlx::query(
+                "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
+                 VALUES (?, ?, ?, ?, ?)",
+            )
+            .bind(sandbox_id)
+            .bind(i64::try_from(position).map_err(err)?)
+            .bind(&m.volume_id)
+            .bind(&m.name)
+            .bind(&m.path)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)
+    }
+
+    async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT m.volume_id, v.team_id, m.name, m.path FROM sandbox_volumes m \
+             JOIN volumes v ON v.id = m.volume_id WHERE m.sandbox_id = ? ORDER BY m.position",
+        )
+        .bind(sandbox_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter()
+            .map(|row| {
+                Ok(VolumeMount {
+                    volume_id: row.try_get("volume_id").map_err(err)?,
+                    team_id: row.try_get("team_id").map_err(err)?,
+                    name: row.try_get("name").map_err(err)?,
+                    path: row.try_get("path").map_err(err)?,
+                })
+            })
+            .collect()
+    }
+}
+
+fn volume_from_row(row: &SqliteRow) -> Result<Volume, StoreError> {
+    Ok(Volume {
+        id: row.try_get("id").map_err(err)?,
+        team_id: row.try_get("team_id").map_err(err)?,
+        name: row.try_get("name").map_err(err)?,
+        token_hash: row.try_get("token_hash").map_err(err)?,
+        created_at: time(row.try_get("created_at").map_err(err)?),
+    })
 }

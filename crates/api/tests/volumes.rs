@@ -1,0 +1,727 @@
+//! Volume endpoints in-process: a real SQLite store, the node's host volume storage on a
+//! temporary directory, and a runtime double that records what it was asked to mount.
+
+mod common;
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::StoredSecret;
+use sandbar_core::{
+    Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
+    Sandboxes, SandboxesConfig, Store, Team, Template, Templates, VolumeMount, Volumes,
+};
+use sandbar_node::volumes::HostVolumes;
+use sandbar_store::SqliteStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+#[derive(Default)]
+struct RecordingRuntime {
+    mounts: Mutex<Vec<Vec<VolumeMount>>>,
+}
+
+#[async_trait::async_trait]
+impl Runtime for RecordingRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.mounts.lock().expect("lock").push(spec.volumes.clone());
+        Ok((
+            RuntimeHandle(json!({})),
+            Endpoint {
+                agent_socket: "/nonexistent/agent.sock".into(),
+                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            },
+        ))
+    }
+    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
+        true
+    }
+    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
+        Ok(0)
+    }
+    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
+        Ok(None)
+    }
+}
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
+
+struct Harness {
+    dir: tempfile::TempDir,
+    app: axum::Router,
+    runtime: Arc<RecordingRuntime>,
+}
+
+struct Reply {
+    status: StatusCode,
+    body: Value,
+    raw: Vec<u8>,
+}
+
+async fn harness() -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let auth = Auth::new(store.clone());
+    auth.bootstrap(
+        Some(KEY),
+        TeamLimits {
+            max_concurrent_sandboxes: 100,
+            max_sandbox_timeout_secs: 3600,
+            requests_per_minute: 0,
+        },
+    )
+    .await
+    .expect("bootstrap");
+    let other = Team {
+        id: "other-team".into(),
+        name: "other".into(),
+        max_concurrent_sandboxes: 5,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+    };
+    store.insert_team(&other).await.expect("team");
+    store
+        .insert_api_key(&StoredSecret {
+            id: "k2".into(),
+            team_id: other.id.clone(),
+            name: "k".into(),
+            secret_hash: sandbar_core::auth::hash_secret(OTHER_KEY),
+            mask_prefix: "11".into(),
+            mask_suffix: "1111".into(),
+            created_at: Utc::now(),
+        })
+        .await
+        .expect("key");
+    let templates = Templates::new(store.clone());
+    let now = Utc::now();
+    templates
+        .register(&Template {
+            id: "base000000000000000a".into(),
+            team_id: None,
+            aliases: vec!["base".into()],
+            public: true,
+            build_id: "b".into(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: 2,
+            memory_mb: 512,
+            disk_size_mb: 2048,
+            envd_version: "0.5.7".into(),
+            image: Some(common::image()),
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 1,
+        })
+        .await
+        .expect("template");
+    let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
+    let volumes = Arc::new(Volumes::new(store.clone(), Arc::new(host), [7; 32]));
+    let runtime = Arc::new(RecordingRuntime::default());
+    let sandboxes = Arc::new(
+        Sandboxes::new(
+            store.clone(),
+            runtime.clone(),
+            templates.clone(),
+            SandboxesConfig::default(),
+        )
+        .with_volumes(volumes),
+    );
+    let app = router(AppState {
+        auth,
+        sandboxes,
+        builds: common::builds(store.clone(), &templates),
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+    });
+    Harness { dir, app, runtime }
+}
+
+impl Harness {
+    async fn send(&self, request: Request<Body>) -> Reply {
+        let response = self.app.clone().oneshot(request).await.expect("call");
+        let status = response.status();
+        let raw = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes()
+            .to_vec();
+        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        Reply { status, body, raw }
+    }
+
+    async fn call(&self, method: &str, path: &str, key: &str, body: Option<Value>) -> Reply {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("X-API-Key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
+            .expect("request");
+        self.send(request).await
+    }
+
+    async fn api(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
+        self.call(method, path, KEY, body).await
+    }
+
+    async fn content(&self, method: &str, path: &str, token: Option<&str>, body: Vec<u8>) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(token) = token {
+            request = request.header("Authorization", format!("Bearer {token}"));
+        }
+        self.send(request.body(Body::from(body)).expect("request"))
+            .await
+    }
+
+    /// Creates a volume: (id, token).
+    async fn volume(&self, name: &str) -> (String, String) {
+        let reply = self
+            .api("POST", "/volumes", Some(json!({"name": name})))
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+        (
+            reply.body["volumeID"].as_str().expect("id").to_owned(),
+            reply.body["token"].as_str().expect("token").to_owned(),
+        )
+    }
+
+    fn volume_count(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("volumes"))
+            .expect("volumes dir")
+            .flatten()
+            .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+            .map(|team| std::fs::read_dir(team.path()).map_or(0, |d| d.count()))
+            .sum()
+    }
+}
+
+fn assert_error(reply: &Reply, status: StatusCode, needle: &str) {
+    assert_eq!(reply.status, status, "{:?}", reply.body);
+    assert_eq!(
+        reply.body["code"].as_u64(),
+        Some(u64::from(status.as_u16()))
+    );
+    let message = reply.body["message"].as_str().unwrap_or_default();
+    assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+}
+
+#[tokio::test]
+async fn create_list_get_delete() {
+    let h = harness().await;
+    let (id, token) = h.volume("data_1-x").await;
+    assert!(token.starts_with("vol_"));
+    let list = h.api("GET", "/volumes", None).await;
+    assert_eq!(list.status, StatusCode::OK);
+    assert_eq!(list.body, json!([{"volumeID": id, "name": "data_1-x"}]));
+    let got = h.api("GET", &format!("/volumes/{id}"), None).await;
+    assert_eq!(
+        got.body,
+        json!({"volumeID": id, "name": "data_1-x", "token": token})
+    );
+    assert_eq!(h.volume_count(), 1);
+    let deleted = h.api("DELETE", &format!("/volumes/{id}"), None).await;
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+    assert_eq!(h.volume_count(), 0);
+    assert_error(
+        &h.api("GET", &format!("/volumes/{id}"), None).await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    assert_error(
+        &h.api("DELETE", &format!("/volumes/{id}"), None).await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    assert_eq!(h.api("GET", "/volumes", None).await.body, json!([]));
+}
+
+#[tokio::test]
+async fn bad_names_and_duplicates_change_nothing() {
+    let h = harness().await;
+    h.volume("taken").await;
+    assert_error(
+        &h.api("POST", "/volumes", Some(json!({"name": "taken"})))
+            .await,
+        StatusCode::CONFLICT,
+        "taken",
+    );
+    let long = "x".repeat(129);
+    for bad in ["", "a b", "a/b", "..", "ü", long.as_str()] {
+        assert_error(
+            &h.api("POST", "/volumes", Some(json!({"name": bad}))).await,
+            StatusCode::BAD_REQUEST,
+            "invalid volume name",
+        );
+    }
+    assert_error(
+        &h.api("POST", "/volumes", Some(json!({}))).await,
+        StatusCode::BAD_REQUEST,
+        "name",
+    );
+    assert_error(
+        &h.api("POST", "/volumes", Some(json!({"name": 5}))).await,
+        StatusCode::BAD_REQUEST,
+        "invalid request body",
+    );
+    assert_error(
+        &h.call("GET", "/volumes", "e2b_nope", None).await,
+        StatusCode::UNAUTHORIZED,
+        "api key",
+    );
+    assert_eq!(
+        h.api("GET", "/volumes", None)
+            .await
+            .body
+            .as_array()
+            .map(Vec::len),
+        Some(1)
+    );
+    assert_eq!(h.volume_count(), 1);
+    // Names are per team: another team may use the same one.
+    let other = h
+        .call(
+            "POST",
+            "/volumes",
+            OTHER_KEY,
+            Some(json!({"name": "taken"})),
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED);
+}
+
+#[tokio::test]
+async fn another_teams_volume_is_invisible() {
+    let h = harness().await;
+    let (id, token) = h.volume("mine").await;
+    let path = format!("/volumes/{id}");
+    assert_error(
+        &h.call("GET", &path, OTHER_KEY, None).await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    assert_error(
+        &h.call("DELETE", &path, OTHER_KEY, None).await,
+        StatusCode::NOT_FOUND,
+        &id,
+    );
+    assert_eq!(
+        h.call("GET", "/volumes", OTHER_KEY, None).await.body,
+        json!([])
+    );
+    let create = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            OTHER_KEY,
+            Some(
+                json!({"templateID": "base", "volumeMounts": [{"name": "mine", "path": "/data"}]}),
+            ),
+        )
+        .await;
+    assert_error(&create, StatusCode::BAD_REQUEST, "volume 'mine' not found");
+    // The volume and its token are untouched.
+    assert_eq!(h.api("GET", &path, None).await.body["token"], json!(token));
+}
+
+#[tokio::test]
+async fn mounts_are_resolved_recorded_and_block_deletion() {
+    let h = harness().await;
+    let (id, _) = h.volume("work").await;
+    let reply = h
+        .api(
+            "POST",
+            "/v2/sandboxes",
+            Some(json!({"templateID": "base", "volumeMounts": [{"name": "work", "path": "/mnt/work/"}]})),
+        )
+        .await;
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+    let sandbox = reply.body["sandboxID"].as_str().expect("id").to_owned();
+    let launched = h.runtime.mounts.lock().expect("lock").clone();
+    assert_eq!(launched.len(), 1);
+    assert_eq!(launched[0].len(), 1);
+    assert_eq!(launched[0][0].volume_id, id);
+    assert_eq!(launched[0][0].path, "/mnt/work");
+
+    let detail = h.api("GET", &format!("/sandboxes/{sandbox}"), None).await;
+    assert_eq!(
+        detail.body["volumeMounts"],
+        json!([{"name": "work", "path": "/mnt/work"}])
+    );
+    assert_error(
+        &h.api("DELETE", &format!("/volumes/{id}"), None).await,
+        StatusCode::CONFLICT,
+        &sandbox,
+    );
+    assert_eq!(h.volume_count(), 1);
+    assert_eq!(
+        h.api("DELETE", &format!("/sandboxes/{sandbox}"), None)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(
+        h.api("DELETE", &format!("/volumes/{id}"), None)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+    assert_eq!(h.volume_count(), 0);
+}
+
+#[tokio::test]
+async fn bad_mounts_are_refused_with_the_entry_named() {
+    let h = harness().await;
+    h.volume("v").await;
+    h.volume("w").await;
+    let m = |name: &str, path: &str| json!({"name": name, "path": path});
+    let cases = [
+        (
+            json!([m("v", "data")]),
+            "volumeMounts[0]: invalid path 'data': must be absolute",
+        ),
+        (json!([m("v", "/")]), "cannot be '/'"),
+        (json!([m("v", "/proc")]), "under /proc"),
+        (json!([m("v", "/sys/x")]), "under /sys"),
+        (json!([m("v", "/dev/shm")]), "under /dev"),
+        (json!([m("v", "/a/../etc")]), "'..'"),
+        (json!([m("v", "/a/./b")]), "'.'"),
+        (json!([m("v", "/a//b")]), "empty component"),
+        (
+            json!([m("v", "/a"), m("w", "/a/")]),
+            "volumeMounts[1]: path '/a'",
+        ),
+        (
+            json!([m("v", "/a"), m("v", "/b")]),
+            "volumeMounts[1]: volume 'v'",
+        ),
+        (
+            json!([m("nope", "/a")]),
+            "volumeMounts[0]: volume 'nope' not found",
+        ),
+        (json!([m("bad name", "/a")]), "volume 'bad name' not found"),
+        (
+            json!([{"name": "v"}]),
+            "volumeMounts[0]: path must be a string",
+        ),
+        (
+            json!([{"path": "/a", "name": null}]),
+            "volumeMounts[0]: name must be a string",
+        ),
+    ];
+    for (mounts, needle) in cases {
+        let reply = h
+            .api(
+                "POST",
+                "/v2/sandboxes",
+                Some(json!({"templateID": "base", "volumeMounts": mounts})),
+            )
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, needle);
+    }
+    let too_many: Vec<Value> = (0..17).map(|i| m("v", &format!("/m{i}"))).collect();
+    let reply = h
+        .api(
+            "POST",
+            "/v2/sandboxes",
+            Some(json!({"templateID": "base", "volumeMounts": too_many})),
+        )
+        .await;
+    assert_error(&reply, StatusCode::BAD_REQUEST, "at most 16");
+    assert!(h.runtime.mounts.lock().expect("lock").is_empty());
+    assert_eq!(h.api("GET", "/v2/sandboxes", None).await.body, json!([]));
+}
+
+#[tokio::test]
+async fn content_api_reads_writes_lists_and_removes() {
+    let h = harness().await;
+    let (id, token) = h.volume("c").await;
+    let t = Some(token.as_str());
+    let base = format!("/volumecontent/{id}");
+
+    let put = h
+        .content(
+            "PUT",
+            &format!("{base}/file?path=/dir/f.txt&force=true&uid=1000&gid=1000&mode=384"),
+            t,
+            b"hello".to_vec(),
+        )
+        .await;
+    assert_eq!(put.status, StatusCode::CREATED, "{:?}", put.body);
+    assert_eq!(put.body["type"], "file");
+    assert_eq!(put.body["path"], "/dir/f.txt");
+    assert_eq!(put.body["size"], 5);
+    assert_eq!(
+        (put.body["uid"].clone(), put.body["mode"].clone()),
+        (json!(1000), json!(0o600))
+    );
+    let got = h
+        .content("GET", &format!("{base}/file?path=dir/f.txt"), t, vec![])
+        .await;
+    assert_eq!((got.status, got.raw), (StatusCode::OK, b"hello".to_vec()));
+
+    let mk = h
+        .content(
+            "POST",
+            &format!("{base}/dir?path=/a/b&force=true"),
+            t,
+            vec![],
+        )
+        .await;
+    assert_eq!(mk.status, StatusCode::CREATED, "{:?}", mk.body);
+    assert_error(
+        &h.content("POST", &format!("{base}/dir?path=/a/b"), t, vec![])
+            .await,
+        StatusCode::CONFLICT,
+        "already exists",
+    );
+    assert_error(
+        &h.content("POST", &format!("{base}/dir?path=/x/y"), t, vec![])
+            .await,
+        StatusCode::NOT_FOUND,
+        "not found",
+    );
+    let list = h
+        .content("GET", &format!("{base}/dir?path=/&depth=2"), t, vec![])
+        .await;
+    let paths: Vec<&str> = list
+        .body
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|e| e["path"].as_str())
+        .collect();
+    assert_eq!(paths, ["/a", "/a/b", "/dir", "/dir/f.txt"]);
+    let stat = h
+        .content("GET", &format!("{base}/path?path=/a"), t, vec![])
+        .await;
+    assert_eq!(stat.body["type"], "directory");
+
+    let patch = Request::builder()
+        .method("PATCH")
+        .uri(format!("{base}/path?path=/dir/f.txt"))
+        .header("Authorization", format!("Bearer {token}"))
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"mode": 420, "uid": 0}"#))
+        .expect("request");
+    let patched = h.send(patch).await;
+    assert_eq!(patched.status, StatusCode::OK, "{:?}", patched.body);
+    assert_eq!(
+        (patched.body["mode"].clone(), patched.body["uid"].clone()),
+        (json!(0o644), json!(0))
+    );
+
+    let removed = h
+        .content("DELETE", &format!("{base}/path?path=/a"), t, vec![])
+        .await;
+    assert_eq!(removed.status, StatusCode::NO_CONTENT);
+    assert_error(
+        &h.content("GET", &format!("{base}/path?path=/a/b"), t, vec![])
+            .await,
+        StatusCode::NOT_FOUND,
+        "'/a' not found",
+    );
+    assert_error(
+        &h.content("DELETE", &format!("{base}/path?path=/a"), t, vec![])
+            .await,
+        StatusCode::NOT_FOUND,
+        "/a",
+    );
+}
+
+#[tokio::test]
+async fn content_api_refuses_bad_tokens_and_bad_input() {
+    let h = harness().await;
+    let (id, token) = h.volume("c").await;
+    let (other_id, _) = h.volume("d").await;
+    let t = Some(token.as_str());
+    let base = format!("/volumecontent/{id}");
+    for bad in [None, Some("vol_0000"), Some("")] {
+        assert_error(
+            &h.content("GET", &format!("{base}/dir?path=/"), bad, vec![])
+                .await,
+            StatusCode::UNAUTHORIZED,
+            &id,
+        );
+    }
+    // One volume's token opens no other volume; unknown volumes answer the same.
+    assert_error(
+        &h.content(
+            "GET",
+            &format!("/volumecontent/{other_id}/dir?path=/"),
+            t,
+            vec![],
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+        &other_id,
+    );
+    assert_error(
+        &h.content("GET", "/volumecontent/unknown/dir?path=/", t, vec![])
+            .await,
+        StatusCode::UNAUTHORIZED,
+        "unknown",
+    );
+    let cases = [
+        ("GET", format!("{base}/file"), "path is required"),
+        ("GET", format!("{base}/file?path=../x"), "'..'"),
+        ("GET", format!("{base}/file?path=/a/../../x"), "'..'"),
+        ("GET", format!("{base}/file?path=/"), "is a directory"),
+        ("PUT", format!("{base}/file?path=/f&uid=70000"), "uid 70000"),
+        ("PUT", format!("{base}/file?path=/f&gid=-1"), "gid"),
+        ("PUT", format!("{base}/file?path=/f&mode=2541"), "mode 4755"),
+        ("PUT", format!("{base}/file?path=/f&force=maybe"), "force"),
+        ("PUT", format!("{base}/file?path=/"), "is a directory"),
+        ("DELETE", format!("{base}/path?path=/"), "root"),
+        ("GET", format!("{base}/dir?path=/&depth=0"), "depth"),
+    ];
+    for (method, path, needle) in cases {
+        assert_error(
+            &h.content(method, &path, t, b"x".to_vec()).await,
+            StatusCode::BAD_REQUEST,
+            needle,
+        );
+    }
+    assert_error(
+        &h.content(
+            "PUT",
+            &format!("{base}/file?path=/no/such/f"),
+            t,
+            b"x".to_vec(),
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "/no",
+    );
+    let list = h
+        .content("GET", &format!("{base}/dir?path=/"), t, vec![])
+        .await;
+    assert_eq!(list.body, json!([]), "a refused request changed the volume");
+}
+
+#[tokio::test]
+async fn planted_symlinks_never_lead_out_of_the_volume() {
+    let h = harness().await;
+    let (id, token) = h.volume("s").await;
+    let (neighbour, _) = h.volume("n").await;
+    let t = Some(token.as_str());
+    let base = format!("/volumecontent/{id}");
+    let root = std::fs::read_dir(h.dir.path().join("volumes"))
+        .expect("volumes")
+        .flatten()
+        .find(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .expect("team dir")
+        .path();
+    let vol = root.join(&id);
+    std::fs::write(root.join(&neighbour).join("secret"), "neighbour").expect("secret");
+    let outside = h.dir.path().join("outside.txt");
+    std::fs::write(&outside, "host file").expect("outside");
+    // What a sandbox could plant.
+    std::os::unix::fs::symlink("/etc/shadow", vol.join("shadow")).expect("link");
+    std::os::unix::fs::symlink("..", vol.join("up")).expect("link");
+    std::os::unix::fs::symlink(&outside, vol.join("outside")).expect("link");
+    std::os::unix::fs::symlink("../../../..", vol.join("far")).expect("link");
+    std::fs::create_dir(vol.join("d")).expect("dir");
+    std::os::unix::fs::symlink("../up", vol.join("d/up")).expect("link");
+    std::os::unix::fs::symlink("../d", vol.join("d/self")).expect("link");
+
+    for path in [
+        "/shadow",
+        "/outside",
+        &format!("/up/{neighbour}/secret"),
+        "/far/etc/passwd",
+        &format!("/d/up/{neighbour}/secret"),
+    ] {
+        let reply = h
+            .content("GET", &format!("{base}/file?path={path}"), t, vec![])
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, "outside the volume");
+    }
+    for path in ["/up", "/far", "/d/up"] {
+        let reply = h
+            .content("GET", &format!("{base}/dir?path={path}"), t, vec![])
+            .await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, "outside the volume");
+    }
+    for (method, path) in [
+        ("PUT", "/up/x"),
+        ("PUT", "/far/tmp/x?force=true"),
+        ("POST", "/up/newdir"),
+        ("POST", "/far/newdir"),
+    ] {
+        let kind = if method == "PUT" { "file" } else { "dir" };
+        let (p, q) = path.split_once('?').unwrap_or((path, ""));
+        let uri = format!("{base}/{kind}?path={p}&{q}");
+        let reply = h.content(method, &uri, t, b"x".to_vec()).await;
+        assert_error(&reply, StatusCode::BAD_REQUEST, "outside the volume");
+    }
+    assert!(!root.join("x").exists() && !root.join("newdir").exists());
+    // Links are described, not followed; metadata changes on them are refused.
+    let stat = h
+        .content("GET", &format!("{base}/path?path=/outside"), t, vec![])
+        .await;
+    assert_eq!(stat.body["type"], "symlink");
+    assert_eq!(stat.body["target"], json!(outside.display().to_string()));
+    let patch = Request::builder()
+        .method("PATCH")
+        .uri(format!("{base}/path?path=/outside"))
+        .header("Authorization", format!("Bearer {token}"))
+        .body(Body::from(r#"{"mode": 511}"#))
+        .expect("request");
+    assert_error(&h.send(patch).await, StatusCode::BAD_REQUEST, "symlink");
+    // Links inside the volume that stay inside are fine.
+    let inside = h
+        .content("GET", &format!("{base}/dir?path=/d/self"), t, vec![])
+        .await;
+    assert_eq!(inside.status, StatusCode::OK, "{:?}", inside.body);
+    // Writing over a link replaces the link; removing one removes the link only.
+    let put = h
+        .content(
+            "PUT",
+            &format!("{base}/file?path=/outside"),
+            t,
+            b"new".to_vec(),
+        )
+        .await;
+    assert_eq!(put.status, StatusCode::CREATED, "{:?}", put.body);
+    assert_eq!(
+        std::fs::read_to_string(&outside).expect("outside"),
+        "host file"
+    );
+    assert!(
+        vol.join("outside")
+            .symlink_metadata()
+            .expect("file")
+            .is_file()
+    );
+    let removed = h
+        .content("DELETE", &format!("{base}/path?path=/up"), t, vec![])
+        .await;
+    assert_eq!(removed.status, StatusCode::NO_CONTENT);
+    assert!(root.join(&neighbour).join("secret").exists());
+    let removed = h
+        .content("DELETE", &format!("{base}/path?path=/d"), t, vec![])
+        .await;
+    assert_eq!(removed.status, StatusCode::NO_CONTENT);
+    assert!(root.join(&neighbour).join("secret").exists());
+}
