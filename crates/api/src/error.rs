@@ -101,7 +101,10 @@ impl From<CreateSandboxError> for ApiError {
                 Self::bad_request(e.to_string())
             }
             CreateSandboxError::ConcurrencyLimit { .. } => {
-                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+                // A slot frees whenever any of the team's sandboxes ends: worth a retry soon.
+                error.retry_after = Some(1);
+                error
             }
             CreateSandboxError::Runtime(sandbar_core::RuntimeError::NoCapacity { .. }) => {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())

@@ -4,6 +4,7 @@
 //! Handlers only parse and validate; every decision is a typed call into `sandbar-core`, and
 //! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
 
+mod activity;
 mod dto;
 mod edge;
 mod error;
@@ -115,6 +116,7 @@ pub fn router(state: AppState) -> Router {
             "/templates/{template_id}/builds/{build_id}/logs",
             get(templates::build_logs),
         )
+        .merge(activity::routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     api.layer(axum::middleware::from_fn_with_state(
