@@ -18,7 +18,7 @@ use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, pa
 use crate::store::Store;
 use crate::team_metrics::{
     BUCKET_SECS, TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
-    fold, max_of,
+    fold, max_of, step_for,
 };
 
 /// How much of the logs and metrics is kept.
@@ -292,6 +292,8 @@ impl Activity {
         start: i64,
         end: i64,
     ) -> Result<Vec<TeamMetricBucket>, TeamMetricsError> {
+        // The first point covers its whole step, which may begin before `start`.
+        let start = start - start.rem_euclid(step_for(start, end));
         let mut buckets = self.store.team_metrics(team_id, start, end).await?;
         let unwritten: Vec<TeamMetricBucket> = self
             .pending()

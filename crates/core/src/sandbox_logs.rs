@@ -228,15 +228,28 @@ fn parse_text_line(line: &str) -> Option<SandboxLogEntry> {
         }
         _ => rest,
     };
+    // Fields follow the message; a field printed with `%` may hold spaces, so words after a
+    // field that are not fields themselves continue its value.
     let tokens = tokens(body);
     let mut message_end = body.len();
-    for (offset, token) in tokens.iter().rev() {
+    let mut last_key: Option<String> = None;
+    for (i, (offset, token)) in tokens.iter().enumerate() {
         match as_field(token) {
-            Some((key, value)) => {
+            Some((key, value)) if i > 0 => {
+                if last_key.is_none() {
+                    message_end = *offset;
+                }
                 fields.insert(key.to_owned(), value);
-                message_end = *offset;
+                last_key = Some(key.to_owned());
             }
-            None => break,
+            _ => {
+                if let Some(key) = &last_key
+                    && let Some(value) = fields.get_mut(key)
+                {
+                    value.push(' ');
+                    value.push_str(token);
+                }
+            }
         }
     }
     Some(SandboxLogEntry {
@@ -310,6 +323,10 @@ mod tests {
         assert_eq!(entry.level, LogLevel::Warn);
         assert_eq!(entry.message, "a=b is not a field here");
         assert_eq!(entry.fields["done"], "yes");
+        let line = "2026-11-23T11:09:51Z  INFO sandbar_agent::process: process ended pid=5 status=exit status 0";
+        let entry = parse_agent_line(line, now()).expect("entry");
+        assert_eq!(entry.message, "process ended");
+        assert_eq!(entry.fields["status"], "exit status 0");
     }
 
     #[test]
