@@ -97,6 +97,30 @@ def test_cli_sandbox_logs(sandbar, make_sandbox, cli):  # noqa: F811
     assert any(line.get("msg") == "sandbox started" for line in lines), r.stdout
 
 
+def test_cli_sandbox_list_filters(sandbar, make_sandbox, cli):  # noqa: F811
+    group = unique("cli-list")
+    since = (datetime.now(timezone.utc) - timedelta(seconds=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    running = make_sandbox(metadata={"group": group})
+    paused = make_sandbox(metadata={"group": group})
+    assert paused.pause() is True
+
+    def listed(*args: str) -> set:
+        r = cli("sandbox", "list", "--metadata", f"group={group}", "--format", "json", *args)
+        assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+        return {s["sandboxId"] for s in json.loads(r.stdout)}
+
+    assert listed() == {running.sandbox_id}
+    assert listed("--state", "running,paused", "--limit", "1") in (
+        {running.sandbox_id},
+        {paused.sandbox_id},
+    )
+    assert listed("--state", "running,paused", "--template", "base", "--started-after", since) == {
+        running.sandbox_id,
+        paused.sandbox_id,
+    }
+    assert listed("--state", "paused", "--template", "no-such-template") == set()
+
+
 def test_list_filters_and_pages_as_the_sdk_sends_them(sandbar, make_sandbox):
     group = unique("list")
     before = datetime.now(timezone.utc) - timedelta(seconds=1)
