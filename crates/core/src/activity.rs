@@ -56,6 +56,9 @@ pub(crate) struct Activity {
     pending: Mutex<HashMap<(String, i64), Counter>>,
     /// How far each live sandbox's agent log has been read (a cache of the store's).
     offsets: Mutex<HashMap<String, u64>>,
+    /// A kill reads the agent log while the reaper may be reading it too: one at a time, so
+    /// no line is stored twice.
+    ingesting: tokio::sync::Mutex<()>,
 }
 
 fn bucket_of(at: DateTime<Utc>) -> i64 {
@@ -69,6 +72,7 @@ impl Activity {
             config,
             pending: Mutex::new(HashMap::new()),
             offsets: Mutex::new(HashMap::new()),
+            ingesting: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -170,6 +174,7 @@ impl Activity {
     /// Reads what the sandbox's agent wrote since the last call, in whole lines, and stores
     /// it with the new offset in one transaction.
     pub(crate) async fn ingest_agent_log(&self, runtime: &dyn Runtime, sandbox_id: &str) {
+        let _one_at_a_time = self.ingesting.lock().await;
         let cached = self.offsets().get(sandbox_id).copied();
         let offset = match cached {
             Some(offset) => offset,

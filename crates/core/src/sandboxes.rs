@@ -358,6 +358,9 @@ impl Sandboxes {
             self.live().remove(&id);
             return Err(err.into());
         }
+        // Logged before the sandbox counts as running, so the reaper never reads its agent
+        // log before the log exists.
+        self.log_start(&sandbox, now).await;
         if let Some(entry) = self.live().get_mut(&id) {
             entry.status = SandboxStatus::Running;
             entry.endpoint = Some(endpoint);
@@ -378,7 +381,6 @@ impl Sandboxes {
         {
             tracing::warn!(template_id = %template.id, error = %err, "cannot record template spawn");
         }
-        self.log_start(&sandbox, now).await;
         tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
         Ok(sandbox)
     }
