@@ -99,6 +99,7 @@ fn boot_main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let listener = tokio::net::UnixListener::from_std(booted.listener)
             .context("adopting the agent socket")?;
+        tracing::info!(version = sandbar_jail::ENVD_VERSION, "agent started");
         sandbar_agent::serve_unix(listener, booted.config).await?;
         Ok(())
     })
@@ -111,6 +112,8 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // The log is a file the server reads, not a terminal.
+        .with_ansi(false)
         .init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {

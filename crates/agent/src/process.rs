@@ -562,6 +562,8 @@ impl ProcessManager {
         };
         // Drop our copies of the child's ends so end-of-file arrives when it exits.
         drop(command);
+        // The command's arguments are left out: they may carry secrets.
+        tracing::info!(pid, cmd = %spec.cmd, "process started");
 
         let pty = parent
             .pty
@@ -626,7 +628,9 @@ impl ProcessManager {
                 }
             }
             lock(&manager.processes).remove(&supervised.pid);
-            supervised.finish(EndInfo::from(status)).await;
+            let end = EndInfo::from(status);
+            tracing::info!(pid = supervised.pid, status = %end.status, "process ended");
+            supervised.finish(end).await;
         });
         Ok((process, rx))
     }

@@ -4,6 +4,7 @@
 //! Handlers only parse and validate; every decision is a typed call into `sandbar-core`, and
 //! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
 
+mod activity;
 mod dto;
 mod edge;
 mod error;
@@ -120,6 +121,7 @@ pub fn router(state: AppState) -> Router {
         )
         .merge(keys::routes())
         .merge(volumes::routes())
+        .merge(activity::routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));

@@ -22,6 +22,8 @@ const DEFAULT_TIMEOUT_V2: i64 = 300;
 const DEFAULT_TIMEOUT_V1: i64 = 15;
 const MAX_PAGE: i64 = 100;
 const MAX_REFRESH_SECS: i64 = 3600;
+/// E2B keeps a refreshed sandbox alive at least this long, also when `duration` is omitted.
+const MIN_REFRESH_SECS: i64 = 15;
 
 /// The API types timeouts as int32: parsed wider so an out-of-range value gets an error that
 /// names the field instead of serde's.
@@ -204,6 +206,21 @@ fn state_filter(query: &QueryPairs) -> Result<Option<Vec<SandboxState>>, ApiErro
         .map(Some)
 }
 
+/// `startedAfter` as an RFC 3339 date-time. A `+` of an offset the client left unencoded
+/// arrives as a space.
+fn started_after(query: &QueryPairs) -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
+    let Some(raw) = query.get("startedAfter").filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    chrono::DateTime::parse_from_rfc3339(&raw.replace(' ', "+"))
+        .map(|t| Some(t.with_timezone(&chrono::Utc)))
+        .map_err(|_| {
+            ApiError::bad_request(format!(
+                "invalid startedAfter '{raw}': expected an RFC 3339 date-time such as 2025-01-01T00:00:00Z"
+            ))
+        })
+}
+
 pub(crate) async fn list_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -228,6 +245,11 @@ pub(crate) async fn list_v2(
             .get("nextToken")
             .filter(|t| !t.is_empty())
             .map(str::to_owned),
+        started_after: started_after(&query)?,
+        template: query
+            .get("template")
+            .filter(|t| !t.is_empty())
+            .map(str::to_owned),
     };
     let page = state.sandboxes.list(&team, &list).await?;
     let items: Vec<ListedSandbox> = page.items.iter().map(ListedSandbox::from).collect();
@@ -236,6 +258,13 @@ pub(crate) async fn list_v2(
         && let Ok(value) = HeaderValue::from_str(&token)
     {
         headers.insert("X-Next-Token", value);
+    }
+    if list
+        .states
+        .as_ref()
+        .is_none_or(|s| s.contains(&SandboxState::Running))
+    {
+        headers.insert("X-Total-Running", HeaderValue::from(page.running_total));
     }
     Ok((headers, Json(items)).into_response())
 }
@@ -251,6 +280,8 @@ pub(crate) async fn list_v1(
         limit: MAX_PAGE as usize,
         next_token: None,
         ascending: false,
+        started_after: None,
+        template: None,
     };
     let mut items = Vec::new();
     loop {
@@ -305,7 +336,7 @@ pub(crate) async fn refresh(
     PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<RefreshBody>,
 ) -> Result<StatusCode, ApiError> {
-    let duration = body.duration.unwrap_or(0);
+    let duration = body.duration.unwrap_or(MIN_REFRESH_SECS);
     if !(0..=MAX_REFRESH_SECS).contains(&duration) {
         return Err(ApiError::bad_request(format!(
             "duration must be between 0 and {MAX_REFRESH_SECS} seconds, got {duration}"
@@ -313,7 +344,7 @@ pub(crate) async fn refresh(
     }
     state
         .sandboxes
-        .extend(&team, &sandbox_id, duration as u64)
+        .extend(&team, &sandbox_id, duration.max(MIN_REFRESH_SECS) as u64)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

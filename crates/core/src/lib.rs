@@ -5,6 +5,7 @@
 //! the machine that runs sandboxes through [`Runtime`], so transports and backends can change
 //! without touching the rules written here.
 
+pub mod activity;
 pub mod auth;
 pub mod builds;
 pub mod dockerfile;
@@ -15,11 +16,14 @@ pub mod limits;
 pub mod model;
 pub mod network;
 pub mod runtime;
+pub mod sandbox_logs;
 pub mod sandboxes;
 pub mod store;
+pub mod team_metrics;
 pub mod templates;
 pub mod volumes;
 
+pub use activity::ActivityConfig;
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
@@ -34,11 +38,15 @@ pub use limits::{RateLimited, RateLimits};
 pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page,
     SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
 };
 pub use store::{Store, StoreError};
+pub use team_metrics::{
+    TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
+};
 pub use templates::{TemplateError, Templates};
 pub use volumes::{
     CreateVolumeError, DeleteVolumeError, GetVolumeError, MountRequest, Volume, VolumeContentError,

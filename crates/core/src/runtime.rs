@@ -128,6 +128,12 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Up to `max` bytes of the sandbox's agent log from byte `offset` on; `None` when the
+    /// runtime keeps no such log or it cannot be read.
+    fn agent_log(&self, _sandbox_id: &str, _offset: u64, _max: usize) -> Option<Vec<u8>> {
+        None
+    }
+
     /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(
         &self,

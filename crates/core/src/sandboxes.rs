@@ -10,12 +10,16 @@ use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 
+use crate::activity::{Activity, ActivityConfig};
+use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::{Store, StoreError};
+use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
 use crate::templates::{TemplateError, Templates};
 use crate::volumes::{MountRequest, VolumeMountError, Volumes};
 
@@ -25,6 +29,8 @@ pub struct SandboxesConfig {
     pub template_wait: Duration,
     /// User for agent calls that name none.
     pub default_user: String,
+    /// What is kept of sandbox logs and team metrics.
+    pub activity: ActivityConfig,
 }
 
 impl Default for SandboxesConfig {
@@ -32,6 +38,7 @@ impl Default for SandboxesConfig {
         Self {
             template_wait: Duration::from_secs(900),
             default_user: "user".into(),
+            activity: ActivityConfig::default(),
         }
     }
 }
@@ -161,12 +168,18 @@ pub struct ListQuery {
     pub next_token: Option<String>,
     /// Oldest first instead of newest first.
     pub ascending: bool,
+    /// Only sandboxes started at or after this.
+    pub started_after: Option<DateTime<Utc>>,
+    /// Only sandboxes of this template, named by ID or by any of its names.
+    pub template: Option<String>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Page<T> {
     pub items: Vec<T>,
     pub next_token: Option<String>,
+    /// Running sandboxes matching the filters on every page.
+    pub running_total: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -203,6 +216,9 @@ pub struct MetricPoint {
 /// How often sandboxes are sampled, and for how long samples are kept.
 const METRICS_EVERY_ROUNDS: u64 = 4;
 const METRICS_KEPT: usize = 1800;
+/// Team activity is written once per bucket (5 s), old logs and metrics pruned every 10 min.
+const TEAM_METRICS_EVERY_ROUNDS: u64 = 10;
+const PRUNE_EVERY_ROUNDS: u64 = 1200;
 
 #[derive(Debug, Default)]
 struct MetricSeries {
@@ -220,6 +236,7 @@ pub struct Sandboxes {
     network_updates: tokio::sync::Mutex<()>,
     metrics: Mutex<HashMap<String, MetricSeries>>,
     volumes: Option<Arc<Volumes>>,
+    activity: Activity,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -260,6 +277,7 @@ impl Sandboxes {
         config: SandboxesConfig,
     ) -> Self {
         Self {
+            activity: Activity::new(store.clone(), config.activity.clone()),
             store,
             runtime,
             templates,
@@ -401,6 +419,9 @@ impl Sandboxes {
             self.live().remove(&id);
             return Err(err.into());
         }
+        // Logged before the sandbox counts as running, so the reaper never reads its agent
+        // log before the log exists.
+        self.log_start(&sandbox, now).await;
         if let Some(entry) = self.live().get_mut(&id) {
             entry.status = SandboxStatus::Running;
             entry.endpoint = Some(endpoint);
@@ -423,6 +444,72 @@ impl Sandboxes {
         }
         tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
         Ok(sandbox)
+    }
+
+    /// The first lines of a new sandbox's log, and its start in the team's metrics.
+    async fn log_start(&self, sandbox: &Sandbox, requested_at: DateTime<Utc>) {
+        let mut created = vec![
+            ("templateID", sandbox.template_id.clone()),
+            ("endAt", sandbox.end_at.to_rfc3339()),
+        ];
+        if let Some(alias) = &sandbox.alias {
+            created.push(("alias", alias.clone()));
+        }
+        let startup_ms = (sandbox.started_at - requested_at).num_milliseconds();
+        let entries = [
+            SandboxLogEntry::event(requested_at, LogLevel::Info, "sandbox created", &created),
+            SandboxLogEntry::event(
+                sandbox.started_at,
+                LogLevel::Info,
+                "sandbox started",
+                &[("startupMs", startup_ms.to_string())],
+            ),
+        ];
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, requested_at, &entries)
+            .await;
+        let running = self
+            .live()
+            .values()
+            .filter(|l| l.team_id == sandbox.team_id && l.status.holds_a_slot())
+            .count();
+        self.activity
+            .started(&sandbox.team_id, u32::try_from(running).unwrap_or(u32::MAX));
+    }
+
+    /// A team's sandbox's log, also after the sandbox ended (for the retention period).
+    pub async fn logs(
+        &self,
+        team: &Team,
+        id: &str,
+        query: &SandboxLogQuery,
+    ) -> Result<Vec<SandboxLogEntry>, SandboxLogsError> {
+        self.activity.logs(team, id, query).await
+    }
+
+    /// `team_id`'s activity from `start` to `end` (Unix seconds); only `team`'s own.
+    pub async fn team_metrics(
+        &self,
+        team: &Team,
+        team_id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<Vec<TeamMetricPoint>, TeamMetricsError> {
+        self.activity.team_metrics(team, team_id, start, end).await
+    }
+
+    /// The largest value of `metric` for `team_id` from `start` to `end`.
+    pub async fn team_metric_max(
+        &self,
+        team: &Team,
+        team_id: &str,
+        metric: TeamMetric,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<TeamMetricMax, TeamMetricsError> {
+        self.activity
+            .team_metric_max(team, team_id, metric, start, end)
+            .await
     }
 
     fn reserve(
@@ -503,7 +590,18 @@ impl Sandboxes {
         if query.ascending {
             sandboxes.reverse();
         }
-        let mut matching = sandboxes
+        // A name resolves to one template; an unknown name simply matches nothing.
+        let template_id = match &query.template {
+            Some(name) => Some(
+                self.templates
+                    .resolve(team, name)
+                    .await
+                    .map(|t| t.id)
+                    .unwrap_or_else(|_| name.clone()),
+            ),
+            None => None,
+        };
+        let filtered: Vec<Sandbox> = sandboxes
             .into_iter()
             .filter(|s| !stopping.contains(&s.id))
             .filter(|s| query.states.as_ref().is_none_or(|st| st.contains(&s.state)))
@@ -513,24 +611,39 @@ impl Sandboxes {
                     .iter()
                     .all(|(k, v)| s.metadata.get(k) == Some(v))
             })
-            .filter(|s| match &after {
-                None => true,
-                Some((micros, id)) => {
-                    let position = (s.started_at.timestamp_micros(), s.id.as_str());
-                    let cursor = (*micros, id.as_str());
-                    if query.ascending {
-                        position > cursor
-                    } else {
-                        position < cursor
-                    }
+            .filter(|s| query.started_after.is_none_or(|t| s.started_at >= t))
+            .filter(|s| {
+                template_id.as_ref().is_none_or(|id| {
+                    s.template_id == *id || s.alias.as_ref() == query.template.as_ref()
+                })
+            })
+            .collect();
+        let running_total = filtered
+            .iter()
+            .filter(|s| s.state == SandboxState::Running)
+            .count();
+        let mut matching = filtered.into_iter().filter(|s| match &after {
+            None => true,
+            Some((micros, id)) => {
+                let position = (s.started_at.timestamp_micros(), s.id.as_str());
+                let cursor = (*micros, id.as_str());
+                if query.ascending {
+                    position > cursor
+                } else {
+                    position < cursor
                 }
-            });
+            }
+        });
         let items: Vec<Sandbox> = matching.by_ref().take(query.limit).collect();
         let next_token = match (items.last(), matching.next()) {
             (Some(last), Some(_)) => Some(page_token(last)),
             _ => None,
         };
-        Ok(Page { items, next_token })
+        Ok(Page {
+            items,
+            next_token,
+            running_total,
+        })
     }
 
     /// Sets the end time to `timeout_secs` from now; may shorten the sandbox's life.
@@ -542,8 +655,17 @@ impl Sandboxes {
     ) -> Result<(), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
-        self.set_end(&sandbox, Utc::now() + seconds(timeout_secs))
-            .await
+        let end_at = Utc::now() + seconds(timeout_secs);
+        self.set_end(&sandbox, end_at).await?;
+        self.activity
+            .event(
+                id,
+                LogLevel::Info,
+                "sandbox timeout set",
+                &[("endAt", end_at.to_rfc3339())],
+            )
+            .await;
+        Ok(())
     }
 
     /// Extends the end time to `timeout_secs` from now unless it is already later.
@@ -559,6 +681,14 @@ impl Sandboxes {
         if wanted > sandbox.end_at {
             self.set_end(&sandbox, wanted).await?;
             sandbox.end_at = wanted;
+            self.activity
+                .event(
+                    id,
+                    LogLevel::Info,
+                    "sandbox timeout extended",
+                    &[("endAt", wanted.to_rfc3339())],
+                )
+                .await;
         }
         Ok(sandbox)
     }
@@ -583,10 +713,23 @@ impl Sandboxes {
 
     pub async fn kill(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
         let sandbox = self.get(team, id).await?;
-        self.stop(&sandbox.id, &sandbox.handle).await
+        self.stop(
+            &sandbox.id,
+            &sandbox.handle,
+            LogLevel::Info,
+            "sandbox killed",
+        )
+        .await
     }
 
-    async fn stop(&self, id: &str, handle: &RuntimeHandle) -> Result<(), SandboxError> {
+    /// Stops a sandbox and ends its log with `event`.
+    async fn stop(
+        &self,
+        id: &str,
+        handle: &RuntimeHandle,
+        level: LogLevel,
+        event: &str,
+    ) -> Result<(), SandboxError> {
         let previous = {
             let mut live = self.live();
             match live.get_mut(id) {
@@ -606,6 +749,10 @@ impl Sandboxes {
                 None => None,
             }
         };
+        // Destroying the sandbox removes its agent log: read what is left first.
+        self.activity
+            .ingest_agent_log(self.runtime.as_ref(), id)
+            .await;
         if let Err(err) = self.runtime.destroy(id, handle).await {
             if let Some(phase) = previous
                 && let Some(entry) = self.live().get_mut(id)
@@ -621,6 +768,7 @@ impl Sandboxes {
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
         deleted?;
+        self.activity.close(id, level, event).await;
         tracing::info!(sandbox_id = %id, "sandbox stopped");
         Ok(())
     }
@@ -655,6 +803,9 @@ impl Sandboxes {
         self.store
             .set_sandbox_network(id, &network, allow_internet_access)
             .await?;
+        self.activity
+            .event(id, LogLevel::Info, "sandbox network updated", &[])
+            .await;
         tracing::info!(sandbox_id = %id, "sandbox network updated");
         Ok(())
     }
@@ -695,9 +846,9 @@ impl Sandboxes {
     }
 
     /// Stops each of `sandboxes`, logging why; one failure does not hold up the rest.
-    async fn stop_all(&self, sandboxes: Vec<(String, RuntimeHandle)>, why: &str) {
+    async fn stop_all(&self, sandboxes: Vec<(String, RuntimeHandle)>, why: &str, level: LogLevel) {
         for (id, handle) in sandboxes {
-            match self.stop(&id, &handle).await {
+            match self.stop(&id, &handle, level, why).await {
                 Ok(()) => tracing::info!(sandbox_id = %id, "{why}: stopped"),
                 // Stopped by a request in the meantime.
                 Err(SandboxError::NotFound(_)) => {}
@@ -711,6 +862,9 @@ impl Sandboxes {
         let now = Utc::now();
         let to_pause = self.running_where(|_, l| l.end_at <= now && l.auto_pause);
         for (id, _) in to_pause {
+            self.activity
+                .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
+                .await;
             let paused = match self.store.sandbox(&id).await {
                 Ok(Some(sandbox)) => self.pause_sandbox(&sandbox).await,
                 Ok(None) => continue,
@@ -724,7 +878,8 @@ impl Sandboxes {
             }
         }
         let expired = self.running_where(|_, l| l.end_at <= now && !l.auto_pause);
-        self.stop_all(expired, "sandbox expired").await;
+        self.stop_all(expired, "sandbox timed out", LogLevel::Info)
+            .await;
     }
 
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
@@ -736,7 +891,32 @@ impl Sandboxes {
             .into_iter()
             .filter(|(id, handle)| !self.runtime.is_alive(id, handle))
             .collect();
-        self.stop_all(dead, "sandbox died").await;
+        self.stop_all(dead, "sandbox died", LogLevel::Error).await;
+    }
+
+    /// Reads new agent log lines of every running sandbox.
+    async fn ingest_agent_logs(&self) {
+        let ids: Vec<String> = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.status == SandboxStatus::Running)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in ids {
+            self.activity
+                .ingest_agent_log(self.runtime.as_ref(), &id)
+                .await;
+        }
+    }
+
+    async fn flush_team_metrics(&self) {
+        let mut running: HashMap<String, u32> = HashMap::new();
+        for l in self.live().values() {
+            if l.status.holds_a_slot() {
+                *running.entry(l.team_id.clone()).or_default() += 1;
+            }
+        }
+        self.activity.flush_team_metrics(running).await;
     }
 
     /// Expires sandboxes about twice a second and looks for dead ones every few seconds,
@@ -752,6 +932,13 @@ impl Sandboxes {
             }
             if round % METRICS_EVERY_ROUNDS == 0 {
                 self.sample_metrics();
+                self.ingest_agent_logs().await;
+            }
+            if round % TEAM_METRICS_EVERY_ROUNDS == 0 {
+                self.flush_team_metrics().await;
+            }
+            if round % PRUNE_EVERY_ROUNDS == 0 {
+                self.activity.prune().await;
             }
         }
     }
@@ -798,14 +985,39 @@ impl Sandboxes {
                             disk_size_mb: sandbox.disk_size_mb,
                         },
                     );
+                    // Sandboxes from before logs were kept get a log from now on.
+                    self.activity
+                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                        .await;
+                    self.activity
+                        .event(
+                            &sandbox.id,
+                            LogLevel::Info,
+                            "sandbox adopted after a server restart",
+                            &[],
+                        )
+                        .await;
                     adopted += 1;
                 }
                 Ok(None) => {
                     tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
+                    self.activity
+                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                        .await;
+                    self.activity
+                        .ingest_agent_log(self.runtime.as_ref(), &sandbox.id)
+                        .await;
                     if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                         tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
                     }
                     self.store.delete_sandbox(&sandbox.id).await?;
+                    self.activity
+                        .close(
+                            &sandbox.id,
+                            LogLevel::Error,
+                            "sandbox died while the server was down",
+                        )
+                        .await;
                 }
                 Err(err) => {
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
@@ -1030,6 +1242,9 @@ impl Sandboxes {
             return Err(err.into());
         }
         self.set_status(id, SandboxStatus::Paused);
+        self.activity
+            .event(id, LogLevel::Info, "sandbox paused", &[])
+            .await;
         tracing::info!(sandbox_id = %id, "sandbox paused");
         Ok(())
     }
@@ -1067,12 +1282,17 @@ impl Sandboxes {
                 retry_after_secs,
             });
         }
-        let sandbox = self.thaw(sandbox, timeout_secs).await?;
+        let sandbox = self.thaw(sandbox, timeout_secs, "request").await?;
         Ok((sandbox, true))
     }
 
     /// Thaws a sandbox already marked `Resuming`.
-    async fn thaw(&self, mut sandbox: Sandbox, timeout_secs: u64) -> Result<Sandbox, SandboxError> {
+    async fn thaw(
+        &self,
+        mut sandbox: Sandbox,
+        timeout_secs: u64,
+        by: &str,
+    ) -> Result<Sandbox, SandboxError> {
         let id = sandbox.id.clone();
         let end_at = Utc::now() + seconds(timeout_secs);
         let result = async {
@@ -1095,6 +1315,14 @@ impl Sandboxes {
         }
         sandbox.end_at = end_at;
         sandbox.state = SandboxState::Running;
+        self.activity
+            .event(
+                &id,
+                LogLevel::Info,
+                "sandbox resumed",
+                &[("by", by.to_owned()), ("endAt", end_at.to_rfc3339())],
+            )
+            .await;
         tracing::info!(sandbox_id = %id, "sandbox resumed");
         Ok(sandbox)
     }
@@ -1123,7 +1351,10 @@ impl Sandboxes {
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                 return None;
             }
-            match self.thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS).await {
+            match self
+                .thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS, "traffic")
+                .await
+            {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
                 Err(err) => {
                     tracing::warn!(sandbox_id = %id, error = %err, "cannot resume on traffic")

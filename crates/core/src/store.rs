@@ -6,6 +6,8 @@ use crate::auth::TeamLimits;
 use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
 use crate::model::{BuildStatus, Sandbox, SandboxState, Team, Template};
 use crate::network::NetworkConfig;
+use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
+use crate::team_metrics::TeamMetricBucket;
 use crate::volumes::{Volume, VolumeMount};
 
 /// Storage failures are opaque to the core: it can only report them.
@@ -187,4 +189,47 @@ pub trait Store: Send + Sync + 'static {
         mounts: &[VolumeMount],
     ) -> Result<(), StoreError>;
     async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError>;
+
+    // Sandbox logs and team metrics
+    /// Records that `sandbox_id`'s logs belong to `team_id` with their first lines; kept as
+    /// it is when already recorded.
+    async fn open_sandbox_log(
+        &self,
+        sandbox_id: &str,
+        team_id: &str,
+        at: DateTime<Utc>,
+        entries: &[SandboxLogEntry],
+    ) -> Result<(), StoreError>;
+    /// The team `sandbox_id`'s logs belong to, while they are kept.
+    async fn sandbox_log_team(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
+    /// How far the sandbox's agent log has been read, in bytes.
+    async fn sandbox_log_offset(&self, sandbox_id: &str) -> Result<u64, StoreError>;
+    /// Appends lines, and moves the agent log offset if given, in one transaction; drops the
+    /// oldest lines beyond `keep`. Does nothing for a sandbox whose log was never opened.
+    async fn append_sandbox_logs(
+        &self,
+        sandbox_id: &str,
+        entries: &[SandboxLogEntry],
+        agent_log_offset: Option<u64>,
+        keep: u64,
+    ) -> Result<(), StoreError>;
+    /// Marks the sandbox ended: its logs are kept for the retention period from `at`.
+    async fn end_sandbox_log(&self, sandbox_id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
+    async fn sandbox_logs(
+        &self,
+        sandbox_id: &str,
+        query: &SandboxLogQuery,
+    ) -> Result<Vec<SandboxLogEntry>, StoreError>;
+    /// Removes the logs of sandboxes that ended before `before`; returns how many sandboxes.
+    async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError>;
+    /// Adds buckets: the larger concurrency and the sum of starts win over a stored bucket.
+    async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError>;
+    /// A team's buckets from `start` to `end` (Unix seconds, inclusive), oldest first.
+    async fn team_metrics(
+        &self,
+        team_id: &str,
+        start: i64,
+        end: i64,
+    ) -> Result<Vec<TeamMetricBucket>, StoreError>;
+    async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError>;
 }

@@ -114,6 +114,12 @@ struct ServeArgs {
     /// memory limits of running ones would exceed the host's memory minus this.
     #[arg(long, env = "SANDBAR_MEMORY_RESERVE_MB", default_value_t = 1024)]
     memory_reserve_mb: u64,
+    /// Days a sandbox's logs stay readable after it ended, and team metrics are kept.
+    #[arg(long, env = "SANDBAR_LOG_RETENTION_DAYS", default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..=3650))]
+    log_retention_days: u64,
+    /// Log lines kept per sandbox; the oldest are dropped first.
+    #[arg(long, env = "SANDBAR_LOG_LINES_PER_SANDBOX", default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..))]
+    log_lines_per_sandbox: u64,
     /// Cap on pseudo-terminals open at once in each sandbox.
     #[arg(long, env = "SANDBAR_PTY_MAX", default_value_t = 256)]
     pty_max: u32,
@@ -412,7 +418,13 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             store.clone(),
             runtime,
             templates.clone(),
-            SandboxesConfig::default(),
+            SandboxesConfig {
+                activity: sandbar_core::ActivityConfig {
+                    log_lines_per_sandbox: args.log_lines_per_sandbox,
+                    retention: std::time::Duration::from_secs(args.log_retention_days * 86_400),
+                },
+                ..SandboxesConfig::default()
+            },
         )
         .with_volumes(volumes),
     );

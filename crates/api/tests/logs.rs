@@ -1,0 +1,707 @@
+//! Sandbox logs, team metrics, list filters and refreshes in-process: a real SQLite store and
+//! router, with a runtime double whose agent logs are in memory.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::StoredSecret;
+use sandbar_core::{
+    Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
+    Sandboxes, SandboxesConfig, Store, Team, Template, Templates,
+};
+use sandbar_store::SqliteStore;
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+/// Starts nothing; each sandbox's agent log is a byte buffer tests append to.
+#[derive(Default)]
+struct LoggingRuntime {
+    agent_logs: Mutex<HashMap<String, Vec<u8>>>,
+}
+
+impl LoggingRuntime {
+    fn agent_writes(&self, id: &str, text: &str) {
+        self.agent_logs
+            .lock()
+            .expect("lock")
+            .entry(id.to_owned())
+            .or_default()
+            .extend_from_slice(text.as_bytes());
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for LoggingRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.agent_writes(
+            &spec.sandbox_id,
+            "2026-01-01T00:00:00.5Z  INFO sandbar_agent: agent started version=0.5.7\n",
+        );
+        Ok((
+            RuntimeHandle(json!({})),
+            Endpoint {
+                agent_socket: "/nonexistent/agent.sock".into(),
+                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            },
+        ))
+    }
+
+    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        self.agent_logs.lock().expect("lock").remove(sandbox_id);
+        Ok(())
+    }
+
+    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
+        true
+    }
+
+    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
+        Ok(0)
+    }
+
+    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
+        Ok(None)
+    }
+
+    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<Vec<u8>> {
+        let logs = self.agent_logs.lock().expect("lock");
+        let log = logs.get(sandbox_id)?;
+        let start = (offset as usize).min(log.len());
+        Some(log[start..(start + max).min(log.len())].to_vec())
+    }
+}
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    app: axum::Router,
+    runtime: Arc<LoggingRuntime>,
+    sandboxes: Arc<Sandboxes>,
+    store: Arc<SqliteStore>,
+    team_id: String,
+}
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
+
+async fn harness(config: SandboxesConfig) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let auth = Auth::new(store.clone());
+    auth.bootstrap(
+        Some(KEY),
+        TeamLimits {
+            max_concurrent_sandboxes: 100,
+            max_sandbox_timeout_secs: 3600,
+            requests_per_minute: 0,
+        },
+    )
+    .await
+    .expect("bootstrap");
+    let team_id = store
+        .team_by_api_key_hash(&sandbar_core::auth::hash_secret(KEY))
+        .await
+        .expect("team")
+        .expect("the bootstrapped team")
+        .id;
+    let other = Team {
+        id: "other-team".into(),
+        name: "other".into(),
+        max_concurrent_sandboxes: 5,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+    };
+    store.insert_team(&other).await.expect("team");
+    store
+        .insert_api_key(&StoredSecret {
+            id: "k2".into(),
+            team_id: other.id.clone(),
+            name: "k".into(),
+            secret_hash: sandbar_core::auth::hash_secret(OTHER_KEY),
+            mask_prefix: "11".into(),
+            mask_suffix: "1111".into(),
+            created_at: Utc::now(),
+        })
+        .await
+        .expect("key");
+    let templates = Templates::new(store.clone());
+    let now = Utc::now();
+    templates
+        .register(&Template {
+            id: "base000000000000000a".into(),
+            team_id: None,
+            aliases: vec!["base".into()],
+            public: true,
+            build_id: "b".into(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: 2,
+            memory_mb: 512,
+            disk_size_mb: 2048,
+            envd_version: "0.5.7".into(),
+            image: Some(common::image()),
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 1,
+        })
+        .await
+        .expect("template");
+    let runtime = Arc::new(LoggingRuntime::default());
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates.clone(),
+        config,
+    ));
+    let app = router(AppState {
+        auth,
+        sandboxes: sandboxes.clone(),
+        builds: common::builds(store.clone(), &templates),
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+    });
+    Harness {
+        _dir: dir,
+        app,
+        runtime,
+        sandboxes,
+        store,
+        team_id,
+    }
+}
+
+struct Reply {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: Value,
+}
+
+impl Harness {
+    async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
+        let mut request = Request::builder().method(method).uri(path);
+        if let Some(key) = key {
+            request = request.header("X-API-Key", key);
+        }
+        let request = request
+            .header("content-type", "application/json")
+            .body(Body::from(body.unwrap_or("").to_owned()))
+            .expect("request");
+        let response = self.app.clone().oneshot(request).await.expect("call");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let body = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("JSON body")
+        };
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    async fn get(&self, path: &str) -> Reply {
+        self.call("GET", path, Some(KEY), None).await
+    }
+
+    async fn create(&self, body: &str) -> String {
+        let reply = self
+            .call("POST", "/v2/sandboxes", Some(KEY), Some(body))
+            .await;
+        assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+        reply.body["sandboxID"].as_str().expect("id").to_owned()
+    }
+
+    async fn messages(&self, path: &str) -> Vec<String> {
+        let reply = self.get(path).await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        reply.body["logs"]
+            .as_array()
+            .expect("logs")
+            .iter()
+            .map(|e| e["message"].as_str().expect("message").to_owned())
+            .collect()
+    }
+}
+
+fn assert_error(reply: &Reply, status: StatusCode, mentions: &str) {
+    assert_eq!(reply.status, status, "{:?}", reply.body);
+    assert_eq!(
+        reply.body["code"].as_u64(),
+        Some(u64::from(status.as_u16()))
+    );
+    let message = reply.body["message"].as_str().expect("message");
+    assert!(message.contains(mentions), "{message:?} lacks {mentions:?}");
+}
+
+#[tokio::test]
+async fn logs_hold_lifecycle_events_and_agent_lines_after_the_sandbox_is_killed() {
+    let h = harness(SandboxesConfig::default()).await;
+    let id = h.create(r#"{"templateID":"base","timeout":60}"#).await;
+    let v2 = format!("/v2/sandboxes/{id}/logs");
+    assert_eq!(
+        h.messages(&v2).await,
+        ["sandbox created", "sandbox started"]
+    );
+    let timeout = h
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(KEY),
+            Some(r#"{"timeout":120}"#),
+        )
+        .await;
+    assert_eq!(timeout.status, StatusCode::NO_CONTENT);
+    h.runtime.agent_writes(
+        &id,
+        "2026-01-01T00:00:01Z  WARN sandbar_agent::process: process ended pid=7 status=\"exit status 1\"\npartial",
+    );
+    assert_eq!(
+        h.call("DELETE", &format!("/sandboxes/{id}"), Some(KEY), None)
+            .await
+            .status,
+        StatusCode::NO_CONTENT
+    );
+
+    // Killing read the agent's whole lines first; the log outlives the sandbox.
+    let all = h.get(&v2).await;
+    let entries = all.body["logs"].as_array().expect("logs");
+    let messages: Vec<&str> = entries
+        .iter()
+        .map(|e| e["message"].as_str().expect("message"))
+        .collect();
+    assert!(messages.contains(&"agent started"), "{messages:?}");
+    assert!(messages.contains(&"sandbox timeout set"), "{messages:?}");
+    assert!(!messages.contains(&"partial"), "{messages:?}");
+    assert_eq!(messages.last(), Some(&"sandbox killed"));
+    let ended = entries
+        .iter()
+        .find(|e| e["message"] == "process ended")
+        .expect("agent line");
+    assert_eq!(ended["level"], "warn");
+    assert_eq!(ended["fields"]["status"], "exit status 1");
+    assert_eq!(ended["fields"]["logger"], "agent");
+    assert_eq!(ended["timestamp"], "2026-01-01T00:00:01.000Z");
+
+    // v1: every line also as JSON text, from `start` on.
+    let v1 = h.get(&format!("/sandboxes/{id}/logs")).await;
+    assert_eq!(v1.status, StatusCode::OK);
+    let lines = v1.body["logs"].as_array().expect("logs");
+    assert_eq!(lines.len(), entries.len());
+    assert_eq!(
+        v1.body["logEntries"].as_array().map(Vec::len),
+        Some(entries.len())
+    );
+    let line: Value = serde_json::from_str(lines[0]["line"].as_str().expect("line")).expect("json");
+    assert!(line["level"].is_string() && line["logger"].is_string() && line["msg"].is_string());
+    let recent = h
+        .get(&format!(
+            "/sandboxes/{id}/logs?start={}&limit=1",
+            Utc::now().timestamp_millis() - 60_000
+        ))
+        .await;
+    assert_eq!(recent.body["logs"].as_array().map(Vec::len), Some(1));
+    assert_eq!(recent.body["logEntries"][0]["message"], "sandbox created");
+}
+
+#[tokio::test]
+async fn v2_logs_page_both_ways_and_filter_by_level_and_text() {
+    let h = harness(SandboxesConfig::default()).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    h.runtime.agent_writes(
+        &id,
+        "2026-01-01T00:00:02Z ERROR sandbar_agent: Disk Full code=28\n\
+         2026-01-01T00:00:03Z DEBUG sandbar_agent: disk full retry\n\
+         not a tracing line\n",
+    );
+    h.call("DELETE", &format!("/sandboxes/{id}"), Some(KEY), None)
+        .await;
+    let v2 = format!("/v2/sandboxes/{id}/logs");
+    let forward = h.messages(&format!("{v2}?limit=2")).await;
+    assert_eq!(forward, ["agent started", "Disk Full"]);
+    let newest = h
+        .messages(&format!("{v2}?direction=backward&limit=1"))
+        .await;
+    assert_eq!(newest, ["sandbox killed"]);
+    // 2026-01-01T00:00:02Z in milliseconds.
+    let cursor = 1_767_225_602_000_i64;
+    assert_eq!(
+        h.messages(&format!("{v2}?direction=backward&cursor={cursor}"))
+            .await,
+        ["Disk Full", "agent started"]
+    );
+    assert_eq!(
+        h.messages(&format!("{v2}?cursor={cursor}&limit=2")).await,
+        ["Disk Full", "disk full retry"]
+    );
+    assert_eq!(
+        h.messages(&format!("{v2}?level=error")).await,
+        ["Disk Full"]
+    );
+    assert_eq!(
+        h.messages(&format!("{v2}?level=warn&search=Disk")).await,
+        ["Disk Full"]
+    );
+    // Case-sensitive, and the plain line is kept as it was.
+    assert_eq!(
+        h.messages(&format!("{v2}?search=disk")).await,
+        ["disk full retry"]
+    );
+    assert_eq!(
+        h.messages(&format!("{v2}?search=tracing")).await,
+        ["not a tracing line"]
+    );
+    assert!(h.messages(&format!("{v2}?limit=0")).await.is_empty());
+
+    for (query, mentions) in [
+        ("cursor=-1", "cursor"),
+        ("cursor=soon", "cursor"),
+        ("limit=1001", "limit"),
+        ("limit=-1", "limit"),
+        ("direction=sideways", "direction"),
+        ("level=loud", "level"),
+    ] {
+        assert_error(
+            &h.get(&format!("{v2}?{query}")).await,
+            StatusCode::BAD_REQUEST,
+            mentions,
+        );
+    }
+    let long = "x".repeat(257);
+    assert_error(
+        &h.get(&format!("{v2}?search={long}")).await,
+        StatusCode::BAD_REQUEST,
+        "search",
+    );
+    assert_error(
+        &h.get(&format!("/sandboxes/{id}/logs?start=-5")).await,
+        StatusCode::BAD_REQUEST,
+        "start",
+    );
+    assert_error(
+        &h.get(&format!("/sandboxes/{id}/logs?limit=x")).await,
+        StatusCode::BAD_REQUEST,
+        "limit",
+    );
+}
+
+#[tokio::test]
+async fn logs_of_unknown_and_other_teams_sandboxes_are_not_found() {
+    let h = harness(SandboxesConfig::default()).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    for path in [
+        format!("/sandboxes/{id}/logs"),
+        format!("/v2/sandboxes/{id}/logs"),
+    ] {
+        assert_error(
+            &h.call("GET", &path, Some(OTHER_KEY), None).await,
+            StatusCode::NOT_FOUND,
+            &id,
+        );
+        assert_eq!(
+            h.call("GET", &path, None, None).await.status,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(h.get(&path).await.status, StatusCode::OK);
+    }
+    assert_error(
+        &h.get("/v2/sandboxes/inever00000000000000/logs").await,
+        StatusCode::NOT_FOUND,
+        "inever00000000000000",
+    );
+    assert_error(
+        &h.get("/sandboxes/inever00000000000000/logs").await,
+        StatusCode::NOT_FOUND,
+        "inever00000000000000",
+    );
+}
+
+#[tokio::test]
+async fn the_reaper_reads_agent_lines_while_the_sandbox_runs_and_caps_each_log() {
+    let mut config = SandboxesConfig::default();
+    config.activity.log_lines_per_sandbox = 5;
+    let h = harness(config).await;
+    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    let lines: String = (0..10)
+        .map(|i| format!("2026-01-01T00:01:{i:02}Z  INFO sandbar_agent: line {i}\n"))
+        .collect();
+    h.runtime.agent_writes(&id, &lines);
+    let v2 = format!("/v2/sandboxes/{id}/logs");
+    let mut messages = Vec::new();
+    for _ in 0..100 {
+        messages = h.messages(&v2).await;
+        if messages.iter().any(|m| m == "line 9") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reaper.abort();
+    assert_eq!(
+        messages,
+        ["line 5", "line 6", "line 7", "line 8", "line 9"],
+        "only the newest lines are kept"
+    );
+    // Read once: the offset is remembered in the store.
+    assert_eq!(h.store.sandbox_log_offset(&id).await.expect("offset"), {
+        let logs = h.runtime.agent_logs.lock().expect("lock");
+        logs[&id].len() as u64
+    });
+}
+
+#[tokio::test]
+async fn ended_logs_are_pruned_after_the_retention_period() {
+    let mut config = SandboxesConfig::default();
+    config.activity.retention = Duration::from_millis(1);
+    let h = harness(config).await;
+    let id = h.create(r#"{"templateID":"base"}"#).await;
+    h.call("DELETE", &format!("/sandboxes/{id}"), Some(KEY), None)
+        .await;
+    let path = format!("/v2/sandboxes/{id}/logs");
+    assert_eq!(h.get(&path).await.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    let mut status = StatusCode::OK;
+    for _ in 0..100 {
+        status = h.get(&path).await.status;
+        if status == StatusCode::NOT_FOUND {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    reaper.abort();
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn team_metrics_count_starts_and_concurrency_for_the_own_team_only() {
+    let h = harness(SandboxesConfig::default()).await;
+    let start = Utc::now().timestamp() - 1;
+    let first = h.create(r#"{"templateID":"base"}"#).await;
+    h.create(r#"{"templateID":"base"}"#).await;
+    h.call("DELETE", &format!("/sandboxes/{first}"), Some(KEY), None)
+        .await;
+    let end = Utc::now().timestamp() + 1;
+    let team = &h.team_id;
+
+    let series = h
+        .get(&format!("/teams/{team}/metrics?start={start}&end={end}"))
+        .await;
+    assert_eq!(series.status, StatusCode::OK, "{:?}", series.body);
+    let points = series.body.as_array().expect("points");
+    assert!(!points.is_empty());
+    for p in points {
+        assert!(p["timestamp"].is_string() && p["timestampUnix"].is_i64());
+        assert!(p["concurrentSandboxes"].is_u64() && p["sandboxStartRate"].is_f64());
+    }
+    let most = points
+        .iter()
+        .filter_map(|p| p["concurrentSandboxes"].as_u64())
+        .max();
+    assert_eq!(most, Some(2));
+    let started: f64 = points
+        .iter()
+        .filter_map(|p| p["sandboxStartRate"].as_f64())
+        .sum();
+    assert!((started * 5.0 - 2.0).abs() < 1e-9, "{points:?}");
+
+    let max = h
+        .get(&format!(
+            "/teams/{team}/metrics/max?metric=concurrent_sandboxes&start={start}&end={end}"
+        ))
+        .await;
+    assert_eq!(max.status, StatusCode::OK, "{:?}", max.body);
+    assert_eq!(max.body["value"], 2.0);
+    let at = max.body["timestampUnix"].as_i64().expect("time");
+    assert!(start - 5 <= at && at <= end);
+    let rate = h
+        .get(&format!(
+            "/teams/{team}/metrics/max?metric=sandbox_start_rate&start={start}&end={end}"
+        ))
+        .await;
+    assert!(rate.body["value"].as_f64().expect("rate") > 0.0);
+
+    // Written by the reaper's flush, the numbers stay the same.
+    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    reaper.abort();
+    let again = h
+        .get(&format!(
+            "/teams/{team}/metrics/max?metric=concurrent_sandboxes&start={start}&end={end}"
+        ))
+        .await;
+    assert_eq!(again.body["value"], 2.0);
+
+    // Defaults cover the retention period up to now.
+    let default = h.get(&format!("/teams/{team}/metrics")).await;
+    assert_eq!(default.status, StatusCode::OK);
+    assert!(default.body.as_array().is_some_and(|p| p.len() <= 720));
+
+    let base = format!("/teams/{team}/metrics");
+    for (path, mentions) in [
+        (format!("{base}?start=10&end=5"), "start"),
+        (format!("{base}?start=-1"), "start"),
+        (format!("{base}?end=later"), "end"),
+        (format!("{base}/max"), "metric"),
+        (format!("{base}/max?metric=cpu"), "metric"),
+        (
+            format!("{base}/max?metric=sandbox_start_rate&start=9&end=1"),
+            "start",
+        ),
+    ] {
+        assert_error(&h.get(&path).await, StatusCode::BAD_REQUEST, mentions);
+    }
+    for path in [
+        "/teams/other-team/metrics",
+        "/teams/nobody/metrics/max?metric=concurrent_sandboxes",
+    ] {
+        assert_error(&h.get(path).await, StatusCode::FORBIDDEN, "team");
+    }
+    assert_error(
+        &h.call("GET", &base, Some(OTHER_KEY), None).await,
+        StatusCode::FORBIDDEN,
+        team,
+    );
+    assert_eq!(
+        h.call("GET", &base, None, None).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+#[tokio::test]
+async fn lists_filter_by_template_and_start_time_and_count_running() {
+    let h = harness(SandboxesConfig::default()).await;
+    let before = Utc::now() - chrono::TimeDelta::seconds(1);
+    for _ in 0..3 {
+        h.create(r#"{"templateID":"base","metadata":{"g":"1"}}"#)
+            .await;
+    }
+    let list = |query: String| {
+        let h = &h;
+        async move { h.get(&format!("/v2/sandboxes?{query}")).await }
+    };
+    let page = list("limit=2&template=base".into()).await;
+    assert_eq!(page.status, StatusCode::OK);
+    assert_eq!(page.body.as_array().map(Vec::len), Some(2));
+    assert_eq!(page.headers["x-total-running"], "3");
+    assert!(page.headers.contains_key("x-next-token"));
+    let by_id = list("template=base000000000000000a".into()).await;
+    assert_eq!(by_id.body.as_array().map(Vec::len), Some(3));
+    let unknown = list("template=nothing".into()).await;
+    assert_eq!(unknown.body.as_array().map(Vec::len), Some(0));
+    assert_eq!(unknown.headers["x-total-running"], "0");
+    let encoded =
+        url::form_urlencoded::byte_serialize(before.to_rfc3339().as_bytes()).collect::<String>();
+    let after = list(format!("startedAfter={encoded}")).await;
+    assert_eq!(after.body.as_array().map(Vec::len), Some(3));
+    let later = (Utc::now() + chrono::TimeDelta::hours(1)).to_rfc3339();
+    // An offset's `+` sent unencoded arrives as a space and is still understood.
+    let none = list(format!("startedAfter={later}")).await;
+    assert_eq!(none.status, StatusCode::OK, "{:?}", none.body);
+    assert_eq!(none.body.as_array().map(Vec::len), Some(0));
+    let paused_only = list("state=paused".into()).await;
+    assert!(!paused_only.headers.contains_key("x-total-running"));
+    assert_error(
+        &list("startedAfter=yesterday".into()).await,
+        StatusCode::BAD_REQUEST,
+        "startedAfter",
+    );
+}
+
+#[tokio::test]
+async fn refreshes_keep_a_sandbox_at_least_fifteen_seconds() {
+    let h = harness(SandboxesConfig::default()).await;
+    let id = h.create(r#"{"templateID":"base","timeout":1}"#).await;
+    let end_at = |h: &Harness| {
+        let id = id.clone();
+        let store = h.store.clone();
+        async move {
+            store
+                .sandbox(&id)
+                .await
+                .expect("get")
+                .expect("sandbox")
+                .end_at
+        }
+    };
+    let path = format!("/sandboxes/{id}/refreshes");
+    for body in [None, Some(r#"{"duration":3}"#)] {
+        let reply = h.call("POST", &path, Some(KEY), body).await;
+        assert_eq!(reply.status, StatusCode::NO_CONTENT, "{:?}", reply.body);
+        let left = end_at(&h).await - Utc::now();
+        assert!(left > chrono::TimeDelta::seconds(13), "{left:?}");
+        assert!(left <= chrono::TimeDelta::seconds(15), "{left:?}");
+    }
+    h.call("POST", &path, Some(KEY), Some(r#"{"duration":60}"#))
+        .await;
+    assert!(end_at(&h).await - Utc::now() > chrono::TimeDelta::seconds(55));
+    for bad in [r#"{"duration":3601}"#, r#"{"duration":-1}"#] {
+        assert_error(
+            &h.call("POST", &path, Some(KEY), Some(bad)).await,
+            StatusCode::BAD_REQUEST,
+            "duration",
+        );
+    }
+    assert_error(
+        &h.call(
+            "POST",
+            "/sandboxes/inever00000000000000/refreshes",
+            Some(KEY),
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "inever00000000000000",
+    );
+}
+
+#[tokio::test]
+async fn the_concurrency_limit_answer_says_when_to_retry() {
+    let h = harness(SandboxesConfig::default()).await;
+    for _ in 0..5 {
+        let r = h
+            .call(
+                "POST",
+                "/v2/sandboxes",
+                Some(OTHER_KEY),
+                Some(r#"{"templateID":"base"}"#),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::CREATED);
+    }
+    let refused = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            Some(OTHER_KEY),
+            Some(r#"{"templateID":"base"}"#),
+        )
+        .await;
+    assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "limit");
+    assert_eq!(refused.headers["retry-after"], "1");
+}

@@ -1,0 +1,343 @@
+//! What [`crate::Sandboxes`] records about its sandboxes beyond their state: each sandbox's
+//! log (lifecycle events and agent lines) and each team's activity over time.
+//!
+//! Writes are batched: agent logs are read in whole lines by the periodic reaper, one
+//! transaction per sandbox that wrote something, and team activity is counted in memory and
+//! written once per bucket.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+
+use crate::builds::LogLevel;
+use crate::model::Team;
+use crate::runtime::Runtime;
+use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, parse_agent_line};
+use crate::store::Store;
+use crate::team_metrics::{
+    BUCKET_SECS, TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
+    fold, max_of, step_for,
+};
+
+/// How much of the logs and metrics is kept.
+#[derive(Debug, Clone)]
+pub struct ActivityConfig {
+    /// Lines kept per sandbox; the oldest go first.
+    pub log_lines_per_sandbox: u64,
+    /// How long a sandbox's logs stay readable after it ended, and how long team metrics
+    /// are kept.
+    pub retention: Duration,
+}
+
+impl Default for ActivityConfig {
+    fn default() -> Self {
+        Self {
+            log_lines_per_sandbox: 10_000,
+            retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// Most bytes of one agent log read per round; the rest waits for the next round.
+const AGENT_LOG_READ_MAX: usize = 256 * 1024;
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Counter {
+    concurrent: u32,
+    starts: u32,
+}
+
+pub(crate) struct Activity {
+    store: Arc<dyn Store>,
+    config: ActivityConfig,
+    /// Team activity not yet written, by team and bucket.
+    pending: Mutex<HashMap<(String, i64), Counter>>,
+    /// How far each live sandbox's agent log has been read (a cache of the store's).
+    offsets: Mutex<HashMap<String, u64>>,
+    /// A kill reads the agent log while the reaper may be reading it too: one at a time, so
+    /// no line is stored twice.
+    ingesting: tokio::sync::Mutex<()>,
+}
+
+fn bucket_of(at: DateTime<Utc>) -> i64 {
+    at.timestamp().div_euclid(BUCKET_SECS) * BUCKET_SECS
+}
+
+impl Activity {
+    pub(crate) fn new(store: Arc<dyn Store>, config: ActivityConfig) -> Self {
+        Self {
+            store,
+            config,
+            pending: Mutex::new(HashMap::new()),
+            offsets: Mutex::new(HashMap::new()),
+            ingesting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<(String, i64), Counter>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn offsets(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
+        self.offsets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts a sandbox's log with its first events. Failing to log never fails the sandbox.
+    pub(crate) async fn open(
+        &self,
+        sandbox_id: &str,
+        team_id: &str,
+        at: DateTime<Utc>,
+        entries: &[SandboxLogEntry],
+    ) {
+        if let Err(err) = self
+            .store
+            .open_sandbox_log(sandbox_id, team_id, at, entries)
+            .await
+        {
+            tracing::warn!(sandbox_id, error = %err, "cannot open sandbox log");
+        }
+    }
+
+    /// Appends one lifecycle event to a sandbox's log.
+    pub(crate) async fn event(
+        &self,
+        sandbox_id: &str,
+        level: LogLevel,
+        message: &str,
+        fields: &[(&str, String)],
+    ) {
+        let entry = SandboxLogEntry::event(Utc::now(), level, message, fields);
+        if let Err(err) = self
+            .store
+            .append_sandbox_logs(
+                sandbox_id,
+                std::slice::from_ref(&entry),
+                None,
+                self.config.log_lines_per_sandbox,
+            )
+            .await
+        {
+            tracing::warn!(sandbox_id, error = %err, "cannot write sandbox log");
+        }
+    }
+
+    /// Ends a sandbox's log with a last event; the log is kept for the retention period.
+    pub(crate) async fn close(&self, sandbox_id: &str, level: LogLevel, message: &str) {
+        self.event(sandbox_id, level, message, &[]).await;
+        self.offsets().remove(sandbox_id);
+        if let Err(err) = self.store.end_sandbox_log(sandbox_id, Utc::now()).await {
+            tracing::warn!(sandbox_id, error = %err, "cannot close sandbox log");
+        }
+    }
+
+    /// Counts a start of one of `team_id`'s sandboxes, which now has `running` at once.
+    pub(crate) fn started(&self, team_id: &str, running: u32) {
+        let mut pending = self.pending();
+        let counter = pending
+            .entry((team_id.to_owned(), bucket_of(Utc::now())))
+            .or_default();
+        counter.starts += 1;
+        counter.concurrent = counter.concurrent.max(running);
+    }
+
+    /// Writes the team activity counted so far, with `running` (sandboxes running now, by
+    /// team) as the current bucket's concurrency.
+    pub(crate) async fn flush_team_metrics(&self, running: HashMap<String, u32>) {
+        let bucket = bucket_of(Utc::now());
+        let buckets: Vec<TeamMetricBucket> = {
+            let mut pending = self.pending();
+            for (team_id, count) in running {
+                let counter = pending.entry((team_id, bucket)).or_default();
+                counter.concurrent = counter.concurrent.max(count);
+            }
+            pending
+                .drain()
+                .map(|((team_id, bucket), c)| TeamMetricBucket {
+                    team_id,
+                    bucket,
+                    concurrent: c.concurrent,
+                    starts: c.starts,
+                })
+                .collect()
+        };
+        if buckets.is_empty() {
+            return;
+        }
+        if let Err(err) = self.store.add_team_metrics(&buckets).await {
+            tracing::warn!(error = %err, "cannot write team metrics");
+        }
+    }
+
+    /// Reads what the sandbox's agent wrote since the last call, in whole lines, and stores
+    /// it with the new offset in one transaction.
+    pub(crate) async fn ingest_agent_log(&self, runtime: &dyn Runtime, sandbox_id: &str) {
+        let _one_at_a_time = self.ingesting.lock().await;
+        let cached = self.offsets().get(sandbox_id).copied();
+        let offset = match cached {
+            Some(offset) => offset,
+            None => match self.store.sandbox_log_offset(sandbox_id).await {
+                Ok(offset) => offset,
+                Err(err) => {
+                    tracing::warn!(sandbox_id, error = %err, "cannot read agent log offset");
+                    return;
+                }
+            },
+        };
+        let Some(bytes) = runtime.agent_log(sandbox_id, offset, AGENT_LOG_READ_MAX) else {
+            self.offsets().insert(sandbox_id.to_owned(), offset);
+            return;
+        };
+        // A partial last line is left for the next round unless it alone fills a read.
+        let consumed = match bytes.iter().rposition(|b| *b == b'\n') {
+            Some(newline) => newline + 1,
+            None if bytes.len() >= AGENT_LOG_READ_MAX => bytes.len(),
+            None => 0,
+        };
+        if consumed == 0 {
+            self.offsets().insert(sandbox_id.to_owned(), offset);
+            return;
+        }
+        let now = Utc::now();
+        let entries: Vec<SandboxLogEntry> = String::from_utf8_lossy(&bytes[..consumed])
+            .lines()
+            .filter_map(|line| parse_agent_line(line, now))
+            .collect();
+        let next = offset + consumed as u64;
+        match self
+            .store
+            .append_sandbox_logs(
+                sandbox_id,
+                &entries,
+                Some(next),
+                self.config.log_lines_per_sandbox,
+            )
+            .await
+        {
+            Ok(()) => {
+                self.offsets().insert(sandbox_id.to_owned(), next);
+            }
+            Err(err) => tracing::warn!(sandbox_id, error = %err, "cannot store agent log"),
+        }
+    }
+
+    /// Drops logs and metrics older than the retention period.
+    pub(crate) async fn prune(&self) {
+        let cutoff =
+            Utc::now() - TimeDelta::from_std(self.config.retention).unwrap_or(TimeDelta::MAX / 2);
+        match self.store.prune_sandbox_logs(cutoff).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(sandboxes = n, "pruned old sandbox logs"),
+            Err(err) => tracing::warn!(error = %err, "cannot prune sandbox logs"),
+        }
+        if let Err(err) = self.store.prune_team_metrics(cutoff.timestamp()).await {
+            tracing::warn!(error = %err, "cannot prune team metrics");
+        }
+    }
+
+    /// A sandbox's log, live or ended; another team's is reported as not found.
+    pub(crate) async fn logs(
+        &self,
+        team: &Team,
+        sandbox_id: &str,
+        query: &SandboxLogQuery,
+    ) -> Result<Vec<SandboxLogEntry>, SandboxLogsError> {
+        match self.store.sandbox_log_team(sandbox_id).await? {
+            Some(owner) if owner == team.id => {}
+            _ => return Err(SandboxLogsError::NotFound(sandbox_id.to_owned())),
+        }
+        Ok(self.store.sandbox_logs(sandbox_id, query).await?)
+    }
+
+    /// The interval a team metrics read covers: both ends default (the retention period up
+    /// to now) and are kept within it.
+    fn interval(
+        &self,
+        team: &Team,
+        team_id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<(i64, i64), TeamMetricsError> {
+        if team.id != team_id {
+            return Err(TeamMetricsError::OtherTeam(team_id.to_owned()));
+        }
+        if let (Some(start), Some(end)) = (start, end)
+            && start > end
+        {
+            return Err(TeamMetricsError::StartAfterEnd { start, end });
+        }
+        let now = Utc::now().timestamp();
+        let oldest = now - i64::try_from(self.config.retention.as_secs()).unwrap_or(i64::MAX / 2);
+        let end = end.unwrap_or(now).min(now);
+        let start = start.unwrap_or(oldest).max(oldest);
+        Ok((start, end))
+    }
+
+    pub(crate) async fn team_metrics(
+        &self,
+        team: &Team,
+        team_id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<Vec<TeamMetricPoint>, TeamMetricsError> {
+        let (start, end) = self.interval(team, team_id, start, end)?;
+        if start > end {
+            return Ok(Vec::new());
+        }
+        let buckets = self.buckets(team_id, start, end).await?;
+        Ok(fold(&buckets, start, end))
+    }
+
+    /// Stored buckets with the ones not yet written merged in.
+    async fn buckets(
+        &self,
+        team_id: &str,
+        start: i64,
+        end: i64,
+    ) -> Result<Vec<TeamMetricBucket>, TeamMetricsError> {
+        // The first point covers its whole step, which may begin before `start`.
+        let start = start - start.rem_euclid(step_for(start, end));
+        let mut buckets = self.store.team_metrics(team_id, start, end).await?;
+        let unwritten: Vec<TeamMetricBucket> = self
+            .pending()
+            .iter()
+            .filter(|((team, bucket), _)| team == team_id && (start..=end).contains(bucket))
+            .map(|((team, bucket), c)| TeamMetricBucket {
+                team_id: team.clone(),
+                bucket: *bucket,
+                concurrent: c.concurrent,
+                starts: c.starts,
+            })
+            .collect();
+        for new in unwritten {
+            match buckets.iter_mut().find(|b| b.bucket == new.bucket) {
+                Some(b) => {
+                    b.concurrent = b.concurrent.max(new.concurrent);
+                    b.starts += new.starts;
+                }
+                None => buckets.push(new),
+            }
+        }
+        buckets.sort_by_key(|b| b.bucket);
+        Ok(buckets)
+    }
+
+    pub(crate) async fn team_metric_max(
+        &self,
+        team: &Team,
+        team_id: &str,
+        metric: TeamMetric,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<TeamMetricMax, TeamMetricsError> {
+        let (start, end) = self.interval(team, team_id, start, end)?;
+        let points = if start > end {
+            Vec::new()
+        } else {
+            fold(&self.buckets(team_id, start, end).await?, start, end)
+        };
+        Ok(max_of(&points, metric, end))
+    }
+}
