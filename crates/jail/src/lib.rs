@@ -274,6 +274,7 @@ fn enter(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
 }
 
 fn build_and_lock(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<Booted, BootError> {
+    sys::new_session().map_err(BootError::syscall("setsid"))?;
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
     fs::build_root(spec, template)?;
     fs::pivot_into(Path::new(layout::ROOT))?;
