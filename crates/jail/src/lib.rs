@@ -316,6 +316,7 @@ fn build_and_lock(
     template: Vec<OwnedFd>,
     volumes: Vec<OwnedFd>,
 ) -> Result<Booted, BootError> {
+    sys::new_session().map_err(BootError::syscall("setsid"))?;
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
     fs::build_root(spec, template)?;
     fs::pivot_into(Path::new(layout::ROOT))?;

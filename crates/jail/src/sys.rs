@@ -119,6 +119,14 @@ pub(crate) fn set_cloexec(fd: &OwnedFd) -> io::Result<()> {
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) })
 }
 
+/// Makes the caller the leader of a new session. The boot process that forked PID 1 leads
+/// PID 1's original session from outside the sandbox's PID namespace; a checkpoint cannot
+/// record a session whose leader it cannot see.
+pub(crate) fn new_session() -> io::Result<()> {
+    // SAFETY: setsid takes no arguments; PID 1 of a fresh namespace leads no process group.
+    check(unsafe { libc::setsid() })
+}
+
 pub(crate) fn set_non_dumpable() -> io::Result<()> {
     // SAFETY: prctl with integer arguments only.
     check(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) })

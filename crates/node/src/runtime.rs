@@ -368,7 +368,7 @@ impl LinuxRuntime {
             .env_clear()
             .env("RUST_LOG", "info");
         // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
-        // functions (setsid, dup2) on descriptors that exist in the child.
+        // functions (setsid, dup2, close_range) on descriptors that exist in the child.
         unsafe {
             command.pre_exec(move || {
                 // A new session keeps terminal signals aimed at the server off the sandbox.
@@ -378,6 +378,16 @@ impl LinuxRuntime {
                 if libc::dup2(listener_fd, LISTENER_FD) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // Descriptors the server inherited without close-on-exec (from whoever
+                // started it) must not reach the sandbox, where they would be host files a
+                // checkpoint cannot carry. Marked rather than closed: the spawner's own
+                // error-reporting pipe must stay open until exec.
+                libc::syscall(
+                    libc::SYS_close_range,
+                    (LISTENER_FD + 1) as libc::c_uint,
+                    libc::c_uint::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
                 Ok(())
             });
         }
