@@ -12,6 +12,8 @@ Environment:
   SANDBAR_E2E_LOG_DIR    where the server log goes
                          (default: /tmp/sandbar-e2e-logs)
   SANDBAR_E2E_TEMPLATE_WAIT  seconds to wait for the base template (default 900)
+  SANDBAR_E2E_LOCK       lock file that serializes runs on this machine
+                         (default: /var/tmp/sandbar-e2e.e2e-lock)
 
 The `registry` fixture (registry.py) adds two local OCI registries with busybox
 fixture images for the custom-template tests.
@@ -52,7 +54,7 @@ from e2e_util import (
 )
 
 # Test files whose tests must run after every other file (they restart the server).
-RUN_LAST = ("test_restart.py",)
+RUN_LAST = ("test_volumes.py", "test_restart.py")
 
 
 # --------------------------------------------------------------------------
