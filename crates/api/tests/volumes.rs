@@ -82,6 +82,9 @@ async fn harness() -> Harness {
             max_concurrent_sandboxes: 100,
             max_sandbox_timeout_secs: 3600,
             requests_per_minute: 0,
+            max_vcpu: 0,
+            max_memory_mb: 0,
+            max_disk_mb: 0,
         },
     )
     .await
@@ -92,6 +95,9 @@ async fn harness() -> Harness {
         max_concurrent_sandboxes: 5,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
     };
     store.insert_team(&other).await.expect("team");
     store
