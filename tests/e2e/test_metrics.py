@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 from e2b import Sandbox
 
 from e2e_util import wait_until
+from test_js_templates import cli  # noqa: F401 - the npm CLI fixture
 
 
 def test_busy_sandbox_shows_cpu_and_idle_one_does_not(sandbar, make_sandbox):
@@ -63,3 +66,17 @@ def test_prometheus_endpoint_counts_real_sandboxes(sandbar, make_sandbox):
     # The SDK's agent calls went through the edge and were counted as such.
     assert any(k.startswith('sandbar_edge_requests_total{target="agent"') for k in values), r.text
     assert sbx.sandbox_id not in r.text
+
+
+def test_cli_sandbox_metrics(sandbar, make_sandbox, cli):  # noqa: F811
+    sbx = make_sandbox()
+    wait_until(lambda: sbx.get_metrics(), timeout=30)
+    r = cli("sandbox", "metrics", sbx.sandbox_id, "--format", "json")
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    points = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert points, r.stdout
+    last = points[-1]
+    assert last["cpuCount"] >= 1 and last["memTotal"] > 0 and last["diskTotal"] > 0, last
+    r = cli("sandbox", "metrics", sbx.sandbox_id)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    assert f"Metrics for sandbox {sbx.sandbox_id}" in r.stdout and "CPU" in r.stdout, r.stdout
