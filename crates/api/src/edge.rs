@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use sandbar_core::Endpoint;
+use sandbar_core::{Endpoint, SandboxError};
 use sandbar_envd::{FileOperation, signature_matches};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -101,8 +101,12 @@ pub(crate) async fn route_to_sandbox(
     };
     let (target, endpoint) = match target {
         Some(target) => match state.sandboxes.route_or_wake(&target.sandbox_id).await {
-            Some(endpoint) => (target, endpoint),
-            None => return mark(not_found(&target.sandbox_id), target.port),
+            Ok(endpoint) => (target, endpoint),
+            // A paused sandbox that traffic would wake, but whose team has no free slot.
+            Err(refused @ SandboxError::ConcurrencyLimit { .. }) => {
+                return mark(ApiError::from(refused).into_response(), target.port);
+            }
+            Err(_) => return mark(not_found(&target.sandbox_id), target.port),
         },
         None => match signed_file_route(&state, &request) {
             Some(routed) => routed,

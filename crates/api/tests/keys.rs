@@ -890,3 +890,55 @@ async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
         .await;
     assert_eq!(resumed.status, StatusCode::CREATED, "{:?}", resumed.body);
 }
+
+#[tokio::test]
+async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry() {
+    let h = harness().await;
+    h.auth
+        .set_team_limits(
+            &h.team_id,
+            LimitChanges {
+                max_concurrent_sandboxes: Some(1),
+                ..LimitChanges::default()
+            },
+        )
+        .await
+        .expect("set");
+    let key = Cred::Key(&h.key);
+    let sleeper = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            key,
+            Some(r#"{"templateID":"base","timeout":30,"autoPause":true,"autoResume":{"enabled":true}}"#),
+        )
+        .await;
+    let sleeper_id = sleeper.body["sandboxID"].as_str().expect("id").to_owned();
+    let paused = h
+        .call("POST", &format!("/sandboxes/{sleeper_id}/pause"), key, None)
+        .await;
+    assert_eq!(paused.status, StatusCode::NO_CONTENT, "{:?}", paused.body);
+    let other = h
+        .call(
+            "POST",
+            "/v2/sandboxes",
+            key,
+            Some(r#"{"templateID":"base","timeout":30}"#),
+        )
+        .await;
+    assert_eq!(other.status, StatusCode::CREATED, "{:?}", other.body);
+
+    let request = Request::builder()
+        .uri("/health")
+        .header("E2b-Sandbox-Id", sleeper_id.as_str())
+        .header("E2b-Sandbox-Port", "49983")
+        .body(Body::empty())
+        .expect("request");
+    let response = h.app.clone().oneshot(request).await.expect("call");
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert!(response.headers().contains_key("retry-after"));
+    let detail = h
+        .call("GET", &format!("/sandboxes/{sleeper_id}"), key, None)
+        .await;
+    assert_eq!(detail.body["state"], "paused");
+}

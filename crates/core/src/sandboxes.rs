@@ -1329,27 +1329,36 @@ impl Sandboxes {
 
     /// The endpoint of a running sandbox; a paused one with `autoResume` is resumed first
     /// (the edge calls this for every request naming a sandbox).
-    pub async fn route_or_wake(&self, id: &str) -> Option<Endpoint> {
+    pub async fn route_or_wake(&self, id: &str) -> Result<Endpoint, SandboxError> {
+        let not_running = || SandboxError::NotFound(id.to_owned());
         if let Some(endpoint) = self.route(id) {
-            return Some(endpoint);
+            return Ok(endpoint);
         }
         let wake = self
             .live()
             .get(id)
             .is_some_and(|l| l.auto_resume && l.status == SandboxStatus::Paused);
         if !wake {
-            return None;
+            return Err(not_running());
         }
-        let sandbox = self.store.sandbox(id).await.ok().flatten()?;
-        let team = self.store.team(&sandbox.team_id).await.ok().flatten()?;
+        let sandbox = self.store.sandbox(id).await?.ok_or_else(not_running)?;
+        let team = self
+            .store
+            .team(&sandbox.team_id)
+            .await?
+            .ok_or_else(not_running)?;
         if self
             .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
             .is_ok()
         {
-            if self.within_slots(&team, id).is_err() {
+            if let Err(retry_after_secs) = self.within_slots(&team, id) {
                 self.set_status(id, SandboxStatus::Paused);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
-                return None;
+                return Err(SandboxError::ConcurrencyLimit {
+                    id: id.to_owned(),
+                    limit: team.max_concurrent_sandboxes,
+                    retry_after_secs,
+                });
             }
             match self
                 .thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS, "traffic")
@@ -1369,7 +1378,7 @@ impl Sandboxes {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
-        self.route(id)
+        self.route(id).ok_or_else(not_running)
     }
 
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when
