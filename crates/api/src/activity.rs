@@ -167,7 +167,7 @@ pub(crate) async fn logs_v1(
         ("cursor" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch to start from"),
         ("limit" = Option<i32>, Query, minimum = 0, maximum = 1000, description = "Most lines returned (default 1000)"),
         ("direction" = Option<String>, Query, pattern = "^(forward|backward)$", description = "`forward` (default) or `backward` from the cursor"),
-        ("level" = Option<String>, Query, pattern = "^(?i)(debug|info|warn|error)$", description = "Lowest level of the lines returned (any case)"),
+        ("level" = Option<LogLevelName>, Query, description = "Lowest level of the lines returned (upper case is accepted too)"),
         ("search" = Option<String>, Query, max_length = 256, description = "Only lines containing this text"),
     ),
     responses(
