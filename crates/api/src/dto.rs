@@ -207,7 +207,9 @@ pub(crate) struct SandboxCreated {
     #[serde(rename = "envdAccessToken")]
     envd_access_token: String,
     #[serde(rename = "trafficAccessToken")]
+    #[schema(required = true)]
     traffic_access_token: Option<String>,
+    #[schema(required = true)]
     domain: Option<String>,
 }
 
@@ -282,6 +284,7 @@ pub(crate) struct SandboxDetail {
     listed: ListedSandbox,
     #[serde(rename = "envdAccessToken")]
     envd_access_token: String,
+    #[schema(required = true)]
     domain: Option<String>,
     #[serde(rename = "allowInternetAccess")]
     allow_internet_access: bool,
@@ -362,10 +365,10 @@ pub(crate) struct TemplateItem {
     updated_at: String,
     /// Always null: templates record no creating user.
     #[serde(rename = "createdBy")]
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<Object>, required = true)]
     created_by: Option<serde_json::Value>,
     #[serde(rename = "lastSpawnedAt")]
-    #[schema(format = DateTime)]
+    #[schema(format = DateTime, required = true)]
     last_spawned_at: Option<String>,
     #[serde(rename = "spawnCount")]
     spawn_count: u64,

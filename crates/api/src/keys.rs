@@ -93,6 +93,7 @@ impl From<&Mask> for MaskBody {
 #[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct TeamUser {
     id: String,
+    #[schema(required = true)]
     email: Option<String>,
 }
 
@@ -110,9 +111,10 @@ pub(crate) struct ApiKeyBody {
     #[schema(format = DateTime)]
     created_at: String,
     #[serde(rename = "createdBy")]
+    #[schema(required = true)]
     created_by: Option<TeamUser>,
     #[serde(rename = "lastUsed")]
-    #[schema(format = DateTime)]
+    #[schema(format = DateTime, required = true)]
     last_used: Option<String>,
 }
 

@@ -127,7 +127,7 @@ pub(crate) struct TemplateDetail {
     created_at: String,
     #[schema(format = DateTime)]
     updated_at: String,
-    #[schema(format = DateTime)]
+    #[schema(format = DateTime, required = true)]
     last_spawned_at: Option<String>,
     spawn_count: u64,
     builds: Vec<TemplateBuild>,
