@@ -63,6 +63,9 @@ impl FromRequestParts<AppState> for UserTeam {
 /// A name for a new or renamed key or token.
 #[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NameBody {
+    /// Free text without control characters, not blank, at most
+    /// `sandbar_core::keys::MAX_NAME_LEN` characters.
+    #[schema(min_length = 1, max_length = 256, pattern = "\\S")]
     pub name: String,
 }
 

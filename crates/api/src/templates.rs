@@ -324,7 +324,7 @@ fn external_base(headers: &HeaderMap) -> String {
     tag = "templates",
     operation_id = "getTemplateFiles",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias"), ("hash" = String, Path, description = "SHA-256 of the files, 64 hex digits")),
+    params(("templateID" = String, Path, description = "The template's ID or alias"), ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files")),
     responses(
         (status = 201, description = "Whether the files are stored, and where to upload them if not", body = FileLink),
         (status = 400, description = "Invalid hash", body = ErrorBody),
@@ -357,7 +357,7 @@ pub(crate) async fn file_link(
     security(()),
     params(
         ("templateID" = String, Path, description = "The template's ID or alias"),
-        ("hash" = String, Path, description = "SHA-256 of the files, 64 hex digits"),
+        ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files"),
         ("token" = String, Query, description = "The token of the link `GET /templates/{templateID}/files/{hash}` gave"),
     ),
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A tar archive of the files"),

@@ -96,7 +96,13 @@ pub(crate) const MAX_UPLOAD_BYTES: usize = 256 << 20;
 
 #[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NewVolume {
-    #[schema(required = true, pattern = "^[a-zA-Z0-9_-]+$")]
+    /// At most `sandbar_core::volumes::MAX_NAME_LEN` characters.
+    #[schema(
+        required = true,
+        pattern = "^[a-zA-Z0-9_-]+$",
+        min_length = 1,
+        max_length = 128
+    )]
     name: Option<String>,
 }
 
