@@ -19,7 +19,6 @@ import json
 import os
 
 import httpx
-import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
