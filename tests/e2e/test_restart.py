@@ -82,6 +82,22 @@ def test_kill9_restart_keeps_sandboxes_and_timeouts_still_apply(make_sandbox, sa
     assert short.kill() is False
 
 
+def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
+    tag = unique("restartfiles")
+    sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    sbx.files.write("/home/user/shelved.txt", "kept on disk")
+    assert sbx.pause(mode="filesystem") is True
+
+    sandbar.restart(kill9=True)
+
+    assert _listed(tag) == {sbx.sandbox_id}
+    assert sbx.get_info().state.value == "paused"
+    assert not sandbox_cgroup_dirs(sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert resumed.files.read("/home/user/shelved.txt") == "kept on disk"
+    assert resumed.kill() is True
+
+
 def test_sigterm_restart_keeps_sandboxes(make_sandbox, sandbar):
     tag = unique("restart15")
     sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})

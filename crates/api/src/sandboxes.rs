@@ -55,8 +55,16 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
             "autoResume needs autoPause: only a sandbox that pauses on timeout can resume on traffic",
         ));
     }
-    if body.auto_pause == Some(true) && body.auto_pause_memory == Some(false) {
-        return unsupported("a filesystem-only autoPause (autoPauseMemory: false)");
+    let auto_pause_files_only = body.auto_pause_memory == Some(false);
+    if auto_pause_files_only && body.auto_pause != Some(true) {
+        return Err(ApiError::bad_request(
+            "autoPauseMemory needs autoPause: it says how a sandbox pauses on timeout",
+        ));
+    }
+    if auto_pause_files_only && auto_resume {
+        return Err(ApiError::bad_request(
+            "autoResume cannot be combined with autoPauseMemory: false: a sandbox paused without its memory boots again only when resumed explicitly",
+        ));
     }
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return unsupported("mcp");
@@ -87,6 +95,7 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
         network,
         auto_pause: body.auto_pause.unwrap_or(false),
         auto_resume,
+        auto_pause_files_only,
         volume_mounts,
     })
 }
@@ -477,20 +486,18 @@ pub(crate) struct PauseBody {
     require_healthy_guest: Option<bool>,
 }
 
-/// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory (204; 409 when it
-/// is already paused).
+/// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory, or with `memory:
+/// false` its processes end and only its files are kept (204; 409 when it is already paused).
 pub(crate) async fn pause(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<PauseBody>,
 ) -> Result<StatusCode, ApiError> {
-    if body.memory == Some(false) {
-        return Err(ApiError::bad_request(
-            "pausing without memory (memory: false) is not supported by this server",
-        ));
-    }
-    state.sandboxes.pause(&team, &sandbox_id).await?;
+    state
+        .sandboxes
+        .pause(&team, &sandbox_id, body.memory.unwrap_or(true))
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

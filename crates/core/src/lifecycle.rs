@@ -13,18 +13,22 @@ pub enum SandboxStatus {
     /// Frozen with its memory; not routed to, not counted against the team's limit, never
     /// expires.
     Paused,
-    /// Being thawed.
+    /// Paused without memory: its processes ended and its network slot and memory were
+    /// released; only its files are kept. Resuming boots it again on them.
+    Shelved,
+    /// Being thawed, or booted again on its kept files.
     Resuming,
     /// Being destroyed; gone for every caller.
     Stopping,
 }
 
 impl SandboxStatus {
-    pub const ALL: [SandboxStatus; 6] = [
+    pub const ALL: [SandboxStatus; 7] = [
         SandboxStatus::Starting,
         SandboxStatus::Running,
         SandboxStatus::Pausing,
         SandboxStatus::Paused,
+        SandboxStatus::Shelved,
         SandboxStatus::Resuming,
         SandboxStatus::Stopping,
     ];
@@ -36,6 +40,7 @@ impl SandboxStatus {
             SandboxStatus::Running => "running",
             SandboxStatus::Pausing => "pausing",
             SandboxStatus::Paused => "paused",
+            SandboxStatus::Shelved => "shelved",
             SandboxStatus::Resuming => "resuming",
             SandboxStatus::Stopping => "stopping",
         }
@@ -53,11 +58,15 @@ impl SandboxStatus {
                 | (Pausing, Paused)
                 // A pause that failed leaves the sandbox running.
                 | (Pausing, Running)
+                | (Pausing, Shelved)
                 | (Paused, Resuming)
                 | (Paused, Stopping)
+                | (Shelved, Resuming)
+                | (Shelved, Stopping)
                 | (Resuming, Running)
-                // A resume that failed leaves it paused.
+                // A resume that failed leaves it paused, the way it was.
                 | (Resuming, Paused)
+                | (Resuming, Shelved)
         )
     }
 
@@ -75,7 +84,15 @@ impl SandboxStatus {
 
     /// Counted against the team's concurrency limit.
     pub fn holds_a_slot(self) -> bool {
-        !matches!(self, SandboxStatus::Paused | SandboxStatus::Stopping)
+        !matches!(
+            self,
+            SandboxStatus::Paused | SandboxStatus::Shelved | SandboxStatus::Stopping
+        )
+    }
+
+    /// Paused in any way: listed as paused, resumable.
+    pub fn is_paused(self) -> bool {
+        matches!(self, SandboxStatus::Paused | SandboxStatus::Shelved)
     }
 }
 
@@ -83,7 +100,7 @@ impl SandboxStatus {
 mod tests {
     use super::SandboxStatus::{self, *};
 
-    const ALL: [SandboxStatus; 6] = SandboxStatus::ALL;
+    const ALL: [SandboxStatus; 7] = SandboxStatus::ALL;
 
     #[test]
     fn the_transition_table_is_exactly_this() {
@@ -94,10 +111,14 @@ mod tests {
             (Running, Stopping),
             (Pausing, Paused),
             (Pausing, Running),
+            (Pausing, Shelved),
             (Paused, Resuming),
             (Paused, Stopping),
+            (Shelved, Resuming),
+            (Shelved, Stopping),
             (Resuming, Running),
             (Resuming, Paused),
+            (Resuming, Shelved),
         ];
         for from in ALL {
             for to in ALL {
@@ -113,10 +134,10 @@ mod tests {
     #[test]
     fn only_running_sandboxes_pause_and_only_paused_ones_resume() {
         assert!(Running.can_pause());
-        for s in [Starting, Pausing, Paused, Resuming, Stopping] {
+        for s in [Starting, Pausing, Paused, Shelved, Resuming, Stopping] {
             assert!(!s.can_pause(), "{s:?}");
         }
-        assert!(Paused.can_resume());
+        assert!(Paused.can_resume() && Shelved.can_resume());
         for s in [Starting, Running, Pausing, Resuming, Stopping] {
             assert!(!s.can_resume(), "{s:?}");
         }
@@ -128,11 +149,12 @@ mod tests {
         assert!(!Resuming.can_stop());
         assert!(!Stopping.can_stop());
         assert!(Running.can_stop() && Paused.can_stop() && Starting.can_stop());
+        assert!(Shelved.can_stop());
     }
 
     #[test]
     fn paused_sandboxes_free_their_slot() {
-        assert!(!Paused.holds_a_slot());
+        assert!(!Paused.holds_a_slot() && !Shelved.holds_a_slot());
         assert!(Running.holds_a_slot() && Starting.holds_a_slot() && Resuming.holds_a_slot());
     }
 }

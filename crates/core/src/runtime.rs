@@ -43,6 +43,9 @@ pub struct LaunchSpec {
     pub envd_access_token: String,
     /// Volumes bind-mounted read-write into the sandbox.
     pub volumes: Vec<crate::volumes::VolumeMount>,
+    /// Boot on the files an earlier [`Runtime::release`] of this sandbox kept (its handle)
+    /// instead of a fresh writable layer.
+    pub kept: Option<RuntimeHandle>,
 }
 
 /// A sandbox's resource use at one moment.
@@ -119,6 +122,32 @@ pub trait Runtime: Send + Sync + 'static {
         Err(RuntimeError::Sandbox {
             sandbox_id: sandbox_id.to_owned(),
             message: "this runtime cannot resume sandboxes".into(),
+        })
+    }
+
+    /// Ends the sandbox's processes and releases its memory, network slot and cgroups, but
+    /// keeps its files; returns the handle a later [`LaunchSpec::kept`] boots on again.
+    async fn release(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot pause sandboxes without their memory".into(),
+        })
+    }
+
+    /// After a restart: takes back the kept files of a released sandbox (see
+    /// [`Runtime::release`]); an error when they are gone.
+    async fn adopt_released(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime keeps no files of released sandboxes".into(),
         })
     }
 

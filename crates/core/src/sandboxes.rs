@@ -14,7 +14,7 @@ use crate::activity::{Activity, ActivityConfig};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, SandboxState, Team, Template};
+use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
@@ -55,6 +55,8 @@ pub struct CreateSandbox {
     pub auto_pause: bool,
     /// Resume on traffic when paused.
     pub auto_resume: bool,
+    /// A pause on timeout keeps only the files (`autoPauseMemory: false`).
+    pub auto_pause_files_only: bool,
     /// The team's volumes to mount, in order.
     pub volume_mounts: Vec<MountRequest>,
 }
@@ -342,6 +344,7 @@ impl Sandboxes {
             self.live().remove(&id);
             return Err(TemplateError::StillBuilding(template.id.clone()).into());
         };
+        let booted_from = image.clone();
         let mut env_vars = image.env.clone();
         env_vars.extend(request.env_vars.clone());
         let spec = LaunchSpec {
@@ -356,6 +359,7 @@ impl Sandboxes {
             envd_access_token: ids::new_secret(""),
             template: template.clone(),
             volumes: mounts.clone(),
+            kept: None,
         };
         let token = spec.envd_access_token.clone();
         let (handle, endpoint) = match self.runtime.launch(spec).await {
@@ -395,9 +399,12 @@ impl Sandboxes {
             envd_access_token: token,
             envd_version: template.envd_version.clone(),
             state: SandboxState::Running,
+            paused_as: None,
             handle,
             auto_pause: request.auto_pause,
             auto_resume: request.auto_resume,
+            auto_pause_memory: !request.auto_pause_files_only,
+            image: Some(booted_from),
         };
         let recorded = match self.store.insert_sandbox(&sandbox).await {
             Ok(()) if mounts.is_empty() => Ok(()),
@@ -866,7 +873,10 @@ impl Sandboxes {
                 .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
                 .await;
             let paused = match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => self.pause_sandbox(&sandbox).await,
+                Ok(Some(sandbox)) => {
+                    let memory = sandbox.auto_pause_memory;
+                    self.pause_sandbox(&sandbox, memory).await
+                }
                 Ok(None) => continue,
                 Err(err) => Err(err.into()),
             };
@@ -955,6 +965,10 @@ impl Sandboxes {
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
         }
         for sandbox in recorded {
+            if sandbox.paused_as == Some(PauseKind::Files) {
+                self.adopt_shelved(&sandbox).await?;
+                continue;
+            }
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
                     if let Err(err) = self.restore_network(&sandbox).await {
@@ -1025,6 +1039,47 @@ impl Sandboxes {
             }
         }
         Ok(adopted)
+    }
+
+    /// After a restart: takes back a sandbox paused without memory (no processes, only its
+    /// files); one whose files are gone is cleaned up.
+    async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        if let Err(err) = self
+            .runtime
+            .adopt_released(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
+            }
+            self.store.delete_sandbox(&sandbox.id).await?;
+            self.activity
+                .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
+                .await;
+            return Ok(());
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live {
+                team_id: sandbox.team_id.clone(),
+                end_at: sandbox.end_at,
+                endpoint: None,
+                access_token: sandbox.envd_access_token.clone(),
+                handle: sandbox.handle.clone(),
+                status: SandboxStatus::Shelved,
+                user_ports: UserPortAccess::of(sandbox),
+                auto_pause: sandbox.auto_pause,
+                auto_resume: sandbox.auto_resume,
+                cpu_count: sandbox.cpu_count,
+                memory_mb: sandbox.memory_mb,
+                disk_size_mb: sandbox.disk_size_mb,
+            },
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        Ok(())
     }
 
     /// Takes one resource sample of every running or paused sandbox.
@@ -1208,17 +1263,18 @@ impl Sandboxes {
         }
     }
 
-    /// Freezes a running sandbox in place (memory kept). `Conflict` if it is not running.
-    pub async fn pause(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
+    /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
+    /// only its files are kept. `Conflict` if it is not running.
+    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> Result<(), SandboxError> {
         let sandbox = self.get(team, id).await?;
-        self.pause_sandbox(&sandbox).await
+        self.pause_sandbox(&sandbox, memory).await
     }
 
-    async fn pause_sandbox(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+    async fn pause_sandbox(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
         match self.transition(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
             Ok(_) => {}
-            Err(Some(SandboxStatus::Paused)) => {
+            Err(Some(status)) if status.is_paused() => {
                 return Err(SandboxError::Conflict {
                     id: id.to_owned(),
                     state: "already paused",
@@ -1230,6 +1286,9 @@ impl Sandboxes {
                     state: "not running",
                 });
             }
+        }
+        if !memory {
+            return self.shelve(sandbox).await;
         }
         if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
             self.set_status(id, SandboxStatus::Running);
@@ -1249,6 +1308,108 @@ impl Sandboxes {
         Ok(())
     }
 
+    /// Ends the processes of a sandbox marked `Pausing` and keeps only its files.
+    async fn shelve(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let id = sandbox.id.as_str();
+        // The agent's last lines, before its processes end.
+        self.activity
+            .ingest_agent_log(self.runtime.as_ref(), id)
+            .await;
+        let handle = match self.runtime.release(id, &sandbox.handle).await {
+            Ok(handle) => handle,
+            Err(err) => {
+                // Still running if the release failed early; if its processes are gone, the
+                // reaper stops it like any dead sandbox.
+                self.set_status(id, SandboxStatus::Running);
+                return Err(err.into());
+            }
+        };
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.status = SandboxStatus::Shelved;
+            entry.endpoint = None;
+            entry.handle = handle.clone();
+        }
+        self.store
+            .set_sandbox_paused(id, Some(PauseKind::Files), &handle)
+            .await?;
+        self.activity
+            .event(
+                id,
+                LogLevel::Info,
+                "sandbox paused",
+                &[("memory", "false".to_owned())],
+            )
+            .await;
+        tracing::info!(sandbox_id = %id, "sandbox paused without memory");
+        Ok(())
+    }
+
+    /// Boots a sandbox whose files were kept by [`Self::shelve`] again on them, as it was
+    /// created: same environment, access token and image, the start command run again.
+    async fn boot_again(
+        &self,
+        sandbox: &Sandbox,
+    ) -> Result<(RuntimeHandle, Endpoint), SandboxError> {
+        let template = self.store.template(&sandbox.template_id).await?;
+        let image = match (
+            &sandbox.image,
+            template.as_ref().and_then(|t| t.image.clone()),
+        ) {
+            (Some(image), _) => image.clone(),
+            (None, Some(image)) => image,
+            (None, None) => {
+                return Err(SandboxError::Runtime(RuntimeError::TemplateMissing {
+                    template_id: sandbox.template_id.clone(),
+                }));
+            }
+        };
+        let template = template.unwrap_or_else(|| Template {
+            id: sandbox.template_id.clone(),
+            team_id: Some(sandbox.team_id.clone()),
+            aliases: sandbox.alias.iter().cloned().collect(),
+            public: false,
+            build_id: String::new(),
+            build_status: crate::model::BuildStatus::Ready,
+            build_error: None,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            envd_version: sandbox.envd_version.clone(),
+            image: Some(image.clone()),
+            created_at: sandbox.started_at,
+            updated_at: sandbox.started_at,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 0,
+        });
+        let egress = sandbox
+            .network
+            .validate(sandbox.allow_internet_access)
+            .map_err(|e| {
+                SandboxError::Runtime(RuntimeError::Sandbox {
+                    sandbox_id: sandbox.id.clone(),
+                    message: format!("its recorded network is no longer valid: {e}"),
+                })
+            })?;
+        let mut env_vars = image.env.clone();
+        env_vars.extend(sandbox.env_vars.clone());
+        let spec = LaunchSpec {
+            sandbox_id: sandbox.id.clone(),
+            template,
+            image,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            env_vars,
+            allow_internet_access: !egress.is_isolated(),
+            egress,
+            envd_access_token: sandbox.envd_access_token.clone(),
+            volumes: self.store.sandbox_volumes(&sandbox.id).await?,
+            kept: Some(sandbox.handle.clone()),
+        };
+        Ok(self.runtime.launch(spec).await?)
+    }
+
     /// Thaws a paused sandbox and gives it `timeout_secs` to live from now. Returns the
     /// sandbox and whether it was paused (`Conflict` when `require_paused` and it was not).
     pub async fn resume(
@@ -1260,8 +1421,8 @@ impl Sandboxes {
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
-        match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
-            Ok(_) => {}
+        let from = match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
+            Ok(from) => from,
             Err(Some(SandboxStatus::Running)) if !require_paused => {
                 // Connecting to a running sandbox only ever extends its life.
                 let sandbox = self.extend(team, id, timeout_secs).await?;
@@ -1273,48 +1434,85 @@ impl Sandboxes {
                     state: "not paused",
                 });
             }
-        }
+        };
         if let Err(retry_after_secs) = self.within_slots(team, id) {
-            self.set_status(id, SandboxStatus::Paused);
+            self.set_status(id, from);
             return Err(SandboxError::ConcurrencyLimit {
                 id: id.to_owned(),
                 limit: team.max_concurrent_sandboxes,
                 retry_after_secs,
             });
         }
-        let sandbox = self.thaw(sandbox, timeout_secs, "request").await?;
+        let sandbox = self.thaw(sandbox, from, timeout_secs, "request").await?;
         Ok((sandbox, true))
     }
 
-    /// Thaws a sandbox already marked `Resuming`.
+    /// Thaws (or boots again, `from` shelved) a sandbox already marked `Resuming`.
     async fn thaw(
         &self,
         mut sandbox: Sandbox,
+        from: SandboxStatus,
         timeout_secs: u64,
         by: &str,
     ) -> Result<Sandbox, SandboxError> {
         let id = sandbox.id.clone();
         let end_at = Utc::now() + seconds(timeout_secs);
-        let result = async {
-            self.store.set_sandbox_end(&id, end_at).await?;
-            self.runtime.resume(&id, &sandbox.handle).await?;
-            self.store
-                .set_sandbox_state(&id, SandboxState::Running)
-                .await?;
-            Ok::<(), SandboxError>(())
-        }
-        .await;
-        if let Err(err) = result {
-            let _ = self.runtime.pause(&id, &sandbox.handle).await;
-            self.set_status(&id, SandboxStatus::Paused);
-            return Err(err);
+        let booted = if from == SandboxStatus::Shelved {
+            let booted = async {
+                self.store.set_sandbox_end(&id, end_at).await?;
+                let (handle, endpoint) = self.boot_again(&sandbox).await?;
+                if let Err(err) = self.store.set_sandbox_paused(&id, None, &handle).await {
+                    // Unrecorded processes would outlive the server: back to the kept files.
+                    if let Ok(released) = self.runtime.release(&id, &handle).await {
+                        sandbox.handle = released;
+                    }
+                    return Err(err.into());
+                }
+                Ok::<_, SandboxError>((handle, endpoint))
+            }
+            .await;
+            match booted {
+                Ok(booted) => Some(booted),
+                Err(err) => {
+                    if let Some(entry) = self.live().get_mut(&id) {
+                        entry.status = SandboxStatus::Shelved;
+                        entry.handle = sandbox.handle.clone();
+                    }
+                    return Err(err);
+                }
+            }
+        } else {
+            let result = async {
+                self.store.set_sandbox_end(&id, end_at).await?;
+                self.runtime.resume(&id, &sandbox.handle).await?;
+                self.store
+                    .set_sandbox_state(&id, SandboxState::Running)
+                    .await?;
+                Ok::<(), SandboxError>(())
+            }
+            .await;
+            if let Err(err) = result {
+                let _ = self.runtime.pause(&id, &sandbox.handle).await;
+                self.set_status(&id, SandboxStatus::Paused);
+                return Err(err);
+            }
+            None
+        };
+        if let Some((handle, _)) = &booted {
+            sandbox.handle = handle.clone();
+            sandbox.paused_as = None;
         }
         if let Some(entry) = self.live().get_mut(&id) {
             entry.end_at = end_at;
             entry.status = SandboxStatus::Running;
+            if let Some((handle, endpoint)) = booted {
+                entry.handle = handle;
+                entry.endpoint = Some(endpoint);
+            }
         }
         sandbox.end_at = end_at;
         sandbox.state = SandboxState::Running;
+        sandbox.paused_as = None;
         self.activity
             .event(
                 &id,
@@ -1361,7 +1559,12 @@ impl Sandboxes {
                 });
             }
             match self
-                .thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS, "traffic")
+                .thaw(
+                    sandbox,
+                    SandboxStatus::Paused,
+                    AUTO_RESUME_TIMEOUT_SECS,
+                    "traffic",
+                )
                 .await
             {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),

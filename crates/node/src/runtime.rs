@@ -96,6 +96,10 @@ struct Handle {
     /// template.
     #[serde(default)]
     layers: Vec<String>,
+    /// The sandbox's processes ended and its slot and memory went back to the node; only its
+    /// files are kept (`pid` and `slot` are from its last life).
+    #[serde(default)]
+    released: bool,
 }
 
 #[derive(Debug)]
@@ -238,14 +242,52 @@ impl LinuxRuntime {
         self.disks.release_if_empty().await;
     }
 
+    /// The kept directory of a released sandbox, its files given to the id range of the
+    /// slot it boots in now when that differs from its last one.
+    async fn reuse_disk(&self, id: &str, from: u32, to: u32) -> Result<PathBuf, RuntimeError> {
+        let dir = self.disks.path(id);
+        if !dir.join(sandbar_jail::layout::UPPER).is_dir() {
+            return Err(sandbox_err(
+                id,
+                format!("its kept files at {} are gone", dir.display()),
+            ));
+        }
+        if from == to {
+            return Ok(dir);
+        }
+        let moved = dir.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for owned in [sandbar_jail::layout::UPPER, sandbar_jail::layout::WORK] {
+                crate::layers::move_owners(&moved.join(owned), from, to, SANDBOX_IDS)?;
+            }
+            std::os::unix::fs::chown(&moved, Some(to), Some(to))
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| {
+            sandbox_err(
+                id,
+                format!("cannot give its kept files to host ids from {to}: {e}"),
+            )
+        })?;
+        Ok(dir)
+    }
+
     fn socket_path(&self, id: &str) -> PathBuf {
         self.config.data_dir.join("run").join(format!("{id}.sock"))
     }
 
-    fn take_slot(&self) -> Option<u32> {
+    /// A free network slot, `preferred` if it is free.
+    fn take_slot(&self, preferred: Option<u32>) -> Option<u32> {
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let free = (0..self.network.capacity())
-            .find(|s| !slots.contains(s) && !crate::network::slot_in_use(*s))?;
+        let free = preferred
+            .into_iter()
+            .chain(0..self.network.capacity())
+            .find(|s| {
+                *s < self.network.capacity()
+                    && !slots.contains(s)
+                    && !crate::network::slot_in_use(*s)
+            })?;
         slots.insert(free);
         Some(free)
     }
@@ -353,7 +395,14 @@ impl LinuxRuntime {
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
         let log_path = self.log_path(id);
-        let log = std::fs::File::create(&log_path)
+        // A sandbox booted again on its kept files goes on with its log: the lines read so
+        // far are counted by offset.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(spec.kept.is_some())
+            .write(true)
+            .truncate(spec.kept.is_none())
+            .open(&log_path)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
         let listener_fd = listener.as_raw_fd();
@@ -434,6 +483,7 @@ impl LinuxRuntime {
 
     async fn teardown(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
         self.stop(id, handle).await?;
+        let _ = std::fs::remove_file(self.log_path(id));
         let disks = self.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || disks.remove(&owned_id))
@@ -443,12 +493,14 @@ impl LinuxRuntime {
         Ok(())
     }
 
-    /// Ends the sandbox's processes and frees everything but its disk.
+    /// Ends the sandbox's processes and frees everything but its disk and its agent log.
     async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
         self.layers_in_use
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
+        // A released sandbox's slot went back to the node and may be another sandbox's now.
+        let handle = handle.filter(|h| !h.released);
         if let Some(h) = handle
             && is_alive(h)
         {
@@ -478,7 +530,6 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
-        let _ = std::fs::remove_file(self.log_path(id));
         Ok(())
     }
 
@@ -501,10 +552,18 @@ impl LinuxRuntime {
             )
             .map_err(|e| (None, sandbox_err(id, e)))?;
         let cgroups_done = started.elapsed();
-        let dir = self
-            .disks
-            .create(id, spec.disk_size_mb, id_map.host_base)
-            .map_err(|e| (None, sandbox_err(id, e)))?;
+        let dir = match &spec.kept {
+            None => self
+                .disks
+                .create(id, spec.disk_size_mb, id_map.host_base)
+                .map_err(|e| (None, sandbox_err(id, e)))?,
+            Some(kept) => {
+                let kept = parse_handle(id, kept).map_err(|e| (None, e))?;
+                self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
+                    .await
+                    .map_err(|e| (None, e))?
+            }
+        };
         let disk_done = started.elapsed();
         let pid = self
             .spawn_jailed(spec, &dir, slot, id_map)
@@ -518,6 +577,7 @@ impl LinuxRuntime {
             id_base: Some(id_map.host_base),
             memory_mb: spec.memory_mb,
             layers: spec.image.layers.clone(),
+            released: false,
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         // Before the link exists: the sandbox never has a moment without its rules.
@@ -645,6 +705,7 @@ impl LinuxRuntime {
     ) -> Result<(), RuntimeError> {
         let h = parse_handle(id, handle)?;
         self.stop(id, Some(&h)).await?;
+        let _ = std::fs::remove_file(self.log_path(id));
         self.release_memory(id);
         let base = h.id_base.unwrap_or(0);
         let dir = self.disks.path(id);
@@ -751,8 +812,13 @@ fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError
 impl Runtime for LinuxRuntime {
     async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.clone();
+        let kept = spec
+            .kept
+            .as_ref()
+            .map(|k| parse_handle(&id, k))
+            .transpose()?;
         self.grant_memory(&id, spec.memory_mb)?;
-        let Some(slot) = self.take_slot() else {
+        let Some(slot) = self.take_slot(kept.as_ref().map(|k| k.slot)) else {
             self.release_memory(&id);
             return Err(RuntimeError::NoCapacity {
                 sandbox_id: id,
@@ -776,8 +842,21 @@ impl Runtime for LinuxRuntime {
                     id_base: None,
                     memory_mb: 0,
                     layers: Vec::new(),
+                    released: false,
                 });
-                if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
+                // A sandbox booted on kept files keeps them for another try.
+                let cleanup = match &kept {
+                    None => self.teardown(&id, Some(&handle)).await,
+                    Some(kept) => {
+                        let stopped = self.stop(&id, Some(&handle)).await;
+                        self.layers_in_use
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(id.clone(), kept.layers.clone());
+                        stopped
+                    }
+                };
+                if let Err(cleanup) = cleanup {
                     tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
                 }
                 self.free_slot(slot);
@@ -868,6 +947,55 @@ impl Runtime for LinuxRuntime {
             .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
+    async fn release(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if h.released {
+            return Ok(handle.clone());
+        }
+        self.stop(sandbox_id, Some(&h)).await?;
+        self.release_memory(sandbox_id);
+        // Its layers stay in use: the kept writable layer only makes sense on top of them.
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), h.layers.clone());
+        let released = Handle {
+            pid: 0,
+            start_ticks: 0,
+            released: true,
+            ..h
+        };
+        let value = serde_json::to_value(&released).map_err(|e| sandbox_err(sandbox_id, e))?;
+        Ok(RuntimeHandle(value))
+    }
+
+    async fn adopt_released(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        let upper = self
+            .disks
+            .path(sandbox_id)
+            .join(sandbar_jail::layout::UPPER);
+        if !h.released || !upper.is_dir() {
+            return Err(sandbox_err(
+                sandbox_id,
+                format!("no kept files at {}", upper.display()),
+            ));
+        }
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), h.layers);
+        Ok(())
+    }
+
     fn stats(
         &self,
         sandbox_id: &str,
@@ -929,6 +1057,7 @@ mod tests {
             id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
+            released: false,
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -937,6 +1066,7 @@ mod tests {
             id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
+            released: false,
         }));
     }
 }
