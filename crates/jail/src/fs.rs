@@ -20,7 +20,11 @@ fn step(what: &str, path: &Path) -> impl FnOnce(std::io::Error) -> BootError {
     BootError::syscall(format!("{what} {}", path.display()))
 }
 
-pub(crate) fn build_root(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<(), BootError> {
+pub(crate) fn build_root(
+    spec: &JailSpec,
+    template: Vec<OwnedFd>,
+    sysfs: OwnedFd,
+) -> Result<(), BootError> {
     // Nothing mounted from here on may propagate back into the host's mount namespace.
     mount(
         "",
@@ -54,14 +58,7 @@ pub(crate) fn build_root(spec: &JailSpec, template: Vec<OwnedFd>) -> Result<(), 
         .map_err(step("mount proc on", &proc_dir))?;
 
     let sys_dir = ensure_dir(root, "sys")?;
-    mount(
-        "sysfs",
-        &sys_dir,
-        Some("sysfs"),
-        NOSUID_NODEV_NOEXEC | libc::MS_RDONLY,
-        None,
-    )
-    .map_err(step("mount sysfs on", &sys_dir))?;
+    sys::move_mount_to(&sysfs, &sys_dir).map_err(step("attach sysfs at", &sys_dir))?;
 
     build_dev(root, spec.pty_max)?;
     Ok(())

@@ -28,6 +28,10 @@ pub const ENVD_VERSION: &str = "0.5.7";
 /// Descriptor on which the node hands the agent its already-listening Unix socket.
 pub const LISTENER_FD: i32 = 3;
 
+/// Descriptor on which the node hands the boot process the sandbox's network namespace, made
+/// and wired by the node ahead of time: the sandbox joins it rather than creating its own.
+pub const NETNS_FD: i32 = 4;
+
 /// What the agent needs to know to serve a sandbox, independent of how it was isolated.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AgentConfig {
@@ -145,21 +149,22 @@ impl BootError {
     }
 }
 
-/// Namespaces every sandbox gets; the user namespace is created in the same call, so it owns
-/// all the others.
+/// Namespaces every sandbox gets new; the user namespace is created in the same call, so it
+/// owns all the others. The network namespace is the node's (see [`NETNS_FD`]), owned by the
+/// host's user namespace: sandbox root cannot reconfigure its interfaces, and the namespace
+/// outlives the sandbox's processes when the node keeps it (a checkpoint).
 const NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
     | libc::CLONE_NEWNS
     | libc::CLONE_NEWUTS
     | libc::CLONE_NEWIPC
-    | libc::CLONE_NEWNET
     | libc::CLONE_NEWCGROUP
     | libc::CLONE_NEWPID;
 
 /// Builds the sandbox and returns inside it as its PID 1. See the crate documentation.
 ///
 /// Two processes take part, each single-threaded:
-/// 1. this one, host root: joins the cgroups, takes a detached copy of the template's mount,
-///    and, with its effective ids set to the sandbox's host base (so the new user namespace,
+/// 1. this one, host root: joins the cgroups and the node's network namespace, makes the
+///    sandbox's sysfs there, takes a detached copy of the template's mount, and, with its effective ids set to the sandbox's host base (so the new user namespace,
 ///    and every kernel count charged to its owner such as inotify instances, belongs to that
 ///    unprivileged host user and not to host root), clones the sandbox's PID 1 into a new user
 ///    namespace and all the other new namespaces at once. It then writes the child's id maps
@@ -215,6 +220,12 @@ pub fn boot() -> Result<Booted, BootError> {
             )))?,
         );
     }
+    // SAFETY: the node passes the sandbox's network namespace as NETNS_FD and nothing else in
+    // this process owns that descriptor.
+    let netns = unsafe { OwnedFd::from_raw_fd(NETNS_FD) };
+    sys::join_netns(&netns).map_err(BootError::syscall("join the network namespace"))?;
+    drop(netns);
+    let sysfs = sys::detached_sysfs_read_only().map_err(BootError::syscall("make sysfs"))?;
     let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
     sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
@@ -231,7 +242,7 @@ pub fn boot() -> Result<Booted, BootError> {
                 });
             drop(mapped_rx);
             return match ready {
-                Ok(()) => enter(&spec, template, volumes),
+                Ok(()) => enter(&spec, template, sysfs, volumes),
                 Err(err) => {
                     let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
                     std::process::exit(1)
@@ -250,7 +261,7 @@ pub fn boot() -> Result<Booted, BootError> {
     drop(mapped_rx);
     let result = map_ids(child, &spec, &template, &volumes)
         .and_then(|()| sys::signal_ready(&mapped_tx).map_err(BootError::syscall("resume PID 1")));
-    drop((mapped_tx, template, volumes));
+    drop((mapped_tx, template, sysfs, volumes));
     if let Err(err) = result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
         // SAFETY: the child is our own, not yet reaped; without its id maps it is useless.
@@ -302,9 +313,10 @@ fn map_ids(
 fn enter(
     spec: &JailSpec,
     template: Vec<OwnedFd>,
+    sysfs: OwnedFd,
     volumes: Vec<OwnedFd>,
 ) -> Result<Booted, BootError> {
-    let result = build_and_lock(spec, template, volumes);
+    let result = build_and_lock(spec, template, sysfs, volumes);
     if let Err(err) = &result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
     }
@@ -314,11 +326,12 @@ fn enter(
 fn build_and_lock(
     spec: &JailSpec,
     template: Vec<OwnedFd>,
+    sysfs: OwnedFd,
     volumes: Vec<OwnedFd>,
 ) -> Result<Booted, BootError> {
     sys::new_session().map_err(BootError::syscall("setsid"))?;
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
-    fs::build_root(spec, template)?;
+    fs::build_root(spec, template, sysfs)?;
     fs::pivot_into(Path::new(layout::ROOT))?;
     // After the pivot, so a mount point's path (and any link the template put on it) resolves
     // inside the sandbox's own root and never on the host.

@@ -234,6 +234,58 @@ fn set_attr(tree: &OwnedFd, attr_set: u64, userns: &OwnedFd) -> io::Result<()> {
     check(rc as libc::c_int)
 }
 
+const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
+const FSOPEN_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+
+/// Moves the calling (single-threaded) process into the network namespace `netns`.
+pub(crate) fn join_netns(netns: &OwnedFd) -> io::Result<()> {
+    // SAFETY: setns on a descriptor we own, naming the namespace type it must be.
+    check(unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) })
+}
+
+/// A new, detached, read-only sysfs instance showing the caller's network namespace. Made by
+/// the boot process because mounting sysfs needs `CAP_SYS_ADMIN` over the owner of that
+/// namespace, which the sandbox's root does not have when the node made the namespace.
+pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
+    let fstype = c"sysfs";
+    // SAFETY: a nul-terminated filesystem name; the descriptor is checked before it is owned.
+    let context = unsafe { libc::syscall(libc::SYS_fsopen, fstype.as_ptr(), FSOPEN_CLOEXEC) };
+    if context < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fsopen returned a new descriptor that nothing else owns.
+    let context = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(context as i32) };
+    // SAFETY: FSCONFIG_CMD_CREATE takes no key, value or auxiliary argument.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            context.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    };
+    check(rc as libc::c_int)?;
+    // SAFETY: a configured filesystem context we own; the result is checked before it is owned.
+    let mounted = unsafe {
+        libc::syscall(
+            libc::SYS_fsmount,
+            context.as_raw_fd(),
+            FSMOUNT_CLOEXEC,
+            (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
+                as libc::c_uint,
+        )
+    };
+    if mounted < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fsmount returned a new descriptor that nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(mounted as i32) })
+}
+
 /// Attaches the detached mount `tree` at `target` (relative to the working directory).
 pub(crate) fn move_mount_to(tree: &OwnedFd, target: &Path) -> io::Result<()> {
     let target = cstring(target)?;

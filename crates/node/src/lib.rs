@@ -8,6 +8,7 @@ pub mod disks;
 pub mod dns;
 pub mod egress;
 pub mod layers;
+pub mod netns;
 pub mod network;
 mod runtime;
 pub mod templates;

@@ -2,13 +2,11 @@
 //! veth pair on a /30 of a private range. Traffic is routed, not bridged, so every packet
 //! between sandboxes, or from a sandbox to the host, crosses the host's firewall.
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::os::fd::AsRawFd;
+use std::net::Ipv4Addr;
 use std::process::Stdio;
 
 use futures_util::TryStreamExt;
-use rtnetlink::packet_route::link::{InfoData, InfoVeth};
-use rtnetlink::{Handle, LinkUnspec, LinkVeth, RouteMessageBuilder};
+use rtnetlink::{Handle, LinkUnspec};
 
 use tokio::io::AsyncWriteExt;
 
@@ -269,100 +267,6 @@ table inet {TABLE} {{
         )
     }
 
-    /// Connects the network namespace of `pid` to the host through slot `slot`, with
-    /// netlink calls made from this process (no helper programs on the start path).
-    pub async fn attach(
-        &self,
-        slot: u32,
-        pid: i32,
-        egress: bool,
-    ) -> Result<SlotAddrs, NetworkError> {
-        let addrs = self.addrs(slot)?;
-        let iface = iface_name(slot, egress);
-        let fail = |step: &str| {
-            let what = format!("{step} for {iface}");
-            move |e: rtnetlink::Error| NetworkError::Netlink {
-                what,
-                message: e.to_string(),
-            }
-        };
-
-        let host = self.host_netlink().await?;
-        // The socket inside the sandbox's namespace is opened while the pair is made.
-        let inside = netlink_in_namespace_of(pid);
-        // The peer is created directly inside the sandbox's namespace, already named eth0. The
-        // host end comes up as it is made; the peer cannot (a veth refuses to open before its
-        // pair is complete), so it is brought up inside, alongside its address.
-        let peer = LinkUnspec::new_with_name("eth0")
-            .setns_by_pid(pid as u32)
-            .build();
-        let veth = LinkVeth::new(&iface, "eth0")
-            .up()
-            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
-            .build();
-        host.link()
-            .add(veth)
-            .execute()
-            .await
-            .map_err(fail("create veth"))?;
-        let index = if_index(&iface).map_err(|e| NetworkError::Netlink {
-            what: format!("find veth {iface}"),
-            message: e.to_string(),
-        })?;
-        // Reverse-path filtering drops packets whose source address does not belong to the
-        // slot they arrive on.
-        let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
-        let host_side = async {
-            host.address()
-                .add(index, IpAddr::V4(addrs.host), 30)
-                .execute()
-                .await
-                .map_err(fail("address veth"))
-        };
-        let sandbox_side = async {
-            let inside = inside.await?;
-            // Looked up here, not in the thread: the thread may run before the pair exists.
-            let eth0 = link_index(&inside.handle, "eth0")
-                .await
-                .map_err(fail("find eth0"))?;
-            let lo_up = inside
-                .handle
-                .link()
-                .set(LinkUnspec::new_with_index(inside.lo).up().build())
-                .execute();
-            let eth0_address = inside
-                .handle
-                .address()
-                .add(eth0, IpAddr::V4(addrs.sandbox), 30)
-                .execute();
-            let eth0_up = inside
-                .handle
-                .link()
-                .set(LinkUnspec::new_with_index(eth0).up().build())
-                .execute();
-            let (lo_up, eth0_address, eth0_up) = tokio::join!(lo_up, eth0_address, eth0_up);
-            lo_up.map_err(fail("bring up lo"))?;
-            eth0_address.map_err(fail("address eth0"))?;
-            eth0_up.map_err(fail("bring up eth0"))?;
-            // The gateway must be on a connected, up subnet, so this waits for both.
-            inside
-                .handle
-                .route()
-                .add(
-                    RouteMessageBuilder::<Ipv4Addr>::new()
-                        .gateway(addrs.host)
-                        .build(),
-                )
-                .execute()
-                .await
-                .map_err(fail("add default route"))
-        };
-        let (host_side, sandbox_side) = tokio::join!(host_side, sandbox_side);
-        host_side?;
-        sandbox_side?;
-        Ok(addrs)
-    }
-
     /// Renames slot `slot`'s host interface to mark it for egress or isolation (the firewall
     /// and the resolver go by that name), when a running sandbox's rules change which it is.
     pub async fn set_egress(&self, slot: u32, egress: bool) -> Result<(), NetworkError> {
@@ -405,7 +309,7 @@ table inet {TABLE} {{
     }
 
     /// One netlink connection in the host's namespace, opened on first use and shared.
-    async fn host_netlink(&self) -> Result<Handle, NetworkError> {
+    pub(crate) async fn host_netlink(&self) -> Result<Handle, NetworkError> {
         self.host
             .get_or_try_init(|| async {
                 let (connection, handle, _) =
@@ -434,7 +338,7 @@ table inet {TABLE} {{
     }
 }
 
-async fn link_index(handle: &Handle, name: &str) -> Result<u32, rtnetlink::Error> {
+pub(crate) async fn link_index(handle: &Handle, name: &str) -> Result<u32, rtnetlink::Error> {
     let mut links = handle.link().get().match_name(name.to_owned()).execute();
     match links.try_next().await? {
         Some(link) => Ok(link.header.index),
@@ -442,60 +346,13 @@ async fn link_index(handle: &Handle, name: &str) -> Result<u32, rtnetlink::Error
     }
 }
 
-/// A netlink connection inside a sandbox's network namespace, with its loopback's index.
-struct Inside {
-    handle: Handle,
-    lo: u32,
-}
-
 /// The index of the link named `name` in the calling thread's network namespace.
-fn if_index(name: &str) -> std::io::Result<u32> {
+pub(crate) fn if_index(name: &str) -> std::io::Result<u32> {
     let name = std::ffi::CString::new(name).map_err(std::io::Error::other)?;
     // SAFETY: `name` is a NUL-terminated string that outlives the call.
     match unsafe { libc::if_nametoindex(name.as_ptr()) } {
         0 => Err(std::io::Error::last_os_error()),
         index => Ok(index),
-    }
-}
-
-/// A netlink connection whose socket lives in the network namespace of `pid`.
-///
-/// A socket stays in the namespace it was created in, so a short-lived thread switches into
-/// the sandbox's namespace, opens the socket, looks up `lo` there and ends; no
-/// thread of the server ever changes namespace for longer than that. The returned future
-/// waits for that thread without blocking the runtime.
-fn netlink_in_namespace_of(
-    pid: i32,
-) -> impl std::future::Future<Output = Result<Inside, NetworkError>> {
-    let runtime = tokio::runtime::Handle::current();
-    let netns_path = format!("/proc/{pid}/ns/net");
-    let (sender, receiver) = tokio::sync::oneshot::channel();
-    let spawned = std::thread::Builder::new()
-        .name("netns-socket".into())
-        .spawn(move || {
-            let opened = (|| -> Result<_, NetworkError> {
-                let netns = std::fs::File::open(&netns_path).map_err(NetworkError::Socket)?;
-                // SAFETY: setns on a descriptor we own; it only changes this thread's namespace.
-                if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(NetworkError::Socket(std::io::Error::last_os_error()));
-                }
-                let lo = if_index("lo").map_err(NetworkError::Socket)?;
-                // The socket registers with the runtime's reactor as it is created.
-                let _entered = runtime.enter();
-                let connection = rtnetlink::new_connection().map_err(NetworkError::Socket)?;
-                Ok((connection, lo))
-            })();
-            let _ = sender.send(opened);
-        });
-    async move {
-        spawned.map_err(NetworkError::Socket)?;
-        let ((connection, handle, _), lo) = receiver.await.map_err(|_| {
-            NetworkError::Socket(std::io::Error::other(
-                "netlink thread ended without a socket",
-            ))
-        })??;
-        tokio::spawn(connection);
-        Ok(Inside { handle, lo })
     }
 }
 

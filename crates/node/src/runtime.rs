@@ -14,13 +14,14 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use sandbar_core::{EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
-use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::agent_client;
 use crate::cgroups::{CgroupDriver, CgroupError, Limits};
 use crate::disks::{DiskError, DiskPool, PoolConfig};
+use crate::netns::{NetnsPool, PreparedNetns, SlotSet};
 use crate::network::{Network, NetworkError};
 
 #[derive(Debug, Clone)]
@@ -47,6 +48,8 @@ pub struct NodeConfig {
     /// Memory kept for the host and the server: sandboxes are granted at most the host's
     /// memory minus this, in MiB.
     pub memory_reserve_mb: u64,
+    /// Network namespaces kept wired and waiting for new sandboxes.
+    pub netns_pool: usize,
 }
 
 /// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
@@ -106,14 +109,15 @@ struct Handle {
 pub struct LinuxRuntime {
     config: NodeConfig,
     cgroups: CgroupDriver,
-    network: Network,
+    network: std::sync::Arc<Network>,
+    netns_pool: std::sync::Arc<NetnsPool>,
     egress: std::sync::Arc<crate::egress::Egress>,
     disks: DiskPool,
     /// Memory limits granted to live sandboxes, by sandbox id.
     granted_memory: Mutex<std::collections::BTreeMap<String, u32>>,
     /// What may be granted in all, in MiB.
     memory_capacity_mb: u64,
-    slots: Mutex<BTreeSet<u32>>,
+    slots: SlotSet,
     layers: crate::layers::LayerStore,
     /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
     layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
@@ -153,7 +157,8 @@ impl LinuxRuntime {
             source,
         })?;
         let cgroups = CgroupDriver::detect()?;
-        let network = Network::new(config.network_base, config.network_prefix_len);
+        let network =
+            std::sync::Arc::new(Network::new(config.network_base, config.network_prefix_len));
         let last_id =
             u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
         if last_id > u64::from(u32::MAX - 1) {
@@ -212,17 +217,21 @@ impl LinuxRuntime {
             path: layers.steps_dir().to_owned(),
             source,
         })?;
+        let slots = SlotSet::default();
+        let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
+        netns_pool.refill();
         Ok(Self {
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
             cgroups,
             network,
+            netns_pool,
             egress,
             disks,
             granted_memory: Mutex::new(std::collections::BTreeMap::new()),
             memory_capacity_mb,
-            slots: Mutex::new(BTreeSet::new()),
+            slots,
         })
     }
 
@@ -277,26 +286,8 @@ impl LinuxRuntime {
         self.config.data_dir.join("run").join(format!("{id}.sock"))
     }
 
-    /// A free network slot, `preferred` if it is free.
-    fn take_slot(&self, preferred: Option<u32>) -> Option<u32> {
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let free = preferred
-            .into_iter()
-            .chain(0..self.network.capacity())
-            .find(|s| {
-                *s < self.network.capacity()
-                    && !slots.contains(s)
-                    && !crate::network::slot_in_use(*s)
-            })?;
-        slots.insert(free);
-        Some(free)
-    }
-
     fn free_slot(&self, slot: u32) {
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&slot);
+        crate::netns::free_slot(&self.slots, slot);
     }
 
     /// Reserves `memory_mb` for sandbox `id`, or says why the node cannot: a sandbox's memory
@@ -341,10 +332,11 @@ impl LinuxRuntime {
         &self,
         spec: &LaunchSpec,
         dir: &Path,
-        slot: u32,
+        netns: &PreparedNetns,
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
+        let slot = netns.slot;
         let template_layers = self.layers.stack(&spec.image.layers).map_err(|message| {
             RuntimeError::TemplateMissing {
                 template_id: format!("{} ({message})", spec.template.id),
@@ -392,7 +384,8 @@ impl LinuxRuntime {
 
         let socket = self.socket_path(id);
         let _ = std::fs::remove_file(&socket);
-        let listener = std::os::unix::net::UnixListener::bind(&socket)
+        let listener = netns
+            .listen_at(&socket)
             .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
         let log_path = self.log_path(id);
         // A sandbox booted again on its kept files goes on with its log: the lines read so
@@ -406,6 +399,7 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
         let listener_fd = listener.as_raw_fd();
+        let netns_fd = netns.netns.as_raw_fd();
         let mut command = tokio::process::Command::new(&self.config.agent_bin);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.
@@ -424,7 +418,7 @@ impl LinuxRuntime {
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
-                if libc::dup2(listener_fd, LISTENER_FD) < 0 {
+                if libc::dup2(listener_fd, LISTENER_FD) < 0 || libc::dup2(netns_fd, NETNS_FD) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 // Descriptors the server inherited without close-on-exec (from whoever
@@ -433,7 +427,7 @@ impl LinuxRuntime {
                 // error-reporting pipe must stay open until exec.
                 libc::syscall(
                     libc::SYS_close_range,
-                    (LISTENER_FD + 1) as libc::c_uint,
+                    (NETNS_FD + 1) as libc::c_uint,
                     libc::c_uint::MAX,
                     libc::CLOSE_RANGE_CLOEXEC,
                 );
@@ -447,7 +441,8 @@ impl LinuxRuntime {
             )
         })?;
         // The agent holds its own copy now; ours would keep the socket accepting after the
-        // sandbox died and hang clients instead of refusing them.
+        // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
+        // end with the sandbox's processes.
         drop(listener);
 
         let payload = serde_json::to_vec(&jail).map_err(|e| sandbox_err(id, e))?;
@@ -536,9 +531,10 @@ impl LinuxRuntime {
     async fn launch_in(
         &self,
         spec: &LaunchSpec,
-        slot: u32,
+        netns: PreparedNetns,
     ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
         let id = &spec.sandbox_id;
+        let slot = netns.slot;
         let started = std::time::Instant::now();
         let id_map = self.id_map(slot);
         self.cgroups
@@ -565,10 +561,15 @@ impl LinuxRuntime {
             }
         };
         let disk_done = started.elapsed();
-        let pid = self
-            .spawn_jailed(spec, &dir, slot, id_map)
+        // Before PID 1 joins the namespace: the sandbox never has a moment without its rules.
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
             .await
             .map_err(|e| (None, e))?;
+        let pid = self
+            .spawn_jailed(spec, &dir, &netns, id_map)
+            .await
+            .map_err(|e| (None, e))?;
+        drop(netns);
         let spawned = started.elapsed();
         let handle = Handle {
             pid,
@@ -580,15 +581,6 @@ impl LinuxRuntime {
             released: false,
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
-        // Before the link exists: the sandbox never has a moment without its rules.
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(fail)?;
-        self.network
-            .attach(slot, pid, spec.allow_internet_access)
-            .await
-            .map_err(|e| fail(sandbox_err(id, e)))?;
-        let networked = started.elapsed();
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
             .await
@@ -606,7 +598,6 @@ impl LinuxRuntime {
             cgroups_us = cgroups_done.as_micros() as u64,
             disk_us = disk_done.as_micros() as u64,
             spawned_us = spawned.as_micros() as u64,
-            networked_us = networked.as_micros() as u64,
             healthy_us = started.elapsed().as_micros() as u64,
             "sandbox launch timings"
         );
@@ -818,18 +809,26 @@ impl Runtime for LinuxRuntime {
             .map(|k| parse_handle(&id, k))
             .transpose()?;
         self.grant_memory(&id, spec.memory_mb)?;
-        let Some(slot) = self.take_slot(kept.as_ref().map(|k| k.slot)) else {
-            self.release_memory(&id);
-            return Err(RuntimeError::NoCapacity {
-                sandbox_id: id,
-                message: "no free network slot on this node".into(),
-            });
+        let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
+            Some(Ok(netns)) => netns,
+            Some(Err(err)) => {
+                self.release_memory(&id);
+                return Err(sandbox_err(&id, err));
+            }
+            None => {
+                self.release_memory(&id);
+                return Err(RuntimeError::NoCapacity {
+                    sandbox_id: id,
+                    message: "no free network slot on this node".into(),
+                });
+            }
         };
+        let slot = netns.slot;
         self.layers_in_use
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.clone(), spec.image.layers.clone());
-        match self.launch_in(&spec, slot).await {
+        match self.launch_in(&spec, netns).await {
             Ok((handle, endpoint)) => {
                 let value = serde_json::to_value(&handle).map_err(|e| sandbox_err(&id, e))?;
                 Ok((RuntimeHandle(value), endpoint))

@@ -35,7 +35,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the API, the edge and a sandbox node on this host.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Manage teams and their limits (works while the server runs).
     #[command(subcommand)]
     Team(admin::TeamCommand),
@@ -123,6 +123,10 @@ struct ServeArgs {
     /// Cap on pseudo-terminals open at once in each sandbox.
     #[arg(long, env = "SANDBAR_PTY_MAX", default_value_t = 256)]
     pty_max: u32,
+    /// Network namespaces kept wired ahead of demand, so a new sandbox's network costs no
+    /// time when it starts; 0 makes each one as its sandbox starts.
+    #[arg(long, env = "SANDBAR_NETNS_POOL", default_value_t = 4, value_parser = clap::value_parser!(u64).range(0..=256))]
+    netns_pool: u64,
     /// Enforce each sandbox's diskSizeMB (inodes included) with a btrfs pool in
     /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
     #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
@@ -153,7 +157,7 @@ async fn main() -> anyhow::Result<()> {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
     match Cli::parse().command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Team(command) => admin::team(command).await,
         Command::Key(command) => admin::key(command).await,
     }
@@ -359,6 +363,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
             id_base: args.id_base,
             pty_max: args.pty_max,
+            netns_pool: args.netns_pool as usize,
             memory_reserve_mb: args.memory_reserve_mb,
         })
         .await?,

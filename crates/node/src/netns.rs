@@ -1,0 +1,352 @@
+//! Network namespaces made before sandboxes ask for them.
+//!
+//! Making a sandbox's network (a namespace, a veth pair, addresses, a route) costs a few
+//! milliseconds of netlink round trips, most of them the veth pair itself. None of it depends
+//! on the sandbox, only on its slot, so the node keeps a few namespaces wired and waiting: a
+//! new sandbox takes one and its PID 1 joins it. The namespaces belong to the host's user
+//! namespace, not to the sandbox's, so sandbox root cannot reconfigure its own interfaces and
+//! the namespace can outlive the sandbox's processes while the node holds it.
+//!
+//! A waiting namespace is held only by a descriptor of this process: if the server exits, the
+//! kernel removes it with its veth pair, and nothing is left to sweep.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use rtnetlink::packet_route::link::{InfoData, InfoVeth};
+use rtnetlink::{LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+use crate::network::{Network, NetworkError, if_index, iface_name, link_index};
+
+/// Per-namespace settings that give sandbox users what owning the namespace used to: low
+/// ports (web servers on 80) and unprivileged ICMP sockets (`ping`).
+const SYSCTLS: &[(&str, &str)] = &[
+    ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
+    ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+];
+
+/// A wired network namespace for one slot, waiting for a sandbox.
+#[derive(Debug)]
+pub struct PreparedNetns {
+    pub slot: u32,
+    pub netns: OwnedFd,
+    /// An unbound Unix stream socket created inside the namespace: the agent's listener once
+    /// bound. Made there so that everything the sandbox's processes hold belongs to their own
+    /// network namespace (a checkpoint collects sockets by namespace).
+    pub agent_socket: OwnedFd,
+}
+
+impl PreparedNetns {
+    /// Binds the agent socket at `path` and starts listening.
+    pub fn listen_at(&self, path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
+        // SAFETY: sockaddr_un is plain old data; all-zero is a valid value to fill in.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = path.as_os_str().as_bytes();
+        if bytes.len() >= addr.sun_path.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("socket path {} is too long", path.display()),
+            ));
+        }
+        for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+            *dst = *src as libc::c_char;
+        }
+        let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+        let fd = self.agent_socket.as_raw_fd();
+        // SAFETY: `addr` is an initialised sockaddr_un and `len` does not exceed its size.
+        let bound = unsafe {
+            libc::bind(
+                fd,
+                &addr as *const libc::sockaddr_un as *const libc::sockaddr,
+                len as libc::socklen_t,
+            )
+        };
+        // SAFETY: listen on a socket we own.
+        if bound != 0 || unsafe { libc::listen(fd, 128) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let owned = self.agent_socket.try_clone()?;
+        Ok(std::os::unix::net::UnixListener::from(owned))
+    }
+}
+
+impl Network {
+    /// Makes a network namespace for slot `slot` and connects it to the host: a veth pair whose
+    /// host end is the slot's interface (named for egress or isolation), the sandbox end `eth0`
+    /// with the slot's address and a default route through the host end.
+    pub async fn prepare(&self, slot: u32, egress: bool) -> Result<PreparedNetns, NetworkError> {
+        let addrs = self.addrs(slot)?;
+        let iface = iface_name(slot, egress);
+        let fail = |step: &str| {
+            let what = format!("{step} for {iface}");
+            move |e: rtnetlink::Error| NetworkError::Netlink {
+                what,
+                message: e.to_string(),
+            }
+        };
+        let host = self.host_netlink().await?;
+        let inside = new_namespace().await?;
+
+        // The peer is created directly inside the new namespace, already named eth0. The host
+        // end comes up as it is made; the peer cannot (a veth refuses to open before its pair
+        // is complete), so it is brought up inside, alongside its address.
+        let peer = LinkUnspec::new_with_name("eth0")
+            .setns_by_fd(inside.netns.as_raw_fd())
+            .build();
+        let veth = LinkVeth::new(&iface, "eth0")
+            .up()
+            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+            .build();
+        host.link()
+            .add(veth)
+            .execute()
+            .await
+            .map_err(fail("create veth"))?;
+        let index = if_index(&iface).map_err(|e| NetworkError::Netlink {
+            what: format!("find veth {iface}"),
+            message: e.to_string(),
+        })?;
+        // Reverse-path filtering drops packets whose source address does not belong to the
+        // slot they arrive on.
+        let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
+        let host_side = async {
+            host.address()
+                .add(index, IpAddr::V4(addrs.host), 30)
+                .execute()
+                .await
+                .map_err(fail("address veth"))
+        };
+        let sandbox_side = async {
+            let handle = &inside.handle;
+            let eth0 = link_index(handle, "eth0")
+                .await
+                .map_err(fail("find eth0"))?;
+            let lo_up = handle
+                .link()
+                .set(LinkUnspec::new_with_index(inside.lo).up().build())
+                .execute();
+            let eth0_address = handle
+                .address()
+                .add(eth0, IpAddr::V4(addrs.sandbox), 30)
+                .execute();
+            let eth0_up = handle
+                .link()
+                .set(LinkUnspec::new_with_index(eth0).up().build())
+                .execute();
+            let (lo_up, eth0_address, eth0_up) = tokio::join!(lo_up, eth0_address, eth0_up);
+            lo_up.map_err(fail("bring up lo"))?;
+            eth0_address.map_err(fail("address eth0"))?;
+            eth0_up.map_err(fail("bring up eth0"))?;
+            // The gateway must be on a connected, up subnet, so this waits for both.
+            handle
+                .route()
+                .add(
+                    RouteMessageBuilder::<Ipv4Addr>::new()
+                        .gateway(addrs.host)
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(fail("add default route"))
+        };
+        let (host_side, sandbox_side) = tokio::join!(host_side, sandbox_side);
+        if let Err(err) = host_side.and(sandbox_side) {
+            // The namespace goes with its descriptor; the host end may outlive it briefly.
+            drop(inside);
+            self.release(slot).await;
+            return Err(err);
+        }
+        Ok(PreparedNetns {
+            slot,
+            netns: inside.netns,
+            agent_socket: inside.agent_socket,
+        })
+    }
+}
+
+/// A new network namespace, with a netlink connection and an unbound Unix socket made inside it.
+struct NewNamespace {
+    netns: OwnedFd,
+    handle: rtnetlink::Handle,
+    lo: u32,
+    agent_socket: OwnedFd,
+}
+
+/// Creates a network namespace from a short-lived thread: a thread may unshare its network
+/// namespace alone, and sockets stay in the namespace they were made in, so the thread opens
+/// everything the node needs there and ends. No other thread of the server changes namespace.
+async fn new_namespace() -> Result<NewNamespace, NetworkError> {
+    let runtime = tokio::runtime::Handle::current();
+    let (sender, receiver) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("netns-new".into())
+        .spawn(move || {
+            let made = (|| -> std::io::Result<_> {
+                // SAFETY: unshare of the network namespace affects only this thread.
+                if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                let netns: OwnedFd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
+                for (path, value) in SYSCTLS {
+                    std::fs::write(path, value)
+                        .map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))?;
+                }
+                let lo = if_index("lo")?;
+                // SAFETY: socket() with constant arguments; the result is checked before it is
+                // owned.
+                let raw = unsafe {
+                    libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0)
+                };
+                if raw < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // SAFETY: a new descriptor nothing else owns.
+                let agent_socket = unsafe { OwnedFd::from_raw_fd(raw) };
+                // The netlink socket registers with the runtime's reactor as it is created.
+                let _entered = runtime.enter();
+                let connection = rtnetlink::new_connection()?;
+                Ok((netns, lo, agent_socket, connection))
+            })();
+            let _ = sender.send(made);
+        })
+        .map_err(NetworkError::Socket)?;
+    let (netns, lo, agent_socket, (connection, handle, _)) = receiver
+        .await
+        .map_err(|_| {
+            NetworkError::Socket(std::io::Error::other(
+                "network namespace thread ended without a result",
+            ))
+        })?
+        .map_err(NetworkError::Socket)?;
+    tokio::spawn(connection);
+    Ok(NewNamespace {
+        netns,
+        handle,
+        lo,
+        agent_socket,
+    })
+}
+
+/// Slots handed out by this node; shared by the pool and the runtime.
+pub type SlotSet = Arc<Mutex<std::collections::BTreeSet<u32>>>;
+
+/// Takes the lowest slot that neither this node nor anything else on the host uses.
+pub fn take_slot(slots: &SlotSet, capacity: u32) -> Option<u32> {
+    let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+    let free = (0..capacity).find(|s| !slots.contains(s) && !crate::network::slot_in_use(*s))?;
+    slots.insert(free);
+    Some(free)
+}
+
+pub fn free_slot(slots: &SlotSet, slot: u32) {
+    slots
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&slot);
+}
+
+/// Namespaces wired for sandboxes with internet access (the usual kind), kept topped up to a
+/// target by a background task.
+#[derive(Debug)]
+pub struct NetnsPool {
+    network: Arc<Network>,
+    slots: SlotSet,
+    ready: Mutex<Vec<PreparedNetns>>,
+    target: usize,
+    refilling: std::sync::atomic::AtomicBool,
+}
+
+impl NetnsPool {
+    pub fn new(network: Arc<Network>, slots: SlotSet, target: usize) -> Arc<Self> {
+        Arc::new(Self {
+            network,
+            slots,
+            ready: Mutex::new(Vec::new()),
+            target,
+            refilling: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// A namespace for a new sandbox: a waiting one when there is one (renamed for an isolated
+    /// sandbox), else one made now. `None` when no slot is free.
+    pub async fn claim(
+        self: &Arc<Self>,
+        egress: bool,
+    ) -> Option<Result<PreparedNetns, NetworkError>> {
+        let waiting = self.ready.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        self.refill();
+        match waiting {
+            Some(prepared) if egress => Some(Ok(prepared)),
+            Some(prepared) => Some(match self.network.set_egress(prepared.slot, false).await {
+                Ok(()) => Ok(prepared),
+                Err(err) => {
+                    self.discard(prepared).await;
+                    Err(err)
+                }
+            }),
+            None => {
+                let slot = take_slot(&self.slots, self.network.capacity())?;
+                let made = self.network.prepare(slot, egress).await;
+                if made.is_err() {
+                    free_slot(&self.slots, slot);
+                }
+                Some(made)
+            }
+        }
+    }
+
+    /// Gives up a namespace no sandbox joined.
+    pub async fn discard(&self, prepared: PreparedNetns) {
+        let slot = prepared.slot;
+        drop(prepared);
+        self.network.release(slot).await;
+        free_slot(&self.slots, slot);
+    }
+
+    /// Starts topping the pool up in the background unless that is already under way.
+    pub fn refill(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.target == 0 || self.refilling.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let pool = self.clone();
+        tokio::spawn(async move {
+            let mut filled = false;
+            loop {
+                if pool.waiting() >= pool.target {
+                    filled = true;
+                    break;
+                }
+                let Some(slot) = take_slot(&pool.slots, pool.network.capacity()) else {
+                    break;
+                };
+                match pool.network.prepare(slot, true).await {
+                    Ok(prepared) => pool
+                        .ready
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(prepared),
+                    Err(err) => {
+                        free_slot(&pool.slots, slot);
+                        tracing::warn!(slot, error = %err, "cannot prepare a network namespace");
+                        break;
+                    }
+                }
+            }
+            pool.refilling.store(false, Ordering::Release);
+            // A claim between the last count and the flag's reset found the refill running.
+            if filled && pool.waiting() < pool.target {
+                pool.refill();
+            }
+        });
+    }
+
+    /// Waiting namespaces, for tests and logs.
+    pub fn waiting(&self) -> usize {
+        self.ready.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
