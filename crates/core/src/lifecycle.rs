@@ -18,18 +18,28 @@ pub enum SandboxStatus {
     Shelved,
     /// Being thawed, or booted again on its kept files.
     Resuming,
+    /// Paused, being written to disk (a checkpoint) while frozen.
+    Checkpointing,
+    /// Paused on disk: its processes and their memory are in a checkpoint, they hold no
+    /// memory on the host.
+    Checkpointed,
+    /// Being restored from its checkpoint.
+    Restoring,
     /// Being destroyed; gone for every caller.
     Stopping,
 }
 
 impl SandboxStatus {
-    pub const ALL: [SandboxStatus; 7] = [
+    pub const ALL: [SandboxStatus; 10] = [
         SandboxStatus::Starting,
         SandboxStatus::Running,
         SandboxStatus::Pausing,
         SandboxStatus::Paused,
         SandboxStatus::Shelved,
         SandboxStatus::Resuming,
+        SandboxStatus::Checkpointing,
+        SandboxStatus::Checkpointed,
+        SandboxStatus::Restoring,
         SandboxStatus::Stopping,
     ];
 
@@ -42,6 +52,9 @@ impl SandboxStatus {
             SandboxStatus::Paused => "paused",
             SandboxStatus::Shelved => "shelved",
             SandboxStatus::Resuming => "resuming",
+            SandboxStatus::Checkpointing => "checkpointing",
+            SandboxStatus::Checkpointed => "checkpointed",
+            SandboxStatus::Restoring => "restoring",
             SandboxStatus::Stopping => "stopping",
         }
     }
@@ -67,6 +80,15 @@ impl SandboxStatus {
                 // A resume that failed leaves it paused, the way it was.
                 | (Resuming, Paused)
                 | (Resuming, Shelved)
+                | (Paused, Checkpointing)
+                | (Checkpointing, Checkpointed)
+                // A checkpoint that failed leaves it frozen in memory.
+                | (Checkpointing, Paused)
+                | (Checkpointed, Restoring)
+                | (Checkpointed, Stopping)
+                | (Restoring, Running)
+                // A restore that failed leaves it checkpointed.
+                | (Restoring, Checkpointed)
         )
     }
 
@@ -86,13 +108,30 @@ impl SandboxStatus {
     pub fn holds_a_slot(self) -> bool {
         !matches!(
             self,
-            SandboxStatus::Paused | SandboxStatus::Shelved | SandboxStatus::Stopping
+            SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+                | SandboxStatus::Stopping
         )
     }
 
-    /// Paused in any way: listed as paused, resumable.
+    /// Paused in any way: listed as paused.
     pub fn is_paused(self) -> bool {
-        matches!(self, SandboxStatus::Paused | SandboxStatus::Shelved)
+        matches!(
+            self,
+            SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+        )
+    }
+
+    /// The status a resume goes through from `self`, if it may start now.
+    pub fn waking(self) -> Option<SandboxStatus> {
+        [SandboxStatus::Resuming, SandboxStatus::Restoring]
+            .into_iter()
+            .find(|to| self.can_become(*to))
     }
 }
 
@@ -100,7 +139,7 @@ impl SandboxStatus {
 mod tests {
     use super::SandboxStatus::{self, *};
 
-    const ALL: [SandboxStatus; 7] = SandboxStatus::ALL;
+    const ALL: [SandboxStatus; 10] = SandboxStatus::ALL;
 
     #[test]
     fn the_transition_table_is_exactly_this() {
@@ -119,6 +158,13 @@ mod tests {
             (Resuming, Running),
             (Resuming, Paused),
             (Resuming, Shelved),
+            (Paused, Checkpointing),
+            (Checkpointing, Checkpointed),
+            (Checkpointing, Paused),
+            (Checkpointed, Restoring),
+            (Checkpointed, Stopping),
+            (Restoring, Running),
+            (Restoring, Checkpointed),
         ];
         for from in ALL {
             for to in ALL {
@@ -138,6 +184,11 @@ mod tests {
             assert!(!s.can_pause(), "{s:?}");
         }
         assert!(Paused.can_resume() && Shelved.can_resume());
+        assert_eq!(Paused.waking(), Some(Resuming));
+        assert_eq!(Checkpointed.waking(), Some(Restoring));
+        for s in [Starting, Running, Pausing, Resuming, Checkpointing, Restoring, Stopping] {
+            assert_eq!(s.waking(), None, "{s:?}");
+        }
         for s in [Starting, Running, Pausing, Resuming, Stopping] {
             assert!(!s.can_resume(), "{s:?}");
         }
@@ -148,6 +199,8 @@ mod tests {
         assert!(!Pausing.can_stop());
         assert!(!Resuming.can_stop());
         assert!(!Stopping.can_stop());
+        assert!(!Checkpointing.can_stop() && !Restoring.can_stop());
+        assert!(Checkpointed.can_stop());
         assert!(Running.can_stop() && Paused.can_stop() && Starting.can_stop());
         assert!(Shelved.can_stop());
     }
@@ -155,6 +208,8 @@ mod tests {
     #[test]
     fn paused_sandboxes_free_their_slot() {
         assert!(!Paused.holds_a_slot() && !Shelved.holds_a_slot());
+        assert!(!Checkpointing.holds_a_slot() && !Checkpointed.holds_a_slot());
+        assert!(Restoring.holds_a_slot());
         assert!(Running.holds_a_slot() && Starting.holds_a_slot() && Resuming.holds_a_slot());
     }
 }

@@ -119,6 +119,11 @@ pub enum PauseKind {
     Memory,
     /// Processes ended, only the files kept; resuming boots the sandbox again on them.
     Files,
+    /// Frozen and being checkpointed: recorded before the checkpoint starts, so a restart
+    /// knows to look at what it left.
+    Checkpointing,
+    /// Checkpointed to disk: processes and memory in the checkpoint, restored on resume.
+    Checkpoint,
 }
 
 impl PauseKind {
@@ -126,6 +131,8 @@ impl PauseKind {
         match self {
             PauseKind::Memory => "memory",
             PauseKind::Files => "files",
+            PauseKind::Checkpointing => "checkpointing",
+            PauseKind::Checkpoint => "checkpoint",
         }
     }
 
@@ -133,6 +140,8 @@ impl PauseKind {
         match s {
             "memory" => Some(PauseKind::Memory),
             "files" => Some(PauseKind::Files),
+            "checkpointing" => Some(PauseKind::Checkpointing),
+            "checkpoint" => Some(PauseKind::Checkpoint),
             _ => None,
         }
     }

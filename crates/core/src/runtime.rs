@@ -151,6 +151,54 @@ pub trait Runtime: Send + Sync + 'static {
         })
     }
 
+    /// Whether frozen sandboxes can be checkpointed to disk on this node.
+    fn can_checkpoint(&self) -> bool {
+        false
+    }
+
+    /// Checkpoints a frozen sandbox to disk and ends its processes, freeing their memory;
+    /// returns the handle [`Runtime::restore`] takes. On failure the sandbox stays frozen.
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot checkpoint sandboxes".into(),
+        })
+    }
+
+    /// Restores a checkpointed sandbox, running, and says how to reach it. On failure it
+    /// stays checkpointed.
+    async fn restore(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot restore checkpoints".into(),
+        })
+    }
+
+    /// After a restart: takes back a sandbox whose checkpoint completed (its processes
+    /// gone, its checkpoint valid, what it needs kept) and returns its checkpointed handle;
+    /// an error says why it cannot be restored.
+    async fn adopt_checkpointed(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime keeps no checkpoints".into(),
+        })
+    }
+
+    /// Removes what an unfinished checkpoint of a sandbox left; nothing if there is none.
+    async fn discard_checkpoint(&self, _sandbox_id: &str) {}
+
     /// Whether the sandbox's processes are frozen (after a restart: to settle a pause or
     /// resume the server did not see through).
     fn is_paused(&self, _sandbox_id: &str, _handle: &RuntimeHandle) -> bool {

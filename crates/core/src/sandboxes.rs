@@ -31,6 +31,9 @@ pub struct SandboxesConfig {
     pub default_user: String,
     /// What is kept of sandbox logs and team metrics.
     pub activity: ActivityConfig,
+    /// How long a sandbox paused with its memory stays frozen in memory before it is
+    /// checkpointed to disk (where the runtime can).
+    pub pause_grace: Duration,
 }
 
 impl Default for SandboxesConfig {
@@ -39,6 +42,7 @@ impl Default for SandboxesConfig {
             template_wait: Duration::from_secs(900),
             default_user: "user".into(),
             activity: ActivityConfig::default(),
+            pause_grace: Duration::from_secs(10),
         }
     }
 }
@@ -200,6 +204,10 @@ struct Live {
     cpu_count: u32,
     memory_mb: u32,
     disk_size_mb: u32,
+    /// When it was last frozen in memory (the grace before a checkpoint runs from there).
+    paused_at: Option<DateTime<Utc>>,
+    /// Its last checkpoint failed: it stays in memory until it is paused again.
+    checkpoint_failed: bool,
 }
 
 /// One sample of a sandbox's resource use, as `GET /sandboxes/{id}/metrics` reports it.
@@ -551,6 +559,8 @@ impl Sandboxes {
                 cpu_count: 0,
                 memory_mb: 0,
                 disk_size_mb: 0,
+                paused_at: None,
+                checkpoint_failed: false,
             },
         );
         Ok(())
@@ -892,6 +902,105 @@ impl Sandboxes {
             .await;
     }
 
+    /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
+    /// one per round, since a dump holds a CPU while it runs.
+    pub async fn checkpoint_paused(&self) {
+        if !self.runtime.can_checkpoint() {
+            return;
+        }
+        let Ok(grace) = TimeDelta::from_std(self.config.pause_grace) else {
+            return;
+        };
+        let due = Utc::now() - grace;
+        let next = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.status == SandboxStatus::Paused && !l.checkpoint_failed)
+            .filter_map(|(id, l)| Some((l.paused_at?, id.clone())))
+            .filter(|(at, _)| *at <= due)
+            .min();
+        if let Some((_, id)) = next {
+            self.checkpoint_sandbox(&id).await;
+        }
+    }
+
+    /// Checkpoints a sandbox frozen in memory; on failure it stays frozen and is not tried
+    /// again until its next pause.
+    async fn checkpoint_sandbox(&self, id: &str) {
+        let handle = {
+            let mut live = self.live();
+            let Some(entry) = live.get_mut(id) else {
+                return;
+            };
+            if !(entry.status == SandboxStatus::Paused
+                && entry.status.can_become(SandboxStatus::Checkpointing))
+            {
+                return;
+            }
+            entry.status = SandboxStatus::Checkpointing;
+            entry.handle.clone()
+        };
+        let started = std::time::Instant::now();
+        let result = async {
+            // Recorded first, so a restart after a crash in the middle looks at what is left.
+            self.store
+                .set_sandbox_paused(id, Some(PauseKind::Checkpointing), &handle)
+                .await?;
+            Ok::<_, SandboxError>(self.runtime.checkpoint(id, &handle).await?)
+        }
+        .await;
+        match result {
+            Ok(checkpointed) => {
+                if let Some(entry) = self.live().get_mut(id) {
+                    entry.status = SandboxStatus::Checkpointed;
+                    entry.handle = checkpointed.clone();
+                    entry.endpoint = None;
+                }
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(id, Some(PauseKind::Checkpoint), &checkpointed)
+                    .await
+                {
+                    // A restart finds it recorded as checkpointing, with its processes gone
+                    // and a complete checkpoint: it is adopted as checkpointed then.
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
+                }
+                let ms = started.elapsed().as_millis() as u64;
+                self.activity
+                    .event(
+                        id,
+                        LogLevel::Info,
+                        "sandbox checkpointed to disk",
+                        &[("ms", ms.to_string())],
+                    )
+                    .await;
+                tracing::info!(sandbox_id = %id, ms, "sandbox checkpointed to disk");
+            }
+            Err(err) => {
+                if let Some(entry) = self.live().get_mut(id) {
+                    entry.status = SandboxStatus::Paused;
+                    entry.checkpoint_failed = true;
+                }
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(id, Some(PauseKind::Memory), &handle)
+                    .await
+                {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
+                }
+                self.activity
+                    .event(
+                        id,
+                        LogLevel::Warn,
+                        "sandbox stays paused in memory: checkpoint failed",
+                        &[("error", err.to_string())],
+                    )
+                    .await;
+                tracing::warn!(sandbox_id = %id, error = %err, "checkpoint failed; the sandbox stays paused in memory");
+            }
+        }
+    }
+
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
     /// answer), so they stop being listed and routed to.
     pub async fn reap_dead(&self) {
@@ -937,6 +1046,7 @@ impl Sandboxes {
         for round in 0u64.. {
             tick.tick().await;
             self.reap_expired().await;
+            self.checkpoint_paused().await;
             if round % 10 == 0 {
                 self.reap_dead().await;
             }
@@ -964,9 +1074,27 @@ impl Sandboxes {
             Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
         }
-        for sandbox in recorded {
+        for mut sandbox in recorded {
             if sandbox.paused_as == Some(PauseKind::Files) {
                 self.adopt_shelved(&sandbox).await?;
+                continue;
+            }
+            if sandbox.paused_as == Some(PauseKind::Checkpointing)
+                && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
+            {
+                // The server died during the dump, before it ended the processes: what the
+                // dump wrote is incomplete, and the sandbox is still frozen in memory.
+                self.runtime.discard_checkpoint(&sandbox.id).await;
+                self.store
+                    .set_sandbox_paused(&sandbox.id, Some(PauseKind::Memory), &sandbox.handle)
+                    .await?;
+                sandbox.paused_as = Some(PauseKind::Memory);
+            }
+            if matches!(
+                sandbox.paused_as,
+                Some(PauseKind::Checkpoint | PauseKind::Checkpointing)
+            ) {
+                self.adopt_checkpointed(&sandbox).await?;
                 continue;
             }
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
@@ -997,6 +1125,8 @@ impl Sandboxes {
                             cpu_count: sandbox.cpu_count,
                             memory_mb: sandbox.memory_mb,
                             disk_size_mb: sandbox.disk_size_mb,
+                            paused_at: (status == SandboxStatus::Paused).then(Utc::now),
+                            checkpoint_failed: false,
                         },
                     );
                     // Sandboxes from before logs were kept get a log from now on.
@@ -1041,6 +1171,73 @@ impl Sandboxes {
         Ok(adopted)
     }
 
+    /// After a restart: takes back a checkpointed sandbox (or one whose checkpoint the server
+    /// died right after), without processes; one whose checkpoint is incomplete or cannot be
+    /// restored any more is lost, and cleaned up.
+    async fn adopt_checkpointed(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        let handle = match self
+            .runtime
+            .adopt_checkpointed(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            Ok(handle) => handle,
+            Err(err) => {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
+                self.activity
+                    .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                    .await;
+                if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
+                }
+                self.store.delete_sandbox(&sandbox.id).await?;
+                self.activity
+                    .close(
+                        &sandbox.id,
+                        LogLevel::Error,
+                        "sandbox lost: its checkpoint cannot be restored",
+                    )
+                    .await;
+                return Ok(());
+            }
+        };
+        if sandbox.paused_as != Some(PauseKind::Checkpoint) || handle != sandbox.handle {
+            self.store
+                .set_sandbox_paused(&sandbox.id, Some(PauseKind::Checkpoint), &handle)
+                .await?;
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live {
+                team_id: sandbox.team_id.clone(),
+                end_at: sandbox.end_at,
+                endpoint: None,
+                access_token: sandbox.envd_access_token.clone(),
+                handle,
+                status: SandboxStatus::Checkpointed,
+                user_ports: UserPortAccess::of(sandbox),
+                auto_pause: sandbox.auto_pause,
+                auto_resume: sandbox.auto_resume,
+                cpu_count: sandbox.cpu_count,
+                memory_mb: sandbox.memory_mb,
+                disk_size_mb: sandbox.disk_size_mb,
+                paused_at: None,
+                checkpoint_failed: false,
+            },
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        self.activity
+            .event(
+                &sandbox.id,
+                LogLevel::Info,
+                "checkpointed sandbox adopted after a server restart",
+                &[],
+            )
+            .await;
+        Ok(())
+    }
+
     /// After a restart: takes back a sandbox paused without memory (no processes, only its
     /// files); one whose files are gone is cleaned up.
     async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
@@ -1074,6 +1271,8 @@ impl Sandboxes {
                 cpu_count: sandbox.cpu_count,
                 memory_mb: sandbox.memory_mb,
                 disk_size_mb: sandbox.disk_size_mb,
+                paused_at: None,
+                checkpoint_failed: false,
             },
         );
         self.activity
@@ -1087,7 +1286,12 @@ impl Sandboxes {
         let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
             .live()
             .iter()
-            .filter(|(_, l)| matches!(l.status, SandboxStatus::Running | SandboxStatus::Paused))
+            .filter(|(_, l)| {
+                matches!(
+                    l.status,
+                    SandboxStatus::Running | SandboxStatus::Paused | SandboxStatus::Checkpointed
+                )
+            })
             .map(|(id, l)| {
                 (
                     id.clone(),
@@ -1300,7 +1504,11 @@ impl Sandboxes {
             self.set_status(id, SandboxStatus::Running);
             return Err(err.into());
         }
-        self.set_status(id, SandboxStatus::Paused);
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.status = SandboxStatus::Paused;
+            entry.paused_at = Some(Utc::now());
+            entry.checkpoint_failed = false;
+        }
         self.activity
             .event(id, LogLevel::Info, "sandbox paused", &[])
             .await;
@@ -1421,7 +1629,7 @@ impl Sandboxes {
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
-        let from = match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
+        let from = match self.start_waking(id).await {
             Ok(from) => from,
             Err(Some(SandboxStatus::Running)) if !require_paused => {
                 // Connecting to a running sandbox only ever extends its life.
@@ -1447,7 +1655,26 @@ impl Sandboxes {
         Ok((sandbox, true))
     }
 
-    /// Thaws (or boots again, `from` shelved) a sandbox already marked `Resuming`.
+    /// Marks a paused sandbox as waking (resuming, or restoring from a checkpoint) and returns
+    /// the status it had; a checkpoint under way is waited for first. The status it has
+    /// otherwise.
+    async fn start_waking(&self, id: &str) -> Result<SandboxStatus, Option<SandboxStatus>> {
+        // A dump takes a fraction of a second per 100 MiB; a minute covers any sandbox.
+        for _ in 0..6000 {
+            let status = self.live().get(id).map(|l| l.status);
+            if status != Some(SandboxStatus::Checkpointing) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut live = self.live();
+        let entry = live.get_mut(id).ok_or(None)?;
+        let to = entry.status.waking().ok_or(Some(entry.status))?;
+        Ok(std::mem::replace(&mut entry.status, to))
+    }
+
+    /// Thaws (or boots again, `from` shelved, or restores, `from` checkpointed) a sandbox
+    /// already marked waking.
     async fn thaw(
         &self,
         mut sandbox: Sandbox,
@@ -1457,13 +1684,23 @@ impl Sandboxes {
     ) -> Result<Sandbox, SandboxError> {
         let id = sandbox.id.clone();
         let end_at = Utc::now() + seconds(timeout_secs);
-        let booted = if from == SandboxStatus::Shelved {
+        let booted = if matches!(from, SandboxStatus::Shelved | SandboxStatus::Checkpointed) {
             let booted = async {
                 self.store.set_sandbox_end(&id, end_at).await?;
-                let (handle, endpoint) = self.boot_again(&sandbox).await?;
+                let (handle, endpoint) = if from == SandboxStatus::Shelved {
+                    self.boot_again(&sandbox).await?
+                } else {
+                    let started = std::time::Instant::now();
+                    let restored = self.runtime.restore(&id, &sandbox.handle).await?;
+                    tracing::info!(sandbox_id = %id, ms = started.elapsed().as_millis() as u64, "sandbox restored from its checkpoint");
+                    restored
+                };
                 if let Err(err) = self.store.set_sandbox_paused(&id, None, &handle).await {
-                    // Unrecorded processes would outlive the server: back to the kept files.
-                    if let Ok(released) = self.runtime.release(&id, &handle).await {
+                    // Unrecorded processes would outlive the server: back to the kept files
+                    // (a restored sandbox's checkpoint is spent, so it runs on, unrecorded).
+                    if from == SandboxStatus::Shelved
+                        && let Ok(released) = self.runtime.release(&id, &handle).await
+                    {
                         sandbox.handle = released;
                     }
                     return Err(err.into());
@@ -1474,8 +1711,11 @@ impl Sandboxes {
             match booted {
                 Ok(booted) => Some(booted),
                 Err(err) => {
+                    if from == SandboxStatus::Checkpointed {
+                        tracing::error!(sandbox_id = %id, error = %err, "cannot restore the sandbox; it stays checkpointed");
+                    }
                     if let Some(entry) = self.live().get_mut(&id) {
-                        entry.status = SandboxStatus::Shelved;
+                        entry.status = from;
                         entry.handle = sandbox.handle.clone();
                     }
                     return Err(err);
@@ -1532,10 +1772,15 @@ impl Sandboxes {
         if let Some(endpoint) = self.route(id) {
             return Ok(endpoint);
         }
-        let wake = self
-            .live()
-            .get(id)
-            .is_some_and(|l| l.auto_resume && l.status == SandboxStatus::Paused);
+        let wake = self.live().get(id).is_some_and(|l| {
+            l.auto_resume
+                && matches!(
+                    l.status,
+                    SandboxStatus::Paused
+                        | SandboxStatus::Checkpointing
+                        | SandboxStatus::Checkpointed
+                )
+        });
         if !wake {
             return Err(not_running());
         }
@@ -1545,12 +1790,9 @@ impl Sandboxes {
             .team(&sandbox.team_id)
             .await?
             .ok_or_else(not_running)?;
-        if self
-            .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
-            .is_ok()
-        {
+        if let Ok(from) = self.start_waking(id).await {
             if let Err(retry_after_secs) = self.within_slots(&team, id) {
-                self.set_status(id, SandboxStatus::Paused);
+                self.set_status(id, from);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                 return Err(SandboxError::ConcurrencyLimit {
                     id: id.to_owned(),
@@ -1559,12 +1801,7 @@ impl Sandboxes {
                 });
             }
             match self
-                .thaw(
-                    sandbox,
-                    SandboxStatus::Paused,
-                    AUTO_RESUME_TIMEOUT_SECS,
-                    "traffic",
-                )
+                .thaw(sandbox, from, AUTO_RESUME_TIMEOUT_SECS, "traffic")
                 .await
             {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
@@ -1573,8 +1810,9 @@ impl Sandboxes {
                 }
             }
         } else {
-            // Another request is resuming it: wait for that.
-            for _ in 0..200 {
+            // Another request is resuming it: wait for that (a restore from disk takes up to
+            // a few seconds).
+            for _ in 0..2000 {
                 if self.route(id).is_some() {
                     break;
                 }

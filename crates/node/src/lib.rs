@@ -2,6 +2,7 @@
 //! with Linux namespaces, cgroups, an overlay root and a private routed network.
 
 mod agent_client;
+pub mod checkpoint;
 pub mod builder;
 pub mod cgroups;
 pub mod disks;

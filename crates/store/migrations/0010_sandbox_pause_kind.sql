@@ -1,5 +1,6 @@
--- How a paused sandbox is kept: 'memory' (frozen in place) or 'files' (its processes ended,
--- only its files kept). NULL while running, and for sandboxes paused before this column,
+-- How a paused sandbox is kept: 'memory' (frozen in place), 'files' (its processes ended,
+-- only its files kept), 'checkpointing' or 'checkpoint' (written to disk with CRIU). NULL
+-- while running, and for sandboxes paused before this column,
 -- which were all paused with their memory.
 ALTER TABLE sandboxes ADD COLUMN paused_as TEXT;
 -- Whether a pause on timeout keeps the memory (autoPauseMemory).
