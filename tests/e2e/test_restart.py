@@ -5,6 +5,7 @@ conftest.py moves these tests to the end of the run because they restart the ser
 
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 import pytest
@@ -95,6 +96,31 @@ def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
     assert not sandbox_cgroup_dirs(sbx.sandbox_id)
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
     assert resumed.files.read("/home/user/shelved.txt") == "kept on disk"
+    assert resumed.kill() is True
+
+
+def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
+    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+
+    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
+        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    tag = unique("restartckpt")
+    sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    sbx.commands.run(COUNTER, background=True)
+    wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    before = read_count(sbx)
+    assert sbx.pause() is True
+    wait_checkpointed(sandbar, sbx.sandbox_id)
+
+    sandbar.restart(kill9=True)
+
+    assert _listed(tag) == {sbx.sandbox_id}
+    assert sbx.get_info().state.value == "paused"
+    assert header_of(sandbar, sbx.sandbox_id).exists()
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    after = read_count(resumed)
+    assert before <= after < before + 40, (before, after)
+    wait_until(lambda: read_count(resumed) > after + 5, timeout=10)
     assert resumed.kill() is True
 
 

@@ -186,7 +186,15 @@ mod tests {
         assert!(Paused.can_resume() && Shelved.can_resume());
         assert_eq!(Paused.waking(), Some(Resuming));
         assert_eq!(Checkpointed.waking(), Some(Restoring));
-        for s in [Starting, Running, Pausing, Resuming, Checkpointing, Restoring, Stopping] {
+        for s in [
+            Starting,
+            Running,
+            Pausing,
+            Resuming,
+            Checkpointing,
+            Restoring,
+            Stopping,
+        ] {
             assert_eq!(s.waking(), None, "{s:?}");
         }
         for s in [Starting, Running, Pausing, Resuming, Stopping] {

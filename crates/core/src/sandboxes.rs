@@ -747,6 +747,14 @@ impl Sandboxes {
         level: LogLevel,
         event: &str,
     ) -> Result<(), SandboxError> {
+        // A checkpoint under way ends within moments; a kill waits for it rather than fail.
+        for _ in 0..6000 {
+            let status = self.live().get(id).map(|l| l.status);
+            if status != Some(SandboxStatus::Checkpointing) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let previous = {
             let mut live = self.live();
             match live.get_mut(id) {

@@ -178,7 +178,9 @@ fn decode(bytes: &[u8]) -> Result<Header, String> {
     }
     let version = u32::from_le_bytes(framed[8..12].try_into().map_err(|_| "short header")?);
     if version != FORMAT_VERSION {
-        return Err(format!("format version {version}, expected {FORMAT_VERSION}"));
+        return Err(format!(
+            "format version {version}, expected {FORMAT_VERSION}"
+        ));
     }
     let len = u32::from_le_bytes(framed[12..16].try_into().map_err(|_| "short header")?) as usize;
     if framed.len() != 16 + len {

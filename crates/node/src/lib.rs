@@ -2,9 +2,9 @@
 //! with Linux namespaces, cgroups, an overlay root and a private routed network.
 
 mod agent_client;
-pub mod checkpoint;
 pub mod builder;
 pub mod cgroups;
+pub mod checkpoint;
 pub mod disks;
 pub mod dns;
 pub mod egress;

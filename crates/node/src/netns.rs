@@ -244,7 +244,8 @@ pub fn socket_in(netns: &OwnedFd) -> std::io::Result<OwnedFd> {
             }
             // SAFETY: socket() with constant arguments; the result is checked before it is
             // owned.
-            let raw = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            let raw =
+                unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
             if raw < 0 {
                 return Err(std::io::Error::last_os_error());
             }

@@ -241,24 +241,22 @@ impl LinuxRuntime {
                 tracing::info!("checkpoints are off: paused sandboxes stay in memory");
                 None
             }
-            Some(path) => match tokio::task::spawn_blocking(move || {
-                crate::checkpoint::probe(&path)
-            })
-            .await
-            {
-                Ok(Ok(criu)) => {
-                    tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
-                    Some(criu)
+            Some(path) => {
+                match tokio::task::spawn_blocking(move || crate::checkpoint::probe(&path)).await {
+                    Ok(Ok(criu)) => {
+                        tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
+                        Some(criu)
+                    }
+                    Ok(Err(err)) => {
+                        tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
+                        None
+                    }
                 }
-                Ok(Err(err)) => {
-                    tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
-                    None
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
-                    None
-                }
-            },
+            }
         };
         let mount_dir = PathBuf::from(format!(
             "/run/sandbar-{}",
@@ -266,10 +264,7 @@ impl LinuxRuntime {
                 config.data_dir.as_os_str().as_encoded_bytes()
             ))[..12]
         ));
-        for dir in [
-            config.data_dir.join("checkpoints"),
-            mount_dir.clone(),
-        ] {
+        for dir in [config.data_dir.join("checkpoints"), mount_dir.clone()] {
             std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
                 path: dir.clone(),
                 source,
@@ -1079,8 +1074,7 @@ impl Runtime for LinuxRuntime {
             checkpointed: true,
             ..h
         };
-        let value =
-            serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
+        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
         Ok(RuntimeHandle(value))
     }
 
@@ -1166,8 +1160,7 @@ impl Runtime for LinuxRuntime {
             checkpointed: true,
             ..h
         };
-        let value =
-            serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
+        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
         Ok(RuntimeHandle(value))
     }
 
@@ -1243,38 +1236,6 @@ impl Runtime for LinuxRuntime {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn own_start_time_is_readable_and_stable() {
-        let pid = std::process::id() as i32;
-        let first = start_ticks(pid).expect("own stat");
-        assert_eq!(start_ticks(pid), Some(first));
-        assert!(is_alive(&Handle {
-            pid,
-            start_ticks: first,
-            slot: 0,
-            id_base: None,
-            memory_mb: 0,
-            layers: Vec::new(),
-            released: false,
-            checkpointed: false,
-        }));
-        assert!(!is_alive(&Handle {
-            pid,
-            start_ticks: first + 1,
-            slot: 0,
-            id_base: None,
-            memory_mb: 0,
-            layers: Vec::new(),
-            released: false,
-            checkpointed: false,
-        }));
-    }
-}
-
 /// Copies the agent binary to `<data>/agents/<sha256>` (once) and returns that path and the
 /// digest: sandboxes run the copy, so a checkpoint's processes map a file that stays as it was
 /// when the server's own binary is replaced.
@@ -1312,9 +1273,11 @@ fn is_nsfs(path: &Path) -> bool {
     let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
         return false;
     };
-    // SAFETY: statfs fills the zeroed struct we pass; `c` is a valid nul-terminated path.
+    // SAFETY: statfs is plain old data; all-zero is a valid value for it to fill in.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    (unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0) && st.f_type as i64 == NSFS_MAGIC
+    // SAFETY: `c` is a valid nul-terminated path and `st` a statfs the call may write.
+    let found = unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0;
+    found && st.f_type as i64 == NSFS_MAGIC
 }
 
 /// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens
@@ -1451,12 +1414,11 @@ impl LinuxRuntime {
             .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))?;
         let dir = self.checkpoint_dir(id);
         let read_dir = dir.clone();
-        let header = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::read_header(&read_dir, true)
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, e))?;
+        let header =
+            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, true))
+                .await
+                .map_err(|e| sandbox_err(id, e))?
+                .map_err(|e| sandbox_err(id, e))?;
         if header.criu_version != criu.version {
             return Err(sandbox_err(
                 id,
@@ -1633,5 +1595,37 @@ impl LinuxRuntime {
             .and_then(|s| s.trim().parse().ok())
             .ok_or_else(|| sandbox_err(id, "the restore wrote no PID"))?;
         Ok(pid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_start_time_is_readable_and_stable() {
+        let pid = std::process::id() as i32;
+        let first = start_ticks(pid).expect("own stat");
+        assert_eq!(start_ticks(pid), Some(first));
+        assert!(is_alive(&Handle {
+            pid,
+            start_ticks: first,
+            slot: 0,
+            id_base: None,
+            memory_mb: 0,
+            layers: Vec::new(),
+            released: false,
+            checkpointed: false,
+        }));
+        assert!(!is_alive(&Handle {
+            pid,
+            start_ticks: first + 1,
+            slot: 0,
+            id_base: None,
+            memory_mb: 0,
+            layers: Vec::new(),
+            released: false,
+            checkpointed: false,
+        }));
     }
 }
