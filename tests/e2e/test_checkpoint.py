@@ -118,3 +118,24 @@ def test_a_checkpointed_sandbox_can_be_killed(checkpoints, make_sandbox):
     assert sbx.kill() is True
     assert not (checkpoints.data_dir / "checkpoints" / sbx.sandbox_id).exists()
     assert not sandbox_cgroup_dirs(sbx.sandbox_id)
+
+
+def test_a_sandbox_with_a_volume_stays_paused_in_memory(checkpoints, make_sandbox):
+    # Volume binds come from the host and are not declared to CRIU yet: the dump fails, the
+    # sandbox stays frozen in memory and resumes as usual.
+    from e2b import Volume
+
+    from e2e_util import unique
+
+    vol = Volume.create(unique("ckvol"))
+    try:
+        sbx = make_sandbox(volume_mounts={"/mnt/v": vol})
+        sbx.commands.run("echo kept > /mnt/v/f", user="user")
+        assert sbx.pause() is True
+        time.sleep(6)
+        assert not header_of(checkpoints, sbx.sandbox_id).exists()
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert resumed.commands.run("cat /mnt/v/f").stdout == "kept\n"
+        resumed.kill()
+    finally:
+        Volume.destroy(vol.volume_id)

@@ -1025,6 +1025,8 @@ impl Runtime for LinuxRuntime {
             return Ok(handle.clone());
         }
         self.stop(sandbox_id, Some(&h)).await?;
+        // Namespaces kept by an earlier checkpoint would hold its old network alive.
+        self.forget_checkpoint(sandbox_id);
         self.release_memory(sandbox_id);
         // Its layers stay in use: the kept writable layer only makes sense on top of them.
         self.layers_in_use
