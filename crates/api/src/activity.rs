@@ -3,15 +3,72 @@
 use axum::Json;
 use axum::extract::State;
 use axum::http::StatusCode;
-use sandbar_core::{
-    LogLevel, SandboxLogEntry, SandboxLogQuery, SandboxLogsError, TeamMetric, TeamMetricsError,
-};
-use serde_json::{Value, json};
+use sandbar_core::{LogLevel, SandboxLogQuery, SandboxLogsError, TeamMetric, TeamMetricsError};
 
 use crate::AppState;
+use crate::dto::LogLevelName;
 use crate::dto::rfc3339;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::extract::{PathParam, QueryPairs, TeamAuth};
+use crate::openapi::CommonErrors;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+/// A structured line of a sandbox's log.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SandboxLogEntry {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    level: LogLevelName,
+    message: String,
+    fields: BTreeMap<String, String>,
+}
+
+/// A line of a sandbox's log as JSON text.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SandboxLogLine {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    line: String,
+}
+
+/// `GET /sandboxes/{sandboxID}/logs`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SandboxLogs {
+    logs: Vec<SandboxLogLine>,
+    #[serde(rename = "logEntries")]
+    log_entries: Vec<SandboxLogEntry>,
+}
+
+/// `GET /v2/sandboxes/{sandboxID}/logs`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct SandboxLogsV2 {
+    logs: Vec<SandboxLogEntry>,
+}
+
+/// A sample of a team's sandbox activity.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct TeamMetricPoint {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    timestamp_unix: i64,
+    concurrent_sandboxes: u32,
+    sandbox_start_rate: f64,
+}
+
+/// The largest value of a team metric in an interval, and when it was reached.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct TeamMetricMax {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    timestamp_unix: i64,
+    value: f64,
+}
 
 /// Default number of lines of both log reads; the v2 read's maximum.
 const DEFAULT_LOG_LIMIT: i64 = 1000;
@@ -38,23 +95,41 @@ impl From<TeamMetricsError> for ApiError {
     }
 }
 
-fn entry_json(entry: &SandboxLogEntry) -> Value {
-    json!({
-        "timestamp": rfc3339(entry.at),
-        "level": entry.level.as_str(),
-        "message": entry.message,
-        "fields": entry.fields,
-    })
+fn entry_json(entry: &sandbar_core::SandboxLogEntry) -> SandboxLogEntry {
+    SandboxLogEntry {
+        timestamp: rfc3339(entry.at),
+        level: entry.level.into(),
+        message: entry.message.clone(),
+        fields: entry.fields.clone(),
+    }
 }
 
 /// `GET /sandboxes/{id}/logs` (`start` in milliseconds, `limit`): oldest first, each line
 /// both as JSON text (`logs`, what the CLI prints) and structured (`logEntries`).
+#[utoipa::path(
+    get,
+    path = "/sandboxes/{sandboxID}/logs",
+    tag = "sandboxes",
+    operation_id = "getSandboxLogs",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        ("start" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch of the first line"),
+        ("limit" = Option<i32>, Query, minimum = 0, description = "Most lines returned (default 1000)"),
+    ),
+    responses(
+        (status = 200, description = "The sandbox's log, oldest first", body = SandboxLogs),
+        (status = 400, description = "Invalid query parameter", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn logs_v1(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam(sandbox_id): PathParam<String>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SandboxLogs>, ApiError> {
     let start = query.int_in("start", 0..=i64::MAX)?;
     let limit = query
         .int_in("limit", 0..=i64::from(i32::MAX))?
@@ -67,22 +142,47 @@ pub(crate) async fn logs_v1(
         search: None,
     };
     let entries = state.sandboxes.logs(&team, &sandbox_id, &request).await?;
-    let logs: Vec<Value> = entries
-        .iter()
-        .map(|e| json!({ "timestamp": rfc3339(e.at), "line": e.line() }))
-        .collect();
-    let structured: Vec<Value> = entries.iter().map(entry_json).collect();
-    Ok(Json(json!({ "logs": logs, "logEntries": structured })))
+    Ok(Json(SandboxLogs {
+        logs: entries
+            .iter()
+            .map(|e| SandboxLogLine {
+                timestamp: rfc3339(e.at),
+                line: e.line(),
+            })
+            .collect(),
+        log_entries: entries.iter().map(entry_json).collect(),
+    }))
 }
 
 /// `GET /v2/sandboxes/{id}/logs` (`cursor` in milliseconds, `limit`, `direction`, `level`,
 /// `search`).
+#[utoipa::path(
+    get,
+    path = "/v2/sandboxes/{sandboxID}/logs",
+    tag = "sandboxes",
+    operation_id = "getV2SandboxLogs",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        ("cursor" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch to start from"),
+        ("limit" = Option<i32>, Query, minimum = 0, maximum = 1000, description = "Most lines returned (default 1000)"),
+        ("direction" = Option<String>, Query, pattern = "^(forward|backward)$", description = "`forward` (default) or `backward` from the cursor"),
+        ("level" = Option<LogLevelName>, Query, description = "Lowest level of the lines returned (upper case is accepted too)"),
+        ("search" = Option<String>, Query, max_length = 256, description = "Only lines containing this text"),
+    ),
+    responses(
+        (status = 200, description = "The sandbox's log lines", body = SandboxLogsV2),
+        (status = 400, description = "Invalid query parameter", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn logs_v2(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam(sandbox_id): PathParam<String>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SandboxLogsV2>, ApiError> {
     let cursor = query.int_in("cursor", 0..=i64::MAX)?;
     let limit = query
         .int_in("limit", 0..=DEFAULT_LOG_LIMIT)?
@@ -123,9 +223,9 @@ pub(crate) async fn logs_v2(
         search: search.map(str::to_owned),
     };
     let entries = state.sandboxes.logs(&team, &sandbox_id, &request).await?;
-    Ok(Json(json!({
-        "logs": entries.iter().map(entry_json).collect::<Vec<_>>()
-    })))
+    Ok(Json(SandboxLogsV2 {
+        logs: entries.iter().map(entry_json).collect(),
+    }))
 }
 
 fn interval(query: &QueryPairs) -> Result<(Option<i64>, Option<i64>), ApiError> {
@@ -142,39 +242,74 @@ fn interval(query: &QueryPairs) -> Result<(Option<i64>, Option<i64>), ApiError> 
 }
 
 /// `GET /teams/{teamID}/metrics` (`start`, `end` in Unix seconds).
+#[utoipa::path(
+    get,
+    path = "/teams/{teamID}/metrics",
+    tag = "auth",
+    operation_id = "getTeamMetrics",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
+        ("start" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's start"),
+        ("end" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's end"),
+    ),
+    responses(
+        (status = 200, description = "The team's samples, oldest first", body = Vec<TeamMetricPoint>),
+        (status = 400, description = "Invalid interval", body = ErrorBody),
+        (status = 403, description = "The team is not the caller's", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn team_metrics(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam(team_id): PathParam<String>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Vec<TeamMetricPoint>>, ApiError> {
     let (start, end) = interval(&query)?;
     let points = state
         .sandboxes
         .team_metrics(&team, &team_id, start, end)
         .await?;
-    Ok(Json(Value::Array(
+    Ok(Json(
         points
             .iter()
-            .map(|p| {
-                json!({
-                    "timestamp": rfc3339(p.at),
-                    "timestampUnix": p.at.timestamp(),
-                    "concurrentSandboxes": p.concurrent_sandboxes,
-                    "sandboxStartRate": p.sandbox_start_rate,
-                })
+            .map(|p| TeamMetricPoint {
+                timestamp: rfc3339(p.at),
+                timestamp_unix: p.at.timestamp(),
+                concurrent_sandboxes: p.concurrent_sandboxes,
+                sandbox_start_rate: p.sandbox_start_rate,
             })
             .collect(),
-    )))
+    ))
 }
 
 /// `GET /teams/{teamID}/metrics/max?metric=concurrent_sandboxes|sandbox_start_rate`.
+#[utoipa::path(
+    get,
+    path = "/teams/{teamID}/metrics/max",
+    tag = "auth",
+    operation_id = "getTeamMetricsMax",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
+        ("metric" = String, Query, pattern = "^(concurrent_sandboxes|sandbox_start_rate)$", description = "`concurrent_sandboxes` or `sandbox_start_rate`"),
+        ("start" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's start"),
+        ("end" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's end"),
+    ),
+    responses(
+        (status = 200, description = "The metric's largest value in the interval", body = TeamMetricMax),
+        (status = 400, description = "Invalid interval", body = ErrorBody),
+        (status = 403, description = "The team is not the caller's", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn team_metric_max(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam(team_id): PathParam<String>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TeamMetricMax>, ApiError> {
     let metric = match query.get("metric") {
         None => {
             return Err(ApiError::bad_request(
@@ -192,19 +327,18 @@ pub(crate) async fn team_metric_max(
         .sandboxes
         .team_metric_max(&team, &team_id, metric, start, end)
         .await?;
-    Ok(Json(json!({
-        "timestamp": rfc3339(max.at),
-        "timestampUnix": max.at.timestamp(),
-        "value": max.value,
-    })))
+    Ok(Json(TeamMetricMax {
+        timestamp: rfc3339(max.at),
+        timestamp_unix: max.at.timestamp(),
+        value: max.value,
+    }))
 }
 
 /// The routes of this module, merged into the API router.
-pub(crate) fn routes() -> axum::Router<AppState> {
-    use axum::routing::get;
-    axum::Router::new()
-        .route("/sandboxes/{sandbox_id}/logs", get(logs_v1))
-        .route("/v2/sandboxes/{sandbox_id}/logs", get(logs_v2))
-        .route("/teams/{team_id}/metrics", get(team_metrics))
-        .route("/teams/{team_id}/metrics/max", get(team_metric_max))
+pub(crate) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(logs_v1))
+        .routes(routes!(logs_v2))
+        .routes(routes!(team_metrics))
+        .routes(routes!(team_metric_max))
 }

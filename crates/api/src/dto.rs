@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use chrono::{DateTime, SecondsFormat, Utc};
 use sandbar_core::{Sandbox, Template};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// E2B's infrastructure returns this constant; the SDKs require the field.
 pub(crate) const CLIENT_ID: &str = "6532622b";
@@ -15,30 +16,40 @@ pub(crate) fn rfc3339(t: DateTime<Utc>) -> String {
 }
 
 /// Body of `POST /sandboxes` and `POST /v2/sandboxes`; unknown fields are ignored.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NewSandbox {
+    /// Template ID or alias (`name:tag` picks a tagged build).
     #[serde(rename = "templateID")]
     pub template_id: String,
+    /// Seconds until the sandbox ends; 15 when omitted on `POST /sandboxes`, 300 on v2.
+    #[schema(minimum = 0, maximum = 2147483647)]
     pub timeout: Option<i64>,
     #[serde(rename = "autoPause")]
     pub auto_pause: Option<bool>,
+    /// false: a pause on timeout keeps only the files (needs `autoPause`, refuses
+    /// `autoResume`).
     #[serde(rename = "autoPauseMemory")]
     pub auto_pause_memory: Option<bool>,
+    /// `{"enabled": bool}`; needs `autoPause`.
     #[serde(rename = "autoResume")]
+    #[schema(value_type = Option<Object>)]
     pub auto_resume: Option<serde_json::Value>,
     pub allow_internet_access: Option<bool>,
     pub network: Option<NetworkConfig>,
     pub metadata: Option<BTreeMap<String, String>>,
     #[serde(rename = "envVars")]
     pub env_vars: Option<BTreeMap<String, String>>,
+    /// Not supported: anything but null is refused.
+    #[schema(value_type = Option<Object>)]
     pub mcp: Option<serde_json::Value>,
     #[serde(rename = "volumeMounts")]
+    #[schema(value_type = Option<Vec<VolumeMount>>)]
     pub volume_mounts: Option<Vec<serde_json::Value>>,
 }
 
 /// `SandboxNetworkConfig` on create, and (with `allow_internet_access`) the body of
 /// `PUT /sandboxes/{id}/network`, `SandboxNetworkUpdateConfig`.
-#[derive(Debug, Deserialize, Default)]
+#[derive(Debug, Deserialize, Default, ToSchema)]
 pub(crate) struct NetworkConfig {
     #[serde(rename = "allowOut")]
     pub allow_out: Option<Vec<String>>,
@@ -46,10 +57,16 @@ pub(crate) struct NetworkConfig {
     pub deny_out: Option<Vec<String>>,
     #[serde(rename = "dnsServers")]
     pub dns_servers: Option<Vec<String>>,
+    /// Not supported: anything but null is refused.
     #[serde(rename = "egressProxy")]
+    #[schema(value_type = Option<Object>)]
     pub egress_proxy: Option<serde_json::Value>,
+    /// Not supported: anything but an empty object is refused.
+    #[schema(value_type = Option<Object>)]
     pub rules: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Not supported: anything but an empty list is refused.
     #[serde(rename = "httpsPorts")]
+    #[schema(value_type = Option<Vec<Value>>)]
     pub https_ports: Option<Vec<serde_json::Value>>,
     #[serde(rename = "allowPublicTraffic")]
     pub allow_public_traffic: Option<bool>,
@@ -60,7 +77,7 @@ pub(crate) struct NetworkConfig {
 }
 
 /// `SandboxNetworkConfig` as `GET /sandboxes/{id}` shows it.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct NetworkView {
     #[serde(rename = "allowOut")]
     allow_out: Vec<String>,
@@ -86,23 +103,97 @@ impl From<&sandbar_core::NetworkConfig> for NetworkView {
     }
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct TimeoutBody {
+    /// Seconds from now after which the sandbox ends.
+    #[schema(minimum = 0, maximum = 2147483647)]
     pub timeout: i64,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct OptionalTimeoutBody {
+    /// Seconds from now after which the sandbox ends (300 when omitted).
+    #[schema(minimum = 0, maximum = 2147483647)]
     pub timeout: Option<i64>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct RefreshBody {
+    /// Seconds the sandbox is kept alive (at least 15).
+    #[schema(minimum = 0, maximum = 3600)]
     pub duration: Option<i64>,
 }
 
+/// A volume mounted into a sandbox.
+#[derive(Debug, Serialize, Deserialize, ToSchema)]
+pub(crate) struct VolumeMount {
+    pub name: String,
+    pub path: String,
+}
+
+/// A sandbox's state as the API names it.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum SandboxStateName {
+    Running,
+    Paused,
+}
+
+impl From<sandbar_core::SandboxState> for SandboxStateName {
+    fn from(s: sandbar_core::SandboxState) -> Self {
+        match s {
+            sandbar_core::SandboxState::Running => Self::Running,
+            sandbar_core::SandboxState::Paused => Self::Paused,
+        }
+    }
+}
+
+/// A template build's status as the API names it.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum BuildStatusName {
+    Building,
+    Waiting,
+    Ready,
+    Error,
+}
+
+impl From<sandbar_core::BuildStatus> for BuildStatusName {
+    fn from(s: sandbar_core::BuildStatus) -> Self {
+        match s {
+            sandbar_core::BuildStatus::Building => Self::Building,
+            sandbar_core::BuildStatus::Waiting => Self::Waiting,
+            sandbar_core::BuildStatus::Ready => Self::Ready,
+            sandbar_core::BuildStatus::Error => Self::Error,
+        }
+    }
+}
+
+/// A log line's level as the API names it.
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum LogLevelName {
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+impl From<sandbar_core::builds::LogLevel> for LogLevelName {
+    fn from(l: sandbar_core::builds::LogLevel) -> Self {
+        use sandbar_core::builds::LogLevel as L;
+        match l {
+            L::Debug => Self::Debug,
+            L::Info => Self::Info,
+            L::Warn => Self::Warn,
+            L::Error => Self::Error,
+        }
+    }
+}
+
 /// Response to create and connect.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Sandbox)]
 pub(crate) struct SandboxCreated {
     #[serde(rename = "templateID")]
     template_id: String,
@@ -111,13 +202,16 @@ pub(crate) struct SandboxCreated {
     #[serde(skip_serializing_if = "Option::is_none")]
     alias: Option<String>,
     #[serde(rename = "clientID")]
+    #[schema(value_type = String)]
     client_id: &'static str,
     #[serde(rename = "envdVersion")]
     envd_version: String,
     #[serde(rename = "envdAccessToken")]
     envd_access_token: String,
     #[serde(rename = "trafficAccessToken")]
+    #[schema(required = true)]
     traffic_access_token: Option<String>,
+    #[schema(required = true)]
     domain: Option<String>,
 }
 
@@ -137,7 +231,7 @@ impl From<&Sandbox> for SandboxCreated {
 }
 
 /// An item of the sandbox lists.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct ListedSandbox {
     #[serde(rename = "templateID")]
     template_id: String,
@@ -146,10 +240,13 @@ pub(crate) struct ListedSandbox {
     #[serde(rename = "sandboxID")]
     sandbox_id: String,
     #[serde(rename = "clientID")]
+    #[schema(value_type = String)]
     client_id: &'static str,
     #[serde(rename = "startedAt")]
+    #[schema(format = DateTime)]
     started_at: String,
     #[serde(rename = "endAt")]
+    #[schema(format = DateTime)]
     end_at: String,
     #[serde(rename = "cpuCount")]
     cpu_count: u32,
@@ -158,7 +255,7 @@ pub(crate) struct ListedSandbox {
     #[serde(rename = "diskSizeMB")]
     disk_size_mb: u32,
     metadata: BTreeMap<String, String>,
-    state: &'static str,
+    state: SandboxStateName,
     #[serde(rename = "envdVersion")]
     envd_version: String,
 }
@@ -176,32 +273,49 @@ impl From<&Sandbox> for ListedSandbox {
             memory_mb: s.memory_mb,
             disk_size_mb: s.disk_size_mb,
             metadata: s.metadata.clone(),
-            state: s.state.as_str(),
+            state: s.state.into(),
             envd_version: s.envd_version.clone(),
         }
     }
 }
 
 /// `GET /sandboxes/{id}`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct SandboxDetail {
     #[serde(flatten)]
     listed: ListedSandbox,
     #[serde(rename = "envdAccessToken")]
     envd_access_token: String,
+    #[schema(required = true)]
     domain: Option<String>,
     #[serde(rename = "allowInternetAccess")]
     allow_internet_access: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     network: Option<NetworkView>,
-    lifecycle: serde_json::Value,
+    lifecycle: Lifecycle,
     #[serde(rename = "volumeMounts", skip_serializing_if = "Vec::is_empty")]
-    volume_mounts: Vec<serde_json::Value>,
+    volume_mounts: Vec<VolumeMount>,
+}
+
+/// What happens to a sandbox when its time is up.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct Lifecycle {
+    #[serde(rename = "autoResume")]
+    auto_resume: bool,
+    #[serde(rename = "onTimeout")]
+    on_timeout: OnTimeout,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub(crate) enum OnTimeout {
+    Pause,
+    Kill,
 }
 
 impl SandboxDetail {
     /// Adds the sandbox's volume mounts as `[{name, path}]`.
-    pub(crate) fn with_volume_mounts(mut self, mounts: Vec<serde_json::Value>) -> Self {
+    pub(crate) fn with_volume_mounts(mut self, mounts: Vec<VolumeMount>) -> Self {
         self.volume_mounts = mounts;
         self
     }
@@ -215,17 +329,22 @@ impl From<&Sandbox> for SandboxDetail {
             domain: None,
             allow_internet_access: s.allow_internet_access,
             network: (!s.network.is_default()).then(|| NetworkView::from(&s.network)),
-            lifecycle: serde_json::json!({
-                "autoResume": s.auto_resume,
-                "onTimeout": if s.auto_pause { "pause" } else { "kill" },
-            }),
+            lifecycle: Lifecycle {
+                auto_resume: s.auto_resume,
+                on_timeout: if s.auto_pause {
+                    OnTimeout::Pause
+                } else {
+                    OnTimeout::Kill
+                },
+            },
             volume_mounts: Vec::new(),
         }
     }
 }
 
-/// An item of `GET /templates`.
-#[derive(Debug, Serialize)]
+/// An item of `GET /templates`, and the template a Dockerfile build request made.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Template)]
 pub(crate) struct TemplateItem {
     #[serde(rename = "templateID")]
     template_id: String,
@@ -241,12 +360,17 @@ pub(crate) struct TemplateItem {
     aliases: Vec<String>,
     names: Vec<String>,
     #[serde(rename = "createdAt")]
+    #[schema(format = DateTime)]
     created_at: String,
     #[serde(rename = "updatedAt")]
+    #[schema(format = DateTime)]
     updated_at: String,
+    /// Always null: templates record no creating user.
     #[serde(rename = "createdBy")]
+    #[schema(value_type = Option<Object>, required = true)]
     created_by: Option<serde_json::Value>,
     #[serde(rename = "lastSpawnedAt")]
+    #[schema(format = DateTime, required = true)]
     last_spawned_at: Option<String>,
     #[serde(rename = "spawnCount")]
     spawn_count: u64,
@@ -255,7 +379,15 @@ pub(crate) struct TemplateItem {
     #[serde(rename = "envdVersion")]
     envd_version: String,
     #[serde(rename = "buildStatus")]
-    build_status: &'static str,
+    build_status: BuildStatusName,
+}
+
+impl TemplateItem {
+    /// The record of a build request names the new build, not the template's current one.
+    pub(crate) fn with_build_id(mut self, build_id: String) -> Self {
+        self.build_id = build_id;
+        self
+    }
 }
 
 impl From<&Template> for TemplateItem {
@@ -276,7 +408,7 @@ impl From<&Template> for TemplateItem {
             spawn_count: t.spawn_count,
             build_count: t.build_count,
             envd_version: t.envd_version.clone(),
-            build_status: t.build_status.as_str(),
+            build_status: t.build_status.into(),
         }
     }
 }

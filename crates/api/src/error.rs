@@ -7,7 +7,18 @@ use sandbar_core::{
     AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TemplateError,
     UpdateNetworkError,
 };
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// The body of every error response.
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Error)]
+pub(crate) struct ErrorBody {
+    /// The HTTP status code again.
+    #[schema(minimum = 100, maximum = 599)]
+    code: u16,
+    message: String,
+}
 
 #[derive(Debug)]
 pub(crate) struct ApiError {
@@ -40,7 +51,10 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (
             self.status,
-            Json(json!({"code": self.status.as_u16(), "message": self.message})),
+            Json(ErrorBody {
+                code: self.status.as_u16(),
+                message: self.message,
+            }),
         )
             .into_response();
         if let Some(secs) = self.retry_after {

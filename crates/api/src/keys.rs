@@ -13,8 +13,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::AppState;
 use crate::dto::rfc3339;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::extract::{JsonBody, PathParam};
+use crate::openapi::CommonErrors;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// The user behind the bearer access token.
 pub(crate) struct BearerUser(pub User);
@@ -56,12 +60,17 @@ impl FromRequestParts<AppState> for UserTeam {
     }
 }
 
-#[derive(Debug, Deserialize)]
+/// A name for a new or renamed key or token.
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NameBody {
+    /// Free text without control characters, not blank, at most
+    /// `sandbar_core::keys::MAX_NAME_LEN` characters.
+    #[schema(min_length = 1, max_length = 256, pattern = "\\S")]
     pub name: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = IdentifierMaskingDetails)]
 pub(crate) struct MaskBody {
     prefix: String,
     #[serde(rename = "valueLength")]
@@ -84,25 +93,31 @@ impl From<&Mask> for MaskBody {
 }
 
 /// `TeamUser`: users have no e-mail address here, and E2B marks the field deprecated.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct TeamUser {
     id: String,
+    #[schema(required = true)]
     email: Option<String>,
 }
 
 /// `TeamAPIKey`, and with `key` set `CreatedTeamAPIKey`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = TeamAPIKey)]
 pub(crate) struct ApiKeyBody {
     id: String,
+    /// The key itself, only in the answer to its creation.
     #[serde(skip_serializing_if = "Option::is_none")]
     key: Option<String>,
     name: String,
     mask: MaskBody,
     #[serde(rename = "createdAt")]
+    #[schema(format = DateTime)]
     created_at: String,
     #[serde(rename = "createdBy")]
+    #[schema(required = true)]
     created_by: Option<TeamUser>,
     #[serde(rename = "lastUsed")]
+    #[schema(format = DateTime, required = true)]
     last_used: Option<String>,
 }
 
@@ -129,13 +144,15 @@ impl From<&CreatedApiKey> for ApiKeyBody {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = CreatedAccessToken)]
 pub(crate) struct AccessTokenBody {
     id: String,
     name: String,
     token: String,
     mask: MaskBody,
     #[serde(rename = "createdAt")]
+    #[schema(format = DateTime)]
     created_at: String,
 }
 
@@ -151,7 +168,8 @@ impl From<&CreatedAccessToken> for AccessTokenBody {
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Team)]
 pub(crate) struct TeamBody {
     #[serde(rename = "teamID")]
     team_id: String,
@@ -174,6 +192,19 @@ impl From<&TeamView> for TeamBody {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/api-keys",
+    tag = "auth",
+    operation_id = "getApiKeys",
+    security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
+    responses(
+        (status = 200, description = "The team's API keys, masked", body = Vec<ApiKeyBody>),
+        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list_api_keys(
     State(state): State<AppState>,
     UserTeam(_, team): UserTeam,
@@ -182,6 +213,20 @@ pub(crate) async fn list_api_keys(
     Ok(Json(keys.iter().map(ApiKeyBody::from).collect()))
 }
 
+#[utoipa::path(
+    post,
+    path = "/api-keys",
+    tag = "auth",
+    operation_id = "postApiKeys",
+    security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
+    request_body = NameBody,
+    responses(
+        (status = 201, description = "The new key, with its value shown this once", body = ApiKeyBody),
+        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create_api_key(
     State(state): State<AppState>,
     UserTeam(user, team): UserTeam,
@@ -194,6 +239,22 @@ pub(crate) async fn create_api_key(
     Ok((StatusCode::CREATED, Json(ApiKeyBody::from(&created))))
 }
 
+#[utoipa::path(
+    patch,
+    path = "/api-keys/{apiKeyID}",
+    tag = "auth",
+    operation_id = "patchApiKey",
+    security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
+    params(("apiKeyID" = String, Path, description = "The key's ID")),
+    request_body = NameBody,
+    responses(
+        (status = 200, description = "The key was renamed"),
+        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        (status = 404, description = "No such key in the team", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn rename_api_key(
     State(state): State<AppState>,
     UserTeam(_, team): UserTeam,
@@ -204,6 +265,21 @@ pub(crate) async fn rename_api_key(
     Ok(StatusCode::OK)
 }
 
+#[utoipa::path(
+    delete,
+    path = "/api-keys/{apiKeyID}",
+    tag = "auth",
+    operation_id = "deleteApiKey",
+    security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
+    params(("apiKeyID" = String, Path, description = "The key's ID")),
+    responses(
+        (status = 204, description = "The key was deleted"),
+        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        (status = 404, description = "No such key in the team", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn delete_api_key(
     State(state): State<AppState>,
     UserTeam(_, team): UserTeam,
@@ -213,6 +289,20 @@ pub(crate) async fn delete_api_key(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post,
+    path = "/access-tokens",
+    tag = "auth",
+    operation_id = "postAccessTokens",
+    security(("AccessTokenAuth" = []), ("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = [])),
+    request_body = NameBody,
+    responses(
+        (status = 201, description = "The new token, with its value shown this once", body = AccessTokenBody),
+        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create_access_token(
     State(state): State<AppState>,
     UserTeam(user, _): UserTeam,
@@ -222,6 +312,21 @@ pub(crate) async fn create_access_token(
     Ok((StatusCode::CREATED, Json(AccessTokenBody::from(&created))))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/access-tokens/{accessTokenID}",
+    tag = "auth",
+    operation_id = "deleteAccessToken",
+    security(("AccessTokenAuth" = []), ("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = [])),
+    params(("accessTokenID" = String, Path, description = "The token's ID")),
+    responses(
+        (status = 204, description = "The token was deleted"),
+        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        (status = 404, description = "No such token of the user", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn delete_access_token(
     State(state): State<AppState>,
     UserTeam(user, _): UserTeam,
@@ -231,6 +336,19 @@ pub(crate) async fn delete_access_token(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    get,
+    path = "/teams",
+    tag = "auth",
+    operation_id = "getTeams",
+    security(("AccessTokenAuth" = []), ("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = [])),
+    responses(
+        (status = 200, description = "The user's teams", body = Vec<TeamBody>),
+        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
+        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list_teams(
     State(state): State<AppState>,
     UserTeam(user, _): UserTeam,
@@ -239,18 +357,11 @@ pub(crate) async fn list_teams(
     Ok(Json(teams.iter().map(TeamBody::from).collect()))
 }
 
-pub(crate) fn routes() -> axum::Router<AppState> {
-    use axum::routing::{delete, get, patch, post};
-    axum::Router::new()
-        .route("/api-keys", get(list_api_keys).post(create_api_key))
-        .route(
-            "/api-keys/{api_key_id}",
-            patch(rename_api_key).delete(delete_api_key),
-        )
-        .route("/access-tokens", post(create_access_token))
-        .route(
-            "/access-tokens/{access_token_id}",
-            delete(delete_access_token),
-        )
-        .route("/teams", get(list_teams))
+pub(crate) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_api_keys, create_api_key))
+        .routes(routes!(rename_api_key, delete_api_key))
+        .routes(routes!(create_access_token))
+        .routes(routes!(delete_access_token))
+        .routes(routes!(list_teams))
 }

@@ -10,6 +10,7 @@ mod edge;
 mod error;
 mod extract;
 mod keys;
+mod openapi;
 mod sandboxes;
 mod telemetry;
 mod templates;
@@ -19,8 +20,11 @@ mod volumes;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{get, patch, post, put};
+use axum::routing::get;
 use sandbar_core::{Auth, Builds, RateLimits, Sandboxes, Templates};
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 pub use edge::EdgeConfig;
 
@@ -35,93 +39,58 @@ pub struct AppState {
     pub edge: Arc<EdgeConfig>,
 }
 
-/// The complete application: edge routing in front of the REST API.
-pub fn router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/health", get(health))
-        .route(
-            "/sandboxes",
-            get(sandboxes::list_v1).post(sandboxes::create_v1),
-        )
-        .route(
-            "/v2/sandboxes",
-            get(sandboxes::list_v2).post(sandboxes::create_v2),
-        )
-        .route(
-            "/sandboxes/{sandbox_id}",
-            get(sandboxes::detail).delete(sandboxes::kill),
-        )
-        .route(
-            "/sandboxes/{sandbox_id}/timeout",
-            post(sandboxes::set_timeout),
-        )
-        .route(
-            "/sandboxes/{sandbox_id}/refreshes",
-            post(sandboxes::refresh),
-        )
-        .route(
-            "/sandboxes/{sandbox_id}/connect",
-            post(sandboxes::connect_v1),
-        )
-        .route(
-            "/v2/sandboxes/{sandbox_id}/connect",
-            post(sandboxes::connect_v2),
-        )
-        .route(
-            "/sandboxes/{sandbox_id}/network",
-            put(sandboxes::update_network),
-        )
-        .route("/sandboxes/{sandbox_id}/pause", post(sandboxes::pause))
-        .route("/sandboxes/{sandbox_id}/metrics", get(sandboxes::metrics))
-        .route("/sandboxes/metrics", get(sandboxes::batch_metrics))
-        .route("/sandboxes/{sandbox_id}/resume", post(sandboxes::resume))
-        .route(
-            "/templates",
-            get(templates::list).post(templates::create_from_dockerfile),
-        )
-        .route("/templates/aliases/{alias}", get(templates::alias))
-        .route("/v3/templates", post(templates::request_build))
-        .route(
-            "/templates/tags",
-            post(templates::assign_tags).delete(templates::delete_tags),
-        )
-        .route("/templates/{template_id}/tags", get(templates::tags))
-        .route("/v2/templates", post(templates::request_build))
-        .route(
-            "/templates/{template_id}",
-            get(templates::detail)
-                .post(templates::rebuild_from_dockerfile)
-                .delete(templates::delete)
-                .patch(templates::update),
-        )
-        .route("/v2/templates/{template_id}", patch(templates::update))
-        .route(
-            "/templates/{template_id}/files/{hash}",
-            get(templates::file_link),
-        )
-        .route(
-            "/upload/templates/{template_id}/files/{hash}",
-            put(templates::upload),
-        )
-        .route(
-            "/templates/{template_id}/builds/{build_id}",
-            post(templates::start_dockerfile_build),
-        )
-        .route(
-            "/v2/templates/{template_id}/builds/{build_id}",
-            post(templates::start_build),
-        )
-        .route(
-            "/templates/{template_id}/builds/{build_id}/status",
-            get(templates::build_status),
-        )
-        .route(
-            "/templates/{template_id}/builds/{build_id}/logs",
-            get(templates::build_logs),
-        )
+/// The REST API with its description: every route here is registered from its handler's
+/// `#[utoipa::path]`, so the router and `/openapi.json` cannot disagree.
+fn rest_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(health))
+        .routes(routes!(openapi::serve))
+        .routes(routes!(sandboxes::list_v1, sandboxes::create_v1))
+        .routes(routes!(sandboxes::list_v2, sandboxes::create_v2))
+        .routes(routes!(sandboxes::detail, sandboxes::kill))
+        .routes(routes!(sandboxes::set_timeout))
+        .routes(routes!(sandboxes::refresh))
+        .routes(routes!(sandboxes::connect_v1))
+        .routes(routes!(sandboxes::connect_v2))
+        .routes(routes!(sandboxes::update_network))
+        .routes(routes!(sandboxes::pause))
+        .routes(routes!(sandboxes::metrics))
+        .routes(routes!(sandboxes::batch_metrics))
+        .routes(routes!(sandboxes::resume))
+        .routes(routes!(templates::list, templates::create_from_dockerfile))
+        .routes(routes!(templates::alias))
+        .routes(routes!(templates::request_build_v3))
+        .routes(routes!(templates::request_build_v2))
+        .routes(routes!(templates::assign_tags, templates::delete_tags))
+        .routes(routes!(templates::tags))
+        .routes(routes!(
+            templates::detail,
+            templates::rebuild_from_dockerfile,
+            templates::delete,
+            templates::update
+        ))
+        .routes(routes!(templates::update_v2))
+        .routes(routes!(templates::file_link))
+        .routes(routes!(templates::upload))
+        .routes(routes!(templates::start_dockerfile_build))
+        .routes(routes!(templates::start_build))
+        .routes(routes!(templates::build_status))
+        .routes(routes!(templates::build_logs))
         .merge(keys::routes())
         .merge(volumes::routes())
         .merge(activity::routes())
+}
+
+/// The OpenAPI document of the REST API, as `GET /openapi.json` serves it.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    rest_routes().into_openapi()
+}
+
+/// The complete application: edge routing in front of the REST API.
+pub fn router(state: AppState) -> Router {
+    let (api, _) = rest_routes().split_for_parts();
+    let api = api
+        .merge(volumes::content_routes())
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
@@ -142,6 +111,15 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// Liveness of the server.
+#[utoipa::path(
+    get,
+    path = "/health",
+    tag = "service",
+    operation_id = "getHealth",
+    security(()),
+    responses((status = 204, description = "The server is up"))
+)]
 async fn health() -> axum::http::StatusCode {
     axum::http::StatusCode::NO_CONTENT
 }

@@ -9,12 +9,14 @@ use axum::response::{IntoResponse, Response};
 use sandbar_core::{CreateSandbox, EgressConfig, ListQuery, SandboxState, Team};
 
 use crate::AppState;
+use crate::dto::SandboxStateName;
 use crate::dto::{
     ListedSandbox, NetworkConfig, NewSandbox, OptionalTimeoutBody, RefreshBody, SandboxCreated,
     SandboxDetail, TimeoutBody,
 };
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
+use crate::openapi::CommonErrors;
 
 /// Default lifetime when a v2 create names none (E2B's documented default).
 const DEFAULT_TIMEOUT_V2: i64 = 300;
@@ -125,6 +127,21 @@ fn egress_config(network: &NetworkConfig) -> Result<EgressConfig, ApiError> {
 }
 
 /// `PUT /sandboxes/{id}/network`: replaces the egress rules; omitted fields clear.
+#[utoipa::path(
+    put,
+    path = "/sandboxes/{sandboxID}/network",
+    tag = "sandboxes",
+    operation_id = "putSandboxNetwork",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    request_body = NetworkConfig,
+    responses(
+        (status = 204, description = "The egress rules were replaced"),
+        (status = 400, description = "Invalid or unsupported rules", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn update_network(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -153,6 +170,24 @@ async fn create(
     Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))).into_response())
 }
 
+#[utoipa::path(
+    post,
+    path = "/v2/sandboxes",
+    tag = "sandboxes",
+    operation_id = "postSandboxV2",
+    security(("ApiKeyAuth" = [])),
+    request_body = NewSandbox,
+    responses(
+        (status = 201, description = "The sandbox was started", body = SandboxCreated),
+        (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
+        (status = 403, description = "The template belongs to another team", body = ErrorBody),
+        (status = 404, description = "No such template or volume", body = ErrorBody),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -162,6 +197,25 @@ pub(crate) async fn create_v2(
     create(&state, &team, request).await
 }
 
+/// The 429 of a full team carries `Retry-After` with when its next sandbox ends.
+#[utoipa::path(
+    post,
+    path = "/sandboxes",
+    tag = "sandboxes",
+    operation_id = "postSandboxes",
+    security(("ApiKeyAuth" = [])),
+    request_body = NewSandbox,
+    responses(
+        (status = 201, description = "The sandbox was started", body = SandboxCreated),
+        (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
+        (status = 403, description = "The template belongs to another team", body = ErrorBody),
+        (status = 404, description = "No such template or volume", body = ErrorBody),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -230,6 +284,31 @@ fn started_after(query: &QueryPairs) -> Result<Option<chrono::DateTime<chrono::U
         })
 }
 
+#[utoipa::path(
+    get,
+    path = "/v2/sandboxes",
+    tag = "sandboxes",
+    operation_id = "getV2Sandboxes",
+    security(("ApiKeyAuth" = [])),
+    params(
+        ("metadata" = Option<String>, Query, description = "Filter: `key=value` pairs joined by `&`, keys and values URL-encoded"),
+        ("state" = Option<Vec<SandboxStateName>>, Query, style = Form, explode = false, description = "Filter by states (comma-separated or repeated)"),
+        ("nextToken" = Option<String>, Query, description = "Cursor from the previous page's `X-Next-Token`"),
+        ("limit" = Option<i32>, Query, minimum = 1, maximum = 100, description = "Items per page (default 100)"),
+        ("order" = Option<String>, Query, pattern = "^(asc|desc)$", description = "By start time: `desc` (default) or `asc`"),
+        ("startedAfter" = Option<String>, Query, format = DateTime, description = "Only sandboxes started after this RFC 3339 time"),
+        ("template" = Option<String>, Query, description = "Only sandboxes of this template"),
+    ),
+    responses(
+        (status = 200, description = "A page of the team's sandboxes", body = Vec<ListedSandbox>,
+            headers(
+                ("X-Next-Token" = String, description = "Cursor of the next page, absent on the last"),
+                ("X-Total-Running" = u64, description = "The team's running sandboxes"),
+            )),
+        (status = 400, description = "Invalid filter or cursor", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -278,6 +357,21 @@ pub(crate) async fn list_v2(
     Ok((headers, Json(items)).into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/sandboxes",
+    tag = "sandboxes",
+    operation_id = "getSandboxes",
+    security(("ApiKeyAuth" = [])),
+    params(
+        ("metadata" = Option<String>, Query, description = "Filter: `key=value` pairs joined by `&`, keys and values URL-encoded"),
+    ),
+    responses(
+        (status = 200, description = "The team's running sandboxes", body = Vec<ListedSandbox>),
+        (status = 400, description = "Invalid filter", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -304,6 +398,20 @@ pub(crate) async fn list_v1(
     Ok(Json(items))
 }
 
+#[utoipa::path(
+    get,
+    path = "/sandboxes/{sandboxID}",
+    tag = "sandboxes",
+    operation_id = "getSandbox",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    responses(
+        (status = 200, description = "The sandbox", body = SandboxDetail),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn detail(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -316,6 +424,21 @@ pub(crate) async fn detail(
     ))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/sandboxes/{sandboxID}",
+    tag = "sandboxes",
+    operation_id = "deleteSandbox",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    responses(
+        (status = 204, description = "The sandbox was killed"),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn kill(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -325,6 +448,22 @@ pub(crate) async fn kill(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post,
+    path = "/sandboxes/{sandboxID}/timeout",
+    tag = "sandboxes",
+    operation_id = "postSandboxTimeout",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    request_body = TimeoutBody,
+    responses(
+        (status = 204, description = "The sandbox's end was moved"),
+        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn set_timeout(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -339,6 +478,22 @@ pub(crate) async fn set_timeout(
     Ok(StatusCode::NO_CONTENT)
 }
 
+#[utoipa::path(
+    post,
+    path = "/sandboxes/{sandboxID}/refreshes",
+    tag = "sandboxes",
+    operation_id = "postSandboxRefreshes",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    request_body = RefreshBody,
+    responses(
+        (status = 204, description = "The sandbox is kept alive"),
+        (status = 400, description = "Invalid duration, or longer than the team allows", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn refresh(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -377,6 +532,23 @@ async fn connect(
     Ok((status, Json(SandboxCreated::from(&sandbox))))
 }
 
+#[utoipa::path(
+    post,
+    path = "/v2/sandboxes/{sandboxID}/connect",
+    tag = "sandboxes",
+    operation_id = "postV2SandboxConnect",
+    security(("ApiKeyAuth" = [])),
+    request_body = OptionalTimeoutBody,
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    responses(
+        (status = 200, description = "The sandbox was running", body = SandboxCreated),
+        (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
+        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn connect_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -386,6 +558,23 @@ pub(crate) async fn connect_v2(
     connect(&state, &team, &sandbox_id, body.timeout).await
 }
 
+#[utoipa::path(
+    post,
+    path = "/sandboxes/{sandboxID}/connect",
+    tag = "sandboxes",
+    operation_id = "postSandboxConnect",
+    security(("ApiKeyAuth" = [])),
+    request_body = TimeoutBody,
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    responses(
+        (status = 200, description = "The sandbox was running", body = SandboxCreated),
+        (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
+        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn connect_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -395,18 +584,40 @@ pub(crate) async fn connect_v1(
     connect(&state, &team, &sandbox_id, Some(body.timeout)).await
 }
 
-fn metric_json(point: &sandbar_core::MetricPoint) -> serde_json::Value {
-    serde_json::json!({
-        "timestamp": crate::dto::rfc3339(point.at),
-        "timestampUnix": point.at.timestamp(),
-        "cpuCount": point.cpu_count,
-        "cpuUsedPct": point.cpu_used_pct,
-        "memUsed": point.mem_used,
-        "memTotal": point.mem_total,
-        "memCache": point.mem_cache,
-        "diskUsed": point.disk_used,
-        "diskTotal": point.disk_total,
-    })
+/// One resource sample of a sandbox; memory and disk in bytes.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct SandboxMetric {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    timestamp_unix: i64,
+    cpu_count: u32,
+    cpu_used_pct: f64,
+    mem_used: u64,
+    mem_total: u64,
+    mem_cache: u64,
+    disk_used: u64,
+    disk_total: u64,
+}
+
+/// `GET /sandboxes/metrics`: the latest sample by sandbox ID.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct SandboxesMetrics {
+    sandboxes: BTreeMap<String, SandboxMetric>,
+}
+
+fn metric_json(point: &sandbar_core::MetricPoint) -> SandboxMetric {
+    SandboxMetric {
+        timestamp: crate::dto::rfc3339(point.at),
+        timestamp_unix: point.at.timestamp(),
+        cpu_count: point.cpu_count,
+        cpu_used_pct: point.cpu_used_pct,
+        mem_used: point.mem_used,
+        mem_total: point.mem_total,
+        mem_cache: point.mem_cache,
+        disk_used: point.disk_used,
+        disk_total: point.disk_total,
+    }
 }
 
 fn unix_param(
@@ -424,12 +635,30 @@ fn unix_param(
 }
 
 /// `GET /sandboxes/{id}/metrics` (`start`, `end` in Unix seconds).
+#[utoipa::path(
+    get,
+    path = "/sandboxes/{sandboxID}/metrics",
+    tag = "sandboxes",
+    operation_id = "getSandboxMetrics",
+    security(("ApiKeyAuth" = [])),
+    params(
+        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        ("start" = Option<i64>, Query, minimum = 0, maximum = 8589934588_i64, description = "Unix seconds: the interval's start"),
+        ("end" = Option<i64>, Query, minimum = 0, maximum = 8589934588_i64, description = "Unix seconds: the interval's end"),
+    ),
+    responses(
+        (status = 200, description = "The sandbox's samples, oldest first", body = Vec<SandboxMetric>),
+        (status = 400, description = "Invalid interval", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn metrics(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
     query: QueryPairs,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<Vec<SandboxMetric>>, ApiError> {
     let start = unix_param(&query, "start")?;
     let end = unix_param(&query, "end")?;
     if let (Some(s), Some(e)) = (start, end)
@@ -441,17 +670,30 @@ pub(crate) async fn metrics(
         .sandboxes
         .metrics(&team, &sandbox_id, start, end)
         .await?;
-    Ok(Json(serde_json::Value::Array(
-        points.iter().map(metric_json).collect(),
-    )))
+    Ok(Json(points.iter().map(metric_json).collect()))
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=a,b`: the latest sample of each (at most 100).
+#[utoipa::path(
+    get,
+    path = "/sandboxes/metrics",
+    tag = "sandboxes",
+    operation_id = "getSandboxesMetrics",
+    security(("ApiKeyAuth" = [])),
+    params(
+        ("sandbox_ids" = Vec<String>, Query, style = Form, explode = false, max_items = 100, min_items = 1, description = "Sandbox IDs, comma-separated (at most 100)"),
+    ),
+    responses(
+        (status = 200, description = "The latest sample of each of the team's sandboxes named", body = SandboxesMetrics),
+        (status = 400, description = "No IDs, or more than 100", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn batch_metrics(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     query: QueryPairs,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<SandboxesMetrics>, ApiError> {
     let ids: Vec<String> = query
         .0
         .iter()
@@ -471,16 +713,18 @@ pub(crate) async fn batch_metrics(
         )));
     }
     let latest = state.sandboxes.latest_metrics(&team, &ids).await?;
-    let map: serde_json::Map<String, serde_json::Value> = latest
+    let sandboxes = latest
         .iter()
         .map(|(id, p)| (id.clone(), metric_json(p)))
         .collect();
-    Ok(Json(serde_json::json!({ "sandboxes": map })))
+    Ok(Json(SandboxesMetrics { sandboxes }))
 }
 
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct PauseBody {
+    /// True (the default) freezes the sandbox with its memory; false ends its processes and
+    /// keeps only its files, and a resume boots it again on them.
     memory: Option<bool>,
     #[allow(dead_code)]
     require_healthy_guest: Option<bool>,
@@ -488,6 +732,22 @@ pub(crate) struct PauseBody {
 
 /// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory, or with `memory:
 /// false` its processes end and only its files are kept (204; 409 when it is already paused).
+#[utoipa::path(
+    post,
+    path = "/sandboxes/{sandboxID}/pause",
+    tag = "sandboxes",
+    operation_id = "postSandboxPause",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    request_body(content = Option<PauseBody>),
+    responses(
+        (status = 204, description = "The sandbox was paused, with its memory or (memory: false) only its files"),
+        (status = 400, description = "Invalid or unsupported request", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is already paused or in a transition", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn pause(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -501,15 +761,33 @@ pub(crate) async fn pause(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct ResumeBody {
+    /// Seconds until the resumed sandbox ends (15 when omitted).
+    #[schema(minimum = 0, maximum = 2147483647)]
     timeout: Option<i64>,
     #[allow(dead_code)]
     auto_pause: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/resume` (older SDKs): 201 with the sandbox; 409 unless paused.
+#[utoipa::path(
+    post,
+    path = "/sandboxes/{sandboxID}/resume",
+    tag = "sandboxes",
+    operation_id = "postSandboxResume",
+    security(("ApiKeyAuth" = [])),
+    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    request_body(content = Option<ResumeBody>),
+    responses(
+        (status = 201, description = "The sandbox was resumed", body = SandboxCreated),
+        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
+        (status = 404, description = "No such sandbox", body = ErrorBody),
+        (status = 409, description = "The sandbox is not paused", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn resume(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,

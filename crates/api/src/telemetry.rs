@@ -233,7 +233,7 @@ mod tests {
         assert!(!is_sandbox_create(&Method::GET, "/v2/sandboxes"));
         assert!(!is_sandbox_create(
             &Method::POST,
-            "/sandboxes/{sandbox_id}/pause"
+            "/sandboxes/{sandboxID}/pause"
         ));
     }
 }

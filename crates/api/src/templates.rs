@@ -11,14 +11,165 @@ use sandbar_core::builds::{
     BuildLogEntry, BuildRecord, BuildSource, BuildSpec, BuildStep, LogLevel, RegistryCredentials,
     RequestBuild, StepKind,
 };
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::dto::{TemplateItem, rfc3339};
-use crate::error::ApiError;
+use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, rfc3339};
+use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs, TeamAuth};
+use crate::openapi::CommonErrors;
 
+/// `GET /templates/aliases/{alias}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct AliasLookup {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    public: bool,
+}
+
+/// The answer to a build request of the SDK's build flow.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct BuildRequestedBody {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "buildID")]
+    build_id: String,
+    public: bool,
+    names: Vec<String>,
+    aliases: Vec<String>,
+    tags: Vec<String>,
+}
+
+/// `GET /templates/{templateID}/files/{hash}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct FileLink {
+    /// Whether the files are already stored (then there is nothing to upload).
+    present: bool,
+    /// Where to `PUT` the files' tar archive; absent when they are present.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    url: Option<String>,
+}
+
+/// A line of a build's log.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct BuildLogLine {
+    #[schema(format = DateTime)]
+    timestamp: String,
+    level: LogLevelName,
+    message: String,
+    /// The build step the line belongs to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    step: Option<String>,
+}
+
+/// Why a build failed.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct BuildFailureReason {
+    message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    step: Option<String>,
+}
+
+/// `GET /templates/{templateID}/builds/{buildID}/status`.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct BuildStatusBody {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "buildID")]
+    build_id: String,
+    status: BuildStatusName,
+    /// The lines as text, each `<timestamp> <message>\n`.
+    logs: Vec<String>,
+    log_entries: Vec<BuildLogLine>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<BuildFailureReason>,
+}
+
+/// `GET /templates/{templateID}/builds/{buildID}/logs`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct BuildLogsBody {
+    logs: Vec<BuildLogLine>,
+}
+
+/// A build of a template.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct TemplateBuild {
+    #[serde(rename = "buildID")]
+    build_id: String,
+    status: BuildStatusName,
+    #[schema(format = DateTime)]
+    created_at: String,
+    #[schema(format = DateTime)]
+    updated_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(format = DateTime)]
+    finished_at: Option<String>,
+    cpu_count: u32,
+    #[serde(rename = "memoryMB")]
+    memory_mb: u32,
+    #[serde(rename = "diskSizeMB")]
+    disk_size_mb: u32,
+}
+
+/// `GET /templates/{templateID}`.
+#[derive(Debug, Serialize, ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct TemplateDetail {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    public: bool,
+    aliases: Vec<String>,
+    names: Vec<String>,
+    #[schema(format = DateTime)]
+    created_at: String,
+    #[schema(format = DateTime)]
+    updated_at: String,
+    #[schema(format = DateTime, required = true)]
+    last_spawned_at: Option<String>,
+    spawn_count: u64,
+    builds: Vec<TemplateBuild>,
+}
+
+/// The names of a template after an update.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct TemplateNames {
+    names: Vec<String>,
+}
+
+/// `POST /templates/tags`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct TagsAssigned {
+    #[serde(rename = "buildID")]
+    build_id: String,
+    tags: Vec<String>,
+}
+
+/// An item of `GET /templates/{templateID}/tags`.
+#[derive(Debug, Serialize, ToSchema)]
+pub(crate) struct TemplateTag {
+    tag: String,
+    #[serde(rename = "buildID")]
+    build_id: String,
+    #[serde(rename = "createdAt")]
+    #[schema(format = DateTime)]
+    created_at: String,
+}
+
+#[utoipa::path(
+    get,
+    path = "/templates",
+    tag = "templates",
+    operation_id = "getTemplates",
+    security(("ApiKeyAuth" = [])),
+    params(("teamID" = Option<String>, Query, description = "Ignored: the key's team is listed")),
+    responses(
+        (status = 200, description = "The team's and the public templates", body = Vec<TemplateItem>),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -27,24 +178,43 @@ pub(crate) async fn list(
     Ok(Json(templates.iter().map(TemplateItem::from).collect()))
 }
 
+#[utoipa::path(
+    get,
+    path = "/templates/aliases/{alias}",
+    tag = "templates",
+    operation_id = "getTemplatesAlias",
+    security(("ApiKeyAuth" = [])),
+    params(("alias" = String, Path, description = "The template's alias")),
+    responses(
+        (status = 200, description = "The template the alias names", body = AliasLookup),
+        (status = 400, description = "Invalid alias", body = ErrorBody),
+        (status = 403, description = "The template belongs to another team", body = ErrorBody),
+        (status = 404, description = "No such alias", body = ErrorBody),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn alias(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(alias): PathParam<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<AliasLookup>, ApiError> {
     let template = state.templates.resolve(&team, &alias).await?;
-    Ok(Json(
-        json!({"templateID": template.id, "public": template.public}),
-    ))
+    Ok(Json(AliasLookup {
+        template_id: template.id,
+        public: template.public,
+    }))
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /v3/templates` and `POST /v2/templates`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct RequestBuildBody {
     name: Option<String>,
     #[serde(default)]
     tags: Vec<String>,
     alias: Option<String>,
+    /// Ignored: the key's team owns the template.
     #[serde(rename = "teamID")]
     #[allow(dead_code)]
     team_id: Option<String>,
@@ -56,16 +226,63 @@ pub(crate) struct RequestBuildBody {
     min_free_disk_mb: Option<u64>,
 }
 
-/// `POST /v3/templates` (and `POST /v2/templates`, whose body names the template `alias`).
-pub(crate) async fn request_build(
+/// `POST /v3/templates`: registers a template build of the SDK's build flow.
+#[utoipa::path(
+    post,
+    path = "/v3/templates",
+    tag = "templates",
+    operation_id = "postV3Templates",
+    security(("ApiKeyAuth" = [])),
+    request_body = RequestBuildBody,
+    responses(
+        (status = 202, description = "The template and its build were registered", body = BuildRequestedBody),
+        (status = 400, description = "Invalid name, tags or resources", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 409, description = "The name belongs to another template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
+pub(crate) async fn request_build_v3(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     JsonBody(body): JsonBody<RequestBuildBody>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
+    request_build(&state, &team, body).await
+}
+
+/// `POST /v2/templates`: as v3, with the template named by `alias`.
+#[utoipa::path(
+    post,
+    path = "/v2/templates",
+    tag = "templates",
+    operation_id = "postV2Templates",
+    security(("ApiKeyAuth" = [])),
+    request_body = RequestBuildBody,
+    responses(
+        (status = 202, description = "The template and its build were registered", body = BuildRequestedBody),
+        (status = 400, description = "Invalid name, tags or resources", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 409, description = "The name belongs to another template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
+pub(crate) async fn request_build_v2(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    JsonBody(body): JsonBody<RequestBuildBody>,
+) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
+    request_build(&state, &team, body).await
+}
+
+async fn request_build(
+    state: &AppState,
+    team: &sandbar_core::Team,
+    body: RequestBuildBody,
+) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
     let requested = state
         .builds
         .request(
-            &team,
+            team,
             RequestBuild {
                 name: body.name.or(body.alias),
                 tags: body.tags,
@@ -76,14 +293,14 @@ pub(crate) async fn request_build(
         .await?;
     Ok((
         StatusCode::ACCEPTED,
-        Json(json!({
-            "templateID": requested.template.id,
-            "buildID": requested.build_id,
-            "public": requested.template.public,
-            "names": requested.template.aliases,
-            "aliases": requested.template.aliases,
-            "tags": requested.tags,
-        })),
+        Json(BuildRequestedBody {
+            template_id: requested.template.id,
+            build_id: requested.build_id,
+            public: requested.template.public,
+            names: requested.template.aliases.clone(),
+            aliases: requested.template.aliases,
+            tags: requested.tags,
+        }),
     ))
 }
 
@@ -101,24 +318,58 @@ fn external_base(headers: &HeaderMap) -> String {
 }
 
 /// `GET /templates/{id}/files/{hash}`.
+#[utoipa::path(
+    get,
+    path = "/templates/{templateID}/files/{hash}",
+    tag = "templates",
+    operation_id = "getTemplateFiles",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias"), ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files")),
+    responses(
+        (status = 201, description = "Whether the files are stored, and where to upload them if not", body = FileLink),
+        (status = 400, description = "Invalid hash", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn file_link(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam((template_id, hash)): PathParam<(String, String)>,
     headers: HeaderMap,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<FileLink>), ApiError> {
     let (present, token) = state.builds.upload_link(&team, &template_id, &hash).await?;
-    let mut body = json!({ "present": present });
-    if let Some(token) = token {
-        body["url"] = Value::String(format!(
+    let url = token.map(|token| {
+        format!(
             "{}/upload/templates/{template_id}/files/{hash}?token={token}",
             external_base(&headers)
-        ));
-    }
-    Ok((StatusCode::CREATED, Json(body)))
+        )
+    });
+    Ok((StatusCode::CREATED, Json(FileLink { present, url })))
 }
 
 /// `PUT /upload/templates/{id}/files/{hash}?token=…`: the upload link itself, no API key.
+#[utoipa::path(
+    put,
+    path = "/upload/templates/{templateID}/files/{hash}",
+    tag = "templates",
+    operation_id = "putTemplateFiles",
+    security(()),
+    params(
+        ("templateID" = String, Path, description = "The template's ID or alias"),
+        ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files"),
+        ("token" = String, Query, description = "The token of the link `GET /templates/{templateID}/files/{hash}` gave"),
+    ),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A tar archive of the files"),
+    responses(
+        (status = 201, description = "The files were stored"),
+        (status = 400, description = "Invalid hash, or the archive does not match it", body = ErrorBody),
+        (status = 403, description = "Missing, invalid or expired token", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 413, description = "The archive is too large", body = ErrorBody),
+        (status = 500, description = "The files could not be stored", body = ErrorBody),
+    )
+)]
 pub(crate) async fn upload(
     State(state): State<AppState>,
     PathParam((_template_id, hash)): PathParam<(String, String)>,
@@ -150,7 +401,8 @@ pub(crate) async fn upload(
     Ok(StatusCode::CREATED)
 }
 
-#[derive(Debug, Deserialize)]
+/// A step of a build: `COPY`, `RUN`, `ENV`, `WORKDIR` or `USER`, with its arguments.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct StepBody {
     #[serde(rename = "type")]
@@ -164,7 +416,8 @@ pub(crate) struct StepBody {
     force_upload: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
+/// Credentials of the base image's registry; only type `registry` is supported.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct RegistryBody {
     #[serde(rename = "type")]
@@ -173,7 +426,8 @@ pub(crate) struct RegistryBody {
     password: Option<String>,
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of `POST /v2/templates/{templateID}/builds/{buildID}`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct StartBuildBody {
     from_image: Option<String>,
@@ -250,6 +504,22 @@ fn parse_step(index: usize, step: StepBody) -> Result<BuildStep, ApiError> {
 }
 
 /// `POST /v2/templates/{id}/builds/{buildID}`.
+#[utoipa::path(
+    post,
+    path = "/v2/templates/{templateID}/builds/{buildID}",
+    tag = "templates",
+    operation_id = "postV2TemplateBuild",
+    security(("ApiKeyAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID")),
+    request_body = StartBuildBody,
+    responses(
+        (status = 202, description = "The build was started"),
+        (status = 400, description = "Invalid build specification", body = ErrorBody),
+        (status = 404, description = "No such template or build", body = ErrorBody),
+        (status = 409, description = "The build was already started", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn start_build(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -312,16 +582,13 @@ pub(crate) async fn start_build(
     Ok(StatusCode::ACCEPTED)
 }
 
-fn entry_json(e: &BuildLogEntry) -> Value {
-    let mut v = json!({
-        "timestamp": rfc3339(e.timestamp),
-        "level": e.level.as_str(),
-        "message": e.message,
-    });
-    if let Some(step) = &e.step {
-        v["step"] = Value::String(step.clone());
+fn entry_json(e: &BuildLogEntry) -> BuildLogLine {
+    BuildLogLine {
+        timestamp: rfc3339(e.timestamp),
+        level: e.level.into(),
+        message: e.message.clone(),
+        step: e.step.clone(),
     }
-    v
 }
 
 fn level_param(query: &QueryPairs) -> Result<Option<LogLevel>, ApiError> {
@@ -338,12 +605,31 @@ fn level_param(query: &QueryPairs) -> Result<Option<LogLevel>, ApiError> {
 }
 
 /// `GET /templates/{id}/builds/{buildID}/status`.
+#[utoipa::path(
+    get,
+    path = "/templates/{templateID}/builds/{buildID}/status",
+    tag = "templates",
+    operation_id = "getTemplateBuildStatus",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID"),
+        ("logsOffset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "Index of the first log line returned (default 0)"),
+        ("limit" = Option<i32>, Query, minimum = 0, maximum = 100, description = "Most log lines returned (default 100)"),
+        ("level" = Option<LogLevelName>, Query, description = "Lowest level of the lines returned"),
+    ),
+    responses(
+        (status = 200, description = "The build's status and log lines", body = BuildStatusBody),
+        (status = 400, description = "Invalid query parameter", body = ErrorBody),
+        (status = 404, description = "No such template or build", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn build_status(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam((template_id, build_id)): PathParam<(String, String)>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<BuildStatusBody>, ApiError> {
     let offset = query
         .int_in("logsOffset", 0..=i64::from(u32::MAX))?
         .unwrap_or(0) as u64;
@@ -353,30 +639,50 @@ pub(crate) async fn build_status(
         .builds
         .status(&team, &template_id, &build_id, offset, limit, level)
         .await?;
-    let mut body = json!({
-        "templateID": build.template_id,
-        "buildID": build.id,
-        "status": build.status.as_str(),
-        "logs": logs.iter().map(|e| format!("{} {}\n", rfc3339(e.timestamp), e.message)).collect::<Vec<_>>(),
-        "logEntries": logs.iter().map(entry_json).collect::<Vec<_>>(),
-    });
-    if let Some(failure) = &build.failure {
-        let mut reason = json!({ "message": failure.message });
-        if let Some(step) = &failure.step {
-            reason["step"] = Value::String(step.clone());
-        }
-        body["reason"] = reason;
-    }
-    Ok(Json(body))
+    Ok(Json(BuildStatusBody {
+        logs: logs
+            .iter()
+            .map(|e| format!("{} {}\n", rfc3339(e.timestamp), e.message))
+            .collect(),
+        log_entries: logs.iter().map(entry_json).collect(),
+        reason: build.failure.as_ref().map(|f| BuildFailureReason {
+            message: f.message.clone(),
+            step: f.step.clone(),
+        }),
+        template_id: build.template_id,
+        build_id: build.id,
+        status: build.status.into(),
+    }))
 }
 
 /// `GET /templates/{id}/builds/{buildID}/logs` (`cursor` in milliseconds, `direction`).
+#[utoipa::path(
+    get,
+    path = "/templates/{templateID}/builds/{buildID}/logs",
+    tag = "templates",
+    operation_id = "getTemplateBuildLogs",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(
+        ("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID"),
+        ("cursor" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch to start from"),
+        ("limit" = Option<i32>, Query, minimum = 0, maximum = 100, description = "Most lines returned (default 100)"),
+        ("direction" = Option<String>, Query, pattern = "^(forward|backward)$", description = "`forward` (default) or `backward` from the cursor"),
+        ("level" = Option<LogLevelName>, Query, description = "Lowest level of the lines returned"),
+        ("source" = Option<String>, Query, description = "Ignored: every line is kept"),
+    ),
+    responses(
+        (status = 200, description = "The build's log lines", body = BuildLogsBody),
+        (status = 400, description = "Invalid query parameter", body = ErrorBody),
+        (status = 404, description = "No such template or build", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn build_logs(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam((template_id, build_id)): PathParam<(String, String)>,
     query: QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<BuildLogsBody>, ApiError> {
     let build = state
         .builds
         .visible_build(&team, &template_id, &build_id)
@@ -409,28 +715,45 @@ pub(crate) async fn build_logs(
         logs.reverse();
     }
     logs.truncate(limit);
-    Ok(Json(
-        json!({ "logs": logs.iter().map(entry_json).collect::<Vec<_>>() }),
-    ))
+    Ok(Json(BuildLogsBody {
+        logs: logs.iter().map(entry_json).collect(),
+    }))
 }
 
-fn build_json(b: &BuildRecord) -> Value {
-    let mut v = json!({
-        "buildID": b.id,
-        "status": b.status.as_str(),
-        "createdAt": rfc3339(b.created_at),
-        "updatedAt": rfc3339(b.updated_at),
-        "cpuCount": b.cpu_count,
-        "memoryMB": b.memory_mb,
-        "diskSizeMB": b.disk_size_mb,
-    });
-    if let Some(at) = b.finished_at {
-        v["finishedAt"] = Value::String(rfc3339(at));
+fn build_json(b: &BuildRecord) -> TemplateBuild {
+    TemplateBuild {
+        build_id: b.id.clone(),
+        status: b.status.into(),
+        created_at: rfc3339(b.created_at),
+        updated_at: rfc3339(b.updated_at),
+        finished_at: b.finished_at.map(rfc3339),
+        cpu_count: b.cpu_count,
+        memory_mb: b.memory_mb,
+        disk_size_mb: b.disk_size_mb,
     }
-    v
 }
 
 /// `GET /templates/{id}` with its builds (`limit`, `nextToken` = offset).
+#[utoipa::path(
+    get,
+    path = "/templates/{templateID}",
+    tag = "templates",
+    operation_id = "getTemplate",
+    security(("ApiKeyAuth" = [])),
+    params(
+        ("templateID" = String, Path, description = "The template's ID or alias"),
+        ("nextToken" = Option<String>, Query, pattern = "^[0-9]+$", description = "Cursor from the previous page's `X-Next-Token`"),
+        ("limit" = Option<i32>, Query, minimum = 1, maximum = 100, description = "Builds per page (default 100)"),
+    ),
+    responses(
+        (status = 200, description = "The template with a page of its builds", body = TemplateDetail,
+            headers(("X-Next-Token" = String, description = "Cursor of the next page, absent on the last"))),
+        (status = 400, description = "Invalid reference or query parameter", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn detail(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -456,23 +779,23 @@ pub(crate) async fn detail(
             .map_err(|_| ApiError::bad_request(format!("invalid nextToken '{t}'")))?,
     };
     let builds = state.builds.builds_of(&template.id).await?;
-    let page: Vec<Value> = builds
+    let page: Vec<TemplateBuild> = builds
         .iter()
         .skip(start)
         .take(limit)
         .map(build_json)
         .collect();
-    let body = json!({
-        "templateID": template.id,
-        "public": template.public,
-        "aliases": template.aliases,
-        "names": template.aliases,
-        "createdAt": rfc3339(template.created_at),
-        "updatedAt": rfc3339(template.updated_at),
-        "lastSpawnedAt": template.last_spawned_at.map(rfc3339),
-        "spawnCount": template.spawn_count,
-        "builds": page,
-    });
+    let body = TemplateDetail {
+        template_id: template.id,
+        public: template.public,
+        names: template.aliases.clone(),
+        aliases: template.aliases,
+        created_at: rfc3339(template.created_at),
+        updated_at: rfc3339(template.updated_at),
+        last_spawned_at: template.last_spawned_at.map(rfc3339),
+        spawn_count: template.spawn_count,
+        builds: page,
+    };
     let mut response = Json(body).into_response();
     if start + limit < builds.len()
         && let Ok(v) = (start + limit).to_string().parse()
@@ -482,6 +805,21 @@ pub(crate) async fn detail(
     Ok(response)
 }
 
+#[utoipa::path(
+    delete,
+    path = "/templates/{templateID}",
+    tag = "templates",
+    operation_id = "deleteTemplate",
+    security(("ApiKeyAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    responses(
+        (status = 204, description = "The template and its builds were deleted"),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn delete(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -491,26 +829,82 @@ pub(crate) async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of a template update.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct UpdateBody {
     public: Option<bool>,
 }
 
+#[utoipa::path(
+    patch,
+    path = "/templates/{templateID}",
+    tag = "templates",
+    operation_id = "patchTemplate",
+    security(("ApiKeyAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    request_body = UpdateBody,
+    responses(
+        (status = 200, description = "The template's names", body = TemplateNames),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn update(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(template_id): PathParam<String>,
     JsonBody(body): JsonBody<UpdateBody>,
-) -> Result<Json<Value>, ApiError> {
-    let template = match body.public {
-        Some(public) => state.builds.set_public(&team, &template_id, public).await?,
-        None => state.templates.resolve(&team, &template_id).await?,
-    };
-    Ok(Json(json!({ "names": template.aliases })))
+) -> Result<Json<TemplateNames>, ApiError> {
+    update_template(&state, &team, &template_id, body).await
 }
 
-#[derive(Debug, Deserialize)]
+#[utoipa::path(
+    patch,
+    path = "/v2/templates/{templateID}",
+    tag = "templates",
+    operation_id = "patchV2Template",
+    security(("ApiKeyAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    request_body = UpdateBody,
+    responses(
+        (status = 200, description = "The template's names", body = TemplateNames),
+        (status = 409, description = "The template's build has not finished", body = ErrorBody),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
+pub(crate) async fn update_v2(
+    State(state): State<AppState>,
+    ApiKeyTeam(team): ApiKeyTeam,
+    PathParam(template_id): PathParam<String>,
+    JsonBody(body): JsonBody<UpdateBody>,
+) -> Result<Json<TemplateNames>, ApiError> {
+    update_template(&state, &team, &template_id, body).await
+}
+
+async fn update_template(
+    state: &AppState,
+    team: &sandbar_core::Team,
+    template_id: &str,
+    body: UpdateBody,
+) -> Result<Json<TemplateNames>, ApiError> {
+    let template = match body.public {
+        Some(public) => state.builds.set_public(team, template_id, public).await?,
+        None => state.templates.resolve(team, template_id).await?,
+    };
+    Ok(Json(TemplateNames {
+        names: template.aliases,
+    }))
+}
+
+/// The body of `POST /templates/tags`: `target` is `name:tag` or `name` (its latest build).
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct AssignTagsBody {
     target: String,
@@ -518,22 +912,35 @@ pub(crate) struct AssignTagsBody {
 }
 
 /// `POST /templates/tags`.
+#[utoipa::path(
+    post,
+    path = "/templates/tags",
+    tag = "templates",
+    operation_id = "postTemplatesTags",
+    security(("ApiKeyAuth" = [])),
+    request_body = AssignTagsBody,
+    responses(
+        (status = 201, description = "The tags now name the target's build", body = TagsAssigned),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn assign_tags(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     JsonBody(body): JsonBody<AssignTagsBody>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<TagsAssigned>), ApiError> {
     let (build_id, tags) = state
         .builds
         .assign_tags(&team, &body.target, &body.tags)
         .await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({ "buildID": build_id, "tags": tags })),
-    ))
+    Ok((StatusCode::CREATED, Json(TagsAssigned { build_id, tags })))
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of `DELETE /templates/tags`.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct DeleteTagsBody {
     name: String,
@@ -541,6 +948,21 @@ pub(crate) struct DeleteTagsBody {
 }
 
 /// `DELETE /templates/tags`.
+#[utoipa::path(
+    delete,
+    path = "/templates/tags",
+    tag = "templates",
+    operation_id = "deleteTemplatesTags",
+    security(("ApiKeyAuth" = [])),
+    request_body = DeleteTagsBody,
+    responses(
+        (status = 204, description = "The tags were removed"),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn delete_tags(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -554,26 +976,40 @@ pub(crate) async fn delete_tags(
 }
 
 /// `GET /templates/{id}/tags`.
+#[utoipa::path(
+    get,
+    path = "/templates/{templateID}/tags",
+    tag = "templates",
+    operation_id = "getTemplateTags",
+    security(("ApiKeyAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    responses(
+        (status = 200, description = "The template's tags and the builds they name", body = Vec<TemplateTag>),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn tags(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(template_id): PathParam<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Vec<TemplateTag>>, ApiError> {
     let tags = state.builds.tags(&team, &template_id).await?;
-    Ok(Json(Value::Array(
+    Ok(Json(
         tags.iter()
-            .map(|(tag, build)| {
-                json!({
-                    "tag": tag,
-                    "buildID": build.id,
-                    "createdAt": rfc3339(build.finished_at.unwrap_or(build.created_at)),
-                })
+            .map(|(tag, build)| TemplateTag {
+                tag: tag.clone(),
+                build_id: build.id.clone(),
+                created_at: rfc3339(build.finished_at.unwrap_or(build.created_at)),
             })
             .collect(),
-    )))
+    ))
 }
 
-#[derive(Debug, Deserialize)]
+/// The body of a Dockerfile build request.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(crate) struct DockerfileBody {
     dockerfile: String,
@@ -593,7 +1029,7 @@ async fn dockerfile_build(
     team: &sandbar_core::Team,
     template_id: Option<&str>,
     body: DockerfileBody,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<TemplateItem>), ApiError> {
     let requested = state
         .builds
         .request_dockerfile(
@@ -609,32 +1045,76 @@ async fn dockerfile_build(
             },
         )
         .await?;
-    let mut item = serde_json::to_value(TemplateItem::from(&requested.template))
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    item["buildID"] = Value::String(requested.build_id);
+    let item = TemplateItem::from(&requested.template).with_build_id(requested.build_id);
     Ok((StatusCode::ACCEPTED, Json(item)))
 }
 
 /// `POST /templates`: a new template from a Dockerfile.
+#[utoipa::path(
+    post,
+    path = "/templates",
+    tag = "templates",
+    operation_id = "postTemplates",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    request_body = DockerfileBody,
+    responses(
+        (status = 202, description = "The template and its build were registered; start the build next", body = TemplateItem),
+        (status = 400, description = "Invalid Dockerfile, name or resources", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 409, description = "The alias belongs to another template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create_from_dockerfile(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     JsonBody(body): JsonBody<DockerfileBody>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<TemplateItem>), ApiError> {
     dockerfile_build(&state, &team, None, body).await
 }
 
 /// `POST /templates/{id}`: a new Dockerfile build of an existing template.
+#[utoipa::path(
+    post,
+    path = "/templates/{templateID}",
+    tag = "templates",
+    operation_id = "postTemplate",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    request_body = DockerfileBody,
+    responses(
+        (status = 202, description = "The template and its build were registered; start the build next", body = TemplateItem),
+        (status = 400, description = "Invalid Dockerfile, name or resources", body = ErrorBody),
+        (status = 404, description = "No such template", body = ErrorBody),
+        (status = 409, description = "The alias belongs to another template", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn rebuild_from_dockerfile(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,
     PathParam(template_id): PathParam<String>,
     JsonBody(body): JsonBody<DockerfileBody>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<(StatusCode, Json<TemplateItem>), ApiError> {
     dockerfile_build(&state, &team, Some(&template_id), body).await
 }
 
 /// `POST /templates/{id}/builds/{buildID}`: starts a Dockerfile build.
+#[utoipa::path(
+    post,
+    path = "/templates/{templateID}/builds/{buildID}",
+    tag = "templates",
+    operation_id = "postTemplateBuild",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID")),
+    responses(
+        (status = 202, description = "The build was started"),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "No such template or build", body = ErrorBody),
+        (status = 409, description = "The build was already started", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn start_dockerfile_build(
     State(state): State<AppState>,
     TeamAuth(team): TeamAuth,

@@ -15,14 +15,25 @@ use sandbar_core::{Volume, Volumes};
 use serde::{Deserialize, Serialize};
 
 use crate::AppState;
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
+use crate::openapi::CommonErrors;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-pub(crate) fn routes() -> axum::Router<AppState> {
+/// The control plane's volume routes, described in the API document.
+pub(crate) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list, create))
+        .routes(routes!(detail, delete))
+}
+
+/// The volume content API: authorised by each volume's own token and served raw, so it is
+/// not part of the control plane's document.
+pub(crate) fn content_routes() -> axum::Router<AppState> {
     use axum::routing::get;
     axum::Router::new()
-        .route("/volumes", get(list).post(create))
-        .route("/volumes/{volume_id}", get(detail).delete(delete))
         .route(
             "/volumecontent/{volume_id}/path",
             get(stat).patch(update_metadata).delete(remove),
@@ -65,7 +76,7 @@ pub(crate) fn mount_requests(
 pub(crate) async fn sandbox_mounts(
     state: &AppState,
     sandbox_id: &str,
-) -> Result<Vec<serde_json::Value>, ApiError> {
+) -> Result<Vec<crate::dto::VolumeMount>, ApiError> {
     let Some(volumes) = state.sandboxes.volumes() else {
         return Ok(Vec::new());
     };
@@ -73,26 +84,38 @@ pub(crate) async fn sandbox_mounts(
         .sandbox_mounts(sandbox_id)
         .await?
         .into_iter()
-        .map(|m| serde_json::json!({"name": m.name, "path": m.path}))
+        .map(|m| crate::dto::VolumeMount {
+            name: m.name,
+            path: m.path,
+        })
         .collect())
 }
 
 /// Largest file the content API accepts in one upload (it is held in memory).
 pub(crate) const MAX_UPLOAD_BYTES: usize = 256 << 20;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NewVolume {
+    /// At most `sandbar_core::volumes::MAX_NAME_LEN` characters.
+    #[schema(
+        required = true,
+        pattern = "^[a-zA-Z0-9_-]+$",
+        min_length = 1,
+        max_length = 128
+    )]
     name: Option<String>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, ToSchema)]
+#[schema(as = Volume)]
 pub(crate) struct VolumeView {
     #[serde(rename = "volumeID")]
     volume_id: String,
     name: String,
 }
 
-#[derive(Debug, Serialize)]
+/// A volume with the token of its content API.
+#[derive(Debug, Serialize, ToSchema)]
 pub(crate) struct VolumeAndToken {
     #[serde(rename = "volumeID")]
     volume_id: String,
@@ -161,6 +184,18 @@ fn with_token(volumes: &Volumes, v: Volume) -> VolumeAndToken {
     }
 }
 
+#[utoipa::path(
+    get,
+    path = "/volumes",
+    tag = "volumes",
+    operation_id = "getVolumes",
+    security(("ApiKeyAuth" = [])),
+    responses(
+        (status = 200, description = "The team's volumes", body = Vec<VolumeView>),
+        (status = 501, description = "This server has no volume storage", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn list(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -177,6 +212,21 @@ pub(crate) async fn list(
     ))
 }
 
+#[utoipa::path(
+    post,
+    path = "/volumes",
+    tag = "volumes",
+    operation_id = "postVolumes",
+    security(("ApiKeyAuth" = [])),
+    request_body = NewVolume,
+    responses(
+        (status = 201, description = "The new volume", body = VolumeAndToken),
+        (status = 400, description = "Missing or invalid name", body = ErrorBody),
+        (status = 409, description = "The team has a volume of that name", body = ErrorBody),
+        (status = 501, description = "This server has no volume storage", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn create(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -190,6 +240,21 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(with_token(volumes, volume))).into_response())
 }
 
+#[utoipa::path(
+    get,
+    path = "/volumes/{volumeID}",
+    tag = "volumes",
+    operation_id = "getVolume",
+    security(("ApiKeyAuth" = [])),
+    params(("volumeID" = String, Path, description = "The volume's ID")),
+    responses(
+        (status = 200, description = "The volume", body = VolumeAndToken),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "No such volume in the team", body = ErrorBody),
+        (status = 501, description = "This server has no volume storage", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn detail(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
@@ -200,6 +265,22 @@ pub(crate) async fn detail(
     Ok(Json(with_token(volumes, volume)))
 }
 
+#[utoipa::path(
+    delete,
+    path = "/volumes/{volumeID}",
+    tag = "volumes",
+    operation_id = "deleteVolume",
+    security(("ApiKeyAuth" = [])),
+    params(("volumeID" = String, Path, description = "The volume's ID")),
+    responses(
+        (status = 204, description = "The volume was deleted"),
+        (status = 400, description = "Invalid request", body = ErrorBody),
+        (status = 404, description = "No such volume in the team", body = ErrorBody),
+        (status = 409, description = "A sandbox has the volume mounted", body = ErrorBody),
+        (status = 501, description = "This server has no volume storage", body = ErrorBody),
+        CommonErrors,
+    )
+)]
 pub(crate) async fn delete(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,

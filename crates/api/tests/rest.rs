@@ -749,13 +749,13 @@ async fn prometheus_metrics_count_requests_by_route_sandboxes_by_state_and_edge_
     // Ids never become labels: both lookups count under the route template.
     assert!(
         has(
-            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandbox_id}",status="200"} 1"#
+            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandboxID}",status="200"} 1"#
         ),
         "{text}"
     );
     assert!(
         has(
-            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandbox_id}",status="404"} 1"#
+            r#"sandbar_http_requests_total{method="GET",route="/sandboxes/{sandboxID}",status="404"} 1"#
         ),
         "{text}"
     );

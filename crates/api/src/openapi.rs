@@ -1,0 +1,137 @@
+//! The OpenAPI document of the REST API, served at `GET /openapi.json`.
+//!
+//! It is generated from the handlers' `#[utoipa::path]` attributes and the DTOs' `ToSchema`
+//! derives as the router is built (see [`crate::rest_routes`]), so a route cannot be served
+//! without being described. The edge (agent and user-port traffic), the operator's
+//! `/metrics` and the volume content API are not part of it.
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use axum::http::header;
+use axum::response::IntoResponse;
+use utoipa::openapi::content::ContentBuilder;
+use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::response::{Response, ResponseBuilder};
+use utoipa::openapi::schema::{ObjectBuilder, Type};
+use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{Ref, RefOr};
+use utoipa::{IntoResponses, Modify, OpenApi};
+
+use crate::error::ErrorBody;
+
+/// The document's fixed parts; paths and their schemas are added by the router.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Sandbar REST API",
+        description = "E2B's control-plane API as Sandbar serves it: sandboxes, templates and \
+            their builds, volumes, API keys, access tokens, teams, logs and metrics. Every error \
+            body is `{code, message}`.",
+        license(name = "Apache-2.0", identifier = "Apache-2.0"),
+    ),
+    components(schemas(ErrorBody)),
+    modifiers(&SecuritySchemes),
+    tags(
+        (name = "sandboxes", description = "Sandbox lifecycle, logs and metrics"),
+        (name = "templates", description = "Templates, builds and tags"),
+        (name = "volumes", description = "Persistent volumes"),
+        (name = "auth", description = "API keys, access tokens and teams"),
+        (name = "service", description = "Health and this document"),
+    )
+)]
+pub(crate) struct ApiDoc;
+
+/// E2B's scheme names, so that clients generated from either document agree.
+struct SecuritySchemes;
+
+impl Modify for SecuritySchemes {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "ApiKeyAuth",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-API-Key"))),
+        );
+        let bearer = || {
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("access_token")
+                    .build(),
+            )
+        };
+        components.add_security_scheme("AccessTokenAuth", bearer());
+        components.add_security_scheme("AuthProviderBearerAuth", bearer());
+        components.add_security_scheme(
+            "AuthProviderTeamAuth",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::new("X-Team-ID"))),
+        );
+    }
+}
+
+/// Errors every authenticated operation can answer with: bad credentials, the team's request
+/// rate or sandbox limit (429 with `Retry-After`), and unexpected failures.
+pub(crate) struct CommonErrors;
+
+impl IntoResponses for CommonErrors {
+    fn responses() -> BTreeMap<String, RefOr<Response>> {
+        let error = |description: &str| {
+            ResponseBuilder::new().description(description).content(
+                "application/json",
+                ContentBuilder::new()
+                    .schema(Some(Ref::from_schema_name("Error")))
+                    .build(),
+            )
+        };
+        let retry_after = HeaderBuilder::new()
+            .schema(Some(
+                ObjectBuilder::new()
+                    .schema_type(Type::Integer)
+                    .minimum(Some(0)),
+            ))
+            .description(Some("Seconds to wait before retrying"))
+            .build();
+        BTreeMap::from([
+            (
+                "401".to_owned(),
+                error("Missing or invalid credentials").build().into(),
+            ),
+            (
+                "429".to_owned(),
+                error("The team's request rate or sandbox limit is exceeded")
+                    .header("Retry-After", retry_after)
+                    .build()
+                    .into(),
+            ),
+            (
+                "500".to_owned(),
+                error("An unexpected server error").build().into(),
+            ),
+        ])
+    }
+}
+
+/// The generated document as JSON, built once.
+fn document_json() -> &'static [u8] {
+    static JSON: OnceLock<Vec<u8>> = OnceLock::new();
+    JSON.get_or_init(|| {
+        // Serializing a document of plain maps and strings cannot fail.
+        serde_json::to_vec(&crate::openapi()).unwrap_or_default()
+    })
+}
+
+/// This document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    tag = "service",
+    operation_id = "getOpenApiDocument",
+    security(()),
+    responses((status = 200, description = "The OpenAPI document of this API", content_type = "application/json", body = Object))
+)]
+pub(crate) async fn serve() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        document_json(),
+    )
+}
