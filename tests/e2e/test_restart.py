@@ -124,6 +124,56 @@ def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
     assert resumed.kill() is True
 
 
+def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
+    """Stops the server with kill -9, records the sandbox as it would be had the server died
+    during a checkpoint (`paused_as = checkpointing`), and starts it again."""
+    import sqlite3
+
+    sandbar.stop(kill9=True)
+    db = sqlite3.connect(sandbar.data_dir / "sandbar.db")
+    try:
+        db.execute("UPDATE sandboxes SET paused_as = 'checkpointing' WHERE id = ?", (sandbox_id,))
+        db.commit()
+    finally:
+        db.close()
+    sandbar.start()
+    sandbar.wait_healthy(timeout=60)
+    sandbar.wait_base_template(timeout=120)
+
+
+def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):
+    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+
+    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
+        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    # Died before the dump ended the processes: the partial checkpoint goes, the sandbox is
+    # still frozen in memory.
+    alive = make_sandbox(timeout=120)
+    alive.commands.run(COUNTER, background=True)
+    wait_until(lambda: alive.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    assert alive.pause() is True
+    partial = sandbar.data_dir / "checkpoints" / alive.sandbox_id
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / "partial.img").write_bytes(b"x")
+    _restart_as_if_killed_mid_checkpoint(sandbar, alive.sandbox_id)
+    assert not (partial / "partial.img").exists()
+    resumed = Sandbox.connect(alive.sandbox_id, timeout=60)
+    after = read_count(resumed)
+    wait_until(lambda: read_count(resumed) > after + 5, timeout=10)
+
+    # Died after the dump, before recording it: the complete checkpoint is adopted.
+    done = make_sandbox(timeout=120)
+    done.files.write("/home/user/kept.txt", "on disk")
+    assert done.pause() is True
+    wait_checkpointed(sandbar, done.sandbox_id)
+    _restart_as_if_killed_mid_checkpoint(sandbar, done.sandbox_id)
+    assert header_of(sandbar, done.sandbox_id).exists()
+    assert done.get_info().state.value == "paused"
+    again = Sandbox.connect(done.sandbox_id, timeout=60)
+    assert again.files.read("/home/user/kept.txt") == "on disk"
+    assert resumed.kill() is True and again.kill() is True
+
+
 def test_sigterm_restart_keeps_sandboxes(make_sandbox, sandbar):
     tag = unique("restart15")
     sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
