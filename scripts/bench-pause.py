@@ -3,7 +3,11 @@
 round trip each, as the SDK makes them), next to create.
 
     E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000 \\
-    E2B_API_KEY=e2b_... python3 scripts/bench-pause.py [--iterations 30]
+    E2B_API_KEY=e2b_... python3 scripts/bench-pause.py [--iterations 30] [--from-disk 10]
+
+With `--from-disk N` it also pauses each sandbox N times until the server has checkpointed it
+to disk (run the server with a short `--pause-grace-secs`, e.g. 1) and times the checkpoint
+(as the server logs it) and the resume that restores it.
 """
 
 from __future__ import annotations
@@ -36,9 +40,37 @@ def cycle(api: httpx.Client, sandbox_id: str, n: int):
     return pauses, resumes
 
 
+def checkpoint_ms(api: httpx.Client, sandbox_id: str, seen: int):
+    """The duration of the sandbox's checkpoint number `seen` + 1, once the server logged it."""
+    r = api.get(f"/v2/sandboxes/{sandbox_id}/logs")
+    if r.status_code != 200:
+        return None
+    done = [e for e in r.json()["logs"] if e.get("message") == "sandbox checkpointed to disk"]
+    if len(done) <= seen:
+        return None
+    return float(done[seen]["fields"]["ms"])
+
+
+def from_disk(api: httpx.Client, sandbox_id: str, n: int):
+    dumps, restores = [], []
+    for i in range(n):
+        assert api.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        deadline = time.monotonic() + 120
+        while (ms := checkpoint_ms(api, sandbox_id, i)) is None:
+            assert time.monotonic() < deadline, "the server did not checkpoint the sandbox"
+            time.sleep(0.05)
+        dumps.append(ms)
+        t = time.perf_counter()
+        r = api.post(f"/v2/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
+        assert r.status_code == 201, r.text
+        restores.append((time.perf_counter() - t) * 1000)
+    return dumps, restores
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--from-disk", type=int, default=0, help="checkpoint cycles per sandbox")
     args = parser.parse_args()
     api = httpx.Client(
         base_url=os.environ["E2B_API_URL"],
@@ -69,6 +101,10 @@ def main() -> None:
             pauses, resumes = cycle(api, sbx.sandbox_id, args.iterations)
             rows.append(summary(f"pause, {label}", pauses))
             rows.append(summary(f"resume (`connect`), {label}", resumes))
+            if args.from_disk:
+                dumps, restores = from_disk(api, sbx.sandbox_id, args.from_disk)
+                rows.append(summary(f"checkpoint to disk (server side), {label}", dumps))
+                rows.append(summary(f"resume from disk (`connect`), {label}", restores))
         finally:
             sbx.kill()
     print("| measurement | n | p50 ms | p95 ms |")

@@ -6,6 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh --test
+# CRIU 4.1.1 with our patches, for the checkpoint tests (does nothing when already installed;
+# those tests are skipped, with the server's reason, only when the server finds it unusable).
+./scripts/install-criu.sh
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
 npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
 

@@ -120,7 +120,9 @@ def sandbar():
         DATA_DIR,
         log_path,
         free_port(),
-        extra_args=["--base-disk-mb", "512", "--nameserver", FAKE_DNS.address],
+        # A short pause grace lets the checkpoint tests see sandboxes written to disk soon;
+        # the freezer tests resume well within it.
+        extra_args=["--base-disk-mb", "512", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3"],
     )
     print(
         f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "

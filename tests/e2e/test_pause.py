@@ -86,7 +86,9 @@ def test_resume_endpoint_and_connect_status_codes(sandbar, make_sandbox):
         r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
         assert r.status_code == 201, r.text
         r = api.post(f"/sandboxes/{sbx.sandbox_id}/pause", json={"memory": False})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 204, r.text
+        r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+        assert r.status_code == 201, r.text
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 

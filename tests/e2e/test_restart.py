@@ -5,6 +5,7 @@ conftest.py moves these tests to the end of the run because they restart the ser
 
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,6 +81,97 @@ def test_kill9_restart_keeps_sandboxes_and_timeouts_still_apply(make_sandbox, sa
     assert long.commands.run("cat /home/user/persist.txt").stdout == "survives kill -9"
     assert long.kill() is True
     assert short.kill() is False
+
+
+def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
+    tag = unique("restartfiles")
+    sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    sbx.files.write("/home/user/shelved.txt", "kept on disk")
+    assert sbx.pause(mode="filesystem") is True
+
+    sandbar.restart(kill9=True)
+
+    assert _listed(tag) == {sbx.sandbox_id}
+    assert sbx.get_info().state.value == "paused"
+    assert not sandbox_cgroup_dirs(sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert resumed.files.read("/home/user/shelved.txt") == "kept on disk"
+    assert resumed.kill() is True
+
+
+def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
+    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+
+    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
+        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    tag = unique("restartckpt")
+    sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
+    sbx.commands.run(COUNTER, background=True)
+    wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    before = read_count(sbx)
+    assert sbx.pause() is True
+    wait_checkpointed(sandbar, sbx.sandbox_id)
+
+    sandbar.restart(kill9=True)
+
+    assert _listed(tag) == {sbx.sandbox_id}
+    assert sbx.get_info().state.value == "paused"
+    assert header_of(sandbar, sbx.sandbox_id).exists()
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    after = read_count(resumed)
+    assert before <= after < before + 40, (before, after)
+    wait_until(lambda: read_count(resumed) > after + 5, timeout=10)
+    assert resumed.kill() is True
+
+
+def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
+    """Stops the server with kill -9, records the sandbox as it would be had the server died
+    during a checkpoint (`paused_as = checkpointing`), and starts it again."""
+    import sqlite3
+
+    sandbar.stop(kill9=True)
+    db = sqlite3.connect(sandbar.data_dir / "sandbar.db")
+    try:
+        db.execute("UPDATE sandboxes SET paused_as = 'checkpointing' WHERE id = ?", (sandbox_id,))
+        db.commit()
+    finally:
+        db.close()
+    sandbar.start()
+    sandbar.wait_healthy(timeout=60)
+    sandbar.wait_base_template(timeout=120)
+
+
+def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):
+    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+
+    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
+        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    # Died before the dump ended the processes: the partial checkpoint goes, the sandbox is
+    # still frozen in memory.
+    alive = make_sandbox(timeout=120)
+    alive.commands.run(COUNTER, background=True)
+    wait_until(lambda: alive.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    assert alive.pause() is True
+    partial = sandbar.data_dir / "checkpoints" / alive.sandbox_id
+    partial.mkdir(parents=True, exist_ok=True)
+    (partial / "partial.img").write_bytes(b"x")
+    _restart_as_if_killed_mid_checkpoint(sandbar, alive.sandbox_id)
+    assert not (partial / "partial.img").exists()
+    resumed = Sandbox.connect(alive.sandbox_id, timeout=60)
+    after = read_count(resumed)
+    wait_until(lambda: read_count(resumed) > after + 5, timeout=10)
+
+    # Died after the dump, before recording it: the complete checkpoint is adopted.
+    done = make_sandbox(timeout=120)
+    done.files.write("/home/user/kept.txt", "on disk")
+    assert done.pause() is True
+    wait_checkpointed(sandbar, done.sandbox_id)
+    _restart_as_if_killed_mid_checkpoint(sandbar, done.sandbox_id)
+    assert header_of(sandbar, done.sandbox_id).exists()
+    assert done.get_info().state.value == "paused"
+    again = Sandbox.connect(done.sandbox_id, timeout=60)
+    assert again.files.read("/home/user/kept.txt") == "on disk"
+    assert resumed.kill() is True and again.kill() is True
 
 
 def test_sigterm_restart_keeps_sandboxes(make_sandbox, sandbar):

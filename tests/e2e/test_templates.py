@@ -339,6 +339,16 @@ def test_build_from_registry_image(sandbar, tiny1, tmp_path, make_sandbox):
     # Envs and the workdir apply to explicit users too.
     assert run(sbx, "echo $GREETING; pwd", user="root") == "hi\n/app\n"
 
+    # Paused without memory, it boots again on its files when resumed: same image, user and
+    # environment, and the start command runs anew.
+    run(sbx, "echo mine > /app/mark")
+    assert sbx.pause(mode="filesystem") is True
+    again = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert run(again, "cat /app/mark /built.txt") == "mine\nbuilt\n"
+    assert run(again, "echo $GREETING; whoami; pwd") == "hi\nuser\n/app\n"
+    ps = run(again, "ps -o pid,args")
+    assert "sleep 3600" in ps, ps
+
 
 def test_build_from_base_template(sandbar, base_template, make_sandbox):
     """from_template("base"): steps run on top of the default template, envs apply to later steps."""

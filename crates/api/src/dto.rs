@@ -26,6 +26,8 @@ pub(crate) struct NewSandbox {
     pub timeout: Option<i64>,
     #[serde(rename = "autoPause")]
     pub auto_pause: Option<bool>,
+    /// false: a pause on timeout keeps only the files (needs `autoPause`, refuses
+    /// `autoResume`).
     #[serde(rename = "autoPauseMemory")]
     pub auto_pause_memory: Option<bool>,
     /// `{"enabled": bool}`; needs `autoPause`.

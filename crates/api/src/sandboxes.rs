@@ -57,8 +57,16 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
             "autoResume needs autoPause: only a sandbox that pauses on timeout can resume on traffic",
         ));
     }
-    if body.auto_pause == Some(true) && body.auto_pause_memory == Some(false) {
-        return unsupported("a filesystem-only autoPause (autoPauseMemory: false)");
+    let auto_pause_files_only = body.auto_pause_memory == Some(false);
+    if auto_pause_files_only && body.auto_pause != Some(true) {
+        return Err(ApiError::bad_request(
+            "autoPauseMemory needs autoPause: it says how a sandbox pauses on timeout",
+        ));
+    }
+    if auto_pause_files_only && auto_resume {
+        return Err(ApiError::bad_request(
+            "autoResume cannot be combined with autoPauseMemory: false: a sandbox paused without its memory boots again only when resumed explicitly",
+        ));
     }
     if body.mcp.as_ref().is_some_and(|m| !m.is_null()) {
         return unsupported("mcp");
@@ -89,6 +97,7 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
         network,
         auto_pause: body.auto_pause.unwrap_or(false),
         auto_resume,
+        auto_pause_files_only,
         volume_mounts,
     })
 }
@@ -714,14 +723,15 @@ pub(crate) async fn batch_metrics(
 #[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct PauseBody {
-    /// Only true (the default) is supported.
+    /// True (the default) freezes the sandbox with its memory; false ends its processes and
+    /// keeps only its files, and a resume boots it again on them.
     memory: Option<bool>,
     #[allow(dead_code)]
     require_healthy_guest: Option<bool>,
 }
 
-/// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory (204; 409 when it
-/// is already paused).
+/// `POST /sandboxes/{id}/pause`: the sandbox is frozen with its memory, or with `memory:
+/// false` its processes end and only its files are kept (204; 409 when it is already paused).
 #[utoipa::path(
     post,
     path = "/sandboxes/{sandboxID}/pause",
@@ -731,7 +741,7 @@ pub(crate) struct PauseBody {
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     request_body(content = Option<PauseBody>),
     responses(
-        (status = 204, description = "The sandbox was paused with its memory"),
+        (status = 204, description = "The sandbox was paused, with its memory or (memory: false) only its files"),
         (status = 400, description = "Invalid or unsupported request", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is already paused or in a transition", body = ErrorBody),
@@ -744,12 +754,10 @@ pub(crate) async fn pause(
     PathParam(sandbox_id): PathParam<String>,
     JsonBody(body): JsonBody<PauseBody>,
 ) -> Result<StatusCode, ApiError> {
-    if body.memory == Some(false) {
-        return Err(ApiError::bad_request(
-            "pausing without memory (memory: false) is not supported by this server",
-        ));
-    }
-    state.sandboxes.pause(&team, &sandbox_id).await?;
+    state
+        .sandboxes
+        .pause(&team, &sandbox_id, body.memory.unwrap_or(true))
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

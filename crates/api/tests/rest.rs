@@ -323,6 +323,15 @@ async fn bad_create_requests_are_refused_and_start_nothing() {
             r#"{"templateID":"base","autoPause":false,"autoResume":{"enabled":true}}"#,
             StatusCode::BAD_REQUEST,
         ),
+        // A filesystem-only pause on timeout needs autoPause, and cannot resume on traffic.
+        (
+            r#"{"templateID":"base","autoPauseMemory":false}"#,
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            r#"{"templateID":"base","autoPause":true,"autoPauseMemory":false,"autoResume":{"enabled":true}}"#,
+            StatusCode::BAD_REQUEST,
+        ),
         (
             r#"{"templateID":"base","network":{"denyOut":["example.com"]}}"#,
             StatusCode::BAD_REQUEST,

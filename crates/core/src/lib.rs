@@ -35,7 +35,9 @@ pub use keys::{
     TeamAdminError, TeamView, User,
 };
 pub use limits::{RateLimited, RateLimits};
-pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
+pub use model::{
+    BuildStatus, DEFAULT_TEMPLATE_ALIAS, PauseKind, Sandbox, SandboxState, Team, Template,
+};
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};

@@ -13,19 +13,33 @@ pub enum SandboxStatus {
     /// Frozen with its memory; not routed to, not counted against the team's limit, never
     /// expires.
     Paused,
-    /// Being thawed.
+    /// Paused without memory: its processes ended and its network slot and memory were
+    /// released; only its files are kept. Resuming boots it again on them.
+    Shelved,
+    /// Being thawed, or booted again on its kept files.
     Resuming,
+    /// Paused, being written to disk (a checkpoint) while frozen.
+    Checkpointing,
+    /// Paused on disk: its processes and their memory are in a checkpoint, they hold no
+    /// memory on the host.
+    Checkpointed,
+    /// Being restored from its checkpoint.
+    Restoring,
     /// Being destroyed; gone for every caller.
     Stopping,
 }
 
 impl SandboxStatus {
-    pub const ALL: [SandboxStatus; 6] = [
+    pub const ALL: [SandboxStatus; 10] = [
         SandboxStatus::Starting,
         SandboxStatus::Running,
         SandboxStatus::Pausing,
         SandboxStatus::Paused,
+        SandboxStatus::Shelved,
         SandboxStatus::Resuming,
+        SandboxStatus::Checkpointing,
+        SandboxStatus::Checkpointed,
+        SandboxStatus::Restoring,
         SandboxStatus::Stopping,
     ];
 
@@ -36,7 +50,11 @@ impl SandboxStatus {
             SandboxStatus::Running => "running",
             SandboxStatus::Pausing => "pausing",
             SandboxStatus::Paused => "paused",
+            SandboxStatus::Shelved => "shelved",
             SandboxStatus::Resuming => "resuming",
+            SandboxStatus::Checkpointing => "checkpointing",
+            SandboxStatus::Checkpointed => "checkpointed",
+            SandboxStatus::Restoring => "restoring",
             SandboxStatus::Stopping => "stopping",
         }
     }
@@ -53,11 +71,24 @@ impl SandboxStatus {
                 | (Pausing, Paused)
                 // A pause that failed leaves the sandbox running.
                 | (Pausing, Running)
+                | (Pausing, Shelved)
                 | (Paused, Resuming)
                 | (Paused, Stopping)
+                | (Shelved, Resuming)
+                | (Shelved, Stopping)
                 | (Resuming, Running)
-                // A resume that failed leaves it paused.
+                // A resume that failed leaves it paused, the way it was.
                 | (Resuming, Paused)
+                | (Resuming, Shelved)
+                | (Paused, Checkpointing)
+                | (Checkpointing, Checkpointed)
+                // A checkpoint that failed leaves it frozen in memory.
+                | (Checkpointing, Paused)
+                | (Checkpointed, Restoring)
+                | (Checkpointed, Stopping)
+                | (Restoring, Running)
+                // A restore that failed leaves it checkpointed.
+                | (Restoring, Checkpointed)
         )
     }
 
@@ -75,7 +106,32 @@ impl SandboxStatus {
 
     /// Counted against the team's concurrency limit.
     pub fn holds_a_slot(self) -> bool {
-        !matches!(self, SandboxStatus::Paused | SandboxStatus::Stopping)
+        !matches!(
+            self,
+            SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+                | SandboxStatus::Stopping
+        )
+    }
+
+    /// Paused in any way: listed as paused.
+    pub fn is_paused(self) -> bool {
+        matches!(
+            self,
+            SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+        )
+    }
+
+    /// The status a resume goes through from `self`, if it may start now.
+    pub fn waking(self) -> Option<SandboxStatus> {
+        [SandboxStatus::Resuming, SandboxStatus::Restoring]
+            .into_iter()
+            .find(|to| self.can_become(*to))
     }
 }
 
@@ -83,7 +139,7 @@ impl SandboxStatus {
 mod tests {
     use super::SandboxStatus::{self, *};
 
-    const ALL: [SandboxStatus; 6] = SandboxStatus::ALL;
+    const ALL: [SandboxStatus; 10] = SandboxStatus::ALL;
 
     #[test]
     fn the_transition_table_is_exactly_this() {
@@ -94,10 +150,21 @@ mod tests {
             (Running, Stopping),
             (Pausing, Paused),
             (Pausing, Running),
+            (Pausing, Shelved),
             (Paused, Resuming),
             (Paused, Stopping),
+            (Shelved, Resuming),
+            (Shelved, Stopping),
             (Resuming, Running),
             (Resuming, Paused),
+            (Resuming, Shelved),
+            (Paused, Checkpointing),
+            (Checkpointing, Checkpointed),
+            (Checkpointing, Paused),
+            (Checkpointed, Restoring),
+            (Checkpointed, Stopping),
+            (Restoring, Running),
+            (Restoring, Checkpointed),
         ];
         for from in ALL {
             for to in ALL {
@@ -113,10 +180,23 @@ mod tests {
     #[test]
     fn only_running_sandboxes_pause_and_only_paused_ones_resume() {
         assert!(Running.can_pause());
-        for s in [Starting, Pausing, Paused, Resuming, Stopping] {
+        for s in [Starting, Pausing, Paused, Shelved, Resuming, Stopping] {
             assert!(!s.can_pause(), "{s:?}");
         }
-        assert!(Paused.can_resume());
+        assert!(Paused.can_resume() && Shelved.can_resume());
+        assert_eq!(Paused.waking(), Some(Resuming));
+        assert_eq!(Checkpointed.waking(), Some(Restoring));
+        for s in [
+            Starting,
+            Running,
+            Pausing,
+            Resuming,
+            Checkpointing,
+            Restoring,
+            Stopping,
+        ] {
+            assert_eq!(s.waking(), None, "{s:?}");
+        }
         for s in [Starting, Running, Pausing, Resuming, Stopping] {
             assert!(!s.can_resume(), "{s:?}");
         }
@@ -127,12 +207,17 @@ mod tests {
         assert!(!Pausing.can_stop());
         assert!(!Resuming.can_stop());
         assert!(!Stopping.can_stop());
+        assert!(!Checkpointing.can_stop() && !Restoring.can_stop());
+        assert!(Checkpointed.can_stop());
         assert!(Running.can_stop() && Paused.can_stop() && Starting.can_stop());
+        assert!(Shelved.can_stop());
     }
 
     #[test]
     fn paused_sandboxes_free_their_slot() {
-        assert!(!Paused.holds_a_slot());
+        assert!(!Paused.holds_a_slot() && !Shelved.holds_a_slot());
+        assert!(!Checkpointing.holds_a_slot() && !Checkpointed.holds_a_slot());
+        assert!(Restoring.holds_a_slot());
         assert!(Running.holds_a_slot() && Starting.holds_a_slot() && Resuming.holds_a_slot());
     }
 }

@@ -111,6 +111,42 @@ impl SandboxState {
     }
 }
 
+/// How a paused sandbox is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PauseKind {
+    /// Frozen in place: processes and memory held.
+    Memory,
+    /// Processes ended, only the files kept; resuming boots the sandbox again on them.
+    Files,
+    /// Frozen and being checkpointed: recorded before the checkpoint starts, so a restart
+    /// knows to look at what it left.
+    Checkpointing,
+    /// Checkpointed to disk: processes and memory in the checkpoint, restored on resume.
+    Checkpoint,
+}
+
+impl PauseKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PauseKind::Memory => "memory",
+            PauseKind::Files => "files",
+            PauseKind::Checkpointing => "checkpointing",
+            PauseKind::Checkpoint => "checkpoint",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "memory" => Some(PauseKind::Memory),
+            "files" => Some(PauseKind::Files),
+            "checkpointing" => Some(PauseKind::Checkpointing),
+            "checkpoint" => Some(PauseKind::Checkpoint),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sandbox {
     pub id: String,
@@ -133,9 +169,16 @@ pub struct Sandbox {
     pub envd_access_token: String,
     pub envd_version: String,
     pub state: SandboxState,
+    /// How the sandbox is kept while `state` is paused; `None` while running.
+    pub paused_as: Option<PauseKind>,
     pub handle: RuntimeHandle,
     /// Pause instead of stopping when the timeout passes.
     pub auto_pause: bool,
     /// Traffic through the edge resumes the sandbox when it is paused.
     pub auto_resume: bool,
+    /// Whether a pause on timeout keeps the memory (`autoPauseMemory`).
+    pub auto_pause_memory: bool,
+    /// What the sandbox booted from, to boot it again on its kept files; `None` for
+    /// sandboxes recorded before this was kept.
+    pub image: Option<TemplateImage>,
 }

@@ -43,6 +43,9 @@ pub struct LaunchSpec {
     pub envd_access_token: String,
     /// Volumes bind-mounted read-write into the sandbox.
     pub volumes: Vec<crate::volumes::VolumeMount>,
+    /// Boot on the files an earlier [`Runtime::release`] of this sandbox kept (its handle)
+    /// instead of a fresh writable layer.
+    pub kept: Option<RuntimeHandle>,
 }
 
 /// A sandbox's resource use at one moment.
@@ -121,6 +124,80 @@ pub trait Runtime: Send + Sync + 'static {
             message: "this runtime cannot resume sandboxes".into(),
         })
     }
+
+    /// Ends the sandbox's processes and releases its memory, network slot and cgroups, but
+    /// keeps its files; returns the handle a later [`LaunchSpec::kept`] boots on again.
+    async fn release(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot pause sandboxes without their memory".into(),
+        })
+    }
+
+    /// After a restart: takes back the kept files of a released sandbox (see
+    /// [`Runtime::release`]); an error when they are gone.
+    async fn adopt_released(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime keeps no files of released sandboxes".into(),
+        })
+    }
+
+    /// Whether frozen sandboxes can be checkpointed to disk on this node.
+    fn can_checkpoint(&self) -> bool {
+        false
+    }
+
+    /// Checkpoints a frozen sandbox to disk and ends its processes, freeing their memory;
+    /// returns the handle [`Runtime::restore`] takes. On failure the sandbox stays frozen.
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot checkpoint sandboxes".into(),
+        })
+    }
+
+    /// Restores a checkpointed sandbox, running, and says how to reach it. On failure it
+    /// stays checkpointed.
+    async fn restore(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot restore checkpoints".into(),
+        })
+    }
+
+    /// After a restart: takes back a sandbox whose checkpoint completed (its processes
+    /// gone, its checkpoint valid, what it needs kept) and returns its checkpointed handle;
+    /// an error says why it cannot be restored.
+    async fn adopt_checkpointed(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime keeps no checkpoints".into(),
+        })
+    }
+
+    /// Removes what an unfinished checkpoint of a sandbox left; nothing if there is none.
+    async fn discard_checkpoint(&self, _sandbox_id: &str) {}
 
     /// Whether the sandbox's processes are frozen (after a restart: to settle a pause or
     /// resume the server did not see through).

@@ -14,7 +14,7 @@ use crate::activity::{Activity, ActivityConfig};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, SandboxState, Team, Template};
+use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
@@ -31,6 +31,9 @@ pub struct SandboxesConfig {
     pub default_user: String,
     /// What is kept of sandbox logs and team metrics.
     pub activity: ActivityConfig,
+    /// How long a sandbox paused with its memory stays frozen in memory before it is
+    /// checkpointed to disk (where the runtime can).
+    pub pause_grace: Duration,
 }
 
 impl Default for SandboxesConfig {
@@ -39,6 +42,7 @@ impl Default for SandboxesConfig {
             template_wait: Duration::from_secs(900),
             default_user: "user".into(),
             activity: ActivityConfig::default(),
+            pause_grace: Duration::from_secs(10),
         }
     }
 }
@@ -55,6 +59,8 @@ pub struct CreateSandbox {
     pub auto_pause: bool,
     /// Resume on traffic when paused.
     pub auto_resume: bool,
+    /// A pause on timeout keeps only the files (`autoPauseMemory: false`).
+    pub auto_pause_files_only: bool,
     /// The team's volumes to mount, in order.
     pub volume_mounts: Vec<MountRequest>,
 }
@@ -198,6 +204,10 @@ struct Live {
     cpu_count: u32,
     memory_mb: u32,
     disk_size_mb: u32,
+    /// When it was last frozen in memory (the grace before a checkpoint runs from there).
+    paused_at: Option<DateTime<Utc>>,
+    /// Its last checkpoint failed: it stays in memory until it is paused again.
+    checkpoint_failed: bool,
 }
 
 /// One sample of a sandbox's resource use, as `GET /sandboxes/{id}/metrics` reports it.
@@ -342,6 +352,7 @@ impl Sandboxes {
             self.live().remove(&id);
             return Err(TemplateError::StillBuilding(template.id.clone()).into());
         };
+        let booted_from = image.clone();
         let mut env_vars = image.env.clone();
         env_vars.extend(request.env_vars.clone());
         let spec = LaunchSpec {
@@ -356,6 +367,7 @@ impl Sandboxes {
             envd_access_token: ids::new_secret(""),
             template: template.clone(),
             volumes: mounts.clone(),
+            kept: None,
         };
         let token = spec.envd_access_token.clone();
         let (handle, endpoint) = match self.runtime.launch(spec).await {
@@ -395,9 +407,12 @@ impl Sandboxes {
             envd_access_token: token,
             envd_version: template.envd_version.clone(),
             state: SandboxState::Running,
+            paused_as: None,
             handle,
             auto_pause: request.auto_pause,
             auto_resume: request.auto_resume,
+            auto_pause_memory: !request.auto_pause_files_only,
+            image: Some(booted_from),
         };
         let recorded = match self.store.insert_sandbox(&sandbox).await {
             Ok(()) if mounts.is_empty() => Ok(()),
@@ -544,6 +559,8 @@ impl Sandboxes {
                 cpu_count: 0,
                 memory_mb: 0,
                 disk_size_mb: 0,
+                paused_at: None,
+                checkpoint_failed: false,
             },
         );
         Ok(())
@@ -730,6 +747,14 @@ impl Sandboxes {
         level: LogLevel,
         event: &str,
     ) -> Result<(), SandboxError> {
+        // A checkpoint under way ends within moments; a kill waits for it rather than fail.
+        for _ in 0..6000 {
+            let status = self.live().get(id).map(|l| l.status);
+            if status != Some(SandboxStatus::Checkpointing) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let previous = {
             let mut live = self.live();
             match live.get_mut(id) {
@@ -866,7 +891,10 @@ impl Sandboxes {
                 .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
                 .await;
             let paused = match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => self.pause_sandbox(&sandbox).await,
+                Ok(Some(sandbox)) => {
+                    let memory = sandbox.auto_pause_memory;
+                    self.pause_sandbox(&sandbox, memory).await
+                }
                 Ok(None) => continue,
                 Err(err) => Err(err.into()),
             };
@@ -880,6 +908,105 @@ impl Sandboxes {
         let expired = self.running_where(|_, l| l.end_at <= now && !l.auto_pause);
         self.stop_all(expired, "sandbox timed out", LogLevel::Info)
             .await;
+    }
+
+    /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
+    /// one per round, since a dump holds a CPU while it runs.
+    pub async fn checkpoint_paused(&self) {
+        if !self.runtime.can_checkpoint() {
+            return;
+        }
+        let Ok(grace) = TimeDelta::from_std(self.config.pause_grace) else {
+            return;
+        };
+        let due = Utc::now() - grace;
+        let next = self
+            .live()
+            .iter()
+            .filter(|(_, l)| l.status == SandboxStatus::Paused && !l.checkpoint_failed)
+            .filter_map(|(id, l)| Some((l.paused_at?, id.clone())))
+            .filter(|(at, _)| *at <= due)
+            .min();
+        if let Some((_, id)) = next {
+            self.checkpoint_sandbox(&id).await;
+        }
+    }
+
+    /// Checkpoints a sandbox frozen in memory; on failure it stays frozen and is not tried
+    /// again until its next pause.
+    async fn checkpoint_sandbox(&self, id: &str) {
+        let handle = {
+            let mut live = self.live();
+            let Some(entry) = live.get_mut(id) else {
+                return;
+            };
+            if !(entry.status == SandboxStatus::Paused
+                && entry.status.can_become(SandboxStatus::Checkpointing))
+            {
+                return;
+            }
+            entry.status = SandboxStatus::Checkpointing;
+            entry.handle.clone()
+        };
+        let started = std::time::Instant::now();
+        let result = async {
+            // Recorded first, so a restart after a crash in the middle looks at what is left.
+            self.store
+                .set_sandbox_paused(id, Some(PauseKind::Checkpointing), &handle)
+                .await?;
+            Ok::<_, SandboxError>(self.runtime.checkpoint(id, &handle).await?)
+        }
+        .await;
+        match result {
+            Ok(checkpointed) => {
+                if let Some(entry) = self.live().get_mut(id) {
+                    entry.status = SandboxStatus::Checkpointed;
+                    entry.handle = checkpointed.clone();
+                    entry.endpoint = None;
+                }
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(id, Some(PauseKind::Checkpoint), &checkpointed)
+                    .await
+                {
+                    // A restart finds it recorded as checkpointing, with its processes gone
+                    // and a complete checkpoint: it is adopted as checkpointed then.
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
+                }
+                let ms = started.elapsed().as_millis() as u64;
+                self.activity
+                    .event(
+                        id,
+                        LogLevel::Info,
+                        "sandbox checkpointed to disk",
+                        &[("ms", ms.to_string())],
+                    )
+                    .await;
+                tracing::info!(sandbox_id = %id, ms, "sandbox checkpointed to disk");
+            }
+            Err(err) => {
+                if let Some(entry) = self.live().get_mut(id) {
+                    entry.status = SandboxStatus::Paused;
+                    entry.checkpoint_failed = true;
+                }
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(id, Some(PauseKind::Memory), &handle)
+                    .await
+                {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
+                }
+                self.activity
+                    .event(
+                        id,
+                        LogLevel::Warn,
+                        "sandbox stays paused in memory: checkpoint failed",
+                        &[("error", err.to_string())],
+                    )
+                    .await;
+                tracing::warn!(sandbox_id = %id, error = %err, "checkpoint failed; the sandbox stays paused in memory");
+            }
+        }
     }
 
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
@@ -927,6 +1054,7 @@ impl Sandboxes {
         for round in 0u64.. {
             tick.tick().await;
             self.reap_expired().await;
+            self.checkpoint_paused().await;
             if round % 10 == 0 {
                 self.reap_dead().await;
             }
@@ -954,7 +1082,29 @@ impl Sandboxes {
             Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
         }
-        for sandbox in recorded {
+        for mut sandbox in recorded {
+            if sandbox.paused_as == Some(PauseKind::Files) {
+                self.adopt_shelved(&sandbox).await?;
+                continue;
+            }
+            if sandbox.paused_as == Some(PauseKind::Checkpointing)
+                && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
+            {
+                // The server died during the dump, before it ended the processes: what the
+                // dump wrote is incomplete, and the sandbox is still frozen in memory.
+                self.runtime.discard_checkpoint(&sandbox.id).await;
+                self.store
+                    .set_sandbox_paused(&sandbox.id, Some(PauseKind::Memory), &sandbox.handle)
+                    .await?;
+                sandbox.paused_as = Some(PauseKind::Memory);
+            }
+            if matches!(
+                sandbox.paused_as,
+                Some(PauseKind::Checkpoint | PauseKind::Checkpointing)
+            ) {
+                self.adopt_checkpointed(&sandbox).await?;
+                continue;
+            }
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
                     if let Err(err) = self.restore_network(&sandbox).await {
@@ -983,6 +1133,8 @@ impl Sandboxes {
                             cpu_count: sandbox.cpu_count,
                             memory_mb: sandbox.memory_mb,
                             disk_size_mb: sandbox.disk_size_mb,
+                            paused_at: (status == SandboxStatus::Paused).then(Utc::now),
+                            checkpoint_failed: false,
                         },
                     );
                     // Sandboxes from before logs were kept get a log from now on.
@@ -1027,12 +1179,127 @@ impl Sandboxes {
         Ok(adopted)
     }
 
+    /// After a restart: takes back a checkpointed sandbox (or one whose checkpoint the server
+    /// died right after), without processes; one whose checkpoint is incomplete or cannot be
+    /// restored any more is lost, and cleaned up.
+    async fn adopt_checkpointed(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        let handle = match self
+            .runtime
+            .adopt_checkpointed(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            Ok(handle) => handle,
+            Err(err) => {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
+                self.activity
+                    .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                    .await;
+                if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
+                }
+                self.store.delete_sandbox(&sandbox.id).await?;
+                self.activity
+                    .close(
+                        &sandbox.id,
+                        LogLevel::Error,
+                        "sandbox lost: its checkpoint cannot be restored",
+                    )
+                    .await;
+                return Ok(());
+            }
+        };
+        if sandbox.paused_as != Some(PauseKind::Checkpoint) || handle != sandbox.handle {
+            self.store
+                .set_sandbox_paused(&sandbox.id, Some(PauseKind::Checkpoint), &handle)
+                .await?;
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live {
+                team_id: sandbox.team_id.clone(),
+                end_at: sandbox.end_at,
+                endpoint: None,
+                access_token: sandbox.envd_access_token.clone(),
+                handle,
+                status: SandboxStatus::Checkpointed,
+                user_ports: UserPortAccess::of(sandbox),
+                auto_pause: sandbox.auto_pause,
+                auto_resume: sandbox.auto_resume,
+                cpu_count: sandbox.cpu_count,
+                memory_mb: sandbox.memory_mb,
+                disk_size_mb: sandbox.disk_size_mb,
+                paused_at: None,
+                checkpoint_failed: false,
+            },
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        self.activity
+            .event(
+                &sandbox.id,
+                LogLevel::Info,
+                "checkpointed sandbox adopted after a server restart",
+                &[],
+            )
+            .await;
+        Ok(())
+    }
+
+    /// After a restart: takes back a sandbox paused without memory (no processes, only its
+    /// files); one whose files are gone is cleaned up.
+    async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        if let Err(err) = self
+            .runtime
+            .adopt_released(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
+            }
+            self.store.delete_sandbox(&sandbox.id).await?;
+            self.activity
+                .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
+                .await;
+            return Ok(());
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live {
+                team_id: sandbox.team_id.clone(),
+                end_at: sandbox.end_at,
+                endpoint: None,
+                access_token: sandbox.envd_access_token.clone(),
+                handle: sandbox.handle.clone(),
+                status: SandboxStatus::Shelved,
+                user_ports: UserPortAccess::of(sandbox),
+                auto_pause: sandbox.auto_pause,
+                auto_resume: sandbox.auto_resume,
+                cpu_count: sandbox.cpu_count,
+                memory_mb: sandbox.memory_mb,
+                disk_size_mb: sandbox.disk_size_mb,
+                paused_at: None,
+                checkpoint_failed: false,
+            },
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        Ok(())
+    }
+
     /// Takes one resource sample of every running or paused sandbox.
     pub fn sample_metrics(&self) {
         let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
             .live()
             .iter()
-            .filter(|(_, l)| matches!(l.status, SandboxStatus::Running | SandboxStatus::Paused))
+            .filter(|(_, l)| {
+                matches!(
+                    l.status,
+                    SandboxStatus::Running | SandboxStatus::Paused | SandboxStatus::Checkpointed
+                )
+            })
             .map(|(id, l)| {
                 (
                     id.clone(),
@@ -1208,17 +1475,18 @@ impl Sandboxes {
         }
     }
 
-    /// Freezes a running sandbox in place (memory kept). `Conflict` if it is not running.
-    pub async fn pause(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
+    /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
+    /// only its files are kept. `Conflict` if it is not running.
+    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> Result<(), SandboxError> {
         let sandbox = self.get(team, id).await?;
-        self.pause_sandbox(&sandbox).await
+        self.pause_sandbox(&sandbox, memory).await
     }
 
-    async fn pause_sandbox(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+    async fn pause_sandbox(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
         match self.transition(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
             Ok(_) => {}
-            Err(Some(SandboxStatus::Paused)) => {
+            Err(Some(status)) if status.is_paused() => {
                 return Err(SandboxError::Conflict {
                     id: id.to_owned(),
                     state: "already paused",
@@ -1231,6 +1499,9 @@ impl Sandboxes {
                 });
             }
         }
+        if !memory {
+            return self.shelve(sandbox).await;
+        }
         if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
             self.set_status(id, SandboxStatus::Running);
             return Err(err.into());
@@ -1241,12 +1512,118 @@ impl Sandboxes {
             self.set_status(id, SandboxStatus::Running);
             return Err(err.into());
         }
-        self.set_status(id, SandboxStatus::Paused);
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.status = SandboxStatus::Paused;
+            entry.paused_at = Some(Utc::now());
+            entry.checkpoint_failed = false;
+        }
         self.activity
             .event(id, LogLevel::Info, "sandbox paused", &[])
             .await;
         tracing::info!(sandbox_id = %id, "sandbox paused");
         Ok(())
+    }
+
+    /// Ends the processes of a sandbox marked `Pausing` and keeps only its files.
+    async fn shelve(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
+        let id = sandbox.id.as_str();
+        // The agent's last lines, before its processes end.
+        self.activity
+            .ingest_agent_log(self.runtime.as_ref(), id)
+            .await;
+        let handle = match self.runtime.release(id, &sandbox.handle).await {
+            Ok(handle) => handle,
+            Err(err) => {
+                // Still running if the release failed early; if its processes are gone, the
+                // reaper stops it like any dead sandbox.
+                self.set_status(id, SandboxStatus::Running);
+                return Err(err.into());
+            }
+        };
+        if let Some(entry) = self.live().get_mut(id) {
+            entry.status = SandboxStatus::Shelved;
+            entry.endpoint = None;
+            entry.handle = handle.clone();
+        }
+        self.store
+            .set_sandbox_paused(id, Some(PauseKind::Files), &handle)
+            .await?;
+        self.activity
+            .event(
+                id,
+                LogLevel::Info,
+                "sandbox paused",
+                &[("memory", "false".to_owned())],
+            )
+            .await;
+        tracing::info!(sandbox_id = %id, "sandbox paused without memory");
+        Ok(())
+    }
+
+    /// Boots a sandbox whose files were kept by [`Self::shelve`] again on them, as it was
+    /// created: same environment, access token and image, the start command run again.
+    async fn boot_again(
+        &self,
+        sandbox: &Sandbox,
+    ) -> Result<(RuntimeHandle, Endpoint), SandboxError> {
+        let template = self.store.template(&sandbox.template_id).await?;
+        let image = match (
+            &sandbox.image,
+            template.as_ref().and_then(|t| t.image.clone()),
+        ) {
+            (Some(image), _) => image.clone(),
+            (None, Some(image)) => image,
+            (None, None) => {
+                return Err(SandboxError::Runtime(RuntimeError::TemplateMissing {
+                    template_id: sandbox.template_id.clone(),
+                }));
+            }
+        };
+        let template = template.unwrap_or_else(|| Template {
+            id: sandbox.template_id.clone(),
+            team_id: Some(sandbox.team_id.clone()),
+            aliases: sandbox.alias.iter().cloned().collect(),
+            public: false,
+            build_id: String::new(),
+            build_status: crate::model::BuildStatus::Ready,
+            build_error: None,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            envd_version: sandbox.envd_version.clone(),
+            image: Some(image.clone()),
+            created_at: sandbox.started_at,
+            updated_at: sandbox.started_at,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 0,
+        });
+        let egress = sandbox
+            .network
+            .validate(sandbox.allow_internet_access)
+            .map_err(|e| {
+                SandboxError::Runtime(RuntimeError::Sandbox {
+                    sandbox_id: sandbox.id.clone(),
+                    message: format!("its recorded network is no longer valid: {e}"),
+                })
+            })?;
+        let mut env_vars = image.env.clone();
+        env_vars.extend(sandbox.env_vars.clone());
+        let spec = LaunchSpec {
+            sandbox_id: sandbox.id.clone(),
+            template,
+            image,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            env_vars,
+            allow_internet_access: !egress.is_isolated(),
+            egress,
+            envd_access_token: sandbox.envd_access_token.clone(),
+            volumes: self.store.sandbox_volumes(&sandbox.id).await?,
+            kept: Some(sandbox.handle.clone()),
+        };
+        Ok(self.runtime.launch(spec).await?)
     }
 
     /// Thaws a paused sandbox and gives it `timeout_secs` to live from now. Returns the
@@ -1260,8 +1637,8 @@ impl Sandboxes {
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
-        match self.transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming) {
-            Ok(_) => {}
+        let from = match self.start_waking(id).await {
+            Ok(from) => from,
             Err(Some(SandboxStatus::Running)) if !require_paused => {
                 // Connecting to a running sandbox only ever extends its life.
                 let sandbox = self.extend(team, id, timeout_secs).await?;
@@ -1273,48 +1650,117 @@ impl Sandboxes {
                     state: "not paused",
                 });
             }
-        }
+        };
         if let Err(retry_after_secs) = self.within_slots(team, id) {
-            self.set_status(id, SandboxStatus::Paused);
+            self.set_status(id, from);
             return Err(SandboxError::ConcurrencyLimit {
                 id: id.to_owned(),
                 limit: team.max_concurrent_sandboxes,
                 retry_after_secs,
             });
         }
-        let sandbox = self.thaw(sandbox, timeout_secs, "request").await?;
+        let sandbox = self.thaw(sandbox, from, timeout_secs, "request").await?;
         Ok((sandbox, true))
     }
 
-    /// Thaws a sandbox already marked `Resuming`.
+    /// Marks a paused sandbox as waking (resuming, or restoring from a checkpoint) and returns
+    /// the status it had; a checkpoint under way is waited for first. The status it has
+    /// otherwise.
+    async fn start_waking(&self, id: &str) -> Result<SandboxStatus, Option<SandboxStatus>> {
+        // A dump takes a fraction of a second per 100 MiB; a minute covers any sandbox.
+        for _ in 0..6000 {
+            let status = self.live().get(id).map(|l| l.status);
+            if status != Some(SandboxStatus::Checkpointing) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let mut live = self.live();
+        let entry = live.get_mut(id).ok_or(None)?;
+        let to = entry.status.waking().ok_or(Some(entry.status))?;
+        Ok(std::mem::replace(&mut entry.status, to))
+    }
+
+    /// Thaws (or boots again, `from` shelved, or restores, `from` checkpointed) a sandbox
+    /// already marked waking.
     async fn thaw(
         &self,
         mut sandbox: Sandbox,
+        from: SandboxStatus,
         timeout_secs: u64,
         by: &str,
     ) -> Result<Sandbox, SandboxError> {
         let id = sandbox.id.clone();
         let end_at = Utc::now() + seconds(timeout_secs);
-        let result = async {
-            self.store.set_sandbox_end(&id, end_at).await?;
-            self.runtime.resume(&id, &sandbox.handle).await?;
-            self.store
-                .set_sandbox_state(&id, SandboxState::Running)
-                .await?;
-            Ok::<(), SandboxError>(())
-        }
-        .await;
-        if let Err(err) = result {
-            let _ = self.runtime.pause(&id, &sandbox.handle).await;
-            self.set_status(&id, SandboxStatus::Paused);
-            return Err(err);
+        let booted = if matches!(from, SandboxStatus::Shelved | SandboxStatus::Checkpointed) {
+            let booted = async {
+                self.store.set_sandbox_end(&id, end_at).await?;
+                let (handle, endpoint) = if from == SandboxStatus::Shelved {
+                    self.boot_again(&sandbox).await?
+                } else {
+                    let started = std::time::Instant::now();
+                    let restored = self.runtime.restore(&id, &sandbox.handle).await?;
+                    tracing::info!(sandbox_id = %id, ms = started.elapsed().as_millis() as u64, "sandbox restored from its checkpoint");
+                    restored
+                };
+                if let Err(err) = self.store.set_sandbox_paused(&id, None, &handle).await {
+                    // Unrecorded processes would outlive the server: back to the kept files
+                    // (a restored sandbox's checkpoint is spent, so it runs on, unrecorded).
+                    if from == SandboxStatus::Shelved
+                        && let Ok(released) = self.runtime.release(&id, &handle).await
+                    {
+                        sandbox.handle = released;
+                    }
+                    return Err(err.into());
+                }
+                Ok::<_, SandboxError>((handle, endpoint))
+            }
+            .await;
+            match booted {
+                Ok(booted) => Some(booted),
+                Err(err) => {
+                    if from == SandboxStatus::Checkpointed {
+                        tracing::error!(sandbox_id = %id, error = %err, "cannot restore the sandbox; it stays checkpointed");
+                    }
+                    if let Some(entry) = self.live().get_mut(&id) {
+                        entry.status = from;
+                        entry.handle = sandbox.handle.clone();
+                    }
+                    return Err(err);
+                }
+            }
+        } else {
+            let result = async {
+                self.store.set_sandbox_end(&id, end_at).await?;
+                self.runtime.resume(&id, &sandbox.handle).await?;
+                self.store
+                    .set_sandbox_state(&id, SandboxState::Running)
+                    .await?;
+                Ok::<(), SandboxError>(())
+            }
+            .await;
+            if let Err(err) = result {
+                let _ = self.runtime.pause(&id, &sandbox.handle).await;
+                self.set_status(&id, SandboxStatus::Paused);
+                return Err(err);
+            }
+            None
+        };
+        if let Some((handle, _)) = &booted {
+            sandbox.handle = handle.clone();
+            sandbox.paused_as = None;
         }
         if let Some(entry) = self.live().get_mut(&id) {
             entry.end_at = end_at;
             entry.status = SandboxStatus::Running;
+            if let Some((handle, endpoint)) = booted {
+                entry.handle = handle;
+                entry.endpoint = Some(endpoint);
+            }
         }
         sandbox.end_at = end_at;
         sandbox.state = SandboxState::Running;
+        sandbox.paused_as = None;
         self.activity
             .event(
                 &id,
@@ -1334,10 +1780,15 @@ impl Sandboxes {
         if let Some(endpoint) = self.route(id) {
             return Ok(endpoint);
         }
-        let wake = self
-            .live()
-            .get(id)
-            .is_some_and(|l| l.auto_resume && l.status == SandboxStatus::Paused);
+        let wake = self.live().get(id).is_some_and(|l| {
+            l.auto_resume
+                && matches!(
+                    l.status,
+                    SandboxStatus::Paused
+                        | SandboxStatus::Checkpointing
+                        | SandboxStatus::Checkpointed
+                )
+        });
         if !wake {
             return Err(not_running());
         }
@@ -1347,12 +1798,9 @@ impl Sandboxes {
             .team(&sandbox.team_id)
             .await?
             .ok_or_else(not_running)?;
-        if self
-            .transition(id, SandboxStatus::can_resume, SandboxStatus::Resuming)
-            .is_ok()
-        {
+        if let Ok(from) = self.start_waking(id).await {
             if let Err(retry_after_secs) = self.within_slots(&team, id) {
-                self.set_status(id, SandboxStatus::Paused);
+                self.set_status(id, from);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                 return Err(SandboxError::ConcurrencyLimit {
                     id: id.to_owned(),
@@ -1361,7 +1809,7 @@ impl Sandboxes {
                 });
             }
             match self
-                .thaw(sandbox, AUTO_RESUME_TIMEOUT_SECS, "traffic")
+                .thaw(sandbox, from, AUTO_RESUME_TIMEOUT_SECS, "traffic")
                 .await
             {
                 Ok(_) => tracing::info!(sandbox_id = %id, "resumed by traffic"),
@@ -1370,8 +1818,9 @@ impl Sandboxes {
                 }
             }
         } else {
-            // Another request is resuming it: wait for that.
-            for _ in 0..200 {
+            // Another request is resuming it: wait for that (a restore from disk takes up to
+            // a few seconds).
+            for _ in 0..2000 {
                 if self.route(id).is_some() {
                     break;
                 }

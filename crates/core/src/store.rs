@@ -4,8 +4,9 @@ use chrono::{DateTime, Utc};
 
 use crate::auth::TeamLimits;
 use crate::builds::{BuildLogEntry, BuildRecord, LogLevel, TemplateImage};
-use crate::model::{BuildStatus, Sandbox, SandboxState, Team, Template};
+use crate::model::{BuildStatus, PauseKind, Sandbox, SandboxState, Team, Template};
 use crate::network::NetworkConfig;
+use crate::runtime::RuntimeHandle;
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 use crate::team_metrics::TeamMetricBucket;
 use crate::volumes::{Volume, VolumeMount};
@@ -133,7 +134,16 @@ pub trait Store: Send + Sync + 'static {
         network: &NetworkConfig,
         allow_internet_access: bool,
     ) -> Result<(), StoreError>;
+    /// Sets the state; a paused one is recorded as paused with its memory.
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
+    /// Records the sandbox paused as `paused_as` (running when `None`) with the runtime
+    /// handle that now describes it, in one write.
+    async fn set_sandbox_paused(
+        &self,
+        id: &str,
+        paused_as: Option<PauseKind>,
+        handle: &RuntimeHandle,
+    ) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
 
     // Keys, access tokens, users and team limits

@@ -10,6 +10,7 @@
 
 mod caps;
 mod fs;
+pub mod host;
 mod seccomp;
 mod sys;
 

@@ -367,6 +367,7 @@ impl NodeBuilder {
             egress: EgressRules::default(),
             envd_access_token: token.to_owned(),
             volumes: Vec::new(),
+            kept: None,
         }
     }
 

@@ -295,6 +295,28 @@ impl CgroupDriver {
         Err(CgroupError::Busy { path: file })
     }
 
+    /// The cgroup directory whose freezer holds the sandbox (for CRIU's `--freeze-cgroup`).
+    pub fn freezer_dir(&self, sandbox_id: &str) -> Option<PathBuf> {
+        self.freezer(sandbox_id)
+            .and_then(|(file, _, _)| file.parent().map(Path::to_owned))
+    }
+
+    /// Drops the page cache still charged to the sandbox's memory cgroup once its processes
+    /// are gone (files it read stay charged to it otherwise).
+    pub fn empty_memory(&self, sandbox_id: &str) {
+        for (name, dir) in self.dirs(sandbox_id) {
+            match name {
+                "memory" => {
+                    let _ = std::fs::write(dir.join("memory.force_empty"), "0");
+                }
+                "unified" => {
+                    let _ = std::fs::write(dir.join("memory.reclaim"), "1G");
+                }
+                _ => {}
+            }
+        }
+    }
+
     /// Lets a frozen sandbox run again.
     pub fn thaw(&self, sandbox_id: &str) -> Result<(), CgroupError> {
         match self.freezer(sandbox_id) {

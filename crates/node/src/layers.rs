@@ -209,13 +209,22 @@ pub fn read_file(stack: &[PathBuf], path: &str) -> Option<String> {
 /// sandbox (host id minus the sandbox's base), so the layer means the same to every
 /// sandbox that id-maps it. Entries outside the sandbox's range are refused.
 pub fn shift_owners(root: &Path, base: u32, size: u32) -> std::io::Result<()> {
+    move_owners(root, base, 0, size)
+}
+
+/// Moves every entry under `root` owned by host ids `from..from + size` to the same offset
+/// in `to..to + size`, keeping setuid and setgid bits; an entry outside the range is refused.
+pub fn move_owners(root: &Path, from: u32, to: u32, size: u32) -> std::io::Result<()> {
     let shift = |id: u32, path: &Path| {
-        id.checked_sub(base).filter(|i| *i < size).ok_or_else(|| {
-            std::io::Error::other(format!(
-                "{} is owned by host id {id}, outside the build sandbox's range",
-                path.display()
-            ))
-        })
+        id.checked_sub(from)
+            .filter(|i| *i < size)
+            .map(|i| i + to)
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "{} is owned by host id {id}, outside the sandbox's range",
+                    path.display()
+                ))
+            })
     };
     let mut pending = vec![root.to_owned()];
     while let Some(path) = pending.pop() {

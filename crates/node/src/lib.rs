@@ -4,6 +4,7 @@
 mod agent_client;
 pub mod builder;
 pub mod cgroups;
+pub mod checkpoint;
 pub mod disks;
 pub mod dns;
 pub mod egress;

@@ -231,6 +231,31 @@ async fn new_namespace() -> Result<NewNamespace, NetworkError> {
     })
 }
 
+/// A new unbound Unix stream socket inside the network namespace `netns`, made by a thread
+/// that joins it and ends (a restored sandbox's agent gets one in place of its old listener).
+pub fn socket_in(netns: &OwnedFd) -> std::io::Result<OwnedFd> {
+    let netns = netns.try_clone()?;
+    std::thread::Builder::new()
+        .name("netns-socket".into())
+        .spawn(move || -> std::io::Result<OwnedFd> {
+            // SAFETY: setns on a descriptor we own; only this thread moves.
+            if unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: socket() with constant arguments; the result is checked before it is
+            // owned.
+            let raw =
+                unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            if raw < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: a new descriptor nothing else owns.
+            Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+        })?
+        .join()
+        .map_err(|_| std::io::Error::other("the socket thread panicked"))?
+}
+
 /// Slots handed out by this node; shared by the pool and the runtime.
 pub type SlotSet = Arc<Mutex<std::collections::BTreeSet<u32>>>;
 

@@ -48,6 +48,8 @@ pub struct NodeConfig {
     /// Memory kept for the host and the server: sandboxes are granted at most the host's
     /// memory minus this, in MiB.
     pub memory_reserve_mb: u64,
+    /// The CRIU binary for checkpoints of paused sandboxes; `None` keeps them in memory.
+    pub criu: Option<PathBuf>,
     /// Network namespaces kept wired and waiting for new sandboxes.
     pub netns_pool: usize,
 }
@@ -99,6 +101,14 @@ struct Handle {
     /// template.
     #[serde(default)]
     layers: Vec<String>,
+    /// The sandbox's processes ended and its slot and memory went back to the node; only its
+    /// files are kept (`pid` and `slot` are from its last life).
+    #[serde(default)]
+    released: bool,
+    /// The sandbox's processes were checkpointed to disk and ended; it keeps its slot (its
+    /// network namespace) and cgroups, and `pid` is from before the checkpoint.
+    #[serde(default)]
+    checkpointed: bool,
 }
 
 #[derive(Debug)]
@@ -117,6 +127,15 @@ pub struct LinuxRuntime {
     layers: crate::layers::LayerStore,
     /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
     layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
+    /// CRIU, when it passed its probe.
+    criu: Option<crate::checkpoint::Criu>,
+    /// The content-addressed copy of the agent binary sandboxes run, and its SHA-256: a
+    /// checkpoint can only be restored with the exact binary its processes mapped.
+    agent_exec: PathBuf,
+    agent_digest: String,
+    /// Mount points a restore needs that the sandbox's host uid must reach (outside the
+    /// data directory, which only root may traverse).
+    mount_dir: PathBuf,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -216,7 +235,55 @@ impl LinuxRuntime {
         let slots = SlotSet::default();
         let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
         netns_pool.refill();
+        let (agent_exec, agent_digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
+        let criu = match config.criu.clone() {
+            None => {
+                tracing::info!("checkpoints are off: paused sandboxes stay in memory");
+                None
+            }
+            Some(path) => {
+                match tokio::task::spawn_blocking(move || crate::checkpoint::probe(&path)).await {
+                    Ok(Ok(criu)) => {
+                        tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
+                        Some(criu)
+                    }
+                    Ok(Err(err)) => {
+                        tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
+                        None
+                    }
+                }
+            }
+        };
+        let mount_dir = PathBuf::from(format!(
+            "/run/sandbar-{}",
+            &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+                config.data_dir.as_os_str().as_encoded_bytes()
+            ))[..12]
+        ));
+        for dir in [config.data_dir.join("checkpoints"), mount_dir.clone()] {
+            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(
+                config.data_dir.join("checkpoints"),
+                std::fs::Permissions::from_mode(0o700),
+            );
+            // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
+            let _ = std::fs::set_permissions(&mount_dir, std::fs::Permissions::from_mode(0o711));
+        }
         Ok(Self {
+            criu,
+            agent_exec,
+            agent_digest,
+            mount_dir,
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
@@ -245,6 +312,37 @@ impl LinuxRuntime {
     /// Unmounts what the node keeps mounted for sandboxes when none is left (clean shutdown).
     pub async fn release(&self) {
         self.disks.release_if_empty().await;
+    }
+
+    /// The kept directory of a released sandbox, its files given to the id range of the
+    /// slot it boots in now when that differs from its last one.
+    async fn reuse_disk(&self, id: &str, from: u32, to: u32) -> Result<PathBuf, RuntimeError> {
+        let dir = self.disks.path(id);
+        if !dir.join(sandbar_jail::layout::UPPER).is_dir() {
+            return Err(sandbox_err(
+                id,
+                format!("its kept files at {} are gone", dir.display()),
+            ));
+        }
+        if from == to {
+            return Ok(dir);
+        }
+        let moved = dir.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for owned in [sandbar_jail::layout::UPPER, sandbar_jail::layout::WORK] {
+                crate::layers::move_owners(&moved.join(owned), from, to, SANDBOX_IDS)?;
+            }
+            std::os::unix::fs::chown(&moved, Some(to), Some(to))
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| {
+            sandbox_err(
+                id,
+                format!("cannot give its kept files to host ids from {to}: {e}"),
+            )
+        })?;
+        Ok(dir)
     }
 
     fn socket_path(&self, id: &str) -> PathBuf {
@@ -353,12 +451,22 @@ impl LinuxRuntime {
             .listen_at(&socket)
             .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
         let log_path = self.log_path(id);
-        let log = std::fs::File::create(&log_path)
+        // A sandbox booted again on its kept files goes on with its log: the lines read so
+        // far are counted by offset.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(spec.kept.is_some())
+            .write(true)
+            .truncate(spec.kept.is_none())
+            .open(&log_path)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
         let listener_fd = listener.as_raw_fd();
         let netns_fd = netns.netns.as_raw_fd();
-        let mut command = tokio::process::Command::new(&self.config.agent_bin);
+        // The restored root task reopens the log through its descriptor with its own rights.
+        std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
+            .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
+        let mut command = tokio::process::Command::new(&self.agent_exec);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.
             .arg0("sandbar-agent")
@@ -395,7 +503,7 @@ impl LinuxRuntime {
         let mut child = command.spawn().map_err(|e| {
             sandbox_err(
                 id,
-                format!("start agent {}: {e}", self.config.agent_bin.display()),
+                format!("start agent {}: {e}", self.agent_exec.display()),
             )
         })?;
         // The agent holds its own copy now; ours would keep the socket accepting after the
@@ -436,6 +544,8 @@ impl LinuxRuntime {
 
     async fn teardown(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
         self.stop(id, handle).await?;
+        self.forget_checkpoint(id);
+        let _ = std::fs::remove_file(self.log_path(id));
         let disks = self.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || disks.remove(&owned_id))
@@ -445,12 +555,14 @@ impl LinuxRuntime {
         Ok(())
     }
 
-    /// Ends the sandbox's processes and frees everything but its disk.
+    /// Ends the sandbox's processes and frees everything but its disk and its agent log.
     async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
         self.layers_in_use
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
+        // A released sandbox's slot went back to the node and may be another sandbox's now.
+        let handle = handle.filter(|h| !h.released);
         if let Some(h) = handle
             && is_alive(h)
         {
@@ -480,7 +592,6 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
-        let _ = std::fs::remove_file(self.log_path(id));
         Ok(())
     }
 
@@ -504,10 +615,18 @@ impl LinuxRuntime {
             )
             .map_err(|e| (None, sandbox_err(id, e)))?;
         let cgroups_done = started.elapsed();
-        let dir = self
-            .disks
-            .create(id, spec.disk_size_mb, id_map.host_base)
-            .map_err(|e| (None, sandbox_err(id, e)))?;
+        let dir = match &spec.kept {
+            None => self
+                .disks
+                .create(id, spec.disk_size_mb, id_map.host_base)
+                .map_err(|e| (None, sandbox_err(id, e)))?,
+            Some(kept) => {
+                let kept = parse_handle(id, kept).map_err(|e| (None, e))?;
+                self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
+                    .await
+                    .map_err(|e| (None, e))?
+            }
+        };
         let disk_done = started.elapsed();
         // Before PID 1 joins the namespace: the sandbox never has a moment without its rules.
         self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
@@ -526,6 +645,8 @@ impl LinuxRuntime {
             id_base: Some(id_map.host_base),
             memory_mb: spec.memory_mb,
             layers: spec.image.layers.clone(),
+            released: false,
+            checkpointed: false,
         };
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
@@ -643,6 +764,7 @@ impl LinuxRuntime {
     ) -> Result<(), RuntimeError> {
         let h = parse_handle(id, handle)?;
         self.stop(id, Some(&h)).await?;
+        let _ = std::fs::remove_file(self.log_path(id));
         self.release_memory(id);
         let base = h.id_base.unwrap_or(0);
         let dir = self.disks.path(id);
@@ -749,6 +871,11 @@ fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError
 impl Runtime for LinuxRuntime {
     async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.clone();
+        let kept = spec
+            .kept
+            .as_ref()
+            .map(|k| parse_handle(&id, k))
+            .transpose()?;
         self.grant_memory(&id, spec.memory_mb)?;
         let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
             Some(Ok(netns)) => netns,
@@ -782,8 +909,22 @@ impl Runtime for LinuxRuntime {
                     id_base: None,
                     memory_mb: 0,
                     layers: Vec::new(),
+                    released: false,
+                    checkpointed: false,
                 });
-                if let Err(cleanup) = self.teardown(&id, Some(&handle)).await {
+                // A sandbox booted on kept files keeps them for another try.
+                let cleanup = match &kept {
+                    None => self.teardown(&id, Some(&handle)).await,
+                    Some(kept) => {
+                        let stopped = self.stop(&id, Some(&handle)).await;
+                        self.layers_in_use
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert(id.clone(), kept.layers.clone());
+                        stopped
+                    }
+                };
+                if let Err(cleanup) = cleanup {
                     tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
                 }
                 self.free_slot(slot);
@@ -874,6 +1015,184 @@ impl Runtime for LinuxRuntime {
             .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
+    async fn release(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if h.released {
+            return Ok(handle.clone());
+        }
+        self.stop(sandbox_id, Some(&h)).await?;
+        // Namespaces kept by an earlier checkpoint would hold its old network alive.
+        self.forget_checkpoint(sandbox_id);
+        self.release_memory(sandbox_id);
+        // Its layers stay in use: the kept writable layer only makes sense on top of them.
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), h.layers.clone());
+        let released = Handle {
+            pid: 0,
+            start_ticks: 0,
+            released: true,
+            ..h
+        };
+        let value = serde_json::to_value(&released).map_err(|e| sandbox_err(sandbox_id, e))?;
+        Ok(RuntimeHandle(value))
+    }
+
+    fn can_checkpoint(&self) -> bool {
+        self.criu.is_some()
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if h.checkpointed {
+            return Ok(handle.clone());
+        }
+        self.dump(sandbox_id, &h).await?;
+        // CRIU ended the tree after the dump; anything that escaped it would run on.
+        for _ in 0..250 {
+            if !is_alive(&h) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if let Err(err) = self.cgroups.kill_all(sandbox_id).await {
+            tracing::warn!(sandbox_id, error = %err, "processes left after the checkpoint");
+        }
+        self.cgroups.empty_memory(sandbox_id);
+        self.release_memory(sandbox_id);
+        let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+        let checkpointed = Handle {
+            pid: 0,
+            start_ticks: 0,
+            checkpointed: true,
+            ..h
+        };
+        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
+        Ok(RuntimeHandle(value))
+    }
+
+    async fn restore(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !h.checkpointed {
+            return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
+        }
+        self.grant_memory(sandbox_id, h.memory_mb)?;
+        // Joining a frozen cgroup would freeze CRIU itself.
+        let restored = match self.cgroups.thaw(sandbox_id) {
+            Ok(()) => self.undump(sandbox_id, &h).await,
+            Err(e) => Err(sandbox_err(sandbox_id, e)),
+        };
+        let pid = match restored {
+            Ok(pid) => pid,
+            Err(err) => {
+                self.release_memory(sandbox_id);
+                return Err(err);
+            }
+        };
+        let running = Handle {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or_default(),
+            checkpointed: false,
+            ..h
+        };
+        let endpoint = self.endpoint(sandbox_id, h.slot)?;
+        if let Err(e) =
+            agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
+        {
+            let _ = self.cgroups.kill_all(sandbox_id).await;
+            self.release_memory(sandbox_id);
+            return Err(sandbox_err(
+                sandbox_id,
+                format!("the restored agent does not answer: {e}"),
+            ));
+        }
+        // The images are spent: the sandbox runs on from here.
+        let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
+        let value = serde_json::to_value(&running).map_err(|e| sandbox_err(sandbox_id, e))?;
+        Ok((RuntimeHandle(value), endpoint))
+    }
+
+    async fn adopt_checkpointed(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !h.checkpointed && is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "its processes still run"));
+        }
+        let dir = self.checkpoint_dir(sandbox_id);
+        tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&dir, false))
+            .await
+            .map_err(|e| sandbox_err(sandbox_id, e))?
+            .map_err(|e| sandbox_err(sandbox_id, e))?;
+        for kind in ["net", "user"] {
+            let kept = self.kept_ns(sandbox_id, kind);
+            if !is_nsfs(&kept) {
+                return Err(sandbox_err(
+                    sandbox_id,
+                    format!("its kept namespace {} is gone", kept.display()),
+                ));
+            }
+        }
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h.slot);
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), h.layers.clone());
+        let checkpointed = Handle {
+            pid: 0,
+            start_ticks: 0,
+            checkpointed: true,
+            ..h
+        };
+        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
+        Ok(RuntimeHandle(value))
+    }
+
+    async fn discard_checkpoint(&self, sandbox_id: &str) {
+        let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
+    }
+
+    async fn adopt_released(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        let upper = self
+            .disks
+            .path(sandbox_id)
+            .join(sandbar_jail::layout::UPPER);
+        if !h.released || !upper.is_dir() {
+            return Err(sandbox_err(
+                sandbox_id,
+                format!("no kept files at {}", upper.display()),
+            ));
+        }
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(sandbox_id.to_owned(), h.layers);
+        Ok(())
+    }
+
     fn stats(
         &self,
         sandbox_id: &str,
@@ -919,6 +1238,368 @@ impl Runtime for LinuxRuntime {
     }
 }
 
+/// Copies the agent binary to `<data>/agents/<sha256>` (once) and returns that path and the
+/// digest: sandboxes run the copy, so a checkpoint's processes map a file that stays as it was
+/// when the server's own binary is replaced.
+fn keep_agent(agent_bin: &Path, data_dir: &Path) -> Result<(PathBuf, String), NodeError> {
+    use sha2::Digest;
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| NodeError::Io { path, source }
+    };
+    let bytes = std::fs::read(agent_bin).map_err(io(agent_bin))?;
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let dir = data_dir.join("agents");
+    std::fs::create_dir_all(&dir).map_err(io(&dir))?;
+    let kept = dir.join(&digest);
+    if !kept.exists() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = dir.join(format!(".{digest}.tmp"));
+        std::fs::write(&tmp, &bytes).map_err(io(&tmp))?;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).map_err(io(&tmp))?;
+        std::fs::rename(&tmp, &kept).map_err(io(&kept))?;
+    }
+    Ok((kept, digest))
+}
+
+/// Inode of a namespace file (`/proc/PID/ns/net` or a bind mount of one).
+fn ns_inode(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| m.ino())
+}
+
+/// Whether `path` is a namespace (a bind mount of one): after a reboot only the empty file
+/// it was mounted on is left.
+fn is_nsfs(path: &Path) -> bool {
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain old data; all-zero is a valid value for it to fill in.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid nul-terminated path and `st` a statfs the call may write.
+    let found = unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0;
+    found && st.f_type as i64 == NSFS_MAGIC
+}
+
+/// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens
+/// early.
+const INHERITED_FD_BASE: i32 = 200;
+
+impl LinuxRuntime {
+    fn checkpoint_dir(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("checkpoints").join(id)
+    }
+
+    /// A namespace of the sandbox kept (bind-mounted) while its processes are checkpointed.
+    fn kept_ns(&self, id: &str, kind: &str) -> PathBuf {
+        self.config
+            .data_dir
+            .join("checkpoints")
+            .join(format!("{id}.{kind}"))
+    }
+
+    /// The network namespace a checkpointed sandbox's processes are restored into; the one
+    /// its PID 1 joined at boot, kept alive by a bind mount.
+    fn keep_netns(&self, id: &str, pid: i32) -> std::io::Result<PathBuf> {
+        for kind in ["net", "user"] {
+            let target = self.kept_ns(id, kind);
+            let source = PathBuf::from(format!("/proc/{pid}/ns/{kind}"));
+            if ns_inode(&target).is_some() && ns_inode(&target) == ns_inode(&source) {
+                continue;
+            }
+            let _ = sandbar_jail::host::unmount(&target);
+            sandbar_jail::host::bind_file(&source, &target)?;
+        }
+        Ok(self.kept_ns(id, "net"))
+    }
+
+    /// Removes a sandbox's checkpoint and the namespaces kept for it; nothing if it has none.
+    fn forget_checkpoint(&self, id: &str) {
+        let _ = sandbar_jail::host::unmount(&self.mount_dir.join(format!("{id}.sys")));
+        let _ = std::fs::remove_dir(self.mount_dir.join(format!("{id}.sys")));
+        for kind in ["net", "user"] {
+            let kept = self.kept_ns(id, kind);
+            while sandbar_jail::host::unmount(&kept).is_ok() {}
+            let _ = std::fs::remove_file(&kept);
+        }
+        let _ = std::fs::remove_dir_all(self.checkpoint_dir(id));
+    }
+
+    /// Dumps the frozen sandbox `id` with CRIU, which ends its processes.
+    async fn dump(&self, id: &str, h: &Handle) -> Result<crate::checkpoint::Header, RuntimeError> {
+        let criu = self
+            .criu
+            .as_ref()
+            .ok_or_else(|| sandbox_err(id, "this node cannot checkpoint sandboxes"))?;
+        if !is_alive(h) {
+            return Err(sandbox_err(id, "the sandbox's processes are gone"));
+        }
+        if !self.cgroups.is_frozen(id) {
+            return Err(sandbox_err(id, "the sandbox is not frozen"));
+        }
+        let freezer = self
+            .cgroups
+            .freezer_dir(id)
+            .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
+        let netns = self
+            .keep_netns(id, h.pid)
+            .map_err(|e| sandbox_err(id, format!("cannot keep its network namespace: {e}")))?;
+        let netns_inode =
+            ns_inode(&netns).ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
+        let dir = self.checkpoint_dir(id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
+        let tasks = self.cgroups.members(id);
+        let pid = h.pid;
+        let plan = tokio::task::spawn_blocking(move || {
+            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
+        let output = tokio::process::Command::new(&criu.path)
+            .arg("dump")
+            .arg("--tree")
+            .arg(h.pid.to_string())
+            .arg("--images-dir")
+            .arg(&dir)
+            .arg("--log-file")
+            .arg(crate::checkpoint::DUMP_LOG)
+            .arg("-v2")
+            .arg("--freeze-cgroup")
+            .arg(&freezer)
+            .args(&plan.args)
+            // PID 1 is non-dumpable; the ownership check CRIU would run from inside its user
+            // namespace cannot open its namespaces (patch 0001).
+            .env("CRIU_SKIP_USERNS_CHECK", "1")
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
+        if !output.status.success() {
+            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::DUMP_LOG));
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(sandbox_err(
+                id,
+                format!("checkpoint failed ({}): {errors}", output.status),
+            ));
+        }
+        let header_dir = dir.clone();
+        let criu_version = criu.version.clone();
+        let agent_digest = self.agent_digest.clone();
+        tokio::task::spawn_blocking(move || {
+            let (images, images_crc32) = crate::checkpoint::list_images(&header_dir)?;
+            let header = crate::checkpoint::Header {
+                criu_version,
+                agent_digest,
+                listener_inode: plan.listener_inode,
+                externals: plan.externals,
+                images,
+                images_crc32,
+            };
+            crate::checkpoint::write_header(&header_dir, &header)?;
+            Ok::<_, std::io::Error>(header)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))
+    }
+
+    /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
+    /// returns its new PID 1.
+    async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
+        let criu = self
+            .criu
+            .as_ref()
+            .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))?;
+        let dir = self.checkpoint_dir(id);
+        let read_dir = dir.clone();
+        let header =
+            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, true))
+                .await
+                .map_err(|e| sandbox_err(id, e))?
+                .map_err(|e| sandbox_err(id, e))?;
+        if header.criu_version != criu.version {
+            return Err(sandbox_err(
+                id,
+                format!(
+                    "the checkpoint was made by CRIU {}, this node has {}",
+                    header.criu_version, criu.version
+                ),
+            ));
+        }
+        let netns = self.kept_ns(id, "net");
+        let userns = self.kept_ns(id, "user");
+        let sandbox_dir = self.disks.path(id);
+        let layers = self
+            .layers
+            .stack(&h.layers)
+            .map_err(|e| sandbox_err(id, e))?;
+        let sysfs = self.mount_dir.join(format!("{id}.sys"));
+        let socket = self.socket_path(id);
+        let prepared = {
+            let sandbox_dir = sandbox_dir.clone();
+            let layers = layers.clone();
+            let sysfs = sysfs.clone();
+            let netns = netns.clone();
+            let socket = socket.clone();
+            let slot = h.slot;
+            tokio::task::spawn_blocking(move || -> Result<_, String> {
+                sandbar_jail::host::mount_root(&sandbox_dir, &layers, &userns)
+                    .map_err(|e| format!("cannot mount its root again: {e}"))?;
+                if let Err(e) = std::fs::create_dir(&sysfs)
+                    && e.kind() != std::io::ErrorKind::AlreadyExists
+                {
+                    return Err(format!("create {}: {e}", sysfs.display()));
+                }
+                sandbar_jail::host::mount_sysfs_of(&netns, &sysfs)
+                    .map_err(|e| format!("cannot mount its sysfs: {e}"))?;
+                let netns_fd: std::os::fd::OwnedFd = std::fs::File::open(&netns)
+                    .map_err(|e| format!("open {}: {e}", netns.display()))?
+                    .into();
+                let agent_socket = crate::netns::socket_in(&netns_fd)
+                    .map_err(|e| format!("cannot make the agent's socket: {e}"))?;
+                let _ = std::fs::remove_file(&socket);
+                let prepared = PreparedNetns {
+                    slot,
+                    netns: netns_fd,
+                    agent_socket,
+                };
+                let listener = prepared
+                    .listen_at(&socket)
+                    .map_err(|e| format!("bind {}: {e}", socket.display()))?;
+                Ok((prepared, listener))
+            })
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+        };
+        let undo_mounts = || {
+            sandbar_jail::host::unmount_root(&sandbox_dir, layers.len());
+            let _ = sandbar_jail::host::unmount(&sysfs);
+        };
+        let (prepared, listener) = match prepared {
+            Ok(ok) => ok,
+            Err(e) => {
+                undo_mounts();
+                return Err(sandbox_err(id, e));
+            }
+        };
+        let files = match crate::checkpoint::open_externals(&header) {
+            Ok(files) => files,
+            Err(e) => {
+                undo_mounts();
+                return Err(sandbox_err(id, e));
+            }
+        };
+        let mut args: Vec<String> = Vec::new();
+        for external in &header.externals {
+            match external {
+                crate::checkpoint::External::Device { key, source } => {
+                    args.push(format!("--external=mnt[{key}]:{}", source.display()));
+                }
+                crate::checkpoint::External::Sysfs { key } => {
+                    args.push(format!("--external=mnt[{key}]:{}", sysfs.display()));
+                }
+                crate::checkpoint::External::File { .. } => {}
+            }
+        }
+        // Descriptors handed to CRIU at fixed numbers: the host files, the new listener and
+        // the network namespace.
+        let mut inherited: Vec<(i32, i32)> = Vec::new();
+        let mut owned = Vec::new();
+        let mut next = INHERITED_FD_BASE;
+        for (key, fd) in files {
+            args.push(format!("--inherit-fd=fd[{next}]:{key}"));
+            inherited.push((fd.as_raw_fd(), next));
+            owned.push(fd);
+            next += 1;
+        }
+        args.push(format!(
+            "--inherit-fd=fd[{next}]:socket:[{}]",
+            header.listener_inode
+        ));
+        inherited.push((listener.as_raw_fd(), next));
+        next += 1;
+        args.push(format!("--inherit-fd=fd[{next}]:extnet"));
+        inherited.push((prepared.netns.as_raw_fd(), next));
+
+        let pidfile = dir.join("restore.pid");
+        let _ = std::fs::remove_file(&pidfile);
+        let joins: Vec<std::ffi::CString> = self
+            .cgroups
+            .join_files(id)
+            .iter()
+            .filter_map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok())
+            .collect();
+        let mut command = tokio::process::Command::new(&criu.path);
+        command
+            .arg("restore")
+            .arg("--images-dir")
+            .arg(&dir)
+            .arg("--log-file")
+            .arg(crate::checkpoint::RESTORE_LOG)
+            .arg("-v2")
+            .arg("--root")
+            .arg(sandbox_dir.join(sandbar_jail::layout::ROOT))
+            .arg("--restore-detached")
+            .arg("--manage-cgroups=ignore")
+            .arg("--pidfile")
+            .arg(&pidfile)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
+        // functions (open, write, close, dup2) on data prepared before the fork.
+        unsafe {
+            command.pre_exec(move || {
+                // CRIU leaves restored tasks in its own cgroups (--manage-cgroups=ignore): it
+                // joins the sandbox's first.
+                for file in &joins {
+                    let fd = libc::open(file.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let written = libc::write(fd, c"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                    if written != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                for (from, to) in &inherited {
+                    if libc::dup2(*from, *to) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let output = command.output().await;
+        drop(owned);
+        drop(listener);
+        drop(prepared);
+        undo_mounts();
+        let output =
+            output.map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
+        if !output.status.success() {
+            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
+            // Whatever CRIU had started is in the sandbox's cgroups.
+            let _ = self.cgroups.kill_all(id).await;
+            return Err(sandbox_err(
+                id,
+                format!("restore failed ({}): {errors}", output.status),
+            ));
+        }
+        let pid: i32 = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| sandbox_err(id, "the restore wrote no PID"))?;
+        Ok(pid)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -935,6 +1616,8 @@ mod tests {
             id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
+            released: false,
+            checkpointed: false,
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -943,6 +1626,8 @@ mod tests {
             id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
+            released: false,
+            checkpointed: false,
         }));
     }
 }

@@ -127,6 +127,15 @@ struct ServeArgs {
     /// time when it starts; 0 makes each one as its sandbox starts.
     #[arg(long, env = "SANDBAR_NETNS_POOL", default_value_t = 4, value_parser = clap::value_parser!(u64).range(0..=256))]
     netns_pool: u64,
+    /// The CRIU binary that checkpoints paused sandboxes to disk (4.1.1 with the patches of
+    /// scripts/criu, installed by scripts/install-criu.sh); "" turns checkpoints off. When it
+    /// is missing or fails its checks, pauses keep sandboxes frozen in memory.
+    #[arg(long, env = "SANDBAR_CRIU", default_value = "/usr/local/sbin/criu")]
+    criu: String,
+    /// Seconds a sandbox paused with its memory stays frozen in memory (a resume within them
+    /// takes milliseconds) before it is checkpointed to disk and its memory freed.
+    #[arg(long, env = "SANDBAR_PAUSE_GRACE_SECS", default_value_t = 10)]
+    pause_grace_secs: u64,
     /// Enforce each sandbox's diskSizeMB (inodes included) with a btrfs pool in
     /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
     #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
@@ -365,6 +374,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
             memory_reserve_mb: args.memory_reserve_mb,
+            criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
         })
         .await?,
     );
@@ -428,6 +438,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                     log_lines_per_sandbox: args.log_lines_per_sandbox,
                     retention: std::time::Duration::from_secs(args.log_retention_days * 86_400),
                 },
+                pause_grace: std::time::Duration::from_secs(args.pause_grace_secs),
                 ..SandboxesConfig::default()
             },
         )

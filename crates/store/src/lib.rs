@@ -11,8 +11,8 @@ use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret};
 use sandbar_core::{BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, LogLevel, TemplateImage};
 use sandbar_core::{
-    BuildStatus, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, StoreError, Team,
-    Template, Volume, VolumeMount,
+    BuildStatus, NetworkConfig, PauseKind, RuntimeHandle, Sandbox, SandboxState, Store, StoreError,
+    Team, Template, Volume, VolumeMount,
 };
 use sandbar_core::{SandboxLogEntry, SandboxLogQuery, TeamMetricBucket};
 use sqlx::sqlite::{
@@ -222,6 +222,19 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
     let env_vars: String = row.try_get("env_vars").map_err(err)?;
     let handle: String = row.try_get("handle").map_err(err)?;
     let network: String = row.try_get("network").map_err(err)?;
+    let paused_as: Option<String> = row.try_get("paused_as").map_err(err)?;
+    let image: Option<String> = row.try_get("image").map_err(err)?;
+    let state = SandboxState::parse(&state)
+        .ok_or_else(|| err(format!("sandbox {id} has unknown state {state}")))?;
+    let paused_as = match (state, paused_as.as_deref()) {
+        (SandboxState::Running, _) => None,
+        // Paused before the kind was recorded: only memory pauses existed.
+        (SandboxState::Paused, None) => Some(PauseKind::Memory),
+        (SandboxState::Paused, Some(kind)) => Some(
+            PauseKind::parse(kind)
+                .ok_or_else(|| err(format!("sandbox {id} has unknown pause kind {kind}")))?,
+        ),
+    };
     Ok(Sandbox {
         team_id: row.try_get("team_id").map_err(err)?,
         template_id: row.try_get("template_id").map_err(err)?,
@@ -238,10 +251,15 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
         traffic_access_token: row.try_get("traffic_access_token").map_err(err)?,
         auto_pause: row.try_get("auto_pause").map_err(err)?,
         auto_resume: row.try_get("auto_resume").map_err(err)?,
+        auto_pause_memory: row.try_get("auto_pause_memory").map_err(err)?,
+        image: image
+            .map(|i| serde_json::from_str(&i))
+            .transpose()
+            .map_err(err)?,
         envd_access_token: row.try_get("envd_access_token").map_err(err)?,
         envd_version: row.try_get("envd_version").map_err(err)?,
-        state: SandboxState::parse(&state)
-            .ok_or_else(|| err(format!("sandbox {id} has unknown state {state}")))?,
+        state,
+        paused_as,
         handle: RuntimeHandle(serde_json::Value::from_str(&handle).map_err(err)?),
         id,
     })
@@ -745,8 +763,8 @@ impl Store for SqliteStore {
 
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause, auto_resume)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause, auto_resume, paused_as, auto_pause_memory, image)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -768,6 +786,15 @@ impl Store for SqliteStore {
         .bind(&s.traffic_access_token)
         .bind(s.auto_pause)
         .bind(s.auto_resume)
+        .bind(s.paused_as.map(PauseKind::as_str))
+        .bind(s.auto_pause_memory)
+        .bind(
+            s.image
+                .as_ref()
+                .map(serde_json::to_string)
+                .transpose()
+                .map_err(err)?,
+        )
         .execute(&self.pool)
         .await
         .map_err(err)?;
@@ -829,8 +856,31 @@ impl Store for SqliteStore {
     }
 
     async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET state = ? WHERE id = ?")
+        let paused_as = (state == SandboxState::Paused).then_some(PauseKind::Memory.as_str());
+        sqlx::query("UPDATE sandboxes SET state = ?, paused_as = ? WHERE id = ?")
             .bind(state.as_str())
+            .bind(paused_as)
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
+    async fn set_sandbox_paused(
+        &self,
+        id: &str,
+        paused_as: Option<PauseKind>,
+        handle: &RuntimeHandle,
+    ) -> Result<(), StoreError> {
+        let state = match paused_as {
+            Some(_) => SandboxState::Paused,
+            None => SandboxState::Running,
+        };
+        sqlx::query("UPDATE sandboxes SET state = ?, paused_as = ?, handle = ? WHERE id = ?")
+            .bind(state.as_str())
+            .bind(paused_as.map(PauseKind::as_str))
+            .bind(handle.0.to_string())
             .bind(id)
             .execute(&self.pool)
             .await

@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use chrono::{TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
 use sandbar_core::{
-    BuildStatus, EgressConfig, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, Store, Template,
+    BuildStatus, EgressConfig, NetworkConfig, PauseKind, RuntimeHandle, Sandbox, SandboxState,
+    Store, Template,
 };
 use sandbar_store::SqliteStore;
 use std::sync::Arc;
@@ -147,9 +148,12 @@ async fn templates_and_sandboxes_round_trip() {
         envd_access_token: "t".into(),
         envd_version: "0.5.7".into(),
         state: SandboxState::Running,
+        paused_as: None,
         handle: RuntimeHandle(serde_json::json!({"pid": 5})),
         auto_pause: true,
         auto_resume: false,
+        auto_pause_memory: false,
+        image: Some(image.clone()),
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
     store
@@ -162,9 +166,29 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("read")
         .expect("found");
     assert_eq!(
-        (paused.state, paused.auto_pause),
-        (SandboxState::Paused, true)
+        (paused.state, paused.paused_as, paused.auto_pause),
+        (SandboxState::Paused, Some(PauseKind::Memory), true)
     );
+    assert!(!paused.auto_pause_memory);
+    assert_eq!(paused.image.as_ref(), Some(&image));
+    let released = RuntimeHandle(serde_json::json!({"pid": 0}));
+    store
+        .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+        .await
+        .expect("pause without memory");
+    let shelved = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("read")
+        .expect("found");
+    assert_eq!(
+        (shelved.state, shelved.paused_as, &shelved.handle),
+        (SandboxState::Paused, Some(PauseKind::Files), &released)
+    );
+    store
+        .set_sandbox_paused(&sandbox.id, None, &sandbox.handle)
+        .await
+        .expect("boot again");
     store
         .set_sandbox_state(&sandbox.id, SandboxState::Running)
         .await
@@ -176,6 +200,7 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("found");
     assert_eq!(loaded.metadata, sandbox.metadata);
     assert_eq!(loaded.handle, sandbox.handle);
+    assert_eq!(loaded.paused_as, None);
     assert_eq!(
         loaded.end_at.timestamp_micros(),
         sandbox.end_at.timestamp_micros()

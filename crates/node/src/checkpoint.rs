@@ -1,0 +1,531 @@
+//! Checkpoints of paused sandboxes with CRIU (docs/checkpoint.md): the probe that decides
+//! whether this host can take them, the header that marks one complete, what a dump must be
+//! told about the host's files and mounts a sandbox uses, and the two commands.
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use serde::{Deserialize, Serialize};
+use sha2::Digest;
+
+/// The CRIU release our patches are made for; checkpoints are only promised to restore with
+/// the version that made them.
+pub const CRIU_VERSION: &str = "4.1.1";
+/// Where scripts/install-criu.sh records the digest of the patches it built with.
+pub const PATCH_STAMP: &str = "/usr/local/share/sandbar/criu-patches.sha256";
+const PATCHES: [&[u8]; 3] = [
+    include_bytes!("../../../scripts/criu/0001-userns-check-opt-out.patch"),
+    include_bytes!("../../../scripts/criu/0002-rlimits-from-proc.patch"),
+    include_bytes!("../../../scripts/criu/0003-external-netns-of-another-userns.patch"),
+];
+
+/// A CRIU binary that passed [`probe`].
+#[derive(Debug, Clone)]
+pub struct Criu {
+    pub path: PathBuf,
+    pub version: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("{path} cannot be run: {source}")]
+    Missing {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is version '{found}', not {CRIU_VERSION}")]
+    Version { path: PathBuf, found: String },
+    #[error(
+        "{PATCH_STAMP} does not name the patches this server was built with; run scripts/install-criu.sh"
+    )]
+    Patches,
+    #[error("`{path} check` failed: {output}")]
+    Check { path: PathBuf, output: String },
+}
+
+/// Whether `path` is the patched CRIU this server needs, and working on this kernel.
+pub fn probe(path: &Path) -> Result<Criu, ProbeError> {
+    let run = |arg: &str| {
+        std::process::Command::new(path)
+            .arg(arg)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| ProbeError::Missing {
+                path: path.to_owned(),
+                source,
+            })
+    };
+    let version = run("--version")?;
+    let text = String::from_utf8_lossy(&version.stdout);
+    let found = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Version:"))
+        .map(|v| v.trim().to_owned())
+        .unwrap_or_default();
+    if found != CRIU_VERSION {
+        return Err(ProbeError::Version {
+            path: path.to_owned(),
+            found,
+        });
+    }
+    let mut digest = sha2::Sha256::new();
+    for patch in PATCHES {
+        digest.update(patch);
+    }
+    let stamp = std::fs::read_to_string(PATCH_STAMP).unwrap_or_default();
+    if stamp.trim() != hex::encode(digest.finalize()) {
+        return Err(ProbeError::Patches);
+    }
+    let check = run("check")?;
+    if !check.status.success() {
+        let mut output = String::from_utf8_lossy(&check.stdout).into_owned();
+        output.push_str(&String::from_utf8_lossy(&check.stderr));
+        return Err(ProbeError::Check {
+            path: path.to_owned(),
+            output: output.trim().chars().take(400).collect(),
+        });
+    }
+    Ok(Criu {
+        path: path.to_owned(),
+        version: found,
+    })
+}
+
+const MAGIC: &[u8; 8] = b"SBXCKPT\0";
+const FORMAT_VERSION: u32 = 1;
+/// The header's file name in a checkpoint directory; written last.
+pub const HEADER_FILE: &str = "header";
+/// CRIU's logs, which are not part of the images.
+pub const DUMP_LOG: &str = "dump.log";
+pub const RESTORE_LOG: &str = "restore.log";
+
+/// What a checkpoint is and needs: written after the images, so a directory without a valid
+/// header is an incomplete checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Header {
+    pub criu_version: String,
+    /// SHA-256 of the agent binary the sandbox runs (kept under the data directory).
+    pub agent_digest: String,
+    /// Inode of the agent's listening socket, which a restore replaces with a new one.
+    pub listener_inode: u64,
+    pub externals: Vec<External>,
+    pub images: Vec<Image>,
+    /// CRC32 of the images' contents, in the order of `images`.
+    pub images_crc32: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Image {
+    pub name: String,
+    pub size: u64,
+}
+
+/// Something of the host's that the sandbox uses and the checkpoint does not contain.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum External {
+    /// A bind of a host device node (`/dev/null`, the `/proc` masks): `key` is mounted again
+    /// from `source`.
+    Device { key: String, source: PathBuf },
+    /// The sandbox's sysfs, made again for its network namespace.
+    Sysfs { key: String },
+    /// A host file the sandbox's processes map or hold open (the agent binary, its libraries,
+    /// its log), given to the restore as an open descriptor.
+    File {
+        key: String,
+        path: PathBuf,
+        append: bool,
+        size: u64,
+        mtime: i64,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HeaderError {
+    #[error("checkpoint {dir} has no header: {source}")]
+    Missing {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("checkpoint {dir} has an invalid header: {reason}")]
+    Invalid { dir: PathBuf, reason: String },
+}
+
+fn encode(header: &Header) -> Result<Vec<u8>, serde_json::Error> {
+    let body = serde_json::to_vec(header)?;
+    let mut out = Vec::with_capacity(body.len() + 20);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    Ok(out)
+}
+
+fn decode(bytes: &[u8]) -> Result<Header, String> {
+    if bytes.len() < 20 || &bytes[..8] != MAGIC {
+        return Err("not a checkpoint header".into());
+    }
+    let (framed, crc) = bytes.split_at(bytes.len() - 4);
+    let crc = u32::from_le_bytes(crc.try_into().map_err(|_| "short header")?);
+    if crc32fast::hash(framed) != crc {
+        return Err("header checksum mismatch".into());
+    }
+    let version = u32::from_le_bytes(framed[8..12].try_into().map_err(|_| "short header")?);
+    if version != FORMAT_VERSION {
+        return Err(format!(
+            "format version {version}, expected {FORMAT_VERSION}"
+        ));
+    }
+    let len = u32::from_le_bytes(framed[12..16].try_into().map_err(|_| "short header")?) as usize;
+    if framed.len() != 16 + len {
+        return Err("header length mismatch".into());
+    }
+    serde_json::from_slice(&framed[16..]).map_err(|e| e.to_string())
+}
+
+/// The image files of `dir` (everything but the header and CRIU's logs), by name, with their
+/// sizes and the CRC32 of their contents.
+pub fn list_images(dir: &Path) -> std::io::Result<(Vec<Image>, u32)> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| {
+            ![HEADER_FILE, DUMP_LOG, RESTORE_LOG].contains(&n.as_str()) && !n.ends_with(".tmp")
+        })
+        .collect();
+    names.sort();
+    let mut crc = crc32fast::Hasher::new();
+    let mut images = Vec::with_capacity(names.len());
+    let mut buf = vec![0u8; 1 << 20];
+    for name in names {
+        let mut file = std::fs::File::open(dir.join(&name))?;
+        let mut size = 0u64;
+        loop {
+            let n = file.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            crc.update(&buf[..n]);
+            size += n as u64;
+        }
+        images.push(Image { name, size });
+    }
+    Ok((images, crc.finalize()))
+}
+
+/// Writes the header beside the images and renames it into place.
+pub fn write_header(dir: &Path, header: &Header) -> std::io::Result<()> {
+    let bytes = encode(header).map_err(std::io::Error::other)?;
+    let tmp = dir.join(format!("{HEADER_FILE}.tmp"));
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, dir.join(HEADER_FILE))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// The header of the checkpoint in `dir`, checked against the images there (their CRC too
+/// when `verify_images`).
+pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderError> {
+    let bytes = std::fs::read(dir.join(HEADER_FILE)).map_err(|source| HeaderError::Missing {
+        dir: dir.to_owned(),
+        source,
+    })?;
+    let invalid = |reason: String| HeaderError::Invalid {
+        dir: dir.to_owned(),
+        reason,
+    };
+    let header = decode(&bytes).map_err(invalid)?;
+    for image in &header.images {
+        let size = std::fs::metadata(dir.join(&image.name))
+            .map(|m| m.len())
+            .map_err(|e| invalid(format!("image {}: {e}", image.name)))?;
+        if size != image.size {
+            return Err(invalid(format!(
+                "image {} has {size} bytes, {} recorded",
+                image.name, image.size
+            )));
+        }
+    }
+    if verify_images {
+        let (images, crc) = list_images(dir).map_err(|e| invalid(e.to_string()))?;
+        if images != header.images || crc != header.images_crc32 {
+            return Err(invalid("the images do not match their checksum".into()));
+        }
+    }
+    Ok(header)
+}
+
+/// The arguments a dump of the sandbox whose PID 1 is `pid` needs beyond the usual ones, and
+/// the externals they name.
+#[derive(Debug, Clone)]
+pub struct DumpPlan {
+    pub args: Vec<String>,
+    pub externals: Vec<External>,
+    pub listener_inode: u64,
+}
+
+fn mount_id_of(file: &std::fs::File) -> Option<u64> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", file.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn fd_flags(task: i32, fd: &str) -> u32 {
+    std::fs::read_to_string(format!("/proc/{task}/fdinfo/{fd}"))
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("flags:"))
+                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Lists what the sandbox uses of the host: device binds and sysfs in its mount table, and
+/// files mapped or open in any of `tasks` that live on a mount outside its mount namespace.
+pub fn plan_dump(
+    pid: i32,
+    tasks: &[i32],
+    netns_inode: u64,
+    listener_fd: i32,
+) -> std::io::Result<DumpPlan> {
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+    let mut own_mounts = BTreeSet::new();
+    let mut args = Vec::new();
+    let mut externals = Vec::new();
+    for line in mountinfo.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        let Some(sep) = fields.iter().position(|f| *f == "-") else {
+            continue;
+        };
+        let (Some(id), Some(root), Some(point), Some(fstype)) = (
+            fields.first().and_then(|f| f.parse::<u64>().ok()),
+            fields.get(3),
+            fields.get(4),
+            fields.get(sep + 1),
+        ) else {
+            continue;
+        };
+        own_mounts.insert(id);
+        let key = || {
+            let mut key = String::from("m");
+            key.extend(
+                point
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }),
+            );
+            key
+        };
+        match *fstype {
+            "devtmpfs" => {
+                let key = key();
+                args.push(format!("--external=mnt[{point}]:{key}"));
+                externals.push(External::Device {
+                    key,
+                    source: Path::new("/dev").join(root.trim_start_matches('/')),
+                });
+            }
+            "sysfs" if *point == "/sys" => {
+                let key = key();
+                args.push(format!("--external=mnt[{point}]:{key}"));
+                externals.push(External::Sysfs { key });
+            }
+            _ => {}
+        }
+    }
+    let mut seen = BTreeSet::new();
+    for task in tasks {
+        for dir in ["map_files", "fd"] {
+            let Ok(entries) = std::fs::read_dir(format!("/proc/{task}/{dir}")) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let Ok(target) = std::fs::read_link(entry.path()) else {
+                    continue;
+                };
+                if !target.is_absolute() {
+                    continue;
+                }
+                let Ok(file) = std::fs::File::open(entry.path()) else {
+                    continue;
+                };
+                let Ok(meta) = file.metadata() else {
+                    continue;
+                };
+                if !meta.is_file() {
+                    continue;
+                }
+                let Some(mount) = mount_id_of(&file) else {
+                    continue;
+                };
+                if own_mounts.contains(&mount) {
+                    continue;
+                }
+                let key = format!("file[{mount:x}:{:x}]", meta.ino());
+                let append = dir == "fd"
+                    && fd_flags(*task, &entry.file_name().to_string_lossy())
+                        & libc::O_APPEND as u32
+                        != 0;
+                let writable = dir == "fd"
+                    && fd_flags(*task, &entry.file_name().to_string_lossy())
+                        & (libc::O_WRONLY | libc::O_RDWR) as u32
+                        != 0;
+                if !seen.insert(key.clone()) {
+                    continue;
+                }
+                args.push(format!("--external={key}"));
+                externals.push(External::File {
+                    key,
+                    path: target,
+                    append: append || writable,
+                    size: meta.len(),
+                    mtime: meta.mtime(),
+                });
+            }
+        }
+    }
+    args.push(format!("--external=net[{netns_inode}]:extnet"));
+    let listener = std::fs::read_link(format!("/proc/{pid}/fd/{listener_fd}"))?;
+    let listener_inode = listener
+        .to_string_lossy()
+        .strip_prefix("socket:[")
+        .and_then(|s| s.strip_suffix(']'))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            std::io::Error::other(format!(
+                "descriptor {listener_fd} of PID {pid} is {}, not the agent's socket",
+                listener.display()
+            ))
+        })?;
+    Ok(DumpPlan {
+        args,
+        externals,
+        listener_inode,
+    })
+}
+
+/// The last error lines of a CRIU log, for a failure message.
+pub fn log_errors(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("Error") || l.contains("rror ("))
+        .filter(|l| !l.contains("RLIMIT_NOFILE"))
+        .collect();
+    let picked = if errors.is_empty() {
+        text.lines().rev().take(5).collect::<Vec<_>>()
+    } else {
+        errors.into_iter().rev().take(5).collect()
+    };
+    picked.into_iter().rev().collect::<Vec<_>>().join("; ")
+}
+
+/// The descriptors a restore inherits, opened from what the header recorded; an error names
+/// a host file that changed since the checkpoint (a rebuilt library would crash the sandbox).
+pub fn open_externals(header: &Header) -> Result<Vec<(String, OwnedFd)>, String> {
+    let mut out = Vec::new();
+    for external in &header.externals {
+        let External::File {
+            key,
+            path,
+            append,
+            size,
+            mtime,
+        } = external
+        else {
+            continue;
+        };
+        let file = if *append {
+            std::fs::OpenOptions::new().append(true).open(path)
+        } else {
+            std::fs::File::open(path)
+        }
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        if !*append {
+            let meta = file
+                .metadata()
+                .map_err(|e| format!("cannot stat {}: {e}", path.display()))?;
+            if meta.len() != *size || meta.mtime() != *mtime {
+                return Err(format!(
+                    "{} changed since the checkpoint was taken",
+                    path.display()
+                ));
+            }
+        }
+        out.push((key.clone(), OwnedFd::from(file)));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header {
+            criu_version: CRIU_VERSION.into(),
+            agent_digest: "ab".repeat(32),
+            listener_inode: 42,
+            externals: vec![
+                External::Device {
+                    key: "m_dev_null".into(),
+                    source: "/dev/null".into(),
+                },
+                External::File {
+                    key: "file[1b:10]".into(),
+                    path: "/usr/lib/libc.so.6".into(),
+                    append: false,
+                    size: 10,
+                    mtime: 5,
+                },
+            ],
+            images: Vec::new(),
+            images_crc32: 0,
+        }
+    }
+
+    #[test]
+    fn a_header_round_trips_and_any_damage_is_caught() {
+        let bytes = encode(&header()).unwrap();
+        assert_eq!(decode(&bytes).unwrap(), header());
+        for at in [0, 9, 14, 20, bytes.len() - 1] {
+            let mut bad = bytes.clone();
+            bad[at] ^= 1;
+            assert!(decode(&bad).is_err(), "flipped byte {at}");
+        }
+        assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn a_checkpoint_is_complete_only_with_its_header_and_intact_images() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), b"pages").unwrap();
+        std::fs::write(dir.path().join(DUMP_LOG), b"log").unwrap();
+        assert!(matches!(
+            read_header(dir.path(), true),
+            Err(HeaderError::Missing { .. })
+        ));
+        let (images, crc) = list_images(dir.path()).unwrap();
+        assert_eq!(images.len(), 1);
+        let mut h = header();
+        h.images = images;
+        h.images_crc32 = crc;
+        write_header(dir.path(), &h).unwrap();
+        assert_eq!(read_header(dir.path(), true).unwrap(), h);
+        std::fs::write(dir.path().join("pages-1.img"), b"PAGES").unwrap();
+        assert!(read_header(dir.path(), false).is_ok());
+        assert!(read_header(dir.path(), true).is_err());
+        std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
+        assert!(read_header(dir.path(), false).is_err());
+    }
+}

@@ -1,0 +1,141 @@
+"""Pausing to disk: a sandbox paused with its memory is checkpointed with CRIU once the pause
+grace (3 s in this suite) has passed; its processes end and its memory goes back to the host.
+Resuming restores it: same processes, PIDs, files and environment.
+
+Skipped, with the server's reason, when the server found no usable CRIU (scripts/install-criu.sh
+installs it)."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+
+from e2e_util import sandbox_cgroup_dirs, wait_until
+
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
+    "sleep 0.05; done"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(sandbar):
+    text = Path(sandbar.log_path).read_text(errors="replace")
+    if "paused sandboxes are checkpointed to disk" not in text:
+        off = [l for l in text.splitlines() if "checkpoints are off" in l]
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+        pytest.skip(f"the server cannot checkpoint: {reason}")
+    return sandbar
+
+
+def header_of(sandbar, sandbox_id: str) -> Path:
+    return sandbar.data_dir / "checkpoints" / sandbox_id / "header"
+
+
+def memory_used(sandbox_id: str) -> int:
+    for d in sandbox_cgroup_dirs(sandbox_id):
+        for name in ("memory.usage_in_bytes", "memory.current"):
+            f = Path(d) / name
+            if f.exists():
+                return int(f.read_text())
+    raise AssertionError(f"no memory cgroup for {sandbox_id}")
+
+
+def wait_checkpointed(sandbar, sandbox_id: str) -> None:
+    wait_until(lambda: header_of(sandbar, sandbox_id).exists(), timeout=30,
+               message="the paused sandbox to be checkpointed")
+    # Its processes are gone and its memory with them (a little page cache may stay).
+    wait_until(lambda: memory_used(sandbox_id) < 4 << 20, timeout=10, message="its memory to be freed")
+
+
+def read_count(sbx) -> int:
+    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
+
+
+def pids(sbx) -> list:
+    out = sbx.commands.run("ps -eo pid,args --no-headers").stdout
+    # The counter's `sleep` is a new process every tick, and `ps` is this command's own.
+    return sorted(l.strip() for l in out.splitlines() if "ps -eo" not in l and "sleep 0.05" not in l)
+
+
+def test_counter_files_and_pids_survive_two_checkpoints(checkpoints, make_sandbox):
+    sbx = make_sandbox(envs={"KEPT": "yes"})
+    sbx.files.write("/home/user/note.txt", "before")
+    sbx.commands.run(COUNTER, background=True)
+    wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    for cycle in range(2):
+        before = read_count(sbx)
+        processes = pids(sbx)
+        assert sbx.pause() is True
+        wait_checkpointed(checkpoints, sbx.sandbox_id)
+        time.sleep(0.5)
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert not header_of(checkpoints, sbx.sandbox_id).exists()
+        after = read_count(resumed)
+        # The counter goes on from where it stopped, in the same process.
+        assert before <= after < before + 40, (cycle, before, after)
+        wait_until(lambda: read_count(resumed) > after + 5, timeout=10)
+        assert pids(resumed) == processes
+        assert resumed.files.read("/home/user/note.txt") == "before"
+        assert resumed.commands.run("echo $KEPT").stdout == "yes\n"
+        resumed.files.write("/home/user/note.txt", "before")
+
+
+def test_memory_is_freed_while_checkpointed(checkpoints, make_sandbox):
+    sbx = make_sandbox()
+    sbx.commands.run(
+        "python3 -c 'import time; b = bytearray(100 << 20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3600)'",
+        background=True,
+    )
+    wait_until(lambda: memory_used(sbx.sandbox_id) > 100 << 20, timeout=20, message="100 MiB in use")
+    assert sbx.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    assert memory_used(sbx.sandbox_id) > 100 << 20
+    assert "bytearray" in resumed.commands.run("ps -eo args").stdout
+
+
+def test_traffic_restores_a_checkpointed_sandbox(checkpoints, make_sandbox):
+    sbx = make_sandbox(timeout=3, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sbx.files.write("/home/user/woken.txt", "from disk")
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    with checkpoints.client() as api:
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
+    # The SDK's next call through the edge restores it.
+    assert sbx.files.read("/home/user/woken.txt") == "from disk"
+    with checkpoints.client() as api:
+        assert api.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+
+
+def test_a_checkpointed_sandbox_can_be_killed(checkpoints, make_sandbox):
+    sbx = make_sandbox()
+    assert sbx.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    assert sbx.kill() is True
+    assert not (checkpoints.data_dir / "checkpoints" / sbx.sandbox_id).exists()
+    assert not sandbox_cgroup_dirs(sbx.sandbox_id)
+
+
+def test_a_sandbox_with_a_volume_stays_paused_in_memory(checkpoints, make_sandbox):
+    # Volume binds come from the host and are not declared to CRIU yet: the dump fails, the
+    # sandbox stays frozen in memory and resumes as usual.
+    from e2b import Volume
+
+    from e2e_util import unique
+
+    vol = Volume.create(unique("ckvol"))
+    try:
+        sbx = make_sandbox(volume_mounts={"/mnt/v": vol})
+        sbx.commands.run("echo kept > /mnt/v/f", user="user")
+        assert sbx.pause() is True
+        time.sleep(6)
+        assert not header_of(checkpoints, sbx.sandbox_id).exists()
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert resumed.commands.run("cat /mnt/v/f").stdout == "kept\n"
+        resumed.kill()
+    finally:
+        Volume.destroy(vol.volume_id)
