@@ -87,25 +87,7 @@ async fn harness(limits: TeamLimits) -> Harness {
     let templates = Templates::new(store.clone());
     let now = Utc::now();
     templates
-        .register(&Template {
-            id: "base000000000000000a".into(),
-            team_id: None,
-            aliases: vec!["base".into()],
-            public: true,
-            build_id: "b".into(),
-            build_status: BuildStatus::Ready,
-            build_error: None,
-            cpu_count: 2,
-            memory_mb: 512,
-            disk_size_mb: 2048,
-            envd_version: "0.5.7".into(),
-            image: Some(common::image()),
-            created_at: now,
-            updated_at: now,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 1,
-        })
+        .register(&common::base_template(now))
         .await
         .expect("template");
     let runtime = Arc::new(RecordingRuntime::default());

@@ -14,8 +14,8 @@ use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
 use sandbar_core::{
-    Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
-    Sandboxes, SandboxesConfig, Store, Team, Template, Templates, VolumeMount, Volumes,
+    Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
+    SandboxesConfig, Store, Team, Templates, VolumeMount, Volumes,
 };
 use sandbar_node::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
@@ -115,25 +115,7 @@ async fn harness() -> Harness {
     let templates = Templates::new(store.clone());
     let now = Utc::now();
     templates
-        .register(&Template {
-            id: "base000000000000000a".into(),
-            team_id: None,
-            aliases: vec!["base".into()],
-            public: true,
-            build_id: "b".into(),
-            build_status: BuildStatus::Ready,
-            build_error: None,
-            cpu_count: 2,
-            memory_mb: 512,
-            disk_size_mb: 2048,
-            envd_version: "0.5.7".into(),
-            image: Some(common::image()),
-            created_at: now,
-            updated_at: now,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 1,
-        })
+        .register(&common::base_template(now))
         .await
         .expect("template");
     let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");

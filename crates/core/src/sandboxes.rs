@@ -210,6 +210,34 @@ struct Live {
     checkpoint_failed: bool,
 }
 
+impl Live {
+    /// The registry entry of a sandbox the store recorded, taken back after a restart.
+    fn recorded(
+        sandbox: &Sandbox,
+        handle: RuntimeHandle,
+        endpoint: Option<Endpoint>,
+        status: SandboxStatus,
+    ) -> Self {
+        Live {
+            team_id: sandbox.team_id.clone(),
+            end_at: sandbox.end_at,
+            endpoint,
+            access_token: sandbox.envd_access_token.clone(),
+            handle,
+            status,
+            user_ports: UserPortAccess::of(sandbox),
+            auto_pause: sandbox.auto_pause,
+            auto_resume: sandbox.auto_resume,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            // The grace before a checkpoint counts from when this server saw it frozen.
+            paused_at: (status == SandboxStatus::Paused).then(Utc::now),
+            checkpoint_failed: false,
+        }
+    }
+}
+
 /// One sample of a sandbox's resource use, as `GET /sandboxes/{id}/metrics` reports it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricPoint {
@@ -1120,22 +1148,7 @@ impl Sandboxes {
                     let status = self.settle(&sandbox).await?;
                     self.live().insert(
                         sandbox.id.clone(),
-                        Live {
-                            team_id: sandbox.team_id.clone(),
-                            end_at: sandbox.end_at,
-                            endpoint: Some(endpoint),
-                            access_token: sandbox.envd_access_token.clone(),
-                            handle: sandbox.handle.clone(),
-                            status,
-                            user_ports: UserPortAccess::of(&sandbox),
-                            auto_pause: sandbox.auto_pause,
-                            auto_resume: sandbox.auto_resume,
-                            cpu_count: sandbox.cpu_count,
-                            memory_mb: sandbox.memory_mb,
-                            disk_size_mb: sandbox.disk_size_mb,
-                            paused_at: (status == SandboxStatus::Paused).then(Utc::now),
-                            checkpoint_failed: false,
-                        },
+                        Live::recorded(&sandbox, sandbox.handle.clone(), Some(endpoint), status),
                     );
                     // Sandboxes from before logs were kept get a log from now on.
                     self.activity
@@ -1215,22 +1228,7 @@ impl Sandboxes {
         }
         self.live().insert(
             sandbox.id.clone(),
-            Live {
-                team_id: sandbox.team_id.clone(),
-                end_at: sandbox.end_at,
-                endpoint: None,
-                access_token: sandbox.envd_access_token.clone(),
-                handle,
-                status: SandboxStatus::Checkpointed,
-                user_ports: UserPortAccess::of(sandbox),
-                auto_pause: sandbox.auto_pause,
-                auto_resume: sandbox.auto_resume,
-                cpu_count: sandbox.cpu_count,
-                memory_mb: sandbox.memory_mb,
-                disk_size_mb: sandbox.disk_size_mb,
-                paused_at: None,
-                checkpoint_failed: false,
-            },
+            Live::recorded(sandbox, handle, None, SandboxStatus::Checkpointed),
         );
         self.activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
@@ -1266,22 +1264,12 @@ impl Sandboxes {
         }
         self.live().insert(
             sandbox.id.clone(),
-            Live {
-                team_id: sandbox.team_id.clone(),
-                end_at: sandbox.end_at,
-                endpoint: None,
-                access_token: sandbox.envd_access_token.clone(),
-                handle: sandbox.handle.clone(),
-                status: SandboxStatus::Shelved,
-                user_ports: UserPortAccess::of(sandbox),
-                auto_pause: sandbox.auto_pause,
-                auto_resume: sandbox.auto_resume,
-                cpu_count: sandbox.cpu_count,
-                memory_mb: sandbox.memory_mb,
-                disk_size_mb: sandbox.disk_size_mb,
-                paused_at: None,
-                checkpoint_failed: false,
-            },
+            Live::recorded(
+                sandbox,
+                sandbox.handle.clone(),
+                None,
+                SandboxStatus::Shelved,
+            ),
         );
         self.activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])

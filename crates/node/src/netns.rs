@@ -382,7 +382,9 @@ mod tests {
 
     /// Runs `test` on a thread of its own network namespace, so the veth pairs it makes never
     /// touch the host's.
-    fn in_private_netns(test: impl FnOnce() + Send + 'static) {
+    fn in_private_netns<F: std::future::Future<Output = ()>>(
+        test: impl FnOnce() -> F + Send + 'static,
+    ) {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             eprintln!("skipped: needs root to make network namespaces");
@@ -391,7 +393,11 @@ mod tests {
         std::thread::spawn(move || {
             // SAFETY: unshare of the network namespace affects only this thread.
             assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-            test();
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime")
+                .block_on(test());
         })
         .join()
         .expect("test thread");
@@ -411,77 +417,65 @@ mod tests {
 
     #[test]
     fn a_prepared_namespace_is_wired_and_vanishes_with_its_descriptor() {
-        in_private_netns(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(async {
-                let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
-                let prepared = network.prepare(2, true).await.expect("prepare slot 2");
-                assert_eq!(prepared.slot, 2);
-                assert!(if_index("sbxe2").is_ok(), "host end exists");
+        in_private_netns(|| async {
+            let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
+            let prepared = network.prepare(2, true).await.expect("prepare slot 2");
+            assert_eq!(prepared.slot, 2);
+            assert!(if_index("sbxe2").is_ok(), "host end exists");
 
-                let (port_start, ping, eth0, route) = in_netns(&prepared.netns, || {
-                    let read = |p: &str| std::fs::read_to_string(p).expect(p).trim().to_owned();
-                    (
-                        read("/proc/sys/net/ipv4/ip_unprivileged_port_start"),
-                        read("/proc/sys/net/ipv4/ping_group_range"),
-                        if_index("eth0").is_ok(),
-                        read("/proc/net/route"),
-                    )
-                });
-                assert_eq!(port_start, "0");
-                assert_eq!(
-                    ping.split_whitespace().collect::<Vec<_>>(),
-                    ["0", "2147483647"]
-                );
-                assert!(eth0, "eth0 inside");
-                // The default route (destination 00000000) through the slot's host end.
-                assert!(
-                    route
-                        .lines()
-                        .any(|l| l.split_whitespace().nth(1) == Some("00000000")),
-                    "{route}"
-                );
-
-                let dir = std::env::temp_dir().join(format!("netns-test-{}", std::process::id()));
-                std::fs::create_dir_all(&dir).expect("dir");
-                let path = dir.join("agent.sock");
-                let _ = std::fs::remove_file(&path);
-                let listener = prepared.listen_at(&path).expect("listen");
-                std::os::unix::net::UnixStream::connect(&path).expect("connect from outside");
-                drop(listener);
-                std::fs::remove_dir_all(&dir).expect("cleanup");
-
-                drop(prepared);
-                let gone = async {
-                    while if_index("sbxe2").is_ok() {
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    }
-                };
-                tokio::time::timeout(std::time::Duration::from_secs(10), gone)
-                    .await
-                    .expect("the veth goes with the namespace");
+            let (port_start, ping, eth0, route) = in_netns(&prepared.netns, || {
+                let read = |p: &str| std::fs::read_to_string(p).expect(p).trim().to_owned();
+                (
+                    read("/proc/sys/net/ipv4/ip_unprivileged_port_start"),
+                    read("/proc/sys/net/ipv4/ping_group_range"),
+                    if_index("eth0").is_ok(),
+                    read("/proc/net/route"),
+                )
             });
+            assert_eq!(port_start, "0");
+            assert_eq!(
+                ping.split_whitespace().collect::<Vec<_>>(),
+                ["0", "2147483647"]
+            );
+            assert!(eth0, "eth0 inside");
+            // The default route (destination 00000000) through the slot's host end.
+            assert!(
+                route
+                    .lines()
+                    .any(|l| l.split_whitespace().nth(1) == Some("00000000")),
+                "{route}"
+            );
+
+            let dir = std::env::temp_dir().join(format!("netns-test-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("dir");
+            let path = dir.join("agent.sock");
+            let _ = std::fs::remove_file(&path);
+            let listener = prepared.listen_at(&path).expect("listen");
+            std::os::unix::net::UnixStream::connect(&path).expect("connect from outside");
+            drop(listener);
+            std::fs::remove_dir_all(&dir).expect("cleanup");
+
+            drop(prepared);
+            let gone = async {
+                while if_index("sbxe2").is_ok() {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+            };
+            tokio::time::timeout(std::time::Duration::from_secs(10), gone)
+                .await
+                .expect("the veth goes with the namespace");
         });
     }
 
     #[test]
     fn socket_paths_longer_than_sun_path_are_refused() {
-        in_private_netns(|| {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            runtime.block_on(async {
-                let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
-                let prepared = network.prepare(1, false).await.expect("prepare slot 1");
-                assert!(if_index("sbxi1").is_ok(), "isolated host end");
-                let long = std::path::PathBuf::from(format!("/tmp/{}", "x".repeat(200)));
-                let err = prepared.listen_at(&long).expect_err("too long");
-                assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
-            });
+        in_private_netns(|| async {
+            let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
+            let prepared = network.prepare(1, false).await.expect("prepare slot 1");
+            assert!(if_index("sbxi1").is_ok(), "isolated host end");
+            let long = std::path::PathBuf::from(format!("/tmp/{}", "x".repeat(200)));
+            let err = prepared.listen_at(&long).expect_err("too long");
+            assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
         });
     }
 }

@@ -349,6 +349,14 @@ impl LinuxRuntime {
         self.config.data_dir.join("run").join(format!("{id}.sock"))
     }
 
+    /// Records the template layers sandbox `id` runs on, so the collector keeps them.
+    fn keep_layers(&self, id: impl Into<String>, layers: Vec<String>) {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.into(), layers);
+    }
+
     fn free_slot(&self, slot: u32) {
         crate::netns::free_slot(&self.slots, slot);
     }
@@ -860,6 +868,14 @@ fn host_memory_mb() -> Option<u64> {
     Some(kib / 1024)
 }
 
+impl Handle {
+    fn to_runtime(&self, id: &str) -> Result<RuntimeHandle, RuntimeError> {
+        serde_json::to_value(self)
+            .map(RuntimeHandle)
+            .map_err(|e| sandbox_err(id, e))
+    }
+}
+
 fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError> {
     serde_json::from_value(handle.0.clone()).map_err(|e| RuntimeError::BadHandle {
         sandbox_id: id.to_owned(),
@@ -892,15 +908,9 @@ impl Runtime for LinuxRuntime {
             }
         };
         let slot = netns.slot;
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.clone(), spec.image.layers.clone());
+        self.keep_layers(id.clone(), spec.image.layers.clone());
         match self.launch_in(&spec, netns).await {
-            Ok((handle, endpoint)) => {
-                let value = serde_json::to_value(&handle).map_err(|e| sandbox_err(&id, e))?;
-                Ok((RuntimeHandle(value), endpoint))
-            }
+            Ok((handle, endpoint)) => Ok((handle.to_runtime(&id)?, endpoint)),
             Err((handle, err)) => {
                 let handle = handle.unwrap_or(Handle {
                     pid: 0,
@@ -917,10 +927,7 @@ impl Runtime for LinuxRuntime {
                     None => self.teardown(&id, Some(&handle)).await,
                     Some(kept) => {
                         let stopped = self.stop(&id, Some(&handle)).await;
-                        self.layers_in_use
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert(id.clone(), kept.layers.clone());
+                        self.keep_layers(id.clone(), kept.layers.clone());
                         stopped
                     }
                 };
@@ -1029,18 +1036,14 @@ impl Runtime for LinuxRuntime {
         self.forget_checkpoint(sandbox_id);
         self.release_memory(sandbox_id);
         // Its layers stay in use: the kept writable layer only makes sense on top of them.
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(sandbox_id.to_owned(), h.layers.clone());
+        self.keep_layers(sandbox_id.to_owned(), h.layers.clone());
         let released = Handle {
             pid: 0,
             start_ticks: 0,
             released: true,
             ..h
         };
-        let value = serde_json::to_value(&released).map_err(|e| sandbox_err(sandbox_id, e))?;
-        Ok(RuntimeHandle(value))
+        released.to_runtime(sandbox_id)
     }
 
     fn can_checkpoint(&self) -> bool {
@@ -1076,8 +1079,7 @@ impl Runtime for LinuxRuntime {
             checkpointed: true,
             ..h
         };
-        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
-        Ok(RuntimeHandle(value))
+        checkpointed.to_runtime(sandbox_id)
     }
 
     async fn restore(
@@ -1121,8 +1123,7 @@ impl Runtime for LinuxRuntime {
         }
         // The images are spent: the sandbox runs on from here.
         let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
-        let value = serde_json::to_value(&running).map_err(|e| sandbox_err(sandbox_id, e))?;
-        Ok((RuntimeHandle(value), endpoint))
+        Ok((running.to_runtime(sandbox_id)?, endpoint))
     }
 
     async fn adopt_checkpointed(
@@ -1152,18 +1153,14 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(h.slot);
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(sandbox_id.to_owned(), h.layers.clone());
+        self.keep_layers(sandbox_id.to_owned(), h.layers.clone());
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,
             checkpointed: true,
             ..h
         };
-        let value = serde_json::to_value(&checkpointed).map_err(|e| sandbox_err(sandbox_id, e))?;
-        Ok(RuntimeHandle(value))
+        checkpointed.to_runtime(sandbox_id)
     }
 
     async fn discard_checkpoint(&self, sandbox_id: &str) {
@@ -1186,10 +1183,7 @@ impl Runtime for LinuxRuntime {
                 format!("no kept files at {}", upper.display()),
             ));
         }
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(sandbox_id.to_owned(), h.layers);
+        self.keep_layers(sandbox_id.to_owned(), h.layers);
         Ok(())
     }
 
@@ -1230,10 +1224,7 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(sandbox_id.to_owned(), handle.memory_mb);
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(sandbox_id.to_owned(), handle.layers.clone());
+        self.keep_layers(sandbox_id.to_owned(), handle.layers.clone());
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }

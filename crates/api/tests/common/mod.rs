@@ -3,7 +3,9 @@
 use std::sync::Arc;
 
 use sandbar_core::builds::{BuildFailure, BuildJob, BuildLog, UploadBody, UploadError};
-use sandbar_core::{Builder, Builds, BuildsConfig, Store, TemplateImage, Templates};
+use sandbar_core::{
+    BuildStatus, Builder, Builds, BuildsConfig, Store, Template, TemplateImage, Templates,
+};
 
 /// A builder that fails every build: these tests exercise the HTTP surface, not builds.
 #[derive(Debug, Default)]
@@ -59,5 +61,28 @@ pub fn image() -> TemplateImage {
         workdir: "/home/user".into(),
         start_cmd: None,
         ready_cmd: None,
+    }
+}
+
+/// The public `base` template every harness registers, ready, built at `now`.
+pub fn base_template(now: chrono::DateTime<chrono::Utc>) -> Template {
+    Template {
+        id: "base000000000000000a".into(),
+        team_id: None,
+        aliases: vec!["base".into()],
+        public: true,
+        build_id: "b".into(),
+        build_status: BuildStatus::Ready,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 2048,
+        envd_version: "0.5.7".into(),
+        image: Some(image()),
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 1,
     }
 }
