@@ -7,6 +7,9 @@ requests in about 15 s on two cores. Everything the generated requests create is
 the end. Generated requests name random templates, so they start no sandboxes; the real
 sandboxes the run needs (one per sandbox operation) come from the base template.
 
+Operations that make sandboxes or templates out of a real sandbox (snapshots, forks) get one
+checked request with a fixed body there: generated bodies could start 100 forks each.
+
 Excluded operations, and why:
   DELETE /api-keys/{apiKeyID}, DELETE /access-tokens/{accessTokenID}: the run authenticates
     with the suite's own key and token, which must survive it; both are covered in-process by
@@ -54,6 +57,12 @@ CLEANUP = {
     "/templates": ("templateID", "/templates/{}"),
 }
 
+# Fixed bodies for those operations when they are aimed at a real sandbox.
+FIXED_BODIES = {
+    ("POST", "/sandboxes/{sandboxID}/fork"): {"count": 1, "timeout": 60},
+    ("POST", "/sandboxes/{sandboxID}/snapshots"): {},
+}
+
 _created: list[str] = []
 _statuses: dict[int, int] = {}
 
@@ -81,6 +90,14 @@ def _cleanup(sandbar, headers) -> list[str]:
 
 def _record_created(case, response) -> None:
     if case.method.upper() != "POST" or response.status_code not in (201, 202):
+        return
+    if case.path == "/sandboxes/{sandboxID}/snapshots":
+        _created.append("/templates/{}".format(response.json()["snapshotID"].split(":")[0]))
+        return
+    if case.path == "/sandboxes/{sandboxID}/fork":
+        for result in response.json():
+            if result.get("sandbox"):
+                _created.append("/sandboxes/{}".format(result["sandbox"]["sandboxID"]))
         return
     target = CLEANUP.get(case.path)
     if target is None:
@@ -145,6 +162,17 @@ def _new_sandbox(sandbar, headers, schema, failures) -> str | None:
     return response.json()["sandboxID"]
 
 
+def _call_checked(sandbar, headers, operation, path_parameters, body, failures) -> None:
+    case = operation.Case(path_parameters=path_parameters, body=body)
+    response = case.call(base_url=sandbar.url, headers=headers, timeout=120)
+    _statuses[response.status_code] = _statuses.get(response.status_code, 0) + 1
+    _record_created(case, response)
+    try:
+        case.validate_response(response, checks=CHECKS)
+    except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - all are reported
+        failures.append(f"{operation.method.upper()} {operation.path} ({body}): {e}")
+
+
 def test_every_operation_keeps_the_contract(sandbar):
     """Every operation with generated valid and invalid requests; then the operations on one
     sandbox, template or build with generated requests aimed at real ones. All failures are
@@ -179,6 +207,10 @@ def test_every_operation_keeps_the_contract(sandbar):
                 if "{buildID}" in path:
                     fixed["buildID"] = base_build
             else:
+                continue
+            body = FIXED_BODIES.get((method, path))
+            if body is not None:
+                _call_checked(sandbar, headers, operation, fixed, body, failures)
                 continue
             _fuzz(sandbar, headers, operation, GenerationMode.POSITIVE, failures, path_parameters=fixed)
     finally:

@@ -50,7 +50,7 @@ pub async fn require_token(
 ) -> Response {
     let path = request.uri().path();
     let open = (path == "/health" && request.method() == Method::GET) || path == "/files";
-    if open || header_token_ok(request.headers(), state.config.access_token.as_deref()) {
+    if open || header_token_ok(request.headers(), state.config().access_token.as_deref()) {
         return next.run(request).await;
     }
     json_error(

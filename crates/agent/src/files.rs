@@ -38,7 +38,8 @@ fn authorize(
     query: &FileQuery,
     operation: FileOperation,
 ) -> Result<(), HttpError> {
-    let Some(token) = state.config.access_token.as_deref() else {
+    let config = state.config();
+    let Some(token) = config.access_token.as_deref() else {
         return Ok(());
     };
     if headers.get(crate::auth::ACCESS_TOKEN_HEADER).is_some()
@@ -59,7 +60,7 @@ fn authorize(
         signature,
         path,
         operation,
-        &[named, state.config.default_user.as_str()],
+        &[named, config.default_user.as_str()],
         token,
         query.signature_expiration,
         now,
@@ -77,7 +78,7 @@ fn pick_user(
         .clone()
         .filter(|u| !u.is_empty())
         .or_else(|| basic_auth_user(headers))
-        .unwrap_or_else(|| state.config.default_user.clone());
+        .unwrap_or_else(|| state.config().default_user.clone());
     let accounts = Accounts::load()
         .map_err(|e| HttpError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     let user = accounts

@@ -37,12 +37,57 @@ pub use sandbar_jail::{AgentConfig, ENVD_VERSION};
 /// State shared by every handler.
 #[derive(Debug)]
 pub struct AgentState {
-    /// What the node configured.
-    pub config: AgentConfig,
+    /// What the node configured; replaced whole by `POST /init` (a sandbox restored from
+    /// another's snapshot gets its own token and environment).
+    config: std::sync::RwLock<Arc<AgentConfig>>,
     /// Processes started through `process.Process`.
     pub processes: Arc<process::ProcessManager>,
     /// Polling watchers created through `CreateWatcher`.
     pub watchers: watch::Watchers,
+}
+
+impl AgentState {
+    /// The configuration in force now.
+    pub fn config(&self) -> Arc<AgentConfig> {
+        self.config
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn replace_config(&self, config: AgentConfig) {
+        *self.config.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
+    }
+}
+
+/// `POST /init`, envd's call for a sandbox that starts from a snapshot: the node gives the
+/// agent the new sandbox's token, environment and defaults. The caller must hold the token in
+/// force (the token check runs first); the edge never forwards this path.
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct InitRequest {
+    access_token: Option<String>,
+    #[serde(default)]
+    env_vars: std::collections::BTreeMap<String, String>,
+    default_user: Option<String>,
+    default_workdir: Option<String>,
+}
+
+async fn init(
+    State(state): State<Arc<AgentState>>,
+    axum::Json(request): axum::Json<InitRequest>,
+) -> StatusCode {
+    let current = state.config();
+    state.replace_config(AgentConfig {
+        access_token: request.access_token.filter(|t| !t.is_empty()),
+        default_user: request
+            .default_user
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| current.default_user.clone()),
+        env_vars: request.env_vars,
+        default_workdir: request.default_workdir.filter(|w| !w.is_empty()),
+    });
+    StatusCode::NO_CONTENT
 }
 
 async fn health() -> StatusCode {
@@ -50,13 +95,13 @@ async fn health() -> StatusCode {
 }
 
 async fn envs(State(state): State<Arc<AgentState>>) -> axum::Json<serde_json::Value> {
-    axum::Json(serde_json::json!(state.config.env_vars))
+    axum::Json(serde_json::json!(state.config().env_vars))
 }
 
 /// The whole agent HTTP surface. Unknown paths answer 404 (after the token check).
 pub fn router(config: AgentConfig) -> axum::Router {
     let state = Arc::new(AgentState {
-        config,
+        config: std::sync::RwLock::new(Arc::new(config)),
         processes: Arc::new(process::ProcessManager::default()),
         watchers: watch::Watchers::default(),
     });
@@ -66,6 +111,7 @@ pub fn router(config: AgentConfig) -> axum::Router {
     axum::Router::new()
         .route("/health", get(health))
         .route("/envs", get(envs))
+        .route("/init", axum::routing::post(init))
         .route(
             "/files",
             get(files::download)

@@ -38,7 +38,7 @@ impl Services {
     /// The calling user: `Authorization: Basic` names one, else the configured default.
     fn user(&self, headers: &HeaderMap) -> Result<(User, Accounts), ConnectError> {
         let name = basic_auth_user(headers)
-            .or_else(|| Some(self.state.config.default_user.clone()).filter(|u| !u.is_empty()))
+            .or_else(|| Some(self.state.config().default_user.clone()).filter(|u| !u.is_empty()))
             .ok_or_else(|| ConnectError::unauthenticated("no user specified"))?;
         let accounts = Accounts::load().map_err(user_error)?;
         let user = accounts.user(&name).map_err(user_error)?;
@@ -362,7 +362,7 @@ impl Process for Services {
             Some(cwd) => resolve_path(cwd, &user),
             None => self
                 .state
-                .config
+                .config()
                 .default_workdir
                 .as_deref()
                 .map(std::path::PathBuf::from)
@@ -385,7 +385,7 @@ impl Process for Services {
             }
         });
         let env = build_env(
-            &self.state.config.env_vars,
+            &self.state.config().env_vars,
             &user,
             config.envs.iter().map(|(k, v)| (k.clone(), v.clone())),
         );

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use serde_json::json;
+use serde_json::{Value, json};
 
 #[tokio::test]
 async fn make_stat_list_move_remove() {
@@ -265,4 +265,32 @@ async fn auth_is_enforced() {
     let (status, _, body) = agent.send(req).await;
     assert_eq!(status, 401, "{}", String::from_utf8_lossy(&body));
     assert!(String::from_utf8_lossy(&body).contains("no-such-user"));
+}
+
+#[tokio::test]
+async fn init_hands_the_agent_a_new_token_and_environment() {
+    let agent = Agent::start().await;
+    let call = |method: &str, path: &str, token: &str, body: &Value| {
+        http::Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", agent.base))
+            .header("content-type", "application/json")
+            .header("x-access-token", token)
+            .body(full(serde_json::to_vec(body).unwrap()))
+            .unwrap()
+    };
+    let init = json!({"accessToken": "next-token", "envVars": {"NEW_VAR": "yes"}});
+    // Only the holder of the token in force may hand over.
+    let (status, _, _) = agent.send(call("POST", "/init", "wrong", &init)).await;
+    assert_eq!(status, 401);
+    let (status, _, _) = agent.send(call("POST", "/init", TOKEN, &init)).await;
+    assert_eq!(status, 204);
+    let (status, _, _) = agent.send(call("GET", "/envs", TOKEN, &json!({}))).await;
+    assert_eq!(status, 401, "the old token is refused once handed over");
+    let (status, _, body) = agent
+        .send(call("GET", "/envs", "next-token", &json!({})))
+        .await;
+    assert_eq!(status, 200);
+    let envs: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(envs, json!({"NEW_VAR": "yes"}));
 }

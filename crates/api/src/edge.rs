@@ -136,6 +136,18 @@ async fn forward_to(
     {
         return refused.into_response();
     }
+    // The node's own call to the agent (a restored snapshot's new token and environment);
+    // clients never make it, whatever token they hold.
+    if target.port == AGENT_PORT && request.uri().path().trim_end_matches('/') == "/init" {
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!(
+                "'/init' of sandbox '{}' is reserved to the server",
+                target.sandbox_id
+            ),
+        )
+        .into_response();
+    }
     let result = if target.port == AGENT_PORT {
         match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
             Ok(stream) => forward(stream, request).await,

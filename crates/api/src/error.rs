@@ -5,7 +5,7 @@ use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{
     AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TemplateError,
-    UpdateNetworkError,
+    UpdateNetworkError, sandboxes::SnapshotError,
 };
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -18,6 +18,15 @@ pub(crate) struct ErrorBody {
     #[schema(minimum = 100, maximum = 599)]
     code: u16,
     message: String,
+}
+
+impl From<ApiError> for ErrorBody {
+    fn from(e: ApiError) -> Self {
+        Self {
+            code: e.status.as_u16(),
+            message: e.message,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -146,6 +155,23 @@ impl From<SandboxError> for ApiError {
             }
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
+impl From<SnapshotError> for ApiError {
+    fn from(e: SnapshotError) -> Self {
+        match e {
+            SnapshotError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            SnapshotError::BadName(_) | SnapshotError::BadCount(_) => {
+                Self::bad_request(e.to_string())
+            }
+            SnapshotError::NotRunning { .. } | SnapshotError::NameTaken(_) => {
+                Self::new(StatusCode::CONFLICT, e.to_string())
+            }
+            SnapshotError::Sandbox(s) => s.into(),
+            SnapshotError::NoImage(_) | SnapshotError::Runtime { .. } => Self::internal(&e),
+            SnapshotError::Store(ref s) => Self::internal(s),
         }
     }
 }

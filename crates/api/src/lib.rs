@@ -12,6 +12,7 @@ mod extract;
 mod keys;
 mod openapi;
 mod sandboxes;
+mod snapshots;
 mod telemetry;
 mod templates;
 mod traffic;
@@ -57,6 +58,9 @@ fn rest_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(sandboxes::metrics))
         .routes(routes!(sandboxes::batch_metrics))
         .routes(routes!(sandboxes::resume))
+        .routes(routes!(snapshots::create))
+        .routes(routes!(snapshots::list))
+        .routes(routes!(snapshots::fork))
         .routes(routes!(templates::list, templates::create_from_dockerfile))
         .routes(routes!(templates::alias))
         .routes(routes!(templates::request_build_v3))

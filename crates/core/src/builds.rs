@@ -37,6 +37,22 @@ pub struct TemplateImage {
     /// Must succeed (after `start_cmd` started) before a new sandbox is handed out.
     #[serde(default)]
     pub ready_cmd: Option<String>,
+    /// Set on a snapshot's image: new sandboxes are restored from a checkpoint of another
+    /// sandbox's processes (on `layers`, the last one holding its files) instead of booted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotImage>,
+}
+
+/// What makes an image a snapshot of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotImage {
+    /// The checkpoint of its processes the runtime restores (`checkpoint/<key>`), kept like a
+    /// layer while an image names it; `None` for a snapshot of its files only, whose
+    /// sandboxes boot afresh on them.
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+    /// The sandbox the snapshot was taken of.
+    pub sandbox_id: String,
 }
 
 /// Registry credentials for `fromImage`.
@@ -467,7 +483,7 @@ pub fn split_name(name: &str) -> (&str, Option<&str>) {
     }
 }
 
-fn valid_name(name: &str) -> bool {
+pub(crate) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 128
         && name

@@ -27,7 +27,7 @@ pub use activity::ActivityConfig;
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
-    BuildStep, Builder, Builds, BuildsConfig, LogLevel, StepKind, TemplateImage,
+    BuildStep, Builder, Builds, BuildsConfig, LogLevel, SnapshotImage, StepKind, TemplateImage,
 };
 pub use keys::{
     ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,
@@ -39,7 +39,7 @@ pub use model::{
     BuildStatus, DEFAULT_TEMPLATE_ALIAS, PauseKind, Sandbox, SandboxState, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
-pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page,

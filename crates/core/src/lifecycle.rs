@@ -25,12 +25,15 @@ pub enum SandboxStatus {
     Checkpointed,
     /// Being restored from its checkpoint.
     Restoring,
+    /// Running, held still for a moment while its files and memory are copied into a
+    /// snapshot; it runs on afterwards.
+    Snapshotting,
     /// Being destroyed; gone for every caller.
     Stopping,
 }
 
 impl SandboxStatus {
-    pub const ALL: [SandboxStatus; 10] = [
+    pub const ALL: [SandboxStatus; 11] = [
         SandboxStatus::Starting,
         SandboxStatus::Running,
         SandboxStatus::Pausing,
@@ -40,6 +43,7 @@ impl SandboxStatus {
         SandboxStatus::Checkpointing,
         SandboxStatus::Checkpointed,
         SandboxStatus::Restoring,
+        SandboxStatus::Snapshotting,
         SandboxStatus::Stopping,
     ];
 
@@ -55,6 +59,7 @@ impl SandboxStatus {
             SandboxStatus::Checkpointing => "checkpointing",
             SandboxStatus::Checkpointed => "checkpointed",
             SandboxStatus::Restoring => "restoring",
+            SandboxStatus::Snapshotting => "snapshotting",
             SandboxStatus::Stopping => "stopping",
         }
     }
@@ -89,6 +94,9 @@ impl SandboxStatus {
                 | (Restoring, Running)
                 // A restore that failed leaves it checkpointed.
                 | (Restoring, Checkpointed)
+                // Whether the snapshot succeeded or not.
+                | (Running, Snapshotting)
+                | (Snapshotting, Running)
         )
     }
 
@@ -98,6 +106,15 @@ impl SandboxStatus {
 
     pub fn can_resume(self) -> bool {
         self.can_become(SandboxStatus::Resuming)
+    }
+
+    pub fn can_snapshot(self) -> bool {
+        self.can_become(SandboxStatus::Snapshotting)
+    }
+
+    /// Whether traffic goes through to it (a snapshot holds it still for a moment only).
+    pub fn is_routable(self) -> bool {
+        matches!(self, SandboxStatus::Running | SandboxStatus::Snapshotting)
     }
 
     pub fn can_stop(self) -> bool {
@@ -139,7 +156,7 @@ impl SandboxStatus {
 mod tests {
     use super::SandboxStatus::{self, *};
 
-    const ALL: [SandboxStatus; 10] = SandboxStatus::ALL;
+    const ALL: [SandboxStatus; 11] = SandboxStatus::ALL;
 
     #[test]
     fn the_transition_table_is_exactly_this() {
@@ -165,6 +182,8 @@ mod tests {
             (Checkpointed, Stopping),
             (Restoring, Running),
             (Restoring, Checkpointed),
+            (Running, Snapshotting),
+            (Snapshotting, Running),
         ];
         for from in ALL {
             for to in ALL {
@@ -211,6 +230,18 @@ mod tests {
         assert!(Checkpointed.can_stop());
         assert!(Running.can_stop() && Paused.can_stop() && Starting.can_stop());
         assert!(Shelved.can_stop());
+    }
+
+    #[test]
+    fn only_running_sandboxes_are_snapshotted_and_they_stay_reachable() {
+        assert!(Running.can_snapshot());
+        for s in ALL.into_iter().filter(|s| *s != Running) {
+            assert!(!s.can_snapshot(), "{s:?}");
+        }
+        assert!(!Snapshotting.can_stop() && !Snapshotting.can_pause());
+        assert!(Snapshotting.holds_a_slot() && !Snapshotting.is_paused());
+        assert!(Snapshotting.is_routable() && Running.is_routable());
+        assert!(!Paused.is_routable() && !Starting.is_routable());
     }
 
     #[test]

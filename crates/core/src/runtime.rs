@@ -48,6 +48,16 @@ pub struct LaunchSpec {
     pub kept: Option<RuntimeHandle>,
 }
 
+/// What a snapshot of a running sandbox is made of on the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotParts {
+    /// A read-only layer with the sandbox's files, to stack on the layers it ran on.
+    pub layer: String,
+    /// The checkpoint of its processes ([`crate::builds::SnapshotImage::checkpoint`]);
+    /// `None` when only the files were copied.
+    pub checkpoint: Option<String>,
+}
+
 /// A sandbox's resource use at one moment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RuntimeStats {
@@ -150,6 +160,33 @@ pub trait Runtime: Send + Sync + 'static {
             message: "this runtime keeps no files of released sandboxes".into(),
         })
     }
+
+    /// Copies a running sandbox's files and, with `memory`, its processes into a snapshot
+    /// (`agent_token` is the one its agent holds, which a restore must present to hand
+    /// over), holding it still
+    /// meanwhile; it runs on afterwards, whether the snapshot succeeded or not. A launch whose
+    /// image names the parts (see [`crate::builds::SnapshotImage`]) restores those processes
+    /// in the new sandbox.
+    async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+        _agent_token: &str,
+        _memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox_id.to_owned(),
+            message: "this runtime cannot snapshot sandboxes".into(),
+        })
+    }
+
+    /// A template now keeps the snapshot's parts: until then the node keeps them from its
+    /// layer collector.
+    fn snapshot_recorded(&self, _parts: &SnapshotParts) {}
+
+    /// Removes the checkpoint of a snapshot no template keeps (a fork's, once its sandboxes
+    /// started); its layer is left to the layer collector, since those sandboxes run on it.
+    async fn discard_snapshot(&self, _parts: &SnapshotParts) {}
 
     /// Whether frozen sandboxes can be checkpointed to disk on this node.
     fn can_checkpoint(&self) -> bool {

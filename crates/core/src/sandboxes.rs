@@ -15,13 +15,16 @@ use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
-use crate::network::{EgressConfig, NetworkConfig, NetworkConfigError};
+use crate::network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::{Store, StoreError};
 use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
 use crate::templates::{TemplateError, Templates};
 use crate::volumes::{MountRequest, VolumeMountError, Volumes};
+
+mod snapshots;
+pub use snapshots::{ForkResult, SnapshotError, SnapshotInfo, SnapshotQuery};
 
 #[derive(Debug, Clone)]
 pub struct SandboxesConfig {
@@ -360,6 +363,18 @@ impl Sandboxes {
             .templates
             .wait_ready(template, self.config.template_wait)
             .await?;
+        self.create_from(team, request, template, egress).await
+    }
+
+    /// Starts a sandbox of `template` (whose image is the one it starts from) for a request
+    /// already checked against the team's timeout and with its egress rules validated.
+    async fn create_from(
+        &self,
+        team: &Team,
+        request: CreateSandbox,
+        template: Template,
+        egress: EgressRules,
+    ) -> Result<Sandbox, CreateSandboxError> {
         check_resources(team, &template)?;
         // After the wait for the template: the guard holds off volume deletes until the
         // mounts are recorded, which must not include a build's duration.
@@ -867,7 +882,7 @@ impl Sandboxes {
     pub fn user_port_access(&self, id: &str) -> Option<UserPortAccess> {
         self.live()
             .get(id)
-            .filter(|l| l.status == SandboxStatus::Running)
+            .filter(|l| l.status.is_routable())
             .map(|l| l.user_ports.clone())
     }
 
@@ -875,7 +890,7 @@ impl Sandboxes {
     pub fn route(&self, id: &str) -> Option<Endpoint> {
         self.live()
             .get(id)
-            .filter(|l| l.status == SandboxStatus::Running)
+            .filter(|l| l.status.is_routable())
             .and_then(|l| l.endpoint.clone())
     }
 
@@ -884,7 +899,7 @@ impl Sandboxes {
     pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Endpoint)> {
         self.live()
             .iter()
-            .filter(|(_, l)| l.status == SandboxStatus::Running && !l.access_token.is_empty())
+            .filter(|(_, l)| l.status.is_routable() && !l.access_token.is_empty())
             .find(|(_, l)| matches(&l.access_token))
             .and_then(|(id, l)| Some((id.clone(), l.endpoint.clone()?)))
     }

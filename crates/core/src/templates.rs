@@ -130,6 +130,8 @@ impl Templates {
             .await?
             .into_iter()
             .filter(|t| t.visible_to(&team.id))
+            // Snapshots are listed by `GET /snapshots`.
+            .filter(|t| t.image.as_ref().is_none_or(|i| i.snapshot.is_none()))
             .collect())
     }
 

@@ -382,6 +382,41 @@ pub(crate) fn replace_file(path: &Path, content: &[u8], mode: u32) -> io::Result
     file.write_all(content)
 }
 
+/// Opens `relative` under the directory `root` as if `root` were `/` (`RESOLVE_IN_ROOT`),
+/// without magic links.
+pub(crate) fn open_beneath(
+    root: &std::fs::File,
+    relative: &Path,
+    flags: libc::c_int,
+) -> io::Result<OwnedFd> {
+    let c = cstring(if relative.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        relative
+    })?;
+    let how = OpenHow {
+        flags: (flags | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: `how` has the kernel's layout and its size is passed; `c` is a valid path and
+    // `root` an open directory.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+}
+
 pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut fds = [0; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.

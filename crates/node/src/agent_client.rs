@@ -181,3 +181,52 @@ pub(crate) async fn run(
     }
     Ok(-1)
 }
+
+/// What `POST /init` gives a restored agent: the sandbox it now serves.
+#[derive(Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Init<'a> {
+    pub access_token: &'a str,
+    pub env_vars: &'a std::collections::BTreeMap<String, String>,
+    pub default_user: &'a str,
+    pub default_workdir: Option<&'a str>,
+}
+
+/// Hands the agent behind `socket` its new configuration; `current_token` is the one it
+/// holds now (from the snapshot it was restored from).
+pub(crate) async fn init(
+    socket: &Path,
+    current_token: &str,
+    init: &Init<'_>,
+) -> Result<(), String> {
+    use http_body_util::BodyExt as _;
+    let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let request = hyper::Request::post("/init")
+        .header(hyper::header::HOST, "agent")
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .header("x-access-token", current_token)
+        .body(http_body_util::Full::new(Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| e.to_string())?;
+    if response.status().is_success() {
+        return Ok(());
+    }
+    let status = response.status();
+    let text = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        .unwrap_or_default();
+    Err(format!("init answered {status}: {text}"))
+}

@@ -358,6 +358,7 @@ impl NodeBuilder {
                 workdir: state.workdir.clone(),
                 start_cmd,
                 ready_cmd,
+                snapshot: None,
             },
             cpu_count: job.cpu_count,
             memory_mb: job.memory_mb,
@@ -519,6 +520,7 @@ impl NodeBuilder {
             workdir: state.workdir.clone(),
             start_cmd: job.spec.start_cmd.clone().filter(|c| !c.is_empty()),
             ready_cmd: job.spec.ready_cmd.clone().filter(|c| !c.is_empty()),
+            snapshot: None,
         };
         if image.start_cmd.is_some() || image.ready_cmd.is_some() {
             log.info(

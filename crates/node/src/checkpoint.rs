@@ -17,10 +17,11 @@ use sha2::Digest;
 pub const CRIU_VERSION: &str = "4.1.1";
 /// Where scripts/install-criu.sh records the digest of the patches it built with.
 pub const PATCH_STAMP: &str = "/usr/local/share/sandbar/criu-patches.sha256";
-const PATCHES: [&[u8]; 3] = [
+const PATCHES: [&[u8]; 4] = [
     include_bytes!("../../../scripts/criu/0001-userns-check-opt-out.patch"),
     include_bytes!("../../../scripts/criu/0002-rlimits-from-proc.patch"),
     include_bytes!("../../../scripts/criu/0003-external-netns-of-another-userns.patch"),
+    include_bytes!("../../../scripts/criu/0004-socket-options-of-newer-kernels.patch"),
 ];
 
 /// A CRIU binary that passed [`probe`].
@@ -431,7 +432,12 @@ pub fn log_errors(log: &Path) -> String {
 
 /// The descriptors a restore inherits, opened from what the header recorded; an error names
 /// a host file that changed since the checkpoint (a rebuilt library would crash the sandbox).
-pub fn open_externals(header: &Header) -> Result<Vec<(String, OwnedFd)>, String> {
+/// `replace` names a file the checkpoint's processes held and the one a restore gives them
+/// instead (a sandbox restored from another's snapshot writes its own log).
+pub fn open_externals(
+    header: &Header,
+    replace: Option<&(PathBuf, PathBuf)>,
+) -> Result<Vec<(String, OwnedFd)>, String> {
     let mut out = Vec::new();
     for external in &header.externals {
         let External::File {
@@ -443,6 +449,10 @@ pub fn open_externals(header: &Header) -> Result<Vec<(String, OwnedFd)>, String>
         } = external
         else {
             continue;
+        };
+        let path = match replace {
+            Some((old, new)) if old == path => new,
+            _ => path,
         };
         let file = if *append {
             std::fs::OpenOptions::new().append(true).open(path)
@@ -464,6 +474,123 @@ pub fn open_externals(header: &Header) -> Result<Vec<(String, OwnedFd)>, String>
         out.push((key.clone(), OwnedFd::from(file)));
     }
     Ok(out)
+}
+
+/// CRIU's image magics (criu/include/magic.h): every image starts with the common magic and
+/// its own.
+const IMG_COMMON_MAGIC: u32 = 0x5456_4319;
+const USERNS_MAGIC: u32 = 0x5547_4906;
+/// Whether the image file `name` holds a user namespace's id maps (`userns-<id>.img`).
+pub fn is_userns_image(name: &str) -> bool {
+    name.strip_prefix("userns-")
+        .and_then(|rest| rest.strip_suffix(".img"))
+        .is_some_and(|id| !id.is_empty() && id.bytes().all(|c| c.is_ascii_digit()))
+}
+
+fn read_varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
+    let mut value = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *bytes.get(*at)?;
+        *at += 1;
+        value |= u64::from(byte & 0x7f) << shift;
+        if byte & 0x80 == 0 {
+            return Some(value);
+        }
+    }
+    None
+}
+
+fn write_varint(out: &mut Vec<u8>, mut value: u64) {
+    while value >= 0x80 {
+        out.push((value as u8) | 0x80);
+        value >>= 7;
+    }
+    out.push(value as u8);
+}
+
+/// One `uid_gid_extent` (images/userns.proto): `first` inside, `lower_first` on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Extent {
+    first: u32,
+    lower_first: u32,
+    count: u32,
+}
+
+fn decode_extent(bytes: &[u8]) -> Option<Extent> {
+    let (mut at, mut fields) = (0, [None; 3]);
+    while at < bytes.len() {
+        let key = read_varint(bytes, &mut at)?;
+        if key & 7 != 0 {
+            return None;
+        }
+        let value = u32::try_from(read_varint(bytes, &mut at)?).ok()?;
+        match key >> 3 {
+            n @ 1..=3 => fields[n as usize - 1] = Some(value),
+            _ => return None,
+        }
+    }
+    Some(Extent {
+        first: fields[0]?,
+        lower_first: fields[1]?,
+        count: fields[2]?,
+    })
+}
+
+fn encode_extent(out: &mut Vec<u8>, field: u64, extent: Extent) {
+    let mut body = Vec::with_capacity(16);
+    for (n, value) in [extent.first, extent.lower_first, extent.count]
+        .into_iter()
+        .enumerate()
+    {
+        write_varint(&mut body, (n as u64 + 1) << 3);
+        write_varint(&mut body, u64::from(value));
+    }
+    write_varint(out, (field << 3) | 2);
+    write_varint(out, body.len() as u64);
+    out.extend_from_slice(&body);
+}
+
+/// The user namespace image of a checkpoint with every extent on the host range starting at
+/// `from` moved to the same offset from `to`: a sandbox restored from another's checkpoint
+/// gets its own host ids. CRIU records every other owner as seen inside the namespace, so
+/// this one image is all that names the host range. `None` when the image is not the
+/// expected single `userns_entry` or an extent lies outside `from..from + size`.
+pub fn remap_userns_image(image: &[u8], from: u32, to: u32, size: u32) -> Option<Vec<u8>> {
+    let word = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(image.get(at..at + 4)?.try_into().ok()?))
+    };
+    if word(0)? != IMG_COMMON_MAGIC || word(4)? != USERNS_MAGIC {
+        return None;
+    }
+    let len = word(8)? as usize;
+    let entry = image.get(12..12 + len)?;
+    if image.len() != 12 + len {
+        return None;
+    }
+    let mut body = Vec::with_capacity(entry.len());
+    let mut at = 0;
+    while at < entry.len() {
+        let key = read_varint(entry, &mut at)?;
+        let field = key >> 3;
+        if key & 7 != 2 || !(1..=2).contains(&field) {
+            return None;
+        }
+        let n = usize::try_from(read_varint(entry, &mut at)?).ok()?;
+        let mut extent = decode_extent(entry.get(at..at + n)?)?;
+        at += n;
+        let offset = extent.lower_first.checked_sub(from)?;
+        if u64::from(offset) + u64::from(extent.count) > u64::from(size) {
+            return None;
+        }
+        extent.lower_first = to.checked_add(offset)?;
+        encode_extent(&mut body, field, extent);
+    }
+    let mut out = Vec::with_capacity(12 + body.len());
+    out.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
+    out.extend_from_slice(&USERNS_MAGIC.to_le_bytes());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    Some(out)
 }
 
 #[cfg(test)]
@@ -527,5 +654,59 @@ mod tests {
         assert!(read_header(dir.path(), true).is_err());
         std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
         assert!(read_header(dir.path(), false).is_err());
+    }
+
+    fn userns_image(lower_first: u32) -> Vec<u8> {
+        let mut body = Vec::new();
+        for field in [1, 2] {
+            encode_extent(
+                &mut body,
+                field,
+                Extent {
+                    first: 0,
+                    lower_first,
+                    count: 65536,
+                },
+            );
+        }
+        let mut out = Vec::new();
+        out.extend_from_slice(&IMG_COMMON_MAGIC.to_le_bytes());
+        out.extend_from_slice(&USERNS_MAGIC.to_le_bytes());
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// `userns-14.img` as CRIU 4.1.1 wrote it for a sandbox whose ids start at host id
+    /// 1073938432.
+    const REAL_USERNS_IMAGE: [u8; 40] = [
+        0x19, 0x43, 0x56, 0x54, 0x06, 0x49, 0x47, 0x55, 0x1c, 0x00, 0x00, 0x00, 0x0a, 0x0c, 0x08,
+        0x00, 0x10, 0x80, 0x80, 0x8c, 0x80, 0x04, 0x18, 0x80, 0x80, 0x04, 0x12, 0x0c, 0x08, 0x00,
+        0x10, 0x80, 0x80, 0x8c, 0x80, 0x04, 0x18, 0x80, 0x80, 0x04,
+    ];
+
+    #[test]
+    fn a_user_namespace_image_moves_to_another_range() {
+        assert_eq!(userns_image(1_073_938_432), REAL_USERNS_IMAGE);
+        let moved =
+            remap_userns_image(&REAL_USERNS_IMAGE, 1_073_938_432, 2_000_000, 65536).unwrap();
+        assert_eq!(moved, userns_image(2_000_000));
+        assert_eq!(
+            remap_userns_image(&moved, 2_000_000, 1_073_938_432, 65536).unwrap(),
+            REAL_USERNS_IMAGE
+        );
+        assert!(is_userns_image("userns-14.img") && is_userns_image("userns-3.img"));
+        assert!(!is_userns_image("utsns-12.img") && !is_userns_image("userns-.img"));
+    }
+
+    #[test]
+    fn a_user_namespace_image_outside_the_range_or_damaged_is_refused() {
+        let image = userns_image(200_000);
+        assert!(remap_userns_image(&image, 300_000, 0, 65536).is_none());
+        assert!(remap_userns_image(&image, 199_999, 0, 65536).is_none());
+        assert!(remap_userns_image(&image[..image.len() - 1], 200_000, 0, 65536).is_none());
+        let mut other = image.clone();
+        other[4] ^= 1;
+        assert!(remap_userns_image(&other, 200_000, 0, 65536).is_none());
     }
 }

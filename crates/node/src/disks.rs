@@ -81,6 +81,16 @@ struct VolArgs {
     name: [u8; 4088],
 }
 
+/// `btrfs_ioctl_vol_args_v2`, for snapshots.
+#[repr(C)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; 4040],
+}
+
 #[repr(C)]
 #[derive(Default)]
 struct QgroupLimit {
@@ -119,6 +129,7 @@ struct FsInfoArgs {
 }
 
 const SUBVOL_CREATE: u64 = ioc(IOC_WRITE, 14, size_of::<VolArgs>());
+const SNAP_CREATE_V2: u64 = ioc(IOC_WRITE, 23, size_of::<VolArgsV2>());
 const SNAP_DESTROY: u64 = ioc(IOC_WRITE, 15, size_of::<VolArgs>());
 const INO_LOOKUP: u64 = ioc(IOC_READ | IOC_WRITE, 18, size_of::<InoLookupArgs>());
 const FS_INFO: u64 = ioc(IOC_READ, 31, size_of::<FsInfoArgs>());
@@ -312,6 +323,55 @@ impl DiskPool {
         std::os::unix::fs::chown(&path, Some(owner), Some(owner)).map_err(fail)?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).map_err(fail)?;
         Ok(path)
+    }
+
+    /// Copies the sandbox's directory to `parent/name` as it is at this moment: a btrfs
+    /// snapshot (no data copied) when the sandbox has a subvolume, else a copy that keeps
+    /// owners, modes, extended attributes and links. The caller holds the sandbox's
+    /// processes still, so the copy is consistent.
+    pub fn snapshot(&self, sandbox_id: &str, parent: &Path, name: &str) -> Result<(), String> {
+        let source = self.path(sandbox_id);
+        let meta =
+            std::fs::symlink_metadata(&source).map_err(|e| format!("{}: {e}", source.display()))?;
+        if meta.is_dir() && meta.ino() == SUBVOLUME_ROOT_INODE && is_btrfs(&source) {
+            let fail = |e: std::io::Error| format!("snapshot {}: {e}", source.display());
+            let source_dir = open_dir(&source).map_err(fail)?;
+            let target_dir = open_dir(parent).map_err(fail)?;
+            let plain = vol_args(OsStr::new(name)).map_err(fail)?;
+            let mut args = VolArgsV2 {
+                fd: i64::from(source_dir.as_raw_fd()),
+                transid: 0,
+                flags: 0,
+                unused: [0; 4],
+                name: [0; 4040],
+            };
+            let len = plain.name.iter().position(|b| *b == 0).unwrap_or(0);
+            if len >= args.name.len() {
+                return Err(format!("snapshot name {name} is too long"));
+            }
+            args.name[..len].copy_from_slice(&plain.name[..len]);
+            // SAFETY: SNAP_CREATE_V2 takes a btrfs_ioctl_vol_args_v2, which `args` is.
+            return unsafe { ioctl(target_dir.as_fd(), SNAP_CREATE_V2, &mut args) }.map_err(fail);
+        }
+        let target = parent.join(name);
+        let output = std::process::Command::new("cp")
+            .arg("-a")
+            .arg("--reflink=auto")
+            .arg("--")
+            .arg(&source)
+            .arg(&target)
+            .output()
+            .map_err(|e| format!("run cp: {e}"))?;
+        if !output.status.success() {
+            let _ = remove_tree(&target);
+            return Err(format!(
+                "copy {} to {}: {}",
+                source.display(),
+                target.display(),
+                String::from_utf8_lossy(&output.stderr).trim()
+            ));
+        }
+        Ok(())
     }
 
     /// Removes the sandbox's directory and everything in it; succeeds if it is already gone.

@@ -13,7 +13,9 @@ use std::process::Stdio;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use sandbar_core::{EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+use sandbar_core::{
+    EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+};
 use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
@@ -136,6 +138,10 @@ pub struct LinuxRuntime {
     /// Mount points a restore needs that the sandbox's host uid must reach (outside the
     /// data directory, which only root may traverse).
     mount_dir: PathBuf,
+    /// Snapshot parts not yet kept by a template: the core records the template just after
+    /// making them (and says so), and the collector must not take them in between. Entries
+    /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
+    fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -264,7 +270,11 @@ impl LinuxRuntime {
                 config.data_dir.as_os_str().as_encoded_bytes()
             ))[..12]
         ));
-        for dir in [config.data_dir.join("checkpoints"), mount_dir.clone()] {
+        for dir in [
+            config.data_dir.join("checkpoints"),
+            config.data_dir.join("snapshots"),
+            mount_dir.clone(),
+        ] {
             std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
                 path: dir.clone(),
                 source,
@@ -272,10 +282,12 @@ impl LinuxRuntime {
         }
         {
             use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(
-                config.data_dir.join("checkpoints"),
-                std::fs::Permissions::from_mode(0o700),
-            );
+            for private in ["checkpoints", "snapshots"] {
+                let _ = std::fs::set_permissions(
+                    config.data_dir.join(private),
+                    std::fs::Permissions::from_mode(0o700),
+                );
+            }
             // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
             let _ = std::fs::set_permissions(&mount_dir, std::fs::Permissions::from_mode(0o711));
         }
@@ -284,6 +296,7 @@ impl LinuxRuntime {
             agent_exec,
             agent_digest,
             mount_dir,
+            fresh_snapshots: Mutex::new(Vec::new()),
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
@@ -681,6 +694,9 @@ impl LinuxRuntime {
     }
 }
 
+/// How long the collector leaves a new snapshot's parts alone at most.
+const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
+
 /// How long a new sandbox's ready command may take to succeed.
 const READY_PATIENCE: Duration = Duration::from_secs(60);
 
@@ -806,8 +822,21 @@ impl LinuxRuntime {
     pub fn collect_layers(&self, keep: &[String], images_dir: &Path) {
         let mut keep: BTreeSet<String> = keep.iter().cloned().collect();
         keep.extend(self.layers_of_live_sandboxes());
+        {
+            let mut fresh = self
+                .fresh_snapshots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            fresh.retain(|(_, made)| made.elapsed() < FRESH_SNAPSHOT);
+            keep.extend(fresh.iter().map(|(name, _)| name.clone()));
+        }
         let steps = self.layers.steps_dir().to_owned();
-        for (dir, kind) in [(steps.as_path(), "layer"), (images_dir, "image")] {
+        let snapshots = self.snapshots_dir();
+        for (dir, kind) in [
+            (steps.as_path(), "layer"),
+            (images_dir, "image"),
+            (snapshots.as_path(), "checkpoint"),
+        ] {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
             };
@@ -909,7 +938,16 @@ impl Runtime for LinuxRuntime {
         };
         let slot = netns.slot;
         self.keep_layers(id.clone(), spec.image.layers.clone());
-        match self.launch_in(&spec, netns).await {
+        let checkpoint = spec
+            .image
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.checkpoint.as_deref());
+        let launched = match (checkpoint, &kept) {
+            (Some(checkpoint), None) => self.launch_restored(&spec, netns, checkpoint).await,
+            _ => self.launch_in(&spec, netns).await,
+        };
+        match launched {
             Ok((handle, endpoint)) => Ok((handle.to_runtime(&id)?, endpoint)),
             Err((handle, err)) => {
                 let handle = handle.unwrap_or(Handle {
@@ -1048,6 +1086,41 @@ impl Runtime for LinuxRuntime {
 
     fn can_checkpoint(&self) -> bool {
         self.criu.is_some()
+    }
+
+    async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        agent_token: &str,
+        memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        self.take_snapshot(sandbox_id, &h, agent_token, memory)
+            .await
+    }
+
+    fn snapshot_recorded(&self, parts: &SnapshotParts) {
+        let names: Vec<&String> = std::iter::once(&parts.layer)
+            .chain(parts.checkpoint.as_ref())
+            .collect();
+        self.fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(name, _)| !names.contains(&name));
+    }
+
+    async fn discard_snapshot(&self, parts: &SnapshotParts) {
+        self.snapshot_recorded(parts);
+        if let Some(key) = parts
+            .checkpoint
+            .as_deref()
+            .and_then(|c| c.strip_prefix("checkpoint/"))
+            && is_snapshot_key(key)
+        {
+            let dir = self.snapshots_dir().join(key);
+            let _ = tokio::task::spawn_blocking(move || crate::disks::remove_tree(&dir)).await;
+        }
     }
 
     async fn checkpoint(
@@ -1401,10 +1474,7 @@ impl LinuxRuntime {
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
     /// returns its new PID 1.
     async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
-        let criu = self
-            .criu
-            .as_ref()
-            .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))?;
+        let criu = self.criu_for_restore(id)?;
         let dir = self.checkpoint_dir(id);
         let read_dir = dir.clone();
         let header =
@@ -1412,52 +1482,105 @@ impl LinuxRuntime {
                 .await
                 .map_err(|e| sandbox_err(id, e))?
                 .map_err(|e| sandbox_err(id, e))?;
-        if header.criu_version != criu.version {
-            return Err(sandbox_err(
-                id,
-                format!(
-                    "the checkpoint was made by CRIU {}, this node has {}",
-                    header.criu_version, criu.version
-                ),
-            ));
-        }
-        let netns = self.kept_ns(id, "net");
-        let userns = self.kept_ns(id, "user");
-        let sandbox_dir = self.disks.path(id);
+        check_criu_version(id, criu, &header)?;
         let layers = self
             .layers
             .stack(&h.layers)
             .map_err(|e| sandbox_err(id, e))?;
+        let netns_path = self.kept_ns(id, "net");
+        let userns_path = self.kept_ns(id, "user");
+        let slot = h.slot;
+        let opened = tokio::task::spawn_blocking(move || -> Result<_, String> {
+            let netns: std::os::fd::OwnedFd = std::fs::File::open(&netns_path)
+                .map_err(|e| format!("open {}: {e}", netns_path.display()))?
+                .into();
+            let userns: std::os::fd::OwnedFd = std::fs::File::open(&userns_path)
+                .map_err(|e| format!("open {}: {e}", userns_path.display()))?
+                .into();
+            let agent_socket = crate::netns::socket_in(&netns)
+                .map_err(|e| format!("cannot make the agent's socket: {e}"))?;
+            Ok((
+                PreparedNetns {
+                    slot,
+                    netns,
+                    agent_socket,
+                },
+                userns,
+            ))
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, e))?;
+        let (prepared, userns) = opened;
+        self.run_restore(
+            id,
+            RestoreFrom {
+                images: dir,
+                header,
+                layers,
+                userns,
+                netns: prepared,
+                new_log: None,
+                etc: None,
+            },
+        )
+        .await
+    }
+
+    fn criu_for_restore(&self, id: &str) -> Result<&crate::checkpoint::Criu, RuntimeError> {
+        self.criu
+            .as_ref()
+            .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))
+    }
+
+    /// Mounts what the restore of sandbox `id` needs on the host (its root, a sysfs of its
+    /// network namespace, its agent's listener), runs `criu restore` from its cgroups and
+    /// returns the restored PID 1; the host-side mounts are gone afterwards either way.
+    async fn run_restore(&self, id: &str, from: RestoreFrom) -> Result<i32, RuntimeError> {
+        let criu = self.criu_for_restore(id)?;
+        let RestoreFrom {
+            images: dir,
+            header,
+            layers,
+            userns,
+            netns: prepared,
+            new_log,
+            etc,
+        } = from;
+        let sandbox_dir = self.disks.path(id);
         let sysfs = self.mount_dir.join(format!("{id}.sys"));
         let socket = self.socket_path(id);
-        let prepared = {
+        let mounted = {
             let sandbox_dir = sandbox_dir.clone();
             let layers = layers.clone();
             let sysfs = sysfs.clone();
-            let netns = netns.clone();
             let socket = socket.clone();
-            let slot = h.slot;
             tokio::task::spawn_blocking(move || -> Result<_, String> {
-                sandbar_jail::host::mount_root(&sandbox_dir, &layers, &userns)
+                sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                     .map_err(|e| format!("cannot mount its root again: {e}"))?;
+                if let Some((owner, etc)) = &etc {
+                    let root = sandbox_dir.join(sandbar_jail::layout::ROOT);
+                    for (name, content) in etc {
+                        sandbar_jail::host::replace_file_beneath(
+                            &root,
+                            &Path::new("etc").join(name),
+                            content.as_bytes(),
+                            0o644,
+                            *owner,
+                        )
+                        .map_err(|e| format!("cannot write /etc/{name}: {e}"))?;
+                    }
+                }
                 if let Err(e) = std::fs::create_dir(&sysfs)
                     && e.kind() != std::io::ErrorKind::AlreadyExists
                 {
                     return Err(format!("create {}: {e}", sysfs.display()));
                 }
-                sandbar_jail::host::mount_sysfs_of(&netns, &sysfs)
+                let netns_path =
+                    PathBuf::from(format!("/proc/self/fd/{}", prepared.netns.as_raw_fd()));
+                sandbar_jail::host::mount_sysfs_of(&netns_path, &sysfs)
                     .map_err(|e| format!("cannot mount its sysfs: {e}"))?;
-                let netns_fd: std::os::fd::OwnedFd = std::fs::File::open(&netns)
-                    .map_err(|e| format!("open {}: {e}", netns.display()))?
-                    .into();
-                let agent_socket = crate::netns::socket_in(&netns_fd)
-                    .map_err(|e| format!("cannot make the agent's socket: {e}"))?;
                 let _ = std::fs::remove_file(&socket);
-                let prepared = PreparedNetns {
-                    slot,
-                    netns: netns_fd,
-                    agent_socket,
-                };
                 let listener = prepared
                     .listen_at(&socket)
                     .map_err(|e| format!("bind {}: {e}", socket.display()))?;
@@ -1470,14 +1593,14 @@ impl LinuxRuntime {
             sandbar_jail::host::unmount_root(&sandbox_dir, layers.len());
             let _ = sandbar_jail::host::unmount(&sysfs);
         };
-        let (prepared, listener) = match prepared {
+        let (prepared, listener) = match mounted {
             Ok(ok) => ok,
             Err(e) => {
                 undo_mounts();
                 return Err(sandbox_err(id, e));
             }
         };
-        let files = match crate::checkpoint::open_externals(&header) {
+        let files = match crate::checkpoint::open_externals(&header, new_log.as_ref()) {
             Ok(files) => files,
             Err(e) => {
                 undo_mounts();
@@ -1589,6 +1712,493 @@ impl LinuxRuntime {
             .ok_or_else(|| sandbox_err(id, "the restore wrote no PID"))?;
         Ok(pid)
     }
+}
+
+/// What a snapshot's checkpoint directory holds besides the images: what a restore into
+/// another sandbox must change.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct SnapshotOrigin {
+    /// Host id of the snapshotted sandbox's root: its user namespace image names that range.
+    id_base: u32,
+    /// The token its agent held, which the restored agent answers to until it is given its
+    /// own.
+    access_token: String,
+    /// Its agent log, which the checkpoint's agent holds open.
+    log: PathBuf,
+}
+
+const SNAPSHOT_ORIGIN: &str = "origin.json";
+
+fn is_snapshot_key(key: &str) -> bool {
+    key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
+}
+
+impl LinuxRuntime {
+    fn snapshots_dir(&self) -> PathBuf {
+        self.config.data_dir.join("snapshots")
+    }
+
+    /// Copies sandbox `id` into a snapshot: frozen, its processes dumped (left running) and
+    /// its writable layer snapshotted, then thawed; the copies are made into a layer and a
+    /// checkpoint after it runs again.
+    async fn take_snapshot(
+        &self,
+        id: &str,
+        h: &Handle,
+        agent_token: &str,
+        memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        let criu = match (&self.criu, memory) {
+            (Some(criu), true) => Some(criu),
+            (None, true) => {
+                return Err(sandbox_err(
+                    id,
+                    "this node cannot snapshot memory (no usable CRIU); a snapshot with memory: false copies the files only",
+                ));
+            }
+            (_, false) => None,
+        };
+        if !is_alive(h) {
+            return Err(sandbox_err(id, "the sandbox's processes are gone"));
+        }
+        let base = h
+            .id_base
+            .ok_or_else(|| sandbox_err(id, "the sandbox runs without its own user namespace"))?;
+        let key = {
+            use sha2::Digest;
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            hex::encode(sha2::Sha256::digest(format!(
+                "{id}/{nanos}/{}",
+                std::process::id()
+            )))[..32]
+                .to_owned()
+        };
+        let parts = SnapshotParts {
+            layer: crate::layers::LayerStore::step_layer_name(&key),
+            checkpoint: memory.then(|| format!("checkpoint/{key}")),
+        };
+        self.fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(
+                std::iter::once(parts.layer.clone())
+                    .chain(parts.checkpoint.clone())
+                    .map(|name| (name, std::time::Instant::now())),
+            );
+        let images = self.snapshots_dir().join(&key);
+        let layer_dir = self.layers.steps_dir().join(&key);
+        let discard = || {
+            let _ = crate::disks::remove_tree(&images);
+            let _ = self.disks.remove_at(self.layers.steps_dir(), &key);
+        };
+        if memory {
+            std::fs::create_dir_all(&images)
+                .map_err(|e| sandbox_err(id, format!("create {}: {e}", images.display())))?;
+        }
+        let freezer = self
+            .cgroups
+            .freezer_dir(id)
+            .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
+        let was_frozen = self.cgroups.is_frozen(id);
+        if !was_frozen {
+            self.cgroups
+                .freeze(id)
+                .await
+                .map_err(|e| sandbox_err(id, e))?;
+        }
+        let held_since = std::time::Instant::now();
+        let copied = self.copy_frozen(id, h, criu, &freezer, &images, &key).await;
+        if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
+            tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
+        }
+        let held = held_since.elapsed();
+        let plan = match copied {
+            Ok(plan) => plan,
+            Err(e) => {
+                discard();
+                return Err(e);
+            }
+        };
+        let with_memory = plan.as_ref().map(|plan| {
+            (
+                plan.clone(),
+                criu.map(|c| c.version.clone()).unwrap_or_default(),
+            )
+        });
+        let origin = SnapshotOrigin {
+            id_base: base,
+            access_token: agent_token.to_owned(),
+            log: self.log_path(id),
+        };
+        let agent_digest = self.agent_digest.clone();
+        let finish_images = images.clone();
+        let finished = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            for scratch in [
+                sandbar_jail::layout::WORK,
+                sandbar_jail::layout::LOWER,
+                sandbar_jail::layout::ROOT,
+            ] {
+                crate::disks::remove_tree(&layer_dir.join(scratch))?;
+            }
+            crate::layers::shift_owners(
+                &layer_dir.join(sandbar_jail::layout::UPPER),
+                base,
+                SANDBOX_IDS,
+            )?;
+            std::os::unix::fs::lchown(&layer_dir, Some(0), Some(0))?;
+            let Some((plan, criu_version)) = with_memory else {
+                return Ok(());
+            };
+            std::fs::write(
+                finish_images.join(SNAPSHOT_ORIGIN),
+                serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
+            )?;
+            let (images, images_crc32) = crate::checkpoint::list_images(&finish_images)?;
+            crate::checkpoint::write_header(
+                &finish_images,
+                &crate::checkpoint::Header {
+                    criu_version,
+                    agent_digest,
+                    listener_inode: plan.listener_inode,
+                    externals: plan.externals,
+                    images,
+                    images_crc32,
+                },
+            )
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e));
+        if let Err(e) = finished.and_then(|r| {
+            r.map_err(|e| sandbox_err(id, format!("cannot finish the snapshot: {e}")))
+        }) {
+            discard();
+            return Err(e);
+        }
+        tracing::info!(
+            sandbox_id = %id,
+            held_ms = held.as_millis() as u64,
+            layer = %parts.layer,
+            "sandbox snapshotted"
+        );
+        Ok(parts)
+    }
+
+    /// The frozen part of a snapshot: CRIU dumps the processes and leaves them running, and
+    /// the sandbox's directory is snapshotted at the same moment.
+    async fn copy_frozen(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: Option<&crate::checkpoint::Criu>,
+        freezer: &Path,
+        images: &Path,
+        key: &str,
+    ) -> Result<Option<crate::checkpoint::DumpPlan>, RuntimeError> {
+        let plan = match criu {
+            Some(criu) => Some(self.dump_running(id, h, criu, freezer, images).await?),
+            None => None,
+        };
+        let disks = self.disks.clone();
+        let (owned_id, steps, owned_key) = (
+            id.to_owned(),
+            self.layers.steps_dir().to_owned(),
+            key.to_owned(),
+        );
+        tokio::task::spawn_blocking(move || disks.snapshot(&owned_id, &steps, &owned_key))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, format!("cannot copy its files: {e}")))?;
+        Ok(plan)
+    }
+
+    /// Dumps the frozen sandbox's processes into `images` and leaves them running.
+    async fn dump_running(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: &crate::checkpoint::Criu,
+        freezer: &Path,
+        images: &Path,
+    ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
+        let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
+            .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
+        let tasks = self.cgroups.members(id);
+        let pid = h.pid;
+        let plan = tokio::task::spawn_blocking(move || {
+            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
+        let output = tokio::process::Command::new(&criu.path)
+            .arg("dump")
+            .arg("--tree")
+            .arg(h.pid.to_string())
+            .arg("--images-dir")
+            .arg(images)
+            .arg("--log-file")
+            .arg(crate::checkpoint::DUMP_LOG)
+            .arg("-v2")
+            .arg("--leave-running")
+            .arg("--freeze-cgroup")
+            .arg(freezer)
+            .args(&plan.args)
+            .env("CRIU_SKIP_USERNS_CHECK", "1")
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
+        if !output.status.success() {
+            let errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
+            return Err(sandbox_err(
+                id,
+                format!("snapshot failed ({}): {errors}", output.status),
+            ));
+        }
+        Ok(plan)
+    }
+
+    /// Starts sandbox `spec` from the snapshot `snapshot`: a fresh writable layer on the
+    /// snapshot's layers, and the snapshot's processes restored into it with the new
+    /// sandbox's id range, network, cgroups, token and environment.
+    async fn launch_restored(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        checkpoint: &str,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let slot = netns.slot;
+        let started = std::time::Instant::now();
+        let id_map = self.id_map(slot);
+        let bare = |e: RuntimeError| (None, e);
+        let criu = self.criu_for_restore(id).map_err(bare)?;
+        let key = checkpoint
+            .strip_prefix("checkpoint/")
+            .filter(|k| is_snapshot_key(k))
+            .ok_or_else(|| {
+                bare(sandbox_err(
+                    id,
+                    format!("'{checkpoint}' names no snapshot checkpoint"),
+                ))
+            })?
+            .to_owned();
+        let source = self.snapshots_dir().join(&key);
+        let work = self.checkpoint_dir(id);
+        let prepared = {
+            let (source, work) = (source.clone(), work.clone());
+            let to = id_map.host_base;
+            tokio::task::spawn_blocking(move || -> Result<_, String> {
+                let header = crate::checkpoint::read_header(&source, true)
+                    .map_err(|e| format!("the snapshot is not usable: {e}"))?;
+                let origin: SnapshotOrigin = serde_json::from_slice(
+                    &std::fs::read(source.join(SNAPSHOT_ORIGIN))
+                        .map_err(|e| format!("the snapshot has no origin: {e}"))?,
+                )
+                .map_err(|e| format!("the snapshot's origin is unreadable: {e}"))?;
+                // The images are shared by every sandbox made from the snapshot: each restore
+                // gets links to them in a directory of its own, with its own id range.
+                let _ = crate::disks::remove_tree(&work);
+                std::fs::create_dir_all(&work)
+                    .map_err(|e| format!("create {}: {e}", work.display()))?;
+                // Restored with the snapshotted sandbox's ids, a copy could touch its files.
+                let user_namespaces = header
+                    .images
+                    .iter()
+                    .filter(|i| crate::checkpoint::is_userns_image(&i.name))
+                    .count();
+                if user_namespaces != 1 {
+                    return Err(format!(
+                        "the snapshot has {user_namespaces} user namespace images, not one"
+                    ));
+                }
+                for image in &header.images {
+                    if crate::checkpoint::is_userns_image(&image.name) {
+                        let bytes = std::fs::read(source.join(&image.name))
+                            .map_err(|e| format!("read {}: {e}", image.name))?;
+                        let moved = crate::checkpoint::remap_userns_image(
+                            &bytes,
+                            origin.id_base,
+                            to,
+                            SANDBOX_IDS,
+                        )
+                        .ok_or("the snapshot's user namespace image is not one this node reads")?;
+                        std::fs::write(work.join(&image.name), moved)
+                            .map_err(|e| format!("write {}: {e}", image.name))?;
+                    } else {
+                        std::fs::hard_link(source.join(&image.name), work.join(&image.name))
+                            .map_err(|e| format!("link {}: {e}", image.name))?;
+                    }
+                }
+                Ok((header, origin))
+            })
+            .await
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .map_err(|e| bare(sandbox_err(id, e)))?
+        };
+        let (header, origin) = prepared;
+        check_criu_version(id, criu, &header).map_err(bare)?;
+        if header.agent_digest != self.agent_digest {
+            tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
+        }
+        self.cgroups
+            .create(
+                id,
+                Limits {
+                    cpu_count: spec.cpu_count,
+                    memory_mb: spec.memory_mb,
+                    pids_max: self.config.pids_max,
+                },
+            )
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.disks
+            .create(id, spec.disk_size_mb, id_map.host_base)
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(bare)?;
+        // CRIU checks that a file the processes held open has the size it had at the dump: the
+        // new log starts out as long as the snapshotted one was (a hole) and is emptied once
+        // the restore is done; the agent appends, so its next line lands at the start.
+        let held_log_size = header
+            .externals
+            .iter()
+            .find_map(|e| match e {
+                crate::checkpoint::External::File { path, size, .. } if *path == origin.log => {
+                    Some(*size)
+                }
+                _ => None,
+            })
+            .unwrap_or(0);
+        let log_path = self.log_path(id);
+        let log = std::fs::File::create(&log_path)
+            .and_then(|log| {
+                std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))?;
+                log.set_len(held_log_size)?;
+                Ok(log)
+            })
+            .map_err(|e| {
+                bare(sandbox_err(
+                    id,
+                    format!("create {}: {e}", log_path.display()),
+                ))
+            })?;
+        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
+            bare(RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", spec.template.id),
+            })
+        })?;
+        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
+            bare(sandbox_err(
+                id,
+                format!("cannot make its user namespace: {e}"),
+            ))
+        })?;
+        let gateway = self
+            .network
+            .addrs(slot)
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .host;
+        let pid = self
+            .run_restore(
+                id,
+                RestoreFrom {
+                    images: work.clone(),
+                    header,
+                    layers,
+                    userns,
+                    netns,
+                    new_log: Some((origin.log.clone(), log_path.clone())),
+                    etc: Some((
+                        id_map.host_base,
+                        vec![("resolv.conf", format!("nameserver {gateway}\n"))],
+                    )),
+                },
+            )
+            .await
+            .map_err(bare)?;
+        let _ = log.set_len(0);
+        drop(log);
+        let _ = crate::disks::remove_tree(&work);
+        let restored = started.elapsed();
+        let handle = Handle {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or_default(),
+            slot,
+            id_base: Some(id_map.host_base),
+            memory_mb: spec.memory_mb,
+            layers: spec.image.layers.clone(),
+            released: false,
+            checkpointed: false,
+        };
+        let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        let endpoint = self.endpoint(id, slot).map_err(fail)?;
+        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
+            .await
+            .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
+        let workdir = Some(spec.image.workdir.as_str())
+            .filter(|w| *w != format!("/home/{}", spec.image.user));
+        agent_client::init(
+            &endpoint.agent_socket,
+            &origin.access_token,
+            &agent_client::Init {
+                access_token: &spec.envd_access_token,
+                env_vars: &spec.env_vars,
+                default_user: &spec.image.user,
+                default_workdir: workdir,
+            },
+        )
+        .await
+        .map_err(|e| {
+            fail(sandbox_err(
+                id,
+                format!("cannot hand the agent its sandbox: {e}"),
+            ))
+        })?;
+        tracing::debug!(
+            sandbox_id = %id,
+            restored_us = restored.as_micros() as u64,
+            ready_us = started.elapsed().as_micros() as u64,
+            "sandbox restored from a snapshot"
+        );
+        Ok((handle, endpoint))
+    }
+}
+
+/// What [`LinuxRuntime::run_restore`] restores, and into what.
+struct RestoreFrom {
+    /// The images, where CRIU also writes its log and the PID file.
+    images: PathBuf,
+    header: crate::checkpoint::Header,
+    /// The sandbox's layers, topmost first.
+    layers: Vec<PathBuf>,
+    /// A user namespace with the sandbox's id range, to id-map the layers.
+    userns: std::os::fd::OwnedFd,
+    netns: PreparedNetns,
+    /// The agent log the checkpoint's processes held (the snapshotted sandbox's) and the one
+    /// the restored sandbox writes instead.
+    new_log: Option<(PathBuf, PathBuf)>,
+    /// Files of `/etc` written into the root before the restore, and their owner.
+    etc: Option<(u32, Vec<(&'static str, String)>)>,
+}
+
+fn check_criu_version(
+    id: &str,
+    criu: &crate::checkpoint::Criu,
+    header: &crate::checkpoint::Header,
+) -> Result<(), RuntimeError> {
+    if header.criu_version != criu.version {
+        return Err(sandbox_err(
+            id,
+            format!(
+                "the checkpoint was made by CRIU {}, this node has {}",
+                header.criu_version, criu.version
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

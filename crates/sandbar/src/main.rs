@@ -309,6 +309,7 @@ fn base_image() -> TemplateImage {
         workdir: "/home/user".into(),
         start_cmd: None,
         ready_cmd: None,
+        snapshot: None,
     }
 }
 

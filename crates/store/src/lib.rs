@@ -743,6 +743,8 @@ impl Store for SqliteStore {
             let text: String = row.try_get("image").map_err(err)?;
             let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
             layers.extend(image.layers);
+            // A snapshot's checkpoint lives as long as its layers.
+            layers.extend(image.snapshot.and_then(|s| s.checkpoint));
         }
         layers.sort();
         layers.dedup();

@@ -109,6 +109,7 @@ async fn templates_and_sandboxes_round_trip() {
         workdir: "/app".into(),
         start_cmd: Some("serve".into()),
         ready_cmd: None,
+        snapshot: None,
     };
     store
         .set_template_image(&template.id, "b", &image)

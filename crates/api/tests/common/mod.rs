@@ -61,6 +61,7 @@ pub fn image() -> TemplateImage {
         workdir: "/home/user".into(),
         start_cmd: None,
         ready_cmd: None,
+        snapshot: None,
     }
 }
 
