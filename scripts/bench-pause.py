@@ -8,6 +8,10 @@ round trip each, as the SDK makes them), next to create.
 With `--from-disk N` it also pauses each sandbox N times until the server has checkpointed it
 to disk (run the server with a short `--pause-grace-secs`, e.g. 1) and times the checkpoint
 (as the server logs it) and the resume that restores it.
+
+With `--snapshots N` it also takes N snapshots of each sandbox (`POST .../snapshots`, the
+sandbox running on), starts a sandbox from each (`POST /v2/sandboxes` with the snapshot's ID,
+which restores its processes) and forks it N times with `count` 1.
 """
 
 from __future__ import annotations
@@ -67,10 +71,38 @@ def from_disk(api: httpx.Client, sandbox_id: str, n: int):
     return dumps, restores
 
 
+def snapshots(api: httpx.Client, sandbox_id: str, n: int):
+    takes, creates, forks = [], [], []
+    made = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = api.post(f"/sandboxes/{sandbox_id}/snapshots", json={})
+            assert r.status_code == 201, r.text
+            takes.append((time.perf_counter() - t) * 1000)
+            snapshot_id = r.json()["snapshotID"]
+            made.append(snapshot_id.split(":")[0])
+            t = time.perf_counter()
+            r = api.post("/v2/sandboxes", json={"templateID": snapshot_id, "timeout": 60})
+            assert r.status_code == 201, r.text
+            creates.append((time.perf_counter() - t) * 1000)
+            api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            t = time.perf_counter()
+            r = api.post(f"/sandboxes/{sandbox_id}/fork", json={"count": 1, "timeout": 60})
+            assert r.status_code == 201 and r.json()[0].get("sandbox"), r.text
+            forks.append((time.perf_counter() - t) * 1000)
+            api.delete(f"/sandboxes/{r.json()[0]['sandbox']['sandboxID']}")
+    finally:
+        for template_id in made:
+            api.delete(f"/templates/{template_id}")
+    return takes, creates, forks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--from-disk", type=int, default=0, help="checkpoint cycles per sandbox")
+    parser.add_argument("--snapshots", type=int, default=0, help="snapshots (and forks) per sandbox")
     args = parser.parse_args()
     api = httpx.Client(
         base_url=os.environ["E2B_API_URL"],
@@ -105,6 +137,11 @@ def main() -> None:
                 dumps, restores = from_disk(api, sbx.sandbox_id, args.from_disk)
                 rows.append(summary(f"checkpoint to disk (server side), {label}", dumps))
                 rows.append(summary(f"resume from disk (`connect`), {label}", restores))
+            if args.snapshots:
+                takes, starts, forks = snapshots(api, sbx.sandbox_id, args.snapshots)
+                rows.append(summary(f"snapshot (`POST .../snapshots`), {label}", takes))
+                rows.append(summary(f"create from the snapshot, {label}", starts))
+                rows.append(summary(f"fork, count 1, {label}", forks))
         finally:
             sbx.kill()
     print("| measurement | n | p50 ms | p95 ms |")

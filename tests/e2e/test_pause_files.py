@@ -154,3 +154,35 @@ def state_of_with(sandbar, sandbox_id: str, headers: dict) -> str:
     r = httpx.get(f"{sandbar.url}/sandboxes/{sandbox_id}", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["state"]
+
+
+def test_resume_without_memory_boots_a_memory_paused_sandbox_afresh(sandbar, make_sandbox):
+    sbx = make_sandbox(envs={"KEPT": "yes"})
+    sbx.files.write("/home/user/note.txt", "kept")
+    sbx.commands.run("sleep 600", background=True)
+    with sandbar.client() as api:
+        assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        # Running is a no-op either way; paused with memory, `memory: false` drops the memory.
+        r = api.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 120, "memory": False})
+        assert r.status_code == 201, r.text
+        assert r.json()["envdAccessToken"] == sbx._envd_access_token
+        r = api.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 120, "memory": False})
+        assert r.status_code == 200, r.text
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    assert resumed.files.read("/home/user/note.txt") == "kept"
+    assert resumed.commands.run("echo $KEPT").stdout.strip() == "yes"
+    assert "sleep 600" not in resumed.commands.run("ps -eo args").stdout
+    # The same from a checkpoint on disk (where the server takes them).
+    if "paused sandboxes are checkpointed to disk" not in sandbar.log_path.read_text(errors="replace"):
+        return
+    resumed.commands.run("sleep 700", background=True)
+    with sandbar.client() as api:
+        assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+        header = sandbar.data_dir / "checkpoints" / sbx.sandbox_id / "header"
+        wait_until(header.exists, timeout=30, message="the checkpoint")
+        r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 120, "memory": False})
+        assert r.status_code == 201, r.text
+    assert not header.exists()
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.files.read("/home/user/note.txt") == "kept"
+    assert "sleep 700" not in again.commands.run("ps -eo args").stdout

@@ -83,7 +83,7 @@ def test_a_sandbox_made_from_a_snapshot_runs_the_snapshotted_processes(criu, mak
         assert counting(source)
         source.files.write("/home/user/note.txt", "after the snapshot")
 
-        copy = make_sandbox(template=snapshot.snapshot_id)
+        copy = make_sandbox(template=snapshot.snapshot_id, envs={"FROM_COPY": "1"})
         assert copy.sandbox_id != source.sandbox_id
         # The counter goes on from where the snapshot caught it, in the restored process.
         after = read_count(copy)
@@ -97,8 +97,8 @@ def test_a_sandbox_made_from_a_snapshot_runs_the_snapshotted_processes(criu, mak
         assert body == "served from the snapshot"
         # Its own host ids, and its own environment: the agent was handed the new sandbox.
         assert host_id_base(copy) != host_id_base(source)
-        env = copy.commands.run("echo $FROM_SOURCE:$E2B_SANDBOX_ID").stdout.strip()
-        assert env.startswith("yes:") or env.startswith(":"), env
+        # New processes get the environment the copy was created with, not the source's.
+        assert copy.commands.run("echo $FROM_SOURCE:$FROM_COPY").stdout.strip() == ":1"
         # The copy writes files as its own user, on its own disk.
         copy.files.write("/home/user/mine.txt", "copy")
         assert copy.commands.run("stat -c %U /home/user/mine.txt").stdout.strip() == "user"
@@ -174,6 +174,8 @@ def test_fork_starts_copies_that_run_on_their_own(criu, make_sandbox):
         for i, f in enumerate(forks):
             fork = Sandbox.connect(f.sandbox_id)
             assert counting(fork)
+            # A fork starts with the source's settings, its environment included.
+            assert fork.commands.run("echo $FROM_SOURCE").stdout.strip() == "yes"
             fork.files.write("/home/user/note.txt", f"fork {i}")
         for i, f in enumerate(forks):
             assert Sandbox.connect(f.sandbox_id).files.read("/home/user/note.txt") == f"fork {i}"

@@ -111,13 +111,6 @@ pub(crate) struct TimeoutBody {
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
-pub(crate) struct OptionalTimeoutBody {
-    /// Seconds from now after which the sandbox ends (300 when omitted).
-    #[schema(minimum = 0, maximum = 2147483647)]
-    pub timeout: Option<i64>,
-}
-
-#[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct RefreshBody {
     /// Seconds the sandbox is kept alive (at least 15).
     #[schema(minimum = 0, maximum = 3600)]

@@ -11,8 +11,8 @@ use sandbar_core::{CreateSandbox, EgressConfig, ListQuery, SandboxState, Team};
 use crate::AppState;
 use crate::dto::SandboxStateName;
 use crate::dto::{
-    ListedSandbox, NetworkConfig, NewSandbox, OptionalTimeoutBody, RefreshBody, SandboxCreated,
-    SandboxDetail, TimeoutBody,
+    ListedSandbox, NetworkConfig, NewSandbox, RefreshBody, SandboxCreated, SandboxDetail,
+    TimeoutBody,
 };
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
@@ -513,16 +513,38 @@ pub(crate) async fn refresh(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `memory: false` resumes a sandbox paused with its memory afresh on its files.
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+pub(crate) struct ConnectBody {
+    /// Seconds from now after which the sandbox ends.
+    #[schema(minimum = 0, maximum = 2147483647)]
+    timeout: i64,
+    /// True (the default) restores the processes with their memory; false boots the sandbox
+    /// afresh on its files, dropping them.
+    memory: Option<bool>,
+}
+
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
+pub(crate) struct OptionalTimeoutConnectBody {
+    /// Seconds from now after which the sandbox ends (300 when omitted).
+    #[schema(minimum = 0, maximum = 2147483647)]
+    timeout: Option<i64>,
+    /// True (the default) restores the processes with their memory; false boots the sandbox
+    /// afresh on its files, dropping them.
+    memory: Option<bool>,
+}
+
 async fn connect(
     state: &AppState,
     team: &Team,
     sandbox_id: &str,
     timeout: Option<i64>,
+    memory: Option<bool>,
 ) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
     let timeout = non_negative("timeout", timeout.unwrap_or(DEFAULT_TIMEOUT_V2))?;
     let (sandbox, resumed) = state
         .sandboxes
-        .resume(team, sandbox_id, timeout, false)
+        .resume(team, sandbox_id, timeout, false, memory.unwrap_or(true))
         .await?;
     let status = if resumed {
         StatusCode::CREATED
@@ -538,7 +560,7 @@ async fn connect(
     tag = "sandboxes",
     operation_id = "postV2SandboxConnect",
     security(("ApiKeyAuth" = [])),
-    request_body = OptionalTimeoutBody,
+    request_body = OptionalTimeoutConnectBody,
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     responses(
         (status = 200, description = "The sandbox was running", body = SandboxCreated),
@@ -553,9 +575,9 @@ pub(crate) async fn connect_v2(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
-    JsonBody(body): JsonBody<OptionalTimeoutBody>,
+    JsonBody(body): JsonBody<OptionalTimeoutConnectBody>,
 ) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
-    connect(&state, &team, &sandbox_id, body.timeout).await
+    connect(&state, &team, &sandbox_id, body.timeout, body.memory).await
 }
 
 #[utoipa::path(
@@ -564,7 +586,7 @@ pub(crate) async fn connect_v2(
     tag = "sandboxes",
     operation_id = "postSandboxConnect",
     security(("ApiKeyAuth" = [])),
-    request_body = TimeoutBody,
+    request_body = ConnectBody,
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     responses(
         (status = 200, description = "The sandbox was running", body = SandboxCreated),
@@ -579,9 +601,9 @@ pub(crate) async fn connect_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
-    JsonBody(body): JsonBody<TimeoutBody>,
+    JsonBody(body): JsonBody<ConnectBody>,
 ) -> Result<(StatusCode, Json<SandboxCreated>), ApiError> {
-    connect(&state, &team, &sandbox_id, Some(body.timeout)).await
+    connect(&state, &team, &sandbox_id, Some(body.timeout), body.memory).await
 }
 
 /// One resource sample of a sandbox; memory and disk in bytes.
@@ -769,6 +791,9 @@ pub(crate) struct ResumeBody {
     timeout: Option<i64>,
     #[allow(dead_code)]
     auto_pause: Option<bool>,
+    /// True (the default) restores the processes with their memory; false boots the sandbox
+    /// afresh on its files, dropping them.
+    memory: Option<bool>,
 }
 
 /// `POST /sandboxes/{id}/resume` (older SDKs): 201 with the sandbox; 409 unless paused.
@@ -797,7 +822,13 @@ pub(crate) async fn resume(
     let timeout = non_negative("timeout", body.timeout.unwrap_or(DEFAULT_TIMEOUT_V1))?;
     let (sandbox, _) = state
         .sandboxes
-        .resume(&team, &sandbox_id, timeout, true)
+        .resume(
+            &team,
+            &sandbox_id,
+            timeout,
+            true,
+            body.memory.unwrap_or(true),
+        )
         .await?;
     Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))))
 }

@@ -1631,12 +1631,16 @@ impl Sandboxes {
 
     /// Thaws a paused sandbox and gives it `timeout_secs` to live from now. Returns the
     /// sandbox and whether it was paused (`Conflict` when `require_paused` and it was not).
+    /// Without `memory`, a sandbox paused with its memory boots afresh on its files instead
+    /// (its processes and their memory are dropped); for one paused without, or running,
+    /// that changes nothing.
     pub async fn resume(
         &self,
         team: &Team,
         id: &str,
         timeout_secs: u64,
         require_paused: bool,
+        memory: bool,
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.get(team, id).await?;
@@ -1662,8 +1666,55 @@ impl Sandboxes {
                 retry_after_secs,
             });
         }
+        let (sandbox, from) = if memory || from == SandboxStatus::Shelved {
+            (sandbox, from)
+        } else {
+            self.drop_memory(sandbox, from).await?
+        };
         let sandbox = self.thaw(sandbox, from, timeout_secs, "request").await?;
         Ok((sandbox, true))
+    }
+
+    /// Turns a sandbox marked waking from `from` (paused in memory or checkpointed) into one
+    /// paused without memory, so that waking it boots it afresh on its files.
+    async fn drop_memory(
+        &self,
+        mut sandbox: Sandbox,
+        from: SandboxStatus,
+    ) -> Result<(Sandbox, SandboxStatus), SandboxError> {
+        let id = sandbox.id.clone();
+        if sandbox.image.is_none() {
+            self.set_status(&id, from);
+            return Err(SandboxError::Conflict {
+                id,
+                state: "too old to boot afresh (its image was not recorded); resume it with its memory",
+            });
+        }
+        let handle = self
+            .live()
+            .get(&id)
+            .map(|l| l.handle.clone())
+            .unwrap_or_else(|| sandbox.handle.clone());
+        let released = match self.runtime.release(&id, &handle).await {
+            Ok(released) => released,
+            Err(err) => {
+                self.set_status(&id, from);
+                return Err(err.into());
+            }
+        };
+        if let Some(entry) = self.live().get_mut(&id) {
+            entry.endpoint = None;
+            entry.handle = released.clone();
+        }
+        self.store
+            .set_sandbox_paused(&id, Some(PauseKind::Files), &released)
+            .await?;
+        self.activity
+            .event(&id, LogLevel::Info, "sandbox memory dropped on resume", &[])
+            .await;
+        sandbox.handle = released;
+        sandbox.paused_as = Some(PauseKind::Files);
+        Ok((sandbox, SandboxStatus::Shelved))
     }
 
     /// Marks a paused sandbox as waking (resuming, or restoring from a checkpoint) and returns
