@@ -77,8 +77,10 @@ impl PreparedNetns {
 impl Network {
     /// Makes a network namespace for slot `slot` and connects it to the host: a veth pair whose
     /// host end is the slot's interface (named for egress or isolation), the sandbox end `eth0`
-    /// with the slot's address and a default route through the host end.
+    /// with the slot's address and a default route through the host end. With a rate limit,
+    /// both ends get it as their root qdisc (see `shaping`).
     pub async fn prepare(&self, slot: u32, egress: bool) -> Result<PreparedNetns, NetworkError> {
+        let started = std::time::Instant::now();
         let addrs = self.addrs(slot)?;
         let iface = iface_name(slot, egress);
         let fail = |step: &str| {
@@ -113,12 +115,22 @@ impl Network {
         // Reverse-path filtering drops packets whose source address does not belong to the
         // slot they arrive on.
         let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
+        let shaping = self.shaping();
         let host_side = async {
-            host.address()
+            let address = host
+                .address()
                 .add(index, IpAddr::V4(addrs.host), 30)
-                .execute()
-                .await
-                .map_err(fail("address veth"))
+                .execute();
+            // Traffic to the sandbox leaves through the host end.
+            let shaped = async {
+                match shaping {
+                    Some(shaping) => shaping.apply(&host, index).await,
+                    None => Ok(()),
+                }
+            };
+            let (address, shaped) = tokio::join!(address, shaped);
+            address.map_err(fail("address veth"))?;
+            shaped.map_err(fail("shape veth"))
         };
         let sandbox_side = async {
             let handle = &inside.handle;
@@ -137,10 +149,18 @@ impl Network {
                 .link()
                 .set(LinkUnspec::new_with_index(eth0).up().build())
                 .execute();
-            let (lo_up, eth0_address, eth0_up) = tokio::join!(lo_up, eth0_address, eth0_up);
+            let eth0_shaped = async {
+                match shaping {
+                    Some(shaping) => shaping.apply(handle, eth0).await,
+                    None => Ok(()),
+                }
+            };
+            let (lo_up, eth0_address, eth0_up, eth0_shaped) =
+                tokio::join!(lo_up, eth0_address, eth0_up, eth0_shaped);
             lo_up.map_err(fail("bring up lo"))?;
             eth0_address.map_err(fail("address eth0"))?;
             eth0_up.map_err(fail("bring up eth0"))?;
+            eth0_shaped.map_err(fail("shape eth0"))?;
             // The gateway must be on a connected, up subnet, so this waits for both.
             handle
                 .route()
@@ -160,6 +180,12 @@ impl Network {
             self.release(slot).await;
             return Err(err);
         }
+        tracing::debug!(
+            slot,
+            shaped = shaping.is_some(),
+            prepare_us = started.elapsed().as_micros() as u64,
+            "network namespace prepared"
+        );
         Ok(PreparedNetns {
             slot,
             netns: inside.netns,
@@ -464,6 +490,99 @@ mod tests {
             tokio::time::timeout(std::time::Duration::from_secs(10), gone)
                 .await
                 .expect("the veth goes with the namespace");
+        });
+    }
+
+    #[test]
+    fn both_ends_are_shaped_and_keep_it_through_a_rename() {
+        use crate::shaping::{Shaping, tests::root_qdisc};
+        in_private_netns(|| async {
+            let shaping = Shaping::from_mbit(50).expect("50 mbit");
+            let network =
+                Network::new(Ipv4Addr::new(10, 250, 0, 0), 28).with_shaping(Some(shaping));
+            let prepared = network.prepare(3, true).await.expect("prepare slot 3");
+            let host = network.host_netlink().await.expect("netlink");
+            let host_end = if_index("sbxe3").expect("host end");
+            let (kind, tbf) = root_qdisc(&host, host_end).await;
+            assert_eq!(kind, "tbf");
+            let tbf = tbf.expect("tbf parameters");
+            assert_eq!(tbf.bits_per_sec, shaping.bits_per_sec());
+            assert_eq!(tbf.mpu, 1500);
+            assert!(tbf.limit > 0);
+
+            let inside = in_netns(&prepared.netns, || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime")
+                    .block_on(async {
+                        let (connection, handle, _) =
+                            rtnetlink::new_connection().expect("netlink inside");
+                        tokio::spawn(connection);
+                        root_qdisc(&handle, if_index("eth0").expect("eth0")).await
+                    })
+            });
+            assert_eq!(inside.0, "tbf");
+            assert_eq!(inside.1, Some(tbf));
+
+            // Closing a sandbox's internet access renames (and bounces) the host end.
+            network.set_egress(3, false).await.expect("isolate");
+            let (kind, tbf) = root_qdisc(&host, if_index("sbxi3").expect("renamed")).await;
+            assert_eq!(kind, "tbf");
+            assert_eq!(tbf.map(|t| t.bits_per_sec), Some(50_000_000));
+        });
+    }
+
+    #[test]
+    fn without_a_rate_nothing_is_shaped() {
+        use crate::shaping::tests::root_qdisc;
+        in_private_netns(|| async {
+            let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
+            let _prepared = network.prepare(0, true).await.expect("prepare slot 0");
+            let host = network.host_netlink().await.expect("netlink");
+            let (kind, _) = root_qdisc(&host, if_index("sbxe0").expect("host end")).await;
+            assert_ne!(kind, "tbf");
+        });
+    }
+
+    #[test]
+    fn root_of_another_user_namespace_cannot_remove_the_shaping() {
+        use crate::shaping::Shaping;
+        let tools = ["unshare", "tc"].iter().all(|tool| {
+            std::process::Command::new("sh")
+                .args(["-c", &format!("command -v {tool}")])
+                .stdout(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        });
+        if !tools {
+            eprintln!("skipped: needs unshare and tc");
+            return;
+        }
+        in_private_netns(|| async {
+            let network =
+                Network::new(Ipv4Addr::new(10, 250, 0, 0), 28).with_shaping(Shaping::from_mbit(20));
+            let prepared = network.prepare(0, true).await.expect("prepare slot 0");
+            // As a sandbox's root is: root of a user namespace of its own, in a network
+            // namespace owned by the host's.
+            let (attempt, after) = in_netns(&prepared.netns, || {
+                let sh = |script: &str| {
+                    std::process::Command::new("sh")
+                        .args(["-c", script])
+                        .output()
+                        .expect("spawn")
+                };
+                let attempt = sh("unshare --user --map-root-user tc qdisc del dev eth0 root");
+                (attempt, sh("tc qdisc show dev eth0"))
+            });
+            assert!(!attempt.status.success(), "{attempt:?}");
+            // Refused by the kernel, not failed for another reason.
+            assert!(
+                String::from_utf8_lossy(&attempt.stderr).contains("Operation not permitted"),
+                "{attempt:?}"
+            );
+            let after = String::from_utf8_lossy(&after.stdout);
+            assert!(after.contains("qdisc tbf 1: root"), "{after}");
         });
     }
 
