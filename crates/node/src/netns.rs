@@ -94,13 +94,17 @@ impl Network {
         let inside = new_namespace().await?;
 
         // The peer is created directly inside the new namespace, already named eth0. The host
-        // end comes up as it is made; the peer cannot (a veth refuses to open before its pair
-        // is complete), so it is brought up inside, alongside its address.
+        // end comes up as it is made, unless it is to be shaped: a root qdisc set on a running
+        // link waits for an RCU grace period while the link is deactivated, so both ends get
+        // theirs before they come up. The peer cannot come up with its creation (a veth refuses
+        // to open before its pair is complete), so it is brought up inside, alongside its
+        // address.
+        let shaping = self.shaping();
         let peer = LinkUnspec::new_with_name("eth0")
             .setns_by_fd(inside.netns.as_raw_fd())
             .build();
-        let veth = LinkVeth::new(&iface, "eth0")
-            .up()
+        let veth = LinkVeth::new(&iface, "eth0");
+        let veth = if shaping.is_some() { veth } else { veth.up() }
             .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
             .build();
         host.link()
@@ -115,22 +119,29 @@ impl Network {
         // Reverse-path filtering drops packets whose source address does not belong to the
         // slot they arrive on.
         let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
-        let shaping = self.shaping();
         let host_side = async {
             let address = host
                 .address()
                 .add(index, IpAddr::V4(addrs.host), 30)
                 .execute();
             // Traffic to the sandbox leaves through the host end.
-            let shaped = async {
-                match shaping {
-                    Some(shaping) => shaping.apply(&host, index).await,
-                    None => Ok(()),
-                }
+            let shaped_and_up = async {
+                let Some(shaping) = shaping else {
+                    return Ok(());
+                };
+                shaping
+                    .apply(&host, index)
+                    .await
+                    .map_err(fail("shape veth"))?;
+                host.link()
+                    .set(LinkUnspec::new_with_index(index).up().build())
+                    .execute()
+                    .await
+                    .map_err(fail("bring up veth"))
             };
-            let (address, shaped) = tokio::join!(address, shaped);
+            let (address, shaped_and_up) = tokio::join!(address, shaped_and_up);
             address.map_err(fail("address veth"))?;
-            shaped.map_err(fail("shape veth"))
+            shaped_and_up
         };
         let sandbox_side = async {
             let handle = &inside.handle;
@@ -145,22 +156,24 @@ impl Network {
                 .address()
                 .add(eth0, IpAddr::V4(addrs.sandbox), 30)
                 .execute();
-            let eth0_up = handle
-                .link()
-                .set(LinkUnspec::new_with_index(eth0).up().build())
-                .execute();
+            // One netlink socket, whose requests the kernel handles in the order they are
+            // sent (the order of `join!`): the qdisc is set while eth0 is still down.
             let eth0_shaped = async {
                 match shaping {
                     Some(shaping) => shaping.apply(handle, eth0).await,
                     None => Ok(()),
                 }
             };
-            let (lo_up, eth0_address, eth0_up, eth0_shaped) =
-                tokio::join!(lo_up, eth0_address, eth0_up, eth0_shaped);
+            let eth0_up = handle
+                .link()
+                .set(LinkUnspec::new_with_index(eth0).up().build())
+                .execute();
+            let (lo_up, eth0_address, eth0_shaped, eth0_up) =
+                tokio::join!(lo_up, eth0_address, eth0_shaped, eth0_up);
             lo_up.map_err(fail("bring up lo"))?;
             eth0_address.map_err(fail("address eth0"))?;
-            eth0_up.map_err(fail("bring up eth0"))?;
             eth0_shaped.map_err(fail("shape eth0"))?;
+            eth0_up.map_err(fail("bring up eth0"))?;
             // The gateway must be on a connected, up subnet, so this waits for both.
             handle
                 .route()
@@ -496,6 +509,7 @@ mod tests {
     #[test]
     fn both_ends_are_shaped_and_keep_it_through_a_rename() {
         use crate::shaping::{Shaping, tests::root_qdisc};
+        use futures_util::TryStreamExt;
         in_private_netns(|| async {
             let shaping = Shaping::from_mbit(50).expect("50 mbit");
             let network =
@@ -507,6 +521,23 @@ mod tests {
             assert_eq!(kind, "tbf");
             let tbf = tbf.expect("tbf parameters");
             assert_eq!(tbf.bits_per_sec, shaping.bits_per_sec());
+            // The host end is made down to be shaped, and must come up afterwards.
+            let link = host
+                .link()
+                .get()
+                .match_index(host_end)
+                .execute()
+                .try_next()
+                .await
+                .expect("link dump")
+                .expect("host end");
+            assert!(
+                link.header
+                    .flags
+                    .contains(rtnetlink::packet_route::link::LinkFlags::Up),
+                "{:?}",
+                link.header.flags
+            );
             assert_eq!(tbf.mpu, 1500);
             assert!(tbf.limit > 0);
 
@@ -530,6 +561,42 @@ mod tests {
             let (kind, tbf) = root_qdisc(&host, if_index("sbxi3").expect("renamed")).await;
             assert_eq!(kind, "tbf");
             assert_eq!(tbf.map(|t| t.bits_per_sec), Some(50_000_000));
+        });
+    }
+
+    /// Prints what `prepare` costs with and without shaping, alternating the two 200 times in a
+    /// private namespace: `cargo test --release -p sandbar-node --lib -- --ignored
+    /// prepare_cost --nocapture`.
+    #[test]
+    #[ignore = "a benchmark"]
+    fn prepare_cost() {
+        use crate::shaping::Shaping;
+        in_private_netns(|| async {
+            let plain = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
+            let shaped = Network::new(Ipv4Addr::new(10, 250, 0, 16), 28)
+                .with_shaping(Shaping::from_mbit(100));
+            let mut times = [Vec::new(), Vec::new()];
+            for _ in 0..200 {
+                for (i, network) in [&plain, &shaped].into_iter().enumerate() {
+                    let started = std::time::Instant::now();
+                    let prepared = network.prepare(1, true).await.expect("prepare");
+                    times[i].push(started.elapsed().as_micros() as u64);
+                    drop(prepared);
+                    // The host end goes with the namespace, asynchronously.
+                    while if_index("sbxe1").is_ok() {
+                        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    }
+                }
+            }
+            for (name, mut t) in ["unshaped", "shaped"].into_iter().zip(times) {
+                t.sort_unstable();
+                println!(
+                    "prepare, {name}: p50 {} us, p90 {} us, n {}",
+                    t[t.len() / 2],
+                    t[t.len() * 9 / 10],
+                    t.len()
+                );
+            }
         });
     }
 
