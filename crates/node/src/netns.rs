@@ -90,6 +90,12 @@ impl Network {
                 message: e.to_string(),
             }
         };
+        let unshaped = |link: String| {
+            move |e: rtnetlink::Error| NetworkError::Shaping {
+                iface: link,
+                message: e.to_string(),
+            }
+        };
         let host = self.host_netlink().await?;
         let inside = new_namespace().await?;
 
@@ -132,7 +138,7 @@ impl Network {
                 shaping
                     .apply(&host, index)
                     .await
-                    .map_err(fail("shape veth"))?;
+                    .map_err(unshaped(iface.clone()))?;
                 host.link()
                     .set(LinkUnspec::new_with_index(index).up().build())
                     .execute()
@@ -172,7 +178,7 @@ impl Network {
                 tokio::join!(lo_up, eth0_address, eth0_shaped, eth0_up);
             lo_up.map_err(fail("bring up lo"))?;
             eth0_address.map_err(fail("address eth0"))?;
-            eth0_shaped.map_err(fail("shape eth0"))?;
+            eth0_shaped.map_err(unshaped(format!("eth0 behind {iface}")))?;
             eth0_up.map_err(fail("bring up eth0"))?;
             // The gateway must be on a connected, up subnet, so this waits for both.
             handle

@@ -36,6 +36,10 @@ pub enum NetworkError {
     Forwarding(std::io::Error),
     #[error("netlink: {what}: {message}")]
     Netlink { what: String, message: String },
+    #[error(
+        "cannot shape {iface} with a tbf qdisc (--sandbox-bandwidth-mbit 0 turns shaping off): {message}"
+    )]
+    Shaping { iface: String, message: String },
     #[error("cannot open a netlink socket: {0}")]
     Socket(std::io::Error),
     #[error("network slot {0} is outside the sandbox range")]
