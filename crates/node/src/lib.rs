@@ -12,6 +12,7 @@ pub mod layers;
 pub mod netns;
 pub mod network;
 mod runtime;
+pub mod shaping;
 pub mod templates;
 pub mod volumes;
 

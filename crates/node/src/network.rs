@@ -36,6 +36,10 @@ pub enum NetworkError {
     Forwarding(std::io::Error),
     #[error("netlink: {what}: {message}")]
     Netlink { what: String, message: String },
+    #[error(
+        "cannot shape {iface} with a tbf qdisc (--sandbox-bandwidth-mbit 0 turns shaping off): {message}"
+    )]
+    Shaping { iface: String, message: String },
     #[error("cannot open a netlink socket: {0}")]
     Socket(std::io::Error),
     #[error("network slot {0} is outside the sandbox range")]
@@ -95,6 +99,8 @@ pub struct FirewallConfig {
 pub struct Network {
     base: Ipv4Addr,
     prefix_len: u8,
+    /// Rate limit set on both ends of every veth pair this node makes; `None`: unlimited.
+    shaping: Option<crate::shaping::Shaping>,
     host: tokio::sync::OnceCell<Handle>,
 }
 
@@ -171,8 +177,19 @@ impl Network {
         Self {
             base,
             prefix_len,
+            shaping: None,
             host: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// Limits the bandwidth of each sandbox prepared from now on, in both directions.
+    pub fn with_shaping(mut self, shaping: Option<crate::shaping::Shaping>) -> Self {
+        self.shaping = shaping;
+        self
+    }
+
+    pub fn shaping(&self) -> Option<crate::shaping::Shaping> {
+        self.shaping
     }
 
     pub fn capacity(&self) -> u32 {

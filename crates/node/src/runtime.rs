@@ -54,6 +54,8 @@ pub struct NodeConfig {
     pub criu: Option<PathBuf>,
     /// Network namespaces kept wired and waiting for new sandboxes.
     pub netns_pool: usize,
+    /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
+    pub sandbox_bandwidth_mbit: u32,
 }
 
 /// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
@@ -178,8 +180,17 @@ impl LinuxRuntime {
             source,
         })?;
         let cgroups = CgroupDriver::detect()?;
-        let network =
-            std::sync::Arc::new(Network::new(config.network_base, config.network_prefix_len));
+        let shaping = crate::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
+        match shaping {
+            Some(_) => tracing::info!(
+                mbit = config.sandbox_bandwidth_mbit,
+                "each sandbox's network is limited to this rate in each direction"
+            ),
+            None => tracing::warn!("sandbox bandwidth is not limited"),
+        }
+        let network = std::sync::Arc::new(
+            Network::new(config.network_base, config.network_prefix_len).with_shaping(shaping),
+        );
         let last_id =
             u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
         if last_id > u64::from(u32::MAX - 1) {

@@ -127,6 +127,11 @@ struct ServeArgs {
     /// time when it starts; 0 makes each one as its sandbox starts.
     #[arg(long, env = "SANDBAR_NETNS_POOL", default_value_t = 4, value_parser = clap::value_parser!(u64).range(0..=256))]
     netns_pool: u64,
+    /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
+    /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
+    /// adopted after a restart keep the limit they started with.
+    #[arg(long, env = "SANDBAR_SANDBOX_BANDWIDTH_MBIT", default_value_t = 100)]
+    sandbox_bandwidth_mbit: u32,
     /// The CRIU binary that checkpoints paused sandboxes to disk (4.1.1 with the patches of
     /// scripts/criu, installed by scripts/install-criu.sh); "" turns checkpoints off. When it
     /// is missing or fails its checks, pauses keep sandboxes frozen in memory.
@@ -374,6 +379,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             id_base: args.id_base,
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
+            sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
             criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
         })

@@ -1,0 +1,311 @@
+"""Network fairness: each sandbox's bandwidth is shaped on both ends of its veth pair, sandbox
+root cannot remove the shaping, and floods out of or into sandboxes are held to the configured
+rate while the API and new sandboxes keep working.
+
+The only peer is a network namespace this module creates (`sbtest-nf-*`) that stands in for the
+internet: it counts what it receives on one address of the retired 6to4 relay range (reached
+through a /32 route the fixture adds, checks and removes) and sends as fast as it can to a
+client that asks it to. Nothing is sent anywhere else, and every flood stops by itself.
+
+Rates are compared with the rate the server configured (read from the qdisc on the host end of
+a sandbox's veth pair) with a generous margin; nothing here times latency.
+"""
+
+import random
+import re
+import secrets
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import CommandExitException
+
+from e2e_util import wait_until
+
+SINK_ADDR = "192.88.99.31"
+# How far above the configured rate a measured rate may be: the bucket lets a burst through at
+# full speed, and the two clocks the counts are read against are not the shaper's.
+MARGIN = 1.5
+FLOOD_SECS = 8
+# Not on an ordinary user's PATH.
+TC = "/usr/sbin/tc"
+
+SINK = r"""
+import os, socket, sys, threading, time
+port, state = int(sys.argv[1]), sys.argv[2]
+counts = {"udp": 0, "tcp": 0}
+lock = threading.Lock()
+
+def add(kind, n):
+    with lock:
+        counts[kind] += n
+
+def udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    s.bind(("0.0.0.0", port))
+    while True:
+        add("udp", len(s.recv(65536)))
+
+def serve(c):
+    try:
+        mode = c.recv(1)
+        if mode == b"U":
+            while True:
+                data = c.recv(1 << 20)
+                if not data:
+                    break
+                add("tcp", len(data))
+        elif mode == b"D":
+            block = bytes(65536)
+            while True:
+                c.sendall(block)
+    except OSError:
+        pass
+    finally:
+        c.close()
+
+def tcp():
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", port))
+    listener.listen(16)
+    while True:
+        c, _ = listener.accept()
+        threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+threading.Thread(target=udp, daemon=True).start()
+threading.Thread(target=tcp, daemon=True).start()
+while True:
+    with lock:
+        line = f"{time.monotonic()} {counts['udp']} {counts['tcp']}\n"
+    with open(state + ".tmp", "w") as f:
+        f.write(line)
+    os.replace(state + ".tmp", state)
+    time.sleep(0.1)
+"""
+
+# Runs in a sandbox: `udp` and `tcp` send to the sink as fast as they can, `download` reads
+# from it and prints what arrived after the first second and over how long.
+FLOOD = r"""
+import socket, sys, time
+kind, host, port, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+start = time.monotonic()
+end = start + secs
+if kind == "udp":
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.connect((host, port))
+    packet = b"x" * 1400
+    while time.monotonic() < end:
+        try:
+            s.send(packet)
+        except OSError:
+            pass
+elif kind == "tcp":
+    s = socket.create_connection((host, port), timeout=10)
+    s.sendall(b"U")
+    s.settimeout(1)
+    block = b"x" * 65536
+    while time.monotonic() < end:
+        try:
+            s.send(block)
+        except socket.timeout:
+            pass
+else:
+    s = socket.create_connection((host, port), timeout=10)
+    s.sendall(b"D")
+    s.settimeout(1)
+    got, first = 0, None
+    while time.monotonic() < end:
+        try:
+            n = len(s.recv(1 << 20))
+        except socket.timeout:
+            continue
+        if not n:
+            break
+        now = time.monotonic()
+        if first is None and now >= start + 1:
+            first = (now, got)
+        got += n
+    print(got - first[1], time.monotonic() - first[0])
+"""
+
+
+def _sh(*args, check=True):
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+
+
+@pytest.fixture(scope="module")
+def internet():
+    """A namespace counting what reaches SINK_ADDR, through a /32 host route; removed at the end."""
+    routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
+    if SINK_ADDR in routes:
+        pytest.skip(f"{SINK_ADDR} is already routed on this host")
+    for _ in range(50):
+        r = random.randint(1, 254)
+        if f"10.253.{r}." not in routes:
+            break
+    else:
+        pytest.skip("no free 10.253.x.0/30 subnet")
+    suffix = secrets.token_hex(3)
+    ns = f"sbtest-nf-{suffix}"
+    host_if, ns_if = f"sbtfh{suffix}", f"sbtfn{suffix}"
+    host_ip, ns_ip = f"10.253.{r}.1", f"10.253.{r}.2"
+    port = random.randint(20000, 30000)
+    workdir = tempfile.mkdtemp(prefix="sbtest-nf-")
+    state = Path(workdir, "counts")
+    proc = None
+    routed = False
+    try:
+        _sh("ip", "netns", "add", ns)
+        _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        _sh("ip", "link", "set", ns_if, "netns", ns)
+        _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        _sh("ip", "link", "set", host_if, "up")
+        _sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
+        _sh("ip", "-n", ns, "link", "set", ns_if, "up")
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        _sh("ip", "-n", ns, "addr", "add", f"{SINK_ADDR}/32", "dev", "lo")
+        _sh("ip", "route", "add", f"{SINK_ADDR}/32", "via", ns_ip, "dev", host_if)
+        routed = True
+        got = _sh("ip", "-4", "route", "get", SINK_ADDR).stdout
+        assert f"dev {host_if}" in got, f"{SINK_ADDR} would not go to the test namespace: {got}"
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, "python3", "-c", SINK, str(port), str(state)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        wait_until(state.exists, timeout=10, message="the sink to start")
+        yield {"port": port, "state": state}
+    finally:
+        if proc is not None:
+            proc.kill()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        if routed:
+            _sh("ip", "route", "del", f"{SINK_ADDR}/32", check=False)
+        _sh("ip", "netns", "del", ns, check=False)
+        _sh("ip", "link", "del", host_if, check=False)
+        subprocess.run(["rm", "-rf", workdir], check=False)
+
+
+def counts(internet):
+    """(sink clock, UDP bytes, TCP bytes) received so far."""
+    t, udp, tcp = internet["state"].read_text().split()
+    return float(t), int(udp), int(tcp)
+
+
+def host_link(sbx):
+    """The host end of the sandbox's veth pair: the link holding the address below its own."""
+    inside = sbx.commands.run("ip -o -4 addr show eth0").stdout.split()[3].split("/")[0]
+    a, b, c, d = (int(x) for x in inside.split("."))
+    gateway = f"{a}.{b}.{c}.{d - 1}"
+    for line in _sh("ip", "-o", "-4", "addr", "show").stdout.splitlines():
+        fields = line.split()
+        if fields[3].split("/")[0] == gateway:
+            return fields[1].split("@")[0]
+    raise AssertionError(f"no host link holds {gateway}")
+
+
+_UNITS = {"bit": 1, "Kbit": 10**3, "Mbit": 10**6, "Gbit": 10**9}
+
+
+def tbf(text):
+    """Rate (bit/s) and overlimits of the tbf in `tc -s qdisc show` output, or None."""
+    m = re.search(r"qdisc tbf \S+ root .*?rate (\d+(?:\.\d+)?)(bit|Kbit|Mbit|Gbit)", text)
+    if not m:
+        return None
+    over = re.search(r"overlimits (\d+)", text[m.end():])
+    return float(m.group(1)) * _UNITS[m.group(2)], int(over.group(1)) if over else 0
+
+
+def inside_tbf(sbx):
+    return tbf(sbx.commands.run(f"{TC} -s qdisc show dev eth0").stdout)
+
+
+def host_tbf(link):
+    return tbf(_sh("tc", "-s", "qdisc", "show", "dev", link).stdout)
+
+
+def configured_rate(sbx):
+    shaped = host_tbf(host_link(sbx))
+    assert shaped, "the host end of the sandbox's veth has no tbf: is --sandbox-bandwidth-mbit 0?"
+    return shaped[0]
+
+
+def start_flood(sbx, internet, kind):
+    sbx.files.write("/tmp/flood.py", FLOOD)
+    cmd = f"python3 /tmp/flood.py {kind} {SINK_ADDR} {internet['port']} {FLOOD_SECS}"
+    return sbx.commands.run(cmd, background=True, timeout=FLOOD_SECS + 60)
+
+
+def test_sandbox_root_cannot_remove_its_shaping(sandbox):
+    rate = configured_rate(sandbox)
+    assert inside_tbf(sandbox)[0] == rate, "eth0 inside is shaped at the host end's rate"
+    for cmd in (
+        f"sudo {TC} qdisc del dev eth0 root",
+        f"sudo {TC} qdisc replace dev eth0 root pfifo",
+        f"sudo {TC} qdisc change dev eth0 root tbf rate 10gbit burst 1mb latency 1ms",
+    ):
+        r = sandbox.commands.run(f"{cmd} 2>&1; echo rc=$?", user="user")
+        assert "rc=0" not in r.stdout, f"sandbox root could run '{cmd}': {r.stdout}"
+    try:
+        sandbox.commands.run(f"{TC} qdisc del dev eth0 root", user="root")
+        raise AssertionError("root removed the qdisc")
+    except CommandExitException as e:
+        assert "Operation not permitted" in e.stderr, e.stderr
+    assert inside_tbf(sandbox)[0] == rate, "the qdisc is still there, unchanged"
+
+
+def test_floods_out_are_held_to_the_rate_while_the_server_answers(make_sandbox, sandbar, internet):
+    udp_sbx, tcp_sbx = make_sandbox(), make_sandbox()
+    rate = configured_rate(udp_sbx)
+    before = {name: inside_tbf(s)[1] for name, s in (("udp", udp_sbx), ("tcp", tcp_sbx))}
+    floods = [start_flood(udp_sbx, internet, "udp"), start_flood(tcp_sbx, internet, "tcp")]
+    try:
+        time.sleep(1.5)
+        t0, udp0, tcp0 = counts(internet)
+        # While both flood: the API answers, and a new sandbox starts and runs a command.
+        assert httpx.get(f"{sandbar.url}/health", timeout=30).status_code in (200, 204)
+        fresh = make_sandbox()
+        assert fresh.commands.run("echo ready", timeout=60).stdout == "ready\n"
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+        t1, udp1, tcp1 = counts(internet)
+    finally:
+        for flood in floods:
+            try:
+                flood.wait()
+            except CommandExitException:
+                pass
+    udp_rate = (udp1 - udp0) * 8 / (t1 - t0)
+    tcp_rate = (tcp1 - tcp0) * 8 / (t1 - t0)
+    limit = rate * MARGIN
+    print(f"rate {rate / 1e6:.0f} Mbit/s: UDP flood {udp_rate / 1e6:.1f}, TCP flood {tcp_rate / 1e6:.1f}")
+    assert udp_rate <= limit, f"UDP flood reached {udp_rate / 1e6:.0f} Mbit/s, limit {rate / 1e6:.0f}"
+    assert tcp_rate <= limit, f"TCP flood reached {tcp_rate / 1e6:.0f} Mbit/s, limit {rate / 1e6:.0f}"
+    assert udp1 > udp0 and tcp1 > tcp0, "both floods arrived"
+    # Each flood pushed against its sandbox's shaper (otherwise the bound proves nothing).
+    assert inside_tbf(udp_sbx)[1] > before["udp"], "the UDP flood never exceeded the rate"
+    assert inside_tbf(tcp_sbx)[1] > before["tcp"], "the TCP flood never exceeded the rate"
+
+
+def test_a_flood_into_a_sandbox_is_held_to_the_rate(make_sandbox, internet):
+    sbx = make_sandbox()
+    link = host_link(sbx)
+    rate, before = host_tbf(link)
+    sbx.files.write("/tmp/flood.py", FLOOD)
+    cmd = f"python3 /tmp/flood.py download {SINK_ADDR} {internet['port']} 5"
+    got, secs = sbx.commands.run(cmd, timeout=60).stdout.split()
+    received = int(got) * 8 / float(secs)
+    print(f"rate {rate / 1e6:.0f} Mbit/s: download {received / 1e6:.1f}")
+    assert 0 < received <= rate * MARGIN, f"download at {received / 1e6:.0f} Mbit/s, limit {rate / 1e6:.0f}"
+    assert host_tbf(link)[1] > before, "the download never exceeded the rate"
+
