@@ -9,6 +9,10 @@ With `--from-disk N` it also pauses each sandbox N times until the server has ch
 to disk (run the server with a short `--pause-grace-secs`, e.g. 1) and times the checkpoint
 (as the server logs it) and the resume that restores it.
 
+With `--large-mb N` it adds a sandbox holding N MiB (of a template `bench-large-<N>` it builds
+from `base` with room for it) and, for comparison, times writing and reading N MiB on the
+data directory's disk with `dd` (written with fdatasync, read with O_DIRECT: `--data-dir`).
+
 With `--snapshots N` it also takes N snapshots of each sandbox (`POST .../snapshots`, the
 sandbox running on), starts a sandbox from each (`POST /v2/sandboxes` with the snapshot's ID,
 which restores its processes) and forks it N times with `count` 1.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import time
 
 import httpx
@@ -98,11 +103,47 @@ def snapshots(api: httpx.Client, sandbox_id: str, n: int):
     return takes, creates, forks
 
 
+def large_template(api: httpx.Client, mb: int) -> str:
+    """A template from `base` whose sandboxes may hold `mb` MiB; built once."""
+    name = f"bench-large-{mb}"
+    if api.get(f"/templates/aliases/{name}").status_code == 200:
+        return name
+    r = api.post("/v3/templates", json={"name": name, "memoryMB": mb + 512, "cpuCount": 2})
+    assert r.status_code == 202, r.text
+    template_id, build_id = r.json()["templateID"], r.json()["buildID"]
+    r = api.post(f"/v2/templates/{template_id}/builds/{build_id}", json={"fromTemplate": "base", "steps": []})
+    assert r.status_code == 202, r.text
+    deadline = time.monotonic() + 600
+    while True:
+        status = api.get(f"/templates/{template_id}/builds/{build_id}/status").json()["status"]
+        if status == "ready":
+            return name
+        assert status != "error" and time.monotonic() < deadline, f"build of {name}: {status}"
+        time.sleep(0.5)
+
+
+def disk_write_read_ms(directory: str, mb: int) -> tuple:
+    path = os.path.join(directory, ".bench-dd")
+    try:
+        t = time.perf_counter()
+        subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mb}", "conv=fdatasync"],
+                       check=True, capture_output=True)
+        write = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M", "iflag=direct"], check=True, capture_output=True)
+        return write, (time.perf_counter() - t) * 1000
+    finally:
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--from-disk", type=int, default=0, help="checkpoint cycles per sandbox")
     parser.add_argument("--snapshots", type=int, default=0, help="snapshots (and forks) per sandbox")
+    parser.add_argument("--large-mb", type=int, default=0, help="also a sandbox holding this many MiB")
+    parser.add_argument("--data-dir", default="", help="where the server keeps checkpoints, for the dd comparison")
     args = parser.parse_args()
     api = httpx.Client(
         base_url=os.environ["E2B_API_URL"],
@@ -118,18 +159,17 @@ def main() -> None:
         creates.append((time.perf_counter() - t) * 1000)
         api.delete(f"/sandboxes/{r.json()['sandboxID']}")
     rows.append(summary("create (`POST /v2/sandboxes`)", creates))
-    for label, setup in [
-        ("idle", None),
-        (
-            "100 MiB resident",
-            "python3 -c 'import time; b = bytearray(100 << 20); [b.__setitem__(i, 1) for i in range(0, len(b), 4096)]; time.sleep(3600)'",
-        ),
-    ]:
-        sbx = Sandbox.create("base", timeout=300)
+    hold = "python3 -c 'import time; b = bytearray({} << 20); [b.__setitem__(i, 1) for i in range(0, len(b), 4096)]; time.sleep(3600)'"
+    cases = [("idle", "base", 0), ("100 MiB resident", "base", 100)]
+    if args.large_mb:
+        cases.append((f"{args.large_mb} MiB resident", large_template(api, args.large_mb), args.large_mb))
+    for label, template, resident_mb in cases:
+        sbx = Sandbox.create(template, timeout=300)
         try:
-            if setup:
-                sbx.commands.run(setup, background=True)
-                time.sleep(2)
+            if resident_mb:
+                sbx.commands.run(hold.format(resident_mb), background=True)
+                # Touching every page takes about a second per 200 MiB here.
+                time.sleep(2 + resident_mb / 200)
             pauses, resumes = cycle(api, sbx.sandbox_id, args.iterations)
             rows.append(summary(f"pause, {label}", pauses))
             rows.append(summary(f"resume (`connect`), {label}", resumes))
@@ -144,6 +184,14 @@ def main() -> None:
                 rows.append(summary(f"fork, count 1, {label}", forks))
         finally:
             sbx.kill()
+    if args.large_mb and args.data_dir:
+        writes, reads = [], []
+        for _ in range(3):
+            w, r = disk_write_read_ms(args.data_dir, args.large_mb)
+            writes.append(w)
+            reads.append(r)
+        rows.append(summary(f"dd write {args.large_mb} MiB (fdatasync), data disk", writes))
+        rows.append(summary(f"dd read {args.large_mb} MiB (O_DIRECT), data disk", reads))
     print("| measurement | n | p50 ms | p95 ms |")
     print("|---|---|---|---|")
     print("\n".join(rows))
