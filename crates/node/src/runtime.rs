@@ -253,6 +253,9 @@ impl LinuxRuntime {
         let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
         netns_pool.refill();
         let (agent_exec, agent_digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
+        for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
+            tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
+        }
         let criu = match config.criu.clone() {
             None => {
                 tracing::info!("checkpoints are off: paused sandboxes stay in memory");
@@ -1337,6 +1340,61 @@ fn keep_agent(agent_bin: &Path, data_dir: &Path) -> Result<(PathBuf, String), No
     Ok((kept, digest))
 }
 
+/// Removes the agent copies under `<data>/agents/` that neither this server runs (`current`),
+/// nor a checkpoint or snapshot names, nor a live process maps (a sandbox started by an
+/// earlier build, which a later checkpoint would name); returns what it removed.
+fn collect_agent_copies(data_dir: &Path, current: &str) -> Vec<PathBuf> {
+    let agents = data_dir.join("agents");
+    let Ok(entries) = std::fs::read_dir(&agents) else {
+        return Vec::new();
+    };
+    let copies: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|name| name.len() == 64 && name.bytes().all(|c| c.is_ascii_hexdigit()))
+        .filter(|name| name != current)
+        .collect();
+    if copies.is_empty() {
+        return Vec::new();
+    }
+    let mut used = BTreeSet::new();
+    for kind in ["checkpoints", "snapshots"] {
+        let Ok(dirs) = std::fs::read_dir(data_dir.join(kind)) else {
+            continue;
+        };
+        for dir in dirs.flatten().filter(|d| d.file_type().is_ok_and(|t| t.is_dir())) {
+            // Incomplete ones too: a dump under way names the copy it is dumping.
+            match crate::checkpoint::read_header(&dir.path(), false) {
+                Ok(header) => {
+                    used.insert(header.agent_digest);
+                }
+                Err(_) => {
+                    used.extend(copies.iter().cloned());
+                }
+            }
+        }
+    }
+    let prefix = agents.to_string_lossy().into_owned();
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for process in procs.flatten() {
+            let Ok(maps) = std::fs::read_to_string(process.path().join("maps")) else {
+                continue;
+            };
+            for line in maps.lines().filter(|l| l.contains(&prefix)) {
+                if let Some(name) = line.rsplit('/').next() {
+                    used.insert(name.trim_end_matches(" (deleted)").to_owned());
+                }
+            }
+        }
+    }
+    copies
+        .into_iter()
+        .filter(|name| !used.contains(name))
+        .map(|name| agents.join(name))
+        .filter(|path| std::fs::remove_file(path).is_ok())
+        .collect()
+}
+
 /// Inode of a namespace file (`/proc/PID/ns/net` or a bind mount of one).
 fn ns_inode(path: &Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt;
@@ -2214,6 +2272,53 @@ fn check_criu_version(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn agent_copies_are_kept_while_something_uses_them() {
+        let data = tempfile::tempdir().unwrap();
+        let agents = data.path().join("agents");
+        std::fs::create_dir_all(&agents).unwrap();
+        let [current, named, unused, busy] = ["a", "b", "c", "d"].map(|c| c.repeat(64));
+        for name in [&current, &named, &unused, &busy] {
+            std::fs::write(agents.join(name), b"agent").unwrap();
+        }
+        let checkpoint = data.path().join("snapshots/k");
+        std::fs::create_dir_all(&checkpoint).unwrap();
+        crate::checkpoint::write_header(
+            &checkpoint,
+            &crate::checkpoint::Header {
+                criu_version: crate::checkpoint::CRIU_VERSION.into(),
+                agent_digest: named.clone(),
+                listener_inode: 1,
+                externals: Vec::new(),
+                images: Vec::new(),
+                images_crc32: 0,
+            },
+        )
+        .unwrap();
+        // A live process maps `busy` (this test, standing in for a sandbox's agent).
+        let mapped = std::fs::File::open(agents.join(&busy)).unwrap();
+        // SAFETY: a private read-only mapping of a 5-byte file that outlives the call.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                5,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                mapped.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        let removed = collect_agent_copies(data.path(), &current);
+        assert_eq!(removed, vec![agents.join(&unused)]);
+        for kept in [&current, &named, &busy] {
+            assert!(agents.join(kept).exists(), "{kept}");
+        }
+        // SAFETY: the mapping made above, unmapped once.
+        unsafe { libc::munmap(at, 5) };
+    }
+
     use super::*;
 
     #[test]
