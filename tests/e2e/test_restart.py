@@ -241,3 +241,27 @@ def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
     after = int(resumed.commands.run("cat /tmp/count").stdout)
     assert before <= after < before + 40, (before, after)
     assert resumed.files.read("/home/user/kept.txt") == "kept"
+
+
+def test_snapshot_survives_kill9_and_starts_sandboxes(make_sandbox, sandbar):
+    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
+        pytest.skip("the server cannot snapshot memory (no usable CRIU)")
+    source = make_sandbox(timeout=300)
+    source.files.write("/home/user/kept.txt", "kept")
+    source.commands.run(
+        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
+        "sleep 0.05; done",
+        background=True,
+    )
+    time.sleep(0.5)
+    snapshot = source.create_snapshot()
+    try:
+        sandbar.restart(kill9=True)
+        # Nothing of a snapshot lives in the kernel: it starts sandboxes after any restart.
+        copy = make_sandbox(template=snapshot.snapshot_id, timeout=120)
+        first = int(copy.commands.run("cat /tmp/count").stdout)
+        wait_until(lambda: int(copy.commands.run("cat /tmp/count").stdout) > first, timeout=10,
+                   message="the restored counter to go on")
+        assert copy.files.read("/home/user/kept.txt") == "kept"
+    finally:
+        Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0])

@@ -256,28 +256,6 @@ impl LinuxRuntime {
         for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
             tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
         }
-        let criu = match config.criu.clone() {
-            None => {
-                tracing::info!("checkpoints are off: paused sandboxes stay in memory");
-                None
-            }
-            Some(path) => {
-                match tokio::task::spawn_blocking(move || crate::checkpoint::probe(&path)).await {
-                    Ok(Ok(criu)) => {
-                        tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
-                        Some(criu)
-                    }
-                    Ok(Err(err)) => {
-                        tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
-                        None
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
-                        None
-                    }
-                }
-            }
-        };
         let mount_dir = PathBuf::from(format!(
             "/run/sandbar-{}",
             &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
@@ -305,6 +283,52 @@ impl LinuxRuntime {
             // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
             let _ = std::fs::set_permissions(&mount_dir, std::fs::Permissions::from_mode(0o711));
         }
+        // CRIU's kernel probe is cached per boot: an earlier boot's cache may describe another
+        // kernel.
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|id| id.trim().to_owned())
+            .unwrap_or_default();
+        let kdat_dir = mount_dir.join(format!("criu-{boot_id}"));
+        if let Ok(entries) = std::fs::read_dir(&mount_dir) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with("criu-")
+                    && entry.path() != kdat_dir
+                {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
+        }
+        let criu = match config.criu.clone() {
+            None => {
+                tracing::info!("checkpoints are off: paused sandboxes stay in memory");
+                None
+            }
+            Some(path) => {
+                let kdat_dir = kdat_dir.clone();
+                match tokio::task::spawn_blocking(move || {
+                    crate::checkpoint::probe(&path, &kdat_dir)
+                })
+                .await
+                {
+                    Ok(Ok(criu)) => {
+                        tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
+                        Some(criu)
+                    }
+                    Ok(Err(err)) => {
+                        tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
+                        None
+                    }
+                }
+            }
+        };
         Ok(Self {
             criu,
             agent_exec,
@@ -1179,6 +1203,7 @@ impl Runtime for LinuxRuntime {
             return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
         }
         self.grant_memory(sandbox_id, h.memory_mb)?;
+        let started = std::time::Instant::now();
         // Joining a frozen cgroup would freeze CRIU itself.
         let restored = match self.cgroups.thaw(sandbox_id) {
             Ok(()) => self.undump(sandbox_id, &h).await,
@@ -1208,6 +1233,11 @@ impl Runtime for LinuxRuntime {
                 format!("the restored agent does not answer: {e}"),
             ));
         }
+        tracing::debug!(
+            sandbox_id,
+            healthy_us = started.elapsed().as_micros() as u64,
+            "restored agent answers"
+        );
         // The images are spent: the sandbox runs on from here.
         let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
         Ok((running.to_runtime(sandbox_id)?, endpoint))
@@ -1362,7 +1392,10 @@ fn collect_agent_copies(data_dir: &Path, current: &str) -> Vec<PathBuf> {
         let Ok(dirs) = std::fs::read_dir(data_dir.join(kind)) else {
             continue;
         };
-        for dir in dirs.flatten().filter(|d| d.file_type().is_ok_and(|t| t.is_dir())) {
+        for dir in dirs
+            .flatten()
+            .filter(|d| d.file_type().is_ok_and(|t| t.is_dir()))
+        {
             // Incomplete ones too: a dump under way names the copy it is dumping.
             match crate::checkpoint::read_header(&dir.path(), false) {
                 Ok(header) => {
@@ -1492,7 +1525,8 @@ impl LinuxRuntime {
         .await
         .map_err(|e| sandbox_err(id, e))?
         .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
-        let output = tokio::process::Command::new(&criu.path)
+        let output = criu
+            .command()
             .arg("dump")
             .arg("--tree")
             .arg(h.pid.to_string())
@@ -1546,11 +1580,13 @@ impl LinuxRuntime {
         let criu = self.criu_for_restore(id)?;
         let dir = self.checkpoint_dir(id);
         let read_dir = dir.clone();
+        let started = std::time::Instant::now();
         let header =
             tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, true))
                 .await
                 .map_err(|e| sandbox_err(id, e))?
                 .map_err(|e| sandbox_err(id, e))?;
+        tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
         check_criu_version(id, criu, &header)?;
         let layers = self
             .layers
@@ -1619,6 +1655,7 @@ impl LinuxRuntime {
         let sandbox_dir = self.disks.path(id);
         let sysfs = self.mount_dir.join(format!("{id}.sys"));
         let socket = self.socket_path(id);
+        let started = std::time::Instant::now();
         let mounted = {
             let sandbox_dir = sandbox_dir.clone();
             let layers = layers.clone();
@@ -1716,7 +1753,7 @@ impl LinuxRuntime {
             .iter()
             .filter_map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok())
             .collect();
-        let mut command = tokio::process::Command::new(&criu.path);
+        let mut command = criu.command();
         command
             .arg("restore")
             .arg("--images-dir")
@@ -1759,11 +1796,19 @@ impl LinuxRuntime {
                 Ok(())
             });
         }
+        let prepared_in = started.elapsed();
         let output = command.output().await;
+        let criu_in = started.elapsed() - prepared_in;
         drop(owned);
         drop(listener);
         drop(prepared);
         undo_mounts();
+        tracing::debug!(
+            sandbox_id = %id,
+            prepare_us = prepared_in.as_micros() as u64,
+            criu_us = criu_in.as_micros() as u64,
+            "restore timings"
+        );
         let output =
             output.map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
         if !output.status.success() {
@@ -2001,7 +2046,8 @@ impl LinuxRuntime {
         .await
         .map_err(|e| sandbox_err(id, e))?
         .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
-        let output = tokio::process::Command::new(&criu.path)
+        let output = criu
+            .command()
             .arg("dump")
             .arg("--tree")
             .arg(h.pid.to_string())
