@@ -576,3 +576,13 @@ class FakeDns:
         self._stop = True
         self.udp.close()
         self.tcp.close()
+
+
+def checkpoints_off(server: "SandbarServer") -> Optional[str]:
+    """Why the server cannot checkpoint or snapshot memory (no usable CRIU), from its log;
+    None when it can."""
+    text = Path(server.log_path).read_text(errors="replace")
+    if "paused sandboxes are checkpointed to disk" in text:
+        return None
+    off = [l for l in text.splitlines() if "checkpoints are off" in l]
+    return re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"

@@ -7,14 +7,13 @@ installs it)."""
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 from e2b import Sandbox
 
-from e2e_util import sandbox_cgroup_dirs, wait_until
+from e2e_util import checkpoints_off, sandbox_cgroup_dirs, wait_until
 
 COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
@@ -24,10 +23,8 @@ COUNTER = (
 
 @pytest.fixture(scope="module")
 def checkpoints(sandbar):
-    text = Path(sandbar.log_path).read_text(errors="replace")
-    if "paused sandboxes are checkpointed to disk" not in text:
-        off = [l for l in text.splitlines() if "checkpoints are off" in l]
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+    reason = checkpoints_off(sandbar)
+    if reason:
         pytest.skip(f"the server cannot checkpoint: {reason}")
     return sandbar
 

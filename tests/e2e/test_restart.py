@@ -11,7 +11,7 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
 
-from e2e_util import ENVD_PORT, sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import ENVD_PORT, checkpoints_off, sandbox_cgroup_dirs, unique, wait_until
 
 
 def _now():
@@ -244,8 +244,9 @@ def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
 
 
 def test_snapshot_survives_kill9_and_starts_sandboxes(make_sandbox, sandbar):
-    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
-        pytest.skip("the server cannot snapshot memory (no usable CRIU)")
+    reason = checkpoints_off(sandbar)
+    if reason:
+        pytest.skip(f"the server cannot snapshot memory: {reason}")
     source = make_sandbox(timeout=300)
     source.files.write("/home/user/kept.txt", "kept")
     source.commands.run(

@@ -9,15 +9,13 @@ snapshot test runs anyway)."""
 
 from __future__ import annotations
 
-import re
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from e2e_util import unique, wait_until
+from e2e_util import checkpoints_off, unique, wait_until
 
 COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
@@ -28,10 +26,8 @@ SERVER = "python3 -m http.server 8000 --bind 0.0.0.0 --directory /home/user/www"
 
 @pytest.fixture(scope="module")
 def criu(sandbar):
-    text = Path(sandbar.log_path).read_text(errors="replace")
-    if "paused sandboxes are checkpointed to disk" not in text:
-        off = [l for l in text.splitlines() if "checkpoints are off" in l]
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+    reason = checkpoints_off(sandbar)
+    if reason:
         pytest.skip(f"the server cannot snapshot memory: {reason}")
     return sandbar
 

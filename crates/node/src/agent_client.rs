@@ -3,7 +3,6 @@
 use std::path::Path;
 use std::time::Duration;
 
-use http_body_util::Empty;
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 
@@ -22,17 +21,36 @@ pub(crate) async fn wait_healthy(socket: &Path, patience: Duration) -> Result<()
     Err(format!("agent did not become healthy: {last_error}"))
 }
 
-async fn health(socket: &Path) -> Result<(), String> {
+/// An HTTP/1 connection to the agent behind `socket`.
+async fn connect(
+    socket: &Path,
+) -> Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>, String> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
+    Ok(sender)
+}
+
+/// What an agent's error answer says, for a message.
+async fn body_text(response: hyper::Response<hyper::body::Incoming>) -> String {
+    use http_body_util::BodyExt as _;
+    response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        .unwrap_or_default()
+}
+
+async fn health(socket: &Path) -> Result<(), String> {
+    let mut sender = connect(socket).await?;
     let request = hyper::Request::get("/health")
         .header(hyper::header::HOST, "agent")
-        .body(Empty::<Bytes>::new())
+        .body(http_body_util::Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
     let response = sender
         .send_request(request)
@@ -86,13 +104,7 @@ pub(crate) async fn start(
     body.extend_from_slice(&(message.len() as u32).to_be_bytes());
     body.extend_from_slice(&message);
 
-    let stream = tokio::net::UnixStream::connect(socket)
-        .await
-        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
+    let mut sender = connect(socket).await?;
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("{}:", exec.user));
     let request = hyper::Request::post("/process.Process/Start")
         .header(hyper::header::HOST, "agent")
@@ -108,13 +120,10 @@ pub(crate) async fn start(
         .map_err(|e| e.to_string())?;
     if !response.status().is_success() {
         let status = response.status();
-        let text = response
-            .into_body()
-            .collect()
-            .await
-            .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-            .unwrap_or_default();
-        return Err(format!("agent answered {status}: {text}"));
+        return Err(format!(
+            "agent answered {status}: {}",
+            body_text(response).await
+        ));
     }
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let mut body = response.into_body();
@@ -199,15 +208,8 @@ pub(crate) async fn init(
     current_token: &str,
     init: &Init<'_>,
 ) -> Result<(), String> {
-    use http_body_util::BodyExt as _;
     let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
-    let stream = tokio::net::UnixStream::connect(socket)
-        .await
-        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
+    let mut sender = connect(socket).await?;
     let request = hyper::Request::post("/init")
         .header(hyper::header::HOST, "agent")
         .header(hyper::header::CONTENT_TYPE, "application/json")
@@ -222,11 +224,8 @@ pub(crate) async fn init(
         return Ok(());
     }
     let status = response.status();
-    let text = response
-        .into_body()
-        .collect()
-        .await
-        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-        .unwrap_or_default();
-    Err(format!("init answered {status}: {text}"))
+    Err(format!(
+        "init answered {status}: {}",
+        body_text(response).await
+    ))
 }

@@ -697,16 +697,7 @@ impl LinuxRuntime {
             .map_err(|e| (None, e))?;
         drop(netns);
         let spawned = started.elapsed();
-        let handle = Handle {
-            pid,
-            start_ticks: start_ticks(pid).unwrap_or_default(),
-            slot,
-            id_base: Some(id_map.host_base),
-            memory_mb: spec.memory_mb,
-            layers: spec.image.layers.clone(),
-            released: false,
-            checkpointed: false,
-        };
+        let handle = Handle::running(pid, slot, id_map, spec);
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
@@ -936,6 +927,20 @@ fn host_memory_mb() -> Option<u64> {
 }
 
 impl Handle {
+    /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot`.
+    fn running(pid: i32, slot: u32, id_map: IdMap, spec: &LaunchSpec) -> Self {
+        Handle {
+            pid,
+            start_ticks: start_ticks(pid).unwrap_or_default(),
+            slot,
+            id_base: Some(id_map.host_base),
+            memory_mb: spec.memory_mb,
+            layers: spec.image.layers.clone(),
+            released: false,
+            checkpointed: false,
+        }
+    }
+
     fn to_runtime(&self, id: &str) -> Result<RuntimeHandle, RuntimeError> {
         serde_json::to_value(self)
             .map(RuntimeHandle)
@@ -2238,16 +2243,7 @@ impl LinuxRuntime {
         drop(log);
         let _ = crate::disks::remove_tree(&work);
         let restored = started.elapsed();
-        let handle = Handle {
-            pid,
-            start_ticks: start_ticks(pid).unwrap_or_default(),
-            slot,
-            id_base: Some(id_map.host_base),
-            memory_mb: spec.memory_mb,
-            layers: spec.image.layers.clone(),
-            released: false,
-            checkpointed: false,
-        };
+        let handle = Handle::running(pid, slot, id_map, spec);
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
