@@ -54,72 +54,9 @@ START_BODY = {"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo ready"]
 HZ = os.sysconf("SC_CLK_TCK")
 SANDBOXES_CPUACCT = Path("/sys/fs/cgroup/cpuacct/sandbar/cpuacct.usage")
 
-SINK = r"""
-import os, socket, sys, threading, time
-port, state = int(sys.argv[1]), sys.argv[2]
-counts = {"udp": 0, "tcp": 0}
-lock = threading.Lock()
-def add(kind, n):
-    with lock:
-        counts[kind] += n
-def udp():
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    s.bind(("0.0.0.0", port))
-    while True:
-        add("udp", len(s.recv(65536)))
-def serve(c):
-    try:
-        while True:
-            data = c.recv(1 << 20)
-            if not data:
-                break
-            add("tcp", len(data))
-    except OSError:
-        pass
-    c.close()
-def tcp():
-    l = socket.socket()
-    l.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    l.bind(("0.0.0.0", port))
-    l.listen(16)
-    while True:
-        c, _ = l.accept()
-        threading.Thread(target=serve, args=(c,), daemon=True).start()
-threading.Thread(target=udp, daemon=True).start()
-threading.Thread(target=tcp, daemon=True).start()
-while True:
-    with lock:
-        line = f"{counts['udp']} {counts['tcp']}\n"
-    with open(state + ".tmp", "w") as f:
-        f.write(line)
-    os.replace(state + ".tmp", state)
-    time.sleep(0.1)
-"""
-
-FLOOD = r"""
-import socket, sys, time
-kind, host, port, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-end = time.monotonic() + secs
-if kind == "udp":
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.connect((host, port))
-    packet = b"x" * 1400
-    while time.monotonic() < end:
-        try:
-            s.send(packet)
-        except OSError:
-            pass
-else:
-    s = socket.create_connection((host, port), timeout=10)
-    s.settimeout(1)
-    block = b"x" * 65536
-    while time.monotonic() < end:
-        try:
-            s.send(block)
-        except socket.timeout:
-            pass
-"""
+# The sink and the flood are the e2e suite's (tests/e2e/netflood.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "e2e"))
+from netflood import FLOOD, SINK  # noqa: E402
 
 
 def sh(*args, check=True):
@@ -176,7 +113,7 @@ class Internet:
             raise
 
     def counts(self):
-        udp, tcp = self.state.read_text().split()
+        _, udp, tcp = self.state.read_text().split()
         return int(udp), int(tcp)
 
     def close(self):

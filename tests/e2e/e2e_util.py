@@ -477,6 +477,18 @@ def kill_all_listed(server: SandbarServer) -> List[str]:
 
 
 
+# Counts in /tmp/count while it runs; written beside and renamed over, so a freeze can never
+# leave an empty file to read.
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
+    "sleep 0.05; done"
+)
+
+
+def read_count(sbx) -> int:
+    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
+
+
 def unique(prefix: str = "e2e") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 

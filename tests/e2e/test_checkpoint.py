@@ -13,12 +13,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from e2e_util import checkpoints_off, sandbox_cgroup_dirs, wait_until
-
-COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
-    "sleep 0.05; done"
-)
+from e2e_util import COUNTER, checkpoints_off, read_count, sandbox_cgroup_dirs, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +42,6 @@ def wait_checkpointed(sandbar, sandbox_id: str) -> None:
                message="the paused sandbox to be checkpointed")
     # Its processes are gone and its memory with them (a little page cache may stay).
     wait_until(lambda: memory_used(sandbox_id) < 4 << 20, timeout=10, message="its memory to be freed")
-
-
-def read_count(sbx) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
 
 
 def pids(sbx) -> list:

@@ -8,18 +8,10 @@ import time
 import pytest
 from e2b import Sandbox
 
-from e2e_util import wait_until
+from e2e_util import COUNTER, read_count, wait_until
 
 # The count is written beside and renamed over, so a freeze between the shell's truncate and
 # its write can never leave a reader an empty file.
-COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
-    "sleep 0.05; done"
-)
-
-
-def read_count(sbx) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
 
 
 def state_of(sandbar, sandbox_id: str) -> str:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
 
-from e2e_util import ENVD_PORT, checkpoints_off, sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import COUNTER, ENVD_PORT, checkpoints_off, read_count, sandbox_cgroup_dirs, unique, wait_until
 
 
 def _now():
@@ -100,7 +100,7 @@ def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
 
 
 def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
-    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+    from test_checkpoint import header_of, wait_checkpointed
 
     if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
         pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
@@ -142,7 +142,7 @@ def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
 
 
 def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):
-    from test_checkpoint import COUNTER, header_of, read_count, wait_checkpointed
+    from test_checkpoint import header_of, wait_checkpointed
 
     if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
         pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
@@ -224,21 +224,16 @@ def test_killed_sandbox_stays_dead_after_restart(make_sandbox, sandbar):
 def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
     sbx = make_sandbox(timeout=300)
     sbx.files.write("/home/user/kept.txt", "kept")
-    sbx.commands.run(
-        # Written beside and renamed over: a freeze can never leave an empty file to read.
-        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
-        "sleep 0.05; done",
-        background=True,
-    )
+    sbx.commands.run(COUNTER, background=True)
     time.sleep(0.5)
-    before = int(sbx.commands.run("cat /tmp/count").stdout)
+    before = read_count(sbx)
     assert sbx.pause() is True
     sandbar.restart(kill9=True)
     with sandbar.client() as api:
         r = api.get(f"/sandboxes/{sbx.sandbox_id}")
         assert r.status_code == 200 and r.json()["state"] == "paused", r.text
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
-    after = int(resumed.commands.run("cat /tmp/count").stdout)
+    after = read_count(resumed)
     assert before <= after < before + 40, (before, after)
     assert resumed.files.read("/home/user/kept.txt") == "kept"
 
@@ -249,19 +244,15 @@ def test_snapshot_survives_kill9_and_starts_sandboxes(make_sandbox, sandbar):
         pytest.skip(f"the server cannot snapshot memory: {reason}")
     source = make_sandbox(timeout=300)
     source.files.write("/home/user/kept.txt", "kept")
-    source.commands.run(
-        "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
-        "sleep 0.05; done",
-        background=True,
-    )
+    source.commands.run(COUNTER, background=True)
     time.sleep(0.5)
     snapshot = source.create_snapshot()
     try:
         sandbar.restart(kill9=True)
         # Nothing of a snapshot lives in the kernel: it starts sandboxes after any restart.
         copy = make_sandbox(template=snapshot.snapshot_id, timeout=120)
-        first = int(copy.commands.run("cat /tmp/count").stdout)
-        wait_until(lambda: int(copy.commands.run("cat /tmp/count").stdout) > first, timeout=10,
+        first = read_count(copy)
+        wait_until(lambda: read_count(copy) > first, timeout=10,
                    message="the restored counter to go on")
         assert copy.files.read("/home/user/kept.txt") == "kept"
     finally:

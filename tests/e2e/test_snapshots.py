@@ -15,12 +15,8 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from e2e_util import checkpoints_off, unique, wait_until
+from e2e_util import COUNTER, checkpoints_off, read_count, unique, wait_until
 
-COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv -f /tmp/count.new /tmp/count; "
-    "sleep 0.05; done"
-)
 SERVER = "python3 -m http.server 8000 --bind 0.0.0.0 --directory /home/user/www"
 
 
@@ -37,10 +33,6 @@ def exit_code(sbx, cmd: str) -> int:
         return sbx.commands.run(cmd).exit_code
     except CommandExitException as e:
         return e.exit_code
-
-
-def read_count(sbx) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
 
 
 def counting(sbx) -> bool:

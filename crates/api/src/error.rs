@@ -163,7 +163,7 @@ impl From<SnapshotError> for ApiError {
     fn from(e: SnapshotError) -> Self {
         match e {
             SnapshotError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
-            SnapshotError::BadName(_) | SnapshotError::BadCount(_) => {
+            SnapshotError::BadName(_) | SnapshotError::BadCount(_) | SnapshotError::Network(_) => {
                 Self::bad_request(e.to_string())
             }
             SnapshotError::NotRunning { .. } | SnapshotError::NameTaken(_) => {

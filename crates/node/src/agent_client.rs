@@ -21,46 +21,44 @@ pub(crate) async fn wait_healthy(socket: &Path, patience: Duration) -> Result<()
     Err(format!("agent did not become healthy: {last_error}"))
 }
 
-/// An HTTP/1 connection to the agent behind `socket`.
-async fn connect(
+/// Sends `request` to the agent behind `socket` over a connection of its own; an answer
+/// other than a success is an error carrying the agent's message.
+async fn call(
     socket: &Path,
-) -> Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>, String> {
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+    use http_body_util::BodyExt as _;
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
     tokio::spawn(conn);
-    Ok(sender)
-}
-
-/// What an agent's error answer says, for a message.
-async fn body_text(response: hyper::Response<hyper::body::Incoming>) -> String {
-    use http_body_util::BodyExt as _;
-    response
-        .into_body()
-        .collect()
-        .await
-        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-        .unwrap_or_default()
-}
-
-async fn health(socket: &Path) -> Result<(), String> {
-    let mut sender = connect(socket).await?;
-    let request = hyper::Request::get("/health")
-        .header(hyper::header::HOST, "agent")
-        .body(http_body_util::Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
+    let path = request.uri().path().to_owned();
     let response = sender
         .send_request(request)
         .await
         .map_err(|e| e.to_string())?;
     if response.status().is_success() {
-        Ok(())
-    } else {
-        Err(format!("health answered {}", response.status()))
+        return Ok(response);
     }
+    let status = response.status();
+    let text = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+        .unwrap_or_default();
+    Err(format!("agent answered {path} with {status}: {text}"))
+}
+
+async fn health(socket: &Path) -> Result<(), String> {
+    let request = hyper::Request::get("/health")
+        .header(hyper::header::HOST, "agent")
+        .body(http_body_util::Full::new(Bytes::new()))
+        .map_err(|e| e.to_string())?;
+    call(socket, request).await.map(|_| ())
 }
 
 /// A command to run through a sandbox agent, as `sh -c`.
@@ -104,7 +102,6 @@ pub(crate) async fn start(
     body.extend_from_slice(&(message.len() as u32).to_be_bytes());
     body.extend_from_slice(&message);
 
-    let mut sender = connect(socket).await?;
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("{}:", exec.user));
     let request = hyper::Request::post("/process.Process/Start")
         .header(hyper::header::HOST, "agent")
@@ -114,17 +111,7 @@ pub(crate) async fn start(
         .header(hyper::header::AUTHORIZATION, format!("Basic {basic}"))
         .body(http_body_util::Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
-    let response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| e.to_string())?;
-    if !response.status().is_success() {
-        let status = response.status();
-        return Err(format!(
-            "agent answered {status}: {}",
-            body_text(response).await
-        ));
-    }
+    let response = call(socket, request).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let mut body = response.into_body();
     tokio::spawn(async move {
@@ -209,23 +196,11 @@ pub(crate) async fn init(
     init: &Init<'_>,
 ) -> Result<(), String> {
     let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
-    let mut sender = connect(socket).await?;
     let request = hyper::Request::post("/init")
         .header(hyper::header::HOST, "agent")
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header("x-access-token", current_token)
         .body(http_body_util::Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
-    let response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| e.to_string())?;
-    if response.status().is_success() {
-        return Ok(());
-    }
-    let status = response.status();
-    Err(format!(
-        "init answered {status}: {}",
-        body_text(response).await
-    ))
+    call(socket, request).await.map(|_| ())
 }

@@ -248,6 +248,27 @@ pub fn write_header(dir: &Path, header: &Header) -> std::io::Result<()> {
     std::fs::File::open(dir)?.sync_all()
 }
 
+/// Completes the checkpoint in `dir` that a dump told about the host as `plan` says: lists
+/// and checksums its images and writes the header that marks it complete.
+pub fn seal(
+    dir: &Path,
+    criu_version: String,
+    agent_digest: String,
+    plan: DumpPlan,
+) -> std::io::Result<Header> {
+    let (images, images_crc32) = list_images(dir)?;
+    let header = Header {
+        criu_version,
+        agent_digest,
+        listener_inode: plan.listener_inode,
+        externals: plan.externals,
+        images,
+        images_crc32,
+    };
+    write_header(dir, &header)?;
+    Ok(header)
+}
+
 /// The header of the checkpoint in `dir`, checked against the images there (their CRC too
 /// when `verify_images`).
 pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderError> {

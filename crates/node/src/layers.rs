@@ -205,6 +205,21 @@ pub fn read_file(stack: &[PathBuf], path: &str) -> Option<String> {
     }
 }
 
+/// Turns a sandbox's directory (a stopped build sandbox's, or the copy a snapshot made)
+/// into a layer: the overlay's scratch directories go, and the writable layer's owners are
+/// shifted from the sandbox's host ids (from `base`) into the range every sandbox maps.
+pub fn seal_layer(dir: &Path, base: u32, size: u32) -> std::io::Result<()> {
+    for scratch in [
+        sandbar_jail::layout::WORK,
+        sandbar_jail::layout::LOWER,
+        sandbar_jail::layout::ROOT,
+    ] {
+        crate::disks::remove_tree(&dir.join(scratch))?;
+    }
+    shift_owners(&dir.join(sandbar_jail::layout::UPPER), base, size)?;
+    std::os::unix::fs::lchown(dir, Some(0), Some(0))
+}
+
 /// Gives every entry of a build sandbox's writable layer the owner it has inside the
 /// sandbox (host id minus the sandbox's base), so the layer means the same to every
 /// sandbox that id-maps it. Entries outside the sandbox's range are refused.

@@ -144,6 +144,10 @@ pub struct LinuxRuntime {
     /// making them (and says so), and the collector must not take them in between. Entries
     /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
     fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
+    /// Snapshot checkpoints (by key) whose images this process wrote or already checked
+    /// against their checksum: they never change, so a fork of many or a second create does
+    /// not read them all again.
+    verified_snapshots: Mutex<BTreeSet<String>>,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -335,6 +339,7 @@ impl LinuxRuntime {
             agent_digest,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
+            verified_snapshots: Mutex::new(BTreeSet::new()),
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
@@ -825,16 +830,7 @@ impl LinuxRuntime {
         let disks = self.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            for scratch in [
-                sandbar_jail::layout::WORK,
-                sandbar_jail::layout::LOWER,
-                sandbar_jail::layout::ROOT,
-            ] {
-                crate::disks::remove_tree(&dir.join(scratch))?;
-            }
-            let upper = dir.join(sandbar_jail::layout::UPPER);
-            crate::layers::shift_owners(&upper, base, SANDBOX_IDS)?;
-            std::os::unix::fs::lchown(&dir, Some(0), Some(0))?;
+            crate::layers::seal_layer(&dir, base, SANDBOX_IDS)?;
             if target.exists() {
                 // Another build made the same layer meanwhile; keep theirs.
                 return disks.remove(&owned_id).map_err(std::io::Error::other);
@@ -1522,6 +1518,37 @@ impl LinuxRuntime {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
+        let plan = match self
+            .dump_into(id, h, criu, &freezer, &dir, netns_inode, false)
+            .await
+        {
+            Ok(plan) => plan,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
+        tokio::task::spawn_blocking(move || crate::checkpoint::seal(&dir, version, digest, plan))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))
+    }
+
+    /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
+    /// `netns_inode`) into `images`, leaving its processes running or ending them; returns
+    /// what the dump was told about the host.
+    #[allow(clippy::too_many_arguments)]
+    async fn dump_into(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: &crate::checkpoint::Criu,
+        freezer: &Path,
+        images: &Path,
+        netns_inode: u64,
+        leave_running: bool,
+    ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
         let tasks = self.cgroups.members(id);
         let pid = h.pid;
         let plan = tokio::task::spawn_blocking(move || {
@@ -1530,53 +1557,43 @@ impl LinuxRuntime {
         .await
         .map_err(|e| sandbox_err(id, e))?
         .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
-        let output = criu
-            .command()
+        let mut command = criu.command();
+        command
             .arg("dump")
             .arg("--tree")
             .arg(h.pid.to_string())
             .arg("--images-dir")
-            .arg(&dir)
+            .arg(images)
             .arg("--log-file")
             .arg(crate::checkpoint::DUMP_LOG)
             .arg("-v2")
             .arg("--freeze-cgroup")
-            .arg(&freezer)
+            .arg(freezer)
             .args(&plan.args)
             // PID 1 is non-dumpable; the ownership check CRIU would run from inside its user
             // namespace cannot open its namespaces (patch 0001).
             .env("CRIU_SKIP_USERNS_CHECK", "1")
-            .stdin(Stdio::null())
+            .stdin(Stdio::null());
+        if leave_running {
+            command.arg("--leave-running");
+        }
+        let output = command
             .output()
             .await
             .map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
         if !output.status.success() {
-            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::DUMP_LOG));
-            let _ = std::fs::remove_dir_all(&dir);
+            let errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
+            let what = if leave_running {
+                "snapshot"
+            } else {
+                "checkpoint"
+            };
             return Err(sandbox_err(
                 id,
-                format!("checkpoint failed ({}): {errors}", output.status),
+                format!("{what} failed ({}): {errors}", output.status),
             ));
         }
-        let header_dir = dir.clone();
-        let criu_version = criu.version.clone();
-        let agent_digest = self.agent_digest.clone();
-        tokio::task::spawn_blocking(move || {
-            let (images, images_crc32) = crate::checkpoint::list_images(&header_dir)?;
-            let header = crate::checkpoint::Header {
-                criu_version,
-                agent_digest,
-                listener_inode: plan.listener_inode,
-                externals: plan.externals,
-                images,
-                images_crc32,
-            };
-            crate::checkpoint::write_header(&header_dir, &header)?;
-            Ok::<_, std::io::Error>(header)
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))
+        Ok(plan)
     }
 
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
@@ -1940,12 +1957,7 @@ impl LinuxRuntime {
                 return Err(e);
             }
         };
-        let with_memory = plan.as_ref().map(|plan| {
-            (
-                plan.clone(),
-                criu.map(|c| c.version.clone()).unwrap_or_default(),
-            )
-        });
+        let with_memory = plan.zip(criu.map(|c| c.version.clone()));
         let origin = SnapshotOrigin {
             id_base: base,
             access_token: agent_token.to_owned(),
@@ -1954,19 +1966,7 @@ impl LinuxRuntime {
         let agent_digest = self.agent_digest.clone();
         let finish_images = images.clone();
         let finished = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            for scratch in [
-                sandbar_jail::layout::WORK,
-                sandbar_jail::layout::LOWER,
-                sandbar_jail::layout::ROOT,
-            ] {
-                crate::disks::remove_tree(&layer_dir.join(scratch))?;
-            }
-            crate::layers::shift_owners(
-                &layer_dir.join(sandbar_jail::layout::UPPER),
-                base,
-                SANDBOX_IDS,
-            )?;
-            std::os::unix::fs::lchown(&layer_dir, Some(0), Some(0))?;
+            crate::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
             let Some((plan, criu_version)) = with_memory else {
                 return Ok(());
             };
@@ -1974,18 +1974,7 @@ impl LinuxRuntime {
                 finish_images.join(SNAPSHOT_ORIGIN),
                 serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
             )?;
-            let (images, images_crc32) = crate::checkpoint::list_images(&finish_images)?;
-            crate::checkpoint::write_header(
-                &finish_images,
-                &crate::checkpoint::Header {
-                    criu_version,
-                    agent_digest,
-                    listener_inode: plan.listener_inode,
-                    externals: plan.externals,
-                    images,
-                    images_crc32,
-                },
-            )
+            crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan).map(|_| ())
         })
         .await
         .map_err(|e| sandbox_err(id, e));
@@ -1994,6 +1983,12 @@ impl LinuxRuntime {
         }) {
             discard();
             return Err(e);
+        }
+        if memory {
+            self.verified_snapshots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key.clone());
         }
         tracing::info!(
             sandbox_id = %id,
@@ -2016,7 +2011,14 @@ impl LinuxRuntime {
         key: &str,
     ) -> Result<Option<crate::checkpoint::DumpPlan>, RuntimeError> {
         let plan = match criu {
-            Some(criu) => Some(self.dump_running(id, h, criu, freezer, images).await?),
+            Some(criu) => {
+                let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
+                    .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
+                Some(
+                    self.dump_into(id, h, criu, freezer, images, netns_inode, true)
+                        .await?,
+                )
+            }
             None => None,
         };
         let disks = self.disks.clone();
@@ -2029,54 +2031,6 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?
             .map_err(|e| sandbox_err(id, format!("cannot copy its files: {e}")))?;
-        Ok(plan)
-    }
-
-    /// Dumps the frozen sandbox's processes into `images` and leaves them running.
-    async fn dump_running(
-        &self,
-        id: &str,
-        h: &Handle,
-        criu: &crate::checkpoint::Criu,
-        freezer: &Path,
-        images: &Path,
-    ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
-        let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
-            .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
-        let tasks = self.cgroups.members(id);
-        let pid = h.pid;
-        let plan = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD)
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
-        let output = criu
-            .command()
-            .arg("dump")
-            .arg("--tree")
-            .arg(h.pid.to_string())
-            .arg("--images-dir")
-            .arg(images)
-            .arg("--log-file")
-            .arg(crate::checkpoint::DUMP_LOG)
-            .arg("-v2")
-            .arg("--leave-running")
-            .arg("--freeze-cgroup")
-            .arg(freezer)
-            .args(&plan.args)
-            .env("CRIU_SKIP_USERNS_CHECK", "1")
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
-        if !output.status.success() {
-            let errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
-            return Err(sandbox_err(
-                id,
-                format!("snapshot failed ({}): {errors}", output.status),
-            ));
-        }
         Ok(plan)
     }
 
@@ -2107,11 +2061,16 @@ impl LinuxRuntime {
             .to_owned();
         let source = self.snapshots_dir().join(&key);
         let work = self.checkpoint_dir(id);
+        let verify = !self
+            .verified_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&key);
         let prepared = {
             let (source, work) = (source.clone(), work.clone());
             let to = id_map.host_base;
             tokio::task::spawn_blocking(move || -> Result<_, String> {
-                let header = crate::checkpoint::read_header(&source, true)
+                let header = crate::checkpoint::read_header(&source, verify)
                     .map_err(|e| format!("the snapshot is not usable: {e}"))?;
                 let origin: SnapshotOrigin = serde_json::from_slice(
                     &std::fs::read(source.join(SNAPSHOT_ORIGIN))
@@ -2159,6 +2118,10 @@ impl LinuxRuntime {
             .map_err(|e| bare(sandbox_err(id, e)))?
         };
         let (header, origin) = prepared;
+        self.verified_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone());
         check_criu_version(id, criu, &header).map_err(bare)?;
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");

@@ -26,6 +26,8 @@ pub enum SnapshotError {
     NameTaken(String),
     #[error("fork count {0} is outside 1..=100")]
     BadCount(u32),
+    #[error("cannot fork: {0}")]
+    Network(#[from] crate::network::NetworkConfigError),
     #[error("sandbox '{0}' predates snapshots: its image was not recorded")]
     NoImage(String),
     #[error("cannot snapshot sandbox '{id}': {source}")]
@@ -331,6 +333,7 @@ impl Sandboxes {
             .into());
         }
         let source = self.get(team, id).await.map_err(not_found(id))?;
+        let egress = source.network.validate(source.allow_internet_access)?;
         let template = self
             .store
             .template(&source.template_id)
@@ -358,13 +361,9 @@ impl Sandboxes {
                 auto_pause_files_only: !source.auto_pause_memory,
                 volume_mounts: Vec::new(),
             };
-            let started = match request.network.validate(request.allow_internet_access) {
-                Ok(egress) => {
-                    self.create_from(team, request, template.clone(), egress)
-                        .await
-                }
-                Err(e) => Err(e.into()),
-            };
+            let started = self
+                .create_from(team, request, template.clone(), egress.clone())
+                .await;
             results.push(match started {
                 Ok(sandbox) => ForkResult::Started(Box::new(sandbox)),
                 Err(err) => {
