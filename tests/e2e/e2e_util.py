@@ -271,6 +271,8 @@ class SandbarServer:
         self.base_template: Optional[dict] = None
         self._log_file = None
         self.starts = 0
+        # Added to the server's environment at each start (such as a crash point to arm).
+        self.extra_env: Dict[str, str] = {}
 
     # ---- process control -------------------------------------------------
 
@@ -289,6 +291,7 @@ class SandbarServer:
             }
         )
         env.setdefault("RUST_LOG", "info")
+        env.update(self.extra_env)
         # Never hand our E2B settings to the server.
         for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
             env.pop(k, None)

@@ -9,6 +9,7 @@ pub mod activity;
 pub mod auth;
 pub mod builds;
 pub mod dockerfile;
+pub mod faults;
 pub mod ids;
 pub mod keys;
 pub mod lifecycle;
@@ -39,7 +40,9 @@ pub use model::{
     BuildStatus, DEFAULT_TEMPLATE_ALIAS, PauseKind, Sandbox, SandboxState, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
-pub use runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts};
+pub use runtime::{
+    AdoptedCheckpoint, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page,

@@ -48,6 +48,16 @@ pub struct LaunchSpec {
     pub kept: Option<RuntimeHandle>,
 }
 
+/// What a restart found of a sandbox recorded as checkpointed (or being checkpointed).
+#[derive(Debug, Clone)]
+pub enum AdoptedCheckpoint {
+    /// Its checkpoint is complete and it is paused on disk, with this handle.
+    Checkpointed(RuntimeHandle),
+    /// A restore the server died in the middle of ran to its end: it runs, with this handle,
+    /// reached at this endpoint; its checkpoint is spent.
+    Restored(RuntimeHandle, Endpoint),
+}
+
 /// What a snapshot of a running sandbox is made of on the node.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SnapshotParts {
@@ -219,14 +229,15 @@ pub trait Runtime: Send + Sync + 'static {
         })
     }
 
-    /// After a restart: takes back a sandbox whose checkpoint completed (its processes
-    /// gone, its checkpoint valid, what it needs kept) and returns its checkpointed handle;
-    /// an error says why it cannot be restored.
+    /// After a restart: takes back a sandbox recorded as checkpointed, or as being
+    /// checkpointed with its processes gone. A dump or restore the server died in is waited
+    /// for and finished: the sandbox is checkpointed (its checkpoint valid, what it needs
+    /// kept) or, if a restore completed, running. An error says why it cannot be restored.
     async fn adopt_checkpointed(
         &self,
         sandbox_id: &str,
         _handle: &RuntimeHandle,
-    ) -> Result<RuntimeHandle, RuntimeError> {
+    ) -> Result<AdoptedCheckpoint, RuntimeError> {
         Err(RuntimeError::Sandbox {
             sandbox_id: sandbox_id.to_owned(),
             message: "this runtime keeps no checkpoints".into(),

@@ -16,7 +16,9 @@ use crate::ids;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
-use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
+use crate::runtime::{
+    AdoptedCheckpoint, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
+};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::{Store, StoreError};
 use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
@@ -1216,7 +1218,10 @@ impl Sandboxes {
             .adopt_checkpointed(&sandbox.id, &sandbox.handle)
             .await
         {
-            Ok(handle) => handle,
+            Ok(AdoptedCheckpoint::Checkpointed(handle)) => handle,
+            Ok(AdoptedCheckpoint::Restored(handle, endpoint)) => {
+                return self.adopt_restored(sandbox, handle, endpoint).await;
+            }
             Err(err) => {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
                 self.activity
@@ -1256,6 +1261,48 @@ impl Sandboxes {
                 &[],
             )
             .await;
+        Ok(())
+    }
+
+    /// After a restart: records running a sandbox whose restore finished while the server
+    /// was down (its end time was set when the resume began).
+    async fn adopt_restored(
+        &self,
+        sandbox: &Sandbox,
+        handle: RuntimeHandle,
+        endpoint: Endpoint,
+    ) -> Result<(), StoreError> {
+        self.store
+            .set_sandbox_paused(&sandbox.id, None, &handle)
+            .await?;
+        self.runtime.discard_checkpoint(&sandbox.id).await;
+        let mut running = sandbox.clone();
+        running.handle = handle.clone();
+        running.paused_as = None;
+        running.state = SandboxState::Running;
+        if let Err(err) = self.restore_network(&running).await {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &handle).await {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
+            }
+            return self.store.delete_sandbox(&sandbox.id).await;
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live::recorded(&running, handle, Some(endpoint), SandboxStatus::Running),
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        self.activity
+            .event(
+                &sandbox.id,
+                LogLevel::Info,
+                "sandbox resumed: its restore finished while the server was down",
+                &[],
+            )
+            .await;
+        tracing::info!(sandbox_id = %sandbox.id, "restore finished while the server was down; sandbox runs");
         Ok(())
     }
 
@@ -1509,6 +1556,7 @@ impl Sandboxes {
             self.set_status(id, SandboxStatus::Running);
             return Err(err.into());
         }
+        crate::faults::crash_point("pause.frozen");
         if let Err(err) = self.store.set_sandbox_state(id, SandboxState::Paused).await {
             // The store still says running: thaw so both agree.
             let _ = self.runtime.resume(id, &sandbox.handle).await;
@@ -1767,6 +1815,11 @@ impl Sandboxes {
                     }
                     return Err(err.into());
                 }
+                if from == SandboxStatus::Checkpointed {
+                    // Kept until now so that a restart before the record finds the restore
+                    // finished beside its images.
+                    self.runtime.discard_checkpoint(&id).await;
+                }
                 Ok::<_, SandboxError>((handle, endpoint))
             }
             .await;
@@ -1787,6 +1840,7 @@ impl Sandboxes {
             let result = async {
                 self.store.set_sandbox_end(&id, end_at).await?;
                 self.runtime.resume(&id, &sandbox.handle).await?;
+                crate::faults::crash_point("resume.thawed");
                 self.store
                     .set_sandbox_state(&id, SandboxState::Running)
                     .await?;

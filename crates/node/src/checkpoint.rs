@@ -3,8 +3,10 @@
 //! told about the host's files and mounts a sandbox uses, and the two commands.
 
 use std::collections::BTreeSet;
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -42,6 +44,30 @@ impl Criu {
         command.env("CRIU_KDAT_DIR", &self.kdat_dir);
         command
     }
+}
+
+/// PIDs of the CRIU processes working on a directory under `under`: dumps and restores a
+/// server that died left running (they outlive it, so that the sandbox they hold is never
+/// left half dumped or half restored).
+pub fn criu_in_flight(under: &Path) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+                return false;
+            };
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            args.first()
+                .is_some_and(|program| Path::new(OsStr::from_bytes(program)).ends_with("criu"))
+                && args.windows(2).any(|w| {
+                    w[0] == b"--images-dir" && Path::new(OsStr::from_bytes(w[1])).starts_with(under)
+                })
+        })
+        .collect()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +145,24 @@ pub const HEADER_FILE: &str = "header";
 /// CRIU's logs, which are not part of the images.
 pub const DUMP_LOG: &str = "dump.log";
 pub const RESTORE_LOG: &str = "restore.log";
+/// What the dump was told about the host, kept beside the images from before CRIU starts so
+/// a dump that outlived the server can still be sealed.
+pub const PLAN_FILE: &str = "plan.json";
+/// Where a restore writes the PID of the restored PID 1.
+pub const RESTORE_PIDFILE: &str = "restore.pid";
+/// CRIU writes its statistics as the last step of a dump or restore that succeeded, so
+/// their presence tells a finished run from an abandoned one.
+pub const DUMP_STATS: &str = "stats-dump";
+pub const RESTORE_STATS: &str = "stats-restore";
+/// Files in a checkpoint directory that are not images.
+const NOT_IMAGES: [&str; 6] = [
+    HEADER_FILE,
+    DUMP_LOG,
+    RESTORE_LOG,
+    PLAN_FILE,
+    RESTORE_PIDFILE,
+    RESTORE_STATS,
+];
 
 /// What a checkpoint is and needs: written after the images, so a directory without a valid
 /// header is an incomplete checkpoint.
@@ -213,9 +257,7 @@ pub fn list_images(dir: &Path) -> std::io::Result<(Vec<Image>, u32)> {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| {
-            ![HEADER_FILE, DUMP_LOG, RESTORE_LOG].contains(&n.as_str()) && !n.ends_with(".tmp")
-        })
+        .filter(|n| !NOT_IMAGES.contains(&n.as_str()) && !n.ends_with(".tmp"))
         .collect();
     names.sort();
     let mut crc = crc32fast::Hasher::new();
@@ -269,6 +311,51 @@ pub fn seal(
     Ok(header)
 }
 
+/// Keeps `plan` beside the images a dump is about to write into `dir`.
+pub fn write_plan(dir: &Path, plan: &DumpPlan) -> std::io::Result<()> {
+    std::fs::write(
+        dir.join(PLAN_FILE),
+        serde_json::to_vec(plan).map_err(std::io::Error::other)?,
+    )
+}
+
+/// Seals the checkpoint in `dir` whose dump finished after the server that started it died;
+/// an error if the dump did not finish.
+pub fn seal_finished_dump(
+    dir: &Path,
+    criu_version: String,
+    agent_digest: String,
+) -> Result<Header, String> {
+    if !dir.join(DUMP_STATS).is_file() {
+        return Err(format!("the dump into {} did not finish", dir.display()));
+    }
+    let plan: DumpPlan = std::fs::read(dir.join(PLAN_FILE))
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
+        .map_err(|e| format!("the dump into {} left no plan: {e}", dir.display()))?;
+    seal(dir, criu_version, agent_digest, plan)
+        .map_err(|e| format!("cannot seal {}: {e}", dir.display()))
+}
+
+/// The PID 1 a restore from `dir` made, if that restore ran to its end.
+pub fn finished_restore(dir: &Path) -> Option<i32> {
+    if !dir.join(RESTORE_STATS).is_file() {
+        return None;
+    }
+    std::fs::read_to_string(dir.join(RESTORE_PIDFILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Removes what a restore from `dir` left there, so the images read as they were dumped.
+pub fn clear_restore(dir: &Path) {
+    for name in [RESTORE_PIDFILE, RESTORE_STATS] {
+        let _ = std::fs::remove_file(dir.join(name));
+    }
+}
+
 /// The header of the checkpoint in `dir`, checked against the images there (their CRC too
 /// when `verify_images`).
 pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderError> {
@@ -303,7 +390,7 @@ pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderErro
 
 /// The arguments a dump of the sandbox whose PID 1 is `pid` needs beyond the usual ones, and
 /// the externals they name.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DumpPlan {
     pub args: Vec<String>,
     pub externals: Vec<External>,
@@ -691,6 +778,50 @@ mod tests {
         assert!(read_header(dir.path(), true).is_err());
         std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
         assert!(read_header(dir.path(), false).is_err());
+    }
+
+    #[test]
+    fn a_dump_that_outlived_its_server_is_sealed_only_if_it_finished() {
+        let dir = tempfile::tempdir().unwrap();
+        let plan = DumpPlan {
+            args: vec!["--external=mnt[m_dev_null]:m_dev_null".into()],
+            externals: header().externals,
+            listener_inode: 42,
+        };
+        write_plan(dir.path(), &plan).unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), b"pages").unwrap();
+        let seal_now = || seal_finished_dump(dir.path(), CRIU_VERSION.into(), "ab".repeat(32));
+        // CRIU had not written its statistics: the dump did not finish.
+        assert!(seal_now().is_err());
+        assert!(read_header(dir.path(), false).is_err());
+        std::fs::write(dir.path().join(DUMP_STATS), b"stats").unwrap();
+        let sealed = seal_now().unwrap();
+        assert_eq!(sealed.listener_inode, 42);
+        assert_eq!(sealed.externals, plan.externals);
+        let names: Vec<&str> = sealed.images.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["pages-1.img", DUMP_STATS]);
+        assert_eq!(read_header(dir.path(), true).unwrap(), sealed);
+    }
+
+    #[test]
+    fn what_a_restore_leaves_is_not_part_of_the_images() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("pages-1.img"), b"pages").unwrap();
+        let (images, crc) = list_images(dir.path()).unwrap();
+        let mut h = header();
+        h.images = images;
+        h.images_crc32 = crc;
+        write_header(dir.path(), &h).unwrap();
+        std::fs::write(dir.path().join(RESTORE_PIDFILE), b"4242\n").unwrap();
+        // A PID without statistics: the restore did not finish.
+        assert_eq!(finished_restore(dir.path()), None);
+        std::fs::write(dir.path().join(RESTORE_STATS), b"stats").unwrap();
+        std::fs::write(dir.path().join(RESTORE_LOG), b"log").unwrap();
+        assert_eq!(finished_restore(dir.path()), Some(4242));
+        assert_eq!(read_header(dir.path(), true).unwrap(), h);
+        clear_restore(dir.path());
+        assert_eq!(finished_restore(dir.path()), None);
+        assert!(!dir.path().join(RESTORE_PIDFILE).exists());
     }
 
     fn userns_image(lower_first: u32) -> Vec<u8> {

@@ -14,7 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use sandbar_core::{
-    EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+    AdoptedCheckpoint, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
+    SnapshotParts,
 };
 use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD};
 use serde::{Deserialize, Serialize};
@@ -183,6 +184,8 @@ impl LinuxRuntime {
             path: config.agent_bin.clone(),
             source,
         })?;
+        // Before anything looks at sandboxes, checkpoints or agent copies.
+        Self::wait_for_orphaned_criu(&config.data_dir).await;
         let cgroups = CgroupDriver::detect()?;
         let shaping = crate::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
         match shaping {
@@ -1171,7 +1174,10 @@ impl Runtime for LinuxRuntime {
         if h.checkpointed {
             return Ok(handle.clone());
         }
+        let started = std::time::Instant::now();
         self.dump(sandbox_id, &h).await?;
+        let dumped_in = started.elapsed();
+        sandbar_core::faults::crash_point("checkpoint.dumped");
         // CRIU ended the tree after the dump; anything that escaped it would run on.
         for _ in 0..250 {
             if !is_alive(&h) {
@@ -1185,6 +1191,12 @@ impl Runtime for LinuxRuntime {
         self.cgroups.empty_memory(sandbox_id);
         self.release_memory(sandbox_id);
         let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+        tracing::debug!(
+            sandbox_id,
+            dump_us = dumped_in.as_micros() as u64,
+            release_us = (started.elapsed() - dumped_in).as_micros() as u64,
+            "checkpoint timings"
+        );
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,
@@ -1239,8 +1251,9 @@ impl Runtime for LinuxRuntime {
             healthy_us = started.elapsed().as_micros() as u64,
             "restored agent answers"
         );
-        // The images are spent: the sandbox runs on from here.
-        let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
+        sandbar_core::faults::crash_point("restore.restored");
+        // The images stay until the sandbox is recorded running (`discard_checkpoint`): a
+        // restart before that finds the finished restore beside them.
         Ok((running.to_runtime(sandbox_id)?, endpoint))
     }
 
@@ -1248,13 +1261,56 @@ impl Runtime for LinuxRuntime {
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-    ) -> Result<RuntimeHandle, RuntimeError> {
+    ) -> Result<AdoptedCheckpoint, RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        if !h.checkpointed && is_alive(&h) {
-            return Err(sandbox_err(sandbox_id, "its processes still run"));
-        }
         let dir = self.checkpoint_dir(sandbox_id);
-        tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&dir, false))
+        if h.checkpointed {
+            // The server may have died during a restore (CRIU was waited for at start): its
+            // host-side mounts are left over, and the restore finished or not.
+            self.unmount_restore(sandbox_id, h.layers.len());
+            if let Some(restored) = self.finished_restore(sandbox_id, &h) {
+                return Ok(restored);
+            }
+            if let Err(e) = self.cgroups.kill_all(sandbox_id).await {
+                return Err(sandbox_err(
+                    sandbox_id,
+                    format!("cannot end what an unfinished restore started: {e}"),
+                ));
+            }
+            crate::checkpoint::clear_restore(&dir);
+            let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+        } else {
+            if is_alive(&h) {
+                return Err(sandbox_err(sandbox_id, "its processes still run"));
+            }
+            // The dump ended the processes: if the server died before sealing it, it is
+            // sealed now, and what `checkpoint` does after a dump is done here.
+            if !dir.join(crate::checkpoint::HEADER_FILE).exists() {
+                let criu = self
+                    .criu
+                    .as_ref()
+                    .ok_or_else(|| sandbox_err(sandbox_id, "this node cannot checkpoint"))?;
+                let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
+                let sealed_dir = dir.clone();
+                tokio::task::spawn_blocking(move || {
+                    crate::checkpoint::seal_finished_dump(&sealed_dir, version, digest)
+                })
+                .await
+                .map_err(|e| sandbox_err(sandbox_id, e))?
+                .map_err(|e| sandbox_err(sandbox_id, e))?;
+                tracing::info!(
+                    sandbox_id,
+                    "sealed a checkpoint whose dump outlived the server"
+                );
+            }
+            if let Err(err) = self.cgroups.kill_all(sandbox_id).await {
+                tracing::warn!(sandbox_id, error = %err, "processes left after the checkpoint");
+            }
+            self.cgroups.empty_memory(sandbox_id);
+            let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+        }
+        let header_dir = dir.clone();
+        tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&header_dir, false))
             .await
             .map_err(|e| sandbox_err(sandbox_id, e))?
             .map_err(|e| sandbox_err(sandbox_id, e))?;
@@ -1278,7 +1334,9 @@ impl Runtime for LinuxRuntime {
             checkpointed: true,
             ..h
         };
-        checkpointed.to_runtime(sandbox_id)
+        Ok(AdoptedCheckpoint::Checkpointed(
+            checkpointed.to_runtime(sandbox_id)?,
+        ))
     }
 
     async fn discard_checkpoint(&self, sandbox_id: &str) {
@@ -1334,6 +1392,8 @@ impl Runtime for LinuxRuntime {
         if !is_alive(&handle) {
             return Ok(None);
         }
+        // A checkpoint it was restored from, if the server died before discarding it.
+        let _ = crate::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
         self.slots
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -1529,10 +1589,15 @@ impl LinuxRuntime {
             }
         };
         let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
-        tokio::task::spawn_blocking(move || crate::checkpoint::seal(&dir, version, digest, plan))
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-            .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))
+        let sealing = std::time::Instant::now();
+        let sealed = tokio::task::spawn_blocking(move || {
+            crate::checkpoint::seal(&dir, version, digest, plan)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")));
+        tracing::debug!(sandbox_id = %id, seal_us = sealing.elapsed().as_micros() as u64, "checkpoint sealed");
+        sealed
     }
 
     /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
@@ -1557,6 +1622,8 @@ impl LinuxRuntime {
         .await
         .map_err(|e| sandbox_err(id, e))?
         .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
+        crate::checkpoint::write_plan(images, &plan)
+            .map_err(|e| sandbox_err(id, format!("cannot write {}: {e}", images.display())))?;
         let mut command = criu.command();
         command
             .arg("dump")
@@ -1573,15 +1640,26 @@ impl LinuxRuntime {
             // PID 1 is non-dumpable; the ownership check CRIU would run from inside its user
             // namespace cannot open its namespaces (patch 0001).
             .env("CRIU_SKIP_USERNS_CHECK", "1")
-            .stdin(Stdio::null());
+            // Nothing to a pipe: CRIU must be able to finish the dump if the server dies.
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
         if leave_running {
             command.arg("--leave-running");
         }
-        let output = command
-            .output()
-            .await
+        let mut child = command
+            .spawn()
             .map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
-        if !output.status.success() {
+        sandbar_core::faults::crash_point(if leave_running {
+            "snapshot.dumping"
+        } else {
+            "checkpoint.dumping"
+        });
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| sandbox_err(id, format!("wait for {}: {e}", criu.path.display())))?;
+        if !status.success() {
             let errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
             let what = if leave_running {
                 "snapshot"
@@ -1590,10 +1668,79 @@ impl LinuxRuntime {
             };
             return Err(sandbox_err(
                 id,
-                format!("{what} failed ({}): {errors}", output.status),
+                format!("{what} failed ({status}): {errors}"),
             ));
         }
         Ok(plan)
+    }
+
+    /// Waits for the dumps and restores a server that died left running, so that what they
+    /// leave (a sealed or abandoned checkpoint, a restored or killed sandbox) can be judged
+    /// once they are done. One still running after a long wait is killed.
+    async fn wait_for_orphaned_criu(data_dir: &Path) {
+        let mut waited = Duration::ZERO;
+        loop {
+            let pids = crate::checkpoint::criu_in_flight(data_dir);
+            if pids.is_empty() {
+                return;
+            }
+            if waited.is_zero() {
+                tracing::warn!(
+                    ?pids,
+                    "waiting for checkpoint work a previous server left running"
+                );
+            }
+            if waited >= ORPHANED_CRIU_WAIT {
+                tracing::error!(
+                    ?pids,
+                    "checkpoint work a previous server left does not end; killing it"
+                );
+                for pid in pids {
+                    // SAFETY: kill(2) on a PID just read from /proc; at worst it is gone.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            waited += Duration::from_millis(20);
+        }
+    }
+
+    /// The host-side mounts a restore of sandbox `id` makes (its root over `layers` layers
+    /// and a sysfs of its network namespace), gone.
+    fn unmount_restore(&self, id: &str, layers: usize) {
+        sandbar_jail::host::unmount_root(&self.disks.path(id), layers);
+        let _ = sandbar_jail::host::unmount(&self.mount_dir.join(format!("{id}.sys")));
+    }
+
+    /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
+    /// during ran to its end: CRIU wrote its statistics, and the PID 1 it wrote lives in the
+    /// sandbox's cgroup.
+    fn finished_restore(&self, id: &str, h: &Handle) -> Option<AdoptedCheckpoint> {
+        let pid = crate::checkpoint::finished_restore(&self.checkpoint_dir(id))?;
+        if !self.cgroups.members(id).contains(&pid) {
+            return None;
+        }
+        let running = Handle {
+            pid,
+            start_ticks: start_ticks(pid)?,
+            checkpointed: false,
+            ..h.clone()
+        };
+        let endpoint = self.endpoint(id, h.slot).ok()?;
+        let runtime_handle = running.to_runtime(id).ok()?;
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h.slot);
+        self.granted_memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), h.memory_mb);
+        self.keep_layers(id.to_owned(), h.layers.clone());
+        tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
+        Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
     }
 
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
@@ -1717,10 +1864,7 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?
         };
-        let undo_mounts = || {
-            sandbar_jail::host::unmount_root(&sandbox_dir, layers.len());
-            let _ = sandbar_jail::host::unmount(&sysfs);
-        };
+        let undo_mounts = || self.unmount_restore(id, layers.len());
         let (prepared, listener) = match mounted {
             Ok(ok) => ok,
             Err(e) => {
@@ -1767,8 +1911,8 @@ impl LinuxRuntime {
         args.push(format!("--inherit-fd=fd[{next}]:extnet"));
         inherited.push((prepared.netns.as_raw_fd(), next));
 
-        let pidfile = dir.join("restore.pid");
-        let _ = std::fs::remove_file(&pidfile);
+        let pidfile = dir.join(crate::checkpoint::RESTORE_PIDFILE);
+        crate::checkpoint::clear_restore(&dir);
         let joins: Vec<std::ffi::CString> = self
             .cgroups
             .join_files(id)
@@ -1790,9 +1934,10 @@ impl LinuxRuntime {
             .arg("--pidfile")
             .arg(&pidfile)
             .args(&args)
+            // Nothing to a pipe: CRIU must be able to finish the restore if the server dies.
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::piped());
+            .stderr(Stdio::null());
         // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
         // functions (open, write, close, dup2) on data prepared before the fork.
         unsafe {
@@ -1819,7 +1964,13 @@ impl LinuxRuntime {
             });
         }
         let prepared_in = started.elapsed();
-        let output = command.output().await;
+        let status = match command.spawn() {
+            Ok(mut child) => {
+                sandbar_core::faults::crash_point("restore.restoring");
+                child.wait().await
+            }
+            Err(e) => Err(e),
+        };
         let criu_in = started.elapsed() - prepared_in;
         drop(owned);
         drop(listener);
@@ -1831,15 +1982,15 @@ impl LinuxRuntime {
             criu_us = criu_in.as_micros() as u64,
             "restore timings"
         );
-        let output =
-            output.map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
-        if !output.status.success() {
+        let status =
+            status.map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
+        if !status.success() {
             let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
             // Whatever CRIU had started is in the sandbox's cgroups.
             let _ = self.cgroups.kill_all(id).await;
             return Err(sandbox_err(
                 id,
-                format!("restore failed ({}): {errors}", output.status),
+                format!("restore failed ({status}): {errors}"),
             ));
         }
         let pid: i32 = std::fs::read_to_string(&pidfile)
@@ -1864,6 +2015,10 @@ struct SnapshotOrigin {
 }
 
 const SNAPSHOT_ORIGIN: &str = "origin.json";
+
+/// How long a restart waits for a dump or restore the previous server left running: far
+/// longer than one of a sandbox of the largest size takes.
+const ORPHANED_CRIU_WAIT: Duration = Duration::from_secs(120);
 
 fn is_snapshot_key(key: &str) -> bool {
     key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
@@ -1950,6 +2105,7 @@ impl LinuxRuntime {
             tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
         }
         let held = held_since.elapsed();
+        sandbar_core::faults::crash_point("snapshot.copied");
         let plan = match copied {
             Ok(plan) => plan,
             Err(e) => {

@@ -319,6 +319,9 @@ fn base_image() -> TemplateImage {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
+        tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
     // The store holds every sandbox's envd access token: nobody but the server's user may
