@@ -98,19 +98,20 @@ def test_auto_pause_on_timeout(sandbar, make_sandbox):
 
 def test_many_pause_resume_cycles_never_lose_state(sandbar, make_sandbox):
     sbx = make_sandbox()
-    sbx.files.write("/home/user/data.bin", "x" * 4096)
+    data = bytes(range(256)) * 4096
+    sbx.files.write("/home/user/data.bin", data)
     sbx.commands.run(COUNTER, background=True)
     wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
     last = 0
     with sandbar.client() as api:
-        for _ in range(30):
+        for _ in range(100):
             assert api.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
             r = api.post(f"/v2/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 120})
             assert r.status_code == 201, r.text
             count = read_count(sbx)
             assert count >= last, (count, last)
             last = count
-    assert sbx.files.read("/home/user/data.bin") == "x" * 4096
+    assert sbx.files.read("/home/user/data.bin", format="bytes") == data
 
 
 def test_auto_resume_on_traffic(sandbar, make_sandbox):
