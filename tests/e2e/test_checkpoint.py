@@ -108,22 +108,40 @@ def test_a_checkpointed_sandbox_can_be_killed(checkpoints, make_sandbox):
     assert not sandbox_cgroup_dirs(sbx.sandbox_id)
 
 
-def test_a_sandbox_with_a_volume_stays_paused_in_memory(checkpoints, make_sandbox):
-    # Volume binds come from the host and are not declared to CRIU yet: the dump fails, the
-    # sandbox stays frozen in memory and resumes as usual.
+def test_a_sandbox_with_a_volume_is_checkpointed_and_keeps_it(checkpoints, make_sandbox):
+    # The volume is named to CRIU as an external mount: its files stay in the volume, and the
+    # restore binds it back id-mapped as before.
     from e2b import Volume
 
-    from e2e_util import unique
+    from e2e_util import host_mounts_mentioning, unique
 
     vol = Volume.create(unique("ckvol"))
     try:
         sbx = make_sandbox(volume_mounts={"/mnt/v": vol})
         sbx.commands.run("echo kept > /mnt/v/f", user="user")
+        # A process holding a file of the volume open across the checkpoint.
+        sbx.commands.run("exec 3>>/mnt/v/log; while true; do echo tick >&3; sleep 0.2; done",
+                         background=True, user="user")
+        sbx.commands.run(COUNTER, background=True)
+        wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+        before = read_count(sbx)
         assert sbx.pause() is True
-        time.sleep(6)
-        assert not header_of(checkpoints, sbx.sandbox_id).exists()
+        wait_checkpointed(checkpoints, sbx.sandbox_id)
         resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert read_count(resumed) >= before
+        assert resumed.commands.run("cat /mnt/v/f").stdout == "kept\n"
+        ticks = resumed.commands.run("wc -l < /mnt/v/log").stdout
+        wait_until(lambda: resumed.commands.run("wc -l < /mnt/v/log").stdout != ticks, timeout=10,
+                   message="the writer to go on appending to the volume")
+        # The sandbox user still owns what it writes there.
+        resumed.commands.run("echo again > /mnt/v/g", user="user")
+        assert resumed.commands.run("stat -c %U /mnt/v/g").stdout.strip() == "user"
+        # A copy of its memory cannot take the volume along: refused, the sandbox runs on.
+        with checkpoints.client() as api:
+            r = api.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={})
+            assert r.status_code == 409 and "volume" in r.json()["message"], r.text
         assert resumed.commands.run("cat /mnt/v/f").stdout == "kept\n"
         resumed.kill()
+        assert host_mounts_mentioning(sbx.sandbox_id) == []
     finally:
         Volume.destroy(vol.volume_id)

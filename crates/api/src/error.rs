@@ -166,9 +166,9 @@ impl From<SnapshotError> for ApiError {
             SnapshotError::BadName(_) | SnapshotError::BadCount(_) | SnapshotError::Network(_) => {
                 Self::bad_request(e.to_string())
             }
-            SnapshotError::NotRunning { .. } | SnapshotError::NameTaken(_) => {
-                Self::new(StatusCode::CONFLICT, e.to_string())
-            }
+            SnapshotError::NotRunning { .. }
+            | SnapshotError::NameTaken(_)
+            | SnapshotError::HasVolumes(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
             SnapshotError::Sandbox(s) => s.into(),
             SnapshotError::NoImage(_) | SnapshotError::Runtime { .. } => Self::internal(&e),
             SnapshotError::Store(ref s) => Self::internal(s),

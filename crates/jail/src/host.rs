@@ -46,6 +46,19 @@ pub fn mount_root_mapped(dir: &Path, layers: &[PathBuf], userns: &OwnedFd) -> io
     )
 }
 
+/// Mounts the volume directory `source` at `target` (created if missing), id-mapped through
+/// `userns` as a sandbox sees its volumes: what a restore binds back at the volume's place.
+pub fn mount_volume_mapped(source: &Path, userns: &OwnedFd, target: &Path) -> io::Result<()> {
+    if let Err(e) = std::fs::create_dir(target)
+        && e.kind() != io::ErrorKind::AlreadyExists
+    {
+        return Err(e);
+    }
+    let tree = sys::open_tree_clone_nofollow(source)?;
+    sys::idmap_volume(&tree, userns)?;
+    sys::move_mount_to(&tree, target)
+}
+
 /// Detaches what [`mount_root`] mounted; whatever is not mounted is skipped.
 pub fn unmount_root(dir: &Path, layers: usize) {
     let _ = sys::umount_detach(&dir.join(layout::ROOT));

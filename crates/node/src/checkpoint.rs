@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
@@ -194,6 +194,9 @@ pub enum External {
     Device { key: String, source: PathBuf },
     /// The sandbox's sysfs, made again for its network namespace.
     Sysfs { key: String },
+    /// A volume bound into the sandbox: its directory on the host (which outlives the
+    /// sandbox), id-mapped again at the restore.
+    Volume { key: String, source: PathBuf },
     /// A host file the sandbox's processes map or hold open (the agent binary, its libraries,
     /// its log), given to the restore as an open descriptor.
     File {
@@ -260,23 +263,92 @@ pub fn list_images(dir: &Path) -> std::io::Result<(Vec<Image>, u32)> {
         .filter(|n| !NOT_IMAGES.contains(&n.as_str()) && !n.ends_with(".tmp"))
         .collect();
     names.sort();
-    let mut crc = crc32fast::Hasher::new();
     let mut images = Vec::with_capacity(names.len());
-    let mut buf = vec![0u8; 1 << 20];
     for name in names {
-        let mut file = std::fs::File::open(dir.join(&name))?;
-        let mut size = 0u64;
-        loop {
-            let n = file.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            crc.update(&buf[..n]);
-            size += n as u64;
-        }
+        let size = std::fs::metadata(dir.join(&name))?.len();
         images.push(Image { name, size });
     }
-    Ok((images, crc.finalize()))
+    let crc = images_crc32(dir, &images)?;
+    Ok((images, crc))
+}
+
+/// Pieces the checksum is computed in: small enough that two or more cores share the pages
+/// of a large sandbox, large enough that combining them costs nothing.
+const CRC_PIECE: u64 = 32 << 20;
+
+/// The CRC32 of `images` read one after another, as one stream; pieces are checksummed on
+/// all cores and combined in order (a checkpoint of 1 GiB is mostly one file).
+fn images_crc32(dir: &Path, images: &[Image]) -> std::io::Result<u32> {
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let files = images
+        .iter()
+        .map(|i| std::fs::File::open(dir.join(&i.name)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut pieces: Vec<(usize, u64, u64)> = Vec::new();
+    for (index, image) in images.iter().enumerate() {
+        let mut at = 0;
+        loop {
+            let len = (image.size - at).min(CRC_PIECE);
+            pieces.push((index, at, len));
+            at += len;
+            if at >= image.size {
+                break;
+            }
+        }
+    }
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(pieces.len())
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let checksum_pieces = || -> std::io::Result<Vec<(usize, crc32fast::Hasher)>> {
+        let mut done = Vec::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let at = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(file, offset, len)) = pieces.get(at) else {
+                return Ok(done);
+            };
+            let mut crc = crc32fast::Hasher::new();
+            let mut read = 0;
+            while read < len {
+                let want = (len - read).min(buf.len() as u64) as usize;
+                let n = files[file].read_at(&mut buf[..want], offset + read)?;
+                if n == 0 {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "{} is shorter than {} bytes",
+                            images[file].name,
+                            offset + len
+                        ),
+                    ));
+                }
+                crc.update(&buf[..n]);
+                read += n as u64;
+            }
+            done.push((at, crc));
+        }
+    };
+    let mut done: Vec<(usize, crc32fast::Hasher)> = std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..workers).map(|_| scope.spawn(checksum_pieces)).collect();
+        let mut all = checksum_pieces()?;
+        for helper in helpers {
+            all.extend(
+                helper
+                    .join()
+                    .map_err(|_| std::io::Error::other("a checksum thread panicked"))??,
+            );
+        }
+        Ok::<_, std::io::Error>(all)
+    })?;
+    done.sort_by_key(|(at, _)| *at);
+    let mut total = crc32fast::Hasher::new();
+    for (_, piece) in &done {
+        total.combine(piece);
+    }
+    Ok(total.finalize())
 }
 
 /// Writes the header beside the images and renames it into place.
@@ -415,13 +487,15 @@ fn fd_flags(task: i32, fd: &str) -> u32 {
         .unwrap_or(0)
 }
 
-/// Lists what the sandbox uses of the host: device binds and sysfs in its mount table, and
-/// files mapped or open in any of `tasks` that live on a mount outside its mount namespace.
+/// Lists what the sandbox uses of the host: device binds, sysfs and its `volumes` (mount
+/// point in the sandbox, directory on the host) in its mount table, and files mapped or open
+/// in any of `tasks` that live on a mount outside its mount namespace.
 pub fn plan_dump(
     pid: i32,
     tasks: &[i32],
     netns_inode: u64,
     listener_fd: i32,
+    volumes: &[(PathBuf, PathBuf)],
 ) -> std::io::Result<DumpPlan> {
     let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
     let mut own_mounts = BTreeSet::new();
@@ -450,6 +524,18 @@ pub fn plan_dump(
             );
             key
         };
+        if let Some((_, source)) = volumes
+            .iter()
+            .find(|(target, _)| Path::new(point) == target)
+        {
+            let key = key();
+            args.push(format!("--external=mnt[{point}]:{key}"));
+            externals.push(External::Volume {
+                key,
+                source: source.clone(),
+            });
+            continue;
+        }
         match *fstype {
             "devtmpfs" => {
                 let key = key();
@@ -778,6 +864,26 @@ mod tests {
         assert!(read_header(dir.path(), true).is_err());
         std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
         assert!(read_header(dir.path(), false).is_err());
+    }
+
+    #[test]
+    fn the_images_checksum_is_that_of_their_contents_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("a.img"), b"first").unwrap();
+        std::fs::write(dir.path().join("b.img"), b"").unwrap();
+        // Larger than two checksum pieces, so several threads share it.
+        let big = std::fs::File::create(dir.path().join("pages-1.img")).unwrap();
+        big.set_len(2 * CRC_PIECE + 12345).unwrap();
+        std::os::unix::fs::FileExt::write_at(&big, b"middle", CRC_PIECE + 7).unwrap();
+        std::fs::write(dir.path().join(RESTORE_STATS), b"not an image").unwrap();
+        let (images, crc) = list_images(dir.path()).unwrap();
+        let names: Vec<&str> = images.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, ["a.img", "b.img", "pages-1.img"]);
+        let mut expected = crc32fast::Hasher::new();
+        for name in names {
+            expected.update(&std::fs::read(dir.path().join(name)).unwrap());
+        }
+        assert_eq!(crc, expected.finalize());
     }
 
     #[test]

@@ -114,6 +114,17 @@ struct Handle {
     /// network namespace) and cgroups, and `pid` is from before the checkpoint.
     #[serde(default)]
     checkpointed: bool,
+    /// Volumes bound into the sandbox, which a checkpoint names and a restore binds again.
+    #[serde(default)]
+    volumes: Vec<HandleVolume>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct HandleVolume {
+    team_id: String,
+    volume_id: String,
+    /// Mount point inside the sandbox.
+    path: String,
 }
 
 #[derive(Debug)]
@@ -145,10 +156,11 @@ pub struct LinuxRuntime {
     /// making them (and says so), and the collector must not take them in between. Entries
     /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
     fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
-    /// Snapshot checkpoints (by key) whose images this process wrote or already checked
-    /// against their checksum: they never change, so a fork of many or a second create does
-    /// not read them all again.
-    verified_snapshots: Mutex<BTreeSet<String>>,
+    /// Checkpoint and snapshot directories whose images this process wrote or already
+    /// checked against their checksum: nothing changes them afterwards, so a restore, a fork
+    /// of many or a second create does not read them all again. Checkpoints a previous server
+    /// left are checked once before their first restore.
+    verified_images: Mutex<BTreeSet<PathBuf>>,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -279,6 +291,7 @@ impl LinuxRuntime {
                 source,
             })?;
         }
+        remove_spent_checkpoints(&config.data_dir.join("checkpoints"));
         {
             use std::os::unix::fs::PermissionsExt;
             for private in ["checkpoints", "snapshots"] {
@@ -342,7 +355,7 @@ impl LinuxRuntime {
             agent_digest,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
-            verified_snapshots: Mutex::new(BTreeSet::new()),
+            verified_images: Mutex::new(BTreeSet::new()),
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
@@ -937,6 +950,15 @@ impl Handle {
             layers: spec.image.layers.clone(),
             released: false,
             checkpointed: false,
+            volumes: spec
+                .volumes
+                .iter()
+                .map(|v| HandleVolume {
+                    team_id: v.team_id.clone(),
+                    volume_id: v.volume_id.clone(),
+                    path: v.path.clone(),
+                })
+                .collect(),
         }
     }
 
@@ -1001,6 +1023,7 @@ impl Runtime for LinuxRuntime {
                     layers: Vec::new(),
                     released: false,
                     checkpointed: false,
+                    volumes: Vec::new(),
                 });
                 // A sandbox booted on kept files keeps them for another try.
                 let cleanup = match &kept {
@@ -1161,6 +1184,7 @@ impl Runtime for LinuxRuntime {
             && is_snapshot_key(key)
         {
             let dir = self.snapshots_dir().join(key);
+            self.set_verified(&dir, false);
             let _ = tokio::task::spawn_blocking(move || crate::disks::remove_tree(&dir)).await;
         }
     }
@@ -1340,7 +1364,23 @@ impl Runtime for LinuxRuntime {
     }
 
     async fn discard_checkpoint(&self, sandbox_id: &str) {
-        let _ = std::fs::remove_dir_all(self.checkpoint_dir(sandbox_id));
+        let dir = self.checkpoint_dir(sandbox_id);
+        self.set_verified(&dir, false);
+        // Deleting the images of a large sandbox takes a while (a tenth of a second per GiB)
+        // and nothing needs to wait for it: they are moved aside at once and removed behind.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let spent = dir.with_file_name(format!("{SPENT_PREFIX}{sandbox_id}-{nanos}"));
+        match std::fs::rename(&dir, &spent) {
+            Ok(()) => {
+                tokio::task::spawn_blocking(move || crate::disks::remove_tree(&spent));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => {
+                let _ = crate::disks::remove_tree(&dir);
+            }
+        }
     }
 
     async fn adopt_released(
@@ -1575,6 +1615,7 @@ impl LinuxRuntime {
         let netns_inode =
             ns_inode(&netns).ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
         let dir = self.checkpoint_dir(id);
+        self.set_verified(&dir, false);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
@@ -1590,14 +1631,16 @@ impl LinuxRuntime {
         };
         let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
         let sealing = std::time::Instant::now();
+        let sealed_dir = dir.clone();
         let sealed = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::seal(&dir, version, digest, plan)
+            crate::checkpoint::seal(&sealed_dir, version, digest, plan)
         })
         .await
         .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")));
+        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))?;
+        self.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, seal_us = sealing.elapsed().as_micros() as u64, "checkpoint sealed");
-        sealed
+        Ok(sealed)
     }
 
     /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
@@ -1616,8 +1659,17 @@ impl LinuxRuntime {
     ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
         let tasks = self.cgroups.members(id);
         let pid = h.pid;
+        let volumes = h
+            .volumes
+            .iter()
+            .map(|v| {
+                crate::volumes::volume_dir(&self.config.data_dir, &v.team_id, &v.volume_id)
+                    .map(|source| (PathBuf::from(&v.path), source))
+                    .map_err(|e| sandbox_err(id, e))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let plan = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD)
+            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD, &volumes)
         })
         .await
         .map_err(|e| sandbox_err(id, e))?
@@ -1708,11 +1760,43 @@ impl LinuxRuntime {
         }
     }
 
-    /// The host-side mounts a restore of sandbox `id` makes (its root over `layers` layers
-    /// and a sysfs of its network namespace), gone.
+    fn is_verified(&self, images: &Path) -> bool {
+        self.verified_images
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(images)
+    }
+
+    fn set_verified(&self, images: &Path, verified: bool) {
+        let mut set = self
+            .verified_images
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if verified {
+            set.insert(images.to_owned());
+        } else {
+            set.remove(images);
+        }
+    }
+
+    /// The host-side mounts a restore of sandbox `id` makes (its root over `layers` layers,
+    /// a sysfs of its network namespace, its volumes), gone.
     fn unmount_restore(&self, id: &str, layers: usize) {
         sandbar_jail::host::unmount_root(&self.disks.path(id), layers);
         let _ = sandbar_jail::host::unmount(&self.mount_dir.join(format!("{id}.sys")));
+        let volumes = self.restored_volumes_dir(id);
+        if let Ok(entries) = std::fs::read_dir(&volumes) {
+            for entry in entries.flatten() {
+                let _ = sandbar_jail::host::unmount(&entry.path());
+                let _ = std::fs::remove_dir(entry.path());
+            }
+            let _ = std::fs::remove_dir(&volumes);
+        }
+    }
+
+    /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
+    fn restored_volumes_dir(&self, id: &str) -> PathBuf {
+        self.mount_dir.join(format!("{id}.volumes"))
     }
 
     /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
@@ -1751,11 +1835,13 @@ impl LinuxRuntime {
         let dir = self.checkpoint_dir(id);
         let read_dir = dir.clone();
         let started = std::time::Instant::now();
+        let verify = !self.is_verified(&dir);
         let header =
-            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, true))
+            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, verify))
                 .await
                 .map_err(|e| sandbox_err(id, e))?
                 .map_err(|e| sandbox_err(id, e))?;
+        self.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
         check_criu_version(id, criu, &header)?;
         let layers = self
@@ -1823,7 +1909,9 @@ impl LinuxRuntime {
             etc,
         } = from;
         let sandbox_dir = self.disks.path(id);
+        let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
         let sysfs = self.mount_dir.join(format!("{id}.sys"));
+        let volumes_dir = self.restored_volumes_dir(id);
         let socket = self.socket_path(id);
         let started = std::time::Instant::now();
         let mounted = {
@@ -1831,9 +1919,29 @@ impl LinuxRuntime {
             let layers = layers.clone();
             let sysfs = sysfs.clone();
             let socket = socket.clone();
+            let volumes: Vec<(PathBuf, PathBuf)> = header
+                .externals
+                .iter()
+                .filter_map(|e| match e {
+                    crate::checkpoint::External::Volume { key, source } => {
+                        Some((source.clone(), volumes_dir.join(key)))
+                    }
+                    _ => None,
+                })
+                .collect();
+            let volumes_dir = volumes_dir.clone();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                     .map_err(|e| format!("cannot mount its root again: {e}"))?;
+                if !volumes.is_empty() {
+                    std::fs::create_dir_all(&volumes_dir)
+                        .map_err(|e| format!("create {}: {e}", volumes_dir.display()))?;
+                }
+                for (source, target) in &volumes {
+                    sandbar_jail::host::mount_volume_mapped(source, &userns, target).map_err(
+                        |e| format!("cannot mount the volume {} again: {e}", source.display()),
+                    )?;
+                }
                 if let Some((owner, etc)) = &etc {
                     let root = sandbox_dir.join(sandbar_jail::layout::ROOT);
                     for (name, content) in etc {
@@ -1889,6 +1997,12 @@ impl LinuxRuntime {
                 crate::checkpoint::External::Sysfs { key } => {
                     args.push(format!("--external=mnt[{key}]:{}", sysfs.display()));
                 }
+                crate::checkpoint::External::Volume { key, .. } => {
+                    args.push(format!(
+                        "--external=mnt[{key}]:{}",
+                        volumes_dir.join(key).display()
+                    ));
+                }
                 crate::checkpoint::External::File { .. } => {}
             }
         }
@@ -1931,7 +2045,6 @@ impl LinuxRuntime {
             .arg("--root")
             .arg(sandbox_dir.join(sandbar_jail::layout::ROOT))
             .arg("--restore-detached")
-            .args(NO_NETWORK_LOCK)
             .arg("--manage-cgroups=ignore")
             .arg("--pidfile")
             .arg(&pidfile)
@@ -1966,12 +2079,25 @@ impl LinuxRuntime {
             });
         }
         let prepared_in = started.elapsed();
-        let status = match command.spawn() {
-            Ok(mut child) => {
-                sandbar_core::faults::crash_point("restore.restoring");
-                child.wait().await
+        let deadline = restore_deadline(images_bytes);
+        let mut tries = 0;
+        let status = loop {
+            tries += 1;
+            let outcome = run_criu(&mut command, deadline).await;
+            let failed = match &outcome {
+                Ok(status) => !status.success(),
+                Err(e) => e.kind() == std::io::ErrorKind::TimedOut,
+            };
+            if !failed || tries == RESTORE_TRIES {
+                break outcome;
             }
-            Err(e) => Err(e),
+            // Seen rarely: a thread of the restored tree gone before CRIU let it go, and
+            // CRIU then stuck on its own kill of the tree. The images are intact; what the
+            // failed attempt started has not run any of the sandbox's code yet.
+            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
+            tracing::warn!(sandbox_id = %id, error = %errors, ?outcome, "restore failed; trying again");
+            let _ = self.cgroups.kill_all(id).await;
+            crate::checkpoint::clear_restore(&dir);
         };
         let criu_in = started.elapsed() - prepared_in;
         drop(owned);
@@ -2003,6 +2129,35 @@ impl LinuxRuntime {
     }
 }
 
+/// How many times a restore is attempted before it is given up.
+const RESTORE_TRIES: u32 = 2;
+
+/// How long one restore may take: restores run at hundreds of MiB a second, so this is only
+/// ever reached by a CRIU that is stuck.
+fn restore_deadline(images_bytes: u64) -> Duration {
+    Duration::from_secs(20 + 20 * images_bytes.div_ceil(1 << 30))
+}
+
+/// Runs `criu restore` to its end, or kills it (and so lets go of the tasks it holds) once
+/// `deadline` has passed.
+async fn run_criu(
+    command: &mut tokio::process::Command,
+    deadline: Duration,
+) -> std::io::Result<std::process::ExitStatus> {
+    let mut child = command.spawn()?;
+    sandbar_core::faults::crash_point("restore.restoring");
+    match tokio::time::timeout(deadline, child.wait()).await {
+        Ok(status) => status,
+        Err(_) => {
+            let _ = child.kill().await;
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("criu did not finish within {} s", deadline.as_secs()),
+            ))
+        }
+    }
+}
+
 /// What a snapshot's checkpoint directory holds besides the images: what a restore into
 /// another sandbox must change.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -2019,10 +2174,30 @@ struct SnapshotOrigin {
 const SNAPSHOT_ORIGIN: &str = "origin.json";
 
 /// CRIU would otherwise lock the sandbox's network namespace with `iptables-restore` around
-/// a dump and a restore (two processes each time, about 50 ms of a restore). The lock keeps
-/// established TCP connections from being reset meanwhile; a sandbox has none that survive
-/// (the dump refuses them), and nothing routes to it while it is dumped or restored.
+/// a dump and a restore (two processes each time, about 50 ms of a restore; the restore
+/// follows what the dump recorded). The lock keeps established TCP connections from being
+/// reset meanwhile; a sandbox has none that survive (the dump refuses them), and nothing
+/// routes to it while it is dumped or restored.
 const NO_NETWORK_LOCK: [&str; 2] = ["--network-lock", "skip"];
+
+/// Names a checkpoint directory gets when it is spent and is being removed.
+const SPENT_PREFIX: &str = ".spent-";
+
+/// Removes spent checkpoints whose removal a stopped server did not finish.
+fn remove_spent_checkpoints(checkpoints: &Path) {
+    let Ok(entries) = std::fs::read_dir(checkpoints) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(SPENT_PREFIX)
+        {
+            let _ = crate::disks::remove_tree(&entry.path());
+        }
+    }
+}
 
 /// How long a restart waits for a dump or restore the previous server left running: far
 /// longer than one of a sandbox of the largest size takes.
@@ -2149,10 +2324,7 @@ impl LinuxRuntime {
             return Err(e);
         }
         if memory {
-            self.verified_snapshots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key.clone());
+            self.set_verified(&images, true);
         }
         tracing::info!(
             sandbox_id = %id,
@@ -2225,11 +2397,7 @@ impl LinuxRuntime {
             .to_owned();
         let source = self.snapshots_dir().join(&key);
         let work = self.checkpoint_dir(id);
-        let verify = !self
-            .verified_snapshots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&key);
+        let verify = !self.is_verified(&source);
         let prepared = {
             let (source, work) = (source.clone(), work.clone());
             let to = id_map.host_base;
@@ -2282,10 +2450,7 @@ impl LinuxRuntime {
             .map_err(|e| bare(sandbox_err(id, e)))?
         };
         let (header, origin) = prepared;
-        self.verified_snapshots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key.clone());
+        self.set_verified(&source, true);
         check_criu_version(id, criu, &header).map_err(bare)?;
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
@@ -2504,6 +2669,7 @@ mod tests {
             layers: Vec::new(),
             released: false,
             checkpointed: false,
+            volumes: Vec::new(),
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -2514,6 +2680,7 @@ mod tests {
             layers: Vec::new(),
             released: false,
             checkpointed: false,
+            volumes: Vec::new(),
         }));
     }
 }

@@ -28,6 +28,10 @@ pub enum SnapshotError {
     BadCount(u32),
     #[error("cannot fork: {0}")]
     Network(#[from] crate::network::NetworkConfigError),
+    #[error(
+        "sandbox '{0}' has volumes mounted, which a copy of its memory cannot take along; snapshot it with memory: false"
+    )]
+    HasVolumes(String),
     #[error("sandbox '{0}' predates snapshots: its image was not recorded")]
     NoImage(String),
     #[error("cannot snapshot sandbox '{id}': {source}")]
@@ -163,6 +167,9 @@ impl Sandboxes {
             .image
             .clone()
             .ok_or_else(|| SnapshotError::NoImage(id.to_owned()))?;
+        if memory && !self.store.sandbox_volumes(id).await?.is_empty() {
+            return Err(SnapshotError::HasVolumes(id.to_owned()));
+        }
         if let Err(status) =
             self.transition(id, SandboxStatus::can_snapshot, SandboxStatus::Snapshotting)
         {
