@@ -37,6 +37,13 @@ def memory_used(sandbox_id: str) -> int:
     raise AssertionError(f"no memory cgroup for {sandbox_id}")
 
 
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
 def wait_checkpointed(sandbar, sandbox_id: str) -> None:
     wait_until(lambda: header_of(sandbar, sandbox_id).exists(), timeout=30,
                message="the paused sandbox to be checkpointed")
@@ -80,8 +87,11 @@ def test_memory_is_freed_while_checkpointed(checkpoints, make_sandbox):
         background=True,
     )
     wait_until(lambda: memory_used(sbx.sandbox_id) > 100 << 20, timeout=20, message="100 MiB in use")
+    holding = mem_available()
     assert sbx.pause() is True
     wait_checkpointed(checkpoints, sbx.sandbox_id)
+    # The host sees it too: the images sit in reclaimable page cache at most.
+    assert mem_available() - holding > 50 << 20, (holding, mem_available())
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
     assert memory_used(sbx.sandbox_id) > 100 << 20
     assert "bytearray" in resumed.commands.run("ps -eo args").stdout
@@ -145,3 +155,32 @@ def test_a_sandbox_with_a_volume_is_checkpointed_and_keeps_it(checkpoints, make_
         assert host_mounts_mentioning(sbx.sandbox_id) == []
     finally:
         Volume.destroy(vol.volume_id)
+
+
+def test_open_tcp_connections_end_and_the_server_goes_on(checkpoints, make_sandbox):
+    # An established connection is not kept across a checkpoint: it comes back closed, while
+    # the listening server inside goes on accepting new ones.
+    sbx = make_sandbox(timeout=120)
+    sbx.commands.run("python3 -m http.server 8000 --bind 127.0.0.1 --directory /tmp", background=True)
+    wait_until(lambda: sbx.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/").stdout == "200",
+               timeout=15, message="the server inside to answer")
+    holder = (
+        "import socket, time\n"
+        "s = socket.create_connection(('127.0.0.1', 8000))\n"
+        "open('/tmp/held', 'w').write('open')\n"
+        "while True:\n"
+        "    if s.recv(1) == b'':\n"
+        "        open('/tmp/held', 'w').write('closed')\n"
+        "        break\n"
+    )
+    sbx.files.write("/tmp/holder.py", holder)
+    sbx.commands.run("python3 /tmp/holder.py", background=True)
+    wait_until(lambda: sbx.commands.run("cat /tmp/held 2>/dev/null").stdout == "open", timeout=10,
+               message="the connection to be open")
+    assert sbx.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    wait_until(lambda: resumed.commands.run("cat /tmp/held").stdout == "closed", timeout=10,
+               message="the held connection to end")
+    out = resumed.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/").stdout
+    assert out == "200"

@@ -122,6 +122,19 @@ def test_crash_after_freezing_leaves_it_running(crashable, make_sandbox):
     assert_nothing_left(assert_whole_and_running(sbx.sandbox_id, before))
 
 
+def test_crash_during_a_pause_without_memory_keeps_the_files(crashable, make_sandbox):
+    arm(crashable, "pause.released")
+    sbx, _ = counting_sandbox(make_sandbox)
+    with pytest.raises(Exception):
+        sbx.pause(mode="filesystem")
+    expect_crash_and_restart(crashable, "pause.released")
+    # Not taken for dead: the pause is finished, the files kept.
+    assert state_of(crashable, sbx.sandbox_id) == "paused"
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    assert resumed.files.read("/home/user/kept.bin", format="bytes") == bytes(range(256)) * 64
+    assert_nothing_left(resumed)
+
+
 def test_crash_after_thawing_leaves_it_paused(crashable, make_sandbox):
     arm(crashable, "resume.thawed")
     sbx, before = counting_sandbox(make_sandbox)

@@ -14,6 +14,7 @@ pub const CRASH_AT_ENV: &str = "SANDBAR_CRASH_AT";
 /// Every crash point, in the order an operation reaches them.
 pub const CRASH_POINTS: &[&str] = &[
     "pause.frozen",
+    "pause.released",
     "checkpoint.dumping",
     "checkpoint.dumped",
     "resume.thawed",

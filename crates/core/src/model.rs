@@ -124,6 +124,9 @@ pub enum PauseKind {
     Checkpointing,
     /// Checkpointed to disk: processes and memory in the checkpoint, restored on resume.
     Checkpoint,
+    /// Having its processes ended to keep only its files: recorded before they are ended, so
+    /// a restart finishes the job instead of taking the sandbox for dead.
+    Releasing,
 }
 
 impl PauseKind {
@@ -133,6 +136,7 @@ impl PauseKind {
             PauseKind::Files => "files",
             PauseKind::Checkpointing => "checkpointing",
             PauseKind::Checkpoint => "checkpoint",
+            PauseKind::Releasing => "releasing",
         }
     }
 
@@ -142,6 +146,7 @@ impl PauseKind {
             "files" => Some(PauseKind::Files),
             "checkpointing" => Some(PauseKind::Checkpointing),
             "checkpoint" => Some(PauseKind::Checkpoint),
+            "releasing" => Some(PauseKind::Releasing),
             _ => None,
         }
     }
@@ -181,4 +186,23 @@ pub struct Sandbox {
     /// What the sandbox booted from, to boot it again on its kept files; `None` for
     /// sandboxes recorded before this was kept.
     pub image: Option<TemplateImage>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PauseKind;
+
+    #[test]
+    fn every_pause_kind_reads_back_as_stored() {
+        for kind in [
+            PauseKind::Memory,
+            PauseKind::Files,
+            PauseKind::Checkpointing,
+            PauseKind::Checkpoint,
+            PauseKind::Releasing,
+        ] {
+            assert_eq!(PauseKind::parse(kind.as_str()), Some(kind));
+        }
+        assert_eq!(PauseKind::parse("frozen"), None);
+    }
 }

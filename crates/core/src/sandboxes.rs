@@ -1128,7 +1128,25 @@ impl Sandboxes {
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
         }
         for mut sandbox in recorded {
-            if sandbox.paused_as == Some(PauseKind::Files) {
+            if sandbox.paused_as == Some(PauseKind::Releasing) {
+                // The server died while ending its processes to keep its files: finish that.
+                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
+                    Ok(released) => {
+                        self.store
+                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+                            .await?;
+                        sandbox.handle = released;
+                        sandbox.paused_as = Some(PauseKind::Files);
+                    }
+                    Err(err) => {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot finish a pause without memory");
+                    }
+                }
+            }
+            if matches!(
+                sandbox.paused_as,
+                Some(PauseKind::Files | PauseKind::Releasing)
+            ) {
                 self.adopt_shelved(&sandbox).await?;
                 continue;
             }
@@ -1582,15 +1600,27 @@ impl Sandboxes {
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
+        self.store
+            .set_sandbox_paused(id, Some(PauseKind::Releasing), &sandbox.handle)
+            .await
+            .inspect_err(|_| self.set_status(id, SandboxStatus::Running))?;
         let handle = match self.runtime.release(id, &sandbox.handle).await {
             Ok(handle) => handle,
             Err(err) => {
                 // Still running if the release failed early; if its processes are gone, the
                 // reaper stops it like any dead sandbox.
                 self.set_status(id, SandboxStatus::Running);
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(id, None, &sandbox.handle)
+                    .await
+                {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox running");
+                }
                 return Err(err.into());
             }
         };
+        crate::faults::crash_point("pause.released");
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = SandboxStatus::Shelved;
             entry.endpoint = None;
@@ -1743,10 +1773,25 @@ impl Sandboxes {
             .get(&id)
             .map(|l| l.handle.clone())
             .unwrap_or_else(|| sandbox.handle.clone());
+        if let Err(err) = self
+            .store
+            .set_sandbox_paused(&id, Some(PauseKind::Releasing), &handle)
+            .await
+        {
+            self.set_status(&id, from);
+            return Err(err.into());
+        }
         let released = match self.runtime.release(&id, &handle).await {
             Ok(released) => released,
             Err(err) => {
                 self.set_status(&id, from);
+                if let Err(err) = self
+                    .store
+                    .set_sandbox_paused(&id, sandbox.paused_as, &handle)
+                    .await
+                {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
+                }
                 return Err(err.into());
             }
         };

@@ -1689,6 +1689,7 @@ impl LinuxRuntime {
             .arg("--freeze-cgroup")
             .arg(freezer)
             .args(NO_NETWORK_LOCK)
+            .arg(TCP_CLOSE)
             .args(&plan.args)
             // PID 1 is non-dumpable; the ownership check CRIU would run from inside its user
             // namespace cannot open its namespaces (patch 0001).
@@ -2045,6 +2046,7 @@ impl LinuxRuntime {
             .arg("--root")
             .arg(sandbox_dir.join(sandbar_jail::layout::ROOT))
             .arg("--restore-detached")
+            .arg(TCP_CLOSE)
             .arg("--manage-cgroups=ignore")
             .arg("--pidfile")
             .arg(&pidfile)
@@ -2128,6 +2130,13 @@ impl LinuxRuntime {
         Ok(pid)
     }
 }
+
+/// Established TCP connections are not kept: their sockets come back shut down, as after a
+/// network outage, and the programs holding them see the connection end. Keeping them
+/// (`--tcp-established`) would freeze their peers outside the sandbox for as long as it is
+/// paused and fail when the peer has moved on; without either, a sandbox with any open
+/// connection could not be checkpointed at all. Given at the dump and again at the restore.
+const TCP_CLOSE: &str = "--tcp-close";
 
 /// How many times a restore is attempted before it is given up.
 const RESTORE_TRIES: u32 = 2;
