@@ -46,10 +46,14 @@ impl Criu {
     }
 }
 
-/// PIDs of the CRIU processes working on a directory under `under`: dumps and restores a
-/// server that died left running (they outlive it, so that the sandbox they hold is never
-/// left half dumped or half restored).
-pub fn criu_in_flight(under: &Path) -> Vec<i32> {
+/// PIDs of the processes of the CRIU binary `criu` working on a directory under `under`:
+/// dumps and restores a server that died left running (they outlive it, so that the sandbox
+/// they hold is never left half dumped or half restored). Matched by the binary's inode, so
+/// a sandbox's own process cannot pass for one by its command line.
+pub fn criu_in_flight(criu: &Path, under: &Path) -> Vec<i32> {
+    let Ok(binary) = std::fs::metadata(criu) else {
+        return Vec::new();
+    };
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -57,15 +61,19 @@ pub fn criu_in_flight(under: &Path) -> Vec<i32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
+            let Ok(exe) = std::fs::metadata(format!("/proc/{pid}/exe")) else {
+                return false;
+            };
+            if (exe.dev(), exe.ino()) != (binary.dev(), binary.ino()) {
+                return false;
+            }
             let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
                 return false;
             };
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            args.first()
-                .is_some_and(|program| Path::new(OsStr::from_bytes(program)).ends_with("criu"))
-                && args.windows(2).any(|w| {
-                    w[0] == b"--images-dir" && Path::new(OsStr::from_bytes(w[1])).starts_with(under)
-                })
+            args.windows(2).any(|w| {
+                w[0] == b"--images-dir" && Path::new(OsStr::from_bytes(w[1])).starts_with(under)
+            })
         })
         .collect()
 }

@@ -197,7 +197,9 @@ impl LinuxRuntime {
             source,
         })?;
         // Before anything looks at sandboxes, checkpoints or agent copies.
-        Self::wait_for_orphaned_criu(&config.data_dir).await;
+        if let Some(criu) = &config.criu {
+            Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
+        }
         let cgroups = CgroupDriver::detect()?;
         let shaping = crate::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
         match shaping {
@@ -1731,10 +1733,10 @@ impl LinuxRuntime {
     /// Waits for the dumps and restores a server that died left running, so that what they
     /// leave (a sealed or abandoned checkpoint, a restored or killed sandbox) can be judged
     /// once they are done. One still running after a long wait is killed.
-    async fn wait_for_orphaned_criu(data_dir: &Path) {
+    async fn wait_for_orphaned_criu(criu: &Path, data_dir: &Path) {
         let mut waited = Duration::ZERO;
         loop {
-            let pids = crate::checkpoint::criu_in_flight(data_dir);
+            let pids = crate::checkpoint::criu_in_flight(criu, data_dir);
             if pids.is_empty() {
                 return;
             }
