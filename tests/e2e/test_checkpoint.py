@@ -184,3 +184,47 @@ def test_open_tcp_connections_end_and_the_server_goes_on(checkpoints, make_sandb
                message="the held connection to end")
     out = resumed.commands.run("curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:8000/").stdout
     assert out == "200"
+
+
+THREADS = (
+    "import threading, time\n"
+    "counts = [0, 0, 0]\n"
+    "def work(i):\n"
+    "    while True:\n"
+    "        counts[i] += 1\n"
+    "        time.sleep(0.02)\n"
+    "for i in range(3):\n"
+    "    threading.Thread(target=work, args=(i,), daemon=True).start()\n"
+    "while True:\n"
+    "    open('/tmp/threads.new', 'w').write(' '.join(map(str, counts)))\n"
+    "    __import__('os').replace('/tmp/threads.new', '/tmp/threads')\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+def thread_counts(sbx) -> list:
+    return [int(n) for n in sbx.commands.run("cat /tmp/threads").stdout.split()]
+
+
+def test_a_multi_threaded_process_survives_a_checkpoint_and_a_snapshot(checkpoints, make_sandbox):
+    sbx = make_sandbox(timeout=120)
+    sbx.files.write("/tmp/threads.py", THREADS)
+    sbx.commands.run("python3 /tmp/threads.py", background=True)
+    wait_until(lambda: sbx.commands.run("test -s /tmp/threads").exit_code == 0, timeout=10)
+    before = thread_counts(sbx)
+    assert sbx.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    after = thread_counts(resumed)
+    assert all(a >= b for a, b in zip(after, before)), (before, after)
+    # Every thread runs on in the restored process, and in a copy of it.
+    wait_until(lambda: all(n > a for n, a in zip(thread_counts(resumed), after)), timeout=10,
+               message="every thread to go on counting")
+    snapshot = resumed.create_snapshot()
+    try:
+        copy = make_sandbox(template=snapshot.snapshot_id, timeout=60)
+        first = thread_counts(copy)
+        wait_until(lambda: all(n > f for n, f in zip(thread_counts(copy), first)), timeout=10,
+                   message="every thread of the copy to count")
+    finally:
+        Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0])

@@ -19,12 +19,13 @@ use sha2::Digest;
 pub const CRIU_VERSION: &str = "4.1.1";
 /// Where scripts/install-criu.sh records the digest of the patches it built with.
 pub const PATCH_STAMP: &str = "/usr/local/share/sandbar/criu-patches.sha256";
-const PATCHES: [&[u8]; 5] = [
+const PATCHES: [&[u8]; 6] = [
     include_bytes!("../../../scripts/criu/0001-userns-check-opt-out.patch"),
     include_bytes!("../../../scripts/criu/0002-rlimits-from-proc.patch"),
     include_bytes!("../../../scripts/criu/0003-external-netns-of-another-userns.patch"),
     include_bytes!("../../../scripts/criu/0004-socket-options-of-newer-kernels.patch"),
     include_bytes!("../../../scripts/criu/0005-kernel-feature-cache-dir.patch"),
+    include_bytes!("../../../scripts/criu/0006-threads-stay-with-ignored-cgroups.patch"),
 ];
 
 /// A CRIU binary that passed [`probe`].
