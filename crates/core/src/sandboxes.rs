@@ -1170,34 +1170,12 @@ impl Sandboxes {
             }
             match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
                 Ok(Some(endpoint)) => {
-                    if let Err(err) = self.restore_network(&sandbox).await {
-                        // Running on with the node's default egress would ignore the owner's
-                        // rules: stop the sandbox instead.
-                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
-                        if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
-                            tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
-                        }
-                        self.store.delete_sandbox(&sandbox.id).await?;
-                        continue;
+                    if self
+                        .take_back(&sandbox, endpoint, "sandbox adopted after a server restart")
+                        .await?
+                    {
+                        adopted += 1;
                     }
-                    let status = self.settle(&sandbox).await?;
-                    self.live().insert(
-                        sandbox.id.clone(),
-                        Live::recorded(&sandbox, sandbox.handle.clone(), Some(endpoint), status),
-                    );
-                    // Sandboxes from before logs were kept get a log from now on.
-                    self.activity
-                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-                        .await;
-                    self.activity
-                        .event(
-                            &sandbox.id,
-                            LogLevel::Info,
-                            "sandbox adopted after a server restart",
-                            &[],
-                        )
-                        .await;
-                    adopted += 1;
                 }
                 Ok(None) => {
                     tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
@@ -1295,33 +1273,53 @@ impl Sandboxes {
             .await?;
         self.runtime.discard_checkpoint(&sandbox.id).await;
         let mut running = sandbox.clone();
-        running.handle = handle.clone();
+        running.handle = handle;
         running.paused_as = None;
         running.state = SandboxState::Running;
-        if let Err(err) = self.restore_network(&running).await {
+        if self
+            .take_back(
+                &running,
+                endpoint,
+                "sandbox resumed: its restore finished while the server was down",
+            )
+            .await?
+        {
+            tracing::info!(sandbox_id = %sandbox.id, "restore finished while the server was down; sandbox runs");
+        }
+        Ok(())
+    }
+
+    /// After a restart: routes to a sandbox whose processes run (or are frozen, as the store
+    /// says) once its egress rules are in place again; one whose rules cannot be applied is
+    /// stopped, since running on with the node's default egress would ignore its owner's
+    /// rules. Whether it was taken back.
+    async fn take_back(
+        &self,
+        sandbox: &Sandbox,
+        endpoint: Endpoint,
+        event: &str,
+    ) -> Result<bool, StoreError> {
+        if let Err(err) = self.restore_network(sandbox).await {
             tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
-            if let Err(err) = self.runtime.destroy(&sandbox.id, &handle).await {
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
             }
-            return self.store.delete_sandbox(&sandbox.id).await;
+            self.store.delete_sandbox(&sandbox.id).await?;
+            return Ok(false);
         }
+        let status = self.settle(sandbox).await?;
         self.live().insert(
             sandbox.id.clone(),
-            Live::recorded(&running, handle, Some(endpoint), SandboxStatus::Running),
+            Live::recorded(sandbox, sandbox.handle.clone(), Some(endpoint), status),
         );
+        // Sandboxes from before logs were kept get a log from now on.
         self.activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
             .await;
         self.activity
-            .event(
-                &sandbox.id,
-                LogLevel::Info,
-                "sandbox resumed: its restore finished while the server was down",
-                &[],
-            )
+            .event(&sandbox.id, LogLevel::Info, event, &[])
             .await;
-        tracing::info!(sandbox_id = %sandbox.id, "restore finished while the server was down; sandbox runs");
-        Ok(())
+        Ok(true)
     }
 
     /// After a restart: takes back a sandbox paused without memory (no processes, only its
