@@ -37,11 +37,14 @@ def memory_used(sandbox_id: str) -> int:
     raise AssertionError(f"no memory cgroup for {sandbox_id}")
 
 
-def mem_available() -> int:
+def host_anon_memory() -> int:
+    """The host's anonymous memory, the kind a sandbox's processes hold. MemAvailable would
+    be the natural measure, but on a VM that hands freed pages back to its hypervisor (free
+    page reporting, as on this one) freed memory does not show up in it."""
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith("AnonPages:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
+    raise AssertionError("no AnonPages in /proc/meminfo")
 
 
 def wait_checkpointed(sandbar, sandbox_id: str) -> None:
@@ -81,19 +84,21 @@ def test_counter_files_and_pids_survive_two_checkpoints(checkpoints, make_sandbo
 
 
 def test_memory_is_freed_while_checkpointed(checkpoints, make_sandbox):
+    held = 300 << 20
     sbx = make_sandbox()
     sbx.commands.run(
-        "python3 -c 'import time; b = bytearray(100 << 20); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3600)'",
+        f"python3 -c 'import time; b = bytearray({held}); b[::4096] = b\"x\" * len(b[::4096]); time.sleep(3600)'",
         background=True,
     )
-    wait_until(lambda: memory_used(sbx.sandbox_id) > 100 << 20, timeout=20, message="100 MiB in use")
-    holding = mem_available()
+    wait_until(lambda: memory_used(sbx.sandbox_id) > held, timeout=20, message="300 MiB in use")
+    holding = host_anon_memory()
     assert sbx.pause() is True
     wait_checkpointed(checkpoints, sbx.sandbox_id)
-    # The host sees it too: the images sit in reclaimable page cache at most.
-    assert mem_available() - holding > 50 << 20, (holding, mem_available())
+    # The host sees it too (the images sit in reclaimable page cache at most). Half of it, so
+    # that other activity on the host cannot fail the check.
+    assert holding - host_anon_memory() > held // 2, (holding, host_anon_memory())
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
-    assert memory_used(sbx.sandbox_id) > 100 << 20
+    assert memory_used(sbx.sandbox_id) > held
     assert "bytearray" in resumed.commands.run("ps -eo args").stdout
 
 
