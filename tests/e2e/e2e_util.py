@@ -492,6 +492,13 @@ def read_count(sbx) -> int:
     return int(sbx.commands.run("cat /tmp/count").stdout.strip())
 
 
+def state_of(sandbar, sandbox_id: str) -> str:
+    with sandbar.client() as api:
+        r = api.get(f"/sandboxes/{sandbox_id}")
+        assert r.status_code == 200, r.text
+        return r.json()["state"]
+
+
 def unique(prefix: str = "e2e") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 

@@ -22,6 +22,7 @@ from e2e_util import (
     host_mounts_mentioning,
     read_count,
     sandbox_cgroup_dirs,
+    state_of,
     wait_until,
 )
 from test_checkpoint import header_of, wait_checkpointed
@@ -74,13 +75,6 @@ def criu_processes() -> list:
         if args and args[0].endswith(b"criu") and str(DATA_DIR).encode() in b" ".join(args):
             found.append(int(proc.name))
     return found
-
-
-def state_of(sandbar, sandbox_id: str) -> str:
-    with sandbar.client() as api:
-        r = api.get(f"/sandboxes/{sandbox_id}")
-        assert r.status_code == 200, r.text
-        return r.json()["state"]
 
 
 def counting_sandbox(make_sandbox):

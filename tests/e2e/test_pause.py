@@ -8,17 +8,10 @@ import time
 import pytest
 from e2b import Sandbox
 
-from e2e_util import COUNTER, read_count, wait_until
+from e2e_util import COUNTER, read_count, state_of, wait_until
 
 # The count is written beside and renamed over, so a freeze between the shell's truncate and
 # its write can never leave a reader an empty file.
-
-
-def state_of(sandbar, sandbox_id: str) -> str:
-    with sandbar.client() as api:
-        r = api.get(f"/sandboxes/{sandbox_id}")
-        assert r.status_code == 200, r.text
-        return r.json()["state"]
 
 
 def test_pause_keeps_processes_files_and_env(sandbar, make_sandbox):

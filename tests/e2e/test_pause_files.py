@@ -11,19 +11,12 @@ import subprocess
 import httpx
 from e2b import Sandbox
 
-from e2e_util import checkpoints_off, sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import checkpoints_off, sandbox_cgroup_dirs, state_of, unique, wait_until
 
 COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /home/user/count.new; "
     "mv -f /home/user/count.new /home/user/count; sleep 0.05; done"
 )
-
-
-def state_of(sandbar, sandbox_id: str) -> str:
-    with sandbar.client() as api:
-        r = api.get(f"/sandboxes/{sandbox_id}")
-        assert r.status_code == 200, r.text
-        return r.json()["state"]
 
 
 def detail(sandbar, sandbox_id: str) -> dict:

@@ -5,7 +5,6 @@ conftest.py moves these tests to the end of the run because they restart the ser
 
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import httpx
 import pytest
@@ -102,8 +101,9 @@ def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
 def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
     from test_checkpoint import header_of, wait_checkpointed
 
-    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
-        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    reason = checkpoints_off(sandbar)
+    if reason:
+        pytest.skip(f"the server cannot checkpoint: {reason}")
     tag = unique("restartckpt")
     sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
     sbx.commands.run(COUNTER, background=True)
@@ -144,8 +144,9 @@ def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
 def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):
     from test_checkpoint import header_of, wait_checkpointed
 
-    if "paused sandboxes are checkpointed to disk" not in Path(sandbar.log_path).read_text(errors="replace"):
-        pytest.skip("the server cannot checkpoint (see test_checkpoint.py)")
+    reason = checkpoints_off(sandbar)
+    if reason:
+        pytest.skip(f"the server cannot checkpoint: {reason}")
     # Died before the dump ended the processes: the partial checkpoint goes, the sandbox is
     # still frozen in memory.
     alive = make_sandbox(timeout=120)

@@ -1598,27 +1598,15 @@ impl Sandboxes {
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
-        self.store
-            .set_sandbox_paused(id, Some(PauseKind::Releasing), &sandbox.handle)
-            .await
-            .inspect_err(|_| self.set_status(id, SandboxStatus::Running))?;
-        let handle = match self.runtime.release(id, &sandbox.handle).await {
+        let handle = match self.release_recorded(id, &sandbox.handle, None).await {
             Ok(handle) => handle,
             Err(err) => {
                 // Still running if the release failed early; if its processes are gone, the
                 // reaper stops it like any dead sandbox.
                 self.set_status(id, SandboxStatus::Running);
-                if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(id, None, &sandbox.handle)
-                    .await
-                {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox running");
-                }
-                return Err(err.into());
+                return Err(err);
             }
         };
-        crate::faults::crash_point("pause.released");
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = SandboxStatus::Shelved;
             entry.endpoint = None;
@@ -1637,6 +1625,33 @@ impl Sandboxes {
             .await;
         tracing::info!(sandbox_id = %id, "sandbox paused without memory");
         Ok(())
+    }
+
+    /// Ends the processes of sandbox `id` (handle `handle`) and keeps only its files. It is
+    /// recorded `releasing` meanwhile, so a restart in between finishes the job rather than
+    /// taking it for dead; if the release fails the store says `before` again (`None`:
+    /// running). The caller records the result.
+    async fn release_recorded(
+        &self,
+        id: &str,
+        handle: &RuntimeHandle,
+        before: Option<PauseKind>,
+    ) -> Result<RuntimeHandle, SandboxError> {
+        self.store
+            .set_sandbox_paused(id, Some(PauseKind::Releasing), handle)
+            .await?;
+        match self.runtime.release(id, handle).await {
+            Ok(released) => {
+                crate::faults::crash_point("pause.released");
+                Ok(released)
+            }
+            Err(err) => {
+                if let Err(err) = self.store.set_sandbox_paused(id, before, handle).await {
+                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox as it was");
+                }
+                Err(err.into())
+            }
+        }
     }
 
     /// Boots a sandbox whose files were kept by [`Self::shelve`] again on them, as it was
@@ -1771,26 +1786,11 @@ impl Sandboxes {
             .get(&id)
             .map(|l| l.handle.clone())
             .unwrap_or_else(|| sandbox.handle.clone());
-        if let Err(err) = self
-            .store
-            .set_sandbox_paused(&id, Some(PauseKind::Releasing), &handle)
-            .await
-        {
-            self.set_status(&id, from);
-            return Err(err.into());
-        }
-        let released = match self.runtime.release(&id, &handle).await {
+        let released = match self.release_recorded(&id, &handle, sandbox.paused_as).await {
             Ok(released) => released,
             Err(err) => {
                 self.set_status(&id, from);
-                if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(&id, sandbox.paused_as, &handle)
-                    .await
-                {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
-                }
-                return Err(err.into());
+                return Err(err);
             }
         };
         if let Some(entry) = self.live().get_mut(&id) {

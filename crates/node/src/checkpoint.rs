@@ -420,9 +420,14 @@ pub fn seal_finished_dump(
 
 /// The PID 1 a restore from `dir` made, if that restore ran to its end.
 pub fn finished_restore(dir: &Path) -> Option<i32> {
-    if !dir.join(RESTORE_STATS).is_file() {
-        return None;
-    }
+    dir.join(RESTORE_STATS)
+        .is_file()
+        .then(|| restored_pid(dir))
+        .flatten()
+}
+
+/// The PID 1 a restore from `dir` wrote, finished or not.
+pub fn restored_pid(dir: &Path) -> Option<i32> {
     std::fs::read_to_string(dir.join(RESTORE_PIDFILE))
         .ok()?
         .trim()

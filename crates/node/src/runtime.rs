@@ -1211,12 +1211,7 @@ impl Runtime for LinuxRuntime {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        if let Err(err) = self.cgroups.kill_all(sandbox_id).await {
-            tracing::warn!(sandbox_id, error = %err, "processes left after the checkpoint");
-        }
-        self.cgroups.empty_memory(sandbox_id);
-        self.release_memory(sandbox_id);
-        let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+        self.end_dumped(sandbox_id).await;
         tracing::debug!(
             sandbox_id,
             dump_us = dumped_in.as_micros() as u64,
@@ -1329,11 +1324,7 @@ impl Runtime for LinuxRuntime {
                     "sealed a checkpoint whose dump outlived the server"
                 );
             }
-            if let Err(err) = self.cgroups.kill_all(sandbox_id).await {
-                tracing::warn!(sandbox_id, error = %err, "processes left after the checkpoint");
-            }
-            self.cgroups.empty_memory(sandbox_id);
-            let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+            self.end_dumped(sandbox_id).await;
         }
         let header_dir = dir.clone();
         tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&header_dir, false))
@@ -1585,8 +1576,8 @@ impl LinuxRuntime {
 
     /// Removes a sandbox's checkpoint and the namespaces kept for it; nothing if it has none.
     fn forget_checkpoint(&self, id: &str) {
-        let _ = sandbar_jail::host::unmount(&self.mount_dir.join(format!("{id}.sys")));
-        let _ = std::fs::remove_dir(self.mount_dir.join(format!("{id}.sys")));
+        self.unmount_restore_aids(id);
+        self.set_verified(&self.checkpoint_dir(id), false);
         for kind in ["net", "user"] {
             let kept = self.kept_ns(id, kind);
             while sandbar_jail::host::unmount(&kept).is_ok() {}
@@ -1763,6 +1754,17 @@ impl LinuxRuntime {
         }
     }
 
+    /// What is left of sandbox `id` once a dump ended its processes: anything that escaped
+    /// the dump, the memory its cgroup still holds, its memory grant and its agent socket.
+    async fn end_dumped(&self, id: &str) {
+        if let Err(err) = self.cgroups.kill_all(id).await {
+            tracing::warn!(sandbox_id = %id, error = %err, "processes left after the checkpoint");
+        }
+        self.cgroups.empty_memory(id);
+        self.release_memory(id);
+        let _ = std::fs::remove_file(self.socket_path(id));
+    }
+
     fn is_verified(&self, images: &Path) -> bool {
         self.verified_images
             .lock()
@@ -1786,7 +1788,15 @@ impl LinuxRuntime {
     /// a sysfs of its network namespace, its volumes), gone.
     fn unmount_restore(&self, id: &str, layers: usize) {
         sandbar_jail::host::unmount_root(&self.disks.path(id), layers);
-        let _ = sandbar_jail::host::unmount(&self.mount_dir.join(format!("{id}.sys")));
+        self.unmount_restore_aids(id);
+    }
+
+    /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
+    /// CRIU (its sysfs, its volumes), gone with their mount points.
+    fn unmount_restore_aids(&self, id: &str) {
+        let sysfs = self.restored_sysfs(id);
+        let _ = sandbar_jail::host::unmount(&sysfs);
+        let _ = std::fs::remove_dir(&sysfs);
         let volumes = self.restored_volumes_dir(id);
         if let Ok(entries) = std::fs::read_dir(&volumes) {
             for entry in entries.flatten() {
@@ -1795,6 +1805,11 @@ impl LinuxRuntime {
             }
             let _ = std::fs::remove_dir(&volumes);
         }
+    }
+
+    /// Where a restore of sandbox `id` mounts a sysfs of its network namespace on the host.
+    fn restored_sysfs(&self, id: &str) -> PathBuf {
+        self.mount_dir.join(format!("{id}.sys"))
     }
 
     /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
@@ -1913,7 +1928,7 @@ impl LinuxRuntime {
         } = from;
         let sandbox_dir = self.disks.path(id);
         let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
-        let sysfs = self.mount_dir.join(format!("{id}.sys"));
+        let sysfs = self.restored_sysfs(id);
         let volumes_dir = self.restored_volumes_dir(id);
         let socket = self.socket_path(id);
         let started = std::time::Instant::now();
@@ -2125,9 +2140,7 @@ impl LinuxRuntime {
                 format!("restore failed ({status}): {errors}"),
             ));
         }
-        let pid: i32 = std::fs::read_to_string(&pidfile)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
+        let pid = crate::checkpoint::restored_pid(&dir)
             .ok_or_else(|| sandbox_err(id, "the restore wrote no PID"))?;
         Ok(pid)
     }
@@ -2187,8 +2200,8 @@ const SNAPSHOT_ORIGIN: &str = "origin.json";
 /// CRIU would otherwise lock the sandbox's network namespace with `iptables-restore` around
 /// a dump and a restore (two processes each time, about 50 ms of a restore; the restore
 /// follows what the dump recorded). The lock keeps established TCP connections from being
-/// reset meanwhile; a sandbox has none that survive (the dump refuses them), and nothing
-/// routes to it while it is dumped or restored.
+/// reset meanwhile; a sandbox's are not kept anyway ([`TCP_CLOSE`]), and nothing routes to
+/// it while it is dumped or restored.
 const NO_NETWORK_LOCK: [&str; 2] = ["--network-lock", "skip"];
 
 /// Names a checkpoint directory gets when it is spent and is being removed.
