@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from e2b import Sandbox
+from e2b import PtySize, Sandbox, SandboxException
 
 from e2e_util import COUNTER, checkpoints_off, read_count, sandbox_cgroup_dirs, wait_until
 
@@ -81,6 +81,40 @@ def test_counter_files_and_pids_survive_two_checkpoints(checkpoints, make_sandbo
         assert resumed.files.read("/home/user/note.txt") == "before"
         assert resumed.commands.run("echo $KEPT").stdout == "yes\n"
         resumed.files.write("/home/user/note.txt", "before")
+
+
+def test_open_command_streams_end_at_the_pause_and_attach_again(checkpoints, make_sandbox):
+    # The agent's end of a client's open stream was made in the host's network namespace, so
+    # CRIU could not dump it and the sandbox stayed in memory. The pause now ends the streams;
+    # the processes run on and are attached to again after the resume.
+    sbx = make_sandbox()
+    counter = sbx.commands.run(COUNTER, background=True, timeout=0)
+    terminal = sbx.pty.create(PtySize(rows=24, cols=80), timeout=0)
+    sbx.pty.send_stdin(terminal.pid, b"export MARK=kept-in-the-shell\n")
+    wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    before = read_count(sbx)
+    assert sbx.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
+    with pytest.raises(SandboxException):
+        counter.wait()
+
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=120)
+    assert read_count(resumed) >= before
+    wait_until(lambda: read_count(resumed) > before + 5, timeout=10, message="the counter to go on")
+    # The same shell, with what was typed into it before the pause.
+    shell = resumed.pty.connect(terminal.pid, timeout=30)
+    resumed.pty.send_stdin(terminal.pid, b"echo mark=$MARK; exit\n")
+    typed = bytearray()
+    shell.wait(on_pty=typed.extend)
+    assert b"mark=kept-in-the-shell" in typed, typed
+    # The counter's stream can be taken up again, and it ends when the counter does.
+    attached = resumed.commands.connect(counter.pid, timeout=30)
+    assert resumed.commands.kill(counter.pid) is True
+    with pytest.raises(SandboxException):
+        attached.wait()
+    # With no stream open the next pause goes to disk as before.
+    assert resumed.pause() is True
+    wait_checkpointed(checkpoints, sbx.sandbox_id)
 
 
 def test_memory_is_freed_while_checkpointed(checkpoints, make_sandbox):

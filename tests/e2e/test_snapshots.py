@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from e2b import CommandExitException, Sandbox
+from e2b import CommandExitException, Sandbox, SandboxException
 
 from e2e_util import COUNTER, checkpoints_off, read_count, unique, wait_until
 
@@ -91,6 +91,24 @@ def test_a_sandbox_made_from_a_snapshot_runs_the_snapshotted_processes(criu, mak
         copy.files.write("/home/user/mine.txt", "copy")
         assert copy.commands.run("stat -c %U /home/user/mine.txt").stdout.strip() == "user"
         assert exit_code(source, "test -e /home/user/mine.txt") == 1
+    finally:
+        Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0])
+
+
+def test_a_snapshot_is_taken_while_a_client_holds_a_command_stream(criu, make_sandbox):
+    # The stream ends at the snapshot (its agent-side socket cannot be dumped); the command runs
+    # on in the source and in the copy.
+    source = make_sandbox()
+    counter = source.commands.run(COUNTER, background=True, timeout=0)
+    wait_until(lambda: exit_code(source, "test -s /tmp/count") == 0, timeout=10)
+    snapshot = source.create_snapshot()
+    try:
+        with pytest.raises(SandboxException):
+            counter.wait()
+        assert counting(source)
+        assert counter.pid in [p.pid for p in source.commands.list()]
+        copy = make_sandbox(template=snapshot.snapshot_id)
+        assert counting(copy)
     finally:
         Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0])
 

@@ -5,6 +5,7 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -12,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use sandbar_core::{Endpoint, SandboxError};
+use sandbar_core::{AgentLease, Route, SandboxError};
 use sandbar_envd::{FileOperation, signature_matches};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -99,9 +100,9 @@ pub(crate) async fn route_to_sandbox(
             .and_then(|h| h.to_str().ok())
             .and_then(|h| target_from_host(h, &state.edge.domain)),
     };
-    let (target, endpoint) = match target {
+    let (target, route) = match target {
         Some(target) => match state.sandboxes.route_or_wake(&target.sandbox_id).await {
-            Ok(endpoint) => (target, endpoint),
+            Ok(route) => (target, route),
             // A paused sandbox that traffic would wake, but whose team has no free slot.
             Err(refused @ SandboxError::ConcurrencyLimit { .. }) => {
                 return mark(ApiError::from(refused).into_response(), target.port);
@@ -114,7 +115,7 @@ pub(crate) async fn route_to_sandbox(
         },
     };
     let port = target.port;
-    mark(forward_to(&state, target, endpoint, request).await, port)
+    mark(forward_to(&state, target, route, request).await, port)
 }
 
 fn mark(mut response: Response, port: u16) -> Response {
@@ -127,7 +128,7 @@ fn mark(mut response: Response, port: u16) -> Response {
 async fn forward_to(
     state: &AppState,
     target: Target,
-    endpoint: Endpoint,
+    route: Route,
     mut request: Request,
 ) -> Response {
     if target.port != AGENT_PORT
@@ -148,17 +149,20 @@ async fn forward_to(
         )
         .into_response();
     }
+    let Route { endpoint, agent } = route;
     let result = if target.port == AGENT_PORT {
         match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
-            Ok(stream) => forward(stream, request).await,
+            Ok(stream) => forward_to_agent(&target, stream, agent, request).await,
             Err(e) => Err(unreachable(&target, &endpoint.agent_socket, e)),
         }
     } else {
+        // Only connections to the agent hold up a pause.
+        drop(agent);
         let addr = SocketAddr::new(endpoint.address, target.port);
         match tokio::net::TcpStream::connect(addr).await {
             Ok(stream) => {
                 let _ = stream.set_nodelay(true);
-                forward(stream, request).await
+                forward(stream, request, None).await
             }
             Err(e) => Err(ApiError::new(
                 StatusCode::BAD_GATEWAY,
@@ -172,9 +176,58 @@ async fn forward_to(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// How long the edge waits for an agent to close a connection it was asked to end.
+const AGENT_CLOSE_PATIENCE: Duration = Duration::from_secs(1);
+
+/// A connection to an agent that ends when its sandbox pauses: the edge stops sending, the
+/// agent sees the end and closes its side, and only then is the lease given back.
+struct AgentConnection {
+    lease: AgentLease,
+    /// A second descriptor of the connection, to shut it down while hyper owns the first.
+    socket: std::os::unix::net::UnixStream,
+}
+
+impl AgentConnection {
+    async fn end<F: std::future::Future>(self, connection: F) {
+        let _ = self.socket.shutdown(std::net::Shutdown::Write);
+        let _ = tokio::time::timeout(AGENT_CLOSE_PATIENCE, connection).await;
+        drop(self.lease);
+    }
+}
+
+async fn forward_to_agent(
+    target: &Target,
+    mut stream: tokio::net::UnixStream,
+    lease: AgentLease,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let pausing = || {
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "The sandbox was not found: sandbox '{}' is pausing",
+                target.sandbox_id
+            ),
+        )
+    };
+    // Paused between the lookup and the connection: close it unused, and let the agent see
+    // the end before it is frozen.
+    if lease.is_ending() {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let _ = stream.shutdown().await;
+        let _ = tokio::time::timeout(AGENT_CLOSE_PATIENCE, stream.read(&mut [0u8; 1])).await;
+        return Err(pausing());
+    }
+    let socket = std::os::fd::AsFd::as_fd(&stream)
+        .try_clone_to_owned()
+        .map(std::os::unix::net::UnixStream::from)
+        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
+    forward(stream, request, Some(AgentConnection { lease, socket })).await
+}
+
 /// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
 /// sandbox whose agent token produced the URL's signature.
-fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Endpoint)> {
+fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Route)> {
     if request.uri().path() != "/files" {
         return None;
     }
@@ -199,7 +252,7 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
     };
     // The agent's own check, constant-time, with the users it accepts; expiry is left to the
     // agent so that the client hears why its URL no longer works.
-    let (sandbox_id, endpoint) = state.sandboxes.route_by_token(|token| {
+    let (sandbox_id, route) = state.sandboxes.route_by_token(|token| {
         signature_matches(
             &signature,
             &path,
@@ -215,7 +268,7 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, End
             sandbox_id,
             port: AGENT_PORT,
         },
-        endpoint,
+        route,
     ))
 }
 
@@ -246,7 +299,11 @@ fn strip_hop_headers(headers: &mut HeaderMap) {
     }
 }
 
-async fn forward<S>(stream: S, request: Request) -> Result<Response, ApiError>
+async fn forward<S>(
+    stream: S,
+    request: Request,
+    agent: Option<AgentConnection>,
+) -> Result<Response, ApiError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -259,7 +316,20 @@ where
             )
         })?;
     tokio::spawn(async move {
-        if let Err(e) = connection.await {
+        let ended = match agent {
+            None => connection.await,
+            Some(mut agent) => {
+                let mut connection = std::pin::pin!(connection);
+                tokio::select! {
+                    ended = &mut connection => ended,
+                    () = agent.lease.ending() => {
+                        agent.end(connection).await;
+                        Ok(())
+                    }
+                }
+            }
+        };
+        if let Err(e) = ended {
             tracing::debug!(error = %e, "sandbox connection ended with an error");
         }
     });

@@ -6,6 +6,7 @@
 //! without touching the rules written here.
 
 pub mod activity;
+mod agent_links;
 pub mod auth;
 pub mod builds;
 pub mod dockerfile;
@@ -25,6 +26,7 @@ pub mod templates;
 pub mod volumes;
 
 pub use activity::ActivityConfig;
+pub use agent_links::AgentLease;
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
@@ -45,7 +47,7 @@ pub use runtime::{
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
-    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page,
+    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page, Route,
     SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
 };
 pub use store::{Store, StoreError};

@@ -112,9 +112,10 @@ impl SandboxStatus {
         self.can_become(SandboxStatus::Snapshotting)
     }
 
-    /// Whether traffic goes through to it (a snapshot holds it still for a moment only).
+    /// Whether traffic goes through to it. Not while a snapshot is taken: a connection to
+    /// the agent made then would be in the dump; requests wait for it instead.
     pub fn is_routable(self) -> bool {
-        matches!(self, SandboxStatus::Running | SandboxStatus::Snapshotting)
+        self == SandboxStatus::Running
     }
 
     pub fn can_stop(self) -> bool {
@@ -240,7 +241,7 @@ mod tests {
         }
         assert!(!Snapshotting.can_stop() && !Snapshotting.can_pause());
         assert!(Snapshotting.holds_a_slot() && !Snapshotting.is_paused());
-        assert!(Snapshotting.is_routable() && Running.is_routable());
+        assert!(!Snapshotting.is_routable() && Running.is_routable());
         assert!(!Paused.is_routable() && !Starting.is_routable());
     }
 

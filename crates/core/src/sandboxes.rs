@@ -11,6 +11,7 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 
 use crate::activity::{Activity, ActivityConfig};
+use crate::agent_links::{AgentLease, AgentLinks};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
@@ -72,6 +73,14 @@ pub struct CreateSandbox {
 
 /// How long a sandbox woken by traffic lives before its timeout applies again.
 const AUTO_RESUME_TIMEOUT_SECS: u64 = 300;
+
+/// How long a pause or snapshot waits for the agent to close the edge's connections. It takes
+/// microseconds; past this the dump is tried anyway (and fails without harm if one is left).
+const AGENT_LINKS_PATIENCE: Duration = Duration::from_secs(2);
+
+/// How long a request to a sandbox waits for another request's resume, or for a snapshot
+/// of it to be taken, before it is answered that the sandbox is not running.
+const ROUTE_PATIENCE: Duration = Duration::from_secs(60);
 
 /// How a sandbox's user ports may be reached, for the edge.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -193,6 +202,24 @@ pub struct Page<T> {
     pub running_total: usize,
 }
 
+/// Where the edge sends a request for a running sandbox.
+#[derive(Debug)]
+pub struct Route {
+    pub endpoint: Endpoint,
+    /// Held while a connection to the agent is open: a pause or a snapshot asks the edge to
+    /// close such connections and waits for the leases to come back.
+    pub agent: AgentLease,
+}
+
+impl Route {
+    fn of(live: &Live) -> Option<Self> {
+        Some(Route {
+            endpoint: live.endpoint.clone()?,
+            agent: live.agent_links.lease(),
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Live {
     team_id: String,
@@ -213,6 +240,8 @@ struct Live {
     paused_at: Option<DateTime<Utc>>,
     /// Its last checkpoint failed: it stays in memory until it is paused again.
     checkpoint_failed: bool,
+    /// The edge's open connections to its agent, ended before it is frozen for a dump.
+    agent_links: AgentLinks,
 }
 
 impl Live {
@@ -239,6 +268,7 @@ impl Live {
             // The grace before a checkpoint counts from when this server saw it frozen.
             paused_at: (status == SandboxStatus::Paused).then(Utc::now),
             checkpoint_failed: false,
+            agent_links: AgentLinks::new(),
         }
     }
 }
@@ -606,6 +636,7 @@ impl Sandboxes {
                 disk_size_mb: 0,
                 paused_at: None,
                 checkpoint_failed: false,
+                agent_links: AgentLinks::new(),
             },
         );
         Ok(())
@@ -889,21 +920,35 @@ impl Sandboxes {
     }
 
     /// Where the edge should send traffic for a running sandbox.
-    pub fn route(&self, id: &str) -> Option<Endpoint> {
+    pub fn route(&self, id: &str) -> Option<Route> {
         self.live()
             .get(id)
             .filter(|l| l.status.is_routable())
-            .and_then(|l| l.endpoint.clone())
+            .and_then(Route::of)
     }
 
     /// The running sandbox whose agent access token satisfies `matches`. Signed file URLs
     /// carry no sandbox ID, only a signature made with that token.
-    pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Endpoint)> {
+    pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Route)> {
         self.live()
             .iter()
             .filter(|(_, l)| l.status.is_routable() && !l.access_token.is_empty())
             .find(|(_, l)| matches(&l.access_token))
-            .and_then(|(id, l)| Some((id.clone(), l.endpoint.clone()?)))
+            .and_then(|(id, l)| Some((id.clone(), Route::of(l)?)))
+    }
+
+    /// Ends the edge's connections to the agent of sandbox `id` and waits until the agent has
+    /// closed its ends. The caller has marked the sandbox so that no new ones are made.
+    async fn end_agent_links(&self, id: &str) {
+        let links = self
+            .live()
+            .get_mut(id)
+            .map(|l| std::mem::replace(&mut l.agent_links, AgentLinks::new()));
+        if let Some(links) = links
+            && !links.end(AGENT_LINKS_PATIENCE).await
+        {
+            tracing::warn!(sandbox_id = %id, "connections to the agent did not close in time; a dump may fail");
+        }
     }
 
     /// Running sandboxes (ID and handle) that `pick` selects, read from the registry alone.
@@ -1565,6 +1610,8 @@ impl Sandboxes {
                 });
             }
         }
+        // Before anything stops: the agent has to be running to close its ends.
+        self.end_agent_links(id).await;
         if !memory {
             return self.shelve(sandbox).await;
         }
@@ -1926,20 +1973,25 @@ impl Sandboxes {
 
     /// The endpoint of a running sandbox; a paused one with `autoResume` is resumed first
     /// (the edge calls this for every request naming a sandbox).
-    pub async fn route_or_wake(&self, id: &str) -> Result<Endpoint, SandboxError> {
+    pub async fn route_or_wake(&self, id: &str) -> Result<Route, SandboxError> {
         let not_running = || SandboxError::NotFound(id.to_owned());
-        if let Some(endpoint) = self.route(id) {
-            return Ok(endpoint);
+        if let Some(route) = self.route(id) {
+            return Ok(route);
         }
-        let wake = self.live().get(id).is_some_and(|l| {
-            l.auto_resume
+        let (wake, snapshotting) = self.live().get(id).map_or((false, false), |l| {
+            let wake = l.auto_resume
                 && matches!(
                     l.status,
                     SandboxStatus::Paused
                         | SandboxStatus::Checkpointing
                         | SandboxStatus::Checkpointed
-                )
+                );
+            (wake, l.status == SandboxStatus::Snapshotting)
         });
+        if snapshotting {
+            // Held still for the dump; requests go through once it runs again.
+            return self.settled_route(id).await.ok_or_else(not_running);
+        }
         if !wake {
             return Err(not_running());
         }
@@ -1968,17 +2020,33 @@ impl Sandboxes {
                     tracing::warn!(sandbox_id = %id, error = %err, "cannot resume on traffic")
                 }
             }
-        } else {
-            // Another request is resuming it: wait for that (a restore from disk takes up to
-            // a few seconds).
-            for _ in 0..2000 {
-                if self.route(id).is_some() {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            return self.route(id).ok_or_else(not_running);
         }
-        self.route(id).ok_or_else(not_running)
+        // Another request is resuming it (a restore from disk takes up to a few seconds).
+        self.settled_route(id).await.ok_or_else(not_running)
+    }
+
+    /// The route of sandbox `id` once the resume or snapshot under way has finished, if it
+    /// runs then.
+    async fn settled_route(&self, id: &str) -> Option<Route> {
+        let deadline = tokio::time::Instant::now() + ROUTE_PATIENCE;
+        loop {
+            if let Some(route) = self.route(id) {
+                return Some(route);
+            }
+            let busy = self.live().get(id).is_some_and(|l| {
+                matches!(
+                    l.status,
+                    SandboxStatus::Snapshotting
+                        | SandboxStatus::Resuming
+                        | SandboxStatus::Restoring
+                )
+            });
+            if !busy || tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when

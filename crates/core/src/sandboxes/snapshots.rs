@@ -181,6 +181,9 @@ impl Sandboxes {
                 },
             });
         }
+        if memory {
+            self.end_agent_links(id).await;
+        }
         let handle = self
             .live()
             .get(id)
