@@ -30,6 +30,7 @@ from e2b import BuildException, Sandbox, Template, wait_for_file
 
 from e2e_util import (
     CREATED_IDS,
+    checkpoints_off,
     all_pids,
     host_mounts_mentioning,
     other_sandbar_servers,
@@ -338,6 +339,18 @@ def test_build_from_registry_image(sandbar, tiny1, tmp_path, make_sandbox):
     assert "sleep 3600" in ps, ps
     # Envs and the workdir apply to explicit users too.
     assert run(sbx, "echo $GREETING; pwd", user="root") == "hi\n/app\n"
+
+    # Paused with its memory and checkpointed, where the server can: the start command's
+    # process is in the checkpoint (the server no longer holds a connection to the agent for
+    # it, which no dump could contain) and runs on after the resume.
+    if checkpoints_off(sandbar) is None:
+        sleeper = [l.strip() for l in ps.splitlines() if "sleep 3600" in l]
+        assert sbx.pause() is True
+        wait_until(lambda: (sandbar.data_dir / "checkpoints" / sbx.sandbox_id / "header").exists(),
+                   timeout=30, message="the checkpoint")
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        ps = run(sbx, "ps -o pid,args")
+        assert [l.strip() for l in ps.splitlines() if "sleep 3600" in l] == sleeper, ps
 
     # Paused without memory, it boots again on its files when resumed: same image, user and
     # environment, and the start command runs anew.

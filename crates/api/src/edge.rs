@@ -5,7 +5,6 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -176,28 +175,17 @@ async fn forward_to(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// How long the edge waits for an agent to close a connection it was asked to end.
-const AGENT_CLOSE_PATIENCE: Duration = Duration::from_secs(1);
-
-/// A connection to an agent that ends when its sandbox pauses: the edge stops sending, the
-/// agent sees the end and closes its side, and only then is the lease given back.
+/// A connection to an agent. Its lease is given back only once the agent has closed its end:
+/// when the exchange is over, or at once when the sandbox pauses.
 struct AgentConnection {
     lease: AgentLease,
-    /// A second descriptor of the connection, to shut it down while hyper owns the first.
+    /// A second descriptor of the connection, to end it while hyper owns the first.
     socket: std::os::unix::net::UnixStream,
-}
-
-impl AgentConnection {
-    async fn end<F: std::future::Future>(self, connection: F) {
-        let _ = self.socket.shutdown(std::net::Shutdown::Write);
-        let _ = tokio::time::timeout(AGENT_CLOSE_PATIENCE, connection).await;
-        drop(self.lease);
-    }
 }
 
 async fn forward_to_agent(
     target: &Target,
-    mut stream: tokio::net::UnixStream,
+    stream: tokio::net::UnixStream,
     lease: AgentLease,
     request: Request,
 ) -> Result<Response, ApiError> {
@@ -210,19 +198,26 @@ async fn forward_to_agent(
             ),
         )
     };
-    // Paused between the lookup and the connection: close it unused, and let the agent see
-    // the end before it is frozen.
+    let socket = stream
+        .into_std()
+        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
+    let second = socket
+        .try_clone()
+        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
+    // Paused between the lookup and the connection: closed unused, the agent seeing the end
+    // before it is frozen.
     if lease.is_ending() {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let _ = stream.shutdown().await;
-        let _ = tokio::time::timeout(AGENT_CLOSE_PATIENCE, stream.read(&mut [0u8; 1])).await;
+        drop(second);
+        sandbar_core::agent_links::hang_up(socket).await;
         return Err(pausing());
     }
-    let socket = std::os::fd::AsFd::as_fd(&stream)
-        .try_clone_to_owned()
-        .map(std::os::unix::net::UnixStream::from)
+    let stream = tokio::net::UnixStream::from_std(socket)
         .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
-    forward(stream, request, Some(AgentConnection { lease, socket })).await
+    let connection = AgentConnection {
+        lease,
+        socket: second,
+    };
+    forward(stream, request, Some(connection)).await
 }
 
 /// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
@@ -318,15 +313,19 @@ where
     tokio::spawn(async move {
         let ended = match agent {
             None => connection.await,
-            Some(mut agent) => {
-                let mut connection = std::pin::pin!(connection);
-                tokio::select! {
+            Some(AgentConnection { mut lease, socket }) => {
+                let mut connection = Box::pin(connection);
+                let ended = tokio::select! {
                     ended = &mut connection => ended,
-                    () = agent.lease.ending() => {
-                        agent.end(connection).await;
-                        Ok(())
-                    }
+                    // The client's stream breaks here, as after a network outage.
+                    () = lease.ending() => Ok(()),
+                };
+                drop(connection);
+                if !sandbar_core::agent_links::hang_up(socket).await {
+                    tracing::warn!("an agent did not close a connection in time");
                 }
+                drop(lease);
+                ended
             }
         };
         if let Err(e) = ended {

@@ -52,6 +52,30 @@ impl AgentLease {
     }
 }
 
+/// How long a hang-up waits for the agent to close its end.
+const HANG_UP_PATIENCE: Duration = Duration::from_secs(1);
+
+/// Ends a connection to an agent from our side (`socket` is a descriptor of it that nothing
+/// else reads any more) and returns once the agent has closed its end, or after a second.
+/// Whatever the agent still sends is read and dropped. False if the agent did not close in
+/// time.
+pub async fn hang_up(socket: std::os::unix::net::UnixStream) -> bool {
+    use tokio::io::AsyncReadExt as _;
+    let _ = socket.shutdown(std::net::Shutdown::Write);
+    let Ok(mut socket) = socket
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(socket))
+    else {
+        return false;
+    };
+    let closed = async {
+        let mut sink = [0u8; 4096];
+        // An error (a reset) means the agent's end is gone as well.
+        while let Ok(1..) = socket.read(&mut sink).await {}
+    };
+    tokio::time::timeout(HANG_UP_PATIENCE, closed).await.is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +116,34 @@ mod tests {
         let kept = links.lease();
         assert!(!links.end(Duration::from_millis(10)).await);
         assert!(kept.is_ending());
+    }
+
+    #[tokio::test]
+    async fn a_hang_up_returns_once_the_other_end_is_closed() {
+        use tokio::io::AsyncReadExt as _;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        theirs.set_nonblocking(true).expect("non-blocking");
+        let mut theirs = tokio::net::UnixStream::from_std(theirs).expect("a tokio socket");
+        let agent = tokio::spawn(async move {
+            // The agent sees the end of the request stream, then closes.
+            let mut rest = Vec::new();
+            theirs
+                .read_to_end(&mut rest)
+                .await
+                .expect("read to the end");
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            drop(theirs);
+        });
+        let started = std::time::Instant::now();
+        assert!(hang_up(ours).await);
+        assert!(started.elapsed() >= Duration::from_millis(30));
+        agent.await.expect("the agent task ran to its end");
+    }
+
+    #[tokio::test]
+    async fn a_hang_up_gives_up_on_an_agent_that_keeps_its_end_open() {
+        let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        assert!(!hang_up(ours).await);
     }
 
     #[tokio::test]

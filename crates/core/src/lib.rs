@@ -6,7 +6,7 @@
 //! without touching the rules written here.
 
 pub mod activity;
-mod agent_links;
+pub mod agent_links;
 pub mod auth;
 pub mod builds;
 pub mod dockerfile;

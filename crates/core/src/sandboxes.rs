@@ -1781,8 +1781,8 @@ impl Sandboxes {
         memory: bool,
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
-        let sandbox = self.get(team, id).await?;
-        let from = match self.start_waking(id).await {
+        let mut sandbox = self.get(team, id).await?;
+        let from = match self.start_waking(&mut sandbox).await {
             Ok(from) => from,
             Err(Some(SandboxStatus::Running)) if !require_paused => {
                 // Connecting to a running sandbox only ever extends its life.
@@ -1856,9 +1856,13 @@ impl Sandboxes {
     }
 
     /// Marks a paused sandbox as waking (resuming, or restoring from a checkpoint) and returns
-    /// the status it had; a checkpoint under way is waited for first. The status it has
-    /// otherwise.
-    async fn start_waking(&self, id: &str) -> Result<SandboxStatus, Option<SandboxStatus>> {
+    /// the status it had; a checkpoint under way is waited for first, and `sandbox` gets the
+    /// handle that checkpoint left. The status it has otherwise.
+    async fn start_waking(
+        &self,
+        sandbox: &mut Sandbox,
+    ) -> Result<SandboxStatus, Option<SandboxStatus>> {
+        let id = sandbox.id.as_str();
         // A dump takes a fraction of a second per 100 MiB; a minute covers any sandbox.
         for _ in 0..6000 {
             let status = self.live().get(id).map(|l| l.status);
@@ -1870,6 +1874,7 @@ impl Sandboxes {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
         let to = entry.status.waking().ok_or(Some(entry.status))?;
+        sandbox.handle = entry.handle.clone();
         Ok(std::mem::replace(&mut entry.status, to))
     }
 
@@ -1995,13 +2000,13 @@ impl Sandboxes {
         if !wake {
             return Err(not_running());
         }
-        let sandbox = self.store.sandbox(id).await?.ok_or_else(not_running)?;
+        let mut sandbox = self.store.sandbox(id).await?.ok_or_else(not_running)?;
         let team = self
             .store
             .team(&sandbox.team_id)
             .await?
             .ok_or_else(not_running)?;
-        if let Ok(from) = self.start_waking(id).await {
+        if let Ok(from) = self.start_waking(&mut sandbox).await {
             if let Err(retry_after_secs) = self.within_slots(&team, id) {
                 self.set_status(id, from);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");

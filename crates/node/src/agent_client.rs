@@ -21,27 +21,65 @@ pub(crate) async fn wait_healthy(socket: &Path, patience: Duration) -> Result<()
     Err(format!("agent did not become healthy: {last_error}"))
 }
 
+/// One connection to an agent. The agent's end of it was made in the host's network namespace
+/// (a Unix socket belongs to the namespace of the side that connects), and a dump of the
+/// sandbox cannot contain such a socket: every connection is ended with [`Link::hang_up`],
+/// which returns once the agent has closed its end.
+struct Link {
+    /// Kept so that hyper does not close the connection on its own before the hang-up.
+    _sender: hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>,
+    connection: tokio::task::JoinHandle<()>,
+    /// A second descriptor of the connection, to end it once hyper is done with the first.
+    socket: std::os::unix::net::UnixStream,
+}
+
+impl Link {
+    /// Ends the connection; what is left of a response still streaming is dropped.
+    async fn hang_up(self) {
+        self.connection.abort();
+        let _ = self.connection.await;
+        if !sandbar_core::agent_links::hang_up(self.socket).await {
+            tracing::warn!("an agent did not close a connection in time");
+        }
+    }
+}
+
 /// Sends `request` to the agent behind `socket` over a connection of its own; an answer
 /// other than a success is an error carrying the agent's message.
 async fn call(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<hyper::Response<hyper::body::Incoming>, String> {
+) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
     use http_body_util::BodyExt as _;
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("connect {}: {e}", socket.display()))?;
+    let second = std::os::fd::AsFd::as_fd(&stream)
+        .try_clone_to_owned()
+        .map(std::os::unix::net::UnixStream::from)
+        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
+    let connection = tokio::spawn(async move {
+        let _ = conn.await;
+    });
     let path = request.uri().path().to_owned();
-    let response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| e.to_string())?;
+    let sent = sender.send_request(request).await;
+    let link = Link {
+        _sender: sender,
+        connection,
+        socket: second,
+    };
+    let response = match sent {
+        Ok(response) => response,
+        Err(e) => {
+            link.hang_up().await;
+            return Err(e.to_string());
+        }
+    };
     if response.status().is_success() {
-        return Ok(response);
+        return Ok((response, link));
     }
     let status = response.status();
     let text = response
@@ -50,7 +88,20 @@ async fn call(
         .await
         .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
         .unwrap_or_default();
+    link.hang_up().await;
     Err(format!("agent answered {path} with {status}: {text}"))
+}
+
+/// [`call`] for a request whose answer is read whole.
+async fn call_to_end(
+    socket: &Path,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+) -> Result<Bytes, String> {
+    use http_body_util::BodyExt as _;
+    let (response, link) = call(socket, request).await?;
+    let body = response.into_body().collect().await;
+    link.hang_up().await;
+    body.map(|b| b.to_bytes()).map_err(|e| e.to_string())
 }
 
 async fn health(socket: &Path) -> Result<(), String> {
@@ -58,7 +109,7 @@ async fn health(socket: &Path) -> Result<(), String> {
         .header(hyper::header::HOST, "agent")
         .body(http_body_util::Full::new(Bytes::new()))
         .map_err(|e| e.to_string())?;
-    call(socket, request).await.map(|_| ())
+    call_to_end(socket, request).await.map(|_| ())
 }
 
 /// A command to run through a sandbox agent, as `sh -c`.
@@ -78,14 +129,9 @@ pub(crate) enum ExecEvent {
     Exited(i32),
 }
 
-/// Starts `exec` through the agent's `process.Process/Start` stream and returns the stream
-/// of its output and exit, or the agent's refusal.
-pub(crate) async fn start(
-    socket: &Path,
-    exec: &Exec<'_>,
-) -> Result<tokio::sync::mpsc::Receiver<ExecEvent>, String> {
+/// The `process.Process/Start` request for `exec`.
+fn start_request(exec: &Exec<'_>) -> Result<hyper::Request<http_body_util::Full<Bytes>>, String> {
     use base64::Engine as _;
-    use http_body_util::BodyExt as _;
 
     let mut process = serde_json::json!({
         "cmd": "/bin/sh",
@@ -103,20 +149,65 @@ pub(crate) async fn start(
     body.extend_from_slice(&message);
 
     let basic = base64::engine::general_purpose::STANDARD.encode(format!("{}:", exec.user));
-    let request = hyper::Request::post("/process.Process/Start")
+    hyper::Request::post("/process.Process/Start")
         .header(hyper::header::HOST, "agent")
         .header(hyper::header::CONTENT_TYPE, "application/connect+json")
         .header("connect-protocol-version", "1")
         .header("x-access-token", exec.token)
         .header(hyper::header::AUTHORIZATION, format!("Basic {basic}"))
         .body(http_body_util::Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    let response = call(socket, request).await?;
+        .map_err(|e| e.to_string())
+}
+
+/// Starts `exec` and leaves it running on its own: returns once the agent reported it
+/// started and the connection is closed.
+pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(), String> {
+    use http_body_util::BodyExt as _;
+    let (response, link) = call(socket, start_request(exec)?).await?;
+    let mut body = response.into_body();
+    // The first message is the start event (a refusal would have been an error status).
+    let mut buffer: Vec<u8> = Vec::new();
+    loop {
+        if buffer.len() >= 5 {
+            let len = u32::from_be_bytes([buffer[1], buffer[2], buffer[3], buffer[4]]) as usize;
+            if buffer.len() >= 5 + len {
+                break;
+            }
+        }
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    buffer.extend_from_slice(&data);
+                }
+            }
+            Some(Err(e)) => {
+                link.hang_up().await;
+                return Err(e.to_string());
+            }
+            // Ended already: the command was quick.
+            None => break,
+        }
+    }
+    drop(body);
+    link.hang_up().await;
+    Ok(())
+}
+
+/// Starts `exec` through the agent's `process.Process/Start` stream and returns the stream
+/// of its output and exit, or the agent's refusal.
+pub(crate) async fn start(
+    socket: &Path,
+    exec: &Exec<'_>,
+) -> Result<tokio::sync::mpsc::Receiver<ExecEvent>, String> {
+    use base64::Engine as _;
+    use http_body_util::BodyExt as _;
+
+    let (response, link) = call(socket, start_request(exec)?).await?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let mut body = response.into_body();
     tokio::spawn(async move {
         let mut buffer: Vec<u8> = Vec::new();
-        let mut exited = false;
+        let mut exit_code = None;
         while let Some(frame) = body.frame().await {
             let Ok(frame) = frame else { break };
             let Ok(data) = frame.into_data() else {
@@ -149,14 +240,14 @@ pub(crate) async fn start(
                 } else if let Some(end) = event.get("end") {
                     // Proto3 JSON leaves a zero exit code out.
                     let code = end.get("exitCode").and_then(|v| v.as_i64()).unwrap_or(0);
-                    exited = true;
-                    let _ = tx.send(ExecEvent::Exited(code as i32)).await;
+                    exit_code = Some(code as i32);
                 }
             }
         }
-        if !exited {
-            let _ = tx.send(ExecEvent::Exited(-1)).await;
-        }
+        // The exit is reported once the connection is closed: whoever waits for it may
+        // freeze the sandbox next.
+        link.hang_up().await;
+        let _ = tx.send(ExecEvent::Exited(exit_code.unwrap_or(-1))).await;
     });
     Ok(rx)
 }
@@ -202,5 +293,5 @@ pub(crate) async fn init(
         .header("x-access-token", current_token)
         .body(http_body_util::Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
-    call(socket, request).await.map(|_| ())
+    call_to_end(socket, request).await.map(|_| ())
 }

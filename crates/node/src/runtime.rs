@@ -398,15 +398,24 @@ impl LinuxRuntime {
                 format!("its kept files at {} are gone", dir.display()),
             ));
         }
-        if from == to {
-            return Ok(dir);
-        }
         let moved = dir.clone();
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            for owned in [sandbar_jail::layout::UPPER, sandbar_jail::layout::WORK] {
-                crate::layers::move_owners(&moved.join(owned), from, to, SANDBOX_IDS)?;
+            // The overlay's scratch directory holds nothing to keep, and after a restore its
+            // contents belong to host root (CRIU mounted the overlay again): made anew.
+            let work = moved.join(sandbar_jail::layout::WORK);
+            crate::disks::remove_tree(&work)?;
+            std::fs::create_dir(&work)?;
+            std::os::unix::fs::chown(&work, Some(to), Some(to))?;
+            if from != to {
+                crate::layers::move_owners(
+                    &moved.join(sandbar_jail::layout::UPPER),
+                    from,
+                    to,
+                    SANDBOX_IDS,
+                )?;
+                std::os::unix::fs::chown(&moved, Some(to), Some(to))?;
             }
-            std::os::unix::fs::chown(&moved, Some(to), Some(to))
+            Ok(())
         })
         .await
         .map_err(|e| sandbox_err(id, e))?
@@ -784,8 +793,7 @@ impl LinuxRuntime {
             cwd: Some(&spec.image.workdir),
         };
         if let Some(start) = &spec.image.start_cmd {
-            // The output stream is dropped: the process keeps running detached.
-            agent_client::start(&endpoint.agent_socket, &exec(start))
+            agent_client::start_detached(&endpoint.agent_socket, &exec(start))
                 .await
                 .map_err(|e| RuntimeError::NotReady {
                     sandbox_id: id.clone(),
