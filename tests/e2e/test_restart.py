@@ -124,6 +124,43 @@ def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
     assert resumed.kill() is True
 
 
+def test_a_checkpoint_whose_namespaces_died_keeps_its_files(make_sandbox, sandbar):
+    """A host reboot ends the namespaces a checkpoint is restored into: the memory is lost
+    then, not the sandbox. It stays paused with its files and boots afresh on them."""
+    import subprocess
+
+    from test_checkpoint import header_of, wait_checkpointed
+
+    reason = checkpoints_off(sandbar)
+    if reason:
+        pytest.skip(f"the server cannot checkpoint: {reason}")
+    sbx = make_sandbox(timeout=120)
+    sbx.files.write("/home/user/kept.txt", "kept across the reboot")
+    sbx.commands.run(COUNTER, background=True)
+    wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
+    assert sbx.pause() is True
+    wait_checkpointed(sandbar, sbx.sandbox_id)
+
+    sandbar.stop(kill9=True)
+    # What a reboot leaves of the kept namespaces: the files their bind mounts were on.
+    for kind in ("net", "user"):
+        kept = sandbar.data_dir / "checkpoints" / f"{sbx.sandbox_id}.{kind}"
+        while subprocess.run(["umount", str(kept)], capture_output=True).returncode == 0:
+            pass
+    sandbar.start()
+    sandbar.wait_healthy(timeout=60)
+    sandbar.wait_base_template(timeout=120)
+
+    assert sbx.get_info().state.value == "paused"
+    assert not header_of(sandbar, sbx.sandbox_id).exists()
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert resumed.files.read("/home/user/kept.txt") == "kept across the reboot"
+    # Booted afresh: the counter did not come back.
+    assert "count.new" not in resumed.commands.run("ps -eo args").stdout
+    assert resumed.kill() is True
+    assert not sandbox_cgroup_dirs(sbx.sandbox_id)
+
+
 def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
     """Stops the server with kill -9, records the sandbox as it would be had the server died
     during a checkpoint (`paused_as = checkpointing`), and starts it again."""

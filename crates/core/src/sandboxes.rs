@@ -1264,6 +1264,35 @@ impl Sandboxes {
                 return self.adopt_restored(sandbox, handle, endpoint).await;
             }
             Err(err) => {
+                // The memory is lost (a host reboot ends the namespaces a checkpoint is
+                // restored into), the files need not be: the sandbox stays paused with them
+                // and boots afresh on them when resumed.
+                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
+                    Ok(released) => {
+                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
+                        self.store
+                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+                            .await?;
+                        let shelved = Sandbox {
+                            handle: released,
+                            paused_as: Some(PauseKind::Files),
+                            ..sandbox.clone()
+                        };
+                        self.adopt_shelved(&shelved).await?;
+                        self.activity
+                            .event(
+                                &sandbox.id,
+                                LogLevel::Warn,
+                                "sandbox lost its memory: its checkpoint cannot be restored; its files are kept",
+                                &[("error", err.to_string())],
+                            )
+                            .await;
+                        return Ok(());
+                    }
+                    Err(release_err) => {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %release_err, "cannot keep the files of a checkpointed sandbox");
+                    }
+                }
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
                 self.activity
                     .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
