@@ -246,11 +246,17 @@ mod tests {
     async fn relays_udp_and_tcp_queries_to_an_upstream() {
         // A fake upstream on loopback that answers every query with the query itself plus a
         // marker byte.
-        let upstream_udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
-        let port = upstream_udp.local_addr().expect("addr").port();
-        let upstream_tcp = TcpListener::bind(("127.0.0.1", port))
-            .await
-            .expect("bind tcp");
+        // The port the system picks for UDP may be taken for TCP: picked again until both bind.
+        let mut bound = None;
+        for _ in 0..100 {
+            let udp = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+            let port = udp.local_addr().expect("addr").port();
+            if let Ok(tcp) = TcpListener::bind(("127.0.0.1", port)).await {
+                bound = Some((udp, tcp, port));
+                break;
+            }
+        }
+        let (upstream_udp, upstream_tcp, port) = bound.expect("a port free for UDP and TCP");
         tokio::spawn(async move {
             let mut buf = [0u8; 512];
             while let Ok((len, from)) = upstream_udp.recv_from(&mut buf).await {
