@@ -141,15 +141,14 @@ def test_a_checkpoint_whose_namespaces_died_keeps_its_files(make_sandbox, sandba
     assert sbx.pause() is True
     wait_checkpointed(sandbar, sbx.sandbox_id)
 
-    sandbar.stop(kill9=True)
-    # What a reboot leaves of the kept namespaces: the files their bind mounts were on.
-    for kind in ("net", "user"):
-        kept = sandbar.data_dir / "checkpoints" / f"{sbx.sandbox_id}.{kind}"
-        while subprocess.run(["umount", str(kept)], capture_output=True).returncode == 0:
-            pass
-    sandbar.start()
-    sandbar.wait_healthy(timeout=60)
-    sandbar.wait_base_template(timeout=120)
+    def as_after_a_reboot():
+        # What a reboot leaves of the kept namespaces: the files their bind mounts were on.
+        for kind in ("net", "user"):
+            kept = sandbar.data_dir / "checkpoints" / f"{sbx.sandbox_id}.{kind}"
+            while subprocess.run(["umount", str(kept)], capture_output=True).returncode == 0:
+                pass
+
+    _restart_killed_after(sandbar, as_after_a_reboot)
 
     assert sbx.get_info().state.value == "paused"
     assert not header_of(sandbar, sbx.sandbox_id).exists()
@@ -161,21 +160,29 @@ def test_a_checkpoint_whose_namespaces_died_keeps_its_files(make_sandbox, sandba
     assert not sandbox_cgroup_dirs(sbx.sandbox_id)
 
 
+def _restart_killed_after(sandbar, change) -> None:
+    """Stops the server with kill -9, calls `change` while it is down, and starts it again."""
+    sandbar.stop(kill9=True)
+    change()
+    sandbar.start()
+    sandbar.wait_healthy(timeout=60)
+    sandbar.wait_base_template(timeout=120)
+
+
 def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
     """Stops the server with kill -9, records the sandbox as it would be had the server died
     during a checkpoint (`paused_as = checkpointing`), and starts it again."""
     import sqlite3
 
-    sandbar.stop(kill9=True)
-    db = sqlite3.connect(sandbar.data_dir / "sandbar.db")
-    try:
-        db.execute("UPDATE sandboxes SET paused_as = 'checkpointing' WHERE id = ?", (sandbox_id,))
-        db.commit()
-    finally:
-        db.close()
-    sandbar.start()
-    sandbar.wait_healthy(timeout=60)
-    sandbar.wait_base_template(timeout=120)
+    def record_checkpointing():
+        db = sqlite3.connect(sandbar.data_dir / "sandbar.db")
+        try:
+            db.execute("UPDATE sandboxes SET paused_as = 'checkpointing' WHERE id = ?", (sandbox_id,))
+            db.commit()
+        finally:
+            db.close()
+
+    _restart_killed_after(sandbar, record_checkpointing)
 
 
 def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):

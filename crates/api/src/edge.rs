@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use sandbar_core::{AgentLease, Route, SandboxError};
+use sandbar_core::{AgentLease, HangUp, Route, SandboxError};
 use sandbar_envd::{FileOperation, signature_matches};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -179,8 +179,7 @@ async fn forward_to(
 /// when the exchange is over, or at once when the sandbox pauses.
 struct AgentConnection {
     lease: AgentLease,
-    /// A second descriptor of the connection, to end it while hyper owns the first.
-    socket: std::os::unix::net::UnixStream,
+    hang_up: HangUp,
 }
 
 async fn forward_to_agent(
@@ -198,25 +197,16 @@ async fn forward_to_agent(
             ),
         )
     };
-    let socket = stream
-        .into_std()
-        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
-    let second = socket
-        .try_clone()
-        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
+    let hang_up =
+        HangUp::of(&stream).map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
     // Paused between the lookup and the connection: closed unused, the agent seeing the end
     // before it is frozen.
     if lease.is_ending() {
-        drop(second);
-        sandbar_core::agent_links::hang_up(socket).await;
+        drop(stream);
+        hang_up.hang_up().await;
         return Err(pausing());
     }
-    let stream = tokio::net::UnixStream::from_std(socket)
-        .map_err(|e| unreachable(target, Path::new("agent socket"), e))?;
-    let connection = AgentConnection {
-        lease,
-        socket: second,
-    };
+    let connection = AgentConnection { lease, hang_up };
     forward(stream, request, Some(connection)).await
 }
 
@@ -313,7 +303,7 @@ where
     tokio::spawn(async move {
         let ended = match agent {
             None => connection.await,
-            Some(AgentConnection { mut lease, socket }) => {
+            Some(AgentConnection { mut lease, hang_up }) => {
                 let mut connection = Box::pin(connection);
                 let ended = tokio::select! {
                     ended = &mut connection => ended,
@@ -321,9 +311,7 @@ where
                     () = lease.ending() => Ok(()),
                 };
                 drop(connection);
-                if !sandbar_core::agent_links::hang_up(socket).await {
-                    tracing::warn!("an agent did not close a connection in time");
-                }
+                hang_up.hang_up().await;
                 drop(lease);
                 ended
             }

@@ -55,25 +55,42 @@ impl AgentLease {
 /// How long a hang-up waits for the agent to close its end.
 const HANG_UP_PATIENCE: Duration = Duration::from_secs(1);
 
-/// Ends a connection to an agent from our side (`socket` is a descriptor of it that nothing
-/// else reads any more) and returns once the agent has closed its end, or after a second.
-/// Whatever the agent still sends is read and dropped. False if the agent did not close in
-/// time.
-pub async fn hang_up(socket: std::os::unix::net::UnixStream) -> bool {
-    use tokio::io::AsyncReadExt as _;
-    let _ = socket.shutdown(std::net::Shutdown::Write);
-    let Ok(mut socket) = socket
-        .set_nonblocking(true)
-        .and_then(|()| tokio::net::UnixStream::from_std(socket))
-    else {
-        return false;
-    };
-    let closed = async {
-        let mut sink = [0u8; 4096];
-        // An error (a reset) means the agent's end is gone as well.
-        while let Ok(1..) = socket.read(&mut sink).await {}
-    };
-    tokio::time::timeout(HANG_UP_PATIENCE, closed).await.is_ok()
+/// A second descriptor of a connection to an agent, to end it with [`HangUp::hang_up`] once
+/// hyper, which owns the first, is done with it (or told to stop).
+#[derive(Debug)]
+pub struct HangUp(std::os::unix::net::UnixStream);
+
+impl HangUp {
+    pub fn of(stream: &tokio::net::UnixStream) -> std::io::Result<Self> {
+        std::os::fd::AsFd::as_fd(stream)
+            .try_clone_to_owned()
+            .map(|fd| HangUp(std::os::unix::net::UnixStream::from(fd)))
+    }
+
+    /// Ends the connection from our side and returns once the agent has closed its end, or
+    /// after a second; whatever the agent still sends is read and dropped. Nothing else may
+    /// read the connection meanwhile. False (and logged) if the agent did not close in time.
+    pub async fn hang_up(self) -> bool {
+        use tokio::io::AsyncReadExt as _;
+        let socket = self.0;
+        let _ = socket.shutdown(std::net::Shutdown::Write);
+        let Ok(mut socket) = socket
+            .set_nonblocking(true)
+            .and_then(|()| tokio::net::UnixStream::from_std(socket))
+        else {
+            return false;
+        };
+        let closed = async {
+            let mut sink = [0u8; 4096];
+            // An error (a reset) means the agent's end is gone as well.
+            while let Ok(1..) = socket.read(&mut sink).await {}
+        };
+        let in_time = tokio::time::timeout(HANG_UP_PATIENCE, closed).await.is_ok();
+        if !in_time {
+            tracing::warn!("an agent did not close a connection in time");
+        }
+        in_time
+    }
 }
 
 #[cfg(test)]
@@ -122,6 +139,7 @@ mod tests {
     async fn a_hang_up_returns_once_the_other_end_is_closed() {
         use tokio::io::AsyncReadExt as _;
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
+        let ours = HangUp(ours);
         theirs.set_nonblocking(true).expect("non-blocking");
         let mut theirs = tokio::net::UnixStream::from_std(theirs).expect("a tokio socket");
         let agent = tokio::spawn(async move {
@@ -135,7 +153,7 @@ mod tests {
             drop(theirs);
         });
         let started = std::time::Instant::now();
-        assert!(hang_up(ours).await);
+        assert!(ours.hang_up().await);
         assert!(started.elapsed() >= Duration::from_millis(30));
         agent.await.expect("the agent task ran to its end");
     }
@@ -143,7 +161,7 @@ mod tests {
     #[tokio::test]
     async fn a_hang_up_gives_up_on_an_agent_that_keeps_its_end_open() {
         let (ours, _theirs) = std::os::unix::net::UnixStream::pair().expect("a socket pair");
-        assert!(!hang_up(ours).await);
+        assert!(!HangUp(ours).hang_up().await);
     }
 
     #[tokio::test]

@@ -6,7 +6,7 @@
 //! without touching the rules written here.
 
 pub mod activity;
-pub mod agent_links;
+mod agent_links;
 pub mod auth;
 pub mod builds;
 pub mod dockerfile;
@@ -26,7 +26,7 @@ pub mod templates;
 pub mod volumes;
 
 pub use activity::ActivityConfig;
-pub use agent_links::AgentLease;
+pub use agent_links::{AgentLease, HangUp};
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,

@@ -1175,7 +1175,10 @@ impl Sandboxes {
         for mut sandbox in recorded {
             if sandbox.paused_as == Some(PauseKind::Releasing) {
                 // The server died while ending its processes to keep its files: finish that.
-                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
+                match self
+                    .release_recorded(&sandbox.id, &sandbox.handle, sandbox.paused_as)
+                    .await
+                {
                     Ok(released) => {
                         self.store
                             .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
@@ -2012,22 +2015,18 @@ impl Sandboxes {
         if let Some(route) = self.route(id) {
             return Ok(route);
         }
-        let (wake, snapshotting) = self.live().get(id).map_or((false, false), |l| {
-            let wake = l.auto_resume
+        let wake = self.live().get(id).is_some_and(|l| {
+            l.auto_resume
                 && matches!(
                     l.status,
                     SandboxStatus::Paused
                         | SandboxStatus::Checkpointing
                         | SandboxStatus::Checkpointed
-                );
-            (wake, l.status == SandboxStatus::Snapshotting)
+                )
         });
-        if snapshotting {
-            // Held still for the dump; requests go through once it runs again.
-            return self.settled_route(id).await.ok_or_else(not_running);
-        }
         if !wake {
-            return Err(not_running());
+            // A snapshot or a resume under way is waited for; anything else is not running.
+            return self.settled_route(id).await.ok_or_else(not_running);
         }
         let mut sandbox = self.store.sandbox(id).await?.ok_or_else(not_running)?;
         let team = self

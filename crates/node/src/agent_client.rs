@@ -29,8 +29,7 @@ struct Link {
     /// Kept so that hyper does not close the connection on its own before the hang-up.
     _sender: hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>,
     connection: tokio::task::JoinHandle<()>,
-    /// A second descriptor of the connection, to end it once hyper is done with the first.
-    socket: std::os::unix::net::UnixStream,
+    hang_up: sandbar_core::HangUp,
 }
 
 impl Link {
@@ -38,9 +37,7 @@ impl Link {
     async fn hang_up(self) {
         self.connection.abort();
         let _ = self.connection.await;
-        if !sandbar_core::agent_links::hang_up(self.socket).await {
-            tracing::warn!("an agent did not close a connection in time");
-        }
+        self.hang_up.hang_up().await;
     }
 }
 
@@ -54,9 +51,7 @@ async fn call(
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let second = std::os::fd::AsFd::as_fd(&stream)
-        .try_clone_to_owned()
-        .map(std::os::unix::net::UnixStream::from)
+    let hang_up = sandbar_core::HangUp::of(&stream)
         .map_err(|e| format!("connect {}: {e}", socket.display()))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -69,7 +64,7 @@ async fn call(
     let link = Link {
         _sender: sender,
         connection,
-        socket: second,
+        hang_up,
     };
     let response = match sent {
         Ok(response) => response,
@@ -129,6 +124,16 @@ pub(crate) enum ExecEvent {
     Exited(i32),
 }
 
+/// Takes the first whole Connect envelope (flags, message) off the front of `buffer`.
+fn take_envelope(buffer: &mut Vec<u8>) -> Option<(u8, Vec<u8>)> {
+    let head: [u8; 5] = buffer.get(..5)?.try_into().ok()?;
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if buffer.len() < 5 + len {
+        return None;
+    }
+    Some((head[0], buffer.drain(..5 + len).skip(5).collect()))
+}
+
 /// The `process.Process/Start` request for `exec`.
 fn start_request(exec: &Exec<'_>) -> Result<hyper::Request<http_body_util::Full<Bytes>>, String> {
     use base64::Engine as _;
@@ -167,13 +172,7 @@ pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(),
     let mut body = response.into_body();
     // The first message is the start event (a refusal would have been an error status).
     let mut buffer: Vec<u8> = Vec::new();
-    loop {
-        if buffer.len() >= 5 {
-            let len = u32::from_be_bytes([buffer[1], buffer[2], buffer[3], buffer[4]]) as usize;
-            if buffer.len() >= 5 + len {
-                break;
-            }
-        }
+    while take_envelope(&mut buffer).is_none() {
         match body.frame().await {
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
@@ -214,13 +213,7 @@ pub(crate) async fn start(
                 continue;
             };
             buffer.extend_from_slice(&data);
-            while buffer.len() >= 5 {
-                let len = u32::from_be_bytes([buffer[1], buffer[2], buffer[3], buffer[4]]) as usize;
-                if buffer.len() < 5 + len {
-                    break;
-                }
-                let flags = buffer[0];
-                let message: Vec<u8> = buffer.drain(..5 + len).skip(5).collect();
+            while let Some((flags, message)) = take_envelope(&mut buffer) {
                 if flags & 0x02 != 0 {
                     continue;
                 }
