@@ -40,6 +40,8 @@ from e2e_util import (
     LOG_DIR,
     SANDBAR_BIN,
     SandbarServer,
+    UPLOAD_TTL_S,
+    UPLOADS_PER_TEAM,
     all_pids,
     free_port,
     host_links,
@@ -64,6 +66,19 @@ RUN_LAST = ("test_volumes.py", "test_restart.py")
 _SERVER: Optional[SandbarServer] = None
 FAKE_DNS: Optional[FakeDns] = None
 _REGISTRY = None
+_REGISTRY_PORTS = None
+
+
+def registry_ports():
+    """The local registries' ports, reserved once by whichever fixture asks first: the server
+    must be told to allow them (it refuses pulls from loopback otherwise) before the registries
+    exist."""
+    global _REGISTRY_PORTS
+    if _REGISTRY_PORTS is None:
+        from registry import RegistryPorts
+
+        _REGISTRY_PORTS = RegistryPorts()
+    return _REGISTRY_PORTS
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -121,8 +136,12 @@ def sandbar():
         log_path,
         free_port(),
         # A short pause grace lets the checkpoint tests see sandboxes written to disk soon;
-        # the freezer tests resume well within it.
-        extra_args=["--base-disk-mb", "512", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3"],
+        # the freezer tests resume well within it. Pulls may reach the local registries only.
+        extra_args=[
+            "--base-disk-mb", "512", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
+            "--upload-ttl-secs", str(UPLOAD_TTL_S), "--max-uploads-per-team", str(UPLOADS_PER_TEAM),
+            *registry_ports().allow_args(),
+        ],
     )
     print(
         f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "
@@ -252,7 +271,7 @@ def registry():
     from registry import LocalRegistries
 
     try:
-        reg = LocalRegistries.start(cache_dir=DATA_DIR / "e2e-fixtures")
+        reg = LocalRegistries.start(cache_dir=DATA_DIR / "e2e-fixtures", ports=registry_ports())
     except Exception as e:  # noqa: BLE001 - reported as the fixture's error
         pytest.fail(f"could not set up the local registries: {e}", pytrace=False)
     _REGISTRY = reg

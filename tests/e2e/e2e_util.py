@@ -28,6 +28,12 @@ ENVD_PORT = 49983
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
+# The shared server keeps unused build uploads this long and this many per team
+# (`--upload-ttl-secs`, `--max-uploads-per-team`), so test_build_limits.py sees both within
+# seconds; a build holds its uploads while it runs, so the other template tests are unaffected.
+UPLOAD_TTL_S = 10
+UPLOADS_PER_TEAM = 300
+
 
 # --------------------------------------------------------------------------
 # small utilities

@@ -13,7 +13,9 @@ Images:
   <auth_host>/e2e/private:1  tiny:1 again, on the registry that needs credentials
 
 The OCI layout is cached under `<cache_dir>/oci-<key>` (the key covers the busybox binary and
-FIXTURE_VERSION); the registries start empty every time.
+FIXTURE_VERSION); the registries start empty every time. The server refuses pulls from
+loopback unless allowed, so the suite reserves the registries' ports (`RegistryPorts`) before
+it starts the server and allows exactly those.
 
 Run `python3 tests/e2e/registry.py` to build, push and check everything once by hand.
 """
@@ -233,12 +235,47 @@ def build_layout(cache_dir: Optional[Path]) -> Path:
 # --------------------------------------------------------------------------
 
 
-class RegistryProcess:
-    """One `docker-registry serve` on 127.0.0.1:<port> with its own storage and log."""
+class PortReservation:
+    """A port of 127.0.0.1 chosen ahead of time, held by a bound socket that never listens
+    (connections to it are refused, and nobody else can bind it) until `release()`."""
 
-    def __init__(self, workdir: Path, htpasswd: Optional[Path] = None):
+    def __init__(self) -> None:
+        self._sock: Optional[socket.socket] = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port: int = self._sock.getsockname()[1]
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class RegistryPorts:
+    """The ports of the open, auth and closed registries, reserved before the server starts:
+    the server refuses pulls from loopback unless told `--allow-registry 127.0.0.1:<port>`,
+    and these are the ports it is told about."""
+
+    def __init__(self) -> None:
+        self.open = PortReservation()
+        self.auth = PortReservation()
+        self.closed = PortReservation()
+
+    def allow_args(self) -> List[str]:
+        return [arg for r in (self.open, self.auth, self.closed) for arg in ("--allow-registry", r.host)]
+
+
+class RegistryProcess:
+    """One `docker-registry serve` on 127.0.0.1:<port> with its own storage and log; on a free
+    port, or on `reserved` (released just before the registry binds it)."""
+
+    def __init__(self, workdir: Path, htpasswd: Optional[Path] = None, reserved: Optional[PortReservation] = None):
         self.workdir = workdir
         self.htpasswd = htpasswd
+        self.reserved = reserved
         self.port = 0
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = workdir / "registry.log"
@@ -278,7 +315,12 @@ class RegistryProcess:
     def start(self, attempts: int = 5) -> None:
         last = ""
         for _ in range(attempts):
-            self.port = _free_port()
+            if self.reserved is not None:
+                # The server allows this port only, so a retry takes it again.
+                self.port = self.reserved.port
+                self.reserved.release()
+            else:
+                self.port = _free_port()
             config = self.workdir / "config.yml"
             config.write_text(self._config())
             log = open(self.log_path, "ab")
@@ -336,13 +378,16 @@ class LocalRegistries:
     TINY_2 = "e2e/tiny:2"
     PRIVATE_1 = "e2e/private:1"
 
-    def __init__(self, workdir: Path, layout: Path):
+    def __init__(self, workdir: Path, layout: Path, ports: Optional[RegistryPorts] = None):
         self.workdir = workdir
         self.layout = layout
+        self.ports = ports
         self.username = "e2e"
         self.password = "pw-" + secrets.token_hex(8)
-        self.open = RegistryProcess(workdir / "open")
-        self.auth = RegistryProcess(workdir / "auth", htpasswd=workdir / "htpasswd")
+        self.open = RegistryProcess(workdir / "open", reserved=ports.open if ports else None)
+        self.auth = RegistryProcess(
+            workdir / "auth", htpasswd=workdir / "htpasswd", reserved=ports.auth if ports else None
+        )
         self._closed_sock: Optional[socket.socket] = None
         self.closed_host = ""
         self.digests: Dict[str, str] = {}
@@ -377,7 +422,7 @@ class LocalRegistries:
     # ---- lifecycle ---------------------------------------------------------
 
     @classmethod
-    def start(cls, cache_dir: Optional[Path] = None) -> "LocalRegistries":
+    def start(cls, cache_dir: Optional[Path] = None, ports: Optional[RegistryPorts] = None) -> "LocalRegistries":
         missing = missing_tools()
         if missing:
             raise RuntimeError(
@@ -388,7 +433,7 @@ class LocalRegistries:
         workdir = Path(tempfile.mkdtemp(prefix="sandbar-e2e-registry-"))
         for d in ("open", "auth"):
             (workdir / d).mkdir()
-        reg = cls(workdir, layout)
+        reg = cls(workdir, layout, ports)
         try:
             _run(["htpasswd", "-Bbc", str(workdir / "htpasswd"), reg.username, reg.password])
             reg.open.start()
@@ -407,6 +452,8 @@ class LocalRegistries:
         if self._closed_sock is not None:
             self._closed_sock.close()
             self._closed_sock = None
+        if self.ports is not None:
+            self.ports.closed.release()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "LocalRegistries":
@@ -418,6 +465,10 @@ class LocalRegistries:
     # ---- internals ---------------------------------------------------------
 
     def _hold_closed_port(self) -> None:
+        if self.ports is not None:
+            # Reserved (bound, never listening) since before the server started.
+            self.closed_host = self.ports.closed.host
+            return
         # Bound but not listening: connections are refused, and no one else can take the port.
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.bind(("127.0.0.1", 0))
@@ -436,10 +487,12 @@ class LocalRegistries:
             env=env,
         )
 
-    def _push(self, layout_tag: str, dest: str, creds: Optional[str] = None) -> None:
+    def _push(
+        self, layout_tag: str, dest: str, creds: Optional[str] = None, layout: Optional[Path] = None
+    ) -> None:
         args = ["copy", "--dest-tls-verify=false"]
         args += ["--dest-creds", creds] if creds else ["--dest-no-creds"]
-        args += [f"oci:{self.layout}:{layout_tag}", f"docker://{dest}"]
+        args += [f"oci:{layout or self.layout}:{layout_tag}", f"docker://{dest}"]
         r = self._skopeo(*args)
         if r.returncode != 0:
             raise RuntimeError(f"skopeo {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}\n{self.log_tail()}")
@@ -448,6 +501,28 @@ class LocalRegistries:
         self._push(TINY1, self.image(self.TINY_1))
         self._push(TINY2, self.image(self.TINY_2))
         self._push(TINY1, self.auth_image, creds=f"{self.username}:{self.password}")
+
+    def push_layer_image(self, name: str, layer: Path, base: str = TINY1, created_by: str = "sandbar e2e") -> str:
+        """Pushes `name` ("repo:tag") to the open registry: the fixture image `base` (a layout
+        tag, TINY1 or TINY2) with `layer`, an uncompressed tar made by the caller, as a new top
+        layer (`umoci raw add-layer`, which takes the tar as it is). Returns the reference.
+
+        The cached layout is never changed: the first call copies it into the registries'
+        working directory, and every image gets a tag of its own there.
+        """
+        work = self.workdir / "extra-layout"
+        if not (work / "index.json").is_file():
+            shutil.copytree(self.layout, work, symlinks=True)
+        tag = "extra-" + secrets.token_hex(6)
+        _run(
+            [
+                "umoci", "raw", "add-layer", "--image", f"{work}:{base}", "--tag", tag,
+                "--history.created_by", created_by, str(layer),
+            ]
+        )
+        ref = self.image(name)
+        self._push(tag, ref, layout=work)
+        return ref
 
     def inspect(self, ref: str, creds: Optional[str] = None, raw: bool = False) -> dict:
         """`skopeo inspect` of docker://ref (plain HTTP); raises with skopeo's stderr on failure."""

@@ -168,9 +168,10 @@ def context_dir(root: Path, files: Dict[str, str]) -> Path:
 
 
 def tmp_named_dirs(data_dir: Path) -> List[str]:
-    """Directories named `.tmp-*` at depth 1 or 2 under images/ and sandboxes/layers/."""
+    """Directories named `.tmp-*` at depth 1 or 2 under images/, sandboxes/.images/ (where image
+    layers are unpacked) and sandboxes/layers/."""
     found = []
-    for top in (data_dir / "images", data_dir / "sandboxes" / "layers"):
+    for top in (data_dir / "images", data_dir / "sandboxes" / ".images", data_dir / "sandboxes" / "layers"):
         try:
             level1 = list(top.iterdir())
         except OSError:

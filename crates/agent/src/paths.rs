@@ -10,7 +10,7 @@ use std::fs::File;
 use std::io;
 use std::path::Path;
 
-use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::fs::{Mode, OFlags};
 
 /// Whether `e` means the resolution met a magic link (or a symlink loop).
 pub fn is_link_refusal(e: &io::Error) -> bool {
@@ -29,12 +29,12 @@ pub fn link_refusal(path: &Path) -> io::Error {
 }
 
 fn open(path: &Path, flags: OFlags, mode: u32) -> io::Result<File> {
-    match rustix::fs::openat2(
+    match sandbar_fs::open_at(
         rustix::fs::CWD,
         path,
-        flags | OFlags::CLOEXEC,
+        flags,
         Mode::from_raw_mode(mode),
-        ResolveFlags::NO_MAGICLINKS,
+        sandbar_fs::Links::Ordinary,
     ) {
         Ok(fd) => Ok(File::from(fd)),
         Err(e) => {

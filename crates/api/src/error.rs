@@ -230,7 +230,7 @@ impl From<sandbar_core::builds::StartBuildError> for ApiError {
                 Self::new(StatusCode::NOT_FOUND, e.to_string())
             }
             E::AlreadyStarted(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
-            E::Invalid(_) => Self::bad_request(e.to_string()),
+            E::Invalid(_) | E::RegistryRefused { .. } => Self::bad_request(e.to_string()),
             E::Store(ref s) => Self::internal(s),
         }
     }
@@ -253,9 +253,13 @@ impl From<sandbar_core::builds::UploadLinkError> for ApiError {
             E::TemplateNotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::BadHash(_) => Self::bad_request(e.to_string()),
             E::BadToken => Self::new(StatusCode::FORBIDDEN, e.to_string()),
-            E::Upload(UploadError::TooLarge { .. }) => {
+            E::Upload(UploadError::TooLarge { .. } | UploadError::TeamBytes { .. }) => {
                 Self::new(StatusCode::PAYLOAD_TOO_LARGE, e.to_string())
             }
+            E::Upload(UploadError::TeamCount { .. }) => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            E::Upload(UploadError::Corrupt { .. }) => Self::bad_request(e.to_string()),
             E::Upload(ref u) => Self::internal(u),
             E::Store(ref s) => Self::internal(s),
         }

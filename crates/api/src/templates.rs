@@ -366,7 +366,8 @@ pub(crate) async fn file_link(
         (status = 400, description = "Invalid hash, or the archive does not match it", body = ErrorBody),
         (status = 403, description = "Missing, invalid or expired token", body = ErrorBody),
         (status = 404, description = "No such template", body = ErrorBody),
-        (status = 413, description = "The archive is too large", body = ErrorBody),
+        (status = 413, description = "The archive is too large, or the team's uploads would take more than it may keep", body = ErrorBody),
+        (status = 429, description = "The team keeps as many uploads as it may", body = ErrorBody),
         (status = 500, description = "The files could not be stored", body = ErrorBody),
     )
 )]

@@ -664,6 +664,66 @@ async fn create_from_a_failed_template_says_why() {
 }
 
 #[tokio::test]
+async fn builds_from_refused_registries_answer_400_when_requested() {
+    let h = harness(GENEROUS).await;
+    let requested = h
+        .api("POST", "/v3/templates", Some(r#"{"name":"from-image"}"#))
+        .await;
+    assert_eq!(
+        requested.status,
+        StatusCode::ACCEPTED,
+        "{:?}",
+        requested.body
+    );
+    let template_id = requested.body["templateID"].as_str().expect("template");
+    let build_id = requested.body["buildID"].as_str().expect("build");
+    let start = format!("/v2/templates/{template_id}/builds/{build_id}");
+    let refused = h
+        .api(
+            "POST",
+            &start,
+            Some(r#"{"fromImage":"refused.test/x/y:1"}"#),
+        )
+        .await;
+    assert_error_body(&refused, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        refused.body["message"],
+        "image 'refused.test/x/y:1' cannot be pulled: registry refused.test:443 resolves to 127.0.0.1, a loopback address"
+    );
+    // Nothing was queued: the same build can still start from an allowed image.
+    let started = h
+        .api(
+            "POST",
+            &start,
+            Some(r#"{"fromImage":"allowed.test/x/y:1"}"#),
+        )
+        .await;
+    assert_eq!(started.status, StatusCode::ACCEPTED, "{:?}", started.body);
+
+    let dockerfile = h
+        .api(
+            "POST",
+            "/templates",
+            Some(r#"{"dockerfile":"FROM refused.test/x/y\nRUN true\n","alias":"from-file"}"#),
+        )
+        .await;
+    assert_error_body(&dockerfile, StatusCode::BAD_REQUEST);
+    assert!(
+        dockerfile.body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("loopback")),
+        "{:?}",
+        dockerfile.body
+    );
+    let listed = h.api("GET", "/templates", None).await;
+    assert!(
+        !listed.body.to_string().contains("from-file"),
+        "a refused Dockerfile template was recorded: {:?}",
+        listed.body
+    );
+}
+
+#[tokio::test]
 async fn undecodable_path_parameters_get_json_errors() {
     let h = harness(GENEROUS).await;
     for (method, path) in [

@@ -191,7 +191,11 @@ fn is_root() -> bool {
 }
 
 async fn pull_ours(args: &PullArgs, dir: &Path) -> anyhow::Result<(Timed, PulledImage)> {
-    let cache = ImageCache::new(dir.join("cache"), args.plain_http.clone());
+    // The operator named this image, so its registry may be contacted wherever it is.
+    let registry = sandbar_image::registry::registry_of(&args.image)?.parse()?;
+    let policy =
+        sandbar_image::RegistryPolicy::new(vec![registry], args.plain_http.clone(), vec![])?;
+    let cache = ImageCache::new(dir.join("cache"), std::sync::Arc::new(policy));
     let cpu_before = cpu_time(libc::RUSAGE_SELF);
     let started = Instant::now();
     let pulled = cache

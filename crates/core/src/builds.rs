@@ -288,6 +288,16 @@ pub type UploadBody = Pin<Box<dyn AsyncRead + Send>>;
 pub enum UploadError {
     #[error("upload of files {hash} is larger than the limit of {limit} bytes")]
     TooLarge { hash: String, limit: u64 },
+    #[error(
+        "upload of files {hash} refused: the team already keeps {limit} uploads, the most it may (uploads are removed once a build used them or after a while unused)"
+    )]
+    TeamCount { hash: String, limit: usize },
+    #[error(
+        "upload of files {hash} refused: the team's uploads would take more than {limit} bytes, the most it may keep (uploads are removed once a build used them or after a while unused)"
+    )]
+    TeamBytes { hash: String, limit: u64 },
+    #[error("upload of files {hash} is not a valid gzip stream: {message}")]
+    Corrupt { hash: String, message: String },
     #[error("upload of files {hash} failed: {message}")]
     Failed { hash: String, message: String },
 }
@@ -309,12 +319,114 @@ pub trait Builder: Send + Sync + 'static {
     ) -> Result<(), UploadError>;
     /// Drops layers that none of `in_use` (and no running sandbox) needs.
     async fn collect_garbage(&self, in_use: &[String]);
+    /// `job` was queued: the uploads it reads must stay until [`Builder::release_uploads`].
+    fn hold_uploads(&self, _job: &BuildJob) {}
+    /// `job` ended, or will never run: its uploads may go unless another build holds them.
+    fn release_uploads(&self, _job: &BuildJob) {}
+    /// Removes uploads that no build used for longer than the node keeps them.
+    async fn sweep_uploads(&self) {}
+}
+
+/// Log lines one build keeps; later ones are counted and dropped.
+pub const BUILD_LOG_MAX_LINES: usize = 10_000;
+/// Bytes of log messages one build keeps.
+pub const BUILD_LOG_MAX_BYTES: usize = 4 << 20;
+/// Room kept beyond the caps for warnings and errors, so the reason a build failed is never
+/// among the lines dropped.
+const BUILD_LOG_WARNING_LINES: usize = 100;
+const BUILD_LOG_WARNING_BYTES: usize = 256 << 10;
+
+/// Bounds one build's log, whatever its steps print.
+#[derive(Debug)]
+struct LogCap {
+    max_lines: usize,
+    max_bytes: usize,
+    lines: usize,
+    bytes: usize,
+    dropped_lines: u64,
+    dropped_bytes: u64,
+}
+
+impl LogCap {
+    fn new(max_lines: usize, max_bytes: usize) -> Self {
+        Self {
+            max_lines,
+            max_bytes,
+            lines: 0,
+            bytes: 0,
+            dropped_lines: 0,
+            dropped_bytes: 0,
+        }
+    }
+
+    /// Whether `entry` is kept; counts it either way.
+    fn admit(&mut self, entry: &BuildLogEntry) -> bool {
+        let (max_lines, max_bytes) = if entry.level >= LogLevel::Warn {
+            (
+                self.max_lines + BUILD_LOG_WARNING_LINES,
+                self.max_bytes + BUILD_LOG_WARNING_BYTES,
+            )
+        } else {
+            (self.max_lines, self.max_bytes)
+        };
+        let size = entry.message.len();
+        if self.lines < max_lines && self.bytes.saturating_add(size) <= max_bytes {
+            self.lines += 1;
+            self.bytes += size;
+            true
+        } else {
+            self.dropped_lines += 1;
+            self.dropped_bytes += size as u64;
+            false
+        }
+    }
+
+    /// What the log says at its end when lines were dropped.
+    fn note(&self) -> Option<String> {
+        (self.dropped_lines > 0).then(|| {
+            format!(
+                "{} more log lines ({} bytes) of this build were not kept: a build keeps at most {} lines and {} bytes of log",
+                self.dropped_lines, self.dropped_bytes, self.max_lines, self.max_bytes
+            )
+        })
+    }
+}
+
+/// Holds a queued build's uploads until it is dropped, whether the build ran, failed or was
+/// aborted before it started.
+struct UploadHold {
+    builder: Arc<dyn Builder>,
+    job: BuildJob,
+}
+
+impl UploadHold {
+    fn new(builder: Arc<dyn Builder>, job: BuildJob) -> Self {
+        builder.hold_uploads(&job);
+        Self { builder, job }
+    }
+}
+
+impl Drop for UploadHold {
+    fn drop(&mut self) {
+        self.builder.release_uploads(&self.job);
+    }
+}
+
+/// Decides, while a build is requested, whether the registry an image reference names may be
+/// contacted, so the caller hears at once rather than from a failed build. The node checks
+/// every connection of the pull again: an answer here can change by the time it runs.
+#[async_trait::async_trait]
+pub trait RegistryCheck: Send + Sync + 'static {
+    /// Why the registry of `reference` may not be contacted, if it may not.
+    async fn refusal(&self, reference: &str) -> Option<String>;
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestBuildError {
     #[error(transparent)]
     Dockerfile(#[from] crate::dockerfile::DockerfileError),
+    #[error("image '{reference}' cannot be pulled: {reason}")]
+    RegistryRefused { reference: String, reason: String },
     #[error("template '{0}' not found")]
     TemplateNotFound(String),
     #[error("invalid template name '{0}': use lower-case letters, digits, '-', '_' and '.'")]
@@ -355,6 +467,8 @@ pub enum StartBuildError {
     AlreadyStarted(String),
     #[error("invalid build: {0}")]
     Invalid(String),
+    #[error("image '{reference}' cannot be pulled: {reason}")]
+    RegistryRefused { reference: String, reason: String },
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -465,6 +579,7 @@ pub struct Builds {
     contexts: Arc<Mutex<HashMap<String, String>>>,
     finished: Arc<Notify>,
     tasks: Arc<Mutex<tokio::task::JoinSet<()>>>,
+    registry_check: Option<Arc<dyn RegistryCheck>>,
 }
 
 impl std::fmt::Debug for Builds {
@@ -524,7 +639,24 @@ impl Builds {
             contexts: Arc::new(Mutex::new(HashMap::new())),
             finished,
             tasks: Arc::new(Mutex::new(tokio::task::JoinSet::new())),
+            registry_check: None,
         }
+    }
+
+    /// Refuses builds from registries `check` refuses, when they are requested.
+    pub fn with_registry_check(mut self, check: Arc<dyn RegistryCheck>) -> Self {
+        self.registry_check = Some(check);
+        self
+    }
+
+    /// The image reference of `source` and why its registry is refused, if it is.
+    async fn registry_refusal(&self, source: &BuildSource) -> Option<(String, String)> {
+        let (BuildSource::Image { reference, .. }, Some(check)) = (source, &self.registry_check)
+        else {
+            return None;
+        };
+        let reason = check.refusal(reference).await?;
+        Some((reference.clone(), reason))
     }
 
     /// Marks builds a previous server process left unfinished as failed: their work is gone.
@@ -791,6 +923,9 @@ impl Builds {
                 )));
             }
         }
+        if let Some((reference, reason)) = self.registry_refusal(&spec.source).await {
+            return Err(StartBuildError::RegistryRefused { reference, reason });
+        }
         self.launch(team, &template, build, spec, base).await
     }
 
@@ -834,6 +969,9 @@ impl Builds {
         request: DockerfileRequest,
     ) -> Result<BuildRequested, RequestBuildError> {
         let parsed = crate::dockerfile::to_build(&request.dockerfile, Some(CONTEXT_PLACEHOLDER))?;
+        if let Some((reference, reason)) = self.registry_refusal(&parsed.spec.source).await {
+            return Err(RequestBuildError::RegistryRefused { reference, reason });
+        }
         let name = match template_id {
             Some(id) => {
                 let template = self
@@ -929,6 +1067,9 @@ impl Builds {
                 })?;
             }
         }
+        if let Some((reference, reason)) = self.registry_refusal(&spec.source).await {
+            return Err(StartBuildError::RegistryRefused { reference, reason });
+        }
         self.launch(team, &template, build, spec, None).await
     }
 
@@ -1005,6 +1146,8 @@ impl Builds {
 
     fn spawn(&self, build: BuildRecord, job: BuildJob) {
         let this = self.clone();
+        // Held from the queue on, so a build waiting for a slot keeps its files.
+        let hold = UploadHold::new(self.builder.clone(), job.clone());
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {
@@ -1024,11 +1167,35 @@ impl Builds {
                     seq += 1;
                 }
             });
+            // The channel is unbounded, so the cap is applied before a line enters it.
+            let cap = Arc::new(Mutex::new(LogCap::new(
+                BUILD_LOG_MAX_LINES,
+                BUILD_LOG_MAX_BYTES,
+            )));
+            let sink_cap = cap.clone();
+            let sink = tx.clone();
             let log = BuildLog::new(move |entry| {
-                let _ = tx.send(entry);
+                let kept = sink_cap
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .admit(&entry);
+                if kept {
+                    let _ = sink.send(entry);
+                }
             });
             tracing::info!(template_id = %job.template_id, build_id = %job.build_id, "build started");
             let outcome = this.builder.build(job, log).await;
+            drop(hold);
+            let note = cap.lock().unwrap_or_else(|p| p.into_inner()).note();
+            if let Some(note) = note {
+                let _ = tx.send(BuildLogEntry {
+                    timestamp: Utc::now(),
+                    level: LogLevel::Warn,
+                    message: note,
+                    step: None,
+                });
+            }
+            drop(tx);
             // The builder dropped its log handle; wait until every line is stored so a
             // finished build's logs are complete when its status says so.
             let _ = writer.await;
@@ -1078,6 +1245,16 @@ impl Builds {
         self.finished.notify_waiters();
         self.collect_garbage().await;
         Ok(())
+    }
+
+    /// Removes uploads left unused for too long, every `every`, forever.
+    pub async fn run_upload_sweeper(self, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.builder.sweep_uploads().await;
+        }
     }
 
     /// Asks the builder to drop layers no template build still refers to.
@@ -1263,6 +1440,36 @@ mod tests {
         assert!(!valid_tag("a/b"));
         assert!(valid_files_hash(&"a".repeat(64)));
         assert!(!valid_files_hash(&"g".repeat(64)));
+    }
+
+    fn entry(level: LogLevel, message: &str) -> BuildLogEntry {
+        BuildLogEntry {
+            timestamp: Utc::now(),
+            level,
+            message: message.to_owned(),
+            step: None,
+        }
+    }
+
+    #[test]
+    fn a_build_log_is_capped_in_lines_and_bytes_and_says_what_it_dropped() {
+        let mut cap = LogCap::new(3, 10);
+        assert!(cap.admit(&entry(LogLevel::Info, "1234")));
+        assert!(cap.admit(&entry(LogLevel::Info, "5678")));
+        // Two bytes left: a longer line is dropped, a short one still fits.
+        assert!(!cap.admit(&entry(LogLevel::Info, "abc")));
+        assert!(cap.admit(&entry(LogLevel::Info, "ab")));
+        // Three lines kept: nothing more at info level, even empty.
+        assert!(!cap.admit(&entry(LogLevel::Info, "")));
+        // Errors have room of their own.
+        assert!(cap.admit(&entry(LogLevel::Error, "step 2 failed")));
+        assert_eq!(
+            cap.note().as_deref(),
+            Some(
+                "2 more log lines (3 bytes) of this build were not kept: a build keeps at most 3 lines and 10 bytes of log"
+            )
+        );
+        assert_eq!(LogCap::new(3, 10).note(), None);
     }
 
     #[test]

@@ -30,7 +30,8 @@ pub use agent_links::{AgentLease, HangUp};
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
-    BuildStep, Builder, Builds, BuildsConfig, LogLevel, SnapshotImage, StepKind, TemplateImage,
+    BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StepKind,
+    TemplateImage,
 };
 pub use keys::{
     ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,

@@ -4,9 +4,20 @@
 //! Every unpacked layer is a directory laid out as an overlayfs lower layer mounted with
 //! `userxattr`: deletions are character devices 0:0 and opaque directories carry
 //! `user.overlay.opaque=y`, so a stack of layers can be handed to overlayfs as they are.
+//!
+//! Pulls contact only registries the [`RegistryPolicy`] allows: never the host itself, its
+//! link-local neighbours or the sandbox network, unless the operator said so.
 
+mod distribution;
 pub mod registry;
+pub mod registry_address;
 pub mod unpack;
 
 pub use registry::{ImageCache, ImageConfig, PullError, PulledImage, PulledLayer, RegistryAuth};
-pub use unpack::{UnpackError, UnpackStats, apply_layer, extract_upload};
+pub use registry_address::{
+    AllowedRegistry, AllowedRegistryError, RefusedRange, RegistryPolicy, RegistryRefused,
+};
+pub use unpack::{
+    ByteBudget, ENTRY_COST, UnpackError, UnpackStats, apply_layer, apply_layer_within,
+    extract_upload,
+};

@@ -21,22 +21,22 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use futures_util::{StreamExt, TryStreamExt};
-use oci_client::client::{ClientConfig, ClientProtocol};
-use oci_client::errors::{DigestError, OciDistributionError, OciErrorCode};
+use oci_client::Reference;
 use oci_client::manifest::{
     IMAGE_MANIFEST_LIST_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE, OCI_IMAGE_INDEX_MEDIA_TYPE,
     OCI_IMAGE_MEDIA_TYPE,
 };
-use oci_client::secrets::RegistryAuth as OciAuth;
-use oci_client::{Client, Reference};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
+use url::Url;
 
-use crate::unpack::{UnpackError, UnpackStats, apply_layer};
+use crate::distribution::Session;
+use crate::registry_address::{RegistryPolicy, RegistryRefused};
+
+use crate::unpack::{ByteBudget, UnpackError, UnpackStats, apply_layer_within};
 
 const MANIFEST_TYPES: [&str; 4] = [
     OCI_IMAGE_INDEX_MEDIA_TYPE,
@@ -64,7 +64,6 @@ const LAYER_TYPES: [&str; 10] = [
 /// Image configs are a few kilobytes; the cap keeps a hostile registry from filling memory.
 const MAX_CONFIG_BYTES: u64 = 16 << 20;
 const PARALLEL_LAYERS: usize = 3;
-const USER_AGENT: &str = concat!("sandbar/", env!("CARGO_PKG_VERSION"));
 const STAGING_PREFIX: &str = ".tmp-";
 
 /// Credentials for one registry.
@@ -123,6 +122,10 @@ pub enum PullError {
     Unauthorized { reference: String },
     #[error("registry of {reference} is unreachable: {reason}")]
     Unreachable { reference: String, reason: String },
+    /// The registry, its token service or a redirect resolves to an address the server may
+    /// not contact.
+    #[error(transparent)]
+    Refused(#[from] RegistryRefused),
     #[error("image {reference} not found")]
     NotFound { reference: String },
     #[error("image {reference} has no manifest for {platform}")]
@@ -139,7 +142,8 @@ pub enum PullError {
         #[source]
         source: io::Error,
     },
-    /// The registry answered, but not with anything usable.
+    /// The registry answered, but not with anything usable. The message never carries what
+    /// the registry wrote.
     #[error("registry error pulling {reference}: {message}")]
     Registry { reference: String, message: String },
 }
@@ -151,7 +155,10 @@ pub enum PullError {
 #[derive(Debug)]
 pub struct ImageCache {
     root: PathBuf,
-    plain_http_hosts: Vec<String>,
+    /// Unpacked layers; `root/layers` unless the owner keeps them elsewhere.
+    layers: PathBuf,
+    /// Which registries may be contacted, and which over plain HTTP.
+    policy: Arc<RegistryPolicy>,
     /// One lock per layer being fetched, so concurrent pulls of one image download it once.
     inflight: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
@@ -160,13 +167,20 @@ impl ImageCache {
     /// `root` is a directory the cache owns: blobs in `root/blobs/sha256/<hex>`, unpacked
     /// layers in `root/layers/<hex-of-diff-id>/`.
     ///
-    /// `plain_http_hosts`: registries reached over plain HTTP besides localhost, 127.0.0.1 and
-    /// [::1] (any port), which always are. `host:port` names one registry; a bare `host`
-    /// matches it on any port.
-    pub fn new(root: PathBuf, plain_http_hosts: Vec<String>) -> Self {
+    /// `policy` decides which registries may be contacted (every connection of a pull is
+    /// checked) and which are reached over plain HTTP.
+    pub fn new(root: PathBuf, policy: Arc<RegistryPolicy>) -> Self {
+        let layers = root.join("layers");
+        Self::with_layers_dir(root, layers, policy)
+    }
+
+    /// [`ImageCache::new`] with the unpacked layers in `layers` (which must be on one
+    /// filesystem with its own staging directories, and may be another than `root`'s).
+    pub fn with_layers_dir(root: PathBuf, layers: PathBuf, policy: Arc<RegistryPolicy>) -> Self {
         let cache = Self {
             root,
-            plain_http_hosts,
+            layers,
+            policy,
             inflight: Mutex::new(HashMap::new()),
         };
         cache.remove_stale_staging();
@@ -176,7 +190,7 @@ impl ImageCache {
     /// Where unpacked layers live, one directory per diff id, for garbage collection by the
     /// caller. Names starting with `.tmp-` are pulls in progress.
     pub fn layers_dir(&self) -> PathBuf {
-        self.root.join("layers")
+        self.layers.clone()
     }
 
     fn blobs_dir(&self) -> PathBuf {
@@ -193,34 +207,42 @@ impl ImageCache {
         auth: Option<&RegistryAuth>,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<PulledImage, PullError> {
-        self.pull_for("", reference, auth, progress).await
+        self.pull_for("", reference, auth, progress, MAX_LAYER_BYTES)
+            .await
     }
 
     /// [`ImageCache::pull`] on behalf of `owner` (a tenant): a layer another owner unpacked
     /// is reused only after this owner downloaded its blob and it decompressed to the same
     /// diff id. Knowing a private layer's digests is then not enough to get its contents.
+    ///
+    /// `limit` bounds, in bytes, what the pull may write: the layers it unpacks together
+    /// (file content in whole blocks plus a charge per entry), and each blob it downloads
+    /// or decompresses. Layers already unpacked cost nothing.
     pub async fn pull_for(
         &self,
         owner: &str,
         reference: &str,
         auth: Option<&RegistryAuth>,
         progress: &(dyn Fn(String) + Send + Sync),
+        limit: u64,
     ) -> Result<PulledImage, PullError> {
         let image = parse_reference(reference)?;
         let name = image.whole();
         self.prepare_dirs()?;
-        let client = self.client(&image, &name)?;
-        let auth = match auth {
-            Some(auth) => OciAuth::Basic(auth.username.clone(), auth.password.clone()),
-            None => OciAuth::Anonymous,
-        };
+        // A session per pull: credentials and tokens must not carry over to another caller's
+        // pull.
+        let registry = Session::new(
+            Arc::clone(&self.policy),
+            &registry_url(&image, &self.policy)?,
+            image.repository(),
+            &name,
+            auth,
+        )?;
         let (arch, variant) = host_platform();
 
         progress(format!("resolving {name}"));
-        let (body, _) = client
-            .pull_manifest_raw(&image, &auth, &MANIFEST_TYPES)
-            .await
-            .map_err(|e| map_oci(e, &name))?;
+        let top = image.digest().or(image.tag()).unwrap_or("latest");
+        let body = registry.manifest(top, &MANIFEST_TYPES).await?;
         let top_digest = sha256_digest(&body);
         if let Some(expected) = image.digest()
             && expected != top_digest
@@ -240,11 +262,7 @@ impl ImageCache {
                     }
                 })?;
                 checked_hex(&entry.digest, &name)?;
-                let platform_image = image.clone_with_digest(entry.digest.clone());
-                let (body, _) = client
-                    .pull_manifest_raw(&platform_image, &auth, &MANIFEST_TYPES)
-                    .await
-                    .map_err(|e| map_oci(e, &name))?;
+                let body = registry.manifest(&entry.digest, &MANIFEST_TYPES).await?;
                 let actual = sha256_digest(&body);
                 if actual != entry.digest {
                     return Err(PullError::DigestMismatch {
@@ -280,7 +298,7 @@ impl ImageCache {
             checked_hex(&layer.digest, &name)?;
         }
 
-        let config_bytes = self.config_blob(&client, &image, &config, &name).await?;
+        let config_bytes = self.config_blob(&registry, &config, &name).await?;
         let config: ConfigDoc =
             serde_json::from_slice(&config_bytes).map_err(|e| PullError::Registry {
                 reference: name.clone(),
@@ -311,11 +329,12 @@ impl ImageCache {
 
         // Collected before awaiting: a lazy `map` closure held across the await would make
         // this future lose `Send`.
+        let budget = ByteBudget::new(limit);
         let tasks: Vec<_> = layers
             .iter()
             .zip(&diff_ids)
             .map(|(layer, diff_id)| {
-                self.layer(&client, &image, layer, diff_id, (&name, owner), progress)
+                self.layer(&registry, layer, diff_id, (&name, owner), progress, &budget)
             })
             .collect();
         let pulled: Vec<PulledLayer> = futures_util::stream::iter(tasks)
@@ -329,32 +348,6 @@ impl ImageCache {
             manifest_digest,
             layers: pulled,
             config: image_config(config.config.unwrap_or_default()),
-        })
-    }
-
-    fn client(&self, image: &Reference, name: &str) -> Result<Client, PullError> {
-        // reqwest is built without a bundled crypto provider so that aws-lc is not needed;
-        // installing ring once for the process does it, and fails harmlessly if the
-        // application already installed one.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-        let protocol = if is_plain_http(image.registry(), &self.plain_http_hosts) {
-            ClientProtocol::HttpsExcept(vec![image.resolve_registry().to_owned()])
-        } else {
-            ClientProtocol::Https
-        };
-        // A client per pull: oci-client keeps the first credentials it saw for a registry,
-        // which must not carry over to another caller's pull.
-        let config = ClientConfig {
-            protocol,
-            platform_resolver: None,
-            connect_timeout: Some(Duration::from_secs(30)),
-            read_timeout: Some(Duration::from_secs(120)),
-            user_agent: USER_AGENT,
-            ..ClientConfig::default()
-        };
-        Client::try_from(config).map_err(|e| PullError::Registry {
-            reference: name.to_owned(),
-            message: format!("cannot set up an HTTP client: {}", error_chain(&e)),
         })
     }
 
@@ -399,8 +392,7 @@ impl ImageCache {
 
     async fn config_blob(
         &self,
-        client: &Client,
-        image: &Reference,
+        registry: &Session,
         descriptor: &Descriptor,
         name: &str,
     ) -> Result<Vec<u8>, PullError> {
@@ -415,13 +407,13 @@ impl ImageCache {
         let limit = descriptor
             .size
             .map_or(MAX_CONFIG_BYTES, |s| s.min(MAX_CONFIG_BYTES));
-        let mut stream = client
-            .pull_blob_stream(image, descriptor.digest.as_str())
-            .await
-            .map_err(|e| map_oci(e, name))?;
+        let mut response = registry.blob(&descriptor.digest).await?;
         let mut data = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| map_stream(e, name))?;
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| registry.stream_error(&e))?
+        {
             if data.len() as u64 + chunk.len() as u64 > limit {
                 return Err(PullError::Registry {
                     reference: name.to_owned(),
@@ -448,14 +440,15 @@ impl ImageCache {
         Ok(data)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn layer(
         &self,
-        client: &Client,
-        image: &Reference,
+        registry: &Session,
         descriptor: &Descriptor,
         diff_id: &str,
         (name, owner): (&str, &str),
         progress: &(dyn Fn(String) + Send + Sync),
+        budget: &ByteBudget,
     ) -> Result<PulledLayer, PullError> {
         let Some(diff_hex) = sha256_hex(diff_id) else {
             return Err(PullError::Unsupported {
@@ -481,10 +474,13 @@ impl ImageCache {
                 "verifying access to cached layer {}",
                 short(diff_id)
             ));
-            let blob = self.download(client, image, descriptor, name).await?;
+            let blob = self
+                .download(registry, descriptor, name, budget.limit())
+                .await?;
             let blob_path = blob.0.clone();
             let expected = diff_hex.to_owned();
-            tokio::task::spawn_blocking(move || verify_diff_id(&blob_path, &expected))
+            let limit = budget.limit();
+            tokio::task::spawn_blocking(move || verify_diff_id(&blob_path, &expected, limit))
                 .await
                 .map_err(|e| PullError::Io {
                     path: path.clone(),
@@ -505,17 +501,21 @@ impl ImageCache {
                 .size
                 .map_or_else(|| "size unknown".to_owned(), human_size)
         ));
-        let blob = self.download(client, image, descriptor, name).await?;
+        let blob = self
+            .download(registry, descriptor, name, budget.limit())
+            .await?;
         let blob_path = blob.0.clone();
         let layers_dir = self.layers_dir();
         let expected = diff_hex.to_owned();
-        let stats =
-            tokio::task::spawn_blocking(move || unpack_blob(&blob_path, &layers_dir, &expected))
-                .await
-                .map_err(|e| PullError::Io {
-                    path: path.clone(),
-                    source: io::Error::other(e),
-                })??;
+        let budget = budget.clone();
+        let stats = tokio::task::spawn_blocking(move || {
+            unpack_blob(&blob_path, &layers_dir, &expected, &budget)
+        })
+        .await
+        .map_err(|e| PullError::Io {
+            path: path.clone(),
+            source: io::Error::other(e),
+        })??;
         drop(blob);
         self.record_proof(proof.as_deref())?;
         progress(format!(
@@ -557,13 +557,14 @@ impl ImageCache {
         }
     }
 
-    /// Downloads a layer blob to a temporary file, checking its size and digest.
+    /// Downloads a layer blob to a temporary file, checking its size (at most `limit`) and
+    /// digest.
     async fn download(
         &self,
-        client: &Client,
-        image: &Reference,
+        registry: &Session,
         descriptor: &Descriptor,
         name: &str,
+        limit: u64,
     ) -> Result<TempPath, PullError> {
         let tmp = TempPath(self.blobs_dir().join(staging_name()));
         let mut file = tokio::fs::OpenOptions::new()
@@ -575,20 +576,29 @@ impl ImageCache {
             .map_err(io_at(&tmp.0))?;
         // Only the digest is handed over: a descriptor's `urls` would make the server fetch
         // from wherever the manifest's author likes.
-        let mut stream = client
-            .pull_blob_stream(image, descriptor.digest.as_str())
-            .await
-            .map_err(|e| map_oci(e, name))?;
+        let mut response = registry.blob(&descriptor.digest).await?;
         let mut hasher = Sha256::new();
         let mut total = 0u64;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| map_stream(e, name))?;
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| registry.stream_error(&e))?
+        {
             total += chunk.len() as u64;
             if descriptor.size.is_some_and(|size| total > size) {
                 return Err(PullError::Registry {
                     reference: name.to_owned(),
                     message: format!(
                         "blob {} is larger than its manifest says",
+                        descriptor.digest
+                    ),
+                });
+            }
+            if total > limit {
+                return Err(PullError::Registry {
+                    reference: name.to_owned(),
+                    message: format!(
+                        "blob {} is larger than the limit of {limit} bytes",
                         descriptor.digest
                     ),
                 });
@@ -651,12 +661,12 @@ impl Drop for Staging {
     }
 }
 
-/// Decompresses and unpacks a downloaded layer blob, verifies the uncompressed digest against
-/// the config's diff id and moves the result into place.
-/// Uncompressed bytes one layer may hold: a small compressed blob must not fill the disk.
+/// What [`ImageCache::pull`], which has no caller's limit, lets one pull write.
 pub const MAX_LAYER_BYTES: u64 = 32 << 30;
 
-fn open_layer_stream(blob: &Path) -> Result<HashingReader<Box<dyn Read>>, PullError> {
+/// The uncompressed tar stream of `blob`, failing once it grows past `limit` bytes: a small
+/// compressed blob must not keep the unpacker busy for ever.
+fn open_layer_stream(blob: &Path, limit: u64) -> Result<HashingReader<Box<dyn Read>>, PullError> {
     let file = File::open(blob).map_err(io_at(blob))?;
     let mut reader = BufReader::with_capacity(256 << 10, file);
     let magic = reader.fill_buf().map_err(io_at(blob))?;
@@ -669,14 +679,48 @@ fn open_layer_stream(blob: &Path) -> Result<HashingReader<Box<dyn Read>>, PullEr
         Box::new(reader)
     };
     Ok(HashingReader {
-        inner: Box::new(tar.take(MAX_LAYER_BYTES)),
+        inner: Box::new(Capped {
+            inner: tar,
+            left: limit,
+            limit,
+        }),
         hasher: Sha256::new(),
     })
 }
 
+/// Fails reads past `limit` bytes instead of ending the stream, which would pass for a
+/// truncated layer.
+struct Capped<R> {
+    inner: R,
+    left: u64,
+    limit: u64,
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.left == 0 {
+            // One byte more tells a stream of exactly `limit` bytes from a longer one.
+            let mut probe = [0u8; 1];
+            return match self.inner.read(&mut probe)? {
+                0 => Ok(0),
+                _ => Err(io::Error::other(format!(
+                    "the uncompressed layer is larger than the limit of {} bytes",
+                    self.limit
+                ))),
+            };
+        }
+        let want = buf
+            .len()
+            .min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
 /// Checks that `blob` decompresses to the layer `diff_hex` names.
-fn verify_diff_id(blob: &Path, diff_hex: &str) -> Result<(), PullError> {
-    let mut tar = open_layer_stream(blob)?;
+fn verify_diff_id(blob: &Path, diff_hex: &str, limit: u64) -> Result<(), PullError> {
+    let mut tar = open_layer_stream(blob, limit)?;
     io::copy(&mut tar, &mut io::sink()).map_err(|e| PullError::Unpack(UnpackError::Tar(e)))?;
     let actual = hex::encode(tar.hasher.finalize());
     if actual != diff_hex {
@@ -688,8 +732,15 @@ fn verify_diff_id(blob: &Path, diff_hex: &str) -> Result<(), PullError> {
     Ok(())
 }
 
-fn unpack_blob(blob: &Path, layers_dir: &Path, diff_hex: &str) -> Result<UnpackStats, PullError> {
-    let mut tar = open_layer_stream(blob)?;
+/// Decompresses and unpacks a downloaded layer blob within `budget`, verifies the
+/// uncompressed digest against the config's diff id and moves the result into place.
+fn unpack_blob(
+    blob: &Path,
+    layers_dir: &Path,
+    diff_hex: &str,
+    budget: &ByteBudget,
+) -> Result<UnpackStats, PullError> {
+    let mut tar = open_layer_stream(blob, budget.limit())?;
 
     let staging = Staging {
         path: layers_dir.join(staging_name()),
@@ -698,7 +749,7 @@ fn unpack_blob(blob: &Path, layers_dir: &Path, diff_hex: &str) -> Result<UnpackS
     std::fs::create_dir(&staging.path).map_err(io_at(&staging.path))?;
     std::fs::set_permissions(&staging.path, std::fs::Permissions::from_mode(0o755))
         .map_err(io_at(&staging.path))?;
-    let stats = apply_layer(&mut tar, &staging.path).map_err(PullError::Unpack)?;
+    let stats = apply_layer_within(&mut tar, &staging.path, budget).map_err(PullError::Unpack)?;
     // The digest covers the whole stream, including the padding after the end of the archive.
     io::copy(&mut tar, &mut io::sink()).map_err(|e| PullError::Unpack(UnpackError::Tar(e)))?;
     let actual = hex::encode(tar.hasher.finalize());
@@ -957,6 +1008,25 @@ pub(crate) fn parse_reference(reference: &str) -> Result<Reference, PullError> {
     Ok(parsed)
 }
 
+/// The registry (`host` or `host:port`) an image reference is pulled from.
+pub fn registry_of(reference: &str) -> Result<String, PullError> {
+    Ok(parse_reference(reference)?.resolve_registry().to_owned())
+}
+
+/// `<scheme>://<registry>/` of an image.
+pub(crate) fn registry_url(image: &Reference, policy: &RegistryPolicy) -> Result<Url, PullError> {
+    let registry = image.resolve_registry();
+    let scheme = if is_plain_http(image.registry(), policy.plain_http_hosts()) {
+        "http"
+    } else {
+        "https"
+    };
+    Url::parse(&format!("{scheme}://{registry}/")).map_err(|e| PullError::BadReference {
+        reference: image.whole(),
+        reason: format!("registry `{registry}` is not a host: {e}"),
+    })
+}
+
 /// Whether a registry (`host` or `host:port`) is reached over plain HTTP.
 pub(crate) fn is_plain_http(registry: &str, plain_http_hosts: &[String]) -> bool {
     let host = host_of(registry);
@@ -1032,109 +1102,6 @@ fn io_at(path: &Path) -> impl FnOnce(io::Error) -> PullError + '_ {
     }
 }
 
-fn map_oci(err: OciDistributionError, name: &str) -> PullError {
-    let reference = name.to_owned();
-    match err {
-        OciDistributionError::UnauthorizedError { .. }
-        | OciDistributionError::AuthenticationFailure(_) => PullError::Unauthorized { reference },
-        OciDistributionError::RegistryError { envelope, .. } => {
-            let has =
-                |codes: &[OciErrorCode]| envelope.errors.iter().any(|e| codes.contains(&e.code));
-            if has(&[OciErrorCode::Unauthorized, OciErrorCode::Denied]) {
-                PullError::Unauthorized { reference }
-            } else if has(&[
-                OciErrorCode::ManifestUnknown,
-                OciErrorCode::NameUnknown,
-                OciErrorCode::BlobUnknown,
-                OciErrorCode::ManifestBlobUnknown,
-                OciErrorCode::NotFound,
-            ]) {
-                PullError::NotFound { reference }
-            } else {
-                PullError::Registry {
-                    reference,
-                    message: envelope
-                        .errors
-                        .iter()
-                        .map(|e| format!("{:?}: {}", e.code, e.message))
-                        .collect::<Vec<_>>()
-                        .join("; "),
-                }
-            }
-        }
-        OciDistributionError::ServerError { code, message, .. } => match code {
-            401 | 403 => PullError::Unauthorized { reference },
-            404 => PullError::NotFound { reference },
-            _ => PullError::Registry {
-                reference,
-                message: format!("http status {code}: {}", truncate(&message, 200)),
-            },
-        },
-        OciDistributionError::ImageManifestNotFoundError(_) => PullError::NotFound { reference },
-        OciDistributionError::RequestError(e) if e.is_connect() || e.is_timeout() => {
-            PullError::Unreachable {
-                reference,
-                reason: error_chain(&e),
-            }
-        }
-        OciDistributionError::DigestError(DigestError::VerificationError { expected, actual }) => {
-            PullError::DigestMismatch { expected, actual }
-        }
-        OciDistributionError::IoError(e) => map_stream(e, name),
-        OciDistributionError::UnsupportedMediaTypeError(what)
-        | OciDistributionError::IncompatibleLayerMediaTypeError(what) => PullError::Unsupported {
-            reference,
-            what: format!("media type `{what}`"),
-        },
-        OciDistributionError::UnsupportedSchemaVersionError(version) => PullError::Unsupported {
-            reference,
-            what: format!("manifest schema version {version}"),
-        },
-        other => PullError::Registry {
-            reference,
-            message: error_chain(&other),
-        },
-    }
-}
-
-/// Errors from a blob stream: oci-client's own digest check, or the connection.
-fn map_stream(err: io::Error, name: &str) -> PullError {
-    if let Some(DigestError::VerificationError { expected, actual }) = err
-        .get_ref()
-        .and_then(|inner| inner.downcast_ref::<DigestError>())
-    {
-        return PullError::DigestMismatch {
-            expected: expected.clone(),
-            actual: actual.clone(),
-        };
-    }
-    PullError::Unreachable {
-        reference: name.to_owned(),
-        reason: format!("download interrupted: {}", error_chain(&err)),
-    }
-}
-
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
-}
-
-fn truncate(text: &str, max: usize) -> &str {
-    match text.char_indices().nth(max) {
-        Some((end, _)) => &text[..end],
-        None => text,
-    }
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1142,8 +1109,15 @@ mod tests {
     use std::io::Write as _;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use oci_client::errors::{OciEnvelope, OciError};
     use tokio::io::AsyncReadExt;
+
+    use crate::registry_address::RefusedRange;
+
+    /// A policy allowing the given registries (plain HTTP on loopback needs no listing).
+    fn allowing(registries: &[&str]) -> Arc<RegistryPolicy> {
+        let allowed = registries.iter().map(|r| r.parse().unwrap()).collect();
+        Arc::new(RegistryPolicy::new(allowed, vec![], vec![]).unwrap())
+    }
 
     fn normalised(reference: &str) -> String {
         parse_reference(reference).unwrap().whole()
@@ -1386,72 +1360,6 @@ mod tests {
         assert_eq!(human_size(2_500_000_000), "2.5 GB");
     }
 
-    #[test]
-    fn registry_errors_are_mapped() {
-        let server = |code| OciDistributionError::ServerError {
-            code,
-            url: "http://x/v2/".into(),
-            message: "nope".into(),
-        };
-        assert!(matches!(
-            map_oci(server(404), "r"),
-            PullError::NotFound { .. }
-        ));
-        assert!(matches!(
-            map_oci(server(403), "r"),
-            PullError::Unauthorized { .. }
-        ));
-        assert!(matches!(
-            map_oci(server(500), "r"),
-            PullError::Registry { .. }
-        ));
-        let envelope = |code| OciDistributionError::RegistryError {
-            envelope: OciEnvelope {
-                errors: vec![OciError {
-                    code,
-                    message: "m".into(),
-                    detail: serde_json::Value::Null,
-                }],
-            },
-            url: "http://x".into(),
-        };
-        assert!(matches!(
-            map_oci(envelope(OciErrorCode::ManifestUnknown), "r"),
-            PullError::NotFound { .. }
-        ));
-        assert!(matches!(
-            map_oci(envelope(OciErrorCode::NameUnknown), "r"),
-            PullError::NotFound { .. }
-        ));
-        assert!(matches!(
-            map_oci(envelope(OciErrorCode::Denied), "r"),
-            PullError::Unauthorized { .. }
-        ));
-        assert!(matches!(
-            map_oci(envelope(OciErrorCode::Toomanyrequests), "r"),
-            PullError::Registry { .. }
-        ));
-        let mismatch = OciDistributionError::DigestError(DigestError::VerificationError {
-            expected: "sha256:a".into(),
-            actual: "sha256:b".into(),
-        });
-        assert!(
-            matches!(map_oci(mismatch, "r"), PullError::DigestMismatch { expected, .. } if expected == "sha256:a")
-        );
-        let streamed = io::Error::other(DigestError::VerificationError {
-            expected: "sha256:c".into(),
-            actual: "sha256:d".into(),
-        });
-        assert!(
-            matches!(map_stream(streamed, "r"), PullError::DigestMismatch { actual, .. } if actual == "sha256:d")
-        );
-        let err = map_oci(
-            OciDistributionError::UnauthorizedError { url: "u".into() },
-            "docker.io/library/x:1",
-        );
-        assert!(err.to_string().contains("docker.io/library/x:1"), "{err}");
-    }
-
     /// A layer tar holding one file, and its diff id.
     fn layer_tar() -> (Vec<u8>, String) {
         let mut builder = tar::Builder::new(Vec::new());
@@ -1480,7 +1388,7 @@ mod tests {
             std::fs::create_dir(&layers).unwrap();
             let blob_path = tmp.path().join("blob");
             std::fs::write(&blob_path, &blob).unwrap();
-            let stats = unpack_blob(&blob_path, &layers, &hex).unwrap();
+            let stats = unpack_blob(&blob_path, &layers, &hex, &ByteBudget::new(1 << 20)).unwrap();
             assert_eq!(stats.files, 1);
             assert_eq!(
                 std::fs::read_to_string(layers.join(&hex).join("hello.txt")).unwrap(),
@@ -1493,7 +1401,7 @@ mod tests {
             );
 
             // A second unpack of the same layer finds it in place and throws its copy away.
-            unpack_blob(&blob_path, &layers, &hex).unwrap();
+            unpack_blob(&blob_path, &layers, &hex, &ByteBudget::new(1 << 20)).unwrap();
             assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 1);
         }
     }
@@ -1507,7 +1415,7 @@ mod tests {
         let blob_path = tmp.path().join("blob");
         std::fs::write(&blob_path, &tar).unwrap();
         let wrong = "f".repeat(64);
-        let err = unpack_blob(&blob_path, &layers, &wrong).unwrap_err();
+        let err = unpack_blob(&blob_path, &layers, &wrong, &ByteBudget::new(1 << 20)).unwrap_err();
         assert!(
             matches!(&err, PullError::DigestMismatch { expected, .. } if *expected == format!("sha256:{wrong}")),
             "{err}"
@@ -1516,15 +1424,50 @@ mod tests {
 
         // A corrupt archive is an unpack error and leaves nothing either.
         std::fs::write(&blob_path, b"\x1f\x8b\x08\x00garbage").unwrap();
-        let err = unpack_blob(&blob_path, &layers, &wrong).unwrap_err();
+        let err = unpack_blob(&blob_path, &layers, &wrong, &ByteBudget::new(1 << 20)).unwrap_err();
         assert!(matches!(err, PullError::Unpack(_)), "{err}");
         assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 0);
     }
 
     #[test]
+    fn a_layer_past_the_pull_limit_is_refused_and_leaves_nothing() {
+        // A megabyte of zeros compresses to about a kilobyte.
+        let mut builder = tar::Builder::new(Vec::new());
+        let mut header = tar::Header::new_gnu();
+        header.set_size(1 << 20);
+        header.set_mode(0o644);
+        builder
+            .append_data(&mut header, "zeros", &vec![0u8; 1 << 20][..])
+            .unwrap();
+        let tar = builder.into_inner().unwrap();
+        let hex = hex::encode(Sha256::digest(&tar));
+        let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gzip.write_all(&tar).unwrap();
+        let gzip = gzip.finish().unwrap();
+        assert!(gzip.len() < 16 << 10);
+
+        let tmp = tempfile::tempdir().unwrap();
+        let layers = tmp.path().join("layers");
+        std::fs::create_dir(&layers).unwrap();
+        let blob_path = tmp.path().join("blob");
+        std::fs::write(&blob_path, &gzip).unwrap();
+        for limit in [64 << 10, 1 << 20] {
+            let err = unpack_blob(&blob_path, &layers, &hex, &ByteBudget::new(limit)).unwrap_err();
+            assert!(matches!(err, PullError::Unpack(_)), "{err}");
+            assert!(err.to_string().contains(&format!("{limit} bytes")), "{err}");
+            assert_eq!(std::fs::read_dir(&layers).unwrap().count(), 0);
+            let err = verify_diff_id(&blob_path, &hex, limit).unwrap_err();
+            assert!(matches!(err, PullError::Unpack(_)), "{err}");
+        }
+        // With room for the content, the stream, and an entry's charge, it fits.
+        unpack_blob(&blob_path, &layers, &hex, &ByteBudget::new(2 << 20)).unwrap();
+        verify_diff_id(&blob_path, &hex, 2 << 20).unwrap();
+    }
+
+    #[test]
     fn new_removes_interrupted_pulls() {
         let tmp = tempfile::tempdir().unwrap();
-        let cache = ImageCache::new(tmp.path().to_owned(), vec![]);
+        let cache = ImageCache::new(tmp.path().to_owned(), allowing(&[]));
         cache.prepare_dirs().unwrap();
         let layers = cache.layers_dir();
         let stale = layers.join(".tmp-0123");
@@ -1534,7 +1477,7 @@ mod tests {
         std::fs::create_dir(&kept).unwrap();
         std::fs::write(cache.blobs_dir().join(".tmp-4567"), "partial").unwrap();
 
-        let cache = ImageCache::new(tmp.path().to_owned(), vec![]);
+        let cache = ImageCache::new(tmp.path().to_owned(), allowing(&[]));
         assert!(!stale.exists());
         assert!(kept.exists());
         assert_eq!(std::fs::read_dir(cache.blobs_dir()).unwrap().count(), 0);
@@ -1585,7 +1528,7 @@ mod tests {
         ))
         .await;
         let tmp = tempfile::tempdir().unwrap();
-        let cache = ImageCache::new(tmp.path().to_owned(), vec![]);
+        let cache = ImageCache::new(tmp.path().to_owned(), allowing(&["127.0.0.1"]));
         let auth = RegistryAuth {
             username: "user".into(),
             password: "wrong".into(),
@@ -1610,7 +1553,7 @@ mod tests {
         let body = r#"{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown"}]}"#;
         let (port, _) = fixed_server(response("404 Not Found", "", body)).await;
         let tmp = tempfile::tempdir().unwrap();
-        let cache = ImageCache::new(tmp.path().to_owned(), vec![]);
+        let cache = ImageCache::new(tmp.path().to_owned(), allowing(&["localhost"]));
         let err = cache
             .pull(&format!("localhost:{port}/tiny:nope"), None, &|_| {})
             .await
@@ -1621,7 +1564,7 @@ mod tests {
     #[test]
     fn pull_can_run_on_any_runtime_thread() {
         fn assert_send<T: Send>(_: &T) {}
-        let cache = ImageCache::new(PathBuf::from("/nonexistent"), vec![]);
+        let cache = ImageCache::new(PathBuf::from("/nonexistent"), allowing(&[]));
         let pull = cache.pull("busybox", None, &|_| {});
         assert_send(&pull);
     }
@@ -1633,7 +1576,10 @@ mod tests {
             listener.local_addr().unwrap().port()
         };
         let tmp = tempfile::tempdir().unwrap();
-        let cache = ImageCache::new(tmp.path().to_owned(), vec![]);
+        let cache = ImageCache::new(
+            tmp.path().to_owned(),
+            allowing(&[&format!("127.0.0.1:{port}")]),
+        );
         let err = cache
             .pull(&format!("127.0.0.1:{port}/tiny:1"), None, &|_| {})
             .await
@@ -1644,5 +1590,123 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, PullError::BadReference { .. }), "{err}");
+    }
+
+    async fn refused_pull(policy: Arc<RegistryPolicy>, reference: &str) -> RegistryRefused {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = ImageCache::new(tmp.path().to_owned(), policy);
+        match cache.pull(reference, None, &|_| {}).await {
+            Err(PullError::Refused(refused)) => refused,
+            other => panic!("{reference}: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn loopback_registries_are_refused_before_any_connection() {
+        let (port, hits) = fixed_server(response("404 Not Found", "", "{}")).await;
+        let refused = refused_pull(allowing(&[]), &format!("127.0.0.1:{port}/x/y:1")).await;
+        assert_eq!(refused.registry, format!("127.0.0.1:{port}"));
+        assert_eq!(refused.range, RefusedRange::Loopback);
+        // A name is refused by the resolver, at connect time.
+        let refused = refused_pull(allowing(&[]), &format!("localhost:{port}/x/y:1")).await;
+        assert_eq!(refused.range, RefusedRange::Loopback);
+        // Another port of an allowed address is not allowed.
+        let other = allowing(&[&format!("127.0.0.1:{}", port.wrapping_add(1))]);
+        refused_pull(other, &format!("127.0.0.1:{port}/x/y:1")).await;
+        assert_eq!(hits.load(Ordering::SeqCst), 0);
+        // Numeric spellings of loopback are addresses too.
+        for spelled in ["2130706433", "0x7f.1", "127.1"] {
+            let err = refused_pull(allowing(&[]), &format!("{spelled}:{port}/x/y")).await;
+            assert_eq!(
+                err.address,
+                "127.0.0.1".parse::<std::net::IpAddr>().unwrap()
+            );
+            assert!(err.to_string().contains("--allow-registry"), "{err}");
+        }
+    }
+
+    #[tokio::test]
+    async fn redirects_are_checked_hop_by_hop() {
+        let (target, target_hits) = fixed_server(response("404 Not Found", "", "{}")).await;
+        for location in [
+            format!("http://127.0.0.1:{target}/elsewhere"),
+            format!("http://localhost:{target}/elsewhere"),
+            format!("http://[::ffff:127.0.0.1]:{target}/elsewhere"),
+        ] {
+            let (port, hits) = fixed_server(response(
+                "307 Temporary Redirect",
+                &format!("Location: {location}\r\n"),
+                "",
+            ))
+            .await;
+            let policy = allowing(&[&format!("127.0.0.1:{port}")]);
+            let refused = refused_pull(policy, &format!("127.0.0.1:{port}/x/y:1")).await;
+            assert_eq!(refused.range, RefusedRange::Loopback, "{location}");
+            assert_eq!(hits.load(Ordering::SeqCst), 1, "{location}");
+        }
+        assert_eq!(target_hits.load(Ordering::SeqCst), 0);
+
+        // Hops the operator allowed are followed.
+        let body = r#"{"errors":[{"code":"MANIFEST_UNKNOWN","message":"manifest unknown"}]}"#;
+        let (target, target_hits) = fixed_server(response("404 Not Found", "", body)).await;
+        let (port, _) = fixed_server(response(
+            "302 Found",
+            &format!("Location: http://127.0.0.1:{target}/v2/x/y/manifests/1\r\n"),
+            "",
+        ))
+        .await;
+        let tmp = tempfile::tempdir().unwrap();
+        let policy = allowing(&[&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{target}")]);
+        let cache = ImageCache::new(tmp.path().to_owned(), policy);
+        let err = cache
+            .pull(&format!("127.0.0.1:{port}/x/y:1"), None, &|_| {})
+            .await
+            .unwrap_err();
+        assert!(matches!(err, PullError::NotFound { .. }), "{err}");
+        assert_eq!(target_hits.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn token_services_are_checked_too() {
+        let (realm, realm_hits) = fixed_server(response("200 OK", "", r#"{"token":"t"}"#)).await;
+        let (port, _) = fixed_server(response(
+            "401 Unauthorized",
+            &format!(
+                "WWW-Authenticate: Bearer realm=\"http://localhost:{realm}/token\",service=\"x\"\r\n"
+            ),
+            "{}",
+        ))
+        .await;
+        let policy = allowing(&[&format!("127.0.0.1:{port}")]);
+        let refused = refused_pull(policy, &format!("127.0.0.1:{port}/x/y:1")).await;
+        assert_eq!(refused.registry, format!("localhost:{realm}"));
+        assert_eq!(realm_hits.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn remote_answers_never_reach_the_error() {
+        let marker = "remote-text-4f1c9a";
+        for status in [
+            "500 Internal Server Error",
+            "400 Bad Request",
+            "418 I'm a teapot",
+        ] {
+            let (port, hits) =
+                fixed_server(response(status, "", &format!("<h1>{marker}</h1>"))).await;
+            let tmp = tempfile::tempdir().unwrap();
+            let cache = ImageCache::new(
+                tmp.path().to_owned(),
+                allowing(&[&format!("127.0.0.1:{port}")]),
+            );
+            let err = cache
+                .pull(&format!("127.0.0.1:{port}/x/y:1"), None, &|_| {})
+                .await
+                .unwrap_err();
+            let text = err.to_string();
+            assert!(!text.contains(marker), "{text}");
+            let code = &status[..3];
+            assert!(text.contains(&format!("http status {code}")), "{text}");
+            assert_eq!(hits.load(Ordering::SeqCst), 1);
+        }
     }
 }

@@ -7,19 +7,23 @@
 //! A symlink planted by an earlier entry can therefore never redirect a later one, whatever the
 //! order or the spelling of the names.
 
+#![deny(clippy::disallowed_methods)]
+
 use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Cursor, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use flate2::read::MultiGzDecoder;
 use rustix::fs::{
-    self as rfs, AtFlags, FileType, Gid, Mode, OFlags, ResolveFlags, Timespec, Timestamps, Uid,
-    XattrFlags,
+    self as rfs, AtFlags, FileType, Gid, Mode, OFlags, Timespec, Timestamps, Uid, XattrFlags,
 };
 use rustix::io::Errno;
 
@@ -34,6 +38,11 @@ const MAX_NAME_LEN: usize = 255;
 /// a multi-gigabyte "file name".
 const MAX_METADATA_BYTES: u64 = 8 << 20;
 const COPY_BUFFER: usize = 256 << 10;
+/// What an entry is charged against a [`ByteBudget`] besides its content: its inode and
+/// directory entry. File content is charged in whole 4 KiB blocks, so a million one-byte
+/// files cost what they take on disk rather than a megabyte.
+pub const ENTRY_COST: u64 = 512;
+const BLOCK: u64 = 4096;
 
 const WHITEOUT_PREFIX: &[u8] = b".wh.";
 const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
@@ -42,11 +51,6 @@ const PAX_CAPABILITY: &[u8] = b"SCHILY.xattr.security.capability";
 /// overlayfs mounted with `userxattr` reads its markers from the `user.` namespace; the
 /// `trusted.` spelling is what a mount without it reads.
 const OPAQUE_XATTRS: [&str; 2] = ["user.overlay.opaque", "trusted.overlay.opaque"];
-
-const RESOLVE: ResolveFlags = ResolveFlags::BENEATH
-    .union(ResolveFlags::NO_SYMLINKS)
-    .union(ResolveFlags::NO_MAGICLINKS)
-    .union(ResolveFlags::NO_XDEV);
 
 /// What an archive contained, counted as it was applied.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -66,6 +70,40 @@ pub struct UnpackStats {
     pub opaque_dirs: u64,
     /// Character and block devices left out of an image layer.
     pub devices_skipped: u64,
+}
+
+/// Disk space a set of unpacks may take between them (the layers of one image pulled in
+/// parallel, say): content in whole blocks plus [`ENTRY_COST`] per entry. Clones share it.
+#[derive(Debug, Clone)]
+pub struct ByteBudget {
+    limit: u64,
+    used: Arc<AtomicU64>,
+}
+
+impl ByteBudget {
+    pub fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            used: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Takes `bytes` from what is left; false, taking nothing, when they do not fit.
+    fn charge(&self, bytes: u64) -> bool {
+        self.used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                used.checked_add(bytes).filter(|total| *total <= self.limit)
+            })
+            .is_ok()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +127,8 @@ pub enum UnpackError {
     Tar(#[source] io::Error),
     #[error("archive entry `{entry}`: {what}")]
     Limit { entry: String, what: &'static str },
+    #[error("archive entry `{entry}`: the unpacked files exceed the limit of {limit} bytes")]
+    TooLarge { entry: String, limit: u64 },
 }
 
 /// Applies one OCI image layer to `dest`, an existing empty directory, so that `dest` becomes
@@ -98,7 +138,17 @@ pub enum UnpackError {
 /// Ownership, modes (setuid, setgid and sticky included), mtimes, symlinks, hard links within
 /// the layer, FIFOs and `security.capability` are kept; device nodes are left out.
 pub fn apply_layer<R: Read>(tar: R, dest: &Path) -> Result<UnpackStats, UnpackError> {
-    unpack(tar, dest, Flavor::Layer, MAX_ENTRIES)
+    unpack(tar, dest, Flavor::Layer, MAX_ENTRIES, None)
+}
+
+/// [`apply_layer`] within `budget`: the unpack fails with [`UnpackError::TooLarge`] as soon
+/// as what it wrote would take more than the budget has left.
+pub fn apply_layer_within<R: Read>(
+    tar: R,
+    dest: &Path,
+    budget: &ByteBudget,
+) -> Result<UnpackStats, UnpackError> {
+    unpack(tar, dest, Flavor::Layer, MAX_ENTRIES, Some(budget.clone()))
 }
 
 /// Extracts a user-uploaded archive (plain or gzip-compressed tar) into `dest`, an existing
@@ -123,9 +173,10 @@ pub fn extract_upload<R: Read>(tar: R, dest: &Path) -> Result<UnpackStats, Unpac
             dest,
             Flavor::Upload,
             MAX_ENTRIES,
+            None,
         )
     } else {
-        unpack(stream, dest, Flavor::Upload, MAX_ENTRIES)
+        unpack(stream, dest, Flavor::Upload, MAX_ENTRIES, None)
     }
 }
 
@@ -140,6 +191,7 @@ fn unpack<R: Read>(
     dest: &Path,
     flavor: Flavor,
     max_entries: u64,
+    space: Option<ByteBudget>,
 ) -> Result<UnpackStats, UnpackError> {
     let dest_name = dest.display().to_string();
     let root = rfs::open(
@@ -163,6 +215,7 @@ fn unpack<R: Read>(
         parent_cache: None,
         stats: UnpackStats::default(),
         buffer: vec![0; COPY_BUFFER],
+        space,
     };
 
     let mut entries = archive.entries().map_err(UnpackError::Tar)?;
@@ -179,6 +232,7 @@ fn unpack<R: Read>(
                 what: "too many entries in the archive",
             });
         }
+        unpacker.charge(ENTRY_COST, &entry.path_bytes())?;
         unpacker.entry(&mut entry)?;
         // Whatever the entry did not consume is skipped here rather than inside the tar
         // reader, where it would count against the metadata budget.
@@ -232,9 +286,21 @@ struct Unpacker {
     parent_cache: Option<(Vec<u8>, OwnedFd)>,
     stats: UnpackStats,
     buffer: Vec<u8>,
+    /// Disk space the unpack may still take, when bounded.
+    space: Option<ByteBudget>,
 }
 
 impl Unpacker {
+    fn charge(&self, bytes: u64, entry: &[u8]) -> Result<(), UnpackError> {
+        match &self.space {
+            Some(space) if !space.charge(bytes) => Err(UnpackError::TooLarge {
+                entry: lossy(entry),
+                limit: space.limit(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn entry<R: Read>(&mut self, entry: &mut tar::Entry<'_, R>) -> Result<(), UnpackError> {
         let raw = entry.path_bytes().into_owned();
         let name = lossy(&raw);
@@ -365,6 +431,9 @@ impl Unpacker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(io_at(name, e)),
             };
+            // Charged in whole blocks as they are started, before anything is written.
+            let blocks = (written + n as u64).div_ceil(BLOCK) - written.div_ceil(BLOCK);
+            self.charge(blocks * BLOCK, name.as_bytes())?;
             file.write_all(&self.buffer[..n])
                 .map_err(|e| io_at(name, e))?;
             written += n as u64;
@@ -565,12 +634,12 @@ impl Unpacker {
         let mut dir = self.root.try_clone().map_err(|e| io_at(name, e))?;
         for component in parents {
             let open = |dir: &OwnedFd| {
-                rfs::openat2(
+                sandbar_fs::open_at(
                     dir,
-                    *component,
-                    OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    std::ffi::OsStr::from_bytes(component),
+                    OFlags::PATH | OFlags::DIRECTORY,
                     Mode::empty(),
-                    RESOLVE,
+                    sandbar_fs::Links::Refused,
                 )
             };
             dir = match open(&dir) {
@@ -598,22 +667,13 @@ impl Unpacker {
     }
 
     fn open_beneath(&self, path: &[u8], flags: OFlags) -> Result<OwnedFd, Errno> {
-        let path: &[u8] = if path.is_empty() { b"." } else { path };
-        let mut attempts = 0;
-        loop {
-            match rfs::openat2(
-                &self.root,
-                path,
-                flags | OFlags::CLOEXEC,
-                Mode::empty(),
-                RESOLVE,
-            ) {
-                // RESOLVE_BENEATH gives up when a rename elsewhere on the system races the
-                // lookup; the lookup itself is safe to repeat.
-                Err(Errno::AGAIN) if attempts < 16 => attempts += 1,
-                result => return result,
-            }
-        }
+        sandbar_fs::open_at(
+            &self.root,
+            std::ffi::OsStr::from_bytes(path),
+            flags,
+            Mode::empty(),
+            sandbar_fs::Links::Refused,
+        )
     }
 
     /// Clears the way for an entry: a later entry replaces an earlier one of the same name,
@@ -886,7 +946,7 @@ fn lossy(bytes: &[u8]) -> String {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::ffi::CString;
@@ -1565,13 +1625,65 @@ mod tests {
     }
 
     #[test]
+    fn a_budget_bounds_the_disk_space_of_several_layers_together() {
+        let sb = Sandbox::new();
+        // Two layers of 3 × 5000 bytes each: 8 KiB and an entry charge per file.
+        let layer = |prefix: &str| {
+            let mut tar = Tar::new();
+            for i in 0..3 {
+                tar.file(&format!("{prefix}{i}"), &"x".repeat(5000));
+            }
+            tar.bytes()
+        };
+        let per_layer = 3 * (2 * BLOCK + ENTRY_COST);
+        let budget = ByteBudget::new(per_layer * 2);
+        let first = sb.dest.join("first");
+        let second = sb.dest.join("second");
+        fs::create_dir(&first).unwrap();
+        fs::create_dir(&second).unwrap();
+        apply_layer_within(layer("a").as_slice(), &first, &budget).unwrap();
+        assert_eq!(budget.used(), per_layer);
+        apply_layer_within(layer("b").as_slice(), &second, &budget).unwrap();
+        assert_eq!(budget.used(), per_layer * 2);
+        // The budget is spent: one more byte of content is refused, naming the entry.
+        let third = sb.dest.join("third");
+        fs::create_dir(&third).unwrap();
+        let mut tar = Tar::new();
+        tar.file("c0", "");
+        let err = apply_layer_within(tar.bytes().as_slice(), &third, &budget).unwrap_err();
+        assert!(
+            matches!(&err, UnpackError::TooLarge { entry, limit } if entry == "c0" && *limit == per_layer * 2),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains(&format!("{} bytes", per_layer * 2))
+        );
+
+        // A file larger than what is left stops while it is written.
+        let budget = ByteBudget::new(1 << 20);
+        let mut tar = Tar::new();
+        tar.file("small", "hello");
+        tar.file("big", &"y".repeat(2 << 20));
+        let fourth = sb.dest.join("fourth");
+        fs::create_dir(&fourth).unwrap();
+        let err = apply_layer_within(tar.bytes().as_slice(), &fourth, &budget).unwrap_err();
+        assert!(
+            matches!(&err, UnpackError::TooLarge { entry, .. } if entry == "big"),
+            "{err}"
+        );
+        assert!(budget.used() <= 1 << 20);
+        sb.assert_contained();
+    }
+
+    #[test]
     fn limits_are_enforced() {
         let sb = Sandbox::new();
         let mut tar = Tar::new();
         for i in 0..5 {
             tar.file(&format!("f{i}"), "");
         }
-        let err = unpack(tar.bytes().as_slice(), &sb.dest, Flavor::Layer, 3).unwrap_err();
+        let err = unpack(tar.bytes().as_slice(), &sb.dest, Flavor::Layer, 3, None).unwrap_err();
         assert!(
             matches!(&err, UnpackError::Limit { entry, .. } if entry == "f3"),
             "{err}"

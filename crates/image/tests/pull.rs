@@ -12,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sandbar_image::{ImageCache, PullError, PulledImage, RegistryAuth};
+use sandbar_image::{ImageCache, PullError, PulledImage, RegistryAuth, RegistryPolicy};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -37,6 +37,13 @@ fn foreign_arch() -> &'static str {
     } else {
         "s390x"
     }
+}
+
+/// The test registries listen on loopback, which pulls may reach only when allowed.
+fn loopback_allowed() -> std::sync::Arc<RegistryPolicy> {
+    std::sync::Arc::new(
+        RegistryPolicy::new(vec!["127.0.0.1".parse().unwrap()], vec![], vec![]).unwrap(),
+    )
 }
 
 fn sha256(data: &[u8]) -> String {
@@ -387,7 +394,7 @@ async fn pulls_from_a_local_registry() {
     std::fs::write(&corrupt_blob, garbage).unwrap();
 
     let cache_dir = tmp.path().join("cache");
-    let cache = ImageCache::new(cache_dir.clone(), vec![]);
+    let cache = ImageCache::new(cache_dir.clone(), loopback_allowed());
     let reference = format!("{host}/tiny:1");
     let (image, progress) = pull(&cache, &reference).await;
     let image = image.unwrap();
@@ -462,9 +469,13 @@ async fn pulls_from_a_local_registry() {
     // a forged image naming a cached layer's diff id gets nothing.
     let owned = Progress::default();
     let as_b = cache
-        .pull_for("team-b", &reference, None, &|l| {
-            owned.0.lock().unwrap().push(l)
-        })
+        .pull_for(
+            "team-b",
+            &reference,
+            None,
+            &|l| owned.0.lock().unwrap().push(l),
+            1 << 30,
+        )
         .await
         .unwrap();
     assert_eq!(as_b.layers, image.layers);
@@ -480,9 +491,13 @@ async fn pulls_from_a_local_registry() {
     );
     let again_b = Progress::default();
     cache
-        .pull_for("team-b", &reference, None, &|l| {
-            again_b.0.lock().unwrap().push(l)
-        })
+        .pull_for(
+            "team-b",
+            &reference,
+            None,
+            &|l| again_b.0.lock().unwrap().push(l),
+            1 << 30,
+        )
         .await
         .unwrap();
     assert!(
@@ -492,10 +507,20 @@ async fn pulls_from_a_local_registry() {
     );
     let forged_ref = format!("{host}/tiny:forged");
     let err = cache
-        .pull_for("team-c", &forged_ref, None, &|_| {})
+        .pull_for("team-c", &forged_ref, None, &|_| {}, 1 << 30)
         .await
         .unwrap_err();
     assert!(matches!(err, PullError::DigestMismatch { .. }), "{err}");
+
+    // A pull writes no more than its limit: the busybox layer does not fit in 64 KiB, and
+    // nothing of it stays.
+    let small = ImageCache::new(tmp.path().join("small"), loopback_allowed());
+    let err = small
+        .pull_for("team-d", &reference, None, &|_| {}, 64 << 10)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("65536 bytes"), "{err}");
+    assert!(names(&small.layers_dir()).is_empty());
 
     // By digest, and through an index that also lists another architecture.
     let pinned = format!("{host}/tiny@{}", image.manifest_digest);
@@ -507,7 +532,7 @@ async fn pulls_from_a_local_registry() {
     assert_eq!(multi.layers, image.layers);
 
     // Two pulls of the same image into an empty cache at once.
-    let fresh = ImageCache::new(tmp.path().join("fresh"), vec![]);
+    let fresh = ImageCache::new(tmp.path().join("fresh"), loopback_allowed());
     let (a, b) = tokio::join!(pull(&fresh, &reference), pull(&fresh, &reference));
     assert_eq!(a.0.unwrap().layers.len(), 2);
     assert_eq!(b.0.unwrap().layers.len(), 2);
@@ -631,7 +656,7 @@ async fn authenticates_with_basic_credentials() {
     oci.tag(image, "1");
     oci.push_as("1", &registry, false, Some("puller:s3cret"));
 
-    let cache = ImageCache::new(tmp.path().join("cache"), vec![]);
+    let cache = ImageCache::new(tmp.path().join("cache"), loopback_allowed());
     let reference = format!("{}/tiny:1", registry.host());
     let right = RegistryAuth {
         username: "puller".into(),

@@ -124,6 +124,17 @@ pub(crate) enum ExecEvent {
     Exited(i32),
 }
 
+/// Longest Connect message taken from an agent. Output events carry a few dozen kilobytes;
+/// a longer length is not one of them and is never buffered whole.
+const MAX_ENVELOPE: usize = 16 << 20;
+
+/// Whether the envelope at the front of `buffer` says it is longer than [`MAX_ENVELOPE`].
+fn oversized(buffer: &[u8]) -> bool {
+    buffer.get(1..5).is_some_and(|len| {
+        u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize > MAX_ENVELOPE
+    })
+}
+
 /// Takes the first whole Connect envelope (flags, message) off the front of `buffer`.
 fn take_envelope(buffer: &mut Vec<u8>) -> Option<(u8, Vec<u8>)> {
     let head: [u8; 5] = buffer.get(..5)?.try_into().ok()?;
@@ -213,6 +224,10 @@ pub(crate) async fn start(
                 continue;
             };
             buffer.extend_from_slice(&data);
+            if oversized(&buffer) {
+                tracing::warn!("an agent sent an oversized message; its output stream is dropped");
+                break;
+            }
             while let Some((flags, message)) = take_envelope(&mut buffer) {
                 if flags & 0x02 != 0 {
                     continue;
@@ -287,4 +302,22 @@ pub(crate) async fn init(
         .body(http_body_util::Full::new(Bytes::from(body)))
         .map_err(|e| e.to_string())?;
     call_to_end(socket, request).await.map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_envelope_is_taken_whole_and_an_oversized_one_told_from_its_header() {
+        let mut buffer = vec![0, 0, 0, 0, 3, b'a', b'b'];
+        assert!(!oversized(&buffer));
+        assert_eq!(take_envelope(&mut buffer), None);
+        buffer.push(b'c');
+        assert_eq!(take_envelope(&mut buffer), Some((0, b"abc".to_vec())));
+        assert!(buffer.is_empty());
+        let huge = (MAX_ENVELOPE as u32 + 1).to_be_bytes();
+        assert!(oversized(&[0, huge[0], huge[1], huge[2], huge[3]]));
+        assert!(!oversized(&[0, 0, 0]));
+    }
 }

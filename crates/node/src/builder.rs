@@ -2,9 +2,11 @@
 //! (with the same isolation as any sandbox) or writes it straight into a fresh layer, and
 //! caches every layer under the hash of its parent and its own definition.
 
+#![deny(clippy::disallowed_methods)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -14,9 +16,12 @@ use sandbar_core::builds::{
 };
 use sandbar_core::{EgressRules, LaunchSpec, Runtime, Template};
 use sha2::{Digest, Sha256};
-use tokio::io::AsyncReadExt;
 
-use crate::layers::{self, Found, LayerStore};
+use std::ffi::OsStr;
+
+use sandbar_fs::{Dir, Kind, Links, Tree};
+
+use crate::layers::{self, Found, LayerStore, Stack};
 use crate::runtime::LinuxRuntime;
 
 /// Bump when the prerequisites written into every image change.
@@ -31,8 +36,8 @@ const MAX_LOG_LINES_PER_STEP: usize = 5000;
 pub struct NodeBuilder {
     runtime: Arc<LinuxRuntime>,
     images: sandbar_image::ImageCache,
-    images_layers_dir: PathBuf,
-    uploads_dir: PathBuf,
+    image_layers: Arc<crate::image_layers::ImageLayers>,
+    uploads: crate::uploads::Uploads,
     /// Layers running builds use or made, kept from the garbage collector.
     pinned: Mutex<HashMap<String, Vec<String>>>,
     templates_dir: PathBuf,
@@ -67,17 +72,28 @@ impl NodeBuilder {
     pub fn new(
         runtime: Arc<LinuxRuntime>,
         data_dir: &Path,
-        plain_http_registries: Vec<String>,
+        registry_policy: Arc<sandbar_image::RegistryPolicy>,
         mirror: String,
+        upload_limits: crate::uploads::UploadLimits,
+        image_cache_bytes: u64,
     ) -> Self {
         let images_root = data_dir.join("images");
+        let layers_dir = runtime.layer_store().images_dir().to_owned();
         Self {
             templates_dir: data_dir.join("templates"),
             mirror,
             runtime,
-            images_layers_dir: images_root.join("layers"),
-            images: sandbar_image::ImageCache::new(images_root, plain_http_registries),
-            uploads_dir: data_dir.join("uploads"),
+            image_layers: Arc::new(crate::image_layers::ImageLayers::new(
+                layers_dir.clone(),
+                images_root.join("layers"),
+                image_cache_bytes,
+            )),
+            images: sandbar_image::ImageCache::with_layers_dir(
+                images_root,
+                layers_dir,
+                registry_policy,
+            ),
+            uploads: crate::uploads::Uploads::open(data_dir.join("uploads"), upload_limits),
             pinned: Mutex::new(HashMap::new()),
         }
     }
@@ -96,10 +112,22 @@ impl NodeBuilder {
     }
 
     fn upload_path(&self, team_id: &str, hash: &str) -> Option<PathBuf> {
-        let safe =
-            |s: &str| !s.is_empty() && s.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-');
-        (safe(team_id) && sandbar_core::builds::valid_files_hash(hash))
-            .then(|| self.uploads_dir.join(team_id).join(hash))
+        self.uploads.path(team_id, hash)
+    }
+
+    /// Layers that must stay: what the store last named, running builds' and live
+    /// sandboxes'.
+    fn layers_to_keep(&self, in_use: &[String]) -> std::collections::BTreeSet<String> {
+        let mut keep: Vec<String> = in_use.to_vec();
+        keep.extend(
+            self.pinned
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .flatten()
+                .cloned(),
+        );
+        self.runtime.layers_to_keep(&keep)
     }
 
     async fn start_from_source(
@@ -160,12 +188,15 @@ impl NodeBuilder {
                 let progress_log = log.clone();
                 let progress = move |line: String| progress_log.info(Some(BASE_STEP), line);
                 let image = self
-                    .images
-                    .pull_for(
+                    .image_layers
+                    .pull(
+                        &self.images,
                         job.team_id.as_deref().unwrap_or(""),
                         reference,
                         auth.as_ref(),
                         &progress,
+                        u64::from(job.disk_size_mb) << 20,
+                        self.layers_to_keep(&self.image_layers.in_use()),
                     )
                     .await
                     .map_err(|e| {
@@ -205,9 +236,9 @@ impl NodeBuilder {
         }
     }
 
-    fn stack(&self, state: &State, step: &str) -> Result<Vec<PathBuf>, BuildFailure> {
+    fn stack(&self, state: &State, step: &str) -> Result<Stack, BuildFailure> {
         self.store()
-            .stack(&state.layers)
+            .trees(&state.layers)
             .map_err(|e| io_fail(step, e))
     }
 
@@ -216,26 +247,28 @@ impl NodeBuilder {
         &self,
         key: &str,
         step: &str,
-        fill: impl FnOnce(&Path) -> std::io::Result<()>,
+        fill: impl FnOnce(&Tree) -> std::io::Result<()>,
     ) -> Result<(), BuildFailure> {
-        let steps = self.store().steps_dir().to_owned();
-        let staging = steps.join(format!(".tmp-{}", sandbar_core::ids::new_secret("")));
-        let result = (|| {
-            std::fs::create_dir(&staging)?;
-            std::fs::set_permissions(&staging, std::fs::Permissions::from_mode(0o700))?;
-            let upper = staging.join(sandbar_jail::layout::UPPER);
-            std::fs::create_dir(&upper)?;
-            std::fs::set_permissions(&upper, std::fs::Permissions::from_mode(0o755))?;
+        let steps = Tree::open(self.store().steps_dir(), Links::Refused)
+            .map_err(|e| io_fail(step, format!("cannot open the layer directory: {e}")))?;
+        let staging = PathBuf::from(format!(".tmp-{}", sandbar_core::ids::new_secret("")));
+        let result = (|| -> std::io::Result<()> {
+            let staging_dir = steps.create_dir(&staging, 0o700)?;
+            staging_dir.create_dir(OsStr::new(sandbar_jail::layout::UPPER), 0o755)?;
+            let upper = Tree::from_dir(
+                staging_dir.open_dir(OsStr::new(sandbar_jail::layout::UPPER))?,
+                Links::Refused,
+            );
             fill(&upper)?;
-            let target = steps.join(key);
-            if target.exists() {
-                crate::disks::remove_tree(&staging)
+            if steps.symlink_metadata(key)?.is_some() {
+                steps.remove_all(&staging)?;
             } else {
-                std::fs::rename(&staging, &target)
+                steps.rename(&staging, key)?;
             }
+            Ok(())
         })();
         if result.is_err() {
-            let _ = crate::disks::remove_tree(&staging);
+            let _ = steps.remove_all(&staging);
         }
         result.map_err(|e| io_fail(step, e))
     }
@@ -264,37 +297,13 @@ impl NodeBuilder {
             envs: &state.env,
             cwd: Some(&state.workdir),
         };
-        let mut pending = Vec::new();
-        let mut lines = 0usize;
+        let mut output = crate::build_output::StepOutput::new(MAX_LOG_LINES_PER_STEP);
         let result = crate::agent_client::run(&endpoint.agent_socket, &exec, |bytes| {
-            pending.extend_from_slice(bytes);
-            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = pending.drain(..=end).collect();
-                lines += 1;
-                if lines <= MAX_LOG_LINES_PER_STEP {
-                    log.info(
-                        Some(step),
-                        String::from_utf8_lossy(&line).trim_end().to_owned(),
-                    );
-                }
-            }
+            output.push(bytes, |line| log.info(Some(step), line));
         })
         .await;
-        if !pending.is_empty() {
-            log.info(
-                Some(step),
-                String::from_utf8_lossy(&pending).trim_end().to_owned(),
-            );
-        }
-        if lines > MAX_LOG_LINES_PER_STEP {
-            log.log(
-                LogLevel::Warn,
-                Some(step),
-                format!(
-                    "{} more output lines not kept",
-                    lines - MAX_LOG_LINES_PER_STEP
-                ),
-            );
+        if let Some(note) = output.finish(|line| log.info(Some(step), line)) {
+            log.log(LogLevel::Warn, Some(step), note);
         }
         match result {
             Ok(0) => self
@@ -387,7 +396,7 @@ impl NodeBuilder {
             if let StepKind::Copy { files_hash, .. } = &step.kind {
                 let path = self
                     .upload_path(job.team_id.as_deref().unwrap_or("builtin"), files_hash)
-                    .filter(|p| p.is_file())
+                    .filter(|p| sandbar_fs::host_is_file(p))
                     .ok_or_else(|| {
                         io_fail(
                             &number,
@@ -489,23 +498,46 @@ impl NodeBuilder {
                             .store()
                             .steps_dir()
                             .join(format!(".tmp-ctx-{}", sandbar_core::ids::new_secret("")));
+                        let ctx_name = ctx_dir.file_name().map(OsStr::to_owned).unwrap_or_default();
                         let step_name = number.clone();
                         let src = src.clone();
                         let mode = *mode;
                         let result = tokio::task::block_in_place(|| -> Result<(), BuildFailure> {
-                            std::fs::create_dir(&ctx_dir).map_err(|e| io_fail(&step_name, e))?;
-                            let file =
-                                std::fs::File::open(&upload).map_err(|e| io_fail(&step_name, e))?;
+                            Tree::open(self.store().steps_dir(), Links::Refused)
+                                .and_then(|steps| Ok(steps.create_dir(&ctx_name, 0o700)?))
+                                .map_err(|e| io_fail(&step_name, e))?;
+                            let file = self
+                                .uploads
+                                .open_for_build(&upload)
+                                .map_err(|e| io_fail(&step_name, e))?;
                             sandbar_image::extract_upload(std::io::BufReader::new(file), &ctx_dir)
                                 .map_err(|e| io_fail(&step_name, format!("step {step_name} (COPY): the uploaded files are refused: {e}")))?;
-                            let sources = select_sources(&ctx_dir, &src).map_err(|e| {
+                            let ctx = Tree::open(&ctx_dir, Links::Refused)
+                                .map_err(|e| io_fail(&step_name, e))?;
+                            let sources = select_sources(&ctx, &src).map_err(|e| {
                                 io_fail(&step_name, format!("step {step_name} (COPY): {e}"))
                             })?;
                             self.write_layer(&key, &step_name, |upper| {
-                                copy_into_layer(&stack, upper, &sources, &dest, (uid, gid), mode)
+                                copy_into_layer(
+                                    &stack,
+                                    upper,
+                                    &ctx,
+                                    &sources,
+                                    &dest,
+                                    (uid, gid),
+                                    mode,
+                                )
+                            })
+                            .map_err(|f| {
+                                BuildFailure::at(
+                                    &step_name,
+                                    format!("step {step_name} (COPY): {}", f.message),
+                                )
                             })
                         });
-                        let _ = crate::disks::remove_tree(&ctx_dir);
+                        if let Ok(steps) = Tree::open(self.store().steps_dir(), Links::Refused) {
+                            let _ = steps.remove_all(&ctx_name);
+                        }
                         result?;
                     }
                     state.layers.push(name.clone());
@@ -565,90 +597,74 @@ impl Builder for NodeBuilder {
                 failure.message.clone(),
             );
         }
-        self.pinned
+        let unpinned = self
+            .pinned
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&job.build_id);
+        // Until the store names them in the template, only a recent use keeps them cached.
+        self.image_layers.touch(&unpinned.unwrap_or_default());
         result
     }
 
     async fn has_upload(&self, team_id: &str, hash: &str) -> bool {
-        self.upload_path(team_id, hash).is_some_and(|p| p.is_file())
+        self.uploads.contains(team_id, hash)
     }
 
     async fn store_upload(
         &self,
         team_id: &str,
         hash: &str,
-        mut body: UploadBody,
+        body: UploadBody,
         limit: u64,
     ) -> Result<(), UploadError> {
-        let fail = |message: String| UploadError::Failed {
-            hash: hash.to_owned(),
-            message,
-        };
-        let target = self
-            .upload_path(team_id, hash)
-            .ok_or_else(|| fail("invalid team or hash".into()))?;
-        let dir = target.parent().map(Path::to_owned).unwrap_or_default();
-        tokio::fs::create_dir_all(&dir)
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-        let staging = dir.join(format!(".tmp-{}", sandbar_core::ids::new_secret("")));
-        let result = async {
-            let mut file = tokio::fs::File::create(&staging)
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            let mut total: u64 = 0;
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                let n = body.read(&mut buf).await.map_err(|e| fail(e.to_string()))?;
-                if n == 0 {
-                    break;
-                }
-                total += n as u64;
-                if total > limit {
-                    return Err(UploadError::TooLarge {
-                        hash: hash.to_owned(),
-                        limit,
-                    });
-                }
-                tokio::io::AsyncWriteExt::write_all(&mut file, &buf[..n])
-                    .await
-                    .map_err(|e| fail(e.to_string()))?;
-            }
-            tokio::io::AsyncWriteExt::flush(&mut file)
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            tokio::fs::rename(&staging, &target)
-                .await
-                .map_err(|e| fail(e.to_string()))
-        }
-        .await;
-        if result.is_err() {
-            let _ = tokio::fs::remove_file(&staging).await;
-        }
-        result
+        self.uploads.store(team_id, hash, body, limit).await
+    }
+
+    fn hold_uploads(&self, job: &BuildJob) {
+        let (team, hashes) = uploads_of(job);
+        self.uploads.hold(team, &hashes);
+    }
+
+    fn release_uploads(&self, job: &BuildJob) {
+        let (team, hashes) = uploads_of(job);
+        self.uploads.release(team, &hashes);
+    }
+
+    async fn sweep_uploads(&self) {
+        let uploads = self.uploads.clone();
+        let _ = tokio::task::spawn_blocking(move || uploads.sweep()).await;
     }
 
     async fn collect_garbage(&self, in_use: &[String]) {
-        let mut keep: Vec<String> = in_use.to_vec();
-        keep.extend(
-            self.pinned
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .values()
-                .flatten()
-                .cloned(),
-        );
+        self.image_layers.set_in_use(in_use);
+        let keep = self.layers_to_keep(in_use);
         let runtime = self.runtime.clone();
-        let images = self.images_layers_dir.clone();
-        let _ = tokio::task::spawn_blocking(move || runtime.collect_layers(&keep, &images)).await;
+        let image_layers = self.image_layers.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            runtime.collect_layers(&keep);
+            image_layers.collect(&keep);
+        })
+        .await;
     }
 }
 
+/// The team uploads of `job` are kept under, and the hashes its `COPY` steps read.
+fn uploads_of(job: &BuildJob) -> (&str, Vec<String>) {
+    let hashes = job
+        .spec
+        .steps
+        .iter()
+        .filter_map(|step| match &step.kind {
+            StepKind::Copy { files_hash, .. } => Some(files_hash.clone()),
+            _ => None,
+        })
+        .collect();
+    (job.team_id.as_deref().unwrap_or("builtin"), hashes)
+}
+
 fn file_sha(path: &Path) -> std::io::Result<String> {
-    let mut file = std::fs::File::open(path)?;
+    let mut file = sandbar_fs::open_host_file(path)?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -687,7 +703,7 @@ fn absolute(workdir: &str, path: &str) -> String {
 
 /// The uid and gid of `user` (and of `group`, else the user's primary group), read through
 /// the image's `/etc/passwd` and `/etc/group`; numeric ids are taken as they are.
-fn lookup_ids(stack: &[PathBuf], user: &str, group: Option<&str>) -> Result<(u32, u32), String> {
+fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u32), String> {
     let passwd = layers::read_file(stack, "/etc/passwd").unwrap_or_default();
     let (uid, primary) = match user.parse::<u32>() {
         Ok(uid) => (uid, uid),
@@ -721,11 +737,18 @@ fn lookup_ids(stack: &[PathBuf], user: &str, group: Option<&str>) -> Result<(u32
     Ok((uid, gid))
 }
 
+/// `relative` as the sandbox shows it, for messages.
+fn in_image(relative: &Path) -> String {
+    format!("/{}", relative.display())
+}
+
 /// Creates in `upper` the directories leading to `relative` (and `relative` itself when
 /// `include_last`), each with the owner and mode it has below, so the layer changes none.
+/// `relative` must already be resolved (no link on the way in the merge); a link or file
+/// met in `upper` is an error, never followed.
 fn make_parents(
-    stack: &[PathBuf],
-    upper: &Path,
+    stack: &Stack,
+    upper: &Tree,
     relative: &Path,
     include_last: bool,
     new_owner: (u32, u32),
@@ -739,35 +762,45 @@ fn make_parents(
     let mut so_far = PathBuf::new();
     for component in &components[..count] {
         so_far.push(component);
-        let target = upper.join(&so_far);
-        if target.exists() {
-            continue;
-        }
-        std::fs::create_dir(&target)?;
-        let below = stack
-            .iter()
-            .map(|l| l.join(&so_far))
-            .find(|p| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()));
-        match below.and_then(|p| std::fs::metadata(p).ok()) {
-            Some(meta) => {
-                std::os::unix::fs::lchown(&target, Some(meta.uid()), Some(meta.gid()))?;
-                std::fs::set_permissions(
-                    &target,
-                    std::fs::Permissions::from_mode(meta.mode() & 0o7777),
-                )?;
+        match upper.symlink_metadata(&so_far)? {
+            Some(meta) if meta.is_dir() => continue,
+            Some(_) => {
+                return Err(std::io::Error::other(format!(
+                    "'{}' is not a directory in the new layer",
+                    in_image(&so_far)
+                )));
             }
-            None => {
-                std::os::unix::fs::lchown(&target, Some(new_owner.0), Some(new_owner.1))?;
-                std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o755))?;
-            }
+            None => {}
         }
+        let (uid, gid, mode) =
+            layers::dir_owner_mode(stack, &so_far).unwrap_or((new_owner.0, new_owner.1, 0o755));
+        upper.create_dir(&so_far, mode)?;
+        upper.chown(&so_far, uid, gid)?;
+        // A change of owner may clear setgid.
+        upper.chmod(&so_far, mode)?;
     }
+    Ok(())
+}
+
+/// Writes `text` at `path` of the image: where the merge resolves it, in `upper`.
+fn write_in_image(
+    stack: &Stack,
+    upper: &Tree,
+    path: &str,
+    text: &str,
+    mode: u32,
+) -> std::io::Result<()> {
+    let merged = stack.with_top(upper)?;
+    let relative = layers::resolve(&merged, path).map_err(std::io::Error::other)?;
+    make_parents(stack, upper, &relative, false, (0, 0))?;
+    upper.write(&relative, text.as_bytes(), mode)?;
+    upper.chown(&relative, 0, 0)?;
     Ok(())
 }
 
 /// Writes into `upper` the files that make `name` a user with a home and a group, and, when
 /// the image has sudo's drop-in directory, passwordless sudo for the sandbox user.
-fn add_user(stack: &[PathBuf], upper: &Path, name: &str) -> std::io::Result<()> {
+fn add_user(stack: &Stack, upper: &Tree, name: &str) -> std::io::Result<()> {
     if name.is_empty()
         || !name
             .bytes()
@@ -790,8 +823,7 @@ fn add_user(stack: &[PathBuf], upper: &Path, name: &str) -> std::io::Result<()> 
     } else {
         "/bin/sh"
     };
-    let home = format!("home/{name}");
-    make_parents(stack, upper, Path::new("etc/x"), false, (0, 0))?;
+    let home = format!("/home/{name}");
     let append = |text: &str, line: String| {
         let mut t = text.to_owned();
         if !t.is_empty() && !t.ends_with('\n') {
@@ -800,55 +832,53 @@ fn add_user(stack: &[PathBuf], upper: &Path, name: &str) -> std::io::Result<()> 
         t.push_str(&line);
         t
     };
-    std::fs::write(
-        upper.join("etc/passwd"),
-        append(&passwd, format!("{name}:x:{id}:{id}::/{home}:{shell}\n")),
+    write_in_image(
+        stack,
+        upper,
+        "/etc/passwd",
+        &append(&passwd, format!("{name}:x:{id}:{id}::{home}:{shell}\n")),
+        0o644,
     )?;
-    std::fs::set_permissions(
-        upper.join("etc/passwd"),
-        std::fs::Permissions::from_mode(0o644),
-    )?;
-    std::fs::write(
-        upper.join("etc/group"),
-        append(&group, format!("{name}:x:{id}:\n")),
-    )?;
-    std::fs::set_permissions(
-        upper.join("etc/group"),
-        std::fs::Permissions::from_mode(0o644),
+    write_in_image(
+        stack,
+        upper,
+        "/etc/group",
+        &append(&group, format!("{name}:x:{id}:\n")),
+        0o644,
     )?;
     if let Some(shadow) = layers::read_file(stack, "/etc/shadow") {
-        std::fs::write(
-            upper.join("etc/shadow"),
-            append(&shadow, format!("{name}:*:19000:0:99999:7:::\n")),
-        )?;
-        std::fs::set_permissions(
-            upper.join("etc/shadow"),
-            std::fs::Permissions::from_mode(0o640),
+        write_in_image(
+            stack,
+            upper,
+            "/etc/shadow",
+            &append(&shadow, format!("{name}:*:19000:0:99999:7:::\n")),
+            0o640,
         )?;
     }
-    make_parents(stack, upper, Path::new(&home), false, (0, 0))?;
-    let home_dir = upper.join(&home);
-    if !home_dir.exists() {
-        std::fs::create_dir(&home_dir)?;
+    let merged = stack.with_top(upper)?;
+    let home_dir = layers::resolve(&merged, &home).map_err(std::io::Error::other)?;
+    make_parents(stack, upper, &home_dir, false, (0, 0))?;
+    if upper.symlink_metadata(&home_dir)?.is_none() {
+        upper.create_dir(&home_dir, 0o750)?;
     }
-    std::os::unix::fs::lchown(&home_dir, Some(id), Some(id))?;
-    std::fs::set_permissions(&home_dir, std::fs::Permissions::from_mode(0o750))?;
-    if name == SANDBOX_USER
-        && matches!(
-            layers::lookup(stack, Path::new("etc/sudoers.d")),
-            Found::Dir
-        )
-    {
-        make_parents(stack, upper, Path::new("etc/sudoers.d"), true, (0, 0))?;
-        let file = upper.join("etc/sudoers.d").join(name);
-        std::fs::write(&file, format!("{name} ALL=(ALL:ALL) NOPASSWD: ALL\n"))?;
-        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o440))?;
+    upper.chown(&home_dir, id, id)?;
+    upper.chmod(&home_dir, 0o750)?;
+    let sudoers = layers::resolve(&merged, "/etc/sudoers.d").map_err(std::io::Error::other)?;
+    if name == SANDBOX_USER && matches!(layers::lookup(&merged, &sudoers), Found::Dir(_)) {
+        make_parents(stack, upper, &sudoers, true, (0, 0))?;
+        let file = sudoers.join(name);
+        upper.write(
+            &file,
+            format!("{name} ALL=(ALL:ALL) NOPASSWD: ALL\n").as_bytes(),
+            0o440,
+        )?;
+        upper.chown(&file, 0, 0)?;
     }
     Ok(())
 }
 
 /// What every sandbox needs whatever the image: the sandbox user, `/tmp`, `/etc`.
-fn write_prerequisites(stack: &[PathBuf], upper: &Path) -> std::io::Result<()> {
+fn write_prerequisites(stack: &Stack, upper: &Tree) -> std::io::Result<()> {
     for (dir, mode) in [
         ("tmp", 0o1777),
         ("etc", 0o755),
@@ -856,9 +886,7 @@ fn write_prerequisites(stack: &[PathBuf], upper: &Path) -> std::io::Result<()> {
         ("root", 0o700),
     ] {
         if matches!(layers::lookup(stack, Path::new(dir)), Found::Missing) {
-            let target = upper.join(dir);
-            std::fs::create_dir(&target)?;
-            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(mode))?;
+            upper.create_dir(dir, mode)?;
         }
     }
     let passwd = layers::read_file(stack, "/etc/passwd").unwrap_or_default();
@@ -871,9 +899,37 @@ fn write_prerequisites(stack: &[PathBuf], upper: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// One COPY step outside a build: `src` (a path or pattern) from the extracted context `ctx`
+/// to `dest` in the layer directory `upper`, over the layers `lower` (topmost first). For
+/// harnesses and benchmarks that drive the step with trees of their own.
+pub fn copy_step(
+    lower: &[PathBuf],
+    upper: &Path,
+    ctx: &Path,
+    src: &str,
+    dest: &str,
+    owner: (u32, u32),
+    mode: Option<u32>,
+) -> Result<(), String> {
+    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
+    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
+    let ctx = Tree::open(ctx, Links::Refused).map_err(|e| e.to_string())?;
+    let sources = select_sources(&ctx, src)?;
+    copy_into_layer(&stack, &upper, &ctx, &sources, dest, owner, mode).map_err(|e| e.to_string())
+}
+
+/// What a build from an image writes before its steps (the sandbox user, `/tmp`, `/etc`), into
+/// the layer directory `upper` over the layers `lower` (topmost first).
+pub fn prerequisites_step(lower: &[PathBuf], upper: &Path) -> Result<(), String> {
+    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
+    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
+    write_prerequisites(&stack, &upper).map_err(|e| e.to_string())
+}
+
 /// The entries of the extracted context that `src` names: a path, or a pattern with `*`
-/// and `?` in its components.
-fn select_sources(ctx: &Path, src: &str) -> Result<Vec<PathBuf>, String> {
+/// and `?` in its components, as paths relative to the context. A link in the context is
+/// copied as a link; a source that passes through one is refused, never followed.
+fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, String> {
     let pattern: Vec<&str> = src
         .split('/')
         .filter(|c| !c.is_empty() && *c != ".")
@@ -881,24 +937,39 @@ fn select_sources(ctx: &Path, src: &str) -> Result<Vec<PathBuf>, String> {
     if pattern.contains(&"..") {
         return Err(format!("source '{src}' leaves the build context"));
     }
-    let mut current = vec![ctx.to_owned()];
+    let through_link = |path: &Path| {
+        format!(
+            "source '{src}' passes through the link '{}' in the uploaded files",
+            path.display()
+        )
+    };
+    let mut current = vec![(PathBuf::new(), Kind::Dir)];
     for component in &pattern {
         let mut next = Vec::new();
-        for dir in &current {
+        for (dir, kind) in &current {
+            match kind {
+                Kind::Dir => {}
+                Kind::Symlink => return Err(through_link(dir)),
+                Kind::File | Kind::Other => continue,
+            }
             if component.contains(['*', '?']) {
-                if let Ok(entries) = std::fs::read_dir(dir) {
-                    let mut names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
-                    names.sort();
-                    for name in names {
-                        if wildcard(component, &name.to_string_lossy()) {
-                            next.push(dir.join(name));
-                        }
+                let entries = match ctx.read_dir(dir) {
+                    Ok(entries) => entries,
+                    Err(sandbar_fs::FsError::Link(_)) => return Err(through_link(dir)),
+                    Err(_) => continue,
+                };
+                for entry in entries {
+                    if wildcard(component, &entry.name.to_string_lossy()) {
+                        next.push((dir.join(&entry.name), entry.kind));
                     }
                 }
             } else {
                 let path = dir.join(component);
-                if std::fs::symlink_metadata(&path).is_ok() {
-                    next.push(path);
+                match ctx.symlink_metadata(&path) {
+                    Ok(Some(meta)) => next.push((path, Kind::of(&meta))),
+                    Ok(None) | Err(sandbar_fs::FsError::NotADirectory(_)) => {}
+                    Err(sandbar_fs::FsError::Link(_)) => return Err(through_link(dir)),
+                    Err(e) => return Err(e.to_string()),
                 }
             }
         }
@@ -907,7 +978,7 @@ fn select_sources(ctx: &Path, src: &str) -> Result<Vec<PathBuf>, String> {
     if current.is_empty() {
         return Err(format!("no uploaded file matches '{src}'"));
     }
-    Ok(current)
+    Ok(current.into_iter().map(|(path, _)| path).collect())
 }
 
 fn wildcard(pattern: &str, name: &str) -> bool {
@@ -923,86 +994,162 @@ fn wildcard(pattern: &str, name: &str) -> bool {
     matches(pattern.as_bytes(), name.as_bytes())
 }
 
-/// Places `sources` at `dest` in the new layer with Docker's COPY rules: a directory's
-/// contents go into `dest`; a file goes to `dest` itself, or into it when `dest` ends with
-/// `/`, names an existing directory, or there are several sources.
+/// Places `sources` (paths in `ctx`) at `dest` in the new layer `upper` with Docker's COPY
+/// rules: a directory's contents go into `dest`; a file goes to `dest` itself, or into it
+/// when `dest` ends with `/`, names an existing directory, or there are several sources.
+/// `dest` is resolved as the sandbox would see it (links in the image and in what earlier
+/// sources wrote are followed inside the image), and every write is then made through
+/// directory handles that follow nothing.
 fn copy_into_layer(
-    stack: &[PathBuf],
-    upper: &Path,
+    stack: &Stack,
+    upper: &Tree,
+    ctx: &Tree,
     sources: &[PathBuf],
     dest: &str,
     owner: (u32, u32),
     mode: Option<u32>,
 ) -> std::io::Result<()> {
-    let dest_relative = layers::resolve(stack, dest).map_err(std::io::Error::other)?;
-    let dest_is_dir = dest.ends_with('/')
-        || sources.len() > 1
-        || matches!(layers::lookup(stack, &dest_relative), Found::Dir)
-        || sources
-            .iter()
-            .all(|s| std::fs::symlink_metadata(s).is_ok_and(|m| m.is_dir()));
-    for source in sources {
-        let meta = std::fs::symlink_metadata(source)?;
-        let target_relative = if meta.is_dir() || !dest_is_dir {
+    let kinds = sources
+        .iter()
+        .map(|s| {
+            ctx.symlink_metadata(s)?
+                .map(|m| Kind::of(&m))
+                .ok_or_else(|| std::io::Error::other(format!("'{}' is gone", s.display())))
+        })
+        .collect::<std::io::Result<Vec<Kind>>>()?;
+    for (source, kind) in sources.iter().zip(&kinds) {
+        let merged = stack.with_top(upper)?;
+        let dest_relative = layers::resolve(&merged, dest).map_err(std::io::Error::other)?;
+        let dest_is_dir = dest.ends_with('/')
+            || sources.len() > 1
+            || matches!(layers::lookup(&merged, &dest_relative), Found::Dir(_))
+            || kinds.iter().all(|k| *k == Kind::Dir);
+        let is_dir = *kind == Kind::Dir;
+        let target_relative = if is_dir || !dest_is_dir {
             dest_relative.clone()
         } else {
             dest_relative.join(source.file_name().unwrap_or_default())
         };
-        let parent_is_dest = dest_is_dir && !meta.is_dir();
-        make_parents(stack, upper, &target_relative, false, owner)?;
-        if parent_is_dest || meta.is_dir() {
-            let dir_relative = if meta.is_dir() {
-                &target_relative
-            } else {
-                &dest_relative
-            };
-            make_parents(stack, upper, dir_relative, true, owner)?;
+        make_parents(stack, upper, &target_relative, is_dir, owner)?;
+        let copy = Copy { owner, mode };
+        if is_dir {
+            let from = ctx.dir(source)?;
+            let to = upper.dir(&target_relative)?;
+            copy.apply_to_dir(&to, &from.metadata()?, &target_relative)?;
+            copy.tree(from, to, &target_relative)?;
+        } else {
+            let (from_dir, from_name) = ctx.parent(source)?;
+            let (to_dir, to_name) = upper.parent(&target_relative)?;
+            let mut pending = Vec::new();
+            copy.entry(
+                (&from_dir, &from_name),
+                (&to_dir, &to_name),
+                &target_relative,
+                &mut pending,
+            )?;
         }
-        copy_tree(source, &upper.join(&target_relative), owner, mode)?;
     }
     Ok(())
 }
 
-/// Copies `from` (a file, link or directory from the extracted context) to `to`, giving
-/// every entry `owner` and, when set, `mode`.
-fn copy_tree(from: &Path, to: &Path, owner: (u32, u32), mode: Option<u32>) -> std::io::Result<()> {
-    let mut pending = vec![(from.to_owned(), to.to_owned())];
-    while let Some((src, dst)) = pending.pop() {
-        let meta = std::fs::symlink_metadata(&src)?;
-        let kind = meta.file_type();
-        if kind.is_symlink() {
-            let _ = std::fs::remove_file(&dst);
-            std::os::unix::fs::symlink(std::fs::read_link(&src)?, &dst)?;
-            std::os::unix::fs::lchown(&dst, Some(owner.0), Some(owner.1))?;
-            continue;
-        }
-        if kind.is_dir() {
-            if !dst.is_dir() {
-                std::fs::create_dir(&dst)?;
-            }
-            for entry in std::fs::read_dir(&src)? {
-                let entry = entry?;
-                pending.push((entry.path(), dst.join(entry.file_name())));
-            }
-        } else if kind.is_file() {
-            std::fs::copy(&src, &dst)?;
-        } else {
-            return Err(std::io::Error::other(format!(
-                "{} is not a file, link or directory",
-                src.display()
-            )));
-        }
-        std::os::unix::fs::lchown(&dst, Some(owner.0), Some(owner.1))?;
-        let bits = mode.unwrap_or(meta.mode() & 0o7777);
-        std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(bits))?;
+/// One COPY's owner and mode for every entry it writes.
+struct Copy {
+    owner: (u32, u32),
+    mode: Option<u32>,
+}
+
+impl Copy {
+    fn bits(&self, meta: &std::fs::Metadata) -> u32 {
+        self.mode.unwrap_or(meta.mode() & 0o7777)
     }
-    Ok(())
+
+    fn apply_to_dir(
+        &self,
+        dir: &Dir,
+        source: &std::fs::Metadata,
+        shown: &Path,
+    ) -> std::io::Result<()> {
+        dir.chown_self(self.owner.0, self.owner.1)
+            .and_then(|()| dir.chmod_self(self.bits(source)))
+            .map_err(|e| std::io::Error::other(format!("cannot set up '{}': {e}", in_image(shown))))
+    }
+
+    /// Copies the contents of `from` into `to`, entry by entry.
+    fn tree(&self, from: Dir, to: Dir, shown: &Path) -> std::io::Result<()> {
+        let mut pending = vec![(from, to, shown.to_owned())];
+        while let Some((from, to, shown)) = pending.pop() {
+            for entry in from.entries()? {
+                self.entry(
+                    (&from, &entry.name),
+                    (&to, &entry.name),
+                    &shown.join(&entry.name),
+                    &mut pending,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies the entry `from` to `to` (a directory handle and a name each); a directory's
+    /// contents are left in `pending`.
+    fn entry(
+        &self,
+        (from_dir, from_name): (&Dir, &OsStr),
+        (to_dir, to_name): (&Dir, &OsStr),
+        shown: &Path,
+        pending: &mut Vec<(Dir, Dir, PathBuf)>,
+    ) -> std::io::Result<()> {
+        let fail = |e: sandbar_fs::FsError| {
+            std::io::Error::other(format!("cannot copy to '{}': {e}", in_image(shown)))
+        };
+        let meta = from_dir
+            .stat(from_name)
+            .map_err(fail)?
+            .ok_or_else(|| std::io::Error::other(format!("'{}' is gone", shown.display())))?;
+        match Kind::of(&meta) {
+            Kind::Symlink => {
+                let target = from_dir.read_link(from_name).map_err(fail)?;
+                to_dir.clear_for(to_name).map_err(fail)?;
+                to_dir.symlink(&target, to_name).map_err(fail)?;
+                to_dir
+                    .chown(to_name, self.owner.0, self.owner.1)
+                    .map_err(fail)?;
+            }
+            Kind::Dir => {
+                let to = to_dir.ensure_dir(to_name, 0o700).map_err(fail)?;
+                self.apply_to_dir(&to, &meta, shown)?;
+                pending.push((
+                    from_dir.open_dir(from_name).map_err(fail)?,
+                    to,
+                    shown.to_owned(),
+                ));
+            }
+            Kind::File => {
+                let mut input = from_dir.open_file(from_name).map_err(fail)?;
+                to_dir.clear_for(to_name).map_err(fail)?;
+                let mut output = to_dir.create_file(to_name, 0o600, true).map_err(fail)?;
+                std::io::copy(&mut input, &mut output)?;
+                to_dir
+                    .chown(to_name, self.owner.0, self.owner.1)
+                    .map_err(fail)?;
+                to_dir.chmod(to_name, self.bits(&meta)).map_err(fail)?;
+            }
+            Kind::Other => {
+                return Err(std::io::Error::other(format!(
+                    "'{}' is not a file, link or directory",
+                    shown.display()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::disallowed_methods)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     #[test]
     fn paths_are_made_absolute_against_the_workdir() {
@@ -1018,6 +1165,10 @@ mod tests {
         assert!(!wildcard("*.txt", "a.txt.bak"));
         assert!(wildcard("a?c", "abc"));
         assert!(wildcard("*", ""));
+    }
+
+    fn tree(path: &Path) -> Tree {
+        Tree::open(path, Links::Refused).unwrap()
     }
 
     #[test]
@@ -1038,34 +1189,14 @@ mod tests {
         std::fs::write(ctx.join("dir/sub/a"), "a").unwrap();
         let upper = tmp.path().join("upper");
         std::fs::create_dir(&upper).unwrap();
-        let stack = vec![lower];
-        copy_into_layer(
-            &stack,
-            &upper,
-            &[ctx.join("hello.txt")],
-            "/h/user/",
-            (1000, 1000),
-            None,
-        )
-        .unwrap();
-        copy_into_layer(
-            &stack,
-            &upper,
-            &[ctx.join("dir")],
-            "/app/dir",
-            (0, 0),
-            Some(0o700),
-        )
-        .unwrap();
-        copy_into_layer(
-            &stack,
-            &upper,
-            &[ctx.join("hello.txt")],
-            "/app/renamed.txt",
-            (0, 0),
-            None,
-        )
-        .unwrap();
+        let stack = Stack::open(&[lower]).unwrap();
+        let (up, cx) = (tree(&upper), tree(&ctx));
+        let copy = |src: &str, dest: &str, owner, mode| {
+            copy_into_layer(&stack, &up, &cx, &[PathBuf::from(src)], dest, owner, mode).unwrap()
+        };
+        copy("hello.txt", "/h/user/", (1000, 1000), None);
+        copy("dir", "/app/dir", (0, 0), Some(0o700));
+        copy("hello.txt", "/app/renamed.txt", (0, 0), None);
         assert_eq!(
             std::fs::read_to_string(upper.join("home/user/hello.txt")).unwrap(),
             "hi"
@@ -1089,6 +1220,150 @@ mod tests {
         );
     }
 
+    /// A victim directory beside the build's trees, and everything observable about it.
+    /// Path, mode, owner and content of every entry of a tree.
+    type Look = Vec<(PathBuf, u32, u32, Vec<u8>)>;
+
+    fn victim(tmp: &Path) -> (PathBuf, impl Fn() -> Look) {
+        let victim = tmp.join("victim");
+        std::fs::create_dir_all(victim.join("dir")).unwrap();
+        std::fs::write(victim.join("target"), "host").unwrap();
+        std::fs::write(victim.join("secret"), "root-only").unwrap();
+        std::fs::set_permissions(
+            victim.join("secret"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        let root = victim.clone();
+        let look = move || {
+            let mut out = Vec::new();
+            let mut pending = vec![root.clone()];
+            while let Some(p) = pending.pop() {
+                let m = std::fs::symlink_metadata(&p).unwrap();
+                let data = if m.is_file() {
+                    std::fs::read(&p).unwrap()
+                } else {
+                    Vec::new()
+                };
+                out.push((p.clone(), m.mode(), m.uid(), data));
+                if m.is_dir() {
+                    for e in std::fs::read_dir(&p).unwrap() {
+                        pending.push(e.unwrap().path());
+                    }
+                }
+            }
+            out.sort();
+            out
+        };
+        (victim, look)
+    }
+
+    #[test]
+    fn copies_through_context_links_never_reach_the_host() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (victim, look) = victim(tmp.path());
+        let before = look();
+        let lower = tmp.path().join("lower");
+        std::fs::create_dir_all(lower.join("etc")).unwrap();
+        let ctx = tmp.path().join("ctx");
+        std::fs::create_dir_all(ctx.join("a")).unwrap();
+        std::fs::create_dir_all(ctx.join("b/l")).unwrap();
+        std::fs::write(ctx.join("b/l/target"), "tenant").unwrap();
+        std::fs::write(ctx.join("b/l/new"), "tenant").unwrap();
+        std::os::unix::fs::symlink(&victim, ctx.join("a/l")).unwrap();
+        std::os::unix::fs::symlink(&victim, ctx.join("l")).unwrap();
+        std::os::unix::fs::symlink(victim.join("target"), ctx.join("t")).unwrap();
+        let upper = tmp.path().join("upper");
+        std::fs::create_dir(&upper).unwrap();
+        let stack = Stack::open(&[lower]).unwrap();
+        let (up, cx) = (tree(&upper), tree(&ctx));
+        // A source through a context link is refused, naming the link.
+        let err = select_sources(&cx, "l/secret").unwrap_err();
+        assert!(err.contains("'l'"), "{err}");
+        assert!(select_sources(&cx, "l/*").is_err());
+        // The first source lays the link, the second writes where it points: refused.
+        let sources = select_sources(&cx, "*").unwrap();
+        let err =
+            copy_into_layer(&stack, &up, &cx, &sources, "/dst/", (0, 0), Some(0o4755)).unwrap_err();
+        assert!(err.to_string().contains("/dst/l"), "{err}");
+        // A link source is copied as a link; a later file onto it lands where the link points
+        // inside the image, as in the sandbox.
+        copy_into_layer(
+            &stack,
+            &up,
+            &cx,
+            &[PathBuf::from("t")],
+            "/x",
+            (0, 0),
+            Some(0o4755),
+        )
+        .unwrap();
+        copy_into_layer(
+            &stack,
+            &up,
+            &cx,
+            &[PathBuf::from("b/l/new")],
+            "/x",
+            (0, 0),
+            Some(0o4755),
+        )
+        .unwrap();
+        assert!(
+            std::fs::symlink_metadata(upper.join("x"))
+                .unwrap()
+                .is_symlink()
+        );
+        let inside = upper.join(victim.strip_prefix("/").unwrap()).join("target");
+        assert_eq!(std::fs::read_to_string(inside).unwrap(), "tenant");
+        assert_eq!(look(), before);
+    }
+
+    #[test]
+    fn lower_layer_links_are_followed_inside_the_image_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (victim, look) = victim(tmp.path());
+        let before = look();
+        let lower = tmp.path().join("lower");
+        std::fs::create_dir_all(&lower).unwrap();
+        std::os::unix::fs::symlink(&victim, lower.join("etc")).unwrap();
+        std::os::unix::fs::symlink(&victim, lower.join("home")).unwrap();
+        std::os::unix::fs::symlink("/", lower.join("tmp")).unwrap();
+        std::os::unix::fs::symlink("../../../../..", lower.join("up")).unwrap();
+        std::os::unix::fs::symlink("loop", lower.join("loop")).unwrap();
+        let upper = tmp.path().join("upper");
+        std::fs::create_dir(&upper).unwrap();
+        let stack = Stack::open(&[lower]).unwrap();
+        let up = tree(&upper);
+        // Reading the image's files never reads the host's.
+        assert_eq!(layers::read_file(&stack, "/etc/target"), None);
+        assert_eq!(layers::read_file(&stack, "/up/etc/passwd"), None);
+        write_prerequisites(&stack, &up).unwrap();
+        // The links kept their meaning inside the image: /etc is the image's own victim path.
+        let merged = Stack::open(&[upper.clone(), tmp.path().join("lower")]).unwrap();
+        let passwd = layers::read_file(&merged, "/etc/passwd").unwrap();
+        assert!(passwd.contains("user:x:1000"), "{passwd}");
+        let ctx = tmp.path().join("ctx");
+        std::fs::create_dir_all(&ctx).unwrap();
+        std::fs::write(ctx.join("f"), "tenant").unwrap();
+        let cx = tree(&ctx);
+        for dest in ["/etc/target", "/tmp/x", "/up/y", "/home/dir/"] {
+            copy_into_layer(&stack, &up, &cx, &[PathBuf::from("f")], dest, (0, 0), None).unwrap();
+        }
+        assert!(
+            copy_into_layer(
+                &stack,
+                &up,
+                &cx,
+                &[PathBuf::from("f")],
+                "/loop/z",
+                (0, 0),
+                None
+            )
+            .is_err()
+        );
+        assert_eq!(look(), before);
+    }
+
     #[test]
     fn users_are_added_with_a_home() {
         let tmp = tempfile::tempdir().unwrap();
@@ -1098,8 +1373,8 @@ mod tests {
         std::fs::write(lower.join("etc/group"), "root:x:0:\n").unwrap();
         let upper = tmp.path().join("upper");
         std::fs::create_dir(&upper).unwrap();
-        let stack = vec![lower];
-        write_prerequisites(&stack, &upper).unwrap();
+        let stack = Stack::open(std::slice::from_ref(&lower)).unwrap();
+        write_prerequisites(&stack, &tree(&upper)).unwrap();
         let passwd = std::fs::read_to_string(upper.join("etc/passwd")).unwrap();
         assert!(
             passwd.contains("user:x:1000:1000::/home/user:/bin/sh"),
@@ -1107,7 +1382,7 @@ mod tests {
         );
         assert!(upper.join("etc/sudoers.d/user").exists());
         assert!(upper.join("tmp").is_dir());
-        let stack = vec![upper, stack[0].clone()];
+        let stack = Stack::open(&[upper, lower]).unwrap();
         assert_eq!(lookup_ids(&stack, "user", None).unwrap(), (1000, 1000));
         assert_eq!(lookup_ids(&stack, "root", Some("user")).unwrap(), (0, 1000));
         assert!(lookup_ids(&stack, "nobody", None).is_err());

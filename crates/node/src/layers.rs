@@ -5,9 +5,14 @@
 //! Layer names are what the store keeps (`base/v1`, `image/<sha256>`, `layer/<key>`); only
 //! this module turns them into paths, so no host path reaches the domain model.
 
+#![deny(clippy::disallowed_methods)]
+
 use std::ffi::OsStr;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Component, Path, PathBuf};
+
+use sandbar_fs::{Dir, Kind, Links, Tree};
 
 /// Where the node keeps layers.
 #[derive(Debug, Clone)]
@@ -16,6 +21,9 @@ pub struct LayerStore {
     templates_dir: PathBuf,
     /// Layers unpacked from registry images, by the uncompressed tar's sha256.
     images_dir: PathBuf,
+    /// Where image layers were unpacked before they moved to the pool; a layer only there
+    /// is still found.
+    legacy_images_dir: Option<PathBuf>,
     /// Layers made by build steps, by cache key; on the sandbox disk pool so a build
     /// sandbox's writable layer becomes one by a rename.
     steps_dir: PathBuf,
@@ -30,12 +38,36 @@ impl LayerStore {
         Self {
             templates_dir,
             images_dir,
+            legacy_images_dir: None,
             steps_dir,
         }
     }
 
+    /// Also finds image layers in `dir`, where an earlier version unpacked them.
+    pub fn with_legacy_images_dir(mut self, dir: PathBuf) -> Self {
+        self.legacy_images_dir = Some(dir);
+        self
+    }
+
     pub fn steps_dir(&self) -> &Path {
         &self.steps_dir
+    }
+
+    pub fn images_dir(&self) -> &Path {
+        &self.images_dir
+    }
+
+    fn image_path(&self, id: &str) -> PathBuf {
+        let current = self.images_dir.join(id);
+        match &self.legacy_images_dir {
+            Some(legacy)
+                if !sandbar_fs::host_is_dir(&current)
+                    && sandbar_fs::host_is_dir(&legacy.join(id)) =>
+            {
+                legacy.join(id)
+            }
+            _ => current,
+        }
     }
 
     /// The directory of the layer named `name`, if the name is well formed.
@@ -45,7 +77,7 @@ impl LayerStore {
             "base" if id.starts_with('v') && id[1..].bytes().all(|c| c.is_ascii_digit()) => {
                 Some(self.templates_dir.join(format!("base-{id}")).join("rootfs"))
             }
-            "image" if is_hex(id) => Some(self.images_dir.join(id)),
+            "image" if is_hex(id) => Some(self.image_path(id)),
             "layer" if is_hex(id) => {
                 Some(self.steps_dir.join(id).join(sandbar_jail::layout::UPPER))
             }
@@ -55,7 +87,7 @@ impl LayerStore {
 
     /// Whether the layer exists on this node.
     pub fn exists(&self, name: &str) -> bool {
-        self.path(name).is_some_and(|p| p.is_dir())
+        self.path(name).is_some_and(|p| sandbar_fs::host_is_dir(&p))
     }
 
     pub fn step_layer_name(key: &str) -> String {
@@ -69,10 +101,48 @@ impl LayerStore {
             .rev()
             .map(|name| {
                 self.path(name)
-                    .filter(|p| p.is_dir())
+                    .filter(|p| sandbar_fs::host_is_dir(p))
                     .ok_or_else(|| format!("layer {name} is missing on this node"))
             })
             .collect()
+    }
+
+    /// The layers `layers` (bottom first) opened for reading, topmost first.
+    pub fn trees(&self, layers: &[String]) -> Result<Stack, String> {
+        let paths = self.stack(layers)?;
+        Stack::open(&paths).map_err(|e| format!("cannot open the layers: {e}"))
+    }
+}
+
+/// The layers of a stack opened for reading, topmost first. Each is a tree a tenant may
+/// have filled (an image layer, a build step's writable layer), so links in them are data:
+/// no path is ever resolved through one on the host.
+#[derive(Debug)]
+pub struct Stack {
+    layers: Vec<Tree>,
+}
+
+impl Stack {
+    /// Opens the layer directories `paths` (topmost first).
+    pub fn open(paths: &[PathBuf]) -> std::io::Result<Stack> {
+        let layers = paths
+            .iter()
+            .map(|p| Tree::open(p, Links::Refused))
+            .collect::<std::io::Result<_>>()?;
+        Ok(Stack { layers })
+    }
+
+    /// The same stack with `top` above it (a layer being written, seen as the merge would).
+    pub fn with_top(&self, top: &Tree) -> std::io::Result<Stack> {
+        let mut layers = vec![top.with_links(Links::Refused)?];
+        for layer in &self.layers {
+            layers.push(layer.with_links(Links::Refused)?);
+        }
+        Ok(Stack { layers })
+    }
+
+    pub fn layer(&self, index: usize) -> Option<&Tree> {
+        self.layers.get(index)
     }
 }
 
@@ -80,65 +150,74 @@ impl LayerStore {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Found {
     Missing,
-    File(PathBuf),
-    Dir,
+    /// A non-directory, in the layer of that index.
+    File(usize),
+    /// A directory; the index is the topmost layer holding it.
+    Dir(usize),
     Symlink(PathBuf),
 }
 
-fn is_whiteout(meta: &std::fs::Metadata) -> bool {
-    use std::os::unix::fs::FileTypeExt;
-    meta.file_type().is_char_device() && meta.rdev() == 0
-}
-
-fn is_opaque(dir: &Path) -> bool {
+fn is_opaque(layer: &Tree, dir: &Path) -> bool {
+    let Ok(dir) = layer.dir(dir) else {
+        return false;
+    };
     ["user.overlay.opaque", "trusted.overlay.opaque"]
         .iter()
-        .any(|name| matches!(xattr_get(dir, name), Some(v) if v == b"y"))
+        .any(|name| matches!(xattr_get(&dir, name), Some(v) if v == b"y"))
 }
 
-fn xattr_get(path: &Path, name: &str) -> Option<Vec<u8>> {
-    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+fn xattr_get(dir: &Dir, name: &str) -> Option<Vec<u8>> {
+    use std::os::fd::AsRawFd;
     let c_name = std::ffi::CString::new(name).ok()?;
     let mut buf = [0u8; 64];
-    // SAFETY: both strings are nul-terminated and `buf` is writable for its length.
+    // SAFETY: the descriptor is open for the call, the name is nul-terminated and `buf` is
+    // writable for its length.
     let n = unsafe {
-        libc::lgetxattr(
-            c_path.as_ptr(),
+        libc::fgetxattr(
+            dir.as_fd().as_raw_fd(),
             c_name.as_ptr(),
             buf.as_mut_ptr().cast(),
             buf.len(),
         )
     };
-    (n >= 0).then(|| buf[..n as usize].to_vec())
+    usize::try_from(n).ok().map(|n| buf[..n].to_vec())
 }
 
-/// Looks `relative` (no `..`, no leading `/`) up through `stack` (topmost first), without
-/// following a final symlink, as an overlay mount would show it. Intermediate components are
-/// taken literally: callers resolve symlinks with [`resolve`].
-pub fn lookup(stack: &[PathBuf], relative: &Path) -> Found {
-    for layer in stack {
+/// Looks `relative` up through `stack` as an overlay mount would show it, without following
+/// a final link. Each layer is read on its own with links refused; a link or file on the way
+/// in a layer ends the path there (in the merge it is not a directory), so nothing a layer
+/// holds can send the lookup elsewhere. Callers follow links with [`resolve`].
+pub fn lookup(stack: &Stack, relative: &Path) -> Found {
+    let components: Vec<_> = relative
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect();
+    if components.is_empty() {
+        return Found::Dir(0);
+    }
+    for (index, layer) in stack.layers.iter().enumerate() {
         // A whiteout or an opaque directory on the way hides every layer below.
         let mut hidden = false;
-        let mut prefix = layer.clone();
-        let components: Vec<_> = relative.components().collect();
+        let mut prefix = PathBuf::new();
         for (i, component) in components.iter().enumerate() {
             prefix.push(component);
-            let Ok(meta) = std::fs::symlink_metadata(&prefix) else {
+            let Ok(Some(meta)) = layer.symlink_metadata(&prefix) else {
                 break;
             };
-            if is_whiteout(&meta) {
+            if sandbar_fs::is_whiteout(&meta) {
                 return Found::Missing;
             }
             if i + 1 == components.len() {
-                if meta.file_type().is_symlink() {
-                    return Found::Symlink(std::fs::read_link(&prefix).unwrap_or_default());
-                }
-                if meta.is_dir() {
-                    return Found::Dir;
-                }
-                return Found::File(prefix);
+                return match Kind::of(&meta) {
+                    Kind::Symlink => Found::Symlink(layer.read_link(&prefix).unwrap_or_default()),
+                    Kind::Dir => Found::Dir(index),
+                    Kind::File | Kind::Other => Found::File(index),
+                };
             }
-            if meta.is_dir() && is_opaque(&prefix) {
+            if !meta.is_dir() {
+                return Found::Missing;
+            }
+            if is_opaque(layer, &prefix) {
                 hidden = true;
             }
         }
@@ -146,16 +225,14 @@ pub fn lookup(stack: &[PathBuf], relative: &Path) -> Found {
             // The path's parent is opaque in this layer and the entry is not in it.
             return Found::Missing;
         }
-        if components.is_empty() {
-            return Found::Dir;
-        }
     }
     Found::Missing
 }
 
-/// Resolves `path` (absolute, inside the image) through `stack`, following symlinks in
-/// every component as the sandbox would, but never leaving the image's root.
-pub fn resolve(stack: &[PathBuf], path: &str) -> Result<PathBuf, String> {
+/// Resolves `path` (absolute, inside the image) through `stack`, following links in every
+/// component as the sandbox would, but never leaving the image's root: the result is a
+/// path below the root with no link in it (its last components may not exist yet).
+pub fn resolve(stack: &Stack, path: &str) -> Result<PathBuf, String> {
     let mut resolved = PathBuf::new();
     let mut pending: Vec<std::ffi::OsString> = Path::new(path)
         .components()
@@ -197,10 +274,21 @@ pub fn resolve(stack: &[PathBuf], path: &str) -> Result<PathBuf, String> {
 }
 
 /// Reads a regular file through the stack (e.g. `/etc/passwd`).
-pub fn read_file(stack: &[PathBuf], path: &str) -> Option<String> {
+pub fn read_file(stack: &Stack, path: &str) -> Option<String> {
     let relative = resolve(stack, path).ok()?;
     match lookup(stack, &relative) {
-        Found::File(p) => std::fs::read_to_string(p).ok(),
+        Found::File(index) => stack.layers[index].read_to_string(&relative).ok(),
+        _ => None,
+    }
+}
+
+/// The owner and mode of the directory `relative` as the merge shows it, if it is one.
+pub fn dir_owner_mode(stack: &Stack, relative: &Path) -> Option<(u32, u32, u32)> {
+    match lookup(stack, relative) {
+        Found::Dir(index) => {
+            let meta = stack.layers[index].symlink_metadata(relative).ok()??;
+            Some((meta.uid(), meta.gid(), meta.mode() & 0o7777))
+        }
         _ => None,
     }
 }
@@ -217,7 +305,7 @@ pub fn seal_layer(dir: &Path, base: u32, size: u32) -> std::io::Result<()> {
         crate::disks::remove_tree(&dir.join(scratch))?;
     }
     shift_owners(&dir.join(sandbar_jail::layout::UPPER), base, size)?;
-    std::os::unix::fs::lchown(dir, Some(0), Some(0))
+    Dir::open_host(dir)?.chown_self(0, 0)
 }
 
 /// Gives every entry of a build sandbox's writable layer the owner it has inside the
@@ -229,6 +317,8 @@ pub fn shift_owners(root: &Path, base: u32, size: u32) -> std::io::Result<()> {
 
 /// Moves every entry under `root` owned by host ids `from..from + size` to the same offset
 /// in `to..to + size`, keeping setuid and setgid bits; an entry outside the range is refused.
+/// The tree was written by a sandbox, so it is walked through directory handles, never
+/// following a link.
 pub fn move_owners(root: &Path, from: u32, to: u32, size: u32) -> std::io::Result<()> {
     let shift = |id: u32, path: &Path| {
         id.checked_sub(from)
@@ -241,19 +331,30 @@ pub fn move_owners(root: &Path, from: u32, to: u32, size: u32) -> std::io::Resul
                 ))
             })
     };
-    let mut pending = vec![root.to_owned()];
-    while let Some(path) = pending.pop() {
-        let meta = std::fs::symlink_metadata(&path)?;
-        let uid = shift(meta.uid(), &path)?;
-        let gid = shift(meta.gid(), &path)?;
-        std::os::unix::fs::lchown(&path, Some(uid), Some(gid))?;
-        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
-            // A change of owner clears setuid and setgid; the layer keeps what the step made.
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(meta.mode() & 0o7777))?;
-        }
-        if meta.is_dir() {
-            for entry in std::fs::read_dir(&path)? {
-                pending.push(entry?.path());
+    let top = Dir::open_host(root)?;
+    let meta = top.metadata()?;
+    top.chown_self(shift(meta.uid(), root)?, shift(meta.gid(), root)?)?;
+    if meta.mode() & 0o6000 != 0 {
+        top.chmod_self(meta.mode())?;
+    }
+    let mut pending = vec![(top, PathBuf::new())];
+    while let Some((dir, shown)) = pending.pop() {
+        for entry in dir.entries()? {
+            let path = shown.join(&entry.name);
+            let Some(meta) = dir.stat(&entry.name)? else {
+                continue;
+            };
+            dir.chown(
+                &entry.name,
+                shift(meta.uid(), &path)?,
+                shift(meta.gid(), &path)?,
+            )?;
+            if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+                // A change of owner clears setuid and setgid; the layer keeps what the step made.
+                dir.chmod(&entry.name, meta.mode())?;
+            }
+            if meta.is_dir() {
+                pending.push((dir.open_dir(&entry.name)?, path));
             }
         }
     }
@@ -261,14 +362,29 @@ pub fn move_owners(root: &Path, from: u32, to: u32, size: u32) -> std::io::Resul
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::disallowed_methods)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn mkdirs(root: &Path, dirs: &[&str]) {
         for d in dirs {
             std::fs::create_dir_all(root.join(d)).unwrap();
         }
+    }
+
+    #[test]
+    fn image_layers_left_where_an_earlier_version_put_them_are_found() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (pool, legacy) = (tmp.path().join("pool"), tmp.path().join("legacy"));
+        std::fs::create_dir_all(legacy.join("aa")).unwrap();
+        std::fs::create_dir_all(pool.join("bb")).unwrap();
+        std::fs::create_dir_all(legacy.join("bb")).unwrap();
+        let store = LayerStore::new("/t".into(), pool.clone(), "/s".into())
+            .with_legacy_images_dir(legacy.clone());
+        assert_eq!(store.path("image/aa"), Some(legacy.join("aa")));
+        assert_eq!(store.path("image/bb"), Some(pool.join("bb")));
+        assert_eq!(store.path("image/cc"), Some(pool.join("cc")));
     }
 
     #[test]
@@ -297,7 +413,7 @@ mod tests {
         std::fs::write(upper.join("etc/passwd"), "root:x:0:0::/root:/bin/bash\n").unwrap();
         std::os::unix::fs::symlink("usr/bin", lower.join("bin")).unwrap();
         std::os::unix::fs::symlink("/../../../etc", lower.join("escape")).unwrap();
-        let stack = vec![upper.clone(), lower.clone()];
+        let stack = Stack::open(&[upper.clone(), lower.clone()]).unwrap();
         assert_eq!(
             read_file(&stack, "/etc/passwd").as_deref(),
             Some("root:x:0:0::/root:/bin/bash\n")
@@ -340,13 +456,13 @@ mod tests {
             )
         };
         assert_eq!(set, 0);
-        let stack = vec![upper, lower];
+        let stack = Stack::open(&[upper, lower]).unwrap();
         assert_eq!(lookup(&stack, Path::new("etc/motd")), Found::Missing);
         assert_eq!(
             lookup(&stack, Path::new("opt/data/old.txt")),
             Found::Missing
         );
-        assert_eq!(lookup(&stack, Path::new("opt/data")), Found::Dir);
+        assert_eq!(lookup(&stack, Path::new("opt/data")), Found::Dir(0));
     }
 
     #[test]

@@ -2,18 +2,21 @@
 //! with Linux namespaces, cgroups, an overlay root and a private routed network.
 
 mod agent_client;
+mod build_output;
 pub mod builder;
 pub mod cgroups;
 pub mod checkpoint;
 pub mod disks;
 pub mod dns;
 pub mod egress;
+pub mod image_layers;
 pub mod layers;
 pub mod netns;
 pub mod network;
 mod runtime;
 pub mod shaping;
 pub mod templates;
+pub mod uploads;
 pub mod volumes;
 
 pub use builder::NodeBuilder;

@@ -261,15 +261,20 @@ impl LinuxRuntime {
             memory_capacity_mb,
             "sandboxes may be granted this much memory in all"
         );
+        // Image layers live on the pool, whose accounting then sees them; a dot name keeps
+        // them out of the sweep of unknown sandboxes.
         let layers = crate::layers::LayerStore::new(
             config.data_dir.join("templates"),
-            config.data_dir.join("images").join("layers"),
+            config.data_dir.join("sandboxes").join(".images"),
             config.data_dir.join("sandboxes").join(".layers"),
-        );
-        std::fs::create_dir_all(layers.steps_dir()).map_err(|source| NodeError::Io {
-            path: layers.steps_dir().to_owned(),
-            source,
-        })?;
+        )
+        .with_legacy_images_dir(config.data_dir.join("images").join("layers"));
+        for dir in [layers.steps_dir(), layers.images_dir()] {
+            std::fs::create_dir_all(dir).map_err(|source| NodeError::Io {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
         let slots = SlotSet::default();
         let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
         netns_pool.refill();
@@ -869,23 +874,26 @@ impl LinuxRuntime {
         Ok(())
     }
 
-    /// Removes step and image layers that neither `keep` nor a live sandbox uses.
-    pub fn collect_layers(&self, keep: &[String], images_dir: &Path) {
+    /// `keep` and the layers live sandboxes and new snapshots use.
+    pub fn layers_to_keep(&self, keep: &[String]) -> BTreeSet<String> {
         let mut keep: BTreeSet<String> = keep.iter().cloned().collect();
         keep.extend(self.layers_of_live_sandboxes());
-        {
-            let mut fresh = self
-                .fresh_snapshots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            fresh.retain(|(_, made)| made.elapsed() < FRESH_SNAPSHOT);
-            keep.extend(fresh.iter().map(|(name, _)| name.clone()));
-        }
+        let mut fresh = self
+            .fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        fresh.retain(|(_, made)| made.elapsed() < FRESH_SNAPSHOT);
+        keep.extend(fresh.iter().map(|(name, _)| name.clone()));
+        keep
+    }
+
+    /// Removes step layers and checkpoints that `keep` (see [`Self::layers_to_keep`]) does
+    /// not name. Image layers are a cache with a limit of its own (`image_layers`).
+    pub fn collect_layers(&self, keep: &BTreeSet<String>) {
         let steps = self.layers.steps_dir().to_owned();
         let snapshots = self.snapshots_dir();
         for (dir, kind) in [
             (steps.as_path(), "layer"),
-            (images_dir, "image"),
             (snapshots.as_path(), "checkpoint"),
         ] {
             let Ok(entries) = std::fs::read_dir(dir) else {

@@ -11,6 +11,8 @@
 //! `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)` (a link that leads out, absolute or by
 //! `..`, fails with `EXDEV`), and acts on the last component without following it.
 
+#![deny(clippy::disallowed_methods)]
+
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{Read, Write};
@@ -20,7 +22,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
-use rustix::fs::{AtFlags, Mode, OFlags, ResolveFlags};
+use rustix::fs::{AtFlags, Mode, OFlags};
 use rustix::io::Errno;
 use sandbar_core::Volume;
 use sandbar_core::volumes::{
@@ -87,18 +89,12 @@ fn beneath(
     mode: u32,
     shown: &str,
 ) -> Result<OwnedFd, VolumeIoError> {
-    // openat2 refuses O_PATH with any flag that only matters to an opened file.
-    let extra = if flags.contains(OFlags::PATH) {
-        OFlags::CLOEXEC
-    } else {
-        OFlags::CLOEXEC | OFlags::NOCTTY
-    };
-    rustix::fs::openat2(
+    sandbar_fs::open_at(
         dir,
         path,
-        flags | extra,
+        flags,
         Mode::from_raw_mode(mode),
-        ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        sandbar_fs::Links::Beneath,
     )
     .map_err(|e| errno(shown, e))
 }
@@ -195,6 +191,10 @@ pub fn volume_dir(
 
 impl HostVolumes {
     /// Volumes under `root` (created 0700 when missing).
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the server's own directories under the pool, never a volume's contents"
+    )]
     pub fn open(root: &Path) -> std::io::Result<Self> {
         std::fs::create_dir_all(root.join(TRASH))?;
         std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o700))?;
@@ -341,16 +341,16 @@ impl HostVolumes {
 
 impl VolumeHost for HostVolumes {
     fn create(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError> {
-        let team_dir = self.root.join(plain(team_id)?);
-        match std::fs::create_dir(&team_dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(io_err(team_id, e)),
-        }
-        let dir = team_dir.join(plain(volume_id)?);
-        std::fs::create_dir(&dir).map_err(|e| io_err(volume_id, e))?;
-        std::os::unix::fs::chown(&dir, Some(0), Some(0)).map_err(|e| io_err(volume_id, e))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(ROOT_MODE))
+        let (team, volume) = (plain(team_id)?, plain(volume_id)?);
+        let root = sandbar_fs::Dir::open_host(&self.root).map_err(|e| io_err(team_id, e))?;
+        let team_dir = root
+            .ensure_dir(OsStr::new(team), 0o755)
+            .map_err(|e| io_err(team_id, e))?;
+        let dir = team_dir
+            .create_dir(OsStr::new(volume), ROOT_MODE)
+            .map_err(|e| io_err(volume_id, e))?;
+        dir.chown_self(0, 0)
+            .and_then(|()| dir.chmod_self(ROOT_MODE))
             .map_err(|e| io_err(volume_id, e))
     }
 

@@ -92,16 +92,41 @@ struct ServeArgs {
     #[arg(long, env = "SANDBAR_BASE_DISK_MB", default_value_t = 2048, value_parser = clap::value_parser!(u32).range(64..))]
     base_disk_mb: u32,
     /// Registries (host or host:port) pulled from over plain HTTP besides localhost and
-    /// 127.0.0.1, which always are.
+    /// 127.0.0.1, which always are. Naming one also allows it as --allow-registry does.
     #[arg(
         long = "plain-http-registry",
         env = "SANDBAR_PLAIN_HTTP_REGISTRIES",
         value_delimiter = ','
     )]
     plain_http_registries: Vec<String>,
+    /// Registries (HOST for every port, or HOST:PORT) that image pulls may contact although
+    /// they resolve to an address pulls never reach otherwise: loopback, link-local,
+    /// unspecified, multicast or broadcast addresses, this host's own addresses, and the
+    /// sandbox network.
+    #[arg(
+        long = "allow-registry",
+        env = "SANDBAR_ALLOW_REGISTRY",
+        value_delimiter = ','
+    )]
+    allow_registry: Vec<sandbar_image::AllowedRegistry>,
     /// Largest build-context upload accepted, in MiB.
     #[arg(long, env = "SANDBAR_MAX_UPLOAD_MB", default_value_t = 1024)]
     max_upload_mb: u64,
+    /// Build-context uploads one team may keep at once, in GiB all together.
+    #[arg(long, env = "SANDBAR_MAX_UPLOAD_GB_PER_TEAM", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_upload_gb_per_team: u64,
+    /// Build-context uploads one team may keep at once.
+    #[arg(long, env = "SANDBAR_MAX_UPLOADS_PER_TEAM", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_uploads_per_team: u64,
+    /// Seconds an upload is kept once nothing wrote it or read it for a build; a build's
+    /// uploads also go when it ends, unless another build still needs them.
+    #[arg(long, env = "SANDBAR_UPLOAD_TTL_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    upload_ttl_secs: u64,
+    /// Size, in GiB, of the unpacked registry image layers kept (on the disk pool) for all
+    /// templates; layers nothing uses are evicted least recently used first, and a pull that
+    /// finds no room fails.
+    #[arg(long, env = "SANDBAR_IMAGE_CACHE_GB", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    image_cache_gb: u64,
     /// Private IPv4 ranges (CIDR) that sandboxes with internet access may reach; all private,
     /// shared, link-local and metadata destinations are refused otherwise.
     #[arg(
@@ -391,11 +416,28 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let node = runtime.clone();
 
     let templates = Templates::new(store.clone());
+    let sandbox_network = ipnet::Ipv4Net::new(network_base, network_prefix_len)
+        .with_context(|| format!("bad network '{}'", args.network))?;
+    let registry_policy = Arc::new(
+        sandbar_image::RegistryPolicy::new(
+            args.allow_registry,
+            args.plain_http_registries,
+            vec![sandbox_network.into()],
+        )
+        .context("bad --plain-http-registry")?,
+    );
+    let upload_ttl = std::time::Duration::from_secs(args.upload_ttl_secs);
     let builder = Arc::new(sandbar_node::NodeBuilder::new(
         runtime.clone(),
         &data_dir,
-        args.plain_http_registries,
+        registry_policy.clone(),
         args.debian_mirror,
+        sandbar_node::uploads::UploadLimits {
+            max_bytes_per_team: args.max_upload_gb_per_team << 30,
+            max_count_per_team: usize::try_from(args.max_uploads_per_team).unwrap_or(usize::MAX),
+            ttl: upload_ttl,
+        },
+        args.image_cache_gb << 30,
     ));
     let builds = Builds::new(
         store.clone(),
@@ -412,7 +454,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             envd_version: sandbar_jail::ENVD_VERSION,
         },
         templates.build_finished(),
-    );
+    )
+    .with_registry_check(Arc::new(RegistryRule(registry_policy)));
     let interrupted = builds.recover().await?;
     if interrupted > 0 {
         tracing::warn!(
@@ -421,6 +464,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     builds.collect_garbage().await;
+    // Often enough that an upload outlives its time to live by a quarter of it at most.
+    let sweep_every = (upload_ttl / 4).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(60),
+    );
+    tokio::spawn(builds.clone().run_upload_sweeper(sweep_every));
     ensure_base_template(
         &templates,
         &builds,
@@ -485,6 +534,19 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
     Ok(())
+}
+
+/// The pulls' registry rule, asked again when a build is requested so a refused registry is a
+/// 400 then rather than a failed build later.
+#[derive(Debug)]
+struct RegistryRule(Arc<sandbar_image::RegistryPolicy>);
+
+#[async_trait::async_trait]
+impl sandbar_core::RegistryCheck for RegistryRule {
+    async fn refusal(&self, reference: &str) -> Option<String> {
+        let refused = self.0.check_reference(reference).await.err()?;
+        Some(refused.to_string())
+    }
 }
 
 /// Creates the database file owner-only if it is new (SQLite gives its WAL and shared-memory

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use sandbar_core::builds::{BuildFailure, BuildJob, BuildLog, UploadBody, UploadError};
 use sandbar_core::{
-    BuildStatus, Builder, Builds, BuildsConfig, Store, Template, TemplateImage, Templates,
+    BuildStatus, Builder, Builds, BuildsConfig, RegistryCheck, Store, Template, TemplateImage,
+    Templates,
 };
 
 /// A builder that fails every build: these tests exercise the HTTP surface, not builds.
@@ -34,6 +35,19 @@ impl Builder for RefusingBuilder {
     async fn collect_garbage(&self, _: &[String]) {}
 }
 
+/// Refuses images from the registry `refused.test`, as the node's rule refuses loopback.
+#[derive(Debug)]
+pub struct RefusingRegistry;
+
+#[async_trait::async_trait]
+impl RegistryCheck for RefusingRegistry {
+    async fn refusal(&self, reference: &str) -> Option<String> {
+        reference
+            .starts_with("refused.test/")
+            .then(|| "registry refused.test:443 resolves to 127.0.0.1, a loopback address".into())
+    }
+}
+
 pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
     Builds::new(
         store,
@@ -51,6 +65,7 @@ pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
         },
         templates.build_finished(),
     )
+    .with_registry_check(Arc::new(RefusingRegistry))
 }
 
 pub fn image() -> TemplateImage {

@@ -1,0 +1,747 @@
+//! Which registry addresses the server may connect to.
+//!
+//! The server pulls images as root from the host's network, on behalf of anyone holding an
+//! API key. Without a rule, an image reference naming `127.0.0.1:<port>`, a link-local address
+//! (cloud metadata at 169.254.169.254) or one of the host's own addresses would make the
+//! server talk to services that only trust local callers. So every address a registry, a
+//! token service or a redirect resolves to is checked here first: loopback, unspecified,
+//! link-local, multicast and broadcast addresses (also in their IPv4-mapped and
+//! IPv4-compatible IPv6 forms), the host's own addresses and the sandbox network are refused
+//! unless the operator allowed the registry (`--allow-registry`, or `--plain-http-registry`,
+//! which names registries just as deliberately).
+//!
+//! [`check_address`] is the rule as a pure function; [`RegistryPolicy`] holds its inputs
+//! (the operator's list, the sandbox network, the host's addresses, refreshed now and then)
+//! and resolves names through it.
+
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use url::{Host, Url};
+
+/// How long a list of the host's addresses is trusted before it is read again: interfaces
+/// come and go (sandboxes' veth pairs, VPNs), and reading them costs one netlink dump.
+const HOST_ADDRESSES_TTL: Duration = Duration::from_secs(5);
+/// A name lookup made only to answer a build request early; the pull checks again anyway.
+const EARLY_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One entry of the operator's list: a host (name or address) on every port, or on one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllowedRegistry {
+    /// Lower-case name, or an address without brackets.
+    host: String,
+    port: Option<u16>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid registry `{0}`: expected HOST or HOST:PORT (an IPv6 address with a port in brackets)"
+)]
+pub struct AllowedRegistryError(String);
+
+impl FromStr for AllowedRegistry {
+    type Err = AllowedRegistryError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || AllowedRegistryError(text.to_owned());
+        let trimmed = text.trim();
+        let (host, port) = if let Some(rest) = trimmed.strip_prefix('[') {
+            let (inside, after) = rest.split_once(']').ok_or_else(bad)?;
+            inside.parse::<Ipv6Addr>().map_err(|_| bad())?;
+            let port = match after {
+                "" => None,
+                _ => Some(after.strip_prefix(':').ok_or_else(bad)?),
+            };
+            (inside, port)
+        } else if trimmed.parse::<Ipv6Addr>().is_ok() {
+            (trimmed, None)
+        } else {
+            match trimmed.rsplit_once(':') {
+                Some((host, port)) => (host, Some(port)),
+                None => (trimmed, None),
+            }
+        };
+        let port = match port {
+            Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+                Some(p.parse::<u16>().map_err(|_| bad())?)
+            }
+            Some(_) => return Err(bad()),
+            None => None,
+        };
+        let valid_name = !host.is_empty()
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-._:".contains(&b));
+        if !valid_name {
+            return Err(bad());
+        }
+        Ok(Self {
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+}
+
+impl fmt::Display for AllowedRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let host: &str = &self.host;
+        match (self.port, host.contains(':')) {
+            (Some(port), true) => write!(f, "[{host}]:{port}"),
+            (Some(port), false) => write!(f, "{host}:{port}"),
+            (None, _) => f.write_str(host),
+        }
+    }
+}
+
+impl AllowedRegistry {
+    fn matches(&self, host: &str, port: u16, address: IpAddr) -> bool {
+        if self.port.is_some_and(|p| p != port) {
+            return false;
+        }
+        match self.host.parse::<IpAddr>() {
+            Ok(listed) => {
+                canonical(listed) == canonical(address)
+                    || bare(host)
+                        .parse::<IpAddr>()
+                        .is_ok_and(|h| canonical(h) == canonical(listed))
+            }
+            Err(_) => bare(host)
+                .trim_end_matches('.')
+                .eq_ignore_ascii_case(self.host.trim_end_matches('.')),
+        }
+    }
+}
+
+/// The operator's part of the rule.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AddressRule {
+    /// Registries that may be contacted whatever their addresses.
+    pub allowed: Vec<AllowedRegistry>,
+    /// Where sandboxes live (`--network`).
+    pub sandbox_networks: Vec<IpNet>,
+}
+
+/// Why an address is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusedRange {
+    Loopback,
+    Unspecified,
+    LinkLocal,
+    Multicast,
+    Broadcast,
+    HostAddress,
+    SandboxNetwork(IpNet),
+}
+
+impl fmt::Display for RefusedRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RefusedRange::Loopback => f.write_str("a loopback address"),
+            RefusedRange::Unspecified => f.write_str("an unspecified address"),
+            RefusedRange::LinkLocal => f.write_str("a link-local address"),
+            RefusedRange::Multicast => f.write_str("a multicast address"),
+            RefusedRange::Broadcast => f.write_str("the broadcast address"),
+            RefusedRange::HostAddress => f.write_str("an address of this host"),
+            RefusedRange::SandboxNetwork(net) => {
+                write!(f, "an address in the sandbox network {net}")
+            }
+        }
+    }
+}
+
+/// A registry (or a host a registry sent the server to) that may not be contacted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "registry {registry} resolves to {address}, {range}; the operator can allow it with --allow-registry"
+)]
+pub struct RegistryRefused {
+    /// `host:port` as the server would have contacted it.
+    pub registry: String,
+    pub address: IpAddr,
+    pub range: RefusedRange,
+}
+
+/// Whether `address`, which `host` (a name or an address, as a URL has it) resolved to, may
+/// be contacted on `port`. `host_addresses` are the host's own addresses.
+pub fn check_address(
+    rule: &AddressRule,
+    host_addresses: &[IpAddr],
+    host: &str,
+    port: u16,
+    address: IpAddr,
+) -> Result<(), RegistryRefused> {
+    if rule
+        .allowed
+        .iter()
+        .any(|entry| entry.matches(host, port, address))
+    {
+        return Ok(());
+    }
+    let address = canonical(address);
+    let range = special_range(address)
+        .or_else(|| {
+            host_addresses
+                .iter()
+                .any(|own| canonical(*own) == address)
+                .then_some(RefusedRange::HostAddress)
+        })
+        .or_else(|| {
+            rule.sandbox_networks
+                .iter()
+                .find(|net| net.contains(&address))
+                .map(|net| RefusedRange::SandboxNetwork(*net))
+        });
+    match range {
+        Some(range) => Err(RegistryRefused {
+            registry: label(host, port),
+            address,
+            range,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// IPv4 addresses written as IPv6 (mapped `::ffff:a.b.c.d` or compatible `::a.b.c.d`) reach
+/// the IPv4 address, so they are judged as one.
+fn canonical(address: IpAddr) -> IpAddr {
+    let IpAddr::V6(v6) = address else {
+        return address;
+    };
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return IpAddr::V4(v4);
+    }
+    // `::` and `::1` are IPv6's own unspecified and loopback addresses, not compatible forms.
+    if v6.segments()[..6] == [0; 6] && !v6.is_unspecified() && !v6.is_loopback() {
+        let [.., a, b, c, d] = v6.octets();
+        return IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+    }
+    address
+}
+
+fn special_range(address: IpAddr) -> Option<RefusedRange> {
+    match address {
+        IpAddr::V4(v4) => {
+            // All of 0.0.0.0/8 rather than just 0.0.0.0: Linux connects 0.0.0.0 to itself.
+            if v4.octets()[0] == 0 {
+                Some(RefusedRange::Unspecified)
+            } else if v4.is_loopback() {
+                Some(RefusedRange::Loopback)
+            } else if v4.is_link_local() {
+                Some(RefusedRange::LinkLocal)
+            } else if v4.is_multicast() {
+                Some(RefusedRange::Multicast)
+            } else if v4.is_broadcast() {
+                Some(RefusedRange::Broadcast)
+            } else {
+                None
+            }
+        }
+        IpAddr::V6(v6) => {
+            if v6.is_unspecified() {
+                Some(RefusedRange::Unspecified)
+            } else if v6.is_loopback() {
+                Some(RefusedRange::Loopback)
+            } else if v6.segments()[0] & 0xffc0 == 0xfe80 {
+                Some(RefusedRange::LinkLocal)
+            } else if v6.is_multicast() {
+                Some(RefusedRange::Multicast)
+            } else {
+                None
+            }
+        }
+    }
+}
+
+/// `[::1]` as a URL writes it, `::1` as an address.
+fn bare(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host)
+}
+
+fn label(host: &str, port: u16) -> String {
+    let host = bare(host);
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Where a URL leads: its host as written and its port, and the address when the host is one
+/// (such a URL is connected to without any name lookup).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Destination {
+    pub host: String,
+    pub port: u16,
+    pub literal: Option<IpAddr>,
+}
+
+impl Destination {
+    /// `None` for URLs that are not http(s) or have no host.
+    pub(crate) fn of(url: &Url) -> Option<Self> {
+        if !matches!(url.scheme(), "http" | "https") {
+            return None;
+        }
+        let port = url.port_or_known_default()?;
+        let (host, literal) = match url.host()? {
+            Host::Domain(name) => (name.to_owned(), None),
+            Host::Ipv4(v4) => (v4.to_string(), Some(IpAddr::V4(v4))),
+            Host::Ipv6(v6) => (v6.to_string(), Some(IpAddr::V6(v6))),
+        };
+        Some(Self {
+            host,
+            port,
+            literal,
+        })
+    }
+}
+
+/// Why a name could not be turned into addresses the server may contact.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error(transparent)]
+    Refused(#[from] RegistryRefused),
+    #[error("cannot resolve {host}: {source}")]
+    Lookup {
+        host: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{host} resolves to no address")]
+    NoAddress { host: String },
+}
+
+/// The rule with its inputs, shared by every pull and by build requests.
+#[derive(Debug)]
+pub struct RegistryPolicy {
+    rule: AddressRule,
+    plain_http_hosts: Vec<String>,
+    host_addresses: Mutex<(Instant, Arc<[IpAddr]>)>,
+}
+
+impl RegistryPolicy {
+    /// `allowed`: registries the operator allows whatever their addresses. `plain_http_hosts`:
+    /// registries reached over plain HTTP besides localhost, 127.0.0.1 and [::1] (`host:port`
+    /// names one registry, a bare `host` every port of it); the operator named them, so they
+    /// are allowed too. `sandbox_networks`: the ranges sandboxes are numbered from.
+    pub fn new(
+        allowed: Vec<AllowedRegistry>,
+        plain_http_hosts: Vec<String>,
+        sandbox_networks: Vec<IpNet>,
+    ) -> Result<Self, AllowedRegistryError> {
+        let mut allowed = allowed;
+        for host in &plain_http_hosts {
+            allowed.push(host.parse()?);
+        }
+        let own = read_host_addresses();
+        Ok(Self {
+            rule: AddressRule {
+                allowed,
+                sandbox_networks,
+            },
+            plain_http_hosts,
+            host_addresses: Mutex::new((Instant::now(), own.into())),
+        })
+    }
+
+    pub(crate) fn plain_http_hosts(&self) -> &[String] {
+        &self.plain_http_hosts
+    }
+
+    /// The host's addresses, read again when the last reading is a few seconds old.
+    pub fn host_addresses(&self) -> Arc<[IpAddr]> {
+        let mut cached = self
+            .host_addresses
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if cached.0.elapsed() >= HOST_ADDRESSES_TTL {
+            *cached = (Instant::now(), read_host_addresses().into());
+        }
+        Arc::clone(&cached.1)
+    }
+
+    /// [`check_address`] with this policy's inputs.
+    pub fn check(&self, host: &str, port: u16, address: IpAddr) -> Result<(), RegistryRefused> {
+        check_address(&self.rule, &self.host_addresses(), host, port, address)
+    }
+
+    /// Resolves `host` and keeps the addresses that may be contacted on `port`; refused when
+    /// none is left.
+    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, ResolveError> {
+        let found = tokio::net::lookup_host((bare(host), port))
+            .await
+            .map_err(|source| ResolveError::Lookup {
+                host: host.to_owned(),
+                source,
+            })?;
+        let mut kept = Vec::new();
+        let mut refused = None;
+        for address in found {
+            match self.check(host, port, address.ip()) {
+                Ok(()) => kept.push(address),
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
+        }
+        match (kept.is_empty(), refused) {
+            (false, _) => Ok(kept),
+            (true, Some(refused)) => Err(ResolveError::Refused(refused)),
+            (true, None) => Err(ResolveError::NoAddress {
+                host: host.to_owned(),
+            }),
+        }
+    }
+
+    /// Whether the registry of an image reference may be contacted, decided before a build is
+    /// queued so the caller learns it at once. References that do not parse and names that do
+    /// not resolve (soon) pass: the pull reports those, and checks every connection again.
+    pub async fn check_reference(&self, reference: &str) -> Result<(), RegistryRefused> {
+        let Ok(image) = crate::registry::parse_reference(reference) else {
+            return Ok(());
+        };
+        let Some(destination) = crate::registry::registry_url(&image, self)
+            .ok()
+            .as_ref()
+            .and_then(Destination::of)
+        else {
+            return Ok(());
+        };
+        if let Some(address) = destination.literal {
+            return self.check(&destination.host, destination.port, address);
+        }
+        match tokio::time::timeout(
+            EARLY_LOOKUP_TIMEOUT,
+            self.resolve(&destination.host, destination.port),
+        )
+        .await
+        {
+            Ok(Err(ResolveError::Refused(refused))) => Err(refused),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The addresses of the host's interfaces; none (with a warning) when they cannot be read, the
+/// other ranges still apply then.
+fn read_host_addresses() -> Vec<IpAddr> {
+    match interface_addresses() {
+        Ok(addresses) => addresses,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the host's addresses for the registry rule");
+            Vec::new()
+        }
+    }
+}
+
+fn interface_addresses() -> std::io::Result<Vec<IpAddr>> {
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs only writes the head of a list it allocates, freed below.
+    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut addresses = Vec::new();
+    let mut node = head;
+    while !node.is_null() {
+        // SAFETY: `node` is an element of the list getifaddrs returned, alive until
+        // freeifaddrs.
+        let entry = unsafe { &*node };
+        if !entry.ifa_addr.is_null() {
+            // SAFETY: a non-null ifa_addr points to a sockaddr whose family names its real type,
+            // which is checked before the cast.
+            let family = i32::from(unsafe { (*entry.ifa_addr).sa_family });
+            if family == libc::AF_INET {
+                // SAFETY: an AF_INET address is a sockaddr_in.
+                let sin = unsafe { &*entry.ifa_addr.cast::<libc::sockaddr_in>() };
+                addresses.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    sin.sin_addr.s_addr,
+                ))));
+            } else if family == libc::AF_INET6 {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
+                let sin6 = unsafe { &*entry.ifa_addr.cast::<libc::sockaddr_in6>() };
+                addresses.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
+            }
+        }
+        node = entry.ifa_next;
+    }
+    // SAFETY: `head` came from getifaddrs and no reference into the list outlives this call.
+    unsafe { libc::freeifaddrs(head) };
+    addresses.sort_unstable();
+    addresses.dedup();
+    Ok(addresses)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    // Documentation ranges stand for "anywhere else"; nothing here sends a packet.
+    const PUBLIC_V4: &str = "203.0.113.5";
+    const PUBLIC_V6: &str = "2001:db8::1";
+    const HOST_V4: &str = "198.51.100.7";
+
+    fn ip(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    fn rule(allowed: &[&str]) -> AddressRule {
+        AddressRule {
+            allowed: allowed.iter().map(|a| a.parse().unwrap()).collect(),
+            sandbox_networks: vec!["10.213.0.0/16".parse().unwrap()],
+        }
+    }
+
+    fn check(rule: &AddressRule, host: &str, port: u16, address: &str) -> Result<(), RefusedRange> {
+        check_address(rule, &[ip(HOST_V4), ip("fd00::7")], host, port, ip(address))
+            .map_err(|e| e.range)
+    }
+
+    #[test]
+    fn special_addresses_are_refused() {
+        let rule = rule(&[]);
+        let cases = [
+            ("127.0.0.1", RefusedRange::Loopback),
+            ("127.45.6.7", RefusedRange::Loopback),
+            ("::1", RefusedRange::Loopback),
+            ("0.0.0.0", RefusedRange::Unspecified),
+            ("0.1.2.3", RefusedRange::Unspecified),
+            ("::", RefusedRange::Unspecified),
+            ("169.254.169.254", RefusedRange::LinkLocal),
+            ("169.254.0.1", RefusedRange::LinkLocal),
+            ("fe80::1", RefusedRange::LinkLocal),
+            ("febf::1", RefusedRange::LinkLocal),
+            ("224.0.0.1", RefusedRange::Multicast),
+            ("ff02::1", RefusedRange::Multicast),
+            ("255.255.255.255", RefusedRange::Broadcast),
+        ];
+        for (address, range) in cases {
+            assert_eq!(
+                check(&rule, address, 5000, address),
+                Err(range),
+                "{address}"
+            );
+        }
+    }
+
+    #[test]
+    fn ipv4_written_as_ipv6_is_judged_as_ipv4() {
+        let rule = rule(&[]);
+        for (address, range) in [
+            ("::ffff:127.0.0.1", RefusedRange::Loopback),
+            ("::ffff:169.254.169.254", RefusedRange::LinkLocal),
+            ("::ffff:0.0.0.0", RefusedRange::Unspecified),
+            ("::127.0.0.1", RefusedRange::Loopback),
+            ("::169.254.169.254", RefusedRange::LinkLocal),
+            (
+                "::ffff:10.213.4.2",
+                RefusedRange::SandboxNetwork("10.213.0.0/16".parse().unwrap()),
+            ),
+            ("::ffff:198.51.100.7", RefusedRange::HostAddress),
+        ] {
+            assert_eq!(
+                check(&rule, "registry.test", 443, address),
+                Err(range),
+                "{address}"
+            );
+        }
+        assert_eq!(
+            check(&rule, "registry.test", 443, "::ffff:203.0.113.5"),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn host_and_sandbox_addresses_are_refused() {
+        let rule = rule(&[]);
+        assert_eq!(
+            check(&rule, "x.test", 443, HOST_V4),
+            Err(RefusedRange::HostAddress)
+        );
+        assert_eq!(
+            check(&rule, "x.test", 443, "fd00::7"),
+            Err(RefusedRange::HostAddress)
+        );
+        assert_eq!(
+            check(&rule, "x.test", 443, "10.213.0.1"),
+            Err(RefusedRange::SandboxNetwork(
+                "10.213.0.0/16".parse().unwrap()
+            ))
+        );
+        // Private ranges that are neither the host's nor the sandboxes' stay reachable.
+        assert_eq!(check(&rule, "x.test", 443, "10.214.0.1"), Ok(()));
+        assert_eq!(check(&rule, "x.test", 443, "192.168.1.20"), Ok(()));
+    }
+
+    #[test]
+    fn public_looking_addresses_pass() {
+        let rule = rule(&[]);
+        assert_eq!(check(&rule, PUBLIC_V4, 443, PUBLIC_V4), Ok(()));
+        assert_eq!(check(&rule, "registry.test", 5000, PUBLIC_V6), Ok(()));
+    }
+
+    #[test]
+    fn the_operator_list_overrides() {
+        let host_wide = rule(&["127.0.0.1", "Registry.LAN", "[::1]:5000"]);
+        assert_eq!(check(&host_wide, "127.0.0.1", 1, "127.0.0.1"), Ok(()));
+        assert_eq!(check(&host_wide, "127.0.0.1", 65535, "127.0.0.1"), Ok(()));
+        // A name the operator listed may resolve to anything, on any port.
+        assert_eq!(
+            check(&host_wide, "registry.lan", 5000, "10.213.0.9"),
+            Ok(())
+        );
+        assert_eq!(check(&host_wide, "REGISTRY.lan.", 443, HOST_V4), Ok(()));
+        // A listed address also covers other names resolving to it.
+        assert_eq!(
+            check(&host_wide, "elsewhere.test", 80, "::ffff:127.0.0.1"),
+            Ok(())
+        );
+        assert_eq!(check(&host_wide, "[::1]", 5000, "::1"), Ok(()));
+        assert_eq!(
+            check(&host_wide, "[::1]", 5001, "::1"),
+            Err(RefusedRange::Loopback)
+        );
+
+        let one_port = rule(&["127.0.0.1:5000", "localhost:6000"]);
+        assert_eq!(check(&one_port, "127.0.0.1", 5000, "127.0.0.1"), Ok(()));
+        assert_eq!(
+            check(&one_port, "127.0.0.1", 5001, "127.0.0.1"),
+            Err(RefusedRange::Loopback)
+        );
+        assert_eq!(check(&one_port, "localhost", 6000, "::1"), Ok(()));
+        assert_eq!(
+            check(&one_port, "localhost", 6001, "127.0.0.1"),
+            Err(RefusedRange::Loopback)
+        );
+        // Other hosts are not allowed by someone else's entry.
+        assert_eq!(
+            check(&one_port, "metadata.test", 80, "169.254.169.254"),
+            Err(RefusedRange::LinkLocal)
+        );
+    }
+
+    #[test]
+    fn refusals_name_the_registry_the_address_and_the_rule() {
+        let err = check_address(&rule(&[]), &[], "127.0.0.1", 5000, ip("127.0.0.1")).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "registry 127.0.0.1:5000 resolves to 127.0.0.1, a loopback address; the operator can allow it with --allow-registry"
+        );
+        let err = check_address(&rule(&[]), &[], "::1", 443, ip("::1")).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("registry [::1]:443 resolves to ::1,"),
+            "{err}"
+        );
+        let err = check_address(
+            &rule(&[]),
+            &[],
+            "meta.test",
+            80,
+            ip("::ffff:169.254.169.254"),
+        )
+        .unwrap_err();
+        assert_eq!(err.address, ip("169.254.169.254"));
+        assert!(err.to_string().contains("a link-local address"), "{err}");
+    }
+
+    #[test]
+    fn allowed_registries_parse() {
+        let parsed = |text: &str| text.parse::<AllowedRegistry>().map(|a| a.to_string());
+        assert_eq!(parsed("127.0.0.1:5000").unwrap(), "127.0.0.1:5000");
+        assert_eq!(parsed(" Registry.LAN ").unwrap(), "registry.lan");
+        assert_eq!(parsed("[::1]:5000").unwrap(), "[::1]:5000");
+        assert_eq!(parsed("[fd00::1]").unwrap(), "fd00::1");
+        assert_eq!(parsed("fd00::1").unwrap(), "fd00::1");
+        for bad in [
+            "",
+            ":5000",
+            "host:",
+            "host:99999",
+            "host:5x",
+            "http://host",
+            "a/b",
+            "[::1",
+            "[x]:1",
+            "[::1]5000",
+        ] {
+            assert!(parsed(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn destinations_come_from_urls() {
+        let of = |url: &str| Destination::of(&Url::parse(url).unwrap());
+        let d = of("https://ghcr.io/v2/").unwrap();
+        assert_eq!((d.host.as_str(), d.port, d.literal), ("ghcr.io", 443, None));
+        assert_eq!(label(&d.host, d.port), "ghcr.io:443");
+        let d = of("http://127.0.0.1:5000/v2/").unwrap();
+        assert_eq!((d.port, d.literal), (5000, Some(ip("127.0.0.1"))));
+        // Numeric spellings of an address are addresses, not names to look up.
+        assert_eq!(
+            of("http://2130706433/").unwrap().literal,
+            Some(ip("127.0.0.1"))
+        );
+        assert_eq!(
+            of("http://0x7f.1:80/").unwrap().literal,
+            Some(ip("127.0.0.1"))
+        );
+        let d = of("http://[::ffff:127.0.0.1]:80/").unwrap();
+        assert_eq!(label(&d.host, d.port), "[::ffff:127.0.0.1]:80");
+        assert!(of("ftp://example.test/").is_none());
+        assert!(of("file:///etc/passwd").is_none());
+    }
+
+    #[test]
+    fn the_host_has_addresses() {
+        // Every Linux host has a loopback interface.
+        let own = interface_addresses().unwrap();
+        assert!(own.contains(&ip("127.0.0.1")), "{own:?}");
+    }
+
+    #[tokio::test]
+    async fn plain_http_registries_count_as_allowed() {
+        let policy = RegistryPolicy::new(vec![], vec!["127.0.0.1:5000".into()], vec![]).unwrap();
+        assert!(policy.check("127.0.0.1", 5000, ip("127.0.0.1")).is_ok());
+        assert!(policy.check("127.0.0.1", 5001, ip("127.0.0.1")).is_err());
+        assert!(RegistryPolicy::new(vec![], vec!["bad/host".into()], vec![]).is_err());
+    }
+
+    #[tokio::test]
+    async fn references_are_checked_without_contacting_anyone() {
+        let policy =
+            RegistryPolicy::new(vec!["127.0.0.1:5000".parse().unwrap()], vec![], vec![]).unwrap();
+        let err = policy
+            .check_reference("127.0.0.1:5001/x/y:1")
+            .await
+            .unwrap_err();
+        assert_eq!(err.registry, "127.0.0.1:5001");
+        assert_eq!(err.range, RefusedRange::Loopback);
+        let err = policy
+            .check_reference("2130706433:80/x/y")
+            .await
+            .unwrap_err();
+        assert_eq!(
+            (err.registry.as_str(), err.range),
+            ("127.0.0.1:80", RefusedRange::Loopback)
+        );
+        // `localhost` is a name: resolved (by the hosts file), then refused on ports the listed
+        // address does not cover.
+        let err = policy
+            .check_reference("localhost:5002/x/y")
+            .await
+            .unwrap_err();
+        assert_eq!(err.range, RefusedRange::Loopback);
+        policy
+            .check_reference("127.0.0.1:5000/x/y:1")
+            .await
+            .unwrap();
+        // Unparseable references are the pull's to report.
+        policy.check_reference("Not A Reference").await.unwrap();
+    }
+}
