@@ -19,5 +19,5 @@ pub use registry_address::{
 };
 pub use unpack::{
     ByteBudget, ENTRY_COST, UnpackError, UnpackStats, apply_layer, apply_layer_within,
-    extract_upload,
+    extract_upload, extract_upload_within,
 };

@@ -29,7 +29,8 @@ const HOST_ADDRESSES_TTL: Duration = Duration::from_secs(5);
 /// A name lookup made only to answer a build request early; the pull checks again anyway.
 const EARLY_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One entry of the operator's list: a host (name or address) on every port, or on one.
+/// One entry of the operator's list: a host (name or address) on every port, or on one. An
+/// address also covers the names that resolve to it: the connection ends up at the same place.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllowedRegistry {
     /// Lower-case name, or an address without brackets.
@@ -60,10 +61,18 @@ impl FromStr for AllowedRegistry {
         } else if trimmed.parse::<Ipv6Addr>().is_ok() {
             (trimmed, None)
         } else {
-            match trimmed.rsplit_once(':') {
+            let (host, port) = match trimmed.rsplit_once(':') {
                 Some((host, port)) => (host, Some(port)),
                 None => (trimmed, None),
+            };
+            let valid_name = !host.is_empty()
+                && host
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b));
+            if !valid_name {
+                return Err(bad());
             }
+            (host, port)
         };
         let port = match port {
             Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
@@ -72,13 +81,6 @@ impl FromStr for AllowedRegistry {
             Some(_) => return Err(bad()),
             None => None,
         };
-        let valid_name = !host.is_empty()
-            && host
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-._:".contains(&b));
-        if !valid_name {
-            return Err(bad());
-        }
         Ok(Self {
             host: host.to_ascii_lowercase(),
             port,
@@ -303,7 +305,7 @@ impl Destination {
 
 /// Why a name could not be turned into addresses the server may contact.
 #[derive(Debug, thiserror::Error)]
-pub enum ResolveError {
+pub(crate) enum ResolveError {
     #[error(transparent)]
     Refused(#[from] RegistryRefused),
     #[error("cannot resolve {host}: {source}")]
@@ -372,7 +374,11 @@ impl RegistryPolicy {
 
     /// Resolves `host` and keeps the addresses that may be contacted on `port`; refused when
     /// none is left.
-    pub async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, ResolveError> {
+    pub(crate) async fn resolve(
+        &self,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<SocketAddr>, ResolveError> {
         let found = tokio::net::lookup_host((bare(host), port))
             .await
             .map_err(|source| ResolveError::Lookup {
@@ -666,6 +672,7 @@ mod tests {
             "host:5x",
             "http://host",
             "a/b",
+            "a:b:5000",
             "[::1",
             "[x]:1",
             "[::1]5000",

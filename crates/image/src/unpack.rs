@@ -155,6 +155,24 @@ pub fn apply_layer_within<R: Read>(
 /// directory. The same path rules as [`apply_layer`] apply; in addition whiteout names, device
 /// nodes and FIFOs are refused, and everything is owned by root.
 pub fn extract_upload<R: Read>(tar: R, dest: &Path) -> Result<UnpackStats, UnpackError> {
+    extract(tar, dest, None)
+}
+
+/// [`extract_upload`] writing no more than `budget` allows (a build context may not take more
+/// than its build's disk).
+pub fn extract_upload_within<R: Read>(
+    tar: R,
+    dest: &Path,
+    budget: &ByteBudget,
+) -> Result<UnpackStats, UnpackError> {
+    extract(tar, dest, Some(budget.clone()))
+}
+
+fn extract<R: Read>(
+    tar: R,
+    dest: &Path,
+    budget: Option<ByteBudget>,
+) -> Result<UnpackStats, UnpackError> {
     let mut tar = tar;
     let mut magic = [0u8; 2];
     let mut seen = 0;
@@ -173,10 +191,10 @@ pub fn extract_upload<R: Read>(tar: R, dest: &Path) -> Result<UnpackStats, Unpac
             dest,
             Flavor::Upload,
             MAX_ENTRIES,
-            None,
+            budget,
         )
     } else {
-        unpack(stream, dest, Flavor::Upload, MAX_ENTRIES, None)
+        unpack(stream, dest, Flavor::Upload, MAX_ENTRIES, budget)
     }
 }
 

@@ -512,15 +512,16 @@ async fn pulls_from_a_local_registry() {
         .unwrap_err();
     assert!(matches!(err, PullError::DigestMismatch { .. }), "{err}");
 
-    // A pull writes no more than its limit: the busybox layer does not fit in 64 KiB, and
-    // nothing of it stays.
+    // A pull writes no more than its limit: the busybox layer does not fit in 64 KiB and
+    // nothing of it stays (the small top layer, unpacked alongside, may).
     let small = ImageCache::new(tmp.path().join("small"), loopback_allowed());
     let err = small
         .pull_for("team-d", &reference, None, &|_| {}, 64 << 10)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("65536 bytes"), "{err}");
-    assert!(names(&small.layers_dir()).is_empty());
+    let left = names(&small.layers_dir());
+    assert!(left.iter().all(|n| *n == top_id[7..]), "{left:?}");
 
     // By digest, and through an index that also lists another architecture.
     let pinned = format!("{host}/tiny@{}", image.manifest_digest);

@@ -30,7 +30,7 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct State {
-    /// `None` until the directories were read (on first use, off the async workers).
+    /// `None` until the directories were first read (off the async workers).
     layers: Option<HashMap<String, Entry>>,
     /// Room promised to pulls in progress.
     reserved: u64,
@@ -162,13 +162,14 @@ impl ImageLayers {
         self.state().in_use.clone()
     }
 
-    /// Reads both directories once: sizes are measured, and a layer's last use is taken to
-    /// be its last change, since nothing older is known.
-    fn ensure_scanned(&self) {
-        if self.state().layers.is_some() {
-            return;
-        }
-        let mut layers = HashMap::new();
+    /// Brings the list of layers up to date with both directories: layers that appeared
+    /// (all of them the first time; after that, ones a failed pull left next to the layer
+    /// that did not fit) are measured, layers gone are forgotten. A layer first seen is taken
+    /// to be last used at its last change. Returns the names of layers found in both
+    /// directories: the legacy copy is left out of the count. Blocks on the filesystem.
+    fn refresh(&self) -> Vec<String> {
+        let mut present: Vec<(String, PathBuf, bool, SystemTime)> = Vec::new();
+        let mut duplicates = Vec::new();
         for (dir, legacy) in [(&self.legacy_dir, true), (&self.dir, false)] {
             let Ok(entries) = std::fs::read_dir(dir) else {
                 continue;
@@ -186,40 +187,61 @@ impl ImageLayers {
                 if !meta.is_dir() {
                     continue;
                 }
+                if legacy && self.dir.join(&name).is_dir() {
+                    duplicates.push(name);
+                    continue;
+                }
                 let changed = SystemTime::UNIX_EPOCH
                     + Duration::from_secs(u64::try_from(meta.ctime()).unwrap_or(0));
-                layers.insert(
-                    name,
-                    Entry {
-                        bytes: disk_usage(&entry.path()),
-                        last_used: changed,
-                        legacy,
-                    },
-                );
+                present.push((name, entry.path(), legacy, changed));
             }
         }
+        let unknown: Vec<&(String, PathBuf, bool, SystemTime)> = {
+            let state = self.state();
+            present
+                .iter()
+                .filter(|(name, ..)| state.layers.as_ref().is_none_or(|l| !l.contains_key(name)))
+                .collect()
+        };
+        let measured: Vec<(String, Entry)> = unknown
+            .into_iter()
+            .map(|(name, path, legacy, changed)| {
+                (
+                    name.clone(),
+                    Entry {
+                        bytes: disk_usage(path),
+                        last_used: *changed,
+                        legacy: *legacy,
+                    },
+                )
+            })
+            .collect();
         let mut state = self.state();
-        if state.layers.is_none() {
-            state.layers = Some(layers);
+        let layers = state.layers.get_or_insert_with(HashMap::new);
+        for (name, entry) in measured {
+            layers.entry(name).or_insert(entry);
         }
+        layers.retain(|name, _| present.iter().any(|(n, ..)| n == name));
+        duplicates
     }
 
     /// Marks the layers in `keep` used now, forgets layers whose directory is gone, and
     /// evicts least recently used layers while over the limit (`wanted` more bytes
     /// included). Blocks on the filesystem.
     fn settle(&self, keep: &BTreeSet<String>, wanted: u64, now: SystemTime) -> u64 {
-        self.ensure_scanned();
+        for name in self.refresh() {
+            // A sandbox adopted from before the move may run on the legacy copy; once nothing
+            // names the layer, nothing can.
+            if !keep.contains(&layer_name(&name)) {
+                let _ = crate::disks::remove_tree(&self.legacy_dir.join(&name));
+            }
+        }
         let evict = {
             let mut state = self.state();
             let reserved = state.reserved;
             let Some(layers) = state.layers.as_mut() else {
                 return 0;
             };
-            let (dir, legacy_dir) = (&self.dir, &self.legacy_dir);
-            layers.retain(|name, entry| {
-                let base = if entry.legacy { legacy_dir } else { dir };
-                base.join(name).is_dir()
-            });
             for (name, entry) in layers.iter_mut() {
                 if keep.contains(&layer_name(name)) {
                     entry.last_used = now;
@@ -281,39 +303,10 @@ impl ImageLayers {
     /// Records the layers (by diff id hex) a pull used or unpacked: new ones are measured,
     /// all are marked used now. Blocks on the filesystem.
     pub fn record(&self, hexes: &[String]) {
-        self.ensure_scanned();
+        self.refresh();
         let now = SystemTime::now();
-        let unknown: Vec<String> = {
-            let state = self.state();
-            let layers = state.layers.as_ref();
-            hexes
-                .iter()
-                .filter(|h| layers.is_none_or(|l| !l.contains_key(*h)))
-                .cloned()
-                .collect()
-        };
-        let measured: Vec<(String, Entry)> = unknown
-            .into_iter()
-            .map(|hex| {
-                let (path, legacy) = if self.dir.join(&hex).is_dir() {
-                    (self.dir.join(&hex), false)
-                } else {
-                    (self.legacy_dir.join(&hex), true)
-                };
-                let bytes = disk_usage(&path);
-                (
-                    hex,
-                    Entry {
-                        bytes,
-                        last_used: now,
-                        legacy,
-                    },
-                )
-            })
-            .collect();
         let mut state = self.state();
         let layers = state.layers.get_or_insert_with(HashMap::new);
-        layers.extend(measured);
         for hex in hexes {
             if let Some(entry) = layers.get_mut(hex) {
                 entry.last_used = now;
@@ -478,6 +471,21 @@ mod tests {
         // A new layer is measured when recorded.
         layer(&dir, "dd", 64 << 10);
         cache.record(&["dd".to_owned()]);
+        assert_eq!(cache.total(), one * 2);
+
+        // A layer a failed pull left is counted at the next settle (and, unused, evicted
+        // first here); a legacy copy of a layer also on the pool stays while the layer is
+        // named, and goes once nothing names it.
+        layer(&dir, "ee", 64 << 10);
+        layer(&legacy, "dd", 64 << 10);
+        let keep: BTreeSet<String> = ["image/cc".to_owned(), "image/dd".to_owned()].into();
+        cache.settle(&keep, 0, later + EVICTION_GRACE * 4);
+        assert!(!dir.join("ee").exists());
+        assert!(legacy.join("dd").exists() && dir.join("dd").exists());
+        assert_eq!(cache.total(), one * 2);
+        let keep: BTreeSet<String> = ["image/cc".to_owned()].into();
+        cache.settle(&keep, 0, later + EVICTION_GRACE * 6);
+        assert!(!legacy.join("dd").exists() && dir.join("dd").exists());
         assert_eq!(cache.total(), one * 2);
     }
 }
