@@ -336,14 +336,6 @@ pub(crate) fn set_rlimit(
     check(unsafe { libc::setrlimit(resource, &limit) })
 }
 
-/// The kernel's `struct open_how` for openat2.
-#[repr(C)]
-struct OpenHow {
-    flags: u64,
-    mode: u64,
-    resolve: u64,
-}
-
 /// Creates (or replaces) the regular file `path` with `content` without following a link
 /// anywhere: the old entry is unlinked (a symlink is removed, not followed) and the new file
 /// is created exclusively, with every directory on the way resolved without magic links.
@@ -358,28 +350,17 @@ pub(crate) fn replace_file(path: &Path, content: &[u8], mode: u32) -> io::Result
             return Err(err);
         }
     }
-    let how = OpenHow {
-        flags: (libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            as u64,
-        mode: u64::from(mode),
-        resolve: libc::RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: `how` has the kernel's layout and its size is passed; `c` is a valid path.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: openat2 returned a new descriptor that nothing else owns.
-    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
-    file.write_all(content)
+    let fd = sandbar_fs::open_at(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::OFlags::WRONLY
+            | rustix::fs::OFlags::CREATE
+            | rustix::fs::OFlags::EXCL
+            | rustix::fs::OFlags::NOFOLLOW,
+        rustix::fs::Mode::from_raw_mode(mode),
+        sandbar_fs::Links::Ordinary,
+    )?;
+    std::fs::File::from(fd).write_all(content)
 }
 
 /// Opens `relative` under the directory `root` as if `root` were `/` (`RESOLVE_IN_ROOT`),
@@ -389,32 +370,13 @@ pub(crate) fn open_beneath(
     relative: &Path,
     flags: libc::c_int,
 ) -> io::Result<OwnedFd> {
-    let c = cstring(if relative.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        relative
-    })?;
-    let how = OpenHow {
-        flags: (flags | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: `how` has the kernel's layout and its size is passed; `c` is a valid path and
-    // `root` an open directory.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: openat2 returned a new descriptor that nothing else owns.
-    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) })
+    Ok(sandbar_fs::open_at(
+        root,
+        relative,
+        rustix::fs::OFlags::from_bits_retain(flags.cast_unsigned()),
+        rustix::fs::Mode::empty(),
+        sandbar_fs::Links::InRoot,
+    )?)
 }
 
 pub(crate) fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
