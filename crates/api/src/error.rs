@@ -50,6 +50,14 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
+    /// 503 for want of capacity: the request was fine and may be sent again after
+    /// `retry_after_secs`.
+    fn unavailable(message: String, retry_after_secs: u64) -> Self {
+        let mut error = Self::new(StatusCode::SERVICE_UNAVAILABLE, message);
+        error.retry_after = Some(retry_after_secs);
+        error
+    }
+
     fn internal(err: &dyn std::fmt::Display) -> Self {
         tracing::error!(error = %err, "request failed");
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
@@ -71,8 +79,9 @@ impl IntoResponse for ApiError {
                 .headers_mut()
                 .insert(axum::http::header::RETRY_AFTER, secs.into());
         }
-        if self.status.is_server_error() {
+        if self.status.is_server_error() && self.retry_after.is_none() {
             // Retrying a failed sandbox operation blindly would not help; the SDKs honour this.
+            // A refusal for want of capacity says when a retry may succeed instead.
             response.headers_mut().insert(
                 "Should-Retry",
                 axum::http::HeaderValue::from_static("false"),
@@ -131,9 +140,9 @@ impl From<CreateSandboxError> for ApiError {
                 error.retry_after = Some(retry_after_secs);
                 error
             }
-            CreateSandboxError::Runtime(sandbar_core::RuntimeError::NoCapacity { .. }) => {
-                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
-            }
+            CreateSandboxError::NoCapacity {
+                retry_after_secs, ..
+            } => Self::unavailable(e.to_string(), retry_after_secs),
             CreateSandboxError::Runtime(ref r) => Self::internal(r),
             CreateSandboxError::Store(ref s) => Self::internal(s),
         }
@@ -153,6 +162,9 @@ impl From<SandboxError> for ApiError {
                 error.retry_after = Some(retry_after_secs);
                 error
             }
+            SandboxError::NoCapacity {
+                retry_after_secs, ..
+            } => Self::unavailable(e.to_string(), retry_after_secs),
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
         }
@@ -394,6 +406,7 @@ impl From<sandbar_core::VolumeContentError> for ApiError {
                 | Io::NotADirectory(_)
                 | Io::IsADirectory(_)
                 | Io::Symlink(_)
+                | Io::NotAFile { .. }
                 | Io::Root => StatusCode::BAD_REQUEST,
                 Io::Io { .. } => return Self::internal(&e),
             },

@@ -184,7 +184,8 @@ async fn create(
         (status = 404, description = "No such template or volume", body = ErrorBody),
         (status = 409, description = "The template's build has not finished", body = ErrorBody),
         (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
         CommonErrors,
     )
 )]
@@ -212,7 +213,8 @@ pub(crate) async fn create_v2(
         (status = 404, description = "No such template or volume", body = ErrorBody),
         (status = 409, description = "The template's build has not finished", body = ErrorBody),
         (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
         CommonErrors,
     )
 )]
@@ -432,10 +434,10 @@ pub(crate) async fn detail(
     security(("ApiKeyAuth" = [])),
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     responses(
-        (status = 204, description = "The sandbox was killed"),
+        (status = 204, description = "The sandbox was killed (after a pause, resume or snapshot under way finished)"),
         (status = 400, description = "Invalid request", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
         CommonErrors,
     )
 )]
@@ -563,11 +565,13 @@ async fn connect(
     request_body = OptionalTimeoutConnectBody,
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     responses(
-        (status = 200, description = "The sandbox was running", body = SandboxCreated),
+        (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
         (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox again", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
         CommonErrors,
     )
 )]
@@ -589,11 +593,13 @@ pub(crate) async fn connect_v2(
     request_body = ConnectBody,
     params(("sandboxID" = String, Path, description = "The sandbox's ID")),
     responses(
-        (status = 200, description = "The sandbox was running", body = SandboxCreated),
+        (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
         (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "The sandbox is in a transition", body = ErrorBody),
+        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox again", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
         CommonErrors,
     )
 )]
@@ -810,6 +816,8 @@ pub(crate) struct ResumeBody {
         (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is not paused", body = ErrorBody),
+        (status = 503, description = "No capacity to start the sandbox again", body = ErrorBody,
+            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
         CommonErrors,
     )
 )]

@@ -713,3 +713,31 @@ async fn planted_symlinks_never_lead_out_of_the_volume() {
     assert_eq!(removed.status, StatusCode::NO_CONTENT);
     assert!(root.join(&neighbour).join("secret").exists());
 }
+
+#[tokio::test]
+async fn special_files_are_refused_as_what_they_are() {
+    let h = harness().await;
+    let (id, token) = h.volume("f").await;
+    let t = Some(token.as_str());
+    let base = format!("/volumecontent/{id}");
+    let root = std::fs::read_dir(h.dir.path().join("volumes"))
+        .expect("volumes")
+        .flatten()
+        .find(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .expect("team dir")
+        .path();
+    let vol = root.join(&id);
+    // What a sandbox could plant; opening it must not hang the server either.
+    let made = std::process::Command::new("mkfifo")
+        .arg(vol.join("pipe"))
+        .status()
+        .expect("mkfifo");
+    assert!(made.success());
+    let reply = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        h.content("GET", &format!("{base}/file?path=/pipe"), t, vec![]),
+    )
+    .await
+    .expect("a read of a FIFO answers at once");
+    assert_error(&reply, StatusCode::BAD_REQUEST, "'/pipe' is a fifo");
+}

@@ -1321,7 +1321,20 @@ impl Builds {
         team: &Team,
         template_id: &str,
     ) -> Result<(), TemplateAdminError> {
-        let template = self.find_own(team, template_id).await?;
+        let template = match (
+            self.find_own(team, template_id).await,
+            split_name(template_id),
+        ) {
+            // A snapshot is known to clients by its snapshot ID, `<name or ID>:default`.
+            (Err(TemplateAdminError::NotFound(_)), (name, Some("default"))) => {
+                match self.find_own(team, name).await {
+                    Ok(own) if own.image.as_ref().is_some_and(|i| i.snapshot.is_some()) => own,
+                    Err(TemplateAdminError::Store(err)) => return Err(err.into()),
+                    _ => return Err(TemplateAdminError::NotFound(template_id.to_owned())),
+                }
+            }
+            (found, _) => found?,
+        };
         self.store.delete_template(&template.id).await?;
         self.collect_garbage().await;
         Ok(())

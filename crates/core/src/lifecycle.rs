@@ -122,6 +122,20 @@ impl SandboxStatus {
         self.can_become(SandboxStatus::Stopping)
     }
 
+    /// On its way from one settled status to another: whoever wants it settled (a kill, a
+    /// connect) waits for it rather than fail.
+    pub fn is_transient(self) -> bool {
+        matches!(
+            self,
+            SandboxStatus::Starting
+                | SandboxStatus::Pausing
+                | SandboxStatus::Resuming
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Restoring
+                | SandboxStatus::Snapshotting
+        )
+    }
+
     /// Counted against the team's concurrency limit.
     pub fn holds_a_slot(self) -> bool {
         !matches!(
@@ -231,6 +245,19 @@ mod tests {
         assert!(Checkpointed.can_stop());
         assert!(Running.can_stop() && Paused.can_stop() && Starting.can_stop());
         assert!(Shelved.can_stop());
+    }
+
+    #[test]
+    fn every_status_that_cannot_be_stopped_is_on_its_way_to_one_that_can() {
+        assert!(!Stopping.is_transient());
+        for s in ALL.into_iter().filter(|s| *s != Stopping && !s.can_stop()) {
+            assert!(s.is_transient(), "{s:?}");
+        }
+        // A sandbox still starting could be stopped, but its create would run on over it.
+        assert!(Starting.is_transient());
+        for s in [Running, Paused, Shelved, Checkpointed] {
+            assert!(!s.is_transient(), "{s:?}");
+        }
     }
 
     #[test]

@@ -82,6 +82,37 @@ const AGENT_LINKS_PATIENCE: Duration = Duration::from_secs(2);
 /// of it to be taken, before it is answered that the sandbox is not running.
 const ROUTE_PATIENCE: Duration = Duration::from_secs(60);
 
+/// How long a kill or a connect waits for a pause, resume, checkpoint, restore or snapshot
+/// under way to finish. A restore or a boot on kept files takes seconds; a dump a fraction of
+/// a second per 100 MiB.
+const TRANSITION_PATIENCE: Duration = Duration::from_secs(60);
+
+/// Seconds a client refused for want of capacity is told to wait when no running sandbox is
+/// due to end.
+const CAPACITY_WAIT_SECS: i64 = 5;
+
+/// What a stop found when it tried to mark a sandbox stopping.
+enum Claim {
+    /// Marked stopping; it had `previous` and is destroyed with `handle`.
+    Claimed {
+        previous: SandboxStatus,
+        handle: RuntimeHandle,
+    },
+    /// Recorded in the store but not in the registry.
+    Unmanaged,
+    /// Another stop has it.
+    Stopping,
+    /// No longer what the stop was for (extended, paused or resumed meanwhile).
+    Declined,
+    /// On its way between two statuses.
+    Busy(SandboxStatus),
+}
+
+/// Whether a sandbox's end has passed, read at the moment of the check.
+fn expired(live: &Live) -> bool {
+    live.end_at <= Utc::now()
+}
+
 /// How a sandbox's user ports may be reached, for the edge.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UserPortAccess {
@@ -126,6 +157,12 @@ pub enum CreateSandboxError {
         value: u32,
         max: u32,
     },
+    #[error("cannot start sandbox: {source}")]
+    NoCapacity {
+        source: RuntimeError,
+        /// When capacity is expected back: this node's next sandbox timeout.
+        retry_after_secs: u64,
+    },
     #[error("cannot start sandbox: {0}")]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
@@ -149,6 +186,13 @@ pub enum SandboxError {
     ConcurrencyLimit {
         id: String,
         limit: u32,
+        retry_after_secs: u64,
+    },
+    #[error("cannot resume sandbox '{id}': {source}")]
+    NoCapacity {
+        id: String,
+        source: RuntimeError,
+        /// When capacity is expected back: this node's next sandbox timeout.
         retry_after_secs: u64,
     },
     #[error(transparent)]
@@ -449,7 +493,13 @@ impl Sandboxes {
             Ok(started) => started,
             Err(err) => {
                 self.live().remove(&id);
-                return Err(err.into());
+                return Err(match err {
+                    RuntimeError::NoCapacity { .. } => CreateSandboxError::NoCapacity {
+                        source: err,
+                        retry_after_secs: self.capacity_wait(),
+                    },
+                    err => err.into(),
+                });
             }
         };
 
@@ -655,6 +705,11 @@ impl Sandboxes {
     }
 
     /// How many of this server's sandboxes are in each status, every status listed.
+    /// Processes killed for reaching their sandbox's memory limit (see [`Runtime::oom_kills`]).
+    pub fn oom_kills(&self) -> u64 {
+        self.runtime.oom_kills()
+    }
+
     pub fn count_by_status(&self) -> Vec<(SandboxStatus, usize)> {
         let live = self.live();
         SandboxStatus::ALL
@@ -796,60 +851,130 @@ impl Sandboxes {
         Ok(())
     }
 
+    /// Moves a sandbox's end. The registry changes first, under the lock the reaper claims an
+    /// expired sandbox with: either the reaper then sees the new end and leaves the sandbox
+    /// running, or it claimed the sandbox first and the extend fails (a stop is not found, a
+    /// pause is a conflict that a connect waits out).
     async fn set_end(&self, sandbox: &Sandbox, end_at: DateTime<Utc>) -> Result<(), SandboxError> {
-        self.store.set_sandbox_end(&sandbox.id, end_at).await?;
-        if let Some(entry) = self.live().get_mut(&sandbox.id) {
-            entry.end_at = end_at;
-        }
-        Ok(())
-    }
-
-    pub async fn kill(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
-        let sandbox = self.get(team, id).await?;
-        self.stop(
-            &sandbox.id,
-            &sandbox.handle,
-            LogLevel::Info,
-            "sandbox killed",
-        )
-        .await
-    }
-
-    /// Stops a sandbox and ends its log with `event`.
-    async fn stop(
-        &self,
-        id: &str,
-        handle: &RuntimeHandle,
-        level: LogLevel,
-        event: &str,
-    ) -> Result<(), SandboxError> {
-        // A checkpoint under way ends within moments; a kill waits for it rather than fail.
-        for _ in 0..6000 {
-            let status = self.live().get(id).map(|l| l.status);
-            if status != Some(SandboxStatus::Checkpointing) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let previous = {
+        let id = sandbox.id.as_str();
+        let before = {
             let mut live = self.live();
             match live.get_mut(id) {
                 Some(entry) if entry.status == SandboxStatus::Stopping => {
                     return Err(SandboxError::NotFound(id.to_owned()));
                 }
-                Some(entry) if !entry.status.can_stop() => {
+                Some(entry) if entry.status == SandboxStatus::Pausing => {
                     return Err(SandboxError::Conflict {
                         id: id.to_owned(),
-                        state: "being paused or resumed; try again",
+                        state: "being paused",
                     });
                 }
-                Some(entry) => Some(std::mem::replace(
-                    &mut entry.status,
-                    SandboxStatus::Stopping,
-                )),
+                Some(entry) => Some(std::mem::replace(&mut entry.end_at, end_at)),
                 None => None,
             }
         };
+        if let Err(err) = self.store.set_sandbox_end(id, end_at).await {
+            if let Some(before) = before
+                && let Some(entry) = self.live().get_mut(id)
+                && entry.end_at == end_at
+            {
+                entry.end_at = before;
+            }
+            return Err(err.into());
+        }
+        Ok(())
+    }
+
+    /// Kills a sandbox. A kill is the user's last word: a pause, resume, checkpoint, restore
+    /// or snapshot under way is waited for, and the sandbox is stopped whatever it became.
+    pub async fn kill(&self, team: &Team, id: &str) -> Result<(), SandboxError> {
+        let sandbox = self.get(team, id).await?;
+        let deadline = tokio::time::Instant::now() + TRANSITION_PATIENCE;
+        loop {
+            match self.claim_stop(id, |_| true) {
+                Claim::Claimed { previous, handle } => {
+                    return self
+                        .finish_stop(
+                            id,
+                            Some(previous),
+                            &handle,
+                            LogLevel::Info,
+                            "sandbox killed",
+                        )
+                        .await;
+                }
+                // Recorded but not managed here (its adoption failed): the store's handle is
+                // all there is.
+                Claim::Unmanaged => {
+                    let sandbox = self.get(team, id).await?;
+                    return self
+                        .finish_stop(id, None, &sandbox.handle, LogLevel::Info, "sandbox killed")
+                        .await;
+                }
+                Claim::Stopping | Claim::Declined => {
+                    return Err(SandboxError::NotFound(sandbox.id));
+                }
+                Claim::Busy(status) => {
+                    if self.settled(id, deadline).await.is_none()
+                        && tokio::time::Instant::now() >= deadline
+                    {
+                        return Err(SandboxError::Conflict {
+                            id: id.to_owned(),
+                            state: status.name(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// Marks sandbox `id` stopping if it is settled and `may` agrees, under the registry lock,
+    /// so that an extend or a pause either happened before or finds it stopping.
+    fn claim_stop(&self, id: &str, may: impl Fn(&Live) -> bool) -> Claim {
+        let mut live = self.live();
+        let Some(entry) = live.get_mut(id) else {
+            return Claim::Unmanaged;
+        };
+        if entry.status == SandboxStatus::Stopping {
+            return Claim::Stopping;
+        }
+        if !may(entry) {
+            return Claim::Declined;
+        }
+        if entry.status.is_transient() || !entry.status.can_stop() {
+            return Claim::Busy(entry.status);
+        }
+        Claim::Claimed {
+            previous: std::mem::replace(&mut entry.status, SandboxStatus::Stopping),
+            handle: entry.handle.clone(),
+        }
+    }
+
+    /// Waits until sandbox `id` is no longer on its way between two statuses; the status it
+    /// settled in, `None` if it is gone or did not settle by `deadline`.
+    async fn settled(&self, id: &str, deadline: tokio::time::Instant) -> Option<SandboxStatus> {
+        loop {
+            let status = self.live().get(id).map(|l| l.status)?;
+            if !status.is_transient() {
+                return Some(status);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Destroys a sandbox claimed for stopping (`previous`: the status it had, if managed
+    /// here) and ends its log with `event`.
+    async fn finish_stop(
+        &self,
+        id: &str,
+        previous: Option<SandboxStatus>,
+        handle: &RuntimeHandle,
+        level: LogLevel,
+        event: &str,
+    ) -> Result<(), SandboxError> {
         // Destroying the sandbox removes its agent log: read what is left first.
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
@@ -960,13 +1085,26 @@ impl Sandboxes {
             .collect()
     }
 
-    /// Stops each of `sandboxes`, logging why; one failure does not hold up the rest.
-    async fn stop_all(&self, sandboxes: Vec<(String, RuntimeHandle)>, why: &str, level: LogLevel) {
-        for (id, handle) in sandboxes {
-            match self.stop(&id, &handle, level, why).await {
+    /// Stops each of `sandboxes` that `still` holds for when its turn comes, logging why; one
+    /// failure does not hold up the rest. The reaper picks its sandboxes before it stops
+    /// them: a request in between (an extend, a pause, a kill) wins over it.
+    async fn stop_all(
+        &self,
+        sandboxes: Vec<(String, RuntimeHandle)>,
+        still: impl Fn(&Live, &RuntimeHandle) -> bool,
+        why: &str,
+        level: LogLevel,
+    ) {
+        for (id, picked) in sandboxes {
+            let Claim::Claimed { previous, handle } = self.claim_stop(&id, |l| still(l, &picked))
+            else {
+                continue;
+            };
+            match self
+                .finish_stop(&id, Some(previous), &handle, level, why)
+                .await
+            {
                 Ok(()) => tracing::info!(sandbox_id = %id, "{why}: stopped"),
-                // Stopped by a request in the meantime.
-                Err(SandboxError::NotFound(_)) => {}
                 Err(err) => tracing::error!(sandbox_id = %id, error = %err, "{why}: cannot stop"),
             }
         }
@@ -974,20 +1112,29 @@ impl Sandboxes {
 
     /// Stops every sandbox whose end time has passed.
     pub async fn reap_expired(&self) {
-        let now = Utc::now();
-        let to_pause = self.running_where(|_, l| l.end_at <= now && l.auto_pause);
+        let to_pause = self.running_where(|_, l| expired(l) && l.auto_pause);
         for (id, _) in to_pause {
+            let sandbox = match self.store.sandbox(&id).await {
+                Ok(Some(sandbox)) => sandbox,
+                Ok(None) => continue,
+                Err(err) => {
+                    tracing::error!(sandbox_id = %id, error = %err, "sandbox timed out: cannot pause");
+                    continue;
+                }
+            };
+            // Claimed under the lock an extend takes: one that came first keeps it running.
+            let claimed = self.transition_where(
+                &id,
+                |l| l.status == SandboxStatus::Running && expired(l) && l.auto_pause,
+                SandboxStatus::Pausing,
+            );
+            if claimed.is_err() {
+                continue;
+            }
             self.activity
                 .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
                 .await;
-            let paused = match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => {
-                    let memory = sandbox.auto_pause_memory;
-                    self.pause_sandbox(&sandbox, memory).await
-                }
-                Ok(None) => continue,
-                Err(err) => Err(err.into()),
-            };
+            let paused = self.pause_marked(&sandbox, sandbox.auto_pause_memory).await;
             match paused {
                 Ok(()) => tracing::info!(sandbox_id = %id, "sandbox timed out: paused"),
                 Err(err) => {
@@ -995,9 +1142,14 @@ impl Sandboxes {
                 }
             }
         }
-        let expired = self.running_where(|_, l| l.end_at <= now && !l.auto_pause);
-        self.stop_all(expired, "sandbox timed out", LogLevel::Info)
-            .await;
+        let due = self.running_where(|_, l| expired(l) && !l.auto_pause);
+        self.stop_all(
+            due,
+            |l, _| l.status == SandboxStatus::Running && expired(l) && !l.auto_pause,
+            "sandbox timed out",
+            LogLevel::Info,
+        )
+        .await;
     }
 
     /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
@@ -1108,7 +1260,14 @@ impl Sandboxes {
             .into_iter()
             .filter(|(id, handle)| !self.runtime.is_alive(id, handle))
             .collect();
-        self.stop_all(dead, "sandbox died", LogLevel::Error).await;
+        // Unless it was paused, shelved or resumed meanwhile: its handle would differ.
+        self.stop_all(
+            dead,
+            |l, picked| l.status == SandboxStatus::Running && l.handle == *picked,
+            "sandbox died",
+            LogLevel::Error,
+        )
+        .await;
     }
 
     /// Reads new agent log lines of every running sandbox.
@@ -1586,9 +1745,19 @@ impl Sandboxes {
         check: impl Fn(SandboxStatus) -> bool,
         to: SandboxStatus,
     ) -> Result<SandboxStatus, Option<SandboxStatus>> {
+        self.transition_where(id, |l| check(l.status), to)
+    }
+
+    /// [`Self::transition`] on a check of the whole registry entry, made under its lock.
+    fn transition_where(
+        &self,
+        id: &str,
+        check: impl Fn(&Live) -> bool,
+        to: SandboxStatus,
+    ) -> Result<SandboxStatus, Option<SandboxStatus>> {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
-        if !check(entry.status) || !entry.status.can_become(to) {
+        if !check(entry) || !entry.status.can_become(to) {
             return Err(Some(entry.status));
         }
         Ok(std::mem::replace(&mut entry.status, to))
@@ -1642,6 +1811,12 @@ impl Sandboxes {
                 });
             }
         }
+        self.pause_marked(sandbox, memory).await
+    }
+
+    /// Pauses a sandbox already marked `Pausing`.
+    async fn pause_marked(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
+        let id = sandbox.id.as_str();
         // Before anything stops: the agent has to be running to close its ends.
         self.end_agent_links(id).await;
         if !memory {
@@ -1803,7 +1978,9 @@ impl Sandboxes {
     /// sandbox and whether it was paused (`Conflict` when `require_paused` and it was not).
     /// Without `memory`, a sandbox paused with its memory boots afresh on its files instead
     /// (its processes and their memory are dropped); for one paused without, or running,
-    /// that changes nothing.
+    /// that changes nothing. Without `require_paused` (a connect) it is idempotent: a pause,
+    /// resume or snapshot under way is waited for, and a running sandbox only gets a later
+    /// end.
     pub async fn resume(
         &self,
         team: &Team,
@@ -1813,18 +1990,36 @@ impl Sandboxes {
         memory: bool,
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
-        let mut sandbox = self.get(team, id).await?;
-        let from = match self.start_waking(&mut sandbox).await {
-            Ok(from) => from,
-            Err(Some(SandboxStatus::Running)) if !require_paused => {
-                // Connecting to a running sandbox only ever extends its life.
-                let sandbox = self.extend(team, id, timeout_secs).await?;
-                return Ok((sandbox, false));
-            }
-            Err(_) => {
+        let deadline = tokio::time::Instant::now() + TRANSITION_PATIENCE;
+        let (sandbox, from) = loop {
+            let mut sandbox = self.get(team, id).await?;
+            let busy = match self.start_waking(&mut sandbox).await {
+                Ok(from) => break (sandbox, from),
+                Err(None | Some(SandboxStatus::Stopping)) => {
+                    return Err(SandboxError::NotFound(id.to_owned()));
+                }
+                Err(Some(SandboxStatus::Running)) if !require_paused => {
+                    match self.extend(team, id, timeout_secs).await {
+                        Ok(sandbox) => return Ok((sandbox, false)),
+                        // Paused by its timeout meanwhile: woken below once it settles.
+                        Err(SandboxError::Conflict { .. }) => SandboxStatus::Pausing,
+                        Err(err) => return Err(err),
+                    }
+                }
+                Err(Some(status)) if !require_paused && status.is_transient() => status,
+                Err(_) => {
+                    return Err(SandboxError::Conflict {
+                        id: id.to_owned(),
+                        state: "not paused",
+                    });
+                }
+            };
+            // Gone meanwhile: the next look finds it not found.
+            if self.settled(id, deadline).await.is_none() && tokio::time::Instant::now() >= deadline
+            {
                 return Err(SandboxError::Conflict {
                     id: id.to_owned(),
-                    state: "not paused",
+                    state: busy.name(),
                 });
             }
         };
@@ -1841,8 +2036,33 @@ impl Sandboxes {
         } else {
             self.drop_memory(sandbox, from).await?
         };
-        let sandbox = self.thaw(sandbox, from, timeout_secs, "request").await?;
+        let sandbox = self
+            .thaw(sandbox, from, timeout_secs, "request")
+            .await
+            .map_err(|err| match err {
+                SandboxError::Runtime(source @ RuntimeError::NoCapacity { .. }) => {
+                    SandboxError::NoCapacity {
+                        id: id.to_owned(),
+                        source,
+                        retry_after_secs: self.capacity_wait(),
+                    }
+                }
+                err => err,
+            })?;
         Ok((sandbox, true))
+    }
+
+    /// Seconds until this node's next running sandbox is due to end and give back what it
+    /// holds; at least 1 and at most 60, since a kill or a pause frees as much at any moment.
+    fn capacity_wait(&self) -> u64 {
+        let now = Utc::now();
+        self.live()
+            .values()
+            .filter(|l| l.status == SandboxStatus::Running)
+            .map(|l| (l.end_at - now).num_seconds())
+            .min()
+            .unwrap_or(CAPACITY_WAIT_SECS)
+            .clamp(1, 60) as u64
     }
 
     /// Turns a sandbox marked waking from `from` (paused in memory or checkpointed) into one

@@ -164,6 +164,8 @@ pub enum VolumeIoError {
     Symlink(String),
     #[error("path '{0}' already exists")]
     AlreadyExists(String),
+    #[error("path '{path}' is a {kind}, not a regular file")]
+    NotAFile { path: String, kind: &'static str },
     #[error("the volume's root cannot be removed")]
     Root,
     #[error("{path}: {message}")]

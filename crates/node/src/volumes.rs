@@ -18,7 +18,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
@@ -385,7 +385,21 @@ impl VolumeHost for HostVolumes {
             return Err(VolumeIoError::IsADirectory(shown));
         }
         if !meta.is_file() {
-            return Err(io_err(&shown, "not a regular file"));
+            let kind = meta.file_type();
+            return Err(VolumeIoError::NotAFile {
+                path: shown,
+                kind: if kind.is_fifo() {
+                    "fifo"
+                } else if kind.is_socket() {
+                    "socket"
+                } else if kind.is_char_device() {
+                    "character device"
+                } else if kind.is_block_device() {
+                    "block device"
+                } else {
+                    "special file"
+                },
+            });
         }
         let mut data = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0).min(1 << 26));
         file.read_to_end(&mut data).map_err(|e| io_err(&shown, e))?;

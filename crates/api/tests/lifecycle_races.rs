@@ -1,0 +1,536 @@
+//! Conflicting calls on one sandbox, with a real SQLite store and a runtime double whose chosen
+//! calls stop at a gate until the test lets them through: the reaper against an extend, two
+//! connects on one paused sandbox, a kill against a pause, a resume or a snapshot.
+
+// Shared with the other suites, which use more of it.
+#[allow(dead_code)]
+mod common;
+
+use std::collections::HashSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::Utc;
+use http_body_util::BodyExt;
+use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::{
+    Auth, Builds, CreateSandbox, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError,
+    RuntimeHandle, SandboxError, SandboxState, Sandboxes, SandboxesConfig, SnapshotParts, Store,
+    Team, Templates,
+};
+use sandbar_store::SqliteStore;
+use serde_json::json;
+use tokio::sync::{Semaphore, mpsc};
+use tower::ServiceExt;
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+
+/// A runtime whose `gated` calls report that they arrived and then wait for a permit.
+struct GatedRuntime {
+    gated: HashSet<&'static str>,
+    arrived: mpsc::UnboundedSender<(&'static str, String)>,
+    gate: Semaphore,
+    destroyed: Mutex<Vec<String>>,
+    no_capacity: AtomicBool,
+}
+
+impl GatedRuntime {
+    async fn pass(&self, call: &'static str, sandbox_id: &str) {
+        if self.gated.contains(call) {
+            self.arrived
+                .send((call, sandbox_id.to_owned()))
+                .expect("the test listens");
+            self.gate.acquire().await.expect("gate").forget();
+        }
+    }
+
+    fn destroyed(&self) -> Vec<String> {
+        self.destroyed.lock().expect("lock").clone()
+    }
+}
+
+fn endpoint() -> Endpoint {
+    Endpoint {
+        agent_socket: "/nonexistent/agent.sock".into(),
+        address: IpAddr::V4(Ipv4Addr::LOCALHOST),
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for GatedRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        if self.no_capacity.load(Ordering::SeqCst) {
+            return Err(RuntimeError::NoCapacity {
+                sandbox_id: spec.sandbox_id,
+                message: "this node has granted all of its memory".into(),
+            });
+        }
+        Ok((RuntimeHandle(json!({})), endpoint()))
+    }
+
+    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        self.pass("destroy", sandbox_id).await;
+        self.destroyed
+            .lock()
+            .expect("lock")
+            .push(sandbox_id.to_owned());
+        Ok(())
+    }
+
+    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
+        true
+    }
+
+    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
+        Ok(0)
+    }
+
+    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
+        Ok(None)
+    }
+
+    async fn pause(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        self.pass("pause", sandbox_id).await;
+        Ok(())
+    }
+
+    async fn resume(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
+        self.pass("resume", sandbox_id).await;
+        Ok(())
+    }
+
+    async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        _: &RuntimeHandle,
+        _: &str,
+        _: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        self.pass("snapshot", sandbox_id).await;
+        Ok(SnapshotParts {
+            layer: format!("layer/snapshot-{sandbox_id}"),
+            checkpoint: None,
+        })
+    }
+}
+
+struct Harness {
+    _dir: tempfile::TempDir,
+    store: Arc<SqliteStore>,
+    team: Team,
+    sandboxes: Arc<Sandboxes>,
+    builds: Builds,
+    runtime: Arc<GatedRuntime>,
+    arrived: mpsc::UnboundedReceiver<(&'static str, String)>,
+    app: axum::Router,
+}
+
+async fn harness(gated: &[&'static str]) -> Harness {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: 20,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    };
+    let auth = Auth::new(store.clone());
+    let credentials = auth
+        .bootstrap(Some(KEY), limits)
+        .await
+        .expect("bootstrap")
+        .expect("a new team");
+    let team = store
+        .team(&credentials.team_id)
+        .await
+        .expect("read")
+        .expect("the team");
+    let templates = Templates::new(store.clone());
+    templates
+        .register(&common::base_template(Utc::now()))
+        .await
+        .expect("template");
+    let (tx, arrived) = mpsc::unbounded_channel();
+    let runtime = Arc::new(GatedRuntime {
+        gated: gated.iter().copied().collect(),
+        arrived: tx,
+        gate: Semaphore::new(0),
+        destroyed: Mutex::new(Vec::new()),
+        no_capacity: AtomicBool::new(false),
+    });
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates.clone(),
+        SandboxesConfig::default(),
+    ));
+    let builds = common::builds(store.clone(), &templates);
+    let app = router(AppState {
+        auth,
+        sandboxes: sandboxes.clone(),
+        builds: builds.clone(),
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+    });
+    Harness {
+        _dir: dir,
+        store,
+        team,
+        sandboxes,
+        builds,
+        runtime,
+        arrived,
+        app,
+    }
+}
+
+impl Harness {
+    async fn create(&self, timeout_secs: u64, auto_pause: bool) -> String {
+        self.sandboxes
+            .create(
+                &self.team,
+                CreateSandbox {
+                    template: "base".into(),
+                    timeout_secs,
+                    allow_internet_access: true,
+                    auto_pause,
+                    ..CreateSandbox::default()
+                },
+            )
+            .await
+            .expect("create")
+            .id
+    }
+
+    /// The next gated call to arrive.
+    async fn arrival(&mut self) -> (&'static str, String) {
+        tokio::time::timeout(Duration::from_secs(10), self.arrived.recv())
+            .await
+            .expect("a gated call arrives")
+            .expect("the runtime lives")
+    }
+
+    /// Lets every waiting and later gated call through.
+    fn open_gate(&self) {
+        self.runtime.gate.add_permits(1000);
+    }
+
+    async fn state(&self, id: &str) -> Option<SandboxState> {
+        self.sandboxes
+            .get(&self.team, id)
+            .await
+            .ok()
+            .map(|s| s.state)
+    }
+
+    async fn call(&self, method: &str, uri: &str, body: Option<&str>) -> axum::response::Response {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("X-API-Key", KEY);
+        if body.is_some() {
+            request = request.header("content-type", "application/json");
+        }
+        let request = request
+            .body(Body::from(body.unwrap_or("").to_owned()))
+            .expect("request");
+        self.app.clone().oneshot(request).await.expect("call")
+    }
+}
+
+/// Waits a moment and checks that `task` is still waiting.
+async fn still_waiting<T>(task: &tokio::task::JoinHandle<T>, what: &str) {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!task.is_finished(), "{what} did not wait");
+}
+
+#[tokio::test]
+async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
+    let mut h = harness(&["destroy"]).await;
+    // Expired as soon as they start.
+    let ids = [
+        h.create(0, false).await,
+        h.create(0, false).await,
+        h.create(0, false).await,
+    ];
+    let reaper = tokio::spawn({
+        let sandboxes = h.sandboxes.clone();
+        async move { sandboxes.reap_expired().await }
+    });
+    let (_, first) = h.arrival().await;
+    let rest: Vec<&String> = ids.iter().filter(|id| **id != first).collect();
+    // The reaper holds the first; the others were picked with it but not yet reached.
+    h.sandboxes
+        .set_timeout(&h.team, rest[0], 300)
+        .await
+        .expect("a new timeout");
+    let (_, resumed) = h
+        .sandboxes
+        .resume(&h.team, rest[1], 300, false, true)
+        .await
+        .expect("a connect");
+    assert!(!resumed, "a running sandbox is connected to, not resumed");
+    // The one it reached is gone for every caller already.
+    assert!(matches!(
+        h.sandboxes.set_timeout(&h.team, &first, 300).await,
+        Err(SandboxError::NotFound(_))
+    ));
+    h.open_gate();
+    reaper.await.expect("reaper");
+
+    assert_eq!(h.runtime.destroyed(), vec![first.clone()]);
+    assert_eq!(h.state(&first).await, None);
+    for id in rest {
+        assert_eq!(h.state(id).await, Some(SandboxState::Running), "{id}");
+        assert!(h.sandboxes.route(id).is_some(), "{id} is routed to");
+    }
+    // And they stay: the next round finds nothing due.
+    h.sandboxes.reap_expired().await;
+    assert_eq!(h.runtime.destroyed().len(), 1);
+}
+
+#[tokio::test]
+async fn a_pause_at_the_timeout_leaves_alone_a_sandbox_extended_first() {
+    let mut h = harness(&["pause"]).await;
+    let ids = [
+        h.create(0, true).await,
+        h.create(0, true).await,
+        h.create(0, true).await,
+    ];
+    let reaper = tokio::spawn({
+        let sandboxes = h.sandboxes.clone();
+        async move { sandboxes.reap_expired().await }
+    });
+    let (_, first) = h.arrival().await;
+    let rest: Vec<String> = ids.iter().filter(|id| **id != first).cloned().collect();
+    h.sandboxes
+        .set_timeout(&h.team, &rest[0], 300)
+        .await
+        .expect("a new timeout");
+    h.sandboxes
+        .resume(&h.team, &rest[1], 300, false, true)
+        .await
+        .expect("a connect");
+    // A connect to the one being paused waits for the pause, then resumes it.
+    let connect = tokio::spawn({
+        let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), first.clone());
+        async move { sandboxes.resume(&team, &id, 300, false, true).await }
+    });
+    still_waiting(&connect, "a connect during a pause").await;
+    h.open_gate();
+    reaper.await.expect("reaper");
+    let (_, resumed) = connect.await.expect("connect").expect("connected");
+    assert!(resumed, "the paused sandbox was resumed (201)");
+    for id in ids.iter() {
+        assert_eq!(h.state(id).await, Some(SandboxState::Running), "{id}");
+    }
+}
+
+#[tokio::test]
+async fn two_connects_to_a_paused_sandbox_both_succeed() {
+    let mut h = harness(&["resume"]).await;
+    let id = h.create(300, false).await;
+    h.sandboxes.pause(&h.team, &id, true).await.expect("pause");
+    let connect = |h: &Harness| {
+        let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
+        tokio::spawn(async move { sandboxes.resume(&team, &id, 120, false, true).await })
+    };
+    let first = connect(&h);
+    assert_eq!(h.arrival().await, ("resume", id.clone()));
+    let second = connect(&h);
+    still_waiting(&second, "a connect during a resume").await;
+    h.open_gate();
+    let (_, first_resumed) = first.await.expect("first").expect("first connect");
+    let (sandbox, second_resumed) = second.await.expect("second").expect("second connect");
+    // 201 for the one that resumed it, 200 for the one that found it running.
+    assert!(first_resumed && !second_resumed);
+    assert_eq!(sandbox.state, SandboxState::Running);
+    assert!(h.sandboxes.route(&id).is_some());
+}
+
+/// Starts `transition` on a fresh sandbox whose runtime stops it at `gate`, kills the sandbox
+/// meanwhile, and checks that the kill waited for it and won.
+async fn kill_during(gate: &'static str) {
+    let mut h = harness(&[gate]).await;
+    let id = h.create(300, false).await;
+    if gate == "resume" {
+        h.sandboxes.pause(&h.team, &id, true).await.expect("pause");
+    }
+    let transition = {
+        let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
+        tokio::spawn(async move {
+            match gate {
+                "pause" => sandboxes.pause(&team, &id, true).await.map(|_| ()),
+                "resume" => sandboxes
+                    .resume(&team, &id, 60, false, true)
+                    .await
+                    .map(|_| ()),
+                _ => sandboxes
+                    .snapshot(&team, &id, None, false)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| SandboxError::NotFound(e.to_string())),
+            }
+        })
+    };
+    assert_eq!(h.arrival().await, (gate, id.clone()));
+    let kill = {
+        let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
+        tokio::spawn(async move { sandboxes.kill(&team, &id).await })
+    };
+    still_waiting(&kill, &format!("a kill during a {gate}")).await;
+    h.open_gate();
+    transition
+        .await
+        .expect("transition")
+        .unwrap_or_else(|e| panic!("{gate}: {e}"));
+    kill.await
+        .expect("kill")
+        .unwrap_or_else(|e| panic!("kill during a {gate}: {e}"));
+    assert_eq!(h.state(&id).await, None, "killed during a {gate}");
+    assert_eq!(h.runtime.destroyed(), vec![id.clone()]);
+    assert!(h.store.sandbox(&id).await.expect("read").is_none());
+}
+
+#[tokio::test]
+async fn a_kill_waits_for_a_pause_and_wins() {
+    kill_during("pause").await;
+}
+
+#[tokio::test]
+async fn a_kill_waits_for_a_resume_and_wins() {
+    kill_during("resume").await;
+}
+
+#[tokio::test]
+async fn a_kill_waits_for_a_snapshot_and_wins() {
+    kill_during("snapshot").await;
+}
+
+#[tokio::test]
+async fn a_kill_on_the_wire_answers_204_during_a_pause() {
+    let mut h = harness(&["pause"]).await;
+    let id = h.create(300, false).await;
+    let pause = {
+        let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
+        tokio::spawn(async move { sandboxes.pause(&team, &id, true).await })
+    };
+    h.arrival().await;
+    let app = h.app.clone();
+    let uri = format!("/sandboxes/{id}");
+    let kill = tokio::spawn(async move {
+        let request = Request::builder()
+            .method("DELETE")
+            .uri(uri)
+            .header("X-API-Key", KEY)
+            .body(Body::empty())
+            .expect("request");
+        app.oneshot(request).await.expect("call").status()
+    });
+    still_waiting(&kill, "DELETE during a pause").await;
+    h.open_gate();
+    pause.await.expect("pause").expect("paused");
+    assert_eq!(kill.await.expect("kill"), StatusCode::NO_CONTENT);
+    let gone = h.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(gone.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn snapshots_are_deleted_by_their_snapshot_id() {
+    let h = harness(&[]).await;
+    let id = h.create(300, false).await;
+    let unnamed = h
+        .sandboxes
+        .snapshot(&h.team, &id, None, false)
+        .await
+        .expect("snapshot");
+    assert_eq!(
+        unnamed.snapshot_id,
+        format!("{}:default", unnamed.template_id)
+    );
+    let named = h
+        .sandboxes
+        .snapshot(&h.team, &id, Some("kept"), false)
+        .await
+        .expect("named snapshot");
+    assert_eq!(named.snapshot_id, "kept:default");
+
+    // As the SDK sends it: the whole snapshot ID, its colon encoded.
+    let uri = format!("/templates/{}", unnamed.snapshot_id.replace(':', "%3A"));
+    let deleted = h.call("DELETE", &uri, None).await;
+    assert_eq!(deleted.status(), StatusCode::NO_CONTENT);
+    assert!(
+        h.store
+            .template(&unnamed.template_id)
+            .await
+            .expect("read")
+            .is_none()
+    );
+    h.builds
+        .delete_template(&h.team, &named.snapshot_id)
+        .await
+        .expect("delete the named snapshot");
+    assert!(
+        h.store
+            .template(&named.template_id)
+            .await
+            .expect("read")
+            .is_none()
+    );
+    // A template that is not a snapshot is not deleted through a tag.
+    let refused = h.call("DELETE", "/templates/base:default", None).await;
+    assert_eq!(refused.status(), StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn capacity_refusals_say_when_to_retry() {
+    let h = harness(&[]).await;
+    h.create(30, false).await;
+    h.runtime.no_capacity.store(true, Ordering::SeqCst);
+    let refused = h
+        .call("POST", "/v2/sandboxes", Some(r#"{"templateID": "base"}"#))
+        .await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let wait: u64 = refused
+        .headers()
+        .get("retry-after")
+        .expect("Retry-After")
+        .to_str()
+        .expect("ascii")
+        .parse()
+        .expect("seconds");
+    // The running sandbox ends within 30 s; a client may retry then.
+    assert!((1..=30).contains(&wait), "{wait}");
+    assert!(
+        refused.headers().get("should-retry").is_none(),
+        "a capacity refusal may be retried"
+    );
+    let body = refused
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(body["code"], 503);
+    assert!(
+        body["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("memory")),
+        "{body}"
+    );
+}
