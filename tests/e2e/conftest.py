@@ -57,6 +57,9 @@ from e2e_util import (
 
 # Test files whose tests must run after every other file (they restart the server).
 RUN_LAST = ("test_volumes.py", "test_restart.py")
+# Test files that run a server of their own and hold the machine-wide lock while they do, so
+# they must finish before the shared server starts.
+RUN_FIRST = ("test_first_start.py",)
 
 
 # --------------------------------------------------------------------------
@@ -82,10 +85,11 @@ def registry_ports():
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Run the server-restarting tests after everything else."""
-    first = [i for i in items if i.path.name not in RUN_LAST]
+    """Run the tests with a server of their own first, the server-restarting tests last."""
+    own = [i for i in items if i.path.name in RUN_FIRST]
+    first = [i for i in items if i.path.name not in RUN_LAST and i.path.name not in RUN_FIRST]
     last = [i for i in items if i.path.name in RUN_LAST]
-    items[:] = first + last
+    items[:] = own + first + last
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -75,6 +75,8 @@ pub enum FsError {
     NotAName(String),
     #[error("path '{0}' is not a regular file")]
     NotAFile(String),
+    #[error("path '{0}' holds {1} mount point(s), left in place")]
+    MountPoints(String, u64),
     #[error("cannot {op} '{path}': {source}")]
     Io {
         op: &'static str,
@@ -126,6 +128,7 @@ impl From<FsError> for io::Error {
             FsError::AlreadyExists(_) => io::ErrorKind::AlreadyExists,
             FsError::NotADirectory(_) => io::ErrorKind::NotADirectory,
             FsError::IsADirectory(_) => io::ErrorKind::IsADirectory,
+            FsError::MountPoints(..) => io::ErrorKind::ResourceBusy,
             FsError::Io { source, .. } => source.kind(),
             _ => io::ErrorKind::InvalidInput,
         };
@@ -171,6 +174,23 @@ pub fn open_at(
             Err(Errno::AGAIN) if attempts < 32 => attempts += 1,
             result => return result,
         }
+    }
+}
+
+/// Opens the directory `name` in `parent` for a walk that must stay on one mount: a link is
+/// not followed, and `Ok(None)` means `name` is a mount point (whatever is mounted there, a
+/// `/proc` or a read-only sysfs left by a build, is not the walk's to touch).
+pub fn open_dir_on_same_mount(parent: impl AsFd, name: &OsStr) -> io::Result<Option<OwnedFd>> {
+    match rustix::fs::openat2(
+        parent.as_fd(),
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+        ResolveFlags::NO_XDEV | ResolveFlags::NO_SYMLINKS | ResolveFlags::BENEATH,
+    ) {
+        Ok(fd) => Ok(Some(fd)),
+        Err(Errno::XDEV) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -542,6 +562,7 @@ fn rename_path(e: FsError, path: &Path) -> FsError {
         FsError::AlreadyExists(_) => FsError::AlreadyExists(path),
         FsError::NotAName(_) => FsError::NotAName(path),
         FsError::NotAFile(_) => FsError::NotAFile(path),
+        FsError::MountPoints(_, count) => FsError::MountPoints(path, count),
         FsError::Io { op, source, .. } => FsError::Io { op, path, source },
     }
 }
@@ -780,7 +801,9 @@ impl Dir {
 
     /// Removes `name` and everything below it; missing is fine. Subdirectories are moved up
     /// into the one being emptied before they are emptied, so however deep the tree, at most
-    /// two directories are open at once.
+    /// two directories are open at once. The walk never enters another mount: a mount point
+    /// below `name` is left in place with the directories holding it, and the removal fails
+    /// with [`FsError::MountPoints`] once everything else is gone.
     pub fn remove_all(&self, name: &OsStr) -> Result<()> {
         let Some(meta) = self.stat(name)? else {
             return Ok(());
@@ -789,23 +812,48 @@ impl Dir {
             return rustix::fs::unlinkat(&self.fd, name, AtFlags::empty())
                 .map_err(Self::name_err("remove", name));
         }
-        let top = self.open_dir(name)?;
+        let shown = name.to_string_lossy();
+        let Some(fd) =
+            open_dir_on_same_mount(&self.fd, name).map_err(|e| FsError::io("open", &shown, e))?
+        else {
+            return Err(FsError::MountPoints(shown.into_owned(), 1));
+        };
+        let top = Dir { fd };
         let mut moved = 0u64;
+        let mut kept = 0u64;
         let mut pending: Vec<OsString> = Vec::new();
-        top.empty_into(&top, &mut pending, &mut moved)?;
+        top.empty_into(&top, &mut pending, &mut moved, &mut kept)?;
         while let Some(sub) = pending.pop() {
-            let dir = top.open_dir(&sub)?;
-            dir.empty_into(&top, &mut pending, &mut moved)?;
+            let Some(fd) = open_dir_on_same_mount(&top.fd, &sub)
+                .map_err(|e| FsError::io("open", &shown, e))?
+            else {
+                kept += 1;
+                continue;
+            };
+            let dir = Dir { fd };
+            dir.empty_into(&top, &mut pending, &mut moved, &mut kept)?;
             drop(dir);
-            rustix::fs::unlinkat(&top.fd, &sub, AtFlags::REMOVEDIR)
-                .map_err(Self::name_err("remove", name))?;
+            match rustix::fs::unlinkat(&top.fd, &sub, AtFlags::REMOVEDIR) {
+                // A directory holding a mount point kept below it stays too.
+                Err(Errno::NOTEMPTY | Errno::BUSY) if kept > 0 => {}
+                other => other.map_err(Self::name_err("remove", name))?,
+            }
         }
         drop(top);
+        if kept > 0 {
+            return Err(FsError::MountPoints(shown.into_owned(), kept));
+        }
         rustix::fs::unlinkat(&self.fd, name, AtFlags::REMOVEDIR)
             .map_err(Self::name_err("remove", name))
     }
 
-    fn empty_into(&self, top: &Dir, pending: &mut Vec<OsString>, moved: &mut u64) -> Result<()> {
+    fn empty_into(
+        &self,
+        top: &Dir,
+        pending: &mut Vec<OsString>,
+        moved: &mut u64,
+        kept: &mut u64,
+    ) -> Result<()> {
         for entry in self.entries()? {
             if entry.kind == Kind::Dir {
                 if std::ptr::eq(self, top) {
@@ -814,12 +862,19 @@ impl Dir {
                 }
                 *moved += 1;
                 let fresh = OsString::from(format!(".removing-{moved}"));
-                rustix::fs::renameat(&self.fd, &entry.name, &top.fd, &fresh)
-                    .map_err(Self::name_err("remove", &entry.name))?;
-                pending.push(fresh);
+                match rustix::fs::renameat(&self.fd, &entry.name, &top.fd, &fresh) {
+                    Ok(()) => pending.push(fresh),
+                    // A mount point cannot be moved; it stays where it is, untouched.
+                    Err(Errno::BUSY) => *kept += 1,
+                    Err(e) => return Err(Self::name_err("remove", &entry.name)(e)),
+                }
             } else {
-                rustix::fs::unlinkat(&self.fd, &entry.name, AtFlags::empty())
-                    .map_err(Self::name_err("remove", &entry.name))?;
+                match rustix::fs::unlinkat(&self.fd, &entry.name, AtFlags::empty()) {
+                    Ok(()) => {}
+                    // A file something is bind-mounted on.
+                    Err(Errno::BUSY) => *kept += 1,
+                    Err(e) => return Err(Self::name_err("remove", &entry.name)(e)),
+                }
             }
         }
         Ok(())

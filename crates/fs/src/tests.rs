@@ -165,6 +165,59 @@ fn remove_all_never_follows_links_and_handles_deep_trees() {
 }
 
 #[test]
+fn remove_all_never_enters_a_mount() {
+    // A mount namespace of this test thread's own, private, so nothing reaches the host.
+    // SAFETY: only the mount namespace (and this thread's fs context) is unshared.
+    if unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }.is_err()
+        || rustix::mount::mount_change(
+            "/",
+            rustix::mount::MountPropagationFlags::PRIVATE
+                | rustix::mount::MountPropagationFlags::REC,
+        )
+        .is_err()
+    {
+        eprintln!("skipped: needs root for a private mount namespace");
+        return;
+    }
+    let s = setup();
+    std::fs::create_dir_all(s.root.join("t/a/mnt")).unwrap();
+    std::fs::create_dir_all(s.root.join("t/a/b")).unwrap();
+    std::fs::create_dir_all(s.root.join("t/m")).unwrap();
+    std::fs::write(s.root.join("t/a/b/f"), b"x").unwrap();
+    for at in ["t/a/mnt", "t/m"] {
+        rustix::mount::mount(
+            "test",
+            s.root.join(at),
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .unwrap();
+        std::fs::write(s.root.join(at).join("inside"), MARKER).unwrap();
+    }
+    let tree = Tree::open(&s.root, Links::Refused).unwrap();
+    let err = tree.remove_all("t").unwrap_err();
+    assert!(matches!(err, FsError::MountPoints(_, 2)), "{err}");
+    assert_eq!(
+        std::fs::read(s.root.join("t/a/mnt/inside")).unwrap(),
+        MARKER
+    );
+    assert_eq!(std::fs::read(s.root.join("t/m/inside")).unwrap(), MARKER);
+    assert!(!s.root.join("t/a/b").exists());
+    let err = tree
+        .root()
+        .unwrap()
+        .remove_all(std::ffi::OsStr::new("t"))
+        .unwrap_err();
+    assert!(matches!(err, FsError::MountPoints(_, 2)), "{err}");
+    for at in ["t/a/mnt", "t/m"] {
+        rustix::mount::unmount(s.root.join(at), rustix::mount::UnmountFlags::DETACH).unwrap();
+    }
+    tree.remove_all("t").unwrap();
+    assert!(!s.root.join("t").exists());
+}
+
+#[test]
 fn new_entries_get_exactly_the_mode_asked() {
     let s = setup();
     let tree = Tree::open(&s.root, Links::Refused).unwrap();

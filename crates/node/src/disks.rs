@@ -504,44 +504,82 @@ fn format_uuid(bytes: &[u8; 16]) -> String {
 
 /// Removes a directory tree without recursion and with at most two directories open: every
 /// nested directory is first moved up to the top of the tree, so a tree deeper than the
-/// open-file limit or the stack (which a sandbox can build) goes like a flat one.
+/// open-file limit or the stack (which a sandbox can build) goes like a flat one. The walk
+/// never enters another mount: a mount point in the tree (or the tree itself being one) is
+/// left in place with the directories holding it, and once everything else is gone the
+/// removal fails with `ResourceBusy` naming the path.
 pub fn remove_tree(path: &Path) -> std::io::Result<()> {
-    let top = match open_dir(path) {
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} does not name a directory to remove", path.display()),
+        ));
+    };
+    let parent = match open_dir(if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    }) {
         Ok(fd) => fd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let top = match sandbar_fs::open_dir_on_same_mount(&parent, name) {
+        Ok(Some(fd)) => fd,
+        Ok(None) => return Err(mount_points_kept(path, 1)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e)
             if e.raw_os_error() == Some(libc::ENOTDIR) || e.raw_os_error() == Some(libc::ELOOP) =>
         {
-            return std::fs::remove_file(path);
+            return Ok(rustix::fs::unlinkat(&parent, name, AtFlags::empty())?);
         }
         Err(e) => return Err(e),
     };
     let mut moved = 0u64;
+    let mut kept = 0u64;
     let mut pending: Vec<OsString> = Vec::new();
-    empty_into(&top, &top, &mut pending, &mut moved)?;
+    empty_into(&top, &top, &mut pending, &mut moved, &mut kept)?;
     while let Some(name) = pending.pop() {
-        let dir = rustix::fs::openat(
-            &top,
-            name.as_os_str(),
-            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOFOLLOW,
-            Mode::empty(),
-        )?;
-        empty_into(&dir, &top, &mut pending, &mut moved)?;
+        let Some(dir) = sandbar_fs::open_dir_on_same_mount(&top, &name)? else {
+            kept += 1;
+            continue;
+        };
+        empty_into(&dir, &top, &mut pending, &mut moved, &mut kept)?;
         drop(dir);
-        rustix::fs::unlinkat(&top, name.as_os_str(), AtFlags::REMOVEDIR)?;
+        match rustix::fs::unlinkat(&top, name.as_os_str(), AtFlags::REMOVEDIR) {
+            // A directory holding a mount point kept below it stays too.
+            Err(rustix::io::Errno::NOTEMPTY | rustix::io::Errno::BUSY) if kept > 0 => {}
+            other => other?,
+        }
     }
     drop(top);
-    std::fs::remove_dir(path)
+    if kept > 0 {
+        return Err(mount_points_kept(path, kept));
+    }
+    Ok(rustix::fs::unlinkat(&parent, name, AtFlags::REMOVEDIR)?)
+}
+
+fn mount_points_kept(path: &Path, count: u64) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ResourceBusy,
+        format!(
+            "{} holds {count} mount point(s), left in place",
+            path.display()
+        ),
+    )
 }
 
 /// Unlinks every non-directory in `dir` and moves every directory in it to `top` under a
-/// fresh name, recording those names in `pending`.
+/// fresh name, recording those names in `pending`. Mount points stay where they are and are
+/// counted in `kept`.
 fn empty_into(
     dir: &OwnedFd,
     top: &OwnedFd,
     pending: &mut Vec<OsString>,
     moved: &mut u64,
+    kept: &mut u64,
 ) -> std::io::Result<()> {
+    let mut left: std::collections::HashSet<OsString> = std::collections::HashSet::new();
     loop {
         // Collect first: changing a directory while reading it may skip entries.
         let mut entries = Vec::new();
@@ -549,7 +587,7 @@ fn empty_into(
         for entry in reader.by_ref() {
             let entry = entry?;
             let name = entry.file_name().to_bytes();
-            if name == b"." || name == b".." {
+            if name == b"." || name == b".." || left.contains(OsStr::from_bytes(name)) {
                 continue;
             }
             entries.push((
@@ -565,7 +603,15 @@ fn empty_into(
                 || (rustix::fs::statat(dir, name.as_os_str(), AtFlags::SYMLINK_NOFOLLOW)
                     .is_ok_and(|s| rustix::fs::FileType::from_raw_mode(s.st_mode).is_dir()));
             if !is_dir {
-                rustix::fs::unlinkat(dir, name.as_os_str(), AtFlags::empty())?;
+                match rustix::fs::unlinkat(dir, name.as_os_str(), AtFlags::empty()) {
+                    Ok(()) => {}
+                    // A file something is bind-mounted on.
+                    Err(rustix::io::Errno::BUSY) => {
+                        *kept += 1;
+                        left.insert(name);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
                 continue;
             }
             if std::ptr::eq(dir, top) {
@@ -575,8 +621,15 @@ fn empty_into(
             *moved += 1;
             let fresh = OsString::from(format!(".removing-{moved}"));
             let fresh_c = CString::new(fresh.as_bytes()).map_err(std::io::Error::other)?;
-            rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str())?;
-            pending.push(fresh);
+            match rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str()) {
+                Ok(()) => pending.push(fresh),
+                // A mount point cannot be moved; it stays where it is, untouched.
+                Err(rustix::io::Errno::BUSY) => {
+                    *kept += 1;
+                    left.insert(name);
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         if std::ptr::eq(dir, top) {
             // Directories at the top stay where they are until popped.
@@ -644,6 +697,77 @@ mod tests {
         result.expect("remove");
         assert!(!top.exists());
         assert!(Path::new("/etc/passwd").exists());
+    }
+
+    /// Gives the calling test thread a mount namespace of its own with private propagation,
+    /// so what it mounts never reaches the host and vanishes with the thread. `false` where
+    /// that is not allowed (not root).
+    fn private_mount_namespace() -> bool {
+        // SAFETY: only the mount namespace (and with it this thread's fs context) is unshared;
+        // no descriptor table is.
+        if unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNS) }.is_err() {
+            return false;
+        }
+        rustix::mount::mount_change(
+            "/",
+            rustix::mount::MountPropagationFlags::PRIVATE
+                | rustix::mount::MountPropagationFlags::REC,
+        )
+        .is_ok()
+    }
+
+    fn mount_tmpfs(at: &Path) {
+        rustix::mount::mount(
+            "test",
+            at,
+            "tmpfs",
+            rustix::mount::MountFlags::empty(),
+            None,
+        )
+        .expect("mount tmpfs");
+        std::fs::write(at.join("inside"), b"kept").expect("write into the mount");
+    }
+
+    #[test]
+    fn removal_never_enters_a_mount_and_goes_once_it_is_detached() {
+        if !private_mount_namespace() {
+            eprintln!("skipped: needs root for a private mount namespace");
+            return;
+        }
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let top = tmp.path().join("tree");
+        for dir in ["a/b/c", "a/mnt", "top-mnt", "plain"] {
+            std::fs::create_dir_all(top.join(dir)).expect("mkdir");
+        }
+        std::fs::write(top.join("a/b/c/f"), b"x").expect("file");
+        std::fs::write(top.join("file"), b"x").expect("file");
+        mount_tmpfs(&top.join("a/mnt"));
+        mount_tmpfs(&top.join("top-mnt"));
+
+        let err = remove_tree(&top).expect_err("mount points stop the removal");
+        assert_eq!(err.kind(), std::io::ErrorKind::ResourceBusy);
+        assert!(err.to_string().contains("2 mount point(s)"), "{err}");
+        // Nothing inside the mounts was touched; everything else went.
+        assert_eq!(
+            std::fs::read(top.join("a/mnt/inside")).expect("kept"),
+            b"kept"
+        );
+        assert_eq!(
+            std::fs::read(top.join("top-mnt/inside")).expect("kept"),
+            b"kept"
+        );
+        assert!(!top.join("file").exists());
+        assert!(!top.join("plain").exists());
+        assert!(!top.join("a/b").exists());
+
+        // A tree that is itself a mount point is refused whole.
+        let err = remove_tree(&top.join("top-mnt")).expect_err("a mount point");
+        assert_eq!(err.kind(), std::io::ErrorKind::ResourceBusy);
+        assert!(top.join("top-mnt/inside").exists());
+
+        assert_eq!(crate::mounts::detach_below(&top).expect("detach"), 2);
+        remove_tree(&top).expect("remove once detached");
+        assert!(!top.exists());
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod dns;
 pub mod egress;
 pub mod image_layers;
 pub mod layers;
+pub mod mounts;
 pub mod netns;
 pub mod network;
 mod runtime;

@@ -1,5 +1,11 @@
 //! Template root filesystems on this node. The default template is a Debian root built with
 //! mmdebstrap once and cached; sandboxes only ever read it through an overlay.
+//!
+//! mmdebstrap mounts `/proc`, `/sys` and parts of `/dev` inside the root it builds and only
+//! unmounts them if it gets to finish. It runs as PID 1 of a PID namespace and in a private
+//! mount namespace of its own, so whatever stops it (the server's shutdown, a kill -9 of the
+//! server, a crash) takes every process of the build with it, and its mounts vanish with
+//! those processes instead of staying on the host inside the half-built root.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -14,13 +20,24 @@ const BASE_PACKAGES: &str = "bash,python3,ca-certificates,sudo,procps,curl,iprou
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateBuildError {
-    #[error("mmdebstrap is not installed (apt-get install mmdebstrap): {0}")]
-    MissingTool(std::io::Error),
+    #[error("{tool} is not installed (apt-get install {package}): {source}")]
+    MissingTool {
+        tool: &'static str,
+        package: &'static str,
+        source: std::io::Error,
+    },
     #[error("cannot prepare {path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot clear the mounts an interrupted build left in {path}: {source}")]
+    Mounts {
+        path: PathBuf,
+        source: crate::mounts::DetachError,
+    },
+    #[error("cannot wait for mmdebstrap: {0}")]
+    Wait(std::io::Error),
     #[error("mmdebstrap failed with {status}; last output: {tail}")]
     Failed { status: String, tail: String },
 }
@@ -53,9 +70,18 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     let target_dir = rootfs.parent().map(Path::to_owned).unwrap_or_default();
     let staging = templates_dir.join(format!(".base-v{BASE_RECIPE_VERSION}.partial"));
     if staging.exists() {
-        tokio::fs::remove_dir_all(&staging)
-            .await
-            .map_err(io(&staging))?;
+        // An interrupted build: a server older than the namespaces below left its mounts on
+        // the host; they go first, and the removal never walks into a mount anyway.
+        let detached =
+            crate::mounts::detach_below(&staging).map_err(|source| TemplateBuildError::Mounts {
+                path: staging.clone(),
+                source,
+            })?;
+        if detached > 0 {
+            tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of 'base' left mounted");
+        }
+        remove_tree_blocking(&staging).await.map_err(io(&staging))?;
+        tracing::info!(path = %staging.display(), "removed an interrupted build of 'base'; building again");
     }
     tokio::fs::create_dir_all(templates_dir)
         .await
@@ -66,8 +92,25 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         "building the default template 'base' with mmdebstrap"
     );
     let started = std::time::Instant::now();
-    let mut child = tokio::process::Command::new("mmdebstrap")
+    if !on_path("mmdebstrap") {
+        return Err(TemplateBuildError::MissingTool {
+            tool: "mmdebstrap",
+            package: "mmdebstrap",
+            source: std::io::ErrorKind::NotFound.into(),
+        });
+    }
+    let mut command = tokio::process::Command::new("unshare");
+    command
+        // --kill-child: mmdebstrap (PID 1 of the new PID namespace, so every process of the
+        // build dies with it) is killed when unshare is.
         .args([
+            "--mount",
+            "--propagation=private",
+            "--pid",
+            "--fork",
+            "--kill-child=SIGKILL",
+            "--",
+            "mmdebstrap",
             "--variant=minbase",
             &format!("--include={BASE_PACKAGES}"),
             "--customize-hook=chroot \"$1\" useradd --create-home --shell /bin/bash --user-group user",
@@ -80,9 +123,32 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true)
+        // A Ctrl-C at the server's terminal is the server's to act on, not the build's.
+        .process_group(0)
+        // Dropped when the build is cancelled (the server's shutdown aborts it).
+        .kill_on_drop(true);
+    let server = rustix::process::getpid();
+    // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
+    unsafe {
+        command.pre_exec(move || {
+            // The server dying by any means (kill -9 included) ends the build: the signal
+            // goes when the thread that forked exits, and a runtime worker lives as long as
+            // the server.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            if rustix::process::getppid() != Some(server) {
+                return Err(std::io::Error::other("the server is gone"));
+            }
+            Ok(())
+        });
+    }
+    let mut child = command
         .spawn()
-        .map_err(TemplateBuildError::MissingTool)?;
+        .map_err(|source| TemplateBuildError::MissingTool {
+            tool: "unshare",
+            package: "util-linux",
+            source,
+        })?;
+    let group = child.id().map(GroupKill);
 
     let mut tail: Vec<String> = Vec::new();
     let stdout = child.stdout.take();
@@ -110,12 +176,11 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         }
     }
     let _ = stdout_task.await;
-    let status = child
-        .wait()
-        .await
-        .map_err(TemplateBuildError::MissingTool)?;
+    let status = child.wait().await.map_err(TemplateBuildError::Wait)?;
+    // Reaped: its PID (the group's ID) may be anyone's now.
+    std::mem::forget(group);
     if !status.success() {
-        let _ = tokio::fs::remove_dir_all(&staging).await;
+        let _ = remove_tree_blocking(&staging).await;
         return Err(TemplateBuildError::Failed {
             status: status.to_string(),
             tail: tail.join(" | "),
@@ -123,7 +188,7 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     }
 
     if target_dir.exists() {
-        tokio::fs::remove_dir_all(&target_dir)
+        remove_tree_blocking(&target_dir)
             .await
             .map_err(io(&target_dir))?;
     }
@@ -140,4 +205,31 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         "default template 'base' is ready"
     );
     Ok(rootfs)
+}
+
+/// Kills a build's process group when the build is cancelled before it was reaped: anything
+/// of it that escaped the PID namespace's teardown (nothing should) goes too.
+struct GroupKill(u32);
+
+impl Drop for GroupKill {
+    fn drop(&mut self) {
+        if let Some(pid) = i32::try_from(self.0)
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+async fn remove_tree_blocking(path: &Path) -> std::io::Result<()> {
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || crate::disks::remove_tree(&path))
+        .await
+        .map_err(std::io::Error::other)?
+}
+
+fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()))
 }

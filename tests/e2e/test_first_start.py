@@ -1,0 +1,261 @@
+"""A first start interrupted while it builds `base` leaves nothing behind and the next start builds it.
+
+The module runs its own server on a fresh data dir under /var/tmp (its own port), so it holds
+the machine-wide e2e lock itself; conftest.py runs it before any test that uses the shared
+server. It interrupts the base build once with SIGINT and once with kill -9: no process of the
+build outlives the server, nothing stays mounted under the data dir, and the third start builds
+`base` and runs a command in a sandbox of it. It needs the Debian mirror the normal base build
+uses (about 3-5 minutes in all).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from e2e_util import (
+    SANDBAR_BIN,
+    SandbarServer,
+    acquire_run_lock,
+    all_pids,
+    free_port,
+    private_binaries,
+    wait_until,
+)
+
+# The mmdebstrap phase the build is interrupted in: by then it has mounted /proc, /sys and
+# /dev parts inside the root it builds.
+BUILD_RUNNING = "base: installing essential packages"
+BUILD_WAIT_S = 600
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, "r", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts_under(path: Path) -> List[str]:
+    """Mount points of this process's mount namespace at or below `path`, deepest first."""
+    prefix = str(path)
+    points = []
+    for line in _read("/proc/self/mountinfo").splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = _unescape(fields[4])
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    return sorted(points, key=lambda p: p.count("/"), reverse=True)
+
+
+def build_processes(data_dir: Path) -> Dict[int, str]:
+    """Processes of a base build in `data_dir`: mmdebstrap and unshare name the data dir on
+    their command line, what they start runs chrooted into it or in their PID namespace."""
+    found = {}
+    own_pidns = _link("/proc/self/ns/pid")
+    for pid in all_pids():
+        cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+        root = _link(f"/proc/{pid}/root")
+        cwd = _link(f"/proc/{pid}/cwd")
+        if str(data_dir) in cmd or root.startswith(str(data_dir)) or cwd.startswith(str(data_dir)):
+            if pid != os.getpid():
+                found[pid] = cmd or "(no command line)"
+    # Anything in the PID namespace of a build process found above is part of the build.
+    namespaces = {_link(f"/proc/{p}/ns/pid") for p in found} - {own_pidns, ""}
+    if namespaces:
+        for pid in all_pids():
+            if _link(f"/proc/{pid}/ns/pid") in namespaces:
+                found.setdefault(pid, _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip())
+    return found
+
+
+def build_pid_namespaces(data_dir: Path) -> set:
+    own = _link("/proc/self/ns/pid")
+    return {
+        ns
+        for ns in (_link(f"/proc/{p}/ns/pid") for p in build_processes(data_dir))
+        if ns and ns != own
+    }
+
+
+def processes_in(namespaces: set) -> Dict[int, str]:
+    return {
+        pid: _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+        for pid in all_pids()
+        if _link(f"/proc/{pid}/ns/pid") in namespaces
+    }
+
+
+class FirstStart:
+    def __init__(self):
+        self.data_dir = Path(f"/var/tmp/sandbar-e2e-first-start-{uuid.uuid4().hex[:10]}")
+        self.log_path = Path("/tmp/sandbar-e2e-logs") / f"first-start-{self.data_dir.name}.log"
+        self.binary, _ = private_binaries(SANDBAR_BIN)
+        self.server = SandbarServer(
+            self.binary,
+            self.data_dir,
+            self.log_path,
+            free_port(),
+            extra_args=["--base-disk-mb", "512", "--disk-pool-gb", "4"],
+        )
+
+    def log(self) -> str:
+        return _read(str(self.log_path))
+
+    def log_since_start(self) -> str:
+        text = self.log()
+        marker = f"===== sandbar start #{self.server.starts} "
+        return text[text.rfind(marker):] if marker in text else text
+
+    def wait_for_build(self) -> None:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while BUILD_RUNNING not in self.log_since_start():
+            proc = self.server.proc
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"sandbar exited with {proc.returncode}\n{self.server.log_tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no '{BUILD_RUNNING}' within {BUILD_WAIT_S}s\n{self.server.log_tail()}")
+            time.sleep(0.5)
+
+    def cleanup(self) -> List[str]:
+        problems = []
+        try:
+            self.server.stop(kill9=False)
+        except Exception as e:  # noqa: BLE001 - cleanup must go on
+            problems.append(f"stopping sandbar: {e}")
+            self.server.stop(kill9=True)
+        for pid in build_processes(self.data_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                problems.append(f"killed a leftover process {pid}")
+            except OSError:
+                pass
+        time.sleep(0.5)
+        for point in mounts_under(self.data_dir):
+            os.system(f"umount -l '{point}' 2>/dev/null")
+        left = mounts_under(self.data_dir)
+        if left:
+            problems.append(f"mounts under {self.data_dir} could not be removed: {left}")
+        else:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+        shutil.rmtree(self.binary.parent, ignore_errors=True)
+        return problems
+
+
+@pytest.fixture(scope="module")
+def first_start():
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    if not SANDBAR_BIN.is_file():
+        pytest.skip(f"no sandbar binary at {SANDBAR_BIN}")
+    lock = acquire_run_lock(Path("/var/tmp"))
+    fs = FirstStart()
+    try:
+        yield fs
+    finally:
+        problems = fs.cleanup()
+        lock.close()
+        assert not problems, "; ".join(problems)
+
+
+def build_mounts(data_dir: Path) -> List[str]:
+    """What the build's processes see mounted in the root it builds (their own mount table)."""
+    partial = str(data_dir / "templates" / ".base-v1.partial")
+    for pid in build_processes(data_dir):
+        points = [
+            _unescape(line.split(" ")[4])
+            for line in _read(f"/proc/{pid}/mountinfo").splitlines()
+            if len(line.split(" ")) > 4
+        ]
+        inside = [p for p in points if p.startswith(partial + "/")]
+        if inside:
+            return inside
+    return []
+
+
+def interrupt_and_check(fs: FirstStart, sig: int) -> None:
+    fs.server.start()
+    fs.wait_for_build()
+    namespaces = build_pid_namespaces(fs.data_dir)
+    assert namespaces, f"the base build runs in a PID namespace of its own: {build_processes(fs.data_dir)}"
+    # Interrupt it with /proc and /sys mounted in the root it builds, where they would be left.
+    inside = wait_until(lambda: build_mounts(fs.data_dir), timeout=120, message="the build's mounts")
+    assert any(p.endswith("/proc") for p in inside), inside
+    assert not mounts_under(fs.data_dir / "templates"), "the build's mounts must not reach the host"
+    proc = fs.server.proc
+    assert proc is not None
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=60)
+    if sig == signal.SIGINT:
+        assert rc == 0, f"sandbar exited with {rc} on SIGINT\n{fs.server.log_tail()}"
+    fs.server.stop()
+    wait_until(
+        lambda: not processes_in(namespaces) and not build_processes(fs.data_dir),
+        timeout=15,
+        message=f"the build's processes to end after {signal.Signals(sig).name}",
+    )
+    assert not mounts_under(fs.data_dir / "templates"), mounts_under(fs.data_dir / "templates")
+    # The pool stays mounted after kill -9 (the next start finds it); nothing else may be.
+    others = [p for p in mounts_under(fs.data_dir) if p != str(fs.data_dir / "sandboxes")]
+    assert not others, f"mounts left under the data dir: {others}"
+
+
+def test_interrupted_base_builds_leave_nothing_and_the_next_start_builds_base(first_start):
+    fs = first_start
+    interrupt_and_check(fs, signal.SIGINT)
+    assert (fs.data_dir / "templates" / ".base-v1.partial").is_dir(), "the interrupted build left its root"
+
+    interrupt_and_check(fs, signal.SIGKILL)
+    assert "removed an interrupted build of 'base'" in fs.log_since_start()
+
+    fs.server.start()
+    fs.server.wait_healthy(timeout=60)
+    fs.server.load_api_key()
+    fs.server.wait_base_template(timeout=BUILD_WAIT_S)
+    assert "removed an interrupted build of 'base'" in fs.log_since_start()
+    assert not mounts_under(fs.data_dir / "templates")
+
+    from e2b import Sandbox
+
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN")}
+    os.environ.update(
+        {
+            "E2B_API_URL": fs.server.url,
+            "E2B_SANDBOX_URL": fs.server.url,
+            "E2B_API_KEY": fs.server.api_key,
+            "E2B_DOMAIN": fs.server.domain,
+        }
+    )
+    try:
+        sbx = Sandbox.create(timeout=60)
+        try:
+            assert sbx.commands.run("echo built && id -un").stdout == "built\nuser\n"
+        finally:
+            sbx.kill()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
