@@ -86,6 +86,7 @@ async fn init(
             .unwrap_or_else(|| current.default_user.clone()),
         env_vars: request.env_vars,
         default_workdir: request.default_workdir.filter(|w| !w.is_empty()),
+        memory_limit_mb: current.memory_limit_mb,
     });
     StatusCode::NO_CONTENT
 }
@@ -100,9 +101,15 @@ async fn envs(State(state): State<Arc<AgentState>>) -> axum::Json<serde_json::Va
 
 /// The whole agent HTTP surface. Unknown paths answer 404 (after the token check).
 pub fn router(config: AgentConfig) -> axum::Router {
+    router_with(config, None)
+}
+
+/// [`router`], with the sandbox's out-of-memory notifications for naming the processes they
+/// kill.
+pub fn router_with(config: AgentConfig, oom: Option<Arc<process::OomEvents>>) -> axum::Router {
     let state = Arc::new(AgentState {
         config: std::sync::RwLock::new(Arc::new(config)),
-        processes: Arc::new(process::ProcessManager::default()),
+        processes: Arc::new(process::ProcessManager::with_oom(oom)),
         watchers: watch::Watchers::default(),
     });
     let services = Arc::new(rpc::Services::new(state.clone()));
@@ -135,6 +142,20 @@ pub async fn serve_unix(
     config: AgentConfig,
 ) -> std::io::Result<()> {
     axum::serve(listener, router(config)).await
+}
+
+/// Serves a booted sandbox's agent on its Unix socket until the listener fails; `oom_events`
+/// is the node's out-of-memory eventfd, when it passed one.
+pub async fn serve_booted(
+    listener: tokio::net::UnixListener,
+    config: AgentConfig,
+    oom_events: Option<std::os::fd::OwnedFd>,
+) -> std::io::Result<()> {
+    let oom = oom_events.map(|fd| process::OomEvents::new(fd, config.memory_limit_mb));
+    if let Some(oom) = &oom {
+        tokio::spawn(oom.clone().watch());
+    }
+    axum::serve(listener, router_with(config, oom)).await
 }
 
 /// Serves the agent on TCP until the listener fails. Nagle is disabled because streamed

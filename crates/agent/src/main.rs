@@ -24,6 +24,7 @@ fn parse_serve(args: &[String]) -> anyhow::Result<(Listen, AgentConfig)> {
         default_user: "root".into(),
         env_vars: BTreeMap::new(),
         default_workdir: None,
+        memory_limit_mb: None,
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -100,7 +101,7 @@ fn boot_main() -> anyhow::Result<()> {
         let listener = tokio::net::UnixListener::from_std(booted.listener)
             .context("adopting the agent socket")?;
         tracing::info!(version = sandbar_jail::ENVD_VERSION, "agent started");
-        sandbar_agent::serve_unix(listener, booted.config).await?;
+        sandbar_agent::serve_booted(listener, booted.config, booted.oom_events).await?;
         Ok(())
     })
 }

@@ -401,6 +401,120 @@ async fn pump(fd: AsyncFd<OwnedFd>, channel: Channel, process: Arc<ManagedProces
 #[derive(Debug, Default)]
 pub struct ProcessManager {
     processes: Mutex<HashMap<u32, Arc<ManagedProcess>>>,
+    /// The sandbox's out-of-memory notifications, where the node passed them.
+    oom: Option<Arc<OomEvents>>,
+}
+
+/// How long after an out-of-memory notification a process that ends killed is taken to be
+/// its victim: the kernel notifies before it kills, so the victim is reaped well within it.
+const OOM_WINDOW: Duration = Duration::from_secs(2);
+/// The exit status a shell reports for a child killed by SIGKILL (128 + 9).
+const SHELL_KILLED: i32 = 128 + libc::SIGKILL;
+
+/// Notifications the kernel gives each time the sandbox's memory cgroup runs out of memory
+/// (an eventfd, see `sandbar_jail::OOM_EVENTS_FD`), kept a moment so the process it kills can
+/// be told apart when it is reaped.
+#[derive(Debug)]
+pub struct OomEvents {
+    fd: OwnedFd,
+    limit_mb: Option<u32>,
+    /// When each notification not yet matched with a process was seen.
+    unclaimed: Mutex<Vec<std::time::Instant>>,
+}
+
+impl OomEvents {
+    /// Wraps the eventfd the node passed; `limit_mb` is named in messages.
+    pub fn new(fd: OwnedFd, limit_mb: Option<u32>) -> Arc<Self> {
+        Arc::new(Self {
+            fd,
+            limit_mb,
+            unclaimed: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Takes the notifications the eventfd holds; returns how many there were.
+    fn drain(&self) -> u64 {
+        let mut buf = [0u8; 8];
+        match rustix::io::read(&self.fd, &mut buf) {
+            Ok(8) => {
+                let count = u64::from_ne_bytes(buf);
+                let now = std::time::Instant::now();
+                let mut unclaimed = lock(&self.unclaimed);
+                // A storm of notifications for one shortage: a handful is all that matters.
+                for _ in 0..count.min(64) {
+                    unclaimed.push(now);
+                }
+                count
+            }
+            _ => 0,
+        }
+    }
+
+    /// Whether a process that just ended killed was the victim of a recent shortage; a
+    /// notification is matched with one process at most.
+    fn claim(&self) -> bool {
+        self.drain();
+        let mut unclaimed = lock(&self.unclaimed);
+        unclaimed.retain(|seen| seen.elapsed() < OOM_WINDOW);
+        if unclaimed.is_empty() {
+            return false;
+        }
+        unclaimed.remove(0);
+        true
+    }
+
+    /// Logs every shortage as it happens (the server reads the log into the sandbox's logs).
+    pub async fn watch(self: Arc<Self>) {
+        let Ok(copy) = self.fd.try_clone() else {
+            return;
+        };
+        // SAFETY: the copy moves into the `AsyncFd`, so the descriptor stays open and refers
+        // to the same eventfd until the `AsyncFd` is dropped.
+        let Ok(ready) = (unsafe { AsyncFd::register(copy) }) else {
+            return;
+        };
+        loop {
+            let Ok(mut guard) = ready.readable().await else {
+                return;
+            };
+            let count = self.drain();
+            if count > 0 {
+                tracing::warn!(
+                    limit_mb = self.limit_mb,
+                    "the sandbox ran out of memory{}; the kernel kills a process",
+                    limit_text(self.limit_mb)
+                );
+            }
+            guard.clear_ready();
+        }
+    }
+}
+
+fn limit_text(limit_mb: Option<u32>) -> String {
+    limit_mb.map_or_else(String::new, |mb| format!(" (limit {mb} MiB)"))
+}
+
+/// Names an out-of-memory kill in a process's end: `error` is what the SDKs show.
+fn name_oom_kill(end: &mut EndInfo, limit_mb: Option<u32>) {
+    let limit = limit_mb.map_or_else(String::new, |mb| {
+        format!(": the sandbox's memory limit is {mb} MiB")
+    });
+    end.error = Some(if end.exited {
+        format!(
+            "{} (a process was killed for using too much memory{limit})",
+            end.status
+        )
+    } else {
+        format!("{} (out of memory{limit})", end.status)
+    });
+}
+
+/// Whether `status` is how a process killed by SIGKILL, or a shell whose child was, ends.
+fn ended_killed(status: Option<&ExitStatus>) -> bool {
+    matches!(
+        status,
+        Some(ExitStatus::Signaled(libc::SIGKILL)) | Some(ExitStatus::Exited(SHELL_KILLED))
+    )
 }
 
 /// How a call names a process.
@@ -448,6 +562,14 @@ fn open_pty(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
 }
 
 impl ProcessManager {
+    /// A manager that names out-of-memory kills from `oom` in the ends of the processes.
+    pub fn with_oom(oom: Option<Arc<OomEvents>>) -> Self {
+        Self {
+            processes: Mutex::default(),
+            oom,
+        }
+    }
+
     /// Finds a running process.
     pub fn get(&self, selector: &Selector) -> Result<Arc<ManagedProcess>, ProcessError> {
         let processes = lock(&self.processes);
@@ -613,6 +735,12 @@ impl ProcessManager {
         let supervised = process.clone();
         tokio::spawn(async move {
             let status = exit_rx.await.ok();
+            // Before draining output: the notification must still be within its window.
+            let oom_limit = manager
+                .oom
+                .as_ref()
+                .filter(|oom| ended_killed(status.as_ref()) && oom.claim())
+                .map(|oom| oom.limit_mb);
             supervised.done.send_replace(true);
             let drained = async {
                 for pump in &mut pumps {
@@ -628,7 +756,16 @@ impl ProcessManager {
                 }
             }
             lock(&manager.processes).remove(&supervised.pid);
-            let end = EndInfo::from(status);
+            let mut end = EndInfo::from(status);
+            if let Some(limit_mb) = oom_limit {
+                name_oom_kill(&mut end, limit_mb);
+                tracing::warn!(
+                    pid = supervised.pid,
+                    limit_mb,
+                    "process killed: out of memory{}",
+                    limit_text(limit_mb)
+                );
+            }
             tracing::info!(pid = supervised.pid, status = %end.status, "process ended");
             supervised.finish(end).await;
         });
@@ -654,5 +791,46 @@ mod tests {
         assert_eq!(killed.exit_code, -1);
         assert!(!killed.exited);
         assert_eq!(killed.status, "signal: killed");
+    }
+
+    #[test]
+    fn an_out_of_memory_kill_is_named_with_the_limit() {
+        let mut killed = EndInfo::from(Some(ExitStatus::Signaled(libc::SIGKILL)));
+        name_oom_kill(&mut killed, Some(256));
+        assert_eq!(killed.status, "signal: killed");
+        assert_eq!(
+            killed.error.as_deref(),
+            Some("signal: killed (out of memory: the sandbox's memory limit is 256 MiB)")
+        );
+        let mut shell = EndInfo::from(Some(ExitStatus::Exited(137)));
+        name_oom_kill(&mut shell, None);
+        assert_eq!(
+            shell.error.as_deref(),
+            Some("exit status 137 (a process was killed for using too much memory)")
+        );
+        assert!(ended_killed(Some(&ExitStatus::Signaled(libc::SIGKILL))));
+        assert!(ended_killed(Some(&ExitStatus::Exited(137))));
+        assert!(!ended_killed(Some(&ExitStatus::Signaled(libc::SIGTERM))));
+        assert!(!ended_killed(Some(&ExitStatus::Exited(1))));
+        assert!(!ended_killed(None));
+    }
+
+    #[test]
+    fn a_notification_names_one_kill_within_its_window() {
+        // SAFETY: eventfd takes no pointers; the result is checked before it is owned.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh descriptor nothing else owns.
+        let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+        let signal = fd.try_clone().unwrap();
+        let oom = OomEvents::new(fd, Some(64));
+        assert!(!oom.claim(), "no shortage yet");
+        rustix::io::write(&signal, &1u64.to_ne_bytes()).unwrap();
+        assert!(oom.claim());
+        assert!(!oom.claim(), "one notification, one victim");
+        rustix::io::write(&signal, &1u64.to_ne_bytes()).unwrap();
+        oom.drain();
+        lock(&oom.unclaimed)[0] -= OOM_WINDOW;
+        assert!(!oom.claim(), "too old to be this process's");
     }
 }

@@ -62,6 +62,9 @@ pub(crate) struct Telemetry {
     creates: Histogram,
     edge: Family<EdgeLabels, Counter>,
     by_state: Family<StateLabels, Gauge>,
+    oom_kills: Counter,
+    /// Two scrapes at once must not both add the same kills.
+    oom_sync: std::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -117,6 +120,13 @@ impl Telemetry {
             "Sandboxes on this server by state",
             by_state.clone(),
         );
+        let oom_kills = Counter::default();
+        registry.register(
+            "sandbox_oom_kills",
+            "Processes the kernel killed because their sandbox reached its memory limit, in \
+             sandboxes alive or ended since the server started",
+            oom_kills.clone(),
+        );
         Self {
             registry,
             sandboxes,
@@ -125,6 +135,8 @@ impl Telemetry {
             creates,
             edge,
             by_state,
+            oom_kills,
+            oom_sync: std::sync::Mutex::new(()),
         }
     }
 
@@ -156,6 +168,15 @@ impl Telemetry {
                     state: status.name(),
                 })
                 .set(count);
+        }
+        // The runtime's count only grows; a scrape adds what happened since the last.
+        {
+            let _one_at_a_time = self.oom_sync.lock().unwrap_or_else(|e| e.into_inner());
+            let kills = self.sandboxes.oom_kills();
+            let counted = self.oom_kills.get();
+            if kills > counted {
+                self.oom_kills.inc_by(kills - counted);
+            }
         }
         let mut out = String::new();
         encode(&mut out, &self.registry)?;

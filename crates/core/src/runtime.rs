@@ -129,6 +129,12 @@ pub trait Runtime: Send + Sync + 'static {
         None
     }
 
+    /// Processes the kernel killed because their sandbox reached its memory limit, in
+    /// sandboxes alive now or ended since this server started.
+    fn oom_kills(&self) -> u64 {
+        0
+    }
+
     /// Freezes every process of the sandbox in place, memory kept.
     async fn pause(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         Err(RuntimeError::Sandbox {

@@ -33,6 +33,12 @@ pub const LISTENER_FD: i32 = 3;
 /// and wired by the node ahead of time: the sandbox joins it rather than creating its own.
 pub const NETNS_FD: i32 = 4;
 
+/// Descriptor on which the node may hand the agent an eventfd the kernel signals when the
+/// sandbox's memory cgroup runs out of memory (cgroup v1 `memory.oom_control` notifications).
+/// Nothing of the cgroup filesystem is visible inside the sandbox; this is how PID 1 learns
+/// that a process it reaps was killed for memory.
+pub const OOM_EVENTS_FD: i32 = 5;
+
 /// What the agent needs to know to serve a sandbox, independent of how it was isolated.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AgentConfig {
@@ -47,6 +53,9 @@ pub struct AgentConfig {
     /// user's home when unset.
     #[serde(default)]
     pub default_workdir: Option<String>,
+    /// The sandbox's memory limit, named when a process is killed for outgrowing it.
+    #[serde(default)]
+    pub memory_limit_mb: Option<u32>,
 }
 
 /// Names inside a sandbox's directory on the host. The boot process works relative to that
@@ -120,6 +129,9 @@ pub struct VolumeBind {
 pub struct Booted {
     pub listener: std::os::unix::net::UnixListener,
     pub config: AgentConfig,
+    /// The sandbox's out-of-memory notifications, when the node passed them
+    /// ([`OOM_EVENTS_FD`]).
+    pub oom_events: Option<OwnedFd>,
 }
 
 /// Failures while building a sandbox; each names the step and the path involved.
@@ -351,6 +363,10 @@ fn build_and_lock(
     // this process owns that descriptor.
     let listener_fd = unsafe { OwnedFd::from_raw_fd(LISTENER_FD) };
     sys::set_cloexec(&listener_fd).map_err(BootError::syscall("mark listener close-on-exec"))?;
+    let oom_events = sys::take_eventfd(OOM_EVENTS_FD);
+    if let Some(fd) = &oom_events {
+        sys::set_cloexec(fd).map_err(BootError::syscall("mark the oom eventfd close-on-exec"))?;
+    }
 
     seccomp::install()?;
     caps::drop_to_sandbox_set()?;
@@ -363,6 +379,7 @@ fn build_and_lock(
     Ok(Booted {
         listener: std::os::unix::net::UnixListener::from(listener_fd),
         config: spec.agent.clone(),
+        oom_events,
     })
 }
 
@@ -388,6 +405,7 @@ mod tests {
                 default_user: "user".into(),
                 env_vars: BTreeMap::from([("A".into(), "1".into())]),
                 default_workdir: Some("/app".into()),
+                memory_limit_mb: Some(512),
             },
             volumes: vec![VolumeBind {
                 source: "/v/t/1".into(),

@@ -119,6 +119,21 @@ pub(crate) fn set_cloexec(fd: &OwnedFd) -> io::Result<()> {
     check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC) })
 }
 
+/// Takes `fd` if it is open and an eventfd; the node passes it only on hosts where it can
+/// register one, and anything else there is not the agent's to keep.
+pub(crate) fn take_eventfd(fd: i32) -> Option<OwnedFd> {
+    // SAFETY: F_GETFD only asks whether the descriptor is open.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return None;
+    }
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    if link.as_os_str() != "anon_inode:[eventfd]" {
+        return None;
+    }
+    // SAFETY: the descriptor is open, and nothing else in this process owns it.
+    Some(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
 /// Makes the caller the leader of a new session. The boot process that forked PID 1 leads
 /// PID 1's original session from outside the sandbox's PID namespace; a checkpoint cannot
 /// record a session whose leader it cannot see.

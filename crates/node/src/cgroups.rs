@@ -1,6 +1,7 @@
 //! Per-sandbox cgroups with a driver for each cgroup version: hosts still mix v1 hierarchies
 //! (where resource controllers may live only in v1) with pure v2 ones.
 
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -31,6 +32,20 @@ pub enum CgroupError {
     },
     #[error("cgroup {path} still has processes after killing them")]
     Busy { path: PathBuf },
+    #[error("cannot watch {path} for out-of-memory events: {source}")]
+    OomWatch {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The `oom_kill` count of a v1 `memory.oom_control` or a v2 `memory.events`: processes the
+/// kernel killed because the cgroup reached its memory limit.
+pub fn parse_oom_kills(text: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let (key, value) = line.split_once(' ')?;
+        (key == "oom_kill").then(|| value.trim().parse().ok())?
+    })
 }
 
 #[derive(Debug, Clone)]
@@ -191,6 +206,51 @@ impl CgroupDriver {
             }
         }
         Ok(())
+    }
+
+    fn memory_dir(&self, sandbox_id: &str) -> Option<PathBuf> {
+        self.dirs(sandbox_id)
+            .into_iter()
+            .find(|(name, _)| *name == "memory" || *name == "unified")
+            .map(|(_, dir)| dir)
+    }
+
+    /// How many of the sandbox's processes the kernel killed for reaching its memory limit;
+    /// `None` once its cgroup is gone (or on a kernel without the count).
+    pub fn oom_kills(&self, sandbox_id: &str) -> Option<u64> {
+        let file = match self {
+            CgroupDriver::V1 { .. } => "memory.oom_control",
+            CgroupDriver::V2 { .. } => "memory.events",
+        };
+        parse_oom_kills(&std::fs::read_to_string(self.memory_dir(sandbox_id)?.join(file)).ok()?)
+    }
+
+    /// An eventfd the kernel signals each time the sandbox's memory cgroup runs out of memory
+    /// (before it kills), for the sandbox's agent: v1's `cgroup.event_control` registration.
+    /// v2 has no such registration, so `None` there.
+    pub fn oom_notifier(&self, sandbox_id: &str) -> Result<Option<OwnedFd>, CgroupError> {
+        let CgroupDriver::V1 { .. } = self else {
+            return Ok(None);
+        };
+        let Some(dir) = self.memory_dir(sandbox_id) else {
+            return Ok(None);
+        };
+        let fail = |path: PathBuf| move |source| CgroupError::OomWatch { path, source };
+        let control_path = dir.join("memory.oom_control");
+        let control = std::fs::File::open(&control_path).map_err(fail(control_path.clone()))?;
+        // SAFETY: eventfd takes no pointers; the result is checked before it is owned.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if raw < 0 {
+            return Err(fail(control_path)(std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh descriptor nothing else owns.
+        let events = unsafe { OwnedFd::from_raw_fd(raw) };
+        // The kernel keeps the registration (not the control file) until the cgroup goes.
+        write(
+            &dir.join("cgroup.event_control"),
+            &format!("{} {}", events.as_raw_fd(), control.as_raw_fd()),
+        )?;
+        Ok(Some(events))
     }
 
     /// Process IDs (host view) still in the sandbox's cgroups.
@@ -368,5 +428,21 @@ impl CgroupDriver {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_oom_kill_count_of_either_version() {
+        let v1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n";
+        assert_eq!(parse_oom_kills(v1), Some(3));
+        let v2 = "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n";
+        assert_eq!(parse_oom_kills(v2), Some(2));
+        // Kernels before 4.13 have no count.
+        assert_eq!(parse_oom_kills("oom_kill_disable 0\nunder_oom 0\n"), None);
+        assert_eq!(parse_oom_kills("oom_kill x\n"), None);
     }
 }

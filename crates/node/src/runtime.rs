@@ -17,7 +17,7 @@ use sandbar_core::{
     AdoptedCheckpoint, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
     SnapshotParts,
 };
-use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -137,6 +137,11 @@ pub struct LinuxRuntime {
     disks: DiskPool,
     /// Memory limits granted to live sandboxes, by sandbox id.
     granted_memory: Mutex<std::collections::BTreeMap<String, u32>>,
+    /// Out-of-memory kills: each live sandbox's cgroup count when it was granted memory (a
+    /// restored or adopted sandbox's cgroup may have counted some before), and the kills of
+    /// sandboxes that let their memory go since this server started.
+    oom_baselines: Mutex<std::collections::BTreeMap<String, u64>>,
+    oom_kills_ended: std::sync::atomic::AtomicU64,
     /// What may be granted in all, in MiB.
     memory_capacity_mb: u64,
     slots: SlotSet,
@@ -372,6 +377,8 @@ impl LinuxRuntime {
             egress,
             disks,
             granted_memory: Mutex::new(std::collections::BTreeMap::new()),
+            oom_baselines: Mutex::new(std::collections::BTreeMap::new()),
+            oom_kills_ended: std::sync::atomic::AtomicU64::new(0),
             memory_capacity_mb,
             slots,
         })
@@ -468,6 +475,8 @@ impl LinuxRuntime {
             });
         }
         granted.insert(id.to_owned(), memory_mb);
+        drop(granted);
+        self.count_oom_kills_from_now(id);
         Ok(())
     }
 
@@ -476,6 +485,26 @@ impl LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
+        let baseline = self
+            .oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        if let (Some(baseline), Some(now)) = (baseline, self.cgroups.oom_kills(id)) {
+            self.oom_kills_ended.fetch_add(
+                now.saturating_sub(baseline),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// Counts sandbox `id`'s out-of-memory kills from here on (see [`Self::oom_kills`]).
+    fn count_oom_kills_from_now(&self, id: &str) {
+        let now = self.cgroups.oom_kills(id).unwrap_or(0);
+        self.oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), now);
     }
 
     fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
@@ -538,6 +567,7 @@ impl LinuxRuntime {
                 // The template's home-directory default leaves each user in their own home.
                 default_workdir: Some(spec.image.workdir.clone())
                     .filter(|w| *w != format!("/home/{}", spec.image.user)),
+                memory_limit_mb: Some(spec.memory_mb),
             },
         };
 
@@ -559,6 +589,13 @@ impl LinuxRuntime {
 
         let listener_fd = listener.as_raw_fd();
         let netns_fd = netns.netns.as_raw_fd();
+        // Without it the sandbox runs as well; its out-of-memory kills are only not named in
+        // the ended process's error.
+        let oom_events = self.cgroups.oom_notifier(id).unwrap_or_else(|e| {
+            tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
+            None
+        });
+        let oom_fd = oom_events.as_ref().map(|fd| fd.as_raw_fd());
         // The restored root task reopens the log through its descriptor with its own rights.
         std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
             .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
@@ -580,7 +617,23 @@ impl LinuxRuntime {
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // Out of the way first: the eventfd may sit where the others go.
+                let oom_high = match oom_fd {
+                    Some(fd) => {
+                        let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, OOM_EVENTS_FD + 1);
+                        if high < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Some(high)
+                    }
+                    None => None,
+                };
                 if libc::dup2(listener_fd, LISTENER_FD) < 0 || libc::dup2(netns_fd, NETNS_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(fd) = oom_high
+                    && libc::dup2(fd, OOM_EVENTS_FD) < 0
+                {
                     return Err(std::io::Error::last_os_error());
                 }
                 // Descriptors the server inherited without close-on-exec (from whoever
@@ -589,7 +642,11 @@ impl LinuxRuntime {
                 // error-reporting pipe must stay open until exec.
                 libc::syscall(
                     libc::SYS_close_range,
-                    (NETNS_FD + 1) as libc::c_uint,
+                    (if oom_fd.is_some() {
+                        OOM_EVENTS_FD + 1
+                    } else {
+                        NETNS_FD + 1
+                    }) as libc::c_uint,
                     libc::c_uint::MAX,
                     libc::CLOSE_RANGE_CLOEXEC,
                 );
@@ -606,6 +663,7 @@ impl LinuxRuntime {
         // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
         // end with the sandbox's processes.
         drop(listener);
+        drop(oom_events);
 
         let payload = serde_json::to_vec(&jail).map_err(|e| sandbox_err(id, e))?;
         if let Some(mut stdin) = child.stdin.take() {
@@ -1432,6 +1490,23 @@ impl Runtime for LinuxRuntime {
         self.cgroups.is_frozen(sandbox_id)
     }
 
+    fn oom_kills(&self) -> u64 {
+        let baselines = self
+            .oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let live: u64 = baselines
+            .iter()
+            .filter_map(|(id, baseline)| {
+                Some(self.cgroups.oom_kills(id)?.saturating_sub(*baseline))
+            })
+            .sum();
+        self.oom_kills_ended
+            .load(std::sync::atomic::Ordering::Relaxed)
+            + live
+    }
+
     async fn adopt(
         &self,
         sandbox_id: &str,
@@ -1451,6 +1526,7 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(sandbox_id.to_owned(), handle.memory_mb);
+        self.count_oom_kills_from_now(sandbox_id);
         self.keep_layers(sandbox_id.to_owned(), handle.layers.clone());
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
@@ -1857,6 +1933,7 @@ impl LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(id.to_owned(), h.memory_mb);
+        self.count_oom_kills_from_now(id);
         self.keep_layers(id.to_owned(), h.layers.clone());
         tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
         Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))

@@ -61,6 +61,7 @@ impl Agent {
             default_user: "root".to_owned(),
             env_vars,
             default_workdir: None,
+            memory_limit_mb: None,
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
