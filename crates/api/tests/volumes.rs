@@ -733,11 +733,17 @@ async fn special_files_are_refused_as_what_they_are() {
         .status()
         .expect("mkfifo");
     assert!(made.success());
-    let reply = tokio::time::timeout(
-        std::time::Duration::from_secs(10),
-        h.content("GET", &format!("{base}/file?path=/pipe"), t, vec![]),
-    )
-    .await
-    .expect("a read of a FIFO answers at once");
-    assert_error(&reply, StatusCode::BAD_REQUEST, "'/pipe' is a fifo");
+    let _socket = std::os::unix::net::UnixListener::bind(vol.join("sock")).expect("socket");
+    for (path, kind) in [
+        ("/pipe", "'/pipe' is a fifo"),
+        ("/sock", "'/sock' is a socket"),
+    ] {
+        let reply = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            h.content("GET", &format!("{base}/file?path={path}"), t, vec![]),
+        )
+        .await
+        .expect("a read of a special file answers at once");
+        assert_error(&reply, StatusCode::BAD_REQUEST, kind);
+    }
 }

@@ -99,6 +99,23 @@ fn beneath(
     .map_err(|e| errno(shown, e))
 }
 
+/// What a file that is neither regular nor a directory is, as an error names it.
+fn special_kind(kind: std::fs::FileType) -> &'static str {
+    if kind.is_fifo() {
+        "fifo"
+    } else if kind.is_socket() {
+        "socket"
+    } else if kind.is_char_device() {
+        "character device"
+    } else if kind.is_block_device() {
+        "block device"
+    } else if kind.is_symlink() {
+        "symlink"
+    } else {
+        "special file"
+    }
+}
+
 /// Describes `name` in `dir` without following it.
 fn entry_at(dir: impl AsFd, name: &OsStr, shown: &str) -> Result<EntryStat, VolumeIoError> {
     let fd = rustix::fs::openat(
@@ -372,33 +389,37 @@ impl VolumeHost for HostVolumes {
         let root = self.root_fd(volume)?;
         let shown = path.display();
         // Non-blocking: a FIFO planted by a sandbox must not hang the server.
-        let fd = beneath(
+        let relative = path.relative();
+        let opened = sandbar_fs::open_at(
             &root,
-            &path.relative(),
+            &relative,
             OFlags::RDONLY | OFlags::NONBLOCK,
-            0,
-            &shown,
-        )?;
+            Mode::empty(),
+            sandbar_fs::Links::Beneath,
+        );
+        let fd = match opened {
+            Ok(fd) => fd,
+            // A socket (or a device without a driver) cannot be opened for reading at all:
+            // looked at without opening it, to say what it is.
+            Err(Errno::NXIO | Errno::NODEV) => {
+                let fd = beneath(&root, &relative, OFlags::PATH, 0, &shown)?;
+                let meta = File::from(fd).metadata().map_err(|e| io_err(&shown, e))?;
+                return Err(VolumeIoError::NotAFile {
+                    path: shown,
+                    kind: special_kind(meta.file_type()),
+                });
+            }
+            Err(e) => return Err(errno(&shown, e)),
+        };
         let mut file = File::from(fd);
         let meta = file.metadata().map_err(|e| io_err(&shown, e))?;
         if meta.is_dir() {
             return Err(VolumeIoError::IsADirectory(shown));
         }
         if !meta.is_file() {
-            let kind = meta.file_type();
             return Err(VolumeIoError::NotAFile {
                 path: shown,
-                kind: if kind.is_fifo() {
-                    "fifo"
-                } else if kind.is_socket() {
-                    "socket"
-                } else if kind.is_char_device() {
-                    "character device"
-                } else if kind.is_block_device() {
-                    "block device"
-                } else {
-                    "special file"
-                },
+                kind: special_kind(meta.file_type()),
             });
         }
         let mut data = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0).min(1 << 26));
