@@ -22,7 +22,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use futures_util::{StreamExt, TryStreamExt};
+use futures_util::StreamExt;
 use oci_client::Reference;
 use oci_client::manifest::{
     IMAGE_MANIFEST_LIST_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE, OCI_IMAGE_INDEX_MEDIA_TYPE,
@@ -337,10 +337,32 @@ impl ImageCache {
                 self.layer(&registry, layer, diff_id, (&name, owner), progress, &budget)
             })
             .collect();
-        let pulled: Vec<PulledLayer> = futures_util::stream::iter(tasks)
-            .buffered(PARALLEL_LAYERS)
-            .try_collect()
-            .await?;
+        // After a failure no further layer is started, but the ones under way are awaited:
+        // a dropped download would leave its unpacking thread writing after the pull answered.
+        let mut pulled: Vec<PulledLayer> = Vec::new();
+        let mut first_error = None;
+        let mut waiting = tasks.into_iter();
+        let mut running = futures_util::stream::FuturesOrdered::new();
+        for task in waiting.by_ref().take(PARALLEL_LAYERS) {
+            running.push_back(task);
+        }
+        while let Some(result) = running.next().await {
+            match result {
+                Ok(layer) => pulled.push(layer),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+            if first_error.is_none()
+                && let Some(task) = waiting.next()
+            {
+                running.push_back(task);
+            }
+        }
+        drop((running, waiting));
+        if let Some(e) = first_error {
+            return Err(e);
+        }
 
         progress(format!("pulled {name} ({})", short(&manifest_digest)));
         Ok(PulledImage {
