@@ -1397,8 +1397,9 @@ mod tests {
     }
 
     /// Prints what a COPY of a 10,000-file context (10 × 10 directories of 100 files of 1 KiB)
-    /// to `/app/` costs, into a fresh layer each time, 20 times after one warm-up:
-    /// `cargo test --release -p sandbar-node --lib -- --ignored copy_cost --nocapture`.
+    /// to `/app/` costs, into a fresh layer each time, 20 times after one warm-up. On tmpfs, so
+    /// that a shared disk's writeback does not drown it: `TMPDIR=/dev/shm cargo test --release
+    /// -p sandbar-node --lib -- --ignored copy_cost --nocapture`.
     #[test]
     #[ignore = "a benchmark"]
     fn copy_cost() {
