@@ -135,8 +135,9 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
             // goes when the thread that forked exits, and a runtime worker lives as long as
             // the server.
             rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            // Gone already, before the signal was armed; no allocation between fork and exec.
             if rustix::process::getppid() != Some(server) {
-                return Err(std::io::Error::other("the server is gone"));
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
             }
             Ok(())
         });
