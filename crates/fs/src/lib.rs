@@ -677,6 +677,12 @@ impl Dir {
         let meta = self
             .stat(name)?
             .ok_or_else(|| FsError::NotFound(name.to_string_lossy().into_owned()))?;
+        self.open_looked_at(name, &meta)
+    }
+
+    /// [`Dir::open_file`] for a caller that already has `name`'s `lstat` in `meta`: the file is
+    /// opened only if that says it is regular, and only if it is still the same inode.
+    pub fn open_looked_at(&self, name: &OsStr, meta: &Metadata) -> Result<File> {
         if meta.file_type().is_symlink() {
             return Err(FsError::Link(name.to_string_lossy().into_owned()));
         }
@@ -691,7 +697,7 @@ impl Dir {
         )
         .map_err(Self::name_err("open", name))?;
         let file = File::from(fd);
-        same_inode(&file, &meta, Path::new(name))?;
+        same_inode(&file, meta, Path::new(name))?;
         Ok(file)
     }
 

@@ -1133,7 +1133,7 @@ impl Copy {
                 ));
             }
             Kind::File => {
-                let mut input = from_dir.open_file(from_name).map_err(fail)?;
+                let mut input = from_dir.open_looked_at(from_name, &meta).map_err(fail)?;
                 to_dir.clear_for(to_name).map_err(fail)?;
                 let mut output = to_dir.create_file(to_name, 0o600, true).map_err(fail)?;
                 std::io::copy(&mut input, &mut output)?;

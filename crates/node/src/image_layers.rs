@@ -103,26 +103,24 @@ pub fn disk_usage(path: &Path) -> u64 {
         return 0;
     };
     let charge = |meta: &std::fs::Metadata| (meta.blocks() * 512).max(sandbar_image::ENTRY_COST);
-    let mut total = tree
-        .root()
-        .and_then(|d| d.metadata())
-        .map_or(0, |m| charge(&m));
-    let mut pending = vec![PathBuf::new()];
-    while let Some(relative) = pending.pop() {
-        let dir = if relative.as_os_str().is_empty() {
-            tree.root().ok()
-        } else {
-            tree.dir(&relative).ok()
-        };
-        let Some(entries) = dir.as_ref().and_then(|d| d.entries().ok()) else {
+    let Ok(root) = tree.root() else {
+        return 0;
+    };
+    let mut total = root.metadata().map_or(0, |m| charge(&m));
+    // Directory handles, not paths: each directory is opened once, from its parent.
+    let mut pending = vec![root];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = dir.entries() else {
             continue;
         };
         for entry in entries {
-            if let Some(Ok(Some(meta))) = dir.as_ref().map(|d| d.stat(&entry.name)) {
+            if let Ok(Some(meta)) = dir.stat(&entry.name) {
                 total = total.saturating_add(charge(&meta));
             }
-            if entry.kind == sandbar_fs::Kind::Dir {
-                pending.push(relative.join(&entry.name));
+            if entry.kind == sandbar_fs::Kind::Dir
+                && let Ok(sub) = dir.open_dir(&entry.name)
+            {
+                pending.push(sub);
             }
         }
     }
