@@ -56,7 +56,7 @@ from e2e_util import (
 )
 
 # Test files whose tests must run after every other file (they restart the server).
-RUN_LAST = ("test_volumes.py", "test_restart.py")
+RUN_LAST = ("test_disk_full.py", "test_volumes.py", "test_restart.py")
 # Test files that run a server of their own and hold the machine-wide lock while they do, so
 # they must finish before the shared server starts.
 RUN_FIRST = ("test_first_start.py",)
@@ -142,7 +142,7 @@ def sandbar():
         # A short pause grace lets the checkpoint tests see sandboxes written to disk soon;
         # the freezer tests resume well within it. Pulls may reach the local registries only.
         extra_args=[
-            "--base-disk-mb", "512", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
+            "--base-disk-mb", "512", "--disk-pool-gb", "16", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
             "--upload-ttl-secs", str(UPLOAD_TTL_S), "--max-uploads-per-team", str(UPLOADS_PER_TEAM),
             *registry_ports().allow_args(),
         ],

@@ -58,9 +58,23 @@ impl ApiError {
         error
     }
 
+    /// 507: the request was fine, the data disk has no room for what it would write.
+    pub fn insufficient_storage(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INSUFFICIENT_STORAGE, message)
+    }
+
     fn internal(err: &dyn std::fmt::Display) -> Self {
-        tracing::error!(error = %err, "request failed");
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
+        let message = err.to_string();
+        // A disk that filled between the up-front check and the write (the host wrote the
+        // last of it) surfaces as SQLite's or the kernel's own words.
+        if message.contains("database or disk is full")
+            || message.contains("No space left on device")
+        {
+            tracing::warn!(error = %message, "request failed: the data disk is full");
+            return Self::insufficient_storage(format!("the data disk is full: {message}"));
+        }
+        tracing::error!(error = %message, "request failed");
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
 }
 

@@ -5,6 +5,7 @@
 //! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
 
 mod activity;
+mod disk_guard;
 mod dto;
 mod edge;
 mod error;
@@ -95,6 +96,10 @@ pub fn router(state: AppState) -> Router {
     let (api, _) = rest_routes().split_for_parts();
     let api = api
         .merge(volumes::content_routes())
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            disk_guard::refuse_writes_without_room,
+        ))
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
@@ -115,15 +120,39 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Liveness of the server.
+/// Liveness of the server, and what ails it: 204 when all is well; 200 with the problems
+/// named (a disk short of space or read-only) while it serves with some work refused.
 #[utoipa::path(
     get,
     path = "/health",
     tag = "service",
     operation_id = "getHealth",
     security(()),
-    responses((status = 204, description = "The server is up"))
+    responses(
+        (status = 204, description = "The server is up and nothing ails it"),
+        (status = 200, description = "The server is up, with problems that refuse some work", body = HealthReport),
+    )
 )]
-async fn health() -> axum::http::StatusCode {
-    axum::http::StatusCode::NO_CONTENT
+async fn health(
+    axum::extract::State(state): axum::extract::State<AppState>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let problems = state.sandboxes.disks().problems();
+    if problems.is_empty() {
+        return axum::http::StatusCode::NO_CONTENT.into_response();
+    }
+    axum::Json(HealthReport {
+        status: "degraded",
+        problems,
+    })
+    .into_response()
+}
+
+/// What `/health` says when something ails the server.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+struct HealthReport {
+    /// Always `degraded`: the server answers, some work is refused.
+    status: &'static str,
+    /// One sentence per problem, naming the disk and what is refused.
+    problems: Vec<String>,
 }

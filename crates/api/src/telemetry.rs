@@ -41,6 +41,84 @@ struct StateLabels {
     state: &'static str,
 }
 
+/// `data` (the data directory's filesystem) or `pool` (the sandbox disk pool).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DiskLabels {
+    disk: &'static str,
+}
+
+/// What `/metrics` says of each disk.
+#[derive(Default)]
+struct DiskGauges {
+    size: Family<DiskLabels, Gauge>,
+    free: Family<DiskLabels, Gauge>,
+    reserve: Family<DiskLabels, Gauge>,
+    read_only: Family<DiskLabels, Gauge>,
+    promised: Gauge,
+    promise_limit: Gauge,
+}
+
+impl DiskGauges {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "disk_size_bytes",
+            "Size of the data disk and of the sandbox disk pool",
+            self.size.clone(),
+        );
+        registry.register(
+            "disk_free_bytes",
+            "Free space of the data disk and of the sandbox disk pool",
+            self.free.clone(),
+        );
+        registry.register(
+            "disk_reserve_bytes",
+            "Space kept free: below it the data disk refuses writes (507) and the pool refuses \
+             new sandboxes (503)",
+            self.reserve.clone(),
+        );
+        registry.register(
+            "disk_read_only",
+            "1 while the disk is read-only (for the pool: its filesystem failed)",
+            self.read_only.clone(),
+        );
+        registry.register(
+            "disk_pool_promised_bytes",
+            "Disk sizes of all sandboxes on the pool together",
+            self.promised.clone(),
+        );
+        registry.register(
+            "disk_pool_promise_limit_bytes",
+            "How far the disk sizes of all sandboxes may add up (the pool's overcommit limit)",
+            self.promise_limit.clone(),
+        );
+    }
+
+    fn set(&self, report: &sandbar_core::DiskReport) {
+        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        for (disk, space) in [("data", &report.data), ("pool", &report.pool)] {
+            let Some(space) = space else { continue };
+            let labels = DiskLabels { disk };
+            self.size
+                .get_or_create(&labels)
+                .set(gauge(space.size_bytes));
+            self.free
+                .get_or_create(&labels)
+                .set(gauge(space.free_bytes));
+            self.reserve
+                .get_or_create(&labels)
+                .set(gauge(space.reserve_bytes));
+            self.read_only
+                .get_or_create(&labels)
+                .set(i64::from(space.read_only));
+        }
+        if report.pool.is_some() {
+            self.promised.set(gauge(report.pool_promised_bytes));
+            self.promise_limit
+                .set(gauge(report.pool_promise_limit_bytes));
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EdgeLabels {
     target: &'static str,
@@ -63,6 +141,7 @@ pub(crate) struct Telemetry {
     edge: Family<EdgeLabels, Counter>,
     by_state: Family<StateLabels, Gauge>,
     oom_kills: Counter,
+    disks: DiskGauges,
     /// Two scrapes at once must not both add the same kills.
     oom_sync: std::sync::Mutex<()>,
 }
@@ -127,6 +206,8 @@ impl Telemetry {
              sandboxes alive or ended since the server started",
             oom_kills.clone(),
         );
+        let disks = DiskGauges::default();
+        disks.register(&mut registry);
         Self {
             registry,
             sandboxes,
@@ -136,6 +217,7 @@ impl Telemetry {
             edge,
             by_state,
             oom_kills,
+            disks,
             oom_sync: std::sync::Mutex::new(()),
         }
     }
@@ -178,6 +260,7 @@ impl Telemetry {
                 self.oom_kills.inc_by(kills - counted);
             }
         }
+        self.disks.set(&self.sandboxes.disks());
         let mut out = String::new();
         encode(&mut out, &self.registry)?;
         Ok(out)

@@ -9,6 +9,7 @@ pub mod activity;
 mod agent_links;
 pub mod auth;
 pub mod builds;
+pub mod disks;
 pub mod dockerfile;
 pub mod faults;
 pub mod ids;
@@ -33,6 +34,7 @@ pub use builds::{
     BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StepKind,
     TemplateImage,
 };
+pub use disks::{DiskFull, DiskReport, DiskSpace};
 pub use keys::{
     ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,
     DeleteApiKeyError, LimitChanges, Mask, NewTeam, RenameApiKeyError, TeamAccessError,

@@ -135,6 +135,11 @@ pub trait Runtime: Send + Sync + 'static {
         0
     }
 
+    /// The node's disks as measured now; empty where the runtime has none to report.
+    fn disks(&self) -> crate::disks::DiskReport {
+        crate::disks::DiskReport::default()
+    }
+
     /// Freezes every process of the sandbox in place, memory kept.
     async fn pause(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         Err(RuntimeError::Sandbox {

@@ -710,6 +710,16 @@ impl Sandboxes {
         self.runtime.oom_kills()
     }
 
+    /// The node's disks as measured now.
+    pub fn disks(&self) -> crate::disks::DiskReport {
+        self.runtime.disks()
+    }
+
+    /// Refuses, naming the disk, work that would write to a data disk without room for it.
+    pub fn room_to_write(&self) -> Result<(), crate::disks::DiskFull> {
+        self.runtime.disks().write_refusal().map_or(Ok(()), Err)
+    }
+
     pub fn count_by_status(&self) -> Vec<(SandboxStatus, usize)> {
         let live = self.live();
         SandboxStatus::ALL
@@ -1169,9 +1179,18 @@ impl Sandboxes {
             .filter_map(|(id, l)| Some((l.paused_at?, id.clone())))
             .filter(|(at, _)| *at <= due)
             .min();
-        if let Some((_, id)) = next {
-            self.checkpoint_sandbox(&id).await;
+        let Some((_, id)) = next else { return };
+        // A checkpoint writes about the sandbox's memory to the data disk: without room for
+        // that, the sandbox stays frozen in memory rather than leave a half-written dump.
+        let handle = self.live().get(&id).map(|l| l.handle.clone());
+        let memory = handle
+            .and_then(|h| self.runtime.stats(&id, &h))
+            .map_or(0, |s| s.memory_used);
+        if !self.runtime.disks().data_has_room_for(memory) {
+            tracing::debug!(sandbox_id = %id, memory, "no room on the data disk to checkpoint the paused sandbox; it stays in memory");
+            return;
         }
+        self.checkpoint_sandbox(&id).await;
     }
 
     /// Checkpoints a sandbox frozen in memory; on failure it stays frozen and is not tried

@@ -4,9 +4,17 @@
 //! sandbox carry on. No filesystem is made or mounted per sandbox: a subvolume and its limit
 //! are two ioctls, and removing one is another, however deep the tree inside it.
 //!
-//! The pool is a btrfs filesystem in a sparse image file under the data directory, loop-mounted
+//! The pool is a btrfs filesystem in an image file under the data directory, loop-mounted
 //! once on the sandboxes directory (ext4 and XFS quotas are not available on every kernel,
-//! btrfs qgroups are).
+//! btrfs qgroups are). The image's blocks are allocated when it is made: a sparse image
+//! would take its blocks from the host filesystem as sandboxes write, and when the host
+//! filesystem fills, btrfs sees write errors, aborts its transaction and turns every
+//! sandbox's disk read-only.
+//!
+//! Quotas add up past the pool (most sandboxes use a small part of theirs), so a new disk
+//! is admitted by what the pool really holds: it must be able to fill its whole quota and
+//! still leave the pool's reserve free, and all quotas together stay within an overcommit
+//! ratio of the pool.
 
 use std::ffi::{CString, OsStr, OsString};
 use std::fs::File;
@@ -37,6 +45,42 @@ pub enum DiskError {
         sandbox_id: String,
         source: std::io::Error,
     },
+    /// The pool cannot take a disk of this size now; other disks ending or emptying frees it.
+    #[error("no room for the disk of sandbox {sandbox_id}: {message}")]
+    NoRoom { sandbox_id: String, message: String },
+}
+
+/// Size and free space of a filesystem, as `statvfs` counts them for an unprivileged writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Space {
+    pub size: u64,
+    pub free: u64,
+    pub read_only: bool,
+}
+
+impl Space {
+    pub fn of(path: &Path) -> std::io::Result<Self> {
+        let stat = rustix::fs::statvfs(path)?;
+        Ok(Self {
+            size: stat.f_blocks.saturating_mul(stat.f_frsize),
+            free: stat.f_bavail.saturating_mul(stat.f_frsize),
+            read_only: stat.f_flag.contains(rustix::fs::StatVfsMountFlags::RDONLY),
+        })
+    }
+}
+
+/// The pool's state for reports: its space, what is promised to disks, and how far
+/// promises may go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolReport {
+    pub space: Space,
+    pub reserve: u64,
+    pub promised: u64,
+    pub promise_limit: u64,
+}
+
+fn mib(bytes: u64) -> u64 {
+    bytes >> 20
 }
 
 /// Where and how big the pool is.
@@ -51,14 +95,26 @@ pub struct PoolConfig {
     /// Without quotas, sandbox directories are plain directories and disk sizes are not
     /// enforced.
     pub quotas: bool,
+    /// Bytes of the pool no new disk may count on: when one sandbox fills its quota, its
+    /// neighbours still have this much to write.
+    pub reserve_bytes: u64,
+    /// How many times the pool (less its reserve) the quotas of all disks may add up to.
+    pub overcommit: u32,
 }
 
 #[derive(Debug, Clone)]
 pub struct DiskPool {
     dir: PathBuf,
+    image: PathBuf,
     quotas: bool,
+    reserve: u64,
+    overcommit: u64,
     /// `/sys/fs/btrfs/<fsid>`: qgroup usage without a syscall per sample.
     sysfs: Option<PathBuf>,
+    /// Quota of every disk on the pool, by sandbox id.
+    promised: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
+    /// One remount at a time, however many creates find the pool failed.
+    recovering: std::sync::Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Used and total bytes of one sandbox's disk.
@@ -206,49 +262,80 @@ async fn run(program: &str, args: &[&OsStr]) -> Result<(), String> {
     }
 }
 
+/// The rule a new disk is admitted by, apart from the pool it applies to.
+#[derive(Debug, Clone, Copy)]
+struct Admission {
+    space: Space,
+    reserve: u64,
+    overcommit: u64,
+    /// Quotas of the disks already on the pool.
+    promised: u64,
+}
+
+impl Admission {
+    fn check(&self, size: u64) -> Result<(), String> {
+        if self.space.read_only {
+            return Err("the sandbox disk pool is read-only (its filesystem failed)".to_owned());
+        }
+        if self.space.free < size.saturating_add(self.reserve) {
+            return Err(format!(
+                "the sandbox disk pool has {} MiB free and keeps {} MiB in reserve, so it cannot take a {} MiB disk; try again when sandboxes end",
+                mib(self.space.free),
+                mib(self.reserve),
+                mib(size)
+            ));
+        }
+        let limit = self.space.size.saturating_sub(self.reserve) * self.overcommit;
+        if self.promised.saturating_add(size) > limit {
+            return Err(format!(
+                "the sandbox disks on this node already have {} MiB of quota, and {} MiB more would pass the disk pool's limit of {} MiB ({}x its size); try again when sandboxes end",
+                mib(self.promised),
+                mib(size),
+                mib(limit),
+                self.overcommit
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl DiskPool {
-    /// Mounts (making it first if needed) the pool and turns quotas on.
+    /// Mounts (making it first if needed) the pool and turns quotas on. A pool found
+    /// read-only (its filesystem failed) is mounted afresh; when sandboxes still hold it, the
+    /// pool opens read-only, reports so, and admits no disk until it recovers.
     pub async fn open(config: &PoolConfig) -> Result<Self, DiskError> {
         let fail = |message: String| DiskError::Pool {
             path: config.dir.clone(),
             message,
         };
         std::fs::create_dir_all(&config.dir).map_err(|e| fail(e.to_string()))?;
+        let mut pool = Self {
+            dir: config.dir.clone(),
+            image: config.image.clone(),
+            quotas: config.quotas,
+            reserve: config.reserve_bytes,
+            overcommit: u64::from(config.overcommit.max(1)),
+            sysfs: None,
+            promised: Default::default(),
+            recovering: Default::default(),
+        };
         if !config.quotas {
-            return Ok(Self {
-                dir: config.dir.clone(),
-                quotas: false,
-                sysfs: None,
-            });
+            return Ok(pool);
         }
-        if !(is_mount_point(&config.dir) && is_btrfs(&config.dir)) {
-            if !config.image.exists() {
+        let mounted = is_mount_point(&config.dir) && is_btrfs(&config.dir);
+        if !mounted {
+            if config.image.exists() {
+                reserve_blocks(&config.image);
+            } else {
                 make_image(config).await.map_err(fail)?;
             }
-            // commit=5: qgroup counters (the disk usage in sandbox metrics) move at each
-            // transaction commit, so this bounds how stale they are (30 s by default).
-            run(
-                "mount",
-                &[
-                    OsStr::new("-t"),
-                    OsStr::new("btrfs"),
-                    OsStr::new("-o"),
-                    OsStr::new("loop,noatime,commit=5"),
-                    config.image.as_os_str(),
-                    config.dir.as_os_str(),
-                ],
-            )
-            .await
-            .map_err(fail)?;
+            pool.mount().await.map_err(fail)?;
+        } else if Space::of(&config.dir).is_ok_and(|s| s.read_only)
+            && let Err(e) = pool.recover().await
+        {
+            tracing::error!(pool = %config.dir.display(), error = %e, "the sandbox disk pool is read-only; no sandbox is admitted until it recovers");
         }
         let root = open_dir(&config.dir).map_err(|e| fail(e.to_string()))?;
-        let mut ctl = QuotaCtlArgs {
-            cmd: QUOTA_CTL_ENABLE,
-            status: 0,
-        };
-        // SAFETY: QUOTA_CTL takes a btrfs_ioctl_quota_ctl_args, which `ctl` is.
-        unsafe { ioctl(root.as_fd(), QUOTA_CTL, &mut ctl) }
-            .map_err(|e| fail(format!("cannot enable quotas: {e}")))?;
         let mut info = FsInfoArgs {
             max_id: 0,
             num_devices: 0,
@@ -258,15 +345,123 @@ impl DiskPool {
         // SAFETY: FS_INFO fills a btrfs_ioctl_fs_info_args, which `info` is.
         unsafe { ioctl(root.as_fd(), FS_INFO, &mut info) }
             .map_err(|e| fail(format!("cannot read the pool's id: {e}")))?;
-        let sysfs = Path::new("/sys/fs/btrfs").join(format_uuid(&info.fsid));
-        // Sandbox layers are the host's business only.
-        let _ = std::fs::set_permissions(&config.dir, std::fs::Permissions::from_mode(0o700));
+        pool.sysfs = Some(Path::new("/sys/fs/btrfs").join(format_uuid(&info.fsid)));
+        if !Space::of(&config.dir).is_ok_and(|s| s.read_only) {
+            enable_quotas(&root).map_err(fail)?;
+            // Sandbox layers are the host's business only.
+            let _ = std::fs::set_permissions(&config.dir, std::fs::Permissions::from_mode(0o700));
+        }
+        let promised = pool
+            .list()
+            .into_iter()
+            .filter_map(|id| Some((id.clone(), pool.usage(&id)?.total)))
+            .collect();
+        *pool.promised.lock().unwrap_or_else(|e| e.into_inner()) = promised;
         tracing::info!(pool = %config.dir.display(), "sandbox disk pool ready, quotas on");
-        Ok(Self {
-            dir: config.dir.clone(),
-            quotas: true,
-            sysfs: Some(sysfs),
+        Ok(pool)
+    }
+
+    async fn mount(&self) -> Result<(), String> {
+        // commit=5: qgroup counters (the disk usage in sandbox metrics) move at each
+        // transaction commit, so this bounds how stale they are (30 s by default).
+        run(
+            "mount",
+            &[
+                OsStr::new("-t"),
+                OsStr::new("btrfs"),
+                OsStr::new("-o"),
+                OsStr::new("loop,noatime,commit=5"),
+                self.image.as_os_str(),
+                self.dir.as_os_str(),
+            ],
+        )
+        .await
+    }
+
+    /// Mounts a read-only pool afresh: a btrfs that aborted a transaction stays read-only
+    /// until its last mount goes, and comes back writable (at its last committed state) when
+    /// mounted again. Fails while a sandbox still has its root on the pool.
+    pub async fn recover(&self) -> Result<(), String> {
+        let _one_at_a_time = self.recovering.lock().await;
+        if !self.quotas || !Space::of(&self.dir).is_ok_and(|s| s.read_only) {
+            return Ok(());
+        }
+        tracing::warn!(pool = %self.dir.display(), "the sandbox disk pool is read-only; mounting it again");
+        run("umount", &[self.dir.as_os_str()])
+            .await
+            .map_err(|e| format!("the pool is still in use by running sandboxes ({e})"))?;
+        self.mount().await?;
+        let root = open_dir(&self.dir).map_err(|e| e.to_string())?;
+        enable_quotas(&root)?;
+        if Space::of(&self.dir).is_ok_and(|s| s.read_only) {
+            return Err("the pool is read-only again after mounting it".into());
+        }
+        tracing::info!(pool = %self.dir.display(), "the sandbox disk pool is writable again");
+        Ok(())
+    }
+
+    /// The pool's space and promises; `None` without quotas (there is no pool).
+    pub fn report(&self) -> Option<PoolReport> {
+        if !self.quotas {
+            return None;
+        }
+        let space = Space::of(&self.dir).ok()?;
+        let promised = self
+            .promised
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .sum();
+        Some(PoolReport {
+            space,
+            reserve: self.reserve,
+            promised,
+            promise_limit: space.size.saturating_sub(self.reserve) * self.overcommit,
         })
+    }
+
+    /// Counts a disk of `size_mb` for sandbox `sandbox_id` against the pool, or says why the
+    /// pool cannot take it now.
+    pub fn admit(&self, sandbox_id: &str, size_mb: u32) -> Result<(), DiskError> {
+        if !self.quotas {
+            return Ok(());
+        }
+        let no_room = |message: String| DiskError::NoRoom {
+            sandbox_id: sandbox_id.to_owned(),
+            message,
+        };
+        let space = Space::of(&self.dir)
+            .map_err(|e| no_room(format!("cannot read the disk pool's space: {e}")))?;
+        let mut promised = self.promised.lock().unwrap_or_else(|e| e.into_inner());
+        let others: u64 = promised
+            .iter()
+            .filter(|(id, _)| id.as_str() != sandbox_id)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        let size = u64::from(size_mb) << 20;
+        Admission {
+            space,
+            reserve: self.reserve,
+            overcommit: self.overcommit,
+            promised: others,
+        }
+        .check(size)
+        .map_err(no_room)?;
+        promised.insert(sandbox_id.to_owned(), size);
+        Ok(())
+    }
+
+    /// Lets go of what [`Self::admit`] counted, for a disk that was never made.
+    pub fn forget(&self, sandbox_id: &str) {
+        self.promised
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(sandbox_id);
+    }
+
+    /// Where the pool is mounted.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     pub fn enforces_quotas(&self) -> bool {
@@ -376,7 +571,9 @@ impl DiskPool {
 
     /// Removes the sandbox's directory and everything in it; succeeds if it is already gone.
     pub fn remove(&self, sandbox_id: &str) -> Result<(), DiskError> {
-        self.remove_in(&self.dir, sandbox_id)
+        self.remove_in(&self.dir, sandbox_id)?;
+        self.forget(sandbox_id);
+        Ok(())
     }
 
     /// Removes `parent/name` (a subvolume or a plain tree) on the pool, e.g. a step layer.
@@ -470,10 +667,22 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
     let size = size.max(1 << 30);
     let staging = config.image.with_extension("partial");
     let file = File::create(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
-    file.set_len(size)
-        .map_err(|e| format!("{}: {e}", staging.display()))?;
     file.set_permissions(std::fs::Permissions::from_mode(0o600))
         .map_err(|e| e.to_string())?;
+    // On a copy-on-write host filesystem an allocated block still needs a new one at each
+    // overwrite; without copy-on-write (set while the file is empty) it is written in place.
+    if let Ok(flags) = rustix::fs::ioctl_getflags(&file) {
+        let _ = rustix::fs::ioctl_setflags(&file, flags | rustix::fs::IFlags::NOCOW);
+    }
+    if let Err(e) = rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size) {
+        drop(file);
+        let _ = std::fs::remove_file(&staging);
+        return Err(format!(
+            "cannot allocate {} MiB for the pool image {}: {e} (free space there, or choose a smaller --disk-pool-gb)",
+            mib(size),
+            config.image.display()
+        ));
+    }
     drop(file);
     tracing::info!(image = %config.image.display(), size_mib = size >> 20, "making the sandbox disk pool");
     run(
@@ -488,6 +697,41 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
     .await
     .map_err(|e| format!("{e} (is btrfs-progs installed?)"))?;
     std::fs::rename(&staging, &config.image).map_err(|e| e.to_string())
+}
+
+/// Gives a pool image made sparse (by an older version) all its blocks, so that a host
+/// filesystem filling up can no longer fail the pool's writes. Keeps going without them when
+/// the host has no room, saying so.
+fn reserve_blocks(image: &Path) {
+    let Ok(file) = std::fs::OpenOptions::new().write(true).open(image) else {
+        return;
+    };
+    let Ok(meta) = file.metadata() else { return };
+    let allocated = meta.blocks().saturating_mul(512);
+    if allocated >= meta.len() {
+        return;
+    }
+    match rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::KEEP_SIZE, 0, meta.len()) {
+        Ok(()) => {
+            tracing::info!(image = %image.display(), allocated_mib = mib(meta.len() - allocated), "allocated the sandbox disk pool's missing blocks")
+        }
+        Err(e) => tracing::warn!(
+            image = %image.display(),
+            missing_mib = mib(meta.len() - allocated),
+            error = %e,
+            "the sandbox disk pool's image is sparse and its blocks cannot be allocated: if the host filesystem fills, the pool fails"
+        ),
+    }
+}
+
+fn enable_quotas(root: &OwnedFd) -> Result<(), String> {
+    let mut ctl = QuotaCtlArgs {
+        cmd: QUOTA_CTL_ENABLE,
+        status: 0,
+    };
+    // SAFETY: QUOTA_CTL takes a btrfs_ioctl_quota_ctl_args, which `ctl` is.
+    unsafe { ioctl(root.as_fd(), QUOTA_CTL, &mut ctl) }
+        .map_err(|e| format!("cannot enable quotas: {e}"))
 }
 
 fn format_uuid(bytes: &[u8; 16]) -> String {
@@ -768,6 +1012,48 @@ mod tests {
         assert_eq!(crate::mounts::detach_below(&top).expect("detach"), 2);
         remove_tree(&top).expect("remove once detached");
         assert!(!top.exists());
+    }
+
+    fn admission(free_mib: u64, promised_mib: u64) -> Admission {
+        Admission {
+            space: Space {
+                size: 10 << 30,
+                free: free_mib << 20,
+                read_only: false,
+            },
+            reserve: 512 << 20,
+            overcommit: 4,
+            promised: promised_mib << 20,
+        }
+    }
+
+    #[test]
+    fn a_disk_is_admitted_when_it_could_fill_up_and_leave_the_reserve() {
+        assert_eq!(admission(2560, 0).check(2 << 30), Ok(()));
+        let refused = admission(2559, 0).check(2 << 30).expect_err("refused");
+        assert!(refused.contains("disk pool has 2559 MiB free"), "{refused}");
+        assert!(refused.contains("512 MiB in reserve"), "{refused}");
+    }
+
+    #[test]
+    fn quotas_add_up_to_the_overcommit_limit_and_no_further() {
+        // 4 x (10 GiB - 512 MiB) = 38912 MiB.
+        assert_eq!(admission(9000, 38912 - 2048).check(2 << 30), Ok(()));
+        let refused = admission(9000, 38912 - 2047)
+            .check(2 << 30)
+            .expect_err("refused");
+        assert!(refused.contains("limit of 38912 MiB (4x"), "{refused}");
+    }
+
+    #[test]
+    fn a_read_only_pool_admits_nothing() {
+        let mut rule = admission(9000, 0);
+        rule.space.read_only = true;
+        assert!(
+            rule.check(1 << 20)
+                .expect_err("refused")
+                .contains("read-only")
+        );
     }
 
     #[test]

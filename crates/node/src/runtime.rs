@@ -43,6 +43,13 @@ pub struct NodeConfig {
     pub disk_quotas: bool,
     /// Size of the disk pool image when it is first made; `None`: half the free space.
     pub disk_pool_bytes: Option<u64>,
+    /// Bytes of the disk pool new sandbox disks may not count on (see [`PoolConfig`]).
+    pub disk_pool_reserve_bytes: u64,
+    /// How many times the pool the quotas of all sandbox disks may add up to.
+    pub disk_overcommit: u32,
+    /// Bytes of the data directory's filesystem kept free: work that writes there is refused
+    /// below it.
+    pub data_reserve_bytes: u64,
     /// Host uid/gid of the first sandbox id range; slot N gets
     /// `id_base + N * SANDBOX_IDS` onwards.
     pub id_base: u32,
@@ -244,6 +251,8 @@ impl LinuxRuntime {
             image: config.data_dir.join("sandboxes.img"),
             size_bytes: config.disk_pool_bytes,
             quotas: config.disk_quotas,
+            reserve_bytes: config.disk_pool_reserve_bytes,
+            overcommit: config.disk_overcommit,
         })
         .await?;
         if !disks.enforces_quotas() {
@@ -478,6 +487,34 @@ impl LinuxRuntime {
         drop(granted);
         self.count_oom_kills_from_now(id);
         Ok(())
+    }
+
+    /// Counts sandbox `id`'s disk against the pool, mounting a failed (read-only) pool
+    /// afresh first when nothing holds it.
+    async fn admit_disk(&self, id: &str, size_mb: u32) -> Result<(), RuntimeError> {
+        let no_room = |err: DiskError| match err {
+            DiskError::NoRoom {
+                sandbox_id,
+                message,
+            } => RuntimeError::NoCapacity {
+                sandbox_id,
+                message,
+            },
+            other => sandbox_err(id, other),
+        };
+        match self.disks.admit(id, size_mb) {
+            Ok(()) => Ok(()),
+            Err(err) if self.disks.report().is_some_and(|r| r.space.read_only) => {
+                if let Err(e) = self.disks.recover().await {
+                    return Err(RuntimeError::NoCapacity {
+                        sandbox_id: id.to_owned(),
+                        message: format!("{}: {e}", no_room(err)),
+                    });
+                }
+                self.disks.admit(id, size_mb).map_err(no_room)
+            }
+            Err(err) => Err(no_room(err)),
+        }
     }
 
     fn release_memory(&self, id: &str) {
@@ -1062,14 +1099,22 @@ impl Runtime for LinuxRuntime {
             .map(|k| parse_handle(&id, k))
             .transpose()?;
         self.grant_memory(&id, spec.memory_mb)?;
+        if kept.is_none()
+            && let Err(err) = self.admit_disk(&id, spec.disk_size_mb).await
+        {
+            self.release_memory(&id);
+            return Err(err);
+        }
         let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
             Some(Ok(netns)) => netns,
             Some(Err(err)) => {
                 self.release_memory(&id);
+                self.disks.forget(&id);
                 return Err(sandbox_err(&id, err));
             }
             None => {
                 self.release_memory(&id);
+                self.disks.forget(&id);
                 return Err(RuntimeError::NoCapacity {
                     sandbox_id: id,
                     message: "no free network slot on this node".into(),
@@ -1488,6 +1533,32 @@ impl Runtime for LinuxRuntime {
 
     fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
         self.cgroups.is_frozen(sandbox_id)
+    }
+
+    fn disks(&self) -> sandbar_core::DiskReport {
+        let data_dir = &self.config.data_dir;
+        let data = crate::disks::Space::of(data_dir)
+            .ok()
+            .map(|space| sandbar_core::DiskSpace {
+                path: data_dir.clone(),
+                size_bytes: space.size,
+                free_bytes: space.free,
+                reserve_bytes: self.config.data_reserve_bytes,
+                read_only: space.read_only,
+            });
+        let pool = self.disks.report();
+        sandbar_core::DiskReport {
+            data,
+            pool: pool.map(|p| sandbar_core::DiskSpace {
+                path: self.disks.dir().to_path_buf(),
+                size_bytes: p.space.size,
+                free_bytes: p.space.free,
+                reserve_bytes: p.reserve,
+                read_only: p.space.read_only,
+            }),
+            pool_promised_bytes: pool.map_or(0, |p| p.promised),
+            pool_promise_limit_bytes: pool.map_or(0, |p| p.promise_limit),
+        }
     }
 
     fn oom_kills(&self) -> u64 {

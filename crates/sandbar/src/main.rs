@@ -170,10 +170,24 @@ struct ServeArgs {
     /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
     #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
     disk_quotas: bool,
-    /// Size of the disk pool image when it is first made, in GiB (a sparse file); default
-    /// half the free space of the data directory's filesystem.
+    /// Size of the disk pool image when it is first made, in GiB (allocated in full, so the
+    /// host filesystem filling up cannot starve it); default half the free space of the
+    /// data directory's filesystem.
     #[arg(long, env = "SANDBAR_DISK_POOL_GB")]
     disk_pool_gb: Option<u64>,
+    /// Space, in MiB, of the disk pool no new sandbox may count on: a sandbox is admitted
+    /// only if it could fill its whole disk and leave this much free for its neighbours.
+    #[arg(long, env = "SANDBAR_DISK_POOL_RESERVE_MB", default_value_t = 512)]
+    disk_pool_reserve_mb: u64,
+    /// How many times the disk pool (less its reserve) the disk sizes of all sandboxes may
+    /// add up to; real use is what admits a sandbox, this bounds the promises.
+    #[arg(long, env = "SANDBAR_DISK_OVERCOMMIT", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    disk_overcommit: u32,
+    /// Space, in MiB, kept free on the data directory's filesystem (database, checkpoints,
+    /// uploads, volumes, logs): below it, requests that would write there answer 507 and
+    /// paused sandboxes stay in memory instead of being checkpointed.
+    #[arg(long, env = "SANDBAR_DATA_DISK_RESERVE_MB", default_value_t = 1024)]
+    data_disk_reserve_mb: u64,
     /// First host uid/gid of sandbox id ranges: each sandbox maps its ids 0-65535 to a range
     /// of its own from here on, so no host user may own ids in
     /// [id-base, id-base + 65536 * sandbox slots).
@@ -404,6 +418,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             allowed_private: args.allow_private,
             disk_quotas: args.disk_quotas,
             disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
+            disk_pool_reserve_bytes: args.disk_pool_reserve_mb << 20,
+            disk_overcommit: args.disk_overcommit,
+            data_reserve_bytes: args.data_disk_reserve_mb << 20,
             id_base: args.id_base,
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
