@@ -54,13 +54,15 @@ fn authorize(
         ));
     };
     let path = query.path.as_deref().unwrap_or_default();
+    // The signature covers the user the URL names (the SDKs sign '' when it names none), so
+    // a URL cannot be turned into one for another user.
     let named = query.username.as_deref().unwrap_or_default();
     let now = chrono::Utc::now().timestamp();
     verify_file_signature(
         signature,
         path,
         operation,
-        &[named, config.default_user.as_str()],
+        &[named],
         token,
         query.signature_expiration,
         now,
@@ -127,7 +129,7 @@ pub async fn download(
     if let Err(e) = authorize(&state, &headers, &query, FileOperation::Read) {
         return e.into_response();
     }
-    let (user, _) = match pick_user(&state, &headers, &query) {
+    let (user, accounts) = match pick_user(&state, &headers, &query) {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -137,18 +139,20 @@ pub async fn download(
     let path = resolve_path(raw_path, &user);
     let opened = {
         let path = path.clone();
-        tokio::task::spawn_blocking(move || crate::paths::open_read(&path)).await
+        crate::identity::as_user(&user, accounts.group_ids(&user), move || {
+            crate::paths::open_read(&path)
+        })
+        .await
     };
     let file = match opened {
-        Ok(Ok(f)) => f,
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             return json_error(
                 StatusCode::NOT_FOUND,
                 format!("path '{}' does not exist", path.display()),
             );
         }
-        Ok(Err(e)) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
-        Err(e) => return json_error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
     };
     let meta = match file.metadata() {
         Ok(m) => m,
@@ -315,10 +319,11 @@ pub async fn upload(
     if let Err(e) = authorize(&state, &headers, &query, FileOperation::Write) {
         return reject_unread_upload(request, e).await;
     }
-    let (user, _) = match pick_user(&state, &headers, &query) {
+    let (user, accounts) = match pick_user(&state, &headers, &query) {
         Ok(u) => u,
         Err(e) => return reject_unread_upload(request, e).await,
     };
+    let groups = accounts.group_ids(&user);
     let query_path = query
         .path
         .as_deref()
@@ -368,7 +373,7 @@ pub async fn upload(
                     Err(e) => Some((Err(std::io::Error::other(e.body_text())), field)),
                 }
             });
-            if let Err(e) = write_stream(&dest, &user, false, stream).await {
+            if let Err(e) = write_stream(&dest, &user, &groups, false, stream).await {
                 return e.into_response();
             }
             written.push(dest);
@@ -385,7 +390,7 @@ pub async fn upload(
             .into_body()
             .into_data_stream()
             .map(|r| r.map_err(std::io::Error::other));
-        if let Err(e) = write_stream(&dest, &user, gzip, stream).await {
+        if let Err(e) = write_stream(&dest, &user, &groups, gzip, stream).await {
             return e.into_response();
         }
         written.push(dest);
@@ -404,29 +409,51 @@ pub async fn upload(
     (StatusCode::OK, Json(entries)).into_response()
 }
 
-/// Writes a body to `dest` on a blocking thread (gunzipping it when asked), creating missing
-/// parents, and gives the file to `user`.
+/// Writes a body to `dest` on a blocking thread (gunzipping it when asked). The file and its
+/// missing parents are made with `user`'s permissions, so they are the user's and a path the
+/// user may not write is refused.
 async fn write_stream(
     dest: &Path,
     user: &User,
+    groups: &[u32],
     gzip: bool,
     stream: impl Stream<Item = std::io::Result<Bytes>>,
 ) -> Result<(), HttpError> {
-    if let Some(parent) = dest.parent() {
-        ensure_dirs(parent, user).map_err(|e| HttpError::new(fs_status(&e), e.to_string()))?;
-    }
-    if tokio::fs::metadata(dest).await.is_ok_and(|m| m.is_dir()) {
-        return Err(HttpError::new(
-            StatusCode::BAD_REQUEST,
-            format!("path '{}' is a directory", dest.display()),
-        ));
-    }
-    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let target = dest.to_owned();
     let owner = user.clone();
+    let opened = crate::identity::as_user(user, groups.to_vec(), move || {
+        if let Some(parent) = target.parent() {
+            ensure_dirs(parent, &owner).map_err(|e| match e {
+                crate::fs::FsError::Io { source, .. } => source,
+                other => std::io::Error::new(fs_kind(&other), other.to_string()),
+            })?;
+        }
+        if std::fs::metadata(&target).is_ok_and(|m| m.is_dir()) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                format!("path '{}' is a directory", target.display()),
+            ));
+        }
+        crate::paths::create_write(&target)
+    })
+    .await;
+    let file = match opened {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::IsADirectory => {
+            return Err(HttpError::new(
+                StatusCode::BAD_REQUEST,
+                format!("path '{}' is a directory", dest.display()),
+            ));
+        }
+        Err(e) => {
+            return Err(HttpError::new(
+                io_status(&e),
+                format!("writing '{}': {e}", dest.display()),
+            ));
+        }
+    };
+    let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let writer = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-        let file = crate::paths::create_write(&target)?;
-        std::os::unix::fs::fchown(&file, Some(owner.uid), Some(owner.gid))?;
         let mut out: Box<dyn std::io::Write> = if gzip {
             Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(file)))
         } else {
@@ -476,13 +503,14 @@ async fn write_stream(
     })
 }
 
-fn fs_status(e: &crate::fs::FsError) -> StatusCode {
+fn fs_kind(e: &crate::fs::FsError) -> std::io::ErrorKind {
     use crate::fs::FsError;
     match e {
-        FsError::NotFound(_) => StatusCode::NOT_FOUND,
-        FsError::AlreadyExists(_) | FsError::Invalid { .. } => StatusCode::BAD_REQUEST,
-        FsError::PermissionDenied(_) => StatusCode::UNAUTHORIZED,
-        FsError::Io { source, .. } => io_status(source),
+        FsError::NotFound(_) => std::io::ErrorKind::NotFound,
+        FsError::AlreadyExists(_) => std::io::ErrorKind::AlreadyExists,
+        FsError::Invalid { .. } => std::io::ErrorKind::InvalidInput,
+        FsError::PermissionDenied(_) => std::io::ErrorKind::PermissionDenied,
+        FsError::Io { source, .. } => source.kind(),
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod auth;
 pub mod files;
 pub mod fs;
+pub mod identity;
 mod http_error;
 pub mod paths;
 pub mod process;

@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use sandbar_core::{AgentLease, HangUp, Route, SandboxError};
+use sandbar_core::{AgentLease, HangUp, Route, SandboxError, WakeKeys};
 use sandbar_envd::{FileOperation, signature_matches};
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -100,14 +100,34 @@ pub(crate) async fn route_to_sandbox(
             .and_then(|h| target_from_host(h, &state.edge.domain)),
     };
     let (target, route) = match target {
-        Some(target) => match state.sandboxes.route_or_wake(&target.sandbox_id).await {
-            Ok(route) => (target, route),
-            // A paused sandbox that traffic would wake, but whose team has no free slot.
-            Err(refused @ SandboxError::ConcurrencyLimit { .. }) => {
-                return mark(ApiError::from(refused).into_response(), target.port);
+        Some(target) => {
+            let presented = Presented::of(&request);
+            let lets_through = |keys: &WakeKeys<'_>| presented.lets_through(target.port, keys);
+            match state
+                .sandboxes
+                .route_or_wake(&target.sandbox_id, lets_through)
+                .await
+            {
+                Ok(route) => (target, route),
+                // A paused sandbox that traffic would wake, but whose team has no free slot.
+                // Whoever sent the traffic may be anyone: the answer names nothing of the
+                // team.
+                Err(SandboxError::ConcurrencyLimit {
+                    retry_after_secs, ..
+                }) => {
+                    let mut busy = ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "sandbox '{}' is paused and cannot be resumed now; try again later",
+                            target.sandbox_id
+                        ),
+                    );
+                    busy.retry_after = Some(retry_after_secs);
+                    return mark(busy.into_response(), target.port);
+                }
+                Err(_) => return mark(refused_or_missing(&state, &target), target.port),
             }
-            Err(_) => return mark(not_found(&target.sandbox_id), target.port),
-        },
+        }
         None => match signed_file_route(&state, &request) {
             Some(routed) => routed,
             None => return next.run(request).await,
@@ -115,6 +135,77 @@ pub(crate) async fn route_to_sandbox(
     };
     let port = target.port;
     mark(forward_to(&state, target, route, request).await, port)
+}
+
+/// What a request shows the edge's checks: its tokens and, for a signed file URL, the
+/// signature's parts.
+struct Presented {
+    traffic_token: Option<String>,
+    access_token: Option<String>,
+    signed: Option<SignedFileRequest>,
+}
+
+impl Presented {
+    fn of(request: &Request) -> Self {
+        let header = |name: &str| {
+            request
+                .headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        Self {
+            traffic_token: header(crate::traffic::TRAFFIC_TOKEN_HEADER),
+            access_token: header("x-access-token"),
+            signed: signed_file_request(request),
+        }
+    }
+
+    /// Whether the running sandbox would let this request through to `port`: the traffic
+    /// token of a private user port, the agent's token or a valid signed file URL for the
+    /// agent.
+    fn lets_through(&self, port: u16, keys: &WakeKeys<'_>) -> bool {
+        let matches = |given: &Option<String>, expected: &str| {
+            given
+                .as_deref()
+                .is_some_and(|given| sandbar_envd::secrets_equal(given, expected))
+        };
+        if port != AGENT_PORT {
+            return keys
+                .traffic_access_token
+                .is_none_or(|expected| matches(&self.traffic_token, expected));
+        }
+        let Some(token) = keys.envd_access_token else {
+            return true;
+        };
+        matches(&self.access_token, token)
+            || self.signed.as_ref().is_some_and(|signed| {
+                sandbar_envd::verify_file_signature(
+                    &signed.signature,
+                    &signed.path,
+                    signed.operation,
+                    &[signed.user.as_str()],
+                    token,
+                    signed.expiration,
+                    chrono::Utc::now().timestamp(),
+                )
+                .is_ok()
+            })
+    }
+}
+
+/// What the edge answers for a sandbox it will not route to: the 403 of a private user port
+/// to a request without its token, else "not found" as for any sandbox not running.
+fn refused_or_missing(state: &AppState, target: &Target) -> Response {
+    if target.port != AGENT_PORT
+        && state
+            .sandboxes
+            .user_port_access_any_state(&target.sandbox_id)
+            .is_some_and(|access| access.traffic_access_token.is_some())
+    {
+        return crate::traffic::needs_token(&target.sandbox_id, target.port).into_response();
+    }
+    not_found(&target.sandbox_id)
 }
 
 fn mark(mut response: Response, port: u16) -> Response {
@@ -212,7 +303,17 @@ async fn forward_to_agent(
 
 /// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
 /// sandbox whose agent token produced the URL's signature.
-fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Route)> {
+/// The parts of a signed `/files` URL.
+struct SignedFileRequest {
+    signature: String,
+    path: String,
+    operation: FileOperation,
+    /// The user the URL names; '' when it names none (what the SDKs sign then).
+    user: String,
+    expiration: Option<i64>,
+}
+
+fn signed_file_request(request: &Request) -> Option<SignedFileRequest> {
     if request.uri().path() != "/files" {
         return None;
     }
@@ -227,25 +328,32 @@ fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Rou
             .find(|(k, _)| k == name)
             .map(|(_, v)| v.into_owned())
     };
-    let signature = param("signature")?;
-    let path = param("path")?;
-    let user = param("username").unwrap_or_default();
     // An unparsable expiration matches no signature; the agent would refuse it too.
     let expiration = match param("signature_expiration") {
         Some(exp) => Some(exp.parse::<i64>().ok()?),
         None => None,
     };
-    // The agent's own check, constant-time, with the users it accepts; expiry is left to the
-    // agent so that the client hears why its URL no longer works.
+    Some(SignedFileRequest {
+        signature: param("signature")?,
+        path: param("path")?,
+        operation,
+        user: param("username").unwrap_or_default(),
+        expiration,
+    })
+}
+
+fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Route)> {
+    let signed = signed_file_request(request)?;
+    // The agent's own check, constant-time, bound to the user the URL names; expiry is left
+    // to the agent so that the client hears why its URL no longer works.
     let (sandbox_id, route) = state.sandboxes.route_by_token(|token| {
         signature_matches(
-            &signature,
-            &path,
-            operation,
-            // As the agent: the named user, or the default one of templates (`user`).
-            &[user.as_str(), "user"],
+            &signed.signature,
+            &signed.path,
+            signed.operation,
+            &[signed.user.as_str()],
             token,
-            expiration,
+            signed.expiration,
         )
     })?;
     Some((
@@ -345,6 +453,55 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn request(uri: &str, headers: &[(&str, &str)]) -> Request {
+        let mut builder = Request::builder().uri(uri);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
+        }
+        builder.body(Body::empty()).expect("request")
+    }
+
+    const PRIVATE: WakeKeys<'static> = WakeKeys {
+        envd_access_token: Some("agent-token"),
+        traffic_access_token: Some("traffic-token"),
+    };
+
+    #[test]
+    fn only_traffic_with_the_right_token_would_wake_a_private_port() {
+        let without = Presented::of(&request("/", &[]));
+        assert!(!without.lets_through(8000, &PRIVATE));
+        let wrong = Presented::of(&request("/", &[("e2b-traffic-access-token", "guess")]));
+        assert!(!wrong.lets_through(8000, &PRIVATE));
+        let right = Presented::of(&request("/", &[("e2b-traffic-access-token", "traffic-token")]));
+        assert!(right.lets_through(8000, &PRIVATE));
+        let public = WakeKeys {
+            traffic_access_token: None,
+            ..PRIVATE
+        };
+        assert!(without.lets_through(8000, &public));
+    }
+
+    #[test]
+    fn only_the_agent_token_or_a_valid_signature_would_wake_through_the_agent_port() {
+        assert!(!Presented::of(&request("/health", &[])).lets_through(AGENT_PORT, &PRIVATE));
+        assert!(
+            Presented::of(&request("/health", &[("x-access-token", "agent-token")]))
+                .lets_through(AGENT_PORT, &PRIVATE)
+        );
+        let signature =
+            sandbar_envd::file_signature("/tmp/a", FileOperation::Read, "user", "agent-token", None);
+        let signed = format!("/files?path=/tmp/a&username=user&signature={signature}");
+        assert!(Presented::of(&request(&signed, &[])).lets_through(AGENT_PORT, &PRIVATE));
+        // The same signature for another user is not valid.
+        let swapped = signed.replace("username=user", "username=root");
+        assert!(!Presented::of(&request(&swapped, &[])).lets_through(AGENT_PORT, &PRIVATE));
+        let open = WakeKeys {
+            envd_access_token: None,
+            ..PRIVATE
+        };
+        assert!(Presented::of(&request("/health", &[])).lets_through(AGENT_PORT, &open));
+    }
 
     #[test]
     fn host_routing_reads_port_and_id() {

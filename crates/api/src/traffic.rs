@@ -12,6 +12,16 @@ use crate::error::ApiError;
 /// The header E2B's proxy reads the traffic access token from.
 pub(crate) const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
+/// The refusal of a request to a private user port without the sandbox's traffic token.
+pub(crate) fn needs_token(sandbox_id: &str, port: u16) -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        format!(
+            "sandbox '{sandbox_id}' does not allow public traffic: port {port} needs the sandbox's traffic access token in the {TRAFFIC_TOKEN_HEADER} header"
+        ),
+    )
+}
+
 /// Admits a request for `port` of `sandbox_id` and rewrites its Host when the sandbox asks for
 /// it, or answers why not.
 pub(crate) fn admit(
@@ -29,12 +39,7 @@ pub(crate) fn admit(
             .get(TRAFFIC_TOKEN_HEADER)
             .and_then(|v| v.to_str().ok());
         if !given.is_some_and(|given| sandbar_envd::secrets_equal(given, expected)) {
-            return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                format!(
-                    "sandbox '{sandbox_id}' does not allow public traffic: port {port} needs the sandbox's traffic access token in the {TRAFFIC_TOKEN_HEADER} header"
-                ),
-            ));
+            return Err(needs_token(sandbox_id, port));
         }
         // The token is for the edge; the service in the sandbox has no use for it.
         request.headers_mut().remove(TRAFFIC_TOKEN_HEADER);

@@ -51,7 +51,7 @@ pub use runtime::{
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page, Route,
-    SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess,
+    SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess, WakeKeys,
 };
 pub use store::{Store, StoreError};
 pub use team_metrics::{

@@ -113,6 +113,16 @@ fn expired(live: &Live) -> bool {
     live.end_at <= Utc::now()
 }
 
+/// The secrets a request must match for a sandbox to let it through, shown to the edge's
+/// check before traffic wakes a paused sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct WakeKeys<'a> {
+    /// The agent's access token; `None` when the sandbox was made without one.
+    pub envd_access_token: Option<&'a str>,
+    /// The token user ports need; `None` when they are public.
+    pub traffic_access_token: Option<&'a str>,
+}
+
 /// How a sandbox's user ports may be reached, for the edge.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct UserPortAccess {
@@ -1052,6 +1062,12 @@ impl Sandboxes {
             .get(id)
             .filter(|l| l.status.is_routable())
             .map(|l| l.user_ports.clone())
+    }
+
+    /// How user ports of a sandbox in any live state (paused too) may be reached: the edge
+    /// answers refused traffic to a paused sandbox as it would a running one.
+    pub fn user_port_access_any_state(&self, id: &str) -> Option<UserPortAccess> {
+        self.live().get(id).map(|l| l.user_ports.clone())
     }
 
     /// Where the edge should send traffic for a running sandbox.
@@ -2248,8 +2264,14 @@ impl Sandboxes {
     }
 
     /// The endpoint of a running sandbox; a paused one with `autoResume` is resumed first
-    /// (the edge calls this for every request naming a sandbox).
-    pub async fn route_or_wake(&self, id: &str) -> Result<Route, SandboxError> {
+    /// (the edge calls this for every request naming a sandbox), but only for a request that
+    /// `lets_through` says the running sandbox would let through: traffic the edge or the
+    /// agent would refuse never wakes a sandbox.
+    pub async fn route_or_wake(
+        &self,
+        id: &str,
+        lets_through: impl Fn(&WakeKeys<'_>) -> bool,
+    ) -> Result<Route, SandboxError> {
         let not_running = || SandboxError::NotFound(id.to_owned());
         if let Some(route) = self.route(id) {
             return Ok(route);
@@ -2262,6 +2284,11 @@ impl Sandboxes {
                         | SandboxStatus::Checkpointing
                         | SandboxStatus::Checkpointed
                 )
+                && lets_through(&WakeKeys {
+                    envd_access_token: (!l.access_token.is_empty())
+                        .then_some(l.access_token.as_str()),
+                    traffic_access_token: l.user_ports.traffic_access_token.as_deref(),
+                })
         });
         if !wake {
             // A snapshot or a resume under way is waited for; anything else is not running.
