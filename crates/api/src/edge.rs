@@ -130,6 +130,18 @@ pub(crate) async fn route_to_sandbox(
         }
         None => match signed_file_route(&state, &request) {
             Some(routed) => routed,
+            // A signed file URL that names no sandbox and matches none: what the agent
+            // answers a signature that does not match, whoever the URL was for.
+            None if signed_file_request(&request).is_some() => {
+                return mark(
+                    ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "invalid signature: the file URL matches no running sandbox",
+                    )
+                    .into_response(),
+                    AGENT_PORT,
+                );
+            }
             None => return next.run(request).await,
         },
     };

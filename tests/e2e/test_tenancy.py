@@ -1,0 +1,134 @@
+"""What one tenant can do to another, or an outsider to a tenant.
+
+- Traffic the edge or the agent would refuse (no traffic token on a private port, no agent
+  token, a signed URL with its user swapped) never wakes a paused sandbox, and the answer to
+  traffic that would wake it at the team's limit names nothing of the team.
+- A signed file URL is bound to the user it names, and the transfer runs with that user's
+  permissions.
+About 20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from typing import List
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+from e2e_util import state_of, unique, wait_until
+
+ENVD_PORT = 49983
+
+
+def _cli(sandbar, *args: str) -> str:
+    done = subprocess.run(
+        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def team(sandbar) -> dict:
+    """A team of its own with room for two sandboxes at once."""
+    made = json.loads(_cli(sandbar, "team", "create", unique("tenancy")))
+    _cli(sandbar, "team", "set-limits", made["teamID"], "--max-sandboxes", "2")
+    return made
+
+
+@pytest.fixture
+def team_sandboxes(sandbar, team):
+    made: List[Sandbox] = []
+    yield made
+    for sbx in made:
+        httpx.delete(f"{sandbar.url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-Key": team["apiKey"]}, timeout=30)
+
+
+def _edge(sandbar, sandbox_id: str, port: int, path: str = "/", headers=None) -> httpx.Response:
+    routing = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(port), **(headers or {})}
+    return httpx.get(sandbar.url + path, headers=routing, timeout=30)
+
+
+def _state(sandbar, team, sandbox_id: str) -> str:
+    r = httpx.get(f"{sandbar.url}/sandboxes/{sandbox_id}", headers={"X-API-Key": team["apiKey"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["state"]
+
+
+def test_refused_traffic_never_wakes_a_paused_sandbox(sandbar, team, team_sandboxes):
+    key = team["apiKey"]
+    sbx = Sandbox.create(
+        api_key=key, timeout=120,
+        lifecycle={"on_timeout": "pause", "auto_resume": True},
+        network={"allow_public_traffic": False},
+    )
+    team_sandboxes.append(sbx)
+    traffic_token = sbx.traffic_access_token
+    assert traffic_token
+    signed_for_user = sbx.download_url("/etc/hostname", user="user")
+    assert sbx.pause()
+    assert _state(sandbar, team, sbx.sandbox_id) == "paused"
+
+    refused = [
+        _edge(sandbar, sbx.sandbox_id, 8000),
+        _edge(sandbar, sbx.sandbox_id, 8000, headers={"e2b-traffic-access-token": "guessed"}),
+        _edge(sandbar, sbx.sandbox_id, ENVD_PORT, "/health"),
+        _edge(sandbar, sbx.sandbox_id, ENVD_PORT, "/health", headers={"X-Access-Token": "guessed"}),
+        _edge(sandbar, sbx.sandbox_id, ENVD_PORT, "/files?" + signed_for_user.split("?", 1)[1].replace("username=user", "username=root")),
+    ]
+    assert [r.status_code for r in refused] == [403, 403, 502, 502, 502], [r.text for r in refused]
+    for r in refused:
+        assert team["teamID"] not in r.text and "limit" not in r.text, r.text
+    assert _state(sandbar, team, sbx.sandbox_id) == "paused"
+
+    # At the team's limit, traffic that would be let through is refused without naming it.
+    others = [Sandbox.create(api_key=key, timeout=120) for _ in range(2)]
+    team_sandboxes.extend(others)
+    busy = _edge(sandbar, sbx.sandbox_id, 8000, headers={"e2b-traffic-access-token": traffic_token})
+    assert busy.status_code == 429, busy.text
+    assert "team" not in busy.text and "limit" not in busy.text, busy.text
+    assert int(busy.headers["retry-after"]) > 0
+    assert _state(sandbar, team, sbx.sandbox_id) == "paused"
+
+    # With a slot free, the token wakes it (nothing listens on the port, but it runs).
+    others[0].kill()
+    woken = _edge(sandbar, sbx.sandbox_id, 8000, headers={"e2b-traffic-access-token": traffic_token})
+    assert woken.status_code == 502, woken.text
+    assert _state(sandbar, team, sbx.sandbox_id) == "running"
+
+
+def test_a_signed_url_is_bound_to_its_user_and_runs_with_its_permissions(sandbar, sandbox):
+    sandbox.files.write("/home/user/mine.txt", "for user")
+    url = sandbox.download_url("/home/user/mine.txt", user="user")
+    assert httpx.get(url, timeout=30).content == b"for user"
+    for other in ("root", "nobody"):
+        swapped = httpx.get(url.replace("username=user", f"username={other}"), timeout=30)
+        assert swapped.status_code == 401, f"{other}: {swapped.status_code} {swapped.text}"
+    # Without a user the SDK signs '' and the agent picks the default user: adding one breaks it.
+    default = sandbox.download_url("/home/user/mine.txt")
+    assert "username=" not in default
+    assert httpx.get(default, timeout=30).status_code == 200
+    assert httpx.get(default + "&username=root", timeout=30).status_code == 401
+
+    # The user's permissions, not the agent's.
+    shadow = httpx.get(sandbox.download_url("/etc/shadow", user="user"), timeout=30)
+    assert shadow.status_code in (401, 403), f"{shadow.status_code} {shadow.text}"
+    assert "root:" not in shadow.text
+    as_root = httpx.get(sandbox.download_url("/etc/shadow", user="root"), timeout=30)
+    assert as_root.status_code == 200 and b"root:" in as_root.content
+
+    upload = sandbox.upload_url("/etc/planted", user="user")
+    r = httpx.post(upload, files={"file": ("planted", b"x")}, timeout=30)
+    assert r.status_code in (401, 403), f"{r.status_code} {r.text}"
+    exists = sandbox.commands.run("test -e /etc/planted && echo yes || echo no", user="root").stdout.strip()
+    assert exists == "no"
+
+    upload = sandbox.upload_url("/home/user/new/dir/file.txt", user="user")
+    r = httpx.post(upload, files={"file": ("file.txt", b"mine")}, timeout=30)
+    assert r.status_code == 200, r.text
+    owners = sandbox.commands.run("stat -c %U /home/user/new /home/user/new/dir /home/user/new/dir/file.txt").stdout.split()
+    assert owners == ["user", "user", "user"], owners
