@@ -132,3 +132,29 @@ def test_a_signed_url_is_bound_to_its_user_and_runs_with_its_permissions(sandbar
     assert r.status_code == 200, r.text
     owners = sandbox.commands.run("stat -c %U /home/user/new /home/user/new/dir /home/user/new/dir/file.txt").stdout.split()
     assert owners == ["user", "user", "user"], owners
+
+
+def test_an_oversized_body_is_413_naming_the_limit(sandbar):
+    body = b'{"templateID": "base", "metadata": {"k": "' + b"x" * (50 << 20) + b'"}}'
+    with sandbar.client(timeout=60) as api:
+        r = api.post("/sandboxes", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text[:300]
+    assert "2 MiB" in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("metadata", {f"k{i}": "v" for i in range(33)}, "limit of 32"),
+        ("metadata", {"k": "v" * 1025}, "limit of 1024"),
+        ("metadata", {"k" * 129: "v"}, "128 bytes"),
+        ("envVars", {"A B": "1"}, "environment variable name"),
+        ("envVars", {"A\nB": "1"}, "environment variable name"),
+        ("envVars", {"A=B": "1"}, "environment variable name"),
+    ],
+)
+def test_metadata_and_env_limits_are_400_naming_them(sandbar, field, value, named):
+    with sandbar.client() as api:
+        r = api.post("/sandboxes", json={"templateID": "base", field: value})
+    assert r.status_code == 400, r.text
+    assert named in r.json()["message"], r.text

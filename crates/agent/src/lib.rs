@@ -7,8 +7,8 @@
 pub mod auth;
 pub mod files;
 pub mod fs;
-pub mod identity;
 mod http_error;
+pub mod identity;
 pub mod paths;
 pub mod process;
 pub mod reaper;

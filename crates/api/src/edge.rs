@@ -485,7 +485,10 @@ mod tests {
         assert!(!without.lets_through(8000, &PRIVATE));
         let wrong = Presented::of(&request("/", &[("e2b-traffic-access-token", "guess")]));
         assert!(!wrong.lets_through(8000, &PRIVATE));
-        let right = Presented::of(&request("/", &[("e2b-traffic-access-token", "traffic-token")]));
+        let right = Presented::of(&request(
+            "/",
+            &[("e2b-traffic-access-token", "traffic-token")],
+        ));
         assert!(right.lets_through(8000, &PRIVATE));
         let public = WakeKeys {
             traffic_access_token: None,
@@ -501,8 +504,13 @@ mod tests {
             Presented::of(&request("/health", &[("x-access-token", "agent-token")]))
                 .lets_through(AGENT_PORT, &PRIVATE)
         );
-        let signature =
-            sandbar_envd::file_signature("/tmp/a", FileOperation::Read, "user", "agent-token", None);
+        let signature = sandbar_envd::file_signature(
+            "/tmp/a",
+            FileOperation::Read,
+            "user",
+            "agent-token",
+            None,
+        );
         let signed = format!("/files?path=/tmp/a&username=user&signature={signature}");
         assert!(Presented::of(&request(&signed, &[])).lets_through(AGENT_PORT, &PRIVATE));
         // The same signature for another user is not valid.

@@ -79,16 +79,57 @@ where
     }
 }
 
+/// Largest JSON body the API reads.
+pub(crate) const JSON_BODY_LIMIT: usize = 2 << 20;
+
+/// Most of an oversized body read (and dropped) before answering 413: a client still sending
+/// when the connection closes sees a broken pipe, not the answer.
+const OVERSIZED_DRAIN_LIMIT: usize = 64 << 20;
+
+/// Reads a body of at most [`JSON_BODY_LIMIT`] bytes; a larger one is a 413 naming the limit.
+async fn read_bounded_body(req: Request) -> Result<Bytes, ApiError> {
+    use futures_util::StreamExt;
+    let too_large = || {
+        ApiError::new(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body is larger than the limit of {} bytes ({} MiB)",
+                JSON_BODY_LIMIT,
+                JSON_BODY_LIMIT >> 20
+            ),
+        )
+    };
+    let mut stream = req.into_body().into_data_stream();
+    let mut body = bytes::BytesMut::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk =
+            chunk.map_err(|e| ApiError::bad_request(format!("cannot read request body: {e}")))?;
+        if body.len() + chunk.len() > JSON_BODY_LIMIT {
+            let mut seen = body.len() + chunk.len();
+            let drain = async {
+                while let Some(Ok(chunk)) = stream.next().await {
+                    seen += chunk.len();
+                    if seen > OVERSIZED_DRAIN_LIMIT {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(10), drain).await;
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
 /// A JSON request body; an absent body reads as `{}` so optional bodies may be omitted.
 pub(crate) struct JsonBody<T>(pub T);
 
 impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
-        let bytes = Bytes::from_request(req, state)
-            .await
-            .map_err(|e| ApiError::bad_request(format!("cannot read request body: {e}")))?;
+    async fn from_request(req: Request, _state: &AppState) -> Result<Self, ApiError> {
+        let bytes = read_bounded_body(req).await?;
         let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
             b"{}"
         } else {

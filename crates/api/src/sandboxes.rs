@@ -80,18 +80,15 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
         mask_request_host: network.mask_request_host,
     };
     let env_vars = body.env_vars.unwrap_or_default();
-    if let Some(bad) = env_vars
-        .keys()
-        .find(|k| k.is_empty() || k.contains('=') || k.contains('\0'))
-    {
-        return Err(ApiError::bad_request(format!(
-            "invalid environment variable name '{bad}'"
-        )));
-    }
+    sandbar_core::inputs::check_env_names(env_vars.keys())
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let metadata = body.metadata.unwrap_or_default();
+    sandbar_core::inputs::check_metadata(&metadata)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     Ok(CreateSandbox {
         template: body.template_id,
         timeout_secs: non_negative("timeout", body.timeout.unwrap_or(default_timeout))?,
-        metadata: body.metadata.unwrap_or_default(),
+        metadata,
         env_vars,
         allow_internet_access: body.allow_internet_access.unwrap_or(true),
         network,

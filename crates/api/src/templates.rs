@@ -478,13 +478,14 @@ fn parse_step(index: usize, step: StepBody) -> Result<BuildStep, ApiError> {
                     "step {n} (ENV): arguments must be name and value pairs"
                 )));
             }
-            StepKind::Env {
-                vars: step
-                    .args
-                    .chunks(2)
-                    .map(|p| (p[0].clone(), p[1].clone()))
-                    .collect(),
-            }
+            let vars: Vec<(String, String)> = step
+                .args
+                .chunks(2)
+                .map(|p| (p[0].clone(), p[1].clone()))
+                .collect();
+            sandbar_core::inputs::check_env_names(vars.iter().map(|(name, _)| name))
+                .map_err(|e| ApiError::bad_request(format!("step {n} (ENV): {e}")))?;
+            StepKind::Env { vars }
         }
         "WORKDIR" => StepKind::Workdir {
             path: need(0, "a path")?,

@@ -330,6 +330,13 @@ pub fn to_build(
                         reason,
                     })?;
                 let mut vars = Vec::new();
+                crate::inputs::check_env_names(pairs.iter().map(|(k, _)| k)).map_err(|e| {
+                    DockerfileError::Invalid {
+                        line,
+                        instruction: "ENV",
+                        reason: e.to_string(),
+                    }
+                })?;
                 for (k, v) in pairs {
                     let v = substitute(&v, &scope(&args, &env));
                     env.insert(k.clone(), v.clone());

@@ -13,6 +13,7 @@ pub mod disks;
 pub mod dockerfile;
 pub mod faults;
 pub mod ids;
+pub mod inputs;
 pub mod keys;
 pub mod lifecycle;
 pub mod limits;
