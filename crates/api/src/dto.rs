@@ -393,7 +393,7 @@ impl From<&Template> for TemplateItem {
             disk_size_mb: t.disk_size_mb,
             public: t.public,
             aliases: t.aliases.clone(),
-            names: t.aliases.clone(),
+            names: t.names(),
             created_at: rfc3339(t.created_at),
             updated_at: rfc3339(t.updated_at),
             created_by: None,

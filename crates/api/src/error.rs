@@ -130,7 +130,6 @@ impl From<TemplateError> for ApiError {
         let status = match &e {
             TemplateError::BadReference(_) => StatusCode::BAD_REQUEST,
             TemplateError::NotFound(_) => StatusCode::NOT_FOUND,
-            TemplateError::Forbidden(_) => StatusCode::FORBIDDEN,
             TemplateError::BuildFailed { .. } => StatusCode::BAD_REQUEST,
             TemplateError::StillBuilding(_) => StatusCode::CONFLICT,
             TemplateError::Store(s) => return Self::internal(s),

@@ -177,7 +177,6 @@ async fn create(
     responses(
         (status = 201, description = "The sandbox was started", body = SandboxCreated),
         (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
-        (status = 403, description = "The template belongs to another team", body = ErrorBody),
         (status = 404, description = "No such template or volume", body = ErrorBody),
         (status = 409, description = "The template's build has not finished", body = ErrorBody),
         (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
@@ -206,7 +205,6 @@ pub(crate) async fn create_v2(
     responses(
         (status = 201, description = "The sandbox was started", body = SandboxCreated),
         (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
-        (status = 403, description = "The template belongs to another team", body = ErrorBody),
         (status = 404, description = "No such template or volume", body = ErrorBody),
         (status = 409, description = "The template's build has not finished", body = ErrorBody),
         (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),

@@ -188,7 +188,6 @@ pub(crate) async fn list(
     responses(
         (status = 200, description = "The template the alias names", body = AliasLookup),
         (status = 400, description = "Invalid alias", body = ErrorBody),
-        (status = 403, description = "The template belongs to another team", body = ErrorBody),
         (status = 404, description = "No such alias", body = ErrorBody),
         (status = 409, description = "The template's build has not finished", body = ErrorBody),
         CommonErrors,
@@ -294,10 +293,10 @@ async fn request_build(
     Ok((
         StatusCode::ACCEPTED,
         Json(BuildRequestedBody {
+            names: requested.template.names(),
             template_id: requested.template.id,
             build_id: requested.build_id,
             public: requested.template.public,
-            names: requested.template.aliases.clone(),
             aliases: requested.template.aliases,
             tags: requested.tags,
         }),
@@ -762,17 +761,7 @@ pub(crate) async fn detail(
     PathParam(template_id): PathParam<String>,
     query: QueryPairs,
 ) -> Result<Response, ApiError> {
-    let template = state
-        .templates
-        .resolve(&team, &template_id)
-        .await
-        .map_err(|e| match e {
-            sandbar_core::TemplateError::Forbidden(_) => ApiError::new(
-                StatusCode::NOT_FOUND,
-                format!("template '{template_id}' not found"),
-            ),
-            other => other.into(),
-        })?;
+    let template = state.templates.resolve(&team, &template_id).await?;
     let limit = query.int_in("limit", 1..=100)?.unwrap_or(100) as usize;
     let start: usize = match query.get("nextToken") {
         None => 0,
@@ -788,9 +777,9 @@ pub(crate) async fn detail(
         .map(build_json)
         .collect();
     let body = TemplateDetail {
+        names: template.names(),
         template_id: template.id,
         public: template.public,
-        names: template.aliases.clone(),
         aliases: template.aliases,
         created_at: rfc3339(template.created_at),
         updated_at: rfc3339(template.updated_at),
@@ -901,7 +890,7 @@ async fn update_template(
         None => state.templates.resolve(team, template_id).await?,
     };
     Ok(Json(TemplateNames {
-        names: template.aliases,
+        names: template.names(),
     }))
 }
 

@@ -892,10 +892,16 @@ async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry()
             "POST",
             "/v2/sandboxes",
             key,
-            Some(r#"{"templateID":"base","timeout":30,"autoPause":true,"autoResume":{"enabled":true}}"#),
+            Some(
+                r#"{"templateID":"base","timeout":30,"secure":true,"autoPause":true,"autoResume":{"enabled":true}}"#,
+            ),
         )
         .await;
     let sleeper_id = sleeper.body["sandboxID"].as_str().expect("id").to_owned();
+    let agent_token = sleeper.body["envdAccessToken"]
+        .as_str()
+        .expect("token")
+        .to_owned();
     let paused = h
         .call("POST", &format!("/sandboxes/{sleeper_id}/pause"), key, None)
         .await;
@@ -914,6 +920,7 @@ async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry()
         .uri("/health")
         .header("E2b-Sandbox-Id", sleeper_id.as_str())
         .header("E2b-Sandbox-Port", "49983")
+        .header("X-Access-Token", agent_token.as_str())
         .body(Body::empty())
         .expect("request");
     let response = h.app.clone().oneshot(request).await.expect("call");

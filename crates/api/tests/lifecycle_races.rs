@@ -467,7 +467,9 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
         .snapshot(&h.team, &id, Some("kept"), false)
         .await
         .expect("named snapshot");
-    assert_eq!(named.snapshot_id, "kept:default");
+    // Named in the team's namespace, as E2B names snapshots.
+    assert_eq!(named.snapshot_id, format!("{}/kept:default", h.team.slug));
+    assert_eq!(named.names, vec![named.snapshot_id.clone()]);
 
     // As the SDK sends it: the whole snapshot ID, its colon encoded.
     let uri = format!("/templates/{}", unnamed.snapshot_id.replace(':', "%3A"));

@@ -472,6 +472,7 @@ async fn another_teams_sandbox_is_invisible() {
     let other = Team {
         id: "other-team".into(),
         name: "other".into(),
+        slug: "other".into(),
         max_concurrent_sandboxes: 5,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 0,
@@ -591,6 +592,7 @@ async fn building_template(h: &Harness, alias: &str) -> String {
         .register(&Template {
             id: id.clone(),
             team_id: None,
+            namespace: None,
             aliases: vec![alias.into()],
             public: true,
             build_id: "b2".into(),

@@ -92,6 +92,7 @@ async fn harness() -> Harness {
     let other = Team {
         id: "other-team".into(),
         name: "other".into(),
+        slug: "other".into(),
         max_concurrent_sandboxes: 5,
         max_sandbox_timeout_secs: 3600,
         requests_per_minute: 0,

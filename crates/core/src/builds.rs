@@ -435,7 +435,7 @@ pub enum RequestBuildError {
     BadTag(String),
     #[error("a template name is required")]
     MissingName,
-    #[error("template name '{0}' belongs to another team")]
+    #[error("template name '{0}' is in another team's namespace")]
     NameTaken(String),
     #[error("{field} must be between {min} and {max}, got {value}")]
     OutOfRange {
@@ -694,6 +694,12 @@ impl Builds {
     ) -> Result<BuildRequested, RequestBuildError> {
         let full = request.name.ok_or(RequestBuildError::MissingName)?;
         let (name, tag) = split_name(&full);
+        // A name may carry the team's own namespace, as E2B's names do; no other.
+        let name = match name.split_once('/') {
+            Some((namespace, alias)) if namespace == team.slug => alias,
+            Some(_) => return Err(RequestBuildError::NameTaken(full.clone())),
+            None => name,
+        };
         if !valid_name(name) || name == DEFAULT_TEMPLATE_ALIAS {
             return Err(RequestBuildError::BadName(full.clone()));
         }
@@ -736,13 +742,13 @@ impl Builds {
             }
         }
         let now = Utc::now();
-        let existing = self.store.template_by_alias(name).await?;
+        let existing = self.store.template_by_name(Some(&team.id), name).await?;
         let mut template = match existing {
-            Some(t) if t.team_id.as_deref() == Some(team.id.as_str()) => t,
-            Some(_) => return Err(RequestBuildError::NameTaken(name.to_owned())),
+            Some(t) => t,
             None => Template {
                 id: crate::ids::new_template_id(),
                 team_id: Some(team.id.clone()),
+                namespace: Some(team.slug.clone()),
                 aliases: vec![name.to_owned()],
                 public: false,
                 build_id: String::new(),
@@ -1124,12 +1130,8 @@ impl Builds {
         reference: &str,
     ) -> Result<Template, StartBuildError> {
         let (name, tag) = split_name(reference);
-        let found = match self.store.template(name).await? {
-            Some(t) => Some(t),
-            None => self.store.template_by_alias(name).await?,
-        };
-        let mut template = found
-            .filter(|t| t.visible_to(&team.id))
+        let mut template = crate::templates::find_template(self.store.as_ref(), team, name)
+            .await?
             .ok_or_else(|| StartBuildError::Invalid(format!("template '{reference}' not found")))?;
         if let Some(tag) = tag.filter(|t| *t != "default") {
             let build = self
@@ -1424,11 +1426,9 @@ impl Builds {
     }
 
     async fn find_own(&self, team: &Team, reference: &str) -> Result<Template, TemplateAdminError> {
-        let found = match self.store.template(reference).await? {
-            Some(t) => Some(t),
-            None => self.store.template_by_alias(reference).await?,
-        };
-        let template = found.ok_or_else(|| TemplateAdminError::NotFound(reference.to_owned()))?;
+        let template = crate::templates::find_template(self.store.as_ref(), team, reference)
+            .await?
+            .ok_or_else(|| TemplateAdminError::NotFound(reference.to_owned()))?;
         match template.team_id.as_deref() {
             None => Err(TemplateAdminError::BuiltIn(reference.to_owned())),
             Some(owner) if owner == team.id => Ok(template),

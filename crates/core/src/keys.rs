@@ -320,6 +320,7 @@ impl Auth {
         let mut team = Team {
             id: ids::new_uuid(),
             name: name.to_owned(),
+            slug: self.store.free_team_slug(name).await?,
             max_concurrent_sandboxes: 0,
             max_sandbox_timeout_secs: 0,
             requests_per_minute: 0,

@@ -67,6 +67,7 @@ mod tests {
 
     fn team(per_minute: u32) -> Team {
         Team {
+            slug: "team".into(),
             id: "t".into(),
             name: "t".into(),
             max_concurrent_sandboxes: 1,

@@ -17,6 +17,9 @@ pub const DEFAULT_TEMPLATE_ALIAS: &str = "base";
 pub struct Team {
     pub id: String,
     pub name: String,
+    /// The team's namespace in template and snapshot names (`slug/name:tag`): unique, made
+    /// from the name when the team is made.
+    pub slug: String,
     pub max_concurrent_sandboxes: u32,
     pub max_sandbox_timeout_secs: u64,
     /// API requests allowed per minute; 0 means no limit.
@@ -62,6 +65,9 @@ pub struct Template {
     pub id: String,
     /// `None` for templates every team may use (the built-in ones).
     pub team_id: Option<String>,
+    /// The owning team's slug, which namespaces the aliases; `None` for built-in templates.
+    pub namespace: Option<String>,
+    /// Names within the owner's namespace, unique there.
     pub aliases: Vec<String>,
     pub public: bool,
     pub build_id: String,
@@ -84,6 +90,39 @@ pub struct Template {
 impl Template {
     pub fn visible_to(&self, team_id: &str) -> bool {
         self.public || self.team_id.as_deref().is_none_or(|owner| owner == team_id)
+    }
+
+    /// Full names as E2B gives them: `namespace/alias`, or the bare alias of a built-in.
+    pub fn names(&self) -> Vec<String> {
+        self.aliases
+            .iter()
+            .map(|alias| match &self.namespace {
+                Some(namespace) => format!("{namespace}/{alias}"),
+                None => alias.clone(),
+            })
+            .collect()
+    }
+}
+
+/// A slug made from a team's name: lower-case letters and digits, runs of anything else
+/// made one `-`, at most 48 bytes; `team` when nothing is left.
+pub fn slug_of(name: &str) -> String {
+    let mut slug = String::new();
+    for c in name.chars() {
+        if c.is_ascii_alphanumeric() {
+            slug.push(c.to_ascii_lowercase());
+        } else if !slug.ends_with('-') && !slug.is_empty() {
+            slug.push('-');
+        }
+        if slug.len() >= 48 {
+            break;
+        }
+    }
+    let slug = slug.trim_end_matches('-');
+    if slug.is_empty() {
+        "team".to_owned()
+    } else {
+        slug.to_owned()
     }
 }
 
@@ -190,7 +229,15 @@ pub struct Sandbox {
 
 #[cfg(test)]
 mod tests {
-    use super::PauseKind;
+    use super::{PauseKind, slug_of};
+
+    #[test]
+    fn slugs_are_lower_case_letters_digits_and_single_dashes() {
+        assert_eq!(slug_of("Acme Corp"), "acme-corp");
+        assert_eq!(slug_of("  --Team__42!!"), "team-42");
+        assert_eq!(slug_of("日本"), "team");
+        assert_eq!(slug_of(&"a".repeat(100)).len(), 48);
+    }
 
     #[test]
     fn every_pause_kind_reads_back_as_stored() {

@@ -1965,6 +1965,7 @@ impl Sandboxes {
         let template = template.unwrap_or_else(|| Template {
             id: sandbox.template_id.clone(),
             team_id: Some(sandbox.team_id.clone()),
+            namespace: None,
             aliases: sandbox.alias.iter().cloned().collect(),
             public: false,
             build_id: String::new(),

@@ -56,7 +56,17 @@ pub trait Store: Send + Sync + 'static {
 
     async fn upsert_template(&self, template: &Template) -> Result<(), StoreError>;
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError>;
-    async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>, StoreError>;
+    /// The template named `alias` in a team's namespace (`None`: the built-in templates).
+    async fn template_by_name(
+        &self,
+        team_id: Option<&str>,
+        alias: &str,
+    ) -> Result<Option<Template>, StoreError>;
+    /// Public templates of any team named `alias`, oldest first.
+    async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError>;
+    async fn team_by_slug(&self, slug: &str) -> Result<Option<Team>, StoreError>;
+    /// A slug for a new team named `name` that no team has yet.
+    async fn free_team_slug(&self, name: &str) -> Result<String, StoreError>;
     async fn templates(&self) -> Result<Vec<Template>, StoreError>;
     /// Records the status of the template's latest build.
     async fn set_template_build(

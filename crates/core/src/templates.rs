@@ -14,8 +14,6 @@ pub enum TemplateError {
     BadReference(String),
     #[error("template '{0}' not found")]
     NotFound(String),
-    #[error("template '{0}' belongs to another team")]
-    Forbidden(String),
     #[error("template '{id}' failed to build: {reason}")]
     BuildFailed { id: String, reason: String },
     #[error("template '{0}' is still building; try again shortly")]
@@ -44,6 +42,41 @@ fn valid_reference(reference: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || b"-_./:".contains(&c))
 }
 
+/// The template `team` may use that `name` (no tag) means: an ID; `namespace/alias` in that
+/// team's namespace; or a bare alias, looked up in the caller's namespace, then among the
+/// built-in templates, then among other teams' public templates (when only one has it).
+/// What the caller may not see is not found, exactly like what does not exist.
+pub(crate) async fn find_template(
+    store: &dyn Store,
+    team: &Team,
+    name: &str,
+) -> Result<Option<Template>, StoreError> {
+    if let Some(template) = store.template(name).await?
+        && template.visible_to(&team.id)
+    {
+        return Ok(Some(template));
+    }
+    if let Some((namespace, alias)) = name.split_once('/') {
+        let Some(owner) = store.team_by_slug(namespace).await? else {
+            return Ok(None);
+        };
+        let found = store.template_by_name(Some(&owner.id), alias).await?;
+        return Ok(found.filter(|t| t.visible_to(&team.id)));
+    }
+    if let Some(own) = store.template_by_name(Some(&team.id), name).await? {
+        return Ok(Some(own));
+    }
+    if let Some(built_in) = store.template_by_name(None, name).await? {
+        return Ok(Some(built_in));
+    }
+    let mut public = store.public_templates_named(name).await?;
+    Ok(if public.len() == 1 {
+        public.pop()
+    } else {
+        None
+    })
+}
+
 impl Templates {
     pub fn new(store: Arc<dyn Store>) -> Self {
         Self {
@@ -59,14 +92,9 @@ impl Templates {
             return Err(TemplateError::BadReference(reference.to_owned()));
         }
         let (name, tag) = crate::builds::split_name(reference);
-        let found = match self.store.template(name).await? {
-            Some(t) => Some(t),
-            None => self.store.template_by_alias(name).await?,
-        };
-        let mut template = found.ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
-        if !template.visible_to(&team.id) {
-            return Err(TemplateError::Forbidden(reference.to_owned()));
-        }
+        let mut template = find_template(self.store.as_ref(), team, name)
+            .await?
+            .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
         if let Some(tag) = tag.filter(|t| *t != "default") {
             let build = self
                 .store

@@ -344,6 +344,7 @@ impl NodeBuilder {
             template: Template {
                 id: job.template_id.clone(),
                 team_id: job.team_id.clone(),
+                namespace: None,
                 aliases: Vec::new(),
                 public: false,
                 build_id: job.build_id.clone(),

@@ -153,6 +153,7 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
                 serde_json::to_string_pretty(&serde_json::json!({
                     "teamID": created.team.id,
                     "name": created.team.name,
+                    "slug": created.team.slug,
                     "apiKeyID": created.api_key_id,
                     "apiKey": created.api_key,
                     "accessToken": created.access_token,
@@ -162,7 +163,7 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
         TeamCommand::List { data } => {
             let auth = open(&data).await?;
             for t in auth.all_teams().await? {
-                println!("{}  {}  {}", t.id, t.name, print_limits(&t));
+                println!("{}  {}  {}  {}", t.id, t.slug, t.name, print_limits(&t));
             }
         }
         TeamCommand::SetLimits { team, limits, data } => {
@@ -174,7 +175,7 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
                 );
             }
             let t = auth.set_team_limits(&team, changes).await?;
-            println!("{}  {}  {}", t.id, t.name, print_limits(&t));
+            println!("{}  {}  {}  {}", t.id, t.slug, t.name, print_limits(&t));
         }
     }
     Ok(())

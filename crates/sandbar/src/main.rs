@@ -296,10 +296,11 @@ async fn ensure_base_template(
 ) -> anyhow::Result<()> {
     use sandbar_core::Store;
     let now = Utc::now();
-    let existing = store.template_by_alias(DEFAULT_TEMPLATE_ALIAS).await?;
+    let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
     let mut template = existing.unwrap_or_else(|| Template {
         id: sandbar_core::ids::new_template_id(),
         team_id: None,
+        namespace: None,
         aliases: vec![DEFAULT_TEMPLATE_ALIAS.into()],
         public: true,
         build_id: sandbar_core::ids::new_uuid(),

@@ -29,6 +29,8 @@ pub enum OpenStoreError {
         path: String,
         source: sqlx::migrate::MigrateError,
     },
+    #[error("cannot give the teams of database {path} their slugs: {source}")]
+    Slugs { path: String, source: StoreError },
 }
 
 #[derive(Debug, Clone)]
@@ -110,10 +112,59 @@ impl SqliteStore {
             .run(&pool)
             .await
             .map_err(|source| OpenStoreError::Migrate {
+                path: shown.clone(),
+                source,
+            })?;
+        let store = Self { pool };
+        store
+            .give_teams_slugs()
+            .await
+            .map_err(|source| OpenStoreError::Slugs {
                 path: shown,
                 source,
             })?;
-        Ok(Self { pool })
+        Ok(store)
+    }
+
+    /// Teams made before names had namespaces get a slug from their name, in the order they
+    /// were made, so the oldest keeps the plain one.
+    async fn give_teams_slugs(&self) -> Result<(), StoreError> {
+        let rows =
+            sqlx::query("SELECT id, name FROM teams WHERE slug IS NULL ORDER BY created_at, id")
+                .fetch_all(&self.pool)
+                .await
+                .map_err(err)?;
+        for row in &rows {
+            let id: String = row.try_get("id").map_err(err)?;
+            let name: String = row.try_get("name").map_err(err)?;
+            let slug = self.free_slug(&name).await?;
+            sqlx::query("UPDATE teams SET slug = ? WHERE id = ?")
+                .bind(&slug)
+                .bind(&id)
+                .execute(&self.pool)
+                .await
+                .map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// `slug_of(name)`, or with `-2`, `-3`, … after it when a team has it already.
+    async fn free_slug(&self, name: &str) -> Result<String, StoreError> {
+        let base = sandbar_core::model::slug_of(name);
+        let mut candidate = base.clone();
+        for n in 2.. {
+            let taken = sqlx::query("SELECT 1 FROM teams WHERE slug = ?")
+                .bind(&candidate)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
+                .is_some();
+            if !taken {
+                break;
+            }
+            candidate = format!("{base}-{n}");
+        }
+        Ok(candidate)
     }
 
     /// API keys and access tokens share one shape; only their table differs.
@@ -151,9 +202,20 @@ impl SqliteStore {
     async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
         let id: String = row.try_get("id").map_err(err)?;
         let status: String = row.try_get("build_status").map_err(err)?;
+        let team_id: Option<String> = row.try_get("team_id").map_err(err)?;
+        let namespace = match &team_id {
+            Some(team_id) => sqlx::query_scalar("SELECT slug FROM teams WHERE id = ?")
+                .bind(team_id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
+                .flatten(),
+            None => None,
+        };
         Ok(Template {
             aliases: self.aliases(&id).await?,
-            team_id: row.try_get("team_id").map_err(err)?,
+            team_id,
+            namespace,
             public: row.try_get("public").map_err(err)?,
             build_id: row.try_get("build_id").map_err(err)?,
             build_status: BuildStatus::parse(&status)
@@ -181,6 +243,10 @@ fn team_from_row(row: &SqliteRow) -> Result<Team, StoreError> {
     Ok(Team {
         id: row.try_get("id").map_err(err)?,
         name: row.try_get("name").map_err(err)?,
+        slug: row
+            .try_get::<Option<String>, _>("slug")
+            .map_err(err)?
+            .unwrap_or_default(),
         max_concurrent_sandboxes: row.try_get("max_concurrent_sandboxes").map_err(err)?,
         max_sandbox_timeout_secs: row
             .try_get::<i64, _>("max_sandbox_timeout_secs")
@@ -318,10 +384,11 @@ impl Store for SqliteStore {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO teams (id, name, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&team.id)
         .bind(&team.name)
+        .bind(&team.slug)
         .bind(team.max_concurrent_sandboxes)
         .bind(team.max_sandbox_timeout_secs as i64)
         .bind(team.requests_per_minute)
@@ -404,9 +471,10 @@ impl Store for SqliteStore {
         .map_err(err)?;
         for alias in &t.aliases {
             sqlx::query(
-                "INSERT INTO template_aliases (alias, template_id) VALUES (?, ?)
-                 ON CONFLICT(alias) DO UPDATE SET template_id = excluded.template_id",
+                "INSERT INTO template_aliases (scope, alias, template_id) VALUES (?, ?, ?)
+                 ON CONFLICT(scope, alias) DO UPDATE SET template_id = excluded.template_id",
             )
+            .bind(t.team_id.as_deref().unwrap_or(""))
             .bind(alias)
             .bind(&t.id)
             .execute(&mut *tx)
@@ -429,10 +497,15 @@ impl Store for SqliteStore {
         }
     }
 
-    async fn template_by_alias(&self, alias: &str) -> Result<Option<Template>, StoreError> {
+    async fn template_by_name(
+        &self,
+        team_id: Option<&str>,
+        alias: &str,
+    ) -> Result<Option<Template>, StoreError> {
         let row = sqlx::query(
-            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id WHERE a.alias = ?",
+            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?",
         )
+        .bind(team_id.unwrap_or(""))
         .bind(alias)
         .fetch_optional(&self.pool)
         .await
@@ -441,6 +514,35 @@ impl Store for SqliteStore {
             Some(row) => Ok(Some(self.template_from_row(&row).await?)),
             None => Ok(None),
         }
+    }
+
+    async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id
+             WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id",
+        )
+        .bind(alias)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in &rows {
+            out.push(self.template_from_row(row).await?);
+        }
+        Ok(out)
+    }
+
+    async fn team_by_slug(&self, slug: &str) -> Result<Option<Team>, StoreError> {
+        let row = sqlx::query("SELECT * FROM teams WHERE slug = ?")
+            .bind(slug)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(team_from_row).transpose()
+    }
+
+    async fn free_team_slug(&self, name: &str) -> Result<String, StoreError> {
+        self.free_slug(name).await
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {

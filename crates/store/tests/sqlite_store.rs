@@ -85,6 +85,7 @@ async fn templates_and_sandboxes_round_trip() {
     let template = Template {
         id: "tpl0000000000000000a".into(),
         team_id: None,
+        namespace: None,
         aliases: vec!["base".into()],
         public: true,
         build_id: "b".into(),
@@ -116,7 +117,7 @@ async fn templates_and_sandboxes_round_trip() {
         .await
         .expect("ready");
     let by_alias = store
-        .template_by_alias("base")
+        .template_by_name(None, "base")
         .await
         .expect("query")
         .expect("found");
@@ -235,4 +236,85 @@ async fn templates_and_sandboxes_round_trip() {
     assert!(!updated.allow_internet_access);
     store.delete_sandbox(&sandbox.id).await.expect("delete");
     assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
+}
+
+#[tokio::test]
+async fn names_are_per_team_and_teams_have_unique_slugs() {
+    let (_dir, store) = open().await;
+    let auth = Auth::new(store.clone());
+    let one = auth
+        .create_team("Acme Corp", LIMITS)
+        .await
+        .expect("one")
+        .team;
+    let two = auth
+        .create_team("acme  corp!", LIMITS)
+        .await
+        .expect("two")
+        .team;
+    assert_eq!(one.slug, "acme-corp");
+    assert_eq!(two.slug, "acme-corp-2");
+    assert_eq!(
+        store
+            .team_by_slug("acme-corp-2")
+            .await
+            .expect("slug")
+            .map(|t| t.id),
+        Some(two.id.clone())
+    );
+    let now = Utc::now();
+    let named = |id: &str, team: &str| Template {
+        id: id.into(),
+        team_id: Some(team.into()),
+        namespace: None,
+        aliases: vec!["app".into()],
+        public: false,
+        build_id: "b".into(),
+        build_status: BuildStatus::Ready,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        envd_version: "0.5.7".into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 1,
+    };
+    store
+        .upsert_template(&named("tpl-one", &one.id))
+        .await
+        .expect("one's");
+    store
+        .upsert_template(&named("tpl-two", &two.id))
+        .await
+        .expect("two's");
+    for (team, id, slug) in [
+        (&one, "tpl-one", "acme-corp"),
+        (&two, "tpl-two", "acme-corp-2"),
+    ] {
+        let found = store
+            .template_by_name(Some(&team.id), "app")
+            .await
+            .expect("query")
+            .expect("each team has its own 'app'");
+        assert_eq!(found.id, id);
+        assert_eq!(found.names(), vec![format!("{slug}/app")]);
+    }
+    assert!(
+        store
+            .template_by_name(None, "app")
+            .await
+            .expect("query")
+            .is_none()
+    );
+    assert!(
+        store
+            .public_templates_named("app")
+            .await
+            .expect("query")
+            .is_empty()
+    );
 }

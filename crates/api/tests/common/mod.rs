@@ -85,6 +85,7 @@ pub fn base_template(now: chrono::DateTime<chrono::Utc>) -> Template {
     Template {
         id: "base000000000000000a".into(),
         team_id: None,
+        namespace: None,
         aliases: vec!["base".into()],
         public: true,
         build_id: "b".into(),

@@ -22,7 +22,7 @@ pub enum SnapshotError {
     NotRunning { id: String, state: &'static str },
     #[error("invalid snapshot name '{0}': use lower-case letters, digits, '-', '_' and '.'")]
     BadName(String),
-    #[error("the name '{0}' belongs to a template that is not a snapshot of this team")]
+    #[error("the name '{0}' belongs to a template of this team that is not a snapshot")]
     NameTaken(String),
     #[error("fork count {0} is outside 1..=100")]
     BadCount(u32),
@@ -60,7 +60,7 @@ impl SnapshotInfo {
     fn of(template: &Template) -> Option<Self> {
         let snapshot = template.image.as_ref()?.snapshot.as_ref()?;
         let names: Vec<String> = template
-            .aliases
+            .names()
             .iter()
             .map(|a| format!("{a}:default"))
             .collect();
@@ -143,14 +143,9 @@ impl Sandboxes {
         if !valid_name(name) {
             return Err(SnapshotError::BadName(name.to_owned()));
         }
-        match self.store.template_by_alias(name).await? {
+        match self.store.template_by_name(Some(&team.id), name).await? {
             None => Ok(None),
-            Some(t)
-                if t.team_id.as_deref() == Some(team.id.as_str())
-                    && t.image.as_ref().is_some_and(|i| i.snapshot.is_some()) =>
-            {
-                Ok(Some(t))
-            }
+            Some(t) if t.image.as_ref().is_some_and(|i| i.snapshot.is_some()) => Ok(Some(t)),
             Some(_) => Err(SnapshotError::NameTaken(name.to_owned())),
         }
     }
@@ -243,6 +238,7 @@ impl Sandboxes {
             None => Template {
                 id: ids::new_template_id(),
                 team_id: Some(team.id.clone()),
+                namespace: Some(team.slug.clone()),
                 aliases: name.map(str::to_owned).into_iter().collect(),
                 public: false,
                 build_id: build_id.clone(),
