@@ -158,3 +158,70 @@ def test_metadata_and_env_limits_are_400_naming_them(sandbar, field, value, name
         r = api.post("/sandboxes", json={"templateID": "base", field: value})
     assert r.status_code == 400, r.text
     assert named in r.json()["message"], r.text
+
+
+@pytest.fixture(scope="module")
+def rival(sandbar) -> dict:
+    """A second team, to hold the same names as the first."""
+    return json.loads(_cli(sandbar, "team", "create", unique("rival")))
+
+
+def test_names_are_per_team_and_what_another_team_keeps_private_is_not_found(sandbar, team, rival, team_sandboxes):
+    from e2b import Template
+
+    name = unique("shared-name")
+    made = {}
+    for owner in (team, rival):
+        headers = {"X-API-Key": owner["apiKey"]}
+        build = Template.build(Template().from_template("base").run_cmd(f"echo {owner['slug']} > /tmp/owner"),
+                               f"{name}:v1", api_key=owner["apiKey"])
+        assert build.template_id
+        sbx = Sandbox.create(api_key=owner["apiKey"], timeout=60)
+        r = httpx.post(f"{sandbar.url}/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": f"{name}-snap"},
+                       headers=headers, timeout=120)
+        assert r.status_code in (200, 201), r.text
+        assert r.json()["snapshotID"] == f"{owner['slug']}/{name}-snap:default", r.text
+        httpx.delete(f"{sandbar.url}/sandboxes/{sbx.sandbox_id}", headers=headers, timeout=30)
+        made[owner["teamID"]] = {"template": build.template_id, "snapshot": r.json()}
+
+    mine, theirs = team, rival
+    mine_h, theirs_h = {"X-API-Key": mine["apiKey"]}, {"X-API-Key": theirs["apiKey"]}
+    theirs_template = made[theirs["teamID"]]["template"]
+    with httpx.Client(base_url=sandbar.url, timeout=60) as api:
+        # The same template name in two teams; each sees its own, named in its namespace.
+        detail = api.get(f"/templates/{made[mine['teamID']]['template']}", headers=mine_h)
+        assert detail.status_code == 200, detail.text
+        assert f"{mine['slug']}/{name}" in detail.json()["names"], detail.text
+        assert detail.json()["aliases"] == [name]
+
+        # Another team's private template and snapshot: by ID, by name, namespaced or not,
+        # answered like something that does not exist.
+        for reference in (theirs_template, f"{theirs['slug']}/{name}", f"{theirs['slug']}/{name}:v1",
+                          f"{theirs['slug']}/{name}-snap:default", made[theirs["teamID"]]["snapshot"]["snapshotID"]):
+            r = api.get(f"/templates/{reference.replace('/', '%2F').replace(':', '%3A')}", headers=mine_h)
+            assert r.status_code == 404, f"{reference}: {r.status_code} {r.text}"
+            r = api.post("/sandboxes", json={"templateID": reference}, headers=mine_h)
+            assert r.status_code == 404, f"{reference}: {r.status_code} {r.text}"
+            assert theirs["slug"] not in r.json()["message"] or reference in r.json()["message"]
+        assert api.get(f"/templates/aliases/{theirs['slug']}%2F{name}", headers=mine_h).status_code == 404
+        assert api.delete(f"/templates/{theirs_template}", headers=mine_h).status_code == 404
+        volume = api.post("/volumes", json={"name": name}, headers=theirs_h)
+        assert volume.status_code in (200, 201), volume.text
+        assert api.get(f"/volumes/{volume.json()['volumeID']}", headers=mine_h).status_code == 404
+        assert api.delete(f"/volumes/{volume.json()['volumeID']}", headers=theirs_h).status_code == 204
+
+    # The SDK resolves the bare name and the namespaced one with a tag to the team's own.
+    for reference in (name, f"{name}:v1", f"{mine['slug']}/{name}:v1"):
+        sbx = Sandbox.create(template=reference, api_key=mine["apiKey"], timeout=60)
+        try:
+            assert sbx.commands.run("cat /tmp/owner").stdout.strip() == mine["slug"], reference
+        finally:
+            sbx.kill()
+    snap = Sandbox.create(template=f"{mine['slug']}/{name}-snap", api_key=mine["apiKey"], timeout=60)
+    snap.kill()
+    for owner in (team, rival):
+        headers = {"X-API-Key": owner["apiKey"]}
+        httpx.delete(f"{sandbar.url}/templates/{made[owner['teamID']]['template']}", headers=headers, timeout=30)
+        snapshot_template = made[owner["teamID"]]["snapshot"]["snapshotID"]
+        httpx.delete(f"{sandbar.url}/templates/{snapshot_template.replace('/', '%2F').replace(':', '%3A')}",
+                     headers=headers, timeout=30)
