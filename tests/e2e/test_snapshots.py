@@ -141,7 +141,9 @@ def test_snapshots_are_listed_named_and_deleted(criu, sandbar, make_sandbox):
     name = unique("snap")
     source.files.write("/home/user/v.txt", "one")
     first = source.create_snapshot(name=name)
-    assert first.snapshot_id == f"{name}:default"
+    # Named in the team's namespace: `<team slug>/<name>:default`.
+    namespace, _, rest = first.snapshot_id.partition("/")
+    assert namespace and rest == f"{name}:default", first.snapshot_id
     source.files.write("/home/user/v.txt", "two")
     second = source.create_snapshot(name=name)
     assert second.snapshot_id == first.snapshot_id

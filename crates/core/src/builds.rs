@@ -742,6 +742,10 @@ impl Builds {
             }
         }
         let now = Utc::now();
+        // A built-in template's name stays unambiguous in every namespace.
+        if self.store.template_by_name(None, name).await?.is_some() {
+            return Err(RequestBuildError::BadName(full.clone()));
+        }
         let existing = self.store.template_by_name(Some(&team.id), name).await?;
         let mut template = match existing {
             Some(t) => t,

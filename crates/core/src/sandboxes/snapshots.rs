@@ -22,7 +22,9 @@ pub enum SnapshotError {
     NotRunning { id: String, state: &'static str },
     #[error("invalid snapshot name '{0}': use lower-case letters, digits, '-', '_' and '.'")]
     BadName(String),
-    #[error("the name '{0}' belongs to a template of this team that is not a snapshot")]
+    #[error(
+        "the name '{0}' belongs to a built-in template or a template of this team that is not a snapshot"
+    )]
     NameTaken(String),
     #[error("fork count {0} is outside 1..=100")]
     BadCount(u32),
@@ -142,6 +144,10 @@ impl Sandboxes {
     ) -> Result<Option<Template>, SnapshotError> {
         if !valid_name(name) {
             return Err(SnapshotError::BadName(name.to_owned()));
+        }
+        // A built-in template's name stays unambiguous in every namespace.
+        if self.store.template_by_name(None, name).await?.is_some() {
+            return Err(SnapshotError::NameTaken(name.to_owned()));
         }
         match self.store.template_by_name(Some(&team.id), name).await? {
             None => Ok(None),
