@@ -53,3 +53,18 @@ def test_a_process_killed_for_memory_is_named_with_the_limit(sandbar, sandbox):
         assert any(f"{limit_mb} MiB" in line for line in lines), lines
 
         wait_until(lambda: _oom_kills(api) >= before + 1, timeout=5, message="the /metrics OOM counter")
+
+
+def test_the_oom_killer_picks_sandbox_processes_first(sandbar, sandbox):
+    """What a sandbox runs scores far above its agent, which scores as the host's own
+    services do, and the server is protected; no process can go below its agent."""
+    assert sandbox.commands.run("cat /proc/self/oom_score_adj").stdout.strip() == "800"
+    assert sandbox.commands.run("cat /proc/1/oom_score_adj").stdout.strip() == "0"
+    floor = sandbox.commands.run("sh -c 'echo -100 > /proc/self/oom_score_adj' 2>&1; cat /proc/self/oom_score_adj",
+                                 user="root").stdout.split()[-1]
+    assert floor != "-100", "a sandbox process went below its agent's score"
+    # Lowering a score needs CAP_SYS_RESOURCE, which some hosts (containers) withhold: there
+    # the server keeps the host's 0, still far below what sandboxes run.
+    caps = int(open("/proc/self/status").read().split("CapEff:")[1].split()[0], 16)
+    expected = "-900" if caps & (1 << 24) else "0"
+    assert open(f"/proc/{sandbar.proc.pid}/oom_score_adj").read().strip() == expected

@@ -27,6 +27,10 @@ const SUBSCRIBER_BUFFER: usize = 64;
 /// PATH for processes whose environment does not set one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+/// `oom_score_adj` of every process the agent starts: far above the agent's and the host's
+/// own (0) and the server's (negative).
+const SANDBOX_PROCESS_OOM_SCORE_ADJ: &str = "800";
+
 /// One thing that happened to a process, in the order attached streams see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProcessOutput {
@@ -680,6 +684,14 @@ impl ProcessManager {
             let pid = child.id();
             // The child is waited for by the reaper, never through `Child`.
             drop(child);
+            // When memory runs out, the kernel kills what a sandbox runs before its agent (and
+            // before anything of the host). Set from here: `spawn` returns once the child
+            // has exec'd, when its /proc entry is its own (before, it is the non-dumpable
+            // agent's). It can lower the score back to the agent's, never below.
+            let _ = std::fs::write(
+                format!("/proc/{pid}/oom_score_adj"),
+                SANDBOX_PROCESS_OOM_SCORE_ADJ,
+            );
             (pid, guard.register(pid))
         };
         // Drop our copies of the child's ends so end-of-file arrives when it exits.

@@ -119,6 +119,66 @@ impl DiskGauges {
     }
 }
 
+/// What `/metrics` says of the host's memory and the sandboxes' share of it.
+#[derive(Default)]
+struct MemoryGauges {
+    total: Gauge,
+    available: Gauge,
+    promised: Gauge,
+    promise_limit: Gauge,
+    overcommit: Gauge,
+    stalled: Gauge<f64, std::sync::atomic::AtomicU64>,
+}
+
+impl MemoryGauges {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "memory_total_bytes",
+            "The host's memory",
+            self.total.clone(),
+        );
+        registry.register(
+            "memory_available_bytes",
+            "Memory the host can give without swapping (MemAvailable); a sandbox starts only \
+             while the reserve and a start's cost are available",
+            self.available.clone(),
+        );
+        registry.register(
+            "memory_promised_bytes",
+            "Memory limits (memoryMB) of running sandboxes together; what they use is far less",
+            self.promised.clone(),
+        );
+        registry.register(
+            "memory_promise_limit_bytes",
+            "How far the memory limits of running sandboxes may add up",
+            self.promise_limit.clone(),
+        );
+        registry.register(
+            "memory_overcommit_ratio",
+            "How many times the host's memory (less the reserve) the limits may add up to",
+            self.overcommit.clone(),
+        );
+        registry.register(
+            "memory_pressure_full_avg10_percent",
+            "Share of the last 10 s in which every task waited for memory (PSI); new \
+             sandboxes are refused above the configured limit",
+            self.stalled.clone(),
+        );
+    }
+
+    fn set(&self, report: &sandbar_core::MemoryReport) {
+        let gauge = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+        self.total.set(gauge(report.total_bytes));
+        self.available.set(gauge(report.available_bytes));
+        self.promised.set(gauge(report.promised_bytes));
+        self.promise_limit.set(gauge(report.promise_limit_bytes));
+        self.overcommit.set(i64::from(report.overcommit));
+        if let Some(stalled) = report.stalled_percent {
+            self.stalled.set(stalled);
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EdgeLabels {
     target: &'static str,
@@ -142,6 +202,7 @@ pub(crate) struct Telemetry {
     by_state: Family<StateLabels, Gauge>,
     oom_kills: Counter,
     disks: DiskGauges,
+    memory: MemoryGauges,
     /// Two scrapes at once must not both add the same kills.
     oom_sync: std::sync::Mutex<()>,
 }
@@ -208,6 +269,8 @@ impl Telemetry {
         );
         let disks = DiskGauges::default();
         disks.register(&mut registry);
+        let memory = MemoryGauges::default();
+        memory.register(&mut registry);
         Self {
             registry,
             sandboxes,
@@ -218,6 +281,7 @@ impl Telemetry {
             by_state,
             oom_kills,
             disks,
+            memory,
             oom_sync: std::sync::Mutex::new(()),
         }
     }
@@ -261,6 +325,9 @@ impl Telemetry {
             }
         }
         self.disks.set(&self.sandboxes.disks());
+        if let Some(memory) = self.sandboxes.memory() {
+            self.memory.set(&memory);
+        }
         let mut out = String::new();
         encode(&mut out, &self.registry)?;
         Ok(out)

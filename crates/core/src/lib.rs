@@ -47,7 +47,8 @@ pub use model::{
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
-    AdoptedCheckpoint, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+    AdoptedCheckpoint, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle,
+    SnapshotParts,
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{

@@ -79,6 +79,20 @@ pub struct RuntimeStats {
     pub disk_total: u64,
 }
 
+/// The host's memory and what sandboxes may use of it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct MemoryReport {
+    pub total_bytes: u64,
+    pub available_bytes: u64,
+    /// Memory limits of running sandboxes together.
+    pub promised_bytes: u64,
+    /// How far those limits may add up (the overcommit limit).
+    pub promise_limit_bytes: u64,
+    pub overcommit: u32,
+    /// PSI `full avg10`, percent; `None` without PSI.
+    pub stalled_percent: Option<f64>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// The template's start command did not become ready.
@@ -133,6 +147,11 @@ pub trait Runtime: Send + Sync + 'static {
     /// sandboxes alive now or ended since this server started.
     fn oom_kills(&self) -> u64 {
         0
+    }
+
+    /// The node's memory as measured now, against what is promised to sandboxes.
+    fn memory(&self) -> Option<MemoryReport> {
+        None
     }
 
     /// The node's disks as measured now; empty where the runtime has none to report.

@@ -720,6 +720,11 @@ impl Sandboxes {
         self.runtime.oom_kills()
     }
 
+    /// The node's memory as measured now.
+    pub fn memory(&self) -> Option<crate::runtime::MemoryReport> {
+        self.runtime.memory()
+    }
+
     /// The node's disks as measured now.
     pub fn disks(&self) -> crate::disks::DiskReport {
         self.runtime.disks()

@@ -183,6 +183,14 @@ impl CgroupDriver {
             match name {
                 "memory" => {
                     write(&dir.join("memory.limit_in_bytes"), &memory.to_string())?;
+                    // Limits add up past the host (they are ceilings, not reservations): when
+                    // the host runs short, the kernel reclaims first from the sandboxes that
+                    // are furthest above a quarter of their limit, so the busiest slow down
+                    // before anyone is killed.
+                    let soft = dir.join("memory.soft_limit_in_bytes");
+                    if soft.exists() {
+                        write(&soft, &(memory / 4).to_string())?;
+                    }
                     let memsw = dir.join("memory.memsw.limit_in_bytes");
                     if memsw.exists() {
                         write(&memsw, &memory.to_string())?;

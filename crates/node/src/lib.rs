@@ -11,6 +11,7 @@ pub mod dns;
 pub mod egress;
 pub mod image_layers;
 pub mod layers;
+pub mod memory;
 pub mod mounts;
 pub mod netns;
 pub mod network;
@@ -21,4 +22,4 @@ pub mod uploads;
 pub mod volumes;
 
 pub use builder::NodeBuilder;
-pub use runtime::{LinuxRuntime, NodeConfig, NodeError};
+pub use runtime::{LinuxRuntime, NodeConfig, NodeError, protect_server_from_oom_killer};

@@ -55,9 +55,14 @@ pub struct NodeConfig {
     pub id_base: u32,
     /// Pseudo-terminals one sandbox may hold at once.
     pub pty_max: u32,
-    /// Memory kept for the host and the server: sandboxes are granted at most the host's
-    /// memory minus this, in MiB.
+    /// Memory kept for the host and the server, in MiB: no sandbox starts when less than
+    /// this (and a start's cost) is available.
     pub memory_reserve_mb: u64,
+    /// How many times the host's memory (less the reserve) the memory limits of all
+    /// sandboxes may add up to.
+    pub memory_overcommit: u32,
+    /// Memory pressure (PSI `full avg10`, percent) at which new sandboxes are refused.
+    pub memory_pressure_limit_percent: f64,
     /// The CRIU binary for checkpoints of paused sandboxes; `None` keeps them in memory.
     pub criu: Option<PathBuf>,
     /// Network namespaces kept wired and waiting for new sandboxes.
@@ -149,8 +154,8 @@ pub struct LinuxRuntime {
     /// sandboxes that let their memory go since this server started.
     oom_baselines: Mutex<std::collections::BTreeMap<String, u64>>,
     oom_kills_ended: std::sync::atomic::AtomicU64,
-    /// What may be granted in all, in MiB.
-    memory_capacity_mb: u64,
+    /// How memory is admitted.
+    memory_rule: crate::memory::MemoryRule,
     slots: SlotSet,
     layers: crate::layers::LayerStore,
     /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
@@ -180,6 +185,33 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
         sandbox_id: id.to_owned(),
         message: message.to_string(),
     }
+}
+
+/// Sets the calling process's `oom_score_adj` (and, for a privileged caller, its floor) to 0.
+/// Async-signal-safe: called between fork and exec.
+fn reset_oom_score_adj() {
+    // SAFETY: open, write and close on a static path and buffer.
+    unsafe {
+        let fd = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            let _ = libc::write(fd, c"0".as_ptr().cast(), 1);
+            libc::close(fd);
+        }
+    }
+}
+
+/// The server's own `oom_score_adj`: when the host runs out of memory, the kernel kills
+/// sandbox processes and host services before the process that manages them.
+pub const SERVER_OOM_SCORE_ADJ: &str = "-900";
+
+/// Lowers the server's `oom_score_adj` to [`SERVER_OOM_SCORE_ADJ`]; the sandboxes it starts
+/// are set back to 0. Needs `CAP_SYS_RESOURCE`, which some container hosts withhold; the
+/// server then keeps the host's 0, still far below the 800 sandbox processes run at.
+pub fn protect_server_from_oom_killer() -> std::io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", SERVER_OOM_SCORE_ADJ)
 }
 
 /// State letter and start time (field 22, clock ticks since boot) of `/proc/PID/stat`.
@@ -268,13 +300,18 @@ impl LinuxRuntime {
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
         }
         tracing::info!(cgroup_version = cgroups.version(), "node ready");
-        let memory_capacity_mb = host_memory_mb()
-            .unwrap_or(0)
-            .saturating_sub(config.memory_reserve_mb);
-        tracing::info!(
-            memory_capacity_mb,
-            "sandboxes may be granted this much memory in all"
-        );
+        let memory_rule = crate::memory::MemoryRule {
+            reserve_mb: config.memory_reserve_mb,
+            overcommit: config.memory_overcommit,
+            pressure_limit_percent: config.memory_pressure_limit_percent,
+        };
+        if let Some(host) = crate::memory::HostMemory::read() {
+            tracing::info!(
+                memory_limits_mb = memory_rule.promise_limit_mb(&host),
+                overcommit = memory_rule.overcommit,
+                "the memory limits of all sandboxes may add up to this; each start needs the host's reserve free"
+            );
+        }
         // Image layers live on the pool, whose accounting then sees them; a dot name keeps
         // them out of the sweep of unknown sandboxes.
         let layers = crate::layers::LayerStore::new(
@@ -388,7 +425,7 @@ impl LinuxRuntime {
             granted_memory: Mutex::new(std::collections::BTreeMap::new()),
             oom_baselines: Mutex::new(std::collections::BTreeMap::new()),
             oom_kills_ended: std::sync::atomic::AtomicU64::new(0),
-            memory_capacity_mb,
+            memory_rule,
             slots,
         })
     }
@@ -465,23 +502,22 @@ impl LinuxRuntime {
         crate::netns::free_slot(&self.slots, slot);
     }
 
-    /// Reserves `memory_mb` for sandbox `id`, or says why the node cannot: a sandbox's memory
-    /// limit is a promise, and granting more than the host has would leave the host's OOM
-    /// killer to choose among the server and every sandbox.
+    /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
+    /// cannot start it now: what is short is the memory the host really has, or the ceilings
+    /// promised in all (see [`crate::memory`]).
     fn grant_memory(&self, id: &str, memory_mb: u32) -> Result<(), RuntimeError> {
         let mut granted = self
             .granted_memory
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let in_use: u64 = granted.values().map(|mb| u64::from(*mb)).sum();
-        if in_use + u64::from(memory_mb) > self.memory_capacity_mb {
-            return Err(RuntimeError::NoCapacity {
-                sandbox_id: id.to_owned(),
-                message: format!(
-                    "this node has granted {in_use} of {} MiB of memory to sandboxes and cannot grant {memory_mb} MiB more; try again when sandboxes end",
-                    self.memory_capacity_mb
-                ),
-            });
+        let promised: u64 = granted.values().map(|mb| u64::from(*mb)).sum();
+        if let Some(host) = crate::memory::HostMemory::read() {
+            self.memory_rule
+                .admit(&host, promised, memory_mb)
+                .map_err(|message| RuntimeError::NoCapacity {
+                    sandbox_id: id.to_owned(),
+                    message,
+                })?;
         }
         granted.insert(id.to_owned(), memory_mb);
         drop(granted);
@@ -654,6 +690,10 @@ impl LinuxRuntime {
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
+                // The server protects itself from the OOM killer; a sandbox must not inherit
+                // that. Written with privilege, 0 is also the floor no process of the sandbox
+                // can go below.
+                reset_oom_score_adj();
                 // Out of the way first: the eventfd may sit where the others go.
                 let oom_high = match oom_fd {
                     Some(fd) => {
@@ -1044,13 +1084,6 @@ impl LinuxRuntime {
 }
 
 /// `MemTotal` of the host, in MiB.
-fn host_memory_mb() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib / 1024)
-}
-
 impl Handle {
     /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot`.
     fn running(pid: i32, slot: u32, id_map: IdMap, spec: &LaunchSpec) -> Self {
@@ -1533,6 +1566,25 @@ impl Runtime for LinuxRuntime {
 
     fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
         self.cgroups.is_frozen(sandbox_id)
+    }
+
+    fn memory(&self) -> Option<sandbar_core::MemoryReport> {
+        let host = crate::memory::HostMemory::read()?;
+        let promised: u64 = self
+            .granted_memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|mb| u64::from(*mb))
+            .sum();
+        Some(sandbar_core::MemoryReport {
+            total_bytes: host.total_mb << 20,
+            available_bytes: host.available_mb << 20,
+            promised_bytes: promised << 20,
+            promise_limit_bytes: self.memory_rule.promise_limit_mb(&host) << 20,
+            overcommit: self.memory_rule.overcommit,
+            stalled_percent: host.stalled_percent,
+        })
     }
 
     fn disks(&self) -> sandbar_core::DiskReport {

@@ -135,10 +135,20 @@ struct ServeArgs {
         value_delimiter = ','
     )]
     allow_private: Vec<String>,
-    /// Memory, in MiB, never granted to sandboxes: new sandboxes are refused (503) once the
-    /// memory limits of running ones would exceed the host's memory minus this.
+    /// Memory, in MiB, kept for the host and the server: a new sandbox is refused (503) when
+    /// less than this (plus 64 MiB for its start) is available.
     #[arg(long, env = "SANDBAR_MEMORY_RESERVE_MB", default_value_t = 1024)]
     memory_reserve_mb: u64,
+    /// How many times the host's memory (less the reserve) the memory limits (memoryMB) of
+    /// all running sandboxes may add up to. Limits are ceilings, not reservations: an idle
+    /// sandbox uses about 1 MiB, and what is really free decides each start. 25 lets a 24 GiB
+    /// host run about 1,000 sandboxes of 512 MiB.
+    #[arg(long, env = "SANDBAR_MEMORY_OVERCOMMIT", default_value_t = 25, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    memory_overcommit: u32,
+    /// Memory pressure at which new sandboxes are refused: the share of the last 10 s, in
+    /// percent, in which every task waited for memory (PSI `full avg10`).
+    #[arg(long, env = "SANDBAR_MEMORY_PRESSURE_LIMIT", default_value_t = 10.0)]
+    memory_pressure_limit: f64,
     /// Days a sandbox's logs stay readable after it ended, and team metrics are kept.
     #[arg(long, env = "SANDBAR_LOG_RETENTION_DAYS", default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..=3650))]
     log_retention_days: u64,
@@ -362,6 +372,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
         tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
     }
+    if let Err(e) = sandbar_node::protect_server_from_oom_killer() {
+        tracing::warn!(error = %e, "cannot protect the server from the OOM killer");
+    }
     std::fs::create_dir_all(&args.data_dir)
         .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
     // The store holds every sandbox's envd access token: nobody but the server's user may
@@ -427,6 +440,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             netns_pool: args.netns_pool as usize,
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
+            memory_overcommit: args.memory_overcommit,
+            memory_pressure_limit_percent: args.memory_pressure_limit,
             criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
         })
         .await?,
