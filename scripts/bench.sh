@@ -49,8 +49,16 @@ trap stop_server EXIT
 trap 'exit 130' INT TERM
 
 mkdir -p "$data_dir"
+# Room for `--crowd 1000`: the first start's team gets it from --max-sandboxes, a team made
+# by an earlier run from set-limits.
+if [[ -f "$data_dir/sandbar.db" ]]; then
+  for team in $(./target/release/sandbar team list --data-dir "$data_dir" | awk '{print $1}'); do
+    ./target/release/sandbar team set-limits "$team" --max-sandboxes 1100 --data-dir "$data_dir" >/dev/null
+  done
+fi
 SANDBAR_API_KEY="$api_key" RUST_LOG="${RUST_LOG:-warn}" \
-  ./target/release/sandbar serve --listen "127.0.0.1:$port" --data-dir "$data_dir" >"$log" 2>&1 &
+  ./target/release/sandbar serve --listen "127.0.0.1:$port" --data-dir "$data_dir" \
+  --max-sandboxes 1100 >"$log" 2>&1 &
 server_pid=$!
 
 echo "bench.sh: server on $url (data in $data_dir), waiting for the 'base' template" >&2

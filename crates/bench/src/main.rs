@@ -81,6 +81,10 @@ struct Args {
     /// CPU in a busy loop (0: skip).
     #[arg(long, default_value_t = 2)]
     cpu_hogs: usize,
+    /// Also measure create→first output sequentially while this many idle sandboxes run,
+    /// once per number given (comma-separated; the server's team limit must allow them).
+    #[arg(long, value_delimiter = ',')]
+    crowd: Vec<usize>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -257,6 +261,43 @@ async fn run(
                 args.cpu_hogs
             ),
             &loaded.total,
+        );
+    }
+
+    for &crowd in &args.crowd {
+        eprintln!(
+            "latency: {} sequential create→first output next to {crowd} idle sandboxes",
+            args.iterations
+        );
+        // A separate client, so the latency series' clean-up leaves the crowd alone.
+        let idle = api.detached();
+        let started = Instant::now();
+        let measured = async {
+            let mut made = 0;
+            while made < crowd {
+                let batch = (crowd - made).min(16);
+                let mut tasks = tokio::task::JoinSet::new();
+                for _ in 0..batch {
+                    let idle = idle.clone();
+                    tasks.spawn(async move { idle.create().await });
+                }
+                while let Some(joined) = tasks.join_next().await {
+                    joined.map_err(anyhow::Error::from).and_then(|r| r)?;
+                }
+                made += batch;
+            }
+            eprintln!("  {crowd} idle sandboxes made in {:.1?}", started.elapsed());
+            latency(api, args.warmup, args.iterations, 1).await
+        }
+        .await;
+        let leftovers = idle.kill_all().await;
+        let (crowded, _) = measured?;
+        if let Some((id, e)) = leftovers.into_iter().next() {
+            return Err(e.context(format!("cannot kill sandbox {id}")));
+        }
+        results.row(
+            format!("create→first output, c=1, next to {crowd} idle sandboxes"),
+            &crowded.total,
         );
     }
 
