@@ -190,8 +190,9 @@ struct ServeArgs {
     #[arg(long, env = "SANDBAR_DISK_POOL_RESERVE_MB", default_value_t = 512)]
     disk_pool_reserve_mb: u64,
     /// How many times the disk pool (less its reserve) the disk sizes of all sandboxes may
-    /// add up to; real use is what admits a sandbox, this bounds the promises.
-    #[arg(long, env = "SANDBAR_DISK_OVERCOMMIT", default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    /// add up to; real use is what admits a sandbox, this bounds the promises. 250 lets 1,000
+    /// sandboxes of 2 GiB share an 8.5 GiB pool (an idle one writes a few hundred KiB).
+    #[arg(long, env = "SANDBAR_DISK_OVERCOMMIT", default_value_t = 250, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     disk_overcommit: u32,
     /// Space, in MiB, kept free on the data directory's filesystem (database, checkpoints,
     /// uploads, volumes, logs): below it, requests that would write there answer 507 and
