@@ -259,15 +259,30 @@ pub fn rename(
 }
 
 /// `Remove`: deletes a file, a symlink, or a directory tree.
+/// `Remove`: like `rm -rf`, a path that is not there (or whose parent is not) is already
+/// removed, which is what SDK users and watch code that clears its directory expect.
 pub fn remove(path: &Path) -> Result<(), FsError> {
-    crate::paths::check_parent(path).map_err(|e| FsError::from_io("remove", path, e))?;
-    let meta = std::fs::symlink_metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
+    let gone = |e: &io::Error| e.kind() == io::ErrorKind::NotFound;
+    match crate::paths::check_parent(path) {
+        Err(e) if gone(&e) => return Ok(()),
+        Err(e) => return Err(FsError::from_io("remove", path, e)),
+        Ok(()) => {}
+    }
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if gone(&e) => return Ok(()),
+        Err(e) => return Err(FsError::from_io("stat", path, e)),
+    };
     let result = if meta.is_dir() {
         std::fs::remove_dir_all(path)
     } else {
         std::fs::remove_file(path)
     };
-    result.map_err(|e| FsError::from_io("remove", path, e))
+    match result {
+        // Removed by someone else meanwhile: gone all the same.
+        Err(e) if gone(&e) => Ok(()),
+        other => other.map_err(|e| FsError::from_io("remove", path, e)),
+    }
 }
 
 /// `ListDir`: entries below `path` down to `depth` levels (0 is treated as 1). Symlinked

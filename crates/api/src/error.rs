@@ -193,9 +193,13 @@ impl From<SnapshotError> for ApiError {
             }
             SnapshotError::NotRunning { .. }
             | SnapshotError::NameTaken(_)
-            | SnapshotError::HasVolumes(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            | SnapshotError::HasVolumes(_)
+            | SnapshotError::NoImage(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SnapshotError::NoCheckpoints(_) => {
+                Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string())
+            }
             SnapshotError::Sandbox(s) => s.into(),
-            SnapshotError::NoImage(_) | SnapshotError::Runtime { .. } => Self::internal(&e),
+            SnapshotError::Runtime { .. } => Self::internal(&e),
             SnapshotError::Store(ref s) => Self::internal(s),
         }
     }

@@ -51,8 +51,8 @@ pub fn file_signature(
 /// Why a signed URL was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SignatureError {
-    /// `signature_expiration` lies in the past.
-    #[error("signature for '{0}' has expired")]
+    /// `signature_expiration` lies in the past. Worded as envd words it: clients match it.
+    #[error("signature is already expired (path '{0}')")]
     Expired(String),
     /// The signature does not match.
     #[error("invalid signature for '{0}'")]

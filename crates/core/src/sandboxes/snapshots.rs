@@ -34,8 +34,14 @@ pub enum SnapshotError {
         "sandbox '{0}' has volumes mounted, which a copy of its memory cannot take along; snapshot it with memory: false"
     )]
     HasVolumes(String),
-    #[error("sandbox '{0}' predates snapshots: its image was not recorded")]
+    #[error(
+        "sandbox '{0}' predates snapshots: its image was not recorded, so it cannot be copied; start a new sandbox of its template"
+    )]
     NoImage(String),
+    #[error(
+        "this server cannot copy the memory of sandbox '{0}': checkpoints are off (CRIU is missing or failed its checks); snapshot it with memory: false"
+    )]
+    NoCheckpoints(String),
     #[error("cannot snapshot sandbox '{id}': {source}")]
     Runtime {
         id: String,
@@ -168,6 +174,9 @@ impl Sandboxes {
             .image
             .clone()
             .ok_or_else(|| SnapshotError::NoImage(id.to_owned()))?;
+        if memory && !self.runtime.can_checkpoint() {
+            return Err(SnapshotError::NoCheckpoints(id.to_owned()));
+        }
         if memory && !self.store.sandbox_volumes(id).await?.is_empty() {
             return Err(SnapshotError::HasVolumes(id.to_owned()));
         }
