@@ -271,6 +271,8 @@ def test_download_url_rejects_bad_or_expired_signature(sandbox):
     expired = sandbox.download_url("/home/user/dl3.txt", use_signature_expiration=-60)
     r = httpx.get(expired, headers=_routing_headers(sandbox), timeout=30)
     assert r.status_code in (401, 403), f"{r.status_code} {r.text}"
+    # Clients match envd's words.
+    assert "signature is already expired" in r.text, r.text
     # no signature and no token
     bare = url.split("&signature=")[0]
     r = httpx.get(bare, headers=_routing_headers(sandbox), timeout=30)
@@ -357,3 +359,13 @@ def test_files_of_killed_sandbox_are_unreachable(make_sandbox):
     sbx.kill()
     with pytest.raises(SandboxException):
         sbx.files.read("/home/user/x.txt")
+
+
+def test_removing_what_is_not_there_succeeds(sandbox):
+    """Like `rm -rf`: a missing path, or one under a missing directory, is removed already."""
+    sandbox.files.remove("/home/user/never-was")
+    sandbox.files.remove("/home/user/never/was/here")
+    sandbox.files.write("/home/user/once.txt", "x")
+    sandbox.files.remove("/home/user/once.txt")
+    sandbox.files.remove("/home/user/once.txt")
+    assert not sandbox.files.exists("/home/user/once.txt")

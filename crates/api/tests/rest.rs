@@ -817,3 +817,23 @@ async fn prometheus_metrics_count_requests_by_route_sandboxes_by_state_and_edge_
     // The edge's answers are not API requests.
     assert!(!text.contains(r#"route="/health""#), "{text}");
 }
+
+#[tokio::test]
+async fn copying_memory_without_checkpoints_is_501_naming_why() {
+    let h = harness(GENEROUS).await;
+    let id = h.create(r#"{"templateID":"base","timeout":60}"#).await;
+    for (path, body) in [
+        (format!("/sandboxes/{id}/snapshots"), "{}"),
+        (format!("/sandboxes/{id}/fork"), "{}"),
+    ] {
+        let reply = h.api("POST", &path, Some(body)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::NOT_IMPLEMENTED,
+            "{path}: {:?}",
+            reply.body
+        );
+        let message = reply.body["message"].as_str().unwrap_or_default();
+        assert!(message.contains("checkpoints are off"), "{message}");
+    }
+}
