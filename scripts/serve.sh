@@ -2,7 +2,21 @@
 # Builds Sandbar and starts it with the default template (built on first start, then cached).
 # Arguments are passed to `sandbar serve`; see `target/release/sandbar serve --help`.
 set -euo pipefail
+# Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
+if [[ $EUID -ne 0 ]]; then
+  if command -v sudo >/dev/null 2>&1; then
+    exec sudo "$0" "$@"
+  fi
+  echo "$(basename "$0"): run it as root" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+# CRIU lets paused sandboxes go to disk and makes snapshots and forks possible; built once
+# (about half a minute), then found installed. Without it the server still runs, pausing in
+# memory only.
+if ! ./scripts/install-criu.sh; then
+  echo "serve.sh: CRIU could not be installed; paused sandboxes stay in memory and snapshots copy files only" >&2
+fi
 cargo build --release --bin sandbar --bin sandbar-agent
 exec ./target/release/sandbar serve "$@"

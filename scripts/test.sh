@@ -3,6 +3,14 @@
 # end-to-end suite that drives a real `sandbar serve` with the official E2B Python SDK.
 # Needs root (sandboxes use namespaces, cgroups and nftables).
 set -euo pipefail
+# Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
+if [[ $EUID -ne 0 ]]; then
+  if command -v sudo >/dev/null 2>&1; then
+    exec sudo "$0" "$@"
+  fi
+  echo "$(basename "$0"): run it as root" >&2
+  exit 1
+fi
 cd "$(dirname "$0")/.."
 
 ./scripts/install-deps.sh --test
