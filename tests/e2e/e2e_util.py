@@ -459,6 +459,16 @@ class SandbarServer:
         return {s["sandboxID"] for s in self.list_all_sandboxes()}
 
 
+def sandbar_cli(server: SandbarServer, *args: str, timeout: float = 60) -> str:
+    """Runs the operator CLI (`sandbar team …`) on the server's data dir; its stdout."""
+    done = subprocess.run(
+        [str(server.binary), *args, "--data-dir", str(server.data_dir)],
+        capture_output=True, text=True, timeout=timeout,
+    )
+    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
 def kill_all_listed(server: SandbarServer) -> List[str]:
     """Kill every sandbox the server lists, using the SDK (Sandbox.list over all pages)."""
     from e2b import Sandbox, SandboxQuery, SandboxState

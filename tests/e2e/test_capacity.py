@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List
@@ -19,25 +18,16 @@ from typing import List
 import httpx
 import pytest
 
-from e2e_util import unique
+from e2e_util import sandbar_cli, unique
 
 COUNT = int(os.environ.get("SANDBAR_E2E_CAPACITY") or 1000)
 WORKERS = 16
 
 
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def crowd(sandbar):
-    team = json.loads(_cli(sandbar, "team", "create", unique("capacity"), "--requests-per-minute", "0"))
-    _cli(sandbar, "team", "set-limits", team["teamID"], "--max-sandboxes", str(COUNT))
+    team = json.loads(sandbar_cli(sandbar, "team", "create", unique("capacity"), "--requests-per-minute", "0"))
+    sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--max-sandboxes", str(COUNT))
     headers = {"X-API-Key": team["apiKey"]}
     made: List[dict] = []
     try:

@@ -11,32 +11,22 @@ About 20 s.
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import List
 
 import httpx
 import pytest
 from e2b import Sandbox
 
-from e2e_util import state_of, unique, wait_until
+from e2e_util import sandbar_cli, unique
 
 ENVD_PORT = 49983
-
-
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
 def team(sandbar) -> dict:
     """A team of its own with room for two sandboxes at once."""
-    made = json.loads(_cli(sandbar, "team", "create", unique("tenancy")))
-    _cli(sandbar, "team", "set-limits", made["teamID"], "--max-sandboxes", "2")
+    made = json.loads(sandbar_cli(sandbar, "team", "create", unique("tenancy")))
+    sandbar_cli(sandbar, "team", "set-limits", made["teamID"], "--max-sandboxes", "2")
     return made
 
 
@@ -163,7 +153,7 @@ def test_metadata_and_env_limits_are_400_naming_them(sandbar, field, value, name
 @pytest.fixture(scope="module")
 def rival(sandbar) -> dict:
     """A second team, to hold the same names as the first."""
-    return json.loads(_cli(sandbar, "team", "create", unique("rival")))
+    return json.loads(sandbar_cli(sandbar, "team", "create", unique("rival")))
 
 
 def test_names_are_per_team_and_what_another_team_keeps_private_is_not_found(sandbar, team, rival, team_sandboxes):

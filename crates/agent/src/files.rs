@@ -428,7 +428,7 @@ async fn write_stream(
                 other => std::io::Error::new(fs_kind(&other), other.to_string()),
             })?;
         }
-        if std::fs::metadata(&target).is_ok_and(|m| m.is_dir()) {
+        if crate::paths::metadata(&target).is_ok_and(|m| m.is_dir()) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::IsADirectory,
                 format!("path '{}' is a directory", target.display()),

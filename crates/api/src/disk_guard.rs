@@ -3,7 +3,7 @@
 //! else gets the handler's own 401 and learns nothing of the node.
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{HeaderMap, Method};
+use axum::http::Method;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
@@ -35,27 +35,14 @@ pub(crate) async fn refuse_writes_without_room(
 ) -> Response {
     if writes_data(request.method(), route.as_ref().map(MatchedPath::as_str))
         && let Err(full) = state.sandboxes.room_to_write()
-        && has_valid_credentials(&state, request.headers()).await
+        && crate::extract::team_of(&state, request.headers())
+            .await
+            .is_ok()
     {
         tracing::debug!(path = %full.path.display(), "refused a write: {}", full.message);
         return ApiError::insufficient_storage(full.message).into_response();
     }
     next.run(request).await
-}
-
-async fn has_valid_credentials(state: &AppState, headers: &HeaderMap) -> bool {
-    let header = |name| headers.get(name).and_then(|v| v.to_str().ok());
-    if let Some(key) = header(axum::http::header::HeaderName::from_static("x-api-key")) {
-        return state.auth.team_for_api_key(Some(key.trim())).await.is_ok();
-    }
-    match header(axum::http::header::AUTHORIZATION).and_then(|v| v.strip_prefix("Bearer ")) {
-        Some(token) => state
-            .auth
-            .team_for_access_token(Some(token.trim()))
-            .await
-            .is_ok(),
-        None => false,
-    }
 }
 
 #[cfg(test)]

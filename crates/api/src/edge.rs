@@ -8,12 +8,12 @@ use std::path::Path;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{HeaderMap, HeaderName, Method, StatusCode, header};
+use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 use sandbar_core::{AgentLease, HangUp, Route, SandboxError, WakeKeys};
-use sandbar_envd::{FileOperation, signature_matches};
+use sandbar_envd::FileOperation;
 use tokio::io::{AsyncRead, AsyncWrite};
 
 use crate::AppState;
@@ -101,8 +101,11 @@ pub(crate) async fn route_to_sandbox(
     };
     let (target, route) = match target {
         Some(target) => {
-            let presented = Presented::of(&request);
-            let lets_through = |keys: &WakeKeys<'_>| presented.lets_through(target.port, keys);
+            // Read only when a paused sandbox would wake, not on every request.
+            let (method, uri, headers) = (request.method(), request.uri(), request.headers());
+            let lets_through = |keys: &WakeKeys<'_>| {
+                Presented::from_parts(method, uri, headers).lets_through(target.port, keys)
+            };
             match state
                 .sandboxes
                 .route_or_wake(&target.sandbox_id, lets_through)
@@ -132,7 +135,7 @@ pub(crate) async fn route_to_sandbox(
             Some(routed) => routed,
             // A signed file URL that names no sandbox and matches none: what the agent
             // answers a signature that does not match, whoever the URL was for.
-            None if signed_file_request(&request).is_some() => {
+            None if signed_file_request(request.method(), request.uri()).is_some() => {
                 return mark(
                     ApiError::new(
                         StatusCode::UNAUTHORIZED,
@@ -158,10 +161,14 @@ struct Presented {
 }
 
 impl Presented {
+    #[cfg(test)]
     fn of(request: &Request) -> Self {
+        Self::from_parts(request.method(), request.uri(), request.headers())
+    }
+
+    fn from_parts(method: &Method, uri: &Uri, headers: &HeaderMap) -> Self {
         let header = |name: &str| {
-            request
-                .headers()
+            headers
                 .get(name)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
@@ -169,7 +176,7 @@ impl Presented {
         Self {
             traffic_token: header(crate::traffic::TRAFFIC_TOKEN_HEADER),
             access_token: header("x-access-token"),
-            signed: signed_file_request(request),
+            signed: signed_file_request(method, uri),
         }
     }
 
@@ -192,16 +199,7 @@ impl Presented {
         };
         matches(&self.access_token, token)
             || self.signed.as_ref().is_some_and(|signed| {
-                sandbar_envd::verify_file_signature(
-                    &signed.signature,
-                    &signed.path,
-                    signed.operation,
-                    &[signed.user.as_str()],
-                    token,
-                    signed.expiration,
-                    chrono::Utc::now().timestamp(),
-                )
-                .is_ok()
+                signed.signed_with(token, Some(chrono::Utc::now().timestamp()))
             })
     }
 }
@@ -325,16 +323,45 @@ struct SignedFileRequest {
     expiration: Option<i64>,
 }
 
-fn signed_file_request(request: &Request) -> Option<SignedFileRequest> {
-    if request.uri().path() != "/files" {
+impl SignedFileRequest {
+    /// Whether the agent token `token` made this URL's signature, for exactly the user it
+    /// names (constant-time, as the agent checks). With `now`, an expired URL does not
+    /// count; without, expiry is left to the agent, whose answer says why.
+    fn signed_with(&self, token: &str, now: Option<i64>) -> bool {
+        let users = [self.user.as_str()];
+        match now {
+            Some(now) => sandbar_envd::verify_file_signature(
+                &self.signature,
+                &self.path,
+                self.operation,
+                &users,
+                token,
+                self.expiration,
+                now,
+            )
+            .is_ok(),
+            None => sandbar_envd::signature_matches(
+                &self.signature,
+                &self.path,
+                self.operation,
+                &users,
+                token,
+                self.expiration,
+            ),
+        }
+    }
+}
+
+fn signed_file_request(method: &Method, uri: &Uri) -> Option<SignedFileRequest> {
+    if uri.path() != "/files" {
         return None;
     }
-    let operation = match *request.method() {
+    let operation = match *method {
         Method::GET => FileOperation::Read,
         Method::POST => FileOperation::Write,
         _ => return None,
     };
-    let query = request.uri().query()?;
+    let query = uri.query()?;
     let param = |name: &str| {
         url::form_urlencoded::parse(query.as_bytes())
             .find(|(k, _)| k == name)
@@ -355,19 +382,10 @@ fn signed_file_request(request: &Request) -> Option<SignedFileRequest> {
 }
 
 fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Route)> {
-    let signed = signed_file_request(request)?;
-    // The agent's own check, constant-time, bound to the user the URL names; expiry is left
-    // to the agent so that the client hears why its URL no longer works.
-    let (sandbox_id, route) = state.sandboxes.route_by_token(|token| {
-        signature_matches(
-            &signed.signature,
-            &signed.path,
-            signed.operation,
-            &[signed.user.as_str()],
-            token,
-            signed.expiration,
-        )
-    })?;
+    let signed = signed_file_request(request.method(), request.uri())?;
+    let (sandbox_id, route) = state
+        .sandboxes
+        .route_by_token(|token| signed.signed_with(token, None))?;
     Some((
         Target {
             sandbox_id,

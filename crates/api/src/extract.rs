@@ -2,6 +2,7 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::HeaderMap;
 use axum::http::request::Parts;
 use sandbar_core::Team;
 use serde::de::DeserializeOwned;
@@ -12,16 +13,33 @@ use crate::error::ApiError;
 /// The team authenticated by the `X-API-Key` header.
 pub(crate) struct ApiKeyTeam(pub Team);
 
+fn api_key(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+}
+
+/// The team of the request's credentials: `X-API-Key`, or else an access token as
+/// `Authorization: Bearer …`; without either, the missing API key is what is reported (what
+/// most clients forgot). No rate limit is charged.
+pub(crate) async fn team_of(state: &AppState, headers: &HeaderMap) -> Result<Team, ApiError> {
+    let bearer = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    match (api_key(headers), bearer) {
+        (None, Some(token)) => Ok(state.auth.team_for_access_token(Some(token)).await?),
+        (key, _) => Ok(state.auth.team_for_api_key(key).await?),
+    }
+}
+
 impl FromRequestParts<AppState> for ApiKeyTeam {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let key = parts
-            .headers
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim);
-        let team = state.auth.team_for_api_key(key).await?;
+        let team = state.auth.team_for_api_key(api_key(&parts.headers)).await?;
         state.rate_limits.check(&team)?;
         Ok(ApiKeyTeam(team))
     }
@@ -35,24 +53,7 @@ impl FromRequestParts<AppState> for TeamAuth {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        if parts.headers.contains_key("x-api-key") {
-            return ApiKeyTeam::from_request_parts(parts, state)
-                .await
-                .map(|ApiKeyTeam(team)| TeamAuth(team));
-        }
-        let bearer = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim);
-        if bearer.is_none() {
-            // Without either credential, the API key is what most clients forgot.
-            return ApiKeyTeam::from_request_parts(parts, state)
-                .await
-                .map(|ApiKeyTeam(team)| TeamAuth(team));
-        }
-        let team = state.auth.team_for_access_token(bearer).await?;
+        let team = team_of(state, &parts.headers).await?;
         state.rate_limits.check(&team)?;
         Ok(TeamAuth(team))
     }

@@ -169,6 +169,27 @@ async fn latency(
     Ok((series, walls))
 }
 
+/// Sequential create→first output while neighbours run. `setup` makes them on a client of
+/// their own, so the series' clean-up leaves them alone; they are killed afterwards.
+async fn latency_next_to<F, Fut>(api: &Api, args: &Args, setup: F) -> anyhow::Result<Series>
+where
+    F: FnOnce(Api) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
+    let neighbours = api.detached();
+    let measured = async {
+        setup(neighbours.clone()).await?;
+        latency(api, args.warmup, args.iterations, 1).await
+    }
+    .await;
+    let leftovers = neighbours.kill_all().await;
+    let (series, _) = measured?;
+    if let Some((id, e)) = leftovers.into_iter().next() {
+        return Err(e.context(format!("cannot kill sandbox {id}")));
+    }
+    Ok(series)
+}
+
 #[derive(Debug, Default)]
 struct Results {
     rows: Vec<(String, Option<Summary>)>,
@@ -236,9 +257,7 @@ async fn run(
             "latency: {} sequential create→first output next to {} CPU-burning sandboxes",
             args.iterations, args.cpu_hogs
         );
-        // A separate client, so the latency series' clean-up leaves the hogs alone.
-        let hogs = api.detached();
-        let measured = async {
+        let loaded = latency_next_to(api, args, |hogs| async move {
             for _ in 0..args.cpu_hogs {
                 let sandbox = hogs.create().await?;
                 hogs.start_cpu_hog(&sandbox)
@@ -247,14 +266,9 @@ async fn run(
             }
             // Let the loops reach full speed before measuring.
             tokio::time::sleep(Duration::from_secs(1)).await;
-            latency(api, args.warmup, args.iterations, 1).await
-        }
-        .await;
-        let leftovers = hogs.kill_all().await;
-        let (loaded, _) = measured?;
-        if let Some((id, e)) = leftovers.into_iter().next() {
-            return Err(e.context(format!("cannot kill sandbox {id}")));
-        }
+            Ok(())
+        })
+        .await?;
         results.row(
             format!(
                 "create→first output, c=1, next to {} CPU-burning sandboxes",
@@ -269,10 +283,8 @@ async fn run(
             "latency: {} sequential create→first output next to {crowd} idle sandboxes",
             args.iterations
         );
-        // A separate client, so the latency series' clean-up leaves the crowd alone.
-        let idle = api.detached();
-        let started = Instant::now();
-        let measured = async {
+        let crowded = latency_next_to(api, args, |idle| async move {
+            let started = Instant::now();
             let mut made = 0;
             while made < crowd {
                 let batch = (crowd - made).min(16);
@@ -287,14 +299,9 @@ async fn run(
                 made += batch;
             }
             eprintln!("  {crowd} idle sandboxes made in {:.1?}", started.elapsed());
-            latency(api, args.warmup, args.iterations, 1).await
-        }
-        .await;
-        let leftovers = idle.kill_all().await;
-        let (crowded, _) = measured?;
-        if let Some((id, e)) = leftovers.into_iter().next() {
-            return Err(e.context(format!("cannot kill sandbox {id}")));
-        }
+            Ok(())
+        })
+        .await?;
         results.row(
             format!("create→first output, c=1, next to {crowd} idle sandboxes"),
             &crowded.total,

@@ -154,9 +154,18 @@ pub trait Runtime: Send + Sync + 'static {
         None
     }
 
+    /// The data disk (database, checkpoints, uploads, logs) as measured now: the one check
+    /// before every write request, so it measures nothing else.
+    fn data_disk(&self) -> Option<crate::disks::DiskSpace> {
+        None
+    }
+
     /// The node's disks as measured now; empty where the runtime has none to report.
     fn disks(&self) -> crate::disks::DiskReport {
-        crate::disks::DiskReport::default()
+        crate::disks::DiskReport {
+            data: self.data_disk(),
+            ..crate::disks::DiskReport::default()
+        }
     }
 
     /// Freezes every process of the sandbox in place, memory kept.

@@ -732,7 +732,15 @@ impl Sandboxes {
 
     /// Refuses, naming the disk, work that would write to a data disk without room for it.
     pub fn room_to_write(&self) -> Result<(), crate::disks::DiskFull> {
-        self.runtime.disks().write_refusal().map_or(Ok(()), Err)
+        self.data_disk().write_refusal().map_or(Ok(()), Err)
+    }
+
+    /// The data disk alone, as a report.
+    fn data_disk(&self) -> crate::disks::DiskReport {
+        crate::disks::DiskReport {
+            data: self.runtime.data_disk(),
+            ..crate::disks::DiskReport::default()
+        }
     }
 
     pub fn count_by_status(&self) -> Vec<(SandboxStatus, usize)> {
@@ -1207,7 +1215,7 @@ impl Sandboxes {
         let memory = handle
             .and_then(|h| self.runtime.stats(&id, &h))
             .map_or(0, |s| s.memory_used);
-        if !self.runtime.disks().data_has_room_for(memory) {
+        if !self.data_disk().data_has_room_for(memory) {
             tracing::debug!(sandbox_id = %id, memory, "no room on the data disk to checkpoint the paused sandbox; it stays in memory");
             return;
         }

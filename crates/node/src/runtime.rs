@@ -1587,20 +1587,22 @@ impl Runtime for LinuxRuntime {
         })
     }
 
-    fn disks(&self) -> sandbar_core::DiskReport {
+    fn data_disk(&self) -> Option<sandbar_core::DiskSpace> {
         let data_dir = &self.config.data_dir;
-        let data = crate::disks::Space::of(data_dir)
-            .ok()
-            .map(|space| sandbar_core::DiskSpace {
-                path: data_dir.clone(),
-                size_bytes: space.size,
-                free_bytes: space.free,
-                reserve_bytes: self.config.data_reserve_bytes,
-                read_only: space.read_only,
-            });
+        let space = crate::disks::Space::of(data_dir).ok()?;
+        Some(sandbar_core::DiskSpace {
+            path: data_dir.clone(),
+            size_bytes: space.size,
+            free_bytes: space.free,
+            reserve_bytes: self.config.data_reserve_bytes,
+            read_only: space.read_only,
+        })
+    }
+
+    fn disks(&self) -> sandbar_core::DiskReport {
         let pool = self.disks.report();
         sandbar_core::DiskReport {
-            data,
+            data: self.data_disk(),
             pool: pool.map(|p| sandbar_core::DiskSpace {
                 path: self.disks.dir().to_path_buf(),
                 size_bytes: p.space.size,

@@ -87,6 +87,17 @@ fn time(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or_default()
 }
 
+/// A template query: the template (`t`) with its owner's slug, which namespaces its names
+/// (`tm`, joined on the owner), then `$rest`. A literal, so the SQL stays static.
+macro_rules! template_query {
+    ($rest:literal) => {
+        concat!(
+            "SELECT t.*, tm.slug AS namespace FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
+            $rest
+        )
+    };
+}
+
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
     pub async fn open(path: &Path) -> Result<Self, OpenStoreError> {
@@ -199,23 +210,22 @@ impl SqliteStore {
             .collect()
     }
 
+    async fn templates_from_rows(&self, rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            out.push(self.template_from_row(row).await?);
+        }
+        Ok(out)
+    }
+
+    /// A row selected by a `template_query!`.
     async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
         let id: String = row.try_get("id").map_err(err)?;
         let status: String = row.try_get("build_status").map_err(err)?;
-        let team_id: Option<String> = row.try_get("team_id").map_err(err)?;
-        let namespace = match &team_id {
-            Some(team_id) => sqlx::query_scalar("SELECT slug FROM teams WHERE id = ?")
-                .bind(team_id)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(err)?
-                .flatten(),
-            None => None,
-        };
         Ok(Template {
             aliases: self.aliases(&id).await?,
-            team_id,
-            namespace,
+            team_id: row.try_get("team_id").map_err(err)?,
+            namespace: row.try_get("namespace").map_err(err)?,
             public: row.try_get("public").map_err(err)?,
             build_id: row.try_get("build_id").map_err(err)?,
             build_status: BuildStatus::parse(&status)
@@ -486,7 +496,7 @@ impl Store for SqliteStore {
     }
 
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query("SELECT * FROM templates WHERE id = ?")
+        let row = sqlx::query(template_query!("WHERE t.id = ?"))
             .bind(id)
             .fetch_optional(&self.pool)
             .await
@@ -502,9 +512,9 @@ impl Store for SqliteStore {
         team_id: Option<&str>,
         alias: &str,
     ) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query(
-            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?",
-        )
+        let row = sqlx::query(template_query!(
+            "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?"
+        ))
         .bind(team_id.unwrap_or(""))
         .bind(alias)
         .fetch_optional(&self.pool)
@@ -517,19 +527,15 @@ impl Store for SqliteStore {
     }
 
     async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT t.* FROM templates t JOIN template_aliases a ON a.template_id = t.id
-             WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id",
-        )
+        let rows = sqlx::query(template_query!(
+            "JOIN template_aliases a ON a.template_id = t.id
+             WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id"
+        ))
         .bind(alias)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        let mut out = Vec::with_capacity(rows.len());
-        for row in &rows {
-            out.push(self.template_from_row(row).await?);
-        }
-        Ok(out)
+        self.templates_from_rows(&rows).await
     }
 
     async fn team_by_slug(&self, slug: &str) -> Result<Option<Team>, StoreError> {
@@ -546,15 +552,11 @@ impl Store for SqliteStore {
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM templates ORDER BY created_at DESC, id")
+        let rows = sqlx::query(template_query!("ORDER BY t.created_at DESC, t.id"))
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        let mut out = Vec::with_capacity(rows.len());
-        for row in &rows {
-            out.push(self.template_from_row(row).await?);
-        }
-        Ok(out)
+        self.templates_from_rows(&rows).await
     }
 
     async fn set_template_build(

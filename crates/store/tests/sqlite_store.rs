@@ -20,6 +20,31 @@ const LIMITS: TeamLimits = TeamLimits {
     max_disk_mb: 0,
 };
 
+/// A private, built template named `alias`, owned by `team_id` (`None`: built in).
+fn template(id: &str, team_id: Option<&str>, alias: &str) -> Template {
+    let now = Utc::now();
+    Template {
+        id: id.into(),
+        team_id: team_id.map(str::to_owned),
+        namespace: None,
+        aliases: vec![alias.into()],
+        public: false,
+        build_id: "b".into(),
+        build_status: BuildStatus::Ready,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        envd_version: "0.5.7".into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 1,
+    }
+}
+
 async fn open() -> (tempfile::TempDir, Arc<SqliteStore>) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SqliteStore::open(&dir.path().join("db.sqlite"))
@@ -83,24 +108,9 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("creds");
     let now = Utc::now();
     let template = Template {
-        id: "tpl0000000000000000a".into(),
-        team_id: None,
-        namespace: None,
-        aliases: vec!["base".into()],
         public: true,
-        build_id: "b".into(),
         build_status: BuildStatus::Building,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 1024,
-        envd_version: "0.5.7".into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 1,
+        ..template("tpl0000000000000000a", None, "base")
     };
     store.upsert_template(&template).await.expect("upsert");
     let image = sandbar_core::TemplateImage {
@@ -262,27 +272,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs() {
             .map(|t| t.id),
         Some(two.id.clone())
     );
-    let now = Utc::now();
-    let named = |id: &str, team: &str| Template {
-        id: id.into(),
-        team_id: Some(team.into()),
-        namespace: None,
-        aliases: vec!["app".into()],
-        public: false,
-        build_id: "b".into(),
-        build_status: BuildStatus::Ready,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 1024,
-        envd_version: "0.5.7".into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 1,
-    };
+    let named = |id: &str, team: &str| template(id, Some(team), "app");
     store
         .upsert_template(&named("tpl-one", &one.id))
         .await
