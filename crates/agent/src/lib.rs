@@ -61,8 +61,9 @@ impl AgentState {
     }
 }
 
-/// `POST /init`, envd's call for a sandbox that starts from a snapshot: the node gives the
-/// agent the new sandbox's token, environment and defaults. The caller must hold the token in
+/// `POST /init`, envd's call for a sandbox that starts from a snapshot or from a sandbox booted
+/// ahead of demand: the node gives the agent the new sandbox's token, environment, defaults
+/// and memory limit. The caller must hold the token in
 /// force (the token check runs first); the edge never forwards this path.
 #[derive(Debug, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -72,6 +73,7 @@ struct InitRequest {
     env_vars: std::collections::BTreeMap<String, String>,
     default_user: Option<String>,
     default_workdir: Option<String>,
+    memory_limit_mb: Option<u32>,
 }
 
 async fn init(
@@ -87,8 +89,11 @@ async fn init(
             .unwrap_or_else(|| current.default_user.clone()),
         env_vars: request.env_vars,
         default_workdir: request.default_workdir.filter(|w| !w.is_empty()),
-        memory_limit_mb: current.memory_limit_mb,
+        memory_limit_mb: request.memory_limit_mb.or(current.memory_limit_mb),
     });
+    if let Some(limit_mb) = request.memory_limit_mb {
+        state.processes.set_memory_limit(limit_mb);
+    }
     StatusCode::NO_CONTENT
 }
 

@@ -421,7 +421,9 @@ const SHELL_KILLED: i32 = 128 + libc::SIGKILL;
 #[derive(Debug)]
 pub struct OomEvents {
     fd: OwnedFd,
-    limit_mb: Option<u32>,
+    /// The sandbox's memory limit in MiB, 0 when unknown; a sandbox handed to its owner after
+    /// it booted learns it late (see `POST /init`).
+    limit_mb: std::sync::atomic::AtomicU32,
     /// When each notification not yet matched with a process was seen.
     unclaimed: Mutex<Vec<std::time::Instant>>,
 }
@@ -431,9 +433,19 @@ impl OomEvents {
     pub fn new(fd: OwnedFd, limit_mb: Option<u32>) -> Arc<Self> {
         Arc::new(Self {
             fd,
-            limit_mb,
+            limit_mb: std::sync::atomic::AtomicU32::new(limit_mb.unwrap_or(0)),
             unclaimed: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The memory limit named in messages.
+    pub fn limit_mb(&self) -> Option<u32> {
+        Some(self.limit_mb.load(std::sync::atomic::Ordering::Relaxed)).filter(|mb| *mb > 0)
+    }
+
+    pub fn set_limit_mb(&self, limit_mb: u32) {
+        self.limit_mb
+            .store(limit_mb, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Takes the notifications the eventfd holds; returns how many there were.
@@ -484,9 +496,9 @@ impl OomEvents {
             let count = self.drain();
             if count > 0 {
                 tracing::warn!(
-                    limit_mb = self.limit_mb,
+                    limit_mb = self.limit_mb(),
                     "the sandbox ran out of memory{}; the kernel kills a process",
-                    limit_text(self.limit_mb)
+                    limit_text(self.limit_mb())
                 );
             }
             guard.clear_ready();
@@ -571,6 +583,13 @@ impl ProcessManager {
         Self {
             processes: Mutex::default(),
             oom,
+        }
+    }
+
+    /// Names `limit_mb` in the messages of later out-of-memory kills.
+    pub fn set_memory_limit(&self, limit_mb: u32) {
+        if let Some(oom) = &self.oom {
+            oom.set_limit_mb(limit_mb);
         }
     }
 
@@ -752,7 +771,7 @@ impl ProcessManager {
                 .oom
                 .as_ref()
                 .filter(|oom| ended_killed(status.as_ref()) && oom.claim())
-                .map(|oom| oom.limit_mb);
+                .map(|oom| oom.limit_mb());
             supervised.done.send_replace(true);
             let drained = async {
                 for pump in &mut pumps {

@@ -179,6 +179,52 @@ impl MemoryGauges {
     }
 }
 
+#[derive(Default)]
+struct WarmPoolGauges {
+    target: Gauge,
+    waiting: Gauge,
+    taken: Counter,
+    missed: Counter,
+}
+
+impl WarmPoolGauges {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "warm_sandboxes_target",
+            "Sandboxes the node keeps booted ahead of demand for the image creates last asked for",
+            self.target.clone(),
+        );
+        registry.register(
+            "warm_sandboxes",
+            "Sandboxes booted ahead of demand and waiting for a create",
+            self.waiting.clone(),
+        );
+        registry.register(
+            "warm_sandbox_takes",
+            "Creates served by a sandbox booted ahead of demand",
+            self.taken.clone(),
+        );
+        registry.register(
+            "warm_sandbox_misses",
+            "Creates a sandbox booted ahead of demand could have served but that found none",
+            self.missed.clone(),
+        );
+    }
+
+    /// Called under the scrape lock: counters only grow, by what happened since the last.
+    fn set(&self, report: &sandbar_core::WarmPoolReport) {
+        let gauge = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.target.set(gauge(report.target));
+        self.waiting.set(gauge(report.waiting));
+        for (counter, total) in [(&self.taken, report.taken), (&self.missed, report.missed)] {
+            let counted = counter.get();
+            if total > counted {
+                counter.inc_by(total - counted);
+            }
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct EdgeLabels {
     target: &'static str,
@@ -203,7 +249,8 @@ pub(crate) struct Telemetry {
     oom_kills: Counter,
     disks: DiskGauges,
     memory: MemoryGauges,
-    /// Two scrapes at once must not both add the same kills.
+    warm: WarmPoolGauges,
+    /// Two scrapes at once must not both add the same kills or takes.
     oom_sync: std::sync::Mutex<()>,
 }
 
@@ -271,6 +318,8 @@ impl Telemetry {
         disks.register(&mut registry);
         let memory = MemoryGauges::default();
         memory.register(&mut registry);
+        let warm = WarmPoolGauges::default();
+        warm.register(&mut registry);
         Self {
             registry,
             sandboxes,
@@ -282,6 +331,7 @@ impl Telemetry {
             oom_kills,
             disks,
             memory,
+            warm,
             oom_sync: std::sync::Mutex::new(()),
         }
     }
@@ -322,6 +372,9 @@ impl Telemetry {
             let counted = self.oom_kills.get();
             if kills > counted {
                 self.oom_kills.inc_by(kills - counted);
+            }
+            if let Some(warm) = self.sandboxes.warm_pool() {
+                self.warm.set(&warm);
             }
         }
         self.disks.set(&self.sandboxes.disks());

@@ -93,6 +93,18 @@ pub struct MemoryReport {
     pub stalled_percent: Option<f64>,
 }
 
+/// Sandboxes a node keeps booted ahead of demand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WarmPoolReport {
+    /// How many it keeps ready for the image last asked for.
+    pub target: u64,
+    pub waiting: u64,
+    /// Creates a waiting sandbox served, and creates that could have been served but found
+    /// none, since the server started.
+    pub taken: u64,
+    pub missed: u64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     /// The template's start command did not become ready.
@@ -151,6 +163,11 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// The node's memory as measured now, against what is promised to sandboxes.
     fn memory(&self) -> Option<MemoryReport> {
+        None
+    }
+
+    /// Sandboxes kept booted ahead of demand; `None` where the runtime keeps none.
+    fn warm_pool(&self) -> Option<WarmPoolReport> {
         None
     }
 

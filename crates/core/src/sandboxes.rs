@@ -585,13 +585,14 @@ impl Sandboxes {
             entry.memory_mb = sandbox.memory_mb;
             entry.disk_size_mb = sandbox.disk_size_mb;
         }
-        if let Err(err) = self
-            .store
-            .record_template_spawn(&template.id, started_at)
-            .await
-        {
-            tracing::warn!(template_id = %template.id, error = %err, "cannot record template spawn");
-        }
+        // A statistic nothing waits for: written after the response.
+        let store = self.store.clone();
+        let template_id = template.id.clone();
+        tokio::spawn(async move {
+            if let Err(err) = store.record_template_spawn(&template_id, started_at).await {
+                tracing::warn!(%template_id, error = %err, "cannot record template spawn");
+            }
+        });
         tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
         Ok(sandbox)
     }
@@ -714,7 +715,6 @@ impl Sandboxes {
         }
     }
 
-    /// How many of this server's sandboxes are in each status, every status listed.
     /// Processes killed for reaching their sandbox's memory limit (see [`Runtime::oom_kills`]).
     pub fn oom_kills(&self) -> u64 {
         self.runtime.oom_kills()
@@ -723,6 +723,11 @@ impl Sandboxes {
     /// The node's memory as measured now.
     pub fn memory(&self) -> Option<crate::runtime::MemoryReport> {
         self.runtime.memory()
+    }
+
+    /// Sandboxes the node keeps booted ahead of demand.
+    pub fn warm_pool(&self) -> Option<crate::runtime::WarmPoolReport> {
+        self.runtime.warm_pool()
     }
 
     /// The node's disks as measured now.

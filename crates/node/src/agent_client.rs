@@ -277,7 +277,8 @@ pub(crate) async fn run(
     Ok(-1)
 }
 
-/// What `POST /init` gives a restored agent: the sandbox it now serves.
+/// What `POST /init` gives an agent booted or restored before its sandbox was asked for: the
+/// sandbox it now serves.
 #[derive(Debug, serde::Serialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Init<'a> {
@@ -285,10 +286,11 @@ pub(crate) struct Init<'a> {
     pub env_vars: &'a std::collections::BTreeMap<String, String>,
     pub default_user: &'a str,
     pub default_workdir: Option<&'a str>,
+    pub memory_limit_mb: u32,
 }
 
 /// Hands the agent behind `socket` its new configuration; `current_token` is the one it
-/// holds now (from the snapshot it was restored from).
+/// holds now (from the snapshot it was restored from, or the node's own).
 pub(crate) async fn init(
     socket: &Path,
     current_token: &str,

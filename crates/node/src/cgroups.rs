@@ -30,6 +30,12 @@ pub enum CgroupError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot rename cgroup {path} to {to}: {source}")]
+    Rename {
+        path: PathBuf,
+        to: String,
+        source: std::io::Error,
+    },
     #[error("cgroup {path} still has processes after killing them")]
     Busy { path: PathBuf },
     #[error("cannot watch {path} for out-of-memory events: {source}")]
@@ -172,17 +178,33 @@ impl CgroupDriver {
             })?;
             write(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
         }
-        let memory = u64::from(limits.memory_mb) * 1024 * 1024;
-        let period: u64 = 100_000;
-        let quota = period * u64::from(limits.cpu_count.max(1));
-        for (name, dir) in self.dirs(sandbox_id) {
+        for (_, dir) in self.dirs(sandbox_id) {
             std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
                 path: dir.clone(),
                 source,
             })?;
+        }
+        self.apply_limits(sandbox_id, limits)
+    }
+
+    /// Sets the limits of an existing sandbox's cgroups.
+    pub fn apply_limits(&self, sandbox_id: &str, limits: Limits) -> Result<(), CgroupError> {
+        let memory = u64::from(limits.memory_mb) * 1024 * 1024;
+        let period: u64 = 100_000;
+        let quota = period * u64::from(limits.cpu_count.max(1));
+        for (name, dir) in self.dirs(sandbox_id) {
             match name {
                 "memory" => {
-                    write(&dir.join("memory.limit_in_bytes"), &memory.to_string())?;
+                    let memsw = dir.join("memory.memsw.limit_in_bytes");
+                    // The memory limit may never exceed the memory+swap one: raised, that one
+                    // goes first.
+                    let limit = dir.join("memory.limit_in_bytes");
+                    if write(&limit, &memory.to_string()).is_err() {
+                        if memsw.exists() {
+                            write(&memsw, &memory.to_string())?;
+                        }
+                        write(&limit, &memory.to_string())?;
+                    }
                     // Limits add up past the host (they are ceilings, not reservations): when
                     // the host runs short, the kernel reclaims first from the sandboxes that
                     // are furthest above a quarter of their limit, so the busiest slow down
@@ -191,7 +213,6 @@ impl CgroupDriver {
                     if soft.exists() {
                         write(&soft, &(memory / 4).to_string())?;
                     }
-                    let memsw = dir.join("memory.memsw.limit_in_bytes");
                     if memsw.exists() {
                         write(&memsw, &memory.to_string())?;
                     }
@@ -212,6 +233,18 @@ impl CgroupDriver {
                 }
                 _ => {}
             }
+        }
+        Ok(())
+    }
+
+    /// Gives sandbox `from`'s cgroups the name `to`; its processes stay in them.
+    pub fn rename(&self, from: &str, to: &str) -> Result<(), CgroupError> {
+        for ((_, old), (_, new)) in self.dirs(from).into_iter().zip(self.dirs(to)) {
+            std::fs::rename(&old, &new).map_err(|source| CgroupError::Rename {
+                path: old.clone(),
+                to: to.to_owned(),
+                source,
+            })?;
         }
         Ok(())
     }

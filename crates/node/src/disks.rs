@@ -230,6 +230,22 @@ fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
     )?)
 }
 
+/// Limits what the subvolume at `path` may hold to `size_mb`.
+fn set_quota(path: &Path, size_mb: u32) -> std::io::Result<()> {
+    let subvolume = open_dir(path)?;
+    let mut limit = QgroupLimitArgs {
+        // Zero means the subvolume the descriptor is in.
+        qgroupid: 0,
+        lim: QgroupLimit {
+            flags: QGROUP_LIMIT_MAX_RFER,
+            max_rfer: u64::from(size_mb) * 1024 * 1024,
+            ..QgroupLimit::default()
+        },
+    };
+    // SAFETY: QGROUP_LIMIT takes a btrfs_ioctl_qgroup_limit_args, which `limit` is.
+    unsafe { ioctl(subvolume.as_fd(), QGROUP_LIMIT, &mut limit) }
+}
+
 fn is_btrfs(path: &Path) -> bool {
     rustix::fs::statfs(path).is_ok_and(|s| s.f_type == BTRFS_SUPER_MAGIC)
 }
@@ -486,18 +502,7 @@ impl DiskPool {
             let mut args = vol_args(OsStr::new(sandbox_id)).map_err(fail)?;
             // SAFETY: SUBVOL_CREATE takes a btrfs_ioctl_vol_args, which `args` is.
             unsafe { ioctl(parent.as_fd(), SUBVOL_CREATE, &mut args) }.map_err(fail)?;
-            let subvolume = open_dir(&path).map_err(fail)?;
-            let mut limit = QgroupLimitArgs {
-                // Zero means the subvolume the descriptor is in.
-                qgroupid: 0,
-                lim: QgroupLimit {
-                    flags: QGROUP_LIMIT_MAX_RFER,
-                    max_rfer: u64::from(size_mb) * 1024 * 1024,
-                    ..QgroupLimit::default()
-                },
-            };
-            // SAFETY: QGROUP_LIMIT takes a btrfs_ioctl_qgroup_limit_args, which `limit` is.
-            unsafe { ioctl(subvolume.as_fd(), QGROUP_LIMIT, &mut limit) }.map_err(fail)?;
+            set_quota(&path, size_mb).map_err(fail)?;
         } else {
             std::fs::create_dir(&path).map_err(fail)?;
         }
@@ -517,6 +522,23 @@ impl DiskPool {
         // must be able to search it; nobody else may.
         std::os::unix::fs::chown(&path, Some(owner), Some(owner)).map_err(fail)?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).map_err(fail)?;
+        Ok(path)
+    }
+
+    /// Gives the disk made for `from` to sandbox `to` with a quota of `size_mb`: the
+    /// directory is renamed (a sandbox running on it keeps running) and what the pool counted
+    /// for `from` is let go; [`Self::admit`] counted `to` already.
+    pub fn hand_over(&self, from: &str, to: &str, size_mb: u32) -> Result<PathBuf, DiskError> {
+        let fail = |source| DiskError::Create {
+            sandbox_id: to.to_owned(),
+            source,
+        };
+        let path = self.path(to);
+        std::fs::rename(self.path(from), &path).map_err(fail)?;
+        self.forget(from);
+        if self.quotas {
+            set_quota(&path, size_mb).map_err(fail)?;
+        }
         Ok(path)
     }
 

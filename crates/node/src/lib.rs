@@ -20,6 +20,7 @@ pub mod shaping;
 pub mod templates;
 pub mod uploads;
 pub mod volumes;
+pub mod warm;
 
 pub use builder::NodeBuilder;
 pub use runtime::{LinuxRuntime, NodeConfig, NodeError, protect_server_from_oom_killer};

@@ -67,6 +67,8 @@ pub struct NodeConfig {
     pub criu: Option<PathBuf>,
     /// Network namespaces kept wired and waiting for new sandboxes.
     pub netns_pool: usize,
+    /// Sandboxes kept booted and waiting for creates of the image last asked for.
+    pub warm_pool: usize,
     /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
     pub sandbox_bandwidth_mbit: u32,
 }
@@ -162,6 +164,8 @@ pub struct LinuxRuntime {
     layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
     /// CRIU, when it passed its probe.
     criu: Option<crate::checkpoint::Criu>,
+    /// Sandboxes booted ahead of demand.
+    warm: crate::warm::WarmPool,
     /// The content-addressed copy of the agent binary sandboxes run, and its SHA-256: a
     /// checkpoint can only be restored with the exact binary its processes mapped.
     agent_exec: PathBuf,
@@ -409,6 +413,7 @@ impl LinuxRuntime {
         };
         Ok(Self {
             criu,
+            warm: crate::warm::WarmPool::new(config.warm_pool),
             agent_exec,
             agent_digest,
             mount_dir,
@@ -443,6 +448,9 @@ impl LinuxRuntime {
 
     /// Unmounts what the node keeps mounted for sandboxes when none is left (clean shutdown).
     pub async fn release(&self) {
+        for warm in self.warm.drain() {
+            self.retire_warm(&warm).await;
+        }
         self.disks.release_if_empty().await;
     }
 
@@ -591,18 +599,19 @@ impl LinuxRuntime {
     /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
     async fn spawn_jailed(
         &self,
-        spec: &LaunchSpec,
+        boot: &BootSpec<'_>,
         dir: &Path,
         netns: &PreparedNetns,
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
-        let id = &spec.sandbox_id;
+        let id = boot.id;
         let slot = netns.slot;
-        let template_layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            RuntimeError::TemplateMissing {
-                template_id: format!("{} ({message})", spec.template.id),
-            }
-        })?;
+        let template_layers =
+            self.layers
+                .stack(boot.layers)
+                .map_err(|message| RuntimeError::TemplateMissing {
+                    template_id: format!("{} ({message})", boot.template_id),
+                })?;
         let jail = JailSpec {
             template_layers,
             sandbox_dir: dir.to_owned(),
@@ -618,7 +627,7 @@ impl LinuxRuntime {
             ],
             id_map,
             pty_max: self.config.pty_max,
-            volumes: spec
+            volumes: boot
                 .volumes
                 .iter()
                 .map(|m| {
@@ -633,15 +642,7 @@ impl LinuxRuntime {
                     })
                 })
                 .collect::<Result<_, RuntimeError>>()?,
-            agent: AgentConfig {
-                access_token: Some(spec.envd_access_token.clone()),
-                default_user: spec.image.user.clone(),
-                env_vars: spec.env_vars.clone(),
-                // The template's home-directory default leaves each user in their own home.
-                default_workdir: Some(spec.image.workdir.clone())
-                    .filter(|w| *w != format!("/home/{}", spec.image.user)),
-                memory_limit_mb: Some(spec.memory_mb),
-            },
+            agent: boot.agent.clone(),
         };
 
         let socket = self.socket_path(id);
@@ -654,9 +655,9 @@ impl LinuxRuntime {
         // far are counted by offset.
         let log = std::fs::OpenOptions::new()
             .create(true)
-            .append(spec.kept.is_some())
+            .append(boot.kept)
             .write(true)
-            .truncate(spec.kept.is_none())
+            .truncate(!boot.kept)
             .open(&log_path)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
@@ -864,7 +865,7 @@ impl LinuxRuntime {
             .await
             .map_err(|e| (None, e))?;
         let pid = self
-            .spawn_jailed(spec, &dir, &netns, id_map)
+            .spawn_jailed(&BootSpec::of(spec), &dir, &netns, id_map)
             .await
             .map_err(|e| (None, e))?;
         drop(netns);
@@ -892,6 +893,257 @@ impl LinuxRuntime {
             "sandbox launch timings"
         );
         Ok((handle, endpoint))
+    }
+}
+
+/// How long a warm sandbox's agent may take to answer after its boot.
+const WARM_AGENT_PATIENCE: Duration = Duration::from_secs(15);
+
+impl LinuxRuntime {
+    /// Keeps sandboxes booted for the image creates last asked for, in the background, from
+    /// now on. Called once the sandboxes recorded before a restart are recovered: the
+    /// recovery sweeps every unrecorded sandbox, and warm ones are never recorded.
+    pub fn start_warm_pool(self: &std::sync::Arc<Self>) {
+        if self.warm.target() == 0 {
+            return;
+        }
+        let runtime = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(node) = runtime.upgrade() else {
+                    return;
+                };
+                if let Some(wait) = node.warm.hold_off(std::time::Instant::now()) {
+                    drop(node);
+                    tokio::time::sleep(wait).await;
+                    continue;
+                }
+                match node.warm.next_job() {
+                    crate::warm::Job::Wait => {
+                        // Also the retry pace after a failed boot.
+                        let pool = &node.warm;
+                        pool.wait(Duration::from_secs(1)).await;
+                    }
+                    crate::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
+                    crate::warm::Job::Boot(key) => {
+                        if let Err(err) = node.boot_warm(&key).await {
+                            tracing::warn!(error = %err, "cannot boot a warm sandbox");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Boots a sandbox for `key` under a name of its own and puts it in the pool. It counts
+    /// against no memory grant (an idle sandbox uses about a MiB) but against the disk pool,
+    /// like any disk.
+    async fn boot_warm(&self, key: &crate::warm::WarmKey) -> Result<(), RuntimeError> {
+        let name = format!(
+            "{}{}",
+            crate::warm::NAME_PREFIX,
+            &sandbar_core::ids::new_secret("")[..16]
+        );
+        if let Some(host) = crate::memory::HostMemory::read() {
+            let promised: u64 = self
+                .granted_memory
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .map(|mb| u64::from(*mb))
+                .sum();
+            self.memory_rule
+                .admit(&host, promised, 0)
+                .map_err(|message| RuntimeError::NoCapacity {
+                    sandbox_id: name.clone(),
+                    message,
+                })?;
+        }
+        self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?;
+        let netns = match self.netns_pool.claim(true).await {
+            Some(Ok(netns)) => netns,
+            Some(Err(err)) => {
+                self.disks.forget(&name);
+                return Err(sandbox_err(&name, err));
+            }
+            None => {
+                self.disks.forget(&name);
+                return Err(RuntimeError::NoCapacity {
+                    sandbox_id: name,
+                    message: "no free network slot on this node".into(),
+                });
+            }
+        };
+        let slot = netns.slot;
+        let id_map = self.id_map(slot);
+        let token = sandbar_core::ids::new_secret("");
+        self.keep_layers(name.clone(), key.layers.clone());
+        let booted = async {
+            self.cgroups
+                .create(
+                    &name,
+                    Limits {
+                        cpu_count: 1,
+                        memory_mb: crate::warm::BOOT_MEMORY_MB,
+                        pids_max: self.config.pids_max,
+                    },
+                )
+                .map_err(|e| sandbox_err(&name, e))?;
+            let dir = self
+                .disks
+                .create(&name, crate::warm::BOOT_DISK_MB, id_map.host_base)
+                .map_err(|e| sandbox_err(&name, e))?;
+            let boot = BootSpec {
+                id: &name,
+                template_id: "(warm)",
+                layers: &key.layers,
+                volumes: &[],
+                agent: AgentConfig {
+                    access_token: Some(token.clone()),
+                    default_user: key.user.clone(),
+                    env_vars: Default::default(),
+                    default_workdir: default_workdir(&key.user, &key.workdir).map(str::to_owned),
+                    memory_limit_mb: None,
+                },
+                kept: false,
+            };
+            let pid = self.spawn_jailed(&boot, &dir, &netns, id_map).await?;
+            let warm = crate::warm::WarmSandbox {
+                name: name.clone(),
+                key: key.clone(),
+                pid,
+                start_ticks: start_ticks(pid).unwrap_or_default(),
+                slot,
+                id_map,
+                token: token.clone(),
+            };
+            agent_client::wait_healthy(&self.socket_path(&name), WARM_AGENT_PATIENCE)
+                .await
+                .map_err(|e| sandbox_err(&name, e))?;
+            Ok::<_, RuntimeError>(warm)
+        }
+        .await;
+        drop(netns);
+        match booted {
+            Ok(warm) => {
+                tracing::debug!(warm = %warm.name, slot, "warm sandbox booted");
+                self.warm.put(warm);
+                Ok(())
+            }
+            Err(err) => {
+                let handle = Handle::warm(slot, id_map, 0, 0);
+                if let Err(cleanup) = self.teardown(&name, Some(&handle)).await {
+                    tracing::error!(warm = %name, error = %cleanup, "cannot clean up a warm sandbox");
+                }
+                Err(err)
+            }
+        }
+    }
+
+    async fn retire_warm(&self, warm: &crate::warm::WarmSandbox) {
+        let handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        if let Err(err) = self.teardown(&warm.name, Some(&handle)).await {
+            tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
+        }
+    }
+
+    /// Makes warm sandbox `warm` sandbox `spec`: its cgroups, disk, socket and log take the
+    /// sandbox's id, its limits become the sandbox's and its agent gets the sandbox's token
+    /// and environment. On failure the warm sandbox is gone, whatever name it had got.
+    async fn take_warm(
+        &self,
+        spec: &LaunchSpec,
+        warm: &crate::warm::WarmSandbox,
+    ) -> Result<(Handle, Endpoint), RuntimeError> {
+        let id = spec.sandbox_id.as_str();
+        let started = std::time::Instant::now();
+        let mut handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        if !is_alive(&handle) {
+            self.retire_warm(warm).await;
+            return Err(sandbox_err(id, format!("warm sandbox {} died", warm.name)));
+        }
+        let mut name = warm.name.as_str();
+        let taken = async {
+            self.cgroups
+                .rename(&warm.name, id)
+                .map_err(|e| sandbox_err(id, e))?;
+            name = id;
+            self.cgroups
+                .apply_limits(
+                    id,
+                    Limits {
+                        cpu_count: spec.cpu_count,
+                        memory_mb: spec.memory_mb,
+                        pids_max: self.config.pids_max,
+                    },
+                )
+                .map_err(|e| sandbox_err(id, e))?;
+            let disks = &self.disks;
+            disks
+                .hand_over(&warm.name, id, spec.disk_size_mb)
+                .map_err(|e| sandbox_err(id, e))?;
+            for (from, to) in [
+                (self.socket_path(&warm.name), self.socket_path(id)),
+                (self.log_path(&warm.name), self.log_path(id)),
+            ] {
+                std::fs::rename(&from, &to)
+                    .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
+            }
+            self.layers_in_use
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&warm.name);
+            self.keep_layers(id, spec.image.layers.clone());
+            // Before the agent hands anything out: the sandbox never has a moment without
+            // its rules.
+            self.apply_egress(id, warm.slot, true, &spec.egress).await?;
+            let endpoint = self.endpoint(id, warm.slot)?;
+            agent_client::init(
+                &endpoint.agent_socket,
+                &warm.token,
+                &agent_client::Init {
+                    access_token: &spec.envd_access_token,
+                    env_vars: &spec.env_vars,
+                    default_user: &spec.image.user,
+                    default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
+                    memory_limit_mb: spec.memory_mb,
+                },
+            )
+            .await
+            .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
+            handle = Handle::running(warm.pid, warm.slot, warm.id_map, spec);
+            handle.start_ticks = warm.start_ticks;
+            if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
+                self.start_and_wait_ready(spec, &endpoint).await?;
+            }
+            Ok::<_, RuntimeError>(endpoint)
+        }
+        .await;
+        match taken {
+            Ok(endpoint) => {
+                tracing::debug!(
+                    sandbox_id = %id,
+                    warm = %warm.name,
+                    taken_us = started.elapsed().as_micros() as u64,
+                    "warm sandbox taken"
+                );
+                Ok((handle, endpoint))
+            }
+            Err(err) => {
+                // Whatever was renamed already goes under the sandbox's id, the rest under
+                // the warm name.
+                let _ = self.teardown(name, Some(&handle)).await;
+                for rest in [warm.name.as_str(), id] {
+                    let _ = self.teardown(rest, None).await;
+                }
+                self.layers_in_use
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&warm.name);
+                Err(err)
+            }
+        }
     }
 }
 
@@ -1083,8 +1335,61 @@ impl LinuxRuntime {
     }
 }
 
-/// `MemTotal` of the host, in MiB.
+/// What booting a sandbox needs beyond its slot and directory.
+struct BootSpec<'a> {
+    id: &'a str,
+    /// Named when a layer is missing.
+    template_id: &'a str,
+    layers: &'a [String],
+    volumes: &'a [sandbar_core::VolumeMount],
+    agent: AgentConfig,
+    /// Booted again on kept files: its log goes on.
+    kept: bool,
+}
+
+impl<'a> BootSpec<'a> {
+    fn of(spec: &'a LaunchSpec) -> Self {
+        BootSpec {
+            id: &spec.sandbox_id,
+            template_id: &spec.template.id,
+            layers: &spec.image.layers,
+            volumes: &spec.volumes,
+            agent: AgentConfig {
+                access_token: Some(spec.envd_access_token.clone()),
+                default_user: spec.image.user.clone(),
+                env_vars: spec.env_vars.clone(),
+                default_workdir: default_workdir(&spec.image.user, &spec.image.workdir)
+                    .map(str::to_owned),
+                memory_limit_mb: Some(spec.memory_mb),
+            },
+            kept: spec.kept.is_some(),
+        }
+    }
+}
+
+/// The agent's default working directory for an image: none when it is the user's home,
+/// which leaves each user in their own.
+fn default_workdir<'a>(user: &str, workdir: &'a str) -> Option<&'a str> {
+    Some(workdir).filter(|w| *w != format!("/home/{user}"))
+}
+
 impl Handle {
+    /// The handle of a warm sandbox (see [`crate::warm`]); `pid` 0 for one that never
+    /// started.
+    fn warm(slot: u32, id_map: IdMap, pid: i32, start_ticks: u64) -> Self {
+        Handle {
+            pid,
+            start_ticks,
+            slot,
+            id_base: Some(id_map.host_base),
+            memory_mb: 0,
+            layers: Vec::new(),
+            released: false,
+            checkpointed: false,
+            volumes: Vec::new(),
+        }
+    }
+
     /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot`.
     fn running(pid: i32, slot: u32, id_map: IdMap, spec: &LaunchSpec) -> Self {
         Handle {
@@ -1131,12 +1436,25 @@ impl Runtime for LinuxRuntime {
             .as_ref()
             .map(|k| parse_handle(&id, k))
             .transpose()?;
+        let _creating = self.warm.creating();
         self.grant_memory(&id, spec.memory_mb)?;
         if kept.is_none()
             && let Err(err) = self.admit_disk(&id, spec.disk_size_mb).await
         {
             self.release_memory(&id);
             return Err(err);
+        }
+        if let Some(warm) = crate::warm::WarmKey::of(&spec).and_then(|key| self.warm.take(&key)) {
+            match self.take_warm(&spec, &warm).await {
+                Ok((handle, endpoint)) => return Ok((handle.to_runtime(&id)?, endpoint)),
+                // The sandbox is booted afresh instead.
+                Err(err) => tracing::warn!(
+                    sandbox_id = %id,
+                    warm = %warm.name,
+                    error = %err,
+                    "cannot take a warm sandbox"
+                ),
+            }
         }
         let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
             Some(Ok(netns)) => netns,
@@ -1584,6 +1902,16 @@ impl Runtime for LinuxRuntime {
             promise_limit_bytes: self.memory_rule.promise_limit_mb(&host) << 20,
             overcommit: self.memory_rule.overcommit,
             stalled_percent: host.stalled_percent,
+        })
+    }
+
+    fn warm_pool(&self) -> Option<sandbar_core::WarmPoolReport> {
+        let report = self.warm.report();
+        Some(sandbar_core::WarmPoolReport {
+            target: report.target as u64,
+            waiting: report.waiting as u64,
+            taken: report.taken,
+            missed: report.missed,
         })
     }
 
@@ -2783,8 +3111,7 @@ impl LinuxRuntime {
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
             .await
             .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
-        let workdir = Some(spec.image.workdir.as_str())
-            .filter(|w| *w != format!("/home/{}", spec.image.user));
+        let workdir = default_workdir(&spec.image.user, &spec.image.workdir);
         agent_client::init(
             &endpoint.agent_socket,
             &origin.access_token,
@@ -2793,6 +3120,7 @@ impl LinuxRuntime {
                 env_vars: &spec.env_vars,
                 default_user: &spec.image.user,
                 default_workdir: workdir,
+                memory_limit_mb: spec.memory_mb,
             },
         )
         .await

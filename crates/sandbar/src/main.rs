@@ -162,6 +162,12 @@ struct ServeArgs {
     /// time when it starts; 0 makes each one as its sandbox starts.
     #[arg(long, env = "SANDBAR_NETNS_POOL", default_value_t = 4, value_parser = clap::value_parser!(u64).range(0..=256))]
     netns_pool: u64,
+    /// Sandboxes kept booted ahead of demand for the image creates last asked for (the
+    /// default template, usually): a create that finds one takes it instead of booting. Each
+    /// waiting sandbox holds a network slot and about a MiB of memory; 0 boots every
+    /// sandbox when it is created.
+    #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    warm_pool: u64,
     /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
     /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
     /// adopted after a restart keep the limit they started with.
@@ -439,6 +445,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             id_base: args.id_base,
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
+            warm_pool: args.warm_pool as usize,
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
             memory_overcommit: args.memory_overcommit,
@@ -524,7 +531,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let sandboxes = Arc::new(
         Sandboxes::new(
             store.clone(),
-            runtime,
+            runtime.clone(),
             templates.clone(),
             SandboxesConfig {
                 activity: sandbar_core::ActivityConfig {
@@ -541,6 +548,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
     }
+    runtime.start_warm_pool();
     tokio::spawn(sandboxes.clone().run_reaper());
 
     let app = sandbar_api::router(AppState {

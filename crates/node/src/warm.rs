@@ -1,0 +1,331 @@
+//! Sandboxes booted ahead of demand.
+//!
+//! Booting a sandbox (cgroups, disk, the boot process, PID 1 building its root, the agent
+//! starting) is most of what a create costs. A warm sandbox has done all of that for an image
+//! before anyone asked for it, under a name of its own and with a token only the node knows;
+//! a create of that image takes one, renames its cgroups, disk, socket and log to the new
+//! sandbox's id, sets its limits and hands the agent the sandbox's token and environment
+//! (`POST /init`). Nothing of a tenant ever ran in it before, so it is as fresh as a cold boot.
+//!
+//! The pool keeps sandboxes of the image most recently asked for. This module holds the
+//! decisions (which image, what to boot or retire next); the runtime does the booting.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use sandbar_core::LaunchSpec;
+use sandbar_jail::IdMap;
+
+/// Prefix of a warm sandbox's name, never the prefix of a sandbox id.
+pub const NAME_PREFIX: &str = "warm-";
+
+/// How long the pool waits after the last create before booting more: creates come in
+/// bursts, and the pool's boots must not take the cores a burst needs.
+pub const QUIET: Duration = Duration::from_millis(25);
+
+/// The disk quota and memory limit a warm sandbox boots with, enough for its agent: nothing
+/// else runs in it before a create sets the sandbox's own.
+pub const BOOT_DISK_MB: u32 = 64;
+pub const BOOT_MEMORY_MB: u32 = 64;
+
+/// What a warm sandbox was booted for: a new sandbox of an image with these can take it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WarmKey {
+    pub layers: Vec<String>,
+    pub user: String,
+    pub workdir: String,
+}
+
+impl WarmKey {
+    /// The key of a launch a warm sandbox can serve; `None` for one that needs a boot of its
+    /// own: files kept from an earlier life, volumes (mounted while the root is built), no
+    /// internet access (a namespace named for it), or a restore from a snapshot.
+    pub fn of(spec: &LaunchSpec) -> Option<Self> {
+        let fresh = spec.kept.is_none()
+            && spec.volumes.is_empty()
+            && spec.allow_internet_access
+            && spec.image.snapshot.is_none();
+        fresh.then(|| WarmKey {
+            layers: spec.image.layers.clone(),
+            user: spec.image.user.clone(),
+            workdir: spec.image.workdir.clone(),
+        })
+    }
+}
+
+/// A booted sandbox waiting for its owner.
+#[derive(Debug, Clone)]
+pub struct WarmSandbox {
+    /// Its cgroups', disk's, socket's and log's name until it is taken.
+    pub name: String,
+    pub key: WarmKey,
+    /// Host PID of its PID 1 and that process's start time in clock ticks.
+    pub pid: i32,
+    pub start_ticks: u64,
+    pub slot: u32,
+    pub id_map: IdMap,
+    /// The token its agent holds until it is handed its sandbox's.
+    pub token: String,
+}
+
+/// What the pool should do next.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Job {
+    /// Boot one more sandbox with this key.
+    Boot(WarmKey),
+    /// Tear this one down (its image is no longer the one asked for, and the pool is full).
+    Retire(Box<WarmSandbox>),
+    /// Nothing until a create asks for something.
+    Wait,
+}
+
+impl PartialEq for WarmSandbox {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for WarmSandbox {}
+
+#[derive(Debug, Default)]
+struct State {
+    waiting: Vec<WarmSandbox>,
+    /// The image the last create that a warm sandbox could have served asked for.
+    wanted: Option<WarmKey>,
+    /// Creates under way, and when the last one began or ended.
+    creating: usize,
+    last_create: Option<Instant>,
+    taken: u64,
+    missed: u64,
+}
+
+/// The waiting sandboxes and what the pool is after.
+#[derive(Debug)]
+pub struct WarmPool {
+    target: usize,
+    state: Mutex<State>,
+    wake: tokio::sync::Notify,
+}
+
+/// Numbers an operator watches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WarmReport {
+    pub target: usize,
+    pub waiting: usize,
+    /// Creates served by a warm sandbox, and creates that could have been but found none.
+    pub taken: u64,
+    pub missed: u64,
+}
+
+impl WarmPool {
+    pub fn new(target: usize) -> Self {
+        Self {
+            target,
+            state: Mutex::new(State::default()),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    pub fn target(&self) -> usize {
+        self.target
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A waiting sandbox for `key`, if there is one; either way `key` becomes what the pool
+    /// keeps ready.
+    pub fn take(&self, key: &WarmKey) -> Option<WarmSandbox> {
+        if self.target == 0 {
+            return None;
+        }
+        let mut state = self.state();
+        let found = state.waiting.iter().position(|w| &w.key == key);
+        let taken = found.map(|i| state.waiting.remove(i));
+        if taken.is_some() {
+            state.taken += 1;
+        } else {
+            state.missed += 1;
+        }
+        if state.wanted.as_ref() != Some(key) {
+            state.wanted = Some(key.clone());
+        }
+        drop(state);
+        self.wake.notify_one();
+        taken
+    }
+
+    /// Adds a freshly booted sandbox.
+    pub fn put(&self, warm: WarmSandbox) {
+        self.state().waiting.push(warm);
+    }
+
+    /// Every waiting sandbox, taken out of the pool (at shutdown).
+    pub fn drain(&self) -> Vec<WarmSandbox> {
+        std::mem::take(&mut self.state().waiting)
+    }
+
+    /// Marks a create as under way until the returned guard is dropped.
+    pub fn creating(&self) -> CreateGuard<'_> {
+        let mut state = self.state();
+        state.creating += 1;
+        state.last_create = Some(Instant::now());
+        CreateGuard { pool: self }
+    }
+
+    /// How long to stay out of the way of creates before the next job: `None` when the
+    /// pool may work now.
+    pub fn hold_off(&self, now: Instant) -> Option<Duration> {
+        let state = self.state();
+        if state.creating > 0 {
+            return Some(QUIET);
+        }
+        let since = state
+            .last_create
+            .map_or(QUIET, |last| now.saturating_duration_since(last));
+        (since < QUIET).then(|| QUIET - since)
+    }
+
+    /// The next thing to do; see [`Job`].
+    pub fn next_job(&self) -> Job {
+        let mut state = self.state();
+        next_job(&mut state, self.target)
+    }
+
+    /// Waits for a create to change what the pool wants, or for `timeout`.
+    pub async fn wait(&self, timeout: Duration) {
+        let _ = tokio::time::timeout(timeout, self.wake.notified()).await;
+    }
+
+    pub fn report(&self) -> WarmReport {
+        let state = self.state();
+        WarmReport {
+            target: self.target,
+            waiting: state.waiting.len(),
+            taken: state.taken,
+            missed: state.missed,
+        }
+    }
+}
+
+fn next_job(state: &mut State, target: usize) -> Job {
+    let Some(wanted) = state.wanted.clone() else {
+        return Job::Wait;
+    };
+    let ready = state.waiting.iter().filter(|w| w.key == wanted).count();
+    if ready >= target {
+        return Job::Wait;
+    }
+    if state.waiting.len() >= target {
+        // The oldest of another image makes room.
+        if let Some(i) = state.waiting.iter().position(|w| w.key != wanted) {
+            return Job::Retire(Box::new(state.waiting.remove(i)));
+        }
+        return Job::Wait;
+    }
+    Job::Boot(wanted)
+}
+
+/// See [`WarmPool::creating`].
+#[derive(Debug)]
+pub struct CreateGuard<'a> {
+    pool: &'a WarmPool,
+}
+
+impl Drop for CreateGuard<'_> {
+    fn drop(&mut self) {
+        let mut state = self.pool.state();
+        state.creating = state.creating.saturating_sub(1);
+        state.last_create = Some(Instant::now());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(layer: &str) -> WarmKey {
+        WarmKey {
+            layers: vec![layer.into()],
+            user: "user".into(),
+            workdir: "/home/user".into(),
+        }
+    }
+
+    fn warm(name: &str, key: WarmKey) -> WarmSandbox {
+        WarmSandbox {
+            name: name.into(),
+            key,
+            pid: 1,
+            start_ticks: 1,
+            slot: 0,
+            id_map: IdMap {
+                host_base: 1 << 20,
+                size: 65536,
+            },
+            token: "t".into(),
+        }
+    }
+
+    #[test]
+    fn nothing_is_booted_before_a_create_asks() {
+        let pool = WarmPool::new(2);
+        assert_eq!(pool.next_job(), Job::Wait);
+    }
+
+    #[test]
+    fn a_miss_makes_its_image_the_one_kept_ready_up_to_the_target() {
+        let pool = WarmPool::new(2);
+        assert!(pool.take(&key("a")).is_none());
+        assert_eq!(pool.next_job(), Job::Boot(key("a")));
+        pool.put(warm("w1", key("a")));
+        assert_eq!(pool.next_job(), Job::Boot(key("a")));
+        pool.put(warm("w2", key("a")));
+        assert_eq!(pool.next_job(), Job::Wait);
+        let report = pool.report();
+        assert_eq!((report.waiting, report.taken, report.missed), (2, 0, 1));
+    }
+
+    #[test]
+    fn a_create_takes_only_a_sandbox_of_its_own_image() {
+        let pool = WarmPool::new(2);
+        pool.put(warm("w1", key("a")));
+        assert!(pool.take(&key("b")).is_none());
+        assert_eq!(pool.take(&key("a")).map(|w| w.name), Some("w1".into()));
+        assert!(pool.take(&key("a")).is_none());
+    }
+
+    #[test]
+    fn a_full_pool_of_another_image_retires_its_oldest_first() {
+        let pool = WarmPool::new(2);
+        pool.put(warm("old1", key("a")));
+        pool.put(warm("old2", key("a")));
+        assert!(pool.take(&key("b")).is_none());
+        assert_eq!(
+            pool.next_job(),
+            Job::Retire(Box::new(warm("old1", key("a"))))
+        );
+        assert_eq!(pool.next_job(), Job::Boot(key("b")));
+    }
+
+    #[test]
+    fn a_pool_of_size_zero_never_takes_or_boots() {
+        let pool = WarmPool::new(0);
+        assert!(pool.take(&key("a")).is_none());
+        assert_eq!(pool.next_job(), Job::Wait);
+    }
+
+    #[test]
+    fn boots_wait_until_creates_have_been_quiet_for_a_while() {
+        let pool = WarmPool::new(1);
+        let now = Instant::now();
+        assert_eq!(pool.hold_off(now), None, "no create yet");
+        let guard = pool.creating();
+        assert_eq!(pool.hold_off(Instant::now()), Some(QUIET));
+        drop(guard);
+        let after = pool.hold_off(Instant::now()).expect("just ended");
+        assert!(after <= QUIET);
+        assert_eq!(pool.hold_off(Instant::now() + QUIET), None);
+    }
+}
