@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::AgentState;
 use crate::auth::{FileOperation, basic_auth_user, header_token_ok, verify_file_signature};
+use crate::file_metadata::{Metadata, WriteMetadataError};
 use crate::fs::{ensure_dirs, resolve_path};
 use crate::http_error::{HttpError, json_error};
 use crate::users::{Accounts, User};
@@ -247,6 +248,10 @@ struct WrittenEntry {
     name: String,
     r#type: &'static str,
     path: String,
+    /// What the file holds after the write, read back rather than echoed, so a filesystem
+    /// without attributes does not seem to have kept any.
+    #[serde(skip_serializing_if = "Metadata::is_empty")]
+    metadata: Metadata,
 }
 
 /// Most of an upload a refused client may still be sending that is read before answering.
@@ -323,6 +328,17 @@ pub async fn upload(
         Ok(u) => u,
         Err(e) => return reject_unread_upload(request, e).await,
     };
+    // One set for every file of the request, checked before anything is written.
+    let metadata = match crate::file_metadata::from_headers(&headers) {
+        Ok(m) => m,
+        Err(e) => {
+            return reject_unread_upload(
+                request,
+                HttpError::new(StatusCode::BAD_REQUEST, e.to_string()),
+            )
+            .await;
+        }
+    };
     let groups = accounts.group_ids(&user);
     let query_path = query
         .path
@@ -335,7 +351,7 @@ pub async fn upload(
         .unwrap_or_default()
         .to_ascii_lowercase();
 
-    let mut written: Vec<PathBuf> = Vec::new();
+    let mut written: Vec<(PathBuf, Metadata)> = Vec::new();
     if content_type.starts_with("multipart/") {
         let mut multipart = match Multipart::from_request(request, &()).await {
             Ok(m) => m,
@@ -360,7 +376,7 @@ pub async fn upload(
                     );
                 }
             };
-            if written.contains(&dest) {
+            if written.iter().any(|(p, _)| *p == dest) {
                 return json_error(
                     StatusCode::BAD_REQUEST,
                     format!("cannot upload several files to '{}'", dest.display()),
@@ -373,10 +389,10 @@ pub async fn upload(
                     Err(e) => Some((Err(std::io::Error::other(e.body_text())), field)),
                 }
             });
-            if let Err(e) = write_stream(&dest, &user, &groups, false, stream).await {
-                return e.into_response();
+            match write_stream(&dest, &user, &groups, false, &metadata, stream).await {
+                Ok(kept) => written.push((dest, kept)),
+                Err(e) => return e.into_response(),
             }
-            written.push(dest);
         }
     } else {
         let Some(dest) = query_path else {
@@ -390,35 +406,38 @@ pub async fn upload(
             .into_body()
             .into_data_stream()
             .map(|r| r.map_err(std::io::Error::other));
-        if let Err(e) = write_stream(&dest, &user, &groups, gzip, stream).await {
-            return e.into_response();
+        match write_stream(&dest, &user, &groups, gzip, &metadata, stream).await {
+            Ok(kept) => written.push((dest, kept)),
+            Err(e) => return e.into_response(),
         }
-        written.push(dest);
     }
     let entries: Vec<WrittenEntry> = written
         .into_iter()
-        .map(|p| WrittenEntry {
+        .map(|(p, metadata)| WrittenEntry {
             name: p
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default(),
             r#type: "file",
             path: p.to_string_lossy().into_owned(),
+            metadata,
         })
         .collect();
     (StatusCode::OK, Json(entries)).into_response()
 }
 
-/// Writes a body to `dest` on a blocking thread (gunzipping it when asked). The file and its
-/// missing parents are made with `user`'s permissions, so they are the user's and a path the
-/// user may not write is refused.
+/// Writes a body to `dest` on a blocking thread (gunzipping it when asked), then gives the file
+/// `metadata` as its whole set and returns the set it holds. The file and its missing parents
+/// are made with `user`'s permissions, so they are the user's and a path the user may not
+/// write is refused.
 async fn write_stream(
     dest: &Path,
     user: &User,
     groups: &[u32],
     gzip: bool,
+    metadata: &Metadata,
     stream: impl Stream<Item = std::io::Result<Bytes>>,
-) -> Result<(), HttpError> {
+) -> Result<Metadata, HttpError> {
     let target = dest.to_owned();
     let owner = user.clone();
     let opened = crate::identity::as_user(user, groups.to_vec(), move || {
@@ -453,16 +472,20 @@ async fn write_stream(
         }
     };
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
-    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+    let writer = tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
         let mut out: Box<dyn std::io::Write> = if gzip {
-            Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(file)))
+            Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(
+                &file,
+            )))
         } else {
-            Box::new(std::io::BufWriter::new(file))
+            Box::new(std::io::BufWriter::new(&file))
         };
         while let Some(chunk) = rx.blocking_recv() {
             out.write_all(&chunk)?;
         }
-        out.flush()
+        out.flush()?;
+        drop(out);
+        Ok(file)
     });
     let mut stream = std::pin::pin!(stream);
     let mut body_error = None;
@@ -489,7 +512,7 @@ async fn write_stream(
             format!("reading upload for '{}': {e}", dest.display()),
         ));
     }
-    result.map_err(|e| {
+    let file = result.map_err(|e| {
         let status = if gzip
             && matches!(
                 e.kind(),
@@ -500,7 +523,46 @@ async fn write_stream(
             io_status(&e)
         };
         HttpError::new(status, format!("writing '{}': {e}", dest.display()))
-    })
+    })?;
+    let (path, wanted) = (dest.to_owned(), metadata.clone());
+    tokio::task::spawn_blocking(move || set_metadata(&file, &path, &wanted))
+        .await
+        .map_err(|e| HttpError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+}
+
+/// Gives a written file its metadata and reads back what it holds. Written on the upload's
+/// own descriptor, always, even an empty set: a file written again without metadata must
+/// lose what it had.
+fn set_metadata(
+    file: &std::fs::File,
+    path: &Path,
+    wanted: &Metadata,
+) -> Result<Metadata, HttpError> {
+    match crate::file_metadata::write(file, path, wanted) {
+        Ok(()) => {}
+        // The content is written; envd keeps it too and reports the file without metadata.
+        Err(e @ WriteMetadataError::Unsupported(_)) => {
+            if !wanted.is_empty() {
+                tracing::warn!(error = %e, "metadata not kept");
+            }
+        }
+        Err(e @ WriteMetadataError::NoSpace { .. }) => {
+            return Err(HttpError::new(
+                StatusCode::INSUFFICIENT_STORAGE,
+                e.to_string(),
+            ));
+        }
+        Err(e @ WriteMetadataError::Io { .. }) => {
+            return Err(HttpError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                e.to_string(),
+            ));
+        }
+    }
+    Ok(crate::file_metadata::read(file, path).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "metadata of a written file not read back");
+        Metadata::new()
+    }))
 }
 
 fn fs_kind(e: &crate::fs::FsError) -> std::io::ErrorKind {

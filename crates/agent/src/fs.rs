@@ -134,18 +134,25 @@ pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError
     crate::paths::check_parent(path).map_err(|e| FsError::from_io("stat", path, e))?;
     let lmeta = std::fs::symlink_metadata(path).map_err(|e| FsError::from_io("stat", path, e))?;
     let is_symlink = lmeta.file_type().is_symlink();
+    // The entry itself, or what a symlink leads to; a magic link's target (a host object of
+    // the agent's) is never opened, so it is never described.
+    let handle = crate::paths::open_path(path).ok();
     let (meta, symlink_target) = if is_symlink {
         let target = std::fs::read_link(path).ok().map(|t| {
             let base = path.parent().unwrap_or(Path::new("/"));
             let joined = base.join(t);
             resolve_path(&joined.to_string_lossy(), &User::root_like())
         });
-        // A magic link's target (a host object of the agent's) is never described.
-        (crate::paths::metadata(path).ok(), target)
+        (handle.as_ref().and_then(|h| h.metadata().ok()), target)
     } else {
         (None, None)
     };
     let meta = meta.unwrap_or(lmeta);
+    // Best effort, as in envd: an entry whose attributes cannot be read is still described.
+    let metadata = handle
+        .as_ref()
+        .and_then(|h| crate::file_metadata::read(h, path).ok())
+        .unwrap_or_default();
     let file_type = if meta.is_dir() {
         FileType::FILE_TYPE_DIRECTORY
     } else if meta.file_type().is_symlink() {
@@ -167,6 +174,7 @@ pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError
         modified_time: MessageField::some(timestamp(meta.mtime(), meta.mtime_nsec())),
         symlink_target: symlink_target.map(|t| t.to_string_lossy().into_owned()),
         is_symlink,
+        metadata: metadata.into_iter().collect(),
         ..Default::default()
     })
 }

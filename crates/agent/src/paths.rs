@@ -58,9 +58,15 @@ pub fn create_write(path: &Path) -> io::Result<File> {
     open(path, OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC, 0o644)
 }
 
+/// An `O_PATH` handle on what `path` leads to (following ordinary symlinks, never magic
+/// links): enough to stat it or read its attributes, and nothing it could do on open.
+pub fn open_path(path: &Path) -> io::Result<File> {
+    open(path, OFlags::PATH, 0)
+}
+
 /// The metadata of what `path` leads to (following ordinary symlinks, never magic links).
 pub fn metadata(path: &Path) -> io::Result<std::fs::Metadata> {
-    open(path, OFlags::PATH, 0)?.metadata()
+    open_path(path)?.metadata()
 }
 
 /// Fails if resolving `path` (following ordinary symlinks) would cross a magic link; a path

@@ -19,7 +19,7 @@ use crate::process::{DEFAULT_PATH, ProcessError, ProcessOutput, PtySize, Selecto
 use crate::proto::filesystem::{self as fsp, Filesystem};
 use crate::proto::process::{self as pp, Process};
 use crate::users::{Accounts, User, UserError};
-use crate::watch::WatcherError;
+use crate::watch::{WatchError, WatchSpec, WatcherError};
 
 const KEEPALIVE_HEADER: &str = "keepalive-ping-interval";
 
@@ -102,7 +102,15 @@ fn process_error(e: ProcessError) -> ConnectError {
 fn watcher_error(e: WatcherError) -> ConnectError {
     match e {
         WatcherError::NotFound(_) => ConnectError::not_found(e.to_string()),
-        WatcherError::Fs(e) => fs_error(e),
+        WatcherError::Watch(e) => watch_error(e),
+    }
+}
+
+fn watch_error(e: WatchError) -> ConnectError {
+    match e {
+        WatchError::Fs(e) => fs_error(e),
+        // envd's answer: the request asked for what this path cannot give.
+        WatchError::NetworkMount { .. } => ConnectError::invalid_argument(e.to_string()),
     }
 }
 
@@ -670,8 +678,13 @@ impl Filesystem for Services {
     ) -> ServiceResult<ServiceStream<fsp::WatchDirResponse>> {
         let (user, _) = self.user(ctx.headers())?;
         let path = resolve_path(request.path, &user);
-        let rx = crate::watch::watch(path, request.recursive, request.include_entry)
-            .map_err(fs_error)?;
+        let rx = crate::watch::watch(WatchSpec {
+            root: path,
+            recursive: request.recursive,
+            include_entry: request.include_entry,
+            allow_network_mounts: request.allow_network_mounts,
+        })
+        .map_err(watch_error)?;
         Ok(Response::new(watch_stream(
             rx,
             keepalive_interval(ctx.headers()),
@@ -688,7 +701,12 @@ impl Filesystem for Services {
         let watcher_id = self
             .state
             .watchers
-            .create(path, request.recursive, request.include_entry)
+            .create(WatchSpec {
+                root: path,
+                recursive: request.recursive,
+                include_entry: request.include_entry,
+                allow_network_mounts: request.allow_network_mounts,
+            })
             .map_err(watcher_error)?;
         Response::ok(fsp::CreateWatcherResponse {
             watcher_id,

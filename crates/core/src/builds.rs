@@ -775,6 +775,9 @@ impl Builds {
         template.build_status = BuildStatus::Waiting;
         template.build_error = None;
         template.build_count += 1;
+        // Its sandboxes boot the current agent, so a rebuilt template reports its version, as
+        // rebuilding brings an E2B template the current envd.
+        template.envd_version = self.config.envd_version.to_owned();
         template.updated_at = now;
         self.store.upsert_template(&template).await?;
         self.store

@@ -21,10 +21,12 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// The envd protocol version the agent implements; the SDKs enable features by it. 0.5.7
-/// turns on `close_stdin` and octet-stream and gzip uploads, all implemented; the next gate
-/// (file metadata as xattrs, 0.6.2) is not.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// The envd protocol version the agent implements; the SDKs enable features by it, so every
+/// feature they gate on this version or an older one must work. 0.6.4 is the newest gate of
+/// the SDKs (Python e2b 2.63, npm e2b 2.51): file metadata as `user.e2b.*` xattrs (0.6.2),
+/// entries in watch events (0.6.3) and watching network mounts when asked (0.6.4). envd
+/// releases after it change nothing an SDK asks for by version.
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// Descriptor on which the node hands the agent its already-listening Unix socket.
 pub const LISTENER_FD: i32 = 3;

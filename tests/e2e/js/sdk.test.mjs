@@ -32,6 +32,26 @@ test('create, run commands, move files, list and kill with the JS SDK', async ()
     await watcher.stop();
     assert.ok(seen.includes('b.txt'), `watch events: ${JSON.stringify(seen)}`);
 
+    // Gated on envd 0.6.2-0.6.4: file metadata, entries in watch events (the streamed
+    // WatchDir, which the Python SDK does not use) and allowing network mounts.
+    const withEntries = [];
+    const entryWatcher = await sbx.files.watchDir('/home/user/js', (event) => withEntries.push(event), {
+      includeEntry: true,
+      allowNetworkMounts: true,
+    });
+    const written = await sbx.files.write('/home/user/js/meta.txt', 'm', { metadata: { Origin: 'js' } });
+    assert.deepEqual(written.metadata, { origin: 'js' });
+    assert.deepEqual((await sbx.files.getInfo('/home/user/js/meta.txt')).metadata, { origin: 'js' });
+    const described = () => withEntries.find((e) => e.name === 'meta.txt' && e.entry?.metadata?.origin === 'js');
+    for (let i = 0; i < 50 && !described(); i++) await new Promise((r) => setTimeout(r, 100));
+    await entryWatcher.stop();
+    const event = described();
+    assert.ok(event, `watch events: ${JSON.stringify(withEntries)}`);
+    assert.equal(event.entry.path, '/home/user/js/meta.txt');
+    assert.equal(event.entry.type, 'file');
+    await sbx.files.write('/home/user/js/meta.txt', 'plain');
+    assert.equal((await sbx.files.getInfo('/home/user/js/meta.txt')).metadata, undefined);
+
     const listed = await Sandbox.list({ query: { metadata: { suite: marker } } }).nextItems();
     assert.deepEqual(listed.map((s) => s.sandboxId), [sbx.sandboxId]);
     assert.equal(await sbx.isRunning(), true);
