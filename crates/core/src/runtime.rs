@@ -77,6 +77,9 @@ pub struct RuntimeStats {
     pub memory_cache: u64,
     pub disk_used: u64,
     pub disk_total: u64,
+    /// Processes the kernel killed in the sandbox for lack of memory (at its limit or with
+    /// the host short) since its cgroups were made.
+    pub oom_kills: u64,
 }
 
 /// The host's memory and what sandboxes may use of it.

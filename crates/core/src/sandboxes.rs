@@ -350,6 +350,8 @@ const PRUNE_EVERY_ROUNDS: u64 = 1200;
 #[derive(Debug, Default)]
 struct MetricSeries {
     last_cpu: Option<(std::time::Instant, u64)>,
+    /// The sandbox's out-of-memory kill count at the last sample.
+    oom_kills: Option<u64>,
     points: std::collections::VecDeque<MetricPoint>,
 }
 
@@ -1361,7 +1363,9 @@ impl Sandboxes {
                 self.reap_dead().await;
             }
             if round % METRICS_EVERY_ROUNDS == 0 {
-                self.sample_metrics();
+                for (id, killed) in self.sample_metrics() {
+                    self.log_oom_kills(&id, killed).await;
+                }
                 self.ingest_agent_logs().await;
             }
             if round % TEAM_METRICS_EVERY_ROUNDS == 0 {
@@ -1645,7 +1649,28 @@ impl Sandboxes {
     }
 
     /// Takes one resource sample of every running or paused sandbox.
-    pub fn sample_metrics(&self) {
+    /// Tells a sandbox's log, and the server's, that the kernel killed `killed` of its
+    /// processes for lack of memory. The agent names the processes it sees killed at the
+    /// sandbox's limit; only the kernel's count also covers kills with the host short of
+    /// memory, which signal nothing to the sandbox.
+    async fn log_oom_kills(&self, id: &str, killed: u64) {
+        tracing::warn!(sandbox_id = %id, killed, "the kernel killed sandbox processes for lack of memory");
+        self.activity
+            .event(
+                id,
+                LogLevel::Warn,
+                &format!(
+                    "out of memory: the kernel killed {killed} process{} of this sandbox (at its memory limit, or with the host short of memory)",
+                    if killed == 1 { "" } else { "es" }
+                ),
+                &[("oomKills", killed.to_string())],
+            )
+            .await;
+    }
+
+    /// Samples every live sandbox's use; returns the sandboxes whose processes the kernel
+    /// killed for lack of memory since the last sample, with how many.
+    pub fn sample_metrics(&self) -> Vec<(String, u64)> {
         let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
             .live()
             .iter()
@@ -1668,11 +1693,18 @@ impl Sandboxes {
         let now = std::time::Instant::now();
         let at = Utc::now();
         let mut metrics = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        let mut killed = Vec::new();
         for (id, handle, cpu_count, memory_mb, disk_size_mb) in targets {
             let Some(stats) = self.runtime.stats(&id, &handle) else {
                 continue;
             };
-            let series = metrics.entry(id).or_default();
+            let series = metrics.entry(id.clone()).or_default();
+            if let Some(before) = series.oom_kills
+                && stats.oom_kills > before
+            {
+                killed.push((id, stats.oom_kills - before));
+            }
+            series.oom_kills = Some(stats.oom_kills);
             let cpu_used_pct = match series.last_cpu {
                 Some((then, cpu_ns)) => {
                     let wall = now.duration_since(then).as_nanos() as f64;
@@ -1704,6 +1736,7 @@ impl Sandboxes {
                 series.points.pop_front();
             }
         }
+        killed
     }
 
     /// A team's sandbox's samples between `start` and `end` (inclusive, either open).

@@ -1879,6 +1879,7 @@ impl Runtime for LinuxRuntime {
             memory_cache: cgroup.memory_cache,
             disk_used: disk.map_or(0, |d| d.used),
             disk_total: disk.map_or(0, |d| d.total),
+            oom_kills: self.cgroups.oom_kills(sandbox_id).unwrap_or(0),
         })
     }
 
