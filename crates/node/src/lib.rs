@@ -17,6 +17,7 @@ pub mod netns;
 pub mod network;
 mod runtime;
 pub mod shaping;
+pub mod tasks;
 pub mod templates;
 pub mod uploads;
 pub mod volumes;

@@ -511,21 +511,25 @@ impl LinuxRuntime {
     }
 
     /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
-    /// cannot start it now: what is short is the memory the host really has, or the ceilings
-    /// promised in all (see [`crate::memory`]).
+    /// cannot start it now: what is short is the memory the host really has, the ceilings
+    /// promised in all (see [`crate::memory`]), or the host's tasks ([`crate::tasks`]).
     fn grant_memory(&self, id: &str, memory_mb: u32) -> Result<(), RuntimeError> {
         let mut granted = self
             .granted_memory
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let promised: u64 = granted.values().map(|mb| u64::from(*mb)).sum();
+        let no_capacity = |message| RuntimeError::NoCapacity {
+            sandbox_id: id.to_owned(),
+            message,
+        };
         if let Some(host) = crate::memory::HostMemory::read() {
             self.memory_rule
                 .admit(&host, promised, memory_mb)
-                .map_err(|message| RuntimeError::NoCapacity {
-                    sandbox_id: id.to_owned(),
-                    message,
-                })?;
+                .map_err(no_capacity)?;
+        }
+        if let Some(tasks) = crate::tasks::HostTasks::read() {
+            tasks.admit().map_err(no_capacity)?;
         }
         granted.insert(id.to_owned(), memory_mb);
         drop(granted);
