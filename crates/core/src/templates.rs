@@ -43,8 +43,8 @@ fn valid_reference(reference: &str) -> bool {
 }
 
 /// The template `team` may use that `name` (no tag) means: an ID; `namespace/alias` in that
-/// team's namespace; or a bare alias, looked up in the caller's namespace, then among the
-/// built-in templates, then among other teams' public templates (when only one has it).
+/// team's namespace; or a bare alias, looked up among the built-in templates, then in the
+/// caller's namespace, then among other teams' public templates (when only one has it).
 /// What the caller may not see is not found, exactly like what does not exist.
 pub(crate) async fn find_template(
     store: &dyn Store,
@@ -63,11 +63,13 @@ pub(crate) async fn find_template(
         let found = store.template_by_name(Some(&owner.id), alias).await?;
         return Ok(found.filter(|t| t.visible_to(&team.id)));
     }
-    if let Some(own) = store.template_by_name(Some(&team.id), name).await? {
-        return Ok(Some(own));
-    }
+    // No team may take a built-in's name, so looking there first changes no answer and
+    // saves the default template's creates a query.
     if let Some(built_in) = store.template_by_name(None, name).await? {
         return Ok(Some(built_in));
+    }
+    if let Some(own) = store.template_by_name(Some(&team.id), name).await? {
+        return Ok(Some(own));
     }
     let mut public = store.public_templates_named(name).await?;
     Ok(if public.len() == 1 {
