@@ -20,8 +20,9 @@ use sandbar_jail::IdMap;
 pub const NAME_PREFIX: &str = "warm-";
 
 /// How long the pool waits after the last create before booting more: creates come in
-/// bursts, and the pool's boots must not take the cores a burst needs.
-pub const QUIET: Duration = Duration::from_millis(25);
+/// bursts, and the pool's boots must not take the cores a burst needs. Short, because
+/// creates one after another (create, use, kill, create) must find the pool refilled.
+pub const QUIET: Duration = Duration::from_millis(2);
 
 /// The disk quota and memory limit a warm sandbox boots with, enough for its agent: nothing
 /// else runs in it before a create sets the sandbox's own.
