@@ -129,6 +129,11 @@ struct Handle {
     /// Volumes bound into the sandbox, which a checkpoint names and a restore binds again.
     #[serde(default)]
     volumes: Vec<HandleVolume>,
+    /// The id of the sandbox's current boot, shown at the kernel's boot id: new at every
+    /// boot, the same after a restore of its checkpoint. Absent in handles of sandboxes
+    /// booted before it existed, which see the host's.
+    #[serde(default)]
+    boot_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -595,6 +600,7 @@ impl LinuxRuntime {
         dir: &Path,
         netns: &PreparedNetns,
         id_map: IdMap,
+        boot_id: &str,
     ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
         let slot = netns.slot;
@@ -642,6 +648,9 @@ impl LinuxRuntime {
                     .filter(|w| *w != format!("/home/{}", spec.image.user)),
                 memory_limit_mb: Some(spec.memory_mb),
             },
+            boot_id: Some(boot_id.to_owned()),
+            // A new writable layer makes a new machine; kept files keep the one they hold.
+            machine_id: spec.kept.is_none().then(sandbar_core::ids::new_machine_id),
         };
 
         let socket = self.socket_path(id);
@@ -863,13 +872,14 @@ impl LinuxRuntime {
         self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
             .await
             .map_err(|e| (None, e))?;
+        let boot_id = sandbar_core::ids::new_uuid();
         let pid = self
-            .spawn_jailed(spec, &dir, &netns, id_map)
+            .spawn_jailed(spec, &dir, &netns, id_map, &boot_id)
             .await
             .map_err(|e| (None, e))?;
         drop(netns);
         let spawned = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec);
+        let handle = Handle::running(pid, slot, id_map, spec, Some(boot_id));
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
@@ -1085,8 +1095,15 @@ impl LinuxRuntime {
 
 /// `MemTotal` of the host, in MiB.
 impl Handle {
-    /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot`.
-    fn running(pid: i32, slot: u32, id_map: IdMap, spec: &LaunchSpec) -> Self {
+    /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot` with the
+    /// boot id `boot_id`.
+    fn running(
+        pid: i32,
+        slot: u32,
+        id_map: IdMap,
+        spec: &LaunchSpec,
+        boot_id: Option<String>,
+    ) -> Self {
         Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
@@ -1105,6 +1122,7 @@ impl Handle {
                     path: v.path.clone(),
                 })
                 .collect(),
+            boot_id,
         }
     }
 
@@ -1178,6 +1196,7 @@ impl Runtime for LinuxRuntime {
                     released: false,
                     checkpointed: false,
                     volumes: Vec::new(),
+                    boot_id: None,
                 });
                 // A sandbox booted on kept files keeps them for another try.
                 let cleanup = match &kept {
@@ -2009,11 +2028,12 @@ impl LinuxRuntime {
     }
 
     /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
-    /// CRIU (its sysfs, its volumes), gone with their mount points.
+    /// CRIU (its sysfs, its boot id, its volumes), gone with their mount points.
     fn unmount_restore_aids(&self, id: &str) {
-        let sysfs = self.restored_sysfs(id);
-        let _ = sandbar_jail::host::unmount(&sysfs);
-        let _ = std::fs::remove_dir(&sysfs);
+        for dir in [self.restored_sysfs(id), self.restored_boot_id_dir(id)] {
+            let _ = sandbar_jail::host::unmount(&dir);
+            let _ = std::fs::remove_dir(&dir);
+        }
         let volumes = self.restored_volumes_dir(id);
         if let Ok(entries) = std::fs::read_dir(&volumes) {
             for entry in entries.flatten() {
@@ -2027,6 +2047,12 @@ impl LinuxRuntime {
     /// Where a restore of sandbox `id` mounts a sysfs of its network namespace on the host.
     fn restored_sysfs(&self, id: &str) -> PathBuf {
         self.mount_dir.join(format!("{id}.sys"))
+    }
+
+    /// Where a restore of sandbox `id` mounts the filesystem of its boot id on the host, for
+    /// CRIU to bind the file back.
+    fn restored_boot_id_dir(&self, id: &str) -> PathBuf {
+        self.mount_dir.join(format!("{id}.boot"))
     }
 
     /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
@@ -2119,6 +2145,7 @@ impl LinuxRuntime {
                 netns: prepared,
                 new_log: None,
                 etc: None,
+                boot_id: h.boot_id.clone(),
             },
         )
         .await
@@ -2143,6 +2170,7 @@ impl LinuxRuntime {
             netns: prepared,
             new_log,
             etc,
+            boot_id,
         } = from;
         let sandbox_dir = self.disks.path(id);
         let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
@@ -2166,6 +2194,14 @@ impl LinuxRuntime {
                 })
                 .collect();
             let volumes_dir = volumes_dir.clone();
+            // A checkpoint that binds a boot id but whose handle names none cannot be made
+            // by this node; it would get a new one, as a boot does.
+            let boot_id = header
+                .externals
+                .iter()
+                .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
+                .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
+            let boot_id_dir = self.restored_boot_id_dir(id);
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                     .map_err(|e| format!("cannot mount its root again: {e}"))?;
@@ -2180,12 +2216,12 @@ impl LinuxRuntime {
                 }
                 if let Some((owner, etc)) = &etc {
                     let root = sandbox_dir.join(sandbar_jail::layout::ROOT);
-                    for (name, content) in etc {
+                    for (name, content, mode) in etc {
                         sandbar_jail::host::replace_file_beneath(
                             &root,
                             &Path::new("etc").join(name),
                             content.as_bytes(),
-                            0o644,
+                            *mode,
                             *owner,
                         )
                         .map_err(|e| format!("cannot write /etc/{name}: {e}"))?;
@@ -2200,17 +2236,21 @@ impl LinuxRuntime {
                     PathBuf::from(format!("/proc/self/fd/{}", prepared.netns.as_raw_fd()));
                 sandbar_jail::host::mount_sysfs_of(&netns_path, &sysfs)
                     .map_err(|e| format!("cannot mount its sysfs: {e}"))?;
+                let boot_id_file = boot_id
+                    .map(|boot_id| sandbar_jail::host::mount_boot_id(&boot_id_dir, &boot_id))
+                    .transpose()
+                    .map_err(|e| format!("cannot make its boot id: {e}"))?;
                 let _ = std::fs::remove_file(&socket);
                 let listener = prepared
                     .listen_at(&socket)
                     .map_err(|e| format!("bind {}: {e}", socket.display()))?;
-                Ok((prepared, listener))
+                Ok((prepared, listener, boot_id_file))
             })
             .await
             .map_err(|e| sandbox_err(id, e))?
         };
         let undo_mounts = || self.unmount_restore(id, layers.len());
-        let (prepared, listener) = match mounted {
+        let (prepared, listener, boot_id_file) = match mounted {
             Ok(ok) => ok,
             Err(e) => {
                 undo_mounts();
@@ -2238,6 +2278,11 @@ impl LinuxRuntime {
                         "--external=mnt[{key}]:{}",
                         volumes_dir.join(key).display()
                     ));
+                }
+                crate::checkpoint::External::BootId { key } => {
+                    if let Some(file) = &boot_id_file {
+                        args.push(format!("--external=mnt[{key}]:{}", file.display()));
+                    }
                 }
                 crate::checkpoint::External::File { .. } => {}
             }
@@ -2693,6 +2738,12 @@ impl LinuxRuntime {
         };
         let (header, origin) = prepared;
         self.set_verified(&source, true);
+        // Its restore is the new sandbox's first boot.
+        let boot_id = header
+            .externals
+            .iter()
+            .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
+            .then(sandbar_core::ids::new_uuid);
         check_criu_version(id, criu, &header).map_err(bare)?;
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
@@ -2765,10 +2816,20 @@ impl LinuxRuntime {
                     userns,
                     netns,
                     new_log: Some((origin.log.clone(), log_path.clone())),
+                    // A new sandbox is a new machine; what its restored processes read before
+                    // stays in their memory.
                     etc: Some((
                         id_map.host_base,
-                        vec![("resolv.conf", format!("nameserver {gateway}\n"))],
+                        vec![
+                            ("resolv.conf", format!("nameserver {gateway}\n"), 0o644),
+                            (
+                                "machine-id",
+                                format!("{}\n", sandbar_core::ids::new_machine_id()),
+                                0o444,
+                            ),
+                        ],
                     )),
+                    boot_id: boot_id.clone(),
                 },
             )
             .await
@@ -2777,7 +2838,7 @@ impl LinuxRuntime {
         drop(log);
         let _ = crate::disks::remove_tree(&work);
         let restored = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec);
+        let handle = Handle::running(pid, slot, id_map, spec, boot_id);
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
@@ -2813,6 +2874,9 @@ impl LinuxRuntime {
 }
 
 /// What [`LinuxRuntime::run_restore`] restores, and into what.
+/// A file of `/etc` written into a restored sandbox's root: name, content, mode.
+type EtcFile = (&'static str, String, u32);
+
 struct RestoreFrom {
     /// The images, where CRIU also writes its log and the PID file.
     images: PathBuf,
@@ -2826,7 +2890,9 @@ struct RestoreFrom {
     /// the restored sandbox writes instead.
     new_log: Option<(PathBuf, PathBuf)>,
     /// Files of `/etc` written into the root before the restore, and their owner.
-    etc: Option<(u32, Vec<(&'static str, String)>)>,
+    etc: Option<(u32, Vec<EtcFile>)>,
+    /// The boot id the restored sandbox shows, when its checkpoint binds one.
+    boot_id: Option<String>,
 }
 
 fn check_criu_version(
@@ -2912,6 +2978,7 @@ mod tests {
             released: false,
             checkpointed: false,
             volumes: Vec::new(),
+            boot_id: None,
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -2923,6 +2990,7 @@ mod tests {
             released: false,
             checkpointed: false,
             volumes: Vec::new(),
+            boot_id: None,
         }));
     }
 }
