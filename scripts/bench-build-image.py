@@ -20,7 +20,7 @@ and the benchmark times, through `Template.build`:
     E2B_API_URL=http://127.0.0.1:3000 E2B_API_KEY=e2b_... \\
     python3 scripts/bench-build-image.py --rootfs ROOTFS [--cold 3] [--iterations 10]
 
-ROOTFS is a Debian root such as `<data-dir>/templates/base-v1/rootfs` of a server that has built
+ROOTFS is a Debian root such as `<data-dir>/templates/base-v2/rootfs` of a server that has built
 `base`. The server must accept 127.0.0.1 as a registry (`sandbar serve --allow-registry
 127.0.0.1`, where that flag exists). Must run as root (the fixture keeps the root's owners);
 needs docker-registry and tar. Nothing is contacted but 127.0.0.1. Prints a Markdown table.

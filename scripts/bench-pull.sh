@@ -5,7 +5,7 @@
 # into empty directories). Everything it started or created is gone when it exits.
 #
 # The fixture is the default template's Debian root filesystem if it is there
-# ($SANDBAR_BENCH_ROOTFS, default /var/tmp/sandbar-e2e/templates/base-v1/rootfs), in three
+# ($SANDBAR_BENCH_ROOTFS, default /var/tmp/sandbar-e2e/templates/base-v2/rootfs), in three
 # layers: everything but /usr's contents, /usr without /usr/share's contents, /usr/share.
 # Otherwise it is a busybox-static root in two layers.
 #
@@ -30,7 +30,7 @@ for tool in docker-registry umoci skopeo curl tar setpriv; do
   fi
 done
 
-rootfs="${SANDBAR_BENCH_ROOTFS:-/var/tmp/sandbar-e2e/templates/base-v1/rootfs}"
+rootfs="${SANDBAR_BENCH_ROOTFS:-/var/tmp/sandbar-e2e/templates/base-v2/rootfs}"
 work="$(mktemp -d "${TMPDIR:-/var/tmp}/sandbar-bench-pull.XXXXXX")"
 registry_pid=""
 stop_registry() {

@@ -30,14 +30,14 @@ import httpx
 import pytest
 
 import conftest
-from e2e_util import SANDBAR_BIN, SandbarServer, free_port, private_binaries, wait_until
+from e2e_util import BASE_ROOT, SANDBAR_BIN, SandbarServer, free_port, private_binaries, wait_until
 
 FS_MIB = 3072
 POOL_GB = 1
 DISK_MB = 384
 POOL_RESERVE_MB = 128
 DATA_RESERVE_MB = 64
-SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates/base-v1")
+SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:

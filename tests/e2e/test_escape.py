@@ -839,6 +839,59 @@ def test_proc_cmdline_is_not_the_hosts(box):
     assert inside.strip() != host, "the sandbox reads the host's kernel command line"
 
 
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+# Prints {probe: errno name, or "ok" if the call succeeded}.
+BOOT_ID_PROBES = r"""
+import ctypes, errno, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+path = b"/proc/sys/kernel/random/boot_id"
+def call(fn):
+    ctypes.set_errno(0)
+    rc = fn()
+    return "ok" if rc == 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
+def opened(flags):
+    try:
+        os.close(os.open(path, flags))
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+MS_BIND, MS_REMOUNT, MNT_DETACH = 4096, 32, 2
+print(json.dumps({
+    "open for writing": opened(os.O_WRONLY),
+    "umount2": call(lambda: libc.umount2(path, 0)),
+    "lazy umount2": call(lambda: libc.umount2(path, MNT_DETACH)),
+    "remount writable": call(lambda: libc.mount(None, path, None, MS_BIND | MS_REMOUNT, None)),
+    "bind over it": call(lambda: libc.mount(b"/etc/hostname", path, None, MS_BIND, None)),
+}))
+"""
+
+
+def test_the_boot_id_is_the_sandboxes_and_stays_so(sandbox):
+    host = Path(BOOT_ID).read_text().strip()
+    _, before, _ = run(sandbox, f"cat {BOOT_ID}; cat /proc/self/mountinfo")
+    own = before.splitlines()[0]
+    assert own and own != host, f"the sandbox reads the host's boot id: {own!r}"
+    bind = [l for l in before.splitlines() if f" {BOOT_ID} " in l]
+    # One read-only bind of a file of its own filesystem: no host path, nothing else shows it.
+    assert len(bind) == 1 and bind[0].split(" ")[3] == "/boot_id" and " ro," in bind[0], bind
+    results = py_json(sandbox, BOOT_ID_PROBES)
+    assert all(r != "ok" for r in results.values()), results
+    for cmd in (
+        f"echo 00000000-0000-4000-8000-000000000000 > {BOOT_ID}",
+        f"umount {BOOT_ID}",
+        f"umount -l {BOOT_ID}",
+        f"mount -o remount,rw,bind {BOOT_ID}",
+        f"unshare -m sh -c 'umount {BOOT_ID}; cat {BOOT_ID}'",
+        f"sudo -u user sh -c 'echo x > {BOOT_ID}'",
+    ):
+        rc, out, err = run(sandbox, cmd)
+        assert rc != 0 and host not in out, f"{cmd!r}: {rc} {out} {err}"
+    _, after, _ = run(sandbox, f"cat {BOOT_ID}; cat /proc/self/mountinfo; ls -a /dev")
+    assert after.startswith(before), "the boot id or the mount table changed"
+    assert ".boot-id" not in after, "the boot id's staging mount point is left in /dev"
+
+
 # --------------------------------------------------------------------------
 # capabilities, signals, OOM score, core dumps
 # --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import Dict, List
 import pytest
 
 from e2e_util import (
+    BASE_ROOT,
     SANDBAR_BIN,
     SandbarServer,
     acquire_run_lock,
@@ -181,7 +182,7 @@ def first_start():
 
 def build_mounts(data_dir: Path) -> List[str]:
     """What the build's processes see mounted in the root it builds (their own mount table)."""
-    partial = str(data_dir / "templates" / ".base-v1.partial")
+    partial = str(data_dir / "templates" / f".{BASE_ROOT}.partial")
     for pid in build_processes(data_dir):
         points = [
             _unescape(line.split(" ")[4])
@@ -224,7 +225,7 @@ def interrupt_and_check(fs: FirstStart, sig: int) -> None:
 def test_interrupted_base_builds_leave_nothing_and_the_next_start_builds_base(first_start):
     fs = first_start
     interrupt_and_check(fs, signal.SIGINT)
-    assert (fs.data_dir / "templates" / ".base-v1.partial").is_dir(), "the interrupted build left its root"
+    assert (fs.data_dir / "templates" / f".{BASE_ROOT}.partial").is_dir(), "the interrupted build left its root"
 
     interrupt_and_check(fs, signal.SIGKILL)
     assert "removed an interrupted build of 'base'" in fs.log_since_start()

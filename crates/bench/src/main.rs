@@ -50,7 +50,7 @@ struct Args {
     /// The server's data directory; locates the template root filesystem.
     #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
     data_dir: PathBuf,
-    /// Root filesystem of the runc baseline [default: <data-dir>/templates/base-v1/rootfs].
+    /// Root filesystem of the runc baseline [default: <data-dir>/templates/base-v2/rootfs].
     #[arg(long)]
     rootfs: Option<PathBuf>,
     /// Sequential create→first-output iterations (also the runc/unshare repetitions).
@@ -228,7 +228,7 @@ async fn run(
         let rootfs = args
             .rootfs
             .clone()
-            .unwrap_or_else(|| args.data_dir.join("templates/base-v1/rootfs"));
+            .unwrap_or_else(|| args.data_dir.join("templates/base-v2/rootfs"));
         eprintln!(
             "baseline: fork+exec, unshare and runc run of /bin/true, {} times each",
             args.iterations

@@ -37,6 +37,12 @@ pub fn new_uuid() -> String {
     )
 }
 
+/// A random machine id as `/etc/machine-id` holds one: a version 4 UUID's 32 lowercase hex
+/// digits, as systemd makes them.
+pub fn new_machine_id() -> String {
+    new_uuid().replace('-', "")
+}
+
 /// `prefix` followed by 40 lowercase hex characters (160 random bits).
 pub fn new_secret(prefix: &str) -> String {
     let b: [u8; 20] = rand::rng().random();

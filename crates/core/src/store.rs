@@ -128,7 +128,8 @@ pub trait Store: Send + Sync + 'static {
         limit: u64,
         min_level: Option<LogLevel>,
     ) -> Result<Vec<BuildLogEntry>, StoreError>;
-    /// Every layer named by a successful build that a template or tag still points at.
+    /// Every layer named by a successful build that a template or tag still points at, or
+    /// that a recorded sandbox booted from.
     async fn layers_in_use(&self) -> Result<Vec<String>, StoreError>;
     async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
 

@@ -156,7 +156,47 @@ pub(crate) fn write_etc(spec: &JailSpec) -> Result<(), BootError> {
         let path = etc.join(name);
         sys::replace_file(&path, content.as_bytes(), 0o644).map_err(step("write", &path))?;
     }
+    if let Some(id) = &spec.machine_id {
+        let path = etc.join("machine-id");
+        sys::replace_file(&path, format!("{id}\n").as_bytes(), 0o444)
+            .map_err(step("write", &path))?;
+    }
     Ok(())
+}
+
+/// Where the boot id's filesystem is attached for the moment it takes to bind its file:
+/// before any of the sandbox's own processes exist, and gone before them.
+const BOOT_ID_STAGING: &str = "/dev/.boot-id";
+
+/// Binds the file `name` of the detached, read-only filesystem `tree` over the kernel's boot
+/// id, read-only. Only the bind stays: a sandbox sees no other way to the file, and sandbox
+/// root may neither unmount it (no `CAP_SYS_ADMIN`, `umount2` refused by seccomp) nor write
+/// through it (a read-only mount of a file host root owns).
+pub(crate) fn attach_boot_id(tree: OwnedFd, name: &Path) -> Result<(), BootError> {
+    let staging = Path::new(BOOT_ID_STAGING);
+    std::fs::create_dir(staging).map_err(step("create", staging))?;
+    let target = Path::new(crate::BOOT_ID_PATH);
+    let source = staging.join(name);
+    let source_text = source.display().to_string();
+    let bound = sys::move_mount_to(&tree, staging)
+        .map_err(step("attach the boot id at", staging))
+        .and_then(|()| {
+            mount(&source_text, target, None, libc::MS_BIND, None)
+                .and_then(|()| {
+                    mount(
+                        &source_text,
+                        target,
+                        None,
+                        libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | NOSUID_NODEV_NOEXEC,
+                        None,
+                    )
+                })
+                .map_err(step("bind the boot id onto", target))
+        });
+    drop(tree);
+    let _ = sys::umount_detach(staging);
+    let _ = std::fs::remove_dir(staging);
+    bound
 }
 
 /// Attaches each id-mapped volume at its mount point, creating the directory when missing.

@@ -82,6 +82,27 @@ pub fn mount_sysfs_of(netns: &Path, target: &Path) -> io::Result<()> {
     .map_err(|_| io::Error::other("the sysfs thread panicked"))?
 }
 
+/// Mounts at the directory `dir` (created if missing) a read-only filesystem holding only
+/// the file `boot_id` with `id`, as a sandbox's boot made it: what a restore binds back over
+/// the kernel's boot id. Returns the file's path; undone by [`unmount`] of `dir`.
+pub fn mount_boot_id(dir: &Path, id: &str) -> io::Result<PathBuf> {
+    if !crate::is_boot_id(id) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("malformed boot id '{id}'"),
+        ));
+    }
+    if let Err(e) = std::fs::create_dir(dir)
+        && e.kind() != io::ErrorKind::AlreadyExists
+    {
+        return Err(e);
+    }
+    let name = Path::new(crate::BOOT_ID_FILE);
+    let tree = sys::detached_file_read_only(name, format!("{id}\n").as_bytes())?;
+    sys::move_mount_to(&tree, dir)?;
+    Ok(dir.join(name))
+}
+
 /// Bind-mounts `source` (such as `/proc/PID/ns/net`) on `target`, created as an empty file.
 pub fn bind_file(source: &Path, target: &Path) -> io::Result<()> {
     std::fs::OpenOptions::new()

@@ -41,6 +41,24 @@ pub const NETNS_FD: i32 = 4;
 /// that a process it reaps was killed for memory.
 pub const OOM_EVENTS_FD: i32 = 5;
 
+/// Where the kernel shows the id of the running boot. Every boot of a sandbox gets an id of
+/// its own there (a read-only bind mount), so a client can tell a fresh boot from a resume.
+pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Whether `id` is a UUID in the kernel's text form (lower-case hex, `8-4-4-4-12`).
+pub fn is_boot_id(id: &str) -> bool {
+    id.len() == 36
+        && id.bytes().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == b'-',
+            _ => matches!(c, b'0'..=b'9' | b'a'..=b'f'),
+        })
+}
+
+/// Whether `id` is a machine id as `/etc/machine-id` holds one: 32 lower-case hex digits.
+pub fn is_machine_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 /// What the agent needs to know to serve a sandbox, independent of how it was isolated.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct AgentConfig {
@@ -113,6 +131,14 @@ pub struct JailSpec {
     /// Persistent volumes, bind-mounted read-write.
     #[serde(default)]
     pub volumes: Vec<VolumeBind>,
+    /// This boot's id (see [`is_boot_id`]), shown at [`BOOT_ID_PATH`]; without one the
+    /// host's shows through.
+    #[serde(default)]
+    pub boot_id: Option<String>,
+    /// Written to `/etc/machine-id` (see [`is_machine_id`]) when the sandbox's writable layer
+    /// is new; `None` leaves what its kept files hold.
+    #[serde(default)]
+    pub machine_id: Option<String>,
 }
 
 /// A host directory mounted into the sandbox. Like the template, it is id-mapped through the
@@ -143,6 +169,8 @@ pub enum BootError {
     ReadSpec(#[source] std::io::Error),
     #[error("invalid jail spec: {0}")]
     ParseSpec(#[source] serde_json::Error),
+    #[error("invalid jail spec: {0}")]
+    InvalidSpec(String),
     #[error("cannot join cgroup {path}: {source}")]
     JoinCgroup {
         path: PathBuf,
@@ -194,6 +222,7 @@ pub fn boot() -> Result<Booted, BootError> {
         .read_to_string(&mut raw)
         .map_err(BootError::ReadSpec)?;
     let spec: JailSpec = serde_json::from_str(&raw).map_err(BootError::ParseSpec)?;
+    check_ids(&spec)?;
 
     for file in &spec.cgroup_join {
         std::fs::write(file, "0").map_err(|source| BootError::JoinCgroup {
@@ -241,6 +270,15 @@ pub fn boot() -> Result<Booted, BootError> {
     sys::join_netns(&netns).map_err(BootError::syscall("join the network namespace"))?;
     drop(netns);
     let sysfs = sys::detached_sysfs_read_only().map_err(BootError::syscall("make sysfs"))?;
+    // Made here, as host root, so neither the file nor its filesystem is the sandbox's.
+    let boot_id = spec
+        .boot_id
+        .as_deref()
+        .map(|id| {
+            sys::detached_file_read_only(Path::new(BOOT_ID_FILE), format!("{id}\n").as_bytes())
+        })
+        .transpose()
+        .map_err(BootError::syscall("make the boot id"))?;
     let (mapped_rx, mapped_tx) = sys::pipe().map_err(BootError::syscall("pipe"))?;
 
     sys::set_effective_ids(spec.id_map.host_base, spec.id_map.host_base)
@@ -257,7 +295,7 @@ pub fn boot() -> Result<Booted, BootError> {
                 });
             drop(mapped_rx);
             return match ready {
-                Ok(()) => enter(&spec, template, sysfs, volumes),
+                Ok(()) => enter(&spec, template, sysfs, volumes, boot_id),
                 Err(err) => {
                     let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
                     std::process::exit(1)
@@ -276,7 +314,7 @@ pub fn boot() -> Result<Booted, BootError> {
     drop(mapped_rx);
     let result = map_ids(child, &spec, &template, &volumes)
         .and_then(|()| sys::signal_ready(&mapped_tx).map_err(BootError::syscall("resume PID 1")));
-    drop((mapped_tx, template, sysfs, volumes));
+    drop((mapped_tx, template, sysfs, volumes, boot_id));
     if let Err(err) = result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
         // SAFETY: the child is our own, not yet reaped; without its id maps it is useless.
@@ -289,6 +327,23 @@ pub fn boot() -> Result<Booted, BootError> {
     let _ = writeln!(out, "{child}");
     let _ = out.flush();
     std::process::exit(0);
+}
+
+/// The boot id file's name in the filesystem made for it.
+const BOOT_ID_FILE: &str = "boot_id";
+
+/// The ids a spec carries end up in files and mounts: anything but the expected forms is
+/// refused before any of that.
+fn check_ids(spec: &JailSpec) -> Result<(), BootError> {
+    if let Some(id) = spec.boot_id.as_deref().filter(|id| !is_boot_id(id)) {
+        return Err(BootError::InvalidSpec(format!("malformed boot id '{id}'")));
+    }
+    if let Some(id) = spec.machine_id.as_deref().filter(|id| !is_machine_id(id)) {
+        return Err(BootError::InvalidSpec(format!(
+            "malformed machine id '{id}'"
+        )));
+    }
+    Ok(())
 }
 
 /// Host root gives the child's new user namespace its id range and id-maps the template
@@ -330,8 +385,9 @@ fn enter(
     template: Vec<OwnedFd>,
     sysfs: OwnedFd,
     volumes: Vec<OwnedFd>,
+    boot_id: Option<OwnedFd>,
 ) -> Result<Booted, BootError> {
-    let result = build_and_lock(spec, template, sysfs, volumes);
+    let result = build_and_lock(spec, template, sysfs, volumes, boot_id);
     if let Err(err) = &result {
         let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
     }
@@ -343,6 +399,7 @@ fn build_and_lock(
     template: Vec<OwnedFd>,
     sysfs: OwnedFd,
     volumes: Vec<OwnedFd>,
+    boot_id: Option<OwnedFd>,
 ) -> Result<Booted, BootError> {
     sys::new_session().map_err(BootError::syscall("setsid"))?;
     sys::set_hostname(&spec.hostname).map_err(BootError::syscall("sethostname"))?;
@@ -353,6 +410,10 @@ fn build_and_lock(
     fs::attach_volumes(spec, volumes)?;
     fs::write_etc(spec)?;
     fs::harden_proc_and_sys()?;
+    // After /proc/sys turned read-only: the bind lands on that copy of it, the only one.
+    if let Some(tree) = boot_id {
+        fs::attach_boot_id(tree, Path::new(BOOT_ID_FILE))?;
+    }
 
     // A core limit of exactly 1 is the one value that also stops a host whose core pattern
     // is a pipe from running its helper (as host root) for a crashing sandbox process; below
@@ -413,9 +474,44 @@ mod tests {
                 source: "/v/t/1".into(),
                 target: "/data".into(),
             }],
+            boot_id: Some("0f6c1a2e-3b4d-4e5f-8a9b-0c1d2e3f4a5b".into()),
+            machine_id: Some("0f6c1a2e3b4d4e5f8a9b0c1d2e3f4a5b".into()),
         };
         let json = serde_json::to_string(&spec).expect("serialise");
         let back: JailSpec = serde_json::from_str(&json).expect("parse");
         assert_eq!(spec, back);
+        check_ids(&spec).expect("well-formed ids");
+        // Specs from before the ids existed still parse, with neither.
+        let mut old: serde_json::Value = serde_json::from_str(&json).expect("parse");
+        let fields = old.as_object_mut().expect("an object");
+        fields.remove("boot_id");
+        fields.remove("machine_id");
+        let old: JailSpec = serde_json::from_value(old).expect("parse");
+        assert_eq!((old.boot_id, old.machine_id), (None, None));
+    }
+
+    #[test]
+    fn only_well_formed_ids_pass() {
+        assert!(is_boot_id("0f6c1a2e-3b4d-4e5f-8a9b-0c1d2e3f4a5b"));
+        for bad in [
+            "",
+            "0F6C1A2E-3B4D-4E5F-8A9B-0C1D2E3F4A5B",
+            "0f6c1a2e-3b4d-4e5f-8a9b-0c1d2e3f4a5",
+            "0f6c1a2e-3b4d-4e5f-8a9b-0c1d2e3f4a5b\n",
+            "0f6c1a2e3b4d-4e5f-8a9b-0c1d-2e3f4a5b",
+            "../../../../etc/passwd-aaaaaaaaaaaaaa",
+        ] {
+            assert!(!is_boot_id(bad), "{bad:?}");
+        }
+        assert!(is_machine_id("0f6c1a2e3b4d4e5f8a9b0c1d2e3f4a5b"));
+        for bad in [
+            "",
+            "0f6c1a2e3b4d4e5f8a9b0c1d2e3f4a5",
+            "0f6c1a2e-3b4d-4e5f-8a9b-0c1d2e3f4a5b",
+            "0F6C1A2E3B4D4E5F8A9B0C1D2E3F4A5B",
+            "0f6c1a2e3b4d4e5f8a9b0c1d2e3f4a5g",
+        ] {
+            assert!(!is_machine_id(bad), "{bad:?}");
+        }
     }
 }

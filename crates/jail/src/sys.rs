@@ -251,6 +251,7 @@ fn set_attr(tree: &OwnedFd, attr_set: u64, userns: &OwnedFd) -> io::Result<()> {
 
 const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
 const FSOPEN_CLOEXEC: libc::c_uint = 1;
+const FSCONFIG_SET_STRING: libc::c_uint = 1;
 const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 const FSMOUNT_CLOEXEC: libc::c_uint = 1;
 
@@ -260,11 +261,14 @@ pub(crate) fn join_netns(netns: &OwnedFd) -> io::Result<()> {
     check(unsafe { libc::setns(netns.as_raw_fd(), libc::CLONE_NEWNET) })
 }
 
-/// A new, detached, read-only sysfs instance showing the caller's network namespace. Made by
-/// the boot process because mounting sysfs needs `CAP_SYS_ADMIN` over the owner of that
-/// namespace, which the sandbox's root does not have when the node made the namespace.
-pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
-    let fstype = c"sysfs";
+/// A new, detached instance of the filesystem `fstype` with the string `options`, mounted
+/// with the `MOUNT_ATTR_*` flags `attrs`: no namespace shows it until it is attached with
+/// [`move_mount_to`].
+fn detached_filesystem(
+    fstype: &std::ffi::CStr,
+    options: &[(&std::ffi::CStr, &std::ffi::CStr)],
+    attrs: u64,
+) -> io::Result<OwnedFd> {
     // SAFETY: a nul-terminated filesystem name; the descriptor is checked before it is owned.
     let context = unsafe { libc::syscall(libc::SYS_fsopen, fstype.as_ptr(), FSOPEN_CLOEXEC) };
     if context < 0 {
@@ -272,6 +276,20 @@ pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
     }
     // SAFETY: fsopen returned a new descriptor that nothing else owns.
     let context = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(context as i32) };
+    for (key, value) in options {
+        // SAFETY: FSCONFIG_SET_STRING takes a nul-terminated key and value, both alive here.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_fsconfig,
+                context.as_raw_fd(),
+                FSCONFIG_SET_STRING,
+                key.as_ptr(),
+                value.as_ptr(),
+                0,
+            )
+        };
+        check(rc as libc::c_int)?;
+    }
     // SAFETY: FSCONFIG_CMD_CREATE takes no key, value or auxiliary argument.
     let rc = unsafe {
         libc::syscall(
@@ -290,8 +308,7 @@ pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
             libc::SYS_fsmount,
             context.as_raw_fd(),
             FSMOUNT_CLOEXEC,
-            (MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC)
-                as libc::c_uint,
+            attrs as libc::c_uint,
         )
     };
     if mounted < 0 {
@@ -299,6 +316,74 @@ pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
     }
     // SAFETY: fsmount returned a new descriptor that nothing else owns.
     Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(mounted as i32) })
+}
+
+/// A new, detached, read-only sysfs instance showing the caller's network namespace. Made by
+/// the boot process because mounting sysfs needs `CAP_SYS_ADMIN` over the owner of that
+/// namespace, which the sandbox's root does not have when the node made the namespace.
+pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
+    detached_filesystem(
+        c"sysfs",
+        &[],
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+    )
+}
+
+/// A new, detached, read-only tmpfs holding only the file `name` with `content`, mode 0444:
+/// what a bind mount shows in place of a host file (the boot id). Made by host root, so the
+/// filesystem belongs to the host's user namespace and the file to host root, whom a
+/// sandbox's user namespace does not map: no sandbox id may write it, and no sandbox may make
+/// the mount writable again.
+pub(crate) fn detached_file_read_only(name: &Path, content: &[u8]) -> io::Result<OwnedFd> {
+    use std::io::Write;
+    let tree = detached_filesystem(
+        c"tmpfs",
+        &[(c"size", c"4k"), (c"nr_inodes", c"2"), (c"mode", c"0555")],
+        MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+    )?;
+    let c = cstring(name)?;
+    // SAFETY: `tree` is an open directory and `c` a valid nul-terminated name;
+    // O_EXCL|O_NOFOLLOW creates a new file in a filesystem nobody else has seen.
+    let fd = unsafe {
+        libc::openat(
+            tree.as_raw_fd(),
+            c.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o444 as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: openat returned a new descriptor that nothing else owns.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    file.write_all(content)?;
+    drop(file);
+    set_flags(&tree, MOUNT_ATTR_RDONLY)?;
+    Ok(tree)
+}
+
+/// Sets the `MOUNT_ATTR_*` flags `attr_set` on the mount `tree` (no id mapping).
+fn set_flags(tree: &OwnedFd, attr_set: u64) -> io::Result<()> {
+    let attr = MountAttr {
+        attr_set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    let empty = c"";
+    // SAFETY: as in `set_attr`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    check(rc as libc::c_int)
 }
 
 /// Attaches the detached mount `tree` at `target` (relative to the working directory).
@@ -439,5 +524,46 @@ pub(crate) fn wait_ready(fd: &OwnedFd) -> io::Result<()> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn open_in(
+        tree: &OwnedFd,
+        name: &std::ffi::CStr,
+        flags: libc::c_int,
+    ) -> io::Result<std::fs::File> {
+        // SAFETY: `tree` is an open directory and `name` a valid nul-terminated name.
+        let fd = unsafe { libc::openat(tree.as_raw_fd(), name.as_ptr(), flags | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: openat returned a new descriptor that nothing else owns.
+        Ok(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    #[test]
+    fn a_detached_file_is_read_only_and_owned_by_its_maker() {
+        // SAFETY: geteuid takes no arguments.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: needs root to make a filesystem");
+            return;
+        }
+        let tree = detached_file_read_only(Path::new("boot_id"), b"id\n").unwrap();
+        let mut file = open_in(&tree, c"boot_id", libc::O_RDONLY).unwrap();
+        let mut content = String::new();
+        std::io::Read::read_to_string(&mut file, &mut content).unwrap();
+        assert_eq!(content, "id\n");
+        let meta = file.metadata().unwrap();
+        assert_eq!((meta.mode() & 0o7777, meta.uid()), (0o444, 0));
+        let refused = open_in(&tree, c"boot_id", libc::O_WRONLY).unwrap_err();
+        assert_eq!(refused.raw_os_error(), Some(libc::EROFS));
+        let refused = open_in(&tree, c"other", libc::O_WRONLY | libc::O_CREAT).unwrap_err();
+        assert_eq!(refused.raw_os_error(), Some(libc::EROFS));
     }
 }

@@ -206,6 +206,10 @@ pub enum External {
     /// A volume bound into the sandbox: its directory on the host (which outlives the
     /// sandbox), id-mapped again at the restore.
     Volume { key: String, source: PathBuf },
+    /// The sandbox's boot id, bound over the kernel's from a filesystem of its own that no
+    /// mount of the sandbox shows whole: made again at the restore, holding the id the
+    /// restored sandbox is to have.
+    BootId { key: String },
     /// A host file the sandbox's processes map or hold open (the agent binary, its libraries,
     /// its log), given to the restore as an open descriptor.
     File {
@@ -501,17 +505,14 @@ fn fd_flags(task: i32, fd: &str) -> u32 {
         .unwrap_or(0)
 }
 
-/// Lists what the sandbox uses of the host: device binds, sysfs and its `volumes` (mount
-/// point in the sandbox, directory on the host) in its mount table, and files mapped or open
-/// in any of `tasks` that live on a mount outside its mount namespace.
-pub fn plan_dump(
-    pid: i32,
-    tasks: &[i32],
-    netns_inode: u64,
-    listener_fd: i32,
+/// The mount ids of `mountinfo` (a sandbox's mount table), and the dump arguments and
+/// externals for the mounts in it that come from the host or from a filesystem the sandbox
+/// cannot show whole: device binds, sysfs, its `volumes` (mount point in the sandbox,
+/// directory on the host) and its boot id.
+fn external_mounts(
+    mountinfo: &str,
     volumes: &[(PathBuf, PathBuf)],
-) -> std::io::Result<DumpPlan> {
-    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+) -> (BTreeSet<u64>, Vec<String>, Vec<External>) {
     let mut own_mounts = BTreeSet::new();
     let mut args = Vec::new();
     let mut externals = Vec::new();
@@ -550,6 +551,12 @@ pub fn plan_dump(
             });
             continue;
         }
+        if *point == sandbar_jail::BOOT_ID_PATH {
+            let key = key();
+            args.push(format!("--external=mnt[{point}]:{key}"));
+            externals.push(External::BootId { key });
+            continue;
+        }
         match *fstype {
             "devtmpfs" => {
                 let key = key();
@@ -567,6 +574,21 @@ pub fn plan_dump(
             _ => {}
         }
     }
+    (own_mounts, args, externals)
+}
+
+/// Lists what the sandbox uses of the host: device binds, sysfs and its `volumes` (mount
+/// point in the sandbox, directory on the host) in its mount table, and files mapped or open
+/// in any of `tasks` that live on a mount outside its mount namespace.
+pub fn plan_dump(
+    pid: i32,
+    tasks: &[i32],
+    netns_inode: u64,
+    listener_fd: i32,
+    volumes: &[(PathBuf, PathBuf)],
+) -> std::io::Result<DumpPlan> {
+    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
+    let (own_mounts, mut args, mut externals) = external_mounts(&mountinfo, volumes);
     let mut seen = BTreeSet::new();
     for task in tasks {
         for dir in ["map_files", "fd"] {
@@ -821,6 +843,53 @@ pub fn remap_userns_image(image: &[u8], from: u32, to: u32, size: u32) -> Option
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_mounts_and_the_boot_id_are_external_and_the_rest_is_dumped() {
+        let mountinfo = "\
+300 250 0:60 / / rw,relatime - overlay overlay rw,lowerdir=lower/0,upperdir=upper,workdir=work
+301 300 0:61 / /proc rw,nosuid,nodev,noexec - proc proc rw
+302 300 0:62 / /sys ro,nosuid,nodev,noexec - sysfs sysfs ro
+303 300 0:63 / /dev rw,nosuid,noexec - tmpfs tmpfs rw,size=64k
+304 303 0:5 /null /dev/null rw,nosuid,noexec - devtmpfs udev rw
+305 301 0:64 / /proc/acpi ro - tmpfs tmpfs ro,size=0
+306 301 0:61 /sys /proc/sys ro,nosuid,nodev,noexec - proc proc rw
+307 306 0:65 /boot_id /proc/sys/kernel/random/boot_id ro,nosuid,nodev,noexec - tmpfs tmpfs ro,size=4k
+308 300 0:40 /.volumes/t/v /data rw,nosuid,nodev - btrfs /dev/loop0 rw
+";
+        let volumes = vec![(PathBuf::from("/data"), PathBuf::from("/pool/.volumes/t/v"))];
+        let (own, args, externals) = external_mounts(mountinfo, &volumes);
+        assert_eq!(own, (300..=308).collect::<BTreeSet<u64>>());
+        assert_eq!(
+            args,
+            vec![
+                "--external=mnt[/sys]:m_sys".to_owned(),
+                "--external=mnt[/dev/null]:m_dev_null".into(),
+                "--external=mnt[/proc/sys/kernel/random/boot_id]:m_proc_sys_kernel_random_boot_id"
+                    .into(),
+                "--external=mnt[/data]:m_data".into(),
+            ]
+        );
+        assert_eq!(
+            externals,
+            vec![
+                External::Sysfs {
+                    key: "m_sys".into()
+                },
+                External::Device {
+                    key: "m_dev_null".into(),
+                    source: "/dev/null".into()
+                },
+                External::BootId {
+                    key: "m_proc_sys_kernel_random_boot_id".into()
+                },
+                External::Volume {
+                    key: "m_data".into(),
+                    source: "/pool/.volumes/t/v".into()
+                },
+            ]
+        );
+    }
 
     fn header() -> Header {
         Header {

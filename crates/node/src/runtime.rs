@@ -131,6 +131,11 @@ struct Handle {
     /// Volumes bound into the sandbox, which a checkpoint names and a restore binds again.
     #[serde(default)]
     volumes: Vec<HandleVolume>,
+    /// The id of the sandbox's current boot, shown at the kernel's boot id: new at every
+    /// boot, the same after a restore of its checkpoint. Absent in handles of sandboxes
+    /// booted before it existed, which see the host's.
+    #[serde(default)]
+    boot_id: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -647,6 +652,9 @@ impl LinuxRuntime {
                 })
                 .collect::<Result<_, RuntimeError>>()?,
             agent: boot.agent.clone(),
+            boot_id: Some(boot.boot_id.to_owned()),
+            // A new writable layer makes a new machine; kept files keep the one they hold.
+            machine_id: (!boot.kept).then(sandbar_core::ids::new_machine_id),
         };
 
         let socket = self.socket_path(id);
@@ -868,13 +876,14 @@ impl LinuxRuntime {
         self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
             .await
             .map_err(|e| (None, e))?;
+        let boot_id = sandbar_core::ids::new_uuid();
         let pid = self
-            .spawn_jailed(&BootSpec::of(spec), &dir, &netns, id_map)
+            .spawn_jailed(&BootSpec::of(spec, &boot_id), &dir, &netns, id_map)
             .await
             .map_err(|e| (None, e))?;
         drop(netns);
         let spawned = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec);
+        let handle = Handle::running(pid, slot, id_map, spec, Some(boot_id));
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
@@ -982,6 +991,7 @@ impl LinuxRuntime {
         let slot = netns.slot;
         let id_map = self.id_map(slot);
         let token = sandbar_core::ids::new_secret("");
+        let boot_id = sandbar_core::ids::new_uuid();
         self.keep_layers(name.clone(), key.layers.clone());
         let booted = async {
             self.cgroups
@@ -1011,6 +1021,7 @@ impl LinuxRuntime {
                     memory_limit_mb: None,
                 },
                 kept: false,
+                boot_id: &boot_id,
             };
             let pid = self.spawn_jailed(&boot, &dir, &netns, id_map).await?;
             let warm = crate::warm::WarmSandbox {
@@ -1021,6 +1032,7 @@ impl LinuxRuntime {
                 slot,
                 id_map,
                 token: token.clone(),
+                boot_id: boot_id.clone(),
             };
             agent_client::wait_healthy(&self.socket_path(&name), WARM_AGENT_PATIENCE)
                 .await
@@ -1116,7 +1128,13 @@ impl LinuxRuntime {
             )
             .await
             .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
-            handle = Handle::running(warm.pid, warm.slot, warm.id_map, spec);
+            handle = Handle::running(
+                warm.pid,
+                warm.slot,
+                warm.id_map,
+                spec,
+                Some(warm.boot_id.clone()),
+            );
             handle.start_ticks = warm.start_ticks;
             if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
                 self.start_and_wait_ready(spec, &endpoint).await?;
@@ -1347,12 +1365,14 @@ struct BootSpec<'a> {
     layers: &'a [String],
     volumes: &'a [sandbar_core::VolumeMount],
     agent: AgentConfig,
-    /// Booted again on kept files: its log goes on.
+    /// Booted again on kept files: its log goes on, and its machine id is the one they hold.
     kept: bool,
+    /// What the sandbox reads as the kernel's boot id.
+    boot_id: &'a str,
 }
 
 impl<'a> BootSpec<'a> {
-    fn of(spec: &'a LaunchSpec) -> Self {
+    fn of(spec: &'a LaunchSpec, boot_id: &'a str) -> Self {
         BootSpec {
             id: &spec.sandbox_id,
             template_id: &spec.template.id,
@@ -1367,6 +1387,7 @@ impl<'a> BootSpec<'a> {
                 memory_limit_mb: Some(spec.memory_mb),
             },
             kept: spec.kept.is_some(),
+            boot_id,
         }
     }
 }
@@ -1391,11 +1412,19 @@ impl Handle {
             released: false,
             checkpointed: false,
             volumes: Vec::new(),
+            boot_id: None,
         }
     }
 
-    /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot`.
-    fn running(pid: i32, slot: u32, id_map: IdMap, spec: &LaunchSpec) -> Self {
+    /// The handle of sandbox `spec` whose PID 1 is `pid`, just started in `slot` with the
+    /// boot id `boot_id`.
+    fn running(
+        pid: i32,
+        slot: u32,
+        id_map: IdMap,
+        spec: &LaunchSpec,
+        boot_id: Option<String>,
+    ) -> Self {
         Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
@@ -1414,6 +1443,7 @@ impl Handle {
                     path: v.path.clone(),
                 })
                 .collect(),
+            boot_id,
         }
     }
 
@@ -1500,6 +1530,7 @@ impl Runtime for LinuxRuntime {
                     released: false,
                     checkpointed: false,
                     volumes: Vec::new(),
+                    boot_id: None,
                 });
                 // A sandbox booted on kept files keeps them for another try.
                 let cleanup = match &kept {
@@ -2342,11 +2373,12 @@ impl LinuxRuntime {
     }
 
     /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
-    /// CRIU (its sysfs, its volumes), gone with their mount points.
+    /// CRIU (its sysfs, its boot id, its volumes), gone with their mount points.
     fn unmount_restore_aids(&self, id: &str) {
-        let sysfs = self.restored_sysfs(id);
-        let _ = sandbar_jail::host::unmount(&sysfs);
-        let _ = std::fs::remove_dir(&sysfs);
+        for dir in [self.restored_sysfs(id), self.restored_boot_id_dir(id)] {
+            let _ = sandbar_jail::host::unmount(&dir);
+            let _ = std::fs::remove_dir(&dir);
+        }
         let volumes = self.restored_volumes_dir(id);
         if let Ok(entries) = std::fs::read_dir(&volumes) {
             for entry in entries.flatten() {
@@ -2360,6 +2392,12 @@ impl LinuxRuntime {
     /// Where a restore of sandbox `id` mounts a sysfs of its network namespace on the host.
     fn restored_sysfs(&self, id: &str) -> PathBuf {
         self.mount_dir.join(format!("{id}.sys"))
+    }
+
+    /// Where a restore of sandbox `id` mounts the filesystem of its boot id on the host, for
+    /// CRIU to bind the file back.
+    fn restored_boot_id_dir(&self, id: &str) -> PathBuf {
+        self.mount_dir.join(format!("{id}.boot"))
     }
 
     /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
@@ -2452,6 +2490,7 @@ impl LinuxRuntime {
                 netns: prepared,
                 new_log: None,
                 etc: None,
+                boot_id: h.boot_id.clone(),
             },
         )
         .await
@@ -2476,6 +2515,7 @@ impl LinuxRuntime {
             netns: prepared,
             new_log,
             etc,
+            boot_id,
         } = from;
         let sandbox_dir = self.disks.path(id);
         let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
@@ -2499,6 +2539,14 @@ impl LinuxRuntime {
                 })
                 .collect();
             let volumes_dir = volumes_dir.clone();
+            // A checkpoint that binds a boot id but whose handle names none cannot be made
+            // by this node; it would get a new one, as a boot does.
+            let boot_id = header
+                .externals
+                .iter()
+                .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
+                .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
+            let boot_id_dir = self.restored_boot_id_dir(id);
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                     .map_err(|e| format!("cannot mount its root again: {e}"))?;
@@ -2513,12 +2561,12 @@ impl LinuxRuntime {
                 }
                 if let Some((owner, etc)) = &etc {
                     let root = sandbox_dir.join(sandbar_jail::layout::ROOT);
-                    for (name, content) in etc {
+                    for (name, content, mode) in etc {
                         sandbar_jail::host::replace_file_beneath(
                             &root,
                             &Path::new("etc").join(name),
                             content.as_bytes(),
-                            0o644,
+                            *mode,
                             *owner,
                         )
                         .map_err(|e| format!("cannot write /etc/{name}: {e}"))?;
@@ -2533,17 +2581,21 @@ impl LinuxRuntime {
                     PathBuf::from(format!("/proc/self/fd/{}", prepared.netns.as_raw_fd()));
                 sandbar_jail::host::mount_sysfs_of(&netns_path, &sysfs)
                     .map_err(|e| format!("cannot mount its sysfs: {e}"))?;
+                let boot_id_file = boot_id
+                    .map(|boot_id| sandbar_jail::host::mount_boot_id(&boot_id_dir, &boot_id))
+                    .transpose()
+                    .map_err(|e| format!("cannot make its boot id: {e}"))?;
                 let _ = std::fs::remove_file(&socket);
                 let listener = prepared
                     .listen_at(&socket)
                     .map_err(|e| format!("bind {}: {e}", socket.display()))?;
-                Ok((prepared, listener))
+                Ok((prepared, listener, boot_id_file))
             })
             .await
             .map_err(|e| sandbox_err(id, e))?
         };
         let undo_mounts = || self.unmount_restore(id, layers.len());
-        let (prepared, listener) = match mounted {
+        let (prepared, listener, boot_id_file) = match mounted {
             Ok(ok) => ok,
             Err(e) => {
                 undo_mounts();
@@ -2571,6 +2623,11 @@ impl LinuxRuntime {
                         "--external=mnt[{key}]:{}",
                         volumes_dir.join(key).display()
                     ));
+                }
+                crate::checkpoint::External::BootId { key } => {
+                    if let Some(file) = &boot_id_file {
+                        args.push(format!("--external=mnt[{key}]:{}", file.display()));
+                    }
                 }
                 crate::checkpoint::External::File { .. } => {}
             }
@@ -3026,6 +3083,12 @@ impl LinuxRuntime {
         };
         let (header, origin) = prepared;
         self.set_verified(&source, true);
+        // Its restore is the new sandbox's first boot.
+        let boot_id = header
+            .externals
+            .iter()
+            .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
+            .then(sandbar_core::ids::new_uuid);
         check_criu_version(id, criu, &header).map_err(bare)?;
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
@@ -3098,10 +3161,20 @@ impl LinuxRuntime {
                     userns,
                     netns,
                     new_log: Some((origin.log.clone(), log_path.clone())),
+                    // A new sandbox is a new machine; what its restored processes read before
+                    // stays in their memory.
                     etc: Some((
                         id_map.host_base,
-                        vec![("resolv.conf", format!("nameserver {gateway}\n"))],
+                        vec![
+                            ("resolv.conf", format!("nameserver {gateway}\n"), 0o644),
+                            (
+                                "machine-id",
+                                format!("{}\n", sandbar_core::ids::new_machine_id()),
+                                0o444,
+                            ),
+                        ],
                     )),
+                    boot_id: boot_id.clone(),
                 },
             )
             .await
@@ -3110,7 +3183,7 @@ impl LinuxRuntime {
         drop(log);
         let _ = crate::disks::remove_tree(&work);
         let restored = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec);
+        let handle = Handle::running(pid, slot, id_map, spec, boot_id);
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let endpoint = self.endpoint(id, slot).map_err(fail)?;
         agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
@@ -3146,6 +3219,9 @@ impl LinuxRuntime {
 }
 
 /// What [`LinuxRuntime::run_restore`] restores, and into what.
+/// A file of `/etc` written into a restored sandbox's root: name, content, mode.
+type EtcFile = (&'static str, String, u32);
+
 struct RestoreFrom {
     /// The images, where CRIU also writes its log and the PID file.
     images: PathBuf,
@@ -3159,7 +3235,9 @@ struct RestoreFrom {
     /// the restored sandbox writes instead.
     new_log: Option<(PathBuf, PathBuf)>,
     /// Files of `/etc` written into the root before the restore, and their owner.
-    etc: Option<(u32, Vec<(&'static str, String)>)>,
+    etc: Option<(u32, Vec<EtcFile>)>,
+    /// The boot id the restored sandbox shows, when its checkpoint binds one.
+    boot_id: Option<String>,
 }
 
 fn check_criu_version(
@@ -3245,6 +3323,7 @@ mod tests {
             released: false,
             checkpointed: false,
             volumes: Vec::new(),
+            boot_id: None,
         }));
         assert!(!is_alive(&Handle {
             pid,
@@ -3256,6 +3335,7 @@ mod tests {
             released: false,
             checkpointed: false,
             volumes: Vec::new(),
+            boot_id: None,
         }));
     }
 }

@@ -12,11 +12,19 @@ use std::process::Stdio;
 
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-/// Bump when the recipe below changes, so nodes rebuild instead of reusing a stale root.
-const BASE_RECIPE_VERSION: u32 = 1;
-/// The default template's layer name (see [`crate::layers::LayerStore`]).
-pub const BASE_LAYER: &str = "base/v1";
-const BASE_PACKAGES: &str = "bash,python3,ca-certificates,sudo,procps,curl,iproute2,coreutils";
+/// Bump when the recipe below changes, so nodes rebuild instead of reusing a stale root. The
+/// root of an earlier recipe stays while a template, tagged build or sandbox names it (see
+/// [`remove_superseded_bases`]).
+const BASE_RECIPE_VERSION: u32 = 2;
+/// The default template's layer name (see [`crate::layers::LayerStore`]); always
+/// `base/v{BASE_RECIPE_VERSION}`.
+pub const BASE_LAYER: &str = "base/v2";
+/// `git` because the SDKs' `sandbox.git` runs it inside the sandbox.
+const BASE_PACKAGES: &str = "bash,python3,ca-certificates,sudo,procps,curl,git,iproute2,coreutils";
+
+/// Makes `/etc/profile` read `$EUID` where bash has it instead of running `id -u`.
+const PROFILE_HOOK: &str =
+    "--customize-hook=sed -i 's/\"$(id -u)\"/\"${EUID:-$(id -u)}\"/g' \"$1/etc/profile\"";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateBuildError {
@@ -116,6 +124,10 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
             "--customize-hook=chroot \"$1\" useradd --create-home --shell /bin/bash --user-group user",
             "--customize-hook=echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > \"$1/etc/sudoers.d/user\" && chmod 0440 \"$1/etc/sudoers.d/user\"",
             "--customize-hook=rm -rf \"$1/var/cache/apt/archives\"/*.deb \"$1/var/lib/apt/lists\"/*_Packages",
+            // Every command the SDKs run is a login shell, and Debian's /etc/profile forks
+            // `id -u` to tell root (2.5 ms of a command's start here); bash knows its $EUID,
+            // and sh, which does not, still asks `id`.
+            PROFILE_HOOK,
             "bookworm",
         ])
         .arg(&staging)
@@ -208,6 +220,88 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     Ok(rootfs)
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum RemoveBaseError {
+    #[error("cannot list {path}: {source}")]
+    List {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot clear the mounts left in {path}: {source}")]
+    Mounts {
+        path: PathBuf,
+        source: crate::mounts::DetachError,
+    },
+    #[error("cannot remove {path}: {source}")]
+    Remove {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The recipe version of a directory in the templates directory that holds a base root of
+/// an earlier recipe (`base-v1`, or `.base-v1.partial` for an interrupted build of one).
+fn superseded_version(name: &str) -> Option<u32> {
+    let digits = name
+        .strip_prefix("base-v")
+        .or_else(|| name.strip_prefix(".base-v")?.strip_suffix(".partial"))?;
+    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    digits
+        .parse()
+        .ok()
+        .filter(|version| *version != BASE_RECIPE_VERSION)
+}
+
+/// Removes the base roots of earlier recipes that no layer name in `keep` refers to, and
+/// interrupted builds of them; returns the layer names removed. Only for the server's start,
+/// before anything is served: `keep` must name every layer a template, tagged build or
+/// recorded sandbox uses, and no create may be resolving a template meanwhile.
+pub fn remove_superseded_bases(
+    templates_dir: &Path,
+    keep: &std::collections::BTreeSet<String>,
+) -> Result<Vec<String>, RemoveBaseError> {
+    let entries = match std::fs::read_dir(templates_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(RemoveBaseError::List {
+                path: templates_dir.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(version) = superseded_version(&name) else {
+            continue;
+        };
+        let layer = format!("base/v{version}");
+        let complete = !name.starts_with('.');
+        if complete && keep.contains(&layer) {
+            continue;
+        }
+        let path = entry.path();
+        if !complete {
+            crate::mounts::detach_below(&path).map_err(|source| RemoveBaseError::Mounts {
+                path: path.clone(),
+                source,
+            })?;
+        }
+        crate::disks::remove_tree(&path).map_err(|source| RemoveBaseError::Remove {
+            path: path.clone(),
+            source,
+        })?;
+        if complete {
+            removed.push(layer);
+        }
+    }
+    removed.sort();
+    Ok(removed)
+}
+
 /// Kills a build's process group when the build is cancelled before it was reaped: anything
 /// of it that escaped the PID namespace's teardown (nothing should) goes too.
 struct GroupKill(u32);
@@ -233,4 +327,54 @@ async fn remove_tree_blocking(path: &Path) -> std::io::Result<()> {
 fn on_path(tool: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_layer_name_follows_the_recipe_version() {
+        assert_eq!(BASE_LAYER, format!("base/v{BASE_RECIPE_VERSION}"));
+        assert!(BASE_PACKAGES.split(',').any(|p| p == "git"));
+    }
+
+    #[test]
+    fn only_earlier_roots_nothing_names_are_removed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let current = format!("base-v{BASE_RECIPE_VERSION}");
+        for name in [
+            "base-v0",
+            "base-v1",
+            ".base-v1.partial",
+            current.as_str(),
+            "base-vx",
+            "other",
+        ] {
+            std::fs::create_dir_all(dir.join(name).join("rootfs/etc")).unwrap();
+        }
+        let keep = std::collections::BTreeSet::from(["base/v0".to_owned()]);
+        let removed = remove_superseded_bases(dir, &keep).unwrap();
+        assert_eq!(removed, vec!["base/v1".to_owned()]);
+        let mut left: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut expected = vec![
+            "base-v0".to_owned(),
+            "base-vx".into(),
+            "other".into(),
+            current,
+        ];
+        expected.sort();
+        assert_eq!(left, expected);
+        assert!(
+            remove_superseded_bases(&dir.join("missing"), &keep)
+                .unwrap()
+                .is_empty()
+        );
+    }
 }

@@ -67,6 +67,8 @@ pub struct WarmSandbox {
     pub id_map: IdMap,
     /// The token its agent holds until it is handed its sandbox's.
     pub token: String,
+    /// What it reads as the kernel's boot id: it booted once, whoever takes it.
+    pub boot_id: String,
 }
 
 /// What the pool should do next.
@@ -266,6 +268,7 @@ mod tests {
                 size: 65536,
             },
             token: "t".into(),
+            boot_id: "b".into(),
         }
     }
 

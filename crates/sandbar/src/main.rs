@@ -362,6 +362,34 @@ async fn ensure_base_template(
     Ok(())
 }
 
+/// Removes the roots of earlier `base` recipes once nothing names them: templates built on
+/// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
+/// before anything is served, so no create can be resolving a template that names one.
+async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
+    use sandbar_core::Store;
+    let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
+        Ok(layers) => layers.into_iter().collect(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list layers in use; earlier base roots are kept");
+            return;
+        }
+    };
+    let dir = templates_dir.to_owned();
+    let removed = tokio::task::spawn_blocking(move || {
+        sandbar_node::templates::remove_superseded_bases(&dir, &keep)
+    })
+    .await;
+    match removed {
+        Ok(Ok(layers)) => {
+            for layer in layers {
+                tracing::info!(%layer, "removed the root of an earlier 'base' recipe");
+            }
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot remove an earlier base root"),
+        Err(e) => tracing::warn!(error = %e, "cannot remove earlier base roots"),
+    }
+}
+
 /// The default template: one Debian layer, the `user` account, its home as working directory.
 fn base_image() -> TemplateImage {
     TemplateImage {
@@ -505,6 +533,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     builds.collect_garbage().await;
+    remove_superseded_bases(store.as_ref(), &data_dir.join("templates")).await;
     // Often enough that an upload outlives its time to live by a quarter of it at most.
     let sweep_every = (upload_ttl / 4).clamp(
         std::time::Duration::from_secs(1),

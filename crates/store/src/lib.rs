@@ -850,6 +850,19 @@ impl Store for SqliteStore {
             // A snapshot's checkpoint lives as long as its layers.
             layers.extend(image.snapshot.and_then(|s| s.checkpoint));
         }
+        // Recorded sandboxes (running, paused, shelved, checkpointed) keep the layers they
+        // booted from even after their template moved on: a collection that runs before the
+        // node has adopted them again (at start) must not take their roots away. The
+        // checkpoint they were made from is not theirs to keep.
+        let sandboxes = sqlx::query("SELECT image FROM sandboxes WHERE image IS NOT NULL")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        for row in &sandboxes {
+            let text: String = row.try_get("image").map_err(err)?;
+            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+            layers.extend(image.layers);
+        }
         layers.sort();
         layers.dedup();
         Ok(layers)

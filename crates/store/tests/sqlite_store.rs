@@ -244,8 +244,29 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("found");
     assert_eq!(updated.network, network);
     assert!(!updated.allow_internet_access);
+    // The template moves on to a new root; the sandbox still runs on the old one.
+    let rebuilt = sandbar_core::TemplateImage {
+        layers: vec!["base/v2".into()],
+        ..image.clone()
+    };
+    store
+        .set_template_image(&template.id, "c", &rebuilt)
+        .await
+        .expect("rebuilt");
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec![
+            "base/v1".to_owned(),
+            "base/v2".to_owned(),
+            "layer/ab".to_owned()
+        ]
+    );
     store.delete_sandbox(&sandbox.id).await.expect("delete");
     assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec!["base/v2".to_owned()]
+    );
 }
 
 #[tokio::test]
