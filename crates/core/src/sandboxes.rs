@@ -292,8 +292,9 @@ struct Live {
     disk_size_mb: u32,
     /// When it was last frozen in memory (the grace before a checkpoint runs from there).
     paused_at: Option<DateTime<Utc>>,
-    /// Its last checkpoint failed: it stays in memory until it is paused again.
-    checkpoint_failed: bool,
+    /// Checkpoints that failed since it was last paused; after [`CHECKPOINT_ATTEMPTS`] it
+    /// stays in memory until it is paused again.
+    checkpoint_failures: u8,
     /// The edge's open connections to its agent, ended before it is frozen for a dump.
     agent_links: AgentLinks,
 }
@@ -321,7 +322,7 @@ impl Live {
             disk_size_mb: sandbox.disk_size_mb,
             // The grace before a checkpoint counts from when this server saw it frozen.
             paused_at: (status == SandboxStatus::Paused).then(Utc::now),
-            checkpoint_failed: false,
+            checkpoint_failures: 0,
             agent_links: AgentLinks::new(),
         }
     }
@@ -341,6 +342,10 @@ pub struct MetricPoint {
 }
 
 /// How often sandboxes are sampled, and for how long samples are kept.
+/// Checkpoints tried for one pause: a dump can fail on a moment's state (a connection the
+/// node just closed that the agent had not yet let go of when it was frozen).
+const CHECKPOINT_ATTEMPTS: u8 = 3;
+
 const METRICS_EVERY_ROUNDS: u64 = 4;
 const METRICS_KEPT: usize = 1800;
 /// Team activity is written once per bucket (5 s), old logs and metrics pruned every 10 min.
@@ -698,7 +703,7 @@ impl Sandboxes {
                 memory_mb: 0,
                 disk_size_mb: 0,
                 paused_at: None,
-                checkpoint_failed: false,
+                checkpoint_failures: 0,
                 agent_links: AgentLinks::new(),
             },
         );
@@ -1211,7 +1216,9 @@ impl Sandboxes {
         let next = self
             .live()
             .iter()
-            .filter(|(_, l)| l.status == SandboxStatus::Paused && !l.checkpoint_failed)
+            .filter(|(_, l)| {
+                l.status == SandboxStatus::Paused && l.checkpoint_failures < CHECKPOINT_ATTEMPTS
+            })
             .filter_map(|(id, l)| Some((l.paused_at?, id.clone())))
             .filter(|(at, _)| *at <= due)
             .min();
@@ -1229,8 +1236,8 @@ impl Sandboxes {
         self.checkpoint_sandbox(&id).await;
     }
 
-    /// Checkpoints a sandbox frozen in memory; on failure it stays frozen and is not tried
-    /// again until its next pause.
+    /// Checkpoints a sandbox frozen in memory; on failure it stays frozen, and after
+    /// [`CHECKPOINT_ATTEMPTS`] failures it is not tried again until its next pause.
     async fn checkpoint_sandbox(&self, id: &str) {
         let handle = {
             let mut live = self.live();
@@ -1284,7 +1291,7 @@ impl Sandboxes {
             Err(err) => {
                 if let Some(entry) = self.live().get_mut(id) {
                     entry.status = SandboxStatus::Paused;
-                    entry.checkpoint_failed = true;
+                    entry.checkpoint_failures += 1;
                 }
                 if let Err(err) = self
                     .store
@@ -1922,7 +1929,7 @@ impl Sandboxes {
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = SandboxStatus::Paused;
             entry.paused_at = Some(Utc::now());
-            entry.checkpoint_failed = false;
+            entry.checkpoint_failures = 0;
         }
         self.activity
             .event(id, LogLevel::Info, "sandbox paused", &[])

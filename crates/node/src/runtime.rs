@@ -453,7 +453,7 @@ impl LinuxRuntime {
 
     /// Unmounts what the node keeps mounted for sandboxes when none is left (clean shutdown).
     pub async fn release(&self) {
-        for warm in self.warm.drain() {
+        for warm in self.warm.close().await {
             self.retire_warm(&warm).await;
         }
         self.disks.release_if_empty().await;
@@ -931,8 +931,12 @@ impl LinuxRuntime {
                     tokio::time::sleep(wait).await;
                     continue;
                 }
+                let Some(working) = node.warm.work().await else {
+                    return;
+                };
                 match node.warm.next_job() {
                     crate::warm::Job::Wait => {
+                        drop(working);
                         // Also the retry pace after a failed boot.
                         let pool = &node.warm;
                         pool.wait(Duration::from_secs(1)).await;
@@ -940,6 +944,7 @@ impl LinuxRuntime {
                     crate::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
                     crate::warm::Job::Boot(key) => {
                         if let Err(err) = node.boot_warm(&key).await {
+                            drop(working);
                             tracing::warn!(error = %err, "cannot boot a warm sandbox");
                             tokio::time::sleep(Duration::from_secs(1)).await;
                         }

@@ -108,6 +108,9 @@ pub struct WarmPool {
     target: usize,
     state: Mutex<State>,
     wake: tokio::sync::Notify,
+    /// Held while the pool boots or retires a sandbox, so a stop can wait for that to end.
+    working: tokio::sync::Mutex<()>,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// Numbers an operator watches.
@@ -126,7 +129,25 @@ impl WarmPool {
             target,
             state: Mutex::new(State::default()),
             wake: tokio::sync::Notify::new(),
+            working: tokio::sync::Mutex::new(()),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Held by whoever boots or retires a warm sandbox; `None` once the pool is closed.
+    pub async fn work(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        let guard = self.working.lock().await;
+        (!self.closed.load(std::sync::atomic::Ordering::Acquire)).then_some(guard)
+    }
+
+    /// Stops all boots (waiting for one under way) and hands back every waiting sandbox,
+    /// for the caller to tear down.
+    pub async fn close(&self) -> Vec<WarmSandbox> {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        let _done = self.working.lock().await;
+        self.wake.notify_one();
+        std::mem::take(&mut self.state().waiting)
     }
 
     pub fn target(&self) -> usize {
@@ -140,7 +161,7 @@ impl WarmPool {
     /// A waiting sandbox for `key`, if there is one; either way `key` becomes what the pool
     /// keeps ready.
     pub fn take(&self, key: &WarmKey) -> Option<WarmSandbox> {
-        if self.target == 0 {
+        if self.target == 0 || self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return None;
         }
         let mut state = self.state();
@@ -162,11 +183,6 @@ impl WarmPool {
     /// Adds a freshly booted sandbox.
     pub fn put(&self, warm: WarmSandbox) {
         self.state().waiting.push(warm);
-    }
-
-    /// Every waiting sandbox, taken out of the pool (at shutdown).
-    pub fn drain(&self) -> Vec<WarmSandbox> {
-        std::mem::take(&mut self.state().waiting)
     }
 
     /// Marks a create as under way until the returned guard is dropped.
@@ -318,6 +334,17 @@ mod tests {
         let pool = WarmPool::new(0);
         assert!(pool.take(&key("a")).is_none());
         assert_eq!(pool.next_job(), Job::Wait);
+    }
+
+    #[tokio::test]
+    async fn a_closed_pool_hands_back_its_sandboxes_and_does_no_more_work() {
+        let pool = WarmPool::new(2);
+        pool.put(warm("w1", key("a")));
+        assert!(pool.work().await.is_some());
+        let left = pool.close().await;
+        assert_eq!(left.len(), 1);
+        assert!(pool.work().await.is_none());
+        assert!(pool.take(&key("a")).is_none());
     }
 
     #[test]
