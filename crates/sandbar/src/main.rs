@@ -164,9 +164,9 @@ struct ServeArgs {
     netns_pool: u64,
     /// Sandboxes kept booted ahead of demand for the image creates last asked for (the
     /// default template, usually): a create that finds one takes it instead of booting. Each
-    /// waiting sandbox holds a network slot and about a MiB of memory; 0 boots every
-    /// sandbox when it is created.
-    #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=1024))]
+    /// waiting sandbox holds a network slot and about a MiB of memory; raise it for bursts
+    /// of creates larger than this; 0 boots every sandbox when it is created.
+    #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 16, value_parser = clap::value_parser!(u64).range(0..=1024))]
     warm_pool: u64,
     /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
     /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
