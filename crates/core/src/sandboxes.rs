@@ -1090,6 +1090,11 @@ impl Sandboxes {
         self.live().get(id).map(|l| l.user_ports.clone())
     }
 
+    /// What sandbox `id` is now, if this node manages it.
+    pub fn status_of(&self, id: &str) -> Option<SandboxStatus> {
+        self.live().get(id).map(|l| l.status)
+    }
+
     /// Where the edge should send traffic for a running sandbox.
     pub fn route(&self, id: &str) -> Option<Route> {
         self.live()
