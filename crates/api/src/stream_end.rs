@@ -61,49 +61,39 @@ struct Envelopes {
 }
 
 impl Envelopes {
-    /// Takes `data` and returns what may be passed on: every message it completes.
-    fn push(&mut self, mut data: Bytes) -> Bytes {
-        let mut out = BytesMut::new();
+    /// Takes `data` and returns what may be passed on: every message it completes (and what
+    /// has come of an oversized one).
+    fn push(&mut self, data: Bytes) -> Bytes {
+        self.partial.extend_from_slice(&data);
+        let mut whole = 0;
         loop {
             if self.passing > 0 {
-                let n = self.passing.min(data.len());
-                out.extend_from_slice(&data.split_to(n));
+                let n = self.passing.min(self.partial.len() - whole);
+                whole += n;
                 self.passing -= n;
                 if self.passing > 0 {
                     break;
                 }
             }
-            self.partial.extend_from_slice(&data.split_to(data.len()));
-            if self.partial.len() < ENVELOPE_HEADER {
+            let rest = &self.partial[whole..];
+            if rest.len() < ENVELOPE_HEADER {
                 break;
             }
-            let flags = self.partial[0];
-            let len = u32::from_be_bytes([
-                self.partial[1],
-                self.partial[2],
-                self.partial[3],
-                self.partial[4],
-            ]) as usize;
-            if flags & END_STREAM != 0 {
+            if rest[0] & END_STREAM != 0 {
                 self.ended = true;
             }
-            let whole = ENVELOPE_HEADER + len;
+            let len = u32::from_be_bytes([rest[1], rest[2], rest[3], rest[4]]) as usize;
+            let size = ENVELOPE_HEADER + len;
             if len > HOLD_LIMIT {
-                let n = whole.min(self.partial.len());
-                out.extend_from_slice(&self.partial.split_to(n));
-                self.passing = whole - n;
+                self.passing = size;
                 continue;
             }
-            if self.partial.len() < whole {
+            if rest.len() < size {
                 break;
             }
-            out.extend_from_slice(&self.partial.split_to(whole));
-            data = Bytes::new();
-            if self.partial.is_empty() {
-                break;
-            }
+            whole += size;
         }
-        out.freeze()
+        self.partial.split_to(whole).freeze()
     }
 
     /// Whether the stream may end here as it is: its end-of-stream message went through whole.
@@ -144,7 +134,7 @@ impl<B> ConnectStream<B> {
             return None;
         }
         let message = self.on_break.take().map(|f| f()).unwrap_or_default();
-        tracing::info!(
+        tracing::debug!(
             error = error.map(tracing::field::display),
             %message,
             "a stream from an agent ended early; ending it for the client"
@@ -305,6 +295,15 @@ mod tests {
         let tail = message(END_STREAM, "{}");
         assert_eq!(envelopes.push(Bytes::from(tail.clone())).len(), tail.len());
         assert!(envelopes.complete());
+    }
+
+    #[tokio::test]
+    async fn a_cut_inside_a_message_passed_on_unheld_adds_nothing_after_it() {
+        let mut head = vec![0u8];
+        head.extend_from_slice(&u32::try_from(HOLD_LIMIT + 1).expect("fits").to_be_bytes());
+        head.extend_from_slice(b"{\"event\"");
+        let got = collect(vec![data(&head), cut()]).await.expect("body");
+        assert_eq!(got, head);
     }
 
     #[test]
