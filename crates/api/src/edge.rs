@@ -12,7 +12,8 @@ use axum::http::{HeaderMap, HeaderName, Method, StatusCode, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
-use sandbar_core::{AgentLease, HangUp, Route, SandboxError, WakeKeys};
+use sandbar_core::lifecycle::SandboxStatus;
+use sandbar_core::{AgentLease, HangUp, Route, SandboxError, Sandboxes, WakeKeys};
 use sandbar_envd::FileOperation;
 use tokio::io::{AsyncRead, AsyncWrite};
 
@@ -252,7 +253,7 @@ async fn forward_to(
     let Route { endpoint, agent } = route;
     let result = if target.port == AGENT_PORT {
         match tokio::net::UnixStream::connect(&endpoint.agent_socket).await {
-            Ok(stream) => forward_to_agent(&target, stream, agent, request).await,
+            Ok(stream) => forward_to_agent(&state.sandboxes, &target, stream, agent, request).await,
             Err(e) => Err(unreachable(&target, &endpoint.agent_socket, e)),
         }
     } else {
@@ -281,9 +282,50 @@ async fn forward_to(
 struct AgentConnection {
     lease: AgentLease,
     hang_up: HangUp,
+    /// Says, when asked, why the connection ended before the exchange did.
+    cut: CutReason,
+}
+
+/// Tells a client why its exchange with the agent of a sandbox ended early, from what the
+/// sandbox is at that moment: a kill or a timeout marks it stopping before its processes
+/// end, a pause marks it pausing before the edge lets go of the connection.
+#[derive(Clone)]
+struct CutReason {
+    sandboxes: std::sync::Arc<Sandboxes>,
+    sandbox_id: String,
+}
+
+impl CutReason {
+    /// A sandbox that is gone or going is "not found", the words the SDKs read as a
+    /// sandbox no longer running; `None` while it runs.
+    fn gone(&self) -> Option<String> {
+        let id = &self.sandbox_id;
+        match self.sandboxes.status_of(id) {
+            Some(SandboxStatus::Running | SandboxStatus::Snapshotting) => None,
+            None | Some(SandboxStatus::Stopping) => Some(format!(
+                "The sandbox was not found: sandbox '{id}' was killed or reached its end of life"
+            )),
+            Some(status) => Some(format!(
+                "The sandbox was not found: sandbox '{id}' is {} (its commands can be attached to again once it runs)",
+                status.name()
+            )),
+        }
+    }
+
+    /// The end of a stream cut short; one of a sandbox still running is left for the client
+    /// to probe.
+    fn message(&self) -> String {
+        self.gone().unwrap_or_else(|| {
+            format!(
+                "the connection to sandbox '{}' ended before the stream completed",
+                self.sandbox_id
+            )
+        })
+    }
 }
 
 async fn forward_to_agent(
+    sandboxes: &std::sync::Arc<Sandboxes>,
     target: &Target,
     stream: tokio::net::UnixStream,
     lease: AgentLease,
@@ -307,7 +349,14 @@ async fn forward_to_agent(
         hang_up.hang_up().await;
         return Err(pausing());
     }
-    let connection = AgentConnection { lease, hang_up };
+    let connection = AgentConnection {
+        lease,
+        hang_up,
+        cut: CutReason {
+            sandboxes: sandboxes.clone(),
+            sandbox_id: target.sandbox_id.clone(),
+        },
+    };
     forward(stream, request, Some(connection)).await
 }
 
@@ -438,10 +487,13 @@ where
                 format!("cannot reach sandbox: {e}"),
             )
         })?;
+    let cut = agent.as_ref().map(|a| a.cut.clone());
     tokio::spawn(async move {
         let ended = match agent {
             None => connection.await,
-            Some(AgentConnection { mut lease, hang_up }) => {
+            Some(AgentConnection {
+                mut lease, hang_up, ..
+            }) => {
                 let mut connection = Box::pin(connection);
                 let ended = tokio::select! {
                     ended = &mut connection => ended,
@@ -470,14 +522,27 @@ where
         .map_err(|_| ApiError::bad_request("invalid request path"))?;
     let upstream = hyper::Request::from_parts(parts, body);
     let response = sender.send_request(upstream).await.map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_GATEWAY,
-            format!("sandbox request failed: {e}"),
-        )
+        let message = match cut.as_ref().and_then(CutReason::gone) {
+            Some(gone) => format!("{gone}: {e}"),
+            None => format!("sandbox request failed: {e}"),
+        };
+        ApiError::new(StatusCode::BAD_GATEWAY, message)
     })?;
     let (mut parts, body) = response.into_parts();
     strip_hop_headers(&mut parts.headers);
-    Ok(Response::from_parts(parts, Body::new(body)))
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let body = match cut {
+        Some(cut) if crate::stream_end::is_connect_stream(content_type) => {
+            Body::new(crate::stream_end::ConnectStream::new(body, move || {
+                cut.message()
+            }))
+        }
+        _ => Body::new(body),
+    };
+    Ok(Response::from_parts(parts, body))
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ mod keys;
 mod openapi;
 mod sandboxes;
 mod snapshots;
+mod stream_end;
 mod telemetry;
 mod templates;
 mod traffic;

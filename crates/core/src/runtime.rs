@@ -262,6 +262,12 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
+    /// Whether frozen sandboxes can be checkpointed to disk on this node, for a caller about
+    /// to need it: a node whose checkpoints are off may look again (a CRIU installed since).
+    async fn checkpoints_ready(&self) -> bool {
+        self.can_checkpoint()
+    }
+
     /// Checkpoints a frozen sandbox to disk and ends its processes, freeing their memory;
     /// returns the handle [`Runtime::restore`] takes. On failure the sandbox stays frozen.
     async fn checkpoint(

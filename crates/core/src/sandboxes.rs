@@ -1095,6 +1095,11 @@ impl Sandboxes {
         self.live().get(id).map(|l| l.user_ports.clone())
     }
 
+    /// What sandbox `id` is now, if this node manages it.
+    pub fn status_of(&self, id: &str) -> Option<SandboxStatus> {
+        self.live().get(id).map(|l| l.status)
+    }
+
     /// Where the edge should send traffic for a running sandbox.
     pub fn route(&self, id: &str) -> Option<Route> {
         self.live()
@@ -1206,9 +1211,6 @@ impl Sandboxes {
     /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
     /// one per round, since a dump holds a CPU while it runs.
     pub async fn checkpoint_paused(&self) {
-        if !self.runtime.can_checkpoint() {
-            return;
-        }
         let Ok(grace) = TimeDelta::from_std(self.config.pause_grace) else {
             return;
         };
@@ -1223,6 +1225,11 @@ impl Sandboxes {
             .filter(|(at, _)| *at <= due)
             .min();
         let Some((_, id)) = next else { return };
+        // Asked only once a sandbox is due: a node without CRIU may look for one installed
+        // since, which it limits in time, but no round of the reaper should start a look.
+        if !self.runtime.checkpoints_ready().await {
+            return;
+        }
         // A checkpoint writes about the sandbox's memory to the data disk: without room for
         // that, the sandbox stays frozen in memory rather than leave a half-written dump.
         let handle = self.live().get(&id).map(|l| l.handle.clone());

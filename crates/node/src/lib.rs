@@ -6,6 +6,7 @@ mod build_output;
 pub mod builder;
 pub mod cgroups;
 pub mod checkpoint;
+mod criu_cell;
 pub mod disks;
 pub mod dns;
 pub mod egress;

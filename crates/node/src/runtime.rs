@@ -65,6 +65,9 @@ pub struct NodeConfig {
     pub memory_pressure_limit_percent: f64,
     /// The CRIU binary for checkpoints of paused sandboxes; `None` keeps them in memory.
     pub criu: Option<PathBuf>,
+    /// How often, at most, a node whose CRIU failed its probe probes it again when a
+    /// checkpoint, snapshot or fork needs it.
+    pub criu_reprobe: std::time::Duration,
     /// Network namespaces kept wired and waiting for new sandboxes.
     pub netns_pool: usize,
     /// Sandboxes kept booted and waiting for creates of the image last asked for.
@@ -167,8 +170,8 @@ pub struct LinuxRuntime {
     layers: crate::layers::LayerStore,
     /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
     layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
-    /// CRIU, when it passed its probe.
-    criu: Option<crate::checkpoint::Criu>,
+    /// CRIU, once it passed its probe (at start, or later when installed meanwhile).
+    criu: crate::criu_cell::CriuCell,
     /// Sandboxes booted ahead of demand.
     warm: crate::warm::WarmPool,
     /// The content-addressed copy of the agent binary sandboxes run, and its SHA-256: a
@@ -389,33 +392,12 @@ impl LinuxRuntime {
             use std::os::unix::fs::DirBuilderExt;
             let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
         }
-        let criu = match config.criu.clone() {
-            None => {
-                tracing::info!("checkpoints are off: paused sandboxes stay in memory");
-                None
-            }
-            Some(path) => {
-                let kdat_dir = kdat_dir.clone();
-                match tokio::task::spawn_blocking(move || {
-                    crate::checkpoint::probe(&path, &kdat_dir)
-                })
-                .await
-                {
-                    Ok(Ok(criu)) => {
-                        tracing::info!(criu = %criu.path.display(), version = %criu.version, "paused sandboxes are checkpointed to disk");
-                        Some(criu)
-                    }
-                    Ok(Err(err)) => {
-                        tracing::warn!(error = %err, "checkpoints are off: paused sandboxes stay in memory");
-                        None
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err, "checkpoints are off: the CRIU probe failed");
-                        None
-                    }
-                }
-            }
-        };
+        let criu = crate::criu_cell::CriuCell::at_start(
+            config.criu.clone(),
+            kdat_dir.clone(),
+            config.criu_reprobe,
+        )
+        .await;
         Ok(Self {
             criu,
             warm: crate::warm::WarmPool::new(config.warm_pool),
@@ -1662,7 +1644,11 @@ impl Runtime for LinuxRuntime {
     }
 
     fn can_checkpoint(&self) -> bool {
-        self.criu.is_some()
+        self.criu.get().is_some()
+    }
+
+    async fn checkpoints_ready(&self) -> bool {
+        self.criu.get_or_probe().await.is_some()
     }
 
     async fn snapshot(
@@ -1819,7 +1805,8 @@ impl Runtime for LinuxRuntime {
             if !dir.join(crate::checkpoint::HEADER_FILE).exists() {
                 let criu = self
                     .criu
-                    .as_ref()
+                    .get_or_probe()
+                    .await
                     .ok_or_else(|| sandbox_err(sandbox_id, "this node cannot checkpoint"))?;
                 let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
                 let sealed_dir = dir.clone();
@@ -2176,7 +2163,7 @@ impl LinuxRuntime {
     async fn dump(&self, id: &str, h: &Handle) -> Result<crate::checkpoint::Header, RuntimeError> {
         let criu = self
             .criu
-            .as_ref()
+            .get()
             .ok_or_else(|| sandbox_err(id, "this node cannot checkpoint sandboxes"))?;
         if !is_alive(h) {
             return Err(sandbox_err(id, "the sandbox's processes are gone"));
@@ -2199,7 +2186,7 @@ impl LinuxRuntime {
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
         let plan = match self
-            .dump_into(id, h, criu, &freezer, &dir, netns_inode, false)
+            .dump_into(id, h, &criu, &freezer, &dir, netns_inode, false)
             .await
         {
             Ok(plan) => plan,
@@ -2443,7 +2430,7 @@ impl LinuxRuntime {
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
     /// returns its new PID 1.
     async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id)?;
+        let criu = self.criu_for_restore(id).await?;
         let dir = self.checkpoint_dir(id);
         let read_dir = dir.clone();
         let started = std::time::Instant::now();
@@ -2455,7 +2442,7 @@ impl LinuxRuntime {
                 .map_err(|e| sandbox_err(id, e))?;
         self.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
-        check_criu_version(id, criu, &header)?;
+        check_criu_version(id, &criu, &header)?;
         let layers = self
             .layers
             .stack(&h.layers)
@@ -2501,9 +2488,14 @@ impl LinuxRuntime {
         .await
     }
 
-    fn criu_for_restore(&self, id: &str) -> Result<&crate::checkpoint::Criu, RuntimeError> {
+    /// A checkpoint made before a restart may find CRIU installed only since: probed again.
+    async fn criu_for_restore(
+        &self,
+        id: &str,
+    ) -> Result<std::sync::Arc<crate::checkpoint::Criu>, RuntimeError> {
         self.criu
-            .as_ref()
+            .get_or_probe()
+            .await
             .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))
     }
 
@@ -2511,7 +2503,7 @@ impl LinuxRuntime {
     /// network namespace, its agent's listener), runs `criu restore` from its cgroups and
     /// returns the restored PID 1; the host-side mounts are gone afterwards either way.
     async fn run_restore(&self, id: &str, from: RestoreFrom) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id)?;
+        let criu = self.criu_for_restore(id).await?;
         let RestoreFrom {
             images: dir,
             header,
@@ -2859,7 +2851,8 @@ impl LinuxRuntime {
         agent_token: &str,
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
-        let criu = match (&self.criu, memory) {
+        let criu = self.criu.get();
+        let criu = match (criu.as_deref(), memory) {
             (Some(criu), true) => Some(criu),
             (None, true) => {
                 return Err(sandbox_err(
@@ -3021,7 +3014,7 @@ impl LinuxRuntime {
         let started = std::time::Instant::now();
         let id_map = self.id_map(slot);
         let bare = |e: RuntimeError| (None, e);
-        let criu = self.criu_for_restore(id).map_err(bare)?;
+        let criu = self.criu_for_restore(id).await.map_err(bare)?;
         let key = checkpoint
             .strip_prefix("checkpoint/")
             .filter(|k| is_snapshot_key(k))
@@ -3094,7 +3087,7 @@ impl LinuxRuntime {
             .iter()
             .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
             .then(sandbar_core::ids::new_uuid);
-        check_criu_version(id, criu, &header).map_err(bare)?;
+        check_criu_version(id, &criu, &header).map_err(bare)?;
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
         }

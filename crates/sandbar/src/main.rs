@@ -175,9 +175,14 @@ struct ServeArgs {
     sandbox_bandwidth_mbit: u32,
     /// The CRIU binary that checkpoints paused sandboxes to disk (4.1.1 with the patches of
     /// scripts/criu, installed by scripts/install-criu.sh); "" turns checkpoints off. When it
-    /// is missing or fails its checks, pauses keep sandboxes frozen in memory.
+    /// is missing or fails its checks, pauses keep sandboxes frozen in memory until it passes
+    /// them: the node looks again (at most every --criu-reprobe-secs) when a checkpoint,
+    /// snapshot or fork needs it.
     #[arg(long, env = "SANDBAR_CRIU", default_value = "/usr/local/sbin/criu")]
     criu: String,
+    /// Seconds between two probes of a CRIU that failed its probe (see --criu).
+    #[arg(long, env = "SANDBAR_CRIU_REPROBE_SECS", default_value_t = 30)]
+    criu_reprobe_secs: u64,
     /// Seconds a sandbox paused with its memory stays frozen in memory (a resume within them
     /// takes milliseconds) before it is checkpointed to disk and its memory freed.
     #[arg(long, env = "SANDBAR_PAUSE_GRACE_SECS", default_value_t = 10)]
@@ -479,6 +484,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             memory_overcommit: args.memory_overcommit,
             memory_pressure_limit_percent: args.memory_pressure_limit,
             criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
+            criu_reprobe: std::time::Duration::from_secs(args.criu_reprobe_secs),
         })
         .await?,
     );

@@ -174,7 +174,7 @@ impl Sandboxes {
             .image
             .clone()
             .ok_or_else(|| SnapshotError::NoImage(id.to_owned()))?;
-        if memory && !self.runtime.can_checkpoint() {
+        if memory && !self.runtime.checkpoints_ready().await {
             return Err(SnapshotError::NoCheckpoints(id.to_owned()));
         }
         if memory && !self.store.sandbox_volumes(id).await?.is_empty() {
