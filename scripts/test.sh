@@ -18,6 +18,14 @@ cd "$(dirname "$0")/.."
 # those tests are skipped, with the server's reason, only when the server finds it unusable).
 ./scripts/install-criu.sh
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
+# An older release of the Python SDK in a virtualenv of its own, for the e2e check that code
+# pinned to it keeps working (installed once per machine).
+old_sdk=/var/tmp/sandbar-e2e-sdk-2.45
+if ! "$old_sdk/bin/python3" -c 'import e2b' 2>/dev/null; then
+  rm -rf "$old_sdk"
+  python3 -m venv "$old_sdk"
+  "$old_sdk/bin/pip" install --quiet --disable-pip-version-check e2b==2.45.1
+fi
 npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
 
 cargo fmt --all -- --check

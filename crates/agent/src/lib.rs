@@ -95,6 +95,9 @@ async fn init(
     if let Some(limit_mb) = request.memory_limit_mb {
         state.processes.set_memory_limit(limit_mb);
     }
+    // The first line of the new sandbox's log: the node emptied the log of the agent's time
+    // before it had a sandbox.
+    tracing::info!(version = ENVD_VERSION, "agent started");
     StatusCode::NO_CONTENT
 }
 

@@ -341,11 +341,11 @@ pub struct MetricPoint {
     pub disk_total: u64,
 }
 
-/// How often sandboxes are sampled, and for how long samples are kept.
-/// Checkpoints tried for one pause: a dump can fail on a moment's state (a connection the
-/// node just closed that the agent had not yet let go of when it was frozen).
+/// Checkpoints tried for one pause: a dump can fail on a passing state of the sandbox's
+/// sockets (CRIU not finding a Unix socket's peer), which a later attempt does not meet.
 const CHECKPOINT_ATTEMPTS: u8 = 3;
 
+/// How often sandboxes are sampled, and for how long samples are kept.
 const METRICS_EVERY_ROUNDS: u64 = 4;
 const METRICS_KEPT: usize = 1800;
 /// Team activity is written once per bucket (5 s), old logs and metrics pruned every 10 min.

@@ -646,12 +646,14 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
         let log_path = self.log_path(id);
         // A sandbox booted again on its kept files goes on with its log: the lines read so
-        // far are counted by offset.
+        // far are counted by offset. Appending, so a warm sandbox's log can be emptied when
+        // it is taken while its agent writes on.
+        if !boot.kept {
+            let _ = std::fs::remove_file(&log_path);
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
-            .append(boot.kept)
-            .write(true)
-            .truncate(!boot.kept)
+            .append(true)
             .open(&log_path)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
 
@@ -1093,6 +1095,13 @@ impl LinuxRuntime {
                 std::fs::rename(&from, &to)
                     .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
             }
+            // What the agent logged while it waited is no part of this sandbox's life.
+            let log = self.log_path(id);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&log)
+                .and_then(|f| f.set_len(0))
+                .map_err(|e| sandbox_err(id, format!("empty {}: {e}", log.display())))?;
             self.layers_in_use
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
