@@ -206,11 +206,16 @@ class Baseline:
         if mounts:
             out.append(f"new mounts mentioning the data dir: {mounts[:5]}")
         procs = sandbox_like_processes(data_dir, self.pids, CREATED_IDS)
-        stray = sorted((p, d["desc"]) for p, d in procs.items() if strict or d["mine"])
+        # Sandboxes the server boots ahead of demand come and go on their own.
+        stray = sorted(
+            (p, d["desc"])
+            for p, d in procs.items()
+            if (strict or d["mine"]) and "cgroup sandbar/warm-" not in d["desc"]
+        )
         if stray:
             out.append("processes left: " + "; ".join(f"{p}: {d}" for p, d in stray[:10]))
         if strict:
-            cgroups = sandbox_cgroup_dirs() - self.cgroups
+            cgroups = {c for c in sandbox_cgroup_dirs() - self.cgroups if not Path(c).name.startswith("warm-")}
             if cgroups:
                 out.append(f"sandbox cgroups left: {sorted(cgroups)}")
         tmp = tmp_named_dirs(data_dir)
