@@ -227,11 +227,17 @@ pub(crate) fn idmap_read_only(tree: &OwnedFd, userns: &OwnedFd) -> io::Result<()
 }
 
 fn set_attr(tree: &OwnedFd, attr_set: u64, userns: &OwnedFd) -> io::Result<()> {
+    mount_setattr(tree, attr_set, userns.as_raw_fd() as u64)
+}
+
+/// `mount_setattr(2)` on the whole mount `tree`; `userns_fd` 0 unless `attr_set` asks for an
+/// id mapping.
+fn mount_setattr(tree: &OwnedFd, attr_set: u64, userns_fd: u64) -> io::Result<()> {
     let attr = MountAttr {
         attr_set,
         attr_clr: 0,
         propagation: 0,
-        userns_fd: userns.as_raw_fd() as u64,
+        userns_fd,
     };
     let empty = c"";
     // SAFETY: `attr` has the kernel's layout and its size is passed; the path is an empty
@@ -365,25 +371,7 @@ pub(crate) fn detached_file_read_only(name: &Path, content: &[u8]) -> io::Result
 
 /// Sets the `MOUNT_ATTR_*` flags `attr_set` on the mount `tree` (no id mapping).
 fn set_flags(tree: &OwnedFd, attr_set: u64) -> io::Result<()> {
-    let attr = MountAttr {
-        attr_set,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    let empty = c"";
-    // SAFETY: as in `set_attr`.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_EMPTY_PATH as libc::c_uint,
-            &attr as *const MountAttr,
-            std::mem::size_of::<MountAttr>(),
-        )
-    };
-    check(rc as libc::c_int)
+    mount_setattr(tree, attr_set, 0)
 }
 
 /// Attaches the detached mount `tree` at `target` (relative to the working directory).

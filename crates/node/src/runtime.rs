@@ -166,6 +166,8 @@ pub struct LinuxRuntime {
     oom_kills_ended: std::sync::atomic::AtomicU64,
     /// How memory is admitted.
     memory_rule: crate::memory::MemoryRule,
+    /// How many tasks the kernel allows (`crate::tasks`), read once at start.
+    task_limit: Option<u64>,
     slots: SlotSet,
     layers: crate::layers::LayerStore,
     /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
@@ -190,6 +192,10 @@ pub struct LinuxRuntime {
     /// of many or a second create does not read them all again. Checkpoints a previous server
     /// left are checked once before their first restore.
     verified_images: Mutex<BTreeSet<PathBuf>>,
+}
+
+fn promised_mb(granted: &std::collections::BTreeMap<String, u32>) -> u64 {
+    granted.values().map(|mb| u64::from(*mb)).sum()
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -418,6 +424,7 @@ impl LinuxRuntime {
             oom_baselines: Mutex::new(std::collections::BTreeMap::new()),
             oom_kills_ended: std::sync::atomic::AtomicU64::new(0),
             memory_rule,
+            task_limit: crate::tasks::task_limit(),
             slots,
         })
     }
@@ -505,7 +512,16 @@ impl LinuxRuntime {
             .granted_memory
             .lock()
             .unwrap_or_else(|e| e.into_inner());
-        let promised: u64 = granted.values().map(|mb| u64::from(*mb)).sum();
+        self.admit_start(id, promised_mb(&granted), memory_mb)?;
+        granted.insert(id.to_owned(), memory_mb);
+        drop(granted);
+        self.count_oom_kills_from_now(id);
+        Ok(())
+    }
+
+    /// Whether the host can start sandbox `id` with a memory limit of `memory_mb` now that
+    /// `promised` MiB are promised: its memory and its tasks.
+    fn admit_start(&self, id: &str, promised: u64, memory_mb: u32) -> Result<(), RuntimeError> {
         let no_capacity = |message| RuntimeError::NoCapacity {
             sandbox_id: id.to_owned(),
             message,
@@ -515,13 +531,20 @@ impl LinuxRuntime {
                 .admit(&host, promised, memory_mb)
                 .map_err(no_capacity)?;
         }
-        if let Some(tasks) = crate::tasks::HostTasks::read() {
+        if let Some(tasks) = self.task_limit.and_then(crate::tasks::HostTasks::read) {
             tasks.admit().map_err(no_capacity)?;
         }
-        granted.insert(id.to_owned(), memory_mb);
-        drop(granted);
-        self.count_oom_kills_from_now(id);
         Ok(())
+    }
+
+    /// The memory limits granted to live sandboxes together, in MiB.
+    fn promised_memory_mb(&self) -> u64 {
+        promised_mb(
+            &self
+                .granted_memory
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
     }
 
     /// Counts sandbox `id`'s disk against the pool, mounting a failed (read-only) pool
@@ -947,21 +970,7 @@ impl LinuxRuntime {
             crate::warm::NAME_PREFIX,
             &sandbar_core::ids::new_secret("")[..16]
         );
-        if let Some(host) = crate::memory::HostMemory::read() {
-            let promised: u64 = self
-                .granted_memory
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .values()
-                .map(|mb| u64::from(*mb))
-                .sum();
-            self.memory_rule
-                .admit(&host, promised, 0)
-                .map_err(|message| RuntimeError::NoCapacity {
-                    sandbox_id: name.clone(),
-                    message,
-                })?;
-        }
+        self.admit_start(&name, self.promised_memory_mb(), 0)?;
         self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?;
         let netns = match self.netns_pool.claim(true).await {
             Some(Ok(netns)) => netns,
@@ -1925,13 +1934,7 @@ impl Runtime for LinuxRuntime {
 
     fn memory(&self) -> Option<sandbar_core::MemoryReport> {
         let host = crate::memory::HostMemory::read()?;
-        let promised: u64 = self
-            .granted_memory
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .map(|mb| u64::from(*mb))
-            .sum();
+        let promised = self.promised_memory_mb();
         Some(sandbar_core::MemoryReport {
             total_bytes: host.total_mb << 20,
             available_bytes: host.available_mb << 20,

@@ -15,12 +15,9 @@ pub struct HostTasks {
 }
 
 impl HostTasks {
-    pub fn read() -> Option<Self> {
+    /// The tasks running now, against `limit` (see [`task_limit`]).
+    pub fn read(limit: u64) -> Option<Self> {
         let loadavg = std::fs::read_to_string("/proc/loadavg").ok()?;
-        let limit = ["/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"]
-            .iter()
-            .filter_map(|path| std::fs::read_to_string(path).ok()?.trim().parse().ok())
-            .min()?;
         Some(Self {
             running: parse_loadavg(&loadavg)?,
             limit,
@@ -45,6 +42,15 @@ impl HostTasks {
         }
         Ok(())
     }
+}
+
+/// How many tasks the kernel allows: the lower of `kernel.pid_max` and
+/// `kernel.threads-max`, which change only when an operator sets them.
+pub fn task_limit() -> Option<u64> {
+    ["/proc/sys/kernel/pid_max", "/proc/sys/kernel/threads-max"]
+        .iter()
+        .filter_map(|path| std::fs::read_to_string(path).ok()?.trim().parse().ok())
+        .min()
 }
 
 /// The number of tasks in `/proc/loadavg` (`running/total` is the fourth field).
@@ -104,7 +110,8 @@ mod tests {
 
     #[test]
     fn this_host_can_be_read() {
-        let tasks = HostTasks::read().expect("/proc/loadavg and the kernel's limits");
+        let limit = task_limit().expect("the kernel's task limits");
+        let tasks = HostTasks::read(limit).expect("/proc/loadavg");
         assert!(
             tasks.running > 0 && tasks.limit > tasks.running,
             "{tasks:?}"
