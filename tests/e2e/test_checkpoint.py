@@ -267,3 +267,23 @@ def test_a_multi_threaded_process_survives_a_checkpoint_and_a_snapshot(checkpoin
                    message="every thread of the copy to count")
     finally:
         Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0])
+
+
+def test_a_connection_from_the_host_left_open_across_the_pause_does_not_block_the_checkpoint(
+        checkpoints, make_sandbox, sandbar):
+    import socket
+
+    sbx = make_sandbox()
+    sbx.files.write("/home/user/kept.txt", "kept")
+    # A connection to the agent that nothing on the edge knows of, open while the sandbox is
+    # frozen: the agent's end of it belongs to the host's network namespace.
+    stray = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stray.connect(str(sandbar.data_dir / "run" / f"{sbx.sandbox_id}.sock"))
+    try:
+        assert sbx.pause() is True
+    finally:
+        stray.close()
+    wait_checkpointed(sandbar, sbx.sandbox_id)
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+    assert resumed.files.read("/home/user/kept.txt") == "kept"
+    assert resumed.kill() is True

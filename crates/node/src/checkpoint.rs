@@ -839,6 +839,80 @@ pub fn remap_userns_image(image: &[u8], from: u32, to: u32, size: u32) -> Option
     Some(out)
 }
 
+/// A Unix socket of the host's network namespace that a sandbox process holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSocket {
+    pub pid: i32,
+    pub fd: String,
+    pub inode: u64,
+}
+
+impl std::fmt::Display for HostSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let comm = std::fs::read_to_string(format!("/proc/{}/comm", self.pid)).unwrap_or_default();
+        write!(
+            f,
+            "socket {} held by pid {} ({}) as fd {}",
+            self.inode,
+            self.pid,
+            comm.trim(),
+            self.fd
+        )
+    }
+}
+
+/// The inodes listed in a `/proc/net/unix` table.
+fn unix_table_inodes(table: &str) -> BTreeSet<u64> {
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| line.split_whitespace().nth(6)?.parse().ok())
+        .collect()
+}
+
+/// Which of `tasks` hold Unix sockets of the server's own network namespace. The agent's end
+/// of a connection made from the host is one (a Unix socket belongs to the namespace of the
+/// side that connects), and CRIU cannot dump a sandbox holding one: it only knows the
+/// sockets of the sandbox's namespace.
+pub fn host_unix_sockets(tasks: &[i32]) -> Vec<HostSocket> {
+    let Ok(table) = std::fs::read_to_string("/proc/self/net/unix") else {
+        return Vec::new();
+    };
+    let host = unix_table_inodes(&table);
+    let mut held = Vec::new();
+    for &pid in tasks {
+        let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(target) = std::fs::read_link(entry.path()) else {
+                continue;
+            };
+            let Some(inode) = socket_inode(target.as_os_str()) else {
+                continue;
+            };
+            if host.contains(&inode) {
+                held.push(HostSocket {
+                    pid,
+                    fd: entry.file_name().to_string_lossy().into_owned(),
+                    inode,
+                });
+            }
+        }
+    }
+    held
+}
+
+/// The inode of a `socket:[N]` descriptor link.
+fn socket_inode(link: &OsStr) -> Option<u64> {
+    std::str::from_utf8(link.as_bytes())
+        .ok()?
+        .strip_prefix("socket:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
@@ -1065,5 +1139,34 @@ mod tests {
         let mut other = image.clone();
         other[4] ^= 1;
         assert!(remap_userns_image(&other, 200_000, 0, 65536).is_none());
+    }
+
+    #[test]
+    fn unix_table_inodes_reads_the_inode_column() {
+        let table = "Num       RefCount Protocol Flags    Type St Inode Path\n\
+                     0000000000000000: 00000002 00000000 00010000 0001 01 3081131 /run/a.sock\n\
+                     0000000000000000: 00000003 00000000 00000000 0001 03 42\n";
+        assert_eq!(unix_table_inodes(table), BTreeSet::from([3081131, 42]));
+    }
+
+    #[test]
+    fn socket_inode_reads_only_socket_links() {
+        assert_eq!(socket_inode(OsStr::new("socket:[3081131]")), Some(3081131));
+        assert_eq!(socket_inode(OsStr::new("pipe:[12]")), None);
+        assert_eq!(socket_inode(OsStr::new("/tmp/socket:[1]")), None);
+    }
+
+    #[test]
+    fn a_connection_made_here_is_a_host_socket_of_the_listener() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("l.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let _client = std::os::unix::net::UnixStream::connect(&path).expect("connect");
+        let (accepted, _) = listener.accept().expect("accept");
+        let inode = std::fs::metadata(format!("/proc/self/fd/{}", accepted.as_raw_fd()))
+            .expect("fd")
+            .ino();
+        let held = host_unix_sockets(&[std::process::id() as i32]);
+        assert!(held.iter().any(|s| s.inode == inode), "{held:?}");
     }
 }

@@ -916,6 +916,8 @@ impl LinuxRuntime {
     }
 }
 
+/// How long a pause waits for the agent to close its ends of connections from the host.
+const HOST_SOCKETS_PATIENCE: Duration = Duration::from_secs(2);
 /// How long a warm sandbox's agent may take to answer after its boot.
 const WARM_AGENT_PATIENCE: Duration = Duration::from_secs(15);
 
@@ -1621,6 +1623,7 @@ impl Runtime for LinuxRuntime {
         if !is_alive(&h) {
             return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
+        self.settle_host_sockets(sandbox_id).await;
         self.cgroups
             .freeze(sandbox_id)
             .await
@@ -1715,7 +1718,23 @@ impl Runtime for LinuxRuntime {
             return Ok(handle.clone());
         }
         let started = std::time::Instant::now();
-        self.dump(sandbox_id, &h).await?;
+        if let Err(err) = self.dump(sandbox_id, &h).await {
+            if crate::checkpoint::host_unix_sockets(&self.cgroups.members(sandbox_id)).is_empty() {
+                return Err(err);
+            }
+            // The agent was frozen before it closed a connection from the host: let it run
+            // for the moment that takes, then try once more.
+            tracing::info!(sandbox_id, error = %err, "thawing the paused sandbox briefly to let connections from the host close");
+            self.cgroups
+                .thaw(sandbox_id)
+                .map_err(|e| sandbox_err(sandbox_id, e))?;
+            self.settle_host_sockets(sandbox_id).await;
+            self.cgroups
+                .freeze(sandbox_id)
+                .await
+                .map_err(|e| sandbox_err(sandbox_id, e))?;
+            self.dump(sandbox_id, &h).await?;
+        }
         let dumped_in = started.elapsed();
         sandbar_core::faults::crash_point("checkpoint.dumped");
         // CRIU ended the tree after the dump; anything that escaped it would run on.
@@ -2221,6 +2240,24 @@ impl LinuxRuntime {
         Ok(sealed)
     }
 
+    /// Gives the agent a moment to close its ends of connections from the host before the
+    /// sandbox is frozen: frozen with one, it could not be checkpointed until resumed.
+    async fn settle_host_sockets(&self, sandbox_id: &str) {
+        let deadline = std::time::Instant::now() + HOST_SOCKETS_PATIENCE;
+        loop {
+            let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(sandbox_id));
+            if held.is_empty() {
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                let held: Vec<String> = held.iter().map(ToString::to_string).collect();
+                tracing::warn!(sandbox_id, held = %held.join("; "), "frozen with connections from the host still open; a checkpoint may fail");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
     /// `netns_inode`) into `images`, leaving its processes running or ending them; returns
     /// what the dump was told about the host.
@@ -2292,7 +2329,13 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, format!("wait for {}: {e}", criu.path.display())))?;
         if !status.success() {
-            let errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
+            let mut errors =
+                crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
+            let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(id));
+            if !held.is_empty() {
+                let held: Vec<String> = held.iter().map(ToString::to_string).collect();
+                errors = format!("{errors}; from the host: {}", held.join(", "));
+            }
             let what = if leave_running {
                 "snapshot"
             } else {
