@@ -465,6 +465,13 @@ impl LinuxRuntime {
         if let Some(warm) = crate::warm::WarmKey::of(&spec).and_then(|key| self.warm.take(&key)) {
             match self.take_warm(&spec, &warm).await {
                 Ok((handle, endpoint)) => return Ok((handle.to_runtime(&id)?, endpoint)),
+                // The template's own start or ready command failed: a fresh boot would only
+                // fail the same way, as late again.
+                Err(err @ RuntimeError::NotReady { .. }) => {
+                    self.release_memory(&id);
+                    self.disks.forget(&id);
+                    return Err(err);
+                }
                 // The sandbox is booted afresh instead.
                 Err(err) => tracing::warn!(
                     sandbox_id = %id,
