@@ -462,7 +462,9 @@ impl Runtime for LinuxRuntime {
 
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
         let mut removed = 0;
-        for id in self.disks.list() {
+        let mut found: BTreeSet<String> = self.disks.list().into_iter().collect();
+        found.extend(self.cgroups.names());
+        for id in found {
             if recorded.contains(&id) {
                 continue;
             }

@@ -83,14 +83,31 @@ impl LinuxRuntime {
             .freezer_dir(id)
             .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
         let was_frozen = self.cgroups.is_frozen(id);
+        let host = host::LinuxHost(&self.cgroups);
         if !was_frozen {
-            self.cgroups
-                .freeze(id)
+            // A dump cannot hold the agent's end of a connection from the host.
+            let patience = if memory {
+                HOST_SOCKETS_PATIENCE
+            } else {
+                Duration::ZERO
+            };
+            let held = host::settle_and_freeze(&host, id, patience)
                 .await
                 .map_err(|e| sandbox_err(id, e))?;
+            if memory && !held.is_empty() {
+                let held: Vec<String> = held.iter().map(ToString::to_string).collect();
+                tracing::warn!(sandbox_id = %id, held = %held.join("; "), "frozen for a snapshot with connections from the host still open");
+            }
         }
         let held_since = std::time::Instant::now();
-        let copied = self.copy_frozen(id, h, criu, &freezer, &images, &key).await;
+        let copied = host::dump_frozen(
+            &host,
+            id,
+            HOST_SOCKETS_PATIENCE,
+            |e| sandbox_err(id, e),
+            || self.copy_frozen(id, h, criu, &freezer, &images, &key),
+        )
+        .await;
         if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
             tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
         }
@@ -155,6 +172,10 @@ impl LinuxRuntime {
     ) -> Result<Option<crate::checkpoint::DumpPlan>, RuntimeError> {
         let plan = match criu {
             Some(criu) => {
+                // Empty, also when a dump that failed is tried again.
+                let _ = std::fs::remove_dir_all(images);
+                std::fs::create_dir_all(images)
+                    .map_err(|e| sandbox_err(id, format!("create {}: {e}", images.display())))?;
                 let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
                     .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
                 Some(
