@@ -168,6 +168,10 @@ struct ServeArgs {
     /// of creates larger than this; 0 boots every sandbox when it is created.
     #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 16, value_parser = clap::value_parser!(u64).range(0..=1024))]
     warm_pool: u64,
+    /// Seconds a template's ready command may take to succeed after its start command
+    /// started (at the build and, where templates cannot be captured, at each create).
+    #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    ready_timeout_secs: u64,
     /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
     /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
     /// adopted after a restart keep the limit they started with.
@@ -479,6 +483,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
             warm_pool: args.warm_pool as usize,
+            ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
             memory_overcommit: args.memory_overcommit,

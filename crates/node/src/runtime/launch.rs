@@ -341,7 +341,7 @@ impl LinuxRuntime {
         let Some(ready) = &spec.image.ready_cmd else {
             return Ok(());
         };
-        let deadline = tokio::time::Instant::now() + READY_PATIENCE;
+        let deadline = tokio::time::Instant::now() + self.config.ready_timeout;
         let mut last;
         loop {
             let mut output = Vec::new();
@@ -371,7 +371,7 @@ impl LinuxRuntime {
             sandbox_id: id.clone(),
             message: format!(
                 "the ready command '{ready}' did not succeed within {} s (last: {last})",
-                READY_PATIENCE.as_secs()
+                self.config.ready_timeout.as_secs()
             ),
         })
     }

@@ -88,6 +88,8 @@ pub struct NodeConfig {
     pub netns_pool: usize,
     /// Sandboxes kept booted and waiting for creates of the image last asked for.
     pub warm_pool: usize,
+    /// How long a template's ready command may take to succeed.
+    pub ready_timeout: Duration,
     /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
     pub sandbox_bandwidth_mbit: u32,
 }

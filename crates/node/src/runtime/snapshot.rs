@@ -6,9 +6,6 @@ use super::*;
 /// How long the collector leaves a new snapshot's parts alone at most.
 pub(super) const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
 
-/// How long a new sandbox's ready command may take to succeed.
-pub(super) const READY_PATIENCE: Duration = Duration::from_secs(60);
-
 pub(super) fn is_snapshot_key(key: &str) -> bool {
     key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
 }
