@@ -30,7 +30,7 @@ npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
 
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
-cargo build --release --bin sandbar --bin sandbar-agent
+cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-interpreter
 cargo test --release --workspace
 
 python3 -m pytest tests/e2e -q -p no:cacheprovider "$@"

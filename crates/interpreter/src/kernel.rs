@@ -127,6 +127,18 @@ impl Kernel {
             // Its own group, so whatever the code started goes with it.
             .process_group(0)
             .kill_on_drop(true);
+        // SAFETY: only prctl, which is async-signal-safe, between fork and exec.
+        unsafe {
+            process.pre_exec(|| {
+                // A server that dies by any means takes its kernels along; the signal goes
+                // when the forking thread exits, and a runtime worker lives as long as the
+                // server.
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
+                Ok(())
+            });
+        }
         // The kernel binds the ports as it starts; they stay reserved until then.
         drop(listeners);
         let child = process.spawn().map_err(|source| {
