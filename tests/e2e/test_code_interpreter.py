@@ -172,6 +172,19 @@ def test_contexts_are_independent(sbx):
         sbx.run_code("1", context=ctx, language="python")
 
 
+def test_a_kernel_that_exits_is_replaced(sbx):
+    ctx = sbx.create_code_context()
+    try:
+        sbx.run_code("lost = 1", context=ctx)
+        died = sbx.run_code("import os\nos._exit(3)", context=ctx, timeout=30)
+        assert died.error is not None and died.error.name == "KernelDied"
+        # The next execution gets a new kernel: the context goes on, its state does not.
+        assert sbx.run_code("1 + 1", context=ctx).text == "2"
+        assert sbx.run_code("lost", context=ctx).error.name == "NameError"
+    finally:
+        sbx.remove_code_context(ctx)
+
+
 def test_the_wire_refuses_context_and_language_together(sbx):
     headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
     url = sbx.connection_config.get_sandbox_url(sbx.sandbox_id, sbx.sandbox_domain, port=49999)

@@ -314,7 +314,7 @@ async fn execute(
         )));
     }
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
-    tokio::spawn(run_execution(context, request.code, env, tx));
+    tokio::spawn(run_execution(server, context, request.code, env, tx));
     let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
@@ -325,24 +325,39 @@ async fn send_line(tx: &mpsc::Sender<Result<Bytes, Infallible>>, output: &Output
 
 /// Runs one execution to its end, streaming its lines; a client that goes away interrupts it.
 async fn run_execution(
+    server: Arc<Server>,
     context: Arc<Context>,
     code: String,
     env: BTreeMap<String, String>,
     tx: mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
     let mut guard = context.kernel.lock().await;
-    let alive = guard.as_mut().is_some_and(Kernel::is_alive);
-    let Some(kernel) = guard.as_mut().filter(|_| alive) else {
-        let _ = send_line(
-            &tx,
-            &Output::Error {
-                name: "KernelDied".into(),
-                value: "the context's kernel is not running; restart the context".into(),
-                traceback: String::new(),
-            },
-        )
-        .await;
-        let _ = send_line(&tx, &Output::EndOfExecution).await;
+    if !guard.as_mut().is_some_and(Kernel::is_alive) {
+        // A kernel that exited (the code ended its process, or it ran out of memory) is
+        // replaced, as a Jupyter server restarts a dead kernel: the state is gone, the
+        // context goes on.
+        if let Some(dead) = guard.take() {
+            dead.shutdown().await;
+        }
+        tracing::warn!(context = %context.id, "the context's kernel is not running; starting a new one");
+        match server.start_kernel(&context.language, &context.cwd).await {
+            Ok(kernel) => *guard = Some(kernel),
+            Err(e) => {
+                let _ = send_line(
+                    &tx,
+                    &Output::Error {
+                        name: "KernelError".into(),
+                        value: format!("the context's kernel cannot start: {e}"),
+                        traceback: String::new(),
+                    },
+                )
+                .await;
+                let _ = send_line(&tx, &Output::EndOfExecution).await;
+                return;
+            }
+        }
+    }
+    let Some(kernel) = guard.as_mut() else {
         return;
     };
     let restore = if env.is_empty() {
@@ -370,14 +385,17 @@ async fn run_execution(
             .await;
         }
     }
-    if let Some(restore) = restore {
+    // A kernel that died took the variables with it.
+    if let Some(restore) = restore
+        && kernel.is_alive()
+    {
         let _ = run_silent(kernel, restore).await;
     }
     let _ = send_line(&tx, &Output::EndOfExecution).await;
 }
 
 async fn stream_execution(
-    kernel: &Kernel,
+    kernel: &mut Kernel,
     mut replies: Replies,
     tx: &mpsc::Sender<Result<Bytes, Infallible>>,
 ) {
@@ -399,8 +417,19 @@ async fn stream_execution(
                     break;
                 }
             }
-            () = tokio::time::sleep(KEEPALIVE), if !client_gone => {
-                if !send_line(tx, &Output::Keepalive).await {
+            () = tokio::time::sleep(KEEPALIVE) => {
+                if !kernel.is_alive() {
+                    let _ = send_line(tx, &Output::Error {
+                        name: "KernelDied".into(),
+                        value: "the kernel exited during the execution; the context's next \
+                                execution starts a new one"
+                            .into(),
+                        traceback: String::new(),
+                    })
+                    .await;
+                    break;
+                }
+                if !client_gone && !send_line(tx, &Output::Keepalive).await {
                     client_gone = true;
                 }
             }
