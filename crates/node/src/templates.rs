@@ -303,22 +303,31 @@ pub enum RemoveBaseError {
     },
 }
 
-/// The recipe version of a directory in the templates directory that holds a base root of
-/// an earlier recipe (`base-v1`, or `.base-v1.partial` for an interrupted build of one).
-fn superseded_version(name: &str) -> Option<u32> {
-    let digits = name
-        .strip_prefix("base-v")
-        .or_else(|| name.strip_prefix(".base-v")?.strip_suffix(".partial"))?;
-    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
-        return None;
-    }
-    digits
-        .parse()
-        .ok()
-        .filter(|version| *version != BASE_RECIPE_VERSION)
+/// The built-in roots this node builds; any other version of theirs is an earlier recipe.
+fn built_in_roots() -> [&'static RootRecipe; 2] {
+    [&BASE, &crate::interpreter::INTERPRETER_ROOT]
 }
 
-/// Removes the base roots of earlier recipes that no layer name in `keep` refers to, and
+/// The kind and recipe version of a directory in the templates directory that holds a
+/// built-in root of an earlier recipe (`base-v1`, or `.base-v1.partial` for an interrupted
+/// build of one; `interpreter-v…` likewise).
+fn superseded_version(name: &str) -> Option<(&'static str, u32)> {
+    built_in_roots().into_iter().find_map(|recipe| {
+        let complete = format!("{}-v", recipe.name);
+        let partial = format!(".{}-v", recipe.name);
+        let digits = name.strip_prefix(complete.as_str()).or_else(|| {
+            name.strip_prefix(partial.as_str())?
+                .strip_suffix(".partial")
+        })?;
+        if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        let version: u32 = digits.parse().ok()?;
+        (version != recipe.version).then_some((recipe.name, version))
+    })
+}
+
+/// Removes the built-in roots of earlier recipes that no layer name in `keep` refers to, and
 /// interrupted builds of them; returns the layer names removed. Only for the server's start,
 /// before anything is served: `keep` must name every layer a template, tagged build or
 /// recorded sandbox uses, and no create may be resolving a template meanwhile.
@@ -339,10 +348,10 @@ pub fn remove_superseded_bases(
     let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(version) = superseded_version(&name) else {
+        let Some((kind, version)) = superseded_version(&name) else {
             continue;
         };
-        let layer = format!("base/v{version}");
+        let layer = format!("{kind}/v{version}");
         let complete = !name.starts_with('.');
         if complete && keep.contains(&layer) {
             continue;
@@ -409,6 +418,9 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         let current = format!("base-v{BASE_RECIPE_VERSION}");
+        let interpreter = crate::interpreter::INTERPRETER_ROOT.version;
+        let current_interpreter = format!("interpreter-v{interpreter}");
+        let earlier_interpreter = format!("interpreter-v{}", interpreter - 1);
         for name in [
             "base-v0",
             "base-v1",
@@ -416,12 +428,20 @@ mod tests {
             current.as_str(),
             "base-vx",
             "other",
+            earlier_interpreter.as_str(),
+            current_interpreter.as_str(),
         ] {
             std::fs::create_dir_all(dir.join(name).join("rootfs/etc")).unwrap();
         }
         let keep = std::collections::BTreeSet::from(["base/v0".to_owned()]);
         let removed = remove_superseded_bases(dir, &keep).unwrap();
-        assert_eq!(removed, vec!["base/v1".to_owned()]);
+        assert_eq!(
+            removed,
+            vec![
+                "base/v1".to_owned(),
+                format!("interpreter/v{}", interpreter - 1)
+            ]
+        );
         let mut left: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -432,6 +452,7 @@ mod tests {
             "base-vx".into(),
             "other".into(),
             current,
+            current_interpreter.clone(),
         ];
         expected.sort();
         assert_eq!(left, expected);

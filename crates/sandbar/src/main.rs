@@ -437,7 +437,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot list layers in use; earlier base roots are kept");
+            tracing::warn!(error = %e, "cannot list layers in use; earlier built-in roots are kept");
             return;
         }
     };
@@ -449,7 +449,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     match removed {
         Ok(Ok(layers)) => {
             for layer in layers {
-                tracing::info!(%layer, "removed the root of an earlier 'base' recipe");
+                tracing::info!(%layer, "removed the root of an earlier built-in recipe");
             }
         }
         Ok(Err(e)) => tracing::warn!(error = %e, "cannot remove an earlier base root"),
