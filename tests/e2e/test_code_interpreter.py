@@ -124,6 +124,18 @@ def test_dataframes_latex_and_json(sbx):
     assert json_result.json == {"k": [1, 2]} and json_result.is_main_result
 
 
+def test_the_data_libraries_are_there(sbx):
+    execution = sbx.run_code(
+        "import numpy, pandas, scipy, sklearn, matplotlib\n"
+        "from sklearn.linear_model import LinearRegression\n"
+        "from scipy import stats\n"
+        "model = LinearRegression().fit([[0], [1], [2]], [1, 3, 5])\n"
+        "round(float(model.coef_[0]), 3), round(float(stats.norm.cdf(0)), 3)"
+    )
+    assert execution.error is None, execution.error
+    assert execution.text == "(2.0, 0.5)"
+
+
 def test_bash_keeps_its_cwd_and_variables(sbx):
     sbx.run_code("cd /tmp && COUNT=5", language="bash")
     execution = sbx.run_code("echo $COUNT; pwd", language="bash")

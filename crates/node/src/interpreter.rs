@@ -1,7 +1,7 @@
 //! The built-in `code-interpreter-v1` template, the one E2B's code interpreter SDKs create by
 //! default: the default template's Debian root, a Python virtual environment with ipykernel,
-//! bash_kernel and the usual data libraries, and `sandbar-interpreter` serving E2B's
-//! execution API on port 49999 as its start command.
+//! bash_kernel and the usual data libraries (numpy, pandas, matplotlib, scipy, scikit-learn),
+//! and `sandbar-interpreter` serving E2B's execution API on port 49999 as its start command.
 //!
 //! It is an ordinary build of the build service from a root the node makes with mmdebstrap
 //! ([`INTERPRETER_ROOT`]). The two files it takes from the node (the
@@ -23,7 +23,7 @@ pub const INTERPRETER_PORT: u16 = 49999;
 pub const BUILTIN_UPLOADS: &str = "builtin";
 const VENV: &str = "/opt/sandbar/interpreter";
 /// Its root's layer name; always `interpreter/v{INTERPRETER_ROOT.version}`.
-pub const INTERPRETER_LAYER: &str = "interpreter/v1";
+pub const INTERPRETER_LAYER: &str = "interpreter/v2";
 const SERVER_PATH: &str = "/usr/local/bin/sandbar-interpreter";
 const STARTUP_DIR: &str = "/home/user/.ipython/profile_default/startup/";
 const STARTUP_NAME: &str = "00-sandbar.py";
@@ -37,7 +37,7 @@ const STARTUP_SCRIPT: &str = include_str!("interpreter/ipython_startup.py");
 /// first plot.
 pub const INTERPRETER_ROOT: RootRecipe = RootRecipe {
     name: "interpreter",
-    version: 1,
+    version: 2,
     packages: "bash,python3,ca-certificates,sudo,procps,curl,git,iproute2,coreutils,python3-venv",
     hooks: &[
         "--customize-hook=chroot \"$1\" python3 -m venv /opt/sandbar/interpreter",
@@ -51,7 +51,8 @@ pub const INTERPRETER_ROOT: RootRecipe = RootRecipe {
          --no-cache-dir --only-binary=:all: \
          --disable-pip-version-check --progress-bar off \
          ipykernel==7.4.0 ipython==9.18.1 bash_kernel==0.10.0 numpy==2.4.6 pandas==3.1.1 \
-         matplotlib==3.11.2 pydantic==2.14.4 e2b-charts==1.0.0; \
+         matplotlib==3.11.2 pydantic==2.14.4 e2b-charts==1.0.0 scipy==1.17.1 \
+         scikit-learn==1.9.1; \
          status=$?; rm -f \"$1/tmp/.host-ca.crt\"; exit $status",
         "--customize-hook=chroot \"$1\" chown -R user:user /opt/sandbar/interpreter",
         "--customize-hook=chroot \"$1\" su user -c '/opt/sandbar/interpreter/bin/python -c \"import matplotlib.pyplot\"'",
