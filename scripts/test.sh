@@ -49,7 +49,7 @@ phase "python and npm packages"
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
 phase "fmt and clippy"
-cargo build --release --bin sandbar --bin sandbar-agent
+cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-interpreter
 phase "build"
 cargo test --release --workspace
 phase "cargo test"

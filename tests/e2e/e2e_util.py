@@ -85,6 +85,10 @@ def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
     if agent_src.is_file():
         agent = dest / "sandbar-agent"
         shutil.copy2(agent_src, agent)
+    # The code interpreter server the code-interpreter-v1 template is built with.
+    interpreter_src = binary.parent / "sandbar-interpreter"
+    if interpreter_src.is_file():
+        shutil.copy2(interpreter_src, dest / "sandbar-interpreter")
     return server, agent
 
 
@@ -350,12 +354,18 @@ class SandbarServer:
             pass
 
     def wait_base_template(self, timeout: float = TEMPLATE_WAIT_S) -> dict:
+        template = self.wait_template("base", timeout)
+        self.base_template = template
+        return template
+
+    def wait_template(self, alias: str, timeout: float = TEMPLATE_WAIT_S) -> dict:
+        """Waits until the template named `alias` (a built-in one, say) has finished building."""
         deadline = time.monotonic() + timeout
         last = None
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"sandbar exited with code {self.proc.returncode} while building the base template\n"
+                    f"sandbar exited with code {self.proc.returncode} while building the {alias} template\n"
                     + self.log_tail()
                 )
             try:
@@ -364,18 +374,17 @@ class SandbarServer:
                 if r.status_code == 200:
                     for t in r.json():
                         names = list(t.get("aliases") or []) + list(t.get("names") or [])
-                        if "base" in names:
+                        if alias in names:
                             status = t.get("buildStatus")
                             if status == "ready":
-                                self.base_template = t
                                 return t
                             if status == "error":
-                                raise RuntimeError("base template build failed\n" + self.log_tail())
+                                raise RuntimeError(f"{alias} template build failed\n" + self.log_tail())
             except httpx.HTTPError as e:
                 last = repr(e)
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"base template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
+                    f"{alias} template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
                 )
             time.sleep(2)
 

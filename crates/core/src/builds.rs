@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::io::AsyncRead;
 use tokio::sync::{Notify, Semaphore};
 
-use crate::model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Team, Template};
+use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
 /// What every sandbox of a template starts from.
@@ -700,7 +700,7 @@ impl Builds {
             Some(_) => return Err(RequestBuildError::NameTaken(full.clone())),
             None => name,
         };
-        if !valid_name(name) || name == DEFAULT_TEMPLATE_ALIAS {
+        if !valid_name(name) || BUILT_IN_TEMPLATE_ALIASES.contains(&name) {
             return Err(RequestBuildError::BadName(full.clone()));
         }
         let mut tags = request.tags;

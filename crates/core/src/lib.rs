@@ -43,7 +43,8 @@ pub use keys::{
 };
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
-    BuildStatus, DEFAULT_TEMPLATE_ALIAS, PauseKind, Sandbox, SandboxState, Team, Template,
+    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
+    PauseKind, Sandbox, SandboxState, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{

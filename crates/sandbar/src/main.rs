@@ -58,6 +58,11 @@ struct ServeArgs {
     /// The in-sandbox agent; defaults to `sandbar-agent` next to this executable.
     #[arg(long, env = "SANDBAR_AGENT_BIN")]
     agent_bin: Option<PathBuf>,
+    /// The code interpreter server baked into the built-in `code-interpreter-v1` template;
+    /// defaults to `sandbar-interpreter` next to this executable. Without it that template is
+    /// not offered.
+    #[arg(long, env = "SANDBAR_INTERPRETER_BIN")]
+    interpreter_bin: Option<PathBuf>,
     /// Private IPv4 range sandboxes are numbered from, one /30 each.
     #[arg(long, env = "SANDBAR_NETWORK", default_value = "10.213.0.0/16")]
     network: String,
@@ -371,6 +376,63 @@ async fn ensure_base_template(
     Ok(())
 }
 
+/// Registers the built-in `code-interpreter-v1` template and builds it in the background
+/// unless its last good build followed the same recipe with the same files.
+async fn ensure_interpreter_template(
+    templates: &Templates,
+    builds: &Builds,
+    store: &SqliteStore,
+    data_dir: &Path,
+    interpreter_bin: &Path,
+    disk_size_mb: u32,
+) -> anyhow::Result<()> {
+    use sandbar_core::Store;
+    use sandbar_node::interpreter;
+    let uploads = data_dir.join("uploads");
+    let bin = interpreter_bin.to_owned();
+    let files_hash =
+        tokio::task::spawn_blocking(move || interpreter::stage_files(&uploads, &bin)).await??;
+    let spec = interpreter::build_spec(&files_hash);
+    let now = Utc::now();
+    let existing = store
+        .template_by_name(None, sandbar_core::INTERPRETER_TEMPLATE_ALIAS)
+        .await?;
+    let mut template = existing.unwrap_or_else(|| Template {
+        id: sandbar_core::ids::new_template_id(),
+        team_id: None,
+        namespace: None,
+        aliases: vec![sandbar_core::INTERPRETER_TEMPLATE_ALIAS.into()],
+        public: true,
+        build_id: sandbar_core::ids::new_uuid(),
+        build_status: BuildStatus::Waiting,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 1024,
+        disk_size_mb,
+        envd_version: sandbar_jail::ENVD_VERSION.into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 0,
+    });
+    template.envd_version = sandbar_jail::ENVD_VERSION.into();
+    template.disk_size_mb = disk_size_mb;
+    template.updated_at = now;
+    let last = store.build(&template.build_id).await?;
+    let current = template.image.is_some()
+        && last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
+    templates.register(&template).await?;
+    if current {
+        tracing::info!(template_id = %template.id, "code interpreter template 'code-interpreter-v1' is cached");
+        return Ok(());
+    }
+    let build_id = builds.start_builtin(&template, spec, None).await?;
+    tracing::info!(template_id = %template.id, %build_id, "building the code interpreter template 'code-interpreter-v1' in the background");
+    Ok(())
+}
+
 /// Removes the roots of earlier `base` recipes once nothing names them: templates built on
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
@@ -379,7 +441,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot list layers in use; earlier base roots are kept");
+            tracing::warn!(error = %e, "cannot list layers in use; earlier built-in roots are kept");
             return;
         }
     };
@@ -391,7 +453,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     match removed {
         Ok(Ok(layers)) => {
             for layer in layers {
-                tracing::info!(%layer, "removed the root of an earlier 'base' recipe");
+                tracing::info!(%layer, "removed the root of an earlier built-in recipe");
             }
         }
         Ok(Err(e)) => tracing::warn!(error = %e, "cannot remove an earlier base root"),
@@ -439,6 +501,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .parent()
             .context("executable has no directory")?
             .join("sandbar-agent"),
+    };
+
+    let interpreter_bin = match args.interpreter_bin.clone() {
+        Some(path) => path,
+        None => std::env::current_exe()?
+            .parent()
+            .context("executable has no directory")?
+            .join("sandbar-interpreter"),
     };
 
     let store = Arc::new(SqliteStore::open(&data_dir.join("sandbar.db")).await?);
@@ -587,6 +657,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let adopted = sandboxes.recover().await?;
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
+    }
+    // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
+    if let Err(e) = ensure_interpreter_template(
+        &templates,
+        &builds,
+        &store,
+        &data_dir,
+        &interpreter_bin,
+        args.base_disk_mb,
+    )
+    .await
+    {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "the code interpreter template is not offered"
+        );
     }
     runtime.start_warm_pool();
     tokio::spawn(sandboxes.clone().run_reaper());
