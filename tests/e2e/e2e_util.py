@@ -268,6 +268,15 @@ def host_mounts_mentioning(text: str) -> List[str]:
 # --------------------------------------------------------------------------
 
 
+def _stop_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
 class SandbarServer:
     """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
 
@@ -323,6 +332,9 @@ class SandbarServer:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            # A test run that is killed (a timeout, Ctrl-C twice) stops its server too, rather
+            # than leave it serving the shared data dir beside the next run's.
+            preexec_fn=_stop_with_parent,
         )
         self.starts += 1
 

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use sandbar_core::builds::{
     BASE_STEP, BuildFailure, BuildJob, BuildLog, BuildSource, Builder, FINALIZE_STEP, LogLevel,
-    SnapshotImage, StepKind, TemplateImage, UploadBody, UploadError,
+    StepKind, TemplateImage, UploadBody, UploadError,
 };
 use sandbar_core::{EgressRules, LaunchSpec, Runtime, Template};
 use sha2::{Digest, Sha256};
@@ -563,7 +563,7 @@ impl NodeBuilder {
             }
             state.key = key;
         }
-        let mut image = TemplateImage {
+        let image = TemplateImage {
             layers: state.layers.clone(),
             env: state.env.clone(),
             user: state.user.clone(),
@@ -591,39 +591,10 @@ impl NodeBuilder {
                 self.runtime.launch(spec).await.map_err(|e| {
                     io_fail(FINALIZE_STEP, format!("the template does not start: {e}"))
                 })?;
-            log.info(Some(FINALIZE_STEP), "start command ready");
-            // Captured with its memory once ready, as E2B does: every sandbox of the template
-            // then starts with the start command's processes already running, restored from
-            // the capture instead of started and waited for again.
-            let captured = if self.runtime.checkpoints_ready().await {
-                self.runtime
-                    .snapshot(&id, &handle, &token, true)
-                    .await
-                    .map_err(|e| e.to_string())
-            } else {
-                Err("this node cannot checkpoint sandboxes".to_owned())
-            };
             if let Err(e) = self.runtime.destroy(&id, &handle).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cannot remove a build sandbox");
             }
-            match captured {
-                Ok(parts) => {
-                    image.layers.push(parts.layer);
-                    image.snapshot = Some(SnapshotImage {
-                        checkpoint: parts.checkpoint,
-                        sandbox_id: id,
-                    });
-                    log.info(
-                        Some(FINALIZE_STEP),
-                        "captured the started template with its memory: new sandboxes start with it running",
-                    );
-                }
-                Err(e) => log.log(
-                    LogLevel::Warn,
-                    Some(FINALIZE_STEP),
-                    format!("the started template is not captured ({e}); each new sandbox runs the start command and waits until it is ready"),
-                ),
-            }
+            log.info(Some(FINALIZE_STEP), "start command ready");
         }
         log.info(
             Some(FINALIZE_STEP),
