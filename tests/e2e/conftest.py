@@ -129,7 +129,7 @@ def sandbar():
     baseline_netns = host_netns()
 
     log_path = LOG_DIR / f"sandbar-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
-    binary, _agent = private_binaries(SANDBAR_BIN)
+    binary, _agent = private_binaries(SANDBAR_BIN, interpreter=True)
     global FAKE_DNS
     FAKE_DNS = FakeDns()
     # Small disks keep the disk-exhaustion probes fast; the upstream resolver is the fake one,

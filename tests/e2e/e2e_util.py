@@ -68,8 +68,10 @@ def acquire_run_lock(data_dir: Path, wait_s: float = float(os.environ.get("SANDB
             time.sleep(2)
 
 
-def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
-    """Copy the server and its `sandbar-agent` sibling to a private dir.
+def private_binaries(binary: Path, interpreter: bool = False) -> Tuple[Path, Optional[Path]]:
+    """Copy the server and its `sandbar-agent` sibling to a private dir, and with
+    `interpreter` its `sandbar-interpreter`: a server without one does not build the
+    code interpreter template, which only the shared server's tests need.
 
     A rebuild of target/release while the tests run would otherwise give the
     server and the agent different versions halfway through.
@@ -87,7 +89,7 @@ def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
         shutil.copy2(agent_src, agent)
     # The code interpreter server the code-interpreter-v1 template is built with.
     interpreter_src = binary.parent / "sandbar-interpreter"
-    if interpreter_src.is_file():
+    if interpreter and interpreter_src.is_file():
         shutil.copy2(interpreter_src, dest / "sandbar-interpreter")
     return server, agent
 
