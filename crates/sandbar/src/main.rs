@@ -326,31 +326,14 @@ async fn ensure_base_template(
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
     use sandbar_core::Store;
-    let now = Utc::now();
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
-    let mut template = existing.unwrap_or_else(|| Template {
-        id: sandbar_core::ids::new_template_id(),
-        team_id: None,
-        namespace: None,
-        aliases: vec![DEFAULT_TEMPLATE_ALIAS.into()],
-        public: true,
-        build_id: sandbar_core::ids::new_uuid(),
-        build_status: BuildStatus::Waiting,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 2048,
-        envd_version: envd_version.into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 0,
-    });
-    template.envd_version = envd_version.into();
-    template.disk_size_mb = disk_size_mb;
-    template.updated_at = now;
+    let template = builtin_template(
+        existing,
+        DEFAULT_TEMPLATE_ALIAS,
+        512,
+        disk_size_mb,
+        envd_version,
+    );
     if template.image.as_ref() == Some(&base_image()) {
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
@@ -376,6 +359,42 @@ async fn ensure_base_template(
     Ok(())
 }
 
+/// A built-in template as it is registered at start: the recorded one, or a new public one
+/// named `alias`, with the disk and agent version of this start.
+fn builtin_template(
+    existing: Option<Template>,
+    alias: &str,
+    memory_mb: u32,
+    disk_size_mb: u32,
+    envd_version: &str,
+) -> Template {
+    let now = Utc::now();
+    let mut template = existing.unwrap_or_else(|| Template {
+        id: sandbar_core::ids::new_template_id(),
+        team_id: None,
+        namespace: None,
+        aliases: vec![alias.into()],
+        public: true,
+        build_id: sandbar_core::ids::new_uuid(),
+        build_status: BuildStatus::Waiting,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb,
+        disk_size_mb,
+        envd_version: envd_version.into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 0,
+    });
+    template.envd_version = envd_version.into();
+    template.disk_size_mb = disk_size_mb;
+    template.updated_at = now;
+    template
+}
+
 /// Registers the built-in `code-interpreter-v1` template and builds it in the background
 /// unless its last good build followed the same recipe with the same files.
 async fn ensure_interpreter_template(
@@ -393,33 +412,16 @@ async fn ensure_interpreter_template(
     let files_hash =
         tokio::task::spawn_blocking(move || interpreter::stage_files(&uploads, &bin)).await??;
     let spec = interpreter::build_spec(&files_hash);
-    let now = Utc::now();
     let existing = store
         .template_by_name(None, sandbar_core::INTERPRETER_TEMPLATE_ALIAS)
         .await?;
-    let mut template = existing.unwrap_or_else(|| Template {
-        id: sandbar_core::ids::new_template_id(),
-        team_id: None,
-        namespace: None,
-        aliases: vec![sandbar_core::INTERPRETER_TEMPLATE_ALIAS.into()],
-        public: true,
-        build_id: sandbar_core::ids::new_uuid(),
-        build_status: BuildStatus::Waiting,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 1024,
+    let template = builtin_template(
+        existing,
+        sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
+        1024,
         disk_size_mb,
-        envd_version: sandbar_jail::ENVD_VERSION.into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 0,
-    });
-    template.envd_version = sandbar_jail::ENVD_VERSION.into();
-    template.disk_size_mb = disk_size_mb;
-    template.updated_at = now;
+        sandbar_jail::ENVD_VERSION,
+    );
     let last = store.build(&template.build_id).await?;
     let current = template.image.is_some()
         && last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));

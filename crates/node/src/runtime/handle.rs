@@ -75,8 +75,18 @@ impl Handle {
         Handle {
             pid,
             start_ticks,
-            slot,
             id_base: Some(id_map.host_base),
+            ..Handle::unstarted(slot)
+        }
+    }
+
+    /// The handle of a sandbox in `slot` whose boot has not started a process.
+    pub(super) fn unstarted(slot: u32) -> Self {
+        Handle {
+            pid: 0,
+            start_ticks: 0,
+            slot,
+            id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
             released: false,

@@ -56,7 +56,8 @@ pub(super) async fn settle(
 }
 
 /// Freezes a running sandbox once its agent has closed its ends of connections from the
-/// host (or `patience` ran out: it is frozen anyway, and what it holds is returned).
+/// host (or `patience` ran out: it is frozen anyway, and what it holds is logged and
+/// returned).
 pub(super) async fn settle_and_freeze(
     host: &impl HostOps,
     sandbox_id: &str,
@@ -64,6 +65,13 @@ pub(super) async fn settle_and_freeze(
 ) -> Result<Vec<HostSocket>, String> {
     let held = settle(host, sandbox_id, patience).await;
     host.freeze(sandbox_id).await?;
+    if !held.is_empty() {
+        tracing::warn!(
+            sandbox_id,
+            held = %crate::checkpoint::describe_host_sockets(&held),
+            "frozen with connections from the host still open; a dump of it may fail"
+        );
+    }
     Ok(held)
 }
 

@@ -511,18 +511,7 @@ impl LinuxRuntime {
         match launched {
             Ok((handle, endpoint)) => Ok((handle.to_runtime(&id)?, endpoint)),
             Err((handle, err)) => {
-                let handle = handle.unwrap_or(Handle {
-                    pid: 0,
-                    start_ticks: 0,
-                    slot,
-                    id_base: None,
-                    memory_mb: 0,
-                    layers: Vec::new(),
-                    released: false,
-                    checkpointed: false,
-                    volumes: Vec::new(),
-                    boot_id: None,
-                });
+                let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
                 // A sandbox booted on kept files keeps them for another try.
                 let cleanup = match &kept {
                     None => self.teardown(&id, Some(&handle)).await,

@@ -518,18 +518,14 @@ impl Runtime for LinuxRuntime {
         if !is_alive(&h) {
             return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
-        let held = host::settle_and_freeze(
+        host::settle_and_freeze(
             &host::LinuxHost(&self.cgroups),
             sandbox_id,
             HOST_SOCKETS_PATIENCE,
         )
         .await
-        .map_err(|e| sandbox_err(sandbox_id, e))?;
-        if !held.is_empty() {
-            let held: Vec<String> = held.iter().map(ToString::to_string).collect();
-            tracing::warn!(sandbox_id, held = %held.join("; "), "frozen with connections from the host still open; a checkpoint may fail");
-        }
-        Ok(())
+        .map(drop)
+        .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
     async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
@@ -850,26 +846,12 @@ mod tests {
         assert!(is_alive(&Handle {
             pid,
             start_ticks: first,
-            slot: 0,
-            id_base: None,
-            memory_mb: 0,
-            layers: Vec::new(),
-            released: false,
-            checkpointed: false,
-            volumes: Vec::new(),
-            boot_id: None,
+            ..Handle::unstarted(0)
         }));
         assert!(!is_alive(&Handle {
             pid,
             start_ticks: first + 1,
-            slot: 0,
-            id_base: None,
-            memory_mb: 0,
-            layers: Vec::new(),
-            released: false,
-            checkpointed: false,
-            volumes: Vec::new(),
-            boot_id: None,
+            ..Handle::unstarted(0)
         }));
     }
 }

@@ -178,8 +178,10 @@ impl LinuxRuntime {
                 crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
             let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(id));
             if !held.is_empty() {
-                let held: Vec<String> = held.iter().map(ToString::to_string).collect();
-                errors = format!("{errors}; from the host: {}", held.join(", "));
+                errors = format!(
+                    "{errors}; from the host: {}",
+                    crate::checkpoint::describe_host_sockets(&held)
+                );
             }
             let what = if leave_running {
                 "snapshot"

@@ -81,20 +81,16 @@ impl LinuxRuntime {
             .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
         let was_frozen = self.cgroups.is_frozen(id);
         let host = host::LinuxHost(&self.cgroups);
-        if !was_frozen {
+        if memory && !was_frozen {
             // A dump cannot hold the agent's end of a connection from the host.
-            let patience = if memory {
-                HOST_SOCKETS_PATIENCE
-            } else {
-                Duration::ZERO
-            };
-            let held = host::settle_and_freeze(&host, id, patience)
+            host::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE)
                 .await
                 .map_err(|e| sandbox_err(id, e))?;
-            if memory && !held.is_empty() {
-                let held: Vec<String> = held.iter().map(ToString::to_string).collect();
-                tracing::warn!(sandbox_id = %id, held = %held.join("; "), "frozen for a snapshot with connections from the host still open");
-            }
+        } else if !was_frozen {
+            self.cgroups
+                .freeze(id)
+                .await
+                .map_err(|e| sandbox_err(id, e))?;
         }
         let held_since = std::time::Instant::now();
         let copied = host::dump_frozen(
