@@ -322,6 +322,7 @@ async fn ensure_base_template(
     templates: &Templates,
     builds: &Builds,
     store: &SqliteStore,
+    layers: &sandbar_node::layers::LayerStore,
     envd_version: &str,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
@@ -334,7 +335,9 @@ async fn ensure_base_template(
         disk_size_mb,
         envd_version,
     );
-    if template.image.as_ref() == Some(&base_image()) {
+    // A record alone is not enough: a root removed by hand must be built again, or every
+    // create would fail on the missing layer.
+    if template.image.as_ref() == Some(&base_image()) && image_on_disk(&template, layers) {
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
         return Ok(());
@@ -357,6 +360,14 @@ async fn ensure_base_template(
         .await?;
     tracing::info!(template_id = %template.id, %build_id, "building the default template 'base'");
     Ok(())
+}
+
+/// Whether every layer of `template`'s image is on this node's disk.
+fn image_on_disk(template: &Template, layers: &sandbar_node::layers::LayerStore) -> bool {
+    template
+        .image
+        .as_ref()
+        .is_some_and(|image| image.layers.iter().all(|layer| layers.exists(layer)))
 }
 
 /// A built-in template as it is registered at start: the recorded one, or a new public one
@@ -403,6 +414,7 @@ async fn ensure_interpreter_template(
     store: &SqliteStore,
     data_dir: &Path,
     interpreter_bin: &Path,
+    layers: &sandbar_node::layers::LayerStore,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
     use sandbar_core::Store;
@@ -423,7 +435,7 @@ async fn ensure_interpreter_template(
         sandbar_jail::ENVD_VERSION,
     );
     let last = store.build(&template.build_id).await?;
-    let current = template.image.is_some()
+    let current = image_on_disk(&template, layers)
         && last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
     templates.register(&template).await?;
     if current {
@@ -627,6 +639,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &templates,
         &builds,
         &store,
+        runtime.layer_store(),
         sandbar_jail::ENVD_VERSION,
         args.base_disk_mb,
     )
@@ -667,6 +680,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &store,
         &data_dir,
         &interpreter_bin,
+        runtime.layer_store(),
         args.base_disk_mb,
     )
     .await
