@@ -21,6 +21,7 @@ mod runtime;
 pub mod shaping;
 pub mod tasks;
 pub mod templates;
+mod tied_children;
 pub mod uploads;
 pub mod volumes;
 pub mod warm;

@@ -207,9 +207,8 @@ pub async fn build_root(
     // SAFETY: only async-signal-safe calls (prctl, getppid) between fork and exec.
     unsafe {
         command.pre_exec(move || {
-            // The server dying by any means (kill -9 included) ends the build: the signal
-            // goes when the thread that forked exits, and a runtime worker lives as long as
-            // the server.
+            // The server dying by any means (kill -9 included) ends the build. The signal
+            // goes when the forking thread exits, hence `tied_children`.
             rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
             // Gone already, before the signal was armed; no allocation between fork and exec.
             if rustix::process::getppid() != Some(server) {
@@ -218,8 +217,7 @@ pub async fn build_root(
             Ok(())
         });
     }
-    let mut child = command
-        .spawn()
+    let mut child = crate::tied_children::spawn(command)
         .map_err(|source| TemplateBuildError::MissingTool {
             tool: "unshare",
             package: "util-linux",
