@@ -287,6 +287,45 @@ fn write_credentials(path: &Path, credentials: &sandbar_core::Credentials) -> an
     Ok(())
 }
 
+/// The lock one server per host holds.
+const HOST_LOCK: &str = "/run/sandbar/server.lock";
+
+/// Takes the host's server lock at `path`, which the kernel releases when this process ends
+/// by any means, and writes this server's pid into it for whoever finds it taken.
+fn lock_host(path: &Path) -> anyhow::Result<std::fs::File> {
+    use std::io::{Read, Seek, Write};
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    if let Err(e) = rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        let mut holder = String::new();
+        let _ = file.read_to_string(&mut holder);
+        let holder = holder.trim();
+        anyhow::bail!(
+            "another sandbar server{} runs on this host ({} is locked: {e}); stop it first: \
+             two servers would share sandbox cgroup and firewall names",
+            if holder.is_empty() {
+                String::new()
+            } else {
+                format!(" (pid {holder})")
+            },
+            path.display()
+        );
+    }
+    file.set_len(0)?;
+    file.rewind()?;
+    writeln!(file, "{}", std::process::id())?;
+    Ok(file)
+}
+
 /// The key volume tokens are derived from, made on first start and kept with the database:
 /// with another key, the tokens handed out would no longer match the hashes in the store.
 fn volume_token_key(data_dir: &Path) -> anyhow::Result<[u8; 32]> {
@@ -503,6 +542,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
     restrict_database_files(&args.data_dir)?;
+    // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
+    // names whatever the data directory, so a second server on the host would sweep the
+    // first one's sandboxes as unrecorded; on the same directory it would also mount the
+    // same pool and unmount it under the first.
+    let _host_lock = lock_host(Path::new(HOST_LOCK))?;
     warn_about_core_pipe();
     let data_dir = args
         .data_dir
