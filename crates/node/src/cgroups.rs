@@ -14,6 +14,36 @@ pub struct Limits {
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub pids_max: u32,
+    pub cpu_priority: CpuPriority,
+}
+
+/// The sandbox's share of the CPU when the cores are contended, on top of its quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CpuPriority {
+    /// The kernel's default weight: what every sandbox in use gets.
+    #[default]
+    Normal,
+    /// The smallest weight: work done ahead of demand (warm boots) runs on cycles nobody
+    /// else wants, so it never slows down the requests it is meant to speed up.
+    Background,
+}
+
+impl CpuPriority {
+    /// cgroup v1 `cpu.shares`.
+    fn shares(self) -> u32 {
+        match self {
+            CpuPriority::Normal => 1024,
+            CpuPriority::Background => 2,
+        }
+    }
+
+    /// cgroup v2 `cpu.weight`.
+    fn weight(self) -> u32 {
+        match self {
+            CpuPriority::Normal => 100,
+            CpuPriority::Background => 1,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -239,6 +269,10 @@ impl CgroupDriver {
                 "cpu" => {
                     write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
                     write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                    write(
+                        &dir.join("cpu.shares"),
+                        &limits.cpu_priority.shares().to_string(),
+                    )?;
                 }
                 "pids" => write(&dir.join("pids.max"), &limits.pids_max.to_string())?,
                 "unified" => {
@@ -248,6 +282,10 @@ impl CgroupDriver {
                         write(&swap, "0")?;
                     }
                     write(&dir.join("cpu.max"), &format!("{quota} {period}"))?;
+                    write(
+                        &dir.join("cpu.weight"),
+                        &limits.cpu_priority.weight().to_string(),
+                    )?;
                     write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
                 }
                 _ => {}

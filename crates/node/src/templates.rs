@@ -217,8 +217,8 @@ pub async fn build_root(
             Ok(())
         });
     }
-    let mut child = crate::tied_children::spawn(command)
-        .map_err(|source| TemplateBuildError::MissingTool {
+    let mut child =
+        crate::tied_children::spawn(command).map_err(|source| TemplateBuildError::MissingTool {
             tool: "unshare",
             package: "util-linux",
             source,

@@ -3,6 +3,11 @@
 
 use super::*;
 
+/// The server's nice value, which sandboxes start with whichever thread forks them. Read
+/// first on a thread at the server's priority (`start_warm_pool` makes sure of it).
+pub(super) static SERVER_NICE: std::sync::LazyLock<i32> =
+    std::sync::LazyLock::new(|| rustix::process::getpriority_process(None).unwrap_or(0));
+
 impl LinuxRuntime {
     /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
     pub(super) async fn spawn_jailed(
@@ -86,6 +91,7 @@ impl LinuxRuntime {
         // The restored root task reopens the log through its descriptor with its own rights.
         std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
             .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
+        let server_nice = *SERVER_NICE;
         let mut command = tokio::process::Command::new(&self.agent_exec);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.
@@ -103,6 +109,12 @@ impl LinuxRuntime {
                 // A new session keeps terminal signals aimed at the server off the sandbox.
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                // Forked by the warm pool's low-priority thread: the sandbox gets the
+                // server's priority back (the pool's thread only lowers itself where this
+                // is allowed).
+                if libc::getpriority(libc::PRIO_PROCESS, 0) != server_nice {
+                    libc::setpriority(libc::PRIO_PROCESS, 0, server_nice);
                 }
                 // The server protects itself from the OOM killer; a sandbox must not inherit
                 // that. Written with privilege, 0 is also the floor no process of the sandbox
@@ -260,6 +272,7 @@ impl LinuxRuntime {
                     cpu_count: spec.cpu_count,
                     memory_mb: spec.memory_mb,
                     pids_max: self.config.pids_max,
+                    cpu_priority: crate::cgroups::CpuPriority::Normal,
                 },
             )
             .map_err(|e| (None, sandbox_err(id, e)))?;

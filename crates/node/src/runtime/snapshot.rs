@@ -289,6 +289,7 @@ impl LinuxRuntime {
                     cpu_count: spec.cpu_count,
                     memory_mb: spec.memory_mb,
                     pids_max: self.config.pids_max,
+                    cpu_priority: crate::cgroups::CpuPriority::Normal,
                 },
             )
             .map_err(|e| bare(sandbox_err(id, e)))?;

@@ -13,8 +13,10 @@ impl LinuxRuntime {
         if self.warm.target() == 0 {
             return;
         }
+        // Before the pool's thread lowers its own priority, which jails then undo.
+        std::sync::LazyLock::force(&super::launch::SERVER_NICE);
         let runtime = std::sync::Arc::downgrade(self);
-        tokio::spawn(async move {
+        let refill = async move {
             loop {
                 let Some(node) = runtime.upgrade() else {
                     return;
@@ -44,7 +46,27 @@ impl LinuxRuntime {
                     }
                 }
             }
-        });
+        };
+        // A boot makes blocking system calls (cgroups, the btrfs subvolume and its quota,
+        // the fork of the jail) that take a thread for up to milliseconds. On a thread and
+        // runtime of their own they never hold a worker that a request's task waits on.
+        let spawned = std::thread::Builder::new()
+            .name("warm-pool".into())
+            .spawn(move || {
+                run_refills_in_background();
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(pool_runtime) => pool_runtime.block_on(refill),
+                    Err(err) => {
+                        tracing::error!(error = %err, "cannot start the warm pool's runtime")
+                    }
+                }
+            });
+        if let Err(err) = spawned {
+            tracing::error!(error = %err, "cannot start the warm pool's thread");
+        }
     }
 
     /// Boots a sandbox for `key` under a name of its own and puts it in the pool. It counts
@@ -85,6 +107,7 @@ impl LinuxRuntime {
                         cpu_count: 1,
                         memory_mb: crate::warm::BOOT_MEMORY_MB,
                         pids_max: self.config.pids_max,
+                        cpu_priority: crate::cgroups::CpuPriority::Background,
                     },
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
@@ -176,6 +199,7 @@ impl LinuxRuntime {
                         cpu_count: spec.cpu_count,
                         memory_mb: spec.memory_mb,
                         pids_max: self.config.pids_max,
+                        cpu_priority: crate::cgroups::CpuPriority::Normal,
                     },
                 )
                 .map_err(|e| sandbox_err(id, e))?;
@@ -257,5 +281,27 @@ impl LinuxRuntime {
                 Err(err)
             }
         }
+    }
+}
+
+/// Nice value of the thread that boots warm sandboxes: its own system calls (mounts, the
+/// btrfs subvolume and quota, the jail's fork) then take only cycles requests leave.
+const REFILL_NICE: i32 = 19;
+
+/// Lowers the calling thread's priority to [`REFILL_NICE`] where the jails it forks can take
+/// the server's priority back (`CAP_SYS_NICE`, see `launch::SERVER_NICE`); without that,
+/// sandboxes would inherit the low priority, so the thread keeps the server's.
+fn run_refills_in_background() {
+    use rustix::thread::{CapabilitySet, capabilities};
+    let may_raise =
+        capabilities(None).is_ok_and(|caps| caps.effective.contains(CapabilitySet::SYS_NICE));
+    if !may_raise {
+        tracing::info!("warm boots run at the server's priority: it lacks CAP_SYS_NICE");
+        return;
+    }
+    if let Err(err) =
+        rustix::process::setpriority_process(Some(rustix::thread::gettid()), REFILL_NICE)
+    {
+        tracing::warn!(error = %err, "warm boots run at the server's priority");
     }
 }
