@@ -18,10 +18,11 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::{SandboxRecords, TeamRecords, TemplateRecords};
 use sandbar_core::{
     Auth, Builds, CreateSandbox, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError,
-    RuntimeHandle, SandboxError, SandboxState, Sandboxes, SandboxesConfig, SnapshotParts, Store,
-    Team, Templates,
+    RuntimeHandle, SandboxError, SandboxState, Sandboxes, SandboxesConfig, SnapshotParts, Team,
+    Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::json;

@@ -15,9 +15,10 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
+use sandbar_core::store::{SandboxLogRecords, SandboxRecords, TeamRecords};
 use sandbar_core::{
     Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Team, Templates,
+    SandboxesConfig, Team, Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};

@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use chrono::Utc;
 use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::TeamRecords;
 use sandbar_core::{
     Auth, CreateSandbox, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Templates,
+    SandboxesConfig, Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::json;

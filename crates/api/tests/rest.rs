@@ -13,9 +13,10 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
+use sandbar_core::store::{TeamRecords, TemplateRecords};
 use sandbar_core::{
     Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
-    Sandboxes, SandboxesConfig, Store, Team, Template, Templates,
+    Sandboxes, SandboxesConfig, Team, Template, Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};

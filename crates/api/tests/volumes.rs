@@ -13,9 +13,10 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
+use sandbar_core::store::TeamRecords;
 use sandbar_core::{
     Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Team, Templates, VolumeMount, Volumes,
+    SandboxesConfig, Team, Templates, VolumeMount, Volumes,
 };
 use sandbar_node::volumes::HostVolumes;
 use sandbar_store::SqliteStore;

@@ -316,7 +316,7 @@ async fn ensure_base_template(
     envd_version: &str,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
-    use sandbar_core::Store;
+    use sandbar_core::store::TemplateRecords;
     let now = Utc::now();
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
     let mut template = existing.unwrap_or_else(|| Template {
@@ -371,7 +371,7 @@ async fn ensure_base_template(
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
 async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
-    use sandbar_core::Store;
+    use sandbar_core::store::TemplateRecords;
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {

@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 
 use chrono::{TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
+use sandbar_core::store::{SandboxRecords, TeamRecords, TemplateRecords};
 use sandbar_core::{
     BuildStatus, EgressConfig, NetworkConfig, PauseKind, RuntimeHandle, Sandbox, SandboxState,
-    Store, Template,
+    Template,
 };
 use sandbar_store::SqliteStore;
 use std::sync::Arc;
