@@ -235,7 +235,7 @@ impl Harness {
             .get(&self.team, id)
             .await
             .ok()
-            .map(|s| s.state)
+            .map(|s| s.state())
     }
 
     async fn call(&self, method: &str, uri: &str, body: Option<&str>) -> axum::response::Response {
@@ -359,7 +359,7 @@ async fn two_connects_to_a_paused_sandbox_both_succeed() {
     let (sandbox, second_resumed) = second.await.expect("second").expect("second connect");
     // 201 for the one that resumed it, 200 for the one that found it running.
     assert!(first_resumed && !second_resumed);
-    assert_eq!(sandbox.state, SandboxState::Running);
+    assert_eq!(sandbox.state(), SandboxState::Running);
     assert!(h.sandboxes.route(&id).is_some());
 }
 

@@ -41,10 +41,9 @@ pub use keys::{
     DeleteApiKeyError, LimitChanges, Mask, NewTeam, RenameApiKeyError, TeamAccessError,
     TeamAdminError, TeamView, User,
 };
+pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
-pub use model::{
-    BuildStatus, DEFAULT_TEMPLATE_ALIAS, PauseKind, Sandbox, SandboxState, Team, Template,
-};
+pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
     AdoptedCheckpoint, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle,

@@ -1,6 +1,7 @@
 //! A sandbox's status and the transitions between them. The registry keeps the current
-//! status of every live sandbox; the store keeps the settled ones (running, paused), so a
-//! restarted server knows which sandboxes are paused rather than dead.
+//! status of every live sandbox; the store keeps the same status for those a restart must
+//! see ([`SandboxStatus::is_recorded`]), so a restarted server knows which sandboxes are
+//! paused, and how, rather than dead, and finishes a checkpoint or release it died in.
 
 /// Where a sandbox is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +63,28 @@ impl SandboxStatus {
             SandboxStatus::Snapshotting => "snapshotting",
             SandboxStatus::Stopping => "stopping",
         }
+    }
+
+    /// The status named `name` (as [`Self::name`] gives it).
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// Whether the store records this status when a sandbox enters it. The settled ones do,
+    /// and checkpointing, so a restart after a crash mid-dump looks at what the dump left. A
+    /// stored `pausing` is a pause without memory under way (its processes being ended to
+    /// keep its files), which a restart finishes; it is written only by that release, since
+    /// a pause with memory is recorded once frozen. The other transient statuses are not
+    /// recorded: a restart finds the sandbox as it was before them.
+    pub fn is_recorded(self) -> bool {
+        matches!(
+            self,
+            SandboxStatus::Running
+                | SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+        )
     }
 
     /// Whether `self → next` is a transition the lifecycle allows.
@@ -270,6 +293,22 @@ mod tests {
         assert!(Snapshotting.holds_a_slot() && !Snapshotting.is_paused());
         assert!(!Snapshotting.is_routable() && Running.is_routable());
         assert!(!Paused.is_routable() && !Starting.is_routable());
+    }
+
+    #[test]
+    fn every_status_reads_back_by_its_name() {
+        for s in ALL {
+            assert_eq!(SandboxStatus::parse(s.name()), Some(s));
+        }
+        assert_eq!(SandboxStatus::parse("frozen"), None);
+    }
+
+    #[test]
+    fn settled_statuses_and_checkpointing_are_recorded() {
+        for s in ALL {
+            let recorded = !s.is_transient() && s != Stopping || s == Checkpointing;
+            assert_eq!(s.is_recorded(), recorded, "{s:?}");
+        }
     }
 
     #[test]

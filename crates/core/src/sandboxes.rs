@@ -15,7 +15,7 @@ use crate::agent_links::{AgentLease, AgentLinks};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
+use crate::model::{Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 use crate::runtime::{
     AdoptedCheckpoint, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
@@ -207,6 +207,57 @@ pub enum SandboxError {
     },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// Why a status change did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum TransitionError {
+    #[error("sandbox '{id}' cannot become {to} from {}", .from.map_or("gone", SandboxStatus::name), to = .to.name())]
+    Refused {
+        id: String,
+        /// `None`: not in the registry.
+        from: Option<SandboxStatus>,
+        to: SandboxStatus,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<TransitionError> for SandboxError {
+    fn from(e: TransitionError) -> Self {
+        match e {
+            TransitionError::Refused { id, from: None, .. } => SandboxError::NotFound(id),
+            TransitionError::Refused {
+                id,
+                from: Some(from),
+                ..
+            } => SandboxError::Conflict {
+                id,
+                state: from.name(),
+            },
+            TransitionError::Store(e) => SandboxError::Store(e),
+        }
+    }
+}
+
+/// What a transition does besides checking the lifecycle's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TransitionPlan {
+    /// Set in the registry before the store is written: a transient status is a claim, which
+    /// a second caller must find taken at once; given back if the store refuses it.
+    claim: bool,
+    /// Written to the store: a status a restart must see. A settled status enters the
+    /// registry only once the store has it, so the registry never shows one a restart
+    /// would not find.
+    record: bool,
+}
+
+/// The plan for `from → to`; `None` when the lifecycle refuses it.
+fn transition_plan(from: SandboxStatus, to: SandboxStatus) -> Option<TransitionPlan> {
+    from.can_become(to).then_some(TransitionPlan {
+        claim: to.is_transient(),
+        record: to.is_recorded(),
+    })
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -548,8 +599,7 @@ impl Sandboxes {
             network: request.network,
             envd_access_token: token,
             envd_version: template.envd_version.clone(),
-            state: SandboxState::Running,
-            paused_as: None,
+            status: SandboxStatus::Running,
             handle,
             auto_pause: request.auto_pause,
             auto_resume: request.auto_resume,
@@ -797,7 +847,12 @@ impl Sandboxes {
         let filtered: Vec<Sandbox> = sandboxes
             .into_iter()
             .filter(|s| !stopping.contains(&s.id))
-            .filter(|s| query.states.as_ref().is_none_or(|st| st.contains(&s.state)))
+            .filter(|s| {
+                query
+                    .states
+                    .as_ref()
+                    .is_none_or(|st| st.contains(&s.state()))
+            })
             .filter(|s| {
                 query
                     .metadata
@@ -813,7 +868,7 @@ impl Sandboxes {
             .collect();
         let running_total = filtered
             .iter()
-            .filter(|s| s.state == SandboxState::Running)
+            .filter(|s| s.state() == SandboxState::Running)
             .count();
         let mut matching = filtered.into_iter().filter(|s| match &after {
             None => true,
@@ -1179,7 +1234,7 @@ impl Sandboxes {
                 }
             };
             // Claimed under the lock an extend takes: one that came first keeps it running.
-            let claimed = self.transition_where(
+            let claimed = self.claim_where(
                 &id,
                 |l| l.status == SandboxStatus::Running && expired(l) && l.auto_pause,
                 SandboxStatus::Pausing,
@@ -1251,38 +1306,39 @@ impl Sandboxes {
             let Some(entry) = live.get_mut(id) else {
                 return;
             };
-            if !(entry.status == SandboxStatus::Paused
-                && entry.status.can_become(SandboxStatus::Checkpointing))
-            {
+            if entry.status != SandboxStatus::Paused {
                 return;
             }
-            entry.status = SandboxStatus::Checkpointing;
             entry.handle.clone()
         };
         let started = std::time::Instant::now();
         let result = async {
             // Recorded first, so a restart after a crash in the middle looks at what is left.
-            self.store
-                .set_sandbox_paused(id, Some(PauseKind::Checkpointing), &handle)
-                .await?;
-            Ok::<_, SandboxError>(self.runtime.checkpoint(id, &handle).await?)
+            match self
+                .transition(id, SandboxStatus::Checkpointing, None)
+                .await
+            {
+                // Another request took it meanwhile.
+                Err(TransitionError::Refused { .. }) => return Ok(None),
+                claimed => claimed?,
+            };
+            Ok::<_, SandboxError>(Some(self.runtime.checkpoint(id, &handle).await?))
         }
         .await;
         match result {
-            Ok(checkpointed) => {
+            Ok(None) => {}
+            Ok(Some(checkpointed)) => {
                 if let Some(entry) = self.live().get_mut(id) {
-                    entry.status = SandboxStatus::Checkpointed;
-                    entry.handle = checkpointed.clone();
                     entry.endpoint = None;
                 }
                 if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(id, Some(PauseKind::Checkpoint), &checkpointed)
+                    .transition(id, SandboxStatus::Checkpointed, Some(&checkpointed))
                     .await
                 {
                     // A restart finds it recorded as checkpointing, with its processes gone
                     // and a complete checkpoint: it is adopted as checkpointed then.
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
+                    self.set_status(id, SandboxStatus::Checkpointed, Some(&checkpointed));
                 }
                 let ms = started.elapsed().as_millis() as u64;
                 self.activity
@@ -1297,15 +1353,14 @@ impl Sandboxes {
             }
             Err(err) => {
                 if let Some(entry) = self.live().get_mut(id) {
-                    entry.status = SandboxStatus::Paused;
                     entry.checkpoint_failures += 1;
                 }
-                if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(id, Some(PauseKind::Memory), &handle)
-                    .await
+                // Not claimed (another caller had it): nothing to give back.
+                if self.status_of(id) == Some(SandboxStatus::Checkpointing)
+                    && let Err(err) = self.transition(id, SandboxStatus::Paused, None).await
                 {
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
+                    self.set_status(id, SandboxStatus::Paused, None);
                 }
                 self.activity
                     .event(
@@ -1403,18 +1458,17 @@ impl Sandboxes {
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
         }
         for mut sandbox in recorded {
-            if sandbox.paused_as == Some(PauseKind::Releasing) {
+            if sandbox.status == SandboxStatus::Pausing {
                 // The server died while ending its processes to keep its files: finish that.
                 match self
-                    .release_recorded(&sandbox.id, &sandbox.handle, sandbox.paused_as)
+                    .release_recorded(&sandbox.id, &sandbox.handle, sandbox.status)
                     .await
                 {
                     Ok(released) => {
-                        self.store
-                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+                        self.record(&sandbox.id, SandboxStatus::Shelved, Some(&released))
                             .await?;
                         sandbox.handle = released;
-                        sandbox.paused_as = Some(PauseKind::Files);
+                        sandbox.status = SandboxStatus::Shelved;
                     }
                     Err(err) => {
                         tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot finish a pause without memory");
@@ -1422,26 +1476,25 @@ impl Sandboxes {
                 }
             }
             if matches!(
-                sandbox.paused_as,
-                Some(PauseKind::Files | PauseKind::Releasing)
+                sandbox.status,
+                SandboxStatus::Shelved | SandboxStatus::Pausing
             ) {
                 self.adopt_shelved(&sandbox).await?;
                 continue;
             }
-            if sandbox.paused_as == Some(PauseKind::Checkpointing)
+            if sandbox.status == SandboxStatus::Checkpointing
                 && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
             {
                 // The server died during the dump, before it ended the processes: what the
                 // dump wrote is incomplete, and the sandbox is still frozen in memory.
                 self.runtime.discard_checkpoint(&sandbox.id).await;
-                self.store
-                    .set_sandbox_paused(&sandbox.id, Some(PauseKind::Memory), &sandbox.handle)
+                self.record(&sandbox.id, SandboxStatus::Paused, None)
                     .await?;
-                sandbox.paused_as = Some(PauseKind::Memory);
+                sandbox.status = SandboxStatus::Paused;
             }
             if matches!(
-                sandbox.paused_as,
-                Some(PauseKind::Checkpoint | PauseKind::Checkpointing)
+                sandbox.status,
+                SandboxStatus::Checkpointed | SandboxStatus::Checkpointing
             ) {
                 self.adopt_checkpointed(&sandbox).await?;
                 continue;
@@ -1503,12 +1556,11 @@ impl Sandboxes {
                 match self.runtime.release(&sandbox.id, &sandbox.handle).await {
                     Ok(released) => {
                         tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
-                        self.store
-                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+                        self.record(&sandbox.id, SandboxStatus::Shelved, Some(&released))
                             .await?;
                         let shelved = Sandbox {
                             handle: released,
-                            paused_as: Some(PauseKind::Files),
+                            status: SandboxStatus::Shelved,
                             ..sandbox.clone()
                         };
                         self.adopt_shelved(&shelved).await?;
@@ -1544,9 +1596,8 @@ impl Sandboxes {
                 return Ok(());
             }
         };
-        if sandbox.paused_as != Some(PauseKind::Checkpoint) || handle != sandbox.handle {
-            self.store
-                .set_sandbox_paused(&sandbox.id, Some(PauseKind::Checkpoint), &handle)
+        if sandbox.status != SandboxStatus::Checkpointed || handle != sandbox.handle {
+            self.record(&sandbox.id, SandboxStatus::Checkpointed, Some(&handle))
                 .await?;
         }
         self.live().insert(
@@ -1575,14 +1626,12 @@ impl Sandboxes {
         handle: RuntimeHandle,
         endpoint: Endpoint,
     ) -> Result<(), StoreError> {
-        self.store
-            .set_sandbox_paused(&sandbox.id, None, &handle)
+        self.record(&sandbox.id, SandboxStatus::Running, Some(&handle))
             .await?;
         self.runtime.discard_checkpoint(&sandbox.id).await;
         let mut running = sandbox.clone();
         running.handle = handle;
-        running.paused_as = None;
-        running.state = SandboxState::Running;
+        running.status = SandboxStatus::Running;
         if self
             .take_back(
                 &running,
@@ -1809,26 +1858,22 @@ impl Sandboxes {
     /// sandbox recorded paused is frozen again, one recorded running is thawed.
     async fn settle(&self, sandbox: &Sandbox) -> Result<SandboxStatus, StoreError> {
         let frozen = self.runtime.is_paused(&sandbox.id, &sandbox.handle);
-        match (sandbox.state, frozen) {
-            (SandboxState::Paused, true) => Ok(SandboxStatus::Paused),
-            (SandboxState::Running, false) => Ok(SandboxStatus::Running),
-            (SandboxState::Paused, false) => {
-                match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
-                    Ok(()) => Ok(SandboxStatus::Paused),
-                    Err(err) => {
-                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
-                        self.store
-                            .set_sandbox_state(&sandbox.id, SandboxState::Running)
-                            .await?;
-                        Ok(SandboxStatus::Running)
-                    }
+        match (sandbox.status == SandboxStatus::Paused, frozen) {
+            (true, true) => Ok(SandboxStatus::Paused),
+            (false, false) => Ok(SandboxStatus::Running),
+            (true, false) => match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
+                Ok(()) => Ok(SandboxStatus::Paused),
+                Err(err) => {
+                    tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
+                    self.record(&sandbox.id, SandboxStatus::Running, None)
+                        .await?;
+                    Ok(SandboxStatus::Running)
                 }
-            }
-            (SandboxState::Running, true) => {
+            },
+            (false, true) => {
                 if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
                     tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
-                    self.store
-                        .set_sandbox_state(&sandbox.id, SandboxState::Paused)
+                    self.record(&sandbox.id, SandboxStatus::Paused, None)
                         .await?;
                     return Ok(SandboxStatus::Paused);
                 }
@@ -1837,19 +1882,20 @@ impl Sandboxes {
         }
     }
 
-    /// Moves a live sandbox from `from` to `to` if its status allows; the status it had
-    /// otherwise.
-    fn transition(
+    /// Claims a live sandbox for a transient status `to` in the registry alone, if its
+    /// status passes `check` and allows it; the status it had otherwise. For the claims no
+    /// restart needs to see: the store keeps what the sandbox was until the claim settles.
+    fn claim(
         &self,
         id: &str,
         check: impl Fn(SandboxStatus) -> bool,
         to: SandboxStatus,
     ) -> Result<SandboxStatus, Option<SandboxStatus>> {
-        self.transition_where(id, |l| check(l.status), to)
+        self.claim_where(id, |l| check(l.status), to)
     }
 
-    /// [`Self::transition`] on a check of the whole registry entry, made under its lock.
-    fn transition_where(
+    /// [`Self::claim`] on a check of the whole registry entry, made under its lock.
+    fn claim_where(
         &self,
         id: &str,
         check: impl Fn(&Live) -> bool,
@@ -1881,10 +1927,64 @@ impl Sandboxes {
         }
     }
 
-    fn set_status(&self, id: &str, status: SandboxStatus) {
+    /// Sets the registry's status (and handle, when given) without the store: for a claim
+    /// given back (the store never saw it), and for a status the store could not record,
+    /// which the registry has to show all the same.
+    fn set_status(&self, id: &str, status: SandboxStatus, handle: Option<&RuntimeHandle>) {
         if let Some(entry) = self.live().get_mut(id) {
             entry.status = status;
+            if let Some(handle) = handle {
+                entry.handle = handle.clone();
+            }
         }
+    }
+
+    /// Records `status` for `id` in the store only: for recovery, before the sandbox is in
+    /// the registry, and for the release a pause without memory goes through while the
+    /// registry holds the status that asked for it.
+    async fn record(
+        &self,
+        id: &str,
+        status: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<(), StoreError> {
+        self.store.set_sandbox_status(id, status, handle).await
+    }
+
+    /// Moves sandbox `id` to `to` if the lifecycle allows it from the status the registry
+    /// holds, with the store's record in step (see [`transition_plan`]). `handle`, when
+    /// given, is the sandbox's new runtime handle, recorded with it. The status it had.
+    async fn transition(
+        &self,
+        id: &str,
+        to: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<SandboxStatus, TransitionError> {
+        let (from, plan) = {
+            let mut live = self.live();
+            let refused = |from| TransitionError::Refused {
+                id: id.to_owned(),
+                from,
+                to,
+            };
+            let entry = live.get_mut(id).ok_or_else(|| refused(None))?;
+            let from = entry.status;
+            let plan = transition_plan(from, to).ok_or_else(|| refused(Some(from)))?;
+            if plan.claim {
+                entry.status = to;
+            }
+            (from, plan)
+        };
+        if plan.record
+            && let Err(err) = self.store.set_sandbox_status(id, to, handle).await
+        {
+            if plan.claim {
+                self.set_status(id, from, None);
+            }
+            return Err(err.into());
+        }
+        self.set_status(id, to, handle);
+        Ok(from)
     }
 
     /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
@@ -1896,7 +1996,7 @@ impl Sandboxes {
 
     async fn pause_sandbox(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
-        match self.transition(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
+        match self.claim(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
             Ok(_) => {}
             Err(Some(status)) if status.is_paused() => {
                 return Err(SandboxError::Conflict {
@@ -1923,18 +2023,17 @@ impl Sandboxes {
             return self.shelve(sandbox).await;
         }
         if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
-            self.set_status(id, SandboxStatus::Running);
+            self.set_status(id, SandboxStatus::Running, None);
             return Err(err.into());
         }
         crate::faults::crash_point("pause.frozen");
-        if let Err(err) = self.store.set_sandbox_state(id, SandboxState::Paused).await {
+        if let Err(err) = self.transition(id, SandboxStatus::Paused, None).await {
             // The store still says running: thaw so both agree.
             let _ = self.runtime.resume(id, &sandbox.handle).await;
-            self.set_status(id, SandboxStatus::Running);
+            self.set_status(id, SandboxStatus::Running, None);
             return Err(err.into());
         }
         if let Some(entry) = self.live().get_mut(id) {
-            entry.status = SandboxStatus::Paused;
             entry.paused_at = Some(Utc::now());
             entry.checkpoint_failures = 0;
         }
@@ -1952,23 +2051,29 @@ impl Sandboxes {
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
-        let handle = match self.release_recorded(id, &sandbox.handle, None).await {
+        let handle = match self
+            .release_recorded(id, &sandbox.handle, SandboxStatus::Running)
+            .await
+        {
             Ok(handle) => handle,
             Err(err) => {
                 // Still running if the release failed early; if its processes are gone, the
                 // reaper stops it like any dead sandbox.
-                self.set_status(id, SandboxStatus::Running);
+                self.set_status(id, SandboxStatus::Running, None);
                 return Err(err);
             }
         };
         if let Some(entry) = self.live().get_mut(id) {
-            entry.status = SandboxStatus::Shelved;
             entry.endpoint = None;
-            entry.handle = handle.clone();
         }
-        self.store
-            .set_sandbox_paused(id, Some(PauseKind::Files), &handle)
-            .await?;
+        if let Err(err) = self
+            .transition(id, SandboxStatus::Shelved, Some(&handle))
+            .await
+        {
+            // Its processes are gone whatever the store says.
+            self.set_status(id, SandboxStatus::Shelved, Some(&handle));
+            return Err(err.into());
+        }
         self.activity
             .event(
                 id,
@@ -1982,17 +2087,16 @@ impl Sandboxes {
     }
 
     /// Ends the processes of sandbox `id` (handle `handle`) and keeps only its files. It is
-    /// recorded `releasing` meanwhile, so a restart in between finishes the job rather than
-    /// taking it for dead; if the release fails the store says `before` again (`None`:
-    /// running). The caller records the result.
+    /// recorded `pausing` meanwhile, so a restart in between finishes the job rather than
+    /// taking it for dead; if the release fails the store says `before` again. The caller
+    /// records the result.
     async fn release_recorded(
         &self,
         id: &str,
         handle: &RuntimeHandle,
-        before: Option<PauseKind>,
+        before: SandboxStatus,
     ) -> Result<RuntimeHandle, SandboxError> {
-        self.store
-            .set_sandbox_paused(id, Some(PauseKind::Releasing), handle)
+        self.record(id, SandboxStatus::Pausing, Some(handle))
             .await?;
         match self.runtime.release(id, handle).await {
             Ok(released) => {
@@ -2000,7 +2104,7 @@ impl Sandboxes {
                 Ok(released)
             }
             Err(err) => {
-                if let Err(err) = self.store.set_sandbox_paused(id, before, handle).await {
+                if let Err(err) = self.record(id, before, Some(handle)).await {
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox as it was");
                 }
                 Err(err.into())
@@ -2125,7 +2229,7 @@ impl Sandboxes {
             }
         };
         if let Err(retry_after_secs) = self.within_slots(team, id) {
-            self.set_status(id, from);
+            self.set_status(id, from, None);
             return Err(SandboxError::ConcurrencyLimit {
                 id: id.to_owned(),
                 limit: team.max_concurrent_sandboxes,
@@ -2175,7 +2279,7 @@ impl Sandboxes {
     ) -> Result<(Sandbox, SandboxStatus), SandboxError> {
         let id = sandbox.id.clone();
         if sandbox.image.is_none() {
-            self.set_status(&id, from);
+            self.set_status(&id, from, None);
             return Err(SandboxError::Conflict {
                 id,
                 state: "too old to boot afresh (its image was not recorded); resume it with its memory",
@@ -2186,10 +2290,10 @@ impl Sandboxes {
             .get(&id)
             .map(|l| l.handle.clone())
             .unwrap_or_else(|| sandbox.handle.clone());
-        let released = match self.release_recorded(&id, &handle, sandbox.paused_as).await {
+        let released = match self.release_recorded(&id, &handle, sandbox.status).await {
             Ok(released) => released,
             Err(err) => {
-                self.set_status(&id, from);
+                self.set_status(&id, from, None);
                 return Err(err);
             }
         };
@@ -2197,14 +2301,14 @@ impl Sandboxes {
             entry.endpoint = None;
             entry.handle = released.clone();
         }
-        self.store
-            .set_sandbox_paused(&id, Some(PauseKind::Files), &released)
+        // The registry keeps its waking status: the caller boots it from shelved next.
+        self.record(&id, SandboxStatus::Shelved, Some(&released))
             .await?;
         self.activity
             .event(&id, LogLevel::Info, "sandbox memory dropped on resume", &[])
             .await;
         sandbox.handle = released;
-        sandbox.paused_as = Some(PauseKind::Files);
+        sandbox.status = SandboxStatus::Shelved;
         Ok((sandbox, SandboxStatus::Shelved))
     }
 
@@ -2253,7 +2357,10 @@ impl Sandboxes {
                     tracing::info!(sandbox_id = %id, ms = started.elapsed().as_millis() as u64, "sandbox restored from its checkpoint");
                     restored
                 };
-                if let Err(err) = self.store.set_sandbox_paused(&id, None, &handle).await {
+                if let Err(err) = self
+                    .record(&id, SandboxStatus::Running, Some(&handle))
+                    .await
+                {
                     // Unrecorded processes would outlive the server: back to the kept files
                     // (a restored sandbox's checkpoint is spent, so it runs on, unrecorded).
                     if from == SandboxStatus::Shelved
@@ -2289,22 +2396,19 @@ impl Sandboxes {
                 self.store.set_sandbox_end(&id, end_at).await?;
                 self.runtime.resume(&id, &sandbox.handle).await?;
                 crate::faults::crash_point("resume.thawed");
-                self.store
-                    .set_sandbox_state(&id, SandboxState::Running)
-                    .await?;
+                self.record(&id, SandboxStatus::Running, None).await?;
                 Ok::<(), SandboxError>(())
             }
             .await;
             if let Err(err) = result {
                 let _ = self.runtime.pause(&id, &sandbox.handle).await;
-                self.set_status(&id, SandboxStatus::Paused);
+                self.set_status(&id, SandboxStatus::Paused, None);
                 return Err(err);
             }
             None
         };
         if let Some((handle, _)) = &booted {
             sandbox.handle = handle.clone();
-            sandbox.paused_as = None;
         }
         if let Some(entry) = self.live().get_mut(&id) {
             entry.end_at = end_at;
@@ -2315,8 +2419,7 @@ impl Sandboxes {
             }
         }
         sandbox.end_at = end_at;
-        sandbox.state = SandboxState::Running;
-        sandbox.paused_as = None;
+        sandbox.status = SandboxStatus::Running;
         self.activity
             .event(
                 &id,
@@ -2368,7 +2471,7 @@ impl Sandboxes {
             .ok_or_else(not_running)?;
         if let Ok(from) = self.start_waking(&mut sandbox).await {
             if let Err(retry_after_secs) = self.within_slots(&team, id) {
-                self.set_status(id, from);
+                self.set_status(id, from, None);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                 return Err(SandboxError::ConcurrencyLimit {
                     id: id.to_owned(),
@@ -2467,6 +2570,62 @@ fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandbox
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_allowed_transition_has_a_plan_and_every_other_is_refused() {
+        for from in SandboxStatus::ALL {
+            for to in SandboxStatus::ALL {
+                let plan = transition_plan(from, to);
+                if !from.can_become(to) {
+                    assert_eq!(plan, None, "{from:?} -> {to:?}");
+                    continue;
+                }
+                let plan = plan.unwrap_or_else(|| panic!("{from:?} -> {to:?} refused"));
+                assert_eq!(plan.claim, to.is_transient(), "{from:?} -> {to:?}");
+                assert_eq!(plan.record, to.is_recorded(), "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_is_recorded_before_it_starts_and_when_it_ends() {
+        use SandboxStatus::*;
+        let claim = transition_plan(Paused, Checkpointing);
+        assert_eq!(
+            claim,
+            Some(TransitionPlan {
+                claim: true,
+                record: true
+            })
+        );
+        for to in [Checkpointed, Paused] {
+            assert_eq!(
+                transition_plan(Checkpointing, to),
+                Some(TransitionPlan {
+                    claim: false,
+                    record: true
+                })
+            );
+        }
+        // Claims a restart need not see stay in the registry.
+        for (from, to) in [
+            (Running, Pausing),
+            (Paused, Resuming),
+            (Checkpointed, Restoring),
+            (Running, Snapshotting),
+        ] {
+            assert_eq!(
+                transition_plan(from, to),
+                Some(TransitionPlan {
+                    claim: true,
+                    record: false
+                }),
+                "{from:?} -> {to:?}"
+            );
+        }
+        assert_eq!(transition_plan(Checkpointing, Running), None);
+        assert_eq!(transition_plan(Shelved, Checkpointing), None);
+    }
 
     #[test]
     fn page_tokens_round_trip() {

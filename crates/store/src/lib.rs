@@ -126,3 +126,93 @@ impl SqliteStore {
         Ok(store)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use sandbar_core::SandboxStatus;
+    use sandbar_core::store::SandboxRecords;
+    use sqlx::migrate::Migrator;
+
+    use super::*;
+
+    /// A database as the last release before sandbox statuses left it, with one sandbox
+    /// in each way it could be recorded.
+    async fn database_before_statuses(path: &Path) {
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .foreign_keys(false);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("open");
+        let all = sqlx::migrate!("./migrations");
+        let before = Migrator {
+            migrations: all
+                .migrations
+                .iter()
+                .filter(|m| m.version < 13)
+                .cloned()
+                .collect::<Vec<_>>()
+                .into(),
+            ..Migrator::DEFAULT
+        };
+        before.run(&pool).await.expect("migrate to 12");
+        for (id, state, paused_as) in [
+            ("running", "running", None),
+            ("old-pause", "paused", None),
+            ("memory", "paused", Some("memory")),
+            ("files", "paused", Some("files")),
+            ("checkpointing", "paused", Some("checkpointing")),
+            ("checkpoint", "paused", Some("checkpoint")),
+            ("releasing", "paused", Some("releasing")),
+        ] {
+            sqlx::query(
+                "INSERT INTO sandboxes (id, team_id, template_id, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, paused_as) VALUES (?, 't', 'base', 0, 0, 1, 512, 1024, '{}', '{}', 1, 'token', '0.6.4', ?, '{\"pid\": 7, \"checkpointed\": true}', ?)",
+            )
+            .bind(id)
+            .bind(state)
+            .bind(paused_as)
+            .execute(&pool)
+            .await
+            .expect("insert");
+        }
+        pool.close().await;
+    }
+
+    #[tokio::test]
+    async fn stored_states_and_pause_kinds_become_statuses() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("sandbar.db");
+        database_before_statuses(&path).await;
+        let store = SqliteStore::open(&path).await.expect("open and migrate");
+        let mut statuses: Vec<(String, SandboxStatus)> = store
+            .all_sandboxes()
+            .await
+            .expect("read")
+            .into_iter()
+            .map(|s| (s.id, s.status))
+            .collect();
+        statuses.sort_by(|a, b| a.0.cmp(&b.0));
+        let want = |id: &str, status| (id.to_owned(), status);
+        assert_eq!(
+            statuses,
+            vec![
+                want("checkpoint", SandboxStatus::Checkpointed),
+                want("checkpointing", SandboxStatus::Checkpointing),
+                want("files", SandboxStatus::Shelved),
+                want("memory", SandboxStatus::Paused),
+                want("old-pause", SandboxStatus::Paused),
+                want("releasing", SandboxStatus::Pausing),
+                want("running", SandboxStatus::Running),
+            ]
+        );
+        let kept = store
+            .sandbox("checkpoint")
+            .await
+            .expect("read")
+            .expect("kept");
+        assert_eq!(kept.handle.0["checkpointed"], serde_json::json!(true));
+    }
+}

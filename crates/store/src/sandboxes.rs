@@ -4,9 +4,7 @@ use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
-use sandbar_core::{
-    NetworkConfig, PauseKind, RuntimeHandle, Sandbox, SandboxState, StoreError, VolumeMount,
-};
+use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
@@ -16,8 +14,8 @@ use crate::{SqliteStore, err, insert_err, micros, time};
 impl SandboxRecords for SqliteStore {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, network, traffic_access_token, auto_pause, auto_resume, paused_as, auto_pause_memory, image)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -33,13 +31,12 @@ impl SandboxRecords for SqliteStore {
         .bind(s.allow_internet_access)
         .bind(&s.envd_access_token)
         .bind(&s.envd_version)
-        .bind(s.state.as_str())
+        .bind(s.status.name())
         .bind(s.handle.0.to_string())
         .bind(serde_json::to_string(&s.network).map_err(err)?)
         .bind(&s.traffic_access_token)
         .bind(s.auto_pause)
         .bind(s.auto_resume)
-        .bind(s.paused_as.map(PauseKind::as_str))
         .bind(s.auto_pause_memory)
         .bind(
             s.image
@@ -108,36 +105,21 @@ impl SandboxRecords for SqliteStore {
         Ok(())
     }
 
-    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError> {
-        let paused_as = (state == SandboxState::Paused).then_some(PauseKind::Memory.as_str());
-        sqlx::query("UPDATE sandboxes SET state = ?, paused_as = ? WHERE id = ?")
-            .bind(state.as_str())
-            .bind(paused_as)
-            .bind(id)
-            .execute(&self.pool)
-            .await
-            .map_err(err)?;
-        Ok(())
-    }
-
-    async fn set_sandbox_paused(
+    async fn set_sandbox_status(
         &self,
         id: &str,
-        paused_as: Option<PauseKind>,
-        handle: &RuntimeHandle,
+        status: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
     ) -> Result<(), StoreError> {
-        let state = match paused_as {
-            Some(_) => SandboxState::Paused,
-            None => SandboxState::Running,
+        let query = match handle {
+            Some(_) => "UPDATE sandboxes SET status = ?, handle = ? WHERE id = ?",
+            None => "UPDATE sandboxes SET status = ? WHERE id = ?",
         };
-        sqlx::query("UPDATE sandboxes SET state = ?, paused_as = ?, handle = ? WHERE id = ?")
-            .bind(state.as_str())
-            .bind(paused_as.map(PauseKind::as_str))
-            .bind(handle.0.to_string())
-            .bind(id)
-            .execute(&self.pool)
-            .await
-            .map_err(err)?;
+        let mut query = sqlx::query(query).bind(status.name());
+        if let Some(handle) = handle {
+            query = query.bind(handle.0.to_string());
+        }
+        query.bind(id).execute(&self.pool).await.map_err(err)?;
         Ok(())
     }
 
@@ -197,24 +179,14 @@ impl SandboxRecords for SqliteStore {
 
 fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
     let id: String = row.try_get("id").map_err(err)?;
-    let state: String = row.try_get("state").map_err(err)?;
+    let status: String = row.try_get("status").map_err(err)?;
     let metadata: String = row.try_get("metadata").map_err(err)?;
     let env_vars: String = row.try_get("env_vars").map_err(err)?;
     let handle: String = row.try_get("handle").map_err(err)?;
     let network: String = row.try_get("network").map_err(err)?;
-    let paused_as: Option<String> = row.try_get("paused_as").map_err(err)?;
     let image: Option<String> = row.try_get("image").map_err(err)?;
-    let state = SandboxState::parse(&state)
-        .ok_or_else(|| err(format!("sandbox {id} has unknown state {state}")))?;
-    let paused_as = match (state, paused_as.as_deref()) {
-        (SandboxState::Running, _) => None,
-        // Paused before the kind was recorded: only memory pauses existed.
-        (SandboxState::Paused, None) => Some(PauseKind::Memory),
-        (SandboxState::Paused, Some(kind)) => Some(
-            PauseKind::parse(kind)
-                .ok_or_else(|| err(format!("sandbox {id} has unknown pause kind {kind}")))?,
-        ),
-    };
+    let status = SandboxStatus::parse(&status)
+        .ok_or_else(|| err(format!("sandbox {id} has unknown status {status}")))?;
     Ok(Sandbox {
         team_id: row.try_get("team_id").map_err(err)?,
         template_id: row.try_get("template_id").map_err(err)?,
@@ -238,8 +210,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
             .map_err(err)?,
         envd_access_token: row.try_get("envd_access_token").map_err(err)?,
         envd_version: row.try_get("envd_version").map_err(err)?,
-        state,
-        paused_as,
+        status,
         handle: RuntimeHandle(serde_json::Value::from_str(&handle).map_err(err)?),
         id,
     })

@@ -12,7 +12,7 @@ pub mod volumes;
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
-pub use sandboxes::{PauseKind, Sandbox, SandboxState};
+pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;
 pub use teams::{Team, TeamLimits, slug_of};
 pub use templates::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, SnapshotImage, Template, TemplateImage};

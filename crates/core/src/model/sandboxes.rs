@@ -6,6 +6,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
 use super::templates::TemplateImage;
+use crate::lifecycle::SandboxStatus;
 use crate::network::NetworkConfig;
 use crate::runtime::RuntimeHandle;
 
@@ -33,43 +34,14 @@ impl SandboxState {
     }
 }
 
-/// How a paused sandbox is kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PauseKind {
-    /// Frozen in place: processes and memory held.
-    Memory,
-    /// Processes ended, only the files kept; resuming boots the sandbox again on them.
-    Files,
-    /// Frozen and being checkpointed: recorded before the checkpoint starts, so a restart
-    /// knows to look at what it left.
-    Checkpointing,
-    /// Checkpointed to disk: processes and memory in the checkpoint, restored on resume.
-    Checkpoint,
-    /// Having its processes ended to keep only its files: recorded before they are ended, so
-    /// a restart finishes the job instead of taking the sandbox for dead.
-    Releasing,
-}
-
-impl PauseKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PauseKind::Memory => "memory",
-            PauseKind::Files => "files",
-            PauseKind::Checkpointing => "checkpointing",
-            PauseKind::Checkpoint => "checkpoint",
-            PauseKind::Releasing => "releasing",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "memory" => Some(PauseKind::Memory),
-            "files" => Some(PauseKind::Files),
-            "checkpointing" => Some(PauseKind::Checkpointing),
-            "checkpoint" => Some(PauseKind::Checkpoint),
-            "releasing" => Some(PauseKind::Releasing),
-            _ => None,
+impl SandboxState {
+    /// The state E2B's API shows for a sandbox recorded as `status`: paused in any way, or
+    /// on the way there without memory, is paused.
+    pub fn of(status: SandboxStatus) -> Self {
+        if status.is_paused() || status == SandboxStatus::Pausing {
+            SandboxState::Paused
+        } else {
+            SandboxState::Running
         }
     }
 }
@@ -95,9 +67,9 @@ pub struct Sandbox {
     pub traffic_access_token: Option<String>,
     pub envd_access_token: String,
     pub envd_version: String,
-    pub state: SandboxState,
-    /// How the sandbox is kept while `state` is paused; `None` while running.
-    pub paused_as: Option<PauseKind>,
+    /// Where it is in its life, as a restart must see it: the settled statuses, and the
+    /// transient ones recovery has to finish (see [`SandboxStatus::is_recorded`]).
+    pub status: SandboxStatus,
     pub handle: RuntimeHandle,
     /// Pause instead of stopping when the timeout passes.
     pub auto_pause: bool,
@@ -110,21 +82,26 @@ pub struct Sandbox {
     pub image: Option<TemplateImage>,
 }
 
+impl Sandbox {
+    pub fn state(&self) -> SandboxState {
+        SandboxState::of(self.status)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::PauseKind;
+    use super::SandboxState;
+    use crate::lifecycle::SandboxStatus;
 
     #[test]
-    fn every_pause_kind_reads_back_as_stored() {
-        for kind in [
-            PauseKind::Memory,
-            PauseKind::Files,
-            PauseKind::Checkpointing,
-            PauseKind::Checkpoint,
-            PauseKind::Releasing,
-        ] {
-            assert_eq!(PauseKind::parse(kind.as_str()), Some(kind));
+    fn paused_in_any_way_or_released_is_paused() {
+        for status in SandboxStatus::ALL {
+            let paused = status.is_paused() || status == SandboxStatus::Pausing;
+            assert_eq!(
+                SandboxState::of(status) == SandboxState::Paused,
+                paused,
+                "{status:?}"
+            );
         }
-        assert_eq!(PauseKind::parse("frozen"), None);
     }
 }

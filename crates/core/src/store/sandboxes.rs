@@ -3,7 +3,8 @@
 use chrono::{DateTime, Utc};
 
 use super::StoreError;
-use crate::model::{PauseKind, Sandbox, SandboxState, VolumeMount};
+use crate::lifecycle::SandboxStatus;
+use crate::model::{Sandbox, VolumeMount};
 use crate::network::NetworkConfig;
 use crate::runtime::RuntimeHandle;
 
@@ -21,15 +22,13 @@ pub trait SandboxRecords: Send + Sync {
         network: &NetworkConfig,
         allow_internet_access: bool,
     ) -> Result<(), StoreError>;
-    /// Sets the state; a paused one is recorded as paused with its memory.
-    async fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<(), StoreError>;
-    /// Records the sandbox paused as `paused_as` (running when `None`) with the runtime
-    /// handle that now describes it, in one write.
-    async fn set_sandbox_paused(
+    /// Records the sandbox's status, and the runtime handle that now describes it when
+    /// `handle` is given, in one write.
+    async fn set_sandbox_status(
         &self,
         id: &str,
-        paused_as: Option<PauseKind>,
-        handle: &RuntimeHandle,
+        status: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
     ) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
     /// Records a sandbox's mounts, in order; the sandbox must be recorded already.
