@@ -1,5 +1,5 @@
 //! SQLite implementation of [`sandbar_core::Store`]: this file holds the pool, the migrations
-//! and the helpers every table shares; each aggregate's records are in a module of its own.
+//! and the conversions every table shares; each aggregate's records are in a module of its own.
 //!
 //! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
 //! integers; maps are stored as JSON text.
