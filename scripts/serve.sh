@@ -18,5 +18,5 @@ cd "$(dirname "$0")/.."
 if ! ./scripts/install-criu.sh; then
   echo "serve.sh: CRIU could not be installed; paused sandboxes stay in memory and snapshots copy files only" >&2
 fi
-cargo build --release --bin sandbar --bin sandbar-agent
+cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-interpreter
 exec ./target/release/sandbar serve "$@"

@@ -13,10 +13,27 @@ if [[ $EUID -ne 0 ]]; then
 fi
 cd "$(dirname "$0")/.."
 
+# How long each phase took, printed at the end (also after a failure) to see where a run's
+# time goes.
+phase_names=() phase_secs=() phase_started=$SECONDS
+phase() {
+  phase_names+=("$1")
+  phase_secs+=($((SECONDS - phase_started)))
+  phase_started=$SECONDS
+}
+report_phases() {
+  echo "test.sh phases (seconds):"
+  for i in "${!phase_names[@]}"; do echo "  ${phase_names[$i]}: ${phase_secs[$i]}"; done
+  echo "  (last phase, unfinished or e2e): $((SECONDS - phase_started)); total: $SECONDS"
+}
+trap report_phases EXIT
+
 ./scripts/install-deps.sh --test
+phase "host packages"
 # CRIU 4.1.1 with our patches, for the checkpoint tests (does nothing when already installed;
 # those tests are skipped, with the server's reason, only when the server finds it unusable).
 ./scripts/install-criu.sh
+phase "criu"
 python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
 # An older release of the Python SDK in a virtualenv of its own, for the e2e check that code
 # pinned to it keeps working (installed once per machine).
@@ -27,10 +44,14 @@ if ! "$old_sdk/bin/python3" -c 'import e2b' 2>/dev/null; then
   "$old_sdk/bin/pip" install --quiet --disable-pip-version-check e2b==2.45.1
 fi
 npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
+phase "python and npm packages"
 
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
-cargo build --release --bin sandbar --bin sandbar-agent
+phase "fmt and clippy"
+cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-interpreter
+phase "build"
 cargo test --release --workspace
+phase "cargo test"
 
-python3 -m pytest tests/e2e -q -p no:cacheprovider "$@"
+python3 -m pytest tests/e2e -q -p no:cacheprovider --durations=20 "$@"

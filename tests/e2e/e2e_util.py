@@ -68,8 +68,10 @@ def acquire_run_lock(data_dir: Path, wait_s: float = float(os.environ.get("SANDB
             time.sleep(2)
 
 
-def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
-    """Copy the server and its `sandbar-agent` sibling to a private dir.
+def private_binaries(binary: Path, interpreter: bool = False) -> Tuple[Path, Optional[Path]]:
+    """Copy the server and its `sandbar-agent` sibling to a private dir, and with
+    `interpreter` its `sandbar-interpreter`: a server without one does not build the
+    code interpreter template, which only the shared server's tests need.
 
     A rebuild of target/release while the tests run would otherwise give the
     server and the agent different versions halfway through.
@@ -85,6 +87,10 @@ def private_binaries(binary: Path) -> Tuple[Path, Optional[Path]]:
     if agent_src.is_file():
         agent = dest / "sandbar-agent"
         shutil.copy2(agent_src, agent)
+    # The code interpreter server the code-interpreter-v1 template is built with.
+    interpreter_src = binary.parent / "sandbar-interpreter"
+    if interpreter and interpreter_src.is_file():
+        shutil.copy2(interpreter_src, dest / "sandbar-interpreter")
     return server, agent
 
 
@@ -264,6 +270,15 @@ def host_mounts_mentioning(text: str) -> List[str]:
 # --------------------------------------------------------------------------
 
 
+def _stop_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started it dies."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+
 class SandbarServer:
     """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
 
@@ -319,6 +334,9 @@ class SandbarServer:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            # A test run that is killed (a timeout, Ctrl-C twice) stops its server too, rather
+            # than leave it serving the shared data dir beside the next run's.
+            preexec_fn=_stop_with_parent,
         )
         self.starts += 1
 
@@ -350,12 +368,18 @@ class SandbarServer:
             pass
 
     def wait_base_template(self, timeout: float = TEMPLATE_WAIT_S) -> dict:
+        template = self.wait_template("base", timeout)
+        self.base_template = template
+        return template
+
+    def wait_template(self, alias: str, timeout: float = TEMPLATE_WAIT_S) -> dict:
+        """Waits until the template named `alias` (a built-in one, say) has finished building."""
         deadline = time.monotonic() + timeout
         last = None
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"sandbar exited with code {self.proc.returncode} while building the base template\n"
+                    f"sandbar exited with code {self.proc.returncode} while building the {alias} template\n"
                     + self.log_tail()
                 )
             try:
@@ -364,18 +388,17 @@ class SandbarServer:
                 if r.status_code == 200:
                     for t in r.json():
                         names = list(t.get("aliases") or []) + list(t.get("names") or [])
-                        if "base" in names:
+                        if alias in names:
                             status = t.get("buildStatus")
                             if status == "ready":
-                                self.base_template = t
                                 return t
                             if status == "error":
-                                raise RuntimeError("base template build failed\n" + self.log_tail())
+                                raise RuntimeError(f"{alias} template build failed\n" + self.log_tail())
             except httpx.HTTPError as e:
                 last = repr(e)
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"base template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
+                    f"{alias} template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
                 )
             time.sleep(2)
 

@@ -15,7 +15,7 @@ use chrono::Utc;
 use tokio::io::AsyncRead;
 use tokio::sync::{Notify, Semaphore};
 
-use crate::model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Team, Template};
+use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
 pub use crate::model::builds::{
@@ -489,7 +489,7 @@ impl Builds {
             Some(_) => return Err(RequestBuildError::NameTaken(full.clone())),
             None => name,
         };
-        if !valid_name(name) || name == DEFAULT_TEMPLATE_ALIAS {
+        if !valid_name(name) || BUILT_IN_TEMPLATE_ALIASES.contains(&name) {
             return Err(RequestBuildError::BadName(full.clone()));
         }
         let mut tags = request.tags;

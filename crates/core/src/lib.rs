@@ -43,7 +43,10 @@ pub use keys::{
 };
 pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
-pub use model::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, Sandbox, SandboxState, Team, Template};
+pub use model::{
+    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
+    Sandbox, SandboxState, Team, Template,
+};
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
     AdoptedCheckpoint, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle,

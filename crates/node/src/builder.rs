@@ -137,12 +137,16 @@ impl NodeBuilder {
     ) -> Result<State, BuildFailure> {
         match &job.spec.source {
             BuildSource::Builtin { layer } => {
-                if layer != crate::templates::BASE_LAYER {
+                let recipe = if layer == crate::templates::BASE_LAYER {
+                    &crate::templates::BASE
+                } else if layer == crate::interpreter::INTERPRETER_LAYER {
+                    &crate::interpreter::INTERPRETER_ROOT
+                } else {
                     return Err(BuildFailure::at(
                         BASE_STEP,
                         format!("unknown built-in root '{layer}'"),
                     ));
-                }
+                };
                 if self.store().exists(layer) {
                     log.info(Some(BASE_STEP), format!("CACHED FROM {layer}"));
                 } else {
@@ -150,9 +154,14 @@ impl NodeBuilder {
                         Some(BASE_STEP),
                         format!("FROM {layer}: building the Debian root with mmdebstrap"),
                     );
-                    crate::templates::build_base(&self.templates_dir, &self.mirror)
+                    let started = std::time::Instant::now();
+                    crate::templates::build_root(recipe, &self.templates_dir, &self.mirror)
                         .await
                         .map_err(|e| BuildFailure::at(BASE_STEP, e.to_string()))?;
+                    log.info(
+                        Some(BASE_STEP),
+                        format!("built {layer} in {:.0} s", started.elapsed().as_secs_f32()),
+                    );
                 }
                 Ok(State {
                     key: sha(&[b"builtin", layer.as_bytes()]),

@@ -139,6 +139,25 @@ impl CgroupDriver {
         }
     }
 
+    /// Names of the sandbox cgroups that exist in any hierarchy: a server killed while it
+    /// booted a sandbox can leave some before the sandbox had a disk.
+    pub fn names(&self) -> std::collections::BTreeSet<String> {
+        let parents: Vec<PathBuf> = match self {
+            CgroupDriver::V1 { controllers } => controllers
+                .iter()
+                .map(|(_, dir)| dir.join(PARENT))
+                .collect(),
+            CgroupDriver::V2 { root } => vec![root.join(PARENT)],
+        };
+        parents
+            .iter()
+            .filter_map(|parent| std::fs::read_dir(parent).ok())
+            .flat_map(|entries| entries.flatten())
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
     /// The files a single-threaded process writes `0` into to move itself into the
     /// sandbox's cgroups.
     ///

@@ -861,6 +861,14 @@ impl std::fmt::Display for HostSocket {
     }
 }
 
+/// `held` as one line for a log or an error.
+pub fn describe_host_sockets(held: &[HostSocket]) -> String {
+    held.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 /// The inodes listed in a `/proc/net/unix` table.
 fn unix_table_inodes(table: &str) -> BTreeSet<u64> {
     table

@@ -74,8 +74,14 @@ impl LayerStore {
     pub fn path(&self, name: &str) -> Option<PathBuf> {
         let (kind, id) = name.split_once('/')?;
         match kind {
-            "base" if id.starts_with('v') && id[1..].bytes().all(|c| c.is_ascii_digit()) => {
-                Some(self.templates_dir.join(format!("base-{id}")).join("rootfs"))
+            "base" | "interpreter"
+                if id.starts_with('v') && id[1..].bytes().all(|c| c.is_ascii_digit()) =>
+            {
+                Some(
+                    self.templates_dir
+                        .join(format!("{kind}-{id}"))
+                        .join("rootfs"),
+                )
             }
             "image" if is_hex(id) => Some(self.image_path(id)),
             "layer" if is_hex(id) => {

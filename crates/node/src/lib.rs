@@ -11,6 +11,7 @@ pub mod disks;
 pub mod dns;
 pub mod egress;
 pub mod image_layers;
+pub mod interpreter;
 pub mod layers;
 pub mod memory;
 pub mod mounts;

@@ -26,6 +26,47 @@ const BASE_PACKAGES: &str = "bash,python3,ca-certificates,sudo,procps,curl,git,i
 const PROFILE_HOOK: &str =
     "--customize-hook=sed -i 's/\"$(id -u)\"/\"${EUID:-$(id -u)}\"/g' \"$1/etc/profile\"";
 
+/// What every built-in root has: the `user` account with passwordless sudo, no package
+/// caches, and the faster `/etc/profile`.
+const BASE_HOOKS: [&str; 4] = [
+    "--customize-hook=chroot \"$1\" useradd --create-home --shell /bin/bash --user-group user",
+    "--customize-hook=echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > \"$1/etc/sudoers.d/user\" && chmod 0440 \"$1/etc/sudoers.d/user\"",
+    "--customize-hook=rm -rf \"$1/var/cache/apt/archives\"/*.deb \"$1/var/lib/apt/lists\"/*_Packages",
+    // Every command the SDKs run is a login shell, and Debian's /etc/profile forks
+    // `id -u` to tell root (2.5 ms of a command's start here); bash knows its $EUID,
+    // and sh, which does not, still asks `id`.
+    PROFILE_HOOK,
+];
+
+/// A Debian root the node builds itself with mmdebstrap: the default template's, or the code
+/// interpreter template's (the same root plus a Python environment).
+#[derive(Debug)]
+pub struct RootRecipe {
+    /// The layer kind: the root lives in `<templates>/<name>-v<version>/rootfs` and is the
+    /// layer `<name>/v<version>`.
+    pub name: &'static str,
+    /// Bump when the recipe changes.
+    pub version: u32,
+    /// Debian packages beyond mmdebstrap's minbase variant, comma-separated.
+    pub packages: &'static str,
+    /// mmdebstrap options (hooks) beyond [`BASE_HOOKS`], run in order after them.
+    pub hooks: &'static [&'static str],
+}
+
+impl RootRecipe {
+    pub fn layer(&self) -> String {
+        format!("{}/v{}", self.name, self.version)
+    }
+}
+
+/// The default template's root.
+pub const BASE: RootRecipe = RootRecipe {
+    name: "base",
+    version: BASE_RECIPE_VERSION,
+    packages: BASE_PACKAGES,
+    hooks: &[],
+};
+
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateBuildError {
     #[error("{tool} is not installed (apt-get install {package}): {source}")]
@@ -52,14 +93,24 @@ pub enum TemplateBuildError {
 
 /// Where the default template's root lives once built.
 pub fn base_rootfs(templates_dir: &Path) -> PathBuf {
-    templates_dir
-        .join(format!("base-v{BASE_RECIPE_VERSION}"))
-        .join("rootfs")
+    root_path(&BASE, templates_dir)
 }
 
 /// Whether the default template is already built.
 pub fn base_is_built(templates_dir: &Path) -> bool {
-    base_rootfs(templates_dir)
+    root_is_built(&BASE, templates_dir)
+}
+
+/// Where a built-in root lives once built.
+pub fn root_path(recipe: &RootRecipe, templates_dir: &Path) -> PathBuf {
+    templates_dir
+        .join(format!("{}-v{}", recipe.name, recipe.version))
+        .join("rootfs")
+}
+
+/// Whether a built-in root is already built.
+pub fn root_is_built(recipe: &RootRecipe, templates_dir: &Path) -> bool {
+    root_path(recipe, templates_dir)
         .parent()
         .is_some_and(|d| d.join("complete").exists())
 }
@@ -67,16 +118,34 @@ pub fn base_is_built(templates_dir: &Path) -> bool {
 /// Builds the default template unless it is cached, reporting progress through `tracing`.
 /// Returns the root filesystem's path.
 pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, TemplateBuildError> {
-    let rootfs = base_rootfs(templates_dir);
-    if base_is_built(templates_dir) {
+    build_root(&BASE, templates_dir, mirror).await
+}
+
+/// Builds a built-in root unless it is cached, reporting progress through `tracing`.
+/// Returns the root filesystem's path.
+pub async fn build_root(
+    recipe: &RootRecipe,
+    templates_dir: &Path,
+    mirror: &str,
+) -> Result<PathBuf, TemplateBuildError> {
+    let rootfs = root_path(recipe, templates_dir);
+    if root_is_built(recipe, templates_dir) {
         return Ok(rootfs);
     }
+    // Builds of built-in templates may run at once; one root at a time gets the machine, and
+    // a second build of the same root finds it built.
+    static BUILDING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _building = BUILDING.lock().await;
+    if root_is_built(recipe, templates_dir) {
+        return Ok(rootfs);
+    }
+    let name = recipe.name;
     let io = |path: &Path| {
         let path = path.to_owned();
         move |source| TemplateBuildError::Io { path, source }
     };
     let target_dir = rootfs.parent().map(Path::to_owned).unwrap_or_default();
-    let staging = templates_dir.join(format!(".base-v{BASE_RECIPE_VERSION}.partial"));
+    let staging = templates_dir.join(format!(".{name}-v{}.partial", recipe.version));
     if staging.exists() {
         // An interrupted build: a server older than the namespaces below left its mounts on
         // the host; they go first, and the removal never walks into a mount anyway.
@@ -86,18 +155,18 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
                 source,
             })?;
         if detached > 0 {
-            tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of 'base' left mounted");
+            tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of '{name}' left mounted");
         }
         remove_tree_blocking(&staging).await.map_err(io(&staging))?;
-        tracing::info!(path = %staging.display(), "removed an interrupted build of 'base'; building again");
+        tracing::info!(path = %staging.display(), "removed an interrupted build of '{name}'; building again");
     }
     tokio::fs::create_dir_all(templates_dir)
         .await
         .map_err(io(templates_dir))?;
 
     tracing::info!(
-        packages = BASE_PACKAGES,
-        "building the default template 'base' with mmdebstrap"
+        packages = recipe.packages,
+        "building the root '{name}' with mmdebstrap"
     );
     let started = std::time::Instant::now();
     if !on_path("mmdebstrap") {
@@ -120,16 +189,11 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
             "--",
             "mmdebstrap",
             "--variant=minbase",
-            &format!("--include={BASE_PACKAGES}"),
-            "--customize-hook=chroot \"$1\" useradd --create-home --shell /bin/bash --user-group user",
-            "--customize-hook=echo 'user ALL=(ALL:ALL) NOPASSWD: ALL' > \"$1/etc/sudoers.d/user\" && chmod 0440 \"$1/etc/sudoers.d/user\"",
-            "--customize-hook=rm -rf \"$1/var/cache/apt/archives\"/*.deb \"$1/var/lib/apt/lists\"/*_Packages",
-            // Every command the SDKs run is a login shell, and Debian's /etc/profile forks
-            // `id -u` to tell root (2.5 ms of a command's start here); bash knows its $EUID,
-            // and sh, which does not, still asks `id`.
-            PROFILE_HOOK,
-            "bookworm",
+            &format!("--include={}", recipe.packages),
         ])
+        .args(BASE_HOOKS)
+        .args(recipe.hooks)
+        .arg("bookworm")
         .arg(&staging)
         .arg(mirror)
         .stdin(Stdio::null())
@@ -180,7 +244,7 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
         while let Ok(Some(line)) = lines.next_line().await {
             // mmdebstrap reports its phases as "I: ..." lines on stderr.
             if line.starts_with("I: ") || line.starts_with("E: ") || line.starts_with("W: ") {
-                tracing::info!(target: "sandbar::template", "base: {}", &line[3..]);
+                tracing::info!(target: "sandbar::template", "{name}: {}", &line[3..]);
             }
             tail.push(line);
             if tail.len() > 20 {
@@ -215,7 +279,7 @@ pub async fn build_base(templates_dir: &Path, mirror: &str) -> Result<PathBuf, T
     tokio::fs::write(&marker, b"").await.map_err(io(&marker))?;
     tracing::info!(
         seconds = started.elapsed().as_secs_f32(),
-        "default template 'base' is ready"
+        "the root '{name}' is ready"
     );
     Ok(rootfs)
 }
@@ -239,22 +303,31 @@ pub enum RemoveBaseError {
     },
 }
 
-/// The recipe version of a directory in the templates directory that holds a base root of
-/// an earlier recipe (`base-v1`, or `.base-v1.partial` for an interrupted build of one).
-fn superseded_version(name: &str) -> Option<u32> {
-    let digits = name
-        .strip_prefix("base-v")
-        .or_else(|| name.strip_prefix(".base-v")?.strip_suffix(".partial"))?;
-    if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
-        return None;
-    }
-    digits
-        .parse()
-        .ok()
-        .filter(|version| *version != BASE_RECIPE_VERSION)
+/// The built-in roots this node builds; any other version of theirs is an earlier recipe.
+fn built_in_roots() -> [&'static RootRecipe; 2] {
+    [&BASE, &crate::interpreter::INTERPRETER_ROOT]
 }
 
-/// Removes the base roots of earlier recipes that no layer name in `keep` refers to, and
+/// The kind and recipe version of a directory in the templates directory that holds a
+/// built-in root of an earlier recipe (`base-v1`, or `.base-v1.partial` for an interrupted
+/// build of one; `interpreter-v…` likewise).
+fn superseded_version(name: &str) -> Option<(&'static str, u32)> {
+    built_in_roots().into_iter().find_map(|recipe| {
+        let complete = format!("{}-v", recipe.name);
+        let partial = format!(".{}-v", recipe.name);
+        let digits = name.strip_prefix(complete.as_str()).or_else(|| {
+            name.strip_prefix(partial.as_str())?
+                .strip_suffix(".partial")
+        })?;
+        if digits.is_empty() || !digits.bytes().all(|c| c.is_ascii_digit()) {
+            return None;
+        }
+        let version: u32 = digits.parse().ok()?;
+        (version != recipe.version).then_some((recipe.name, version))
+    })
+}
+
+/// Removes the built-in roots of earlier recipes that no layer name in `keep` refers to, and
 /// interrupted builds of them; returns the layer names removed. Only for the server's start,
 /// before anything is served: `keep` must name every layer a template, tagged build or
 /// recorded sandbox uses, and no create may be resolving a template meanwhile.
@@ -275,10 +348,10 @@ pub fn remove_superseded_bases(
     let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(version) = superseded_version(&name) else {
+        let Some((kind, version)) = superseded_version(&name) else {
             continue;
         };
-        let layer = format!("base/v{version}");
+        let layer = format!("{kind}/v{version}");
         let complete = !name.starts_with('.');
         if complete && keep.contains(&layer) {
             continue;
@@ -345,6 +418,9 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         let current = format!("base-v{BASE_RECIPE_VERSION}");
+        let interpreter = crate::interpreter::INTERPRETER_ROOT.version;
+        let current_interpreter = format!("interpreter-v{interpreter}");
+        let earlier_interpreter = format!("interpreter-v{}", interpreter - 1);
         for name in [
             "base-v0",
             "base-v1",
@@ -352,12 +428,20 @@ mod tests {
             current.as_str(),
             "base-vx",
             "other",
+            earlier_interpreter.as_str(),
+            current_interpreter.as_str(),
         ] {
             std::fs::create_dir_all(dir.join(name).join("rootfs/etc")).unwrap();
         }
         let keep = std::collections::BTreeSet::from(["base/v0".to_owned()]);
         let removed = remove_superseded_bases(dir, &keep).unwrap();
-        assert_eq!(removed, vec!["base/v1".to_owned()]);
+        assert_eq!(
+            removed,
+            vec![
+                "base/v1".to_owned(),
+                format!("interpreter/v{}", interpreter - 1)
+            ]
+        );
         let mut left: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -368,6 +452,7 @@ mod tests {
             "base-vx".into(),
             "other".into(),
             current,
+            current_interpreter.clone(),
         ];
         expected.sort();
         assert_eq!(left, expected);

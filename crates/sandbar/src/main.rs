@@ -58,6 +58,11 @@ struct ServeArgs {
     /// The in-sandbox agent; defaults to `sandbar-agent` next to this executable.
     #[arg(long, env = "SANDBAR_AGENT_BIN")]
     agent_bin: Option<PathBuf>,
+    /// The code interpreter server baked into the built-in `code-interpreter-v1` template;
+    /// defaults to `sandbar-interpreter` next to this executable. Without it that template is
+    /// not offered.
+    #[arg(long, env = "SANDBAR_INTERPRETER_BIN")]
+    interpreter_bin: Option<PathBuf>,
     /// Private IPv4 range sandboxes are numbered from, one /30 each.
     #[arg(long, env = "SANDBAR_NETWORK", default_value = "10.213.0.0/16")]
     network: String,
@@ -168,6 +173,10 @@ struct ServeArgs {
     /// of creates larger than this; 0 boots every sandbox when it is created.
     #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 16, value_parser = clap::value_parser!(u64).range(0..=1024))]
     warm_pool: u64,
+    /// Seconds a template's ready command may take to succeed after its start command
+    /// started (at the build and, where templates cannot be captured, at each create).
+    #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    ready_timeout_secs: u64,
     /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
     /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
     /// adopted after a restart keep the limit they started with.
@@ -317,31 +326,14 @@ async fn ensure_base_template(
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
     use sandbar_core::store::TemplateRecords;
-    let now = Utc::now();
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
-    let mut template = existing.unwrap_or_else(|| Template {
-        id: sandbar_core::ids::new_template_id(),
-        team_id: None,
-        namespace: None,
-        aliases: vec![DEFAULT_TEMPLATE_ALIAS.into()],
-        public: true,
-        build_id: sandbar_core::ids::new_uuid(),
-        build_status: BuildStatus::Waiting,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 2048,
-        envd_version: envd_version.into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 0,
-    });
-    template.envd_version = envd_version.into();
-    template.disk_size_mb = disk_size_mb;
-    template.updated_at = now;
+    let template = builtin_template(
+        existing,
+        DEFAULT_TEMPLATE_ALIAS,
+        512,
+        disk_size_mb,
+        envd_version,
+    );
     if template.image.as_ref() == Some(&base_image()) {
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
@@ -367,6 +359,82 @@ async fn ensure_base_template(
     Ok(())
 }
 
+/// A built-in template as it is registered at start: the recorded one, or a new public one
+/// named `alias`, with the disk and agent version of this start.
+fn builtin_template(
+    existing: Option<Template>,
+    alias: &str,
+    memory_mb: u32,
+    disk_size_mb: u32,
+    envd_version: &str,
+) -> Template {
+    let now = Utc::now();
+    let mut template = existing.unwrap_or_else(|| Template {
+        id: sandbar_core::ids::new_template_id(),
+        team_id: None,
+        namespace: None,
+        aliases: vec![alias.into()],
+        public: true,
+        build_id: sandbar_core::ids::new_uuid(),
+        build_status: BuildStatus::Waiting,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb,
+        disk_size_mb,
+        envd_version: envd_version.into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 0,
+    });
+    template.envd_version = envd_version.into();
+    template.disk_size_mb = disk_size_mb;
+    template.updated_at = now;
+    template
+}
+
+/// Registers the built-in `code-interpreter-v1` template and builds it in the background
+/// unless its last good build followed the same recipe with the same files.
+async fn ensure_interpreter_template(
+    templates: &Templates,
+    builds: &Builds,
+    store: &SqliteStore,
+    data_dir: &Path,
+    interpreter_bin: &Path,
+    disk_size_mb: u32,
+) -> anyhow::Result<()> {
+    use sandbar_core::store::{BuildRecords, TemplateRecords};
+    use sandbar_node::interpreter;
+    let uploads = data_dir.join("uploads");
+    let bin = interpreter_bin.to_owned();
+    let files_hash =
+        tokio::task::spawn_blocking(move || interpreter::stage_files(&uploads, &bin)).await??;
+    let spec = interpreter::build_spec(&files_hash);
+    let existing = store
+        .template_by_name(None, sandbar_core::INTERPRETER_TEMPLATE_ALIAS)
+        .await?;
+    let template = builtin_template(
+        existing,
+        sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
+        1024,
+        disk_size_mb,
+        sandbar_jail::ENVD_VERSION,
+    );
+    let last = store.build(&template.build_id).await?;
+    let current = template.image.is_some()
+        && last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
+    templates.register(&template).await?;
+    if current {
+        tracing::info!(template_id = %template.id, "code interpreter template 'code-interpreter-v1' is cached");
+        return Ok(());
+    }
+    let build_id = builds.start_builtin(&template, spec, None).await?;
+    tracing::info!(template_id = %template.id, %build_id, "building the code interpreter template 'code-interpreter-v1' in the background");
+    Ok(())
+}
+
 /// Removes the roots of earlier `base` recipes once nothing names them: templates built on
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
@@ -375,7 +443,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot list layers in use; earlier base roots are kept");
+            tracing::warn!(error = %e, "cannot list layers in use; earlier built-in roots are kept");
             return;
         }
     };
@@ -387,7 +455,7 @@ async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
     match removed {
         Ok(Ok(layers)) => {
             for layer in layers {
-                tracing::info!(%layer, "removed the root of an earlier 'base' recipe");
+                tracing::info!(%layer, "removed the root of an earlier built-in recipe");
             }
         }
         Ok(Err(e)) => tracing::warn!(error = %e, "cannot remove an earlier base root"),
@@ -437,6 +505,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .join("sandbar-agent"),
     };
 
+    let interpreter_bin = match args.interpreter_bin.clone() {
+        Some(path) => path,
+        None => std::env::current_exe()?
+            .parent()
+            .context("executable has no directory")?
+            .join("sandbar-interpreter"),
+    };
+
     let store = Arc::new(SqliteStore::open(&data_dir.join("sandbar.db")).await?);
     let auth = Auth::new(store.clone());
     let requested_key = std::env::var("SANDBAR_API_KEY")
@@ -479,6 +555,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
             warm_pool: args.warm_pool as usize,
+            ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
             memory_overcommit: args.memory_overcommit,
@@ -582,6 +659,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let adopted = sandboxes.recover().await?;
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
+    }
+    // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
+    if let Err(e) = ensure_interpreter_template(
+        &templates,
+        &builds,
+        &store,
+        &data_dir,
+        &interpreter_bin,
+        args.base_disk_mb,
+    )
+    .await
+    {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "the code interpreter template is not offered"
+        );
     }
     runtime.start_warm_pool();
     tokio::spawn(sandboxes.clone().run_reaper());

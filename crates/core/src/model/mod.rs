@@ -15,5 +15,8 @@ pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;
 pub use teams::{Team, TeamLimits, slug_of};
-pub use templates::{BuildStatus, DEFAULT_TEMPLATE_ALIAS, SnapshotImage, Template, TemplateImage};
+pub use templates::{
+    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
+    SnapshotImage, Template, TemplateImage,
+};
 pub use volumes::{Volume, VolumeMount};

@@ -7,6 +7,11 @@ use serde::{Deserialize, Serialize};
 
 /// Alias of the template every installation builds on first start.
 pub const DEFAULT_TEMPLATE_ALIAS: &str = "base";
+/// Alias of the built-in template E2B's code interpreter SDKs create by default.
+pub const INTERPRETER_TEMPLATE_ALIAS: &str = "code-interpreter-v1";
+/// Names no team may give a template of its own.
+pub const BUILT_IN_TEMPLATE_ALIASES: [&str; 2] =
+    [DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

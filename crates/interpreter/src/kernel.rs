@@ -1,0 +1,334 @@
+//! One Jupyter kernel process and the ZeroMQ connections to it: requests go out on the shell
+//! channel, and every message the kernel sends back (on shell or iopub) is routed by the id
+//! of the request it answers.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use jupyter_protocol::{
+    ConnectionInfo, ExecuteRequest, JupyterMessage, JupyterMessageContent, KernelInfoRequest,
+};
+use jupyter_zmq_client::DealerSendConnection;
+use tokio::sync::mpsc;
+
+/// How long a new kernel may take to answer on both channels.
+const START_PATIENCE: Duration = Duration::from_secs(60);
+
+type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<JupyterMessage>>>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot pick ports for the kernel: {0}")]
+    Ports(jupyter_zmq_client::RuntimeError),
+    #[error("cannot write the connection file {path}: {source}")]
+    ConnectionFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the kernel '{program}' in {cwd}: {source}")]
+    Spawn {
+        program: String,
+        cwd: String,
+        source: std::io::Error,
+    },
+    #[error("cannot connect to the kernel: {0}")]
+    Connect(jupyter_zmq_client::RuntimeError),
+    #[error("the kernel did not answer within {0:?}")]
+    NotAnswering(Duration),
+    #[error("the kernel exited while starting: {0}")]
+    Exited(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error("cannot send to the kernel: {0}")]
+    Send(jupyter_zmq_client::RuntimeError),
+}
+
+/// How to start a kernel: a program and its arguments, `{connection_file}` standing for the
+/// connection file's path.
+#[derive(Debug, Clone)]
+pub struct KernelCommand {
+    pub argv: Vec<String>,
+    pub env: Vec<(String, String)>,
+}
+
+pub struct Kernel {
+    child: tokio::process::Child,
+    shell: tokio::sync::Mutex<DealerSendConnection>,
+    routes: Routes,
+    connection_file: PathBuf,
+    readers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Kernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernel")
+            .field("pid", &self.child.id())
+            .finish_non_exhaustive()
+    }
+}
+
+fn new_id() -> String {
+    let bytes: [u8; 16] = rand::random();
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl Kernel {
+    /// Starts a kernel in `cwd` and returns once it answers on its shell and iopub channels.
+    pub async fn start(
+        command: &KernelCommand,
+        cwd: &Path,
+        runtime_dir: &Path,
+    ) -> Result<Kernel, StartError> {
+        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let (ports, listeners) = jupyter_zmq_client::peek_ports_with_listeners(ip, 5)
+            .await
+            .map_err(StartError::Ports)?;
+        let info = ConnectionInfo {
+            transport: jupyter_protocol::connection_info::Transport::TCP,
+            ip: ip.to_string(),
+            stdin_port: ports[0],
+            control_port: ports[1],
+            hb_port: ports[2],
+            shell_port: ports[3],
+            iopub_port: ports[4],
+            signature_scheme: "hmac-sha256".into(),
+            key: new_id(),
+            kernel_name: None,
+        };
+        let connection_file = runtime_dir.join(format!("kernel-{}.json", new_id()));
+        let file_error = |source| StartError::ConnectionFile {
+            path: connection_file.clone(),
+            source,
+        };
+        std::fs::create_dir_all(runtime_dir).map_err(file_error)?;
+        let body = serde_json::to_vec(&info).unwrap_or_default();
+        write_private(&connection_file, &body).map_err(file_error)?;
+
+        let program = command.argv.first().cloned().unwrap_or_default();
+        let args = command
+            .argv
+            .iter()
+            .skip(1)
+            .map(|a| a.replace("{connection_file}", &connection_file.display().to_string()));
+        let mut process = tokio::process::Command::new(&program);
+        process
+            .args(args)
+            .envs(command.env.iter().map(|(k, v)| (k, v)))
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            // Its own group, so whatever the code started goes with it.
+            .process_group(0)
+            .kill_on_drop(true);
+        // SAFETY: only prctl, which is async-signal-safe, between fork and exec.
+        unsafe {
+            process.pre_exec(|| {
+                // A server that dies by any means takes its kernels along; the signal goes
+                // when the forking thread exits, and a runtime worker lives as long as the
+                // server.
+                rustix::process::set_parent_process_death_signal(Some(
+                    rustix::process::Signal::KILL,
+                ))?;
+                Ok(())
+            });
+        }
+        // The kernel binds the ports as it starts; they stay reserved until then.
+        drop(listeners);
+        let child = process.spawn().map_err(|source| {
+            let _ = std::fs::remove_file(&connection_file);
+            StartError::Spawn {
+                program: program.clone(),
+                cwd: cwd.display().to_string(),
+                source,
+            }
+        })?;
+        let session = new_id();
+        let routes: Routes = Arc::default();
+        let identity =
+            jupyter_zmq_client::peer_identity_for_session(&session).map_err(StartError::Connect)?;
+        let shell = jupyter_zmq_client::create_client_shell_connection_with_identity(
+            &info, &session, identity,
+        )
+        .await
+        .map_err(StartError::Connect)?;
+        let (shell_send, mut shell_recv) = shell.split();
+        let mut iopub = jupyter_zmq_client::create_client_iopub_connection(&info, "", &session)
+            .await
+            .map_err(StartError::Connect)?;
+        let shell_routes = routes.clone();
+        let iopub_routes = routes.clone();
+        let readers = vec![
+            tokio::spawn(async move {
+                while let Ok(message) = shell_recv.read().await {
+                    route(&shell_routes, message);
+                }
+            }),
+            tokio::spawn(async move {
+                while let Ok(message) = iopub.read().await {
+                    route(&iopub_routes, message);
+                }
+            }),
+        ];
+        let mut kernel = Kernel {
+            child,
+            shell: tokio::sync::Mutex::new(shell_send),
+            routes,
+            connection_file,
+            readers,
+        };
+        kernel.wait_answering().await?;
+        Ok(kernel)
+    }
+
+    /// Asks for the kernel's info until its iopub channel shows the answer's status: only
+    /// then is the subscription in place and no output of a request can be missed.
+    async fn wait_answering(&mut self) -> Result<(), StartError> {
+        let deadline = tokio::time::Instant::now() + START_PATIENCE;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(StartError::Exited(status.to_string()));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(StartError::NotAnswering(START_PATIENCE));
+            }
+            let request: JupyterMessage = KernelInfoRequest::default().into();
+            let Ok(mut replies) = self.send(request).await else {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            };
+            let seen = tokio::time::timeout(Duration::from_millis(500), async {
+                while let Some(message) = replies.recv().await {
+                    if matches!(message.content, JupyterMessageContent::Status(_)) {
+                        return true;
+                    }
+                }
+                false
+            })
+            .await;
+            if let Some(id) = replies.id.take() {
+                self.forget(&id);
+            }
+            if seen == Ok(true) {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Sends a request; the receiver gets every message that names it as parent.
+    pub async fn send(&self, request: JupyterMessage) -> Result<Replies, SendError> {
+        let id = request.header.msg_id.clone();
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone(), tx);
+        let sent = self.shell.lock().await.send(request).await;
+        if let Err(e) = sent {
+            self.forget(&id);
+            return Err(SendError::Send(e));
+        }
+        Ok(Replies { id: Some(id), rx })
+    }
+
+    pub async fn execute(&self, code: String, silent: bool) -> Result<Replies, SendError> {
+        let mut request = ExecuteRequest::new(code);
+        request.silent = silent;
+        request.store_history = !silent;
+        request.stop_on_error = false;
+        self.send(request.into()).await
+    }
+
+    pub fn forget(&self, id: &str) {
+        self.routes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+    }
+
+    /// Interrupts what the kernel runs, as a terminal's Ctrl-C would.
+    pub fn interrupt(&self) {
+        if let Some(pid) = self
+            .child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::INT);
+        }
+    }
+
+    pub fn is_alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Ends the kernel and everything it started.
+    pub async fn shutdown(mut self) {
+        if let Some(pid) = self
+            .child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+        }
+        let _ = self.child.kill().await;
+        for reader in self.readers.drain(..) {
+            reader.abort();
+        }
+        let _ = std::fs::remove_file(&self.connection_file);
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        for reader in &self.readers {
+            reader.abort();
+        }
+        let _ = std::fs::remove_file(&self.connection_file);
+    }
+}
+
+/// The messages that answer one request.
+#[derive(Debug)]
+pub struct Replies {
+    id: Option<String>,
+    rx: mpsc::UnboundedReceiver<JupyterMessage>,
+}
+
+impl Replies {
+    pub async fn recv(&mut self) -> Option<JupyterMessage> {
+        self.rx.recv().await
+    }
+
+    pub fn id(&self) -> &str {
+        self.id.as_deref().unwrap_or_default()
+    }
+}
+
+fn route(routes: &Routes, message: JupyterMessage) {
+    let Some(parent) = message.parent_header.as_ref().map(|h| h.msg_id.clone()) else {
+        return;
+    };
+    let routes = routes.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tx) = routes.get(&parent) {
+        let _ = tx.send(message);
+    }
+}
+
+fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(body)
+}

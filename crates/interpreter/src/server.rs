@@ -1,0 +1,572 @@
+//! The HTTP API E2B's code interpreter SDKs call on port 49999: `/execute` streams an
+//! execution's output as JSON lines, `/contexts` manages stateful kernels, `/health` answers
+//! once the default Python kernel runs.
+
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use bytes::Bytes;
+use jupyter_protocol::JupyterMessageContent;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::kernel::{Kernel, KernelCommand, Replies};
+use crate::output::{Output, map_message};
+
+/// How often a quiet execution sends a keepalive line.
+const KEEPALIVE: Duration = Duration::from_secs(1);
+/// How long an interrupted execution may take to wind down before the next one may start.
+const WIND_DOWN: Duration = Duration::from_secs(10);
+/// How long the code that sets or restores per-execution variables may take.
+const ENV_PATIENCE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Working directory of the default contexts and of new ones that name none.
+    pub default_cwd: String,
+    /// Where kernels' connection files go.
+    pub runtime_dir: PathBuf,
+    /// How to start a kernel of each language.
+    pub kernels: BTreeMap<String, KernelCommand>,
+}
+
+#[derive(Debug)]
+struct Context {
+    id: String,
+    language: String,
+    cwd: String,
+    /// Held for a whole execution: a context runs one at a time, in order.
+    kernel: tokio::sync::Mutex<Option<Kernel>>,
+}
+
+impl Context {
+    fn describe(&self) -> ContextInfo {
+        ContextInfo {
+            id: self.id.clone(),
+            language: self.language.clone(),
+            cwd: self.cwd.clone(),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Server {
+    config: Config,
+    contexts: std::sync::Mutex<HashMap<String, Arc<Context>>>,
+    /// The context each language's requests without a context run in, made on first use.
+    defaults: tokio::sync::Mutex<HashMap<String, String>>,
+    ready: AtomicBool,
+}
+
+#[derive(Debug, Serialize)]
+struct ContextInfo {
+    id: String,
+    language: String,
+    cwd: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Kernel(String),
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Kernel(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        (status, self.to_string()).into_response()
+    }
+}
+
+fn normalize_language(language: Option<&str>) -> String {
+    match language.map(|l| l.trim().to_ascii_lowercase()) {
+        None => "python".into(),
+        Some(l) if l.is_empty() || l == "python3" => "python".into(),
+        Some(l) if l == "sh" => "bash".into(),
+        Some(l) => l,
+    }
+}
+
+fn new_context_id() -> String {
+    let bytes: [u8; 16] = rand::random();
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+impl Server {
+    pub fn new(config: Config) -> Arc<Server> {
+        Arc::new(Server {
+            config,
+            contexts: std::sync::Mutex::default(),
+            defaults: tokio::sync::Mutex::default(),
+            ready: AtomicBool::new(false),
+        })
+    }
+
+    pub fn router(self: &Arc<Self>) -> axum::Router {
+        axum::Router::new()
+            .route("/health", get(health))
+            .route("/execute", post(execute))
+            .route("/contexts", post(create_context).get(list_contexts))
+            .route("/contexts/{id}", delete(delete_context))
+            .route("/contexts/{id}/restart", post(restart_context))
+            .with_state(self.clone())
+    }
+
+    /// Starts the default Python kernel; `/health` answers 200 from then on.
+    pub async fn start_default(self: &Arc<Self>) -> Result<(), String> {
+        self.default_context("python")
+            .await
+            .map_err(|e| e.to_string())?;
+        self.ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    fn kernel_command(&self, language: &str) -> Result<&KernelCommand, ApiError> {
+        self.config.kernels.get(language).ok_or_else(|| {
+            let known: Vec<&str> = self.config.kernels.keys().map(String::as_str).collect();
+            ApiError::BadRequest(format!(
+                "language '{language}' is not supported here (supported: {})",
+                known.join(", ")
+            ))
+        })
+    }
+
+    async fn start_kernel(&self, language: &str, cwd: &str) -> Result<Kernel, ApiError> {
+        let command = self.kernel_command(language)?;
+        Kernel::start(command, std::path::Path::new(cwd), &self.config.runtime_dir)
+            .await
+            .map_err(|e| ApiError::Kernel(e.to_string()))
+    }
+
+    async fn new_context(&self, language: &str, cwd: &str) -> Result<Arc<Context>, ApiError> {
+        self.kernel_command(language)?;
+        if !std::path::Path::new(cwd).is_dir() {
+            return Err(ApiError::BadRequest(format!(
+                "the working directory {cwd} does not exist"
+            )));
+        }
+        let kernel = self.start_kernel(language, cwd).await?;
+        let context = Arc::new(Context {
+            id: new_context_id(),
+            language: language.to_owned(),
+            cwd: cwd.to_owned(),
+            kernel: tokio::sync::Mutex::new(Some(kernel)),
+        });
+        self.contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(context.id.clone(), context.clone());
+        Ok(context)
+    }
+
+    fn context(&self, id: &str) -> Option<Arc<Context>> {
+        self.contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    async fn default_context(&self, language: &str) -> Result<Arc<Context>, ApiError> {
+        let mut defaults = self.defaults.lock().await;
+        if let Some(context) = defaults.get(language).and_then(|id| self.context(id)) {
+            return Ok(context);
+        }
+        let context = self.new_context(language, &self.config.default_cwd).await?;
+        defaults.insert(language.to_owned(), context.id.clone());
+        Ok(context)
+    }
+}
+
+async fn health(State(server): State<Arc<Server>>) -> Response {
+    if server.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "OK").into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "starting").into_response()
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct CreateContext {
+    language: Option<String>,
+    cwd: Option<String>,
+}
+
+async fn create_context(
+    State(server): State<Arc<Server>>,
+    body: Option<Json<CreateContext>>,
+) -> Result<Json<ContextInfo>, ApiError> {
+    let (language, cwd) = match body {
+        Some(Json(b)) => (b.language, b.cwd),
+        None => (None, None),
+    };
+    let language = normalize_language(language.as_deref());
+    let cwd = cwd
+        .filter(|c| !c.is_empty())
+        .unwrap_or_else(|| server.config.default_cwd.clone());
+    let context = server.new_context(&language, &cwd).await?;
+    Ok(Json(context.describe()))
+}
+
+async fn list_contexts(State(server): State<Arc<Server>>) -> Json<Vec<ContextInfo>> {
+    let contexts = server.contexts.lock().unwrap_or_else(|e| e.into_inner());
+    let mut list: Vec<ContextInfo> = contexts.values().map(|c| c.describe()).collect();
+    list.sort_by(|a, b| a.id.cmp(&b.id));
+    Json(list)
+}
+
+async fn delete_context(
+    State(server): State<Arc<Server>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let context = server
+        .contexts
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&id)
+        .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
+    if let Some(kernel) = context.kernel.lock().await.take() {
+        kernel.shutdown().await;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn restart_context(
+    State(server): State<Arc<Server>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let context = server
+        .context(&id)
+        .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
+    let mut kernel = context.kernel.lock().await;
+    if let Some(old) = kernel.take() {
+        old.shutdown().await;
+    }
+    *kernel = Some(server.start_kernel(&context.language, &context.cwd).await?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+struct ExecuteRequest {
+    code: String,
+    context_id: Option<String>,
+    language: Option<String>,
+    env_vars: Option<BTreeMap<String, String>>,
+}
+
+fn valid_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == b'_')
+        && bytes.all(|c| c.is_ascii_alphanumeric() || c == b'_')
+}
+
+async fn execute(
+    State(server): State<Arc<Server>>,
+    Json(request): Json<ExecuteRequest>,
+) -> Result<Response, ApiError> {
+    let context = match (&request.context_id, &request.language) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::BadRequest(
+                "only one of context_id and language may be given".into(),
+            ));
+        }
+        (Some(id), None) => server
+            .context(id)
+            .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?,
+        (None, language) => {
+            server
+                .default_context(&normalize_language(language.as_deref()))
+                .await?
+        }
+    };
+    let env = request.env_vars.unwrap_or_default();
+    if let Some(bad) = env.keys().find(|k| !valid_env_name(k)) {
+        return Err(ApiError::BadRequest(format!(
+            "'{bad}' is not a valid environment variable name"
+        )));
+    }
+    let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(64);
+    tokio::spawn(run_execution(server, context, request.code, env, tx));
+    let body = Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+}
+
+async fn send_line(tx: &mpsc::Sender<Result<Bytes, Infallible>>, output: &Output) -> bool {
+    tx.send(Ok(Bytes::from(output.to_line()))).await.is_ok()
+}
+
+/// Runs one execution to its end, streaming its lines; a client that goes away interrupts it.
+async fn run_execution(
+    server: Arc<Server>,
+    context: Arc<Context>,
+    code: String,
+    env: BTreeMap<String, String>,
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+) {
+    let mut guard = context.kernel.lock().await;
+    if !guard.as_mut().is_some_and(Kernel::is_alive) {
+        // A kernel that exited (the code ended its process, or it ran out of memory) is
+        // replaced, as a Jupyter server restarts a dead kernel: the state is gone, the
+        // context goes on.
+        if let Some(dead) = guard.take() {
+            dead.shutdown().await;
+        }
+        tracing::warn!(context = %context.id, "the context's kernel is not running; starting a new one");
+        match server.start_kernel(&context.language, &context.cwd).await {
+            Ok(kernel) => *guard = Some(kernel),
+            Err(e) => {
+                let _ = send_line(
+                    &tx,
+                    &Output::Error {
+                        name: "KernelError".into(),
+                        value: format!("the context's kernel cannot start: {e}"),
+                        traceback: String::new(),
+                    },
+                )
+                .await;
+                let _ = send_line(&tx, &Output::EndOfExecution).await;
+                return;
+            }
+        }
+    }
+    let Some(kernel) = guard.as_mut() else {
+        return;
+    };
+    let restore = if env.is_empty() {
+        None
+    } else {
+        let (set, restore) = env_code(&context.language, &env);
+        if let Err(e) = run_silent(kernel, set).await {
+            let _ = send_line(&tx, &e).await;
+            let _ = send_line(&tx, &Output::EndOfExecution).await;
+            return;
+        }
+        Some(restore)
+    };
+    match kernel.execute(code, false).await {
+        Ok(replies) => stream_execution(kernel, replies, &tx).await,
+        Err(e) => {
+            let _ = send_line(
+                &tx,
+                &Output::Error {
+                    name: "KernelError".into(),
+                    value: e.to_string(),
+                    traceback: String::new(),
+                },
+            )
+            .await;
+        }
+    }
+    // A kernel that died took the variables with it.
+    if let Some(restore) = restore
+        && kernel.is_alive()
+    {
+        let _ = run_silent(kernel, restore).await;
+    }
+    let _ = send_line(&tx, &Output::EndOfExecution).await;
+}
+
+async fn stream_execution(
+    kernel: &mut Kernel,
+    mut replies: Replies,
+    tx: &mpsc::Sender<Result<Bytes, Infallible>>,
+) {
+    let mut client_gone = false;
+    let mut wind_down = None;
+    loop {
+        let deadline = wind_down.unwrap_or_else(|| tokio::time::Instant::now() + WIND_DOWN);
+        tokio::select! {
+            message = replies.recv() => {
+                let Some(message) = message else { break };
+                let (output, done) = map_message(&message);
+                if let Some(output) = output
+                    && !client_gone
+                    && !send_line(tx, &output).await
+                {
+                    client_gone = true;
+                }
+                if done {
+                    break;
+                }
+            }
+            () = tokio::time::sleep(KEEPALIVE) => {
+                if !kernel.is_alive() {
+                    let _ = send_line(tx, &Output::Error {
+                        name: "KernelDied".into(),
+                        value: "the kernel exited during the execution; the context's next \
+                                execution starts a new one"
+                            .into(),
+                        traceback: String::new(),
+                    })
+                    .await;
+                    break;
+                }
+                if !client_gone && !send_line(tx, &Output::Keepalive).await {
+                    client_gone = true;
+                }
+            }
+            () = tx.closed(), if !client_gone => {
+                client_gone = true;
+            }
+            () = tokio::time::sleep_until(deadline), if wind_down.is_some() => {
+                tracing::warn!("an interrupted execution did not end in time");
+                break;
+            }
+        }
+        if client_gone && wind_down.is_none() {
+            tracing::info!("the client left; interrupting the execution");
+            kernel.interrupt();
+            wind_down = Some(tokio::time::Instant::now() + WIND_DOWN);
+        }
+    }
+    kernel.forget(replies.id());
+}
+
+/// Runs code that prints nothing; its error, if any, as the line to answer with.
+async fn run_silent(kernel: &Kernel, code: String) -> Result<(), Output> {
+    let fail = |value: String| Output::Error {
+        name: "EnvironmentError".into(),
+        value,
+        traceback: String::new(),
+    };
+    let mut replies = kernel
+        .execute(code, true)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    let mut error = None;
+    let waited = tokio::time::timeout(ENV_PATIENCE, async {
+        while let Some(message) = replies.recv().await {
+            match &message.content {
+                JupyterMessageContent::ErrorOutput(e) => {
+                    error = Some(fail(format!("{}: {}", e.ename, e.evalue)));
+                }
+                JupyterMessageContent::ExecuteReply(reply)
+                    if reply.status != jupyter_protocol::ReplyStatus::Ok =>
+                {
+                    error.get_or_insert_with(|| fail("setting the variables failed".into()));
+                }
+                _ => {}
+            }
+            if map_message(&message).1 {
+                break;
+            }
+        }
+    })
+    .await;
+    kernel.forget(replies.id());
+    if waited.is_err() {
+        return Err(fail("setting the variables timed out".into()));
+    }
+    error.map_or(Ok(()), Err)
+}
+
+/// Code that sets `env` in a kernel for one execution, and code that puts back what was
+/// there before.
+fn env_code(language: &str, env: &BTreeMap<String, String>) -> (String, String) {
+    if language == "bash" {
+        let mut set = String::new();
+        let mut restore = String::new();
+        for (name, value) in env {
+            set.push_str(&format!(
+                "_sandbar_had_{name}=${{{name}+1}}; _sandbar_old_{name}=\"${{{name}-}}\"; export {name}={}\n",
+                shell_quote(value)
+            ));
+            restore.push_str(&format!(
+                "if [ -n \"$_sandbar_had_{name}\" ]; then export {name}=\"$_sandbar_old_{name}\"; else unset {name}; fi; unset _sandbar_had_{name} _sandbar_old_{name}\n"
+            ));
+        }
+        return (set, restore);
+    }
+    // A JSON object of strings is also a Python dict literal.
+    let values = serde_json::to_string(env).unwrap_or_else(|_| "{}".into());
+    let set = format!(
+        "import os as _sandbar_os\n\
+         _sandbar_saved_env = {{k: _sandbar_os.environ.get(k) for k in {values}}}\n\
+         _sandbar_os.environ.update({values})\n"
+    );
+    let restore = "for _sandbar_k, _sandbar_v in _sandbar_saved_env.items():\n    \
+                   if _sandbar_v is None:\n        _sandbar_os.environ.pop(_sandbar_k, None)\n    \
+                   else:\n        _sandbar_os.environ[_sandbar_k] = _sandbar_v\n\
+                   del _sandbar_saved_env, _sandbar_k, _sandbar_v\n"
+        .to_owned();
+    (set, restore)
+}
+
+fn shell_quote(value: &str) -> String {
+    format!("'{}'", value.replace('\'', "'\\''"))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn languages_are_normalized() {
+        assert_eq!(normalize_language(None), "python");
+        assert_eq!(normalize_language(Some(" Python ")), "python");
+        assert_eq!(normalize_language(Some("python3")), "python");
+        assert_eq!(normalize_language(Some("bash")), "bash");
+        assert_eq!(normalize_language(Some("r")), "r");
+    }
+
+    #[test]
+    fn env_names_are_checked() {
+        assert!(valid_env_name("FOO_1"));
+        assert!(valid_env_name("_x"));
+        assert!(!valid_env_name("1X"));
+        assert!(!valid_env_name("A-B"));
+        assert!(!valid_env_name("A;rm"));
+        assert!(!valid_env_name(""));
+    }
+
+    #[test]
+    fn bash_values_are_quoted() {
+        let env = BTreeMap::from([("A".to_owned(), "it's $HOME".to_owned())]);
+        let (set, restore) = env_code("bash", &env);
+        assert!(set.contains("export A='it'\\''s $HOME'"), "{set}");
+        assert!(restore.contains("unset A"), "{restore}");
+    }
+
+    #[test]
+    fn python_values_are_a_dict_literal() {
+        let env = BTreeMap::from([("A".to_owned(), "x\"y\n".to_owned())]);
+        let (set, _) = env_code("python", &env);
+        assert!(set.contains(r#"{"A":"x\"y\n"}"#), "{set}");
+    }
+
+    #[test]
+    fn context_ids_look_like_uuids() {
+        let id = new_context_id();
+        assert_eq!(id.len(), 36);
+        assert_eq!(id.matches('-').count(), 4);
+    }
+}

@@ -1,0 +1,533 @@
+//! Booting a sandbox: its cgroups, disk, network namespace and jailed agent, the template's
+//! start and ready commands, and its egress rules.
+
+use super::*;
+
+impl LinuxRuntime {
+    /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
+    pub(super) async fn spawn_jailed(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        netns: &PreparedNetns,
+        id_map: IdMap,
+    ) -> Result<i32, RuntimeError> {
+        let id = boot.id;
+        let slot = netns.slot;
+        let template_layers =
+            self.layers
+                .stack(boot.layers)
+                .map_err(|message| RuntimeError::TemplateMissing {
+                    template_id: format!("{} ({message})", boot.template_id),
+                })?;
+        let jail = JailSpec {
+            template_layers,
+            sandbox_dir: dir.to_owned(),
+            hostname: "e2b.local".into(),
+            cgroup_join: self.cgroups.join_files(id),
+            // The gateway: the firewall redirects DNS sent there to the server's resolver.
+            nameservers: vec![
+                self.network
+                    .addrs(slot)
+                    .map_err(|e| sandbox_err(id, e))?
+                    .host
+                    .to_string(),
+            ],
+            id_map,
+            pty_max: self.config.pty_max,
+            volumes: boot
+                .volumes
+                .iter()
+                .map(|m| {
+                    Ok(sandbar_jail::VolumeBind {
+                        source: crate::volumes::volume_dir(
+                            &self.config.data_dir,
+                            &m.team_id,
+                            &m.volume_id,
+                        )
+                        .map_err(|e| sandbox_err(id, e))?,
+                        target: m.path.clone().into(),
+                    })
+                })
+                .collect::<Result<_, RuntimeError>>()?,
+            agent: boot.agent.clone(),
+            boot_id: Some(boot.boot_id.to_owned()),
+            // A new writable layer makes a new machine; kept files keep the one they hold.
+            machine_id: (!boot.kept).then(sandbar_core::ids::new_machine_id),
+        };
+
+        let socket = self.socket_path(id);
+        let _ = std::fs::remove_file(&socket);
+        let listener = netns
+            .listen_at(&socket)
+            .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
+        let log_path = self.log_path(id);
+        // A sandbox booted again on its kept files goes on with its log: the lines read so
+        // far are counted by offset. Appending, so a warm sandbox's log can be emptied when
+        // it is taken while its agent writes on.
+        if !boot.kept {
+            let _ = std::fs::remove_file(&log_path);
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
+
+        let listener_fd = listener.as_raw_fd();
+        let netns_fd = netns.netns.as_raw_fd();
+        // Without it the sandbox runs as well; its out-of-memory kills are only not named in
+        // the ended process's error.
+        let oom_events = self.cgroups.oom_notifier(id).unwrap_or_else(|e| {
+            tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
+            None
+        });
+        let oom_fd = oom_events.as_ref().map(|fd| fd.as_raw_fd());
+        // The restored root task reopens the log through its descriptor with its own rights.
+        std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
+            .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
+        let mut command = tokio::process::Command::new(&self.agent_exec);
+        command
+            // Sandboxes read PID 1's command line: it must not name a host path.
+            .arg0("sandbar-agent")
+            .arg("boot")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .env_clear()
+            .env("RUST_LOG", "info");
+        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
+        // functions (setsid, dup2, close_range) on descriptors that exist in the child.
+        unsafe {
+            command.pre_exec(move || {
+                // A new session keeps terminal signals aimed at the server off the sandbox.
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // The server protects itself from the OOM killer; a sandbox must not inherit
+                // that. Written with privilege, 0 is also the floor no process of the sandbox
+                // can go below.
+                reset_oom_score_adj();
+                // Out of the way first: the eventfd may sit where the others go.
+                let oom_high = match oom_fd {
+                    Some(fd) => {
+                        let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, OOM_EVENTS_FD + 1);
+                        if high < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Some(high)
+                    }
+                    None => None,
+                };
+                if libc::dup2(listener_fd, LISTENER_FD) < 0 || libc::dup2(netns_fd, NETNS_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(fd) = oom_high
+                    && libc::dup2(fd, OOM_EVENTS_FD) < 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Descriptors the server inherited without close-on-exec (from whoever
+                // started it) must not reach the sandbox, where they would be host files a
+                // checkpoint cannot carry. Marked rather than closed: the spawner's own
+                // error-reporting pipe must stay open until exec.
+                libc::syscall(
+                    libc::SYS_close_range,
+                    (if oom_fd.is_some() {
+                        OOM_EVENTS_FD + 1
+                    } else {
+                        NETNS_FD + 1
+                    }) as libc::c_uint,
+                    libc::c_uint::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|e| {
+            sandbox_err(
+                id,
+                format!("start agent {}: {e}", self.agent_exec.display()),
+            )
+        })?;
+        // The agent holds its own copy now; ours would keep the socket accepting after the
+        // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
+        // end with the sandbox's processes.
+        drop(listener);
+        drop(oom_events);
+
+        let payload = serde_json::to_vec(&jail).map_err(|e| sandbox_err(id, e))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(&payload)
+                .await
+                .map_err(|e| sandbox_err(id, format!("send jail spec: {e}")))?;
+        }
+        let mut line = String::new();
+        if let Some(stdout) = child.stdout.take() {
+            BufReader::new(stdout)
+                .read_line(&mut line)
+                .await
+                .map_err(|e| sandbox_err(id, format!("read sandbox pid: {e}")))?;
+        }
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
+        let pid: i32 = line.trim().parse().map_err(|_| {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            sandbox_err(
+                id,
+                format!(
+                    "boot exited with {status} before starting the sandbox: {}",
+                    log.trim()
+                ),
+            )
+        })?;
+        Ok(pid)
+    }
+
+    pub(super) async fn teardown(
+        &self,
+        id: &str,
+        handle: Option<&Handle>,
+    ) -> Result<(), RuntimeError> {
+        self.stop(id, handle).await?;
+        self.forget_checkpoint(id);
+        let _ = std::fs::remove_file(self.log_path(id));
+        let disks = self.disks.clone();
+        let owned_id = id.to_owned();
+        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, e))?;
+        Ok(())
+    }
+
+    /// Ends the sandbox's processes and frees everything but its disk and its agent log.
+    pub(super) async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        // A released sandbox's slot went back to the node and may be another sandbox's now.
+        let handle = handle.filter(|h| !h.released);
+        if let Some(h) = handle
+            && is_alive(h)
+        {
+            // SAFETY: the PID was checked against its start time just above; killing a PID
+            // namespace's init kills every process in it.
+            unsafe { libc::kill(h.pid, libc::SIGKILL) };
+        }
+        self.cgroups
+            .kill_all(id)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
+        if let Some(h) = handle {
+            for _ in 0..250 {
+                if !is_alive(h) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            if let Ok(addrs) = self.network.addrs(h.slot) {
+                self.egress.remove(addrs.sandbox).await;
+            }
+            self.network.release(h.slot).await;
+            self.free_slot(h.slot);
+        }
+        self.cgroups
+            .remove(id)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
+        let _ = std::fs::remove_file(self.socket_path(id));
+        Ok(())
+    }
+
+    pub(super) async fn launch_in(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let slot = netns.slot;
+        let started = std::time::Instant::now();
+        let id_map = self.id_map(slot);
+        self.cgroups
+            .create(
+                id,
+                Limits {
+                    cpu_count: spec.cpu_count,
+                    memory_mb: spec.memory_mb,
+                    pids_max: self.config.pids_max,
+                },
+            )
+            .map_err(|e| (None, sandbox_err(id, e)))?;
+        let cgroups_done = started.elapsed();
+        let dir = match &spec.kept {
+            None => self
+                .disks
+                .create(id, spec.disk_size_mb, id_map.host_base)
+                .map_err(|e| (None, sandbox_err(id, e)))?,
+            Some(kept) => {
+                let kept = parse_handle(id, kept).map_err(|e| (None, e))?;
+                self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
+                    .await
+                    .map_err(|e| (None, e))?
+            }
+        };
+        let disk_done = started.elapsed();
+        // Before PID 1 joins the namespace: the sandbox never has a moment without its rules.
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(|e| (None, e))?;
+        let boot_id = sandbar_core::ids::new_uuid();
+        let pid = self
+            .spawn_jailed(&BootSpec::of(spec, &boot_id), &dir, &netns, id_map)
+            .await
+            .map_err(|e| (None, e))?;
+        drop(netns);
+        let spawned = started.elapsed();
+        let handle = Handle::running(pid, slot, id_map, spec, Some(boot_id));
+        let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        let endpoint = self.endpoint(id, slot).map_err(fail)?;
+        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
+            .await
+            .map_err(|e| {
+                let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+                fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
+            })?;
+        if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
+            self.start_and_wait_ready(spec, &endpoint)
+                .await
+                .map_err(fail)?;
+        }
+        tracing::debug!(
+            sandbox_id = %id,
+            cgroups_us = cgroups_done.as_micros() as u64,
+            disk_us = disk_done.as_micros() as u64,
+            spawned_us = spawned.as_micros() as u64,
+            healthy_us = started.elapsed().as_micros() as u64,
+            "sandbox launch timings"
+        );
+        Ok((handle, endpoint))
+    }
+}
+
+impl LinuxRuntime {
+    /// Starts the template's start command in the background, then runs its ready command
+    /// until it succeeds.
+    pub(super) async fn start_and_wait_ready(
+        &self,
+        spec: &LaunchSpec,
+        endpoint: &Endpoint,
+    ) -> Result<(), RuntimeError> {
+        let id = &spec.sandbox_id;
+        let exec = |command| agent_client::Exec {
+            token: &spec.envd_access_token,
+            user: &spec.image.user,
+            command,
+            envs: &spec.env_vars,
+            cwd: Some(&spec.image.workdir),
+        };
+        if let Some(start) = &spec.image.start_cmd {
+            agent_client::start_detached(&endpoint.agent_socket, &exec(start))
+                .await
+                .map_err(|e| RuntimeError::NotReady {
+                    sandbox_id: id.clone(),
+                    message: format!("cannot run the start command: {e}"),
+                })?;
+        }
+        let Some(ready) = &spec.image.ready_cmd else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + self.config.ready_timeout;
+        let mut last;
+        loop {
+            let mut output = Vec::new();
+            let code = agent_client::run(&endpoint.agent_socket, &exec(ready), |b| {
+                if output.len() < 4096 {
+                    output.extend_from_slice(b);
+                }
+            })
+            .await
+            .map_err(|e| RuntimeError::NotReady {
+                sandbox_id: id.clone(),
+                message: format!("cannot run the ready command: {e}"),
+            })?;
+            if code == 0 {
+                return Ok(());
+            }
+            last = format!(
+                "exit code {code}: {}",
+                String::from_utf8_lossy(&output).trim()
+            );
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(RuntimeError::NotReady {
+            sandbox_id: id.clone(),
+            message: format!(
+                "the ready command '{ready}' did not succeed within {} s (last: {last})",
+                self.config.ready_timeout.as_secs()
+            ),
+        })
+    }
+}
+
+impl LinuxRuntime {
+    /// Installs `rules` for slot `slot`; an isolated sandbox needs none (its interface name
+    /// already cuts it off).
+    pub(super) async fn apply_egress(
+        &self,
+        id: &str,
+        slot: u32,
+        egress: bool,
+        rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
+        let none = EgressRules::default();
+        let wanted = if egress { rules } else { &none };
+        self.egress
+            .apply(
+                slot,
+                addrs.sandbox,
+                &crate::network::iface_name(slot, egress),
+                wanted,
+            )
+            .await
+            .map_err(|e| sandbox_err(id, e))
+    }
+}
+
+/// What booting a sandbox needs beyond its slot and directory.
+pub(super) struct BootSpec<'a> {
+    pub(super) id: &'a str,
+    /// Named when a layer is missing.
+    pub(super) template_id: &'a str,
+    pub(super) layers: &'a [String],
+    pub(super) volumes: &'a [sandbar_core::VolumeMount],
+    pub(super) agent: AgentConfig,
+    /// Booted again on kept files: its log goes on, and its machine id is the one they hold.
+    pub(super) kept: bool,
+    /// What the sandbox reads as the kernel's boot id.
+    pub(super) boot_id: &'a str,
+}
+
+impl<'a> BootSpec<'a> {
+    pub(super) fn of(spec: &'a LaunchSpec, boot_id: &'a str) -> Self {
+        BootSpec {
+            id: &spec.sandbox_id,
+            template_id: &spec.template.id,
+            layers: &spec.image.layers,
+            volumes: &spec.volumes,
+            agent: AgentConfig {
+                access_token: Some(spec.envd_access_token.clone()),
+                default_user: spec.image.user.clone(),
+                env_vars: spec.env_vars.clone(),
+                default_workdir: default_workdir(&spec.image.user, &spec.image.workdir)
+                    .map(str::to_owned),
+                memory_limit_mb: Some(spec.memory_mb),
+            },
+            kept: spec.kept.is_some(),
+            boot_id,
+        }
+    }
+}
+
+/// The agent's default working directory for an image: none when it is the user's home,
+/// which leaves each user in their own.
+pub(super) fn default_workdir<'a>(user: &str, workdir: &'a str) -> Option<&'a str> {
+    Some(workdir).filter(|w| *w != format!("/home/{user}"))
+}
+
+impl LinuxRuntime {
+    pub(super) async fn launch_sandbox(
+        &self,
+        spec: LaunchSpec,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        let id = spec.sandbox_id.clone();
+        let kept = spec
+            .kept
+            .as_ref()
+            .map(|k| parse_handle(&id, k))
+            .transpose()?;
+        let _creating = self.warm.creating();
+        self.grant_memory(&id, spec.memory_mb)?;
+        if kept.is_none()
+            && let Err(err) = self.admit_disk(&id, spec.disk_size_mb).await
+        {
+            self.release_memory(&id);
+            return Err(err);
+        }
+        if let Some(warm) = crate::warm::WarmKey::of(&spec).and_then(|key| self.warm.take(&key)) {
+            match self.take_warm(&spec, &warm).await {
+                Ok((handle, endpoint)) => return Ok((handle.to_runtime(&id)?, endpoint)),
+                // The template's own start or ready command failed: a fresh boot would only
+                // fail the same way, as late again.
+                Err(err @ RuntimeError::NotReady { .. }) => {
+                    self.release_memory(&id);
+                    self.disks.forget(&id);
+                    return Err(err);
+                }
+                // The sandbox is booted afresh instead.
+                Err(err) => tracing::warn!(
+                    sandbox_id = %id,
+                    warm = %warm.name,
+                    error = %err,
+                    "cannot take a warm sandbox"
+                ),
+            }
+        }
+        let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
+            Some(Ok(netns)) => netns,
+            Some(Err(err)) => {
+                self.release_memory(&id);
+                self.disks.forget(&id);
+                return Err(sandbox_err(&id, err));
+            }
+            None => {
+                self.release_memory(&id);
+                self.disks.forget(&id);
+                return Err(RuntimeError::NoCapacity {
+                    sandbox_id: id,
+                    message: "no free network slot on this node".into(),
+                });
+            }
+        };
+        let slot = netns.slot;
+        self.keep_layers(id.clone(), spec.image.layers.clone());
+        let checkpoint = spec
+            .image
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.checkpoint.as_deref());
+        let launched = match (checkpoint, &kept) {
+            (Some(checkpoint), None) => self.launch_restored(&spec, netns, checkpoint).await,
+            _ => self.launch_in(&spec, netns).await,
+        };
+        match launched {
+            Ok((handle, endpoint)) => Ok((handle.to_runtime(&id)?, endpoint)),
+            Err((handle, err)) => {
+                let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
+                // A sandbox booted on kept files keeps them for another try.
+                let cleanup = match &kept {
+                    None => self.teardown(&id, Some(&handle)).await,
+                    Some(kept) => {
+                        let stopped = self.stop(&id, Some(&handle)).await;
+                        self.keep_layers(id.clone(), kept.layers.clone());
+                        stopped
+                    }
+                };
+                if let Err(cleanup) = cleanup {
+                    tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
+                }
+                self.free_slot(slot);
+                self.release_memory(&id);
+                Err(err)
+            }
+        }
+    }
+}

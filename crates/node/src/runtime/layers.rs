@@ -1,0 +1,101 @@
+//! Template layers as the runtime keeps them: what live sandboxes run on and the collector.
+
+use super::*;
+
+impl LinuxRuntime {
+    pub fn layer_store(&self) -> &crate::layers::LayerStore {
+        &self.layers
+    }
+
+    /// Layers live sandboxes run on.
+    pub fn layers_of_live_sandboxes(&self) -> Vec<String> {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .flatten()
+            .cloned()
+            .collect()
+    }
+}
+
+impl LinuxRuntime {
+    /// Stops a build sandbox and makes its writable layer the step layer `key`: owners
+    /// shifted into the sandbox id range every sandbox maps, read-only from now on.
+    pub async fn commit_layer(
+        &self,
+        id: &str,
+        handle: &RuntimeHandle,
+        key: &str,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(id, handle)?;
+        self.stop(id, Some(&h)).await?;
+        let _ = std::fs::remove_file(self.log_path(id));
+        self.release_memory(id);
+        let base = h.id_base.unwrap_or(0);
+        let dir = self.disks.path(id);
+        let target = self.layers.steps_dir().join(key);
+        let disks = self.disks.clone();
+        let owned_id = id.to_owned();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            crate::layers::seal_layer(&dir, base, SANDBOX_IDS)?;
+            if target.exists() {
+                // Another build made the same layer meanwhile; keep theirs.
+                return disks.remove(&owned_id).map_err(std::io::Error::other);
+            }
+            std::fs::rename(&dir, &target)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot keep the layer {key}: {e}")))?;
+        Ok(())
+    }
+
+    /// `keep` and the layers live sandboxes and new snapshots use.
+    pub fn layers_to_keep(&self, keep: &[String]) -> BTreeSet<String> {
+        let mut keep: BTreeSet<String> = keep.iter().cloned().collect();
+        keep.extend(self.layers_of_live_sandboxes());
+        let mut fresh = self
+            .fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        fresh.retain(|(_, made)| made.elapsed() < FRESH_SNAPSHOT);
+        keep.extend(fresh.iter().map(|(name, _)| name.clone()));
+        keep
+    }
+
+    /// Removes step layers and checkpoints that `keep` (see [`Self::layers_to_keep`]) does
+    /// not name. Image layers are a cache with a limit of its own (`image_layers`).
+    pub fn collect_layers(&self, keep: &BTreeSet<String>) {
+        let steps = self.layers.steps_dir().to_owned();
+        let snapshots = self.snapshots_dir();
+        for (dir, kind) in [
+            (steps.as_path(), "layer"),
+            (snapshots.as_path(), "checkpoint"),
+        ] {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') || keep.contains(&format!("{kind}/{name}")) {
+                    continue;
+                }
+                let path = entry.path();
+                let removed = if kind == "layer" {
+                    self.disks.remove_at(&steps, &name)
+                } else {
+                    crate::disks::remove_tree(&path).map_err(|e| e.to_string())
+                };
+                match removed {
+                    Ok(()) => {
+                        tracing::info!(layer = %format!("{kind}/{name}"), "removed unused layer")
+                    }
+                    Err(e) => {
+                        tracing::warn!(layer = %name, error = %e, "cannot remove unused layer")
+                    }
+                }
+            }
+        }
+    }
+}

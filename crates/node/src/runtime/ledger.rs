@@ -1,0 +1,300 @@
+//! The node's resource ledger: the memory granted to sandboxes, the admission of new starts
+//! against the host's memory and tasks, and the sandboxes' out-of-memory kills. Disk admission
+//! is the pool's (`crate::disks`), asked from here so every start passes one place.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::*;
+use crate::memory::{HostMemory, MemoryRule};
+use crate::tasks::HostTasks;
+
+/// What the node has promised to live sandboxes, and the rule for promising more.
+#[derive(Debug)]
+pub(super) struct ResourceLedger {
+    /// Memory limits granted to live sandboxes, by sandbox id.
+    granted: Mutex<BTreeMap<String, u32>>,
+    /// Each live sandbox's cgroup out-of-memory kill count when it was granted memory (a
+    /// restored or adopted sandbox's cgroup may have counted some before).
+    oom_baselines: Mutex<BTreeMap<String, u64>>,
+    /// Kills counted for sandboxes that let their memory go since this server started.
+    oom_kills_ended: AtomicU64,
+    memory_rule: MemoryRule,
+    /// How many tasks the kernel allows (`crate::tasks`), read once at start.
+    task_limit: Option<u64>,
+}
+
+impl ResourceLedger {
+    pub(super) fn new(memory_rule: MemoryRule, task_limit: Option<u64>) -> Self {
+        ResourceLedger {
+            granted: Mutex::new(BTreeMap::new()),
+            oom_baselines: Mutex::new(BTreeMap::new()),
+            oom_kills_ended: AtomicU64::new(0),
+            memory_rule,
+            task_limit,
+        }
+    }
+
+    pub(super) fn memory_rule(&self) -> &MemoryRule {
+        &self.memory_rule
+    }
+
+    /// Grants sandbox `id` a memory limit of `memory_mb` if the host, as `host` and `tasks`
+    /// describe it, can start it; `oom_kills_now` is its cgroup's kill count so far.
+    pub(super) fn grant(
+        &self,
+        id: &str,
+        memory_mb: u32,
+        host: Option<&HostMemory>,
+        tasks: Option<HostTasks>,
+        oom_kills_now: u64,
+    ) -> Result<(), String> {
+        let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+        self.admit(host, tasks, promised_mb(&granted), memory_mb)?;
+        granted.insert(id.to_owned(), memory_mb);
+        drop(granted);
+        self.count_oom_kills_from(id, oom_kills_now);
+        Ok(())
+    }
+
+    /// Records a grant made by an earlier server (an adopted sandbox): no admission.
+    pub(super) fn regrant(&self, id: &str, memory_mb: u32, oom_kills_now: u64) {
+        self.granted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), memory_mb);
+        self.count_oom_kills_from(id, oom_kills_now);
+    }
+
+    /// Whether a start with a memory limit of `memory_mb` fits beside what is promised.
+    pub(super) fn admit_beside_promised(
+        &self,
+        host: Option<&HostMemory>,
+        tasks: Option<HostTasks>,
+        memory_mb: u32,
+    ) -> Result<(), String> {
+        self.admit(host, tasks, self.promised_mb(), memory_mb)
+    }
+
+    fn admit(
+        &self,
+        host: Option<&HostMemory>,
+        tasks: Option<HostTasks>,
+        promised: u64,
+        memory_mb: u32,
+    ) -> Result<(), String> {
+        if let Some(host) = host {
+            self.memory_rule.admit(host, promised, memory_mb)?;
+        }
+        if let Some(tasks) = tasks {
+            tasks.admit()?;
+        }
+        Ok(())
+    }
+
+    /// The memory limits granted to live sandboxes together, in MiB.
+    pub(super) fn promised_mb(&self) -> u64 {
+        promised_mb(&self.granted.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Takes back sandbox `id`'s grant; `oom_kills_now` is its cgroup's count, if still
+    /// readable, whose kills since the grant go to the ended total.
+    pub(super) fn release(&self, id: &str, oom_kills_now: Option<u64>) {
+        self.granted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        let baseline = self
+            .oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(id);
+        if let (Some(baseline), Some(now)) = (baseline, oom_kills_now) {
+            self.oom_kills_ended
+                .fetch_add(now.saturating_sub(baseline), Ordering::Relaxed);
+        }
+    }
+
+    /// Counts sandbox `id`'s kills from `now` on.
+    pub(super) fn count_oom_kills_from(&self, id: &str, now: u64) {
+        self.oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.to_owned(), now);
+    }
+
+    /// Kills of sandboxes since this server started: those of ended grants and, for live
+    /// ones, their count now (`count_now`) less their count at the grant.
+    pub(super) fn oom_kills(&self, count_now: impl Fn(&str) -> Option<u64>) -> u64 {
+        let baselines = self
+            .oom_baselines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let live: u64 = baselines
+            .iter()
+            .filter_map(|(id, baseline)| Some(count_now(id)?.saturating_sub(*baseline)))
+            .sum();
+        self.oom_kills_ended.load(Ordering::Relaxed) + live
+    }
+}
+
+fn promised_mb(granted: &BTreeMap<String, u32>) -> u64 {
+    granted.values().map(|mb| u64::from(*mb)).sum()
+}
+
+impl LinuxRuntime {
+    pub(super) fn free_slot(&self, slot: u32) {
+        crate::netns::free_slot(&self.slots, slot);
+    }
+
+    /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
+    /// cannot start it now: what is short is the memory the host really has, the ceilings
+    /// promised in all (see [`crate::memory`]), or the host's tasks ([`crate::tasks`]).
+    pub(super) fn grant_memory(&self, id: &str, memory_mb: u32) -> Result<(), RuntimeError> {
+        let oom_now = self.cgroups.oom_kills(id).unwrap_or(0);
+        self.ledger
+            .grant(
+                id,
+                memory_mb,
+                HostMemory::read().as_ref(),
+                self.host_tasks(),
+                oom_now,
+            )
+            .map_err(|message| RuntimeError::NoCapacity {
+                sandbox_id: id.to_owned(),
+                message,
+            })
+    }
+
+    /// Whether the host can start sandbox `id` (a warm boot, which is granted no memory of its
+    /// own) beside what is promised: its memory and its tasks.
+    pub(super) fn admit_start(&self, id: &str) -> Result<(), RuntimeError> {
+        self.ledger
+            .admit_beside_promised(HostMemory::read().as_ref(), self.host_tasks(), 0)
+            .map_err(|message| RuntimeError::NoCapacity {
+                sandbox_id: id.to_owned(),
+                message,
+            })
+    }
+
+    fn host_tasks(&self) -> Option<HostTasks> {
+        self.ledger.task_limit.and_then(HostTasks::read)
+    }
+
+    /// Records the grant of a sandbox an earlier server started or restored.
+    pub(super) fn regrant_memory(&self, id: &str, memory_mb: u32) {
+        let oom_now = self.cgroups.oom_kills(id).unwrap_or(0);
+        self.ledger.regrant(id, memory_mb, oom_now);
+    }
+
+    /// Counts sandbox `id`'s disk against the pool, mounting a failed (read-only) pool
+    /// afresh first when nothing holds it.
+    pub(super) async fn admit_disk(&self, id: &str, size_mb: u32) -> Result<(), RuntimeError> {
+        let no_room = |err: DiskError| match err {
+            DiskError::NoRoom {
+                sandbox_id,
+                message,
+            } => RuntimeError::NoCapacity {
+                sandbox_id,
+                message,
+            },
+            other => sandbox_err(id, other),
+        };
+        match self.disks.admit(id, size_mb) {
+            Ok(()) => Ok(()),
+            Err(err) if self.disks.report().is_some_and(|r| r.space.read_only) => {
+                if let Err(e) = self.disks.recover().await {
+                    return Err(RuntimeError::NoCapacity {
+                        sandbox_id: id.to_owned(),
+                        message: format!("{}: {e}", no_room(err)),
+                    });
+                }
+                self.disks.admit(id, size_mb).map_err(no_room)
+            }
+            Err(err) => Err(no_room(err)),
+        }
+    }
+
+    pub(super) fn release_memory(&self, id: &str) {
+        self.ledger.release(id, self.cgroups.oom_kills(id));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule() -> MemoryRule {
+        MemoryRule {
+            reserve_mb: 1024,
+            overcommit: 2,
+            pressure_limit_percent: 20.0,
+        }
+    }
+
+    fn host(total_mb: u64, available_mb: u64) -> HostMemory {
+        HostMemory {
+            total_mb,
+            available_mb,
+            stalled_percent: Some(0.0),
+        }
+    }
+
+    #[test]
+    fn grants_add_up_until_the_promise_limit() {
+        let ledger = ResourceLedger::new(rule(), None);
+        let host = host(5120, 4096);
+        // (5120 - 1024) × 2 = 8192 MiB may be promised.
+        for i in 0..16 {
+            ledger
+                .grant(&format!("s{i}"), 512, Some(&host), None, 0)
+                .expect("room for 16 × 512 MiB");
+        }
+        assert_eq!(ledger.promised_mb(), 8192);
+        let refused = ledger
+            .grant("one-more", 512, Some(&host), None, 0)
+            .expect_err("past the limit");
+        assert!(refused.contains("8192 MiB"), "{refused}");
+        ledger.release("s0", None);
+        ledger
+            .grant("one-more", 512, Some(&host), None, 0)
+            .expect("a release makes room");
+    }
+
+    #[test]
+    fn a_refused_grant_records_nothing() {
+        let ledger = ResourceLedger::new(rule(), None);
+        let short = host(5120, 100);
+        assert!(ledger.grant("s", 512, Some(&short), None, 0).is_err());
+        assert_eq!(ledger.promised_mb(), 0);
+        assert_eq!(ledger.oom_kills(|_| Some(7)), 0);
+    }
+
+    #[test]
+    fn too_many_tasks_refuse_a_start() {
+        let ledger = ResourceLedger::new(rule(), Some(32768));
+        let crowded = HostTasks {
+            running: 32000,
+            limit: 32768,
+        };
+        let refused = ledger
+            .admit_beside_promised(None, Some(crowded), 0)
+            .expect_err("too few tasks left");
+        assert!(refused.contains("tasks"), "{refused}");
+    }
+
+    #[test]
+    fn oom_kills_count_from_the_grant_and_survive_the_release() {
+        let ledger = ResourceLedger::new(rule(), None);
+        ledger.regrant("a", 256, 3);
+        ledger.regrant("b", 256, 0);
+        assert_eq!(
+            ledger.oom_kills(|id| Some(if id == "a" { 5 } else { 1 })),
+            3
+        );
+        ledger.release("a", Some(6));
+        assert_eq!(ledger.oom_kills(|_| Some(1)), 3 + 1);
+        assert_eq!(ledger.promised_mb(), 256);
+    }
+}

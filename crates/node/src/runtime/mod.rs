@@ -1,0 +1,857 @@
+//! [`LinuxRuntime`]: the core's [`Runtime`] on a Linux host.
+//!
+//! A sandbox is the agent binary started with `boot`: it joins the sandbox's cgroups, unshares
+//! its namespaces and forks the sandbox's PID 1, then the node wires the network namespace to
+//! the host. The sandbox is not a child of the server, so it outlives a server restart; its
+//! [`Handle`] in the store is how a restarted server finds it again.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use sandbar_core::{
+    AdoptedCheckpoint, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
+    SnapshotParts,
+};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::agent_client;
+use crate::cgroups::{CgroupDriver, CgroupError, Limits};
+use crate::disks::{DiskError, DiskPool, PoolConfig};
+use crate::netns::{NetnsPool, PreparedNetns, SlotSet};
+use crate::network::{Network, NetworkError};
+
+mod agent_copies;
+mod handle;
+mod host;
+mod launch;
+mod layers;
+mod ledger;
+mod pausing;
+mod snapshot;
+mod warm_boot;
+
+use agent_copies::*;
+use handle::*;
+use launch::*;
+use pausing::*;
+use snapshot::*;
+
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub data_dir: PathBuf,
+    /// The statically linked agent binary started in every sandbox.
+    pub agent_bin: PathBuf,
+    pub network_base: Ipv4Addr,
+    pub network_prefix_len: u8,
+    pub pids_max: u32,
+    /// Upstream resolvers the sandboxes' resolver forwards to (address or address:port).
+    pub nameservers: Vec<String>,
+    /// Private ranges sandboxes with internet access may reach (refused by default).
+    pub allowed_private: Vec<String>,
+    /// Enforce `diskSizeMB` with a btrfs pool under the data directory.
+    pub disk_quotas: bool,
+    /// Size of the disk pool image when it is first made; `None`: half the free space.
+    pub disk_pool_bytes: Option<u64>,
+    /// Bytes of the disk pool new sandbox disks may not count on (see [`PoolConfig`]).
+    pub disk_pool_reserve_bytes: u64,
+    /// How many times the pool the quotas of all sandbox disks may add up to.
+    pub disk_overcommit: u32,
+    /// Bytes of the data directory's filesystem kept free: work that writes there is refused
+    /// below it.
+    pub data_reserve_bytes: u64,
+    /// Host uid/gid of the first sandbox id range; slot N gets
+    /// `id_base + N * SANDBOX_IDS` onwards.
+    pub id_base: u32,
+    /// Pseudo-terminals one sandbox may hold at once.
+    pub pty_max: u32,
+    /// Memory kept for the host and the server, in MiB: no sandbox starts when less than
+    /// this (and a start's cost) is available.
+    pub memory_reserve_mb: u64,
+    /// How many times the host's memory (less the reserve) the memory limits of all
+    /// sandboxes may add up to.
+    pub memory_overcommit: u32,
+    /// Memory pressure (PSI `full avg10`, percent) at which new sandboxes are refused.
+    pub memory_pressure_limit_percent: f64,
+    /// The CRIU binary for checkpoints of paused sandboxes; `None` keeps them in memory.
+    pub criu: Option<PathBuf>,
+    /// How often, at most, a node whose CRIU failed its probe probes it again when a
+    /// checkpoint, snapshot or fork needs it.
+    pub criu_reprobe: std::time::Duration,
+    /// Network namespaces kept wired and waiting for new sandboxes.
+    pub netns_pool: usize,
+    /// Sandboxes kept booted and waiting for creates of the image last asked for.
+    pub warm_pool: usize,
+    /// How long a template's ready command may take to succeed.
+    pub ready_timeout: Duration,
+    /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
+    pub sandbox_bandwidth_mbit: u32,
+}
+
+/// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
+pub const SANDBOX_IDS: u32 = 65536;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+    #[error("agent binary {path} is missing: {source}")]
+    AgentMissing {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Disk(#[from] DiskError),
+    #[error(transparent)]
+    Dns(#[from] crate::dns::DnsError),
+    #[error("the sandbox id ranges from {base} do not fit in 32 bits for {slots} slots")]
+    IdRange { base: u32, slots: u32 },
+    #[error("cannot prepare {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+#[derive(Debug)]
+pub struct LinuxRuntime {
+    config: NodeConfig,
+    cgroups: CgroupDriver,
+    network: std::sync::Arc<Network>,
+    netns_pool: std::sync::Arc<NetnsPool>,
+    egress: std::sync::Arc<crate::egress::Egress>,
+    disks: DiskPool,
+    /// Memory granted to sandboxes and the rule for granting more.
+    ledger: ledger::ResourceLedger,
+    slots: SlotSet,
+    layers: crate::layers::LayerStore,
+    /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
+    layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
+    /// CRIU, once it passed its probe (at start, or later when installed meanwhile).
+    criu: crate::criu_cell::CriuCell,
+    /// Sandboxes booted ahead of demand.
+    warm: crate::warm::WarmPool,
+    /// The content-addressed copy of the agent binary sandboxes run, and its SHA-256: a
+    /// checkpoint can only be restored with the exact binary its processes mapped.
+    agent_exec: PathBuf,
+    agent_digest: String,
+    /// Mount points a restore needs that the sandbox's host uid must reach (outside the
+    /// data directory, which only root may traverse).
+    mount_dir: PathBuf,
+    /// Snapshot parts not yet kept by a template: the core records the template just after
+    /// making them (and says so), and the collector must not take them in between. Entries
+    /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
+    fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
+    /// Checkpoint and snapshot directories whose images this process wrote or already
+    /// checked against their checksum: nothing changes them afterwards, so a restore, a fork
+    /// of many or a second create does not read them all again. Checkpoints a previous server
+    /// left are checked once before their first restore.
+    verified_images: Mutex<BTreeSet<PathBuf>>,
+}
+
+fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Sandbox {
+        sandbox_id: id.to_owned(),
+        message: message.to_string(),
+    }
+}
+
+/// Sets the calling process's `oom_score_adj` (and, for a privileged caller, its floor) to 0.
+/// Async-signal-safe: called between fork and exec.
+fn reset_oom_score_adj() {
+    // SAFETY: open, write and close on a static path and buffer.
+    unsafe {
+        let fd = libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        );
+        if fd >= 0 {
+            let _ = libc::write(fd, c"0".as_ptr().cast(), 1);
+            libc::close(fd);
+        }
+    }
+}
+
+/// The server's own `oom_score_adj`: when the host runs out of memory, the kernel kills
+/// sandbox processes and host services before the process that manages them.
+pub const SERVER_OOM_SCORE_ADJ: &str = "-900";
+
+/// Lowers the server's `oom_score_adj` to [`SERVER_OOM_SCORE_ADJ`]; the sandboxes it starts
+/// are set back to 0. Needs `CAP_SYS_RESOURCE`, which some container hosts withhold; the
+/// server then keeps the host's 0, still far below the 800 sandbox processes run at.
+pub fn protect_server_from_oom_killer() -> std::io::Result<()> {
+    std::fs::write("/proc/self/oom_score_adj", SERVER_OOM_SCORE_ADJ)
+}
+
+impl LinuxRuntime {
+    /// Checks the host and prepares the node's directories and firewall.
+    pub async fn new(config: NodeConfig) -> Result<Self, NodeError> {
+        std::fs::metadata(&config.agent_bin).map_err(|source| NodeError::AgentMissing {
+            path: config.agent_bin.clone(),
+            source,
+        })?;
+        // Before anything looks at sandboxes, checkpoints or agent copies.
+        if let Some(criu) = &config.criu {
+            Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
+        }
+        let cgroups = CgroupDriver::detect()?;
+        let shaping = crate::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
+        match shaping {
+            Some(_) => tracing::info!(
+                mbit = config.sandbox_bandwidth_mbit,
+                "each sandbox's network is limited to this rate in each direction"
+            ),
+            None => tracing::warn!("sandbox bandwidth is not limited"),
+        }
+        let network = std::sync::Arc::new(
+            Network::new(config.network_base, config.network_prefix_len).with_shaping(shaping),
+        );
+        let last_id =
+            u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
+        if last_id > u64::from(u32::MAX - 1) {
+            return Err(NodeError::IdRange {
+                base: config.id_base,
+                slots: network.capacity(),
+            });
+        }
+        let allowed_private = config
+            .allowed_private
+            .iter()
+            .map(|range| crate::network::parse_range(range))
+            .collect::<Result<Vec<_>, _>>()?;
+        let upstreams = crate::dns::parse_upstreams(&config.nameservers)?;
+        let egress = crate::egress::Egress::new();
+        let resolver = crate::dns::Resolver::start(upstreams, egress.clone()).await?;
+        network
+            .init(&crate::network::FirewallConfig {
+                resolver_port: resolver.port,
+                allowed_private,
+            })
+            .await?;
+        let disks = DiskPool::open(&PoolConfig {
+            dir: config.data_dir.join("sandboxes"),
+            image: config.data_dir.join("sandboxes.img"),
+            size_bytes: config.disk_pool_bytes,
+            quotas: config.disk_quotas,
+            reserve_bytes: config.disk_pool_reserve_bytes,
+            overcommit: config.disk_overcommit,
+        })
+        .await?;
+        if !disks.enforces_quotas() {
+            tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
+        }
+        for dir in [config.data_dir.join("run"), config.data_dir.join("logs")] {
+            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+            // Agent sockets and sandbox layers are the host's business only.
+            use std::os::unix::fs::PermissionsExt;
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+        }
+        tracing::info!(cgroup_version = cgroups.version(), "node ready");
+        let memory_rule = crate::memory::MemoryRule {
+            reserve_mb: config.memory_reserve_mb,
+            overcommit: config.memory_overcommit,
+            pressure_limit_percent: config.memory_pressure_limit_percent,
+        };
+        if let Some(host) = crate::memory::HostMemory::read() {
+            tracing::info!(
+                memory_limits_mb = memory_rule.promise_limit_mb(&host),
+                overcommit = memory_rule.overcommit,
+                "the memory limits of all sandboxes may add up to this; each start needs the host's reserve free"
+            );
+        }
+        // Image layers live on the pool, whose accounting then sees them; a dot name keeps
+        // them out of the sweep of unknown sandboxes.
+        let layers = crate::layers::LayerStore::new(
+            config.data_dir.join("templates"),
+            config.data_dir.join("sandboxes").join(".images"),
+            config.data_dir.join("sandboxes").join(".layers"),
+        )
+        .with_legacy_images_dir(config.data_dir.join("images").join("layers"));
+        for dir in [layers.steps_dir(), layers.images_dir()] {
+            std::fs::create_dir_all(dir).map_err(|source| NodeError::Io {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+        let slots = SlotSet::default();
+        let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
+        netns_pool.refill();
+        let (agent_exec, agent_digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
+        for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
+            tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
+        }
+        let mount_dir = PathBuf::from(format!(
+            "/run/sandbar-{}",
+            &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+                config.data_dir.as_os_str().as_encoded_bytes()
+            ))[..12]
+        ));
+        for dir in [
+            config.data_dir.join("checkpoints"),
+            config.data_dir.join("snapshots"),
+            mount_dir.clone(),
+        ] {
+            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        remove_spent_checkpoints(&config.data_dir.join("checkpoints"));
+        {
+            use std::os::unix::fs::PermissionsExt;
+            for private in ["checkpoints", "snapshots"] {
+                let _ = std::fs::set_permissions(
+                    config.data_dir.join(private),
+                    std::fs::Permissions::from_mode(0o700),
+                );
+            }
+            // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
+            let _ = std::fs::set_permissions(&mount_dir, std::fs::Permissions::from_mode(0o711));
+        }
+        // CRIU's kernel probe is cached per boot: an earlier boot's cache may describe another
+        // kernel.
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .map(|id| id.trim().to_owned())
+            .unwrap_or_default();
+        let kdat_dir = mount_dir.join(format!("criu-{boot_id}"));
+        if let Ok(entries) = std::fs::read_dir(&mount_dir) {
+            for entry in entries.flatten() {
+                if entry.file_name().to_string_lossy().starts_with("criu-")
+                    && entry.path() != kdat_dir
+                {
+                    let _ = std::fs::remove_dir_all(entry.path());
+                }
+            }
+        }
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
+        }
+        let criu = crate::criu_cell::CriuCell::at_start(
+            config.criu.clone(),
+            kdat_dir.clone(),
+            config.criu_reprobe,
+        )
+        .await;
+        Ok(Self {
+            criu,
+            warm: crate::warm::WarmPool::new(config.warm_pool),
+            agent_exec,
+            agent_digest,
+            mount_dir,
+            fresh_snapshots: Mutex::new(Vec::new()),
+            verified_images: Mutex::new(BTreeSet::new()),
+            layers,
+            layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
+            config,
+            cgroups,
+            network,
+            netns_pool,
+            egress,
+            disks,
+            ledger: ledger::ResourceLedger::new(memory_rule, crate::tasks::task_limit()),
+            slots,
+        })
+    }
+
+    fn log_path(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("logs").join(format!("{id}.log"))
+    }
+
+    fn id_map(&self, slot: u32) -> IdMap {
+        IdMap {
+            host_base: self.config.id_base + slot * SANDBOX_IDS,
+            size: SANDBOX_IDS,
+        }
+    }
+
+    /// Unmounts what the node keeps mounted for sandboxes when none is left (clean shutdown).
+    pub async fn release(&self) {
+        for warm in self.warm.close().await {
+            self.retire_warm(&warm).await;
+        }
+        self.disks.release_if_empty().await;
+    }
+
+    /// The kept directory of a released sandbox, its files given to the id range of the
+    /// slot it boots in now when that differs from its last one.
+    async fn reuse_disk(&self, id: &str, from: u32, to: u32) -> Result<PathBuf, RuntimeError> {
+        let dir = self.disks.path(id);
+        if !dir.join(sandbar_jail::layout::UPPER).is_dir() {
+            return Err(sandbox_err(
+                id,
+                format!("its kept files at {} are gone", dir.display()),
+            ));
+        }
+        let moved = dir.clone();
+        tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            // The overlay's scratch directory holds nothing to keep, and after a restore its
+            // contents belong to host root (CRIU mounted the overlay again): made anew.
+            let work = moved.join(sandbar_jail::layout::WORK);
+            crate::disks::remove_tree(&work)?;
+            std::fs::create_dir(&work)?;
+            std::os::unix::fs::chown(&work, Some(to), Some(to))?;
+            if from != to {
+                crate::layers::move_owners(
+                    &moved.join(sandbar_jail::layout::UPPER),
+                    from,
+                    to,
+                    SANDBOX_IDS,
+                )?;
+                std::os::unix::fs::chown(&moved, Some(to), Some(to))?;
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| {
+            sandbox_err(
+                id,
+                format!("cannot give its kept files to host ids from {to}: {e}"),
+            )
+        })?;
+        Ok(dir)
+    }
+
+    fn socket_path(&self, id: &str) -> PathBuf {
+        self.config.data_dir.join("run").join(format!("{id}.sock"))
+    }
+
+    /// Records the template layers sandbox `id` runs on, so the collector keeps them.
+    fn keep_layers(&self, id: impl Into<String>, layers: Vec<String>) {
+        self.layers_in_use
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.into(), layers);
+    }
+
+    fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
+        let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
+        Ok(Endpoint {
+            agent_socket: self.socket_path(id),
+            address: IpAddr::V4(addrs.sandbox),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Runtime for LinuxRuntime {
+    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.launch_sandbox(spec).await
+    }
+
+    async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle).ok();
+        self.teardown(sandbox_id, handle.as_ref()).await?;
+        self.release_memory(sandbox_id);
+        Ok(())
+    }
+
+    fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool {
+        parse_handle(sandbox_id, handle).is_ok_and(|h| is_alive(&h))
+    }
+
+    async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
+        let mut removed = 0;
+        let mut found: BTreeSet<String> = self.disks.list().into_iter().collect();
+        found.extend(self.cgroups.names());
+        for id in found {
+            if recorded.contains(&id) {
+                continue;
+            }
+            self.teardown(&id, None).await?;
+            removed += 1;
+        }
+        Ok(removed)
+    }
+
+    async fn update_network(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle)?;
+        let open = !rules.is_isolated();
+        // Rules first when opening, the name first when closing: never more open than either.
+        if open {
+            self.apply_egress(sandbox_id, handle.slot, true, rules)
+                .await?;
+        }
+        self.network
+            .set_egress(handle.slot, open)
+            .await
+            .map_err(|e| sandbox_err(sandbox_id, e))?;
+        if !open {
+            self.apply_egress(sandbox_id, handle.slot, false, rules)
+                .await?;
+        }
+        Ok(())
+    }
+
+    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<Vec<u8>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = std::fs::File::open(self.log_path(sandbox_id)).ok()?;
+        // Most rounds find nothing new: a stat is all they cost.
+        if file.metadata().ok()?.len() <= offset {
+            return Some(Vec::new());
+        }
+        file.seek(SeekFrom::Start(offset)).ok()?;
+        let mut bytes = Vec::new();
+        file.take(max as u64).read_to_end(&mut bytes).ok()?;
+        Some(bytes)
+    }
+
+    async fn pause(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
+        }
+        host::settle_and_freeze(
+            &host::LinuxHost(&self.cgroups),
+            sandbox_id,
+            HOST_SOCKETS_PATIENCE,
+        )
+        .await
+        .map(drop)
+        .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox's processes are gone"));
+        }
+        self.cgroups
+            .thaw(sandbox_id)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn release(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if h.released {
+            return Ok(handle.clone());
+        }
+        self.stop(sandbox_id, Some(&h)).await?;
+        // Namespaces kept by an earlier checkpoint would hold its old network alive.
+        self.forget_checkpoint(sandbox_id);
+        self.release_memory(sandbox_id);
+        // Its layers stay in use: the kept writable layer only makes sense on top of them.
+        self.keep_layers(sandbox_id.to_owned(), h.layers.clone());
+        let released = Handle {
+            pid: 0,
+            start_ticks: 0,
+            released: true,
+            ..h
+        };
+        released.to_runtime(sandbox_id)
+    }
+
+    fn can_checkpoint(&self) -> bool {
+        self.criu.get().is_some()
+    }
+
+    async fn checkpoints_ready(&self) -> bool {
+        self.criu.get_or_probe().await.is_some()
+    }
+
+    async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        agent_token: &str,
+        memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        self.take_snapshot(sandbox_id, &h, agent_token, memory)
+            .await
+    }
+
+    fn snapshot_recorded(&self, parts: &SnapshotParts) {
+        let names: Vec<&String> = std::iter::once(&parts.layer)
+            .chain(parts.checkpoint.as_ref())
+            .collect();
+        self.fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(name, _)| !names.contains(&name));
+    }
+
+    async fn discard_snapshot(&self, parts: &SnapshotParts) {
+        self.snapshot_recorded(parts);
+        if let Some(key) = parts
+            .checkpoint
+            .as_deref()
+            .and_then(|c| c.strip_prefix("checkpoint/"))
+            && is_snapshot_key(key)
+        {
+            let dir = self.snapshots_dir().join(key);
+            self.set_verified(&dir, false);
+            let _ = tokio::task::spawn_blocking(move || crate::disks::remove_tree(&dir)).await;
+        }
+    }
+
+    async fn checkpoint(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        self.checkpoint_sandbox(sandbox_id, handle).await
+    }
+
+    async fn restore(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.restore_sandbox(sandbox_id, handle).await
+    }
+
+    async fn adopt_checkpointed(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<AdoptedCheckpoint, RuntimeError> {
+        self.adopt_checkpointed_sandbox(sandbox_id, handle).await
+    }
+
+    async fn discard_checkpoint(&self, sandbox_id: &str) {
+        let dir = self.checkpoint_dir(sandbox_id);
+        self.set_verified(&dir, false);
+        // Deleting the images of a large sandbox takes a while (a tenth of a second per GiB)
+        // and nothing needs to wait for it: they are moved aside at once and removed behind.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let spent = dir.with_file_name(format!("{SPENT_PREFIX}{sandbox_id}-{nanos}"));
+        match std::fs::rename(&dir, &spent) {
+            Ok(()) => {
+                tokio::task::spawn_blocking(move || crate::disks::remove_tree(&spent));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => {
+                let _ = crate::disks::remove_tree(&dir);
+            }
+        }
+    }
+
+    async fn adopt_released(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        let upper = self
+            .disks
+            .path(sandbox_id)
+            .join(sandbar_jail::layout::UPPER);
+        if !h.released || !upper.is_dir() {
+            return Err(sandbox_err(
+                sandbox_id,
+                format!("no kept files at {}", upper.display()),
+            ));
+        }
+        self.keep_layers(sandbox_id.to_owned(), h.layers);
+        Ok(())
+    }
+
+    fn stats(
+        &self,
+        sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Option<sandbar_core::runtime::RuntimeStats> {
+        let cgroup = self.cgroups.stats(sandbox_id)?;
+        let disk = self.disks.usage(sandbox_id);
+        Some(sandbar_core::runtime::RuntimeStats {
+            cpu_ns: cgroup.cpu_ns,
+            memory_used: cgroup.memory_used,
+            memory_cache: cgroup.memory_cache,
+            disk_used: disk.map_or(0, |d| d.used),
+            disk_total: disk.map_or(0, |d| d.total),
+            oom_kills: self.cgroups.oom_kills(sandbox_id).unwrap_or(0),
+        })
+    }
+
+    fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
+        self.cgroups.is_frozen(sandbox_id)
+    }
+
+    fn memory(&self) -> Option<sandbar_core::MemoryReport> {
+        let host = crate::memory::HostMemory::read()?;
+        let promised = self.ledger.promised_mb();
+        Some(sandbar_core::MemoryReport {
+            total_bytes: host.total_mb << 20,
+            available_bytes: host.available_mb << 20,
+            promised_bytes: promised << 20,
+            promise_limit_bytes: self.ledger.memory_rule().promise_limit_mb(&host) << 20,
+            overcommit: self.ledger.memory_rule().overcommit,
+            stalled_percent: host.stalled_percent,
+        })
+    }
+
+    fn warm_pool(&self) -> Option<sandbar_core::WarmPoolReport> {
+        let report = self.warm.report();
+        Some(sandbar_core::WarmPoolReport {
+            target: report.target as u64,
+            waiting: report.waiting as u64,
+            taken: report.taken,
+            missed: report.missed,
+        })
+    }
+
+    fn data_disk(&self) -> Option<sandbar_core::DiskSpace> {
+        let data_dir = &self.config.data_dir;
+        let space = crate::disks::Space::of(data_dir).ok()?;
+        Some(sandbar_core::DiskSpace {
+            path: data_dir.clone(),
+            size_bytes: space.size,
+            free_bytes: space.free,
+            reserve_bytes: self.config.data_reserve_bytes,
+            read_only: space.read_only,
+        })
+    }
+
+    fn disks(&self) -> sandbar_core::DiskReport {
+        let pool = self.disks.report();
+        sandbar_core::DiskReport {
+            data: self.data_disk(),
+            pool: pool.map(|p| sandbar_core::DiskSpace {
+                path: self.disks.dir().to_path_buf(),
+                size_bytes: p.space.size,
+                free_bytes: p.space.free,
+                reserve_bytes: p.reserve,
+                read_only: p.space.read_only,
+            }),
+            pool_promised_bytes: pool.map_or(0, |p| p.promised),
+            pool_promise_limit_bytes: pool.map_or(0, |p| p.promise_limit),
+        }
+    }
+
+    fn oom_kills(&self) -> u64 {
+        self.ledger.oom_kills(|id| self.cgroups.oom_kills(id))
+    }
+
+    async fn adopt(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<Option<Endpoint>, RuntimeError> {
+        let handle = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&handle) {
+            return Ok(None);
+        }
+        // A checkpoint it was restored from, if the server died before discarding it.
+        let _ = crate::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
+        self.slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(handle.slot);
+        self.regrant_memory(sandbox_id, handle.memory_mb);
+        self.keep_layers(sandbox_id.to_owned(), handle.layers.clone());
+        Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
+    }
+}
+
+/// Inode of a namespace file (`/proc/PID/ns/net` or a bind mount of one).
+fn ns_inode(path: &Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| m.ino())
+}
+
+/// Whether `path` is a namespace (a bind mount of one): after a reboot only the empty file
+/// it was mounted on is left.
+fn is_nsfs(path: &Path) -> bool {
+    const NSFS_MAGIC: i64 = 0x6e73_6673;
+    let Ok(c) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain old data; all-zero is a valid value for it to fill in.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid nul-terminated path and `st` a statfs the call may write.
+    let found = unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0;
+    found && st.f_type as i64 == NSFS_MAGIC
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn agent_copies_are_kept_while_something_uses_them() {
+        let data = tempfile::tempdir().unwrap();
+        let agents = data.path().join("agents");
+        std::fs::create_dir_all(&agents).unwrap();
+        let [current, named, unused, busy] = ["a", "b", "c", "d"].map(|c| c.repeat(64));
+        for name in [&current, &named, &unused, &busy] {
+            std::fs::write(agents.join(name), b"agent").unwrap();
+        }
+        let checkpoint = data.path().join("snapshots/k");
+        std::fs::create_dir_all(&checkpoint).unwrap();
+        crate::checkpoint::write_header(
+            &checkpoint,
+            &crate::checkpoint::Header {
+                criu_version: crate::checkpoint::CRIU_VERSION.into(),
+                agent_digest: named.clone(),
+                listener_inode: 1,
+                externals: Vec::new(),
+                images: Vec::new(),
+                images_crc32: 0,
+            },
+        )
+        .unwrap();
+        // A live process maps `busy` (this test, standing in for a sandbox's agent).
+        let mapped = std::fs::File::open(agents.join(&busy)).unwrap();
+        // SAFETY: a private read-only mapping of a 5-byte file that outlives the call.
+        let at = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                5,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE,
+                mapped.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(at, libc::MAP_FAILED);
+        let removed = collect_agent_copies(data.path(), &current);
+        assert_eq!(removed, vec![agents.join(&unused)]);
+        for kept in [&current, &named, &busy] {
+            assert!(agents.join(kept).exists(), "{kept}");
+        }
+        // SAFETY: the mapping made above, unmapped once.
+        unsafe { libc::munmap(at, 5) };
+    }
+
+    use super::*;
+
+    #[test]
+    fn own_start_time_is_readable_and_stable() {
+        let pid = std::process::id() as i32;
+        let first = start_ticks(pid).expect("own stat");
+        assert_eq!(start_ticks(pid), Some(first));
+        assert!(is_alive(&Handle {
+            pid,
+            start_ticks: first,
+            ..Handle::unstarted(0)
+        }));
+        assert!(!is_alive(&Handle {
+            pid,
+            start_ticks: first + 1,
+            ..Handle::unstarted(0)
+        }));
+    }
+}

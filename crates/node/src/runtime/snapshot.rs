@@ -1,0 +1,408 @@
+//! Snapshots: a running sandbox copied (memory and files) into a template image, and
+//! sandboxes restored from one.
+
+use super::*;
+
+/// How long the collector leaves a new snapshot's parts alone at most.
+pub(super) const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
+
+pub(super) fn is_snapshot_key(key: &str) -> bool {
+    key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
+}
+
+impl LinuxRuntime {
+    pub(super) fn snapshots_dir(&self) -> PathBuf {
+        self.config.data_dir.join("snapshots")
+    }
+
+    /// Copies sandbox `id` into a snapshot: frozen, its processes dumped (left running) and
+    /// its writable layer snapshotted, then thawed; the copies are made into a layer and a
+    /// checkpoint after it runs again.
+    pub(super) async fn take_snapshot(
+        &self,
+        id: &str,
+        h: &Handle,
+        agent_token: &str,
+        memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        let criu = self.criu.get();
+        let criu = match (criu.as_deref(), memory) {
+            (Some(criu), true) => Some(criu),
+            (None, true) => {
+                return Err(sandbox_err(
+                    id,
+                    "this node cannot snapshot memory (no usable CRIU); a snapshot with memory: false copies the files only",
+                ));
+            }
+            (_, false) => None,
+        };
+        if !is_alive(h) {
+            return Err(sandbox_err(id, "the sandbox's processes are gone"));
+        }
+        let base = h
+            .id_base
+            .ok_or_else(|| sandbox_err(id, "the sandbox runs without its own user namespace"))?;
+        let key = {
+            use sha2::Digest;
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            hex::encode(sha2::Sha256::digest(format!(
+                "{id}/{nanos}/{}",
+                std::process::id()
+            )))[..32]
+                .to_owned()
+        };
+        let parts = SnapshotParts {
+            layer: crate::layers::LayerStore::step_layer_name(&key),
+            checkpoint: memory.then(|| format!("checkpoint/{key}")),
+        };
+        self.fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(
+                std::iter::once(parts.layer.clone())
+                    .chain(parts.checkpoint.clone())
+                    .map(|name| (name, std::time::Instant::now())),
+            );
+        let images = self.snapshots_dir().join(&key);
+        let layer_dir = self.layers.steps_dir().join(&key);
+        let discard = || {
+            let _ = crate::disks::remove_tree(&images);
+            let _ = self.disks.remove_at(self.layers.steps_dir(), &key);
+        };
+        if memory {
+            std::fs::create_dir_all(&images)
+                .map_err(|e| sandbox_err(id, format!("create {}: {e}", images.display())))?;
+        }
+        let freezer = self
+            .cgroups
+            .freezer_dir(id)
+            .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
+        let was_frozen = self.cgroups.is_frozen(id);
+        let host = host::LinuxHost(&self.cgroups);
+        if memory && !was_frozen {
+            // A dump cannot hold the agent's end of a connection from the host.
+            host::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE)
+                .await
+                .map_err(|e| sandbox_err(id, e))?;
+        } else if !was_frozen {
+            self.cgroups
+                .freeze(id)
+                .await
+                .map_err(|e| sandbox_err(id, e))?;
+        }
+        let held_since = std::time::Instant::now();
+        let copied = host::dump_frozen(
+            &host,
+            id,
+            HOST_SOCKETS_PATIENCE,
+            |e| sandbox_err(id, e),
+            || self.copy_frozen(id, h, criu, &freezer, &images, &key),
+        )
+        .await;
+        if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
+            tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
+        }
+        let held = held_since.elapsed();
+        sandbar_core::faults::crash_point("snapshot.copied");
+        let plan = match copied {
+            Ok(plan) => plan,
+            Err(e) => {
+                discard();
+                return Err(e);
+            }
+        };
+        let with_memory = plan.zip(criu.map(|c| c.version.clone()));
+        let origin = SnapshotOrigin {
+            id_base: base,
+            access_token: agent_token.to_owned(),
+            log: self.log_path(id),
+        };
+        let agent_digest = self.agent_digest.clone();
+        let finish_images = images.clone();
+        let finished = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+            crate::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
+            let Some((plan, criu_version)) = with_memory else {
+                return Ok(());
+            };
+            std::fs::write(
+                finish_images.join(SNAPSHOT_ORIGIN),
+                serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
+            )?;
+            crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan).map(|_| ())
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e));
+        if let Err(e) = finished.and_then(|r| {
+            r.map_err(|e| sandbox_err(id, format!("cannot finish the snapshot: {e}")))
+        }) {
+            discard();
+            return Err(e);
+        }
+        if memory {
+            self.set_verified(&images, true);
+        }
+        tracing::info!(
+            sandbox_id = %id,
+            held_ms = held.as_millis() as u64,
+            layer = %parts.layer,
+            "sandbox snapshotted"
+        );
+        Ok(parts)
+    }
+
+    /// The frozen part of a snapshot: CRIU dumps the processes and leaves them running, and
+    /// the sandbox's directory is snapshotted at the same moment.
+    pub(super) async fn copy_frozen(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: Option<&crate::checkpoint::Criu>,
+        freezer: &Path,
+        images: &Path,
+        key: &str,
+    ) -> Result<Option<crate::checkpoint::DumpPlan>, RuntimeError> {
+        let plan = match criu {
+            Some(criu) => {
+                // Empty, also when a dump that failed is tried again.
+                let _ = std::fs::remove_dir_all(images);
+                std::fs::create_dir_all(images)
+                    .map_err(|e| sandbox_err(id, format!("create {}: {e}", images.display())))?;
+                let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
+                    .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
+                Some(
+                    self.dump_into(id, h, criu, freezer, images, netns_inode, true)
+                        .await?,
+                )
+            }
+            None => None,
+        };
+        let disks = self.disks.clone();
+        let (owned_id, steps, owned_key) = (
+            id.to_owned(),
+            self.layers.steps_dir().to_owned(),
+            key.to_owned(),
+        );
+        tokio::task::spawn_blocking(move || disks.snapshot(&owned_id, &steps, &owned_key))
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, format!("cannot copy its files: {e}")))?;
+        Ok(plan)
+    }
+
+    /// Starts sandbox `spec` from the snapshot `snapshot`: a fresh writable layer on the
+    /// snapshot's layers, and the snapshot's processes restored into it with the new
+    /// sandbox's id range, network, cgroups, token and environment.
+    pub(super) async fn launch_restored(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        checkpoint: &str,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let slot = netns.slot;
+        let started = std::time::Instant::now();
+        let id_map = self.id_map(slot);
+        let bare = |e: RuntimeError| (None, e);
+        let criu = self.criu_for_restore(id).await.map_err(bare)?;
+        let key = checkpoint
+            .strip_prefix("checkpoint/")
+            .filter(|k| is_snapshot_key(k))
+            .ok_or_else(|| {
+                bare(sandbox_err(
+                    id,
+                    format!("'{checkpoint}' names no snapshot checkpoint"),
+                ))
+            })?
+            .to_owned();
+        let source = self.snapshots_dir().join(&key);
+        let work = self.checkpoint_dir(id);
+        let verify = !self.is_verified(&source);
+        let prepared = {
+            let (source, work) = (source.clone(), work.clone());
+            let to = id_map.host_base;
+            tokio::task::spawn_blocking(move || -> Result<_, String> {
+                let header = crate::checkpoint::read_header(&source, verify)
+                    .map_err(|e| format!("the snapshot is not usable: {e}"))?;
+                let origin: SnapshotOrigin = serde_json::from_slice(
+                    &std::fs::read(source.join(SNAPSHOT_ORIGIN))
+                        .map_err(|e| format!("the snapshot has no origin: {e}"))?,
+                )
+                .map_err(|e| format!("the snapshot's origin is unreadable: {e}"))?;
+                // The images are shared by every sandbox made from the snapshot: each restore
+                // gets links to them in a directory of its own, with its own id range.
+                let _ = crate::disks::remove_tree(&work);
+                std::fs::create_dir_all(&work)
+                    .map_err(|e| format!("create {}: {e}", work.display()))?;
+                // Restored with the snapshotted sandbox's ids, a copy could touch its files.
+                let user_namespaces = header
+                    .images
+                    .iter()
+                    .filter(|i| crate::checkpoint::is_userns_image(&i.name))
+                    .count();
+                if user_namespaces != 1 {
+                    return Err(format!(
+                        "the snapshot has {user_namespaces} user namespace images, not one"
+                    ));
+                }
+                for image in &header.images {
+                    if crate::checkpoint::is_userns_image(&image.name) {
+                        let bytes = std::fs::read(source.join(&image.name))
+                            .map_err(|e| format!("read {}: {e}", image.name))?;
+                        let moved = crate::checkpoint::remap_userns_image(
+                            &bytes,
+                            origin.id_base,
+                            to,
+                            SANDBOX_IDS,
+                        )
+                        .ok_or("the snapshot's user namespace image is not one this node reads")?;
+                        std::fs::write(work.join(&image.name), moved)
+                            .map_err(|e| format!("write {}: {e}", image.name))?;
+                    } else {
+                        std::fs::hard_link(source.join(&image.name), work.join(&image.name))
+                            .map_err(|e| format!("link {}: {e}", image.name))?;
+                    }
+                }
+                Ok((header, origin))
+            })
+            .await
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .map_err(|e| bare(sandbox_err(id, e)))?
+        };
+        let (header, origin) = prepared;
+        self.set_verified(&source, true);
+        // Its restore is the new sandbox's first boot.
+        let boot_id = header
+            .externals
+            .iter()
+            .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
+            .then(sandbar_core::ids::new_uuid);
+        check_criu_version(id, &criu, &header).map_err(bare)?;
+        if header.agent_digest != self.agent_digest {
+            tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
+        }
+        self.cgroups
+            .create(
+                id,
+                Limits {
+                    cpu_count: spec.cpu_count,
+                    memory_mb: spec.memory_mb,
+                    pids_max: self.config.pids_max,
+                },
+            )
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.disks
+            .create(id, spec.disk_size_mb, id_map.host_base)
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(bare)?;
+        // CRIU checks that a file the processes held open has the size it had at the dump: the
+        // new log starts out as long as the snapshotted one was (a hole) and is emptied once
+        // the restore is done; the agent appends, so its next line lands at the start.
+        let held_log_size = header
+            .externals
+            .iter()
+            .find_map(|e| match e {
+                crate::checkpoint::External::File { path, size, .. } if *path == origin.log => {
+                    Some(*size)
+                }
+                _ => None,
+            })
+            .unwrap_or(0);
+        let log_path = self.log_path(id);
+        let log = std::fs::File::create(&log_path)
+            .and_then(|log| {
+                std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))?;
+                log.set_len(held_log_size)?;
+                Ok(log)
+            })
+            .map_err(|e| {
+                bare(sandbox_err(
+                    id,
+                    format!("create {}: {e}", log_path.display()),
+                ))
+            })?;
+        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
+            bare(RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", spec.template.id),
+            })
+        })?;
+        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
+            bare(sandbox_err(
+                id,
+                format!("cannot make its user namespace: {e}"),
+            ))
+        })?;
+        let gateway = self
+            .network
+            .addrs(slot)
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .host;
+        let pid = self
+            .run_restore(
+                id,
+                RestoreFrom {
+                    images: work.clone(),
+                    header,
+                    layers,
+                    userns,
+                    netns,
+                    new_log: Some((origin.log.clone(), log_path.clone())),
+                    // A new sandbox is a new machine; what its restored processes read before
+                    // stays in their memory.
+                    etc: Some((
+                        id_map.host_base,
+                        vec![
+                            ("resolv.conf", format!("nameserver {gateway}\n"), 0o644),
+                            (
+                                "machine-id",
+                                format!("{}\n", sandbar_core::ids::new_machine_id()),
+                                0o444,
+                            ),
+                        ],
+                    )),
+                    boot_id: boot_id.clone(),
+                },
+            )
+            .await
+            .map_err(bare)?;
+        let _ = log.set_len(0);
+        drop(log);
+        let _ = crate::disks::remove_tree(&work);
+        let restored = started.elapsed();
+        let handle = Handle::running(pid, slot, id_map, spec, boot_id);
+        let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        let endpoint = self.endpoint(id, slot).map_err(fail)?;
+        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
+            .await
+            .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
+        let workdir = default_workdir(&spec.image.user, &spec.image.workdir);
+        agent_client::init(
+            &endpoint.agent_socket,
+            &origin.access_token,
+            &agent_client::Init {
+                access_token: &spec.envd_access_token,
+                env_vars: &spec.env_vars,
+                default_user: &spec.image.user,
+                default_workdir: workdir,
+                memory_limit_mb: spec.memory_mb,
+            },
+        )
+        .await
+        .map_err(|e| {
+            fail(sandbox_err(
+                id,
+                format!("cannot hand the agent its sandbox: {e}"),
+            ))
+        })?;
+        tracing::debug!(
+            sandbox_id = %id,
+            restored_us = restored.as_micros() as u64,
+            ready_us = started.elapsed().as_micros() as u64,
+            "sandbox restored from a snapshot"
+        );
+        Ok((handle, endpoint))
+    }
+}

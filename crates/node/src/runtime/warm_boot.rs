@@ -1,0 +1,261 @@
+//! Sandboxes booted ahead of demand (see [`crate::warm`]) and how a create takes one.
+
+use super::*;
+
+/// How long a warm sandbox's agent may take to answer after its boot.
+pub(super) const WARM_AGENT_PATIENCE: Duration = Duration::from_secs(15);
+
+impl LinuxRuntime {
+    /// Keeps sandboxes booted for the image creates last asked for, in the background, from
+    /// now on. Called once the sandboxes recorded before a restart are recovered: the
+    /// recovery sweeps every unrecorded sandbox, and warm ones are never recorded.
+    pub fn start_warm_pool(self: &std::sync::Arc<Self>) {
+        if self.warm.target() == 0 {
+            return;
+        }
+        let runtime = std::sync::Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                let Some(node) = runtime.upgrade() else {
+                    return;
+                };
+                if let Some(wait) = node.warm.hold_off(std::time::Instant::now()) {
+                    drop(node);
+                    tokio::time::sleep(wait).await;
+                    continue;
+                }
+                let Some(working) = node.warm.work().await else {
+                    return;
+                };
+                match node.warm.next_job() {
+                    crate::warm::Job::Wait => {
+                        drop(working);
+                        // Also the retry pace after a failed boot.
+                        let pool = &node.warm;
+                        pool.wait(Duration::from_secs(1)).await;
+                    }
+                    crate::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
+                    crate::warm::Job::Boot(key) => {
+                        if let Err(err) = node.boot_warm(&key).await {
+                            drop(working);
+                            tracing::warn!(error = %err, "cannot boot a warm sandbox");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
+                }
+            }
+        });
+    }
+
+    /// Boots a sandbox for `key` under a name of its own and puts it in the pool. It counts
+    /// against no memory grant (an idle sandbox uses about a MiB) but against the disk pool,
+    /// like any disk.
+    pub(super) async fn boot_warm(&self, key: &crate::warm::WarmKey) -> Result<(), RuntimeError> {
+        let name = format!(
+            "{}{}",
+            crate::warm::NAME_PREFIX,
+            &sandbar_core::ids::new_secret("")[..16]
+        );
+        self.admit_start(&name)?;
+        self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?;
+        let netns = match self.netns_pool.claim(true).await {
+            Some(Ok(netns)) => netns,
+            Some(Err(err)) => {
+                self.disks.forget(&name);
+                return Err(sandbox_err(&name, err));
+            }
+            None => {
+                self.disks.forget(&name);
+                return Err(RuntimeError::NoCapacity {
+                    sandbox_id: name,
+                    message: "no free network slot on this node".into(),
+                });
+            }
+        };
+        let slot = netns.slot;
+        let id_map = self.id_map(slot);
+        let token = sandbar_core::ids::new_secret("");
+        let boot_id = sandbar_core::ids::new_uuid();
+        self.keep_layers(name.clone(), key.layers.clone());
+        let booted = async {
+            self.cgroups
+                .create(
+                    &name,
+                    Limits {
+                        cpu_count: 1,
+                        memory_mb: crate::warm::BOOT_MEMORY_MB,
+                        pids_max: self.config.pids_max,
+                    },
+                )
+                .map_err(|e| sandbox_err(&name, e))?;
+            let dir = self
+                .disks
+                .create(&name, crate::warm::BOOT_DISK_MB, id_map.host_base)
+                .map_err(|e| sandbox_err(&name, e))?;
+            let boot = BootSpec {
+                id: &name,
+                template_id: "(warm)",
+                layers: &key.layers,
+                volumes: &[],
+                agent: AgentConfig {
+                    access_token: Some(token.clone()),
+                    default_user: key.user.clone(),
+                    env_vars: Default::default(),
+                    default_workdir: default_workdir(&key.user, &key.workdir).map(str::to_owned),
+                    memory_limit_mb: None,
+                },
+                kept: false,
+                boot_id: &boot_id,
+            };
+            let pid = self.spawn_jailed(&boot, &dir, &netns, id_map).await?;
+            let warm = crate::warm::WarmSandbox {
+                name: name.clone(),
+                key: key.clone(),
+                pid,
+                start_ticks: start_ticks(pid).unwrap_or_default(),
+                slot,
+                id_map,
+                token: token.clone(),
+                boot_id: boot_id.clone(),
+            };
+            agent_client::wait_healthy(&self.socket_path(&name), WARM_AGENT_PATIENCE)
+                .await
+                .map_err(|e| sandbox_err(&name, e))?;
+            Ok::<_, RuntimeError>(warm)
+        }
+        .await;
+        drop(netns);
+        match booted {
+            Ok(warm) => {
+                tracing::debug!(warm = %warm.name, slot, "warm sandbox booted");
+                self.warm.put(warm);
+                Ok(())
+            }
+            Err(err) => {
+                let handle = Handle::warm(slot, id_map, 0, 0);
+                if let Err(cleanup) = self.teardown(&name, Some(&handle)).await {
+                    tracing::error!(warm = %name, error = %cleanup, "cannot clean up a warm sandbox");
+                }
+                Err(err)
+            }
+        }
+    }
+
+    pub(super) async fn retire_warm(&self, warm: &crate::warm::WarmSandbox) {
+        let handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        if let Err(err) = self.teardown(&warm.name, Some(&handle)).await {
+            tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
+        }
+    }
+
+    /// Makes warm sandbox `warm` sandbox `spec`: its cgroups, disk, socket and log take the
+    /// sandbox's id, its limits become the sandbox's and its agent gets the sandbox's token
+    /// and environment. On failure the warm sandbox is gone, whatever name it had got.
+    pub(super) async fn take_warm(
+        &self,
+        spec: &LaunchSpec,
+        warm: &crate::warm::WarmSandbox,
+    ) -> Result<(Handle, Endpoint), RuntimeError> {
+        let id = spec.sandbox_id.as_str();
+        let started = std::time::Instant::now();
+        let mut handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        if !is_alive(&handle) {
+            self.retire_warm(warm).await;
+            return Err(sandbox_err(id, format!("warm sandbox {} died", warm.name)));
+        }
+        let mut name = warm.name.as_str();
+        let taken = async {
+            self.cgroups
+                .rename(&warm.name, id)
+                .map_err(|e| sandbox_err(id, e))?;
+            name = id;
+            self.cgroups
+                .apply_limits(
+                    id,
+                    Limits {
+                        cpu_count: spec.cpu_count,
+                        memory_mb: spec.memory_mb,
+                        pids_max: self.config.pids_max,
+                    },
+                )
+                .map_err(|e| sandbox_err(id, e))?;
+            let disks = &self.disks;
+            disks
+                .hand_over(&warm.name, id, spec.disk_size_mb)
+                .map_err(|e| sandbox_err(id, e))?;
+            for (from, to) in [
+                (self.socket_path(&warm.name), self.socket_path(id)),
+                (self.log_path(&warm.name), self.log_path(id)),
+            ] {
+                std::fs::rename(&from, &to)
+                    .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
+            }
+            // What the agent logged while it waited is no part of this sandbox's life.
+            let log = self.log_path(id);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&log)
+                .and_then(|f| f.set_len(0))
+                .map_err(|e| sandbox_err(id, format!("empty {}: {e}", log.display())))?;
+            self.layers_in_use
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&warm.name);
+            self.keep_layers(id, spec.image.layers.clone());
+            // Before the agent hands anything out: the sandbox never has a moment without
+            // its rules.
+            self.apply_egress(id, warm.slot, true, &spec.egress).await?;
+            let endpoint = self.endpoint(id, warm.slot)?;
+            agent_client::init(
+                &endpoint.agent_socket,
+                &warm.token,
+                &agent_client::Init {
+                    access_token: &spec.envd_access_token,
+                    env_vars: &spec.env_vars,
+                    default_user: &spec.image.user,
+                    default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
+                    memory_limit_mb: spec.memory_mb,
+                },
+            )
+            .await
+            .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
+            handle = Handle::running(
+                warm.pid,
+                warm.slot,
+                warm.id_map,
+                spec,
+                Some(warm.boot_id.clone()),
+            );
+            handle.start_ticks = warm.start_ticks;
+            if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
+                self.start_and_wait_ready(spec, &endpoint).await?;
+            }
+            Ok::<_, RuntimeError>(endpoint)
+        }
+        .await;
+        match taken {
+            Ok(endpoint) => {
+                tracing::debug!(
+                    sandbox_id = %id,
+                    warm = %warm.name,
+                    taken_us = started.elapsed().as_micros() as u64,
+                    "warm sandbox taken"
+                );
+                Ok((handle, endpoint))
+            }
+            Err(err) => {
+                // Whatever was renamed already goes under the sandbox's id, the rest under
+                // the warm name.
+                let _ = self.teardown(name, Some(&handle)).await;
+                for rest in [warm.name.as_str(), id] {
+                    let _ = self.teardown(rest, None).await;
+                }
+                self.layers_in_use
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&warm.name);
+                Err(err)
+            }
+        }
+    }
+}

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""The code interpreter template against a running server, through E2B's code interpreter SDK:
+create → first `run_code("1+1")` result, the round trip of `run_code("1+1")` on a warm
+kernel, and the memory of idle interpreter sandboxes (their memory cgroups, read on this host).
+
+    E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000 \\
+    E2B_API_KEY=e2b_... python3 scripts/bench-interpreter.py [--creates 20] [--calls 100] [--idle 5]
+
+Run it as root on the server's host for the memory figures (cgroup v1 `memory.usage_in_bytes`
+under `/sys/fs/cgroup/memory/sandbar/<id>`, v2 `memory.current`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from e2b_code_interpreter import Sandbox
+
+
+def summary(name: str, samples: list) -> str:
+    samples = sorted(samples)
+    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
+    return f"| {name} | {len(samples)} | {statistics.median(samples):.1f} | {p95:.1f} |"
+
+
+def cgroup_bytes(sandbox_id: str):
+    for path in (
+        Path("/sys/fs/cgroup/memory/sandbar") / sandbox_id / "memory.usage_in_bytes",
+        Path("/sys/fs/cgroup/sandbar") / sandbox_id / "memory.current",
+    ):
+        try:
+            return int(path.read_text())
+        except OSError:
+            continue
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--creates", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--idle", type=int, default=5)
+    args = parser.parse_args()
+
+    first_results, creates = [], []
+    for _ in range(args.creates):
+        started = time.monotonic()
+        sbx = Sandbox.create(timeout=120)
+        created = time.monotonic()
+        assert sbx.run_code("1+1").text == "2"
+        done = time.monotonic()
+        creates.append((created - started) * 1000)
+        first_results.append((done - started) * 1000)
+        sbx.kill()
+
+    sbx = Sandbox.create(timeout=300)
+    try:
+        sbx.run_code("1+1")
+        trips = []
+        for _ in range(args.calls):
+            started = time.monotonic()
+            assert sbx.run_code("1+1").text == "2"
+            trips.append((time.monotonic() - started) * 1000)
+    finally:
+        sbx.kill()
+
+    idle = [Sandbox.create(timeout=300) for _ in range(args.idle)]
+    try:
+        for s in idle:
+            s.run_code("1+1")
+        time.sleep(5)
+        usage = [cgroup_bytes(s.sandbox_id) for s in idle]
+    finally:
+        for s in idle:
+            s.kill()
+
+    print("| measure | n | p50 ms | p95 ms |")
+    print("|---|---|---|---|")
+    print(summary("create (returns once the default kernel runs)", creates))
+    print(summary("create → first run_code('1+1') result", first_results))
+    print(summary("run_code('1+1') round trip, warm kernel", trips))
+    known = [u for u in usage if u is not None]
+    if known:
+        print(
+            f"\nidle interpreter sandbox, memory cgroup usage (page cache included): "
+            f"median {statistics.median(known) / 2**20:.1f} MiB over {len(known)} sandboxes"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""E2B's code interpreter SDK (`e2b_code_interpreter`), unchanged, against the built-in
+`code-interpreter-v1` template: stateful Python and bash kernels, contexts, streamed output
+and callbacks, rich results, errors, timeouts, environment variables, reconnects and a pause.
+
+The template is built in the background when the server starts; the module waits for it
+(minutes on a machine's first run, nothing once it is cached). One sandbox serves the whole
+module, a second one only the pause test.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import httpx
+import pytest
+from e2b import InvalidArgumentException, NotFoundException, TimeoutException
+
+from e2b_code_interpreter import Sandbox
+
+from e2e_util import TEMPLATE_WAIT_S
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def interpreter_template(sandbar):
+    return sandbar.wait_template("code-interpreter-v1", timeout=TEMPLATE_WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def sbx(sandbar, interpreter_template):
+    sandbox = Sandbox.create(timeout=300, envs={"GLOBAL_VAR": "from-create"})
+    try:
+        yield sandbox
+    finally:
+        try:
+            Sandbox.kill(sandbox.sandbox_id)
+        except Exception:  # noqa: BLE001 - teardown must not mask the result
+            pass
+
+
+def test_the_default_template_is_the_interpreter(sbx, interpreter_template):
+    assert sbx.get_info().template_id == interpreter_template["templateID"]
+
+
+def test_python_keeps_state_between_calls(sbx):
+    first = sbx.run_code("x = 41")
+    assert first.error is None and first.results == []
+    second = sbx.run_code("x += 1\nx")
+    assert second.text == "42"
+    assert second.execution_count == first.execution_count + 1
+    assert second.results[0].is_main_result
+
+
+def test_callbacks_arrive_in_order(sbx):
+    events = []
+    code = (
+        "import sys, time\n"
+        "print('to stdout', flush=True); time.sleep(0.2)\n"
+        "print('to stderr', file=sys.stderr, flush=True); time.sleep(0.2)\n"
+        "display('displayed')\n"
+        "'the result'"
+    )
+    execution = sbx.run_code(
+        code,
+        on_stdout=lambda m: events.append(("stdout", m.line)),
+        on_stderr=lambda m: events.append(("stderr", m.line)),
+        on_result=lambda r: events.append(("result", r.text, r.is_main_result)),
+        on_error=lambda e: events.append(("error", e.name)),
+    )
+    assert events == [
+        ("stdout", "to stdout\n"),
+        ("stderr", "to stderr\n"),
+        ("result", "displayed", False),
+        ("result", "the result", True),
+    ]
+    assert execution.logs.stdout == ["to stdout\n"]
+    assert execution.logs.stderr == ["to stderr\n"]
+    assert execution.text == "the result"
+
+
+def test_errors_carry_name_value_and_traceback(sbx):
+    seen = []
+    execution = sbx.run_code("def f():\n    return 1 / 0\nf()", on_error=seen.append)
+    assert execution.error is not None
+    assert execution.error.name == "ZeroDivisionError"
+    assert execution.error.value == "division by zero"
+    assert "f()" in execution.error.traceback and "ZeroDivisionError" in execution.error.traceback
+    assert [e.name for e in seen] == ["ZeroDivisionError"]
+    # The kernel goes on.
+    assert sbx.run_code("x").text == "42"
+
+
+def test_matplotlib_gives_a_png_and_a_chart(sbx):
+    execution = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2, 3], [4, 5, 6], label='line')\n"
+        "plt.title('growth')\n"
+        "plt.show()"
+    )
+    assert execution.error is None, execution.error
+    figures = [r for r in execution.results if r.png]
+    assert len(figures) == 1
+    assert base64.b64decode(figures[0].png).startswith(PNG_MAGIC)
+    chart = figures[0].chart
+    assert chart is not None and chart.title == "growth"
+    assert chart.elements[0].points == [(1.0, 4.0), (2.0, 5.0), (3.0, 6.0)]
+
+
+def test_dataframes_latex_and_json(sbx):
+    frame = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
+    result = frame.results[0]
+    assert result.is_main_result
+    assert result.data == {"a": [1, 2], "b": ["x", "y"]}
+    assert "<table" in result.html
+    rich = sbx.run_code(
+        "from IPython.display import JSON, Latex, display\n"
+        "display(Latex(r'$\\alpha^2$'))\n"
+        "JSON({'k': [1, 2]})"
+    )
+    latex, json_result = rich.results
+    assert latex.latex == "$\\alpha^2$" and not latex.is_main_result
+    assert json_result.json == {"k": [1, 2]} and json_result.is_main_result
+
+
+def test_the_data_libraries_are_there(sbx):
+    execution = sbx.run_code(
+        "import numpy, pandas, scipy, sklearn, matplotlib\n"
+        "from sklearn.linear_model import LinearRegression\n"
+        "from scipy import stats\n"
+        "model = LinearRegression().fit([[0], [1], [2]], [1, 3, 5])\n"
+        "round(float(model.coef_[0]), 3), round(float(stats.norm.cdf(0)), 3)"
+    )
+    assert execution.error is None, execution.error
+    assert execution.text == "(2.0, 0.5)"
+
+
+def test_bash_keeps_its_cwd_and_variables(sbx):
+    sbx.run_code("cd /tmp && COUNT=5", language="bash")
+    execution = sbx.run_code("echo $COUNT; pwd", language="bash")
+    assert execution.error is None
+    assert "".join(execution.logs.stdout) == "5\n/tmp\n"
+
+
+def test_environment_variables(sbx):
+    assert sbx.run_code("import os\nos.environ['GLOBAL_VAR']").text == "from-create"
+    once = sbx.run_code("os.environ.get('CALL_VAR')", envs={"CALL_VAR": "only-now"})
+    assert once.text == "only-now"
+    assert sbx.run_code("os.environ.get('CALL_VAR', 'gone')").text == "gone"
+    shadowed = sbx.run_code("os.environ['GLOBAL_VAR']", envs={"GLOBAL_VAR": "shadow"})
+    assert shadowed.text == "shadow"
+    assert sbx.run_code("os.environ['GLOBAL_VAR']").text == "from-create"
+    bash = sbx.run_code(
+        "echo \"$GLOBAL_VAR $CALL_VAR\"", language="bash", envs={"CALL_VAR": "it's bash"}
+    )
+    assert bash.logs.stdout == ["from-create it's bash\n"]
+    after = sbx.run_code("echo \"[${CALL_VAR-unset}]\"", language="bash")
+    assert after.logs.stdout == ["[unset]\n"]
+
+
+def test_contexts_are_independent(sbx):
+    ctx = sbx.create_code_context(cwd="/tmp")
+    assert ctx.language == "python" and ctx.cwd == "/tmp"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
+    sbx.run_code("only_here = 1", context=ctx)
+    assert sbx.run_code("only_here").error.name == "NameError"
+    assert sbx.run_code("x", context=ctx).error.name == "NameError"
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("only_here", context=ctx).error.name == "NameError"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
+
+    bash_ctx = sbx.create_code_context(language="bash", cwd="/")
+    assert sbx.run_code("pwd", context=bash_ctx).logs.stdout == ["/\n"]
+    sbx.remove_code_context(bash_ctx)
+
+    sbx.remove_code_context(ctx.id)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+    with pytest.raises(NotFoundException):
+        sbx.run_code("1", context=ctx)
+    with pytest.raises(InvalidArgumentException):
+        sbx.run_code("1", context=ctx, language="python")
+
+
+def test_a_kernel_that_exits_is_replaced(sbx):
+    ctx = sbx.create_code_context()
+    try:
+        sbx.run_code("lost = 1", context=ctx)
+        died = sbx.run_code("import os\nos._exit(3)", context=ctx, timeout=30)
+        assert died.error is not None and died.error.name == "KernelDied"
+        # The next execution gets a new kernel: the context goes on, its state does not.
+        assert sbx.run_code("1 + 1", context=ctx).text == "2"
+        assert sbx.run_code("lost", context=ctx).error.name == "NameError"
+    finally:
+        sbx.remove_code_context(ctx)
+
+
+def test_the_wire_refuses_context_and_language_together(sbx):
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    url = sbx.connection_config.get_sandbox_url(sbx.sandbox_id, sbx.sandbox_domain, port=49999)
+    both = httpx.post(
+        f"{url}/execute",
+        json={"code": "1", "context_id": "x", "language": "python"},
+        headers=headers,
+        timeout=30,
+    )
+    assert both.status_code == 400
+    unknown = httpx.post(
+        f"{url}/execute", json={"code": "1", "context_id": "nope"}, headers=headers, timeout=30
+    )
+    assert unknown.status_code == 404
+    assert httpx.get(f"{url}/health", headers=headers, timeout=30).status_code == 200
+
+
+def test_a_timeout_interrupts_the_execution(sbx):
+    started = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sbx.run_code("import time\ntime.sleep(60)\nleft = True", timeout=2)
+    assert time.monotonic() - started < 10
+    # The client's hang-up interrupted the sleep: the kernel answers at once, and the line
+    # after it never ran.
+    deadline = time.monotonic() + 10
+    after = sbx.run_code("'left' in globals()", timeout=10)
+    assert after.text == "False"
+    assert time.monotonic() < deadline
+
+
+def test_connect_sees_the_same_kernel(sbx):
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.run_code("x").text == "42"
+
+
+def test_pause_and_resume_keep_variables(sandbar, interpreter_template):
+    sandbox = Sandbox.create(timeout=120)
+    try:
+        sandbox.run_code("kept = [1, 2, 3]")
+        assert sandbox.pause() is True
+        resumed = Sandbox.connect(sandbox.sandbox_id, timeout=120)
+        assert resumed.run_code("sum(kept)").text == "6"
+    finally:
+        Sandbox.kill(sandbox.sandbox_id)
+
+
+def test_the_npm_sdk(sandbar, interpreter_template):
+    from test_js_sdk import JS_DIR, run_node_test
+
+    assert (JS_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir(), (
+        f"the npm code interpreter SDK is not installed: run `npm ci --prefix {JS_DIR}`"
+    )
+    run_node_test(sandbar, "code_interpreter.test.mjs")
