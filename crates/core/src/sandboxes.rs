@@ -353,6 +353,16 @@ struct Live {
 }
 
 impl Live {
+    /// Moves the entry to `to` if the lifecycle's table allows it from where it is; the
+    /// status it had, or the one that refused. Every change of a status in the registry is
+    /// made here.
+    fn move_to(&mut self, to: SandboxStatus) -> Result<SandboxStatus, SandboxStatus> {
+        if !self.status.can_become(to) {
+            return Err(self.status);
+        }
+        Ok(std::mem::replace(&mut self.status, to))
+    }
+
     /// The registry entry of a sandbox the store recorded, taken back after a restart.
     fn recorded(
         sandbox: &Sandbox,
@@ -632,7 +642,6 @@ impl Sandboxes {
         // log before the log exists.
         self.log_start(&sandbox, now).await;
         if let Some(entry) = self.live().get_mut(&id) {
-            entry.status = SandboxStatus::Running;
             entry.endpoint = Some(endpoint);
             entry.access_token = sandbox.envd_access_token.clone();
             entry.handle = sandbox.handle.clone();
@@ -644,6 +653,8 @@ impl Sandboxes {
             entry.memory_mb = sandbox.memory_mb;
             entry.disk_size_mb = sandbox.disk_size_mb;
         }
+        // Routable only now that its endpoint and token are in place.
+        self.set_status(&id, SandboxStatus::Running, None);
         // A statistic nothing waits for: written after the response.
         let store = self.store.clone();
         let template_id = template.id.clone();
@@ -1043,12 +1054,15 @@ impl Sandboxes {
         if !may(entry) {
             return Claim::Declined;
         }
-        if entry.status.is_transient() || !entry.status.can_stop() {
+        if entry.status.is_transient() {
             return Claim::Busy(entry.status);
         }
-        Claim::Claimed {
-            previous: std::mem::replace(&mut entry.status, SandboxStatus::Stopping),
-            handle: entry.handle.clone(),
+        match entry.move_to(SandboxStatus::Stopping) {
+            Ok(previous) => Claim::Claimed {
+                previous,
+                handle: entry.handle.clone(),
+            },
+            Err(status) => Claim::Busy(status),
         }
     }
 
@@ -1082,10 +1096,8 @@ impl Sandboxes {
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
         if let Err(err) = self.runtime.destroy(id, handle).await {
-            if let Some(phase) = previous
-                && let Some(entry) = self.live().get_mut(id)
-            {
-                entry.status = phase;
+            if let Some(previous) = previous {
+                self.set_status(id, previous, None);
             }
             return Err(err.into());
         }
@@ -1244,10 +1256,10 @@ impl Sandboxes {
     ) -> Result<SandboxStatus, Option<SandboxStatus>> {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
-        if !check(entry) || !entry.status.can_become(to) {
+        if !check(entry) {
             return Err(Some(entry.status));
         }
-        Ok(std::mem::replace(&mut entry.status, to))
+        entry.move_to(to).map_err(Some)
     }
 
     /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
@@ -1268,21 +1280,32 @@ impl Sandboxes {
         }
     }
 
-    /// Sets the registry's status (and handle, when given) without the store: for a claim
-    /// given back (the store never saw it), and for a status the store could not record,
-    /// which the registry has to show all the same.
+    /// Moves the registry's status (and handle, when given) without the store: for a claim
+    /// given back (the store never saw it), for a status the store could not record, which
+    /// the registry has to show all the same, and for a settled status whose record was
+    /// written first. The table is checked all the same: a move it refuses is a bug,
+    /// logged, and the registry keeps what it had.
     fn set_status(&self, id: &str, status: SandboxStatus, handle: Option<&RuntimeHandle>) {
-        if let Some(entry) = self.live().get_mut(id) {
-            entry.status = status;
-            if let Some(handle) = handle {
-                entry.handle = handle.clone();
+        let mut live = self.live();
+        let Some(entry) = live.get_mut(id) else {
+            return;
+        };
+        match entry.move_to(status) {
+            Ok(_) => {
+                if let Some(handle) = handle {
+                    entry.handle = handle.clone();
+                }
+            }
+            Err(from) => {
+                tracing::error!(sandbox_id = %id, from = from.name(), to = status.name(), "refused status change in the registry");
             }
         }
     }
 
-    /// Records `status` for `id` in the store only: for recovery, before the sandbox is in
-    /// the registry, and for the release a pause without memory goes through while the
-    /// registry holds the status that asked for it.
+    /// Records `status` for `id` in the store only, where the store must say more than the
+    /// registry: the release a pause without memory (or a resume dropping memory) goes
+    /// through while the registry holds the claim that asked for it, and a new handle in the
+    /// status recovery found. Every other status change goes through [`Self::transition`].
     async fn record(
         &self,
         id: &str,
@@ -1312,7 +1335,7 @@ impl Sandboxes {
             let from = entry.status;
             let plan = transition_plan(from, to).ok_or_else(|| refused(Some(from)))?;
             if plan.claim {
-                entry.status = to;
+                entry.move_to(to).map_err(|from| refused(Some(from)))?;
             }
             (from, plan)
         };
@@ -1324,7 +1347,15 @@ impl Sandboxes {
             }
             return Err(err.into());
         }
-        self.set_status(id, to, handle);
+        if plan.claim {
+            if let Some(handle) = handle
+                && let Some(entry) = self.live().get_mut(id)
+            {
+                entry.handle = handle.clone();
+            }
+        } else {
+            self.set_status(id, to, handle);
+        }
         Ok(from)
     }
 
@@ -1547,8 +1578,9 @@ impl Sandboxes {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
         let to = entry.status.waking().ok_or(Some(entry.status))?;
+        let from = entry.move_to(to).map_err(Some)?;
         sandbox.handle = entry.handle.clone();
-        Ok(std::mem::replace(&mut entry.status, to))
+        Ok(from)
     }
 
     /// Thaws (or boots again, `from` shelved, or restores, `from` checkpointed) a sandbox
@@ -1573,8 +1605,13 @@ impl Sandboxes {
                     tracing::info!(sandbox_id = %id, ms = started.elapsed().as_millis() as u64, "sandbox restored from its checkpoint");
                     restored
                 };
+                // Not routable before the transition below, which makes it running.
+                if let Some(entry) = self.live().get_mut(&id) {
+                    entry.end_at = end_at;
+                    entry.endpoint = Some(endpoint.clone());
+                }
                 if let Err(err) = self
-                    .record(&id, SandboxStatus::Running, Some(&handle))
+                    .transition(&id, SandboxStatus::Running, Some(&handle))
                     .await
                 {
                     // Unrecorded processes would outlive the server: back to the kept files
@@ -1601,9 +1638,9 @@ impl Sandboxes {
                         tracing::error!(sandbox_id = %id, error = %err, "cannot restore the sandbox; it stays checkpointed");
                     }
                     if let Some(entry) = self.live().get_mut(&id) {
-                        entry.status = from;
-                        entry.handle = sandbox.handle.clone();
+                        entry.endpoint = None;
                     }
+                    self.set_status(&id, from, Some(&sandbox.handle));
                     return Err(err);
                 }
             }
@@ -1612,7 +1649,10 @@ impl Sandboxes {
                 self.store.set_sandbox_end(&id, end_at).await?;
                 self.runtime.resume(&id, &sandbox.handle).await?;
                 crate::faults::crash_point("resume.thawed");
-                self.record(&id, SandboxStatus::Running, None).await?;
+                if let Some(entry) = self.live().get_mut(&id) {
+                    entry.end_at = end_at;
+                }
+                self.transition(&id, SandboxStatus::Running, None).await?;
                 Ok::<(), SandboxError>(())
             }
             .await;
@@ -1623,16 +1663,8 @@ impl Sandboxes {
             }
             None
         };
-        if let Some((handle, _)) = &booted {
-            sandbox.handle = handle.clone();
-        }
-        if let Some(entry) = self.live().get_mut(&id) {
-            entry.end_at = end_at;
-            entry.status = SandboxStatus::Running;
-            if let Some((handle, endpoint)) = booted {
-                entry.handle = handle;
-                entry.endpoint = Some(endpoint);
-            }
+        if let Some((handle, _)) = booted {
+            sandbox.handle = handle;
         }
         sandbox.end_at = end_at;
         sandbox.status = SandboxStatus::Running;

@@ -1,7 +1,7 @@
 //! After a restart: taking back every recorded sandbox in the status the store gives it,
 //! finishing what the server died in the middle of, and cleaning up what cannot be kept.
 
-use super::{Live, Sandboxes};
+use super::{Live, Sandboxes, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::Sandbox;
@@ -28,7 +28,7 @@ impl Sandboxes {
                     .await
                 {
                     Ok(released) => {
-                        self.record(&sandbox.id, SandboxStatus::Shelved, Some(&released))
+                        self.recover_to(&sandbox, SandboxStatus::Shelved, Some(&released))
                             .await?;
                         sandbox.handle = released;
                         sandbox.status = SandboxStatus::Shelved;
@@ -51,7 +51,7 @@ impl Sandboxes {
                 // The server died during the dump, before it ended the processes: what the
                 // dump wrote is incomplete, and the sandbox is still frozen in memory.
                 self.runtime.discard_checkpoint(&sandbox.id).await;
-                self.record(&sandbox.id, SandboxStatus::Paused, None)
+                self.recover_to(&sandbox, SandboxStatus::Paused, None)
                     .await?;
                 sandbox.status = SandboxStatus::Paused;
             }
@@ -82,6 +82,7 @@ impl Sandboxes {
                     if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                         tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
                     }
+                    self.live().remove(&sandbox.id);
                     self.store.delete_sandbox(&sandbox.id).await?;
                     self.activity
                         .close(
@@ -92,6 +93,8 @@ impl Sandboxes {
                         .await;
                 }
                 Err(err) => {
+                    // Not routed to until a restart adopts it, as before it was recovered.
+                    self.live().remove(&sandbox.id);
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
                 }
             }
@@ -119,7 +122,7 @@ impl Sandboxes {
                 match self.runtime.release(&sandbox.id, &sandbox.handle).await {
                     Ok(released) => {
                         tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
-                        self.record(&sandbox.id, SandboxStatus::Shelved, Some(&released))
+                        self.recover_to(sandbox, SandboxStatus::Shelved, Some(&released))
                             .await?;
                         let shelved = Sandbox {
                             handle: released,
@@ -148,6 +151,7 @@ impl Sandboxes {
                 if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
                 }
+                self.live().remove(&sandbox.id);
                 self.store.delete_sandbox(&sandbox.id).await?;
                 self.activity
                     .close(
@@ -160,7 +164,7 @@ impl Sandboxes {
             }
         };
         if sandbox.status != SandboxStatus::Checkpointed || handle != sandbox.handle {
-            self.record(&sandbox.id, SandboxStatus::Checkpointed, Some(&handle))
+            self.recover_to(sandbox, SandboxStatus::Checkpointed, Some(&handle))
                 .await?;
         }
         self.live().insert(
@@ -189,7 +193,7 @@ impl Sandboxes {
         handle: RuntimeHandle,
         endpoint: Endpoint,
     ) -> Result<(), StoreError> {
-        self.record(&sandbox.id, SandboxStatus::Running, Some(&handle))
+        self.recover_to(sandbox, SandboxStatus::Running, Some(&handle))
             .await?;
         self.runtime.discard_checkpoint(&sandbox.id).await;
         let mut running = sandbox.clone();
@@ -223,6 +227,7 @@ impl Sandboxes {
             if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
             }
+            self.live().remove(&sandbox.id);
             self.store.delete_sandbox(&sandbox.id).await?;
             return Ok(false);
         }
@@ -253,6 +258,7 @@ impl Sandboxes {
             if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
             }
+            self.live().remove(&sandbox.id);
             self.store.delete_sandbox(&sandbox.id).await?;
             self.activity
                 .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
@@ -286,7 +292,7 @@ impl Sandboxes {
                 Ok(()) => Ok(SandboxStatus::Paused),
                 Err(err) => {
                     tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
-                    self.record(&sandbox.id, SandboxStatus::Running, None)
+                    self.recover_to(sandbox, SandboxStatus::Running, None)
                         .await?;
                     Ok(SandboxStatus::Running)
                 }
@@ -294,11 +300,54 @@ impl Sandboxes {
             (false, true) => {
                 if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
                     tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
-                    self.record(&sandbox.id, SandboxStatus::Paused, None)
+                    self.recover_to(sandbox, SandboxStatus::Paused, None)
                         .await?;
                     return Ok(SandboxStatus::Paused);
                 }
                 Ok(SandboxStatus::Running)
+            }
+        }
+    }
+
+    /// After a restart, before anything is served: enters `sandbox` in the registry in the
+    /// status the store gave it and moves it to `to` through the statuses the lifecycle
+    /// allows between them, so that the one transition records `to` (with `handle`, when
+    /// given) as any other change would. The statuses on the way are the registry's alone.
+    async fn recover_to(
+        &self,
+        sandbox: &Sandbox,
+        to: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<(), StoreError> {
+        let id = sandbox.id.as_str();
+        let entered = self.live().get(id).map(|l| l.status);
+        let from = match entered {
+            Some(status) => status,
+            None => {
+                self.live().insert(
+                    id.to_owned(),
+                    Live::recorded(sandbox, sandbox.handle.clone(), None, sandbox.status),
+                );
+                sandbox.status
+            }
+        };
+        let Some(path) = from.path_to(to) else {
+            tracing::error!(sandbox_id = %id, from = from.name(), to = to.name(), "no transition leads there; the record is left as it is");
+            return Ok(());
+        };
+        let Some((last, through)) = path.split_last() else {
+            // Already there: only its handle changed.
+            return self.record(id, to, handle).await;
+        };
+        for step in through {
+            self.set_status(id, *step, None);
+        }
+        match self.transition(id, *last, handle).await {
+            Ok(_) => Ok(()),
+            Err(TransitionError::Store(err)) => Err(err),
+            Err(refused @ TransitionError::Refused { .. }) => {
+                tracing::error!(sandbox_id = %id, error = %refused, "the record is left as it is");
+                Ok(())
             }
         }
     }
