@@ -171,13 +171,13 @@ def _restart_killed_after(sandbar, change) -> None:
 
 def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
     """Stops the server with kill -9, records the sandbox as it would be had the server died
-    during a checkpoint (`paused_as = checkpointing`), and starts it again."""
+    during a checkpoint (`status = checkpointing`), and starts it again."""
     import sqlite3
 
     def record_checkpointing():
         db = sqlite3.connect(sandbar.data_dir / "sandbar.db")
         try:
-            db.execute("UPDATE sandboxes SET paused_as = 'checkpointing' WHERE id = ?", (sandbox_id,))
+            db.execute("UPDATE sandboxes SET status = 'checkpointing' WHERE id = ?", (sandbox_id,))
             db.commit()
         finally:
             db.close()

@@ -266,7 +266,7 @@ impl From<&Sandbox> for ListedSandbox {
             memory_mb: s.memory_mb,
             disk_size_mb: s.disk_size_mb,
             metadata: s.metadata.clone(),
-            state: s.state.into(),
+            state: s.state().into(),
             envd_version: s.envd_version.clone(),
         }
     }

@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -13,50 +11,12 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{
-    Auth, Endpoint, LaunchSpec, LimitChanges, RateLimits, Runtime, RuntimeError, RuntimeHandle,
-    Sandboxes, SandboxesConfig, Templates,
-};
+use sandbar_core::{Auth, LimitChanges, RateLimits, Sandboxes, SandboxesConfig, Templates};
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-#[derive(Default)]
-struct CountingRuntime {
-    launched: AtomicUsize,
-}
-
-#[async_trait::async_trait]
-impl Runtime for CountingRuntime {
-    async fn launch(&self, _: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        self.launched.fetch_add(1, Ordering::SeqCst);
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-    async fn pause(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    async fn resume(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-}
+use common::FakeRuntime;
 
 const LIMITS: TeamLimits = TeamLimits {
     max_concurrent_sandboxes: 100,
@@ -71,7 +31,7 @@ struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
     auth: Auth,
-    runtime: Arc<CountingRuntime>,
+    runtime: Arc<FakeRuntime>,
     team_id: String,
     key: String,
     token: String,
@@ -111,7 +71,7 @@ async fn harness() -> Harness {
         .register(&common::base_template(now))
         .await
         .expect("template");
-    let runtime = Arc::new(CountingRuntime::default());
+    let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime.clone(),
@@ -626,7 +586,7 @@ async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
             .await
             .expect("reset");
     }
-    assert_eq!(h.runtime.launched.load(Ordering::SeqCst), 0);
+    assert_eq!(h.runtime.launches(), 0);
     let reply = h
         .call(
             "POST",
@@ -669,7 +629,7 @@ async fn changed_limits_apply_to_the_next_request() {
         .parse()
         .expect("seconds");
     assert!((1..=30).contains(&wait), "{wait}");
-    assert_eq!(h.runtime.launched.load(Ordering::SeqCst), 1);
+    assert_eq!(h.runtime.launches(), 1);
 
     h.auth
         .set_team_limits(

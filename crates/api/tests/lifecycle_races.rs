@@ -2,14 +2,10 @@
 //! calls stop at a gate until the test lets them through: the reaper against an extend, two
 //! connects on one paused sandbox, a kill against a pause, a resume or a snapshot.
 
-// Shared with the other suites, which use more of it.
-#[allow(dead_code)]
 mod common;
 
-use std::collections::HashSet;
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -18,106 +14,18 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::{SandboxRecords, TeamRecords, TemplateRecords};
 use sandbar_core::{
-    Auth, Builds, CreateSandbox, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError,
-    RuntimeHandle, SandboxError, SandboxState, Sandboxes, SandboxesConfig, SnapshotParts, Store,
-    Team, Templates,
+    Auth, Builds, CreateSandbox, RateLimits, SandboxError, SandboxState, Sandboxes,
+    SandboxesConfig, Team, Templates,
 };
 use sandbar_store::SqliteStore;
-use serde_json::json;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 use tower::ServiceExt;
 
+use common::FakeRuntime;
+
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
-
-/// A runtime whose `gated` calls report that they arrived and then wait for a permit.
-struct GatedRuntime {
-    gated: HashSet<&'static str>,
-    arrived: mpsc::UnboundedSender<(&'static str, String)>,
-    gate: Semaphore,
-    destroyed: Mutex<Vec<String>>,
-    no_capacity: AtomicBool,
-}
-
-impl GatedRuntime {
-    async fn pass(&self, call: &'static str, sandbox_id: &str) {
-        if self.gated.contains(call) {
-            self.arrived
-                .send((call, sandbox_id.to_owned()))
-                .expect("the test listens");
-            self.gate.acquire().await.expect("gate").forget();
-        }
-    }
-
-    fn destroyed(&self) -> Vec<String> {
-        self.destroyed.lock().expect("lock").clone()
-    }
-}
-
-fn endpoint() -> Endpoint {
-    Endpoint {
-        agent_socket: "/nonexistent/agent.sock".into(),
-        address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-    }
-}
-
-#[async_trait::async_trait]
-impl Runtime for GatedRuntime {
-    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        if self.no_capacity.load(Ordering::SeqCst) {
-            return Err(RuntimeError::NoCapacity {
-                sandbox_id: spec.sandbox_id,
-                message: "this node has granted all of its memory".into(),
-            });
-        }
-        Ok((RuntimeHandle(json!({})), endpoint()))
-    }
-
-    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        self.pass("destroy", sandbox_id).await;
-        self.destroyed
-            .lock()
-            .expect("lock")
-            .push(sandbox_id.to_owned());
-        Ok(())
-    }
-
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-
-    async fn pause(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        self.pass("pause", sandbox_id).await;
-        Ok(())
-    }
-
-    async fn resume(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        self.pass("resume", sandbox_id).await;
-        Ok(())
-    }
-
-    async fn snapshot(
-        &self,
-        sandbox_id: &str,
-        _: &RuntimeHandle,
-        _: &str,
-        _: bool,
-    ) -> Result<SnapshotParts, RuntimeError> {
-        self.pass("snapshot", sandbox_id).await;
-        Ok(SnapshotParts {
-            layer: format!("layer/snapshot-{sandbox_id}"),
-            checkpoint: None,
-        })
-    }
-}
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -125,7 +33,7 @@ struct Harness {
     team: Team,
     sandboxes: Arc<Sandboxes>,
     builds: Builds,
-    runtime: Arc<GatedRuntime>,
+    runtime: Arc<FakeRuntime>,
     arrived: mpsc::UnboundedReceiver<(&'static str, String)>,
     app: axum::Router,
 }
@@ -161,14 +69,8 @@ async fn harness(gated: &[&'static str]) -> Harness {
         .register(&common::base_template(Utc::now()))
         .await
         .expect("template");
-    let (tx, arrived) = mpsc::unbounded_channel();
-    let runtime = Arc::new(GatedRuntime {
-        gated: gated.iter().copied().collect(),
-        arrived: tx,
-        gate: Semaphore::new(0),
-        destroyed: Mutex::new(Vec::new()),
-        no_capacity: AtomicBool::new(false),
-    });
+    let (runtime, arrived) = FakeRuntime::gated(gated);
+    let runtime = Arc::new(runtime);
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime.clone(),
@@ -226,7 +128,7 @@ impl Harness {
 
     /// Lets every waiting and later gated call through.
     fn open_gate(&self) {
-        self.runtime.gate.add_permits(1000);
+        self.runtime.open_gate();
     }
 
     async fn state(&self, id: &str) -> Option<SandboxState> {
@@ -234,7 +136,7 @@ impl Harness {
             .get(&self.team, id)
             .await
             .ok()
-            .map(|s| s.state)
+            .map(|s| s.state())
     }
 
     async fn call(&self, method: &str, uri: &str, body: Option<&str>) -> axum::response::Response {
@@ -358,7 +260,7 @@ async fn two_connects_to_a_paused_sandbox_both_succeed() {
     let (sandbox, second_resumed) = second.await.expect("second").expect("second connect");
     // 201 for the one that resumed it, 200 for the one that found it running.
     assert!(first_resumed && !second_resumed);
-    assert_eq!(sandbox.state, SandboxState::Running);
+    assert_eq!(sandbox.state(), SandboxState::Running);
     assert!(h.sandboxes.route(&id).is_some());
 }
 

@@ -1,9 +1,7 @@
 //! Sandbox logs, team metrics, list filters and refreshes in-process: a real SQLite store and
 //! router, with a runtime double whose agent logs are in memory.
 
-use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
@@ -15,76 +13,18 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
-use sandbar_core::{
-    Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Team, Templates,
-};
+use sandbar_core::store::{SandboxLogRecords, SandboxRecords, TeamRecords};
+use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Team, Templates};
 use sandbar_store::SqliteStore;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tower::ServiceExt;
 
-/// Starts nothing; each sandbox's agent log is a byte buffer tests append to.
-#[derive(Default)]
-struct LoggingRuntime {
-    agent_logs: Mutex<HashMap<String, Vec<u8>>>,
-}
-
-impl LoggingRuntime {
-    fn agent_writes(&self, id: &str, text: &str) {
-        self.agent_logs
-            .lock()
-            .expect("lock")
-            .entry(id.to_owned())
-            .or_default()
-            .extend_from_slice(text.as_bytes());
-    }
-}
-
-#[async_trait::async_trait]
-impl Runtime for LoggingRuntime {
-    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        self.agent_writes(
-            &spec.sandbox_id,
-            "2026-01-01T00:00:00.5Z  INFO sandbar_agent: agent started version=0.5.7\n",
-        );
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-
-    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        self.agent_logs.lock().expect("lock").remove(sandbox_id);
-        Ok(())
-    }
-
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-
-    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<Vec<u8>> {
-        let logs = self.agent_logs.lock().expect("lock");
-        let log = logs.get(sandbox_id)?;
-        let start = (offset as usize).min(log.len());
-        Some(log[start..(start + max).min(log.len())].to_vec())
-    }
-}
+use common::FakeRuntime;
 
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
-    runtime: Arc<LoggingRuntime>,
+    runtime: Arc<FakeRuntime>,
     sandboxes: Arc<Sandboxes>,
     store: Arc<SqliteStore>,
     team_id: String,
@@ -150,7 +90,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
         .register(&common::base_template(now))
         .await
         .expect("template");
-    let runtime = Arc::new(LoggingRuntime::default());
+    let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime.clone(),

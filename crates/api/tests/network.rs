@@ -2,10 +2,9 @@
 //! `PUT /sandboxes/{id}/network`, what reaches the runtime, and the edge's traffic token and
 //! host mask on user ports (served by a plain HTTP server on 127.0.0.1).
 
-use std::net::{IpAddr, Ipv4Addr};
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -13,70 +12,20 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{
-    Auth, EgressRules, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
-    Sandboxes, SandboxesConfig, Templates,
-};
+use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Templates};
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::ServiceExt;
 
-#[derive(Default)]
-struct RecordingRuntime {
-    launched: Mutex<Vec<LaunchSpec>>,
-    updates: Mutex<Vec<(String, EgressRules)>>,
-}
-
-#[async_trait::async_trait]
-impl Runtime for RecordingRuntime {
-    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        self.launched.lock().expect("lock").push(spec);
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-
-    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-
-    async fn update_network(
-        &self,
-        sandbox_id: &str,
-        _: &RuntimeHandle,
-        rules: &EgressRules,
-    ) -> Result<(), RuntimeError> {
-        self.updates
-            .lock()
-            .expect("lock")
-            .push((sandbox_id.to_owned(), rules.clone()));
-        Ok(())
-    }
-
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-}
+use common::FakeRuntime;
 
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
-    runtime: Arc<RecordingRuntime>,
+    runtime: Arc<FakeRuntime>,
 }
 
 struct Reply {
@@ -111,7 +60,7 @@ async fn harness() -> Harness {
         .register(&common::base_template(now))
         .await
         .expect("template");
-    let runtime = Arc::new(RecordingRuntime::default());
+    let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime.clone(),
@@ -174,7 +123,7 @@ impl Harness {
     }
 
     fn launched(&self) -> usize {
-        self.runtime.launched.lock().expect("lock").len()
+        self.runtime.launches()
     }
 }
 
@@ -221,7 +170,7 @@ async fn egress_rules_reach_the_runtime_and_read_back() {
 
     // A sandbox without network settings has no rules and shows none.
     let plain = h.create(json!({})).await;
-    let launched = h.runtime.launched.lock().expect("lock").len();
+    let launched = h.runtime.launches();
     assert_eq!(launched, 2);
     let detail = h
         .api(
@@ -318,7 +267,7 @@ async fn network_update_replaces_rules() {
         .await;
     assert_eq!(reply.status, StatusCode::NO_CONTENT, "{:?}", reply.body);
     {
-        let updates = h.runtime.updates.lock().expect("lock");
+        let updates = h.runtime.network_updates.lock().expect("lock");
         let (updated, rules) = updates.last().expect("update");
         assert_eq!(updated, &id);
         assert!(rules.allows_domain("example.com"));
@@ -334,7 +283,7 @@ async fn network_update_replaces_rules() {
         .await;
     assert_eq!(reply.status, StatusCode::NO_CONTENT);
     {
-        let updates = h.runtime.updates.lock().expect("lock");
+        let updates = h.runtime.network_updates.lock().expect("lock");
         assert!(updates.last().expect("update").1.is_isolated());
     }
     let detail = h.api("GET", &format!("/sandboxes/{id}"), None).await;
@@ -362,7 +311,7 @@ async fn network_update_replaces_rules() {
         StatusCode::NOT_FOUND,
         "iaaaaaaaaaaaaaaaaaaaa",
     );
-    assert_eq!(h.runtime.updates.lock().expect("lock").len(), 2);
+    assert_eq!(h.runtime.network_updates.lock().expect("lock").len(), 2);
 }
 
 /// A one-shot HTTP server on 127.0.0.1 that answers each request with the Host header and

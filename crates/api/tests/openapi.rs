@@ -6,7 +6,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -15,14 +14,13 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{
-    Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Templates, Volumes,
-};
+use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Templates, Volumes};
 use sandbar_node::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
 use serde_json::{Map, Value, json};
 use tower::ServiceExt;
+
+use common::FakeRuntime;
 
 /// The endpoints of E2B's API reference (method, path) that the document must describe.
 const SEED_ENDPOINTS: &[(&str, &str)] = &[
@@ -158,40 +156,6 @@ fn every_operation_declares_its_security_and_error_body() {
     }
 }
 
-#[derive(Default)]
-struct PausingRuntime;
-
-#[async_trait::async_trait]
-impl Runtime for PausingRuntime {
-    async fn launch(&self, _: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-    async fn pause(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    async fn resume(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-}
-
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
@@ -248,7 +212,7 @@ async fn harness() -> Harness {
     let sandboxes = Arc::new(
         Sandboxes::new(
             store.clone(),
-            Arc::new(PausingRuntime),
+            Arc::new(FakeRuntime::default()),
             templates.clone(),
             SandboxesConfig::default(),
         )

@@ -2,93 +2,19 @@
 //! SQLite store and a runtime double whose dump takes a while (the end-to-end suite covers
 //! CRIU itself).
 
-// Shared with the other suites, which use more of it.
-#[allow(dead_code)]
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{
-    Auth, CreateSandbox, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Templates,
-};
+use sandbar_core::store::TeamRecords;
+use sandbar_core::{Auth, CreateSandbox, Sandboxes, SandboxesConfig, Templates};
 use sandbar_store::SqliteStore;
 use serde_json::json;
 
-/// Sandboxes whose handle says whether they are checkpointed, as the node's does.
-struct SlowDumps;
-
-fn refuse(sandbox_id: &str, message: &str) -> RuntimeError {
-    RuntimeError::Sandbox {
-        sandbox_id: sandbox_id.to_owned(),
-        message: message.to_owned(),
-    }
-}
-
-fn endpoint() -> Endpoint {
-    Endpoint {
-        agent_socket: "/nonexistent/agent.sock".into(),
-        address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-    }
-}
-
-#[async_trait::async_trait]
-impl Runtime for SlowDumps {
-    async fn launch(&self, _: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
-    }
-
-    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-
-    async fn pause(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-
-    async fn resume(&self, id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
-        if handle.0["checkpointed"] == json!(true) {
-            return Err(refuse(id, "a checkpointed sandbox cannot be thawed"));
-        }
-        Ok(())
-    }
-
-    fn can_checkpoint(&self) -> bool {
-        true
-    }
-
-    async fn checkpoint(&self, _: &str, _: &RuntimeHandle) -> Result<RuntimeHandle, RuntimeError> {
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        Ok(RuntimeHandle(json!({"checkpointed": true})))
-    }
-
-    async fn restore(
-        &self,
-        id: &str,
-        handle: &RuntimeHandle,
-    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        if handle.0["checkpointed"] != json!(true) {
-            return Err(refuse(id, "the sandbox is not checkpointed"));
-        }
-        Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
-    }
-}
+use common::FakeRuntime;
 
 #[tokio::test]
 async fn a_resume_during_a_checkpoint_restores_from_it() {
@@ -123,7 +49,7 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
         .expect("template");
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
-        Arc::new(SlowDumps),
+        Arc::new(FakeRuntime::with_checkpoints(Duration::from_millis(300))),
         templates,
         SandboxesConfig {
             pause_grace: Duration::ZERO,

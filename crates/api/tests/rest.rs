@@ -1,10 +1,9 @@
 //! The REST surface in-process: a real SQLite store and router, with a runtime double that
 //! records launches instead of starting processes (the end-to-end suite covers real sandboxes).
 
-use std::net::{IpAddr, Ipv4Addr};
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -13,62 +12,21 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
+use sandbar_core::store::{TeamRecords, TemplateRecords};
 use sandbar_core::{
-    Auth, BuildStatus, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle,
-    Sandboxes, SandboxesConfig, Store, Team, Template, Templates,
+    Auth, BuildStatus, RateLimits, Sandboxes, SandboxesConfig, Team, Template, Templates,
 };
 use sandbar_store::SqliteStore;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tower::ServiceExt;
 
-#[derive(Default)]
-struct RecordingRuntime {
-    launched: Mutex<Vec<String>>,
-    destroyed: Mutex<Vec<String>>,
-}
-
-#[async_trait::async_trait]
-impl Runtime for RecordingRuntime {
-    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        self.launched
-            .lock()
-            .expect("lock")
-            .push(spec.sandbox_id.clone());
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-
-    async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        self.destroyed
-            .lock()
-            .expect("lock")
-            .push(sandbox_id.to_owned());
-        Ok(())
-    }
-
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-}
+use common::FakeRuntime;
 
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
     templates: Templates,
-    runtime: Arc<RecordingRuntime>,
+    runtime: Arc<FakeRuntime>,
     store: Arc<SqliteStore>,
     key: String,
 }
@@ -90,7 +48,7 @@ async fn harness(limits: TeamLimits) -> Harness {
         .register(&common::base_template(now))
         .await
         .expect("template");
-    let runtime = Arc::new(RecordingRuntime::default());
+    let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(Sandboxes::new(
         store.clone(),
         runtime.clone(),
@@ -182,7 +140,7 @@ impl Harness {
     }
 
     fn launched(&self) -> usize {
-        self.runtime.launched.lock().expect("lock").len()
+        self.runtime.launches()
     }
 }
 
@@ -458,7 +416,7 @@ async fn timeouts_kill_and_unknown_ids() {
             .status,
         StatusCode::NO_CONTENT
     );
-    assert_eq!(*h.runtime.destroyed.lock().expect("lock"), vec![id.clone()]);
+    assert_eq!(h.runtime.destroyed(), vec![id.clone()]);
     assert_error_body(
         &h.api("DELETE", &format!("/sandboxes/{id}"), None).await,
         StatusCode::NOT_FOUND,

@@ -3,8 +3,7 @@
 
 mod common;
 
-use std::net::{IpAddr, Ipv4Addr};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
@@ -13,45 +12,14 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
-use sandbar_core::{
-    Auth, Endpoint, LaunchSpec, RateLimits, Runtime, RuntimeError, RuntimeHandle, Sandboxes,
-    SandboxesConfig, Store, Team, Templates, VolumeMount, Volumes,
-};
+use sandbar_core::store::TeamRecords;
+use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Team, Templates, Volumes};
 use sandbar_node::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-#[derive(Default)]
-struct RecordingRuntime {
-    mounts: Mutex<Vec<Vec<VolumeMount>>>,
-}
-
-#[async_trait::async_trait]
-impl Runtime for RecordingRuntime {
-    async fn launch(&self, spec: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        self.mounts.lock().expect("lock").push(spec.volumes.clone());
-        Ok((
-            RuntimeHandle(json!({})),
-            Endpoint {
-                agent_socket: "/nonexistent/agent.sock".into(),
-                address: IpAddr::V4(Ipv4Addr::LOCALHOST),
-            },
-        ))
-    }
-    async fn destroy(&self, _: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Ok(())
-    }
-    fn is_alive(&self, _: &str, _: &RuntimeHandle) -> bool {
-        true
-    }
-    async fn sweep(&self, _: &[String]) -> Result<usize, RuntimeError> {
-        Ok(0)
-    }
-    async fn adopt(&self, _: &str, _: &RuntimeHandle) -> Result<Option<Endpoint>, RuntimeError> {
-        Ok(None)
-    }
-}
+use common::FakeRuntime;
 
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
@@ -59,7 +27,7 @@ const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
 struct Harness {
     dir: tempfile::TempDir,
     app: axum::Router,
-    runtime: Arc<RecordingRuntime>,
+    runtime: Arc<FakeRuntime>,
 }
 
 struct Reply {
@@ -121,7 +89,7 @@ async fn harness() -> Harness {
         .expect("template");
     let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
     let volumes = Arc::new(Volumes::new(store.clone(), Arc::new(host), [7; 32]));
-    let runtime = Arc::new(RecordingRuntime::default());
+    let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(
         Sandboxes::new(
             store.clone(),
@@ -346,7 +314,14 @@ async fn mounts_are_resolved_recorded_and_block_deletion() {
         .await;
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     let sandbox = reply.body["sandboxID"].as_str().expect("id").to_owned();
-    let launched = h.runtime.mounts.lock().expect("lock").clone();
+    let launched: Vec<_> = h
+        .runtime
+        .launched
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|spec| spec.volumes.clone())
+        .collect();
     assert_eq!(launched.len(), 1);
     assert_eq!(launched[0].len(), 1);
     assert_eq!(launched[0][0].volume_id, id);
@@ -437,7 +412,7 @@ async fn bad_mounts_are_refused_with_the_entry_named() {
         )
         .await;
     assert_error(&reply, StatusCode::BAD_REQUEST, "at most 16");
-    assert!(h.runtime.mounts.lock().expect("lock").is_empty());
+    assert!(h.runtime.launched.lock().expect("lock").is_empty());
     assert_eq!(h.api("GET", "/v2/sandboxes", None).await.body, json!([]));
 }
 

@@ -47,17 +47,7 @@ pub enum AuthError {
     Store(#[from] StoreError),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TeamLimits {
-    pub max_concurrent_sandboxes: u32,
-    pub max_sandbox_timeout_secs: u64,
-    /// 0 means no limit.
-    pub requests_per_minute: u32,
-    /// Per-sandbox ceilings; 0 leaves only the server's own limits.
-    pub max_vcpu: u32,
-    pub max_memory_mb: u32,
-    pub max_disk_mb: u32,
-}
+pub use crate::model::teams::TeamLimits;
 
 #[derive(Clone)]
 pub struct Auth {

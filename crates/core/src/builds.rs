@@ -6,234 +6,23 @@
 //! sandbox of the template gets. The core decides who may build what and keeps the record;
 //! how layers are made is the builder's business.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use chrono::Utc;
 use tokio::io::AsyncRead;
 use tokio::sync::{Notify, Semaphore};
 
 use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
-/// What every sandbox of a template starts from.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TemplateImage {
-    /// Read-only layers, the first one at the bottom of the stack.
-    pub layers: Vec<String>,
-    /// Environment every process in the sandbox gets (the image's and the build's `ENV`).
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    /// Default Linux user of the sandbox's processes and files.
-    pub user: String,
-    /// Default working directory.
-    pub workdir: String,
-    /// Runs in every new sandbox of the template, as `user` in `workdir`.
-    #[serde(default)]
-    pub start_cmd: Option<String>,
-    /// Must succeed (after `start_cmd` started) before a new sandbox is handed out.
-    #[serde(default)]
-    pub ready_cmd: Option<String>,
-    /// Set on a snapshot's image: new sandboxes are restored from a checkpoint of another
-    /// sandbox's processes (on `layers`, the last one holding its files) instead of booted.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub snapshot: Option<SnapshotImage>,
-}
-
-/// What makes an image a snapshot of a sandbox.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SnapshotImage {
-    /// The checkpoint of its processes the runtime restores (`checkpoint/<key>`), kept like a
-    /// layer while an image names it; `None` for a snapshot of its files only, whose
-    /// sandboxes boot afresh on them.
-    #[serde(default)]
-    pub checkpoint: Option<String>,
-    /// The sandbox the snapshot was taken of.
-    pub sandbox_id: String,
-}
-
-/// Registry credentials for `fromImage`.
-#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RegistryCredentials {
-    pub username: String,
-    pub password: String,
-}
-
-impl std::fmt::Debug for RegistryCredentials {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RegistryCredentials")
-            .field("username", &self.username)
-            .finish_non_exhaustive()
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BuildSource {
-    /// An image from a registry, e.g. `python:3.12` or `127.0.0.1:5000/app:1`.
-    Image {
-        reference: String,
-        #[serde(skip_serializing_if = "Option::is_none", default)]
-        credentials: Option<RegistryCredentials>,
-    },
-    /// Another template's current image, by ID or name.
-    Template { reference: String },
-    /// A root filesystem the node makes itself (the default template's Debian root).
-    Builtin { layer: String },
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "type")]
-pub enum StepKind {
-    /// Files uploaded under `files_hash` (a tar relative to the build context), `src`
-    /// selecting within it, placed at `dest`.
-    Copy {
-        src: String,
-        dest: String,
-        owner: Option<String>,
-        mode: Option<u32>,
-        files_hash: String,
-    },
-    Run {
-        command: String,
-        user: Option<String>,
-    },
-    Env {
-        vars: Vec<(String, String)>,
-    },
-    Workdir {
-        path: String,
-    },
-    User {
-        user: String,
-    },
-}
-
-impl StepKind {
-    pub fn name(&self) -> &'static str {
-        match self {
-            StepKind::Copy { .. } => "COPY",
-            StepKind::Run { .. } => "RUN",
-            StepKind::Env { .. } => "ENV",
-            StepKind::Workdir { .. } => "WORKDIR",
-            StepKind::User { .. } => "USER",
-        }
-    }
-
-    /// The step as a build log shows it.
-    pub fn describe(&self) -> String {
-        match self {
-            StepKind::Copy { src, dest, .. } => format!("COPY {src} {dest}"),
-            StepKind::Run { command, user } => match user {
-                Some(u) => format!("RUN (as {u}) {command}"),
-                None => format!("RUN {command}"),
-            },
-            StepKind::Env { vars } => {
-                let pairs: Vec<String> = vars.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                format!("ENV {}", pairs.join(" "))
-            }
-            StepKind::Workdir { path } => format!("WORKDIR {path}"),
-            StepKind::User { user } => format!("USER {user}"),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BuildStep {
-    pub kind: StepKind,
-    /// Rebuild this step (and so every later one) whatever the cache holds.
-    pub force: bool,
-}
-
-/// Everything a build was asked to do.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BuildSpec {
-    pub source: BuildSource,
-    pub steps: Vec<BuildStep>,
-    /// Ignore the layer cache for the whole build.
-    pub force: bool,
-    pub start_cmd: Option<String>,
-    pub ready_cmd: Option<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LogLevel {
-    Debug,
-    Info,
-    Warn,
-    Error,
-}
-
-impl LogLevel {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LogLevel::Debug => "debug",
-            LogLevel::Info => "info",
-            LogLevel::Warn => "warn",
-            LogLevel::Error => "error",
-        }
-    }
-
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "debug" => LogLevel::Debug,
-            "info" => LogLevel::Info,
-            "warn" => LogLevel::Warn,
-            "error" => LogLevel::Error,
-            _ => return None,
-        })
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BuildLogEntry {
-    pub timestamp: DateTime<Utc>,
-    pub level: LogLevel,
-    pub message: String,
-    /// `base`, a step number counted from 1, or `finalize`.
-    pub step: Option<String>,
-}
-
-/// Why a build ended in `error`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BuildFailure {
-    pub message: String,
-    pub step: Option<String>,
-}
-
-impl BuildFailure {
-    pub fn at(step: impl Into<String>, message: impl Into<String>) -> Self {
-        Self {
-            message: message.into(),
-            step: Some(step.into()),
-        }
-    }
-}
-
-/// Step names the SDKs map back to their own call sites.
-pub const BASE_STEP: &str = "base";
-pub const FINALIZE_STEP: &str = "finalize";
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct BuildRecord {
-    pub id: String,
-    pub template_id: String,
-    pub team_id: Option<String>,
-    pub status: BuildStatus,
-    pub failure: Option<BuildFailure>,
-    pub spec: Option<BuildSpec>,
-    pub image: Option<TemplateImage>,
-    pub cpu_count: u32,
-    pub memory_mb: u32,
-    pub disk_size_mb: u32,
-    pub created_at: DateTime<Utc>,
-    pub updated_at: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
-}
+pub use crate::model::builds::{
+    BASE_STEP, BuildFailure, BuildLogEntry, BuildRecord, BuildSource, BuildSpec, BuildStep,
+    FINALIZE_STEP, LogLevel, RegistryCredentials, StepKind,
+};
+pub use crate::model::templates::{SnapshotImage, TemplateImage};
 
 /// One build handed to a [`Builder`].
 #[derive(Debug, Clone)]
@@ -812,7 +601,10 @@ impl Builds {
             .template(template_id)
             .await?
             .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
-            .ok_or_else(|| StoreError(format!("template '{template_id}' not found")))
+            .ok_or_else(|| StoreError::NotFound {
+                what: "template",
+                id: template_id.to_owned(),
+            })
     }
 
     /// `GET /templates/{id}/files/{hash}`: whether the files are cached, and if not a
@@ -1029,7 +821,10 @@ impl Builds {
             .store
             .build(&requested.build_id)
             .await?
-            .ok_or_else(|| StoreError(format!("build {} vanished", requested.build_id)))?;
+            .ok_or_else(|| StoreError::NotFound {
+                what: "build",
+                id: requested.build_id.clone(),
+            })?;
         build.spec = Some(spec);
         self.store.update_build(&build).await?;
         Ok(requested)

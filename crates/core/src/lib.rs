@@ -41,10 +41,11 @@ pub use keys::{
     DeleteApiKeyError, LimitChanges, Mask, NewTeam, RenameApiKeyError, TeamAccessError,
     TeamAdminError, TeamView, User,
 };
+pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    PauseKind, Sandbox, SandboxState, Team, Template,
+    Sandbox, SandboxState, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{

@@ -1,6 +1,7 @@
 //! A sandbox's status and the transitions between them. The registry keeps the current
-//! status of every live sandbox; the store keeps the settled ones (running, paused), so a
-//! restarted server knows which sandboxes are paused rather than dead.
+//! status of every live sandbox; the store keeps the same status for those a restart must
+//! see ([`SandboxStatus::is_recorded`]), so a restarted server knows which sandboxes are
+//! paused, and how, rather than dead, and finishes a checkpoint or release it died in.
 
 /// Where a sandbox is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,28 @@ impl SandboxStatus {
         }
     }
 
+    /// The status named `name` (as [`Self::name`] gives it).
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
+    /// Whether the store records this status when a sandbox enters it. The settled ones do,
+    /// and checkpointing, so a restart after a crash mid-dump looks at what the dump left. A
+    /// stored `pausing` is a pause without memory under way (its processes being ended to
+    /// keep its files), which a restart finishes; it is written only by that release, since
+    /// a pause with memory is recorded once frozen. The other transient statuses are not
+    /// recorded: a restart finds the sandbox as it was before them.
+    pub fn is_recorded(self) -> bool {
+        matches!(
+            self,
+            SandboxStatus::Running
+                | SandboxStatus::Paused
+                | SandboxStatus::Shelved
+                | SandboxStatus::Checkpointing
+                | SandboxStatus::Checkpointed
+        )
+    }
+
     /// Whether `self → next` is a transition the lifecycle allows.
     pub fn can_become(self, next: SandboxStatus) -> bool {
         use SandboxStatus::*;
@@ -94,10 +117,49 @@ impl SandboxStatus {
                 | (Restoring, Running)
                 // A restore that failed leaves it checkpointed.
                 | (Restoring, Checkpointed)
+                // A restore whose memory was dropped (a resume without it) or cannot be
+                // restored any more (after a restart) wakes on the files alone; failing that,
+                // the files are what is left.
+                | (Restoring, Shelved)
                 // Whether the snapshot succeeded or not.
                 | (Running, Snapshotting)
                 | (Snapshotting, Running)
+                // A destroy that failed leaves the sandbox as it was.
+                | (Stopping, Running)
+                | (Stopping, Paused)
+                | (Stopping, Shelved)
+                | (Stopping, Checkpointed)
         )
+    }
+
+    /// The statuses a sandbox passes through from `self` to `to`, `to` last, by the fewest
+    /// transitions the table allows; empty when it is there already, `None` when it cannot
+    /// get there. After a restart, recovery moves a sandbox from what the store recorded to
+    /// what its processes show this way.
+    pub fn path_to(self, to: SandboxStatus) -> Option<Vec<SandboxStatus>> {
+        let mut came_from: Vec<(SandboxStatus, SandboxStatus)> = Vec::new();
+        let mut frontier = std::collections::VecDeque::from([self]);
+        let mut seen = vec![self];
+        while let Some(at) = frontier.pop_front() {
+            if at == to {
+                let mut path = Vec::new();
+                let mut step = at;
+                while step != self {
+                    path.push(step);
+                    step = came_from.iter().find(|(next, _)| *next == step)?.1;
+                }
+                path.reverse();
+                return Some(path);
+            }
+            for next in Self::ALL.into_iter().filter(|next| at.can_become(*next)) {
+                if !seen.contains(&next) {
+                    seen.push(next);
+                    came_from.push((next, at));
+                    frontier.push_back(next);
+                }
+            }
+        }
+        None
     }
 
     pub fn can_pause(self) -> bool {
@@ -197,8 +259,13 @@ mod tests {
             (Checkpointed, Stopping),
             (Restoring, Running),
             (Restoring, Checkpointed),
+            (Restoring, Shelved),
             (Running, Snapshotting),
             (Snapshotting, Running),
+            (Stopping, Running),
+            (Stopping, Paused),
+            (Stopping, Shelved),
+            (Stopping, Checkpointed),
         ];
         for from in ALL {
             for to in ALL {
@@ -211,14 +278,84 @@ mod tests {
         }
     }
 
+    /// Every status but those listed, as `to`, refused from `from`.
+    fn assert_only(from: SandboxStatus, allowed: &[SandboxStatus]) {
+        for to in ALL {
+            assert_eq!(
+                from.can_become(to),
+                allowed.contains(&to),
+                "{from:?} -> {to:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_starting_sandbox_runs_or_stops() {
+        assert_only(Starting, &[Running, Stopping]);
+    }
+
+    #[test]
+    fn a_running_sandbox_pauses_snapshots_or_stops() {
+        assert_only(Running, &[Pausing, Snapshotting, Stopping]);
+    }
+
+    #[test]
+    fn a_pause_ends_frozen_released_or_running_again() {
+        assert_only(Pausing, &[Paused, Shelved, Running]);
+    }
+
+    #[test]
+    fn a_frozen_sandbox_resumes_checkpoints_or_stops() {
+        assert_only(Paused, &[Resuming, Checkpointing, Stopping]);
+    }
+
+    #[test]
+    fn a_sandbox_paused_without_memory_resumes_or_stops() {
+        assert_only(Shelved, &[Resuming, Stopping]);
+    }
+
+    #[test]
+    fn a_resume_ends_running_or_paused_as_it_was() {
+        assert_only(Resuming, &[Running, Paused, Shelved]);
+    }
+
+    #[test]
+    fn a_checkpoint_ends_on_disk_or_frozen_in_memory() {
+        assert_only(Checkpointing, &[Checkpointed, Paused]);
+    }
+
+    #[test]
+    fn a_checkpointed_sandbox_restores_or_stops() {
+        assert_only(Checkpointed, &[Restoring, Stopping]);
+    }
+
+    #[test]
+    fn a_restore_ends_running_checkpointed_or_with_its_files() {
+        assert_only(Restoring, &[Running, Checkpointed, Shelved]);
+    }
+
+    #[test]
+    fn a_snapshot_ends_running() {
+        assert_only(Snapshotting, &[Running]);
+    }
+
+    #[test]
+    fn a_failed_stop_leaves_a_settled_status() {
+        assert_only(Stopping, &[Running, Paused, Shelved, Checkpointed]);
+        for s in ALL.into_iter().filter(|s| Stopping.can_become(*s)) {
+            assert!(!s.is_transient() && s.can_stop(), "{s:?}");
+        }
+    }
+
     #[test]
     fn only_running_sandboxes_pause_and_only_paused_ones_resume() {
         assert!(Running.can_pause());
-        for s in [Starting, Pausing, Paused, Shelved, Resuming, Stopping] {
+        for s in ALL.into_iter().filter(|s| *s != Running) {
             assert!(!s.can_pause(), "{s:?}");
         }
         assert!(Paused.can_resume() && Shelved.can_resume());
         assert_eq!(Paused.waking(), Some(Resuming));
+        assert_eq!(Shelved.waking(), Some(Resuming));
         assert_eq!(Checkpointed.waking(), Some(Restoring));
         for s in [
             Starting,
@@ -227,12 +364,42 @@ mod tests {
             Resuming,
             Checkpointing,
             Restoring,
+            Snapshotting,
             Stopping,
         ] {
             assert_eq!(s.waking(), None, "{s:?}");
-        }
-        for s in [Starting, Running, Pausing, Resuming, Stopping] {
             assert!(!s.can_resume(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn paths_take_the_fewest_transitions() {
+        assert_eq!(Running.path_to(Running), Some(vec![]));
+        assert_eq!(Pausing.path_to(Shelved), Some(vec![Shelved]));
+        assert_eq!(Paused.path_to(Running), Some(vec![Resuming, Running]));
+        assert_eq!(Running.path_to(Paused), Some(vec![Pausing, Paused]));
+        assert_eq!(
+            Checkpointed.path_to(Shelved),
+            Some(vec![Restoring, Shelved])
+        );
+        assert_eq!(Checkpointing.path_to(Running).map(|p| p.len()), Some(3));
+        // Nothing comes back to starting: it is where a sandbox enters the registry.
+        assert_eq!(Running.path_to(Starting), None);
+        for from in ALL {
+            for to in ALL
+                .into_iter()
+                .filter(|to| *to != Starting || from == Starting)
+            {
+                let path = from
+                    .path_to(to)
+                    .expect("every status but starting is reachable");
+                let mut at = from;
+                for next in path {
+                    assert!(at.can_become(next), "{at:?} -> {next:?}");
+                    at = next;
+                }
+                assert_eq!(at, to);
+            }
         }
     }
 
@@ -270,6 +437,22 @@ mod tests {
         assert!(Snapshotting.holds_a_slot() && !Snapshotting.is_paused());
         assert!(!Snapshotting.is_routable() && Running.is_routable());
         assert!(!Paused.is_routable() && !Starting.is_routable());
+    }
+
+    #[test]
+    fn every_status_reads_back_by_its_name() {
+        for s in ALL {
+            assert_eq!(SandboxStatus::parse(s.name()), Some(s));
+        }
+        assert_eq!(SandboxStatus::parse("frozen"), None);
+    }
+
+    #[test]
+    fn settled_statuses_and_checkpointing_are_recorded() {
+        for s in ALL {
+            let recorded = !s.is_transient() && s != Stopping || s == Checkpointing;
+            assert_eq!(s.is_recorded(), recorded, "{s:?}");
+        }
     }
 
     #[test]

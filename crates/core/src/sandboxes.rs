@@ -15,17 +15,19 @@ use crate::agent_links::{AgentLease, AgentLinks};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{PauseKind, Sandbox, SandboxState, Team, Template};
+use crate::model::{Sandbox, SandboxState, Team, Template};
 use crate::network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
-use crate::runtime::{
-    AdoptedCheckpoint, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
-};
+use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::{Store, StoreError};
 use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
 use crate::templates::{TemplateError, Templates};
 use crate::volumes::{MountRequest, VolumeMountError, Volumes};
 
+mod metrics;
+mod pause;
+mod reap;
+mod recover;
 mod snapshots;
 pub use snapshots::{ForkResult, SnapshotError, SnapshotInfo, SnapshotQuery};
 
@@ -209,6 +211,57 @@ pub enum SandboxError {
     Store(#[from] StoreError),
 }
 
+/// Why a status change did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum TransitionError {
+    #[error("sandbox '{id}' cannot become {to} from {}", .from.map_or("gone", SandboxStatus::name), to = .to.name())]
+    Refused {
+        id: String,
+        /// `None`: not in the registry.
+        from: Option<SandboxStatus>,
+        to: SandboxStatus,
+    },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<TransitionError> for SandboxError {
+    fn from(e: TransitionError) -> Self {
+        match e {
+            TransitionError::Refused { id, from: None, .. } => SandboxError::NotFound(id),
+            TransitionError::Refused {
+                id,
+                from: Some(from),
+                ..
+            } => SandboxError::Conflict {
+                id,
+                state: from.name(),
+            },
+            TransitionError::Store(e) => SandboxError::Store(e),
+        }
+    }
+}
+
+/// What a transition does besides checking the lifecycle's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TransitionPlan {
+    /// Set in the registry before the store is written: a transient status is a claim, which
+    /// a second caller must find taken at once; given back if the store refuses it.
+    claim: bool,
+    /// Written to the store: a status a restart must see. A settled status enters the
+    /// registry only once the store has it, so the registry never shows one a restart
+    /// would not find.
+    record: bool,
+}
+
+/// The plan for `from → to`; `None` when the lifecycle refuses it.
+fn transition_plan(from: SandboxStatus, to: SandboxStatus) -> Option<TransitionPlan> {
+    from.can_become(to).then_some(TransitionPlan {
+        claim: to.is_transient(),
+        record: to.is_recorded(),
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum UpdateNetworkError {
     #[error("sandbox '{0}' not found")]
@@ -300,6 +353,16 @@ struct Live {
 }
 
 impl Live {
+    /// Moves the entry to `to` if the lifecycle's table allows it from where it is; the
+    /// status it had, or the one that refused. Every change of a status in the registry is
+    /// made here.
+    fn move_to(&mut self, to: SandboxStatus) -> Result<SandboxStatus, SandboxStatus> {
+        if !self.status.can_become(to) {
+            return Err(self.status);
+        }
+        Ok(std::mem::replace(&mut self.status, to))
+    }
+
     /// The registry entry of a sandbox the store recorded, taken back after a restart.
     fn recorded(
         sandbox: &Sandbox,
@@ -548,8 +611,7 @@ impl Sandboxes {
             network: request.network,
             envd_access_token: token,
             envd_version: template.envd_version.clone(),
-            state: SandboxState::Running,
-            paused_as: None,
+            status: SandboxStatus::Running,
             handle,
             auto_pause: request.auto_pause,
             auto_resume: request.auto_resume,
@@ -580,7 +642,6 @@ impl Sandboxes {
         // log before the log exists.
         self.log_start(&sandbox, now).await;
         if let Some(entry) = self.live().get_mut(&id) {
-            entry.status = SandboxStatus::Running;
             entry.endpoint = Some(endpoint);
             entry.access_token = sandbox.envd_access_token.clone();
             entry.handle = sandbox.handle.clone();
@@ -592,6 +653,8 @@ impl Sandboxes {
             entry.memory_mb = sandbox.memory_mb;
             entry.disk_size_mb = sandbox.disk_size_mb;
         }
+        // Routable only now that its endpoint and token are in place.
+        self.set_status(&id, SandboxStatus::Running, None);
         // A statistic nothing waits for: written after the response.
         let store = self.store.clone();
         let template_id = template.id.clone();
@@ -797,7 +860,12 @@ impl Sandboxes {
         let filtered: Vec<Sandbox> = sandboxes
             .into_iter()
             .filter(|s| !stopping.contains(&s.id))
-            .filter(|s| query.states.as_ref().is_none_or(|st| st.contains(&s.state)))
+            .filter(|s| {
+                query
+                    .states
+                    .as_ref()
+                    .is_none_or(|st| st.contains(&s.state()))
+            })
             .filter(|s| {
                 query
                     .metadata
@@ -813,7 +881,7 @@ impl Sandboxes {
             .collect();
         let running_total = filtered
             .iter()
-            .filter(|s| s.state == SandboxState::Running)
+            .filter(|s| s.state() == SandboxState::Running)
             .count();
         let mut matching = filtered.into_iter().filter(|s| match &after {
             None => true,
@@ -986,12 +1054,15 @@ impl Sandboxes {
         if !may(entry) {
             return Claim::Declined;
         }
-        if entry.status.is_transient() || !entry.status.can_stop() {
+        if entry.status.is_transient() {
             return Claim::Busy(entry.status);
         }
-        Claim::Claimed {
-            previous: std::mem::replace(&mut entry.status, SandboxStatus::Stopping),
-            handle: entry.handle.clone(),
+        match entry.move_to(SandboxStatus::Stopping) {
+            Ok(previous) => Claim::Claimed {
+                previous,
+                handle: entry.handle.clone(),
+            },
+            Err(status) => Claim::Busy(status),
         }
     }
 
@@ -1025,10 +1096,8 @@ impl Sandboxes {
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
         if let Err(err) = self.runtime.destroy(id, handle).await {
-            if let Some(phase) = previous
-                && let Some(entry) = self.live().get_mut(id)
-            {
-                entry.status = phase;
+            if let Some(previous) = previous {
+                self.set_status(id, previous, None);
             }
             return Err(err.into());
         }
@@ -1166,690 +1235,20 @@ impl Sandboxes {
         }
     }
 
-    /// Stops every sandbox whose end time has passed.
-    pub async fn reap_expired(&self) {
-        let to_pause = self.running_where(|_, l| expired(l) && l.auto_pause);
-        for (id, _) in to_pause {
-            let sandbox = match self.store.sandbox(&id).await {
-                Ok(Some(sandbox)) => sandbox,
-                Ok(None) => continue,
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, error = %err, "sandbox timed out: cannot pause");
-                    continue;
-                }
-            };
-            // Claimed under the lock an extend takes: one that came first keeps it running.
-            let claimed = self.transition_where(
-                &id,
-                |l| l.status == SandboxStatus::Running && expired(l) && l.auto_pause,
-                SandboxStatus::Pausing,
-            );
-            if claimed.is_err() {
-                continue;
-            }
-            self.activity
-                .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
-                .await;
-            let paused = self.pause_marked(&sandbox, sandbox.auto_pause_memory).await;
-            match paused {
-                Ok(()) => tracing::info!(sandbox_id = %id, "sandbox timed out: paused"),
-                Err(err) => {
-                    tracing::error!(sandbox_id = %id, error = %err, "sandbox timed out: cannot pause")
-                }
-            }
-        }
-        let due = self.running_where(|_, l| expired(l) && !l.auto_pause);
-        self.stop_all(
-            due,
-            |l, _| l.status == SandboxStatus::Running && expired(l) && !l.auto_pause,
-            "sandbox timed out",
-            LogLevel::Info,
-        )
-        .await;
-    }
-
-    /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
-    /// one per round, since a dump holds a CPU while it runs.
-    pub async fn checkpoint_paused(&self) {
-        let Ok(grace) = TimeDelta::from_std(self.config.pause_grace) else {
-            return;
-        };
-        let due = Utc::now() - grace;
-        let next = self
-            .live()
-            .iter()
-            .filter(|(_, l)| {
-                l.status == SandboxStatus::Paused && l.checkpoint_failures < CHECKPOINT_ATTEMPTS
-            })
-            .filter_map(|(id, l)| Some((l.paused_at?, id.clone())))
-            .filter(|(at, _)| *at <= due)
-            .min();
-        let Some((_, id)) = next else { return };
-        // Asked only once a sandbox is due: a node without CRIU may look for one installed
-        // since, which it limits in time, but no round of the reaper should start a look.
-        if !self.runtime.checkpoints_ready().await {
-            return;
-        }
-        // A checkpoint writes about the sandbox's memory to the data disk: without room for
-        // that, the sandbox stays frozen in memory rather than leave a half-written dump.
-        let handle = self.live().get(&id).map(|l| l.handle.clone());
-        let memory = handle
-            .and_then(|h| self.runtime.stats(&id, &h))
-            .map_or(0, |s| s.memory_used);
-        if !self.data_disk().data_has_room_for(memory) {
-            tracing::debug!(sandbox_id = %id, memory, "no room on the data disk to checkpoint the paused sandbox; it stays in memory");
-            return;
-        }
-        self.checkpoint_sandbox(&id).await;
-    }
-
-    /// Checkpoints a sandbox frozen in memory; on failure it stays frozen, and after
-    /// [`CHECKPOINT_ATTEMPTS`] failures it is not tried again until its next pause.
-    async fn checkpoint_sandbox(&self, id: &str) {
-        let handle = {
-            let mut live = self.live();
-            let Some(entry) = live.get_mut(id) else {
-                return;
-            };
-            if !(entry.status == SandboxStatus::Paused
-                && entry.status.can_become(SandboxStatus::Checkpointing))
-            {
-                return;
-            }
-            entry.status = SandboxStatus::Checkpointing;
-            entry.handle.clone()
-        };
-        let started = std::time::Instant::now();
-        let result = async {
-            // Recorded first, so a restart after a crash in the middle looks at what is left.
-            self.store
-                .set_sandbox_paused(id, Some(PauseKind::Checkpointing), &handle)
-                .await?;
-            Ok::<_, SandboxError>(self.runtime.checkpoint(id, &handle).await?)
-        }
-        .await;
-        match result {
-            Ok(checkpointed) => {
-                if let Some(entry) = self.live().get_mut(id) {
-                    entry.status = SandboxStatus::Checkpointed;
-                    entry.handle = checkpointed.clone();
-                    entry.endpoint = None;
-                }
-                if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(id, Some(PauseKind::Checkpoint), &checkpointed)
-                    .await
-                {
-                    // A restart finds it recorded as checkpointing, with its processes gone
-                    // and a complete checkpoint: it is adopted as checkpointed then.
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
-                }
-                let ms = started.elapsed().as_millis() as u64;
-                self.activity
-                    .event(
-                        id,
-                        LogLevel::Info,
-                        "sandbox checkpointed to disk",
-                        &[("ms", ms.to_string())],
-                    )
-                    .await;
-                tracing::info!(sandbox_id = %id, ms, "sandbox checkpointed to disk");
-            }
-            Err(err) => {
-                if let Some(entry) = self.live().get_mut(id) {
-                    entry.status = SandboxStatus::Paused;
-                    entry.checkpoint_failures += 1;
-                }
-                if let Err(err) = self
-                    .store
-                    .set_sandbox_paused(id, Some(PauseKind::Memory), &handle)
-                    .await
-                {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
-                }
-                self.activity
-                    .event(
-                        id,
-                        LogLevel::Warn,
-                        "sandbox stays paused in memory: checkpoint failed",
-                        &[("error", err.to_string())],
-                    )
-                    .await;
-                tracing::warn!(sandbox_id = %id, error = %err, "checkpoint failed; the sandbox stays paused in memory");
-            }
-        }
-    }
-
-    /// Cleans up sandboxes whose processes died on their own (their agent can no longer
-    /// answer), so they stop being listed and routed to.
-    pub async fn reap_dead(&self) {
-        // Checked outside the registry lock: each check reads /proc.
-        let dead = self
-            .running_where(|_, _| true)
-            .into_iter()
-            .filter(|(id, handle)| !self.runtime.is_alive(id, handle))
-            .collect();
-        // Unless it was paused, shelved or resumed meanwhile: its handle would differ.
-        self.stop_all(
-            dead,
-            |l, picked| l.status == SandboxStatus::Running && l.handle == *picked,
-            "sandbox died",
-            LogLevel::Error,
-        )
-        .await;
-    }
-
-    /// Reads new agent log lines of every running sandbox.
-    async fn ingest_agent_logs(&self) {
-        let ids: Vec<String> = self
-            .live()
-            .iter()
-            .filter(|(_, l)| l.status == SandboxStatus::Running)
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in ids {
-            self.activity
-                .ingest_agent_log(self.runtime.as_ref(), &id)
-                .await;
-        }
-    }
-
-    async fn flush_team_metrics(&self) {
-        let mut running: HashMap<String, u32> = HashMap::new();
-        for l in self.live().values() {
-            if l.status.holds_a_slot() {
-                *running.entry(l.team_id.clone()).or_default() += 1;
-            }
-        }
-        self.activity.flush_team_metrics(running).await;
-    }
-
-    /// Expires sandboxes about twice a second and looks for dead ones every few seconds,
-    /// forever.
-    pub async fn run_reaper(self: Arc<Self>) {
-        let mut tick = tokio::time::interval(Duration::from_millis(500));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        for round in 0u64.. {
-            tick.tick().await;
-            self.reap_expired().await;
-            self.checkpoint_paused().await;
-            if round % 10 == 0 {
-                self.reap_dead().await;
-            }
-            if round % METRICS_EVERY_ROUNDS == 0 {
-                for (id, killed) in self.sample_metrics() {
-                    self.log_oom_kills(&id, killed).await;
-                }
-                self.ingest_agent_logs().await;
-            }
-            if round % TEAM_METRICS_EVERY_ROUNDS == 0 {
-                self.flush_team_metrics().await;
-            }
-            if round % PRUNE_EVERY_ROUNDS == 0 {
-                self.activity.prune().await;
-            }
-        }
-    }
-
-    /// After a restart: takes back every recorded sandbox that still runs, and cleans up the
-    /// rest. Expired ones are left for the reaper so their end is logged like any other.
-    pub async fn recover(&self) -> Result<usize, StoreError> {
-        let mut adopted = 0;
-        let recorded = self.store.all_sandboxes().await?;
-        let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
-        match self.runtime.sweep(&ids).await {
-            Ok(0) => {}
-            Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
-            Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
-        }
-        for mut sandbox in recorded {
-            if sandbox.paused_as == Some(PauseKind::Releasing) {
-                // The server died while ending its processes to keep its files: finish that.
-                match self
-                    .release_recorded(&sandbox.id, &sandbox.handle, sandbox.paused_as)
-                    .await
-                {
-                    Ok(released) => {
-                        self.store
-                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
-                            .await?;
-                        sandbox.handle = released;
-                        sandbox.paused_as = Some(PauseKind::Files);
-                    }
-                    Err(err) => {
-                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot finish a pause without memory");
-                    }
-                }
-            }
-            if matches!(
-                sandbox.paused_as,
-                Some(PauseKind::Files | PauseKind::Releasing)
-            ) {
-                self.adopt_shelved(&sandbox).await?;
-                continue;
-            }
-            if sandbox.paused_as == Some(PauseKind::Checkpointing)
-                && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
-            {
-                // The server died during the dump, before it ended the processes: what the
-                // dump wrote is incomplete, and the sandbox is still frozen in memory.
-                self.runtime.discard_checkpoint(&sandbox.id).await;
-                self.store
-                    .set_sandbox_paused(&sandbox.id, Some(PauseKind::Memory), &sandbox.handle)
-                    .await?;
-                sandbox.paused_as = Some(PauseKind::Memory);
-            }
-            if matches!(
-                sandbox.paused_as,
-                Some(PauseKind::Checkpoint | PauseKind::Checkpointing)
-            ) {
-                self.adopt_checkpointed(&sandbox).await?;
-                continue;
-            }
-            match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
-                Ok(Some(endpoint)) => {
-                    if self
-                        .take_back(&sandbox, endpoint, "sandbox adopted after a server restart")
-                        .await?
-                    {
-                        adopted += 1;
-                    }
-                }
-                Ok(None) => {
-                    tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
-                    self.activity
-                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-                        .await;
-                    self.activity
-                        .ingest_agent_log(self.runtime.as_ref(), &sandbox.id)
-                        .await;
-                    if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
-                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
-                    }
-                    self.store.delete_sandbox(&sandbox.id).await?;
-                    self.activity
-                        .close(
-                            &sandbox.id,
-                            LogLevel::Error,
-                            "sandbox died while the server was down",
-                        )
-                        .await;
-                }
-                Err(err) => {
-                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
-                }
-            }
-        }
-        Ok(adopted)
-    }
-
-    /// After a restart: takes back a checkpointed sandbox (or one whose checkpoint the server
-    /// died right after), without processes; one whose checkpoint is incomplete or cannot be
-    /// restored any more is lost, and cleaned up.
-    async fn adopt_checkpointed(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
-        let handle = match self
-            .runtime
-            .adopt_checkpointed(&sandbox.id, &sandbox.handle)
-            .await
-        {
-            Ok(AdoptedCheckpoint::Checkpointed(handle)) => handle,
-            Ok(AdoptedCheckpoint::Restored(handle, endpoint)) => {
-                return self.adopt_restored(sandbox, handle, endpoint).await;
-            }
-            Err(err) => {
-                // The memory is lost (a host reboot ends the namespaces a checkpoint is
-                // restored into), the files need not be: the sandbox stays paused with them
-                // and boots afresh on them when resumed.
-                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
-                    Ok(released) => {
-                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
-                        self.store
-                            .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
-                            .await?;
-                        let shelved = Sandbox {
-                            handle: released,
-                            paused_as: Some(PauseKind::Files),
-                            ..sandbox.clone()
-                        };
-                        self.adopt_shelved(&shelved).await?;
-                        self.activity
-                            .event(
-                                &sandbox.id,
-                                LogLevel::Warn,
-                                "sandbox lost its memory: its checkpoint cannot be restored; its files are kept",
-                                &[("error", err.to_string())],
-                            )
-                            .await;
-                        return Ok(());
-                    }
-                    Err(release_err) => {
-                        tracing::error!(sandbox_id = %sandbox.id, error = %release_err, "cannot keep the files of a checkpointed sandbox");
-                    }
-                }
-                tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
-                self.activity
-                    .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-                    .await;
-                if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
-                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
-                }
-                self.store.delete_sandbox(&sandbox.id).await?;
-                self.activity
-                    .close(
-                        &sandbox.id,
-                        LogLevel::Error,
-                        "sandbox lost: its checkpoint cannot be restored",
-                    )
-                    .await;
-                return Ok(());
-            }
-        };
-        if sandbox.paused_as != Some(PauseKind::Checkpoint) || handle != sandbox.handle {
-            self.store
-                .set_sandbox_paused(&sandbox.id, Some(PauseKind::Checkpoint), &handle)
-                .await?;
-        }
-        self.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(sandbox, handle, None, SandboxStatus::Checkpointed),
-        );
-        self.activity
-            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-            .await;
-        self.activity
-            .event(
-                &sandbox.id,
-                LogLevel::Info,
-                "checkpointed sandbox adopted after a server restart",
-                &[],
-            )
-            .await;
-        Ok(())
-    }
-
-    /// After a restart: records running a sandbox whose restore finished while the server
-    /// was down (its end time was set when the resume began).
-    async fn adopt_restored(
-        &self,
-        sandbox: &Sandbox,
-        handle: RuntimeHandle,
-        endpoint: Endpoint,
-    ) -> Result<(), StoreError> {
-        self.store
-            .set_sandbox_paused(&sandbox.id, None, &handle)
-            .await?;
-        self.runtime.discard_checkpoint(&sandbox.id).await;
-        let mut running = sandbox.clone();
-        running.handle = handle;
-        running.paused_as = None;
-        running.state = SandboxState::Running;
-        if self
-            .take_back(
-                &running,
-                endpoint,
-                "sandbox resumed: its restore finished while the server was down",
-            )
-            .await?
-        {
-            tracing::info!(sandbox_id = %sandbox.id, "restore finished while the server was down; sandbox runs");
-        }
-        Ok(())
-    }
-
-    /// After a restart: routes to a sandbox whose processes run (or are frozen, as the store
-    /// says) once its egress rules are in place again; one whose rules cannot be applied is
-    /// stopped, since running on with the node's default egress would ignore its owner's
-    /// rules. Whether it was taken back.
-    async fn take_back(
-        &self,
-        sandbox: &Sandbox,
-        endpoint: Endpoint,
-        event: &str,
-    ) -> Result<bool, StoreError> {
-        if let Err(err) = self.restore_network(sandbox).await {
-            tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
-            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
-                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
-            }
-            self.store.delete_sandbox(&sandbox.id).await?;
-            return Ok(false);
-        }
-        let status = self.settle(sandbox).await?;
-        self.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(sandbox, sandbox.handle.clone(), Some(endpoint), status),
-        );
-        // Sandboxes from before logs were kept get a log from now on.
-        self.activity
-            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-            .await;
-        self.activity
-            .event(&sandbox.id, LogLevel::Info, event, &[])
-            .await;
-        Ok(true)
-    }
-
-    /// After a restart: takes back a sandbox paused without memory (no processes, only its
-    /// files); one whose files are gone is cleaned up.
-    async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
-        if let Err(err) = self
-            .runtime
-            .adopt_released(&sandbox.id, &sandbox.handle)
-            .await
-        {
-            tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
-            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
-                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
-            }
-            self.store.delete_sandbox(&sandbox.id).await?;
-            self.activity
-                .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
-                .await;
-            return Ok(());
-        }
-        self.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(
-                sandbox,
-                sandbox.handle.clone(),
-                None,
-                SandboxStatus::Shelved,
-            ),
-        );
-        self.activity
-            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-            .await;
-        Ok(())
-    }
-
-    /// Takes one resource sample of every running or paused sandbox.
-    /// Tells a sandbox's log, and the server's, that the kernel killed `killed` of its
-    /// processes for lack of memory. The agent names the processes it sees killed at the
-    /// sandbox's limit; only the kernel's count also covers kills with the host short of
-    /// memory, which signal nothing to the sandbox.
-    async fn log_oom_kills(&self, id: &str, killed: u64) {
-        tracing::warn!(sandbox_id = %id, killed, "the kernel killed sandbox processes for lack of memory");
-        self.activity
-            .event(
-                id,
-                LogLevel::Warn,
-                &format!(
-                    "out of memory: the kernel killed {killed} process{} of this sandbox (at its memory limit, or with the host short of memory)",
-                    if killed == 1 { "" } else { "es" }
-                ),
-                &[("oomKills", killed.to_string())],
-            )
-            .await;
-    }
-
-    /// Samples every live sandbox's use; returns the sandboxes whose processes the kernel
-    /// killed for lack of memory since the last sample, with how many.
-    pub fn sample_metrics(&self) -> Vec<(String, u64)> {
-        let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
-            .live()
-            .iter()
-            .filter(|(_, l)| {
-                matches!(
-                    l.status,
-                    SandboxStatus::Running | SandboxStatus::Paused | SandboxStatus::Checkpointed
-                )
-            })
-            .map(|(id, l)| {
-                (
-                    id.clone(),
-                    l.handle.clone(),
-                    l.cpu_count,
-                    l.memory_mb,
-                    l.disk_size_mb,
-                )
-            })
-            .collect();
-        let now = std::time::Instant::now();
-        let at = Utc::now();
-        let mut metrics = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
-        let mut killed = Vec::new();
-        for (id, handle, cpu_count, memory_mb, disk_size_mb) in targets {
-            let Some(stats) = self.runtime.stats(&id, &handle) else {
-                continue;
-            };
-            let series = metrics.entry(id.clone()).or_default();
-            if let Some(before) = series.oom_kills
-                && stats.oom_kills > before
-            {
-                killed.push((id, stats.oom_kills - before));
-            }
-            series.oom_kills = Some(stats.oom_kills);
-            let cpu_used_pct = match series.last_cpu {
-                Some((then, cpu_ns)) => {
-                    let wall = now.duration_since(then).as_nanos() as f64;
-                    let used = stats.cpu_ns.saturating_sub(cpu_ns) as f64;
-                    if wall > 0.0 {
-                        (used / (wall * f64::from(cpu_count.max(1))) * 100.0).clamp(0.0, 100.0)
-                    } else {
-                        0.0
-                    }
-                }
-                None => 0.0,
-            };
-            series.last_cpu = Some((now, stats.cpu_ns));
-            series.points.push_back(MetricPoint {
-                at,
-                cpu_count,
-                cpu_used_pct,
-                mem_used: stats.memory_used,
-                mem_total: u64::from(memory_mb) << 20,
-                mem_cache: stats.memory_cache,
-                disk_used: stats.disk_used,
-                disk_total: if stats.disk_total > 0 {
-                    stats.disk_total
-                } else {
-                    u64::from(disk_size_mb) << 20
-                },
-            });
-            while series.points.len() > METRICS_KEPT {
-                series.points.pop_front();
-            }
-        }
-        killed
-    }
-
-    /// A team's sandbox's samples between `start` and `end` (inclusive, either open).
-    pub async fn metrics(
-        &self,
-        team: &Team,
-        id: &str,
-        start: Option<DateTime<Utc>>,
-        end: Option<DateTime<Utc>>,
-    ) -> Result<Vec<MetricPoint>, SandboxError> {
-        self.get(team, id).await?;
-        Ok(self.metric_points(id, start, end))
-    }
-
-    /// The newest sample of each of `ids` that belongs to `team`.
-    pub async fn latest_metrics(
-        &self,
-        team: &Team,
-        ids: &[String],
-    ) -> Result<Vec<(String, MetricPoint)>, SandboxError> {
-        let mut out = Vec::new();
-        for id in ids {
-            if self.get(team, id).await.is_err() {
-                continue;
-            }
-            if let Some(point) = self.metric_points(id, None, None).pop() {
-                out.push((id.clone(), point));
-            }
-        }
-        Ok(out)
-    }
-
-    fn metric_points(
-        &self,
-        id: &str,
-        start: Option<DateTime<Utc>>,
-        end: Option<DateTime<Utc>>,
-    ) -> Vec<MetricPoint> {
-        self.metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(id)
-            .map(|series| {
-                series
-                    .points
-                    .iter()
-                    .filter(|p| start.is_none_or(|s| p.at >= s) && end.is_none_or(|e| p.at <= e))
-                    .cloned()
-                    .collect()
-            })
-            .unwrap_or_default()
-    }
-
-    /// After a restart: makes the stored state and the processes agree. A pause or resume
-    /// the server died in the middle of is finished in the direction the store says: a
-    /// sandbox recorded paused is frozen again, one recorded running is thawed.
-    async fn settle(&self, sandbox: &Sandbox) -> Result<SandboxStatus, StoreError> {
-        let frozen = self.runtime.is_paused(&sandbox.id, &sandbox.handle);
-        match (sandbox.state, frozen) {
-            (SandboxState::Paused, true) => Ok(SandboxStatus::Paused),
-            (SandboxState::Running, false) => Ok(SandboxStatus::Running),
-            (SandboxState::Paused, false) => {
-                match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
-                    Ok(()) => Ok(SandboxStatus::Paused),
-                    Err(err) => {
-                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
-                        self.store
-                            .set_sandbox_state(&sandbox.id, SandboxState::Running)
-                            .await?;
-                        Ok(SandboxStatus::Running)
-                    }
-                }
-            }
-            (SandboxState::Running, true) => {
-                if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
-                    tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
-                    self.store
-                        .set_sandbox_state(&sandbox.id, SandboxState::Paused)
-                        .await?;
-                    return Ok(SandboxStatus::Paused);
-                }
-                Ok(SandboxStatus::Running)
-            }
-        }
-    }
-
-    /// Moves a live sandbox from `from` to `to` if its status allows; the status it had
-    /// otherwise.
-    fn transition(
+    /// Claims a live sandbox for a transient status `to` in the registry alone, if its
+    /// status passes `check` and allows it; the status it had otherwise. For the claims no
+    /// restart needs to see: the store keeps what the sandbox was until the claim settles.
+    fn claim(
         &self,
         id: &str,
         check: impl Fn(SandboxStatus) -> bool,
         to: SandboxStatus,
     ) -> Result<SandboxStatus, Option<SandboxStatus>> {
-        self.transition_where(id, |l| check(l.status), to)
+        self.claim_where(id, |l| check(l.status), to)
     }
 
-    /// [`Self::transition`] on a check of the whole registry entry, made under its lock.
-    fn transition_where(
+    /// [`Self::claim`] on a check of the whole registry entry, made under its lock.
+    fn claim_where(
         &self,
         id: &str,
         check: impl Fn(&Live) -> bool,
@@ -1857,10 +1256,10 @@ impl Sandboxes {
     ) -> Result<SandboxStatus, Option<SandboxStatus>> {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
-        if !check(entry) || !entry.status.can_become(to) {
+        if !check(entry) {
             return Err(Some(entry.status));
         }
-        Ok(std::mem::replace(&mut entry.status, to))
+        entry.move_to(to).map_err(Some)
     }
 
     /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
@@ -1881,131 +1280,83 @@ impl Sandboxes {
         }
     }
 
-    fn set_status(&self, id: &str, status: SandboxStatus) {
-        if let Some(entry) = self.live().get_mut(id) {
-            entry.status = status;
-        }
-    }
-
-    /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
-    /// only its files are kept. `Conflict` if it is not running.
-    pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> Result<(), SandboxError> {
-        let sandbox = self.get(team, id).await?;
-        self.pause_sandbox(&sandbox, memory).await
-    }
-
-    async fn pause_sandbox(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
-        let id = sandbox.id.as_str();
-        match self.transition(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
-            Ok(_) => {}
-            Err(Some(status)) if status.is_paused() => {
-                return Err(SandboxError::Conflict {
-                    id: id.to_owned(),
-                    state: "already paused",
-                });
-            }
-            Err(_) => {
-                return Err(SandboxError::Conflict {
-                    id: id.to_owned(),
-                    state: "not running",
-                });
-            }
-        }
-        self.pause_marked(sandbox, memory).await
-    }
-
-    /// Pauses a sandbox already marked `Pausing`.
-    async fn pause_marked(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
-        let id = sandbox.id.as_str();
-        // Before anything stops: the agent has to be running to close its ends.
-        self.end_agent_links(id).await;
-        if !memory {
-            return self.shelve(sandbox).await;
-        }
-        if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
-            self.set_status(id, SandboxStatus::Running);
-            return Err(err.into());
-        }
-        crate::faults::crash_point("pause.frozen");
-        if let Err(err) = self.store.set_sandbox_state(id, SandboxState::Paused).await {
-            // The store still says running: thaw so both agree.
-            let _ = self.runtime.resume(id, &sandbox.handle).await;
-            self.set_status(id, SandboxStatus::Running);
-            return Err(err.into());
-        }
-        if let Some(entry) = self.live().get_mut(id) {
-            entry.status = SandboxStatus::Paused;
-            entry.paused_at = Some(Utc::now());
-            entry.checkpoint_failures = 0;
-        }
-        self.activity
-            .event(id, LogLevel::Info, "sandbox paused", &[])
-            .await;
-        tracing::info!(sandbox_id = %id, "sandbox paused");
-        Ok(())
-    }
-
-    /// Ends the processes of a sandbox marked `Pausing` and keeps only its files.
-    async fn shelve(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
-        let id = sandbox.id.as_str();
-        // The agent's last lines, before its processes end.
-        self.activity
-            .ingest_agent_log(self.runtime.as_ref(), id)
-            .await;
-        let handle = match self.release_recorded(id, &sandbox.handle, None).await {
-            Ok(handle) => handle,
-            Err(err) => {
-                // Still running if the release failed early; if its processes are gone, the
-                // reaper stops it like any dead sandbox.
-                self.set_status(id, SandboxStatus::Running);
-                return Err(err);
-            }
+    /// Moves the registry's status (and handle, when given) without the store: for a claim
+    /// given back (the store never saw it), for a status the store could not record, which
+    /// the registry has to show all the same, and for a settled status whose record was
+    /// written first. The table is checked all the same: a move it refuses is a bug,
+    /// logged, and the registry keeps what it had.
+    fn set_status(&self, id: &str, status: SandboxStatus, handle: Option<&RuntimeHandle>) {
+        let mut live = self.live();
+        let Some(entry) = live.get_mut(id) else {
+            return;
         };
-        if let Some(entry) = self.live().get_mut(id) {
-            entry.status = SandboxStatus::Shelved;
-            entry.endpoint = None;
-            entry.handle = handle.clone();
+        match entry.move_to(status) {
+            Ok(_) => {
+                if let Some(handle) = handle {
+                    entry.handle = handle.clone();
+                }
+            }
+            Err(from) => {
+                tracing::error!(sandbox_id = %id, from = from.name(), to = status.name(), "refused status change in the registry");
+            }
         }
-        self.store
-            .set_sandbox_paused(id, Some(PauseKind::Files), &handle)
-            .await?;
-        self.activity
-            .event(
-                id,
-                LogLevel::Info,
-                "sandbox paused",
-                &[("memory", "false".to_owned())],
-            )
-            .await;
-        tracing::info!(sandbox_id = %id, "sandbox paused without memory");
-        Ok(())
     }
 
-    /// Ends the processes of sandbox `id` (handle `handle`) and keeps only its files. It is
-    /// recorded `releasing` meanwhile, so a restart in between finishes the job rather than
-    /// taking it for dead; if the release fails the store says `before` again (`None`:
-    /// running). The caller records the result.
-    async fn release_recorded(
+    /// Records `status` for `id` in the store only, where the store must say more than the
+    /// registry: the release a pause without memory (or a resume dropping memory) goes
+    /// through while the registry holds the claim that asked for it, and a new handle in the
+    /// status recovery found. Every other status change goes through [`Self::transition`].
+    async fn record(
         &self,
         id: &str,
-        handle: &RuntimeHandle,
-        before: Option<PauseKind>,
-    ) -> Result<RuntimeHandle, SandboxError> {
-        self.store
-            .set_sandbox_paused(id, Some(PauseKind::Releasing), handle)
-            .await?;
-        match self.runtime.release(id, handle).await {
-            Ok(released) => {
-                crate::faults::crash_point("pause.released");
-                Ok(released)
+        status: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<(), StoreError> {
+        self.store.set_sandbox_status(id, status, handle).await
+    }
+
+    /// Moves sandbox `id` to `to` if the lifecycle allows it from the status the registry
+    /// holds, with the store's record in step (see [`transition_plan`]). `handle`, when
+    /// given, is the sandbox's new runtime handle, recorded with it. The status it had.
+    async fn transition(
+        &self,
+        id: &str,
+        to: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<SandboxStatus, TransitionError> {
+        let (from, plan) = {
+            let mut live = self.live();
+            let refused = |from| TransitionError::Refused {
+                id: id.to_owned(),
+                from,
+                to,
+            };
+            let entry = live.get_mut(id).ok_or_else(|| refused(None))?;
+            let from = entry.status;
+            let plan = transition_plan(from, to).ok_or_else(|| refused(Some(from)))?;
+            if plan.claim {
+                entry.move_to(to).map_err(|from| refused(Some(from)))?;
             }
-            Err(err) => {
-                if let Err(err) = self.store.set_sandbox_paused(id, before, handle).await {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox as it was");
-                }
-                Err(err.into())
+            (from, plan)
+        };
+        if plan.record
+            && let Err(err) = self.store.set_sandbox_status(id, to, handle).await
+        {
+            if plan.claim {
+                self.set_status(id, from, None);
             }
+            return Err(err.into());
         }
+        if plan.claim {
+            if let Some(handle) = handle
+                && let Some(entry) = self.live().get_mut(id)
+            {
+                entry.handle = handle.clone();
+            }
+        } else {
+            self.set_status(id, to, handle);
+        }
+        Ok(from)
     }
 
     /// Boots a sandbox whose files were kept by [`Self::shelve`] again on them, as it was
@@ -2125,7 +1476,7 @@ impl Sandboxes {
             }
         };
         if let Err(retry_after_secs) = self.within_slots(team, id) {
-            self.set_status(id, from);
+            self.set_status(id, from, None);
             return Err(SandboxError::ConcurrencyLimit {
                 id: id.to_owned(),
                 limit: team.max_concurrent_sandboxes,
@@ -2175,7 +1526,7 @@ impl Sandboxes {
     ) -> Result<(Sandbox, SandboxStatus), SandboxError> {
         let id = sandbox.id.clone();
         if sandbox.image.is_none() {
-            self.set_status(&id, from);
+            self.set_status(&id, from, None);
             return Err(SandboxError::Conflict {
                 id,
                 state: "too old to boot afresh (its image was not recorded); resume it with its memory",
@@ -2186,10 +1537,10 @@ impl Sandboxes {
             .get(&id)
             .map(|l| l.handle.clone())
             .unwrap_or_else(|| sandbox.handle.clone());
-        let released = match self.release_recorded(&id, &handle, sandbox.paused_as).await {
+        let released = match self.release_recorded(&id, &handle, sandbox.status).await {
             Ok(released) => released,
             Err(err) => {
-                self.set_status(&id, from);
+                self.set_status(&id, from, None);
                 return Err(err);
             }
         };
@@ -2197,14 +1548,14 @@ impl Sandboxes {
             entry.endpoint = None;
             entry.handle = released.clone();
         }
-        self.store
-            .set_sandbox_paused(&id, Some(PauseKind::Files), &released)
+        // The registry keeps its waking status: the caller boots it from shelved next.
+        self.record(&id, SandboxStatus::Shelved, Some(&released))
             .await?;
         self.activity
             .event(&id, LogLevel::Info, "sandbox memory dropped on resume", &[])
             .await;
         sandbox.handle = released;
-        sandbox.paused_as = Some(PauseKind::Files);
+        sandbox.status = SandboxStatus::Shelved;
         Ok((sandbox, SandboxStatus::Shelved))
     }
 
@@ -2227,8 +1578,9 @@ impl Sandboxes {
         let mut live = self.live();
         let entry = live.get_mut(id).ok_or(None)?;
         let to = entry.status.waking().ok_or(Some(entry.status))?;
+        let from = entry.move_to(to).map_err(Some)?;
         sandbox.handle = entry.handle.clone();
-        Ok(std::mem::replace(&mut entry.status, to))
+        Ok(from)
     }
 
     /// Thaws (or boots again, `from` shelved, or restores, `from` checkpointed) a sandbox
@@ -2253,7 +1605,15 @@ impl Sandboxes {
                     tracing::info!(sandbox_id = %id, ms = started.elapsed().as_millis() as u64, "sandbox restored from its checkpoint");
                     restored
                 };
-                if let Err(err) = self.store.set_sandbox_paused(&id, None, &handle).await {
+                // Not routable before the transition below, which makes it running.
+                if let Some(entry) = self.live().get_mut(&id) {
+                    entry.end_at = end_at;
+                    entry.endpoint = Some(endpoint.clone());
+                }
+                if let Err(err) = self
+                    .transition(&id, SandboxStatus::Running, Some(&handle))
+                    .await
+                {
                     // Unrecorded processes would outlive the server: back to the kept files
                     // (a restored sandbox's checkpoint is spent, so it runs on, unrecorded).
                     if from == SandboxStatus::Shelved
@@ -2278,9 +1638,9 @@ impl Sandboxes {
                         tracing::error!(sandbox_id = %id, error = %err, "cannot restore the sandbox; it stays checkpointed");
                     }
                     if let Some(entry) = self.live().get_mut(&id) {
-                        entry.status = from;
-                        entry.handle = sandbox.handle.clone();
+                        entry.endpoint = None;
                     }
+                    self.set_status(&id, from, Some(&sandbox.handle));
                     return Err(err);
                 }
             }
@@ -2289,34 +1649,25 @@ impl Sandboxes {
                 self.store.set_sandbox_end(&id, end_at).await?;
                 self.runtime.resume(&id, &sandbox.handle).await?;
                 crate::faults::crash_point("resume.thawed");
-                self.store
-                    .set_sandbox_state(&id, SandboxState::Running)
-                    .await?;
+                if let Some(entry) = self.live().get_mut(&id) {
+                    entry.end_at = end_at;
+                }
+                self.transition(&id, SandboxStatus::Running, None).await?;
                 Ok::<(), SandboxError>(())
             }
             .await;
             if let Err(err) = result {
                 let _ = self.runtime.pause(&id, &sandbox.handle).await;
-                self.set_status(&id, SandboxStatus::Paused);
+                self.set_status(&id, SandboxStatus::Paused, None);
                 return Err(err);
             }
             None
         };
-        if let Some((handle, _)) = &booted {
-            sandbox.handle = handle.clone();
-            sandbox.paused_as = None;
-        }
-        if let Some(entry) = self.live().get_mut(&id) {
-            entry.end_at = end_at;
-            entry.status = SandboxStatus::Running;
-            if let Some((handle, endpoint)) = booted {
-                entry.handle = handle;
-                entry.endpoint = Some(endpoint);
-            }
+        if let Some((handle, _)) = booted {
+            sandbox.handle = handle;
         }
         sandbox.end_at = end_at;
-        sandbox.state = SandboxState::Running;
-        sandbox.paused_as = None;
+        sandbox.status = SandboxStatus::Running;
         self.activity
             .event(
                 &id,
@@ -2368,7 +1719,7 @@ impl Sandboxes {
             .ok_or_else(not_running)?;
         if let Ok(from) = self.start_waking(&mut sandbox).await {
             if let Err(retry_after_secs) = self.within_slots(&team, id) {
-                self.set_status(id, from);
+                self.set_status(id, from, None);
                 tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                 return Err(SandboxError::ConcurrencyLimit {
                     id: id.to_owned(),
@@ -2467,6 +1818,62 @@ fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandbox
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_allowed_transition_has_a_plan_and_every_other_is_refused() {
+        for from in SandboxStatus::ALL {
+            for to in SandboxStatus::ALL {
+                let plan = transition_plan(from, to);
+                if !from.can_become(to) {
+                    assert_eq!(plan, None, "{from:?} -> {to:?}");
+                    continue;
+                }
+                let plan = plan.unwrap_or_else(|| panic!("{from:?} -> {to:?} refused"));
+                assert_eq!(plan.claim, to.is_transient(), "{from:?} -> {to:?}");
+                assert_eq!(plan.record, to.is_recorded(), "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_is_recorded_before_it_starts_and_when_it_ends() {
+        use SandboxStatus::*;
+        let claim = transition_plan(Paused, Checkpointing);
+        assert_eq!(
+            claim,
+            Some(TransitionPlan {
+                claim: true,
+                record: true
+            })
+        );
+        for to in [Checkpointed, Paused] {
+            assert_eq!(
+                transition_plan(Checkpointing, to),
+                Some(TransitionPlan {
+                    claim: false,
+                    record: true
+                })
+            );
+        }
+        // Claims a restart need not see stay in the registry.
+        for (from, to) in [
+            (Running, Pausing),
+            (Paused, Resuming),
+            (Checkpointed, Restoring),
+            (Running, Snapshotting),
+        ] {
+            assert_eq!(
+                transition_plan(from, to),
+                Some(TransitionPlan {
+                    claim: true,
+                    record: false
+                }),
+                "{from:?} -> {to:?}"
+            );
+        }
+        assert_eq!(transition_plan(Checkpointing, Running), None);
+        assert_eq!(transition_plan(Shelved, Checkpointing), None);
+    }
 
     #[test]
     fn page_tokens_round_trip() {

@@ -13,16 +13,7 @@ pub const BUCKET_SECS: i64 = 5;
 pub const MAX_POINTS: i64 = 720;
 const STEPS: [i64; 10] = [5, 15, 30, 60, 120, 300, 900, 1800, 3600, 86_400];
 
-/// One stored bucket of a team's activity.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TeamMetricBucket {
-    pub team_id: String,
-    /// Start of the bucket, a multiple of [`BUCKET_SECS`] in Unix seconds.
-    pub bucket: i64,
-    /// The most sandboxes the team had running at once in the bucket.
-    pub concurrent: u32,
-    pub starts: u32,
-}
+pub use crate::model::team_metrics::TeamMetricBucket;
 
 /// One point of `GET /teams/{teamID}/metrics`.
 #[derive(Debug, Clone, PartialEq)]

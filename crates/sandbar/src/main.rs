@@ -365,7 +365,7 @@ async fn ensure_base_template(
     envd_version: &str,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
-    use sandbar_core::Store;
+    use sandbar_core::store::TemplateRecords;
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
     let template = builtin_template(
         existing,
@@ -456,7 +456,7 @@ async fn ensure_interpreter_template(
     layers: &sandbar_node::layers::LayerStore,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
-    use sandbar_core::Store;
+    use sandbar_core::store::{BuildRecords, TemplateRecords};
     use sandbar_node::interpreter;
     let uploads = data_dir.join("uploads");
     let bin = interpreter_bin.to_owned();
@@ -490,7 +490,7 @@ async fn ensure_interpreter_template(
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
 async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
-    use sandbar_core::Store;
+    use sandbar_core::store::TemplateRecords;
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {

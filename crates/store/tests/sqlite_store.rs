@@ -4,9 +4,10 @@ use std::collections::BTreeMap;
 
 use chrono::{TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
+use sandbar_core::store::{SandboxRecords, TeamRecords, TemplateRecords};
 use sandbar_core::{
-    BuildStatus, EgressConfig, NetworkConfig, PauseKind, RuntimeHandle, Sandbox, SandboxState,
-    Store, Template,
+    BuildStatus, EgressConfig, NetworkConfig, RuntimeHandle, Sandbox, SandboxState, SandboxStatus,
+    Template,
 };
 use sandbar_store::SqliteStore;
 use std::sync::Arc;
@@ -159,8 +160,7 @@ async fn templates_and_sandboxes_round_trip() {
         traffic_access_token: Some("traffic".into()),
         envd_access_token: "t".into(),
         envd_version: "0.5.7".into(),
-        state: SandboxState::Running,
-        paused_as: None,
+        status: SandboxStatus::Running,
         handle: RuntimeHandle(serde_json::json!({"pid": 5})),
         auto_pause: true,
         auto_resume: false,
@@ -169,7 +169,7 @@ async fn templates_and_sandboxes_round_trip() {
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
     store
-        .set_sandbox_state(&sandbox.id, SandboxState::Paused)
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Paused, None)
         .await
         .expect("pause");
     let paused = store
@@ -178,14 +178,14 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("read")
         .expect("found");
     assert_eq!(
-        (paused.state, paused.paused_as, paused.auto_pause),
-        (SandboxState::Paused, Some(PauseKind::Memory), true)
+        (paused.state(), paused.status, paused.auto_pause),
+        (SandboxState::Paused, SandboxStatus::Paused, true)
     );
     assert!(!paused.auto_pause_memory);
     assert_eq!(paused.image.as_ref(), Some(&image));
     let released = RuntimeHandle(serde_json::json!({"pid": 0}));
     store
-        .set_sandbox_paused(&sandbox.id, Some(PauseKind::Files), &released)
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Shelved, Some(&released))
         .await
         .expect("pause without memory");
     let shelved = store
@@ -194,17 +194,13 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("read")
         .expect("found");
     assert_eq!(
-        (shelved.state, shelved.paused_as, &shelved.handle),
-        (SandboxState::Paused, Some(PauseKind::Files), &released)
+        (shelved.state(), shelved.status, &shelved.handle),
+        (SandboxState::Paused, SandboxStatus::Shelved, &released)
     );
     store
-        .set_sandbox_paused(&sandbox.id, None, &sandbox.handle)
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Running, Some(&sandbox.handle))
         .await
         .expect("boot again");
-    store
-        .set_sandbox_state(&sandbox.id, SandboxState::Running)
-        .await
-        .expect("resume");
     let loaded = store
         .sandbox(&sandbox.id)
         .await
@@ -212,7 +208,7 @@ async fn templates_and_sandboxes_round_trip() {
         .expect("found");
     assert_eq!(loaded.metadata, sandbox.metadata);
     assert_eq!(loaded.handle, sandbox.handle);
-    assert_eq!(loaded.paused_as, None);
+    assert_eq!(loaded.status, SandboxStatus::Running);
     assert_eq!(
         loaded.end_at.timestamp_micros(),
         sandbox.end_at.timestamp_micros()

@@ -1,4 +1,10 @@
 //! Shared pieces of the API's handler tests.
+// Each suite uses a part of it.
+#![allow(dead_code)]
+
+pub mod runtime;
+
+pub use runtime::FakeRuntime;
 
 use std::sync::Arc;
 

@@ -181,7 +181,7 @@ impl Sandboxes {
             return Err(SnapshotError::HasVolumes(id.to_owned()));
         }
         if let Err(status) =
-            self.transition(id, SandboxStatus::can_snapshot, SandboxStatus::Snapshotting)
+            self.claim(id, SandboxStatus::can_snapshot, SandboxStatus::Snapshotting)
         {
             return Err(match status {
                 None => SnapshotError::NotFound(id.to_owned()),
@@ -203,7 +203,7 @@ impl Sandboxes {
             .runtime
             .snapshot(id, &handle, &sandbox.envd_access_token, memory)
             .await;
-        self.set_status(id, SandboxStatus::Running);
+        self.set_status(id, SandboxStatus::Running, None);
         let parts = taken.map_err(|source| SnapshotError::Runtime {
             id: id.to_owned(),
             source,

@@ -1,0 +1,22 @@
+//! The records the core reasons about, one module per aggregate. They depend on nothing but
+//! each other and a few value types, so the services and the store traits can all use them
+//! without depending on one another.
+
+pub mod builds;
+pub mod sandbox_logs;
+pub mod sandboxes;
+pub mod team_metrics;
+pub mod teams;
+pub mod templates;
+pub mod volumes;
+
+pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
+pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
+pub use sandboxes::{Sandbox, SandboxState};
+pub use team_metrics::TeamMetricBucket;
+pub use teams::{Team, TeamLimits, slug_of};
+pub use templates::{
+    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
+    SnapshotImage, Template, TemplateImage,
+};
+pub use volumes::{Volume, VolumeMount};

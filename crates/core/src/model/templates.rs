@@ -1,0 +1,124 @@
+//! Templates and what their sandboxes start from.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// Alias of the template every installation builds on first start.
+pub const DEFAULT_TEMPLATE_ALIAS: &str = "base";
+/// Alias of the built-in template E2B's code interpreter SDKs create by default.
+pub const INTERPRETER_TEMPLATE_ALIAS: &str = "code-interpreter-v1";
+/// Names no team may give a template of its own.
+pub const BUILT_IN_TEMPLATE_ALIASES: [&str; 2] =
+    [DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BuildStatus {
+    Building,
+    Waiting,
+    Ready,
+    Error,
+}
+
+impl BuildStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BuildStatus::Building => "building",
+            BuildStatus::Waiting => "waiting",
+            BuildStatus::Ready => "ready",
+            BuildStatus::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "building" => BuildStatus::Building,
+            "waiting" => BuildStatus::Waiting,
+            "ready" => BuildStatus::Ready,
+            "error" => BuildStatus::Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    pub id: String,
+    /// `None` for templates every team may use (the built-in ones).
+    pub team_id: Option<String>,
+    /// The owning team's slug, which namespaces the aliases; `None` for built-in templates.
+    pub namespace: Option<String>,
+    /// Names within the owner's namespace, unique there.
+    pub aliases: Vec<String>,
+    pub public: bool,
+    pub build_id: String,
+    pub build_status: BuildStatus,
+    /// Why the last build failed, when it did.
+    pub build_error: Option<String>,
+    pub cpu_count: u32,
+    pub memory_mb: u32,
+    pub disk_size_mb: u32,
+    pub envd_version: String,
+    /// What sandboxes of the template start from: the last successful build's image.
+    pub image: Option<TemplateImage>,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub last_spawned_at: Option<DateTime<Utc>>,
+    pub spawn_count: u64,
+    pub build_count: u64,
+}
+
+impl Template {
+    pub fn visible_to(&self, team_id: &str) -> bool {
+        self.public || self.team_id.as_deref().is_none_or(|owner| owner == team_id)
+    }
+
+    /// Full names as E2B gives them: `namespace/alias`, or the bare alias of a built-in.
+    pub fn names(&self) -> Vec<String> {
+        self.aliases
+            .iter()
+            .map(|alias| match &self.namespace {
+                Some(namespace) => format!("{namespace}/{alias}"),
+                None => alias.clone(),
+            })
+            .collect()
+    }
+}
+
+/// What every sandbox of a template starts from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateImage {
+    /// Read-only layers, the first one at the bottom of the stack.
+    pub layers: Vec<String>,
+    /// Environment every process in the sandbox gets (the image's and the build's `ENV`).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Default Linux user of the sandbox's processes and files.
+    pub user: String,
+    /// Default working directory.
+    pub workdir: String,
+    /// Runs in every new sandbox of the template, as `user` in `workdir`.
+    #[serde(default)]
+    pub start_cmd: Option<String>,
+    /// Must succeed (after `start_cmd` started) before a new sandbox is handed out.
+    #[serde(default)]
+    pub ready_cmd: Option<String>,
+    /// Set on a snapshot's image: new sandboxes are restored from a checkpoint of another
+    /// sandbox's processes (on `layers`, the last one holding its files) instead of booted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<SnapshotImage>,
+}
+
+/// What makes an image a snapshot of a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotImage {
+    /// The checkpoint of its processes the runtime restores (`checkpoint/<key>`), kept like a
+    /// layer while an image names it; `None` for a snapshot of its files only, whose
+    /// sandboxes boot afresh on them.
+    #[serde(default)]
+    pub checkpoint: Option<String>,
+    /// The sandbox the snapshot was taken of.
+    pub sandbox_id: String,
+}

@@ -1,0 +1,354 @@
+//! After a restart: taking back every recorded sandbox in the status the store gives it,
+//! finishing what the server died in the middle of, and cleaning up what cannot be kept.
+
+use super::{Live, Sandboxes, TransitionError};
+use crate::builds::LogLevel;
+use crate::lifecycle::SandboxStatus;
+use crate::model::Sandbox;
+use crate::runtime::{AdoptedCheckpoint, Endpoint, RuntimeHandle};
+use crate::store::StoreError;
+
+impl Sandboxes {
+    /// After a restart: takes back every recorded sandbox that still runs, and cleans up the
+    /// rest. Expired ones are left for the reaper so their end is logged like any other.
+    pub async fn recover(&self) -> Result<usize, StoreError> {
+        let mut adopted = 0;
+        let recorded = self.store.all_sandboxes().await?;
+        let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
+        match self.runtime.sweep(&ids).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
+            Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
+        }
+        for mut sandbox in recorded {
+            if sandbox.status == SandboxStatus::Pausing {
+                // The server died while ending its processes to keep its files: finish that.
+                match self
+                    .release_recorded(&sandbox.id, &sandbox.handle, sandbox.status)
+                    .await
+                {
+                    Ok(released) => {
+                        self.recover_to(&sandbox, SandboxStatus::Shelved, Some(&released))
+                            .await?;
+                        sandbox.handle = released;
+                        sandbox.status = SandboxStatus::Shelved;
+                    }
+                    Err(err) => {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot finish a pause without memory");
+                    }
+                }
+            }
+            if matches!(
+                sandbox.status,
+                SandboxStatus::Shelved | SandboxStatus::Pausing
+            ) {
+                self.adopt_shelved(&sandbox).await?;
+                continue;
+            }
+            if sandbox.status == SandboxStatus::Checkpointing
+                && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
+            {
+                // The server died during the dump, before it ended the processes: what the
+                // dump wrote is incomplete, and the sandbox is still frozen in memory.
+                self.runtime.discard_checkpoint(&sandbox.id).await;
+                self.recover_to(&sandbox, SandboxStatus::Paused, None)
+                    .await?;
+                sandbox.status = SandboxStatus::Paused;
+            }
+            if matches!(
+                sandbox.status,
+                SandboxStatus::Checkpointed | SandboxStatus::Checkpointing
+            ) {
+                self.adopt_checkpointed(&sandbox).await?;
+                continue;
+            }
+            match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
+                Ok(Some(endpoint)) => {
+                    if self
+                        .take_back(&sandbox, endpoint, "sandbox adopted after a server restart")
+                        .await?
+                    {
+                        adopted += 1;
+                    }
+                }
+                Ok(None) => {
+                    tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
+                    self.activity
+                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                        .await;
+                    self.activity
+                        .ingest_agent_log(self.runtime.as_ref(), &sandbox.id)
+                        .await;
+                    if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
+                    }
+                    self.live().remove(&sandbox.id);
+                    self.store.delete_sandbox(&sandbox.id).await?;
+                    self.activity
+                        .close(
+                            &sandbox.id,
+                            LogLevel::Error,
+                            "sandbox died while the server was down",
+                        )
+                        .await;
+                }
+                Err(err) => {
+                    // Not routed to until a restart adopts it, as before it was recovered.
+                    self.live().remove(&sandbox.id);
+                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
+                }
+            }
+        }
+        Ok(adopted)
+    }
+
+    /// After a restart: takes back a checkpointed sandbox (or one whose checkpoint the server
+    /// died right after), without processes; one whose checkpoint is incomplete or cannot be
+    /// restored any more is lost, and cleaned up.
+    async fn adopt_checkpointed(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        let handle = match self
+            .runtime
+            .adopt_checkpointed(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            Ok(AdoptedCheckpoint::Checkpointed(handle)) => handle,
+            Ok(AdoptedCheckpoint::Restored(handle, endpoint)) => {
+                return self.adopt_restored(sandbox, handle, endpoint).await;
+            }
+            Err(err) => {
+                // The memory is lost (a host reboot ends the namespaces a checkpoint is
+                // restored into), the files need not be: the sandbox stays paused with them
+                // and boots afresh on them when resumed.
+                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
+                    Ok(released) => {
+                        tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
+                        self.recover_to(sandbox, SandboxStatus::Shelved, Some(&released))
+                            .await?;
+                        let shelved = Sandbox {
+                            handle: released,
+                            status: SandboxStatus::Shelved,
+                            ..sandbox.clone()
+                        };
+                        self.adopt_shelved(&shelved).await?;
+                        self.activity
+                            .event(
+                                &sandbox.id,
+                                LogLevel::Warn,
+                                "sandbox lost its memory: its checkpoint cannot be restored; its files are kept",
+                                &[("error", err.to_string())],
+                            )
+                            .await;
+                        return Ok(());
+                    }
+                    Err(release_err) => {
+                        tracing::error!(sandbox_id = %sandbox.id, error = %release_err, "cannot keep the files of a checkpointed sandbox");
+                    }
+                }
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
+                self.activity
+                    .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+                    .await;
+                if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
+                }
+                self.live().remove(&sandbox.id);
+                self.store.delete_sandbox(&sandbox.id).await?;
+                self.activity
+                    .close(
+                        &sandbox.id,
+                        LogLevel::Error,
+                        "sandbox lost: its checkpoint cannot be restored",
+                    )
+                    .await;
+                return Ok(());
+            }
+        };
+        if sandbox.status != SandboxStatus::Checkpointed || handle != sandbox.handle {
+            self.recover_to(sandbox, SandboxStatus::Checkpointed, Some(&handle))
+                .await?;
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live::recorded(sandbox, handle, None, SandboxStatus::Checkpointed),
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        self.activity
+            .event(
+                &sandbox.id,
+                LogLevel::Info,
+                "checkpointed sandbox adopted after a server restart",
+                &[],
+            )
+            .await;
+        Ok(())
+    }
+
+    /// After a restart: records running a sandbox whose restore finished while the server
+    /// was down (its end time was set when the resume began).
+    async fn adopt_restored(
+        &self,
+        sandbox: &Sandbox,
+        handle: RuntimeHandle,
+        endpoint: Endpoint,
+    ) -> Result<(), StoreError> {
+        self.recover_to(sandbox, SandboxStatus::Running, Some(&handle))
+            .await?;
+        self.runtime.discard_checkpoint(&sandbox.id).await;
+        let mut running = sandbox.clone();
+        running.handle = handle;
+        running.status = SandboxStatus::Running;
+        if self
+            .take_back(
+                &running,
+                endpoint,
+                "sandbox resumed: its restore finished while the server was down",
+            )
+            .await?
+        {
+            tracing::info!(sandbox_id = %sandbox.id, "restore finished while the server was down; sandbox runs");
+        }
+        Ok(())
+    }
+
+    /// After a restart: routes to a sandbox whose processes run (or are frozen, as the store
+    /// says) once its egress rules are in place again; one whose rules cannot be applied is
+    /// stopped, since running on with the node's default egress would ignore its owner's
+    /// rules. Whether it was taken back.
+    async fn take_back(
+        &self,
+        sandbox: &Sandbox,
+        endpoint: Endpoint,
+        event: &str,
+    ) -> Result<bool, StoreError> {
+        if let Err(err) = self.restore_network(sandbox).await {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
+            }
+            self.live().remove(&sandbox.id);
+            self.store.delete_sandbox(&sandbox.id).await?;
+            return Ok(false);
+        }
+        let status = self.settle(sandbox).await?;
+        self.live().insert(
+            sandbox.id.clone(),
+            Live::recorded(sandbox, sandbox.handle.clone(), Some(endpoint), status),
+        );
+        // Sandboxes from before logs were kept get a log from now on.
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        self.activity
+            .event(&sandbox.id, LogLevel::Info, event, &[])
+            .await;
+        Ok(true)
+    }
+
+    /// After a restart: takes back a sandbox paused without memory (no processes, only its
+    /// files); one whose files are gone is cleaned up.
+    async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+        if let Err(err) = self
+            .runtime
+            .adopt_released(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
+            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
+            }
+            self.live().remove(&sandbox.id);
+            self.store.delete_sandbox(&sandbox.id).await?;
+            self.activity
+                .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
+                .await;
+            return Ok(());
+        }
+        self.live().insert(
+            sandbox.id.clone(),
+            Live::recorded(
+                sandbox,
+                sandbox.handle.clone(),
+                None,
+                SandboxStatus::Shelved,
+            ),
+        );
+        self.activity
+            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
+            .await;
+        Ok(())
+    }
+
+    /// After a restart: makes the stored state and the processes agree. A pause or resume
+    /// the server died in the middle of is finished in the direction the store says: a
+    /// sandbox recorded paused is frozen again, one recorded running is thawed.
+    async fn settle(&self, sandbox: &Sandbox) -> Result<SandboxStatus, StoreError> {
+        let frozen = self.runtime.is_paused(&sandbox.id, &sandbox.handle);
+        match (sandbox.status == SandboxStatus::Paused, frozen) {
+            (true, true) => Ok(SandboxStatus::Paused),
+            (false, false) => Ok(SandboxStatus::Running),
+            (true, false) => match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
+                Ok(()) => Ok(SandboxStatus::Paused),
+                Err(err) => {
+                    tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
+                    self.recover_to(sandbox, SandboxStatus::Running, None)
+                        .await?;
+                    Ok(SandboxStatus::Running)
+                }
+            },
+            (false, true) => {
+                if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
+                    tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
+                    self.recover_to(sandbox, SandboxStatus::Paused, None)
+                        .await?;
+                    return Ok(SandboxStatus::Paused);
+                }
+                Ok(SandboxStatus::Running)
+            }
+        }
+    }
+
+    /// After a restart, before anything is served: enters `sandbox` in the registry in the
+    /// status the store gave it and moves it to `to` through the statuses the lifecycle
+    /// allows between them, so that the one transition records `to` (with `handle`, when
+    /// given) as any other change would. The statuses on the way are the registry's alone.
+    async fn recover_to(
+        &self,
+        sandbox: &Sandbox,
+        to: SandboxStatus,
+        handle: Option<&RuntimeHandle>,
+    ) -> Result<(), StoreError> {
+        let id = sandbox.id.as_str();
+        let entered = self.live().get(id).map(|l| l.status);
+        let from = match entered {
+            Some(status) => status,
+            None => {
+                self.live().insert(
+                    id.to_owned(),
+                    Live::recorded(sandbox, sandbox.handle.clone(), None, sandbox.status),
+                );
+                sandbox.status
+            }
+        };
+        let Some(path) = from.path_to(to) else {
+            tracing::error!(sandbox_id = %id, from = from.name(), to = to.name(), "no transition leads there; the record is left as it is");
+            return Ok(());
+        };
+        let Some((last, through)) = path.split_last() else {
+            // Already there: only its handle changed.
+            return self.record(id, to, handle).await;
+        };
+        for step in through {
+            self.set_status(id, *step, None);
+        }
+        match self.transition(id, *last, handle).await {
+            Ok(_) => Ok(()),
+            Err(TransitionError::Store(err)) => Err(err),
+            Err(refused @ TransitionError::Refused { .. }) => {
+                tracing::error!(sandbox_id = %id, error = %refused, "the record is left as it is");
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! Team activity buckets.
+
+use sandbar_core::store::TeamMetricRecords;
+use sandbar_core::{StoreError, TeamMetricBucket};
+
+use sqlx::Row;
+
+use crate::{SqliteStore, err};
+
+#[async_trait::async_trait]
+impl TeamMetricRecords for SqliteStore {
+    async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for b in buckets {
+            sqlx::query(
+                "INSERT INTO team_metrics (team_id, bucket, concurrent, starts) VALUES (?, ?, ?, ?) \
+                 ON CONFLICT (team_id, bucket) DO UPDATE SET \
+                 concurrent = MAX(concurrent, excluded.concurrent), starts = starts + excluded.starts",
+            )
+            .bind(&b.team_id)
+            .bind(b.bucket)
+            .bind(b.concurrent)
+            .bind(b.starts)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)
+    }
+
+    async fn team_metrics(
+        &self,
+        team_id: &str,
+        start: i64,
+        end: i64,
+    ) -> Result<Vec<TeamMetricBucket>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT bucket, concurrent, starts FROM team_metrics WHERE team_id = ? AND bucket >= ? AND bucket <= ? ORDER BY bucket",
+        )
+        .bind(team_id)
+        .bind(start)
+        .bind(end)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter()
+            .map(|row| {
+                Ok(TeamMetricBucket {
+                    team_id: team_id.to_owned(),
+                    bucket: row.try_get("bucket").map_err(err)?,
+                    concurrent: row.try_get("concurrent").map_err(err)?,
+                    starts: row.try_get("starts").map_err(err)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
+        let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < ?")
+            .bind(before)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(result.rows_affected())
+    }
+}

@@ -1,0 +1,272 @@
+//! Templates and their names.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::TemplateRecords;
+use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
+use sqlx::Row;
+use sqlx::sqlite::SqliteRow;
+
+use crate::{SqliteStore, err, json_opt, micros, time, to_json};
+
+impl SqliteStore {
+    async fn aliases(&self, template_id: &str) -> Result<Vec<String>, StoreError> {
+        let rows =
+            sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
+                .bind(template_id)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(err)?;
+        rows.iter()
+            .map(|r| r.try_get("alias").map_err(err))
+            .collect()
+    }
+
+    async fn templates_from_rows(&self, rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            out.push(self.template_from_row(row).await?);
+        }
+        Ok(out)
+    }
+
+    /// A row selected by a `template_query!`.
+    async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
+        let id: String = row.try_get("id").map_err(err)?;
+        let status: String = row.try_get("build_status").map_err(err)?;
+        Ok(Template {
+            aliases: self.aliases(&id).await?,
+            team_id: row.try_get("team_id").map_err(err)?,
+            namespace: row.try_get("namespace").map_err(err)?,
+            public: row.try_get("public").map_err(err)?,
+            build_id: row.try_get("build_id").map_err(err)?,
+            build_status: BuildStatus::parse(&status)
+                .ok_or_else(|| err(format!("template {id} has unknown build status {status}")))?,
+            build_error: row.try_get("build_error").map_err(err)?,
+            cpu_count: row.try_get("cpu_count").map_err(err)?,
+            memory_mb: row.try_get("memory_mb").map_err(err)?,
+            disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
+            envd_version: row.try_get("envd_version").map_err(err)?,
+            image: json_opt::<TemplateImage>(row, "image")?,
+            created_at: time(row.try_get("created_at").map_err(err)?),
+            updated_at: time(row.try_get("updated_at").map_err(err)?),
+            last_spawned_at: row
+                .try_get::<Option<i64>, _>("last_spawned_at")
+                .map_err(err)?
+                .map(time),
+            spawn_count: row.try_get::<i64, _>("spawn_count").map_err(err)? as u64,
+            build_count: row.try_get::<i64, _>("build_count").map_err(err)? as u64,
+            id,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl TemplateRecords for SqliteStore {
+    async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        sqlx::query(
+            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+             ON CONFLICT(id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
+               build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
+               memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
+               image = excluded.image, updated_at = excluded.updated_at, build_count = excluded.build_count",
+        )
+        .bind(&t.id)
+        .bind(&t.team_id)
+        .bind(t.public)
+        .bind(&t.build_id)
+        .bind(t.build_status.as_str())
+        .bind(&t.build_error)
+        .bind(t.cpu_count)
+        .bind(t.memory_mb)
+        .bind(t.disk_size_mb)
+        .bind(&t.envd_version)
+        .bind(t.image.as_ref().map(to_json).transpose()?)
+        .bind(micros(t.created_at))
+        .bind(micros(t.updated_at))
+        .bind(t.last_spawned_at.map(micros))
+        .bind(t.spawn_count as i64)
+        .bind(t.build_count as i64)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        for alias in &t.aliases {
+            sqlx::query(
+                "INSERT INTO template_aliases (scope, alias, template_id) VALUES (?, ?, ?)
+                 ON CONFLICT(scope, alias) DO UPDATE SET template_id = excluded.template_id",
+            )
+            .bind(t.team_id.as_deref().unwrap_or(""))
+            .bind(alias)
+            .bind(&t.id)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
+        let row = sqlx::query(template_query!("WHERE t.id = ?"))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        match row {
+            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn template_by_name(
+        &self,
+        team_id: Option<&str>,
+        alias: &str,
+    ) -> Result<Option<Template>, StoreError> {
+        let row = sqlx::query(template_query!(
+            "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?"
+        ))
+        .bind(team_id.unwrap_or(""))
+        .bind(alias)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        match row {
+            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            None => Ok(None),
+        }
+    }
+
+    async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
+        let rows = sqlx::query(template_query!(
+            "JOIN template_aliases a ON a.template_id = t.id
+             WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id"
+        ))
+        .bind(alias)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        self.templates_from_rows(&rows).await
+    }
+
+    async fn templates(&self) -> Result<Vec<Template>, StoreError> {
+        let rows = sqlx::query(template_query!("ORDER BY t.created_at DESC, t.id"))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        self.templates_from_rows(&rows).await
+    }
+
+    async fn set_template_build(
+        &self,
+        id: &str,
+        status: BuildStatus,
+        error: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET build_status = ?, build_error = ?, updated_at = ? WHERE id = ?",
+        )
+        .bind(status.as_str())
+        .bind(error)
+        .bind(micros(Utc::now()))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn set_template_image(
+        &self,
+        id: &str,
+        build_id: &str,
+        image: &TemplateImage,
+    ) -> Result<(), StoreError> {
+        // Only the latest build also sets the template's status: an older build finishing
+        // late still becomes the image, but must not hide a newer build's progress.
+        sqlx::query(
+            "UPDATE templates SET image = ?, ready_build_id = ?, updated_at = ?,
+               build_status = CASE WHEN build_id = ? THEN 'ready' ELSE build_status END,
+               build_error = CASE WHEN build_id = ? THEN NULL ELSE build_error END
+             WHERE id = ?",
+        )
+        .bind(to_json(image)?)
+        .bind(build_id)
+        .bind(micros(Utc::now()))
+        .bind(build_id)
+        .bind(build_id)
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for statement in [
+            "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = ?)",
+            "DELETE FROM build_tags WHERE template_id = ?",
+            "DELETE FROM template_builds WHERE template_id = ?",
+            "DELETE FROM template_aliases WHERE template_id = ?",
+            "DELETE FROM templates WHERE id = ?",
+        ] {
+            sqlx::query(statement)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT image FROM templates WHERE image IS NOT NULL
+             UNION ALL
+             SELECT b.image FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+             WHERE b.image IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut layers = Vec::new();
+        for row in &rows {
+            let text: String = row.try_get("image").map_err(err)?;
+            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+            layers.extend(image.layers);
+            // A snapshot's checkpoint lives as long as its layers.
+            layers.extend(image.snapshot.and_then(|s| s.checkpoint));
+        }
+        // Recorded sandboxes (running, paused, shelved, checkpointed) keep the layers they
+        // booted from even after their template moved on: a collection that runs before the
+        // node has adopted them again (at start) must not take their roots away. The
+        // checkpoint they were made from is not theirs to keep.
+        let sandboxes = sqlx::query("SELECT image FROM sandboxes WHERE image IS NOT NULL")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        for row in &sandboxes {
+            let text: String = row.try_get("image").map_err(err)?;
+            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+            layers.extend(image.layers);
+        }
+        layers.sort();
+        layers.dedup();
+        Ok(layers)
+    }
+
+    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET spawn_count = spawn_count + 1, last_spawned_at = ? WHERE id = ?",
+        )
+        .bind(micros(at))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,88 @@
+//! Volumes.
+
+use sandbar_core::store::VolumeRecords;
+use sandbar_core::{StoreError, Volume};
+use sqlx::Row;
+use sqlx::sqlite::SqliteRow;
+
+use crate::{SqliteStore, err, micros, time};
+
+#[async_trait::async_trait]
+impl VolumeRecords for SqliteStore {
+    async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO volumes (id, team_id, name, token_hash, created_at) VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (team_id, name) DO NOTHING",
+        )
+        .bind(&v.id)
+        .bind(&v.team_id)
+        .bind(&v.name)
+        .bind(&v.token_hash)
+        .bind(micros(v.created_at))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
+        let row = sqlx::query("SELECT * FROM volumes WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(volume_from_row).transpose()
+    }
+
+    async fn volume_by_name(
+        &self,
+        team_id: &str,
+        name: &str,
+    ) -> Result<Option<Volume>, StoreError> {
+        let row = sqlx::query("SELECT * FROM volumes WHERE team_id = ? AND name = ?")
+            .bind(team_id)
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?;
+        row.as_ref().map(volume_from_row).transpose()
+    }
+
+    async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM volumes WHERE team_id = ? ORDER BY created_at, id")
+            .bind(team_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter().map(volume_from_row).collect()
+    }
+
+    async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT DISTINCT sandbox_id FROM sandbox_volumes WHERE volume_id = ? ORDER BY sandbox_id",
+        )
+        .bind(volume_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)
+    }
+
+    async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM volumes WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
+fn volume_from_row(row: &SqliteRow) -> Result<Volume, StoreError> {
+    Ok(Volume {
+        id: row.try_get("id").map_err(err)?,
+        team_id: row.try_get("team_id").map_err(err)?,
+        name: row.try_get("name").map_err(err)?,
+        token_hash: row.try_get("token_hash").map_err(err)?,
+        created_at: time(row.try_get("created_at").map_err(err)?),
+    })
+}
