@@ -62,6 +62,8 @@ pub struct Kernel {
     /// Its sockets are this path with `-<port>` appended.
     ipc_prefix: PathBuf,
     readers: Vec<tokio::task::JoinHandle<()>>,
+    /// The sandbox environment last set in the kernel (see `Config::sandbox_env`).
+    pub sandbox_env: Option<crate::server::SandboxEnv>,
 }
 
 impl std::fmt::Debug for Kernel {
@@ -181,6 +183,7 @@ impl Kernel {
             connection_file,
             ipc_prefix,
             readers,
+            sandbox_env: None,
         };
         kernel.wait_answering().await?;
         Ok(kernel)
