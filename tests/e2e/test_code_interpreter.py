@@ -310,6 +310,8 @@ def test_sandboxes_restored_from_the_capture_share_no_state(sandbar, interpreter
             assert a[field] != b[field], (field, a, b)
         assert first.run_code("'leak' in globals()").text == "True"
         assert second.run_code("'leak' in globals()").text == "False"
+        # The server's own ids after the restore come from the kernel's entropy.
+        assert first.create_code_context().id != second.create_code_context().id
         # The bash kernel starts after the restore and gets the sandbox's variables too.
         assert second.run_code("echo $ONLY_HERE", language="bash").logs.stdout == ["second\n"]
     finally:

@@ -74,8 +74,20 @@ impl std::fmt::Debug for Kernel {
     }
 }
 
+/// Bytes from the kernel's entropy, not from a generator in this process's memory: a server
+/// restored from a template's capture runs on in every sandbox of the template, and would
+/// otherwise draw the same ids and keys in all of them.
+pub(crate) fn fresh_bytes() -> [u8; 16] {
+    use rand::TryRngCore;
+    let mut bytes = [0u8; 16];
+    if rand::rngs::OsRng.try_fill_bytes(&mut bytes).is_err() {
+        bytes = rand::random();
+    }
+    bytes
+}
+
 fn new_id() -> String {
-    let bytes: [u8; 16] = rand::random();
+    let bytes = fresh_bytes();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

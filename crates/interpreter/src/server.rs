@@ -117,7 +117,7 @@ fn normalize_language(language: Option<&str>) -> String {
 }
 
 fn new_context_id() -> String {
-    let bytes: [u8; 16] = rand::random();
+    let bytes = crate::kernel::fresh_bytes();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     format!(
         "{}-{}-{}-{}-{}",
