@@ -1,15 +1,18 @@
 """E2B's code interpreter SDK (`e2b_code_interpreter`), unchanged, against the built-in
 `code-interpreter-v1` template: stateful Python and bash kernels, contexts, streamed output
-and callbacks, rich results, errors, timeouts, environment variables, reconnects and a pause.
+and callbacks, rich results, errors, timeouts, environment variables, reconnects, a pause, the
+access token executions need on port 49999, sandboxes restored from the template's capture
+sharing no state, and a snapshot of a kernel's state.
 
 The template is built in the background when the server starts; the module waits for it
 (minutes on a machine's first run, nothing once it is cached). One sandbox serves the whole
-module, a second one only the pause test.
+module, a few more the pause, capture and snapshot tests.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 
 import httpx
@@ -18,7 +21,7 @@ from e2b import InvalidArgumentException, NotFoundException, TimeoutException
 
 from e2b_code_interpreter import Sandbox
 
-from e2e_util import TEMPLATE_WAIT_S
+from e2e_util import TEMPLATE_WAIT_S, checkpoints_off
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -198,7 +201,11 @@ def test_a_kernel_that_exits_is_replaced(sbx):
 
 
 def test_the_wire_refuses_context_and_language_together(sbx):
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "E2b-Sandbox-Port": "49999",
+        "X-Access-Token": sbx._envd_access_token,
+    }
     url = sbx.connection_config.get_sandbox_url(sbx.sandbox_id, sbx.sandbox_domain, port=49999)
     both = httpx.post(
         f"{url}/execute",
@@ -233,14 +240,104 @@ def test_connect_sees_the_same_kernel(sbx):
 
 
 def test_pause_and_resume_keep_variables(sandbar, interpreter_template):
+    # Restored from the template's capture where the server can, then paused and resumed.
     sandbox = Sandbox.create(timeout=120)
     try:
         sandbox.run_code("kept = [1, 2, 3]")
         assert sandbox.pause() is True
         resumed = Sandbox.connect(sandbox.sandbox_id, timeout=120)
         assert resumed.run_code("sum(kept)").text == "6"
+        assert resumed.run_code("kept.append(4)\nsum(kept)").text == "10"
     finally:
         Sandbox.kill(sandbox.sandbox_id)
+
+
+def _interpreter(sandbar, sandbox, path: str, token, body=None) -> httpx.Response:
+    headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    if token is not None:
+        headers["X-Access-Token"] = token
+    if body is None:
+        return httpx.get(sandbar.url + path, headers=headers, timeout=10)
+    return httpx.post(sandbar.url + path, headers=headers, json=body, timeout=30)
+
+
+def test_executions_need_the_access_token(sandbar, sbx):
+    # What the SDKs send with an execution, checked at the edge: it runs code as the agent's
+    # process calls do.
+    code = {"code": "'ran'"}
+    for token in (None, "not-the-token", sbx._envd_access_token[:-1]):
+        r = _interpreter(sandbar, sbx, "/execute", token, code)
+        assert r.status_code == 401, (token, r.status_code, r.text)
+        assert "access token" in r.json()["message"]
+    ran = _interpreter(sandbar, sbx, "/execute", sbx._envd_access_token, code)
+    assert ran.status_code == 200 and '"text":"ran"' in ran.text, ran.text
+    # The SDKs send no token with the contexts' calls (nor with /health).
+    assert _interpreter(sandbar, sbx, "/contexts", None).status_code == 200
+    assert _interpreter(sandbar, sbx, "/health", None).status_code == 200
+
+
+def _identity(sandbox) -> dict:
+    execution = sandbox.run_code(
+        "import json, os, random, numpy\n"
+        "print(json.dumps({\n"
+        "    'boot_id': open('/proc/sys/kernel/random/boot_id').read(),\n"
+        "    'machine_id': open('/etc/machine-id').read(),\n"
+        "    'random': random.random(),\n"
+        "    'numpy': int(numpy.random.randint(1 << 30)),\n"
+        "    'urandom': os.urandom(8).hex(),\n"
+        "    'env': os.environ.get('ONLY_HERE'),\n"
+        "    'leak': 'leak' in globals(),\n"
+        "}))"
+    )
+    assert execution.error is None, execution.error
+    return json.loads("".join(execution.logs.stdout))
+
+
+def test_sandboxes_restored_from_the_capture_share_no_state(sandbar, interpreter_template):
+    if reason := checkpoints_off(sandbar):
+        pytest.skip(f"no capture without CRIU: {reason}")
+    first = Sandbox.create(timeout=120, envs={"ONLY_HERE": "first"})
+    second = Sandbox.create(timeout=120, envs={"ONLY_HERE": "second"})
+    try:
+        # Restored with the kernel already running: nothing was executed in it before.
+        assert first.run_code("1").execution_count == 1
+        first.run_code("leak = 'first'")
+        a, b = _identity(first), _identity(second)
+        assert (a["env"], a["leak"], b["env"], b["leak"]) == ("first", True, "second", False), (a, b)
+        # Each its own machine, and Python's and numpy's generators seeded again after the
+        # restore: the capture's seeds would give both the same numbers.
+        for field in ("boot_id", "machine_id", "random", "numpy", "urandom"):
+            assert a[field] != b[field], (field, a, b)
+        assert first.run_code("'leak' in globals()").text == "True"
+        assert second.run_code("'leak' in globals()").text == "False"
+        # The server's own ids after the restore come from the kernel's entropy.
+        assert first.create_code_context().id != second.create_code_context().id
+        # The bash kernel starts after the restore and gets the sandbox's variables too.
+        assert second.run_code("echo $ONLY_HERE", language="bash").logs.stdout == ["second\n"]
+    finally:
+        Sandbox.kill(first.sandbox_id)
+        Sandbox.kill(second.sandbox_id)
+
+
+def test_a_snapshot_keeps_the_kernel_state(sandbar, interpreter_template):
+    if reason := checkpoints_off(sandbar):
+        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    source = Sandbox.create(timeout=120)
+    copy = None
+    try:
+        source.run_code("kept = {'n': 7}")
+        snapshot = source.create_snapshot()
+        copy = Sandbox.create(snapshot.snapshot_id, timeout=120)
+        assert copy.run_code("kept['n'] * 6").text == "42"
+        assert copy.run_code("kept['n'] = 1\nkept['n']").text == "1"
+        assert source.run_code("kept['n']").text == "7"
+        assert copy.pause() is True
+        resumed = Sandbox.connect(copy.sandbox_id, timeout=120)
+        assert resumed.run_code("kept['n'] + 1").text == "2"
+    finally:
+        for sandbox in (source, copy):
+            if sandbox is not None:
+                Sandbox.kill(sandbox.sandbox_id)
 
 
 def test_the_npm_sdk(sandbar, interpreter_template):

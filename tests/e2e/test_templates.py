@@ -320,7 +320,10 @@ def test_build_from_registry_image(sandbar, tiny1, tmp_path, make_sandbox):
         .set_envs({"GREETING": "hi"})
         .set_workdir("/app")
         .set_user("user")
-        .set_start_cmd("sh -c 'echo started > /tmp/started; sleep 3600'", wait_for_file("/tmp/started"))
+        .set_start_cmd(
+            "sh -c 'cat /proc/sys/kernel/random/uuid > /tmp/nonce; echo started > /tmp/started; sleep 3600'",
+            wait_for_file("/tmp/started"),
+        )
     )
     b = build_ok(template, name)
     assert b.info.template_id and b.info.build_id
@@ -343,6 +346,11 @@ def test_build_from_registry_image(sandbar, tiny1, tmp_path, make_sandbox):
     assert run(sbx, "cat /tmp/started") == "started\n"
     ps = run(sbx, "ps -o pid,args")
     assert "sleep 3600" in ps, ps
+    if not checkpoints_off(sandbar):
+        # Captured once ready at the build: the sandbox was restored with the start command
+        # already run, not started again.
+        second = make_sandbox(template=name)
+        assert run(second, "cat /tmp/nonce") == run(sbx, "cat /tmp/nonce")
     # Envs and the workdir apply to explicit users too.
     assert run(sbx, "echo $GREETING; pwd", user="root") == "hi\n/app\n"
 

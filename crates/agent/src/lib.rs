@@ -46,6 +46,39 @@ pub struct AgentState {
     pub processes: Arc<process::ProcessManager>,
     /// Polling watchers created through `CreateWatcher`.
     pub watchers: watch::Watchers,
+    /// Where the sandbox's environment is written for processes that started before it was
+    /// set (see [`SANDBOX_ENV_FILE`]); `None` outside a sandbox.
+    env_file: Option<std::path::PathBuf>,
+}
+
+/// Inside a sandbox, the sandbox's environment variables as one JSON object, rewritten at
+/// every `POST /init`. A process restored from a capture was started before its sandbox got
+/// its environment; the code interpreter reads this file to give its running kernels the
+/// variables a fresh start would have inherited. Readable by every user of the sandbox, as
+/// the variables are in the environment of every process the agent starts.
+pub const SANDBOX_ENV_FILE: &str = "/run/sandbar/env.json";
+
+/// Writes `env` to `path` whole (a reader never sees half of it).
+fn write_env_file(
+    path: &std::path::Path,
+    env: &std::collections::BTreeMap<String, String>,
+) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let dir = path.parent().unwrap_or(std::path::Path::new("/"));
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)?;
+    let staging = dir.join(".env.json.new");
+    let _ = std::fs::remove_file(&staging);
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o644)
+        .open(&staging)?;
+    file.write_all(&serde_json::to_vec(env).map_err(std::io::Error::other)?)?;
+    std::fs::rename(&staging, path)
 }
 
 impl AgentState {
@@ -55,6 +88,14 @@ impl AgentState {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    fn publish_env(&self) {
+        if let Some(path) = &self.env_file
+            && let Err(e) = write_env_file(path, &self.config().env_vars)
+        {
+            tracing::warn!(path = %path.display(), error = %e, "cannot write the sandbox's environment");
+        }
     }
 
     fn replace_config(&self, config: AgentConfig) {
@@ -95,6 +136,7 @@ async fn init(
     if let Some(limit_mb) = request.memory_limit_mb {
         state.processes.set_memory_limit(limit_mb);
     }
+    state.publish_env();
     // The first line of the new sandbox's log: the node emptied the log of the agent's time
     // before it had a sandbox.
     tracing::info!(version = ENVD_VERSION, "agent started");
@@ -111,17 +153,23 @@ async fn envs(State(state): State<Arc<AgentState>>) -> axum::Json<serde_json::Va
 
 /// The whole agent HTTP surface. Unknown paths answer 404 (after the token check).
 pub fn router(config: AgentConfig) -> axum::Router {
-    router_with(config, None)
+    router_with(config, None, None)
 }
 
 /// [`router`], with the sandbox's out-of-memory notifications for naming the processes they
-/// kill.
-pub fn router_with(config: AgentConfig, oom: Option<Arc<process::OomEvents>>) -> axum::Router {
+/// kill and the file the sandbox's environment is published in.
+pub fn router_with(
+    config: AgentConfig,
+    oom: Option<Arc<process::OomEvents>>,
+    env_file: Option<std::path::PathBuf>,
+) -> axum::Router {
     let state = Arc::new(AgentState {
         config: std::sync::RwLock::new(Arc::new(config)),
         processes: Arc::new(process::ProcessManager::with_oom(oom)),
         watchers: watch::Watchers::default(),
+        env_file,
     });
+    state.publish_env();
     let services = Arc::new(rpc::Services::new(state.clone()));
     let connect = proto::process::ProcessExt::register(services.clone(), connectrpc::Router::new());
     let connect = proto::filesystem::FilesystemExt::register(services, connect);
@@ -165,7 +213,8 @@ pub async fn serve_booted(
     if let Some(oom) = &oom {
         tokio::spawn(oom.clone().watch());
     }
-    axum::serve(listener, router_with(config, oom)).await
+    let env_file = Some(std::path::PathBuf::from(SANDBOX_ENV_FILE));
+    axum::serve(listener, router_with(config, oom, env_file)).await
 }
 
 /// Serves the agent on TCP until the listener fails. Nagle is disabled because streamed

@@ -129,7 +129,10 @@ pub(crate) async fn route_to_sandbox(
                     busy.retry_after = Some(retry_after_secs);
                     return mark(busy.into_response(), target.port);
                 }
-                Err(_) => return mark(refused_or_missing(&state, &target), target.port),
+                Err(_) => {
+                    let presented = Presented::from_parts(method, uri, headers);
+                    return mark(refused_or_missing(&state, &target, &presented), target.port);
+                }
             }
         }
         None => match signed_file_route(&state, &request) {
@@ -159,6 +162,7 @@ struct Presented {
     traffic_token: Option<String>,
     access_token: Option<String>,
     signed: Option<SignedFileRequest>,
+    path: String,
 }
 
 impl Presented {
@@ -178,6 +182,7 @@ impl Presented {
             traffic_token: header(crate::traffic::TRAFFIC_TOKEN_HEADER),
             access_token: header("x-access-token"),
             signed: signed_file_request(method, uri),
+            path: uri.path().to_owned(),
         }
     }
 
@@ -191,9 +196,14 @@ impl Presented {
                 .is_some_and(|given| sandbar_envd::secrets_equal(given, expected))
         };
         if port != AGENT_PORT {
-            return keys
-                .traffic_access_token
-                .is_none_or(|expected| matches(&self.traffic_token, expected));
+            let interpreter_admits = !crate::traffic::needs_agent_token(port, &self.path)
+                || keys
+                    .envd_access_token
+                    .is_none_or(|expected| matches(&self.access_token, expected));
+            return interpreter_admits
+                && keys
+                    .traffic_access_token
+                    .is_none_or(|expected| matches(&self.traffic_token, expected));
         }
         let Some(token) = keys.envd_access_token else {
             return true;
@@ -206,13 +216,23 @@ impl Presented {
 }
 
 /// What the edge answers for a sandbox it will not route to: the 403 of a private user port
-/// to a request without its token, else "not found" as for any sandbox not running.
-fn refused_or_missing(state: &AppState, target: &Target) -> Response {
+/// to a request without its token, the 401 of a code interpreter execution without the
+/// agent's, else "not found" as for any sandbox not running.
+fn refused_or_missing(state: &AppState, target: &Target, presented: &Presented) -> Response {
+    let access = state
+        .sandboxes
+        .user_port_access_any_state(&target.sandbox_id);
+    if crate::traffic::needs_agent_token(target.port, &presented.path)
+        && let Some(expected) = access.as_ref().and_then(|a| a.envd_access_token.as_deref())
+        && !presented
+            .access_token
+            .as_deref()
+            .is_some_and(|given| sandbar_envd::secrets_equal(given, expected))
+    {
+        return crate::traffic::needs_access_token(&target.sandbox_id, target.port).into_response();
+    }
     if target.port != AGENT_PORT
-        && state
-            .sandboxes
-            .user_port_access_any_state(&target.sandbox_id)
-            .is_some_and(|access| access.traffic_access_token.is_some())
+        && access.is_some_and(|access| access.traffic_access_token.is_some())
     {
         return crate::traffic::needs_token(&target.sandbox_id, target.port).into_response();
     }
@@ -578,6 +598,40 @@ mod tests {
             ..PRIVATE
         };
         assert!(without.lets_through(8000, &public));
+    }
+
+    #[test]
+    fn only_the_agent_token_would_wake_through_a_code_interpreter_execution() {
+        let public = WakeKeys {
+            traffic_access_token: None,
+            ..PRIVATE
+        };
+        let port = sandbar_core::network::CODE_INTERPRETER_PORT;
+        assert!(!Presented::of(&request("/execute", &[])).lets_through(port, &public));
+        assert!(
+            !Presented::of(&request("/execute/", &[("x-access-token", "guess")]))
+                .lets_through(port, &public)
+        );
+        // The SDKs send no token with the contexts' calls.
+        assert!(Presented::of(&request("/contexts", &[])).lets_through(port, &public));
+        assert!(Presented::of(&request("/execute", &[])).lets_through(8000, &public));
+        let right = Presented::of(&request("/execute", &[("x-access-token", "agent-token")]));
+        assert!(right.lets_through(port, &public));
+        // A private sandbox's interpreter needs both tokens.
+        assert!(!right.lets_through(port, &PRIVATE));
+        let both = Presented::of(&request(
+            "/execute",
+            &[
+                ("x-access-token", "agent-token"),
+                ("e2b-traffic-access-token", "traffic-token"),
+            ],
+        ));
+        assert!(both.lets_through(port, &PRIVATE));
+        let without_agent_token = WakeKeys {
+            envd_access_token: None,
+            traffic_access_token: None,
+        };
+        assert!(Presented::of(&request("/execute", &[])).lets_through(port, &without_agent_token));
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub use crate::model::builds::{
     BASE_STEP, BuildFailure, BuildLogEntry, BuildRecord, BuildSource, BuildSpec, BuildStep,
     FINALIZE_STEP, LogLevel, RegistryCredentials, StepKind,
 };
-pub use crate::model::templates::{SnapshotImage, TemplateImage};
+pub use crate::model::templates::{SnapshotImage, StartedImage, TemplateImage};
 
 /// One build handed to a [`Builder`].
 #[derive(Debug, Clone)]

@@ -32,8 +32,8 @@ pub use agent_links::{AgentLease, HangUp};
 pub use auth::{Auth, AuthError, Credentials};
 pub use builds::{
     BuildFailure, BuildJob, BuildLog, BuildLogEntry, BuildRecord, BuildSource, BuildSpec,
-    BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StepKind,
-    TemplateImage,
+    BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StartedImage,
+    StepKind, TemplateImage,
 };
 pub use disks::{DiskFull, DiskReport, DiskSpace};
 pub use keys::{

@@ -18,6 +18,10 @@ pub const MAX_DNS_SERVERS: usize = 10;
 pub const MAX_MASK_HOST_LEN: usize = 255;
 /// The placeholder of `maskRequestHost` that stands for the requested port.
 pub const PORT_PLACEHOLDER: &str = "${PORT}";
+/// The code interpreter's port (the SDKs' `JUPYTER_PORT`). E2B's code interpreter SDKs send
+/// the sandbox's agent token (`X-Access-Token`) to it as they do to the agent, and the edge
+/// requires it there: whoever may run code through the agent may run it here, nobody else.
+pub const CODE_INTERPRETER_PORT: u16 = 49999;
 
 /// Egress settings a running sandbox's owner may replace (`PUT /sandboxes/{id}/network`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

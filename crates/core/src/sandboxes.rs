@@ -132,6 +132,9 @@ pub struct UserPortAccess {
     pub traffic_access_token: Option<String>,
     /// Host header to send instead of the client's (with `${PORT}` still in it).
     pub mask_request_host: Option<String>,
+    /// The agent's access token, which the code interpreter's port needs too; `None` when
+    /// the sandbox was made without one.
+    pub envd_access_token: Option<String>,
 }
 
 impl UserPortAccess {
@@ -142,6 +145,7 @@ impl UserPortAccess {
                 .clone()
                 .filter(|_| !sandbox.network.allow_public_traffic),
             mask_request_host: sandbox.network.mask_request_host.clone(),
+            envd_access_token: Some(sandbox.envd_access_token.clone()).filter(|t| !t.is_empty()),
         }
     }
 }
@@ -550,6 +554,12 @@ impl Sandboxes {
         let Some(image) = template.image.clone() else {
             self.live().remove(&id);
             return Err(TemplateError::StillBuilding(template.id.clone()).into());
+        };
+        // Restored from the template's capture with its start command running, where the
+        // node can restore; the record names the layers the sandbox's files are on.
+        let image = match image.restored_from_capture() {
+            Some(restored) if self.runtime.checkpoints_ready().await => restored,
+            _ => image,
         };
         let booted_from = image.clone();
         let mut env_vars = image.env.clone();

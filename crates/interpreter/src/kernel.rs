@@ -3,7 +3,6 @@
 //! of the request it answers.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -22,8 +21,6 @@ type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<JupyterMessage>>>>
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error("cannot pick ports for the kernel: {0}")]
-    Ports(jupyter_zmq_client::RuntimeError),
     #[error("cannot write the connection file {path}: {source}")]
     ConnectionFile {
         path: PathBuf,
@@ -62,7 +59,11 @@ pub struct Kernel {
     shell: tokio::sync::Mutex<DealerSendConnection>,
     routes: Routes,
     connection_file: PathBuf,
+    /// Its sockets are this path with `-<port>` appended.
+    ipc_prefix: PathBuf,
     readers: Vec<tokio::task::JoinHandle<()>>,
+    /// The sandbox environment last set in the kernel (see `Config::sandbox_env`).
+    pub sandbox_env: Option<crate::server::SandboxEnv>,
 }
 
 impl std::fmt::Debug for Kernel {
@@ -73,8 +74,20 @@ impl std::fmt::Debug for Kernel {
     }
 }
 
+/// Bytes from the kernel's entropy, not from a generator in this process's memory: a server
+/// restored from a template's capture runs on in every sandbox of the template, and would
+/// otherwise draw the same ids and keys in all of them.
+pub(crate) fn fresh_bytes() -> [u8; 16] {
+    use rand::TryRngCore;
+    let mut bytes = [0u8; 16];
+    if rand::rngs::OsRng.try_fill_bytes(&mut bytes).is_err() {
+        bytes = rand::random();
+    }
+    bytes
+}
+
 fn new_id() -> String {
-    let bytes: [u8; 16] = rand::random();
+    let bytes = fresh_bytes();
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -85,23 +98,24 @@ impl Kernel {
         cwd: &Path,
         runtime_dir: &Path,
     ) -> Result<Kernel, StartError> {
-        let ip = IpAddr::V4(Ipv4Addr::LOCALHOST);
-        let (ports, listeners) = jupyter_zmq_client::peek_ports_with_listeners(ip, 5)
-            .await
-            .map_err(StartError::Ports)?;
+        let name = format!("kernel-{}", new_id());
+        // Unix sockets in the sandbox's own files rather than loopback TCP: a checkpoint
+        // restores a connection between two of its processes over a Unix socket as it was,
+        // where a restore closes TCP connections and ZeroMQ does not reconnect them.
+        let ipc_prefix = runtime_dir.join(format!("{name}-ipc"));
         let info = ConnectionInfo {
-            transport: jupyter_protocol::connection_info::Transport::TCP,
-            ip: ip.to_string(),
-            stdin_port: ports[0],
-            control_port: ports[1],
-            hb_port: ports[2],
-            shell_port: ports[3],
-            iopub_port: ports[4],
+            transport: jupyter_protocol::connection_info::Transport::IPC,
+            ip: ipc_prefix.display().to_string(),
+            stdin_port: 1,
+            control_port: 2,
+            hb_port: 3,
+            shell_port: 4,
+            iopub_port: 5,
             signature_scheme: "hmac-sha256".into(),
             key: new_id(),
             kernel_name: None,
         };
-        let connection_file = runtime_dir.join(format!("kernel-{}.json", new_id()));
+        let connection_file = runtime_dir.join(format!("{name}.json"));
         let file_error = |source| StartError::ConnectionFile {
             path: connection_file.clone(),
             source,
@@ -139,10 +153,8 @@ impl Kernel {
                 Ok(())
             });
         }
-        // The kernel binds the ports as it starts; they stay reserved until then.
-        drop(listeners);
         let child = process.spawn().map_err(|source| {
-            let _ = std::fs::remove_file(&connection_file);
+            remove_files(&connection_file, &ipc_prefix);
             StartError::Spawn {
                 program: program.clone(),
                 cwd: cwd.display().to_string(),
@@ -181,7 +193,9 @@ impl Kernel {
             shell: tokio::sync::Mutex::new(shell_send),
             routes,
             connection_file,
+            ipc_prefix,
             readers,
+            sandbox_env: None,
         };
         kernel.wait_answering().await?;
         Ok(kernel)
@@ -282,7 +296,7 @@ impl Kernel {
         for reader in self.readers.drain(..) {
             reader.abort();
         }
-        let _ = std::fs::remove_file(&self.connection_file);
+        remove_files(&self.connection_file, &self.ipc_prefix);
     }
 }
 
@@ -291,7 +305,17 @@ impl Drop for Kernel {
         for reader in &self.readers {
             reader.abort();
         }
-        let _ = std::fs::remove_file(&self.connection_file);
+        remove_files(&self.connection_file, &self.ipc_prefix);
+    }
+}
+
+/// Removes a kernel's connection file and its sockets, which a killed kernel leaves behind.
+fn remove_files(connection_file: &Path, ipc_prefix: &Path) {
+    let _ = std::fs::remove_file(connection_file);
+    for port in 1..=5 {
+        let mut socket = ipc_prefix.as_os_str().to_owned();
+        socket.push(format!("-{port}"));
+        let _ = std::fs::remove_file(socket);
     }
 }
 

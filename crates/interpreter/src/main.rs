@@ -23,17 +23,23 @@ struct Args {
     /// Where kernels' connection files go (made private to this user).
     #[arg(long, default_value = "/tmp/.sandbar-interpreter")]
     runtime_dir: PathBuf,
+    /// The sandbox's environment as its agent publishes it; kernels get it before they run
+    /// code, also when they were started before the sandbox got it.
+    #[arg(long, default_value = "/run/sandbar/env.json")]
+    sandbox_env: PathBuf,
 }
 
-fn kernel(python: &std::path::Path, module: &str) -> KernelCommand {
+fn kernel(python: &std::path::Path, module: &str, args: &[&str]) -> KernelCommand {
+    let mut argv = vec![
+        python.display().to_string(),
+        "-m".into(),
+        module.into(),
+        "-f".into(),
+        "{connection_file}".into(),
+    ];
+    argv.extend(args.iter().map(|a| (*a).to_owned()));
     KernelCommand {
-        argv: vec![
-            python.display().to_string(),
-            "-m".into(),
-            module.into(),
-            "-f".into(),
-            "{connection_file}".into(),
-        ],
+        argv,
         env: Vec::new(),
     }
 }
@@ -58,14 +64,21 @@ async fn main() -> anyhow::Result<()> {
     let kernels = BTreeMap::from([
         (
             "python".to_owned(),
-            kernel(&args.python, "ipykernel_launcher"),
+            // IPython's history database holds a file lock while the kernel runs, which a
+            // snapshot's dump cannot take; the session's history stays in memory.
+            kernel(
+                &args.python,
+                "ipykernel_launcher",
+                &["--HistoryManager.hist_file=:memory:"],
+            ),
         ),
-        ("bash".to_owned(), kernel(&args.python, "bash_kernel")),
+        ("bash".to_owned(), kernel(&args.python, "bash_kernel", &[])),
     ]);
     let server = Server::new(Config {
         default_cwd: args.cwd,
         runtime_dir: args.runtime_dir,
         kernels,
+        sandbox_env: Some(args.sandbox_env),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

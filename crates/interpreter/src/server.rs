@@ -38,6 +38,17 @@ pub struct Config {
     pub runtime_dir: PathBuf,
     /// How to start a kernel of each language.
     pub kernels: BTreeMap<String, KernelCommand>,
+    /// The sandbox's environment variables as a JSON object, kept by the sandbox's agent.
+    /// Kernels running since before the sandbox got them (restored from the template's
+    /// capture) get them set before their next execution.
+    pub sandbox_env: Option<PathBuf>,
+}
+
+/// The sandbox's environment and when its agent wrote it: a new write is a new sandbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxEnv {
+    written: std::time::SystemTime,
+    vars: BTreeMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -106,7 +117,7 @@ fn normalize_language(language: Option<&str>) -> String {
 }
 
 fn new_context_id() -> String {
-    let bytes: [u8; 16] = rand::random();
+    let bytes = crate::kernel::fresh_bytes();
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
     format!(
         "{}-{}-{}-{}-{}",
@@ -360,6 +371,18 @@ async fn run_execution(
     let Some(kernel) = guard.as_mut() else {
         return;
     };
+    if let Some(path) = &server.config.sandbox_env
+        && let Some(sandbox_env) = read_sandbox_env(path)
+        && kernel.sandbox_env.as_ref() != Some(&sandbox_env)
+    {
+        let set = sandbox_env_code(&context.language, &sandbox_env.vars);
+        if let Err(e) = run_silent(kernel, set).await {
+            let _ = send_line(&tx, &e).await;
+            let _ = send_line(&tx, &Output::EndOfExecution).await;
+            return;
+        }
+        kernel.sandbox_env = Some(sandbox_env);
+    }
     let restore = if env.is_empty() {
         None
     } else {
@@ -488,6 +511,42 @@ async fn run_silent(kernel: &Kernel, code: String) -> Result<(), Output> {
     error.map_or(Ok(()), Err)
 }
 
+/// The sandbox's environment as its agent last wrote it, and when it wrote it; `None` when
+/// there is none to read (outside a sandbox) or it is not a JSON object of strings.
+fn read_sandbox_env(path: &std::path::Path) -> Option<SandboxEnv> {
+    let file = std::fs::File::open(path).ok()?;
+    let written = file.metadata().and_then(|m| m.modified()).ok()?;
+    let env: BTreeMap<String, String> = serde_json::from_reader(std::io::BufReader::new(file))
+        .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "unreadable sandbox environment"))
+        .ok()?;
+    let vars = env.into_iter().filter(|(k, _)| valid_env_name(k)).collect();
+    Some(SandboxEnv { written, vars })
+}
+
+/// Code that sets the sandbox's `env` in a kernel for good. The agent writes it when the
+/// sandbox gets its identity, also when a kernel restored from the template's capture runs
+/// on: Python's generators seeded before the capture are seeded again, or every sandbox of
+/// the template would draw the same numbers.
+fn sandbox_env_code(language: &str, env: &BTreeMap<String, String>) -> String {
+    if language == "bash" {
+        let mut code: String = env
+            .iter()
+            .map(|(name, value)| format!("export {name}={}\n", shell_quote(value)))
+            .collect();
+        code.push_str("RANDOM=$(( $(od -An -N2 -tu2 /dev/urandom) ))\n");
+        return code;
+    }
+    let values = serde_json::to_string(env).unwrap_or_else(|_| "{}".into());
+    format!(
+        "import os as _sandbar_os, random as _sandbar_random, sys as _sandbar_sys\n\
+         _sandbar_os.environ.update({values})\n\
+         _sandbar_random.seed()\n\
+         if 'numpy.random' in _sandbar_sys.modules:\n    \
+         _sandbar_sys.modules['numpy.random'].seed()\n\
+         del _sandbar_os, _sandbar_random, _sandbar_sys\n"
+    )
+}
+
 /// Code that sets `env` in a kernel for one execution, and code that puts back what was
 /// there before.
 fn env_code(language: &str, env: &BTreeMap<String, String>) -> (String, String) {
@@ -536,6 +595,25 @@ mod tests {
         assert_eq!(normalize_language(Some("python3")), "python");
         assert_eq!(normalize_language(Some("bash")), "bash");
         assert_eq!(normalize_language(Some("r")), "r");
+    }
+
+    #[test]
+    fn the_sandbox_environment_is_read_and_set_for_good() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("env.json");
+        assert_eq!(read_sandbox_env(&path), None);
+        std::fs::write(&path, r#"{"A":"it's","B-C":"x"}"#).expect("write");
+        let env = read_sandbox_env(&path).expect("env").vars;
+        assert_eq!(env, BTreeMap::from([("A".to_owned(), "it's".to_owned())]));
+        assert!(sandbox_env_code("bash", &env).starts_with("export A='it'\\''s'\n"));
+        let python = sandbox_env_code("python", &env);
+        assert!(
+            python.contains(r#"environ.update({"A":"it's"})"#),
+            "{python}"
+        );
+        assert!(python.contains("random.seed()"), "{python}");
+        std::fs::write(&path, "not json").expect("write");
+        assert_eq!(read_sandbox_env(&path), None);
     }
 
     #[test]

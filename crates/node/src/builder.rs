@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use sandbar_core::builds::{
     BASE_STEP, BuildFailure, BuildJob, BuildLog, BuildSource, Builder, FINALIZE_STEP, LogLevel,
-    StepKind, TemplateImage, UploadBody, UploadError,
+    StartedImage, StepKind, TemplateImage, UploadBody, UploadError,
 };
 use sandbar_core::{EgressRules, LaunchSpec, Runtime, Template};
 use sha2::{Digest, Sha256};
@@ -378,6 +378,7 @@ impl NodeBuilder {
                 start_cmd,
                 ready_cmd,
                 snapshot: None,
+                started: None,
             },
             cpu_count: job.cpu_count,
             memory_mb: job.memory_mb,
@@ -563,7 +564,7 @@ impl NodeBuilder {
             }
             state.key = key;
         }
-        let image = TemplateImage {
+        let mut image = TemplateImage {
             layers: state.layers.clone(),
             env: state.env.clone(),
             user: state.user.clone(),
@@ -571,6 +572,7 @@ impl NodeBuilder {
             start_cmd: job.spec.start_cmd.clone().filter(|c| !c.is_empty()),
             ready_cmd: job.spec.ready_cmd.clone().filter(|c| !c.is_empty()),
             snapshot: None,
+            started: None,
         };
         if image.start_cmd.is_some() || image.ready_cmd.is_some() {
             log.info(
@@ -591,10 +593,49 @@ impl NodeBuilder {
                 self.runtime.launch(spec).await.map_err(|e| {
                     io_fail(FINALIZE_STEP, format!("the template does not start: {e}"))
                 })?;
+            log.info(Some(FINALIZE_STEP), "start command ready");
+            // Captured with its memory once ready, as E2B's templates are: sandboxes of the
+            // template are restored from it with the start command's processes running
+            // instead of started and waited for again. In a field of its own: an image with
+            // `snapshot` set is a snapshot's.
+            let captured = if image.start_cmd.is_some() && self.runtime.checkpoints_ready().await {
+                self.runtime
+                    .snapshot(&id, &handle, &token, true)
+                    .await
+                    .map_err(|e| e.to_string())
+                    .and_then(|parts| {
+                        parts
+                            .checkpoint
+                            .map(|checkpoint| (parts.layer, checkpoint))
+                            .ok_or_else(|| "the capture has no checkpoint".to_owned())
+                    })
+            } else {
+                Err("this node cannot checkpoint sandboxes".to_owned())
+            };
             if let Err(e) = self.runtime.destroy(&id, &handle).await {
                 tracing::warn!(sandbox_id = %id, error = %e, "cannot remove a build sandbox");
             }
-            log.info(Some(FINALIZE_STEP), "start command ready");
+            match captured {
+                Ok((layer, checkpoint)) => {
+                    image.started = Some(StartedImage {
+                        layer,
+                        checkpoint,
+                        sandbox_id: id,
+                    });
+                    log.info(
+                        Some(FINALIZE_STEP),
+                        "captured the started sandbox with its memory: new sandboxes start with the start command running",
+                    );
+                }
+                Err(e) if image.start_cmd.is_some() => log.log(
+                    LogLevel::Warn,
+                    Some(FINALIZE_STEP),
+                    format!(
+                        "the started sandbox is not captured ({e}); each new sandbox runs the start command and waits until it is ready"
+                    ),
+                ),
+                Err(_) => {}
+            }
         }
         log.info(
             Some(FINALIZE_STEP),

@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use crate::templates::RootRecipe;
 
 /// Where the server listens inside the sandbox (the SDKs' `JUPYTER_PORT`).
-pub const INTERPRETER_PORT: u16 = 49999;
+pub const INTERPRETER_PORT: u16 = sandbar_core::network::CODE_INTERPRETER_PORT;
 /// The upload namespace the builder reads built-in templates' files from.
 pub const BUILTIN_UPLOADS: &str = "builtin";
 const VENV: &str = "/opt/sandbar/interpreter";

@@ -524,6 +524,7 @@ fn base_image() -> TemplateImage {
         start_cmd: None,
         ready_cmd: None,
         snapshot: None,
+        started: None,
     }
 }
 

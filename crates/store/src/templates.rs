@@ -238,7 +238,14 @@ impl TemplateRecords for SqliteStore {
             let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
             layers.extend(image.layers);
             // A snapshot's checkpoint lives as long as its layers.
+            // A capture's checkpoint lives as long as the image naming it.
             layers.extend(image.snapshot.and_then(|s| s.checkpoint));
+            layers.extend(
+                image
+                    .started
+                    .into_iter()
+                    .flat_map(|s| [s.layer, s.checkpoint]),
+            );
         }
         // Recorded sandboxes (running, paused, shelved, checkpointed) keep the layers they
         // booted from even after their template moved on: a collection that runs before the

@@ -122,6 +122,7 @@ async fn templates_and_sandboxes_round_trip() {
         start_cmd: Some("serve".into()),
         ready_cmd: None,
         snapshot: None,
+        started: None,
     };
     store
         .set_template_image(&template.id, "b", &image)

@@ -83,6 +83,7 @@ pub fn image() -> TemplateImage {
         start_cmd: None,
         ready_cmd: None,
         snapshot: None,
+        started: None,
     }
 }
 

@@ -17,6 +17,6 @@ pub use team_metrics::TeamMetricBucket;
 pub use teams::{Team, TeamLimits, slug_of};
 pub use templates::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    SnapshotImage, Template, TemplateImage,
+    SnapshotImage, StartedImage, Template, TemplateImage,
 };
 pub use volumes::{Volume, VolumeMount};

@@ -109,6 +109,47 @@ pub struct TemplateImage {
     /// sandbox's processes (on `layers`, the last one holding its files) instead of booted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snapshot: Option<SnapshotImage>,
+    /// A template's sandbox captured with its memory once its start command was ready: new
+    /// sandboxes are restored from it with the start command's processes running instead of
+    /// booted and waited for. Apart from `snapshot`, which makes an image a snapshot's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<StartedImage>,
+}
+
+/// The capture of a template's started sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StartedImage {
+    /// The layer of its files, stacked on the image's `layers`.
+    pub layer: String,
+    /// The checkpoint of its processes (`checkpoint/<key>`), kept while an image names it.
+    pub checkpoint: String,
+    /// The build's sandbox it was taken of.
+    pub sandbox_id: String,
+}
+
+impl TemplateImage {
+    /// The image a new sandbox of this one starts from on a node that can restore: the
+    /// capture's layer on top, and its checkpoint to restore as a snapshot's. `started` stays
+    /// set: a runtime that cannot restore the checkpoint boots on the same layers and runs
+    /// the start command instead, and the sandbox's files are on the same stack either way.
+    pub fn restored_from_capture(&self) -> Option<TemplateImage> {
+        if self.snapshot.is_some() {
+            return None;
+        }
+        let started = self.started.as_ref()?;
+        let mut image = self.clone();
+        image.layers.push(started.layer.clone());
+        image.snapshot = Some(SnapshotImage {
+            checkpoint: Some(started.checkpoint.clone()),
+            sandbox_id: started.sandbox_id.clone(),
+        });
+        Some(image)
+    }
+
+    /// Whether this image restores a template's capture rather than a snapshot.
+    pub fn is_capture(&self) -> bool {
+        self.started.is_some() && self.snapshot.is_some()
+    }
 }
 
 /// What makes an image a snapshot of a sandbox.
@@ -121,4 +162,51 @@ pub struct SnapshotImage {
     pub checkpoint: Option<String>,
     /// The sandbox the snapshot was taken of.
     pub sandbox_id: String,
+}
+
+#[cfg(test)]
+mod capture_tests {
+    use super::*;
+
+    #[test]
+    fn a_capture_is_restored_on_its_layer_and_keeps_the_start_command() {
+        let image = TemplateImage {
+            layers: vec!["interpreter/v2".into(), "step/a".into()],
+            env: BTreeMap::new(),
+            user: "user".into(),
+            workdir: "/home/user".into(),
+            start_cmd: Some("serve".into()),
+            ready_cmd: Some("curl".into()),
+            snapshot: None,
+            started: None,
+        };
+        assert_eq!(image.restored_from_capture(), None);
+        let captured = TemplateImage {
+            started: Some(StartedImage {
+                layer: "step/b".into(),
+                checkpoint: "checkpoint/b".into(),
+                sandbox_id: "build".into(),
+            }),
+            ..image
+        };
+        assert!(!captured.is_capture());
+        let restored = captured.restored_from_capture().expect("restored");
+        assert_eq!(restored.layers, ["interpreter/v2", "step/a", "step/b"]);
+        assert_eq!(
+            restored
+                .snapshot
+                .as_ref()
+                .and_then(|s| s.checkpoint.as_deref()),
+            Some("checkpoint/b")
+        );
+        assert!(restored.is_capture());
+        assert_eq!(restored.start_cmd.as_deref(), Some("serve"));
+        // Never stacked twice, and a snapshot's image is restored as the snapshot it is.
+        assert_eq!(restored.restored_from_capture(), None);
+        // Old records without the field read as images without a capture.
+        let old: TemplateImage =
+            serde_json::from_str(r#"{"layers":["base/v2"],"user":"user","workdir":"/home/user"}"#)
+                .expect("old image");
+        assert_eq!(old.started, None);
+    }
 }

@@ -223,6 +223,7 @@ impl Sandboxes {
                 checkpoint: parts.checkpoint.clone(),
                 sandbox_id: id.to_owned(),
             }),
+            started: None,
         };
         Ok((image, parts))
     }

@@ -457,6 +457,23 @@ pub(super) fn default_workdir<'a>(user: &str, workdir: &'a str) -> Option<&'a st
 }
 
 impl LinuxRuntime {
+    /// Whether a template's capture can be restored here: without CRIU or with its
+    /// checkpoint gone, the sandbox boots on the same layers and runs the start command.
+    fn can_restore_capture(&self, checkpoint: &str) -> bool {
+        let usable = self.criu.get().is_some()
+            && checkpoint
+                .strip_prefix("checkpoint/")
+                .filter(|key| is_snapshot_key(key))
+                .is_some_and(|key| self.snapshots_dir().join(key).is_dir());
+        if !usable {
+            tracing::warn!(
+                checkpoint,
+                "the template's capture cannot be restored; booting and running its start command"
+            );
+        }
+        usable
+    }
+
     pub(super) async fn launch_sandbox(
         &self,
         spec: LaunchSpec,
@@ -516,7 +533,8 @@ impl LinuxRuntime {
             .image
             .snapshot
             .as_ref()
-            .and_then(|s| s.checkpoint.as_deref());
+            .and_then(|s| s.checkpoint.as_deref())
+            .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint));
         let launched = match (checkpoint, &kept) {
             (Some(checkpoint), None) => self.launch_restored(&spec, netns, checkpoint).await,
             _ => self.launch_in(&spec, netns).await,
