@@ -20,6 +20,12 @@ for p in "${packages[@]}"; do
 done
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
+  if [[ " ${missing[*]} " == *" postgresql-15 "* ]]; then
+    # Tests start clusters of their own on Unix sockets; the package's default cluster would
+    # only be one more server listening on the host.
+    mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" >/etc/postgresql-common/createcluster.d/sandbar-tests.conf
+  fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${missing[@]}" >/dev/null
