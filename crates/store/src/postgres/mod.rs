@@ -60,10 +60,13 @@ impl PgStore {
     /// advisory lock while it runs.
     pub async fn connect(url: &str) -> Result<Self, ConnectStoreError> {
         let shown = redacted_url(url);
-        let options = PgConnectOptions::from_str(url).map_err(|source| ConnectStoreError::Url {
-            url: shown.clone(),
-            source,
-        })?;
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|source| ConnectStoreError::Url {
+                url: shown.clone(),
+                source,
+            })?
+            // The migrator's `CREATE … IF NOT EXISTS` notices would be logged on every start.
+            .options([("client_min_messages", "warning")]);
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(std::time::Duration::from_secs(10))
