@@ -56,6 +56,7 @@ suite!(
     team_metrics_merge_buckets,
     volumes_and_mounts,
     teams_members_and_limits,
+    two_hosts_on_one_database_settle_their_races,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -103,6 +104,18 @@ impl Fixture {
             store: Arc::new(store),
             backend: Backend::Postgres(url),
         })
+    }
+
+    /// Another store on the same database, as a second API host would open it.
+    async fn second_host(&self) -> Arc<dyn Store> {
+        match &self.backend {
+            Backend::Sqlite(dir) => Arc::new(
+                SqliteStore::open(&dir.path().join("db.sqlite"))
+                    .await
+                    .expect("open again"),
+            ),
+            Backend::Postgres(url) => Arc::new(PgStore::connect(url).await.expect("connect again")),
+        }
     }
 
     /// Everything the backend keeps of API keys and access tokens, as text.
@@ -1054,4 +1067,79 @@ async fn teams_members_and_limits(f: Fixture) {
         vec![one.id, two.id]
     );
     assert_eq!(store.team_count().await.expect("count"), 2);
+}
+
+async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
+    let hosts = [f.store.clone(), f.second_host().await];
+    let owner = team(&hosts[0], "Racers").await;
+    let t0 = micros(Utc::now());
+
+    // The same volume name from both hosts at once: one of them has it.
+    let created = futures_join(hosts.iter().enumerate().map(|(i, store)| {
+        let store = store.clone();
+        let volume = Volume {
+            id: format!("vol-{i}"),
+            team_id: owner.id.clone(),
+            name: "shared".into(),
+            token_hash: "h".into(),
+            created_at: t0,
+        };
+        tokio::spawn(async move { store.insert_volume(&volume).await.expect("insert") })
+    }))
+    .await;
+    assert_eq!(created.iter().filter(|c| **c).count(), 1, "{created:?}");
+
+    // The same new team slug picked by both: the later insert is a conflict.
+    let slug = hosts[1].free_team_slug("Racers").await.expect("slug");
+    assert_eq!(slug, "racers-2");
+    let twin = |id: &str| Team {
+        id: id.into(),
+        slug: slug.clone(),
+        ..owner.clone()
+    };
+    let results = futures_join(hosts.iter().enumerate().map(|(i, store)| {
+        let store = store.clone();
+        let team = twin(&format!("twin-{i}"));
+        tokio::spawn(async move { store.insert_team(&team).await })
+    }))
+    .await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    assert!(
+        results
+            .iter()
+            .any(|r| matches!(r, Err(StoreError::Conflict { what: "team", .. })))
+    );
+
+    // Both hosts append to one sandbox's log: every line numbered once.
+    hosts[0]
+        .open_sandbox_log("isb", &owner.id, t0, &[])
+        .await
+        .expect("open");
+    futures_join(hosts.iter().map(|store| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            for i in 0..10 {
+                let line = log_line(t0, LogLevel::Info, &format!("line {i}"));
+                store
+                    .append_sandbox_logs("isb", &[line], None, 1000)
+                    .await
+                    .expect("append");
+            }
+        })
+    }))
+    .await;
+    let lines = hosts[1]
+        .sandbox_logs("isb", &SandboxLogQuery::default())
+        .await
+        .expect("read");
+    assert_eq!(lines.len(), 20);
+}
+
+/// Awaits every task, in order.
+async fn futures_join<T>(tasks: impl IntoIterator<Item = tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("task"));
+    }
+    out
 }
