@@ -4,12 +4,13 @@
 # btrfs-progs makes the pool that holds sandbox disks under quota.
 # Pass --test to also install what the test suite and benchmark use (the custom-template tests run
 # local registries with docker-registry, build images with umoci from busybox-static, push them with
-# skopeo, and make the registry password with htpasswd from apache2-utils).
+# skopeo, and make the registry password with htpasswd from apache2-utils; the store's tests and the
+# PostgreSQL e2e test start throwaway clusters with postgresql-15's initdb and pg_ctl).
 set -euo pipefail
 
 packages=(mmdebstrap nftables iproute2 util-linux ca-certificates btrfs-progs)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils)
+  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils postgresql-15)
   command -v npm >/dev/null || packages+=(nodejs npm)
 fi
 
@@ -19,6 +20,12 @@ for p in "${packages[@]}"; do
 done
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
+  if [[ " ${missing[*]} " == *" postgresql-15 "* ]]; then
+    # Tests start clusters of their own on Unix sockets; the package's default cluster would
+    # only be one more server listening on the host.
+    mkdir -p /etc/postgresql-common/createcluster.d
+    echo "create_main_cluster = false" >/etc/postgresql-common/createcluster.d/sandbar-tests.conf
+  fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${missing[@]}" >/dev/null

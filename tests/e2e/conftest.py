@@ -56,7 +56,13 @@ from e2e_util import (
 )
 
 # Test files whose tests must run after every other file (they restart the server).
-RUN_LAST = ("test_disk_full.py", "test_volumes.py", "test_criu_later.py", "test_restart.py")
+RUN_LAST = (
+    "test_disk_full.py",
+    "test_postgres_store.py",
+    "test_volumes.py",
+    "test_criu_later.py",
+    "test_restart.py",
+)
 # Test files that run a server of their own and hold the machine-wide lock while they do, so
 # they must finish before the shared server starts.
 RUN_FIRST = ("test_first_start.py",)

@@ -1,22 +1,25 @@
 //! `sandbar team …` and `sandbar key …`: the operator's commands on the store a server uses.
 //!
-//! They open the same SQLite database (WAL lets them write next to a running server) and go
-//! through the same core operations as the API. A running server sees their changes with the
+//! They open the same database as the server (SQLite's WAL lets them write next to a running
+//! server; `--database-url` names a shared PostgreSQL one) and go through the same core
+//! operations as the API. A running server sees their changes with the
 //! next request, because it reads the team and the key from the store on every request.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::{Auth, LimitChanges};
-use sandbar_store::SqliteStore;
+
+use crate::database::{self, DatabaseArgs};
 
 #[derive(clap::Args, Debug)]
 pub struct DataDir {
     /// The server's data directory (its database is `sandbar.db` in it).
     #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
     data_dir: PathBuf,
+    #[command(flatten)]
+    database: DatabaseArgs,
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -114,6 +117,9 @@ const NEW_TEAM_LIMITS: TeamLimits = TeamLimits {
 };
 
 async fn open(data: &DataDir) -> anyhow::Result<Auth> {
+    if let Some(url) = data.database.postgres_url()? {
+        return Ok(Auth::new(database::connect_postgres(url).await?));
+    }
     let db = data.data_dir.join("sandbar.db");
     // Creating the database here would leave it with this process's umask; the server makes
     // it owner-only, so it has to exist first.
@@ -124,10 +130,7 @@ async fn open(data: &DataDir) -> anyhow::Result<Auth> {
             data.data_dir.display()
         );
     }
-    let store = SqliteStore::open(&db)
-        .await
-        .with_context(|| format!("cannot open {}", db.display()))?;
-    Ok(Auth::new(Arc::new(store)))
+    Ok(Auth::new(database::open_sqlite(&db).await?))
 }
 
 fn print_limits(t: &sandbar_core::Team) -> String {

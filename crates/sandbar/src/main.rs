@@ -17,9 +17,8 @@ use sandbar_core::{
     Template, TemplateImage, Templates,
 };
 use sandbar_node::{LinuxRuntime, NodeConfig};
-use sandbar_store::SqliteStore;
-
 mod admin;
+mod database;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -52,6 +51,8 @@ struct ServeArgs {
     /// Database, credentials, templates and sandbox layers live here.
     #[arg(long, env = "SANDBAR_DATA_DIR", default_value = "/var/lib/sandbar")]
     data_dir: PathBuf,
+    #[command(flatten)]
+    database: database::DatabaseArgs,
     /// Domain for Host-based routing: `{port}-{sandboxID}.{domain}`.
     #[arg(long, env = "SANDBAR_DOMAIN", default_value = "sandbar.localhost")]
     domain: String,
@@ -360,12 +361,11 @@ fn volume_token_key(data_dir: &Path) -> anyhow::Result<[u8; 32]> {
 async fn ensure_base_template(
     templates: &Templates,
     builds: &Builds,
-    store: &SqliteStore,
+    store: &dyn sandbar_core::Store,
     layers: &sandbar_node::layers::LayerStore,
     envd_version: &str,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
-    use sandbar_core::store::TemplateRecords;
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
     let template = builtin_template(
         existing,
@@ -450,13 +450,12 @@ fn builtin_template(
 async fn ensure_interpreter_template(
     templates: &Templates,
     builds: &Builds,
-    store: &SqliteStore,
+    store: &dyn sandbar_core::Store,
     data_dir: &Path,
     interpreter_bin: &Path,
     layers: &sandbar_node::layers::LayerStore,
     disk_size_mb: u32,
 ) -> anyhow::Result<()> {
-    use sandbar_core::store::{BuildRecords, TemplateRecords};
     use sandbar_node::interpreter;
     let uploads = data_dir.join("uploads");
     let bin = interpreter_bin.to_owned();
@@ -489,8 +488,7 @@ async fn ensure_interpreter_template(
 /// Removes the roots of earlier `base` recipes once nothing names them: templates built on
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
-async fn remove_superseded_bases(store: &SqliteStore, templates_dir: &Path) {
-    use sandbar_core::store::TemplateRecords;
+async fn remove_superseded_bases(store: &dyn sandbar_core::Store, templates_dir: &Path) {
     let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {
@@ -542,7 +540,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // directory is ever opened up.
     std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
-    restrict_database_files(&args.data_dir)?;
+    let postgres_url = args.database.postgres_url()?;
+    if postgres_url.is_none() {
+        restrict_database_files(&args.data_dir)?;
+    }
     // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
     // names whatever the data directory, so a second server on the host would sweep the
     // first one's sandboxes as unrecorded; on the same directory it would also mount the
@@ -570,7 +571,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .join("sandbar-interpreter"),
     };
 
-    let store = Arc::new(SqliteStore::open(&data_dir.join("sandbar.db")).await?);
+    let store = match postgres_url {
+        Some(url) => {
+            let store = database::connect_postgres(url).await?;
+            tracing::info!(database = %sandbar_store::redacted_url(url), "records are kept in PostgreSQL");
+            store
+        }
+        None => database::open_sqlite(&data_dir.join("sandbar.db")).await?,
+    };
     let auth = Auth::new(store.clone());
     let requested_key = std::env::var("SANDBAR_API_KEY")
         .ok()
@@ -683,7 +691,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     ensure_base_template(
         &templates,
         &builds,
-        &store,
+        store.as_ref(),
         runtime.layer_store(),
         sandbar_jail::ENVD_VERSION,
         args.base_disk_mb,
@@ -722,7 +730,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Err(e) = ensure_interpreter_template(
         &templates,
         &builds,
-        &store,
+        store.as_ref(),
         &data_dir,
         &interpreter_bin,
         runtime.layer_store(),

@@ -1,5 +1,7 @@
-//! SQLite implementation of [`sandbar_core::Store`]: this file holds the pool, the migrations
-//! and the conversions every table shares; each aggregate's records are in a module of its own.
+//! SQLite and PostgreSQL implementations of [`sandbar_core::Store`]. This file holds the
+//! SQLite pool, its migrations and the conversions every table shares; each aggregate's
+//! records are in a module of its own. [`PgStore`], in `postgres`, keeps the same records in
+//! a database several API hosts can share.
 //!
 //! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
 //! integers; maps are stored as JSON text.
@@ -25,6 +27,8 @@ pub enum OpenStoreError {
     #[error("cannot give the teams of database {path} their slugs: {source}")]
     Slugs { path: String, source: StoreError },
 }
+
+pub use postgres::{ConnectStoreError, PgStore, redacted_url};
 
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
@@ -80,6 +84,7 @@ macro_rules! template_query {
 }
 
 mod builds;
+mod postgres;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;

@@ -7,7 +7,7 @@ use sandbar_core::{StoreError, Team};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, micros, time};
+use crate::{SqliteStore, err, insert_err, micros, time};
 
 impl SqliteStore {
     /// Teams made before names had namespaces get a slug from their name, in the order they
@@ -55,6 +55,7 @@ impl SqliteStore {
     async fn insert_secret(
         &self,
         insert: &'static str,
+        what: &'static str,
         secret: &StoredSecret,
     ) -> Result<(), StoreError> {
         sqlx::query(insert)
@@ -67,7 +68,7 @@ impl SqliteStore {
             .bind(micros(secret.created_at))
             .execute(&self.pool)
             .await
-            .map_err(err)?;
+            .map_err(insert_err(what, &secret.id))?;
         Ok(())
     }
 }
@@ -98,13 +99,14 @@ impl TeamRecords for SqliteStore {
         .bind(micros(Utc::now()))
         .execute(&self.pool)
         .await
-        .map_err(err)?;
+        .map_err(insert_err("team", &team.id))?;
         Ok(())
     }
 
     async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
         self.insert_secret(
             "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "api key",
             key,
         )
         .await
@@ -113,6 +115,7 @@ impl TeamRecords for SqliteStore {
     async fn insert_access_token(&self, token: &StoredSecret) -> Result<(), StoreError> {
         self.insert_secret(
             "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "access token",
             token,
         )
         .await
@@ -174,12 +177,15 @@ impl TeamRecords for SqliteStore {
     }
 
     async fn touch_api_key(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
-        sqlx::query("UPDATE api_keys SET last_used = ? WHERE id = ?")
-            .bind(micros(at))
-            .bind(id)
-            .execute(&self.pool)
-            .await
-            .map_err(err)?;
+        // The newest use wins, whatever order concurrent touches land in.
+        sqlx::query(
+            "UPDATE api_keys SET last_used = MAX(COALESCE(last_used, ?1), ?1) WHERE id = ?2",
+        )
+        .bind(micros(at))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
         Ok(())
     }
 
@@ -199,7 +205,7 @@ impl TeamRecords for SqliteStore {
         .bind(key.last_used.map(micros))
         .execute(&self.pool)
         .await
-        .map_err(err)?;
+        .map_err(insert_err("api key", &s.id))?;
         Ok(())
     }
 
@@ -253,7 +259,7 @@ impl TeamRecords for SqliteStore {
             .bind(micros(Utc::now()))
             .execute(&mut *tx)
             .await
-            .map_err(err)?;
+            .map_err(insert_err("user", id))?;
         sqlx::query("INSERT INTO team_members (team_id, user_id, is_default) VALUES (?, ?, ?)")
             .bind(team_id)
             .bind(id)
@@ -279,7 +285,7 @@ impl TeamRecords for SqliteStore {
         .bind(&token.user_id)
         .execute(&self.pool)
         .await
-        .map_err(err)?;
+        .map_err(insert_err("access token", &s.id))?;
         Ok(())
     }
 

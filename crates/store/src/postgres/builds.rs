@@ -1,0 +1,279 @@
+//! Template builds, tags and build logs.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::BuildRecords;
+use sandbar_core::{
+    BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, LogLevel, StoreError,
+    TemplateImage,
+};
+
+use super::{PgStore, big, json_of, u32_of};
+use crate::{err, insert_err, to_json};
+
+#[derive(sqlx::FromRow)]
+struct BuildRow {
+    id: String,
+    template_id: String,
+    team_id: Option<String>,
+    status: String,
+    failure: Option<String>,
+    spec: Option<String>,
+    image: Option<String>,
+    cpu_count: i64,
+    memory_mb: i64,
+    disk_size_mb: i64,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    finished_at: Option<DateTime<Utc>>,
+}
+
+impl TryFrom<BuildRow> for BuildRecord {
+    type Error = StoreError;
+
+    fn try_from(r: BuildRow) -> Result<Self, StoreError> {
+        let id = r.id;
+        Ok(BuildRecord {
+            status: BuildStatus::parse(&r.status)
+                .ok_or_else(|| err(format!("build {id} has unknown status {}", r.status)))?,
+            failure: json_of::<BuildFailure>(r.failure)?,
+            spec: json_of::<BuildSpec>(r.spec)?,
+            image: json_of::<TemplateImage>(r.image)?,
+            cpu_count: u32_of(r.cpu_count, "cpu count", &id)?,
+            memory_mb: u32_of(r.memory_mb, "memory", &id)?,
+            disk_size_mb: u32_of(r.disk_size_mb, "disk size", &id)?,
+            template_id: r.template_id,
+            team_id: r.team_id,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            finished_at: r.finished_at,
+            id,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct TaggedBuildRow {
+    tag: String,
+    #[sqlx(flatten)]
+    build: BuildRow,
+}
+
+#[derive(sqlx::FromRow)]
+struct BuildLogRow {
+    at: DateTime<Utc>,
+    level: String,
+    step: Option<String>,
+    message: String,
+}
+
+impl PgStore {
+    async fn builds_where(
+        &self,
+        query: &'static str,
+        key: Option<&str>,
+    ) -> Result<Vec<BuildRecord>, StoreError> {
+        let mut q = sqlx::query_as::<_, BuildRow>(query);
+        if let Some(key) = key {
+            q = q.bind(key.to_owned());
+        }
+        q.fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(BuildRecord::try_from)
+            .collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl BuildRecords for PgStore {
+    async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+        )
+        .bind(&b.id)
+        .bind(&b.template_id)
+        .bind(&b.team_id)
+        .bind(b.status.as_str())
+        .bind(b.failure.as_ref().map(to_json).transpose()?)
+        .bind(b.spec.as_ref().map(to_json).transpose()?)
+        .bind(b.image.as_ref().map(to_json).transpose()?)
+        .bind(i64::from(b.cpu_count))
+        .bind(i64::from(b.memory_mb))
+        .bind(i64::from(b.disk_size_mb))
+        .bind(b.created_at)
+        .bind(b.updated_at)
+        .bind(b.finished_at)
+        .execute(&self.pool)
+        .await
+        .map_err(insert_err("build", &b.id))?;
+        Ok(())
+    }
+
+    async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE template_builds SET status = $1, failure = $2, spec = $3, image = $4, updated_at = $5, finished_at = $6 WHERE id = $7",
+        )
+        .bind(b.status.as_str())
+        .bind(b.failure.as_ref().map(to_json).transpose()?)
+        .bind(b.spec.as_ref().map(to_json).transpose()?)
+        .bind(b.image.as_ref().map(to_json).transpose()?)
+        .bind(b.updated_at)
+        .bind(b.finished_at)
+        .bind(&b.id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
+        Ok(self
+            .builds_where("SELECT * FROM template_builds WHERE id = $1", Some(id))
+            .await?
+            .pop())
+    }
+
+    async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
+        self.builds_where(
+            "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
+            Some(template_id),
+        )
+        .await
+    }
+
+    async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
+        self.builds_where(
+            "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
+            None,
+        )
+        .await
+    }
+
+    async fn set_build_tags(
+        &self,
+        template_id: &str,
+        build_id: &str,
+        tags: &[String],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for tag in tags {
+            sqlx::query(
+                "INSERT INTO build_tags (template_id, build_id, tag) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
+            )
+            .bind(template_id)
+            .bind(build_id)
+            .bind(tag)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_build_tags(
+        &self,
+        template_id: &str,
+        tags: &[String],
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query("DELETE FROM build_tags WHERE template_id = $1 AND tag = ANY($2)")
+            .bind(template_id)
+            .bind(tags)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn template_tags(
+        &self,
+        template_id: &str,
+    ) -> Result<Vec<(String, BuildRecord)>, StoreError> {
+        // Only the newest build per tag is what the tag names.
+        sqlx::query_as::<_, TaggedBuildRow>(
+            "SELECT DISTINCT ON (t.tag COLLATE \"C\") t.tag, b.*
+             FROM build_tags t JOIN template_builds b ON b.id = t.build_id
+             WHERE t.template_id = $1 AND b.status = 'ready'
+             ORDER BY t.tag COLLATE \"C\", b.finished_at DESC NULLS LAST",
+        )
+        .bind(template_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(|r| Ok((r.tag, BuildRecord::try_from(r.build)?)))
+        .collect()
+    }
+
+    async fn tagged_build(
+        &self,
+        template_id: &str,
+        tag: &str,
+    ) -> Result<Option<BuildRecord>, StoreError> {
+        sqlx::query_as::<_, BuildRow>(
+            "SELECT b.* FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+             WHERE t.template_id = $1 AND t.tag = $2 AND b.status = 'ready'
+             ORDER BY b.finished_at DESC NULLS LAST LIMIT 1",
+        )
+        .bind(template_id)
+        .bind(tag)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?
+        .map(BuildRecord::try_from)
+        .transpose()
+    }
+
+    async fn append_build_log(
+        &self,
+        build_id: &str,
+        seq: u64,
+        entry: &BuildLogEntry,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO build_logs (build_id, seq, at, level, step, message) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(build_id)
+        .bind(big(seq))
+        .bind(entry.timestamp)
+        .bind(entry.level.as_str())
+        .bind(&entry.step)
+        .bind(&entry.message)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn build_logs(
+        &self,
+        build_id: &str,
+        offset: u64,
+        limit: u64,
+        min_level: Option<LogLevel>,
+    ) -> Result<Vec<BuildLogEntry>, StoreError> {
+        // Levels are names, so the minimum is applied here, before the offset, as SQLite's
+        // store does.
+        let rows = sqlx::query_as::<_, BuildLogRow>(
+            "SELECT at, level, step, message FROM build_logs WHERE build_id = $1 ORDER BY seq",
+        )
+        .bind(build_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(rows
+            .into_iter()
+            .map(|r| BuildLogEntry {
+                timestamp: r.at,
+                level: LogLevel::parse(&r.level).unwrap_or(LogLevel::Info),
+                step: r.step,
+                message: r.message,
+            })
+            .filter(|e| min_level.is_none_or(|min| e.level >= min))
+            .skip(usize::try_from(offset).unwrap_or(usize::MAX))
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .collect())
+    }
+}

@@ -1,0 +1,113 @@
+//! PostgreSQL implementation of [`sandbar_core::Store`], for several API hosts sharing one
+//! database. Same records and semantics as the SQLite store: unique violations are conflicts,
+//! lists come in the same order, and what SQLite writes in one transaction is one here too.
+//!
+//! Timestamps are `timestamptz` (microseconds, as the SQLite store keeps them); JSON documents
+//! are text, written and read whole. Text sort keys are compared byte-wise (`COLLATE "C"`), as
+//! SQLite compares them, whatever the database's locale.
+
+use std::str::FromStr;
+
+use sandbar_core::StoreError;
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::err;
+
+mod builds;
+mod sandbox_logs;
+mod sandboxes;
+mod team_metrics;
+mod teams;
+mod templates;
+mod volumes;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectStoreError {
+    #[error("bad database url {url}: {source}")]
+    Url { url: String, source: sqlx::Error },
+    #[error("cannot connect to database {url}: {source}")]
+    Connect { url: String, source: sqlx::Error },
+    #[error("cannot migrate database {url}: {source}")]
+    Migrate {
+        url: String,
+        source: sqlx::migrate::MigrateError,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+/// `url` without its password, to be shown in errors and logs.
+pub fn redacted_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) => {
+            if parsed.password().is_some() {
+                // Only fails for URLs that cannot have a password, which this one has.
+                let _ = parsed.set_password(Some("***"));
+            }
+            parsed.to_string()
+        }
+        Err(_) => "(unparsable url)".to_owned(),
+    }
+}
+
+impl PgStore {
+    /// Connects to the database at `url` (`postgres://…`; `?host=/dir` for a Unix socket) and
+    /// applies pending migrations. Hosts starting together are safe: the migrator holds an
+    /// advisory lock while it runs.
+    pub async fn connect(url: &str) -> Result<Self, ConnectStoreError> {
+        let shown = redacted_url(url);
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|source| ConnectStoreError::Url {
+                url: shown.clone(),
+                source,
+            })?
+            // The migrator's `CREATE … IF NOT EXISTS` notices would be logged on every start.
+            .options([("client_min_messages", "warning")]);
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(std::time::Duration::from_secs(10))
+            .connect_with(options)
+            .await
+            .map_err(|source| ConnectStoreError::Connect {
+                url: shown.clone(),
+                source,
+            })?;
+        sqlx::migrate!("./migrations/postgres")
+            .run(&pool)
+            .await
+            .map_err(|source| ConnectStoreError::Migrate {
+                url: shown.clone(),
+                source,
+            })?;
+        Ok(Self { pool })
+    }
+
+    /// Closes the pool's connections; the store is unusable after.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+/// A count or size the records hold as `u32`.
+fn u32_of(value: i64, what: &str, id: &str) -> Result<u32, StoreError> {
+    u32::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
+}
+
+/// A count the records hold as `u64`.
+fn u64_of(value: i64, what: &str, id: &str) -> Result<u64, StoreError> {
+    u64::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
+}
+
+/// A `u64` as a BIGINT, saturating: nothing the store keeps comes near the limit.
+fn big(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn json_of<T: serde::de::DeserializeOwned>(text: Option<String>) -> Result<Option<T>, StoreError> {
+    text.map(|t| serde_json::from_str(&t).map_err(err))
+        .transpose()
+}

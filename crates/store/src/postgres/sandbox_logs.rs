@@ -1,0 +1,204 @@
+//! Sandbox logs.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::SandboxLogRecords;
+use sandbar_core::{LogLevel, SandboxLogEntry, SandboxLogQuery, StoreError};
+use sqlx::PgConnection;
+
+use super::{PgStore, big};
+use crate::{err, to_json};
+
+#[derive(sqlx::FromRow)]
+struct LogRow {
+    at: DateTime<Utc>,
+    level: i64,
+    message: String,
+    fields: String,
+}
+
+#[async_trait::async_trait]
+impl SandboxLogRecords for PgStore {
+    async fn open_sandbox_log(
+        &self,
+        sandbox_id: &str,
+        team_id: &str,
+        at: DateTime<Utc>,
+        entries: &[SandboxLogEntry],
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        let opened = sqlx::query(
+            "INSERT INTO sandbox_log_sources (sandbox_id, team_id, created_at, next_seq) VALUES ($1, $2, $3, $4) ON CONFLICT (sandbox_id) DO NOTHING",
+        )
+        .bind(sandbox_id)
+        .bind(team_id)
+        .bind(at)
+        .bind(i64::try_from(entries.len()).map_err(err)?)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?
+        .rows_affected();
+        if opened > 0 {
+            insert_log_lines(&mut tx, sandbox_id, 0, entries).await?;
+        }
+        tx.commit().await.map_err(err)
+    }
+
+    async fn sandbox_log_team(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
+        sqlx::query_scalar("SELECT team_id FROM sandbox_log_sources WHERE sandbox_id = $1")
+            .bind(sandbox_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)
+    }
+
+    async fn sandbox_log_offset(&self, sandbox_id: &str) -> Result<u64, StoreError> {
+        let offset: Option<i64> = sqlx::query_scalar(
+            "SELECT agent_log_offset FROM sandbox_log_sources WHERE sandbox_id = $1",
+        )
+        .bind(sandbox_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(offset.unwrap_or(0).max(0).unsigned_abs())
+    }
+
+    async fn append_sandbox_logs(
+        &self,
+        sandbox_id: &str,
+        entries: &[SandboxLogEntry],
+        agent_log_offset: Option<u64>,
+        keep: u64,
+    ) -> Result<(), StoreError> {
+        let count = i64::try_from(entries.len()).map_err(err)?;
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        // The update locks the source row until commit: appends from two hosts number their
+        // lines one after the other.
+        let next: Option<i64> = sqlx::query_scalar(
+            "UPDATE sandbox_log_sources SET next_seq = next_seq + $1, agent_log_offset = COALESCE($2, agent_log_offset) WHERE sandbox_id = $3 RETURNING next_seq",
+        )
+        .bind(count)
+        .bind(agent_log_offset.map(big))
+        .bind(sandbox_id)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(err)?;
+        let Some(next) = next else {
+            return Ok(());
+        };
+        insert_log_lines(&mut tx, sandbox_id, next - count, entries).await?;
+        let oldest_kept = next - big(keep);
+        if oldest_kept > 0 && !entries.is_empty() {
+            sqlx::query("DELETE FROM sandbox_logs WHERE sandbox_id = $1 AND seq < $2")
+                .bind(sandbox_id)
+                .bind(oldest_kept)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)
+    }
+
+    async fn end_sandbox_log(&self, sandbox_id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE sandbox_log_sources SET ended_at = $1 WHERE sandbox_id = $2 AND ended_at IS NULL",
+        )
+        .bind(at)
+        .bind(sandbox_id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn sandbox_logs(
+        &self,
+        sandbox_id: &str,
+        query: &SandboxLogQuery,
+    ) -> Result<Vec<SandboxLogEntry>, StoreError> {
+        // strpos is case-sensitive, unlike ILIKE, and takes the search as it is.
+        const FORWARD: &str = "SELECT at, level, message, fields FROM sandbox_logs \
+             WHERE sandbox_id = $1 AND level >= $2 AND ($3::timestamptz IS NULL OR at >= $3) \
+             AND ($4::text IS NULL OR strpos(message, $4) > 0) ORDER BY at, seq LIMIT $5";
+        const BACKWARD: &str = "SELECT at, level, message, fields FROM sandbox_logs \
+             WHERE sandbox_id = $1 AND level >= $2 AND ($3::timestamptz IS NULL OR at <= $3) \
+             AND ($4::text IS NULL OR strpos(message, $4) > 0) ORDER BY at DESC, seq DESC LIMIT $5";
+        let cursor = query.cursor_ms.map(|ms| {
+            let us = if query.forward {
+                ms.saturating_mul(1000)
+            } else {
+                // The whole millisecond the cursor names.
+                ms.saturating_mul(1000).saturating_add(999)
+            };
+            DateTime::from_timestamp_micros(us).unwrap_or_default()
+        });
+        let rows = sqlx::query_as::<_, LogRow>(if query.forward { FORWARD } else { BACKWARD })
+            .bind(sandbox_id)
+            .bind(query.min_level.map(level_rank).unwrap_or(0))
+            .bind(cursor)
+            .bind(&query.search)
+            .bind(i64::from(query.limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.into_iter()
+            .map(|r| {
+                Ok(SandboxLogEntry {
+                    at: r.at,
+                    level: level_of_rank(r.level),
+                    message: r.message,
+                    fields: serde_json::from_str(&r.fields).map_err(err)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+        let result = sqlx::query("DELETE FROM sandbox_log_sources WHERE ended_at < $1")
+            .bind(before)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(result.rows_affected())
+    }
+}
+
+fn level_rank(level: LogLevel) -> i64 {
+    match level {
+        LogLevel::Debug => 0,
+        LogLevel::Info => 1,
+        LogLevel::Warn => 2,
+        LogLevel::Error => 3,
+    }
+}
+
+fn level_of_rank(rank: i64) -> LogLevel {
+    match rank {
+        i64::MIN..=0 => LogLevel::Debug,
+        1 => LogLevel::Info,
+        2 => LogLevel::Warn,
+        _ => LogLevel::Error,
+    }
+}
+
+async fn insert_log_lines(
+    tx: &mut PgConnection,
+    sandbox_id: &str,
+    first_seq: i64,
+    entries: &[SandboxLogEntry],
+) -> Result<(), StoreError> {
+    for (i, entry) in (first_seq..).zip(entries) {
+        sqlx::query(
+            "INSERT INTO sandbox_logs (sandbox_id, seq, at, level, message, fields) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(sandbox_id)
+        .bind(i)
+        .bind(entry.at)
+        .bind(level_rank(entry.level))
+        .bind(&entry.message)
+        .bind(to_json(&entry.fields)?)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+    }
+    Ok(())
+}

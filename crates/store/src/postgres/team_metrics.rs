@@ -1,0 +1,77 @@
+//! Team activity buckets.
+
+use sandbar_core::store::TeamMetricRecords;
+use sandbar_core::{StoreError, TeamMetricBucket};
+
+use super::{PgStore, u32_of};
+use crate::err;
+
+#[derive(sqlx::FromRow)]
+struct BucketRow {
+    bucket: i64,
+    concurrent: i64,
+    starts: i64,
+}
+
+#[async_trait::async_trait]
+impl TeamMetricRecords for PgStore {
+    async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
+        // Rows are locked in one order by every host, so two hosts adding the same buckets
+        // wait for each other instead of deadlocking.
+        let mut sorted: Vec<&TeamMetricBucket> = buckets.iter().collect();
+        sorted.sort_by(|a, b| (&a.team_id, a.bucket).cmp(&(&b.team_id, b.bucket)));
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for b in sorted {
+            sqlx::query(
+                "INSERT INTO team_metrics (team_id, bucket, concurrent, starts) VALUES ($1, $2, $3, $4) \
+                 ON CONFLICT (team_id, bucket) DO UPDATE SET \
+                 concurrent = GREATEST(team_metrics.concurrent, excluded.concurrent), \
+                 starts = team_metrics.starts + excluded.starts",
+            )
+            .bind(&b.team_id)
+            .bind(b.bucket)
+            .bind(i64::from(b.concurrent))
+            .bind(i64::from(b.starts))
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)
+    }
+
+    async fn team_metrics(
+        &self,
+        team_id: &str,
+        start: i64,
+        end: i64,
+    ) -> Result<Vec<TeamMetricBucket>, StoreError> {
+        sqlx::query_as::<_, BucketRow>(
+            "SELECT bucket, concurrent, starts FROM team_metrics WHERE team_id = $1 AND bucket >= $2 AND bucket <= $3 ORDER BY bucket",
+        )
+        .bind(team_id)
+        .bind(start)
+        .bind(end)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(|r| {
+            Ok(TeamMetricBucket {
+                team_id: team_id.to_owned(),
+                bucket: r.bucket,
+                concurrent: u32_of(r.concurrent, "concurrency", team_id)?,
+                starts: u32_of(r.starts, "starts", team_id)?,
+            })
+        })
+        .collect()
+    }
+
+    async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
+        let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
+            .bind(before)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(result.rows_affected())
+    }
+}

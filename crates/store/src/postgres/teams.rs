@@ -1,0 +1,444 @@
+//! Teams, members, API keys and access tokens.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
+use sandbar_core::{StoreError, Team};
+
+use super::{PgStore, big, u32_of, u64_of};
+use crate::{err, insert_err};
+
+#[derive(sqlx::FromRow)]
+struct TeamRow {
+    id: String,
+    name: String,
+    slug: String,
+    max_concurrent_sandboxes: i64,
+    max_sandbox_timeout_secs: i64,
+    requests_per_minute: i64,
+    max_vcpu: i64,
+    max_memory_mb: i64,
+    max_disk_mb: i64,
+}
+
+impl TryFrom<TeamRow> for Team {
+    type Error = StoreError;
+
+    fn try_from(r: TeamRow) -> Result<Self, StoreError> {
+        let id = r.id.as_str();
+        Ok(Team {
+            max_concurrent_sandboxes: u32_of(r.max_concurrent_sandboxes, "team limit", id)?,
+            max_sandbox_timeout_secs: u64_of(r.max_sandbox_timeout_secs, "team limit", id)?,
+            requests_per_minute: u32_of(r.requests_per_minute, "team limit", id)?,
+            max_vcpu: u32_of(r.max_vcpu, "team limit", id)?,
+            max_memory_mb: u32_of(r.max_memory_mb, "team limit", id)?,
+            max_disk_mb: u32_of(r.max_disk_mb, "team limit", id)?,
+            name: r.name,
+            slug: r.slug,
+            id: r.id,
+        })
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct TeamMemberRow {
+    #[sqlx(flatten)]
+    team: TeamRow,
+    is_default: bool,
+}
+
+#[derive(sqlx::FromRow)]
+struct SecretRow {
+    id: String,
+    team_id: String,
+    name: String,
+    secret_hash: String,
+    mask_prefix: String,
+    mask_suffix: String,
+    created_at: DateTime<Utc>,
+}
+
+impl From<SecretRow> for StoredSecret {
+    fn from(r: SecretRow) -> Self {
+        StoredSecret {
+            id: r.id,
+            team_id: r.team_id,
+            name: r.name,
+            secret_hash: r.secret_hash,
+            mask_prefix: r.mask_prefix,
+            mask_suffix: r.mask_suffix,
+            created_at: r.created_at,
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct ApiKeyRow {
+    #[sqlx(flatten)]
+    secret: SecretRow,
+    created_by: Option<String>,
+    last_used: Option<DateTime<Utc>>,
+}
+
+impl From<ApiKeyRow> for StoredApiKey {
+    fn from(r: ApiKeyRow) -> Self {
+        StoredApiKey {
+            secret: r.secret.into(),
+            created_by: r.created_by,
+            last_used: r.last_used,
+        }
+    }
+}
+
+#[derive(sqlx::FromRow)]
+struct AccessTokenRow {
+    #[sqlx(flatten)]
+    secret: SecretRow,
+    user_id: String,
+}
+
+/// An API key query: the columns an [`ApiKeyRow`] reads, then `$rest`. A literal, so the SQL
+/// stays static.
+macro_rules! api_key_query {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, team_id, name, key_hash AS secret_hash, mask_prefix, mask_suffix, created_at, created_by, last_used FROM api_keys ",
+            $rest
+        )
+    };
+}
+
+impl PgStore {
+    /// `slug_of(name)`, or with `-2`, `-3`, … after it when a team has it already. Two hosts
+    /// may pick the same one at once: the unique slug makes the later insert a conflict.
+    async fn free_slug(&self, name: &str) -> Result<String, StoreError> {
+        let base = sandbar_core::model::slug_of(name);
+        let mut candidate = base.clone();
+        for n in 2.. {
+            let taken = sqlx::query("SELECT 1 FROM teams WHERE slug = $1")
+                .bind(&candidate)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
+                .is_some();
+            if !taken {
+                break;
+            }
+            candidate = format!("{base}-{n}");
+        }
+        Ok(candidate)
+    }
+
+    /// API keys and access tokens share one shape; only their table differs.
+    async fn insert_secret(
+        &self,
+        insert: &'static str,
+        what: &'static str,
+        secret: &StoredSecret,
+    ) -> Result<(), StoreError> {
+        sqlx::query(insert)
+            .bind(&secret.id)
+            .bind(&secret.team_id)
+            .bind(&secret.name)
+            .bind(&secret.secret_hash)
+            .bind(&secret.mask_prefix)
+            .bind(&secret.mask_suffix)
+            .bind(secret.created_at)
+            .execute(&self.pool)
+            .await
+            .map_err(insert_err(what, &secret.id))?;
+        Ok(())
+    }
+
+    async fn one_team(&self, query: &'static str, key: &str) -> Result<Option<Team>, StoreError> {
+        sqlx::query_as::<_, TeamRow>(query)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?
+            .map(Team::try_from)
+            .transpose()
+    }
+}
+
+#[async_trait::async_trait]
+impl TeamRecords for PgStore {
+    async fn team_count(&self) -> Result<u64, StoreError> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(err)?;
+        u64_of(n, "count", "teams")
+    }
+
+    async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+        )
+        .bind(&team.id)
+        .bind(&team.name)
+        .bind(&team.slug)
+        .bind(i64::from(team.max_concurrent_sandboxes))
+        .bind(big(team.max_sandbox_timeout_secs))
+        .bind(i64::from(team.requests_per_minute))
+        .bind(i64::from(team.max_vcpu))
+        .bind(i64::from(team.max_memory_mb))
+        .bind(i64::from(team.max_disk_mb))
+        .bind(Utc::now())
+        .execute(&self.pool)
+        .await
+        .map_err(insert_err("team", &team.id))?;
+        Ok(())
+    }
+
+    async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
+        self.insert_secret(
+            "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "api key",
+            key,
+        )
+        .await
+    }
+
+    async fn insert_access_token(&self, token: &StoredSecret) -> Result<(), StoreError> {
+        self.insert_secret(
+            "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            "access token",
+            token,
+        )
+        .await
+    }
+
+    async fn team_by_api_key_hash(&self, hash: &str) -> Result<Option<Team>, StoreError> {
+        self.one_team(
+            "SELECT t.* FROM teams t JOIN api_keys k ON k.team_id = t.id WHERE k.key_hash = $1",
+            hash,
+        )
+        .await
+    }
+
+    async fn team_by_access_token_hash(&self, hash: &str) -> Result<Option<Team>, StoreError> {
+        self.one_team(
+            "SELECT t.* FROM teams t JOIN access_tokens a ON a.team_id = t.id WHERE a.token_hash = $1",
+            hash,
+        )
+        .await
+    }
+
+    async fn team_by_slug(&self, slug: &str) -> Result<Option<Team>, StoreError> {
+        self.one_team("SELECT * FROM teams WHERE slug = $1", slug)
+            .await
+    }
+
+    async fn free_team_slug(&self, name: &str) -> Result<String, StoreError> {
+        self.free_slug(name).await
+    }
+
+    async fn api_key_by_hash(
+        &self,
+        hash: &str,
+    ) -> Result<Option<(StoredApiKey, Team)>, StoreError> {
+        let Some(key) = sqlx::query_as::<_, ApiKeyRow>(api_key_query!("WHERE key_hash = $1"))
+            .bind(hash)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?
+        else {
+            return Ok(None);
+        };
+        let key = StoredApiKey::from(key);
+        Ok(self
+            .team(&key.secret.team_id)
+            .await?
+            .map(|team| (key, team)))
+    }
+
+    async fn touch_api_key(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        // Hosts touching the same key at once may land out of order; the newest use wins.
+        sqlx::query(
+            "UPDATE api_keys SET last_used = GREATEST(COALESCE(last_used, $1), $1) WHERE id = $2",
+        )
+        .bind(at)
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError> {
+        let s = &key.secret;
+        sqlx::query(
+            "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at, created_by, last_used) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(&s.id)
+        .bind(&s.team_id)
+        .bind(&s.name)
+        .bind(&s.secret_hash)
+        .bind(&s.mask_prefix)
+        .bind(&s.mask_suffix)
+        .bind(s.created_at)
+        .bind(&key.created_by)
+        .bind(key.last_used)
+        .execute(&self.pool)
+        .await
+        .map_err(insert_err("api key", &s.id))?;
+        Ok(())
+    }
+
+    async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
+        Ok(sqlx::query_as::<_, ApiKeyRow>(api_key_query!(
+            "WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\""
+        ))
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(StoredApiKey::from)
+        .collect())
+    }
+
+    async fn rename_api_key(
+        &self,
+        team_id: &str,
+        id: &str,
+        name: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query("UPDATE api_keys SET name = $1 WHERE id = $2 AND team_id = $3")
+            .bind(name)
+            .bind(id)
+            .bind(team_id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM api_keys WHERE id = $1 AND ($2::text IS NULL OR team_id = $2)",
+        )
+        .bind(id)
+        .bind(team_id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn insert_user(
+        &self,
+        id: &str,
+        team_id: &str,
+        is_default: bool,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        sqlx::query("INSERT INTO users (id, created_at) VALUES ($1, $2)")
+            .bind(id)
+            .bind(Utc::now())
+            .execute(&mut *tx)
+            .await
+            .map_err(insert_err("user", id))?;
+        sqlx::query("INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)")
+            .bind(team_id)
+            .bind(id)
+            .bind(is_default)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        tx.commit().await.map_err(err)
+    }
+
+    async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError> {
+        let s = &token.secret;
+        sqlx::query(
+            "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at, user_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&s.id)
+        .bind(&s.team_id)
+        .bind(&s.name)
+        .bind(&s.secret_hash)
+        .bind(&s.mask_prefix)
+        .bind(&s.mask_suffix)
+        .bind(s.created_at)
+        .bind(&token.user_id)
+        .execute(&self.pool)
+        .await
+        .map_err(insert_err("access token", &s.id))?;
+        Ok(())
+    }
+
+    async fn access_token_by_hash(
+        &self,
+        hash: &str,
+    ) -> Result<Option<StoredAccessToken>, StoreError> {
+        Ok(sqlx::query_as::<_, AccessTokenRow>(
+            "SELECT id, team_id, name, token_hash AS secret_hash, mask_prefix, mask_suffix, created_at, user_id
+             FROM access_tokens WHERE token_hash = $1 AND user_id IS NOT NULL",
+        )
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?
+        .map(|r| StoredAccessToken {
+            secret: r.secret.into(),
+            user_id: r.user_id,
+        }))
+    }
+
+    async fn delete_access_token(&self, user_id: &str, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM access_tokens WHERE id = $1 AND user_id = $2")
+            .bind(id)
+            .bind(user_id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn user_teams(&self, user_id: &str) -> Result<Vec<(Team, bool)>, StoreError> {
+        sqlx::query_as::<_, TeamMemberRow>(
+            "SELECT t.*, m.is_default FROM teams t JOIN team_members m ON m.team_id = t.id
+             WHERE m.user_id = $1 ORDER BY t.created_at, t.id COLLATE \"C\"",
+        )
+        .bind(user_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(|r| Ok((Team::try_from(r.team)?, r.is_default)))
+        .collect()
+    }
+
+    async fn team(&self, id: &str) -> Result<Option<Team>, StoreError> {
+        self.one_team("SELECT * FROM teams WHERE id = $1", id).await
+    }
+
+    async fn teams(&self) -> Result<Vec<Team>, StoreError> {
+        sqlx::query_as::<_, TeamRow>("SELECT * FROM teams ORDER BY created_at, id COLLATE \"C\"")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(Team::try_from)
+            .collect()
+    }
+
+    async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6 WHERE id = $7",
+        )
+        .bind(i64::from(limits.max_concurrent_sandboxes))
+        .bind(big(limits.max_sandbox_timeout_secs))
+        .bind(i64::from(limits.requests_per_minute))
+        .bind(i64::from(limits.max_vcpu))
+        .bind(i64::from(limits.max_memory_mb))
+        .bind(i64::from(limits.max_disk_mb))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(done.rows_affected() > 0)
+    }
+}

@@ -1,0 +1,306 @@
+//! Templates and their names.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::TemplateRecords;
+use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
+
+use super::{PgStore, json_of, u32_of, u64_of};
+use crate::{err, to_json};
+
+/// A row selected by a `template_query!`.
+#[derive(sqlx::FromRow)]
+struct TemplateRow {
+    id: String,
+    team_id: Option<String>,
+    namespace: Option<String>,
+    public: bool,
+    build_id: String,
+    build_status: String,
+    build_error: Option<String>,
+    cpu_count: i64,
+    memory_mb: i64,
+    disk_size_mb: i64,
+    envd_version: String,
+    image: Option<String>,
+    created_at: DateTime<Utc>,
+    updated_at: DateTime<Utc>,
+    last_spawned_at: Option<DateTime<Utc>>,
+    spawn_count: i64,
+    build_count: i64,
+    /// Sorted byte-wise, as SQLite sorts them.
+    aliases: Vec<String>,
+}
+
+impl TryFrom<TemplateRow> for Template {
+    type Error = StoreError;
+
+    fn try_from(r: TemplateRow) -> Result<Self, StoreError> {
+        let id = r.id;
+        Ok(Template {
+            build_status: BuildStatus::parse(&r.build_status).ok_or_else(|| {
+                err(format!(
+                    "template {id} has unknown build status {}",
+                    r.build_status
+                ))
+            })?,
+            cpu_count: u32_of(r.cpu_count, "cpu count", &id)?,
+            memory_mb: u32_of(r.memory_mb, "memory", &id)?,
+            disk_size_mb: u32_of(r.disk_size_mb, "disk size", &id)?,
+            spawn_count: u64_of(r.spawn_count, "spawn count", &id)?,
+            build_count: u64_of(r.build_count, "build count", &id)?,
+            image: json_of::<TemplateImage>(r.image)?,
+            aliases: r.aliases,
+            team_id: r.team_id,
+            namespace: r.namespace,
+            public: r.public,
+            build_id: r.build_id,
+            build_error: r.build_error,
+            envd_version: r.envd_version,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            last_spawned_at: r.last_spawned_at,
+            id,
+        })
+    }
+}
+
+/// A template query: the template (`t`) with its names and its owner's slug, which
+/// namespaces its names (`tm`, joined on the owner), then `$rest`. A literal, so the SQL
+/// stays static.
+macro_rules! template_query {
+    ($rest:literal) => {
+        concat!(
+            "SELECT t.*, tm.slug AS namespace,
+               ARRAY(SELECT n.alias FROM template_aliases n WHERE n.template_id = t.id
+                     ORDER BY n.alias COLLATE \"C\") AS aliases
+             FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
+            $rest
+        )
+    };
+}
+
+impl PgStore {
+    async fn templates_where(
+        &self,
+        query: &'static str,
+        key: Option<&str>,
+    ) -> Result<Vec<Template>, StoreError> {
+        let mut q = sqlx::query_as::<_, TemplateRow>(query);
+        if let Some(key) = key {
+            q = q.bind(key.to_owned());
+        }
+        q.fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(Template::try_from)
+            .collect()
+    }
+}
+
+#[async_trait::async_trait]
+impl TemplateRecords for PgStore {
+    async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        sqlx::query(
+            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+             ON CONFLICT (id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
+               build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
+               memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
+               image = excluded.image, updated_at = excluded.updated_at, build_count = excluded.build_count",
+        )
+        .bind(&t.id)
+        .bind(&t.team_id)
+        .bind(t.public)
+        .bind(&t.build_id)
+        .bind(t.build_status.as_str())
+        .bind(&t.build_error)
+        .bind(i64::from(t.cpu_count))
+        .bind(i64::from(t.memory_mb))
+        .bind(i64::from(t.disk_size_mb))
+        .bind(&t.envd_version)
+        .bind(t.image.as_ref().map(to_json).transpose()?)
+        .bind(t.created_at)
+        .bind(t.updated_at)
+        .bind(t.last_spawned_at)
+        .bind(super::big(t.spawn_count))
+        .bind(super::big(t.build_count))
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        // A name taken by another template of the namespace moves to this one, as in SQLite;
+        // the (scope, alias) key makes two hosts naming at once end with one owner.
+        for alias in &t.aliases {
+            sqlx::query(
+                "INSERT INTO template_aliases (scope, alias, template_id) VALUES ($1, $2, $3)
+                 ON CONFLICT (scope, alias) DO UPDATE SET template_id = excluded.template_id",
+            )
+            .bind(t.team_id.as_deref().unwrap_or(""))
+            .bind(alias)
+            .bind(&t.id)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
+        Ok(self
+            .templates_where(template_query!("WHERE t.id = $1"), Some(id))
+            .await?
+            .pop())
+    }
+
+    async fn template_by_name(
+        &self,
+        team_id: Option<&str>,
+        alias: &str,
+    ) -> Result<Option<Template>, StoreError> {
+        sqlx::query_as::<_, TemplateRow>(template_query!(
+            "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = $1 AND a.alias = $2"
+        ))
+        .bind(team_id.unwrap_or(""))
+        .bind(alias)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?
+        .map(Template::try_from)
+        .transpose()
+    }
+
+    async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
+        self.templates_where(
+            template_query!(
+                "JOIN template_aliases a ON a.template_id = t.id
+                 WHERE a.alias = $1 AND a.scope != '' AND t.public
+                 ORDER BY t.created_at, t.id COLLATE \"C\""
+            ),
+            Some(alias),
+        )
+        .await
+    }
+
+    async fn templates(&self) -> Result<Vec<Template>, StoreError> {
+        self.templates_where(
+            template_query!("ORDER BY t.created_at DESC, t.id COLLATE \"C\""),
+            None,
+        )
+        .await
+    }
+
+    async fn set_template_build(
+        &self,
+        id: &str,
+        status: BuildStatus,
+        error: Option<&str>,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET build_status = $1, build_error = $2, updated_at = $3 WHERE id = $4",
+        )
+        .bind(status.as_str())
+        .bind(error)
+        .bind(Utc::now())
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn set_template_image(
+        &self,
+        id: &str,
+        build_id: &str,
+        image: &TemplateImage,
+    ) -> Result<(), StoreError> {
+        // Only the latest build also sets the template's status: an older build finishing
+        // late still becomes the image, but must not hide a newer build's progress. One
+        // statement, so the comparison and the write see the same row.
+        sqlx::query(
+            "UPDATE templates SET image = $1, ready_build_id = $2, updated_at = $3,
+               build_status = CASE WHEN build_id = $2 THEN 'ready' ELSE build_status END,
+               build_error = CASE WHEN build_id = $2 THEN NULL ELSE build_error END
+             WHERE id = $4",
+        )
+        .bind(to_json(image)?)
+        .bind(build_id)
+        .bind(Utc::now())
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        for statement in [
+            "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = $1)",
+            "DELETE FROM build_tags WHERE template_id = $1",
+            "DELETE FROM template_builds WHERE template_id = $1",
+            "DELETE FROM template_aliases WHERE template_id = $1",
+            "DELETE FROM templates WHERE id = $1",
+        ] {
+            sqlx::query(statement)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+        }
+        tx.commit().await.map_err(err)?;
+        Ok(())
+    }
+
+    async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
+        // One statement: one snapshot of templates, tags and sandboxes, so a layer moving
+        // from one to another while another host writes is seen in at least one of them.
+        let rows: Vec<(String, bool)> = sqlx::query_as(
+            "SELECT image, TRUE AS with_checkpoint FROM templates WHERE image IS NOT NULL
+             UNION ALL
+             SELECT b.image, TRUE FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+             WHERE b.image IS NOT NULL
+             UNION ALL
+             SELECT image, FALSE FROM sandboxes WHERE image IS NOT NULL",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        let mut layers = Vec::new();
+        for (text, with_checkpoint) in rows {
+            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+            layers.extend(image.layers);
+            // A snapshot's checkpoint lives as long as its layers. Recorded sandboxes keep
+            // the layers they booted from even after their template moved on, but the
+            // checkpoint they were made from is not theirs to keep.
+            if with_checkpoint {
+                layers.extend(image.snapshot.and_then(|s| s.checkpoint));
+                // A capture's layer and checkpoint live as long as the image naming it.
+                layers.extend(
+                    image
+                        .started
+                        .into_iter()
+                        .flat_map(|s| [s.layer, s.checkpoint]),
+                );
+            }
+        }
+        layers.sort();
+        layers.dedup();
+        Ok(layers)
+    }
+
+    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        sqlx::query(
+            "UPDATE templates SET spawn_count = spawn_count + 1,
+               last_spawned_at = GREATEST(COALESCE(last_spawned_at, $1), $1) WHERE id = $2",
+        )
+        .bind(at)
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+}

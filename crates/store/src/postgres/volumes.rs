@@ -1,0 +1,110 @@
+//! Volumes.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::VolumeRecords;
+use sandbar_core::{StoreError, Volume};
+
+use super::PgStore;
+use crate::err;
+
+#[derive(sqlx::FromRow)]
+struct VolumeRow {
+    id: String,
+    team_id: String,
+    name: String,
+    token_hash: String,
+    created_at: DateTime<Utc>,
+}
+
+impl From<VolumeRow> for Volume {
+    fn from(r: VolumeRow) -> Self {
+        Volume {
+            id: r.id,
+            team_id: r.team_id,
+            name: r.name,
+            token_hash: r.token_hash,
+            created_at: r.created_at,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl VolumeRecords for PgStore {
+    async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
+        // The (team, name) constraint decides between two hosts creating the same name.
+        let done = sqlx::query(
+            "INSERT INTO volumes (id, team_id, name, token_hash, created_at) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (team_id, name) DO NOTHING",
+        )
+        .bind(&v.id)
+        .bind(&v.team_id)
+        .bind(&v.name)
+        .bind(&v.token_hash)
+        .bind(v.created_at)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
+        Ok(
+            sqlx::query_as::<_, VolumeRow>("SELECT * FROM volumes WHERE id = $1")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
+                .map(Volume::from),
+        )
+    }
+
+    async fn volume_by_name(
+        &self,
+        team_id: &str,
+        name: &str,
+    ) -> Result<Option<Volume>, StoreError> {
+        Ok(
+            sqlx::query_as::<_, VolumeRow>(
+                "SELECT * FROM volumes WHERE team_id = $1 AND name = $2",
+            )
+            .bind(team_id)
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?
+            .map(Volume::from),
+        )
+    }
+
+    async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
+        Ok(sqlx::query_as::<_, VolumeRow>(
+            "SELECT * FROM volumes WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\"",
+        )
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(Volume::from)
+        .collect())
+    }
+
+    async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT DISTINCT sandbox_id COLLATE \"C\" AS sandbox_id FROM sandbox_volumes WHERE volume_id = $1 ORDER BY 1",
+        )
+        .bind(volume_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)
+    }
+
+    async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM volumes WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}

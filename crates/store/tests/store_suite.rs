@@ -1,0 +1,1146 @@
+//! The store's behaviour, one suite run against each backend: SQLite in a temporary file,
+//! and PostgreSQL in a throwaway cluster the binary starts (skipped, saying why, when the
+//! PostgreSQL binaries are missing).
+
+mod pg_cluster;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::{Arc, Once};
+
+use chrono::{DateTime, TimeDelta, Utc};
+use sandbar_core::auth::{Auth, TeamLimits};
+use sandbar_core::store::{StoredApiKey, StoredSecret};
+use sandbar_core::{
+    BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LogLevel, NetworkConfig, RuntimeHandle,
+    Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState, SandboxStatus, Store, StoreError,
+    Team, TeamMetricBucket, Template, Volume, VolumeMount,
+};
+use sandbar_store::{PgStore, SqliteStore};
+use sqlx::Connection;
+
+/// Each test as an async fn taking a [`Fixture`], run once per backend.
+macro_rules! suite {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(super::Fixture::sqlite().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    if let Some(fixture) = super::Fixture::postgres().await {
+                        super::$name(fixture).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    bootstrap_happens_once_and_keys_are_stored_hashed,
+    malformed_requested_key_is_refused,
+    templates_and_sandboxes_round_trip,
+    names_are_per_team_and_teams_have_unique_slugs,
+    duplicates_are_conflicts,
+    api_keys_list_oldest_first_and_last_use_only_moves_forward,
+    builds_tags_and_build_logs,
+    sandbox_logs_keep_the_newest_lines_and_search_case_sensitively,
+    concurrent_log_appends_number_every_line_once,
+    team_metrics_merge_buckets,
+    volumes_and_mounts,
+    teams_members_and_limits,
+    two_hosts_on_one_database_settle_their_races,
+);
+
+/// A store under test, with what it keeps its data in.
+struct Fixture {
+    store: Arc<dyn Store>,
+    backend: Backend,
+}
+
+enum Backend {
+    Sqlite(tempfile::TempDir),
+    Postgres(String),
+}
+
+impl Fixture {
+    async fn sqlite() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = SqliteStore::open(&dir.path().join("db.sqlite"))
+            .await
+            .expect("open");
+        Self {
+            store: Arc::new(store),
+            backend: Backend::Sqlite(dir),
+        }
+    }
+
+    /// A store on a database of its own in the binary's cluster; `None` without PostgreSQL.
+    async fn postgres() -> Option<Self> {
+        let cluster = match pg_cluster::cluster() {
+            Ok(cluster) => cluster,
+            Err(reason) => {
+                static SAID: Once = Once::new();
+                // Straight to stderr: the test harness would hide a println of a passing test.
+                SAID.call_once(|| {
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "PostgreSQL store tests skipped: {reason}"
+                    );
+                });
+                return None;
+            }
+        };
+        let url = cluster.database().await;
+        let store = PgStore::connect(&url).await.expect("connect and migrate");
+        Some(Self {
+            store: Arc::new(store),
+            backend: Backend::Postgres(url),
+        })
+    }
+
+    /// Another store on the same database, as a second API host would open it.
+    async fn second_host(&self) -> Arc<dyn Store> {
+        match &self.backend {
+            Backend::Sqlite(dir) => Arc::new(
+                SqliteStore::open(&dir.path().join("db.sqlite"))
+                    .await
+                    .expect("open again"),
+            ),
+            Backend::Postgres(url) => Arc::new(PgStore::connect(url).await.expect("connect again")),
+        }
+    }
+
+    /// Everything the backend keeps of API keys and access tokens, as text.
+    async fn stored_credentials(&self) -> String {
+        match &self.backend {
+            Backend::Sqlite(dir) => ["db.sqlite", "db.sqlite-wal"]
+                .iter()
+                .filter_map(|f| std::fs::read(dir.path().join(f)).ok())
+                .map(|raw| String::from_utf8_lossy(&raw).into_owned())
+                .collect(),
+            Backend::Postgres(url) => {
+                let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
+                sqlx::query_scalar(
+                    "SELECT COALESCE((SELECT string_agg(k::text, ' ') FROM api_keys k), '')
+                       || COALESCE((SELECT string_agg(a::text, ' ') FROM access_tokens a), '')",
+                )
+                .fetch_one(&mut conn)
+                .await
+                .expect("dump")
+            }
+        }
+    }
+}
+
+const LIMITS: TeamLimits = TeamLimits {
+    max_concurrent_sandboxes: 10,
+    max_sandbox_timeout_secs: 3600,
+    requests_per_minute: 0,
+    max_vcpu: 0,
+    max_memory_mb: 0,
+    max_disk_mb: 0,
+};
+
+/// A private, built template named `alias`, owned by `team_id` (`None`: built in).
+fn template(id: &str, team_id: Option<&str>, alias: &str) -> Template {
+    let now = Utc::now();
+    Template {
+        id: id.into(),
+        team_id: team_id.map(str::to_owned),
+        namespace: None,
+        aliases: vec![alias.into()],
+        public: false,
+        build_id: "b".into(),
+        build_status: BuildStatus::Ready,
+        build_error: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        envd_version: "0.5.7".into(),
+        image: None,
+        created_at: now,
+        updated_at: now,
+        last_spawned_at: None,
+        spawn_count: 0,
+        build_count: 1,
+    }
+}
+
+async fn bootstrap_happens_once_and_keys_are_stored_hashed(f: Fixture) {
+    let store = f.store.clone();
+    let auth = Auth::new(store.clone());
+    let key = format!("e2b_{}", "ab".repeat(20));
+    let creds = auth
+        .bootstrap(Some(&key), LIMITS)
+        .await
+        .expect("bootstrap")
+        .expect("first start creates credentials");
+    assert_eq!(creds.api_key, key);
+    assert!(creds.access_token.starts_with("sk_e2b_"));
+    assert!(
+        auth.bootstrap(None, LIMITS)
+            .await
+            .expect("second")
+            .is_none()
+    );
+
+    let team = auth.team_for_api_key(Some(&key)).await.expect("key works");
+    assert_eq!(team.id, creds.team_id);
+    assert!(auth.team_for_api_key(Some("e2b_wrong")).await.is_err());
+    assert!(auth.team_for_api_key(None).await.is_err());
+    auth.team_for_access_token(Some(&creds.access_token))
+        .await
+        .expect("token works");
+
+    let raw = f.stored_credentials().await;
+    assert!(
+        !raw.contains(&key[4..]),
+        "the api key must not be stored in clear"
+    );
+}
+
+async fn malformed_requested_key_is_refused(f: Fixture) {
+    let store = f.store;
+    let auth = Auth::new(store.clone());
+    assert!(auth.bootstrap(Some("e2b_XYZ"), LIMITS).await.is_err());
+    assert_eq!(store.team_count().await.expect("count"), 0);
+}
+
+async fn templates_and_sandboxes_round_trip(f: Fixture) {
+    let store = f.store;
+    let auth = Auth::new(store.clone());
+    let creds = auth
+        .bootstrap(None, LIMITS)
+        .await
+        .expect("boot")
+        .expect("creds");
+    let now = Utc::now();
+    let template = Template {
+        public: true,
+        build_status: BuildStatus::Building,
+        ..template("tpl0000000000000000a", None, "base")
+    };
+    store.upsert_template(&template).await.expect("upsert");
+    let image = sandbar_core::TemplateImage {
+        layers: vec!["base/v1".into(), "layer/ab".into()],
+        env: [("A".to_owned(), "1".to_owned())].into(),
+        user: "user".into(),
+        workdir: "/app".into(),
+        start_cmd: Some("serve".into()),
+        ready_cmd: None,
+        snapshot: None,
+        started: None,
+    };
+    store
+        .set_template_image(&template.id, "b", &image)
+        .await
+        .expect("ready");
+    let by_alias = store
+        .template_by_name(None, "base")
+        .await
+        .expect("query")
+        .expect("found");
+    assert_eq!(by_alias.build_status, BuildStatus::Ready);
+    assert_eq!(by_alias.image.as_ref(), Some(&image));
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec!["base/v1".to_owned(), "layer/ab".to_owned()]
+    );
+    assert_eq!(by_alias.aliases, vec!["base".to_owned()]);
+
+    let sandbox = Sandbox {
+        id: "iaaaaaaaaaaaaaaaaaaaa".into(),
+        team_id: creds.team_id.clone(),
+        template_id: template.id.clone(),
+        alias: Some("base".into()),
+        started_at: now,
+        end_at: now + TimeDelta::seconds(60),
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        metadata: BTreeMap::from([("k".into(), "v".into())]),
+        env_vars: BTreeMap::new(),
+        allow_internet_access: true,
+        network: NetworkConfig {
+            allow_public_traffic: false,
+            ..NetworkConfig::default()
+        },
+        traffic_access_token: Some("traffic".into()),
+        envd_access_token: "t".into(),
+        envd_version: "0.5.7".into(),
+        status: SandboxStatus::Running,
+        handle: RuntimeHandle(serde_json::json!({"pid": 5})),
+        auto_pause: true,
+        auto_resume: false,
+        auto_pause_memory: false,
+        image: Some(image.clone()),
+    };
+    store.insert_sandbox(&sandbox).await.expect("insert");
+    store
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Paused, None)
+        .await
+        .expect("pause");
+    let paused = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("read")
+        .expect("found");
+    assert_eq!(
+        (paused.state(), paused.status, paused.auto_pause),
+        (SandboxState::Paused, SandboxStatus::Paused, true)
+    );
+    assert!(!paused.auto_pause_memory);
+    assert_eq!(paused.image.as_ref(), Some(&image));
+    let released = RuntimeHandle(serde_json::json!({"pid": 0}));
+    store
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Shelved, Some(&released))
+        .await
+        .expect("pause without memory");
+    let shelved = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("read")
+        .expect("found");
+    assert_eq!(
+        (shelved.state(), shelved.status, &shelved.handle),
+        (SandboxState::Paused, SandboxStatus::Shelved, &released)
+    );
+    store
+        .set_sandbox_status(&sandbox.id, SandboxStatus::Running, Some(&sandbox.handle))
+        .await
+        .expect("boot again");
+    let loaded = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("get")
+        .expect("found");
+    assert_eq!(loaded.metadata, sandbox.metadata);
+    assert_eq!(loaded.handle, sandbox.handle);
+    assert_eq!(loaded.status, SandboxStatus::Running);
+    assert_eq!(
+        loaded.end_at.timestamp_micros(),
+        sandbox.end_at.timestamp_micros()
+    );
+    assert_eq!(
+        store
+            .team_sandboxes(&creds.team_id)
+            .await
+            .expect("list")
+            .len(),
+        1
+    );
+    assert_eq!(loaded.network, sandbox.network);
+    assert_eq!(loaded.traffic_access_token.as_deref(), Some("traffic"));
+    let mut network = sandbox.network.clone();
+    network.egress = EgressConfig {
+        allow_out: vec!["example.com".into()],
+        deny_out: vec!["0.0.0.0/0".into()],
+        dns_servers: None,
+    };
+    store
+        .set_sandbox_network(&sandbox.id, &network, false)
+        .await
+        .expect("update network");
+    let updated = store
+        .sandbox(&sandbox.id)
+        .await
+        .expect("get")
+        .expect("found");
+    assert_eq!(updated.network, network);
+    assert!(!updated.allow_internet_access);
+    // The template moves on to a new root; the sandbox still runs on the old one.
+    let rebuilt = sandbar_core::TemplateImage {
+        layers: vec!["base/v2".into()],
+        ..image.clone()
+    };
+    store
+        .set_template_image(&template.id, "c", &rebuilt)
+        .await
+        .expect("rebuilt");
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec![
+            "base/v1".to_owned(),
+            "base/v2".to_owned(),
+            "layer/ab".to_owned()
+        ]
+    );
+    store.delete_sandbox(&sandbox.id).await.expect("delete");
+    assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
+    assert_eq!(
+        store.layers_in_use().await.expect("layers"),
+        vec!["base/v2".to_owned()]
+    );
+}
+
+async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
+    let store = f.store;
+    let auth = Auth::new(store.clone());
+    let one = auth
+        .create_team("Acme Corp", LIMITS)
+        .await
+        .expect("one")
+        .team;
+    let two = auth
+        .create_team("acme  corp!", LIMITS)
+        .await
+        .expect("two")
+        .team;
+    assert_eq!(one.slug, "acme-corp");
+    assert_eq!(two.slug, "acme-corp-2");
+    assert_eq!(
+        store
+            .team_by_slug("acme-corp-2")
+            .await
+            .expect("slug")
+            .map(|t| t.id),
+        Some(two.id.clone())
+    );
+    let named = |id: &str, team: &str| template(id, Some(team), "app");
+    store
+        .upsert_template(&named("tpl-one", &one.id))
+        .await
+        .expect("one's");
+    store
+        .upsert_template(&named("tpl-two", &two.id))
+        .await
+        .expect("two's");
+    for (team, id, slug) in [
+        (&one, "tpl-one", "acme-corp"),
+        (&two, "tpl-two", "acme-corp-2"),
+    ] {
+        let found = store
+            .template_by_name(Some(&team.id), "app")
+            .await
+            .expect("query")
+            .expect("each team has its own 'app'");
+        assert_eq!(found.id, id);
+        assert_eq!(found.names(), vec![format!("{slug}/app")]);
+    }
+    assert!(
+        store
+            .template_by_name(None, "app")
+            .await
+            .expect("query")
+            .is_none()
+    );
+    assert!(
+        store
+            .public_templates_named("app")
+            .await
+            .expect("query")
+            .is_empty()
+    );
+}
+
+/// A team made through the core, as the server makes them.
+async fn team(store: &Arc<dyn Store>, name: &str) -> Team {
+    Auth::new(store.clone())
+        .create_team(name, LIMITS)
+        .await
+        .expect("team")
+        .team
+}
+
+fn sandbox(id: &str, team_id: &str, started_at: DateTime<Utc>) -> Sandbox {
+    Sandbox {
+        id: id.into(),
+        team_id: team_id.into(),
+        template_id: "base".into(),
+        alias: None,
+        started_at,
+        end_at: started_at + TimeDelta::seconds(60),
+        cpu_count: 1,
+        memory_mb: 256,
+        disk_size_mb: 512,
+        metadata: BTreeMap::new(),
+        env_vars: BTreeMap::from([("A".into(), "1".into())]),
+        allow_internet_access: true,
+        network: NetworkConfig::default(),
+        traffic_access_token: None,
+        envd_access_token: "token".into(),
+        envd_version: "0.5.7".into(),
+        status: SandboxStatus::Running,
+        handle: RuntimeHandle(serde_json::json!({"pid": 1})),
+        auto_pause: false,
+        auto_resume: false,
+        auto_pause_memory: true,
+        image: None,
+    }
+}
+
+fn build(id: &str, template_id: &str, status: BuildStatus, at: DateTime<Utc>) -> BuildRecord {
+    BuildRecord {
+        id: id.into(),
+        template_id: template_id.into(),
+        team_id: None,
+        status,
+        failure: None,
+        spec: None,
+        image: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        created_at: at,
+        updated_at: at,
+        finished_at: (status == BuildStatus::Ready).then_some(at),
+    }
+}
+
+fn log_line(at: DateTime<Utc>, level: LogLevel, message: &str) -> SandboxLogEntry {
+    SandboxLogEntry {
+        at,
+        level,
+        message: message.into(),
+        fields: BTreeMap::from([("logger".into(), "agent".into())]),
+    }
+}
+
+/// Whole microseconds, as both backends keep times.
+fn micros(t: DateTime<Utc>) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(t.timestamp_micros()).expect("in range")
+}
+
+async fn duplicates_are_conflicts(f: Fixture) {
+    let store = f.store;
+    let team = team(&store, "Dups").await;
+    let s = sandbox("isandbox", &team.id, Utc::now());
+    store.insert_sandbox(&s).await.expect("first");
+    assert!(matches!(
+        store.insert_sandbox(&s).await,
+        Err(StoreError::Conflict { what: "sandbox", ref id }) if id == "isandbox"
+    ));
+    store
+        .upsert_template(&template("tpl", None, "t"))
+        .await
+        .expect("template");
+    let b = build("b1", "tpl", BuildStatus::Waiting, Utc::now());
+    store.insert_build(&b).await.expect("first build");
+    assert!(matches!(
+        store.insert_build(&b).await,
+        Err(StoreError::Conflict { what: "build", .. })
+    ));
+    // Two hosts that picked the same slug for two new teams: the later one conflicts.
+    let same_slug = Team {
+        id: "other-team".into(),
+        ..team.clone()
+    };
+    assert!(matches!(
+        store.insert_team(&same_slug).await,
+        Err(StoreError::Conflict { what: "team", .. })
+    ));
+    let volume = Volume {
+        id: "vol1".into(),
+        team_id: team.id.clone(),
+        name: "data".into(),
+        token_hash: "h".into(),
+        created_at: Utc::now(),
+    };
+    assert!(store.insert_volume(&volume).await.expect("first volume"));
+    let same_name = Volume {
+        id: "vol2".into(),
+        ..volume.clone()
+    };
+    assert!(!store.insert_volume(&same_name).await.expect("second"));
+}
+
+async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) {
+    let store = f.store;
+    let team = team(&store, "Keys").await;
+    let t0 = micros(Utc::now());
+    for (id, hash, at) in [
+        ("key-b", "hash-b", t0),
+        ("key-a", "hash-a", t0 + TimeDelta::seconds(1)),
+    ] {
+        store
+            .insert_team_api_key(&StoredApiKey {
+                secret: StoredSecret {
+                    id: id.into(),
+                    team_id: team.id.clone(),
+                    name: id.into(),
+                    secret_hash: hash.into(),
+                    mask_prefix: "e2".into(),
+                    mask_suffix: "ff".into(),
+                    created_at: at,
+                },
+                created_by: Some("user".into()),
+                last_used: None,
+            })
+            .await
+            .expect("insert key");
+    }
+    let listed: Vec<String> = store
+        .team_api_keys(&team.id)
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|k| k.secret.id)
+        .filter(|id| id.starts_with("key-"))
+        .collect();
+    assert_eq!(listed, vec!["key-b".to_owned(), "key-a".to_owned()]);
+
+    let later = t0 + TimeDelta::seconds(30);
+    store.touch_api_key("key-b", later).await.expect("touch");
+    // A host whose touch lands late must not move the last use back.
+    store.touch_api_key("key-b", t0).await.expect("late touch");
+    let (key, owner) = store
+        .api_key_by_hash("hash-b")
+        .await
+        .expect("lookup")
+        .expect("found");
+    assert_eq!(key.last_used, Some(later));
+    assert_eq!(key.created_by.as_deref(), Some("user"));
+    assert_eq!(owner.id, team.id);
+
+    assert!(
+        store
+            .rename_api_key(&team.id, "key-b", "renamed")
+            .await
+            .expect("rename")
+    );
+    assert!(
+        !store
+            .rename_api_key("other", "key-b", "x")
+            .await
+            .expect("rename")
+    );
+    assert!(
+        !store
+            .delete_api_key(Some("other"), "key-b")
+            .await
+            .expect("delete")
+    );
+    assert!(store.delete_api_key(None, "key-b").await.expect("delete"));
+    assert!(
+        store
+            .api_key_by_hash("hash-b")
+            .await
+            .expect("lookup")
+            .is_none()
+    );
+}
+
+async fn builds_tags_and_build_logs(f: Fixture) {
+    let store = f.store;
+    store
+        .upsert_template(&template("tpl", None, "t"))
+        .await
+        .expect("template");
+    let t0 = micros(Utc::now());
+    let old = build("b-old", "tpl", BuildStatus::Ready, t0);
+    let new = build(
+        "b-new",
+        "tpl",
+        BuildStatus::Ready,
+        t0 + TimeDelta::seconds(5),
+    );
+    let waiting = build(
+        "b-wait",
+        "tpl",
+        BuildStatus::Waiting,
+        t0 + TimeDelta::seconds(9),
+    );
+    for b in [&old, &new, &waiting] {
+        store.insert_build(b).await.expect("insert");
+    }
+    let tags = |t: &[&str]| t.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    store
+        .set_build_tags("tpl", "b-old", &tags(&["v1", "latest"]))
+        .await
+        .expect("tag old");
+    store
+        .set_build_tags("tpl", "b-new", &tags(&["latest", "v2"]))
+        .await
+        .expect("tag new");
+    store
+        .set_build_tags("tpl", "b-new", &tags(&["v2"]))
+        .await
+        .expect("tagging again is no change");
+    let listed: Vec<(String, String)> = store
+        .template_tags("tpl")
+        .await
+        .expect("tags")
+        .into_iter()
+        .map(|(tag, b)| (tag, b.id))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("latest".to_owned(), "b-new".to_owned()),
+            ("v1".to_owned(), "b-old".to_owned()),
+            ("v2".to_owned(), "b-new".to_owned()),
+        ]
+    );
+    assert_eq!(
+        store
+            .tagged_build("tpl", "latest")
+            .await
+            .expect("tagged")
+            .map(|b| b.id),
+        Some("b-new".to_owned())
+    );
+    assert_eq!(
+        store
+            .template_builds("tpl")
+            .await
+            .expect("builds")
+            .into_iter()
+            .map(|b| b.id)
+            .collect::<Vec<_>>(),
+        vec!["b-wait", "b-new", "b-old"]
+    );
+    assert_eq!(
+        store
+            .unfinished_builds()
+            .await
+            .expect("unfinished")
+            .into_iter()
+            .map(|b| b.id)
+            .collect::<Vec<_>>(),
+        vec!["b-wait"]
+    );
+    let mut done = waiting.clone();
+    done.status = BuildStatus::Error;
+    done.failure = Some(sandbar_core::BuildFailure::at("2", "exit 1"));
+    store.update_build(&done).await.expect("update");
+    assert_eq!(store.build("b-wait").await.expect("read"), Some(done));
+    assert_eq!(
+        store
+            .delete_build_tags("tpl", &tags(&["latest", "nope"]))
+            .await
+            .expect("untag"),
+        2
+    );
+
+    for (seq, level, message) in [
+        (0, LogLevel::Debug, "pulling"),
+        (1, LogLevel::Info, "step one"),
+        (2, LogLevel::Error, "failed"),
+        (3, LogLevel::Info, "cleanup"),
+    ] {
+        let entry = BuildLogEntry {
+            timestamp: t0,
+            level,
+            message: message.into(),
+            step: Some("1".into()),
+        };
+        store
+            .append_build_log("b-new", seq, &entry)
+            .await
+            .expect("log");
+    }
+    let messages =
+        |entries: Vec<BuildLogEntry>| entries.into_iter().map(|e| e.message).collect::<Vec<_>>();
+    assert_eq!(
+        messages(
+            store
+                .build_logs("b-new", 1, 10, Some(LogLevel::Info))
+                .await
+                .expect("logs")
+        ),
+        vec!["failed", "cleanup"]
+    );
+    store.delete_template("tpl").await.expect("delete");
+    assert!(store.build("b-new").await.expect("read").is_none());
+    assert!(
+        store
+            .build_logs("b-new", 0, 10, None)
+            .await
+            .expect("logs")
+            .is_empty()
+    );
+    assert!(
+        store
+            .template_by_name(None, "t")
+            .await
+            .expect("read")
+            .is_none()
+    );
+}
+
+async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixture) {
+    let store = f.store;
+    let t0 = micros(Utc::now());
+    let at = |ms: i64| t0 + TimeDelta::milliseconds(ms);
+    store
+        .open_sandbox_log(
+            "isb",
+            "team",
+            t0,
+            &[log_line(at(0), LogLevel::Info, "created")],
+        )
+        .await
+        .expect("open");
+    store
+        .open_sandbox_log(
+            "isb",
+            "other",
+            t0,
+            &[log_line(at(0), LogLevel::Info, "again")],
+        )
+        .await
+        .expect("opening again keeps the first");
+    assert_eq!(
+        store
+            .sandbox_log_team("isb")
+            .await
+            .expect("team")
+            .as_deref(),
+        Some("team")
+    );
+    store
+        .append_sandbox_logs(
+            "isb",
+            &[
+                log_line(at(1), LogLevel::Debug, "Hello world"),
+                log_line(at(2), LogLevel::Warn, "hello again"),
+                log_line(at(3), LogLevel::Error, "bye"),
+            ],
+            Some(4096),
+            3,
+        )
+        .await
+        .expect("append");
+    store
+        .append_sandbox_logs("nobody", &[log_line(at(1), LogLevel::Info, "x")], None, 3)
+        .await
+        .expect("a log never opened takes nothing");
+    assert_eq!(store.sandbox_log_offset("isb").await.expect("offset"), 4096);
+    let read = |query: SandboxLogQuery| {
+        let store = store.clone();
+        async move {
+            store
+                .sandbox_logs("isb", &query)
+                .await
+                .expect("read")
+                .into_iter()
+                .map(|e| e.message)
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(
+        read(SandboxLogQuery::default()).await,
+        vec!["Hello world", "hello again", "bye"],
+        "the oldest line went beyond the 3 kept"
+    );
+    assert_eq!(
+        read(SandboxLogQuery {
+            search: Some("hello".into()),
+            ..SandboxLogQuery::default()
+        })
+        .await,
+        vec!["hello again"]
+    );
+    assert_eq!(
+        read(SandboxLogQuery {
+            forward: false,
+            min_level: Some(LogLevel::Warn),
+            ..SandboxLogQuery::default()
+        })
+        .await,
+        vec!["bye", "hello again"]
+    );
+    assert_eq!(
+        read(SandboxLogQuery {
+            forward: false,
+            cursor_ms: Some(at(2).timestamp_millis()),
+            limit: 1,
+            ..SandboxLogQuery::default()
+        })
+        .await,
+        vec!["hello again"]
+    );
+    store.end_sandbox_log("isb", t0).await.expect("end");
+    assert_eq!(
+        store.prune_sandbox_logs(t0).await.expect("prune"),
+        0,
+        "ended exactly at the cut"
+    );
+    assert_eq!(
+        store
+            .prune_sandbox_logs(t0 + TimeDelta::seconds(1))
+            .await
+            .expect("prune"),
+        1
+    );
+    assert!(read(SandboxLogQuery::default()).await.is_empty());
+    assert!(store.sandbox_log_team("isb").await.expect("team").is_none());
+}
+
+async fn concurrent_log_appends_number_every_line_once(f: Fixture) {
+    let store = f.store;
+    let t0 = micros(Utc::now());
+    store
+        .open_sandbox_log("isb", "team", t0, &[])
+        .await
+        .expect("open");
+    let writers: Vec<_> = (0..8)
+        .map(|w| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for i in 0..5 {
+                    let line = log_line(t0, LogLevel::Info, &format!("{w}-{i}"));
+                    store
+                        .append_sandbox_logs("isb", &[line.clone(), line], None, 1000)
+                        .await
+                        .expect("append");
+                }
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await.expect("writer");
+    }
+    let lines = store
+        .sandbox_logs("isb", &SandboxLogQuery::default())
+        .await
+        .expect("read");
+    assert_eq!(lines.len(), 80);
+}
+
+async fn team_metrics_merge_buckets(f: Fixture) {
+    let store = f.store;
+    let bucket = |team: &str, at: i64, concurrent: u32, starts: u32| TeamMetricBucket {
+        team_id: team.into(),
+        bucket: at,
+        concurrent,
+        starts,
+    };
+    store
+        .add_team_metrics(&[
+            bucket("a", 10, 3, 1),
+            bucket("a", 5, 1, 1),
+            bucket("b", 5, 9, 9),
+        ])
+        .await
+        .expect("add");
+    store
+        .add_team_metrics(&[bucket("a", 10, 2, 4)])
+        .await
+        .expect("merge");
+    assert_eq!(
+        store.team_metrics("a", 0, 10).await.expect("read"),
+        vec![bucket("a", 5, 1, 1), bucket("a", 10, 3, 5)]
+    );
+    assert_eq!(
+        store.team_metrics("a", 6, 9).await.expect("read"),
+        Vec::new()
+    );
+    assert_eq!(store.prune_team_metrics(10).await.expect("prune"), 2);
+    assert_eq!(
+        store.team_metrics("a", 0, 100).await.expect("read"),
+        vec![bucket("a", 10, 3, 5)]
+    );
+}
+
+async fn volumes_and_mounts(f: Fixture) {
+    let store = f.store;
+    let team = team(&store, "Volumes").await;
+    let t0 = micros(Utc::now());
+    for (id, name, at) in [
+        ("vol-b", "second", t0 + TimeDelta::seconds(1)),
+        ("vol-a", "first", t0),
+    ] {
+        let v = Volume {
+            id: id.into(),
+            team_id: team.id.clone(),
+            name: name.into(),
+            token_hash: format!("hash-{id}"),
+            created_at: at,
+        };
+        assert!(store.insert_volume(&v).await.expect("insert"));
+    }
+    assert_eq!(
+        store
+            .team_volumes(&team.id)
+            .await
+            .expect("list")
+            .into_iter()
+            .map(|v| v.id)
+            .collect::<Vec<_>>(),
+        vec!["vol-a", "vol-b"]
+    );
+    let found = store
+        .volume_by_name(&team.id, "second")
+        .await
+        .expect("by name")
+        .expect("found");
+    assert_eq!(found.created_at, t0 + TimeDelta::seconds(1));
+    store
+        .insert_sandbox(&sandbox("isb", &team.id, t0))
+        .await
+        .expect("sandbox");
+    let mounts = vec![
+        VolumeMount {
+            volume_id: "vol-b".into(),
+            team_id: team.id.clone(),
+            name: "second".into(),
+            path: "/data".into(),
+        },
+        VolumeMount {
+            volume_id: "vol-a".into(),
+            team_id: team.id.clone(),
+            name: "first".into(),
+            path: "/a".into(),
+        },
+    ];
+    store
+        .insert_sandbox_volumes("isb", &mounts)
+        .await
+        .expect("mount");
+    assert_eq!(store.sandbox_volumes("isb").await.expect("mounts"), mounts);
+    assert_eq!(
+        store.volume_users("vol-a").await.expect("users"),
+        vec!["isb".to_owned()]
+    );
+    assert!(
+        store.delete_volume("vol-a").await.is_err(),
+        "a mounted volume stays"
+    );
+    store.delete_sandbox("isb").await.expect("delete sandbox");
+    assert!(store.volume_users("vol-a").await.expect("users").is_empty());
+    store.delete_volume("vol-a").await.expect("delete volume");
+    assert!(store.volume("vol-a").await.expect("read").is_none());
+}
+
+async fn teams_members_and_limits(f: Fixture) {
+    let store = f.store;
+    let one = team(&store, "One").await;
+    let two = team(&store, "Two").await;
+    store
+        .insert_user("user-1", &one.id, true)
+        .await
+        .expect("user");
+    assert!(store.insert_user("user-1", &two.id, false).await.is_err());
+    let teams: Vec<(String, bool)> = store
+        .user_teams("user-1")
+        .await
+        .expect("teams")
+        .into_iter()
+        .map(|(t, default)| (t.id, default))
+        .collect();
+    assert_eq!(teams, vec![(one.id.clone(), true)]);
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: u32::MAX,
+        max_sandbox_timeout_secs: u64::from(u32::MAX) + 1,
+        requests_per_minute: 7,
+        max_vcpu: 4,
+        max_memory_mb: 4096,
+        max_disk_mb: 8192,
+    };
+    assert!(
+        store
+            .set_team_limits(&two.id, &limits)
+            .await
+            .expect("limits")
+    );
+    assert!(
+        !store
+            .set_team_limits("nobody", &limits)
+            .await
+            .expect("limits")
+    );
+    let read = store.team(&two.id).await.expect("read").expect("found");
+    assert_eq!(
+        (
+            read.max_concurrent_sandboxes,
+            read.max_sandbox_timeout_secs,
+            read.max_disk_mb
+        ),
+        (u32::MAX, u64::from(u32::MAX) + 1, 8192)
+    );
+    assert_eq!(
+        store
+            .teams()
+            .await
+            .expect("teams")
+            .into_iter()
+            .map(|t| t.id)
+            .collect::<Vec<_>>(),
+        vec![one.id, two.id]
+    );
+    assert_eq!(store.team_count().await.expect("count"), 2);
+}
+
+async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
+    let hosts = [f.store.clone(), f.second_host().await];
+    let owner = team(&hosts[0], "Racers").await;
+    let t0 = micros(Utc::now());
+
+    // The same volume name from both hosts at once: one of them has it.
+    let created = futures_join(hosts.iter().enumerate().map(|(i, store)| {
+        let store = store.clone();
+        let volume = Volume {
+            id: format!("vol-{i}"),
+            team_id: owner.id.clone(),
+            name: "shared".into(),
+            token_hash: "h".into(),
+            created_at: t0,
+        };
+        tokio::spawn(async move { store.insert_volume(&volume).await.expect("insert") })
+    }))
+    .await;
+    assert_eq!(created.iter().filter(|c| **c).count(), 1, "{created:?}");
+
+    // The same new team slug picked by both: the later insert is a conflict.
+    let slug = hosts[1].free_team_slug("Racers").await.expect("slug");
+    assert_eq!(slug, "racers-2");
+    let twin = |id: &str| Team {
+        id: id.into(),
+        slug: slug.clone(),
+        ..owner.clone()
+    };
+    let results = futures_join(hosts.iter().enumerate().map(|(i, store)| {
+        let store = store.clone();
+        let team = twin(&format!("twin-{i}"));
+        tokio::spawn(async move { store.insert_team(&team).await })
+    }))
+    .await;
+    assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
+    assert!(
+        results
+            .iter()
+            .any(|r| matches!(r, Err(StoreError::Conflict { what: "team", .. })))
+    );
+
+    // Both hosts append to one sandbox's log: every line numbered once.
+    hosts[0]
+        .open_sandbox_log("isb", &owner.id, t0, &[])
+        .await
+        .expect("open");
+    futures_join(hosts.iter().map(|store| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            for i in 0..10 {
+                let line = log_line(t0, LogLevel::Info, &format!("line {i}"));
+                store
+                    .append_sandbox_logs("isb", &[line], None, 1000)
+                    .await
+                    .expect("append");
+            }
+        })
+    }))
+    .await;
+    let lines = hosts[1]
+        .sandbox_logs("isb", &SandboxLogQuery::default())
+        .await
+        .expect("read");
+    assert_eq!(lines.len(), 20);
+}
+
+/// Awaits every task, in order.
+async fn futures_join<T>(tasks: impl IntoIterator<Item = tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await.expect("task"));
+    }
+    out
+}

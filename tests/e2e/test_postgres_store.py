@@ -1,0 +1,173 @@
+"""A server keeping its records in PostgreSQL finds its sandboxes again after a restart.
+
+The module starts a PostgreSQL 15 cluster of its own (initdb in a temporary directory, run as
+the `postgres` user, listening only on a Unix socket there) and a server of its own on it with
+`--database-url`, with a fresh data dir that borrows the shared server's `base` root read-only,
+so nothing is downloaded. The shared server is stopped meanwhile (one server per host) and
+started again afterwards. A sandbox created with the Python SDK survives a SIGTERM restart:
+listed, connected to, its file and process still there, and no SQLite database is made.
+About 15 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import conftest
+from e2e_util import BASE_ROOT, SANDBAR_BIN, SandbarServer, free_port, private_binaries
+
+PG_BIN = Path(os.environ.get("SANDBAR_PG_BIN") or "/usr/lib/postgresql/15/bin")
+SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL)
+
+
+def as_postgres(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return sh("runuser", "-u", "postgres", "--", *args, check=check)
+
+
+class Cluster:
+    """A throwaway cluster on a Unix socket in its own directory; no TCP."""
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="sandbar-e2e-pg-"))
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.data = self.dir / "data"
+        self.started = False
+
+    def start(self) -> None:
+        # Should this run die before its cleanup, the cluster still goes when it does.
+        subprocess.Popen(
+            ["runuser", "-u", "postgres", "--", "sh", "-c",
+             'while [ -e "/proc/$0" ]; do sleep 1; done; "$1/pg_ctl" -D "$2/data" stop -m immediate; rm -rf "$2"',
+             str(os.getpid()), str(PG_BIN), str(self.dir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        as_postgres(str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
+                    "--no-sync", "-E", "UTF8", "--no-locale")
+        options = f"-c listen_addresses='' -k {self.dir} -c fsync=off"
+        as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-l", str(self.dir / "log"), "-w",
+                    "-t", "60", "-o", options, "start")
+        self.started = True
+        as_postgres(str(PG_BIN / "psql"), "-h", str(self.dir), "-U", "postgres", "-q",
+                    "-c", "CREATE DATABASE sandbar")
+
+    @property
+    def url(self) -> str:
+        return f"postgres://postgres@localhost/sandbar?host={self.dir}"
+
+    def query(self, sql: str) -> str:
+        return as_postgres(str(PG_BIN / "psql"), "-h", str(self.dir), "-U", "postgres", "-d", "sandbar",
+                           "-tA", "-c", sql).stdout.strip()
+
+    def stop(self) -> None:
+        if self.started:
+            as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data), "stop", "-m", "fast", check=False)
+            self.started = False
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pg_server(sandbar):
+    if not (PG_BIN / "initdb").exists():
+        pytest.skip(f"no PostgreSQL binaries in {PG_BIN} (scripts/install-deps.sh --test installs them)")
+    if not (SHARED_BASE / "complete").exists():
+        pytest.skip(f"no built default template at {SHARED_BASE} to borrow")
+    shared = sandbar
+    shared.stop(kill9=False)
+    env_keys = ("E2B_API_URL", "E2B_SANDBOX_URL")
+    old_env = {k: os.environ.get(k) for k in env_keys}
+    cluster = Cluster()
+    tag = uuid.uuid4().hex[:10]
+    data_dir = Path(f"/var/tmp/sandbar-e2e-pg-{tag}")
+    base = data_dir / "templates" / SHARED_BASE.name
+    binary, _ = private_binaries(SANDBAR_BIN)
+    server = SandbarServer(
+        binary,
+        data_dir,
+        Path("/tmp/sandbar-e2e-logs") / f"postgres-store-{tag}.log",
+        free_port(),
+        extra_args=[
+            "--database-url", cluster.url,
+            "--nameserver", conftest.FAKE_DNS.address,
+            # Nothing here measures disks or needs warm sandboxes; no pool image to allocate.
+            "--disk-quotas", "false",
+            "--netns-pool", "0",
+            "--warm-pool", "0",
+            "--criu", "",
+        ],
+    )
+    try:
+        cluster.start()
+        base.mkdir(parents=True)
+        sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
+        sh("mount", "-o", "remount,bind,ro", str(base))
+        server.start()
+        server.wait_healthy(timeout=60)
+        server.wait_base_template(timeout=60)
+        for k in env_keys:
+            os.environ[k] = server.url
+        yield server, cluster
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        problems = []
+        if server.proc is not None:
+            try:
+                with server.client(timeout=30) as api:
+                    for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
+                        api.delete(f"/sandboxes/{s['sandboxID']}")
+            except Exception as e:  # noqa: BLE001 - cleanup goes on
+                problems.append(f"killing sandboxes: {e}")
+            try:
+                server.stop(kill9=False)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"stopping sandbar: {e}")
+                server.stop(kill9=True)
+        if base.exists() and sh("umount", str(base), check=False).returncode != 0:
+            sh("umount", "-l", str(base), check=False)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        shutil.rmtree(binary.parent, ignore_errors=True)
+        cluster.stop()
+        shared.start()
+        shared.wait_healthy(timeout=60)
+        assert not problems, "; ".join(problems)
+
+
+def test_sandboxes_survive_a_restart_with_records_in_postgres(pg_server):
+    from e2b import Sandbox, SandboxQuery
+
+    server, cluster = pg_server
+    started = time.monotonic()
+    sbx = Sandbox.create(template="base", timeout=300, metadata={"store": "postgres"})
+    sbx.files.write("/home/user/kept.txt", "in postgres")
+    sbx.commands.run("sleep 600", background=True)
+    assert cluster.query(f"SELECT status FROM sandboxes WHERE id = '{sbx.sandbox_id}'") == "running"
+
+    server.stop(kill9=False)
+    server.start()
+    server.wait_healthy(timeout=60)
+
+    listed = {s.sandbox_id: s for s in Sandbox.list(query=SandboxQuery(metadata={"store": "postgres"})).next_items()}
+    assert sbx.sandbox_id in listed, f"not listed after the restart: {sorted(listed)}"
+    again = Sandbox.connect(sbx.sandbox_id)
+    assert again.files.read("/home/user/kept.txt") == "in postgres"
+    assert "sleep 600" in again.commands.run("ps -eo args").stdout
+    assert not (server.data_dir / "sandbar.db").exists(), "records went to SQLite"
+    again.kill()
+    assert cluster.query(f"SELECT count(*) FROM sandboxes WHERE id = '{sbx.sandbox_id}'") == "0"
+    assert time.monotonic() - started < 30
