@@ -190,3 +190,38 @@ impl QueryPairs {
         Ok(Some(value))
     }
 }
+
+/// Bodies up to this size are read before the request is handled.
+const READ_FIRST_LIMIT: u64 = 64 << 10;
+
+/// Reads a small request body in full before anything answers. An answer given before the
+/// body was read (a 401 from authentication, a 404, a 507) makes the HTTP/1.1 server close
+/// the connection if the rest of the body arrives later, and a client that sends its next
+/// request on that connection sees it dropped without an answer.
+pub(crate) async fn read_small_bodies_first(
+    request: Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let small = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .is_some_and(|length| length > 0 && length <= READ_FIRST_LIMIT);
+    if !small {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    match axum::body::to_bytes(body, READ_FIRST_LIMIT as usize).await {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Err(e) => ApiError::new(
+            axum::http::StatusCode::BAD_REQUEST,
+            format!("cannot read the request body: {e}"),
+        )
+        .into_response(),
+    }
+}

@@ -101,6 +101,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             disk_guard::refuse_writes_without_room,
         ))
+        .route_layer(axum::middleware::from_fn(extract::read_small_bodies_first))
         .fallback(error::no_route)
         .method_not_allowed_fallback(error::method_not_allowed);
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
