@@ -101,9 +101,10 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             disk_guard::refuse_writes_without_room,
         ))
-        .route_layer(axum::middleware::from_fn(extract::read_small_bodies_first))
         .fallback(error::no_route)
-        .method_not_allowed_fallback(error::method_not_allowed);
+        .method_not_allowed_fallback(error::method_not_allowed)
+        // Around the fallbacks too: a 404 or 405 is an answer given before the body is read.
+        .layer(axum::middleware::from_fn(extract::read_small_bodies_first));
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
     let operator = Router::new()
         .route("/metrics", get(telemetry::metrics))

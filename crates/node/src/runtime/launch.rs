@@ -3,10 +3,11 @@
 
 use super::*;
 
-/// The server's nice value, which sandboxes start with whichever thread forks them. Read
-/// first on a thread at the server's priority (`start_warm_pool` makes sure of it).
-pub(super) static SERVER_NICE: std::sync::LazyLock<i32> =
-    std::sync::LazyLock::new(|| rustix::process::getpriority_process(None).unwrap_or(0));
+/// The server's nice value, which sandboxes start with whichever thread forks them: the
+/// main thread's (its id is the process id), which no pool lowers.
+fn server_nice() -> i32 {
+    rustix::process::getpriority_process(Some(rustix::process::getpid())).unwrap_or(0)
+}
 
 impl LinuxRuntime {
     /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
@@ -91,7 +92,7 @@ impl LinuxRuntime {
         // The restored root task reopens the log through its descriptor with its own rights.
         std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
             .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
-        let server_nice = *SERVER_NICE;
+        let server_nice = server_nice();
         let mut command = tokio::process::Command::new(&self.agent_exec);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.

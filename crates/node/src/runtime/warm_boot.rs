@@ -13,8 +13,6 @@ impl LinuxRuntime {
         if self.warm.target() == 0 {
             return;
         }
-        // Before the pool's thread lowers its own priority, which jails then undo.
-        std::sync::LazyLock::force(&super::launch::SERVER_NICE);
         let runtime = std::sync::Arc::downgrade(self);
         let refill = async move {
             loop {
@@ -289,7 +287,7 @@ impl LinuxRuntime {
 const REFILL_NICE: i32 = 19;
 
 /// Lowers the calling thread's priority to [`REFILL_NICE`] where the jails it forks can take
-/// the server's priority back (`CAP_SYS_NICE`, see `launch::SERVER_NICE`); without that,
+/// the server's priority back (`CAP_SYS_NICE`, see `launch::server_nice`); without that,
 /// sandboxes would inherit the low priority, so the thread keeps the server's.
 fn run_refills_in_background() {
     use rustix::thread::{CapabilitySet, capabilities};

@@ -66,25 +66,6 @@ struct BuildLogRow {
     message: String,
 }
 
-impl PgStore {
-    async fn builds_where(
-        &self,
-        query: &'static str,
-        key: Option<&str>,
-    ) -> Result<Vec<BuildRecord>, StoreError> {
-        let mut q = sqlx::query_as::<_, BuildRow>(query);
-        if let Some(key) = key {
-            q = q.bind(key.to_owned());
-        }
-        q.fetch_all(&self.pool)
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(BuildRecord::try_from)
-            .collect()
-    }
-}
-
 #[async_trait::async_trait]
 impl BuildRecords for PgStore {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
@@ -130,13 +111,13 @@ impl BuildRecords for PgStore {
 
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
         Ok(self
-            .builds_where("SELECT * FROM template_builds WHERE id = $1", Some(id))
+            .records_where::<BuildRow, _>("SELECT * FROM template_builds WHERE id = $1", Some(id))
             .await?
             .pop())
     }
 
     async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
-        self.builds_where(
+        self.records_where::<BuildRow, _>(
             "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
             Some(template_id),
         )
@@ -144,7 +125,7 @@ impl BuildRecords for PgStore {
     }
 
     async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
-        self.builds_where(
+        self.records_where::<BuildRow, _>(
             "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
             None,
         )

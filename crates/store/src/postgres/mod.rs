@@ -55,6 +55,28 @@ pub fn redacted_url(url: &str) -> String {
 }
 
 impl PgStore {
+    /// The rows `query` selects, with `key` as its one parameter when given, as records.
+    async fn records_where<R, T>(
+        &self,
+        query: &'static str,
+        key: Option<&str>,
+    ) -> Result<Vec<T>, StoreError>
+    where
+        R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+        T: TryFrom<R, Error = StoreError>,
+    {
+        let mut q = sqlx::query_as::<_, R>(query);
+        if let Some(key) = key {
+            q = q.bind(key.to_owned());
+        }
+        q.fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(T::try_from)
+            .collect()
+    }
+
     /// Connects to the database at `url` (`postgres://…`; `?host=/dir` for a Unix socket) and
     /// applies pending migrations. Hosts starting together are safe: the migrator holds an
     /// advisory lock while it runs.

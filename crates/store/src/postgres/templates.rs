@@ -79,25 +79,6 @@ macro_rules! template_query {
     };
 }
 
-impl PgStore {
-    async fn templates_where(
-        &self,
-        query: &'static str,
-        key: Option<&str>,
-    ) -> Result<Vec<Template>, StoreError> {
-        let mut q = sqlx::query_as::<_, TemplateRow>(query);
-        if let Some(key) = key {
-            q = q.bind(key.to_owned());
-        }
-        q.fetch_all(&self.pool)
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(Template::try_from)
-            .collect()
-    }
-}
-
 #[async_trait::async_trait]
 impl TemplateRecords for PgStore {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
@@ -149,7 +130,7 @@ impl TemplateRecords for PgStore {
 
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
         Ok(self
-            .templates_where(template_query!("WHERE t.id = $1"), Some(id))
+            .records_where::<TemplateRow, _>(template_query!("WHERE t.id = $1"), Some(id))
             .await?
             .pop())
     }
@@ -172,7 +153,7 @@ impl TemplateRecords for PgStore {
     }
 
     async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        self.templates_where(
+        self.records_where::<TemplateRow, _>(
             template_query!(
                 "JOIN template_aliases a ON a.template_id = t.id
                  WHERE a.alias = $1 AND a.scope != '' AND t.public
@@ -184,7 +165,7 @@ impl TemplateRecords for PgStore {
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        self.templates_where(
+        self.records_where::<TemplateRow, _>(
             template_query!("ORDER BY t.created_at DESC, t.id COLLATE \"C\""),
             None,
         )
