@@ -11,6 +11,15 @@ use utoipa::ToSchema;
 /// E2B's infrastructure returns this constant; the SDKs require the field.
 pub(crate) const CLIENT_ID: &str = "6532622b";
 
+/// The node that runs the sandbox, in a cluster; E2B's constant on a single host.
+fn client_id(s: &Sandbox) -> String {
+    if s.node_id.is_empty() {
+        CLIENT_ID.to_owned()
+    } else {
+        s.node_id.clone()
+    }
+}
+
 pub(crate) fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
@@ -196,7 +205,7 @@ pub(crate) struct SandboxCreated {
     alias: Option<String>,
     #[serde(rename = "clientID")]
     #[schema(value_type = String)]
-    client_id: &'static str,
+    client_id: String,
     #[serde(rename = "envdVersion")]
     envd_version: String,
     #[serde(rename = "envdAccessToken")]
@@ -214,7 +223,7 @@ impl From<&Sandbox> for SandboxCreated {
             template_id: s.template_id.clone(),
             sandbox_id: s.id.clone(),
             alias: s.alias.clone(),
-            client_id: CLIENT_ID,
+            client_id: client_id(s),
             envd_version: s.envd_version.clone(),
             envd_access_token: s.envd_access_token.clone(),
             traffic_access_token: s.traffic_access_token.clone(),
@@ -234,7 +243,7 @@ pub(crate) struct ListedSandbox {
     sandbox_id: String,
     #[serde(rename = "clientID")]
     #[schema(value_type = String)]
-    client_id: &'static str,
+    client_id: String,
     #[serde(rename = "startedAt")]
     #[schema(format = DateTime)]
     started_at: String,
@@ -259,7 +268,7 @@ impl From<&Sandbox> for ListedSandbox {
             template_id: s.template_id.clone(),
             alias: s.alias.clone(),
             sandbox_id: s.id.clone(),
-            client_id: CLIENT_ID,
+            client_id: client_id(s),
             started_at: rfc3339(s.started_at),
             end_at: rfc3339(s.end_at),
             cpu_count: s.cpu_count,

@@ -85,6 +85,20 @@ fn not_found(sandbox_id: &str) -> Response {
     .into_response()
 }
 
+/// The sandbox a request is addressed to through the edge (by header or Host), if any.
+pub(crate) fn sandbox_named_by(state: &AppState, request: &Request) -> Option<String> {
+    match target_from_headers(request.headers()) {
+        Some(Ok(target)) => Some(target.sandbox_id),
+        Some(Err(_)) => None,
+        None => request
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .and_then(|h| target_from_host(h, &state.edge.domain))
+            .map(|t| t.sandbox_id),
+    }
+}
+
 /// Middleware in front of the API router.
 pub(crate) async fn route_to_sandbox(
     State(state): State<AppState>,

@@ -5,6 +5,7 @@
 //! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
 
 mod activity;
+pub mod cluster;
 mod disk_guard;
 mod dto;
 mod edge;
@@ -40,6 +41,17 @@ pub struct AppState {
     pub builds: Builds,
     pub rate_limits: Arc<RateLimits>,
     pub edge: Arc<EdgeConfig>,
+    /// Where this host plays a part in a cluster; `None` on a single host.
+    pub cluster: Option<ClusterRole>,
+}
+
+/// A host's part in a cluster.
+#[derive(Clone, Debug)]
+pub enum ClusterRole {
+    /// Serves the API and forwards sandbox work to the nodes.
+    Api(Arc<cluster::ClusterRouting>),
+    /// Runs sandboxes and answers only requests that carry the cluster's secret.
+    Node { secret: Arc<str> },
 }
 
 /// The REST API with its description: every route here is registered from its handler's
@@ -111,16 +123,28 @@ pub fn router(state: AppState) -> Router {
         .with_state(telemetry.clone());
     // Route layers run after routing, so `observe` sees the matched route template; it is
     // outermost so that it also counts what the edge answers.
-    api.merge(operator)
+    let app = api
+        .merge(operator)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             edge::route_to_sandbox,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            telemetry,
-            telemetry::observe,
-        ))
-        .with_state(state)
+        ));
+    let app = match &state.cluster {
+        None => app,
+        Some(ClusterRole::Api(_)) => app.layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            cluster::forward_to_nodes,
+        )),
+        Some(ClusterRole::Node { secret }) => app.layer(axum::middleware::from_fn_with_state(
+            secret.clone(),
+            cluster::require_node_secret,
+        )),
+    };
+    app.layer(axum::middleware::from_fn_with_state(
+        telemetry,
+        telemetry::observe,
+    ))
+    .with_state(state)
 }
 
 /// Liveness of the server, and what ails it: 204 when all is well; 200 with the problems

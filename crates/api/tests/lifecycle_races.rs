@@ -87,6 +87,7 @@ async fn harness(gated: &[&'static str]) -> Harness {
         edge: Arc::new(EdgeConfig {
             domain: "sandbar.localhost".into(),
         }),
+        cluster: None,
     });
     Harness {
         _dir: dir,

@@ -106,6 +106,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
         edge: Arc::new(EdgeConfig {
             domain: "sandbar.localhost".into(),
         }),
+        cluster: None,
     });
     Harness {
         _dir: dir,

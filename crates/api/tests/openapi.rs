@@ -227,6 +227,7 @@ async fn harness() -> Harness {
         edge: Arc::new(EdgeConfig {
             domain: "sandbar.localhost".into(),
         }),
+        cluster: None,
     });
     Harness {
         _dir: dir,

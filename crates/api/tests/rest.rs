@@ -66,6 +66,7 @@ async fn harness(limits: TeamLimits) -> Harness {
         edge: Arc::new(EdgeConfig {
             domain: "sandbar.localhost".into(),
         }),
+        cluster: None,
     });
     Harness {
         _dir: dir,

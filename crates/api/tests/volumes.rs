@@ -108,6 +108,7 @@ async fn harness() -> Harness {
         edge: Arc::new(EdgeConfig {
             domain: "sandbar.localhost".into(),
         }),
+        cluster: None,
     });
     Harness { dir, app, runtime }
 }

@@ -9,6 +9,7 @@ pub mod activity;
 mod agent_links;
 pub mod auth;
 pub mod builds;
+pub mod cluster;
 pub mod disks;
 pub mod dockerfile;
 pub mod faults;
@@ -35,6 +36,7 @@ pub use builds::{
     BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StartedImage,
     StepKind, TemplateImage,
 };
+pub use cluster::NodeDirectory;
 pub use disks::{DiskFull, DiskReport, DiskSpace};
 pub use keys::{
     ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,
@@ -45,7 +47,7 @@ pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    Sandbox, SandboxState, Team, Template,
+    NodeRecord, NodeReport, Sandbox, SandboxState, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{

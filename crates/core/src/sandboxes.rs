@@ -42,6 +42,9 @@ pub struct SandboxesConfig {
     /// How long a sandbox paused with its memory stays frozen in memory before it is
     /// checkpointed to disk (where the runtime can).
     pub pause_grace: Duration,
+    /// The name of the node these sandboxes run on, recorded with each, so that in a cluster
+    /// every node takes back only its own after a restart; empty on a single host.
+    pub node_id: String,
 }
 
 impl Default for SandboxesConfig {
@@ -51,6 +54,7 @@ impl Default for SandboxesConfig {
             default_user: "user".into(),
             activity: ActivityConfig::default(),
             pause_grace: Duration::from_secs(10),
+            node_id: String::new(),
         }
     }
 }
@@ -438,6 +442,8 @@ pub struct Sandboxes {
     metrics: Mutex<HashMap<String, MetricSeries>>,
     volumes: Option<Arc<Volumes>>,
     activity: Activity,
+    /// The cluster's nodes, where this host shares its store with others.
+    nodes: Option<Arc<crate::cluster::NodeDirectory>>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -487,7 +493,35 @@ impl Sandboxes {
             network_updates: tokio::sync::Mutex::new(()),
             metrics: Mutex::new(HashMap::new()),
             volumes: None,
+            nodes: None,
         }
+    }
+
+    /// Shares the store with the nodes in `nodes`: a team's limit counts its sandboxes on
+    /// every live node, and sandboxes of lost nodes are not listed.
+    pub fn with_cluster(mut self, nodes: Arc<crate::cluster::NodeDirectory>) -> Self {
+        self.nodes = Some(nodes);
+        self
+    }
+
+    /// Whether the node a sandbox is recorded on holds its lease (always, on a single host).
+    fn on_live_node(&self, sandbox: &Sandbox) -> bool {
+        self.nodes
+            .as_ref()
+            .is_none_or(|nodes| nodes.is_live(&sandbox.node_id))
+    }
+
+    /// Slots the team holds on the cluster's other live nodes, as the store records them.
+    async fn slots_elsewhere(&self, team: &Team) -> Result<usize, StoreError> {
+        let Some(nodes) = &self.nodes else {
+            return Ok(0);
+        };
+        let recorded = self.store.team_sandboxes(&team.id).await?;
+        Ok(recorded
+            .iter()
+            .filter(|s| s.node_id != self.config.node_id && nodes.is_live(&s.node_id))
+            .filter(|s| s.status.holds_a_slot())
+            .count())
     }
 
     /// Lets sandboxes mount the team's volumes.
@@ -549,7 +583,8 @@ impl Sandboxes {
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
-        self.reserve(team, &id, now + seconds(request.timeout_secs))?;
+        let elsewhere = self.slots_elsewhere(team).await?;
+        self.reserve(team, &id, now + seconds(request.timeout_secs), elsewhere)?;
 
         let Some(image) = template.image.clone() else {
             self.live().remove(&id);
@@ -627,6 +662,7 @@ impl Sandboxes {
             auto_resume: request.auto_resume,
             auto_pause_memory: !request.auto_pause_files_only,
             image: Some(booted_from),
+            node_id: self.config.node_id.clone(),
         };
         let recorded = match self.store.insert_sandbox(&sandbox).await {
             Ok(()) if mounts.is_empty() => Ok(()),
@@ -743,17 +779,21 @@ impl Sandboxes {
             .await
     }
 
+    /// Takes one of the team's slots for sandbox `id`; `elsewhere` are the slots it holds on
+    /// other nodes of the cluster.
     fn reserve(
         &self,
         team: &Team,
         id: &str,
         end_at: DateTime<Utc>,
+        elsewhere: usize,
     ) -> Result<(), CreateSandboxError> {
         let mut live = self.live();
-        let active = live
-            .values()
-            .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
-            .count();
+        let active = elsewhere
+            + live
+                .values()
+                .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
+                .count();
         if active >= team.max_concurrent_sandboxes as usize {
             return Err(CreateSandboxError::ConcurrencyLimit {
                 limit: team.max_concurrent_sandboxes,
@@ -870,6 +910,10 @@ impl Sandboxes {
         let filtered: Vec<Sandbox> = sandboxes
             .into_iter()
             .filter(|s| !stopping.contains(&s.id))
+            // A lost node's sandboxes are neither running nor paused anywhere the API can
+            // reach: they are left out until the node comes back.
+            .filter(|s| self.on_live_node(s))
+            .filter(|s| s.status != SandboxStatus::Stopping)
             .filter(|s| {
                 query
                     .states

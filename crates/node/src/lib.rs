@@ -13,6 +13,7 @@ pub mod egress;
 pub mod image_layers;
 pub mod interpreter;
 pub mod layers;
+pub mod lease;
 pub mod memory;
 pub mod mounts;
 pub mod netns;

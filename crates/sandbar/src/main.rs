@@ -18,6 +18,7 @@ use sandbar_core::{
 };
 use sandbar_node::{LinuxRuntime, NodeConfig};
 mod admin;
+mod cluster;
 mod database;
 
 #[derive(Parser, Debug)]
@@ -53,6 +54,8 @@ struct ServeArgs {
     data_dir: PathBuf,
     #[command(flatten)]
     database: database::DatabaseArgs,
+    #[command(flatten)]
+    cluster: cluster::ClusterArgs,
     /// Domain for Host-based routing: `{port}-{sandboxID}.{domain}`.
     #[arg(long, env = "SANDBAR_DOMAIN", default_value = "sandbar.localhost")]
     domain: String,
@@ -356,16 +359,28 @@ fn volume_token_key(data_dir: &Path) -> anyhow::Result<[u8; 32]> {
     Ok(key)
 }
 
+/// What registering the built-in templates needs.
+struct Builtins<'a> {
+    templates: &'a Templates,
+    builds: &'a Builds,
+    store: &'a dyn sandbar_core::Store,
+    layers: &'a sandbar_node::layers::LayerStore,
+    disk_size_mb: u32,
+    /// A node of a cluster: a built-in template another node built is not rebuilt here.
+    in_cluster: bool,
+}
+
 /// Registers the default template and, unless it already has an image, builds it through the
 /// build service like any template (the Debian root is cached on disk across data resets).
-async fn ensure_base_template(
-    templates: &Templates,
-    builds: &Builds,
-    store: &dyn sandbar_core::Store,
-    layers: &sandbar_node::layers::LayerStore,
-    envd_version: &str,
-    disk_size_mb: u32,
-) -> anyhow::Result<()> {
+async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::Result<()> {
+    let Builtins {
+        templates,
+        builds,
+        store,
+        layers,
+        disk_size_mb,
+        in_cluster,
+    } = *b;
     let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
     let template = builtin_template(
         existing,
@@ -379,6 +394,12 @@ async fn ensure_base_template(
     if template.image.as_ref() == Some(&base_image()) && image_on_disk(&template, layers) {
         templates.register(&template).await?;
         tracing::info!(template_id = %template.id, "default template 'base' is cached");
+        return Ok(());
+    }
+    if in_cluster && template.image.as_ref() == Some(&base_image()) {
+        // Built by another node of the cluster: its sandboxes are placed on nodes that hold
+        // it, and a rebuild here would mark the shared record as building for all of them.
+        tracing::warn!(template_id = %template.id, "default template 'base' is not on this node's disk; sandboxes of it are placed on other nodes");
         return Ok(());
     }
     templates.register(&template).await?;
@@ -448,14 +469,18 @@ fn builtin_template(
 /// Registers the built-in `code-interpreter-v1` template and builds it in the background
 /// unless its last good build followed the same recipe with the same files.
 async fn ensure_interpreter_template(
-    templates: &Templates,
-    builds: &Builds,
-    store: &dyn sandbar_core::Store,
+    b: &Builtins<'_>,
     data_dir: &Path,
     interpreter_bin: &Path,
-    layers: &sandbar_node::layers::LayerStore,
-    disk_size_mb: u32,
 ) -> anyhow::Result<()> {
+    let Builtins {
+        templates,
+        builds,
+        store,
+        layers,
+        disk_size_mb,
+        in_cluster,
+    } = *b;
     use sandbar_node::interpreter;
     let uploads = data_dir.join("uploads");
     let bin = interpreter_bin.to_owned();
@@ -473,8 +498,13 @@ async fn ensure_interpreter_template(
         sandbar_jail::ENVD_VERSION,
     );
     let last = store.build(&template.build_id).await?;
-    let current = image_on_disk(&template, layers)
-        && last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
+    let built =
+        last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
+    if in_cluster && built && !image_on_disk(&template, layers) {
+        tracing::warn!(template_id = %template.id, "code interpreter template is not on this node's disk; sandboxes of it are placed on other nodes");
+        return Ok(());
+    }
+    let current = built && image_on_disk(&template, layers);
     templates.register(&template).await?;
     if current {
         tracing::info!(template_id = %template.id, "code interpreter template 'code-interpreter-v1' is cached");
@@ -542,8 +572,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
     let postgres_url = args.database.postgres_url()?;
     if postgres_url.is_none() {
+        if args.cluster.role != cluster::Role::All {
+            bail!("a cluster shares its records: --role api and node need --database-url");
+        }
         restrict_database_files(&args.data_dir)?;
     }
+    if args.cluster.role == cluster::Role::Api {
+        return serve_api(args).await;
+    }
+    let node_lease = match args.cluster.role {
+        cluster::Role::Node => Some((
+            sandbar_core::cluster::NodeLease {
+                id: args.cluster.node_id()?,
+                url: args
+                    .cluster
+                    .advertise_url
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}", args.listen)),
+                started_at: Utc::now(),
+            },
+            args.cluster.secret()?,
+        )),
+        _ => None,
+    };
     // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
     // names whatever the data directory, so a second server on the host would sweep the
     // first one's sandboxes as unrecorded; on the same directory it would also mount the
@@ -673,7 +724,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         templates.build_finished(),
     )
     .with_registry_check(Arc::new(RegistryRule(registry_policy)));
-    let interrupted = builds.recover().await?;
+    // In a cluster, builds of other nodes are under way in the same store: only a node
+    // alone may take unfinished builds for its own.
+    let alone = match &node_lease {
+        None => true,
+        Some((lease, _)) => store
+            .nodes()
+            .await?
+            .iter()
+            .all(|n| n.id == lease.id || !n.is_live(Utc::now())),
+    };
+    let interrupted = if alone { builds.recover().await? } else { 0 };
     if interrupted > 0 {
         tracing::warn!(
             count = interrupted,
@@ -688,15 +749,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         std::time::Duration::from_secs(60),
     );
     tokio::spawn(builds.clone().run_upload_sweeper(sweep_every));
-    ensure_base_template(
-        &templates,
-        &builds,
-        store.as_ref(),
-        runtime.layer_store(),
-        sandbar_jail::ENVD_VERSION,
-        args.base_disk_mb,
-    )
-    .await?;
+    let builtins = Builtins {
+        templates: &templates,
+        builds: &builds,
+        store: store.as_ref(),
+        layers: runtime.layer_store(),
+        disk_size_mb: args.base_disk_mb,
+        in_cluster: node_lease.is_some(),
+    };
+    ensure_base_template(&builtins, sandbar_jail::ENVD_VERSION).await?;
 
     let volume_host =
         sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(&data_dir))
@@ -706,38 +767,41 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Arc::new(volume_host),
         volume_token_key(&data_dir)?,
     ));
-    let sandboxes = Arc::new(
-        Sandboxes::new(
-            store.clone(),
-            runtime.clone(),
-            templates.clone(),
-            SandboxesConfig {
-                activity: sandbar_core::ActivityConfig {
-                    log_lines_per_sandbox: args.log_lines_per_sandbox,
-                    retention: std::time::Duration::from_secs(args.log_retention_days * 86_400),
-                },
-                pause_grace: std::time::Duration::from_secs(args.pause_grace_secs),
-                ..SandboxesConfig::default()
+    let mut sandboxes = Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates.clone(),
+        SandboxesConfig {
+            activity: sandbar_core::ActivityConfig {
+                log_lines_per_sandbox: args.log_lines_per_sandbox,
+                retention: std::time::Duration::from_secs(args.log_retention_days * 86_400),
             },
-        )
-        .with_volumes(volumes),
-    );
+            pause_grace: std::time::Duration::from_secs(args.pause_grace_secs),
+            node_id: node_lease
+                .as_ref()
+                .map(|(lease, _)| lease.id.clone())
+                .unwrap_or_default(),
+            ..SandboxesConfig::default()
+        },
+    )
+    .with_volumes(volumes);
+    if node_lease.is_some() {
+        let nodes = Arc::new(sandbar_core::NodeDirectory::new(store.clone()));
+        nodes.refresh().await?;
+        tokio::spawn(
+            nodes
+                .clone()
+                .run_refresher(std::time::Duration::from_secs(1)),
+        );
+        sandboxes = sandboxes.with_cluster(nodes);
+    }
+    let sandboxes = Arc::new(sandboxes);
     let adopted = sandboxes.recover().await?;
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
     }
     // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
-    if let Err(e) = ensure_interpreter_template(
-        &templates,
-        &builds,
-        store.as_ref(),
-        &data_dir,
-        &interpreter_bin,
-        runtime.layer_store(),
-        args.base_disk_mb,
-    )
-    .await
-    {
+    if let Err(e) = ensure_interpreter_template(&builtins, &data_dir, &interpreter_bin).await {
         tracing::warn!(
             error = format!("{e:#}"),
             "the code interpreter template is not offered"
@@ -745,6 +809,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     runtime.start_warm_pool();
     tokio::spawn(sandboxes.clone().run_reaper());
+    if let Some((lease, _)) = &node_lease {
+        // Renewed once before serving, so API hosts can place sandboxes here at once.
+        tokio::spawn(sandbar_node::lease::renew_forever(
+            store.clone(),
+            lease.clone(),
+            runtime.clone(),
+            sandboxes.clone(),
+        ));
+        tracing::info!(node_id = %lease.id, url = %lease.url, "serving as a node of a cluster");
+    }
 
     let app = sandbar_api::router(AppState {
         auth,
@@ -755,6 +829,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         edge: Arc::new(EdgeConfig {
             domain: args.domain,
         }),
+        cluster: node_lease.map(|(_, secret)| sandbar_api::ClusterRole::Node { secret }),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -770,6 +845,57 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     builds.shutdown().await;
     node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
+    Ok(())
+}
+
+/// An API host: no sandboxes, no builds, no host lock (several may share a machine).
+async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
+    let url = args
+        .database
+        .postgres_url()?
+        .context("--role api needs --database-url")?;
+    let store = database::connect_postgres(url).await?;
+    tracing::info!(database = %sandbar_store::redacted_url(url), "records are kept in PostgreSQL");
+    let auth = Auth::new(store.clone());
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: args.max_sandboxes,
+        max_sandbox_timeout_secs: args.max_timeout,
+        requests_per_minute: args.rate_limit,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    };
+    let requested_key = std::env::var("SANDBAR_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let data_dir = args
+        .data_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+    let credentials_path = data_dir.join("credentials.json");
+    if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
+        write_credentials(&credentials_path, &credentials)?;
+        tracing::info!(path = %credentials_path.display(), team_id = %credentials.team_id, "first start: credentials written");
+    }
+    let app = cluster::api_router(cluster::ApiHost {
+        store,
+        auth,
+        secret: args.cluster.secret()?,
+        domain: args.domain,
+        max_upload_bytes: args.max_upload_mb << 20,
+        base_disk_mb: args.base_disk_mb,
+    })
+    .await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?
+        .tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+    tracing::info!(address = %args.listen, "sandbar is serving as an API host of a cluster");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await?;
     Ok(())
 }
 

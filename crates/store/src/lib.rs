@@ -84,6 +84,7 @@ macro_rules! template_query {
 }
 
 mod builds;
+mod nodes;
 mod postgres;
 mod sandbox_logs;
 mod sandboxes;

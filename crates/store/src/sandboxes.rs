@@ -14,8 +14,8 @@ use crate::{SqliteStore, err, insert_err, micros, time};
 impl SandboxRecords for SqliteStore {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -45,6 +45,7 @@ impl SandboxRecords for SqliteStore {
                 .transpose()
                 .map_err(err)?,
         )
+        .bind(&s.node_id)
         .execute(&self.pool)
         .await
         .map_err(insert_err("sandbox", &s.id))?;
@@ -212,6 +213,7 @@ fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
         envd_version: row.try_get("envd_version").map_err(err)?,
         status,
         handle: RuntimeHandle(serde_json::Value::from_str(&handle).map_err(err)?),
+        node_id: row.try_get("node_id").map_err(err)?,
         id,
     })
 }

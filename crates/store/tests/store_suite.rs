@@ -12,9 +12,9 @@ use chrono::{DateTime, TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
 use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
-    BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LogLevel, NetworkConfig, RuntimeHandle,
-    Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState, SandboxStatus, Store, StoreError,
-    Team, TeamMetricBucket, Template, Volume, VolumeMount,
+    BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LogLevel, NetworkConfig, NodeRecord,
+    NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
+    SandboxStatus, Store, StoreError, Team, TeamMetricBucket, Template, Volume, VolumeMount,
 };
 use sandbar_store::{PgStore, SqliteStore};
 use sqlx::Connection;
@@ -57,6 +57,7 @@ suite!(
     volumes_and_mounts,
     teams_members_and_limits,
     two_hosts_on_one_database_settle_their_races,
+    nodes_renew_their_leases_and_sandboxes_name_their_node,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -282,6 +283,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         auto_resume: false,
         auto_pause_memory: false,
         image: Some(image.clone()),
+        node_id: "n1".into(),
     };
     store.insert_sandbox(&sandbox).await.expect("insert");
     store
@@ -474,6 +476,7 @@ fn sandbox(id: &str, team_id: &str, started_at: DateTime<Utc>) -> Sandbox {
         auto_resume: false,
         auto_pause_memory: true,
         image: None,
+        node_id: String::new(),
     }
 }
 
@@ -1137,6 +1140,58 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
 }
 
 /// Awaits every task, in order.
+async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
+    let store = &f.store;
+    let now = micros(Utc::now());
+    let first = NodeRecord {
+        id: "n2".into(),
+        url: "http://10.0.0.12:3000".into(),
+        started_at: now,
+        lease_until: now + TimeDelta::seconds(10),
+        report: NodeReport {
+            memory_available_bytes: 1 << 30,
+            templates: vec!["base-id".into()],
+            ..NodeReport::default()
+        },
+    };
+    store.renew_node(&first).await.expect("record");
+    let other = NodeRecord {
+        id: "n1".into(),
+        ..first.clone()
+    };
+    store.renew_node(&other).await.expect("record another");
+    let renewed = NodeRecord {
+        lease_until: now + TimeDelta::seconds(20),
+        report: NodeReport {
+            sandboxes: 3,
+            ..first.report.clone()
+        },
+        ..first.clone()
+    };
+    store.renew_node(&renewed).await.expect("renew");
+    let nodes = store.nodes().await.expect("nodes");
+    assert_eq!(nodes, vec![other, renewed], "one row per node, by id");
+
+    let t = team(store, "nodes").await;
+    let mut s = sandbox("sbx-on-n2", &t.id, now);
+    s.node_id = "n2".into();
+    store.insert_sandbox(&s).await.expect("insert");
+    assert_eq!(
+        store.sandbox_node("sbx-on-n2").await.expect("node"),
+        Some("n2".into())
+    );
+    assert_eq!(store.sandbox_node("missing").await.expect("node"), None);
+    assert_eq!(
+        store
+            .sandbox("sbx-on-n2")
+            .await
+            .expect("read")
+            .expect("there")
+            .node_id,
+        "n2"
+    );
+}
+
 async fn futures_join<T>(tasks: impl IntoIterator<Item = tokio::task::JoinHandle<T>>) -> Vec<T> {
     let mut out = Vec::new();
     for task in tasks {

@@ -3,6 +3,7 @@
 //! without depending on one another.
 
 pub mod builds;
+pub mod nodes;
 pub mod sandbox_logs;
 pub mod sandboxes;
 pub mod team_metrics;
@@ -11,6 +12,7 @@ pub mod templates;
 pub mod volumes;
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
+pub use nodes::{NodeRecord, NodeReport};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;

@@ -80,6 +80,9 @@ pub struct Sandbox {
     /// What the sandbox booted from, to boot it again on its kept files; `None` for
     /// sandboxes recorded before this was kept.
     pub image: Option<TemplateImage>,
+    /// The node that runs it, or held it last; empty for sandboxes recorded before nodes had
+    /// names, which the next server to start on their data adopts.
+    pub node_id: String,
 }
 
 impl Sandbox {

@@ -13,7 +13,10 @@ impl Sandboxes {
     /// rest. Expired ones are left for the reaper so their end is logged like any other.
     pub async fn recover(&self) -> Result<usize, StoreError> {
         let mut adopted = 0;
-        let recorded = self.store.all_sandboxes().await?;
+        // Other nodes of a cluster record theirs in the same store; rows without a node are
+        // from before nodes had names and belong to whoever runs on their data.
+        let mut recorded = self.store.all_sandboxes().await?;
+        recorded.retain(|s| s.node_id == self.config.node_id || s.node_id.is_empty());
         let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
         match self.runtime.sweep(&ids).await {
             Ok(0) => {}

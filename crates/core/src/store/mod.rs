@@ -3,6 +3,7 @@
 //! trait; a service that needs only part of the store can name only that part.
 
 mod builds;
+mod nodes;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
@@ -11,6 +12,7 @@ mod templates;
 mod volumes;
 
 pub use builds::BuildRecords;
+pub use nodes::NodeRecords;
 pub use sandbox_logs::SandboxLogRecords;
 pub use sandboxes::SandboxRecords;
 pub use team_metrics::TeamMetricRecords;
@@ -40,6 +42,7 @@ pub trait Store:
     + VolumeRecords
     + SandboxLogRecords
     + TeamMetricRecords
+    + NodeRecords
     + 'static
 {
 }
@@ -52,6 +55,7 @@ impl<T> Store for T where
         + VolumeRecords
         + SandboxLogRecords
         + TeamMetricRecords
+        + NodeRecords
         + 'static
 {
 }

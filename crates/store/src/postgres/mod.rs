@@ -15,6 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::err;
 
 mod builds;
+mod nodes;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;

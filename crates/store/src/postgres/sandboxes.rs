@@ -33,6 +33,7 @@ struct SandboxRow {
     auto_resume: bool,
     auto_pause_memory: bool,
     image: Option<String>,
+    node_id: String,
 }
 
 impl TryFrom<SandboxRow> for Sandbox {
@@ -64,6 +65,7 @@ impl TryFrom<SandboxRow> for Sandbox {
             envd_version: r.envd_version,
             status,
             handle: RuntimeHandle(serde_json::Value::from_str(&r.handle).map_err(err)?),
+            node_id: r.node_id,
             id,
         })
     }
@@ -81,8 +83,8 @@ struct MountRow {
 impl SandboxRecords for PgStore {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22)",
+            "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)",
         )
         .bind(&s.id)
         .bind(&s.team_id)
@@ -106,6 +108,7 @@ impl SandboxRecords for PgStore {
         .bind(s.auto_resume)
         .bind(s.auto_pause_memory)
         .bind(s.image.as_ref().map(to_json).transpose()?)
+        .bind(&s.node_id)
         .execute(&self.pool)
         .await
         .map_err(insert_err("sandbox", &s.id))?;

@@ -1,0 +1,439 @@
+//! The two ends of the node API. On a node, every request must carry the cluster's shared
+//! secret ([`require_node_secret`]). On an API host, requests that concern a sandbox, a new
+//! sandbox, a build or a volume are forwarded to the node that holds it or should
+//! ([`forward_to_nodes`]), with the secret added; the rest (keys, teams, listings, logs,
+//! metrics of the team) are answered from the shared store like on a single host.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use chrono::Utc;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use sandbar_core::cluster::placement_order;
+use sandbar_core::{NodeDirectory, NodeRecord, Store};
+
+use crate::AppState;
+use crate::error::ApiError;
+
+/// The header that carries the cluster's shared secret from API hosts to nodes.
+pub const NODE_SECRET_HEADER: &str = "x-sandbar-node-secret";
+
+/// The largest create body an API host reads to place it (E2B's bodies are a few KiB).
+const CREATE_BODY_LIMIT: usize = 2 << 20;
+/// How long an API host trusts what it read of a sandbox's node: ownership changes only when
+/// a sandbox moves, and a stale answer costs one failed hop.
+const OWNER_TTL: Duration = Duration::from_secs(2);
+
+/// A node's guard: answers 401 to any request without the secret, and removes the secret
+/// from the ones it lets through, so it never travels further (into a sandbox's port).
+pub(crate) async fn require_node_secret(
+    State(secret): State<Arc<str>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let presented = request
+        .headers()
+        .get(NODE_SECRET_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| sandbar_envd::secrets_equal(v, &secret));
+    if !presented {
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "this is a node of a sandbar cluster: it answers its API hosts only",
+        )
+        .into_response();
+    }
+    request.headers_mut().remove(NODE_SECRET_HEADER);
+    next.run(request).await
+}
+
+/// What an API host does with a request.
+#[derive(Debug, PartialEq, Eq)]
+enum Destination {
+    /// Answer it here, from the store.
+    Here,
+    /// Forward it to the node that holds the sandbox.
+    Sandbox(String),
+    /// Place a new sandbox on a node.
+    NewSandbox,
+    /// Forward it to the node that keeps builds, uploads and volumes.
+    Keeper,
+}
+
+fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Destination {
+    if let Some(id) = edge_sandbox {
+        return Destination::Sandbox(id);
+    }
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let rest = match segments.as_slice() {
+        ["v2", "sandboxes", rest @ ..] | ["sandboxes", rest @ ..] => Some(rest),
+        _ => None,
+    };
+    if let Some(rest) = rest {
+        return match rest {
+            [] if method == Method::POST => Destination::NewSandbox,
+            [] | ["metrics"] => Destination::Here,
+            [id, ..] => Destination::Sandbox((*id).to_owned()),
+        };
+    }
+    match segments.as_slice() {
+        ["volumes", ..] | ["volumecontent", ..] | ["upload", ..] => Destination::Keeper,
+        // Upload links and build starts keep files on the node that builds.
+        ["templates", _, "files", _] => Destination::Keeper,
+        ["templates" | "v2" | "v3", ..] if method != Method::GET => Destination::Keeper,
+        _ => Destination::Here,
+    }
+}
+
+/// How an API host reaches the cluster's nodes.
+pub struct ClusterRouting {
+    nodes: Arc<NodeDirectory>,
+    store: Arc<dyn Store>,
+    secret: Arc<str>,
+    client: Client<HttpConnector, Body>,
+    owners: Mutex<HashMap<String, (String, Instant)>>,
+    /// Creates sent to each node, and when the first of them went: counted against its
+    /// headroom until its next report can show them.
+    pending: Mutex<HashMap<String, (u64, Instant)>>,
+}
+
+impl std::fmt::Debug for ClusterRouting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterRouting")
+            .field("nodes", &self.nodes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterRouting {
+    pub fn new(nodes: Arc<NodeDirectory>, store: Arc<dyn Store>, secret: Arc<str>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(Duration::from_secs(2)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector);
+        Self {
+            nodes,
+            store,
+            secret,
+            client,
+            owners: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The node a sandbox is recorded on; `None` if no such sandbox is recorded.
+    async fn owner(&self, sandbox_id: &str) -> Result<Option<String>, ApiError> {
+        if let Some((node, at)) = self.lock_owners().get(sandbox_id)
+            && at.elapsed() < OWNER_TTL
+        {
+            return Ok(Some(node.clone()));
+        }
+        let node = self
+            .store
+            .sandbox_node(sandbox_id)
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        let mut owners = self.lock_owners();
+        owners.retain(|_, (_, at)| at.elapsed() < OWNER_TTL);
+        if let Some(node) = &node {
+            owners.insert(sandbox_id.to_owned(), (node.clone(), Instant::now()));
+        }
+        Ok(node)
+    }
+
+    fn lock_owners(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
+        self.owners.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Creates sent to `node` recently enough that its report may not show them yet.
+    fn pending_on(&self, node: &str) -> u64 {
+        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match pending.get(node) {
+            Some((count, first)) if first.elapsed() < sandbar_core::cluster::LEASE_RENEWAL * 2 => {
+                *count
+            }
+            _ => 0,
+        }
+    }
+
+    fn count_pending(&self, node: &str) {
+        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = pending
+            .entry(node.to_owned())
+            .or_insert((0, Instant::now()));
+        if entry.1.elapsed() >= sandbar_core::cluster::LEASE_RENEWAL * 2 {
+            *entry = (0, Instant::now());
+        }
+        entry.0 += 1;
+    }
+
+    /// The node that keeps builds, uploads and volumes: the live node first by id, so every
+    /// API host picks the same one.
+    fn keeper(&self) -> Option<NodeRecord> {
+        self.nodes.live().into_iter().min_by(|a, b| a.id.cmp(&b.id))
+    }
+
+    /// Sends `request` to `node` with the secret added; the Host header stays the client's,
+    /// which host-based routing on the node reads.
+    async fn send(&self, node: &NodeRecord, request: Request) -> Result<Response, ApiError> {
+        let (mut parts, body) = request.into_parts();
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let uri: Uri = format!("{}{path}", node.url.trim_end_matches('/'))
+            .parse()
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("node '{}' has an unusable address '{}'", node.id, node.url),
+                )
+            })?;
+        if !parts.headers.contains_key(header::HOST)
+            && let Some(authority) = parts.uri.authority()
+            && let Ok(host) = HeaderValue::from_str(authority.as_str())
+        {
+            parts.headers.insert(header::HOST, host);
+        }
+        parts.uri = uri;
+        parts.headers.insert(
+            NODE_SECRET_HEADER,
+            HeaderValue::from_str(&self.secret).map_err(|_| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the cluster secret is not a header value",
+                )
+            })?,
+        );
+        for name in [
+            header::CONNECTION,
+            header::TE,
+            header::TRAILER,
+            header::UPGRADE,
+        ] {
+            parts.headers.remove(name);
+        }
+        let response = self
+            .client
+            .request(Request::from_parts(parts, body))
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("cannot reach node '{}' at {}: {e}", node.id, node.url),
+                )
+            })?;
+        let (mut parts, body) = response.into_parts();
+        parts.headers.remove(header::CONNECTION);
+        parts.headers.remove(header::TRANSFER_ENCODING);
+        Ok(Response::from_parts(parts, Body::new(body)))
+    }
+}
+
+/// An API host's router in front of the edge and the REST API (see the module's comment).
+pub(crate) async fn forward_to_nodes(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let Some(crate::ClusterRole::Api(cluster)) = state.cluster.clone() else {
+        return next.run(request).await;
+    };
+    let edge_sandbox = crate::edge::sandbox_named_by(&state, &request);
+    match destination(request.method(), request.uri().path(), edge_sandbox) {
+        Destination::Here => next.run(request).await,
+        Destination::Sandbox(id) => to_sandbox(&cluster, &id, request, next)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Destination::NewSandbox => place(&state, &cluster, request)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Destination::Keeper => match cluster.keeper() {
+            Some(node) => cluster
+                .send(&node, request)
+                .await
+                .unwrap_or_else(IntoResponse::into_response),
+            None => no_nodes().into_response(),
+        },
+    }
+}
+
+fn no_nodes() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "no node of the cluster is alive to take this request",
+    )
+}
+
+async fn to_sandbox(
+    cluster: &ClusterRouting,
+    sandbox_id: &str,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let Some(node_id) = cluster.owner(sandbox_id).await? else {
+        // Unknown here too: the local handlers give the answer a single host gives.
+        return Ok(next.run(request).await);
+    };
+    let node = cluster
+        .nodes
+        .node(&node_id)
+        .filter(|n| n.is_live(Utc::now()));
+    match node {
+        Some(node) => cluster.send(&node, request).await,
+        // A lost node's sandbox still has its logs in the store.
+        None if request.method() == Method::GET && request.uri().path().ends_with("/logs") => {
+            Ok(next.run(request).await)
+        }
+        None => {
+            let since = cluster
+                .nodes
+                .node(&node_id)
+                .map(|n| format!(" since {}", n.lease_until.to_rfc3339()))
+                .unwrap_or_default();
+            Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "The sandbox was not found: sandbox '{sandbox_id}' is on node '{node_id}', which has not answered{since}"
+                ),
+            ))
+        }
+    }
+}
+
+/// Tries the live nodes in placement order until one takes the sandbox; a node that has no
+/// room (503) or cannot be reached passes it on to the next.
+async fn place(
+    state: &AppState,
+    cluster: &ClusterRouting,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    // Checked here too, so nothing unauthenticated costs a node anything.
+    let team = crate::extract::team_of(state, &parts.headers).await?;
+    let body = axum::body::to_bytes(body, CREATE_BODY_LIMIT)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is larger than the limit of {CREATE_BODY_LIMIT} bytes"),
+            )
+        })?;
+    let template = template_named(state, &team, &body).await;
+    let now = Utc::now();
+    let live = cluster.nodes.live();
+    let order = placement_order(&live, &template, |node| cluster.pending_on(node), now);
+    let mut last = None;
+    for node in order {
+        let mut attempt = Request::new(Body::from(body.clone()));
+        *attempt.method_mut() = parts.method.clone();
+        *attempt.uri_mut() = parts.uri.clone();
+        *attempt.version_mut() = parts.version;
+        *attempt.headers_mut() = parts.headers.clone();
+        cluster.count_pending(&node.id);
+        match cluster.send(&node, attempt).await {
+            Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
+                last = Some(Ok(response));
+            }
+            Ok(response) => return Ok(response),
+            Err(e) => {
+                tracing::warn!(node_id = %node.id, error = %e.message, "a node did not take a create");
+                last = Some(Err(e));
+            }
+        }
+    }
+    last.unwrap_or_else(|| Err(no_nodes()))
+}
+
+/// The id of the template a create names, resolved as the node will for the team; otherwise
+/// the name itself (placement then weighs headroom alone, and the node gives the error).
+async fn template_named(state: &AppState, team: &sandbar_core::Team, body: &Bytes) -> String {
+    #[derive(serde::Deserialize)]
+    struct Create {
+        #[serde(rename = "templateID")]
+        template_id: Option<String>,
+    }
+    let name = serde_json::from_slice::<Create>(body)
+        .ok()
+        .and_then(|c| c.template_id)
+        .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned());
+    match state.templates.resolve(team, &name).await {
+        Ok(template) => template.id,
+        Err(_) => name,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dest(method: Method, path: &str) -> Destination {
+        destination(&method, path, None)
+    }
+
+    #[test]
+    fn sandbox_paths_go_to_the_sandbox_s_node() {
+        for path in [
+            "/sandboxes/abc",
+            "/sandboxes/abc/pause",
+            "/sandboxes/abc/connect",
+            "/v2/sandboxes/abc/logs",
+            "/sandboxes/abc/snapshots",
+        ] {
+            assert_eq!(
+                dest(Method::POST, path),
+                Destination::Sandbox("abc".into()),
+                "{path}"
+            );
+        }
+        assert_eq!(
+            destination(&Method::GET, "/files", Some("xyz".into())),
+            Destination::Sandbox("xyz".into())
+        );
+    }
+
+    #[test]
+    fn creates_are_placed_and_listings_answered_here() {
+        assert_eq!(dest(Method::POST, "/sandboxes"), Destination::NewSandbox);
+        assert_eq!(dest(Method::POST, "/v2/sandboxes"), Destination::NewSandbox);
+        assert_eq!(dest(Method::GET, "/v2/sandboxes"), Destination::Here);
+        assert_eq!(dest(Method::GET, "/sandboxes/metrics"), Destination::Here);
+        assert_eq!(dest(Method::GET, "/templates"), Destination::Here);
+        assert_eq!(dest(Method::GET, "/api-keys"), Destination::Here);
+        assert_eq!(dest(Method::GET, "/health"), Destination::Here);
+    }
+
+    #[test]
+    fn builds_uploads_and_volumes_go_to_the_keeper() {
+        assert_eq!(dest(Method::POST, "/v3/templates"), Destination::Keeper);
+        assert_eq!(
+            dest(Method::POST, "/v2/templates/t/builds/b"),
+            Destination::Keeper
+        );
+        assert_eq!(
+            dest(Method::GET, "/templates/t/files/h"),
+            Destination::Keeper
+        );
+        assert_eq!(
+            dest(Method::PUT, "/upload/templates/t/files/h"),
+            Destination::Keeper
+        );
+        assert_eq!(dest(Method::DELETE, "/templates/t"), Destination::Keeper);
+        assert_eq!(dest(Method::GET, "/volumes"), Destination::Keeper);
+        assert_eq!(
+            dest(Method::GET, "/volumecontent/v/file"),
+            Destination::Keeper
+        );
+        assert_eq!(
+            dest(Method::GET, "/templates/t/builds/b/status"),
+            Destination::Here
+        );
+    }
+}

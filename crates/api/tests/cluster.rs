@@ -1,0 +1,341 @@
+//! An API host in front of two nodes, in-process: one SQLite store shared by all three (as a
+//! cluster shares PostgreSQL), nodes served on loopback with runtime doubles, and the API
+//! host's router called directly. Placement, forwarding, the node's secret, lost nodes and
+//! the team's limit across nodes.
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use chrono::{TimeDelta, Utc};
+use http_body_util::BodyExt;
+use sandbar_api::cluster::{ClusterRouting, NODE_SECRET_HEADER};
+use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
+use sandbar_core::auth::TeamLimits;
+use sandbar_core::cluster::NoLocalNode;
+use sandbar_core::{
+    Auth, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig, Store,
+    Templates,
+};
+use sandbar_store::SqliteStore;
+use serde_json::Value;
+use tower::ServiceExt;
+
+use common::FakeRuntime;
+
+const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+const SECRET: &str = "0123456789abcdef0123456789abcdef-cluster";
+
+struct Node {
+    id: String,
+    url: String,
+    runtime: Arc<FakeRuntime>,
+}
+
+struct Cluster {
+    _dir: tempfile::TempDir,
+    store: Arc<dyn Store>,
+    directory: Arc<NodeDirectory>,
+    api: axum::Router,
+    nodes: Vec<Node>,
+}
+
+fn limits(max: u32) -> TeamLimits {
+    TeamLimits {
+        max_concurrent_sandboxes: max,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    }
+}
+
+fn state(
+    store: &Arc<dyn Store>,
+    runtime: Arc<dyn sandbar_core::Runtime>,
+    node_id: &str,
+    directory: Arc<NodeDirectory>,
+    cluster: ClusterRole,
+) -> AppState {
+    let templates = Templates::new(store.clone());
+    let sandboxes = Sandboxes::new(
+        store.clone(),
+        runtime,
+        templates.clone(),
+        SandboxesConfig {
+            node_id: node_id.into(),
+            ..SandboxesConfig::default()
+        },
+    )
+    .with_cluster(directory);
+    AppState {
+        auth: Auth::new(store.clone()),
+        sandboxes: Arc::new(sandboxes),
+        builds: common::builds(store.clone(), &templates),
+        templates,
+        rate_limits: Arc::new(RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: "sandbar.localhost".into(),
+        }),
+        cluster: Some(cluster),
+    }
+}
+
+async fn cluster(team_limit: u32) -> Cluster {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store: Arc<dyn Store> = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    Auth::new(store.clone())
+        .bootstrap(Some(KEY), limits(team_limit))
+        .await
+        .expect("bootstrap");
+    let base = common::base_template(Utc::now());
+    Templates::new(store.clone())
+        .register(&base)
+        .await
+        .expect("template");
+    let directory = Arc::new(NodeDirectory::new(store.clone()));
+    let secret: Arc<str> = Arc::from(SECRET);
+    let mut nodes = Vec::new();
+    for id in ["n1", "n2"] {
+        let runtime = Arc::new(FakeRuntime::default());
+        let app = router(state(
+            &store,
+            runtime.clone(),
+            id,
+            directory.clone(),
+            ClusterRole::Node {
+                secret: secret.clone(),
+            },
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let url = format!("http://{}", listener.local_addr().expect("address"));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        nodes.push(Node {
+            id: id.into(),
+            url,
+            runtime,
+        });
+    }
+    let api = router(state(
+        &store,
+        Arc::new(NoLocalNode),
+        "",
+        directory.clone(),
+        ClusterRole::Api(Arc::new(ClusterRouting::new(
+            directory.clone(),
+            store.clone(),
+            secret,
+        ))),
+    ));
+    let cluster = Cluster {
+        _dir: dir,
+        store,
+        directory,
+        api,
+        nodes,
+    };
+    // n2 has the more room: creates go there first.
+    cluster.renew("n1", 2, 60, &[&base.id]).await;
+    cluster.renew("n2", 4, 60, &[&base.id]).await;
+    cluster
+}
+
+impl Cluster {
+    /// Renews `node`'s lease for `lease_secs` (negative: lapsed) with `free_gib` available.
+    async fn renew(&self, node: &str, free_gib: u64, lease_secs: i64, templates: &[&str]) {
+        let now = Utc::now();
+        let url = &self.nodes.iter().find(|n| n.id == node).expect("node").url;
+        self.store
+            .renew_node(&NodeRecord {
+                id: node.into(),
+                url: url.clone(),
+                started_at: now,
+                lease_until: now + TimeDelta::seconds(lease_secs),
+                report: NodeReport {
+                    memory_available_bytes: free_gib << 30,
+                    templates: templates.iter().map(|t| (*t).to_owned()).collect(),
+                    ..NodeReport::default()
+                },
+            })
+            .await
+            .expect("renew");
+        self.directory.refresh().await.expect("refresh");
+    }
+
+    fn node(&self, id: &str) -> &Node {
+        self.nodes.iter().find(|n| n.id == id).expect("node")
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<&str>) -> (StatusCode, Value) {
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("X-API-Key", KEY)
+            .header("content-type", "application/json")
+            .body(Body::from(body.unwrap_or("").to_owned()))
+            .expect("request");
+        let response = self.api.clone().oneshot(request).await.expect("call");
+        let status = response.status();
+        let bytes = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        (status, body)
+    }
+
+    async fn create(&self) -> (StatusCode, Value) {
+        self.call(
+            "POST",
+            "/sandboxes",
+            Some(r#"{"templateID":"base","timeout":300}"#),
+        )
+        .await
+    }
+}
+
+#[tokio::test]
+async fn creates_land_on_the_roomiest_node_and_every_call_follows_the_sandbox() {
+    let c = cluster(10).await;
+    let (status, created) = c.create().await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["clientID"], "n2", "{created}");
+    assert_eq!(c.node("n2").runtime.launches(), 1);
+    assert_eq!(c.node("n1").runtime.launches(), 0);
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+
+    let (status, detail) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{detail}");
+    assert_eq!(detail["clientID"], "n2");
+    let (status, listed) = c.call("GET", "/v2/sandboxes", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+
+    let (status, _) = c
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            Some(r#"{"timeout":600}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = c.call("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    assert_eq!(c.node("n2").runtime.destroyed(), vec![id.clone()]);
+    let (status, _) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_node_answers_only_requests_with_the_cluster_secret() {
+    let c = cluster(10).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    let url = &c.node("n1").url;
+    for secret in [None, Some("wrong"), Some(&SECRET[..SECRET.len() - 1])] {
+        let mut request = Request::get(format!("{url}/v2/sandboxes")).header("X-API-Key", KEY);
+        if let Some(secret) = secret {
+            request = request.header(NODE_SECRET_HEADER, secret);
+        }
+        let response = client
+            .request(request.body(Body::empty()).expect("request"))
+            .await
+            .expect("call");
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED, "{secret:?}");
+    }
+    let request = Request::get(format!("{url}/v2/sandboxes"))
+        .header("X-API-Key", KEY)
+        .header(NODE_SECRET_HEADER, SECRET)
+        .body(Body::empty())
+        .expect("request");
+    let response = client.request(request).await.expect("call");
+    assert_eq!(response.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_lost_node_s_sandboxes_are_reported_and_creates_go_elsewhere() {
+    let c = cluster(10).await;
+    let (_, created) = c.create().await;
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    assert_eq!(created["clientID"], "n2");
+
+    let base = common::base_template(Utc::now()).id;
+    c.renew("n2", 4, -1, &[&base]).await;
+    let (status, listed) = c.call("GET", "/v2/sandboxes", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        listed,
+        Value::Array(Vec::new()),
+        "a lost node's sandbox is not listed"
+    );
+    let (status, body) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let message = body["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("The sandbox was not found") && message.contains("node 'n2'"),
+        "{message}"
+    );
+    let (status, again) = c.create().await;
+    assert_eq!(status, StatusCode::CREATED, "{again}");
+    assert_eq!(again["clientID"], "n1");
+
+    // Back within its lease: its sandbox is listed and reachable again.
+    c.renew("n2", 4, 60, &[&base]).await;
+    let (status, _) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_node_without_room_passes_the_create_to_the_next() {
+    let c = cluster(10).await;
+    c.node("n2")
+        .runtime
+        .no_capacity
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (status, created) = c.create().await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["clientID"], "n1");
+    c.node("n1")
+        .runtime
+        .no_capacity
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let (status, refused) = c.create().await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{refused}");
+}
+
+#[tokio::test]
+async fn only_nodes_holding_the_template_get_its_sandboxes() {
+    let c = cluster(10).await;
+    // n2 has more room but not the template's layers.
+    c.renew("n2", 8, 60, &[]).await;
+    for _ in 0..3 {
+        let (status, created) = c.create().await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        assert_eq!(created["clientID"], "n1");
+    }
+}
+
+#[tokio::test]
+async fn the_team_limit_counts_sandboxes_on_every_node() {
+    let c = cluster(2).await;
+    let base = common::base_template(Utc::now()).id;
+    let (_, first) = c.create().await;
+    assert_eq!(first["clientID"], "n2");
+    // The next create goes to n1, which sees n2's sandbox in the store.
+    c.renew("n2", 1, 60, &[&base]).await;
+    let (_, second) = c.create().await;
+    assert_eq!(second["clientID"], "n1");
+    let (status, body) = c.create().await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+}

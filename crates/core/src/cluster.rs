@@ -1,0 +1,303 @@
+//! Several hosts on one store: nodes that run sandboxes announce themselves with a lease, and
+//! every host keeps a [`NodeDirectory`] of them, refreshed from the store, to tell live nodes
+//! from lost ones and to choose where a new sandbox goes.
+
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+
+use crate::model::{NodeRecord, NodeReport};
+use crate::store::{Store, StoreError};
+
+/// How often a node renews its lease, and how long a lease lasts: a node is reported lost
+/// once it missed about five renewals in a row.
+pub const LEASE_RENEWAL: Duration = Duration::from_secs(2);
+pub const LEASE_LENGTH: Duration = Duration::from_secs(10);
+
+/// The nodes of the cluster as the store last listed them.
+pub struct NodeDirectory {
+    store: Arc<dyn Store>,
+    nodes: RwLock<Vec<NodeRecord>>,
+}
+
+impl std::fmt::Debug for NodeDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeDirectory")
+            .field("nodes", &self.read().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NodeDirectory {
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        Self {
+            store,
+            nodes: RwLock::new(Vec::new()),
+        }
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<NodeRecord>> {
+        self.nodes.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the nodes from the store again.
+    pub async fn refresh(&self) -> Result<(), StoreError> {
+        let nodes = self.store.nodes().await?;
+        *self.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes;
+        Ok(())
+    }
+
+    /// Refreshes the directory every `every`, for as long as the process runs.
+    pub async fn run_refresher(self: Arc<Self>, every: Duration) {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            if let Err(e) = self.refresh().await {
+                tracing::warn!(error = %e, "cannot read the cluster's nodes");
+            }
+        }
+    }
+
+    pub fn node(&self, id: &str) -> Option<NodeRecord> {
+        self.read().iter().find(|n| n.id == id).cloned()
+    }
+
+    /// Whether the node holds a lease now. A sandbox recorded without a node (on a single
+    /// host) counts as on a live one.
+    pub fn is_live(&self, id: &str) -> bool {
+        id.is_empty()
+            || self
+                .read()
+                .iter()
+                .any(|n| n.id == id && n.is_live(Utc::now()))
+    }
+
+    pub fn live(&self) -> Vec<NodeRecord> {
+        let now = Utc::now();
+        self.read()
+            .iter()
+            .filter(|n| n.is_live(now))
+            .cloned()
+            .collect()
+    }
+}
+
+/// The live nodes in the order a create should try them. Where some hold the template's
+/// layers, only those (the others would have to fetch layers no registry publishes yet);
+/// the most headroom first; `pending` counts the creates this host sent each node since its
+/// last report, which the report does not show yet.
+pub fn placement_order(
+    nodes: &[NodeRecord],
+    template: &str,
+    pending: impl Fn(&str) -> u64,
+    now: DateTime<Utc>,
+) -> Vec<NodeRecord> {
+    // What a start costs a node before its sandbox settles (its agent and first process).
+    const START_COST: u64 = 64 << 20;
+    let mut ranked: Vec<(bool, u64, &NodeRecord)> = nodes
+        .iter()
+        .filter(|n| n.is_live(now))
+        .map(|n| {
+            let holds = n.report.templates.iter().any(|t| t == template);
+            let headroom = n
+                .report
+                .headroom_bytes()
+                .saturating_sub(pending(&n.id).saturating_mul(START_COST));
+            (holds, headroom, n)
+        })
+        .collect();
+    if ranked.iter().any(|(holds, _, _)| *holds) {
+        ranked.retain(|(holds, _, _)| *holds);
+    }
+    ranked.sort_by(|a, b| {
+        b.0.cmp(&a.0)
+            .then(b.1.cmp(&a.1))
+            .then_with(|| a.2.id.cmp(&b.2.id))
+    });
+    ranked.into_iter().map(|(_, _, n)| n.clone()).collect()
+}
+
+/// A node's own lease, renewed from its measurements.
+#[derive(Debug, Clone)]
+pub struct NodeLease {
+    pub id: String,
+    pub url: String,
+    pub started_at: DateTime<Utc>,
+}
+
+impl NodeLease {
+    /// The record that renews the lease for [`LEASE_LENGTH`] from `now`.
+    pub fn record(&self, report: NodeReport, now: DateTime<Utc>) -> NodeRecord {
+        NodeRecord {
+            id: self.id.clone(),
+            url: self.url.clone(),
+            started_at: self.started_at,
+            lease_until: now + TimeDelta::from_std(LEASE_LENGTH).unwrap_or(TimeDelta::seconds(10)),
+            report,
+        }
+    }
+}
+
+/// Node ids name hosts in URLs, logs and the store: short, and only characters that need no
+/// quoting anywhere.
+pub fn valid_node_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 63
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, available_gib: u64, templates: &[&str], lease_secs: i64) -> NodeRecord {
+        let now = Utc::now();
+        NodeRecord {
+            id: id.into(),
+            url: format!("http://{id}:3000"),
+            started_at: now,
+            lease_until: now + TimeDelta::seconds(lease_secs),
+            report: NodeReport {
+                memory_available_bytes: available_gib << 30,
+                templates: templates.iter().map(|t| (*t).to_owned()).collect(),
+                ..NodeReport::default()
+            },
+        }
+    }
+
+    fn ids(nodes: Vec<NodeRecord>) -> Vec<String> {
+        nodes.into_iter().map(|n| n.id).collect()
+    }
+
+    #[test]
+    fn only_nodes_holding_the_template_are_tried_the_roomiest_first() {
+        let nodes = [
+            node("a", 4, &[], 10),
+            node("b", 2, &["tpl"], 10),
+            node("c", 8, &[], 10),
+            node("d", 3, &["tpl"], 10),
+        ];
+        let order = placement_order(&nodes, "tpl", |_| 0, Utc::now());
+        assert_eq!(ids(order), ["d", "b"]);
+        let unknown = placement_order(&nodes, "other", |_| 0, Utc::now());
+        assert_eq!(ids(unknown), ["c", "a", "d", "b"]);
+    }
+
+    #[test]
+    fn lost_nodes_are_never_chosen() {
+        let nodes = [node("a", 4, &[], -1), node("b", 1, &[], 10)];
+        assert_eq!(ids(placement_order(&nodes, "x", |_| 0, Utc::now())), ["b"]);
+    }
+
+    #[test]
+    fn creates_in_flight_count_against_a_node_until_it_reports_them() {
+        let nodes = [node("a", 4, &[], 10), node("b", 3, &[], 10)];
+        let busy_a = |id: &str| if id == "a" { 32 } else { 0 };
+        assert_eq!(
+            ids(placement_order(&nodes, "x", busy_a, Utc::now())),
+            ["b", "a"]
+        );
+    }
+
+    #[test]
+    fn equal_nodes_are_tried_in_id_order() {
+        let nodes = [node("b", 4, &[], 10), node("a", 4, &[], 10)];
+        assert_eq!(
+            ids(placement_order(&nodes, "x", |_| 0, Utc::now())),
+            ["a", "b"]
+        );
+    }
+
+    #[test]
+    fn node_ids_are_plain_names() {
+        assert!(valid_node_id("node-1.rack_2"));
+        for bad in ["", "a/b", "a b", "ä", &"x".repeat(64)] {
+            assert!(!valid_node_id(bad), "{bad}");
+        }
+    }
+}
+
+/// The runtime and builder of an API host, which runs no sandboxes and builds nothing: its
+/// requests for those go to nodes before they reach the core, so whatever arrives here is
+/// refused with the reason.
+#[derive(Debug, Default)]
+pub struct NoLocalNode;
+
+const NO_LOCAL_NODE: &str = "this host serves the API only; sandboxes run on nodes";
+
+#[async_trait::async_trait]
+impl crate::runtime::Runtime for NoLocalNode {
+    async fn launch(
+        &self,
+        spec: crate::runtime::LaunchSpec,
+    ) -> Result<
+        (crate::runtime::RuntimeHandle, crate::runtime::Endpoint),
+        crate::runtime::RuntimeError,
+    > {
+        Err(crate::runtime::RuntimeError::NoCapacity {
+            sandbox_id: spec.sandbox_id,
+            message: NO_LOCAL_NODE.into(),
+        })
+    }
+
+    async fn destroy(
+        &self,
+        _sandbox_id: &str,
+        _handle: &crate::runtime::RuntimeHandle,
+    ) -> Result<(), crate::runtime::RuntimeError> {
+        Ok(())
+    }
+
+    fn is_alive(&self, _sandbox_id: &str, _handle: &crate::runtime::RuntimeHandle) -> bool {
+        false
+    }
+
+    async fn sweep(&self, _recorded: &[String]) -> Result<usize, crate::runtime::RuntimeError> {
+        Ok(0)
+    }
+
+    async fn adopt(
+        &self,
+        _sandbox_id: &str,
+        _handle: &crate::runtime::RuntimeHandle,
+    ) -> Result<Option<crate::runtime::Endpoint>, crate::runtime::RuntimeError> {
+        Ok(None)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::builds::Builder for NoLocalNode {
+    async fn build(
+        &self,
+        _job: crate::builds::BuildJob,
+        _log: crate::builds::BuildLog,
+    ) -> Result<crate::model::TemplateImage, crate::model::BuildFailure> {
+        Err(crate::model::BuildFailure {
+            message: NO_LOCAL_NODE.into(),
+            step: None,
+        })
+    }
+
+    async fn has_upload(&self, _team_id: &str, _hash: &str) -> bool {
+        false
+    }
+
+    async fn store_upload(
+        &self,
+        _team_id: &str,
+        hash: &str,
+        _body: crate::builds::UploadBody,
+        _limit: u64,
+    ) -> Result<(), crate::builds::UploadError> {
+        Err(crate::builds::UploadError::Failed {
+            hash: hash.to_owned(),
+            message: NO_LOCAL_NODE.into(),
+        })
+    }
+
+    async fn collect_garbage(&self, _in_use: &[String]) {}
+}

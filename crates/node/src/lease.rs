@@ -1,0 +1,60 @@
+//! A node's lease in the cluster: renewed every few seconds with what the node measured of
+//! itself, so API hosts know it is alive and how much room it has.
+
+use std::sync::Arc;
+
+use chrono::Utc;
+use sandbar_core::cluster::{LEASE_RENEWAL, NodeLease};
+use sandbar_core::{NodeReport, Runtime, Sandboxes, Store};
+
+use crate::LinuxRuntime;
+
+/// Renews the lease for as long as the process runs. A renewal that fails is tried again at
+/// the next tick: the lease outlives several missed renewals.
+pub async fn renew_forever(
+    store: Arc<dyn Store>,
+    lease: NodeLease,
+    runtime: Arc<LinuxRuntime>,
+    sandboxes: Arc<Sandboxes>,
+) {
+    let mut ticks = tokio::time::interval(LEASE_RENEWAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let report = measure(store.as_ref(), &runtime, &sandboxes).await;
+        if let Err(e) = store.renew_node(&lease.record(report, Utc::now())).await {
+            tracing::warn!(node_id = %lease.id, error = %e, "cannot renew the node's lease");
+        }
+    }
+}
+
+async fn measure(store: &dyn Store, runtime: &LinuxRuntime, sandboxes: &Sandboxes) -> NodeReport {
+    let memory = runtime.memory().unwrap_or_default();
+    let held: usize = sandboxes.count_by_status().iter().map(|(_, n)| n).sum();
+    let templates = match store.templates().await {
+        Ok(templates) => {
+            let layers = runtime.layer_store();
+            templates
+                .into_iter()
+                .filter(|t| {
+                    t.image
+                        .as_ref()
+                        .is_some_and(|image| image.layers.iter().all(|l| layers.exists(l)))
+                })
+                .map(|t| t.id)
+                .collect()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list templates for the node's report");
+            Vec::new()
+        }
+    };
+    NodeReport {
+        memory_total_bytes: memory.total_bytes,
+        memory_available_bytes: memory.available_bytes,
+        memory_promised_bytes: memory.promised_bytes,
+        memory_promise_limit_bytes: memory.promise_limit_bytes,
+        sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
+        templates,
+    }
+}

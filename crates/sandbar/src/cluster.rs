@@ -1,0 +1,190 @@
+//! The server's part in a cluster: `--role`, and the API host, which runs no sandboxes.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use sandbar_api::cluster::ClusterRouting;
+use sandbar_api::{AppState, ClusterRole, EdgeConfig};
+use sandbar_core::cluster::NoLocalNode;
+use sandbar_core::{
+    Auth, Builds, BuildsConfig, NodeDirectory, Sandboxes, SandboxesConfig, Store, Templates,
+};
+
+/// What a server does in a cluster.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Role {
+    /// API, edge and sandboxes on one host (the default).
+    #[default]
+    All,
+    /// Serves E2B's API and edge and forwards sandbox work to nodes; runs no sandboxes.
+    Api,
+    /// Runs sandboxes for the cluster's API hosts; answers only requests with the secret.
+    Node,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ClusterArgs {
+    /// What this server does: `all` on a single host; in a cluster (which needs
+    /// --database-url), `api` hosts serve clients and `node`s run sandboxes.
+    #[arg(long, env = "SANDBAR_ROLE", value_enum, default_value_t = Role::All)]
+    pub role: Role,
+    /// A node's name in the cluster, unique and kept across restarts (letters, digits,
+    /// `-`, `_`, `.`): after a restart the node takes back the sandboxes recorded under it.
+    #[arg(long, env = "SANDBAR_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Where API hosts reach this node, e.g. `http://10.0.0.11:3000`; default
+    /// `http://<--listen>`.
+    #[arg(long, env = "SANDBAR_ADVERTISE_URL")]
+    pub advertise_url: Option<String>,
+    /// A file holding the secret API hosts and nodes share (at least 32 characters; one
+    /// line). Nodes answer only requests that carry it.
+    #[arg(long, env = "SANDBAR_CLUSTER_SECRET_FILE")]
+    pub cluster_secret_file: Option<PathBuf>,
+}
+
+impl ClusterArgs {
+    /// The shared secret, read from its file; an error unless it is long enough.
+    pub fn secret(&self) -> anyhow::Result<Arc<str>> {
+        let path = self
+            .cluster_secret_file
+            .as_deref()
+            .context("--cluster-secret-file is required with --role api or node")?;
+        read_secret(path)
+    }
+
+    pub fn node_id(&self) -> anyhow::Result<String> {
+        let id = self
+            .node_id
+            .clone()
+            .context("--node-id is required with --role node")?;
+        if !sandbar_core::cluster::valid_node_id(&id) {
+            bail!("node id '{id}' must be 1 to 63 letters, digits, '-', '_' or '.'");
+        }
+        Ok(id)
+    }
+}
+
+fn read_secret(path: &Path) -> anyhow::Result<Arc<str>> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        bail!(
+            "{} is readable by other users: the cluster secret must be private (chmod 600)",
+            path.display()
+        );
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let secret = text.trim();
+    if secret.len() < 32 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
+        bail!(
+            "the cluster secret in {} must be at least 32 printable characters without spaces",
+            path.display()
+        );
+    }
+    Ok(Arc::from(secret))
+}
+
+/// What an API host needs beyond the store: where it listens and serves from.
+pub struct ApiHost {
+    pub store: Arc<dyn Store>,
+    pub auth: Auth,
+    pub secret: Arc<str>,
+    pub domain: String,
+    pub max_upload_bytes: u64,
+    pub base_disk_mb: u32,
+}
+
+/// The router of an API host: the REST API answered from the shared store, and everything
+/// that touches a sandbox, a build or a volume forwarded to a node.
+pub async fn api_router(host: ApiHost) -> anyhow::Result<axum::Router> {
+    let store = host.store;
+    let nodes = Arc::new(NodeDirectory::new(store.clone()));
+    nodes
+        .refresh()
+        .await
+        .context("cannot read the cluster's nodes")?;
+    tokio::spawn(
+        nodes
+            .clone()
+            .run_refresher(std::time::Duration::from_secs(1)),
+    );
+    let templates = Templates::new(store.clone());
+    let elsewhere = Arc::new(NoLocalNode);
+    let builds = Builds::new(
+        store.clone(),
+        elsewhere.clone(),
+        BuildsConfig {
+            default_cpu_count: 2,
+            default_memory_mb: 512,
+            disk_size_mb: host.base_disk_mb,
+            max_cpu_count: 8,
+            max_memory_mb: 8192,
+            max_upload_bytes: host.max_upload_bytes,
+            upload_link_ttl: std::time::Duration::from_secs(3600),
+            concurrent_builds: 1,
+            envd_version: sandbar_jail::ENVD_VERSION,
+        },
+        templates.build_finished(),
+    );
+    let sandboxes = Arc::new(
+        Sandboxes::new(
+            store.clone(),
+            elsewhere,
+            templates.clone(),
+            SandboxesConfig::default(),
+        )
+        .with_cluster(nodes.clone()),
+    );
+    let routing = Arc::new(ClusterRouting::new(nodes, store, host.secret));
+    Ok(sandbar_api::router(AppState {
+        auth: host.auth,
+        sandboxes,
+        templates,
+        builds,
+        rate_limits: Arc::new(sandbar_core::RateLimits::default()),
+        edge: Arc::new(EdgeConfig {
+            domain: host.domain,
+        }),
+        cluster: Some(ClusterRole::Api(routing)),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn secret_file(text: &str, mode: u32) -> tempfile::NamedTempFile {
+        let mut file = tempfile::NamedTempFile::new().expect("temp");
+        file.write_all(text.as_bytes()).expect("write");
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(mode)).expect("mode");
+        file
+    }
+
+    #[test]
+    fn the_secret_is_long_private_and_trimmed() {
+        let good = "a".repeat(40);
+        let file = secret_file(&format!("{good}\n"), 0o600);
+        assert_eq!(&*read_secret(file.path()).expect("good"), good.as_str());
+        let open = secret_file(&good, 0o644);
+        assert!(
+            read_secret(open.path())
+                .expect_err("refused")
+                .to_string()
+                .contains("chmod 600")
+        );
+        let short = secret_file("short", 0o600);
+        assert!(
+            read_secret(short.path())
+                .expect_err("refused")
+                .to_string()
+                .contains("32")
+        );
+        let spaced = secret_file(&format!("{good} {good}"), 0o600);
+        assert!(read_secret(spaced.path()).is_err());
+    }
+}

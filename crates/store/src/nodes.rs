@@ -1,0 +1,54 @@
+//! Nodes and their leases.
+
+use sandbar_core::store::NodeRecords;
+use sandbar_core::{NodeRecord, StoreError};
+use sqlx::Row;
+
+use crate::{SqliteStore, err, micros, time, to_json};
+
+#[async_trait::async_trait]
+impl NodeRecords for SqliteStore {
+    async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES (?, ?, ?, ?, ?) \
+             ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_at = excluded.started_at, \
+             lease_until = excluded.lease_until, report = excluded.report",
+        )
+        .bind(&node.id)
+        .bind(&node.url)
+        .bind(micros(node.started_at))
+        .bind(micros(node.lease_until))
+        .bind(to_json(&node.report)?)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM nodes ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter()
+            .map(|row| {
+                let report: String = row.try_get("report").map_err(err)?;
+                Ok(NodeRecord {
+                    id: row.try_get("id").map_err(err)?,
+                    url: row.try_get("url").map_err(err)?,
+                    started_at: time(row.try_get("started_at").map_err(err)?),
+                    lease_until: time(row.try_get("lease_until").map_err(err)?),
+                    report: serde_json::from_str(&report).map_err(err)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
+        sqlx::query_scalar("SELECT node_id FROM sandboxes WHERE id = ?")
+            .bind(sandbox_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)
+    }
+}

@@ -1,0 +1,63 @@
+//! Nodes and their leases.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::NodeRecords;
+use sandbar_core::{NodeRecord, StoreError};
+
+use super::PgStore;
+use crate::{err, to_json};
+
+#[derive(sqlx::FromRow)]
+struct NodeRow {
+    id: String,
+    url: String,
+    started_at: DateTime<Utc>,
+    lease_until: DateTime<Utc>,
+    report: String,
+}
+
+#[async_trait::async_trait]
+impl NodeRecords for PgStore {
+    async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (id) DO UPDATE SET url = excluded.url, started_at = excluded.started_at, \
+             lease_until = excluded.lease_until, report = excluded.report",
+        )
+        .bind(&node.id)
+        .bind(&node.url)
+        .bind(node.started_at)
+        .bind(node.lease_until)
+        .bind(to_json(&node.report)?)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        sqlx::query_as::<_, NodeRow>("SELECT * FROM nodes ORDER BY id COLLATE \"C\"")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(|r| {
+                Ok(NodeRecord {
+                    report: serde_json::from_str(&r.report).map_err(err)?,
+                    id: r.id,
+                    url: r.url,
+                    started_at: r.started_at,
+                    lease_until: r.lease_until,
+                })
+            })
+            .collect()
+    }
+
+    async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
+        sqlx::query_scalar("SELECT node_id FROM sandboxes WHERE id = $1")
+            .bind(sandbox_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)
+    }
+}
