@@ -66,6 +66,8 @@ enum Destination {
     NewSandbox,
     /// Forward it to the node that keeps builds, uploads and volumes.
     Keeper,
+    /// Ask each node for the latest metrics of its sandboxes among those named.
+    LatestMetrics,
 }
 
 fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Destination {
@@ -80,7 +82,9 @@ fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Des
     if let Some(rest) = rest {
         return match rest {
             [] if method == Method::POST => Destination::NewSandbox,
-            [] | ["metrics"] => Destination::Here,
+            [] => Destination::Here,
+            ["metrics"] if method == Method::GET => Destination::LatestMetrics,
+            ["metrics"] => Destination::Here,
             [id, ..] => Destination::Sandbox((*id).to_owned()),
         };
     }
@@ -255,6 +259,9 @@ pub(crate) async fn forward_to_nodes(
         Destination::NewSandbox => place(&state, &cluster, request)
             .await
             .unwrap_or_else(IntoResponse::into_response),
+        Destination::LatestMetrics => latest_metrics(&cluster, request, next)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
         Destination::Keeper => match cluster.keeper() {
             Some(node) => cluster
                 .send(&node, request)
@@ -292,6 +299,13 @@ async fn to_sandbox(
         None if request.method() == Method::GET && request.uri().path().ends_with("/logs") => {
             Ok(next.run(request).await)
         }
+        // Killing it forgets its record here; if the node comes back, it finds the sandbox
+        // unrecorded and removes it, so it never runs again.
+        None if request.method() == Method::DELETE
+            && request.uri().path().trim_matches('/') == format!("sandboxes/{sandbox_id}") =>
+        {
+            Ok(next.run(request).await)
+        }
         None => {
             let since = cluster
                 .nodes
@@ -306,6 +320,83 @@ async fn to_sandbox(
             ))
         }
     }
+}
+
+/// `GET /sandboxes/metrics?sandbox_ids=…`: the IDs split by the node that holds each, one
+/// request per node, the answers' `sandboxes` maps merged. What the handler would refuse
+/// (no IDs, too many) is left to it.
+async fn latest_metrics(
+    cluster: &ClusterRouting,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let ids: Vec<String> = request
+        .uri()
+        .query()
+        .map(|q| {
+            url::form_urlencoded::parse(q.as_bytes())
+                .filter(|(k, _)| k == "sandbox_ids")
+                .flat_map(|(_, v)| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|v| !v.is_empty())
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if ids.is_empty() || ids.len() > 100 {
+        return Ok(next.run(request).await);
+    }
+    let mut by_node: HashMap<String, Vec<String>> = HashMap::new();
+    for id in ids {
+        if let Some(node) = cluster.owner(&id).await? {
+            by_node.entry(node).or_default().push(id);
+        }
+    }
+    let mut merged = serde_json::Map::new();
+    let (parts, _) = request.into_parts();
+    for (node_id, ids) in by_node {
+        let Some(node) = cluster
+            .nodes
+            .node(&node_id)
+            .filter(|n| n.is_live(Utc::now()))
+        else {
+            continue;
+        };
+        let query: String = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("sandbox_ids", &ids.join(","))
+            .finish();
+        let mut ask = Request::new(Body::empty());
+        *ask.method_mut() = Method::GET;
+        *ask.uri_mut() = format!("/sandboxes/metrics?{query}")
+            .parse()
+            .map_err(|_| ApiError::bad_request("invalid sandbox IDs"))?;
+        *ask.headers_mut() = parts.headers.clone();
+        let response = cluster.send(&node, ask).await?;
+        if !response.status().is_success() {
+            return Ok(response);
+        }
+        let bytes = axum::body::to_bytes(response.into_body(), 16 << 20)
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("node '{node_id}' sent unreadable metrics: {e}"),
+                )
+            })?;
+        let answer: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("node '{node_id}' sent unreadable metrics: {e}"),
+            )
+        })?;
+        if let Some(serde_json::Value::Object(sandboxes)) = answer.get("sandboxes") {
+            merged.extend(sandboxes.clone());
+        }
+    }
+    Ok(axum::Json(serde_json::json!({ "sandboxes": merged })).into_response())
 }
 
 /// Tries the live nodes in placement order until one takes the sandbox; a node that has no
@@ -404,7 +495,10 @@ mod tests {
         assert_eq!(dest(Method::POST, "/sandboxes"), Destination::NewSandbox);
         assert_eq!(dest(Method::POST, "/v2/sandboxes"), Destination::NewSandbox);
         assert_eq!(dest(Method::GET, "/v2/sandboxes"), Destination::Here);
-        assert_eq!(dest(Method::GET, "/sandboxes/metrics"), Destination::Here);
+        assert_eq!(
+            dest(Method::GET, "/sandboxes/metrics"),
+            Destination::LatestMetrics
+        );
         assert_eq!(dest(Method::GET, "/templates"), Destination::Here);
         assert_eq!(dest(Method::GET, "/api-keys"), Destination::Here);
         assert_eq!(dest(Method::GET, "/health"), Destination::Here);

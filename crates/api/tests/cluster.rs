@@ -15,6 +15,7 @@ use sandbar_api::cluster::{ClusterRouting, NODE_SECRET_HEADER};
 use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::cluster::NoLocalNode;
+use sandbar_core::store::SandboxRecords;
 use sandbar_core::{
     Auth, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig, Store,
     Templates,
@@ -294,6 +295,49 @@ async fn a_lost_node_s_sandboxes_are_reported_and_creates_go_elsewhere() {
     c.renew("n2", 4, 60, &[&base]).await;
     let (status, _) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_sandbox_killed_while_its_node_is_lost_is_forgotten() {
+    let c = cluster(10).await;
+    let (_, created) = c.create().await;
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    let base = common::base_template(Utc::now()).id;
+    c.renew("n2", 4, -1, &[&base]).await;
+    let (status, body) = c.call("DELETE", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    assert!(
+        c.store.sandbox(&id).await.expect("read").is_none(),
+        "the record is gone, so the node removes the sandbox when it returns"
+    );
+    c.renew("n2", 4, 60, &[&base]).await;
+    let (status, _) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn latest_metrics_gather_from_every_node() {
+    let c = cluster(10).await;
+    let base = common::base_template(Utc::now()).id;
+    let (_, on_n2) = c.create().await;
+    c.renew("n2", 1, 60, &[&base]).await;
+    let (_, on_n1) = c.create().await;
+    assert_eq!(
+        (on_n1["clientID"].as_str(), on_n2["clientID"].as_str()),
+        (Some("n1"), Some("n2"))
+    );
+    let ids = [&on_n1, &on_n2].map(|s| s["sandboxID"].as_str().expect("id").to_owned());
+    let (status, body) = c
+        .call(
+            "GET",
+            &format!("/sandboxes/metrics?sandbox_ids={},{}", ids[0], ids[1]),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body["sandboxes"].is_object(), "{body}");
+    let (status, _) = c.call("GET", "/sandboxes/metrics", None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
 }
 
 #[tokio::test]
