@@ -15,7 +15,6 @@ use sandbar_api::cluster::{ClusterRouting, NODE_SECRET_HEADER};
 use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::cluster::NoLocalNode;
-use sandbar_core::store::SandboxRecords;
 use sandbar_core::{
     Auth, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig, Store,
     Templates,

@@ -93,9 +93,18 @@ impl Auth {
         if self.store.team_count().await? > 0 {
             return Ok(None);
         }
-        let (team, api_key, access_token) = self
+        let inserted = self
             .insert_team_with_credentials("default", limits, requested_api_key)
-            .await?;
+            .await;
+        let (team, api_key, access_token) = match inserted {
+            Ok(inserted) => inserted,
+            // Another host of a cluster started on the same empty store at the same moment
+            // and made the first team (or its key) first: that team is the one there is.
+            Err(StoreError::Conflict { .. }) if self.store.team_count().await? > 0 => {
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
         Ok(Some(Credentials {
             api_key,
             access_token,

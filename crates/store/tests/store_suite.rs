@@ -58,6 +58,7 @@ suite!(
     teams_members_and_limits,
     two_hosts_on_one_database_settle_their_races,
     nodes_renew_their_leases_and_sandboxes_name_their_node,
+    two_hosts_starting_on_an_empty_database_make_one_first_team,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -1189,6 +1190,29 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
             .expect("there")
             .node_id,
         "n2"
+    );
+}
+
+async fn two_hosts_starting_on_an_empty_database_make_one_first_team(f: Fixture) {
+    let hosts = [f.store.clone(), f.second_host().await];
+    let key = "e2b_00112233445566778899aabbccddeeff00112233";
+    // Both read an empty database before either writes: each tries to make the team.
+    let started = futures_join(hosts.iter().map(|store| {
+        let auth = Auth::new(store.clone());
+        tokio::spawn(async move { auth.bootstrap(Some(key), LIMITS).await })
+    }))
+    .await;
+    let made: Vec<_> = started
+        .into_iter()
+        .map(|r| r.expect("no host fails its first start"))
+        .collect();
+    assert_eq!(made.iter().filter(|m| m.is_some()).count(), 1, "{made:?}");
+    assert!(
+        Auth::new(hosts[1].clone())
+            .team_for_api_key(Some(key))
+            .await
+            .is_ok(),
+        "the first team's key works"
     );
 }
 
