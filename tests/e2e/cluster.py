@@ -85,10 +85,11 @@ HOSTS: Dict[str, tuple] = {
 # Per node: the first host uid of its sandboxes and its sandbox network. A node maps each of
 # its network's slots (one /30 each) to 65,536 host ids from its base on: a /18 is 4,096
 # slots, 2^28 ids, so the two nodes' ranges can never overlap (sandboxes on one kernel must
-# never share host ids).
+# never share host ids). Both lie below 2^30, where the single-host server's range (its
+# default --id-base) begins: sandboxes the stopped shared server left running share none.
 NODE_SETTINGS = {
-    "n1": {"id_base": 1 << 30, "network": "10.214.0.0/18"},
-    "n2": {"id_base": (1 << 30) + (1 << 28), "network": "10.215.0.0/18"},
+    "n1": {"id_base": 1 << 29, "network": "10.214.0.0/18"},
+    "n2": {"id_base": (1 << 29) + (1 << 28), "network": "10.215.0.0/18"},
 }
 # Every node's serve flags besides its identity.
 NODE_FLAGS = [

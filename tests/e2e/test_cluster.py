@@ -127,9 +127,9 @@ def test_harness_smoke(machine):
         mine = [d for d in cl.our_cgroup_dirs() if d.name == sbx.sandbox_id]
         assert mine and all(d.parent.parent.name == "sbtest-cl-n1" and d.parent.name == "sandbar" for d in mine), mine
         assert not any((cl.CGROUP_ROOT / h / "sandbar" / sbx.sandbox_id).exists() for h in cl.cgroup_hierarchies())
-        # Its host end of the link is in the node's namespace, not on this machine.
-        assert _host_links() == links_before
+        # The host ends of its links are in the node's namespace, not on this machine.
         assert "sbx" in n1.run("ip", "-o", "link").stdout
+        assert not {l for l in _host_links() - links_before if l.startswith("sbx")}
         # The node took its host lock in its machine's own /run/sandbar.
         assert n1.run("cat", "/run/sandbar/server.lock").stdout.strip() == str(n1.proc.pid)
         host_lock = Path("/run/sandbar/server.lock")
@@ -143,7 +143,7 @@ def test_harness_smoke(machine):
         conftest.EXTRA_LOGS.pop("cluster", None)
     timings["closed"] = time.monotonic() - started
     _leak_check("after the smoke test")
-    assert _host_links() == links_before
+    assert not {l for l in _host_links() - links_before if l.startswith(("sbx", cl.PREFIX))}
     print(f"\n[e2e] cluster smoke timings (s from start): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
 
 
