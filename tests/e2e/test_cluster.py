@@ -199,11 +199,19 @@ def cluster(machine):
         _wait_template(c["api1"])
         c.ready_at = time.monotonic()
         yield c
-        with c["api1"].client() as api:
-            for s in api.get("/v2/sandboxes", params={"state": "running,paused", "limit": 100}).json():
-                api.delete(f"/sandboxes/{s['sandboxID']}")
+        problems = []
+        try:
+            with c["api1"].client() as api:
+                for s in api.get("/v2/sandboxes", params={"state": "running,paused", "limit": 100}).json():
+                    api.delete(f"/sandboxes/{s['sandboxID']}")
+        except Exception as e:  # noqa: BLE001 - the harness removes them anyway
+            problems.append(f"killing the sandboxes through api1: {e!r}")
         for host in c.hosts.values():
-            host.stop()
+            try:
+                host.stop()
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"stopping {host.name}: {e}")
+        assert not problems, problems
     finally:
         c.close()
         conftest.EXTRA_LOGS.pop("cluster", None)
