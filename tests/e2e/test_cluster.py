@@ -188,15 +188,19 @@ def cluster(machine):
     conftest.EXTRA_LOGS["cluster"] = c.log_tails
     try:
         c.open()
-        for node in c.nodes():
-            node.start(role="node")
+        # The first server on the empty database bootstraps the team and its key; the rest
+        # then start together.
+        c["n1"].start(role="node")
+        _wait_node(c, c["n1"])
+        c["n2"].start(role="node")
         for name in ("api1", "api2"):
             c[name].start(role="api")
-        for node in c.nodes():
-            _wait_node(c, node)
+        _wait_node(c, c["n2"])
         for name in ("api1", "api2"):
             c[name].wait_healthy(timeout=60)
         _wait_template(c["api1"])
+        for name in ("api1", "api2"):
+            _wait_placement(c[name], {"n1", "n2"})
         c.ready_at = time.monotonic()
         yield c
         problems = []
@@ -219,11 +223,37 @@ def cluster(machine):
 
 
 def _wait_node(c: cl.Cluster, node: cl.Host, timeout: float = 60) -> None:
-    def up():
-        assert node.running, f"{node.name} exited with {node.proc.returncode}\n" + node.log_tail()
-        return httpx.get(node.url + "/health", headers=_node_secret(c), timeout=2).status_code in (200, 204)
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        if not node.running:
+            raise AssertionError(f"{node.name} exited with {node.proc.returncode}\n" + node.log_tail())
+        try:
+            r = httpx.get(node.url + "/health", headers=_node_secret(c), timeout=2)
+            if r.status_code in (200, 204):
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        assert time.monotonic() < deadline, f"{node.name} did not answer /health with the secret ({last})"
+        time.sleep(0.2)
 
-    wait_until(up, timeout=timeout, interval=0.2, message=f"node {node.name} to answer /health with the secret")
+
+def _wait_placement(api: cl.Host, nodes: Set[str], timeout: float = 30) -> None:
+    """Creates (and kills) sandboxes through `api` until each of `nodes` took one: an API host
+    learns of nodes from the database, so it places nothing on a node it has not seen yet."""
+    seen: Set[str] = set()
+    deadline = time.monotonic() + timeout
+    with api.client() as client:
+        while not nodes <= seen:
+            r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
+            if r.status_code == 201:
+                seen.add(r.json()["clientID"])
+                assert client.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
+            else:
+                assert r.status_code == 503, f"create through {api.name}: {r.status_code} {r.text}"
+                time.sleep(0.3)
+            assert time.monotonic() < deadline, f"{api.name} placed on {sorted(seen)} only within {timeout}s"
 
 
 @pytest.fixture(scope="module")
@@ -418,12 +448,7 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     n1.start()
     _wait_node(cluster, n1)
 
-    def placed_on_n1():
-        s = Sandbox.create(template="base", timeout=120, **api1.sdk())
-        fleet.sandboxes[s.sandbox_id] = s
-        return fleet.node_of(s.sandbox_id) == "n1"
-
-    wait_until(placed_on_n1, timeout=30, interval=0.5, message="a create to land on n1 again")
+    _wait_placement(api1, {"n1"})
 
     def settled():
         listed = fleet.running("api1")
