@@ -310,6 +310,7 @@ def test_creates_spread_and_everything_works_through_both_api_hosts(cluster, fle
     counts = {n: list(nodes.values()).count(n) for n in ("n1", "n2")}
     assert set(nodes.values()) == {"n1", "n2"}, f"clientIDs: {counts}, others {set(nodes.values()) - {'n1', 'n2'}}"
     assert min(counts.values()) >= FLEET // 10, f"placement far from even: {counts}"
+    print(f"\n[e2e] {FLEET} creates through api1 placed {counts}")
     # The same answer through the other API host.
     assert {sid: fleet.node_of(sid, via="api2") for sid in nodes} == nodes
 
@@ -397,6 +398,7 @@ def test_kill9_of_an_api_host_leaves_the_other_serving(cluster, fleet):
         stop.set()
         t.join(timeout=30)
     assert not failures, f"{len(failures)} commands failed through api2 while api1 died: {failures[:3]}"
+    print(f"\n[e2e] {done[0]} commands through api2, {done[0] - before} of them after api1's kill -9")
     assert done[0] > before + 5, f"only {done[0] - before} commands after api1 died"
 
     api1.start()
@@ -448,7 +450,8 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     n1.start()
     _wait_node(cluster, n1)
 
-    _wait_placement(api1, {"n1"})
+    for api in (api1, api2):
+        _wait_placement(api, {"n1"})
 
     def settled():
         listed = fleet.running("api1")
@@ -463,6 +466,8 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     listed = wait_until(settled, timeout=20, interval=0.5, message="n1's sandboxes adopted or removed")
     for sid in on_n1 & set(listed):
         assert Sandbox.connect(sid, **api2.sdk()).commands.run("echo adopted").stdout == "adopted\n"
+    print(f"[e2e] after n1's return: {len(on_n1 & set(listed))} of its {len(on_n1)} sandboxes adopted, "
+          f"the rest removed")
     live_n1, live_n2 = _live_on("n1"), _live_on("n2")
     assert not live_n1 & live_n2, f"live on both nodes: {sorted(live_n1 & live_n2)}"
     for sid, node in listed.items():
