@@ -13,7 +13,7 @@ alone holding the machine-wide lock.
   through api1 land on both nodes; commands, files and a user port work through both API
   hosts; both list the same set and either kills the other's sandboxes; kill -9 of an API
   host while commands run through the other; kill -9 of a node and its return; a node's API
-  refuses requests without the cluster secret. About 90 s once the nodes are up.
+  refuses requests without the cluster secret. About 35 s once the nodes are up.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from e2e_util import DATA_DIR, SANDBAR_BIN, acquire_run_lock, wait_until
 FLEET = 40
 # Once the nodes are up, the role tests together stay within this.
 BUDGET_S = 120
-LEASE_S = 10
 # A dead node's sandboxes stop being listed as running within the lease and a margin.
 DEAD_NODE_S = 15
 
