@@ -59,6 +59,7 @@ from e2e_util import (
 RUN_LAST = (
     "test_disk_full.py",
     "test_postgres_store.py",
+    "test_cluster.py",
     "test_volumes.py",
     "test_criu_later.py",
     "test_restart.py",
@@ -76,6 +77,9 @@ _SERVER: Optional[SandbarServer] = None
 FAKE_DNS: Optional[FakeDns] = None
 _REGISTRY = None
 _REGISTRY_PORTS = None
+# More logs for a failing test's report, by name: each a function returning text (the
+# cluster tests hand in their hosts' logs).
+EXTRA_LOGS: dict = {}
 
 
 def registry_ports():
@@ -104,6 +108,9 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if rep.failed and _SERVER is not None:
         rep.sections.append(("sandbar server log", _SERVER.log_tail(80)))
+    if rep.failed:
+        for name, logs in list(EXTRA_LOGS.items()):
+            rep.sections.append((f"{name} logs", logs()))
     if rep.failed and _REGISTRY is not None and "registry" in getattr(item, "fixturenames", ()):
         rep.sections.append(("registry logs", _REGISTRY.log_tail(20)))
 
