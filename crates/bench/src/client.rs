@@ -52,6 +52,9 @@ struct Inner {
     client: Client<HttpConnector, Full<Bytes>>,
     base: String,
     key: String,
+    /// Sent with every request (a cluster node's secret, to time a node without its API
+    /// host in front).
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
     live: Mutex<Vec<String>>,
 }
 
@@ -67,10 +70,18 @@ struct TemplateInfo {
 impl Api {
     /// A client of the same server that keeps its own list of sandboxes to kill.
     pub fn detached(&self) -> Self {
-        Self::new(&self.inner.base, &self.inner.key)
+        Self::with_headers(
+            &self.inner.base,
+            &self.inner.key,
+            self.inner.headers.clone(),
+        )
     }
 
-    pub fn new(base: &str, key: &str) -> Self {
+    pub fn with_headers(
+        base: &str,
+        key: &str,
+        headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    ) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
@@ -81,6 +92,7 @@ impl Api {
                 client,
                 base: base.trim_end_matches('/').to_owned(),
                 key: key.to_owned(),
+                headers,
                 live: Mutex::new(Vec::new()),
             }),
         }
@@ -94,9 +106,13 @@ impl Api {
     }
 
     fn request(&self, method: Method, path: &str) -> http::request::Builder {
-        Request::builder()
+        let mut request = Request::builder()
             .method(method)
-            .uri(format!("{}{path}", self.inner.base))
+            .uri(format!("{}{path}", self.inner.base));
+        for (name, value) in &self.inner.headers {
+            request = request.header(name, value);
+        }
+        request
     }
 
     async fn send(

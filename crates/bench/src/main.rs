@@ -62,7 +62,8 @@ struct Args {
     /// Simultaneous requests per round.
     #[arg(long, default_value_t = 10)]
     concurrency: usize,
-    /// Idle sandboxes for the memory measurement.
+    /// Idle sandboxes for the memory measurement (0: skip it, e.g. against a cluster, whose
+    /// sandboxes' cgroups are on other hosts).
     #[arg(long, default_value_t = 20)]
     idle: usize,
     /// Untimed iterations before each latency series.
@@ -85,6 +86,21 @@ struct Args {
     /// once per number given (comma-separated; the server's team limit must allow them).
     #[arg(long, value_delimiter = ',')]
     crowd: Vec<usize>,
+    /// A header (`Name: value`) sent with every request, e.g. a cluster node's
+    /// `X-Sandbar-Node-Secret` to time the node without its API host; repeatable.
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(http::HeaderName, http::HeaderValue)>,
+}
+
+fn parse_header(text: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
+    let (name, value) = text
+        .split_once(':')
+        .ok_or_else(|| format!("header '{text}' must look like 'Name: value'"))?;
+    let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+        .map_err(|e| format!("bad header name in '{text}': {e}"))?;
+    let value = http::HeaderValue::from_str(value.trim())
+        .map_err(|e| format!("bad header value in '{text}': {e}"))?;
+    Ok((name, value))
 }
 
 #[derive(Subcommand, Debug)]
@@ -322,6 +338,9 @@ async fn run(
     results.row(format!("  Start → first stdout, c={c}"), &par.start);
     results.row(format!("  wall time of a round of {c}"), &walls);
 
+    if args.idle == 0 {
+        return Ok(());
+    }
     eprintln!(
         "memory: {} idle sandboxes, {} times",
         args.idle, args.idle_cycles
@@ -502,7 +521,7 @@ async fn main() -> ExitCode {
         eprintln!("error: --iterations, --rounds and --concurrency must be at least 1");
         return ExitCode::FAILURE;
     }
-    let api = Api::new(&args.api_url, api_key);
+    let api = Api::with_headers(&args.api_url, api_key, args.headers.clone());
     let cgroups = CgroupVersion::detect();
     let machine = machine(cgroups);
     let mut results = Results::default();

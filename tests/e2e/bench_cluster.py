@@ -1,0 +1,117 @@
+"""Benchmark of a cluster on this one machine: what the API host's hop costs, and creates per
+second with two nodes against one.
+
+Builds the same machines as the cluster tests (`cluster.py`: two API hosts, two nodes, each
+in its own network and mount namespace, PostgreSQL on a Unix socket) and runs
+`sandbar-bench` three times:
+
+1. through api1, both nodes live: create→first output at c=1 and rounds of concurrent ones;
+2. against node n1 directly, with the cluster secret: the same without the API host's hop;
+3. through api1 with n2 stopped: the rounds again, on one node.
+
+All hosts share this machine's CPUs, so two nodes here cannot create faster than one with
+the whole machine; the comparison shows what placement and the hop cost, not what a second
+machine adds. Run as root from the repository's root, with nothing else using the machine:
+
+    sudo python3 tests/e2e/bench_cluster.py [--iterations 30] [--rounds 5] [--concurrency 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import cluster as cl  # noqa: E402
+from e2e_util import DATA_DIR, SANDBAR_BIN, acquire_run_lock  # noqa: E402
+
+BENCH_BIN = SANDBAR_BIN.parent / "sandbar-bench"
+
+
+def wait_node(c: cl.Cluster, node: cl.Host, timeout: float = 90) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            r = httpx.get(node.url + "/health", headers={cl.SECRET_HEADER: c.secret}, timeout=2)
+            if r.status_code in (200, 204):
+                return
+        except httpx.HTTPError:
+            pass
+        if not node.running or time.monotonic() > deadline:
+            raise RuntimeError(f"{node.name} did not come up\n" + node.log_tail())
+        time.sleep(0.2)
+
+
+def wait_placement(api: cl.Host, nodes: set, timeout: float = 60) -> None:
+    seen: set = set()
+    deadline = time.monotonic() + timeout
+    with api.client() as client:
+        while not nodes <= seen:
+            r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
+            if r.status_code == 201:
+                seen.add(r.json()["clientID"])
+                client.delete(f"/sandboxes/{r.json()['sandboxID']}")
+            else:
+                time.sleep(0.3)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{api.name} placed on {sorted(seen)} only")
+
+
+def bench(label: str, url: str, args, extra=()) -> None:
+    print(f"\n## {label}\n", flush=True)
+    cmd = [str(BENCH_BIN), "--api-url", url, "--api-key", cl.API_KEY, "--no-baseline",
+           "--cpu-hogs", "0", "--idle", "0",
+           "--iterations", str(args.iterations), "--rounds", str(args.rounds),
+           "--concurrency", str(args.concurrency), *extra]
+    print("$ " + " ".join(cmd).replace(cl.API_KEY, "$KEY"), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=10)
+    args = parser.parse_args()
+    if not BENCH_BIN.exists():
+        print(f"build it first: cargo build --release -p sandbar-bench ({BENCH_BIN} is missing)")
+        return 1
+    lock = acquire_run_lock(DATA_DIR)
+    c = cl.Cluster(SANDBAR_BIN, names=("api1", "n1", "n2"), log_tag="bench")
+    try:
+        c.open()
+        c["n1"].start(role="node")
+        wait_node(c, c["n1"])
+        c["n2"].start(role="node")
+        c["api1"].start(role="api")
+        wait_node(c, c["n2"])
+        c["api1"].wait_healthy(timeout=60)
+        wait_placement(c["api1"], {"n1", "n2"})
+        bench("Through the API host, two nodes", c["api1"].url, args)
+        bench("Node n1 directly (no API host)", c["n1"].url, args,
+              ["--header", f"{cl.SECRET_HEADER}: {c.secret}"])
+        c["n2"].stop()
+        # Until its lease lapses the API host still tries n2 first for some creates.
+        time.sleep(12)
+        bench("Through the API host, one node (n2 stopped)", c["api1"].url, args)
+        for host in c.hosts.values():
+            host.stop()
+    finally:
+        c.close()
+        lock.close()
+    found = cl.leaks()
+    if found:
+        print("left behind:\n  " + "\n  ".join(found))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
