@@ -378,3 +378,14 @@ def test_example_env_files_set_only_what_sandbar_reads():
     node = (SYSTEMD / "node.env.example").read_text()
     for required in ("SANDBAR_DATABASE_URL", "SANDBAR_NODE_ID", "SANDBAR_ADVERTISE_URL"):
         assert f"\n{required}=" in node
+
+
+def test_the_image_has_what_the_chart_uses():
+    dockerfile = (ROOT / "deploy" / "container" / "Dockerfile").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    # The node's probe runs curl; API hosts run as this user; the init container runs sh.
+    assert re.search(r"apt-get install[^\n]*\\\n[^\n]*\bcurl\b", dockerfile)
+    assert f"--uid {values['api']['runAsUser']}" in dockerfile
+    assert 'ENTRYPOINT ["/usr/local/bin/sandbar"]' in dockerfile
+    for tool in ("mmdebstrap", "nftables", "iproute2", "btrfs-progs", "install-criu.sh"):
+        assert tool in dockerfile
