@@ -255,8 +255,23 @@ def test_a_given_secret_and_key_are_kept_in_secrets_of_the_release():
     data = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
     assert base64.b64decode(data["sandbar-cluster"]["secret"]).decode() == secret
     assert base64.b64decode(data["sandbar-api-key"]["api-key"]).decode() == key
-    with pytest.raises(Exception, match="at least 32"):
+    with pytest.raises(Exception, match="/clusterSecret/value"):
         render({**MINIMAL, "clusterSecret": {"value": "short"}})
+
+
+@pytest.mark.parametrize(
+    "values, where",
+    [
+        ({"api": {"replica": 3}}, "additional properties 'replica'"),
+        ({"api": {"service": {"type": "Ingress"}}}, "/api/service/type"),
+        ({"apiKey": {"value": "not-a-key"}}, "/apiKey/value"),
+        ({"database": {"url": "mysql://db/sandbar"}}, "/database/url"),
+        ({"node": {"dataDir": "relative"}}, "/node/dataDir"),
+    ],
+)
+def test_the_values_schema_refuses_what_sandbar_would(values, where):
+    with pytest.raises(Exception, match=re.escape(where)):
+        render({**MINIMAL, **values})
 
 
 def test_options_reach_both_roles_as_variables_the_binary_reads():
