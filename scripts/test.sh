@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: the deployment checks, formatting and lints, Rust unit and integration
-# tests, then the end-to-end suite that drives a real `sandbar serve` with the official E2B Python SDK.
+# tests, then the end-to-end suite that drives a real `sandbar serve` with the official E2B
+# Python SDK.
 # Needs root (sandboxes use namespaces, cgroups and nftables).
 set -euo pipefail
 # Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
