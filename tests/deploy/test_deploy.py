@@ -419,5 +419,5 @@ def test_the_image_has_what_the_chart_uses():
     assert re.search(r"apt-get install[^\n]*\\\n[^\n]*\bcurl\b", dockerfile)
     assert f"--uid {values['api']['runAsUser']}" in dockerfile
     assert 'ENTRYPOINT ["/usr/local/bin/sandbar"]' in dockerfile
-    for tool in ("mmdebstrap", "nftables", "iproute2", "btrfs-progs", "install-criu.sh"):
-        assert tool in dockerfile
+    for needed in ("mmdebstrap", "nftables", "iproute2", "btrfs-progs", "install-criu.sh"):
+        assert needed in dockerfile
