@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting and lints, Rust unit and integration tests, then the
-# end-to-end suite that drives a real `sandbar serve` with the official E2B Python SDK.
+# The whole test suite: the deployment checks, formatting and lints, Rust unit and integration
+# tests, then the end-to-end suite that drives a real `sandbar serve` with the official E2B
+# Python SDK.
 # Needs root (sandboxes use namespaces, cgroups and nftables).
 set -euo pipefail
 # Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
@@ -34,7 +35,8 @@ phase "host packages"
 # those tests are skipped, with the server's reason, only when the server finds it unusable).
 ./scripts/install-criu.sh
 phase "criu"
-python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt
+python3 -m pip install --quiet --disable-pip-version-check -r tests/e2e/requirements.txt \
+  -r tests/deploy/requirements.txt
 # An older release of the Python SDK in a virtualenv of its own, for the e2e check that code
 # pinned to it keeps working (installed once per machine).
 old_sdk=/var/tmp/sandbar-e2e-sdk-2.45
@@ -45,6 +47,11 @@ if ! "$old_sdk/bin/python3" -c 'import e2b' 2>/dev/null; then
 fi
 npm ci --prefix tests/e2e/js --no-audit --no-fund --silent
 phase "python and npm packages"
+
+# The Helm chart rendered by Helm's engine and validated against Kubernetes' schemas, and the
+# systemd units verified (offline, a few seconds).
+python3 -m pytest tests/deploy -q -p no:cacheprovider
+phase "deploy checks"
 
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
