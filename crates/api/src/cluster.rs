@@ -107,6 +107,9 @@ pub struct ClusterRouting {
     /// Creates sent to each node, and when the first of them went: counted against its
     /// headroom until its next report can show them.
     pending: Mutex<HashMap<String, (u64, Instant)>>,
+    /// The template a credential's create named, as resolved for placement, for
+    /// [`OWNER_TTL`]: a hint only, since the node authenticates and resolves again.
+    templates: Mutex<HashMap<u64, (String, Instant)>>,
 }
 
 impl std::fmt::Debug for ClusterRouting {
@@ -132,6 +135,7 @@ impl ClusterRouting {
             client,
             owners: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
+            templates: Mutex::new(HashMap::new()),
         }
     }
 
@@ -153,6 +157,11 @@ impl ClusterRouting {
             owners.insert(sandbox_id.to_owned(), (node.clone(), Instant::now()));
         }
         Ok(node)
+    }
+
+    fn remember_owner(&self, sandbox_id: &str, node_id: &str) {
+        self.lock_owners()
+            .insert(sandbox_id.to_owned(), (node_id.to_owned(), Instant::now()));
     }
 
     fn lock_owners(&self) -> std::sync::MutexGuard<'_, HashMap<String, (String, Instant)>> {
@@ -407,8 +416,6 @@ async fn place(
     request: Request,
 ) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
-    // Checked here too, so nothing unauthenticated costs a node anything.
-    let team = crate::extract::team_of(state, &parts.headers).await?;
     let body = axum::body::to_bytes(body, CREATE_BODY_LIMIT)
         .await
         .map_err(|_| {
@@ -417,7 +424,30 @@ async fn place(
                 format!("request body is larger than the limit of {CREATE_BODY_LIMIT} bytes"),
             )
         })?;
-    let template = template_named(state, &team, &body).await;
+    let name = template_name(&body);
+    let remembered = placement_key(&parts.headers, &name);
+    let cached = cluster
+        .templates
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&remembered)
+        .filter(|(_, at)| at.elapsed() < OWNER_TTL)
+        .map(|(id, _)| id.clone());
+    let template = match cached {
+        Some(id) => id,
+        None => {
+            // Checked here too, so nothing unauthenticated costs a node anything.
+            let team = crate::extract::team_of(state, &parts.headers).await?;
+            let id = match state.templates.resolve(&team, &name).await {
+                Ok(template) => template.id,
+                Err(_) => name,
+            };
+            let mut templates = cluster.templates.lock().unwrap_or_else(|e| e.into_inner());
+            templates.retain(|_, (_, at)| at.elapsed() < OWNER_TTL);
+            templates.insert(remembered, (id.clone(), Instant::now()));
+            id
+        }
+    };
     let now = Utc::now();
     let live = cluster.nodes.live();
     let order = placement_order(&live, &template, |node| cluster.pending_on(node), now);
@@ -433,6 +463,9 @@ async fn place(
             Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
                 last = Some(Ok(response));
             }
+            Ok(response) if response.status() == StatusCode::CREATED => {
+                return Ok(remember_created(cluster, &node.id, response).await);
+            }
             Ok(response) => return Ok(response),
             Err(e) => {
                 tracing::warn!(node_id = %node.id, error = %e.message, "a node did not take a create");
@@ -443,21 +476,51 @@ async fn place(
     last.unwrap_or_else(|| Err(no_nodes()))
 }
 
-/// The id of the template a create names, resolved as the node will for the team; otherwise
-/// the name itself (placement then weighs headroom alone, and the node gives the error).
-async fn template_named(state: &AppState, team: &sandbar_core::Team, body: &Bytes) -> String {
+/// The template a create body names (the default one when it names none).
+fn template_name(body: &Bytes) -> String {
     #[derive(serde::Deserialize)]
     struct Create {
         #[serde(rename = "templateID")]
         template_id: Option<String>,
     }
-    let name = serde_json::from_slice::<Create>(body)
+    serde_json::from_slice::<Create>(body)
         .ok()
         .and_then(|c| c.template_id)
-        .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned());
-    match state.templates.resolve(team, &name).await {
-        Ok(template) => template.id,
-        Err(_) => name,
+        .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned())
+}
+
+/// What a resolved template is remembered under: the request's credentials and the name.
+fn placement_key(headers: &axum::http::HeaderMap, name: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for header in ["x-api-key", "authorization"] {
+        headers.get(header).map(HeaderValue::as_bytes).hash(&mut hasher);
+    }
+    name.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Notes which node took a new sandbox, so its first calls need no store lookup; the answer
+/// is passed on as it came.
+async fn remember_created(cluster: &ClusterRouting, node_id: &str, response: Response) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Created {
+        #[serde(rename = "sandboxID")]
+        sandbox_id: String,
+    }
+    let (parts, body) = response.into_parts();
+    match axum::body::to_bytes(body, CREATE_BODY_LIMIT).await {
+        Ok(bytes) => {
+            if let Ok(created) = serde_json::from_slice::<Created>(&bytes) {
+                cluster.remember_owner(&created.sandbox_id, node_id);
+            }
+            Response::from_parts(parts, Body::from(bytes))
+        }
+        Err(e) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("node '{node_id}' cut its answer to a create short: {e}"),
+        )
+        .into_response(),
     }
 }
 
