@@ -450,7 +450,12 @@ async fn place(
     };
     let now = Utc::now();
     let live = cluster.nodes.live();
-    let order = placement_order(&live, &template, |node| cluster.pending_on(node), now);
+    // Volumes live on the keeper: a sandbox that mounts one can start only there.
+    let order = if mounts_volumes(&body) {
+        cluster.keeper().into_iter().collect()
+    } else {
+        placement_order(&live, &template, |node| cluster.pending_on(node), now)
+    };
     let mut last = None;
     for node in order {
         let mut attempt = Request::new(Body::from(body.clone()));
@@ -489,12 +494,25 @@ fn template_name(body: &Bytes) -> String {
         .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned())
 }
 
+/// Whether a create body asks for volume mounts.
+fn mounts_volumes(body: &Bytes) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Create {
+        #[serde(rename = "volumeMounts", default)]
+        volume_mounts: Vec<serde_json::Value>,
+    }
+    serde_json::from_slice::<Create>(body).is_ok_and(|c| !c.volume_mounts.is_empty())
+}
+
 /// What a resolved template is remembered under: the request's credentials and the name.
 fn placement_key(headers: &axum::http::HeaderMap, name: &str) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     for header in ["x-api-key", "authorization"] {
-        headers.get(header).map(HeaderValue::as_bytes).hash(&mut hasher);
+        headers
+            .get(header)
+            .map(HeaderValue::as_bytes)
+            .hash(&mut hasher);
     }
     name.hash(&mut hasher);
     hasher.finish()
@@ -565,6 +583,18 @@ mod tests {
         assert_eq!(dest(Method::GET, "/templates"), Destination::Here);
         assert_eq!(dest(Method::GET, "/api-keys"), Destination::Here);
         assert_eq!(dest(Method::GET, "/health"), Destination::Here);
+    }
+
+    #[test]
+    fn creates_with_volume_mounts_are_told_apart() {
+        let with = Bytes::from_static(
+            br#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/data"}]}"#,
+        );
+        let without = Bytes::from_static(br#"{"templateID":"base","volumeMounts":[]}"#);
+        assert!(mounts_volumes(&with));
+        assert!(!mounts_volumes(&without));
+        assert!(!mounts_volumes(&Bytes::from_static(b"{}")));
+        assert!(!mounts_volumes(&Bytes::from_static(b"not json")));
     }
 
     #[test]
