@@ -52,11 +52,33 @@ pub enum SendError {
 pub struct KernelCommand {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// Loopback TCP instead of Unix sockets, for a kernel whose ZeroMQ has no `ipc`
+    /// transport (JeroMQ, under the Java kernel). Its connections do not survive a
+    /// checkpoint's restore.
+    pub tcp: bool,
+    /// Interrupted with an `interrupt_request` on the control channel rather than SIGINT
+    /// (a kernelspec's `interrupt_mode: message`; the Java kernel's JVM does not take the
+    /// signal).
+    pub interrupt_by_message: bool,
+}
+
+/// Five ports on 127.0.0.1 free a moment ago, for a kernel that binds them itself.
+fn free_loopback_ports() -> std::io::Result<[u16; 5]> {
+    let listeners = (0..5)
+        .map(|_| std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut ports = [0u16; 5];
+    for (port, listener) in ports.iter_mut().zip(&listeners) {
+        *port = listener.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 pub struct Kernel {
     child: tokio::process::Child,
     shell: tokio::sync::Mutex<DealerSendConnection>,
+    /// Only for a kernel interrupted by message.
+    control: Option<Arc<tokio::sync::Mutex<jupyter_zmq_client::ClientControlConnection>>>,
     routes: Routes,
     connection_file: PathBuf,
     /// Its sockets are this path with `-<port>` appended.
@@ -103,22 +125,36 @@ impl Kernel {
         // restores a connection between two of its processes over a Unix socket as it was,
         // where a restore closes TCP connections and ZeroMQ does not reconnect them.
         let ipc_prefix = runtime_dir.join(format!("{name}-ipc"));
-        let info = ConnectionInfo {
-            transport: jupyter_protocol::connection_info::Transport::IPC,
-            ip: ipc_prefix.display().to_string(),
-            stdin_port: 1,
-            control_port: 2,
-            hb_port: 3,
-            shell_port: 4,
-            iopub_port: 5,
-            signature_scheme: "hmac-sha256".into(),
-            key: new_id(),
-            kernel_name: None,
-        };
         let connection_file = runtime_dir.join(format!("{name}.json"));
         let file_error = |source| StartError::ConnectionFile {
             path: connection_file.clone(),
             source,
+        };
+        let (transport, ip, [stdin_port, control_port, hb_port, shell_port, iopub_port]) =
+            if command.tcp {
+                (
+                    jupyter_protocol::connection_info::Transport::TCP,
+                    std::net::Ipv4Addr::LOCALHOST.to_string(),
+                    free_loopback_ports().map_err(file_error)?,
+                )
+            } else {
+                (
+                    jupyter_protocol::connection_info::Transport::IPC,
+                    ipc_prefix.display().to_string(),
+                    [1, 2, 3, 4, 5],
+                )
+            };
+        let info = ConnectionInfo {
+            transport,
+            ip,
+            stdin_port,
+            control_port,
+            hb_port,
+            shell_port,
+            iopub_port,
+            signature_scheme: "hmac-sha256".into(),
+            key: new_id(),
+            kernel_name: None,
         };
         std::fs::create_dir_all(runtime_dir).map_err(file_error)?;
         let body = serde_json::to_vec(&info).unwrap_or_default();
@@ -174,6 +210,14 @@ impl Kernel {
         let mut iopub = jupyter_zmq_client::create_client_iopub_connection(&info, "", &session)
             .await
             .map_err(StartError::Connect)?;
+        let control = if command.interrupt_by_message {
+            let connection = jupyter_zmq_client::create_client_control_connection(&info, &session)
+                .await
+                .map_err(StartError::Connect)?;
+            Some(Arc::new(tokio::sync::Mutex::new(connection)))
+        } else {
+            None
+        };
         let shell_routes = routes.clone();
         let iopub_routes = routes.clone();
         let readers = vec![
@@ -191,6 +235,7 @@ impl Kernel {
         let mut kernel = Kernel {
             child,
             shell: tokio::sync::Mutex::new(shell_send),
+            control,
             routes,
             connection_file,
             ipc_prefix,
@@ -266,8 +311,22 @@ impl Kernel {
             .remove(id);
     }
 
-    /// Interrupts what the kernel runs, as a terminal's Ctrl-C would.
+    /// Interrupts what the kernel runs, as a terminal's Ctrl-C would, or by message.
     pub fn interrupt(&self) {
+        if let Some(control) = &self.control {
+            let control = control.clone();
+            tokio::spawn(async move {
+                let mut control = control.lock().await;
+                let request: JupyterMessage = jupyter_protocol::InterruptRequest {}.into();
+                if let Err(e) = control.send(request).await {
+                    tracing::warn!(error = %e, "cannot send the kernel an interrupt request");
+                    return;
+                }
+                // Its reply, read so that none pile up.
+                let _ = tokio::time::timeout(Duration::from_secs(5), control.read()).await;
+            });
+            return;
+        }
         if let Some(pid) = self
             .child
             .id()
