@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from e2b import InvalidArgumentException, NotFoundException, TimeoutException
+from e2b import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
 
 from e2b_code_interpreter import Sandbox
 
@@ -307,7 +307,7 @@ def test_a_timeout_interrupts_the_other_kernels(sbx, language, code, kept):
 
 
 def test_an_unknown_language_is_refused(sbx):
-    with pytest.raises(InvalidArgumentException, match="'cobol' is not supported here"):
+    with pytest.raises(SandboxException, match="400 Bad Request: language 'cobol' is not supported"):
         sbx.run_code("1", language="cobol")
 
 

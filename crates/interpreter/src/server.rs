@@ -647,7 +647,7 @@ fn env_code(language: &str, env: &BTreeMap<String, String>) -> Option<(String, S
         }
         // The earlier values wait in an option, out of the user's workspace; NA is unset.
         "r" => {
-            let names: Vec<String> = env.keys().map(|k| json_string(k)).collect();
+            let names: Vec<String> = env.keys().map(String::as_str).map(json_string).collect();
             let set = format!(
                 "local({{\n  \
                  options(sandbar.saved_env = Sys.getenv(c({}), unset = NA, names = TRUE))\n  \
