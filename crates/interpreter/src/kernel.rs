@@ -296,7 +296,7 @@ impl Kernel {
             // A subscription over loopback TCP to JeroMQ (the Java kernel's) now and then sees
             // nothing while the shell channel works; a new one does.
             if self.connection.0.transport == jupyter_protocol::connection_info::Transport::TCP
-                && rounds % 4 == 0
+                && rounds.is_multiple_of(4)
             {
                 tracing::info!("no status from the kernel yet; subscribing to its iopub again");
                 self.resubscribe().await?;
@@ -527,6 +527,17 @@ fn route(routes: &Routes, message: JupyterMessage) {
     }
 }
 
+fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(body)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -540,15 +551,4 @@ mod tests {
         let v6 = "   0: 0000000000000000FFFF00000100007F:A1B2 00000000000000000000000000000000:0000 0A 0 0\n";
         assert!(super::listening(v6, 0xA1B2));
     }
-}
-
-fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
-    file.write_all(body)
 }
