@@ -17,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from e2b import InvalidArgumentException, NotFoundException, TimeoutException
+from e2b import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
 
 from e2b_code_interpreter import Sandbox
 
@@ -160,6 +160,155 @@ def test_environment_variables(sbx):
     assert bash.logs.stdout == ["from-create it's bash\n"]
     after = sbx.run_code("echo \"[${CALL_VAR-unset}]\"", language="bash")
     assert after.logs.stdout == ["[unset]\n"]
+
+
+def test_javascript_results_output_await_imports_and_state(sbx):
+    assert sbx.run_code("1 + 1", language="js").text == "2"
+    logged = sbx.run_code("console.log('from node')\nlet kept = 40", language="javascript")
+    assert logged.error is None and logged.results == []
+    assert logged.logs.stdout == ["from node\n"]
+    assert sbx.run_code("kept + 2", language="js").text == "42"
+    awaited = sbx.run_code(
+        "await new Promise((resolve) => setTimeout(() => resolve(kept + 1), 50))", language="js"
+    )
+    assert awaited.text == "41"
+    imported = sbx.run_code(
+        'import * as path from "node:path"\npath.basename("/a/b.txt").length', language="js"
+    )
+    assert imported.error is None and imported.text == "5"
+    assert sbx.run_code("path.extname('x.md')", language="js").text == ".md"
+
+
+def test_typescript_runs_typed_code(sbx):
+    typed = sbx.run_code(
+        "function add(a: number, b: number): number {\n  return a + b\n}\n"
+        "const start: number = 40\nadd(start, 2)",
+        language="ts",
+    )
+    assert typed.error is None and typed.text == "42"
+    assert sbx.run_code("add(start, 1)", language="typescript").text == "41"
+    # tslab's compiler checks the types: a mismatch is an error, and nothing ran.
+    wrong = sbx.run_code("const label: string = 1", language="ts")
+    assert wrong.error.name == "TSError"
+    assert "not assignable to type 'string'" in wrong.error.value
+
+
+def test_r_results_output_and_data_frames(sbx):
+    assert sbx.run_code("1 + 1", language="r").results[0].text == "[1] 2"
+    printed = sbx.run_code('print("hi")\ncat("plain\\n")\nkept <- 5', language="r")
+    assert printed.error is None
+    assert printed.logs.stdout == ['[1] "hi"\n', "plain\n"]
+    assert sbx.run_code("kept * 2", language="r").results[0].text == "[1] 10"
+    frame = sbx.run_code('data.frame(a = 1:2, b = c("x", "y"))', language="r").results[0]
+    assert "<table" in frame.html and "<td>x</td>" in frame.html
+    assert frame.text.splitlines()[0].split() == ["a", "b"]
+
+
+def test_java_results_output_and_state(sbx):
+    assert sbx.run_code("int x = 40;", language="java", timeout=60).error is None
+    out = sbx.run_code('System.out.println("from java");\nx + 2', language="java")
+    assert out.logs.stdout == ["from java\n"]
+    assert out.text == "42"
+
+
+def test_errors_from_each_language(sbx):
+    js = sbx.run_code('throw new TypeError("bad thing")', language="js")
+    assert (js.error.name, js.error.value) == ("TypeError", "bad thing")
+    assert "TypeError: bad thing" in js.error.traceback
+    assert "kernel.js" not in js.error.traceback
+    r = sbx.run_code('stop("bad thing")', language="r")
+    assert r.error.name == "ERROR" and "bad thing" in r.error.value
+    assert 'stop("bad thing")' in r.error.traceback
+    java = sbx.run_code('throw new IllegalStateException("bad thing");', language="java")
+    assert "IllegalStateException" in java.error.value and "bad thing" in java.error.value
+    assert "IllegalStateException" in java.error.traceback
+    # Each kernel goes on with its state.
+    assert sbx.run_code("kept", language="js").text == "40"
+    assert sbx.run_code("kept", language="r").results[0].text == "[1] 5"
+    assert sbx.run_code("x", language="java").text == "40"
+
+
+@pytest.mark.parametrize(
+    ("language", "read", "unset"),
+    [
+        (
+            "js",
+            "console.log(`${process.env.GLOBAL_VAR} ${process.env.CALL_VAR}`)",
+            "console.log(process.env.CALL_VAR ?? 'gone')",
+        ),
+        (
+            "ts",
+            "console.log(`${process.env.GLOBAL_VAR} ${process.env.CALL_VAR}`)",
+            "console.log(process.env.CALL_VAR ?? 'gone')",
+        ),
+        (
+            "r",
+            'cat(Sys.getenv("GLOBAL_VAR"), Sys.getenv("CALL_VAR"))',
+            'cat(Sys.getenv("CALL_VAR", unset = "gone"))',
+        ),
+    ],
+)
+def test_environment_variables_in_other_languages(sbx, language, read, unset):
+    def shown(code, **envs):
+        execution = sbx.run_code(code, language=language, envs=envs or None)
+        assert execution.error is None, execution.error
+        return "".join(execution.logs.stdout).strip()
+
+    assert shown(read.replace("CALL_VAR", "GLOBAL_VAR")) == "from-create from-create"
+    assert shown(read, CALL_VAR="it's \"now\"\n$HOME") == "from-create it's \"now\"\n$HOME"
+    assert shown(unset) == "gone"
+    assert shown(read, GLOBAL_VAR="shadow", CALL_VAR="x") == "shadow x"
+    assert shown(read.replace("CALL_VAR", "GLOBAL_VAR")) == "from-create from-create"
+
+
+def test_java_sees_the_sandbox_environment_and_refuses_per_call_variables(sbx):
+    assert sbx.run_code('System.getenv("GLOBAL_VAR")', language="java").text == "from-create"
+    refused = sbx.run_code("1", language="java", envs={"CALL_VAR": "x"})
+    assert refused.error.name == "EnvironmentError"
+    assert "give them when the sandbox is created" in refused.error.value
+
+
+def test_a_context_per_language(sbx):
+    cases = [
+        ("js", "javascript", "process.cwd()", lambda e: e.text, "/tmp"),
+        ("ts", "typescript", "process.cwd()", lambda e: e.text, "/tmp"),
+        ("r", "r", "getwd()", lambda e: e.results[0].text, '[1] "/tmp"'),
+        ("java", "java", 'System.getProperty("user.dir")', lambda e: e.text, "/tmp"),
+    ]
+    for language, canonical, code, show, expected in cases:
+        ctx = sbx.create_code_context(language=language, cwd="/tmp")
+        try:
+            assert ctx.language == canonical
+            assert show(sbx.run_code(code, context=ctx, timeout=60)) == expected, language
+            # Its own kernel: the default context's state is not there.
+            assert sbx.run_code("kept", context=ctx).error is not None, language
+        finally:
+            sbx.remove_code_context(ctx)
+
+
+@pytest.mark.parametrize(
+    ("language", "code", "kept"),
+    [
+        ("js", "while (true) {}", "kept"),
+        ("r", "Sys.sleep(60)", "kept"),
+        ("java", "Thread.sleep(60000);", "x"),
+    ],
+)
+def test_a_timeout_interrupts_the_other_kernels(sbx, language, code, kept):
+    with pytest.raises(TimeoutException):
+        sbx.run_code(code, language=language, timeout=2)
+    # Interrupted (SIGINT, or for Java an interrupt_request): the kernel answers at once and
+    # kept its state.
+    started = time.monotonic()
+    after = sbx.run_code(kept, language=language, timeout=10)
+    assert after.error is None, after.error
+    assert time.monotonic() - started < 5
+    assert (after.text or after.results[0].text) in ("40", "[1] 5")
+
+
+def test_an_unknown_language_is_refused(sbx):
+    with pytest.raises(SandboxException, match="400 Bad Request: language 'cobol' is not supported"):
+        sbx.run_code("1", language="cobol")
 
 
 def test_contexts_are_independent(sbx):

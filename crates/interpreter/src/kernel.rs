@@ -16,6 +16,11 @@ use tokio::sync::mpsc;
 
 /// How long a new kernel may take to answer on both channels.
 const START_PATIENCE: Duration = Duration::from_secs(60);
+/// The same for a kernel over loopback TCP (Java's), which starts in 2–4 s here (its iopub
+/// subscription renewed as [`Kernel::wait_answering`] says); one that still does not answer
+/// is started again, up to [`TCP_START_ATTEMPTS`] times.
+const TCP_START_PATIENCE: Duration = Duration::from_secs(15);
+const TCP_START_ATTEMPTS: u32 = 3;
 
 type Routes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<JupyterMessage>>>>;
 
@@ -52,11 +57,35 @@ pub enum SendError {
 pub struct KernelCommand {
     pub argv: Vec<String>,
     pub env: Vec<(String, String)>,
+    /// Loopback TCP instead of Unix sockets, for a kernel whose ZeroMQ has no `ipc`
+    /// transport (JeroMQ, under the Java kernel). Its connections do not survive a
+    /// checkpoint's restore.
+    pub tcp: bool,
+    /// Interrupted with an `interrupt_request` on the control channel rather than SIGINT
+    /// (a kernelspec's `interrupt_mode: message`; the Java kernel's JVM does not take the
+    /// signal).
+    pub interrupt_by_message: bool,
+}
+
+/// Five ports on 127.0.0.1 free a moment ago, for a kernel that binds them itself.
+fn free_loopback_ports() -> std::io::Result<[u16; 5]> {
+    let listeners = (0..5)
+        .map(|_| std::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0)))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut ports = [0u16; 5];
+    for (port, listener) in ports.iter_mut().zip(&listeners) {
+        *port = listener.local_addr()?.port();
+    }
+    Ok(ports)
 }
 
 pub struct Kernel {
     child: tokio::process::Child,
     shell: tokio::sync::Mutex<DealerSendConnection>,
+    /// The kernel's connection and this client's session: an interrupt request (for a kernel
+    /// interrupted by message) connects to its control channel when one is sent.
+    connection: (ConnectionInfo, String),
+    interrupt_by_message: bool,
     routes: Routes,
     connection_file: PathBuf,
     /// Its sockets are this path with `-<port>` appended.
@@ -98,27 +127,66 @@ impl Kernel {
         cwd: &Path,
         runtime_dir: &Path,
     ) -> Result<Kernel, StartError> {
+        if !command.tcp {
+            return Self::start_once(command, cwd, runtime_dir, START_PATIENCE).await;
+        }
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(command, cwd, runtime_dir, TCP_START_PATIENCE).await {
+                Err(StartError::NotAnswering(waited)) if attempt < TCP_START_ATTEMPTS => {
+                    tracing::warn!(
+                        ?waited,
+                        attempt,
+                        "the kernel did not answer; starting it again"
+                    );
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(
+        command: &KernelCommand,
+        cwd: &Path,
+        runtime_dir: &Path,
+        patience: Duration,
+    ) -> Result<Kernel, StartError> {
         let name = format!("kernel-{}", new_id());
         // Unix sockets in the sandbox's own files rather than loopback TCP: a checkpoint
         // restores a connection between two of its processes over a Unix socket as it was,
         // where a restore closes TCP connections and ZeroMQ does not reconnect them.
         let ipc_prefix = runtime_dir.join(format!("{name}-ipc"));
-        let info = ConnectionInfo {
-            transport: jupyter_protocol::connection_info::Transport::IPC,
-            ip: ipc_prefix.display().to_string(),
-            stdin_port: 1,
-            control_port: 2,
-            hb_port: 3,
-            shell_port: 4,
-            iopub_port: 5,
-            signature_scheme: "hmac-sha256".into(),
-            key: new_id(),
-            kernel_name: None,
-        };
         let connection_file = runtime_dir.join(format!("{name}.json"));
         let file_error = |source| StartError::ConnectionFile {
             path: connection_file.clone(),
             source,
+        };
+        let (transport, ip, [stdin_port, control_port, hb_port, shell_port, iopub_port]) =
+            if command.tcp {
+                (
+                    jupyter_protocol::connection_info::Transport::TCP,
+                    std::net::Ipv4Addr::LOCALHOST.to_string(),
+                    free_loopback_ports().map_err(file_error)?,
+                )
+            } else {
+                (
+                    jupyter_protocol::connection_info::Transport::IPC,
+                    ipc_prefix.display().to_string(),
+                    [1, 2, 3, 4, 5],
+                )
+            };
+        let info = ConnectionInfo {
+            transport,
+            ip,
+            stdin_port,
+            control_port,
+            hb_port,
+            shell_port,
+            iopub_port,
+            signature_scheme: "hmac-sha256".into(),
+            key: new_id(),
+            kernel_name: None,
         };
         std::fs::create_dir_all(runtime_dir).map_err(file_error)?;
         let body = serde_json::to_vec(&info).unwrap_or_default();
@@ -153,7 +221,7 @@ impl Kernel {
                 Ok(())
             });
         }
-        let child = process.spawn().map_err(|source| {
+        let mut child = process.spawn().map_err(|source| {
             remove_files(&connection_file, &ipc_prefix);
             StartError::Spawn {
                 program: program.clone(),
@@ -161,6 +229,14 @@ impl Kernel {
                 source,
             }
         })?;
+        if command.tcp {
+            let ports = [info.shell_port, info.iopub_port, info.control_port];
+            if let Err(e) = wait_listening(&mut child, &ports, patience).await {
+                kill_group(&child);
+                remove_files(&connection_file, &ipc_prefix);
+                return Err(e);
+            }
+        }
         let session = new_id();
         let routes: Routes = Arc::default();
         let identity =
@@ -174,6 +250,7 @@ impl Kernel {
         let mut iopub = jupyter_zmq_client::create_client_iopub_connection(&info, "", &session)
             .await
             .map_err(StartError::Connect)?;
+        let connection = (info.clone(), session.clone());
         let shell_routes = routes.clone();
         let iopub_routes = routes.clone();
         let readers = vec![
@@ -191,26 +268,38 @@ impl Kernel {
         let mut kernel = Kernel {
             child,
             shell: tokio::sync::Mutex::new(shell_send),
+            connection,
+            interrupt_by_message: command.interrupt_by_message,
             routes,
             connection_file,
             ipc_prefix,
             readers,
             sandbox_env: None,
         };
-        kernel.wait_answering().await?;
+        kernel.wait_answering(patience).await?;
         Ok(kernel)
     }
 
     /// Asks for the kernel's info until its iopub channel shows the answer's status: only
     /// then is the subscription in place and no output of a request can be missed.
-    async fn wait_answering(&mut self) -> Result<(), StartError> {
-        let deadline = tokio::time::Instant::now() + START_PATIENCE;
+    async fn wait_answering(&mut self, patience: Duration) -> Result<(), StartError> {
+        let deadline = tokio::time::Instant::now() + patience;
+        let mut rounds = 0u32;
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(StartError::Exited(status.to_string()));
             }
             if tokio::time::Instant::now() >= deadline {
-                return Err(StartError::NotAnswering(START_PATIENCE));
+                return Err(StartError::NotAnswering(patience));
+            }
+            rounds += 1;
+            // A subscription over loopback TCP to JeroMQ (the Java kernel's) now and then sees
+            // nothing while the shell channel works; a new one does.
+            if self.connection.0.transport == jupyter_protocol::connection_info::Transport::TCP
+                && rounds.is_multiple_of(4)
+            {
+                tracing::info!("no status from the kernel yet; subscribing to its iopub again");
+                self.resubscribe().await?;
             }
             let request: JupyterMessage = KernelInfoRequest::default().into();
             let Ok(mut replies) = self.send(request).await else {
@@ -233,6 +322,24 @@ impl Kernel {
                 return Ok(());
             }
         }
+    }
+
+    /// Replaces the iopub subscription (the last reader) with a new one.
+    async fn resubscribe(&mut self) -> Result<(), StartError> {
+        let (info, session) = &self.connection;
+        let mut iopub = jupyter_zmq_client::create_client_iopub_connection(info, "", session)
+            .await
+            .map_err(StartError::Connect)?;
+        let routes = self.routes.clone();
+        if let Some(old) = self.readers.pop() {
+            old.abort();
+        }
+        self.readers.push(tokio::spawn(async move {
+            while let Ok(message) = iopub.read().await {
+                route(&routes, message);
+            }
+        }));
+        Ok(())
     }
 
     /// Sends a request; the receiver gets every message that names it as parent.
@@ -266,8 +373,31 @@ impl Kernel {
             .remove(id);
     }
 
-    /// Interrupts what the kernel runs, as a terminal's Ctrl-C would.
+    /// Interrupts what the kernel runs, as a terminal's Ctrl-C would, or by message.
     pub fn interrupt(&self) {
+        if self.interrupt_by_message {
+            let (info, session) = self.connection.clone();
+            tokio::spawn(async move {
+                let mut control =
+                    match jupyter_zmq_client::create_client_control_connection(&info, &session)
+                        .await
+                    {
+                        Ok(control) => control,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot reach the kernel's control channel");
+                            return;
+                        }
+                    };
+                let request: JupyterMessage = jupyter_protocol::InterruptRequest {}.into();
+                if let Err(e) = control.send(request).await {
+                    tracing::warn!(error = %e, "cannot send the kernel an interrupt request");
+                    return;
+                }
+                // Its reply, read so that none pile up.
+                let _ = tokio::time::timeout(Duration::from_secs(5), control.read()).await;
+            });
+            return;
+        }
         if let Some(pid) = self
             .child
             .id()
@@ -284,14 +414,7 @@ impl Kernel {
 
     /// Ends the kernel and everything it started.
     pub async fn shutdown(mut self) {
-        if let Some(pid) = self
-            .child
-            .id()
-            .and_then(|p| i32::try_from(p).ok())
-            .and_then(rustix::process::Pid::from_raw)
-        {
-            let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
-        }
+        kill_group(&self.child);
         let _ = self.child.kill().await;
         for reader in self.readers.drain(..) {
             reader.abort();
@@ -300,13 +423,71 @@ impl Kernel {
     }
 }
 
+/// Kills a kernel's process group: what it started (the Java kernel's launcher starts the
+/// kernel's own JVM) goes with it.
+fn kill_group(child: &tokio::process::Child) {
+    if let Some(pid) = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+    }
+}
+
 impl Drop for Kernel {
     fn drop(&mut self) {
+        // A kernel given up on while starting; after `shutdown` the group is gone already.
+        kill_group(&self.child);
         for reader in &self.readers {
             reader.abort();
         }
         remove_files(&self.connection_file, &self.ipc_prefix);
     }
+}
+
+/// Waits until a kernel that binds loopback TCP ports listens on them, read from
+/// `/proc/net/tcp` and `tcp6` (Java binds 127.0.0.1 on a dual-stack socket) rather than by
+/// connecting: JeroMQ (the Java kernel's ZeroMQ) does not get over a connection that closes
+/// before ZeroMQ's greeting.
+async fn wait_listening(
+    child: &mut tokio::process::Child,
+    ports: &[u16],
+    patience: Duration,
+) -> Result<(), StartError> {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let mut table = tokio::fs::read_to_string("/proc/net/tcp")
+            .await
+            .unwrap_or_default();
+        table.push_str(
+            &tokio::fs::read_to_string("/proc/net/tcp6")
+                .await
+                .unwrap_or_default(),
+        );
+        if ports.iter().all(|port| listening(&table, *port)) {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(StartError::Exited(status.to_string()));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(StartError::NotAnswering(patience));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether `/proc/net/tcp` or `tcp6` (their text) has a socket listening on 127.0.0.1:`port`
+/// (in `tcp6` as `::ffff:127.0.0.1`).
+fn listening(table: &str, port: u16) -> bool {
+    let v4 = format!("0100007F:{port:04X}");
+    let v6 = format!("0000000000000000FFFF00000100007F:{port:04X}");
+    table.lines().any(|line| {
+        let mut fields = line.split_whitespace().skip(1);
+        let local = fields.next();
+        (local == Some(v4.as_str()) || local == Some(v6.as_str())) && fields.nth(1) == Some("0A")
+    })
 }
 
 /// Removes a kernel's connection file and its sockets, which a killed kernel leaves behind.
@@ -355,4 +536,19 @@ fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(body)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn listening_sockets_are_read_from_proc_net_tcp() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n   \
+            0: 0100007F:9C41 00000000:0000 0A 00000000:00000000 00:00000000 00000000  1000        0 1 1\n   \
+            1: 0100007F:9C42 0100007F:9C41 01 00000000:00000000 00:00000000 00000000  1000        0 2 1\n";
+        assert!(super::listening(table, 0x9C41));
+        assert!(!super::listening(table, 0x9C42));
+        assert!(!super::listening(table, 80));
+        let v6 = "   0: 0000000000000000FFFF00000100007F:A1B2 00000000000000000000000000000000:0000 0A 0 0\n";
+        assert!(super::listening(v6, 0xA1B2));
+    }
 }

@@ -27,6 +27,25 @@ struct Args {
     /// code, also when they were started before the sandbox got it.
     #[arg(long, default_value = "/run/sandbar/env.json")]
     sandbox_env: PathBuf,
+    /// Node.js, which runs the JavaScript and TypeScript kernels.
+    #[arg(long, default_value = "/usr/bin/node")]
+    node: PathBuf,
+    /// The JavaScript (`--js`) and TypeScript kernel, a script beside the `node_modules` that
+    /// holds tslab and zeromq.
+    #[arg(long, default_value = "/opt/sandbar/js/kernel.js")]
+    js_kernel: PathBuf,
+    /// R, with IRkernel installed.
+    #[arg(long, default_value = "/usr/bin/R")]
+    r: PathBuf,
+    /// The Java that runs the Java kernel (a JDK's: the kernel needs jshell).
+    #[arg(long, default_value = "/usr/bin/java")]
+    java: PathBuf,
+    /// The Java kernel's directory (JJava's kernelspec, holding its two jars).
+    #[arg(
+        long,
+        default_value = "/opt/sandbar/interpreter/share/jupyter/kernels/java"
+    )]
+    jjava: PathBuf,
 }
 
 fn kernel(python: &std::path::Path, module: &str, args: &[&str]) -> KernelCommand {
@@ -41,7 +60,100 @@ fn kernel(python: &std::path::Path, module: &str, args: &[&str]) -> KernelComman
     KernelCommand {
         argv,
         env: Vec::new(),
+        tcp: false,
+        interrupt_by_message: false,
     }
+}
+
+fn argv(parts: &[&str]) -> Vec<String> {
+    parts.iter().map(|p| (*p).to_owned()).collect()
+}
+
+/// The kernels of the languages besides Python and bash whose files this root has, and for
+/// the others why not. Only looked up here: they start on their language's first use.
+fn other_kernels(args: &Args) -> (BTreeMap<String, KernelCommand>, BTreeMap<String, String>) {
+    let mut kernels = BTreeMap::new();
+    let mut unavailable = BTreeMap::new();
+    let missing = |paths: &[&std::path::Path]| {
+        paths
+            .iter()
+            .find(|p| !p.exists())
+            .map(|p| format!("this template has no {}", p.display()))
+    };
+    let node = args.node.display().to_string();
+    let script = args.js_kernel.display().to_string();
+    match missing(&[&args.node, &args.js_kernel]) {
+        None => {
+            for (language, flags) in [("javascript", &["--js"][..]), ("typescript", &[][..])] {
+                let mut parts = vec![node.as_str(), script.as_str()];
+                parts.extend_from_slice(flags);
+                parts.push("{connection_file}");
+                kernels.insert(
+                    language.to_owned(),
+                    KernelCommand {
+                        argv: argv(&parts),
+                        env: Vec::new(),
+                        tcp: false,
+                        interrupt_by_message: false,
+                    },
+                );
+            }
+        }
+        Some(reason) => {
+            unavailable.insert("javascript".to_owned(), reason.clone());
+            unavailable.insert("typescript".to_owned(), reason);
+        }
+    }
+    match missing(&[&args.r]) {
+        None => {
+            let r = args.r.display().to_string();
+            kernels.insert(
+                "r".to_owned(),
+                KernelCommand {
+                    argv: argv(&[
+                        &r,
+                        "--slave",
+                        "-e",
+                        "IRkernel::main()",
+                        "--args",
+                        "{connection_file}",
+                    ]),
+                    env: Vec::new(),
+                    tcp: false,
+                    interrupt_by_message: false,
+                },
+            );
+        }
+        Some(reason) => {
+            unavailable.insert("r".to_owned(), reason);
+        }
+    }
+    let launcher = args.jjava.join("jjava-launcher.jar");
+    let jar = args.jjava.join("jjava.jar");
+    match missing(&[&args.java, &launcher, &jar]) {
+        None => {
+            kernels.insert(
+                "java".to_owned(),
+                KernelCommand {
+                    argv: argv(&[
+                        &args.java.display().to_string(),
+                        "-jar",
+                        &launcher.display().to_string(),
+                        &jar.display().to_string(),
+                        "{connection_file}",
+                    ]),
+                    env: Vec::new(),
+                    // JeroMQ, the kernel's ZeroMQ, has no Unix socket transport.
+                    tcp: true,
+                    interrupt_by_message: true,
+                },
+            );
+        }
+        Some(reason) => {
+            unavailable.insert("java".to_owned(), reason);
+        }
+    }
+    (kernels, unavailable)
 }
 
 #[tokio::main]
@@ -61,7 +173,8 @@ async fn main() -> anyhow::Result<()> {
             .create(&args.runtime_dir)
             .with_context(|| format!("cannot create {}", args.runtime_dir.display()))?;
     }
-    let kernels = BTreeMap::from([
+    let (mut kernels, unavailable) = other_kernels(&args);
+    kernels.extend([
         (
             "python".to_owned(),
             // IPython's history database holds a file lock while the kernel runs, which a
@@ -78,6 +191,7 @@ async fn main() -> anyhow::Result<()> {
         default_cwd: args.cwd,
         runtime_dir: args.runtime_dir,
         kernels,
+        unavailable,
         sandbox_env: Some(args.sandbox_env),
     });
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -38,6 +38,9 @@ pub struct Config {
     pub runtime_dir: PathBuf,
     /// How to start a kernel of each language.
     pub kernels: BTreeMap<String, KernelCommand>,
+    /// Languages E2B's SDKs name that this template cannot run, and why; asking for one
+    /// answers 400 with the reason.
+    pub unavailable: BTreeMap<String, String>,
     /// The sandbox's environment variables as a JSON object, kept by the sandbox's agent.
     /// Kernels running since before the sandbox got them (restored from the template's
     /// capture) get them set before their next execution.
@@ -107,11 +110,15 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// The language's canonical name, as E2B's server reports it in a context: `js` is
+/// `javascript` and `ts` is `typescript`.
 fn normalize_language(language: Option<&str>) -> String {
     match language.map(|l| l.trim().to_ascii_lowercase()) {
         None => "python".into(),
         Some(l) if l.is_empty() || l == "python3" => "python".into(),
         Some(l) if l == "sh" => "bash".into(),
+        Some(l) if l == "js" || l == "node" => "javascript".into(),
+        Some(l) if l == "ts" => "typescript".into(),
         Some(l) => l,
     }
 }
@@ -161,18 +168,43 @@ impl Server {
     fn kernel_command(&self, language: &str) -> Result<&KernelCommand, ApiError> {
         self.config.kernels.get(language).ok_or_else(|| {
             let known: Vec<&str> = self.config.kernels.keys().map(String::as_str).collect();
+            let why = self
+                .config
+                .unavailable
+                .get(language)
+                .map(|reason| format!(": {reason}"))
+                .unwrap_or_default();
             ApiError::BadRequest(format!(
-                "language '{language}' is not supported here (supported: {})",
+                "language '{language}' is not supported here{why} (supported: {})",
                 known.join(", ")
             ))
         })
     }
 
+    /// Starts a kernel with the sandbox's environment as it is now in its process's own:
+    /// a kernel started after the sandbox got it (any but the default Python one) needs no
+    /// code to set it, which a Java kernel could not run.
     async fn start_kernel(&self, language: &str, cwd: &str) -> Result<Kernel, ApiError> {
-        let command = self.kernel_command(language)?;
-        Kernel::start(command, std::path::Path::new(cwd), &self.config.runtime_dir)
-            .await
-            .map_err(|e| ApiError::Kernel(e.to_string()))
+        let mut command = self.kernel_command(language)?.clone();
+        let sandbox_env = self
+            .config
+            .sandbox_env
+            .as_deref()
+            .and_then(read_sandbox_env);
+        if let Some(env) = &sandbox_env {
+            command
+                .env
+                .extend(env.vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+        }
+        let mut kernel = Kernel::start(
+            &command,
+            std::path::Path::new(cwd),
+            &self.config.runtime_dir,
+        )
+        .await
+        .map_err(|e| ApiError::Kernel(e.to_string()))?;
+        kernel.sandbox_env = sandbox_env;
+        Ok(kernel)
     }
 
     async fn new_context(&self, language: &str, cwd: &str) -> Result<Arc<Context>, ApiError> {
@@ -375,18 +407,42 @@ async fn run_execution(
         && let Some(sandbox_env) = read_sandbox_env(path)
         && kernel.sandbox_env.as_ref() != Some(&sandbox_env)
     {
-        let set = sandbox_env_code(&context.language, &sandbox_env.vars);
-        if let Err(e) = run_silent(kernel, set).await {
-            let _ = send_line(&tx, &e).await;
-            let _ = send_line(&tx, &Output::EndOfExecution).await;
-            return;
+        match sandbox_env_code(&context.language, &sandbox_env.vars) {
+            Some(set) => {
+                if let Err(e) = run_silent(kernel, set).await {
+                    let _ = send_line(&tx, &e).await;
+                    let _ = send_line(&tx, &Output::EndOfExecution).await;
+                    return;
+                }
+            }
+            None => tracing::warn!(
+                context = %context.id,
+                language = %context.language,
+                "the sandbox's environment changed, and this kernel cannot take it; it keeps the one it started with"
+            ),
         }
         kernel.sandbox_env = Some(sandbox_env);
     }
     let restore = if env.is_empty() {
         None
     } else {
-        let (set, restore) = env_code(&context.language, &env);
+        let Some((set, restore)) = env_code(&context.language, &env) else {
+            let _ = send_line(
+                &tx,
+                &Output::Error {
+                    name: "EnvironmentError".into(),
+                    value: format!(
+                        "a {} kernel cannot change its environment variables; give them when \
+                         the sandbox is created",
+                        context.language
+                    ),
+                    traceback: String::new(),
+                },
+            )
+            .await;
+            let _ = send_line(&tx, &Output::EndOfExecution).await;
+            return;
+        };
         if let Err(e) = run_silent(kernel, set).await {
             let _ = send_line(&tx, &e).await;
             let _ = send_line(&tx, &Output::EndOfExecution).await;
@@ -527,29 +583,91 @@ fn read_sandbox_env(path: &std::path::Path) -> Option<SandboxEnv> {
 /// sandbox gets its identity, also when a kernel restored from the template's capture runs
 /// on: Python's generators seeded before the capture are seeded again, or every sandbox of
 /// the template would draw the same numbers.
-fn sandbox_env_code(language: &str, env: &BTreeMap<String, String>) -> String {
+fn sandbox_env_code(language: &str, env: &BTreeMap<String, String>) -> Option<String> {
+    match language {
+        // One statement that is both JavaScript and TypeScript (tslab type-checks it).
+        "javascript" | "typescript" => {
+            return Some(format!(
+                "Object.assign(process.env, {});\n",
+                json_object(env)
+            ));
+        }
+        "r" => {
+            return Some(format!(
+                "invisible(do.call(Sys.setenv, {}))\n",
+                r_named_list(env.iter())
+            ));
+        }
+        "python" | "bash" => {}
+        // Java cannot change its own process's environment.
+        _ => return None,
+    }
     if language == "bash" {
         let mut code: String = env
             .iter()
             .map(|(name, value)| format!("export {name}={}\n", shell_quote(value)))
             .collect();
         code.push_str("RANDOM=$(( $(od -An -N2 -tu2 /dev/urandom) ))\n");
-        return code;
+        return Some(code);
     }
     let values = serde_json::to_string(env).unwrap_or_else(|_| "{}".into());
-    format!(
+    Some(format!(
         "import os as _sandbar_os, random as _sandbar_random, sys as _sandbar_sys\n\
          _sandbar_os.environ.update({values})\n\
          _sandbar_random.seed()\n\
          if 'numpy.random' in _sandbar_sys.modules:\n    \
          _sandbar_sys.modules['numpy.random'].seed()\n\
          del _sandbar_os, _sandbar_random, _sandbar_sys\n"
-    )
+    ))
 }
 
 /// Code that sets `env` in a kernel for one execution, and code that puts back what was
 /// there before.
-fn env_code(language: &str, env: &BTreeMap<String, String>) -> (String, String) {
+fn env_code(language: &str, env: &BTreeMap<String, String>) -> Option<(String, String)> {
+    match language {
+        // Valid JavaScript and TypeScript alike: no annotations, nothing a type check
+        // refuses, and nothing declared at the top level, where it would be the user's. The
+        // restoring closure is kept on `process` under a name of its own.
+        "javascript" | "typescript" => {
+            let set = format!(
+                "{{\n  const vars = {};\n  \
+                 const saved = Object.keys(vars).map((k) => ({{ k, v: process.env[k] }}));\n  \
+                 Object.assign(process.env, vars);\n  \
+                 Reflect.set(process, \"__sandbarRestoreEnv\", () => {{\n    \
+                 for (const s of saved) {{\n      \
+                 if (s.v === undefined) delete process.env[s.k];\n      \
+                 else process.env[s.k] = s.v;\n    }}\n  }});\n}}\n",
+                json_object(env)
+            );
+            let restore = "{\n  const restore = Reflect.get(process, \"__sandbarRestoreEnv\");\n  \
+                           Reflect.deleteProperty(process, \"__sandbarRestoreEnv\");\n  \
+                           if (typeof restore === \"function\") restore();\n}\n"
+                .to_owned();
+            return Some((set, restore));
+        }
+        // The earlier values wait in an option, out of the user's workspace; NA is unset.
+        "r" => {
+            let names: Vec<String> = env.keys().map(String::as_str).map(json_string).collect();
+            let set = format!(
+                "local({{\n  \
+                 options(sandbar.saved_env = Sys.getenv(c({}), unset = NA, names = TRUE))\n  \
+                 do.call(Sys.setenv, {})\n}})\n",
+                names.join(", "),
+                r_named_list(env.iter())
+            );
+            let restore = "local({\n  \
+                           saved <- getOption(\"sandbar.saved_env\")\n  \
+                           options(sandbar.saved_env = NULL)\n  \
+                           for (name in names(saved)) {\n    \
+                           if (is.na(saved[[name]])) Sys.unsetenv(name)\n    \
+                           else do.call(Sys.setenv, stats::setNames(list(saved[[name]]), name))\n  }\n\
+                           })\n"
+                .to_owned();
+            return Some((set, restore));
+        }
+        "python" | "bash" => {}
+        _ => return None,
+    }
     if language == "bash" {
         let mut set = String::new();
         let mut restore = String::new();
@@ -562,7 +680,7 @@ fn env_code(language: &str, env: &BTreeMap<String, String>) -> (String, String) 
                 "if [ -n \"$_sandbar_had_{name}\" ]; then export {name}=\"$_sandbar_old_{name}\"; else unset {name}; fi; unset _sandbar_had_{name} _sandbar_old_{name}\n"
             ));
         }
-        return (set, restore);
+        return Some((set, restore));
     }
     // A JSON object of strings is also a Python dict literal.
     let values = serde_json::to_string(env).unwrap_or_else(|_| "{}".into());
@@ -576,7 +694,26 @@ fn env_code(language: &str, env: &BTreeMap<String, String>) -> (String, String) 
                    else:\n        _sandbar_os.environ[_sandbar_k] = _sandbar_v\n\
                    del _sandbar_saved_env, _sandbar_k, _sandbar_v\n"
         .to_owned();
-    (set, restore)
+    Some((set, restore))
+}
+
+fn json_object(env: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(env).unwrap_or_else(|_| "{}".into())
+}
+
+/// A string as a double-quoted literal: JSON's escapes (`\"`, `\\`, `\n`, `\uXXXX`, ...) are
+/// also R's and JavaScript's.
+fn json_string(value: &str) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// `list(NAME = "value", ...)` in R; names are checked environment variable names, quoted
+/// with backticks since one may start with `_`.
+fn r_named_list<'a>(env: impl Iterator<Item = (&'a String, &'a String)>) -> String {
+    let items: Vec<String> = env
+        .map(|(name, value)| format!("`{name}` = {}", json_string(value)))
+        .collect();
+    format!("list({})", items.join(", "))
 }
 
 fn shell_quote(value: &str) -> String {
@@ -595,6 +732,9 @@ mod tests {
         assert_eq!(normalize_language(Some("python3")), "python");
         assert_eq!(normalize_language(Some("bash")), "bash");
         assert_eq!(normalize_language(Some("r")), "r");
+        assert_eq!(normalize_language(Some("JS")), "javascript");
+        assert_eq!(normalize_language(Some("ts")), "typescript");
+        assert_eq!(normalize_language(Some("javascript")), "javascript");
     }
 
     #[test]
@@ -605,8 +745,12 @@ mod tests {
         std::fs::write(&path, r#"{"A":"it's","B-C":"x"}"#).expect("write");
         let env = read_sandbox_env(&path).expect("env").vars;
         assert_eq!(env, BTreeMap::from([("A".to_owned(), "it's".to_owned())]));
-        assert!(sandbox_env_code("bash", &env).starts_with("export A='it'\\''s'\n"));
-        let python = sandbox_env_code("python", &env);
+        assert!(
+            sandbox_env_code("bash", &env)
+                .unwrap()
+                .starts_with("export A='it'\\''s'\n")
+        );
+        let python = sandbox_env_code("python", &env).unwrap();
         assert!(
             python.contains(r#"environ.update({"A":"it's"})"#),
             "{python}"
@@ -629,7 +773,7 @@ mod tests {
     #[test]
     fn bash_values_are_quoted() {
         let env = BTreeMap::from([("A".to_owned(), "it's $HOME".to_owned())]);
-        let (set, restore) = env_code("bash", &env);
+        let (set, restore) = env_code("bash", &env).unwrap();
         assert!(set.contains("export A='it'\\''s $HOME'"), "{set}");
         assert!(restore.contains("unset A"), "{restore}");
     }
@@ -637,8 +781,74 @@ mod tests {
     #[test]
     fn python_values_are_a_dict_literal() {
         let env = BTreeMap::from([("A".to_owned(), "x\"y\n".to_owned())]);
-        let (set, _) = env_code("python", &env);
+        let (set, _) = env_code("python", &env).unwrap();
         assert!(set.contains(r#"{"A":"x\"y\n"}"#), "{set}");
+    }
+
+    #[test]
+    fn js_and_ts_set_process_env_and_put_it_back() {
+        let env = BTreeMap::from([("A".to_owned(), "it's \"x\"\n".to_owned())]);
+        let (set, restore) = env_code("javascript", &env).unwrap();
+        assert!(
+            set.contains(r#"const vars = {"A":"it's \"x\"\n"};"#),
+            "{set}"
+        );
+        assert!(set.contains("Object.assign(process.env, vars)"), "{set}");
+        assert!(set.contains("delete process.env[s.k]"), "{set}");
+        assert!(restore.contains("__sandbarRestoreEnv"), "{restore}");
+        assert_eq!(env_code("typescript", &env).unwrap(), (set, restore));
+        assert_eq!(
+            sandbox_env_code("javascript", &env).unwrap(),
+            "Object.assign(process.env, {\"A\":\"it's \\\"x\\\"\\n\"});\n"
+        );
+    }
+
+    #[test]
+    fn r_uses_sys_setenv_and_unsets_what_was_not_there() {
+        let env = BTreeMap::from([
+            ("A".to_owned(), "x\"y\\".to_owned()),
+            ("_B".to_owned(), "2".to_owned()),
+        ]);
+        let (set, restore) = env_code("r", &env).unwrap();
+        assert!(
+            set.contains(r#"Sys.getenv(c("A", "_B"), unset = NA"#),
+            "{set}"
+        );
+        assert!(
+            set.contains(r#"do.call(Sys.setenv, list(`A` = "x\"y\\", `_B` = "2"))"#),
+            "{set}"
+        );
+        assert!(restore.contains("Sys.unsetenv(name)"), "{restore}");
+        assert!(restore.contains("sandbar.saved_env = NULL"), "{restore}");
+        assert_eq!(
+            sandbox_env_code("r", &env).unwrap(),
+            "invisible(do.call(Sys.setenv, list(`A` = \"x\\\"y\\\\\", `_B` = \"2\")))\n"
+        );
+    }
+
+    #[test]
+    fn java_cannot_change_its_environment() {
+        let env = BTreeMap::from([("A".to_owned(), "1".to_owned())]);
+        assert_eq!(env_code("java", &env), None);
+        assert_eq!(sandbox_env_code("java", &env), None);
+    }
+
+    #[test]
+    fn unsupported_languages_say_why() {
+        let server = Server::new(Config {
+            default_cwd: "/".into(),
+            runtime_dir: "/nonexistent".into(),
+            kernels: BTreeMap::new(),
+            unavailable: BTreeMap::from([("java".to_owned(), "no JDK here".to_owned())]),
+            sandbox_env: None,
+        });
+        let java = server.kernel_command("java").unwrap_err().to_string();
+        assert!(
+            java.contains("'java' is not supported here: no JDK here"),
+            "{java}"
+        );
+        let cobol = server.kernel_command("cobol").unwrap_err().to_string();
+        assert!(cobol.contains("'cobol' is not supported here ("), "{cobol}");
     }
 
     #[test]

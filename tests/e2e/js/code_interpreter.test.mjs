@@ -22,6 +22,24 @@ test('runCode keeps state, streams output and returns rich results with the npm 
     assert.equal(failed.error.name, 'ValueError');
     assert.equal(failed.error.value, 'nope');
 
+    const js = await sbx.runCode("console.log(process.env.FROM_JS)\nawait Promise.resolve(6 * 7)", {
+      language: 'js',
+    });
+    assert.deepEqual(js.logs.stdout, ['js\n']);
+    assert.equal(js.text, '42');
+    const ts = await sbx.runCode('const half: number = 21\nhalf * 2', { language: 'ts' });
+    assert.equal(ts.text, '42');
+    const r = await sbx.runCode('x <- 41\nx + 1', { language: 'r' });
+    assert.equal(r.results[0].text, '[1] 42');
+    const jsFailed = await sbx.runCode('throw new RangeError("too far")', { language: 'js' });
+    assert.equal(jsFailed.error.name, 'RangeError');
+    assert.equal(jsFailed.error.value, 'too far');
+    const rCtx = await sbx.createCodeContext({ language: 'r', cwd: '/tmp' });
+    assert.equal(rCtx.language, 'r');
+    const wd = await sbx.runCode('getwd()', { context: rCtx });
+    assert.equal(wd.results[0].text, '[1] "/tmp"');
+    await sbx.removeCodeContext(rCtx);
+
     const ctx = await sbx.createCodeContext({ language: 'bash', cwd: '/tmp' });
     const bash = await sbx.runCode('pwd', { context: ctx });
     assert.deepEqual(bash.logs.stdout, ['/tmp\n']);
