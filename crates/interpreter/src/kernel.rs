@@ -241,15 +241,31 @@ impl Kernel {
         let routes: Routes = Arc::default();
         let identity =
             jupyter_zmq_client::peer_identity_for_session(&session).map_err(StartError::Connect)?;
-        let shell = jupyter_zmq_client::create_client_shell_connection_with_identity(
-            &info, &session, identity,
-        )
-        .await
-        .map_err(StartError::Connect)?;
+        // Connecting is bounded too, so a kernel that never accepts is started again rather
+        // than waited for until the client gives up.
+        let connecting = async {
+            let shell = jupyter_zmq_client::create_client_shell_connection_with_identity(
+                &info, &session, identity,
+            )
+            .await?;
+            let iopub =
+                jupyter_zmq_client::create_client_iopub_connection(&info, "", &session).await?;
+            Ok((shell, iopub))
+        };
+        let (shell, mut iopub) = match tokio::time::timeout(patience, connecting).await {
+            Ok(Ok(connected)) => connected,
+            Ok(Err(e)) => {
+                kill_group(&child);
+                remove_files(&connection_file, &ipc_prefix);
+                return Err(StartError::Connect(e));
+            }
+            Err(_) => {
+                kill_group(&child);
+                remove_files(&connection_file, &ipc_prefix);
+                return Err(StartError::NotAnswering(patience));
+            }
+        };
         let (shell_send, mut shell_recv) = shell.split();
-        let mut iopub = jupyter_zmq_client::create_client_iopub_connection(&info, "", &session)
-            .await
-            .map_err(StartError::Connect)?;
         let connection = (info.clone(), session.clone());
         let shell_routes = routes.clone();
         let iopub_routes = routes.clone();
@@ -302,7 +318,11 @@ impl Kernel {
                 self.resubscribe().await?;
             }
             let request: JupyterMessage = KernelInfoRequest::default().into();
-            let Ok(mut replies) = self.send(request).await else {
+            // Bounded: a send to a peer that is not connected yet can wait for it forever,
+            // and the deadline above must stay in charge.
+            let Ok(Ok(mut replies)) =
+                tokio::time::timeout(Duration::from_millis(500), self.send(request)).await
+            else {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             };
@@ -327,9 +347,12 @@ impl Kernel {
     /// Replaces the iopub subscription (the last reader) with a new one.
     async fn resubscribe(&mut self) -> Result<(), StartError> {
         let (info, session) = &self.connection;
-        let mut iopub = jupyter_zmq_client::create_client_iopub_connection(info, "", session)
-            .await
-            .map_err(StartError::Connect)?;
+        let connecting = jupyter_zmq_client::create_client_iopub_connection(info, "", session);
+        let Ok(connected) = tokio::time::timeout(Duration::from_secs(2), connecting).await else {
+            // The next round tries again; the old subscription stays until then.
+            return Ok(());
+        };
+        let mut iopub = connected.map_err(StartError::Connect)?;
         let routes = self.routes.clone();
         if let Some(old) = self.readers.pop() {
             old.abort();
