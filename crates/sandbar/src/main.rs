@@ -462,6 +462,7 @@ fn builtin_template(
     });
     template.envd_version = envd_version.into();
     template.disk_size_mb = disk_size_mb;
+    template.memory_mb = memory_mb;
     template.updated_at = now;
     template
 }
@@ -493,7 +494,9 @@ async fn ensure_interpreter_template(
     let template = builtin_template(
         existing,
         sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
-        1024,
+        // Python, two Node.js kernels (each with TypeScript's compiler), R and a JVM in one
+        // sandbox reach about 1 GiB; limits are ceilings, so an idle one costs no more.
+        2048,
         disk_size_mb,
         sandbar_jail::ENVD_VERSION,
     );
