@@ -609,7 +609,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
     let (network_base, network_prefix_len) = parse_network(&args.network)?;
-    let agent_bin = match args.agent_bin {
+    let agent_bin = match args.agent_bin.clone() {
         Some(path) => path,
         None => std::env::current_exe()?
             .parent()
@@ -634,22 +634,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         None => database::open_sqlite(&data_dir.join("sandbar.db")).await?,
     };
     let auth = Auth::new(store.clone());
-    let requested_key = std::env::var("SANDBAR_API_KEY")
-        .ok()
-        .filter(|k| !k.is_empty());
-    let limits = TeamLimits {
-        max_concurrent_sandboxes: args.max_sandboxes,
-        max_sandbox_timeout_secs: args.max_timeout,
-        requests_per_minute: args.rate_limit,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-    };
-    let credentials_path = data_dir.join("credentials.json");
-    if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
-        write_credentials(&credentials_path, &credentials)?;
-        tracing::info!(path = %credentials_path.display(), team_id = %credentials.team_id, "first start: credentials written");
-    }
+    bootstrap_first_team(&auth, &args, &data_dir).await?;
 
     let nameservers = if args.nameservers.is_empty() {
         host_nameservers()
@@ -834,17 +819,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         }),
         cluster: node_lease.map(|(_, secret)| sandbar_api::ClusterRole::Node { secret }),
     });
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?
-        .tap_io(|tcp| {
-            // Small request/response exchanges stall ~40 ms on Nagle + delayed ACK otherwise.
-            let _ = tcp.set_nodelay(true);
-        });
-    tracing::info!(address = %args.listen, "sandbar is serving");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    serve_until_stopped(args.listen, app, "sandbar is serving").await?;
     builds.shutdown().await;
     node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
@@ -860,26 +835,11 @@ async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
     let store = database::connect_postgres(url).await?;
     tracing::info!(database = %sandbar_store::redacted_url(url), "records are kept in PostgreSQL");
     let auth = Auth::new(store.clone());
-    let limits = TeamLimits {
-        max_concurrent_sandboxes: args.max_sandboxes,
-        max_sandbox_timeout_secs: args.max_timeout,
-        requests_per_minute: args.rate_limit,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-    };
-    let requested_key = std::env::var("SANDBAR_API_KEY")
-        .ok()
-        .filter(|k| !k.is_empty());
     let data_dir = args
         .data_dir
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
-    let credentials_path = data_dir.join("credentials.json");
-    if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
-        write_credentials(&credentials_path, &credentials)?;
-        tracing::info!(path = %credentials_path.display(), team_id = %credentials.team_id, "first start: credentials written");
-    }
+    bootstrap_first_team(&auth, &args, &data_dir).await?;
     let app = cluster::api_router(cluster::ApiHost {
         store,
         auth,
@@ -889,13 +849,54 @@ async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
         base_disk_mb: args.base_disk_mb,
     })
     .await?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
+    serve_until_stopped(
+        args.listen,
+        app,
+        "sandbar is serving as an API host of a cluster",
+    )
+    .await
+}
+
+/// Makes the first team and its key on an empty store and writes them to
+/// `credentials.json` in the data directory; nothing once a team exists.
+async fn bootstrap_first_team(
+    auth: &Auth,
+    args: &ServeArgs,
+    data_dir: &Path,
+) -> anyhow::Result<()> {
+    let requested_key = std::env::var("SANDBAR_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty());
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: args.max_sandboxes,
+        max_sandbox_timeout_secs: args.max_timeout,
+        requests_per_minute: args.rate_limit,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    };
+    let credentials_path = data_dir.join("credentials.json");
+    if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
+        write_credentials(&credentials_path, &credentials)?;
+        tracing::info!(path = %credentials_path.display(), team_id = %credentials.team_id, "first start: credentials written");
+    }
+    Ok(())
+}
+
+/// Serves `app` on `address` until SIGTERM or SIGINT.
+async fn serve_until_stopped(
+    address: SocketAddr,
+    app: axum::Router,
+    serving: &'static str,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(address)
         .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?
+        .with_context(|| format!("cannot listen on {address}"))?
         .tap_io(|tcp| {
+            // Small request/response exchanges stall ~40 ms on Nagle + delayed ACK otherwise.
             let _ = tcp.set_nodelay(true);
         });
-    tracing::info!(address = %args.listen, "sandbar is serving as an API host of a cluster");
+    tracing::info!(%address, "{serving}");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
