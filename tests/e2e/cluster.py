@@ -91,6 +91,10 @@ NODE_SETTINGS = {
     "n1": {"id_base": 1 << 29, "network": "10.214.0.0/18"},
     "n2": {"id_base": (1 << 29) + (1 << 28), "network": "10.215.0.0/18"},
 }
+# The layer store: a registry (distribution's `docker-registry`) in the bridge's namespace,
+# on the bridge's address, where nodes publish and fetch template layers.
+LAYER_REGISTRY_PORT = 5000
+LAYER_STORE = f"http://{BRIDGE_ADDR}:{LAYER_REGISTRY_PORT}/sandbar/layers"
 # Every node's serve flags besides its identity.
 NODE_FLAGS = [
     "--warm-pool", "2",
@@ -102,6 +106,7 @@ NODE_FLAGS = [
     "--nameserver", "127.0.0.1",
     # The base root is borrowed; a build that still tried a mirror would find nothing here.
     "--debian-mirror", "http://127.0.0.1:9/debian",
+    "--layer-store", LAYER_STORE,
 ]
 SECRET_HEADER = "X-Sandbar-Node-Secret"
 
@@ -627,6 +632,9 @@ class Host:
         if self.kind == "node":
             s = NODE_SETTINGS[self.name]
             args += ["--id-base", str(s["id_base"]), "--network", s["network"], *NODE_FLAGS]
+        else:
+            # Templates made through an API host get this disk, as the nodes' do.
+            args += ["--base-disk-mb", "512"]
         return args
 
     def start(self, role: Optional[str] = None, extra_args: Optional[List[str]] = None) -> None:
@@ -766,6 +774,7 @@ class Cluster:
             self.secret_file.write_text(self.secret + "\n")
             os.chmod(self.secret_file, 0o600)
             self.make_bridge()
+            self.start_layer_registry()
             self.pg.start()
             for name in self.names:
                 address, kind = HOSTS[name]
@@ -792,6 +801,36 @@ class Cluster:
         sh("ip", "link", "set", HOST_LINK, "up")
         sh("ip", "route", "add", f"{SUBNET}.0/24", "via", UPLINK_BRIDGE_ADDR, "dev", HOST_LINK)
         sh("ip", "netns", "exec", br, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+
+    def start_layer_registry(self) -> None:
+        """The layer store's registry, in the bridge's namespace (reap kills it with the rest of
+        what runs in the cluster's namespaces); its storage is under the cluster's directory."""
+        import socket
+
+        d = ROOT / "registry"
+        d.mkdir()
+        config = d / "config.yml"
+        config.write_text(
+            "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {d / 'storage'}\n"
+            f"http:\n  addr: {BRIDGE_ADDR}:{LAYER_REGISTRY_PORT}\n  secret: cluster-test-only\n"
+        )
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / "layer-registry.log", "ab")
+        subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/{BRIDGE_NS}", "--", "docker-registry", "serve", str(config)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd="/",
+        )
+        log.close()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection((BRIDGE_ADDR, LAYER_REGISTRY_PORT), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the layer store's registry did not start")
+                time.sleep(0.1)
 
     def close(self) -> None:
         """Stops every server and removes everything; safe to call more than once."""

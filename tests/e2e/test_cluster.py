@@ -409,11 +409,24 @@ def test_kill9_of_an_api_host_leaves_the_other_serving(cluster, fleet):
 
 @needs_roles
 def test_kill9_of_a_node_and_its_return(cluster, fleet):
-    from e2b import Sandbox, SandboxException
+    from e2b import Sandbox, SandboxException, Template
 
     api1, api2, n1 = cluster["api1"], cluster["api2"], cluster["n1"]
     on_n1 = {sid for sid, node in fleet.running("api1").items() if node == "n1" and sid in fleet.sandboxes}
     assert on_n1, "no fleet sandbox runs on n1"
+
+    # A template built once, by the keeper (n1), is published to the layer store before it is
+    # ready; once n1 is gone, n2 fetches its layers and starts it.
+    built_once = f"built-once-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    sdk = {k: v for k, v in api2.sdk().items() if k != "sandbox_url"}
+    Template.build(Template().from_template("base").run_cmd(f"echo {built_once} > /etc/built-once", user="root"),
+                   built_once, **sdk)
+    print(f"\n[e2e] template built and published in {time.monotonic() - t0:.1f}s")
+    published = cluster.pg.psql("SELECT layer, node_id FROM layer_blobs ORDER BY layer")
+    assert any(line.startswith("layer/") and line.endswith("|n1") for line in published.splitlines()), published
+    assert not _template_on_disk("n2", built_once, cluster), "n2 had the new template before it was asked for it"
+
     n1.kill9()
     died = time.monotonic()
 
@@ -439,11 +452,18 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert sid.lower() in text or any(w in text for w in ("not found", "not running", "unavailable", "unreachable")), \
         err.value
 
-    # New creates all go to n2.
+    # New creates all go to n2, the new template's too.
     new = _run_all(list(range(6)), lambda i: Sandbox.create(template="base", timeout=120, **api2.sdk()), workers=3)
+    t0 = time.monotonic()
+    fetched = Sandbox.create(template=built_once, timeout=120, **api1.sdk())
+    print(f"[e2e] first sandbox of the new template on n2 (layers fetched) in {time.monotonic() - t0:.2f}s")
+    new.append(fetched)
     for s in new:
         fleet.sandboxes[s.sandbox_id] = s
     assert {fleet.node_of(s.sandbox_id) for s in new} == {"n2"}
+    assert fetched.commands.run("cat /etc/built-once").stdout == built_once + "\n"
+    wait_until(lambda: _template_on_disk("n2", built_once, cluster), timeout=10, interval=0.5,
+               message="n2 to report the fetched template")
 
     # n1 comes back: it is placed on again, and no sandbox is live on two nodes.
     n1.start()
@@ -490,6 +510,13 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     for s in more:
         fleet.sandboxes[s.sandbox_id] = s
     assert {fleet.node_of(s.sandbox_id) for s in more} == {"n1", "n2"}
+
+
+def _template_on_disk(node: str, alias: str, cluster) -> bool:
+    """Whether `node` reports the template named `alias` among those whose layers it holds."""
+    template_id = cluster.pg.psql(f"SELECT template_id FROM template_aliases WHERE alias = '{alias}'")
+    report = cluster.pg.psql(f"SELECT report FROM nodes WHERE id = '{node}'")
+    return bool(template_id) and template_id in report
 
 
 def _live_on(node: str) -> Set[str]:

@@ -17,7 +17,7 @@ use chrono::Utc;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use sandbar_core::cluster::placement_order;
+use sandbar_core::cluster::{TemplateReach, placement_order};
 use sandbar_core::{NodeDirectory, NodeRecord, Store};
 
 use crate::AppState;
@@ -109,7 +109,7 @@ pub struct ClusterRouting {
     pending: Mutex<HashMap<String, (u64, Instant)>>,
     /// The template a credential's create named, as resolved for placement, for
     /// [`OWNER_TTL`]: a hint only, since the node authenticates and resolves again.
-    templates: Mutex<HashMap<u64, (String, Instant)>>,
+    templates: Mutex<HashMap<u64, (String, TemplateReach, Instant)>>,
 }
 
 impl std::fmt::Debug for ClusterRouting {
@@ -121,6 +121,29 @@ impl std::fmt::Debug for ClusterRouting {
 }
 
 impl ClusterRouting {
+    /// Whether any node can start `template`: every layer published, and no checkpoint of
+    /// a snapshot to restore (those stay on the node that took them).
+    async fn reach_of(&self, template: &sandbar_core::Template) -> TemplateReach {
+        let Some(image) = &template.image else {
+            return TemplateReach::Local;
+        };
+        if image
+            .snapshot
+            .as_ref()
+            .is_some_and(|s| s.checkpoint.is_some())
+        {
+            return TemplateReach::Local;
+        }
+        match self.store.layer_blobs(&image.layers).await {
+            Ok(published) if published.len() == image.layers.len() => TemplateReach::Shared,
+            Ok(_) => TemplateReach::Local,
+            Err(e) => {
+                tracing::warn!(template_id = %template.id, error = %e, "cannot read which layers are published");
+                TemplateReach::Local
+            }
+        }
+    }
+
     pub fn new(nodes: Arc<NodeDirectory>, store: Arc<dyn Store>, secret: Arc<str>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
@@ -431,21 +454,24 @@ async fn place(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get(&remembered)
-        .filter(|(_, at)| at.elapsed() < OWNER_TTL)
-        .map(|(id, _)| id.clone());
-    let template = match cached {
-        Some(id) => id,
+        .filter(|(_, _, at)| at.elapsed() < OWNER_TTL)
+        .map(|(id, reach, _)| (id.clone(), *reach));
+    let (template, reach) = match cached {
+        Some(known) => known,
         None => {
             // Checked here too, so nothing unauthenticated costs a node anything.
             let team = crate::extract::team_of(state, &parts.headers).await?;
-            let id = match state.templates.resolve(&team, &name).await {
-                Ok(template) => template.id,
-                Err(_) => name,
+            let (id, reach) = match state.templates.resolve(&team, &name).await {
+                Ok(template) => {
+                    let reach = cluster.reach_of(&template).await;
+                    (template.id, reach)
+                }
+                Err(_) => (name, TemplateReach::Local),
             };
             let mut templates = cluster.templates.lock().unwrap_or_else(|e| e.into_inner());
-            templates.retain(|_, (_, at)| at.elapsed() < OWNER_TTL);
-            templates.insert(remembered, (id.clone(), Instant::now()));
-            id
+            templates.retain(|_, (_, _, at)| at.elapsed() < OWNER_TTL);
+            templates.insert(remembered, (id.clone(), reach, Instant::now()));
+            (id, reach)
         }
     };
     let now = Utc::now();
@@ -454,7 +480,13 @@ async fn place(
     let order = if mounts_volumes(&body) {
         cluster.keeper().into_iter().collect()
     } else {
-        placement_order(&live, &template, |node| cluster.pending_on(node), now)
+        placement_order(
+            &live,
+            &template,
+            reach,
+            |node| cluster.pending_on(node),
+            now,
+        )
     };
     let mut last = None;
     for node in order {

@@ -84,13 +84,29 @@ impl NodeDirectory {
     }
 }
 
-/// The live nodes in the order a create should try them. Where some hold the template's
-/// layers, only those (the others would have to fetch layers no registry publishes yet);
-/// the most headroom first; `pending` counts the creates this host sent each node since its
-/// last report, which the report does not show yet.
+/// Room a node that must fetch a template's layers needs beyond a node that holds them to
+/// be tried first: a fetch costs seconds, a fuller node nothing.
+pub const FETCH_PENALTY_BYTES: u64 = 1 << 30;
+
+/// How a template's layers can reach a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TemplateReach {
+    /// Every layer is in the layer store: any node can fetch what it lacks.
+    Shared,
+    /// Some part is only on the nodes that made it (no layer store, a layer not published
+    /// yet, or a snapshot's checkpoint).
+    Local,
+}
+
+/// The live nodes in the order a create should try them: the most headroom first, where a
+/// node holding the template's layers counts [`FETCH_PENALTY_BYTES`] more. When the template
+/// is not [`TemplateReach::Shared`] and some nodes hold it, only those. `pending` counts the
+/// creates this host sent each node since its last report, which the report does not show
+/// yet.
 pub fn placement_order(
     nodes: &[NodeRecord],
     template: &str,
+    reach: TemplateReach,
     pending: impl Fn(&str) -> u64,
     now: DateTime<Utc>,
 ) -> Vec<NodeRecord> {
@@ -105,17 +121,18 @@ pub fn placement_order(
                 .report
                 .headroom_bytes()
                 .saturating_sub(pending(&n.id).saturating_mul(START_COST));
-            (holds, headroom, n)
+            let score = if holds {
+                headroom.saturating_add(FETCH_PENALTY_BYTES)
+            } else {
+                headroom
+            };
+            (holds, score, n)
         })
         .collect();
-    if ranked.iter().any(|(holds, _, _)| *holds) {
+    if reach == TemplateReach::Local && ranked.iter().any(|(holds, _, _)| *holds) {
         ranked.retain(|(holds, _, _)| *holds);
     }
-    ranked.sort_by(|a, b| {
-        b.0.cmp(&a.0)
-            .then(b.1.cmp(&a.1))
-            .then_with(|| a.2.id.cmp(&b.2.id))
-    });
+    ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.2.id.cmp(&b.2.id)));
     ranked.into_iter().map(|(_, _, n)| n.clone()).collect()
 }
 
@@ -173,24 +190,42 @@ mod tests {
         nodes.into_iter().map(|n| n.id).collect()
     }
 
+    use TemplateReach::{Local, Shared};
+
     #[test]
-    fn only_nodes_holding_the_template_are_tried_the_roomiest_first() {
+    fn only_nodes_holding_a_local_template_are_tried_the_roomiest_first() {
         let nodes = [
             node("a", 4, &[], 10),
             node("b", 2, &["tpl"], 10),
             node("c", 8, &[], 10),
             node("d", 3, &["tpl"], 10),
         ];
-        let order = placement_order(&nodes, "tpl", |_| 0, Utc::now());
+        let order = placement_order(&nodes, "tpl", Local, |_| 0, Utc::now());
         assert_eq!(ids(order), ["d", "b"]);
-        let unknown = placement_order(&nodes, "other", |_| 0, Utc::now());
+        let unknown = placement_order(&nodes, "other", Local, |_| 0, Utc::now());
         assert_eq!(ids(unknown), ["c", "a", "d", "b"]);
+    }
+
+    #[test]
+    fn a_shared_template_goes_anywhere_holders_counting_a_fetch_more_room() {
+        let nodes = [
+            node("a", 4, &[], 10),
+            node("b", 2, &["tpl"], 10),
+            node("c", 8, &[], 10),
+            node("d", 3, &["tpl"], 10),
+        ];
+        // d: 3 + 1 GiB for holding it = a's 4; ties go by id.
+        let order = placement_order(&nodes, "tpl", Shared, |_| 0, Utc::now());
+        assert_eq!(ids(order), ["c", "a", "d", "b"]);
     }
 
     #[test]
     fn lost_nodes_are_never_chosen() {
         let nodes = [node("a", 4, &[], -1), node("b", 1, &[], 10)];
-        assert_eq!(ids(placement_order(&nodes, "x", |_| 0, Utc::now())), ["b"]);
+        assert_eq!(
+            ids(placement_order(&nodes, "x", Local, |_| 0, Utc::now())),
+            ["b"]
+        );
     }
 
     #[test]
@@ -198,7 +233,7 @@ mod tests {
         let nodes = [node("a", 4, &[], 10), node("b", 3, &[], 10)];
         let busy_a = |id: &str| if id == "a" { 32 } else { 0 };
         assert_eq!(
-            ids(placement_order(&nodes, "x", busy_a, Utc::now())),
+            ids(placement_order(&nodes, "x", Local, busy_a, Utc::now())),
             ["b", "a"]
         );
     }
@@ -207,7 +242,7 @@ mod tests {
     fn equal_nodes_are_tried_in_id_order() {
         let nodes = [node("b", 4, &[], 10), node("a", 4, &[], 10)];
         assert_eq!(
-            ids(placement_order(&nodes, "x", |_| 0, Utc::now())),
+            ids(placement_order(&nodes, "x", Local, |_| 0, Utc::now())),
             ["a", "b"]
         );
     }

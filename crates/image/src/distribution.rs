@@ -21,8 +21,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use base64::Engine as _;
-use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderMap, HeaderValue, LOCATION, WWW_AUTHENTICATE};
-use reqwest::{Response, StatusCode};
+use bytes::Bytes;
+use reqwest::header::{
+    ACCEPT, AUTHORIZATION, HeaderMap, HeaderName, HeaderValue, LOCATION, WWW_AUTHENTICATE,
+};
+use reqwest::{Method, Response, StatusCode};
 use serde::Deserialize;
 use url::Url;
 
@@ -59,6 +62,8 @@ pub(crate) struct Session {
     /// The image's normalised reference, for errors.
     name: String,
     credentials: Option<RegistryAuth>,
+    /// What a token is asked for: `pull`, or `pull,push` for a session that uploads.
+    actions: &'static str,
     /// What the registry's challenge led to, sent with every request to the registry.
     authorization: Mutex<Option<HeaderValue>>,
     /// One client per port: a resolver only learns the name, and the rule needs the port too.
@@ -87,9 +92,77 @@ impl Session {
             repository: repository.to_owned(),
             name: name.to_owned(),
             credentials: credentials.cloned(),
+            actions: "pull",
             authorization: Mutex::new(None),
             clients: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The same session asking tokens that also allow uploads.
+    pub(crate) fn pushing(mut self) -> Self {
+        self.actions = "pull,push";
+        self
+    }
+
+    /// `path` relative to the repository's API root (`blobs/uploads/`), or a `Location` the
+    /// registry sent (absolute or relative to the registry).
+    pub(crate) fn endpoint(&self, path: &str) -> Result<Url, PullError> {
+        self.url(path)
+    }
+
+    /// A request that is not a pull's GET (HEAD, POST, PATCH, PUT), authenticated as the
+    /// registry's challenge asks; redirects are not followed. `body` is sent again when a
+    /// challenge made the first attempt fail.
+    pub(crate) async fn call(
+        &self,
+        method: Method,
+        url: Url,
+        headers: &[(HeaderName, HeaderValue)],
+        body: Option<Bytes>,
+    ) -> Result<Response, PullError> {
+        let destination = Destination::of(&url).ok_or_else(|| {
+            self.registry_error(format!("a {} URL is not a registry's", url.scheme()))
+        })?;
+        if let Some(address) = destination.literal {
+            self.policy
+                .check(&destination.host, destination.port, address)?;
+        }
+        let client = self.client(destination.port)?;
+        let mut challenged = false;
+        loop {
+            let mut request = client.request(method.clone(), url.clone());
+            for (name, value) in headers {
+                request = request.header(name, value);
+            }
+            if let Some(body) = &body {
+                request = request.body(body.clone());
+            }
+            let authorization = self
+                .authorization
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            if let Some(value) = authorization {
+                request = request.header(AUTHORIZATION, value);
+            }
+            let response = request.send().await.map_err(|e| self.request_error(&e))?;
+            if response.status() != StatusCode::UNAUTHORIZED || challenged {
+                return Ok(response);
+            }
+            challenged = true;
+            let challenges = challenges(response.headers());
+            drop(response);
+            let value = self.authenticate(&challenges).await?;
+            *self
+                .authorization
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(value);
+        }
+    }
+
+    /// The error a registry's answer means when it is not the expected one.
+    pub(crate) async fn refusal(&self, response: Response) -> PullError {
+        self.status_error(response).await
     }
 
     /// The manifest (or index) `reference` (a tag or a digest) names, as the registry sent it.
@@ -191,8 +264,10 @@ impl Session {
         let mut url = Url::parse(realm).map_err(|_| {
             self.registry_error("the registry named a token service that is not a URL".to_owned())
         })?;
-        url.query_pairs_mut()
-            .append_pair("scope", &format!("repository:{}:pull", self.repository));
+        url.query_pairs_mut().append_pair(
+            "scope",
+            &format!("repository:{}:{}", self.repository, self.actions),
+        );
         if let Some(service) = service {
             url.query_pairs_mut().append_pair("service", service);
         }

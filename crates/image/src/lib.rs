@@ -8,11 +8,13 @@
 //! Pulls contact only registries the [`RegistryPolicy`] allows: never the host itself, its
 //! link-local neighbours or the sandbox network, unless the operator said so.
 
+pub mod blob_store;
 mod distribution;
 pub mod registry;
 pub mod registry_address;
 pub mod unpack;
 
+pub use blob_store::{BlobStore, BlobStoreError};
 pub use registry::{ImageCache, ImageConfig, PullError, PulledImage, PulledLayer, RegistryAuth};
 pub use registry_address::{
     AllowedRegistry, AllowedRegistryError, RefusedRange, RegistryPolicy, RegistryRefused,

@@ -4,24 +4,21 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::io::Write as _;
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
 
+use common::{Registry, have};
 use sandbar_image::{ImageCache, PullError, PulledImage, RegistryAuth, RegistryPolicy};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
 const BUSYBOX: &str = "/bin/busybox";
-
-fn have(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
-}
 
 fn host_arch() -> &'static str {
     match std::env::consts::ARCH {
@@ -48,80 +45,6 @@ fn loopback_allowed() -> std::sync::Arc<RegistryPolicy> {
 
 fn sha256(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(data)))
-}
-
-/// The registry process, killed when the test ends however it ends.
-struct Registry {
-    child: Child,
-    port: u16,
-    storage: PathBuf,
-}
-
-impl Registry {
-    /// `htpasswd`: a file of users that must authenticate, or none for an open registry.
-    fn start(dir: &Path, htpasswd: Option<&Path>) -> Registry {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let storage = dir.join("storage");
-        let config = dir.join("registry.yml");
-        std::fs::write(
-            &config,
-            format!(
-                "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n\
-                 storage:\n  filesystem:\n    rootdirectory: {}\n\
-                 http:\n  addr: 127.0.0.1:{port}\n  secret: test-only\n{}",
-                storage.display(),
-                htpasswd.map_or_else(String::new, |file| format!(
-                    "auth:\n  htpasswd:\n    realm: test\n    path: {}\n",
-                    file.display()
-                )),
-            ),
-        )
-        .unwrap();
-        let child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(&config)
-            .stdout(Stdio::null())
-            // It logs every 404 at error level, and the test asks for several.
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let registry = Registry {
-            child,
-            port,
-            storage,
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "registry did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        registry
-    }
-
-    fn host(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    /// Where the registry keeps a blob's bytes.
-    fn blob_file(&self, digest: &str) -> PathBuf {
-        let hex = digest.strip_prefix("sha256:").unwrap();
-        self.storage
-            .join("docker/registry/v2/blobs/sha256")
-            .join(&hex[..2])
-            .join(hex)
-            .join("data")
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// An OCI image layout on disk, as skopeo reads it.

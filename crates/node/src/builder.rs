@@ -28,7 +28,7 @@ use crate::runtime::LinuxRuntime;
 const PREREQUISITES_VERSION: &str = "prerequisites-v1";
 /// The account every sandbox has, as E2B's templates do.
 const SANDBOX_USER: &str = "user";
-/// Disk quota of a build sandbox's writable layer, in MiB.
+/// Disk quota of a build sandbox's writable layer, in MiB, where the pool has the room.
 const BUILD_DISK_MB: u32 = 20 * 1024;
 const MAX_LOG_LINES_PER_STEP: usize = 5000;
 
@@ -96,6 +96,17 @@ impl NodeBuilder {
             uploads: crate::uploads::Uploads::open(data_dir.join("uploads"), upload_limits),
             pinned: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// A build sandbox's disk: the template's, or more room for its steps' downloads and
+    /// caches ([`BUILD_DISK_MB`]), as far as the pool has room now.
+    fn build_disk_mb(&self, template_mb: u32) -> u32 {
+        use sandbar_core::Runtime as _;
+        let room_mb = self.runtime.disks().pool.map_or(u32::MAX, |pool| {
+            u32::try_from(pool.free_bytes.saturating_sub(pool.reserve_bytes) >> 20)
+                .unwrap_or(u32::MAX)
+        });
+        BUILD_DISK_MB.min(room_mb).max(template_mb)
     }
 
     fn store(&self) -> &LayerStore {
@@ -176,6 +187,12 @@ impl NodeBuilder {
                     BuildFailure::at(BASE_STEP, format!("template '{reference}' has no image"))
                 })?;
                 log.info(Some(BASE_STEP), format!("FROM template {reference}"));
+                if let Some(shared) = self.runtime.shared_layers() {
+                    shared
+                        .ensure(&base.layers)
+                        .await
+                        .map_err(|e| BuildFailure::at(BASE_STEP, e.to_string()))?;
+                }
                 let identity = serde_json::to_vec(&base).unwrap_or_default();
                 Ok(State {
                     key: sha(&[b"template", &identity]),
@@ -382,7 +399,7 @@ impl NodeBuilder {
             },
             cpu_count: job.cpu_count,
             memory_mb: job.memory_mb,
-            disk_size_mb: BUILD_DISK_MB.max(job.disk_size_mb),
+            disk_size_mb: self.build_disk_mb(job.disk_size_mb),
             env_vars: state.env.clone(),
             allow_internet_access: true,
             egress: EgressRules::default(),
@@ -648,7 +665,18 @@ impl NodeBuilder {
 #[async_trait::async_trait]
 impl Builder for NodeBuilder {
     async fn build(&self, job: BuildJob, log: BuildLog) -> Result<TemplateImage, BuildFailure> {
-        let result = self.build_inner(&job, &log).await;
+        let mut result = self.build_inner(&job, &log).await;
+        if let (Ok(image), Some(shared)) = (&result, self.runtime.shared_layers()) {
+            // Published before the template is ready, so every node can start it as soon as
+            // any API host sees it ready.
+            log.info(
+                Some(FINALIZE_STEP),
+                format!("publishing its layers to {}", shared.location()),
+            );
+            if let Err(e) = shared.publish(&image.layers).await {
+                result = Err(BuildFailure::at(FINALIZE_STEP, e.to_string()));
+            }
+        }
         if let Err(failure) = &result {
             log.log(
                 LogLevel::Error,

@@ -41,6 +41,14 @@ pub struct ClusterArgs {
     /// line). Nodes answer only requests that carry it.
     #[arg(long, env = "SANDBAR_CLUSTER_SECRET_FILE")]
     pub cluster_secret_file: Option<PathBuf>,
+    /// A repository of an OCI registry where nodes publish the template layers they build
+    /// and fetch the ones they lack, e.g. `http://registry.internal:5000/sandbar/layers`:
+    /// with it, any node can start any template.
+    #[arg(long, env = "SANDBAR_LAYER_STORE")]
+    pub layer_store: Option<String>,
+    /// A file holding `username:password` for the layer store's registry (mode 0600).
+    #[arg(long, env = "SANDBAR_LAYER_STORE_CREDENTIALS_FILE")]
+    pub layer_store_credentials_file: Option<PathBuf>,
 }
 
 impl ClusterArgs {
@@ -63,6 +71,74 @@ impl ClusterArgs {
         }
         Ok(id)
     }
+}
+
+impl ClusterArgs {
+    /// The layer store, if one is configured. The operator named its registry, so it may be
+    /// anywhere, the host's own addresses included.
+    pub fn layer_store(&self) -> anyhow::Result<Option<sandbar_image::BlobStore>> {
+        let Some(location) = &self.layer_store else {
+            if self.layer_store_credentials_file.is_some() {
+                bail!("--layer-store-credentials-file needs --layer-store");
+            }
+            return Ok(None);
+        };
+        let url =
+            url::Url::parse(location).with_context(|| format!("bad --layer-store '{location}'"))?;
+        let host = url
+            .host_str()
+            .with_context(|| format!("--layer-store '{location}' names no host"))?;
+        let port = url
+            .port_or_known_default()
+            .with_context(|| format!("--layer-store '{location}' names no port"))?;
+        let allowed: sandbar_image::AllowedRegistry = format!(
+            "{}:{port}",
+            if host.contains(':') {
+                format!("[{host}]")
+            } else {
+                host.to_owned()
+            }
+        )
+        .parse()
+        .with_context(|| format!("bad --layer-store '{location}'"))?;
+        let policy = Arc::new(sandbar_image::RegistryPolicy::new(
+            vec![allowed],
+            vec![],
+            vec![],
+        )?);
+        let credentials = match &self.layer_store_credentials_file {
+            Some(path) => Some(read_credentials(path)?),
+            None => None,
+        };
+        Ok(Some(sandbar_image::BlobStore::new(
+            location,
+            credentials.as_ref(),
+            policy,
+        )?))
+    }
+}
+
+/// `username:password` from a private file.
+fn read_credentials(path: &Path) -> anyhow::Result<sandbar_image::RegistryAuth> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    if meta.permissions().mode() & 0o077 != 0 {
+        bail!(
+            "{} is readable by other users: credentials must be private (chmod 600)",
+            path.display()
+        );
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let (username, password) = text
+        .trim_end_matches(['\r', '\n'])
+        .split_once(':')
+        .with_context(|| format!("{} must hold username:password", path.display()))?;
+    Ok(sandbar_image::RegistryAuth {
+        username: username.to_owned(),
+        password: password.to_owned(),
+    })
 }
 
 fn read_secret(path: &Path) -> anyhow::Result<Arc<str>> {

@@ -422,6 +422,32 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
     Ok(())
 }
 
+/// Publishes the layers of every ready template this node holds that the layer store lacks:
+/// templates built before the store was configured, or whose publication was interrupted.
+async fn publish_templates_on_disk(
+    store: Arc<dyn sandbar_core::Store>,
+    shared: Arc<sandbar_node::shared_layers::SharedLayers>,
+) {
+    let templates = match store.templates().await {
+        Ok(templates) => templates,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list templates to publish their layers");
+            return;
+        }
+    };
+    for template in templates {
+        if template.build_status != BuildStatus::Ready {
+            continue;
+        }
+        let Some(image) = template.image else {
+            continue;
+        };
+        if let Err(e) = shared.ensure_published_if_here(&image.layers).await {
+            tracing::warn!(template_id = %template.id, error = %e, "cannot publish the template's layers");
+        }
+    }
+}
+
 /// Whether every layer of `template`'s image is on this node's disk.
 fn image_on_disk(template: &Template, layers: &sandbar_node::layers::LayerStore) -> bool {
     template
@@ -670,6 +696,21 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .await?,
     );
     let node = runtime.clone();
+    if let Some(blobs) = args.cluster.layer_store()? {
+        let node_id = node_lease
+            .as_ref()
+            .map_or_else(|| "local".to_owned(), |(lease, _)| lease.id.clone());
+        let shared = Arc::new(sandbar_node::shared_layers::SharedLayers::new(
+            blobs,
+            store.clone(),
+            runtime.layer_store().clone(),
+            node_id,
+        ));
+        shared.sweep_staging();
+        tracing::info!(layer_store = %shared.location(), "template layers are shared through the layer store");
+        runtime.use_shared_layers(shared.clone());
+        tokio::spawn(publish_templates_on_disk(store.clone(), shared));
+    }
 
     let templates = Templates::new(store.clone());
     let sandbox_network = ipnet::Ipv4Net::new(network_base, network_prefix_len)

@@ -84,6 +84,7 @@ macro_rules! template_query {
 }
 
 mod builds;
+mod layer_blobs;
 mod nodes;
 mod postgres;
 mod sandbox_logs;

@@ -12,8 +12,8 @@ use chrono::{DateTime, TimeDelta, Utc};
 use sandbar_core::auth::{Auth, TeamLimits};
 use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
-    BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LogLevel, NetworkConfig, NodeRecord,
-    NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
+    BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LayerBlob, LogLevel, NetworkConfig,
+    NodeRecord, NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
     SandboxStatus, Store, StoreError, Team, TeamMetricBucket, Template, Volume, VolumeMount,
 };
 use sandbar_store::{PgStore, SqliteStore};
@@ -59,6 +59,7 @@ suite!(
     two_hosts_on_one_database_settle_their_races,
     nodes_renew_their_leases_and_sandboxes_name_their_node,
     two_hosts_starting_on_an_empty_database_make_one_first_team,
+    published_layers_keep_their_first_record,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -1191,6 +1192,42 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
             .node_id,
         "n2"
     );
+}
+
+async fn published_layers_keep_their_first_record(f: Fixture) {
+    let store = &f.store;
+    let now = micros(Utc::now());
+    let first = LayerBlob {
+        layer: "layer/00ff".into(),
+        digest: format!("sha256:{}", "a".repeat(64)),
+        size_bytes: 5 << 30,
+        node_id: "n1".into(),
+        published_at: now,
+    };
+    store.record_layer_blob(&first).await.expect("record");
+    let again = LayerBlob {
+        digest: format!("sha256:{}", "b".repeat(64)),
+        node_id: "n2".into(),
+        ..first.clone()
+    };
+    store.record_layer_blob(&again).await.expect("record again");
+    let base = LayerBlob {
+        layer: "base/v2".into(),
+        ..again.clone()
+    };
+    store.record_layer_blob(&base).await.expect("record base");
+
+    let mut found = store
+        .layer_blobs(&["base/v2".into(), "layer/00ff".into(), "image/absent".into()])
+        .await
+        .expect("read");
+    found.sort_by(|a, b| a.layer.cmp(&b.layer));
+    assert_eq!(
+        found,
+        vec![base, first],
+        "the first record stays; absent layers are left out"
+    );
+    assert!(store.layer_blobs(&[]).await.expect("read none").is_empty());
 }
 
 async fn two_hosts_starting_on_an_empty_database_make_one_first_team(f: Fixture) {

@@ -3,6 +3,7 @@
 //! without depending on one another.
 
 pub mod builds;
+pub mod layer_blobs;
 pub mod nodes;
 pub mod sandbox_logs;
 pub mod sandboxes;
@@ -12,6 +13,7 @@ pub mod templates;
 pub mod volumes;
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
+pub use layer_blobs::LayerBlob;
 pub use nodes::{NodeRecord, NodeReport};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};

@@ -3,6 +3,7 @@
 //! trait; a service that needs only part of the store can name only that part.
 
 mod builds;
+mod layer_blobs;
 mod nodes;
 mod sandbox_logs;
 mod sandboxes;
@@ -12,6 +13,7 @@ mod templates;
 mod volumes;
 
 pub use builds::BuildRecords;
+pub use layer_blobs::LayerBlobRecords;
 pub use nodes::NodeRecords;
 pub use sandbox_logs::SandboxLogRecords;
 pub use sandboxes::SandboxRecords;
@@ -43,6 +45,7 @@ pub trait Store:
     + SandboxLogRecords
     + TeamMetricRecords
     + NodeRecords
+    + LayerBlobRecords
     + 'static
 {
 }
@@ -56,6 +59,7 @@ impl<T> Store for T where
         + SandboxLogRecords
         + TeamMetricRecords
         + NodeRecords
+        + LayerBlobRecords
         + 'static
 {
 }

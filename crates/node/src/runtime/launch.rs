@@ -485,6 +485,8 @@ impl LinuxRuntime {
             .as_ref()
             .map(|k| parse_handle(&id, k))
             .transpose()?;
+        self.fetch_missing_layers(&spec.template.id, &spec.image.layers)
+            .await?;
         let _creating = self.warm.creating();
         self.grant_memory(&id, spec.memory_mb)?;
         if kept.is_none()

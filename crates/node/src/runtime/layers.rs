@@ -7,6 +7,35 @@ impl LinuxRuntime {
         &self.layers
     }
 
+    /// Shares this node's layers through the cluster's layer store from now on.
+    pub fn use_shared_layers(&self, shared: std::sync::Arc<crate::shared_layers::SharedLayers>) {
+        if self.shared_layers.set(shared).is_err() {
+            tracing::warn!("the layer store was already set; the second one is ignored");
+        }
+    }
+
+    pub fn shared_layers(&self) -> Option<&std::sync::Arc<crate::shared_layers::SharedLayers>> {
+        self.shared_layers.get()
+    }
+
+    /// Fetches from the layer store the layers of `layers` this node lacks, if there is a
+    /// store; without one a missing layer is found missing when the sandbox boots.
+    pub(super) async fn fetch_missing_layers(
+        &self,
+        template_id: &str,
+        layers: &[String],
+    ) -> Result<(), RuntimeError> {
+        let Some(shared) = self.shared_layers.get() else {
+            return Ok(());
+        };
+        shared
+            .ensure(layers)
+            .await
+            .map_err(|e| RuntimeError::TemplateMissing {
+                template_id: format!("{template_id} ({e})"),
+            })
+    }
+
     /// Layers live sandboxes run on.
     pub fn layers_of_live_sandboxes(&self) -> Vec<String> {
         self.layers_in_use

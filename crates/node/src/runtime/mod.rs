@@ -155,6 +155,9 @@ pub struct LinuxRuntime {
     /// of many or a second create does not read them all again. Checkpoints a previous server
     /// left are checked once before their first restore.
     verified_images: Mutex<BTreeSet<PathBuf>>,
+    /// The cluster's layer store, where one is configured: layers this node lacks are
+    /// fetched from it before a sandbox boots on them.
+    shared_layers: std::sync::OnceLock<std::sync::Arc<crate::shared_layers::SharedLayers>>,
 }
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
@@ -352,6 +355,7 @@ impl LinuxRuntime {
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
             verified_images: Mutex::new(BTreeSet::new()),
+            shared_layers: std::sync::OnceLock::new(),
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,

@@ -15,6 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::err;
 
 mod builds;
+mod layer_blobs;
 mod nodes;
 mod sandbox_logs;
 mod sandboxes;

@@ -1,0 +1,14 @@
+//! Layers published to the layer store.
+
+use super::StoreError;
+use crate::model::LayerBlob;
+
+#[async_trait::async_trait]
+pub trait LayerBlobRecords: Send + Sync {
+    /// Records a published layer. A layer already recorded keeps its first record: nodes
+    /// that published the same layer each made a faithful copy, and every fetch must agree
+    /// on one.
+    async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError>;
+    /// The records of those of `layers` that were published.
+    async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError>;
+}

@@ -1,0 +1,399 @@
+//! One repository of an OCI registry used as a content-addressed store of files: a cluster's
+//! nodes put the layers they built there and fetch the layers they lack (distribution spec,
+//! "pushing blobs" and "pulling blobs"; no manifests are needed, blobs are found by digest).
+//!
+//! Uploads are chunked (`POST`, a `PATCH` per chunk, a closing `PUT` with the digest), so a
+//! layer of any size streams from disk with a bounded buffer. Downloads are hashed as they
+//! are written and refused when the digest or the announced size does not match.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use reqwest::header::{CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, HeaderValue, LOCATION};
+use reqwest::{Method, StatusCode};
+use sha2::{Digest, Sha256};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use url::Url;
+
+use crate::distribution::Session;
+use crate::registry::{PullError, RegistryAuth};
+use crate::registry_address::RegistryPolicy;
+
+/// What one `PATCH` carries; the registry keeps the parts, the node holds one in memory.
+const CHUNK_BYTES: usize = 16 << 20;
+
+/// The repository, as `http[s]://host[:port]/path/of/repository`.
+#[derive(Debug)]
+pub struct BlobStore {
+    session: Session,
+    location: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlobStoreError {
+    #[error("bad layer store `{location}`: {reason}")]
+    BadLocation { location: String, reason: String },
+    #[error("layer store {location}: {source}")]
+    Registry {
+        location: String,
+        #[source]
+        source: PullError,
+    },
+    #[error("layer store {location} has no blob {digest}")]
+    Missing { location: String, digest: String },
+    #[error("blob {digest} from {location} has digest {actual}")]
+    DigestMismatch {
+        location: String,
+        digest: String,
+        actual: String,
+    },
+    #[error("blob {digest} from {location} is not the {expected} bytes recorded")]
+    WrongSize {
+        location: String,
+        digest: String,
+        expected: u64,
+    },
+    #[error("blob {digest}: {}: {source}", path.display())]
+    Io {
+        digest: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// `sha256:<64 hex>`, the only digests blobs are stored under here.
+pub fn is_sha256_digest(digest: &str) -> bool {
+    digest
+        .strip_prefix("sha256:")
+        .is_some_and(|hex| hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+impl BlobStore {
+    /// `location`: `http://` or `https://`, the registry's host and port, and the repository.
+    /// `policy` decides which addresses the registry may have, as for pulls.
+    pub fn new(
+        location: &str,
+        credentials: Option<&RegistryAuth>,
+        policy: Arc<RegistryPolicy>,
+    ) -> Result<Self, BlobStoreError> {
+        let bad = |reason: &str| BlobStoreError::BadLocation {
+            location: location.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let url = Url::parse(location).map_err(|e| bad(&e.to_string()))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(bad("the scheme must be http or https"));
+        }
+        if url.host_str().is_none() || url.query().is_some() || url.fragment().is_some() {
+            return Err(bad("expected http[s]://host[:port]/repository"));
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(bad(
+                "credentials belong in their own file, not in the address",
+            ));
+        }
+        let repository = url.path().trim_matches('/').to_owned();
+        let valid_component = |c: &str| {
+            !c.is_empty()
+                && c.bytes().all(|b| {
+                    b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+                })
+        };
+        if repository.is_empty() || !repository.split('/').all(valid_component) {
+            return Err(bad(
+                "the repository must be lower-case path components of letters, digits, `.`, `_` and `-`",
+            ));
+        }
+        let mut registry = url.clone();
+        registry.set_path("/");
+        let session = Session::new(policy, &registry, &repository, location, credentials)
+            .map_err(|source| BlobStoreError::Registry {
+                location: location.to_owned(),
+                source,
+            })?
+            .pushing();
+        Ok(Self {
+            session,
+            location: location.to_owned(),
+        })
+    }
+
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    fn registry_error(&self, source: PullError) -> BlobStoreError {
+        BlobStoreError::Registry {
+            location: self.location.clone(),
+            source,
+        }
+    }
+
+    fn blob_url(&self, digest: &str) -> Result<Url, BlobStoreError> {
+        if !is_sha256_digest(digest) {
+            return Err(BlobStoreError::BadLocation {
+                location: self.location.clone(),
+                reason: format!("`{digest}` is not a sha256 digest"),
+            });
+        }
+        self.session
+            .endpoint(&format!("blobs/{digest}"))
+            .map_err(|e| self.registry_error(e))
+    }
+
+    /// Whether the repository holds `digest`.
+    pub async fn contains(&self, digest: &str) -> Result<bool, BlobStoreError> {
+        let url = self.blob_url(digest)?;
+        let response = self
+            .session
+            .call(Method::HEAD, url, &[], None)
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        match response.status() {
+            StatusCode::OK => Ok(true),
+            StatusCode::NOT_FOUND => Ok(false),
+            _ => Err(self.registry_error(self.session.refusal(response).await)),
+        }
+    }
+
+    /// Uploads the file at `path`, whose sha256 is `digest`, unless the repository holds it.
+    pub async fn push_file(&self, path: &Path, digest: &str) -> Result<(), BlobStoreError> {
+        if self.contains(digest).await? {
+            return Ok(());
+        }
+        let io = |source| BlobStoreError::Io {
+            digest: digest.to_owned(),
+            path: path.to_owned(),
+            source,
+        };
+        let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+        let start = self
+            .session
+            .endpoint("blobs/uploads/")
+            .map_err(|e| self.registry_error(e))?;
+        let response = self
+            .session
+            .call(
+                Method::POST,
+                start,
+                &[(CONTENT_LENGTH, HeaderValue::from_static("0"))],
+                Some(Bytes::new()),
+            )
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        if response.status() != StatusCode::ACCEPTED {
+            return Err(self.registry_error(self.session.refusal(response).await));
+        }
+        let mut upload = self.next_location(&response)?;
+        let mut offset: u64 = 0;
+        let mut hasher = Sha256::new();
+        loop {
+            let mut chunk = Vec::with_capacity(CHUNK_BYTES);
+            (&mut file)
+                .take(CHUNK_BYTES as u64)
+                .read_to_end(&mut chunk)
+                .await
+                .map_err(io)?;
+            if chunk.is_empty() {
+                break;
+            }
+            hasher.update(&chunk);
+            let end = offset + chunk.len() as u64 - 1;
+            let range = HeaderValue::from_str(&format!("{offset}-{end}"))
+                .map_err(|e| io(std::io::Error::other(e)))?;
+            offset = end + 1;
+            let response = self
+                .session
+                .call(
+                    Method::PATCH,
+                    upload,
+                    &[
+                        (
+                            CONTENT_TYPE,
+                            HeaderValue::from_static("application/octet-stream"),
+                        ),
+                        (CONTENT_RANGE, range),
+                    ],
+                    Some(Bytes::from(chunk)),
+                )
+                .await
+                .map_err(|e| self.registry_error(e))?;
+            if response.status() != StatusCode::ACCEPTED {
+                return Err(self.registry_error(self.session.refusal(response).await));
+            }
+            upload = self.next_location(&response)?;
+        }
+        let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
+        if actual != digest {
+            // The file changed under the upload, or the caller's digest is wrong; the registry
+            // would refuse the closing PUT anyway.
+            return Err(BlobStoreError::DigestMismatch {
+                location: self.location.clone(),
+                digest: digest.to_owned(),
+                actual,
+            });
+        }
+        upload.query_pairs_mut().append_pair("digest", digest);
+        let response = self
+            .session
+            .call(
+                Method::PUT,
+                upload,
+                &[(CONTENT_LENGTH, HeaderValue::from_static("0"))],
+                Some(Bytes::new()),
+            )
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        if response.status() != StatusCode::CREATED {
+            return Err(self.registry_error(self.session.refusal(response).await));
+        }
+        Ok(())
+    }
+
+    /// The upload's next URL, from a `202 Accepted`.
+    fn next_location(&self, response: &reqwest::Response) -> Result<Url, BlobStoreError> {
+        let location = response
+            .headers()
+            .get(LOCATION)
+            .and_then(|l| l.to_str().ok())
+            .ok_or_else(|| {
+                self.registry_error(PullError::Registry {
+                    reference: self.location.clone(),
+                    message: "an upload answer without a location".into(),
+                })
+            })?;
+        self.session
+            .endpoint(location)
+            .map_err(|e| self.registry_error(e))
+    }
+
+    /// Downloads `digest`, which is `size` bytes, into a new file at `dest`; on any failure,
+    /// a mismatch included, nothing is left at `dest`.
+    pub async fn fetch_to(
+        &self,
+        digest: &str,
+        size: u64,
+        dest: &Path,
+    ) -> Result<(), BlobStoreError> {
+        let fetched = self.fetch_inner(digest, size, dest).await;
+        if fetched.is_err() {
+            let _ = tokio::fs::remove_file(dest).await;
+        }
+        fetched
+    }
+
+    async fn fetch_inner(
+        &self,
+        digest: &str,
+        size: u64,
+        dest: &Path,
+    ) -> Result<(), BlobStoreError> {
+        // Checks the digest's form before it becomes part of a URL.
+        self.blob_url(digest)?;
+        let io = |source| BlobStoreError::Io {
+            digest: digest.to_owned(),
+            path: dest.to_owned(),
+            source,
+        };
+        let mut response = match self.session.blob(digest).await {
+            Ok(response) => response,
+            Err(PullError::NotFound { .. }) => {
+                return Err(BlobStoreError::Missing {
+                    location: self.location.clone(),
+                    digest: digest.to_owned(),
+                });
+            }
+            Err(e) => return Err(self.registry_error(e)),
+        };
+        let wrong_size = || BlobStoreError::WrongSize {
+            location: self.location.clone(),
+            digest: digest.to_owned(),
+            expected: size,
+        };
+        if response
+            .content_length()
+            .is_some_and(|length| length != size)
+        {
+            return Err(wrong_size());
+        }
+        let mut file = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(dest)
+            .await
+            .map_err(io)?;
+        let mut hasher = Sha256::new();
+        let mut written: u64 = 0;
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| self.registry_error(self.session.stream_error(&e)))?
+        {
+            written += chunk.len() as u64;
+            if written > size {
+                return Err(wrong_size());
+            }
+            hasher.update(&chunk);
+            file.write_all(&chunk).await.map_err(io)?;
+        }
+        if written != size {
+            return Err(wrong_size());
+        }
+        file.sync_all().await.map_err(io)?;
+        let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
+        if actual != digest {
+            return Err(BlobStoreError::DigestMismatch {
+                location: self.location.clone(),
+                digest: digest.to_owned(),
+                actual,
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> Arc<RegistryPolicy> {
+        Arc::new(RegistryPolicy::new(vec![], vec![], vec![]).expect("policy"))
+    }
+
+    #[test]
+    fn locations_are_checked() {
+        for good in [
+            "http://127.0.0.1:5000/sandbar/layers",
+            "https://registry.example:443/layers",
+        ] {
+            BlobStore::new(good, None, policy()).expect(good);
+        }
+        for bad in [
+            "ftp://host/layers",
+            "http://host:5000/",
+            "http://host/Upper",
+            "http://user:pw@host/layers",
+            "http://host/layers?x=1",
+            "not a url",
+        ] {
+            assert!(
+                matches!(
+                    BlobStore::new(bad, None, policy()),
+                    Err(BlobStoreError::BadLocation { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn only_sha256_digests_name_blobs() {
+        assert!(is_sha256_digest(&format!("sha256:{}", "a".repeat(64))));
+        assert!(!is_sha256_digest(&format!("sha512:{}", "a".repeat(64))));
+        assert!(!is_sha256_digest("sha256:../../etc"));
+        assert!(!is_sha256_digest(&format!("sha256:{}", "g".repeat(64))));
+    }
+}

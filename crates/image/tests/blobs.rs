@@ -1,0 +1,144 @@
+//! The layer store's uploads and downloads against a real registry on 127.0.0.1: chunked
+//! pushes of files larger than a chunk, digests checked both ways, credentials through the
+//! registry's challenge. Skipped, with a note on stderr, where `docker-registry` is missing.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::Arc;
+
+use common::{Registry, have};
+use sandbar_image::{BlobStore, BlobStoreError, RegistryAuth, RegistryPolicy};
+use sha2::{Digest, Sha256};
+
+fn loopback_allowed() -> Arc<RegistryPolicy> {
+    Arc::new(RegistryPolicy::new(vec!["127.0.0.1".parse().unwrap()], vec![], vec![]).unwrap())
+}
+
+fn digest_of(data: &[u8]) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(data)))
+}
+
+/// 40 MiB that do not repeat in any chunk, so a misplaced chunk changes the digest.
+fn payload() -> Vec<u8> {
+    let mut data = Vec::with_capacity(40 << 20);
+    let mut block = Sha256::digest(b"seed").to_vec();
+    while data.len() < 40 << 20 {
+        block = Sha256::digest(&block).to_vec();
+        data.extend_from_slice(&block);
+    }
+    data.truncate((40 << 20) + 123);
+    data
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_in_chunks_and_fetches_what_it_pushed() {
+    if !have("docker-registry") {
+        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let registry = Registry::start(tmp.path(), None);
+    let store = BlobStore::new(
+        &format!("http://{}/sandbar/layers", registry.host()),
+        None,
+        loopback_allowed(),
+    )
+    .unwrap();
+
+    let data = payload();
+    let digest = digest_of(&data);
+    let source = tmp.path().join("layer.tar");
+    std::fs::write(&source, &data).unwrap();
+    assert!(!store.contains(&digest).await.unwrap());
+    store.push_file(&source, &digest).await.unwrap();
+    assert!(store.contains(&digest).await.unwrap());
+    assert_eq!(std::fs::read(registry.blob_file(&digest)).unwrap(), data);
+    // A second push of the same content finds it there.
+    store.push_file(&source, &digest).await.unwrap();
+
+    let fetched = tmp.path().join("fetched.tar");
+    store
+        .fetch_to(&digest, data.len() as u64, &fetched)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&fetched).unwrap(), data);
+
+    // A recorded size that is not the blob's leaves nothing behind.
+    let short = tmp.path().join("short.tar");
+    let err = store.fetch_to(&digest, 10, &short).await.unwrap_err();
+    assert!(matches!(err, BlobStoreError::WrongSize { .. }), "{err}");
+    assert!(!short.exists());
+
+    // A digest the store never got.
+    let absent = digest_of(b"absent");
+    let err = store
+        .fetch_to(&absent, 6, &tmp.path().join("absent"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, BlobStoreError::Missing { .. }), "{err}");
+
+    // A file whose content is not the digest it is pushed as is refused before the registry
+    // would store it.
+    let err = store.push_file(&source, &absent).await.unwrap_err();
+    assert!(
+        matches!(err, BlobStoreError::DigestMismatch { .. }),
+        "{err}"
+    );
+    assert!(!store.contains(&absent).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_with_credentials_and_is_refused_without() {
+    if !["docker-registry", "htpasswd"].into_iter().all(have) {
+        eprintln!(
+            "skipping: needs docker-registry and htpasswd (apt-get install docker-registry apache2-utils)"
+        );
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let users = tmp.path().join("htpasswd");
+    let output = Command::new("htpasswd")
+        .args(["-Bbn", "node", "s3cret"])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    std::fs::write(&users, output.stdout).unwrap();
+    let registry = Registry::start(tmp.path(), Some(&users));
+    let location = format!("http://{}/sandbar/layers", registry.host());
+    let data = b"layer bytes\n".to_vec();
+    let digest = digest_of(&data);
+    let source = tmp.path().join("layer.tar");
+    std::fs::write(&source, &data).unwrap();
+
+    let anonymous = BlobStore::new(&location, None, loopback_allowed()).unwrap();
+    let err = anonymous.push_file(&source, &digest).await.unwrap_err();
+    assert!(err.to_string().contains("not authorized"), "{err}");
+
+    let credentials = RegistryAuth {
+        username: "node".into(),
+        password: "s3cret".into(),
+    };
+    let store = BlobStore::new(&location, Some(&credentials), loopback_allowed()).unwrap();
+    store.push_file(&source, &digest).await.unwrap();
+    let fetched = tmp.path().join("fetched");
+    store
+        .fetch_to(&digest, data.len() as u64, &fetched)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&fetched).unwrap(), data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_must_be_allowed() {
+    let store = BlobStore::new(
+        "http://127.0.0.1:9/sandbar/layers",
+        None,
+        Arc::new(RegistryPolicy::new(vec![], vec![], vec![]).unwrap()),
+    )
+    .unwrap();
+    let err = store.contains(&digest_of(b"x")).await.unwrap_err();
+    assert!(err.to_string().contains("127.0.0.1"), "{err}");
+}

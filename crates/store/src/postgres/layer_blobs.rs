@@ -1,0 +1,56 @@
+//! Layers published to the layer store.
+
+use chrono::{DateTime, Utc};
+use sandbar_core::store::LayerBlobRecords;
+use sandbar_core::{LayerBlob, StoreError};
+
+use super::PgStore;
+use crate::err;
+
+#[derive(sqlx::FromRow)]
+struct LayerBlobRow {
+    layer: String,
+    digest: String,
+    size_bytes: i64,
+    node_id: String,
+    published_at: DateTime<Utc>,
+}
+
+#[async_trait::async_trait]
+impl LayerBlobRecords for PgStore {
+    async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (layer) DO NOTHING",
+        )
+        .bind(&blob.layer)
+        .bind(&blob.digest)
+        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
+        .bind(&blob.node_id)
+        .bind(blob.published_at)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
+        let rows =
+            sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs WHERE layer = ANY($1)")
+                .bind(layers)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(err)?;
+        rows.into_iter()
+            .map(|row| {
+                Ok(LayerBlob {
+                    layer: row.layer,
+                    digest: row.digest,
+                    size_bytes: u64::try_from(row.size_bytes).map_err(err)?,
+                    node_id: row.node_id,
+                    published_at: row.published_at,
+                })
+            })
+            .collect()
+    }
+}
