@@ -427,6 +427,16 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert any(line.startswith("layer/") and line.endswith("|n1") for line in published.splitlines()), published
     assert not _template_on_disk("n2", built_once, cluster), "n2 had the new template before it was asked for it"
 
+    # A sandbox paused on n1: n1 copies its files to the layer store, so that another node
+    # can resume it on them if n1 is lost.
+    paused_id = sorted(on_n1)[-1]
+    on_n1.discard(paused_id)
+    paused = fleet.sandboxes[paused_id]
+    paused.files.write("/home/user/kept.txt", "written before the pause\n")
+    assert paused.pause() is True
+    wait_until(lambda: cluster.pg.psql(f"SELECT node_id FROM layer_blobs WHERE layer = 'files/{paused_id}'") == "n1",
+               timeout=20, interval=0.3, message="n1 to share the paused sandbox's files")
+
     n1.kill9()
     died = time.monotonic()
 
@@ -462,6 +472,17 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
         fleet.sandboxes[s.sandbox_id] = s
     assert {fleet.node_of(s.sandbox_id) for s in new} == {"n2"}
     assert fetched.commands.run("cat /etc/built-once").stdout == built_once + "\n"
+
+    # The paused sandbox resumes on n2, on its files; its processes start afresh.
+    t0 = time.monotonic()
+    resumed = Sandbox.connect(paused_id, timeout=120, **api1.sdk())
+    print(f"[e2e] paused sandbox of the lost node resumed on another in {time.monotonic() - t0:.2f}s")
+    assert fleet.node_of(paused_id) == "n2"
+    assert resumed.files.read("/home/user/kept.txt") == "written before the pause\n"
+    assert resumed.commands.run("echo resumed elsewhere").stdout == "resumed elsewhere\n"
+    assert cluster.pg.psql(f"SELECT count(*) FROM layer_blobs WHERE layer = 'files/{paused_id}'") == "0", \
+        "the copy of a woken sandbox's files is forgotten"
+    fleet.sandboxes[paused_id] = resumed
     wait_until(lambda: _template_on_disk("n2", built_once, cluster), timeout=10, interval=0.5,
                message="n2 to report the fetched template")
 

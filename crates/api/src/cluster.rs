@@ -338,6 +338,23 @@ async fn to_sandbox(
         {
             Ok(next.run(request).await)
         }
+        // A paused sandbox may be resumed on another node, from the copy of its files its
+        // node shared; that node takes it over (or says why it cannot).
+        None if request.method() == Method::POST && is_resume(request.uri().path(), sandbox_id) => {
+            let order = placement_order(
+                &cluster.nodes.live(),
+                "",
+                TemplateReach::Shared,
+                |node| cluster.pending_on(node),
+                Utc::now(),
+            );
+            let node = order.into_iter().next().ok_or_else(no_nodes)?;
+            let response = cluster.send(&node, request).await?;
+            if response.status().is_success() {
+                cluster.remember_owner(sandbox_id, &node.id);
+            }
+            Ok(response)
+        }
         None => {
             let since = cluster
                 .nodes
@@ -513,6 +530,13 @@ async fn place(
     last.unwrap_or_else(|| Err(no_nodes()))
 }
 
+/// Whether `path` resumes (or connects to, which resumes a paused one) `sandbox_id`.
+fn is_resume(path: &str, sandbox_id: &str) -> bool {
+    let path = path.trim_matches('/');
+    let segments: Vec<&str> = path.strip_prefix("v2/").unwrap_or(path).split('/').collect();
+    matches!(segments.as_slice(), ["sandboxes", id, "resume" | "connect"] if *id == sandbox_id)
+}
+
 /// The template a create body names (the default one when it names none).
 fn template_name(body: &Bytes) -> String {
     #[derive(serde::Deserialize)]
@@ -627,6 +651,16 @@ mod tests {
         assert!(!mounts_volumes(&without));
         assert!(!mounts_volumes(&Bytes::from_static(b"{}")));
         assert!(!mounts_volumes(&Bytes::from_static(b"not json")));
+    }
+
+    #[test]
+    fn resumes_and_connects_are_told_apart() {
+        assert!(is_resume("/sandboxes/abc/resume", "abc"));
+        assert!(is_resume("/sandboxes/abc/connect", "abc"));
+        assert!(is_resume("/v2/sandboxes/abc/connect", "abc"));
+        assert!(!is_resume("/sandboxes/abc/pause", "abc"));
+        assert!(!is_resume("/sandboxes/abc/resume", "other"));
+        assert!(!is_resume("/sandboxes/abc", "abc"));
     }
 
     #[test]

@@ -4,8 +4,8 @@ use axum::Json;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{
-    AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TemplateError,
-    UpdateNetworkError, sandboxes::SnapshotError,
+    AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TakeOverError,
+    TemplateError, UpdateNetworkError, sandboxes::SnapshotError,
 };
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -180,6 +180,21 @@ impl From<SandboxError> for ApiError {
             } => Self::unavailable(e.to_string(), retry_after_secs),
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
+            SandboxError::TakeOver(ref t) => match t {
+                TakeOverError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, t.to_string()),
+                TakeOverError::NodeAlive { .. } | TakeOverError::Moved { .. } => {
+                    Self::new(StatusCode::CONFLICT, t.to_string())
+                }
+                // As for any request to a lost node's sandbox: what the SDKs read as a sandbox
+                // that no longer runs.
+                TakeOverError::NotPaused { .. } | TakeOverError::NoCopy { .. } => Self::new(
+                    StatusCode::BAD_GATEWAY,
+                    format!("The sandbox was not found: {t}"),
+                ),
+                TakeOverError::Runtime(r) => Self::internal(r),
+                TakeOverError::Store(s) => Self::internal(s),
+                TakeOverError::NotInCluster(_) => Self::internal(t),
+            },
         }
     }
 }

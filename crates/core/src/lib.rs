@@ -57,7 +57,8 @@ pub use runtime::{
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
     CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page, Route,
-    SandboxError, Sandboxes, SandboxesConfig, UpdateNetworkError, UserPortAccess, WakeKeys,
+    SandboxError, Sandboxes, SandboxesConfig, TakeOverError, UpdateNetworkError, UserPortAccess,
+    WakeKeys,
 };
 pub use store::{Store, StoreError};
 pub use team_metrics::{

@@ -230,6 +230,31 @@ pub trait Runtime: Send + Sync + 'static {
         })
     }
 
+    /// Copies a paused sandbox's files (it is frozen or released, so they hold still) to the
+    /// cluster's layer store; returns the record of the copy for the caller to keep, `None`
+    /// where there is no layer store.
+    async fn share_files(
+        &self,
+        _sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<Option<crate::model::LayerBlob>, RuntimeError> {
+        Ok(None)
+    }
+
+    /// Lays out on this node the files of a paused sandbox whose node was lost, from the copy
+    /// `files` that node shared; returns the handle of a released sandbox that a launch with
+    /// [`LaunchSpec::kept`] boots on.
+    async fn take_over_files(
+        &self,
+        sandbox: &crate::model::Sandbox,
+        _files: &crate::model::LayerBlob,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        Err(RuntimeError::Sandbox {
+            sandbox_id: sandbox.id.clone(),
+            message: "this runtime cannot take over sandboxes of other nodes".into(),
+        })
+    }
+
     /// Copies a running sandbox's files and, with `memory`, its processes into a snapshot
     /// (`agent_token` is the one its agent holds, which a restore must present to hand
     /// over), holding it still

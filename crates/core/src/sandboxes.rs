@@ -29,7 +29,9 @@ mod pause;
 mod reap;
 mod recover;
 mod snapshots;
+mod take_over;
 pub use snapshots::{ForkResult, SnapshotError, SnapshotInfo, SnapshotQuery};
+pub use take_over::TakeOverError;
 
 #[derive(Debug, Clone)]
 pub struct SandboxesConfig {
@@ -216,6 +218,8 @@ pub enum SandboxError {
         retry_after_secs: u64,
     },
     #[error(transparent)]
+    TakeOver(#[from] TakeOverError),
+    #[error(transparent)]
     Store(#[from] StoreError),
 }
 
@@ -358,6 +362,11 @@ struct Live {
     checkpoint_failures: u8,
     /// The edge's open connections to its agent, ended before it is frozen for a dump.
     agent_links: AgentLinks,
+    /// Its files as they are in this pause are in the cluster's layer store.
+    files_shared: bool,
+    /// Times it was woken since this server knew it: a copy of its files made before the
+    /// latest wake is stale.
+    wakes: u64,
 }
 
 impl Live {
@@ -395,6 +404,8 @@ impl Live {
             paused_at: (status == SandboxStatus::Paused).then(Utc::now),
             checkpoint_failures: 0,
             agent_links: AgentLinks::new(),
+            files_shared: false,
+            wakes: 0,
         }
     }
 }
@@ -444,6 +455,11 @@ pub struct Sandboxes {
     activity: Activity,
     /// The cluster's nodes, where this host shares its store with others.
     nodes: Option<Arc<crate::cluster::NodeDirectory>>,
+    /// Held while a paused sandbox's shared files are recorded or forgotten, so a copy made
+    /// before a wake is never recorded after it.
+    shared_files: tokio::sync::Mutex<()>,
+    /// One take-over of another node's sandbox at a time.
+    take_overs: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -494,6 +510,8 @@ impl Sandboxes {
             metrics: Mutex::new(HashMap::new()),
             volumes: None,
             nodes: None,
+            shared_files: tokio::sync::Mutex::new(()),
+            take_overs: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -818,6 +836,8 @@ impl Sandboxes {
                 paused_at: None,
                 checkpoint_failures: 0,
                 agent_links: AgentLinks::new(),
+                files_shared: false,
+                wakes: 0,
             },
         );
         Ok(())
@@ -1145,6 +1165,9 @@ impl Sandboxes {
         level: LogLevel,
         event: &str,
     ) -> Result<(), SandboxError> {
+        if previous.is_none_or(SandboxStatus::is_paused) {
+            self.forget_shared_files(id).await;
+        }
         // Destroying the sandbox removes its agent log: read what is left first.
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
@@ -1496,6 +1519,7 @@ impl Sandboxes {
         memory: bool,
     ) -> Result<(Sandbox, bool), SandboxError> {
         self.check_timeout(team, timeout_secs)?;
+        self.take_over_if_lost(team, id).await?;
         let deadline = tokio::time::Instant::now() + TRANSITION_PATIENCE;
         let (sandbox, from) = loop {
             let mut sandbox = self.get(team, id).await?;
@@ -1634,6 +1658,8 @@ impl Sandboxes {
         let to = entry.status.waking().ok_or(Some(entry.status))?;
         let from = entry.move_to(to).map_err(Some)?;
         sandbox.handle = entry.handle.clone();
+        entry.wakes += 1;
+        entry.files_shared = false;
         Ok(from)
     }
 
@@ -1647,6 +1673,7 @@ impl Sandboxes {
         by: &str,
     ) -> Result<Sandbox, SandboxError> {
         let id = sandbox.id.clone();
+        self.forget_shared_files(&id).await;
         let end_at = Utc::now() + seconds(timeout_secs);
         let booted = if matches!(from, SandboxStatus::Shelved | SandboxStatus::Checkpointed) {
             let booted = async {

@@ -53,6 +53,17 @@ impl<W: Write> Write for Hashing<W> {
 
 /// Writes the layer at `dir` as an archive to `out`.
 pub fn write_layer(dir: &Path, out: impl Write) -> io::Result<Archived> {
+    write(dir, out, None)
+}
+
+/// Writes a sandbox's writable layer at `dir`, whose files belong to the host ids the
+/// sandbox maps from `base` on, as an archive of the ids they have inside the sandbox.
+/// An entry owned by an id outside that range makes it fail.
+pub fn write_sandbox_layer(dir: &Path, out: impl Write, base: u32) -> io::Result<Archived> {
+    write(dir, out, Some(base))
+}
+
+fn write(dir: &Path, out: impl Write, id_base: Option<u32>) -> io::Result<Archived> {
     let root = Dir::open_host(dir)?;
     let mut builder = tar::Builder::new(Hashing {
         inner: io::BufWriter::with_capacity(1 << 20, out),
@@ -62,6 +73,7 @@ pub fn write_layer(dir: &Path, out: impl Write) -> io::Result<Archived> {
     let mut walk = Walk {
         builder: &mut builder,
         links: HashMap::new(),
+        id_base,
     };
     walk.directory(&root, Path::new(""))?;
     builder.finish()?;
@@ -77,18 +89,12 @@ struct Walk<'a, W: Write> {
     builder: &'a mut tar::Builder<W>,
     /// Files with more than one link, by (device, inode): the first path archived.
     links: HashMap<(u64, u64), PathBuf>,
+    /// Subtracted from every owner (see [`write_sandbox_layer`]).
+    id_base: Option<u32>,
 }
 
-fn header_for(meta: &Metadata, kind: tar::EntryType) -> tar::Header {
-    let mut header = tar::Header::new_gnu();
-    header.set_entry_type(kind);
-    header.set_mode(meta.mode() & 0o7777);
-    header.set_uid(u64::from(meta.uid()));
-    header.set_gid(u64::from(meta.gid()));
-    header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
-    header.set_size(0);
-    header
-}
+/// Host ids one sandbox maps.
+const SANDBOX_IDS: u32 = 65_536;
 
 /// A PAX extended header record: `<length> <key>=<value>\n`, the length counting itself.
 fn pax_record(key: &str, value: &[u8]) -> Vec<u8> {
@@ -123,9 +129,31 @@ fn xattr(fd: impl AsFd, name: &str) -> Option<Vec<u8>> {
 }
 
 impl<W: Write> Walk<'_, W> {
+    fn header_for(&self, meta: &Metadata, kind: tar::EntryType) -> io::Result<tar::Header> {
+        let owner = |id: u32| match self.id_base {
+            None => Ok(id),
+            Some(base) => id
+                .checked_sub(base)
+                .filter(|inside| *inside < SANDBOX_IDS)
+                .ok_or_else(|| {
+                    io::Error::other(format!(
+                        "an entry is owned by host id {id}, outside the sandbox's range from {base}"
+                    ))
+                }),
+        };
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(kind);
+        header.set_mode(meta.mode() & 0o7777);
+        header.set_uid(u64::from(owner(meta.uid())?));
+        header.set_gid(u64::from(owner(meta.gid())?));
+        header.set_mtime(u64::try_from(meta.mtime()).unwrap_or(0));
+        header.set_size(0);
+        Ok(header)
+    }
+
     fn directory(&mut self, dir: &Dir, path: &Path) -> io::Result<()> {
         let meta = dir.metadata()?;
-        let mut header = header_for(&meta, tar::EntryType::Directory);
+        let mut header = self.header_for(&meta, tar::EntryType::Directory)?;
         if path.as_os_str().is_empty() {
             // "./" carries the root's owner and mode (the sandbox's `/`); the tar crate's
             // path setter would refuse a name without a normal component.
@@ -157,7 +185,7 @@ impl<W: Write> Walk<'_, W> {
                 Kind::File => self.file(dir, &entry.name, &meta, &child)?,
                 Kind::Symlink => {
                     let target = dir.read_link(&entry.name).map_err(io::Error::other)?;
-                    let mut header = header_for(&meta, tar::EntryType::Symlink);
+                    let mut header = self.header_for(&meta, tar::EntryType::Symlink)?;
                     self.builder.append_link(&mut header, &child, &target)?;
                 }
                 Kind::Other => self.special(&entry.name, &meta, &child)?,
@@ -168,7 +196,7 @@ impl<W: Write> Walk<'_, W> {
 
     /// An empty regular file that only names something (a whiteout or an opaque marker).
     fn marker(&mut self, meta: &Metadata, path: &Path) -> io::Result<()> {
-        let mut header = header_for(meta, tar::EntryType::Regular);
+        let mut header = self.header_for(meta, tar::EntryType::Regular)?;
         header.set_mode(0o600);
         self.builder.append_data(&mut header, path, io::empty())
     }
@@ -177,7 +205,7 @@ impl<W: Write> Walk<'_, W> {
         if meta.nlink() > 1 {
             let key = (meta.dev(), meta.ino());
             if let Some(first) = self.links.get(&key) {
-                let mut header = header_for(meta, tar::EntryType::Link);
+                let mut header = self.header_for(meta, tar::EntryType::Link)?;
                 let first = first.clone();
                 return self.builder.append_link(&mut header, path, &first);
             }
@@ -194,7 +222,7 @@ impl<W: Write> Walk<'_, W> {
             pax.set_cksum();
             self.builder.append(&pax, record.as_slice())?;
         }
-        let mut header = header_for(meta, tar::EntryType::Regular);
+        let mut header = self.header_for(meta, tar::EntryType::Regular)?;
         header.set_size(meta.len());
         // A file that changed length since the stat would make a corrupt entry; layers are
         // read-only once made, so this only guards against a bug elsewhere.
@@ -211,7 +239,7 @@ impl<W: Write> Walk<'_, W> {
             return self.marker(meta, &parent.join(whiteout));
         }
         if kind.is_fifo() {
-            let mut header = header_for(meta, tar::EntryType::Fifo);
+            let mut header = self.header_for(meta, tar::EntryType::Fifo)?;
             return self.builder.append_data(&mut header, path, io::empty());
         }
         // Device nodes and sockets never belong in a layer (unpacking refuses devices).

@@ -105,6 +105,11 @@ fn placement(layers: &LayerStore, layer: &str) -> Option<Placement> {
     }
 }
 
+/// The name a paused sandbox's files are recorded under in the layer store.
+pub fn sandbox_files_name(sandbox_id: &str) -> String {
+    format!("files/{sandbox_id}")
+}
+
 fn staging_name() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -305,6 +310,102 @@ impl SharedLayers {
             self.fetch_one(blob).await?;
         }
         Ok(())
+    }
+
+    /// Copies a paused sandbox's writable layer (`upper`, owned from host id `id_base` on)
+    /// to the store; the record it returns (`files/<id>`) is the caller's to keep.
+    pub async fn share_sandbox_files(
+        &self,
+        sandbox_id: &str,
+        upper: &Path,
+        id_base: u32,
+    ) -> Result<LayerBlob, SharedLayerError> {
+        let layer = sandbox_files_name(sandbox_id);
+        let io = |path: &Path, source| SharedLayerError::Io {
+            layer: layer.clone(),
+            path: path.to_owned(),
+            source,
+        };
+        let archive = self
+            .layers
+            .steps_dir()
+            .join(format!("{}.tar", staging_name()));
+        let started = Instant::now();
+        let written = {
+            let (archive, source) = (archive.clone(), upper.to_owned());
+            tokio::task::spawn_blocking(move || {
+                let file = std::fs::File::create_new(&archive)?;
+                crate::layer_archive::write_sandbox_layer(&source, file, id_base)
+            })
+            .await
+            .map_err(|e| io(upper, std::io::Error::other(e)))?
+        };
+        let archived = match written {
+            Ok(archived) => archived,
+            Err(source) => {
+                let _ = std::fs::remove_file(&archive);
+                return Err(io(upper, source));
+            }
+        };
+        let pushed = self.blobs.push_file(&archive, &archived.digest).await;
+        let _ = std::fs::remove_file(&archive);
+        pushed.map_err(|source| SharedLayerError::Blob {
+            layer: layer.clone(),
+            source,
+        })?;
+        tracing::info!(
+            sandbox_id,
+            digest = %archived.digest,
+            bytes = archived.size,
+            ms = started.elapsed().as_millis() as u64,
+            "shared a paused sandbox's files through the layer store"
+        );
+        Ok(LayerBlob {
+            layer,
+            digest: archived.digest,
+            size_bytes: archived.size,
+            node_id: self.node_id.clone(),
+            published_at: Utc::now(),
+        })
+    }
+
+    /// Unpacks a sandbox's shared files into `upper`, an empty directory, with the owners
+    /// they have inside the sandbox.
+    pub async fn fetch_sandbox_files(
+        &self,
+        files: &LayerBlob,
+        upper: &Path,
+    ) -> Result<(), SharedLayerError> {
+        let layer = files.layer.as_str();
+        let io = |path: &Path, source| SharedLayerError::Io {
+            layer: layer.to_owned(),
+            path: path.to_owned(),
+            source,
+        };
+        let archive = self
+            .layers
+            .steps_dir()
+            .join(format!("{}.tar", staging_name()));
+        self.blobs
+            .fetch_to(&files.digest, files.size_bytes, &archive)
+            .await
+            .map_err(|source| SharedLayerError::Blob {
+                layer: layer.to_owned(),
+                source,
+            })?;
+        let applied = {
+            let (archive, dest) = (archive.clone(), upper.to_owned());
+            tokio::task::spawn_blocking(move || {
+                let file = std::fs::File::open(&archive)?;
+                sandbar_image::apply_layer(std::io::BufReader::with_capacity(1 << 20, file), &dest)
+                    .map(|_| ())
+                    .map_err(std::io::Error::other)
+            })
+            .await
+            .map_err(|e| io(upper, std::io::Error::other(e)))?
+        };
+        let _ = std::fs::remove_file(&archive);
+        applied.map_err(|e| io(upper, e))
     }
 
     async fn fetch_one(&self, blob: &LayerBlob) -> Result<(), SharedLayerError> {

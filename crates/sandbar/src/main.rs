@@ -838,6 +838,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     runtime.start_warm_pool();
     tokio::spawn(sandboxes.clone().run_reaper());
+    if node_lease.is_some() && runtime.shared_layers().is_some() {
+        // So that a paused sandbox can be resumed on another node if this one is lost.
+        tokio::spawn(sandboxes.clone().run_file_sharing());
+    }
     if let Some((lease, _)) = &node_lease {
         // Renewed once before serving, so API hosts can place sandboxes here at once.
         tokio::spawn(sandbar_node::lease::renew_forever(

@@ -24,6 +24,33 @@ impl LayerBlobRecords for SqliteStore {
         Ok(())
     }
 
+    async fn replace_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
+             VALUES (?, ?, ?, ?, ?) ON CONFLICT (layer) DO UPDATE SET digest = excluded.digest, \
+             size_bytes = excluded.size_bytes, node_id = excluded.node_id, \
+             published_at = excluded.published_at",
+        )
+        .bind(&blob.layer)
+        .bind(&blob.digest)
+        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
+        .bind(&blob.node_id)
+        .bind(micros(blob.published_at))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM layer_blobs WHERE layer = ?")
+            .bind(layer)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
         let mut found = Vec::new();
         for layer in layers {

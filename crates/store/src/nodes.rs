@@ -51,4 +51,20 @@ impl NodeRecords for SqliteStore {
             .await
             .map_err(err)
     }
+
+    async fn move_sandbox(
+        &self,
+        sandbox_id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, StoreError> {
+        let moved = sqlx::query("UPDATE sandboxes SET node_id = ? WHERE id = ? AND node_id = ?")
+            .bind(to)
+            .bind(sandbox_id)
+            .bind(from)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(moved.rows_affected() == 1)
+    }
 }

@@ -1183,6 +1183,35 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
         Some("n2".into())
     );
     assert_eq!(store.sandbox_node("missing").await.expect("node"), None);
+    // A take-over moves it only from the node it is on.
+    assert!(
+        !store
+            .move_sandbox("sbx-on-n2", "n1", "n3")
+            .await
+            .expect("move")
+    );
+    assert!(
+        store
+            .move_sandbox("sbx-on-n2", "n2", "n1")
+            .await
+            .expect("move")
+    );
+    assert!(
+        !store
+            .move_sandbox("sbx-on-n2", "n2", "n3")
+            .await
+            .expect("move again")
+    );
+    assert!(
+        !store
+            .move_sandbox("missing", "n2", "n1")
+            .await
+            .expect("move missing")
+    );
+    assert_eq!(
+        store.sandbox_node("sbx-on-n2").await.expect("node"),
+        Some("n1".into())
+    );
     assert_eq!(
         store
             .sandbox("sbx-on-n2")
@@ -1190,7 +1219,7 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
             .expect("read")
             .expect("there")
             .node_id,
-        "n2"
+        "n1"
     );
 }
 
@@ -1228,6 +1257,36 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
         "the first record stays; absent layers are left out"
     );
     assert!(store.layer_blobs(&[]).await.expect("read none").is_empty());
+
+    // A paused sandbox's files: each pause's copy replaces the last; a resume forgets it.
+    let files = LayerBlob {
+        layer: "files/isbx".into(),
+        ..again.clone()
+    };
+    store.replace_layer_blob(&files).await.expect("first copy");
+    let newer = LayerBlob {
+        digest: format!("sha256:{}", "c".repeat(64)),
+        size_bytes: 7,
+        ..files.clone()
+    };
+    store.replace_layer_blob(&newer).await.expect("newer copy");
+    let read = store
+        .layer_blobs(&["files/isbx".into()])
+        .await
+        .expect("read");
+    assert_eq!(read, vec![newer]);
+    store.delete_layer_blob("files/isbx").await.expect("forget");
+    store
+        .delete_layer_blob("files/isbx")
+        .await
+        .expect("forget again");
+    assert!(
+        store
+            .layer_blobs(&["files/isbx".into()])
+            .await
+            .expect("read")
+            .is_empty()
+    );
 }
 
 async fn two_hosts_starting_on_an_empty_database_make_one_first_team(f: Fixture) {

@@ -251,7 +251,7 @@ impl Sandboxes {
 
     /// After a restart: takes back a sandbox paused without memory (no processes, only its
     /// files); one whose files are gone is cleaned up.
-    async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
+    pub(super) async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
         if let Err(err) = self
             .runtime
             .adopt_released(&sandbox.id, &sandbox.handle)

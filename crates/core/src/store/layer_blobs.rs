@@ -9,6 +9,11 @@ pub trait LayerBlobRecords: Send + Sync {
     /// that published the same layer each made a faithful copy, and every fetch must agree
     /// on one.
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError>;
+    /// Records a published copy that replaces any earlier one of the same name: a paused
+    /// sandbox's files (`files/<sandbox id>`), newer at every pause.
+    async fn replace_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError>;
+    /// Forgets the record named `layer`, if any.
+    async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError>;
     /// The records of those of `layers` that were published.
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError>;
 }

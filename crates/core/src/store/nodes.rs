@@ -11,4 +11,12 @@ pub trait NodeRecords: Send + Sync {
     async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
     /// The node a sandbox is recorded on; `None` when no such sandbox is recorded.
     async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError>;
+    /// Records the sandbox on node `to` if it is still recorded on `from`; false when it is
+    /// not (another node took it first, or it is gone).
+    async fn move_sandbox(
+        &self,
+        sandbox_id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, StoreError>;
 }

@@ -654,6 +654,71 @@ impl Runtime for LinuxRuntime {
         }
     }
 
+    async fn share_files(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<Option<sandbar_core::LayerBlob>, RuntimeError> {
+        let Some(shared) = self.shared_layers.get() else {
+            return Ok(None);
+        };
+        let h = parse_handle(sandbox_id, handle)?;
+        let upper = self
+            .disks
+            .path(sandbox_id)
+            .join(sandbar_jail::layout::UPPER);
+        shared
+            .share_sandbox_files(sandbox_id, &upper, h.id_base.unwrap_or(0))
+            .await
+            .map(Some)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn take_over_files(
+        &self,
+        sandbox: &sandbar_core::Sandbox,
+        files: &sandbar_core::LayerBlob,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let id = sandbox.id.as_str();
+        let Some(shared) = self.shared_layers.get() else {
+            return Err(sandbox_err(id, "this node has no layer store"));
+        };
+        // What an earlier attempt left; the sandbox is not this node's yet.
+        self.disks.remove(id).map_err(|e| sandbox_err(id, e))?;
+        self.admit_disk(id, sandbox.disk_size_mb).await?;
+        let laid_out = async {
+            let dir = self
+                .disks
+                .create(id, sandbox.disk_size_mb, 0)
+                .map_err(|e| sandbox_err(id, e))?;
+            shared
+                .fetch_sandbox_files(files, &dir.join(sandbar_jail::layout::UPPER))
+                .await
+                .map_err(|e| sandbox_err(id, e))
+        }
+        .await;
+        if let Err(err) = laid_out {
+            let _ = self.disks.remove(id);
+            self.disks.forget(id);
+            return Err(err);
+        }
+        let handle = Handle {
+            // The files carry the ids they have inside the sandbox: a boot on them moves
+            // them to the range of the slot it gets.
+            id_base: Some(0),
+            memory_mb: sandbox.memory_mb,
+            layers: sandbox
+                .image
+                .as_ref()
+                .map(|image| image.layers.clone())
+                .unwrap_or_default(),
+            released: true,
+            ..Handle::unstarted(0)
+        };
+        self.keep_layers(id.to_owned(), handle.layers.clone());
+        handle.to_runtime(id)
+    }
+
     async fn adopt_released(
         &self,
         sandbox_id: &str,

@@ -34,6 +34,33 @@ impl LayerBlobRecords for PgStore {
         Ok(())
     }
 
+    async fn replace_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (layer) DO UPDATE SET digest = excluded.digest, \
+             size_bytes = excluded.size_bytes, node_id = excluded.node_id, \
+             published_at = excluded.published_at",
+        )
+        .bind(&blob.layer)
+        .bind(&blob.digest)
+        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
+        .bind(&blob.node_id)
+        .bind(blob.published_at)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(())
+    }
+
+    async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM layer_blobs WHERE layer = $1")
+            .bind(layer)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
         let rows =
             sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs WHERE layer = ANY($1)")

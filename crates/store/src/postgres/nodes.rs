@@ -60,4 +60,20 @@ impl NodeRecords for PgStore {
             .await
             .map_err(err)
     }
+
+    async fn move_sandbox(
+        &self,
+        sandbox_id: &str,
+        from: &str,
+        to: &str,
+    ) -> Result<bool, StoreError> {
+        let moved = sqlx::query("UPDATE sandboxes SET node_id = $1 WHERE id = $2 AND node_id = $3")
+            .bind(to)
+            .bind(sandbox_id)
+            .bind(from)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(moved.rows_affected() == 1)
+    }
 }

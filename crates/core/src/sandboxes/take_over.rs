@@ -1,0 +1,204 @@
+//! Paused sandboxes outliving their node: a node with a layer store copies the files of each
+//! sandbox it holds paused there, and when that node is lost, another takes the sandbox over
+//! from the copy, to boot afresh on its files at the resume (its processes and their memory
+//! were on the lost node).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{SandboxError, Sandboxes};
+use crate::builds::LogLevel;
+use crate::lifecycle::SandboxStatus;
+use crate::model::{Sandbox, Team};
+use crate::runtime::RuntimeError;
+use crate::store::StoreError;
+
+/// The name a paused sandbox's files are recorded under in the layer store.
+pub(crate) fn files_name(sandbox_id: &str) -> String {
+    format!("files/{sandbox_id}")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TakeOverError {
+    #[error("sandbox {0} cannot be taken over: this server is not a node of a cluster")]
+    NotInCluster(String),
+    #[error("sandbox {id} is on node '{node}', which is alive")]
+    NodeAlive { id: String, node: String },
+    #[error("sandbox {0} not found")]
+    NotFound(String),
+    #[error("sandbox {id} is on node '{node}' now")]
+    Moved { id: String, node: String },
+    #[error(
+        "sandbox {id} was running on node '{node}', which was lost with its processes: only a paused sandbox can be resumed elsewhere"
+    )]
+    NotPaused { id: String, node: String },
+    #[error(
+        "sandbox {id} was paused on node '{node}', which was lost before a copy of its files reached the layer store"
+    )]
+    NoCopy { id: String, node: String },
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl Sandboxes {
+    /// Copies, one at a time, the files of sandboxes paused here to the layer store, for as
+    /// long as the process runs. Does nothing where the runtime has no layer store.
+    pub async fn run_file_sharing(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let next = self.live().iter().find_map(|(id, l)| {
+                (l.status.is_paused() && !l.files_shared).then(|| (id.clone(), l.wakes))
+            });
+            if let Some((id, wakes)) = next {
+                self.share_files_of(&id, wakes).await;
+            }
+        }
+    }
+
+    async fn share_files_of(&self, id: &str, wakes: u64) {
+        let Some(handle) = self.live().get(id).map(|l| l.handle.clone()) else {
+            return;
+        };
+        let copied = self.runtime.share_files(id, &handle).await;
+        let _recording = self.shared_files.lock().await;
+        let current = {
+            let mut live = self.live();
+            let Some(entry) = live.get_mut(id) else {
+                return;
+            };
+            // Tried once per pause, whatever came of it: a copy that fails is not retried
+            // in a loop; the next pause makes a new one.
+            let current = entry.wakes == wakes && entry.status.is_paused();
+            entry.files_shared = current;
+            current
+        };
+        match copied {
+            Ok(Some(blob)) if current => {
+                if let Err(err) = self.store.replace_layer_blob(&blob).await {
+                    tracing::warn!(sandbox_id = %id, error = %err, "cannot record the copy of a paused sandbox's files");
+                }
+            }
+            Ok(_) => {}
+            Err(err) => {
+                tracing::warn!(sandbox_id = %id, error = %err, "cannot copy a paused sandbox's files to the layer store");
+            }
+        }
+    }
+
+    /// Forgets the copy of a sandbox's files made while it was paused: it is waking, and
+    /// what it writes from now on would not be in it.
+    pub(super) async fn forget_shared_files(&self, id: &str) {
+        if self.nodes.is_none() {
+            return;
+        }
+        let _recording = self.shared_files.lock().await;
+        if let Err(err) = self.store.delete_layer_blob(&files_name(id)).await {
+            tracing::warn!(sandbox_id = %id, error = %err, "cannot forget the copy of a woken sandbox's files");
+        }
+    }
+
+    /// Before a resume: a sandbox of `team` recorded on another node of the cluster is taken
+    /// over here (see [`Self::take_over`]); the request reached this node because that node
+    /// was lost.
+    pub(super) async fn take_over_if_lost(
+        &self,
+        team: &Team,
+        id: &str,
+    ) -> Result<(), SandboxError> {
+        if self.nodes.is_none() || self.live().contains_key(id) {
+            return Ok(());
+        }
+        match self.store.sandbox(id).await? {
+            Some(row) if row.team_id == team.id && row.node_id != self.config.node_id => {
+                Ok(self.take_over(id, &row.node_id).await?)
+            }
+            // Not this team's, or not recorded: the resume answers not found.
+            _ => Ok(()),
+        }
+    }
+
+    /// Takes over sandbox `id`, paused on node `from_node` which was lost, from the copy of
+    /// its files that node shared: lays the files out here, records the sandbox on this node
+    /// (only if it is still recorded on `from_node`, so two nodes never both take it) and
+    /// keeps it paused without memory, ready to resume. Nothing to do if it is here already.
+    pub async fn take_over(&self, id: &str, from_node: &str) -> Result<(), TakeOverError> {
+        let _one_at_a_time = self.take_overs.lock().await;
+        if self.live().contains_key(id) {
+            return Ok(());
+        }
+        let Some(nodes) = &self.nodes else {
+            return Err(TakeOverError::NotInCluster(id.to_owned()));
+        };
+        if nodes.is_live(from_node) {
+            return Err(TakeOverError::NodeAlive {
+                id: id.to_owned(),
+                node: from_node.to_owned(),
+            });
+        }
+        let sandbox = self
+            .store
+            .sandbox(id)
+            .await?
+            .ok_or_else(|| TakeOverError::NotFound(id.to_owned()))?;
+        if sandbox.node_id != from_node {
+            return Err(TakeOverError::Moved {
+                id: id.to_owned(),
+                node: sandbox.node_id,
+            });
+        }
+        if !sandbox.status.is_paused() {
+            return Err(TakeOverError::NotPaused {
+                id: id.to_owned(),
+                node: from_node.to_owned(),
+            });
+        }
+        let files = self
+            .store
+            .layer_blobs(&[files_name(id)])
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| TakeOverError::NoCopy {
+                id: id.to_owned(),
+                node: from_node.to_owned(),
+            })?;
+        let handle = self.runtime.take_over_files(&sandbox, &files).await?;
+        let me = self.config.node_id.as_str();
+        let claimed = self.store.move_sandbox(id, from_node, me).await;
+        if !matches!(claimed, Ok(true)) {
+            if let Err(err) = self.runtime.destroy(id, &handle).await {
+                tracing::warn!(sandbox_id = %id, error = %err, "cannot remove the files of a sandbox another node took");
+            }
+            return match claimed {
+                Err(err) => Err(err.into()),
+                _ => Err(TakeOverError::Moved {
+                    id: id.to_owned(),
+                    node: self.store.sandbox_node(id).await?.unwrap_or_default(),
+                }),
+            };
+        }
+        self.record(id, SandboxStatus::Shelved, Some(&handle))
+            .await?;
+        let taken = Sandbox {
+            handle,
+            status: SandboxStatus::Shelved,
+            node_id: me.to_owned(),
+            ..sandbox
+        };
+        self.adopt_shelved(&taken).await?;
+        self.activity
+            .event(
+                id,
+                LogLevel::Warn,
+                "sandbox taken over from a lost node: its files were kept, its processes start afresh at the resume",
+                &[("fromNode", from_node.to_owned()), ("node", me.to_owned())],
+            )
+            .await;
+        tracing::warn!(sandbox_id = %id, from_node, "took over a paused sandbox of a lost node");
+        Ok(())
+    }
+}
