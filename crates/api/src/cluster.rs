@@ -533,7 +533,11 @@ async fn place(
 /// Whether `path` resumes (or connects to, which resumes a paused one) `sandbox_id`.
 fn is_resume(path: &str, sandbox_id: &str) -> bool {
     let path = path.trim_matches('/');
-    let segments: Vec<&str> = path.strip_prefix("v2/").unwrap_or(path).split('/').collect();
+    let segments: Vec<&str> = path
+        .strip_prefix("v2/")
+        .unwrap_or(path)
+        .split('/')
+        .collect();
     matches!(segments.as_slice(), ["sandboxes", id, "resume" | "connect"] if *id == sandbox_id)
 }
 

@@ -13,6 +13,7 @@
 
 mod baseline;
 mod client;
+mod layers;
 mod memory;
 mod pull;
 mod stats;
@@ -108,6 +109,9 @@ enum Mode {
     /// Time an image pull into an empty cache (`ImageCache::pull`) against `skopeo copy` +
     /// `umoci unpack` of the same image.
     Pull(pull::PullArgs),
+    /// Time one template layer through a cluster's layer store: archive and push (what a
+    /// node does after a build), download and unpack (what another does before a create).
+    Layers(layers::LayersArgs),
 }
 
 /// Latencies of one create→first-output request, split into its parts.
@@ -510,8 +514,10 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut args = Args::parse();
-    if let Some(Mode::Pull(pull)) = args.command.take() {
-        return pull::main(pull).await;
+    match args.command.take() {
+        Some(Mode::Pull(pull)) => return pull::main(pull).await,
+        Some(Mode::Layers(layers)) => return layers::main(layers).await,
+        None => {}
     }
     let Some(api_key) = args.api_key.as_deref() else {
         eprintln!("error: --api-key (or SANDBAR_API_KEY) is required");

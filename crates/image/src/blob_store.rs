@@ -2,6 +2,9 @@
 //! nodes put the layers they built there and fetch the layers they lack (distribution spec,
 //! "pushing blobs" and "pulling blobs"; no manifests are needed, blobs are found by digest).
 //!
+//! Each blob is also tagged `sha256-<hex>` with a manifest naming it as its only layer, so a
+//! registry's garbage collection keeps it.
+//!
 //! Uploads are chunked (`POST`, a `PATCH` per chunk, a closing `PUT` with the digest), so a
 //! layer of any size streams from disk with a bounded buffer. Downloads are hashed as they
 //! are written and refused when the digest or the announced size does not match.
@@ -22,6 +25,11 @@ use crate::registry_address::RegistryPolicy;
 
 /// What one `PATCH` carries; the registry keeps the parts, the node holds one in memory.
 const CHUNK_BYTES: usize = 16 << 20;
+const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+/// The OCI "empty" descriptor's content: the config of a manifest that only holds a blob.
+const EMPTY_CONFIG: &[u8] = b"{}";
+const EMPTY_CONFIG_DIGEST: &str =
+    "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
 
 /// The repository, as `http[s]://host[:port]/path/of/repository`.
 #[derive(Debug)]
@@ -159,17 +167,92 @@ impl BlobStore {
         }
     }
 
-    /// Uploads the file at `path`, whose sha256 is `digest`, unless the repository holds it.
+    /// Uploads the file at `path`, whose sha256 is `digest`, unless the repository holds it,
+    /// and tags it (see [`Self::keep`]).
     pub async fn push_file(&self, path: &Path, digest: &str) -> Result<(), BlobStoreError> {
-        if self.contains(digest).await? {
-            return Ok(());
-        }
         let io = |source| BlobStoreError::Io {
             digest: digest.to_owned(),
             path: path.to_owned(),
             source,
         };
-        let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+        let size = tokio::fs::metadata(path).await.map_err(io)?.len();
+        if !self.contains(digest).await? {
+            self.upload(path, digest).await?;
+        }
+        self.keep(digest, size).await
+    }
+
+    /// Tags the blob `digest` (`sha256-<hex>`) with a manifest that names it as its only
+    /// layer: a registry's garbage collection removes blobs no manifest references.
+    /// Deleting the tag lets it go.
+    pub async fn keep(&self, digest: &str, size: u64) -> Result<(), BlobStoreError> {
+        let tag = format!(
+            "sha256-{}",
+            digest.strip_prefix("sha256:").unwrap_or(digest)
+        );
+        if !self.contains(EMPTY_CONFIG_DIGEST).await? {
+            self.upload_bytes(Bytes::from_static(EMPTY_CONFIG), EMPTY_CONFIG_DIGEST)
+                .await?;
+        }
+        let manifest = serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": MANIFEST_TYPE,
+            "config": {
+                "mediaType": "application/vnd.oci.empty.v1+json",
+                "digest": EMPTY_CONFIG_DIGEST,
+                "size": EMPTY_CONFIG.len(),
+            },
+            "layers": [{
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": digest,
+                "size": size,
+            }],
+        });
+        let url = self
+            .session
+            .endpoint(&format!("manifests/{tag}"))
+            .map_err(|e| self.registry_error(e))?;
+        let response = self
+            .session
+            .call(
+                Method::PUT,
+                url,
+                &[(CONTENT_TYPE, HeaderValue::from_static(MANIFEST_TYPE))],
+                Some(Bytes::from(manifest.to_string())),
+            )
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        if response.status() != StatusCode::CREATED {
+            return Err(self.registry_error(self.session.refusal(response).await));
+        }
+        Ok(())
+    }
+
+    /// A small blob in one request (`POST`, then `PUT` with the body and the digest).
+    async fn upload_bytes(&self, data: Bytes, digest: &str) -> Result<(), BlobStoreError> {
+        let mut upload = self.start_upload().await?;
+        upload.query_pairs_mut().append_pair("digest", digest);
+        let response = self
+            .session
+            .call(
+                Method::PUT,
+                upload,
+                &[(
+                    CONTENT_TYPE,
+                    HeaderValue::from_static("application/octet-stream"),
+                )],
+                Some(data),
+            )
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        if response.status() != StatusCode::CREATED {
+            return Err(self.registry_error(self.session.refusal(response).await));
+        }
+        Ok(())
+    }
+
+    /// Opens an upload session; its URL.
+    async fn start_upload(&self) -> Result<Url, BlobStoreError> {
         let start = self
             .session
             .endpoint("blobs/uploads/")
@@ -187,7 +270,18 @@ impl BlobStore {
         if response.status() != StatusCode::ACCEPTED {
             return Err(self.registry_error(self.session.refusal(response).await));
         }
-        let mut upload = self.next_location(&response)?;
+        self.next_location(&response)
+    }
+
+    /// Uploads the file at `path` in chunks.
+    async fn upload(&self, path: &Path, digest: &str) -> Result<(), BlobStoreError> {
+        let io = |source| BlobStoreError::Io {
+            digest: digest.to_owned(),
+            path: path.to_owned(),
+            source,
+        };
+        let mut file = tokio::fs::File::open(path).await.map_err(io)?;
+        let mut upload = self.start_upload().await?;
         let mut offset: u64 = 0;
         let mut hasher = Sha256::new();
         loop {

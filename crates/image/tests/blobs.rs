@@ -17,6 +17,24 @@ fn loopback_allowed() -> Arc<RegistryPolicy> {
     Arc::new(RegistryPolicy::new(vec!["127.0.0.1".parse().unwrap()], vec![], vec![]).unwrap())
 }
 
+/// The manifest tagged `tag` in the test repository, read with a plain HTTP request.
+async fn manifest_tagged(registry: &Registry, tag: &str) -> serde_json::Value {
+    let output = Command::new("curl")
+        .args([
+            "-sf",
+            "-H",
+            "Accept: application/vnd.oci.image.manifest.v1+json",
+            &format!(
+                "http://{}/v2/sandbar/layers/manifests/{tag}",
+                registry.host()
+            ),
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "no manifest tagged {tag}");
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
 fn digest_of(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(data)))
 }
@@ -56,6 +74,11 @@ async fn pushes_in_chunks_and_fetches_what_it_pushed() {
     store.push_file(&source, &digest).await.unwrap();
     assert!(store.contains(&digest).await.unwrap());
     assert_eq!(std::fs::read(registry.blob_file(&digest)).unwrap(), data);
+    // Tagged, so that the registry's garbage collection keeps it.
+    let tag = format!("sha256-{}", digest.strip_prefix("sha256:").unwrap());
+    let manifest: serde_json::Value = manifest_tagged(&registry, &tag).await;
+    assert_eq!(manifest["layers"][0]["digest"], digest.as_str());
+    assert_eq!(manifest["layers"][0]["size"], data.len() as u64);
     // A second push of the same content finds it there.
     store.push_file(&source, &digest).await.unwrap();
 
