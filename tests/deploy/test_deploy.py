@@ -188,6 +188,13 @@ def test_the_node_daemonset():
     assert volumes[mounts[data_dir]["name"]]["hostPath"]["path"] == data_dir
     for host_path in ("/run/sandbar", "/sys/fs/cgroup", "/dev"):
         assert volumes[mounts[host_path]["name"]]["hostPath"]["path"] == host_path
+    # The layer store, and its credentials as a file only root may read.
+    assert env["SANDBAR_LAYER_STORE"]["value"] == "http://registry.internal:5000/sandbar/layers"
+    credentials = Path(env["SANDBAR_LAYER_STORE_CREDENTIALS_FILE"]["value"])
+    store_volume = volumes[mounts[str(credentials.parent)]["name"]]
+    assert store_volume["secret"]["secretName"] == "sandbar-layer-store"
+    assert store_volume["secret"]["defaultMode"] == 0o400
+    assert store_volume["secret"]["items"] == [{"key": "credentials", "path": credentials.name}]
     # The liveness probe carries the secret, read from the mounted file.
     secret_file = env["SANDBAR_CLUSTER_SECRET_FILE"]["value"]
     for probe in ("startupProbe", "livenessProbe"):
@@ -267,6 +274,8 @@ def test_a_given_secret_and_key_are_kept_in_secrets_of_the_release():
         ({"apiKey": {"value": "not-a-key"}}, "/apiKey/value"),
         ({"database": {"url": "mysql://db/sandbar"}}, "/database/url"),
         ({"node": {"dataDir": "relative"}}, "/node/dataDir"),
+        ({"layerStore": {"url": "http://registry:5000/"}}, "/layerStore/url"),
+        ({"layerStore": {"url": "registry:5000/sandbar/layers"}}, "/layerStore/url"),
     ],
 )
 def test_the_values_schema_refuses_what_sandbar_would(values, where):
