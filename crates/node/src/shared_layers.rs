@@ -486,6 +486,10 @@ fn unpack_into(archive: &Path, staged: &Path, place: &Placement) -> Result<(), U
     if let Some(marker) = place.marker {
         std::fs::write(staged.join(marker), b"").map_err(io(&staged.join(marker)))?;
     }
+    // On disk before it is renamed into place: a crash must not leave a layer whose files
+    // are empty under a name every later create trusts.
+    let dir = std::fs::File::open(staged).map_err(io(staged))?;
+    rustix::fs::syncfs(&dir).map_err(|e| UnpackFailure::Io(staged.to_owned(), e.into()))?;
     Ok(())
 }
 
