@@ -332,6 +332,15 @@ def test_creates_spread_and_everything_works_through_both_api_hosts(cluster, fle
         marker = _serve_port(one)
         _fetch_port(cluster["api1"], one, marker)
         _fetch_port(cluster["api2"], two, marker)
+        # A signed URL names no sandbox: the API host finds it by the signature.
+        url = one.download_url("/home/user/from-api1.txt")
+        assert "signature=" in url and sid not in url
+        r = httpx.get(url, timeout=30)
+        assert r.status_code == 200 and r.text == f"api1 {sid}", f"{url} -> {r.status_code} {r.text[:200]}"
+        up = two.upload_url("/home/user/uploaded.txt")
+        r = httpx.post(up, files={"file": ("uploaded.txt", b"signed upload")}, timeout=30)
+        assert r.status_code == 200, f"{up} -> {r.status_code} {r.text[:200]}"
+        assert one.files.read("/home/user/uploaded.txt") == "signed upload"
 
 
 @needs_roles

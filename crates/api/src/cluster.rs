@@ -283,6 +283,13 @@ pub(crate) async fn forward_to_nodes(
         return next.run(request).await;
     };
     let edge_sandbox = crate::edge::sandbox_named_by(&state, &request);
+    if edge_sandbox.is_none()
+        && let Some(signed) = crate::edge::signed_file_request(request.method(), request.uri())
+    {
+        return signed_to_node(&cluster, &signed, request, next)
+            .await
+            .unwrap_or_else(IntoResponse::into_response);
+    }
     match destination(request.method(), request.uri().path(), edge_sandbox) {
         Destination::Here => next.run(request).await,
         Destination::Sandbox(id) => to_sandbox(&cluster, &id, request, next)
@@ -309,6 +316,33 @@ fn no_nodes() -> ApiError {
         StatusCode::SERVICE_UNAVAILABLE,
         "no node of the cluster is alive to take this request",
     )
+}
+
+/// A signed `/files` URL that names no sandbox (what `download_url()` and `upload_url()` give
+/// out when the SDK has one URL for every sandbox): sent to the node of the sandbox whose
+/// agent token made the signature, found among the recorded ones. One that matches none is
+/// left to the local edge, which answers as a single host does.
+async fn signed_to_node(
+    cluster: &ClusterRouting,
+    signed: &crate::edge::SignedFileRequest,
+    request: Request,
+    next: Next,
+) -> Result<Response, ApiError> {
+    let sandboxes = cluster
+        .store
+        .all_sandboxes()
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let signer = sandboxes
+        .iter()
+        .find(|s| signed.signed_with(&s.envd_access_token, None));
+    match signer {
+        Some(sandbox) => {
+            cluster.remember_owner(&sandbox.id, &sandbox.node_id);
+            to_sandbox(cluster, &sandbox.id, request, next).await
+        }
+        None => Ok(next.run(request).await),
+    }
 }
 
 async fn to_sandbox(

@@ -397,7 +397,7 @@ async fn forward_to_agent(
 /// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
 /// sandbox whose agent token produced the URL's signature.
 /// The parts of a signed `/files` URL.
-struct SignedFileRequest {
+pub(crate) struct SignedFileRequest {
     signature: String,
     path: String,
     operation: FileOperation,
@@ -410,7 +410,7 @@ impl SignedFileRequest {
     /// Whether the agent token `token` made this URL's signature, for exactly the user it
     /// names (constant-time, as the agent checks). With `now`, an expired URL does not
     /// count; without, expiry is left to the agent, whose answer says why.
-    fn signed_with(&self, token: &str, now: Option<i64>) -> bool {
+    pub(crate) fn signed_with(&self, token: &str, now: Option<i64>) -> bool {
         let users = [self.user.as_str()];
         match now {
             Some(now) => sandbar_envd::verify_file_signature(
@@ -435,7 +435,7 @@ impl SignedFileRequest {
     }
 }
 
-fn signed_file_request(method: &Method, uri: &Uri) -> Option<SignedFileRequest> {
+pub(crate) fn signed_file_request(method: &Method, uri: &Uri) -> Option<SignedFileRequest> {
     if uri.path() != "/files" {
         return None;
     }

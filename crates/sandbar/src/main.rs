@@ -397,9 +397,10 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
         return Ok(());
     }
     if in_cluster && template.image.as_ref() == Some(&base_image()) {
-        // Built by another node of the cluster: its sandboxes are placed on nodes that hold
-        // it, and a rebuild here would mark the shared record as building for all of them.
-        tracing::warn!(template_id = %template.id, "default template 'base' is not on this node's disk; sandboxes of it are placed on other nodes");
+        // Built by another node of the cluster: a rebuild here would mark the shared record
+        // as building for all of them. Its layer is fetched from the layer store at the first
+        // create here, if there is one; without, its sandboxes go to nodes that hold it.
+        tracing::info!(template_id = %template.id, "default template 'base' is not on this node's disk yet");
         return Ok(());
     }
     templates.register(&template).await?;
@@ -530,7 +531,7 @@ async fn ensure_interpreter_template(
     let built =
         last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
     if in_cluster && built && !image_on_disk(&template, layers) {
-        tracing::warn!(template_id = %template.id, "code interpreter template is not on this node's disk; sandboxes of it are placed on other nodes");
+        tracing::info!(template_id = %template.id, "code interpreter template is not on this node's disk yet");
         return Ok(());
     }
     let current = built && image_on_disk(&template, layers);
