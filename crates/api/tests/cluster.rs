@@ -382,3 +382,51 @@ async fn the_team_limit_counts_sandboxes_on_every_node() {
     let (status, body) = c.create().await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn creates_racing_on_two_nodes_never_pass_the_team_limit() {
+    let c = cluster(3).await;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    // Straight to the nodes, as two API hosts placing at once would send them.
+    let creates = (0..12).map(|i| {
+        let client = client.clone();
+        let url = c.node(if i % 2 == 0 { "n1" } else { "n2" }).url.clone();
+        async move {
+            let request = Request::post(format!("{url}/sandboxes"))
+                .header("X-API-Key", KEY)
+                .header(NODE_SECRET_HEADER, SECRET)
+                .header("content-type", "application/json")
+                .body(Body::from(r#"{"templateID":"base","timeout":300}"#))
+                .expect("request");
+            client.request(request).await.expect("call").status()
+        }
+    });
+    let statuses = futures_join_all(creates).await;
+    let created = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::CREATED)
+        .count();
+    assert_eq!(created, 3, "{statuses:?}");
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::CREATED || *s == StatusCode::TOO_MANY_REQUESTS),
+        "{statuses:?}"
+    );
+}
+
+/// Runs every future at once and gathers their outputs in order.
+async fn futures_join_all<F: std::future::Future + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for handle in handles {
+        out.push(handle.await.expect("task"));
+    }
+    out
+}

@@ -47,7 +47,7 @@ pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxState, Team, Template,
+    LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxState, SlotClaim, Team, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{

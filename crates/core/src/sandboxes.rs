@@ -530,16 +530,46 @@ impl Sandboxes {
     }
 
     /// Slots the team holds on the cluster's other live nodes, as the store records them.
-    async fn slots_elsewhere(&self, team: &Team) -> Result<usize, StoreError> {
+    /// In a cluster: claims in the store one of the team's slots for sandbox `id`, unless the
+    /// team's sandboxes on the other live nodes already fill what `local` (this node's) leaves
+    /// of its limit. The claim is let go when the returned guard drops.
+    async fn claim_slot_elsewhere(
+        &self,
+        team: &Team,
+        id: &str,
+        local: usize,
+    ) -> Result<Option<SlotClaimGuard>, CreateSandboxError> {
         let Some(nodes) = &self.nodes else {
-            return Ok(0);
+            return Ok(None);
         };
-        let recorded = self.store.team_sandboxes(&team.id).await?;
-        Ok(recorded
+        let live: Vec<String> = nodes.live().into_iter().map(|n| n.id).collect();
+        let slot_statuses: Vec<&str> = SandboxStatus::ALL
             .iter()
-            .filter(|s| s.node_id != self.config.node_id && nodes.is_live(&s.node_id))
-            .filter(|s| s.status.holds_a_slot())
-            .count())
+            .filter(|s| s.holds_a_slot())
+            .map(|s| s.name())
+            .collect();
+        let claim = crate::model::SlotClaim {
+            sandbox_id: id.to_owned(),
+            team_id: team.id.clone(),
+            node_id: self.config.node_id.clone(),
+            until: Utc::now() + SLOT_CLAIM_LENGTH,
+        };
+        let others_limit = (team.max_concurrent_sandboxes as usize).saturating_sub(local);
+        if self
+            .store
+            .claim_team_slot(&claim, others_limit, &live, &slot_statuses)
+            .await?
+        {
+            Ok(Some(SlotClaimGuard {
+                store: self.store.clone(),
+                sandbox_id: id.to_owned(),
+            }))
+        } else {
+            Err(CreateSandboxError::ConcurrencyLimit {
+                limit: team.max_concurrent_sandboxes,
+                retry_after_secs: CAPACITY_WAIT_SECS.unsigned_abs(),
+            })
+        }
     }
 
     /// Lets sandboxes mount the team's volumes.
@@ -601,8 +631,16 @@ impl Sandboxes {
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
-        let elsewhere = self.slots_elsewhere(team).await?;
-        self.reserve(team, &id, now + seconds(request.timeout_secs), elsewhere)?;
+        let local = self.reserve(team, &id, now + seconds(request.timeout_secs))?;
+        // Held until the sandbox is recorded (the end of this function): until then the
+        // claim is what the other nodes count.
+        let _claim = match self.claim_slot_elsewhere(team, &id, local).await {
+            Ok(claim) => claim,
+            Err(err) => {
+                self.live().remove(&id);
+                return Err(err);
+            }
+        };
 
         let Some(image) = template.image.clone() else {
             self.live().remove(&id);
@@ -799,19 +837,19 @@ impl Sandboxes {
 
     /// Takes one of the team's slots for sandbox `id`; `elsewhere` are the slots it holds on
     /// other nodes of the cluster.
+    /// Takes one of the team's slots on this node for sandbox `id` (marked starting); the
+    /// team's sandboxes holding a slot here before it.
     fn reserve(
         &self,
         team: &Team,
         id: &str,
         end_at: DateTime<Utc>,
-        elsewhere: usize,
-    ) -> Result<(), CreateSandboxError> {
+    ) -> Result<usize, CreateSandboxError> {
         let mut live = self.live();
-        let active = elsewhere
-            + live
-                .values()
-                .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
-                .count();
+        let active = live
+            .values()
+            .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
+            .count();
         if active >= team.max_concurrent_sandboxes as usize {
             return Err(CreateSandboxError::ConcurrencyLimit {
                 limit: team.max_concurrent_sandboxes,
@@ -840,7 +878,7 @@ impl Sandboxes {
                 wakes: 0,
             },
         );
-        Ok(())
+        Ok(active)
     }
 
     /// A team's sandbox; another team's is reported as not found.
@@ -1866,6 +1904,29 @@ impl Sandboxes {
 /// Seconds until one of the team's slots is expected to free up: its next sandbox timeout. A
 /// kill can free a slot at any moment, so a client is never told to wait more than a minute
 /// even when the team's sandboxes live for hours.
+/// How long a node's claim of a team's slot counts if the node never lets go of it (it died
+/// in the middle of a create): longer than any start takes.
+const SLOT_CLAIM_LENGTH: TimeDelta = TimeDelta::minutes(10);
+
+/// Lets go of a claimed slot when dropped, in the background (the sandbox's record, or its
+/// failure to start, is what the other nodes go by from then on).
+struct SlotClaimGuard {
+    store: Arc<dyn Store>,
+    sandbox_id: String,
+}
+
+impl Drop for SlotClaimGuard {
+    fn drop(&mut self) {
+        let store = self.store.clone();
+        let id = std::mem::take(&mut self.sandbox_id);
+        tokio::spawn(async move {
+            if let Err(err) = store.release_team_slot(&id).await {
+                tracing::warn!(sandbox_id = %id, error = %err, "cannot let go of a claimed slot; it lapses by itself");
+            }
+        });
+    }
+}
+
 fn slot_wait(live: &HashMap<String, Live>, team: &Team) -> u64 {
     let now = Utc::now();
     let next_end = live

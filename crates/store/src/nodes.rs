@@ -1,7 +1,7 @@
 //! Nodes and their leases.
 
 use sandbar_core::store::NodeRecords;
-use sandbar_core::{NodeRecord, StoreError};
+use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 use sqlx::Row;
 
 use crate::{SqliteStore, err, micros, time, to_json};
@@ -66,5 +66,48 @@ impl NodeRecords for SqliteStore {
             .await
             .map_err(err)?;
         Ok(moved.rows_affected() == 1)
+    }
+
+    async fn claim_team_slot(
+        &self,
+        claim: &SlotClaim,
+        others_limit: usize,
+        live_nodes: &[String],
+        slot_statuses: &[&str],
+    ) -> Result<bool, StoreError> {
+        // One statement: SQLite runs it under its single writer's lock, so the count and the
+        // insert cannot interleave with another claim's.
+        let claimed = sqlx::query(
+            "INSERT INTO slot_claims (sandbox_id, team_id, node_id, claimed_until) \
+             SELECT ?1, ?2, ?3, ?4 WHERE \
+             (SELECT count(*) FROM sandboxes WHERE team_id = ?2 AND node_id <> ?3 \
+                AND node_id IN (SELECT value FROM json_each(?5)) \
+                AND status IN (SELECT value FROM json_each(?6))) \
+             + (SELECT count(*) FROM slot_claims WHERE team_id = ?2 AND node_id <> ?3 \
+                AND node_id IN (SELECT value FROM json_each(?5)) AND claimed_until >= ?7 \
+                AND sandbox_id NOT IN (SELECT id FROM sandboxes)) < ?8 \
+             ON CONFLICT (sandbox_id) DO UPDATE SET claimed_until = excluded.claimed_until",
+        )
+        .bind(&claim.sandbox_id)
+        .bind(&claim.team_id)
+        .bind(&claim.node_id)
+        .bind(micros(claim.until))
+        .bind(serde_json::to_string(live_nodes).map_err(err)?)
+        .bind(serde_json::to_string(slot_statuses).map_err(err)?)
+        .bind(micros(chrono::Utc::now()))
+        .bind(i64::try_from(others_limit).unwrap_or(i64::MAX))
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(claimed.rows_affected() == 1)
+    }
+
+    async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = ?")
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
     }
 }

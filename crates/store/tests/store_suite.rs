@@ -14,7 +14,8 @@ use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
     BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LayerBlob, LogLevel, NetworkConfig,
     NodeRecord, NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
-    SandboxStatus, Store, StoreError, Team, TeamMetricBucket, Template, Volume, VolumeMount,
+    SandboxStatus, SlotClaim, Store, StoreError, Team, TeamMetricBucket, Template, Volume,
+    VolumeMount,
 };
 use sandbar_store::{PgStore, SqliteStore};
 use sqlx::Connection;
@@ -60,6 +61,7 @@ suite!(
     nodes_renew_their_leases_and_sandboxes_name_their_node,
     two_hosts_starting_on_an_empty_database_make_one_first_team,
     published_layers_keep_their_first_record,
+    team_slots_are_claimed_across_nodes,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -1221,6 +1223,90 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
             .node_id,
         "n1"
     );
+}
+
+async fn team_slots_are_claimed_across_nodes(f: Fixture) {
+    let store = &f.store;
+    let now = micros(Utc::now());
+    let t = team(store, "slots").await;
+    let live: Vec<String> = vec!["n1".into(), "n2".into()];
+    let slot_statuses = ["starting", "running", "pausing"];
+    let claim = |id: &str, node: &str| SlotClaim {
+        sandbox_id: id.into(),
+        team_id: t.id.clone(),
+        node_id: node.into(),
+        until: now + TimeDelta::seconds(60),
+    };
+    // n2 runs one sandbox of the team and has one paused; a dead node's rows do not count.
+    for (id, node, status) in [
+        ("sb-run", "n2", SandboxStatus::Running),
+        ("sb-paused", "n2", SandboxStatus::Paused),
+        ("sb-dead", "n9", SandboxStatus::Running),
+    ] {
+        let mut s = sandbox(id, &t.id, now);
+        s.node_id = node.into();
+        s.status = status;
+        store.insert_sandbox(&s).await.expect("insert");
+    }
+    // n1, with room for 2 others (limit 3, none of its own): n2 holds 1.
+    assert!(
+        store
+            .claim_team_slot(&claim("a", "n1"), 2, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
+    // n2, with room for 1 other (limit 3, one of its own): n1's claim is that one.
+    assert!(
+        !store
+            .claim_team_slot(&claim("b", "n2"), 1, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
+    // Once n1's sandbox is recorded its claim stops counting twice; it still holds a slot.
+    let mut a = sandbox("a", &t.id, now);
+    a.node_id = "n1".into();
+    store.insert_sandbox(&a).await.expect("insert a");
+    assert!(
+        !store
+            .claim_team_slot(&claim("b", "n2"), 1, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
+    store.release_team_slot("a").await.expect("release");
+    assert!(
+        store
+            .claim_team_slot(&claim("b", "n2"), 2, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
+    // An expired claim, or one of a node no longer live, counts for nothing.
+    let stale = SlotClaim {
+        until: now - TimeDelta::seconds(1),
+        ..claim("c", "n1")
+    };
+    assert!(
+        store
+            .claim_team_slot(&stale, 3, &live, &slot_statuses)
+            .await
+            .expect("stale claim")
+    );
+    assert!(
+        store
+            .claim_team_slot(&claim("d", "n2"), 2, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
+    assert!(
+        store
+            .claim_team_slot(&claim("e", "n2"), 1, &["n2".into()], &slot_statuses)
+            .await
+            .expect("claim"),
+        "only live nodes' claims count"
+    );
+    store
+        .release_team_slot("never-claimed")
+        .await
+        .expect("release nothing");
 }
 
 async fn published_layers_keep_their_first_record(f: Fixture) {

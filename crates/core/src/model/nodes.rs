@@ -97,3 +97,14 @@ mod tests {
         );
     }
 }
+
+/// A slot of a team's concurrency, claimed by a node for a sandbox it is about to start,
+/// until the sandbox is recorded (or will not start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotClaim {
+    pub sandbox_id: String,
+    pub team_id: String,
+    pub node_id: String,
+    /// A claim its node never let go of (it died mid-create) counts no longer than this.
+    pub until: DateTime<Utc>,
+}

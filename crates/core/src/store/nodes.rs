@@ -1,7 +1,7 @@
 //! Nodes and their leases.
 
 use super::StoreError;
-use crate::model::NodeRecord;
+use crate::model::{NodeRecord, SlotClaim};
 
 #[async_trait::async_trait]
 pub trait NodeRecords: Send + Sync {
@@ -19,4 +19,17 @@ pub trait NodeRecords: Send + Sync {
         from: &str,
         to: &str,
     ) -> Result<bool, StoreError>;
+    /// Takes `claim` if the team's sandboxes holding a slot on the other nodes of
+    /// `live_nodes` (recorded with a status among `slot_statuses`, or claimed and not yet
+    /// recorded) number fewer than `others_limit`; decided under a lock per team, so two
+    /// nodes never both take the last slot. False when there is no room.
+    async fn claim_team_slot(
+        &self,
+        claim: &SlotClaim,
+        others_limit: usize,
+        live_nodes: &[String],
+        slot_statuses: &[&str],
+    ) -> Result<bool, StoreError>;
+    /// Lets go of the claim for `sandbox_id`: the sandbox is recorded, or will not start.
+    async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError>;
 }

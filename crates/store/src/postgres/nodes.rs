@@ -2,7 +2,7 @@
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::NodeRecords;
-use sandbar_core::{NodeRecord, StoreError};
+use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 
 use super::PgStore;
 use crate::{err, to_json};
@@ -75,5 +75,64 @@ impl NodeRecords for PgStore {
             .await
             .map_err(err)?;
         Ok(moved.rows_affected() == 1)
+    }
+
+    async fn claim_team_slot(
+        &self,
+        claim: &SlotClaim,
+        others_limit: usize,
+        live_nodes: &[String],
+        slot_statuses: &[&str],
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        // Claims of one team wait for each other until their transactions end; other teams'
+        // go on.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 7716))")
+            .bind(&claim.team_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        let statuses: Vec<String> = slot_statuses.iter().map(|s| (*s).to_owned()).collect();
+        let others: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM sandboxes WHERE team_id = $1 AND node_id <> $2 \
+                AND node_id = ANY($3) AND status = ANY($4)) \
+             + (SELECT count(*) FROM slot_claims WHERE team_id = $1 AND node_id <> $2 \
+                AND node_id = ANY($3) AND claimed_until >= now() \
+                AND sandbox_id NOT IN (SELECT id FROM sandboxes))",
+        )
+        .bind(&claim.team_id)
+        .bind(&claim.node_id)
+        .bind(live_nodes)
+        .bind(&statuses)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(err)?;
+        if usize::try_from(others).unwrap_or(usize::MAX) >= others_limit {
+            tx.rollback().await.map_err(err)?;
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO slot_claims (sandbox_id, team_id, node_id, claimed_until) \
+             VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (sandbox_id) DO UPDATE SET claimed_until = excluded.claimed_until",
+        )
+        .bind(&claim.sandbox_id)
+        .bind(&claim.team_id)
+        .bind(&claim.node_id)
+        .bind(claim.until)
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        tx.commit().await.map_err(err)?;
+        Ok(true)
+    }
+
+    async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = $1")
+            .bind(sandbox_id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
     }
 }
