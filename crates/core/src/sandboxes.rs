@@ -1380,7 +1380,7 @@ impl Sandboxes {
     /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
     /// its concurrency limit; else how long to wait. Paused sandboxes free their slot, so a
     /// resume has to win one back like a create.
-    fn within_slots(&self, team: &Team, resuming: &str) -> Result<(), u64> {
+    fn within_slots(&self, team: &Team, resuming: &str) -> Result<usize, u64> {
         let live = self.live();
         let active = live
             .iter()
@@ -1391,7 +1391,31 @@ impl Sandboxes {
         if active > team.max_concurrent_sandboxes as usize {
             Err(slot_wait(&live, team))
         } else {
-            Ok(())
+            Ok(active)
+        }
+    }
+
+    /// The slot a resume takes: on this node ([`Self::within_slots`]) and, in a cluster,
+    /// claimed against the team's sandboxes on the other nodes, held until the guard drops.
+    /// `Err` with the seconds to wait when the team has none free.
+    async fn resume_slot(
+        &self,
+        team: &Team,
+        resuming: &str,
+    ) -> Result<Option<SlotClaimGuard>, u64> {
+        let active = self.within_slots(team, resuming)?;
+        match self
+            .claim_slot_elsewhere(team, resuming, active.saturating_sub(1))
+            .await
+        {
+            Ok(claim) => Ok(claim),
+            Err(CreateSandboxError::ConcurrencyLimit {
+                retry_after_secs, ..
+            }) => Err(retry_after_secs),
+            Err(err) => {
+                tracing::warn!(sandbox_id = %resuming, error = %err, "cannot claim a slot for a resume");
+                Err(CAPACITY_WAIT_SECS.unsigned_abs())
+            }
         }
     }
 
@@ -1591,14 +1615,17 @@ impl Sandboxes {
                 });
             }
         };
-        if let Err(retry_after_secs) = self.within_slots(team, id) {
-            self.set_status(id, from, None);
-            return Err(SandboxError::ConcurrencyLimit {
-                id: id.to_owned(),
-                limit: team.max_concurrent_sandboxes,
-                retry_after_secs,
-            });
-        }
+        let _claim = match self.resume_slot(team, id).await {
+            Ok(claim) => claim,
+            Err(retry_after_secs) => {
+                self.set_status(id, from, None);
+                return Err(SandboxError::ConcurrencyLimit {
+                    id: id.to_owned(),
+                    limit: team.max_concurrent_sandboxes,
+                    retry_after_secs,
+                });
+            }
+        };
         let (sandbox, from) = if memory || from == SandboxStatus::Shelved {
             (sandbox, from)
         } else {
@@ -1837,15 +1864,18 @@ impl Sandboxes {
             .await?
             .ok_or_else(not_running)?;
         if let Ok(from) = self.start_waking(&mut sandbox).await {
-            if let Err(retry_after_secs) = self.within_slots(&team, id) {
-                self.set_status(id, from, None);
-                tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
-                return Err(SandboxError::ConcurrencyLimit {
-                    id: id.to_owned(),
-                    limit: team.max_concurrent_sandboxes,
-                    retry_after_secs,
-                });
-            }
+            let _claim = match self.resume_slot(&team, id).await {
+                Ok(claim) => claim,
+                Err(retry_after_secs) => {
+                    self.set_status(id, from, None);
+                    tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
+                    return Err(SandboxError::ConcurrencyLimit {
+                        id: id.to_owned(),
+                        limit: team.max_concurrent_sandboxes,
+                        retry_after_secs,
+                    });
+                }
+            };
             match self
                 .thaw(sandbox, from, AUTO_RESUME_TIMEOUT_SECS, "traffic")
                 .await

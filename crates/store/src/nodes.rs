@@ -85,7 +85,8 @@ impl NodeRecords for SqliteStore {
                 AND status IN (SELECT value FROM json_each(?6))) \
              + (SELECT count(*) FROM slot_claims WHERE team_id = ?2 AND node_id <> ?3 \
                 AND node_id IN (SELECT value FROM json_each(?5)) AND claimed_until >= ?7 \
-                AND sandbox_id NOT IN (SELECT id FROM sandboxes)) < ?8 \
+                AND sandbox_id NOT IN (SELECT id FROM sandboxes \
+                  WHERE status IN (SELECT value FROM json_each(?6)))) < ?8 \
              ON CONFLICT (sandbox_id) DO UPDATE SET claimed_until = excluded.claimed_until",
         )
         .bind(&claim.sandbox_id)

@@ -1307,6 +1307,22 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
         .release_team_slot("never-claimed")
         .await
         .expect("release nothing");
+    // A resume's claim, for a sandbox recorded paused, counts until it is recorded running.
+    for id in ["b", "d", "e"] {
+        store.release_team_slot(id).await.expect("release");
+    }
+    assert!(
+        store
+            .claim_team_slot(&claim("sb-paused", "n2"), 2, &live, &slot_statuses)
+            .await
+            .expect("resume claim")
+    );
+    assert!(
+        !store
+            .claim_team_slot(&claim("f", "n1"), 2, &live, &slot_statuses)
+            .await
+            .expect("claim")
+    );
 }
 
 async fn published_layers_keep_their_first_record(f: Fixture) {

@@ -20,8 +20,8 @@ pub trait NodeRecords: Send + Sync {
         to: &str,
     ) -> Result<bool, StoreError>;
     /// Takes `claim` if the team's sandboxes holding a slot on the other nodes of
-    /// `live_nodes` (recorded with a status among `slot_statuses`, or claimed and not yet
-    /// recorded) number fewer than `others_limit`; decided under a lock per team, so two
+    /// `live_nodes` (recorded with a status among `slot_statuses`, or claimed and not
+    /// recorded so: a start, or a resume of a paused one) number fewer than `others_limit`; decided under a lock per team, so two
     /// nodes never both take the last slot. False when there is no room.
     async fn claim_team_slot(
         &self,

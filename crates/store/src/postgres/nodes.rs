@@ -98,7 +98,7 @@ impl NodeRecords for PgStore {
                 AND node_id = ANY($3) AND status = ANY($4)) \
              + (SELECT count(*) FROM slot_claims WHERE team_id = $1 AND node_id <> $2 \
                 AND node_id = ANY($3) AND claimed_until >= now() \
-                AND sandbox_id NOT IN (SELECT id FROM sandboxes))",
+                AND sandbox_id NOT IN (SELECT id FROM sandboxes WHERE status = ANY($4)))",
         )
         .bind(&claim.team_id)
         .bind(&claim.node_id)
