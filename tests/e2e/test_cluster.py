@@ -482,7 +482,12 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert {fleet.node_of(s.sandbox_id) for s in new} == {"n2"}
     assert fetched.commands.run("cat /etc/built-once").stdout == built_once + "\n"
 
-    # The paused sandbox resumes on n2, on its files; its processes start afresh.
+    # The paused sandbox is still listed as paused, and resumes on n2, on its files; its
+    # processes start afresh.
+    with api2.client() as api:
+        r = api.get("/v2/sandboxes", params={"state": "paused"})
+        assert r.status_code == 200, r.text
+        assert paused_id in {s["sandboxID"] for s in r.json()}, r.text
     t0 = time.monotonic()
     resumed = Sandbox.connect(paused_id, timeout=120, **api1.sdk())
     print(f"[e2e] paused sandbox of the lost node resumed on another in {time.monotonic() - t0:.2f}s")

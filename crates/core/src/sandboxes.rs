@@ -516,20 +516,22 @@ impl Sandboxes {
     }
 
     /// Shares the store with the nodes in `nodes`: a team's limit counts its sandboxes on
-    /// every live node, and sandboxes of lost nodes are not listed.
+    /// every live node, and running sandboxes of lost nodes are not listed.
     pub fn with_cluster(mut self, nodes: Arc<crate::cluster::NodeDirectory>) -> Self {
         self.nodes = Some(nodes);
         self
     }
 
-    /// Whether the node a sandbox is recorded on holds its lease (always, on a single host).
-    fn on_live_node(&self, sandbox: &Sandbox) -> bool {
-        self.nodes
-            .as_ref()
-            .is_none_or(|nodes| nodes.is_live(&sandbox.node_id))
+    /// Whether a sandbox is listed: its node holds its lease (always, on a single host), or
+    /// it is paused, which a resume on another node can take over.
+    fn listable(&self, sandbox: &Sandbox) -> bool {
+        sandbox.status.is_paused()
+            || self
+                .nodes
+                .as_ref()
+                .is_none_or(|nodes| nodes.is_live(&sandbox.node_id))
     }
 
-    /// Slots the team holds on the cluster's other live nodes, as the store records them.
     /// In a cluster: claims in the store one of the team's slots for sandbox `id`, unless the
     /// team's sandboxes on the other live nodes already fill what `local` (this node's) leaves
     /// of its limit. The claim is let go when the returned guard drops.
@@ -970,7 +972,7 @@ impl Sandboxes {
             .filter(|s| !stopping.contains(&s.id))
             // A lost node's sandboxes are neither running nor paused anywhere the API can
             // reach: they are left out until the node comes back.
-            .filter(|s| self.on_live_node(s))
+            .filter(|s| self.listable(s))
             .filter(|s| s.status != SandboxStatus::Stopping)
             .filter(|s| {
                 query
