@@ -16,8 +16,8 @@ use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::cluster::NoLocalNode;
 use sandbar_core::{
-    Auth, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig, Store,
-    Templates,
+    Auth, LayerBlob, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig,
+    Store, Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::Value;
@@ -429,4 +429,94 @@ where
         out.push(handle.await.expect("task"));
     }
     out
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
+    let c = cluster(10).await;
+    let base = common::base_template(Utc::now()).id;
+    let (_, created) = c.create().await;
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    assert_eq!(created["clientID"], "n2");
+    let (status, body) = c
+        .call("POST", &format!("/sandboxes/{id}/pause"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    // What n2's file sharing recorded while the sandbox was paused there.
+    let files = LayerBlob {
+        layer: format!("files/{id}"),
+        digest: format!("sha256:{}", "f".repeat(64)),
+        size_bytes: 10240,
+        node_id: "n2".into(),
+        published_at: Utc::now(),
+    };
+    c.store.replace_layer_blob(&files).await.expect("record");
+
+    let connect = format!("/sandboxes/{id}/connect");
+    c.renew("n2", 4, -1, &[&base]).await;
+    let (status, body) = c.call("POST", &connect, Some(r#"{"timeout":60}"#)).await;
+    assert!(status.is_success(), "{status} {body}");
+    assert_eq!(body["clientID"], "n1", "{body}");
+    assert_eq!(
+        c.store.sandbox_node(&id).await.expect("node"),
+        Some("n1".into())
+    );
+    assert_eq!(
+        *c.node("n1").runtime.taken_over.lock().expect("lock"),
+        std::slice::from_ref(&id)
+    );
+    let launched = c.node("n1").runtime.launched.lock().expect("lock").clone();
+    assert!(
+        launched
+            .iter()
+            .any(|l| l.sandbox_id == id && l.kept.is_some()),
+        "booted on the files it was given"
+    );
+    assert!(
+        c.store
+            .layer_blobs(std::slice::from_ref(&files.layer))
+            .await
+            .expect("read")
+            .is_empty(),
+        "the woken sandbox's copy is forgotten"
+    );
+    let (status, body) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["clientID"], "n1");
+}
+
+#[tokio::test]
+async fn a_paused_sandbox_of_a_lost_node_without_a_copy_is_reported_lost() {
+    let c = cluster(10).await;
+    let base = common::base_template(Utc::now()).id;
+    let (_, created) = c.create().await;
+    let id = created["sandboxID"].as_str().expect("id").to_owned();
+    let (status, _) = c
+        .call("POST", &format!("/sandboxes/{id}/pause"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    c.renew("n2", 4, -1, &[&base]).await;
+    let (status, body) = c
+        .call(
+            "POST",
+            &format!("/sandboxes/{id}/connect"),
+            Some(r#"{"timeout":60}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    let message = body["message"].as_str().expect("message");
+    assert!(message.contains("before a copy of its files"), "{message}");
+    assert_eq!(
+        c.store.sandbox_node(&id).await.expect("node"),
+        Some("n2".into()),
+        "still n2's"
+    );
+    assert!(
+        c.node("n1")
+            .runtime
+            .taken_over
+            .lock()
+            .expect("lock")
+            .is_empty()
+    );
 }

@@ -532,14 +532,14 @@ impl Sandboxes {
                 .is_none_or(|nodes| nodes.is_live(&sandbox.node_id))
     }
 
-    /// In a cluster: claims in the store one of the team's slots for sandbox `id`, unless the
-    /// team's sandboxes on the other live nodes already fill what `local` (this node's) leaves
-    /// of its limit. The claim is let go when the returned guard drops.
-    async fn claim_slot_elsewhere(
+    /// In a cluster: claims in the store one of the team's slots for sandbox `id`, counted
+    /// against every slot the team holds on this node and the other live nodes as the store
+    /// shows them (records, and claims of starts and resumes not recorded yet). The claim is
+    /// let go when the returned guard drops.
+    async fn claim_slot(
         &self,
         team: &Team,
         id: &str,
-        local: usize,
     ) -> Result<Option<SlotClaimGuard>, CreateSandboxError> {
         let Some(nodes) = &self.nodes else {
             return Ok(None);
@@ -556,10 +556,14 @@ impl Sandboxes {
             node_id: self.config.node_id.clone(),
             until: Utc::now() + SLOT_CLAIM_LENGTH,
         };
-        let others_limit = (team.max_concurrent_sandboxes as usize).saturating_sub(local);
         if self
             .store
-            .claim_team_slot(&claim, others_limit, &live, &slot_statuses)
+            .claim_team_slot(
+                &claim,
+                team.max_concurrent_sandboxes as usize,
+                &live,
+                &slot_statuses,
+            )
             .await?
         {
             Ok(Some(SlotClaimGuard {
@@ -633,10 +637,10 @@ impl Sandboxes {
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
-        let local = self.reserve(team, &id, now + seconds(request.timeout_secs))?;
+        self.reserve(team, &id, now + seconds(request.timeout_secs))?;
         // Held until the sandbox is recorded (the end of this function): until then the
         // claim is what the other nodes count.
-        let _claim = match self.claim_slot_elsewhere(team, &id, local).await {
+        let _claim = match self.claim_slot(team, &id).await {
             Ok(claim) => claim,
             Err(err) => {
                 self.live().remove(&id);
@@ -839,14 +843,13 @@ impl Sandboxes {
 
     /// Takes one of the team's slots for sandbox `id`; `elsewhere` are the slots it holds on
     /// other nodes of the cluster.
-    /// Takes one of the team's slots on this node for sandbox `id` (marked starting); the
-    /// team's sandboxes holding a slot here before it.
+    /// Takes one of the team's slots on this node for sandbox `id` (marked starting).
     fn reserve(
         &self,
         team: &Team,
         id: &str,
         end_at: DateTime<Utc>,
-    ) -> Result<usize, CreateSandboxError> {
+    ) -> Result<(), CreateSandboxError> {
         let mut live = self.live();
         let active = live
             .values()
@@ -880,7 +883,7 @@ impl Sandboxes {
                 wakes: 0,
             },
         );
-        Ok(active)
+        Ok(())
     }
 
     /// A team's sandbox; another team's is reported as not found.
@@ -1382,7 +1385,7 @@ impl Sandboxes {
     /// Whether the team's sandboxes holding a slot, `resuming` (already marked) included, fit
     /// its concurrency limit; else how long to wait. Paused sandboxes free their slot, so a
     /// resume has to win one back like a create.
-    fn within_slots(&self, team: &Team, resuming: &str) -> Result<usize, u64> {
+    fn within_slots(&self, team: &Team, resuming: &str) -> Result<(), u64> {
         let live = self.live();
         let active = live
             .iter()
@@ -1393,7 +1396,7 @@ impl Sandboxes {
         if active > team.max_concurrent_sandboxes as usize {
             Err(slot_wait(&live, team))
         } else {
-            Ok(active)
+            Ok(())
         }
     }
 
@@ -1405,11 +1408,8 @@ impl Sandboxes {
         team: &Team,
         resuming: &str,
     ) -> Result<Option<SlotClaimGuard>, u64> {
-        let active = self.within_slots(team, resuming)?;
-        match self
-            .claim_slot_elsewhere(team, resuming, active.saturating_sub(1))
-            .await
-        {
+        self.within_slots(team, resuming)?;
+        match self.claim_slot(team, resuming).await {
             Ok(claim) => Ok(claim),
             Err(CreateSandboxError::ConcurrencyLimit {
                 retry_after_secs, ..

@@ -71,7 +71,7 @@ impl NodeRecords for SqliteStore {
     async fn claim_team_slot(
         &self,
         claim: &SlotClaim,
-        others_limit: usize,
+        limit: usize,
         live_nodes: &[String],
         slot_statuses: &[&str],
     ) -> Result<bool, StoreError> {
@@ -80,11 +80,12 @@ impl NodeRecords for SqliteStore {
         let claimed = sqlx::query(
             "INSERT INTO slot_claims (sandbox_id, team_id, node_id, claimed_until) \
              SELECT ?1, ?2, ?3, ?4 WHERE \
-             (SELECT count(*) FROM sandboxes WHERE team_id = ?2 AND node_id <> ?3 \
-                AND node_id IN (SELECT value FROM json_each(?5)) \
+             (SELECT count(*) FROM sandboxes WHERE team_id = ?2 AND id <> ?1 \
+                AND (node_id = ?3 OR node_id IN (SELECT value FROM json_each(?5))) \
                 AND status IN (SELECT value FROM json_each(?6))) \
-             + (SELECT count(*) FROM slot_claims WHERE team_id = ?2 AND node_id <> ?3 \
-                AND node_id IN (SELECT value FROM json_each(?5)) AND claimed_until >= ?7 \
+             + (SELECT count(*) FROM slot_claims WHERE team_id = ?2 AND sandbox_id <> ?1 \
+                AND (node_id = ?3 OR node_id IN (SELECT value FROM json_each(?5))) \
+                AND claimed_until >= ?7 \
                 AND sandbox_id NOT IN (SELECT id FROM sandboxes \
                   WHERE status IN (SELECT value FROM json_each(?6)))) < ?8 \
              ON CONFLICT (sandbox_id) DO UPDATE SET claimed_until = excluded.claimed_until",
@@ -96,7 +97,7 @@ impl NodeRecords for SqliteStore {
         .bind(serde_json::to_string(live_nodes).map_err(err)?)
         .bind(serde_json::to_string(slot_statuses).map_err(err)?)
         .bind(micros(chrono::Utc::now()))
-        .bind(i64::try_from(others_limit).unwrap_or(i64::MAX))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
         .execute(&self.pool)
         .await
         .map_err(err)?;

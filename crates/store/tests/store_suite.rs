@@ -62,6 +62,7 @@ suite!(
     two_hosts_starting_on_an_empty_database_make_one_first_team,
     published_layers_keep_their_first_record,
     team_slots_are_claimed_across_nodes,
+    racing_claims_never_pass_the_limit,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -1230,99 +1231,99 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
     let now = micros(Utc::now());
     let t = team(store, "slots").await;
     let live: Vec<String> = vec!["n1".into(), "n2".into()];
-    let slot_statuses = ["starting", "running", "pausing"];
+    let statuses = ["starting", "running", "pausing"];
     let claim = |id: &str, node: &str| SlotClaim {
         sandbox_id: id.into(),
         team_id: t.id.clone(),
         node_id: node.into(),
         until: now + TimeDelta::seconds(60),
     };
-    // n2 runs one sandbox of the team and has one paused; a dead node's rows do not count.
+    // n2 runs one sandbox of the team and has one paused; a lost node's rows do not count.
     for (id, node, status) in [
         ("sb-run", "n2", SandboxStatus::Running),
         ("sb-paused", "n2", SandboxStatus::Paused),
-        ("sb-dead", "n9", SandboxStatus::Running),
+        ("sb-lost", "n9", SandboxStatus::Running),
     ] {
         let mut s = sandbox(id, &t.id, now);
         s.node_id = node.into();
         s.status = status;
         store.insert_sandbox(&s).await.expect("insert");
     }
-    // n1, with room for 2 others (limit 3, none of its own): n2 holds 1.
-    assert!(
-        store
-            .claim_team_slot(&claim("a", "n1"), 2, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
-    // n2, with room for 1 other (limit 3, one of its own): n1's claim is that one.
-    assert!(
-        !store
-            .claim_team_slot(&claim("b", "n2"), 1, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
-    // Once n1's sandbox is recorded its claim stops counting twice; it still holds a slot.
+    let take = |c: SlotClaim, limit: usize, live: Vec<String>| {
+        let store = store.clone();
+        async move {
+            store
+                .claim_team_slot(&c, limit, &live, &statuses)
+                .await
+                .expect("claim")
+        }
+    };
+    // Limit 3: sb-run holds one; n1 claims a second, n2 a third; the fourth finds none.
+    assert!(take(claim("a", "n1"), 3, live.clone()).await);
+    assert!(take(claim("b", "n2"), 3, live.clone()).await);
+    assert!(!take(claim("c", "n1"), 3, live.clone()).await);
+    // Recorded running, a's claim stops counting twice: still full.
     let mut a = sandbox("a", &t.id, now);
     a.node_id = "n1".into();
     store.insert_sandbox(&a).await.expect("insert a");
-    assert!(
-        !store
-            .claim_team_slot(&claim("b", "n2"), 1, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
+    assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     store.release_team_slot("a").await.expect("release");
-    assert!(
-        store
-            .claim_team_slot(&claim("b", "n2"), 2, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
-    // An expired claim, or one of a node no longer live, counts for nothing.
+    assert!(!take(claim("c", "n1"), 3, live.clone()).await);
+    // Let go of b (its start failed): room again.
+    store.release_team_slot("b").await.expect("release");
+    assert!(take(claim("c", "n1"), 3, live.clone()).await);
+    // An expired claim counts for nothing; nor do a lost node's claims and rows.
+    store.release_team_slot("c").await.expect("release");
     let stale = SlotClaim {
         until: now - TimeDelta::seconds(1),
-        ..claim("c", "n1")
+        ..claim("stale", "n2")
     };
+    assert!(take(stale, 3, live.clone()).await);
+    assert!(take(claim("d", "n1"), 3, live.clone()).await);
+    store.release_team_slot("d").await.expect("release");
     assert!(
-        store
-            .claim_team_slot(&stale, 3, &live, &slot_statuses)
-            .await
-            .expect("stale claim")
+        take(claim("e", "n1"), 2, vec!["n1".into()]).await,
+        "n2's sandboxes are not counted once n2 is lost"
     );
-    assert!(
-        store
-            .claim_team_slot(&claim("d", "n2"), 2, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
-    assert!(
-        store
-            .claim_team_slot(&claim("e", "n2"), 1, &["n2".into()], &slot_statuses)
-            .await
-            .expect("claim"),
-        "only live nodes' claims count"
-    );
+    store.release_team_slot("e").await.expect("release");
+    // A resume's claim, for a sandbox recorded paused, counts until it is recorded running;
+    // claiming again for the same sandbox renews its claim.
+    assert!(take(claim("sb-paused", "n2"), 3, live.clone()).await);
+    assert!(take(claim("sb-paused", "n2"), 3, live.clone()).await);
+    assert!(!take(claim("f", "n1"), 3, live.clone()).await);
     store
         .release_team_slot("never-claimed")
         .await
         .expect("release nothing");
-    // A resume's claim, for a sandbox recorded paused, counts until it is recorded running.
-    for id in ["b", "d", "e"] {
-        store.release_team_slot(id).await.expect("release");
+}
+
+async fn racing_claims_never_pass_the_limit(f: Fixture) {
+    let t = team(&f.store, "racing-slots").await;
+    let live: Vec<String> = vec!["n1".into(), "n2".into()];
+    let until = micros(Utc::now()) + TimeDelta::seconds(60);
+    let claims: Vec<_> = (0..24)
+        .map(|i| {
+            let store = f.store.clone();
+            let live = live.clone();
+            let claim = SlotClaim {
+                sandbox_id: format!("race-{i}"),
+                team_id: t.id.clone(),
+                node_id: format!("n{}", i % 2 + 1),
+                until,
+            };
+            tokio::spawn(async move {
+                store
+                    .claim_team_slot(&claim, 3, &live, &["running"])
+                    .await
+                    .expect("claim")
+            })
+        })
+        .collect();
+    let mut taken = 0;
+    for handle in claims {
+        taken += usize::from(handle.await.expect("task"));
     }
-    assert!(
-        store
-            .claim_team_slot(&claim("sb-paused", "n2"), 2, &live, &slot_statuses)
-            .await
-            .expect("resume claim")
-    );
-    assert!(
-        !store
-            .claim_team_slot(&claim("f", "n1"), 2, &live, &slot_statuses)
-            .await
-            .expect("claim")
-    );
+    assert_eq!(taken, 3, "slots taken of 3");
 }
 
 async fn published_layers_keep_their_first_record(f: Fixture) {

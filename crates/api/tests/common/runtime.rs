@@ -38,6 +38,8 @@ pub struct FakeRuntime {
     pub agent_logs: Mutex<HashMap<String, Vec<u8>>>,
     /// Launches answer that the node has no memory left to grant.
     pub no_capacity: AtomicBool,
+    /// Sandboxes of lost nodes whose files this runtime laid out, in order.
+    pub taken_over: Mutex<Vec<String>>,
     gate: Option<Gate>,
     /// How long a checkpoint takes; checkpoints are off without one.
     dump_time: Option<Duration>,
@@ -176,6 +178,27 @@ impl Runtime for FakeRuntime {
     async fn pause(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
         self.pass("pause", sandbox_id).await;
         Ok(())
+    }
+
+    async fn adopt_released(&self, _: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
+        assert_eq!(
+            handle.0["released"],
+            json!(true),
+            "only released files are adopted"
+        );
+        Ok(())
+    }
+
+    async fn take_over_files(
+        &self,
+        sandbox: &sandbar_core::Sandbox,
+        _files: &sandbar_core::LayerBlob,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        self.taken_over
+            .lock()
+            .expect("lock")
+            .push(sandbox.id.clone());
+        Ok(RuntimeHandle(json!({"released": true})))
     }
 
     async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {

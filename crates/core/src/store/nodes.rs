@@ -19,14 +19,15 @@ pub trait NodeRecords: Send + Sync {
         from: &str,
         to: &str,
     ) -> Result<bool, StoreError>;
-    /// Takes `claim` if the team's sandboxes holding a slot on the other nodes of
-    /// `live_nodes` (recorded with a status among `slot_statuses`, or claimed and not
-    /// recorded so: a start, or a resume of a paused one) number fewer than `others_limit`; decided under a lock per team, so two
-    /// nodes never both take the last slot. False when there is no room.
+    /// Takes `claim` if the team's sandboxes holding a slot on the claim's node and the nodes
+    /// of `live_nodes` (recorded with a status among `slot_statuses`, or claimed and not
+    /// recorded so: a start, or a resume of a paused one) number fewer than `limit`; decided
+    /// under a lock per team, so two claims never both take the last slot. False when there
+    /// is no room.
     async fn claim_team_slot(
         &self,
         claim: &SlotClaim,
-        others_limit: usize,
+        limit: usize,
         live_nodes: &[String],
         slot_statuses: &[&str],
     ) -> Result<bool, StoreError>;

@@ -80,7 +80,7 @@ impl NodeRecords for PgStore {
     async fn claim_team_slot(
         &self,
         claim: &SlotClaim,
-        others_limit: usize,
+        limit: usize,
         live_nodes: &[String],
         slot_statuses: &[&str],
     ) -> Result<bool, StoreError> {
@@ -93,21 +93,22 @@ impl NodeRecords for PgStore {
             .await
             .map_err(err)?;
         let statuses: Vec<String> = slot_statuses.iter().map(|s| (*s).to_owned()).collect();
-        let others: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM sandboxes WHERE team_id = $1 AND node_id <> $2 \
-                AND node_id = ANY($3) AND status = ANY($4)) \
-             + (SELECT count(*) FROM slot_claims WHERE team_id = $1 AND node_id <> $2 \
-                AND node_id = ANY($3) AND claimed_until >= now() \
-                AND sandbox_id NOT IN (SELECT id FROM sandboxes WHERE status = ANY($4)))",
+        let held: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM sandboxes WHERE team_id = $1 AND id <> $2 \
+                AND (node_id = $3 OR node_id = ANY($4)) AND status = ANY($5)) \
+             + (SELECT count(*) FROM slot_claims WHERE team_id = $1 AND sandbox_id <> $2 \
+                AND (node_id = $3 OR node_id = ANY($4)) AND claimed_until >= now() \
+                AND sandbox_id NOT IN (SELECT id FROM sandboxes WHERE status = ANY($5)))",
         )
         .bind(&claim.team_id)
+        .bind(&claim.sandbox_id)
         .bind(&claim.node_id)
         .bind(live_nodes)
         .bind(&statuses)
         .fetch_one(&mut *tx)
         .await
         .map_err(err)?;
-        if usize::try_from(others).unwrap_or(usize::MAX) >= others_limit {
+        if usize::try_from(held).unwrap_or(usize::MAX) >= limit {
             tx.rollback().await.map_err(err)?;
             return Ok(false);
         }
