@@ -10,10 +10,10 @@ alone holding the machine-wide lock.
   `echo hi`; everything is removed and the leak check is clean. Needs nothing of the roles.
 - the rest need `sandbar serve --role` (they run whenever `serve --help` lists it) and share
   one cluster of two API hosts (api1, api2) and two nodes (n1, n2): 40 sandboxes created
-  through api1 land on both nodes; commands, files and a user port work through both API
+  through api1 land on both nodes; commands, files, signed file URLs and a user port work through both API
   hosts; both list the same set and either kills the other's sandboxes; kill -9 of an API
   host while commands run through the other; kill -9 of a node and its return; a node's API
-  refuses requests without the cluster secret. About 35 s once the nodes are up.
+  refuses requests without the cluster secret. About 40 s once the nodes are up.
 """
 
 from __future__ import annotations
