@@ -13,7 +13,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use reqwest::header::{CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, HeaderValue, LOCATION};
+use reqwest::header::{
+    CONTENT_LENGTH, CONTENT_RANGE, CONTENT_TYPE, HeaderName, HeaderValue, LOCATION,
+};
 use reqwest::{Method, StatusCode};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -26,6 +28,7 @@ use crate::registry_address::RegistryPolicy;
 /// What one `PATCH` carries; the registry keeps the parts, the node holds one in memory.
 const CHUNK_BYTES: usize = 16 << 20;
 const MANIFEST_TYPE: &str = "application/vnd.oci.image.manifest.v1+json";
+const OCTET_STREAM: &str = "application/octet-stream";
 /// The OCI "empty" descriptor's content: the config of a manifest that only holds a blob.
 const EMPTY_CONFIG: &[u8] = b"{}";
 const EMPTY_CONFIG_DIGEST: &str =
@@ -148,7 +151,7 @@ impl BlobStore {
             });
         }
         self.session
-            .endpoint(&format!("blobs/{digest}"))
+            .url(&format!("blobs/{digest}"))
             .map_err(|e| self.registry_error(e))
     }
 
@@ -163,7 +166,7 @@ impl BlobStore {
         match response.status() {
             StatusCode::OK => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
-            _ => Err(self.registry_error(self.session.refusal(response).await)),
+            _ => Err(self.registry_error(self.session.status_error(response).await)),
         }
     }
 
@@ -210,44 +213,52 @@ impl BlobStore {
         });
         let url = self
             .session
-            .endpoint(&format!("manifests/{tag}"))
+            .url(&format!("manifests/{tag}"))
             .map_err(|e| self.registry_error(e))?;
+        self.expect(
+            Method::PUT,
+            url,
+            &[(CONTENT_TYPE, HeaderValue::from_static(MANIFEST_TYPE))],
+            Bytes::from(manifest.to_string()),
+            StatusCode::CREATED,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Sends a request and returns the answer if it has the status `expected`; any other
+    /// answer is the registry's refusal, described.
+    async fn expect(
+        &self,
+        method: Method,
+        url: Url,
+        headers: &[(HeaderName, HeaderValue)],
+        body: Bytes,
+        expected: StatusCode,
+    ) -> Result<reqwest::Response, BlobStoreError> {
         let response = self
             .session
-            .call(
-                Method::PUT,
-                url,
-                &[(CONTENT_TYPE, HeaderValue::from_static(MANIFEST_TYPE))],
-                Some(Bytes::from(manifest.to_string())),
-            )
+            .call(method, url, headers, Some(body))
             .await
             .map_err(|e| self.registry_error(e))?;
-        if response.status() != StatusCode::CREATED {
-            return Err(self.registry_error(self.session.refusal(response).await));
+        if response.status() != expected {
+            return Err(self.registry_error(self.session.status_error(response).await));
         }
-        Ok(())
+        Ok(response)
     }
 
     /// A small blob in one request (`POST`, then `PUT` with the body and the digest).
     async fn upload_bytes(&self, data: Bytes, digest: &str) -> Result<(), BlobStoreError> {
         let mut upload = self.start_upload().await?;
         upload.query_pairs_mut().append_pair("digest", digest);
-        let response = self
-            .session
-            .call(
-                Method::PUT,
-                upload,
-                &[(
-                    CONTENT_TYPE,
-                    HeaderValue::from_static("application/octet-stream"),
-                )],
-                Some(data),
-            )
-            .await
-            .map_err(|e| self.registry_error(e))?;
-        if response.status() != StatusCode::CREATED {
-            return Err(self.registry_error(self.session.refusal(response).await));
-        }
+        self.expect(
+            Method::PUT,
+            upload,
+            &[(CONTENT_TYPE, HeaderValue::from_static(OCTET_STREAM))],
+            data,
+            StatusCode::CREATED,
+        )
+        .await?;
         Ok(())
     }
 
@@ -255,21 +266,17 @@ impl BlobStore {
     async fn start_upload(&self) -> Result<Url, BlobStoreError> {
         let start = self
             .session
-            .endpoint("blobs/uploads/")
+            .url("blobs/uploads/")
             .map_err(|e| self.registry_error(e))?;
         let response = self
-            .session
-            .call(
+            .expect(
                 Method::POST,
                 start,
                 &[(CONTENT_LENGTH, HeaderValue::from_static("0"))],
-                Some(Bytes::new()),
+                Bytes::new(),
+                StatusCode::ACCEPTED,
             )
-            .await
-            .map_err(|e| self.registry_error(e))?;
-        if response.status() != StatusCode::ACCEPTED {
-            return Err(self.registry_error(self.session.refusal(response).await));
-        }
+            .await?;
         self.next_location(&response)
     }
 
@@ -300,24 +307,17 @@ impl BlobStore {
                 .map_err(|e| io(std::io::Error::other(e)))?;
             offset = end + 1;
             let response = self
-                .session
-                .call(
+                .expect(
                     Method::PATCH,
                     upload,
                     &[
-                        (
-                            CONTENT_TYPE,
-                            HeaderValue::from_static("application/octet-stream"),
-                        ),
+                        (CONTENT_TYPE, HeaderValue::from_static(OCTET_STREAM)),
                         (CONTENT_RANGE, range),
                     ],
-                    Some(Bytes::from(chunk)),
+                    Bytes::from(chunk),
+                    StatusCode::ACCEPTED,
                 )
-                .await
-                .map_err(|e| self.registry_error(e))?;
-            if response.status() != StatusCode::ACCEPTED {
-                return Err(self.registry_error(self.session.refusal(response).await));
-            }
+                .await?;
             upload = self.next_location(&response)?;
         }
         let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
@@ -331,19 +331,14 @@ impl BlobStore {
             });
         }
         upload.query_pairs_mut().append_pair("digest", digest);
-        let response = self
-            .session
-            .call(
-                Method::PUT,
-                upload,
-                &[(CONTENT_LENGTH, HeaderValue::from_static("0"))],
-                Some(Bytes::new()),
-            )
-            .await
-            .map_err(|e| self.registry_error(e))?;
-        if response.status() != StatusCode::CREATED {
-            return Err(self.registry_error(self.session.refusal(response).await));
-        }
+        self.expect(
+            Method::PUT,
+            upload,
+            &[(CONTENT_LENGTH, HeaderValue::from_static("0"))],
+            Bytes::new(),
+            StatusCode::CREATED,
+        )
+        .await?;
         Ok(())
     }
 
@@ -360,7 +355,7 @@ impl BlobStore {
                 })
             })?;
         self.session
-            .endpoint(location)
+            .url(location)
             .map_err(|e| self.registry_error(e))
     }
 

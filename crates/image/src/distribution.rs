@@ -104,12 +104,6 @@ impl Session {
         self
     }
 
-    /// `path` relative to the repository's API root (`blobs/uploads/`), or a `Location` the
-    /// registry sent (absolute or relative to the registry).
-    pub(crate) fn endpoint(&self, path: &str) -> Result<Url, PullError> {
-        self.url(path)
-    }
-
     /// A request that is not a pull's GET (HEAD, POST, PATCH, PUT), authenticated as the
     /// registry's challenge asks; redirects are not followed. `body` is sent again when a
     /// challenge made the first attempt fail.
@@ -128,8 +122,7 @@ impl Session {
                 .check(&destination.host, destination.port, address)?;
         }
         let client = self.client(destination.port)?;
-        let mut challenged = false;
-        loop {
+        self.authorized(|authorization| {
             let mut request = client.request(method.clone(), url.clone());
             for (name, value) in headers {
                 request = request.header(name, value);
@@ -137,32 +130,12 @@ impl Session {
             if let Some(body) = &body {
                 request = request.body(body.clone());
             }
-            let authorization = self
-                .authorization
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone();
             if let Some(value) = authorization {
                 request = request.header(AUTHORIZATION, value);
             }
-            let response = request.send().await.map_err(|e| self.request_error(&e))?;
-            if response.status() != StatusCode::UNAUTHORIZED || challenged {
-                return Ok(response);
-            }
-            challenged = true;
-            let challenges = challenges(response.headers());
-            drop(response);
-            let value = self.authenticate(&challenges).await?;
-            *self
-                .authorization
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(value);
-        }
-    }
-
-    /// The error a registry's answer means when it is not the expected one.
-    pub(crate) async fn refusal(&self, response: Response) -> PullError {
-        self.status_error(response).await
+            async move { request.send().await.map_err(|e| self.request_error(&e)) }
+        })
+        .await
     }
 
     /// The manifest (or index) `reference` (a tag or a digest) names, as the registry sent it.
@@ -203,7 +176,9 @@ impl Session {
         }
     }
 
-    fn url(&self, path: &str) -> Result<Url, PullError> {
+    /// `path` relative to the repository's API root (`blobs/uploads/`), or a `Location` the
+    /// registry sent (absolute or relative to the registry).
+    pub(crate) fn url(&self, path: &str) -> Result<Url, PullError> {
         self.base.join(path).map_err(|e| PullError::BadReference {
             reference: self.name.clone(),
             reason: format!("`{path}` does not fit in a URL: {e}"),
@@ -212,6 +187,20 @@ impl Session {
 
     /// A GET to the registry, authenticated as its challenge asks (once per request).
     async fn get(&self, url: Url, accept: Option<&str>) -> Result<Response, PullError> {
+        self.authorized(|authorization| {
+            let url = url.clone();
+            async move { self.send(url, accept, authorization.as_ref()).await }
+        })
+        .await
+    }
+
+    /// Sends what `send` makes with the authorization the session holds; when the registry
+    /// answers 401, once more with the one its challenge leads to, which later requests reuse.
+    async fn authorized<F, Fut>(&self, send: F) -> Result<Response, PullError>
+    where
+        F: Fn(Option<HeaderValue>) -> Fut,
+        Fut: std::future::Future<Output = Result<Response, PullError>>,
+    {
         let mut challenged = false;
         loop {
             let authorization = self
@@ -219,9 +208,7 @@ impl Session {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone();
-            let response = self
-                .send(url.clone(), accept, authorization.as_ref())
-                .await?;
+            let response = send(authorization).await?;
             if response.status() != StatusCode::UNAUTHORIZED || challenged {
                 return Ok(response);
             }
@@ -397,7 +384,8 @@ impl Session {
         }
     }
 
-    async fn status_error(&self, response: Response) -> PullError {
+    /// The error a registry's answer means when it is not the one a request expects.
+    pub(crate) async fn status_error(&self, response: Response) -> PullError {
         let status = response.status();
         let codes = if status.is_client_error() && status != StatusCode::NOT_FOUND {
             error_codes(response).await
