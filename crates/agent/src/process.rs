@@ -683,18 +683,6 @@ impl ProcessManager {
                 if use_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
                     return Err(io::Error::last_os_error());
                 }
-                // Before the program runs (a short one could read or outlive the score the
-                // agent sets after the spawn), and while still root here: once the user is
-                // switched, this process's /proc entries are not its own to write.
-                let fd = libc::open(
-                    c"/proc/self/oom_score_adj".as_ptr(),
-                    libc::O_WRONLY | libc::O_CLOEXEC,
-                );
-                if fd >= 0 {
-                    let score = SANDBOX_PROCESS_OOM_SCORE_ADJ.as_bytes();
-                    let _ = libc::write(fd, score.as_ptr().cast(), score.len());
-                    libc::close(fd);
-                }
                 if switch_user
                     && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
                         || libc::setgid(gid) < 0

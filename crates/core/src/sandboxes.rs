@@ -362,11 +362,12 @@ struct Live {
     checkpoint_failures: u8,
     /// The edge's open connections to its agent, ended before it is frozen for a dump.
     agent_links: AgentLinks,
-    /// Its files as they are in this pause are in the cluster's layer store.
-    files_shared: bool,
     /// Times it was woken since this server knew it: a copy of its files made before the
     /// latest wake is stale.
     wakes: u64,
+    /// The value of `wakes` when its files were last copied to the cluster's layer store:
+    /// equal to `wakes`, the copy is of this pause.
+    files_shared_at: Option<u64>,
 }
 
 impl Live {
@@ -404,8 +405,8 @@ impl Live {
             paused_at: (status == SandboxStatus::Paused).then(Utc::now),
             checkpoint_failures: 0,
             agent_links: AgentLinks::new(),
-            files_shared: false,
             wakes: 0,
+            files_shared_at: None,
         }
     }
 }
@@ -841,8 +842,6 @@ impl Sandboxes {
             .await
     }
 
-    /// Takes one of the team's slots for sandbox `id`; `elsewhere` are the slots it holds on
-    /// other nodes of the cluster.
     /// Takes one of the team's slots on this node for sandbox `id` (marked starting).
     fn reserve(
         &self,
@@ -879,8 +878,8 @@ impl Sandboxes {
                 paused_at: None,
                 checkpoint_failures: 0,
                 agent_links: AgentLinks::new(),
-                files_shared: false,
                 wakes: 0,
+                files_shared_at: None,
             },
         );
         Ok(())
@@ -1726,7 +1725,6 @@ impl Sandboxes {
         let from = entry.move_to(to).map_err(Some)?;
         sandbox.handle = entry.handle.clone();
         entry.wakes += 1;
-        entry.files_shared = false;
         Ok(from)
     }
 
@@ -1933,9 +1931,6 @@ impl Sandboxes {
     }
 }
 
-/// Seconds until one of the team's slots is expected to free up: its next sandbox timeout. A
-/// kill can free a slot at any moment, so a client is never told to wait more than a minute
-/// even when the team's sandboxes live for hours.
 /// How long a node's claim of a team's slot counts if the node never lets go of it (it died
 /// in the middle of a create): longer than any start takes.
 const SLOT_CLAIM_LENGTH: TimeDelta = TimeDelta::minutes(10);
@@ -1959,6 +1954,9 @@ impl Drop for SlotClaimGuard {
     }
 }
 
+/// Seconds until one of the team's slots is expected to free up: its next sandbox timeout. A
+/// kill can free a slot at any moment, so a client is never told to wait more than a minute
+/// even when the team's sandboxes live for hours.
 fn slot_wait(live: &HashMap<String, Live>, team: &Team) -> u64 {
     let now = Utc::now();
     let next_end = live

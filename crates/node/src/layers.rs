@@ -49,6 +49,11 @@ impl LayerStore {
         self
     }
 
+    /// Every directory layers are kept in.
+    pub fn dirs(&self) -> [&Path; 3] {
+        [&self.templates_dir, &self.images_dir, &self.steps_dir]
+    }
+
     pub fn steps_dir(&self) -> &Path {
         &self.steps_dir
     }

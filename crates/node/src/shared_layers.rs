@@ -105,11 +105,6 @@ fn placement(layers: &LayerStore, layer: &str) -> Option<Placement> {
     }
 }
 
-/// The name a paused sandbox's files are recorded under in the layer store.
-pub fn sandbox_files_name(sandbox_id: &str) -> String {
-    format!("files/{sandbox_id}")
-}
-
 fn staging_name() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -134,34 +129,26 @@ impl SharedLayers {
 
     /// Removes what transfers a previous run of the node left half done.
     pub fn sweep_staging(&self) {
-        let mut parents: Vec<PathBuf> = Vec::new();
-        for probe in ["layer/00", "image/00", "base/v1"] {
-            if let Some(parent) =
-                placement(&self.layers, probe).and_then(|p| p.unit.parent().map(Path::to_owned))
-                && !parents.contains(&parent)
-            {
-                parents.push(parent);
-            }
-        }
-        for parent in parents {
-            let Ok(entries) = std::fs::read_dir(&parent) else {
+        for parent in self.layers.dirs() {
+            let Ok(entries) = std::fs::read_dir(parent) else {
                 continue;
             };
             for entry in entries.flatten() {
-                if entry
+                if !entry
                     .file_name()
                     .to_string_lossy()
                     .starts_with(STAGING_PREFIX)
                 {
-                    let path = entry.path();
-                    let removed = if path.is_dir() {
-                        crate::disks::remove_tree(&path)
-                    } else {
-                        std::fs::remove_file(&path)
-                    };
-                    if let Err(e) = removed {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot remove a layer transfer's leftovers");
-                    }
+                    continue;
+                }
+                let path = entry.path();
+                let removed = if path.is_dir() {
+                    crate::disks::remove_tree(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+                if let Err(e) = removed {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a layer transfer's leftovers");
                 }
             }
         }
@@ -230,58 +217,104 @@ impl SharedLayers {
             layer: layer.to_owned(),
         };
         let place = placement(&self.layers, layer).ok_or_else(bad)?;
-        let dir = place.unit.join(&place.inside);
-        let parent = place.unit.parent().ok_or_else(bad)?.to_owned();
-        let archive = parent.join(format!("{}.tar", staging_name()));
-        let started = Instant::now();
-        let io = |path: &Path, source| SharedLayerError::Io {
-            layer: layer.to_owned(),
-            path: path.to_owned(),
-            source,
-        };
-        let written = {
-            let (archive, source) = (archive.clone(), dir.clone());
-            tokio::task::spawn_blocking(move || {
-                let file = std::fs::File::create_new(&archive)?;
-                crate::layer_archive::write_layer(&source, file)
-            })
-            .await
-            .map_err(|e| io(&dir, std::io::Error::other(e)))?
-        };
-        let archived = match written {
-            Ok(archived) => archived,
-            Err(source) => {
-                let _ = std::fs::remove_file(&archive);
-                return Err(io(&dir, source));
-            }
-        };
-        let pushed = self.blobs.push_file(&archive, &archived.digest).await;
-        let _ = std::fs::remove_file(&archive);
-        pushed.map_err(|source| SharedLayerError::Blob {
-            layer: layer.to_owned(),
-            source,
-        })?;
+        let staging = place.unit.parent().ok_or_else(bad)?;
+        let blob = self
+            .archive_and_push(layer, &place.unit.join(&place.inside), None, staging)
+            .await?;
         self.records
-            .record_layer_blob(&LayerBlob {
-                layer: layer.to_owned(),
-                digest: archived.digest.clone(),
-                size_bytes: archived.size,
-                node_id: self.node_id.clone(),
-                published_at: Utc::now(),
-            })
+            .record_layer_blob(&blob)
             .await
             .map_err(|source| SharedLayerError::Store {
                 layer: layer.to_owned(),
                 source,
-            })?;
+            })
+    }
+
+    /// Writes the directory `dir` as an archive in `staging`, pushes it and removes it;
+    /// the record of what was pushed, for the caller to keep. `id_base`: the host id the
+    /// files' owners start from, for a sandbox's writable layer.
+    async fn archive_and_push(
+        &self,
+        layer: &str,
+        dir: &Path,
+        id_base: Option<u32>,
+        staging: &Path,
+    ) -> Result<LayerBlob, SharedLayerError> {
+        let io = |source| SharedLayerError::Io {
+            layer: layer.to_owned(),
+            path: dir.to_owned(),
+            source,
+        };
+        let archive = staging.join(format!("{}.tar", staging_name()));
+        let started = Instant::now();
+        let written = {
+            let (archive, dir) = (archive.clone(), dir.to_owned());
+            tokio::task::spawn_blocking(move || {
+                let file = std::fs::File::create_new(&archive)?;
+                match id_base {
+                    None => crate::layer_archive::write_layer(&dir, file),
+                    Some(base) => crate::layer_archive::write_sandbox_layer(&dir, file, base),
+                }
+            })
+            .await
+            .map_err(|e| io(std::io::Error::other(e)))?
+        };
+        let pushed = match written {
+            Ok(archived) => self
+                .blobs
+                .push_file(&archive, &archived.digest)
+                .await
+                .map(|()| archived)
+                .map_err(|source| SharedLayerError::Blob {
+                    layer: layer.to_owned(),
+                    source,
+                }),
+            Err(source) => Err(io(source)),
+        };
+        let _ = std::fs::remove_file(&archive);
+        let archived = pushed?;
         tracing::info!(
             %layer,
             digest = %archived.digest,
             bytes = archived.size,
             ms = started.elapsed().as_millis() as u64,
-            "published a layer to the layer store"
+            "published to the layer store"
         );
-        Ok(())
+        Ok(LayerBlob {
+            layer: layer.to_owned(),
+            digest: archived.digest,
+            size_bytes: archived.size,
+            node_id: self.node_id.clone(),
+            published_at: Utc::now(),
+        })
+    }
+
+    /// Downloads `blob` into an archive in `staging` and unpacks it with `unpack`; the
+    /// archive is removed whatever happens.
+    async fn download_and_unpack<T: Send + 'static>(
+        &self,
+        blob: &LayerBlob,
+        staging: &Path,
+        unpack: impl FnOnce(&Path) -> T + Send + 'static,
+    ) -> Result<T, SharedLayerError> {
+        let archive = staging.join(format!("{}.tar", staging_name()));
+        self.blobs
+            .fetch_to(&blob.digest, blob.size_bytes, &archive)
+            .await
+            .map_err(|source| SharedLayerError::Blob {
+                layer: blob.layer.clone(),
+                source,
+            })?;
+        let unpacked = {
+            let archive = archive.clone();
+            tokio::task::spawn_blocking(move || unpack(&archive)).await
+        };
+        let _ = std::fs::remove_file(&archive);
+        unpacked.map_err(|e| SharedLayerError::Io {
+            layer: blob.layer.clone(),
+            path: archive,
+            source: std::io::Error::other(e),
+        })
     }
 
     /// Fetches those of `layers` this node lacks. Fails, naming the layer, when one is
@@ -313,60 +346,20 @@ impl SharedLayers {
     }
 
     /// Copies a paused sandbox's writable layer (`upper`, owned from host id `id_base` on)
-    /// to the store; the record it returns (`files/<id>`) is the caller's to keep.
+    /// to the store; the record it returns is the caller's to keep.
     pub async fn share_sandbox_files(
         &self,
         sandbox_id: &str,
         upper: &Path,
         id_base: u32,
     ) -> Result<LayerBlob, SharedLayerError> {
-        let layer = sandbox_files_name(sandbox_id);
-        let io = |path: &Path, source| SharedLayerError::Io {
-            layer: layer.clone(),
-            path: path.to_owned(),
-            source,
-        };
-        let archive = self
-            .layers
-            .steps_dir()
-            .join(format!("{}.tar", staging_name()));
-        let started = Instant::now();
-        let written = {
-            let (archive, source) = (archive.clone(), upper.to_owned());
-            tokio::task::spawn_blocking(move || {
-                let file = std::fs::File::create_new(&archive)?;
-                crate::layer_archive::write_sandbox_layer(&source, file, id_base)
-            })
-            .await
-            .map_err(|e| io(upper, std::io::Error::other(e)))?
-        };
-        let archived = match written {
-            Ok(archived) => archived,
-            Err(source) => {
-                let _ = std::fs::remove_file(&archive);
-                return Err(io(upper, source));
-            }
-        };
-        let pushed = self.blobs.push_file(&archive, &archived.digest).await;
-        let _ = std::fs::remove_file(&archive);
-        pushed.map_err(|source| SharedLayerError::Blob {
-            layer: layer.clone(),
-            source,
-        })?;
-        tracing::info!(
-            sandbox_id,
-            digest = %archived.digest,
-            bytes = archived.size,
-            ms = started.elapsed().as_millis() as u64,
-            "shared a paused sandbox's files through the layer store"
-        );
-        Ok(LayerBlob {
-            layer,
-            digest: archived.digest,
-            size_bytes: archived.size,
-            node_id: self.node_id.clone(),
-            published_at: Utc::now(),
-        })
+        self.archive_and_push(
+            &LayerBlob::sandbox_files(sandbox_id),
+            upper,
+            Some(id_base),
+            self.layers.steps_dir(),
+        )
+        .await
     }
 
     /// Unpacks a sandbox's shared files into `upper`, an empty directory, with the owners
@@ -376,36 +369,16 @@ impl SharedLayers {
         files: &LayerBlob,
         upper: &Path,
     ) -> Result<(), SharedLayerError> {
-        let layer = files.layer.as_str();
-        let io = |path: &Path, source| SharedLayerError::Io {
-            layer: layer.to_owned(),
-            path: path.to_owned(),
-            source,
-        };
-        let archive = self
-            .layers
-            .steps_dir()
-            .join(format!("{}.tar", staging_name()));
-        self.blobs
-            .fetch_to(&files.digest, files.size_bytes, &archive)
-            .await
-            .map_err(|source| SharedLayerError::Blob {
-                layer: layer.to_owned(),
-                source,
-            })?;
-        let applied = {
-            let (archive, dest) = (archive.clone(), upper.to_owned());
-            tokio::task::spawn_blocking(move || {
-                let file = std::fs::File::open(&archive)?;
-                sandbar_image::apply_layer(std::io::BufReader::with_capacity(1 << 20, file), &dest)
-                    .map(|_| ())
-                    .map_err(std::io::Error::other)
-            })
-            .await
-            .map_err(|e| io(upper, std::io::Error::other(e)))?
-        };
-        let _ = std::fs::remove_file(&archive);
-        applied.map_err(|e| io(upper, e))
+        let dest = upper.to_owned();
+        self.download_and_unpack(files, self.layers.steps_dir(), move |archive| {
+            let file = std::fs::File::open(archive)
+                .map_err(|e| UnpackFailure::Io(archive.to_owned(), e))?;
+            sandbar_image::apply_layer(std::io::BufReader::with_capacity(1 << 20, file), &dest)
+                .map(|_| ())
+                .map_err(UnpackFailure::Unpack)
+        })
+        .await?
+        .map_err(|failure| failure.for_layer(&files.layer))
     }
 
     async fn fetch_one(&self, blob: &LayerBlob) -> Result<(), SharedLayerError> {
@@ -415,43 +388,25 @@ impl SharedLayers {
         };
         let place = placement(&self.layers, layer).ok_or_else(bad)?;
         let parent = place.unit.parent().ok_or_else(bad)?.to_owned();
-        let io = |path: &Path, source| SharedLayerError::Io {
+        std::fs::create_dir_all(&parent).map_err(|source| SharedLayerError::Io {
             layer: layer.to_owned(),
-            path: path.to_owned(),
+            path: parent.clone(),
             source,
-        };
-        std::fs::create_dir_all(&parent).map_err(|e| io(&parent, e))?;
+        })?;
         let started = Instant::now();
-        let name = staging_name();
-        let archive = parent.join(format!("{name}.tar"));
-        self.blobs
-            .fetch_to(&blob.digest, blob.size_bytes, &archive)
-            .await
-            .map_err(|source| SharedLayerError::Blob {
-                layer: layer.to_owned(),
-                source,
-            })?;
-        let staged = parent.join(&name);
-        let unpacked = {
-            let (into, archive, place) = (staged.clone(), archive.clone(), place.clone());
-            tokio::task::spawn_blocking(move || unpack_into(&archive, &into, &place))
-                .await
-                .map_err(|e| io(&staged, std::io::Error::other(e)))?
+        let staged = parent.join(staging_name());
+        let placed = {
+            let (into, place) = (staged.clone(), place.clone());
+            self.download_and_unpack(blob, &parent, move |archive| {
+                unpack_into(archive, &into, &place)?;
+                std::fs::rename(&into, &place.unit)
+                    .map_err(|e| UnpackFailure::Io(place.unit.clone(), e))
+            })
+            .await?
         };
-        let _ = std::fs::remove_file(&archive);
-        let placed = unpacked.and_then(|()| {
-            std::fs::rename(&staged, &place.unit)
-                .map_err(|e| UnpackFailure::Io(place.unit.clone(), e))
-        });
         if let Err(failure) = placed {
             let _ = crate::disks::remove_tree(&staged);
-            return Err(match failure {
-                UnpackFailure::Io(path, source) => io(&path, source),
-                UnpackFailure::Unpack(source) => SharedLayerError::Unpack {
-                    layer: layer.to_owned(),
-                    source,
-                },
-            });
+            return Err(failure.for_layer(layer));
         }
         tracing::info!(
             %layer,
@@ -467,6 +422,22 @@ impl SharedLayers {
 enum UnpackFailure {
     Io(PathBuf, std::io::Error),
     Unpack(sandbar_image::UnpackError),
+}
+
+impl UnpackFailure {
+    fn for_layer(self, layer: &str) -> SharedLayerError {
+        match self {
+            UnpackFailure::Io(path, source) => SharedLayerError::Io {
+                layer: layer.to_owned(),
+                path,
+                source,
+            },
+            UnpackFailure::Unpack(source) => SharedLayerError::Unpack {
+                layer: layer.to_owned(),
+                source,
+            },
+        }
+    }
 }
 
 /// Unpacks `archive` as a layer into `staged`, laid out like the unit it becomes.

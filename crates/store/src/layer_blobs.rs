@@ -6,40 +6,49 @@ use sqlx::Row;
 
 use crate::{SqliteStore, err, micros, time};
 
+/// The insert of a record; one of a name already recorded is kept or replaced.
+macro_rules! insert_layer_blob {
+    ($on_conflict:literal) => {
+        concat!(
+            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) ",
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (layer) ",
+            $on_conflict
+        )
+    };
+}
+const KEEP_FIRST: &str = insert_layer_blob!("DO NOTHING");
+const REPLACE: &str = insert_layer_blob!(
+    "DO UPDATE SET digest = excluded.digest, size_bytes = excluded.size_bytes, \
+     node_id = excluded.node_id, published_at = excluded.published_at"
+);
+
+impl SqliteStore {
+    async fn insert_layer_blob(
+        &self,
+        blob: &LayerBlob,
+        sql: &'static str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(sql)
+            .bind(&blob.layer)
+            .bind(&blob.digest)
+            .bind(i64::try_from(blob.size_bytes).map_err(err)?)
+            .bind(&blob.node_id)
+            .bind(micros(blob.published_at))
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
 #[async_trait::async_trait]
 impl LayerBlobRecords for SqliteStore {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
-             VALUES (?, ?, ?, ?, ?) ON CONFLICT (layer) DO NOTHING",
-        )
-        .bind(&blob.layer)
-        .bind(&blob.digest)
-        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
-        .bind(&blob.node_id)
-        .bind(micros(blob.published_at))
-        .execute(&self.pool)
-        .await
-        .map_err(err)?;
-        Ok(())
+        self.insert_layer_blob(blob, KEEP_FIRST).await
     }
 
     async fn replace_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
-             VALUES (?, ?, ?, ?, ?) ON CONFLICT (layer) DO UPDATE SET digest = excluded.digest, \
-             size_bytes = excluded.size_bytes, node_id = excluded.node_id, \
-             published_at = excluded.published_at",
-        )
-        .bind(&blob.layer)
-        .bind(&blob.digest)
-        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
-        .bind(&blob.node_id)
-        .bind(micros(blob.published_at))
-        .execute(&self.pool)
-        .await
-        .map_err(err)?;
-        Ok(())
+        self.insert_layer_blob(blob, REPLACE).await
     }
 
     async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
@@ -52,23 +61,24 @@ impl LayerBlobRecords for SqliteStore {
     }
 
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
-        let mut found = Vec::new();
-        for layer in layers {
-            let row = sqlx::query("SELECT * FROM layer_blobs WHERE layer = ?")
-                .bind(layer)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(err)?;
-            let Some(row) = row else { continue };
-            let size: i64 = row.try_get("size_bytes").map_err(err)?;
-            found.push(LayerBlob {
-                layer: row.try_get("layer").map_err(err)?,
-                digest: row.try_get("digest").map_err(err)?,
-                size_bytes: u64::try_from(size).map_err(err)?,
-                node_id: row.try_get("node_id").map_err(err)?,
-                published_at: time(row.try_get("published_at").map_err(err)?),
-            });
-        }
-        Ok(found)
+        let rows = sqlx::query(
+            "SELECT * FROM layer_blobs WHERE layer IN (SELECT value FROM json_each(?))",
+        )
+        .bind(serde_json::to_string(layers).map_err(err)?)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.iter()
+            .map(|row| {
+                let size: i64 = row.try_get("size_bytes").map_err(err)?;
+                Ok(LayerBlob {
+                    layer: row.try_get("layer").map_err(err)?,
+                    digest: row.try_get("digest").map_err(err)?,
+                    size_bytes: u64::try_from(size).map_err(err)?,
+                    node_id: row.try_get("node_id").map_err(err)?,
+                    published_at: time(row.try_get("published_at").map_err(err)?),
+                })
+            })
+            .collect()
     }
 }

@@ -15,3 +15,11 @@ pub struct LayerBlob {
     pub node_id: String,
     pub published_at: DateTime<Utc>,
 }
+
+impl LayerBlob {
+    /// The name a paused sandbox's files are recorded under: replaced at every pause,
+    /// forgotten at every wake.
+    pub fn sandbox_files(sandbox_id: &str) -> String {
+        format!("files/{sandbox_id}")
+    }
+}

@@ -9,14 +9,9 @@ use std::time::Duration;
 use super::{SandboxError, Sandboxes};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, Team};
+use crate::model::{LayerBlob, Sandbox, Team};
 use crate::runtime::RuntimeError;
 use crate::store::StoreError;
-
-/// The name a paused sandbox's files are recorded under in the layer store.
-pub(crate) fn files_name(sandbox_id: &str) -> String {
-    format!("files/{sandbox_id}")
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TakeOverError {
@@ -51,7 +46,8 @@ impl Sandboxes {
         loop {
             tick.tick().await;
             let next = self.live().iter().find_map(|(id, l)| {
-                (l.status.is_paused() && !l.files_shared).then(|| (id.clone(), l.wakes))
+                (l.status.is_paused() && l.files_shared_at != Some(l.wakes))
+                    .then(|| (id.clone(), l.wakes))
             });
             if let Some((id, wakes)) = next {
                 self.share_files_of(&id, wakes).await;
@@ -72,9 +68,8 @@ impl Sandboxes {
             };
             // Tried once per pause, whatever came of it: a copy that fails is not retried
             // in a loop; the next pause makes a new one.
-            let current = entry.wakes == wakes && entry.status.is_paused();
-            entry.files_shared = current;
-            current
+            entry.files_shared_at = Some(wakes);
+            entry.wakes == wakes && entry.status.is_paused()
         };
         match copied {
             Ok(Some(blob)) if current => {
@@ -96,7 +91,11 @@ impl Sandboxes {
             return;
         }
         let _recording = self.shared_files.lock().await;
-        if let Err(err) = self.store.delete_layer_blob(&files_name(id)).await {
+        if let Err(err) = self
+            .store
+            .delete_layer_blob(&LayerBlob::sandbox_files(id))
+            .await
+        {
             tracing::warn!(sandbox_id = %id, error = %err, "cannot forget the copy of a woken sandbox's files");
         }
     }
@@ -158,7 +157,7 @@ impl Sandboxes {
         }
         let files = self
             .store
-            .layer_blobs(&[files_name(id)])
+            .layer_blobs(&[LayerBlob::sandbox_files(id)])
             .await?
             .into_iter()
             .next()

@@ -16,40 +16,49 @@ struct LayerBlobRow {
     published_at: DateTime<Utc>,
 }
 
+/// The insert of a record; one of a name already recorded is kept or replaced.
+macro_rules! insert_layer_blob {
+    ($on_conflict:literal) => {
+        concat!(
+            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) ",
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT (layer) ",
+            $on_conflict
+        )
+    };
+}
+const KEEP_FIRST: &str = insert_layer_blob!("DO NOTHING");
+const REPLACE: &str = insert_layer_blob!(
+    "DO UPDATE SET digest = excluded.digest, size_bytes = excluded.size_bytes, \
+     node_id = excluded.node_id, published_at = excluded.published_at"
+);
+
+impl PgStore {
+    async fn insert_layer_blob(
+        &self,
+        blob: &LayerBlob,
+        sql: &'static str,
+    ) -> Result<(), StoreError> {
+        sqlx::query(sql)
+            .bind(&blob.layer)
+            .bind(&blob.digest)
+            .bind(i64::try_from(blob.size_bytes).map_err(err)?)
+            .bind(&blob.node_id)
+            .bind(blob.published_at)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(())
+    }
+}
+
 #[async_trait::async_trait]
 impl LayerBlobRecords for PgStore {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (layer) DO NOTHING",
-        )
-        .bind(&blob.layer)
-        .bind(&blob.digest)
-        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
-        .bind(&blob.node_id)
-        .bind(blob.published_at)
-        .execute(&self.pool)
-        .await
-        .map_err(err)?;
-        Ok(())
+        self.insert_layer_blob(blob, KEEP_FIRST).await
     }
 
     async fn replace_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO layer_blobs (layer, digest, size_bytes, node_id, published_at) \
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (layer) DO UPDATE SET digest = excluded.digest, \
-             size_bytes = excluded.size_bytes, node_id = excluded.node_id, \
-             published_at = excluded.published_at",
-        )
-        .bind(&blob.layer)
-        .bind(&blob.digest)
-        .bind(i64::try_from(blob.size_bytes).map_err(err)?)
-        .bind(&blob.node_id)
-        .bind(blob.published_at)
-        .execute(&self.pool)
-        .await
-        .map_err(err)?;
-        Ok(())
+        self.insert_layer_blob(blob, REPLACE).await
     }
 
     async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
