@@ -5,6 +5,7 @@
 //! the sandbox. Children are reaped by one process-wide loop (see [`reaper`]).
 
 pub mod auth;
+mod exec;
 pub mod file_metadata;
 pub mod files;
 pub mod fs;

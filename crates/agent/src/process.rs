@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 
+use crate::exec::ExecPlan;
 use crate::reaper::{ExitStatus, Reaper};
 use crate::users::User;
 
@@ -629,12 +630,20 @@ impl ProcessManager {
             source,
         };
 
+        let (exec_plan, exec_report) = ExecPlan::new(
+            &spec.cmd,
+            &spec.args,
+            &spec.env,
+            SANDBOX_PROCESS_OOM_SCORE_ADJ,
+        )
+        .map_err(|source| ProcessError::Spawn {
+            cmd: spec.cmd.clone(),
+            source,
+        })?;
+        // The program, arguments and environment travel in the plan; the command sets up
+        // everything else in the child.
         let mut command = Command::new(&spec.cmd);
-        command
-            .args(&spec.args)
-            .env_clear()
-            .envs(spec.env.iter().map(|(k, v)| (k, v)))
-            .current_dir(&spec.cwd);
+        command.env_clear().current_dir(&spec.cwd);
 
         let mut parent = ChildIo {
             stdin: None,
@@ -690,7 +699,7 @@ impl ProcessManager {
                 {
                     return Err(io::Error::last_os_error());
                 }
-                Ok(())
+                Err(exec_plan.exec_in_child())
             });
         }
 
@@ -703,16 +712,15 @@ impl ProcessManager {
             let pid = child.id();
             // The child is waited for by the reaper, never through `Child`.
             drop(child);
-            // When memory runs out, the kernel kills what a sandbox runs before its agent (and
-            // before anything of the host). Set from here: `spawn` returns once the child
-            // has exec'd, when its /proc entry is its own (before, it is the non-dumpable
-            // agent's). It can lower the score back to the agent's, never below.
-            let _ = std::fs::write(
-                format!("/proc/{pid}/oom_score_adj"),
-                SANDBOX_PROCESS_OOM_SCORE_ADJ,
-            );
             (pid, guard.register(pid))
         };
+        // When memory runs out, the kernel kills what a sandbox runs before its agent (and
+        // before anything of the host): the trampoline raises the score before the program
+        // runs. Waited for outside the reaper's lock, so a slow exec stalls no one else.
+        exec_report.wait().map_err(|source| ProcessError::Spawn {
+            cmd: spec.cmd.clone(),
+            source,
+        })?;
         // Drop our copies of the child's ends so end-of-file arrives when it exits.
         drop(command);
         // The command's arguments are left out: they may carry secrets.

@@ -599,7 +599,9 @@ pub fn plan_dump(
                 let Ok(target) = std::fs::read_link(entry.path()) else {
                     continue;
                 };
-                if !target.is_absolute() {
+                // A memory file (the agent's exec trampoline) has no path anywhere: CRIU
+                // saves its contents and seals with the sandbox.
+                if !target.is_absolute() || target.to_string_lossy().starts_with("/memfd:") {
                     continue;
                 }
                 let Ok(file) = std::fs::File::open(entry.path()) else {
