@@ -101,7 +101,7 @@ NODE_FLAGS = [
     "--netns-pool", "1",
     "--disk-pool-gb", "4",
     "--base-disk-mb", "512",
-    "--criu", "",
+    "--pause-grace-secs", "1",
     # Nothing a sandbox resolves may leave the node; nothing listens on the node's port 53.
     "--nameserver", "127.0.0.1",
     # The base root is borrowed; a build that still tried a mirror would find nothing here.

@@ -37,6 +37,13 @@ FLEET = 40
 # Once the nodes are up, the role tests together stay within this.
 BUDGET_S = 120
 # A dead node's sandboxes stop being listed as running within the lease and a margin.
+# A process that keeps a secret in memory only, and writes it out when sent SIGUSR1.
+MEMORY_KEEPER = """secret=$(od -An -N8 -tx1 /dev/urandom | tr -d ' \\n')
+echo "$secret" > /home/user/expected
+echo $$ > /home/user/keeper.pid
+trap 'echo "$secret" > /home/user/told' USR1
+while :; do sleep 0.2; done
+"""
 DEAD_NODE_S = 15
 
 
@@ -436,15 +443,22 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert any(line.startswith("layer/") and line.endswith("|n1") for line in published.splitlines()), published
     assert not _template_on_disk("n2", built_once, cluster), "n2 had the new template before it was asked for it"
 
-    # A sandbox paused on n1: n1 copies its files to the layer store, so that another node
-    # can resume it on them if n1 is lost.
+    # A sandbox paused on n1, with a process whose memory holds what no file does: n1
+    # checkpoints it and copies its files and the checkpoint to the layer store, so that
+    # another node can resume it, processes and all, if n1 is lost.
     paused_id = sorted(on_n1)[-1]
     on_n1.discard(paused_id)
     paused = fleet.sandboxes[paused_id]
     paused.files.write("/home/user/kept.txt", "written before the pause\n")
+    paused.files.write("/home/user/keeper.sh", MEMORY_KEEPER)
+    paused.commands.run("sh /home/user/keeper.sh", background=True)
+    wait_until(lambda: paused.commands.run("test -s /home/user/keeper.pid").exit_code == 0, timeout=10,
+               message="the keeper to start")
+    keeper_pid = paused.files.read("/home/user/keeper.pid").strip()
     assert paused.pause() is True
-    wait_until(lambda: cluster.pg.psql(f"SELECT node_id FROM layer_blobs WHERE layer = 'files/{paused_id}'") == "n1",
-               timeout=20, interval=0.3, message="n1 to share the paused sandbox's files")
+    for copy in ("files", "memory"):
+        wait_until(lambda: cluster.pg.psql(f"SELECT node_id FROM layer_blobs WHERE layer = '{copy}/{paused_id}'") == "n1",
+                   timeout=40, interval=0.3, message=f"n1 to share the paused sandbox's {copy}")
 
     n1.kill9()
     died = time.monotonic()
@@ -482,8 +496,8 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert {fleet.node_of(s.sandbox_id) for s in new} == {"n2"}
     assert fetched.commands.run("cat /etc/built-once").stdout == built_once + "\n"
 
-    # The paused sandbox is still listed as paused, and resumes on n2, on its files; its
-    # processes start afresh.
+    # The paused sandbox is still listed as paused, and resumes on n2, on its files, with its
+    # processes restored from n1's checkpoint.
     with api2.client() as api:
         r = api.get("/v2/sandboxes", params={"state": "paused"})
         assert r.status_code == 200, r.text
@@ -494,8 +508,14 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     assert fleet.node_of(paused_id) == "n2"
     assert resumed.files.read("/home/user/kept.txt") == "written before the pause\n"
     assert resumed.commands.run("echo resumed elsewhere").stdout == "resumed elsewhere\n"
-    assert cluster.pg.psql(f"SELECT count(*) FROM layer_blobs WHERE layer = 'files/{paused_id}'") == "0", \
-        "the copy of a woken sandbox's files is forgotten"
+    # The same process, with the secret it held only in memory.
+    assert resumed.commands.run(f"kill -USR1 {keeper_pid}").exit_code == 0
+    wait_until(lambda: resumed.commands.run("test -s /home/user/told").exit_code == 0, timeout=10,
+               message="the restored keeper to answer")
+    assert resumed.files.read("/home/user/told") == resumed.files.read("/home/user/expected")
+    assert cluster.pg.psql(
+        f"SELECT count(*) FROM layer_blobs WHERE layer IN ('files/{paused_id}', 'memory/{paused_id}')") == "0", \
+        "the copies of a woken sandbox are forgotten"
     fleet.sandboxes[paused_id] = resumed
     wait_until(lambda: _template_on_disk("n2", built_once, cluster), timeout=10, interval=0.5,
                message="n2 to report the fetched template")

@@ -451,6 +451,13 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
         published_at: Utc::now(),
     };
     c.store.replace_layer_blob(&files).await.expect("record");
+    // And the checkpoint of its processes, once it was paused to disk.
+    let memory = LayerBlob {
+        layer: format!("memory/{id}"),
+        digest: format!("sha256:{}", "e".repeat(64)),
+        ..files.clone()
+    };
+    c.store.replace_layer_blob(&memory).await.expect("record");
 
     let connect = format!("/sandboxes/{id}/connect");
     c.renew("n2", 4, -1, &[&base]).await;
@@ -463,7 +470,8 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
     );
     assert_eq!(
         *c.node("n1").runtime.taken_over.lock().expect("lock"),
-        std::slice::from_ref(&id)
+        [(id.clone(), Some(memory.layer.clone()))],
+        "taken over with its checkpoint"
     );
     let launched = c.node("n1").runtime.launched.lock().expect("lock").clone();
     assert!(
@@ -474,11 +482,11 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
     );
     assert!(
         c.store
-            .layer_blobs(std::slice::from_ref(&files.layer))
+            .layer_blobs(&[files.layer.clone(), memory.layer.clone()])
             .await
             .expect("read")
             .is_empty(),
-        "the woken sandbox's copy is forgotten"
+        "the woken sandbox's copies are forgotten"
     );
     let (status, body) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(status, StatusCode::OK, "{body}");

@@ -52,7 +52,7 @@ pub use model::{
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
     AdoptedCheckpoint, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle,
-    SnapshotParts, WarmPoolReport,
+    SnapshotParts, TakenOver, WarmPoolReport,
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{

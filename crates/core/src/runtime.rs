@@ -10,6 +10,16 @@ use crate::builds::TemplateImage;
 use crate::model::Template;
 use crate::network::EgressRules;
 
+/// A sandbox laid out on this node from what a lost node shared.
+#[derive(Debug, Clone)]
+pub struct TakenOver {
+    /// The handle of the sandbox, released: its next launch boots it.
+    pub handle: RuntimeHandle,
+    /// Whether that launch restores its processes from a carried checkpoint, rather than
+    /// starting them afresh.
+    pub with_memory: bool,
+}
+
 /// Runtime-specific facts about a running sandbox (process, cgroups, network slot), kept in
 /// the store so a restarted server can find and clean up the sandbox. Opaque to the core.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -230,25 +240,29 @@ pub trait Runtime: Send + Sync + 'static {
         })
     }
 
-    /// Copies a paused sandbox's files (it is frozen or released, so they hold still) to the
-    /// cluster's layer store; returns the record of the copy for the caller to keep, `None`
-    /// where there is no layer store.
+    /// Copies a paused sandbox's files (it is frozen, released or checkpointed, so they hold
+    /// still) to the cluster's layer store, and the checkpoint of its processes when it has
+    /// one; returns the records of the copies for the caller to keep, none where there is no
+    /// layer store.
     async fn share_files(
         &self,
         _sandbox_id: &str,
         _handle: &RuntimeHandle,
-    ) -> Result<Option<crate::model::LayerBlob>, RuntimeError> {
-        Ok(None)
+    ) -> Result<Vec<crate::model::LayerBlob>, RuntimeError> {
+        Ok(Vec::new())
     }
 
     /// Lays out on this node the files of a paused sandbox whose node was lost, from the copy
-    /// `files` that node shared; returns the handle of a released sandbox that a launch with
-    /// [`LaunchSpec::kept`] boots on.
+    /// `files` that node shared, and the checkpoint of its processes from `checkpoint` when
+    /// that node shared one and this node can restore it; returns the handle of a released
+    /// sandbox that a launch with [`LaunchSpec::kept`] boots on (restoring the checkpoint,
+    /// where one was carried).
     async fn take_over_files(
         &self,
         sandbox: &crate::model::Sandbox,
         _files: &crate::model::LayerBlob,
-    ) -> Result<RuntimeHandle, RuntimeError> {
+        _checkpoint: Option<&crate::model::LayerBlob>,
+    ) -> Result<TakenOver, RuntimeError> {
         Err(RuntimeError::Sandbox {
             sandbox_id: sandbox.id.clone(),
             message: "this runtime cannot take over sandboxes of other nodes".into(),

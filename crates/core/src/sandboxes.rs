@@ -368,6 +368,8 @@ struct Live {
     /// The value of `wakes` when its files were last copied to the cluster's layer store:
     /// equal to `wakes`, the copy is of this pause.
     files_shared_at: Option<u64>,
+    /// The same for the checkpoint of its processes, copied once it is checkpointed.
+    memory_shared_at: Option<u64>,
 }
 
 impl Live {
@@ -407,6 +409,7 @@ impl Live {
             agent_links: AgentLinks::new(),
             wakes: 0,
             files_shared_at: None,
+            memory_shared_at: None,
         }
     }
 }
@@ -880,6 +883,7 @@ impl Sandboxes {
                 agent_links: AgentLinks::new(),
                 wakes: 0,
                 files_shared_at: None,
+                memory_shared_at: None,
             },
         );
         Ok(())

@@ -163,9 +163,13 @@ pub const RESTORE_PIDFILE: &str = "restore.pid";
 /// their presence tells a finished run from an abandoned one.
 pub const DUMP_STATS: &str = "stats-dump";
 pub const RESTORE_STATS: &str = "stats-restore";
+/// Where the node a checkpoint was made on describes it for another node that may restore
+/// it (see the runtime's carried checkpoints); written after the seal, so not an image.
+pub const CARRY_ORIGIN: &str = "carry-origin.json";
 /// Files in a checkpoint directory that are not images.
-const NOT_IMAGES: [&str; 6] = [
+const NOT_IMAGES: [&str; 7] = [
     HEADER_FILE,
+    CARRY_ORIGIN,
     DUMP_LOG,
     RESTORE_LOG,
     PLAN_FILE,

@@ -362,8 +362,24 @@ impl SharedLayers {
         .await
     }
 
-    /// Unpacks a sandbox's shared files into `upper`, an empty directory, with the owners
-    /// they have inside the sandbox.
+    /// Copies the checkpoint of a sandbox's processes (the directory `images`, owned by the
+    /// host) to the store; the record it returns is the caller's to keep.
+    pub async fn share_sandbox_checkpoint(
+        &self,
+        sandbox_id: &str,
+        images: &Path,
+    ) -> Result<LayerBlob, SharedLayerError> {
+        self.archive_and_push(
+            &LayerBlob::sandbox_checkpoint(sandbox_id),
+            images,
+            None,
+            self.layers.steps_dir(),
+        )
+        .await
+    }
+
+    /// Unpacks a sandbox's shared files (or checkpoint) into `upper`, an empty directory,
+    /// with the owners they have inside the sandbox (or on the host).
     pub async fn fetch_sandbox_files(
         &self,
         files: &LayerBlob,

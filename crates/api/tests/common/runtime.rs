@@ -39,7 +39,8 @@ pub struct FakeRuntime {
     /// Launches answer that the node has no memory left to grant.
     pub no_capacity: AtomicBool,
     /// Sandboxes of lost nodes whose files this runtime laid out, in order.
-    pub taken_over: Mutex<Vec<String>>,
+    /// Sandboxes taken over, with the name of the checkpoint they were given, if any.
+    pub taken_over: Mutex<Vec<(String, Option<String>)>>,
     gate: Option<Gate>,
     /// How long a checkpoint takes; checkpoints are off without one.
     dump_time: Option<Duration>,
@@ -193,12 +194,16 @@ impl Runtime for FakeRuntime {
         &self,
         sandbox: &sandbar_core::Sandbox,
         _files: &sandbar_core::LayerBlob,
-    ) -> Result<RuntimeHandle, RuntimeError> {
+        checkpoint: Option<&sandbar_core::LayerBlob>,
+    ) -> Result<sandbar_core::TakenOver, RuntimeError> {
         self.taken_over
             .lock()
             .expect("lock")
-            .push(sandbox.id.clone());
-        Ok(RuntimeHandle(json!({"released": true})))
+            .push((sandbox.id.clone(), checkpoint.map(|c| c.layer.clone())));
+        Ok(sandbar_core::TakenOver {
+            handle: RuntimeHandle(json!({"released": true})),
+            with_memory: checkpoint.is_some(),
+        })
     }
 
     async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {

@@ -22,4 +22,10 @@ impl LayerBlob {
     pub fn sandbox_files(sandbox_id: &str) -> String {
         format!("files/{sandbox_id}")
     }
+
+    /// The name the checkpoint of a paused sandbox's processes is recorded under, beside its
+    /// files: replaced at every checkpoint, forgotten at every wake.
+    pub fn sandbox_checkpoint(sandbox_id: &str) -> String {
+        format!("memory/{sandbox_id}")
+    }
 }

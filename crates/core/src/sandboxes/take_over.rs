@@ -1,7 +1,7 @@
 //! Paused sandboxes outliving their node: a node with a layer store copies the files of each
-//! sandbox it holds paused there, and when that node is lost, another takes the sandbox over
-//! from the copy, to boot afresh on its files at the resume (its processes and their memory
-//! were on the lost node).
+//! sandbox it holds paused there, and the checkpoint of its processes once it has one; when
+//! that node is lost, another takes the sandbox over from the copies, to restore its
+//! processes at the resume, or, without a usable checkpoint, to boot afresh on its files.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +10,7 @@ use super::{SandboxError, Sandboxes};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{LayerBlob, Sandbox, Team};
-use crate::runtime::RuntimeError;
+use crate::runtime::{RuntimeError, TakenOver};
 use crate::store::StoreError;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,8 +46,10 @@ impl Sandboxes {
         loop {
             tick.tick().await;
             let next = self.live().iter().find_map(|(id, l)| {
-                (l.status.is_paused() && l.files_shared_at != Some(l.wakes))
-                    .then(|| (id.clone(), l.wakes))
+                let files_due = l.files_shared_at != Some(l.wakes);
+                let memory_due =
+                    l.status == SandboxStatus::Checkpointed && l.memory_shared_at != Some(l.wakes);
+                (l.status.is_paused() && (files_due || memory_due)).then(|| (id.clone(), l.wakes))
             });
             if let Some((id, wakes)) = next {
                 self.share_files_of(&id, wakes).await;
@@ -56,7 +58,11 @@ impl Sandboxes {
     }
 
     async fn share_files_of(&self, id: &str, wakes: u64) {
-        let Some(handle) = self.live().get(id).map(|l| l.handle.clone()) else {
+        let Some((handle, checkpointed)) = self
+            .live()
+            .get(id)
+            .map(|l| (l.handle.clone(), l.status == SandboxStatus::Checkpointed))
+        else {
             return;
         };
         let copied = self.runtime.share_files(id, &handle).await;
@@ -66,15 +72,20 @@ impl Sandboxes {
             let Some(entry) = live.get_mut(id) else {
                 return;
             };
-            // Tried once per pause, whatever came of it: a copy that fails is not retried
-            // in a loop; the next pause makes a new one.
+            // Tried once per pause (and once more when checkpointed), whatever came of it: a
+            // copy that fails is not retried in a loop; the next pause makes a new one.
             entry.files_shared_at = Some(wakes);
+            if checkpointed {
+                entry.memory_shared_at = Some(wakes);
+            }
             entry.wakes == wakes && entry.status.is_paused()
         };
         match copied {
-            Ok(Some(blob)) if current => {
-                if let Err(err) = self.store.replace_layer_blob(&blob).await {
-                    tracing::warn!(sandbox_id = %id, error = %err, "cannot record the copy of a paused sandbox's files");
+            Ok(blobs) if current => {
+                for blob in &blobs {
+                    if let Err(err) = self.store.replace_layer_blob(blob).await {
+                        tracing::warn!(sandbox_id = %id, layer = %blob.layer, error = %err, "cannot record the copy of a paused sandbox");
+                    }
                 }
             }
             Ok(_) => {}
@@ -91,12 +102,13 @@ impl Sandboxes {
             return;
         }
         let _recording = self.shared_files.lock().await;
-        if let Err(err) = self
-            .store
-            .delete_layer_blob(&LayerBlob::sandbox_files(id))
-            .await
-        {
-            tracing::warn!(sandbox_id = %id, error = %err, "cannot forget the copy of a woken sandbox's files");
+        for name in [
+            LayerBlob::sandbox_files(id),
+            LayerBlob::sandbox_checkpoint(id),
+        ] {
+            if let Err(err) = self.store.delete_layer_blob(&name).await {
+                tracing::warn!(sandbox_id = %id, layer = %name, error = %err, "cannot forget the copy of a woken sandbox");
+            }
         }
     }
 
@@ -155,17 +167,29 @@ impl Sandboxes {
                 node: from_node.to_owned(),
             });
         }
-        let files = self
+        let (files_name, memory_name) = (
+            LayerBlob::sandbox_files(id),
+            LayerBlob::sandbox_checkpoint(id),
+        );
+        let copies = self
             .store
-            .layer_blobs(&[LayerBlob::sandbox_files(id)])
-            .await?
-            .into_iter()
-            .next()
+            .layer_blobs(&[files_name.clone(), memory_name.clone()])
+            .await?;
+        let files = copies
+            .iter()
+            .find(|b| b.layer == files_name)
             .ok_or_else(|| TakeOverError::NoCopy {
                 id: id.to_owned(),
                 node: from_node.to_owned(),
             })?;
-        let handle = self.runtime.take_over_files(&sandbox, &files).await?;
+        let memory = copies.iter().find(|b| b.layer == memory_name);
+        let TakenOver {
+            handle,
+            with_memory,
+        } = self
+            .runtime
+            .take_over_files(&sandbox, files, memory)
+            .await?;
         let me = self.config.node_id.as_str();
         let claimed = self.store.move_sandbox(id, from_node, me).await;
         if !matches!(claimed, Ok(true)) {
@@ -193,11 +217,15 @@ impl Sandboxes {
             .event(
                 id,
                 LogLevel::Warn,
-                "sandbox taken over from a lost node: its files were kept, its processes start afresh at the resume",
+                if with_memory {
+                    "sandbox taken over from a lost node: its files and the checkpoint of its processes were kept, the resume restores them"
+                } else {
+                    "sandbox taken over from a lost node: its files were kept, its processes start afresh at the resume"
+                },
                 &[("fromNode", from_node.to_owned()), ("node", me.to_owned())],
             )
             .await;
-        tracing::warn!(sandbox_id = %id, from_node, "took over a paused sandbox of a lost node");
+        tracing::warn!(sandbox_id = %id, from_node, with_memory, "took over a paused sandbox of a lost node");
         Ok(())
     }
 }

@@ -39,6 +39,20 @@ pub(super) struct Handle {
     /// booted before it existed, which see the host's.
     #[serde(default)]
     pub(super) boot_id: Option<String>,
+    /// A checkpoint of the sandbox's processes made on a node that was lost, laid out here
+    /// (see `carried_checkpoint_dir`) when this node took the sandbox over: the next boot
+    /// restores it instead of starting the sandbox afresh on its files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) carried: Option<CarriedCheckpoint>,
+}
+
+/// What a restore needs to know of the node a carried checkpoint was made on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub(super) struct CarriedCheckpoint {
+    /// Host id of the sandbox's root there: its user namespace image names that range.
+    pub(super) origin_id_base: u32,
+    /// The agent log its processes held open there.
+    pub(super) origin_log: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -93,6 +107,7 @@ impl Handle {
             checkpointed: false,
             volumes: Vec::new(),
             boot_id: None,
+            carried: None,
         }
     }
 
@@ -124,6 +139,7 @@ impl Handle {
                 })
                 .collect(),
             boot_id,
+            carried: None,
         }
     }
 

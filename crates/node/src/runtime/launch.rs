@@ -538,8 +538,17 @@ impl LinuxRuntime {
             .as_ref()
             .and_then(|s| s.checkpoint.as_deref())
             .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint));
-        let launched = match (checkpoint, &kept) {
-            (Some(checkpoint), None) => self.launch_restored(&spec, netns, checkpoint).await,
+        // A checkpoint carried from a lost node, while it is still here to restore.
+        let carried = kept.as_ref().and_then(|k| k.carried.clone()).filter(|_| {
+            self.carried_checkpoint_dir(&id)
+                .join(crate::checkpoint::HEADER_FILE)
+                .is_file()
+        });
+        let launched = match (checkpoint, &kept, &carried) {
+            (Some(checkpoint), None, _) => self.launch_restored(&spec, netns, checkpoint).await,
+            (_, Some(kept), Some(carried)) => {
+                self.launch_carried(&spec, netns, kept, carried).await
+            }
             _ => self.launch_in(&spec, netns).await,
         };
         match launched {
@@ -560,8 +569,38 @@ impl LinuxRuntime {
                 }
                 self.free_slot(slot);
                 self.release_memory(&id);
+                if let (Some(kept), Some(_)) = (&kept, &carried) {
+                    // The files outlived the restore; its processes start afresh on them.
+                    tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");
+                    self.forget_checkpoint(&id);
+                    self.give_kept_files_back(&id, slot, kept).await?;
+                    return Box::pin(self.launch_sandbox(spec)).await;
+                }
                 Err(err)
             }
         }
+    }
+
+    /// Moves the kept files of sandbox `id` back to the ids of its kept handle, from those
+    /// of `slot`, where a boot that failed had moved them.
+    async fn give_kept_files_back(
+        &self,
+        id: &str,
+        slot: u32,
+        kept: &Handle,
+    ) -> Result<(), RuntimeError> {
+        let upper = self.disks.path(id).join(sandbar_jail::layout::UPPER);
+        let (from, to) = (self.id_map(slot).host_base, kept.id_base.unwrap_or(0));
+        tokio::task::spawn_blocking(move || {
+            crate::layers::move_owners(&upper, from, to, SANDBOX_IDS)
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| {
+            sandbox_err(
+                id,
+                format!("cannot give its kept files their ids back: {e}"),
+            )
+        })
     }
 }

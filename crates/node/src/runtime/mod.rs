@@ -28,6 +28,7 @@ use crate::netns::{NetnsPool, PreparedNetns, SlotSet};
 use crate::network::{Network, NetworkError};
 
 mod agent_copies;
+mod carried;
 mod handle;
 mod host;
 mod launch;
@@ -38,6 +39,7 @@ mod snapshot;
 mod warm_boot;
 
 use agent_copies::*;
+use carried::*;
 use handle::*;
 use launch::*;
 use pausing::*;
@@ -658,33 +660,58 @@ impl Runtime for LinuxRuntime {
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-    ) -> Result<Option<sandbar_core::LayerBlob>, RuntimeError> {
+    ) -> Result<Vec<sandbar_core::LayerBlob>, RuntimeError> {
         let Some(shared) = self.shared_layers.get() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         let h = parse_handle(sandbox_id, handle)?;
         let upper = self
             .disks
             .path(sandbox_id)
             .join(sandbar_jail::layout::UPPER);
-        shared
+        let files = shared
             .share_sandbox_files(sandbox_id, &upper, h.id_base.unwrap_or(0))
             .await
-            .map(Some)
-            .map_err(|e| sandbox_err(sandbox_id, e))
+            .map_err(|e| sandbox_err(sandbox_id, e))?;
+        if !h.checkpointed {
+            return Ok(vec![files]);
+        }
+        let images = self.checkpoint_dir(sandbox_id);
+        let origin = SnapshotOrigin {
+            id_base: h.id_base.unwrap_or(0),
+            // The processes keep their token: a restore elsewhere hands over nothing.
+            access_token: String::new(),
+            log: self.log_path(sandbox_id),
+        };
+        let written = serde_json::to_vec(&origin)
+            .map_err(std::io::Error::other)
+            .and_then(|bytes| std::fs::write(images.join(crate::checkpoint::CARRY_ORIGIN), bytes));
+        if let Err(e) = written {
+            tracing::warn!(sandbox_id, error = %e, "cannot describe the checkpoint for other nodes; sharing its files only");
+            return Ok(vec![files]);
+        }
+        match shared.share_sandbox_checkpoint(sandbox_id, &images).await {
+            Ok(memory) => Ok(vec![files, memory]),
+            Err(e) => {
+                tracing::warn!(sandbox_id, error = %e, "cannot copy the checkpoint to the layer store; sharing its files only");
+                Ok(vec![files])
+            }
+        }
     }
 
     async fn take_over_files(
         &self,
         sandbox: &sandbar_core::Sandbox,
         files: &sandbar_core::LayerBlob,
-    ) -> Result<RuntimeHandle, RuntimeError> {
+        checkpoint: Option<&sandbar_core::LayerBlob>,
+    ) -> Result<sandbar_core::TakenOver, RuntimeError> {
         let id = sandbox.id.as_str();
         let Some(shared) = self.shared_layers.get() else {
             return Err(sandbox_err(id, "this node has no layer store"));
         };
         // What an earlier attempt left; the sandbox is not this node's yet.
         self.disks.remove(id).map_err(|e| sandbox_err(id, e))?;
+        let _ = crate::disks::remove_tree(&self.carried_checkpoint_dir(id));
         self.admit_disk(id, sandbox.disk_size_mb).await?;
         let laid_out = async {
             let dir = self
@@ -702,6 +729,18 @@ impl Runtime for LinuxRuntime {
             self.disks.forget(id);
             return Err(err);
         }
+        let carried = match checkpoint {
+            None => None,
+            Some(blob) => match self.carry_checkpoint(id, blob).await {
+                Ok(carried) => Some(carried),
+                Err(e) => {
+                    tracing::warn!(sandbox_id = %id, error = %e, "the lost node's checkpoint cannot be restored here; the sandbox will boot afresh on its files");
+                    let _ = crate::disks::remove_tree(&self.carried_checkpoint_dir(id));
+                    None
+                }
+            },
+        };
+        let origin = parse_handle(id, &sandbox.handle).ok();
         let handle = Handle {
             // The files carry the ids they have inside the sandbox: a boot on them moves
             // them to the range of the slot it gets.
@@ -713,10 +752,16 @@ impl Runtime for LinuxRuntime {
                 .map(|image| image.layers.clone())
                 .unwrap_or_default(),
             released: true,
+            // A restored sandbox goes on with the boot it had.
+            boot_id: carried.as_ref().and(origin.and_then(|h| h.boot_id)),
+            carried,
             ..Handle::unstarted(0)
         };
         self.keep_layers(id.to_owned(), handle.layers.clone());
-        handle.to_runtime(id)
+        Ok(sandbar_core::TakenOver {
+            with_memory: handle.carried.is_some(),
+            handle: handle.to_runtime(id)?,
+        })
     }
 
     async fn adopt_released(

@@ -47,6 +47,9 @@ impl LinuxRuntime {
             let _ = std::fs::remove_file(&kept);
         }
         let _ = std::fs::remove_dir_all(self.checkpoint_dir(id));
+        let carried = self.carried_checkpoint_dir(id);
+        self.set_verified(&carried, false);
+        let _ = crate::disks::remove_tree(&carried);
     }
 
     /// Dumps the frozen sandbox `id` with CRIU, which ends its processes.

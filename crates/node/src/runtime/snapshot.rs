@@ -223,8 +223,6 @@ impl LinuxRuntime {
             let (source, work) = (source.clone(), work.clone());
             let to = id_map.host_base;
             tokio::task::spawn_blocking(move || -> Result<_, String> {
-                let header = crate::checkpoint::read_header(&source, verify)
-                    .map_err(|e| format!("the snapshot is not usable: {e}"))?;
                 let origin: SnapshotOrigin = serde_json::from_slice(
                     &std::fs::read(source.join(SNAPSHOT_ORIGIN))
                         .map_err(|e| format!("the snapshot has no origin: {e}"))?,
@@ -232,38 +230,7 @@ impl LinuxRuntime {
                 .map_err(|e| format!("the snapshot's origin is unreadable: {e}"))?;
                 // The images are shared by every sandbox made from the snapshot: each restore
                 // gets links to them in a directory of its own, with its own id range.
-                let _ = crate::disks::remove_tree(&work);
-                std::fs::create_dir_all(&work)
-                    .map_err(|e| format!("create {}: {e}", work.display()))?;
-                // Restored with the snapshotted sandbox's ids, a copy could touch its files.
-                let user_namespaces = header
-                    .images
-                    .iter()
-                    .filter(|i| crate::checkpoint::is_userns_image(&i.name))
-                    .count();
-                if user_namespaces != 1 {
-                    return Err(format!(
-                        "the snapshot has {user_namespaces} user namespace images, not one"
-                    ));
-                }
-                for image in &header.images {
-                    if crate::checkpoint::is_userns_image(&image.name) {
-                        let bytes = std::fs::read(source.join(&image.name))
-                            .map_err(|e| format!("read {}: {e}", image.name))?;
-                        let moved = crate::checkpoint::remap_userns_image(
-                            &bytes,
-                            origin.id_base,
-                            to,
-                            SANDBOX_IDS,
-                        )
-                        .ok_or("the snapshot's user namespace image is not one this node reads")?;
-                        std::fs::write(work.join(&image.name), moved)
-                            .map_err(|e| format!("write {}: {e}", image.name))?;
-                    } else {
-                        std::fs::hard_link(source.join(&image.name), work.join(&image.name))
-                            .map_err(|e| format!("link {}: {e}", image.name))?;
-                    }
-                }
+                let header = stage_checkpoint(&source, &work, verify, origin.id_base, to)?;
                 Ok((header, origin))
             })
             .await
@@ -299,32 +266,9 @@ impl LinuxRuntime {
         self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
             .await
             .map_err(bare)?;
-        // CRIU checks that a file the processes held open has the size it had at the dump: the
-        // new log starts out as long as the snapshotted one was (a hole) and is emptied once
-        // the restore is done; the agent appends, so its next line lands at the start.
-        let held_log_size = header
-            .externals
-            .iter()
-            .find_map(|e| match e {
-                crate::checkpoint::External::File { path, size, .. } if *path == origin.log => {
-                    Some(*size)
-                }
-                _ => None,
-            })
-            .unwrap_or(0);
-        let log_path = self.log_path(id);
-        let log = std::fs::File::create(&log_path)
-            .and_then(|log| {
-                std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))?;
-                log.set_len(held_log_size)?;
-                Ok(log)
-            })
-            .map_err(|e| {
-                bare(sandbox_err(
-                    id,
-                    format!("create {}: {e}", log_path.display()),
-                ))
-            })?;
+        let (log_path, log) = self
+            .log_for_restore(id, &header, &origin.log, id_map.host_base)
+            .map_err(bare)?;
         let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
             bare(RuntimeError::TemplateMissing {
                 template_id: format!("{} ({message})", spec.template.id),

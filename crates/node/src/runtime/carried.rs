@@ -1,0 +1,242 @@
+//! Checkpoints carried from a lost node: a node that takes over a sandbox paused to disk
+//! elsewhere fetches the checkpoint of its processes, checks that it can restore it here, and
+//! restores it into a slot of its own at the sandbox's next boot.
+
+use super::*;
+
+impl LinuxRuntime {
+    /// Where a checkpoint carried from another node waits for the sandbox's next boot.
+    pub(super) fn carried_checkpoint_dir(&self, id: &str) -> PathBuf {
+        self.config
+            .data_dir
+            .join("checkpoints")
+            .join(format!("{id}.carried"))
+    }
+
+    /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
+    /// it: its images intact, the CRIU that made it, the host files its processes held
+    /// unchanged here, and no volume (volumes stay with the node that was lost).
+    pub(super) async fn carry_checkpoint(
+        &self,
+        id: &str,
+        blob: &sandbar_core::LayerBlob,
+    ) -> Result<CarriedCheckpoint, RuntimeError> {
+        let Some(shared) = self.shared_layers.get() else {
+            return Err(sandbox_err(id, "this node has no layer store"));
+        };
+        let criu = self.criu_for_restore(id).await?;
+        let dir = self.carried_checkpoint_dir(id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
+        shared
+            .fetch_sandbox_files(blob, &dir)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
+        let checked = {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || -> Result<_, String> {
+                let header = crate::checkpoint::read_header(&dir, true)
+                    .map_err(|e| format!("the checkpoint is not usable: {e}"))?;
+                let origin: SnapshotOrigin = serde_json::from_slice(
+                    &std::fs::read(dir.join(crate::checkpoint::CARRY_ORIGIN))
+                        .map_err(|e| format!("the checkpoint has no origin: {e}"))?,
+                )
+                .map_err(|e| format!("the checkpoint's origin is unreadable: {e}"))?;
+                if header
+                    .externals
+                    .iter()
+                    .any(|e| matches!(e, crate::checkpoint::External::Volume { .. }))
+                {
+                    return Err("its processes hold volumes, which were on the lost node".into());
+                }
+                // Only to see that the host files match; the restore opens them again.
+                let placeholder = (origin.log.clone(), PathBuf::from("/dev/null"));
+                crate::checkpoint::open_externals(&header, Some(&placeholder))?;
+                Ok((header, origin))
+            })
+            .await
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| sandbox_err(id, e))?
+        };
+        let (header, origin) = checked;
+        check_criu_version(id, &criu, &header)?;
+        self.set_verified(&dir, true);
+        Ok(CarriedCheckpoint {
+            origin_id_base: origin.id_base,
+            origin_log: origin.log,
+        })
+    }
+
+    /// Boots sandbox `spec`, taken over from a lost node, by restoring the checkpoint carried
+    /// from there into `netns`, on its kept files (`kept`), with this node's ids, network,
+    /// cgroups and log. Its token, environment, machine id and boot id stay what they were.
+    pub(super) async fn launch_carried(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        kept: &Handle,
+        carried: &CarriedCheckpoint,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let slot = netns.slot;
+        let started = std::time::Instant::now();
+        let id_map = self.id_map(slot);
+        let bare = |e: RuntimeError| (None, e);
+        let source = self.carried_checkpoint_dir(id);
+        let work = self.checkpoint_dir(id);
+        let verify = !self.is_verified(&source);
+        let header = {
+            let (source, work) = (source.clone(), work.clone());
+            let (from, to) = (carried.origin_id_base, id_map.host_base);
+            tokio::task::spawn_blocking(move || stage_checkpoint(&source, &work, verify, from, to))
+                .await
+                .map_err(|e| bare(sandbox_err(id, e)))?
+                .map_err(|e| bare(sandbox_err(id, e)))?
+        };
+        self.cgroups
+            .create(
+                id,
+                Limits {
+                    cpu_count: spec.cpu_count,
+                    memory_mb: spec.memory_mb,
+                    pids_max: self.config.pids_max,
+                    cpu_priority: crate::cgroups::CpuPriority::Normal,
+                },
+            )
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
+            .await
+            .map_err(bare)?;
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(bare)?;
+        let (log_path, log) = self
+            .log_for_restore(id, &header, &carried.origin_log, id_map.host_base)
+            .map_err(bare)?;
+        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
+            bare(RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", spec.template.id),
+            })
+        })?;
+        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
+            bare(sandbox_err(
+                id,
+                format!("cannot make its user namespace: {e}"),
+            ))
+        })?;
+        let gateway = self
+            .network
+            .addrs(slot)
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .host;
+        let pid = self
+            .run_restore(
+                id,
+                RestoreFrom {
+                    images: work.clone(),
+                    header,
+                    layers,
+                    userns,
+                    netns,
+                    new_log: Some((carried.origin_log.clone(), log_path)),
+                    // The same machine on another network: only its name server moved.
+                    etc: Some((
+                        id_map.host_base,
+                        vec![("resolv.conf", format!("nameserver {gateway}\n"), 0o644)],
+                    )),
+                    boot_id: kept.boot_id.clone(),
+                },
+            )
+            .await
+            .map_err(bare)?;
+        // Its lines from the lost node are gone with that node.
+        let _ = log.set_len(0);
+        drop(log);
+        let _ = crate::disks::remove_tree(&work);
+        let _ = crate::disks::remove_tree(&source);
+        self.set_verified(&source, false);
+        let handle = Handle::running(pid, slot, id_map, spec, kept.boot_id.clone());
+        let fail = |e: RuntimeError| (Some(handle.clone()), e);
+        let endpoint = self.endpoint(id, slot).map_err(fail)?;
+        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
+            .await
+            .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
+        tracing::info!(
+            sandbox_id = %id,
+            ms = started.elapsed().as_millis() as u64,
+            "sandbox restored from a checkpoint carried from a lost node"
+        );
+        Ok((handle, endpoint))
+    }
+
+    /// The agent log a restored sandbox writes, made as long as the one its processes held
+    /// (`held`, named in the checkpoint) was at the dump: CRIU checks the size of every file
+    /// it reopens. The caller empties it once the restore is done; the agent appends, so its
+    /// next line lands at the start.
+    pub(super) fn log_for_restore(
+        &self,
+        id: &str,
+        header: &crate::checkpoint::Header,
+        held: &Path,
+        owner: u32,
+    ) -> Result<(PathBuf, std::fs::File), RuntimeError> {
+        let held_size = header
+            .externals
+            .iter()
+            .find_map(|e| match e {
+                crate::checkpoint::External::File { path, size, .. } if path == held => Some(*size),
+                _ => None,
+            })
+            .unwrap_or(0);
+        let log_path = self.log_path(id);
+        let log = std::fs::File::create(&log_path)
+            .and_then(|log| {
+                std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
+                log.set_len(held_size)?;
+                Ok(log)
+            })
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
+        Ok((log_path, log))
+    }
+}
+
+/// Lays the checkpoint images of `source` out in `work` for one restore: links to them, but
+/// the user namespace image rewritten from the host ids at `from` to those at `to` (restored
+/// with the ids it was dumped with, a sandbox could touch another's files). Returns the
+/// checkpoint's header, its images checked when `verify`.
+pub(super) fn stage_checkpoint(
+    source: &Path,
+    work: &Path,
+    verify: bool,
+    from: u32,
+    to: u32,
+) -> Result<crate::checkpoint::Header, String> {
+    let header = crate::checkpoint::read_header(source, verify)
+        .map_err(|e| format!("the checkpoint is not usable: {e}"))?;
+    let _ = crate::disks::remove_tree(work);
+    std::fs::create_dir_all(work).map_err(|e| format!("create {}: {e}", work.display()))?;
+    let user_namespaces = header
+        .images
+        .iter()
+        .filter(|i| crate::checkpoint::is_userns_image(&i.name))
+        .count();
+    if user_namespaces != 1 {
+        return Err(format!(
+            "the checkpoint has {user_namespaces} user namespace images, not one"
+        ));
+    }
+    for image in &header.images {
+        if crate::checkpoint::is_userns_image(&image.name) {
+            let bytes = std::fs::read(source.join(&image.name))
+                .map_err(|e| format!("read {}: {e}", image.name))?;
+            let moved = crate::checkpoint::remap_userns_image(&bytes, from, to, SANDBOX_IDS)
+                .ok_or("the checkpoint's user namespace image is not one this node reads")?;
+            std::fs::write(work.join(&image.name), moved)
+                .map_err(|e| format!("write {}: {e}", image.name))?;
+        } else {
+            std::fs::hard_link(source.join(&image.name), work.join(&image.name))
+                .map_err(|e| format!("link {}: {e}", image.name))?;
+        }
+    }
+    Ok(header)
+}
