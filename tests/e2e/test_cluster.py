@@ -589,6 +589,48 @@ def _cgroup_on(sid: str, node: str) -> bool:
 
 
 @needs_roles
+def test_a_snapshot_with_memory_starts_on_every_node(cluster, fleet):
+    from e2b import Sandbox
+
+    api1 = cluster["api1"]
+    source = Sandbox.create(template="base", timeout=120, **api1.sdk())
+    fleet.sandboxes[source.sandbox_id] = source
+    origin = fleet.node_of(source.sandbox_id)
+    other = "n1" if origin == "n2" else "n2"
+    source.files.write("/home/user/keeper.sh", MEMORY_KEEPER)
+    source.commands.run("sh /home/user/keeper.sh", background=True)
+    wait_until(lambda: source.commands.run("test -s /home/user/keeper.pid").exit_code == 0, timeout=10,
+               message="the keeper to start")
+    keeper_pid = source.files.read("/home/user/keeper.pid").strip()
+    checkpoints = lambda: cluster.pg.psql("SELECT layer FROM layer_blobs WHERE layer LIKE 'checkpoint/%'").split()
+    before = set(checkpoints())
+    snapshot = source.create_snapshot()
+    try:
+        # Once recorded, its origin publishes its layer and checkpoint in the background.
+        wait_until(lambda: set(checkpoints()) - before, timeout=30, interval=0.3,
+                   message="the snapshot's checkpoint to reach the layer store")
+        # Asked directly, the other node fetches both and restores the snapshot's processes.
+        t0 = time.monotonic()
+        r = httpx.post(cluster[other].url + "/v2/sandboxes", json={"templateID": snapshot.snapshot_id, "timeout": 60},
+                       headers={**_node_secret(cluster), "X-API-Key": cl.API_KEY}, timeout=120)
+        assert r.status_code == 201, r.text
+        print(f"\n[e2e] snapshot restored on the node that did not take it in {time.monotonic() - t0:.2f}s")
+        copy = Sandbox.connect(r.json()["sandboxID"], **api1.sdk())
+        fleet.sandboxes[copy.sandbox_id] = copy
+        assert fleet.node_of(copy.sandbox_id) == other
+        assert copy.commands.run(f"kill -USR1 {keeper_pid}").exit_code == 0
+        wait_until(lambda: copy.commands.run("test -s /home/user/told").exit_code == 0, timeout=10,
+                   message="the restored keeper to answer")
+        assert copy.files.read("/home/user/told") == source.files.read("/home/user/expected")
+        copy.kill()
+        fleet.sandboxes.pop(copy.sandbox_id, None)
+    finally:
+        source.kill()
+        fleet.sandboxes.pop(source.sandbox_id, None)
+        Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0], **api1.sdk())
+
+
+@needs_roles
 def test_a_node_refuses_requests_without_the_secret(cluster, fleet):
     node = cluster["n2"]
     sid = sorted(fleet.sandboxes)[0]

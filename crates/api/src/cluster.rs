@@ -121,21 +121,15 @@ impl std::fmt::Debug for ClusterRouting {
 }
 
 impl ClusterRouting {
-    /// Whether any node can start `template`: every layer published, and no checkpoint of
-    /// a snapshot to restore (those stay on the node that took them).
+    /// Whether any node can start `template`: every layer published, and the checkpoint of
+    /// a snapshot or capture too.
     async fn reach_of(&self, template: &sandbar_core::Template) -> TemplateReach {
         let Some(image) = &template.image else {
             return TemplateReach::Local;
         };
-        if image
-            .snapshot
-            .as_ref()
-            .is_some_and(|s| s.checkpoint.is_some())
-        {
-            return TemplateReach::Local;
-        }
-        match self.store.layer_blobs(&image.layers).await {
-            Ok(published) if published.len() == image.layers.len() => TemplateReach::Shared,
+        let parts = image.parts();
+        match self.store.layer_blobs(&parts).await {
+            Ok(published) if published.len() == parts.len() => TemplateReach::Shared,
             Ok(_) => TemplateReach::Local,
             Err(e) => {
                 tracing::warn!(template_id = %template.id, error = %e, "cannot read which layers are published");

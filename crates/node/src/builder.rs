@@ -673,7 +673,7 @@ impl Builder for NodeBuilder {
                 Some(FINALIZE_STEP),
                 format!("publishing its layers to {}", shared.location()),
             );
-            if let Err(e) = shared.publish(&image.layers).await {
+            if let Err(e) = shared.publish(&image.parts()).await {
                 result = Err(BuildFailure::at(FINALIZE_STEP, e.to_string()));
             }
         }

@@ -27,6 +27,9 @@ pub struct LayerStore {
     /// Layers made by build steps, by cache key; on the sandbox disk pool so a build
     /// sandbox's writable layer becomes one by a rename.
     steps_dir: PathBuf,
+    /// Checkpoints of snapshots' and captures' processes (`checkpoint/<key>`), which a
+    /// template names beside its layers and nodes share the same way.
+    checkpoints_dir: Option<PathBuf>,
 }
 
 fn is_hex(s: &str) -> bool {
@@ -40,7 +43,14 @@ impl LayerStore {
             images_dir,
             legacy_images_dir: None,
             steps_dir,
+            checkpoints_dir: None,
         }
+    }
+
+    /// Also knows the checkpoints in `dir` by name.
+    pub fn with_checkpoints_dir(mut self, dir: PathBuf) -> Self {
+        self.checkpoints_dir = Some(dir);
+        self
     }
 
     /// Also finds image layers in `dir`, where an earlier version unpacked them.
@@ -49,9 +59,13 @@ impl LayerStore {
         self
     }
 
-    /// Every directory layers are kept in.
-    pub fn dirs(&self) -> [&Path; 3] {
+    /// Every directory layers (and checkpoints) are kept in.
+    pub fn dirs(&self) -> Vec<&Path> {
         [&self.templates_dir, &self.images_dir, &self.steps_dir]
+            .into_iter()
+            .map(PathBuf::as_path)
+            .chain(self.checkpoints_dir.as_deref())
+            .collect()
     }
 
     pub fn steps_dir(&self) -> &Path {
@@ -92,13 +106,22 @@ impl LayerStore {
             "layer" if is_hex(id) => {
                 Some(self.steps_dir.join(id).join(sandbar_jail::layout::UPPER))
             }
+            "checkpoint" if id.len() == 32 && is_hex(id) => {
+                Some(self.checkpoints_dir.as_ref()?.join(id))
+            }
             _ => None,
         }
     }
 
-    /// Whether the layer exists on this node.
+    /// Whether the layer exists on this node; a checkpoint, once it is sealed.
     pub fn exists(&self, name: &str) -> bool {
-        self.path(name).is_some_and(|p| sandbar_fs::host_is_dir(&p))
+        let Some(path) = self.path(name) else {
+            return false;
+        };
+        if name.starts_with("checkpoint/") {
+            return sandbar_fs::host_is_file(&path.join(crate::checkpoint::HEADER_FILE));
+        }
+        sandbar_fs::host_is_dir(&path)
     }
 
     pub fn step_layer_name(key: &str) -> String {

@@ -39,7 +39,7 @@ async fn measure(store: &dyn Store, runtime: &LinuxRuntime, sandboxes: &Sandboxe
                 .filter(|t| {
                     t.image
                         .as_ref()
-                        .is_some_and(|image| image.layers.iter().all(|l| layers.exists(l)))
+                        .is_some_and(|image| image.parts().iter().all(|l| layers.exists(l)))
                 })
                 .map(|t| t.id)
                 .collect()

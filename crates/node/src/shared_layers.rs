@@ -91,7 +91,7 @@ fn placement(layers: &LayerStore, layer: &str) -> Option<Placement> {
     let path = layers.path(layer)?;
     let kind = layer.split_once('/')?.0;
     match kind {
-        "image" => Some(Placement {
+        "image" | "checkpoint" => Some(Placement {
             unit: path,
             inside: PathBuf::new(),
             marker: None,

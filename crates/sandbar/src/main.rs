@@ -443,7 +443,7 @@ async fn publish_templates_on_disk(
         let Some(image) = template.image else {
             continue;
         };
-        if let Err(e) = shared.ensure_published_if_here(&image.layers).await {
+        if let Err(e) = shared.ensure_published_if_here(&image.parts()).await {
             tracing::warn!(template_id = %template.id, error = %e, "cannot publish the template's layers");
         }
     }
@@ -454,7 +454,7 @@ fn image_on_disk(template: &Template, layers: &sandbar_node::layers::LayerStore)
     template
         .image
         .as_ref()
-        .is_some_and(|image| image.layers.iter().all(|layer| layers.exists(layer)))
+        .is_some_and(|image| image.parts().iter().all(|layer| layers.exists(layer)))
 }
 
 /// A built-in template as it is registered at start: the recorded one, or a new public one

@@ -146,6 +146,22 @@ impl TemplateImage {
         Some(image)
     }
 
+    /// Everything a node needs on its disk to start a sandbox of this image, by name: the
+    /// layers, and the capture's or snapshot's layer and checkpoint.
+    pub fn parts(&self) -> Vec<String> {
+        let mut parts = self.layers.clone();
+        if let Some(started) = &self.started {
+            parts.push(started.layer.clone());
+            parts.push(started.checkpoint.clone());
+        }
+        if let Some(checkpoint) = self.snapshot.as_ref().and_then(|s| s.checkpoint.clone()) {
+            parts.push(checkpoint);
+        }
+        let mut seen = std::collections::HashSet::new();
+        parts.retain(|part| seen.insert(part.clone()));
+        parts
+    }
+
     /// Whether this image restores a template's capture rather than a snapshot.
     pub fn is_capture(&self) -> bool {
         self.started.is_some() && self.snapshot.is_some()

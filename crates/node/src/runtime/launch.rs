@@ -485,7 +485,7 @@ impl LinuxRuntime {
             .as_ref()
             .map(|k| parse_handle(&id, k))
             .transpose()?;
-        self.fetch_missing_layers(&spec.template.id, &spec.image.layers)
+        self.fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
         let _creating = self.warm.creating();
         self.grant_memory(&id, spec.memory_mb)?;

@@ -282,7 +282,8 @@ impl LinuxRuntime {
             config.data_dir.join("sandboxes").join(".images"),
             config.data_dir.join("sandboxes").join(".layers"),
         )
-        .with_legacy_images_dir(config.data_dir.join("images").join("layers"));
+        .with_legacy_images_dir(config.data_dir.join("images").join("layers"))
+        .with_checkpoints_dir(config.data_dir.join("snapshots"));
         for dir in [layers.steps_dir(), layers.images_dir()] {
             std::fs::create_dir_all(dir).map_err(|source| NodeError::Io {
                 path: dir.to_owned(),
@@ -596,6 +597,16 @@ impl Runtime for LinuxRuntime {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(name, _)| !names.contains(&name));
+        // Recorded: other nodes may start it once its parts are in the layer store. Until
+        // then it starts only here.
+        if let Some(shared) = self.shared_layers.get().cloned() {
+            let names: Vec<String> = names.into_iter().cloned().collect();
+            tokio::spawn(async move {
+                if let Err(e) = shared.publish(&names).await {
+                    tracing::warn!(error = %e, "cannot publish a snapshot to the layer store; it starts only on this node");
+                }
+            });
+        }
     }
 
     async fn discard_snapshot(&self, parts: &SnapshotParts) {
