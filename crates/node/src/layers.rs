@@ -422,6 +422,35 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_is_named_like_a_layer_and_exists_once_sealed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let key = "0123456789abcdef0123456789abcdef";
+        let name = format!("checkpoint/{key}");
+        let without = LayerStore::new("/t".into(), "/i".into(), "/s".into());
+        assert_eq!(
+            without.path(&name),
+            None,
+            "no checkpoints where none are kept"
+        );
+        let store = without.with_checkpoints_dir(tmp.path().to_owned());
+        assert_eq!(store.path(&name), Some(tmp.path().join(key)));
+        assert_eq!(store.path("checkpoint/abc"), None, "keys have 32 digits");
+        assert_eq!(store.path("checkpoint/../../etc"), None);
+        std::fs::create_dir(tmp.path().join(key)).unwrap();
+        assert!(
+            !store.exists(&name),
+            "a dump under way is not a checkpoint yet"
+        );
+        std::fs::write(
+            tmp.path().join(key).join(crate::checkpoint::HEADER_FILE),
+            b"",
+        )
+        .unwrap();
+        assert!(store.exists(&name));
+        assert!(store.dirs().contains(&tmp.path()));
+    }
+
+    #[test]
     fn names_map_to_paths_and_bad_names_to_none() {
         let store = LayerStore::new("/t".into(), "/i".into(), "/s".into());
         assert_eq!(

@@ -185,6 +185,33 @@ mod capture_tests {
     use super::*;
 
     #[test]
+    fn the_parts_of_an_image_name_every_layer_and_checkpoint_once() {
+        let image = TemplateImage {
+            layers: vec!["base/v2".into(), "layer/a".into()],
+            env: BTreeMap::new(),
+            user: "user".into(),
+            workdir: "/home/user".into(),
+            start_cmd: Some("serve".into()),
+            ready_cmd: None,
+            snapshot: None,
+            started: Some(StartedImage {
+                layer: "layer/b".into(),
+                checkpoint: "checkpoint/c".into(),
+                sandbox_id: "s".into(),
+            }),
+        };
+        let all = ["base/v2", "layer/a", "layer/b", "checkpoint/c"];
+        assert_eq!(image.parts(), all);
+        let restored = image.restored_from_capture().unwrap();
+        assert_eq!(restored.parts(), all, "the capture's parts, once each");
+        let plain = TemplateImage {
+            started: None,
+            ..image
+        };
+        assert_eq!(plain.parts(), ["base/v2", "layer/a"]);
+    }
+
+    #[test]
     fn a_capture_is_restored_on_its_layer_and_keeps_the_start_command() {
         let image = TemplateImage {
             layers: vec!["interpreter/v2".into(), "step/a".into()],
