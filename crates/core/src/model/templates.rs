@@ -202,7 +202,7 @@ mod capture_tests {
         };
         let all = ["base/v2", "layer/a", "layer/b", "checkpoint/c"];
         assert_eq!(image.parts(), all);
-        let restored = image.restored_from_capture().unwrap();
+        let restored = image.restored_from_capture().expect("a capture");
         assert_eq!(restored.parts(), all, "the capture's parts, once each");
         let plain = TemplateImage {
             started: None,
