@@ -107,6 +107,8 @@ NODE_FLAGS = [
     # The base root is borrowed; a build that still tried a mirror would find nothing here.
     "--debian-mirror", "http://127.0.0.1:9/debian",
     "--layer-store", LAYER_STORE,
+    # What deleted snapshots leave in the layer store goes within seconds.
+    "--layer-store-collect-secs", "1",
 ]
 SECRET_HEADER = "X-Sandbar-Node-Secret"
 
@@ -812,7 +814,7 @@ class Cluster:
         config = d / "config.yml"
         config.write_text(
             "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
-            f"storage:\n  filesystem:\n    rootdirectory: {d / 'storage'}\n"
+            f"storage:\n  delete:\n    enabled: true\n  filesystem:\n    rootdirectory: {d / 'storage'}\n"
             f"http:\n  addr: {BRIDGE_ADDR}:{LAYER_REGISTRY_PORT}\n  secret: cluster-test-only\n"
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -629,6 +629,22 @@ def test_a_snapshot_with_memory_starts_on_every_node(cluster, fleet):
         fleet.sandboxes.pop(source.sandbox_id, None)
         Sandbox.delete_snapshot(snapshot.snapshot_id.split(":")[0], **api1.sdk())
 
+    # Deleted, the snapshot's checkpoint leaves the layer store: its record, then the tag that
+    # kept its blob; what templates still name stays.
+    published = set(checkpoints()) - before
+    wait_until(lambda: not published & set(checkpoints()), timeout=30, interval=0.5,
+               message="the deleted snapshot's records to be collected")
+    recorded = lambda: set(cluster.pg.psql("SELECT DISTINCT digest FROM layer_blobs").split())
+
+    def tags() -> set:
+        r = httpx.get(f"http://{cl.BRIDGE_ADDR}:{cl.LAYER_REGISTRY_PORT}/v2/sandbar/layers/tags/list", timeout=10)
+        assert r.status_code == 200, r.text
+        return {"sha256:" + t.removeprefix("sha256-") for t in r.json().get("tags") or [] if t.startswith("sha256-")}
+
+    wait_until(lambda: tags() <= recorded(), timeout=30, interval=0.5,
+               message="the tags of blobs no record names to be deleted")
+    assert recorded() <= tags(), "a blob a record names lost its tag"
+
 
 @needs_roles
 def test_a_node_refuses_requests_without_the_secret(cluster, fleet):

@@ -66,6 +66,10 @@ pub enum BlobStoreError {
         digest: String,
         expected: u64,
     },
+    #[error(
+        "layer store {location} refuses to delete blob {digest}'s tag (enable deletes in the registry's storage configuration)"
+    )]
+    DeletesDisabled { location: String, digest: String },
     #[error("blob {digest}: {}: {source}", path.display())]
     Io {
         digest: String,
@@ -224,6 +228,109 @@ impl BlobStore {
         )
         .await?;
         Ok(())
+    }
+
+    /// The digests of every blob tagged here (see [`Self::keep`]), page by page.
+    pub async fn kept(&self) -> Result<Vec<String>, BlobStoreError> {
+        const PAGE: usize = 1000;
+        let mut digests = Vec::new();
+        let mut last: Option<String> = None;
+        loop {
+            let mut url = self
+                .session
+                .url("tags/list")
+                .map_err(|e| self.registry_error(e))?;
+            url.query_pairs_mut()
+                .append_pair("n", &PAGE.to_string())
+                .extend_pairs(last.as_ref().map(|l| ("last", l.as_str())));
+            let response = self
+                .session
+                .call(Method::GET, url, &[], None)
+                .await
+                .map_err(|e| self.registry_error(e))?;
+            match response.status() {
+                StatusCode::OK => {}
+                // Nothing was ever pushed to the repository.
+                StatusCode::NOT_FOUND => return Ok(digests),
+                _ => return Err(self.registry_error(self.session.status_error(response).await)),
+            }
+            #[derive(serde::Deserialize)]
+            struct Tags {
+                #[serde(default)]
+                tags: Option<Vec<String>>,
+            }
+            let page: Tags = response.json().await.map_err(|e| {
+                self.registry_error(PullError::Registry {
+                    reference: self.location.clone(),
+                    message: format!("an unreadable tag list: {e}"),
+                })
+            })?;
+            let tags = page.tags.unwrap_or_default();
+            let full = tags.len() >= PAGE;
+            last = tags.last().cloned();
+            digests.extend(tags.iter().filter_map(|tag| {
+                let digest = format!("sha256:{}", tag.strip_prefix("sha256-")?);
+                is_sha256_digest(&digest).then_some(digest)
+            }));
+            if !full {
+                return Ok(digests);
+            }
+        }
+    }
+
+    /// Deletes the tag that keeps blob `digest` (see [`Self::keep`]), so the registry's
+    /// garbage collection may remove the blob; whether there was one.
+    pub async fn let_go(&self, digest: &str) -> Result<bool, BlobStoreError> {
+        self.blob_url(digest)?;
+        let tag = format!("sha256-{}", digest.trim_start_matches("sha256:"));
+        let url = self
+            .session
+            .url(&format!("manifests/{tag}"))
+            .map_err(|e| self.registry_error(e))?;
+        let accept = [(
+            reqwest::header::ACCEPT,
+            HeaderValue::from_static(MANIFEST_TYPE),
+        )];
+        let response = self
+            .session
+            .call(Method::HEAD, url, &accept, None)
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        match response.status() {
+            StatusCode::OK => {}
+            StatusCode::NOT_FOUND => return Ok(false),
+            _ => return Err(self.registry_error(self.session.status_error(response).await)),
+        }
+        // Registries delete manifests by their own digest, not by tag.
+        let manifest = response
+            .headers()
+            .get("docker-content-digest")
+            .and_then(|v| v.to_str().ok())
+            .filter(|d| is_sha256_digest(d))
+            .map(str::to_owned)
+            .ok_or_else(|| {
+                self.registry_error(PullError::Registry {
+                    reference: self.location.clone(),
+                    message: format!("tag {tag} has no manifest digest"),
+                })
+            })?;
+        let url = self
+            .session
+            .url(&format!("manifests/{manifest}"))
+            .map_err(|e| self.registry_error(e))?;
+        let response = self
+            .session
+            .call(Method::DELETE, url, &[], None)
+            .await
+            .map_err(|e| self.registry_error(e))?;
+        match response.status() {
+            StatusCode::ACCEPTED | StatusCode::OK | StatusCode::NOT_FOUND => Ok(true),
+            StatusCode::METHOD_NOT_ALLOWED => Err(BlobStoreError::DeletesDisabled {
+                location: self.location.clone(),
+                digest: digest.to_owned(),
+            }),
+            _ => Err(self.registry_error(self.session.status_error(response).await)),
+        }
     }
 
     /// Sends a request and returns the answer if it has the status `expected`; any other

@@ -62,7 +62,8 @@ pub(crate) struct Session {
     /// The image's normalised reference, for errors.
     name: String,
     credentials: Option<RegistryAuth>,
-    /// What a token is asked for: `pull`, or `pull,push` for a session that uploads.
+    /// What a token is asked for: `pull`, or `pull,push,delete` for a session that uploads
+    /// and lets go of what it uploaded.
     actions: &'static str,
     /// What the registry's challenge led to, sent with every request to the registry.
     authorization: Mutex<Option<HeaderValue>>,
@@ -98,9 +99,9 @@ impl Session {
         })
     }
 
-    /// The same session asking tokens that also allow uploads.
+    /// The same session asking tokens that also allow uploads and deletes.
     pub(crate) fn pushing(mut self) -> Self {
-        self.actions = "pull,push";
+        self.actions = "pull,push,delete";
         self
     }
 

@@ -155,6 +155,66 @@ async fn pushes_with_credentials_and_is_refused_without() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_what_it_keeps_and_lets_go_of_it() {
+    if !have("docker-registry") {
+        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let registry = Registry::start(tmp.path(), None);
+    let store = BlobStore::new(
+        &format!("http://{}/sandbar/layers", registry.host()),
+        None,
+        loopback_allowed(),
+    )
+    .unwrap();
+    assert!(
+        store.kept().await.unwrap().is_empty(),
+        "a repository never pushed to"
+    );
+    let mut digests = Vec::new();
+    for content in [&b"first\n"[..], b"second\n"] {
+        let digest = digest_of(content);
+        let source = tmp.path().join("blob");
+        std::fs::write(&source, content).unwrap();
+        store.push_file(&source, &digest).await.unwrap();
+        digests.push(digest);
+    }
+    let mut kept = store.kept().await.unwrap();
+    kept.sort();
+    let mut expected = digests.clone();
+    expected.sort();
+    assert_eq!(kept, expected);
+
+    assert!(store.let_go(&digests[0]).await.unwrap());
+    assert_eq!(store.kept().await.unwrap(), [digests[1].clone()]);
+    assert!(!store.let_go(&digests[0]).await.unwrap(), "already let go");
+    // The bytes stay until the registry's garbage collection runs; pushed again, the blob is
+    // kept again.
+    assert!(store.contains(&digests[0]).await.unwrap());
+    let source = tmp.path().join("again");
+    std::fs::write(&source, b"first\n").unwrap();
+    store.push_file(&source, &digests[0]).await.unwrap();
+    assert_eq!(store.kept().await.unwrap().len(), 2);
+
+    let strict_dir = tmp.path().join("strict");
+    std::fs::create_dir(&strict_dir).unwrap();
+    let strict = Registry::start_without_deletes(&strict_dir);
+    let store = BlobStore::new(
+        &format!("http://{}/sandbar/layers", strict.host()),
+        None,
+        loopback_allowed(),
+    )
+    .unwrap();
+    store.push_file(&source, &digests[0]).await.unwrap();
+    let err = store.let_go(&digests[0]).await.unwrap_err();
+    assert!(
+        matches!(err, BlobStoreError::DeletesDisabled { .. }),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_must_be_allowed() {
     let store = BlobStore::new(
         "http://127.0.0.1:9/sandbar/layers",

@@ -21,6 +21,7 @@ pub mod netns;
 pub mod network;
 mod runtime;
 pub mod shaping;
+pub mod shared_collector;
 pub mod shared_layers;
 pub mod tasks;
 pub mod templates;

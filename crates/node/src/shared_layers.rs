@@ -158,6 +158,21 @@ impl SharedLayers {
         self.blobs.location()
     }
 
+    /// The digests of every blob the store keeps.
+    pub async fn kept_blobs(&self) -> Result<Vec<String>, BlobStoreError> {
+        self.blobs.kept().await
+    }
+
+    /// Stops keeping blob `digest`; whether it was kept.
+    pub async fn let_go_of(&self, digest: &str) -> Result<bool, BlobStoreError> {
+        self.blobs.let_go(digest).await
+    }
+
+    /// Keeps blob `digest` (of `size` bytes) again.
+    pub async fn keep_blob(&self, digest: &str, size: u64) -> Result<(), BlobStoreError> {
+        self.blobs.keep(digest, size).await
+    }
+
     fn transfer_lock(&self, layer: &str) -> Arc<tokio::sync::Mutex<()>> {
         let mut transfers = self
             .transfers

@@ -49,6 +49,12 @@ pub struct ClusterArgs {
     /// A file holding `username:password` for the layer store's registry (mode 0600).
     #[arg(long, env = "SANDBAR_LAYER_STORE_CREDENTIALS_FILE")]
     pub layer_store_credentials_file: Option<PathBuf>,
+    /// Seconds between two passes that let go of what the layer store no longer needs
+    /// (records and blob tags of deleted templates and snapshots, copies of sandboxes that
+    /// are gone); something goes once two passes found it unneeded. 0 turns it off. The
+    /// registry must allow deletes, and its own garbage collection removes the bytes.
+    #[arg(long, env = "SANDBAR_LAYER_STORE_COLLECT_SECS", default_value_t = 600)]
+    pub layer_store_collect_secs: u64,
 }
 
 impl ClusterArgs {

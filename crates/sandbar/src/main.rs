@@ -710,6 +710,15 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         shared.sweep_staging();
         tracing::info!(layer_store = %shared.location(), "template layers are shared through the layer store");
         runtime.use_shared_layers(shared.clone());
+        if args.cluster.layer_store_collect_secs > 0 {
+            let every = std::time::Duration::from_secs(args.cluster.layer_store_collect_secs);
+            let collector = sandbar_node::shared_collector::SharedCollector::new(
+                shared.clone(),
+                store.clone(),
+                every,
+            );
+            tokio::spawn(collector.run(every));
+        }
         tokio::spawn(publish_templates_on_disk(store.clone(), shared));
     }
 

@@ -68,17 +68,25 @@ impl LayerBlobRecords for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        rows.iter()
-            .map(|row| {
-                let size: i64 = row.try_get("size_bytes").map_err(err)?;
-                Ok(LayerBlob {
-                    layer: row.try_get("layer").map_err(err)?,
-                    digest: row.try_get("digest").map_err(err)?,
-                    size_bytes: u64::try_from(size).map_err(err)?,
-                    node_id: row.try_get("node_id").map_err(err)?,
-                    published_at: time(row.try_get("published_at").map_err(err)?),
-                })
-            })
-            .collect()
+        rows.iter().map(layer_blob_of).collect()
     }
+
+    async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
+        let rows = sqlx::query("SELECT * FROM layer_blobs")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.iter().map(layer_blob_of).collect()
+    }
+}
+
+fn layer_blob_of(row: &sqlx::sqlite::SqliteRow) -> Result<LayerBlob, StoreError> {
+    let size: i64 = row.try_get("size_bytes").map_err(err)?;
+    Ok(LayerBlob {
+        layer: row.try_get("layer").map_err(err)?,
+        digest: row.try_get("digest").map_err(err)?,
+        size_bytes: u64::try_from(size).map_err(err)?,
+        node_id: row.try_get("node_id").map_err(err)?,
+        published_at: time(row.try_get("published_at").map_err(err)?),
+    })
 }

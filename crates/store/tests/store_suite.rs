@@ -1377,7 +1377,14 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
         .layer_blobs(&["files/isbx".into()])
         .await
         .expect("read");
-    assert_eq!(read, vec![newer]);
+    assert_eq!(read, vec![newer.clone()]);
+    // The collector reads every record at once.
+    let mut all = store.all_layer_blobs().await.expect("read all");
+    all.sort_by(|a, b| a.layer.cmp(&b.layer));
+    let mut names: Vec<&str> = all.iter().map(|b| b.layer.as_str()).collect();
+    names.dedup();
+    assert_eq!(names.len(), all.len(), "one record per name");
+    assert!(all.contains(&newer), "{all:?}");
     store.delete_layer_blob("files/isbx").await.expect("forget");
     store
         .delete_layer_blob("files/isbx")

@@ -16,4 +16,6 @@ pub trait LayerBlobRecords: Send + Sync {
     async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError>;
     /// The records of those of `layers` that were published.
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError>;
+    /// Every record, for the collector of the layer store.
+    async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError>;
 }

@@ -22,7 +22,18 @@ pub struct Registry {
 
 impl Registry {
     /// `htpasswd`: a file of users that must authenticate, or none for an open registry.
+    /// Deletes are enabled.
     pub fn start(dir: &Path, htpasswd: Option<&Path>) -> Registry {
+        Self::launch(dir, htpasswd, true)
+    }
+
+    /// An open registry that refuses deletes, as distribution does by default.
+    #[allow(dead_code)]
+    pub fn start_without_deletes(dir: &Path) -> Registry {
+        Self::launch(dir, None, false)
+    }
+
+    fn launch(dir: &Path, htpasswd: Option<&Path>, deletes: bool) -> Registry {
         let port = TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -34,7 +45,7 @@ impl Registry {
             &config,
             format!(
                 "version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n\
-                 storage:\n  filesystem:\n    rootdirectory: {}\n\
+                 storage:\n  delete:\n    enabled: {deletes}\n  filesystem:\n    rootdirectory: {}\n\
                  http:\n  addr: 127.0.0.1:{port}\n  secret: test-only\n{}",
                 storage.display(),
                 htpasswd.map_or_else(String::new, |file| format!(

@@ -77,16 +77,26 @@ impl LayerBlobRecords for PgStore {
                 .fetch_all(&self.pool)
                 .await
                 .map_err(err)?;
-        rows.into_iter()
-            .map(|row| {
-                Ok(LayerBlob {
-                    layer: row.layer,
-                    digest: row.digest,
-                    size_bytes: u64::try_from(row.size_bytes).map_err(err)?,
-                    node_id: row.node_id,
-                    published_at: row.published_at,
-                })
-            })
-            .collect()
+        rows.into_iter().map(LayerBlobRow::into_blob).collect()
+    }
+
+    async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
+        let rows = sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?;
+        rows.into_iter().map(LayerBlobRow::into_blob).collect()
+    }
+}
+
+impl LayerBlobRow {
+    fn into_blob(self) -> Result<LayerBlob, StoreError> {
+        Ok(LayerBlob {
+            layer: self.layer,
+            digest: self.digest,
+            size_bytes: u64::try_from(self.size_bytes).map_err(err)?,
+            node_id: self.node_id,
+            published_at: self.published_at,
+        })
     }
 }
