@@ -110,7 +110,21 @@ pub struct ClusterRouting {
     /// The template a credential's create named, as resolved for placement, for
     /// [`OWNER_TTL`]: a hint only, since the node authenticates and resolves again.
     templates: Mutex<HashMap<u64, (String, TemplateReach, Instant)>>,
+    /// The recorded sandboxes' ids and agent tokens, for finding the signer of a signed
+    /// file URL, read again at most every [`SIGNERS_TTL`] and only when none matches.
+    signers: tokio::sync::Mutex<Signers>,
 }
+
+/// A copy of which sandbox holds which agent token.
+#[derive(Default)]
+struct Signers {
+    tokens: Vec<(String, String)>,
+    read_at: Option<Instant>,
+}
+
+/// How long a copy of the recorded tokens answers a signature that matches none of them:
+/// a sandbox created since is found once it is older than this.
+const SIGNERS_TTL: Duration = Duration::from_secs(1);
 
 impl std::fmt::Debug for ClusterRouting {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -153,7 +167,42 @@ impl ClusterRouting {
             owners: Mutex::new(HashMap::new()),
             pending: Mutex::new(HashMap::new()),
             templates: Mutex::new(HashMap::new()),
+            signers: tokio::sync::Mutex::new(Signers::default()),
         }
+    }
+
+    /// The sandbox whose agent token signed `signed`, if a recorded one did. Signatures
+    /// cannot be looked up, only checked against each token: the tokens are kept here and
+    /// read again only when none matches and the copy is older than [`SIGNERS_TTL`] (one
+    /// read at a time; the requests that waited for it use it).
+    async fn signer_of(
+        &self,
+        signed: &crate::edge::SignedFileRequest,
+    ) -> Result<Option<String>, ApiError> {
+        let find = |tokens: &[(String, String)]| {
+            tokens
+                .iter()
+                .find(|(_, token)| signed.signed_with(token, None))
+                .map(|(id, _)| id.clone())
+        };
+        let mut signers = self.signers.lock().await;
+        if let Some(id) = find(&signers.tokens) {
+            return Ok(Some(id));
+        }
+        if signers.read_at.is_some_and(|at| at.elapsed() < SIGNERS_TTL) {
+            return Ok(None);
+        }
+        let sandboxes = self
+            .store
+            .all_sandboxes()
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        signers.tokens = sandboxes
+            .into_iter()
+            .map(|s| (s.id, s.envd_access_token))
+            .collect();
+        signers.read_at = Some(Instant::now());
+        Ok(find(&signers.tokens))
     }
 
     /// The node a sandbox is recorded on; `None` if no such sandbox is recorded.
@@ -322,19 +371,9 @@ async fn signed_to_node(
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let sandboxes = cluster
-        .store
-        .all_sandboxes()
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    let signer = sandboxes
-        .iter()
-        .find(|s| signed.signed_with(&s.envd_access_token, None));
-    match signer {
-        Some(sandbox) => {
-            cluster.remember_owner(&sandbox.id, &sandbox.node_id);
-            to_sandbox(cluster, &sandbox.id, request, next).await
-        }
+    match cluster.signer_of(signed).await? {
+        // Its node is looked up as for any request naming it: it may have moved.
+        Some(sandbox_id) => to_sandbox(cluster, &sandbox_id, request, next).await,
         None => Ok(next.run(request).await),
     }
 }
