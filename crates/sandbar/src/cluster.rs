@@ -220,13 +220,14 @@ pub async fn api_router(host: ApiHost) -> anyhow::Result<axum::Router> {
         )
         .with_cluster(nodes.clone()),
     );
+    let store_for_limits = store.clone();
     let routing = Arc::new(ClusterRouting::new(nodes, store, host.secret));
     Ok(sandbar_api::router(AppState {
         auth: host.auth,
         sandboxes,
         templates,
         builds,
-        rate_limits: Arc::new(sandbar_core::RateLimits::default()),
+        rate_limits: sandbar_core::RateLimits::shared_through(store_for_limits),
         edge: Arc::new(EdgeConfig {
             domain: host.domain,
         }),

@@ -652,6 +652,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             .join("sandbar-interpreter"),
     };
 
+    let shared_database = postgres_url.is_some();
     let store = match postgres_url {
         Some(url) => {
             let store = database::connect_postgres(url).await?;
@@ -868,7 +869,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         sandboxes,
         templates,
         builds: builds.clone(),
-        rate_limits: Arc::new(sandbar_core::RateLimits::default()),
+        // A team's rate holds across every process that shares the database.
+        rate_limits: if shared_database {
+            sandbar_core::RateLimits::shared_through(store.clone())
+        } else {
+            Arc::new(sandbar_core::RateLimits::default())
+        },
         edge: Arc::new(EdgeConfig {
             domain: args.domain,
         }),

@@ -87,6 +87,7 @@ mod builds;
 mod layer_blobs;
 mod nodes;
 mod postgres;
+mod request_counts;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;

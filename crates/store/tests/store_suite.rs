@@ -61,6 +61,7 @@ suite!(
     nodes_renew_their_leases_and_sandboxes_name_their_node,
     two_hosts_starting_on_an_empty_database_make_one_first_team,
     published_layers_keep_their_first_record,
+    request_counts_add_up_over_hosts,
     team_slots_are_claimed_across_nodes,
     racing_claims_never_pass_the_limit,
 );
@@ -1396,6 +1397,51 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
             .await
             .expect("read")
             .is_empty()
+    );
+}
+
+async fn request_counts_add_up_over_hosts(f: Fixture) {
+    let hosts = [f.store.clone(), f.second_host().await];
+    // Both hosts add at once: every request is counted once, whoever added last sees all.
+    let added = futures_join((0..20).map(|i| {
+        let store = hosts[i % 2].clone();
+        tokio::spawn(async move { store.add_team_requests("t1", 100, 3).await.expect("add") })
+    }))
+    .await;
+    assert_eq!(added.iter().max(), Some(&60));
+    let mut seen = added.clone();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), 20, "each add saw its own total: {added:?}");
+    assert_eq!(
+        hosts[0]
+            .add_team_requests("t1", 100, 0)
+            .await
+            .expect("read"),
+        60
+    );
+    assert_eq!(
+        hosts[1]
+            .add_team_requests("t2", 100, 1)
+            .await
+            .expect("other team"),
+        1
+    );
+    assert_eq!(
+        hosts[0]
+            .add_team_requests("t1", 101, 1)
+            .await
+            .expect("next minute"),
+        1
+    );
+    assert_eq!(hosts[1].prune_team_requests(101).await.expect("prune"), 2);
+    assert_eq!(
+        hosts[0]
+            .add_team_requests("t1", 100, 0)
+            .await
+            .expect("read"),
+        0,
+        "pruned"
     );
 }
 

@@ -5,6 +5,7 @@
 mod builds;
 mod layer_blobs;
 mod nodes;
+mod request_counts;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
@@ -15,6 +16,7 @@ mod volumes;
 pub use builds::BuildRecords;
 pub use layer_blobs::LayerBlobRecords;
 pub use nodes::NodeRecords;
+pub use request_counts::RequestCountRecords;
 pub use sandbox_logs::SandboxLogRecords;
 pub use sandboxes::SandboxRecords;
 pub use team_metrics::TeamMetricRecords;
@@ -46,6 +48,7 @@ pub trait Store:
     + TeamMetricRecords
     + NodeRecords
     + LayerBlobRecords
+    + RequestCountRecords
     + 'static
 {
 }
@@ -60,6 +63,7 @@ impl<T> Store for T where
         + TeamMetricRecords
         + NodeRecords
         + LayerBlobRecords
+        + RequestCountRecords
         + 'static
 {
 }

@@ -17,6 +17,7 @@ use crate::err;
 mod builds;
 mod layer_blobs;
 mod nodes;
+mod request_counts;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
