@@ -16,8 +16,8 @@ use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::cluster::NoLocalNode;
 use sandbar_core::{
-    Auth, LayerBlob, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes, SandboxesConfig,
-    Store, Templates,
+    Auth, BuildStatus, LayerBlob, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes,
+    SandboxesConfig, Store, Templates,
 };
 use sandbar_store::SqliteStore;
 use serde_json::Value;
@@ -527,4 +527,60 @@ async fn a_paused_sandbox_of_a_lost_node_without_a_copy_is_reported_lost() {
             .expect("lock")
             .is_empty()
     );
+}
+
+#[tokio::test]
+async fn a_node_fails_only_its_own_and_lost_nodes_unfinished_builds() {
+    let c = cluster(10).await;
+    let base = common::base_template(Utc::now());
+    let unfinished = |id: &str, node: Option<&str>| sandbar_core::BuildRecord {
+        id: id.into(),
+        template_id: base.id.clone(),
+        team_id: None,
+        status: BuildStatus::Building,
+        failure: None,
+        spec: None,
+        image: None,
+        cpu_count: 2,
+        memory_mb: 512,
+        disk_size_mb: 1024,
+        created_at: Utc::now(),
+        updated_at: Utc::now(),
+        finished_at: None,
+        node_id: node.map(str::to_owned),
+    };
+    for (id, node) in [
+        ("b-mine", Some("n1")),
+        ("b-live", Some("n2")),
+        ("b-lost", Some("n3")),
+        ("b-unnamed", None),
+    ] {
+        c.store
+            .insert_build(&unfinished(id, node))
+            .await
+            .expect("insert");
+    }
+    let templates = Templates::new(c.store.clone());
+    let builds = common::builds(c.store.clone(), &templates).on_node("n1".into());
+    // n2 is live, n3 is not; another node is live, so builds naming no node are left alone.
+    let failed = builds
+        .recover(|node| node == Some("n3"))
+        .await
+        .expect("recover");
+    assert_eq!(failed, 2);
+    let status = |id: &'static str| {
+        let store = c.store.clone();
+        async move { store.build(id).await.expect("read").expect("build").status }
+    };
+    assert_eq!(status("b-mine").await, BuildStatus::Error);
+    assert_eq!(status("b-lost").await, BuildStatus::Error);
+    assert_eq!(
+        status("b-live").await,
+        BuildStatus::Building,
+        "n2's build goes on"
+    );
+    assert_eq!(status("b-unnamed").await, BuildStatus::Building);
+    // A stop of n1 fails nothing of n2's either.
+    builds.shutdown().await;
+    assert_eq!(status("b-live").await, BuildStatus::Building);
 }

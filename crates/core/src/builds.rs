@@ -369,6 +369,8 @@ pub struct Builds {
     finished: Arc<Notify>,
     tasks: Arc<Mutex<tokio::task::JoinSet<()>>>,
     registry_check: Option<Arc<dyn RegistryCheck>>,
+    /// The cluster node these builds run on; `None` on a single host.
+    node_id: Option<String>,
 }
 
 impl std::fmt::Debug for Builds {
@@ -429,7 +431,14 @@ impl Builds {
             finished,
             tasks: Arc::new(Mutex::new(tokio::task::JoinSet::new())),
             registry_check: None,
+            node_id: None,
         }
+    }
+
+    /// Builds that run on node `node_id` of a cluster, which their records name.
+    pub fn on_node(mut self, node_id: String) -> Self {
+        self.node_id = Some(node_id);
+        self
     }
 
     /// Refuses builds from registries `check` refuses, when they are requested.
@@ -448,9 +457,22 @@ impl Builds {
         Some((reference.clone(), reason))
     }
 
-    /// Marks builds a previous server process left unfinished as failed: their work is gone.
-    pub async fn recover(&self) -> Result<usize, StoreError> {
-        let stale = self.store.unfinished_builds().await?;
+    /// Marks as failed the unfinished builds a previous run of this process left (on a single
+    /// host, every unfinished build; on a node, those recorded on it), and those `lost` says
+    /// were on a node that is gone (given the recorded node, `None` for a build recorded on
+    /// none): their work is gone.
+    pub async fn recover(&self, lost: impl Fn(Option<&str>) -> bool) -> Result<usize, StoreError> {
+        let stale: Vec<BuildRecord> = self
+            .store
+            .unfinished_builds()
+            .await?
+            .into_iter()
+            .filter(|b| {
+                self.node_id.is_none()
+                    || b.node_id.is_some() && b.node_id == self.node_id
+                    || lost(b.node_id.as_deref())
+            })
+            .collect();
         for build in &stale {
             self.finish(
                 build,
@@ -470,7 +492,8 @@ impl Builds {
         let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
-        if let Err(e) = self.recover().await {
+        // Only this node's: other nodes' builds go on.
+        if let Err(e) = self.recover(|_| false).await {
             tracing::warn!(error = %e, "cannot record interrupted builds");
         }
     }
@@ -584,6 +607,7 @@ impl Builds {
                 created_at: now,
                 updated_at: now,
                 finished_at: None,
+                node_id: self.node_id.clone(),
             })
             .await?;
         self.store
@@ -746,6 +770,7 @@ impl Builds {
         build.spec = Some(spec.clone());
         build.status = BuildStatus::Building;
         build.updated_at = Utc::now();
+        build.node_id = self.node_id.clone();
         self.store.update_build(&build).await?;
         self.store
             .set_template_build(&template.id, BuildStatus::Building, None)
@@ -903,6 +928,7 @@ impl Builds {
             created_at: now,
             updated_at: now,
             finished_at: None,
+            node_id: self.node_id.clone(),
         };
         self.store.insert_build(&build).await?;
         let mut template = template.clone();

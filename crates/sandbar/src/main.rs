@@ -764,17 +764,29 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         templates.build_finished(),
     )
     .with_registry_check(Arc::new(RegistryRule(registry_policy)));
-    // In a cluster, builds of other nodes are under way in the same store: only a node
-    // alone may take unfinished builds for its own.
-    let alone = match &node_lease {
-        None => true,
+    let builds = match &node_lease {
+        Some((lease, _)) => builds.on_node(lease.id.clone()),
+        None => builds,
+    };
+    // In a cluster, builds of other nodes are under way in the same store: a node fails its
+    // own unfinished builds and those of nodes that are gone; builds recorded before builds
+    // named their node, only when no other node is live.
+    let live: Vec<String> = match &node_lease {
+        None => Vec::new(),
         Some((lease, _)) => store
             .nodes()
             .await?
-            .iter()
-            .all(|n| n.id == lease.id || !n.is_live(Utc::now())),
+            .into_iter()
+            .filter(|n| n.id != lease.id && n.is_live(Utc::now()))
+            .map(|n| n.id)
+            .collect(),
     };
-    let interrupted = if alone { builds.recover().await? } else { 0 };
+    let interrupted = builds
+        .recover(|node| match node {
+            Some(node) => !live.iter().any(|n| n == node),
+            None => live.is_empty(),
+        })
+        .await?;
     if interrupted > 0 {
         tracing::warn!(
             count = interrupted,

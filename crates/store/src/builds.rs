@@ -14,8 +14,8 @@ use crate::{SqliteStore, err, insert_err, json_opt, micros, time, to_json};
 impl BuildRecords for SqliteStore {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&b.id)
         .bind(&b.template_id)
@@ -30,6 +30,7 @@ impl BuildRecords for SqliteStore {
         .bind(micros(b.created_at))
         .bind(micros(b.updated_at))
         .bind(b.finished_at.map(micros))
+        .bind(&b.node_id)
         .execute(&self.pool)
         .await
         .map_err(insert_err("build", &b.id))?;
@@ -38,7 +39,7 @@ impl BuildRecords for SqliteStore {
 
     async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE template_builds SET status = ?, failure = ?, spec = ?, image = ?, updated_at = ?, finished_at = ? WHERE id = ?",
+            "UPDATE template_builds SET status = ?, failure = ?, spec = ?, image = ?, updated_at = ?, finished_at = ?, node_id = ? WHERE id = ?",
         )
         .bind(b.status.as_str())
         .bind(b.failure.as_ref().map(to_json).transpose()?)
@@ -46,6 +47,7 @@ impl BuildRecords for SqliteStore {
         .bind(b.image.as_ref().map(to_json).transpose()?)
         .bind(micros(b.updated_at))
         .bind(b.finished_at.map(micros))
+        .bind(&b.node_id)
         .bind(&b.id)
         .execute(&self.pool)
         .await
@@ -242,6 +244,7 @@ fn build_from_row(row: &SqliteRow) -> Result<BuildRecord, StoreError> {
             .try_get::<Option<i64>, _>("finished_at")
             .map_err(err)?
             .map(time),
+        node_id: row.try_get("node_id").map_err(err)?,
         id,
     })
 }

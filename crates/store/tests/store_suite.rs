@@ -501,6 +501,7 @@ fn build(id: &str, template_id: &str, status: BuildStatus, at: DateTime<Utc>) ->
         created_at: at,
         updated_at: at,
         finished_at: (status == BuildStatus::Ready).then_some(at),
+        node_id: None,
     }
 }
 
@@ -716,7 +717,19 @@ async fn builds_tags_and_build_logs(f: Fixture) {
             .collect::<Vec<_>>(),
         vec!["b-wait"]
     );
-    let mut done = waiting.clone();
+    // The node that runs it is recorded when it starts.
+    let mut running = waiting.clone();
+    running.node_id = Some("n1".into());
+    store.update_build(&running).await.expect("update");
+    assert_eq!(
+        store
+            .build("b-wait")
+            .await
+            .expect("read")
+            .and_then(|b| b.node_id),
+        Some("n1".into())
+    );
+    let mut done = running.clone();
     done.status = BuildStatus::Error;
     done.failure = Some(sandbar_core::BuildFailure::at("2", "exit 1"));
     store.update_build(&done).await.expect("update");

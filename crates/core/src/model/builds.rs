@@ -183,4 +183,6 @@ pub struct BuildRecord {
     pub created_at: DateTime<Utc>,
     pub updated_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
+    /// The node of a cluster that runs (or was asked for) the build; `None` on a single host.
+    pub node_id: Option<String>,
 }

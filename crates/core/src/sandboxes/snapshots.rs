@@ -288,6 +288,7 @@ impl Sandboxes {
                 created_at: now,
                 updated_at: now,
                 finished_at: Some(now),
+                node_id: None,
             })
             .await?;
         Ok(template)

@@ -25,6 +25,7 @@ struct BuildRow {
     created_at: DateTime<Utc>,
     updated_at: DateTime<Utc>,
     finished_at: Option<DateTime<Utc>>,
+    node_id: Option<String>,
 }
 
 impl TryFrom<BuildRow> for BuildRecord {
@@ -46,6 +47,7 @@ impl TryFrom<BuildRow> for BuildRecord {
             created_at: r.created_at,
             updated_at: r.updated_at,
             finished_at: r.finished_at,
+            node_id: r.node_id,
             id,
         })
     }
@@ -70,8 +72,8 @@ struct BuildLogRow {
 impl BuildRecords for PgStore {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)",
+            "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
         )
         .bind(&b.id)
         .bind(&b.template_id)
@@ -86,6 +88,7 @@ impl BuildRecords for PgStore {
         .bind(b.created_at)
         .bind(b.updated_at)
         .bind(b.finished_at)
+        .bind(&b.node_id)
         .execute(&self.pool)
         .await
         .map_err(insert_err("build", &b.id))?;
@@ -94,7 +97,7 @@ impl BuildRecords for PgStore {
 
     async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE template_builds SET status = $1, failure = $2, spec = $3, image = $4, updated_at = $5, finished_at = $6 WHERE id = $7",
+            "UPDATE template_builds SET status = $1, failure = $2, spec = $3, image = $4, updated_at = $5, finished_at = $6, node_id = $7 WHERE id = $8",
         )
         .bind(b.status.as_str())
         .bind(b.failure.as_ref().map(to_json).transpose()?)
@@ -102,6 +105,7 @@ impl BuildRecords for PgStore {
         .bind(b.image.as_ref().map(to_json).transpose()?)
         .bind(b.updated_at)
         .bind(b.finished_at)
+        .bind(&b.node_id)
         .bind(&b.id)
         .execute(&self.pool)
         .await
