@@ -14,6 +14,12 @@ the whole machine; the comparison shows what placement and the hop cost, not wha
 machine adds. Run as root from the repository's root, with nothing else using the machine:
 
     sudo python3 tests/e2e/bench_cluster.py [--iterations 30] [--rounds 5] [--concurrency 10]
+
+With `--one-cpu-per-node`, each node (and everything it starts) is confined to a CPU of its
+own (n1 to CPU 0, n2 to CPU 1, cpuset cgroups) while the API host, PostgreSQL and the client
+run on both, and the rounds run through the API host with both nodes and then with n1 alone:
+the nearest this machine comes to two one-core machines against one, showing whether the
+API host and the shared database let creates scale with nodes.
 """
 
 from __future__ import annotations
@@ -74,12 +80,25 @@ def bench(label: str, url: str, args, extra=()) -> None:
     subprocess.run(cmd, check=True)
 
 
+def pin_to_cpu(name: str, cpu: int) -> None:
+    """Confines host `name` to CPU `cpu`, before it starts: its cpuset cgroup, made here, is
+    kept by the harness, and the node's own cgroups inherit it."""
+    parent = cl.CGROUP_ROOT / "cpuset"
+    d = parent / (cl.PREFIX + name)
+    d.mkdir(exist_ok=True)
+    (d / "cpuset.mems").write_text((parent / "cpuset.mems").read_text().strip())
+    (d / "cpuset.cpus").write_text(str(cpu))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=10)
+    parser.add_argument("--one-cpu-per-node", action="store_true")
     args = parser.parse_args()
+    pinned = args.one_cpu_per_node
+    del args.one_cpu_per_node
     if not BENCH_BIN.exists():
         print(f"build it first: cargo build --release -p sandbar-bench ({BENCH_BIN} is missing)")
         return 1
@@ -87,6 +106,12 @@ def main() -> int:
     c = cl.Cluster(SANDBAR_BIN, names=("api1", "n1", "n2"), log_tag="bench")
     try:
         c.open()
+        if pinned:
+            if "cpuset" not in (cl.cgroup_hierarchies() or []):
+                print("--one-cpu-per-node needs the cgroup v1 cpuset hierarchy")
+                return 1
+            pin_to_cpu("n1", 0)
+            pin_to_cpu("n2", 1)
         c["n1"].start(role="node")
         wait_node(c, c["n1"])
         c["n2"].start(role="node")
@@ -95,8 +120,9 @@ def main() -> int:
         c["api1"].wait_healthy(timeout=60)
         wait_placement(c["api1"], {"n1", "n2"})
         bench("Through the API host, two nodes", c["api1"].url, args)
-        bench("Node n1 directly (no API host)", c["n1"].url, args,
-              ["--header", f"{cl.SECRET_HEADER}: {c.secret}"])
+        if not pinned:
+            bench("Node n1 directly (no API host)", c["n1"].url, args,
+                  ["--header", f"{cl.SECRET_HEADER}: {c.secret}"])
         c["n2"].stop()
         # Until its lease lapses the API host still tries n2 first for some creates.
         time.sleep(12)

@@ -252,7 +252,16 @@ mod tests {
     fn the_trampoline_cannot_be_changed() {
         let fd = trampoline().unwrap();
         let path = format!("/proc/self/fd/{fd}");
-        assert!(std::fs::OpenOptions::new().write(true).open(&path).is_err());
+        // Root may open it for writing (its mode does not bind root); the seal refuses the
+        // write itself.
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(b"changed"));
+        assert!(written.is_err(), "the trampoline was written to");
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o555);
         let seals = rustix::fs::fcntl_get_seals(
             // SAFETY: the descriptor lives for the whole process.
             unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) },
