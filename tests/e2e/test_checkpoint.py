@@ -56,8 +56,9 @@ def wait_checkpointed(sandbar, sandbox_id: str) -> None:
 
 def pids(sbx) -> list:
     out = sbx.commands.run("ps -eo pid,args --no-headers").stdout
-    # The counter's `sleep` is a new process every tick, and `ps` is this command's own.
-    return sorted(l.strip() for l in out.splitlines() if "ps -eo" not in l and "sleep 0.05" not in l)
+    # The counter's `sleep` and `mv` are new processes every tick, and `ps` is this command's own.
+    return sorted(l.strip() for l in out.splitlines()
+                  if "ps -eo" not in l and "sleep 0.05" not in l and "/tmp/count" not in l)
 
 
 def test_counter_files_and_pids_survive_two_checkpoints(checkpoints, make_sandbox):

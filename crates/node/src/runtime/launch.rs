@@ -465,7 +465,12 @@ impl LinuxRuntime {
             && checkpoint
                 .strip_prefix("checkpoint/")
                 .filter(|key| is_snapshot_key(key))
-                .is_some_and(|key| self.snapshots_dir().join(key).is_dir());
+                .is_some_and(|key| self.snapshots_dir().join(key).is_dir())
+            && !self
+                .unrestorable_captures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(checkpoint);
         if !usable {
             tracing::warn!(
                 checkpoint,
@@ -569,6 +574,18 @@ impl LinuxRuntime {
                 }
                 self.free_slot(slot);
                 self.release_memory(&id);
+                if let (Some(checkpoint), None) = (checkpoint, &kept)
+                    && spec.image.is_capture()
+                {
+                    // A capture only saves the start command's time: the sandbox boots and
+                    // runs it instead, now and from now on.
+                    tracing::warn!(sandbox_id = %id, checkpoint, error = %err, "cannot restore the template's capture; booting and running its start command");
+                    self.unrestorable_captures
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(checkpoint.to_owned());
+                    return Box::pin(self.launch_sandbox(spec)).await;
+                }
                 if let (Some(kept), Some(_)) = (&kept, &carried) {
                     // The files outlived the restore; its processes start afresh on them.
                     tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");

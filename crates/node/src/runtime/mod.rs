@@ -152,6 +152,9 @@ pub struct LinuxRuntime {
     /// making them (and says so), and the collector must not take them in between. Entries
     /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
     fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
+    /// Captures of templates whose restore failed here: their sandboxes boot and run the
+    /// start command instead, until the process restarts.
+    unrestorable_captures: Mutex<BTreeSet<String>>,
     /// Checkpoint and snapshot directories whose images this process wrote or already
     /// checked against their checksum: nothing changes them afterwards, so a restore, a fork
     /// of many or a second create does not read them all again. Checkpoints a previous server
@@ -357,6 +360,7 @@ impl LinuxRuntime {
             agent_digest,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
+            unrestorable_captures: Mutex::new(BTreeSet::new()),
             verified_images: Mutex::new(BTreeSet::new()),
             shared_layers: std::sync::OnceLock::new(),
             layers,
