@@ -95,6 +95,22 @@ def private_binaries(binary: Path, interpreter: bool = False) -> Tuple[Path, Opt
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's range of ephemeral ports: a server
+    restarted on it must find it free, and while it is down an outgoing connection of any
+    process could otherwise be given that very port."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randint(15000, max(15001, low - 1))
+        if port >= low:
+            break
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
