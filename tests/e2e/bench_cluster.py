@@ -70,6 +70,22 @@ def wait_placement(api: cl.Host, nodes: set, timeout: float = 60) -> None:
                 raise RuntimeError(f"{api.name} placed on {sorted(seen)} only")
 
 
+def wait_base_template(api: cl.Host, timeout: float = 120) -> None:
+    """The first node registers (or builds) `base` once it serves; the bench needs it ready."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with api.client() as client:
+            r = client.get("/templates")
+        if r.status_code == 200 and any(
+            "base" in (t.get("aliases") or []) + (t.get("names") or []) and t.get("buildStatus") == "ready"
+            for t in r.json()
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("the base template did not become ready")
+        time.sleep(0.5)
+
+
 def bench(label: str, url: str, args, extra=()) -> None:
     print(f"\n## {label}\n", flush=True)
     cmd = [str(BENCH_BIN), "--api-url", url, "--api-key", cl.API_KEY, "--no-baseline",
@@ -118,6 +134,7 @@ def main() -> int:
         c["api1"].start(role="api")
         wait_node(c, c["n2"])
         c["api1"].wait_healthy(timeout=60)
+        wait_base_template(c["api1"])
         wait_placement(c["api1"], {"n1", "n2"})
         bench("Through the API host, two nodes", c["api1"].url, args)
         if not pinned:
