@@ -176,7 +176,7 @@ impl SharedCounts {
     /// Adds what was admitted since the last batch to the store's totals; `window` is the
     /// current minute.
     async fn share_once(&self, window: i64) {
-        let batch: Vec<(String, i64, u64)> = {
+        let batch: Vec<(String, u64)> = {
             let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
             teams.retain(|_, minute| minute.window >= window - 1);
             // Teams with nothing new are asked too: what other processes admitted counts
@@ -184,25 +184,30 @@ impl SharedCounts {
             teams
                 .iter_mut()
                 .filter(|(_, minute)| minute.window == window)
-                .map(|(team, minute)| {
-                    let counted = std::mem::take(&mut minute.unshared);
-                    (team.clone(), minute.window, counted)
-                })
+                .map(|(team, minute)| (team.clone(), std::mem::take(&mut minute.unshared)))
                 .collect()
         };
-        for (team, window, counted) in batch {
-            let added = self.store.add_team_requests(&team, window, counted).await;
-            let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(minute) = teams.get_mut(&team).filter(|m| m.window == window) else {
-                continue;
-            };
-            match added {
-                Ok(total) => minute.total = minute.total.max(total),
-                Err(e) => {
-                    // Counted again with the next batch.
-                    minute.unshared += counted;
-                    tracing::warn!(team_id = %team, error = %e, "cannot share request counts");
+        if batch.is_empty() {
+            return;
+        }
+        let added = self.store.add_team_requests(window, &batch).await;
+        let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
+        match added {
+            Ok(totals) => {
+                for (team, total) in totals {
+                    if let Some(minute) = teams.get_mut(&team).filter(|m| m.window == window) {
+                        minute.total = minute.total.max(total);
+                    }
                 }
+            }
+            Err(e) => {
+                // Counted again with the next batch.
+                for (team, counted) in batch {
+                    if let Some(minute) = teams.get_mut(&team).filter(|m| m.window == window) {
+                        minute.unshared += counted;
+                    }
+                }
+                tracing::warn!(error = %e, "cannot share request counts");
             }
         }
     }
@@ -246,14 +251,18 @@ mod tests {
     impl RequestCountRecords for Counts {
         async fn add_team_requests(
             &self,
-            team_id: &str,
             window: i64,
-            requests: u64,
-        ) -> Result<u64, crate::StoreError> {
+            added: &[(String, u64)],
+        ) -> Result<Vec<(String, u64)>, crate::StoreError> {
             let mut counts = self.0.lock().unwrap();
-            let total = counts.entry((team_id.to_owned(), window)).or_default();
-            *total += requests;
-            Ok(*total)
+            Ok(added
+                .iter()
+                .map(|(team, requests)| {
+                    let total = counts.entry((team.clone(), window)).or_default();
+                    *total += requests;
+                    (team.clone(), *total)
+                })
+                .collect())
         }
 
         async fn prune_team_requests(&self, _: i64) -> Result<u64, crate::StoreError> {

@@ -241,15 +241,25 @@ pub trait Runtime: Send + Sync + 'static {
     }
 
     /// Copies a paused sandbox's files (it is frozen, released or checkpointed, so they hold
-    /// still) to the cluster's layer store, and the checkpoint of its processes when it has
-    /// one; returns the records of the copies for the caller to keep, none where there is no
-    /// layer store.
+    /// still) to the cluster's layer store; returns the record of the copy for the caller to
+    /// keep, `None` where there is no layer store.
     async fn share_files(
         &self,
         _sandbox_id: &str,
         _handle: &RuntimeHandle,
-    ) -> Result<Vec<crate::model::LayerBlob>, RuntimeError> {
-        Ok(Vec::new())
+    ) -> Result<Option<crate::model::LayerBlob>, RuntimeError> {
+        Ok(None)
+    }
+
+    /// Copies the checkpoint of a sandbox paused to disk to the cluster's layer store, as
+    /// [`Runtime::share_files`] its files; `None` where there is no layer store or the
+    /// sandbox has no checkpoint.
+    async fn share_checkpoint(
+        &self,
+        _sandbox_id: &str,
+        _handle: &RuntimeHandle,
+    ) -> Result<Option<crate::model::LayerBlob>, RuntimeError> {
+        Ok(None)
     }
 
     /// Lays out on this node the files of a paused sandbox whose node was lost, from the copy

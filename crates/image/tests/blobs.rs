@@ -35,6 +35,16 @@ async fn manifest_tagged(registry: &Registry, tag: &str) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).unwrap()
 }
 
+/// The test repository of `registry`, anonymously.
+fn open_store(registry: &Registry) -> BlobStore {
+    BlobStore::new(
+        &format!("http://{}/sandbar/layers", registry.host()),
+        None,
+        loopback_allowed(),
+    )
+    .unwrap()
+}
+
 fn digest_of(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(data)))
 }
@@ -59,12 +69,7 @@ async fn pushes_in_chunks_and_fetches_what_it_pushed() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let registry = Registry::start(tmp.path(), None);
-    let store = BlobStore::new(
-        &format!("http://{}/sandbar/layers", registry.host()),
-        None,
-        loopback_allowed(),
-    )
-    .unwrap();
+    let store = open_store(&registry);
 
     let data = payload();
     let digest = digest_of(&data);
@@ -162,12 +167,7 @@ async fn lists_what_it_keeps_and_lets_go_of_it() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let registry = Registry::start(tmp.path(), None);
-    let store = BlobStore::new(
-        &format!("http://{}/sandbar/layers", registry.host()),
-        None,
-        loopback_allowed(),
-    )
-    .unwrap();
+    let store = open_store(&registry);
     assert!(
         store.kept().await.unwrap().is_empty(),
         "a repository never pushed to"
@@ -200,12 +200,7 @@ async fn lists_what_it_keeps_and_lets_go_of_it() {
     let strict_dir = tmp.path().join("strict");
     std::fs::create_dir(&strict_dir).unwrap();
     let strict = Registry::start_without_deletes(&strict_dir);
-    let store = BlobStore::new(
-        &format!("http://{}/sandbar/layers", strict.host()),
-        None,
-        loopback_allowed(),
-    )
-    .unwrap();
+    let store = open_store(&strict);
     store.push_file(&source, &digests[0]).await.unwrap();
     let err = store.let_go(&digests[0]).await.unwrap_err();
     assert!(

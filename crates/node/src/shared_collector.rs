@@ -90,20 +90,24 @@ impl SharedCollector {
             Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or(chrono::Duration::MAX);
         let records = self.store.all_layer_blobs().await?;
         let mut unneeded = HashSet::new();
-        for record in &records {
+        // What the records kept name; a record made since is seen by the next pass, before
+        // its blob's tag could go.
+        let mut recorded = HashMap::new();
+        for record in records {
             if needed.contains(&record.layer) || record.published_at > young {
+                recorded.insert(record.digest, record.size_bytes);
                 continue;
             }
             if self.unneeded_records.contains(&record.layer) {
                 self.store.delete_layer_blob(&record.layer).await?;
                 done.records_deleted += 1;
             } else {
-                unneeded.insert(record.layer.clone());
+                recorded.insert(record.digest, record.size_bytes);
+                unneeded.insert(record.layer);
             }
         }
         self.unneeded_records = unneeded;
 
-        let recorded = self.recorded_digests().await?;
         let mut unneeded = HashSet::new();
         let mut let_go = Vec::new();
         for digest in self.shared.kept_blobs().await? {

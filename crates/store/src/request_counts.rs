@@ -9,22 +9,27 @@ use crate::{SqliteStore, err};
 impl RequestCountRecords for SqliteStore {
     async fn add_team_requests(
         &self,
-        team_id: &str,
         window: i64,
-        requests: u64,
-    ) -> Result<u64, StoreError> {
-        let total: i64 = sqlx::query_scalar(
-            "INSERT INTO team_request_windows (team_id, window_start, requests) VALUES (?, ?, ?) \
+        counts: &[(String, u64)],
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        if counts.is_empty() {
+            return Ok(Vec::new());
+        }
+        // `WHERE true` tells SQLite's parser the upsert belongs to the INSERT, not the join.
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "INSERT INTO team_request_windows (team_id, window_start, requests) \
+             SELECT json_extract(value, '$[0]'), ?, json_extract(value, '$[1]') FROM json_each(?) WHERE true \
              ON CONFLICT (team_id, window_start) DO UPDATE SET requests = requests + excluded.requests \
-             RETURNING requests",
+             RETURNING team_id, requests",
         )
-        .bind(team_id)
         .bind(window)
-        .bind(i64::try_from(requests).map_err(err)?)
-        .fetch_one(&self.pool)
+        .bind(serde_json::to_string(counts).map_err(err)?)
+        .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        u64::try_from(total).map_err(err)
+        rows.into_iter()
+            .map(|(team, total)| Ok((team, u64::try_from(total).map_err(err)?)))
+            .collect()
     }
 
     async fn prune_team_requests(&self, window: i64) -> Result<u64, StoreError> {

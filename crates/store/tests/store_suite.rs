@@ -1418,7 +1418,13 @@ async fn request_counts_add_up_over_hosts(f: Fixture) {
     // Both hosts add at once: every request is counted once, whoever added last sees all.
     let added = futures_join((0..20).map(|i| {
         let store = hosts[i % 2].clone();
-        tokio::spawn(async move { store.add_team_requests("t1", 100, 3).await.expect("add") })
+        tokio::spawn(async move {
+            store
+                .add_team_requests(100, &[("t1".into(), 3)])
+                .await
+                .expect("add")[0]
+                .1
+        })
     }))
     .await;
     assert_eq!(added.iter().max(), Some(&60));
@@ -1428,31 +1434,42 @@ async fn request_counts_add_up_over_hosts(f: Fixture) {
     assert_eq!(seen.len(), 20, "each add saw its own total: {added:?}");
     assert_eq!(
         hosts[0]
-            .add_team_requests("t1", 100, 0)
+            .add_team_requests(100, &[("t1".into(), 0)])
             .await
-            .expect("read"),
+            .expect("read")[0]
+            .1,
         60
     );
     assert_eq!(
         hosts[1]
-            .add_team_requests("t2", 100, 1)
+            .add_team_requests(100, &[("t2".into(), 1)])
             .await
-            .expect("other team"),
+            .expect("other team")[0]
+            .1,
         1
     );
     assert_eq!(
         hosts[0]
-            .add_team_requests("t1", 101, 1)
+            .add_team_requests(101, &[("t1".into(), 1)])
             .await
-            .expect("next minute"),
+            .expect("next minute")[0]
+            .1,
         1
     );
+    // Several teams in one statement, each with its own total.
+    let mut batch = hosts[1]
+        .add_team_requests(102, &[("t1".into(), 2), ("t2".into(), 5)])
+        .await
+        .expect("batch");
+    batch.sort();
+    assert_eq!(batch, [("t1".to_owned(), 2), ("t2".to_owned(), 5)]);
     assert_eq!(hosts[1].prune_team_requests(101).await.expect("prune"), 2);
     assert_eq!(
         hosts[0]
-            .add_team_requests("t1", 100, 0)
+            .add_team_requests(100, &[("t1".into(), 0)])
             .await
-            .expect("read"),
+            .expect("read")[0]
+            .1,
         0,
         "pruned"
     );

@@ -37,9 +37,18 @@ pub enum TakeOverError {
     Store(#[from] StoreError),
 }
 
+/// What of a paused sandbox is copied to the layer store.
+#[derive(Debug, Clone, Copy)]
+enum SharedCopy {
+    /// Its writable layer (`files/<id>`).
+    Files,
+    /// The checkpoint of its processes (`memory/<id>`), once it is paused to disk.
+    Checkpoint,
+}
+
 impl Sandboxes {
-    /// Copies, one at a time, the files of sandboxes paused here to the layer store, for as
-    /// long as the process runs. Does nothing where the runtime has no layer store.
+    /// Copies, one at a time, the files of sandboxes paused here to the layer store, and the
+    /// checkpoints of those paused to disk, for as long as the process runs. Does nothing where the runtime has no layer store.
     pub async fn run_file_sharing(self: Arc<Self>) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -49,48 +58,52 @@ impl Sandboxes {
                 let files_due = l.files_shared_at != Some(l.wakes);
                 let memory_due =
                     l.status == SandboxStatus::Checkpointed && l.memory_shared_at != Some(l.wakes);
-                (l.status.is_paused() && (files_due || memory_due)).then(|| (id.clone(), l.wakes))
+                (l.status.is_paused() && (files_due || memory_due))
+                    .then(|| (id.clone(), l.wakes, files_due, memory_due))
             });
-            if let Some((id, wakes)) = next {
-                self.share_files_of(&id, wakes).await;
+            if let Some((id, wakes, files, memory)) = next {
+                if files {
+                    self.share_copy_of(&id, wakes, SharedCopy::Files).await;
+                }
+                if memory {
+                    self.share_copy_of(&id, wakes, SharedCopy::Checkpoint).await;
+                }
             }
         }
     }
 
-    async fn share_files_of(&self, id: &str, wakes: u64) {
-        let Some((handle, checkpointed)) = self
-            .live()
-            .get(id)
-            .map(|l| (l.handle.clone(), l.status == SandboxStatus::Checkpointed))
-        else {
+    /// Makes one copy of paused sandbox `id` and records it, unless the sandbox woke since
+    /// its `wakes`-th wake; tried once per pause (the checkpoint once it exists), whatever
+    /// comes of it: a copy that fails is not retried in a loop, the next pause makes a new one.
+    async fn share_copy_of(&self, id: &str, wakes: u64, copy: SharedCopy) {
+        let Some(handle) = self.live().get(id).map(|l| l.handle.clone()) else {
             return;
         };
-        let copied = self.runtime.share_files(id, &handle).await;
+        let copied = match copy {
+            SharedCopy::Files => self.runtime.share_files(id, &handle).await,
+            SharedCopy::Checkpoint => self.runtime.share_checkpoint(id, &handle).await,
+        };
         let _recording = self.shared_files.lock().await;
         let current = {
             let mut live = self.live();
             let Some(entry) = live.get_mut(id) else {
                 return;
             };
-            // Tried once per pause (and once more when checkpointed), whatever came of it: a
-            // copy that fails is not retried in a loop; the next pause makes a new one.
-            entry.files_shared_at = Some(wakes);
-            if checkpointed {
-                entry.memory_shared_at = Some(wakes);
+            match copy {
+                SharedCopy::Files => entry.files_shared_at = Some(wakes),
+                SharedCopy::Checkpoint => entry.memory_shared_at = Some(wakes),
             }
             entry.wakes == wakes && entry.status.is_paused()
         };
         match copied {
-            Ok(blobs) if current => {
-                for blob in &blobs {
-                    if let Err(err) = self.store.replace_layer_blob(blob).await {
-                        tracing::warn!(sandbox_id = %id, layer = %blob.layer, error = %err, "cannot record the copy of a paused sandbox");
-                    }
+            Ok(Some(blob)) if current => {
+                if let Err(err) = self.store.replace_layer_blob(&blob).await {
+                    tracing::warn!(sandbox_id = %id, layer = %blob.layer, error = %err, "cannot record the copy of a paused sandbox");
                 }
             }
             Ok(_) => {}
             Err(err) => {
-                tracing::warn!(sandbox_id = %id, error = %err, "cannot copy a paused sandbox's files to the layer store");
+                tracing::warn!(sandbox_id = %id, error = %err, "cannot copy a paused sandbox to the layer store");
             }
         }
     }

@@ -93,110 +93,32 @@ impl LinuxRuntime {
                 .map_err(|e| bare(sandbox_err(id, e)))?
                 .map_err(|e| bare(sandbox_err(id, e)))?
         };
-        self.cgroups
-            .create(
-                id,
-                Limits {
-                    cpu_count: spec.cpu_count,
-                    memory_mb: spec.memory_mb,
-                    pids_max: self.config.pids_max,
-                    cpu_priority: crate::cgroups::CpuPriority::Normal,
-                },
-            )
-            .map_err(|e| bare(sandbox_err(id, e)))?;
         self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
             .await
             .map_err(bare)?;
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(bare)?;
-        let (log_path, log) = self
-            .log_for_restore(id, &header, &carried.origin_log, id_map.host_base)
-            .map_err(bare)?;
-        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            bare(RuntimeError::TemplateMissing {
-                template_id: format!("{} ({message})", spec.template.id),
-            })
-        })?;
-        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
-            bare(sandbox_err(
-                id,
-                format!("cannot make its user namespace: {e}"),
-            ))
-        })?;
-        let gateway = self
-            .network
-            .addrs(slot)
-            .map_err(|e| bare(sandbox_err(id, e)))?
-            .host;
-        let pid = self
-            .run_restore(
-                id,
-                RestoreFrom {
-                    images: work.clone(),
+        let restored = self
+            .restore_in_slot(
+                spec,
+                netns,
+                SlotRestore {
+                    work,
                     header,
-                    layers,
-                    userns,
-                    netns,
-                    new_log: Some((carried.origin_log.clone(), log_path)),
-                    // The same machine on another network: only its name server moved.
-                    etc: Some((
-                        id_map.host_base,
-                        vec![("resolv.conf", format!("nameserver {gateway}\n"), 0o644)],
-                    )),
+                    held_log: carried.origin_log.clone(),
+                    // The same machine on another network: only its name server moves.
+                    machine_id: None,
                     boot_id: kept.boot_id.clone(),
                 },
             )
-            .await
-            .map_err(bare)?;
-        // Its lines from the lost node are gone with that node.
-        let _ = log.set_len(0);
-        drop(log);
-        let _ = crate::disks::remove_tree(&work);
+            .await;
         let _ = crate::disks::remove_tree(&source);
         self.set_verified(&source, false);
-        let handle = Handle::running(pid, slot, id_map, spec, kept.boot_id.clone());
-        let fail = |e: RuntimeError| (Some(handle.clone()), e);
-        let endpoint = self.endpoint(id, slot).map_err(fail)?;
-        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
-            .await
-            .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
+        let (handle, endpoint) = restored?;
         tracing::info!(
             sandbox_id = %id,
             ms = started.elapsed().as_millis() as u64,
             "sandbox restored from a checkpoint carried from a lost node"
         );
         Ok((handle, endpoint))
-    }
-
-    /// The agent log a restored sandbox writes, made as long as the one its processes held
-    /// (`held`, named in the checkpoint) was at the dump: CRIU checks the size of every file
-    /// it reopens. The caller empties it once the restore is done; the agent appends, so its
-    /// next line lands at the start.
-    pub(super) fn log_for_restore(
-        &self,
-        id: &str,
-        header: &crate::checkpoint::Header,
-        held: &Path,
-        owner: u32,
-    ) -> Result<(PathBuf, std::fs::File), RuntimeError> {
-        let held_size = header
-            .externals
-            .iter()
-            .find_map(|e| match e {
-                crate::checkpoint::External::File { path, size, .. } if path == held => Some(*size),
-                _ => None,
-            })
-            .unwrap_or(0);
-        let log_path = self.log_path(id);
-        let log = std::fs::File::create(&log_path)
-            .and_then(|log| {
-                std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
-                log.set_len(held_size)?;
-                Ok(log)
-            })
-            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
-        Ok((log_path, log))
     }
 }
 

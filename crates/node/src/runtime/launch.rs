@@ -257,6 +257,16 @@ impl LinuxRuntime {
         Ok(())
     }
 
+    /// The cgroup limits of sandbox `spec` once it is someone's.
+    pub(super) fn limits_of(&self, spec: &LaunchSpec) -> Limits {
+        Limits {
+            cpu_count: spec.cpu_count,
+            memory_mb: spec.memory_mb,
+            pids_max: self.config.pids_max,
+            cpu_priority: crate::cgroups::CpuPriority::Normal,
+        }
+    }
+
     pub(super) async fn launch_in(
         &self,
         spec: &LaunchSpec,
@@ -267,15 +277,7 @@ impl LinuxRuntime {
         let started = std::time::Instant::now();
         let id_map = self.id_map(slot);
         self.cgroups
-            .create(
-                id,
-                Limits {
-                    cpu_count: spec.cpu_count,
-                    memory_mb: spec.memory_mb,
-                    pids_max: self.config.pids_max,
-                    cpu_priority: crate::cgroups::CpuPriority::Normal,
-                },
-            )
+            .create(id, self.limits_of(spec))
             .map_err(|e| (None, sandbox_err(id, e)))?;
         let cgroups_done = started.elapsed();
         let dir = match &spec.kept {

@@ -675,21 +675,33 @@ impl Runtime for LinuxRuntime {
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-    ) -> Result<Vec<sandbar_core::LayerBlob>, RuntimeError> {
+    ) -> Result<Option<sandbar_core::LayerBlob>, RuntimeError> {
         let Some(shared) = self.shared_layers.get() else {
-            return Ok(Vec::new());
+            return Ok(None);
         };
         let h = parse_handle(sandbox_id, handle)?;
         let upper = self
             .disks
             .path(sandbox_id)
             .join(sandbar_jail::layout::UPPER);
-        let files = shared
+        shared
             .share_sandbox_files(sandbox_id, &upper, h.id_base.unwrap_or(0))
             .await
-            .map_err(|e| sandbox_err(sandbox_id, e))?;
+            .map(Some)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn share_checkpoint(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<Option<sandbar_core::LayerBlob>, RuntimeError> {
+        let Some(shared) = self.shared_layers.get() else {
+            return Ok(None);
+        };
+        let h = parse_handle(sandbox_id, handle)?;
         if !h.checkpointed {
-            return Ok(vec![files]);
+            return Ok(None);
         }
         let images = self.checkpoint_dir(sandbox_id);
         let origin = SnapshotOrigin {
@@ -698,20 +710,15 @@ impl Runtime for LinuxRuntime {
             access_token: String::new(),
             log: self.log_path(sandbox_id),
         };
-        let written = serde_json::to_vec(&origin)
+        serde_json::to_vec(&origin)
             .map_err(std::io::Error::other)
-            .and_then(|bytes| std::fs::write(images.join(crate::checkpoint::CARRY_ORIGIN), bytes));
-        if let Err(e) = written {
-            tracing::warn!(sandbox_id, error = %e, "cannot describe the checkpoint for other nodes; sharing its files only");
-            return Ok(vec![files]);
-        }
-        match shared.share_sandbox_checkpoint(sandbox_id, &images).await {
-            Ok(memory) => Ok(vec![files, memory]),
-            Err(e) => {
-                tracing::warn!(sandbox_id, error = %e, "cannot copy the checkpoint to the layer store; sharing its files only");
-                Ok(vec![files])
-            }
-        }
+            .and_then(|bytes| std::fs::write(images.join(crate::checkpoint::CARRY_ORIGIN), bytes))
+            .map_err(|e| sandbox_err(sandbox_id, format!("cannot describe its checkpoint: {e}")))?;
+        shared
+            .share_sandbox_checkpoint(sandbox_id, &images)
+            .await
+            .map(Some)
+            .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
     async fn take_over_files(

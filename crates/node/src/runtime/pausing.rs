@@ -389,6 +389,113 @@ impl LinuxRuntime {
         .await
     }
 
+    /// Restores the staged checkpoint `restore` into `netns` as sandbox `spec`, on the disk
+    /// the caller made ready: the slot's cgroups, ids, network rules, name server and a new
+    /// agent log; the staged images are removed afterwards. Returns once the agent answers.
+    pub(super) async fn restore_in_slot(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        restore: SlotRestore,
+    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+        let id = &spec.sandbox_id;
+        let slot = netns.slot;
+        let id_map = self.id_map(slot);
+        let bare = |e: RuntimeError| (None, e);
+        self.cgroups
+            .create(id, self.limits_of(spec))
+            .map_err(|e| bare(sandbox_err(id, e)))?;
+        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+            .await
+            .map_err(bare)?;
+        let (log_path, log) = self
+            .log_for_restore(id, &restore.header, &restore.held_log, id_map.host_base)
+            .map_err(bare)?;
+        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
+            bare(RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", spec.template.id),
+            })
+        })?;
+        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
+            bare(sandbox_err(
+                id,
+                format!("cannot make its user namespace: {e}"),
+            ))
+        })?;
+        let gateway = self
+            .network
+            .addrs(slot)
+            .map_err(|e| bare(sandbox_err(id, e)))?
+            .host;
+        let mut etc = vec![("resolv.conf", format!("nameserver {gateway}\n"), 0o644)];
+        if let Some(machine_id) = &restore.machine_id {
+            etc.push(("machine-id", format!("{machine_id}\n"), 0o444));
+        }
+        let pid = self
+            .run_restore(
+                id,
+                RestoreFrom {
+                    images: restore.work.clone(),
+                    header: restore.header,
+                    layers,
+                    userns,
+                    netns,
+                    new_log: Some((restore.held_log, log_path)),
+                    etc: Some((id_map.host_base, etc)),
+                    boot_id: restore.boot_id.clone(),
+                },
+            )
+            .await
+            .map_err(bare)?;
+        // Its lines from before the checkpoint belong to the sandbox it was taken of.
+        let _ = log.set_len(0);
+        drop(log);
+        let _ = crate::disks::remove_tree(&restore.work);
+        let handle = Handle::running(pid, slot, id_map, spec, restore.boot_id);
+        let endpoint = self
+            .endpoint(id, slot)
+            .map_err(|e| (Some(handle.clone()), e))?;
+        if let Err(e) =
+            agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
+        {
+            return Err((
+                Some(handle),
+                sandbox_err(id, format!("the restored agent: {e}")),
+            ));
+        }
+        Ok((handle, endpoint))
+    }
+
+    /// The agent log a restored sandbox writes, made as long as the one its processes held
+    /// (`held`, named in the checkpoint) was at the dump: CRIU checks the size of every file
+    /// it reopens. The caller empties it once the restore is done; the agent appends, so its
+    /// next line lands at the start.
+    pub(super) fn log_for_restore(
+        &self,
+        id: &str,
+        header: &crate::checkpoint::Header,
+        held: &Path,
+        owner: u32,
+    ) -> Result<(PathBuf, std::fs::File), RuntimeError> {
+        let held_size = header
+            .externals
+            .iter()
+            .find_map(|e| match e {
+                crate::checkpoint::External::File { path, size, .. } if path == held => Some(*size),
+                _ => None,
+            })
+            .unwrap_or(0);
+        let log_path = self.log_path(id);
+        let log = std::fs::File::create(&log_path)
+            .and_then(|log| {
+                std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
+                log.set_len(held_size)?;
+                Ok(log)
+            })
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
+        Ok((log_path, log))
+    }
+
     /// A checkpoint made before a restart may find CRIU installed only since: probed again.
     pub(super) async fn criu_for_restore(
         &self,
@@ -756,6 +863,19 @@ pub(super) struct RestoreFrom {
     /// Files of `/etc` written into the root before the restore, and their owner.
     pub(super) etc: Option<(u32, Vec<EtcFile>)>,
     /// The boot id the restored sandbox shows, when its checkpoint binds one.
+    pub(super) boot_id: Option<String>,
+}
+
+/// A checkpoint staged for [`LinuxRuntime::restore_in_slot`], and what the restored sandbox
+/// keeps or gets anew.
+pub(super) struct SlotRestore {
+    /// The staged images (see `stage_checkpoint`), removed once restored.
+    pub(super) work: PathBuf,
+    pub(super) header: crate::checkpoint::Header,
+    /// The agent log the checkpoint's processes held where it was made.
+    pub(super) held_log: PathBuf,
+    /// A new machine id for a new machine; `None` keeps the one its files hold.
+    pub(super) machine_id: Option<String>,
     pub(super) boot_id: Option<String>,
 }
 

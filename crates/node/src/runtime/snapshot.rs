@@ -249,80 +249,26 @@ impl LinuxRuntime {
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
         }
-        self.cgroups
-            .create(
-                id,
-                Limits {
-                    cpu_count: spec.cpu_count,
-                    memory_mb: spec.memory_mb,
-                    pids_max: self.config.pids_max,
-                    cpu_priority: crate::cgroups::CpuPriority::Normal,
-                },
-            )
-            .map_err(|e| bare(sandbox_err(id, e)))?;
         self.disks
             .create(id, spec.disk_size_mb, id_map.host_base)
             .map_err(|e| bare(sandbox_err(id, e)))?;
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(bare)?;
-        let (log_path, log) = self
-            .log_for_restore(id, &header, &origin.log, id_map.host_base)
-            .map_err(bare)?;
-        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            bare(RuntimeError::TemplateMissing {
-                template_id: format!("{} ({message})", spec.template.id),
-            })
-        })?;
-        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
-            bare(sandbox_err(
-                id,
-                format!("cannot make its user namespace: {e}"),
-            ))
-        })?;
-        let gateway = self
-            .network
-            .addrs(slot)
-            .map_err(|e| bare(sandbox_err(id, e)))?
-            .host;
-        let pid = self
-            .run_restore(
-                id,
-                RestoreFrom {
-                    images: work.clone(),
+        let (handle, endpoint) = self
+            .restore_in_slot(
+                spec,
+                netns,
+                SlotRestore {
+                    work,
                     header,
-                    layers,
-                    userns,
-                    netns,
-                    new_log: Some((origin.log.clone(), log_path.clone())),
-                    // A new sandbox is a new machine; what its restored processes read before
-                    // stays in their memory.
-                    etc: Some((
-                        id_map.host_base,
-                        vec![
-                            ("resolv.conf", format!("nameserver {gateway}\n"), 0o644),
-                            (
-                                "machine-id",
-                                format!("{}\n", sandbar_core::ids::new_machine_id()),
-                                0o444,
-                            ),
-                        ],
-                    )),
-                    boot_id: boot_id.clone(),
+                    held_log: origin.log,
+                    // A new sandbox is a new machine; what its restored processes read
+                    // before stays in their memory.
+                    machine_id: Some(sandbar_core::ids::new_machine_id()),
+                    boot_id,
                 },
             )
-            .await
-            .map_err(bare)?;
-        let _ = log.set_len(0);
-        drop(log);
-        let _ = crate::disks::remove_tree(&work);
+            .await?;
         let restored = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec, boot_id);
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
-        let endpoint = self.endpoint(id, slot).map_err(fail)?;
-        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10))
-            .await
-            .map_err(|e| fail(sandbox_err(id, format!("the restored agent: {e}"))))?;
         let workdir = default_workdir(&spec.image.user, &spec.image.workdir);
         agent_client::init(
             &endpoint.agent_socket,

@@ -191,15 +191,7 @@ impl LinuxRuntime {
                 .map_err(|e| sandbox_err(id, e))?;
             name = id;
             self.cgroups
-                .apply_limits(
-                    id,
-                    Limits {
-                        cpu_count: spec.cpu_count,
-                        memory_mb: spec.memory_mb,
-                        pids_max: self.config.pids_max,
-                        cpu_priority: crate::cgroups::CpuPriority::Normal,
-                    },
-                )
+                .apply_limits(id, self.limits_of(spec))
                 .map_err(|e| sandbox_err(id, e))?;
             let disks = &self.disks;
             disks

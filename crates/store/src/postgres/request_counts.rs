@@ -10,23 +10,33 @@ use crate::err;
 impl RequestCountRecords for PgStore {
     async fn add_team_requests(
         &self,
-        team_id: &str,
         window: i64,
-        requests: u64,
-    ) -> Result<u64, StoreError> {
-        let total: i64 = sqlx::query_scalar(
-            "INSERT INTO team_request_windows (team_id, window_start, requests) VALUES ($1, $2, $3) \
+        counts: &[(String, u64)],
+    ) -> Result<Vec<(String, u64)>, StoreError> {
+        if counts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let teams: Vec<&str> = counts.iter().map(|(team, _)| team.as_str()).collect();
+        let requests = counts
+            .iter()
+            .map(|(_, n)| i64::try_from(*n).map_err(err))
+            .collect::<Result<Vec<i64>, _>>()?;
+        let rows: Vec<(String, i64)> = sqlx::query_as(
+            "INSERT INTO team_request_windows (team_id, window_start, requests) \
+             SELECT team, $2, n FROM UNNEST($1::text[], $3::bigint[]) AS counts(team, n) \
              ON CONFLICT (team_id, window_start) DO UPDATE \
              SET requests = team_request_windows.requests + excluded.requests \
-             RETURNING requests",
+             RETURNING team_id, requests",
         )
-        .bind(team_id)
+        .bind(&teams)
         .bind(window)
-        .bind(i64::try_from(requests).map_err(err)?)
-        .fetch_one(&self.pool)
+        .bind(&requests)
+        .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        u64::try_from(total).map_err(err)
+        rows.into_iter()
+            .map(|(team, total)| Ok((team, u64::try_from(total).map_err(err)?)))
+            .collect()
     }
 
     async fn prune_team_requests(&self, window: i64) -> Result<u64, StoreError> {
