@@ -35,6 +35,19 @@ impl LinuxRuntime {
         let checked = {
             let dir = dir.clone();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
+                // Everything below is read by path: a checkpoint is regular files only, so
+                // no entry of the archive can lead a read anywhere else.
+                for entry in
+                    std::fs::read_dir(&dir).map_err(|e| format!("read {}: {e}", dir.display()))?
+                {
+                    let entry = entry.map_err(|e| format!("read {}: {e}", dir.display()))?;
+                    if !entry.file_type().is_ok_and(|t| t.is_file()) {
+                        return Err(format!(
+                            "the checkpoint holds {}, which is not a regular file",
+                            entry.file_name().to_string_lossy()
+                        ));
+                    }
+                }
                 let header = crate::checkpoint::read_header(&dir, true)
                     .map_err(|e| format!("the checkpoint is not usable: {e}"))?;
                 let origin: SnapshotOrigin = serde_json::from_slice(
