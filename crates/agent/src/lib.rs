@@ -137,7 +137,16 @@ async fn init(
     if let Some(limit_mb) = request.memory_limit_mb {
         state.processes.set_memory_limit(limit_mb);
     }
-    state.publish_env();
+    // A sandbox created without variables finds the file its agent wrote at boot; writing
+    // it again would be a quarter of the create's time in the agent.
+    let unchanged = state.config().env_vars == current.env_vars
+        && state
+            .env_file
+            .as_deref()
+            .is_none_or(std::path::Path::exists);
+    if !unchanged {
+        state.publish_env();
+    }
     // The first line of the new sandbox's log: the node emptied the log of the agent's time
     // before it had a sandbox.
     tracing::info!(version = ENVD_VERSION, "agent started");
@@ -210,6 +219,9 @@ pub async fn serve_booted(
     config: AgentConfig,
     oom_events: Option<std::os::fd::OwnedFd>,
 ) -> std::io::Result<()> {
+    // Started now rather than at the first command: a sandbox taken from the warm pool would
+    // otherwise start a thread and its runtime on its first command's path.
+    reaper::Reaper::global();
     let oom = oom_events.map(|fd| process::OomEvents::new(fd, config.memory_limit_mb));
     if let Some(oom) = &oom {
         tokio::spawn(oom.clone().watch());

@@ -76,6 +76,12 @@ struct Args {
     /// Pause before and after creating the idle sandboxes, in milliseconds.
     #[arg(long, default_value_t = 2000)]
     settle_ms: u64,
+    /// Pause after each round's sandboxes are killed, in milliseconds: the time a client
+    /// spends with its sandbox before it creates the next one. Work the server does in the
+    /// background (refilling the warm pool, the disk's deferred clean-up) then happens
+    /// between creates rather than during them.
+    #[arg(long, default_value_t = 0)]
+    think_ms: u64,
     /// Skip the runc/unshare baselines.
     #[arg(long)]
     no_baseline: bool,
@@ -149,6 +155,7 @@ async fn latency(
     warmup: usize,
     rounds: usize,
     concurrency: usize,
+    think: Duration,
 ) -> anyhow::Result<(Series, Vec<Duration>)> {
     let mut series = Series::default();
     let mut walls = Vec::with_capacity(rounds);
@@ -185,6 +192,7 @@ async fn latency(
             series.extend(this);
             walls.push(wall);
         }
+        tokio::time::sleep(think).await;
     }
     Ok((series, walls))
 }
@@ -199,7 +207,14 @@ where
     let neighbours = api.detached();
     let measured = async {
         setup(neighbours.clone()).await?;
-        latency(api, args.warmup, args.iterations, 1).await
+        latency(
+            api,
+            args.warmup,
+            args.iterations,
+            1,
+            Duration::from_millis(args.think_ms),
+        )
+        .await
     }
     .await;
     let leftovers = neighbours.kill_all().await;
@@ -267,7 +282,14 @@ async fn run(
         "latency: {} sequential create→first output",
         args.iterations
     );
-    let (seq, _) = latency(api, args.warmup, args.iterations, 1).await?;
+    let (seq, _) = latency(
+        api,
+        args.warmup,
+        args.iterations,
+        1,
+        Duration::from_millis(args.think_ms),
+    )
+    .await?;
     results.row("create→first output, c=1", &seq.total);
     results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
     results.row("  Start → first stdout, c=1", &seq.start);
@@ -333,7 +355,14 @@ async fn run(
         "latency: {} rounds of {c} simultaneous create→first output",
         args.rounds
     );
-    let (par, walls) = latency(api, args.warmup.min(1), args.rounds, c).await?;
+    let (par, walls) = latency(
+        api,
+        args.warmup.min(1),
+        args.rounds,
+        c,
+        Duration::from_millis(args.think_ms),
+    )
+    .await?;
     results.row(format!("create→first output, c={c}"), &par.total);
     results.row(
         format!("  create (`POST /v2/sandboxes` → 201), c={c}"),
@@ -505,8 +534,14 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
     }
     let _ = writeln!(
         out,
-        "\nParameters: --iterations {} --rounds {} --concurrency {} --idle {} --idle-cycles {} --warmup {}",
-        args.iterations, args.rounds, args.concurrency, args.idle, args.idle_cycles, args.warmup
+        "\nParameters: --iterations {} --rounds {} --concurrency {} --idle {} --idle-cycles {} --warmup {} --think-ms {}",
+        args.iterations,
+        args.rounds,
+        args.concurrency,
+        args.idle,
+        args.idle_cycles,
+        args.warmup,
+        args.think_ms
     );
     out
 }

@@ -47,12 +47,23 @@ async fn call(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
 ) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
-    use http_body_util::BodyExt as _;
-    let stream = tokio::net::UnixStream::connect(socket)
+    call_on(connect(socket).await?, request).await
+}
+
+/// A connection to the agent behind `socket`. It outlives a rename of the socket's path.
+pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, String> {
+    tokio::net::UnixStream::connect(socket)
         .await
-        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let hang_up = sandbar_core::HangUp::of(&stream)
-        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
+        .map_err(|e| format!("connect {}: {e}", socket.display()))
+}
+
+/// [`call`] over a connection already made.
+async fn call_on(
+    stream: tokio::net::UnixStream,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
+    use http_body_util::BodyExt as _;
+    let hang_up = sandbar_core::HangUp::of(&stream).map_err(|e| format!("connection: {e}"))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
@@ -92,8 +103,16 @@ async fn call_to_end(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
 ) -> Result<Bytes, String> {
+    call_on_to_end(connect(socket).await?, request).await
+}
+
+/// [`call_to_end`] over a connection already made.
+async fn call_on_to_end(
+    stream: tokio::net::UnixStream,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+) -> Result<Bytes, String> {
     use http_body_util::BodyExt as _;
-    let (response, link) = call(socket, request).await?;
+    let (response, link) = call_on(stream, request).await?;
     let body = response.into_body().collect().await;
     link.hang_up().await;
     body.map(|b| b.to_bytes()).map_err(|e| e.to_string())
@@ -296,14 +315,30 @@ pub(crate) async fn init(
     current_token: &str,
     init: &Init<'_>,
 ) -> Result<(), String> {
+    init_on(connect(socket).await?, init_request(current_token, init)?).await
+}
+
+/// The `POST /init` request of [`init`], made up front so that it can be sent from a task
+/// that borrows nothing.
+pub(crate) fn init_request(
+    current_token: &str,
+    init: &Init<'_>,
+) -> Result<hyper::Request<http_body_util::Full<Bytes>>, String> {
     let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
-    let request = hyper::Request::post("/init")
+    hyper::Request::post("/init")
         .header(hyper::header::HOST, "agent")
         .header(hyper::header::CONTENT_TYPE, "application/json")
         .header("x-access-token", current_token)
         .body(http_body_util::Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
-    call_to_end(socket, request).await.map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Sends an [`init_request`] over a connection made with [`connect`].
+pub(crate) async fn init_on(
+    stream: tokio::net::UnixStream,
+    request: hyper::Request<http_body_util::Full<Bytes>>,
+) -> Result<(), String> {
+    call_on_to_end(stream, request).await.map(|_| ())
 }
 
 #[cfg(test)]

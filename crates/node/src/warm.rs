@@ -19,10 +19,16 @@ use sandbar_jail::IdMap;
 /// Prefix of a warm sandbox's name, never the prefix of a sandbox id.
 pub const NAME_PREFIX: &str = "warm-";
 
-/// How long the pool waits after the last create before booting more: creates come in
-/// bursts, and the pool's boots must not take the cores a burst needs. Short, because
-/// creates one after another (create, use, kill, create) must find the pool refilled.
-pub const QUIET: Duration = Duration::from_millis(2);
+/// How long the pool waits after the last create before booting more, while it still holds
+/// at least half its target. A boot takes a core and kernel locks (cgroups, mounts, the
+/// network) for several milliseconds; started right after a take, it lands on the new
+/// sandbox's first command, which a client sends within a few milliseconds of its create.
+pub const QUIET: Duration = Duration::from_millis(25);
+
+/// The wait after the last create once the pool has fallen under half its target: creates
+/// one after another (create, use, kill, create) faster than [`QUIET`] must still find the
+/// pool refilled rather than drained.
+pub const QUIET_WHEN_LOW: Duration = Duration::from_millis(2);
 
 /// The disk quota and memory limit a warm sandbox boots with, enough for its agent: nothing
 /// else runs in it before a create sets the sandbox's own.
@@ -197,13 +203,18 @@ impl WarmPool {
     /// pool may work now.
     pub fn hold_off(&self, now: Instant) -> Option<Duration> {
         let state = self.state();
+        let quiet = if state.waiting.len() * 2 < self.target {
+            QUIET_WHEN_LOW
+        } else {
+            QUIET
+        };
         if state.creating > 0 {
-            return Some(QUIET);
+            return Some(quiet);
         }
         let since = state
             .last_create
-            .map_or(QUIET, |last| now.saturating_duration_since(last));
-        (since < QUIET).then(|| QUIET - since)
+            .map_or(quiet, |last| now.saturating_duration_since(last));
+        (since < quiet).then(|| quiet - since)
     }
 
     /// The next thing to do; see [`Job`].
@@ -349,14 +360,27 @@ mod tests {
 
     #[test]
     fn boots_wait_until_creates_have_been_quiet_for_a_while() {
-        let pool = WarmPool::new(1);
+        let pool = WarmPool::new(2);
+        pool.put(warm("w1", key("a")));
         let now = Instant::now();
         assert_eq!(pool.hold_off(now), None, "no create yet");
         let guard = pool.creating();
         assert_eq!(pool.hold_off(Instant::now()), Some(QUIET));
         drop(guard);
         let after = pool.hold_off(Instant::now()).expect("just ended");
-        assert!(after <= QUIET);
+        assert!(after <= QUIET && after > QUIET_WHEN_LOW);
         assert_eq!(pool.hold_off(Instant::now() + QUIET), None);
+    }
+
+    #[test]
+    fn a_pool_under_half_its_target_refills_after_a_short_pause() {
+        let pool = WarmPool::new(4);
+        pool.put(warm("w1", key("a")));
+        let guard = pool.creating();
+        assert_eq!(pool.hold_off(Instant::now()), Some(QUIET_WHEN_LOW));
+        drop(guard);
+        let after = pool.hold_off(Instant::now()).expect("just ended");
+        assert!(after <= QUIET_WHEN_LOW);
+        assert_eq!(pool.hold_off(Instant::now() + QUIET_WHEN_LOW), None);
     }
 }

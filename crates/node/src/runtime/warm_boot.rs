@@ -185,6 +185,38 @@ impl LinuxRuntime {
             return Err(sandbox_err(id, format!("warm sandbox {} died", warm.name)));
         }
         let mut name = warm.name.as_str();
+        // The agent takes its sandbox's token and environment while the node renames and
+        // limits the sandbox's resources: nothing reaches the agent before the create
+        // returns, and the two together are most of a take. The connection is made before
+        // the socket's path is renamed.
+        let handing_over = async {
+            let request = agent_client::init_request(
+                &warm.token,
+                &agent_client::Init {
+                    access_token: &spec.envd_access_token,
+                    env_vars: &spec.env_vars,
+                    default_user: &spec.image.user,
+                    default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
+                    memory_limit_mb: spec.memory_mb,
+                },
+            )?;
+            let stream = agent_client::connect(&self.socket_path(&warm.name)).await?;
+            Ok::<_, String>(tokio::spawn(agent_client::init_on(stream, request)))
+        }
+        .await
+        .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")));
+        let handing_over = match handing_over {
+            Ok(task) => task,
+            Err(err) => {
+                self.retire_warm(warm).await;
+                return Err(err);
+            }
+        };
+        let abort_handing_over = handing_over.abort_handle();
+        // The steps below block this worker; the task just spawned (and the connection task
+        // it spawns) would otherwise wait for them in this worker's queue instead of sending
+        // the request first.
+        tokio::task::yield_now().await;
         let taken = async {
             self.cgroups
                 .rename(&warm.name, id)
@@ -220,19 +252,11 @@ impl LinuxRuntime {
             // its rules.
             self.apply_egress(id, warm.slot, true, &spec.egress).await?;
             let endpoint = self.endpoint(id, warm.slot)?;
-            agent_client::init(
-                &endpoint.agent_socket,
-                &warm.token,
-                &agent_client::Init {
-                    access_token: &spec.envd_access_token,
-                    env_vars: &spec.env_vars,
-                    default_user: &spec.image.user,
-                    default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
-                    memory_limit_mb: spec.memory_mb,
-                },
-            )
-            .await
-            .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
+            handing_over
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|handed| handed)
+                .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
             handle = Handle::running(
                 warm.pid,
                 warm.slot,
@@ -258,6 +282,7 @@ impl LinuxRuntime {
                 Ok((handle, endpoint))
             }
             Err(err) => {
+                abort_handing_over.abort();
                 // Whatever was renamed already goes under the sandbox's id, the rest under
                 // the warm name.
                 let _ = self.teardown(name, Some(&handle)).await;
