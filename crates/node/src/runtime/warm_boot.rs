@@ -190,6 +190,15 @@ impl LinuxRuntime {
         // returns, and the two together are most of a take. The connection is made before
         // the socket's path is renamed.
         let handing_over = async {
+            // What the agent logged while it waited is no part of this sandbox's life. Emptied
+            // before the agent is handed its sandbox, as the agent then writes the new log's
+            // first line.
+            let log = self.log_path(&warm.name);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&log)
+                .and_then(|f| f.set_len(0))
+                .map_err(|e| format!("empty {}: {e}", log.display()))?;
             let request = agent_client::init_request(
                 &warm.token,
                 &agent_client::Init {
@@ -236,13 +245,6 @@ impl LinuxRuntime {
                 std::fs::rename(&from, &to)
                     .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
             }
-            // What the agent logged while it waited is no part of this sandbox's life.
-            let log = self.log_path(id);
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&log)
-                .and_then(|f| f.set_len(0))
-                .map_err(|e| sandbox_err(id, format!("empty {}: {e}", log.display())))?;
             self.layers_in_use
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
