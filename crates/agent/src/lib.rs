@@ -124,6 +124,13 @@ async fn init(
     axum::Json(request): axum::Json<InitRequest>,
 ) -> StatusCode {
     let current = state.config();
+    // A sandbox created without variables finds the file its agent wrote at boot; writing
+    // it again would be a quarter of the create's time in the agent.
+    let env_published = request.env_vars == current.env_vars
+        && state
+            .env_file
+            .as_deref()
+            .is_none_or(std::path::Path::exists);
     state.replace_config(AgentConfig {
         access_token: request.access_token.filter(|t| !t.is_empty()),
         default_user: request
@@ -137,14 +144,7 @@ async fn init(
     if let Some(limit_mb) = request.memory_limit_mb {
         state.processes.set_memory_limit(limit_mb);
     }
-    // A sandbox created without variables finds the file its agent wrote at boot; writing
-    // it again would be a quarter of the create's time in the agent.
-    let unchanged = state.config().env_vars == current.env_vars
-        && state
-            .env_file
-            .as_deref()
-            .is_none_or(std::path::Path::exists);
-    if !unchanged {
+    if !env_published {
         state.publish_env();
     }
     // The first line of the new sandbox's log: the node emptied the log of the agent's time

@@ -99,6 +99,12 @@ struct Args {
     headers: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
+impl Args {
+    fn think(&self) -> Duration {
+        Duration::from_millis(self.think_ms)
+    }
+}
+
 fn parse_header(text: &str) -> Result<(http::HeaderName, http::HeaderValue), String> {
     let (name, value) = text
         .split_once(':')
@@ -207,14 +213,7 @@ where
     let neighbours = api.detached();
     let measured = async {
         setup(neighbours.clone()).await?;
-        latency(
-            api,
-            args.warmup,
-            args.iterations,
-            1,
-            Duration::from_millis(args.think_ms),
-        )
-        .await
+        latency(api, args.warmup, args.iterations, 1, args.think()).await
     }
     .await;
     let leftovers = neighbours.kill_all().await;
@@ -282,14 +281,7 @@ async fn run(
         "latency: {} sequential create→first output",
         args.iterations
     );
-    let (seq, _) = latency(
-        api,
-        args.warmup,
-        args.iterations,
-        1,
-        Duration::from_millis(args.think_ms),
-    )
-    .await?;
+    let (seq, _) = latency(api, args.warmup, args.iterations, 1, args.think()).await?;
     results.row("create→first output, c=1", &seq.total);
     results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
     results.row("  Start → first stdout, c=1", &seq.start);
@@ -355,14 +347,7 @@ async fn run(
         "latency: {} rounds of {c} simultaneous create→first output",
         args.rounds
     );
-    let (par, walls) = latency(
-        api,
-        args.warmup.min(1),
-        args.rounds,
-        c,
-        Duration::from_millis(args.think_ms),
-    )
-    .await?;
+    let (par, walls) = latency(api, args.warmup.min(1), args.rounds, c, args.think()).await?;
     results.row(format!("create→first output, c={c}"), &par.total);
     results.row(
         format!("  create (`POST /v2/sandboxes` → 201), c={c}"),
