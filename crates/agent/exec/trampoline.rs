@@ -12,6 +12,11 @@
 //! error number goes to the report descriptor (4 bytes, little-endian) for the agent to return
 //! as a spawn error; on success the descriptor closes on exec.
 //!
+//! The agent starts it with every signal blocked (its child shares the agent's memory until
+//! this exec, so none of the agent's handlers may run there). The exec has reset those
+//! handlers; this program then gives the real one what a fresh process expects: no signal
+//! blocked, and SIGPIPE, which the agent ignores, back at its default.
+//!
 //! It is built without the standard library and linked statically, so it runs in any root
 //! filesystem, whatever libc the template ships or lacks. It allocates nothing.
 
@@ -23,6 +28,8 @@ use core::arch::{asm, naked_asm};
 const SYS_WRITE: usize = 1;
 const SYS_OPEN: usize = 2;
 const SYS_CLOSE: usize = 3;
+const SYS_RT_SIGACTION: usize = 13;
+const SYS_RT_SIGPROCMASK: usize = 14;
 const SYS_EXECVE: usize = 59;
 const SYS_FCNTL: usize = 72;
 const SYS_EXIT_GROUP: usize = 231;
@@ -31,6 +38,10 @@ const O_WRONLY: usize = 1;
 const O_CLOEXEC: usize = 0o2_000_000;
 const F_SETFD: usize = 2;
 const FD_CLOEXEC: usize = 1;
+const SIGPIPE: usize = 13;
+const SIG_SETMASK: usize = 2;
+/// The kernel's signal set is 64 bits.
+const SIGSET_SIZE: usize = 8;
 
 const ENOENT: isize = 2;
 const EACCES: isize = 13;
@@ -58,6 +69,27 @@ unsafe fn syscall3(number: usize, a: usize, b: usize, c: usize) -> isize {
             in("rdi") a,
             in("rsi") b,
             in("rdx") c,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret
+}
+
+/// # Safety
+/// As for `syscall3`; the fourth argument goes in r10.
+unsafe fn syscall4(number: usize, a: usize, b: usize, c: usize, d: usize) -> isize {
+    let ret: isize;
+    // SAFETY: as for `syscall3`.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") number as isize => ret,
+            in("rdi") a,
+            in("rsi") b,
+            in("rdx") c,
+            in("r10") d,
             lateout("rcx") _,
             lateout("r11") _,
             options(nostack),
@@ -127,6 +159,7 @@ unsafe extern "C" fn entry(stack: *const usize) -> ! {
         if let Some(fd) = report {
             syscall3(SYS_FCNTL, fd, F_SETFD, FD_CLOEXEC);
         }
+        reset_signals();
         let program = argv.add(3);
         let errno = exec_searching(*program, program, envp) as i32;
         if let Some(fd) = report {
@@ -147,6 +180,31 @@ fn raise_oom_score(score: &[u8]) {
             syscall3(SYS_WRITE, fd as usize, score.as_ptr() as usize, score.len());
             syscall3(SYS_CLOSE, fd as usize, 0, 0);
         }
+    }
+}
+
+/// SIGPIPE back at its default, then nothing blocked. A signal that arrived meanwhile is
+/// delivered now, with its default action, as it would be to the program.
+fn reset_signals() {
+    // The kernel's `struct sigaction`: handler (0 is SIG_DFL), flags, restorer, mask.
+    let default = [0usize; 4];
+    let none: u64 = 0;
+    // SAFETY: both pointers are to values that outlive the calls, of the sizes given.
+    unsafe {
+        syscall4(
+            SYS_RT_SIGACTION,
+            SIGPIPE,
+            default.as_ptr() as usize,
+            0,
+            SIGSET_SIZE,
+        );
+        syscall4(
+            SYS_RT_SIGPROCMASK,
+            SIG_SETMASK,
+            &raw const none as usize,
+            0,
+            SIGSET_SIZE,
+        );
     }
 }
 

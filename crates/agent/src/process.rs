@@ -5,18 +5,18 @@
 //! running when every stream detaches; its output is then dropped until someone reattaches.
 
 use std::collections::HashMap;
+use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::process::CommandExt;
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, watch};
 
-use crate::exec::ExecPlan;
+use crate::exec::{ChildSetup, ExecPlan, Identity};
 use crate::reaper::{ExitStatus, Reaper};
 use crate::users::User;
 
@@ -563,6 +563,14 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?)
 }
 
+fn dev_null() -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        "/dev/null",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?)
+}
+
 fn open_pty(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
     use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
     let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
@@ -640,80 +648,67 @@ impl ProcessManager {
             cmd: spec.cmd.clone(),
             source,
         })?;
-        // The program, arguments and environment travel in the plan; the command sets up
-        // everything else in the child.
-        let mut command = Command::new(&spec.cmd);
-        command.env_clear().current_dir(&spec.cwd);
-
+        // The parent's copies of the child's ends, closed once it runs, so end-of-file
+        // arrives when it exits.
+        let mut child_ends: Vec<OwnedFd> = Vec::new();
         let mut parent = ChildIo {
             stdin: None,
             stdout: None,
             stderr: None,
             pty: None,
         };
-        let use_pty = spec.pty.is_some();
-        if let Some(size) = spec.pty {
+        let controlling_terminal = spec.pty.is_some();
+        let stdio_source: [usize; 3] = if let Some(size) = spec.pty {
             let (master, slave) = open_pty(size).map_err(io_err)?;
-            command
-                .stdin(Stdio::from(slave.try_clone().map_err(io_err)?))
-                .stdout(Stdio::from(slave.try_clone().map_err(io_err)?))
-                .stderr(Stdio::from(slave));
             parent.pty = Some(master);
+            child_ends.push(slave);
+            [0, 0, 0]
         } else {
             if spec.stdin {
                 let (read, write) = pipe().map_err(io_err)?;
-                command.stdin(Stdio::from(read));
+                child_ends.push(read);
                 parent.stdin = Some(write);
             } else {
-                command.stdin(Stdio::null());
+                child_ends.push(dev_null().map_err(io_err)?);
             }
             let (out_read, out_write) = pipe().map_err(io_err)?;
             let (err_read, err_write) = pipe().map_err(io_err)?;
-            command
-                .stdout(Stdio::from(out_write))
-                .stderr(Stdio::from(err_write));
+            child_ends.push(out_write);
+            child_ends.push(err_write);
             parent.stdout = Some(out_read);
             parent.stderr = Some(err_read);
-        }
-
-        let switch_user = rustix::process::geteuid().is_root();
-        let uid = spec.user.uid;
-        let gid = spec.user.gid;
+            [0, 1, 2]
+        };
+        let cwd = CString::new(spec.cwd.as_os_str().as_bytes()).map_err(|_| {
+            io_err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "nul byte found in the working directory",
+            ))
+        })?;
         let groups: Vec<libc::gid_t> = spec.groups.clone();
-        // SAFETY: the closure runs between fork and exec and only makes async-signal-safe
-        // system calls on data prepared before the fork; it allocates nothing.
-        unsafe {
-            command.pre_exec(move || {
-                // A new session detaches the child from the agent's terminal (if any) and lets
-                // a terminal become its controlling tty.
-                if libc::setsid() < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if use_pty && libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                if switch_user
-                    && (libc::setgroups(groups.len(), groups.as_ptr()) < 0
-                        || libc::setgid(gid) < 0
-                        || libc::setuid(uid) < 0)
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                Err(exec_plan.exec_in_child())
-            });
-        }
+        let setup = ChildSetup {
+            stdio: stdio_source.map(|i| child_ends[i].as_fd()),
+            cwd: &cwd,
+            controlling_terminal,
+            // Only root may switch; an agent run unprivileged (in tests) runs as itself.
+            identity: rustix::process::geteuid().is_root().then_some(Identity {
+                uid: spec.user.uid,
+                gid: spec.user.gid,
+                groups: &groups,
+            }),
+        };
 
         let (pid, exit_rx) = {
             let mut guard = Reaper::global().spawn_guard();
-            let child = command.spawn().map_err(|source| ProcessError::Spawn {
-                cmd: spec.cmd.clone(),
-                source,
-            })?;
-            let pid = child.id();
-            // The child is waited for by the reaper, never through `Child`.
-            drop(child);
+            let pid = exec_plan
+                .spawn(&setup)
+                .map_err(|source| ProcessError::Spawn {
+                    cmd: spec.cmd.clone(),
+                    source,
+                })?;
             (pid, guard.register(pid))
         };
+        drop(child_ends);
         // When memory runs out, the kernel kills what a sandbox runs before its agent (and
         // before anything of the host): the trampoline raises the score before the program
         // runs. Waited for outside the reaper's lock, so a slow exec stalls no one else.
@@ -721,8 +716,6 @@ impl ProcessManager {
             cmd: spec.cmd.clone(),
             source,
         })?;
-        // Drop our copies of the child's ends so end-of-file arrives when it exits.
-        drop(command);
         // The command's arguments are left out: they may carry secrets.
         tracing::info!(pid, cmd = %spec.cmd, "process started");
 

@@ -2,7 +2,7 @@
 //!
 //! As PID 1 the agent adopts orphans, so it must `waitpid(-1)` or zombies pile up. That
 //! conflicts with per-child waiting (tokio::process, `Child::wait`), so children are
-//! spawned with `std::process::Command`, registered here by pid, and a single loop reaps
+//! spawned by `exec::ExecPlan::spawn`, registered here by pid, and a single loop reaps
 //! everything and hands each status to whoever registered that pid.
 
 use std::collections::HashMap;
