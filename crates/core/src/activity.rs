@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
+use tokio::sync::{Notify, watch};
 
 use crate::builds::LogLevel;
 use crate::model::Team;
@@ -59,6 +60,20 @@ pub(crate) struct Activity {
     /// A kill reads the agent log while the reaper may be reading it too: one at a time, so
     /// no line is stored twice.
     ingesting: tokio::sync::Mutex<()>,
+    /// Logs not yet written, by sandbox: a create answers before its log is, and anything
+    /// else done with that log has it written at once and waits until it is.
+    opening: Arc<Mutex<HashMap<String, PendingOpen>>>,
+}
+
+#[derive(Clone)]
+struct PendingOpen {
+    hurry: Arc<Notify>,
+    written: watch::Receiver<bool>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Each map is changed by single inserts and removes, whole even after a panic.
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn bucket_of(at: DateTime<Utc>) -> i64 {
@@ -73,6 +88,7 @@ impl Activity {
             pending: Mutex::new(HashMap::new()),
             offsets: Mutex::new(HashMap::new()),
             ingesting: tokio::sync::Mutex::new(()),
+            opening: Arc::default(),
         }
     }
 
@@ -101,6 +117,59 @@ impl Activity {
         }
     }
 
+    /// Starts a sandbox's log as `open` does, but in the background and `after` from now:
+    /// the log's statements are a third of a create's database time, nothing needs them
+    /// before the create answers, and written at once they would take a core from the
+    /// sandbox's first command. Any other call here for this log has it written at once
+    /// and waits for it. A crash in between loses these first lines, not the sandbox.
+    pub(crate) fn open_soon(
+        &self,
+        sandbox_id: &str,
+        team_id: &str,
+        at: DateTime<Utc>,
+        entries: Vec<SandboxLogEntry>,
+        after: Duration,
+    ) {
+        let (written, wait) = watch::channel(false);
+        let hurry = Arc::new(Notify::new());
+        lock(&self.opening).insert(
+            sandbox_id.to_owned(),
+            PendingOpen {
+                hurry: hurry.clone(),
+                written: wait,
+            },
+        );
+        let store = self.store.clone();
+        let opening = self.opening.clone();
+        let (sandbox_id, team_id) = (sandbox_id.to_owned(), team_id.to_owned());
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = tokio::time::sleep(after) => {}
+                _ = hurry.notified() => {}
+            }
+            if let Err(err) = store
+                .open_sandbox_log(&sandbox_id, &team_id, at, &entries)
+                .await
+            {
+                tracing::warn!(%sandbox_id, error = %err, "cannot open sandbox log");
+            }
+            lock(&opening).remove(&sandbox_id);
+            written.send_replace(true);
+        });
+    }
+
+    /// Returns once a log `open_soon` started is written (at once for any other).
+    async fn opened(&self, sandbox_id: &str) {
+        let pending = lock(&self.opening).get(sandbox_id).cloned();
+        if let Some(PendingOpen { hurry, mut written }) = pending {
+            // A stored permit: the writer may not be waiting yet.
+            hurry.notify_one();
+            // An error means the writer is gone (the runtime is shutting down): nothing to
+            // wait for any more.
+            let _ = written.wait_for(|written| *written).await;
+        }
+    }
+
     /// Appends one lifecycle event to a sandbox's log.
     pub(crate) async fn event(
         &self,
@@ -109,6 +178,7 @@ impl Activity {
         message: &str,
         fields: &[(&str, String)],
     ) {
+        self.opened(sandbox_id).await;
         let entry = SandboxLogEntry::event(Utc::now(), level, message, fields);
         if let Err(err) = self
             .store
@@ -174,6 +244,7 @@ impl Activity {
     /// Reads what the sandbox's agent wrote since the last call, in whole lines, and stores
     /// it with the new offset in one transaction.
     pub(crate) async fn ingest_agent_log(&self, runtime: &dyn Runtime, sandbox_id: &str) {
+        self.opened(sandbox_id).await;
         let _one_at_a_time = self.ingesting.lock().await;
         let cached = self.offsets().get(sandbox_id).copied();
         let offset = match cached {
@@ -244,6 +315,7 @@ impl Activity {
         sandbox_id: &str,
         query: &SandboxLogQuery,
     ) -> Result<Vec<SandboxLogEntry>, SandboxLogsError> {
+        self.opened(sandbox_id).await;
         match self.store.sandbox_log_team(sandbox_id).await? {
             Some(owner) if owner == team.id => {}
             _ => return Err(SandboxLogsError::NotFound(sandbox_id.to_owned())),

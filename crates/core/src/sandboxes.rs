@@ -98,6 +98,10 @@ const TRANSITION_PATIENCE: Duration = Duration::from_secs(60);
 /// Seconds a client refused for want of capacity is told to wait when no running sandbox is
 /// due to end.
 const CAPACITY_WAIT_SECS: i64 = 5;
+/// How long a create's own bookkeeping (its log's first lines, the template's spawn count)
+/// waits, so that it does not compete with the sandbox's first command, which usually comes
+/// at once. As long as the warm pool's wait for a pause in creates.
+const AFTER_CREATE_QUIET: Duration = Duration::from_millis(25);
 
 /// What a stop found when it tried to mark a sandbox stopping.
 enum Claim {
@@ -750,9 +754,9 @@ impl Sandboxes {
             self.live().remove(&id);
             return Err(err.into());
         }
-        // Logged before the sandbox counts as running, so the reaper never reads its agent
-        // log before the log exists.
-        self.log_start(&sandbox, now).await;
+        // Started before the sandbox counts as running; the reaper's reads of its agent log
+        // wait for the log to exist.
+        self.log_start(&sandbox, now);
         if let Some(entry) = self.live().get_mut(&id) {
             entry.endpoint = Some(endpoint);
             entry.access_token = sandbox.envd_access_token.clone();
@@ -767,10 +771,11 @@ impl Sandboxes {
         }
         // Routable only now that its endpoint and token are in place.
         self.set_status(&id, SandboxStatus::Running, None);
-        // A statistic nothing waits for: written after the response.
+        // A statistic nothing waits for: written after the first command had its chance.
         let store = self.store.clone();
         let template_id = template.id.clone();
         tokio::spawn(async move {
+            tokio::time::sleep(AFTER_CREATE_QUIET).await;
             if let Err(err) = store.record_template_spawn(&template_id, started_at).await {
                 tracing::warn!(%template_id, error = %err, "cannot record template spawn");
             }
@@ -780,7 +785,7 @@ impl Sandboxes {
     }
 
     /// The first lines of a new sandbox's log, and its start in the team's metrics.
-    async fn log_start(&self, sandbox: &Sandbox, requested_at: DateTime<Utc>) {
+    fn log_start(&self, sandbox: &Sandbox, requested_at: DateTime<Utc>) {
         let mut created = vec![
             ("templateID", sandbox.template_id.clone()),
             ("endAt", sandbox.end_at.to_rfc3339()),
@@ -789,7 +794,7 @@ impl Sandboxes {
             created.push(("alias", alias.clone()));
         }
         let startup_ms = (sandbox.started_at - requested_at).num_milliseconds();
-        let entries = [
+        let entries = vec![
             SandboxLogEntry::event(requested_at, LogLevel::Info, "sandbox created", &created),
             SandboxLogEntry::event(
                 sandbox.started_at,
@@ -798,9 +803,13 @@ impl Sandboxes {
                 &[("startupMs", startup_ms.to_string())],
             ),
         ];
-        self.activity
-            .open(&sandbox.id, &sandbox.team_id, requested_at, &entries)
-            .await;
+        self.activity.open_soon(
+            &sandbox.id,
+            &sandbox.team_id,
+            requested_at,
+            entries,
+            AFTER_CREATE_QUIET,
+        );
         let running = self
             .live()
             .values()

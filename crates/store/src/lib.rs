@@ -77,7 +77,10 @@ fn time(us: i64) -> DateTime<Utc> {
 macro_rules! template_query {
     ($rest:literal) => {
         concat!(
-            "SELECT t.*, tm.slug AS namespace FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
+            // The names come in the same statement: every create reads its template.
+            "SELECT t.*, tm.slug AS namespace,
+               (SELECT json_group_array(n.alias) FROM template_aliases n WHERE n.template_id = t.id) AS aliases
+             FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
             $rest
         )
     };

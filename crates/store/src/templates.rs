@@ -9,18 +9,6 @@ use sqlx::sqlite::SqliteRow;
 use crate::{SqliteStore, err, json_opt, micros, time, to_json};
 
 impl SqliteStore {
-    async fn aliases(&self, template_id: &str) -> Result<Vec<String>, StoreError> {
-        let rows =
-            sqlx::query("SELECT alias FROM template_aliases WHERE template_id = ? ORDER BY alias")
-                .bind(template_id)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(err)?;
-        rows.iter()
-            .map(|r| r.try_get("alias").map_err(err))
-            .collect()
-    }
-
     async fn templates_from_rows(&self, rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
@@ -33,8 +21,14 @@ impl SqliteStore {
     async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
         let id: String = row.try_get("id").map_err(err)?;
         let status: String = row.try_get("build_status").map_err(err)?;
+        let aliases: Option<String> = row.try_get("aliases").map_err(err)?;
+        let mut aliases: Vec<String> = match aliases {
+            Some(json) => serde_json::from_str(&json).map_err(err)?,
+            None => Vec::new(),
+        };
+        aliases.sort();
         Ok(Template {
-            aliases: self.aliases(&id).await?,
+            aliases,
             team_id: row.try_get("team_id").map_err(err)?,
             namespace: row.try_get("namespace").map_err(err)?,
             public: row.try_get("public").map_err(err)?,
