@@ -21,6 +21,14 @@ pub fn new_template_id() -> String {
     lowercase_alphanumeric(20)
 }
 
+/// Whether `s` has the form of a template ID ([`new_template_id`]): a name of any other form
+/// needs no lookup by ID.
+pub fn is_template_id(s: &str) -> bool {
+    s.len() == 20
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+}
+
 /// A random UUID (version 4) in its canonical text form.
 pub fn new_uuid() -> String {
     let mut b: [u8; 16] = rand::rng().random();
@@ -62,6 +70,23 @@ pub const ACCESS_TOKEN_PREFIX: &str = "sk_e2b_";
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_names_of_the_template_id_form_are_taken_for_ids() {
+        for _ in 0..100 {
+            assert!(is_template_id(&new_template_id()));
+        }
+        for name in [
+            "base",
+            "code-interpreter-v1",
+            "Abcdefghij0123456789",
+            "abcdefghij012345678",
+            "abcdefghij0123456789a",
+            "team/abcdefghij012345",
+        ] {
+            assert!(!is_template_id(name), "{name}");
+        }
+    }
 
     #[test]
     fn sandbox_ids_have_e2b_shape() {
