@@ -341,9 +341,181 @@ pub(crate) async fn init_on(
     call_on_to_end(stream, request).await.map(|_| ())
 }
 
+/// Writes an [`init_request`] to the agent behind `stream` in one write made before this
+/// returns, as HTTP/1.1 with `connection: close`. The request is then in the agent's socket
+/// whatever this task does next: a take goes on with blocking steps, during which a client
+/// task would wait for a worker to write it. The answer is read by [`init_answered`].
+pub(crate) async fn send_init(
+    stream: &mut tokio::net::UnixStream,
+    current_token: &str,
+    init: &Init<'_>,
+) -> Result<(), String> {
+    use tokio::io::AsyncWriteExt as _;
+    let bytes = init_bytes(current_token, init)?;
+    let written = match stream.try_write(&bytes) {
+        Ok(n) => n,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+        Err(e) => return Err(format!("send /init: {e}")),
+    };
+    if written < bytes.len() {
+        stream
+            .write_all(&bytes[written..])
+            .await
+            .map_err(|e| format!("send /init: {e}"))?;
+    }
+    Ok(())
+}
+
+fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, String> {
+    // Refuses what would break the header line (CR, LF and other controls).
+    hyper::header::HeaderValue::from_str(current_token)
+        .map_err(|_| "the agent's current token is not a header value".to_owned())?;
+    let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
+    let mut bytes = format!(
+        "POST /init HTTP/1.1\r\nhost: agent\r\ncontent-type: application/json\r\nx-access-token: {current_token}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    bytes.extend_from_slice(&body);
+    Ok(bytes)
+}
+
+/// Longest answer to `/init` read: its status line and headers.
+const INIT_ANSWER_MAX: usize = 16 * 1024;
+
+/// Reads the agent's answer to [`send_init`]: `Ok` for a 2xx status only.
+pub(crate) async fn init_answered(mut stream: tokio::net::UnixStream) -> Result<(), String> {
+    use tokio::io::AsyncReadExt as _;
+    let mut buffer = Vec::with_capacity(512);
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut response = httparse::Response::new(&mut headers);
+        match response.parse(&buffer) {
+            Ok(httparse::Status::Complete(_)) => {
+                return match response.code {
+                    Some(code) if (200..300).contains(&code) => Ok(()),
+                    code => Err(format!(
+                        "agent answered /init with {}",
+                        code.map_or_else(|| "no status".to_owned(), |c| c.to_string())
+                    )),
+                };
+            }
+            Ok(httparse::Status::Partial) if buffer.len() < INIT_ANSWER_MAX => {}
+            Ok(httparse::Status::Partial) => {
+                return Err(format!(
+                    "agent's answer to /init is longer than {INIT_ANSWER_MAX} bytes"
+                ));
+            }
+            Err(e) => return Err(format!("agent's answer to /init: {e}")),
+        }
+        let read = stream
+            .read_buf(&mut buffer)
+            .await
+            .map_err(|e| format!("read the answer to /init: {e}"))?;
+        if read == 0 {
+            return Err("the agent closed the connection without answering /init".to_owned());
+        }
+    }
+}
+
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// What an agent reads of a `send_init` on `theirs`, after answering with `answer`
+    /// (nothing when `None`, closing at once).
+    async fn init_exchange(
+        answer: Option<&'static str>,
+    ) -> (
+        Result<(), String>,
+        String,
+        Vec<(String, String)>,
+        serde_json::Value,
+    ) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (mut ours, mut theirs) = tokio::net::UnixStream::pair().unwrap();
+        let envs = std::collections::BTreeMap::from([("A".to_owned(), "1".to_owned())]);
+        let init = Init {
+            access_token: "new-token",
+            env_vars: &envs,
+            default_user: "user",
+            default_workdir: Some("/home/user"),
+            memory_limit_mb: 512,
+        };
+        send_init(&mut ours, "node-token", &init).await.unwrap();
+        let mut request = Vec::new();
+        let (path, headers, body) = loop {
+            theirs.read_buf(&mut request).await.unwrap();
+            let mut slots = [httparse::EMPTY_HEADER; 16];
+            let mut parsed = httparse::Request::new(&mut slots);
+            if let httparse::Status::Complete(at) = parsed.parse(&request).unwrap() {
+                let headers: Vec<(String, String)> = parsed
+                    .headers
+                    .iter()
+                    .map(|h| {
+                        (
+                            h.name.to_owned(),
+                            String::from_utf8_lossy(h.value).into_owned(),
+                        )
+                    })
+                    .collect();
+                let length: usize = headers
+                    .iter()
+                    .find(|(n, _)| n == "content-length")
+                    .unwrap()
+                    .1
+                    .parse()
+                    .unwrap();
+                if request.len() >= at + length {
+                    let body = serde_json::from_slice(&request[at..at + length]).unwrap();
+                    break (parsed.path.unwrap().to_owned(), headers, body);
+                }
+            }
+        };
+        if let Some(answer) = answer {
+            theirs.write_all(answer.as_bytes()).await.unwrap();
+        }
+        drop(theirs);
+        (init_answered(ours).await, path, headers, body)
+    }
+
+    #[tokio::test]
+    async fn an_init_is_one_request_the_agent_reads_whole_and_a_2xx_answers_it() {
+        let (answered, path, headers, body) =
+            init_exchange(Some("HTTP/1.1 204 No Content\r\ndate: x\r\n\r\n")).await;
+        answered.unwrap();
+        assert_eq!(path, "/init");
+        assert!(headers.contains(&("x-access-token".to_owned(), "node-token".to_owned())));
+        assert_eq!(body["accessToken"], "new-token");
+        assert_eq!(body["envVars"]["A"], "1");
+    }
+
+    #[tokio::test]
+    async fn an_init_refused_or_unanswered_is_an_error() {
+        let (refused, ..) = init_exchange(Some(
+            "HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n",
+        ))
+        .await;
+        assert!(refused.unwrap_err().contains("401"));
+        let (unanswered, ..) = init_exchange(None).await;
+        assert!(unanswered.unwrap_err().contains("without answering"));
+        let (garbled, ..) = init_exchange(Some("not http\r\n\r\n")).await;
+        assert!(garbled.is_err());
+    }
+
+    #[test]
+    fn a_token_that_would_break_the_request_is_refused() {
+        let envs = std::collections::BTreeMap::new();
+        let init = Init {
+            access_token: "t",
+            env_vars: &envs,
+            default_user: "user",
+            default_workdir: None,
+            memory_limit_mb: 1,
+        };
+        assert!(init_bytes("a\r\nx-evil: 1", &init).is_err());
+    }
 
     #[test]
     fn an_envelope_is_taken_whole_and_an_oversized_one_told_from_its_header() {

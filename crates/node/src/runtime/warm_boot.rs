@@ -199,7 +199,9 @@ impl LinuxRuntime {
                 .open(&log)
                 .and_then(|f| f.set_len(0))
                 .map_err(|e| format!("empty {}: {e}", log.display()))?;
-            let request = agent_client::init_request(
+            let mut stream = agent_client::connect(&self.socket_path(&warm.name)).await?;
+            agent_client::send_init(
+                &mut stream,
                 &warm.token,
                 &agent_client::Init {
                     access_token: &spec.envd_access_token,
@@ -208,24 +210,19 @@ impl LinuxRuntime {
                     default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
                     memory_limit_mb: spec.memory_mb,
                 },
-            )?;
-            let stream = agent_client::connect(&self.socket_path(&warm.name)).await?;
-            Ok::<_, String>(tokio::spawn(agent_client::init_on(stream, request)))
+            )
+            .await?;
+            Ok::<_, String>(stream)
         }
         .await
         .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")));
         let handing_over = match handing_over {
-            Ok(task) => task,
+            Ok(stream) => stream,
             Err(err) => {
                 self.retire_warm(warm).await;
                 return Err(err);
             }
         };
-        let abort_handing_over = handing_over.abort_handle();
-        // The steps below block this worker; the task just spawned (and the connection task
-        // it spawns) would otherwise wait for them in this worker's queue instead of sending
-        // the request first.
-        tokio::task::yield_now().await;
         let taken = async {
             self.cgroups
                 .rename(&warm.name, id)
@@ -254,10 +251,8 @@ impl LinuxRuntime {
             // its rules.
             self.apply_egress(id, warm.slot, true, &spec.egress).await?;
             let endpoint = self.endpoint(id, warm.slot)?;
-            handing_over
+            agent_client::init_answered(handing_over)
                 .await
-                .map_err(|e| e.to_string())
-                .and_then(|handed| handed)
                 .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
             handle = Handle::running(
                 warm.pid,
@@ -284,7 +279,6 @@ impl LinuxRuntime {
                 Ok((handle, endpoint))
             }
             Err(err) => {
-                abort_handing_over.abort();
                 // Whatever was renamed already goes under the sandbox's id, the rest under
                 // the warm name.
                 let _ = self.teardown(name, Some(&handle)).await;
