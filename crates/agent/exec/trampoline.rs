@@ -60,28 +60,15 @@ const EXEC_FAILED: usize = 127;
 /// # Safety
 /// `number` and its arguments must form a system call that is sound to make here.
 unsafe fn syscall3(number: usize, a: usize, b: usize, c: usize) -> isize {
-    let ret: isize;
-    // SAFETY: the caller vouches for the call; the kernel clobbers only rcx and r11.
-    unsafe {
-        asm!(
-            "syscall",
-            inlateout("rax") number as isize => ret,
-            in("rdi") a,
-            in("rsi") b,
-            in("rdx") c,
-            lateout("rcx") _,
-            lateout("r11") _,
-            options(nostack),
-        );
-    }
-    ret
+    // SAFETY: as the caller vouches; a fourth argument a call does not take is ignored.
+    unsafe { syscall4(number, a, b, c, 0) }
 }
 
 /// # Safety
 /// As for `syscall3`; the fourth argument goes in r10.
 unsafe fn syscall4(number: usize, a: usize, b: usize, c: usize, d: usize) -> isize {
     let ret: isize;
-    // SAFETY: as for `syscall3`.
+    // SAFETY: the caller vouches for the call; the kernel clobbers only rcx and r11.
     unsafe {
         asm!(
             "syscall",

@@ -161,17 +161,15 @@ impl ExecPlan {
     pub(crate) fn spawn(&self, setup: &ChildSetup<'_>) -> io::Result<u32> {
         // The child puts the descriptors on 0, 1 and 2 in turn, so none of them may already
         // be one of those numbers.
-        let raised = setup
-            .stdio
-            .iter()
-            .map(|fd| match fd.as_raw_fd() {
-                0..=2 => rustix::io::fcntl_dupfd_cloexec(fd, 3).map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut raised = Vec::new();
         let mut stdio = [0; 3];
-        for (slot, (fd, raised)) in stdio.iter_mut().zip(setup.stdio.iter().zip(&raised)) {
-            *slot = raised.as_ref().map_or(fd.as_raw_fd(), |r| r.as_raw_fd());
+        for (slot, fd) in stdio.iter_mut().zip(&setup.stdio) {
+            *slot = fd.as_raw_fd();
+            if *slot <= 2 {
+                let copy = rustix::io::fcntl_dupfd_cloexec(fd, 3)?;
+                *slot = copy.as_raw_fd();
+                raised.push(copy);
+            }
         }
         let stack = ChildStack::new()?;
         let child = Child {

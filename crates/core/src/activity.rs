@@ -93,11 +93,11 @@ impl Activity {
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<(String, i64), Counter>> {
-        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.pending)
     }
 
     fn offsets(&self) -> std::sync::MutexGuard<'_, HashMap<String, u64>> {
-        self.offsets.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.offsets)
     }
 
     /// Starts a sandbox's log with its first events. Failing to log never fails the sandbox.

@@ -41,15 +41,6 @@ impl Link {
     }
 }
 
-/// Sends `request` to the agent behind `socket` over a connection of its own; an answer
-/// other than a success is an error carrying the agent's message.
-async fn call(
-    socket: &Path,
-    request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
-    call_on(connect(socket).await?, request).await
-}
-
 /// A connection to the agent behind `socket`. It outlives a rename of the socket's path.
 pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, String> {
     tokio::net::UnixStream::connect(socket)
@@ -57,13 +48,16 @@ pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, Str
         .map_err(|e| format!("connect {}: {e}", socket.display()))
 }
 
-/// [`call`] over a connection already made.
-async fn call_on(
-    stream: tokio::net::UnixStream,
+/// Sends `request` to the agent behind `socket` over a connection of its own; an answer
+/// other than a success is an error carrying the agent's message.
+async fn call(
+    socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
 ) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
     use http_body_util::BodyExt as _;
-    let hang_up = sandbar_core::HangUp::of(&stream).map_err(|e| format!("connection: {e}"))?;
+    let stream = connect(socket).await?;
+    let hang_up = sandbar_core::HangUp::of(&stream)
+        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| e.to_string())?;
@@ -103,16 +97,8 @@ async fn call_to_end(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
 ) -> Result<Bytes, String> {
-    call_on_to_end(connect(socket).await?, request).await
-}
-
-/// [`call_to_end`] over a connection already made.
-async fn call_on_to_end(
-    stream: tokio::net::UnixStream,
-    request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<Bytes, String> {
     use http_body_util::BodyExt as _;
-    let (response, link) = call_on(stream, request).await?;
+    let (response, link) = call(socket, request).await?;
     let body = response.into_body().collect().await;
     link.hang_up().await;
     body.map(|b| b.to_bytes()).map_err(|e| e.to_string())
@@ -315,33 +301,12 @@ pub(crate) async fn init(
     current_token: &str,
     init: &Init<'_>,
 ) -> Result<(), String> {
-    init_on(connect(socket).await?, init_request(current_token, init)?).await
+    let mut stream = connect(socket).await?;
+    send_init(&mut stream, current_token, init).await?;
+    init_answered(stream).await
 }
 
-/// The `POST /init` request of [`init`], made up front so that it can be sent from a task
-/// that borrows nothing.
-pub(crate) fn init_request(
-    current_token: &str,
-    init: &Init<'_>,
-) -> Result<hyper::Request<http_body_util::Full<Bytes>>, String> {
-    let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
-    hyper::Request::post("/init")
-        .header(hyper::header::HOST, "agent")
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .header("x-access-token", current_token)
-        .body(http_body_util::Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())
-}
-
-/// Sends an [`init_request`] over a connection made with [`connect`].
-pub(crate) async fn init_on(
-    stream: tokio::net::UnixStream,
-    request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<(), String> {
-    call_on_to_end(stream, request).await.map(|_| ())
-}
-
-/// Writes an [`init_request`] to the agent behind `stream` in one write made before this
+/// Writes `POST /init` to the agent behind `stream` in one write made before this
 /// returns, as HTTP/1.1 with `connection: close`. The request is then in the agent's socket
 /// whatever this task does next: a take goes on with blocking steps, during which a client
 /// task would wait for a worker to write it. The answer is read by [`init_answered`].
@@ -383,8 +348,17 @@ fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, String> {
 /// Longest answer to `/init` read: its status line and headers.
 const INIT_ANSWER_MAX: usize = 16 * 1024;
 
-/// Reads the agent's answer to [`send_init`]: `Ok` for a 2xx status only.
+/// Reads the agent's answer to [`send_init`] (`Ok` for a 2xx status only), then hangs up as
+/// every call does (see [`Link`]).
 pub(crate) async fn init_answered(mut stream: tokio::net::UnixStream) -> Result<(), String> {
+    let answered = read_init_answer(&mut stream).await;
+    let hang_up = sandbar_core::HangUp::of(&stream).map_err(|e| format!("connection: {e}"));
+    drop(stream);
+    hang_up?.hang_up().await;
+    answered
+}
+
+async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), String> {
     use tokio::io::AsyncReadExt as _;
     let mut buffer = Vec::with_capacity(512);
     loop {

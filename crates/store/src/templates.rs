@@ -9,23 +9,15 @@ use sqlx::sqlite::SqliteRow;
 use crate::{SqliteStore, err, json_opt, micros, time, to_json};
 
 impl SqliteStore {
-    async fn templates_from_rows(&self, rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
-        let mut out = Vec::with_capacity(rows.len());
-        for row in rows {
-            out.push(self.template_from_row(row).await?);
-        }
-        Ok(out)
+    fn templates_from_rows(rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
+        rows.iter().map(Self::template_from_row).collect()
     }
 
     /// A row selected by a `template_query!`.
-    async fn template_from_row(&self, row: &SqliteRow) -> Result<Template, StoreError> {
+    fn template_from_row(row: &SqliteRow) -> Result<Template, StoreError> {
         let id: String = row.try_get("id").map_err(err)?;
         let status: String = row.try_get("build_status").map_err(err)?;
-        let aliases: Option<String> = row.try_get("aliases").map_err(err)?;
-        let mut aliases: Vec<String> = match aliases {
-            Some(json) => serde_json::from_str(&json).map_err(err)?,
-            None => Vec::new(),
-        };
+        let mut aliases: Vec<String> = json_opt(row, "aliases")?.unwrap_or_default();
         aliases.sort();
         Ok(Template {
             aliases,
@@ -108,7 +100,7 @@ impl TemplateRecords for SqliteStore {
             .await
             .map_err(err)?;
         match row {
-            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            Some(row) => Ok(Some(Self::template_from_row(&row)?)),
             None => Ok(None),
         }
     }
@@ -127,7 +119,7 @@ impl TemplateRecords for SqliteStore {
         .await
         .map_err(err)?;
         match row {
-            Some(row) => Ok(Some(self.template_from_row(&row).await?)),
+            Some(row) => Ok(Some(Self::template_from_row(&row)?)),
             None => Ok(None),
         }
     }
@@ -141,7 +133,7 @@ impl TemplateRecords for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        self.templates_from_rows(&rows).await
+        Self::templates_from_rows(&rows)
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
@@ -149,7 +141,7 @@ impl TemplateRecords for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        self.templates_from_rows(&rows).await
+        Self::templates_from_rows(&rows)
     }
 
     async fn set_template_build(
