@@ -5,6 +5,9 @@
 # Must run as root. Environment:
 #   SANDBAR_BENCH_DATA_DIR  data directory of the benchmark server (default /var/tmp/sandbar-bench)
 #   SANDBAR_BENCH_READY_TIMEOUT  seconds to wait for the template build (default 600)
+#   SANDBAR_BENCH_POOL_GB   size of the sandbox disk pool made on the first start (default 9,
+#                           enough for 1,000 idle sandboxes; the server's own default takes
+#                           half the free space, which a benchmark does not need)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,6 +18,7 @@ fi
 
 data_dir="${SANDBAR_BENCH_DATA_DIR:-/var/tmp/sandbar-bench}"
 ready_timeout="${SANDBAR_BENCH_READY_TIMEOUT:-600}"
+pool_gb="${SANDBAR_BENCH_POOL_GB:-9}"
 # Registered on the first start of a data directory only, so it never changes.
 api_key="e2b_78b389cd3477e8e0738f8909e035846bc6bfc143"
 
@@ -58,7 +62,7 @@ if [[ -f "$data_dir/sandbar.db" ]]; then
 fi
 SANDBAR_API_KEY="$api_key" RUST_LOG="${RUST_LOG:-warn}" \
   ./target/release/sandbar serve --listen "127.0.0.1:$port" --data-dir "$data_dir" \
-  --max-sandboxes 1100 >"$log" 2>&1 &
+  --max-sandboxes 1100 --disk-pool-gb "$pool_gb" >"$log" 2>&1 &
 server_pid=$!
 
 echo "bench.sh: server on $url (data in $data_dir), waiting for the 'base' template" >&2

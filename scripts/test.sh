@@ -61,4 +61,13 @@ phase "build"
 cargo test --release --workspace
 phase "cargo test"
 
+# The e2e servers allocate their disk pools' blocks up front (8 GiB for the shared server, a
+# few more for the cluster and first-start suites), next to templates and snapshots: with
+# less room than this, tests fail on ENOSPC far from the cause, so say it here first.
+free_gib=$(( $(stat -f -c '%a * %S' /var/tmp) / (1 << 30) ))
+if (( free_gib < 20 )); then
+  echo "test.sh: warning: only ${free_gib} GiB free under /var/tmp; the e2e suites need about 20" >&2
+  du -sh /var/tmp/* 2>/dev/null | sort -h | tail -5 >&2 || true
+fi
+
 python3 -m pytest tests/e2e -q -p no:cacheprovider --durations=20 "$@"

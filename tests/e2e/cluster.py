@@ -99,7 +99,7 @@ LAYER_STORE = f"http://{BRIDGE_ADDR}:{LAYER_REGISTRY_PORT}/sandbar/layers"
 NODE_FLAGS = [
     "--warm-pool", "2",
     "--netns-pool", "1",
-    "--disk-pool-gb", "4",
+    "--disk-pool-gb", "2",
     "--base-disk-mb", "512",
     "--pause-grace-secs", "1",
     # Nothing a sandbox resolves may leave the node; nothing listens on the node's port 53.

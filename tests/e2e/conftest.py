@@ -145,8 +145,9 @@ def sandbar():
     binary, _agent = private_binaries(SANDBAR_BIN, interpreter=True)
     global FAKE_DNS
     FAKE_DNS = FakeDns()
-    # Small disks keep the disk-exhaustion probes fast; the upstream resolver is the fake one,
-    # so nothing a sandbox resolves ever reaches a real resolver.
+    # Small disks keep the disk-exhaustion probes fast, and a small pool leaves the host room
+    # for the other suites' servers (its blocks are all allocated up front); the upstream
+    # resolver is the fake one, so nothing a sandbox resolves ever reaches a real resolver.
     server = SandbarServer(
         binary,
         DATA_DIR,
@@ -155,7 +156,7 @@ def sandbar():
         # A short pause grace lets the checkpoint tests see sandboxes written to disk soon;
         # the freezer tests resume well within it. Pulls may reach the local registries only.
         extra_args=[
-            "--base-disk-mb", "512", "--disk-pool-gb", "24", "--ready-timeout-secs", "20", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
+            "--base-disk-mb", "512", "--disk-pool-gb", "8", "--ready-timeout-secs", "20", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
             "--upload-ttl-secs", str(UPLOAD_TTL_S), "--max-uploads-per-team", str(UPLOADS_PER_TEAM),
             *registry_ports().allow_args(),
         ],

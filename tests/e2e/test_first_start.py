@@ -118,7 +118,7 @@ class FirstStart:
             self.data_dir,
             self.log_path,
             free_port(),
-            extra_args=["--base-disk-mb", "512", "--disk-pool-gb", "4"],
+            extra_args=["--base-disk-mb", "512", "--disk-pool-gb", "2"],
         )
 
     def log(self) -> str:
