@@ -30,6 +30,14 @@ fn trampoline() -> io::Result<RawFd> {
     }
 }
 
+/// Loads the trampoline ahead of the first command, off its path; a failure is reported
+/// again, with its cause, by the first command that needs it.
+pub(crate) fn preload_trampoline() {
+    if let Err(e) = trampoline() {
+        tracing::warn!(error = %e, "cannot load the exec trampoline");
+    }
+}
+
 fn load_trampoline() -> io::Result<OwnedFd> {
     let fd = rustix::fs::memfd_create(
         TRAMPOLINE_NAME,

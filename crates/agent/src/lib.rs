@@ -220,8 +220,10 @@ pub async fn serve_booted(
     oom_events: Option<std::os::fd::OwnedFd>,
 ) -> std::io::Result<()> {
     // Started now rather than at the first command: a sandbox taken from the warm pool would
-    // otherwise start a thread and its runtime on its first command's path.
+    // otherwise start a thread and its runtime, and write the trampoline, on its first
+    // command's path.
     reaper::Reaper::global();
+    exec::preload_trampoline();
     let oom = oom_events.map(|fd| process::OomEvents::new(fd, config.memory_limit_mb));
     if let Some(oom) = &oom {
         tokio::spawn(oom.clone().watch());

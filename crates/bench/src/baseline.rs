@@ -148,6 +148,13 @@ pub async fn unshare(warmup: usize, n: usize) -> anyhow::Result<Vec<Duration>> {
     .await
 }
 
+/// One `unshare` into fresh namespaces, timed; for series that interleave it with creates.
+pub async fn unshare_once() -> anyhow::Result<Duration> {
+    let mut command = Command::new("unshare");
+    command.args(["-muinpf", "--mount-proc", "/bin/true"]);
+    time_command(&mut command).await
+}
+
 /// A plain fork+exec of `/bin/true`: the floor of starting any process from this benchmark.
 pub async fn fork_exec(warmup: usize, n: usize) -> anyhow::Result<Vec<Duration>> {
     repeat(warmup, n, |_| Command::new("/bin/true")).await

@@ -203,6 +203,38 @@ async fn latency(
     Ok((series, walls))
 }
 
+/// `unshare` and a create→first output taken by turns, `warmup + n` pairs: on a host whose
+/// speed drifts from minute to minute (a VM with noisy neighbours), both halves of the
+/// comparison then see the same host. The sandbox is killed (untimed) and the server's work
+/// in the background (its clean-up, the warm pool's refill) given [`PAIR_SETTLE`] before the
+/// next pair, so that it lands on neither half.
+async fn paired_with_unshare(
+    api: &Api,
+    warmup: usize,
+    n: usize,
+) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
+    let (mut unshare, mut create) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for i in 0..warmup + n {
+        tokio::time::sleep(PAIR_SETTLE).await;
+        // Which half goes first alternates: the second finds the host just woken by the first.
+        let (namespaces, (id, [total, _, _])) = if i % 2 == 0 {
+            let namespaces = baseline::unshare_once().await?;
+            (namespaces, create_then_echo(api).await?)
+        } else {
+            let created = create_then_echo(api).await?;
+            (baseline::unshare_once().await?, created)
+        };
+        api.kill(&id)
+            .await
+            .with_context(|| format!("cannot kill sandbox {id}"))?;
+        if i >= warmup {
+            unshare.push(namespaces);
+            create.push(total);
+        }
+    }
+    Ok((unshare, create))
+}
+
 /// Sequential create→first output while neighbours run. `setup` makes them on a client of
 /// their own, so the series' clean-up leaves them alone; they are killed afterwards.
 async fn latency_next_to<F, Fut>(api: &Api, args: &Args, setup: F) -> anyhow::Result<Series>
@@ -223,6 +255,10 @@ where
     }
     Ok(series)
 }
+
+const PAIR_SETTLE: Duration = Duration::from_millis(200);
+const PAIRED_UNSHARE: &str = "by turns: `unshare -muinpf --mount-proc /bin/true`";
+const PAIRED_CREATE: &str = "by turns: create→first output, c=1";
 
 #[derive(Debug, Default)]
 struct Results {
@@ -285,6 +321,20 @@ async fn run(
     results.row("create→first output, c=1", &seq.total);
     results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
     results.row("  Start → first stdout, c=1", &seq.start);
+
+    if !args.no_baseline {
+        eprintln!(
+            "latency: {} pairs of unshare and create→first output, by turns",
+            args.iterations
+        );
+        match paired_with_unshare(api, args.warmup, args.iterations).await {
+            Ok((unshare, create)) => {
+                results.row(PAIRED_UNSHARE, &unshare);
+                results.row(PAIRED_CREATE, &create);
+            }
+            Err(e) => eprintln!("warning: paired series skipped: {e:#}"),
+        }
+    }
 
     if args.cpu_hogs > 0 {
         eprintln!(
@@ -486,6 +536,25 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
         }
         _ => {
             let _ = writeln!(out, "- create→first output vs runc: not measured");
+        }
+    }
+    match (results.find(PAIRED_CREATE), results.find(PAIRED_UNSHARE)) {
+        (Some(c), Some(u)) => {
+            let _ = writeln!(
+                out,
+                "- create→first output p50 {:.1} ms vs 2 × `unshare` p50 {:.1} ms, taken by turns: {} ({:.2}×)",
+                c.p50,
+                2.0 * u.p50,
+                if c.p50 <= 2.0 * u.p50 {
+                    "met"
+                } else {
+                    "not met"
+                },
+                c.p50 / u.p50
+            );
+        }
+        _ => {
+            let _ = writeln!(out, "- create→first output vs unshare: not measured");
         }
     }
     let loaded = results.find("create→first output, c=1, next to");
