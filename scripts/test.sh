@@ -56,7 +56,10 @@ phase "deploy checks"
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
 phase "fmt and clippy"
-cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-interpreter
+# Every target at once, tests included: built alone, the binaries would resolve the shared
+# dependencies' features without the test-only ones, and `cargo test` would then compile most
+# of the dependency graph a second time.
+cargo build --release --workspace --all-targets
 phase "build"
 cargo test --release --workspace
 phase "cargo test"

@@ -13,7 +13,7 @@ checked request with a fixed body there: generated bodies could start 100 forks 
 Excluded operations, and why:
   DELETE /api-keys/{apiKeyID}, DELETE /access-tokens/{accessTokenID}: the run authenticates
     with the suite's own key and token, which must survive it; both are covered in-process by
-    crates/api/tests/openapi.rs and on the wire by test_keys.py.
+    crates/api/tests/api/openapi.rs and on the wire by test_keys.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 //! In-process with a real SQLite store, host volume storage on a temporary directory and a
 //! runtime double that only records launches.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Volume endpoints in-process: a real SQLite store, the node's host volume storage on a
 //! temporary directory, and a runtime double that records what it was asked to mount.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -3,7 +3,7 @@
 //! host's router called directly. Placement, forwarding, the node's secret, lost nodes and
 //! the team's limit across nodes.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

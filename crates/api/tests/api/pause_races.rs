@@ -2,7 +2,7 @@
 //! SQLite store and a runtime double whose dump takes a while (the end-to-end suite covers
 //! CRIU itself).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};

@@ -2,7 +2,7 @@
 //! `PUT /sandboxes/{id}/network`, what reaches the runtime, and the edge's traffic token and
 //! host mask on user ports (served by a plain HTTP server on 127.0.0.1).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! The REST surface in-process: a real SQLite store and router, with a runtime double that
 //! records launches instead of starting processes (the end-to-end suite covers real sandboxes).
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! API keys, access tokens, teams and per-team limits over the REST surface, in-process with a
 //! real SQLite store and a runtime double that only records launches.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! calls stop at a gate until the test lets them through: the reaper against an extend, two
 //! connects on one paused sandbox, a kill against a pause, a resume or a snapshot.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -1,0 +1,14 @@
+//! The API crate's in-process suites: a real SQLite store and router with one runtime double
+//! (`common`). One test binary rather than one per suite: each would link the whole server.
+
+mod common;
+
+mod cluster;
+mod keys;
+mod lifecycle_races;
+mod logs;
+mod network;
+mod openapi;
+mod pause_races;
+mod rest;
+mod volumes;
