@@ -139,20 +139,20 @@ pub async fn delete_runc_leftovers() {
 }
 
 /// `unshare -muinpf --mount-proc /bin/true`: namespaces alone, no cgroups or root filesystem.
-pub async fn unshare(warmup: usize, n: usize) -> anyhow::Result<Vec<Duration>> {
-    repeat(warmup, n, |_| {
-        let mut command = Command::new("unshare");
-        command.args(["-muinpf", "--mount-proc", "/bin/true"]);
-        command
-    })
-    .await
-}
-
-/// One `unshare` into fresh namespaces, timed; for series that interleave it with creates.
-pub async fn unshare_once() -> anyhow::Result<Duration> {
+fn unshare_command() -> Command {
     let mut command = Command::new("unshare");
     command.args(["-muinpf", "--mount-proc", "/bin/true"]);
-    time_command(&mut command).await
+    command
+}
+
+/// [`unshare_command`] `warmup + n` times; the last `n` durations.
+pub async fn unshare(warmup: usize, n: usize) -> anyhow::Result<Vec<Duration>> {
+    repeat(warmup, n, |_| unshare_command()).await
+}
+
+/// One [`unshare_command`], timed; for series that interleave it with creates.
+pub async fn unshare_once() -> anyhow::Result<Duration> {
+    time_command(&mut unshare_command()).await
 }
 
 /// A plain fork+exec of `/bin/true`: the floor of starting any process from this benchmark.

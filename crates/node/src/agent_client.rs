@@ -306,10 +306,11 @@ pub(crate) async fn init(
     init_answered(stream).await
 }
 
-/// Writes `POST /init` to the agent behind `stream` in one write made before this
-/// returns, as HTTP/1.1 with `connection: close`. The request is then in the agent's socket
-/// whatever this task does next: a take goes on with blocking steps, during which a client
-/// task would wait for a worker to write it. The answer is read by [`init_answered`].
+/// Writes `POST /init` to the agent behind `stream` (made by [`connect`], which leaves it
+/// known writable, so the write happens in this call's first poll), as HTTP/1.1 with
+/// `connection: close`. The request is then in the agent's socket whatever this task does
+/// next: a take goes on with blocking steps, during which a client task would wait for a
+/// worker to write it. The answer is read by [`init_answered`].
 pub(crate) async fn send_init(
     stream: &mut tokio::net::UnixStream,
     current_token: &str,
@@ -317,18 +318,10 @@ pub(crate) async fn send_init(
 ) -> Result<(), String> {
     use tokio::io::AsyncWriteExt as _;
     let bytes = init_bytes(current_token, init)?;
-    let written = match stream.try_write(&bytes) {
-        Ok(n) => n,
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
-        Err(e) => return Err(format!("send /init: {e}")),
-    };
-    if written < bytes.len() {
-        stream
-            .write_all(&bytes[written..])
-            .await
-            .map_err(|e| format!("send /init: {e}"))?;
-    }
-    Ok(())
+    stream
+        .write_all(&bytes)
+        .await
+        .map_err(|e| format!("send /init: {e}"))
 }
 
 fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, String> {
