@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from e2e_util import serving_pid, stop_server
+
 PREFIX = "sbtest-cl-"
 BRIDGE_NS = PREFIX + "br"
 HOST_LINK = PREFIX + "h"
@@ -661,14 +663,8 @@ class Host:
     def stop(self, kill9: bool = False, timeout: float = 30) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill9 else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-                raise AssertionError(f"{self.name} did not exit within {timeout}s of SIGTERM\n" + self.log_tail())
+        if not stop_server(self.proc, kill9, timeout):
+            raise AssertionError(f"{self.name} did not exit within {timeout}s of SIGTERM\n" + self.log_tail())
         self.proc = None
         if self._log:
             self._log.close()
@@ -676,6 +672,12 @@ class Host:
 
     def kill9(self) -> None:
         self.stop(kill9=True)
+
+    @property
+    def pid(self) -> int:
+        """The serving process (see `serving_pid`)."""
+        assert self.proc is not None, f"{self.name} is not running"
+        return serving_pid(self.proc)
 
     def restart(self, kill9: bool = False) -> None:
         self.stop(kill9=kill9)

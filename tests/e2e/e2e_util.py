@@ -295,6 +295,47 @@ def _stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
 
 
+def serving_pid(proc: subprocess.Popen) -> int:
+    """The process that serves: a server started as a session leader (as these fixtures and
+    systemd start it) forks at once and serves from its child, so that no terminal can become
+    its controlling one; the process started stays, forwarding signals."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        return proc.pid
+    return int(children[0]) if len(children) == 1 else proc.pid
+
+
+def stop_server(proc: subprocess.Popen, kill9: bool, timeout: float) -> bool:
+    """SIGTERM (or SIGKILL) to a server, waited for; False when it did not end in time. A kill
+    -9 goes to the serving process itself, and the one started ends as it did once it has
+    reaped it, so the server's lock and port are free when this returns."""
+    if proc.poll() is not None:
+        return True
+    if kill9:
+        server = serving_pid(proc)
+        os.kill(server, signal.SIGKILL)
+        if server == proc.pid:
+            proc.wait(timeout=10)
+            return True
+        try:
+            proc.wait(timeout=10)
+            return True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            return True
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        os.kill(serving_pid(proc), signal.SIGKILL)
+        proc.kill()
+        proc.wait(timeout=10)
+        return False
+
+
 class SandbarServer:
     """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
 
@@ -315,6 +356,12 @@ class SandbarServer:
         self.extra_env: Dict[str, str] = {}
 
     # ---- process control -------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        """The serving process (see `serving_pid`)."""
+        assert self.proc is not None, "the server is not running"
+        return serving_pid(self.proc)
 
     def start(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -421,15 +468,8 @@ class SandbarServer:
     def stop(self, kill9: bool = False, timeout: float = 30) -> None:
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill9 else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-                if not kill9:
-                    raise AssertionError(f"sandbar did not exit within {timeout}s of SIGTERM\n" + self.log_tail())
+        if not stop_server(self.proc, kill9, timeout) and not kill9:
+            raise AssertionError(f"sandbar did not exit within {timeout}s of SIGTERM\n" + self.log_tail())
         self.proc = None
         if self._log_file:
             self._log_file.close()

@@ -187,7 +187,7 @@ def _all_logs(api: httpx.Client, template_id: str, build_id: str) -> List[dict]:
 
 
 def test_a_step_printing_a_gigabyte_without_newlines_leaves_the_server_flat(sandbar, base_template):
-    pid = sandbar.proc.pid
+    pid = sandbar.pid
     with sandbar.client(timeout=60) as api:
         # The same step, smaller, first: allocations made once per process are then behind.
         _, _, warm = _build(api, "head -c 67108864 /dev/zero | tr '\\0' a")

@@ -224,7 +224,7 @@ def test_proc_lists_only_the_sandboxes_processes(sandbox, sandbar):
     assert "agent" in got["comm1"] or "agent" in got["cmdline1"], f"PID 1 is not the agent: {got}"
     # the agent, the shell that runs the probe, python itself
     assert len(pids) <= 6, f"/proc inside lists {len(pids)} processes: {pids}"
-    for host_pid in (os.getpid(), sandbar.proc.pid):
+    for host_pid in (os.getpid(), sandbar.pid):
         assert host_pid not in pids or host_pid <= 6, f"host pid {host_pid} is listed inside"
 
 
@@ -945,7 +945,7 @@ def test_signals_do_not_reach_the_host_or_neighbours(box, box2, sandbar):
     victim = subprocess.Popen(["sleep", "300"], start_new_session=True)
     neighbour, _, neighbour_pid = start_tagged_sleep(box2)
     try:
-        targets = [sandbar.proc.pid, os.getpid(), victim.pid, neighbour_pid]
+        targets = [sandbar.pid, os.getpid(), victim.pid, neighbour_pid]
         res = py_json(box, KILL_PROBE, *targets)
         for pid in targets:
             r = res[str(pid)]
@@ -953,7 +953,7 @@ def test_signals_do_not_reach_the_host_or_neighbours(box, box2, sandbar):
                 continue  # the number happens to exist inside; it is not the host's process
             assert r == ["ESRCH", "ESRCH"], f"signals to host pid {pid} from the sandbox: {r}"
         # the agent's own process API cannot reach host PIDs either
-        for pid in (sandbar.proc.pid, victim.pid):
+        for pid in (sandbar.pid, victim.pid):
             try:
                 killed = box.commands.kill(pid)
             except Exception:  # noqa: BLE001 - refusing is fine
@@ -1396,7 +1396,7 @@ def open_file_limit(pid):
 def test_a_tree_deeper_than_the_descriptor_limit_does_not_block_kill(sandbar, make_sandbox):
     # Deeper than the server may hold descriptors open, so that a removal holding one per
     # level fails; never below 5000.
-    limit = open_file_limit(sandbar.proc.pid)
+    limit = open_file_limit(sandbar.pid)
     if limit is None or limit + 500 > DEEP_TREE_BOUND:
         pytest.skip(f"the server's open-file limit ({limit}) is above what this probe builds ({DEEP_TREE_BOUND})")
     depth = max(5000, limit + 500)

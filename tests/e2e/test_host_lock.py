@@ -29,7 +29,7 @@ def test_a_second_server_on_the_host_refuses_to_start(sandbar, sandbox):
             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "RUST_LOG": "warn"},
         )
         assert second.returncode != 0
-        assert f"another sandbar server (pid {sandbar.proc.pid}) runs on this host" in second.stderr
+        assert f"another sandbar server (pid {sandbar.pid}) runs on this host" in second.stderr
         assert host_mounts_mentioning(data_dir) == []
         assert not (Path(data_dir) / "sandboxes.img").exists()
 

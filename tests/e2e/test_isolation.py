@@ -392,7 +392,7 @@ def test_no_zombies_left_by_killed_sandboxes(make_sandbox, sandbar):
         sbx = make_sandbox(timeout=60)
         sbx.commands.run("true")
         assert sbx.kill() is True
-    server_pid = sandbar.proc.pid
+    server_pid = sandbar.pid
 
     def zombies():
         out = []

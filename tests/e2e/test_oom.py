@@ -72,4 +72,4 @@ def test_the_oom_killer_picks_sandbox_processes_first(sandbar, sandbox):
     # the server keeps the host's 0, still far below what sandboxes run.
     caps = int(open("/proc/self/status").read().split("CapEff:")[1].split()[0], 16)
     expected = "-900" if caps & (1 << 24) else "0"
-    assert open(f"/proc/{sandbar.proc.pid}/oom_score_adj").read().strip() == expected
+    assert open(f"/proc/{sandbar.pid}/oom_score_adj").read().strip() == expected

@@ -199,7 +199,7 @@ class Baseline:
 
     def leftovers(self, extra: Callable[[], List[str]] = lambda: []) -> List[str]:
         data_dir = Path(self.sandbar.data_dir)
-        own = [self.sandbar.proc.pid] if self.sandbar.proc is not None else []
+        own = [self.sandbar.proc.pid, self.sandbar.pid] if self.sandbar.proc is not None else []
         strict = not other_sandbar_servers(exclude=own)
         out = []
         mounts = [m for m in host_mounts_mentioning(str(data_dir)) if m not in self.mounts]

@@ -4,8 +4,8 @@ use axum::Json;
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{
-    AuthError, CreateSandboxError, ListSandboxesError, RateLimited, SandboxError, TakeOverError,
-    TemplateError, UpdateNetworkError, sandboxes::SnapshotError,
+    AuthError, CreateSandboxError, ListSandboxesError, RateLimited, RuntimeError, SandboxError,
+    TakeOverError, TemplateError, UpdateNetworkError, sandboxes::SnapshotError,
 };
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -214,6 +214,12 @@ impl From<SnapshotError> for ApiError {
                 Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string())
             }
             SnapshotError::Sandbox(s) => s.into(),
+            // What the sandbox holds is the tenant's to change; the reason names only the
+            // kind of object.
+            SnapshotError::Runtime {
+                source: RuntimeError::Uncheckpointable { .. },
+                ..
+            } => Self::new(StatusCode::CONFLICT, e.to_string()),
             SnapshotError::Runtime { .. } => Self::internal(&e),
             SnapshotError::Store(ref s) => Self::internal(s),
         }

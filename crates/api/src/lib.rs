@@ -148,7 +148,8 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// Liveness of the server, and what ails it: 204 when all is well; 200 with the problems
-/// named (a disk short of space or read-only) while it serves with some work refused.
+/// named (a disk short of space or read-only, paused sandboxes kept in memory because their
+/// checkpoint was refused) while it serves with some work refused.
 #[utoipa::path(
     get,
     path = "/health",
@@ -164,7 +165,7 @@ async fn health(
     axum::extract::State(state): axum::extract::State<AppState>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let problems = state.sandboxes.disks().problems();
+    let problems = state.sandboxes.health_problems();
     if problems.is_empty() {
         return axum::http::StatusCode::NO_CONTENT.into_response();
     }
@@ -180,6 +181,6 @@ async fn health(
 struct HealthReport {
     /// Always `degraded`: the server answers, some work is refused.
     status: &'static str,
-    /// One sentence per problem, naming the disk and what is refused.
+    /// One sentence per problem, naming the disk or the sandboxes and what is refused.
     problems: Vec<String>,
 }

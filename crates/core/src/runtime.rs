@@ -132,6 +132,10 @@ pub enum RuntimeError {
     NoCapacity { sandbox_id: String, message: String },
     #[error("sandbox {sandbox_id} has a runtime handle this node cannot read: {message}")]
     BadHandle { sandbox_id: String, message: String },
+    /// The sandbox holds something a checkpoint cannot carry: its own doing, not the host's,
+    /// so trying again changes nothing. `reason` names the kind of object, never a host path.
+    #[error("sandbox {sandbox_id} cannot be checkpointed: {reason}")]
+    Uncheckpointable { sandbox_id: String, reason: String },
 }
 
 #[async_trait::async_trait]

@@ -468,6 +468,9 @@ pub struct Sandboxes {
     shared_files: tokio::sync::Mutex<()>,
     /// One take-over of another node's sandbox at a time.
     take_overs: tokio::sync::Mutex<()>,
+    /// Set while the reaper's checkpoint of a paused sandbox runs beside it: one at a time,
+    /// since a dump holds a CPU, and never on the reaper's own path.
+    checkpoint_running: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -520,6 +523,7 @@ impl Sandboxes {
             nodes: None,
             shared_files: tokio::sync::Mutex::new(()),
             take_overs: tokio::sync::Mutex::new(()),
+            checkpoint_running: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 
@@ -928,6 +932,29 @@ impl Sandboxes {
     /// The node's disks as measured now.
     pub fn disks(&self) -> crate::disks::DiskReport {
         self.runtime.disks()
+    }
+
+    /// What ails this node, one sentence each: its disks, and paused sandboxes that stay in
+    /// memory because their checkpoint was refused or abandoned (counted, not named: the
+    /// answer is public, and each sandbox's log says why).
+    pub fn health_problems(&self) -> Vec<String> {
+        let mut problems = self.disks().problems();
+        let kept = self
+            .live()
+            .values()
+            .filter(|l| {
+                l.status == SandboxStatus::Paused && l.checkpoint_failures >= CHECKPOINT_ATTEMPTS
+            })
+            .count();
+        if kept > 0 {
+            problems.push(format!(
+                "{kept} paused sandbox{} stay{} in memory: {} checkpoint to disk was refused or did not finish; each sandbox's log says why",
+                if kept == 1 { "" } else { "es" },
+                if kept == 1 { "s" } else { "" },
+                if kept == 1 { "its" } else { "their" },
+            ));
+        }
+        problems
     }
 
     /// Refuses, naming the disk, work that would write to a data disk without room for it.

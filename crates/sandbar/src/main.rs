@@ -20,6 +20,7 @@ use sandbar_node::{LinuxRuntime, NodeConfig};
 mod admin;
 mod cluster;
 mod database;
+mod session;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -230,8 +231,20 @@ struct ServeArgs {
     id_base: u32,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_)) {
+        // Before any thread starts: it may fork.
+        session::serve_outside_session_leadership()?;
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")?
+        .block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // One JSON object per line for log collectors; the human format otherwise.
@@ -244,7 +257,7 @@ async fn main() -> anyhow::Result<()> {
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
     }
-    match Cli::parse().command {
+    match cli.command {
         Command::Serve(args) => serve(*args).await,
         Command::Team(command) => admin::team(command).await,
         Command::Key(command) => admin::key(command).await,

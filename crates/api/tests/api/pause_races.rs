@@ -93,3 +93,86 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
     assert_eq!(resumed.handle.0["checkpointed"], json!(false));
     reaper.await.expect("the reaper ran to its end");
 }
+
+#[tokio::test]
+async fn a_refused_checkpoint_leaves_the_sandbox_paused_in_memory_and_is_not_tried_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(
+        SqliteStore::open(&dir.path().join("db"))
+            .await
+            .expect("open"),
+    );
+    let limits = TeamLimits {
+        max_concurrent_sandboxes: 10,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    };
+    let credentials = Auth::new(store.clone())
+        .bootstrap(None, limits)
+        .await
+        .expect("bootstrap")
+        .expect("a new team");
+    let team = store
+        .team(&credentials.team_id)
+        .await
+        .expect("read")
+        .expect("the team");
+    let templates = Templates::new(store.clone());
+    templates
+        .register(&common::base_template(Utc::now()))
+        .await
+        .expect("template");
+    let runtime = Arc::new(FakeRuntime::refusing_checkpoints());
+    let sandboxes = Arc::new(Sandboxes::new(
+        store.clone(),
+        runtime.clone(),
+        templates,
+        SandboxesConfig {
+            pause_grace: Duration::ZERO,
+            ..SandboxesConfig::default()
+        },
+    ));
+    let sandbox = sandboxes
+        .create(
+            &team,
+            CreateSandbox {
+                template: "base".into(),
+                timeout_secs: 300,
+                ..CreateSandbox::default()
+            },
+        )
+        .await
+        .expect("create");
+    sandboxes
+        .pause(&team, &sandbox.id, true)
+        .await
+        .expect("pause");
+    assert!(sandboxes.health_problems().is_empty());
+    for _ in 0..5 {
+        sandboxes.checkpoint_paused().await;
+    }
+    // Asked once: what the sandbox holds does not change while it is frozen.
+    assert_eq!(
+        runtime
+            .checkpoints_asked
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let kept = sandboxes.get(&team, &sandbox.id).await.expect("get");
+    assert_eq!(kept.status.name(), "paused");
+    assert_eq!(
+        sandboxes.health_problems(),
+        [
+            "1 paused sandbox stays in memory: its checkpoint to disk was refused or did not finish; each sandbox's log says why"
+        ]
+    );
+    // Resumed from memory, it no longer counts.
+    sandboxes
+        .resume(&team, &sandbox.id, 300, true, true)
+        .await
+        .expect("resume");
+    assert!(sandboxes.health_problems().is_empty());
+}

@@ -1,13 +1,15 @@
 //! Pausing: frozen in place, or released to keep only the files, and the checkpoint to disk
 //! a sandbox frozen past its grace gets.
 
+use std::sync::Arc;
+
 use chrono::{TimeDelta, Utc};
 
 use super::{CHECKPOINT_ATTEMPTS, SandboxError, Sandboxes, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{Sandbox, Team};
-use crate::runtime::RuntimeHandle;
+use crate::runtime::{RuntimeError, RuntimeHandle};
 
 impl Sandboxes {
     /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
@@ -139,6 +141,30 @@ impl Sandboxes {
         }
     }
 
+    /// Starts [`Self::checkpoint_paused`] beside the caller unless one still runs: the
+    /// reaper goes on ending other sandboxes however long a dump takes. The node bounds each
+    /// step of a checkpoint itself (its plan, the dump, the seal) and gives back a sandbox
+    /// whose dump it abandons still paused in memory, so nothing here cancels one half-way.
+    pub fn spawn_checkpoint_paused(self: &Arc<Self>) {
+        use std::sync::atomic::Ordering;
+        if self.checkpoint_running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = self.clone();
+        let running = self.checkpoint_running.clone();
+        tokio::spawn(async move {
+            // Cleared however the task ends, a panic included.
+            struct Clear(Arc<std::sync::atomic::AtomicBool>);
+            impl Drop for Clear {
+                fn drop(&mut self) {
+                    self.0.store(false, Ordering::Release);
+                }
+            }
+            let _clear = Clear(running);
+            this.checkpoint_paused().await;
+        });
+    }
+
     /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
     /// one per round, since a dump holds a CPU while it runs.
     pub async fn checkpoint_paused(&self) {
@@ -228,8 +254,18 @@ impl Sandboxes {
                 tracing::info!(sandbox_id = %id, ms, "sandbox checkpointed to disk");
             }
             Err(err) => {
+                // A refusal is about what the sandbox holds, which stays as it is while it
+                // is frozen: it is not tried again until its next pause.
+                let refused = matches!(
+                    err,
+                    SandboxError::Runtime(RuntimeError::Uncheckpointable { .. })
+                );
                 if let Some(entry) = self.live().get_mut(id) {
-                    entry.checkpoint_failures += 1;
+                    entry.checkpoint_failures = if refused {
+                        CHECKPOINT_ATTEMPTS
+                    } else {
+                        entry.checkpoint_failures.saturating_add(1)
+                    };
                 }
                 // Not claimed (another caller had it): nothing to give back.
                 if self.status_of(id) == Some(SandboxStatus::Checkpointing)

@@ -107,7 +107,7 @@ impl Sandboxes {
         for round in 0u64.. {
             tick.tick().await;
             self.reap_expired().await;
-            self.checkpoint_paused().await;
+            self.spawn_checkpoint_paused();
             if round % 10 == 0 {
                 self.reap_dead().await;
             }

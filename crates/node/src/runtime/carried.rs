@@ -14,8 +14,8 @@ impl LinuxRuntime {
     }
 
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
-    /// it: its images intact, the CRIU that made it, the host files its processes held
-    /// unchanged here, and no volume (volumes stay with the node that was lost).
+    /// it: its images intact, the CRIU that made it, the agent its processes ran present
+    /// here, and no volume (volumes stay with the node that was lost).
     pub(super) async fn carry_checkpoint(
         &self,
         id: &str,
@@ -34,6 +34,7 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, e))?;
         let checked = {
             let dir = dir.clone();
+            let agents = self.agents_dir();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 // Everything below is read by path: a checkpoint is regular files only, so
                 // no entry of the archive can lead a read anywhere else.
@@ -62,9 +63,16 @@ impl LinuxRuntime {
                 {
                     return Err("its processes hold volumes, which were on the lost node".into());
                 }
-                // Only to see that the host files match; the restore opens them again.
-                let placeholder = (origin.log.clone(), PathBuf::from("/dev/null"));
-                crate::checkpoint::open_externals(&header, Some(&placeholder))?;
+                // Only to see that this node has the agent the checkpoint's processes ran
+                // (by its digest, whichever node copied it when); the restore opens it again.
+                crate::checkpoint::open_externals(
+                    &header,
+                    crate::checkpoint::PlacedSources {
+                        agents: &agents,
+                        log: None,
+                    },
+                )
+                .map_err(|e| e.to_string())?;
                 Ok((header, origin))
             })
             .await
@@ -76,7 +84,6 @@ impl LinuxRuntime {
         self.set_verified(&dir, true);
         Ok(CarriedCheckpoint {
             origin_id_base: origin.id_base,
-            origin_log: origin.log,
         })
     }
 
@@ -116,7 +123,6 @@ impl LinuxRuntime {
                 SlotRestore {
                     work,
                     header,
-                    held_log: carried.origin_log.clone(),
                     // The same machine on another network: only its name server moves.
                     machine_id: None,
                     boot_id: kept.boot_id.clone(),

@@ -51,8 +51,6 @@ pub(super) struct Handle {
 pub(super) struct CarriedCheckpoint {
     /// Host id of the sandbox's root there: its user namespace image names that range.
     pub(super) origin_id_base: u32,
-    /// The agent log its processes held open there.
-    pub(super) origin_log: PathBuf,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -145,6 +145,8 @@ pub struct LinuxRuntime {
     /// checkpoint can only be restored with the exact binary its processes mapped.
     agent_exec: PathBuf,
     agent_digest: String,
+    /// Where the kernel keeps objects without a path, which a dump plan leaves to CRIU.
+    kernel_filesystems: crate::checkpoint::KernelFilesystems,
     /// Mount points a restore needs that the sandbox's host uid must reach (outside the
     /// data directory, which only root may traverse).
     mount_dir: PathBuf,
@@ -347,6 +349,11 @@ impl LinuxRuntime {
             use std::os::unix::fs::DirBuilderExt;
             let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
         }
+        let kernel_filesystems =
+            crate::checkpoint::KernelFilesystems::probe().map_err(|source| NodeError::Io {
+                path: PathBuf::from("/proc/self/fd"),
+                source,
+            })?;
         let criu = crate::criu_cell::CriuCell::at_start(
             config.criu.clone(),
             kdat_dir.clone(),
@@ -358,6 +365,7 @@ impl LinuxRuntime {
             warm: crate::warm::WarmPool::new(config.warm_pool),
             agent_exec,
             agent_digest,
+            kernel_filesystems,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
             unrestorable_captures: Mutex::new(BTreeSet::new()),
@@ -373,6 +381,30 @@ impl LinuxRuntime {
             disks,
             ledger: ledger::ResourceLedger::new(memory_rule, crate::tasks::task_limit()),
             slots,
+        })
+    }
+
+    /// The node's content-addressed agent copies.
+    fn agents_dir(&self) -> PathBuf {
+        self.config.data_dir.join("agents")
+    }
+
+    /// The node's files a sandbox's processes may hold from outside its mounts, as a dump
+    /// plan recognises them: every agent copy (a sandbox started by an earlier build runs an
+    /// earlier one) and the sandbox's own log. Read from the node's own directories.
+    fn placed_files(&self, id: &str) -> std::io::Result<crate::checkpoint::PlacedFiles> {
+        use crate::checkpoint::FileIdentity;
+        let mut agents = Vec::new();
+        for entry in std::fs::read_dir(self.agents_dir())? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.len() == 64 && name.bytes().all(|c| c.is_ascii_hexdigit()) {
+                agents.push((FileIdentity::of_path(&entry.path())?, name));
+            }
+        }
+        Ok(crate::checkpoint::PlacedFiles {
+            agents,
+            log: FileIdentity::of_path(&self.log_path(id))?,
         })
     }
 

@@ -131,12 +131,51 @@ impl LinuxRuntime {
                     .map_err(|e| sandbox_err(id, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let plan = tokio::task::spawn_blocking(move || {
-            crate::checkpoint::plan_dump(pid, &tasks, netns_inode, LISTENER_FD, &volumes)
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, format!("cannot list what it uses of the host: {e}")))?;
+        let placed = self
+            .placed_files(id)
+            .map_err(|e| sandbox_err(id, format!("cannot read the node's own files: {e}")))?;
+        let kernel = self.kernel_filesystems.clone();
+        let planning = tokio::task::spawn_blocking(move || {
+            crate::checkpoint::plan_dump(
+                &crate::checkpoint::HostProc,
+                &crate::checkpoint::PlanInput {
+                    pid,
+                    tasks: &tasks,
+                    netns_inode,
+                    listener_fd: LISTENER_FD,
+                    volumes: &volumes,
+                    kernel: &kernel,
+                    placed: &placed,
+                },
+            )
+        });
+        // The plan only reads /proc and never opens what the sandbox holds, so it does not
+        // wait on the sandbox; bounded all the same, as every wait on a sandbox is.
+        let plan = tokio::time::timeout(PLAN_DEADLINE, planning)
+            .await
+            .map_err(|_| {
+                sandbox_err(
+                    id,
+                    format!(
+                        "listing what it holds took over {} s; the checkpoint is abandoned",
+                        PLAN_DEADLINE.as_secs()
+                    ),
+                )
+            })?
+            .map_err(|e| sandbox_err(id, e))?
+            .map_err(|e| {
+                if let crate::checkpoint::PlanError::Foreign { found, dev, .. } = &e {
+                    tracing::info!(sandbox_id = %id, found, ?dev, "a checkpoint refused: the sandbox holds an object from outside it");
+                }
+                if e.is_refusal() {
+                    RuntimeError::Uncheckpointable {
+                        sandbox_id: id.to_owned(),
+                        reason: e.to_string(),
+                    }
+                } else {
+                    sandbox_err(id, e)
+                }
+            })?;
         crate::checkpoint::write_plan(images, &plan)
             .map_err(|e| sandbox_err(id, format!("cannot write {}: {e}", images.display())))?;
         let mut command = criu.command();
@@ -172,10 +211,23 @@ impl LinuxRuntime {
         } else {
             "checkpoint.dumping"
         });
-        let status = child
-            .wait()
-            .await
-            .map_err(|e| sandbox_err(id, format!("wait for {}: {e}", criu.path.display())))?;
+        let deadline = dump_deadline(h.memory_mb);
+        let status = match tokio::time::timeout(deadline, child.wait()).await {
+            Ok(status) => status
+                .map_err(|e| sandbox_err(id, format!("wait for {}: {e}", criu.path.display())))?,
+            Err(_) => {
+                // CRIU lets go of the tasks it seized when it dies; they stay in their
+                // frozen cgroup, paused in memory as before the dump.
+                let _ = child.kill().await;
+                return Err(sandbox_err(
+                    id,
+                    format!(
+                        "the dump did not finish within {} s and was abandoned; the sandbox stays paused in memory",
+                        deadline.as_secs()
+                    ),
+                ));
+            }
+        };
         if !status.success() {
             let mut errors =
                 crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
@@ -381,7 +433,7 @@ impl LinuxRuntime {
                 layers,
                 userns,
                 netns: prepared,
-                new_log: None,
+                log: self.log_path(id),
                 etc: None,
                 boot_id: h.boot_id.clone(),
             },
@@ -409,7 +461,7 @@ impl LinuxRuntime {
             .await
             .map_err(bare)?;
         let (log_path, log) = self
-            .log_for_restore(id, &restore.header, &restore.held_log, id_map.host_base)
+            .log_for_restore(id, &restore.header, id_map.host_base)
             .map_err(bare)?;
         let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
             bare(RuntimeError::TemplateMissing {
@@ -440,7 +492,7 @@ impl LinuxRuntime {
                     layers,
                     userns,
                     netns,
-                    new_log: Some((restore.held_log, log_path)),
+                    log: log_path,
                     etc: Some((id_map.host_base, etc)),
                     boot_id: restore.boot_id.clone(),
                 },
@@ -467,21 +519,27 @@ impl LinuxRuntime {
     }
 
     /// The agent log a restored sandbox writes, made as long as the one its processes held
-    /// (`held`, named in the checkpoint) was at the dump: CRIU checks the size of every file
-    /// it reopens. The caller empties it once the restore is done; the agent appends, so its
-    /// next line lands at the start.
+    /// was at the dump: CRIU checks the size of every file it reopens. The caller empties it
+    /// once the restore is done; the agent appends, so its next line lands at the start.
     pub(super) fn log_for_restore(
         &self,
         id: &str,
         header: &crate::checkpoint::Header,
-        held: &Path,
         owner: u32,
     ) -> Result<(PathBuf, std::fs::File), RuntimeError> {
         let held_size = header
             .externals
             .iter()
             .find_map(|e| match e {
-                crate::checkpoint::External::File { path, size, .. } if path == held => Some(*size),
+                crate::checkpoint::External::Placed {
+                    file: crate::checkpoint::Placed::Log,
+                    size,
+                    ..
+                } => Some(*size),
+                // Format 1 recorded the log as the one file held for appending.
+                crate::checkpoint::External::File {
+                    append: true, size, ..
+                } => Some(*size),
                 _ => None,
             })
             .unwrap_or(0);
@@ -522,7 +580,7 @@ impl LinuxRuntime {
             layers,
             userns,
             netns: prepared,
-            new_log,
+            log,
             etc,
             boot_id,
         } = from;
@@ -611,7 +669,12 @@ impl LinuxRuntime {
                 return Err(sandbox_err(id, e));
             }
         };
-        let files = match crate::checkpoint::open_externals(&header, new_log.as_ref()) {
+        let agents = self.agents_dir();
+        let sources = crate::checkpoint::PlacedSources {
+            agents: &agents,
+            log: Some(&log),
+        };
+        let files = match crate::checkpoint::open_externals(&header, sources) {
             Ok(files) => files,
             Err(e) => {
                 undo_mounts();
@@ -622,6 +685,13 @@ impl LinuxRuntime {
         for external in &header.externals {
             match external {
                 crate::checkpoint::External::Device { key, source } => {
+                    if !crate::checkpoint::is_device_node_path(source) {
+                        undo_mounts();
+                        return Err(sandbox_err(
+                            id,
+                            "the checkpoint binds a device that is not one of /dev's",
+                        ));
+                    }
                     args.push(format!("--external=mnt[{key}]:{}", source.display()));
                 }
                 crate::checkpoint::External::Sysfs { key } => {
@@ -638,7 +708,8 @@ impl LinuxRuntime {
                         args.push(format!("--external=mnt[{key}]:{}", file.display()));
                     }
                 }
-                crate::checkpoint::External::File { .. } => {}
+                crate::checkpoint::External::Placed { .. }
+                | crate::checkpoint::External::File { .. } => {}
             }
         }
         // Descriptors handed to CRIU at fixed numbers: the host files, the new listener and
@@ -775,6 +846,15 @@ pub(super) const RESTORE_TRIES: u32 = 2;
 
 /// How long one restore may take: restores run at hundreds of MiB a second, so this is only
 /// ever reached by a CRIU that is stuck.
+/// How long a dump plan may take: it reads `/proc` only.
+pub(super) const PLAN_DEADLINE: Duration = Duration::from_secs(20);
+
+/// How long a dump of a sandbox with a memory limit of `memory_mb` may take before it is
+/// abandoned: far longer than writing that much memory takes here.
+pub(super) fn dump_deadline(memory_mb: u32) -> Duration {
+    Duration::from_secs(30 + 30 * u64::from(memory_mb).div_ceil(1024))
+}
+
 pub(super) fn restore_deadline(images_bytes: u64) -> Duration {
     Duration::from_secs(20 + 20 * images_bytes.div_ceil(1 << 30))
 }
@@ -857,9 +937,9 @@ pub(super) struct RestoreFrom {
     /// A user namespace with the sandbox's id range, to id-map the layers.
     pub(super) userns: std::os::fd::OwnedFd,
     pub(super) netns: PreparedNetns,
-    /// The agent log the checkpoint's processes held (the snapshotted sandbox's) and the one
-    /// the restored sandbox writes instead.
-    pub(super) new_log: Option<(PathBuf, PathBuf)>,
+    /// The agent log the restored sandbox writes (the checkpoint's processes get it in place
+    /// of the one they held).
+    pub(super) log: PathBuf,
     /// Files of `/etc` written into the root before the restore, and their owner.
     pub(super) etc: Option<(u32, Vec<EtcFile>)>,
     /// The boot id the restored sandbox shows, when its checkpoint binds one.
@@ -872,8 +952,6 @@ pub(super) struct SlotRestore {
     /// The staged images (see `stage_checkpoint`), removed once restored.
     pub(super) work: PathBuf,
     pub(super) header: crate::checkpoint::Header,
-    /// The agent log the checkpoint's processes held where it was made.
-    pub(super) held_log: PathBuf,
     /// A new machine id for a new machine; `None` keeps the one its files hold.
     pub(super) machine_id: Option<String>,
     pub(super) boot_id: Option<String>,

@@ -259,7 +259,6 @@ impl LinuxRuntime {
                 SlotRestore {
                     work,
                     header,
-                    held_log: origin.log,
                     // A new sandbox is a new machine; what its restored processes read
                     // before stays in their memory.
                     machine_id: Some(sandbar_core::ids::new_machine_id()),

@@ -44,6 +44,10 @@ pub struct FakeRuntime {
     gate: Option<Gate>,
     /// How long a checkpoint takes; checkpoints are off without one.
     dump_time: Option<Duration>,
+    /// Checkpoints refused as a node refuses a sandbox holding what it cannot carry.
+    refuse_checkpoints: bool,
+    /// Checkpoints asked for, refused or not.
+    pub checkpoints_asked: std::sync::atomic::AtomicUsize,
 }
 
 fn endpoint() -> Endpoint {
@@ -87,6 +91,16 @@ impl FakeRuntime {
     pub fn with_checkpoints(dump_time: Duration) -> Self {
         FakeRuntime {
             dump_time: Some(dump_time),
+            ..FakeRuntime::default()
+        }
+    }
+
+    /// A runtime that refuses every checkpoint and memory snapshot because of what the
+    /// sandbox holds.
+    pub fn refusing_checkpoints() -> Self {
+        FakeRuntime {
+            dump_time: Some(Duration::ZERO),
+            refuse_checkpoints: true,
             ..FakeRuntime::default()
         }
     }
@@ -240,9 +254,17 @@ impl Runtime for FakeRuntime {
         sandbox_id: &str,
         _: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
+        self.checkpoints_asked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let Some(dump_time) = self.dump_time else {
             return Err(refuse(sandbox_id, "checkpoints are off"));
         };
+        if self.refuse_checkpoints {
+            return Err(RuntimeError::Uncheckpointable {
+                sandbox_id: sandbox_id.to_owned(),
+                reason: "a process of the sandbox holds a FIFO from outside the sandbox".into(),
+            });
+        }
         tokio::time::sleep(dump_time).await;
         Ok(RuntimeHandle(json!({"checkpointed": true})))
     }

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
 use std::io::Write;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -14,18 +14,25 @@ use std::process::Stdio;
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
+mod plan;
+
+pub use plan::{
+    DumpPlan, FileIdentity, HostProc, KernelFilesystems, PlacedFiles, PlanError, PlanInput,
+    ProcView, plan_dump, socket_inode,
+};
+
 /// The CRIU release our patches are made for; checkpoints are only promised to restore with
 /// the version that made them.
 pub const CRIU_VERSION: &str = "4.1.1";
 /// Where scripts/install-criu.sh records the digest of the patches it built with.
 pub const PATCH_STAMP: &str = "/usr/local/share/sandbar/criu-patches.sha256";
 const PATCHES: [&[u8]; 6] = [
-    include_bytes!("../../../scripts/criu/0001-userns-check-opt-out.patch"),
-    include_bytes!("../../../scripts/criu/0002-rlimits-from-proc.patch"),
-    include_bytes!("../../../scripts/criu/0003-external-netns-of-another-userns.patch"),
-    include_bytes!("../../../scripts/criu/0004-socket-options-of-newer-kernels.patch"),
-    include_bytes!("../../../scripts/criu/0005-kernel-feature-cache-dir.patch"),
-    include_bytes!("../../../scripts/criu/0006-threads-stay-with-ignored-cgroups.patch"),
+    include_bytes!("../../../../scripts/criu/0001-userns-check-opt-out.patch"),
+    include_bytes!("../../../../scripts/criu/0002-rlimits-from-proc.patch"),
+    include_bytes!("../../../../scripts/criu/0003-external-netns-of-another-userns.patch"),
+    include_bytes!("../../../../scripts/criu/0004-socket-options-of-newer-kernels.patch"),
+    include_bytes!("../../../../scripts/criu/0005-kernel-feature-cache-dir.patch"),
+    include_bytes!("../../../../scripts/criu/0006-threads-stay-with-ignored-cgroups.patch"),
 ];
 
 /// A CRIU binary that passed [`probe`].
@@ -148,7 +155,10 @@ pub fn probe(path: &Path, kdat_dir: &Path) -> Result<Criu, ProbeError> {
 }
 
 const MAGIC: &[u8; 8] = b"SBXCKPT\0";
-const FORMAT_VERSION: u32 = 1;
+/// 2: the node's files are recorded by what they are ([`External::Placed`]), no longer by
+/// the path a sandbox's descriptor showed. Headers of format 1 are still read.
+const FORMAT_VERSION: u32 = 2;
+const OLDEST_FORMAT_VERSION: u32 = 1;
 /// The header's file name in a checkpoint directory; written last.
 pub const HEADER_FILE: &str = "header";
 /// CRIU's logs, which are not part of the images.
@@ -214,8 +224,16 @@ pub enum External {
     /// mount of the sandbox shows whole: made again at the restore, holding the id the
     /// restored sandbox is to have.
     BootId { key: String },
-    /// A host file the sandbox's processes map or hold open (the agent binary, its libraries,
-    /// its log), given to the restore as an open descriptor.
+    /// A file of the node's that the sandbox's processes map or hold open (the agent binary,
+    /// its log), given to the restore as a descriptor the node opens itself.
+    Placed {
+        key: String,
+        file: Placed,
+        /// Its size at the dump: CRIU checks it against what the restore hands over.
+        size: u64,
+    },
+    /// Format 1: a host file by the path its descriptor showed. Read only to tell which of
+    /// the node's files it was; the path is never opened.
     File {
         key: String,
         path: PathBuf,
@@ -223,6 +241,16 @@ pub enum External {
         size: u64,
         mtime: i64,
     },
+}
+
+/// Which of the node's files a checkpoint's processes held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Placed {
+    /// The agent binary, named by the header's `agent_digest`.
+    Agent,
+    /// The sandbox's agent log, which the restoring node chooses.
+    Log,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -258,9 +286,9 @@ fn decode(bytes: &[u8]) -> Result<Header, String> {
         return Err("header checksum mismatch".into());
     }
     let version = u32::from_le_bytes(framed[8..12].try_into().map_err(|_| "short header")?);
-    if version != FORMAT_VERSION {
+    if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(format!(
-            "format version {version}, expected {FORMAT_VERSION}"
+            "format version {version}, expected {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}"
         ));
     }
     let len = u32::from_le_bytes(framed[12..16].try_into().map_err(|_| "short header")?) as usize;
@@ -390,7 +418,7 @@ pub fn seal(
     let (images, images_crc32) = list_images(dir)?;
     let header = Header {
         criu_version,
-        agent_digest,
+        agent_digest: plan.agent_digest.unwrap_or(agent_digest),
         listener_inode: plan.listener_inode,
         externals: plan.externals,
         images,
@@ -482,33 +510,6 @@ pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderErro
     Ok(header)
 }
 
-/// The arguments a dump of the sandbox whose PID 1 is `pid` needs beyond the usual ones, and
-/// the externals they name.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DumpPlan {
-    pub args: Vec<String>,
-    pub externals: Vec<External>,
-    pub listener_inode: u64,
-}
-
-fn mount_id_of(file: &std::fs::File) -> Option<u64> {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", file.as_raw_fd())).ok()?;
-    info.lines()
-        .find_map(|l| l.strip_prefix("mnt_id:"))
-        .and_then(|v| v.trim().parse().ok())
-}
-
-fn fd_flags(task: i32, fd: &str) -> u32 {
-    std::fs::read_to_string(format!("/proc/{task}/fdinfo/{fd}"))
-        .ok()
-        .and_then(|info| {
-            info.lines()
-                .find_map(|l| l.strip_prefix("flags:"))
-                .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
-        })
-        .unwrap_or(0)
-}
-
 /// The mount ids of `mountinfo` (a sandbox's mount table), and the dump arguments and
 /// externals for the mounts in it that come from the host or from a filesystem the sandbox
 /// cannot show whole: device binds, sysfs, its `volumes` (mount point in the sandbox,
@@ -581,91 +582,6 @@ fn external_mounts(
     (own_mounts, args, externals)
 }
 
-/// Lists what the sandbox uses of the host: device binds, sysfs and its `volumes` (mount
-/// point in the sandbox, directory on the host) in its mount table, and files mapped or open
-/// in any of `tasks` that live on a mount outside its mount namespace.
-pub fn plan_dump(
-    pid: i32,
-    tasks: &[i32],
-    netns_inode: u64,
-    listener_fd: i32,
-    volumes: &[(PathBuf, PathBuf)],
-) -> std::io::Result<DumpPlan> {
-    let mountinfo = std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))?;
-    let (own_mounts, mut args, mut externals) = external_mounts(&mountinfo, volumes);
-    let mut seen = BTreeSet::new();
-    for task in tasks {
-        for dir in ["map_files", "fd"] {
-            let Ok(entries) = std::fs::read_dir(format!("/proc/{task}/{dir}")) else {
-                continue;
-            };
-            for entry in entries.flatten() {
-                let Ok(target) = std::fs::read_link(entry.path()) else {
-                    continue;
-                };
-                // A memory file (the agent's exec trampoline) has no path anywhere: CRIU
-                // saves its contents and seals with the sandbox.
-                if !target.is_absolute() || target.to_string_lossy().starts_with("/memfd:") {
-                    continue;
-                }
-                let Ok(file) = std::fs::File::open(entry.path()) else {
-                    continue;
-                };
-                let Ok(meta) = file.metadata() else {
-                    continue;
-                };
-                if !meta.is_file() {
-                    continue;
-                }
-                let Some(mount) = mount_id_of(&file) else {
-                    continue;
-                };
-                if own_mounts.contains(&mount) {
-                    continue;
-                }
-                let key = format!("file[{mount:x}:{:x}]", meta.ino());
-                let append = dir == "fd"
-                    && fd_flags(*task, &entry.file_name().to_string_lossy())
-                        & libc::O_APPEND as u32
-                        != 0;
-                let writable = dir == "fd"
-                    && fd_flags(*task, &entry.file_name().to_string_lossy())
-                        & (libc::O_WRONLY | libc::O_RDWR) as u32
-                        != 0;
-                if !seen.insert(key.clone()) {
-                    continue;
-                }
-                args.push(format!("--external={key}"));
-                externals.push(External::File {
-                    key,
-                    path: target,
-                    append: append || writable,
-                    size: meta.len(),
-                    mtime: meta.mtime(),
-                });
-            }
-        }
-    }
-    args.push(format!("--external=net[{netns_inode}]:extnet"));
-    let listener = std::fs::read_link(format!("/proc/{pid}/fd/{listener_fd}"))?;
-    let listener_inode = listener
-        .to_string_lossy()
-        .strip_prefix("socket:[")
-        .and_then(|s| s.strip_suffix(']'))
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| {
-            std::io::Error::other(format!(
-                "descriptor {listener_fd} of PID {pid} is {}, not the agent's socket",
-                listener.display()
-            ))
-        })?;
-    Ok(DumpPlan {
-        args,
-        externals,
-        listener_inode,
-    })
-}
-
 /// The last error lines of a CRIU log, for a failure message.
 pub fn log_errors(log: &Path) -> String {
     let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -682,50 +598,122 @@ pub fn log_errors(log: &Path) -> String {
     picked.into_iter().rev().collect::<Vec<_>>().join("; ")
 }
 
-/// The descriptors a restore inherits, opened from what the header recorded; an error names
-/// a host file that changed since the checkpoint (a rebuilt library would crash the sandbox).
-/// `replace` names a file the checkpoint's processes held and the one a restore gives them
-/// instead (a sandbox restored from another's snapshot writes its own log).
+/// Whether `path` is a device node directly under `/dev` (`/dev/null`, `/dev/urandom`): the
+/// only host objects a checkpoint binds back by path.
+pub fn is_device_node_path(path: &Path) -> bool {
+    let Ok(name) = path.strip_prefix("/dev") else {
+        return false;
+    };
+    let name = name.as_os_str().as_bytes();
+    !name.is_empty() && name.iter().all(u8::is_ascii_lowercase)
+}
+
+/// Where a restore finds the node's files a checkpoint names: the node's own, never a path
+/// a checkpoint recorded.
+#[derive(Debug, Clone, Copy)]
+pub struct PlacedSources<'a> {
+    /// The node's content-addressed agent copies (`<data>/agents`).
+    pub agents: &'a Path,
+    /// The log the restored sandbox's agent is to write; `None` only checks that the rest
+    /// is here.
+    pub log: Option<&'a Path>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExternalsError {
+    #[error("the checkpoint's agent {digest} is not on this node")]
+    NoAgent {
+        digest: String,
+        source: std::io::Error,
+    },
+    #[error("the checkpoint names agent '{digest}', which is not a digest")]
+    BadDigest { digest: String },
+    #[error("cannot open the agent log {path}: {source}")]
+    Log {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the checkpoint names a host file that is neither the agent nor its log")]
+    Unknown,
+}
+
+/// The descriptors a restore inherits for the node's files the checkpoint names, each opened
+/// from `sources` (never by a recorded path) without following links, taking a terminal or
+/// blocking. The agent is the copy named by its content digest, so a checkpoint restores on
+/// any node that runs the same build.
 pub fn open_externals(
     header: &Header,
-    replace: Option<&(PathBuf, PathBuf)>,
-) -> Result<Vec<(String, OwnedFd)>, String> {
+    sources: PlacedSources<'_>,
+) -> Result<Vec<(String, OwnedFd)>, ExternalsError> {
     let mut out = Vec::new();
     for external in &header.externals {
-        let External::File {
-            key,
-            path,
-            append,
-            size,
-            mtime,
-        } = external
-        else {
-            continue;
-        };
-        let path = match replace {
-            Some((old, new)) if old == path => new,
-            _ => path,
-        };
-        let file = if *append {
-            std::fs::OpenOptions::new().append(true).open(path)
-        } else {
-            std::fs::File::open(path)
-        }
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-        if !*append {
-            let meta = file
-                .metadata()
-                .map_err(|e| format!("cannot stat {}: {e}", path.display()))?;
-            if meta.len() != *size || meta.mtime() != *mtime {
-                return Err(format!(
-                    "{} changed since the checkpoint was taken",
-                    path.display()
-                ));
+        let (key, placed) = match external {
+            External::Placed { key, file, .. } => (key, *file),
+            // Format 1 recorded the log as the one file opened for appending and the agent
+            // by its copy's name; the path itself is not used.
+            External::File {
+                key, path, append, ..
+            } => {
+                let placed = if *append {
+                    Placed::Log
+                } else if path.file_name() == Some(OsStr::new(&header.agent_digest)) {
+                    Placed::Agent
+                } else {
+                    return Err(ExternalsError::Unknown);
+                };
+                (key, placed)
             }
-        }
-        out.push((key.clone(), OwnedFd::from(file)));
+            _ => continue,
+        };
+        let fd = match placed {
+            Placed::Agent => open_agent(sources.agents, &header.agent_digest)?,
+            Placed::Log => {
+                let Some(log) = sources.log else { continue };
+                open_node_file(log, true).map_err(|source| ExternalsError::Log {
+                    path: log.to_owned(),
+                    source,
+                })?
+            }
+        };
+        out.push((key.clone(), fd));
     }
     Ok(out)
+}
+
+fn open_agent(agents: &Path, digest: &str) -> Result<OwnedFd, ExternalsError> {
+    if digest.len() != 64 || !digest.bytes().all(|c| c.is_ascii_hexdigit()) {
+        return Err(ExternalsError::BadDigest {
+            digest: digest.to_owned(),
+        });
+    }
+    open_node_file(&agents.join(digest), false).map_err(|source| ExternalsError::NoAgent {
+        digest: digest.to_owned(),
+        source,
+    })
+}
+
+/// Opens a regular file of the node's: no link followed, no terminal taken, no wait on a
+/// FIFO, and anything but a regular file refused.
+fn open_node_file(path: &Path, append: bool) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    let access = if append {
+        OFlags::WRONLY | OFlags::APPEND
+    } else {
+        OFlags::RDONLY
+    };
+    let fd = rustix::fs::open(
+        path,
+        access | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let stat = rustix::fs::fstat(&fd)?;
+    if stat.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    // Only there to keep the open itself from waiting; the restored process gets a
+    // descriptor like the one it had.
+    rustix::fs::fcntl_setfl(&fd, access & OFlags::APPEND)?;
+    Ok(fd)
 }
 
 /// CRIU's image magics (criu/include/magic.h): every image starts with the common magic and
@@ -917,19 +905,11 @@ pub fn host_unix_sockets(tasks: &[i32]) -> Vec<HostSocket> {
     held
 }
 
-/// The inode of a `socket:[N]` descriptor link.
-fn socket_inode(link: &OsStr) -> Option<u64> {
-    std::str::from_utf8(link.as_bytes())
-        .ok()?
-        .strip_prefix("socket:[")?
-        .strip_suffix(']')?
-        .parse()
-        .ok()
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
     use super::*;
 
     #[test]
@@ -989,17 +969,127 @@ mod tests {
                     key: "m_dev_null".into(),
                     source: "/dev/null".into(),
                 },
-                External::File {
+                External::Placed {
                     key: "file[1b:10]".into(),
-                    path: "/usr/lib/libc.so.6".into(),
-                    append: false,
+                    file: Placed::Agent,
                     size: 10,
-                    mtime: 5,
                 },
             ],
             images: Vec::new(),
             images_crc32: 0,
         }
+    }
+
+    #[test]
+    fn a_restore_opens_the_nodes_own_files_and_never_a_recorded_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let agents = dir.path().join("agents");
+        std::fs::create_dir(&agents).unwrap();
+        let digest = "ab".repeat(32);
+        std::fs::write(agents.join(&digest), b"agent").unwrap();
+        let log = dir.path().join("s1.log");
+        std::fs::write(&log, b"").unwrap();
+        let secret = dir.path().join("secret.txt");
+        std::fs::write(&secret, b"host secret").unwrap();
+        let sources = PlacedSources {
+            agents: &agents,
+            log: Some(&log),
+        };
+        let mut h = header();
+        h.externals.push(External::Placed {
+            key: "file[1b:11]".into(),
+            file: Placed::Log,
+            size: 0,
+        });
+        let opened = open_externals(&h, sources).unwrap();
+        let keys: Vec<&str> = opened.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["file[1b:10]", "file[1b:11]"]);
+        let mut agent = std::fs::File::from(opened.into_iter().next().unwrap().1);
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut agent, &mut text).unwrap();
+        assert_eq!(text, "agent");
+
+        // Format 1 named files by path: a path that is neither the agent nor the log is
+        // refused without being opened, whatever it names.
+        let mut old = header();
+        old.externals = vec![External::File {
+            key: "file[1b:12]".into(),
+            path: secret.clone(),
+            append: false,
+            size: 11,
+            mtime: 0,
+        }];
+        assert!(matches!(
+            open_externals(&old, sources),
+            Err(ExternalsError::Unknown)
+        ));
+        // The agent by its old path is the node's copy of the same digest.
+        old.externals = vec![External::File {
+            key: "file[1b:13]".into(),
+            path: PathBuf::from("/elsewhere/agents").join(&digest),
+            append: false,
+            size: 5,
+            mtime: 0,
+        }];
+        assert_eq!(open_externals(&old, sources).unwrap().len(), 1);
+
+        let mut other = header();
+        other.agent_digest = "cd".repeat(32);
+        assert!(matches!(
+            open_externals(&other, sources),
+            Err(ExternalsError::NoAgent { .. })
+        ));
+        other.agent_digest = "../secret.txt".into();
+        assert!(matches!(
+            open_externals(&other, sources),
+            Err(ExternalsError::BadDigest { .. })
+        ));
+    }
+
+    #[test]
+    fn only_device_nodes_directly_under_dev_are_bound_back() {
+        for good in ["/dev/null", "/dev/urandom", "/dev/tty"] {
+            assert!(is_device_node_path(Path::new(good)), "{good}");
+        }
+        for bad in [
+            "/dev",
+            "/dev/",
+            "/etc/shadow",
+            "/dev/../etc/shadow",
+            "/dev/pts/0",
+            "/dev/sda1",
+        ] {
+            assert!(!is_device_node_path(Path::new(bad)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_fifo_where_the_log_should_be_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("s1.log");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let mut h = header();
+        h.externals = vec![External::Placed {
+            key: "file[1b:11]".into(),
+            file: Placed::Log,
+            size: 0,
+        }];
+        let sources = PlacedSources {
+            agents: dir.path(),
+            log: Some(&fifo),
+        };
+        // No reader: a blocking open for writing would wait for ever; this one fails.
+        assert!(matches!(
+            open_externals(&h, sources),
+            Err(ExternalsError::Log { .. })
+        ));
     }
 
     #[test]
@@ -1064,6 +1154,7 @@ mod tests {
             args: vec!["--external=mnt[m_dev_null]:m_dev_null".into()],
             externals: header().externals,
             listener_inode: 42,
+            agent_digest: None,
         };
         write_plan(dir.path(), &plan).unwrap();
         std::fs::write(dir.path().join("pages-1.img"), b"pages").unwrap();
