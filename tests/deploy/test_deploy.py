@@ -308,6 +308,25 @@ def test_options_reach_both_roles_as_variables_the_binary_reads():
     assert only(docs, "Deployment")["spec"]["replicas"] == 3
 
 
+def test_metrics_are_served_only_with_a_token_from_a_secret():
+    docs = render(MINIMAL)
+    for kind, name in (("Deployment", "api"), ("DaemonSet", "node")):
+        assert "SANDBAR_METRICS_TOKEN" not in env_of(container(pod_spec(docs, kind), name))
+    token = "m" * 40
+    docs = render({**MINIMAL, "metrics": {"token": token}})
+    data = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    assert base64.b64decode(data["sandbar-metrics"]["token"]).decode() == token
+    given = render(example_values())
+    for kind, name in (("Deployment", "api"), ("DaemonSet", "node")):
+        ref = env_of(container(pod_spec(docs, kind), name))["SANDBAR_METRICS_TOKEN"]
+        assert ref["valueFrom"]["secretKeyRef"] == {"name": "sandbar-metrics", "key": "token"}
+        ref = env_of(container(pod_spec(given, kind), name))["SANDBAR_METRICS_TOKEN"]
+        assert ref["valueFrom"]["secretKeyRef"] == {"name": "sandbar-metrics", "key": "token"}
+    assert not any(d["metadata"]["name"] == "sandbar-metrics" for d in given if d["kind"] == "Secret")
+    with pytest.raises(Exception, match="/metrics/token"):
+        render({**MINIMAL, "metrics": {"token": "has space"}})
+
+
 def test_notes_say_how_to_reach_the_api():
     text = notes(MINIMAL)
     assert "E2B_API_URL" in text and "E2B_SANDBOX_URL" in text

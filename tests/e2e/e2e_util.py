@@ -26,6 +26,9 @@ BASE_ROOT = "base-v2"
 
 # Fixed key registered on the first start of the data dir.
 TEST_API_KEY = "e2b_" + "5a4db0e2e0" * 4
+# Every server the suite starts serves /metrics to scrapes with this token (and to no one else).
+METRICS_TOKEN = "e2e-metrics-" + uuid.uuid4().hex
+METRICS_HEADERS = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 DEFAULT_DOMAIN = "sandbar.localhost"
 ENVD_PORT = 49983
 
@@ -374,6 +377,7 @@ class SandbarServer:
                 "SANDBAR_API_KEY": TEST_API_KEY,
                 "SANDBAR_LISTEN": f"127.0.0.1:{self.port}",
                 "SANDBAR_DATA_DIR": str(self.data_dir),
+                "SANDBAR_METRICS_TOKEN": METRICS_TOKEN,
                 "RUST_BACKTRACE": "1",
             }
         )

@@ -18,7 +18,7 @@ from typing import List
 import httpx
 import pytest
 
-from e2e_util import sandbar_cli, unique
+from e2e_util import METRICS_HEADERS, sandbar_cli, unique
 
 COUNT = int(os.environ.get("SANDBAR_E2E_CAPACITY") or 1000)
 WORKERS = 16
@@ -65,7 +65,7 @@ def test_a_thousand_idle_sandboxes_answer_and_survive_a_restart(sandbar, crowd):
     print(f"\n[capacity] {COUNT} sandboxes created in {created_s:.1f}s")
 
     with httpx.Client(base_url=sandbar.url, timeout=30) as api:
-        metrics = api.get("/metrics").text
+        metrics = api.get("/metrics", headers=METRICS_HEADERS).text
     promised = next(l for l in metrics.splitlines() if l.startswith("sandbar_memory_promised_bytes "))
     available = next(l for l in metrics.splitlines() if l.startswith("sandbar_memory_available_bytes "))
     print(f"[capacity] {promised}; {available}")

@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 import conftest
-from e2e_util import BASE_ROOT, SANDBAR_BIN, SandbarServer, free_port, private_binaries, wait_until
+from e2e_util import BASE_ROOT, METRICS_HEADERS, SANDBAR_BIN, SandbarServer, free_port, private_binaries, wait_until
 
 FS_MIB = 3072
 POOL_GB = 1
@@ -65,7 +65,7 @@ def pool_read_only(pool: Path) -> bool:
 
 
 def metric(api: httpx.Client, name: str, disk: str) -> float:
-    text = api.get("/metrics").text
+    text = api.get("/metrics", headers=METRICS_HEADERS).text
     found = re.search(rf'^{name}{{disk="{disk}"}} (\S+)$', text, re.M)
     assert found, f"no {name} for the {disk} disk in /metrics"
     return float(found.group(1))

@@ -1,5 +1,6 @@
 """Filesystem access through envd: /files upload and download plus the filesystem RPCs."""
 
+import base64
 import hashlib
 import os
 import time
@@ -305,6 +306,23 @@ def test_upload_url_plain_http(sandbox):
     r = httpx.post(url, files={"file": ("/home/user/plain-upload.txt", b"plain", "text/plain")}, timeout=30)
     assert r.status_code == 200, f"plain POST {url} -> {r.status_code} {r.text[:200]}"
     assert sandbox.files.read("/home/user/plain-upload.txt") == "plain"
+
+
+def test_a_signed_url_is_not_turned_into_roots_by_a_basic_header(sandbox):
+    # Signed without a user: the sandbox's default user (`user`), whatever header comes along.
+    url = sandbox.upload_url("/home/user/signed-owner.txt")
+    as_root = {"Authorization": "Basic " + base64.b64encode(b"root:").decode()}
+    r = httpx.post(url, files={"file": ("signed-owner.txt", b"x", "text/plain")}, headers=as_root, timeout=30)
+    assert r.status_code == 401, f"{r.status_code} {r.text}"
+    assert "signed for user 'user'" in r.text, r.text
+    assert not sandbox.files.exists("/home/user/signed-owner.txt")
+    r = httpx.get(sandbox.download_url("/etc/shadow"), headers=as_root, timeout=30)
+    assert r.status_code == 401 and b"root:" not in r.content, f"{r.status_code} {r.text}"
+    # Naming the signed user, or no one, is what the URL grants.
+    as_user = {"Authorization": "Basic " + base64.b64encode(b"user:").decode()}
+    r = httpx.post(url, files={"file": ("signed-owner.txt", b"x", "text/plain")}, headers=as_user, timeout=30)
+    assert r.status_code == 200, f"{r.status_code} {r.text}"
+    assert sandbox.commands.run("stat -c %U /home/user/signed-owner.txt").stdout == "user\n"
 
 
 def test_upload_url_signature_is_bound_to_path(sandbox):

@@ -24,6 +24,7 @@ from e2e_util import (
     CREATED_IDS,
     DATA_DIR,
     ENVD_PORT,
+    METRICS_HEADERS,
     REPO_ROOT,
     host_links,
     host_mounts_mentioning,
@@ -733,7 +734,7 @@ def test_memory_admission_counts_limits_up_to_the_overcommit_ratio(sandbar):
     created = []
     refusal = None
     try:
-        metrics = httpx.get(sandbar.url + "/metrics", timeout=30).text
+        metrics = httpx.get(sandbar.url + "/metrics", headers=METRICS_HEADERS, timeout=30).text
         limit = int(next(l for l in metrics.splitlines() if l.startswith("sandbar_memory_promise_limit_bytes ")).split()[1])
         meminfo = Path("/proc/meminfo").read_text()
         total = int(next(l for l in meminfo.splitlines() if l.startswith("MemTotal:")).split()[1]) * 1024

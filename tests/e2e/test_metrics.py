@@ -1,4 +1,6 @@
-"""Sandbox metrics as the SDK reads them: real samples of the sandbox's cgroups and disk."""
+"""Sandbox metrics as the SDK reads them: real samples of the sandbox's cgroups and disk; the
+server's Prometheus metrics only to a scrape with the operator's token (the suite's servers
+run with `SANDBAR_METRICS_TOKEN`)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import json
 
 from e2b import Sandbox
 
-from e2e_util import wait_until
+from e2e_util import METRICS_HEADERS, wait_until
 from test_js_templates import cli  # noqa: F401 - the npm CLI fixture
 
 
@@ -54,7 +56,7 @@ def test_prometheus_endpoint_counts_real_sandboxes(sandbar, make_sandbox):
     sbx = make_sandbox()
     sbx.commands.run("true")
     with sandbar.client() as api:
-        r = api.get("/metrics", headers={"X-API-Key": ""})
+        r = api.get("/metrics", headers={"X-API-Key": "", **METRICS_HEADERS})
         assert r.status_code == 200, r.text
     values = {}
     for line in r.text.splitlines():
@@ -66,6 +68,25 @@ def test_prometheus_endpoint_counts_real_sandboxes(sandbar, make_sandbox):
     # The SDK's agent calls went through the edge and were counted as such.
     assert any(k.startswith('sandbar_edge_requests_total{target="agent"') for k in values), r.text
     assert sbx.sandbox_id not in r.text
+
+
+def test_prometheus_endpoint_wants_the_operators_token(sandbar, make_sandbox):
+    sbx = make_sandbox()
+    sbx.commands.run("true")
+    with sandbar.client(api_key=None) as anyone:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            # A tenant's own credentials are not the operator's.
+            {"X-API-Key": sandbar.api_key},
+            {"Authorization": f"Bearer {sandbar.api_key}"},
+        ):
+            r = anyone.get("/metrics", headers=headers)
+            assert r.status_code == 401, f"{headers}: {r.status_code} {r.text}"
+            assert r.headers.get("www-authenticate") == 'Bearer realm="metrics"', r.headers
+            assert "sandbar_" not in r.text, r.text
+        r = anyone.get("/metrics", headers=METRICS_HEADERS)
+        assert r.status_code == 200 and "sandbar_sandboxes" in r.text, r.text
 
 
 def test_cli_sandbox_metrics(sandbar, make_sandbox, cli):  # noqa: F811

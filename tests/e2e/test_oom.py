@@ -7,13 +7,13 @@ import time
 import pytest
 from e2b import CommandExitException
 
-from e2e_util import wait_until
+from e2e_util import METRICS_HEADERS, wait_until
 
 OOM_COUNTER = re.compile(r"^sandbar_sandbox_oom_kills_total (\d+)$", re.M)
 
 
 def _oom_kills(api) -> int:
-    r = api.get("/metrics", headers={"X-API-Key": ""})
+    r = api.get("/metrics", headers={"X-API-Key": "", **METRICS_HEADERS})
     assert r.status_code == 200, r.text
     found = OOM_COUNTER.search(r.text)
     assert found, "no sandbar_sandbox_oom_kills_total in /metrics"

@@ -3,12 +3,12 @@ asked for (its environment, limits, disk and token), sharing nothing with the ne
 
 from __future__ import annotations
 
-from e2e_util import wait_until
+from e2e_util import METRICS_HEADERS, wait_until
 
 
 def metric(sandbar, name: str) -> float:
     with sandbar.client() as api:
-        r = api.get("/metrics", headers={"X-API-Key": ""})
+        r = api.get("/metrics", headers={"X-API-Key": "", **METRICS_HEADERS})
         assert r.status_code == 200, r.text
     for line in r.text.splitlines():
         if line.startswith(name + " "):

@@ -33,20 +33,30 @@ pub struct FileQuery {
     signature_expiration: Option<i64>,
 }
 
+/// How a file request was let in, which decides whose it is.
+#[derive(Debug, PartialEq, Eq)]
+enum Grant {
+    /// The access token, or no token is configured: the caller may act as any user.
+    Token,
+    /// A signed URL, which acts as the user it was signed for ('' for the default user) and
+    /// no other.
+    Signed { user: String },
+}
+
 fn authorize(
     state: &AgentState,
     headers: &HeaderMap,
     query: &FileQuery,
     operation: FileOperation,
-) -> Result<(), HttpError> {
+) -> Result<Grant, HttpError> {
     let config = state.config();
     let Some(token) = config.access_token.as_deref() else {
-        return Ok(());
+        return Ok(Grant::Token);
     };
     if headers.get(crate::auth::ACCESS_TOKEN_HEADER).is_some()
         && header_token_ok(headers, Some(token))
     {
-        return Ok(());
+        return Ok(Grant::Token);
     }
     let Some(signature) = query.signature.as_deref() else {
         return Err(HttpError::new(
@@ -68,20 +78,56 @@ fn authorize(
         query.signature_expiration,
         now,
     )
-    .map_err(|e| HttpError::new(StatusCode::UNAUTHORIZED, e.to_string()))
+    .map_err(|e| HttpError::new(StatusCode::UNAUTHORIZED, e.to_string()))?;
+    Ok(Grant::Signed {
+        user: named.to_owned(),
+    })
+}
+
+/// The name of the user a file request acts as. With the token: the URL's `username`, else
+/// the `Authorization: Basic` user, else the default. With a signature: the user it was
+/// signed for, whatever else the request says; a Basic header naming another user is
+/// refused rather than quietly overruled, so the caller learns the URL is not theirs to use
+/// that way.
+fn requested_user(
+    grant: &Grant,
+    query_user: Option<&str>,
+    header_user: Option<String>,
+    default_user: &str,
+) -> Result<String, HttpError> {
+    match grant {
+        Grant::Token => Ok(query_user
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .or(header_user)
+            .unwrap_or_else(|| default_user.to_owned())),
+        Grant::Signed { user } => {
+            let signed = if user.is_empty() { default_user } else { user };
+            match header_user {
+                Some(named) if named != signed => Err(HttpError::new(
+                    StatusCode::UNAUTHORIZED,
+                    format!(
+                        "the URL is signed for user '{signed}', but the Authorization header names user '{named}'"
+                    ),
+                )),
+                _ => Ok(signed.to_owned()),
+            }
+        }
+    }
 }
 
 fn pick_user(
     state: &AgentState,
     headers: &HeaderMap,
     query: &FileQuery,
+    grant: &Grant,
 ) -> Result<(User, Accounts), HttpError> {
-    let name = query
-        .username
-        .clone()
-        .filter(|u| !u.is_empty())
-        .or_else(|| basic_auth_user(headers))
-        .unwrap_or_else(|| state.config().default_user.clone());
+    let name = requested_user(
+        grant,
+        query.username.as_deref(),
+        basic_auth_user(headers),
+        &state.config().default_user,
+    )?;
     let accounts = Accounts::load()
         .map_err(|e| HttpError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     let user = accounts
@@ -127,10 +173,11 @@ pub async fn download(
     headers: HeaderMap,
     Query(query): Query<FileQuery>,
 ) -> Response {
-    if let Err(e) = authorize(&state, &headers, &query, FileOperation::Read) {
-        return e.into_response();
-    }
-    let (user, accounts) = match pick_user(&state, &headers, &query) {
+    let grant = match authorize(&state, &headers, &query, FileOperation::Read) {
+        Ok(grant) => grant,
+        Err(e) => return e.into_response(),
+    };
+    let (user, accounts) = match pick_user(&state, &headers, &query, &grant) {
         Ok(u) => u,
         Err(e) => return e.into_response(),
     };
@@ -321,10 +368,11 @@ pub async fn upload(
     request: Request,
 ) -> Response {
     let headers = request.headers().clone();
-    if let Err(e) = authorize(&state, &headers, &query, FileOperation::Write) {
-        return reject_unread_upload(request, e).await;
-    }
-    let (user, accounts) = match pick_user(&state, &headers, &query) {
+    let grant = match authorize(&state, &headers, &query, FileOperation::Write) {
+        Ok(grant) => grant,
+        Err(e) => return reject_unread_upload(request, e).await,
+    };
+    let (user, accounts) = match pick_user(&state, &headers, &query, &grant) {
         Ok(u) => u,
         Err(e) => return reject_unread_upload(request, e).await,
     };
@@ -580,6 +628,46 @@ fn fs_kind(e: &crate::fs::FsError) -> std::io::ErrorKind {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_signed_request_acts_as_the_user_it_was_signed_for() {
+        let unnamed = Grant::Signed {
+            user: String::new(),
+        };
+        let named = Grant::Signed {
+            user: "user".into(),
+        };
+        // Signed without a user: the default user, not the one a Basic header names.
+        assert_eq!(
+            requested_user(&unnamed, None, None, "user").unwrap(),
+            "user"
+        );
+        assert_eq!(
+            requested_user(&unnamed, None, Some("user".into()), "user").unwrap(),
+            "user"
+        );
+        let refused = requested_user(&unnamed, None, Some("root".into()), "user").unwrap_err();
+        assert_eq!(refused.into_response().status(), StatusCode::UNAUTHORIZED);
+        // Signed for a user: that user, whatever the default.
+        assert_eq!(
+            requested_user(&named, Some("user"), None, "root").unwrap(),
+            "user"
+        );
+        assert!(requested_user(&named, Some("user"), Some("root".into()), "root").is_err());
+        // The access token may act as anyone.
+        assert_eq!(
+            requested_user(&Grant::Token, None, Some("root".into()), "user").unwrap(),
+            "root"
+        );
+        assert_eq!(
+            requested_user(&Grant::Token, Some("alice"), Some("root".into()), "user").unwrap(),
+            "alice"
+        );
+        assert_eq!(
+            requested_user(&Grant::Token, Some(""), None, "user").unwrap(),
+            "user"
+        );
+    }
 
     #[test]
     fn gzip_negotiation() {

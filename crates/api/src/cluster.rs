@@ -118,7 +118,7 @@ pub struct ClusterRouting {
 /// A copy of which sandbox holds which agent token.
 #[derive(Default)]
 struct Signers {
-    tokens: Vec<(String, String)>,
+    tokens: Arc<Vec<(String, String)>>,
     read_at: Option<Instant>,
 }
 
@@ -172,22 +172,34 @@ impl ClusterRouting {
     }
 
     /// The sandbox whose agent token signed `signed`, if a recorded one did. Signatures
-    /// cannot be looked up, only checked against each token: the tokens are kept here and
-    /// read again only when none matches and the copy is older than [`SIGNERS_TTL`] (one
-    /// read at a time; the requests that waited for it use it).
+    /// cannot be looked up, only checked against each token: the tokens are kept here,
+    /// checked on a copy taken under the lock (so concurrent requests check at once), and
+    /// read again only when none matches and the copy is older than [`SIGNERS_TTL`] (one read
+    /// at a time; the requests that waited for it use it).
     async fn signer_of(
         &self,
         signed: &crate::edge::SignedFileRequest,
     ) -> Result<Option<String>, ApiError> {
+        let check = signed.check();
         let find = |tokens: &[(String, String)]| {
             tokens
                 .iter()
-                .find(|(_, token)| signed.signed_with(token, None))
+                .find(|(_, token)| check.made_with(token))
                 .map(|(id, _)| id.clone())
         };
-        let mut signers = self.signers.lock().await;
-        if let Some(id) = find(&signers.tokens) {
+        let (tokens, read_at) = {
+            let signers = self.signers.lock().await;
+            (Arc::clone(&signers.tokens), signers.read_at)
+        };
+        if let Some(id) = find(&tokens) {
             return Ok(Some(id));
+        }
+        let mut signers = self.signers.lock().await;
+        if signers.read_at != read_at {
+            // Read again by another request while this one searched.
+            let tokens = Arc::clone(&signers.tokens);
+            drop(signers);
+            return Ok(find(&tokens));
         }
         if signers.read_at.is_some_and(|at| at.elapsed() < SIGNERS_TTL) {
             return Ok(None);
@@ -197,12 +209,16 @@ impl ClusterRouting {
             .all_sandboxes()
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-        signers.tokens = sandboxes
-            .into_iter()
-            .map(|s| (s.id, s.envd_access_token))
-            .collect();
+        signers.tokens = Arc::new(
+            sandboxes
+                .into_iter()
+                .map(|s| (s.id, s.envd_access_token))
+                .collect(),
+        );
         signers.read_at = Some(Instant::now());
-        Ok(find(&signers.tokens))
+        let tokens = Arc::clone(&signers.tokens);
+        drop(signers);
+        Ok(find(&tokens))
     }
 
     /// The node a sandbox is recorded on; `None` if no such sandbox is recorded.
@@ -371,6 +387,9 @@ async fn signed_to_node(
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
+    if let Some(refused) = signed.refused_unsearched(Utc::now().timestamp()) {
+        return Err(refused);
+    }
     match cluster.signer_of(signed).await? {
         // Its node is looked up as for any request naming it: it may have moved.
         Some(sandbox_id) => to_sandbox(cluster, &sandbox_id, request, next).await,

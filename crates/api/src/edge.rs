@@ -150,20 +150,9 @@ pub(crate) async fn route_to_sandbox(
             }
         }
         None => match signed_file_route(&state, &request) {
-            Some(routed) => routed,
-            // A signed file URL that names no sandbox and matches none: what the agent
-            // answers a signature that does not match, whoever the URL was for.
-            None if signed_file_request(request.method(), request.uri()).is_some() => {
-                return mark(
-                    ApiError::new(
-                        StatusCode::UNAUTHORIZED,
-                        "invalid signature: the file URL matches no running sandbox",
-                    )
-                    .into_response(),
-                    AGENT_PORT,
-                );
-            }
-            None => return next.run(request).await,
+            Ok(Some(routed)) => routed,
+            Ok(None) => return next.run(request).await,
+            Err(refused) => return mark(refused.into_response(), AGENT_PORT),
         },
     };
     let port = target.port;
@@ -223,9 +212,10 @@ impl Presented {
             return true;
         };
         matches(&self.access_token, token)
-            || self.signed.as_ref().is_some_and(|signed| {
-                signed.signed_with(token, Some(chrono::Utc::now().timestamp()))
-            })
+            || self
+                .signed
+                .as_ref()
+                .is_some_and(|signed| signed.signed_with(token, chrono::Utc::now().timestamp()))
     }
 }
 
@@ -394,8 +384,6 @@ async fn forward_to_agent(
     forward(stream, request, Some(connection)).await
 }
 
-/// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox: find the
-/// sandbox whose agent token produced the URL's signature.
 /// The parts of a signed `/files` URL.
 pub(crate) struct SignedFileRequest {
     signature: String,
@@ -407,31 +395,43 @@ pub(crate) struct SignedFileRequest {
 }
 
 impl SignedFileRequest {
-    /// Whether the agent token `token` made this URL's signature, for exactly the user it
-    /// names (constant-time, as the agent checks). With `now`, an expired URL does not
-    /// count; without, expiry is left to the agent, whose answer says why.
-    pub(crate) fn signed_with(&self, token: &str, now: Option<i64>) -> bool {
-        let users = [self.user.as_str()];
-        match now {
-            Some(now) => sandbar_envd::verify_file_signature(
-                &self.signature,
-                &self.path,
-                self.operation,
-                &users,
-                token,
-                self.expiration,
-                now,
-            )
-            .is_ok(),
-            None => sandbar_envd::signature_matches(
-                &self.signature,
-                &self.path,
-                self.operation,
-                &users,
-                token,
-                self.expiration,
-            ),
+    /// The signature, ready to be checked against many tokens (see
+    /// [`sandbar_envd::SignatureCheck`]), whatever its expiration.
+    pub(crate) fn check(&self) -> sandbar_envd::SignatureCheck {
+        sandbar_envd::SignatureCheck::new(
+            &self.signature,
+            &self.path,
+            self.operation,
+            &self.user,
+            self.expiration,
+        )
+    }
+
+    /// Why no sandbox need be searched for this URL's signer: it has expired, which the
+    /// agent would answer in these words whichever sandbox made it.
+    pub(crate) fn refused_unsearched(&self, now: i64) -> Option<ApiError> {
+        match self.expiration {
+            Some(expiration) if expiration < now => Some(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                sandbar_envd::SignatureError::Expired(self.path.clone()).to_string(),
+            )),
+            _ => None,
         }
+    }
+
+    /// Whether the agent token `token` made this URL's signature, for exactly the user it
+    /// names (constant-time, as the agent checks), and it has not expired by `now`.
+    pub(crate) fn signed_with(&self, token: &str, now: i64) -> bool {
+        sandbar_envd::verify_file_signature(
+            &self.signature,
+            &self.path,
+            self.operation,
+            &[self.user.as_str()],
+            token,
+            self.expiration,
+            now,
+        )
+        .is_ok()
     }
 }
 
@@ -464,18 +464,38 @@ pub(crate) fn signed_file_request(method: &Method, uri: &Uri) -> Option<SignedFi
     })
 }
 
-fn signed_file_route(state: &AppState, request: &Request) -> Option<(Target, Route)> {
-    let signed = signed_file_request(request.method(), request.uri())?;
+/// `download_url()` and `upload_url()` give out `/files` URLs that name no sandbox when the
+/// SDK has one URL for every sandbox: the route to the sandbox whose agent token made the
+/// URL's signature. `Ok(None)` for a request that is no signed file URL; refused when it is
+/// one that no running sandbox signed, with what the agent answers a signature that does not
+/// match, whoever the URL was for.
+fn signed_file_route(
+    state: &AppState,
+    request: &Request,
+) -> Result<Option<(Target, Route)>, ApiError> {
+    let Some(signed) = signed_file_request(request.method(), request.uri()) else {
+        return Ok(None);
+    };
+    if let Some(refused) = signed.refused_unsearched(chrono::Utc::now().timestamp()) {
+        return Err(refused);
+    }
+    let check = signed.check();
     let (sandbox_id, route) = state
         .sandboxes
-        .route_by_token(|token| signed.signed_with(token, None))?;
-    Some((
+        .route_by_token(|token| check.made_with(token))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid signature: the file URL matches no running sandbox",
+            )
+        })?;
+    Ok(Some((
         Target {
             sandbox_id,
             port: AGENT_PORT,
         },
         route,
-    ))
+    )))
 }
 
 fn unreachable(target: &Target, socket: &Path, e: std::io::Error) -> ApiError {
@@ -672,6 +692,49 @@ mod tests {
             ..PRIVATE
         };
         assert!(Presented::of(&request("/health", &[])).lets_through(AGENT_PORT, &open));
+    }
+
+    #[test]
+    fn an_expired_signed_url_is_refused_without_a_search_and_in_the_agents_words() {
+        let uri: Uri = "/files?path=/tmp/a&signature=v1_x&signature_expiration=100"
+            .parse()
+            .expect("uri");
+        let signed = signed_file_request(&Method::GET, &uri).expect("signed");
+        let refused = signed
+            .refused_unsearched(101)
+            .expect("refused")
+            .into_response();
+        assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
+        assert!(signed.refused_unsearched(100).is_none());
+        let unexpiring: Uri = "/files?path=/tmp/a&signature=v1_x".parse().expect("uri");
+        let signed = signed_file_request(&Method::GET, &unexpiring).expect("signed");
+        assert!(signed.refused_unsearched(i64::MAX).is_none());
+    }
+
+    #[test]
+    fn the_signature_check_finds_the_token_that_signed() {
+        let signature = sandbar_envd::file_signature(
+            "/tmp/a b",
+            FileOperation::Write,
+            "user",
+            "agent-token",
+            Some(2_000_000_000),
+        );
+        let uri: Uri = format!(
+            "/files?path=%2Ftmp%2Fa%20b&username=user&signature={signature}&signature_expiration=2000000000"
+        )
+        .parse()
+        .expect("uri");
+        let check = signed_file_request(&Method::POST, &uri)
+            .expect("signed")
+            .check();
+        assert!(check.made_with("agent-token"));
+        assert!(!check.made_with("other-token"));
+        // A read of the same path is not what was signed.
+        let read = signed_file_request(&Method::GET, &uri)
+            .expect("signed")
+            .check();
+        assert!(!read.made_with("agent-token"));
     }
 
     #[test]

@@ -104,8 +104,35 @@ pub fn openapi() -> utoipa::openapi::OpenApi {
     rest_routes().into_openapi()
 }
 
-/// The complete application: edge routing in front of the REST API.
+/// Who may read the Prometheus metrics (`GET /metrics`), and on which listener. They tell
+/// anyone who reads them how busy the server is and how it fails, so by default nobody does:
+/// the operator gives a token, a listener of their own, or both.
+#[derive(Clone, Debug, Default)]
+pub struct MetricsAccess {
+    /// A scrape must send `Authorization: Bearer <token>`.
+    pub token: Option<Arc<str>>,
+    /// Served by [`Routers::metrics`] on a listener of its own, not on the main one.
+    pub own_listener: bool,
+}
+
+/// What a server's listeners serve.
+#[derive(Debug)]
+pub struct Routers {
+    /// The main listener: the API and the edge, and `/metrics` when it has a token and no
+    /// listener of its own.
+    pub main: Router,
+    /// The metrics listener, when [`MetricsAccess::own_listener`].
+    pub metrics: Option<Router>,
+}
+
+/// The complete application, with `/metrics` off: see [`routers`].
 pub fn router(state: AppState) -> Router {
+    routers(state, &MetricsAccess::default()).main
+}
+
+/// The complete application (edge routing in front of the REST API), and the metrics
+/// listener's router if `metrics` asks for one.
+pub fn routers(state: AppState, metrics: &MetricsAccess) -> Routers {
     let (api, _) = rest_routes().split_for_parts();
     let api = api
         .merge(volumes::content_routes())
@@ -118,9 +145,22 @@ pub fn router(state: AppState) -> Router {
         // Around the fallbacks too: a 404 or 405 is an answer given before the body is read.
         .layer(axum::middleware::from_fn(extract::read_small_bodies_first));
     let telemetry = Arc::new(telemetry::Telemetry::new(state.sandboxes.clone()));
-    let operator = Router::new()
-        .route("/metrics", get(telemetry::metrics))
-        .with_state(telemetry.clone());
+    let scrapes = Arc::new(telemetry::Scrapes {
+        telemetry: telemetry.clone(),
+        token: metrics.token.clone(),
+    });
+    let operator = match (&metrics.token, metrics.own_listener) {
+        (Some(_), false) => Router::new()
+            .route("/metrics", get(telemetry::metrics))
+            .with_state(scrapes.clone()),
+        _ => Router::new().route("/metrics", get(telemetry::metrics_elsewhere)),
+    };
+    let metrics_router = metrics.own_listener.then(|| {
+        Router::new()
+            .route("/metrics", get(telemetry::metrics))
+            .fallback(error::no_route)
+            .with_state(scrapes)
+    });
     // Route layers run after routing, so `observe` sees the matched route template; it is
     // outermost so that it also counts what the edge answers.
     let app = api
@@ -140,11 +180,16 @@ pub fn router(state: AppState) -> Router {
             cluster::require_node_secret,
         )),
     };
-    app.layer(axum::middleware::from_fn_with_state(
-        telemetry,
-        telemetry::observe,
-    ))
-    .with_state(state)
+    let main = app
+        .layer(axum::middleware::from_fn_with_state(
+            telemetry,
+            telemetry::observe,
+        ))
+        .with_state(state);
+    Routers {
+        main,
+        metrics: metrics_router,
+    }
 }
 
 /// Liveness of the server, and what ails it: 204 when all is well; 200 with the problems

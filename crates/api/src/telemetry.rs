@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{Method, StatusCode, header};
+use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::EncodeLabelSet;
@@ -428,8 +428,48 @@ pub(crate) async fn observe(
 }
 
 /// `GET /metrics` in Prometheus' text format.
-pub(crate) async fn metrics(State(telemetry): State<Arc<Telemetry>>) -> Response {
-    match telemetry.render() {
+/// What `GET /metrics` answers from: the registry, and the token a scrape must send.
+#[derive(Debug)]
+pub(crate) struct Scrapes {
+    pub(crate) telemetry: Arc<Telemetry>,
+    pub(crate) token: Option<Arc<str>>,
+}
+
+impl Scrapes {
+    /// Whether `headers` carry `Authorization: Bearer <token>` (compared in constant time),
+    /// or no token is asked.
+    fn admits(&self, headers: &HeaderMap) -> bool {
+        let Some(token) = &self.token else {
+            return true;
+        };
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                let (scheme, given) = v.split_once(' ')?;
+                scheme
+                    .eq_ignore_ascii_case("bearer")
+                    .then_some(given.trim())
+            })
+            .is_some_and(|given| sandbar_envd::secrets_equal(given, token))
+    }
+}
+
+/// `GET /metrics` where it is served: to a scrape with the token, if one is asked.
+pub(crate) async fn metrics(State(scrapes): State<Arc<Scrapes>>, headers: HeaderMap) -> Response {
+    if !scrapes.admits(&headers) {
+        let mut refused = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "/metrics needs the operator's metrics token as 'Authorization: Bearer <token>'",
+        )
+        .into_response();
+        refused.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            axum::http::HeaderValue::from_static("Bearer realm=\"metrics\""),
+        );
+        return refused;
+    }
+    match scrapes.telemetry.render() {
         Ok(body) => (
             [(
                 header::CONTENT_TYPE,
@@ -444,6 +484,16 @@ pub(crate) async fn metrics(State(telemetry): State<Arc<Telemetry>>) -> Response
         )
         .into_response(),
     }
+}
+
+/// `GET /metrics` on the main listener when it is not served there: without a token, or
+/// with a listener of its own.
+pub(crate) async fn metrics_elsewhere() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "/metrics is not served on this listener: the operator serves it with --metrics-token, or on --metrics-listen",
+    )
+    .into_response()
 }
 
 #[cfg(test)]

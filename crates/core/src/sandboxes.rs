@@ -28,6 +28,7 @@ mod metrics;
 mod pause;
 mod reap;
 mod recover;
+mod signers;
 mod snapshots;
 mod take_over;
 pub use snapshots::{ForkResult, SnapshotError, SnapshotInfo, SnapshotQuery};
@@ -348,8 +349,8 @@ struct Live {
     team_id: String,
     end_at: DateTime<Utc>,
     endpoint: Option<Endpoint>,
-    /// The agent's access token, to find the sandbox a signed file URL belongs to.
-    access_token: String,
+    /// The agent's access token; listed in [`Sandboxes::signers`] while this holds it.
+    access_token: Arc<str>,
     /// What the runtime needs to check on or stop the sandbox; empty while starting.
     handle: RuntimeHandle,
     status: SandboxStatus,
@@ -389,6 +390,7 @@ impl Live {
 
     /// The registry entry of a sandbox the store recorded, taken back after a restart.
     fn recorded(
+        signers: &signers::Signers,
         sandbox: &Sandbox,
         handle: RuntimeHandle,
         endpoint: Option<Endpoint>,
@@ -398,7 +400,7 @@ impl Live {
             team_id: sandbox.team_id.clone(),
             end_at: sandbox.end_at,
             endpoint,
-            access_token: sandbox.envd_access_token.clone(),
+            access_token: signers.list(&sandbox.id, &sandbox.envd_access_token),
             handle,
             status,
             user_ports: UserPortAccess::of(sandbox),
@@ -456,6 +458,8 @@ pub struct Sandboxes {
     templates: Templates,
     config: SandboxesConfig,
     live: Mutex<HashMap<String, Live>>,
+    /// The agent tokens of the sandboxes in `live`, searched without its lock.
+    signers: signers::Signers,
     /// Network updates run one at a time, so the firewall and the store agree on the last.
     network_updates: tokio::sync::Mutex<()>,
     metrics: Mutex<HashMap<String, MetricSeries>>,
@@ -517,6 +521,7 @@ impl Sandboxes {
             templates,
             config,
             live: Mutex::new(HashMap::new()),
+            signers: signers::Signers::default(),
             network_updates: tokio::sync::Mutex::new(()),
             metrics: Mutex::new(HashMap::new()),
             volumes: None,
@@ -763,7 +768,7 @@ impl Sandboxes {
         self.log_start(&sandbox, now);
         if let Some(entry) = self.live().get_mut(&id) {
             entry.endpoint = Some(endpoint);
-            entry.access_token = sandbox.envd_access_token.clone();
+            entry.access_token = self.signers.list(&id, &sandbox.envd_access_token);
             entry.handle = sandbox.handle.clone();
             entry.end_at = sandbox.end_at;
             entry.user_ports = UserPortAccess::of(&sandbox);
@@ -882,7 +887,7 @@ impl Sandboxes {
                 team_id: team.id.clone(),
                 end_at,
                 endpoint: None,
-                access_token: String::new(),
+                access_token: Arc::from(""),
                 handle: RuntimeHandle::default(),
                 status: SandboxStatus::Starting,
                 user_ports: UserPortAccess::default(),
@@ -1337,13 +1342,12 @@ impl Sandboxes {
     }
 
     /// The running sandbox whose agent access token satisfies `matches`. Signed file URLs
-    /// carry no sandbox ID, only a signature made with that token.
+    /// carry no sandbox ID, only a signature made with that token. The tokens are checked
+    /// without the registry's lock, which is then taken once, for the sandbox found.
     pub fn route_by_token(&self, matches: impl Fn(&str) -> bool) -> Option<(String, Route)> {
-        self.live()
-            .iter()
-            .filter(|(_, l)| l.status.is_routable() && !l.access_token.is_empty())
-            .find(|(_, l)| matches(&l.access_token))
-            .and_then(|(id, l)| Some((id.clone(), Route::of(l)?)))
+        let id = self.signers.find(matches)?;
+        let route = self.route(&id)?;
+        Some((id, route))
     }
 
     /// Ends the edge's connections to the agent of sandbox `id` and waits until the agent has
@@ -1888,8 +1892,7 @@ impl Sandboxes {
                         | SandboxStatus::Checkpointed
                 )
                 && lets_through(&WakeKeys {
-                    envd_access_token: (!l.access_token.is_empty())
-                        .then_some(l.access_token.as_str()),
+                    envd_access_token: (!l.access_token.is_empty()).then_some(&*l.access_token),
                     traffic_access_token: l.user_ports.traffic_access_token.as_deref(),
                 })
         });

@@ -113,11 +113,101 @@ pub fn signature_matches(
     .is_ok()
 }
 
+/// One signed URL's signature, checked against candidate tokens: the part of the hashed text
+/// before the token (`path:operation:user:`, whose path the caller chose and may make long)
+/// is hashed once, so each token costs a hash of its own few bytes. For finding which of
+/// many sandboxes made a signature when the URL names none.
+#[derive(Clone)]
+pub struct SignatureCheck {
+    before_token: Sha256,
+    after_token: String,
+    /// The signature's digest; `None` when it is not one (no token can match then).
+    expected: Option<[u8; 32]>,
+}
+
+impl std::fmt::Debug for SignatureCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SignatureCheck")
+            .field("well_formed", &self.expected.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SignatureCheck {
+    pub fn new(
+        signature: &str,
+        path: &str,
+        operation: FileOperation,
+        username: &str,
+        expiration: Option<i64>,
+    ) -> Self {
+        // An unencoded `+` in a query string decodes to a space; undo that for hand-built URLs.
+        let expected = signature
+            .replace(' ', "+")
+            .strip_prefix("v1_")
+            .and_then(|encoded| {
+                base64::engine::general_purpose::STANDARD_NO_PAD
+                    .decode(encoded)
+                    .ok()
+            })
+            .and_then(|digest| <[u8; 32]>::try_from(digest).ok());
+        let mut before_token = Sha256::new();
+        before_token.update(format!("{path}:{}:{username}:", operation.as_str()).as_bytes());
+        Self {
+            before_token,
+            after_token: expiration.map(|exp| format!(":{exp}")).unwrap_or_default(),
+            expected,
+        }
+    }
+
+    /// Whether `token` made the signature (compared in constant time).
+    pub fn made_with(&self, token: &str) -> bool {
+        let Some(expected) = &self.expected else {
+            return false;
+        };
+        let mut hasher = self.before_token.clone();
+        hasher.update(token.as_bytes());
+        hasher.update(self.after_token.as_bytes());
+        hasher.finalize().as_slice().ct_eq(expected).into()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const TOKEN: &str = "0123456789abcdef";
+
+    #[test]
+    fn a_signature_check_agrees_with_the_signature() {
+        for (user, exp) in [("", None), ("user", Some(2_000)), ("root", Some(-5))] {
+            let sig = file_signature("/a b", FileOperation::Read, user, TOKEN, exp);
+            let check = SignatureCheck::new(&sig, "/a b", FileOperation::Read, user, exp);
+            assert!(check.made_with(TOKEN));
+            assert!(!check.made_with("another-token"));
+            // A signature typed into a URL by hand, its `+` turned into a space.
+            let typed = SignatureCheck::new(
+                &sig.replace('+', " "),
+                "/a b",
+                FileOperation::Read,
+                user,
+                exp,
+            );
+            assert!(typed.made_with(TOKEN));
+            for (path, op, u, e) in [
+                ("/a", FileOperation::Read, user, exp),
+                ("/a b", FileOperation::Write, user, exp),
+                ("/a b", FileOperation::Read, "other", exp),
+                ("/a b", FileOperation::Read, user, Some(1)),
+            ] {
+                assert!(!SignatureCheck::new(&sig, path, op, u, e).made_with(TOKEN));
+            }
+        }
+        for malformed in ["", "v1_", "v2_abc", "v1_not base64!", "v1_AAAA"] {
+            let check = SignatureCheck::new(malformed, "/a", FileOperation::Read, "", None);
+            assert!(!check.made_with(TOKEN), "{malformed}");
+        }
+    }
 
     #[test]
     fn signature_has_the_sdk_format() {

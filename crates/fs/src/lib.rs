@@ -77,6 +77,8 @@ pub enum FsError {
     NotAFile(String),
     #[error("path '{0}' holds {1} mount point(s), left in place")]
     MountPoints(String, u64),
+    #[error("path '{0}' moved while its tree was walked")]
+    Moved(String),
     #[error("cannot {op} '{path}': {source}")]
     Io {
         op: &'static str,
@@ -563,6 +565,7 @@ fn rename_path(e: FsError, path: &Path) -> FsError {
         FsError::NotAName(_) => FsError::NotAName(path),
         FsError::NotAFile(_) => FsError::NotAFile(path),
         FsError::MountPoints(_, count) => FsError::MountPoints(path, count),
+        FsError::Moved(_) => FsError::Moved(path),
         FsError::Io { op, source, .. } => FsError::Io { op, path, source },
     }
 }
@@ -1013,6 +1016,125 @@ fn fchmodat2_nofollow(dir: &OwnedFd, name: &OsStr, mode: u32) -> std::result::Re
 /// Whether `meta` is an overlayfs whiteout (a 0:0 character device).
 pub fn is_whiteout(meta: &Metadata) -> bool {
     meta.file_type().is_char_device() && meta.rdev() == 0
+}
+
+/// What a [`walk`] does at each directory it enters and at each entry it meets.
+pub trait Visitor {
+    type Error: From<FsError>;
+
+    /// `dir`, at `path` below the top (empty for the top), was opened; its entries follow.
+    fn enter(&mut self, dir: &Dir, path: &Path) -> std::result::Result<(), Self::Error>;
+
+    /// `entry` of `parent`, at `path`; for a directory, `true` walks into it.
+    fn entry(
+        &mut self,
+        parent: &Dir,
+        entry: &Entry,
+        path: &Path,
+    ) -> std::result::Result<bool, Self::Error>;
+}
+
+/// Directories a [`walk`] keeps open at most, however deep or wide the tree: a tenant's tree
+/// may hold millions of directories, and the server's descriptors are shared by everything.
+pub const WALK_OPEN_DIRS: usize = 16;
+
+/// One directory of a walk under way: its entries still to visit, and its handle unless the
+/// walk let go of it (it is reopened through its child's `..` when the walk comes back).
+struct Level {
+    dir: Option<Dir>,
+    identity: (u64, u64),
+    path: PathBuf,
+    entries: std::vec::IntoIter<Entry>,
+}
+
+impl Level {
+    fn open(dir: Dir, path: PathBuf) -> Result<Level> {
+        let meta = dir
+            .metadata()
+            .map_err(|e| FsError::io("stat", &shown(&path), e))?;
+        let entries = dir.entries().map_err(|e| rename_path(e, &path))?;
+        Ok(Level {
+            dir: Some(dir),
+            identity: (meta.dev(), meta.ino()),
+            path,
+            entries: entries.into_iter(),
+        })
+    }
+}
+
+/// Walks the tree below `top` depth first (each directory's entries sorted by name, a
+/// directory's own entries right after the entry that named it), never following a link and
+/// holding at most [`WALK_OPEN_DIRS`] directories open. A directory the walk had to let go
+/// of is opened again as `..` of the child it walked, and must be the same directory.
+pub fn walk<V: Visitor>(top: Dir, visitor: &mut V) -> std::result::Result<(), V::Error> {
+    visitor.enter(&top, Path::new(""))?;
+    let mut levels = vec![Level::open(top, PathBuf::new())?];
+    let mut open = 1;
+    while let Some(level) = levels.last_mut() {
+        let Some(entry) = level.entries.next() else {
+            let Some(done) = levels.pop() else { break };
+            reopen_parent(&mut levels, &mut open, done)?;
+            continue;
+        };
+        // The deepest level is always open: see `reopen_parent`.
+        let Some(dir) = level.dir.as_ref() else {
+            return Err(FsError::Moved(shown(&level.path)).into());
+        };
+        let path = level.path.join(&entry.name);
+        if !visitor.entry(dir, &entry, &path)? || entry.kind != Kind::Dir {
+            continue;
+        }
+        let sub = dir
+            .open_dir(&entry.name)
+            .map_err(|e| rename_path(e, &path))?;
+        visitor.enter(&sub, &path)?;
+        let sub = Level::open(sub, path)?;
+        levels.push(sub);
+        open += 1;
+        // The open levels are always the deepest ones; the shallowest of them lets go.
+        if open > WALK_OPEN_DIRS {
+            let shallowest = levels.len() - open;
+            levels[shallowest].dir = None;
+            open -= 1;
+        }
+    }
+    Ok(())
+}
+
+/// After `done` was walked: its parent, now the deepest level, gets its handle back if the
+/// walk let go of it, through `done`'s `..`, refused unless it is the directory it was.
+fn reopen_parent(levels: &mut [Level], open: &mut usize, done: Level) -> Result<()> {
+    let child = done.dir;
+    if child.is_some() {
+        // Closed when this returns.
+        *open -= 1;
+    }
+    let Some(parent) = levels.last_mut() else {
+        return Ok(());
+    };
+    if parent.dir.is_some() {
+        return Ok(());
+    }
+    let Some(child) = child else {
+        return Err(FsError::Moved(shown(&parent.path)));
+    };
+    let fd = rustix::fs::openat(
+        &child.fd,
+        "..",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| FsError::from_errno("open", &shown(&parent.path), e))?;
+    let dir = Dir { fd };
+    let meta = dir
+        .metadata()
+        .map_err(|e| FsError::io("stat", &shown(&parent.path), e))?;
+    if (meta.dev(), meta.ino()) != parent.identity {
+        return Err(FsError::Moved(shown(&parent.path)));
+    }
+    parent.dir = Some(dir);
+    *open += 1;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -164,6 +164,115 @@ fn remove_all_never_follows_links_and_handles_deep_trees() {
     tree.remove_all("missing").unwrap();
 }
 
+/// Records what a walk visits, and optionally moves a directory when it meets a path.
+struct Recorder {
+    seen: Vec<String>,
+    move_at: Option<(PathBuf, PathBuf, PathBuf)>,
+}
+
+impl Visitor for Recorder {
+    type Error = FsError;
+
+    fn enter(&mut self, _dir: &Dir, path: &Path) -> Result<()> {
+        self.seen.push(format!("{}/", path.display()));
+        Ok(())
+    }
+
+    fn entry(&mut self, _parent: &Dir, entry: &Entry, path: &Path) -> Result<bool> {
+        if let Some((at, from, to)) = &self.move_at
+            && at == path
+        {
+            std::fs::rename(from, to).unwrap();
+        }
+        if entry.kind != Kind::Dir {
+            self.seen.push(path.display().to_string());
+        }
+        Ok(!entry.name.as_bytes().starts_with(b"skip"))
+    }
+}
+
+/// Every path below `dir` in the order a depth-first walk by sorted names meets them.
+fn reference_walk(dir: &Path, shown: &Path, out: &mut Vec<String>) {
+    out.push(format!("{}/", shown.display()));
+    let mut names: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    names.sort();
+    for name in names {
+        let path = dir.join(&name);
+        let child = shown.join(&name);
+        if name.as_bytes().starts_with(b"skip") {
+            continue;
+        }
+        if std::fs::symlink_metadata(&path).unwrap().is_dir() {
+            reference_walk(&path, &child, out);
+        } else {
+            out.push(child.display().to_string());
+        }
+    }
+}
+
+#[test]
+fn a_walk_deeper_than_its_open_directories_meets_everything_in_order() {
+    let s = setup();
+    let depth = WALK_OPEN_DIRS * 3;
+    let mut deep = s.root.clone();
+    for level in 0..depth {
+        deep.push("d");
+        std::fs::create_dir(&deep).unwrap();
+        std::fs::write(deep.with_file_name(format!("f{level}")), b"x").unwrap();
+    }
+    for wide in 0..50 {
+        std::fs::create_dir_all(s.root.join(format!("w{wide:02}")).join("inner")).unwrap();
+    }
+    std::fs::create_dir_all(s.root.join("skipped").join("below")).unwrap();
+    std::os::unix::fs::symlink(&s.sentinel, s.root.join("link")).unwrap();
+
+    let mut recorder = Recorder {
+        seen: Vec::new(),
+        move_at: None,
+    };
+    walk(Dir::open_host(&s.root).unwrap(), &mut recorder).unwrap();
+    let mut expected = Vec::new();
+    reference_walk(&s.root, Path::new(""), &mut expected);
+    assert_eq!(recorder.seen, expected);
+    assert!(recorder.seen.contains(&"link".to_owned()));
+    assert!(!recorder.seen.iter().any(|p| p.contains("below")));
+}
+
+#[test]
+fn a_directory_moved_under_a_walk_stops_it() {
+    let s = setup();
+    let depth = WALK_OPEN_DIRS * 2;
+    let mut deep = s.root.clone();
+    for _ in 0..depth {
+        deep.push("d");
+        std::fs::create_dir(&deep).unwrap();
+    }
+    std::fs::write(deep.join("leaf"), b"x").unwrap();
+    // At the leaf, the shallowest directory still open moves to the top: coming back up, its
+    // `..` is no longer the directory the walk let go of.
+    let shallowest_open = depth + 1 - WALK_OPEN_DIRS;
+    let moved: PathBuf = std::iter::repeat_n("d", shallowest_open).collect();
+    let mut recorder = Recorder {
+        seen: Vec::new(),
+        move_at: Some((
+            std::iter::repeat_n("d", depth)
+                .collect::<PathBuf>()
+                .join("leaf"),
+            s.root.join(&moved),
+            s.root.join("elsewhere"),
+        )),
+    };
+    let err = walk(Dir::open_host(&s.root).unwrap(), &mut recorder).unwrap_err();
+    let parent: PathBuf = std::iter::repeat_n("d", shallowest_open - 1).collect();
+    assert!(
+        matches!(&err, FsError::Moved(path) if Path::new(path) == parent),
+        "{err}"
+    );
+}
+
 #[test]
 fn remove_all_never_enters_a_mount() {
     // A mount namespace of this test thread's own, private, so nothing reaches the host.

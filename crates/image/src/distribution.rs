@@ -13,6 +13,8 @@
 //!   earlier check gains nothing;
 //! - redirects are followed here hop by hop (blob downloads often go to another host), each
 //!   hop checked like the first request;
+//! - a registry reached over https never leads to plain http: not by a redirect, a token
+//!   service or an upload location, which would carry credentials and content in the clear;
 //! - remote bodies never reach an error message: statuses are described, and the registry's
 //!   error codes are only compared with the ones that mean "not found" or "not authorized".
 
@@ -118,6 +120,7 @@ impl Session {
         let destination = Destination::of(&url).ok_or_else(|| {
             self.registry_error(format!("a {} URL is not a registry's", url.scheme()))
         })?;
+        self.refuse_downgrade(self.base.scheme() == "https", &url, &destination)?;
         if let Some(address) = destination.literal {
             self.policy
                 .check(&destination.host, destination.port, address)?;
@@ -307,6 +310,7 @@ impl Session {
     ) -> Result<Response, PullError> {
         let origin = url.origin();
         let mut url = url;
+        let mut secure = self.base.scheme() == "https";
         for _ in 0..=MAX_REDIRECTS {
             let destination = Destination::of(&url).ok_or_else(|| {
                 self.registry_error(format!(
@@ -314,6 +318,8 @@ impl Session {
                     url.scheme()
                 ))
             })?;
+            self.refuse_downgrade(secure, &url, &destination)?;
+            secure |= url.scheme() == "https";
             if let Some(address) = destination.literal {
                 self.policy
                     .check(&destination.host, destination.port, address)?;
@@ -340,6 +346,22 @@ impl Session {
             }
         }
         Err(self.registry_error(format!("more than {MAX_REDIRECTS} redirects")))
+    }
+
+    /// Refuses `url` when it is plain http and the exchange was `secure` so far.
+    fn refuse_downgrade(
+        &self,
+        secure: bool,
+        url: &Url,
+        destination: &Destination,
+    ) -> Result<(), PullError> {
+        if secure && url.scheme() != "https" {
+            return Err(self.registry_error(format!(
+                "the registry, reached over https, sent the server to plain http at {}:{}; refused",
+                destination.host, destination.port
+            )));
+        }
+        Ok(())
     }
 
     fn client(&self, port: u16) -> Result<reqwest::Client, PullError> {
@@ -616,6 +638,60 @@ pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// A listener on 127.0.0.1 that counts connections and answers each with a 404.
+    async fn counting_server() -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&hits);
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf).await;
+                let _ = stream
+                    .write_all(
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    )
+                    .await;
+            }
+        });
+        (port, hits)
+    }
+
+    fn session(registry: &str) -> Session {
+        let policy = Arc::new(
+            RegistryPolicy::new(vec!["127.0.0.1".parse().unwrap()], vec![], vec![]).unwrap(),
+        );
+        Session::new(policy, &Url::parse(registry).unwrap(), "x/y", "x/y:1", None).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_registry_reached_over_https_never_leads_to_plain_http() {
+        use std::sync::atomic::Ordering;
+        let (port, hits) = counting_server().await;
+        let plain = Url::parse(&format!("http://127.0.0.1:{port}/v2/x/y/manifests/1")).unwrap();
+        // A redirect hop, a token service or an upload location on plain http.
+        let secure = session("https://127.0.0.1:1/");
+        let err = secure.get(plain.clone(), None).await.unwrap_err();
+        assert!(err.to_string().contains("plain http"), "{err}");
+        let err = secure
+            .call(Method::PUT, plain.clone(), &[], None)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("plain http"), "{err}");
+        assert_eq!(hits.load(Ordering::SeqCst), 0);
+        // A registry the operator serves over plain http is reached.
+        let response = session(&format!("http://127.0.0.1:{port}/"))
+            .get(plain, None)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::NOT_FOUND);
+        assert_eq!(hits.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn challenges_are_parsed() {

@@ -5,10 +5,12 @@
 //! (cloud metadata at 169.254.169.254) or one of the host's own addresses would make the
 //! server talk to services that only trust local callers. So every address a registry, a
 //! token service or a redirect resolves to is checked here first: loopback, unspecified,
-//! link-local, multicast and broadcast addresses (also in their IPv4-mapped and
-//! IPv4-compatible IPv6 forms), the host's own addresses and the sandbox network are refused
-//! unless the operator allowed the registry (`--allow-registry`, or `--plain-http-registry`,
-//! which names registries just as deliberately).
+//! link-local, private (10/8, 172.16/12, 192.168/16, IPv6 unique local fc00::/7), shared
+//! (100.64/10, carrier-grade NAT), benchmarking, documentation, reserved, multicast and
+//! broadcast addresses, the host's own addresses and the sandbox network are refused unless
+//! the operator allowed the registry (`--allow-registry`, or `--plain-http-registry`, which
+//! names registries just as deliberately). An IPv6 address that carries an IPv4 one (mapped,
+//! compatible, translated, 6to4, NAT64) reaches that IPv4 address, so it is judged as it.
 //!
 //! [`check_address`] is the rule as a pure function; [`RegistryPolicy`] holds its inputs
 //! (the operator's list, the sandbox network, the host's addresses, refreshed now and then)
@@ -133,6 +135,16 @@ pub enum RefusedRange {
     Loopback,
     Unspecified,
     LinkLocal,
+    /// 10/8, 172.16/12, 192.168/16 and IPv6's unique local fc00::/7.
+    Private,
+    /// 100.64/10, the carrier-grade NAT range.
+    Shared,
+    /// 198.18/15 and 2001:2::/48.
+    Benchmarking,
+    /// 192.0.2/24, 198.51.100/24, 203.0.113/24, 2001:db8::/32 and 3fff::/20.
+    Documentation,
+    /// 240/4, never assigned.
+    Reserved,
     Multicast,
     Broadcast,
     HostAddress,
@@ -145,6 +157,11 @@ impl fmt::Display for RefusedRange {
             RefusedRange::Loopback => f.write_str("a loopback address"),
             RefusedRange::Unspecified => f.write_str("an unspecified address"),
             RefusedRange::LinkLocal => f.write_str("a link-local address"),
+            RefusedRange::Private => f.write_str("a private address"),
+            RefusedRange::Shared => f.write_str("a shared (carrier-grade NAT) address"),
+            RefusedRange::Benchmarking => f.write_str("a benchmarking address"),
+            RefusedRange::Documentation => f.write_str("a documentation address"),
+            RefusedRange::Reserved => f.write_str("a reserved address"),
             RefusedRange::Multicast => f.write_str("a multicast address"),
             RefusedRange::Broadcast => f.write_str("the broadcast address"),
             RefusedRange::HostAddress => f.write_str("an address of this host"),
@@ -184,19 +201,28 @@ pub fn check_address(
         return Ok(());
     }
     let address = canonical(address);
-    let range = special_range(address)
-        .or_else(|| {
-            host_addresses
-                .iter()
-                .any(|own| canonical(*own) == address)
-                .then_some(RefusedRange::HostAddress)
-        })
-        .or_else(|| {
-            rule.sandbox_networks
-                .iter()
-                .find(|net| net.contains(&address))
-                .map(|net| RefusedRange::SandboxNetwork(*net))
-        });
+    // The sandbox network first: it usually lies in a private range, and is the more
+    // telling name.
+    let judge = |address: IpAddr| {
+        rule.sandbox_networks
+            .iter()
+            .find(|net| net.contains(&address))
+            .map(|net| RefusedRange::SandboxNetwork(*net))
+            .or_else(|| special_range(address))
+            .or_else(|| {
+                host_addresses
+                    .iter()
+                    .any(|own| canonical(*own) == address)
+                    .then_some(RefusedRange::HostAddress)
+            })
+    };
+    // A local-use NAT64 address carries its IPv4 address where the translator's prefix
+    // length puts it, which only the translator knows: every place it may be must pass.
+    let range = judge(address).or_else(|| {
+        local_nat64_candidates(address)
+            .into_iter()
+            .find_map(|v4| judge(IpAddr::V4(v4)))
+    });
     match range {
         Some(range) => Err(RegistryRefused {
             registry: label(host, port),
@@ -207,8 +233,9 @@ pub fn check_address(
     }
 }
 
-/// IPv4 addresses written as IPv6 (mapped `::ffff:a.b.c.d` or compatible `::a.b.c.d`) reach
-/// the IPv4 address, so they are judged as one.
+/// IPv6 forms that reach one IPv4 address are judged as that address: mapped
+/// (`::ffff:a.b.c.d`), compatible (`::a.b.c.d`), translated (`::ffff:0:a.b.c.d`), 6to4
+/// (`2002:AABB:CCDD::/48`) and the well-known NAT64 prefix (`64:ff9b::a.b.c.d`).
 fn canonical(address: IpAddr) -> IpAddr {
     let IpAddr::V6(v6) = address else {
         return address;
@@ -216,44 +243,112 @@ fn canonical(address: IpAddr) -> IpAddr {
     if let Some(v4) = v6.to_ipv4_mapped() {
         return IpAddr::V4(v4);
     }
+    let segments = v6.segments();
+    let octets = v6.octets();
+    let last_four = || {
+        IpAddr::V4(Ipv4Addr::new(
+            octets[12], octets[13], octets[14], octets[15],
+        ))
+    };
     // `::` and `::1` are IPv6's own unspecified and loopback addresses, not compatible forms.
-    if v6.segments()[..6] == [0; 6] && !v6.is_unspecified() && !v6.is_loopback() {
-        let [.., a, b, c, d] = v6.octets();
-        return IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+    if segments[..6] == [0; 6] && !v6.is_unspecified() && !v6.is_loopback() {
+        return last_four();
+    }
+    if segments[..6] == [0, 0, 0, 0, 0xffff, 0] {
+        return last_four();
+    }
+    if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        return last_four();
+    }
+    if segments[0] == 0x2002 {
+        return IpAddr::V4(Ipv4Addr::new(octets[2], octets[3], octets[4], octets[5]));
     }
     address
+}
+
+/// The IPv4 addresses a local-use NAT64 address (`64:ff9b:1::/48`) may carry, one per prefix
+/// length its translator may use (RFC 6052: /48, /56, /64 and /96; bits 64 to 71 are
+/// skipped); none for other addresses.
+fn local_nat64_candidates(address: IpAddr) -> Vec<Ipv4Addr> {
+    let IpAddr::V6(v6) = address else {
+        return Vec::new();
+    };
+    if v6.segments()[..3] != [0x64, 0xff9b, 1] {
+        return Vec::new();
+    }
+    let o = v6.octets();
+    vec![
+        Ipv4Addr::new(o[6], o[7], o[9], o[10]),
+        Ipv4Addr::new(o[7], o[9], o[10], o[11]),
+        Ipv4Addr::new(o[9], o[10], o[11], o[12]),
+        Ipv4Addr::new(o[12], o[13], o[14], o[15]),
+    ]
+}
+
+/// Whether `address` lies in `net/prefix`.
+fn within_v4(address: Ipv4Addr, net: [u8; 4], prefix: u32) -> bool {
+    let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
+    u32::from(address) & mask == u32::from(Ipv4Addr::from(net)) & mask
+}
+
+/// Whether `address` lies in `net/prefix`.
+fn within_v6(address: Ipv6Addr, net: [u16; 8], prefix: u32) -> bool {
+    let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
+    u128::from(address) & mask == u128::from(Ipv6Addr::from(net)) & mask
 }
 
 fn special_range(address: IpAddr) -> Option<RefusedRange> {
     match address {
         IpAddr::V4(v4) => {
-            // All of 0.0.0.0/8 rather than just 0.0.0.0: Linux connects 0.0.0.0 to itself.
-            if v4.octets()[0] == 0 {
-                Some(RefusedRange::Unspecified)
-            } else if v4.is_loopback() {
-                Some(RefusedRange::Loopback)
-            } else if v4.is_link_local() {
-                Some(RefusedRange::LinkLocal)
-            } else if v4.is_multicast() {
-                Some(RefusedRange::Multicast)
-            } else if v4.is_broadcast() {
-                Some(RefusedRange::Broadcast)
-            } else {
-                None
-            }
+            let ranges: [([u8; 4], u32, RefusedRange); 14] = [
+                // All of 0.0.0.0/8 rather than just 0.0.0.0: Linux connects 0.0.0.0 to itself.
+                ([0, 0, 0, 0], 8, RefusedRange::Unspecified),
+                ([127, 0, 0, 0], 8, RefusedRange::Loopback),
+                ([169, 254, 0, 0], 16, RefusedRange::LinkLocal),
+                ([10, 0, 0, 0], 8, RefusedRange::Private),
+                ([172, 16, 0, 0], 12, RefusedRange::Private),
+                ([192, 168, 0, 0], 16, RefusedRange::Private),
+                ([100, 64, 0, 0], 10, RefusedRange::Shared),
+                ([198, 18, 0, 0], 15, RefusedRange::Benchmarking),
+                ([192, 0, 2, 0], 24, RefusedRange::Documentation),
+                ([198, 51, 100, 0], 24, RefusedRange::Documentation),
+                ([203, 0, 113, 0], 24, RefusedRange::Documentation),
+                ([224, 0, 0, 0], 4, RefusedRange::Multicast),
+                ([255, 255, 255, 255], 32, RefusedRange::Broadcast),
+                ([240, 0, 0, 0], 4, RefusedRange::Reserved),
+            ];
+            ranges
+                .into_iter()
+                .find(|(net, prefix, _)| within_v4(v4, *net, *prefix))
+                .map(|(_, _, range)| range)
         }
         IpAddr::V6(v6) => {
-            if v6.is_unspecified() {
-                Some(RefusedRange::Unspecified)
-            } else if v6.is_loopback() {
-                Some(RefusedRange::Loopback)
-            } else if v6.segments()[0] & 0xffc0 == 0xfe80 {
-                Some(RefusedRange::LinkLocal)
-            } else if v6.is_multicast() {
-                Some(RefusedRange::Multicast)
-            } else {
-                None
-            }
+            let ranges: [([u16; 8], u32, RefusedRange); 8] = [
+                ([0; 8], 128, RefusedRange::Unspecified),
+                ([0, 0, 0, 0, 0, 0, 0, 1], 128, RefusedRange::Loopback),
+                ([0xfe80, 0, 0, 0, 0, 0, 0, 0], 10, RefusedRange::LinkLocal),
+                ([0xfc00, 0, 0, 0, 0, 0, 0, 0], 7, RefusedRange::Private),
+                (
+                    [0x2001, 2, 0, 0, 0, 0, 0, 0],
+                    48,
+                    RefusedRange::Benchmarking,
+                ),
+                (
+                    [0x2001, 0xdb8, 0, 0, 0, 0, 0, 0],
+                    32,
+                    RefusedRange::Documentation,
+                ),
+                (
+                    [0x3fff, 0, 0, 0, 0, 0, 0, 0],
+                    20,
+                    RefusedRange::Documentation,
+                ),
+                ([0xff00, 0, 0, 0, 0, 0, 0, 0], 8, RefusedRange::Multicast),
+            ];
+            ranges
+                .into_iter()
+                .find(|(net, prefix, _)| within_v6(v6, *net, *prefix))
+                .map(|(_, _, range)| range)
         }
     }
 }
@@ -487,10 +582,11 @@ fn interface_addresses() -> std::io::Result<Vec<IpAddr>> {
 mod tests {
     use super::*;
 
-    // Documentation ranges stand for "anywhere else"; nothing here sends a packet.
-    const PUBLIC_V4: &str = "203.0.113.5";
-    const PUBLIC_V6: &str = "2001:db8::1";
-    const HOST_V4: &str = "198.51.100.7";
+    // Addresses outside every refused range; nothing here sends a packet.
+    const PUBLIC_V4: &str = "11.0.0.5";
+    const PUBLIC_V6: &str = "2a00::1";
+    const HOST_V4: &str = "11.9.8.7";
+    const HOST_V6: &str = "2a00::7";
 
     fn ip(text: &str) -> IpAddr {
         text.parse().unwrap()
@@ -504,7 +600,7 @@ mod tests {
     }
 
     fn check(rule: &AddressRule, host: &str, port: u16, address: &str) -> Result<(), RefusedRange> {
-        check_address(rule, &[ip(HOST_V4), ip("fd00::7")], host, port, ip(address))
+        check_address(rule, &[ip(HOST_V4), ip(HOST_V6)], host, port, ip(address))
             .map_err(|e| e.range)
     }
 
@@ -548,7 +644,7 @@ mod tests {
                 "::ffff:10.213.4.2",
                 RefusedRange::SandboxNetwork("10.213.0.0/16".parse().unwrap()),
             ),
-            ("::ffff:198.51.100.7", RefusedRange::HostAddress),
+            ("::ffff:11.9.8.7", RefusedRange::HostAddress),
         ] {
             assert_eq!(
                 check(&rule, "registry.test", 443, address),
@@ -557,7 +653,7 @@ mod tests {
             );
         }
         assert_eq!(
-            check(&rule, "registry.test", 443, "::ffff:203.0.113.5"),
+            check(&rule, "registry.test", 443, "::ffff:11.0.0.5"),
             Ok(())
         );
     }
@@ -570,7 +666,7 @@ mod tests {
             Err(RefusedRange::HostAddress)
         );
         assert_eq!(
-            check(&rule, "x.test", 443, "fd00::7"),
+            check(&rule, "x.test", 443, HOST_V6),
             Err(RefusedRange::HostAddress)
         );
         assert_eq!(
@@ -579,9 +675,212 @@ mod tests {
                 "10.213.0.0/16".parse().unwrap()
             ))
         );
-        // Private ranges that are neither the host's nor the sandboxes' stay reachable.
-        assert_eq!(check(&rule, "x.test", 443, "10.214.0.1"), Ok(()));
-        assert_eq!(check(&rule, "x.test", 443, "192.168.1.20"), Ok(()));
+        // Private ranges that are neither the host's nor the sandboxes' are private still.
+        assert_eq!(
+            check(&rule, "x.test", 443, "10.214.0.1"),
+            Err(RefusedRange::Private)
+        );
+    }
+
+    /// Each range by an address at each of its edges and the addresses just outside them.
+    #[test]
+    fn every_range_is_refused_up_to_its_edges() {
+        use RefusedRange::*;
+        let rule = AddressRule::default();
+        let cases: &[(&str, &str, &str, &str, RefusedRange)] = &[
+            // (just below, first, last, just above, range)
+            (
+                "9.255.255.255",
+                "10.0.0.0",
+                "10.255.255.255",
+                "11.0.0.0",
+                Private,
+            ),
+            (
+                "172.15.255.255",
+                "172.16.0.0",
+                "172.31.255.255",
+                "172.32.0.0",
+                Private,
+            ),
+            (
+                "192.167.255.255",
+                "192.168.0.0",
+                "192.168.255.255",
+                "192.169.0.0",
+                Private,
+            ),
+            (
+                "100.63.255.255",
+                "100.64.0.0",
+                "100.127.255.255",
+                "100.128.0.0",
+                Shared,
+            ),
+            (
+                "198.17.255.255",
+                "198.18.0.0",
+                "198.19.255.255",
+                "198.20.0.0",
+                Benchmarking,
+            ),
+            (
+                "192.0.1.255",
+                "192.0.2.0",
+                "192.0.2.255",
+                "192.0.3.0",
+                Documentation,
+            ),
+            (
+                "198.51.99.255",
+                "198.51.100.0",
+                "198.51.100.255",
+                "198.51.101.0",
+                Documentation,
+            ),
+            (
+                "203.0.112.255",
+                "203.0.113.0",
+                "203.0.113.255",
+                "203.0.114.0",
+                Documentation,
+            ),
+            (
+                "223.255.255.255",
+                "224.0.0.0",
+                "239.255.255.255",
+                "240.0.0.0",
+                Multicast,
+            ),
+            (
+                "239.255.255.255",
+                "240.0.0.0",
+                "255.255.255.254",
+                "255.255.255.255",
+                Reserved,
+            ),
+            (
+                "1.0.0.0",
+                "0.0.0.0",
+                "0.255.255.255",
+                "1.0.0.1",
+                Unspecified,
+            ),
+            (
+                "fbff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "fc00::",
+                "fdff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "fe00::",
+                Private,
+            ),
+            (
+                "2001:1:ffff:ffff:ffff:ffff:ffff:ffff",
+                "2001:2::",
+                "2001:2:0:ffff:ffff:ffff:ffff:ffff",
+                "2001:2:1::",
+                Benchmarking,
+            ),
+            (
+                "2001:db7:ffff:ffff:ffff:ffff:ffff:ffff",
+                "2001:db8::",
+                "2001:db8:ffff:ffff:ffff:ffff:ffff:ffff",
+                "2001:db9::",
+                Documentation,
+            ),
+            (
+                "3ffe:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "3fff::",
+                "3fff:fff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "3fff:1000::",
+                Documentation,
+            ),
+            (
+                "feff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "ff00::",
+                "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
+                "fe00::1",
+                Multicast,
+            ),
+        ];
+        for (below, first, last, above, range) in cases {
+            for inside in [first, last] {
+                assert_eq!(check(&rule, inside, 443, inside), Err(*range), "{inside}");
+            }
+            for outside in [below, above] {
+                assert_ne!(
+                    check(&rule, outside, 443, outside),
+                    Err(*range),
+                    "{outside}"
+                );
+            }
+        }
+        // The broadcast address is named as such, not as the reserved range around it.
+        assert_eq!(
+            check(&rule, "x.test", 443, "255.255.255.255"),
+            Err(Broadcast)
+        );
+    }
+
+    #[test]
+    fn ipv6_forms_of_ipv4_addresses_are_judged_by_the_ipv4_address() {
+        use RefusedRange::*;
+        let rule = AddressRule::default();
+        for (address, judged) in [
+            // IPv4-mapped, compatible and translated.
+            ("::ffff:10.1.2.3", Err(Private)),
+            ("::ffff:11.1.2.3", Ok(())),
+            ("::100.64.0.1", Err(Shared)),
+            ("::100.128.0.1", Ok(())),
+            ("::ffff:0:192.168.0.1", Err(Private)),
+            ("::ffff:0:192.169.0.1", Ok(())),
+            // 6to4: the IPv4 address follows 2002:.
+            ("2002:a00:1::1", Err(Private)),
+            ("2002:b00:1::1", Ok(())),
+            ("2002:a9fe:a9fe::", Err(LinkLocal)),
+            ("2002:7f00:1::", Err(Loopback)),
+            ("2002:c612:1::", Err(Benchmarking)),
+            ("2002:c614:1::", Ok(())),
+            // The well-known NAT64 prefix: the last 32 bits.
+            ("64:ff9b::10.0.0.1", Err(Private)),
+            ("64:ff9b::169.254.169.254", Err(LinkLocal)),
+            ("64:ff9b::127.0.0.1", Err(Loopback)),
+            ("64:ff9b::11.0.0.1", Ok(())),
+            // Just outside the /96.
+            ("64:ff9b:0:0:0:1:a00:1", Ok(())),
+            // Local-use NAT64: every place the IPv4 address may be, by prefix length.
+            // 10.x where a /48 translator puts it, 11.x wherever the others would.
+            ("64:ff9b:1:a0b:b:b0b:b00:1", Err(Private)),
+            // ... where a /56 one does.
+            ("64:ff9b:1:b0a:b:b0b:b00:1", Err(Private)),
+            // ... where a /64 one does.
+            ("64:ff9b:1:b0b:a:b0b:b00:1", Err(Private)),
+            // ... where a /96 one does.
+            ("64:ff9b:1:b0b:b:b0b:a00:1", Err(Private)),
+            ("64:ff9b:1:b0b:b:b0b:b00:1", Ok(())),
+            // Just outside the /48.
+            ("64:ff9b:2::10.0.0.1", Ok(())),
+        ] {
+            assert_eq!(check(&rule, "x.test", 443, address), judged, "{address}");
+        }
+        // What a refusal names is the IPv4 address the IPv6 one reaches.
+        let err = check_address(&rule, &[], "x.test", 443, ip("2002:a00:1::1")).unwrap_err();
+        assert_eq!(err.address, ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn the_operator_list_allows_the_new_ranges_too() {
+        let rule = rule(&["registry.lan", "10.0.0.9:5000", "[fd12::1]"]);
+        assert_eq!(check(&rule, "registry.lan", 443, "192.168.1.2"), Ok(()));
+        assert_eq!(check(&rule, "10.0.0.9", 5000, "10.0.0.9"), Ok(()));
+        assert_eq!(
+            check(&rule, "10.0.0.9", 5001, "10.0.0.9"),
+            Err(RefusedRange::Private)
+        );
+        assert_eq!(check(&rule, "mirror.test", 80, "fd12::1"), Ok(()));
+        assert_eq!(
+            check(&rule, "mirror.test", 80, "fd12::2"),
+            Err(RefusedRange::Private)
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use sandbar_fs::{Dir, Kind};
+use sandbar_fs::{Dir, Entry, Kind, Visitor};
 use sha2::{Digest, Sha256};
 
 const OPAQUE_XATTRS: [&str; 2] = ["user.overlay.opaque", "trusted.overlay.opaque"];
@@ -75,7 +75,7 @@ fn write(dir: &Path, out: impl Write, id_base: Option<u32>) -> io::Result<Archiv
         links: HashMap::new(),
         id_base,
     };
-    walk.directory(&root, Path::new(""))?;
+    sandbar_fs::walk(root, &mut walk)?;
     builder.finish()?;
     let mut hashing = builder.into_inner()?;
     hashing.flush()?;
@@ -151,49 +151,6 @@ impl<W: Write> Walk<'_, W> {
         Ok(header)
     }
 
-    fn directory(&mut self, dir: &Dir, path: &Path) -> io::Result<()> {
-        let meta = dir.metadata()?;
-        let mut header = self.header_for(&meta, tar::EntryType::Directory)?;
-        if path.as_os_str().is_empty() {
-            // "./" carries the root's owner and mode (the sandbox's `/`); the tar crate's
-            // path setter would refuse a name without a normal component.
-            header.as_old_mut().name[..2].copy_from_slice(b"./");
-            header.set_cksum();
-            self.builder.append(&header, io::empty())?;
-        } else {
-            let mut name = path.as_os_str().to_owned();
-            name.push("/");
-            self.builder
-                .append_data(&mut header, Path::new(&name), io::empty())?;
-        }
-        if OPAQUE_XATTRS
-            .iter()
-            .any(|x| xattr(dir, x).is_some_and(|v| v == b"y"))
-        {
-            self.marker(&meta, &path.join(".wh..wh..opq"))?;
-        }
-        for entry in dir.entries().map_err(io::Error::other)? {
-            let child = path.join(&entry.name);
-            let Some(meta) = dir.stat(&entry.name).map_err(io::Error::other)? else {
-                continue;
-            };
-            match entry.kind {
-                Kind::Dir => {
-                    let sub = dir.open_dir(&entry.name).map_err(io::Error::other)?;
-                    self.directory(&sub, &child)?;
-                }
-                Kind::File => self.file(dir, &entry.name, &meta, &child)?,
-                Kind::Symlink => {
-                    let target = dir.read_link(&entry.name).map_err(io::Error::other)?;
-                    let mut header = self.header_for(&meta, tar::EntryType::Symlink)?;
-                    self.builder.append_link(&mut header, &child, &target)?;
-                }
-                Kind::Other => self.special(&entry.name, &meta, &child)?,
-            }
-        }
-        Ok(())
-    }
-
     /// An empty regular file that only names something (a whiteout or an opaque marker).
     fn marker(&mut self, meta: &Metadata, path: &Path) -> io::Result<()> {
         let mut header = self.header_for(meta, tar::EntryType::Regular)?;
@@ -248,12 +205,85 @@ impl<W: Write> Walk<'_, W> {
     }
 }
 
+/// Directories are archived as the walk enters them, so each one's entry precedes its
+/// contents; the walk keeps a bounded number of them open however deep the layer goes.
+impl<W: Write> Visitor for Walk<'_, W> {
+    type Error = io::Error;
+
+    fn enter(&mut self, dir: &Dir, path: &Path) -> io::Result<()> {
+        let meta = dir.metadata()?;
+        let mut header = self.header_for(&meta, tar::EntryType::Directory)?;
+        if path.as_os_str().is_empty() {
+            // "./" carries the root's owner and mode (the sandbox's `/`); the tar crate's
+            // path setter would refuse a name without a normal component.
+            header.as_old_mut().name[..2].copy_from_slice(b"./");
+            header.set_cksum();
+            self.builder.append(&header, io::empty())?;
+        } else {
+            let mut name = path.as_os_str().to_owned();
+            name.push("/");
+            self.builder
+                .append_data(&mut header, Path::new(&name), io::empty())?;
+        }
+        if OPAQUE_XATTRS
+            .iter()
+            .any(|x| xattr(dir, x).is_some_and(|v| v == b"y"))
+        {
+            self.marker(&meta, &path.join(".wh..wh..opq"))?;
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self, dir: &Dir, entry: &Entry, path: &Path) -> io::Result<bool> {
+        let Some(meta) = dir.stat(&entry.name).map_err(io::Error::other)? else {
+            return Ok(false);
+        };
+        match entry.kind {
+            Kind::Dir => return Ok(true),
+            Kind::File => self.file(dir, &entry.name, &meta, path)?,
+            Kind::Symlink => {
+                let target = dir.read_link(&entry.name).map_err(io::Error::other)?;
+                let mut header = self.header_for(&meta, tar::EntryType::Symlink)?;
+                self.builder.append_link(&mut header, path, &target)?;
+            }
+            Kind::Other => self.special(&entry.name, &meta, path)?,
+        }
+        Ok(false)
+    }
+}
+
 #[cfg(test)]
 // The fixtures are trees the test itself makes in its own temporary directory.
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_layer_of_many_directories_is_archived_with_few_descriptors() {
+        let name = concat!(
+            module_path!(),
+            "::a_layer_of_many_directories_is_archived_with_few_descriptors"
+        );
+        crate::few_descriptors::run(name, || {
+            let tmp = tempfile::tempdir().unwrap();
+            crate::few_descriptors::crowded_tree(tmp.path());
+            let mut archive = Vec::new();
+            write_layer(tmp.path(), &mut archive).unwrap();
+            let mut names = Vec::new();
+            for entry in tar::Archive::new(archive.as_slice()).entries().unwrap() {
+                names.push(entry.unwrap().path().unwrap().into_owned());
+            }
+            let leaf = std::iter::repeat_n("d", 200)
+                .fold(PathBuf::from("deep"), |p, d| p.join(d))
+                .join("leaf");
+            assert!(names.contains(&leaf));
+            assert!(names.contains(&PathBuf::from("wide399/inner")));
+            // Every directory precedes what it holds.
+            let position = |p: &Path| names.iter().position(|n| n == p).unwrap();
+            assert!(position(Path::new("deep/d")) < position(&leaf));
+        });
+    }
 
     #[test]
     fn pax_records_count_their_own_length() {

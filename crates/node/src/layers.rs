@@ -354,45 +354,75 @@ pub fn shift_owners(root: &Path, base: u32, size: u32) -> std::io::Result<()> {
 /// The tree was written by a sandbox, so it is walked through directory handles, never
 /// following a link.
 pub fn move_owners(root: &Path, from: u32, to: u32, size: u32) -> std::io::Result<()> {
-    let shift = |id: u32, path: &Path| {
-        id.checked_sub(from)
-            .filter(|i| *i < size)
-            .map(|i| i + to)
+    sandbar_fs::walk(
+        Dir::open_host(root)?,
+        &mut OwnerMove {
+            root,
+            from,
+            to,
+            size,
+        },
+    )
+}
+
+/// [`move_owners`] as a walk: the top gets its owner when entered, every entry below from
+/// its parent, by name.
+struct OwnerMove<'a> {
+    root: &'a Path,
+    from: u32,
+    to: u32,
+    size: u32,
+}
+
+impl OwnerMove<'_> {
+    fn shift(&self, id: u32, path: &Path) -> std::io::Result<u32> {
+        id.checked_sub(self.from)
+            .filter(|i| *i < self.size)
+            .map(|i| i + self.to)
             .ok_or_else(|| {
                 std::io::Error::other(format!(
                     "{} is owned by host id {id}, outside the sandbox's range",
-                    path.display()
+                    self.root.join(path).display()
                 ))
             })
-    };
-    let top = Dir::open_host(root)?;
-    let meta = top.metadata()?;
-    top.chown_self(shift(meta.uid(), root)?, shift(meta.gid(), root)?)?;
-    if meta.mode() & 0o6000 != 0 {
-        top.chmod_self(meta.mode())?;
     }
-    let mut pending = vec![(top, PathBuf::new())];
-    while let Some((dir, shown)) = pending.pop() {
-        for entry in dir.entries()? {
-            let path = shown.join(&entry.name);
-            let Some(meta) = dir.stat(&entry.name)? else {
-                continue;
-            };
-            dir.chown(
-                &entry.name,
-                shift(meta.uid(), &path)?,
-                shift(meta.gid(), &path)?,
-            )?;
-            if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
-                // A change of owner clears setuid and setgid; the layer keeps what the step made.
-                dir.chmod(&entry.name, meta.mode())?;
-            }
-            if meta.is_dir() {
-                pending.push((dir.open_dir(&entry.name)?, path));
-            }
+}
+
+impl sandbar_fs::Visitor for OwnerMove<'_> {
+    type Error = std::io::Error;
+
+    fn enter(&mut self, dir: &Dir, path: &Path) -> std::io::Result<()> {
+        if !path.as_os_str().is_empty() {
+            return Ok(());
         }
+        let meta = dir.metadata()?;
+        dir.chown_self(self.shift(meta.uid(), path)?, self.shift(meta.gid(), path)?)?;
+        if meta.mode() & 0o6000 != 0 {
+            dir.chmod_self(meta.mode())?;
+        }
+        Ok(())
     }
-    Ok(())
+
+    fn entry(
+        &mut self,
+        dir: &Dir,
+        entry: &sandbar_fs::Entry,
+        path: &Path,
+    ) -> std::io::Result<bool> {
+        let Some(meta) = dir.stat(&entry.name)? else {
+            return Ok(false);
+        };
+        dir.chown(
+            &entry.name,
+            self.shift(meta.uid(), path)?,
+            self.shift(meta.gid(), path)?,
+        )?;
+        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+            // A change of owner clears setuid and setgid; the layer keeps what the step made.
+            dir.chmod(&entry.name, meta.mode())?;
+        }
+        Ok(meta.is_dir())
+    }
 }
 
 #[cfg(test)]
@@ -405,6 +435,35 @@ mod tests {
         for d in dirs {
             std::fs::create_dir_all(root.join(d)).unwrap();
         }
+    }
+
+    #[test]
+    fn owners_move_with_few_descriptors_however_many_directories() {
+        let name = concat!(
+            module_path!(),
+            "::owners_move_with_few_descriptors_however_many_directories"
+        );
+        crate::few_descriptors::run(name, || {
+            let tmp = tempfile::tempdir().unwrap();
+            crate::few_descriptors::crowded_tree(tmp.path());
+            // SAFETY: getuid and getgid cannot fail.
+            let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+            let leaf = tmp
+                .path()
+                .join(std::iter::repeat_n("d", 200).fold(PathBuf::from("deep"), |p, d| p.join(d)))
+                .join("leaf");
+            if uid == 0 {
+                move_owners(tmp.path(), 0, 100_000, 65_536).unwrap();
+                for moved in [leaf.as_path(), &tmp.path().join("wide399/inner")] {
+                    let meta = std::fs::symlink_metadata(moved).unwrap();
+                    assert_eq!((meta.uid(), meta.gid()), (100_000, 100_000), "{moved:?}");
+                }
+            } else {
+                // Without the right to give files away, ids move onto themselves.
+                let from = uid.min(gid);
+                move_owners(tmp.path(), from, from, uid.max(gid) - from + 1).unwrap();
+            }
+        });
     }
 
     #[test]

@@ -32,3 +32,6 @@ pub mod warm;
 
 pub use builder::NodeBuilder;
 pub use runtime::{LinuxRuntime, NodeConfig, NodeError, protect_server_from_oom_killer};
+
+#[cfg(test)]
+pub(crate) mod few_descriptors;

@@ -177,11 +177,12 @@ pub struct ApiHost {
     pub domain: String,
     pub max_upload_bytes: u64,
     pub base_disk_mb: u32,
+    pub metrics: sandbar_api::MetricsAccess,
 }
 
 /// The router of an API host: the REST API answered from the shared store, and everything
 /// that touches a sandbox, a build or a volume forwarded to a node.
-pub async fn api_router(host: ApiHost) -> anyhow::Result<axum::Router> {
+pub async fn api_router(host: ApiHost) -> anyhow::Result<sandbar_api::Routers> {
     let store = host.store;
     let nodes = Arc::new(NodeDirectory::new(store.clone()));
     nodes
@@ -222,17 +223,20 @@ pub async fn api_router(host: ApiHost) -> anyhow::Result<axum::Router> {
     );
     let store_for_limits = store.clone();
     let routing = Arc::new(ClusterRouting::new(nodes, store, host.secret));
-    Ok(sandbar_api::router(AppState {
-        auth: host.auth,
-        sandboxes,
-        templates,
-        builds,
-        rate_limits: sandbar_core::RateLimits::shared_through(store_for_limits),
-        edge: Arc::new(EdgeConfig {
-            domain: host.domain,
-        }),
-        cluster: Some(ClusterRole::Api(routing)),
-    }))
+    Ok(sandbar_api::routers(
+        AppState {
+            auth: host.auth,
+            sandboxes,
+            templates,
+            builds,
+            rate_limits: sandbar_core::RateLimits::shared_through(store_for_limits),
+            edge: Arc::new(EdgeConfig {
+                domain: host.domain,
+            }),
+            cluster: Some(ClusterRole::Api(routing)),
+        },
+        &host.metrics,
+    ))
 }
 
 #[cfg(test)]

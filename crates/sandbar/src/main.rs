@@ -119,6 +119,15 @@ struct ServeArgs {
         value_delimiter = ','
     )]
     allow_registry: Vec<sandbar_image::AllowedRegistry>,
+    /// Serves the Prometheus metrics (`GET /metrics`) to scrapes that send
+    /// `Authorization: Bearer <token>`. Without it and without --metrics-listen, /metrics is
+    /// not served. Prefer the environment variable: arguments show in the process list.
+    #[arg(long, env = "SANDBAR_METRICS_TOKEN", hide_env_values = true)]
+    metrics_token: Option<String>,
+    /// Serves /metrics on this address only (say a private or loopback one), not on --listen;
+    /// with --metrics-token, scrapes there need the token too.
+    #[arg(long, env = "SANDBAR_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
     /// Largest build-context upload accepted, in MiB.
     #[arg(long, env = "SANDBAR_MAX_UPLOAD_MB", default_value_t = 1024)]
     max_upload_mb: u64,
@@ -600,6 +609,7 @@ fn base_image() -> TemplateImage {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = metrics_access(&args)?;
     if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
         tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
     }
@@ -889,23 +899,33 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         tracing::info!(node_id = %lease.id, url = %lease.url, "serving as a node of a cluster");
     }
 
-    let app = sandbar_api::router(AppState {
-        auth,
-        sandboxes,
-        templates,
-        builds: builds.clone(),
-        // A team's rate holds across every process that shares the database.
-        rate_limits: if shared_database {
-            sandbar_core::RateLimits::shared_through(store.clone())
-        } else {
-            Arc::new(sandbar_core::RateLimits::default())
+    let routers = sandbar_api::routers(
+        AppState {
+            auth,
+            sandboxes,
+            templates,
+            builds: builds.clone(),
+            // A team's rate holds across every process that shares the database.
+            rate_limits: if shared_database {
+                sandbar_core::RateLimits::shared_through(store.clone())
+            } else {
+                Arc::new(sandbar_core::RateLimits::default())
+            },
+            edge: Arc::new(EdgeConfig {
+                domain: args.domain,
+            }),
+            cluster: node_lease.map(|(_, secret)| sandbar_api::ClusterRole::Node { secret }),
         },
-        edge: Arc::new(EdgeConfig {
-            domain: args.domain,
-        }),
-        cluster: node_lease.map(|(_, secret)| sandbar_api::ClusterRole::Node { secret }),
-    });
-    serve_until_stopped(args.listen, app, "sandbar is serving").await?;
+        &metrics,
+    );
+    let metrics_listener = args.metrics_listen.zip(routers.metrics);
+    serve_until_stopped(
+        args.listen,
+        routers.main,
+        metrics_listener,
+        "sandbar is serving",
+    )
+    .await?;
     builds.shutdown().await;
     node.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
@@ -914,6 +934,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 /// An API host: no sandboxes, no builds, no host lock (several may share a machine).
 async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = metrics_access(&args)?;
     let url = args
         .database
         .postgres_url()?
@@ -926,21 +947,45 @@ async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
         .canonicalize()
         .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
     bootstrap_first_team(&auth, &args, &data_dir).await?;
-    let app = cluster::api_router(cluster::ApiHost {
+    let routers = cluster::api_router(cluster::ApiHost {
         store,
         auth,
         secret: args.cluster.secret()?,
         domain: args.domain,
         max_upload_bytes: args.max_upload_mb << 20,
         base_disk_mb: args.base_disk_mb,
+        metrics,
     })
     .await?;
     serve_until_stopped(
         args.listen,
-        app,
+        routers.main,
+        args.metrics_listen.zip(routers.metrics),
         "sandbar is serving as an API host of a cluster",
     )
     .await
+}
+
+/// Who may read `/metrics`, from --metrics-token and --metrics-listen.
+fn metrics_access(args: &ServeArgs) -> anyhow::Result<sandbar_api::MetricsAccess> {
+    let token = match args.metrics_token.as_deref().map(str::trim) {
+        Some("") => bail!("--metrics-token is empty; leave it out to serve no metrics"),
+        Some(token) => Some(Arc::<str>::from(token)),
+        None => None,
+    };
+    match (&token, args.metrics_listen) {
+        (None, None) => tracing::info!(
+            "/metrics is not served: give --metrics-token or --metrics-listen to serve it"
+        ),
+        (_, Some(address)) => {
+            tracing::info!(%address, token = token.is_some(), "/metrics is served on its own listener")
+        }
+        (Some(_), None) => tracing::info!("/metrics is served to scrapes with the metrics token"),
+    }
+    Ok(sandbar_api::MetricsAccess {
+        own_listener: args.metrics_listen.is_some(),
+        token,
+    })
 }
 
 /// Makes the first team and its key on an empty store and writes them to
@@ -969,10 +1014,12 @@ async fn bootstrap_first_team(
     Ok(())
 }
 
-/// Serves `app` on `address` until SIGTERM or SIGINT.
+/// Serves `app` on `address`, and the metrics router on its own address if there is one,
+/// until SIGTERM or SIGINT.
 async fn serve_until_stopped(
     address: SocketAddr,
     app: axum::Router,
+    metrics: Option<(SocketAddr, axum::Router)>,
     serving: &'static str,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(address)
@@ -982,10 +1029,26 @@ async fn serve_until_stopped(
             // Small request/response exchanges stall ~40 ms on Nagle + delayed ACK otherwise.
             let _ = tcp.set_nodelay(true);
         });
+    let metrics = match metrics {
+        Some((metrics_address, router)) => {
+            let listener = tokio::net::TcpListener::bind(metrics_address)
+                .await
+                .with_context(|| format!("cannot listen on {metrics_address} for /metrics"))?;
+            Some(tokio::spawn(async move {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(shutdown_signal())
+                    .await
+            }))
+        }
+        None => None,
+    };
     tracing::info!(%address, "{serving}");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    if let Some(metrics) = metrics {
+        metrics.await.context("the metrics listener failed")??;
+    }
     Ok(())
 }
 

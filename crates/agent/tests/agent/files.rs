@@ -317,6 +317,71 @@ async fn signed_urls() {
     assert_eq!(std::fs::read(&up).unwrap(), b"via signature");
 }
 
+#[tokio::test]
+async fn a_signed_url_acts_as_its_signer_whatever_the_authorization_header_says() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let agent = Agent::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    // Anyone may write here, so only the agent's choice of user decides the owner.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    // What `upload_url()` gives out without a user: signed for '', the default user (root
+    // here), and no username in the URL.
+    let upload = |name: &str, basic: Option<&str>| {
+        let path = dir.path().join(name);
+        let sig = sandbar_agent::auth::file_signature(
+            path.to_str().unwrap(),
+            sandbar_agent::auth::FileOperation::Write,
+            "",
+            TOKEN,
+            None,
+        );
+        let mut req = http::Request::builder().method("POST").uri(format!(
+            "{}/files?path={}&signature={}",
+            agent.base,
+            enc(&path),
+            percent_encode(&sig)
+        ));
+        if let Some(user) = basic {
+            req = req.header(
+                "authorization",
+                format!("Basic {}", b64(format!("{user}:").as_bytes())),
+            );
+        }
+        let req = req
+            .header("content-type", "application/octet-stream")
+            .body(full(&b"signed"[..]))
+            .unwrap();
+        (path, req)
+    };
+    let (path, req) = upload("other.txt", Some("nobody"));
+    let (status, _, body) = agent.send(req).await;
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(status, 401, "{text}");
+    assert!(
+        text.contains("signed for user 'root'") && text.contains("'nobody'"),
+        "{text}"
+    );
+    assert!(!path.exists());
+    // Naming the user the URL was signed for changes nothing.
+    for (name, basic) in [("plain.txt", None), ("same.txt", Some("root"))] {
+        let (path, req) = upload(name, basic);
+        let (status, _, body) = agent.send(req).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(std::fs::metadata(&path).unwrap().uid(), 0, "{name}");
+    }
+    // With the access token, the header still picks the user.
+    let by_token = dir.path().join("token.txt");
+    let req = agent
+        .request("POST", &format!("/files?path={}", enc(&by_token)))
+        .header("authorization", format!("Basic {}", b64(b"nobody:")))
+        .header("content-type", "application/octet-stream")
+        .body(full(&b"token"[..]))
+        .unwrap();
+    let (status, _, body) = agent.send(req).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(std::fs::metadata(&by_token).unwrap().uid(), 65534);
+}
+
 fn chrono_like_now() -> i64 {
     i64::try_from(
         std::time::SystemTime::now()

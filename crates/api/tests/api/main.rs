@@ -7,6 +7,7 @@ mod cluster;
 mod keys;
 mod lifecycle_races;
 mod logs;
+mod metrics;
 mod network;
 mod openapi;
 mod pause_races;

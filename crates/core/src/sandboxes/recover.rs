@@ -172,7 +172,13 @@ impl Sandboxes {
         }
         self.live().insert(
             sandbox.id.clone(),
-            Live::recorded(sandbox, handle, None, SandboxStatus::Checkpointed),
+            Live::recorded(
+                &self.signers,
+                sandbox,
+                handle,
+                None,
+                SandboxStatus::Checkpointed,
+            ),
         );
         self.activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
@@ -237,7 +243,13 @@ impl Sandboxes {
         let status = self.settle(sandbox).await?;
         self.live().insert(
             sandbox.id.clone(),
-            Live::recorded(sandbox, sandbox.handle.clone(), Some(endpoint), status),
+            Live::recorded(
+                &self.signers,
+                sandbox,
+                sandbox.handle.clone(),
+                Some(endpoint),
+                status,
+            ),
         );
         // Sandboxes from before logs were kept get a log from now on.
         self.activity
@@ -271,6 +283,7 @@ impl Sandboxes {
         self.live().insert(
             sandbox.id.clone(),
             Live::recorded(
+                &self.signers,
                 sandbox,
                 sandbox.handle.clone(),
                 None,
@@ -329,7 +342,13 @@ impl Sandboxes {
             None => {
                 self.live().insert(
                     id.to_owned(),
-                    Live::recorded(sandbox, sandbox.handle.clone(), None, sandbox.status),
+                    Live::recorded(
+                        &self.signers,
+                        sandbox,
+                        sandbox.handle.clone(),
+                        None,
+                        sandbox.status,
+                    ),
                 );
                 sandbox.status
             }

@@ -108,6 +108,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{- define "sandbar.metricsSecretName" -}}
+{{- if .Values.metrics.existingSecret }}
+{{- .Values.metrics.existingSecret }}
+{{- else }}
+{{- printf "%s-metrics" (include "sandbar.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{- define "sandbar.metricsSecretKey" -}}
+{{- if .Values.metrics.existingSecret }}
+{{- .Values.metrics.existingSecretKey }}
+{{- else }}
+{{- print "token" }}
+{{- end }}
+{{- end }}
+
 {{/* Where the cluster secret file is read from, in API and node containers alike. */}}
 {{- define "sandbar.secretDir" -}}
 /run/sandbar-cluster
@@ -146,6 +162,13 @@ app.kubernetes.io/component: {{ .component }}
     secretKeyRef:
       name: {{ include "sandbar.apiKeySecretName" . }}
       key: {{ include "sandbar.apiKeySecretKey" . }}
+{{- end }}
+{{- if or .Values.metrics.existingSecret .Values.metrics.token }}
+- name: SANDBAR_METRICS_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sandbar.metricsSecretName" . }}
+      key: {{ include "sandbar.metricsSecretKey" . }}
 {{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
