@@ -132,6 +132,15 @@ pub enum RuntimeError {
     NoCapacity { sandbox_id: String, message: String },
     #[error("sandbox {sandbox_id} has a runtime handle this node cannot read: {message}")]
     BadHandle { sandbox_id: String, message: String },
+    /// Processes outlived a kill for longer than the node waits; the sandbox stays as it
+    /// was, and killing it again may succeed.
+    #[error(
+        "sandbox {sandbox_id}: {processes} processes still remain after being killed; kill it again"
+    )]
+    StillRunning {
+        sandbox_id: String,
+        processes: usize,
+    },
 }
 
 #[async_trait::async_trait]
