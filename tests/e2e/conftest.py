@@ -42,6 +42,7 @@ from e2e_util import (
     SandbarServer,
     UPLOAD_TTL_S,
     UPLOADS_PER_TEAM,
+    VOLUME_REQUESTS_PER_MINUTE,
     all_pids,
     free_port,
     host_links,
@@ -158,6 +159,7 @@ def sandbar():
         extra_args=[
             "--base-disk-mb", "512", "--disk-pool-gb", "8", "--ready-timeout-secs", "20", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
             "--upload-ttl-secs", str(UPLOAD_TTL_S), "--max-uploads-per-team", str(UPLOADS_PER_TEAM),
+            "--volume-requests-per-minute", str(VOLUME_REQUESTS_PER_MINUTE),
             *registry_ports().allow_args(),
         ],
     )

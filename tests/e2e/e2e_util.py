@@ -39,6 +39,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 # seconds; a build holds its uploads while it runs, so the other template tests are unaffected.
 UPLOAD_TTL_S = 10
 UPLOADS_PER_TEAM = 300
+# The shared server's volume content API rate per team (`--volume-requests-per-minute`).
+VOLUME_REQUESTS_PER_MINUTE = 1200
 
 
 # --------------------------------------------------------------------------

@@ -178,6 +178,9 @@ impl From<SandboxError> for ApiError {
             SandboxError::NoCapacity {
                 retry_after_secs, ..
             } => Self::unavailable(e.to_string(), retry_after_secs),
+            SandboxError::Runtime(RuntimeError::StillRunning { .. }) => {
+                Self::new(StatusCode::CONFLICT, e.to_string())
+            }
             SandboxError::Runtime(ref r) => Self::internal(r),
             SandboxError::Store(ref s) => Self::internal(s),
             SandboxError::TakeOver(ref t) => match t {
@@ -436,7 +439,15 @@ impl From<sandbar_core::VolumeContentError> for ApiError {
         use sandbar_core::VolumeIoError as Io;
         let status = match &e {
             E::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            E::BadPath { .. } | E::BadRequest { .. } => StatusCode::BAD_REQUEST,
+            E::BadPath { .. } | E::BadRequest { .. } | E::Upload { .. } => StatusCode::BAD_REQUEST,
+            E::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            E::RateLimited { retry_after, .. } => {
+                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
+                // Whole seconds, rounded up so a client never retries too early.
+                error.retry_after =
+                    Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0));
+                return error;
+            }
             E::Io { source, .. } => match source {
                 Io::NotFound(_) => StatusCode::NOT_FOUND,
                 Io::AlreadyExists(_) => StatusCode::CONFLICT,

@@ -5,6 +5,7 @@
 //! [`error::ApiError`] is the one place where domain errors become HTTP statuses.
 
 mod activity;
+mod body_stream;
 pub mod cluster;
 mod disk_guard;
 mod dto;

@@ -432,7 +432,7 @@ pub(crate) async fn detail(
         (status = 204, description = "The sandbox was killed (after a pause, resume or snapshot under way finished)"),
         (status = 400, description = "Invalid request", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
+        (status = 409, description = "A transition under way did not finish within a minute, or processes outlived the kill for a few seconds (their count is named)", body = ErrorBody),
         CommonErrors,
     )
 )]

@@ -6,7 +6,6 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use http_body_util::BodyExt;
 use sandbar_core::builds::{
     BuildLogEntry, BuildRecord, BuildSource, BuildSpec, BuildStep, LogLevel, RegistryCredentials,
     RequestBuild, StepKind,
@@ -380,24 +379,10 @@ pub(crate) async fn upload(
         .get("token")
         .ok_or_else(|| ApiError::new(StatusCode::FORBIDDEN, "the upload link has no token"))?
         .to_owned();
-    // The body streams through a pipe, so a large upload never sits in memory.
-    let (reader, mut writer) = tokio::io::duplex(256 * 1024);
-    let forward = tokio::spawn(async move {
-        let mut body = body;
-        while let Some(frame) = body.frame().await {
-            let Ok(frame) = frame else { break };
-            if let Ok(data) = frame.into_data()
-                && tokio::io::AsyncWriteExt::write_all(&mut writer, &data)
-                    .await
-                    .is_err()
-            {
-                break;
-            }
-        }
-    });
-    let result = state.builds.upload(&hash, &token, Box::pin(reader)).await;
-    forward.abort();
-    result?;
+    // Read as it arrives and written to disk by the node, so a large upload never sits in
+    // memory.
+    let reader = crate::body_stream::BodyReader::new(body);
+    state.builds.upload(&hash, &token, Box::pin(reader)).await?;
     Ok(StatusCode::CREATED)
 }
 

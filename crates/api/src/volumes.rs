@@ -40,9 +40,7 @@ pub(crate) fn content_routes() -> axum::Router<AppState> {
         )
         .route(
             "/volumecontent/{volume_id}/file",
-            get(read_file)
-                .put(write_file)
-                .layer(axum::extract::DefaultBodyLimit::max(MAX_UPLOAD_BYTES)),
+            get(read_file).put(write_file),
         )
         .route(
             "/volumecontent/{volume_id}/dir",
@@ -91,8 +89,9 @@ pub(crate) async fn sandbox_mounts(
         .collect())
 }
 
-/// Largest file the content API accepts in one upload (it is held in memory).
-pub(crate) const MAX_UPLOAD_BYTES: usize = 256 << 20;
+/// Largest file the content API accepts in one upload. Uploads stream to disk, so this
+/// bounds what one request may take of the disk pool, not the server's memory.
+pub(crate) const MAX_UPLOAD_BYTES: u64 = 256 << 20;
 
 #[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NewVolume {
@@ -354,41 +353,45 @@ pub(crate) async fn stat(auth: Authorized, query: QueryPairs) -> Result<Json<Ent
     Ok(Json(entry.into()))
 }
 
-/// `GET /volumecontent/{id}/file`.
+/// `GET /volumecontent/{id}/file`: the file's bytes, streamed from disk as the client reads.
 pub(crate) async fn read_file(auth: Authorized, query: QueryPairs) -> Result<Response, ApiError> {
     let path = auth.path(&query)?;
-    let data = auth.volumes.read(&auth.volume, path).await?;
-    let mut response = Response::new(Body::from(data));
-    response.headers_mut().insert(
+    let file = auth.volumes.read(&auth.volume, path).await?;
+    let mut response = Response::new(crate::body_stream::sized_body(file.reader, file.size));
+    let headers = response.headers_mut();
+    headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(file.size));
     Ok(response)
 }
 
-/// `PUT /volumecontent/{id}/file`: the raw body becomes the file.
+/// `PUT /volumecontent/{id}/file`: the raw body becomes the file, written as it arrives.
 pub(crate) async fn write_file(
     auth: Authorized,
     query: QueryPairs,
+    headers: axum::http::HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     let path = auth.path(&query)?;
     let owner = owner(&query)?;
     let parents = flag(&query, "force")?;
-    let data = axum::body::to_bytes(body, MAX_UPLOAD_BYTES)
-        .await
-        .map_err(|e| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!(
-                    "cannot read the upload for volume {} (at most {MAX_UPLOAD_BYTES} bytes): {e}",
-                    auth.volume.id
-                ),
-            )
-        })?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|len| len > MAX_UPLOAD_BYTES) {
+        return Err(sandbar_core::VolumeContentError::TooLarge {
+            volume_id: auth.volume.id.clone(),
+            limit: MAX_UPLOAD_BYTES,
+        }
+        .into());
+    }
+    let body = Box::pin(crate::body_stream::BodyReader::new(body));
     let entry = auth
         .volumes
-        .write(&auth.volume, path, data.to_vec(), owner, parents)
+        .write(&auth.volume, path, body, MAX_UPLOAD_BYTES, owner, parents)
         .await?;
     Ok((StatusCode::CREATED, Json(EntryView::from(entry))).into_response())
 }

@@ -96,16 +96,20 @@ pub enum UploadError {
 pub trait Builder: Send + Sync + 'static {
     /// Runs `job` to the end, reporting through `log`.
     async fn build(&self, job: BuildJob, log: BuildLog) -> Result<TemplateImage, BuildFailure>;
-    /// Whether the team already uploaded the files of `hash`.
-    async fn has_upload(&self, team_id: &str, hash: &str) -> bool;
-    /// Keeps an uploaded build-context tar under the team and hash.
+    /// Whether the team already uploaded the files of `hash`; if so, they now also belong to
+    /// `template_id`.
+    async fn has_upload(&self, team_id: &str, template_id: &str, hash: &str) -> bool;
+    /// Keeps an uploaded build-context tar under the team and hash, for `template_id`.
     async fn store_upload(
         &self,
         team_id: &str,
+        template_id: &str,
         hash: &str,
         body: UploadBody,
         limit: u64,
     ) -> Result<(), UploadError>;
+    /// Template `template_id` of the team was deleted: uploads that belonged to it alone go.
+    fn forget_template_uploads(&self, _team_id: &str, _template_id: &str) {}
     /// Drops layers that none of `in_use` (and no running sandbox) needs.
     async fn collect_garbage(&self, in_use: &[String]);
     /// `job` was queued: the uploads it reads must stay until [`Builder::release_uploads`].
@@ -351,6 +355,7 @@ pub struct BuildsConfig {
 
 struct UploadGrant {
     team_id: String,
+    template_id: String,
     hash: String,
     expires: tokio::time::Instant,
 }
@@ -642,10 +647,11 @@ impl Builds {
         if !valid_files_hash(hash) {
             return Err(UploadLinkError::BadHash(hash.to_owned()));
         }
-        self.own_template(team, template_id)
+        let template = self
+            .own_template(team, template_id)
             .await
             .map_err(|_| UploadLinkError::TemplateNotFound(template_id.to_owned()))?;
-        let present = self.builder.has_upload(&team.id, hash).await;
+        let present = self.builder.has_upload(&team.id, &template.id, hash).await;
         self.contexts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -658,6 +664,7 @@ impl Builds {
             token.clone(),
             UploadGrant {
                 team_id: team.id.clone(),
+                template_id: template.id.clone(),
                 hash: hash.to_owned(),
                 expires: now + self.config.upload_link_ttl,
             },
@@ -682,11 +689,17 @@ impl Builds {
         self.builder
             .store_upload(
                 &grant.team_id,
+                &grant.template_id,
                 &grant.hash,
                 body,
                 self.config.max_upload_bytes,
             )
             .await?;
+        // The template may have been deleted while its files arrived: they go with it.
+        if self.store.template(&grant.template_id).await?.is_none() {
+            self.builder
+                .forget_template_uploads(&grant.team_id, &grant.template_id);
+        }
         Ok(())
     }
 
@@ -1166,6 +1179,13 @@ impl Builds {
             (found, _) => found?,
         };
         self.store.delete_template(&template.id).await?;
+        self.contexts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&template.id);
+        if let Some(team_id) = &template.team_id {
+            self.builder.forget_template_uploads(team_id, &template.id);
+        }
         self.collect_garbage().await;
         Ok(())
     }

@@ -317,13 +317,14 @@ impl crate::builds::Builder for NoLocalNode {
         })
     }
 
-    async fn has_upload(&self, _team_id: &str, _hash: &str) -> bool {
+    async fn has_upload(&self, _team_id: &str, _template_id: &str, _hash: &str) -> bool {
         false
     }
 
     async fn store_upload(
         &self,
         _team_id: &str,
+        _template_id: &str,
         hash: &str,
         _body: crate::builds::UploadBody,
         _limit: u64,

@@ -66,6 +66,7 @@ pub use team_metrics::{
 };
 pub use templates::{TemplateError, Templates};
 pub use volumes::{
-    CreateVolumeError, DeleteVolumeError, GetVolumeError, MountRequest, Volume, VolumeContentError,
-    VolumeHost, VolumeIoError, VolumeMount, VolumeMountError, Volumes,
+    CreateVolumeError, DeleteVolumeError, GetVolumeError, MountRequest, OpenedFile, StagedFile,
+    Volume, VolumeContentError, VolumeFile, VolumeHost, VolumeIoError, VolumeMount,
+    VolumeMountError, Volumes,
 };

@@ -136,6 +136,15 @@ pub enum RuntimeError {
     /// so trying again changes nothing. `reason` names the kind of object, never a host path.
     #[error("sandbox {sandbox_id} cannot be checkpointed: {reason}")]
     Uncheckpointable { sandbox_id: String, reason: String },
+    /// Processes outlived a kill for longer than the node waits; the sandbox stays as it
+    /// was, and killing it again may succeed.
+    #[error(
+        "sandbox {sandbox_id}: {processes} processes still remain after being killed; kill it again"
+    )]
+    StillRunning {
+        sandbox_id: String,
+        processes: usize,
+    },
 }
 
 #[async_trait::async_trait]

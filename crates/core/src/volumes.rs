@@ -5,13 +5,20 @@
 //! The bytes live on the node (see [`VolumeHost`]); the core decides who may touch which
 //! volume and which paths are acceptable before the host sees them.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::auth::hash_secret;
+use crate::builds::UploadBody;
 use crate::ids;
 use crate::model::Team;
 use crate::store::{Store, StoreError};
@@ -24,6 +31,10 @@ pub const MAX_NAME_LEN: usize = 128;
 pub const MAX_PATH_LEN: usize = 4096;
 /// Sandbox ids every sandbox maps; files in a volume are owned by ids in this range.
 pub const MAX_OWNER_ID: u32 = 65535;
+/// Content API requests one team may make per minute unless the operator says otherwise.
+pub const DEFAULT_CONTENT_REQUESTS_PER_MINUTE: u32 = 6000;
+/// Bytes moved between an upload's body and its file at a time: what one write holds.
+const COPY_CHUNK: usize = 256 << 10;
 
 const TOKEN_PREFIX: &str = "vol_";
 
@@ -154,6 +165,23 @@ pub enum VolumeIoError {
     Io { path: String, message: String },
 }
 
+/// A regular file of a volume opened for reading, and its size when it was opened.
+#[derive(Debug)]
+pub struct OpenedFile {
+    pub file: std::fs::File,
+    pub size: u64,
+}
+
+/// A file being written into a volume: made beside its target, so nothing is visible at the
+/// path until [`StagedFile::commit`] renames it over the target. Dropped uncommitted, it is
+/// removed.
+pub trait StagedFile: Send {
+    /// The new file, open for writing.
+    fn file(&self) -> &std::fs::File;
+    /// Gives the file its owner and mode and puts it in place; describes the result.
+    fn commit(self: Box<Self>) -> Result<EntryStat, VolumeIoError>;
+}
+
 /// The node's side of volumes: directories that outlive sandboxes, and file operations that
 /// never leave them. Paths are resolved beneath the volume's root without following symlinks
 /// out of it.
@@ -161,16 +189,16 @@ pub trait VolumeHost: Send + Sync + 'static {
     fn create(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError>;
     fn remove(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError>;
     fn stat(&self, volume: &Volume, path: &VolumePath) -> Result<EntryStat, VolumeIoError>;
-    fn read(&self, volume: &Volume, path: &VolumePath) -> Result<Vec<u8>, VolumeIoError>;
-    /// Creates or replaces a regular file; `parents` creates missing directories.
-    fn write(
+    /// Opens a regular file for reading; anything else is refused.
+    fn open_file(&self, volume: &Volume, path: &VolumePath) -> Result<OpenedFile, VolumeIoError>;
+    /// Starts creating or replacing a regular file; `parents` creates missing directories.
+    fn stage_file(
         &self,
         volume: &Volume,
         path: &VolumePath,
-        data: &[u8],
         owner: EntryOwner,
         parents: bool,
-    ) -> Result<EntryStat, VolumeIoError>;
+    ) -> Result<Box<dyn StagedFile>, VolumeIoError>;
     fn make_dir(
         &self,
         volume: &Volume,
@@ -276,8 +304,66 @@ pub enum VolumeContentError {
         volume_id: String,
         source: VolumeIoError,
     },
+    #[error("volume {volume_id}: the upload is larger than the limit of {limit} bytes")]
+    TooLarge { volume_id: String, limit: u64 },
+    #[error("volume {volume_id}: cannot read the upload: {message}")]
+    Upload { volume_id: String, message: String },
+    #[error(
+        "volume {volume_id}: team {team_id} exceeded its limit of {per_minute} volume content requests per minute"
+    )]
+    RateLimited {
+        volume_id: String,
+        team_id: String,
+        per_minute: u32,
+        /// How long until the next request would be accepted.
+        retry_after: Duration,
+    },
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// A file of a volume being read: `size` bytes from `reader`, as they were when it was
+/// opened.
+#[derive(Debug)]
+pub struct VolumeFile {
+    pub reader: tokio::fs::File,
+    pub size: u64,
+}
+
+/// One GCRA bucket per team, all at one rate, for the content API: it moves bytes from the
+/// host's disk, so a team's token holder is held to a rate whatever the team's own limits.
+struct ContentRate {
+    per_minute: Option<NonZeroU32>,
+    buckets: Mutex<HashMap<String, Arc<DefaultDirectRateLimiter>>>,
+}
+
+impl ContentRate {
+    fn new(per_minute: u32) -> Self {
+        Self {
+            per_minute: NonZeroU32::new(per_minute),
+            buckets: Mutex::default(),
+        }
+    }
+
+    /// Counts one request of `team_id`; `Err` holds the wait before the next is accepted.
+    fn check(&self, team_id: &str) -> Result<(), (u32, Duration)> {
+        let Some(per_minute) = self.per_minute else {
+            return Ok(());
+        };
+        let bucket = self
+            .buckets
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(team_id.to_owned())
+            .or_insert_with(|| Arc::new(RateLimiter::direct(Quota::per_minute(per_minute))))
+            .clone();
+        bucket.check().map_err(|not_until| {
+            (
+                per_minute.get(),
+                not_until.wait_time_from(DefaultClock::default().now()),
+            )
+        })
+    }
 }
 
 /// HMAC-SHA-256 (RFC 2104), so a volume's token can be given again on `GET /volumes/{id}`
@@ -340,6 +426,7 @@ pub struct Volumes {
     /// Held shared from resolving a create's mounts until they are recorded, and exclusively
     /// by a delete, so a volume cannot disappear under a sandbox that is still starting.
     mounting: tokio::sync::RwLock<()>,
+    content_rate: ContentRate,
 }
 
 impl std::fmt::Debug for Volumes {
@@ -358,7 +445,14 @@ impl Volumes {
             host,
             token_key,
             mounting: tokio::sync::RwLock::new(()),
+            content_rate: ContentRate::new(DEFAULT_CONTENT_REQUESTS_PER_MINUTE),
         }
+    }
+
+    /// Holds each team to `per_minute` content API requests (0: no limit).
+    pub fn with_content_rate(mut self, per_minute: u32) -> Self {
+        self.content_rate = ContentRate::new(per_minute);
+        self
     }
 
     /// The volume's content token: derived from the server's key, never stored.
@@ -514,11 +608,22 @@ impl Volumes {
             .await?
             .ok_or_else(unauthorized)?;
         let presented = hash_secret(token);
-        if bool::from(presented.as_bytes().ct_eq(volume.token_hash.as_bytes())) {
-            Ok(volume)
-        } else {
-            Err(unauthorized())
+        if !bool::from(presented.as_bytes().ct_eq(volume.token_hash.as_bytes())) {
+            return Err(unauthorized());
         }
+        // Counted only once the token is right: a stranger knowing a volume's id cannot
+        // spend its team's requests.
+        self.content_rate
+            .check(&volume.team_id)
+            .map_err(
+                |(per_minute, retry_after)| VolumeContentError::RateLimited {
+                    volume_id: volume.id.clone(),
+                    team_id: volume.team_id.clone(),
+                    per_minute,
+                    retry_after,
+                },
+            )?;
+        Ok(volume)
     }
 
     pub fn parse_path(volume: &Volume, raw: &str) -> Result<VolumePath, VolumeContentError> {
@@ -576,19 +681,27 @@ impl Volumes {
         self.run(volume, move |h, v| h.stat(v, &path)).await
     }
 
+    /// Opens a file to be read as a stream: nothing of it is held in memory here.
     pub async fn read(
         &self,
         volume: &Volume,
         path: VolumePath,
-    ) -> Result<Vec<u8>, VolumeContentError> {
-        self.run(volume, move |h, v| h.read(v, &path)).await
+    ) -> Result<VolumeFile, VolumeContentError> {
+        let opened = self.run(volume, move |h, v| h.open_file(v, &path)).await?;
+        Ok(VolumeFile {
+            reader: tokio::fs::File::from_std(opened.file),
+            size: opened.size,
+        })
     }
 
+    /// Writes `body` to a new file as it arrives, at most `limit` bytes, and puts it in place
+    /// once all of it is on disk.
     pub async fn write(
         &self,
         volume: &Volume,
         path: VolumePath,
-        data: Vec<u8>,
+        body: UploadBody,
+        limit: u64,
         owner: EntryOwner,
         parents: bool,
     ) -> Result<EntryStat, VolumeContentError> {
@@ -599,8 +712,45 @@ impl Volumes {
                 source: VolumeIoError::IsADirectory("/".into()),
             });
         }
-        self.run(volume, move |h, v| h.write(v, &path, &data, owner, parents))
-            .await
+        let shown = path.display();
+        let staged = self
+            .run(volume, move |h, v| h.stage_file(v, &path, owner, parents))
+            .await?;
+        let io = |e: std::io::Error| VolumeContentError::Io {
+            volume_id: volume.id.clone(),
+            source: VolumeIoError::Io {
+                path: shown.clone(),
+                message: e.to_string(),
+            },
+        };
+        let mut file = tokio::fs::File::from_std(staged.file().try_clone().map_err(io)?);
+        let mut body = body;
+        let mut buf = vec![0u8; COPY_CHUNK];
+        let mut total: u64 = 0;
+        loop {
+            let n = body
+                .read(&mut buf)
+                .await
+                .map_err(|e| VolumeContentError::Upload {
+                    volume_id: volume.id.clone(),
+                    message: e.to_string(),
+                })?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+            if total > limit {
+                return Err(VolumeContentError::TooLarge {
+                    volume_id: volume.id.clone(),
+                    limit,
+                });
+            }
+            file.write_all(&buf[..n]).await.map_err(io)?;
+        }
+        // The last write may still be under way: its error, if any, comes from the flush.
+        file.flush().await.map_err(io)?;
+        drop(file);
+        self.run(volume, move |_, _| staged.commit()).await
     }
 
     pub async fn make_dir(
@@ -698,6 +848,23 @@ mod tests {
         assert!(VolumePath::parse("").expect("root").is_root());
         assert!(VolumePath::parse("/a/../../etc").is_err());
         assert!(VolumePath::parse("a\0").is_err());
+    }
+
+    #[test]
+    fn each_team_has_a_content_bucket_of_its_own() {
+        let rate = ContentRate::new(10);
+        let accepted = (0..50).filter(|_| rate.check("a").is_ok()).count();
+        assert_eq!(accepted, 10);
+        let (per_minute, wait) = rate.check("a").expect_err("past the burst");
+        assert_eq!(per_minute, 10);
+        // One request comes back every six seconds.
+        assert!(
+            wait > Duration::from_secs(5) && wait <= Duration::from_secs(6),
+            "{wait:?}"
+        );
+        assert!(rate.check("b").is_ok(), "another team's bucket is full");
+        let unlimited = ContentRate::new(0);
+        assert!((0..10_000).all(|_| unlimited.check("a").is_ok()));
     }
 
     #[test]

@@ -694,18 +694,25 @@ impl Builder for NodeBuilder {
         result
     }
 
-    async fn has_upload(&self, team_id: &str, hash: &str) -> bool {
-        self.uploads.contains(team_id, hash)
+    async fn has_upload(&self, team_id: &str, template_id: &str, hash: &str) -> bool {
+        self.uploads.contains(team_id, template_id, hash)
     }
 
     async fn store_upload(
         &self,
         team_id: &str,
+        template_id: &str,
         hash: &str,
         body: UploadBody,
         limit: u64,
     ) -> Result<(), UploadError> {
-        self.uploads.store(team_id, hash, body, limit).await
+        self.uploads
+            .store(team_id, template_id, hash, body, limit)
+            .await
+    }
+
+    fn forget_template_uploads(&self, team_id: &str, template_id: &str) {
+        self.uploads.forget_template(team_id, template_id);
     }
 
     fn hold_uploads(&self, job: &BuildJob) {

@@ -7,6 +7,11 @@ use std::time::Duration;
 
 const PARENT: &str = "sandbar";
 const ROOT: &str = "/sys/fs/cgroup";
+/// How long a kill waits for a sandbox's processes to be gone: killed tasks take a moment
+/// to exit and be reaped, longer on a loaded host, before their cgroup is empty.
+pub const KILL_PATIENCE: Duration = Duration::from_secs(5);
+/// Between two looks at a cgroup a kill is emptying.
+const KILL_POLL: Duration = Duration::from_millis(10);
 
 /// Resource limits of one sandbox.
 #[derive(Debug, Clone, Copy)]
@@ -68,6 +73,16 @@ pub enum CgroupError {
     },
     #[error("cgroup {path} still has processes after killing them")]
     Busy { path: PathBuf },
+    /// Processes outlived a kill for longer than [`KILL_PATIENCE`]. Names no host path: the
+    /// message reaches clients.
+    #[error(
+        "sandbox {sandbox_id}: {processes} processes still remain {}s after being killed",
+        KILL_PATIENCE.as_secs()
+    )]
+    Lingering {
+        sandbox_id: String,
+        processes: usize,
+    },
     #[error("cannot watch {path} for out-of-memory events: {source}")]
     OomWatch {
         path: PathBuf,
@@ -483,7 +498,8 @@ impl CgroupDriver {
         }
     }
 
-    /// Kills every process in the sandbox's cgroups and waits until none is left.
+    /// Kills every process in the sandbox's cgroups and waits, at most [`KILL_PATIENCE`],
+    /// until none is left.
     pub async fn kill_all(&self, sandbox_id: &str) -> Result<(), CgroupError> {
         let census = self.census_dir(sandbox_id);
         if !census.exists() {
@@ -494,38 +510,69 @@ impl CgroupDriver {
         if let CgroupDriver::V2 { .. } = self {
             let _ = std::fs::write(census.join("cgroup.kill"), "1");
         }
-        for _ in 0..250 {
-            let members = self.members(sandbox_id);
-            if members.is_empty() {
-                return Ok(());
-            }
-            for pid in members {
-                // SAFETY: kill with a PID read from the sandbox's own cgroup.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let left = settle(KILL_PATIENCE, KILL_POLL, || self.kill_members(sandbox_id)).await;
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(CgroupError::Lingering {
+                sandbox_id: sandbox_id.to_owned(),
+                processes: left,
+            })
         }
-        Err(CgroupError::Busy { path: census })
     }
 
-    /// Removes the sandbox's (empty) cgroups.
+    /// Sends SIGKILL to every process listed in the sandbox's cgroup; returns how many.
+    fn kill_members(&self, sandbox_id: &str) -> usize {
+        let members = self.members(sandbox_id);
+        for &pid in &members {
+            // SAFETY: kill with a PID read from the sandbox's own cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+        members.len()
+    }
+
+    /// Removes the sandbox's cgroups once they are empty, waiting at most [`KILL_PATIENCE`]:
+    /// a killed task leaves its cgroup's list before it is done exiting, and the cgroup
+    /// cannot be removed until it is.
     pub async fn remove(&self, sandbox_id: &str) -> Result<(), CgroupError> {
-        for (_, dir) in self.dirs(sandbox_id) {
-            let mut attempts = 0;
-            loop {
+        let left = settle(KILL_PATIENCE, KILL_POLL, || {
+            let mut busy = false;
+            for (_, dir) in self.dirs(sandbox_id) {
                 match std::fs::remove_dir(&dir) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
-                    // Just-killed tasks may linger for a moment before the cgroup is free.
-                    Err(_) if attempts < 100 => {
-                        attempts += 1;
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                    Err(_) => return Err(CgroupError::Busy { path: dir }),
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(_) => busy = true,
                 }
             }
+            if busy {
+                // At least the one still exiting, listed or not.
+                self.kill_members(sandbox_id).max(1)
+            } else {
+                0
+            }
+        })
+        .await;
+        if left == 0 {
+            Ok(())
+        } else {
+            Err(CgroupError::Lingering {
+                sandbox_id: sandbox_id.to_owned(),
+                processes: left,
+            })
         }
-        Ok(())
+    }
+}
+
+/// Asks `left` how much remains every `every` until it says nothing or `patience` passed;
+/// returns its last answer.
+async fn settle(patience: Duration, every: Duration, mut left: impl FnMut() -> usize) -> usize {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        let remaining = left();
+        if remaining == 0 || tokio::time::Instant::now() >= deadline {
+            return remaining;
+        }
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -542,5 +589,40 @@ mod tests {
         // Kernels before 4.13 have no count.
         assert_eq!(parse_oom_kills("oom_kill_disable 0\nunder_oom 0\n"), None);
         assert_eq!(parse_oom_kills("oom_kill x\n"), None);
+    }
+
+    #[tokio::test]
+    async fn a_kill_waits_for_stragglers_within_its_patience() {
+        let patience = Duration::from_secs(2);
+        let started = tokio::time::Instant::now();
+        let mut looks = 0;
+        let left = settle(patience, Duration::from_millis(1), || {
+            looks += 1;
+            // Two processes, then one, then none: a slow exit.
+            3_usize.saturating_sub(looks)
+        })
+        .await;
+        assert_eq!(left, 0);
+        assert_eq!(looks, 3);
+        assert!(started.elapsed() < patience);
+    }
+
+    #[tokio::test]
+    async fn a_kill_gives_up_after_its_patience_saying_how_many_remain() {
+        let patience = Duration::from_millis(50);
+        let started = tokio::time::Instant::now();
+        let left = settle(patience, Duration::from_millis(5), || 2).await;
+        assert_eq!(left, 2);
+        assert!(started.elapsed() >= patience);
+        let err = CgroupError::Lingering {
+            sandbox_id: "sbx-1".into(),
+            processes: left,
+        }
+        .to_string();
+        assert_eq!(
+            err,
+            "sandbox sbx-1: 2 processes still remain 5s after being killed"
+        );
+        assert!(!err.contains('/'), "a host path in {err}");
     }
 }

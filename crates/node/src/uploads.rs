@@ -10,11 +10,16 @@
 //! same, and a `COPY` step's cache key hashes what is kept. Decompressing here also charges
 //! what an upload really takes to its team before any build unpacks it.
 //!
+//! An upload belongs to the templates whose upload links named it (the same files may serve
+//! several of a team's templates): deleting the last of them removes it, unless a build
+//! still reads it, which removes it when it ends. Which templates those are is kept in
+//! memory only; after a restart, uploads kept from before go with their time to live.
+//!
 //! A client that was just told an upload is present (`GET …/files/{hash}`) skips sending it
 //! again and starts its build next; an upload answered present after a running build took
 //! hold of it therefore outlives that build and is left to the sweep.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -56,6 +61,11 @@ struct Entry {
     held_at: Option<SystemTime>,
     /// When it was last written or answered present to a client.
     claimed_at: SystemTime,
+    /// The templates whose upload links named it since this server started.
+    templates: BTreeSet<String>,
+    /// The last of those templates was deleted while a build still read it: it goes when
+    /// the last such build ends.
+    orphaned: bool,
 }
 
 #[derive(Debug, Default)]
@@ -123,6 +133,8 @@ impl Uploads {
                         holds: 0,
                         held_at: None,
                         claimed_at: changed,
+                        templates: BTreeSet::new(),
+                        orphaned: false,
                     },
                 );
             }
@@ -148,12 +160,13 @@ impl Uploads {
         (safe_team(team_id) && valid_files_hash(hash)).then(|| self.dir.join(team_id).join(hash))
     }
 
-    /// Whether the team keeps the upload; a yes means the client will not send it again.
-    pub fn contains(&self, team_id: &str, hash: &str) -> bool {
-        self.contains_at(team_id, hash, SystemTime::now())
+    /// Whether the team keeps the upload; a yes means the client will not send it again, and
+    /// the upload then also belongs to `template_id`.
+    pub fn contains(&self, team_id: &str, template_id: &str, hash: &str) -> bool {
+        self.contains_at(team_id, template_id, hash, SystemTime::now())
     }
 
-    fn contains_at(&self, team_id: &str, hash: &str, now: SystemTime) -> bool {
+    fn contains_at(&self, team_id: &str, template_id: &str, hash: &str, now: SystemTime) -> bool {
         let Some(path) = self.path(team_id, hash) else {
             return false;
         };
@@ -169,6 +182,8 @@ impl Uploads {
         match team.files.get_mut(hash) {
             Some(entry) => {
                 entry.claimed_at = now;
+                entry.templates.insert(template_id.to_owned());
+                entry.orphaned = false;
                 true
             }
             None => false,
@@ -194,11 +209,12 @@ impl Uploads {
         Ok(file)
     }
 
-    /// Keeps `body` as the team's upload of `hash`: at most `limit` bytes as sent, and
-    /// within what the team may keep in all once decompressed.
+    /// Keeps `body` as the team's upload of `hash` for `template_id`: at most `limit` bytes
+    /// as sent, and within what the team may keep in all once decompressed.
     pub async fn store(
         &self,
         team_id: &str,
+        template_id: &str,
         hash: &str,
         body: UploadBody,
         limit: u64,
@@ -211,7 +227,7 @@ impl Uploads {
             .path(team_id, hash)
             .ok_or_else(|| fail("invalid team or hash".into()))?;
         let dir = target.parent().map(Path::to_owned).unwrap_or_default();
-        let mut writing = self.begin_write(team_id, hash, &dir)?;
+        let mut writing = self.begin_write(team_id, template_id, hash, &dir)?;
         tokio::fs::create_dir_all(&dir)
             .await
             .map_err(|e| fail(e.to_string()))?;
@@ -262,7 +278,13 @@ impl Uploads {
     }
 
     /// Counts an upload in progress against the team's limits.
-    fn begin_write(&self, team_id: &str, hash: &str, dir: &Path) -> Result<Writing, UploadError> {
+    fn begin_write(
+        &self,
+        team_id: &str,
+        template_id: &str,
+        hash: &str,
+        dir: &Path,
+    ) -> Result<Writing, UploadError> {
         let mut teams = self.teams();
         let team = teams.entry(team_id.to_owned()).or_default();
         let new = !team.files.contains_key(hash);
@@ -284,6 +306,7 @@ impl Uploads {
         Ok(Writing {
             uploads: self.clone(),
             team_id: team_id.to_owned(),
+            template_id: template_id.to_owned(),
             hash: hash.to_owned(),
             new,
             counted: 0,
@@ -333,7 +356,7 @@ impl Uploads {
                 entry.holds = entry.holds.saturating_sub(1);
                 entry.last_used = now;
                 let claimed_since = entry.held_at.is_none_or(|held| entry.claimed_at > held);
-                if entry.holds == 0 && !claimed_since {
+                if entry.holds == 0 && (entry.orphaned || !claimed_since) {
                     team.files.remove(hash);
                     gone.push(hash.clone());
                 }
@@ -342,6 +365,34 @@ impl Uploads {
         for hash in gone {
             self.remove_file(team_id, &hash, "its build ended");
         }
+    }
+
+    /// Template `template_id` of the team was deleted: every upload that belonged to it and
+    /// to no other template goes, at once or when the last build reading it ends. Returns
+    /// how many went at once.
+    pub fn forget_template(&self, team_id: &str, template_id: &str) -> usize {
+        let mut gone = Vec::new();
+        {
+            let mut teams = self.teams();
+            let Some(team) = teams.get_mut(team_id) else {
+                return 0;
+            };
+            team.files.retain(|hash, entry| {
+                if !entry.templates.remove(template_id) || !entry.templates.is_empty() {
+                    return true;
+                }
+                if entry.holds > 0 {
+                    entry.orphaned = true;
+                    return true;
+                }
+                gone.push(hash.clone());
+                false
+            });
+        }
+        for hash in &gone {
+            self.remove_file(team_id, hash, "its template was deleted");
+        }
+        gone.len()
     }
 
     /// Removes every upload no build holds that nobody wrote or used for the time to live;
@@ -404,6 +455,7 @@ impl Uploads {
 struct Writing {
     uploads: Uploads,
     team_id: String,
+    template_id: String,
     hash: String,
     new: bool,
     /// Bytes on disk counted against the team for this upload so far.
@@ -496,6 +548,11 @@ impl Writing {
             team.writing_new = team.writing_new.saturating_sub(1);
         }
         let previous = team.files.remove(&self.hash);
+        let mut templates = previous
+            .as_ref()
+            .map(|p| p.templates.clone())
+            .unwrap_or_default();
+        templates.insert(self.template_id.clone());
         team.files.insert(
             self.hash.clone(),
             Entry {
@@ -504,6 +561,8 @@ impl Writing {
                 holds: previous.as_ref().map_or(0, |p| p.holds),
                 held_at: previous.and_then(|p| p.held_at),
                 claimed_at: now,
+                templates,
+                orphaned: false,
             },
         );
         self.done = true;
@@ -534,6 +593,7 @@ mod tests {
     use super::*;
 
     const TEAM: &str = "team-1";
+    const TEMPLATE: &str = "template-1";
 
     fn hash(n: u8) -> String {
         format!("{n:02x}").repeat(32)
@@ -570,18 +630,29 @@ mod tests {
     async fn a_team_keeps_a_bounded_count_of_uploads() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 1 << 20, 2, Duration::from_secs(60));
-        up.store(TEAM, &hash(1), body(10), 100).await.unwrap();
-        up.store(TEAM, &hash(2), body(10), 100).await.unwrap();
-        let err = up.store(TEAM, &hash(3), body(10), 100).await.unwrap_err();
+        up.store(TEAM, TEMPLATE, &hash(1), body(10), 100)
+            .await
+            .unwrap();
+        up.store(TEAM, TEMPLATE, &hash(2), body(10), 100)
+            .await
+            .unwrap();
+        let err = up
+            .store(TEAM, TEMPLATE, &hash(3), body(10), 100)
+            .await
+            .unwrap_err();
         assert!(
             matches!(&err, UploadError::TeamCount { limit: 2, hash: h } if *h == hash(3)),
             "{err}"
         );
         assert!(err.to_string().contains("2 uploads"), "{err}");
         // Sending a kept upload again replaces it and is not one more.
-        up.store(TEAM, &hash(2), body(20), 100).await.unwrap();
+        up.store(TEAM, TEMPLATE, &hash(2), body(20), 100)
+            .await
+            .unwrap();
         // Another team has its own count.
-        up.store("team-2", &hash(3), body(10), 100).await.unwrap();
+        up.store("team-2", TEMPLATE, &hash(3), body(10), 100)
+            .await
+            .unwrap();
         assert_eq!(up.usage(TEAM), (30, 2));
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1), hash(2)]);
     }
@@ -590,8 +661,13 @@ mod tests {
     async fn a_team_keeps_a_bounded_number_of_bytes() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 100, 10, Duration::from_secs(60));
-        up.store(TEAM, &hash(1), body(60), 1000).await.unwrap();
-        let err = up.store(TEAM, &hash(2), body(50), 1000).await.unwrap_err();
+        up.store(TEAM, TEMPLATE, &hash(1), body(60), 1000)
+            .await
+            .unwrap();
+        let err = up
+            .store(TEAM, TEMPLATE, &hash(2), body(50), 1000)
+            .await
+            .unwrap_err();
         assert!(
             matches!(&err, UploadError::TeamBytes { limit: 100, .. }),
             "{err}"
@@ -600,10 +676,12 @@ mod tests {
         // Nothing of the refused upload is left or counted.
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1)]);
         assert_eq!(up.usage(TEAM), (60, 1));
-        up.store(TEAM, &hash(2), body(40), 1000).await.unwrap();
+        up.store(TEAM, TEMPLATE, &hash(2), body(40), 1000)
+            .await
+            .unwrap();
         // The per-upload limit still applies on its own.
         let err = up
-            .store("team-2", &hash(3), body(11), 10)
+            .store("team-2", TEMPLATE, &hash(3), body(11), 10)
             .await
             .unwrap_err();
         assert!(matches!(err, UploadError::TooLarge { limit: 10, .. }));
@@ -615,31 +693,37 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let ttl = Duration::from_secs(60);
         let up = uploads(tmp.path(), 1 << 20, 10, ttl);
-        up.store(TEAM, &hash(1), body(1), 10).await.unwrap();
-        up.store(TEAM, &hash(2), body(1), 10).await.unwrap();
+        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
+            .await
+            .unwrap();
+        up.store(TEAM, TEMPLATE, &hash(2), body(1), 10)
+            .await
+            .unwrap();
         let start = SystemTime::now();
         // Answering "present" is not a use: the time to live still runs.
-        assert!(up.contains_at(TEAM, &hash(1), start + ttl / 2));
+        assert!(up.contains_at(TEAM, TEMPLATE, &hash(1), start + ttl / 2));
         // A held upload stays whatever its age; the other goes.
         up.hold_at(TEAM, &[hash(2)], start + ttl / 2);
         assert_eq!(up.sweep_at(start + ttl + Duration::from_secs(1)), 1);
-        assert!(!up.contains(TEAM, &hash(1)));
+        assert!(!up.contains(TEAM, TEMPLATE, &hash(1)));
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(2)]);
         // Once let go (but kept, since it was claimed meanwhile), it lives a full time to
         // live from then.
-        assert!(up.contains_at(TEAM, &hash(2), start + ttl));
+        assert!(up.contains_at(TEAM, TEMPLATE, &hash(2), start + ttl));
         up.release_at(TEAM, &[hash(2)], start + ttl * 2);
         assert_eq!(up.sweep_at(start + ttl * 2 + ttl / 2), 0);
         assert_eq!(up.sweep_at(start + ttl * 3 + Duration::from_secs(1)), 1);
-        assert!(!up.contains(TEAM, &hash(2)));
+        assert!(!up.contains(TEAM, TEMPLATE, &hash(2)));
         assert!(
             !tmp.path().join(TEAM).exists(),
             "the empty team directory went"
         );
         // A reopened store reads ages from the files.
-        up.store(TEAM, &hash(3), body(1), 10).await.unwrap();
+        up.store(TEAM, TEMPLATE, &hash(3), body(1), 10)
+            .await
+            .unwrap();
         let reopened = uploads(tmp.path(), 1 << 20, 10, ttl);
-        assert!(reopened.contains(TEAM, &hash(3)));
+        assert!(reopened.contains(TEAM, TEMPLATE, &hash(3)));
         assert_eq!(reopened.sweep_at(SystemTime::now() + ttl * 2), 1);
     }
 
@@ -647,20 +731,51 @@ mod tests {
     async fn an_upload_goes_when_the_last_build_holding_it_ends() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 1 << 20, 10, Duration::from_secs(3600));
-        up.store(TEAM, &hash(1), body(1), 10).await.unwrap();
+        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
+            .await
+            .unwrap();
         let t = SystemTime::now() + Duration::from_secs(1);
         let second = Duration::from_secs(1);
         up.hold_at(TEAM, &[hash(1)], t);
         up.hold_at(TEAM, &[hash(1)], t + second);
         up.release_at(TEAM, &[hash(1)], t + second * 2);
-        assert!(up.contains_at(TEAM, &hash(1), t + second * 3));
+        assert!(up.contains_at(TEAM, TEMPLATE, &hash(1), t + second * 3));
         up.release_at(TEAM, &[hash(1)], t + second * 4);
         // The client was told it is present after the last hold began: it stays for the
         // build that client is about to start.
-        assert!(up.contains_at(TEAM, &hash(1), t + second * 5));
+        assert!(up.contains_at(TEAM, TEMPLATE, &hash(1), t + second * 5));
         up.hold_at(TEAM, &[hash(1)], t + second * 6);
         up.release_at(TEAM, &[hash(1)], t + second * 7);
-        assert!(!up.contains(TEAM, &hash(1)));
+        assert!(!up.contains(TEAM, TEMPLATE, &hash(1)));
+        assert!(files_of(tmp.path(), TEAM).is_empty());
+        assert_eq!(up.usage(TEAM), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn uploads_go_with_the_last_template_they_belong_to() {
+        let tmp = tempfile::tempdir().unwrap();
+        let up = uploads(tmp.path(), 1 << 20, 10, Duration::from_secs(3600));
+        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
+            .await
+            .unwrap();
+        up.store(TEAM, TEMPLATE, &hash(2), body(1), 10)
+            .await
+            .unwrap();
+        // The same files asked for by a second template belong to both.
+        assert!(up.contains(TEAM, "template-2", &hash(2)));
+        up.store(TEAM, "template-2", &hash(3), body(1), 10)
+            .await
+            .unwrap();
+        // Another team's template of the same id owns nothing here.
+        assert_eq!(up.forget_template("team-2", TEMPLATE), 0);
+        assert_eq!(up.forget_template(TEAM, TEMPLATE), 1);
+        assert_eq!(files_of(tmp.path(), TEAM), vec![hash(2), hash(3)]);
+        assert_eq!(up.usage(TEAM), (2, 2));
+        // A build still reading an upload keeps it until it ends.
+        up.hold(TEAM, &[hash(2)]);
+        assert_eq!(up.forget_template(TEAM, "template-2"), 1);
+        assert_eq!(files_of(tmp.path(), TEAM), vec![hash(2)]);
+        up.release(TEAM, &[hash(2)]);
         assert!(files_of(tmp.path(), TEAM).is_empty());
         assert_eq!(up.usage(TEAM), (0, 0));
     }
@@ -674,7 +789,10 @@ mod tests {
             std::io::Cursor::new(vec![1u8; 100]),
             FailingReader,
         ));
-        let err = up.store(TEAM, &hash(1), failing, 1000).await.unwrap_err();
+        let err = up
+            .store(TEAM, TEMPLATE, &hash(1), failing, 1000)
+            .await
+            .unwrap_err();
         assert!(matches!(err, UploadError::Failed { .. }), "{err}");
         assert!(files_of(tmp.path(), TEAM).is_empty());
         assert_eq!(up.usage(TEAM), (0, 0));
@@ -705,6 +823,7 @@ mod tests {
         assert_ne!(first, second);
         up.store(
             TEAM,
+            TEMPLATE,
             &hash(1),
             Box::pin(std::io::Cursor::new(first)),
             1 << 20,
@@ -715,6 +834,7 @@ mod tests {
         assert_eq!(std::fs::read(&kept).unwrap(), tar);
         up.store(
             TEAM,
+            TEMPLATE,
             &hash(1),
             Box::pin(std::io::Cursor::new(second)),
             1 << 20,
@@ -731,6 +851,7 @@ mod tests {
         let err = up
             .store(
                 TEAM,
+                TEMPLATE,
                 &hash(2),
                 Box::pin(std::io::Cursor::new(bomb)),
                 1 << 20,
@@ -746,6 +867,7 @@ mod tests {
         let err = up
             .store(
                 TEAM,
+                TEMPLATE,
                 &hash(3),
                 Box::pin(std::io::Cursor::new(corrupt)),
                 1 << 20,

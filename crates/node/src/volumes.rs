@@ -15,7 +15,6 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
-use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
@@ -26,7 +25,7 @@ use rustix::fs::{AtFlags, Mode, OFlags};
 use rustix::io::Errno;
 use sandbar_core::Volume;
 use sandbar_core::volumes::{
-    EntryKind, EntryOwner, EntryStat, VolumeHost, VolumeIoError, VolumePath,
+    EntryKind, EntryOwner, EntryStat, OpenedFile, StagedFile, VolumeHost, VolumeIoError, VolumePath,
 };
 
 /// Mode of a new volume's root: every sandbox user may create files in it.
@@ -356,6 +355,45 @@ impl HostVolumes {
     }
 }
 
+/// A file being written beside its target in a volume, by the descriptor of the directory
+/// that was resolved beneath the volume's root when it was made.
+struct Staged {
+    file: File,
+    parent: OwnedFd,
+    temp: String,
+    name: String,
+    owner: EntryOwner,
+    shown: String,
+    committed: bool,
+}
+
+impl StagedFile for Staged {
+    fn file(&self) -> &File {
+        &self.file
+    }
+
+    fn commit(mut self: Box<Self>) -> Result<EntryStat, VolumeIoError> {
+        apply_owner(&self.file, self.owner, Some(FILE_MODE), &self.shown)?;
+        rustix::fs::renameat(
+            &self.parent,
+            self.temp.as_str(),
+            &self.parent,
+            self.name.as_str(),
+        )
+        .map_err(|e| errno(&self.shown, e))?;
+        self.committed = true;
+        entry_at(&self.parent, OsStr::new(&self.name), &self.shown)
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = rustix::fs::unlinkat(&self.parent, self.temp.as_str(), AtFlags::empty());
+        }
+    }
+}
+
 impl VolumeHost for HostVolumes {
     fn create(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError> {
         let (team, volume) = (plain(team_id)?, plain(volume_id)?);
@@ -385,7 +423,7 @@ impl VolumeHost for HostVolumes {
         entry_at(&parent, OsStr::new(&name), &path.display())
     }
 
-    fn read(&self, volume: &Volume, path: &VolumePath) -> Result<Vec<u8>, VolumeIoError> {
+    fn open_file(&self, volume: &Volume, path: &VolumePath) -> Result<OpenedFile, VolumeIoError> {
         let root = self.root_fd(volume)?;
         let shown = path.display();
         // Non-blocking: a FIFO planted by a sandbox must not hang the server.
@@ -411,7 +449,7 @@ impl VolumeHost for HostVolumes {
             }
             Err(e) => return Err(errno(&shown, e)),
         };
-        let mut file = File::from(fd);
+        let file = File::from(fd);
         let meta = file.metadata().map_err(|e| io_err(&shown, e))?;
         if meta.is_dir() {
             return Err(VolumeIoError::IsADirectory(shown));
@@ -422,19 +460,19 @@ impl VolumeHost for HostVolumes {
                 kind: special_kind(meta.file_type()),
             });
         }
-        let mut data = Vec::with_capacity(usize::try_from(meta.len()).unwrap_or(0).min(1 << 26));
-        file.read_to_end(&mut data).map_err(|e| io_err(&shown, e))?;
-        Ok(data)
+        Ok(OpenedFile {
+            file,
+            size: meta.len(),
+        })
     }
 
-    fn write(
+    fn stage_file(
         &self,
         volume: &Volume,
         path: &VolumePath,
-        data: &[u8],
         owner: EntryOwner,
         parents: bool,
-    ) -> Result<EntryStat, VolumeIoError> {
+    ) -> Result<Box<dyn StagedFile>, VolumeIoError> {
         let root = self.root_fd(volume)?;
         let shown = path.display();
         let (parent, name) = self.parent_of(&root, path, parents.then_some(owner))?;
@@ -465,18 +503,15 @@ impl VolumeHost for HostVolumes {
             Mode::from_raw_mode(0o600),
         )
         .map_err(|e| errno(&shown, e))?;
-        let written = (|| {
-            let mut file = File::from(fd);
-            file.write_all(data).map_err(|e| io_err(&shown, e))?;
-            apply_owner(&file, owner, Some(FILE_MODE), &shown)?;
-            rustix::fs::renameat(&parent, temp.as_str(), &parent, name.as_str())
-                .map_err(|e| errno(&shown, e))
-        })();
-        if let Err(e) = written {
-            let _ = rustix::fs::unlinkat(&parent, temp.as_str(), AtFlags::empty());
-            return Err(e);
-        }
-        entry_at(&parent, OsStr::new(&name), &shown)
+        Ok(Box::new(Staged {
+            file: File::from(fd),
+            parent,
+            temp,
+            name,
+            owner,
+            shown,
+            committed: false,
+        }))
     }
 
     fn make_dir(

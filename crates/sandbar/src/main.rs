@@ -141,6 +141,10 @@ struct ServeArgs {
     /// uploads also go when it ends, unless another build still needs them.
     #[arg(long, env = "SANDBAR_UPLOAD_TTL_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
     upload_ttl_secs: u64,
+    /// Requests to the volume content API (`/volumecontent/…`) one team may make per minute,
+    /// over all its volumes; 0 for no limit.
+    #[arg(long, env = "SANDBAR_VOLUME_REQUESTS_PER_MINUTE", default_value_t = sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE)]
+    volume_requests_per_minute: u32,
     /// Size, in GiB, of the unpacked registry image layers kept (on the disk pool) for all
     /// templates; layers nothing uses are evicted least recently used first, and a pull that
     /// finds no room fails.
@@ -837,11 +841,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let volume_host =
         sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(&data_dir))
             .context("cannot prepare the volumes directory")?;
-    let volumes = Arc::new(sandbar_core::Volumes::new(
-        store.clone(),
-        Arc::new(volume_host),
-        volume_token_key(&data_dir)?,
-    ));
+    let volumes = Arc::new(
+        sandbar_core::Volumes::new(
+            store.clone(),
+            Arc::new(volume_host),
+            volume_token_key(&data_dir)?,
+        )
+        .with_content_rate(args.volume_requests_per_minute),
+    );
     let mut sandboxes = Sandboxes::new(
         store.clone(),
         runtime.clone(),

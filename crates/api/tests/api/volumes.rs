@@ -32,11 +32,17 @@ struct Harness {
 
 struct Reply {
     status: StatusCode,
+    headers: axum::http::HeaderMap,
     body: Value,
     raw: Vec<u8>,
 }
 
 async fn harness() -> Harness {
+    harness_with_rate(sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE).await
+}
+
+/// A harness whose content API holds each team to `per_minute` requests.
+async fn harness_with_rate(per_minute: u32) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(
         SqliteStore::open(&dir.path().join("db"))
@@ -88,7 +94,9 @@ async fn harness() -> Harness {
         .await
         .expect("template");
     let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
-    let volumes = Arc::new(Volumes::new(store.clone(), Arc::new(host), [7; 32]));
+    let volumes = Arc::new(
+        Volumes::new(store.clone(), Arc::new(host), [7; 32]).with_content_rate(per_minute),
+    );
     let runtime = Arc::new(FakeRuntime::default());
     let sandboxes = Arc::new(
         Sandboxes::new(
@@ -117,6 +125,7 @@ impl Harness {
     async fn send(&self, request: Request<Body>) -> Reply {
         let response = self.app.clone().oneshot(request).await.expect("call");
         let status = response.status();
+        let headers = response.headers().clone();
         let raw = response
             .into_body()
             .collect()
@@ -125,7 +134,12 @@ impl Harness {
             .to_bytes()
             .to_vec();
         let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
-        Reply { status, body, raw }
+        Reply {
+            status,
+            headers,
+            body,
+            raw,
+        }
     }
 
     async fn call(&self, method: &str, path: &str, key: &str, body: Option<Value>) -> Reply {
@@ -723,4 +737,115 @@ async fn special_files_are_refused_as_what_they_are() {
         .expect("a read of a special file answers at once");
         assert_error(&reply, StatusCode::BAD_REQUEST, kind);
     }
+}
+
+/// A body arriving in `chunks`, then `ending` (an error, as a dropped connection gives).
+fn streamed(chunks: Vec<Vec<u8>>, ending: Option<&'static str>) -> Body {
+    let mut frames: Vec<Result<bytes::Bytes, std::io::Error>> =
+        chunks.into_iter().map(|c| Ok(c.into())).collect();
+    if let Some(message) = ending {
+        frames.push(Err(std::io::Error::other(message)));
+    }
+    Body::from_stream(futures_util::stream::iter(frames))
+}
+
+#[tokio::test]
+async fn files_stream_in_and_out_and_a_cut_upload_leaves_nothing() {
+    let h = harness().await;
+    let (id, token) = h.volume("stream").await;
+    let base = format!("/volumecontent/{id}");
+    let chunks: Vec<Vec<u8>> = (0..5u8).map(|i| vec![i; 300 << 10]).collect();
+    let whole: Vec<u8> = chunks.concat();
+    let put = |body: Body| {
+        Request::builder()
+            .method("PUT")
+            .uri(format!("{base}/file?path=/d/big.bin&force=true"))
+            .header("Authorization", format!("Bearer {token}"))
+            .body(body)
+            .expect("request")
+    };
+    let written = h.send(put(streamed(chunks.clone(), None))).await;
+    assert_eq!(written.status, StatusCode::CREATED, "{:?}", written.body);
+    assert_eq!(written.body["size"], json!(whole.len()));
+    let read = h
+        .content(
+            "GET",
+            &format!("{base}/file?path=/d/big.bin"),
+            Some(&token),
+            vec![],
+        )
+        .await;
+    assert_eq!(read.status, StatusCode::OK);
+    assert_eq!(
+        read.headers["content-length"].to_str().expect("length"),
+        whole.len().to_string()
+    );
+    assert!(read.raw == whole, "the file read back differs");
+
+    // A body that breaks off is refused, and neither the target nor a staged file changes.
+    let cut = h
+        .send(put(streamed(vec![vec![9; 1000]], Some("connection reset"))))
+        .await;
+    assert_error(&cut, StatusCode::BAD_REQUEST, "cannot read the upload");
+    let listed = h
+        .content("GET", &format!("{base}/dir?path=/d"), Some(&token), vec![])
+        .await;
+    let names: Vec<&str> = listed
+        .body
+        .as_array()
+        .expect("entries")
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, vec!["big.bin"]);
+    let again = h
+        .content(
+            "GET",
+            &format!("{base}/file?path=/d/big.bin"),
+            Some(&token),
+            vec![],
+        )
+        .await;
+    assert!(again.raw == whole, "a cut upload changed the file");
+
+    // A declared size past the limit is refused before anything is read.
+    let mut too_big = put(Body::from("x"));
+    too_big
+        .headers_mut()
+        .insert("content-length", (300u64 << 20).into());
+    assert_error(
+        &h.send(too_big).await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "268435456 bytes",
+    );
+}
+
+#[tokio::test]
+async fn the_content_api_holds_a_team_to_its_rate() {
+    let h = harness_with_rate(5).await;
+    let (id, token) = h.volume("rate").await;
+    let path = format!("/volumecontent/{id}/path?path=/");
+    // Wrong tokens spend nothing of the team's requests.
+    for _ in 0..3 {
+        let refused = h.content("GET", &path, Some("vol_wrong"), vec![]).await;
+        assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    }
+    for i in 0..5 {
+        let ok = h.content("GET", &path, Some(&token), vec![]).await;
+        assert_eq!(ok.status, StatusCode::OK, "request {i}: {:?}", ok.body);
+    }
+    let limited = h.content("GET", &path, Some(&token), vec![]).await;
+    assert_error(
+        &limited,
+        StatusCode::TOO_MANY_REQUESTS,
+        "5 volume content requests per minute",
+    );
+    let retry: u64 = limited.headers["retry-after"]
+        .to_str()
+        .expect("retry-after")
+        .parse()
+        .expect("seconds");
+    assert!((1..=12).contains(&retry), "Retry-After {retry}");
+    // The team's control plane is another bucket.
+    assert_eq!(h.api("GET", "/volumes", None).await.status, StatusCode::OK);
 }

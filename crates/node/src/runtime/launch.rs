@@ -235,7 +235,7 @@ impl LinuxRuntime {
         self.cgroups
             .kill_all(id)
             .await
-            .map_err(|e| sandbox_err(id, e))?;
+            .map_err(|e| kill_err(id, e))?;
         if let Some(h) = handle {
             for _ in 0..250 {
                 if !is_alive(h) {
@@ -249,10 +249,7 @@ impl LinuxRuntime {
             self.network.release(h.slot).await;
             self.free_slot(h.slot);
         }
-        self.cgroups
-            .remove(id)
-            .await
-            .map_err(|e| sandbox_err(id, e))?;
+        self.cgroups.remove(id).await.map_err(|e| kill_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
         Ok(())
     }

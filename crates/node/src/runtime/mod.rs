@@ -174,6 +174,18 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
+/// A kill's cgroup error: processes that outlived it are the client's to retry, anything
+/// else is the node's failure.
+fn kill_err(id: &str, err: crate::cgroups::CgroupError) -> RuntimeError {
+    match err {
+        crate::cgroups::CgroupError::Lingering { processes, .. } => RuntimeError::StillRunning {
+            sandbox_id: id.to_owned(),
+            processes,
+        },
+        other => sandbox_err(id, other),
+    }
+}
+
 /// Sets the calling process's `oom_score_adj` (and, for a privileged caller, its floor) to 0.
 /// Async-signal-safe: called between fork and exec.
 fn reset_oom_score_adj() {

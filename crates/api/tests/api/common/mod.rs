@@ -26,11 +26,12 @@ impl Builder for RefusingBuilder {
             step: None,
         })
     }
-    async fn has_upload(&self, _: &str, _: &str) -> bool {
+    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
         false
     }
     async fn store_upload(
         &self,
+        _: &str,
         _: &str,
         _: &str,
         _: UploadBody,
