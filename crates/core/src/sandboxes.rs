@@ -468,6 +468,8 @@ pub struct Sandboxes {
     shared_files: tokio::sync::Mutex<()>,
     /// One take-over of another node's sandbox at a time.
     take_overs: tokio::sync::Mutex<()>,
+    /// Held by a snapshot from counting the team's snapshots to recording its own.
+    snapshot_gate: crate::caps::TeamGate,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -515,6 +517,7 @@ impl Sandboxes {
             config,
             live: Mutex::new(HashMap::new()),
             network_updates: tokio::sync::Mutex::new(()),
+            snapshot_gate: crate::caps::TeamGate::default(),
             metrics: Mutex::new(HashMap::new()),
             volumes: None,
             nodes: None,
