@@ -88,18 +88,25 @@ def test_snapshots_past_the_count_answer_429(sandbar, team, team_sandbox):
 
 
 def test_snapshot_memory_past_the_bytes_answers_507(sandbar, team, team_sandbox):
-    sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--max-snapshot-mb", "1")
+    sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--max-snapshot-mb", "4")
+    # An idle sandbox's memory image is under 1 MiB: a process holding 8 MiB makes it larger.
+    team_sandbox.commands.run(
+        "python3 -c 'import os, time; x = os.urandom(8 << 20); time.sleep(600)'", background=True
+    )
+    time.sleep(1)
     try:
         reply = _api(sandbar, team, "POST", f"/sandboxes/{team_sandbox.sandbox_id}/snapshots", json={})
         if reply.status_code == 501:
             pytest.skip(f"this server cannot snapshot memory: {reply.text}")
-        # A sandbox's memory image is several MiB: taken, measured, and not kept.
-        _assert_refused(reply, team, 507, "1 MiB of snapshot memory images")
+        # Taken, measured, and not kept.
+        _assert_refused(reply, team, 507, "4 MiB of snapshot memory images")
         assert "this would add" in reply.json()["message"]
         listed = _api(sandbar, team, "GET", "/snapshots")
         assert listed.json() == [], listed.text
     finally:
         sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--max-snapshot-mb", "20480")
+        for snapshot in _api(sandbar, team, "GET", "/snapshots").json():
+            _api(sandbar, team, "DELETE", f"/templates/{snapshot['snapshotID'].replace(':', '%3A')}")
 
 
 def test_templates_and_tags_past_their_counts_answer_429(sandbar, team):

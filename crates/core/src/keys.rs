@@ -727,6 +727,7 @@ mod tests {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: crate::model::TeamCaps::DEFAULT,
         };
         assert!(base.validate().is_ok());
         let changed = base.with(LimitChanges {
@@ -746,5 +747,40 @@ mod tests {
                 ..
             })
         ));
+        let capped = base.with(LimitChanges {
+            max_snapshots: Some(3),
+            max_volume_mb: Some(0),
+            max_api_keys: Some(7),
+            ..LimitChanges::default()
+        });
+        assert_eq!(
+            (
+                capped.caps.max_snapshots,
+                capped.caps.max_volume_mb,
+                capped.caps.max_api_keys,
+                capped.caps.max_templates
+            ),
+            (3, 0, 7, crate::model::TeamCaps::DEFAULT.max_templates)
+        );
+        assert!(capped.validate().is_ok());
+        let too_many = base.with(LimitChanges {
+            max_tags_per_template: Some(1_000_001),
+            ..LimitChanges::default()
+        });
+        assert!(matches!(
+            too_many.validate(),
+            Err(TeamAdminError::BadLimit {
+                field: "max-tags-per-template",
+                ..
+            })
+        ));
+        assert!(LimitChanges::default().is_empty());
+        assert!(
+            !LimitChanges {
+                max_api_keys: Some(1),
+                ..LimitChanges::default()
+            }
+            .is_empty()
+        );
     }
 }
