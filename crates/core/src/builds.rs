@@ -576,7 +576,7 @@ impl Builds {
                     .await?
                     .iter()
                     .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
-                    .filter(|t| !t.image.as_ref().is_some_and(|i| i.snapshot.is_some()))
+                    .filter(|t| t.image.as_ref().is_none_or(|i| i.snapshot.is_none()))
                     .count();
                 check_count(team, "templates", team.caps.max_templates, kept)?;
                 check_count(
