@@ -115,6 +115,19 @@ impl From<AuthError> for ApiError {
     }
 }
 
+/// A count cap is the team's own rate of keeping things (429); a bytes cap is storage the
+/// team has no more of (507).
+impl From<sandbar_core::CapError> for ApiError {
+    fn from(e: sandbar_core::CapError) -> Self {
+        match e {
+            sandbar_core::CapError::Count { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            sandbar_core::CapError::Bytes { .. } => Self::insufficient_storage(e.to_string()),
+        }
+    }
+}
+
 impl From<RateLimited> for ApiError {
     fn from(e: RateLimited) -> Self {
         let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
@@ -223,6 +236,7 @@ impl From<SnapshotError> for ApiError {
                 source: RuntimeError::Uncheckpointable { .. },
                 ..
             } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SnapshotError::Cap(c) => c.into(),
             SnapshotError::Runtime { .. } => Self::internal(&e),
             SnapshotError::Store(ref s) => Self::internal(s),
         }
@@ -269,6 +283,7 @@ impl From<sandbar_core::builds::RequestBuildError> for ApiError {
         match e {
             E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
             E::TemplateNotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Cap(c) => c.into(),
             E::Store(ref s) => Self::internal(s),
             _ => Self::bad_request(e.to_string()),
         }
@@ -326,6 +341,7 @@ impl From<sandbar_core::builds::TemplateAdminError> for ApiError {
             E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::BuiltIn(_) => Self::new(StatusCode::FORBIDDEN, e.to_string()),
             E::Invalid(_) => Self::bad_request(e.to_string()),
+            E::Cap(c) => c.into(),
             E::Store(ref s) => Self::internal(s),
         }
     }
@@ -353,6 +369,7 @@ impl From<sandbar_core::CreateCredentialError> for ApiError {
         use sandbar_core::CreateCredentialError as E;
         match e {
             E::BadName(_) => Self::bad_request(e.to_string()),
+            E::Cap(c) => c.into(),
             E::Store(ref s) => Self::internal(s),
         }
     }
@@ -395,6 +412,7 @@ impl From<sandbar_core::CreateVolumeError> for ApiError {
         match e {
             E::BadName(_) => Self::bad_request(e.to_string()),
             E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Cap(c) => c.into(),
             E::Host { .. } => Self::internal(&e),
             E::Store(ref s) => Self::internal(s),
         }
@@ -459,6 +477,7 @@ impl From<sandbar_core::VolumeContentError> for ApiError {
                 | Io::Root => StatusCode::BAD_REQUEST,
                 Io::Io { .. } => return Self::internal(&e),
             },
+            E::Cap(c) => return c.clone().into(),
             E::Store(s) => return Self::internal(s),
         };
         Self::new(status, e.to_string())

@@ -70,7 +70,8 @@ impl Modify for SecuritySchemes {
 }
 
 /// Errors every authenticated operation can answer with: bad credentials, the team's request
-/// rate or sandbox limit (429 with `Retry-After`), and unexpected failures.
+/// rate or sandbox limit (429 with `Retry-After`) or a cap on what it keeps (429 without),
+/// and unexpected failures.
 pub(crate) struct CommonErrors;
 
 impl IntoResponses for CommonErrors {
@@ -98,10 +99,12 @@ impl IntoResponses for CommonErrors {
             ),
             (
                 "429".to_owned(),
-                error("The team's request rate or sandbox limit is exceeded")
-                    .header("Retry-After", retry_after)
-                    .build()
-                    .into(),
+                error(
+                    "The team's request rate, sandbox limit or a cap on what it keeps is reached",
+                )
+                .header("Retry-After", retry_after)
+                .build()
+                .into(),
             ),
             (
                 "500".to_owned(),

@@ -61,6 +61,7 @@ impl From<&SnapshotInfo> for SnapshotView {
         (status = 400, description = "Invalid name", body = ErrorBody),
         (status = 404, description = "No such sandbox", body = ErrorBody),
         (status = 409, description = "The sandbox is not running, or the name belongs to another template", body = ErrorBody),
+        (status = 507, description = "The team's snapshots hold as many bytes as its limit allows", body = ErrorBody),
         CommonErrors,
     )
 )]

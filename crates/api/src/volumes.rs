@@ -223,6 +223,7 @@ pub(crate) async fn list(
         (status = 400, description = "Missing or invalid name", body = ErrorBody),
         (status = 409, description = "The team has a volume of that name", body = ErrorBody),
         (status = 501, description = "This server has no volume storage", body = ErrorBody),
+        (status = 507, description = "The team's volumes hold as many bytes as its limit allows", body = ErrorBody),
         CommonErrors,
     )
 )]

@@ -257,26 +257,38 @@ impl Activity {
                 }
             },
         };
-        let Some(bytes) = runtime.agent_log(sandbox_id, offset, AGENT_LOG_READ_MAX) else {
+        let Some(chunk) = runtime.agent_log(sandbox_id, offset, AGENT_LOG_READ_MAX) else {
             self.offsets().insert(sandbox_id.to_owned(), offset);
             return;
         };
+        let bytes = chunk.bytes;
+        let skipped = chunk.start.saturating_sub(offset);
         // A partial last line is left for the next round unless it alone fills a read.
         let consumed = match bytes.iter().rposition(|b| *b == b'\n') {
             Some(newline) => newline + 1,
             None if bytes.len() >= AGENT_LOG_READ_MAX => bytes.len(),
             None => 0,
         };
-        if consumed == 0 {
+        if consumed == 0 && skipped == 0 {
             self.offsets().insert(sandbox_id.to_owned(), offset);
             return;
         }
         let now = Utc::now();
-        let entries: Vec<SandboxLogEntry> = String::from_utf8_lossy(&bytes[..consumed])
-            .lines()
-            .filter_map(|line| parse_agent_line(line, now))
-            .collect();
-        let next = offset + consumed as u64;
+        let mut entries: Vec<SandboxLogEntry> = Vec::new();
+        if skipped > 0 {
+            entries.push(SandboxLogEntry::event(
+                now,
+                LogLevel::Warn,
+                "agent log lines were rotated away on the node before they were read",
+                &[("skippedBytes", skipped.to_string())],
+            ));
+        }
+        entries.extend(
+            String::from_utf8_lossy(&bytes[..consumed])
+                .lines()
+                .filter_map(|line| parse_agent_line(line, now)),
+        );
+        let next = chunk.start.max(offset) + consumed as u64;
         match self
             .store
             .append_sandbox_logs(

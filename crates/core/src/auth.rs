@@ -52,6 +52,8 @@ pub use crate::model::teams::TeamLimits;
 #[derive(Clone)]
 pub struct Auth {
     pub(crate) store: Arc<dyn Store>,
+    /// Held from counting a team's API keys to recording a new one.
+    pub(crate) key_gate: Arc<crate::caps::TeamGate>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -75,7 +77,10 @@ pub(crate) fn stored(team_id: &str, name: &str, secret: &str, prefix: &str) -> S
 
 impl Auth {
     pub fn new(store: Arc<dyn Store>) -> Self {
-        Self { store }
+        Self {
+            store,
+            key_gate: Arc::default(),
+        }
     }
 
     /// On an empty store, creates the default team with its first API key (the requested one

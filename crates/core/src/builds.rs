@@ -15,6 +15,7 @@ use chrono::Utc;
 use tokio::io::AsyncRead;
 use tokio::sync::{Notify, Semaphore};
 
+use crate::caps::check_count;
 use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
@@ -244,6 +245,8 @@ pub enum RequestBuildError {
         max: u32,
     },
     #[error(transparent)]
+    Cap(#[from] crate::caps::CapError),
+    #[error(transparent)]
     Store(#[from] StoreError),
 }
 
@@ -301,6 +304,8 @@ pub enum TemplateAdminError {
     Invalid(String),
     #[error("template '{0}' is built in and cannot be changed")]
     BuiltIn(String),
+    #[error(transparent)]
+    Cap(#[from] crate::caps::CapError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -376,6 +381,8 @@ pub struct Builds {
     registry_check: Option<Arc<dyn RegistryCheck>>,
     /// The cluster node these builds run on; `None` on a single host.
     node_id: Option<String>,
+    /// Held from counting a team's templates or a template's tags to recording new ones.
+    cap_gate: Arc<crate::caps::TeamGate>,
 }
 
 impl std::fmt::Debug for Builds {
@@ -437,6 +444,7 @@ impl Builds {
             tasks: Arc::new(Mutex::new(tokio::task::JoinSet::new())),
             registry_check: None,
             node_id: None,
+            cap_gate: Arc::default(),
         }
     }
 
@@ -563,7 +571,31 @@ impl Builds {
         if self.store.template_by_name(None, name).await?.is_some() {
             return Err(RequestBuildError::BadName(full.clone()));
         }
+        let _turn = self.cap_gate.enter(&team.id).await;
         let existing = self.store.template_by_name(Some(&team.id), name).await?;
+        match &existing {
+            None => {
+                let kept = self
+                    .store
+                    .templates()
+                    .await?
+                    .iter()
+                    .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
+                    .filter(|t| t.image.as_ref().is_none_or(|i| i.snapshot.is_none()))
+                    .count();
+                check_count(team, "templates", team.caps.max_templates, kept)?;
+                check_count(
+                    team,
+                    "tags per template",
+                    team.caps.max_tags_per_template,
+                    tags.len().saturating_sub(1),
+                )?;
+            }
+            Some(t) => {
+                self.check_tag_cap::<RequestBuildError>(team, &t.id, &tags)
+                    .await?
+            }
+        }
         let mut template = match existing {
             Some(t) => t,
             None => Template {
@@ -623,6 +655,38 @@ impl Builds {
             build_id,
             tags,
         })
+    }
+
+    /// Refuses `adding` tags on the template when, with the tags its builds already carry,
+    /// they would pass the team's cap on tags per template.
+    async fn check_tag_cap<E: From<crate::caps::CapError> + From<StoreError>>(
+        &self,
+        team: &Team,
+        template_id: &str,
+        adding: &[String],
+    ) -> Result<(), E> {
+        let limit = team.caps.max_tags_per_template;
+        if limit == 0 || adding.is_empty() {
+            return Ok(());
+        }
+        let mut names: std::collections::BTreeSet<String> = self
+            .store
+            .template_tags(template_id)
+            .await?
+            .into_iter()
+            .map(|(tag, _)| tag)
+            .collect();
+        let before = names.len();
+        names.extend(adding.iter().cloned());
+        if names.len() == before {
+            return Ok(());
+        }
+        Ok(check_count(
+            team,
+            "tags per template",
+            limit,
+            names.len() - 1,
+        )?)
     }
 
     async fn own_template(&self, team: &Team, template_id: &str) -> Result<Template, StoreError> {
@@ -1234,6 +1298,9 @@ impl Builds {
         let mut tags = tags.to_vec();
         tags.sort();
         tags.dedup();
+        let _turn = self.cap_gate.enter(&team.id).await;
+        self.check_tag_cap::<TemplateAdminError>(team, &template.id, &tags)
+            .await?;
         // A tag names one build: moving it takes it off the build it named before.
         self.store.delete_build_tags(&template.id, &tags).await?;
         self.store

@@ -141,6 +141,36 @@ pub struct LimitChanges {
     pub max_vcpu: Option<u32>,
     pub max_memory_mb: Option<u32>,
     pub max_disk_mb: Option<u32>,
+    pub max_snapshots: Option<u32>,
+    pub max_snapshot_mb: Option<u32>,
+    pub max_templates: Option<u32>,
+    pub max_volumes: Option<u32>,
+    pub max_volume_mb: Option<u32>,
+    pub max_tags_per_template: Option<u32>,
+    pub max_api_keys: Option<u32>,
+}
+
+impl LimitChanges {
+    /// Whether nothing would change.
+    pub fn is_empty(&self) -> bool {
+        [
+            self.max_concurrent_sandboxes,
+            self.requests_per_minute,
+            self.max_vcpu,
+            self.max_memory_mb,
+            self.max_disk_mb,
+            self.max_snapshots,
+            self.max_snapshot_mb,
+            self.max_templates,
+            self.max_volumes,
+            self.max_volume_mb,
+            self.max_tags_per_template,
+            self.max_api_keys,
+        ]
+        .iter()
+        .all(Option::is_none)
+            && self.max_sandbox_timeout_secs.is_none()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +187,8 @@ pub enum TeamAccessError {
 pub enum CreateCredentialError {
     #[error("invalid name: {0}")]
     BadName(String),
+    #[error(transparent)]
+    Cap(#[from] crate::caps::CapError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -202,6 +234,8 @@ pub enum TeamAdminError {
         max: u64,
         value: u64,
     },
+    #[error(transparent)]
+    Cap(#[from] crate::caps::CapError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -260,6 +294,18 @@ impl TeamLimits {
         check_limit("max-vcpu", self.max_vcpu.into(), 0, 1024)?;
         check_limit("max-memory-mb", self.max_memory_mb.into(), 0, 1 << 24)?;
         check_limit("max-disk-mb", self.max_disk_mb.into(), 0, 1 << 24)?;
+        let caps = &self.caps;
+        for (field, value) in [
+            ("max-snapshots", caps.max_snapshots),
+            ("max-templates", caps.max_templates),
+            ("max-volumes", caps.max_volumes),
+            ("max-tags-per-template", caps.max_tags_per_template),
+            ("max-api-keys", caps.max_api_keys),
+        ] {
+            check_limit(field, value.into(), 0, 1_000_000)?;
+        }
+        check_limit("max-snapshot-mb", caps.max_snapshot_mb.into(), 0, 1 << 30)?;
+        check_limit("max-volume-mb", caps.max_volume_mb.into(), 0, 1 << 30)?;
         Ok(())
     }
 
@@ -283,6 +329,23 @@ impl TeamLimits {
         if let Some(v) = changes.max_disk_mb {
             self.max_disk_mb = v;
         }
+        let caps = &mut self.caps;
+        for (change, field) in [
+            (changes.max_snapshots, &mut caps.max_snapshots),
+            (changes.max_snapshot_mb, &mut caps.max_snapshot_mb),
+            (changes.max_templates, &mut caps.max_templates),
+            (changes.max_volumes, &mut caps.max_volumes),
+            (changes.max_volume_mb, &mut caps.max_volume_mb),
+            (
+                changes.max_tags_per_template,
+                &mut caps.max_tags_per_template,
+            ),
+            (changes.max_api_keys, &mut caps.max_api_keys),
+        ] {
+            if let Some(v) = change {
+                *field = v;
+            }
+        }
         self
     }
 }
@@ -296,6 +359,7 @@ impl Team {
             max_vcpu: self.max_vcpu,
             max_memory_mb: self.max_memory_mb,
             max_disk_mb: self.max_disk_mb,
+            caps: self.caps,
         }
     }
 
@@ -306,6 +370,7 @@ impl Team {
         self.max_vcpu = limits.max_vcpu;
         self.max_memory_mb = limits.max_memory_mb;
         self.max_disk_mb = limits.max_disk_mb;
+        self.caps = limits.caps;
     }
 }
 
@@ -327,6 +392,7 @@ impl Auth {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: limits.caps,
         };
         team.apply(limits);
         self.store.insert_team(&team).await?;
@@ -412,6 +478,9 @@ impl Auth {
             created_by: created_by.map(|u| u.id.clone()),
             last_used: None,
         };
+        let _turn = self.key_gate.enter(&team.id).await;
+        let have = self.store.team_api_keys(&team.id).await?.len();
+        crate::caps::check_count(team, "API keys", team.caps.max_api_keys, have)?;
         self.store.insert_team_api_key(&stored).await?;
         Ok(CreatedApiKey {
             info: ApiKeyInfo::from(&stored),
@@ -575,6 +644,7 @@ impl Auth {
             .await
             .map_err(|e| match e {
                 CreateCredentialError::BadName(m) => TeamAdminError::BadName(m),
+                CreateCredentialError::Cap(c) => TeamAdminError::Cap(c),
                 CreateCredentialError::Store(s) => TeamAdminError::Store(s),
             })
     }
@@ -657,6 +727,7 @@ mod tests {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: crate::model::TeamCaps::DEFAULT,
         };
         assert!(base.validate().is_ok());
         let changed = base.with(LimitChanges {
@@ -676,5 +747,40 @@ mod tests {
                 ..
             })
         ));
+        let capped = base.with(LimitChanges {
+            max_snapshots: Some(3),
+            max_volume_mb: Some(0),
+            max_api_keys: Some(7),
+            ..LimitChanges::default()
+        });
+        assert_eq!(
+            (
+                capped.caps.max_snapshots,
+                capped.caps.max_volume_mb,
+                capped.caps.max_api_keys,
+                capped.caps.max_templates
+            ),
+            (3, 0, 7, crate::model::TeamCaps::DEFAULT.max_templates)
+        );
+        assert!(capped.validate().is_ok());
+        let too_many = base.with(LimitChanges {
+            max_tags_per_template: Some(1_000_001),
+            ..LimitChanges::default()
+        });
+        assert!(matches!(
+            too_many.validate(),
+            Err(TeamAdminError::BadLimit {
+                field: "max-tags-per-template",
+                ..
+            })
+        ));
+        assert!(LimitChanges::default().is_empty());
+        assert!(
+            !LimitChanges {
+                max_api_keys: Some(1),
+                ..LimitChanges::default()
+            }
+            .is_empty()
+        );
     }
 }

@@ -9,6 +9,7 @@ pub mod activity;
 mod agent_links;
 pub mod auth;
 pub mod builds;
+pub mod caps;
 pub mod cluster;
 pub mod disks;
 pub mod dockerfile;
@@ -36,6 +37,7 @@ pub use builds::{
     BuildStep, Builder, Builds, BuildsConfig, LogLevel, RegistryCheck, SnapshotImage, StartedImage,
     StepKind, TemplateImage,
 };
+pub use caps::CapError;
 pub use cluster::NodeDirectory;
 pub use disks::{DiskFull, DiskReport, DiskSpace};
 pub use keys::{
@@ -47,12 +49,12 @@ pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxState, SlotClaim, Team, Template,
+    LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxState, SlotClaim, Team, TeamCaps, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
-    AdoptedCheckpoint, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle,
-    SnapshotParts, TakenOver, WarmPoolReport,
+    AdoptedCheckpoint, AgentLogChunk, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError,
+    RuntimeHandle, SnapshotParts, TakenOver, WarmPoolReport,
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{

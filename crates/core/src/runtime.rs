@@ -76,6 +76,16 @@ pub struct SnapshotParts {
     /// The checkpoint of its processes ([`crate::builds::SnapshotImage::checkpoint`]);
     /// `None` when only the files were copied.
     pub checkpoint: Option<String>,
+    /// What the checkpoint holds on the node's data disk; 0 without one.
+    pub checkpoint_bytes: u64,
+}
+
+/// Bytes of a sandbox's agent log and where they start: past the offset asked for when the
+/// bytes before were rotated away unread.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AgentLogChunk {
+    pub start: u64,
+    pub bytes: Vec<u8>,
 }
 
 /// A sandbox's resource use at one moment.
@@ -380,9 +390,10 @@ pub trait Runtime: Send + Sync + 'static {
         false
     }
 
-    /// Up to `max` bytes of the sandbox's agent log from byte `offset` on; `None` when the
-    /// runtime keeps no such log or it cannot be read.
-    fn agent_log(&self, _sandbox_id: &str, _offset: u64, _max: usize) -> Option<Vec<u8>> {
+    /// Up to `max` bytes of the sandbox's agent log from byte `offset` on (counted from the
+    /// log's first byte, whatever the node rotated away since); `None` when the runtime keeps
+    /// no such log or it cannot be read.
+    fn agent_log(&self, _sandbox_id: &str, _offset: u64, _max: usize) -> Option<AgentLogChunk> {
         None
     }
 

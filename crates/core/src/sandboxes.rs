@@ -475,6 +475,8 @@ pub struct Sandboxes {
     /// Set while the reaper's checkpoint of a paused sandbox runs beside it: one at a time,
     /// since a dump holds a CPU, and never on the reaper's own path.
     checkpoint_running: Arc<std::sync::atomic::AtomicBool>,
+    /// Held by a snapshot from counting the team's snapshots to recording its own.
+    snapshot_gate: crate::caps::TeamGate,
 }
 
 impl std::fmt::Debug for Sandboxes {
@@ -523,6 +525,7 @@ impl Sandboxes {
             live: Mutex::new(HashMap::new()),
             signers: signers::Signers::default(),
             network_updates: tokio::sync::Mutex::new(()),
+            snapshot_gate: crate::caps::TeamGate::default(),
             metrics: Mutex::new(HashMap::new()),
             volumes: None,
             nodes: None,

@@ -19,6 +19,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::auth::hash_secret;
 use crate::builds::UploadBody;
+use crate::caps::{CapError, check_bytes, check_count};
 use crate::ids;
 use crate::model::Team;
 use crate::store::{Store, StoreError};
@@ -221,6 +222,8 @@ pub trait VolumeHost: Send + Sync + 'static {
         path: &VolumePath,
         owner: EntryOwner,
     ) -> Result<EntryStat, VolumeIoError>;
+    /// Bytes the volume's files take on disk.
+    fn usage(&self, team_id: &str, volume_id: &str) -> Result<u64, VolumeIoError>;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -231,6 +234,8 @@ pub enum CreateVolumeError {
     BadName(String),
     #[error("a volume named '{0}' already exists in this team")]
     NameTaken(String),
+    #[error(transparent)]
+    Cap(#[from] CapError),
     #[error("cannot create the storage of volume {volume_id}: {source}")]
     Host {
         volume_id: String,
@@ -318,6 +323,8 @@ pub enum VolumeContentError {
         /// How long until the next request would be accepted.
         retry_after: Duration,
     },
+    #[error(transparent)]
+    Cap(#[from] CapError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -427,6 +434,8 @@ pub struct Volumes {
     /// by a delete, so a volume cannot disappear under a sandbox that is still starting.
     mounting: tokio::sync::RwLock<()>,
     content_rate: ContentRate,
+    /// Held from counting a team's volumes to recording a new one.
+    cap_gate: crate::caps::TeamGate,
 }
 
 impl std::fmt::Debug for Volumes {
@@ -446,6 +455,7 @@ impl Volumes {
             token_key,
             mounting: tokio::sync::RwLock::new(()),
             content_rate: ContentRate::new(DEFAULT_CONTENT_REQUESTS_PER_MINUTE),
+            cap_gate: crate::caps::TeamGate::default(),
         }
     }
 
@@ -475,8 +485,21 @@ impl Volumes {
             created_at: Utc::now(),
         };
         volume.token_hash = hash_secret(&self.token(&volume));
+        let _turn = self.cap_gate.enter(&team.id).await;
         if self.store.volume_by_name(&team.id, name).await?.is_some() {
             return Err(CreateVolumeError::NameTaken(name.to_owned()));
+        }
+        let kept = self.store.team_volumes(&team.id).await?;
+        check_count(team, "volumes", team.caps.max_volumes, kept.len())?;
+        if team.caps.max_volume_mb != 0 {
+            let used = self
+                .usage(&kept)
+                .await
+                .map_err(|source| CreateVolumeError::Host {
+                    volume_id: volume.id.clone(),
+                    source,
+                })?;
+            check_bytes(team, "volumes", team.caps.max_volume_mb, used, None)?;
         }
         let host = self.host.clone();
         let (team_id, volume_id) = (volume.team_id.clone(), volume.id.clone());
@@ -522,6 +545,21 @@ impl Volumes {
         self.remove_storage(&volume).await;
         tracing::info!(volume_id = %id, "volume deleted");
         Ok(())
+    }
+
+    /// Bytes the files of `volumes` take together.
+    async fn usage(&self, volumes: &[Volume]) -> Result<u64, VolumeIoError> {
+        let host = self.host.clone();
+        let ids: Vec<(String, String)> = volumes
+            .iter()
+            .map(|v| (v.team_id.clone(), v.id.clone()))
+            .collect();
+        blocking(move || {
+            ids.iter().try_fold(0u64, |sum, (team_id, volume_id)| {
+                Ok(sum.saturating_add(host.usage(team_id, volume_id)?))
+            })
+        })
+        .await
     }
 
     async fn remove_storage(&self, volume: &Volume) {
@@ -712,6 +750,8 @@ impl Volumes {
                 source: VolumeIoError::IsADirectory("/".into()),
             });
         }
+        // A team already at its volume bytes cap writes nothing more.
+        self.check_room(volume, 0).await?;
         let shown = path.display();
         let staged = self
             .run(volume, move |h, v| h.stage_file(v, &path, owner, parents))
@@ -750,7 +790,37 @@ impl Volumes {
         // The last write may still be under way: its error, if any, comes from the flush.
         file.flush().await.map_err(io)?;
         drop(file);
+        // The staged file counts now; past the cap it is dropped, and with it removed.
+        self.check_room(volume, 0).await?;
         self.run(volume, move |_, _| staged.commit()).await
+    }
+
+    /// Refuses a write of `adding` bytes that would take the team's volumes past its cap.
+    /// Writes from sandboxes that mount the volume are not held back here: they count
+    /// towards the cap, which then refuses the team's next volume and content write.
+    async fn check_room(&self, volume: &Volume, adding: u64) -> Result<(), VolumeContentError> {
+        let Some(team) = self.store.team(&volume.team_id).await? else {
+            return Ok(());
+        };
+        if team.caps.max_volume_mb == 0 {
+            return Ok(());
+        }
+        let kept = self.store.team_volumes(&team.id).await?;
+        let used = self
+            .usage(&kept)
+            .await
+            .map_err(|source| VolumeContentError::Io {
+                volume_id: volume.id.clone(),
+                source,
+            })?;
+        check_bytes(
+            &team,
+            "volumes",
+            team.caps.max_volume_mb,
+            used,
+            Some(adding),
+        )?;
+        Ok(())
     }
 
     pub async fn make_dir(

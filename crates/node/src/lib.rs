@@ -2,6 +2,7 @@
 //! with Linux namespaces, cgroups, an overlay root and a private routed network.
 
 mod agent_client;
+pub mod agent_log;
 mod build_output;
 pub mod builder;
 pub mod cgroups;

@@ -409,6 +409,12 @@ impl VolumeHost for HostVolumes {
             .map_err(|e| io_err(volume_id, e))
     }
 
+    fn usage(&self, team_id: &str, volume_id: &str) -> Result<u64, VolumeIoError> {
+        let dir = self.dir(team_id, volume_id)?;
+        // A volume is written by its sandboxes: the walk never follows a link in it.
+        Ok(crate::image_layers::disk_usage(&dir))
+    }
+
     fn remove(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError> {
         let dir = self.dir(team_id, volume_id)?;
         crate::disks::remove_tree(&dir).map_err(|e| io_err(volume_id, e))

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, LimitChanges};
+use sandbar_core::{Auth, TeamCaps};
 
 use crate::database::{self, DatabaseArgs};
 
@@ -42,17 +42,46 @@ pub struct Limits {
     /// Disk, in MiB, one sandbox (or template build) may have; 0 for no team limit.
     #[arg(long)]
     max_disk_mb: Option<u32>,
+    /// Snapshots the team may keep (default 100); 0 for no cap.
+    #[arg(long)]
+    max_snapshots: Option<u32>,
+    /// MiB of memory images the team's snapshots may hold on the data disk (default 20480);
+    /// 0 for no cap.
+    #[arg(long)]
+    max_snapshot_mb: Option<u32>,
+    /// Templates the team may keep, snapshots not counted (default 100); 0 for no cap.
+    #[arg(long)]
+    max_templates: Option<u32>,
+    /// Volumes the team may keep (default 100); 0 for no cap.
+    #[arg(long)]
+    max_volumes: Option<u32>,
+    /// MiB the files of all the team's volumes may hold (default 51200); 0 for no cap.
+    #[arg(long)]
+    max_volume_mb: Option<u32>,
+    /// Tags one template of the team may carry (default 100); 0 for no cap.
+    #[arg(long)]
+    max_tags_per_template: Option<u32>,
+    /// API keys the team may have (default 100); 0 for no cap.
+    #[arg(long)]
+    max_api_keys: Option<u32>,
 }
 
 impl Limits {
-    fn changes(&self) -> LimitChanges {
-        LimitChanges {
+    fn changes(&self) -> sandbar_core::LimitChanges {
+        sandbar_core::LimitChanges {
             max_concurrent_sandboxes: self.max_sandboxes,
             max_sandbox_timeout_secs: self.max_timeout_secs,
             requests_per_minute: self.requests_per_minute,
             max_vcpu: self.max_vcpu,
             max_memory_mb: self.max_memory_mb,
             max_disk_mb: self.max_disk_mb,
+            max_snapshots: self.max_snapshots,
+            max_snapshot_mb: self.max_snapshot_mb,
+            max_templates: self.max_templates,
+            max_volumes: self.max_volumes,
+            max_volume_mb: self.max_volume_mb,
+            max_tags_per_template: self.max_tags_per_template,
+            max_api_keys: self.max_api_keys,
         }
     }
 }
@@ -69,6 +98,12 @@ pub enum TeamCommand {
     },
     /// List teams with their limits.
     List {
+        #[command(flatten)]
+        data: DataDir,
+    },
+    /// One team's limits, as JSON (team by id or unique name).
+    Show {
+        team: String,
         #[command(flatten)]
         data: DataDir,
     },
@@ -114,6 +149,7 @@ const NEW_TEAM_LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    caps: TeamCaps::DEFAULT,
 };
 
 async fn open(data: &DataDir) -> anyhow::Result<Auth> {
@@ -134,14 +170,22 @@ async fn open(data: &DataDir) -> anyhow::Result<Auth> {
 }
 
 fn print_limits(t: &sandbar_core::Team) -> String {
+    let c = &t.caps;
     format!(
-        "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={}",
+        "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={} max-snapshots={} max-snapshot-mb={} max-templates={} max-volumes={} max-volume-mb={} max-tags-per-template={} max-api-keys={}",
         t.max_concurrent_sandboxes,
         t.max_sandbox_timeout_secs,
         t.requests_per_minute,
         t.max_vcpu,
         t.max_memory_mb,
-        t.max_disk_mb
+        t.max_disk_mb,
+        c.max_snapshots,
+        c.max_snapshot_mb,
+        c.max_templates,
+        c.max_volumes,
+        c.max_volume_mb,
+        c.max_tags_per_template,
+        c.max_api_keys
     )
 }
 
@@ -169,12 +213,38 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
                 println!("{}  {}  {}  {}", t.id, t.slug, t.name, print_limits(&t));
             }
         }
+        TeamCommand::Show { team, data } => {
+            let auth = open(&data).await?;
+            let t = auth.find_team(&team).await?;
+            let c = &t.caps;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "teamID": t.id,
+                    "name": t.name,
+                    "slug": t.slug,
+                    "maxSandboxes": t.max_concurrent_sandboxes,
+                    "maxTimeoutSecs": t.max_sandbox_timeout_secs,
+                    "requestsPerMinute": t.requests_per_minute,
+                    "maxVcpu": t.max_vcpu,
+                    "maxMemoryMB": t.max_memory_mb,
+                    "maxDiskMB": t.max_disk_mb,
+                    "maxSnapshots": c.max_snapshots,
+                    "maxSnapshotMB": c.max_snapshot_mb,
+                    "maxTemplates": c.max_templates,
+                    "maxVolumes": c.max_volumes,
+                    "maxVolumeMB": c.max_volume_mb,
+                    "maxTagsPerTemplate": c.max_tags_per_template,
+                    "maxApiKeys": c.max_api_keys,
+                }))?
+            );
+        }
         TeamCommand::SetLimits { team, limits, data } => {
             let auth = open(&data).await?;
             let changes = limits.changes();
-            if limits_empty(&changes) {
+            if changes.is_empty() {
                 bail!(
-                    "nothing to change: give at least one of --max-sandboxes, --max-timeout-secs, --requests-per-minute, --max-vcpu, --max-memory-mb, --max-disk-mb"
+                    "nothing to change: give at least one of --max-sandboxes, --max-timeout-secs, --requests-per-minute, --max-vcpu, --max-memory-mb, --max-disk-mb, --max-snapshots, --max-snapshot-mb, --max-templates, --max-volumes, --max-volume-mb, --max-tags-per-template, --max-api-keys"
                 );
             }
             let t = auth.set_team_limits(&team, changes).await?;
@@ -182,15 +252,6 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-fn limits_empty(c: &LimitChanges) -> bool {
-    c.max_concurrent_sandboxes.is_none()
-        && c.max_sandbox_timeout_secs.is_none()
-        && c.requests_per_minute.is_none()
-        && c.max_vcpu.is_none()
-        && c.max_memory_mb.is_none()
-        && c.max_disk_mb.is_none()
 }
 
 pub async fn key(command: KeyCommand) -> anyhow::Result<()> {

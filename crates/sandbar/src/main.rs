@@ -1012,6 +1012,7 @@ async fn bootstrap_first_team(
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     let credentials_path = data_dir.join("credentials.json");
     if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
-use sandbar_core::{StoreError, Team};
+use sandbar_core::{StoreError, Team, TeamCaps};
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 
@@ -85,7 +85,7 @@ impl TeamRecords for SqliteStore {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&team.id)
         .bind(&team.name)
@@ -96,6 +96,13 @@ impl TeamRecords for SqliteStore {
         .bind(team.max_vcpu)
         .bind(team.max_memory_mb)
         .bind(team.max_disk_mb)
+        .bind(team.caps.max_snapshots)
+        .bind(team.caps.max_snapshot_mb)
+        .bind(team.caps.max_templates)
+        .bind(team.caps.max_volumes)
+        .bind(team.caps.max_volume_mb)
+        .bind(team.caps.max_tags_per_template)
+        .bind(team.caps.max_api_keys)
         .bind(micros(Utc::now()))
         .execute(&self.pool)
         .await
@@ -163,7 +170,7 @@ impl TeamRecords for SqliteStore {
     ) -> Result<Option<(StoredApiKey, Team)>, StoreError> {
         // One statement, not two: this runs for every request with an API key.
         let Some(row) = sqlx::query(
-            "SELECT k.*, t.name AS team_name, t.slug AS team_slug, t.max_concurrent_sandboxes, t.max_sandbox_timeout_secs, t.requests_per_minute, t.max_vcpu, t.max_memory_mb, t.max_disk_mb FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.key_hash = ?",
+            "SELECT k.*, t.name AS team_name, t.slug AS team_slug, t.max_concurrent_sandboxes, t.max_sandbox_timeout_secs, t.requests_per_minute, t.max_vcpu, t.max_memory_mb, t.max_disk_mb, t.max_snapshots, t.max_snapshot_mb, t.max_templates, t.max_volumes, t.max_volume_mb, t.max_tags_per_template, t.max_api_keys FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.key_hash = ?",
         )
         .bind(hash)
         .fetch_optional(&self.pool)
@@ -354,7 +361,7 @@ impl TeamRecords for SqliteStore {
 
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE teams SET max_concurrent_sandboxes = ?, max_sandbox_timeout_secs = ?, requests_per_minute = ?, max_vcpu = ?, max_memory_mb = ?, max_disk_mb = ? WHERE id = ?",
+            "UPDATE teams SET max_concurrent_sandboxes = ?, max_sandbox_timeout_secs = ?, requests_per_minute = ?, max_vcpu = ?, max_memory_mb = ?, max_disk_mb = ?, max_snapshots = ?, max_snapshot_mb = ?, max_templates = ?, max_volumes = ?, max_volume_mb = ?, max_tags_per_template = ?, max_api_keys = ? WHERE id = ?",
         )
         .bind(limits.max_concurrent_sandboxes)
         .bind(limits.max_sandbox_timeout_secs as i64)
@@ -362,6 +369,13 @@ impl TeamRecords for SqliteStore {
         .bind(limits.max_vcpu)
         .bind(limits.max_memory_mb)
         .bind(limits.max_disk_mb)
+        .bind(limits.caps.max_snapshots)
+        .bind(limits.caps.max_snapshot_mb)
+        .bind(limits.caps.max_templates)
+        .bind(limits.caps.max_volumes)
+        .bind(limits.caps.max_volume_mb)
+        .bind(limits.caps.max_tags_per_template)
+        .bind(limits.caps.max_api_keys)
         .bind(id)
         .execute(&self.pool)
         .await
@@ -397,6 +411,15 @@ fn team_from_columns(
         max_vcpu: row.try_get("max_vcpu").map_err(err)?,
         max_memory_mb: row.try_get("max_memory_mb").map_err(err)?,
         max_disk_mb: row.try_get("max_disk_mb").map_err(err)?,
+        caps: TeamCaps {
+            max_snapshots: row.try_get("max_snapshots").map_err(err)?,
+            max_snapshot_mb: row.try_get("max_snapshot_mb").map_err(err)?,
+            max_templates: row.try_get("max_templates").map_err(err)?,
+            max_volumes: row.try_get("max_volumes").map_err(err)?,
+            max_volume_mb: row.try_get("max_volume_mb").map_err(err)?,
+            max_tags_per_template: row.try_get("max_tags_per_template").map_err(err)?,
+            max_api_keys: row.try_get("max_api_keys").map_err(err)?,
+        },
     })
 }
 

@@ -14,8 +14,8 @@ use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
     BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LayerBlob, LogLevel, NetworkConfig,
     NodeRecord, NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
-    SandboxStatus, SlotClaim, Store, StoreError, Team, TeamMetricBucket, Template, Volume,
-    VolumeMount,
+    SandboxStatus, SlotClaim, Store, StoreError, Team, TeamCaps, TeamMetricBucket, Template,
+    Volume, VolumeMount,
 };
 use sandbar_store::{PgStore, SqliteStore};
 use sqlx::Connection;
@@ -57,6 +57,7 @@ suite!(
     team_metrics_merge_buckets,
     volumes_and_mounts,
     teams_members_and_limits,
+    team_caps_round_trip_and_old_teams_get_the_defaults,
     two_hosts_on_one_database_settle_their_races,
     nodes_renew_their_leases_and_sandboxes_name_their_node,
     two_hosts_starting_on_an_empty_database_make_one_first_team,
@@ -125,6 +126,36 @@ impl Fixture {
         }
     }
 
+    /// Records a team the way a server from before team caps did: without their columns.
+    async fn insert_team_without_caps(&self, id: &str) {
+        match &self.backend {
+            Backend::Sqlite(dir) => {
+                let url = format!("sqlite://{}", dir.path().join("db.sqlite").display());
+                let mut conn = sqlx::SqliteConnection::connect(&url)
+                    .await
+                    .expect("connect");
+                sqlx::query(
+                    "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, created_at) VALUES (?, 'Old', ?, 5, 60, 0)",
+                )
+                .bind(id)
+                .bind(id)
+                .execute(&mut conn)
+                .await
+                .expect("insert");
+            }
+            Backend::Postgres(url) => {
+                let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
+                sqlx::query(
+                    "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, created_at) VALUES ($1, 'Old', $1, 5, 60, now())",
+                )
+                .bind(id)
+                .execute(&mut conn)
+                .await
+                .expect("insert");
+            }
+        }
+    }
+
     /// Everything the backend keeps of API keys and access tokens, as text.
     async fn stored_credentials(&self) -> String {
         match &self.backend {
@@ -154,6 +185,7 @@ const LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    caps: sandbar_core::TeamCaps::DEFAULT,
 };
 
 /// A private, built template named `alias`, owned by `team_id` (`None`: built in).
@@ -1057,6 +1089,7 @@ async fn teams_members_and_limits(f: Fixture) {
         max_vcpu: 4,
         max_memory_mb: 4096,
         max_disk_mb: 8192,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     assert!(
         store
@@ -1090,6 +1123,59 @@ async fn teams_members_and_limits(f: Fixture) {
         vec![one.id, two.id]
     );
     assert_eq!(store.team_count().await.expect("count"), 2);
+}
+
+async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
+    let store = f.store.clone();
+    let made = Auth::new(store.clone())
+        .create_team("Capped", LIMITS)
+        .await
+        .expect("team");
+    assert_eq!(made.team.caps, TeamCaps::DEFAULT);
+    let caps = TeamCaps {
+        max_snapshots: 1,
+        max_snapshot_mb: 2,
+        max_templates: 3,
+        max_volumes: 4,
+        max_volume_mb: 1 << 30,
+        max_tags_per_template: 6,
+        max_api_keys: 0,
+    };
+    let limits = TeamLimits { caps, ..LIMITS };
+    assert!(
+        store
+            .set_team_limits(&made.team.id, &limits)
+            .await
+            .expect("limits")
+    );
+    // Every way a team is read carries them: by id, in the list, with a key, by slug.
+    let by_id = store
+        .team(&made.team.id)
+        .await
+        .expect("read")
+        .expect("found");
+    assert_eq!(by_id.caps, caps);
+    let listed = store.teams().await.expect("teams");
+    assert_eq!(
+        listed.iter().find(|t| t.id == made.team.id).map(|t| t.caps),
+        Some(caps)
+    );
+    let (_, with_key) = store
+        .api_key_by_hash(&sandbar_core::auth::hash_secret(&made.api_key))
+        .await
+        .expect("key")
+        .expect("found");
+    assert_eq!(with_key.caps, caps);
+    let by_slug = store
+        .team_by_slug(&made.team.slug)
+        .await
+        .expect("slug")
+        .expect("found");
+    assert_eq!(by_slug.caps, caps);
+
+    f.insert_team_without_caps("old-team").await;
+    let old = store.team("old-team").await.expect("read").expect("found");
+    assert_eq!(old.caps, TeamCaps::DEFAULT);
 }
 
 async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {

@@ -50,6 +50,7 @@ fn limits(max: u32) -> TeamLimits {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     }
 }
 

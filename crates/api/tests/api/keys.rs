@@ -25,6 +25,7 @@ const LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    caps: sandbar_core::TeamCaps::DEFAULT,
 };
 
 struct Harness {

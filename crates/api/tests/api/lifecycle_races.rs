@@ -52,6 +52,7 @@ async fn harness(gated: &[&'static str]) -> Harness {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     let auth = Auth::new(store.clone());
     let credentials = auth

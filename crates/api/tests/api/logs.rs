@@ -50,6 +50,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: sandbar_core::TeamCaps::DEFAULT,
         },
     )
     .await
@@ -70,6 +71,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     store.insert_team(&other).await.expect("team");
     store

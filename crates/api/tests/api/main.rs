@@ -3,6 +3,7 @@
 
 mod common;
 
+mod caps;
 mod cluster;
 mod keys;
 mod lifecycle_races;

@@ -50,6 +50,7 @@ async fn harness() -> Harness {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: sandbar_core::TeamCaps::DEFAULT,
         },
     )
     .await

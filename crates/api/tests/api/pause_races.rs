@@ -31,6 +31,7 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     let credentials = Auth::new(store.clone())
         .bootstrap(None, limits)

@@ -85,6 +85,7 @@ const GENEROUS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    caps: sandbar_core::TeamCaps::DEFAULT,
 };
 
 struct Reply {
@@ -438,6 +439,7 @@ async fn another_teams_sandbox_is_invisible() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     h.store.insert_team(&other).await.expect("team");
     let other_key = "e2b_1111111111111111111111111111111111111111";
@@ -476,6 +478,7 @@ async fn team_limits_answer_429() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     })
     .await;
     h.create(r#"{"templateID":"base"}"#).await;
@@ -493,6 +496,7 @@ async fn team_limits_answer_429() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     })
     .await;
     for _ in 0..3 {

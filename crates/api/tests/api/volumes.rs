@@ -59,6 +59,7 @@ async fn harness_with_rate(per_minute: u32) -> Harness {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            caps: sandbar_core::TeamCaps::DEFAULT,
         },
     )
     .await
@@ -73,6 +74,7 @@ async fn harness_with_rate(per_minute: u32) -> Harness {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     store.insert_team(&other).await.expect("team");
     store

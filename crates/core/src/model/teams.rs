@@ -16,6 +16,8 @@ pub struct Team {
     pub max_vcpu: u32,
     pub max_memory_mb: u32,
     pub max_disk_mb: u32,
+    /// Ceilings on what the team keeps.
+    pub caps: TeamCaps,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +30,44 @@ pub struct TeamLimits {
     pub max_vcpu: u32,
     pub max_memory_mb: u32,
     pub max_disk_mb: u32,
+    pub caps: TeamCaps,
+}
+
+/// Ceilings on what a team keeps, as opposed to what one sandbox may have: each answers a
+/// create past it (429 for a count, 507 for bytes); 0 means no cap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TeamCaps {
+    /// Snapshot templates the team keeps.
+    pub max_snapshots: u32,
+    /// MiB of memory images (checkpoints on the data disk) the team's snapshots hold.
+    pub max_snapshot_mb: u32,
+    /// Templates the team keeps, snapshots not counted.
+    pub max_templates: u32,
+    pub max_volumes: u32,
+    /// MiB the files of all the team's volumes hold in the disk pool.
+    pub max_volume_mb: u32,
+    pub max_tags_per_template: u32,
+    pub max_api_keys: u32,
+}
+
+impl TeamCaps {
+    /// What a team gets unless the operator says otherwise: room for ordinary use, not for
+    /// one tenant filling the host's disks with records or images.
+    pub const DEFAULT: TeamCaps = TeamCaps {
+        max_snapshots: 100,
+        max_snapshot_mb: 20 * 1024,
+        max_templates: 100,
+        max_volumes: 100,
+        max_volume_mb: 50 * 1024,
+        max_tags_per_template: 100,
+        max_api_keys: 100,
+    };
+}
+
+impl Default for TeamCaps {
+    fn default() -> Self {
+        Self::DEFAULT
+    }
 }
 
 /// A slug made from a team's name: lower-case letters and digits, runs of anything else

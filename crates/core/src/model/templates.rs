@@ -142,6 +142,7 @@ impl TemplateImage {
         image.snapshot = Some(SnapshotImage {
             checkpoint: Some(started.checkpoint.clone()),
             sandbox_id: started.sandbox_id.clone(),
+            checkpoint_bytes: 0,
         });
         Some(image)
     }
@@ -178,6 +179,10 @@ pub struct SnapshotImage {
     pub checkpoint: Option<String>,
     /// The sandbox the snapshot was taken of.
     pub sandbox_id: String,
+    /// What its checkpoint holds on the data disk, counted against the team's cap; 0 for a
+    /// snapshot of files, a template's capture or one recorded before it was counted.
+    #[serde(default)]
+    pub checkpoint_bytes: u64,
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@ use chrono::Utc;
 
 use super::{CreateSandbox, CreateSandboxError, SandboxError, Sandboxes};
 use crate::builds::{BuildRecord, SnapshotImage, TemplateImage, split_name, valid_name};
+use crate::caps::{CapError, check_bytes, check_count};
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{BuildStatus, Sandbox, Team, Template};
@@ -47,6 +48,8 @@ pub enum SnapshotError {
         id: String,
         source: crate::runtime::RuntimeError,
     },
+    #[error(transparent)]
+    Cap(#[from] CapError),
     #[error(transparent)]
     Sandbox(#[from] SandboxError),
     #[error(transparent)]
@@ -118,15 +121,26 @@ impl Sandboxes {
         memory: bool,
     ) -> Result<SnapshotInfo, SnapshotError> {
         let name = name.filter(|n| !n.is_empty());
+        let _turn = self.snapshot_gate.enter(&team.id).await;
         let existing = match name {
             Some(name) => self.snapshot_named(team, name).await?,
             None => None,
         };
+        self.check_snapshot_caps(team, existing.as_ref(), None)
+            .await?;
         let sandbox = self.get(team, id).await.map_err(not_found(id))?;
         let (image, parts) = self.capture(&sandbox, memory).await?;
-        let recorded = self
-            .record_snapshot(team, &sandbox, name, existing, &image)
-            .await;
+        // Its size is known only now: one past the cap is not kept.
+        let recorded = match self
+            .check_snapshot_caps(team, existing.as_ref(), Some(parts.checkpoint_bytes))
+            .await
+        {
+            Ok(()) => {
+                self.record_snapshot(team, &sandbox, name, existing, &image)
+                    .await
+            }
+            Err(err) => Err(err),
+        };
         match recorded {
             Ok(template) => {
                 self.runtime.snapshot_recorded(&parts);
@@ -139,6 +153,42 @@ impl Sandboxes {
                 Err(err)
             }
         }
+    }
+
+    /// Refuses a snapshot past the team's caps: a new one past its count, and one whose
+    /// checkpoint (`adding` bytes, `None` before it is taken) would pass its bytes. A named
+    /// snapshot taken again replaces `existing`, whose count and bytes are its own.
+    async fn check_snapshot_caps(
+        &self,
+        team: &Team,
+        existing: Option<&Template>,
+        adding: Option<u64>,
+    ) -> Result<(), SnapshotError> {
+        let caps = &team.caps;
+        if caps.max_snapshots == 0 && caps.max_snapshot_mb == 0 {
+            return Ok(());
+        }
+        let kept: Vec<u64> = self
+            .store
+            .templates()
+            .await?
+            .iter()
+            .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
+            .filter(|t| existing.is_none_or(|e| e.id != t.id))
+            .filter_map(|t| t.image.as_ref()?.snapshot.as_ref())
+            .map(|s| s.checkpoint_bytes)
+            .collect();
+        if existing.is_none() {
+            check_count(team, "snapshots", caps.max_snapshots, kept.len())?;
+        }
+        check_bytes(
+            team,
+            "snapshot memory images",
+            caps.max_snapshot_mb,
+            kept.iter().sum(),
+            adding,
+        )?;
+        Ok(())
     }
 
     /// The team's snapshot template named `name`, if there is one; an error when the name is
@@ -222,6 +272,7 @@ impl Sandboxes {
             snapshot: Some(SnapshotImage {
                 checkpoint: parts.checkpoint.clone(),
                 sandbox_id: id.to_owned(),
+                checkpoint_bytes: parts.checkpoint_bytes,
             }),
             started: None,
         };

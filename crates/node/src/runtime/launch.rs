@@ -72,7 +72,7 @@ impl LinuxRuntime {
         // far are counted by offset. Appending, so a warm sandbox's log can be emptied when
         // it is taken while its agent writes on.
         if !boot.kept {
-            let _ = std::fs::remove_file(&log_path);
+            self.remove_log(id);
         }
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -207,7 +207,7 @@ impl LinuxRuntime {
     ) -> Result<(), RuntimeError> {
         self.stop(id, handle).await?;
         self.forget_checkpoint(id);
-        let _ = std::fs::remove_file(self.log_path(id));
+        self.remove_log(id);
         let disks = self.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || disks.remove(&owned_id))

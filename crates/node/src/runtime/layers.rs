@@ -59,7 +59,7 @@ impl LinuxRuntime {
     ) -> Result<(), RuntimeError> {
         let h = parse_handle(id, handle)?;
         self.stop(id, Some(&h)).await?;
-        let _ = std::fs::remove_file(self.log_path(id));
+        self.remove_log(id);
         self.release_memory(id);
         let base = h.id_base.unwrap_or(0);
         let dir = self.disks.path(id);

@@ -14,8 +14,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use sandbar_core::{
-    AdoptedCheckpoint, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
-    SnapshotParts,
+    AdoptedCheckpoint, AgentLogChunk, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError,
+    RuntimeHandle, SnapshotParts,
 };
 use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
 use serde::{Deserialize, Serialize};
@@ -424,6 +424,11 @@ impl LinuxRuntime {
         self.config.data_dir.join("logs").join(format!("{id}.log"))
     }
 
+    /// Removes the sandbox's agent log with what its rotation kept.
+    fn remove_log(&self, id: &str) {
+        crate::agent_log::AgentLog::new(self.log_path(id)).remove();
+    }
+
     fn id_map(&self, slot: u32) -> IdMap {
         IdMap {
             host_base: self.config.id_base + slot * SANDBOX_IDS,
@@ -555,17 +560,17 @@ impl Runtime for LinuxRuntime {
         Ok(())
     }
 
-    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<Vec<u8>> {
-        use std::io::{Read, Seek, SeekFrom};
-        let mut file = std::fs::File::open(self.log_path(sandbox_id)).ok()?;
-        // Most rounds find nothing new: a stat is all they cost.
-        if file.metadata().ok()?.len() <= offset {
-            return Some(Vec::new());
+    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<AgentLogChunk> {
+        let log = crate::agent_log::AgentLog::new(self.log_path(sandbox_id));
+        // Checked where the server reads the log, every few seconds while the sandbox runs.
+        // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
+        let rotated = log.rotate_if_over(crate::agent_log::ROTATE_AT, || {
+            !self.cgroups.is_frozen(sandbox_id)
+        });
+        if let Err(e) = rotated {
+            tracing::warn!(sandbox_id, error = %e, "cannot rotate the agent log");
         }
-        file.seek(SeekFrom::Start(offset)).ok()?;
-        let mut bytes = Vec::new();
-        file.take(max as u64).read_to_end(&mut bytes).ok()?;
-        Some(bytes)
+        log.read(offset, max)
     }
 
     async fn pause(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {

@@ -53,9 +53,10 @@ impl LinuxRuntime {
             )))[..32]
                 .to_owned()
         };
-        let parts = SnapshotParts {
+        let mut parts = SnapshotParts {
             layer: crate::layers::LayerStore::step_layer_name(&key),
             checkpoint: memory.then(|| format!("checkpoint/{key}")),
+            checkpoint_bytes: 0,
         };
         self.fresh_snapshots
             .lock()
@@ -121,24 +122,29 @@ impl LinuxRuntime {
         };
         let agent_digest = self.agent_digest.clone();
         let finish_images = images.clone();
-        let finished = tokio::task::spawn_blocking(move || -> std::io::Result<()> {
+        let finished = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
             crate::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
             let Some((plan, criu_version)) = with_memory else {
-                return Ok(());
+                return Ok(0);
             };
             std::fs::write(
                 finish_images.join(SNAPSHOT_ORIGIN),
                 serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
             )?;
-            crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan).map(|_| ())
+            crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan)?;
+            // What the team's snapshot cap counts.
+            Ok(crate::image_layers::disk_usage(&finish_images))
         })
         .await
         .map_err(|e| sandbox_err(id, e));
-        if let Err(e) = finished.and_then(|r| {
+        match finished.and_then(|r| {
             r.map_err(|e| sandbox_err(id, format!("cannot finish the snapshot: {e}")))
         }) {
-            discard();
-            return Err(e);
+            Ok(bytes) => parts.checkpoint_bytes = bytes,
+            Err(e) => {
+                discard();
+                return Err(e);
+            }
         }
         if memory {
             self.set_verified(&images, true);

@@ -3,7 +3,7 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
-use sandbar_core::{StoreError, Team};
+use sandbar_core::{StoreError, Team, TeamCaps};
 
 use super::{PgStore, big, u32_of, u64_of};
 use crate::{err, insert_err};
@@ -19,6 +19,13 @@ struct TeamRow {
     max_vcpu: i64,
     max_memory_mb: i64,
     max_disk_mb: i64,
+    max_snapshots: i64,
+    max_snapshot_mb: i64,
+    max_templates: i64,
+    max_volumes: i64,
+    max_volume_mb: i64,
+    max_tags_per_template: i64,
+    max_api_keys: i64,
 }
 
 impl TryFrom<TeamRow> for Team {
@@ -33,6 +40,15 @@ impl TryFrom<TeamRow> for Team {
             max_vcpu: u32_of(r.max_vcpu, "team limit", id)?,
             max_memory_mb: u32_of(r.max_memory_mb, "team limit", id)?,
             max_disk_mb: u32_of(r.max_disk_mb, "team limit", id)?,
+            caps: TeamCaps {
+                max_snapshots: u32_of(r.max_snapshots, "team limit", id)?,
+                max_snapshot_mb: u32_of(r.max_snapshot_mb, "team limit", id)?,
+                max_templates: u32_of(r.max_templates, "team limit", id)?,
+                max_volumes: u32_of(r.max_volumes, "team limit", id)?,
+                max_volume_mb: u32_of(r.max_volume_mb, "team limit", id)?,
+                max_tags_per_template: u32_of(r.max_tags_per_template, "team limit", id)?,
+                max_api_keys: u32_of(r.max_api_keys, "team limit", id)?,
+            },
             name: r.name,
             slug: r.slug,
             id: r.id,
@@ -173,7 +189,7 @@ impl TeamRecords for PgStore {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
         )
         .bind(&team.id)
         .bind(&team.name)
@@ -184,6 +200,13 @@ impl TeamRecords for PgStore {
         .bind(i64::from(team.max_vcpu))
         .bind(i64::from(team.max_memory_mb))
         .bind(i64::from(team.max_disk_mb))
+        .bind(i64::from(team.caps.max_snapshots))
+        .bind(i64::from(team.caps.max_snapshot_mb))
+        .bind(i64::from(team.caps.max_templates))
+        .bind(i64::from(team.caps.max_volumes))
+        .bind(i64::from(team.caps.max_volume_mb))
+        .bind(i64::from(team.caps.max_tags_per_template))
+        .bind(i64::from(team.caps.max_api_keys))
         .bind(Utc::now())
         .execute(&self.pool)
         .await
@@ -427,7 +450,7 @@ impl TeamRecords for PgStore {
 
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6 WHERE id = $7",
+            "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
         )
         .bind(i64::from(limits.max_concurrent_sandboxes))
         .bind(big(limits.max_sandbox_timeout_secs))
@@ -435,6 +458,13 @@ impl TeamRecords for PgStore {
         .bind(i64::from(limits.max_vcpu))
         .bind(i64::from(limits.max_memory_mb))
         .bind(i64::from(limits.max_disk_mb))
+        .bind(i64::from(limits.caps.max_snapshots))
+        .bind(i64::from(limits.caps.max_snapshot_mb))
+        .bind(i64::from(limits.caps.max_templates))
+        .bind(i64::from(limits.caps.max_volumes))
+        .bind(i64::from(limits.caps.max_volume_mb))
+        .bind(i64::from(limits.caps.max_tags_per_template))
+        .bind(i64::from(limits.caps.max_api_keys))
         .bind(id)
         .execute(&self.pool)
         .await

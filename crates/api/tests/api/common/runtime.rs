@@ -6,11 +6,12 @@
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use sandbar_core::{
-    EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+    AgentLogChunk, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
+    SnapshotParts,
 };
 use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
@@ -48,6 +49,8 @@ pub struct FakeRuntime {
     refuse_checkpoints: bool,
     /// Checkpoints asked for, refused or not.
     pub checkpoints_asked: std::sync::atomic::AtomicUsize,
+    /// What each snapshot's checkpoint holds on disk.
+    pub snapshot_bytes: AtomicU64,
 }
 
 fn endpoint() -> Endpoint {
@@ -242,6 +245,7 @@ impl Runtime for FakeRuntime {
         Ok(SnapshotParts {
             layer: format!("layer/snapshot-{sandbox_id}"),
             checkpoint: None,
+            checkpoint_bytes: self.snapshot_bytes.load(Ordering::SeqCst),
         })
     }
 
@@ -280,10 +284,13 @@ impl Runtime for FakeRuntime {
         Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
     }
 
-    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<Vec<u8>> {
+    fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<AgentLogChunk> {
         let logs = self.agent_logs.lock().expect("lock");
         let log = logs.get(sandbox_id)?;
         let start = (offset as usize).min(log.len());
-        Some(log[start..(start + max).min(log.len())].to_vec())
+        Some(AgentLogChunk {
+            start: offset,
+            bytes: log[start..(start + max).min(log.len())].to_vec(),
+        })
     }
 }
