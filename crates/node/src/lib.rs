@@ -3,6 +3,7 @@
 
 mod agent_client;
 mod build_output;
+mod build_step;
 pub mod builder;
 pub mod cgroups;
 pub mod checkpoint;
