@@ -13,8 +13,9 @@ use tokio::sync::oneshot;
 /// Whose build waits or runs.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum BuildOwner {
-    /// The server's own built-in templates (`base`, the code interpreter): the per-team cap
-    /// does not hold them back, since sandboxes of every team wait for them.
+    /// The server's own built-in templates (`base`, the code interpreter): they take none of
+    /// the tenants' slots and wait for none, since sandboxes of every team wait for them and
+    /// there are only two, built at start (the interpreter's first build takes minutes).
     Server,
     Team(String),
 }
@@ -31,7 +32,7 @@ impl BuildOwner {
 /// How many builds may run at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BuildLimits {
-    /// On the node, all teams together.
+    /// On the node, all teams together (the server's own builds aside).
     pub total: usize,
     /// Of one team.
     pub per_team: usize,
@@ -67,13 +68,16 @@ pub fn next_build<'a, B>(
     last_served: Option<&BuildOwner>,
     limits: BuildLimits,
 ) -> Option<(&'a BuildOwner, &'a B)> {
-    if running.values().sum::<usize>() >= limits.total.max(1) {
-        return None;
-    }
+    let tenants_running: usize = running
+        .iter()
+        .filter(|(owner, _)| **owner != BuildOwner::Server)
+        .map(|(_, count)| count)
+        .sum();
+    let room = tenants_running < limits.total.max(1);
     let eligible = |(owner, queue): &(&'a BuildOwner, &'a VecDeque<B>)| {
         !queue.is_empty()
             && (**owner == BuildOwner::Server
-                || running.get(*owner).copied().unwrap_or(0) < limits.per_team.max(1))
+                || room && running.get(*owner).copied().unwrap_or(0) < limits.per_team.max(1))
     };
     let after_last = waiting
         .iter()
@@ -378,19 +382,21 @@ mod tests {
     }
 
     #[test]
-    fn server_builds_count_in_the_total_but_not_against_a_team_cap() {
+    fn server_builds_take_no_tenant_slot_and_wait_for_none() {
         let mut running = BTreeMap::new();
         let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
         waiting.insert(
             BuildOwner::Server,
             VecDeque::from(["base".to_owned(), "interpreter".to_owned()]),
         );
-        waiting.insert(team("a"), VecDeque::from(["a0".to_owned()]));
+        waiting.insert(team("a"), (0..3).map(|i| format!("a{i}")).collect());
+        waiting.insert(team("b"), VecDeque::from(["b0".to_owned()]));
         let mut last = None;
-        let started = start_all(&mut running, &mut waiting, &mut last, LIMITS);
-        assert_eq!(started.len(), 2, "two slots, two builds: {started:?}");
-        assert_eq!(running.values().sum::<usize>(), 2);
-        let mut running = BTreeMap::from([(team("a"), 0)]);
+        let mut started = start_all(&mut running, &mut waiting, &mut last, LIMITS);
+        started.sort();
+        assert_eq!(started, ["a0", "b0", "base", "interpreter"]);
+        assert_eq!(running[&BuildOwner::Server], 2);
+        let mut running = BTreeMap::from([(team("a"), 1), (team("b"), 1)]);
         let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
         waiting.insert(
             BuildOwner::Server,

@@ -181,7 +181,8 @@ struct ServeArgs {
     /// started (at the build and, where templates cannot be captured, at each create).
     #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
     ready_timeout_secs: u64,
-    /// Template builds that run at once on this host, all teams together; further builds wait
+    /// Template builds of teams that run at once on this host, all teams together (the
+    /// server's own builds of its built-in templates aside); further builds wait
     /// for a slot. Default: max(2, min(CPU cores / 4, memory GiB / 4)).
     #[arg(long, env = "SANDBAR_CONCURRENT_BUILDS", value_parser = clap::value_parser!(u64).range(1..=1024))]
     concurrent_builds: Option<u64>,
