@@ -62,6 +62,7 @@ RUN_LAST = (
     "test_postgres_store.py",
     "test_cluster.py",
     "test_volumes.py",
+    "test_build_queue.py",
     "test_criu_later.py",
     "test_restart.py",
 )

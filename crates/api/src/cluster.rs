@@ -769,6 +769,11 @@ mod tests {
             Destination::Keeper
         );
         assert_eq!(dest(Method::DELETE, "/templates/t"), Destination::Keeper);
+        // A cancel reaches the queue that holds the build.
+        assert_eq!(
+            dest(Method::DELETE, "/templates/t/builds/b"),
+            Destination::Keeper
+        );
         assert_eq!(dest(Method::GET, "/volumes"), Destination::Keeper);
         assert_eq!(
             dest(Method::GET, "/volumecontent/v/file"),

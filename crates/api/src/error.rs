@@ -304,6 +304,21 @@ impl From<sandbar_core::builds::StartBuildError> for ApiError {
     }
 }
 
+impl From<sandbar_core::builds::CancelBuildError> for ApiError {
+    fn from(e: sandbar_core::builds::CancelBuildError) -> Self {
+        use sandbar_core::builds::CancelBuildError as E;
+        match e {
+            E::TemplateNotFound(_) | E::BuildNotFound { .. } => {
+                Self::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            E::AlreadyEnded { .. } | E::OnAnotherNode { .. } => {
+                Self::new(StatusCode::CONFLICT, e.to_string())
+            }
+            E::Store(ref s) => Self::internal(s),
+        }
+    }
+}
+
 impl From<sandbar_core::builds::BuildLookupError> for ApiError {
     fn from(e: sandbar_core::builds::BuildLookupError) -> Self {
         use sandbar_core::builds::BuildLookupError as E;

@@ -91,7 +91,10 @@ fn rest_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(templates::update_v2))
         .routes(routes!(templates::file_link))
         .routes(routes!(templates::upload))
-        .routes(routes!(templates::start_dockerfile_build))
+        .routes(routes!(
+            templates::start_dockerfile_build,
+            templates::cancel_build
+        ))
         .routes(routes!(templates::start_build))
         .routes(routes!(templates::build_status))
         .routes(routes!(templates::build_logs))

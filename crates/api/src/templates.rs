@@ -1102,3 +1102,27 @@ pub(crate) async fn start_dockerfile_build(
         .await?;
     Ok(StatusCode::ACCEPTED)
 }
+
+/// `DELETE /templates/{id}/builds/{buildID}`: cancels a build that waits or runs.
+#[utoipa::path(
+    delete,
+    path = "/templates/{templateID}/builds/{buildID}",
+    tag = "templates",
+    operation_id = "deleteTemplateBuild",
+    security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
+    params(("templateID" = String, Path, description = "The template's ID"), ("buildID" = String, Path, description = "The build's ID")),
+    responses(
+        (status = 204, description = "The build was cancelled: its status is error and its sandbox is gone"),
+        (status = 404, description = "No such template or build", body = ErrorBody),
+        (status = 409, description = "The build already ended", body = ErrorBody),
+        CommonErrors,
+    )
+)]
+pub(crate) async fn cancel_build(
+    State(state): State<AppState>,
+    TeamAuth(team): TeamAuth,
+    PathParam((template_id, build_id)): PathParam<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    state.builds.cancel(&team, &template_id, &build_id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use chrono::Utc;
 use tokio::io::AsyncRead;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, watch};
 
 use crate::caps::check_count;
+use crate::build_queue::{BuildLimits, BuildOwner, BuildQueue};
 use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
@@ -37,7 +38,21 @@ pub struct BuildJob {
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub disk_size_mb: u32,
+    /// The longest one `RUN` step may take; past it the step's sandbox goes and the build
+    /// fails.
+    pub step_timeout: Duration,
 }
+
+/// The message a build ends with when a `RUN` step outlives `limit`.
+pub fn step_timeout_message(step: &str, command: &str, limit: Duration) -> String {
+    format!(
+        "step {step} (RUN {command}) exceeded the {} s step limit",
+        limit.as_secs()
+    )
+}
+
+/// The message a cancelled build ends with.
+pub const CANCELLED_MESSAGE: &str = "the build was cancelled by request";
 
 /// Where a builder reports progress.
 #[derive(Clone)]
@@ -283,6 +298,58 @@ pub enum BuildLookupError {
 }
 
 #[derive(Debug, thiserror::Error)]
+pub enum CancelBuildError {
+    #[error("template '{0}' not found")]
+    TemplateNotFound(String),
+    #[error("build '{build_id}' of template '{template_id}' not found")]
+    BuildNotFound {
+        template_id: String,
+        build_id: String,
+    },
+    #[error("build '{build_id}' already ended with status {status}")]
+    AlreadyEnded {
+        build_id: String,
+        status: &'static str,
+    },
+    #[error("build '{build_id}' runs on node '{node_id}', not on the node that keeps builds now")]
+    OnAnotherNode { build_id: String, node_id: String },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// How long a cancel waits for the build's end to be recorded.
+const CANCEL_WAIT: Duration = Duration::from_secs(30);
+
+fn cancelled_failure() -> BuildFailure {
+    BuildFailure {
+        message: CANCELLED_MESSAGE.to_owned(),
+        step: None,
+    }
+}
+
+/// Resolves once `flag` is set; never when its sender went away unset.
+async fn until_cancelled(flag: &mut watch::Receiver<bool>) {
+    if flag.wait_for(|cancelled| *cancelled).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Takes a build off the live list when its task ends, however it ends.
+struct LiveEntry {
+    live: Arc<Mutex<HashMap<String, Arc<watch::Sender<bool>>>>>,
+    build_id: String,
+}
+
+impl Drop for LiveEntry {
+    fn drop(&mut self) {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.build_id);
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
 pub enum UploadLinkError {
     #[error("template '{0}' not found")]
     TemplateNotFound(String),
@@ -352,8 +419,12 @@ pub struct BuildsConfig {
     pub max_upload_bytes: u64,
     /// How long an upload link stays valid.
     pub upload_link_ttl: Duration,
-    /// Builds that run at once; others wait in `waiting`.
+    /// Builds that run at once on this node; others wait for a slot.
     pub concurrent_builds: usize,
+    /// Builds of one team that run at once; a team's further builds wait for its own.
+    pub builds_per_team: usize,
+    /// The longest one `RUN` step may take.
+    pub step_timeout: Duration,
     /// The agent protocol version sandboxes of new templates report.
     pub envd_version: &'static str,
 }
@@ -371,7 +442,10 @@ pub struct Builds {
     store: Arc<dyn Store>,
     builder: Arc<dyn Builder>,
     config: BuildsConfig,
-    slots: Arc<Semaphore>,
+    queue: Arc<BuildQueue>,
+    /// Builds queued or running here, by ID: setting one's flag cancels it, and its sender
+    /// closes once the build's end is recorded.
+    live: Arc<Mutex<HashMap<String, Arc<watch::Sender<bool>>>>>,
     grants: Arc<Mutex<HashMap<String, UploadGrant>>>,
     /// The files a template's Dockerfile build reads as its context: the last ones its
     /// owner asked an upload link for.
@@ -436,7 +510,11 @@ impl Builds {
         Self {
             store,
             builder,
-            slots: Arc::new(Semaphore::new(config.concurrent_builds.max(1))),
+            queue: BuildQueue::new(BuildLimits {
+                total: config.concurrent_builds.max(1),
+                per_team: config.builds_per_team.max(1),
+            }),
+            live: Arc::new(Mutex::new(HashMap::new())),
             config,
             grants: Arc::new(Mutex::new(HashMap::new())),
             contexts: Arc::new(Mutex::new(HashMap::new())),
@@ -861,6 +939,7 @@ impl Builds {
             cpu_count: build.cpu_count,
             memory_mb: build.memory_mb,
             disk_size_mb: build.disk_size_mb,
+            step_timeout: self.config.step_timeout,
         };
         self.spawn(build, job);
         Ok(())
@@ -1023,6 +1102,7 @@ impl Builds {
             cpu_count: build.cpu_count,
             memory_mb: build.memory_mb,
             disk_size_mb: build.disk_size_mb,
+            step_timeout: self.config.step_timeout,
         };
         let id = build.id.clone();
         self.spawn(build, job);
@@ -1055,11 +1135,19 @@ impl Builds {
         let this = self.clone();
         // Held from the queue on, so a build waiting for a slot keeps its files.
         let hold = UploadHold::new(self.builder.clone(), job.clone());
+        let (cancel, mut cancelled) = watch::channel(false);
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(build.id.clone(), Arc::new(cancel));
+        let owner = BuildOwner::of(job.team_id.as_deref());
+        let turn = self.queue.enqueue(owner, &build.id);
         let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {
-            let Ok(_slot) = this.slots.clone().acquire_owned().await else {
-                return;
+            let _live = LiveEntry {
+                live: this.live.clone(),
+                build_id: build.id.clone(),
             };
             let store = this.store.clone();
             let build_id = build.id.clone();
@@ -1090,9 +1178,57 @@ impl Builds {
                     let _ = sink.send(entry);
                 }
             });
-            tracing::info!(template_id = %job.template_id, build_id = %job.build_id, "build started");
-            let outcome = this.builder.build(job, log).await;
+            let mut turn = turn;
+            let slot = match turn.try_recv() {
+                Ok(slot) => Some(slot),
+                Err(_) => {
+                    let limits = this.queue.limits();
+                    log.info(
+                        None,
+                        format!(
+                            "waiting for a build slot: {} builds of a team and {} in all run at once on this node",
+                            limits.per_team, limits.total
+                        ),
+                    );
+                    tokio::select! {
+                        slot = turn => slot.ok(),
+                        () = until_cancelled(&mut cancelled) => {
+                            this.queue.withdraw(&build.id);
+                            None
+                        }
+                    }
+                }
+            };
+            let outcome = match slot {
+                Some(slot) => {
+                    tracing::info!(template_id = %job.template_id, build_id = %job.build_id, "build started");
+                    // A cancelled build's future is dropped where it stands: the builder
+                    // removes what it started as its parts are dropped.
+                    let outcome = tokio::select! {
+                        outcome = this.builder.build(job, log) => outcome,
+                        () = until_cancelled(&mut cancelled) => Err(cancelled_failure()),
+                    };
+                    drop(slot);
+                    outcome
+                }
+                None => {
+                    // Its sink holds the writer's channel open.
+                    drop(log);
+                    Err(cancelled_failure())
+                }
+            };
             drop(hold);
+            if outcome
+                .as_ref()
+                .is_err_and(|f| f.message == CANCELLED_MESSAGE)
+            {
+                let _ = tx.send(BuildLogEntry {
+                    timestamp: Utc::now(),
+                    level: LogLevel::Error,
+                    message: CANCELLED_MESSAGE.to_owned(),
+                    step: None,
+                });
+            }
             let note = cap.lock().unwrap_or_else(|p| p.into_inner()).note();
             if let Some(note) = note {
                 let _ = tx.send(BuildLogEntry {
@@ -1109,7 +1245,80 @@ impl Builds {
             if let Err(e) = this.finish(&build, outcome).await {
                 tracing::error!(error = %e, build_id = %build.id, "cannot record the build's end");
             }
+            // Only now may a canceller hear that the build ended.
+            drop(cancelled);
         });
+    }
+
+    /// `DELETE /templates/{id}/builds/{buildID}`: ends a waiting or running build of the
+    /// team's as failed, its sandbox removed; answers once its end is recorded.
+    pub async fn cancel(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+    ) -> Result<(), CancelBuildError> {
+        let template = self
+            .own_template(team, template_id)
+            .await
+            .map_err(|_| CancelBuildError::TemplateNotFound(template_id.to_owned()))?;
+        let build = self
+            .store
+            .build(build_id)
+            .await?
+            .filter(|b| b.template_id == template.id)
+            .ok_or_else(|| CancelBuildError::BuildNotFound {
+                template_id: template_id.to_owned(),
+                build_id: build_id.to_owned(),
+            })?;
+        if matches!(build.status, BuildStatus::Ready | BuildStatus::Error) {
+            return Err(CancelBuildError::AlreadyEnded {
+                build_id: build_id.to_owned(),
+                status: build.status.as_str(),
+            });
+        }
+        let live = self
+            .live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(build_id)
+            .cloned();
+        if let Some(cancel) = live {
+            cancel.send_replace(true);
+            // The builder's cleanup is bounded by what dropping its work costs; the wait
+            // is bounded too, so a stuck store never holds the request forever.
+            if tokio::time::timeout(CANCEL_WAIT, cancel.closed())
+                .await
+                .is_err()
+            {
+                tracing::warn!(%build_id, "a cancelled build has not recorded its end yet");
+            }
+            return Ok(());
+        }
+        if build.status == BuildStatus::Building
+            && build.node_id.is_some()
+            && build.node_id != self.node_id
+        {
+            return Err(CancelBuildError::OnAnotherNode {
+                build_id: build_id.to_owned(),
+                node_id: build.node_id.unwrap_or_default(),
+            });
+        }
+        // Never started (or left by a run of the server that is gone): nothing runs it.
+        self.store
+            .append_build_log(
+                &build.id,
+                0,
+                &BuildLogEntry {
+                    timestamp: Utc::now(),
+                    level: LogLevel::Error,
+                    message: CANCELLED_MESSAGE.to_owned(),
+                    step: None,
+                },
+            )
+            .await?;
+        self.finish(&build, Err(cancelled_failure())).await?;
+        Ok(())
     }
 
     async fn finish(

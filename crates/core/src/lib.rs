@@ -8,6 +8,7 @@
 pub mod activity;
 mod agent_links;
 pub mod auth;
+pub mod build_queue;
 pub mod builds;
 pub mod caps;
 pub mod cluster;

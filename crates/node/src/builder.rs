@@ -14,7 +14,7 @@ use sandbar_core::builds::{
     BASE_STEP, BuildFailure, BuildJob, BuildLog, BuildSource, Builder, FINALIZE_STEP, LogLevel,
     StartedImage, StepKind, TemplateImage, UploadBody, UploadError,
 };
-use sandbar_core::{EgressRules, LaunchSpec, Runtime, Template};
+use sandbar_core::{EgressRules, LaunchSpec, Runtime, RuntimeHandle, Template};
 use sha2::{Digest, Sha256};
 
 use std::ffi::OsStr;
@@ -308,51 +308,26 @@ impl NodeBuilder {
         (command, user): (&str, &str),
         log: &BuildLog,
     ) -> Result<(), BuildFailure> {
-        let id = sandbar_core::ids::new_sandbox_id();
-        let token = sandbar_core::ids::new_secret("");
-        let spec = self.launch_spec(job, state, &id, &token, None, None);
-        let (handle, endpoint) = self
-            .runtime
-            .launch(spec)
-            .await
-            .map_err(|e| io_fail(step, format!("cannot start the build sandbox: {e}")))?;
-        let exec = crate::agent_client::Exec {
-            token: &token,
-            user,
+        let host = RunStepHost {
+            builder: self,
+            job,
+            state,
+            key,
+            step,
             command,
-            envs: &state.env,
-            cwd: Some(&state.workdir),
+            user,
         };
         let mut output = crate::build_output::StepOutput::new(MAX_LOG_LINES_PER_STEP);
-        let result = crate::agent_client::run(&endpoint.agent_socket, &exec, |bytes| {
-            output.push(bytes, |line| log.info(Some(step), line));
-        })
-        .await;
+        let result = {
+            let mut on_output =
+                |bytes: &[u8]| output.push(bytes, |line| log.info(Some(step), line));
+            crate::build_step::run_step(&host, step, command, job.step_timeout, &mut on_output)
+                .await
+        };
         if let Some(note) = output.finish(|line| log.info(Some(step), line)) {
             log.log(LogLevel::Warn, Some(step), note);
         }
-        match result {
-            Ok(0) => self
-                .runtime
-                .commit_layer(&id, &handle, key)
-                .await
-                .map_err(|e| io_fail(step, e)),
-            outcome => {
-                if let Err(e) = self.runtime.destroy(&id, &handle).await {
-                    tracing::warn!(sandbox_id = %id, error = %e, "cannot remove a build sandbox");
-                }
-                Err(match outcome {
-                    Ok(code) => io_fail(
-                        step,
-                        format!("step {step} (RUN {command}) failed with exit code {code}"),
-                    ),
-                    Err(e) => io_fail(
-                        step,
-                        format!("step {step} (RUN {command}) could not run: {e}"),
-                    ),
-                })
-            }
-        }
+        result
     }
 
     fn launch_spec(
@@ -606,10 +581,12 @@ impl NodeBuilder {
                 image.start_cmd.clone(),
                 image.ready_cmd.clone(),
             );
-            let (handle, _) =
-                self.runtime.launch(spec).await.map_err(|e| {
-                    io_fail(FINALIZE_STEP, format!("the template does not start: {e}"))
-                })?;
+            let (sandbox, _) = launch_build_sandbox(self.runtime.clone(), spec)
+                .await
+                .map_err(|e| io_fail(FINALIZE_STEP, format!("the template does not start: {e}")))?;
+            let Some(handle) = sandbox.handle.clone() else {
+                return Err(io_fail(FINALIZE_STEP, "the template's sandbox is gone"));
+            };
             log.info(Some(FINALIZE_STEP), "start command ready");
             // Captured with its memory once ready, as E2B's templates are: sandboxes of the
             // template are restored from it with the start command's processes running
@@ -629,9 +606,7 @@ impl NodeBuilder {
             } else {
                 Err("this node cannot checkpoint sandboxes".to_owned())
             };
-            if let Err(e) = self.runtime.destroy(&id, &handle).await {
-                tracing::warn!(sandbox_id = %id, error = %e, "cannot remove a build sandbox");
-            }
+            sandbox.destroy().await;
             match captured {
                 Ok((layer, checkpoint)) => {
                     image.started = Some(StartedImage {
@@ -662,9 +637,165 @@ impl NodeBuilder {
     }
 }
 
+/// Lets go of a build's pinned layers when the build ends, also when it is dropped where it
+/// stands.
+struct PinsOfBuild<'a> {
+    builder: &'a NodeBuilder,
+    build_id: &'a str,
+}
+
+impl Drop for PinsOfBuild<'_> {
+    fn drop(&mut self) {
+        let unpinned = self
+            .builder
+            .pinned
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(self.build_id);
+        // Until the store names them in the template, only a recent use keeps them cached.
+        self.builder
+            .image_layers
+            .touch(&unpinned.unwrap_or_default());
+    }
+}
+
+/// A build sandbox that is removed when dropped unless it was committed or destroyed first,
+/// so a build dropped where it stands (cancelled, or the server stopping) leaves none.
+struct BuildSandbox {
+    runtime: Arc<LinuxRuntime>,
+    id: String,
+    handle: Option<RuntimeHandle>,
+}
+
+impl BuildSandbox {
+    fn new(runtime: Arc<LinuxRuntime>, id: String, handle: RuntimeHandle) -> Self {
+        Self {
+            runtime,
+            id,
+            handle: Some(handle),
+        }
+    }
+
+    async fn destroy(mut self) {
+        if let Some(handle) = self.handle.take() {
+            destroy_build_sandbox(&self.runtime, &self.id, &handle).await;
+        }
+    }
+}
+
+impl Drop for BuildSandbox {
+    fn drop(&mut self) {
+        let Some(handle) = self.handle.take() else {
+            return;
+        };
+        let Ok(tokio) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let runtime = self.runtime.clone();
+        let id = std::mem::take(&mut self.id);
+        tokio.spawn(async move { destroy_build_sandbox(&runtime, &id, &handle).await });
+    }
+}
+
+/// Launches a build sandbox in a task of its own: a build dropped meanwhile (cancelled, or the
+/// server stopping) must not leave a sandbox half made, so the launch runs to its end and a
+/// sandbox nobody waits for any more is removed as its [`BuildSandbox`] drops.
+async fn launch_build_sandbox(
+    runtime: Arc<LinuxRuntime>,
+    spec: LaunchSpec,
+) -> Result<(BuildSandbox, sandbar_core::Endpoint), String> {
+    let id = spec.sandbox_id.clone();
+    tokio::spawn(async move {
+        let (handle, endpoint) = runtime.launch(spec).await.map_err(|e| e.to_string())?;
+        Ok((BuildSandbox::new(runtime, id, handle), endpoint))
+    })
+    .await
+    .map_err(|e| format!("the launch of the build sandbox ended: {e}"))?
+}
+
+async fn destroy_build_sandbox(runtime: &LinuxRuntime, id: &str, handle: &RuntimeHandle) {
+    if let Err(e) = runtime.destroy(id, handle).await {
+        tracing::warn!(sandbox_id = %id, error = %e, "cannot remove a build sandbox");
+    }
+}
+
+/// The node side of one `RUN` step.
+struct RunStepHost<'a> {
+    builder: &'a NodeBuilder,
+    job: &'a BuildJob,
+    state: &'a State,
+    key: &'a str,
+    step: &'a str,
+    command: &'a str,
+    user: &'a str,
+}
+
+/// A `RUN` step's sandbox and what its agent needs to run the command.
+struct StepSandbox {
+    sandbox: BuildSandbox,
+    agent_socket: PathBuf,
+    token: String,
+}
+
+#[async_trait::async_trait]
+impl crate::build_step::StepHost for RunStepHost<'_> {
+    type Sandbox = StepSandbox;
+
+    async fn start(&self) -> Result<StepSandbox, String> {
+        let id = sandbar_core::ids::new_sandbox_id();
+        let token = sandbar_core::ids::new_secret("");
+        let spec = self
+            .builder
+            .launch_spec(self.job, self.state, &id, &token, None, None);
+        let (sandbox, endpoint) = launch_build_sandbox(self.builder.runtime.clone(), spec).await?;
+        Ok(StepSandbox {
+            sandbox,
+            agent_socket: endpoint.agent_socket,
+            token,
+        })
+    }
+
+    async fn exec(
+        &self,
+        sandbox: &StepSandbox,
+        on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
+    ) -> Result<i32, String> {
+        let exec = crate::agent_client::Exec {
+            token: &sandbox.token,
+            user: self.user,
+            command: self.command,
+            envs: &self.state.env,
+            cwd: Some(&self.state.workdir),
+        };
+        crate::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes)).await
+    }
+
+    async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), String> {
+        let Some(handle) = sandbox.sandbox.handle.clone() else {
+            return Err(format!("step {}: the build sandbox is gone", self.step));
+        };
+        self.builder
+            .runtime
+            .commit_layer(&sandbox.sandbox.id, &handle, self.key)
+            .await
+            .map_err(|e| e.to_string())?;
+        // Committed: its directory is the layer now, and nothing of it is left to remove.
+        sandbox.sandbox.handle = None;
+        Ok(())
+    }
+
+    async fn discard(&self, sandbox: StepSandbox) {
+        sandbox.sandbox.destroy().await;
+    }
+}
+
 #[async_trait::async_trait]
 impl Builder for NodeBuilder {
     async fn build(&self, job: BuildJob, log: BuildLog) -> Result<TemplateImage, BuildFailure> {
+        let _pins = PinsOfBuild {
+            builder: self,
+            build_id: &job.build_id,
+        };
         let mut result = self.build_inner(&job, &log).await;
         if let (Ok(image), Some(shared)) = (&result, self.runtime.shared_layers()) {
             // Published before the template is ready, so every node can start it as soon as
@@ -684,13 +815,6 @@ impl Builder for NodeBuilder {
                 failure.message.clone(),
             );
         }
-        let unpinned = self
-            .pinned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&job.build_id);
-        // Until the store names them in the template, only a recent use keeps them cached.
-        self.image_layers.touch(&unpinned.unwrap_or_default());
         result
     }
 

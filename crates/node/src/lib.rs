@@ -4,6 +4,7 @@
 mod agent_client;
 pub mod agent_log;
 mod build_output;
+mod build_step;
 pub mod builder;
 pub mod cgroups;
 pub mod checkpoint;

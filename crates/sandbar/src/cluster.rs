@@ -208,6 +208,8 @@ pub async fn api_router(host: ApiHost) -> anyhow::Result<sandbar_api::Routers> {
             max_upload_bytes: host.max_upload_bytes,
             upload_link_ttl: std::time::Duration::from_secs(3600),
             concurrent_builds: 1,
+            builds_per_team: 1,
+            step_timeout: std::time::Duration::from_secs(3600),
             envd_version: sandbar_jail::ENVD_VERSION,
         },
         templates.build_finished(),

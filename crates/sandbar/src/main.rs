@@ -195,6 +195,19 @@ struct ServeArgs {
     /// started (at the build and, where templates cannot be captured, at each create).
     #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
     ready_timeout_secs: u64,
+    /// Template builds of teams that run at once on this host, all teams together (the
+    /// server's own builds of its built-in templates aside); further builds wait
+    /// for a slot. Default: max(2, min(CPU cores / 4, memory GiB / 4)).
+    #[arg(long, env = "SANDBAR_CONCURRENT_BUILDS", value_parser = clap::value_parser!(u64).range(1..=1024))]
+    concurrent_builds: Option<u64>,
+    /// Template builds of one team that run at once; its further builds wait for them, and
+    /// teams with waiting builds take turns for free slots.
+    #[arg(long, env = "SANDBAR_BUILDS_PER_TEAM", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    builds_per_team: u64,
+    /// Seconds one RUN step of a template build may take; past them the step's sandbox is
+    /// removed and the build fails saying so.
+    #[arg(long, env = "SANDBAR_BUILD_STEP_TIMEOUT_SECS", default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..=7 * 24 * 3600))]
+    build_step_timeout_secs: u64,
     /// Bandwidth of each sandbox's network in each direction, in Mbit/s (every packet counted
     /// as at least 1500 bytes, which also bounds packets per second); 0 for no limit. Sandboxes
     /// adopted after a restart keep the limit they started with.
@@ -785,7 +798,17 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             max_memory_mb: 8192,
             max_upload_bytes: args.max_upload_mb << 20,
             upload_link_ttl: std::time::Duration::from_secs(3600),
-            concurrent_builds: 2,
+            concurrent_builds: args
+                .concurrent_builds
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or_else(|| {
+                    sandbar_core::build_queue::default_concurrent_builds(
+                        std::thread::available_parallelism().map_or(1, |n| n.get()),
+                        sandbar_node::memory::HostMemory::read().map_or(0, |m| m.total_mb),
+                    )
+                }),
+            builds_per_team: usize::try_from(args.builds_per_team).unwrap_or(1),
+            step_timeout: std::time::Duration::from_secs(args.build_step_timeout_secs),
             envd_version: sandbar_jail::ENVD_VERSION,
         },
         templates.build_finished(),

@@ -34,6 +34,10 @@ struct Harness {
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 
 async fn harness(limits: TeamLimits) -> Harness {
+    harness_with(limits, Arc::new(common::RefusingBuilder)).await
+}
+
+async fn harness_with(limits: TeamLimits, builder: Arc<dyn sandbar_core::Builder>) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = Arc::new(
         SqliteStore::open(&dir.path().join("db"))
@@ -60,7 +64,7 @@ async fn harness(limits: TeamLimits) -> Harness {
     let app = router(AppState {
         auth,
         sandboxes,
-        builds: common::builds(store.clone(), &templates_for_builds),
+        builds: common::builds_with(store.clone(), &templates_for_builds, builder),
         templates,
         rate_limits: Arc::new(RateLimits::default()),
         edge: Arc::new(EdgeConfig {
@@ -467,6 +471,210 @@ async fn another_teams_sandbox_is_invisible() {
     let list = h.call("GET", "/v2/sandboxes", Some(other_key), None).await;
     assert_eq!(list.body.as_array().map(Vec::len), Some(0));
     assert_eq!(h.api("GET", &path, None).await.status, StatusCode::OK);
+}
+
+/// A builder whose builds never end on their own; counts the builds it began and those
+/// dropped unfinished, as a cancel drops them.
+#[derive(Debug, Default)]
+struct HangingBuilder {
+    began: std::sync::atomic::AtomicUsize,
+    dropped: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountsDrop(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for CountsDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl sandbar_core::Builder for HangingBuilder {
+    async fn build(
+        &self,
+        _: sandbar_core::BuildJob,
+        _: sandbar_core::BuildLog,
+    ) -> Result<sandbar_core::TemplateImage, sandbar_core::BuildFailure> {
+        self.began.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _work = CountsDrop(self.dropped.clone());
+        std::future::pending().await
+    }
+    async fn has_upload(&self, _: &str, _: &str) -> bool {
+        false
+    }
+    async fn store_upload(
+        &self,
+        _: &str,
+        _: &str,
+        _: sandbar_core::builds::UploadBody,
+        _: u64,
+    ) -> Result<(), sandbar_core::builds::UploadError> {
+        Ok(())
+    }
+    async fn collect_garbage(&self, _: &[String]) {}
+}
+
+impl Harness {
+    /// Requests a build of a new template `name`, and starts it from `base` unless `start`
+    /// is false; its template and build IDs.
+    async fn build(&self, name: &str, start: bool) -> (String, String) {
+        let requested = self
+            .api(
+                "POST",
+                "/v3/templates",
+                Some(&format!(r#"{{"name":"{name}"}}"#)),
+            )
+            .await;
+        assert_eq!(
+            requested.status,
+            StatusCode::ACCEPTED,
+            "{:?}",
+            requested.body
+        );
+        let template_id = requested.body["templateID"]
+            .as_str()
+            .expect("template")
+            .to_owned();
+        let build_id = requested.body["buildID"]
+            .as_str()
+            .expect("build")
+            .to_owned();
+        if start {
+            let started = self
+                .api(
+                    "POST",
+                    &format!("/v2/templates/{template_id}/builds/{build_id}"),
+                    Some(r#"{"fromTemplate":"base","steps":[{"type":"RUN","args":["sleep 100000"]}]}"#),
+                )
+                .await;
+            assert_eq!(started.status, StatusCode::ACCEPTED, "{:?}", started.body);
+        }
+        (template_id, build_id)
+    }
+
+    async fn build_status(&self, template_id: &str, build_id: &str) -> Value {
+        let reply = self
+            .api(
+                "GET",
+                &format!("/templates/{template_id}/builds/{build_id}/status"),
+                None,
+            )
+            .await;
+        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
+        reply.body
+    }
+}
+
+fn says_cancelled(status: &Value) -> bool {
+    status["status"] == "error"
+        && status["reason"]["message"] == "the build was cancelled by request"
+        && status["logEntries"].as_array().is_some_and(|lines| {
+            lines.iter().any(|l| {
+                l["message"] == "the build was cancelled by request" && l["level"] == "error"
+            })
+        })
+}
+
+#[tokio::test]
+async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their_team() {
+    use std::sync::atomic::Ordering;
+    let builder = Arc::new(HangingBuilder::default());
+    let h = harness_with(GENEROUS, builder.clone()).await;
+    // One build runs at a time: the first runs, the second waits for it.
+    let (running_template, running) = h.build("runs", true).await;
+    let (waiting_template, waiting) = h.build("waits", true).await;
+    let (idle_template, idle) = h.build("never-started", false).await;
+    tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while builder.began.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the first build began");
+    assert_eq!(builder.began.load(Ordering::SeqCst), 1);
+
+    let other = Team {
+        id: "other-team".into(),
+        name: "other".into(),
+        slug: "other".into(),
+        max_concurrent_sandboxes: 5,
+        max_sandbox_timeout_secs: 3600,
+        requests_per_minute: 0,
+        max_vcpu: 0,
+        max_memory_mb: 0,
+        max_disk_mb: 0,
+    };
+    h.store.insert_team(&other).await.expect("team");
+    let other_key = "e2b_1111111111111111111111111111111111111111";
+    h.store
+        .insert_api_key(&StoredSecret {
+            id: "k2".into(),
+            team_id: other.id.clone(),
+            name: "k".into(),
+            secret_hash: sandbar_core::auth::hash_secret(other_key),
+            mask_prefix: "11".into(),
+            mask_suffix: "1111".into(),
+            created_at: Utc::now(),
+        })
+        .await
+        .expect("key");
+    let running_path = format!("/templates/{running_template}/builds/{running}");
+    assert_error_body(
+        &h.call("DELETE", &running_path, Some(other_key), None).await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_eq!(
+        h.build_status(&running_template, &running).await["status"],
+        "building"
+    );
+
+    let waiting_path = format!("/templates/{waiting_template}/builds/{waiting}");
+    assert_eq!(
+        h.api("DELETE", &waiting_path, None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let status = h.build_status(&waiting_template, &waiting).await;
+    assert!(says_cancelled(&status), "{status}");
+    assert_eq!(
+        builder.began.load(Ordering::SeqCst),
+        1,
+        "the waiting build never began"
+    );
+
+    assert_eq!(
+        h.api("DELETE", &running_path, None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let status = h.build_status(&running_template, &running).await;
+    assert!(says_cancelled(&status), "{status}");
+    assert_eq!(
+        builder.dropped.load(Ordering::SeqCst),
+        1,
+        "the running build's work was dropped"
+    );
+    assert_error_body(
+        &h.api("DELETE", &running_path, None).await,
+        StatusCode::CONFLICT,
+    );
+
+    let idle_path = format!("/templates/{idle_template}/builds/{idle}");
+    assert_eq!(
+        h.api("DELETE", &idle_path, None).await.status,
+        StatusCode::NO_CONTENT
+    );
+    let status = h.build_status(&idle_template, &idle).await;
+    assert!(says_cancelled(&status), "{status}");
+    assert_error_body(
+        &h.api(
+            "DELETE",
+            &format!("/templates/{idle_template}/builds/nope"),
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+    );
+    assert_eq!(builder.began.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test]

@@ -56,9 +56,18 @@ impl RegistryCheck for RefusingRegistry {
 }
 
 pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
+    builds_with(store, templates, Arc::new(RefusingBuilder))
+}
+
+/// The build service of [`builds`], running its builds on `builder`: one build at a time.
+pub fn builds_with(
+    store: Arc<dyn Store>,
+    templates: &Templates,
+    builder: Arc<dyn Builder>,
+) -> Builds {
     Builds::new(
         store,
-        Arc::new(RefusingBuilder),
+        builder,
         BuildsConfig {
             default_cpu_count: 2,
             default_memory_mb: 512,
@@ -68,6 +77,8 @@ pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
             max_upload_bytes: 1 << 20,
             upload_link_ttl: std::time::Duration::from_secs(60),
             concurrent_builds: 1,
+            builds_per_team: 1,
+            step_timeout: std::time::Duration::from_secs(3600),
             envd_version: "0.5.7",
         },
         templates.build_finished(),
