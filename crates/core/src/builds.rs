@@ -15,8 +15,8 @@ use chrono::Utc;
 use tokio::io::AsyncRead;
 use tokio::sync::{Notify, watch};
 
-use crate::caps::check_count;
 use crate::build_queue::{BuildLimits, BuildOwner, BuildQueue};
+use crate::caps::check_count;
 use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 

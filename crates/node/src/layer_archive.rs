@@ -254,7 +254,7 @@ impl<W: Write> Visitor for Walk<'_, W> {
 
 #[cfg(test)]
 // The fixtures are trees the test itself makes in its own temporary directory.
-#[allow(clippy::disallowed_methods)]
+#[allow(clippy::disallowed_methods, clippy::unwrap_used)]
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;

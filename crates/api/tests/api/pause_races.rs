@@ -110,6 +110,7 @@ async fn a_refused_checkpoint_leaves_the_sandbox_paused_in_memory_and_is_not_tri
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     let credentials = Auth::new(store.clone())
         .bootstrap(None, limits)

@@ -500,11 +500,12 @@ impl sandbar_core::Builder for HangingBuilder {
         let _work = CountsDrop(self.dropped.clone());
         std::future::pending().await
     }
-    async fn has_upload(&self, _: &str, _: &str) -> bool {
+    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
         false
     }
     async fn store_upload(
         &self,
+        _: &str,
         _: &str,
         _: &str,
         _: sandbar_core::builds::UploadBody,
@@ -604,6 +605,7 @@ async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        caps: sandbar_core::TeamCaps::DEFAULT,
     };
     h.store.insert_team(&other).await.expect("team");
     let other_key = "e2b_1111111111111111111111111111111111111111";

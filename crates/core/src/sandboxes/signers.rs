@@ -6,11 +6,14 @@
 
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
+/// A sandbox's id and its token, held only as long as the registry holds the token.
+type ListedToken = (String, Weak<str>);
+
 /// The listed tokens. An entry lives as long as the registry entry holding its token: the
 /// list keeps a weak reference, and dead ones are dropped when the next token is listed.
 #[derive(Debug, Default)]
 pub(crate) struct Signers {
-    listed: Mutex<Arc<Vec<(String, Weak<str>)>>>,
+    listed: Mutex<Arc<Vec<ListedToken>>>,
 }
 
 impl Signers {
