@@ -17,8 +17,8 @@ use sha2::Digest;
 mod plan;
 
 pub use plan::{
-    DumpPlan, FileIdentity, HostProc, KernelFilesystems, PlacedFiles, PlanError, PlanInput,
-    ProcView, plan_dump, socket_inode,
+    DumpPlan, FileIdentity, HostProc, KernelFilesystems, LayerDirs, LayerFiles, PlacedFiles,
+    PlanError, PlanInput, ProcView, plan_dump, socket_inode,
 };
 
 /// The CRIU release our patches are made for; checkpoints are only promised to restore with
@@ -231,6 +231,18 @@ pub enum External {
         file: Placed,
         /// Its size at the dump: CRIU checks it against what the restore hands over.
         size: u64,
+        /// A library's content digest, by which a restore finds its own copy.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        digest: Option<String>,
+    },
+    /// A file of the sandbox's own layers that its processes map (a library of its
+    /// template, a program it built): CRIU cannot reach the layer beneath the overlay, so a
+    /// restore hands it the file found at `path` in the restored sandbox's layers.
+    LayerFile {
+        key: String,
+        /// Relative to a layer's root, plain names only.
+        path: String,
+        size: u64,
     },
     /// Format 1: a host file by the path its descriptor showed. Read only to tell which of
     /// the node's files it was; the path is never opened.
@@ -251,6 +263,8 @@ pub enum Placed {
     Agent,
     /// The sandbox's agent log, which the restoring node chooses.
     Log,
+    /// A shared library of the agent's, named by its content digest.
+    Library,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -617,6 +631,11 @@ pub struct PlacedSources<'a> {
     /// The log the restored sandbox's agent is to write; `None` only checks that the rest
     /// is here.
     pub log: Option<&'a Path>,
+    /// The restored sandbox's layers, topmost first; `None` only checks that the rest is
+    /// here.
+    pub layers: Option<&'a [PathBuf]>,
+    /// The node's copies of the agent's libraries: content digest and the node's own path.
+    pub libraries: &'a [(String, PathBuf)],
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -635,6 +654,10 @@ pub enum ExternalsError {
     },
     #[error("the checkpoint names a host file that is neither the agent nor its log")]
     Unknown,
+    #[error("the agent's library {digest} that the checkpoint maps is not on this node")]
+    NoLibrary { digest: String },
+    #[error("the sandbox's layers no longer hold /{path} as it was mapped ({size} bytes)")]
+    LayerFile { path: String, size: u64 },
 }
 
 /// The descriptors a restore inherits for the node's files the checkpoint names, each opened
@@ -648,7 +671,34 @@ pub fn open_externals(
     let mut out = Vec::new();
     for external in &header.externals {
         let (key, placed) = match external {
+            External::Placed {
+                key,
+                file: Placed::Library,
+                digest,
+                ..
+            } => {
+                let found = digest
+                    .as_ref()
+                    .and_then(|d| sources.libraries.iter().find(|(have, _)| have == d));
+                let Some((_, path)) = found else {
+                    return Err(ExternalsError::NoLibrary {
+                        digest: digest.clone().unwrap_or_default(),
+                    });
+                };
+                let fd = open_node_file(path, false).map_err(|_| ExternalsError::NoLibrary {
+                    digest: digest.clone().unwrap_or_default(),
+                })?;
+                out.push((key.clone(), fd));
+                continue;
+            }
             External::Placed { key, file, .. } => (key, *file),
+            External::LayerFile { key, path, size } => {
+                let Some(layers) = sources.layers else {
+                    continue;
+                };
+                out.push((key.clone(), open_layer_file(layers, path, *size)?));
+                continue;
+            }
             // Format 1 recorded the log as the one file opened for appending and the agent
             // by its copy's name; the path itself is not used.
             External::File {
@@ -667,6 +717,7 @@ pub fn open_externals(
         };
         let fd = match placed {
             Placed::Agent => open_agent(sources.agents, &header.agent_digest)?,
+            Placed::Library => return Err(ExternalsError::Unknown),
             Placed::Log => {
                 let Some(log) = sources.log else { continue };
                 open_node_file(log, true).map_err(|source| ExternalsError::Log {
@@ -678,6 +729,35 @@ pub fn open_externals(
         out.push((key.clone(), fd));
     }
     Ok(out)
+}
+
+/// The file at `path` in the topmost of `layers` that has one, opened beneath that layer
+/// without following any link; it must be a regular file of the recorded size.
+fn open_layer_file(layers: &[PathBuf], path: &str, size: u64) -> Result<OwnedFd, ExternalsError> {
+    let missing = || ExternalsError::LayerFile {
+        path: path.to_owned(),
+        size,
+    };
+    for layer in layers {
+        let Ok(tree) = sandbar_fs::Tree::open(layer, sandbar_fs::Links::Refused) else {
+            continue;
+        };
+        match tree.open_file(path) {
+            Ok(file) => {
+                let right_size = file
+                    .metadata()
+                    .is_ok_and(|m| m.is_file() && m.len() == size);
+                return if right_size {
+                    Ok(OwnedFd::from(file))
+                } else {
+                    Err(missing())
+                };
+            }
+            Err(e) if e.is_not_found() => continue,
+            Err(_) => return Err(missing()),
+        }
+    }
+    Err(missing())
 }
 
 fn open_agent(agents: &Path, digest: &str) -> Result<OwnedFd, ExternalsError> {
@@ -973,6 +1053,7 @@ mod tests {
                     key: "file[1b:10]".into(),
                     file: Placed::Agent,
                     size: 10,
+                    digest: None,
                 },
             ],
             images: Vec::new(),
@@ -994,12 +1075,15 @@ mod tests {
         let sources = PlacedSources {
             agents: &agents,
             log: Some(&log),
+            layers: None,
+            libraries: &[],
         };
         let mut h = header();
         h.externals.push(External::Placed {
             key: "file[1b:11]".into(),
             file: Placed::Log,
             size: 0,
+            digest: None,
         });
         let opened = open_externals(&h, sources).unwrap();
         let keys: Vec<&str> = opened.iter().map(|(k, _)| k.as_str()).collect();
@@ -1047,6 +1131,48 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_file_is_the_topmost_layers_and_never_reached_through_a_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let (upper, lower) = (dir.path().join("upper"), dir.path().join("lower"));
+        std::fs::create_dir_all(upper.join("usr")).unwrap();
+        std::fs::create_dir_all(lower.join("usr/lib")).unwrap();
+        std::fs::write(lower.join("usr/lib/libc.so.6"), b"libc").unwrap();
+        std::fs::write(dir.path().join("secret"), b"host").unwrap();
+        std::os::unix::fs::symlink(dir.path(), upper.join("usr/escape")).unwrap();
+        let layers = [upper.clone(), lower.clone()];
+        let mut h = header();
+        h.externals = vec![External::LayerFile {
+            key: "file[27:1]".into(),
+            path: "usr/lib/libc.so.6".into(),
+            size: 4,
+        }];
+        let sources = |layers| PlacedSources {
+            agents: dir.path(),
+            log: None,
+            layers,
+            libraries: &[],
+        };
+        assert_eq!(open_externals(&h, sources(Some(&layers))).unwrap().len(), 1);
+        // Only checking what else is needed: layers are not looked at.
+        assert_eq!(open_externals(&h, sources(None)).unwrap().len(), 0);
+        h.externals = vec![External::LayerFile {
+            key: "file[27:1]".into(),
+            path: "usr/lib/libc.so.6".into(),
+            size: 5,
+        }];
+        assert!(matches!(
+            open_externals(&h, sources(Some(&layers))),
+            Err(ExternalsError::LayerFile { .. })
+        ));
+        h.externals = vec![External::LayerFile {
+            key: "file[27:1]".into(),
+            path: "usr/escape/secret".into(),
+            size: 4,
+        }];
+        assert!(open_externals(&h, sources(Some(&layers))).is_err());
+    }
+
+    #[test]
     fn only_device_nodes_directly_under_dev_are_bound_back() {
         for good in ["/dev/null", "/dev/urandom", "/dev/tty"] {
             assert!(is_device_node_path(Path::new(good)), "{good}");
@@ -1080,10 +1206,13 @@ mod tests {
             key: "file[1b:11]".into(),
             file: Placed::Log,
             size: 0,
+            digest: None,
         }];
         let sources = PlacedSources {
             agents: dir.path(),
             log: Some(&fifo),
+            layers: None,
+            libraries: &[],
         };
         // No reader: a blocking open for writing would wait for ever; this one fails.
         assert!(matches!(

@@ -270,6 +270,9 @@ pub struct PlacedFiles {
     pub agents: Vec<(FileIdentity, String)>,
     /// This sandbox's agent log, which the agent writes to.
     pub log: FileIdentity,
+    /// The shared libraries the agent binary is linked against, each with its content
+    /// digest: the agent maps them from the host.
+    pub libraries: Vec<(FileIdentity, String)>,
 }
 
 impl PlacedFiles {
@@ -285,11 +288,55 @@ impl PlacedFiles {
         if identity == self.log {
             return Some((Placed::Log, None));
         }
+        if let Some((_, digest)) = self.libraries.iter().find(|(lib, _)| *lib == identity) {
+            return Some((Placed::Library, Some(digest.as_str())));
+        }
         self.agents
             .iter()
             .find(|(agent, _)| *agent == identity)
             .map(|(_, digest)| (Placed::Agent, Some(digest.as_str())))
     }
+}
+
+/// The sandbox's own layers (its writable layer and its template's, as the node keeps them),
+/// asked whether a file of theirs is the one a mapping shows.
+pub trait LayerFiles: std::fmt::Debug {
+    /// Whether `path` (relative, no `..`) names, in one of the layers and without following
+    /// any link, the file `identity`.
+    fn holds(&self, path: &str, identity: FileIdentity) -> bool;
+}
+
+/// [`LayerFiles`] over layer directories of the node's, topmost first.
+#[derive(Debug)]
+pub struct LayerDirs(pub Vec<PathBuf>);
+
+impl LayerFiles for LayerDirs {
+    fn holds(&self, path: &str, identity: FileIdentity) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        self.0.iter().any(|dir| {
+            let Ok(tree) = sandbar_fs::Tree::open(dir, sandbar_fs::Links::Refused) else {
+                return false;
+            };
+            matches!(
+                tree.symlink_metadata(path),
+                Ok(Some(meta)) if meta.is_file()
+                    && meta.ino() == identity.ino
+                    && rustix::fs::major(meta.dev()) == identity.dev.0
+                    && rustix::fs::minor(meta.dev()) == identity.dev.1
+            )
+        })
+    }
+}
+
+/// A mapping's link as a path within the sandbox's layers: relative, made of plain names.
+fn layer_path(link: &OsStr) -> Option<String> {
+    let text = std::str::from_utf8(link.as_bytes()).ok()?;
+    let relative = text.strip_prefix('/')?;
+    let plain = !relative.is_empty()
+        && relative
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..");
+    plain.then(|| relative.to_owned())
 }
 
 /// Why a sandbox cannot be checkpointed, or why its plan could not be made.
@@ -347,6 +394,7 @@ pub struct PlanInput<'a> {
     pub volumes: &'a [(PathBuf, PathBuf)],
     pub kernel: &'a KernelFilesystems,
     pub placed: &'a PlacedFiles,
+    pub layers: &'a dyn LayerFiles,
 }
 
 /// Plans the dump of a sandbox: its mounts of the host (device binds, sysfs, volumes, its
@@ -377,11 +425,47 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                 }
                 let recognised = input.placed.recognise(&stat);
                 // A mapping of a file of the sandbox's own root resolves to the layer beneath
-                // its overlay, a mount its table does not show, so mappings are not judged by
-                // their mount: CRIU dumps what it finds on the sandbox's mounts and fails on
-                // anything else, and no mapping is ever named to it as the host's unless it is
-                // the node's own file.
+                // its overlay, a mount its table does not show and CRIU cannot find: it is
+                // recorded as that layer's file, by its path within the sandbox's layers,
+                // once the node has found the very same file there through its own handles.
                 if table == Table::MapFiles && recognised.is_none() {
+                    let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
+                    if seen.contains(&key) {
+                        continue;
+                    }
+                    let identity = FileIdentity {
+                        dev: stat.dev,
+                        ino: stat.ino,
+                    };
+                    let path = proc
+                        .link(task, table, &name)
+                        .ok()
+                        .and_then(|link| layer_path(&link))
+                        .filter(|path| {
+                            stat.kind == ObjectKind::File && input.layers.holds(path, identity)
+                        });
+                    let Some(path) = path else {
+                        let link = proc.link(task, table, &name).unwrap_or_default();
+                        return Err(PlanError::Foreign {
+                            what: "a mapped file",
+                            found: format!(
+                                "{task} {} {} ({}, inode {}, in {:?})",
+                                table.dir(),
+                                name.to_string_lossy(),
+                                link.to_string_lossy(),
+                                stat.ino,
+                                input.layers
+                            ),
+                            dev: stat.dev,
+                        });
+                    };
+                    seen.insert(key.clone());
+                    args.push(format!("--external={key}"));
+                    externals.push(External::LayerFile {
+                        key,
+                        path,
+                        size: stat.size,
+                    });
                     continue;
                 }
                 let Some((placed, digest)) = recognised else {
@@ -391,7 +475,10 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                         dev: stat.dev,
                     });
                 };
-                if let Some(digest) = digest {
+                let library_digest = (placed == Placed::Library)
+                    .then(|| digest.map(str::to_owned))
+                    .flatten();
+                if let Some(digest) = digest.filter(|_| placed == Placed::Agent) {
                     match &agent_digest {
                         None => agent_digest = Some(digest.to_owned()),
                         Some(known) if known != digest => return Err(PlanError::TwoAgents),
@@ -408,6 +495,7 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                     key,
                     file: placed,
                     size: stat.size,
+                    digest: library_digest,
                 });
             }
         }
@@ -588,6 +676,21 @@ mod tests {
         proc
     }
 
+    /// The sandbox's layers hold `/usr/lib/libc.so.6` as inode 2196868 of device 0:49.
+    #[derive(Debug)]
+    struct FakeLayers;
+
+    impl LayerFiles for FakeLayers {
+        fn holds(&self, path: &str, identity: FileIdentity) -> bool {
+            path == "usr/lib/libc.so.6"
+                && identity
+                    == FileIdentity {
+                        dev: (0, 49),
+                        ino: 2196868,
+                    }
+        }
+    }
+
     fn plan(proc: &FakeProc, tasks: &[i32]) -> Result<DumpPlan, PlanError> {
         let kernel = KernelFilesystems::of([PIPES, (0, 8)], MEMORY);
         let placed = PlacedFiles {
@@ -602,6 +705,7 @@ mod tests {
                 ),
             ],
             log: LOG,
+            libraries: Vec::new(),
         };
         let volumes = vec![(PathBuf::from("/data"), PathBuf::from("/pool/.volumes/t/v"))];
         plan_dump(
@@ -614,6 +718,7 @@ mod tests {
                 volumes: &volumes,
                 kernel: &kernel,
                 placed: &placed,
+                layers: &FakeLayers,
             },
         )
     }
@@ -717,25 +822,47 @@ mod tests {
     }
 
     #[test]
-    fn a_mapping_of_the_layer_beneath_the_overlay_is_left_to_criu() {
+    fn a_mapping_of_the_sandboxs_layers_is_recorded_by_its_path_within_them() {
+        let libc = stat(ObjectKind::File, (0, 49), 2196868, 640);
         let mut proc = sandbox();
         proc.hold(
             7,
             Table::MapFiles,
             "7f00-7f01",
-            held(
-                "/usr/lib/x86_64-linux-gnu/libc.so.6",
-                stat(ObjectKind::File, (0, 49), 2196868, 640),
-            ),
+            held("/usr/lib/libc.so.6", libc),
         );
-        let plan = plan(&proc, &[1, 7]).unwrap();
-        assert!(!serde_json::to_string(&plan).unwrap().contains("libc"));
-        let placed = plan
+        proc.hold(
+            7,
+            Table::MapFiles,
+            "7f01-7f02",
+            held("/usr/lib/libc.so.6", libc),
+        );
+        let planned = plan(&proc, &[1, 7]).unwrap();
+        let layer_files: Vec<_> = planned
             .externals
             .iter()
-            .filter(|e| matches!(e, External::Placed { .. }))
-            .count();
-        assert_eq!(placed, 2);
+            .filter_map(|e| match e {
+                External::LayerFile { key, path, .. } => Some((key.as_str(), path.as_str())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(layer_files, [("file[280:218584]", "usr/lib/libc.so.6")]);
+
+        // The same path, another file (a host's, another sandbox's): refused.
+        for (link, object) in [
+            (
+                "/usr/lib/libc.so.6",
+                stat(ObjectKind::File, (254, 0), 2196868, 27),
+            ),
+            ("/usr/lib/../lib/libc.so.6", libc),
+            ("usr/lib/libc.so.6", libc),
+        ] {
+            let mut proc = sandbox();
+            proc.hold(7, Table::MapFiles, "7f00-7f01", held(link, object));
+            let err = plan(&proc, &[1, 7]).unwrap_err();
+            assert!(err.is_refusal(), "{link}");
+            assert!(!err.to_string().contains("libc"), "{err}");
+        }
     }
 
     #[test]
@@ -899,7 +1026,7 @@ mod tests {
                         Origin::Agent => stat(ObjectKind::File, AGENT.dev, AGENT.ino, 25),
                         Origin::Log => stat(ObjectKind::File, LOG.dev, LOG.ino, 25),
                         Origin::Foreign => {
-                            foreign |= !mapped;
+                            foreign = true;
                             stat(*kind, (0, 70 + n as u32), 400 + n as u64, 600 + n as u64)
                         }
                     };

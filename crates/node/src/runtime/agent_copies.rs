@@ -86,3 +86,47 @@ pub(super) fn collect_agent_copies(data_dir: &Path, current: &str) -> Vec<PathBu
         .filter(|path| std::fs::remove_file(path).is_ok())
         .collect()
 }
+
+/// A shared library the agent binary is linked against, as this host's loader resolves it.
+#[derive(Debug, Clone)]
+pub(super) struct AgentLibrary {
+    pub(super) identity: crate::checkpoint::FileIdentity,
+    /// SHA-256 of its content: a checkpoint names the library by it.
+    pub(super) digest: String,
+    pub(super) path: PathBuf,
+}
+
+/// The shared libraries `agent` maps from the host. The dynamic loader lists them without
+/// running the program when `LD_TRACE_LOADED_OBJECTS` is set (what `ldd` does); empty for a
+/// static binary or when the list cannot be had, in which case a checkpoint of a sandbox
+/// that maps one is refused rather than trusted.
+pub(super) fn agent_libraries(agent: &Path) -> Vec<AgentLibrary> {
+    use sha2::Digest;
+    let Ok(output) = std::process::Command::new(agent)
+        .env_clear()
+        .env("LD_TRACE_LOADED_OBJECTS", "1")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    let text = String::from_utf8_lossy(&output.stdout);
+    text.lines()
+        .filter_map(|line| {
+            let before_address = line.rsplit_once(" (0x")?.0;
+            let path = before_address.rsplit("=> ").next()?.trim();
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .filter_map(|path| {
+            let path = std::fs::canonicalize(&path).ok()?;
+            let identity = crate::checkpoint::FileIdentity::of_path(&path).ok()?;
+            let digest = hex::encode(sha2::Sha256::digest(std::fs::read(&path).ok()?));
+            Some(AgentLibrary {
+                identity,
+                digest,
+                path,
+            })
+        })
+        .collect()
+}

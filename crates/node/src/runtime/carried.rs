@@ -35,6 +35,7 @@ impl LinuxRuntime {
         let checked = {
             let dir = dir.clone();
             let agents = self.agents_dir();
+            let libraries = self.library_sources();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 // Everything below is read by path: a checkpoint is regular files only, so
                 // no entry of the archive can lead a read anywhere else.
@@ -70,6 +71,8 @@ impl LinuxRuntime {
                     crate::checkpoint::PlacedSources {
                         agents: &agents,
                         log: None,
+                        layers: None,
+                        libraries: &libraries,
                     },
                 )
                 .map_err(|e| e.to_string())?;

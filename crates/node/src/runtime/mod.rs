@@ -48,7 +48,7 @@ use snapshot::*;
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
     pub data_dir: PathBuf,
-    /// The statically linked agent binary started in every sandbox.
+    /// The agent binary started in every sandbox.
     pub agent_bin: PathBuf,
     pub network_base: Ipv4Addr,
     pub network_prefix_len: u8,
@@ -147,6 +147,8 @@ pub struct LinuxRuntime {
     agent_digest: String,
     /// Where the kernel keeps objects without a path, which a dump plan leaves to CRIU.
     kernel_filesystems: crate::checkpoint::KernelFilesystems,
+    /// The host's shared libraries the agent maps.
+    agent_libraries: Vec<AgentLibrary>,
     /// Mount points a restore needs that the sandbox's host uid must reach (outside the
     /// data directory, which only root may traverse).
     mount_dir: PathBuf,
@@ -311,6 +313,7 @@ impl LinuxRuntime {
         let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
         netns_pool.refill();
         let (agent_exec, agent_digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
+        let agent_libraries = agent_libraries(&agent_exec);
         for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
             tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
         }
@@ -378,6 +381,7 @@ impl LinuxRuntime {
             agent_exec,
             agent_digest,
             kernel_filesystems,
+            agent_libraries,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
             unrestorable_captures: Mutex::new(BTreeSet::new()),
@@ -417,7 +421,20 @@ impl LinuxRuntime {
         Ok(crate::checkpoint::PlacedFiles {
             agents,
             log: FileIdentity::of_path(&self.log_path(id))?,
+            libraries: self
+                .agent_libraries
+                .iter()
+                .map(|l| (l.identity, l.digest.clone()))
+                .collect(),
         })
+    }
+
+    /// The agent's libraries as a restore finds them: digest and this node's path.
+    fn library_sources(&self) -> Vec<(String, PathBuf)> {
+        self.agent_libraries
+            .iter()
+            .map(|l| (l.digest.clone(), l.path.clone()))
+            .collect()
     }
 
     fn log_path(&self, id: &str) -> PathBuf {

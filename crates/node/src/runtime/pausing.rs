@@ -135,6 +135,13 @@ impl LinuxRuntime {
             .placed_files(id)
             .map_err(|e| sandbox_err(id, format!("cannot read the node's own files: {e}")))?;
         let kernel = self.kernel_filesystems.clone();
+        let mut layer_dirs = vec![self.disks.path(id).join(sandbar_jail::layout::UPPER)];
+        layer_dirs.extend(
+            self.layers
+                .stack(&h.layers)
+                .map_err(|e| sandbox_err(id, e))?,
+        );
+        let layer_dirs = crate::checkpoint::LayerDirs(layer_dirs);
         let planning = tokio::task::spawn_blocking(move || {
             crate::checkpoint::plan_dump(
                 &crate::checkpoint::HostProc,
@@ -146,6 +153,7 @@ impl LinuxRuntime {
                     volumes: &volumes,
                     kernel: &kernel,
                     placed: &placed,
+                    layers: &layer_dirs,
                 },
             )
         });
@@ -670,9 +678,14 @@ impl LinuxRuntime {
             }
         };
         let agents = self.agents_dir();
+        let mut layer_dirs = vec![sandbox_dir.join(sandbar_jail::layout::UPPER)];
+        layer_dirs.extend(layers.iter().cloned());
+        let libraries = self.library_sources();
         let sources = crate::checkpoint::PlacedSources {
             agents: &agents,
             log: Some(&log),
+            layers: Some(&layer_dirs),
+            libraries: &libraries,
         };
         let files = match crate::checkpoint::open_externals(&header, sources) {
             Ok(files) => files,
@@ -709,6 +722,7 @@ impl LinuxRuntime {
                     }
                 }
                 crate::checkpoint::External::Placed { .. }
+                | crate::checkpoint::External::LayerFile { .. }
                 | crate::checkpoint::External::File { .. } => {}
             }
         }
