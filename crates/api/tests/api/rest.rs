@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::Utc;
 use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_api::{AppState, EdgeConfig, MetricsAccess, routers};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
 use sandbar_core::store::{TeamRecords, TemplateRecords};
@@ -61,17 +61,25 @@ async fn harness_with(limits: TeamLimits, builder: Arc<dyn sandbar_core::Builder
     ));
     let templates_handle = templates.clone();
     let templates_for_builds = templates.clone();
-    let app = router(AppState {
-        auth,
-        sandboxes,
-        builds: common::builds_with(store.clone(), &templates_for_builds, builder),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let metrics = MetricsAccess {
+        token: Some(Arc::from(SCRAPE_TOKEN)),
+        own_listener: false,
+    };
+    let app = routers(
+        AppState {
+            auth,
+            sandboxes,
+            builds: common::builds_with(store.clone(), &templates_for_builds, builder),
+            templates,
+            rate_limits: Arc::new(RateLimits::default()),
+            edge: Arc::new(EdgeConfig {
+                domain: "sandbar.localhost".into(),
+            }),
+            cluster: None,
+        },
+        &metrics,
+    )
+    .main;
     Harness {
         _dir: dir,
         app,
@@ -921,9 +929,13 @@ async fn undecodable_path_parameters_get_json_errors() {
     assert_eq!(h.launched(), 0);
 }
 
+/// The token the harness's server gives `/metrics` to.
+const SCRAPE_TOKEN: &str = "scrape-token";
+
 async fn scrape(h: &Harness) -> String {
     let request = Request::builder()
         .uri("/metrics")
+        .header("authorization", format!("Bearer {SCRAPE_TOKEN}"))
         .body(Body::empty())
         .expect("request");
     let response = h.app.clone().oneshot(request).await.expect("call");
