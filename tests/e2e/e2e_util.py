@@ -318,18 +318,13 @@ def stop_server(proc: subprocess.Popen, kill9: bool, timeout: float) -> bool:
     if proc.poll() is not None:
         return True
     if kill9:
-        server = serving_pid(proc)
-        os.kill(server, signal.SIGKILL)
-        if server == proc.pid:
-            proc.wait(timeout=10)
-            return True
+        os.kill(serving_pid(proc), signal.SIGKILL)
         try:
             proc.wait(timeout=10)
-            return True
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-            return True
+        return True
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=timeout)

@@ -670,28 +670,10 @@ pub fn open_externals(
 ) -> Result<Vec<(String, OwnedFd)>, ExternalsError> {
     let mut out = Vec::new();
     for external in &header.externals {
-        let (key, placed) = match external {
+        let (key, placed, digest) = match external {
             External::Placed {
-                key,
-                file: Placed::Library,
-                digest,
-                ..
-            } => {
-                let found = digest
-                    .as_ref()
-                    .and_then(|d| sources.libraries.iter().find(|(have, _)| have == d));
-                let Some((_, path)) = found else {
-                    return Err(ExternalsError::NoLibrary {
-                        digest: digest.clone().unwrap_or_default(),
-                    });
-                };
-                let fd = open_node_file(path, false).map_err(|_| ExternalsError::NoLibrary {
-                    digest: digest.clone().unwrap_or_default(),
-                })?;
-                out.push((key.clone(), fd));
-                continue;
-            }
-            External::Placed { key, file, .. } => (key, *file),
+                key, file, digest, ..
+            } => (key, *file, digest.as_deref()),
             External::LayerFile { key, path, size } => {
                 let Some(layers) = sources.layers else {
                     continue;
@@ -711,13 +693,23 @@ pub fn open_externals(
                 } else {
                     return Err(ExternalsError::Unknown);
                 };
-                (key, placed)
+                (key, placed, None)
             }
             _ => continue,
         };
         let fd = match placed {
             Placed::Agent => open_agent(sources.agents, &header.agent_digest)?,
-            Placed::Library => return Err(ExternalsError::Unknown),
+            Placed::Library => {
+                let missing = || ExternalsError::NoLibrary {
+                    digest: digest.unwrap_or_default().to_owned(),
+                };
+                let (_, path) = sources
+                    .libraries
+                    .iter()
+                    .find(|(have, _)| Some(have.as_str()) == digest)
+                    .ok_or_else(missing)?;
+                open_node_file(path, false).map_err(|_| missing())?
+            }
             Placed::Log => {
                 let Some(log) = sources.log else { continue };
                 open_node_file(log, true).map_err(|source| ExternalsError::Log {

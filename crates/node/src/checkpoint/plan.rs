@@ -448,13 +448,14 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                         let link = proc.link(task, table, &name).unwrap_or_default();
                         return Err(PlanError::Foreign {
                             what: "a mapped file",
+                            // The link is the tenant's text: quoted, so that it
+                            // cannot forge lines of the node's log.
                             found: format!(
-                                "{task} {} {} ({}, inode {}, in {:?})",
+                                "{task} {} {} ({:?}, inode {})",
                                 table.dir(),
                                 name.to_string_lossy(),
-                                link.to_string_lossy(),
-                                stat.ino,
-                                input.layers
+                                link,
+                                stat.ino
                             ),
                             dev: stat.dev,
                         });
@@ -475,16 +476,18 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                         dev: stat.dev,
                     });
                 };
-                let library_digest = (placed == Placed::Library)
-                    .then(|| digest.map(str::to_owned))
-                    .flatten();
-                if let Some(digest) = digest.filter(|_| placed == Placed::Agent) {
-                    match &agent_digest {
-                        None => agent_digest = Some(digest.to_owned()),
-                        Some(known) if known != digest => return Err(PlanError::TwoAgents),
-                        Some(_) => {}
+                let library_digest = match (placed, digest) {
+                    (Placed::Agent, Some(digest)) => {
+                        match &agent_digest {
+                            None => agent_digest = Some(digest.to_owned()),
+                            Some(known) if known != digest => return Err(PlanError::TwoAgents),
+                            Some(_) => {}
+                        }
+                        None
                     }
-                }
+                    (Placed::Library, digest) => digest.map(str::to_owned),
+                    _ => None,
+                };
                 // CRIU's name for a file it is told is external: mount id and inode, in hex.
                 let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
                 if !seen.insert(key.clone()) {

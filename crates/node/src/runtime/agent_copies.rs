@@ -87,6 +87,24 @@ pub(super) fn collect_agent_copies(data_dir: &Path, current: &str) -> Vec<PathBu
         .collect()
 }
 
+/// The agent copies under `<data>/agents/`, each by identity and digest (its name).
+pub(super) fn kept_agent_copies(data_dir: &Path) -> Vec<(crate::checkpoint::FileIdentity, String)> {
+    let Ok(entries) = std::fs::read_dir(data_dir.join("agents")) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_owned();
+            if name.len() != 64 || !name.bytes().all(|c| c.is_ascii_hexdigit()) {
+                return None;
+            }
+            let identity = crate::checkpoint::FileIdentity::of_path(&entry.path()).ok()?;
+            Some((identity, name))
+        })
+        .collect()
+}
+
 /// A shared library the agent binary is linked against, as this host's loader resolves it.
 #[derive(Debug, Clone)]
 pub(super) struct AgentLibrary {

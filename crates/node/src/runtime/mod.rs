@@ -149,6 +149,9 @@ pub struct LinuxRuntime {
     kernel_filesystems: crate::checkpoint::KernelFilesystems,
     /// The host's shared libraries the agent maps.
     agent_libraries: Vec<AgentLibrary>,
+    /// Every agent copy kept at start, by identity and digest: sandboxes started by an
+    /// earlier build run an earlier one, and no copy is made after start.
+    agent_copies: Vec<(crate::checkpoint::FileIdentity, String)>,
     /// Mount points a restore needs that the sandbox's host uid must reach (outside the
     /// data directory, which only root may traverse).
     mount_dir: PathBuf,
@@ -317,6 +320,7 @@ impl LinuxRuntime {
         for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
             tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
         }
+        let agent_copies = kept_agent_copies(&config.data_dir);
         let mount_dir = PathBuf::from(format!(
             "/run/sandbar-{}",
             &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
@@ -382,6 +386,7 @@ impl LinuxRuntime {
             agent_digest,
             kernel_filesystems,
             agent_libraries,
+            agent_copies,
             mount_dir,
             fresh_snapshots: Mutex::new(Vec::new()),
             unrestorable_captures: Mutex::new(BTreeSet::new()),
@@ -407,20 +412,11 @@ impl LinuxRuntime {
 
     /// The node's files a sandbox's processes may hold from outside its mounts, as a dump
     /// plan recognises them: every agent copy (a sandbox started by an earlier build runs an
-    /// earlier one) and the sandbox's own log. Read from the node's own directories.
+    /// earlier one), the agent's libraries and the sandbox's own log.
     fn placed_files(&self, id: &str) -> std::io::Result<crate::checkpoint::PlacedFiles> {
-        use crate::checkpoint::FileIdentity;
-        let mut agents = Vec::new();
-        for entry in std::fs::read_dir(self.agents_dir())? {
-            let entry = entry?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.len() == 64 && name.bytes().all(|c| c.is_ascii_hexdigit()) {
-                agents.push((FileIdentity::of_path(&entry.path())?, name));
-            }
-        }
         Ok(crate::checkpoint::PlacedFiles {
-            agents,
-            log: FileIdentity::of_path(&self.log_path(id))?,
+            agents: self.agent_copies.clone(),
+            log: crate::checkpoint::FileIdentity::of_path(&self.log_path(id))?,
             libraries: self
                 .agent_libraries
                 .iter()
