@@ -436,6 +436,13 @@ struct UploadGrant {
     expires: tokio::time::Instant,
 }
 
+/// What [`Builds::own_build`] did not find.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OwnBuildMissing {
+    Template,
+    Build,
+}
+
 /// The build service: requests, uploads, the queue and its records.
 #[derive(Clone)]
 pub struct Builds {
@@ -778,6 +785,31 @@ impl Builds {
             })
     }
 
+    /// Build `build_id` of the team's own template `template_id`, or which of the two it
+    /// does not have.
+    async fn own_build(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+    ) -> Result<Result<(Template, BuildRecord), OwnBuildMissing>, StoreError> {
+        let Some(template) = self
+            .store
+            .template(template_id)
+            .await?
+            .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
+        else {
+            return Ok(Err(OwnBuildMissing::Template));
+        };
+        Ok(self
+            .store
+            .build(build_id)
+            .await?
+            .filter(|b| b.template_id == template.id)
+            .map(|build| (template, build))
+            .ok_or(OwnBuildMissing::Build))
+    }
+
     /// `GET /templates/{id}/files/{hash}`: whether the files are cached, and if not a
     /// single-use token to upload them with.
     pub async fn upload_link(
@@ -853,19 +885,18 @@ impl Builds {
         build_id: &str,
         spec: BuildSpec,
     ) -> Result<(), StartBuildError> {
-        let template = self
-            .own_template(team, template_id)
-            .await
-            .map_err(|_| StartBuildError::TemplateNotFound(template_id.to_owned()))?;
-        let build = self
-            .store
-            .build(build_id)
-            .await?
-            .filter(|b| b.template_id == template.id)
-            .ok_or_else(|| StartBuildError::BuildNotFound {
-                template_id: template_id.to_owned(),
-                build_id: build_id.to_owned(),
-            })?;
+        let (template, build) = match self.own_build(team, template_id, build_id).await? {
+            Ok(found) => found,
+            Err(OwnBuildMissing::Template) => {
+                return Err(StartBuildError::TemplateNotFound(template_id.to_owned()));
+            }
+            Err(OwnBuildMissing::Build) => {
+                return Err(StartBuildError::BuildNotFound {
+                    template_id: template_id.to_owned(),
+                    build_id: build_id.to_owned(),
+                });
+            }
+        };
         if build.status != BuildStatus::Waiting {
             return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
         }
@@ -1019,19 +1050,18 @@ impl Builds {
         template_id: &str,
         build_id: &str,
     ) -> Result<(), StartBuildError> {
-        let template = self
-            .own_template(team, template_id)
-            .await
-            .map_err(|_| StartBuildError::TemplateNotFound(template_id.to_owned()))?;
-        let build = self
-            .store
-            .build(build_id)
-            .await?
-            .filter(|b| b.template_id == template.id)
-            .ok_or_else(|| StartBuildError::BuildNotFound {
-                template_id: template_id.to_owned(),
-                build_id: build_id.to_owned(),
-            })?;
+        let (template, build) = match self.own_build(team, template_id, build_id).await? {
+            Ok(found) => found,
+            Err(OwnBuildMissing::Template) => {
+                return Err(StartBuildError::TemplateNotFound(template_id.to_owned()));
+            }
+            Err(OwnBuildMissing::Build) => {
+                return Err(StartBuildError::BuildNotFound {
+                    template_id: template_id.to_owned(),
+                    build_id: build_id.to_owned(),
+                });
+            }
+        };
         if build.status != BuildStatus::Waiting {
             return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
         }
@@ -1258,19 +1288,18 @@ impl Builds {
         template_id: &str,
         build_id: &str,
     ) -> Result<(), CancelBuildError> {
-        let template = self
-            .own_template(team, template_id)
-            .await
-            .map_err(|_| CancelBuildError::TemplateNotFound(template_id.to_owned()))?;
-        let build = self
-            .store
-            .build(build_id)
-            .await?
-            .filter(|b| b.template_id == template.id)
-            .ok_or_else(|| CancelBuildError::BuildNotFound {
-                template_id: template_id.to_owned(),
-                build_id: build_id.to_owned(),
-            })?;
+        let (_, build) = match self.own_build(team, template_id, build_id).await? {
+            Ok(found) => found,
+            Err(OwnBuildMissing::Template) => {
+                return Err(CancelBuildError::TemplateNotFound(template_id.to_owned()));
+            }
+            Err(OwnBuildMissing::Build) => {
+                return Err(CancelBuildError::BuildNotFound {
+                    template_id: template_id.to_owned(),
+                    build_id: build_id.to_owned(),
+                });
+            }
+        };
         if matches!(build.status, BuildStatus::Ready | BuildStatus::Error) {
             return Err(CancelBuildError::AlreadyEnded {
                 build_id: build_id.to_owned(),
