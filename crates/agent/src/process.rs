@@ -20,9 +20,16 @@ use crate::exec::{ChildSetup, ExecPlan, Identity};
 use crate::reaper::{ExitStatus, Reaper};
 use crate::users::User;
 
-/// How long to keep draining output after the process exited, for when a descendant still
-/// holds the pipes open (e.g. a backgrounded `sleep &`).
-const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(100);
+/// How long after the process exited its output is still followed, for a descendant that holds
+/// the pipes open (e.g. a backgrounded `sleep &`) and writes late. What the process itself wrote
+/// does not depend on it: that is read out of the pipes in full whenever this ends.
+const LATE_WRITERS_GRACE: Duration = Duration::from_millis(100);
+/// How long the output read after the exit may take to reach the attached streams; only a
+/// stream that stopped reading altogether reaches it.
+const DELIVERY_AFTER_EXIT: Duration = Duration::from_secs(30);
+/// The most read out of one pipe once its process has exited: far above a pipe's capacity, so
+/// it bounds only a descendant that keeps writing.
+const FINAL_READ_LIMIT: usize = 8 << 20;
 /// Messages buffered per attached stream before output applies back-pressure.
 const SUBSCRIBER_BUFFER: usize = 64;
 /// PATH for processes whose environment does not set one.
@@ -375,29 +382,58 @@ enum Channel {
     Pty,
 }
 
-async fn pump(fd: AsyncFd<OwnedFd>, channel: Channel, process: Arc<ManagedProcess>) {
+/// Publishes what one channel of a process writes, until end-of-file, or until `exited` says the
+/// process has been reaped and its late writers had their grace: then it reads what the pipe
+/// still holds and stops. A write to a pipe completes into the pipe's buffer, so everything the
+/// process wrote before it exited is there to read, however late this task gets the CPU.
+async fn pump(
+    fd: AsyncFd<OwnedFd>,
+    channel: Channel,
+    process: Arc<ManagedProcess>,
+    mut exited: watch::Receiver<bool>,
+) {
     let mut buf = vec![0u8; 32 * 1024];
+    let publish = |bytes: &[u8]| {
+        let bytes = bytes.to_vec();
+        let output = match channel {
+            Channel::Stdout => ProcessOutput::Stdout(bytes),
+            Channel::Stderr => ProcessOutput::Stderr(bytes),
+            Channel::Pty => ProcessOutput::Pty(bytes),
+        };
+        let process = process.clone();
+        async move { process.publish(output).await }
+    };
     loop {
-        let Ok(mut guard) = fd.readable().await else {
-            return;
+        let mut guard = tokio::select! {
+            biased;
+            _ = exited.wait_for(|exited| *exited) => break,
+            ready = fd.readable() => match ready {
+                Ok(guard) => guard,
+                Err(_) => return,
+            },
         };
         let read = guard.try_io(|inner| {
             rustix::io::read(inner.get_ref(), &mut buf[..]).map_err(io::Error::from)
         });
         match read {
             Ok(Ok(0)) => return,
-            Ok(Ok(n)) => {
-                let bytes = buf[..n].to_vec();
-                let output = match channel {
-                    Channel::Stdout => ProcessOutput::Stdout(bytes),
-                    Channel::Stderr => ProcessOutput::Stderr(bytes),
-                    Channel::Pty => ProcessOutput::Pty(bytes),
-                };
-                process.publish(output).await;
-            }
+            Ok(Ok(n)) => publish(&buf[..n]).await,
             // A terminal master reports EIO once every slave descriptor is closed.
             Ok(Err(_)) => return,
             Err(_would_block) => continue,
+        }
+    }
+    let mut read_after_exit = 0;
+    while read_after_exit < FINAL_READ_LIMIT {
+        match rustix::io::read(fd.get_ref(), &mut buf[..]) {
+            Ok(0) => return,
+            Ok(n) => {
+                read_after_exit += n;
+                publish(&buf[..n]).await;
+            }
+            Err(rustix::io::Errno::INTR) => continue,
+            // Empty (the descriptor is non-blocking), or a terminal whose slaves are all closed.
+            Err(_) => return,
         }
     }
 }
@@ -744,6 +780,7 @@ impl ProcessManager {
         let rx = process.subscribe();
         lock(&self.processes).insert(pid, process.clone());
 
+        let (exited, exit_seen) = watch::channel(false);
         let mut pumps = Vec::new();
         let readers = [
             (parent.stdout, Channel::Stdout),
@@ -752,7 +789,12 @@ impl ProcessManager {
         for (fd, channel) in readers {
             if let Some(fd) = fd {
                 let fd = nonblocking(fd).map_err(io_err)?;
-                pumps.push(tokio::spawn(pump(fd, channel, process.clone())));
+                pumps.push(tokio::spawn(pump(
+                    fd,
+                    channel,
+                    process.clone(),
+                    exit_seen.clone(),
+                )));
             }
         }
         if let Some(master) = pty {
@@ -760,7 +802,12 @@ impl ProcessManager {
             // registration, so duplicate the descriptor.
             let reader = master.get_ref().try_clone().map_err(io_err)?;
             let reader = nonblocking(reader).map_err(io_err)?;
-            pumps.push(tokio::spawn(pump(reader, Channel::Pty, process.clone())));
+            pumps.push(tokio::spawn(pump(
+                reader,
+                Channel::Pty,
+                process.clone(),
+                exit_seen,
+            )));
         }
 
         let manager = self.clone();
@@ -774,17 +821,28 @@ impl ProcessManager {
                 .filter(|oom| ended_killed(status.as_ref()) && oom.claim())
                 .map(|oom| oom.limit_mb());
             supervised.done.send_replace(true);
-            let drained = async {
+            let aborts: Vec<_> = pumps.iter().map(|pump| pump.abort_handle()).collect();
+            let mut drained = std::pin::pin!(async {
                 for pump in &mut pumps {
                     let _ = pump.await;
                 }
-            };
-            if tokio::time::timeout(DRAIN_AFTER_EXIT, drained)
+            });
+            if tokio::time::timeout(LATE_WRITERS_GRACE, &mut drained)
                 .await
                 .is_err()
             {
-                for pump in &pumps {
-                    pump.abort();
+                exited.send_replace(true);
+                if tokio::time::timeout(DELIVERY_AFTER_EXIT, &mut drained)
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(
+                        pid = supervised.pid,
+                        "output read after the process ended found no stream reading it"
+                    );
+                    for pump in &aborts {
+                        pump.abort();
+                    }
                 }
             }
             lock(&manager.processes).remove(&supervised.pid);
@@ -864,5 +922,74 @@ mod tests {
         oom.drain();
         lock(&oom.unclaimed)[0] -= OOM_WINDOW;
         assert!(!oom.claim(), "too old to be this process's");
+    }
+
+    fn spec(script: &str) -> SpawnSpec {
+        let uid = rustix::process::getuid().as_raw();
+        let gid = rustix::process::getgid().as_raw();
+        SpawnSpec {
+            cmd: "/bin/sh".to_owned(),
+            args: vec!["-c".to_owned(), script.to_owned()],
+            env: vec![("PATH".to_owned(), DEFAULT_PATH.to_owned())],
+            cwd: std::env::temp_dir(),
+            user: User {
+                name: "tester".to_owned(),
+                uid,
+                gid,
+                home: std::env::temp_dir(),
+                shell: "/bin/sh".to_owned(),
+            },
+            groups: vec![gid],
+            pty: None,
+            stdin: false,
+            tag: None,
+            config: Default::default(),
+        }
+    }
+
+    /// Everything a stream gets until the end, and whether the end came last.
+    async fn collect(mut rx: mpsc::Receiver<ProcessOutput>, pause: Duration) -> (Vec<u8>, bool) {
+        let mut stdout = Vec::new();
+        while let Some(output) = rx.recv().await {
+            match output {
+                ProcessOutput::Stdout(bytes) => stdout.extend(bytes),
+                ProcessOutput::End(_) => return (stdout, rx.recv().await.is_none()),
+                _ => {}
+            }
+            tokio::time::sleep(pause).await;
+        }
+        (stdout, false)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_slow_stream_gets_all_output_of_a_process_that_already_exited() {
+        let manager = Arc::new(ProcessManager::default());
+        // More than the stream's buffer and the pipe hold, so the process ends while output
+        // waits for the stream.
+        let size = 5 << 19;
+        let (_, rx) = manager
+            .start(spec(&format!("head -c {size} /dev/zero | tr '\\0' x")))
+            .unwrap();
+        // Slower than the grace after the exit, with output still queued when the process ends.
+        let (stdout, end_last) = collect(rx, Duration::from_millis(60)).await;
+        assert_eq!(stdout.len(), size);
+        assert!(stdout.iter().all(|b| *b == b'x'));
+        assert!(end_last, "the end is the last message");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn output_before_the_exit_arrives_while_a_descendant_holds_the_pipe() {
+        let manager = Arc::new(ProcessManager::default());
+        let started = std::time::Instant::now();
+        let (_, rx) = manager
+            .start(spec("printf first; sleep 5 & printf ' last'"))
+            .unwrap();
+        let (stdout, end_last) = collect(rx, Duration::ZERO).await;
+        assert_eq!(String::from_utf8_lossy(&stdout), "first last");
+        assert!(end_last);
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "the end does not wait for the backgrounded sleep"
+        );
     }
 }

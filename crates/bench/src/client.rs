@@ -32,6 +32,25 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// Connect envelope flag of the final (end-of-stream) message.
 const FLAG_END_STREAM: u8 = 0x02;
 
+/// What one command printed, and when its first stdout arrived (none when it printed nothing).
+#[derive(Debug)]
+pub struct Ran {
+    pub first: Option<Duration>,
+    pub stdout: Vec<u8>,
+}
+
+fn expect_stdout(ran: &Ran, expected: &[u8]) -> anyhow::Result<Duration> {
+    if ran.stdout != expected {
+        bail!(
+            "unexpected stdout {:?}, wanted {:?}",
+            String::from_utf8_lossy(&ran.stdout),
+            String::from_utf8_lossy(expected)
+        );
+    }
+    ran.first
+        .context("process.Process/Start: no stdout arrived")
+}
+
 /// A sandbox as `POST /v2/sandboxes` returns it.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Sandbox {
@@ -163,11 +182,22 @@ impl Api {
 
     /// `POST /v2/sandboxes`; the sandbox is remembered until it is killed.
     pub async fn create(&self) -> anyhow::Result<Sandbox> {
+        self.create_body(Bytes::from_static(CREATE_BODY.as_bytes()))
+            .await
+    }
+
+    /// `POST /v2/sandboxes` of a sandbox that lives `timeout_secs` unless killed before.
+    pub async fn create_for(&self, timeout_secs: u64) -> anyhow::Result<Sandbox> {
+        let body = format!(r#"{{"templateID":"base","timeout":{timeout_secs}}}"#);
+        self.create_body(Bytes::from(body)).await
+    }
+
+    async fn create_body(&self, body: Bytes) -> anyhow::Result<Sandbox> {
         let request = self
             .request(Method::POST, "/v2/sandboxes")
             .header("X-API-Key", &self.inner.key)
             .header(CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from_static(CREATE_BODY.as_bytes())))?;
+            .body(Full::new(body))?;
         let (status, body) = self.send_collect(request).await?;
         if status != StatusCode::CREATED {
             bail!(
@@ -185,15 +215,27 @@ impl Api {
     /// request to the arrival of the first stdout event. The stream is drained before
     /// returning, and the output and exit code are checked.
     pub async fn first_output(&self, sandbox: &Sandbox) -> anyhow::Result<Duration> {
-        self.start_and_read(sandbox, START_BODY).await
+        let ran = self.start_and_read(sandbox, START_BODY).await?;
+        expect_stdout(&ran, EXPECTED_STDOUT)
     }
 
     /// Starts a CPU-burning loop in the sandbox, in the background, and returns once it runs.
     pub async fn start_cpu_hog(&self, sandbox: &Sandbox) -> anyhow::Result<()> {
-        self.start_and_read(sandbox, HOG_BODY).await.map(|_| ())
+        let ran = self.start_and_read(sandbox, HOG_BODY).await?;
+        expect_stdout(&ran, EXPECTED_STDOUT).map(|_| ())
     }
 
-    async fn start_and_read(&self, sandbox: &Sandbox, body: &str) -> anyhow::Result<Duration> {
+    /// Runs `printf %s <text>` as the SDKs run a command and returns what it printed, with
+    /// the time to its first stdout; the command must exit 0 with an end event.
+    pub async fn print(&self, sandbox: &Sandbox, text: &str) -> anyhow::Result<Ran> {
+        let body = serde_json::json!({
+            "process": {"cmd": "/bin/bash", "args": ["-l", "-c", format!("printf %s '{text}'")]},
+            "stdin": false,
+        });
+        self.start_and_read(sandbox, &body.to_string()).await
+    }
+
+    async fn start_and_read(&self, sandbox: &Sandbox, body: &str) -> anyhow::Result<Ran> {
         let payload = body.as_bytes();
         let mut envelope = Vec::with_capacity(5 + payload.len());
         envelope.push(0u8);
@@ -266,17 +308,9 @@ impl Api {
                 }
             }
         }
-        let first = first.context("process.Process/Start: no stdout arrived")?;
-        if stdout != EXPECTED_STDOUT {
-            bail!(
-                "unexpected stdout {:?}, wanted {:?}",
-                String::from_utf8_lossy(&stdout),
-                String::from_utf8_lossy(EXPECTED_STDOUT)
-            );
-        }
         match exit_code {
-            Some(0) => Ok(first),
-            Some(code) => bail!("echo exited with code {code}"),
+            Some(0) => Ok(Ran { first, stdout }),
+            Some(code) => bail!("the command exited with code {code}"),
             None => bail!("process.Process/Start: the stream had no end event"),
         }
     }

@@ -13,6 +13,7 @@
 
 mod baseline;
 mod client;
+mod first_commands;
 mod layers;
 mod memory;
 mod pull;
@@ -93,6 +94,17 @@ struct Args {
     /// once per number given (comma-separated; the server's team limit must allow them).
     #[arg(long, value_delimiter = ',')]
     crowd: Vec<usize>,
+    /// Instead of the latency series: this many create→first command→kill cycles next to
+    /// `--first-commands-next-to` idle sandboxes, every command's output compared byte for
+    /// byte (the crowd's first commands included); fails on any difference.
+    #[arg(long, default_value_t = 0)]
+    first_commands: usize,
+    /// Idle sandboxes kept running during `--first-commands`.
+    #[arg(long, default_value_t = 1000)]
+    first_commands_next_to: usize,
+    /// Cycles of `--first-commands` run at once.
+    #[arg(long, default_value_t = 8)]
+    first_commands_concurrency: usize,
     /// A header (`Name: value`) sent with every request, e.g. a cluster node's
     /// `X-Sandbar-Node-Secret` to time the node without its API host; repeatable.
     #[arg(long = "header", value_parser = parse_header)]
@@ -600,6 +612,50 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
     out
 }
 
+async fn first_commands_main(args: &Args, api: &Api) -> ExitCode {
+    let (crowd, commands) = (args.first_commands_next_to, args.first_commands);
+    eprintln!("first commands: {commands} next to {crowd} idle sandboxes, every byte compared");
+    let outcome = tokio::select! {
+        outcome = first_commands::run(api, crowd, commands, args.first_commands_concurrency) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    let leftovers = api.kill_all().await;
+    for (id, e) in &leftovers {
+        eprintln!("warning: sandbox {id} may still be running: {e:#}");
+    }
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    for line in outcome.mismatched.iter().chain(&outcome.failed) {
+        println!("- {line}");
+    }
+    println!(
+        "{} commands: {} whole, {} with other output, {} failed; churn of {commands} in {:.1} s ({:.1}/s, {} at once)",
+        crowd + commands,
+        outcome.matched,
+        outcome.mismatched.len(),
+        outcome.failed.len(),
+        outcome.wall.as_secs_f64(),
+        commands as f64 / outcome.wall.as_secs_f64().max(1e-9),
+        args.first_commands_concurrency,
+    );
+    if let Some(s) = summarize(&outcome.first_output) {
+        println!(
+            "request→first stdout (ms): n {} p50 {:.1} p95 {:.1} p99 {:.1} max {:.1}",
+            s.n, s.p50, s.p95, s.p99, s.max
+        );
+    }
+    if outcome.mismatched.is_empty() && outcome.failed.is_empty() && leftovers.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let mut args = Args::parse();
@@ -617,6 +673,9 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
     let api = Api::with_headers(&args.api_url, api_key, args.headers.clone());
+    if args.first_commands > 0 {
+        return first_commands_main(&args, &api).await;
+    }
     let cgroups = CgroupVersion::detect();
     let machine = machine(cgroups);
     let mut results = Results::default();
