@@ -13,6 +13,8 @@ shared server's data dir, so nothing is downloaded.
 - A pool turned read-only is mounted afresh: by a create once nothing holds it, and at start.
 - One sandbox filling its disk leaves its neighbour able to write; creates are then refused
   with 503 and Retry-After, naming the disk pool.
+- The pool's size and what it holds are in `/health?detail=true`; a larger `--disk-pool-gb`
+  grows it in place, its sandboxes running; a pool too small for one sandbox refuses to start.
 About a minute in all.
 """
 
@@ -278,6 +280,18 @@ def test_one_full_sandbox_leaves_its_neighbour_room_and_creates_are_refused(disk
             message="the full sandbox's disk use in its metrics",
         )
         assert run(neighbour, "dd if=/dev/urandom of=/home/user/mine bs=1M count=32 status=none && sync && echo ok") == "ok\n"
+        # How much of a 1 GiB btrfs a quota lets one sandbox write depends on its metadata
+        # reservations, so the full one may have left more than a disk and the reserve free:
+        # the neighbour takes what is left over, as a second tenant would.
+        threshold = (DISK_MB + POOL_RESERVE_MB) << 20
+        over = free_bytes(disk.pool) - threshold
+        if over > -(8 << 20):
+            more = (over >> 20) + 24
+            out = run(neighbour, f"dd if=/dev/urandom of=/home/user/more bs=1M count={more} status=none && sync && echo ok")
+            assert out == "ok\n", out
+        # Free space moves at the pool's next commit (every 5 s).
+        wait_until(lambda: free_bytes(disk.pool) < threshold, timeout=15,
+                   message=f"the pool's free space below {threshold >> 20} MiB")
 
         refused = create(api)
         assert refused.status_code == 503, refused.text
@@ -292,3 +306,42 @@ def test_one_full_sandbox_leaves_its_neighbour_room_and_creates_are_refused(disk
         ids.append(r.json()["sandboxID"])
         for sandbox_id in ids[1:]:
             assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+
+
+def test_the_pool_grows_in_place_and_a_pool_too_small_refuses_to_start(disk):
+    with disk.server.client(timeout=30) as api:
+        report = api.get("/health", params={"detail": "true"})
+        assert report.status_code == 200, report.text
+        pool = report.json()["diskPool"]
+        assert 900 <= pool["sizeMB"] <= 1024, pool
+        assert pool["reserveMB"] == POOL_RESERVE_MB and pool["defaultDiskMB"] == DISK_MB, pool
+        assert pool["holdsFilled"] == (pool["sizeMB"] - POOL_RESERVE_MB) // DISK_MB, pool
+        r = create(api)
+        assert r.status_code == 201, r.text
+        kept = r.json()["sandboxID"]
+        assert run(kept, "echo before > /home/user/kept && cat /home/user/kept") == "before\n"
+
+    args = disk.server.extra_args
+    at = args.index("--disk-pool-gb") + 1
+    args[at] = str(POOL_GB + 1)
+    try:
+        # A kill -9 leaves the sandbox running; the new server grows the mounted pool under it.
+        disk.server.restart(kill9=True)
+        with disk.server.client(timeout=30) as api:
+            pool = api.get("/health", params={"detail": "true"}).json()["diskPool"]
+            assert pool["sizeMB"] > 1900, pool
+            assert run(kept, "cat /home/user/kept") == "before\n"
+            assert api.delete(f"/sandboxes/{kept}").status_code == 204
+    finally:
+        args[at] = str(POOL_GB)
+
+    # Refused before anything is set up, so it may run beside the serving server.
+    empty = disk.mount / "too-small"
+    refused = subprocess.run(
+        [str(disk.binary), "serve", "--data-dir", str(empty), "--listen", f"127.0.0.1:{free_port()}",
+         "--disk-pool-gb", "1", "--base-disk-mb", "2048"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode != 0, refused.stderr
+    assert "--disk-pool-gb" in refused.stderr and "at least 3" in refused.stderr, refused.stderr
+    assert not (empty / "sandboxes.img").exists()

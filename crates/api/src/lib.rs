@@ -198,38 +198,104 @@ pub fn routers(state: AppState, metrics: &MetricsAccess) -> Routers {
 
 /// Liveness of the server, and what ails it: 204 when all is well; 200 with the problems
 /// named (a disk short of space or read-only, paused sandboxes kept in memory because their
-/// checkpoint was refused) while it serves with some work refused.
+/// checkpoint was refused) while it serves with some work refused. With `detail=true`, always
+/// 200 with the report, the sandbox disk pool's size and what it holds included.
 #[utoipa::path(
     get,
     path = "/health",
     tag = "service",
     operation_id = "getHealth",
     security(()),
+    params(HealthQuery),
     responses(
         (status = 204, description = "The server is up and nothing ails it"),
-        (status = 200, description = "The server is up, with problems that refuse some work", body = HealthReport),
+        (status = 200, description = "The server is up, with problems that refuse some work, or the report asked for with `detail=true`", body = HealthReport),
     )
 )]
 async fn health(
     axum::extract::State(state): axum::extract::State<AppState>,
+    query: Result<axum::extract::Query<HealthQuery>, axum::extract::rejection::QueryRejection>,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
+    let detail = query.is_ok_and(|q| q.detail);
     let problems = state.sandboxes.health_problems();
-    if problems.is_empty() {
+    if problems.is_empty() && !detail {
         return axum::http::StatusCode::NO_CONTENT.into_response();
     }
+    let disk_pool = if detail {
+        DiskPoolReport::of(&state.sandboxes.disks())
+    } else {
+        None
+    };
     axum::Json(HealthReport {
-        status: "degraded",
+        status: if problems.is_empty() {
+            "ok"
+        } else {
+            "degraded"
+        },
         problems,
+        disk_pool,
     })
     .into_response()
 }
 
-/// What `/health` says when something ails the server.
+#[derive(Debug, serde::Deserialize, utoipa::IntoParams)]
+struct HealthQuery {
+    /// Answer 200 with the whole report, also when all is well.
+    #[serde(default)]
+    detail: bool,
+}
+
+/// What `/health` says when something ails the server, or when asked for detail.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
 struct HealthReport {
-    /// Always `degraded`: the server answers, some work is refused.
+    /// `degraded` when some work is refused, otherwise `ok`.
     status: &'static str,
     /// One sentence per problem, naming the disk or the sandboxes and what is refused.
     problems: Vec<String>,
+    /// The sandbox disk pool, with `detail=true` on a node that has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    disk_pool: Option<DiskPoolReport>,
+}
+
+/// The sandbox disk pool's size and what it holds, in MiB.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+struct DiskPoolReport {
+    #[serde(rename = "sizeMB")]
+    size_mb: u64,
+    #[serde(rename = "freeMB")]
+    free_mb: u64,
+    #[serde(rename = "reserveMB")]
+    reserve_mb: u64,
+    /// Quotas of the sandbox disks on the pool, together.
+    #[serde(rename = "promisedMB")]
+    promised_mb: u64,
+    /// How far those quotas may add up (`--disk-overcommit` times the pool less its reserve).
+    #[serde(rename = "promiseLimitMB")]
+    promise_limit_mb: u64,
+    /// Disk of a sandbox of the default template.
+    #[serde(rename = "defaultDiskMB")]
+    default_disk_mb: u64,
+    /// Sandboxes of the default disk the pool holds each filled to its quota.
+    holds_filled: u64,
+    /// Sandboxes of the default disk admitted while their disks are mostly empty.
+    holds_admitted: u64,
+}
+
+impl DiskPoolReport {
+    fn of(report: &sandbar_core::DiskReport) -> Option<Self> {
+        let (pool, holds) = (report.pool.as_ref()?, report.pool_holds?);
+        Some(Self {
+            size_mb: pool.size_bytes >> 20,
+            free_mb: pool.free_bytes >> 20,
+            reserve_mb: pool.reserve_bytes >> 20,
+            promised_mb: report.pool_promised_bytes >> 20,
+            promise_limit_mb: report.pool_promise_limit_bytes >> 20,
+            default_disk_mb: holds.default_disk_bytes >> 20,
+            holds_filled: holds.filled,
+            holds_admitted: holds.admitted,
+        })
+    }
 }

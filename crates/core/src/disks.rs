@@ -35,6 +35,18 @@ pub struct DiskReport {
     pub pool_promised_bytes: u64,
     /// How far those quotas may add up (the pool's overcommit limit).
     pub pool_promise_limit_bytes: u64,
+    /// The default template's disk, and how many such sandboxes the pool holds.
+    pub pool_holds: Option<PoolHolds>,
+}
+
+/// How many sandboxes of the default template's disk a pool holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolHolds {
+    pub default_disk_bytes: u64,
+    /// Each filled to its quota, beside the reserve.
+    pub filled: u64,
+    /// Admitted while their disks are mostly empty, up to the promise limit.
+    pub admitted: u64,
 }
 
 /// Work refused because the data disk has no room for it (or cannot be written at all).

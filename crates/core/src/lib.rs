@@ -40,7 +40,7 @@ pub use builds::{
 };
 pub use caps::CapError;
 pub use cluster::NodeDirectory;
-pub use disks::{DiskFull, DiskReport, DiskSpace};
+pub use disks::{DiskFull, DiskReport, DiskSpace, PoolHolds};
 pub use keys::{
     ApiKeyInfo, CreateCredentialError, CreatedAccessToken, CreatedApiKey, DeleteAccessTokenError,
     DeleteApiKeyError, LimitChanges, Mask, NewTeam, RenameApiKeyError, TeamAccessError,

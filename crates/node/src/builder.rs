@@ -661,18 +661,27 @@ impl Drop for PinsOfBuild<'_> {
 
 /// A build sandbox that is removed when dropped unless it was committed or destroyed first,
 /// so a build dropped where it stands (cancelled, or the server stopping) leaves none.
+/// From its launch to its removal it counts as in flight, so the server's stop waits for a
+/// sandbox of a build it dropped to be gone.
 struct BuildSandbox {
     runtime: Arc<LinuxRuntime>,
     id: String,
     handle: Option<RuntimeHandle>,
+    _alive: crate::runtime::InFlightGuard,
 }
 
 impl BuildSandbox {
-    fn new(runtime: Arc<LinuxRuntime>, id: String, handle: RuntimeHandle) -> Self {
+    fn new(
+        runtime: Arc<LinuxRuntime>,
+        id: String,
+        handle: RuntimeHandle,
+        alive: crate::runtime::InFlightGuard,
+    ) -> Self {
         Self {
             runtime,
             id,
             handle: Some(handle),
+            _alive: alive,
         }
     }
 
@@ -693,7 +702,12 @@ impl Drop for BuildSandbox {
         };
         let runtime = self.runtime.clone();
         let id = std::mem::take(&mut self.id);
-        tokio.spawn(async move { destroy_build_sandbox(&runtime, &id, &handle).await });
+        // Taken before this one's drops, so the count never passes through zero meanwhile.
+        let in_flight = runtime.build_sandbox_in_flight();
+        tokio.spawn(async move {
+            destroy_build_sandbox(&runtime, &id, &handle).await;
+            drop(in_flight);
+        });
     }
 }
 
@@ -705,9 +719,10 @@ async fn launch_build_sandbox(
     spec: LaunchSpec,
 ) -> Result<(BuildSandbox, sandbar_core::Endpoint), String> {
     let id = spec.sandbox_id.clone();
+    let alive = runtime.build_sandbox_in_flight();
     tokio::spawn(async move {
         let (handle, endpoint) = runtime.launch(spec).await.map_err(|e| e.to_string())?;
-        Ok((BuildSandbox::new(runtime, id, handle), endpoint))
+        Ok((BuildSandbox::new(runtime, id, handle, alive), endpoint))
     })
     .await
     .map_err(|e| format!("the launch of the build sandbox ended: {e}"))?

@@ -48,6 +48,100 @@ pub enum DiskError {
     /// The pool cannot take a disk of this size now; other disks ending or emptying frees it.
     #[error("no room for the disk of sandbox {sandbox_id}: {message}")]
     NoRoom { sandbox_id: String, message: String },
+    /// The pool is too small for even one sandbox of the default disk: serving would answer
+    /// every create 503, so the server does not start.
+    #[error("the disk pool at {path} is too small: {message}")]
+    TooSmall { path: PathBuf, message: String },
+}
+
+/// The default pool is this share of the free space where its image goes: a second data
+/// directory on the same filesystem (a second install, a test run) still finds room.
+const DEFAULT_SHARE: u64 = 4;
+/// ... and at most this much; a larger pool is asked for with `--disk-pool-gb`.
+const DEFAULT_CEILING: u64 = 64 << 30;
+/// What btrfs keeps for itself on a small pool (metadata and system chunks, its reserve).
+const BTRFS_OWN: u64 = 256 << 20;
+
+fn gib_ceil(bytes: u64) -> u64 {
+    bytes.div_ceil(1 << 30)
+}
+
+/// The size of a new pool image: the one asked for, or the default share of `free` with its
+/// ceiling; either must hold one disk of `smallest_disk` beside the reserve, which the
+/// default grows to when the share falls short and the filesystem has the room.
+fn new_pool_size(
+    requested: Option<u64>,
+    free: u64,
+    smallest_disk: u64,
+    reserve: u64,
+) -> Result<u64, String> {
+    let needed = smallest_disk
+        .saturating_add(reserve)
+        .saturating_add(BTRFS_OWN)
+        .max(1 << 30);
+    let explain = format!(
+        "one sandbox's {} MiB disk (--base-disk-mb), the {} MiB reserve (--disk-pool-reserve-mb) and btrfs's own {} MiB need {} GiB",
+        mib(smallest_disk),
+        mib(reserve),
+        mib(BTRFS_OWN),
+        gib_ceil(needed)
+    );
+    match requested {
+        Some(size) if size < needed => Err(format!(
+            "--disk-pool-gb {} is too small: {explain}; set --disk-pool-gb to at least {}",
+            size >> 30,
+            gib_ceil(needed)
+        )),
+        Some(size) => Ok(size),
+        None => {
+            let size = (free / DEFAULT_SHARE).min(DEFAULT_CEILING).max(needed);
+            if size > free {
+                return Err(format!(
+                    "its filesystem has {} MiB free and {explain}; free space there or set --disk-pool-gb",
+                    mib(free)
+                ));
+            }
+            Ok(size)
+        }
+    }
+}
+
+/// Refuses, before anything is set up, a `--disk-pool-gb` that cannot hold one sandbox of the
+/// default disk beside the reserve.
+pub fn check_asked_pool_size(
+    pool_dir: &Path,
+    asked: u64,
+    smallest_disk: u64,
+    reserve: u64,
+) -> Result<(), DiskError> {
+    new_pool_size(Some(asked), 0, smallest_disk, reserve)
+        .map(|_| ())
+        .map_err(|message| DiskError::TooSmall {
+            path: pool_dir.to_path_buf(),
+            message,
+        })
+}
+
+/// How many sandboxes of `disk` bytes a pool of `size` holds: each filled to its quota beside
+/// the reserve, and by the overcommitted promise limit (what admission allows while disks are
+/// mostly empty).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolHolds {
+    pub filled: u64,
+    pub promised: u64,
+}
+
+impl PoolHolds {
+    pub fn of(size: u64, reserve: u64, overcommit: u64, disk: u64) -> Self {
+        let usable = size.saturating_sub(reserve);
+        Self {
+            filled: usable.checked_div(disk).unwrap_or(0),
+            promised: usable
+                .saturating_mul(overcommit)
+                .checked_div(disk)
+                .unwrap_or(0),
+        }
+    }
 }
 
 /// Size and free space of a filesystem, as `statvfs` counts them for an unprivileged writer.
@@ -75,6 +169,7 @@ impl Space {
 pub struct PoolReport {
     pub space: Space,
     pub reserve: u64,
+    pub overcommit: u64,
     pub promised: u64,
     pub promise_limit: u64,
 }
@@ -90,8 +185,13 @@ pub struct PoolConfig {
     pub dir: PathBuf,
     /// The pool's image file, made on first start.
     pub image: PathBuf,
-    /// Size of a new image; `None` picks half the free space of the image's filesystem.
+    /// Size of the image: a new one is made this size (`None`: a share of the free space
+    /// where it goes, see [`DEFAULT_SHARE`]); an existing smaller one grows to it in place,
+    /// with its sandboxes running. A pool is never shrunk.
     pub size_bytes: Option<u64>,
+    /// The default template's disk: a pool that cannot hold one beside its reserve refuses
+    /// to open.
+    pub smallest_disk_bytes: u64,
     /// Without quotas, sandbox directories are plain directories and disk sizes are not
     /// enforced.
     pub quotas: bool,
@@ -339,6 +439,10 @@ impl DiskPool {
             return Ok(pool);
         }
         let mounted = is_mount_point(&config.dir) && is_btrfs(&config.dir);
+        let grown = match config.size_bytes {
+            Some(size) if config.image.exists() => grow_image(&config.image, size).map_err(fail)?,
+            _ => false,
+        };
         if !mounted {
             if config.image.exists() {
                 reserve_blocks(&config.image);
@@ -346,7 +450,27 @@ impl DiskPool {
                 make_image(config).await.map_err(fail)?;
             }
             pool.mount().await.map_err(fail)?;
-        } else if Space::of(&config.dir).is_ok_and(|s| s.read_only)
+        }
+        if grown {
+            // A mounted pool's loop device learns the new size first; the filesystem then
+            // takes the room online, under running sandboxes.
+            if mounted {
+                refresh_loop_device(&config.image).await.map_err(fail)?;
+            }
+            run(
+                "btrfs",
+                &[
+                    OsStr::new("filesystem"),
+                    OsStr::new("resize"),
+                    OsStr::new("max"),
+                    config.dir.as_os_str(),
+                ],
+            )
+            .await
+            .map_err(fail)?;
+        }
+        if mounted
+            && Space::of(&config.dir).is_ok_and(|s| s.read_only)
             && let Err(e) = pool.recover().await
         {
             tracing::error!(pool = %config.dir.display(), error = %e, "the sandbox disk pool is read-only; no sandbox is admitted until it recovers");
@@ -366,6 +490,36 @@ impl DiskPool {
             enable_quotas(&root).map_err(fail)?;
             // Sandbox layers are the host's business only.
             let _ = std::fs::set_permissions(&config.dir, std::fs::Permissions::from_mode(0o700));
+        }
+        if let Ok(space) = Space::of(&config.dir) {
+            let disk = config.smallest_disk_bytes;
+            if space.size < disk.saturating_add(config.reserve_bytes) {
+                let needed = disk + config.reserve_bytes + BTRFS_OWN;
+                return Err(DiskError::TooSmall {
+                    path: config.dir.clone(),
+                    message: format!(
+                        "it holds {} MiB, not one sandbox's {} MiB disk (--base-disk-mb) beside its {} MiB reserve (--disk-pool-reserve-mb); set --disk-pool-gb to at least {} (an existing pool grows in place, its sandboxes running)",
+                        mib(space.size),
+                        mib(disk),
+                        mib(config.reserve_bytes),
+                        gib_ceil(needed)
+                    ),
+                });
+            }
+            let holds = PoolHolds::of(space.size, config.reserve_bytes, pool.overcommit, disk);
+            tracing::info!(
+                pool = %config.dir.display(),
+                size_mib = mib(space.size),
+                free_mib = mib(space.free),
+                reserve_mib = mib(config.reserve_bytes),
+                default_disk_mib = mib(disk),
+                filled_sandboxes = holds.filled,
+                admitted_sandboxes = holds.promised,
+                "sandbox disk pool: room for {} sandboxes of the default disk filled to their quota, {} admitted while mostly empty (--disk-overcommit {})",
+                holds.filled,
+                holds.promised,
+                pool.overcommit
+            );
         }
         let promised = pool
             .list()
@@ -431,6 +585,7 @@ impl DiskPool {
         Some(PoolReport {
             space,
             reserve: self.reserve,
+            overcommit: self.overcommit,
             promised,
             promise_limit: space.size.saturating_sub(self.reserve) * self.overcommit,
         })
@@ -677,16 +832,14 @@ impl DiskPool {
 }
 
 async fn make_image(config: &PoolConfig) -> Result<(), String> {
-    let size = match config.size_bytes {
-        Some(size) => size,
-        None => {
-            let parent = config.image.parent().unwrap_or(Path::new("/"));
-            let stat = rustix::fs::statvfs(parent).map_err(|e| e.to_string())?;
-            stat.f_bavail * stat.f_frsize / 2
-        }
-    };
-    // btrfs needs a few hundred MiB for itself.
-    let size = size.max(1 << 30);
+    let parent = config.image.parent().unwrap_or(Path::new("/"));
+    let free = Space::of(parent).map_err(|e| e.to_string())?.free;
+    let size = new_pool_size(
+        config.size_bytes,
+        free,
+        config.smallest_disk_bytes,
+        config.reserve_bytes,
+    )?;
     let staging = config.image.with_extension("partial");
     let file = File::create(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
     file.set_permissions(std::fs::Permissions::from_mode(0o600))
@@ -719,6 +872,49 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
     .await
     .map_err(|e| format!("{e} (is btrfs-progs installed?)"))?;
     std::fs::rename(&staging, &config.image).map_err(|e| e.to_string())
+}
+
+/// Extends the pool image to `size` bytes, all allocated; says whether it grew. A smaller
+/// `size` leaves it as it is: a pool is never shrunk under its sandboxes.
+fn grow_image(image: &Path, size: u64) -> Result<bool, String> {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(image)
+        .map_err(|e| format!("{}: {e}", image.display()))?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len();
+    if size <= len {
+        if size < len {
+            tracing::warn!(image = %image.display(), size_mib = mib(len), asked_mib = mib(size), "the sandbox disk pool is larger than --disk-pool-gb asks; it is never shrunk");
+        }
+        return Ok(false);
+    }
+    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size).map_err(|e| {
+        format!(
+            "cannot grow the pool image {} from {} to {} MiB: {e}",
+            image.display(),
+            mib(len),
+            mib(size)
+        )
+    })?;
+    tracing::info!(image = %image.display(), from_mib = mib(len), to_mib = mib(size), "growing the sandbox disk pool");
+    Ok(true)
+}
+
+/// Has the loop device behind a mounted pool image read the image's new size.
+async fn refresh_loop_device(image: &Path) -> Result<(), String> {
+    let out = tokio::process::Command::new("losetup")
+        .arg("-j")
+        .arg(image)
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|e| format!("cannot run losetup: {e}"))?;
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let device = listing
+        .lines()
+        .find_map(|line| line.split_once(':').map(|(device, _)| device.to_owned()))
+        .ok_or_else(|| format!("no loop device holds {}", image.display()))?;
+    run("losetup", &[OsStr::new("-c"), OsStr::new(&device)]).await
 }
 
 /// Gives a pool image made sparse (by an older version) all its blocks, so that a host
@@ -907,6 +1103,67 @@ fn empty_into(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_default_pool_is_a_quarter_of_the_free_space_with_a_ceiling() {
+        assert_eq!(
+            new_pool_size(None, 40 * GIB, 2048 * MIB, 512 * MIB),
+            Ok(10 * GIB)
+        );
+        assert_eq!(
+            new_pool_size(None, 4000 * GIB, 2048 * MIB, 512 * MIB),
+            Ok(DEFAULT_CEILING)
+        );
+    }
+
+    #[test]
+    fn a_default_pool_grows_to_hold_one_default_disk_when_the_share_falls_short() {
+        let needed = 2048 * MIB + 512 * MIB + BTRFS_OWN;
+        assert_eq!(
+            new_pool_size(None, 8 * GIB, 2048 * MIB, 512 * MIB),
+            Ok(needed)
+        );
+        let short = new_pool_size(None, 2 * GIB, 2048 * MIB, 512 * MIB).expect_err("no room");
+        assert!(
+            short.contains("2048 MiB free") && short.contains("--disk-pool-gb"),
+            "{short}"
+        );
+    }
+
+    #[test]
+    fn an_asked_pool_must_hold_one_default_disk() {
+        assert_eq!(
+            new_pool_size(Some(8 * GIB), 1, 2048 * MIB, 512 * MIB),
+            Ok(8 * GIB)
+        );
+        let small =
+            new_pool_size(Some(2 * GIB), 100 * GIB, 2048 * MIB, 512 * MIB).expect_err("too small");
+        assert!(small.contains("--disk-pool-gb 2 is too small"), "{small}");
+        assert!(small.contains("at least 3"), "{small}");
+    }
+
+    #[test]
+    fn what_a_pool_holds_filled_and_promised() {
+        let holds = PoolHolds::of(8704 * MIB, 512 * MIB, 250, 2048 * MIB);
+        assert_eq!(
+            holds,
+            PoolHolds {
+                filled: 4,
+                promised: 1000
+            }
+        );
+        assert_eq!(PoolHolds::of(GIB, 2 * GIB, 250, 2048 * MIB).filled, 0);
+        assert_eq!(
+            PoolHolds::of(GIB, 0, 1, 0),
+            PoolHolds {
+                filled: 0,
+                promised: 0
+            }
+        );
+    }
 
     #[test]
     fn request_numbers_match_the_kernel_headers() {

@@ -231,9 +231,11 @@ struct ServeArgs {
     /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
     #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
     disk_quotas: bool,
-    /// Size of the disk pool image when it is first made, in GiB (allocated in full, so the
-    /// host filesystem filling up cannot starve it); default half the free space of the
-    /// data directory's filesystem.
+    /// Size of the disk pool image in GiB, allocated in full so the host filesystem filling
+    /// up cannot starve it. Default, when it is first made: a quarter of the free space of
+    /// the data directory's filesystem, at most 64 GiB. A larger value grows an existing
+    /// pool in place, its sandboxes running; a pool is never shrunk. The server refuses to
+    /// start with a pool that cannot hold one sandbox of --base-disk-mb beside the reserve.
     #[arg(long, env = "SANDBAR_DISK_POOL_GB")]
     disk_pool_gb: Option<u64>,
     /// Space, in MiB, of the disk pool no new sandbox may count on: a sandbox is admitted
@@ -650,6 +652,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.cluster.role == cluster::Role::Api {
         return serve_api(args).await;
     }
+    if args.disk_quotas
+        && let Some(gb) = args.disk_pool_gb
+    {
+        sandbar_node::disks::check_asked_pool_size(
+            &args.data_dir.join("sandboxes"),
+            gb << 30,
+            u64::from(args.base_disk_mb) << 20,
+            args.disk_pool_reserve_mb << 20,
+        )?;
+    }
     let node_lease = match args.cluster.role {
         cluster::Role::Node => Some((
             sandbar_core::cluster::NodeLease {
@@ -720,6 +732,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             allowed_private: args.allow_private,
             disk_quotas: args.disk_quotas,
             disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
+            default_disk_mb: args.base_disk_mb,
             disk_pool_reserve_bytes: args.disk_pool_reserve_mb << 20,
             disk_overcommit: args.disk_overcommit,
             data_reserve_bytes: args.data_disk_reserve_mb << 20,

@@ -31,12 +31,15 @@ mod agent_copies;
 mod carried;
 mod handle;
 mod host;
+mod in_flight;
 mod launch;
 mod layers;
 mod ledger;
 mod pausing;
 mod snapshot;
 mod warm_boot;
+
+pub(crate) use in_flight::{InFlight, InFlightGuard};
 
 use agent_copies::*;
 use carried::*;
@@ -59,8 +62,11 @@ pub struct NodeConfig {
     pub allowed_private: Vec<String>,
     /// Enforce `diskSizeMB` with a btrfs pool under the data directory.
     pub disk_quotas: bool,
-    /// Size of the disk pool image when it is first made; `None`: half the free space.
+    /// Size of the disk pool image: made this size, or grown to it; `None`: a share of the
+    /// free space when it is made (see `disks::PoolConfig`).
     pub disk_pool_bytes: Option<u64>,
+    /// Disk size of the default template's sandboxes: the pool must hold one.
+    pub default_disk_mb: u32,
     /// Bytes of the disk pool new sandbox disks may not count on (see [`PoolConfig`]).
     pub disk_pool_reserve_bytes: u64,
     /// How many times the pool the quotas of all sandbox disks may add up to.
@@ -170,7 +176,13 @@ pub struct LinuxRuntime {
     /// The cluster's layer store, where one is configured: layers this node lacks are
     /// fetched from it before a sandbox boots on them.
     shared_layers: std::sync::OnceLock<std::sync::Arc<crate::shared_layers::SharedLayers>>,
+    /// Build sandboxes being launched or removed in tasks of their own (a build dropped
+    /// where it stands leaves them to finish): the server's stop waits for them.
+    build_sandboxes_settling: std::sync::Arc<InFlight>,
 }
+
+/// How long a stop waits for build sandboxes still being launched or removed.
+const BUILD_SANDBOXES_PATIENCE: Duration = Duration::from_secs(30);
 
 fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Sandbox {
@@ -267,6 +279,7 @@ impl LinuxRuntime {
             dir: config.data_dir.join("sandboxes"),
             image: config.data_dir.join("sandboxes.img"),
             size_bytes: config.disk_pool_bytes,
+            smallest_disk_bytes: u64::from(config.default_disk_mb) << 20,
             quotas: config.disk_quotas,
             reserve_bytes: config.disk_pool_reserve_bytes,
             overcommit: config.disk_overcommit,
@@ -392,6 +405,7 @@ impl LinuxRuntime {
             unrestorable_captures: Mutex::new(BTreeSet::new()),
             verified_images: Mutex::new(BTreeSet::new()),
             shared_layers: std::sync::OnceLock::new(),
+            build_sandboxes_settling: Default::default(),
             layers,
             layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
@@ -403,6 +417,11 @@ impl LinuxRuntime {
             ledger: ledger::ResourceLedger::new(memory_rule, crate::tasks::task_limit()),
             slots,
         })
+    }
+
+    /// Counts a build sandbox's launch or removal running in a task of its own.
+    pub(crate) fn build_sandbox_in_flight(&self) -> InFlightGuard {
+        self.build_sandboxes_settling.enter()
     }
 
     /// The node's content-addressed agent copies.
@@ -453,6 +472,15 @@ impl LinuxRuntime {
     pub async fn release(&self) {
         for warm in self.warm.close().await {
             self.retire_warm(&warm).await;
+        }
+        if !self
+            .build_sandboxes_settling
+            .settle(BUILD_SANDBOXES_PATIENCE)
+            .await
+        {
+            tracing::warn!(
+                "build sandboxes were still being launched or removed at the stop; the next start removes them"
+            );
         }
         self.disks.release_if_empty().await;
     }
@@ -937,6 +965,16 @@ impl Runtime for LinuxRuntime {
             }),
             pool_promised_bytes: pool.map_or(0, |p| p.promised),
             pool_promise_limit_bytes: pool.map_or(0, |p| p.promise_limit),
+            pool_holds: pool.map(|p| {
+                let disk = u64::from(self.config.default_disk_mb) << 20;
+                let holds =
+                    crate::disks::PoolHolds::of(p.space.size, p.reserve, p.overcommit, disk);
+                sandbar_core::PoolHolds {
+                    default_disk_bytes: disk,
+                    filled: holds.filled,
+                    admitted: holds.promised,
+                }
+            }),
         }
     }
 
