@@ -126,6 +126,14 @@ pub struct CgroupStats {
     pub memory_cache: u64,
 }
 
+/// The memory of all sandboxes together, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SandboxesMemory {
+    pub limit: u64,
+    /// In use, page cache excluded.
+    pub used: u64,
+}
+
 impl CgroupDriver {
     /// Picks v2 when the unified hierarchy owns the controllers, v1 otherwise.
     pub fn detect() -> Result<Self, CgroupError> {
@@ -431,6 +439,94 @@ impl CgroupDriver {
                 })
             }
         }
+    }
+
+    /// The cgroup holding every sandbox's (memory controller), made if missing.
+    fn sandboxes_memory_dir(&self) -> Result<PathBuf, CgroupError> {
+        let dir = match self {
+            CgroupDriver::V1 { controllers } => controllers
+                .iter()
+                .find(|(name, _)| *name == "memory")
+                .map(|(_, dir)| dir.join(PARENT))
+                .ok_or_else(|| {
+                    CgroupError::Unsupported("cgroup v1 has no memory controller".into())
+                })?,
+            CgroupDriver::V2 { root } => {
+                write(&root.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+                root.join(PARENT)
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
+            path: dir.clone(),
+            source,
+        })?;
+        if let CgroupDriver::V2 { .. } = self {
+            write(&dir.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        }
+        Ok(dir)
+    }
+
+    /// Limits the memory of all sandboxes together to `bytes`: when they reach it, the kernel
+    /// reclaims and, failing that, kills among their processes only, so the server, the host's
+    /// services and the agents' bookkeeping outside never feel the pressure.
+    pub fn limit_sandboxes_memory(&self, bytes: u64) -> Result<(), CgroupError> {
+        let dir = self.sandboxes_memory_dir()?;
+        match self {
+            CgroupDriver::V1 { .. } => {
+                let limit = dir.join("memory.limit_in_bytes");
+                let memsw = dir.join("memory.memsw.limit_in_bytes");
+                // Both limits move together, the larger of the two first.
+                if write(&limit, &bytes.to_string()).is_err() && memsw.exists() {
+                    write(&memsw, &bytes.to_string())?;
+                    write(&limit, &bytes.to_string())?;
+                } else if memsw.exists() {
+                    write(&memsw, &bytes.to_string())?;
+                }
+                Ok(())
+            }
+            CgroupDriver::V2 { .. } => write(&dir.join("memory.max"), &bytes.to_string()),
+        }
+    }
+
+    /// What all sandboxes together may use and use now, page cache excluded (the kernel
+    /// reclaims it before it kills).
+    pub fn sandboxes_memory(&self) -> Option<SandboxesMemory> {
+        let dir = match self {
+            CgroupDriver::V1 { controllers } => controllers
+                .iter()
+                .find(|(name, _)| *name == "memory")
+                .map(|(_, dir)| dir.join(PARENT))?,
+            CgroupDriver::V2 { root } => root.join(PARENT),
+        };
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+        let (limit, usage, cache_key) = match self {
+            CgroupDriver::V1 { .. } => (
+                read("memory.limit_in_bytes")?,
+                "memory.usage_in_bytes",
+                "total_cache",
+            ),
+            CgroupDriver::V2 { .. } => (read("memory.max")?, "memory.current", "file"),
+        };
+        let limit = match limit.trim() {
+            "max" => u64::MAX,
+            text => text.parse().ok()?,
+        };
+        let usage: u64 = read(usage)?.trim().parse().ok()?;
+        let stat = read("memory.stat").unwrap_or_default();
+        let cache: u64 = stat
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(cache_key)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0);
+        Some(SandboxesMemory {
+            limit,
+            used: usage.saturating_sub(cache),
+        })
     }
 
     /// Whether every process of the sandbox is frozen.

@@ -54,6 +54,24 @@ impl HostMemory {
     }
 }
 
+impl HostMemory {
+    /// The host as sandboxes see it when their common cgroup is limited: no more in all than
+    /// the limit, and no more available than it leaves them less a twentieth kept for what
+    /// they already hold to grow, so creates stop while they press on it. The host's reserve
+    /// lies outside the limit and is added back, as the rule subtracts it.
+    pub fn within(self, sandboxes: crate::cgroups::SandboxesMemory, reserve_mb: u64) -> Self {
+        let limit_mb = sandboxes.limit >> 20;
+        let room_mb = limit_mb
+            .saturating_sub(sandboxes.used >> 20)
+            .saturating_sub(limit_mb / 20);
+        Self {
+            total_mb: self.total_mb.min(limit_mb.saturating_add(reserve_mb)),
+            available_mb: self.available_mb.min(room_mb.saturating_add(reserve_mb)),
+            stalled_percent: self.stalled_percent,
+        }
+    }
+}
+
 /// How the node admits memory.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MemoryRule {
@@ -165,6 +183,27 @@ mod tests {
             .admit(&host(20_000, Some(12.5)), 0, 512)
             .expect_err("refused");
         assert!(refused.contains("memory pressure"), "{refused}");
+    }
+
+    #[test]
+    fn sandboxes_pressing_on_their_common_limit_stop_creates() {
+        let together = |limit_mb: u64, used_mb: u64| crate::cgroups::SandboxesMemory {
+            limit: limit_mb << 20,
+            used: used_mb << 20,
+        };
+        let roomy = host(20_000, Some(0.0)).within(together(2048, 512), RULE.reserve_mb);
+        assert_eq!(roomy.total_mb, 2048 + 1024);
+        assert_eq!(roomy.available_mb, 2048 - 512 - 102 + 1024);
+        assert_eq!(RULE.admit(&roomy, 0, 512), Ok(()));
+        let pressed = host(20_000, Some(0.0)).within(together(2048, 1900), RULE.reserve_mb);
+        let refused = RULE.admit(&pressed, 0, 512).expect_err("refused");
+        assert!(refused.contains("memory available"), "{refused}");
+        // The promises stop at the overcommit ratio of the common limit.
+        assert_eq!(RULE.promise_limit_mb(&roomy), 2048 * 25);
+        // No limit set: the host as it is.
+        let unlimited =
+            host(20_000, None).within(together(u64::MAX >> 20 << 20, 0), RULE.reserve_mb);
+        assert_eq!(unlimited.available_mb, 20_000);
     }
 
     #[test]

@@ -162,6 +162,12 @@ struct ServeArgs {
     /// less than this (plus 64 MiB for its start) is available.
     #[arg(long, env = "SANDBAR_MEMORY_RESERVE_MB", default_value_t = 1024)]
     memory_reserve_mb: u64,
+    /// Memory, in MiB, all sandboxes together may use: the limit of the cgroup they all live
+    /// in, so that memory pressure stays among their processes (the kernel reclaims, then
+    /// kills inside sandboxes) and new sandboxes are refused while it lasts. Default: the
+    /// host's memory less --memory-reserve-mb.
+    #[arg(long, env = "SANDBAR_SANDBOX_MEMORY_LIMIT_MB", value_parser = clap::value_parser!(u64).range(256..))]
+    sandbox_memory_limit_mb: Option<u64>,
     /// How many times the host's memory (less the reserve) the memory limits (memoryMB) of
     /// all running sandboxes may add up to. Limits are ceilings, not reservations: an idle
     /// sandbox uses about 1 MiB, and what is really free decides each start. 25 lets a 24 GiB
@@ -743,6 +749,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,
+            sandboxes_memory_limit_mb: args.sandbox_memory_limit_mb,
             memory_overcommit: args.memory_overcommit,
             memory_pressure_limit_percent: args.memory_pressure_limit,
             criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),

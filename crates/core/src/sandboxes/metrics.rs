@@ -20,7 +20,7 @@ impl Sandboxes {
                 id,
                 LogLevel::Warn,
                 &format!(
-                    "out of memory: the kernel killed {killed} process{} of this sandbox (at its memory limit, or with the host short of memory)",
+                    "out of memory: the kernel killed {killed} process{} of this sandbox (at its memory limit, or with the host or all sandboxes together short of memory)",
                     if killed == 1 { "" } else { "es" }
                 ),
                 &[("oomKills", killed.to_string())],

@@ -157,7 +157,7 @@ impl LinuxRuntime {
             .grant(
                 id,
                 memory_mb,
-                HostMemory::read().as_ref(),
+                self.memory_view().as_ref(),
                 self.host_tasks(),
                 oom_now,
             )
@@ -171,11 +171,20 @@ impl LinuxRuntime {
     /// own) beside what is promised: its memory and its tasks.
     pub(super) fn admit_start(&self, id: &str) -> Result<(), RuntimeError> {
         self.ledger
-            .admit_beside_promised(HostMemory::read().as_ref(), self.host_tasks(), 0)
+            .admit_beside_promised(self.memory_view().as_ref(), self.host_tasks(), 0)
             .map_err(|message| RuntimeError::NoCapacity {
                 sandbox_id: id.to_owned(),
                 message,
             })
+    }
+
+    /// The host's memory as sandboxes may have it: within their common cgroup's limit.
+    pub(super) fn memory_view(&self) -> Option<HostMemory> {
+        let host = HostMemory::read()?;
+        Some(match self.cgroups.sandboxes_memory() {
+            Some(together) => host.within(together, self.ledger.memory_rule().reserve_mb),
+            None => host,
+        })
     }
 
     fn host_tasks(&self) -> Option<HostTasks> {

@@ -85,6 +85,9 @@ pub struct NodeConfig {
     /// How many times the host's memory (less the reserve) the memory limits of all
     /// sandboxes may add up to.
     pub memory_overcommit: u32,
+    /// What all sandboxes together may use, in MiB (their parent cgroup's limit); `None`:
+    /// the host's memory less `memory_reserve_mb`.
+    pub sandboxes_memory_limit_mb: Option<u64>,
     /// Memory pressure (PSI `full avg10`, percent) at which new sandboxes are refused.
     pub memory_pressure_limit_percent: f64,
     /// The CRIU binary for checkpoints of paused sandboxes; `None` keeps them in memory.
@@ -304,6 +307,23 @@ impl LinuxRuntime {
             pressure_limit_percent: config.memory_pressure_limit_percent,
         };
         if let Some(host) = crate::memory::HostMemory::read() {
+            let together_mb = config
+                .sandboxes_memory_limit_mb
+                .unwrap_or_else(|| host.total_mb.saturating_sub(config.memory_reserve_mb));
+            match cgroups.limit_sandboxes_memory(together_mb << 20) {
+                Ok(()) => tracing::info!(
+                    limit_mb = together_mb,
+                    "all sandboxes together may use this much memory; beyond it the kernel reclaims and kills among their processes only"
+                ),
+                Err(e) => tracing::warn!(
+                    limit_mb = together_mb,
+                    error = %e,
+                    "cannot limit the memory of all sandboxes together; pressure may reach the server"
+                ),
+            }
+            let host = cgroups.sandboxes_memory().map_or(host, |together| {
+                host.within(together, memory_rule.reserve_mb)
+            });
             tracing::info!(
                 memory_limits_mb = memory_rule.promise_limit_mb(&host),
                 overcommit = memory_rule.overcommit,
@@ -918,7 +938,7 @@ impl Runtime for LinuxRuntime {
     }
 
     fn memory(&self) -> Option<sandbar_core::MemoryReport> {
-        let host = crate::memory::HostMemory::read()?;
+        let host = self.memory_view()?;
         let promised = self.ledger.promised_mb();
         Some(sandbar_core::MemoryReport {
             total_bytes: host.total_mb << 20,
