@@ -7,8 +7,12 @@
 //! sandbox's id, sets its limits and hands the agent the sandbox's token and environment
 //! (`POST /init`). Nothing of a tenant ever ran in it before, so it is as fresh as a cold boot.
 //!
-//! The pool keeps sandboxes of the image most recently asked for. This module holds the
-//! decisions (which image, what to boot or retire next); the runtime does the booting.
+//! The pool follows demand, per image: the image most recently asked for keeps at least the
+//! configured floor (`--warm-pool`), and every image asked for lately keeps as many as its
+//! busiest second of creates in the last minute asked for, with a quarter more, up to the
+//! pool's ceiling (`--warm-pool-max`) for all images together. When creates stop, the extra
+//! ones are retired and an image not asked for in ten minutes keeps none. This module holds
+//! the decisions (which image, what to boot or retire next); the runtime does the booting.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,6 +33,16 @@ pub const QUIET: Duration = Duration::from_millis(25);
 /// one after another (create, use, kill, create) faster than [`QUIET`] must still find the
 /// pool refilled rather than drained.
 pub const QUIET_WHEN_LOW: Duration = Duration::from_millis(2);
+
+/// How far back creates count towards an image's demand.
+pub const DEMAND_WINDOW: Duration = Duration::from_secs(60);
+/// The span whose busiest occurrence in [`DEMAND_WINDOW`] sets an image's target: a round of
+/// simultaneous creates lands within it.
+pub const BURST: Duration = Duration::from_secs(1);
+/// An image not asked for this long keeps no warm sandbox, unless it is the last one asked for.
+pub const FORGET_AFTER: Duration = Duration::from_secs(600);
+/// Creates remembered per image: bounds the bookkeeping whatever the create rate.
+const REMEMBERED_CREATES: usize = 4096;
 
 /// The disk quota and memory limit a warm sandbox boots with, enough for its agent: nothing
 /// else runs in it before a create sets the sandbox's own.
@@ -96,11 +110,49 @@ impl PartialEq for WarmSandbox {
 
 impl Eq for WarmSandbox {}
 
+/// The creates of one image a warm sandbox could have served, lately.
+#[derive(Debug)]
+struct Demand {
+    key: WarmKey,
+    /// When each began, oldest first, within [`DEMAND_WINDOW`] (and at most
+    /// [`REMEMBERED_CREATES`]).
+    creates: std::collections::VecDeque<Instant>,
+    last: Instant,
+}
+
+impl Demand {
+    fn forget_before(&mut self, now: Instant) {
+        while self
+            .creates
+            .front()
+            .is_some_and(|at| now.saturating_duration_since(*at) > DEMAND_WINDOW)
+        {
+            self.creates.pop_front();
+        }
+    }
+
+    /// The most creates that began within one [`BURST`] of each other.
+    fn busiest_burst(&self) -> usize {
+        let times: Vec<Instant> = self.creates.iter().copied().collect();
+        let mut start = 0;
+        let mut busiest = 0;
+        for (end, at) in times.iter().enumerate() {
+            while at.saturating_duration_since(times[start]) > BURST {
+                start += 1;
+            }
+            busiest = busiest.max(end + 1 - start);
+        }
+        busiest
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     waiting: Vec<WarmSandbox>,
     /// The image the last create that a warm sandbox could have served asked for.
     wanted: Option<WarmKey>,
+    /// Every image asked for lately, the most recent first.
+    demand: Vec<Demand>,
     /// Creates under way, and when the last one began or ended.
     creating: usize,
     last_create: Option<Instant>,
@@ -111,7 +163,10 @@ struct State {
 /// The waiting sandboxes and what the pool is after.
 #[derive(Debug)]
 pub struct WarmPool {
+    /// What the image last asked for keeps at least.
     target: usize,
+    /// What all images together keep at most.
+    ceiling: usize,
     state: Mutex<State>,
     wake: tokio::sync::Notify,
     /// Held while the pool boots or retires a sandbox, so a stop can wait for that to end.
@@ -130,9 +185,12 @@ pub struct WarmReport {
 }
 
 impl WarmPool {
-    pub fn new(target: usize) -> Self {
+    /// A pool that keeps at least `target` sandboxes of the image last asked for and at most
+    /// `ceiling` (raised to `target` if lower) of all images together.
+    pub fn new(target: usize, ceiling: usize) -> Self {
         Self {
             target,
+            ceiling: ceiling.max(target),
             state: Mutex::new(State::default()),
             wake: tokio::sync::Notify::new(),
             working: tokio::sync::Mutex::new(()),
@@ -181,6 +239,7 @@ impl WarmPool {
         if state.wanted.as_ref() != Some(key) {
             state.wanted = Some(key.clone());
         }
+        state.count_create(key, Instant::now());
         drop(state);
         self.wake.notify_one();
         taken
@@ -219,8 +278,12 @@ impl WarmPool {
 
     /// The next thing to do; see [`Job`].
     pub fn next_job(&self) -> Job {
+        self.next_job_at(Instant::now())
+    }
+
+    fn next_job_at(&self, now: Instant) -> Job {
         let mut state = self.state();
-        next_job(&mut state, self.target)
+        next_job(&mut state, self.target, self.ceiling, now)
     }
 
     /// Waits for a create to change what the pool wants, or for `timeout`.
@@ -229,9 +292,15 @@ impl WarmPool {
     }
 
     pub fn report(&self) -> WarmReport {
-        let state = self.state();
+        let mut state = self.state();
+        let target = state
+            .targets(self.target, self.ceiling, Instant::now())
+            .iter()
+            .map(|(_, n)| n)
+            .sum::<usize>()
+            .max(self.target);
         WarmReport {
-            target: self.target,
+            target,
             waiting: state.waiting.len(),
             taken: state.taken,
             missed: state.missed,
@@ -239,22 +308,88 @@ impl WarmPool {
     }
 }
 
-fn next_job(state: &mut State, target: usize) -> Job {
-    let Some(wanted) = state.wanted.clone() else {
-        return Job::Wait;
-    };
-    let ready = state.waiting.iter().filter(|w| w.key == wanted).count();
-    if ready >= target {
-        return Job::Wait;
-    }
-    if state.waiting.len() >= target {
-        // The oldest of another image makes room.
-        if let Some(i) = state.waiting.iter().position(|w| w.key != wanted) {
-            return Job::Retire(Box::new(state.waiting.remove(i)));
+impl State {
+    fn count_create(&mut self, key: &WarmKey, now: Instant) {
+        let at = match self.demand.iter().position(|d| &d.key == key) {
+            Some(i) => i,
+            None => {
+                self.demand.push(Demand {
+                    key: key.clone(),
+                    creates: std::collections::VecDeque::new(),
+                    last: now,
+                });
+                self.demand.len() - 1
+            }
+        };
+        let mut demand = self.demand.remove(at);
+        demand.last = now;
+        if demand.creates.len() >= REMEMBERED_CREATES {
+            demand.creates.pop_front();
         }
+        demand.creates.push_back(now);
+        self.demand.insert(0, demand);
+    }
+
+    /// How many each image lately asked for should keep ready now, the most recent first,
+    /// within the ceiling; images past [`FORGET_AFTER`] are dropped.
+    fn targets(&mut self, floor: usize, ceiling: usize, now: Instant) -> Vec<(WarmKey, usize)> {
+        let wanted = self.wanted.clone();
+        self.demand.retain(|d| {
+            Some(&d.key) == wanted.as_ref() || now.saturating_duration_since(d.last) < FORGET_AFTER
+        });
+        let mut left = ceiling;
+        let mut targets = Vec::with_capacity(self.demand.len());
+        for demand in &mut self.demand {
+            demand.forget_before(now);
+            let burst = demand.busiest_burst();
+            let mut want = burst + burst.div_ceil(4);
+            if Some(&demand.key) == wanted.as_ref() {
+                want = want.max(floor);
+            }
+            let want = want.min(left);
+            left -= want;
+            targets.push((demand.key.clone(), want));
+        }
+        targets
+    }
+}
+
+fn next_job(state: &mut State, floor: usize, ceiling: usize, now: Instant) -> Job {
+    if floor == 0 {
         return Job::Wait;
     }
-    Job::Boot(wanted)
+    let targets = state.targets(floor, ceiling, now);
+    let ready =
+        |state: &State, key: &WarmKey| state.waiting.iter().filter(|w| &w.key == key).count();
+    let target_of = |key: &WarmKey| {
+        targets
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(0, |(_, n)| *n)
+    };
+    // The oldest sandbox of an image that holds more than it should now.
+    let surplus = |state: &State| {
+        state
+            .waiting
+            .iter()
+            .position(|w| ready(state, &w.key) > target_of(&w.key))
+    };
+    for (key, want) in &targets {
+        if ready(state, key) >= *want {
+            continue;
+        }
+        if state.waiting.len() < ceiling {
+            return Job::Boot(key.clone());
+        }
+        return match surplus(state) {
+            Some(i) => Job::Retire(Box::new(state.waiting.remove(i))),
+            None => Job::Wait,
+        };
+    }
+    match surplus(state) {
+        Some(i) => Job::Retire(Box::new(state.waiting.remove(i))),
+        None => Job::Wait,
+    }
 }
 
 /// See [`WarmPool::creating`].
@@ -301,13 +436,13 @@ mod tests {
 
     #[test]
     fn nothing_is_booted_before_a_create_asks() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         assert_eq!(pool.next_job(), Job::Wait);
     }
 
     #[test]
     fn a_miss_makes_its_image_the_one_kept_ready_up_to_the_target() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         assert!(pool.take(&key("a")).is_none());
         assert_eq!(pool.next_job(), Job::Boot(key("a")));
         pool.put(warm("w1", key("a")));
@@ -320,7 +455,7 @@ mod tests {
 
     #[test]
     fn a_create_takes_only_a_sandbox_of_its_own_image() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         pool.put(warm("w1", key("a")));
         assert!(pool.take(&key("b")).is_none());
         assert_eq!(pool.take(&key("a")).map(|w| w.name), Some("w1".into()));
@@ -329,7 +464,7 @@ mod tests {
 
     #[test]
     fn a_full_pool_of_another_image_retires_its_oldest_first() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         pool.put(warm("old1", key("a")));
         pool.put(warm("old2", key("a")));
         assert!(pool.take(&key("b")).is_none());
@@ -342,14 +477,14 @@ mod tests {
 
     #[test]
     fn a_pool_of_size_zero_never_takes_or_boots() {
-        let pool = WarmPool::new(0);
+        let pool = WarmPool::new(0, 0);
         assert!(pool.take(&key("a")).is_none());
         assert_eq!(pool.next_job(), Job::Wait);
     }
 
     #[tokio::test]
     async fn a_closed_pool_hands_back_its_sandboxes_and_does_no_more_work() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         pool.put(warm("w1", key("a")));
         assert!(pool.work().await.is_some());
         let left = pool.close().await;
@@ -360,7 +495,7 @@ mod tests {
 
     #[test]
     fn boots_wait_until_creates_have_been_quiet_for_a_while() {
-        let pool = WarmPool::new(2);
+        let pool = WarmPool::new(2, 2);
         pool.put(warm("w1", key("a")));
         let now = Instant::now();
         assert_eq!(pool.hold_off(now), None, "no create yet");
@@ -373,8 +508,90 @@ mod tests {
     }
 
     #[test]
+    fn a_burst_raises_its_image_to_the_burst_and_a_quarter_more_within_the_ceiling() {
+        let pool = WarmPool::new(2, 16);
+        let now = Instant::now();
+        {
+            let mut state = pool.state();
+            for i in 0..8 {
+                state.count_create(&key("a"), now + Duration::from_millis(i * 10));
+            }
+            state.wanted = Some(key("a"));
+        }
+        let targets = pool
+            .state()
+            .targets(2, 16, now + Duration::from_millis(100));
+        assert_eq!(targets, vec![(key("a"), 10)]);
+        // Bounded by the ceiling, whatever the burst.
+        let targets = pool.state().targets(2, 6, now + Duration::from_millis(100));
+        assert_eq!(targets, vec![(key("a"), 6)]);
+        for _ in 0..10 {
+            assert_eq!(pool.next_job_at(now), Job::Boot(key("a")));
+            pool.put(warm("w", key("a")));
+        }
+        assert_eq!(pool.next_job_at(now), Job::Wait);
+    }
+
+    #[test]
+    fn once_creates_stop_the_extra_sandboxes_are_retired_down_to_the_floor() {
+        let pool = WarmPool::new(2, 16);
+        let now = Instant::now();
+        {
+            let mut state = pool.state();
+            for i in 0..4 {
+                state.count_create(&key("a"), now + Duration::from_millis(i));
+            }
+            state.wanted = Some(key("a"));
+        }
+        for i in 0..5 {
+            pool.put(warm(&format!("w{i}"), key("a")));
+        }
+        assert_eq!(pool.next_job_at(now), Job::Wait, "4 and a quarter: five");
+        let later = now + DEMAND_WINDOW + Duration::from_secs(1);
+        for i in 0..3 {
+            assert_eq!(
+                pool.next_job_at(later),
+                Job::Retire(Box::new(warm(&format!("w{i}"), key("a"))))
+            );
+        }
+        assert_eq!(pool.next_job_at(later), Job::Wait);
+    }
+
+    #[test]
+    fn each_image_asked_for_lately_keeps_its_own_and_a_forgotten_one_keeps_none() {
+        let pool = WarmPool::new(1, 16);
+        let now = Instant::now();
+        {
+            let mut state = pool.state();
+            for i in 0..3 {
+                state.count_create(&key("b"), now + Duration::from_millis(i));
+            }
+            state.count_create(&key("a"), now + Duration::from_millis(10));
+            state.wanted = Some(key("a"));
+        }
+        let soon = now + Duration::from_millis(20);
+        assert_eq!(
+            pool.state().targets(1, 16, soon),
+            vec![(key("a"), 2), (key("b"), 4)]
+        );
+        pool.put(warm("b1", key("b")));
+        let forgotten = now + FORGET_AFTER + Duration::from_secs(1);
+        assert_eq!(pool.state().targets(1, 16, forgotten), vec![(key("a"), 1)]);
+        assert_eq!(
+            pool.next_job_at(forgotten),
+            Job::Boot(key("a")),
+            "the image last asked for comes first"
+        );
+        pool.put(warm("a1", key("a")));
+        assert_eq!(
+            pool.next_job_at(forgotten),
+            Job::Retire(Box::new(warm("b1", key("b"))))
+        );
+    }
+
+    #[test]
     fn a_pool_under_half_its_target_refills_after_a_short_pause() {
-        let pool = WarmPool::new(4);
+        let pool = WarmPool::new(4, 4);
         pool.put(warm("w1", key("a")));
         let guard = pool.creating();
         assert_eq!(pool.hold_off(Instant::now()), Some(QUIET_WHEN_LOW));

@@ -193,10 +193,16 @@ struct ServeArgs {
     netns_pool: u64,
     /// Sandboxes kept booted ahead of demand for the image creates last asked for (the
     /// default template, usually): a create that finds one takes it instead of booting. Each
-    /// waiting sandbox holds a network slot and about a MiB of memory; raise it for bursts
-    /// of creates larger than this; 0 boots every sandbox when it is created.
+    /// waiting sandbox holds a network slot and about a MiB of memory. The pool grows past
+    /// this for images whose creates come in larger bursts (see --warm-pool-max) and shrinks
+    /// back when they stop; 0 boots every sandbox when it is created.
     #[arg(long, env = "SANDBAR_WARM_POOL", default_value_t = 16, value_parser = clap::value_parser!(u64).range(0..=1024))]
     warm_pool: u64,
+    /// The most sandboxes the warm pool keeps, all images together, when creates come in
+    /// bursts: each image asked for in the last minute keeps its busiest second of creates
+    /// and a quarter more.
+    #[arg(long, env = "SANDBAR_WARM_POOL_MAX", default_value_t = 64, value_parser = clap::value_parser!(u64).range(0..=4096))]
+    warm_pool_max: u64,
     /// Seconds a template's ready command may take to succeed after its start command
     /// started (at the build and, where templates cannot be captured, at each create).
     #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -746,6 +752,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             pty_max: args.pty_max,
             netns_pool: args.netns_pool as usize,
             warm_pool: args.warm_pool as usize,
+            warm_pool_max: args.warm_pool_max as usize,
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,

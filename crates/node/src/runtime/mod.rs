@@ -99,6 +99,8 @@ pub struct NodeConfig {
     pub netns_pool: usize,
     /// Sandboxes kept booted and waiting for creates of the image last asked for.
     pub warm_pool: usize,
+    /// What the warm pool keeps at most, all images together, when creates ask for more.
+    pub warm_pool_max: usize,
     /// How long a template's ready command may take to succeed.
     pub ready_timeout: Duration,
     /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
@@ -414,7 +416,7 @@ impl LinuxRuntime {
         .await;
         Ok(Self {
             criu,
-            warm: crate::warm::WarmPool::new(config.warm_pool),
+            warm: crate::warm::WarmPool::new(config.warm_pool, config.warm_pool_max),
             agent_exec,
             agent_digest,
             kernel_filesystems,
