@@ -539,6 +539,11 @@ impl Builds {
         self
     }
 
+    /// How many of this node's build slots are taken or waited for, for its lease report.
+    pub fn slot_use(&self) -> crate::model::BuildSlotUse {
+        self.queue.slot_use()
+    }
+
     /// Refuses builds from registries `check` refuses, when they are requested.
     pub fn with_registry_check(mut self, check: Arc<dyn RegistryCheck>) -> Self {
         self.registry_check = Some(check);
