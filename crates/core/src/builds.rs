@@ -311,7 +311,7 @@ pub enum CancelBuildError {
         build_id: String,
         status: &'static str,
     },
-    #[error("build '{build_id}' runs on node '{node_id}', not on the node that keeps builds now")]
+    #[error("build '{build_id}' runs on node '{node_id}', which this request could not reach")]
     OnAnotherNode { build_id: String, node_id: String },
     #[error(transparent)]
     Store(#[from] StoreError),
