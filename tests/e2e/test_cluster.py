@@ -14,10 +14,15 @@ alone holding the machine-wide lock.
   hosts; both list the same set and either kills the other's sandboxes; kill -9 of an API
   host while commands run through the other; kill -9 of a node and its return; a node's API
   refuses requests without the cluster secret. About 40 s once the nodes are up.
+- `test_a_build_goes_to_the_node_with_a_free_build_slot` (after the budget above): with one
+  build slot per node, team A's endless build holds one node's slot, and team B's build that
+  copies a file goes to the other node and is ready within a minute; a sandbox of it sees the
+  file, and A's build is cancelled through an API host.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
 import time
@@ -34,6 +39,8 @@ import conftest
 from e2e_util import DATA_DIR, SANDBAR_BIN, acquire_run_lock, wait_until
 
 FLEET = 40
+# One tenant build at a time per node, so one endless build fills a node's build slots.
+BUILD_FLAGS = ["--concurrent-builds", "1", "--builds-per-team", "1"]
 # Once the nodes are up, the role tests together stay within this.
 BUDGET_S = 120
 # A dead node's sandboxes stop being listed as running within the lease and a margin.
@@ -196,9 +203,9 @@ def cluster(machine):
         c.open()
         # The first server on the empty database bootstraps the team and its key; the rest
         # then start together.
-        c["n1"].start(role="node")
+        c["n1"].start(role="node", extra_args=BUILD_FLAGS)
         _wait_node(c, c["n1"])
-        c["n2"].start(role="node")
+        c["n2"].start(role="node", extra_args=BUILD_FLAGS)
         for name in ("api1", "api2"):
             c[name].start(role="api")
         _wait_node(c, c["n2"])
@@ -431,8 +438,9 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     on_n1 = {sid for sid, node in fleet.running("api1").items() if node == "n1" and sid in fleet.sandboxes}
     assert on_n1, "no fleet sandbox runs on n1"
 
-    # A template built once, by the keeper (n1), is published to the layer store before it is
-    # ready; once n1 is gone, n2 fetches its layers and starts it.
+    # A template built once, by n1 (both nodes' build slots are free, so the first by id
+    # builds), is published to the layer store before it is ready; once n1 is gone, n2
+    # fetches its layers and starts it.
     built_once = f"built-once-{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
     sdk = {k: v for k, v in api2.sdk().items() if k != "sandbox_url"}
@@ -664,3 +672,101 @@ def test_a_node_refuses_requests_without_the_secret(cluster, fleet):
     assert r.status_code in (200, 204)
     took = time.monotonic() - cluster.ready_at
     assert took < BUDGET_S, f"the cluster tests took {took:.0f}s once the nodes were up"
+
+
+def _team(c: cl.Cluster, name: str) -> dict:
+    done = subprocess.run(
+        [str(SANDBAR_BIN), "team", "create", f"{name}-{uuid.uuid4().hex[:8]}", "--requests-per-minute", "0",
+         "--database-url", c.pg.url, "--data-dir", str(c["api1"].data_dir)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, f"sandbar team create: {done.stderr}"
+    return json.loads(done.stdout)
+
+
+def _build_node(c: cl.Cluster, build_id: str) -> str:
+    return c.pg.psql(f"SELECT node_id FROM template_builds WHERE id = '{build_id}'")
+
+
+@needs_roles
+def test_a_build_goes_to_the_node_with_a_free_build_slot(cluster, tmp_path):
+    """Each node has one build slot: team A's endless build takes one node's; team B's build,
+    which copies a file, is given the other node and is ready within a minute, and a sandbox
+    of it sees the file. A's build is cancelled through an API host at the end."""
+    from e2b import Sandbox, Template
+
+    api1 = cluster["api1"]
+    hog, copier = _team(cluster, "hog"), _team(cluster, "copier")
+    a = httpx.Client(base_url=api1.url, headers={"X-API-Key": hog["apiKey"]}, timeout=60)
+    made = []
+    hog_build = None
+    try:
+        r = a.post("/v3/templates", json={"name": f"hog-{uuid.uuid4().hex[:8]}"})
+        assert r.status_code == 202, f"POST /v3/templates: {r.status_code} {r.text}"
+        hog_template, hog_build = r.json()["templateID"], r.json()["buildID"]
+        made.append((a, hog_template))
+        r = a.post(f"/v2/templates/{hog_template}/builds/{hog_build}",
+                   json={"fromTemplate": "base", "steps": [{"type": "RUN", "args": ["sleep 100000"], "force": True}]})
+        assert r.status_code == 202, f"start of the endless build: {r.status_code} {r.text}"
+        hog_node = _build_node(cluster, hog_build)
+        assert hog_node in ("n1", "n2"), hog_node
+
+        def hog_runs() -> bool:
+            report = cluster.pg.psql(f"SELECT report FROM nodes WHERE id = '{hog_node}'")
+            return '"running":1' in report.replace(" ", "")
+
+        wait_until(hog_runs, timeout=30, interval=0.3, message=f"{hog_node} to report the endless build running")
+
+        ctx = tmp_path / "ctx"
+        ctx.mkdir()
+        marker = uuid.uuid4().hex
+        (ctx / "copied.txt").write_text(marker + "\n")
+        alias = f"copier-{uuid.uuid4().hex[:8]}"
+        sdk = {"api_url": api1.url, "api_key": copier["apiKey"], "domain": cl.DOMAIN}
+        outcome: dict = {}
+        done = threading.Event()
+
+        def build():
+            try:
+                outcome["built"] = Template.build(
+                    Template(file_context_path=str(ctx)).from_template("base")
+                    .copy("copied.txt", "/home/user/copied.txt"),
+                    alias, **sdk)
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                outcome["error"] = e
+            finally:
+                done.set()
+
+        # In a thread of its own: a build queued behind the endless one would never end.
+        t0 = time.monotonic()
+        threading.Thread(target=build, daemon=True, name="copier-build").start()
+        assert done.wait(60), "the other team's build was not ready within 60s"
+        took = time.monotonic() - t0
+        assert "error" not in outcome, f"the other team's build failed: {outcome['error']!r}"
+        built = outcome["built"]
+        print(f"\n[e2e] the other team's build was ready in {took:.1f}s")
+        made.append((httpx.Client(base_url=api1.url, headers={"X-API-Key": copier["apiKey"]}, timeout=60),
+                     built.template_id))
+        copier_node = _build_node(cluster, built.build_id)
+        assert copier_node in ("n1", "n2") and copier_node != hog_node, \
+            f"the endless build is on {hog_node}, the other team's went to {copier_node!r}"
+
+        sbx = Sandbox.create(template=alias, timeout=60, **sdk, sandbox_url=api1.url)
+        try:
+            assert sbx.commands.run("cat /home/user/copied.txt").stdout == marker + "\n"
+        finally:
+            sbx.kill()
+
+        s = a.get(f"/templates/{hog_template}/builds/{hog_build}/status").json()
+        assert s["status"] == "building", s
+        r = a.delete(f"/templates/{hog_template}/builds/{hog_build}")
+        assert r.status_code == 204, f"cancel of the endless build: {r.status_code} {r.text}"
+        assert a.get(f"/templates/{hog_template}/builds/{hog_build}/status").json()["status"] == "error"
+    finally:
+        if hog_build is not None:
+            a.delete(f"/templates/{hog_template}/builds/{hog_build}")
+        for client, template_id in made:
+            client.delete(f"/templates/{template_id}")
+        for client, _ in made:
+            client.close()
+        a.close()

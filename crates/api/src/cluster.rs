@@ -2,7 +2,18 @@
 //! secret ([`require_node_secret`]). On an API host, requests that concern a sandbox, a new
 //! sandbox, a build or a volume are forwarded to the node that holds it or should
 //! ([`forward_to_nodes`]), with the secret added; the rest (keys, teams, listings, logs,
-//! metrics of the team) are answered from the shared store like on a single host.
+//! metrics of the team, build status and logs) are answered from the shared store like on a
+//! single host.
+//!
+//! A template build runs on the node with the most build room, not on one node for the whole
+//! cluster. Its files go there too: the build is given its node as soon as it is requested,
+//! and its upload links, uploads, start and cancel all follow the record to that node. This
+//! keeps the files a build copies on the disk of the node that builds, with no copy between
+//! nodes: no new path by which a node reads another's files, no second size cap or hash to
+//! check, and the single-use upload tokens and the Dockerfile build's context, which a node
+//! keeps in memory, are used by the node that issued them. The request itself is still
+//! recorded by the keeper, whose lock per team counts the team's templates and tags against
+//! its caps.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,7 +28,7 @@ use chrono::Utc;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use sandbar_core::cluster::{TemplateReach, placement_order};
+use sandbar_core::cluster::{TemplateReach, build_placement_order, placement_order};
 use sandbar_core::{NodeDirectory, NodeRecord, Store};
 
 use crate::AppState;
@@ -64,8 +75,15 @@ enum Destination {
     Sandbox(String),
     /// Place a new sandbox on a node.
     NewSandbox,
-    /// Forward it to the node that keeps builds, uploads and volumes.
+    /// Forward it to the node that keeps volumes, records requested builds and administers
+    /// templates.
     Keeper,
+    /// A build request: recorded by the keeper, then given to a node with build room.
+    NewBuild,
+    /// An upload link or upload of a template's files: to the node given its waiting build.
+    TemplateFiles(String),
+    /// A build's start or cancel: to the node its record names.
+    Build(String),
     /// Ask each node for the latest metrics of its sandboxes among those named.
     LatestMetrics,
 }
@@ -88,10 +106,21 @@ fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Des
             [id, ..] => Destination::Sandbox((*id).to_owned()),
         };
     }
+    let files_of = |id: &str| Destination::TemplateFiles(id.to_owned());
     match segments.as_slice() {
+        ["templates", id, "files", _] | ["upload", "templates", id, "files", _] => files_of(id),
         ["volumes", ..] | ["volumecontent", ..] | ["upload", ..] => Destination::Keeper,
-        // Upload links and build starts keep files on the node that builds.
-        ["templates", _, "files", _] => Destination::Keeper,
+        ["v2", "templates", _, "builds", build] if method == Method::POST => {
+            Destination::Build((*build).to_owned())
+        }
+        ["templates", _, "builds", build] if method == Method::POST || method == Method::DELETE => {
+            Destination::Build((*build).to_owned())
+        }
+        ["v3" | "v2", "templates"] | ["templates"] if method == Method::POST => {
+            Destination::NewBuild
+        }
+        // A new Dockerfile build of the template (`/templates/tags` assigns tags).
+        ["templates", id] if method == Method::POST && *id != "tags" => Destination::NewBuild,
         ["templates" | "v2" | "v3", ..] if method != Method::GET => Destination::Keeper,
         _ => Destination::Here,
     }
@@ -106,7 +135,10 @@ pub struct ClusterRouting {
     owners: Mutex<HashMap<String, (String, Instant)>>,
     /// Creates sent to each node, and when the first of them went: counted against its
     /// headroom until its next report can show them.
-    pending: Mutex<HashMap<String, (u64, Instant)>>,
+    pending: InFlight,
+    /// Builds given to each node: counted against its build slots until its report can show
+    /// them, which is only once the client started the build (after its uploads).
+    pending_builds: InFlight,
     /// The template a credential's create named, as resolved for placement, for
     /// [`OWNER_TTL`]: a hint only, since the node authenticates and resolves again.
     templates: Mutex<HashMap<u64, (String, TemplateReach, Instant)>>,
@@ -125,6 +157,47 @@ struct Signers {
 /// How long a copy of the recorded tokens answers a signature that matches none of them:
 /// a sandbox created since is found once it is older than this.
 const SIGNERS_TTL: Duration = Duration::from_secs(1);
+
+/// How long a build given to a node counts against its slots before the node's report shows
+/// it: the client uploads its files between the request and the start, which takes seconds
+/// for most builds. Longer uploads are undercounted; placement is a best effort.
+const BUILD_START_WINDOW: Duration = Duration::from_secs(30);
+
+/// Work this API host sent each node recently, which the node's report may not show yet:
+/// counted from the first of a series for `window`, then forgotten.
+struct InFlight {
+    window: Duration,
+    sent: Mutex<HashMap<String, (u64, Instant)>>,
+}
+
+impl InFlight {
+    fn new(window: Duration) -> Self {
+        Self {
+            window,
+            sent: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, Instant)>> {
+        self.sent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn on(&self, node: &str) -> u64 {
+        match self.lock().get(node) {
+            Some((count, first)) if first.elapsed() < self.window => *count,
+            _ => 0,
+        }
+    }
+
+    fn count(&self, node: &str) {
+        let mut sent = self.lock();
+        let entry = sent.entry(node.to_owned()).or_insert((0, Instant::now()));
+        if entry.1.elapsed() >= self.window {
+            *entry = (0, Instant::now());
+        }
+        entry.0 += 1;
+    }
+}
 
 impl std::fmt::Debug for ClusterRouting {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -165,7 +238,8 @@ impl ClusterRouting {
             secret,
             client,
             owners: Mutex::new(HashMap::new()),
-            pending: Mutex::new(HashMap::new()),
+            pending: InFlight::new(sandbar_core::cluster::LEASE_RENEWAL * 2),
+            pending_builds: InFlight::new(BUILD_START_WINDOW),
             templates: Mutex::new(HashMap::new()),
             signers: tokio::sync::Mutex::new(Signers::default()),
         }
@@ -252,30 +326,85 @@ impl ClusterRouting {
 
     /// Creates sent to `node` recently enough that its report may not show them yet.
     fn pending_on(&self, node: &str) -> u64 {
-        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        match pending.get(node) {
-            Some((count, first)) if first.elapsed() < sandbar_core::cluster::LEASE_RENEWAL * 2 => {
-                *count
-            }
-            _ => 0,
-        }
+        self.pending.on(node)
     }
 
     fn count_pending(&self, node: &str) {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = pending
-            .entry(node.to_owned())
-            .or_insert((0, Instant::now()));
-        if entry.1.elapsed() >= sandbar_core::cluster::LEASE_RENEWAL * 2 {
-            *entry = (0, Instant::now());
-        }
-        entry.0 += 1;
+        self.pending.count(node);
     }
 
-    /// The node that keeps builds, uploads and volumes: the live node first by id, so every
-    /// API host picks the same one.
+    /// The node that keeps volumes and records build requests: the live node first by id, so
+    /// every API host picks the same one.
     fn keeper(&self) -> Option<NodeRecord> {
         self.nodes.live().into_iter().min_by(|a, b| a.id.cmp(&b.id))
+    }
+
+    fn live_node(&self, id: &str) -> Option<NodeRecord> {
+        self.nodes.node(id).filter(|n| n.is_live(Utc::now()))
+    }
+
+    /// Where a build's start or cancel goes: the node its record names while that node is
+    /// live; otherwise the keeper, which answers for a build nobody runs (a start there finds
+    /// no files the lost node held, a cancel of a build never started ends it).
+    async fn build_node(&self, build_id: &str) -> Result<NodeRecord, ApiError> {
+        let build = self.store.build(build_id).await.map_err(store_failed)?;
+        build
+            .and_then(|b| b.node_id)
+            .and_then(|id| self.live_node(&id))
+            .or_else(|| self.keeper())
+            .ok_or_else(no_nodes)
+    }
+
+    /// Where a template's upload links and uploads go: the node given its waiting build, so
+    /// the files are where that build will read them; otherwise the keeper.
+    async fn files_node(&self, template_id: &str) -> Result<NodeRecord, ApiError> {
+        let waiting = match self
+            .store
+            .template(template_id)
+            .await
+            .map_err(store_failed)?
+        {
+            Some(template) if !template.build_id.is_empty() => self
+                .store
+                .build(&template.build_id)
+                .await
+                .map_err(store_failed)?
+                .filter(|b| b.status == sandbar_core::BuildStatus::Waiting),
+            _ => None,
+        };
+        waiting
+            .and_then(|b| b.node_id)
+            .and_then(|id| self.live_node(&id))
+            .or_else(|| self.keeper())
+            .ok_or_else(no_nodes)
+    }
+
+    /// Gives requested build `build_id`, recorded on `keeper`, to the live node with the most
+    /// build room. When none reports its slots, or the record cannot be changed, the keeper
+    /// keeps it: the build still runs, only not spread.
+    async fn place_build(&self, build_id: &str, keeper: &NodeRecord) {
+        let order = build_placement_order(
+            &self.nodes.live(),
+            |node| self.pending_builds.on(node),
+            Utc::now(),
+        );
+        let Some(node) = order.into_iter().next() else {
+            self.pending_builds.count(&keeper.id);
+            return;
+        };
+        if node.id != keeper.id {
+            match self.store.assign_waiting_build(build_id, &node.id).await {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(e) => {
+                    tracing::warn!(%build_id, node_id = %node.id, error = %e, "cannot give a build to a node; its keeper builds it");
+                    self.pending_builds.count(&keeper.id);
+                    return;
+                }
+            }
+        }
+        tracing::debug!(%build_id, node_id = %node.id, "build given to a node");
+        self.pending_builds.count(&node.id);
     }
 
     /// Sends `request` to `node` with the secret added; the Host header stays the client's,
@@ -367,6 +496,19 @@ pub(crate) async fn forward_to_nodes(
                 .unwrap_or_else(IntoResponse::into_response),
             None => no_nodes().into_response(),
         },
+        Destination::NewBuild => new_build(&cluster, request)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        Destination::TemplateFiles(template_id) => match cluster.files_node(&template_id).await {
+            Ok(node) => cluster.send(&node, request).await,
+            Err(e) => Err(e),
+        }
+        .unwrap_or_else(IntoResponse::into_response),
+        Destination::Build(build_id) => match cluster.build_node(&build_id).await {
+            Ok(node) => cluster.send(&node, request).await,
+            Err(e) => Err(e),
+        }
+        .unwrap_or_else(IntoResponse::into_response),
     }
 }
 
@@ -375,6 +517,42 @@ fn no_nodes() -> ApiError {
         StatusCode::SERVICE_UNAVAILABLE,
         "no node of the cluster is alive to take this request",
     )
+}
+
+fn store_failed(e: sandbar_core::StoreError) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+}
+
+/// A build request: the keeper records it (and answers what a single host would), then the
+/// build is given to a node with build room before the client hears its ID, so the upload
+/// links it asks for next already go there.
+async fn new_build(cluster: &ClusterRouting, request: Request) -> Result<Response, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Requested {
+        #[serde(rename = "buildID")]
+        build_id: String,
+    }
+    let keeper = cluster.keeper().ok_or_else(no_nodes)?;
+    let response = cluster.send(&keeper, request).await?;
+    if !response.status().is_success() {
+        return Ok(response);
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = axum::body::to_bytes(body, CREATE_BODY_LIMIT)
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "node '{}' cut its answer to a build request short: {e}",
+                    keeper.id
+                ),
+            )
+        })?;
+    if let Ok(requested) = serde_json::from_slice::<Requested>(&bytes) {
+        cluster.place_build(&requested.build_id, &keeper).await;
+    }
+    Ok(Response::from_parts(parts, Body::from(bytes)))
 }
 
 /// A signed `/files` URL that names no sandbox (what `download_url()` and `upload_url()` give
@@ -754,34 +932,69 @@ mod tests {
     }
 
     #[test]
-    fn builds_uploads_and_volumes_go_to_the_keeper() {
-        assert_eq!(dest(Method::POST, "/v3/templates"), Destination::Keeper);
-        assert_eq!(
-            dest(Method::POST, "/v2/templates/t/builds/b"),
-            Destination::Keeper
-        );
+    fn template_writes_follow_their_build_and_volumes_go_to_the_keeper() {
+        for path in [
+            "/v3/templates",
+            "/v2/templates",
+            "/templates",
+            "/templates/t",
+        ] {
+            assert_eq!(dest(Method::POST, path), Destination::NewBuild, "{path}");
+        }
         assert_eq!(
             dest(Method::GET, "/templates/t/files/h"),
-            Destination::Keeper
+            Destination::TemplateFiles("t".into())
         );
         assert_eq!(
             dest(Method::PUT, "/upload/templates/t/files/h"),
-            Destination::Keeper
+            Destination::TemplateFiles("t".into())
         );
-        assert_eq!(dest(Method::DELETE, "/templates/t"), Destination::Keeper);
-        // A cancel reaches the queue that holds the build.
+        assert_eq!(
+            dest(Method::POST, "/v2/templates/t/builds/b"),
+            Destination::Build("b".into())
+        );
+        // A Dockerfile build's start, and a cancel of either kind.
+        assert_eq!(
+            dest(Method::POST, "/templates/t/builds/b"),
+            Destination::Build("b".into())
+        );
         assert_eq!(
             dest(Method::DELETE, "/templates/t/builds/b"),
-            Destination::Keeper
+            Destination::Build("b".into())
         );
+        // Status and logs are in the store.
+        assert_eq!(
+            dest(Method::GET, "/templates/t/builds/b/status"),
+            Destination::Here
+        );
+        assert_eq!(
+            dest(Method::GET, "/templates/t/builds/b/logs"),
+            Destination::Here
+        );
+        assert_eq!(dest(Method::GET, "/templates/t"), Destination::Here);
+        // Administration stays with the keeper.
+        assert_eq!(dest(Method::POST, "/templates/tags"), Destination::Keeper);
+        assert_eq!(dest(Method::DELETE, "/templates/tags"), Destination::Keeper);
+        assert_eq!(dest(Method::DELETE, "/templates/t"), Destination::Keeper);
+        assert_eq!(dest(Method::PATCH, "/templates/t"), Destination::Keeper);
+        assert_eq!(dest(Method::PATCH, "/v2/templates/t"), Destination::Keeper);
+        assert_eq!(dest(Method::PUT, "/upload/other"), Destination::Keeper);
         assert_eq!(dest(Method::GET, "/volumes"), Destination::Keeper);
         assert_eq!(
             dest(Method::GET, "/volumecontent/v/file"),
             Destination::Keeper
         );
-        assert_eq!(
-            dest(Method::GET, "/templates/t/builds/b/status"),
-            Destination::Here
-        );
+    }
+
+    #[test]
+    fn work_in_flight_counts_within_its_window_only() {
+        let sent = InFlight::new(Duration::from_secs(60));
+        sent.count("a");
+        sent.count("a");
+        assert_eq!(sent.on("a"), 2);
+        assert_eq!(sent.on("b"), 0);
+        let gone = InFlight::new(Duration::ZERO);
+        gone.count("a");
+        assert_eq!(gone.on("a"), 0);
     }
 }

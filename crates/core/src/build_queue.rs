@@ -177,6 +177,31 @@ impl BuildQueue {
         )
     }
 
+    /// The tenants' slots and their builds running and waiting, as a node reports them: the
+    /// server's own builds take no tenant slot, so they are left out.
+    pub fn slot_use(&self) -> crate::model::BuildSlotUse {
+        let state = self.lock();
+        let tenant = |owner: &&BuildOwner| **owner != BuildOwner::Server;
+        let running: usize = state
+            .running
+            .iter()
+            .filter(|(o, _)| tenant(o))
+            .map(|(_, n)| n)
+            .sum();
+        let waiting: usize = state
+            .waiting
+            .iter()
+            .filter(|(o, _)| tenant(o))
+            .map(|(_, q)| q.len())
+            .sum();
+        let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+        crate::model::BuildSlotUse {
+            slots: count(self.limits.total.max(1)),
+            running: count(running),
+            waiting: count(waiting),
+        }
+    }
+
     fn release(self: &Arc<Self>, owner: &BuildOwner) {
         {
             let mut state = self.lock();
@@ -444,6 +469,21 @@ mod tests {
         drop(a0_slot);
         let _a1_slot = a1.try_recv().expect("a1 starts once a0 ended");
         assert_eq!(queue.counts(), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn the_reported_slot_use_leaves_the_server_s_builds_out() {
+        let queue = BuildQueue::new(BuildLimits {
+            total: 1,
+            per_team: 1,
+        });
+        let _base = queue.enqueue(BuildOwner::Server, "base");
+        let _a0 = queue.enqueue(team("a"), "a0");
+        let _a1 = queue.enqueue(team("a"), "a1");
+        let _b0 = queue.enqueue(team("b"), "b0");
+        let used = queue.slot_use();
+        assert_eq!((used.slots, used.running, used.waiting), (1, 1, 2));
+        assert!(!used.has_room());
     }
 
     #[tokio::test]

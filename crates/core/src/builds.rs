@@ -311,7 +311,7 @@ pub enum CancelBuildError {
         build_id: String,
         status: &'static str,
     },
-    #[error("build '{build_id}' runs on node '{node_id}', not on the node that keeps builds now")]
+    #[error("build '{build_id}' runs on node '{node_id}', which this request could not reach")]
     OnAnotherNode { build_id: String, node_id: String },
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -537,6 +537,11 @@ impl Builds {
     pub fn on_node(mut self, node_id: String) -> Self {
         self.node_id = Some(node_id);
         self
+    }
+
+    /// How many of this node's build slots are taken or waited for, for its lease report.
+    pub fn slot_use(&self) -> crate::model::BuildSlotUse {
+        self.queue.slot_use()
     }
 
     /// Refuses builds from registries `check` refuses, when they are requested.

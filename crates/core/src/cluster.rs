@@ -136,6 +136,39 @@ pub fn placement_order(
     ranked.into_iter().map(|(_, _, n)| n.clone()).collect()
 }
 
+/// The live nodes in the order a template build should go to them: nodes with a free build
+/// slot first, then by the share of their slots that builds hold or wait for (fewest first),
+/// then by id, so every API host ranks equal nodes alike. `pending` counts the builds this
+/// host sent each node that its report may not show yet. A node that reports no slots (one
+/// that does not build for tenants, or predates the report) is left out; when every node is
+/// full, the build still goes to the least loaded, where it waits in that node's queue.
+pub fn build_placement_order(
+    nodes: &[NodeRecord],
+    pending: impl Fn(&str) -> u64,
+    now: DateTime<Utc>,
+) -> Vec<NodeRecord> {
+    let mut ranked: Vec<(u64, u64, &NodeRecord)> = nodes
+        .iter()
+        .filter(|n| n.is_live(now) && n.report.builds.slots > 0)
+        .map(|n| {
+            let used = n.report.builds.used().saturating_add(pending(&n.id));
+            (used, u64::from(n.report.builds.slots), n)
+        })
+        .collect();
+    ranked.sort_by(|(used_a, slots_a, a), (used_b, slots_b, b)| {
+        let full_a = used_a >= slots_a;
+        let full_b = used_b >= slots_b;
+        // used_a / slots_a against used_b / slots_b, without dividing.
+        let share_a = u128::from(*used_a) * u128::from(*slots_b);
+        let share_b = u128::from(*used_b) * u128::from(*slots_a);
+        full_a
+            .cmp(&full_b)
+            .then(share_a.cmp(&share_b))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    ranked.into_iter().map(|(_, _, n)| n.clone()).collect()
+}
+
 /// A node's own lease, renewed from its measurements.
 #[derive(Debug, Clone)]
 pub struct NodeLease {
@@ -243,6 +276,69 @@ mod tests {
         let nodes = [node("b", 4, &[], 10), node("a", 4, &[], 10)];
         assert_eq!(
             ids(placement_order(&nodes, "x", Local, |_| 0, Utc::now())),
+            ["a", "b"]
+        );
+    }
+
+    fn builder(id: &str, slots: u32, running: u32, waiting: u32, lease_secs: i64) -> NodeRecord {
+        let mut n = node(id, 4, &[], lease_secs);
+        n.report.builds = crate::model::BuildSlotUse {
+            slots,
+            running,
+            waiting,
+        };
+        n
+    }
+
+    #[test]
+    fn a_build_goes_to_the_node_with_the_fewest_used_slots_for_its_slots() {
+        let nodes = [
+            builder("a", 4, 2, 0, 10),
+            builder("b", 2, 0, 1, 10),
+            builder("c", 8, 1, 1, 10),
+        ];
+        // a: 2/4, b: 1/2, c: 2/8.
+        let order = build_placement_order(&nodes, |_| 0, Utc::now());
+        assert_eq!(ids(order), ["c", "a", "b"]);
+    }
+
+    #[test]
+    fn full_nodes_come_after_any_with_room_and_lost_ones_never() {
+        let nodes = [
+            builder("a", 1, 1, 0, 10),
+            builder("b", 4, 3, 0, 10),
+            builder("c", 1, 0, 0, -1),
+            builder("d", 2, 1, 3, 10),
+        ];
+        // b is three quarters full but has room; a (1/1) and d (4/2) have none.
+        let order = build_placement_order(&nodes, |_| 0, Utc::now());
+        assert_eq!(ids(order), ["b", "a", "d"]);
+    }
+
+    #[test]
+    fn builds_in_flight_count_until_the_report_shows_them() {
+        let nodes = [builder("a", 1, 0, 0, 10), builder("b", 1, 0, 0, 10)];
+        let sent_to_a = |id: &str| u64::from(id == "a");
+        assert_eq!(
+            ids(build_placement_order(&nodes, sent_to_a, Utc::now())),
+            ["b", "a"]
+        );
+    }
+
+    #[test]
+    fn equal_builders_are_ranked_by_id_and_silent_ones_left_out() {
+        let nodes = [
+            builder("b", 2, 1, 0, 10),
+            builder("a", 4, 2, 0, 10),
+            builder("c", 0, 0, 0, 10),
+        ];
+        assert_eq!(
+            ids(build_placement_order(&nodes, |_| 0, Utc::now())),
+            ["a", "b"]
+        );
+        let reversed = [nodes[2].clone(), nodes[1].clone(), nodes[0].clone()];
+        assert_eq!(
+            ids(build_placement_order(&reversed, |_| 0, Utc::now())),
             ["a", "b"]
         );
     }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use sandbar_core::cluster::{LEASE_RENEWAL, NodeLease};
-use sandbar_core::{NodeReport, Runtime, Sandboxes, Store};
+use sandbar_core::{Builds, NodeReport, Runtime, Sandboxes, Store};
 
 use crate::LinuxRuntime;
 
@@ -16,19 +16,25 @@ pub async fn renew_forever(
     lease: NodeLease,
     runtime: Arc<LinuxRuntime>,
     sandboxes: Arc<Sandboxes>,
+    builds: Builds,
 ) {
     let mut ticks = tokio::time::interval(LEASE_RENEWAL);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
-        let report = measure(store.as_ref(), &runtime, &sandboxes).await;
+        let report = measure(store.as_ref(), &runtime, &sandboxes, &builds).await;
         if let Err(e) = store.renew_node(&lease.record(report, Utc::now())).await {
             tracing::warn!(node_id = %lease.id, error = %e, "cannot renew the node's lease");
         }
     }
 }
 
-async fn measure(store: &dyn Store, runtime: &LinuxRuntime, sandboxes: &Sandboxes) -> NodeReport {
+async fn measure(
+    store: &dyn Store,
+    runtime: &LinuxRuntime,
+    sandboxes: &Sandboxes,
+    builds: &Builds,
+) -> NodeReport {
     let memory = runtime.memory().unwrap_or_default();
     let held: usize = sandboxes.count_by_status().iter().map(|(_, n)| n).sum();
     let templates = match store.templates().await {
@@ -56,5 +62,6 @@ async fn measure(store: &dyn Store, runtime: &LinuxRuntime, sandboxes: &Sandboxe
         memory_promise_limit_bytes: memory.promise_limit_bytes,
         sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
         templates,
+        builds: builds.slot_use(),
     }
 }

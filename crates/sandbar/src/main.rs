@@ -952,6 +952,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             lease.clone(),
             runtime.clone(),
             sandboxes.clone(),
+            builds.clone(),
         ));
         tracing::info!(node_id = %lease.id, url = %lease.url, "serving as a node of a cluster");
     }

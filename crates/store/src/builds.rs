@@ -55,6 +55,22 @@ impl BuildRecords for SqliteStore {
         Ok(())
     }
 
+    async fn assign_waiting_build(
+        &self,
+        build_id: &str,
+        node_id: &str,
+    ) -> Result<bool, StoreError> {
+        let assigned = sqlx::query(
+            "UPDATE template_builds SET node_id = ? WHERE id = ? AND status = 'waiting'",
+        )
+        .bind(node_id)
+        .bind(build_id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(assigned.rows_affected() == 1)
+    }
+
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
         let row = sqlx::query("SELECT * FROM template_builds WHERE id = ?")
             .bind(id)

@@ -761,6 +761,33 @@ async fn builds_tags_and_build_logs(f: Fixture) {
             .and_then(|b| b.node_id),
         Some("n1".into())
     );
+    // A waiting build may be given to another node; a started or ended one is not.
+    assert!(
+        store
+            .assign_waiting_build("b-wait", "n2")
+            .await
+            .expect("assign")
+    );
+    assert_eq!(
+        store
+            .build("b-wait")
+            .await
+            .expect("read")
+            .and_then(|b| b.node_id),
+        Some("n2".into())
+    );
+    assert!(
+        !store
+            .assign_waiting_build("b-new", "n2")
+            .await
+            .expect("assign a ready one")
+    );
+    assert!(
+        !store
+            .assign_waiting_build("nope", "n2")
+            .await
+            .expect("assign a missing one")
+    );
     let mut done = running.clone();
     done.status = BuildStatus::Error;
     done.failure = Some(sandbar_core::BuildFailure::at("2", "exit 1"));

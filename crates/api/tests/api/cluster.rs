@@ -28,6 +28,34 @@ use common::FakeRuntime;
 const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 const SECRET: &str = "0123456789abcdef0123456789abcdef-cluster";
 
+/// A node's builder: its builds end only when cancelled.
+struct EndlessBuilder;
+
+#[async_trait::async_trait]
+impl sandbar_core::Builder for EndlessBuilder {
+    async fn build(
+        &self,
+        _: sandbar_core::BuildJob,
+        _: sandbar_core::BuildLog,
+    ) -> Result<sandbar_core::TemplateImage, sandbar_core::BuildFailure> {
+        std::future::pending().await
+    }
+    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
+        false
+    }
+    async fn store_upload(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: sandbar_core::builds::UploadBody,
+        _: u64,
+    ) -> Result<(), sandbar_core::builds::UploadError> {
+        Ok(())
+    }
+    async fn collect_garbage(&self, _: &[String]) {}
+}
+
 struct Node {
     id: String,
     url: String,
@@ -75,7 +103,12 @@ fn state(
     AppState {
         auth: Auth::new(store.clone()),
         sandboxes: Arc::new(sandboxes),
-        builds: common::builds(store.clone(), &templates),
+        builds: if node_id.is_empty() {
+            common::builds(store.clone(), &templates)
+        } else {
+            common::builds_with(store.clone(), &templates, Arc::new(EndlessBuilder))
+                .on_node(node_id.into())
+        },
         templates,
         rate_limits: Arc::new(RateLimits::default()),
         edge: Arc::new(EdgeConfig {
@@ -170,6 +203,34 @@ impl Cluster {
             .await
             .expect("renew");
         self.directory.refresh().await.expect("refresh");
+    }
+
+    /// Renews `node`'s lease with `running` of its `slots` build slots taken.
+    async fn renew_builds(&self, node: &str, slots: u32, running: u32) {
+        let mut record = self
+            .store
+            .nodes()
+            .await
+            .expect("nodes")
+            .into_iter()
+            .find(|n| n.id == node)
+            .expect("node");
+        record.report.builds = sandbar_core::BuildSlotUse {
+            slots,
+            running,
+            waiting: 0,
+        };
+        self.store.renew_node(&record).await.expect("renew");
+        self.directory.refresh().await.expect("refresh");
+    }
+
+    async fn build_node(&self, build_id: &str) -> Option<String> {
+        self.store
+            .build(build_id)
+            .await
+            .expect("read")
+            .expect("build")
+            .node_id
     }
 
     fn node(&self, id: &str) -> &Node {
@@ -584,4 +645,93 @@ async fn a_node_fails_only_its_own_and_lost_nodes_unfinished_builds() {
     // A stop of n1 fails nothing of n2's either.
     builds.shutdown().await;
     assert_eq!(status("b-live").await, BuildStatus::Building);
+}
+
+#[tokio::test]
+async fn a_build_goes_to_the_node_with_a_free_slot_and_its_files_start_and_cancel_follow() {
+    let c = cluster(10).await;
+    // n1, the keeper, has its one build slot taken; n2 has room.
+    c.renew_builds("n1", 1, 1).await;
+    c.renew_builds("n2", 1, 0).await;
+    let (status, requested) = c
+        .call("POST", "/v3/templates", Some(r#"{"name":"spread"}"#))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{requested}");
+    let template_id = requested["templateID"]
+        .as_str()
+        .expect("template")
+        .to_owned();
+    let build_id = requested["buildID"].as_str().expect("build").to_owned();
+    assert_eq!(c.build_node(&build_id).await.as_deref(), Some("n2"));
+
+    let hash = "ab".repeat(32);
+    let (status, link) = c
+        .call(
+            "GET",
+            &format!("/templates/{template_id}/files/{hash}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{link}");
+    let url = link["url"].as_str().expect("an upload link");
+    let upload = &url[url.find("/upload/").expect("an upload path")..];
+    // Only the node that gave the link knows its token.
+    let (status, body) = c.call("PUT", upload, Some("not a tar")).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+
+    let (status, body) = c
+        .call(
+            "POST",
+            &format!("/v2/templates/{template_id}/builds/{build_id}"),
+            Some(r#"{"fromTemplate":"base","steps":[{"type":"COPY","args":["a","/a"],"filesHash":"abababababababababababababababababababababababababababababababab"}]}"#),
+        )
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(c.build_node(&build_id).await.as_deref(), Some("n2"));
+    let (status, body) = c
+        .call(
+            "GET",
+            &format!("/templates/{template_id}/builds/{build_id}/status"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["status"], "building");
+
+    // Only n2 runs it: n1 would answer that the build is on another node.
+    let (status, body) = c
+        .call(
+            "DELETE",
+            &format!("/templates/{template_id}/builds/{build_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    let build = c
+        .store
+        .build(&build_id)
+        .await
+        .expect("read")
+        .expect("build");
+    assert_eq!(build.status, BuildStatus::Error);
+}
+
+#[tokio::test]
+async fn with_every_build_slot_free_builds_go_to_the_first_node_by_id() {
+    let c = cluster(10).await;
+    c.renew_builds("n1", 2, 0).await;
+    c.renew_builds("n2", 2, 0).await;
+    let (status, requested) = c
+        .call("POST", "/v3/templates", Some(r#"{"name":"first"}"#))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{requested}");
+    let first = requested["buildID"].as_str().expect("build").to_owned();
+    assert_eq!(c.build_node(&first).await.as_deref(), Some("n1"));
+    // The first is counted against n1 until n1's report shows it.
+    let (status, requested) = c
+        .call("POST", "/v3/templates", Some(r#"{"name":"second"}"#))
+        .await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{requested}");
+    let second = requested["buildID"].as_str().expect("build").to_owned();
+    assert_eq!(c.build_node(&second).await.as_deref(), Some("n2"));
 }

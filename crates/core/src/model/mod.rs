@@ -14,7 +14,7 @@ pub mod volumes;
 
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
 pub use layer_blobs::LayerBlob;
-pub use nodes::{NodeRecord, NodeReport, SlotClaim};
+pub use nodes::{BuildSlotUse, NodeRecord, NodeReport, SlotClaim};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;

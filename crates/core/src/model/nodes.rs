@@ -36,6 +36,31 @@ pub struct NodeReport {
     pub sandboxes: u32,
     /// Templates whose every layer is on its disk, by id: creates of them need no pull.
     pub templates: Vec<String>,
+    /// Its tenants' build slots and how many builds hold or wait for one: where builds go.
+    pub builds: BuildSlotUse,
+}
+
+/// A node's build slots as its build queue counts them (the server's own builds of its
+/// built-in templates take none, so they are not counted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct BuildSlotUse {
+    /// Builds of all teams that may run at once (`--concurrent-builds`); 0 from a node that
+    /// does not report it.
+    pub slots: u32,
+    pub running: u32,
+    pub waiting: u32,
+}
+
+impl BuildSlotUse {
+    /// Builds that hold a slot or wait for one.
+    pub fn used(&self) -> u64 {
+        u64::from(self.running) + u64::from(self.waiting)
+    }
+
+    pub fn has_room(&self) -> bool {
+        self.used() < u64::from(self.slots)
+    }
 }
 
 impl NodeReport {

@@ -8,6 +8,10 @@ pub trait BuildRecords: Send + Sync {
     async fn insert_build(&self, build: &BuildRecord) -> Result<(), StoreError>;
     async fn update_build(&self, build: &BuildRecord) -> Result<(), StoreError>;
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError>;
+    /// Records a build that has not started yet as to be built by node `node_id`; false
+    /// when it is no longer waiting (it started, ended, or is gone).
+    async fn assign_waiting_build(&self, build_id: &str, node_id: &str)
+    -> Result<bool, StoreError>;
     /// A template's builds, newest first.
     async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError>;
     /// Builds still `waiting` or `building`.

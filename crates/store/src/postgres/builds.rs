@@ -113,6 +113,22 @@ impl BuildRecords for PgStore {
         Ok(())
     }
 
+    async fn assign_waiting_build(
+        &self,
+        build_id: &str,
+        node_id: &str,
+    ) -> Result<bool, StoreError> {
+        let assigned = sqlx::query(
+            "UPDATE template_builds SET node_id = $1 WHERE id = $2 AND status = 'waiting'",
+        )
+        .bind(node_id)
+        .bind(build_id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(assigned.rows_affected() == 1)
+    }
+
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
         Ok(self
             .records_where::<BuildRow, _>("SELECT * FROM template_builds WHERE id = $1", Some(id))
