@@ -43,6 +43,7 @@ from e2e_util import (
     UPLOAD_TTL_S,
     UPLOADS_PER_TEAM,
     VOLUME_REQUESTS_PER_MINUTE,
+    AGENT_LOG_ROTATE_MB,
     all_pids,
     free_port,
     host_links,
@@ -161,6 +162,8 @@ def sandbar():
             "--base-disk-mb", "512", "--disk-pool-gb", "8", "--ready-timeout-secs", "20", "--nameserver", FAKE_DNS.address, "--pause-grace-secs", "3",
             "--upload-ttl-secs", str(UPLOAD_TTL_S), "--max-uploads-per-team", str(UPLOADS_PER_TEAM),
             "--volume-requests-per-minute", str(VOLUME_REQUESTS_PER_MINUTE),
+            # The rotation test writes three times this through process starts.
+            "--agent-log-rotate-mb", str(AGENT_LOG_ROTATE_MB),
             *registry_ports().allow_args(),
         ],
     )

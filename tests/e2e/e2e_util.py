@@ -41,6 +41,9 @@ UPLOAD_TTL_S = 10
 UPLOADS_PER_TEAM = 300
 # The shared server's volume content API rate per team (`--volume-requests-per-minute`).
 VOLUME_REQUESTS_PER_MINUTE = 1200
+# Where the shared server rotates agent logs (8 MiB by default): small, so the rotation test
+# fills three of them in seconds rather than minutes.
+AGENT_LOG_ROTATE_MB = 1
 
 
 # --------------------------------------------------------------------------

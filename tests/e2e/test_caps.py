@@ -22,12 +22,12 @@ import httpx
 import pytest
 from e2b import Sandbox
 
-from e2e_util import sandbar_cli, unique
+from e2e_util import AGENT_LOG_ROTATE_MB, sandbar_cli, unique
 
 ENVD_PORT = 49983
 MIB = 1 << 20
 # The node rotates an agent log past this (crates/node/src/agent_log.rs).
-ROTATE_AT = 8 * MIB
+ROTATE_AT = AGENT_LOG_ROTATE_MB * MIB
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,6 @@ use std::path::{Path, PathBuf};
 
 use sandbar_core::AgentLogChunk;
 
-/// Size at which a log is rotated: what a sandbox may keep on the host is twice this, plus
-/// what its agent writes between two reads.
-pub const ROTATE_AT: u64 = 8 << 20;
-
 /// Rounds of copying what was appended while copying, before the file is truncated.
 const COPY_ROUNDS: usize = 4;
 

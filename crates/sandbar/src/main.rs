@@ -203,6 +203,10 @@ struct ServeArgs {
     /// and a quarter more.
     #[arg(long, env = "SANDBAR_WARM_POOL_MAX", default_value_t = 64, value_parser = clap::value_parser!(u64).range(0..=4096))]
     warm_pool_max: u64,
+    /// Size, in MiB, at which a sandbox's agent log on the host is rotated: each sandbox keeps
+    /// at most twice this on the host (the current file and the one before it).
+    #[arg(long, env = "SANDBAR_AGENT_LOG_ROTATE_MB", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    agent_log_rotate_mb: u64,
     /// Seconds a template's ready command may take to succeed after its start command
     /// started (at the build and, where templates cannot be captured, at each create).
     #[arg(long, env = "SANDBAR_READY_TIMEOUT_SECS", default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -753,6 +757,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             netns_pool: args.netns_pool as usize,
             warm_pool: args.warm_pool as usize,
             warm_pool_max: args.warm_pool_max as usize,
+            agent_log_rotate_bytes: args.agent_log_rotate_mb << 20,
             ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
             sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
             memory_reserve_mb: args.memory_reserve_mb,

@@ -99,6 +99,8 @@ pub struct NodeConfig {
     pub netns_pool: usize,
     /// Sandboxes kept booted and waiting for creates of the image last asked for.
     pub warm_pool: usize,
+    /// Size at which a sandbox's agent log on the host is rotated (see `agent_log`).
+    pub agent_log_rotate_bytes: u64,
     /// What the warm pool keeps at most, all images together, when creates ask for more.
     pub warm_pool_max: usize,
     /// How long a template's ready command may take to succeed.
@@ -627,7 +629,7 @@ impl Runtime for LinuxRuntime {
         let log = crate::agent_log::AgentLog::new(self.log_path(sandbox_id));
         // Checked where the server reads the log, every few seconds while the sandbox runs.
         // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
-        let rotated = log.rotate_if_over(crate::agent_log::ROTATE_AT, || {
+        let rotated = log.rotate_if_over(self.config.agent_log_rotate_bytes, || {
             !self.cgroups.is_frozen(sandbox_id)
         });
         if let Err(e) = rotated {
