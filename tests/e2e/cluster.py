@@ -54,7 +54,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from e2e_util import serving_pid, stop_server
 
@@ -595,8 +595,9 @@ class Host:
             env["MOUNT_DIR"] = str(mount_dir)
             env["HIERARCHIES"] = " ".join(r or "." for r in cgroup_hierarchies())
             env["CGLINKS"] = " ".join(f"{k}={v}" for k, v in cgroup_links().items())
-            env["BASE_SRC"] = str(SHARED_BASE)
-            env["BASE_DST"] = str(self.data_dir / "templates" / BASE_ROOT)
+            if self.name not in self.cluster.without_base:
+                env["BASE_SRC"] = str(SHARED_BASE)
+                env["BASE_DST"] = str(self.data_dir / "templates" / BASE_ROOT)
         self.holder = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "--",
              "nsenter", f"--net=/run/netns/{ns}", "--", "sh", "-c", HOLDER_SCRIPT],
@@ -735,9 +736,13 @@ class Host:
 class Cluster:
     """The bridge, PostgreSQL, and the machines named in `names` (a subset of HOSTS)."""
 
-    def __init__(self, binary: Path, names=tuple(HOSTS), log_tag: Optional[str] = None):
+    def __init__(self, binary: Path, names=tuple(HOSTS), log_tag: Optional[str] = None,
+                 without_base: Set[str] = frozenset()):
+        """`without_base`: nodes that do not borrow the default template's root, and so hold
+        its layer only once they fetched it from the layer store."""
         self.source_binary = binary
         self.names = list(names)
+        self.without_base = set(without_base)
         self.log_dir = LOG_DIR / f"cluster-{log_tag or time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.pg = Postgres()
         self.hosts: Dict[str, Host] = {}

@@ -9,11 +9,14 @@ alone holding the machine-wide lock.
   in node n1's machine, reached from this process with the stock SDK; a sandbox runs
   `echo hi`; everything is removed and the leak check is clean. Needs nothing of the roles.
 - the rest need `sandbar serve --role` (they run whenever `serve --help` lists it) and share
-  one cluster of two API hosts (api1, api2) and two nodes (n1, n2): 40 sandboxes created
-  through api1 land on both nodes; commands, files, signed file URLs and a user port work through both API
+  one cluster of two API hosts (api1, api2) and two nodes (n1, n2; n2 does not borrow the
+  base template's root, so it holds its layer only once fetched from the layer store): 40
+  sandboxes created through api1, while only n1 holds base, land at least 12 on each node; commands, files, signed file URLs and a user port work through both API
   hosts; both list the same set and either kills the other's sandboxes; kill -9 of an API
   host while commands run through the other; kill -9 of a node and its return; a node's API
   refuses requests without the cluster secret. About 40 s once the nodes are up.
+- `test_a_node_fetches_ahead_the_templates_others_run`: a template built by one node and run
+  there only is fetched by the other node's fetch-ahead task, with no create of it there.
 - `test_a_build_goes_to_the_node_with_a_free_build_slot` (after the budget above): with one
   build slot per node, team A's endless build holds one node's slot, and team B's build that
   copies a file goes to the other node and is ready within a minute; a sandbox of it sees the
@@ -197,7 +200,9 @@ def _node_secret(c: cl.Cluster) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(machine):
-    c = cl.Cluster(SANDBAR_BIN, log_tag="roles")
+    # n2 does not borrow the base template's root: it has the template's layer only once it
+    # fetched it from the layer store, as a node that joins a running cluster.
+    c = cl.Cluster(SANDBAR_BIN, log_tag="roles", without_base={"n2"})
     conftest.EXTRA_LOGS["cluster"] = c.log_tails
     try:
         c.open()
@@ -205,6 +210,8 @@ def cluster(machine):
         # then start together.
         c["n1"].start(role="node", extra_args=BUILD_FLAGS)
         _wait_node(c, c["n1"])
+        # n2, without the base root, must find base built, or it would build it itself.
+        _wait_template(c["n1"], headers=_node_secret(c))
         c["n2"].start(role="node", extra_args=BUILD_FLAGS)
         for name in ("api1", "api2"):
             c[name].start(role="api")
@@ -212,8 +219,10 @@ def cluster(machine):
         for name in ("api1", "api2"):
             c[name].wait_healthy(timeout=60)
         _wait_template(c["api1"])
-        for name in ("api1", "api2"):
-            _wait_placement(c[name], {"n1", "n2"})
+        _wait_known(c, {"n1", "n2"})
+        # n1 built the base template and n2 did not, nor fetched it yet: the fleet's creates
+        # start from a node that must fetch its layers.
+        c.n2_held_base = _template_on_disk("n2", _template_id(c["api1"], "base"), c)
         c.ready_at = time.monotonic()
         yield c
         problems = []
@@ -252,6 +261,22 @@ def _wait_node(c: cl.Cluster, node: cl.Host, timeout: float = 60) -> None:
         time.sleep(0.2)
 
 
+def _wait_known(c: cl.Cluster, nodes: Set[str], timeout: float = 30) -> None:
+    """Waits until the database lists `nodes` as live and then for the API hosts' next reads of
+    it (every second), without a create, which would give the node a template's layers."""
+    listed = ",".join(f"'{n}'" for n in sorted(nodes))
+    wait_until(lambda: c.pg.psql(f"SELECT count(*) FROM nodes WHERE id IN ({listed}) AND lease_until > now()")
+               == str(len(nodes)), timeout=timeout, interval=0.3, message=f"{sorted(nodes)} live in the database")
+    time.sleep(2.5)
+
+
+def _template_id(host: cl.Host, alias: str) -> str:
+    with host.client() as api:
+        r = api.get("/templates")
+        assert r.status_code == 200, f"templates through {host.name}: {r.status_code} {r.text}"
+        return next(t["templateID"] for t in r.json() if alias in (t.get("aliases") or []) + (t.get("names") or []))
+
+
 def _wait_placement(api: cl.Host, nodes: Set[str], timeout: float = 30) -> None:
     """Creates (and kills) sandboxes through `api` until each of `nodes` took one: an API host
     learns of nodes from the database, so it places nothing on a node it has not seen yet."""
@@ -280,9 +305,11 @@ def fleet(cluster):
     def make(i):
         return Sandbox.create(template="base", timeout=300, metadata={"fleet": f.tag, "i": str(i)}, **api1.sdk())
 
+    started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         for sbx in pool.map(make, range(FLEET)):
             f.sandboxes[sbx.sandbox_id] = sbx
+    f.made_in = time.monotonic() - started
     yield f
     for sid in list(f.sandboxes):
         try:
@@ -322,8 +349,12 @@ def test_creates_spread_and_everything_works_through_both_api_hosts(cluster, fle
     nodes = {sid: fleet.node_of(sid) for sid in fleet.sandboxes}
     counts = {n: list(nodes.values()).count(n) for n in ("n1", "n2")}
     assert set(nodes.values()) == {"n1", "n2"}, f"clientIDs: {counts}, others {set(nodes.values()) - {'n1', 'n2'}}"
-    assert min(counts.values()) >= FLEET // 10, f"placement far from even: {counts}"
-    print(f"\n[e2e] {FLEET} creates through api1 placed {counts}")
+    # Only n1 held the base template's layers when they began: locality is a preference that
+    # gives way once n1 is fuller by the margin, so n2 takes its share and fetches them.
+    assert not cluster.n2_held_base, "n2 held the base template's layers before the fleet"
+    assert min(counts.values()) >= FLEET * 3 // 10, f"placement far from even: {counts}"
+    print(f"\n[e2e] {FLEET} creates through api1, base on n1 only, placed {counts} "
+          f"in {fleet.made_in:.1f} s")
     # The same answer through the other API host.
     assert {sid: fleet.node_of(sid, via="api2") for sid in nodes} == nodes
 
@@ -580,10 +611,11 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
 
 
 def _template_on_disk(node: str, alias: str, cluster) -> bool:
-    """Whether `node` reports the template named `alias` among those whose layers it holds."""
-    template_id = cluster.pg.psql(f"SELECT template_id FROM template_aliases WHERE alias = '{alias}'")
-    report = cluster.pg.psql(f"SELECT report FROM nodes WHERE id = '{node}'")
-    return bool(template_id) and template_id in report
+    """Whether `node` reports the template named `alias` (or of that id) among those whose
+    layers it holds."""
+    template_id = cluster.pg.psql(f"SELECT template_id FROM template_aliases WHERE alias = '{alias}'") or alias
+    report = json.loads(cluster.pg.psql(f"SELECT report FROM nodes WHERE id = '{node}'") or "{}")
+    return template_id in (report.get("templates") or [])
 
 
 def _live_on(node: str) -> Set[str]:
@@ -656,6 +688,37 @@ def test_a_snapshot_with_memory_starts_on_every_node(cluster, fleet):
     wait_until(lambda: tags() <= recorded(), timeout=30, interval=0.5,
                message="the tags of blobs no record names to be deleted")
     assert recorded() <= tags(), "a blob a record names lost its tag"
+
+
+@needs_roles
+def test_a_node_fetches_ahead_the_templates_others_run(cluster):
+    """A template built by one node and run there only: the other node fetches its layers
+    from the layer store within a pass or two of its fetch-ahead task (every 15 s), before
+    any create of it reaches that node."""
+    from e2b import Template
+
+    name = f"ahead-{uuid.uuid4().hex[:8]}"
+    sdk = {k: v for k, v in cluster["api1"].sdk().items() if k != "sandbox_url"}
+    Template.build(Template().from_template("base").run_cmd(f"echo {name} > /etc/ahead", user="root"), name, **sdk)
+    holders = wait_until(lambda: [n for n in ("n1", "n2") if _template_on_disk(n, name, cluster)], timeout=10,
+                         interval=0.5, message="the building node to report the template")
+    assert len(holders) == 1, f"both nodes held {name} before any sandbox of it ran"
+    builder, other = holders[0], ({"n1", "n2"} - set(holders)).pop()
+    # Straight to the builder, so that no create of it reaches the other node.
+    headers = {"X-API-Key": cl.API_KEY, **_node_secret(cluster)}
+    with httpx.Client(base_url=cluster[builder].url, headers=headers, timeout=60) as node:
+        r = node.post("/sandboxes", json={"templateID": name, "timeout": 60})
+        assert r.status_code == 201, f"create on {builder}: {r.status_code} {r.text}"
+        sid = r.json()["sandboxID"]
+        try:
+            t0 = time.monotonic()
+            wait_until(lambda: _template_on_disk(other, name, cluster), timeout=45, interval=0.5,
+                       message=f"{other} to fetch {name} ahead")
+            print(f"\n[e2e] {other} held {name}, run on {builder} only, {time.monotonic() - t0:.1f}s after its create")
+            log = cluster[other].log_path.read_text(errors="replace")
+            assert "fetched a template's layers ahead of its creates" in log
+        finally:
+            node.delete(f"/sandboxes/{sid}")
 
 
 @needs_roles

@@ -84,9 +84,18 @@ impl NodeDirectory {
     }
 }
 
-/// Room a node that must fetch a template's layers needs beyond a node that holds them to
-/// be tried first: a fetch costs seconds, a fuller node nothing.
-pub const FETCH_PENALTY_BYTES: u64 = 1 << 30;
+/// What a start costs a node before its sandbox settles (its agent and first process). Placement
+/// also counts it for every sandbox a node holds, on top of what the node measured: an idle
+/// sandbox barely shows in free memory but may wake, and without it a node looks no fuller
+/// for holding forty of them, nor does one of several nodes sharing a host's memory.
+pub const START_COST_BYTES: u64 = 64 << 20;
+
+/// The share of a node's memory, in millionths, by which a node that must fetch a
+/// template's layers needs more headroom than one that holds them to be tried first: a fetch
+/// costs seconds, so locality wins ties and near-ties, but a node with the layers that is
+/// fuller by more than this loses to an empty one. On a 16 GiB node it is about five idle
+/// sandboxes.
+pub const FETCH_MARGIN_PPM: i64 = 20_000;
 
 /// How a template's layers can reach a node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,11 +107,49 @@ pub enum TemplateReach {
     Local,
 }
 
-/// The live nodes in the order a create should try them: the most headroom first, where a
-/// node holding the template's layers counts [`FETCH_PENALTY_BYTES`] more. When the template
-/// is not [`TemplateReach::Shared`] and some nodes hold it, only those. `pending` counts the
-/// creates this host sent each node since its last report, which the report does not show
+/// A node as placement weighs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlacementScore {
+    /// Whether every layer of the template is on the node's disk.
+    pub holds: bool,
+    /// Headroom as a share of the node's memory, in millionths, less the margin when the
+    /// node lacks the layers: higher is tried first.
+    pub score: i64,
+}
+
+/// How a create of a template would suit a live node, or `None` when the node has no room
+/// at all (its report shows less headroom than one start costs, or no memory): such a node
+/// is never tried. `pending` counts the creates sent to it that its report does not show
 /// yet.
+///
+/// The score is the node's headroom share: what its report measured, less
+/// [`START_COST_BYTES`] for each sandbox it holds or was sent, over its memory;
+/// [`FETCH_MARGIN_PPM`] is taken off when it lacks the template's layers. Shares, not bytes,
+/// so that a node twice the size is not twice as attractive when both are idle, and the
+/// margin means as much on a small node as on a big one.
+pub fn placement_score(node: &NodeRecord, template: &str, pending: u64) -> Option<PlacementScore> {
+    let report = &node.report;
+    let measured = report.headroom_bytes();
+    if measured < START_COST_BYTES || report.memory_total_bytes == 0 {
+        return None;
+    }
+    let held = u64::from(report.sandboxes).saturating_add(pending);
+    let headroom = measured.saturating_sub(held.saturating_mul(START_COST_BYTES));
+    let share = u128::from(headroom) * 1_000_000 / u128::from(report.memory_total_bytes);
+    let share = i64::try_from(share).unwrap_or(i64::MAX);
+    let holds = report.templates.iter().any(|t| t == template);
+    let score = if holds {
+        share
+    } else {
+        share - FETCH_MARGIN_PPM
+    };
+    Some(PlacementScore { holds, score })
+}
+
+/// The live nodes with room in the order a create should try them: the highest
+/// [`placement_score`] first, then by id, so every API host ranks equal nodes alike. When
+/// the template is not [`TemplateReach::Shared`] and some nodes hold it, only those: the
+/// others could not fetch it.
 pub fn placement_order(
     nodes: &[NodeRecord],
     template: &str,
@@ -110,30 +157,18 @@ pub fn placement_order(
     pending: impl Fn(&str) -> u64,
     now: DateTime<Utc>,
 ) -> Vec<NodeRecord> {
-    // What a start costs a node before its sandbox settles (its agent and first process).
-    const START_COST: u64 = 64 << 20;
-    let mut ranked: Vec<(bool, u64, &NodeRecord)> = nodes
-        .iter()
-        .filter(|n| n.is_live(now))
-        .map(|n| {
-            let holds = n.report.templates.iter().any(|t| t == template);
-            let headroom = n
-                .report
-                .headroom_bytes()
-                .saturating_sub(pending(&n.id).saturating_mul(START_COST));
-            let score = if holds {
-                headroom.saturating_add(FETCH_PENALTY_BYTES)
-            } else {
-                headroom
-            };
-            (holds, score, n)
-        })
+    let live: Vec<&NodeRecord> = nodes.iter().filter(|n| n.is_live(now)).collect();
+    let holds = |n: &NodeRecord| n.report.templates.iter().any(|t| t == template);
+    // Decided before room is: a full holder of a local template leaves no other node able
+    // to start it.
+    let holders_only = reach == TemplateReach::Local && live.iter().any(|n| holds(n));
+    let mut ranked: Vec<(i64, &NodeRecord)> = live
+        .into_iter()
+        .filter(|n| !holders_only || holds(n))
+        .filter_map(|n| placement_score(n, template, pending(&n.id)).map(|s| (s.score, n)))
         .collect();
-    if reach == TemplateReach::Local && ranked.iter().any(|(holds, _, _)| *holds) {
-        ranked.retain(|(holds, _, _)| *holds);
-    }
-    ranked.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.2.id.cmp(&b.2.id)));
-    ranked.into_iter().map(|(_, _, n)| n.clone()).collect()
+    ranked.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.id.cmp(&b.1.id)));
+    ranked.into_iter().map(|(_, n)| n.clone()).collect()
 }
 
 /// The live nodes in the order a template build should go to them: nodes with a free build
@@ -204,6 +239,8 @@ pub fn valid_node_id(id: &str) -> bool {
 mod tests {
     use super::*;
 
+    const TOTAL_GIB: u64 = 16;
+
     fn node(id: &str, available_gib: u64, templates: &[&str], lease_secs: i64) -> NodeRecord {
         let now = Utc::now();
         NodeRecord {
@@ -212,6 +249,7 @@ mod tests {
             started_at: now,
             lease_until: now + TimeDelta::seconds(lease_secs),
             report: NodeReport {
+                memory_total_bytes: TOTAL_GIB << 30,
                 memory_available_bytes: available_gib << 30,
                 templates: templates.iter().map(|t| (*t).to_owned()).collect(),
                 ..NodeReport::default()
@@ -219,11 +257,66 @@ mod tests {
         }
     }
 
+    /// A node on a host whose free memory every node sees alike (several nodes on one
+    /// machine, or idle sandboxes), holding `sandboxes`.
+    fn holding(id: &str, sandboxes: u32, templates: &[&str]) -> NodeRecord {
+        let mut n = node(id, 12, templates, 10);
+        n.report.sandboxes = sandboxes;
+        n
+    }
+
     fn ids(nodes: Vec<NodeRecord>) -> Vec<String> {
         nodes.into_iter().map(|n| n.id).collect()
     }
 
     use TemplateReach::{Local, Shared};
+
+    fn first(nodes: &[NodeRecord], template: &str) -> String {
+        ids(placement_order(nodes, template, Shared, |_| 0, Utc::now()))
+            .into_iter()
+            .next()
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn locality_wins_ties_and_near_ties() {
+        let nodes = [holding("b", 0, &[]), holding("a", 0, &["tpl"])];
+        assert_eq!(first(&nodes, "tpl"), "a");
+        let reversed = [holding("a", 0, &[]), holding("b", 0, &["tpl"])];
+        assert_eq!(first(&reversed, "tpl"), "b");
+        // Four more sandboxes on the holder: within the margin on a 16 GiB node.
+        let nodes = [holding("a", 0, &[]), holding("b", 4, &["tpl"])];
+        assert_eq!(first(&nodes, "tpl"), "b");
+    }
+
+    #[test]
+    fn headroom_wins_past_the_margin() {
+        // 16 GiB: the margin is 2 % or about 328 MiB, past five sandboxes at 64 MiB.
+        let nodes = [holding("a", 0, &[]), holding("b", 6, &["tpl"])];
+        assert_eq!(first(&nodes, "tpl"), "a");
+        // Less free memory measured counts the same way as sandboxes held.
+        let nodes = [node("a", 12, &[], 10), node("b", 11, &["tpl"], 10)];
+        assert_eq!(first(&nodes, "tpl"), "a");
+        let nodes = [node("a", 12, &[], 10), node("b", 12, &["tpl"], 10)];
+        assert_eq!(first(&nodes, "tpl"), "b");
+    }
+
+    #[test]
+    fn creates_spread_over_nodes_that_see_the_same_free_memory() {
+        // Placing one at a time, as reports catch up: the empty node takes its share once
+        // the holder is past the margin, and from then on they alternate.
+        let mut nodes = [holding("a", 0, &["tpl"]), holding("b", 0, &[])];
+        for _ in 0..40 {
+            let chosen = first(&nodes, "tpl");
+            let n = nodes.iter_mut().find(|n| n.id == chosen).expect("a node");
+            n.report.sandboxes += 1;
+            if !n.report.templates.iter().any(|t| t == "tpl") {
+                n.report.templates.push("tpl".into());
+            }
+        }
+        let counts: Vec<u32> = nodes.iter().map(|n| n.report.sandboxes).collect();
+        assert_eq!(counts, [20, 20]);
+    }
 
     #[test]
     fn only_nodes_holding_a_local_template_are_tried_the_roomiest_first() {
@@ -240,25 +333,38 @@ mod tests {
     }
 
     #[test]
-    fn a_shared_template_goes_anywhere_holders_counting_a_fetch_more_room() {
+    fn a_shared_template_goes_anywhere_holders_counting_the_margin_more() {
         let nodes = [
             node("a", 4, &[], 10),
             node("b", 2, &["tpl"], 10),
             node("c", 8, &[], 10),
             node("d", 3, &["tpl"], 10),
         ];
-        // d: 3 + 1 GiB for holding it = a's 4; ties go by id.
+        // The margin (a third of a GiB here) does not make up d's GiB less than a.
         let order = placement_order(&nodes, "tpl", Shared, |_| 0, Utc::now());
         assert_eq!(ids(order), ["c", "a", "d", "b"]);
     }
 
     #[test]
-    fn lost_nodes_are_never_chosen() {
-        let nodes = [node("a", 4, &[], -1), node("b", 1, &[], 10)];
+    fn lost_and_full_nodes_are_never_chosen() {
+        let mut full = node("c", 8, &["x"], 10);
+        full.report.memory_promised_bytes = 100 << 30;
+        full.report.memory_promise_limit_bytes = 100 << 30;
+        let mut silent = node("d", 8, &["x"], 10);
+        silent.report = NodeReport::default();
+        let nodes = [
+            node("a", 4, &["x"], -1),
+            node("b", 1, &[], 10),
+            full,
+            silent,
+        ];
         assert_eq!(
-            ids(placement_order(&nodes, "x", Local, |_| 0, Utc::now())),
+            ids(placement_order(&nodes, "x", Shared, |_| 0, Utc::now())),
             ["b"]
         );
+        // Of a template only they hold, b could start nothing.
+        assert!(placement_order(&nodes, "x", Local, |_| 0, Utc::now()).is_empty());
+        assert!(placement_order(&nodes[..1], "x", Shared, |_| 0, Utc::now()).is_empty());
     }
 
     #[test]
@@ -277,6 +383,11 @@ mod tests {
         assert_eq!(
             ids(placement_order(&nodes, "x", Local, |_| 0, Utc::now())),
             ["a", "b"]
+        );
+        let held = [holding("c", 3, &["x"]), holding("b", 3, &["x"])];
+        assert_eq!(
+            ids(placement_order(&held, "x", Shared, |_| 0, Utc::now())),
+            ["b", "c"]
         );
     }
 

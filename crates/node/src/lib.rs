@@ -21,6 +21,7 @@ pub mod memory;
 pub mod mounts;
 pub mod netns;
 pub mod network;
+pub mod prefetch;
 mod runtime;
 pub mod shaping;
 pub mod shared_collector;

@@ -792,6 +792,16 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             );
             tokio::spawn(collector.run(every));
         }
+        if let Some((lease, _)) = &node_lease {
+            // So that placement finds this node holding what the cluster runs, rather than
+            // sending every create of a template to the nodes that made it.
+            tokio::spawn(sandbar_node::prefetch::run(
+                store.clone(),
+                runtime.clone(),
+                shared.clone(),
+                lease.id.clone(),
+            ));
+        }
         tokio::spawn(publish_templates_on_disk(store.clone(), shared));
     }
 

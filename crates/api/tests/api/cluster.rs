@@ -195,6 +195,8 @@ impl Cluster {
                 started_at: now,
                 lease_until: now + TimeDelta::seconds(lease_secs),
                 report: NodeReport {
+                    // Placement weighs headroom as a share of this.
+                    memory_total_bytes: 64 << 30,
                     memory_available_bytes: free_gib << 30,
                     templates: templates.iter().map(|t| (*t).to_owned()).collect(),
                     ..NodeReport::default()
