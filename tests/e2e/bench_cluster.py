@@ -15,6 +15,12 @@ machine adds. Run as root from the repository's root, with nothing else using th
 
     sudo python3 tests/e2e/bench_cluster.py [--iterations 30] [--rounds 5] [--concurrency 10]
 
+With `--node-cpu C`, each node (and everything it starts) gets C cores of CPU time (a CFS
+quota), so the nodes, not the API host, the database or the client, bound creates per second;
+`--nodes N` (up to 3) starts N nodes, runs the rounds through the API host, then stops one
+node at a time and runs them again: creates per second with N, N-1, ..., 1 nodes, by turns in
+one run. This is how scaling with nodes is measured on one machine.
+
 With `--one-cpu-per-node`, each node (and everything it starts) is confined to a CPU of its
 own (n1 to CPU 0, n2 to CPU 1, cpuset cgroups) while the API host, PostgreSQL and the client
 run on both, and the rounds run through the API host with both nodes and then with n1 alone:
@@ -106,13 +112,78 @@ def pin_to_cpu(name: str, cpu: int) -> None:
     (d / "cpuset.cpus").write_text(str(cpu))
 
 
+# A third node for the scaling runs only (the tests' clusters have two): its own address,
+# sandbox network and host id range, below the other nodes' (see NODE_SETTINGS).
+cl.HOSTS.setdefault("n3", (f"{cl.SUBNET}.13", "node"))
+cl.NODE_SETTINGS.setdefault("n3", {"id_base": 1 << 28, "network": "10.216.0.0/18"})
+
+
+def limit_cpu(name: str, cores: float) -> None:
+    """Gives host `name` (and every sandbox it starts, beneath it) `cores` of CPU time."""
+    period = 100_000
+    quota = max(1000, int(cores * period))
+    if (cl.CGROUP_ROOT / "cgroup.controllers").exists():
+        d = cl.CGROUP_ROOT / (cl.PREFIX + name)
+        d.mkdir(exist_ok=True)
+        (d / "cpu.max").write_text(f"{quota} {period}")
+    else:
+        d = cl.CGROUP_ROOT / "cpu" / (cl.PREFIX + name)
+        d.mkdir(exist_ok=True)
+        (d / "cpu.cfs_period_us").write_text(str(period))
+        (d / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+def scaling(args) -> int:
+    names = [f"n{i}" for i in range(1, args.nodes + 1)]
+    lock = acquire_run_lock(DATA_DIR)
+    c = cl.Cluster(SANDBAR_BIN, names=("api1", *names), log_tag="bench-scaling")
+    try:
+        c.open()
+        for name in names:
+            limit_cpu(name, args.node_cpu)
+        for name in names:
+            c[name].start(role="node")
+            wait_node(c, c[name])
+        c["api1"].start(role="api")
+        c["api1"].wait_healthy(timeout=60)
+        wait_base_template(c["api1"])
+        wait_placement(c["api1"], set(names))
+        live = list(names)
+        while live:
+            bench(f"Through the API host, {len(live)} node(s) of {args.node_cpu} cores each",
+                  c["api1"].url, args)
+            if len(live) == 1:
+                break
+            c[live.pop()].stop()
+            # Until its lease lapses the API host may still try the stopped node.
+            time.sleep(12)
+        for host in c.hosts.values():
+            host.stop()
+    finally:
+        c.close()
+        lock.close()
+    found = cl.leaks()
+    if found:
+        print("left behind:\n  " + "\n  ".join(found))
+        return 1
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=10)
     parser.add_argument("--one-cpu-per-node", action="store_true")
+    parser.add_argument("--node-cpu", type=float, default=0.0,
+                        help="cores of CPU time each node gets; with --nodes, measures scaling")
+    parser.add_argument("--nodes", type=int, default=2, choices=(1, 2, 3))
     args = parser.parse_args()
+    if args.node_cpu > 0:
+        if not BENCH_BIN.exists():
+            print(f"build it first: cargo build --release -p sandbar-bench ({BENCH_BIN} is missing)")
+            return 1
+        return scaling(args)
     pinned = args.one_cpu_per_node
     del args.one_cpu_per_node
     if not BENCH_BIN.exists():
