@@ -126,6 +126,30 @@ pub struct CgroupStats {
     pub memory_cache: u64,
 }
 
+/// The smallest CPU quota among the v1 groups above `dir`, in microseconds per `period`;
+/// `None` when none has one.
+fn ancestors_cpu_quota(dir: &Path, period: u64) -> Option<u64> {
+    let read =
+        |path: PathBuf| -> Option<i64> { std::fs::read_to_string(path).ok()?.trim().parse().ok() };
+    let mut smallest: Option<u64> = None;
+    for ancestor in dir.ancestors().skip(1) {
+        let (Some(quota), Some(their_period)) = (
+            read(ancestor.join("cpu.cfs_quota_us")),
+            read(ancestor.join("cpu.cfs_period_us")),
+        ) else {
+            // Past the top of the hierarchy's mount.
+            break;
+        };
+        if let (Ok(quota), Ok(their_period)) = (u64::try_from(quota), u64::try_from(their_period))
+            && their_period > 0
+        {
+            let scaled = (quota.saturating_mul(period) / their_period).max(1000);
+            smallest = Some(smallest.map_or(scaled, |s| s.min(scaled)));
+        }
+    }
+    smallest
+}
+
 /// The memory of all sandboxes together, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SandboxesMemory {
@@ -291,6 +315,10 @@ impl CgroupDriver {
                 }
                 "cpu" => {
                     write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
+                    // v1 refuses a quota above an ancestor's (EINVAL), as when the node itself
+                    // runs in a group held to less CPU than a sandbox asks for (a container's
+                    // CPU limit): the sandbox gets what its ancestors allow.
+                    let quota = ancestors_cpu_quota(&dir, period).map_or(quota, |q| quota.min(q));
                     write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
                     write(
                         &dir.join("cpu.shares"),
@@ -675,6 +703,38 @@ async fn settle(patience: Duration, every: Duration, mut left: impl FnMut() -> u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sandbox_quota_stays_within_its_ancestors() {
+        let top = tempfile::tempdir().expect("tempdir");
+        let node = top.path().join("node");
+        let sandbox = node.join("sandbar").join("sbx");
+        std::fs::create_dir_all(&sandbox).expect("dirs");
+        let set = |dir: &Path, quota: &str, period: &str| {
+            std::fs::write(dir.join("cpu.cfs_quota_us"), quota).expect("quota");
+            std::fs::write(dir.join("cpu.cfs_period_us"), period).expect("period");
+        };
+        set(top.path(), "-1", "100000");
+        set(&node, "-1", "100000");
+        set(&node.join("sandbar"), "-1", "100000");
+        assert_eq!(
+            ancestors_cpu_quota(&sandbox, 100_000),
+            None,
+            "no ancestor limits"
+        );
+        set(&node, "25000", "50000");
+        assert_eq!(
+            ancestors_cpu_quota(&sandbox, 100_000),
+            Some(50_000),
+            "half a core"
+        );
+        set(&node.join("sandbar"), "20000", "100000");
+        assert_eq!(
+            ancestors_cpu_quota(&sandbox, 100_000),
+            Some(20_000),
+            "the smallest"
+        );
+    }
 
     #[test]
     fn reads_the_oom_kill_count_of_either_version() {
