@@ -17,7 +17,8 @@ machine adds. Run as root from the repository's root, with nothing else using th
 
 With `--node-cpu C`, each node (and everything it starts) gets C cores of CPU time (a CFS
 quota), so the nodes, not the API host, the database or the client, bound creates per second;
-`--nodes N` (up to 3) starts N nodes, runs the rounds through the API host, then stops one
+`--nodes N` (up to 3) starts N nodes (`--cold`: with no warm sandboxes, so every create
+boots on its node, the work a node's CPU bounds), runs the rounds through the API host, then stops one
 node at a time and runs them again: creates per second with N, N-1, ..., 1 nodes, by turns in
 one run. This is how scaling with nodes is measured on one machine.
 
@@ -178,7 +179,12 @@ def main() -> int:
     parser.add_argument("--node-cpu", type=float, default=0.0,
                         help="cores of CPU time each node gets; with --nodes, measures scaling")
     parser.add_argument("--nodes", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--cold", action="store_true",
+                        help="nodes keep no warm sandboxes: every create boots on its node")
     args = parser.parse_args()
+    if args.cold:
+        at = cl.NODE_FLAGS.index("--warm-pool") + 1
+        cl.NODE_FLAGS[at] = "0"
     if args.node_cpu > 0:
         if not BENCH_BIN.exists():
             print(f"build it first: cargo build --release -p sandbar-bench ({BENCH_BIN} is missing)")
