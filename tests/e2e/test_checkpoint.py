@@ -56,9 +56,10 @@ def wait_checkpointed(sandbar, sandbox_id: str) -> None:
 
 def pids(sbx) -> list:
     out = sbx.commands.run("ps -eo pid,args --no-headers").stdout
-    # The counter's `sleep` and `mv` are new processes every tick (caught as `[sleep] <defunct>`
-    # between their exit and the shell's wait), and `ps` is this command's own.
-    tick = ("ps -eo", "sleep 0.05", "/tmp/count", "[sleep] <defunct>", "[mv] <defunct>")
+    # The counter's `sleep` and `mv` are new processes every tick (caught as `[sleep]` while
+    # they exit, before their memory and arguments are gone, or as `[sleep] <defunct>` until
+    # the shell waits for them), and `ps` is this command's own.
+    tick = ("ps -eo", "sleep 0.05", "/tmp/count", "[sleep]", "[mv]")
     return sorted(l.strip() for l in out.splitlines() if not any(t in l for t in tick))
 
 
