@@ -134,30 +134,14 @@ def limit_cpu(name: str, cores: float) -> None:
         (d / "cpu.cfs_quota_us").write_text(str(quota))
 
 
-def scaling(args) -> int:
-    names = [f"n{i}" for i in range(1, args.nodes + 1)]
+def on_cluster(names, log_tag: str, work) -> int:
+    """Runs `work(cluster)` on a cluster of `names` under the machine's run lock, then stops
+    and removes everything; non-zero when something was left behind."""
     lock = acquire_run_lock(DATA_DIR)
-    c = cl.Cluster(SANDBAR_BIN, names=("api1", *names), log_tag="bench-scaling")
+    c = cl.Cluster(SANDBAR_BIN, names=names, log_tag=log_tag)
     try:
         c.open()
-        for name in names:
-            limit_cpu(name, args.node_cpu)
-        for name in names:
-            c[name].start(role="node")
-            wait_node(c, c[name])
-        c["api1"].start(role="api")
-        c["api1"].wait_healthy(timeout=60)
-        wait_base_template(c["api1"])
-        wait_placement(c["api1"], set(names))
-        live = list(names)
-        while live:
-            bench(f"Through the API host, {len(live)} node(s) of {args.node_cpu} cores each",
-                  c["api1"].url, args)
-            if len(live) == 1:
-                break
-            c[live.pop()].stop()
-            # Until its lease lapses the API host may still try the stopped node.
-            time.sleep(12)
+        status = work(c)
         for host in c.hosts.values():
             host.stop()
     finally:
@@ -167,6 +151,33 @@ def scaling(args) -> int:
     if found:
         print("left behind:\n  " + "\n  ".join(found))
         return 1
+    return status
+
+
+def scaling(args) -> int:
+    names = [f"n{i}" for i in range(1, args.nodes + 1)]
+    return on_cluster(("api1", *names), "bench-scaling", lambda c: measure_scaling(c, names, args))
+
+
+def measure_scaling(c: cl.Cluster, names, args) -> int:
+    for name in names:
+        limit_cpu(name, args.node_cpu)
+    for name in names:
+        c[name].start(role="node")
+        wait_node(c, c[name])
+    c["api1"].start(role="api")
+    c["api1"].wait_healthy(timeout=60)
+    wait_base_template(c["api1"])
+    wait_placement(c["api1"], set(names))
+    live = list(names)
+    while live:
+        bench(f"Through the API host, {len(live)} node(s) of {args.node_cpu} cores each",
+              c["api1"].url, args)
+        if len(live) == 1:
+            break
+        c[live.pop()].stop()
+        # Until its lease lapses the API host may still try the stopped node.
+        time.sleep(12)
     return 0
 
 
@@ -195,43 +206,33 @@ def main() -> int:
     if not BENCH_BIN.exists():
         print(f"build it first: cargo build --release -p sandbar-bench ({BENCH_BIN} is missing)")
         return 1
-    lock = acquire_run_lock(DATA_DIR)
-    c = cl.Cluster(SANDBAR_BIN, names=("api1", "n1", "n2"), log_tag="bench")
-    try:
-        c.open()
-        if pinned:
-            if "cpuset" not in (cl.cgroup_hierarchies() or []):
-                print("--one-cpu-per-node needs the cgroup v1 cpuset hierarchy")
-                return 1
-            pin_to_cpu("n1", 0)
-            pin_to_cpu("n2", 1)
-        c["n1"].start(role="node")
-        wait_node(c, c["n1"])
-        c["n2"].start(role="node")
-        c["api1"].start(role="api")
-        wait_node(c, c["n2"])
-        c["api1"].wait_healthy(timeout=60)
-        wait_base_template(c["api1"])
-        wait_placement(c["api1"], {"n1", "n2"})
-        bench("Through the API host, two nodes", c["api1"].url, args)
-        if not pinned:
-            bench("Node n1 directly (no API host)", c["n1"].url, args,
-                  ["--header", f"{cl.SECRET_HEADER}: {c.secret}"])
-        c["n2"].stop()
-        # Until its lease lapses the API host still tries n2 first for some creates.
-        time.sleep(12)
-        bench("Through the API host, one node (n2 stopped)", c["api1"].url, args)
-        for host in c.hosts.values():
-            host.stop()
-    finally:
-        c.close()
-        lock.close()
-    found = cl.leaks()
-    if found:
-        print("left behind:\n  " + "\n  ".join(found))
+    if pinned and "cpuset" not in (cl.cgroup_hierarchies() or []):
+        print("--one-cpu-per-node needs the cgroup v1 cpuset hierarchy")
         return 1
-    return 0
+    return on_cluster(("api1", "n1", "n2"), "bench", lambda c: measure_two(c, pinned, args))
 
+
+def measure_two(c: cl.Cluster, pinned: bool, args) -> int:
+    if pinned:
+        pin_to_cpu("n1", 0)
+        pin_to_cpu("n2", 1)
+    c["n1"].start(role="node")
+    wait_node(c, c["n1"])
+    c["n2"].start(role="node")
+    c["api1"].start(role="api")
+    wait_node(c, c["n2"])
+    c["api1"].wait_healthy(timeout=60)
+    wait_base_template(c["api1"])
+    wait_placement(c["api1"], {"n1", "n2"})
+    bench("Through the API host, two nodes", c["api1"].url, args)
+    if not pinned:
+        bench("Node n1 directly (no API host)", c["n1"].url, args,
+              ["--header", f"{cl.SECRET_HEADER}: {c.secret}"])
+    c["n2"].stop()
+    # Until its lease lapses the API host still tries n2 first for some creates.
+    time.sleep(12)
+    bench("Through the API host, one node (n2 stopped)", c["api1"].url, args)
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

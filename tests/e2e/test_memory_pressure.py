@@ -5,7 +5,9 @@ The shared server is restarted with every sandbox's cgroup under one parent limi
 what the parent allows: the kernel kills inside sandboxes only (what a sandbox runs has a far
 higher OOM score than its agent), the server and every agent survive, `/health` answers, new
 creates are refused with 503 naming memory while the pressure lasts and admitted once it
-ends, and the kills are named in the sandboxes' logs. The 2 GiB bound is what keeps this safe
+ends, and the kills are named in the sandboxes' logs; the kernel's log shows only the
+holders killed. It replaces a test that filled the host's whole memory, which the parent
+limit now keeps from ever happening. The 2 GiB bound is what keeps this safe
 on a host without swap: the rest of the host never sees the pressure. About a minute.
 """
 
@@ -13,7 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +33,13 @@ HOLDER = (
     "while :; do python3 -c 'import time; b = b\"x\" * (200 << 20); time.sleep(600)'; "
     "sleep 0.2; done"
 )
+# What the kernel logs of each process it kills for a memory cgroup's limit.
+KILLED = re.compile(r"Memory cgroup out of memory: Killed process (\d+) \(([^)]*)\).*oom_score_adj:(-?\d+)")
+
+
+def kills_since(mark: str) -> list:
+    log = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+    return KILLED.findall(log.split(mark, 1)[1]) if mark in log else []
 
 
 @pytest.fixture
@@ -55,6 +68,8 @@ def test_pressure_beyond_the_sandboxes_limit_kills_only_inside_them(sandbar, lim
 
     team, headers, made = limited
     server_pid = sandbar.pid
+    mark = f"sandbar-e2e-pressure-{secrets.token_hex(4)}"
+    Path("/dev/kmsg").write_text(mark + "\n")
     with httpx.Client(base_url=sandbar.url, headers=headers, timeout=60) as api:
         def create() -> httpx.Response:
             return api.post("/sandboxes", json={"templateID": "base", "timeout": 600})
@@ -94,6 +109,11 @@ def test_pressure_beyond_the_sandboxes_limit_kills_only_inside_them(sandbar, lim
             return False
 
         wait_until(killed_in_logs, timeout=30, message="an out-of-memory kill named in a sandbox's log")
+
+        # Only what sandboxes run was killed: the holders, at the score the agent starts them.
+        kills = kills_since(mark)
+        assert kills, "no kill in the kernel's log"
+        assert all(name == "python3" and adj == "800" for _, name, adj in kills), kills
 
         # The server and every agent lived through it.
         assert sandbar.pid == server_pid

@@ -382,6 +382,17 @@ enum Channel {
     Pty,
 }
 
+impl Channel {
+    fn output(self, bytes: &[u8]) -> ProcessOutput {
+        let bytes = bytes.to_vec();
+        match self {
+            Channel::Stdout => ProcessOutput::Stdout(bytes),
+            Channel::Stderr => ProcessOutput::Stderr(bytes),
+            Channel::Pty => ProcessOutput::Pty(bytes),
+        }
+    }
+}
+
 /// Publishes what one channel of a process writes, until end-of-file, or until `exited` says the
 /// process has been reaped and its late writers had their grace: then it reads what the pipe
 /// still holds and stops. A write to a pipe completes into the pipe's buffer, so everything the
@@ -393,16 +404,6 @@ async fn pump(
     mut exited: watch::Receiver<bool>,
 ) {
     let mut buf = vec![0u8; 32 * 1024];
-    let publish = |bytes: &[u8]| {
-        let bytes = bytes.to_vec();
-        let output = match channel {
-            Channel::Stdout => ProcessOutput::Stdout(bytes),
-            Channel::Stderr => ProcessOutput::Stderr(bytes),
-            Channel::Pty => ProcessOutput::Pty(bytes),
-        };
-        let process = process.clone();
-        async move { process.publish(output).await }
-    };
     loop {
         let mut guard = tokio::select! {
             biased;
@@ -417,7 +418,7 @@ async fn pump(
         });
         match read {
             Ok(Ok(0)) => return,
-            Ok(Ok(n)) => publish(&buf[..n]).await,
+            Ok(Ok(n)) => process.publish(channel.output(&buf[..n])).await,
             // A terminal master reports EIO once every slave descriptor is closed.
             Ok(Err(_)) => return,
             Err(_would_block) => continue,
@@ -429,7 +430,7 @@ async fn pump(
             Ok(0) => return,
             Ok(n) => {
                 read_after_exit += n;
-                publish(&buf[..n]).await;
+                process.publish(channel.output(&buf[..n])).await;
             }
             Err(rustix::io::Errno::INTR) => continue,
             // Empty (the descriptor is non-blocking), or a terminal whose slaves are all closed.

@@ -436,11 +436,35 @@ struct UploadGrant {
     expires: tokio::time::Instant,
 }
 
-/// What [`Builds::own_build`] did not find.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OwnBuildMissing {
-    Template,
-    Build,
+/// The errors of operations on one build of a team's template, which say the same when
+/// [`Builds::own_build`] finds no such template or build.
+trait OwnBuildError: From<StoreError> {
+    fn template_not_found(template_id: &str) -> Self;
+    fn build_not_found(template_id: &str, build_id: &str) -> Self;
+}
+
+impl OwnBuildError for StartBuildError {
+    fn template_not_found(template_id: &str) -> Self {
+        Self::TemplateNotFound(template_id.to_owned())
+    }
+    fn build_not_found(template_id: &str, build_id: &str) -> Self {
+        Self::BuildNotFound {
+            template_id: template_id.to_owned(),
+            build_id: build_id.to_owned(),
+        }
+    }
+}
+
+impl OwnBuildError for CancelBuildError {
+    fn template_not_found(template_id: &str) -> Self {
+        Self::TemplateNotFound(template_id.to_owned())
+    }
+    fn build_not_found(template_id: &str, build_id: &str) -> Self {
+        Self::BuildNotFound {
+            template_id: template_id.to_owned(),
+            build_id: build_id.to_owned(),
+        }
+    }
 }
 
 /// The build service: requests, uploads, the queue and its records.
@@ -790,29 +814,28 @@ impl Builds {
             })
     }
 
-    /// Build `build_id` of the team's own template `template_id`, or which of the two it
-    /// does not have.
-    async fn own_build(
+    /// Build `build_id` of the team's own template `template_id`, or the error naming which
+    /// of the two it does not have.
+    async fn own_build<E: OwnBuildError>(
         &self,
         team: &Team,
         template_id: &str,
         build_id: &str,
-    ) -> Result<Result<(Template, BuildRecord), OwnBuildMissing>, StoreError> {
+    ) -> Result<(Template, BuildRecord), E> {
         let Some(template) = self
             .store
             .template(template_id)
             .await?
             .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
         else {
-            return Ok(Err(OwnBuildMissing::Template));
+            return Err(E::template_not_found(template_id));
         };
-        Ok(self
-            .store
+        self.store
             .build(build_id)
             .await?
             .filter(|b| b.template_id == template.id)
             .map(|build| (template, build))
-            .ok_or(OwnBuildMissing::Build))
+            .ok_or_else(|| E::build_not_found(template_id, build_id))
     }
 
     /// `GET /templates/{id}/files/{hash}`: whether the files are cached, and if not a
@@ -890,18 +913,9 @@ impl Builds {
         build_id: &str,
         spec: BuildSpec,
     ) -> Result<(), StartBuildError> {
-        let (template, build) = match self.own_build(team, template_id, build_id).await? {
-            Ok(found) => found,
-            Err(OwnBuildMissing::Template) => {
-                return Err(StartBuildError::TemplateNotFound(template_id.to_owned()));
-            }
-            Err(OwnBuildMissing::Build) => {
-                return Err(StartBuildError::BuildNotFound {
-                    template_id: template_id.to_owned(),
-                    build_id: build_id.to_owned(),
-                });
-            }
-        };
+        let (template, build) = self
+            .own_build::<StartBuildError>(team, template_id, build_id)
+            .await?;
         if build.status != BuildStatus::Waiting {
             return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
         }
@@ -1055,18 +1069,9 @@ impl Builds {
         template_id: &str,
         build_id: &str,
     ) -> Result<(), StartBuildError> {
-        let (template, build) = match self.own_build(team, template_id, build_id).await? {
-            Ok(found) => found,
-            Err(OwnBuildMissing::Template) => {
-                return Err(StartBuildError::TemplateNotFound(template_id.to_owned()));
-            }
-            Err(OwnBuildMissing::Build) => {
-                return Err(StartBuildError::BuildNotFound {
-                    template_id: template_id.to_owned(),
-                    build_id: build_id.to_owned(),
-                });
-            }
-        };
+        let (template, build) = self
+            .own_build::<StartBuildError>(team, template_id, build_id)
+            .await?;
         if build.status != BuildStatus::Waiting {
             return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
         }
@@ -1293,18 +1298,9 @@ impl Builds {
         template_id: &str,
         build_id: &str,
     ) -> Result<(), CancelBuildError> {
-        let (_, build) = match self.own_build(team, template_id, build_id).await? {
-            Ok(found) => found,
-            Err(OwnBuildMissing::Template) => {
-                return Err(CancelBuildError::TemplateNotFound(template_id.to_owned()));
-            }
-            Err(OwnBuildMissing::Build) => {
-                return Err(CancelBuildError::BuildNotFound {
-                    template_id: template_id.to_owned(),
-                    build_id: build_id.to_owned(),
-                });
-            }
-        };
+        let (_, build) = self
+            .own_build::<CancelBuildError>(team, template_id, build_id)
+            .await?;
         if matches!(build.status, BuildStatus::Ready | BuildStatus::Error) {
             return Err(CancelBuildError::AlreadyEnded {
                 build_id: build_id.to_owned(),

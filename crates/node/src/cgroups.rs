@@ -126,6 +126,49 @@ pub struct CgroupStats {
     pub memory_cache: u64,
 }
 
+/// Sets a v1 group's memory limit and, where swap is accounted, its memory+swap limit to the
+/// same: the memory limit may never exceed the memory+swap one, so when it is raised past it
+/// (the first write refused), the memory+swap one goes first.
+fn write_v1_memory_limit(dir: &Path, bytes: u64) -> Result<(), CgroupError> {
+    let limit = dir.join("memory.limit_in_bytes");
+    let memsw = dir.join("memory.memsw.limit_in_bytes");
+    let value = bytes.to_string();
+    if write(&limit, &value).is_err() {
+        if memsw.exists() {
+            write(&memsw, &value)?;
+        }
+        write(&limit, &value)?;
+    }
+    if memsw.exists() {
+        write(&memsw, &value)?;
+    }
+    Ok(())
+}
+
+/// Memory a group uses, page cache excluded, and its page cache: v1 counts the cache of the
+/// whole subtree as `total_cache`, v2 as `file`.
+fn memory_use(dir: &Path, v1: bool) -> Option<(u64, u64)> {
+    let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+    let (usage_file, cache_key) = if v1 {
+        ("memory.usage_in_bytes", "total_cache")
+    } else {
+        ("memory.current", "file")
+    };
+    let usage: u64 = read(usage_file)?.trim().parse().ok()?;
+    let stat = read("memory.stat").unwrap_or_default();
+    let cache: u64 = stat
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(cache_key)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0);
+    Some((usage.saturating_sub(cache), cache))
+}
+
 /// The smallest CPU quota among the v1 groups above `dir`, in microseconds per `period`;
 /// `None` when none has one.
 fn ancestors_cpu_quota(dir: &Path, period: u64) -> Option<u64> {
@@ -291,16 +334,7 @@ impl CgroupDriver {
         for (name, dir) in self.dirs(sandbox_id) {
             match name {
                 "memory" => {
-                    let memsw = dir.join("memory.memsw.limit_in_bytes");
-                    // The memory limit may never exceed the memory+swap one: raised, that one
-                    // goes first.
-                    let limit = dir.join("memory.limit_in_bytes");
-                    if write(&limit, &memory.to_string()).is_err() {
-                        if memsw.exists() {
-                            write(&memsw, &memory.to_string())?;
-                        }
-                        write(&limit, &memory.to_string())?;
-                    }
+                    write_v1_memory_limit(&dir, memory)?;
                     // Limits add up past the host (they are ceilings, not reservations): when
                     // the host runs short, the kernel reclaims first from the sandboxes that
                     // are furthest above a quarter of their limit, so the busiest slow down
@@ -309,17 +343,19 @@ impl CgroupDriver {
                     if soft.exists() {
                         write(&soft, &(memory / 4).to_string())?;
                     }
-                    if memsw.exists() {
-                        write(&memsw, &memory.to_string())?;
-                    }
                 }
                 "cpu" => {
                     write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
-                    // v1 refuses a quota above an ancestor's (EINVAL), as when the node itself
-                    // runs in a group held to less CPU than a sandbox asks for (a container's
-                    // CPU limit): the sandbox gets what its ancestors allow.
-                    let quota = ancestors_cpu_quota(&dir, period).map_or(quota, |q| quota.min(q));
-                    write(&dir.join("cpu.cfs_quota_us"), &quota.to_string())?;
+                    let quota_file = dir.join("cpu.cfs_quota_us");
+                    if let Err(refused) = write(&quota_file, &quota.to_string()) {
+                        // v1 refuses a quota above an ancestor's, as when the node itself runs
+                        // in a group held to less CPU than a sandbox asks for (a container's
+                        // CPU limit): the sandbox gets what its ancestors allow.
+                        match ancestors_cpu_quota(&dir, period).filter(|q| *q < quota) {
+                            Some(allowed) => write(&quota_file, &allowed.to_string())?,
+                            None => return Err(refused),
+                        }
+                    }
                     write(
                         &dir.join("cpu.shares"),
                         &limits.cpu_priority.shares().to_string(),
@@ -441,29 +477,22 @@ impl CgroupDriver {
                 let cpu_ns = dirs
                     .iter()
                     .find_map(|(_, d)| read(d.join("cpuacct.usage"))?.trim().parse().ok())?;
-                let memory = dirs.iter().find(|(n, _)| *n == "memory")?.1.clone();
-                let stat = read(memory.join("memory.stat")).unwrap_or_default();
-                let cache = stat_value(&stat, "total_cache").unwrap_or(0);
-                let usage: u64 = read(memory.join("memory.usage_in_bytes"))?
-                    .trim()
-                    .parse()
-                    .ok()?;
+                let memory = &dirs.iter().find(|(n, _)| *n == "memory")?.1;
+                let (memory_used, memory_cache) = memory_use(memory, true)?;
                 Some(CgroupStats {
                     cpu_ns,
-                    memory_used: usage.saturating_sub(cache),
-                    memory_cache: cache,
+                    memory_used,
+                    memory_cache,
                 })
             }
             CgroupDriver::V2 { .. } => {
                 let dir = &dirs.first()?.1;
                 let cpu = read(dir.join("cpu.stat"))?;
-                let stat = read(dir.join("memory.stat")).unwrap_or_default();
-                let cache = stat_value(&stat, "file").unwrap_or(0);
-                let usage: u64 = read(dir.join("memory.current"))?.trim().parse().ok()?;
+                let (memory_used, memory_cache) = memory_use(dir, false)?;
                 Some(CgroupStats {
                     cpu_ns: stat_value(&cpu, "usage_usec")? * 1000,
-                    memory_used: usage.saturating_sub(cache),
-                    memory_cache: cache,
+                    memory_used,
+                    memory_cache,
                 })
             }
         }
@@ -500,18 +529,7 @@ impl CgroupDriver {
     pub fn limit_sandboxes_memory(&self, bytes: u64) -> Result<(), CgroupError> {
         let dir = self.sandboxes_memory_dir()?;
         match self {
-            CgroupDriver::V1 { .. } => {
-                let limit = dir.join("memory.limit_in_bytes");
-                let memsw = dir.join("memory.memsw.limit_in_bytes");
-                // Both limits move together, the larger of the two first.
-                if write(&limit, &bytes.to_string()).is_err() && memsw.exists() {
-                    write(&memsw, &bytes.to_string())?;
-                    write(&limit, &bytes.to_string())?;
-                } else if memsw.exists() {
-                    write(&memsw, &bytes.to_string())?;
-                }
-                Ok(())
-            }
+            CgroupDriver::V1 { .. } => write_v1_memory_limit(&dir, bytes),
             CgroupDriver::V2 { .. } => write(&dir.join("memory.max"), &bytes.to_string()),
         }
     }
@@ -526,35 +544,18 @@ impl CgroupDriver {
                 .map(|(_, dir)| dir.join(PARENT))?,
             CgroupDriver::V2 { root } => root.join(PARENT),
         };
-        let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
-        let (limit, usage, cache_key) = match self {
-            CgroupDriver::V1 { .. } => (
-                read("memory.limit_in_bytes")?,
-                "memory.usage_in_bytes",
-                "total_cache",
-            ),
-            CgroupDriver::V2 { .. } => (read("memory.max")?, "memory.current", "file"),
+        let v1 = matches!(self, CgroupDriver::V1 { .. });
+        let limit_file = if v1 {
+            "memory.limit_in_bytes"
+        } else {
+            "memory.max"
         };
-        let limit = match limit.trim() {
+        let limit = match std::fs::read_to_string(dir.join(limit_file)).ok()?.trim() {
             "max" => u64::MAX,
             text => text.parse().ok()?,
         };
-        let usage: u64 = read(usage)?.trim().parse().ok()?;
-        let stat = read("memory.stat").unwrap_or_default();
-        let cache: u64 = stat
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix(cache_key)?
-                    .strip_prefix(' ')?
-                    .trim()
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or(0);
-        Some(SandboxesMemory {
-            limit,
-            used: usage.saturating_sub(cache),
-        })
+        let (used, _) = memory_use(&dir, v1)?;
+        Some(SandboxesMemory { limit, used })
     }
 
     /// Whether every process of the sandbox is frozen.

@@ -133,7 +133,7 @@ impl Demand {
 
     /// The most creates that began within one [`BURST`] of each other.
     fn busiest_burst(&self) -> usize {
-        let times: Vec<Instant> = self.creates.iter().copied().collect();
+        let times = &self.creates;
         let mut start = 0;
         let mut busiest = 0;
         for (end, at) in times.iter().enumerate() {
