@@ -203,8 +203,10 @@ def _flood_and_check(sandbar, team, sbx: Sandbox) -> None:
     previous = logs_dir / f"{sbx.sandbox_id}.log.1"
     assert current.exists()
 
-    # About 24 MiB of lines: three times the rotation size.
-    starts = (3 * ROTATE_AT) // len(program)
+    # Four times the rotation size in paths alone (each log line carries more than its path),
+    # so what the two files keep is well under what was written even when the previous file
+    # grew for a whole read interval past the rotation size.
+    starts = (4 * ROTATE_AT) // len(program)
     peak = 0
     began = time.monotonic()
     with ThreadPoolExecutor(max_workers=4) as pool:
