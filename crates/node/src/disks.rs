@@ -211,10 +211,41 @@ pub struct DiskPool {
     overcommit: u64,
     /// `/sys/fs/btrfs/<fsid>`: qgroup usage without a syscall per sample.
     sysfs: Option<PathBuf>,
-    /// Quota of every disk on the pool, by sandbox id.
-    promised: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
+    /// Quota of every disk on the pool, by sandbox id, with the ticket of the
+    /// [`DiskPromise`] that counts it (0 for disks found at start).
+    promised: std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, Promised>>>,
+    /// The last ticket handed out.
+    tickets: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// One remount at a time, however many creates find the pool failed.
     recovering: std::sync::Arc<tokio::sync::Mutex<()>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Promised {
+    bytes: u64,
+    ticket: u64,
+}
+
+/// What the pool counts for one sandbox's disk, given back when dropped. A promise made
+/// later for the same sandbox replaces it: dropping the earlier one then leaves the later
+/// one counted.
+#[derive(Debug)]
+pub struct DiskPromise {
+    pool: DiskPool,
+    sandbox_id: String,
+    ticket: u64,
+}
+
+impl Drop for DiskPromise {
+    fn drop(&mut self) {
+        let mut promised = self.pool.promised.lock().unwrap_or_else(|e| e.into_inner());
+        if promised
+            .get(&self.sandbox_id)
+            .is_some_and(|p| p.ticket == self.ticket)
+        {
+            promised.remove(&self.sandbox_id);
+        }
+    }
 }
 
 /// Used and total bytes of one sandbox's disk.
@@ -433,6 +464,7 @@ impl DiskPool {
             overcommit: u64::from(config.overcommit.max(1)),
             sysfs: None,
             promised: Default::default(),
+            tickets: Default::default(),
             recovering: Default::default(),
         };
         if !config.quotas {
@@ -524,7 +556,10 @@ impl DiskPool {
         let promised = pool
             .list()
             .into_iter()
-            .filter_map(|id| Some((id.clone(), pool.usage(&id)?.total)))
+            .filter_map(|id| {
+                let bytes = pool.usage(&id)?.total;
+                Some((id, Promised { bytes, ticket: 0 }))
+            })
             .collect();
         *pool.promised.lock().unwrap_or_else(|e| e.into_inner()) = promised;
         tracing::info!(pool = %config.dir.display(), "sandbox disk pool ready, quotas on");
@@ -581,6 +616,7 @@ impl DiskPool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .values()
+            .map(|p| p.bytes)
             .sum();
         Some(PoolReport {
             space,
@@ -591,11 +627,20 @@ impl DiskPool {
         })
     }
 
-    /// Counts a disk of `size_mb` for sandbox `sandbox_id` against the pool, or says why the
-    /// pool cannot take it now.
-    pub fn admit(&self, sandbox_id: &str, size_mb: u32) -> Result<(), DiskError> {
+    /// Counts a disk of `size_mb` for sandbox `sandbox_id` against the pool for as long as
+    /// the returned promise lives, or says why the pool cannot take it now.
+    pub fn admit(&self, sandbox_id: &str, size_mb: u32) -> Result<DiskPromise, DiskError> {
+        let promise = |ticket| DiskPromise {
+            pool: self.clone(),
+            sandbox_id: sandbox_id.to_owned(),
+            ticket,
+        };
+        let ticket = self
+            .tickets
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
         if !self.quotas {
-            return Ok(());
+            return Ok(promise(ticket));
         }
         let no_room = |message: String| DiskError::NoRoom {
             sandbox_id: sandbox_id.to_owned(),
@@ -607,7 +652,7 @@ impl DiskPool {
         let others: u64 = promised
             .iter()
             .filter(|(id, _)| id.as_str() != sandbox_id)
-            .map(|(_, bytes)| bytes)
+            .map(|(_, p)| p.bytes)
             .sum();
         let size = u64::from(size_mb) << 20;
         Admission {
@@ -618,12 +663,32 @@ impl DiskPool {
         }
         .check(size)
         .map_err(no_room)?;
-        promised.insert(sandbox_id.to_owned(), size);
-        Ok(())
+        promised.insert(
+            sandbox_id.to_owned(),
+            Promised {
+                bytes: size,
+                ticket,
+            },
+        );
+        Ok(promise(ticket))
     }
 
-    /// Lets go of what [`Self::admit`] counted, for a disk that was never made.
-    pub fn forget(&self, sandbox_id: &str) {
+    /// The promise of a disk this pool already counts (one found at start, or a sandbox an
+    /// earlier owner let go of without removing its disk), to be given back when its new
+    /// owner drops it; `None` when nothing is counted for `sandbox_id`.
+    pub fn adopt(&self, sandbox_id: &str) -> Option<DiskPromise> {
+        let promised = self.promised.lock().unwrap_or_else(|e| e.into_inner());
+        let ticket = promised.get(sandbox_id)?.ticket;
+        Some(DiskPromise {
+            pool: self.clone(),
+            sandbox_id: sandbox_id.to_owned(),
+            ticket,
+        })
+    }
+
+    /// Lets go of what the pool counts for `sandbox_id`, whoever holds its promise: its
+    /// disk is gone or another name's now.
+    fn forget(&self, sandbox_id: &str) {
         self.promised
             .lock()
             .unwrap_or_else(|e| e.into_inner())

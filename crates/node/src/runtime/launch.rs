@@ -200,6 +200,8 @@ impl LinuxRuntime {
         Ok(pid)
     }
 
+    /// Ends sandbox `id` on this node: its processes, its files and log, and everything its
+    /// owner holds.
     pub(super) async fn teardown(
         &self,
         id: &str,
@@ -214,15 +216,14 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))?
             .map_err(|e| sandbox_err(id, e))?;
+        drop(self.holdings.remove(id));
         Ok(())
     }
 
-    /// Ends the sandbox's processes and frees everything but its disk and its agent log.
+    /// Ends the sandbox's processes and gives back what they held (its slot and memory);
+    /// its disk, layers and agent log stay.
     pub(super) async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
+        let ended = self.holdings.end_processes(id);
         // A released sandbox's slot went back to the node and may be another sandbox's now.
         let handle = handle.filter(|h| !h.released);
         if let Some(h) = handle
@@ -243,15 +244,51 @@ impl LinuxRuntime {
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            if let Ok(addrs) = self.network.addrs(h.slot) {
+        }
+        if let Some(slot) = self.slot_to_unwire(id, ended.slot.as_ref(), handle) {
+            if let Ok(addrs) = self.network.addrs(slot) {
                 self.egress.remove(addrs.sandbox).await;
             }
-            self.network.release(h.slot).await;
-            self.free_slot(h.slot);
+            self.network.release(slot).await;
+        }
+        drop(ended.slot);
+        // Read before the cgroup goes: its kills since the grant are counted.
+        if let Some(memory) = ended.memory {
+            memory.give_back(self.cgroups.oom_kills(id));
         }
         self.cgroups.remove(id).await.map_err(|e| kill_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));
         Ok(())
+    }
+
+    /// The slot whose network a stop of sandbox `id` takes down: the one it holds, else the
+    /// one its handle names if nothing on this node claims that slot (a sandbox found after
+    /// a restart that was never adopted).
+    fn slot_to_unwire(
+        &self,
+        id: &str,
+        held: Option<&SlotHold>,
+        handle: Option<&Handle>,
+    ) -> Option<u32> {
+        if let Some(held) = held {
+            return Some(held.slot());
+        }
+        let slot = handle?.slot;
+        let claimed = self
+            .slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&slot);
+        if claimed {
+            tracing::warn!(
+                sandbox_id = %id,
+                slot,
+                holder = ?self.holdings.holder_of_slot(slot),
+                "the sandbox's handle names a slot it does not hold; its network is left alone"
+            );
+            return None;
+        }
+        Some(slot)
     }
 
     /// The cgroup limits of sandbox `spec` once it is someone's.
@@ -483,6 +520,15 @@ impl LinuxRuntime {
         &self,
         spec: LaunchSpec,
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
+        self.launch_sandbox_from(spec, true).await
+    }
+
+    /// Launches sandbox `spec`, from a warm sandbox if `may_take_warm` and one waits.
+    async fn launch_sandbox_from(
+        &self,
+        spec: LaunchSpec,
+        may_take_warm: bool,
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.clone();
         let kept = spec
             .kept
@@ -492,42 +538,40 @@ impl LinuxRuntime {
         self.fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
         let _creating = self.warm.creating();
-        self.grant_memory(&id, spec.memory_mb)?;
-        if kept.is_none()
-            && let Err(err) = self.admit_disk(&id, spec.disk_size_mb).await
-        {
-            self.release_memory(&id);
-            return Err(err);
+        let mut opening = self.holdings.opening(&id);
+        opening.hold_memory(self.grant_memory(&id, spec.memory_mb)?);
+        if kept.is_none() {
+            opening.hold_disk(self.admit_disk(&id, spec.disk_size_mb).await?);
         }
-        if let Some(warm) = crate::warm::WarmKey::of(&spec).and_then(|key| self.warm.take(&key)) {
-            match self.take_warm(&spec, &warm).await {
-                Ok((handle, endpoint)) => return Ok((handle.to_runtime(&id)?, endpoint)),
+        let warm = crate::warm::WarmKey::of(&spec)
+            .filter(|_| may_take_warm)
+            .and_then(|key| self.warm.take(&key));
+        if let Some(warm) = warm {
+            match self.take_warm(&spec, &warm, &mut opening).await {
+                Ok((handle, endpoint)) => {
+                    opening.commit();
+                    return Ok((handle.to_runtime(&id)?, endpoint));
+                }
                 // The template's own start or ready command failed: a fresh boot would only
                 // fail the same way, as late again.
-                Err(err @ RuntimeError::NotReady { .. }) => {
-                    self.release_memory(&id);
-                    self.disks.forget(&id);
-                    return Err(err);
+                Err(err @ RuntimeError::NotReady { .. }) => return Err(err),
+                // The sandbox is booted afresh instead; the failed take gave back all it held.
+                Err(err) => {
+                    tracing::warn!(
+                        sandbox_id = %id,
+                        warm = %warm.name,
+                        error = %err,
+                        "cannot take a warm sandbox"
+                    );
+                    drop(opening);
+                    return Box::pin(self.launch_sandbox_from(spec, false)).await;
                 }
-                // The sandbox is booted afresh instead.
-                Err(err) => tracing::warn!(
-                    sandbox_id = %id,
-                    warm = %warm.name,
-                    error = %err,
-                    "cannot take a warm sandbox"
-                ),
             }
         }
         let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
             Some(Ok(netns)) => netns,
-            Some(Err(err)) => {
-                self.release_memory(&id);
-                self.disks.forget(&id);
-                return Err(sandbox_err(&id, err));
-            }
+            Some(Err(err)) => return Err(sandbox_err(&id, err)),
             None => {
-                self.release_memory(&id);
-                self.disks.forget(&id);
                 return Err(RuntimeError::NoCapacity {
                     sandbox_id: id,
                     message: "no free network slot on this node".into(),
@@ -535,7 +579,8 @@ impl LinuxRuntime {
             }
         };
         let slot = netns.slot;
-        self.keep_layers(id.clone(), spec.image.layers.clone());
+        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.use_layers(spec.image.layers.clone());
         let checkpoint = spec
             .image
             .snapshot
@@ -555,46 +600,44 @@ impl LinuxRuntime {
             }
             _ => self.launch_in(&spec, netns).await,
         };
-        match launched {
-            Ok((handle, endpoint)) => Ok((handle.to_runtime(&id)?, endpoint)),
-            Err((handle, err)) => {
-                let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
-                // A sandbox booted on kept files keeps them for another try.
-                let cleanup = match &kept {
-                    None => self.teardown(&id, Some(&handle)).await,
-                    Some(kept) => {
-                        let stopped = self.stop(&id, Some(&handle)).await;
-                        self.keep_layers(id.clone(), kept.layers.clone());
-                        stopped
-                    }
-                };
-                if let Err(cleanup) = cleanup {
-                    tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
-                }
-                self.free_slot(slot);
-                self.release_memory(&id);
-                if let (Some(checkpoint), None) = (checkpoint, &kept)
-                    && spec.image.is_capture()
-                {
-                    // A capture only saves the start command's time: the sandbox boots and
-                    // runs it instead, now and from now on.
-                    tracing::warn!(sandbox_id = %id, checkpoint, error = %err, "cannot restore the template's capture; booting and running its start command");
-                    self.unrestorable_captures
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(checkpoint.to_owned());
-                    return Box::pin(self.launch_sandbox(spec)).await;
-                }
-                if let (Some(kept), Some(_)) = (&kept, &carried) {
-                    // The files outlived the restore; its processes start afresh on them.
-                    tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");
-                    self.forget_checkpoint(&id);
-                    self.give_kept_files_back(&id, slot, kept).await?;
-                    return Box::pin(self.launch_sandbox(spec)).await;
-                }
-                Err(err)
+        let (handle, err) = match launched {
+            Ok((handle, endpoint)) => {
+                opening.commit();
+                return Ok((handle.to_runtime(&id)?, endpoint));
             }
+            Err(failed) => failed,
+        };
+        let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
+        // A sandbox booted on kept files keeps them (and the layers under them, which the
+        // opening gives back) for another try.
+        let cleanup = match &kept {
+            None => self.teardown(&id, Some(&handle)).await,
+            Some(_) => self.stop(&id, Some(&handle)).await,
+        };
+        if let Err(cleanup) = cleanup {
+            tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
         }
+        drop(opening);
+        if let (Some(checkpoint), None) = (checkpoint, &kept)
+            && spec.image.is_capture()
+        {
+            // A capture only saves the start command's time: the sandbox boots and
+            // runs it instead, now and from now on.
+            tracing::warn!(sandbox_id = %id, checkpoint, error = %err, "cannot restore the template's capture; booting and running its start command");
+            self.unrestorable_captures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(checkpoint.to_owned());
+            return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
+        }
+        if let (Some(kept), Some(_)) = (&kept, &carried) {
+            // The files outlived the restore; its processes start afresh on them.
+            tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");
+            self.forget_checkpoint(&id);
+            self.give_kept_files_back(&id, slot, kept).await?;
+            return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
+        }
+        Err(err)
     }
 
     /// Moves the kept files of sandbox `id` back to the ids of its kept handle, from those

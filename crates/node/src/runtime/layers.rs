@@ -38,13 +38,7 @@ impl LinuxRuntime {
 
     /// Layers live sandboxes run on.
     pub fn layers_of_live_sandboxes(&self) -> Vec<String> {
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .flatten()
-            .cloned()
-            .collect()
+        self.holdings.layers_in_use()
     }
 }
 
@@ -60,7 +54,8 @@ impl LinuxRuntime {
         let h = parse_handle(id, handle)?;
         self.stop(id, Some(&h)).await?;
         self.remove_log(id);
-        self.release_memory(id);
+        // The disk becomes a layer, which the template now holds.
+        drop(self.holdings.remove(id));
         let base = h.id_base.unwrap_or(0);
         let dir = self.disks.path(id);
         let target = self.layers.steps_dir().join(key);

@@ -3,20 +3,21 @@
 //! is the pool's (`crate::disks`), asked from here so every start passes one place.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::*;
+use crate::disks::DiskPromise;
 use crate::memory::{HostMemory, MemoryRule};
 use crate::tasks::HostTasks;
 
 /// What the node has promised to live sandboxes, and the rule for promising more.
 #[derive(Debug)]
 pub(super) struct ResourceLedger {
-    /// Memory limits granted to live sandboxes, by sandbox id.
-    granted: Mutex<BTreeMap<String, u32>>,
-    /// Each live sandbox's cgroup out-of-memory kill count when it was granted memory (a
-    /// restored or adopted sandbox's cgroup may have counted some before).
-    oom_baselines: Mutex<BTreeMap<String, u64>>,
+    /// Memory granted to live sandboxes, by sandbox id.
+    granted: Mutex<BTreeMap<String, Granted>>,
+    /// The last grant's ticket.
+    tickets: AtomicU64,
     /// Kills counted for sandboxes that let their memory go since this server started.
     oom_kills_ended: AtomicU64,
     memory_rule: MemoryRule,
@@ -24,11 +25,47 @@ pub(super) struct ResourceLedger {
     task_limit: Option<u64>,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct Granted {
+    memory_mb: u32,
+    /// The sandbox's cgroup out-of-memory kill count when it was granted memory (a restored
+    /// or adopted sandbox's cgroup may have counted some before).
+    oom_baseline: u64,
+    /// Which [`MemoryGrant`] holds it: a later grant for the same sandbox replaces it, and
+    /// the earlier one's drop must not take the later one back.
+    ticket: u64,
+}
+
+/// Memory granted to one sandbox, given back when dropped (or by [`MemoryGrant::give_back`],
+/// which also counts the sandbox's out-of-memory kills since the grant).
+#[derive(Debug)]
+pub(super) struct MemoryGrant {
+    ledger: Arc<ResourceLedger>,
+    sandbox_id: String,
+    ticket: u64,
+}
+
+impl MemoryGrant {
+    /// Gives the memory back; `oom_kills_now` is the sandbox's cgroup count, if still
+    /// readable, whose kills since the grant go to the ended total.
+    pub(super) fn give_back(self, oom_kills_now: Option<u64>) {
+        self.ledger
+            .release(&self.sandbox_id, self.ticket, oom_kills_now);
+        // Released just above: the drop would find nothing of this ticket left.
+    }
+}
+
+impl Drop for MemoryGrant {
+    fn drop(&mut self) {
+        self.ledger.release(&self.sandbox_id, self.ticket, None);
+    }
+}
+
 impl ResourceLedger {
     pub(super) fn new(memory_rule: MemoryRule, task_limit: Option<u64>) -> Self {
         ResourceLedger {
             granted: Mutex::new(BTreeMap::new()),
-            oom_baselines: Mutex::new(BTreeMap::new()),
+            tickets: AtomicU64::new(0),
             oom_kills_ended: AtomicU64::new(0),
             memory_rule,
             task_limit,
@@ -42,28 +79,55 @@ impl ResourceLedger {
     /// Grants sandbox `id` a memory limit of `memory_mb` if the host, as `host` and `tasks`
     /// describe it, can start it; `oom_kills_now` is its cgroup's kill count so far.
     pub(super) fn grant(
-        &self,
+        self: &Arc<Self>,
         id: &str,
         memory_mb: u32,
         host: Option<&HostMemory>,
         tasks: Option<HostTasks>,
         oom_kills_now: u64,
-    ) -> Result<(), String> {
+    ) -> Result<MemoryGrant, String> {
         let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
-        self.admit(host, tasks, promised_mb(&granted), memory_mb)?;
-        granted.insert(id.to_owned(), memory_mb);
-        drop(granted);
-        self.count_oom_kills_from(id, oom_kills_now);
-        Ok(())
+        let others = granted
+            .iter()
+            .filter(|(other, _)| other.as_str() != id)
+            .map(|(_, g)| u64::from(g.memory_mb))
+            .sum();
+        self.admit(host, tasks, others, memory_mb)?;
+        Ok(self.record(&mut granted, id, memory_mb, oom_kills_now))
     }
 
     /// Records a grant made by an earlier server (an adopted sandbox): no admission.
-    pub(super) fn regrant(&self, id: &str, memory_mb: u32, oom_kills_now: u64) {
-        self.granted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.to_owned(), memory_mb);
-        self.count_oom_kills_from(id, oom_kills_now);
+    pub(super) fn regrant(
+        self: &Arc<Self>,
+        id: &str,
+        memory_mb: u32,
+        oom_kills_now: u64,
+    ) -> MemoryGrant {
+        let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+        self.record(&mut granted, id, memory_mb, oom_kills_now)
+    }
+
+    fn record(
+        self: &Arc<Self>,
+        granted: &mut BTreeMap<String, Granted>,
+        id: &str,
+        memory_mb: u32,
+        oom_baseline: u64,
+    ) -> MemoryGrant {
+        let ticket = self.tickets.fetch_add(1, Ordering::Relaxed) + 1;
+        granted.insert(
+            id.to_owned(),
+            Granted {
+                memory_mb,
+                oom_baseline,
+                ticket,
+            },
+        );
+        MemoryGrant {
+            ledger: Arc::clone(self),
+            sandbox_id: id.to_owned(),
+            ticket,
+        }
     }
 
     /// Whether a start with a memory limit of `memory_mb` fits beside what is promised.
@@ -97,40 +161,31 @@ impl ResourceLedger {
         promised_mb(&self.granted.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Takes back sandbox `id`'s grant; `oom_kills_now` is its cgroup's count, if still
-    /// readable, whose kills since the grant go to the ended total.
-    pub(super) fn release(&self, id: &str, oom_kills_now: Option<u64>) {
-        self.granted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
-        let baseline = self
-            .oom_baselines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
-        if let (Some(baseline), Some(now)) = (baseline, oom_kills_now) {
-            self.oom_kills_ended
-                .fetch_add(now.saturating_sub(baseline), Ordering::Relaxed);
+    /// Takes back the grant `ticket` of sandbox `id`, if it is still the sandbox's.
+    fn release(&self, id: &str, ticket: u64, oom_kills_now: Option<u64>) {
+        let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
+        if granted.get(id).is_none_or(|g| g.ticket != ticket) {
+            return;
         }
-    }
-
-    /// Counts sandbox `id`'s kills from `now` on.
-    pub(super) fn count_oom_kills_from(&self, id: &str, now: u64) {
-        self.oom_baselines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.to_owned(), now);
+        let Some(ended) = granted.remove(id) else {
+            return;
+        };
+        if let Some(now) = oom_kills_now {
+            self.oom_kills_ended
+                .fetch_add(now.saturating_sub(ended.oom_baseline), Ordering::Relaxed);
+        }
     }
 
     /// Kills of sandboxes since this server started: those of ended grants and, for live
     /// ones, their count now (`count_now`) less their count at the grant.
     pub(super) fn oom_kills(&self, count_now: impl Fn(&str) -> Option<u64>) -> u64 {
-        let baselines = self
-            .oom_baselines
+        let baselines: Vec<(String, u64)> = self
+            .granted
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone();
+            .iter()
+            .map(|(id, g)| (id.clone(), g.oom_baseline))
+            .collect();
         let live: u64 = baselines
             .iter()
             .filter_map(|(id, baseline)| Some(count_now(id)?.saturating_sub(*baseline)))
@@ -139,19 +194,19 @@ impl ResourceLedger {
     }
 }
 
-fn promised_mb(granted: &BTreeMap<String, u32>) -> u64 {
-    granted.values().map(|mb| u64::from(*mb)).sum()
+fn promised_mb(granted: &BTreeMap<String, Granted>) -> u64 {
+    granted.values().map(|g| u64::from(g.memory_mb)).sum()
 }
 
 impl LinuxRuntime {
-    pub(super) fn free_slot(&self, slot: u32) {
-        crate::netns::free_slot(&self.slots, slot);
-    }
-
     /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
     /// cannot start it now: what is short is the memory the host really has, the ceilings
     /// promised in all (see [`crate::memory`]), or the host's tasks ([`crate::tasks`]).
-    pub(super) fn grant_memory(&self, id: &str, memory_mb: u32) -> Result<(), RuntimeError> {
+    pub(super) fn grant_memory(
+        &self,
+        id: &str,
+        memory_mb: u32,
+    ) -> Result<MemoryGrant, RuntimeError> {
         let oom_now = self.cgroups.oom_kills(id).unwrap_or(0);
         self.ledger
             .grant(
@@ -192,14 +247,18 @@ impl LinuxRuntime {
     }
 
     /// Records the grant of a sandbox an earlier server started or restored.
-    pub(super) fn regrant_memory(&self, id: &str, memory_mb: u32) {
+    pub(super) fn regrant_memory(&self, id: &str, memory_mb: u32) -> MemoryGrant {
         let oom_now = self.cgroups.oom_kills(id).unwrap_or(0);
-        self.ledger.regrant(id, memory_mb, oom_now);
+        self.ledger.regrant(id, memory_mb, oom_now)
     }
 
     /// Counts sandbox `id`'s disk against the pool, mounting a failed (read-only) pool
     /// afresh first when nothing holds it.
-    pub(super) async fn admit_disk(&self, id: &str, size_mb: u32) -> Result<(), RuntimeError> {
+    pub(super) async fn admit_disk(
+        &self,
+        id: &str,
+        size_mb: u32,
+    ) -> Result<DiskPromise, RuntimeError> {
         let no_room = |err: DiskError| match err {
             DiskError::NoRoom {
                 sandbox_id,
@@ -211,7 +270,7 @@ impl LinuxRuntime {
             other => sandbox_err(id, other),
         };
         match self.disks.admit(id, size_mb) {
-            Ok(()) => Ok(()),
+            Ok(promise) => Ok(promise),
             Err(err) if self.disks.report().is_some_and(|r| r.space.read_only) => {
                 if let Err(e) = self.disks.recover().await {
                     return Err(RuntimeError::NoCapacity {
@@ -223,10 +282,6 @@ impl LinuxRuntime {
             }
             Err(err) => Err(no_room(err)),
         }
-    }
-
-    pub(super) fn release_memory(&self, id: &str) {
-        self.ledger.release(id, self.cgroups.oom_kills(id));
     }
 }
 
@@ -252,30 +307,37 @@ mod tests {
 
     #[test]
     fn grants_add_up_until_the_promise_limit() {
-        let ledger = ResourceLedger::new(rule(), None);
+        let ledger = Arc::new(ResourceLedger::new(rule(), None));
         let host = host(5120, 4096);
         // (5120 - 1024) × 2 = 8192 MiB may be promised.
-        for i in 0..16 {
-            ledger
-                .grant(&format!("s{i}"), 512, Some(&host), None, 0)
-                .expect("room for 16 × 512 MiB");
-        }
+        let mut grants: Vec<MemoryGrant> = (0..16)
+            .map(|i| {
+                ledger
+                    .grant(&format!("s{i}"), 512, Some(&host), None, 0)
+                    .expect("room for 16 × 512 MiB")
+            })
+            .collect();
         assert_eq!(ledger.promised_mb(), 8192);
         let refused = ledger
             .grant("one-more", 512, Some(&host), None, 0)
             .expect_err("past the limit");
         assert!(refused.contains("8192 MiB"), "{refused}");
-        ledger.release("s0", None);
-        ledger
+        drop(grants.remove(0));
+        let _one_more = ledger
             .grant("one-more", 512, Some(&host), None, 0)
             .expect("a release makes room");
+        drop(grants);
+        assert_eq!(ledger.promised_mb(), 512);
     }
 
     #[test]
     fn a_refused_grant_records_nothing() {
-        let ledger = ResourceLedger::new(rule(), None);
+        let ledger = Arc::new(ResourceLedger::new(rule(), None));
         let short = host(5120, 100);
-        assert!(ledger.grant("s", 512, Some(&short), None, 0).is_err());
+        let refused = ledger
+            .grant("s", 512, Some(&short), None, 0)
+            .expect_err("too little memory available");
+        assert!(refused.contains("MiB"), "{refused}");
         assert_eq!(ledger.promised_mb(), 0);
         assert_eq!(ledger.oom_kills(|_| Some(7)), 0);
     }
@@ -295,15 +357,29 @@ mod tests {
 
     #[test]
     fn oom_kills_count_from_the_grant_and_survive_the_release() {
-        let ledger = ResourceLedger::new(rule(), None);
-        ledger.regrant("a", 256, 3);
-        ledger.regrant("b", 256, 0);
+        let ledger = Arc::new(ResourceLedger::new(rule(), None));
+        let a = ledger.regrant("a", 256, 3);
+        let _b = ledger.regrant("b", 256, 0);
         assert_eq!(
             ledger.oom_kills(|id| Some(if id == "a" { 5 } else { 1 })),
             3
         );
-        ledger.release("a", Some(6));
+        a.give_back(Some(6));
         assert_eq!(ledger.oom_kills(|_| Some(1)), 3 + 1);
         assert_eq!(ledger.promised_mb(), 256);
+    }
+
+    #[test]
+    fn an_earlier_grant_dropped_leaves_the_later_one_of_the_same_sandbox() {
+        let ledger = Arc::new(ResourceLedger::new(rule(), None));
+        let host = host(5120, 4096);
+        let first = ledger.grant("s", 512, Some(&host), None, 0).expect("room");
+        // A second grant for the same sandbox replaces the first rather than adding to it.
+        let second = ledger.grant("s", 1024, Some(&host), None, 0).expect("room");
+        assert_eq!(ledger.promised_mb(), 1024);
+        drop(first);
+        assert_eq!(ledger.promised_mb(), 1024);
+        drop(second);
+        assert_eq!(ledger.promised_mb(), 0);
     }
 }

@@ -30,6 +30,7 @@ use crate::network::{Network, NetworkError};
 mod agent_copies;
 mod carried;
 mod handle;
+mod holdings;
 mod host;
 mod in_flight;
 mod launch;
@@ -44,6 +45,7 @@ pub(crate) use in_flight::{InFlight, InFlightGuard};
 use agent_copies::*;
 use carried::*;
 use handle::*;
+use holdings::{Holdings, NodeSandbox, SlotHold};
 use launch::*;
 use pausing::*;
 use snapshot::*;
@@ -145,11 +147,11 @@ pub struct LinuxRuntime {
     egress: std::sync::Arc<crate::egress::Egress>,
     disks: DiskPool,
     /// Memory granted to sandboxes and the rule for granting more.
-    ledger: ledger::ResourceLedger,
+    ledger: std::sync::Arc<ledger::ResourceLedger>,
+    /// What each sandbox on this node holds: its slot, memory grant, disk promise and layers.
+    holdings: Holdings,
     slots: SlotSet,
     layers: crate::layers::LayerStore,
-    /// Layers of live sandboxes, by sandbox id (the garbage collector keeps them).
-    layers_in_use: Mutex<std::collections::BTreeMap<String, Vec<String>>>,
     /// CRIU, once it passed its probe (at start, or later when installed meanwhile).
     criu: crate::criu_cell::CriuCell,
     /// Sandboxes booted ahead of demand.
@@ -431,14 +433,17 @@ impl LinuxRuntime {
             shared_layers: std::sync::OnceLock::new(),
             build_sandboxes_settling: Default::default(),
             layers,
-            layers_in_use: Mutex::new(std::collections::BTreeMap::new()),
             config,
             cgroups,
             network,
             netns_pool,
             egress,
             disks,
-            ledger: ledger::ResourceLedger::new(memory_rule, crate::tasks::task_limit()),
+            ledger: std::sync::Arc::new(ledger::ResourceLedger::new(
+                memory_rule,
+                crate::tasks::task_limit(),
+            )),
+            holdings: Holdings::default(),
             slots,
         })
     }
@@ -553,14 +558,6 @@ impl LinuxRuntime {
         self.config.data_dir.join("run").join(format!("{id}.sock"))
     }
 
-    /// Records the template layers sandbox `id` runs on, so the collector keeps them.
-    fn keep_layers(&self, id: impl Into<String>, layers: Vec<String>) {
-        self.layers_in_use
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id.into(), layers);
-    }
-
     fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
         let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
         Ok(Endpoint {
@@ -578,9 +575,7 @@ impl Runtime for LinuxRuntime {
 
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         let handle = parse_handle(sandbox_id, handle).ok();
-        self.teardown(sandbox_id, handle.as_ref()).await?;
-        self.release_memory(sandbox_id);
-        Ok(())
+        self.teardown(sandbox_id, handle.as_ref()).await
     }
 
     fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool {
@@ -672,12 +667,11 @@ impl Runtime for LinuxRuntime {
         if h.released {
             return Ok(handle.clone());
         }
+        // Its disk and layers stay held: the kept writable layer only makes sense on top of
+        // them.
         self.stop(sandbox_id, Some(&h)).await?;
         // Namespaces kept by an earlier checkpoint would hold its old network alive.
         self.forget_checkpoint(sandbox_id);
-        self.release_memory(sandbox_id);
-        // Its layers stay in use: the kept writable layer only makes sense on top of them.
-        self.keep_layers(sandbox_id.to_owned(), h.layers.clone());
         let released = Handle {
             pid: 0,
             start_ticks: 0,
@@ -848,7 +842,8 @@ impl Runtime for LinuxRuntime {
         // What an earlier attempt left; the sandbox is not this node's yet.
         self.disks.remove(id).map_err(|e| sandbox_err(id, e))?;
         let _ = crate::disks::remove_tree(&self.carried_checkpoint_dir(id));
-        self.admit_disk(id, sandbox.disk_size_mb).await?;
+        let mut opening = self.holdings.opening(id);
+        opening.hold_disk(self.admit_disk(id, sandbox.disk_size_mb).await?);
         let laid_out = async {
             let dir = self
                 .disks
@@ -862,7 +857,6 @@ impl Runtime for LinuxRuntime {
         .await;
         if let Err(err) = laid_out {
             let _ = self.disks.remove(id);
-            self.disks.forget(id);
             return Err(err);
         }
         let carried = match checkpoint {
@@ -893,10 +887,12 @@ impl Runtime for LinuxRuntime {
             carried,
             ..Handle::unstarted(0)
         };
-        self.keep_layers(id.to_owned(), handle.layers.clone());
+        let runtime_handle = handle.to_runtime(id)?;
+        opening.use_layers(handle.layers.clone());
+        opening.commit();
         Ok(sandbar_core::TakenOver {
             with_memory: handle.carried.is_some(),
-            handle: handle.to_runtime(id)?,
+            handle: runtime_handle,
         })
     }
 
@@ -916,7 +912,14 @@ impl Runtime for LinuxRuntime {
                 format!("no kept files at {}", upper.display()),
             ));
         }
-        self.keep_layers(sandbox_id.to_owned(), h.layers);
+        self.holdings.adopt(
+            sandbox_id,
+            NodeSandbox {
+                disk: self.disks.adopt(sandbox_id),
+                layers: h.layers,
+                ..NodeSandbox::default()
+            },
+        );
         Ok(())
     }
 
@@ -1017,12 +1020,15 @@ impl Runtime for LinuxRuntime {
         }
         // A checkpoint it was restored from, if the server died before discarding it.
         let _ = crate::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(handle.slot);
-        self.regrant_memory(sandbox_id, handle.memory_mb);
-        self.keep_layers(sandbox_id.to_owned(), handle.layers.clone());
+        self.holdings.adopt(
+            sandbox_id,
+            NodeSandbox {
+                slot: Some(SlotHold::retaken(&self.slots, handle.slot)),
+                memory: Some(self.regrant_memory(sandbox_id, handle.memory_mb)),
+                disk: self.disks.adopt(sandbox_id),
+                layers: handle.layers.clone(),
+            },
+        );
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }

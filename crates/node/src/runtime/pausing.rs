@@ -299,7 +299,9 @@ impl LinuxRuntime {
             tracing::warn!(sandbox_id = %id, error = %err, "processes left after the checkpoint");
         }
         self.cgroups.empty_memory(id);
-        self.release_memory(id);
+        if let Some(memory) = self.holdings.take_memory(id) {
+            memory.give_back(self.cgroups.oom_kills(id));
+        }
         let _ = std::fs::remove_file(self.socket_path(id));
     }
 
@@ -378,12 +380,15 @@ impl LinuxRuntime {
         };
         let endpoint = self.endpoint(id, h.slot).ok()?;
         let runtime_handle = running.to_runtime(id).ok()?;
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(h.slot);
-        self.regrant_memory(id, h.memory_mb);
-        self.keep_layers(id.to_owned(), h.layers.clone());
+        self.holdings.adopt(
+            id,
+            NodeSandbox {
+                slot: Some(SlotHold::retaken(&self.slots, h.slot)),
+                memory: Some(self.regrant_memory(id, h.memory_mb)),
+                disk: self.disks.adopt(id),
+                layers: h.layers.clone(),
+            },
+        );
         tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
         Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
     }
@@ -1043,20 +1048,15 @@ impl LinuxRuntime {
         if !h.checkpointed {
             return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
         }
-        self.grant_memory(sandbox_id, h.memory_mb)?;
+        let mut opening = self.holdings.opening(sandbox_id);
+        opening.hold_memory(self.grant_memory(sandbox_id, h.memory_mb)?);
         let started = std::time::Instant::now();
         // Joining a frozen cgroup would freeze CRIU itself.
         let restored = match self.cgroups.thaw(sandbox_id) {
             Ok(()) => self.undump(sandbox_id, &h).await,
             Err(e) => Err(sandbox_err(sandbox_id, e)),
         };
-        let pid = match restored {
-            Ok(pid) => pid,
-            Err(err) => {
-                self.release_memory(sandbox_id);
-                return Err(err);
-            }
-        };
+        let pid = restored?;
         let running = Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
@@ -1068,7 +1068,6 @@ impl LinuxRuntime {
             agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
         {
             let _ = self.cgroups.kill_all(sandbox_id).await;
-            self.release_memory(sandbox_id);
             return Err(sandbox_err(
                 sandbox_id,
                 format!("the restored agent does not answer: {e}"),
@@ -1079,6 +1078,7 @@ impl LinuxRuntime {
             healthy_us = started.elapsed().as_micros() as u64,
             "restored agent answers"
         );
+        opening.commit();
         sandbar_core::faults::crash_point("restore.restored");
         // The images stay until the sandbox is recorded running (`discard_checkpoint`): a
         // restart before that finds the finished restore beside them.
@@ -1150,11 +1150,15 @@ impl LinuxRuntime {
                 ));
             }
         }
-        self.slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(h.slot);
-        self.keep_layers(sandbox_id.to_owned(), h.layers.clone());
+        self.holdings.adopt(
+            sandbox_id,
+            NodeSandbox {
+                slot: Some(SlotHold::retaken(&self.slots, h.slot)),
+                disk: self.disks.adopt(sandbox_id),
+                layers: h.layers.clone(),
+                ..NodeSandbox::default()
+            },
+        );
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,

@@ -77,15 +77,12 @@ impl LinuxRuntime {
             &sandbar_core::ids::new_secret("")[..16]
         );
         self.admit_start(&name)?;
-        self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?;
+        let mut opening = self.holdings.opening(&name);
+        opening.hold_disk(self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?);
         let netns = match self.netns_pool.claim(true).await {
             Some(Ok(netns)) => netns,
-            Some(Err(err)) => {
-                self.disks.forget(&name);
-                return Err(sandbox_err(&name, err));
-            }
+            Some(Err(err)) => return Err(sandbox_err(&name, err)),
             None => {
-                self.disks.forget(&name);
                 return Err(RuntimeError::NoCapacity {
                     sandbox_id: name,
                     message: "no free network slot on this node".into(),
@@ -93,10 +90,11 @@ impl LinuxRuntime {
             }
         };
         let slot = netns.slot;
+        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.use_layers(key.layers.clone());
         let id_map = self.id_map(slot);
         let token = sandbar_core::ids::new_secret("");
         let boot_id = sandbar_core::ids::new_uuid();
-        self.keep_layers(name.clone(), key.layers.clone());
         let booted = async {
             self.cgroups
                 .create(
@@ -149,6 +147,7 @@ impl LinuxRuntime {
         match booted {
             Ok(warm) => {
                 tracing::debug!(warm = %warm.name, slot, "warm sandbox booted");
+                opening.commit();
                 self.warm.put(warm);
                 Ok(())
             }
@@ -176,6 +175,7 @@ impl LinuxRuntime {
         &self,
         spec: &LaunchSpec,
         warm: &crate::warm::WarmSandbox,
+        opening: &mut holdings::Opening<'_>,
     ) -> Result<(Handle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.as_str();
         let started = std::time::Instant::now();
@@ -228,6 +228,10 @@ impl LinuxRuntime {
                 .rename(&warm.name, id)
                 .map_err(|e| sandbox_err(id, e))?;
             name = id;
+            // The sandbox's slot from now on: a failure tears it down under the new id.
+            if let Some(slot) = self.holdings.take_slot(&warm.name) {
+                opening.hold_slot(slot);
+            }
             self.cgroups
                 .apply_limits(id, self.limits_of(spec))
                 .map_err(|e| sandbox_err(id, e))?;
@@ -242,11 +246,9 @@ impl LinuxRuntime {
                 std::fs::rename(&from, &to)
                     .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
             }
-            self.layers_in_use
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&warm.name);
-            self.keep_layers(id, spec.image.layers.clone());
+            // The warm name's disk promise went with its disk; its layers are the sandbox's.
+            drop(self.holdings.remove(&warm.name));
+            opening.use_layers(spec.image.layers.clone());
             // Before the agent hands anything out: the sandbox never has a moment without
             // its rules.
             self.apply_egress(id, warm.slot, true, &spec.egress).await?;
@@ -285,10 +287,6 @@ impl LinuxRuntime {
                 for rest in [warm.name.as_str(), id] {
                     let _ = self.teardown(rest, None).await;
                 }
-                self.layers_in_use
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&warm.name);
                 Err(err)
             }
         }
