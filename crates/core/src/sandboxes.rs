@@ -657,19 +657,12 @@ impl Sandboxes {
 
         let id = ids::new_sandbox_id();
         let now = Utc::now();
-        self.reserve(team, &id, now + seconds(request.timeout_secs))?;
+        let reservation = self.reserve(team, &id, now + seconds(request.timeout_secs))?;
         // Held until the sandbox is recorded (the end of this function): until then the
         // claim is what the other nodes count.
-        let _claim = match self.claim_slot(team, &id).await {
-            Ok(claim) => claim,
-            Err(err) => {
-                self.live().remove(&id);
-                return Err(err);
-            }
-        };
+        let _claim = self.claim_slot(team, &id).await?;
 
         let Some(image) = template.image.clone() else {
-            self.live().remove(&id);
             return Err(TemplateError::StillBuilding(template.id.clone()).into());
         };
         // Restored from the template's capture with its start command running, where the
@@ -699,7 +692,6 @@ impl Sandboxes {
         let (handle, endpoint) = match self.runtime.launch(spec).await {
             Ok(started) => started,
             Err(err) => {
-                self.live().remove(&id);
                 return Err(match err {
                     RuntimeError::NoCapacity { .. } => CreateSandboxError::NoCapacity {
                         source: err,
@@ -763,9 +755,9 @@ impl Sandboxes {
             if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %id, error = %destroy, "cannot clean up unrecorded sandbox");
             }
-            self.live().remove(&id);
             return Err(err.into());
         }
+        reservation.keep();
         // Started before the sandbox counts as running; the reaper's reads of its agent log
         // wait for the log to exist.
         self.log_start(&sandbox, now);
@@ -867,12 +859,13 @@ impl Sandboxes {
     }
 
     /// Takes one of the team's slots on this node for sandbox `id` (marked starting).
+    /// Counts sandbox `id` against its team's concurrency from now on, before its launch.
     fn reserve(
         &self,
         team: &Team,
         id: &str,
         end_at: DateTime<Utc>,
-    ) -> Result<(), CreateSandboxError> {
+    ) -> Result<Reservation<'_>, CreateSandboxError> {
         let mut live = self.live();
         let active = live
             .values()
@@ -907,7 +900,11 @@ impl Sandboxes {
                 memory_shared_at: None,
             },
         );
-        Ok(())
+        Ok(Reservation {
+            sandboxes: self,
+            id: id.to_owned(),
+            kept: false,
+        })
     }
 
     /// A team's sandbox; another team's is reported as not found.
@@ -2031,6 +2028,31 @@ fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandbox
         }
     }
     Ok(())
+}
+
+/// A sandbox counted against its team's concurrency before it is recorded. Dropped before
+/// [`Reservation::keep`] (a create that failed, or whose request went away mid-way), the
+/// count goes back.
+#[must_use]
+struct Reservation<'a> {
+    sandboxes: &'a Sandboxes,
+    id: String,
+    kept: bool,
+}
+
+impl Reservation<'_> {
+    /// The sandbox is recorded: it counts for as long as it lives.
+    fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.kept {
+            self.sandboxes.live().remove(&self.id);
+        }
+    }
 }
 
 #[cfg(test)]

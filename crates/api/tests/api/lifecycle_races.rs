@@ -163,6 +163,40 @@ async fn still_waiting<T>(task: &tokio::task::JoinHandle<T>, what: &str) {
 }
 
 #[tokio::test]
+async fn a_create_whose_request_goes_away_mid_launch_gives_its_team_slot_back() {
+    let mut h = harness(&["launch"]).await;
+    let mut one_at_a_time = h.team.clone();
+    one_at_a_time.max_concurrent_sandboxes = 1;
+    let sandboxes = h.sandboxes.clone();
+    let create = |team: sandbar_core::Team| {
+        let sandboxes = sandboxes.clone();
+        async move {
+            sandboxes
+                .create(
+                    &team,
+                    CreateSandbox {
+                        template: "base".into(),
+                        timeout_secs: 60,
+                        ..CreateSandbox::default()
+                    },
+                )
+                .await
+        }
+    };
+    let abandoned = tokio::spawn(create(one_at_a_time.clone()));
+    let (call, _) = h.arrival().await;
+    assert_eq!(call, "launch");
+    // The client hung up: the request's future is dropped where it waits on the node.
+    abandoned.abort();
+    assert!(abandoned.await.expect_err("aborted").is_cancelled());
+    h.open_gate();
+    let second = create(one_at_a_time)
+        .await
+        .expect("the team's one slot is free again");
+    assert_eq!(h.state(&second.id).await, Some(SandboxState::Running));
+}
+
+#[tokio::test]
 async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
     let mut h = harness(&["destroy"]).await;
     // Expired as soon as they start.

@@ -153,6 +153,7 @@ impl Runtime for FakeRuntime {
                 message: "this node has granted all of its memory".into(),
             });
         }
+        self.pass("launch", &spec.sandbox_id).await;
         self.agent_writes(&spec.sandbox_id, AGENT_STARTED);
         self.launched.lock().expect("lock").push(spec);
         Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
