@@ -643,175 +643,93 @@ fn base_image() -> TemplateImage {
     }
 }
 
-async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let metrics = metrics_access(&args)?;
-    if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
-        tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
-    }
-    if let Err(e) = sandbar_node::protect_server_from_oom_killer() {
-        tracing::warn!(error = %e, "cannot protect the server from the OOM killer");
-    }
-    std::fs::create_dir_all(&args.data_dir)
-        .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
-    // The store holds every sandbox's envd access token: nobody but the server's user may
-    // enter the data directory, and the database files are private too in case the
-    // directory is ever opened up.
-    std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o700))
-        .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
-    let postgres_url = args.database.postgres_url()?;
-    if postgres_url.is_none() {
-        if args.cluster.role != cluster::Role::All {
-            bail!("a cluster shares its records: --role api and node need --database-url");
-        }
-        restrict_database_files(&args.data_dir)?;
-    }
-    if args.cluster.role == cluster::Role::Api {
-        return serve_api(args).await;
-    }
-    if args.disk_quotas
-        && let Some(gb) = args.disk_pool_gb
-    {
-        sandbar_node::disks::check_asked_pool_size(
-            &args.data_dir.join("sandboxes"),
-            gb << 30,
-            u64::from(args.base_disk_mb) << 20,
-            args.disk_pool_reserve_mb << 20,
-        )?;
-    }
-    let node_lease = match args.cluster.role {
-        cluster::Role::Node => Some((
-            sandbar_core::cluster::NodeLease {
-                id: args.cluster.node_id()?,
-                url: args
-                    .cluster
-                    .advertise_url
-                    .clone()
-                    .unwrap_or_else(|| format!("http://{}", args.listen)),
-                started_at: Utc::now(),
-            },
-            args.cluster.secret()?,
-        )),
-        _ => None,
-    };
-    // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
-    // names whatever the data directory, so a second server on the host would sweep the
-    // first one's sandboxes as unrecorded; on the same directory it would also mount the
-    // same pool and unmount it under the first.
-    let _host_lock = lock_host(Path::new(HOST_LOCK))?;
-    warn_about_core_pipe();
-    let data_dir = args
-        .data_dir
-        .canonicalize()
-        .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
-    let (network_base, network_prefix_len) = parse_network(&args.network)?;
-    let agent_bin = match args.agent_bin.clone() {
-        Some(path) => path,
-        None => std::env::current_exe()?
+/// The binary `name` beside the server's own, unless `given`.
+fn sibling_binary(given: Option<&PathBuf>, name: &str) -> anyhow::Result<PathBuf> {
+    match given {
+        Some(path) => Ok(path.clone()),
+        None => Ok(std::env::current_exe()?
             .parent()
             .context("executable has no directory")?
-            .join("sandbar-agent"),
-    };
+            .join(name)),
+    }
+}
 
-    let interpreter_bin = match args.interpreter_bin.clone() {
-        Some(path) => path,
-        None => std::env::current_exe()?
-            .parent()
-            .context("executable has no directory")?
-            .join("sandbar-interpreter"),
-    };
-
-    let shared_database = postgres_url.is_some();
-    let store = match postgres_url {
+/// The records: PostgreSQL at `postgres_url`, else SQLite in the data directory.
+async fn open_store(
+    postgres_url: Option<&str>,
+    data_dir: &Path,
+) -> anyhow::Result<Arc<dyn sandbar_core::Store>> {
+    match postgres_url {
         Some(url) => {
             let store = database::connect_postgres(url).await?;
             tracing::info!(database = %sandbar_store::redacted_url(url), "records are kept in PostgreSQL");
-            store
+            Ok(store)
         }
-        None => database::open_sqlite(&data_dir.join("sandbar.db")).await?,
-    };
-    let auth = Auth::new(store.clone());
-    bootstrap_first_team(&auth, &args, &data_dir).await?;
-
-    let nameservers = if args.nameservers.is_empty() {
-        host_nameservers()
-    } else {
-        args.nameservers
-    };
-    let runtime = Arc::new(
-        LinuxRuntime::new(NodeConfig {
-            data_dir: data_dir.clone(),
-            agent_bin,
-            network_base,
-            network_prefix_len,
-            pids_max: args.pids_max,
-            nameservers,
-            allowed_private: args.allow_private,
-            disk_quotas: args.disk_quotas,
-            disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
-            default_disk_mb: args.base_disk_mb,
-            disk_pool_reserve_bytes: args.disk_pool_reserve_mb << 20,
-            disk_overcommit: args.disk_overcommit,
-            data_reserve_bytes: args.data_disk_reserve_mb << 20,
-            id_base: args.id_base,
-            pty_max: args.pty_max,
-            netns_pool: args.netns_pool as usize,
-            warm_pool: args.warm_pool as usize,
-            warm_pool_max: args.warm_pool_max as usize,
-            agent_log_rotate_bytes: args.agent_log_rotate_mb << 20,
-            ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
-            sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
-            memory_reserve_mb: args.memory_reserve_mb,
-            sandboxes_memory_limit_mb: args.sandbox_memory_limit_mb,
-            memory_overcommit: args.memory_overcommit,
-            memory_pressure_limit_percent: args.memory_pressure_limit,
-            criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
-            criu_reprobe: std::time::Duration::from_secs(args.criu_reprobe_secs),
-        })
-        .await?,
-    );
-    let node = runtime.clone();
-    if let Some(blobs) = args.cluster.layer_store()? {
-        let node_id = node_lease
-            .as_ref()
-            .map_or_else(|| "local".to_owned(), |(lease, _)| lease.id.clone());
-        let shared = Arc::new(sandbar_node::shared_layers::SharedLayers::new(
-            blobs,
-            store.clone(),
-            runtime.layer_store().clone(),
-            node_id,
-        ));
-        shared.sweep_staging();
-        tracing::info!(layer_store = %shared.location(), "template layers are shared through the layer store");
-        runtime.use_shared_layers(shared.clone());
-        if args.cluster.layer_store_collect_secs > 0 {
-            let every = std::time::Duration::from_secs(args.cluster.layer_store_collect_secs);
-            let collector = sandbar_node::shared_collector::SharedCollector::new(
-                shared.clone(),
-                store.clone(),
-                every,
-            );
-            tokio::spawn(collector.run(every));
-        }
-        if let Some((lease, _)) = &node_lease {
-            // So that placement finds this node holding what the cluster runs, rather than
-            // sending every create of a template to the nodes that made it.
-            tokio::spawn(sandbar_node::prefetch::run(
-                store.clone(),
-                runtime.clone(),
-                shared.clone(),
-                lease.id.clone(),
-            ));
-        }
-        tokio::spawn(publish_templates_on_disk(store.clone(), shared));
+        None => database::open_sqlite(&data_dir.join("sandbar.db")).await,
     }
+}
 
-    let templates = Templates::new(store.clone());
+/// Shares the node's template layers through the cluster's layer store, where one is
+/// configured: a collector of what nobody uses, the prefetch of what the cluster runs (on a
+/// node of a cluster) and the publication of what this node holds.
+fn share_layers(
+    args: &ServeArgs,
+    store: &Arc<dyn sandbar_core::Store>,
+    runtime: &Arc<LinuxRuntime>,
+    node_id: Option<&str>,
+) -> anyhow::Result<()> {
+    let Some(blobs) = args.cluster.layer_store()? else {
+        return Ok(());
+    };
+    let shared = Arc::new(sandbar_node::shared_layers::SharedLayers::new(
+        blobs,
+        store.clone(),
+        runtime.layer_store().clone(),
+        node_id.unwrap_or("local").to_owned(),
+    ));
+    shared.sweep_staging();
+    tracing::info!(layer_store = %shared.location(), "template layers are shared through the layer store");
+    runtime.use_shared_layers(shared.clone());
+    if args.cluster.layer_store_collect_secs > 0 {
+        let every = std::time::Duration::from_secs(args.cluster.layer_store_collect_secs);
+        let collector = sandbar_node::shared_collector::SharedCollector::new(
+            shared.clone(),
+            store.clone(),
+            every,
+        );
+        tokio::spawn(collector.run(every));
+    }
+    if let Some(node_id) = node_id {
+        // So that placement finds this node holding what the cluster runs, rather than
+        // sending every create of a template to the nodes that made it.
+        tokio::spawn(sandbar_node::prefetch::run(
+            store.clone(),
+            runtime.clone(),
+            shared.clone(),
+            node_id.to_owned(),
+        ));
+    }
+    tokio::spawn(publish_templates_on_disk(store.clone(), shared));
+    Ok(())
+}
+
+/// The node's builds: the builder and its queue, builds an earlier stop interrupted marked
+/// failed, unused layers collected, and the sweeper of expired uploads.
+async fn start_builds(
+    args: &ServeArgs,
+    store: &Arc<dyn sandbar_core::Store>,
+    runtime: &Arc<LinuxRuntime>,
+    templates: &Templates,
+    data_dir: &Path,
+    node_id: Option<&str>,
+) -> anyhow::Result<Builds> {
+    let (network_base, network_prefix_len) = parse_network(&args.network)?;
     let sandbox_network = ipnet::Ipv4Net::new(network_base, network_prefix_len)
         .with_context(|| format!("bad network '{}'", args.network))?;
     let registry_policy = Arc::new(
         sandbar_image::RegistryPolicy::new(
-            args.allow_registry,
-            args.plain_http_registries,
+            args.allow_registry.clone(),
+            args.plain_http_registries.clone(),
             vec![sandbox_network.into()],
         )
         .context("bad --plain-http-registry")?,
@@ -819,9 +737,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let upload_ttl = std::time::Duration::from_secs(args.upload_ttl_secs);
     let builder = Arc::new(sandbar_node::NodeBuilder::new(
         runtime.clone(),
-        &data_dir,
+        data_dir,
         registry_policy.clone(),
-        args.debian_mirror,
+        args.debian_mirror.clone(),
         sandbar_node::uploads::UploadLimits {
             max_bytes_per_team: args.max_upload_gb_per_team << 30,
             max_count_per_team: usize::try_from(args.max_uploads_per_team).unwrap_or(usize::MAX),
@@ -856,20 +774,20 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         templates.build_finished(),
     )
     .with_registry_check(Arc::new(RegistryRule(registry_policy)));
-    let builds = match &node_lease {
-        Some((lease, _)) => builds.on_node(lease.id.clone()),
+    let builds = match node_id {
+        Some(node_id) => builds.on_node(node_id.to_owned()),
         None => builds,
     };
     // In a cluster, builds of other nodes are under way in the same store: a node fails its
     // own unfinished builds and those of nodes that are gone; builds recorded before builds
     // named their node, only when no other node is live.
-    let live: Vec<String> = match &node_lease {
+    let live: Vec<String> = match node_id {
         None => Vec::new(),
-        Some((lease, _)) => store
+        Some(node_id) => store
             .nodes()
             .await?
             .into_iter()
-            .filter(|n| n.id != lease.id && n.is_live(Utc::now()))
+            .filter(|n| n.id != node_id && n.is_live(Utc::now()))
             .map(|n| n.id)
             .collect(),
     };
@@ -893,24 +811,27 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         std::time::Duration::from_secs(60),
     );
     tokio::spawn(builds.clone().run_upload_sweeper(sweep_every));
-    let builtins = Builtins {
-        templates: &templates,
-        builds: &builds,
-        store: store.as_ref(),
-        layers: runtime.layer_store(),
-        disk_size_mb: args.base_disk_mb,
-        in_cluster: node_lease.is_some(),
-    };
-    ensure_base_template(&builtins, sandbar_jail::ENVD_VERSION).await?;
+    Ok(builds)
+}
 
+/// The node's sandboxes: volumes, the cluster's directory of nodes on a node of a cluster,
+/// and the sandboxes an earlier server left adopted (or swept).
+async fn start_sandboxes(
+    args: &ServeArgs,
+    store: &Arc<dyn sandbar_core::Store>,
+    runtime: &Arc<LinuxRuntime>,
+    templates: &Templates,
+    data_dir: &Path,
+    node_id: Option<&str>,
+) -> anyhow::Result<Arc<Sandboxes>> {
     let volume_host =
-        sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(&data_dir))
+        sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(data_dir))
             .context("cannot prepare the volumes directory")?;
     let volumes = Arc::new(
         sandbar_core::Volumes::new(
             store.clone(),
             Arc::new(volume_host),
-            volume_token_key(&data_dir)?,
+            volume_token_key(data_dir)?,
         )
         .with_content_rate(args.volume_requests_per_minute),
     );
@@ -924,15 +845,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 retention: std::time::Duration::from_secs(args.log_retention_days * 86_400),
             },
             pause_grace: std::time::Duration::from_secs(args.pause_grace_secs),
-            node_id: node_lease
-                .as_ref()
-                .map(|(lease, _)| lease.id.clone())
-                .unwrap_or_default(),
+            node_id: node_id.unwrap_or_default().to_owned(),
             ..SandboxesConfig::default()
         },
     )
     .with_volumes(volumes);
-    if node_lease.is_some() {
+    if node_id.is_some() {
         let nodes = Arc::new(sandbar_core::NodeDirectory::new(store.clone()));
         nodes.refresh().await?;
         tokio::spawn(
@@ -947,20 +865,81 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
     }
-    // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
-    if let Err(e) = ensure_interpreter_template(&builtins, &data_dir, &interpreter_bin).await {
-        tracing::warn!(
-            error = format!("{e:#}"),
-            "the code interpreter template is not offered"
-        );
+    Ok(sandboxes)
+}
+
+/// The node's configuration from the command line.
+fn node_config(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<NodeConfig> {
+    let (network_base, network_prefix_len) = parse_network(&args.network)?;
+    let nameservers = if args.nameservers.is_empty() {
+        host_nameservers()
+    } else {
+        args.nameservers.clone()
+    };
+    Ok(NodeConfig {
+        data_dir: data_dir.to_owned(),
+        agent_bin: sibling_binary(args.agent_bin.as_ref(), "sandbar-agent")?,
+        network_base,
+        network_prefix_len,
+        pids_max: args.pids_max,
+        nameservers,
+        allowed_private: args.allow_private.clone(),
+        disk_quotas: args.disk_quotas,
+        disk_pool_bytes: args.disk_pool_gb.map(|gb| gb << 30),
+        default_disk_mb: args.base_disk_mb,
+        disk_pool_reserve_bytes: args.disk_pool_reserve_mb << 20,
+        disk_overcommit: args.disk_overcommit,
+        data_reserve_bytes: args.data_disk_reserve_mb << 20,
+        id_base: args.id_base,
+        pty_max: args.pty_max,
+        netns_pool: args.netns_pool as usize,
+        warm_pool: args.warm_pool as usize,
+        warm_pool_max: args.warm_pool_max as usize,
+        agent_log_rotate_bytes: args.agent_log_rotate_mb << 20,
+        ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
+        sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
+        memory_reserve_mb: args.memory_reserve_mb,
+        sandboxes_memory_limit_mb: args.sandbox_memory_limit_mb,
+        memory_overcommit: args.memory_overcommit,
+        memory_pressure_limit_percent: args.memory_pressure_limit,
+        criu: Some(PathBuf::from(&args.criu)).filter(|p| !p.as_os_str().is_empty()),
+        criu_reprobe: std::time::Duration::from_secs(args.criu_reprobe_secs),
+    })
+}
+
+/// Makes the data directory private to the server's user (the store holds every sandbox's
+/// envd access token; the database files are private too, in case the directory is ever
+/// opened up) and says where the records are: PostgreSQL's URL, or `None` for SQLite there.
+fn prepare_data_dir(args: &ServeArgs) -> anyhow::Result<Option<&str>> {
+    std::fs::create_dir_all(&args.data_dir)
+        .with_context(|| format!("cannot create data directory {}", args.data_dir.display()))?;
+    std::fs::set_permissions(&args.data_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot restrict {}", args.data_dir.display()))?;
+    let postgres_url = args.database.postgres_url()?;
+    if postgres_url.is_none() {
+        if args.cluster.role != cluster::Role::All {
+            bail!("a cluster shares its records: --role api and node need --database-url");
+        }
+        restrict_database_files(&args.data_dir)?;
     }
-    runtime.start_warm_pool();
+    Ok(postgres_url)
+}
+
+/// What runs beside the requests: the reaper, and on a node of a cluster the sharing of
+/// paused sandboxes' files and the renewal of the node's lease.
+fn start_background_work(
+    store: &Arc<dyn sandbar_core::Store>,
+    runtime: &Arc<LinuxRuntime>,
+    sandboxes: &Arc<Sandboxes>,
+    builds: &Builds,
+    node_lease: Option<&sandbar_core::cluster::NodeLease>,
+) {
     tokio::spawn(sandboxes.clone().run_reaper());
     if node_lease.is_some() && runtime.shared_layers().is_some() {
         // So that a paused sandbox can be resumed on another node if this one is lost.
         tokio::spawn(sandboxes.clone().run_file_sharing());
     }
-    if let Some((lease, _)) = &node_lease {
+    if let Some(lease) = node_lease {
         // Renewed once before serving, so API hosts can place sandboxes here at once.
         tokio::spawn(sandbar_node::lease::renew_forever(
             store.clone(),
@@ -971,6 +950,117 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         ));
         tracing::info!(node_id = %lease.id, url = %lease.url, "serving as a node of a cluster");
     }
+}
+
+/// The lease a node of a cluster holds in the store, with the cluster's secret; `None` for
+/// a server on its own.
+fn node_lease(
+    args: &ServeArgs,
+) -> anyhow::Result<Option<(sandbar_core::cluster::NodeLease, Arc<str>)>> {
+    Ok(match args.cluster.role {
+        cluster::Role::Node => Some((
+            sandbar_core::cluster::NodeLease {
+                id: args.cluster.node_id()?,
+                url: args
+                    .cluster
+                    .advertise_url
+                    .clone()
+                    .unwrap_or_else(|| format!("http://{}", args.listen)),
+                started_at: Utc::now(),
+            },
+            args.cluster.secret()?,
+        )),
+        _ => None,
+    })
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = metrics_access(&args)?;
+    if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
+        tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
+    }
+    if let Err(e) = sandbar_node::protect_server_from_oom_killer() {
+        tracing::warn!(error = %e, "cannot protect the server from the OOM killer");
+    }
+    let postgres_url = prepare_data_dir(&args)?;
+    if args.cluster.role == cluster::Role::Api {
+        return serve_api(args).await;
+    }
+    if args.disk_quotas
+        && let Some(gb) = args.disk_pool_gb
+    {
+        sandbar_node::disks::check_asked_pool_size(
+            &args.data_dir.join("sandboxes"),
+            gb << 30,
+            u64::from(args.base_disk_mb) << 20,
+            args.disk_pool_reserve_mb << 20,
+        )?;
+    }
+    let node_lease = node_lease(&args)?;
+    // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
+    // names whatever the data directory, so a second server on the host would sweep the
+    // first one's sandboxes as unrecorded; on the same directory it would also mount the
+    // same pool and unmount it under the first.
+    let _host_lock = lock_host(Path::new(HOST_LOCK))?;
+    warn_about_core_pipe();
+    let data_dir = args
+        .data_dir
+        .canonicalize()
+        .with_context(|| format!("cannot resolve {}", args.data_dir.display()))?;
+    let interpreter_bin = sibling_binary(args.interpreter_bin.as_ref(), "sandbar-interpreter")?;
+    let store = open_store(postgres_url, &data_dir).await?;
+    let shared_database = postgres_url.is_some();
+    let auth = Auth::new(store.clone());
+    bootstrap_first_team(&auth, &args, &data_dir).await?;
+    let runtime = Arc::new(LinuxRuntime::new(node_config(&args, &data_dir)?).await?);
+    let node = runtime.clone();
+    let node_id = node_lease.as_ref().map(|(lease, _)| lease.id.clone());
+    share_layers(&args, &store, &runtime, node_id.as_deref())?;
+
+    let templates = Templates::new(store.clone());
+    let builds = start_builds(
+        &args,
+        &store,
+        &runtime,
+        &templates,
+        &data_dir,
+        node_id.as_deref(),
+    )
+    .await?;
+    let builtins = Builtins {
+        templates: &templates,
+        builds: &builds,
+        store: store.as_ref(),
+        layers: runtime.layer_store(),
+        disk_size_mb: args.base_disk_mb,
+        in_cluster: node_lease.is_some(),
+    };
+    ensure_base_template(&builtins, sandbar_jail::ENVD_VERSION).await?;
+
+    let sandboxes = start_sandboxes(
+        &args,
+        &store,
+        &runtime,
+        &templates,
+        &data_dir,
+        node_id.as_deref(),
+    )
+    .await?;
+    // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
+    if let Err(e) = ensure_interpreter_template(&builtins, &data_dir, &interpreter_bin).await {
+        tracing::warn!(
+            error = format!("{e:#}"),
+            "the code interpreter template is not offered"
+        );
+    }
+    runtime.start_warm_pool();
+    start_background_work(
+        &store,
+        &runtime,
+        &sandboxes,
+        &builds,
+        node_lease.as_ref().map(|(lease, _)| lease),
+    );
 
     let routers = sandbar_api::routers(
         AppState {
