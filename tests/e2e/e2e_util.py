@@ -21,7 +21,7 @@ DATA_DIR = Path(os.environ.get("SANDBAR_E2E_DATA_DIR") or "/var/tmp/sandbar-e2e"
 LOG_DIR = Path(os.environ.get("SANDBAR_E2E_LOG_DIR") or "/tmp/sandbar-e2e-logs")
 TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
 # The default template's root under <data dir>/templates: `base-v{BASE_RECIPE_VERSION}` of
-# crates/node/src/templates.rs.
+# crates/node/src/build/templates.rs.
 BASE_ROOT = "base-v2"
 
 # Fixed key registered on the first start of the data dir.

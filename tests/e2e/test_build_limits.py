@@ -28,7 +28,7 @@ import pytest
 
 from e2e_util import UPLOAD_TTL_S, UPLOADS_PER_TEAM, unique, wait_until
 
-# The server's own caps on a step's output (crates/node/src/build_output.rs).
+# The server's own caps on a step's output (crates/node/src/build/build_output.rs).
 LINE_BYTES = 8 << 10
 STEP_BYTES = 1 << 20
 RSS_SLACK_KIB = 16 << 10

@@ -26,7 +26,7 @@ from e2e_util import AGENT_LOG_ROTATE_MB, sandbar_cli, unique
 
 ENVD_PORT = 49983
 MIB = 1 << 20
-# The node rotates an agent log past this (crates/node/src/agent_log.rs).
+# The node rotates an agent log past this (crates/node/src/runtime/agent_log.rs).
 ROTATE_AT = AGENT_LOG_ROTATE_MB * MIB
 
 

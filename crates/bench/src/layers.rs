@@ -72,7 +72,7 @@ async fn run(args: LayersArgs) -> anyhow::Result<()> {
             let (layer, archive) = (args.layer.clone(), archive.clone());
             tokio::task::spawn_blocking(move || {
                 let file = std::fs::File::create_new(&archive)?;
-                sandbar_node::layer_archive::write_layer(&layer, file)
+                sandbar_node::storage::layer_archive::write_layer(&layer, file)
             })
             .await??
         };

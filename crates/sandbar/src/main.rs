@@ -421,7 +421,7 @@ struct Builtins<'a> {
     templates: &'a Templates,
     builds: &'a Builds,
     store: &'a dyn sandbar_core::Store,
-    layers: &'a sandbar_node::layers::LayerStore,
+    layers: &'a sandbar_node::storage::layers::LayerStore,
     disk_size_mb: u32,
     /// A node of a cluster: a built-in template another node built is not rebuilt here.
     in_cluster: bool,
@@ -466,7 +466,7 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
             &template,
             sandbar_core::BuildSpec {
                 source: sandbar_core::BuildSource::Builtin {
-                    layer: sandbar_node::templates::BASE_LAYER.into(),
+                    layer: sandbar_node::build::templates::BASE_LAYER.into(),
                 },
                 steps: Vec::new(),
                 force: false,
@@ -484,7 +484,7 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
 /// templates built before the store was configured, or whose publication was interrupted.
 async fn publish_templates_on_disk(
     store: Arc<dyn sandbar_core::Store>,
-    shared: Arc<sandbar_node::shared_layers::SharedLayers>,
+    shared: Arc<sandbar_node::cluster::shared_layers::SharedLayers>,
 ) {
     let templates = match store.templates().await {
         Ok(templates) => templates,
@@ -507,7 +507,7 @@ async fn publish_templates_on_disk(
 }
 
 /// Whether every layer of `template`'s image is on this node's disk.
-fn image_on_disk(template: &Template, layers: &sandbar_node::layers::LayerStore) -> bool {
+fn image_on_disk(template: &Template, layers: &sandbar_node::storage::layers::LayerStore) -> bool {
     template
         .image
         .as_ref()
@@ -566,7 +566,7 @@ async fn ensure_interpreter_template(
         disk_size_mb,
         in_cluster,
     } = *b;
-    use sandbar_node::interpreter;
+    use sandbar_node::build::interpreter;
     let uploads = data_dir.join("uploads");
     let bin = interpreter_bin.to_owned();
     let files_hash =
@@ -615,7 +615,7 @@ async fn remove_superseded_bases(store: &dyn sandbar_core::Store, templates_dir:
     };
     let dir = templates_dir.to_owned();
     let removed = tokio::task::spawn_blocking(move || {
-        sandbar_node::templates::remove_superseded_bases(&dir, &keep)
+        sandbar_node::build::templates::remove_superseded_bases(&dir, &keep)
     })
     .await;
     match removed {
@@ -632,7 +632,7 @@ async fn remove_superseded_bases(store: &dyn sandbar_core::Store, templates_dir:
 /// The default template: one Debian layer, the `user` account, its home as working directory.
 fn base_image() -> TemplateImage {
     TemplateImage {
-        layers: vec![sandbar_node::templates::BASE_LAYER.into()],
+        layers: vec![sandbar_node::build::templates::BASE_LAYER.into()],
         env: Default::default(),
         user: "user".into(),
         workdir: "/home/user".into(),
@@ -681,7 +681,7 @@ fn share_layers(
     let Some(blobs) = args.cluster.layer_store()? else {
         return Ok(());
     };
-    let shared = Arc::new(sandbar_node::shared_layers::SharedLayers::new(
+    let shared = Arc::new(sandbar_node::cluster::shared_layers::SharedLayers::new(
         blobs,
         store.clone(),
         runtime.layer_store().clone(),
@@ -692,7 +692,7 @@ fn share_layers(
     runtime.use_shared_layers(shared.clone());
     if args.cluster.layer_store_collect_secs > 0 {
         let every = std::time::Duration::from_secs(args.cluster.layer_store_collect_secs);
-        let collector = sandbar_node::shared_collector::SharedCollector::new(
+        let collector = sandbar_node::cluster::shared_collector::SharedCollector::new(
             shared.clone(),
             store.clone(),
             every,
@@ -702,7 +702,7 @@ fn share_layers(
     if let Some(node_id) = node_id {
         // So that placement finds this node holding what the cluster runs, rather than
         // sending every create of a template to the nodes that made it.
-        tokio::spawn(sandbar_node::prefetch::run(
+        tokio::spawn(sandbar_node::cluster::prefetch::run(
             store.clone(),
             runtime.clone(),
             shared.clone(),
@@ -740,7 +740,7 @@ async fn start_builds(
         data_dir,
         registry_policy.clone(),
         args.debian_mirror.clone(),
-        sandbar_node::uploads::UploadLimits {
+        sandbar_node::storage::uploads::UploadLimits {
             max_bytes_per_team: args.max_upload_gb_per_team << 30,
             max_count_per_team: usize::try_from(args.max_uploads_per_team).unwrap_or(usize::MAX),
             ttl: upload_ttl,
@@ -764,7 +764,8 @@ async fn start_builds(
                 .unwrap_or_else(|| {
                     sandbar_core::build_queue::default_concurrent_builds(
                         std::thread::available_parallelism().map_or(1, |n| n.get()),
-                        sandbar_node::memory::HostMemory::read().map_or(0, |m| m.total_mb),
+                        sandbar_node::resources::memory::HostMemory::read()
+                            .map_or(0, |m| m.total_mb),
                     )
                 }),
             builds_per_team: usize::try_from(args.builds_per_team).unwrap_or(1),
@@ -824,9 +825,10 @@ async fn start_sandboxes(
     data_dir: &Path,
     node_id: Option<&str>,
 ) -> anyhow::Result<Arc<Sandboxes>> {
-    let volume_host =
-        sandbar_node::volumes::HostVolumes::open(&sandbar_node::volumes::volumes_root(data_dir))
-            .context("cannot prepare the volumes directory")?;
+    let volume_host = sandbar_node::storage::volumes::HostVolumes::open(
+        &sandbar_node::storage::volumes::volumes_root(data_dir),
+    )
+    .context("cannot prepare the volumes directory")?;
     let volumes = Arc::new(
         sandbar_core::Volumes::new(
             store.clone(),
@@ -941,7 +943,7 @@ fn start_background_work(
     }
     if let Some(lease) = node_lease {
         // Renewed once before serving, so API hosts can place sandboxes here at once.
-        tokio::spawn(sandbar_node::lease::renew_forever(
+        tokio::spawn(sandbar_node::cluster::lease::renew_forever(
             store.clone(),
             lease.clone(),
             runtime.clone(),
@@ -989,7 +991,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.disk_quotas
         && let Some(gb) = args.disk_pool_gb
     {
-        sandbar_node::disks::check_asked_pool_size(
+        sandbar_node::storage::disks::check_asked_pool_size(
             &args.data_dir.join("sandboxes"),
             gb << 30,
             u64::from(args.base_disk_mb) << 20,

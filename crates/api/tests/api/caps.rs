@@ -14,7 +14,7 @@ use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, TeamCaps, Templates, Volumes};
-use sandbar_node::volumes::HostVolumes;
+use sandbar_node::storage::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tower::ServiceExt;

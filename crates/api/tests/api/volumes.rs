@@ -14,7 +14,7 @@ use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::StoredSecret;
 use sandbar_core::store::TeamRecords;
 use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Team, Templates, Volumes};
-use sandbar_node::volumes::HostVolumes;
+use sandbar_node::storage::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tower::ServiceExt;

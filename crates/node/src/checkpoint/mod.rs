@@ -2,6 +2,8 @@
 //! whether this host can take them, the header that marks one complete, what a dump must be
 //! told about the host's files and mounts a sandbox uses, and the two commands.
 
+pub(crate) mod criu_cell;
+
 use std::collections::BTreeSet;
 use std::ffi::OsStr;
 use std::io::Write;

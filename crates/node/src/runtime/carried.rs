@@ -132,7 +132,7 @@ impl LinuxRuntime {
                 },
             )
             .await;
-        let _ = crate::disks::remove_tree(&source);
+        let _ = crate::storage::disks::remove_tree(&source);
         self.set_verified(&source, false);
         let (handle, endpoint) = restored?;
         tracing::info!(
@@ -157,7 +157,7 @@ pub(super) fn stage_checkpoint(
 ) -> Result<crate::checkpoint::Header, String> {
     let header = crate::checkpoint::read_header(source, verify)
         .map_err(|e| format!("the checkpoint is not usable: {e}"))?;
-    let _ = crate::disks::remove_tree(work);
+    let _ = crate::storage::disks::remove_tree(work);
     std::fs::create_dir_all(work).map_err(|e| format!("create {}: {e}", work.display()))?;
     let user_namespaces = header
         .images

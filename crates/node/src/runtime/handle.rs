@@ -81,7 +81,7 @@ pub(super) fn is_alive(handle: &Handle) -> bool {
 }
 
 impl Handle {
-    /// The handle of a warm sandbox (see [`crate::warm`]); `pid` 0 for one that never
+    /// The handle of a warm sandbox (see [`crate::runtime::warm`]); `pid` 0 for one that never
     /// started.
     pub(super) fn warm(slot: u32, id_map: IdMap, pid: i32, start_ticks: u64) -> Self {
         Handle {

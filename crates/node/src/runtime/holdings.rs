@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use super::ledger::MemoryGrant;
-use crate::disks::DiskPromise;
-use crate::netns::SlotSet;
+use crate::net::netns::SlotSet;
+use crate::storage::disks::DiskPromise;
 
 /// A network slot this node's sandbox uses: its namespace, addresses and id range.
 #[derive(Debug)]
@@ -52,7 +52,7 @@ impl SlotHold {
 impl Drop for SlotHold {
     fn drop(&mut self) {
         if self.armed {
-            crate::netns::free_slot(&self.slots, self.slot);
+            crate::net::netns::free_slot(&self.slots, self.slot);
         }
     }
 }
@@ -316,7 +316,7 @@ impl Drop for Opening<'_> {
 mod tests {
     use super::super::ledger::ResourceLedger;
     use super::*;
-    use crate::memory::MemoryRule;
+    use crate::resources::memory::MemoryRule;
     use std::sync::Arc;
 
     fn ledger() -> Arc<ResourceLedger> {

@@ -7,8 +7,8 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use crate::cgroups::CgroupDriver;
 use crate::checkpoint::HostSocket;
+use crate::resources::cgroups::CgroupDriver;
 
 /// What the pause and checkpoint sequences ask of the host for one sandbox.
 pub(super) trait HostOps {

@@ -46,7 +46,7 @@ impl LinuxRuntime {
                 .iter()
                 .map(|m| {
                     Ok(sandbar_jail::VolumeBind {
-                        source: crate::volumes::volume_dir(
+                        source: crate::storage::volumes::volume_dir(
                             &self.config.data_dir,
                             &m.team_id,
                             &m.volume_id,
@@ -297,7 +297,7 @@ impl LinuxRuntime {
             cpu_count: spec.cpu_count,
             memory_mb: spec.memory_mb,
             pids_max: self.config.pids_max,
-            cpu_priority: crate::cgroups::CpuPriority::Normal,
+            cpu_priority: crate::resources::cgroups::CpuPriority::Normal,
         }
     }
 
@@ -444,7 +444,7 @@ impl LinuxRuntime {
             .apply(
                 slot,
                 addrs.sandbox,
-                &crate::network::iface_name(slot, egress),
+                &crate::net::network::iface_name(slot, egress),
                 wanted,
             )
             .await
@@ -543,7 +543,7 @@ impl LinuxRuntime {
         if kept.is_none() {
             opening.hold_disk(self.admit_disk(&id, spec.disk_size_mb).await?);
         }
-        let warm = crate::warm::WarmKey::of(&spec)
+        let warm = crate::runtime::warm::WarmKey::of(&spec)
             .filter(|_| may_take_warm)
             .and_then(|key| self.warm.take(&key));
         if let Some(warm) = warm {
@@ -651,7 +651,7 @@ impl LinuxRuntime {
         let upper = self.disks.path(id).join(sandbar_jail::layout::UPPER);
         let (from, to) = (self.id_map(slot).host_base, kept.id_base.unwrap_or(0));
         tokio::task::spawn_blocking(move || {
-            crate::layers::move_owners(&upper, from, to, SANDBOX_IDS)
+            crate::storage::layers::move_owners(&upper, from, to, SANDBOX_IDS)
         })
         .await
         .map_err(|e| sandbox_err(id, e))?

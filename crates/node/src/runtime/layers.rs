@@ -3,18 +3,23 @@
 use super::*;
 
 impl LinuxRuntime {
-    pub fn layer_store(&self) -> &crate::layers::LayerStore {
+    pub fn layer_store(&self) -> &crate::storage::layers::LayerStore {
         &self.layers
     }
 
     /// Shares this node's layers through the cluster's layer store from now on.
-    pub fn use_shared_layers(&self, shared: std::sync::Arc<crate::shared_layers::SharedLayers>) {
+    pub fn use_shared_layers(
+        &self,
+        shared: std::sync::Arc<crate::cluster::shared_layers::SharedLayers>,
+    ) {
         if self.shared_layers.set(shared).is_err() {
             tracing::warn!("the layer store was already set; the second one is ignored");
         }
     }
 
-    pub fn shared_layers(&self) -> Option<&std::sync::Arc<crate::shared_layers::SharedLayers>> {
+    pub fn shared_layers(
+        &self,
+    ) -> Option<&std::sync::Arc<crate::cluster::shared_layers::SharedLayers>> {
         self.shared_layers.get()
     }
 
@@ -62,7 +67,7 @@ impl LinuxRuntime {
         let disks = self.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
-            crate::layers::seal_layer(&dir, base, SANDBOX_IDS)?;
+            crate::storage::layers::seal_layer(&dir, base, SANDBOX_IDS)?;
             if target.exists() {
                 // Another build made the same layer meanwhile; keep theirs.
                 return disks.remove(&owned_id).map_err(std::io::Error::other);
@@ -109,7 +114,7 @@ impl LinuxRuntime {
                 let removed = if kind == "layer" {
                     self.disks.remove_at(&steps, &name)
                 } else {
-                    crate::disks::remove_tree(&path).map_err(|e| e.to_string())
+                    crate::storage::disks::remove_tree(&path).map_err(|e| e.to_string())
                 };
                 match removed {
                     Ok(()) => {

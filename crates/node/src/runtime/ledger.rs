@@ -1,15 +1,15 @@
 //! The node's resource ledger: the memory granted to sandboxes, the admission of new starts
 //! against the host's memory and tasks, and the sandboxes' out-of-memory kills. Disk admission
-//! is the pool's (`crate::disks`), asked from here so every start passes one place.
+//! is the pool's (`crate::storage::disks`), asked from here so every start passes one place.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::*;
-use crate::disks::DiskPromise;
-use crate::memory::{HostMemory, MemoryRule};
-use crate::tasks::HostTasks;
+use crate::resources::memory::{HostMemory, MemoryRule};
+use crate::resources::tasks::HostTasks;
+use crate::storage::disks::DiskPromise;
 
 /// What the node has promised to live sandboxes, and the rule for promising more.
 #[derive(Debug)]
@@ -21,7 +21,7 @@ pub(super) struct ResourceLedger {
     /// Kills counted for sandboxes that let their memory go since this server started.
     oom_kills_ended: AtomicU64,
     memory_rule: MemoryRule,
-    /// How many tasks the kernel allows (`crate::tasks`), read once at start.
+    /// How many tasks the kernel allows (`crate::resources::tasks`), read once at start.
     task_limit: Option<u64>,
 }
 
@@ -201,7 +201,7 @@ fn promised_mb(granted: &BTreeMap<String, Granted>) -> u64 {
 impl LinuxRuntime {
     /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
     /// cannot start it now: what is short is the memory the host really has, the ceilings
-    /// promised in all (see [`crate::memory`]), or the host's tasks ([`crate::tasks`]).
+    /// promised in all (see [`crate::resources::memory`]), or the host's tasks ([`crate::resources::tasks`]).
     pub(super) fn grant_memory(
         &self,
         id: &str,

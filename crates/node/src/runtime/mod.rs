@@ -21,13 +21,14 @@ use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVEN
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use crate::agent_client;
-use crate::cgroups::{CgroupDriver, CgroupError, Limits};
-use crate::disks::{DiskError, DiskPool, PoolConfig};
-use crate::netns::{NetnsPool, PreparedNetns, SlotSet};
-use crate::network::{Network, NetworkError};
+use crate::net::netns::{NetnsPool, PreparedNetns, SlotSet};
+use crate::net::network::{Network, NetworkError};
+use crate::resources::cgroups::{CgroupDriver, CgroupError, Limits};
+use crate::storage::disks::{DiskError, DiskPool, PoolConfig};
 
+pub(crate) mod agent_client;
 mod agent_copies;
+pub mod agent_log;
 mod carried;
 mod handle;
 mod holdings;
@@ -38,6 +39,7 @@ mod layers;
 mod ledger;
 mod pausing;
 mod snapshot;
+pub mod warm;
 mod warm_boot;
 
 pub(crate) use in_flight::{InFlight, InFlightGuard};
@@ -128,7 +130,7 @@ pub enum NodeError {
     #[error(transparent)]
     Disk(#[from] DiskError),
     #[error(transparent)]
-    Dns(#[from] crate::dns::DnsError),
+    Dns(#[from] crate::net::dns::DnsError),
     #[error("the sandbox id ranges from {base} do not fit in 32 bits for {slots} slots")]
     IdRange { base: u32, slots: u32 },
     #[error("cannot prepare {path}: {source}")]
@@ -144,18 +146,18 @@ pub struct LinuxRuntime {
     cgroups: CgroupDriver,
     network: std::sync::Arc<Network>,
     netns_pool: std::sync::Arc<NetnsPool>,
-    egress: std::sync::Arc<crate::egress::Egress>,
+    egress: std::sync::Arc<crate::net::egress::Egress>,
     disks: DiskPool,
     /// Memory granted to sandboxes and the rule for granting more.
     ledger: std::sync::Arc<ledger::ResourceLedger>,
     /// What each sandbox on this node holds: its slot, memory grant, disk promise and layers.
     holdings: Holdings,
     slots: SlotSet,
-    layers: crate::layers::LayerStore,
+    layers: crate::storage::layers::LayerStore,
     /// CRIU, once it passed its probe (at start, or later when installed meanwhile).
-    criu: crate::criu_cell::CriuCell,
+    criu: crate::checkpoint::criu_cell::CriuCell,
     /// Sandboxes booted ahead of demand.
-    warm: crate::warm::WarmPool,
+    warm: crate::runtime::warm::WarmPool,
     /// The content-addressed copy of the agent binary sandboxes run, and its SHA-256: a
     /// checkpoint can only be restored with the exact binary its processes mapped.
     agent_exec: PathBuf,
@@ -184,7 +186,7 @@ pub struct LinuxRuntime {
     verified_images: Mutex<BTreeSet<PathBuf>>,
     /// The cluster's layer store, where one is configured: layers this node lacks are
     /// fetched from it before a sandbox boots on them.
-    shared_layers: std::sync::OnceLock<std::sync::Arc<crate::shared_layers::SharedLayers>>,
+    shared_layers: std::sync::OnceLock<std::sync::Arc<crate::cluster::shared_layers::SharedLayers>>,
     /// Build sandboxes being launched or removed in tasks of their own (a build dropped
     /// where it stands leaves them to finish): the server's stop waits for them.
     build_sandboxes_settling: std::sync::Arc<InFlight>,
@@ -202,12 +204,14 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
 
 /// A kill's cgroup error: processes that outlived it are the client's to retry, anything
 /// else is the node's failure.
-fn kill_err(id: &str, err: crate::cgroups::CgroupError) -> RuntimeError {
+fn kill_err(id: &str, err: crate::resources::cgroups::CgroupError) -> RuntimeError {
     match err {
-        crate::cgroups::CgroupError::Lingering { processes, .. } => RuntimeError::StillRunning {
-            sandbox_id: id.to_owned(),
-            processes,
-        },
+        crate::resources::cgroups::CgroupError::Lingering { processes, .. } => {
+            RuntimeError::StillRunning {
+                sandbox_id: id.to_owned(),
+                processes,
+            }
+        }
         other => sandbox_err(id, other),
     }
 }
@@ -251,7 +255,7 @@ impl LinuxRuntime {
             Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
         }
         let cgroups = CgroupDriver::detect()?;
-        let shaping = crate::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
+        let shaping = crate::net::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
         match shaping {
             Some(_) => tracing::info!(
                 mbit = config.sandbox_bandwidth_mbit,
@@ -273,13 +277,13 @@ impl LinuxRuntime {
         let allowed_private = config
             .allowed_private
             .iter()
-            .map(|range| crate::network::parse_range(range))
+            .map(|range| crate::net::network::parse_range(range))
             .collect::<Result<Vec<_>, _>>()?;
-        let upstreams = crate::dns::parse_upstreams(&config.nameservers)?;
-        let egress = crate::egress::Egress::new();
-        let resolver = crate::dns::Resolver::start(upstreams, egress.clone()).await?;
+        let upstreams = crate::net::dns::parse_upstreams(&config.nameservers)?;
+        let egress = crate::net::egress::Egress::new();
+        let resolver = crate::net::dns::Resolver::start(upstreams, egress.clone()).await?;
         network
-            .init(&crate::network::FirewallConfig {
+            .init(&crate::net::network::FirewallConfig {
                 resolver_port: resolver.port,
                 allowed_private,
             })
@@ -307,12 +311,12 @@ impl LinuxRuntime {
             let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
         }
         tracing::info!(cgroup_version = cgroups.version(), "node ready");
-        let memory_rule = crate::memory::MemoryRule {
+        let memory_rule = crate::resources::memory::MemoryRule {
             reserve_mb: config.memory_reserve_mb,
             overcommit: config.memory_overcommit,
             pressure_limit_percent: config.memory_pressure_limit_percent,
         };
-        if let Some(host) = crate::memory::HostMemory::read() {
+        if let Some(host) = crate::resources::memory::HostMemory::read() {
             let together_mb = config
                 .sandboxes_memory_limit_mb
                 .unwrap_or_else(|| host.total_mb.saturating_sub(config.memory_reserve_mb));
@@ -338,7 +342,7 @@ impl LinuxRuntime {
         }
         // Image layers live on the pool, whose accounting then sees them; a dot name keeps
         // them out of the sweep of unknown sandboxes.
-        let layers = crate::layers::LayerStore::new(
+        let layers = crate::storage::layers::LayerStore::new(
             config.data_dir.join("templates"),
             config.data_dir.join("sandboxes").join(".images"),
             config.data_dir.join("sandboxes").join(".layers"),
@@ -412,7 +416,7 @@ impl LinuxRuntime {
                 path: PathBuf::from("/proc/self/fd"),
                 source,
             })?;
-        let criu = crate::criu_cell::CriuCell::at_start(
+        let criu = crate::checkpoint::criu_cell::CriuCell::at_start(
             config.criu.clone(),
             kdat_dir.clone(),
             config.criu_reprobe,
@@ -420,7 +424,7 @@ impl LinuxRuntime {
         .await;
         Ok(Self {
             criu,
-            warm: crate::warm::WarmPool::new(config.warm_pool, config.warm_pool_max),
+            warm: crate::runtime::warm::WarmPool::new(config.warm_pool, config.warm_pool_max),
             agent_exec,
             agent_digest,
             kernel_filesystems,
@@ -441,7 +445,7 @@ impl LinuxRuntime {
             disks,
             ledger: std::sync::Arc::new(ledger::ResourceLedger::new(
                 memory_rule,
-                crate::tasks::task_limit(),
+                crate::resources::tasks::task_limit(),
             )),
             holdings: Holdings::default(),
             slots,
@@ -487,7 +491,7 @@ impl LinuxRuntime {
 
     /// Removes the sandbox's agent log with what its rotation kept.
     fn remove_log(&self, id: &str) {
-        crate::agent_log::AgentLog::new(self.log_path(id)).remove();
+        crate::runtime::agent_log::AgentLog::new(self.log_path(id)).remove();
     }
 
     fn id_map(&self, slot: u32) -> IdMap {
@@ -529,11 +533,11 @@ impl LinuxRuntime {
             // The overlay's scratch directory holds nothing to keep, and after a restore its
             // contents belong to host root (CRIU mounted the overlay again): made anew.
             let work = moved.join(sandbar_jail::layout::WORK);
-            crate::disks::remove_tree(&work)?;
+            crate::storage::disks::remove_tree(&work)?;
             std::fs::create_dir(&work)?;
             std::os::unix::fs::chown(&work, Some(to), Some(to))?;
             if from != to {
-                crate::layers::move_owners(
+                crate::storage::layers::move_owners(
                     &moved.join(sandbar_jail::layout::UPPER),
                     from,
                     to,
@@ -621,7 +625,7 @@ impl Runtime for LinuxRuntime {
     }
 
     fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<AgentLogChunk> {
-        let log = crate::agent_log::AgentLog::new(self.log_path(sandbox_id));
+        let log = crate::runtime::agent_log::AgentLog::new(self.log_path(sandbox_id));
         // Checked where the server reads the log, every few seconds while the sandbox runs.
         // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
         let rotated = log.rotate_if_over(self.config.agent_log_rotate_bytes, || {
@@ -731,7 +735,8 @@ impl Runtime for LinuxRuntime {
         {
             let dir = self.snapshots_dir().join(key);
             self.set_verified(&dir, false);
-            let _ = tokio::task::spawn_blocking(move || crate::disks::remove_tree(&dir)).await;
+            let _ =
+                tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&dir)).await;
         }
     }
 
@@ -770,11 +775,11 @@ impl Runtime for LinuxRuntime {
         let spent = dir.with_file_name(format!("{SPENT_PREFIX}{sandbox_id}-{nanos}"));
         match std::fs::rename(&dir, &spent) {
             Ok(()) => {
-                tokio::task::spawn_blocking(move || crate::disks::remove_tree(&spent));
+                tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&spent));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(_) => {
-                let _ = crate::disks::remove_tree(&dir);
+                let _ = crate::storage::disks::remove_tree(&dir);
             }
         }
     }
@@ -841,7 +846,7 @@ impl Runtime for LinuxRuntime {
         };
         // What an earlier attempt left; the sandbox is not this node's yet.
         self.disks.remove(id).map_err(|e| sandbox_err(id, e))?;
-        let _ = crate::disks::remove_tree(&self.carried_checkpoint_dir(id));
+        let _ = crate::storage::disks::remove_tree(&self.carried_checkpoint_dir(id));
         let mut opening = self.holdings.opening(id);
         opening.hold_disk(self.admit_disk(id, sandbox.disk_size_mb).await?);
         let laid_out = async {
@@ -865,7 +870,7 @@ impl Runtime for LinuxRuntime {
                 Ok(carried) => Some(carried),
                 Err(e) => {
                     tracing::warn!(sandbox_id = %id, error = %e, "the lost node's checkpoint cannot be restored here; the sandbox will boot afresh on its files");
-                    let _ = crate::disks::remove_tree(&self.carried_checkpoint_dir(id));
+                    let _ = crate::storage::disks::remove_tree(&self.carried_checkpoint_dir(id));
                     None
                 }
             },
@@ -969,7 +974,7 @@ impl Runtime for LinuxRuntime {
 
     fn data_disk(&self) -> Option<sandbar_core::DiskSpace> {
         let data_dir = &self.config.data_dir;
-        let space = crate::disks::Space::of(data_dir).ok()?;
+        let space = crate::storage::disks::Space::of(data_dir).ok()?;
         Some(sandbar_core::DiskSpace {
             path: data_dir.clone(),
             size_bytes: space.size,
@@ -994,8 +999,12 @@ impl Runtime for LinuxRuntime {
             pool_promise_limit_bytes: pool.map_or(0, |p| p.promise_limit),
             pool_holds: pool.map(|p| {
                 let disk = u64::from(self.config.default_disk_mb) << 20;
-                let holds =
-                    crate::disks::PoolHolds::of(p.space.size, p.reserve, p.overcommit, disk);
+                let holds = crate::storage::disks::PoolHolds::of(
+                    p.space.size,
+                    p.reserve,
+                    p.overcommit,
+                    disk,
+                );
                 sandbar_core::PoolHolds {
                     default_disk_bytes: disk,
                     filled: holds.filled,
@@ -1019,7 +1028,7 @@ impl Runtime for LinuxRuntime {
             return Ok(None);
         }
         // A checkpoint it was restored from, if the server died before discarding it.
-        let _ = crate::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
+        let _ = crate::storage::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
         self.holdings.adopt(
             sandbox_id,
             NodeSandbox {

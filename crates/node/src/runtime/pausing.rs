@@ -49,7 +49,7 @@ impl LinuxRuntime {
         let _ = std::fs::remove_dir_all(self.checkpoint_dir(id));
         let carried = self.carried_checkpoint_dir(id);
         self.set_verified(&carried, false);
-        let _ = crate::disks::remove_tree(&carried);
+        let _ = crate::storage::disks::remove_tree(&carried);
     }
 
     /// Dumps the frozen sandbox `id` with CRIU, which ends its processes.
@@ -126,7 +126,7 @@ impl LinuxRuntime {
             .volumes
             .iter()
             .map(|v| {
-                crate::volumes::volume_dir(&self.config.data_dir, &v.team_id, &v.volume_id)
+                crate::storage::volumes::volume_dir(&self.config.data_dir, &v.team_id, &v.volume_id)
                     .map(|source| (PathBuf::from(&v.path), source))
                     .map_err(|e| sandbox_err(id, e))
             })
@@ -423,7 +423,7 @@ impl LinuxRuntime {
             let userns: std::os::fd::OwnedFd = std::fs::File::open(&userns_path)
                 .map_err(|e| format!("open {}: {e}", userns_path.display()))?
                 .into();
-            let agent_socket = crate::netns::socket_in(&netns)
+            let agent_socket = crate::net::netns::socket_in(&netns)
                 .map_err(|e| format!("cannot make the agent's socket: {e}"))?;
             Ok((
                 PreparedNetns {
@@ -515,7 +515,7 @@ impl LinuxRuntime {
         // Its lines from before the checkpoint belong to the sandbox it was taken of.
         let _ = log.set_len(0);
         drop(log);
-        let _ = crate::disks::remove_tree(&restore.work);
+        let _ = crate::storage::disks::remove_tree(&restore.work);
         let handle = Handle::running(pid, slot, id_map, spec, restore.boot_id);
         let endpoint = self
             .endpoint(id, slot)
@@ -934,7 +934,7 @@ pub(super) fn remove_spent_checkpoints(checkpoints: &Path) {
             .to_string_lossy()
             .starts_with(SPENT_PREFIX)
         {
-            let _ = crate::disks::remove_tree(&entry.path());
+            let _ = crate::storage::disks::remove_tree(&entry.path());
         }
     }
 }

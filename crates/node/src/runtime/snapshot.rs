@@ -54,7 +54,7 @@ impl LinuxRuntime {
                 .to_owned()
         };
         let mut parts = SnapshotParts {
-            layer: crate::layers::LayerStore::step_layer_name(&key),
+            layer: crate::storage::layers::LayerStore::step_layer_name(&key),
             checkpoint: memory.then(|| format!("checkpoint/{key}")),
             checkpoint_bytes: 0,
         };
@@ -69,7 +69,7 @@ impl LinuxRuntime {
         let images = self.snapshots_dir().join(&key);
         let layer_dir = self.layers.steps_dir().join(&key);
         let discard = || {
-            let _ = crate::disks::remove_tree(&images);
+            let _ = crate::storage::disks::remove_tree(&images);
             let _ = self.disks.remove_at(self.layers.steps_dir(), &key);
         };
         if memory {
@@ -123,7 +123,7 @@ impl LinuxRuntime {
         let agent_digest = self.agent_digest.clone();
         let finish_images = images.clone();
         let finished = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
-            crate::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
+            crate::storage::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
             let Some((plan, criu_version)) = with_memory else {
                 return Ok(0);
             };
@@ -133,7 +133,7 @@ impl LinuxRuntime {
             )?;
             crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan)?;
             // What the team's snapshot cap counts.
-            Ok(crate::image_layers::disk_usage(&finish_images))
+            Ok(crate::storage::image_layers::disk_usage(&finish_images))
         })
         .await
         .map_err(|e| sandbox_err(id, e));

@@ -1,4 +1,4 @@
-//! Sandboxes booted ahead of demand (see [`crate::warm`]) and how a create takes one.
+//! Sandboxes booted ahead of demand (see [`crate::runtime::warm`]) and how a create takes one.
 
 use super::*;
 
@@ -28,14 +28,14 @@ impl LinuxRuntime {
                     return;
                 };
                 match node.warm.next_job() {
-                    crate::warm::Job::Wait => {
+                    crate::runtime::warm::Job::Wait => {
                         drop(working);
                         // Also the retry pace after a failed boot.
                         let pool = &node.warm;
                         pool.wait(Duration::from_secs(1)).await;
                     }
-                    crate::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
-                    crate::warm::Job::Boot(key) => {
+                    crate::runtime::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
+                    crate::runtime::warm::Job::Boot(key) => {
                         if let Err(err) = node.boot_warm(&key).await {
                             drop(working);
                             tracing::warn!(error = %err, "cannot boot a warm sandbox");
@@ -70,15 +70,21 @@ impl LinuxRuntime {
     /// Boots a sandbox for `key` under a name of its own and puts it in the pool. It counts
     /// against no memory grant (an idle sandbox uses about a MiB) but against the disk pool,
     /// like any disk.
-    pub(super) async fn boot_warm(&self, key: &crate::warm::WarmKey) -> Result<(), RuntimeError> {
+    pub(super) async fn boot_warm(
+        &self,
+        key: &crate::runtime::warm::WarmKey,
+    ) -> Result<(), RuntimeError> {
         let name = format!(
             "{}{}",
-            crate::warm::NAME_PREFIX,
+            crate::runtime::warm::NAME_PREFIX,
             &sandbar_core::ids::new_secret("")[..16]
         );
         self.admit_start(&name)?;
         let mut opening = self.holdings.opening(&name);
-        opening.hold_disk(self.admit_disk(&name, crate::warm::BOOT_DISK_MB).await?);
+        opening.hold_disk(
+            self.admit_disk(&name, crate::runtime::warm::BOOT_DISK_MB)
+                .await?,
+        );
         let netns = match self.netns_pool.claim(true).await {
             Some(Ok(netns)) => netns,
             Some(Err(err)) => return Err(sandbox_err(&name, err)),
@@ -101,15 +107,15 @@ impl LinuxRuntime {
                     &name,
                     Limits {
                         cpu_count: 1,
-                        memory_mb: crate::warm::BOOT_MEMORY_MB,
+                        memory_mb: crate::runtime::warm::BOOT_MEMORY_MB,
                         pids_max: self.config.pids_max,
-                        cpu_priority: crate::cgroups::CpuPriority::Background,
+                        cpu_priority: crate::resources::cgroups::CpuPriority::Background,
                     },
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
             let dir = self
                 .disks
-                .create(&name, crate::warm::BOOT_DISK_MB, id_map.host_base)
+                .create(&name, crate::runtime::warm::BOOT_DISK_MB, id_map.host_base)
                 .map_err(|e| sandbox_err(&name, e))?;
             let boot = BootSpec {
                 id: &name,
@@ -127,7 +133,7 @@ impl LinuxRuntime {
                 boot_id: &boot_id,
             };
             let pid = self.spawn_jailed(&boot, &dir, &netns, id_map).await?;
-            let warm = crate::warm::WarmSandbox {
+            let warm = crate::runtime::warm::WarmSandbox {
                 name: name.clone(),
                 key: key.clone(),
                 pid,
@@ -161,7 +167,7 @@ impl LinuxRuntime {
         }
     }
 
-    pub(super) async fn retire_warm(&self, warm: &crate::warm::WarmSandbox) {
+    pub(super) async fn retire_warm(&self, warm: &crate::runtime::warm::WarmSandbox) {
         let handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
         if let Err(err) = self.teardown(&warm.name, Some(&handle)).await {
             tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
@@ -174,7 +180,7 @@ impl LinuxRuntime {
     pub(super) async fn take_warm(
         &self,
         spec: &LaunchSpec,
-        warm: &crate::warm::WarmSandbox,
+        warm: &crate::runtime::warm::WarmSandbox,
         opening: &mut holdings::Opening<'_>,
     ) -> Result<(Handle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.as_str();

@@ -17,7 +17,7 @@ use sandbar_core::LayerBlob;
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_image::{BlobStore, BlobStoreError};
 
-use crate::layers::LayerStore;
+use crate::storage::layers::LayerStore;
 
 /// Where archives and layers in transit are kept, beside where they end up (a dot name,
 /// which the layer collectors skip).
@@ -143,7 +143,7 @@ impl SharedLayers {
                 }
                 let path = entry.path();
                 let removed = if path.is_dir() {
-                    crate::disks::remove_tree(&path)
+                    crate::storage::disks::remove_tree(&path)
                 } else {
                     std::fs::remove_file(&path)
                 };
@@ -267,8 +267,10 @@ impl SharedLayers {
             tokio::task::spawn_blocking(move || {
                 let file = std::fs::File::create_new(&archive)?;
                 match id_base {
-                    None => crate::layer_archive::write_layer(&dir, file),
-                    Some(base) => crate::layer_archive::write_sandbox_layer(&dir, file, base),
+                    None => crate::storage::layer_archive::write_layer(&dir, file),
+                    Some(base) => {
+                        crate::storage::layer_archive::write_sandbox_layer(&dir, file, base)
+                    }
                 }
             })
             .await
@@ -436,7 +438,7 @@ impl SharedLayers {
             .await?
         };
         if let Err(failure) = placed {
-            let _ = crate::disks::remove_tree(&staged);
+            let _ = crate::storage::disks::remove_tree(&staged);
             return Err(failure.for_layer(layer));
         }
         tracing::info!(

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UdpSocket};
 use tokio::sync::Semaphore;
 
-use crate::egress::{Egress, QueryVerdict, refusal};
+use crate::net::egress::{Egress, QueryVerdict, refusal};
 
 /// Longest wait for an upstream answer before trying the next resolver.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(2);

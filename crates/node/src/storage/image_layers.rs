@@ -177,7 +177,7 @@ impl ImageLayers {
                 if name.starts_with('.') {
                     if legacy && name.starts_with(".tmp-") {
                         // An interrupted pull of an earlier version; nothing resumes it.
-                        let _ = crate::disks::remove_tree(&entry.path());
+                        let _ = crate::storage::disks::remove_tree(&entry.path());
                     }
                     continue;
                 }
@@ -231,7 +231,7 @@ impl ImageLayers {
             // A sandbox adopted from before the move may run on the legacy copy; once nothing
             // names the layer, nothing can.
             if !keep.contains(&layer_name(&name)) {
-                let _ = crate::disks::remove_tree(&self.legacy_dir.join(&name));
+                let _ = crate::storage::disks::remove_tree(&self.legacy_dir.join(&name));
             }
         }
         let evict = {
@@ -263,7 +263,7 @@ impl ImageLayers {
             } else {
                 self.dir.join(name)
             };
-            match crate::disks::remove_tree(&path) {
+            match crate::storage::disks::remove_tree(&path) {
                 Ok(()) => {
                     tracing::info!(layer = %layer_name(name), bytes = entry.bytes, "evicted an unused image layer")
                 }

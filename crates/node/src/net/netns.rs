@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth};
 use rtnetlink::{LinkUnspec, LinkVeth, RouteMessageBuilder};
 
-use crate::network::{Network, NetworkError, if_index, iface_name, link_index};
+use crate::net::network::{Network, NetworkError, if_index, iface_name, link_index};
 
 /// Per-namespace settings that give sandbox users what owning the namespace used to: low
 /// ports (web servers on 80) and unprivileged ICMP sockets (`ping`).
@@ -312,7 +312,8 @@ pub type SlotSet = Arc<Mutex<std::collections::BTreeSet<u32>>>;
 /// Takes the lowest slot that neither this node nor anything else on the host uses.
 pub fn take_slot(slots: &SlotSet, capacity: u32) -> Option<u32> {
     let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
-    let free = (0..capacity).find(|s| !slots.contains(s) && !crate::network::slot_in_use(*s))?;
+    let free =
+        (0..capacity).find(|s| !slots.contains(s) && !crate::net::network::slot_in_use(*s))?;
     slots.insert(free);
     Some(free)
 }
@@ -519,7 +520,7 @@ mod tests {
 
     #[test]
     fn both_ends_are_shaped_and_keep_it_through_a_rename() {
-        use crate::shaping::{Shaping, tests::root_qdisc};
+        use crate::net::shaping::{Shaping, tests::root_qdisc};
         use futures_util::TryStreamExt;
         in_private_netns(|| async {
             let shaping = Shaping::from_mbit(50).expect("50 mbit");
@@ -581,7 +582,7 @@ mod tests {
     #[test]
     #[ignore = "a benchmark"]
     fn prepare_cost() {
-        use crate::shaping::Shaping;
+        use crate::net::shaping::Shaping;
         in_private_netns(|| async {
             let plain = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
             let shaped = Network::new(Ipv4Addr::new(10, 250, 0, 16), 28)
@@ -613,7 +614,7 @@ mod tests {
 
     #[test]
     fn without_a_rate_nothing_is_shaped() {
-        use crate::shaping::tests::root_qdisc;
+        use crate::net::shaping::tests::root_qdisc;
         in_private_netns(|| async {
             let network = Network::new(Ipv4Addr::new(10, 250, 0, 0), 28);
             let _prepared = network.prepare(0, true).await.expect("prepare slot 0");
@@ -625,7 +626,7 @@ mod tests {
 
     #[test]
     fn root_of_another_user_namespace_cannot_remove_the_shaping() {
-        use crate::shaping::Shaping;
+        use crate::net::shaping::Shaping;
         let tools = ["unshare", "tc"].iter().all(|tool| {
             std::process::Command::new("sh")
                 .args(["-c", &format!("command -v {tool}")])

@@ -16,7 +16,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 /// root of an earlier recipe stays while a template, tagged build or sandbox names it (see
 /// [`remove_superseded_bases`]).
 const BASE_RECIPE_VERSION: u32 = 2;
-/// The default template's layer name (see [`crate::layers::LayerStore`]); always
+/// The default template's layer name (see [`crate::storage::layers::LayerStore`]); always
 /// `base/v{BASE_RECIPE_VERSION}`.
 pub const BASE_LAYER: &str = "base/v2";
 /// `git` because the SDKs' `sandbox.git` runs it inside the sandbox.
@@ -83,7 +83,7 @@ pub enum TemplateBuildError {
     #[error("cannot clear the mounts an interrupted build left in {path}: {source}")]
     Mounts {
         path: PathBuf,
-        source: crate::mounts::DetachError,
+        source: crate::storage::mounts::DetachError,
     },
     #[error("cannot wait for mmdebstrap: {0}")]
     Wait(std::io::Error),
@@ -149,11 +149,12 @@ pub async fn build_root(
     if staging.exists() {
         // An interrupted build: a server older than the namespaces below left its mounts on
         // the host; they go first, and the removal never walks into a mount anyway.
-        let detached =
-            crate::mounts::detach_below(&staging).map_err(|source| TemplateBuildError::Mounts {
+        let detached = crate::storage::mounts::detach_below(&staging).map_err(|source| {
+            TemplateBuildError::Mounts {
                 path: staging.clone(),
                 source,
-            })?;
+            }
+        })?;
         if detached > 0 {
             tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of '{name}' left mounted");
         }
@@ -292,7 +293,7 @@ pub enum RemoveBaseError {
     #[error("cannot clear the mounts left in {path}: {source}")]
     Mounts {
         path: PathBuf,
-        source: crate::mounts::DetachError,
+        source: crate::storage::mounts::DetachError,
     },
     #[error("cannot remove {path}: {source}")]
     Remove {
@@ -303,7 +304,7 @@ pub enum RemoveBaseError {
 
 /// The built-in roots this node builds; any other version of theirs is an earlier recipe.
 fn built_in_roots() -> [&'static RootRecipe; 2] {
-    [&BASE, &crate::interpreter::INTERPRETER_ROOT]
+    [&BASE, &crate::build::interpreter::INTERPRETER_ROOT]
 }
 
 /// The kind and recipe version of a directory in the templates directory that holds a
@@ -356,12 +357,14 @@ pub fn remove_superseded_bases(
         }
         let path = entry.path();
         if !complete {
-            crate::mounts::detach_below(&path).map_err(|source| RemoveBaseError::Mounts {
-                path: path.clone(),
-                source,
+            crate::storage::mounts::detach_below(&path).map_err(|source| {
+                RemoveBaseError::Mounts {
+                    path: path.clone(),
+                    source,
+                }
             })?;
         }
-        crate::disks::remove_tree(&path).map_err(|source| RemoveBaseError::Remove {
+        crate::storage::disks::remove_tree(&path).map_err(|source| RemoveBaseError::Remove {
             path: path.clone(),
             source,
         })?;
@@ -390,7 +393,7 @@ impl Drop for GroupKill {
 
 async fn remove_tree_blocking(path: &Path) -> std::io::Result<()> {
     let path = path.to_owned();
-    tokio::task::spawn_blocking(move || crate::disks::remove_tree(&path))
+    tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&path))
         .await
         .map_err(std::io::Error::other)?
 }
@@ -416,7 +419,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         let current = format!("base-v{BASE_RECIPE_VERSION}");
-        let interpreter = crate::interpreter::INTERPRETER_ROOT.version;
+        let interpreter = crate::build::interpreter::INTERPRETER_ROOT.version;
         let current_interpreter = format!("interpreter-v{interpreter}");
         let earlier_interpreter = format!("interpreter-v{}", interpreter - 1);
         for name in [

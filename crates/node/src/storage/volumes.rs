@@ -220,7 +220,7 @@ impl HostVolumes {
         // Trees whose removal a crash interrupted.
         if let Ok(entries) = std::fs::read_dir(root.join(TRASH)) {
             for entry in entries.flatten() {
-                if let Err(e) = crate::disks::remove_tree(&entry.path()) {
+                if let Err(e) = crate::storage::disks::remove_tree(&entry.path()) {
                     tracing::warn!(path = %entry.path().display(), error = %e, "cannot empty volume trash");
                 }
             }
@@ -300,7 +300,7 @@ impl HostVolumes {
         .map_err(|e| io_err(shown, e))?;
         rustix::fs::renameat(parent, name, &trash_fd, fresh.as_str())
             .map_err(|e| errno(shown, e))?;
-        crate::disks::remove_tree(&trash.join(&fresh)).map_err(|e| io_err(shown, e))
+        crate::storage::disks::remove_tree(&trash.join(&fresh)).map_err(|e| io_err(shown, e))
     }
 
     fn walk(
@@ -412,12 +412,12 @@ impl VolumeHost for HostVolumes {
     fn usage(&self, team_id: &str, volume_id: &str) -> Result<u64, VolumeIoError> {
         let dir = self.dir(team_id, volume_id)?;
         // A volume is written by its sandboxes: the walk never follows a link in it.
-        Ok(crate::image_layers::disk_usage(&dir))
+        Ok(crate::storage::image_layers::disk_usage(&dir))
     }
 
     fn remove(&self, team_id: &str, volume_id: &str) -> Result<(), VolumeIoError> {
         let dir = self.dir(team_id, volume_id)?;
-        crate::disks::remove_tree(&dir).map_err(|e| io_err(volume_id, e))
+        crate::storage::disks::remove_tree(&dir).map_err(|e| io_err(volume_id, e))
     }
 
     fn stat(&self, volume: &Volume, path: &VolumePath) -> Result<EntryStat, VolumeIoError> {

@@ -59,7 +59,11 @@ impl HostMemory {
     /// the limit, and no more available than it leaves them less a twentieth kept for what
     /// they already hold to grow, so creates stop while they press on it. The host's reserve
     /// lies outside the limit and is added back, as the rule subtracts it.
-    pub fn within(self, sandboxes: crate::cgroups::SandboxesMemory, reserve_mb: u64) -> Self {
+    pub fn within(
+        self,
+        sandboxes: crate::resources::cgroups::SandboxesMemory,
+        reserve_mb: u64,
+    ) -> Self {
         let limit_mb = sandboxes.limit >> 20;
         let room_mb = limit_mb
             .saturating_sub(sandboxes.used >> 20)
@@ -187,7 +191,7 @@ mod tests {
 
     #[test]
     fn sandboxes_pressing_on_their_common_limit_stop_creates() {
-        let together = |limit_mb: u64, used_mb: u64| crate::cgroups::SandboxesMemory {
+        let together = |limit_mb: u64, used_mb: u64| crate::resources::cgroups::SandboxesMemory {
             limit: limit_mb << 20,
             used: used_mb << 20,
         };

@@ -21,7 +21,7 @@ use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::RData;
 use sandbar_core::EgressRules;
 
-use crate::network::{NetworkError, TABLE, run};
+use crate::net::network::{NetworkError, TABLE, run};
 
 /// The verdict map the forward chain looks sandboxes' interfaces up in.
 pub const EGRESS_MAP: &str = "egress";

@@ -21,8 +21,8 @@ use std::ffi::OsStr;
 
 use sandbar_fs::{Dir, Kind, Links, Tree};
 
-use crate::layers::{self, Found, LayerStore, Stack};
 use crate::runtime::LinuxRuntime;
+use crate::storage::layers::{self, Found, LayerStore, Stack};
 
 /// Bump when the prerequisites written into every image change.
 const PREREQUISITES_VERSION: &str = "prerequisites-v1";
@@ -36,8 +36,8 @@ const MAX_LOG_LINES_PER_STEP: usize = 5000;
 pub struct NodeBuilder {
     runtime: Arc<LinuxRuntime>,
     images: sandbar_image::ImageCache,
-    image_layers: Arc<crate::image_layers::ImageLayers>,
-    uploads: crate::uploads::Uploads,
+    image_layers: Arc<crate::storage::image_layers::ImageLayers>,
+    uploads: crate::storage::uploads::Uploads,
     /// Layers running builds use or made, kept from the garbage collector.
     pinned: Mutex<HashMap<String, Vec<String>>>,
     templates_dir: PathBuf,
@@ -74,7 +74,7 @@ impl NodeBuilder {
         data_dir: &Path,
         registry_policy: Arc<sandbar_image::RegistryPolicy>,
         mirror: String,
-        upload_limits: crate::uploads::UploadLimits,
+        upload_limits: crate::storage::uploads::UploadLimits,
         image_cache_bytes: u64,
     ) -> Self {
         let images_root = data_dir.join("images");
@@ -83,7 +83,7 @@ impl NodeBuilder {
             templates_dir: data_dir.join("templates"),
             mirror,
             runtime,
-            image_layers: Arc::new(crate::image_layers::ImageLayers::new(
+            image_layers: Arc::new(crate::storage::image_layers::ImageLayers::new(
                 layers_dir.clone(),
                 images_root.join("layers"),
                 image_cache_bytes,
@@ -93,7 +93,10 @@ impl NodeBuilder {
                 layers_dir,
                 registry_policy,
             ),
-            uploads: crate::uploads::Uploads::open(data_dir.join("uploads"), upload_limits),
+            uploads: crate::storage::uploads::Uploads::open(
+                data_dir.join("uploads"),
+                upload_limits,
+            ),
             pinned: Mutex::new(HashMap::new()),
         }
     }
@@ -148,10 +151,10 @@ impl NodeBuilder {
     ) -> Result<State, BuildFailure> {
         match &job.spec.source {
             BuildSource::Builtin { layer } => {
-                let recipe = if layer == crate::templates::BASE_LAYER {
-                    &crate::templates::BASE
-                } else if layer == crate::interpreter::INTERPRETER_LAYER {
-                    &crate::interpreter::INTERPRETER_ROOT
+                let recipe = if layer == crate::build::templates::BASE_LAYER {
+                    &crate::build::templates::BASE
+                } else if layer == crate::build::interpreter::INTERPRETER_LAYER {
+                    &crate::build::interpreter::INTERPRETER_ROOT
                 } else {
                     return Err(BuildFailure::at(
                         BASE_STEP,
@@ -166,7 +169,7 @@ impl NodeBuilder {
                         format!("FROM {layer}: building the Debian root with mmdebstrap"),
                     );
                     let started = std::time::Instant::now();
-                    crate::templates::build_root(recipe, &self.templates_dir, &self.mirror)
+                    crate::build::templates::build_root(recipe, &self.templates_dir, &self.mirror)
                         .await
                         .map_err(|e| BuildFailure::at(BASE_STEP, e.to_string()))?;
                     log.info(
@@ -317,12 +320,18 @@ impl NodeBuilder {
             command,
             user,
         };
-        let mut output = crate::build_output::StepOutput::new(MAX_LOG_LINES_PER_STEP);
+        let mut output = crate::build::build_output::StepOutput::new(MAX_LOG_LINES_PER_STEP);
         let result = {
             let mut on_output =
                 |bytes: &[u8]| output.push(bytes, |line| log.info(Some(step), line));
-            crate::build_step::run_step(&host, step, command, job.step_timeout, &mut on_output)
-                .await
+            crate::build::build_step::run_step(
+                &host,
+                step,
+                command,
+                job.step_timeout,
+                &mut on_output,
+            )
+            .await
         };
         if let Some(note) = output.finish(|line| log.info(Some(step), line)) {
             log.log(LogLevel::Warn, Some(step), note);
@@ -753,7 +762,7 @@ struct StepSandbox {
 }
 
 #[async_trait::async_trait]
-impl crate::build_step::StepHost for RunStepHost<'_> {
+impl crate::build::build_step::StepHost for RunStepHost<'_> {
     type Sandbox = StepSandbox;
 
     async fn start(&self) -> Result<StepSandbox, String> {
@@ -775,14 +784,15 @@ impl crate::build_step::StepHost for RunStepHost<'_> {
         sandbox: &StepSandbox,
         on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
     ) -> Result<i32, String> {
-        let exec = crate::agent_client::Exec {
+        let exec = crate::runtime::agent_client::Exec {
             token: &sandbox.token,
             user: self.user,
             command: self.command,
             envs: &self.state.env,
             cwd: Some(&self.state.workdir),
         };
-        crate::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes)).await
+        crate::runtime::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes))
+            .await
     }
 
     async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), String> {

@@ -1353,7 +1353,10 @@ mod tests {
         assert_eq!(err.kind(), std::io::ErrorKind::ResourceBusy);
         assert!(top.join("top-mnt/inside").exists());
 
-        assert_eq!(crate::mounts::detach_below(&top).expect("detach"), 2);
+        assert_eq!(
+            crate::storage::mounts::detach_below(&top).expect("detach"),
+            2
+        );
         remove_tree(&top).expect("remove once detached");
         assert!(!top.exists());
     }

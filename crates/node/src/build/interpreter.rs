@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use sandbar_core::builds::{BuildSource, BuildSpec, BuildStep, StepKind};
 use sha2::{Digest, Sha256};
 
-use crate::templates::RootRecipe;
+use crate::build::templates::RootRecipe;
 
 /// Where the server listens inside the sandbox (the SDKs' `JUPYTER_PORT`).
 pub const INTERPRETER_PORT: u16 = sandbar_core::network::CODE_INTERPRETER_PORT;
@@ -253,7 +253,7 @@ mod tests {
         assert!(
             INTERPRETER_ROOT
                 .packages
-                .starts_with(crate::templates::BASE.packages)
+                .starts_with(crate::build::templates::BASE.packages)
         );
         assert!(
             INTERPRETER_ROOT

@@ -14,7 +14,7 @@ use std::time::Duration;
 use sandbar_core::{DiskReport, Runtime, SandboxState, Store, Template};
 
 use crate::LinuxRuntime;
-use crate::shared_layers::SharedLayers;
+use crate::cluster::shared_layers::SharedLayers;
 
 /// How often a node looks for templates to fetch.
 pub const PREFETCH_EVERY: Duration = Duration::from_secs(15);

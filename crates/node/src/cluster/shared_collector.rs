@@ -15,7 +15,7 @@ use chrono::Utc;
 use sandbar_core::{LayerBlob, Store, StoreError};
 use sandbar_image::BlobStoreError;
 
-use crate::shared_layers::SharedLayers;
+use crate::cluster::shared_layers::SharedLayers;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollectError {

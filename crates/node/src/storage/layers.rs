@@ -336,7 +336,7 @@ pub fn seal_layer(dir: &Path, base: u32, size: u32) -> std::io::Result<()> {
         sandbar_jail::layout::LOWER,
         sandbar_jail::layout::ROOT,
     ] {
-        crate::disks::remove_tree(&dir.join(scratch))?;
+        crate::storage::disks::remove_tree(&dir.join(scratch))?;
     }
     shift_owners(&dir.join(sandbar_jail::layout::UPPER), base, size)?;
     Dir::open_host(dir)?.chown_self(0, 0)

@@ -100,7 +100,7 @@ pub struct Network {
     base: Ipv4Addr,
     prefix_len: u8,
     /// Rate limit set on both ends of every veth pair this node makes; `None`: unlimited.
-    shaping: Option<crate::shaping::Shaping>,
+    shaping: Option<crate::net::shaping::Shaping>,
     host: tokio::sync::OnceCell<Handle>,
 }
 
@@ -183,12 +183,12 @@ impl Network {
     }
 
     /// Limits the bandwidth of each sandbox prepared from now on, in both directions.
-    pub fn with_shaping(mut self, shaping: Option<crate::shaping::Shaping>) -> Self {
+    pub fn with_shaping(mut self, shaping: Option<crate::net::shaping::Shaping>) -> Self {
         self.shaping = shaping;
         self
     }
 
-    pub fn shaping(&self) -> Option<crate::shaping::Shaping> {
+    pub fn shaping(&self) -> Option<crate::net::shaping::Shaping> {
         self.shaping
     }
 
@@ -280,7 +280,7 @@ table inet {TABLE} {{
 }}
 ",
             cidr = self.cidr(),
-            map = crate::egress::EGRESS_MAP,
+            map = crate::net::egress::EGRESS_MAP,
         )
     }
 

@@ -1,0 +1,7 @@
+//! Template builds on this node: the builder and its steps, their bounded output, and the built-in templates' roots (`base`, the code interpreter).
+
+pub(crate) mod build_output;
+pub(crate) mod build_step;
+pub mod builder;
+pub mod interpreter;
+pub mod templates;
