@@ -3,8 +3,24 @@
 
 use super::*;
 
-/// What the store keeps about a running sandbox for this runtime.
+/// Where a sandbox's processes are, as this node last left them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(super) enum Phase {
+    /// Its processes run (or are frozen in memory) in its slot.
+    #[default]
+    Running,
+    /// Its processes were checkpointed to disk and ended; it keeps its slot (its network
+    /// namespace) and cgroups, and `pid` is from before the checkpoint.
+    Checkpointed,
+    /// Its processes ended and its slot and memory went back to the node; only its files are
+    /// kept (`pid` and `slot` are from its last life).
+    Released,
+}
+
+/// What the store keeps about a sandbox for this runtime; written as [`StoredHandle`].
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(from = "StoredHandle", into = "StoredHandle")]
 pub(super) struct Handle {
     /// Host PID of the sandbox's PID 1 (the agent).
     pub(super) pid: i32,
@@ -14,36 +30,99 @@ pub(super) struct Handle {
     pub(super) slot: u32,
     /// Host uid and gid of the sandbox's root; absent in handles from before user
     /// namespaces, whose sandboxes ran as host root.
-    #[serde(default)]
     pub(super) id_base: Option<u32>,
     /// Memory limit granted to the sandbox, counted against the node's capacity.
-    #[serde(default)]
     pub(super) memory_mb: u32,
     /// Template layers the sandbox runs on: kept while it lives, whatever happens to its
     /// template.
-    #[serde(default)]
     pub(super) layers: Vec<String>,
-    /// The sandbox's processes ended and its slot and memory went back to the node; only its
-    /// files are kept (`pid` and `slot` are from its last life).
-    #[serde(default)]
-    pub(super) released: bool,
-    /// The sandbox's processes were checkpointed to disk and ended; it keeps its slot (its
-    /// network namespace) and cgroups, and `pid` is from before the checkpoint.
-    #[serde(default)]
-    pub(super) checkpointed: bool,
+    pub(super) phase: Phase,
     /// Volumes bound into the sandbox, which a checkpoint names and a restore binds again.
-    #[serde(default)]
     pub(super) volumes: Vec<HandleVolume>,
     /// The id of the sandbox's current boot, shown at the kernel's boot id: new at every
     /// boot, the same after a restore of its checkpoint. Absent in handles of sandboxes
     /// booted before it existed, which see the host's.
-    #[serde(default)]
     pub(super) boot_id: Option<String>,
     /// A checkpoint of the sandbox's processes made on a node that was lost, laid out here
     /// (see `carried_checkpoint_dir`) when this node took the sandbox over: the next boot
     /// restores it instead of starting the sandbox afresh on its files.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) carried: Option<CarriedCheckpoint>,
+}
+
+/// The layout of the handles this release writes.
+const HANDLE_VERSION: u32 = 2;
+
+/// A [`Handle`] as the store holds it. Version 1 (no `v`) said the phase with two flags,
+/// `released` and `checkpointed`; they are read, never written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct StoredHandle {
+    #[serde(default)]
+    v: u32,
+    pid: i32,
+    start_ticks: u64,
+    slot: u32,
+    #[serde(default)]
+    id_base: Option<u32>,
+    #[serde(default)]
+    memory_mb: u32,
+    #[serde(default)]
+    layers: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    phase: Option<Phase>,
+    #[serde(default, skip_serializing)]
+    released: bool,
+    #[serde(default, skip_serializing)]
+    checkpointed: bool,
+    #[serde(default)]
+    volumes: Vec<HandleVolume>,
+    #[serde(default)]
+    boot_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    carried: Option<CarriedCheckpoint>,
+}
+
+impl From<StoredHandle> for Handle {
+    fn from(stored: StoredHandle) -> Self {
+        let phase = stored.phase.unwrap_or(if stored.released {
+            Phase::Released
+        } else if stored.checkpointed {
+            Phase::Checkpointed
+        } else {
+            Phase::Running
+        });
+        Handle {
+            pid: stored.pid,
+            start_ticks: stored.start_ticks,
+            slot: stored.slot,
+            id_base: stored.id_base,
+            memory_mb: stored.memory_mb,
+            layers: stored.layers,
+            phase,
+            volumes: stored.volumes,
+            boot_id: stored.boot_id,
+            carried: stored.carried,
+        }
+    }
+}
+
+impl From<Handle> for StoredHandle {
+    fn from(handle: Handle) -> Self {
+        StoredHandle {
+            v: HANDLE_VERSION,
+            pid: handle.pid,
+            start_ticks: handle.start_ticks,
+            slot: handle.slot,
+            id_base: handle.id_base,
+            memory_mb: handle.memory_mb,
+            layers: handle.layers,
+            phase: Some(handle.phase),
+            released: false,
+            checkpointed: false,
+            volumes: handle.volumes,
+            boot_id: handle.boot_id,
+            carried: handle.carried,
+        }
+    }
 }
 
 /// What a restore needs to know of the node a carried checkpoint was made on.
@@ -101,8 +180,7 @@ impl Handle {
             id_base: None,
             memory_mb: 0,
             layers: Vec::new(),
-            released: false,
-            checkpointed: false,
+            phase: Phase::Running,
             volumes: Vec::new(),
             boot_id: None,
             carried: None,
@@ -125,8 +203,7 @@ impl Handle {
             id_base: Some(id_map.host_base),
             memory_mb: spec.memory_mb,
             layers: spec.image.layers.clone(),
-            released: false,
-            checkpointed: false,
+            phase: Phase::Running,
             volumes: spec
                 .volumes
                 .iter()
@@ -153,4 +230,38 @@ pub(super) fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, R
         sandbox_id: id.to_owned(),
         message: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_written_with_flags_read_as_their_phase() {
+        let old = |flags: &str| {
+            let json =
+                format!(r#"{{"pid": 7, "start_ticks": 9, "slot": 3, "memory_mb": 512{flags}}}"#);
+            serde_json::from_str::<Handle>(&json).map(|h| h.phase)
+        };
+        assert_eq!(old("").ok(), Some(Phase::Running));
+        assert_eq!(old(r#", "released": true"#).ok(), Some(Phase::Released));
+        assert_eq!(
+            old(r#", "checkpointed": true"#).ok(),
+            Some(Phase::Checkpointed)
+        );
+    }
+
+    #[test]
+    fn a_handle_is_written_with_its_version_and_phase_only() {
+        let handle = Handle {
+            phase: Phase::Checkpointed,
+            ..Handle::unstarted(4)
+        };
+        let json = serde_json::to_value(&handle).expect("serialises");
+        assert_eq!(json["v"], HANDLE_VERSION);
+        assert_eq!(json["phase"], "checkpointed");
+        assert!(json.get("released").is_none() && json.get("checkpointed").is_none());
+        let back: Handle = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back, handle);
+    }
 }

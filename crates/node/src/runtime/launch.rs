@@ -225,7 +225,7 @@ impl LinuxRuntime {
     pub(super) async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
         let ended = self.holdings.end_processes(id);
         // A released sandbox's slot went back to the node and may be another sandbox's now.
-        let handle = handle.filter(|h| !h.released);
+        let handle = handle.filter(|h| h.phase != Phase::Released);
         if let Some(h) = handle
             && is_alive(h)
         {

@@ -668,7 +668,7 @@ impl Runtime for LinuxRuntime {
         handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        if h.released {
+        if h.phase == Phase::Released {
             return Ok(handle.clone());
         }
         // Its disk and layers stay held: the kept writable layer only makes sense on top of
@@ -679,7 +679,7 @@ impl Runtime for LinuxRuntime {
         let released = Handle {
             pid: 0,
             start_ticks: 0,
-            released: true,
+            phase: Phase::Released,
             ..h
         };
         released.to_runtime(sandbox_id)
@@ -813,7 +813,7 @@ impl Runtime for LinuxRuntime {
             return Ok(None);
         };
         let h = parse_handle(sandbox_id, handle)?;
-        if !h.checkpointed {
+        if h.phase != Phase::Checkpointed {
             return Ok(None);
         }
         let images = self.checkpoint_dir(sandbox_id);
@@ -886,7 +886,7 @@ impl Runtime for LinuxRuntime {
                 .as_ref()
                 .map(|image| image.layers.clone())
                 .unwrap_or_default(),
-            released: true,
+            phase: Phase::Released,
             // A restored sandbox goes on with the boot it had.
             boot_id: carried.as_ref().and(origin.and_then(|h| h.boot_id)),
             carried,
@@ -911,7 +911,7 @@ impl Runtime for LinuxRuntime {
             .disks
             .path(sandbox_id)
             .join(sandbar_jail::layout::UPPER);
-        if !h.released || !upper.is_dir() {
+        if h.phase != Phase::Released || !upper.is_dir() {
             return Err(sandbox_err(
                 sandbox_id,
                 format!("no kept files at {}", upper.display()),

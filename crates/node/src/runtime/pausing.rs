@@ -375,7 +375,7 @@ impl LinuxRuntime {
         let running = Handle {
             pid,
             start_ticks: start_ticks(pid)?,
-            checkpointed: false,
+            phase: Phase::Running,
             ..h.clone()
         };
         let endpoint = self.endpoint(id, h.slot).ok()?;
@@ -1000,7 +1000,7 @@ impl LinuxRuntime {
         handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        if h.checkpointed {
+        if h.phase == Phase::Checkpointed {
             return Ok(handle.clone());
         }
         let started = std::time::Instant::now();
@@ -1031,7 +1031,7 @@ impl LinuxRuntime {
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,
-            checkpointed: true,
+            phase: Phase::Checkpointed,
             ..h
         };
         checkpointed.to_runtime(sandbox_id)
@@ -1045,7 +1045,7 @@ impl LinuxRuntime {
         handle: &RuntimeHandle,
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        if !h.checkpointed {
+        if h.phase != Phase::Checkpointed {
             return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
         }
         let mut opening = self.holdings.opening(sandbox_id);
@@ -1060,7 +1060,7 @@ impl LinuxRuntime {
         let running = Handle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
-            checkpointed: false,
+            phase: Phase::Running,
             ..h
         };
         let endpoint = self.endpoint(sandbox_id, h.slot)?;
@@ -1094,7 +1094,7 @@ impl LinuxRuntime {
     ) -> Result<AdoptedCheckpoint, RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
         let dir = self.checkpoint_dir(sandbox_id);
-        if h.checkpointed {
+        if h.phase == Phase::Checkpointed {
             // The server may have died during a restore (CRIU was waited for at start): its
             // host-side mounts are left over, and the restore finished or not.
             self.unmount_restore(sandbox_id, h.layers.len());
@@ -1162,7 +1162,7 @@ impl LinuxRuntime {
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,
-            checkpointed: true,
+            phase: Phase::Checkpointed,
             ..h
         };
         Ok(AdoptedCheckpoint::Checkpointed(
