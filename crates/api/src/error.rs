@@ -145,6 +145,7 @@ impl From<TemplateError> for ApiError {
             TemplateError::NotFound(_) => StatusCode::NOT_FOUND,
             TemplateError::BuildFailed { .. } => StatusCode::BAD_REQUEST,
             TemplateError::StillBuilding(_) => StatusCode::CONFLICT,
+            TemplateError::NeverBuilt(_) => StatusCode::BAD_REQUEST,
             TemplateError::Store(s) => return Self::internal(s),
         };
         Self::new(status, e.to_string())

@@ -18,6 +18,8 @@ pub enum TemplateError {
     BuildFailed { id: String, reason: String },
     #[error("template '{0}' is still building; try again shortly")]
     StillBuilding(String),
+    #[error("template '{0}' has no build: its build was requested but never started")]
+    NeverBuilt(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -132,7 +134,10 @@ impl Templates {
                         reason: current.build_error.clone().unwrap_or_default(),
                     });
                 }
-                BuildStatus::Building | BuildStatus::Waiting => {}
+                // Requested, its files perhaps uploaded, but not started: nothing will make
+                // it ready unless its owner starts it, so nobody waits for it.
+                BuildStatus::Waiting => return Err(TemplateError::NeverBuilt(current.id)),
+                BuildStatus::Building => {}
             }
             let notified = self.build_finished.notified();
             // A bounded sleep as well as the notification: another process may finish a build.

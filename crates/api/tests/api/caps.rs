@@ -273,6 +273,31 @@ async fn snapshot_memory_images_past_the_bytes_answer_507() {
 }
 
 #[tokio::test]
+async fn a_create_from_a_template_whose_build_never_started_answers_at_once() {
+    let h = harness(ROOMY).await;
+    let requested = h
+        .api("POST", "/v3/templates", Some(json!({"name": "unstarted"})))
+        .await;
+    assert_eq!(
+        requested.status,
+        StatusCode::ACCEPTED,
+        "{:?}",
+        requested.body
+    );
+    let create = h
+        .api(
+            "POST",
+            "/sandboxes",
+            Some(json!({"templateID": "unstarted", "timeout": 60})),
+        )
+        .await;
+    // Not the refusal a create gets once its patience for a running build runs out.
+    assert_eq!(create.status, StatusCode::BAD_REQUEST, "{:?}", create.body);
+    let message = create.body["message"].as_str().unwrap_or_default();
+    assert!(message.contains("never started"), "{message}");
+}
+
+#[tokio::test]
 async fn templates_and_tags_past_their_counts_answer_429() {
     let h = harness(TeamCaps {
         max_templates: 2,
