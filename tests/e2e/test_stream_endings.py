@@ -20,7 +20,8 @@ TICKER = "for i in $(seq 30); do echo tick $i; sleep 1; done"
 def expected_start(sandbox_id: str) -> str:
     # The edge's end-of-stream message, then what the SDK adds for a sandbox not found.
     return (
-        f"The sandbox was not found: sandbox '{sandbox_id}' was killed or reached its end of life: "
+        "The sandbox was not found: the sandbox was killed or reached its end of life "
+        f"(sandbox '{sandbox_id}'): "
         "The sandbox was killed or reached its timeout."
     )
 

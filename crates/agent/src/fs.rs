@@ -166,7 +166,7 @@ pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError
             .map_or_else(|| "/".to_owned(), |n| n.to_string_lossy().into_owned()),
         r#type: file_type.into(),
         path: path.to_string_lossy().into_owned(),
-        size: i64::try_from(meta.len()).unwrap_or(i64::MAX),
+        size: i64::try_from(entry_size(&meta)).unwrap_or(i64::MAX),
         mode: meta.permissions().mode() & 0o777,
         permissions: permissions_string(meta.mode()),
         owner: accounts.user_name(meta.uid()),
@@ -177,6 +177,18 @@ pub fn entry_info(path: &Path, accounts: &Accounts) -> Result<EntryInfo, FsError
         metadata: metadata.into_iter().collect(),
         ..Default::default()
     })
+}
+
+/// The size an entry reports. A directory's is what it takes in whole blocks, at least one,
+/// as on the ext4 roots E2B's sandboxes run on (4096 for a small directory): on btrfs, which
+/// sandbox disks use, a directory's length is the sum of its names and an empty one's is 0,
+/// which clients written against E2B read as "no directory".
+fn entry_size(meta: &std::fs::Metadata) -> u64 {
+    if !meta.is_dir() {
+        return meta.len();
+    }
+    let block = meta.blksize().max(1);
+    meta.len().div_ceil(block).max(1) * block
 }
 
 impl User {
@@ -349,6 +361,17 @@ mod tests {
             home: PathBuf::from("/home/u"),
             shell: "/bin/sh".into(),
         }
+    }
+
+    #[test]
+    fn a_directory_reports_whole_blocks_and_a_file_its_length() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = std::fs::metadata(dir.path()).unwrap();
+        let block = empty.blksize();
+        assert!(entry_size(&empty) >= block && entry_size(&empty) % block == 0);
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"12345").unwrap();
+        assert_eq!(entry_size(&std::fs::metadata(&file).unwrap()), 5);
     }
 
     #[test]

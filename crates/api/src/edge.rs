@@ -327,7 +327,7 @@ impl CutReason {
         match self.sandboxes.status_of(id) {
             Some(SandboxStatus::Running | SandboxStatus::Snapshotting) => None,
             None | Some(SandboxStatus::Stopping) => Some(format!(
-                "The sandbox was not found: sandbox '{id}' was killed or reached its end of life"
+                "The sandbox was not found: the sandbox was killed or reached its end of life (sandbox '{id}')"
             )),
             Some(status) => Some(format!(
                 "The sandbox was not found: sandbox '{id}' is {} (its commands can be attached to again once it runs)",

@@ -51,8 +51,9 @@ pub fn file_signature(
 /// Why a signed URL was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SignatureError {
-    /// `signature_expiration` lies in the past. Worded as envd words it: clients match it.
-    #[error("signature is already expired (path '{0}')")]
+    /// `signature_expiration` lies in the past (for the path named). Worded exactly as envd
+    /// words it, without the path: clients compare the whole message.
+    #[error("signature is already expired")]
     Expired(String),
     /// The signature does not match.
     #[error("invalid signature for '{0}'")]
