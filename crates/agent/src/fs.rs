@@ -368,7 +368,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let empty = std::fs::metadata(dir.path()).unwrap();
         let block = empty.blksize();
-        assert!(entry_size(&empty) >= block && entry_size(&empty) % block == 0);
+        assert!(entry_size(&empty) >= block && entry_size(&empty).is_multiple_of(block));
         let file = dir.path().join("f");
         std::fs::write(&file, b"12345").unwrap();
         assert_eq!(entry_size(&std::fs::metadata(&file).unwrap()), 5);
