@@ -546,7 +546,12 @@ mod tests {
             .write(true)
             .open(&path)
             .and_then(|mut file| file.write_all(b"changed"));
-        assert!(written.is_err(), "the trampoline was written to");
+        // The write seal answers EPERM; without root the mode refuses the open with EACCES.
+        let err = written.expect_err("the trampoline was written to");
+        assert!(
+            matches!(err.raw_os_error(), Some(libc::EPERM | libc::EACCES)),
+            "{err}"
+        );
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o555);

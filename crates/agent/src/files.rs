@@ -653,7 +653,14 @@ mod tests {
             requested_user(&named, Some("user"), None, "root").unwrap(),
             "user"
         );
-        assert!(requested_user(&named, Some("user"), Some("root".into()), "root").is_err());
+        let refused = requested_user(&named, Some("user"), Some("root".into()), "root")
+            .expect_err("the header names another user than the signed one");
+        let shown = format!("{refused:?}");
+        assert!(
+            shown.contains("signed for user 'user'") && shown.contains("names user 'root'"),
+            "{shown}"
+        );
+        assert_eq!(refused.into_response().status(), StatusCode::UNAUTHORIZED);
         // The access token may act as anyone.
         assert_eq!(
             requested_user(&Grant::Token, None, Some("root".into()), "user").unwrap(),

@@ -780,6 +780,10 @@ mod tests {
             .expect("valid");
         assert_eq!(target.port, AGENT_PORT);
         headers.insert("e2b-sandbox-port", "nope".parse().expect("header"));
-        assert!(target_from_headers(&headers).expect("present").is_err());
+        let err = target_from_headers(&headers)
+            .expect("present")
+            .expect_err("not a port");
+        assert_eq!(err.status, StatusCode::BAD_REQUEST, "{err:?}");
+        assert!(err.message.contains("E2b-Sandbox-Port"), "{err:?}");
     }
 }

@@ -862,7 +862,9 @@ mod tests {
             state_filter(&pairs("state=running%2Cpaused")).expect("parse"),
             Some(vec![SandboxState::Running, SandboxState::Paused])
         );
-        assert!(state_filter(&pairs("state=killed")).is_err());
+        let err = state_filter(&pairs("state=killed")).expect_err("not a listable state");
+        assert_eq!(err.status, StatusCode::BAD_REQUEST, "{err:?}");
+        assert!(err.message.contains("invalid state 'killed'"), "{err:?}");
         assert_eq!(state_filter(&pairs("")).expect("none"), None);
     }
 }

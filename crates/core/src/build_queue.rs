@@ -258,6 +258,7 @@ impl BuildQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::sync::oneshot::error::TryRecvError;
 
     fn team(name: &str) -> BuildOwner {
         BuildOwner::Team(name.to_owned())
@@ -461,11 +462,19 @@ mod tests {
         let mut a1 = queue.enqueue(team("a"), "a1");
         let mut b0 = queue.enqueue(team("b"), "b0");
         let a0_slot = a0.try_recv().expect("a0 starts at once");
-        assert!(a1.try_recv().is_err(), "a1 waits behind a's cap");
+        let waiting = a1.try_recv();
+        assert!(
+            matches!(waiting, Err(TryRecvError::Empty)),
+            "a1 waits behind a's cap: {waiting:?}"
+        );
         let b0_slot = b0.try_recv().expect("b0 takes the second slot");
         assert_eq!(queue.counts(), (1, 2));
         drop(b0_slot);
-        assert!(a1.try_recv().is_err(), "a is still at its cap");
+        let waiting = a1.try_recv();
+        assert!(
+            matches!(waiting, Err(TryRecvError::Empty)),
+            "a is still at its cap: {waiting:?}"
+        );
         drop(a0_slot);
         let _a1_slot = a1.try_recv().expect("a1 starts once a0 ended");
         assert_eq!(queue.counts(), (0, 1));
@@ -502,7 +511,12 @@ mod tests {
         // b0's task went away without withdrawing: its turn passes on to the next build.
         drop(b0);
         drop(slot);
-        assert!(c0.try_recv().is_err());
+        // Withdrawn, c0 is out of the queue for good: its turn is closed, not just pending.
+        let withdrawn = c0.try_recv();
+        assert!(
+            matches!(withdrawn, Err(TryRecvError::Closed)),
+            "{withdrawn:?}"
+        );
         let _d0 = d0.try_recv().expect("d0 gets the slot b0 and c0 left");
         assert_eq!(queue.counts(), (0, 1));
     }

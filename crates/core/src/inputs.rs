@@ -84,9 +84,17 @@ mod tests {
             assert_eq!(check_env_name(good), Ok(()), "{good}");
         }
         for bad in ["", "A=B", "A B", "A\nB", "A\0", "\tX"] {
-            assert!(check_env_name(bad).is_err(), "{bad:?}");
+            let result = check_env_name(bad);
+            assert!(
+                matches!(result, Err(InputError::EnvName(_))),
+                "{bad:?}: {result:?}"
+            );
         }
-        assert!(check_env_name(&"x".repeat(257)).is_err());
+        // An over-long name is refused and echoed back cut short.
+        assert_eq!(
+            check_env_name(&"x".repeat(257)),
+            Err(InputError::EnvName("x".repeat(64)))
+        );
         let shown = check_env_name("A\nB").expect_err("refused").to_string();
         assert!(shown.contains("A\\nB"), "{shown}");
     }

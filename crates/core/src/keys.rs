@@ -712,9 +712,15 @@ mod tests {
     #[test]
     fn names_are_trimmed_and_checked() {
         assert_eq!(check_name("  ci key ").as_deref(), Ok("ci key"));
-        assert!(check_name("   ").is_err());
-        assert!(check_name("a\nb").is_err());
-        assert!(check_name(&"x".repeat(MAX_NAME_LEN + 1)).is_err());
+        assert_eq!(check_name("   "), Err("name must not be empty".to_owned()));
+        assert_eq!(
+            check_name("a\nb"),
+            Err("name must not contain control characters".to_owned())
+        );
+        assert_eq!(
+            check_name(&"x".repeat(MAX_NAME_LEN + 1)),
+            Err(format!("name is longer than {MAX_NAME_LEN} characters"))
+        );
         assert!(check_name(&"é".repeat(MAX_NAME_LEN)).is_ok());
     }
 

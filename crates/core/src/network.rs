@@ -473,7 +473,11 @@ mod tests {
             config("evil\r\nX-Injected: 1").validate(true),
             Err(NetworkConfigError::BadMaskHost { .. })
         ));
-        assert!(config("").validate(true).is_err());
+        let empty = config("").validate(true);
+        assert!(
+            matches!(&empty, Err(NetworkConfigError::BadMaskHost { why, .. }) if why == "it is empty"),
+            "{empty:?}"
+        );
     }
 
     #[test]

@@ -903,11 +903,20 @@ mod tests {
     fn mount_paths_are_checked() {
         assert_eq!(mount_path("/data").as_deref(), Ok("/data"));
         assert_eq!(mount_path("/mnt/vol/").as_deref(), Ok("/mnt/vol"));
-        for bad in [
-            "data", "/", "//", "/a/../b", "/a/./b", "/a//b", "/proc", "/proc/x", "/sys/fs",
-            "/dev/shm", "/a\0b",
+        for (bad, why) in [
+            ("data", "must be absolute"),
+            ("/", "cannot be '/'"),
+            ("//", "cannot be '/'"),
+            ("/a/../b", "contains '..'"),
+            ("/a/./b", "contains '.'"),
+            ("/a//b", "contains an empty component"),
+            ("/proc", "cannot be under /proc"),
+            ("/proc/x", "cannot be under /proc"),
+            ("/sys/fs", "cannot be under /sys"),
+            ("/dev/shm", "cannot be under /dev"),
+            ("/a\0b", "contains a NUL byte"),
         ] {
-            assert!(mount_path(bad).is_err(), "{bad:?} accepted");
+            assert_eq!(mount_path(bad), Err(why.to_owned()), "{bad:?}");
         }
         assert!(mount_path("/devices").is_ok());
     }
@@ -916,8 +925,14 @@ mod tests {
     fn volume_paths_never_climb() {
         assert_eq!(VolumePath::parse("/a/./b/").expect("ok").relative(), "a/b");
         assert!(VolumePath::parse("").expect("root").is_root());
-        assert!(VolumePath::parse("/a/../../etc").is_err());
-        assert!(VolumePath::parse("a\0").is_err());
+        assert_eq!(
+            VolumePath::parse("/a/../../etc").err().as_deref(),
+            Some("contains '..'")
+        );
+        assert_eq!(
+            VolumePath::parse("a\0").err().as_deref(),
+            Some("contains a NUL byte")
+        );
     }
 
     #[test]

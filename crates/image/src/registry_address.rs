@@ -976,7 +976,11 @@ mod tests {
             "[x]:1",
             "[::1]5000",
         ] {
-            assert!(parsed(bad).is_err(), "{bad:?}");
+            assert_eq!(
+                parsed(bad),
+                Err(AllowedRegistryError(bad.to_owned())),
+                "{bad:?}"
+            );
         }
     }
 
@@ -1014,8 +1018,19 @@ mod tests {
     async fn plain_http_registries_count_as_allowed() {
         let policy = RegistryPolicy::new(vec![], vec!["127.0.0.1:5000".into()], vec![]).unwrap();
         assert!(policy.check("127.0.0.1", 5000, ip("127.0.0.1")).is_ok());
-        assert!(policy.check("127.0.0.1", 5001, ip("127.0.0.1")).is_err());
-        assert!(RegistryPolicy::new(vec![], vec!["bad/host".into()], vec![]).is_err());
+        // Only the listed port is let through.
+        assert_eq!(
+            policy.check("127.0.0.1", 5001, ip("127.0.0.1")),
+            Err(RegistryRefused {
+                registry: "127.0.0.1:5001".into(),
+                address: ip("127.0.0.1"),
+                range: RefusedRange::Loopback,
+            })
+        );
+        let Err(refused) = RegistryPolicy::new(vec![], vec!["bad/host".into()], vec![]) else {
+            panic!("a plain-HTTP host that is not a host was taken");
+        };
+        assert_eq!(refused, AllowedRegistryError("bad/host".into()));
     }
 
     #[tokio::test]

@@ -1526,7 +1526,13 @@ mod tests {
 
         // Not a tar at all, compressed or not.
         let sb = Sandbox::new();
-        assert!(sb.upload(b"\x1f\x8bnot gzip".to_vec()).is_err());
+        let err = sb
+            .upload(b"\x1f\x8bnot gzip".to_vec())
+            .expect_err("a gzip magic over garbage");
+        assert!(
+            matches!(&err, UnpackError::Tar(source) if source.kind() == io::ErrorKind::InvalidInput),
+            "{err:?}"
+        );
     }
 
     #[test]

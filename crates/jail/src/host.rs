@@ -248,9 +248,9 @@ mod tests {
         // missing.
         std::fs::remove_dir_all(root.path().join("etc")).unwrap();
         std::os::unix::fs::symlink(outside.path(), root.path().join("etc")).unwrap();
-        assert!(
-            replace_file_beneath(root.path(), Path::new("etc/victim"), b"x", 0o644, owner).is_err()
-        );
+        let err = replace_file_beneath(root.path(), Path::new("etc/victim"), b"x", 0o644, owner)
+            .expect_err("written through a link to the host");
+        assert_eq!(err.kind(), io::ErrorKind::NotFound, "{err}");
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "host file");
     }
 }

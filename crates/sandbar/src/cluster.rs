@@ -274,6 +274,11 @@ mod tests {
                 .contains("32")
         );
         let spaced = secret_file(&format!("{good} {good}"), 0o600);
-        assert!(read_secret(spaced.path()).is_err());
+        let err = read_secret(spaced.path()).expect_err("a space inside the secret");
+        assert!(
+            err.to_string()
+                .contains("printable characters without spaces"),
+            "{err}"
+        );
     }
 }

@@ -9,7 +9,7 @@ use std::io::Write;
 use std::sync::{Arc, Once};
 
 use chrono::{DateTime, TimeDelta, Utc};
-use sandbar_core::auth::{Auth, TeamLimits};
+use sandbar_core::auth::{Auth, AuthError, TeamLimits};
 use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
     BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LayerBlob, LogLevel, NetworkConfig,
@@ -233,8 +233,13 @@ async fn bootstrap_happens_once_and_keys_are_stored_hashed(f: Fixture) {
 
     let team = auth.team_for_api_key(Some(&key)).await.expect("key works");
     assert_eq!(team.id, creds.team_id);
-    assert!(auth.team_for_api_key(Some("e2b_wrong")).await.is_err());
-    assert!(auth.team_for_api_key(None).await.is_err());
+    let wrong = auth.team_for_api_key(Some("e2b_wrong")).await;
+    assert!(matches!(wrong, Err(AuthError::InvalidApiKey)), "{wrong:?}");
+    let missing = auth.team_for_api_key(None).await;
+    assert!(
+        matches!(missing, Err(AuthError::MissingApiKey)),
+        "{missing:?}"
+    );
     auth.team_for_access_token(Some(&creds.access_token))
         .await
         .expect("token works");
@@ -249,7 +254,11 @@ async fn bootstrap_happens_once_and_keys_are_stored_hashed(f: Fixture) {
 async fn malformed_requested_key_is_refused(f: Fixture) {
     let store = f.store;
     let auth = Auth::new(store.clone());
-    assert!(auth.bootstrap(Some("e2b_XYZ"), LIMITS).await.is_err());
+    let refused = auth.bootstrap(Some("e2b_XYZ"), LIMITS).await;
+    assert!(
+        matches!(refused, Err(AuthError::MalformedRequestedKey)),
+        "{refused:?}"
+    );
     assert_eq!(store.team_count().await.expect("count"), 0);
 }
 
@@ -1082,9 +1091,12 @@ async fn volumes_and_mounts(f: Fixture) {
         store.volume_users("vol-a").await.expect("users"),
         vec!["isb".to_owned()]
     );
+    // A mounted volume stays: the mount's reference to it holds the row.
+    let refused = store.delete_volume("vol-a").await;
     assert!(
-        store.delete_volume("vol-a").await.is_err(),
-        "a mounted volume stays"
+        matches!(&refused, Err(StoreError::Backend(message))
+            if message.to_lowercase().contains("foreign key constraint")),
+        "{refused:?}"
     );
     store.delete_sandbox("isb").await.expect("delete sandbox");
     assert!(store.volume_users("vol-a").await.expect("users").is_empty());
@@ -1100,7 +1112,11 @@ async fn teams_members_and_limits(f: Fixture) {
         .insert_user("user-1", &one.id, true)
         .await
         .expect("user");
-    assert!(store.insert_user("user-1", &two.id, false).await.is_err());
+    let again = store.insert_user("user-1", &two.id, false).await;
+    assert!(
+        matches!(&again, Err(StoreError::Conflict { what: "user", id }) if id == "user-1"),
+        "{again:?}"
+    );
     let teams: Vec<(String, bool)> = store
         .user_teams("user-1")
         .await

@@ -11,7 +11,9 @@ use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig, router};
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, LimitChanges, RateLimits, Sandboxes, SandboxesConfig, Templates};
+use sandbar_core::{
+    Auth, LimitChanges, RateLimits, Sandboxes, SandboxesConfig, TeamAdminError, Templates,
+};
 use sandbar_store::SqliteStore;
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -668,27 +670,42 @@ async fn changed_limits_apply_to_the_next_request() {
 #[tokio::test]
 async fn operator_limits_are_range_checked() {
     let h = harness().await;
-    for changes in [
-        LimitChanges {
-            max_concurrent_sandboxes: Some(0),
-            ..LimitChanges::default()
-        },
-        LimitChanges {
-            max_sandbox_timeout_secs: Some(0),
-            ..LimitChanges::default()
-        },
-        LimitChanges {
-            max_vcpu: Some(5000),
-            ..LimitChanges::default()
-        },
+    for (changes, expected) in [
+        (
+            LimitChanges {
+                max_concurrent_sandboxes: Some(0),
+                ..LimitChanges::default()
+            },
+            "max-sandboxes",
+        ),
+        (
+            LimitChanges {
+                max_sandbox_timeout_secs: Some(0),
+                ..LimitChanges::default()
+            },
+            "max-timeout-secs",
+        ),
+        (
+            LimitChanges {
+                max_vcpu: Some(5000),
+                ..LimitChanges::default()
+            },
+            "max-vcpu",
+        ),
     ] {
-        assert!(h.auth.set_team_limits(&h.team_id, changes).await.is_err());
+        let result = h.auth.set_team_limits(&h.team_id, changes).await;
+        assert!(
+            matches!(&result, Err(TeamAdminError::BadLimit { field, .. }) if *field == expected),
+            "{expected}: {result:?}"
+        );
     }
+    let result = h
+        .auth
+        .set_team_limits("no-such-team", LimitChanges::default())
+        .await;
     assert!(
-        h.auth
-            .set_team_limits("no-such-team", LimitChanges::default())
-            .await
-            .is_err()
+        matches!(&result, Err(TeamAdminError::NotFound(reference)) if reference == "no-such-team"),
+        "{result:?}"
     );
     let team = h.auth.find_team("default").await.expect("by name");
     assert_eq!(team.limits(), LIMITS);

@@ -1163,7 +1163,15 @@ mod tests {
             path: "usr/escape/secret".into(),
             size: 4,
         }];
-        assert!(open_externals(&h, sources(Some(&layers))).is_err());
+        // The layers refuse the link rather than follow it out: the file is not there.
+        let escaped = open_externals(&h, sources(Some(&layers)));
+        assert!(
+            matches!(
+                &escaped,
+                Err(ExternalsError::LayerFile { path, size: 4 }) if path == "usr/escape/secret"
+            ),
+            "{escaped:?}"
+        );
     }
 
     #[test]
@@ -1222,9 +1230,17 @@ mod tests {
         for at in [0, 9, 14, 20, bytes.len() - 1] {
             let mut bad = bytes.clone();
             bad[at] ^= 1;
-            assert!(decode(&bad).is_err(), "flipped byte {at}");
+            let expected = if at == 0 {
+                "not a checkpoint header"
+            } else {
+                "header checksum mismatch"
+            };
+            assert_eq!(decode(&bad), Err(expected.to_owned()), "flipped byte {at}");
         }
-        assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+        assert_eq!(
+            decode(&bytes[..bytes.len() - 1]),
+            Err("header checksum mismatch".to_owned())
+        );
     }
 
     #[test]
@@ -1245,9 +1261,25 @@ mod tests {
         assert_eq!(read_header(dir.path(), true).unwrap(), h);
         std::fs::write(dir.path().join("pages-1.img"), b"PAGES").unwrap();
         assert!(read_header(dir.path(), false).is_ok());
-        assert!(read_header(dir.path(), true).is_err());
+        let changed = read_header(dir.path(), true);
+        assert!(
+            matches!(
+                &changed,
+                Err(HeaderError::Invalid { reason, .. })
+                    if reason == "the images do not match their checksum"
+            ),
+            "{changed:?}"
+        );
         std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
-        assert!(read_header(dir.path(), false).is_err());
+        let grown = read_header(dir.path(), false);
+        assert!(
+            matches!(
+                &grown,
+                Err(HeaderError::Invalid { reason, .. })
+                    if reason == "image pages-1.img has 6 bytes, 5 recorded"
+            ),
+            "{grown:?}"
+        );
     }
 
     #[test]
@@ -1283,8 +1315,22 @@ mod tests {
         std::fs::write(dir.path().join("pages-1.img"), b"pages").unwrap();
         let seal_now = || seal_finished_dump(dir.path(), CRIU_VERSION.into(), "ab".repeat(32));
         // CRIU had not written its statistics: the dump did not finish.
-        assert!(seal_now().is_err());
-        assert!(read_header(dir.path(), false).is_err());
+        assert_eq!(
+            seal_now(),
+            Err(format!(
+                "the dump into {} did not finish",
+                dir.path().display()
+            ))
+        );
+        let unsealed = read_header(dir.path(), false);
+        assert!(
+            matches!(
+                &unsealed,
+                Err(HeaderError::Missing { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound
+            ),
+            "{unsealed:?}"
+        );
         std::fs::write(dir.path().join(DUMP_STATS), b"stats").unwrap();
         let sealed = seal_now().unwrap();
         assert_eq!(sealed.listener_inode, 42);

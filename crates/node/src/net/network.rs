@@ -386,7 +386,11 @@ mod tests {
         assert_eq!(a.sandbox, Ipv4Addr::new(10, 213, 0, 2));
         let b = net.addrs(64).expect("slot 64");
         assert_eq!(b.host, Ipv4Addr::new(10, 213, 1, 1));
-        assert!(net.addrs(16384).is_err());
+        let past = net.addrs(16384);
+        assert!(
+            matches!(past, Err(NetworkError::SlotOutOfRange(16384))),
+            "{past:?}"
+        );
     }
 
     #[test]
@@ -399,8 +403,13 @@ mod tests {
             parse_range("168.63.129.16").expect("bare address"),
             (Ipv4Addr::new(168, 63, 129, 16), 32)
         );
-        assert!(parse_range("10.0.0.0/33").is_err());
-        assert!(parse_range("example.com").is_err());
+        for bad in ["10.0.0.0/33", "example.com"] {
+            let parsed = parse_range(bad);
+            assert!(
+                matches!(&parsed, Err(NetworkError::BadRange(text)) if text == bad),
+                "{parsed:?}"
+            );
+        }
         for range in REFUSED_RANGES {
             parse_range(range).expect("refused ranges are valid");
         }

@@ -468,7 +468,10 @@ mod tests {
         let (unanswered, ..) = init_exchange(None).await;
         assert!(unanswered.unwrap_err().contains("without answering"));
         let (garbled, ..) = init_exchange(Some("not http\r\n\r\n")).await;
-        assert!(garbled.is_err());
+        assert_eq!(
+            garbled,
+            Err("agent's answer to /init: invalid HTTP version".to_owned())
+        );
     }
 
     #[test]
@@ -481,7 +484,10 @@ mod tests {
             default_workdir: None,
             memory_limit_mb: 1,
         };
-        assert!(init_bytes("a\r\nx-evil: 1", &init).is_err());
+        assert_eq!(
+            init_bytes("a\r\nx-evil: 1", &init),
+            Err("the agent's current token is not a header value".to_owned())
+        );
     }
 
     #[test]

@@ -603,8 +603,19 @@ mod tests {
         let meta = std::fs::metadata(&file).unwrap();
         assert_eq!((meta.uid(), meta.gid()), (1000, 1000));
         assert_eq!(meta.mode() & 0o7777, 0o4755);
-        // Something owned outside the range is refused rather than mapped.
+        // Something owned outside the range is refused rather than mapped. The directories
+        // are put back in the range first, so the refusal can only be the file's.
+        for p in [&root, &root.join("a"), &root.join("a/b")] {
+            std::os::unix::fs::lchown(p, Some(base + 1000), Some(base + 1000)).unwrap();
+        }
         std::os::unix::fs::lchown(&file, Some(5), Some(5)).unwrap();
-        assert!(shift_owners(&root, base, 65536).is_err());
+        let err = shift_owners(&root, base, 65536).expect_err("an owner outside the range");
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "{} is owned by host id 5, outside the sandbox's range",
+                file.display()
+            )
+        );
     }
 }
