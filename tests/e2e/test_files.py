@@ -224,6 +224,43 @@ def test_watch_dir_recursive(sandbox):
         handle.stop()
 
 
+@pytest.mark.parametrize("recursive", [False, True])
+def test_a_new_file_written_is_created_given_its_owner_then_written(sandbox, recursive):
+    # The sequence clients written against E2B count: envd opens the file, gives it to its
+    # user, then writes.
+    base = f"/home/user/{unique('sequence')}"
+    sandbox.files.make_dir(f"{base}/sub")
+    watched, name = (base, "sub/new.txt") if recursive else (f"{base}/sub", "new.txt")
+    handle = sandbox.files.watch_dir(watched, recursive=recursive)
+    try:
+        sandbox.files.write(f"{base}/sub/new.txt", "content")
+        events = []
+
+        def saw_write():
+            events.extend(e for e in handle.get_new_events() if e.name == name)
+            return any(e.type == FilesystemEventType.WRITE for e in events)
+
+        wait_until(saw_write, timeout=10, interval=0.3, message=f"a WRITE event for {name}")
+        time.sleep(0.5)
+        events.extend(e for e in handle.get_new_events() if e.name == name)
+        assert [e.type for e in events] == [
+            FilesystemEventType.CREATE,
+            FilesystemEventType.CHMOD,
+            FilesystemEventType.WRITE,
+        ], events
+    finally:
+        handle.stop()
+
+
+def test_a_directory_reports_its_own_size(sandbox):
+    path = f"/home/user/{unique('sized')}"
+    sandbox.files.make_dir(path)
+    info = sandbox.files.get_info(path)
+    assert info.type == FileType.DIR
+    # A directory takes at least a block, as `stat` shows on the ext4 roots E2B runs.
+    assert info.size >= 4096 and info.size % 4096 == 0, info
+
+
 def test_watch_missing_dir_raises(sandbox):
     with pytest.raises(NotFoundException):
         sandbox.files.watch_dir("/home/user/not-a-dir-" + unique())

@@ -474,6 +474,22 @@ pub async fn upload(
     (StatusCode::OK, Json(entries)).into_response()
 }
 
+/// Sets the owner a file opened for a write already has. envd gives every file it writes to
+/// its user between the open and the first byte, and clients watching the directory count
+/// the attribute change that makes (a new file is CREATE, CHMOD, WRITE); the same owner set
+/// again changes nothing else. Best effort, as the write does not depend on it.
+fn give_to_its_owner(file: &std::fs::File) {
+    if let Ok(stat) = rustix::fs::fstat(file) {
+        let owner = (
+            rustix::fs::Uid::from_raw(stat.st_uid),
+            rustix::fs::Gid::from_raw(stat.st_gid),
+        );
+        if let Err(e) = rustix::fs::fchown(file, Some(owner.0), Some(owner.1)) {
+            tracing::debug!(error = %e, "cannot set a written file's owner again");
+        }
+    }
+}
+
 /// Writes a body to `dest` on a blocking thread (gunzipping it when asked), then gives the file
 /// `metadata` as its whole set and returns the set it holds. The file and its missing parents
 /// are made with `user`'s permissions, so they are the user's and a path the user may not
@@ -519,6 +535,7 @@ async fn write_stream(
             ));
         }
     };
+    give_to_its_owner(&file);
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let writer = tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
         let mut out: Box<dyn std::io::Write> = if gzip {

@@ -12,7 +12,8 @@ const TICKER = 'for i in $(seq 30); do echo tick $i; sleep 1; done';
 function assertNotRunning(err, sandboxId) {
   assert.ok(err instanceof TimeoutError, `${err?.constructor?.name}: ${err?.message}`);
   const expected =
-    `[unavailable] The sandbox was not found: sandbox '${sandboxId}' was killed or reached its end of life: ` +
+    '[unavailable] The sandbox was not found: the sandbox was killed or reached its end of life ' +
+    `(sandbox '${sandboxId}'): ` +
     'This error is likely due to sandbox timeout.';
   assert.ok(err.message.startsWith(expected), err.message);
   return true;
