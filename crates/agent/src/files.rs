@@ -535,9 +535,9 @@ async fn write_stream(
             ));
         }
     };
-    give_to_its_owner(&file);
     let (tx, mut rx) = mpsc::channel::<Bytes>(8);
     let writer = tokio::task::spawn_blocking(move || -> std::io::Result<std::fs::File> {
+        give_to_its_owner(&file);
         let mut out: Box<dyn std::io::Write> = if gzip {
             Box::new(flate2::write::GzDecoder::new(std::io::BufWriter::new(
                 &file,

@@ -722,10 +722,8 @@ async fn start_builds(
     templates: &Templates,
     data_dir: &Path,
     node_id: Option<&str>,
+    sandbox_network: ipnet::Ipv4Net,
 ) -> anyhow::Result<Builds> {
-    let (network_base, network_prefix_len) = parse_network(&args.network)?;
-    let sandbox_network = ipnet::Ipv4Net::new(network_base, network_prefix_len)
-        .with_context(|| format!("bad network '{}'", args.network))?;
     let registry_policy = Arc::new(
         sandbar_image::RegistryPolicy::new(
             args.allow_registry.clone(),
@@ -1014,8 +1012,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let shared_database = postgres_url.is_some();
     let auth = Auth::new(store.clone());
     bootstrap_first_team(&auth, &args, &data_dir).await?;
-    let runtime = Arc::new(LinuxRuntime::new(node_config(&args, &data_dir)?).await?);
-    let node = runtime.clone();
+    let node_config = node_config(&args, &data_dir)?;
+    let sandbox_network =
+        ipnet::Ipv4Net::new(node_config.network_base, node_config.network_prefix_len)
+            .with_context(|| format!("bad network '{}'", args.network))?;
+    let runtime = Arc::new(LinuxRuntime::new(node_config).await?);
     let node_id = node_lease.as_ref().map(|(lease, _)| lease.id.clone());
     share_layers(&args, &store, &runtime, node_id.as_deref())?;
 
@@ -1027,6 +1028,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         &templates,
         &data_dir,
         node_id.as_deref(),
+        sandbox_network,
     )
     .await?;
     let builtins = Builtins {
@@ -1092,7 +1094,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
     builds.shutdown().await;
-    node.release().await;
+    runtime.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
     Ok(())
 }

@@ -18,9 +18,9 @@ pub(super) enum Phase {
     Released,
 }
 
-/// What the store keeps about a sandbox for this runtime; written as [`StoredHandle`].
+/// What the store keeps about a sandbox for this runtime (see [`Handle::to_runtime`] and
+/// [`parse_handle`] for its versions).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(from = "StoredHandle", into = "StoredHandle")]
 pub(super) struct Handle {
     /// Host PID of the sandbox's PID 1 (the agent).
     pub(super) pid: i32,
@@ -30,98 +30,53 @@ pub(super) struct Handle {
     pub(super) slot: u32,
     /// Host uid and gid of the sandbox's root; absent in handles from before user
     /// namespaces, whose sandboxes ran as host root.
+    #[serde(default)]
     pub(super) id_base: Option<u32>,
     /// Memory limit granted to the sandbox, counted against the node's capacity.
+    #[serde(default)]
     pub(super) memory_mb: u32,
     /// Template layers the sandbox runs on: kept while it lives, whatever happens to its
     /// template.
+    #[serde(default)]
     pub(super) layers: Vec<String>,
     pub(super) phase: Phase,
     /// Volumes bound into the sandbox, which a checkpoint names and a restore binds again.
+    #[serde(default)]
     pub(super) volumes: Vec<HandleVolume>,
     /// The id of the sandbox's current boot, shown at the kernel's boot id: new at every
     /// boot, the same after a restore of its checkpoint. Absent in handles of sandboxes
     /// booted before it existed, which see the host's.
+    #[serde(default)]
     pub(super) boot_id: Option<String>,
     /// A checkpoint of the sandbox's processes made on a node that was lost, laid out here
     /// (see `carried_checkpoint_dir`) when this node took the sandbox over: the next boot
     /// restores it instead of starting the sandbox afresh on its files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) carried: Option<CarriedCheckpoint>,
 }
 
-/// The layout of the handles this release writes.
+/// The layout of the handles this release writes, as their `v`. Version 1 (no `v`) said the
+/// phase with two flags, `released` and `checkpointed`, which are read, never written.
 const HANDLE_VERSION: u32 = 2;
 
-/// A [`Handle`] as the store holds it. Version 1 (no `v`) said the phase with two flags,
-/// `released` and `checkpointed`; they are read, never written.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct StoredHandle {
-    #[serde(default)]
-    v: u32,
-    pid: i32,
-    start_ticks: u64,
-    slot: u32,
-    #[serde(default)]
-    id_base: Option<u32>,
-    #[serde(default)]
-    memory_mb: u32,
-    #[serde(default)]
-    layers: Vec<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    phase: Option<Phase>,
-    #[serde(default, skip_serializing)]
-    released: bool,
-    #[serde(default, skip_serializing)]
-    checkpointed: bool,
-    #[serde(default)]
-    volumes: Vec<HandleVolume>,
-    #[serde(default)]
-    boot_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    carried: Option<CarriedCheckpoint>,
-}
-
-impl From<StoredHandle> for Handle {
-    fn from(stored: StoredHandle) -> Self {
-        let phase = stored.phase.unwrap_or(if stored.released {
+/// Turns a version-1 handle into the current layout: its flags become its phase.
+fn upgrade(stored: &mut serde_json::Value) {
+    let Some(fields) = stored.as_object_mut() else {
+        return;
+    };
+    let flag = |fields: &mut serde_json::Map<String, serde_json::Value>, name: &str| {
+        fields.remove(name) == Some(serde_json::Value::Bool(true))
+    };
+    let (released, checkpointed) = (flag(fields, "released"), flag(fields, "checkpointed"));
+    if !fields.contains_key("phase") {
+        let phase = if released {
             Phase::Released
-        } else if stored.checkpointed {
+        } else if checkpointed {
             Phase::Checkpointed
         } else {
             Phase::Running
-        });
-        Handle {
-            pid: stored.pid,
-            start_ticks: stored.start_ticks,
-            slot: stored.slot,
-            id_base: stored.id_base,
-            memory_mb: stored.memory_mb,
-            layers: stored.layers,
-            phase,
-            volumes: stored.volumes,
-            boot_id: stored.boot_id,
-            carried: stored.carried,
-        }
-    }
-}
-
-impl From<Handle> for StoredHandle {
-    fn from(handle: Handle) -> Self {
-        StoredHandle {
-            v: HANDLE_VERSION,
-            pid: handle.pid,
-            start_ticks: handle.start_ticks,
-            slot: handle.slot,
-            id_base: handle.id_base,
-            memory_mb: handle.memory_mb,
-            layers: handle.layers,
-            phase: Some(handle.phase),
-            released: false,
-            checkpointed: false,
-            volumes: handle.volumes,
-            boot_id: handle.boot_id,
-            carried: handle.carried,
-        }
+        };
+        fields.insert("phase".into(), serde_json::json!(phase));
     }
 }
 
@@ -218,15 +173,21 @@ impl Handle {
         }
     }
 
+    /// The handle as the store keeps it, with its version.
     pub(super) fn to_runtime(&self, id: &str) -> Result<RuntimeHandle, RuntimeError> {
-        serde_json::to_value(self)
-            .map(RuntimeHandle)
-            .map_err(|e| sandbox_err(id, e))
+        let mut stored = serde_json::to_value(self).map_err(|e| sandbox_err(id, e))?;
+        if let Some(fields) = stored.as_object_mut() {
+            fields.insert("v".into(), HANDLE_VERSION.into());
+        }
+        Ok(RuntimeHandle(stored))
     }
 }
 
+/// The handle the store keeps for sandbox `id`, of any version.
 pub(super) fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, RuntimeError> {
-    serde_json::from_value(handle.0.clone()).map_err(|e| RuntimeError::BadHandle {
+    let mut stored = handle.0.clone();
+    upgrade(&mut stored);
+    serde_json::from_value(stored).map_err(|e| RuntimeError::BadHandle {
         sandbox_id: id.to_owned(),
         message: e.to_string(),
     })
@@ -241,7 +202,8 @@ mod tests {
         let old = |flags: &str| {
             let json =
                 format!(r#"{{"pid": 7, "start_ticks": 9, "slot": 3, "memory_mb": 512{flags}}}"#);
-            serde_json::from_str::<Handle>(&json).map(|h| h.phase)
+            let stored = RuntimeHandle(serde_json::from_str(&json).expect("json"));
+            parse_handle("s", &stored).map(|h| h.phase)
         };
         assert_eq!(old("").ok(), Some(Phase::Running));
         assert_eq!(old(r#", "released": true"#).ok(), Some(Phase::Released));
@@ -257,11 +219,11 @@ mod tests {
             phase: Phase::Checkpointed,
             ..Handle::unstarted(4)
         };
-        let json = serde_json::to_value(&handle).expect("serialises");
+        let json = handle.to_runtime("s").expect("serialises").0;
         assert_eq!(json["v"], HANDLE_VERSION);
         assert_eq!(json["phase"], "checkpointed");
         assert!(json.get("released").is_none() && json.get("checkpointed").is_none());
-        let back: Handle = serde_json::from_value(json).expect("reads back");
+        let back = parse_handle("s", &RuntimeHandle(json)).expect("reads back");
         assert_eq!(back, handle);
     }
 }

@@ -254,7 +254,7 @@ impl LinuxRuntime {
         drop(ended.slot);
         // Read before the cgroup goes: its kills since the grant are counted.
         if let Some(memory) = ended.memory {
-            memory.give_back(self.cgroups.oom_kills(id));
+            self.give_back_memory(id, memory);
         }
         self.cgroups.remove(id).await.map_err(|e| kill_err(id, e))?;
         let _ = std::fs::remove_file(self.socket_path(id));

@@ -252,6 +252,27 @@ impl LinuxRuntime {
         self.ledger.regrant(id, memory_mb, oom_now)
     }
 
+    /// Gives back sandbox `id`'s memory, counting its out-of-memory kills since the grant
+    /// while its cgroup is still there to read.
+    pub(super) fn give_back_memory(&self, id: &str, memory: MemoryGrant) {
+        memory.give_back(self.cgroups.oom_kills(id));
+    }
+
+    /// Gives sandbox `id` what an earlier server left it in `phase`, with no admission: its
+    /// disk and the layers `h` names always, its slot unless released, its memory while its
+    /// processes run.
+    pub(super) fn adopt_holdings(&self, id: &str, h: &Handle, phase: Phase) {
+        self.holdings.adopt(
+            id,
+            NodeSandbox {
+                slot: (phase != Phase::Released).then(|| SlotHold::retaken(&self.slots, h.slot)),
+                memory: (phase == Phase::Running).then(|| self.regrant_memory(id, h.memory_mb)),
+                disk: self.disks.adopt(id),
+                layers: h.layers.clone(),
+            },
+        );
+    }
+
     /// Counts sandbox `id`'s disk against the pool, mounting a failed (read-only) pool
     /// afresh first when nothing holds it.
     pub(super) async fn admit_disk(

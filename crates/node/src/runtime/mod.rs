@@ -917,14 +917,7 @@ impl Runtime for LinuxRuntime {
                 format!("no kept files at {}", upper.display()),
             ));
         }
-        self.holdings.adopt(
-            sandbox_id,
-            NodeSandbox {
-                disk: self.disks.adopt(sandbox_id),
-                layers: h.layers,
-                ..NodeSandbox::default()
-            },
-        );
+        self.adopt_holdings(sandbox_id, &h, Phase::Released);
         Ok(())
     }
 
@@ -1029,15 +1022,7 @@ impl Runtime for LinuxRuntime {
         }
         // A checkpoint it was restored from, if the server died before discarding it.
         let _ = crate::storage::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
-        self.holdings.adopt(
-            sandbox_id,
-            NodeSandbox {
-                slot: Some(SlotHold::retaken(&self.slots, handle.slot)),
-                memory: Some(self.regrant_memory(sandbox_id, handle.memory_mb)),
-                disk: self.disks.adopt(sandbox_id),
-                layers: handle.layers.clone(),
-            },
-        );
+        self.adopt_holdings(sandbox_id, &handle, Phase::Running);
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }
 }

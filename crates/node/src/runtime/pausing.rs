@@ -300,7 +300,7 @@ impl LinuxRuntime {
         }
         self.cgroups.empty_memory(id);
         if let Some(memory) = self.holdings.take_memory(id) {
-            memory.give_back(self.cgroups.oom_kills(id));
+            self.give_back_memory(id, memory);
         }
         let _ = std::fs::remove_file(self.socket_path(id));
     }
@@ -380,15 +380,7 @@ impl LinuxRuntime {
         };
         let endpoint = self.endpoint(id, h.slot).ok()?;
         let runtime_handle = running.to_runtime(id).ok()?;
-        self.holdings.adopt(
-            id,
-            NodeSandbox {
-                slot: Some(SlotHold::retaken(&self.slots, h.slot)),
-                memory: Some(self.regrant_memory(id, h.memory_mb)),
-                disk: self.disks.adopt(id),
-                layers: h.layers.clone(),
-            },
-        );
+        self.adopt_holdings(id, h, Phase::Running);
         tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
         Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
     }
@@ -1150,15 +1142,7 @@ impl LinuxRuntime {
                 ));
             }
         }
-        self.holdings.adopt(
-            sandbox_id,
-            NodeSandbox {
-                slot: Some(SlotHold::retaken(&self.slots, h.slot)),
-                disk: self.disks.adopt(sandbox_id),
-                layers: h.layers.clone(),
-                ..NodeSandbox::default()
-            },
-        );
+        self.adopt_holdings(sandbox_id, &h, Phase::Checkpointed);
         let checkpointed = Handle {
             pid: 0,
             start_ticks: 0,
