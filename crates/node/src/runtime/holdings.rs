@@ -280,6 +280,10 @@ impl Opening<'_> {
         }
     }
 
+    pub(super) fn sandbox_id(&self) -> &str {
+        &self.id
+    }
+
     /// The operation succeeded: what it added stays the sandbox's.
     pub(super) fn commit(mut self) {
         self.committed = true;

@@ -1,238 +1,261 @@
-//! The host calls that freeze, thaw and dump a sandbox, behind [`HostOps`], and the
-//! sequences made of them. The sequences are where ordering matters (a sandbox must not be
-//! frozen while its agent still holds a connection from the host; a failed dump gets one
-//! thaw to let it go), so they are written against the trait and unit-tested with a
-//! recording fake, without root.
+//! The one seam between the node's sequences and the host: every call that creates, changes
+//! or removes something of a sandbox on the machine (cgroups, disks, egress rules, network
+//! slots, the jailed agent, the freezer) goes through [`HostOps`]. The sequences built on it
+//! (`sequence.rs`) decide the order and what is undone when a step fails; they are
+//! unit-tested against a recording fake (`host_fake.rs`) without root.
 
 use std::future::Future;
-use std::time::{Duration, Instant};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
+use sandbar_jail::IdMap;
+
+use super::handle::{Handle, is_alive};
+use super::launch::BootSpec;
+use super::{LinuxRuntime, kill_err, sandbox_err};
 use crate::checkpoint::HostSocket;
-use crate::resources::cgroups::CgroupDriver;
+use crate::net::netns::PreparedNetns;
+use crate::resources::cgroups::Limits;
 
-/// What the pause and checkpoint sequences ask of the host for one sandbox.
-pub(super) trait HostOps {
+/// Where a booting sandbox's files come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum DiskSource {
+    /// A new empty writable layer of this size.
+    Fresh { size_mb: u32 },
+    /// The files it kept, owned by the ids starting at `id_base` until now.
+    Kept { id_base: u32 },
+}
+
+/// What the node's sequences ask of the host for one sandbox. Each call that makes
+/// something has the call that removes it: `create_cgroups` / `remove_cgroups`,
+/// `make_disk` / `remove_disk`, `apply_egress` / `remove_egress`, `spawn_agent` /
+/// `kill_processes`, and a claimed network slot / `release_slot`.
+pub(super) trait HostOps: Sync {
+    /// A network namespace prepared for one slot, given to the agent when it starts.
+    type Netns: Send + Sync;
+
+    fn netns_slot(netns: &Self::Netns) -> u32;
+
     fn freeze(&self, sandbox_id: &str) -> impl Future<Output = Result<(), String>> + Send;
     fn thaw(&self, sandbox_id: &str) -> Result<(), String>;
     /// Unix sockets of the host's network namespace that the sandbox's processes hold.
     fn host_sockets(&self, sandbox_id: &str) -> Vec<HostSocket>;
+
+    fn create_cgroups(&self, sandbox_id: &str, limits: Limits) -> Result<(), RuntimeError>;
+    /// The sandbox's writable layer, owned by the ids starting at `id_base`.
+    fn make_disk(
+        &self,
+        sandbox_id: &str,
+        source: DiskSource,
+        id_base: u32,
+    ) -> impl Future<Output = Result<PathBuf, RuntimeError>> + Send;
+    fn apply_egress(
+        &self,
+        sandbox_id: &str,
+        slot: u32,
+        allow_internet: bool,
+        rules: &EgressRules,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// Starts the jailed agent as the sandbox's PID 1; returns its host PID.
+    fn spawn_agent(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        netns: &Self::Netns,
+        id_map: IdMap,
+    ) -> impl Future<Output = Result<i32, RuntimeError>> + Send;
+    /// Waits until the agent answers on its socket.
+    fn wait_agent(
+        &self,
+        sandbox_id: &str,
+        slot: u32,
+    ) -> impl Future<Output = Result<Endpoint, RuntimeError>> + Send;
+    /// The template's start command, then its ready command until it succeeds.
+    fn start_and_ready(
+        &self,
+        spec: &LaunchSpec,
+        endpoint: &Endpoint,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+
+    /// Kills every process of the sandbox (`init`, when known and still the same process,
+    /// first) and waits a bounded time for them to go.
+    fn kill_processes(
+        &self,
+        sandbox_id: &str,
+        init: Option<&Handle>,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    fn remove_egress(&self, slot: u32) -> impl Future<Output = ()> + Send;
+    /// Takes the slot's network down so the slot can be prepared for another sandbox.
+    fn release_slot(&self, slot: u32) -> impl Future<Output = ()> + Send;
+    /// Out-of-memory kills the sandbox's cgroup counted; read before it is removed.
+    fn oom_kills(&self, sandbox_id: &str) -> Option<u64>;
+    fn remove_cgroups(&self, sandbox_id: &str) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// The agent's socket, which outlives nothing it served.
+    fn remove_agent_socket(&self, sandbox_id: &str);
+    /// Its checkpoint, if any, and its agent log.
+    fn remove_records(&self, sandbox_id: &str);
+    fn remove_disk(&self, sandbox_id: &str) -> impl Future<Output = Result<(), RuntimeError>> + Send;
 }
 
-/// [`HostOps`] on this host's cgroups and `/proc`.
-pub(super) struct LinuxHost<'a>(pub(super) &'a CgroupDriver);
+/// [`HostOps`] on this host: its cgroups, disk pool, nftables, network namespaces and
+/// `/proc`.
+pub(super) struct LinuxHost<'a>(pub(super) &'a LinuxRuntime);
+
+/// How long a killed sandbox's PID 1 is waited for.
+const INIT_EXIT_PATIENCE: Duration = Duration::from_millis(2500);
 
 impl HostOps for LinuxHost<'_> {
+    type Netns = PreparedNetns;
+
+    fn netns_slot(netns: &PreparedNetns) -> u32 {
+        netns.slot
+    }
+
     async fn freeze(&self, sandbox_id: &str) -> Result<(), String> {
-        self.0.freeze(sandbox_id).await.map_err(|e| e.to_string())
+        self.0
+            .cgroups
+            .freeze(sandbox_id)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     fn thaw(&self, sandbox_id: &str) -> Result<(), String> {
-        self.0.thaw(sandbox_id).map_err(|e| e.to_string())
+        self.0.cgroups.thaw(sandbox_id).map_err(|e| e.to_string())
     }
 
     fn host_sockets(&self, sandbox_id: &str) -> Vec<HostSocket> {
-        crate::checkpoint::host_unix_sockets(&self.0.members(sandbox_id))
-    }
-}
-
-/// How often a settling sandbox is looked at.
-const SETTLE_POLL: Duration = Duration::from_millis(5);
-
-/// Waits, for at most `patience`, until the sandbox's processes hold no connection from the
-/// host; returns those still held then (empty when it settled).
-pub(super) async fn settle(
-    host: &impl HostOps,
-    sandbox_id: &str,
-    patience: Duration,
-) -> Vec<HostSocket> {
-    let deadline = Instant::now() + patience;
-    loop {
-        let held = host.host_sockets(sandbox_id);
-        if held.is_empty() || Instant::now() >= deadline {
-            return held;
-        }
-        tokio::time::sleep(SETTLE_POLL).await;
-    }
-}
-
-/// Freezes a running sandbox once its agent has closed its ends of connections from the
-/// host (or `patience` ran out: it is frozen anyway, and what it holds is logged and
-/// returned).
-pub(super) async fn settle_and_freeze(
-    host: &impl HostOps,
-    sandbox_id: &str,
-    patience: Duration,
-) -> Result<Vec<HostSocket>, String> {
-    let held = settle(host, sandbox_id, patience).await;
-    host.freeze(sandbox_id).await?;
-    if !held.is_empty() {
-        tracing::warn!(
-            sandbox_id,
-            held = %crate::checkpoint::describe_host_sockets(&held),
-            "frozen with connections from the host still open; a dump of it may fail"
-        );
-    }
-    Ok(held)
-}
-
-/// Runs `dump` on a frozen sandbox. When it fails while the sandbox holds a connection from
-/// the host (CRIU cannot dump such a socket), the sandbox is thawed for the moment its agent
-/// needs to close it, frozen again and dumped once more.
-pub(super) async fn dump_frozen<T, E, F, Fut>(
-    host: &impl HostOps,
-    sandbox_id: &str,
-    patience: Duration,
-    host_error: impl Fn(String) -> E,
-    mut dump: F,
-) -> Result<T, E>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, E>>,
-    E: std::fmt::Display,
-{
-    let err = match dump().await {
-        Ok(done) => return Ok(done),
-        Err(err) => err,
-    };
-    if host.host_sockets(sandbox_id).is_empty() {
-        return Err(err);
-    }
-    tracing::info!(sandbox_id, error = %err, "thawing the paused sandbox briefly to let connections from the host close");
-    host.thaw(sandbox_id).map_err(&host_error)?;
-    settle_and_freeze(host, sandbox_id, patience)
-        .await
-        .map_err(&host_error)?;
-    dump().await
-}
-
-#[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use std::cell::RefCell;
-    use std::collections::VecDeque;
-
-    use super::*;
-
-    /// Records each call; `held` answers successive `host_sockets` calls (empty once used
-    /// up).
-    #[derive(Default)]
-    struct Recording {
-        calls: RefCell<Vec<&'static str>>,
-        held: RefCell<VecDeque<usize>>,
+        crate::checkpoint::host_unix_sockets(&self.0.cgroups.members(sandbox_id))
     }
 
-    impl Recording {
-        fn holding(counts: &[usize]) -> Self {
-            Recording {
-                held: RefCell::new(counts.iter().copied().collect()),
-                ..Default::default()
+    fn create_cgroups(&self, sandbox_id: &str, limits: Limits) -> Result<(), RuntimeError> {
+        self.0
+            .cgroups
+            .create(sandbox_id, limits)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    async fn make_disk(
+        &self,
+        sandbox_id: &str,
+        source: DiskSource,
+        id_base: u32,
+    ) -> Result<PathBuf, RuntimeError> {
+        match source {
+            DiskSource::Fresh { size_mb } => self
+                .0
+                .disks
+                .create(sandbox_id, size_mb, id_base)
+                .map_err(|e| sandbox_err(sandbox_id, e)),
+            DiskSource::Kept { id_base: from } => {
+                self.0.reuse_disk(sandbox_id, from, id_base).await
             }
         }
-
-        fn calls(&self) -> Vec<&'static str> {
-            self.calls.borrow().clone()
-        }
     }
 
-    fn socket(inode: u64) -> HostSocket {
-        HostSocket {
-            pid: 1,
-            fd: "3".into(),
-            inode,
-        }
-    }
-
-    impl HostOps for Recording {
-        fn freeze(&self, _: &str) -> impl Future<Output = Result<(), String>> + Send {
-            self.calls.borrow_mut().push("freeze");
-            std::future::ready(Ok(()))
-        }
-
-        fn thaw(&self, _: &str) -> Result<(), String> {
-            self.calls.borrow_mut().push("thaw");
-            Ok(())
-        }
-
-        fn host_sockets(&self, _: &str) -> Vec<HostSocket> {
-            self.calls.borrow_mut().push("sockets");
-            let count = self.held.borrow_mut().pop_front().unwrap_or(0);
-            (0..count as u64).map(socket).collect()
-        }
-    }
-
-    const PATIENCE: Duration = Duration::from_secs(1);
-
-    #[tokio::test]
-    async fn a_settled_sandbox_is_frozen_at_once() {
-        let host = Recording::holding(&[]);
-        let held = settle_and_freeze(&host, "s", PATIENCE).await.unwrap();
-        assert!(held.is_empty());
-        assert_eq!(host.calls(), ["sockets", "freeze"]);
-    }
-
-    #[tokio::test]
-    async fn the_freeze_waits_for_connections_from_the_host_to_close() {
-        let host = Recording::holding(&[2, 1]);
-        let held = settle_and_freeze(&host, "s", PATIENCE).await.unwrap();
-        assert!(held.is_empty());
-        assert_eq!(host.calls(), ["sockets", "sockets", "sockets", "freeze"]);
-    }
-
-    #[tokio::test]
-    async fn a_connection_held_past_the_patience_is_frozen_and_reported() {
-        let host = Recording::holding(&[1; 1000]);
-        let held = settle_and_freeze(&host, "s", Duration::from_millis(20))
+    async fn apply_egress(
+        &self,
+        sandbox_id: &str,
+        slot: u32,
+        allow_internet: bool,
+        rules: &EgressRules,
+    ) -> Result<(), RuntimeError> {
+        self.0
+            .apply_egress(sandbox_id, slot, allow_internet, rules)
             .await
-            .unwrap();
-        assert_eq!(held, vec![socket(0)]);
-        assert_eq!(host.calls().last(), Some(&"freeze"));
     }
 
-    #[tokio::test]
-    async fn a_dump_that_works_touches_nothing_else() {
-        let host = Recording::default();
-        let out: Result<u8, String> =
-            dump_frozen(&host, "s", PATIENCE, String::from, || async { Ok(7) }).await;
-        assert_eq!(out, Ok(7));
-        assert!(host.calls().is_empty());
+    async fn spawn_agent(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        netns: &PreparedNetns,
+        id_map: IdMap,
+    ) -> Result<i32, RuntimeError> {
+        self.0.spawn_jailed(boot, dir, netns, id_map).await
     }
 
-    #[tokio::test]
-    async fn a_failed_dump_without_host_connections_is_not_tried_again() {
-        let host = Recording::holding(&[0]);
-        let tries = RefCell::new(0);
-        let out: Result<u8, String> = dump_frozen(&host, "s", PATIENCE, String::from, || {
-            *tries.borrow_mut() += 1;
-            async { Err("dump failed".to_owned()) }
-        })
-        .await;
-        assert_eq!(out, Err("dump failed".to_owned()));
-        assert_eq!(*tries.borrow(), 1);
-        assert_eq!(host.calls(), ["sockets"]);
+    async fn wait_agent(&self, sandbox_id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
+        let endpoint = self.0.endpoint(sandbox_id, slot)?;
+        super::agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
+            .await
+            .map_err(|e| {
+                let log = std::fs::read_to_string(self.0.log_path(sandbox_id)).unwrap_or_default();
+                sandbox_err(sandbox_id, format!("{e}; agent log: {}", log.trim()))
+            })?;
+        Ok(endpoint)
     }
 
-    #[tokio::test]
-    async fn a_dump_failed_on_a_host_connection_thaws_settles_and_dumps_again() {
-        // Held at the failure, still held at the first look after the thaw, then closed.
-        let host = Recording::holding(&[1, 1, 0]);
-        let tries = RefCell::new(0);
-        let out: Result<u8, String> = dump_frozen(&host, "s", PATIENCE, String::from, || {
-            *tries.borrow_mut() += 1;
-            let first = *tries.borrow() == 1;
-            async move {
-                if first {
-                    Err("unix: Unix socket 0 not found".to_owned())
-                } else {
-                    Ok(1)
-                }
+    async fn start_and_ready(
+        &self,
+        spec: &LaunchSpec,
+        endpoint: &Endpoint,
+    ) -> Result<(), RuntimeError> {
+        self.0.start_and_wait_ready(spec, endpoint).await
+    }
+
+    async fn kill_processes(
+        &self,
+        sandbox_id: &str,
+        init: Option<&Handle>,
+    ) -> Result<(), RuntimeError> {
+        let init = init.filter(|h| is_alive(h));
+        if let Some(h) = init {
+            // SAFETY: the PID was checked against its start time just above; killing a PID
+            // namespace's init kills every process in it.
+            unsafe { libc::kill(h.pid, libc::SIGKILL) };
+        }
+        self.0
+            .cgroups
+            .kill_all(sandbox_id)
+            .await
+            .map_err(|e| kill_err(sandbox_id, e))?;
+        if let Some(h) = init {
+            let deadline = std::time::Instant::now() + INIT_EXIT_PATIENCE;
+            while is_alive(h) && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
             }
-        })
-        .await;
-        assert_eq!(out, Ok(1));
-        assert_eq!(*tries.borrow(), 2);
-        assert_eq!(
-            host.calls(),
-            ["sockets", "thaw", "sockets", "sockets", "freeze"]
-        );
+        }
+        Ok(())
+    }
+
+    async fn remove_egress(&self, slot: u32) {
+        if let Ok(addrs) = self.0.network.addrs(slot) {
+            self.0.egress.remove(addrs.sandbox).await;
+        }
+    }
+
+    async fn release_slot(&self, slot: u32) {
+        self.0.network.release(slot).await;
+    }
+
+    fn oom_kills(&self, sandbox_id: &str) -> Option<u64> {
+        self.0.cgroups.oom_kills(sandbox_id)
+    }
+
+    async fn remove_cgroups(&self, sandbox_id: &str) -> Result<(), RuntimeError> {
+        self.0
+            .cgroups
+            .remove(sandbox_id)
+            .await
+            .map_err(|e| kill_err(sandbox_id, e))
+    }
+
+    fn remove_agent_socket(&self, sandbox_id: &str) {
+        let _ = std::fs::remove_file(self.0.socket_path(sandbox_id));
+    }
+
+    fn remove_records(&self, sandbox_id: &str) {
+        self.0.forget_checkpoint(sandbox_id);
+        self.0.remove_log(sandbox_id);
+    }
+
+    async fn remove_disk(&self, sandbox_id: &str) -> Result<(), RuntimeError> {
+        let disks = self.0.disks.clone();
+        let owned_id = sandbox_id.to_owned();
+        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
+            .await
+            .map_err(|e| sandbox_err(sandbox_id, e))?
+            .map_err(|e| sandbox_err(sandbox_id, e))
     }
 }

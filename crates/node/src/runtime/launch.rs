@@ -207,88 +207,13 @@ impl LinuxRuntime {
         id: &str,
         handle: Option<&Handle>,
     ) -> Result<(), RuntimeError> {
-        self.stop(id, handle).await?;
-        self.forget_checkpoint(id);
-        self.remove_log(id);
-        let disks = self.disks.clone();
-        let owned_id = id.to_owned();
-        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-            .map_err(|e| sandbox_err(id, e))?;
-        drop(self.holdings.remove(id));
-        Ok(())
+        sequence::teardown(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
     }
 
-    /// Ends the sandbox's processes and gives back what they held (its slot and memory);
-    /// its disk, layers and agent log stay.
+    /// Ends the processes of sandbox `id` and gives back what they held (its slot and
+    /// memory); its disk, layers and agent log stay.
     pub(super) async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
-        let ended = self.holdings.end_processes(id);
-        // A released sandbox's slot went back to the node and may be another sandbox's now.
-        let handle = handle.filter(|h| h.phase != Phase::Released);
-        if let Some(h) = handle
-            && is_alive(h)
-        {
-            // SAFETY: the PID was checked against its start time just above; killing a PID
-            // namespace's init kills every process in it.
-            unsafe { libc::kill(h.pid, libc::SIGKILL) };
-        }
-        self.cgroups
-            .kill_all(id)
-            .await
-            .map_err(|e| kill_err(id, e))?;
-        if let Some(h) = handle {
-            for _ in 0..250 {
-                if !is_alive(h) {
-                    break;
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-        if let Some(slot) = self.slot_to_unwire(id, ended.slot.as_ref(), handle) {
-            if let Ok(addrs) = self.network.addrs(slot) {
-                self.egress.remove(addrs.sandbox).await;
-            }
-            self.network.release(slot).await;
-        }
-        drop(ended.slot);
-        // Read before the cgroup goes: its kills since the grant are counted.
-        if let Some(memory) = ended.memory {
-            self.give_back_memory(id, memory);
-        }
-        self.cgroups.remove(id).await.map_err(|e| kill_err(id, e))?;
-        let _ = std::fs::remove_file(self.socket_path(id));
-        Ok(())
-    }
-
-    /// The slot whose network a stop of sandbox `id` takes down: the one it holds, else the
-    /// one its handle names if nothing on this node claims that slot (a sandbox found after
-    /// a restart that was never adopted).
-    fn slot_to_unwire(
-        &self,
-        id: &str,
-        held: Option<&SlotHold>,
-        handle: Option<&Handle>,
-    ) -> Option<u32> {
-        if let Some(held) = held {
-            return Some(held.slot());
-        }
-        let slot = handle?.slot;
-        let claimed = self
-            .slots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&slot);
-        if claimed {
-            tracing::warn!(
-                sandbox_id = %id,
-                slot,
-                holder = ?self.holdings.holder_of_slot(slot),
-                "the sandbox's handle names a slot it does not hold; its network is left alone"
-            );
-            return None;
-        }
-        Some(slot)
+        sequence::stop(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
     }
 
     /// The cgroup limits of sandbox `spec` once it is someone's.
@@ -305,62 +230,18 @@ impl LinuxRuntime {
         &self,
         spec: &LaunchSpec,
         netns: PreparedNetns,
-    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
-        let id = &spec.sandbox_id;
-        let slot = netns.slot;
-        let started = std::time::Instant::now();
-        let id_map = self.id_map(slot);
-        self.cgroups
-            .create(id, self.limits_of(spec))
-            .map_err(|e| (None, sandbox_err(id, e)))?;
-        let cgroups_done = started.elapsed();
-        let dir = match &spec.kept {
-            None => self
-                .disks
-                .create(id, spec.disk_size_mb, id_map.host_base)
-                .map_err(|e| (None, sandbox_err(id, e)))?,
-            Some(kept) => {
-                let kept = parse_handle(id, kept).map_err(|e| (None, e))?;
-                self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
-                    .await
-                    .map_err(|e| (None, e))?
-            }
-        };
-        let disk_done = started.elapsed();
-        // Before PID 1 joins the namespace: the sandbox never has a moment without its rules.
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(|e| (None, e))?;
-        let boot_id = sandbar_core::ids::new_uuid();
-        let pid = self
-            .spawn_jailed(&BootSpec::of(spec, &boot_id), &dir, &netns, id_map)
-            .await
-            .map_err(|e| (None, e))?;
-        drop(netns);
-        let spawned = started.elapsed();
-        let handle = Handle::running(pid, slot, id_map, spec, Some(boot_id));
-        let fail = |e: RuntimeError| (Some(handle.clone()), e);
-        let endpoint = self.endpoint(id, slot).map_err(fail)?;
-        agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
-            .await
-            .map_err(|e| {
-                let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
-                fail(sandbox_err(id, format!("{e}; agent log: {}", log.trim())))
-            })?;
-        if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
-            self.start_and_wait_ready(spec, &endpoint)
-                .await
-                .map_err(fail)?;
-        }
-        tracing::debug!(
-            sandbox_id = %id,
-            cgroups_us = cgroups_done.as_micros() as u64,
-            disk_us = disk_done.as_micros() as u64,
-            spawned_us = spawned.as_micros() as u64,
-            healthy_us = started.elapsed().as_micros() as u64,
-            "sandbox launch timings"
-        );
-        Ok((handle, endpoint))
+        kept: Option<&Handle>,
+    ) -> Result<(Handle, Endpoint), sequence::BootFailure> {
+        let id_map = self.id_map(netns.slot);
+        sequence::boot(
+            &LinuxHost(self),
+            spec,
+            netns,
+            id_map,
+            self.limits_of(spec),
+            kept,
+        )
+        .await
     }
 }
 
@@ -598,26 +479,27 @@ impl LinuxRuntime {
             (_, Some(kept), Some(carried)) => {
                 self.launch_carried(&spec, netns, kept, carried).await
             }
-            _ => self.launch_in(&spec, netns).await,
+            _ => self.launch_in(&spec, netns, kept.as_ref()).await,
         };
-        let (handle, err) = match launched {
+        let failure = match launched {
             Ok((handle, endpoint)) => {
                 opening.commit();
                 return Ok((handle.to_runtime(&id)?, endpoint));
             }
-            Err(failed) => failed,
+            Err(failure) => failure,
         };
-        let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
         // A sandbox booted on kept files keeps them (and the layers under them, which the
         // opening gives back) for another try.
-        let cleanup = match &kept {
-            None => self.teardown(&id, Some(&handle)).await,
-            Some(_) => self.stop(&id, Some(&handle)).await,
-        };
-        if let Err(cleanup) = cleanup {
-            tracing::error!(sandbox_id = %id, error = %cleanup, "cannot clean up failed sandbox");
-        }
-        drop(opening);
+        let err = sequence::undo_failed_boot(
+            &LinuxHost(self),
+            &self.holdings,
+            &self.slots,
+            opening,
+            slot,
+            failure,
+            kept.is_some(),
+        )
+        .await;
         if let (Some(checkpoint), None) = (checkpoint, &kept)
             && spec.image.is_capture()
         {

@@ -33,11 +33,14 @@ mod carried;
 mod handle;
 mod holdings;
 mod host;
+#[cfg(test)]
+mod host_fake;
 mod in_flight;
 mod launch;
 mod layers;
 mod ledger;
 mod pausing;
+mod sequence;
 mod snapshot;
 pub mod warm;
 mod warm_boot;
@@ -48,6 +51,7 @@ use agent_copies::*;
 use carried::*;
 use handle::*;
 use holdings::{Holdings, NodeSandbox, SlotHold};
+use host::LinuxHost;
 use launch::*;
 use pausing::*;
 use snapshot::*;
@@ -642,8 +646,8 @@ impl Runtime for LinuxRuntime {
         if !is_alive(&h) {
             return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
-        host::settle_and_freeze(
-            &host::LinuxHost(&self.cgroups),
+        sequence::settle_and_freeze(
+            &LinuxHost(self),
             sandbox_id,
             HOST_SOCKETS_PATIENCE,
         )

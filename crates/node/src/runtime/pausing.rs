@@ -996,8 +996,8 @@ impl LinuxRuntime {
             return Ok(handle.clone());
         }
         let started = std::time::Instant::now();
-        host::dump_frozen(
-            &host::LinuxHost(&self.cgroups),
+        sequence::dump_frozen(
+            &LinuxHost(self),
             sandbox_id,
             HOST_SOCKETS_PATIENCE,
             |e| sandbox_err(sandbox_id, e),

@@ -81,10 +81,10 @@ impl LinuxRuntime {
             .freezer_dir(id)
             .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
         let was_frozen = self.cgroups.is_frozen(id);
-        let host = host::LinuxHost(&self.cgroups);
+        let host = LinuxHost(self);
         if memory && !was_frozen {
             // A dump cannot hold the agent's end of a connection from the host.
-            host::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE)
+            sequence::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE)
                 .await
                 .map_err(|e| sandbox_err(id, e))?;
         } else if !was_frozen {
@@ -94,7 +94,7 @@ impl LinuxRuntime {
                 .map_err(|e| sandbox_err(id, e))?;
         }
         let held_since = std::time::Instant::now();
-        let copied = host::dump_frozen(
+        let copied = sequence::dump_frozen(
             &host,
             id,
             HOST_SOCKETS_PATIENCE,

@@ -1,0 +1,477 @@
+#![allow(clippy::unwrap_used)]
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage};
+
+use super::*;
+use crate::runtime::host_fake::{HostState, RecordingHost};
+use crate::runtime::ledger::ResourceLedger;
+use crate::resources::cgroups::CpuPriority;
+use crate::resources::memory::MemoryRule;
+
+const PATIENCE: Duration = Duration::from_secs(1);
+
+#[tokio::test]
+async fn a_settled_sandbox_is_frozen_at_once() {
+    let host = RecordingHost::default();
+    let held = settle_and_freeze(&host, "s", PATIENCE).await.unwrap();
+    assert!(held.is_empty());
+    assert_eq!(host.calls(), ["sockets", "freeze"]);
+}
+
+#[tokio::test]
+async fn the_freeze_waits_for_connections_from_the_host_to_close() {
+    let host = RecordingHost::holding_sockets(&[2, 1]);
+    let held = settle_and_freeze(&host, "s", PATIENCE).await.unwrap();
+    assert!(held.is_empty());
+    assert_eq!(host.calls(), ["sockets", "sockets", "sockets", "freeze"]);
+}
+
+#[tokio::test]
+async fn a_connection_held_past_the_patience_is_frozen_and_reported() {
+    let host = RecordingHost::holding_sockets(&[1; 1000]);
+    let held = settle_and_freeze(&host, "s", Duration::from_millis(20))
+        .await
+        .unwrap();
+    assert_eq!(held.len(), 1);
+    assert_eq!(host.calls().last(), Some(&"freeze"));
+}
+
+#[tokio::test]
+async fn a_dump_that_works_touches_nothing_else() {
+    let host = RecordingHost::default();
+    let out: Result<u8, String> =
+        dump_frozen(&host, "s", PATIENCE, String::from, || async { Ok(7) }).await;
+    assert_eq!(out, Ok(7));
+    assert!(host.calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_failed_dump_without_host_connections_is_not_tried_again() {
+    let host = RecordingHost::holding_sockets(&[0]);
+    let tries = RefCell::new(0);
+    let out: Result<u8, String> = dump_frozen(&host, "s", PATIENCE, String::from, || {
+        *tries.borrow_mut() += 1;
+        async { Err("dump failed".to_owned()) }
+    })
+    .await;
+    assert_eq!(out, Err("dump failed".to_owned()));
+    assert_eq!(*tries.borrow(), 1);
+    assert_eq!(host.calls(), ["sockets"]);
+}
+
+#[tokio::test]
+async fn a_dump_failed_on_a_host_connection_thaws_settles_and_dumps_again() {
+    // Held at the failure, still held at the first look after the thaw, then closed.
+    let host = RecordingHost::holding_sockets(&[1, 1, 0]);
+    let tries = RefCell::new(0);
+    let out: Result<u8, String> = dump_frozen(&host, "s", PATIENCE, String::from, || {
+        *tries.borrow_mut() += 1;
+        let first = *tries.borrow() == 1;
+        async move {
+            if first {
+                Err("unix: Unix socket 0 not found".to_owned())
+            } else {
+                Ok(1)
+            }
+        }
+    })
+    .await;
+    assert_eq!(out, Ok(1));
+    assert_eq!(*tries.borrow(), 2);
+    assert_eq!(
+        host.calls(),
+        ["sockets", "thaw", "sockets", "sockets", "freeze"]
+    );
+}
+
+fn ledger() -> Arc<ResourceLedger> {
+    Arc::new(ResourceLedger::new(
+        MemoryRule {
+            reserve_mb: 0,
+            overcommit: 1,
+            pressure_limit_percent: 100.0,
+        },
+        None,
+    ))
+}
+
+fn spec(id: &str, start_cmd: bool) -> LaunchSpec {
+    let now = chrono::Utc::now();
+    LaunchSpec {
+        sandbox_id: id.to_owned(),
+        template: Template {
+            id: "base".into(),
+            team_id: None,
+            namespace: None,
+            aliases: Vec::new(),
+            public: true,
+            build_id: "b".into(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: 1,
+            memory_mb: MEMORY_MB,
+            disk_size_mb: 512,
+            envd_version: String::new(),
+            image: None,
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 0,
+        },
+        image: TemplateImage {
+            layers: vec!["layer/base".into()],
+            env: BTreeMap::new(),
+            user: "user".into(),
+            workdir: "/home/user".into(),
+            start_cmd: start_cmd.then(|| "server".to_owned()),
+            ready_cmd: None,
+            snapshot: None,
+            started: None,
+        },
+        cpu_count: 1,
+        memory_mb: MEMORY_MB,
+        disk_size_mb: 512,
+        env_vars: BTreeMap::new(),
+        allow_internet_access: true,
+        egress: EgressRules::default(),
+        envd_access_token: "token".into(),
+        volumes: Vec::new(),
+        kept: None,
+    }
+}
+
+const MEMORY_MB: u32 = 100;
+
+fn limits() -> Limits {
+    Limits {
+        cpu_count: 1,
+        memory_mb: MEMORY_MB,
+        pids_max: 100,
+        cpu_priority: CpuPriority::Normal,
+    }
+}
+
+fn id_map(slot: u32) -> IdMap {
+    IdMap {
+        host_base: 100_000 + slot * 65_536,
+        size: 65_536,
+    }
+}
+
+fn slots_taken(slots: &SlotSet) -> Vec<u32> {
+    slots.lock().unwrap().iter().copied().collect()
+}
+
+/// The node around the sequences: its owners, slots and memory, and the host.
+struct Node {
+    host: RecordingHost,
+    holdings: Holdings,
+    slots: SlotSet,
+    ledger: Arc<ResourceLedger>,
+}
+
+impl Node {
+    fn new() -> Self {
+        Node {
+            host: RecordingHost::default(),
+            holdings: Holdings::default(),
+            slots: SlotSet::default(),
+            ledger: ledger(),
+        }
+    }
+
+    fn free_slot(&self) -> u32 {
+        let taken = slots_taken(&self.slots);
+        (0..).find(|s| !taken.contains(s)).unwrap()
+    }
+
+    /// Launches sandbox `id` as the node does: memory granted and a slot claimed in an
+    /// opening, the boot, then a commit or the undoing of what the boot left.
+    async fn launch(&self, id: &str, kept: Option<&Handle>, start_cmd: bool) -> Result<Handle, RuntimeError> {
+        let spec = spec(id, start_cmd);
+        let mut opening = self.holdings.opening(id);
+        opening.hold_memory(self.ledger.regrant(id, MEMORY_MB, 0));
+        let slot = self.free_slot();
+        // Claimed from the namespace pool, which takes the slot from the set.
+        let netns = self.host.prepare_slot(slot);
+        self.slots.lock().unwrap().insert(slot);
+        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.use_layers(spec.image.layers.clone());
+        let booted = boot(&self.host, &spec, netns, id_map(slot), limits(), kept).await;
+        self.host.fail_nothing();
+        match booted {
+            Ok((handle, _)) => {
+                opening.commit();
+                Ok(handle)
+            }
+            Err(failure) => Err(undo_failed_boot(
+                &self.host,
+                &self.holdings,
+                &self.slots,
+                opening,
+                slot,
+                failure,
+                kept.is_some(),
+            )
+            .await),
+        }
+    }
+
+    async fn stop(&self, id: &str, handle: &Handle) {
+        stop(&self.host, &self.holdings, &self.slots, id, Some(handle))
+            .await
+            .unwrap();
+    }
+
+    async fn teardown(&self, id: &str, handle: Option<&Handle>) {
+        teardown(&self.host, &self.holdings, &self.slots, id, handle)
+            .await
+            .unwrap();
+    }
+
+    /// Nothing is held by the node or made on the host.
+    fn is_empty(&self) -> bool {
+        self.host.state().is_empty()
+            && self.holdings.counts() == (0, 0, 0, 0)
+            && slots_taken(&self.slots).is_empty()
+            && self.ledger.promised_mb() == 0
+    }
+}
+
+const BOOT_STEPS: [&str; 6] = [
+    "create_cgroups",
+    "make_disk",
+    "apply_egress",
+    "spawn_agent",
+    "wait_agent",
+    "start_and_ready",
+];
+
+#[tokio::test]
+async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
+    let node = Node::new();
+    let handle = node.launch("s", None, true).await.unwrap();
+    assert_eq!(node.host.calls(), BOOT_STEPS);
+    let state = node.host.state();
+    assert_eq!(state.agents.len(), 1);
+    assert_eq!(state.egress.len(), 1);
+    assert_eq!(node.holdings.holder_of_slot(handle.slot).as_deref(), Some("s"));
+    assert_eq!(node.ledger.promised_mb(), u64::from(MEMORY_MB));
+
+    node.host.forget_calls();
+    node.teardown("s", Some(&handle)).await;
+    assert_eq!(
+        node.host.calls(),
+        [
+            "kill_processes",
+            "remove_egress",
+            "release_slot",
+            "oom_kills",
+            "remove_cgroups",
+            "remove_agent_socket",
+            "remove_records",
+            "remove_disk",
+        ]
+    );
+    assert!(node.is_empty(), "{:?}", node.host.state());
+}
+
+#[tokio::test]
+async fn a_boot_without_a_start_command_runs_none() {
+    let node = Node::new();
+    node.launch("s", None, false).await.unwrap();
+    assert_eq!(node.host.calls(), BOOT_STEPS[..5]);
+}
+
+#[tokio::test]
+async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
+    for step in BOOT_STEPS {
+        let node = Node::new();
+        node.host.fail_next(step);
+        let err = node.launch("s", None, true).await.unwrap_err();
+        assert!(err.to_string().contains(step), "{step}: {err}");
+        let calls = node.host.calls();
+        let failed_at = calls.iter().position(|c| *c == step).unwrap();
+        assert_eq!(calls[..failed_at], BOOT_STEPS[..failed_at], "{step}");
+        assert!(node.is_empty(), "after {step} failed: {:?}", node.host.state());
+    }
+}
+
+#[tokio::test]
+async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
+    for step in BOOT_STEPS {
+        let node = Node::new();
+        let first = node.launch("s", None, true).await.unwrap();
+        node.stop("s", &first).await;
+        let released = Handle {
+            phase: Phase::Released,
+            ..first
+        };
+        node.host.fail_next(step);
+        node.launch("s", Some(&released), true).await.unwrap_err();
+        let state = node.host.state();
+        assert_eq!(
+            state,
+            HostState {
+                disks: ["s".to_owned()].into(),
+                records: ["s".to_owned()].into(),
+                ..HostState::default()
+            },
+            "after {step} failed"
+        );
+        assert!(slots_taken(&node.slots).is_empty(), "{step}");
+        assert_eq!(node.ledger.promised_mb(), 0, "{step}");
+        // The kept files' layers are what the failed boot found.
+        assert_eq!(node.holdings.layers_in_use(), ["layer/base".to_owned()]);
+        node.teardown("s", Some(&released)).await;
+        assert!(node.is_empty(), "{step}: {:?}", node.host.state());
+    }
+}
+
+#[tokio::test]
+async fn a_stop_gives_back_slot_and_memory_and_keeps_the_disk() {
+    let node = Node::new();
+    let handle = node.launch("s", None, false).await.unwrap();
+    node.host.forget_calls();
+    node.stop("s", &handle).await;
+    assert_eq!(
+        node.host.calls(),
+        [
+            "kill_processes",
+            "remove_egress",
+            "release_slot",
+            "oom_kills",
+            "remove_cgroups",
+            "remove_agent_socket",
+        ]
+    );
+    assert!(slots_taken(&node.slots).is_empty());
+    assert_eq!(node.ledger.promised_mb(), 0);
+    assert_eq!(node.host.state().disks.len(), 1);
+}
+
+#[tokio::test]
+async fn a_stop_by_a_handle_naming_a_slot_another_sandbox_holds_leaves_its_network() {
+    let node = Node::new();
+    let held = node.launch("holder", None, false).await.unwrap();
+    // A sandbox found after a restart, never adopted, whose handle names the same slot.
+    let stale = Handle::unstarted(held.slot);
+    node.host.forget_calls();
+    stop(&node.host, &node.holdings, &node.slots, "stale", Some(&stale))
+        .await
+        .unwrap();
+    assert!(!node.host.calls().contains(&"release_slot"));
+    assert_eq!(slots_taken(&node.slots), [held.slot]);
+    assert!(node.host.state().wired_slots.contains(&held.slot));
+}
+
+#[tokio::test]
+async fn a_stop_whose_cgroups_cannot_go_keeps_the_disk_for_the_next_try() {
+    let node = Node::new();
+    let handle = node.launch("s", None, false).await.unwrap();
+    node.host.fail_next("remove_cgroups");
+    teardown(&node.host, &node.holdings, &node.slots, "s", Some(&handle))
+        .await
+        .unwrap_err();
+    assert!(!node.host.calls().contains(&"remove_disk"));
+    // The reaper's next try finds what is left and removes it.
+    node.teardown("s", Some(&handle)).await;
+    assert!(node.is_empty(), "{:?}", node.host.state());
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Launches sandbox `id` (on its kept files if it was released), failing at `fail` if
+    /// that is a boot step.
+    Launch { id: usize, fail: usize, start_cmd: bool },
+    /// Ends its processes and keeps its files (pause without memory).
+    Release(usize),
+    /// Freezes it and thaws it again.
+    FreezeThaw(usize),
+    Kill(usize),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        3 => (0..3usize, 0..BOOT_STEPS.len() * 2, any::<bool>())
+            .prop_map(|(id, fail, start_cmd)| Op::Launch { id, fail, start_cmd }),
+        1 => (0..3usize).prop_map(Op::Release),
+        1 => (0..3usize).prop_map(Op::FreezeThaw),
+        1 => (0..3usize).prop_map(Op::Kill),
+    ]
+}
+
+proptest::proptest! {
+    /// Whatever runs and fails, the host holds exactly what the node's owners say, and once
+    /// every sandbox is killed nothing is left on either.
+    #[test]
+    fn every_thing_made_on_the_host_is_removed(ops in proptest::collection::vec(op(), 1..30)) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let node = Node::new();
+            let mut sandboxes: BTreeMap<String, Handle> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Launch { id, fail, start_cmd } => {
+                        let id = format!("s{id}");
+                        let kept = match sandboxes.get(&id) {
+                            Some(h) if h.phase == Phase::Released => Some(h.clone()),
+                            Some(_) => continue,
+                            None => None,
+                        };
+                        if let Some(step) = BOOT_STEPS.get(fail) {
+                            node.host.fail_next(step);
+                        }
+                        if let Ok(handle) = node.launch(&id, kept.as_ref(), start_cmd).await {
+                            sandboxes.insert(id, handle);
+                        }
+                    }
+                    Op::Release(id) => {
+                        let id = format!("s{id}");
+                        if let Some(h) = sandboxes.get_mut(&id).filter(|h| h.phase == Phase::Running) {
+                            node.stop(&id, h).await;
+                            h.phase = Phase::Released;
+                        }
+                    }
+                    Op::FreezeThaw(id) => {
+                        let id = format!("s{id}");
+                        if sandboxes.get(&id).is_some_and(|h| h.phase == Phase::Running) {
+                            settle_and_freeze(&node.host, &id, Duration::ZERO).await.unwrap();
+                            node.host.thaw(&id).unwrap();
+                        }
+                    }
+                    Op::Kill(id) => {
+                        let id = format!("s{id}");
+                        if let Some(h) = sandboxes.remove(&id) {
+                            node.teardown(&id, Some(&h)).await;
+                        }
+                    }
+                }
+                let state = node.host.state();
+                let running: BTreeSet<String> = sandboxes
+                    .iter()
+                    .filter(|(_, h)| h.phase == Phase::Running)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                let known: BTreeSet<String> = sandboxes.keys().cloned().collect();
+                assert_eq!(state.agents, running);
+                assert_eq!(state.cgroups, running);
+                assert_eq!(state.disks, known);
+                assert_eq!(state.wired_slots.iter().copied().collect::<Vec<_>>(), slots_taken(&node.slots));
+                assert_eq!(state.egress, state.wired_slots);
+                assert_eq!(node.holdings.held_slots(), slots_taken(&node.slots));
+                assert_eq!(node.ledger.promised_mb(), u64::from(MEMORY_MB) * running.len() as u64);
+            }
+            for (id, h) in std::mem::take(&mut sandboxes) {
+                node.teardown(&id, Some(&h)).await;
+            }
+            assert!(node.is_empty(), "{:?}", node.host.state());
+        });
+    }
+}
