@@ -90,12 +90,18 @@ pub(super) trait HostOps: Sync {
     fn release_slot(&self, slot: u32) -> impl Future<Output = ()> + Send;
     /// Out-of-memory kills the sandbox's cgroup counted; read before it is removed.
     fn oom_kills(&self, sandbox_id: &str) -> Option<u64>;
-    fn remove_cgroups(&self, sandbox_id: &str) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    fn remove_cgroups(
+        &self,
+        sandbox_id: &str,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
     /// The agent's socket, which outlives nothing it served.
     fn remove_agent_socket(&self, sandbox_id: &str);
     /// Its checkpoint, if any, and its agent log.
     fn remove_records(&self, sandbox_id: &str);
-    fn remove_disk(&self, sandbox_id: &str) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    fn remove_disk(
+        &self,
+        sandbox_id: &str,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
 }
 
 /// [`HostOps`] on this host: its cgroups, disk pool, nftables, network namespaces and

@@ -61,7 +61,12 @@ impl RecordingHost {
 
     /// The names of the calls so far, in order.
     pub(super) fn calls(&self) -> Vec<&'static str> {
-        self.calls.lock().unwrap().iter().map(|(name, _)| *name).collect()
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(name, _)| *name)
+            .collect()
     }
 
     pub(super) fn forget_calls(&self) {
@@ -243,18 +248,16 @@ impl HostOps for RecordingHost {
 
     fn oom_kills(&self, id: &str) -> Option<u64> {
         let _ = self.call("oom_kills", id);
-        self.state
-            .lock()
-            .unwrap()
-            .cgroups
-            .contains(id)
-            .then_some(0)
+        self.state.lock().unwrap().cgroups.contains(id).then_some(0)
     }
 
     async fn remove_cgroups(&self, id: &str) -> Result<(), RuntimeError> {
         self.call("remove_cgroups", id)?;
         self.change(|s| {
-            assert!(!s.agents.contains(id), "cgroups of {id} removed with its agent alive");
+            assert!(
+                !s.agents.contains(id),
+                "cgroups of {id} removed with its agent alive"
+            );
             s.cgroups.remove(id);
         });
         Ok(())

@@ -19,14 +19,71 @@ impl LinuxRuntime {
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
         let id = boot.id;
-        let slot = netns.slot;
+        let jail = self.jail_spec(boot, dir, netns.slot, id_map)?;
+        let socket = self.socket_path(id);
+        let _ = std::fs::remove_file(&socket);
+        let listener = netns
+            .listen_at(&socket)
+            .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
+        let log = self.open_agent_log(id, boot.kept, id_map)?;
+        // Without it the sandbox runs as well; its out-of-memory kills are only not named in
+        // the ended process's error.
+        let oom_events = self.cgroups.oom_notifier(id).unwrap_or_else(|e| {
+            tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
+            None
+        });
+        let handed = AgentDescriptors {
+            listener: listener.as_raw_fd(),
+            netns: netns.netns.as_raw_fd(),
+            oom_events: oom_events.as_ref().map(|fd| fd.as_raw_fd()),
+        };
+        let mut command = self.agent_command(log, handed);
+        let child = command.spawn().map_err(|e| {
+            sandbox_err(
+                id,
+                format!("start agent {}: {e}", self.agent_exec.display()),
+            )
+        })?;
+        // The agent holds its own copy now; ours would keep the socket accepting after the
+        // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
+        // end with the sandbox's processes.
+        drop(listener);
+        drop(oom_events);
+        self.boot_child(id, child, &jail).await
+    }
+
+    /// How the agent jails sandbox `boot`: its layers and writable directory `dir`, cgroups,
+    /// name server, ids, volumes and identity.
+    fn jail_spec(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        slot: u32,
+        id_map: IdMap,
+    ) -> Result<JailSpec, RuntimeError> {
+        let id = boot.id;
         let template_layers =
             self.layers
                 .stack(boot.layers)
                 .map_err(|message| RuntimeError::TemplateMissing {
                     template_id: format!("{} ({message})", boot.template_id),
                 })?;
-        let jail = JailSpec {
+        let volumes = boot
+            .volumes
+            .iter()
+            .map(|m| {
+                Ok(sandbar_jail::VolumeBind {
+                    source: crate::storage::volumes::volume_dir(
+                        &self.config.data_dir,
+                        &m.team_id,
+                        &m.volume_id,
+                    )
+                    .map_err(|e| sandbox_err(id, e))?,
+                    target: m.path.clone().into(),
+                })
+            })
+            .collect::<Result<_, RuntimeError>>()?;
+        Ok(JailSpec {
             template_layers,
             sandbox_dir: dir.to_owned(),
             hostname: "e2b.local".into(),
@@ -41,37 +98,25 @@ impl LinuxRuntime {
             ],
             id_map,
             pty_max: self.config.pty_max,
-            volumes: boot
-                .volumes
-                .iter()
-                .map(|m| {
-                    Ok(sandbar_jail::VolumeBind {
-                        source: crate::storage::volumes::volume_dir(
-                            &self.config.data_dir,
-                            &m.team_id,
-                            &m.volume_id,
-                        )
-                        .map_err(|e| sandbox_err(id, e))?,
-                        target: m.path.clone().into(),
-                    })
-                })
-                .collect::<Result<_, RuntimeError>>()?,
+            volumes,
             agent: boot.agent.clone(),
             boot_id: Some(boot.boot_id.to_owned()),
             // A new writable layer makes a new machine; kept files keep the one they hold.
             machine_id: (!boot.kept).then(sandbar_core::ids::new_machine_id),
-        };
+        })
+    }
 
-        let socket = self.socket_path(id);
-        let _ = std::fs::remove_file(&socket);
-        let listener = netns
-            .listen_at(&socket)
-            .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
+    /// The agent log of sandbox `id`, owned by its root. A sandbox booted again on its kept
+    /// files goes on with its log: the lines read so far are counted by offset. Appending,
+    /// so a warm sandbox's log can be emptied when it is taken while its agent writes on.
+    fn open_agent_log(
+        &self,
+        id: &str,
+        kept: bool,
+        id_map: IdMap,
+    ) -> Result<std::fs::File, RuntimeError> {
         let log_path = self.log_path(id);
-        // A sandbox booted again on its kept files goes on with its log: the lines read so
-        // far are counted by offset. Appending, so a warm sandbox's log can be emptied when
-        // it is taken while its agent writes on.
-        if !boot.kept {
+        if !kept {
             self.remove_log(id);
         }
         let log = std::fs::OpenOptions::new()
@@ -79,19 +124,24 @@ impl LinuxRuntime {
             .append(true)
             .open(&log_path)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
-
-        let listener_fd = listener.as_raw_fd();
-        let netns_fd = netns.netns.as_raw_fd();
-        // Without it the sandbox runs as well; its out-of-memory kills are only not named in
-        // the ended process's error.
-        let oom_events = self.cgroups.oom_notifier(id).unwrap_or_else(|e| {
-            tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
-            None
-        });
-        let oom_fd = oom_events.as_ref().map(|fd| fd.as_raw_fd());
         // The restored root task reopens the log through its descriptor with its own rights.
         std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
             .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
+        Ok(log)
+    }
+
+    /// `sandbar-agent boot`, with stderr to `log` and `handed` at the numbers the agent
+    /// expects, in a session of its own and with nothing else of the server's.
+    fn agent_command(
+        &self,
+        log: std::fs::File,
+        handed: AgentDescriptors,
+    ) -> tokio::process::Command {
+        let AgentDescriptors {
+            listener: listener_fd,
+            netns: netns_fd,
+            oom_events: oom_fd,
+        } = handed;
         let server_nice = server_nice();
         let mut command = tokio::process::Command::new(&self.agent_exec);
         command
@@ -157,19 +207,18 @@ impl LinuxRuntime {
                 Ok(())
             });
         }
-        let mut child = command.spawn().map_err(|e| {
-            sandbox_err(
-                id,
-                format!("start agent {}: {e}", self.agent_exec.display()),
-            )
-        })?;
-        // The agent holds its own copy now; ours would keep the socket accepting after the
-        // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
-        // end with the sandbox's processes.
-        drop(listener);
-        drop(oom_events);
+        command
+    }
 
-        let payload = serde_json::to_vec(&jail).map_err(|e| sandbox_err(id, e))?;
+    /// Sends the started agent its jail and reads back the host PID of the sandbox's init,
+    /// which it prints once the sandbox runs; the boot process then exits.
+    async fn boot_child(
+        &self,
+        id: &str,
+        mut child: tokio::process::Child,
+        jail: &JailSpec,
+    ) -> Result<i32, RuntimeError> {
+        let payload = serde_json::to_vec(jail).map_err(|e| sandbox_err(id, e))?;
         if let Some(mut stdin) = child.stdin.take() {
             stdin
                 .write_all(&payload)
@@ -187,8 +236,8 @@ impl LinuxRuntime {
             .wait()
             .await
             .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
-        let pid: i32 = line.trim().parse().map_err(|_| {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        line.trim().parse().map_err(|_| {
+            let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
             sandbox_err(
                 id,
                 format!(
@@ -196,8 +245,7 @@ impl LinuxRuntime {
                     log.trim()
                 ),
             )
-        })?;
-        Ok(pid)
+        })
     }
 
     /// Ends sandbox `id` on this node: its processes, its files and log, and everything its
@@ -331,6 +379,14 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, e))
     }
+}
+
+/// The descriptors the agent is started with, as numbers valid in the server until it is.
+#[derive(Clone, Copy)]
+pub(super) struct AgentDescriptors {
+    listener: i32,
+    netns: i32,
+    oom_events: Option<i32>,
 }
 
 /// What booting a sandbox needs beyond its slot and directory.

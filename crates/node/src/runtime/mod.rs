@@ -40,6 +40,7 @@ mod launch;
 mod layers;
 mod ledger;
 mod pausing;
+mod restore;
 mod sequence;
 mod snapshot;
 pub mod warm;
@@ -54,6 +55,7 @@ use holdings::{Holdings, NodeSandbox, SlotHold};
 use host::LinuxHost;
 use launch::*;
 use pausing::*;
+use restore::*;
 use snapshot::*;
 
 #[derive(Debug, Clone)]
@@ -646,14 +648,10 @@ impl Runtime for LinuxRuntime {
         if !is_alive(&h) {
             return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
-        sequence::settle_and_freeze(
-            &LinuxHost(self),
-            sandbox_id,
-            HOST_SOCKETS_PATIENCE,
-        )
-        .await
-        .map(drop)
-        .map_err(|e| sandbox_err(sandbox_id, e))
+        sequence::settle_and_freeze(&LinuxHost(self), sandbox_id, HOST_SOCKETS_PATIENCE)
+            .await
+            .map(drop)
+            .map_err(|e| sandbox_err(sandbox_id, e))
     }
 
     async fn resume(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {

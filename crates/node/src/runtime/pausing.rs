@@ -5,9 +5,6 @@ use super::*;
 
 /// How long a pause waits for the agent to close its ends of connections from the host.
 pub(super) const HOST_SOCKETS_PATIENCE: Duration = Duration::from_secs(2);
-/// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens
-/// early.
-pub(super) const INHERITED_FD_BASE: i32 = 200;
 
 impl LinuxRuntime {
     pub(super) fn checkpoint_dir(&self, id: &str) -> PathBuf {
@@ -106,19 +103,13 @@ impl LinuxRuntime {
         Ok(sealed)
     }
 
-    /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
-    /// `netns_inode`) into `images`, leaving its processes running or ending them; returns
-    /// what the dump was told about the host.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) async fn dump_into(
+    /// Lists what frozen sandbox `id` holds and how CRIU is to dump it, from `/proc` alone,
+    /// bounded in time; an object from outside the sandbox refuses the checkpoint.
+    async fn plan_dump(
         &self,
         id: &str,
         h: &Handle,
-        criu: &crate::checkpoint::Criu,
-        freezer: &Path,
-        images: &Path,
         netns_inode: u64,
-        leave_running: bool,
     ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
         let tasks = self.cgroups.members(id);
         let pid = h.pid;
@@ -159,7 +150,7 @@ impl LinuxRuntime {
         });
         // The plan only reads /proc and never opens what the sandbox holds, so it does not
         // wait on the sandbox; bounded all the same, as every wait on a sandbox is.
-        let plan = tokio::time::timeout(PLAN_DEADLINE, planning)
+        tokio::time::timeout(PLAN_DEADLINE, planning)
             .await
             .map_err(|_| {
                 sandbox_err(
@@ -183,9 +174,44 @@ impl LinuxRuntime {
                 } else {
                     sandbox_err(id, e)
                 }
-            })?;
+            })
+    }
+
+    /// Runs `criu dump` of the frozen sandbox `id` (whose network namespace is
+    /// `netns_inode`) into `images`, leaving its processes running or ending them; returns
+    /// what the dump was told about the host.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn dump_into(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: &crate::checkpoint::Criu,
+        freezer: &Path,
+        images: &Path,
+        netns_inode: u64,
+        leave_running: bool,
+    ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
+        let plan = self.plan_dump(id, h, netns_inode).await?;
         crate::checkpoint::write_plan(images, &plan)
             .map_err(|e| sandbox_err(id, format!("cannot write {}: {e}", images.display())))?;
+        self.run_dump(id, h, criu, freezer, images, &plan, leave_running)
+            .await?;
+        Ok(plan)
+    }
+
+    /// Runs `criu dump` of sandbox `id` by `plan`, bounded by the time its memory takes to
+    /// write; a failure names what the sandbox still held from the host.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_dump(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: &crate::checkpoint::Criu,
+        freezer: &Path,
+        images: &Path,
+        plan: &crate::checkpoint::DumpPlan,
+        leave_running: bool,
+    ) -> Result<(), RuntimeError> {
         let mut command = criu.command();
         command
             .arg("dump")
@@ -236,27 +262,26 @@ impl LinuxRuntime {
                 ));
             }
         };
-        if !status.success() {
-            let mut errors =
-                crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
-            let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(id));
-            if !held.is_empty() {
-                errors = format!(
-                    "{errors}; from the host: {}",
-                    crate::checkpoint::describe_host_sockets(&held)
-                );
-            }
-            let what = if leave_running {
-                "snapshot"
-            } else {
-                "checkpoint"
-            };
-            return Err(sandbox_err(
-                id,
-                format!("{what} failed ({status}): {errors}"),
-            ));
+        if status.success() {
+            return Ok(());
         }
-        Ok(plan)
+        let mut errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
+        let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(id));
+        if !held.is_empty() {
+            errors = format!(
+                "{errors}; from the host: {}",
+                crate::checkpoint::describe_host_sockets(&held)
+            );
+        }
+        let what = if leave_running {
+            "snapshot"
+        } else {
+            "checkpoint"
+        };
+        Err(sandbox_err(
+            id,
+            format!("{what} failed ({status}): {errors}"),
+        ))
     }
 
     /// Waits for the dumps and restores a server that died left running, so that what they
@@ -323,526 +348,6 @@ impl LinuxRuntime {
             set.remove(images);
         }
     }
-
-    /// The host-side mounts a restore of sandbox `id` makes (its root over `layers` layers,
-    /// a sysfs of its network namespace, its volumes), gone.
-    pub(super) fn unmount_restore(&self, id: &str, layers: usize) {
-        sandbar_jail::host::unmount_root(&self.disks.path(id), layers);
-        self.unmount_restore_aids(id);
-    }
-
-    /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
-    /// CRIU (its sysfs, its boot id, its volumes), gone with their mount points.
-    pub(super) fn unmount_restore_aids(&self, id: &str) {
-        for dir in [self.restored_sysfs(id), self.restored_boot_id_dir(id)] {
-            let _ = sandbar_jail::host::unmount(&dir);
-            let _ = std::fs::remove_dir(&dir);
-        }
-        let volumes = self.restored_volumes_dir(id);
-        if let Ok(entries) = std::fs::read_dir(&volumes) {
-            for entry in entries.flatten() {
-                let _ = sandbar_jail::host::unmount(&entry.path());
-                let _ = std::fs::remove_dir(entry.path());
-            }
-            let _ = std::fs::remove_dir(&volumes);
-        }
-    }
-
-    /// Where a restore of sandbox `id` mounts a sysfs of its network namespace on the host.
-    pub(super) fn restored_sysfs(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.sys"))
-    }
-
-    /// Where a restore of sandbox `id` mounts the filesystem of its boot id on the host, for
-    /// CRIU to bind the file back.
-    pub(super) fn restored_boot_id_dir(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.boot"))
-    }
-
-    /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
-    pub(super) fn restored_volumes_dir(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.volumes"))
-    }
-
-    /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
-    /// during ran to its end: CRIU wrote its statistics, and the PID 1 it wrote lives in the
-    /// sandbox's cgroup.
-    pub(super) fn finished_restore(&self, id: &str, h: &Handle) -> Option<AdoptedCheckpoint> {
-        let pid = crate::checkpoint::finished_restore(&self.checkpoint_dir(id))?;
-        if !self.cgroups.members(id).contains(&pid) {
-            return None;
-        }
-        let running = Handle {
-            pid,
-            start_ticks: start_ticks(pid)?,
-            phase: Phase::Running,
-            ..h.clone()
-        };
-        let endpoint = self.endpoint(id, h.slot).ok()?;
-        let runtime_handle = running.to_runtime(id).ok()?;
-        self.adopt_holdings(id, h, Phase::Running);
-        tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
-        Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
-    }
-
-    /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
-    /// returns its new PID 1.
-    pub(super) async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id).await?;
-        let dir = self.checkpoint_dir(id);
-        let read_dir = dir.clone();
-        let started = std::time::Instant::now();
-        let verify = !self.is_verified(&dir);
-        let header =
-            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, verify))
-                .await
-                .map_err(|e| sandbox_err(id, e))?
-                .map_err(|e| sandbox_err(id, e))?;
-        self.set_verified(&dir, true);
-        tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
-        check_criu_version(id, &criu, &header)?;
-        let layers = self
-            .layers
-            .stack(&h.layers)
-            .map_err(|e| sandbox_err(id, e))?;
-        let netns_path = self.kept_ns(id, "net");
-        let userns_path = self.kept_ns(id, "user");
-        let slot = h.slot;
-        let opened = tokio::task::spawn_blocking(move || -> Result<_, String> {
-            let netns: std::os::fd::OwnedFd = std::fs::File::open(&netns_path)
-                .map_err(|e| format!("open {}: {e}", netns_path.display()))?
-                .into();
-            let userns: std::os::fd::OwnedFd = std::fs::File::open(&userns_path)
-                .map_err(|e| format!("open {}: {e}", userns_path.display()))?
-                .into();
-            let agent_socket = crate::net::netns::socket_in(&netns)
-                .map_err(|e| format!("cannot make the agent's socket: {e}"))?;
-            Ok((
-                PreparedNetns {
-                    slot,
-                    netns,
-                    agent_socket,
-                },
-                userns,
-            ))
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, e))?;
-        let (prepared, userns) = opened;
-        self.run_restore(
-            id,
-            RestoreFrom {
-                images: dir,
-                header,
-                layers,
-                userns,
-                netns: prepared,
-                log: self.log_path(id),
-                etc: None,
-                boot_id: h.boot_id.clone(),
-            },
-        )
-        .await
-    }
-
-    /// Restores the staged checkpoint `restore` into `netns` as sandbox `spec`, on the disk
-    /// the caller made ready: the slot's cgroups, ids, network rules, name server and a new
-    /// agent log; the staged images are removed afterwards. Returns once the agent answers.
-    pub(super) async fn restore_in_slot(
-        &self,
-        spec: &LaunchSpec,
-        netns: PreparedNetns,
-        restore: SlotRestore,
-    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
-        let id = &spec.sandbox_id;
-        let slot = netns.slot;
-        let id_map = self.id_map(slot);
-        let bare = |e: RuntimeError| (None, e);
-        self.cgroups
-            .create(id, self.limits_of(spec))
-            .map_err(|e| bare(sandbox_err(id, e)))?;
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(bare)?;
-        let (log_path, log) = self
-            .log_for_restore(id, &restore.header, id_map.host_base)
-            .map_err(bare)?;
-        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            bare(RuntimeError::TemplateMissing {
-                template_id: format!("{} ({message})", spec.template.id),
-            })
-        })?;
-        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
-            bare(sandbox_err(
-                id,
-                format!("cannot make its user namespace: {e}"),
-            ))
-        })?;
-        let gateway = self
-            .network
-            .addrs(slot)
-            .map_err(|e| bare(sandbox_err(id, e)))?
-            .host;
-        let mut etc = vec![("resolv.conf", format!("nameserver {gateway}\n"), 0o644)];
-        if let Some(machine_id) = &restore.machine_id {
-            etc.push(("machine-id", format!("{machine_id}\n"), 0o444));
-        }
-        let pid = self
-            .run_restore(
-                id,
-                RestoreFrom {
-                    images: restore.work.clone(),
-                    header: restore.header,
-                    layers,
-                    userns,
-                    netns,
-                    log: log_path,
-                    etc: Some((id_map.host_base, etc)),
-                    boot_id: restore.boot_id.clone(),
-                },
-            )
-            .await
-            .map_err(bare)?;
-        // Its lines from before the checkpoint belong to the sandbox it was taken of.
-        let _ = log.set_len(0);
-        drop(log);
-        let _ = crate::storage::disks::remove_tree(&restore.work);
-        let handle = Handle::running(pid, slot, id_map, spec, restore.boot_id);
-        let endpoint = self
-            .endpoint(id, slot)
-            .map_err(|e| (Some(handle.clone()), e))?;
-        if let Err(e) =
-            agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
-        {
-            return Err((
-                Some(handle),
-                sandbox_err(id, format!("the restored agent: {e}")),
-            ));
-        }
-        Ok((handle, endpoint))
-    }
-
-    /// The agent log a restored sandbox writes, made as long as the one its processes held
-    /// was at the dump: CRIU checks the size of every file it reopens. The caller empties it
-    /// once the restore is done; the agent appends, so its next line lands at the start.
-    pub(super) fn log_for_restore(
-        &self,
-        id: &str,
-        header: &crate::checkpoint::Header,
-        owner: u32,
-    ) -> Result<(PathBuf, std::fs::File), RuntimeError> {
-        let held_size = header
-            .externals
-            .iter()
-            .find_map(|e| match e {
-                crate::checkpoint::External::Placed {
-                    file: crate::checkpoint::Placed::Log,
-                    size,
-                    ..
-                } => Some(*size),
-                // Format 1 recorded the log as the one file held for appending.
-                crate::checkpoint::External::File {
-                    append: true, size, ..
-                } => Some(*size),
-                _ => None,
-            })
-            .unwrap_or(0);
-        let log_path = self.log_path(id);
-        let log = std::fs::File::create(&log_path)
-            .and_then(|log| {
-                std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
-                log.set_len(held_size)?;
-                Ok(log)
-            })
-            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
-        Ok((log_path, log))
-    }
-
-    /// A checkpoint made before a restart may find CRIU installed only since: probed again.
-    pub(super) async fn criu_for_restore(
-        &self,
-        id: &str,
-    ) -> Result<std::sync::Arc<crate::checkpoint::Criu>, RuntimeError> {
-        self.criu
-            .get_or_probe()
-            .await
-            .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))
-    }
-
-    /// Mounts what the restore of sandbox `id` needs on the host (its root, a sysfs of its
-    /// network namespace, its agent's listener), runs `criu restore` from its cgroups and
-    /// returns the restored PID 1; the host-side mounts are gone afterwards either way.
-    pub(super) async fn run_restore(
-        &self,
-        id: &str,
-        from: RestoreFrom,
-    ) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id).await?;
-        let RestoreFrom {
-            images: dir,
-            header,
-            layers,
-            userns,
-            netns: prepared,
-            log,
-            etc,
-            boot_id,
-        } = from;
-        let sandbox_dir = self.disks.path(id);
-        let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
-        let sysfs = self.restored_sysfs(id);
-        let volumes_dir = self.restored_volumes_dir(id);
-        let socket = self.socket_path(id);
-        let started = std::time::Instant::now();
-        let mounted = {
-            let sandbox_dir = sandbox_dir.clone();
-            let layers = layers.clone();
-            let sysfs = sysfs.clone();
-            let socket = socket.clone();
-            let volumes: Vec<(PathBuf, PathBuf)> = header
-                .externals
-                .iter()
-                .filter_map(|e| match e {
-                    crate::checkpoint::External::Volume { key, source } => {
-                        Some((source.clone(), volumes_dir.join(key)))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let volumes_dir = volumes_dir.clone();
-            // A checkpoint that binds a boot id but whose handle names none cannot be made
-            // by this node; it would get a new one, as a boot does.
-            let boot_id = header
-                .externals
-                .iter()
-                .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
-                .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
-            let boot_id_dir = self.restored_boot_id_dir(id);
-            tokio::task::spawn_blocking(move || -> Result<_, String> {
-                sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
-                    .map_err(|e| format!("cannot mount its root again: {e}"))?;
-                if !volumes.is_empty() {
-                    std::fs::create_dir_all(&volumes_dir)
-                        .map_err(|e| format!("create {}: {e}", volumes_dir.display()))?;
-                }
-                for (source, target) in &volumes {
-                    sandbar_jail::host::mount_volume_mapped(source, &userns, target).map_err(
-                        |e| format!("cannot mount the volume {} again: {e}", source.display()),
-                    )?;
-                }
-                if let Some((owner, etc)) = &etc {
-                    let root = sandbox_dir.join(sandbar_jail::layout::ROOT);
-                    for (name, content, mode) in etc {
-                        sandbar_jail::host::replace_file_beneath(
-                            &root,
-                            &Path::new("etc").join(name),
-                            content.as_bytes(),
-                            *mode,
-                            *owner,
-                        )
-                        .map_err(|e| format!("cannot write /etc/{name}: {e}"))?;
-                    }
-                }
-                if let Err(e) = std::fs::create_dir(&sysfs)
-                    && e.kind() != std::io::ErrorKind::AlreadyExists
-                {
-                    return Err(format!("create {}: {e}", sysfs.display()));
-                }
-                let netns_path =
-                    PathBuf::from(format!("/proc/self/fd/{}", prepared.netns.as_raw_fd()));
-                sandbar_jail::host::mount_sysfs_of(&netns_path, &sysfs)
-                    .map_err(|e| format!("cannot mount its sysfs: {e}"))?;
-                let boot_id_file = boot_id
-                    .map(|boot_id| sandbar_jail::host::mount_boot_id(&boot_id_dir, &boot_id))
-                    .transpose()
-                    .map_err(|e| format!("cannot make its boot id: {e}"))?;
-                let _ = std::fs::remove_file(&socket);
-                let listener = prepared
-                    .listen_at(&socket)
-                    .map_err(|e| format!("bind {}: {e}", socket.display()))?;
-                Ok((prepared, listener, boot_id_file))
-            })
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-        };
-        let undo_mounts = || self.unmount_restore(id, layers.len());
-        let (prepared, listener, boot_id_file) = match mounted {
-            Ok(ok) => ok,
-            Err(e) => {
-                undo_mounts();
-                return Err(sandbox_err(id, e));
-            }
-        };
-        let agents = self.agents_dir();
-        let mut layer_dirs = vec![sandbox_dir.join(sandbar_jail::layout::UPPER)];
-        layer_dirs.extend(layers.iter().cloned());
-        let libraries = self.library_sources();
-        let sources = crate::checkpoint::PlacedSources {
-            agents: &agents,
-            log: Some(&log),
-            layers: Some(&layer_dirs),
-            libraries: &libraries,
-        };
-        let files = match crate::checkpoint::open_externals(&header, sources) {
-            Ok(files) => files,
-            Err(e) => {
-                undo_mounts();
-                return Err(sandbox_err(id, e));
-            }
-        };
-        let mut args: Vec<String> = Vec::new();
-        for external in &header.externals {
-            match external {
-                crate::checkpoint::External::Device { key, source } => {
-                    if !crate::checkpoint::is_device_node_path(source) {
-                        undo_mounts();
-                        return Err(sandbox_err(
-                            id,
-                            "the checkpoint binds a device that is not one of /dev's",
-                        ));
-                    }
-                    args.push(format!("--external=mnt[{key}]:{}", source.display()));
-                }
-                crate::checkpoint::External::Sysfs { key } => {
-                    args.push(format!("--external=mnt[{key}]:{}", sysfs.display()));
-                }
-                crate::checkpoint::External::Volume { key, .. } => {
-                    args.push(format!(
-                        "--external=mnt[{key}]:{}",
-                        volumes_dir.join(key).display()
-                    ));
-                }
-                crate::checkpoint::External::BootId { key } => {
-                    if let Some(file) = &boot_id_file {
-                        args.push(format!("--external=mnt[{key}]:{}", file.display()));
-                    }
-                }
-                crate::checkpoint::External::Placed { .. }
-                | crate::checkpoint::External::LayerFile { .. }
-                | crate::checkpoint::External::File { .. } => {}
-            }
-        }
-        // Descriptors handed to CRIU at fixed numbers: the host files, the new listener and
-        // the network namespace.
-        let mut inherited: Vec<(i32, i32)> = Vec::new();
-        let mut owned = Vec::new();
-        let mut next = INHERITED_FD_BASE;
-        for (key, fd) in files {
-            args.push(format!("--inherit-fd=fd[{next}]:{key}"));
-            inherited.push((fd.as_raw_fd(), next));
-            owned.push(fd);
-            next += 1;
-        }
-        args.push(format!(
-            "--inherit-fd=fd[{next}]:socket:[{}]",
-            header.listener_inode
-        ));
-        inherited.push((listener.as_raw_fd(), next));
-        next += 1;
-        args.push(format!("--inherit-fd=fd[{next}]:extnet"));
-        inherited.push((prepared.netns.as_raw_fd(), next));
-
-        let pidfile = dir.join(crate::checkpoint::RESTORE_PIDFILE);
-        crate::checkpoint::clear_restore(&dir);
-        let joins: Vec<std::ffi::CString> = self
-            .cgroups
-            .join_files(id)
-            .iter()
-            .filter_map(|p| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).ok())
-            .collect();
-        let mut command = criu.command();
-        command
-            .arg("restore")
-            .arg("--images-dir")
-            .arg(&dir)
-            .arg("--log-file")
-            .arg(crate::checkpoint::RESTORE_LOG)
-            .arg("-v2")
-            .arg("--root")
-            .arg(sandbox_dir.join(sandbar_jail::layout::ROOT))
-            .arg("--restore-detached")
-            .arg(TCP_CLOSE)
-            .arg("--manage-cgroups=ignore")
-            .arg("--pidfile")
-            .arg(&pidfile)
-            .args(&args)
-            // Nothing to a pipe: CRIU must be able to finish the restore if the server dies.
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
-        // functions (open, write, close, dup2) on data prepared before the fork.
-        unsafe {
-            command.pre_exec(move || {
-                // CRIU leaves restored tasks in its own cgroups (--manage-cgroups=ignore): it
-                // joins the sandbox's first.
-                for file in &joins {
-                    let fd = libc::open(file.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let written = libc::write(fd, c"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if written != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                for (from, to) in &inherited {
-                    if libc::dup2(*from, *to) < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        let prepared_in = started.elapsed();
-        let deadline = restore_deadline(images_bytes);
-        let mut tries = 0;
-        let status = loop {
-            tries += 1;
-            let outcome = run_criu(&mut command, deadline).await;
-            let failed = match &outcome {
-                Ok(status) => !status.success(),
-                Err(e) => e.kind() == std::io::ErrorKind::TimedOut,
-            };
-            if !failed || tries == RESTORE_TRIES {
-                break outcome;
-            }
-            // Seen rarely: a thread of the restored tree gone before CRIU let it go, and
-            // CRIU then stuck on its own kill of the tree. The images are intact; what the
-            // failed attempt started has not run any of the sandbox's code yet.
-            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
-            tracing::warn!(sandbox_id = %id, error = %errors, ?outcome, "restore failed; trying again");
-            let _ = self.cgroups.kill_all(id).await;
-            crate::checkpoint::clear_restore(&dir);
-        };
-        let criu_in = started.elapsed() - prepared_in;
-        drop(owned);
-        drop(listener);
-        drop(prepared);
-        undo_mounts();
-        tracing::debug!(
-            sandbox_id = %id,
-            prepare_us = prepared_in.as_micros() as u64,
-            criu_us = criu_in.as_micros() as u64,
-            "restore timings"
-        );
-        let status =
-            status.map_err(|e| sandbox_err(id, format!("run {}: {e}", criu.path.display())))?;
-        if !status.success() {
-            let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
-            // Whatever CRIU had started is in the sandbox's cgroups.
-            let _ = self.cgroups.kill_all(id).await;
-            return Err(sandbox_err(
-                id,
-                format!("restore failed ({status}): {errors}"),
-            ));
-        }
-        let pid = crate::checkpoint::restored_pid(&dir)
-            .ok_or_else(|| sandbox_err(id, "the restore wrote no PID"))?;
-        Ok(pid)
-    }
 }
 
 /// Established TCP connections are not kept: their sockets come back shut down, as after a
@@ -852,11 +357,6 @@ impl LinuxRuntime {
 /// connection could not be checkpointed at all. Given at the dump and again at the restore.
 pub(super) const TCP_CLOSE: &str = "--tcp-close";
 
-/// How many times a restore is attempted before it is given up.
-pub(super) const RESTORE_TRIES: u32 = 2;
-
-/// How long one restore may take: restores run at hundreds of MiB a second, so this is only
-/// ever reached by a CRIU that is stuck.
 /// How long a dump plan may take: it reads `/proc` only.
 pub(super) const PLAN_DEADLINE: Duration = Duration::from_secs(20);
 
@@ -864,10 +364,6 @@ pub(super) const PLAN_DEADLINE: Duration = Duration::from_secs(20);
 /// abandoned: far longer than writing that much memory takes here.
 pub(super) fn dump_deadline(memory_mb: u32) -> Duration {
     Duration::from_secs(30 + 30 * u64::from(memory_mb).div_ceil(1024))
-}
-
-pub(super) fn restore_deadline(images_bytes: u64) -> Duration {
-    Duration::from_secs(20 + 20 * images_bytes.div_ceil(1 << 30))
 }
 
 /// Runs `criu restore` to its end, or kills it (and so lets go of the tasks it holds) once
@@ -935,39 +431,6 @@ pub(super) fn remove_spent_checkpoints(checkpoints: &Path) {
 /// longer than one of a sandbox of the largest size takes.
 pub(super) const ORPHANED_CRIU_WAIT: Duration = Duration::from_secs(120);
 
-/// What [`LinuxRuntime::run_restore`] restores, and into what.
-/// A file of `/etc` written into a restored sandbox's root: name, content, mode.
-pub(super) type EtcFile = (&'static str, String, u32);
-
-pub(super) struct RestoreFrom {
-    /// The images, where CRIU also writes its log and the PID file.
-    pub(super) images: PathBuf,
-    pub(super) header: crate::checkpoint::Header,
-    /// The sandbox's layers, topmost first.
-    pub(super) layers: Vec<PathBuf>,
-    /// A user namespace with the sandbox's id range, to id-map the layers.
-    pub(super) userns: std::os::fd::OwnedFd,
-    pub(super) netns: PreparedNetns,
-    /// The agent log the restored sandbox writes (the checkpoint's processes get it in place
-    /// of the one they held).
-    pub(super) log: PathBuf,
-    /// Files of `/etc` written into the root before the restore, and their owner.
-    pub(super) etc: Option<(u32, Vec<EtcFile>)>,
-    /// The boot id the restored sandbox shows, when its checkpoint binds one.
-    pub(super) boot_id: Option<String>,
-}
-
-/// A checkpoint staged for [`LinuxRuntime::restore_in_slot`], and what the restored sandbox
-/// keeps or gets anew.
-pub(super) struct SlotRestore {
-    /// The staged images (see `stage_checkpoint`), removed once restored.
-    pub(super) work: PathBuf,
-    pub(super) header: crate::checkpoint::Header,
-    /// A new machine id for a new machine; `None` keeps the one its files hold.
-    pub(super) machine_id: Option<String>,
-    pub(super) boot_id: Option<String>,
-}
-
 pub(super) fn check_criu_version(
     id: &str,
     criu: &crate::checkpoint::Criu,
@@ -1027,54 +490,6 @@ impl LinuxRuntime {
             ..h
         };
         checkpointed.to_runtime(sandbox_id)
-    }
-}
-
-impl LinuxRuntime {
-    pub(super) async fn restore_sandbox(
-        &self,
-        sandbox_id: &str,
-        handle: &RuntimeHandle,
-    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if h.phase != Phase::Checkpointed {
-            return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
-        }
-        let mut opening = self.holdings.opening(sandbox_id);
-        opening.hold_memory(self.grant_memory(sandbox_id, h.memory_mb)?);
-        let started = std::time::Instant::now();
-        // Joining a frozen cgroup would freeze CRIU itself.
-        let restored = match self.cgroups.thaw(sandbox_id) {
-            Ok(()) => self.undump(sandbox_id, &h).await,
-            Err(e) => Err(sandbox_err(sandbox_id, e)),
-        };
-        let pid = restored?;
-        let running = Handle {
-            pid,
-            start_ticks: start_ticks(pid).unwrap_or_default(),
-            phase: Phase::Running,
-            ..h
-        };
-        let endpoint = self.endpoint(sandbox_id, h.slot)?;
-        if let Err(e) =
-            agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
-        {
-            let _ = self.cgroups.kill_all(sandbox_id).await;
-            return Err(sandbox_err(
-                sandbox_id,
-                format!("the restored agent does not answer: {e}"),
-            ));
-        }
-        tracing::debug!(
-            sandbox_id,
-            healthy_us = started.elapsed().as_micros() as u64,
-            "restored agent answers"
-        );
-        opening.commit();
-        sandbar_core::faults::crash_point("restore.restored");
-        // The images stay until the sandbox is recorded running (`discard_checkpoint`): a
-        // restart before that finds the finished restore beside them.
-        Ok((running.to_runtime(sandbox_id)?, endpoint))
     }
 }
 

@@ -254,6 +254,5 @@ where
     dump().await
 }
 
-
 #[cfg(test)]
 mod tests;

@@ -6,6 +6,19 @@ use super::*;
 /// How long the collector leaves a new snapshot's parts alone at most.
 pub(super) const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
 
+/// A new snapshot's name: unique to this sandbox, moment and process.
+fn new_snapshot_key(id: &str) -> String {
+    use sha2::Digest;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    hex::encode(sha2::Sha256::digest(format!(
+        "{id}/{nanos}/{}",
+        std::process::id()
+    )))[..32]
+        .to_owned()
+}
+
 pub(super) fn is_snapshot_key(key: &str) -> bool {
     key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
 }
@@ -42,30 +55,13 @@ impl LinuxRuntime {
         let base = h
             .id_base
             .ok_or_else(|| sandbox_err(id, "the sandbox runs without its own user namespace"))?;
-        let key = {
-            use sha2::Digest;
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos());
-            hex::encode(sha2::Sha256::digest(format!(
-                "{id}/{nanos}/{}",
-                std::process::id()
-            )))[..32]
-                .to_owned()
-        };
+        let key = new_snapshot_key(id);
         let mut parts = SnapshotParts {
             layer: crate::storage::layers::LayerStore::step_layer_name(&key),
             checkpoint: memory.then(|| format!("checkpoint/{key}")),
             checkpoint_bytes: 0,
         };
-        self.fresh_snapshots
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .extend(
-                std::iter::once(parts.layer.clone())
-                    .chain(parts.checkpoint.clone())
-                    .map(|name| (name, std::time::Instant::now())),
-            );
+        self.keep_from_collector(&parts);
         let images = self.snapshots_dir().join(&key);
         let layer_dir = self.layers.steps_dir().join(&key);
         let discard = || {
@@ -76,36 +72,7 @@ impl LinuxRuntime {
             std::fs::create_dir_all(&images)
                 .map_err(|e| sandbox_err(id, format!("create {}: {e}", images.display())))?;
         }
-        let freezer = self
-            .cgroups
-            .freezer_dir(id)
-            .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
-        let was_frozen = self.cgroups.is_frozen(id);
-        let host = LinuxHost(self);
-        if memory && !was_frozen {
-            // A dump cannot hold the agent's end of a connection from the host.
-            sequence::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE)
-                .await
-                .map_err(|e| sandbox_err(id, e))?;
-        } else if !was_frozen {
-            self.cgroups
-                .freeze(id)
-                .await
-                .map_err(|e| sandbox_err(id, e))?;
-        }
-        let held_since = std::time::Instant::now();
-        let copied = sequence::dump_frozen(
-            &host,
-            id,
-            HOST_SOCKETS_PATIENCE,
-            |e| sandbox_err(id, e),
-            || self.copy_frozen(id, h, criu, &freezer, &images, &key),
-        )
-        .await;
-        if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
-            tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
-        }
-        let held = held_since.elapsed();
+        let (copied, held) = self.copy_held_still(id, h, criu, &images, &key).await;
         sandbar_core::faults::crash_point("snapshot.copied");
         let plan = match copied {
             Ok(plan) => plan,
@@ -120,26 +87,10 @@ impl LinuxRuntime {
             access_token: agent_token.to_owned(),
             log: self.log_path(id),
         };
-        let agent_digest = self.agent_digest.clone();
-        let finish_images = images.clone();
-        let finished = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
-            crate::storage::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
-            let Some((plan, criu_version)) = with_memory else {
-                return Ok(0);
-            };
-            std::fs::write(
-                finish_images.join(SNAPSHOT_ORIGIN),
-                serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
-            )?;
-            crate::checkpoint::seal(&finish_images, criu_version, agent_digest, plan)?;
-            // What the team's snapshot cap counts.
-            Ok(crate::storage::image_layers::disk_usage(&finish_images))
-        })
-        .await
-        .map_err(|e| sandbox_err(id, e));
-        match finished.and_then(|r| {
-            r.map_err(|e| sandbox_err(id, format!("cannot finish the snapshot: {e}")))
-        }) {
+        match self
+            .seal_snapshot(id, &layer_dir, &images, base, origin, with_memory)
+            .await
+        {
             Ok(bytes) => parts.checkpoint_bytes = bytes,
             Err(e) => {
                 discard();
@@ -156,6 +107,94 @@ impl LinuxRuntime {
             "sandbox snapshotted"
         );
         Ok(parts)
+    }
+
+    /// Keeps the collector off a new snapshot's parts until a template holds them.
+    fn keep_from_collector(&self, parts: &SnapshotParts) {
+        self.fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend(
+                std::iter::once(parts.layer.clone())
+                    .chain(parts.checkpoint.clone())
+                    .map(|name| (name, std::time::Instant::now())),
+            );
+    }
+
+    /// Freezes sandbox `id` (settled first when its memory is dumped), copies it and thaws
+    /// it again unless it was frozen before; returns the dump's plan when memory was dumped,
+    /// and how long the sandbox was held still.
+    async fn copy_held_still(
+        &self,
+        id: &str,
+        h: &Handle,
+        criu: Option<&crate::checkpoint::Criu>,
+        images: &Path,
+        key: &str,
+    ) -> (
+        Result<Option<crate::checkpoint::DumpPlan>, RuntimeError>,
+        Duration,
+    ) {
+        let Some(freezer) = self.cgroups.freezer_dir(id) else {
+            return (
+                Err(sandbox_err(id, "the freezer controller is not mounted")),
+                Duration::ZERO,
+            );
+        };
+        let was_frozen = self.cgroups.is_frozen(id);
+        let host = LinuxHost(self);
+        if criu.is_some() && !was_frozen {
+            // A dump cannot hold the agent's end of a connection from the host.
+            if let Err(e) = sequence::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE).await {
+                return (Err(sandbox_err(id, e)), Duration::ZERO);
+            }
+        } else if !was_frozen && let Err(e) = self.cgroups.freeze(id).await {
+            return (Err(sandbox_err(id, e)), Duration::ZERO);
+        }
+        let held_since = std::time::Instant::now();
+        let copied = sequence::dump_frozen(
+            &host,
+            id,
+            HOST_SOCKETS_PATIENCE,
+            |e| sandbox_err(id, e),
+            || self.copy_frozen(id, h, criu, &freezer, images, key),
+        )
+        .await;
+        if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
+            tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
+        }
+        (copied, held_since.elapsed())
+    }
+
+    /// Seals a snapshot's copies: its layer in `layer_dir`, and with memory its images with
+    /// the header and where it came from; returns the images' bytes, which the team's
+    /// snapshot cap counts.
+    async fn seal_snapshot(
+        &self,
+        id: &str,
+        layer_dir: &Path,
+        images: &Path,
+        base: u32,
+        origin: SnapshotOrigin,
+        with_memory: Option<(crate::checkpoint::DumpPlan, String)>,
+    ) -> Result<u64, RuntimeError> {
+        let agent_digest = self.agent_digest.clone();
+        let (layer_dir, images) = (layer_dir.to_owned(), images.to_owned());
+        tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+            crate::storage::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
+            let Some((plan, criu_version)) = with_memory else {
+                return Ok(0);
+            };
+            std::fs::write(
+                images.join(SNAPSHOT_ORIGIN),
+                serde_json::to_vec(&origin).map_err(std::io::Error::other)?,
+            )?;
+            crate::checkpoint::seal(&images, criu_version, agent_digest, plan)?;
+            Ok(crate::storage::image_layers::disk_usage(&images))
+        })
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, format!("cannot finish the snapshot: {e}")))
     }
 
     /// The frozen part of a snapshot: CRIU dumps the processes and leaves them running, and

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage};
 
 use super::*;
-use crate::runtime::host_fake::{HostState, RecordingHost};
-use crate::runtime::ledger::ResourceLedger;
 use crate::resources::cgroups::CpuPriority;
 use crate::resources::memory::MemoryRule;
+use crate::runtime::host_fake::{HostState, RecordingHost};
+use crate::runtime::ledger::ResourceLedger;
 
 const PATIENCE: Duration = Duration::from_secs(1);
 
@@ -192,7 +192,12 @@ impl Node {
 
     /// Launches sandbox `id` as the node does: memory granted and a slot claimed in an
     /// opening, the boot, then a commit or the undoing of what the boot left.
-    async fn launch(&self, id: &str, kept: Option<&Handle>, start_cmd: bool) -> Result<Handle, RuntimeError> {
+    async fn launch(
+        &self,
+        id: &str,
+        kept: Option<&Handle>,
+        start_cmd: bool,
+    ) -> Result<Handle, RuntimeError> {
         let spec = spec(id, start_cmd);
         let mut opening = self.holdings.opening(id);
         opening.hold_memory(self.ledger.regrant(id, MEMORY_MB, 0));
@@ -260,7 +265,10 @@ async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
     let state = node.host.state();
     assert_eq!(state.agents.len(), 1);
     assert_eq!(state.egress.len(), 1);
-    assert_eq!(node.holdings.holder_of_slot(handle.slot).as_deref(), Some("s"));
+    assert_eq!(
+        node.holdings.holder_of_slot(handle.slot).as_deref(),
+        Some("s")
+    );
     assert_eq!(node.ledger.promised_mb(), u64::from(MEMORY_MB));
 
     node.host.forget_calls();
@@ -298,7 +306,11 @@ async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
         let calls = node.host.calls();
         let failed_at = calls.iter().position(|c| *c == step).unwrap();
         assert_eq!(calls[..failed_at], BOOT_STEPS[..failed_at], "{step}");
-        assert!(node.is_empty(), "after {step} failed: {:?}", node.host.state());
+        assert!(
+            node.is_empty(),
+            "after {step} failed: {:?}",
+            node.host.state()
+        );
     }
 }
 
@@ -362,9 +374,15 @@ async fn a_stop_by_a_handle_naming_a_slot_another_sandbox_holds_leaves_its_netwo
     // A sandbox found after a restart, never adopted, whose handle names the same slot.
     let stale = Handle::unstarted(held.slot);
     node.host.forget_calls();
-    stop(&node.host, &node.holdings, &node.slots, "stale", Some(&stale))
-        .await
-        .unwrap();
+    stop(
+        &node.host,
+        &node.holdings,
+        &node.slots,
+        "stale",
+        Some(&stale),
+    )
+    .await
+    .unwrap();
     assert!(!node.host.calls().contains(&"release_slot"));
     assert_eq!(slots_taken(&node.slots), [held.slot]);
     assert!(node.host.state().wired_slots.contains(&held.slot));
@@ -388,7 +406,11 @@ async fn a_stop_whose_cgroups_cannot_go_keeps_the_disk_for_the_next_try() {
 enum Op {
     /// Launches sandbox `id` (on its kept files if it was released), failing at `fail` if
     /// that is a boot step.
-    Launch { id: usize, fail: usize, start_cmd: bool },
+    Launch {
+        id: usize,
+        fail: usize,
+        start_cmd: bool,
+    },
     /// Ends its processes and keeps its files (pause without memory).
     Release(usize),
     /// Freezes it and thaws it again.
