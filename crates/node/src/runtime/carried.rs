@@ -116,22 +116,24 @@ impl LinuxRuntime {
                 .map_err(|e| bare(sandbox_err(id, e)))?
                 .map_err(|e| bare(sandbox_err(id, e)))?
         };
-        self.reuse_disk(id, kept.id_base.unwrap_or(0), id_map.host_base)
-            .await
-            .map_err(bare)?;
-        let restored = self
-            .restore_in_slot(
-                spec,
-                netns,
-                SlotRestore {
-                    work,
-                    header,
-                    // The same machine on another network: only its name server moves.
-                    machine_id: None,
-                    boot_id: kept.boot_id.clone(),
-                },
-            )
-            .await;
+        let restored = sequence::restore_in_slot(
+            &LinuxHost(self),
+            spec,
+            netns,
+            id_map,
+            self.limits_of(spec),
+            host::DiskSource::Kept {
+                id_base: kept.id_base.unwrap_or(0),
+            },
+            SlotRestore {
+                work,
+                header,
+                // The same machine on another network: only its name server moves.
+                machine_id: None,
+                boot_id: kept.boot_id.clone(),
+            },
+        )
+        .await;
         let _ = crate::storage::disks::remove_tree(&source);
         self.set_verified(&source, false);
         let (handle, endpoint) = restored?;

@@ -13,6 +13,7 @@ use sandbar_jail::IdMap;
 
 use super::handle::{Handle, is_alive};
 use super::launch::BootSpec;
+use super::restore::SlotRestore;
 use super::{LinuxRuntime, kill_err, sandbox_err};
 use crate::checkpoint::HostSocket;
 use crate::net::netns::PreparedNetns;
@@ -29,8 +30,8 @@ pub(super) enum DiskSource {
 
 /// What the node's sequences ask of the host for one sandbox. Each call that makes
 /// something has the call that removes it: `create_cgroups` / `remove_cgroups`,
-/// `make_disk` / `remove_disk`, `apply_egress` / `remove_egress`, `spawn_agent` /
-/// `kill_processes`, and a claimed network slot / `release_slot`.
+/// `make_disk` / `remove_disk`, `apply_egress` / `remove_egress`, `spawn_agent` or
+/// `restore_processes` / `kill_processes`, and a claimed network slot / `release_slot`.
 pub(super) trait HostOps: Sync {
     /// A network namespace prepared for one slot, given to the agent when it starts.
     type Netns: Send + Sync;
@@ -64,6 +65,15 @@ pub(super) trait HostOps: Sync {
         dir: &Path,
         netns: &Self::Netns,
         id_map: IdMap,
+    ) -> impl Future<Output = Result<i32, RuntimeError>> + Send;
+    /// Restores the processes of a staged checkpoint as sandbox `spec` in `netns`; returns
+    /// the restored PID 1.
+    fn restore_processes(
+        &self,
+        spec: &LaunchSpec,
+        netns: Self::Netns,
+        id_map: IdMap,
+        restore: SlotRestore,
     ) -> impl Future<Output = Result<i32, RuntimeError>> + Send;
     /// Waits until the agent answers on its socket.
     fn wait_agent(
@@ -179,6 +189,16 @@ impl HostOps for LinuxHost<'_> {
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
         self.0.spawn_jailed(boot, dir, netns, id_map).await
+    }
+
+    async fn restore_processes(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        id_map: IdMap,
+        restore: SlotRestore,
+    ) -> Result<i32, RuntimeError> {
+        self.0.restore_processes(spec, netns, id_map, restore).await
     }
 
     async fn wait_agent(&self, sandbox_id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {

@@ -15,6 +15,7 @@ use sandbar_jail::IdMap;
 use super::handle::Handle;
 use super::host::{DiskSource, HostOps};
 use super::launch::BootSpec;
+use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
 use crate::resources::cgroups::Limits;
 
@@ -208,6 +209,32 @@ impl HostOps for RecordingHost {
             s.records.insert(boot.id.to_owned());
         });
         // No process of this test has this PID's start time: nothing real is ever signalled.
+        Ok(i32::MAX)
+    }
+
+    async fn restore_processes(
+        &self,
+        spec: &LaunchSpec,
+        netns: FakeNetns,
+        _: IdMap,
+        _: SlotRestore,
+    ) -> Result<i32, RuntimeError> {
+        let id = &spec.sandbox_id;
+        self.call("restore_processes", id)?;
+        self.change(|s| {
+            assert!(
+                s.wired_slots.contains(&netns.0),
+                "{id} restored in slot {}, which is not prepared",
+                netns.0
+            );
+            assert!(
+                s.cgroups.contains(id.as_str()),
+                "{id} restored outside its cgroups"
+            );
+            s.agents.insert(id.clone());
+            s.sockets.insert(id.clone());
+            s.records.insert(id.clone());
+        });
         Ok(i32::MAX)
     }
 

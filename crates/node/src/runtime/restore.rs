@@ -130,43 +130,29 @@ impl LinuxRuntime {
         .await
     }
 
-    /// Restores the staged checkpoint `restore` into `netns` as sandbox `spec`, on the disk
-    /// the caller made ready: the slot's cgroups, ids, network rules, name server and a new
-    /// agent log; the staged images are removed afterwards. Returns once the agent answers.
-    pub(super) async fn restore_in_slot(
+    /// Restores the processes of the staged checkpoint `restore` as sandbox `spec` in `netns`,
+    /// on its disk and cgroups, with the slot's ids and name server and a new agent log; the
+    /// staged images are removed afterwards. Returns the restored PID 1.
+    pub(super) async fn restore_processes(
         &self,
         spec: &LaunchSpec,
         netns: PreparedNetns,
+        id_map: IdMap,
         restore: SlotRestore,
-    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+    ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
-        let slot = netns.slot;
-        let id_map = self.id_map(slot);
-        let bare = |e: RuntimeError| (None, e);
-        self.cgroups
-            .create(id, self.limits_of(spec))
-            .map_err(|e| bare(sandbox_err(id, e)))?;
-        self.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
-            .await
-            .map_err(bare)?;
-        let (log_path, log) = self
-            .log_for_restore(id, &restore.header, id_map.host_base)
-            .map_err(bare)?;
+        let (log_path, log) = self.log_for_restore(id, &restore.header, id_map.host_base)?;
         let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            bare(RuntimeError::TemplateMissing {
+            RuntimeError::TemplateMissing {
                 template_id: format!("{} ({message})", spec.template.id),
-            })
+            }
         })?;
-        let userns = sandbar_jail::host::new_user_namespace(id_map).map_err(|e| {
-            bare(sandbox_err(
-                id,
-                format!("cannot make its user namespace: {e}"),
-            ))
-        })?;
+        let userns = sandbar_jail::host::new_user_namespace(id_map)
+            .map_err(|e| sandbox_err(id, format!("cannot make its user namespace: {e}")))?;
         let gateway = self
             .network
-            .addrs(slot)
-            .map_err(|e| bare(sandbox_err(id, e)))?
+            .addrs(netns.slot)
+            .map_err(|e| sandbox_err(id, e))?
             .host;
         let mut etc = vec![("resolv.conf", format!("nameserver {gateway}\n"), 0o644)];
         if let Some(machine_id) = &restore.machine_id {
@@ -183,28 +169,15 @@ impl LinuxRuntime {
                     netns,
                     log: log_path,
                     etc: Some((id_map.host_base, etc)),
-                    boot_id: restore.boot_id.clone(),
+                    boot_id: restore.boot_id,
                 },
             )
-            .await
-            .map_err(bare)?;
+            .await?;
         // Its lines from before the checkpoint belong to the sandbox it was taken of.
         let _ = log.set_len(0);
         drop(log);
         let _ = crate::storage::disks::remove_tree(&restore.work);
-        let handle = Handle::running(pid, slot, id_map, spec, restore.boot_id);
-        let endpoint = self
-            .endpoint(id, slot)
-            .map_err(|e| (Some(handle.clone()), e))?;
-        if let Err(e) =
-            agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
-        {
-            return Err((
-                Some(handle),
-                sandbox_err(id, format!("the restored agent: {e}")),
-            ));
-        }
-        Ok((handle, endpoint))
+        Ok(pid)
     }
 
     /// The agent log a restored sandbox writes, made as long as the one its processes held
@@ -637,7 +610,7 @@ pub(super) struct RestoreFrom {
     pub(super) boot_id: Option<String>,
 }
 
-/// A checkpoint staged for [`LinuxRuntime::restore_in_slot`], and what the restored sandbox
+/// A checkpoint staged for [`sequence::restore_in_slot`], and what the restored sandbox
 /// keeps or gets anew.
 pub(super) struct SlotRestore {
     /// The staged images (see `stage_checkpoint`), removed once restored.

@@ -13,6 +13,7 @@ use super::handle::{Handle, Phase};
 use super::holdings::{Holdings, Opening, SlotHold};
 use super::host::{DiskSource, HostOps};
 use super::launch::BootSpec;
+use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
 use crate::net::netns::SlotSet;
 use crate::resources::cgroups::Limits;
@@ -82,6 +83,39 @@ pub(super) async fn boot<H: HostOps>(
         "sandbox launch timings"
     );
     Ok((handle, endpoint))
+}
+
+/// Restores the staged checkpoint `restore` as sandbox `spec` in `netns`, on a disk from
+/// `disk`: cgroups, disk, egress rules, the restored processes, then the agent must answer.
+/// What a failed step leaves is removed by [`undo_failed_boot`], the staged images with it.
+pub(super) async fn restore_in_slot<H: HostOps>(
+    host: &H,
+    spec: &LaunchSpec,
+    netns: H::Netns,
+    id_map: IdMap,
+    limits: Limits,
+    disk: DiskSource,
+    restore: SlotRestore,
+) -> Result<(Handle, Endpoint), BootFailure> {
+    let id = &spec.sandbox_id;
+    let slot = H::netns_slot(&netns);
+    host.create_cgroups(id, limits).map_err(|e| (None, e))?;
+    host.make_disk(id, disk, id_map.host_base)
+        .await
+        .map_err(|e| (None, e))?;
+    host.apply_egress(id, slot, spec.allow_internet_access, &spec.egress)
+        .await
+        .map_err(|e| (None, e))?;
+    let boot_id = restore.boot_id.clone();
+    let pid = host
+        .restore_processes(spec, netns, id_map, restore)
+        .await
+        .map_err(|e| (None, e))?;
+    let handle = Handle::running(pid, slot, id_map, spec, boot_id);
+    match host.wait_agent(id, slot).await {
+        Ok(endpoint) => Ok((handle, endpoint)),
+        Err(e) => Err((Some(handle), e)),
+    }
 }
 
 /// Ends the processes of a boot that failed in `slot` and removes what it made; a sandbox

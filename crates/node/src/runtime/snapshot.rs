@@ -294,23 +294,25 @@ impl LinuxRuntime {
         if header.agent_digest != self.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
         }
-        self.disks
-            .create(id, spec.disk_size_mb, id_map.host_base)
-            .map_err(|e| bare(sandbox_err(id, e)))?;
-        let (handle, endpoint) = self
-            .restore_in_slot(
-                spec,
-                netns,
-                SlotRestore {
-                    work,
-                    header,
-                    // A new sandbox is a new machine; what its restored processes read
-                    // before stays in their memory.
-                    machine_id: Some(sandbar_core::ids::new_machine_id()),
-                    boot_id,
-                },
-            )
-            .await?;
+        let (handle, endpoint) = sequence::restore_in_slot(
+            &LinuxHost(self),
+            spec,
+            netns,
+            id_map,
+            self.limits_of(spec),
+            host::DiskSource::Fresh {
+                size_mb: spec.disk_size_mb,
+            },
+            SlotRestore {
+                work,
+                header,
+                // A new sandbox is a new machine; what its restored processes read before
+                // stays in their memory.
+                machine_id: Some(sandbar_core::ids::new_machine_id()),
+                boot_id,
+            },
+        )
+        .await?;
         let restored = started.elapsed();
         let fail = |e: RuntimeError| (Some(handle.clone()), e);
         let workdir = default_workdir(&spec.image.user, &spec.image.workdir);

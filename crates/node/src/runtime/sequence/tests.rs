@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage};
@@ -11,6 +12,7 @@ use crate::resources::cgroups::CpuPriority;
 use crate::resources::memory::MemoryRule;
 use crate::runtime::host_fake::{HostState, RecordingHost};
 use crate::runtime::ledger::ResourceLedger;
+use crate::runtime::restore::SlotRestore;
 
 const PATIENCE: Duration = Duration::from_secs(1);
 
@@ -227,6 +229,52 @@ impl Node {
         }
     }
 
+    /// Restores sandbox `id` from a staged checkpoint as the node does for a snapshot
+    /// (`kept`: `None`) or a checkpoint carried from a lost node (its kept handle).
+    async fn restore(&self, id: &str, kept: Option<&Handle>) -> Result<Handle, RuntimeError> {
+        let spec = spec(id, false);
+        let mut opening = self.holdings.opening(id);
+        opening.hold_memory(self.ledger.regrant(id, MEMORY_MB, 0));
+        let slot = self.free_slot();
+        let netns = self.host.prepare_slot(slot);
+        self.slots.lock().unwrap().insert(slot);
+        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.use_layers(spec.image.layers.clone());
+        let disk = match kept {
+            None => DiskSource::Fresh { size_mb: 512 },
+            Some(kept) => DiskSource::Kept {
+                id_base: kept.id_base.unwrap_or(0),
+            },
+        };
+        let restored = restore_in_slot(
+            &self.host,
+            &spec,
+            netns,
+            id_map(slot),
+            limits(),
+            disk,
+            staged(),
+        )
+        .await;
+        self.host.fail_nothing();
+        match restored {
+            Ok((handle, _)) => {
+                opening.commit();
+                Ok(handle)
+            }
+            Err(failure) => Err(undo_failed_boot(
+                &self.host,
+                &self.holdings,
+                &self.slots,
+                opening,
+                slot,
+                failure,
+                kept.is_some(),
+            )
+            .await),
+        }
+    }
+
     async fn stop(&self, id: &str, handle: &Handle) {
         stop(&self.host, &self.holdings, &self.slots, id, Some(handle))
             .await
@@ -247,6 +295,30 @@ impl Node {
             && self.ledger.promised_mb() == 0
     }
 }
+
+fn staged() -> SlotRestore {
+    SlotRestore {
+        work: PathBuf::from("/checkpoints/staged"),
+        header: crate::checkpoint::Header {
+            criu_version: "4.1.1".into(),
+            agent_digest: String::new(),
+            listener_inode: 1,
+            externals: Vec::new(),
+            images: Vec::new(),
+            images_crc32: 0,
+        },
+        machine_id: None,
+        boot_id: None,
+    }
+}
+
+const RESTORE_STEPS: [&str; 5] = [
+    "create_cgroups",
+    "make_disk",
+    "apply_egress",
+    "restore_processes",
+    "wait_agent",
+];
 
 const BOOT_STEPS: [&str; 6] = [
     "create_cgroups",
@@ -402,6 +474,52 @@ async fn a_stop_whose_cgroups_cannot_go_keeps_the_disk_for_the_next_try() {
     assert!(node.is_empty(), "{:?}", node.host.state());
 }
 
+#[tokio::test]
+async fn a_restore_makes_its_parts_in_order_and_a_teardown_removes_them() {
+    let node = Node::new();
+    let handle = node.restore("s", None).await.unwrap();
+    assert_eq!(node.host.calls(), RESTORE_STEPS);
+    assert_eq!(node.host.state().agents.len(), 1);
+    node.teardown("s", Some(&handle)).await;
+    assert!(node.is_empty(), "{:?}", node.host.state());
+}
+
+#[tokio::test]
+async fn a_restore_failing_at_any_step_leaves_nothing_behind() {
+    for step in RESTORE_STEPS {
+        let node = Node::new();
+        node.host.fail_next(step);
+        let err = node.restore("s", None).await.unwrap_err();
+        assert!(err.to_string().contains(step), "{step}: {err}");
+        assert!(
+            node.is_empty(),
+            "after {step} failed: {:?}",
+            node.host.state()
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_carried_restore_that_fails_keeps_the_files_it_was_taken_over_with() {
+    for step in RESTORE_STEPS {
+        let node = Node::new();
+        let first = node.launch("s", None, false).await.unwrap();
+        node.stop("s", &first).await;
+        let released = Handle {
+            phase: Phase::Released,
+            ..first
+        };
+        node.host.fail_next(step);
+        node.restore("s", Some(&released)).await.unwrap_err();
+        assert_eq!(node.host.state().disks, ["s".to_owned()].into(), "{step}");
+        assert!(node.host.state().agents.is_empty(), "{step}");
+        assert!(slots_taken(&node.slots).is_empty(), "{step}");
+        assert_eq!(node.ledger.promised_mb(), 0, "{step}");
+        node.teardown("s", Some(&released)).await;
+        assert!(node.is_empty(), "{step}: {:?}", node.host.state());
+    }
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     /// Launches sandbox `id` (on its kept files if it was released), failing at `fail` if
@@ -410,6 +528,12 @@ enum Op {
         id: usize,
         fail: usize,
         start_cmd: bool,
+    },
+    /// Restores sandbox `id` from a snapshot (a new one) or, if it was released, from a
+    /// checkpoint carried onto its kept files, failing at `fail` if that is a restore step.
+    Restore {
+        id: usize,
+        fail: usize,
     },
     /// Ends its processes and keeps its files (pause without memory).
     Release(usize),
@@ -423,6 +547,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
     prop_oneof![
         3 => (0..3usize, 0..BOOT_STEPS.len() * 2, any::<bool>())
             .prop_map(|(id, fail, start_cmd)| Op::Launch { id, fail, start_cmd }),
+        2 => (0..3usize, 0..RESTORE_STEPS.len() * 2)
+            .prop_map(|(id, fail)| Op::Restore { id, fail }),
         1 => (0..3usize).prop_map(Op::Release),
         1 => (0..3usize).prop_map(Op::FreezeThaw),
         1 => (0..3usize).prop_map(Op::Kill),
@@ -451,6 +577,20 @@ proptest::proptest! {
                             node.host.fail_next(step);
                         }
                         if let Ok(handle) = node.launch(&id, kept.as_ref(), start_cmd).await {
+                            sandboxes.insert(id, handle);
+                        }
+                    }
+                    Op::Restore { id, fail } => {
+                        let id = format!("s{id}");
+                        let kept = match sandboxes.get(&id) {
+                            Some(h) if h.phase == Phase::Released => Some(h.clone()),
+                            Some(_) => continue,
+                            None => None,
+                        };
+                        if let Some(step) = RESTORE_STEPS.get(fail) {
+                            node.host.fail_next(step);
+                        }
+                        if let Ok(handle) = node.restore(&id, kept.as_ref()).await {
                             sandboxes.insert(id, handle);
                         }
                     }
