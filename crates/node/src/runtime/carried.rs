@@ -5,14 +5,6 @@
 use super::*;
 
 impl LinuxRuntime {
-    /// Where a checkpoint carried from another node waits for the sandbox's next boot.
-    pub(super) fn carried_checkpoint_dir(&self, id: &str) -> PathBuf {
-        self.config
-            .data_dir
-            .join("checkpoints")
-            .join(format!("{id}.carried"))
-    }
-
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
     /// it: its images intact, the CRIU that made it, the agent its processes ran present
     /// here, and no volume (volumes stay with the node that was lost).
@@ -25,7 +17,7 @@ impl LinuxRuntime {
             return Err(sandbox_err(id, "this node has no layer store"));
         };
         let criu = self.criu_for_restore(id).await?;
-        let dir = self.carried_checkpoint_dir(id);
+        let dir = self.places.carried_checkpoint_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
         shared
@@ -34,7 +26,7 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, e))?;
         let checked = {
             let dir = dir.clone();
-            let agents = self.agents_dir();
+            let agents = self.places.agents_dir();
             let libraries = self.library_sources();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 // Everything below is read by path: a checkpoint is regular files only, so
@@ -105,8 +97,8 @@ impl LinuxRuntime {
         let started = std::time::Instant::now();
         let id_map = self.id_map(slot);
         let bare = |e: RuntimeError| (None, e);
-        let source = self.carried_checkpoint_dir(id);
-        let work = self.checkpoint_dir(id);
+        let source = self.places.carried_checkpoint_dir(id);
+        let work = self.places.checkpoint_dir(id);
         let verify = !self.is_verified(&source);
         let header = {
             let (source, work) = (source.clone(), work.clone());

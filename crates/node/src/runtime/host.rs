@@ -206,7 +206,8 @@ impl HostOps for LinuxHost<'_> {
         super::agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(15))
             .await
             .map_err(|e| {
-                let log = std::fs::read_to_string(self.0.log_path(sandbox_id)).unwrap_or_default();
+                let log =
+                    std::fs::read_to_string(self.0.places.log_path(sandbox_id)).unwrap_or_default();
                 sandbox_err(sandbox_id, format!("{e}; agent log: {}", log.trim()))
             })?;
         Ok(endpoint)
@@ -268,7 +269,7 @@ impl HostOps for LinuxHost<'_> {
     }
 
     fn remove_agent_socket(&self, sandbox_id: &str) {
-        let _ = std::fs::remove_file(self.0.socket_path(sandbox_id));
+        let _ = std::fs::remove_file(self.0.places.socket_path(sandbox_id));
     }
 
     fn remove_records(&self, sandbox_id: &str) {

@@ -20,7 +20,7 @@ impl LinuxRuntime {
     ) -> Result<i32, RuntimeError> {
         let id = boot.id;
         let jail = self.jail_spec(boot, dir, netns.slot, id_map)?;
-        let socket = self.socket_path(id);
+        let socket = self.places.socket_path(id);
         let _ = std::fs::remove_file(&socket);
         let listener = netns
             .listen_at(&socket)
@@ -115,7 +115,7 @@ impl LinuxRuntime {
         kept: bool,
         id_map: IdMap,
     ) -> Result<std::fs::File, RuntimeError> {
-        let log_path = self.log_path(id);
+        let log_path = self.places.log_path(id);
         if !kept {
             self.remove_log(id);
         }
@@ -237,7 +237,7 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
         line.trim().parse().map_err(|_| {
-            let log = std::fs::read_to_string(self.log_path(id)).unwrap_or_default();
+            let log = std::fs::read_to_string(self.places.log_path(id)).unwrap_or_default();
             sandbox_err(
                 id,
                 format!(
@@ -438,7 +438,7 @@ impl LinuxRuntime {
             && checkpoint
                 .strip_prefix("checkpoint/")
                 .filter(|key| is_snapshot_key(key))
-                .is_some_and(|key| self.snapshots_dir().join(key).is_dir())
+                .is_some_and(|key| self.places.snapshots_dir().join(key).is_dir())
             && !self
                 .unrestorable_captures
                 .lock()
@@ -526,7 +526,8 @@ impl LinuxRuntime {
             .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint));
         // A checkpoint carried from a lost node, while it is still here to restore.
         let carried = kept.as_ref().and_then(|k| k.carried.clone()).filter(|_| {
-            self.carried_checkpoint_dir(&id)
+            self.places
+                .carried_checkpoint_dir(&id)
                 .join(crate::checkpoint::HEADER_FILE)
                 .is_file()
         });

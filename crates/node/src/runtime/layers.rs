@@ -97,7 +97,7 @@ impl LinuxRuntime {
     /// not name. Image layers are a cache with a limit of its own (`image_layers`).
     pub fn collect_layers(&self, keep: &BTreeSet<String>) {
         let steps = self.layers.steps_dir().to_owned();
-        let snapshots = self.snapshots_dir();
+        let snapshots = self.places.snapshots_dir();
         for (dir, kind) in [
             (steps.as_path(), "layer"),
             (snapshots.as_path(), "checkpoint"),

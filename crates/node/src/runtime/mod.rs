@@ -40,6 +40,7 @@ mod launch;
 mod layers;
 mod ledger;
 mod pausing;
+mod places;
 mod restore;
 mod sequence;
 mod snapshot;
@@ -175,9 +176,8 @@ pub struct LinuxRuntime {
     /// Every agent copy kept at start, by identity and digest: sandboxes started by an
     /// earlier build run an earlier one, and no copy is made after start.
     agent_copies: Vec<(crate::checkpoint::FileIdentity, String)>,
-    /// Mount points a restore needs that the sandbox's host uid must reach (outside the
-    /// data directory, which only root may traverse).
-    mount_dir: PathBuf,
+    /// Where each sandbox's files sit on the host.
+    places: places::NodePlaces,
     /// Snapshot parts not yet kept by a template: the core records the template just after
     /// making them (and says so), and the collector must not take them in between. Entries
     /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
@@ -436,7 +436,10 @@ impl LinuxRuntime {
             kernel_filesystems,
             agent_libraries,
             agent_copies,
-            mount_dir,
+            places: places::NodePlaces {
+                data_dir: config.data_dir.clone(),
+                mount_dir,
+            },
             fresh_snapshots: Mutex::new(Vec::new()),
             unrestorable_captures: Mutex::new(BTreeSet::new()),
             verified_images: Mutex::new(BTreeSet::new()),
@@ -463,18 +466,13 @@ impl LinuxRuntime {
         self.build_sandboxes_settling.enter()
     }
 
-    /// The node's content-addressed agent copies.
-    fn agents_dir(&self) -> PathBuf {
-        self.config.data_dir.join("agents")
-    }
-
     /// The node's files a sandbox's processes may hold from outside its mounts, as a dump
     /// plan recognises them: every agent copy (a sandbox started by an earlier build runs an
     /// earlier one), the agent's libraries and the sandbox's own log.
     fn placed_files(&self, id: &str) -> std::io::Result<crate::checkpoint::PlacedFiles> {
         Ok(crate::checkpoint::PlacedFiles {
             agents: self.agent_copies.clone(),
-            log: crate::checkpoint::FileIdentity::of_path(&self.log_path(id))?,
+            log: crate::checkpoint::FileIdentity::of_path(&self.places.log_path(id))?,
             libraries: self
                 .agent_libraries
                 .iter()
@@ -491,13 +489,9 @@ impl LinuxRuntime {
             .collect()
     }
 
-    fn log_path(&self, id: &str) -> PathBuf {
-        self.config.data_dir.join("logs").join(format!("{id}.log"))
-    }
-
     /// Removes the sandbox's agent log with what its rotation kept.
     fn remove_log(&self, id: &str) {
-        crate::runtime::agent_log::AgentLog::new(self.log_path(id)).remove();
+        crate::runtime::agent_log::AgentLog::new(self.places.log_path(id)).remove();
     }
 
     fn id_map(&self, slot: u32) -> IdMap {
@@ -564,14 +558,10 @@ impl LinuxRuntime {
         Ok(dir)
     }
 
-    fn socket_path(&self, id: &str) -> PathBuf {
-        self.config.data_dir.join("run").join(format!("{id}.sock"))
-    }
-
     fn endpoint(&self, id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
         let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
         Ok(Endpoint {
-            agent_socket: self.socket_path(id),
+            agent_socket: self.places.socket_path(id),
             address: IpAddr::V4(addrs.sandbox),
         })
     }
@@ -631,7 +621,7 @@ impl Runtime for LinuxRuntime {
     }
 
     fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<AgentLogChunk> {
-        let log = crate::runtime::agent_log::AgentLog::new(self.log_path(sandbox_id));
+        let log = crate::runtime::agent_log::AgentLog::new(self.places.log_path(sandbox_id));
         // Checked where the server reads the log, every few seconds while the sandbox runs.
         // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
         let rotated = log.rotate_if_over(self.config.agent_log_rotate_bytes, || {
@@ -735,7 +725,7 @@ impl Runtime for LinuxRuntime {
             .and_then(|c| c.strip_prefix("checkpoint/"))
             && is_snapshot_key(key)
         {
-            let dir = self.snapshots_dir().join(key);
+            let dir = self.places.snapshots_dir().join(key);
             self.set_verified(&dir, false);
             let _ =
                 tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&dir)).await;
@@ -767,7 +757,7 @@ impl Runtime for LinuxRuntime {
     }
 
     async fn discard_checkpoint(&self, sandbox_id: &str) {
-        let dir = self.checkpoint_dir(sandbox_id);
+        let dir = self.places.checkpoint_dir(sandbox_id);
         self.set_verified(&dir, false);
         // Deleting the images of a large sandbox takes a while (a tenth of a second per GiB)
         // and nothing needs to wait for it: they are moved aside at once and removed behind.
@@ -818,12 +808,12 @@ impl Runtime for LinuxRuntime {
         if h.phase != Phase::Checkpointed {
             return Ok(None);
         }
-        let images = self.checkpoint_dir(sandbox_id);
+        let images = self.places.checkpoint_dir(sandbox_id);
         let origin = SnapshotOrigin {
             id_base: h.id_base.unwrap_or(0),
             // The processes keep their token: a restore elsewhere hands over nothing.
             access_token: String::new(),
-            log: self.log_path(sandbox_id),
+            log: self.places.log_path(sandbox_id),
         };
         serde_json::to_vec(&origin)
             .map_err(std::io::Error::other)
@@ -848,7 +838,7 @@ impl Runtime for LinuxRuntime {
         };
         // What an earlier attempt left; the sandbox is not this node's yet.
         self.disks.remove(id).map_err(|e| sandbox_err(id, e))?;
-        let _ = crate::storage::disks::remove_tree(&self.carried_checkpoint_dir(id));
+        let _ = crate::storage::disks::remove_tree(&self.places.carried_checkpoint_dir(id));
         let mut opening = self.holdings.opening(id);
         opening.hold_disk(self.admit_disk(id, sandbox.disk_size_mb).await?);
         let laid_out = async {
@@ -872,7 +862,8 @@ impl Runtime for LinuxRuntime {
                 Ok(carried) => Some(carried),
                 Err(e) => {
                     tracing::warn!(sandbox_id = %id, error = %e, "the lost node's checkpoint cannot be restored here; the sandbox will boot afresh on its files");
-                    let _ = crate::storage::disks::remove_tree(&self.carried_checkpoint_dir(id));
+                    let _ =
+                        crate::storage::disks::remove_tree(&self.places.carried_checkpoint_dir(id));
                     None
                 }
             },
@@ -1023,7 +1014,7 @@ impl Runtime for LinuxRuntime {
             return Ok(None);
         }
         // A checkpoint it was restored from, if the server died before discarding it.
-        let _ = crate::storage::disks::remove_tree(&self.checkpoint_dir(sandbox_id));
+        let _ = crate::storage::disks::remove_tree(&self.places.checkpoint_dir(sandbox_id));
         self.adopt_holdings(sandbox_id, &handle, Phase::Running);
         Ok(Some(self.endpoint(sandbox_id, handle.slot)?))
     }

@@ -7,23 +7,11 @@ use super::*;
 pub(super) const HOST_SOCKETS_PATIENCE: Duration = Duration::from_secs(2);
 
 impl LinuxRuntime {
-    pub(super) fn checkpoint_dir(&self, id: &str) -> PathBuf {
-        self.config.data_dir.join("checkpoints").join(id)
-    }
-
-    /// A namespace of the sandbox kept (bind-mounted) while its processes are checkpointed.
-    pub(super) fn kept_ns(&self, id: &str, kind: &str) -> PathBuf {
-        self.config
-            .data_dir
-            .join("checkpoints")
-            .join(format!("{id}.{kind}"))
-    }
-
     /// The network namespace a checkpointed sandbox's processes are restored into; the one
     /// its PID 1 joined at boot, kept alive by a bind mount.
     pub(super) fn keep_netns(&self, id: &str, pid: i32) -> std::io::Result<PathBuf> {
         for kind in ["net", "user"] {
-            let target = self.kept_ns(id, kind);
+            let target = self.places.kept_ns(id, kind);
             let source = PathBuf::from(format!("/proc/{pid}/ns/{kind}"));
             if ns_inode(&target).is_some() && ns_inode(&target) == ns_inode(&source) {
                 continue;
@@ -31,20 +19,20 @@ impl LinuxRuntime {
             let _ = sandbar_jail::host::unmount(&target);
             sandbar_jail::host::bind_file(&source, &target)?;
         }
-        Ok(self.kept_ns(id, "net"))
+        Ok(self.places.kept_ns(id, "net"))
     }
 
     /// Removes a sandbox's checkpoint and the namespaces kept for it; nothing if it has none.
     pub(super) fn forget_checkpoint(&self, id: &str) {
         self.unmount_restore_aids(id);
-        self.set_verified(&self.checkpoint_dir(id), false);
+        self.set_verified(&self.places.checkpoint_dir(id), false);
         for kind in ["net", "user"] {
-            let kept = self.kept_ns(id, kind);
+            let kept = self.places.kept_ns(id, kind);
             while sandbar_jail::host::unmount(&kept).is_ok() {}
             let _ = std::fs::remove_file(&kept);
         }
-        let _ = std::fs::remove_dir_all(self.checkpoint_dir(id));
-        let carried = self.carried_checkpoint_dir(id);
+        let _ = std::fs::remove_dir_all(self.places.checkpoint_dir(id));
+        let carried = self.places.carried_checkpoint_dir(id);
         self.set_verified(&carried, false);
         let _ = crate::storage::disks::remove_tree(&carried);
     }
@@ -74,7 +62,7 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("cannot keep its network namespace: {e}")))?;
         let netns_inode =
             ns_inode(&netns).ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
-        let dir = self.checkpoint_dir(id);
+        let dir = self.places.checkpoint_dir(id);
         self.set_verified(&dir, false);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
@@ -327,7 +315,7 @@ impl LinuxRuntime {
         if let Some(memory) = self.holdings.take_memory(id) {
             self.give_back_memory(id, memory);
         }
-        let _ = std::fs::remove_file(self.socket_path(id));
+        let _ = std::fs::remove_file(self.places.socket_path(id));
     }
 
     pub(super) fn is_verified(&self, images: &Path) -> bool {
@@ -500,7 +488,7 @@ impl LinuxRuntime {
         handle: &RuntimeHandle,
     ) -> Result<AdoptedCheckpoint, RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        let dir = self.checkpoint_dir(sandbox_id);
+        let dir = self.places.checkpoint_dir(sandbox_id);
         if h.phase == Phase::Checkpointed {
             // The server may have died during a restore (CRIU was waited for at start): its
             // host-side mounts are left over, and the restore finished or not.
@@ -515,7 +503,7 @@ impl LinuxRuntime {
                 ));
             }
             crate::checkpoint::clear_restore(&dir);
-            let _ = std::fs::remove_file(self.socket_path(sandbox_id));
+            let _ = std::fs::remove_file(self.places.socket_path(sandbox_id));
         } else {
             if is_alive(&h) {
                 return Err(sandbox_err(sandbox_id, "its processes still run"));
@@ -549,7 +537,7 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(sandbox_id, e))?
             .map_err(|e| sandbox_err(sandbox_id, e))?;
         for kind in ["net", "user"] {
-            let kept = self.kept_ns(sandbox_id, kind);
+            let kept = self.places.kept_ns(sandbox_id, kind);
             if !is_nsfs(&kept) {
                 return Err(sandbox_err(
                     sandbox_id,

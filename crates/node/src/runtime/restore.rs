@@ -18,11 +18,14 @@ impl LinuxRuntime {
     /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
     /// CRIU (its sysfs, its boot id, its volumes), gone with their mount points.
     pub(super) fn unmount_restore_aids(&self, id: &str) {
-        for dir in [self.restored_sysfs(id), self.restored_boot_id_dir(id)] {
+        for dir in [
+            self.places.restored_sysfs(id),
+            self.places.restored_boot_id_dir(id),
+        ] {
             let _ = sandbar_jail::host::unmount(&dir);
             let _ = std::fs::remove_dir(&dir);
         }
-        let volumes = self.restored_volumes_dir(id);
+        let volumes = self.places.restored_volumes_dir(id);
         if let Ok(entries) = std::fs::read_dir(&volumes) {
             for entry in entries.flatten() {
                 let _ = sandbar_jail::host::unmount(&entry.path());
@@ -32,27 +35,11 @@ impl LinuxRuntime {
         }
     }
 
-    /// Where a restore of sandbox `id` mounts a sysfs of its network namespace on the host.
-    pub(super) fn restored_sysfs(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.sys"))
-    }
-
-    /// Where a restore of sandbox `id` mounts the filesystem of its boot id on the host, for
-    /// CRIU to bind the file back.
-    pub(super) fn restored_boot_id_dir(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.boot"))
-    }
-
-    /// Where a restore of sandbox `id` mounts its volumes on the host, for CRIU to bind back.
-    pub(super) fn restored_volumes_dir(&self, id: &str) -> PathBuf {
-        self.mount_dir.join(format!("{id}.volumes"))
-    }
-
     /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
     /// during ran to its end: CRIU wrote its statistics, and the PID 1 it wrote lives in the
     /// sandbox's cgroup.
     pub(super) fn finished_restore(&self, id: &str, h: &Handle) -> Option<AdoptedCheckpoint> {
-        let pid = crate::checkpoint::finished_restore(&self.checkpoint_dir(id))?;
+        let pid = crate::checkpoint::finished_restore(&self.places.checkpoint_dir(id))?;
         if !self.cgroups.members(id).contains(&pid) {
             return None;
         }
@@ -73,7 +60,7 @@ impl LinuxRuntime {
     /// returns its new PID 1.
     pub(super) async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
         let criu = self.criu_for_restore(id).await?;
-        let dir = self.checkpoint_dir(id);
+        let dir = self.places.checkpoint_dir(id);
         let read_dir = dir.clone();
         let started = std::time::Instant::now();
         let verify = !self.is_verified(&dir);
@@ -89,8 +76,8 @@ impl LinuxRuntime {
             .layers
             .stack(&h.layers)
             .map_err(|e| sandbox_err(id, e))?;
-        let netns_path = self.kept_ns(id, "net");
-        let userns_path = self.kept_ns(id, "user");
+        let netns_path = self.places.kept_ns(id, "net");
+        let userns_path = self.places.kept_ns(id, "user");
         let slot = h.slot;
         let opened = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let netns: std::os::fd::OwnedFd = std::fs::File::open(&netns_path)
@@ -122,7 +109,7 @@ impl LinuxRuntime {
                 layers,
                 userns,
                 netns: prepared,
-                log: self.log_path(id),
+                log: self.places.log_path(id),
                 etc: None,
                 boot_id: h.boot_id.clone(),
             },
@@ -205,7 +192,7 @@ impl LinuxRuntime {
                 _ => None,
             })
             .unwrap_or(0);
-        let log_path = self.log_path(id);
+        let log_path = self.places.log_path(id);
         let log = std::fs::File::create(&log_path)
             .and_then(|log| {
                 std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
@@ -303,9 +290,9 @@ impl LinuxRuntime {
             ..
         } = from;
         let sandbox_dir = self.disks.path(id);
-        let sysfs = self.restored_sysfs(id);
-        let volumes_dir = self.restored_volumes_dir(id);
-        let socket = self.socket_path(id);
+        let sysfs = self.places.restored_sysfs(id);
+        let volumes_dir = self.places.restored_volumes_dir(id);
+        let socket = self.places.socket_path(id);
         let volumes: Vec<(PathBuf, PathBuf)> = header
             .externals
             .iter()
@@ -323,7 +310,7 @@ impl LinuxRuntime {
             .iter()
             .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
             .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
-        let boot_id_dir = self.restored_boot_id_dir(id);
+        let boot_id_dir = self.places.restored_boot_id_dir(id);
         tokio::task::spawn_blocking(move || -> Result<_, String> {
             sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                 .map_err(|e| format!("cannot mount its root again: {e}"))?;
@@ -389,7 +376,7 @@ impl LinuxRuntime {
         log: &Path,
         aids: &RestoreAids,
     ) -> Result<CriuInputs, RuntimeError> {
-        let agents = self.agents_dir();
+        let agents = self.places.agents_dir();
         let mut layer_dirs = vec![self.disks.path(id).join(sandbar_jail::layout::UPPER)];
         layer_dirs.extend(layers.iter().cloned());
         let libraries = self.library_sources();

@@ -24,10 +24,6 @@ pub(super) fn is_snapshot_key(key: &str) -> bool {
 }
 
 impl LinuxRuntime {
-    pub(super) fn snapshots_dir(&self) -> PathBuf {
-        self.config.data_dir.join("snapshots")
-    }
-
     /// Copies sandbox `id` into a snapshot: frozen, its processes dumped (left running) and
     /// its writable layer snapshotted, then thawed; the copies are made into a layer and a
     /// checkpoint after it runs again.
@@ -62,7 +58,7 @@ impl LinuxRuntime {
             checkpoint_bytes: 0,
         };
         self.keep_from_collector(&parts);
-        let images = self.snapshots_dir().join(&key);
+        let images = self.places.snapshots_dir().join(&key);
         let layer_dir = self.layers.steps_dir().join(&key);
         let discard = || {
             let _ = crate::storage::disks::remove_tree(&images);
@@ -85,7 +81,7 @@ impl LinuxRuntime {
         let origin = SnapshotOrigin {
             id_base: base,
             access_token: agent_token.to_owned(),
-            log: self.log_path(id),
+            log: self.places.log_path(id),
         };
         match self
             .seal_snapshot(id, &layer_dir, &images, base, origin, with_memory)
@@ -261,8 +257,8 @@ impl LinuxRuntime {
                 ))
             })?
             .to_owned();
-        let source = self.snapshots_dir().join(&key);
-        let work = self.checkpoint_dir(id);
+        let source = self.places.snapshots_dir().join(&key);
+        let work = self.places.checkpoint_dir(id);
         let verify = !self.is_verified(&source);
         let prepared = {
             let (source, work) = (source.clone(), work.clone());

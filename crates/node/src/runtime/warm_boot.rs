@@ -143,7 +143,7 @@ impl LinuxRuntime {
                 token: token.clone(),
                 boot_id: boot_id.clone(),
             };
-            agent_client::wait_healthy(&self.socket_path(&name), WARM_AGENT_PATIENCE)
+            agent_client::wait_healthy(&self.places.socket_path(&name), WARM_AGENT_PATIENCE)
                 .await
                 .map_err(|e| sandbox_err(&name, e))?;
             Ok::<_, RuntimeError>(warm)
@@ -199,13 +199,13 @@ impl LinuxRuntime {
             // What the agent logged while it waited is no part of this sandbox's life. Emptied
             // before the agent is handed its sandbox, as the agent then writes the new log's
             // first line.
-            let log = self.log_path(&warm.name);
+            let log = self.places.log_path(&warm.name);
             std::fs::OpenOptions::new()
                 .write(true)
                 .open(&log)
                 .and_then(|f| f.set_len(0))
                 .map_err(|e| format!("empty {}: {e}", log.display()))?;
-            let mut stream = agent_client::connect(&self.socket_path(&warm.name)).await?;
+            let mut stream = agent_client::connect(&self.places.socket_path(&warm.name)).await?;
             agent_client::send_init(
                 &mut stream,
                 &warm.token,
@@ -246,8 +246,11 @@ impl LinuxRuntime {
                 .hand_over(&warm.name, id, spec.disk_size_mb)
                 .map_err(|e| sandbox_err(id, e))?;
             for (from, to) in [
-                (self.socket_path(&warm.name), self.socket_path(id)),
-                (self.log_path(&warm.name), self.log_path(id)),
+                (
+                    self.places.socket_path(&warm.name),
+                    self.places.socket_path(id),
+                ),
+                (self.places.log_path(&warm.name), self.places.log_path(id)),
             ] {
                 std::fs::rename(&from, &to)
                     .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
