@@ -95,14 +95,25 @@ fn substitute(value: &str, args: &BTreeMap<String, String>) -> String {
     out
 }
 
+/// Why the pairs of an `ARG` or `ENV` cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum KeyValuesError {
+    #[error("'{name}' has no value")]
+    NoValue { name: String },
+    #[error("unterminated quote in '{name}'")]
+    Unterminated { name: String },
+}
+
 /// Splits `a=1 b="two words"` (or the legacy `NAME value`) into pairs.
-fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
+fn key_values(raw: &str) -> Result<Vec<(String, String)>, KeyValuesError> {
     let raw = raw.trim();
     let first = raw.split_whitespace().next().unwrap_or("");
     if !first.contains('=') {
-        let (name, value) = raw
-            .split_once(char::is_whitespace)
-            .ok_or_else(|| format!("'{raw}' has no value"))?;
+        let (name, value) =
+            raw.split_once(char::is_whitespace)
+                .ok_or_else(|| KeyValuesError::NoValue {
+                    name: raw.to_owned(),
+                })?;
         return Ok(vec![(name.to_owned(), value.trim().to_owned())]);
     }
     let mut pairs = Vec::new();
@@ -123,7 +134,7 @@ fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if chars.next() != Some('=') {
-            return Err(format!("'{name}' has no value"));
+            return Err(KeyValuesError::NoValue { name });
         }
         let mut value = String::new();
         let mut quote: Option<char> = None;
@@ -143,7 +154,7 @@ fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if quote.is_some() {
-            return Err(format!("unterminated quote in '{name}'"));
+            return Err(KeyValuesError::Unterminated { name });
         }
         pairs.push((name, value));
     }
@@ -303,10 +314,10 @@ impl<'a> Mapping<'a> {
         let raw = arg.arguments.value.trim();
         let (name, value) = match raw.split_once('=') {
             Some((n, v)) => {
-                let pairs = key_values(raw).map_err(|reason| DockerfileError::Invalid {
+                let pairs = key_values(raw).map_err(|e| DockerfileError::Invalid {
                     line,
                     instruction: "ARG",
-                    reason,
+                    reason: e.to_string(),
                 })?;
                 let v = pairs
                     .into_iter()
@@ -408,10 +419,10 @@ impl<'a> Mapping<'a> {
     /// `ENV`: seen by later instructions' values and by the build's steps.
     fn read_env(&mut self, e: &EnvInstruction<'_>) -> Result<(), DockerfileError> {
         let line = self.line(e.env.span.start);
-        let pairs = key_values(&e.arguments.value).map_err(|reason| DockerfileError::Invalid {
+        let pairs = key_values(&e.arguments.value).map_err(|e| DockerfileError::Invalid {
             line,
             instruction: "ENV",
-            reason,
+            reason: e.to_string(),
         })?;
         let mut vars = Vec::new();
         crate::inputs::check_env_names(pairs.iter().map(|(k, _)| k)).map_err(|e| {

@@ -709,7 +709,9 @@ impl NodeBuilder {
         let captured = if image.start_cmd.is_some() && self.runtime.checkpoints_ready().await {
             self.capture_started(&id, &handle, &token).await
         } else {
-            Err("this node cannot checkpoint sandboxes".to_owned())
+            Err(CaptureError::NotSupported {
+                sandbox_id: id.clone(),
+            })
         };
         sandbox.destroy().await;
         match captured {
@@ -743,18 +745,103 @@ impl NodeBuilder {
         id: &str,
         handle: &RuntimeHandle,
         token: &str,
-    ) -> Result<(String, String), String> {
-        self.runtime
+    ) -> Result<(String, String), CaptureError> {
+        let parts = self
+            .runtime
             .snapshot(id, handle, token, true)
             .await
-            .map_err(|e| e.to_string())
-            .and_then(|parts| {
-                parts
-                    .checkpoint
-                    .map(|checkpoint| (parts.layer, checkpoint))
-                    .ok_or_else(|| "the capture has no checkpoint".to_owned())
+            .map_err(CaptureError::Snapshot)?;
+        parts
+            .checkpoint
+            .map(|checkpoint| (parts.layer, checkpoint))
+            .ok_or_else(|| CaptureError::NoCheckpoint {
+                sandbox_id: id.to_owned(),
             })
     }
+}
+
+/// Why a template's started sandbox is not captured with its memory; its sandboxes then run
+/// the start command each.
+#[derive(Debug, thiserror::Error)]
+enum CaptureError {
+    #[error("this node cannot checkpoint sandboxes")]
+    NotSupported { sandbox_id: String },
+    #[error("{0}")]
+    Snapshot(sandbar_core::RuntimeError),
+    #[error("the capture has no checkpoint")]
+    NoCheckpoint { sandbox_id: String },
+}
+
+/// Why a build sandbox does not start.
+#[derive(Debug, thiserror::Error)]
+enum LaunchBuildSandboxError {
+    #[error("{0}")]
+    Launch(sandbar_core::RuntimeError),
+    #[error("the launch of the build sandbox ended: {source}")]
+    Ended {
+        sandbox_id: String,
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Why a `RUN` step's command cannot be run to its end in its sandbox.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct StepExecError {
+    sandbox_id: String,
+    /// What the sandbox's agent answered.
+    message: String,
+}
+
+/// Why a `RUN` step's sandbox cannot be kept as its layer.
+#[derive(Debug, thiserror::Error)]
+enum StepCommitError {
+    #[error("step {step}: the build sandbox is gone")]
+    Gone { step: String },
+    #[error("{0}")]
+    Commit(sandbar_core::RuntimeError),
+}
+
+/// Why a user or group a step names has no ids in the image.
+#[derive(Debug, thiserror::Error)]
+enum LookupIdsError {
+    #[error("user '{user}' does not exist in the image")]
+    NoUser { user: String },
+    #[error("group '{group}' does not exist in the image")]
+    NoGroup { group: String },
+}
+
+/// Why a `COPY` step's sources cannot be taken from the uploaded files.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectSourcesError {
+    #[error("source '{src}' leaves the build context")]
+    LeavesContext { src: String },
+    #[error("source '{src}' passes through the link '{}' in the uploaded files", link.display())]
+    ThroughLink { src: String, link: PathBuf },
+    #[error("{source}")]
+    Read {
+        src: String,
+        source: sandbar_fs::FsError,
+    },
+    #[error("no uploaded file matches '{src}'")]
+    NoMatch { src: String },
+}
+
+/// Why a step run outside a build ([`copy_step`], [`prerequisites_step`]) fails.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerStepError {
+    #[error("cannot open {}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Sources(#[from] SelectSourcesError),
+    #[error("cannot write the layer {}: {source}", upper.display())]
+    Write {
+        upper: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The image a finished build names, before its start command is checked.
@@ -901,15 +988,19 @@ impl Drop for BuildSandbox {
 async fn launch_build_sandbox(
     runtime: Arc<LinuxRuntime>,
     spec: LaunchSpec,
-) -> Result<(BuildSandbox, sandbar_core::Endpoint), String> {
+) -> Result<(BuildSandbox, sandbar_core::Endpoint), LaunchBuildSandboxError> {
     let id = spec.sandbox_id.clone();
+    let sandbox_id = id.clone();
     let alive = runtime.build_sandbox_in_flight();
     tokio::spawn(async move {
-        let (handle, endpoint) = runtime.launch(spec).await.map_err(|e| e.to_string())?;
+        let (handle, endpoint) = runtime
+            .launch(spec)
+            .await
+            .map_err(LaunchBuildSandboxError::Launch)?;
         Ok((BuildSandbox::new(runtime, id, handle, alive), endpoint))
     })
     .await
-    .map_err(|e| format!("the launch of the build sandbox ended: {e}"))?
+    .map_err(|source| LaunchBuildSandboxError::Ended { sandbox_id, source })?
 }
 
 async fn destroy_build_sandbox(runtime: &LinuxRuntime, id: &str, handle: &RuntimeHandle) {
@@ -939,8 +1030,11 @@ struct StepSandbox {
 #[async_trait::async_trait]
 impl crate::build::build_step::StepHost for RunStepHost<'_> {
     type Sandbox = StepSandbox;
+    type StartError = LaunchBuildSandboxError;
+    type ExecError = StepExecError;
+    type CommitError = StepCommitError;
 
-    async fn start(&self) -> Result<StepSandbox, String> {
+    async fn start(&self) -> Result<StepSandbox, LaunchBuildSandboxError> {
         let id = sandbar_core::ids::new_sandbox_id();
         let token = sandbar_core::ids::new_secret("");
         let spec = self
@@ -958,7 +1052,7 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         &self,
         sandbox: &StepSandbox,
         on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
-    ) -> Result<i32, String> {
+    ) -> Result<i32, StepExecError> {
         let exec = crate::runtime::agent_client::Exec {
             token: &sandbox.token,
             user: self.user,
@@ -968,17 +1062,23 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         };
         crate::runtime::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes))
             .await
+            .map_err(|message| StepExecError {
+                sandbox_id: sandbox.sandbox.id.clone(),
+                message,
+            })
     }
 
-    async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), String> {
+    async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), StepCommitError> {
         let Some(handle) = sandbox.sandbox.handle.clone() else {
-            return Err(format!("step {}: the build sandbox is gone", self.step));
+            return Err(StepCommitError::Gone {
+                step: self.step.to_owned(),
+            });
         };
         self.builder
             .runtime
             .commit_layer(&sandbox.sandbox.id, &handle, self.key)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(StepCommitError::Commit)?;
         // Committed: its directory is the layer now, and nothing of it is left to remove.
         sandbox.sandbox.handle = None;
         Ok(())
@@ -1121,7 +1221,11 @@ fn absolute(workdir: &str, path: &str) -> String {
 
 /// The uid and gid of `user` (and of `group`, else the user's primary group), read through
 /// the image's `/etc/passwd` and `/etc/group`; numeric ids are taken as they are.
-fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u32), String> {
+fn lookup_ids(
+    stack: &Stack,
+    user: &str,
+    group: Option<&str>,
+) -> Result<(u32, u32), LookupIdsError> {
     let passwd = layers::read_file(stack, "/etc/passwd").unwrap_or_default();
     let (uid, primary) = match user.parse::<u32>() {
         Ok(uid) => (uid, uid),
@@ -1133,7 +1237,9 @@ fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u3
                     .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
             })
             .next()
-            .ok_or_else(|| format!("user '{user}' does not exist in the image"))?,
+            .ok_or_else(|| LookupIdsError::NoUser {
+                user: user.to_owned(),
+            })?,
     };
     let gid = match group {
         None => primary,
@@ -1148,7 +1254,9 @@ fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u3
                         (f.len() >= 3 && f[0] == g).then(|| f[2].parse().ok())?
                     })
                     .next()
-                    .ok_or_else(|| format!("group '{g}' does not exist in the image"))?
+                    .ok_or_else(|| LookupIdsError::NoGroup {
+                        group: g.to_owned(),
+                    })?
             }
         },
     };
@@ -1328,38 +1436,62 @@ pub fn copy_step(
     dest: &str,
     owner: (u32, u32),
     mode: Option<u32>,
-) -> Result<(), String> {
-    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
-    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
-    let ctx = Tree::open(ctx, Links::Refused).map_err(|e| e.to_string())?;
+) -> Result<(), LayerStepError> {
+    let stack = open_lower(lower)?;
+    let upper_tree = open_tree(upper)?;
+    let ctx = open_tree(ctx)?;
     let sources = select_sources(&ctx, src)?;
-    copy_into_layer(&stack, &upper, &ctx, &sources, dest, owner, mode).map_err(|e| e.to_string())
+    copy_into_layer(&stack, &upper_tree, &ctx, &sources, dest, owner, mode).map_err(|source| {
+        LayerStepError::Write {
+            upper: upper.to_owned(),
+            source,
+        }
+    })
+}
+
+/// The layers `lower` opened for a step outside a build.
+fn open_lower(lower: &[PathBuf]) -> Result<Stack, LayerStepError> {
+    Stack::open(lower).map_err(|source| LayerStepError::Open {
+        path: lower.first().cloned().unwrap_or_default(),
+        source,
+    })
+}
+
+/// A directory opened for a step outside a build, following no link.
+fn open_tree(path: &Path) -> Result<Tree, LayerStepError> {
+    Tree::open(path, Links::Refused).map_err(|source| LayerStepError::Open {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// What a build from an image writes before its steps (the sandbox user, `/tmp`, `/etc`), into
 /// the layer directory `upper` over the layers `lower` (topmost first).
-pub fn prerequisites_step(lower: &[PathBuf], upper: &Path) -> Result<(), String> {
-    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
-    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
-    write_prerequisites(&stack, &upper).map_err(|e| e.to_string())
+pub fn prerequisites_step(lower: &[PathBuf], upper: &Path) -> Result<(), LayerStepError> {
+    let stack = open_lower(lower)?;
+    let upper_tree = open_tree(upper)?;
+    write_prerequisites(&stack, &upper_tree).map_err(|source| LayerStepError::Write {
+        upper: upper.to_owned(),
+        source,
+    })
 }
 
 /// The entries of the extracted context that `src` names: a path, or a pattern with `*`
 /// and `?` in its components, as paths relative to the context. A link in the context is
 /// copied as a link; a source that passes through one is refused, never followed.
-fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, String> {
+fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, SelectSourcesError> {
     let pattern: Vec<&str> = src
         .split('/')
         .filter(|c| !c.is_empty() && *c != ".")
         .collect();
     if pattern.contains(&"..") {
-        return Err(format!("source '{src}' leaves the build context"));
+        return Err(SelectSourcesError::LeavesContext {
+            src: src.to_owned(),
+        });
     }
-    let through_link = |path: &Path| {
-        format!(
-            "source '{src}' passes through the link '{}' in the uploaded files",
-            path.display()
-        )
+    let through_link = |path: &Path| SelectSourcesError::ThroughLink {
+        src: src.to_owned(),
+        link: path.to_owned(),
     };
     let mut current = vec![(PathBuf::new(), Kind::Dir)];
     for component in &pattern {
@@ -1387,14 +1519,21 @@ fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, String> {
                     Ok(Some(meta)) => next.push((path, Kind::of(&meta))),
                     Ok(None) | Err(sandbar_fs::FsError::NotADirectory(_)) => {}
                     Err(sandbar_fs::FsError::Link(_)) => return Err(through_link(dir)),
-                    Err(e) => return Err(e.to_string()),
+                    Err(source) => {
+                        return Err(SelectSourcesError::Read {
+                            src: src.to_owned(),
+                            source,
+                        });
+                    }
                 }
             }
         }
         current = next;
     }
     if current.is_empty() {
-        return Err(format!("no uploaded file matches '{src}'"));
+        return Err(SelectSourcesError::NoMatch {
+            src: src.to_owned(),
+        });
     }
     Ok(current.into_iter().map(|(path, _)| path).collect())
 }
@@ -1696,10 +1835,10 @@ mod tests {
         let stack = Stack::open(&[lower]).unwrap();
         let (up, cx) = (tree(&upper), tree(&ctx));
         // A source through a context link is refused, naming the link.
-        let err = select_sources(&cx, "l/secret").unwrap_err();
+        let err = select_sources(&cx, "l/secret").unwrap_err().to_string();
         assert!(err.contains("'l'"), "{err}");
         assert_eq!(
-            select_sources(&cx, "l/*"),
+            select_sources(&cx, "l/*").map_err(|e| e.to_string()),
             Err("source 'l/*' passes through the link 'l' in the uploaded files".to_owned())
         );
         // The first source lays the link, the second writes where it points: refused.
@@ -1806,7 +1945,7 @@ mod tests {
         assert_eq!(lookup_ids(&stack, "user", None).unwrap(), (1000, 1000));
         assert_eq!(lookup_ids(&stack, "root", Some("user")).unwrap(), (0, 1000));
         assert_eq!(
-            lookup_ids(&stack, "nobody", None),
+            lookup_ids(&stack, "nobody", None).map_err(|e| e.to_string()),
             Err("user 'nobody' does not exist in the image".to_owned())
         );
     }
