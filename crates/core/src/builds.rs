@@ -506,6 +506,43 @@ pub fn split_name(name: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// The CPUs and memory a build was granted.
+#[derive(Debug, Clone, Copy)]
+struct BuildResources {
+    cpu_count: u32,
+    memory_mb: u32,
+}
+
+/// The template name in `full` (`name:tag`, with the team's namespace or none) and the tags
+/// the build gets: `tags` and the name's own, sorted and without repeats.
+fn requested_name_and_tags<'a>(
+    team: &Team,
+    full: &'a str,
+    mut tags: Vec<String>,
+) -> Result<(&'a str, Vec<String>), RequestBuildError> {
+    let (name, tag) = split_name(full);
+    // A name may carry the team's own namespace, as E2B's names do; no other.
+    let name = match name.split_once('/') {
+        Some((namespace, alias)) if namespace == team.slug => alias,
+        Some(_) => return Err(RequestBuildError::NameTaken(full.to_owned())),
+        None => name,
+    };
+    if !valid_name(name) || BUILT_IN_TEMPLATE_ALIASES.contains(&name) {
+        return Err(RequestBuildError::BadName(full.to_owned()));
+    }
+    if let Some(tag) = tag {
+        tags.push(tag.to_owned());
+    }
+    for tag in &tags {
+        if !valid_tag(tag) {
+            return Err(RequestBuildError::BadTag(tag.clone()));
+        }
+    }
+    tags.sort();
+    tags.dedup();
+    Ok((name, tags))
+}
+
 pub(crate) fn valid_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 128
@@ -632,28 +669,33 @@ impl Builds {
         request: RequestBuild,
     ) -> Result<BuildRequested, RequestBuildError> {
         let full = request.name.ok_or(RequestBuildError::MissingName)?;
-        let (name, tag) = split_name(&full);
-        // A name may carry the team's own namespace, as E2B's names do; no other.
-        let name = match name.split_once('/') {
-            Some((namespace, alias)) if namespace == team.slug => alias,
-            Some(_) => return Err(RequestBuildError::NameTaken(full.clone())),
-            None => name,
-        };
-        if !valid_name(name) || BUILT_IN_TEMPLATE_ALIASES.contains(&name) {
+        let (name, tags) = requested_name_and_tags(team, &full, request.tags)?;
+        let resources = self.requested_resources(team, request.cpu_count, request.memory_mb)?;
+        let now = Utc::now();
+        // A built-in template's name stays unambiguous in every namespace.
+        if self.store.template_by_name(None, name).await?.is_some() {
             return Err(RequestBuildError::BadName(full.clone()));
         }
-        let mut tags = request.tags;
-        if let Some(tag) = tag {
-            tags.push(tag.to_owned());
-        }
-        for tag in &tags {
-            if !valid_tag(tag) {
-                return Err(RequestBuildError::BadTag(tag.clone()));
-            }
-        }
-        tags.sort();
-        tags.dedup();
-        let cpu = request.cpu_count.unwrap_or(self.config.default_cpu_count);
+        let _turn = self.cap_gate.enter(&team.id).await;
+        let existing = self.store.template_by_name(Some(&team.id), name).await?;
+        self.check_request_caps(team, existing.as_ref(), &tags)
+            .await?;
+        let template = match existing {
+            Some(t) => t,
+            None => self.new_team_template(team, name, resources, now),
+        };
+        self.open_build(team, template, resources, tags, now).await
+    }
+
+    /// The CPUs and memory a build asks for, or the defaults, within the server's and the
+    /// team's limits.
+    fn requested_resources(
+        &self,
+        team: &Team,
+        cpu_count: Option<u32>,
+        memory_mb: Option<u32>,
+    ) -> Result<BuildResources, RequestBuildError> {
+        let cpu = cpu_count.unwrap_or(self.config.default_cpu_count);
         if cpu == 0 || cpu > self.config.max_cpu_count {
             return Err(RequestBuildError::OutOfRange {
                 field: "cpuCount",
@@ -662,7 +704,7 @@ impl Builds {
                 value: cpu,
             });
         }
-        let memory = request.memory_mb.unwrap_or(self.config.default_memory_mb);
+        let memory = memory_mb.unwrap_or(self.config.default_memory_mb);
         if !(128..=self.config.max_memory_mb).contains(&memory) {
             return Err(RequestBuildError::OutOfRange {
                 field: "memoryMB",
@@ -680,14 +722,21 @@ impl Builds {
                 return Err(RequestBuildError::TeamLimit { field, value, max });
             }
         }
-        let now = Utc::now();
-        // A built-in template's name stays unambiguous in every namespace.
-        if self.store.template_by_name(None, name).await?.is_some() {
-            return Err(RequestBuildError::BadName(full.clone()));
-        }
-        let _turn = self.cap_gate.enter(&team.id).await;
-        let existing = self.store.template_by_name(Some(&team.id), name).await?;
-        match &existing {
+        Ok(BuildResources {
+            cpu_count: cpu,
+            memory_mb: memory,
+        })
+    }
+
+    /// Refuses a build past the team's caps: a new template counts against its templates and
+    /// its tags against the tags per template; an existing one's tags join those it has.
+    async fn check_request_caps(
+        &self,
+        team: &Team,
+        existing: Option<&Template>,
+        tags: &[String],
+    ) -> Result<(), RequestBuildError> {
+        match existing {
             None => {
                 let kept = self
                     .store
@@ -704,35 +753,55 @@ impl Builds {
                     team.caps.max_tags_per_template,
                     tags.len().saturating_sub(1),
                 )?;
+                Ok(())
             }
             Some(t) => {
-                self.check_tag_cap::<RequestBuildError>(team, &t.id, &tags)
-                    .await?
+                self.check_tag_cap::<RequestBuildError>(team, &t.id, tags)
+                    .await
             }
         }
-        let mut template = match existing {
-            Some(t) => t,
-            None => Template {
-                id: crate::ids::new_template_id(),
-                team_id: Some(team.id.clone()),
-                namespace: Some(team.slug.clone()),
-                aliases: vec![name.to_owned()],
-                public: false,
-                build_id: String::new(),
-                build_status: BuildStatus::Waiting,
-                build_error: None,
-                cpu_count: cpu,
-                memory_mb: memory,
-                disk_size_mb: self.config.disk_size_mb,
-                envd_version: self.config.envd_version.to_owned(),
-                image: None,
-                created_at: now,
-                updated_at: now,
-                last_spawned_at: None,
-                spawn_count: 0,
-                build_count: 0,
-            },
-        };
+    }
+
+    /// A template the team names for the first time, not built yet.
+    fn new_team_template(
+        &self,
+        team: &Team,
+        name: &str,
+        resources: BuildResources,
+        now: chrono::DateTime<Utc>,
+    ) -> Template {
+        Template {
+            id: crate::ids::new_template_id(),
+            team_id: Some(team.id.clone()),
+            namespace: Some(team.slug.clone()),
+            aliases: vec![name.to_owned()],
+            public: false,
+            build_id: String::new(),
+            build_status: BuildStatus::Waiting,
+            build_error: None,
+            cpu_count: resources.cpu_count,
+            memory_mb: resources.memory_mb,
+            disk_size_mb: self.config.disk_size_mb,
+            envd_version: self.config.envd_version.to_owned(),
+            image: None,
+            created_at: now,
+            updated_at: now,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 0,
+        }
+    }
+
+    /// Records a new waiting build of `template` with its tags; the build starts when its
+    /// files or steps arrive.
+    async fn open_build(
+        &self,
+        team: &Team,
+        mut template: Template,
+        resources: BuildResources,
+        tags: Vec<String>,
+        now: chrono::DateTime<Utc>,
+    ) -> Result<BuildRequested, RequestBuildError> {
         let build_id = crate::ids::new_uuid();
         template.build_id = build_id.clone();
         template.build_status = BuildStatus::Waiting;
@@ -752,8 +821,8 @@ impl Builds {
                 failure: None,
                 spec: None,
                 image: None,
-                cpu_count: cpu,
-                memory_mb: memory,
+                cpu_count: resources.cpu_count,
+                memory_mb: resources.memory_mb,
                 disk_size_mb: self.config.disk_size_mb,
                 created_at: now,
                 updated_at: now,

@@ -3,7 +3,10 @@
 
 use std::collections::BTreeMap;
 
-use parse_dockerfile::{Command, Instruction, Source};
+use parse_dockerfile::{
+    AddInstruction, ArgInstruction, Command, EnvInstruction, FromInstruction, Instruction,
+    RunInstruction, Source,
+};
 
 use crate::builds::{BuildSource, BuildSpec, BuildStep, StepKind};
 
@@ -92,14 +95,25 @@ fn substitute(value: &str, args: &BTreeMap<String, String>) -> String {
     out
 }
 
+/// Why the pairs of an `ARG` or `ENV` cannot be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum KeyValuesError {
+    #[error("'{name}' has no value")]
+    NoValue { name: String },
+    #[error("unterminated quote in '{name}'")]
+    Unterminated { name: String },
+}
+
 /// Splits `a=1 b="two words"` (or the legacy `NAME value`) into pairs.
-fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
+fn key_values(raw: &str) -> Result<Vec<(String, String)>, KeyValuesError> {
     let raw = raw.trim();
     let first = raw.split_whitespace().next().unwrap_or("");
     if !first.contains('=') {
-        let (name, value) = raw
-            .split_once(char::is_whitespace)
-            .ok_or_else(|| format!("'{raw}' has no value"))?;
+        let (name, value) =
+            raw.split_once(char::is_whitespace)
+                .ok_or_else(|| KeyValuesError::NoValue {
+                    name: raw.to_owned(),
+                })?;
         return Ok(vec![(name.to_owned(), value.trim().to_owned())]);
     }
     let mut pairs = Vec::new();
@@ -120,7 +134,7 @@ fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if chars.next() != Some('=') {
-            return Err(format!("'{name}' has no value"));
+            return Err(KeyValuesError::NoValue { name });
         }
         let mut value = String::new();
         let mut quote: Option<char> = None;
@@ -140,7 +154,7 @@ fn key_values(raw: &str) -> Result<Vec<(String, String)>, String> {
             chars.next();
         }
         if quote.is_some() {
-            return Err(format!("unterminated quote in '{name}'"));
+            return Err(KeyValuesError::Unterminated { name });
         }
         pairs.push((name, value));
     }
@@ -180,200 +194,299 @@ pub fn to_build(
 ) -> Result<DockerfileBuild, DockerfileError> {
     let parsed =
         parse_dockerfile::parse(dockerfile).map_err(|e| DockerfileError::Syntax(e.to_string()))?;
-    let mut args: BTreeMap<String, String> = BTreeMap::new();
-    let mut env: BTreeMap<String, String> = BTreeMap::new();
-    let mut source: Option<String> = None;
-    let mut steps = Vec::new();
-    let mut start_cmd: Option<String> = None;
-    let mut entrypoint: Option<String> = None;
-    let mut uses_context = false;
+    let mut mapping = Mapping::new(dockerfile, context_hash);
     for instruction in &parsed.instructions {
-        let scope = |args: &BTreeMap<String, String>, env: &BTreeMap<String, String>| {
-            let mut all = args.clone();
-            all.extend(env.clone());
-            all
-        };
+        mapping.read(instruction)?;
+    }
+    mapping.finish()
+}
+
+/// What the instructions read so far amount to: each instruction family has a method that
+/// adds its part, so an instruction's rules live in one place.
+struct Mapping<'a> {
+    dockerfile: &'a str,
+    context_hash: Option<&'a str>,
+    args: BTreeMap<String, String>,
+    env: BTreeMap<String, String>,
+    /// The `FROM` image; `None` until the first `FROM`.
+    source: Option<String>,
+    steps: Vec<StepKind>,
+    start_cmd: Option<String>,
+    entrypoint: Option<String>,
+    uses_context: bool,
+}
+
+impl<'a> Mapping<'a> {
+    fn new(dockerfile: &'a str, context_hash: Option<&'a str>) -> Self {
+        Self {
+            dockerfile,
+            context_hash,
+            args: BTreeMap::new(),
+            env: BTreeMap::new(),
+            source: None,
+            steps: Vec::new(),
+            start_cmd: None,
+            entrypoint: None,
+            uses_context: false,
+        }
+    }
+
+    fn line(&self, offset: usize) -> usize {
+        line_of(self.dockerfile, offset)
+    }
+
+    /// The names a value may refer to: build args, overridden by `ENV`.
+    fn scope(&self) -> BTreeMap<String, String> {
+        let mut all = self.args.clone();
+        all.extend(self.env.clone());
+        all
+    }
+
+    /// Adds one instruction. Only `ARG` may come before the `FROM`, as in Docker.
+    fn read(&mut self, instruction: &Instruction<'_>) -> Result<(), DockerfileError> {
         match instruction {
-            Instruction::From(from) => {
-                let line = line_of(dockerfile, from.from.span.start);
-                if source.is_some() {
-                    return Err(DockerfileError::Unsupported {
-                        line,
-                        instruction: "FROM",
-                        reason: "multi-stage builds (a second FROM)".into(),
-                    });
-                }
-                if let Some(flag) = from.options.first() {
-                    return Err(DockerfileError::Unsupported {
-                        line,
-                        instruction: "FROM",
-                        reason: format!("the option --{}", flag.name.value),
-                    });
-                }
-                let image = substitute(&from.image.value, &args);
-                if image == "scratch" {
-                    return Err(DockerfileError::Unsupported {
-                        line,
-                        instruction: "FROM",
-                        reason: "FROM scratch (a template needs a base image)".into(),
-                    });
-                }
-                source = Some(image);
+            Instruction::From(from) => self.read_from(from),
+            Instruction::Arg(arg) => self.read_arg(arg),
+            _ if self.source.is_none() => Err(DockerfileError::NoFrom),
+            Instruction::Run(run) => self.read_run(run),
+            Instruction::Copy(copy) => {
+                let line = self.line(copy.copy.span.start);
+                self.read_copy(line, "COPY", &copy.options, &copy.src, &copy.dest.value)
             }
-            Instruction::Arg(arg) => {
-                let line = line_of(dockerfile, arg.arg.span.start);
-                let raw = arg.arguments.value.trim();
-                let (name, value) = match raw.split_once('=') {
-                    Some((n, v)) => {
-                        let pairs = key_values(raw).map_err(|reason| DockerfileError::Invalid {
-                            line,
-                            instruction: "ARG",
-                            reason,
-                        })?;
-                        let v = pairs
-                            .into_iter()
-                            .next()
-                            .map(|(_, v)| v)
-                            .unwrap_or_else(|| v.to_owned());
-                        (n.to_owned(), v)
-                    }
-                    None => (raw.to_owned(), String::new()),
-                };
-                let value = substitute(&value, &args);
-                args.entry(name).or_insert(value);
+            Instruction::Add(add) => self.read_add(add),
+            Instruction::Env(e) => self.read_env(e),
+            Instruction::Workdir(w) => {
+                let path = substitute(&w.arguments.value, &self.scope());
+                self.steps.push(StepKind::Workdir { path });
+                Ok(())
             }
-            _ if source.is_none() => {
-                return Err(DockerfileError::NoFrom);
+            Instruction::User(u) => {
+                let user = substitute(&u.arguments.value, &self.scope());
+                self.steps.push(StepKind::User { user });
+                Ok(())
             }
-            Instruction::Run(run) => {
-                let line = line_of(dockerfile, run.run.span.start);
-                if let Some(flag) = run.options.first() {
-                    return Err(DockerfileError::Unsupported {
-                        line,
-                        instruction: "RUN",
-                        reason: format!("the option --{}", flag.name.value),
-                    });
-                }
-                let command = match run.here_docs.as_slice() {
-                    [] => command_text(&run.arguments),
-                    [doc] => doc.value.to_string(),
-                    _ => {
-                        return Err(DockerfileError::Unsupported {
-                            line,
-                            instruction: "RUN",
-                            reason: "more than one here-document".into(),
-                        });
-                    }
-                };
-                // Build args are visible to RUN as environment, as in Docker.
-                let prefix: Vec<String> = args
-                    .iter()
-                    .filter(|(k, _)| !env.contains_key(*k))
-                    .map(|(k, v)| format!("{k}={}", shell_quote(v)))
-                    .collect();
-                let command = if prefix.is_empty() {
-                    command
-                } else {
-                    format!("export {}; {command}", prefix.join(" "))
-                };
-                steps.push(StepKind::Run {
-                    command,
-                    user: None,
+            Instruction::Cmd(cmd) => {
+                self.start_cmd = Some(command_text(&cmd.arguments));
+                Ok(())
+            }
+            Instruction::Entrypoint(e) => {
+                self.entrypoint = Some(command_text(&e.arguments));
+                Ok(())
+            }
+            // Metadata for image registries; a sandbox has no use for it.
+            Instruction::Label(_) | Instruction::Maintainer(_) | Instruction::Expose(_) => Ok(()),
+            other => Err(self.unsupported(other)),
+        }
+    }
+
+    /// `FROM`: one stage, from a real image.
+    fn read_from(&mut self, from: &FromInstruction<'_>) -> Result<(), DockerfileError> {
+        let line = self.line(from.from.span.start);
+        if self.source.is_some() {
+            return Err(DockerfileError::Unsupported {
+                line,
+                instruction: "FROM",
+                reason: "multi-stage builds (a second FROM)".into(),
+            });
+        }
+        if let Some(flag) = from.options.first() {
+            return Err(DockerfileError::Unsupported {
+                line,
+                instruction: "FROM",
+                reason: format!("the option --{}", flag.name.value),
+            });
+        }
+        let image = substitute(&from.image.value, &self.args);
+        if image == "scratch" {
+            return Err(DockerfileError::Unsupported {
+                line,
+                instruction: "FROM",
+                reason: "FROM scratch (a template needs a base image)".into(),
+            });
+        }
+        self.source = Some(image);
+        Ok(())
+    }
+
+    /// `ARG`: the first definition of a name wins, as in Docker.
+    fn read_arg(&mut self, arg: &ArgInstruction<'_>) -> Result<(), DockerfileError> {
+        let line = self.line(arg.arg.span.start);
+        let raw = arg.arguments.value.trim();
+        let (name, value) = match raw.split_once('=') {
+            Some((n, v)) => {
+                let pairs = key_values(raw).map_err(|e| DockerfileError::Invalid {
+                    line,
+                    instruction: "ARG",
+                    reason: e.to_string(),
+                })?;
+                let v = pairs
+                    .into_iter()
+                    .next()
+                    .map(|(_, v)| v)
+                    .unwrap_or_else(|| v.to_owned());
+                (n.to_owned(), v)
+            }
+            None => (raw.to_owned(), String::new()),
+        };
+        let value = substitute(&value, &self.args);
+        self.args.entry(name).or_insert(value);
+        Ok(())
+    }
+
+    /// `RUN`: a shell command, or one here-document run as a script.
+    fn read_run(&mut self, run: &RunInstruction<'_>) -> Result<(), DockerfileError> {
+        let line = self.line(run.run.span.start);
+        if let Some(flag) = run.options.first() {
+            return Err(DockerfileError::Unsupported {
+                line,
+                instruction: "RUN",
+                reason: format!("the option --{}", flag.name.value),
+            });
+        }
+        let command = match run.here_docs.as_slice() {
+            [] => command_text(&run.arguments),
+            [doc] => doc.value.to_string(),
+            _ => {
+                return Err(DockerfileError::Unsupported {
+                    line,
+                    instruction: "RUN",
+                    reason: "more than one here-document".into(),
                 });
             }
-            Instruction::Copy(copy) => {
-                let line = line_of(dockerfile, copy.copy.span.start);
-                steps.push(copy_step(
-                    line,
-                    "COPY",
-                    &copy.options,
-                    &copy.src,
-                    &copy.dest.value,
-                    context_hash,
-                    &scope(&args, &env),
-                )?);
-                uses_context = true;
-            }
-            Instruction::Add(add) => {
-                let line = line_of(dockerfile, add.add.span.start);
-                for src in &add.src {
-                    if let Source::Path(p) = src
-                        && (p.value.contains("://") || is_archive(&p.value))
-                    {
-                        return Err(DockerfileError::Unsupported {
-                            line,
-                            instruction: "ADD",
-                            reason: format!(
-                                "'{}': URLs and archive extraction (use RUN curl / tar)",
-                                p.value
-                            ),
-                        });
-                    }
-                }
-                steps.push(copy_step(
-                    line,
-                    "ADD",
-                    &add.options,
-                    &add.src,
-                    &add.dest.value,
-                    context_hash,
-                    &scope(&args, &env),
-                )?);
-                uses_context = true;
-            }
-            Instruction::Env(e) => {
-                let line = line_of(dockerfile, e.env.span.start);
-                let pairs =
-                    key_values(&e.arguments.value).map_err(|reason| DockerfileError::Invalid {
-                        line,
-                        instruction: "ENV",
-                        reason,
-                    })?;
-                let mut vars = Vec::new();
-                crate::inputs::check_env_names(pairs.iter().map(|(k, _)| k)).map_err(|e| {
-                    DockerfileError::Invalid {
-                        line,
-                        instruction: "ENV",
-                        reason: e.to_string(),
-                    }
-                })?;
-                for (k, v) in pairs {
-                    let v = substitute(&v, &scope(&args, &env));
-                    env.insert(k.clone(), v.clone());
-                    vars.push((k, v));
-                }
-                steps.push(StepKind::Env { vars });
-            }
-            Instruction::Workdir(w) => steps.push(StepKind::Workdir {
-                path: substitute(&w.arguments.value, &scope(&args, &env)),
-            }),
-            Instruction::User(u) => steps.push(StepKind::User {
-                user: substitute(&u.arguments.value, &scope(&args, &env)),
-            }),
-            Instruction::Cmd(cmd) => start_cmd = Some(command_text(&cmd.arguments)),
-            Instruction::Entrypoint(e) => entrypoint = Some(command_text(&e.arguments)),
-            // Metadata for image registries; a sandbox has no use for it.
-            Instruction::Label(_) | Instruction::Maintainer(_) | Instruction::Expose(_) => {}
-            other => {
-                let (keyword, start) = match other {
-                    Instruction::Healthcheck(i) => ("HEALTHCHECK", i.healthcheck.span.start),
-                    Instruction::Onbuild(i) => ("ONBUILD", i.onbuild.span.start),
-                    Instruction::Shell(i) => ("SHELL", i.shell.span.start),
-                    Instruction::Stopsignal(i) => ("STOPSIGNAL", i.stopsignal.span.start),
-                    Instruction::Volume(i) => ("VOLUME", i.volume.span.start),
-                    _ => ("this instruction", 0),
-                };
+        };
+        // Build args are visible to RUN as environment, as in Docker.
+        let prefix: Vec<String> = self
+            .args
+            .iter()
+            .filter(|(k, _)| !self.env.contains_key(*k))
+            .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+            .collect();
+        let command = if prefix.is_empty() {
+            command
+        } else {
+            format!("export {}; {command}", prefix.join(" "))
+        };
+        self.steps.push(StepKind::Run {
+            command,
+            user: None,
+        });
+        Ok(())
+    }
+
+    /// `COPY` and `ADD`: one source from the build context.
+    fn read_copy(
+        &mut self,
+        line: usize,
+        instruction: &'static str,
+        options: &[parse_dockerfile::Flag<'_>],
+        sources: &[Source<'_>],
+        dest: &str,
+    ) -> Result<(), DockerfileError> {
+        let step = copy_step(
+            line,
+            instruction,
+            options,
+            sources,
+            dest,
+            self.context_hash,
+            &self.scope(),
+        )?;
+        self.steps.push(step);
+        self.uses_context = true;
+        Ok(())
+    }
+
+    /// `ADD`: as `COPY`, without the URLs and archive extraction Docker's has.
+    fn read_add(&mut self, add: &AddInstruction<'_>) -> Result<(), DockerfileError> {
+        let line = self.line(add.add.span.start);
+        for src in &add.src {
+            if let Source::Path(p) = src
+                && (p.value.contains("://") || is_archive(&p.value))
+            {
                 return Err(DockerfileError::Unsupported {
-                    line: line_of(dockerfile, start),
-                    instruction: keyword,
-                    reason: "templates support FROM, ARG, RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL, EXPOSE".into(),
+                    line,
+                    instruction: "ADD",
+                    reason: format!(
+                        "'{}': URLs and archive extraction (use RUN curl / tar)",
+                        p.value
+                    ),
                 });
             }
         }
+        self.read_copy(line, "ADD", &add.options, &add.src, &add.dest.value)
     }
-    let image = source.ok_or(DockerfileError::NoFrom)?;
-    // Docker runs a Dockerfile as root from `/`; the template then leaves sandboxes with the
-    // Dockerfile's last USER and WORKDIR, or E2B's `user` in its home.
+
+    /// `ENV`: seen by later instructions' values and by the build's steps.
+    fn read_env(&mut self, e: &EnvInstruction<'_>) -> Result<(), DockerfileError> {
+        let line = self.line(e.env.span.start);
+        let pairs = key_values(&e.arguments.value).map_err(|e| DockerfileError::Invalid {
+            line,
+            instruction: "ENV",
+            reason: e.to_string(),
+        })?;
+        let mut vars = Vec::new();
+        crate::inputs::check_env_names(pairs.iter().map(|(k, _)| k)).map_err(|e| {
+            DockerfileError::Invalid {
+                line,
+                instruction: "ENV",
+                reason: e.to_string(),
+            }
+        })?;
+        for (k, v) in pairs {
+            let v = substitute(&v, &self.scope());
+            self.env.insert(k.clone(), v.clone());
+            vars.push((k, v));
+        }
+        self.steps.push(StepKind::Env { vars });
+        Ok(())
+    }
+
+    /// The error for an instruction templates have no use for, naming its line.
+    fn unsupported(&self, other: &Instruction<'_>) -> DockerfileError {
+        let (keyword, start) = match other {
+            Instruction::Healthcheck(i) => ("HEALTHCHECK", i.healthcheck.span.start),
+            Instruction::Onbuild(i) => ("ONBUILD", i.onbuild.span.start),
+            Instruction::Shell(i) => ("SHELL", i.shell.span.start),
+            Instruction::Stopsignal(i) => ("STOPSIGNAL", i.stopsignal.span.start),
+            Instruction::Volume(i) => ("VOLUME", i.volume.span.start),
+            _ => ("this instruction", 0),
+        };
+        DockerfileError::Unsupported {
+            line: self.line(start),
+            instruction: keyword,
+            reason: "templates support FROM, ARG, RUN, COPY, ADD, ENV, WORKDIR, USER, CMD, ENTRYPOINT, LABEL, EXPOSE".into(),
+        }
+    }
+
+    /// The build the instructions amount to.
+    fn finish(self) -> Result<DockerfileBuild, DockerfileError> {
+        let image = self.source.ok_or(DockerfileError::NoFrom)?;
+        let start_cmd = match (self.entrypoint, self.start_cmd) {
+            (Some(e), Some(c)) => Some(format!("{e} {c}")),
+            (e, c) => e.or(c),
+        };
+        Ok(DockerfileBuild {
+            spec: BuildSpec {
+                source: BuildSource::Image {
+                    reference: image,
+                    credentials: None,
+                },
+                steps: framed_steps(self.steps)
+                    .into_iter()
+                    .map(|kind| BuildStep { kind, force: false })
+                    .collect(),
+                force: false,
+                start_cmd,
+                ready_cmd: None,
+            },
+            uses_context: self.uses_context,
+        })
+    }
+}
+
+/// Docker runs a Dockerfile as root from `/`; the template then leaves sandboxes with the
+/// Dockerfile's last USER and WORKDIR, or E2B's `user` in its home.
+fn framed_steps(steps: Vec<StepKind>) -> Vec<StepKind> {
     let last_user = steps.iter().rev().find_map(|s| match s {
         StepKind::User { user } => Some(user.clone()),
         _ => None,
@@ -396,26 +509,7 @@ pub fn to_build(
         path: last_workdir.unwrap_or_else(|| format!("/home/{final_user}")),
     });
     steps.push(StepKind::User { user: final_user });
-    let start_cmd = match (entrypoint, start_cmd) {
-        (Some(e), Some(c)) => Some(format!("{e} {c}")),
-        (e, c) => e.or(c),
-    };
-    Ok(DockerfileBuild {
-        spec: BuildSpec {
-            source: BuildSource::Image {
-                reference: image,
-                credentials: None,
-            },
-            steps: steps
-                .into_iter()
-                .map(|kind| BuildStep { kind, force: false })
-                .collect(),
-            force: false,
-            start_cmd,
-            ready_cmd: None,
-        },
-        uses_context,
-    })
+    steps
 }
 
 fn is_archive(path: &str) -> bool {

@@ -43,12 +43,18 @@ pub fn crash_point(name: &'static str) {
 
 /// An error naming the armed crash point if it is not one of [`CRASH_POINTS`], so a typo
 /// does not silently test nothing.
-pub fn check_armed() -> Result<Option<&'static str>, String> {
+pub fn check_armed() -> Result<Option<&'static str>, UnknownCrashPoint> {
     match armed() {
-        Some(name) if !CRASH_POINTS.contains(&name) => Err(format!(
-            "{CRASH_AT_ENV}={name} names no crash point; known: {}",
-            CRASH_POINTS.join(", ")
-        )),
+        Some(name) if !CRASH_POINTS.contains(&name) => Err(UnknownCrashPoint {
+            name: name.to_owned(),
+        }),
         armed => Ok(armed),
     }
+}
+
+/// The crash point armed in the environment is none the server has.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{CRASH_AT_ENV}={name} names no crash point; known: {}", CRASH_POINTS.join(", "))]
+pub struct UnknownCrashPoint {
+    pub name: String,
 }

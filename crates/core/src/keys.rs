@@ -186,7 +186,7 @@ pub enum TeamAccessError {
 #[derive(Debug, thiserror::Error)]
 pub enum CreateCredentialError {
     #[error("invalid name: {0}")]
-    BadName(String),
+    BadName(NameError),
     #[error(transparent)]
     Cap(#[from] crate::caps::CapError),
     #[error(transparent)]
@@ -198,7 +198,7 @@ pub enum RenameApiKeyError {
     #[error("api key '{0}' not found")]
     NotFound(String),
     #[error("invalid name: {0}")]
-    BadName(String),
+    BadName(NameError),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -226,7 +226,7 @@ pub enum TeamAdminError {
     #[error("team name '{0}' is ambiguous: use the team id")]
     Ambiguous(String),
     #[error("invalid name: {0}")]
-    BadName(String),
+    BadName(NameError),
     #[error("{field} must be between {min} and {max}, got {value}")]
     BadLimit {
         field: &'static str,
@@ -240,18 +240,29 @@ pub enum TeamAdminError {
     Store(#[from] StoreError),
 }
 
+/// Why a key's, token's or team's name is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    #[error("name must not be empty")]
+    Empty,
+    #[error("name is longer than {MAX_NAME_LEN} characters")]
+    TooLong,
+    #[error("name must not contain control characters")]
+    Control,
+}
+
 /// A name is free text, but not empty and not absurdly long; control characters would only
 /// garble listings.
-fn check_name(name: &str) -> Result<String, String> {
+fn check_name(name: &str) -> Result<String, NameError> {
     let name = name.trim();
     if name.is_empty() {
-        return Err("name must not be empty".into());
+        return Err(NameError::Empty);
     }
     if name.chars().count() > MAX_NAME_LEN {
-        return Err(format!("name is longer than {MAX_NAME_LEN} characters"));
+        return Err(NameError::TooLong);
     }
     if name.chars().any(char::is_control) {
-        return Err("name must not contain control characters".into());
+        return Err(NameError::Control);
     }
     Ok(name.to_owned())
 }
@@ -712,13 +723,14 @@ mod tests {
     #[test]
     fn names_are_trimmed_and_checked() {
         assert_eq!(check_name("  ci key ").as_deref(), Ok("ci key"));
-        assert_eq!(check_name("   "), Err("name must not be empty".to_owned()));
+        let refusal = |name: &str| check_name(name).map_err(|e| e.to_string());
+        assert_eq!(refusal("   "), Err("name must not be empty".to_owned()));
         assert_eq!(
-            check_name("a\nb"),
+            refusal("a\nb"),
             Err("name must not contain control characters".to_owned())
         );
         assert_eq!(
-            check_name(&"x".repeat(MAX_NAME_LEN + 1)),
+            refusal(&"x".repeat(MAX_NAME_LEN + 1)),
             Err(format!("name is longer than {MAX_NAME_LEN} characters"))
         );
         assert!(check_name(&"é".repeat(MAX_NAME_LEN)).is_ok());

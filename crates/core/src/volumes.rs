@@ -93,6 +93,36 @@ pub struct EntryOwner {
     pub mode: Option<u32>,
 }
 
+/// Why a path inside a volume is refused; the error that wraps it names the path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VolumePathError {
+    #[error("is longer than {MAX_PATH_LEN} bytes")]
+    TooLong,
+    #[error("contains a NUL byte")]
+    Nul,
+    #[error("contains '..'")]
+    ParentDir,
+}
+
+/// Why a mount point is refused; the error that wraps it names the path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MountPathError {
+    #[error("must be absolute")]
+    NotAbsolute,
+    #[error("is longer than {MAX_PATH_LEN} bytes")]
+    TooLong,
+    #[error("contains a NUL byte")]
+    Nul,
+    #[error("cannot be '/'")]
+    Root,
+    #[error("contains an empty component")]
+    EmptyComponent,
+    #[error("contains '{0}'")]
+    DotComponent(&'static str),
+    #[error("cannot be under /{0}")]
+    KernelTree(&'static str),
+}
+
 /// A path inside a volume, already checked: relative components without `.`, `..` or NUL.
 /// The host still resolves it beneath the volume's root, since a sandbox may have planted
 /// symlinks anywhere in it.
@@ -102,18 +132,18 @@ pub struct VolumePath {
 }
 
 impl VolumePath {
-    pub fn parse(raw: &str) -> Result<Self, String> {
+    pub fn parse(raw: &str) -> Result<Self, VolumePathError> {
         if raw.len() > MAX_PATH_LEN {
-            return Err(format!("is longer than {MAX_PATH_LEN} bytes"));
+            return Err(VolumePathError::TooLong);
         }
         if raw.contains('\0') {
-            return Err("contains a NUL byte".into());
+            return Err(VolumePathError::Nul);
         }
         let mut components = Vec::new();
         for part in raw.split('/') {
             match part {
                 "" | "." => {}
-                ".." => return Err("contains '..'".into()),
+                ".." => return Err(VolumePathError::ParentDir),
                 name => components.push(name.to_owned()),
             }
         }
@@ -273,7 +303,7 @@ pub enum VolumeMountError {
     BadPath {
         index: usize,
         path: String,
-        reason: String,
+        reason: MountPathError,
     },
     #[error("volumeMounts[{index}]: volume '{name}' not found")]
     UnknownVolume { index: usize, name: String },
@@ -300,7 +330,7 @@ pub enum VolumeContentError {
     BadPath {
         volume_id: String,
         path: String,
-        reason: String,
+        reason: VolumePathError,
     },
     #[error("volume {volume_id}: {reason}")]
     BadRequest { volume_id: String, reason: String },
@@ -396,32 +426,34 @@ fn valid_name(name: &str) -> bool {
 }
 
 /// Checks a mount point: absolute, normalised, not `/` and not in the kernel's trees.
-fn mount_path(raw: &str) -> Result<String, String> {
+fn mount_path(raw: &str) -> Result<String, MountPathError> {
     if !raw.starts_with('/') {
-        return Err("must be absolute".into());
+        return Err(MountPathError::NotAbsolute);
     }
     if raw.len() > MAX_PATH_LEN {
-        return Err(format!("is longer than {MAX_PATH_LEN} bytes"));
+        return Err(MountPathError::TooLong);
     }
     if raw.contains('\0') {
-        return Err("contains a NUL byte".into());
+        return Err(MountPathError::Nul);
     }
     let trimmed = raw.trim_end_matches('/');
     let parts: Vec<&str> = trimmed.split('/').skip(1).collect();
     if trimmed.is_empty() {
-        return Err("cannot be '/'".into());
+        return Err(MountPathError::Root);
     }
     for part in &parts {
         match *part {
-            "" => return Err("contains an empty component".into()),
-            "." | ".." => return Err(format!("contains '{part}'")),
+            "" => return Err(MountPathError::EmptyComponent),
+            "." => return Err(MountPathError::DotComponent(".")),
+            ".." => return Err(MountPathError::DotComponent("..")),
             _ => {}
         }
     }
-    if let Some(first) = parts.first()
-        && ["proc", "sys", "dev"].contains(first)
+    if let Some(kernel) = parts
+        .first()
+        .and_then(|first| ["proc", "sys", "dev"].into_iter().find(|k| k == first))
     {
-        return Err(format!("cannot be under /{first}"));
+        return Err(MountPathError::KernelTree(kernel));
     }
     Ok(trimmed.to_owned())
 }
@@ -916,7 +948,11 @@ mod tests {
             ("/dev/shm", "cannot be under /dev"),
             ("/a\0b", "contains a NUL byte"),
         ] {
-            assert_eq!(mount_path(bad), Err(why.to_owned()), "{bad:?}");
+            assert_eq!(
+                mount_path(bad).map_err(|e| e.to_string()),
+                Err(why.to_owned()),
+                "{bad:?}"
+            );
         }
         assert!(mount_path("/devices").is_ok());
     }
@@ -926,11 +962,17 @@ mod tests {
         assert_eq!(VolumePath::parse("/a/./b/").expect("ok").relative(), "a/b");
         assert!(VolumePath::parse("").expect("root").is_root());
         assert_eq!(
-            VolumePath::parse("/a/../../etc").err().as_deref(),
+            VolumePath::parse("/a/../../etc")
+                .err()
+                .map(|e| e.to_string())
+                .as_deref(),
             Some("contains '..'")
         );
         assert_eq!(
-            VolumePath::parse("a\0").err().as_deref(),
+            VolumePath::parse("a\0")
+                .err()
+                .map(|e| e.to_string())
+                .as_deref(),
             Some("contains a NUL byte")
         );
     }

@@ -241,100 +241,94 @@ impl ImageCache {
         let (arch, variant) = host_platform();
 
         progress(format!("resolving {name}"));
-        let top = image.digest().or(image.tag()).unwrap_or("latest");
-        let body = registry.manifest(top, &MANIFEST_TYPES).await?;
-        let top_digest = sha256_digest(&body);
-        if let Some(expected) = image.digest()
-            && expected != top_digest
-        {
-            return Err(PullError::DigestMismatch {
-                expected: expected.to_owned(),
-                actual: top_digest,
-            });
-        }
-        let (manifest_digest, config, layers) = match parse_manifest(&body, &name)? {
-            Manifest::Image { config, layers } => (top_digest, config, layers),
-            Manifest::Index(entries) => {
-                let entry = select_manifest(&entries, arch, variant).ok_or_else(|| {
-                    PullError::NoPlatform {
-                        reference: name.clone(),
-                        platform: format!("linux/{arch}"),
-                    }
-                })?;
-                checked_hex(&entry.digest, &name)?;
-                let body = registry.manifest(&entry.digest, &MANIFEST_TYPES).await?;
-                let actual = sha256_digest(&body);
-                if actual != entry.digest {
-                    return Err(PullError::DigestMismatch {
-                        expected: entry.digest.clone(),
-                        actual,
-                    });
-                }
-                match parse_manifest(&body, &name)? {
-                    Manifest::Image { config, layers } => (actual, config, layers),
-                    Manifest::Index(_) => {
-                        return Err(PullError::Unsupported {
-                            reference: name,
-                            what: "an image index nested in an image index".to_owned(),
-                        });
-                    }
-                }
-            }
-        };
-
-        if !CONFIG_TYPES.contains(&config.media_type.as_str()) {
-            return Err(PullError::Unsupported {
+        let resolved = resolve_manifest(&registry, &image, &name, (arch, variant)).await?;
+        check_media_types(&resolved.config, &resolved.layers, &name)?;
+        let config = self
+            .platform_config(&registry, &resolved.config, &name, arch)
+            .await?;
+        let diff_ids = config
+            .rootfs
+            .as_ref()
+            .map(|r| r.diff_ids.clone())
+            .unwrap_or_default();
+        if diff_ids.len() != resolved.layers.len() {
+            return Err(PullError::Registry {
                 reference: name,
-                what: format!("config media type `{}`", config.media_type),
+                message: format!(
+                    "the config lists {} layers but the manifest {}",
+                    diff_ids.len(),
+                    resolved.layers.len()
+                ),
             });
         }
-        for layer in &layers {
-            if !LAYER_TYPES.contains(&layer.media_type.as_str()) {
-                return Err(PullError::Unsupported {
-                    reference: name,
-                    what: format!("layer media type `{}`", layer.media_type),
-                });
-            }
-            checked_hex(&layer.digest, &name)?;
-        }
+        let budget = ByteBudget::new(limit);
+        let pulled = self
+            .fetch_layers(
+                &registry,
+                &resolved.layers,
+                &diff_ids,
+                (&name, owner),
+                progress,
+                &budget,
+            )
+            .await?;
 
-        let config_bytes = self.config_blob(&registry, &config, &name).await?;
+        progress(format!("pulled {name} ({})", short(&resolved.digest)));
+        Ok(PulledImage {
+            reference: name,
+            manifest_digest: resolved.digest,
+            layers: pulled,
+            config: image_config(config.config.unwrap_or_default()),
+        })
+    }
+
+    /// Reads the image's config blob, refusing an image built for another platform than the
+    /// host's.
+    async fn platform_config(
+        &self,
+        registry: &Session,
+        descriptor: &Descriptor,
+        name: &str,
+        arch: &str,
+    ) -> Result<ConfigDoc, PullError> {
+        let config_bytes = self.config_blob(registry, descriptor, name).await?;
         let config: ConfigDoc =
             serde_json::from_slice(&config_bytes).map_err(|e| PullError::Registry {
-                reference: name.clone(),
+                reference: name.to_owned(),
                 message: format!("invalid image config: {e}"),
             })?;
         if (!config.os.is_empty() && config.os != "linux")
             || (!config.architecture.is_empty() && config.architecture != arch)
         {
             return Err(PullError::NoPlatform {
-                reference: name,
+                reference: name.to_owned(),
                 platform: format!(
                     "linux/{arch} (the image is {}/{})",
                     config.os, config.architecture
                 ),
             });
         }
-        let diff_ids = config.rootfs.map(|r| r.diff_ids).unwrap_or_default();
-        if diff_ids.len() != layers.len() {
-            return Err(PullError::Registry {
-                reference: name,
-                message: format!(
-                    "the config lists {} layers but the manifest {}",
-                    diff_ids.len(),
-                    layers.len()
-                ),
-            });
-        }
+        Ok(config)
+    }
 
+    /// Downloads and unpacks the layers, [`PARALLEL_LAYERS`] at a time, in the manifest's
+    /// order.
+    async fn fetch_layers(
+        &self,
+        registry: &Session,
+        layers: &[Descriptor],
+        diff_ids: &[String],
+        (name, owner): (&str, &str),
+        progress: &(dyn Fn(String) + Send + Sync),
+        budget: &ByteBudget,
+    ) -> Result<Vec<PulledLayer>, PullError> {
         // Collected before awaiting: a lazy `map` closure held across the await would make
         // this future lose `Send`.
-        let budget = ByteBudget::new(limit);
         let tasks: Vec<_> = layers
             .iter()
-            .zip(&diff_ids)
+            .zip(diff_ids)
             .map(|(layer, diff_id)| {
-                self.layer(&registry, layer, diff_id, (&name, owner), progress, &budget)
+                self.layer(registry, layer, diff_id, (name, owner), progress, budget)
             })
             .collect();
         // After a failure no further layer is started, but the ones under way are awaited:
@@ -360,17 +354,10 @@ impl ImageCache {
             }
         }
         drop((running, waiting));
-        if let Some(e) = first_error {
-            return Err(e);
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(pulled),
         }
-
-        progress(format!("pulled {name} ({})", short(&manifest_digest)));
-        Ok(PulledImage {
-            reference: name,
-            manifest_digest,
-            layers: pulled,
-            config: image_config(config.config.unwrap_or_default()),
-        })
     }
 
     fn prepare_dirs(&self) -> Result<(), PullError> {
@@ -889,6 +876,94 @@ struct RunConfig {
 struct RootFs {
     #[serde(default)]
     diff_ids: Vec<String>,
+}
+
+/// The image manifest a pull settled on.
+struct ResolvedManifest {
+    /// The digest of the image manifest itself (not of an index naming it).
+    digest: String,
+    config: Descriptor,
+    layers: Vec<Descriptor>,
+}
+
+/// Fetches the manifest `image` names and, when it is an index, the host platform's entry
+/// in it; every manifest's digest is checked against what named it.
+async fn resolve_manifest(
+    registry: &Session,
+    image: &Reference,
+    name: &str,
+    (arch, variant): (&str, Option<&str>),
+) -> Result<ResolvedManifest, PullError> {
+    let top = image.digest().or(image.tag()).unwrap_or("latest");
+    let body = registry.manifest(top, &MANIFEST_TYPES).await?;
+    let top_digest = sha256_digest(&body);
+    if let Some(expected) = image.digest()
+        && expected != top_digest
+    {
+        return Err(PullError::DigestMismatch {
+            expected: expected.to_owned(),
+            actual: top_digest,
+        });
+    }
+    let entries = match parse_manifest(&body, name)? {
+        Manifest::Image { config, layers } => {
+            return Ok(ResolvedManifest {
+                digest: top_digest,
+                config,
+                layers,
+            });
+        }
+        Manifest::Index(entries) => entries,
+    };
+    let entry = select_manifest(&entries, arch, variant).ok_or_else(|| PullError::NoPlatform {
+        reference: name.to_owned(),
+        platform: format!("linux/{arch}"),
+    })?;
+    checked_hex(&entry.digest, name)?;
+    let body = registry.manifest(&entry.digest, &MANIFEST_TYPES).await?;
+    let actual = sha256_digest(&body);
+    if actual != entry.digest {
+        return Err(PullError::DigestMismatch {
+            expected: entry.digest.clone(),
+            actual,
+        });
+    }
+    match parse_manifest(&body, name)? {
+        Manifest::Image { config, layers } => Ok(ResolvedManifest {
+            digest: actual,
+            config,
+            layers,
+        }),
+        Manifest::Index(_) => Err(PullError::Unsupported {
+            reference: name.to_owned(),
+            what: "an image index nested in an image index".to_owned(),
+        }),
+    }
+}
+
+/// Refuses config and layer kinds the unpacker does not know, and digests other than
+/// sha256, before anything is downloaded.
+fn check_media_types(
+    config: &Descriptor,
+    layers: &[Descriptor],
+    name: &str,
+) -> Result<(), PullError> {
+    if !CONFIG_TYPES.contains(&config.media_type.as_str()) {
+        return Err(PullError::Unsupported {
+            reference: name.to_owned(),
+            what: format!("config media type `{}`", config.media_type),
+        });
+    }
+    for layer in layers {
+        if !LAYER_TYPES.contains(&layer.media_type.as_str()) {
+            return Err(PullError::Unsupported {
+                reference: name.to_owned(),
+                what: format!("layer media type `{}`", layer.media_type),
+            });
+        }
+        checked_hex(&layer.digest, name)?;
+    }
+    Ok(())
 }
 
 fn parse_manifest(body: &[u8], name: &str) -> Result<Manifest, PullError> {

@@ -9,8 +9,14 @@ use sandbar_core::builds::{BuildFailure, step_timeout_message};
 #[async_trait::async_trait]
 pub(crate) trait StepHost: Send + Sync {
     type Sandbox: Send + Sync;
+    /// Why the step's sandbox does not start.
+    type StartError: std::fmt::Display + Send;
+    /// Why the command cannot be run to its end (not its exit code: that is the command's).
+    type ExecError: std::fmt::Display + Send;
+    /// Why the sandbox cannot be kept as the step's layer.
+    type CommitError: std::fmt::Display + Send;
     /// Starts the step's sandbox.
-    async fn start(&self) -> Result<Self::Sandbox, String>;
+    async fn start(&self) -> Result<Self::Sandbox, Self::StartError>;
     /// Runs the step's command in `sandbox` to its end, handing its output on; its exit
     /// code. (The output callback's lifetime is spelled out: `async_trait` would otherwise
     /// tie the bytes to the call.)
@@ -18,9 +24,9 @@ pub(crate) trait StepHost: Send + Sync {
         &self,
         sandbox: &Self::Sandbox,
         on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
-    ) -> Result<i32, String>;
+    ) -> Result<i32, Self::ExecError>;
     /// Keeps the sandbox's writable layer as the step's layer; the sandbox is gone after.
-    async fn commit(&self, sandbox: Self::Sandbox) -> Result<(), String>;
+    async fn commit(&self, sandbox: Self::Sandbox) -> Result<(), Self::CommitError>;
     /// Removes the sandbox with its processes and disk.
     async fn discard(&self, sandbox: Self::Sandbox);
 }
@@ -44,7 +50,7 @@ pub(crate) async fn run_step<H: StepHost>(
             return host
                 .commit(sandbox)
                 .await
-                .map_err(|e| BuildFailure::at(step, e));
+                .map_err(|e| BuildFailure::at(step, e.to_string()));
         }
         Ok(Ok(code)) => format!("step {step} (RUN {command}) failed with exit code {code}"),
         Ok(Err(e)) => format!("step {step} (RUN {command}) could not run: {e}"),
@@ -86,8 +92,11 @@ mod tests {
     #[async_trait::async_trait]
     impl StepHost for FakeHost {
         type Sandbox = ();
+        type StartError = std::convert::Infallible;
+        type ExecError = std::convert::Infallible;
+        type CommitError = std::convert::Infallible;
 
-        async fn start(&self) -> Result<(), String> {
+        async fn start(&self) -> Result<(), Self::StartError> {
             self.record("start");
             Ok(())
         }
@@ -96,7 +105,7 @@ mod tests {
             &self,
             _: &(),
             on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
-        ) -> Result<i32, String> {
+        ) -> Result<i32, Self::ExecError> {
             self.record("exec");
             on_output(b"working\n");
             match self.exit {
@@ -105,7 +114,7 @@ mod tests {
             }
         }
 
-        async fn commit(&self, _: ()) -> Result<(), String> {
+        async fn commit(&self, _: ()) -> Result<(), Self::CommitError> {
             self.record("commit");
             Ok(())
         }

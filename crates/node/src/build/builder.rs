@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use sandbar_core::builds::{
-    BASE_STEP, BuildFailure, BuildJob, BuildLog, BuildSource, Builder, FINALIZE_STEP, LogLevel,
-    StartedImage, StepKind, TemplateImage, UploadBody, UploadError,
+    BASE_STEP, BuildFailure, BuildJob, BuildLog, BuildSource, BuildStep, Builder, FINALIZE_STEP,
+    LogLevel, StartedImage, StepKind, TemplateImage, UploadBody, UploadError,
 };
 use sandbar_core::{EgressRules, LaunchSpec, Runtime, RuntimeHandle, Template};
 use sha2::{Digest, Sha256};
@@ -402,241 +402,15 @@ impl NodeBuilder {
         let total = job.spec.steps.len();
         let mut cached = !job.spec.force;
         for (index, step) in job.spec.steps.iter().enumerate() {
-            let number = (index + 1).to_string();
-            let definition = serde_json::to_vec(&step.kind).unwrap_or_default();
-            let mut key_parts: Vec<Vec<u8>> = vec![state.key.clone().into_bytes(), definition];
-            if let StepKind::Copy { files_hash, .. } = &step.kind {
-                let path = self
-                    .upload_path(job.team_id.as_deref().unwrap_or("builtin"), files_hash)
-                    .filter(|p| sandbar_fs::host_is_file(p))
-                    .ok_or_else(|| {
-                        io_fail(
-                            &number,
-                            format!(
-                                "step {number} (COPY): the files {files_hash} were never uploaded"
-                            ),
-                        )
-                    })?;
-                key_parts.push(
-                    file_sha(&path)
-                        .map_err(|e| io_fail(&number, e))?
-                        .into_bytes(),
-                );
-            }
-            if step.force || job.spec.force {
-                cached = false;
-                key_parts.push(job.build_id.clone().into_bytes());
-            }
-            let parts: Vec<&[u8]> = key_parts.iter().map(Vec::as_slice).collect();
-            let key = sha(&parts);
-            let name = LayerStore::step_layer_name(&key);
-            let makes_layer = matches!(step.kind, StepKind::Run { .. } | StepKind::Copy { .. });
-            let hit = cached && (!makes_layer || self.store().exists(&name));
-            let shown = format!("[{number}/{total}] {}", step.kind.describe());
-            if hit {
-                log.info(Some(&number), format!("CACHED {shown}"));
-            } else {
-                cached = false;
-                log.info(Some(&number), shown);
-            }
-            match &step.kind {
-                StepKind::Env { vars } => {
-                    state.env.extend(vars.iter().cloned());
-                }
-                StepKind::Workdir { path } => {
-                    let target = absolute(&state.workdir, path);
-                    let stack = self.stack(&state, &number)?;
-                    let relative =
-                        layers::resolve(&stack, &target).map_err(|e| io_fail(&number, e))?;
-                    if matches!(layers::lookup(&stack, &relative), Found::Missing) {
-                        if !self.store().exists(&name) {
-                            let owner = lookup_ids(&stack, &state.user, None)
-                                .map_err(|e| io_fail(&number, e))?;
-                            self.write_layer(&key, &number, |upper| {
-                                make_parents(&stack, upper, &relative, true, owner)
-                            })?;
-                        }
-                        self.pin(&job.build_id, &name);
-                        state.layers.push(name.clone());
-                    }
-                    state.workdir = target;
-                }
-                StepKind::User { user } => {
-                    let stack = self.stack(&state, &number)?;
-                    if lookup_ids(&stack, user, None).is_err() {
-                        if !self.store().exists(&name) {
-                            self.write_layer(&key, &number, |upper| add_user(&stack, upper, user))?;
-                        }
-                        self.pin(&job.build_id, &name);
-                        state.layers.push(name.clone());
-                    }
-                    state.user = user.clone();
-                }
-                StepKind::Run { command, user } => {
-                    self.pin(&job.build_id, &name);
-                    if !hit {
-                        let as_user = user.clone().unwrap_or_else(|| state.user.clone());
-                        self.run_step(job, &state, &key, &number, (command, &as_user), log)
-                            .await?;
-                    }
-                    state.layers.push(name.clone());
-                }
-                StepKind::Copy {
-                    src,
-                    dest,
-                    owner,
-                    mode,
-                    files_hash,
-                } => {
-                    self.pin(&job.build_id, &name);
-                    if !hit {
-                        let upload = self
-                            .upload_path(job.team_id.as_deref().unwrap_or("builtin"), files_hash)
-                            .ok_or_else(|| io_fail(&number, "invalid upload"))?;
-                        let stack = self.stack(&state, &number)?;
-                        let dest = absolute(&state.workdir, dest);
-                        let owner_spec = owner
-                            .clone()
-                            .filter(|o| !o.is_empty())
-                            .unwrap_or_else(|| state.user.clone());
-                        let (uid, gid) = {
-                            let (u, g) = match owner_spec.split_once(':') {
-                                Some((u, g)) => (u.to_owned(), Some(g.to_owned())),
-                                None => (owner_spec.clone(), None),
-                            };
-                            lookup_ids(&stack, &u, g.as_deref()).map_err(|e| io_fail(&number, e))?
-                        };
-                        let ctx_dir = self
-                            .store()
-                            .steps_dir()
-                            .join(format!(".tmp-ctx-{}", sandbar_core::ids::new_secret("")));
-                        let ctx_name = ctx_dir.file_name().map(OsStr::to_owned).unwrap_or_default();
-                        let step_name = number.clone();
-                        let src = src.clone();
-                        let mode = *mode;
-                        let result = tokio::task::block_in_place(|| -> Result<(), BuildFailure> {
-                            Tree::open(self.store().steps_dir(), Links::Refused)
-                                .and_then(|steps| Ok(steps.create_dir(&ctx_name, 0o700)?))
-                                .map_err(|e| io_fail(&step_name, e))?;
-                            let file = self
-                                .uploads
-                                .open_for_build(&upload)
-                                .map_err(|e| io_fail(&step_name, e))?;
-                            // The context and its copy both land in the pool: each may take
-                            // at most the template's disk.
-                            let budget =
-                                sandbar_image::ByteBudget::new(u64::from(job.disk_size_mb) << 20);
-                            sandbar_image::extract_upload_within(
-                                std::io::BufReader::new(file),
-                                &ctx_dir,
-                                &budget,
-                            )
-                                .map_err(|e| io_fail(&step_name, format!("step {step_name} (COPY): the uploaded files are refused: {e}")))?;
-                            let ctx = Tree::open(&ctx_dir, Links::Refused)
-                                .map_err(|e| io_fail(&step_name, e))?;
-                            let sources = select_sources(&ctx, &src).map_err(|e| {
-                                io_fail(&step_name, format!("step {step_name} (COPY): {e}"))
-                            })?;
-                            self.write_layer(&key, &step_name, |upper| {
-                                copy_into_layer(
-                                    &stack,
-                                    upper,
-                                    &ctx,
-                                    &sources,
-                                    &dest,
-                                    (uid, gid),
-                                    mode,
-                                )
-                            })
-                            .map_err(|f| {
-                                BuildFailure::at(
-                                    &step_name,
-                                    format!("step {step_name} (COPY): {}", f.message),
-                                )
-                            })
-                        });
-                        if let Ok(steps) = Tree::open(self.store().steps_dir(), Links::Refused) {
-                            let _ = steps.remove_all(&ctx_name);
-                        }
-                        result?;
-                    }
-                    state.layers.push(name.clone());
-                }
-            }
-            state.key = key;
+            let planned = self.plan_step(job, &state, index, step, &mut cached)?;
+            log.info(Some(&planned.number), planned.shown(total, step));
+            self.apply_step(job, &mut state, step, &planned, log)
+                .await?;
+            state.key = planned.key;
         }
-        let mut image = TemplateImage {
-            layers: state.layers.clone(),
-            env: state.env.clone(),
-            user: state.user.clone(),
-            workdir: state.workdir.clone(),
-            start_cmd: job.spec.start_cmd.clone().filter(|c| !c.is_empty()),
-            ready_cmd: job.spec.ready_cmd.clone().filter(|c| !c.is_empty()),
-            snapshot: None,
-            started: None,
-        };
+        let mut image = final_image(job, &state);
         if image.start_cmd.is_some() || image.ready_cmd.is_some() {
-            log.info(
-                Some(FINALIZE_STEP),
-                "checking the start and ready commands in a new sandbox",
-            );
-            let id = sandbar_core::ids::new_sandbox_id();
-            let token = sandbar_core::ids::new_secret("");
-            let spec = self.launch_spec(
-                job,
-                &state,
-                &id,
-                &token,
-                image.start_cmd.clone(),
-                image.ready_cmd.clone(),
-            );
-            let (sandbox, _) = launch_build_sandbox(self.runtime.clone(), spec)
-                .await
-                .map_err(|e| io_fail(FINALIZE_STEP, format!("the template does not start: {e}")))?;
-            let Some(handle) = sandbox.handle.clone() else {
-                return Err(io_fail(FINALIZE_STEP, "the template's sandbox is gone"));
-            };
-            log.info(Some(FINALIZE_STEP), "start command ready");
-            // Captured with its memory once ready, as E2B's templates are: sandboxes of the
-            // template are restored from it with the start command's processes running
-            // instead of started and waited for again. In a field of its own: an image with
-            // `snapshot` set is a snapshot's.
-            let captured = if image.start_cmd.is_some() && self.runtime.checkpoints_ready().await {
-                self.runtime
-                    .snapshot(&id, &handle, &token, true)
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|parts| {
-                        parts
-                            .checkpoint
-                            .map(|checkpoint| (parts.layer, checkpoint))
-                            .ok_or_else(|| "the capture has no checkpoint".to_owned())
-                    })
-            } else {
-                Err("this node cannot checkpoint sandboxes".to_owned())
-            };
-            sandbox.destroy().await;
-            match captured {
-                Ok((layer, checkpoint)) => {
-                    image.started = Some(StartedImage {
-                        layer,
-                        checkpoint,
-                        sandbox_id: id,
-                    });
-                    log.info(
-                        Some(FINALIZE_STEP),
-                        "captured the started sandbox with its memory: new sandboxes start with the start command running",
-                    );
-                }
-                Err(e) if image.start_cmd.is_some() => log.log(
-                    LogLevel::Warn,
-                    Some(FINALIZE_STEP),
-                    format!(
-                        "the started sandbox is not captured ({e}); each new sandbox runs the start command and waits until it is ready"
-                    ),
-                ),
-                Err(_) => {}
-            }
+            self.check_start(job, &state, &mut image, log).await?;
         }
         log.info(
             Some(FINALIZE_STEP),
@@ -644,6 +418,494 @@ impl NodeBuilder {
         );
         Ok(image)
     }
+
+    /// Works out a step's cache key before it runs: the key chains the parent's with the
+    /// step's definition (and a `COPY`'s uploaded files), so one changed step rebuilds it and
+    /// every step after it. `cached` stays true only while every step so far was a hit.
+    fn plan_step(
+        &self,
+        job: &BuildJob,
+        state: &State,
+        index: usize,
+        step: &BuildStep,
+        cached: &mut bool,
+    ) -> Result<PlannedStep, BuildFailure> {
+        let number = (index + 1).to_string();
+        let definition = serde_json::to_vec(&step.kind).unwrap_or_default();
+        let mut key_parts: Vec<Vec<u8>> = vec![state.key.clone().into_bytes(), definition];
+        if let StepKind::Copy { files_hash, .. } = &step.kind {
+            let path = self
+                .upload_path(job.team_id.as_deref().unwrap_or("builtin"), files_hash)
+                .filter(|p| sandbar_fs::host_is_file(p))
+                .ok_or_else(|| {
+                    io_fail(
+                        &number,
+                        format!("step {number} (COPY): the files {files_hash} were never uploaded"),
+                    )
+                })?;
+            key_parts.push(
+                file_sha(&path)
+                    .map_err(|e| io_fail(&number, e))?
+                    .into_bytes(),
+            );
+        }
+        if step.force || job.spec.force {
+            *cached = false;
+            key_parts.push(job.build_id.clone().into_bytes());
+        }
+        let parts: Vec<&[u8]> = key_parts.iter().map(Vec::as_slice).collect();
+        let key = sha(&parts);
+        let name = LayerStore::step_layer_name(&key);
+        let makes_layer = matches!(step.kind, StepKind::Run { .. } | StepKind::Copy { .. });
+        let hit = *cached && (!makes_layer || self.store().exists(&name));
+        if !hit {
+            *cached = false;
+        }
+        Ok(PlannedStep {
+            number,
+            key,
+            name,
+            hit,
+        })
+    }
+
+    /// Carries one step out on the build's state, by kind.
+    async fn apply_step(
+        &self,
+        job: &BuildJob,
+        state: &mut State,
+        step: &BuildStep,
+        planned: &PlannedStep,
+        log: &BuildLog,
+    ) -> Result<(), BuildFailure> {
+        match &step.kind {
+            StepKind::Env { vars } => {
+                state.env.extend(vars.iter().cloned());
+                Ok(())
+            }
+            StepKind::Workdir { path } => self.apply_workdir(job, state, path, planned),
+            StepKind::User { user } => self.apply_user(job, state, user, planned),
+            StepKind::Run { command, user } => {
+                self.pin(&job.build_id, &planned.name);
+                if !planned.hit {
+                    let as_user = user.clone().unwrap_or_else(|| state.user.clone());
+                    self.run_step(
+                        job,
+                        state,
+                        &planned.key,
+                        &planned.number,
+                        (command, &as_user),
+                        log,
+                    )
+                    .await?;
+                }
+                state.layers.push(planned.name.clone());
+                Ok(())
+            }
+            StepKind::Copy {
+                src,
+                dest,
+                owner,
+                mode,
+                files_hash,
+            } => {
+                self.pin(&job.build_id, &planned.name);
+                if !planned.hit {
+                    let copy = CopyStep {
+                        src,
+                        dest,
+                        owner: owner.as_deref(),
+                        mode: *mode,
+                        files_hash,
+                    };
+                    self.apply_copy(job, state, &copy, planned)?;
+                }
+                state.layers.push(planned.name.clone());
+                Ok(())
+            }
+        }
+    }
+
+    /// `WORKDIR`: a directory that does not exist yet is made in a layer of its own, owned
+    /// by the current user as Docker does; one that exists adds no layer.
+    fn apply_workdir(
+        &self,
+        job: &BuildJob,
+        state: &mut State,
+        path: &str,
+        planned: &PlannedStep,
+    ) -> Result<(), BuildFailure> {
+        let number = &planned.number;
+        let target = absolute(&state.workdir, path);
+        let stack = self.stack(state, number)?;
+        let relative = layers::resolve(&stack, &target).map_err(|e| io_fail(number, e))?;
+        if matches!(layers::lookup(&stack, &relative), Found::Missing) {
+            if !self.store().exists(&planned.name) {
+                let owner =
+                    lookup_ids(&stack, &state.user, None).map_err(|e| io_fail(number, e))?;
+                self.write_layer(&planned.key, number, |upper| {
+                    make_parents(&stack, upper, &relative, true, owner)
+                })?;
+            }
+            self.pin(&job.build_id, &planned.name);
+            state.layers.push(planned.name.clone());
+        }
+        state.workdir = target;
+        Ok(())
+    }
+
+    /// `USER`: an account the image lacks is added in a layer of its own, so a step may name
+    /// any user; one the image has adds no layer.
+    fn apply_user(
+        &self,
+        job: &BuildJob,
+        state: &mut State,
+        user: &str,
+        planned: &PlannedStep,
+    ) -> Result<(), BuildFailure> {
+        let stack = self.stack(state, &planned.number)?;
+        if lookup_ids(&stack, user, None).is_err() {
+            if !self.store().exists(&planned.name) {
+                self.write_layer(&planned.key, &planned.number, |upper| {
+                    add_user(&stack, upper, user)
+                })?;
+            }
+            self.pin(&job.build_id, &planned.name);
+            state.layers.push(planned.name.clone());
+        }
+        state.user = user.to_owned();
+        Ok(())
+    }
+
+    /// `COPY`: unpacks the uploaded context into a scratch directory of the pool and copies
+    /// the selected files into a new layer; the scratch directory goes however it ends.
+    fn apply_copy(
+        &self,
+        job: &BuildJob,
+        state: &State,
+        copy: &CopyStep<'_>,
+        planned: &PlannedStep,
+    ) -> Result<(), BuildFailure> {
+        let number = &planned.number;
+        let upload = self
+            .upload_path(job.team_id.as_deref().unwrap_or("builtin"), copy.files_hash)
+            .ok_or_else(|| io_fail(number, "invalid upload"))?;
+        let stack = self.stack(state, number)?;
+        let dest = absolute(&state.workdir, copy.dest);
+        let owner_spec = copy
+            .owner
+            .filter(|o| !o.is_empty())
+            .map_or_else(|| state.user.clone(), str::to_owned);
+        let (user, group) = match owner_spec.split_once(':') {
+            Some((u, g)) => (u, Some(g)),
+            None => (owner_spec.as_str(), None),
+        };
+        let owner = lookup_ids(&stack, user, group).map_err(|e| io_fail(number, e))?;
+        let ctx_dir = self
+            .store()
+            .steps_dir()
+            .join(format!(".tmp-ctx-{}", sandbar_core::ids::new_secret("")));
+        let ctx_name = ctx_dir.file_name().map(OsStr::to_owned).unwrap_or_default();
+        let target = CopyTarget {
+            stack: &stack,
+            dest: &dest,
+            owner,
+        };
+        let scratch = CopyScratch {
+            upload: &upload,
+            dir: &ctx_dir,
+            name: &ctx_name,
+        };
+        let result = tokio::task::block_in_place(|| {
+            self.fill_copy_layer(job, copy, planned, &scratch, &target)
+        });
+        if let Ok(steps) = Tree::open(self.store().steps_dir(), Links::Refused) {
+            let _ = steps.remove_all(&ctx_name);
+        }
+        result
+    }
+
+    /// The blocking half of `COPY`: unpacks the upload within the template's disk and writes
+    /// the step's layer from it.
+    fn fill_copy_layer(
+        &self,
+        job: &BuildJob,
+        copy: &CopyStep<'_>,
+        planned: &PlannedStep,
+        scratch: &CopyScratch<'_>,
+        target: &CopyTarget<'_>,
+    ) -> Result<(), BuildFailure> {
+        let step_name = &planned.number;
+        let (upload, ctx_dir, ctx_name) = (scratch.upload, scratch.dir, scratch.name);
+        Tree::open(self.store().steps_dir(), Links::Refused)
+            .and_then(|steps| Ok(steps.create_dir(ctx_name, 0o700)?))
+            .map_err(|e| io_fail(step_name, e))?;
+        let file = self
+            .uploads
+            .open_for_build(upload)
+            .map_err(|e| io_fail(step_name, e))?;
+        // The context and its copy both land in the pool: each may take at most the
+        // template's disk.
+        let budget = sandbar_image::ByteBudget::new(u64::from(job.disk_size_mb) << 20);
+        sandbar_image::extract_upload_within(std::io::BufReader::new(file), ctx_dir, &budget)
+            .map_err(|e| {
+                io_fail(
+                    step_name,
+                    format!("step {step_name} (COPY): the uploaded files are refused: {e}"),
+                )
+            })?;
+        let ctx = Tree::open(ctx_dir, Links::Refused).map_err(|e| io_fail(step_name, e))?;
+        let sources = select_sources(&ctx, copy.src)
+            .map_err(|e| io_fail(step_name, format!("step {step_name} (COPY): {e}")))?;
+        self.write_layer(&planned.key, step_name, |upper| {
+            copy_into_layer(
+                target.stack,
+                upper,
+                &ctx,
+                &sources,
+                target.dest,
+                target.owner,
+                copy.mode,
+            )
+        })
+        .map_err(|f| BuildFailure::at(step_name, format!("step {step_name} (COPY): {}", f.message)))
+    }
+
+    /// Starts the finished template once so a start or ready command that never gets ready
+    /// fails the build rather than every sandbox made from it, and captures the started
+    /// sandbox where the node can.
+    async fn check_start(
+        &self,
+        job: &BuildJob,
+        state: &State,
+        image: &mut TemplateImage,
+        log: &BuildLog,
+    ) -> Result<(), BuildFailure> {
+        log.info(
+            Some(FINALIZE_STEP),
+            "checking the start and ready commands in a new sandbox",
+        );
+        let id = sandbar_core::ids::new_sandbox_id();
+        let token = sandbar_core::ids::new_secret("");
+        let spec = self.launch_spec(
+            job,
+            state,
+            &id,
+            &token,
+            image.start_cmd.clone(),
+            image.ready_cmd.clone(),
+        );
+        let (sandbox, _) = launch_build_sandbox(self.runtime.clone(), spec)
+            .await
+            .map_err(|e| io_fail(FINALIZE_STEP, format!("the template does not start: {e}")))?;
+        let Some(handle) = sandbox.handle.clone() else {
+            return Err(io_fail(FINALIZE_STEP, "the template's sandbox is gone"));
+        };
+        log.info(Some(FINALIZE_STEP), "start command ready");
+        // Captured with its memory once ready, as E2B's templates are: sandboxes of the
+        // template are restored from it with the start command's processes running instead
+        // of started and waited for again. In a field of its own: an image with `snapshot`
+        // set is a snapshot's.
+        let captured = if image.start_cmd.is_some() && self.runtime.checkpoints_ready().await {
+            self.capture_started(&id, &handle, &token).await
+        } else {
+            Err(CaptureError::NotSupported {
+                sandbox_id: id.clone(),
+            })
+        };
+        sandbox.destroy().await;
+        match captured {
+            Ok((layer, checkpoint)) => {
+                image.started = Some(StartedImage {
+                    layer,
+                    checkpoint,
+                    sandbox_id: id,
+                });
+                log.info(
+                    Some(FINALIZE_STEP),
+                    "captured the started sandbox with its memory: new sandboxes start with the start command running",
+                );
+            }
+            Err(e) if image.start_cmd.is_some() => log.log(
+                LogLevel::Warn,
+                Some(FINALIZE_STEP),
+                format!(
+                    "the started sandbox is not captured ({e}); each new sandbox runs the start command and waits until it is ready"
+                ),
+            ),
+            Err(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Snapshots the ready build sandbox with its memory; the layer and checkpoint it names
+    /// become the template's started image.
+    async fn capture_started(
+        &self,
+        id: &str,
+        handle: &RuntimeHandle,
+        token: &str,
+    ) -> Result<(String, String), CaptureError> {
+        let parts = self
+            .runtime
+            .snapshot(id, handle, token, true)
+            .await
+            .map_err(CaptureError::Snapshot)?;
+        parts
+            .checkpoint
+            .map(|checkpoint| (parts.layer, checkpoint))
+            .ok_or_else(|| CaptureError::NoCheckpoint {
+                sandbox_id: id.to_owned(),
+            })
+    }
+}
+
+/// Why a template's started sandbox is not captured with its memory; its sandboxes then run
+/// the start command each.
+#[derive(Debug, thiserror::Error)]
+enum CaptureError {
+    #[error("this node cannot checkpoint sandboxes")]
+    NotSupported { sandbox_id: String },
+    #[error("{0}")]
+    Snapshot(sandbar_core::RuntimeError),
+    #[error("the capture has no checkpoint")]
+    NoCheckpoint { sandbox_id: String },
+}
+
+/// Why a build sandbox does not start.
+#[derive(Debug, thiserror::Error)]
+enum LaunchBuildSandboxError {
+    #[error("{0}")]
+    Launch(sandbar_core::RuntimeError),
+    #[error("the launch of the build sandbox ended: {source}")]
+    Ended {
+        sandbox_id: String,
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Why a `RUN` step's command cannot be run to its end in its sandbox.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct StepExecError {
+    sandbox_id: String,
+    /// What the sandbox's agent answered.
+    message: String,
+}
+
+/// Why a `RUN` step's sandbox cannot be kept as its layer.
+#[derive(Debug, thiserror::Error)]
+enum StepCommitError {
+    #[error("step {step}: the build sandbox is gone")]
+    Gone { step: String },
+    #[error("{0}")]
+    Commit(sandbar_core::RuntimeError),
+}
+
+/// Why a user or group a step names has no ids in the image.
+#[derive(Debug, thiserror::Error)]
+enum LookupIdsError {
+    #[error("user '{user}' does not exist in the image")]
+    NoUser { user: String },
+    #[error("group '{group}' does not exist in the image")]
+    NoGroup { group: String },
+}
+
+/// Why a `COPY` step's sources cannot be taken from the uploaded files.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectSourcesError {
+    #[error("source '{src}' leaves the build context")]
+    LeavesContext { src: String },
+    #[error("source '{src}' passes through the link '{}' in the uploaded files", link.display())]
+    ThroughLink { src: String, link: PathBuf },
+    #[error("{source}")]
+    Read {
+        src: String,
+        source: sandbar_fs::FsError,
+    },
+    #[error("no uploaded file matches '{src}'")]
+    NoMatch { src: String },
+}
+
+/// Why a step run outside a build ([`copy_step`], [`prerequisites_step`]) fails.
+#[derive(Debug, thiserror::Error)]
+pub enum LayerStepError {
+    #[error("cannot open {}: {source}", path.display())]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Sources(#[from] SelectSourcesError),
+    #[error("cannot write the layer {}: {source}", upper.display())]
+    Write {
+        upper: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// The image a finished build names, before its start command is checked.
+fn final_image(job: &BuildJob, state: &State) -> TemplateImage {
+    TemplateImage {
+        layers: state.layers.clone(),
+        env: state.env.clone(),
+        user: state.user.clone(),
+        workdir: state.workdir.clone(),
+        start_cmd: job.spec.start_cmd.clone().filter(|c| !c.is_empty()),
+        ready_cmd: job.spec.ready_cmd.clone().filter(|c| !c.is_empty()),
+        snapshot: None,
+        started: None,
+    }
+}
+
+/// One step's place in the layer cache, worked out before it runs.
+struct PlannedStep {
+    /// The step's number as the build log shows it, from 1.
+    number: String,
+    /// The cache key of the state after the step.
+    key: String,
+    /// The step layer the key names.
+    name: String,
+    /// Whether the step's result is cached and need not run again.
+    hit: bool,
+}
+
+impl PlannedStep {
+    /// The build log's line for the step.
+    fn shown(&self, total: usize, step: &BuildStep) -> String {
+        let shown = format!("[{}/{total}] {}", self.number, step.kind.describe());
+        if self.hit {
+            format!("CACHED {shown}")
+        } else {
+            shown
+        }
+    }
+}
+
+/// A `COPY` step's fields, borrowed from its definition.
+struct CopyStep<'a> {
+    src: &'a str,
+    dest: &'a str,
+    owner: Option<&'a str>,
+    mode: Option<u32>,
+    files_hash: &'a str,
+}
+
+/// Where a `COPY` unpacks its upload: a directory of the pool, so a context as large as the
+/// template's disk never fills the host's.
+struct CopyScratch<'a> {
+    /// The uploaded tar.
+    upload: &'a Path,
+    /// The scratch directory's path, and its name in the steps directory.
+    dir: &'a Path,
+    name: &'a OsStr,
+}
+
+/// Where a `COPY` puts its files: the image below, the absolute destination and the owner.
+struct CopyTarget<'a> {
+    stack: &'a Stack,
+    dest: &'a str,
+    owner: (u32, u32),
 }
 
 /// Lets go of a build's pinned layers when the build ends, also when it is dropped where it
@@ -726,15 +988,19 @@ impl Drop for BuildSandbox {
 async fn launch_build_sandbox(
     runtime: Arc<LinuxRuntime>,
     spec: LaunchSpec,
-) -> Result<(BuildSandbox, sandbar_core::Endpoint), String> {
+) -> Result<(BuildSandbox, sandbar_core::Endpoint), LaunchBuildSandboxError> {
     let id = spec.sandbox_id.clone();
+    let sandbox_id = id.clone();
     let alive = runtime.build_sandbox_in_flight();
     tokio::spawn(async move {
-        let (handle, endpoint) = runtime.launch(spec).await.map_err(|e| e.to_string())?;
+        let (handle, endpoint) = runtime
+            .launch(spec)
+            .await
+            .map_err(LaunchBuildSandboxError::Launch)?;
         Ok((BuildSandbox::new(runtime, id, handle, alive), endpoint))
     })
     .await
-    .map_err(|e| format!("the launch of the build sandbox ended: {e}"))?
+    .map_err(|source| LaunchBuildSandboxError::Ended { sandbox_id, source })?
 }
 
 async fn destroy_build_sandbox(runtime: &LinuxRuntime, id: &str, handle: &RuntimeHandle) {
@@ -764,8 +1030,11 @@ struct StepSandbox {
 #[async_trait::async_trait]
 impl crate::build::build_step::StepHost for RunStepHost<'_> {
     type Sandbox = StepSandbox;
+    type StartError = LaunchBuildSandboxError;
+    type ExecError = StepExecError;
+    type CommitError = StepCommitError;
 
-    async fn start(&self) -> Result<StepSandbox, String> {
+    async fn start(&self) -> Result<StepSandbox, LaunchBuildSandboxError> {
         let id = sandbar_core::ids::new_sandbox_id();
         let token = sandbar_core::ids::new_secret("");
         let spec = self
@@ -783,7 +1052,7 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         &self,
         sandbox: &StepSandbox,
         on_output: &mut (dyn for<'b> FnMut(&'b [u8]) + Send),
-    ) -> Result<i32, String> {
+    ) -> Result<i32, StepExecError> {
         let exec = crate::runtime::agent_client::Exec {
             token: &sandbox.token,
             user: self.user,
@@ -793,17 +1062,23 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         };
         crate::runtime::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes))
             .await
+            .map_err(|message| StepExecError {
+                sandbox_id: sandbox.sandbox.id.clone(),
+                message,
+            })
     }
 
-    async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), String> {
+    async fn commit(&self, mut sandbox: StepSandbox) -> Result<(), StepCommitError> {
         let Some(handle) = sandbox.sandbox.handle.clone() else {
-            return Err(format!("step {}: the build sandbox is gone", self.step));
+            return Err(StepCommitError::Gone {
+                step: self.step.to_owned(),
+            });
         };
         self.builder
             .runtime
             .commit_layer(&sandbox.sandbox.id, &handle, self.key)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(StepCommitError::Commit)?;
         // Committed: its directory is the layer now, and nothing of it is left to remove.
         sandbox.sandbox.handle = None;
         Ok(())
@@ -946,7 +1221,11 @@ fn absolute(workdir: &str, path: &str) -> String {
 
 /// The uid and gid of `user` (and of `group`, else the user's primary group), read through
 /// the image's `/etc/passwd` and `/etc/group`; numeric ids are taken as they are.
-fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u32), String> {
+fn lookup_ids(
+    stack: &Stack,
+    user: &str,
+    group: Option<&str>,
+) -> Result<(u32, u32), LookupIdsError> {
     let passwd = layers::read_file(stack, "/etc/passwd").unwrap_or_default();
     let (uid, primary) = match user.parse::<u32>() {
         Ok(uid) => (uid, uid),
@@ -958,7 +1237,9 @@ fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u3
                     .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
             })
             .next()
-            .ok_or_else(|| format!("user '{user}' does not exist in the image"))?,
+            .ok_or_else(|| LookupIdsError::NoUser {
+                user: user.to_owned(),
+            })?,
     };
     let gid = match group {
         None => primary,
@@ -973,7 +1254,9 @@ fn lookup_ids(stack: &Stack, user: &str, group: Option<&str>) -> Result<(u32, u3
                         (f.len() >= 3 && f[0] == g).then(|| f[2].parse().ok())?
                     })
                     .next()
-                    .ok_or_else(|| format!("group '{g}' does not exist in the image"))?
+                    .ok_or_else(|| LookupIdsError::NoGroup {
+                        group: g.to_owned(),
+                    })?
             }
         },
     };
@@ -1153,38 +1436,62 @@ pub fn copy_step(
     dest: &str,
     owner: (u32, u32),
     mode: Option<u32>,
-) -> Result<(), String> {
-    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
-    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
-    let ctx = Tree::open(ctx, Links::Refused).map_err(|e| e.to_string())?;
+) -> Result<(), LayerStepError> {
+    let stack = open_lower(lower)?;
+    let upper_tree = open_tree(upper)?;
+    let ctx = open_tree(ctx)?;
     let sources = select_sources(&ctx, src)?;
-    copy_into_layer(&stack, &upper, &ctx, &sources, dest, owner, mode).map_err(|e| e.to_string())
+    copy_into_layer(&stack, &upper_tree, &ctx, &sources, dest, owner, mode).map_err(|source| {
+        LayerStepError::Write {
+            upper: upper.to_owned(),
+            source,
+        }
+    })
+}
+
+/// The layers `lower` opened for a step outside a build.
+fn open_lower(lower: &[PathBuf]) -> Result<Stack, LayerStepError> {
+    Stack::open(lower).map_err(|source| LayerStepError::Open {
+        path: lower.first().cloned().unwrap_or_default(),
+        source,
+    })
+}
+
+/// A directory opened for a step outside a build, following no link.
+fn open_tree(path: &Path) -> Result<Tree, LayerStepError> {
+    Tree::open(path, Links::Refused).map_err(|source| LayerStepError::Open {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// What a build from an image writes before its steps (the sandbox user, `/tmp`, `/etc`), into
 /// the layer directory `upper` over the layers `lower` (topmost first).
-pub fn prerequisites_step(lower: &[PathBuf], upper: &Path) -> Result<(), String> {
-    let stack = Stack::open(lower).map_err(|e| e.to_string())?;
-    let upper = Tree::open(upper, Links::Refused).map_err(|e| e.to_string())?;
-    write_prerequisites(&stack, &upper).map_err(|e| e.to_string())
+pub fn prerequisites_step(lower: &[PathBuf], upper: &Path) -> Result<(), LayerStepError> {
+    let stack = open_lower(lower)?;
+    let upper_tree = open_tree(upper)?;
+    write_prerequisites(&stack, &upper_tree).map_err(|source| LayerStepError::Write {
+        upper: upper.to_owned(),
+        source,
+    })
 }
 
 /// The entries of the extracted context that `src` names: a path, or a pattern with `*`
 /// and `?` in its components, as paths relative to the context. A link in the context is
 /// copied as a link; a source that passes through one is refused, never followed.
-fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, String> {
+fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, SelectSourcesError> {
     let pattern: Vec<&str> = src
         .split('/')
         .filter(|c| !c.is_empty() && *c != ".")
         .collect();
     if pattern.contains(&"..") {
-        return Err(format!("source '{src}' leaves the build context"));
+        return Err(SelectSourcesError::LeavesContext {
+            src: src.to_owned(),
+        });
     }
-    let through_link = |path: &Path| {
-        format!(
-            "source '{src}' passes through the link '{}' in the uploaded files",
-            path.display()
-        )
+    let through_link = |path: &Path| SelectSourcesError::ThroughLink {
+        src: src.to_owned(),
+        link: path.to_owned(),
     };
     let mut current = vec![(PathBuf::new(), Kind::Dir)];
     for component in &pattern {
@@ -1212,14 +1519,21 @@ fn select_sources(ctx: &Tree, src: &str) -> Result<Vec<PathBuf>, String> {
                     Ok(Some(meta)) => next.push((path, Kind::of(&meta))),
                     Ok(None) | Err(sandbar_fs::FsError::NotADirectory(_)) => {}
                     Err(sandbar_fs::FsError::Link(_)) => return Err(through_link(dir)),
-                    Err(e) => return Err(e.to_string()),
+                    Err(source) => {
+                        return Err(SelectSourcesError::Read {
+                            src: src.to_owned(),
+                            source,
+                        });
+                    }
                 }
             }
         }
         current = next;
     }
     if current.is_empty() {
-        return Err(format!("no uploaded file matches '{src}'"));
+        return Err(SelectSourcesError::NoMatch {
+            src: src.to_owned(),
+        });
     }
     Ok(current.into_iter().map(|(path, _)| path).collect())
 }
@@ -1521,10 +1835,10 @@ mod tests {
         let stack = Stack::open(&[lower]).unwrap();
         let (up, cx) = (tree(&upper), tree(&ctx));
         // A source through a context link is refused, naming the link.
-        let err = select_sources(&cx, "l/secret").unwrap_err();
+        let err = select_sources(&cx, "l/secret").unwrap_err().to_string();
         assert!(err.contains("'l'"), "{err}");
         assert_eq!(
-            select_sources(&cx, "l/*"),
+            select_sources(&cx, "l/*").map_err(|e| e.to_string()),
             Err("source 'l/*' passes through the link 'l' in the uploaded files".to_owned())
         );
         // The first source lays the link, the second writes where it points: refused.
@@ -1631,7 +1945,7 @@ mod tests {
         assert_eq!(lookup_ids(&stack, "user", None).unwrap(), (1000, 1000));
         assert_eq!(lookup_ids(&stack, "root", Some("user")).unwrap(), (0, 1000));
         assert_eq!(
-            lookup_ids(&stack, "nobody", None),
+            lookup_ids(&stack, "nobody", None).map_err(|e| e.to_string()),
             Err("user 'nobody' does not exist in the image".to_owned())
         );
     }

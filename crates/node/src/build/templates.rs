@@ -140,30 +140,13 @@ pub async fn build_root(
         return Ok(rootfs);
     }
     let name = recipe.name;
-    let io = |path: &Path| {
-        let path = path.to_owned();
-        move |source| TemplateBuildError::Io { path, source }
-    };
-    let target_dir = rootfs.parent().map(Path::to_owned).unwrap_or_default();
     let staging = templates_dir.join(format!(".{name}-v{}.partial", recipe.version));
     if staging.exists() {
-        // An interrupted build: a server older than the namespaces below left its mounts on
-        // the host; they go first, and the removal never walks into a mount anyway.
-        let detached = crate::storage::mounts::detach_below(&staging).map_err(|source| {
-            TemplateBuildError::Mounts {
-                path: staging.clone(),
-                source,
-            }
-        })?;
-        if detached > 0 {
-            tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of '{name}' left mounted");
-        }
-        remove_tree_blocking(&staging).await.map_err(io(&staging))?;
-        tracing::info!(path = %staging.display(), "removed an interrupted build of '{name}'; building again");
+        clear_interrupted_build(&staging, name).await?;
     }
     tokio::fs::create_dir_all(templates_dir)
         .await
-        .map_err(io(templates_dir))?;
+        .map_err(io_error(templates_dir))?;
 
     tracing::info!(
         packages = recipe.packages,
@@ -177,6 +160,49 @@ pub async fn build_root(
             source: std::io::ErrorKind::NotFound.into(),
         });
     }
+    run_mmdebstrap(mmdebstrap_command(recipe, &staging, mirror), name, &staging).await?;
+    install_root(&staging, &rootfs).await?;
+    tracing::info!(
+        seconds = started.elapsed().as_secs_f32(),
+        "the root '{name}' is ready"
+    );
+    Ok(rootfs)
+}
+
+/// Maps an I/O failure on `path` to the error that names it.
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> TemplateBuildError {
+    let path = path.to_owned();
+    move |source| TemplateBuildError::Io { path, source }
+}
+
+/// Removes what an interrupted build left in `staging`, so the new build starts from an
+/// empty directory.
+async fn clear_interrupted_build(staging: &Path, name: &str) -> Result<(), TemplateBuildError> {
+    // A server older than the namespaces below left its mounts on the host; they go first,
+    // and the removal never walks into a mount anyway.
+    let detached = crate::storage::mounts::detach_below(staging).map_err(|source| {
+        TemplateBuildError::Mounts {
+            path: staging.to_owned(),
+            source,
+        }
+    })?;
+    if detached > 0 {
+        tracing::warn!(path = %staging.display(), mounts = detached, "unmounted what an interrupted build of '{name}' left mounted");
+    }
+    remove_tree_blocking(staging)
+        .await
+        .map_err(io_error(staging))?;
+    tracing::info!(path = %staging.display(), "removed an interrupted build of '{name}'; building again");
+    Ok(())
+}
+
+/// The mmdebstrap run for `recipe`, wrapped so that it and all it starts die with the server
+/// and take their mounts with them.
+fn mmdebstrap_command(
+    recipe: &RootRecipe,
+    staging: &Path,
+    mirror: &str,
+) -> tokio::process::Command {
     let mut command = tokio::process::Command::new("unshare");
     command
         // --kill-child: mmdebstrap (PID 1 of the new PID namespace, so every process of the
@@ -195,7 +221,7 @@ pub async fn build_root(
         .args(BASE_HOOKS)
         .args(recipe.hooks)
         .arg("bookworm")
-        .arg(&staging)
+        .arg(staging)
         .arg(mirror)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -218,6 +244,16 @@ pub async fn build_root(
             Ok(())
         });
     }
+    command
+}
+
+/// Runs mmdebstrap to its end, showing its phases in the server's log and keeping the last
+/// lines of its output for the error should it fail; a failed build's staging goes.
+async fn run_mmdebstrap(
+    command: tokio::process::Command,
+    name: &str,
+    staging: &Path,
+) -> Result<(), TemplateBuildError> {
     let mut child =
         crate::tied_children::spawn(command).map_err(|source| TemplateBuildError::MissingTool {
             tool: "unshare",
@@ -226,7 +262,6 @@ pub async fn build_root(
         })?;
     let group = child.id().map(GroupKill);
 
-    let mut tail: Vec<String> = Vec::new();
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
     let forward = |pipe: Option<tokio::process::ChildStdout>| async move {
@@ -238,6 +273,25 @@ pub async fn build_root(
         }
     };
     let stdout_task = tokio::spawn(forward(stdout));
+    let tail = follow_phases(stderr, name).await;
+    let _ = stdout_task.await;
+    let status = child.wait().await.map_err(TemplateBuildError::Wait)?;
+    // Reaped: its PID (the group's ID) may be anyone's now.
+    std::mem::forget(group);
+    if !status.success() {
+        let _ = remove_tree_blocking(staging).await;
+        return Err(TemplateBuildError::Failed {
+            status: status.to_string(),
+            tail: tail.join(" | "),
+        });
+    }
+    Ok(())
+}
+
+/// Reads mmdebstrap's stderr to its end: its phases go to the server's log, and the last 20
+/// lines are returned for an error message.
+async fn follow_phases(stderr: Option<tokio::process::ChildStderr>, name: &str) -> Vec<String> {
+    let mut tail: Vec<String> = Vec::new();
     if let Some(stderr) = stderr {
         let mut lines = BufReader::new(stderr).lines();
         while let Ok(Some(line)) = lines.next_line().await {
@@ -251,36 +305,29 @@ pub async fn build_root(
             }
         }
     }
-    let _ = stdout_task.await;
-    let status = child.wait().await.map_err(TemplateBuildError::Wait)?;
-    // Reaped: its PID (the group's ID) may be anyone's now.
-    std::mem::forget(group);
-    if !status.success() {
-        let _ = remove_tree_blocking(&staging).await;
-        return Err(TemplateBuildError::Failed {
-            status: status.to_string(),
-            tail: tail.join(" | "),
-        });
-    }
+    tail
+}
 
+/// Moves a finished build from `staging` to `rootfs` and marks it complete; the marker
+/// comes last, so a root without it is never taken for built.
+async fn install_root(staging: &Path, rootfs: &Path) -> Result<(), TemplateBuildError> {
+    let target_dir = rootfs.parent().map(Path::to_owned).unwrap_or_default();
     if target_dir.exists() {
         remove_tree_blocking(&target_dir)
             .await
-            .map_err(io(&target_dir))?;
+            .map_err(io_error(&target_dir))?;
     }
     tokio::fs::create_dir_all(&target_dir)
         .await
-        .map_err(io(&target_dir))?;
-    tokio::fs::rename(&staging, &rootfs)
+        .map_err(io_error(&target_dir))?;
+    tokio::fs::rename(staging, rootfs)
         .await
-        .map_err(io(&rootfs))?;
+        .map_err(io_error(rootfs))?;
     let marker = target_dir.join("complete");
-    tokio::fs::write(&marker, b"").await.map_err(io(&marker))?;
-    tracing::info!(
-        seconds = started.elapsed().as_secs_f32(),
-        "the root '{name}' is ready"
-    );
-    Ok(rootfs)
+    tokio::fs::write(&marker, b"")
+        .await
+        .map_err(io_error(&marker))?;
+    Ok(())
 }
 
 #[derive(Debug, thiserror::Error)]

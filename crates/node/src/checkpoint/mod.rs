@@ -292,26 +292,42 @@ fn encode(header: &Header) -> Result<Vec<u8>, serde_json::Error> {
     Ok(out)
 }
 
-fn decode(bytes: &[u8]) -> Result<Header, String> {
+/// Why the bytes of a header file are not a header this node reads.
+#[derive(Debug, thiserror::Error)]
+enum DecodeError {
+    #[error("not a checkpoint header")]
+    NotAHeader,
+    #[error("short header")]
+    Short,
+    #[error("header checksum mismatch")]
+    Checksum,
+    #[error("format version {0}, expected {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}")]
+    Version(u32),
+    #[error("header length mismatch")]
+    Length,
+    #[error("{0}")]
+    Body(serde_json::Error),
+}
+
+fn decode(bytes: &[u8]) -> Result<Header, DecodeError> {
     if bytes.len() < 20 || &bytes[..8] != MAGIC {
-        return Err("not a checkpoint header".into());
+        return Err(DecodeError::NotAHeader);
     }
     let (framed, crc) = bytes.split_at(bytes.len() - 4);
-    let crc = u32::from_le_bytes(crc.try_into().map_err(|_| "short header")?);
+    let crc = u32::from_le_bytes(crc.try_into().map_err(|_| DecodeError::Short)?);
     if crc32fast::hash(framed) != crc {
-        return Err("header checksum mismatch".into());
+        return Err(DecodeError::Checksum);
     }
-    let version = u32::from_le_bytes(framed[8..12].try_into().map_err(|_| "short header")?);
+    let version = u32::from_le_bytes(framed[8..12].try_into().map_err(|_| DecodeError::Short)?);
     if !(OLDEST_FORMAT_VERSION..=FORMAT_VERSION).contains(&version) {
-        return Err(format!(
-            "format version {version}, expected {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}"
-        ));
+        return Err(DecodeError::Version(version));
     }
-    let len = u32::from_le_bytes(framed[12..16].try_into().map_err(|_| "short header")?) as usize;
+    let len =
+        u32::from_le_bytes(framed[12..16].try_into().map_err(|_| DecodeError::Short)?) as usize;
     if framed.len() != 16 + len {
-        return Err("header length mismatch".into());
+        return Err(DecodeError::Length);
     }
-    serde_json::from_slice(&framed[16..]).map_err(|e| e.to_string())
+    serde_json::from_slice(&framed[16..]).map_err(DecodeError::Body)
 }
 
 /// The image files of `dir` (everything but the header and CRIU's logs), by name, with their
@@ -458,16 +474,48 @@ pub fn seal_finished_dump(
     dir: &Path,
     criu_version: String,
     agent_digest: String,
-) -> Result<Header, String> {
+) -> Result<Header, SealFinishedError> {
     if !dir.join(DUMP_STATS).is_file() {
-        return Err(format!("the dump into {} did not finish", dir.display()));
+        return Err(SealFinishedError::Unfinished {
+            dir: dir.to_owned(),
+        });
     }
-    let plan: DumpPlan = std::fs::read(dir.join(PLAN_FILE))
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| serde_json::from_slice(&bytes).map_err(|e| e.to_string()))
-        .map_err(|e| format!("the dump into {} left no plan: {e}", dir.display()))?;
-    seal(dir, criu_version, agent_digest, plan)
-        .map_err(|e| format!("cannot seal {}: {e}", dir.display()))
+    let bytes =
+        std::fs::read(dir.join(PLAN_FILE)).map_err(|source| SealFinishedError::PlanUnreadable {
+            dir: dir.to_owned(),
+            source,
+        })?;
+    let plan: DumpPlan =
+        serde_json::from_slice(&bytes).map_err(|source| SealFinishedError::PlanInvalid {
+            dir: dir.to_owned(),
+            source,
+        })?;
+    seal(dir, criu_version, agent_digest, plan).map_err(|source| SealFinishedError::Seal {
+        dir: dir.to_owned(),
+        source,
+    })
+}
+
+/// Why a dump that outlived the server that started it cannot be sealed.
+#[derive(Debug, thiserror::Error)]
+pub enum SealFinishedError {
+    #[error("the dump into {dir} did not finish")]
+    Unfinished { dir: PathBuf },
+    #[error("the dump into {dir} left no plan: {source}")]
+    PlanUnreadable {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the dump into {dir} left no plan: {source}")]
+    PlanInvalid {
+        dir: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("cannot seal {dir}: {source}")]
+    Seal {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// The PID 1 a restore from `dir` made, if that restore ran to its end.
@@ -505,7 +553,7 @@ pub fn read_header(dir: &Path, verify_images: bool) -> Result<Header, HeaderErro
         dir: dir.to_owned(),
         reason,
     };
-    let header = decode(&bytes).map_err(invalid)?;
+    let header = decode(&bytes).map_err(|e| invalid(e.to_string()))?;
     for image in &header.images {
         let size = std::fs::metadata(dir.join(&image.name))
             .map(|m| m.len())
@@ -1235,10 +1283,14 @@ mod tests {
             } else {
                 "header checksum mismatch"
             };
-            assert_eq!(decode(&bad), Err(expected.to_owned()), "flipped byte {at}");
+            assert_eq!(
+                decode(&bad).map_err(|e| e.to_string()),
+                Err(expected.to_owned()),
+                "flipped byte {at}"
+            );
         }
         assert_eq!(
-            decode(&bytes[..bytes.len() - 1]),
+            decode(&bytes[..bytes.len() - 1]).map_err(|e| e.to_string()),
             Err("header checksum mismatch".to_owned())
         );
     }
@@ -1316,7 +1368,7 @@ mod tests {
         let seal_now = || seal_finished_dump(dir.path(), CRIU_VERSION.into(), "ab".repeat(32));
         // CRIU had not written its statistics: the dump did not finish.
         assert_eq!(
-            seal_now(),
+            seal_now().map_err(|e| e.to_string()),
             Err(format!(
                 "the dump into {} did not finish",
                 dir.path().display()

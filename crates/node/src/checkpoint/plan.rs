@@ -407,9 +407,13 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
             pid: input.pid,
             source,
         })?;
-    let (own_mounts, mut args, mut externals) = super::external_mounts(&mountinfo, input.volumes);
-    let mut seen = BTreeSet::new();
-    let mut agent_digest = None;
+    let (own_mounts, args, externals) = super::external_mounts(&mountinfo, input.volumes);
+    let mut found = FoundExternals {
+        args,
+        externals,
+        seen: BTreeSet::new(),
+        agent_digest: None,
+    };
     for &task in input.tasks {
         for table in [Table::MapFiles, Table::Fd] {
             // A task that ended meanwhile holds nothing.
@@ -423,104 +427,148 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
                 if own_mounts.contains(&stat.mnt_id) || input.kernel.holds(&stat) {
                     continue;
                 }
-                let recognised = input.placed.recognise(&stat);
-                // A mapping of a file of the sandbox's own root resolves to the layer beneath
-                // its overlay, a mount its table does not show and CRIU cannot find: it is
-                // recorded as that layer's file, by its path within the sandbox's layers,
-                // once the node has found the very same file there through its own handles.
-                if table == Table::MapFiles && recognised.is_none() {
-                    let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
-                    if seen.contains(&key) {
-                        continue;
-                    }
-                    let identity = FileIdentity {
-                        dev: stat.dev,
-                        ino: stat.ino,
-                    };
-                    let path = proc
-                        .link(task, table, &name)
-                        .ok()
-                        .and_then(|link| layer_path(&link))
-                        .filter(|path| {
-                            stat.kind == ObjectKind::File && input.layers.holds(path, identity)
-                        });
-                    let Some(path) = path else {
-                        let link = proc.link(task, table, &name).unwrap_or_default();
-                        return Err(PlanError::Foreign {
-                            what: "a mapped file",
-                            // The link is the tenant's text: quoted, so that it
-                            // cannot forge lines of the node's log.
-                            found: format!(
-                                "{task} {} {} ({:?}, inode {})",
-                                table.dir(),
-                                name.to_string_lossy(),
-                                link,
-                                stat.ino
-                            ),
-                            dev: stat.dev,
-                        });
-                    };
-                    seen.insert(key.clone());
-                    args.push(format!("--external={key}"));
-                    externals.push(External::LayerFile {
-                        key,
-                        path,
-                        size: stat.size,
-                    });
-                    continue;
-                }
-                let Some((placed, digest)) = recognised else {
-                    return Err(PlanError::Foreign {
-                        what: stat.kind.described(),
-                        found: format!("{task} {} {}", table.dir(), name.to_string_lossy()),
-                        dev: stat.dev,
-                    });
-                };
-                let library_digest = match (placed, digest) {
-                    (Placed::Agent, Some(digest)) => {
-                        match &agent_digest {
-                            None => agent_digest = Some(digest.to_owned()),
-                            Some(known) if known != digest => return Err(PlanError::TwoAgents),
-                            Some(_) => {}
-                        }
-                        None
-                    }
-                    (Placed::Library, digest) => digest.map(str::to_owned),
-                    _ => None,
-                };
-                // CRIU's name for a file it is told is external: mount id and inode, in hex.
-                let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
-                if !seen.insert(key.clone()) {
-                    continue;
-                }
-                args.push(format!("--external={key}"));
-                externals.push(External::Placed {
-                    key,
-                    file: placed,
-                    size: stat.size,
-                    digest: library_digest,
-                });
+                found.add_held(proc, input, HeldObject(task, table, &name), &stat)?;
             }
         }
     }
+    let mut args = found.args;
     args.push(format!("--external=net[{}]:extnet", input.netns_inode));
-    let listener = proc
-        .link(
-            input.pid,
-            Table::Fd,
-            OsStr::new(&input.listener_fd.to_string()),
-        )
-        .ok()
-        .and_then(|link| socket_inode(&link))
-        .ok_or(PlanError::NoListener {
-            pid: input.pid,
-            fd: input.listener_fd,
-        })?;
     Ok(DumpPlan {
         args,
-        externals,
-        listener_inode: listener,
-        agent_digest,
+        externals: found.externals,
+        listener_inode: listener_inode(proc, input)?,
+        agent_digest: found.agent_digest,
+    })
+}
+
+/// One object a task holds: the task, its table and the entry's name there.
+#[derive(Clone, Copy)]
+struct HeldObject<'a>(i32, Table, &'a OsStr);
+
+impl HeldObject<'_> {
+    /// How a refusal names the object.
+    fn described(&self) -> String {
+        let HeldObject(task, table, name) = *self;
+        format!("{task} {} {}", table.dir(), name.to_string_lossy())
+    }
+}
+
+/// The external objects and CRIU arguments a dump plan gathers as it walks the sandbox's
+/// tasks, each file once.
+struct FoundExternals {
+    args: Vec<String>,
+    externals: Vec<External>,
+    /// CRIU keys already recorded: many tasks hold the same file.
+    seen: BTreeSet<String>,
+    /// The agent's digest, once a task is found holding it.
+    agent_digest: Option<String>,
+}
+
+impl FoundExternals {
+    /// Records one object a task holds from outside the sandbox's own mounts, or refuses it.
+    fn add_held(
+        &mut self,
+        proc: &dyn ProcView,
+        input: &PlanInput<'_>,
+        held: HeldObject<'_>,
+        stat: &ObjectStat,
+    ) -> Result<(), PlanError> {
+        let recognised = input.placed.recognise(stat);
+        if held.1 == Table::MapFiles && recognised.is_none() {
+            return self.add_layer_file(proc, input, held, stat);
+        }
+        let Some((placed, digest)) = recognised else {
+            return Err(PlanError::Foreign {
+                what: stat.kind.described(),
+                found: held.described(),
+                dev: stat.dev,
+            });
+        };
+        let library_digest = match (placed, digest) {
+            (Placed::Agent, Some(digest)) => {
+                match &self.agent_digest {
+                    None => self.agent_digest = Some(digest.to_owned()),
+                    Some(known) if known != digest => return Err(PlanError::TwoAgents),
+                    Some(_) => {}
+                }
+                None
+            }
+            (Placed::Library, digest) => digest.map(str::to_owned),
+            _ => None,
+        };
+        // CRIU's name for a file it is told is external: mount id and inode, in hex.
+        let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
+        if !self.seen.insert(key.clone()) {
+            return Ok(());
+        }
+        self.args.push(format!("--external={key}"));
+        self.externals.push(External::Placed {
+            key,
+            file: placed,
+            size: stat.size,
+            digest: library_digest,
+        });
+        Ok(())
+    }
+
+    /// A mapping of a file of the sandbox's own root resolves to the layer beneath its
+    /// overlay, a mount its table does not show and CRIU cannot find: it is recorded as that
+    /// layer's file, by its path within the sandbox's layers, once the node has found the
+    /// very same file there through its own handles.
+    fn add_layer_file(
+        &mut self,
+        proc: &dyn ProcView,
+        input: &PlanInput<'_>,
+        held: HeldObject<'_>,
+        stat: &ObjectStat,
+    ) -> Result<(), PlanError> {
+        let HeldObject(task, table, name) = held;
+        let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
+        if self.seen.contains(&key) {
+            return Ok(());
+        }
+        let identity = FileIdentity {
+            dev: stat.dev,
+            ino: stat.ino,
+        };
+        let path = proc
+            .link(task, table, name)
+            .ok()
+            .and_then(|link| layer_path(&link))
+            .filter(|path| stat.kind == ObjectKind::File && input.layers.holds(path, identity));
+        let Some(path) = path else {
+            let link = proc.link(task, table, name).unwrap_or_default();
+            return Err(PlanError::Foreign {
+                what: "a mapped file",
+                // The link is the tenant's text: quoted, so that it cannot forge lines of the
+                // node's log.
+                found: format!("{} ({:?}, inode {})", held.described(), link, stat.ino),
+                dev: stat.dev,
+            });
+        };
+        self.seen.insert(key.clone());
+        self.args.push(format!("--external={key}"));
+        self.externals.push(External::LayerFile {
+            key,
+            path,
+            size: stat.size,
+        });
+        Ok(())
+    }
+}
+
+/// The inode of the socket the sandbox's agent listens on, which the restore hands back.
+fn listener_inode(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<u64, PlanError> {
+    proc.link(
+        input.pid,
+        Table::Fd,
+        OsStr::new(&input.listener_fd.to_string()),
+    )
+    .ok()
+    .and_then(|link| socket_inode(&link))
+    .ok_or(PlanError::NoListener {
+        pid: input.pid,
+        fd: input.listener_fd,
     })
 }
 

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth};
 use rtnetlink::{LinkUnspec, LinkVeth, RouteMessageBuilder};
 
-use crate::net::network::{Network, NetworkError, if_index, iface_name, link_index};
+use crate::net::network::{Network, NetworkError, SlotAddrs, if_index, iface_name, link_index};
 
 /// Per-namespace settings that give sandbox users what owning the namespace used to: low
 /// ports (web servers on 80) and unprivileged ICMP sockets (`ping`).
@@ -83,121 +83,14 @@ impl Network {
         let started = std::time::Instant::now();
         let addrs = self.addrs(slot)?;
         let iface = iface_name(slot, egress);
-        let fail = |step: &str| {
-            let what = format!("{step} for {iface}");
-            move |e: rtnetlink::Error| NetworkError::Netlink {
-                what,
-                message: e.to_string(),
-            }
-        };
-        let unshaped = |link: String| {
-            move |e: rtnetlink::Error| NetworkError::Shaping {
-                iface: link,
-                message: e.to_string(),
-            }
-        };
         let host = self.host_netlink().await?;
         let inside = new_namespace().await?;
-
-        // The peer is created directly inside the new namespace, already named eth0. The host
-        // end comes up as it is made, unless it is to be shaped: a root qdisc set on a running
-        // link waits for an RCU grace period while the link is deactivated, so both ends get
-        // theirs before they come up. The peer cannot come up with its creation (a veth refuses
-        // to open before its pair is complete), so it is brought up inside, alongside its
-        // address.
         let shaping = self.shaping();
-        let peer = LinkUnspec::new_with_name("eth0")
-            .setns_by_fd(inside.netns.as_raw_fd())
-            .build();
-        let veth = LinkVeth::new(&iface, "eth0");
-        let veth = if shaping.is_some() { veth } else { veth.up() }
-            .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
-            .build();
-        host.link()
-            .add(veth)
-            .execute()
-            .await
-            .map_err(fail("create veth"))?;
-        let index = if_index(&iface).map_err(|e| NetworkError::Netlink {
-            what: format!("find veth {iface}"),
-            message: e.to_string(),
-        })?;
-        // Reverse-path filtering drops packets whose source address does not belong to the
-        // slot they arrive on.
-        let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
-        // Sandboxes have no IPv6 beyond their own namespace (the firewall drops it), so the
-        // host end needs no link-local address. Without one, bringing a link up or down no
-        // longer walks the host's IPv6 routing table, which holds routes for every sandbox
-        // link: each start and stop would cost time in proportion to the sandboxes running.
-        let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{iface}/disable_ipv6"), "1");
-        let host_side = async {
-            let address = host
-                .address()
-                .add(index, IpAddr::V4(addrs.host), 30)
-                .execute();
-            // Traffic to the sandbox leaves through the host end.
-            let shaped_and_up = async {
-                let Some(shaping) = shaping else {
-                    return Ok(());
-                };
-                shaping
-                    .apply(&host, index)
-                    .await
-                    .map_err(unshaped(iface.clone()))?;
-                host.link()
-                    .set(LinkUnspec::new_with_index(index).up().build())
-                    .execute()
-                    .await
-                    .map_err(fail("bring up veth"))
-            };
-            let (address, shaped_and_up) = tokio::join!(address, shaped_and_up);
-            address.map_err(fail("address veth"))?;
-            shaped_and_up
-        };
-        let sandbox_side = async {
-            let handle = &inside.handle;
-            let eth0 = link_index(handle, "eth0")
-                .await
-                .map_err(fail("find eth0"))?;
-            let lo_up = handle
-                .link()
-                .set(LinkUnspec::new_with_index(inside.lo).up().build())
-                .execute();
-            let eth0_address = handle
-                .address()
-                .add(eth0, IpAddr::V4(addrs.sandbox), 30)
-                .execute();
-            // One netlink socket, whose requests the kernel handles in the order they are
-            // sent (the order of `join!`): the qdisc is set while eth0 is still down.
-            let eth0_shaped = async {
-                match shaping {
-                    Some(shaping) => shaping.apply(handle, eth0).await,
-                    None => Ok(()),
-                }
-            };
-            let eth0_up = handle
-                .link()
-                .set(LinkUnspec::new_with_index(eth0).up().build())
-                .execute();
-            let (lo_up, eth0_address, eth0_shaped, eth0_up) =
-                tokio::join!(lo_up, eth0_address, eth0_shaped, eth0_up);
-            lo_up.map_err(fail("bring up lo"))?;
-            eth0_address.map_err(fail("address eth0"))?;
-            eth0_shaped.map_err(unshaped(format!("eth0 behind {iface}")))?;
-            eth0_up.map_err(fail("bring up eth0"))?;
-            // The gateway must be on a connected, up subnet, so this waits for both.
-            handle
-                .route()
-                .add(
-                    RouteMessageBuilder::<Ipv4Addr>::new()
-                        .gateway(addrs.host)
-                        .build(),
-                )
-                .execute()
-                .await
-                .map_err(fail("add default route"))
-        };
-        let (host_side, sandbox_side) = tokio::join!(host_side, sandbox_side);
+        let index = create_veth(&host, &iface, &inside, shaping).await?;
+        let (host_side, sandbox_side) = tokio::join!(
+            wire_host_end(&host, index, &iface, addrs, shaping),
+            wire_sandbox_end(&inside, &iface, addrs, shaping)
+        );
         if let Err(err) = host_side.and(sandbox_side) {
             // The namespace goes with its descriptor; the host end may outlive it briefly.
             drop(inside);
@@ -216,6 +109,147 @@ impl Network {
             agent_socket: inside.agent_socket,
         })
     }
+}
+
+/// Maps a failed netlink request of `step` on the slot's interface `iface` to the error
+/// that names both.
+fn netlink_fail(step: &str, iface: &str) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
+    let what = format!("{step} for {iface}");
+    move |e: rtnetlink::Error| NetworkError::Netlink {
+        what,
+        message: e.to_string(),
+    }
+}
+
+/// Maps a failure to set `link`'s rate limit to the error that names it.
+fn shaping_fail(link: String) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
+    move |e: rtnetlink::Error| NetworkError::Shaping {
+        iface: link,
+        message: e.to_string(),
+    }
+}
+
+/// Creates the slot's veth pair, its peer directly inside the new namespace and already
+/// named eth0, and returns the host end's index.
+async fn create_veth(
+    host: &rtnetlink::Handle,
+    iface: &str,
+    inside: &NewNamespace,
+    shaping: Option<crate::net::shaping::Shaping>,
+) -> Result<u32, NetworkError> {
+    // The host end comes up as it is made, unless it is to be shaped: a root qdisc set on a
+    // running link waits for an RCU grace period while the link is deactivated, so both ends
+    // get theirs before they come up. The peer cannot come up with its creation (a veth
+    // refuses to open before its pair is complete), so it is brought up inside, alongside its
+    // address.
+    let peer = LinkUnspec::new_with_name("eth0")
+        .setns_by_fd(inside.netns.as_raw_fd())
+        .build();
+    let veth = LinkVeth::new(iface, "eth0");
+    let veth = if shaping.is_some() { veth } else { veth.up() }
+        .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
+        .build();
+    host.link()
+        .add(veth)
+        .execute()
+        .await
+        .map_err(netlink_fail("create veth", iface))?;
+    let index = if_index(iface).map_err(|e| NetworkError::Netlink {
+        what: format!("find veth {iface}"),
+        message: e.to_string(),
+    })?;
+    // Reverse-path filtering drops packets whose source address does not belong to the slot
+    // they arrive on.
+    let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
+    // Sandboxes have no IPv6 beyond their own namespace (the firewall drops it), so the host
+    // end needs no link-local address. Without one, bringing a link up or down no longer
+    // walks the host's IPv6 routing table, which holds routes for every sandbox link: each
+    // start and stop would cost time in proportion to the sandboxes running.
+    let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{iface}/disable_ipv6"), "1");
+    Ok(index)
+}
+
+/// Gives the host end its address and, when shaped, its rate limit before it comes up.
+async fn wire_host_end(
+    host: &rtnetlink::Handle,
+    index: u32,
+    iface: &str,
+    addrs: SlotAddrs,
+    shaping: Option<crate::net::shaping::Shaping>,
+) -> Result<(), NetworkError> {
+    let address = host
+        .address()
+        .add(index, IpAddr::V4(addrs.host), 30)
+        .execute();
+    // Traffic to the sandbox leaves through the host end.
+    let shaped_and_up = async {
+        let Some(shaping) = shaping else {
+            return Ok(());
+        };
+        shaping
+            .apply(host, index)
+            .await
+            .map_err(shaping_fail(iface.to_owned()))?;
+        host.link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(netlink_fail("bring up veth", iface))
+    };
+    let (address, shaped_and_up) = tokio::join!(address, shaped_and_up);
+    address.map_err(netlink_fail("address veth", iface))?;
+    shaped_and_up
+}
+
+/// Brings up `lo` and `eth0` inside the namespace, with eth0's address, rate limit and the
+/// default route through the host end.
+async fn wire_sandbox_end(
+    inside: &NewNamespace,
+    iface: &str,
+    addrs: SlotAddrs,
+    shaping: Option<crate::net::shaping::Shaping>,
+) -> Result<(), NetworkError> {
+    let handle = &inside.handle;
+    let eth0 = link_index(handle, "eth0")
+        .await
+        .map_err(netlink_fail("find eth0", iface))?;
+    let lo_up = handle
+        .link()
+        .set(LinkUnspec::new_with_index(inside.lo).up().build())
+        .execute();
+    let eth0_address = handle
+        .address()
+        .add(eth0, IpAddr::V4(addrs.sandbox), 30)
+        .execute();
+    // One netlink socket, whose requests the kernel handles in the order they are sent (the
+    // order of `join!`): the qdisc is set while eth0 is still down.
+    let eth0_shaped = async {
+        match shaping {
+            Some(shaping) => shaping.apply(handle, eth0).await,
+            None => Ok(()),
+        }
+    };
+    let eth0_up = handle
+        .link()
+        .set(LinkUnspec::new_with_index(eth0).up().build())
+        .execute();
+    let (lo_up, eth0_address, eth0_shaped, eth0_up) =
+        tokio::join!(lo_up, eth0_address, eth0_shaped, eth0_up);
+    lo_up.map_err(netlink_fail("bring up lo", iface))?;
+    eth0_address.map_err(netlink_fail("address eth0", iface))?;
+    eth0_shaped.map_err(shaping_fail(format!("eth0 behind {iface}")))?;
+    eth0_up.map_err(netlink_fail("bring up eth0", iface))?;
+    // The gateway must be on a connected, up subnet, so this waits for both.
+    handle
+        .route()
+        .add(
+            RouteMessageBuilder::<Ipv4Addr>::new()
+                .gateway(addrs.host)
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(netlink_fail("add default route", iface))
 }
 
 /// A new network namespace, with a netlink connection and an unbound Unix socket made inside it.

@@ -101,29 +101,60 @@ impl MemoryRule {
         host: &HostMemory,
         promised_mb: u64,
         request_mb: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), MemoryRefusal> {
         let needed = self.reserve_mb + START_COST_MB;
         if host.available_mb < needed {
-            return Err(format!(
-                "this node has {} MiB of memory available and keeps {} MiB for itself, too little to start a sandbox; try again when sandboxes end or use less",
-                host.available_mb, self.reserve_mb
-            ));
+            return Err(MemoryRefusal::Short {
+                available_mb: host.available_mb,
+                reserve_mb: self.reserve_mb,
+            });
         }
         if let Some(stalled) = host.stalled_percent
             && stalled >= self.pressure_limit_percent
         {
-            return Err(format!(
-                "this node is under memory pressure (tasks stalled on memory {stalled:.1}% of the last 10 s); try again shortly"
-            ));
+            return Err(MemoryRefusal::Pressure {
+                stalled_percent: stalled,
+            });
         }
         let limit = self.promise_limit_mb(host);
         if promised_mb + u64::from(request_mb) > limit {
-            return Err(format!(
-                "the sandboxes on this node may already use {promised_mb} MiB of memory, and {request_mb} MiB more would pass its limit of {limit} MiB ({}x its memory); try again when sandboxes end",
-                self.overcommit
-            ));
+            return Err(MemoryRefusal::PastLimit {
+                promised_mb,
+                request_mb,
+                limit_mb: limit,
+                overcommit: self.overcommit,
+            });
         }
         Ok(())
+    }
+}
+
+/// Why the node's memory cannot take another sandbox now.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum MemoryRefusal {
+    #[error(
+        "this node has {available_mb} MiB of memory available and keeps {reserve_mb} MiB for itself, too little to start a sandbox; try again when sandboxes end or use less"
+    )]
+    Short { available_mb: u64, reserve_mb: u64 },
+    #[error(
+        "this node is under memory pressure (tasks stalled on memory {stalled_percent:.1}% of the last 10 s); try again shortly"
+    )]
+    Pressure { stalled_percent: f64 },
+    #[error(
+        "the sandboxes on this node may already use {promised_mb} MiB of memory, and {request_mb} MiB more would pass its limit of {limit_mb} MiB ({overcommit}x its memory); try again when sandboxes end"
+    )]
+    PastLimit {
+        promised_mb: u64,
+        request_mb: u32,
+        limit_mb: u64,
+        overcommit: u32,
+    },
+}
+
+/// The runtime's admission carries refusals on as the message of its own error.
+impl From<MemoryRefusal> for String {
+    fn from(refusal: MemoryRefusal) -> Self {
+        refusal.to_string()
     }
 }
 
@@ -170,7 +201,8 @@ mod tests {
     fn a_host_short_of_memory_refuses_naming_it() {
         let refused = RULE
             .admit(&host(1024 + START_COST_MB - 1, None), 0, 512)
-            .expect_err("refused");
+            .expect_err("refused")
+            .to_string();
         assert!(
             refused.contains("1087 MiB of memory available"),
             "{refused}"
@@ -185,7 +217,8 @@ mod tests {
     fn memory_pressure_refuses() {
         let refused = RULE
             .admit(&host(20_000, Some(12.5)), 0, 512)
-            .expect_err("refused");
+            .expect_err("refused")
+            .to_string();
         assert!(refused.contains("memory pressure"), "{refused}");
     }
 
@@ -200,7 +233,10 @@ mod tests {
         assert_eq!(roomy.available_mb, 2048 - 512 - 102 + 1024);
         assert_eq!(RULE.admit(&roomy, 0, 512), Ok(()));
         let pressed = host(20_000, Some(0.0)).within(together(2048, 1900), RULE.reserve_mb);
-        let refused = RULE.admit(&pressed, 0, 512).expect_err("refused");
+        let refused = RULE
+            .admit(&pressed, 0, 512)
+            .expect_err("refused")
+            .to_string();
         assert!(refused.contains("memory available"), "{refused}");
         // The promises stop at the overcommit ratio of the common limit.
         assert_eq!(RULE.promise_limit_mb(&roomy), 2048 * 25);
@@ -217,7 +253,8 @@ mod tests {
         assert_eq!(RULE.admit(&host(20_000, None), limit - 512, 512), Ok(()));
         let refused = RULE
             .admit(&host(20_000, None), limit - 511, 512)
-            .expect_err("refused");
+            .expect_err("refused")
+            .to_string();
         assert!(refused.contains("25x its memory"), "{refused}");
     }
 }

@@ -30,17 +30,34 @@ impl HostTasks {
     }
 
     /// Whether a sandbox may start; the refusal names what is short.
-    pub fn admit(&self) -> Result<(), String> {
+    pub fn admit(&self) -> Result<(), TasksRefusal> {
         let room = self.limit.saturating_sub(self.reserve());
         if self.running + START_COST > room {
-            return Err(format!(
-                "this node runs {} tasks of the {} it can have and keeps {} for itself, too few to start a sandbox; try again when sandboxes end",
-                self.running,
-                self.limit,
-                self.reserve()
-            ));
+            return Err(TasksRefusal {
+                running: self.running,
+                limit: self.limit,
+                reserve: self.reserve(),
+            });
         }
         Ok(())
+    }
+}
+
+/// The host's task table is too full to start another sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this node runs {running} tasks of the {limit} it can have and keeps {reserve} for itself, too few to start a sandbox; try again when sandboxes end"
+)]
+pub struct TasksRefusal {
+    pub running: u64,
+    pub limit: u64,
+    pub reserve: u64,
+}
+
+/// The runtime's admission carries refusals on as the message of its own error.
+impl From<TasksRefusal> for String {
+    fn from(refusal: TasksRefusal) -> Self {
+        refusal.to_string()
     }
 }
 
@@ -92,7 +109,8 @@ mod tests {
             limit,
         }
         .admit()
-        .expect_err("refused");
+        .expect_err("refused")
+        .to_string();
         assert!(refused.contains("tasks of the 32768"), "{refused}");
     }
 

@@ -54,6 +54,155 @@ pub enum DiskError {
     TooSmall { path: PathBuf, message: String },
 }
 
+/// Why a pool image of the size asked for, or of the default size, cannot be made.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PoolSizeError {
+    #[error(
+        "--disk-pool-gb {asked_gb} is too small: {needs}; set --disk-pool-gb to at least {needed_gb}"
+    )]
+    AskedTooSmall {
+        asked_gb: u64,
+        /// What one sandbox's disk, the reserve and btrfs need together.
+        needs: String,
+        needed_gb: u64,
+    },
+    #[error(
+        "its filesystem has {free_mib} MiB free and {needs}; free space there or set --disk-pool-gb"
+    )]
+    NoRoom { free_mib: u64, needs: String },
+}
+
+/// A program the pool runs (mount, umount, losetup, btrfs, mkfs.btrfs) that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolCommandError {
+    #[error("cannot run {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("{program} failed with {status}: {stderr}")]
+    Failed {
+        program: String,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+}
+
+/// Why the pool's image cannot be made, grown or mounted with quotas.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolSetupError {
+    #[error(transparent)]
+    Command(#[from] PoolCommandError),
+    #[error(transparent)]
+    Size(#[from] PoolSizeError),
+    #[error("{source}")]
+    Space {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot allocate {size_mib} MiB for the pool image {image}: {source} (free space there, or choose a smaller --disk-pool-gb)"
+    )]
+    Allocate {
+        image: PathBuf,
+        size_mib: u64,
+        source: rustix::io::Errno,
+    },
+    #[error("{0} (is btrfs-progs installed?)")]
+    Mkfs(PoolCommandError),
+    #[error("cannot grow the pool image {image} from {from_mib} to {to_mib} MiB: {source}")]
+    Grow {
+        image: PathBuf,
+        from_mib: u64,
+        to_mib: u64,
+        source: rustix::io::Errno,
+    },
+    #[error("no loop device holds {image}")]
+    NoLoopDevice { image: PathBuf },
+    #[error("cannot enable quotas: {0}")]
+    Quotas(std::io::Error),
+}
+
+/// Why a read-only pool cannot be mounted afresh.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolRecoverError {
+    #[error("the pool is still in use by running sandboxes ({0})")]
+    InUse(PoolCommandError),
+    #[error(transparent)]
+    Mount(#[from] PoolCommandError),
+    #[error(transparent)]
+    Setup(#[from] PoolSetupError),
+    #[error("{source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the pool is read-only again after mounting it")]
+    StillReadOnly { path: PathBuf },
+}
+
+/// Why the pool turns a disk down now; other disks ending or emptying may make the room.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AdmissionRefusal {
+    #[error("the sandbox disk pool is read-only (its filesystem failed)")]
+    ReadOnly,
+    #[error(
+        "the sandbox disk pool has {free_mib} MiB free and keeps {reserve_mib} MiB in reserve, so it cannot take a {size_mib} MiB disk; try again when sandboxes end"
+    )]
+    NoRoom {
+        free_mib: u64,
+        reserve_mib: u64,
+        size_mib: u64,
+    },
+    #[error(
+        "the sandbox disks on this node already have {promised_mib} MiB of quota, and {size_mib} MiB more would pass the disk pool's limit of {limit_mib} MiB ({overcommit}x its size); try again when sandboxes end"
+    )]
+    PastLimit {
+        promised_mib: u64,
+        size_mib: u64,
+        limit_mib: u64,
+        overcommit: u64,
+    },
+}
+
+/// Why a sandbox's directory cannot be copied.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskSnapshotError {
+    #[error("{path}: {source}")]
+    Stat {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("snapshot {path}: {source}")]
+    Snapshot {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("snapshot name {name} is too long")]
+    NameTooLong { name: String },
+    #[error("run cp: {source}")]
+    RunCp {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("copy {from} to {to}: {stderr}")]
+    Copy {
+        from: PathBuf,
+        to: PathBuf,
+        stderr: String,
+    },
+}
+
 /// The default pool is this share of the free space where its image goes: a second data
 /// directory on the same filesystem (a second install, a test run) still finds room.
 const DEFAULT_SHARE: u64 = 4;
@@ -74,7 +223,7 @@ fn new_pool_size(
     free: u64,
     smallest_disk: u64,
     reserve: u64,
-) -> Result<u64, String> {
+) -> Result<u64, PoolSizeError> {
     let needed = smallest_disk
         .saturating_add(reserve)
         .saturating_add(BTRFS_OWN)
@@ -87,19 +236,19 @@ fn new_pool_size(
         gib_ceil(needed)
     );
     match requested {
-        Some(size) if size < needed => Err(format!(
-            "--disk-pool-gb {} is too small: {explain}; set --disk-pool-gb to at least {}",
-            size >> 30,
-            gib_ceil(needed)
-        )),
+        Some(size) if size < needed => Err(PoolSizeError::AskedTooSmall {
+            asked_gb: size >> 30,
+            needs: explain,
+            needed_gb: gib_ceil(needed),
+        }),
         Some(size) => Ok(size),
         None => {
             let size = (free / DEFAULT_SHARE).min(DEFAULT_CEILING).max(needed);
             if size > free {
-                return Err(format!(
-                    "its filesystem has {} MiB free and {explain}; free space there or set --disk-pool-gb",
-                    mib(free)
-                ));
+                return Err(PoolSizeError::NoRoom {
+                    free_mib: mib(free),
+                    needs: explain,
+                });
             }
             Ok(size)
         }
@@ -116,9 +265,9 @@ pub fn check_asked_pool_size(
 ) -> Result<(), DiskError> {
     new_pool_size(Some(asked), 0, smallest_disk, reserve)
         .map(|_| ())
-        .map_err(|message| DiskError::TooSmall {
+        .map_err(|e| DiskError::TooSmall {
             path: pool_dir.to_path_buf(),
-            message,
+            message: e.to_string(),
         })
 }
 
@@ -391,21 +540,24 @@ fn is_mount_point(path: &Path) -> bool {
     dir.dev() != parent.dev()
 }
 
-async fn run(program: &str, args: &[&OsStr]) -> Result<(), String> {
+async fn run(program: &str, args: &[&OsStr]) -> Result<(), PoolCommandError> {
     let out = tokio::process::Command::new(program)
         .args(args)
         .stdin(Stdio::null())
         .output()
         .await
-        .map_err(|e| format!("cannot run {program}: {e}"))?;
+        .map_err(|source| PoolCommandError::Spawn {
+            program: program.to_owned(),
+            source,
+        })?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!(
-            "{program} failed with {}: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
+        Err(PoolCommandError::Failed {
+            program: program.to_owned(),
+            status: out.status,
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        })
     }
 }
 
@@ -420,27 +572,25 @@ struct Admission {
 }
 
 impl Admission {
-    fn check(&self, size: u64) -> Result<(), String> {
+    fn check(&self, size: u64) -> Result<(), AdmissionRefusal> {
         if self.space.read_only {
-            return Err("the sandbox disk pool is read-only (its filesystem failed)".to_owned());
+            return Err(AdmissionRefusal::ReadOnly);
         }
         if self.space.free < size.saturating_add(self.reserve) {
-            return Err(format!(
-                "the sandbox disk pool has {} MiB free and keeps {} MiB in reserve, so it cannot take a {} MiB disk; try again when sandboxes end",
-                mib(self.space.free),
-                mib(self.reserve),
-                mib(size)
-            ));
+            return Err(AdmissionRefusal::NoRoom {
+                free_mib: mib(self.space.free),
+                reserve_mib: mib(self.reserve),
+                size_mib: mib(size),
+            });
         }
         let limit = self.space.size.saturating_sub(self.reserve) * self.overcommit;
         if self.promised.saturating_add(size) > limit {
-            return Err(format!(
-                "the sandbox disks on this node already have {} MiB of quota, and {} MiB more would pass the disk pool's limit of {} MiB ({}x its size); try again when sandboxes end",
-                mib(self.promised),
-                mib(size),
-                mib(limit),
-                self.overcommit
-            ));
+            return Err(AdmissionRefusal::PastLimit {
+                promised_mib: mib(self.promised),
+                size_mib: mib(size),
+                limit_mib: mib(limit),
+                overcommit: self.overcommit,
+            });
         }
         Ok(())
     }
@@ -472,22 +622,26 @@ impl DiskPool {
         }
         let mounted = is_mount_point(&config.dir) && is_btrfs(&config.dir);
         let grown = match config.size_bytes {
-            Some(size) if config.image.exists() => grow_image(&config.image, size).map_err(fail)?,
+            Some(size) if config.image.exists() => {
+                grow_image(&config.image, size).map_err(|e| fail(e.to_string()))?
+            }
             _ => false,
         };
         if !mounted {
             if config.image.exists() {
                 reserve_blocks(&config.image);
             } else {
-                make_image(config).await.map_err(fail)?;
+                make_image(config).await.map_err(|e| fail(e.to_string()))?;
             }
-            pool.mount().await.map_err(fail)?;
+            pool.mount().await.map_err(|e| fail(e.to_string()))?;
         }
         if grown {
             // A mounted pool's loop device learns the new size first; the filesystem then
             // takes the room online, under running sandboxes.
             if mounted {
-                refresh_loop_device(&config.image).await.map_err(fail)?;
+                refresh_loop_device(&config.image)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
             }
             run(
                 "btrfs",
@@ -499,7 +653,7 @@ impl DiskPool {
                 ],
             )
             .await
-            .map_err(fail)?;
+            .map_err(|e| fail(e.to_string()))?;
         }
         if mounted
             && Space::of(&config.dir).is_ok_and(|s| s.read_only)
@@ -519,7 +673,7 @@ impl DiskPool {
             .map_err(|e| fail(format!("cannot read the pool's id: {e}")))?;
         pool.sysfs = Some(Path::new("/sys/fs/btrfs").join(format_uuid(&info.fsid)));
         if !Space::of(&config.dir).is_ok_and(|s| s.read_only) {
-            enable_quotas(&root).map_err(fail)?;
+            enable_quotas(&root).map_err(|e| fail(e.to_string()))?;
             // Sandbox layers are the host's business only.
             let _ = std::fs::set_permissions(&config.dir, std::fs::Permissions::from_mode(0o700));
         }
@@ -566,7 +720,7 @@ impl DiskPool {
         Ok(pool)
     }
 
-    async fn mount(&self) -> Result<(), String> {
+    async fn mount(&self) -> Result<(), PoolCommandError> {
         // commit=5: qgroup counters (the disk usage in sandbox metrics) move at each
         // transaction commit, so this bounds how stale they are (30 s by default).
         run(
@@ -586,7 +740,7 @@ impl DiskPool {
     /// Mounts a read-only pool afresh: a btrfs that aborted a transaction stays read-only
     /// until its last mount goes, and comes back writable (at its last committed state) when
     /// mounted again. Fails while a sandbox still has its root on the pool.
-    pub async fn recover(&self) -> Result<(), String> {
+    pub async fn recover(&self) -> Result<(), PoolRecoverError> {
         let _one_at_a_time = self.recovering.lock().await;
         if !self.quotas || !Space::of(&self.dir).is_ok_and(|s| s.read_only) {
             return Ok(());
@@ -594,12 +748,17 @@ impl DiskPool {
         tracing::warn!(pool = %self.dir.display(), "the sandbox disk pool is read-only; mounting it again");
         run("umount", &[self.dir.as_os_str()])
             .await
-            .map_err(|e| format!("the pool is still in use by running sandboxes ({e})"))?;
+            .map_err(PoolRecoverError::InUse)?;
         self.mount().await?;
-        let root = open_dir(&self.dir).map_err(|e| e.to_string())?;
+        let root = open_dir(&self.dir).map_err(|source| PoolRecoverError::Open {
+            path: self.dir.clone(),
+            source,
+        })?;
         enable_quotas(&root)?;
         if Space::of(&self.dir).is_ok_and(|s| s.read_only) {
-            return Err("the pool is read-only again after mounting it".into());
+            return Err(PoolRecoverError::StillReadOnly {
+                path: self.dir.clone(),
+            });
         }
         tracing::info!(pool = %self.dir.display(), "the sandbox disk pool is writable again");
         Ok(())
@@ -662,7 +821,7 @@ impl DiskPool {
             promised: others,
         }
         .check(size)
-        .map_err(no_room)?;
+        .map_err(|refusal| no_room(refusal.to_string()))?;
         promised.insert(
             sandbox_id.to_owned(),
             Promised {
@@ -766,12 +925,22 @@ impl DiskPool {
     /// snapshot (no data copied) when the sandbox has a subvolume, else a copy that keeps
     /// owners, modes, extended attributes and links. The caller holds the sandbox's
     /// processes still, so the copy is consistent.
-    pub fn snapshot(&self, sandbox_id: &str, parent: &Path, name: &str) -> Result<(), String> {
+    pub fn snapshot(
+        &self,
+        sandbox_id: &str,
+        parent: &Path,
+        name: &str,
+    ) -> Result<(), DiskSnapshotError> {
         let source = self.path(sandbox_id);
-        let meta =
-            std::fs::symlink_metadata(&source).map_err(|e| format!("{}: {e}", source.display()))?;
+        let meta = std::fs::symlink_metadata(&source).map_err(|e| DiskSnapshotError::Stat {
+            path: source.clone(),
+            source: e,
+        })?;
         if meta.is_dir() && meta.ino() == SUBVOLUME_ROOT_INODE && is_btrfs(&source) {
-            let fail = |e: std::io::Error| format!("snapshot {}: {e}", source.display());
+            let fail = |e: std::io::Error| DiskSnapshotError::Snapshot {
+                path: source.clone(),
+                source: e,
+            };
             let source_dir = open_dir(&source).map_err(fail)?;
             let target_dir = open_dir(parent).map_err(fail)?;
             let plain = vol_args(OsStr::new(name)).map_err(fail)?;
@@ -784,7 +953,9 @@ impl DiskPool {
             };
             let len = plain.name.iter().position(|b| *b == 0).unwrap_or(0);
             if len >= args.name.len() {
-                return Err(format!("snapshot name {name} is too long"));
+                return Err(DiskSnapshotError::NameTooLong {
+                    name: name.to_owned(),
+                });
             }
             args.name[..len].copy_from_slice(&plain.name[..len]);
             // SAFETY: SNAP_CREATE_V2 takes a btrfs_ioctl_vol_args_v2, which `args` is.
@@ -798,15 +969,17 @@ impl DiskPool {
             .arg(&source)
             .arg(&target)
             .output()
-            .map_err(|e| format!("run cp: {e}"))?;
+            .map_err(|e| DiskSnapshotError::RunCp {
+                path: target.clone(),
+                source: e,
+            })?;
         if !output.status.success() {
             let _ = remove_tree(&target);
-            return Err(format!(
-                "copy {} to {}: {}",
-                source.display(),
-                target.display(),
-                String::from_utf8_lossy(&output.stderr).trim()
-            ));
+            return Err(DiskSnapshotError::Copy {
+                from: source,
+                to: target,
+                stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+            });
         }
         Ok(())
     }
@@ -896,9 +1069,14 @@ impl DiskPool {
     }
 }
 
-async fn make_image(config: &PoolConfig) -> Result<(), String> {
+async fn make_image(config: &PoolConfig) -> Result<(), PoolSetupError> {
     let parent = config.image.parent().unwrap_or(Path::new("/"));
-    let free = Space::of(parent).map_err(|e| e.to_string())?.free;
+    let free = Space::of(parent)
+        .map_err(|source| PoolSetupError::Space {
+            path: parent.to_owned(),
+            source,
+        })?
+        .free;
     let size = new_pool_size(
         config.size_bytes,
         free,
@@ -906,9 +1084,15 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
         config.reserve_bytes,
     )?;
     let staging = config.image.with_extension("partial");
-    let file = File::create(&staging).map_err(|e| format!("{}: {e}", staging.display()))?;
+    let file = File::create(&staging).map_err(|source| PoolSetupError::Open {
+        path: staging.clone(),
+        source,
+    })?;
     file.set_permissions(std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| e.to_string())?;
+        .map_err(|source| PoolSetupError::Io {
+            path: staging.clone(),
+            source,
+        })?;
     // On a copy-on-write host filesystem an allocated block still needs a new one at each
     // overwrite; without copy-on-write (set while the file is empty) it is written in place.
     if let Ok(flags) = rustix::fs::ioctl_getflags(&file) {
@@ -917,11 +1101,11 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
     if let Err(e) = rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size) {
         drop(file);
         let _ = std::fs::remove_file(&staging);
-        return Err(format!(
-            "cannot allocate {} MiB for the pool image {}: {e} (free space there, or choose a smaller --disk-pool-gb)",
-            mib(size),
-            config.image.display()
-        ));
+        return Err(PoolSetupError::Allocate {
+            image: config.image.clone(),
+            size_mib: mib(size),
+            source: e,
+        });
     }
     drop(file);
     tracing::info!(image = %config.image.display(), size_mib = size >> 20, "making the sandbox disk pool");
@@ -935,51 +1119,68 @@ async fn make_image(config: &PoolConfig) -> Result<(), String> {
         ],
     )
     .await
-    .map_err(|e| format!("{e} (is btrfs-progs installed?)"))?;
-    std::fs::rename(&staging, &config.image).map_err(|e| e.to_string())
+    .map_err(PoolSetupError::Mkfs)?;
+    std::fs::rename(&staging, &config.image).map_err(|source| PoolSetupError::Io {
+        path: config.image.clone(),
+        source,
+    })
 }
 
 /// Extends the pool image to `size` bytes, all allocated; says whether it grew. A smaller
 /// `size` leaves it as it is: a pool is never shrunk under its sandboxes.
-fn grow_image(image: &Path, size: u64) -> Result<bool, String> {
+fn grow_image(image: &Path, size: u64) -> Result<bool, PoolSetupError> {
     let file = std::fs::OpenOptions::new()
         .write(true)
         .open(image)
-        .map_err(|e| format!("{}: {e}", image.display()))?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len();
+        .map_err(|source| PoolSetupError::Open {
+            path: image.to_owned(),
+            source,
+        })?;
+    let len = file
+        .metadata()
+        .map_err(|source| PoolSetupError::Io {
+            path: image.to_owned(),
+            source,
+        })?
+        .len();
     if size <= len {
         if size < len {
             tracing::warn!(image = %image.display(), size_mib = mib(len), asked_mib = mib(size), "the sandbox disk pool is larger than --disk-pool-gb asks; it is never shrunk");
         }
         return Ok(false);
     }
-    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size).map_err(|e| {
-        format!(
-            "cannot grow the pool image {} from {} to {} MiB: {e}",
-            image.display(),
-            mib(len),
-            mib(size)
-        )
-    })?;
+    rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size).map_err(
+        |source| PoolSetupError::Grow {
+            image: image.to_owned(),
+            from_mib: mib(len),
+            to_mib: mib(size),
+            source,
+        },
+    )?;
     tracing::info!(image = %image.display(), from_mib = mib(len), to_mib = mib(size), "growing the sandbox disk pool");
     Ok(true)
 }
 
 /// Has the loop device behind a mounted pool image read the image's new size.
-async fn refresh_loop_device(image: &Path) -> Result<(), String> {
+async fn refresh_loop_device(image: &Path) -> Result<(), PoolSetupError> {
     let out = tokio::process::Command::new("losetup")
         .arg("-j")
         .arg(image)
         .stdin(Stdio::null())
         .output()
         .await
-        .map_err(|e| format!("cannot run losetup: {e}"))?;
+        .map_err(|source| PoolCommandError::Spawn {
+            program: "losetup".to_owned(),
+            source,
+        })?;
     let listing = String::from_utf8_lossy(&out.stdout);
     let device = listing
         .lines()
         .find_map(|line| line.split_once(':').map(|(device, _)| device.to_owned()))
-        .ok_or_else(|| format!("no loop device holds {}", image.display()))?;
-    run("losetup", &[OsStr::new("-c"), OsStr::new(&device)]).await
+        .ok_or_else(|| PoolSetupError::NoLoopDevice {
+            image: image.to_owned(),
+        })?;
+    Ok(run("losetup", &[OsStr::new("-c"), OsStr::new(&device)]).await?)
 }
 
 /// Gives a pool image made sparse (by an older version) all its blocks, so that a host
@@ -1007,14 +1208,13 @@ fn reserve_blocks(image: &Path) {
     }
 }
 
-fn enable_quotas(root: &OwnedFd) -> Result<(), String> {
+fn enable_quotas(root: &OwnedFd) -> Result<(), PoolSetupError> {
     let mut ctl = QuotaCtlArgs {
         cmd: QUOTA_CTL_ENABLE,
         status: 0,
     };
     // SAFETY: QUOTA_CTL takes a btrfs_ioctl_quota_ctl_args, which `ctl` is.
-    unsafe { ioctl(root.as_fd(), QUOTA_CTL, &mut ctl) }
-        .map_err(|e| format!("cannot enable quotas: {e}"))
+    unsafe { ioctl(root.as_fd(), QUOTA_CTL, &mut ctl) }.map_err(PoolSetupError::Quotas)
 }
 
 fn format_uuid(bytes: &[u8; 16]) -> String {
@@ -1191,7 +1391,9 @@ mod tests {
             new_pool_size(None, 8 * GIB, 2048 * MIB, 512 * MIB),
             Ok(needed)
         );
-        let short = new_pool_size(None, 2 * GIB, 2048 * MIB, 512 * MIB).expect_err("no room");
+        let short = new_pool_size(None, 2 * GIB, 2048 * MIB, 512 * MIB)
+            .expect_err("no room")
+            .to_string();
         assert!(
             short.contains("2048 MiB free") && short.contains("--disk-pool-gb"),
             "{short}"
@@ -1204,8 +1406,9 @@ mod tests {
             new_pool_size(Some(8 * GIB), 1, 2048 * MIB, 512 * MIB),
             Ok(8 * GIB)
         );
-        let small =
-            new_pool_size(Some(2 * GIB), 100 * GIB, 2048 * MIB, 512 * MIB).expect_err("too small");
+        let small = new_pool_size(Some(2 * GIB), 100 * GIB, 2048 * MIB, 512 * MIB)
+            .expect_err("too small")
+            .to_string();
         assert!(small.contains("--disk-pool-gb 2 is too small"), "{small}");
         assert!(small.contains("at least 3"), "{small}");
     }
@@ -1377,7 +1580,10 @@ mod tests {
     #[test]
     fn a_disk_is_admitted_when_it_could_fill_up_and_leave_the_reserve() {
         assert_eq!(admission(2560, 0).check(2 << 30), Ok(()));
-        let refused = admission(2559, 0).check(2 << 30).expect_err("refused");
+        let refused = admission(2559, 0)
+            .check(2 << 30)
+            .expect_err("refused")
+            .to_string();
         assert!(refused.contains("disk pool has 2559 MiB free"), "{refused}");
         assert!(refused.contains("512 MiB in reserve"), "{refused}");
     }
@@ -1388,7 +1594,8 @@ mod tests {
         assert_eq!(admission(9000, 38912 - 2048).check(2 << 30), Ok(()));
         let refused = admission(9000, 38912 - 2047)
             .check(2 << 30)
-            .expect_err("refused");
+            .expect_err("refused")
+            .to_string();
         assert!(refused.contains("limit of 38912 MiB (4x"), "{refused}");
     }
 
@@ -1399,6 +1606,7 @@ mod tests {
         assert!(
             rule.check(1 << 20)
                 .expect_err("refused")
+                .to_string()
                 .contains("read-only")
         );
     }

@@ -350,26 +350,28 @@ impl ImageLayers {
         progress: &(dyn Fn(String) + Send + Sync),
         disk_bytes: u64,
         keep: BTreeSet<String>,
-    ) -> Result<sandbar_image::PulledImage, String> {
+    ) -> Result<sandbar_image::PulledImage, CachedPullError> {
         let this = Arc::clone(self);
         let reservation = tokio::task::spawn_blocking(move || this.reserve(&keep, disk_bytes))
             .await
-            .map_err(|e| format!("cannot make room in the image cache: {e}"))?;
+            .map_err(|source| CachedPullError::Reserve {
+                reference: reference.to_owned(),
+                source,
+            })?;
         let room = reservation.bytes;
         let pulled = images
             .pull_for(owner, reference, auth, progress, room)
             .await
-            .map_err(|e| {
+            .map_err(|source| {
                 if room < disk_bytes {
-                    format!(
-                        "{e} (this pull may unpack at most {room} bytes: the image cache holds {} of its {} bytes in layers that templates and builds use)",
-                        self.total(),
-                        self.limit
-                    )
+                    CachedPullError::CacheFull {
+                        source,
+                        room,
+                        held: self.total(),
+                        limit: self.limit,
+                    }
                 } else {
-                    format!(
-                        "{e} (an image may unpack at most the template's disk size, {disk_bytes} bytes)"
-                    )
+                    CachedPullError::PastDisk { source, disk_bytes }
                 }
             })?;
         let hexes: Vec<String> = pulled
@@ -382,6 +384,30 @@ impl ImageLayers {
         drop(reservation);
         Ok(pulled)
     }
+}
+
+/// Why a pull for a build fails, with the room the cache gave it.
+#[derive(Debug, thiserror::Error)]
+pub enum CachedPullError {
+    #[error("cannot make room in the image cache: {source}")]
+    Reserve {
+        reference: String,
+        source: tokio::task::JoinError,
+    },
+    #[error(
+        "{source} (this pull may unpack at most {room} bytes: the image cache holds {held} of its {limit} bytes in layers that templates and builds use)"
+    )]
+    CacheFull {
+        source: sandbar_image::PullError,
+        room: u64,
+        held: u64,
+        limit: u64,
+    },
+    #[error("{source} (an image may unpack at most the template's disk size, {disk_bytes} bytes)")]
+    PastDisk {
+        source: sandbar_image::PullError,
+        disk_bytes: u64,
+    },
 }
 
 #[cfg(test)]

@@ -129,23 +129,46 @@ impl LayerStore {
     }
 
     /// Paths of `layers` (bottom first) for an overlay, topmost first.
-    pub fn stack(&self, layers: &[String]) -> Result<Vec<PathBuf>, String> {
+    pub fn stack(&self, layers: &[String]) -> Result<Vec<PathBuf>, StackError> {
         layers
             .iter()
             .rev()
             .map(|name| {
                 self.path(name)
                     .filter(|p| sandbar_fs::host_is_dir(p))
-                    .ok_or_else(|| format!("layer {name} is missing on this node"))
+                    .ok_or_else(|| StackError::Missing { name: name.clone() })
             })
             .collect()
     }
 
     /// The layers `layers` (bottom first) opened for reading, topmost first.
-    pub fn trees(&self, layers: &[String]) -> Result<Stack, String> {
+    pub fn trees(&self, layers: &[String]) -> Result<Stack, StackError> {
         let paths = self.stack(layers)?;
-        Stack::open(&paths).map_err(|e| format!("cannot open the layers: {e}"))
+        Stack::open(&paths).map_err(|source| StackError::Open {
+            top: paths.first().cloned().unwrap_or_default(),
+            source,
+        })
     }
+}
+
+/// Why the layers of an image cannot be stacked on this node.
+#[derive(Debug, thiserror::Error)]
+pub enum StackError {
+    #[error("layer {name} is missing on this node")]
+    Missing { name: String },
+    /// `top` is the topmost layer's directory.
+    #[error("cannot open the layers: {source}")]
+    Open {
+        top: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// Why a path inside an image cannot be resolved through its layers.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    #[error("too many symbolic links resolving {path}")]
+    TooManyLinks { path: String },
 }
 
 /// The layers of a stack opened for reading, topmost first. Each is a tree a tenant may
@@ -266,7 +289,7 @@ pub fn lookup(stack: &Stack, relative: &Path) -> Found {
 /// Resolves `path` (absolute, inside the image) through `stack`, following links in every
 /// component as the sandbox would, but never leaving the image's root: the result is a
 /// path below the root with no link in it (its last components may not exist yet).
-pub fn resolve(stack: &Stack, path: &str) -> Result<PathBuf, String> {
+pub fn resolve(stack: &Stack, path: &str) -> Result<PathBuf, ResolveError> {
     let mut resolved = PathBuf::new();
     let mut pending: Vec<std::ffi::OsString> = Path::new(path)
         .components()
@@ -288,7 +311,9 @@ pub fn resolve(stack: &Stack, path: &str) -> Result<PathBuf, String> {
             Found::Symlink(target) => {
                 links += 1;
                 if links > 40 {
-                    return Err(format!("too many symbolic links resolving {path}"));
+                    return Err(ResolveError::TooManyLinks {
+                        path: path.to_owned(),
+                    });
                 }
                 if target.is_absolute() {
                     resolved = PathBuf::new();
