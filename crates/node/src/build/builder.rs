@@ -1062,9 +1062,9 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         };
         crate::runtime::agent_client::run(&sandbox.agent_socket, &exec, |bytes| on_output(bytes))
             .await
-            .map_err(|message| StepExecError {
+            .map_err(|e| StepExecError {
                 sandbox_id: sandbox.sandbox.id.clone(),
-                message,
+                message: e.to_string(),
             })
     }
 

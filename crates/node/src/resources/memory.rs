@@ -151,13 +151,6 @@ pub enum MemoryRefusal {
     },
 }
 
-/// The runtime's admission carries refusals on as the message of its own error.
-impl From<MemoryRefusal> for String {
-    fn from(refusal: MemoryRefusal) -> Self {
-        refusal.to_string()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

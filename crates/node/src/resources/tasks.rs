@@ -54,13 +54,6 @@ pub struct TasksRefusal {
     pub reserve: u64,
 }
 
-/// The runtime's admission carries refusals on as the message of its own error.
-impl From<TasksRefusal> for String {
-    fn from(refusal: TasksRefusal) -> Self {
-        refusal.to_string()
-    }
-}
-
 /// How many tasks the kernel allows: the lower of `kernel.pid_max` and
 /// `kernel.threads-max`, which change only when an operator sets them.
 pub fn task_limit() -> Option<u64> {

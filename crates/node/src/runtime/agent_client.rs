@@ -6,19 +6,59 @@ use std::time::Duration;
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 
+/// Why a call the node made to a sandbox's agent failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AgentCallError {
+    #[error("connect {socket}: {source}")]
+    Connect {
+        socket: String,
+        source: std::io::Error,
+    },
+    #[error("agent did not become healthy: {last}")]
+    NotHealthy { last: String },
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+    #[error("{0}")]
+    Request(#[from] hyper::http::Error),
+    #[error("{0}")]
+    Encode(#[from] serde_json::Error),
+    #[error("agent answered {path} with {status}: {text}")]
+    Refused {
+        path: String,
+        status: hyper::StatusCode,
+        text: String,
+    },
+    #[error("the agent's current token is not a header value")]
+    TokenNotAHeader,
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    InitAnswer(String),
+}
+
+fn connect_err(socket: &Path) -> impl FnOnce(std::io::Error) -> AgentCallError + '_ {
+    move |source| AgentCallError::Connect {
+        socket: socket.display().to_string(),
+        source,
+    }
+}
+
 /// Waits until the agent behind `socket` answers `GET /health`, for at most `patience`.
-pub(crate) async fn wait_healthy(socket: &Path, patience: Duration) -> Result<(), String> {
+pub(crate) async fn wait_healthy(socket: &Path, patience: Duration) -> Result<(), AgentCallError> {
     let deadline = tokio::time::Instant::now() + patience;
     let mut last_error = String::from("no answer");
     while tokio::time::Instant::now() < deadline {
         match tokio::time::timeout_at(deadline, health(socket)).await {
             Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) => last_error = e,
+            Ok(Err(e)) => last_error = e.to_string(),
             Err(_) => break,
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    Err(format!("agent did not become healthy: {last_error}"))
+    Err(AgentCallError::NotHealthy { last: last_error })
 }
 
 /// One connection to an agent. The agent's end of it was made in the host's network namespace
@@ -42,10 +82,10 @@ impl Link {
 }
 
 /// A connection to the agent behind `socket`. It outlives a rename of the socket's path.
-pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, String> {
+pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, AgentCallError> {
     tokio::net::UnixStream::connect(socket)
         .await
-        .map_err(|e| format!("connect {}: {e}", socket.display()))
+        .map_err(connect_err(socket))
 }
 
 /// Sends `request` to the agent behind `socket` over a connection of its own; an answer
@@ -53,14 +93,11 @@ pub(crate) async fn connect(socket: &Path) -> Result<tokio::net::UnixStream, Str
 async fn call(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<(hyper::Response<hyper::body::Incoming>, Link), String> {
+) -> Result<(hyper::Response<hyper::body::Incoming>, Link), AgentCallError> {
     use http_body_util::BodyExt as _;
     let stream = connect(socket).await?;
-    let hang_up = sandbar_core::HangUp::of(&stream)
-        .map_err(|e| format!("connect {}: {e}", socket.display()))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| e.to_string())?;
+    let hang_up = sandbar_core::HangUp::of(&stream).map_err(connect_err(socket))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     let connection = tokio::spawn(async move {
         let _ = conn.await;
     });
@@ -75,7 +112,7 @@ async fn call(
         Ok(response) => response,
         Err(e) => {
             link.hang_up().await;
-            return Err(e.to_string());
+            return Err(e.into());
         }
     };
     if response.status().is_success() {
@@ -89,26 +126,25 @@ async fn call(
         .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
         .unwrap_or_default();
     link.hang_up().await;
-    Err(format!("agent answered {path} with {status}: {text}"))
+    Err(AgentCallError::Refused { path, status, text })
 }
 
 /// [`call`] for a request whose answer is read whole.
 async fn call_to_end(
     socket: &Path,
     request: hyper::Request<http_body_util::Full<Bytes>>,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, AgentCallError> {
     use http_body_util::BodyExt as _;
     let (response, link) = call(socket, request).await?;
     let body = response.into_body().collect().await;
     link.hang_up().await;
-    body.map(|b| b.to_bytes()).map_err(|e| e.to_string())
+    Ok(body.map(|b| b.to_bytes())?)
 }
 
-async fn health(socket: &Path) -> Result<(), String> {
+async fn health(socket: &Path) -> Result<(), AgentCallError> {
     let request = hyper::Request::get("/health")
         .header(hyper::header::HOST, "agent")
-        .body(http_body_util::Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
+        .body(http_body_util::Full::new(Bytes::new()))?;
     call_to_end(socket, request).await.map(|_| ())
 }
 
@@ -151,7 +187,9 @@ fn take_envelope(buffer: &mut Vec<u8>) -> Option<(u8, Vec<u8>)> {
 }
 
 /// The `process.Process/Start` request for `exec`.
-fn start_request(exec: &Exec<'_>) -> Result<hyper::Request<http_body_util::Full<Bytes>>, String> {
+fn start_request(
+    exec: &Exec<'_>,
+) -> Result<hyper::Request<http_body_util::Full<Bytes>>, AgentCallError> {
     use base64::Engine as _;
 
     let mut process = serde_json::json!({
@@ -162,8 +200,7 @@ fn start_request(exec: &Exec<'_>) -> Result<hyper::Request<http_body_util::Full<
     if let Some(cwd) = exec.cwd {
         process["cwd"] = serde_json::Value::String(cwd.to_owned());
     }
-    let message = serde_json::to_vec(&serde_json::json!({ "process": process }))
-        .map_err(|e| e.to_string())?;
+    let message = serde_json::to_vec(&serde_json::json!({ "process": process }))?;
     let mut body = Vec::with_capacity(message.len() + 5);
     body.push(0);
     body.extend_from_slice(&(message.len() as u32).to_be_bytes());
@@ -177,12 +214,12 @@ fn start_request(exec: &Exec<'_>) -> Result<hyper::Request<http_body_util::Full<
         .header("x-access-token", exec.token)
         .header(hyper::header::AUTHORIZATION, format!("Basic {basic}"))
         .body(http_body_util::Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())
+        .map_err(AgentCallError::from)
 }
 
 /// Starts `exec` and leaves it running on its own: returns once the agent reported it
 /// started and the connection is closed.
-pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(), String> {
+pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(), AgentCallError> {
     use http_body_util::BodyExt as _;
     let (response, link) = call(socket, start_request(exec)?).await?;
     let mut body = response.into_body();
@@ -197,7 +234,7 @@ pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(),
             }
             Some(Err(e)) => {
                 link.hang_up().await;
-                return Err(e.to_string());
+                return Err(e.into());
             }
             // Ended already: the command was quick.
             None => break,
@@ -213,7 +250,7 @@ pub(crate) async fn start_detached(socket: &Path, exec: &Exec<'_>) -> Result<(),
 pub(crate) async fn start(
     socket: &Path,
     exec: &Exec<'_>,
-) -> Result<tokio::sync::mpsc::Receiver<ExecEvent>, String> {
+) -> Result<tokio::sync::mpsc::Receiver<ExecEvent>, AgentCallError> {
     use base64::Engine as _;
     use http_body_util::BodyExt as _;
 
@@ -271,7 +308,7 @@ pub(crate) async fn run(
     socket: &Path,
     exec: &Exec<'_>,
     mut on_output: impl FnMut(&[u8]),
-) -> Result<i32, String> {
+) -> Result<i32, AgentCallError> {
     let mut events = start(socket, exec).await?;
     while let Some(event) = events.recv().await {
         match event {
@@ -300,7 +337,7 @@ pub(crate) async fn init(
     socket: &Path,
     current_token: &str,
     init: &Init<'_>,
-) -> Result<(), String> {
+) -> Result<(), AgentCallError> {
     let mut stream = connect(socket).await?;
     send_init(&mut stream, current_token, init).await?;
     init_answered(stream).await
@@ -315,20 +352,23 @@ pub(crate) async fn send_init(
     stream: &mut tokio::net::UnixStream,
     current_token: &str,
     init: &Init<'_>,
-) -> Result<(), String> {
+) -> Result<(), AgentCallError> {
     use tokio::io::AsyncWriteExt as _;
     let bytes = init_bytes(current_token, init)?;
     stream
         .write_all(&bytes)
         .await
-        .map_err(|e| format!("send /init: {e}"))
+        .map_err(|source| AgentCallError::Io {
+            what: "send /init",
+            source,
+        })
 }
 
-fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, String> {
+fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, AgentCallError> {
     // Refuses what would break the header line (CR, LF and other controls).
     hyper::header::HeaderValue::from_str(current_token)
-        .map_err(|_| "the agent's current token is not a header value".to_owned())?;
-    let body = serde_json::to_vec(init).map_err(|e| e.to_string())?;
+        .map_err(|_| AgentCallError::TokenNotAHeader)?;
+    let body = serde_json::to_vec(init)?;
     let mut bytes = format!(
         "POST /init HTTP/1.1\r\nhost: agent\r\ncontent-type: application/json\r\nx-access-token: {current_token}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
         body.len()
@@ -343,15 +383,20 @@ const INIT_ANSWER_MAX: usize = 16 * 1024;
 
 /// Reads the agent's answer to [`send_init`] (`Ok` for a 2xx status only), then hangs up as
 /// every call does (see [`Link`]).
-pub(crate) async fn init_answered(mut stream: tokio::net::UnixStream) -> Result<(), String> {
+pub(crate) async fn init_answered(
+    mut stream: tokio::net::UnixStream,
+) -> Result<(), AgentCallError> {
     let answered = read_init_answer(&mut stream).await;
-    let hang_up = sandbar_core::HangUp::of(&stream).map_err(|e| format!("connection: {e}"));
+    let hang_up = sandbar_core::HangUp::of(&stream).map_err(|source| AgentCallError::Io {
+        what: "connection",
+        source,
+    });
     drop(stream);
     hang_up?.hang_up().await;
     answered
 }
 
-async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), String> {
+async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), AgentCallError> {
     use tokio::io::AsyncReadExt as _;
     let mut buffer = Vec::with_capacity(512);
     loop {
@@ -361,26 +406,35 @@ async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), Str
             Ok(httparse::Status::Complete(_)) => {
                 return match response.code {
                     Some(code) if (200..300).contains(&code) => Ok(()),
-                    code => Err(format!(
+                    code => Err(AgentCallError::InitAnswer(format!(
                         "agent answered /init with {}",
                         code.map_or_else(|| "no status".to_owned(), |c| c.to_string())
-                    )),
+                    ))),
                 };
             }
             Ok(httparse::Status::Partial) if buffer.len() < INIT_ANSWER_MAX => {}
             Ok(httparse::Status::Partial) => {
-                return Err(format!(
+                return Err(AgentCallError::InitAnswer(format!(
                     "agent's answer to /init is longer than {INIT_ANSWER_MAX} bytes"
-                ));
+                )));
             }
-            Err(e) => return Err(format!("agent's answer to /init: {e}")),
+            Err(e) => {
+                return Err(AgentCallError::InitAnswer(format!(
+                    "agent's answer to /init: {e}"
+                )));
+            }
         }
         let read = stream
             .read_buf(&mut buffer)
             .await
-            .map_err(|e| format!("read the answer to /init: {e}"))?;
+            .map_err(|source| AgentCallError::Io {
+                what: "read the answer to /init",
+                source,
+            })?;
         if read == 0 {
-            return Err("the agent closed the connection without answering /init".to_owned());
+            return Err(AgentCallError::InitAnswer(
+                "the agent closed the connection without answering /init".to_owned(),
+            ));
         }
     }
 }
@@ -395,7 +449,7 @@ mod tests {
     async fn init_exchange(
         answer: Option<&'static str>,
     ) -> (
-        Result<(), String>,
+        Result<(), AgentCallError>,
         String,
         Vec<(String, String)>,
         serde_json::Value,
@@ -464,13 +518,18 @@ mod tests {
             "HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n",
         ))
         .await;
-        assert!(refused.unwrap_err().contains("401"));
+        assert!(refused.unwrap_err().to_string().contains("401"));
         let (unanswered, ..) = init_exchange(None).await;
-        assert!(unanswered.unwrap_err().contains("without answering"));
+        assert!(
+            unanswered
+                .unwrap_err()
+                .to_string()
+                .contains("without answering")
+        );
         let (garbled, ..) = init_exchange(Some("not http\r\n\r\n")).await;
         assert_eq!(
-            garbled,
-            Err("agent's answer to /init: invalid HTTP version".to_owned())
+            garbled.unwrap_err().to_string(),
+            "agent's answer to /init: invalid HTTP version"
         );
     }
 
@@ -484,10 +543,10 @@ mod tests {
             default_workdir: None,
             memory_limit_mb: 1,
         };
-        assert_eq!(
+        assert!(matches!(
             init_bytes("a\r\nx-evil: 1", &init),
-            Err("the agent's current token is not a header value".to_owned())
-        );
+            Err(AgentCallError::TokenNotAHeader)
+        ));
     }
 
     #[test]

@@ -138,6 +138,31 @@ impl LinuxRuntime {
     }
 }
 
+/// Why a checkpoint could not be laid out for a restore.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum StageError {
+    #[error("the checkpoint is not usable: {0}")]
+    Unusable(#[from] crate::checkpoint::HeaderError),
+    #[error("the checkpoint has {0} user namespace images, not one")]
+    UserNamespaces(usize),
+    #[error("the checkpoint's user namespace image is not one this node reads")]
+    UnknownUserNamespace,
+    #[error("{what} {path}: {source}")]
+    Io {
+        what: &'static str,
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+fn stage_io(
+    what: &'static str,
+    path: impl std::fmt::Display,
+) -> impl FnOnce(std::io::Error) -> StageError {
+    let path = path.to_string();
+    move |source| StageError::Io { what, path, source }
+}
+
 /// Lays the checkpoint images of `source` out in `work` for one restore: links to them, but
 /// the user namespace image rewritten from the host ids at `from` to those at `to` (restored
 /// with the ids it was dumped with, a sandbox could touch another's files). Returns the
@@ -148,32 +173,29 @@ pub(super) fn stage_checkpoint(
     verify: bool,
     from: u32,
     to: u32,
-) -> Result<crate::checkpoint::Header, String> {
-    let header = crate::checkpoint::read_header(source, verify)
-        .map_err(|e| format!("the checkpoint is not usable: {e}"))?;
+) -> Result<crate::checkpoint::Header, StageError> {
+    let header = crate::checkpoint::read_header(source, verify)?;
     let _ = crate::storage::disks::remove_tree(work);
-    std::fs::create_dir_all(work).map_err(|e| format!("create {}: {e}", work.display()))?;
+    std::fs::create_dir_all(work).map_err(stage_io("create", work.display()))?;
     let user_namespaces = header
         .images
         .iter()
         .filter(|i| crate::checkpoint::is_userns_image(&i.name))
         .count();
     if user_namespaces != 1 {
-        return Err(format!(
-            "the checkpoint has {user_namespaces} user namespace images, not one"
-        ));
+        return Err(StageError::UserNamespaces(user_namespaces));
     }
     for image in &header.images {
         if crate::checkpoint::is_userns_image(&image.name) {
-            let bytes = std::fs::read(source.join(&image.name))
-                .map_err(|e| format!("read {}: {e}", image.name))?;
+            let bytes =
+                std::fs::read(source.join(&image.name)).map_err(stage_io("read", &image.name))?;
             let moved = crate::checkpoint::remap_userns_image(&bytes, from, to, SANDBOX_IDS)
-                .ok_or("the checkpoint's user namespace image is not one this node reads")?;
+                .ok_or(StageError::UnknownUserNamespace)?;
             std::fs::write(work.join(&image.name), moved)
-                .map_err(|e| format!("write {}: {e}", image.name))?;
+                .map_err(stage_io("write", &image.name))?;
         } else {
             std::fs::hard_link(source.join(&image.name), work.join(&image.name))
-                .map_err(|e| format!("link {}: {e}", image.name))?;
+                .map_err(stage_io("link", &image.name))?;
         }
     }
     Ok(header)

@@ -17,7 +17,7 @@ use super::restore::SlotRestore;
 use super::{LinuxRuntime, kill_err, sandbox_err};
 use crate::checkpoint::HostSocket;
 use crate::net::netns::PreparedNetns;
-use crate::resources::cgroups::Limits;
+use crate::resources::cgroups::{CgroupError, Limits};
 
 /// Where a booting sandbox's files come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,8 +38,8 @@ pub(super) trait HostOps: Sync {
 
     fn netns_slot(netns: &Self::Netns) -> u32;
 
-    fn freeze(&self, sandbox_id: &str) -> impl Future<Output = Result<(), String>> + Send;
-    fn thaw(&self, sandbox_id: &str) -> Result<(), String>;
+    fn freeze(&self, sandbox_id: &str) -> impl Future<Output = Result<(), CgroupError>> + Send;
+    fn thaw(&self, sandbox_id: &str) -> Result<(), CgroupError>;
     /// Unix sockets of the host's network namespace that the sandbox's processes hold.
     fn host_sockets(&self, sandbox_id: &str) -> Vec<HostSocket>;
 
@@ -128,16 +128,12 @@ impl HostOps for LinuxHost<'_> {
         netns.slot
     }
 
-    async fn freeze(&self, sandbox_id: &str) -> Result<(), String> {
-        self.0
-            .cgroups
-            .freeze(sandbox_id)
-            .await
-            .map_err(|e| e.to_string())
+    async fn freeze(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        self.0.cgroups.freeze(sandbox_id).await
     }
 
-    fn thaw(&self, sandbox_id: &str) -> Result<(), String> {
-        self.0.cgroups.thaw(sandbox_id).map_err(|e| e.to_string())
+    fn thaw(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        self.0.cgroups.thaw(sandbox_id)
     }
 
     fn host_sockets(&self, sandbox_id: &str) -> Vec<HostSocket> {

@@ -17,7 +17,7 @@ use super::host::{DiskSource, HostOps};
 use super::launch::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
-use crate::resources::cgroups::Limits;
+use crate::resources::cgroups::{CgroupError, Limits};
 
 /// A namespace prepared for a slot, as the fake hands it to a boot.
 #[derive(Debug)]
@@ -121,16 +121,18 @@ impl HostOps for RecordingHost {
         netns.0
     }
 
-    async fn freeze(&self, id: &str) -> Result<(), String> {
-        self.call("freeze", id).map_err(|e| e.to_string())?;
+    async fn freeze(&self, id: &str) -> Result<(), CgroupError> {
+        self.call("freeze", id)
+            .map_err(|e| CgroupError::Unsupported(e.to_string()))?;
         self.change(|s| {
             s.frozen.insert(id.to_owned());
         });
         Ok(())
     }
 
-    fn thaw(&self, id: &str) -> Result<(), String> {
-        self.call("thaw", id).map_err(|e| e.to_string())?;
+    fn thaw(&self, id: &str) -> Result<(), CgroupError> {
+        self.call("thaw", id)
+            .map_err(|e| CgroupError::Unsupported(e.to_string()))?;
         self.change(|s| {
             s.frozen.remove(id);
         });

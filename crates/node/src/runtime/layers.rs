@@ -112,7 +112,9 @@ impl LinuxRuntime {
                 }
                 let path = entry.path();
                 let removed = if kind == "layer" {
-                    self.disks.remove_at(&steps, &name)
+                    self.disks
+                        .remove_at(&steps, &name)
+                        .map_err(|e| e.to_string())
                 } else {
                     crate::storage::disks::remove_tree(&path).map_err(|e| e.to_string())
                 };

@@ -11,6 +11,15 @@ use crate::resources::memory::{HostMemory, MemoryRule};
 use crate::resources::tasks::HostTasks;
 use crate::storage::disks::DiskPromise;
 
+/// Why the node cannot start another sandbox now.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(super) enum Refusal {
+    #[error(transparent)]
+    Memory(#[from] crate::resources::memory::MemoryRefusal),
+    #[error(transparent)]
+    Tasks(#[from] crate::resources::tasks::TasksRefusal),
+}
+
 /// What the node has promised to live sandboxes, and the rule for promising more.
 #[derive(Debug)]
 pub(super) struct ResourceLedger {
@@ -85,7 +94,7 @@ impl ResourceLedger {
         host: Option<&HostMemory>,
         tasks: Option<HostTasks>,
         oom_kills_now: u64,
-    ) -> Result<MemoryGrant, String> {
+    ) -> Result<MemoryGrant, Refusal> {
         let mut granted = self.granted.lock().unwrap_or_else(|e| e.into_inner());
         let others = granted
             .iter()
@@ -136,7 +145,7 @@ impl ResourceLedger {
         host: Option<&HostMemory>,
         tasks: Option<HostTasks>,
         memory_mb: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         self.admit(host, tasks, self.promised_mb(), memory_mb)
     }
 
@@ -146,7 +155,7 @@ impl ResourceLedger {
         tasks: Option<HostTasks>,
         promised: u64,
         memory_mb: u32,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         if let Some(host) = host {
             self.memory_rule.admit(host, promised, memory_mb)?;
         }
@@ -216,9 +225,9 @@ impl LinuxRuntime {
                 self.host_tasks(),
                 oom_now,
             )
-            .map_err(|message| RuntimeError::NoCapacity {
+            .map_err(|refusal| RuntimeError::NoCapacity {
                 sandbox_id: id.to_owned(),
-                message,
+                message: refusal.to_string(),
             })
     }
 
@@ -227,9 +236,9 @@ impl LinuxRuntime {
     pub(super) fn admit_start(&self, id: &str) -> Result<(), RuntimeError> {
         self.ledger
             .admit_beside_promised(self.memory_view().as_ref(), self.host_tasks(), 0)
-            .map_err(|message| RuntimeError::NoCapacity {
+            .map_err(|refusal| RuntimeError::NoCapacity {
                 sandbox_id: id.to_owned(),
-                message,
+                message: refusal.to_string(),
             })
     }
 
@@ -342,7 +351,7 @@ mod tests {
         let refused = ledger
             .grant("one-more", 512, Some(&host), None, 0)
             .expect_err("past the limit");
-        assert!(refused.contains("8192 MiB"), "{refused}");
+        assert!(refused.to_string().contains("8192 MiB"), "{refused}");
         drop(grants.remove(0));
         let _one_more = ledger
             .grant("one-more", 512, Some(&host), None, 0)
@@ -358,7 +367,7 @@ mod tests {
         let refused = ledger
             .grant("s", 512, Some(&short), None, 0)
             .expect_err("too little memory available");
-        assert!(refused.contains("MiB"), "{refused}");
+        assert!(refused.to_string().contains("MiB"), "{refused}");
         assert_eq!(ledger.promised_mb(), 0);
         assert_eq!(ledger.oom_kills(|_| Some(7)), 0);
     }
@@ -373,7 +382,7 @@ mod tests {
         let refused = ledger
             .admit_beside_promised(None, Some(crowded), 0)
             .expect_err("too few tasks left");
-        assert!(refused.contains("tasks"), "{refused}");
+        assert!(matches!(refused, Refusal::Tasks(_)), "{refused}");
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::launch::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
 use crate::net::netns::SlotSet;
-use crate::resources::cgroups::Limits;
+use crate::resources::cgroups::{CgroupError, Limits};
 
 /// What a boot that failed leaves: the handle of what it started, if it got that far, and
 /// why it failed.
@@ -245,7 +245,7 @@ pub(super) async fn settle_and_freeze(
     host: &impl HostOps,
     sandbox_id: &str,
     patience: Duration,
-) -> Result<Vec<HostSocket>, String> {
+) -> Result<Vec<HostSocket>, CgroupError> {
     let held = settle(host, sandbox_id, patience).await;
     host.freeze(sandbox_id).await?;
     if !held.is_empty() {
@@ -265,7 +265,7 @@ pub(super) async fn dump_frozen<T, E, F, Fut>(
     host: &impl HostOps,
     sandbox_id: &str,
     patience: Duration,
-    host_error: impl Fn(String) -> E,
+    host_error: impl Fn(CgroupError) -> E,
     mut dump: F,
 ) -> Result<T, E>
 where

@@ -271,7 +271,8 @@ impl LinuxRuntime {
                 .map_err(|e| format!("the snapshot's origin is unreadable: {e}"))?;
                 // The images are shared by every sandbox made from the snapshot: each restore
                 // gets links to them in a directory of its own, with its own id range.
-                let header = stage_checkpoint(&source, &work, verify, origin.id_base, to)?;
+                let header = stage_checkpoint(&source, &work, verify, origin.id_base, to)
+                    .map_err(|e| e.to_string())?;
                 Ok((header, origin))
             })
             .await

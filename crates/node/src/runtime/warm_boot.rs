@@ -205,7 +205,9 @@ impl LinuxRuntime {
                 .open(&log)
                 .and_then(|f| f.set_len(0))
                 .map_err(|e| format!("empty {}: {e}", log.display()))?;
-            let mut stream = agent_client::connect(&self.places.socket_path(&warm.name)).await?;
+            let mut stream = agent_client::connect(&self.places.socket_path(&warm.name))
+                .await
+                .map_err(|e| e.to_string())?;
             agent_client::send_init(
                 &mut stream,
                 &warm.token,
@@ -217,7 +219,8 @@ impl LinuxRuntime {
                     memory_limit_mb: spec.memory_mb,
                 },
             )
-            .await?;
+            .await
+            .map_err(|e| e.to_string())?;
             Ok::<_, String>(stream)
         }
         .await

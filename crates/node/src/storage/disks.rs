@@ -992,8 +992,8 @@ impl DiskPool {
     }
 
     /// Removes `parent/name` (a subvolume or a plain tree) on the pool, e.g. a step layer.
-    pub fn remove_at(&self, parent: &Path, name: &str) -> Result<(), String> {
-        self.remove_in(parent, name).map_err(|e| e.to_string())
+    pub fn remove_at(&self, parent: &Path, name: &str) -> Result<(), DiskError> {
+        self.remove_in(parent, name)
     }
 
     fn remove_in(&self, parent_dir: &Path, sandbox_id: &str) -> Result<(), DiskError> {
