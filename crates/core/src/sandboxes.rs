@@ -15,14 +15,14 @@ use crate::agent_links::{AgentLease, AgentLinks};
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{Sandbox, SandboxState, Team, Template};
+use crate::model::{Sandbox, SandboxState, Team, Template, TemplateImage};
 use crate::network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 use crate::runtime::{Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::{Store, StoreError};
 use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
 use crate::templates::{TemplateError, Templates};
-use crate::volumes::{MountRequest, VolumeMountError, Volumes};
+use crate::volumes::{MountRequest, VolumeMount, VolumeMountError, Volumes};
 
 mod metrics;
 mod pause;
@@ -672,51 +672,56 @@ impl Sandboxes {
             _ => image,
         };
         let booted_from = image.clone();
-        let mut env_vars = image.env.clone();
-        env_vars.extend(request.env_vars.clone());
-        let spec = LaunchSpec {
-            sandbox_id: id.clone(),
-            image,
-            cpu_count: template.cpu_count,
-            memory_mb: template.memory_mb,
-            disk_size_mb: template.disk_size_mb,
-            env_vars,
-            allow_internet_access: !egress.is_isolated(),
-            egress,
-            envd_access_token: ids::new_secret(""),
-            template: template.clone(),
-            volumes: mounts.clone(),
-            kept: None,
-        };
+        let spec = launch_spec(&id, &request, &template, image, egress, mounts.clone());
         let token = spec.envd_access_token.clone();
-        let (handle, endpoint) = match self.runtime.launch(spec).await {
-            Ok(started) => started,
-            Err(err) => {
-                return Err(match err {
-                    RuntimeError::NoCapacity { .. } => CreateSandboxError::NoCapacity {
-                        source: err,
-                        retry_after_secs: self.capacity_wait(),
-                    },
-                    err => err.into(),
-                });
-            }
-        };
+        let (handle, endpoint) = self.runtime.launch(spec).await.map_err(|err| match err {
+            RuntimeError::NoCapacity { .. } => CreateSandboxError::NoCapacity {
+                source: err,
+                retry_after_secs: self.capacity_wait(),
+            },
+            err => err.into(),
+        })?;
 
         // The timeout runs from the moment the sandbox is usable, not from the request.
+        let sandbox =
+            self.started_sandbox(&id, team, request, &template, handle, token, booted_from);
+        self.record_started(&sandbox, &mounts).await?;
+        reservation.keep();
+        // Started before the sandbox counts as running; the reaper's reads of its agent log
+        // wait for the log to exist.
+        self.log_start(&sandbox, now);
+        self.make_routable(&sandbox, endpoint);
+        self.record_spawn_later(&template.id, sandbox.started_at);
+        tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
+        Ok(sandbox)
+    }
+
+    /// The record of a sandbox of `template` just started for `request`, whose timeout runs
+    /// from now.
+    #[allow(clippy::too_many_arguments)]
+    fn started_sandbox(
+        &self,
+        id: &str,
+        team: &Team,
+        request: CreateSandbox,
+        template: &Template,
+        handle: RuntimeHandle,
+        envd_access_token: String,
+        booted_from: TemplateImage,
+    ) -> Sandbox {
         let started_at = Utc::now();
-        let sandbox = Sandbox {
-            id: id.clone(),
+        let named = &request.template;
+        let alias = template
+            .aliases
+            .iter()
+            .find(|a| named.strip_suffix(":default").unwrap_or(named) == a.as_str())
+            .or(template.aliases.first())
+            .cloned();
+        Sandbox {
+            id: id.to_owned(),
             team_id: team.id.clone(),
             template_id: template.id.clone(),
-            alias: template
-                .aliases
-                .iter()
-                .find(|a| {
-                    let named = &request.template;
-                    named.strip_suffix(":default").unwrap_or(named) == a.as_str()
-                })
-                .or(template.aliases.first())
-                .cloned(),
+            alias,
             started_at,
             end_at: started_at + seconds(request.timeout_secs),
             cpu_count: template.cpu_count,
@@ -728,7 +733,7 @@ impl Sandboxes {
             traffic_access_token: (!request.network.allow_public_traffic)
                 .then(|| ids::new_secret("")),
             network: request.network,
-            envd_access_token: token,
+            envd_access_token,
             envd_version: template.envd_version.clone(),
             status: SandboxStatus::Running,
             handle,
@@ -737,13 +742,23 @@ impl Sandboxes {
             auto_pause_memory: !request.auto_pause_files_only,
             image: Some(booted_from),
             node_id: self.config.node_id.clone(),
-        };
-        let recorded = match self.store.insert_sandbox(&sandbox).await {
+        }
+    }
+
+    /// Records a started sandbox and its volume mounts; if that fails, the sandbox is
+    /// destroyed, since nothing could find it again.
+    async fn record_started(
+        &self,
+        sandbox: &Sandbox,
+        mounts: &[VolumeMount],
+    ) -> Result<(), CreateSandboxError> {
+        let id = &sandbox.id;
+        let recorded = match self.store.insert_sandbox(sandbox).await {
             Ok(()) if mounts.is_empty() => Ok(()),
             Ok(()) => {
-                let mounted = self.store.insert_sandbox_volumes(&id, &mounts).await;
+                let mounted = self.store.insert_sandbox_volumes(id, mounts).await;
                 if mounted.is_err()
-                    && let Err(err) = self.store.delete_sandbox(&id).await
+                    && let Err(err) = self.store.delete_sandbox(id).await
                 {
                     tracing::error!(sandbox_id = %id, error = %err, "cannot remove half-recorded sandbox");
                 }
@@ -752,21 +767,24 @@ impl Sandboxes {
             Err(err) => Err(err),
         };
         if let Err(err) = recorded {
-            if let Err(destroy) = self.runtime.destroy(&id, &sandbox.handle).await {
+            if let Err(destroy) = self.runtime.destroy(id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %id, error = %destroy, "cannot clean up unrecorded sandbox");
             }
             return Err(err.into());
         }
-        reservation.keep();
-        // Started before the sandbox counts as running; the reaper's reads of its agent log
-        // wait for the log to exist.
-        self.log_start(&sandbox, now);
-        if let Some(entry) = self.live().get_mut(&id) {
+        Ok(())
+    }
+
+    /// Gives a recorded sandbox's registry entry its endpoint, tokens and limits, then lets
+    /// traffic reach it.
+    fn make_routable(&self, sandbox: &Sandbox, endpoint: Endpoint) {
+        let id = &sandbox.id;
+        if let Some(entry) = self.live().get_mut(id) {
             entry.endpoint = Some(endpoint);
-            entry.access_token = self.signers.list(&id, &sandbox.envd_access_token);
+            entry.access_token = self.signers.list(id, &sandbox.envd_access_token);
             entry.handle = sandbox.handle.clone();
             entry.end_at = sandbox.end_at;
-            entry.user_ports = UserPortAccess::of(&sandbox);
+            entry.user_ports = UserPortAccess::of(sandbox);
             entry.auto_pause = sandbox.auto_pause;
             entry.auto_resume = sandbox.auto_resume;
             entry.cpu_count = sandbox.cpu_count;
@@ -774,18 +792,20 @@ impl Sandboxes {
             entry.disk_size_mb = sandbox.disk_size_mb;
         }
         // Routable only now that its endpoint and token are in place.
-        self.set_status(&id, SandboxStatus::Running, None);
-        // A statistic nothing waits for: written after the first command had its chance.
+        self.set_status(id, SandboxStatus::Running, None);
+    }
+
+    /// Counts a spawn of `template_id`: a statistic nothing waits for, written after the
+    /// first command had its chance.
+    fn record_spawn_later(&self, template_id: &str, started_at: DateTime<Utc>) {
         let store = self.store.clone();
-        let template_id = template.id.clone();
+        let template_id = template_id.to_owned();
         tokio::spawn(async move {
             tokio::time::sleep(AFTER_CREATE_QUIET).await;
             if let Err(err) = store.record_template_spawn(&template_id, started_at).await {
                 tracing::warn!(%template_id, error = %err, "cannot record template spawn");
             }
         });
-        tracing::info!(sandbox_id = %id, template_id = %template.id, "sandbox started");
-        Ok(sandbox)
     }
 
     /// The first lines of a new sandbox's log, and its start in the team's metrics.
@@ -2009,6 +2029,33 @@ fn slot_wait(live: &HashMap<String, Live>, team: &Team) -> u64 {
         .min()
         .unwrap_or(now);
     (next_end - now).num_seconds().clamp(1, 60) as u64
+}
+
+/// What the node needs to start sandbox `id` of `template` from `image` for `request`.
+fn launch_spec(
+    id: &str,
+    request: &CreateSandbox,
+    template: &Template,
+    image: TemplateImage,
+    egress: EgressRules,
+    volumes: Vec<VolumeMount>,
+) -> LaunchSpec {
+    let mut env_vars = image.env.clone();
+    env_vars.extend(request.env_vars.clone());
+    LaunchSpec {
+        sandbox_id: id.to_owned(),
+        image,
+        cpu_count: template.cpu_count,
+        memory_mb: template.memory_mb,
+        disk_size_mb: template.disk_size_mb,
+        env_vars,
+        allow_internet_access: !egress.is_isolated(),
+        egress,
+        envd_access_token: ids::new_secret(""),
+        template: template.clone(),
+        volumes,
+        kept: None,
+    }
 }
 
 /// A team's per-sandbox ceilings (0: none) against what the template would get.
