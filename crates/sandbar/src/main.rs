@@ -986,16 +986,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.cluster.role == cluster::Role::Api {
         return serve_api(args).await;
     }
-    if args.disk_quotas
-        && let Some(gb) = args.disk_pool_gb
-    {
-        sandbar_node::storage::disks::check_asked_pool_size(
-            &args.data_dir.join("sandboxes"),
-            gb << 30,
-            u64::from(args.base_disk_mb) << 20,
-            args.disk_pool_reserve_mb << 20,
-        )?;
-    }
+    check_asked_pool(&args)?;
     let node_lease = node_lease(&args)?;
     // Held until the server has stopped. Sandboxes' cgroups and firewall tables have the same
     // names whatever the data directory, so a second server on the host would sweep the
@@ -1072,12 +1063,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             sandboxes,
             templates,
             builds: builds.clone(),
-            // A team's rate holds across every process that shares the database.
-            rate_limits: if shared_database {
-                sandbar_core::RateLimits::shared_through(store.clone())
-            } else {
-                Arc::new(sandbar_core::RateLimits::default())
-            },
+            rate_limits: rate_limits(shared_database, &store),
             edge: Arc::new(EdgeConfig {
                 domain: args.domain,
             }),
@@ -1097,6 +1083,34 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     runtime.release().await;
     tracing::info!("stopped; sandboxes keep running and are adopted at the next start");
     Ok(())
+}
+
+/// Refuses a disk pool size asked for that cannot hold one default sandbox and the reserve.
+fn check_asked_pool(args: &ServeArgs) -> anyhow::Result<()> {
+    if args.disk_quotas
+        && let Some(gb) = args.disk_pool_gb
+    {
+        sandbar_node::storage::disks::check_asked_pool_size(
+            &args.data_dir.join("sandboxes"),
+            gb << 30,
+            u64::from(args.base_disk_mb) << 20,
+            args.disk_pool_reserve_mb << 20,
+        )?;
+    }
+    Ok(())
+}
+
+/// The teams' request rates: held across every process that shares the database when it is
+/// shared, else in this process.
+fn rate_limits(
+    shared_database: bool,
+    store: &Arc<dyn sandbar_core::Store>,
+) -> Arc<sandbar_core::RateLimits> {
+    if shared_database {
+        sandbar_core::RateLimits::shared_through(store.clone())
+    } else {
+        Arc::new(sandbar_core::RateLimits::default())
+    }
 }
 
 /// An API host: no sandboxes, no builds, no host lock (several may share a machine).

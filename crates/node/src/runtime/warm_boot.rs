@@ -195,36 +195,7 @@ impl LinuxRuntime {
         // limits the sandbox's resources: nothing reaches the agent before the create
         // returns, and the two together are most of a take. The connection is made before
         // the socket's path is renamed.
-        let handing_over = async {
-            // What the agent logged while it waited is no part of this sandbox's life. Emptied
-            // before the agent is handed its sandbox, as the agent then writes the new log's
-            // first line.
-            let log = self.places.log_path(&warm.name);
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&log)
-                .and_then(|f| f.set_len(0))
-                .map_err(|e| format!("empty {}: {e}", log.display()))?;
-            let mut stream = agent_client::connect(&self.places.socket_path(&warm.name))
-                .await
-                .map_err(|e| e.to_string())?;
-            agent_client::send_init(
-                &mut stream,
-                &warm.token,
-                &agent_client::Init {
-                    access_token: &spec.envd_access_token,
-                    env_vars: &spec.env_vars,
-                    default_user: &spec.image.user,
-                    default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
-                    memory_limit_mb: spec.memory_mb,
-                },
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            Ok::<_, String>(stream)
-        }
-        .await
-        .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")));
+        let handing_over = self.hand_agent_its_sandbox(spec, warm).await;
         let handing_over = match handing_over {
             Ok(stream) => stream,
             Err(err) => {
@@ -237,30 +208,7 @@ impl LinuxRuntime {
                 .rename(&warm.name, id)
                 .map_err(|e| sandbox_err(id, e))?;
             name = id;
-            // The sandbox's slot from now on: a failure tears it down under the new id.
-            if let Some(slot) = self.holdings.take_slot(&warm.name) {
-                opening.hold_slot(slot);
-            }
-            self.cgroups
-                .apply_limits(id, self.limits_of(spec))
-                .map_err(|e| sandbox_err(id, e))?;
-            let disks = &self.disks;
-            disks
-                .hand_over(&warm.name, id, spec.disk_size_mb)
-                .map_err(|e| sandbox_err(id, e))?;
-            for (from, to) in [
-                (
-                    self.places.socket_path(&warm.name),
-                    self.places.socket_path(id),
-                ),
-                (self.places.log_path(&warm.name), self.places.log_path(id)),
-            ] {
-                std::fs::rename(&from, &to)
-                    .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
-            }
-            // The warm name's disk promise went with its disk; its layers are the sandbox's.
-            drop(self.holdings.remove(&warm.name));
-            opening.use_layers(spec.image.layers.clone());
+            self.give_warm_to(spec, warm, opening)?;
             // Before the agent hands anything out: the sandbox never has a moment without
             // its rules.
             self.apply_egress(id, warm.slot, true, &spec.egress).await?;
@@ -302,6 +250,80 @@ impl LinuxRuntime {
                 Err(err)
             }
         }
+    }
+
+    /// Empties the warm sandbox's log and sends its agent the sandbox it now serves (token,
+    /// environment, user); the answer is read later, from the returned connection.
+    async fn hand_agent_its_sandbox(
+        &self,
+        spec: &LaunchSpec,
+        warm: &crate::runtime::warm::WarmSandbox,
+    ) -> Result<tokio::net::UnixStream, RuntimeError> {
+        let id = spec.sandbox_id.as_str();
+        let fail = |e: &dyn std::fmt::Display| {
+            sandbox_err(id, format!("cannot hand the agent its sandbox: {e}"))
+        };
+        // What the agent logged while it waited is no part of this sandbox's life. Emptied
+        // before the agent is handed its sandbox, as the agent then writes the new log's
+        // first line.
+        let log = self.places.log_path(&warm.name);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&log)
+            .and_then(|f| f.set_len(0))
+            .map_err(|e| fail(&format!("empty {}: {e}", log.display())))?;
+        let mut stream = agent_client::connect(&self.places.socket_path(&warm.name))
+            .await
+            .map_err(|e| fail(&e))?;
+        agent_client::send_init(
+            &mut stream,
+            &warm.token,
+            &agent_client::Init {
+                access_token: &spec.envd_access_token,
+                env_vars: &spec.env_vars,
+                default_user: &spec.image.user,
+                default_workdir: default_workdir(&spec.image.user, &spec.image.workdir),
+                memory_limit_mb: spec.memory_mb,
+            },
+        )
+        .await
+        .map_err(|e| fail(&e))?;
+        Ok(stream)
+    }
+
+    /// Moves what the warm sandbox holds (its cgroups already renamed) to sandbox `spec`:
+    /// its slot, limits, disk, socket and log, and its owner's layers.
+    fn give_warm_to(
+        &self,
+        spec: &LaunchSpec,
+        warm: &crate::runtime::warm::WarmSandbox,
+        opening: &mut holdings::Opening<'_>,
+    ) -> Result<(), RuntimeError> {
+        let id = spec.sandbox_id.as_str();
+        // The sandbox's slot from now on: a failure tears it down under the new id.
+        if let Some(slot) = self.holdings.take_slot(&warm.name) {
+            opening.hold_slot(slot);
+        }
+        self.cgroups
+            .apply_limits(id, self.limits_of(spec))
+            .map_err(|e| sandbox_err(id, e))?;
+        self.disks
+            .hand_over(&warm.name, id, spec.disk_size_mb)
+            .map_err(|e| sandbox_err(id, e))?;
+        for (from, to) in [
+            (
+                self.places.socket_path(&warm.name),
+                self.places.socket_path(id),
+            ),
+            (self.places.log_path(&warm.name), self.places.log_path(id)),
+        ] {
+            std::fs::rename(&from, &to)
+                .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
+        }
+        // The warm name's disk promise went with its disk; its layers are the sandbox's.
+        drop(self.holdings.remove(&warm.name));
+        opening.use_layers(spec.image.layers.clone());
+        Ok(())
     }
 }
 
