@@ -687,35 +687,8 @@ impl ProcessManager {
         })?;
         // The parent's copies of the child's ends, closed once it runs, so end-of-file
         // arrives when it exits.
-        let mut child_ends: Vec<OwnedFd> = Vec::new();
-        let mut parent = ChildIo {
-            stdin: None,
-            stdout: None,
-            stderr: None,
-            pty: None,
-        };
+        let (child_ends, parent, stdio_source) = open_stdio(&spec).map_err(io_err)?;
         let controlling_terminal = spec.pty.is_some();
-        let stdio_source: [usize; 3] = if let Some(size) = spec.pty {
-            let (master, slave) = open_pty(size).map_err(io_err)?;
-            parent.pty = Some(master);
-            child_ends.push(slave);
-            [0, 0, 0]
-        } else {
-            if spec.stdin {
-                let (read, write) = pipe().map_err(io_err)?;
-                child_ends.push(read);
-                parent.stdin = Some(write);
-            } else {
-                child_ends.push(dev_null().map_err(io_err)?);
-            }
-            let (out_read, out_write) = pipe().map_err(io_err)?;
-            let (err_read, err_write) = pipe().map_err(io_err)?;
-            child_ends.push(out_write);
-            child_ends.push(err_write);
-            parent.stdout = Some(out_read);
-            parent.stderr = Some(err_read);
-            [0, 1, 2]
-        };
         let cwd = CString::new(spec.cwd.as_os_str().as_bytes()).map_err(|_| {
             io_err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -782,86 +755,143 @@ impl ProcessManager {
         lock(&self.processes).insert(pid, process.clone());
 
         let (exited, exit_seen) = watch::channel(false);
-        let mut pumps = Vec::new();
-        let readers = [
-            (parent.stdout, Channel::Stdout),
-            (parent.stderr, Channel::Stderr),
-        ];
-        for (fd, channel) in readers {
-            if let Some(fd) = fd {
-                let fd = nonblocking(fd).map_err(io_err)?;
-                pumps.push(tokio::spawn(pump(
-                    fd,
-                    channel,
-                    process.clone(),
-                    exit_seen.clone(),
-                )));
-            }
-        }
-        if let Some(master) = pty {
-            // The master is shared between writers and this reader; reading needs its own
-            // registration, so duplicate the descriptor.
-            let reader = master.get_ref().try_clone().map_err(io_err)?;
-            let reader = nonblocking(reader).map_err(io_err)?;
-            pumps.push(tokio::spawn(pump(
-                reader,
-                Channel::Pty,
-                process.clone(),
-                exit_seen,
-            )));
-        }
+        let pumps = start_pumps(
+            [parent.stdout, parent.stderr],
+            pty.as_deref(),
+            &process,
+            exit_seen,
+        )
+        .map_err(io_err)?;
+        tokio::spawn(
+            self.clone()
+                .supervise(process.clone(), exit_rx, pumps, exited),
+        );
+        Ok((process, rx))
+    }
 
-        let manager = self.clone();
-        let supervised = process.clone();
-        tokio::spawn(async move {
-            let status = exit_rx.await.ok();
-            // Before draining output: the notification must still be within its window.
-            let oom_limit = manager
-                .oom
-                .as_ref()
-                .filter(|oom| ended_killed(status.as_ref()) && oom.claim())
-                .map(|oom| oom.limit_mb());
-            supervised.done.send_replace(true);
-            let aborts: Vec<_> = pumps.iter().map(|pump| pump.abort_handle()).collect();
-            let mut drained = std::pin::pin!(async {
-                for pump in &mut pumps {
-                    let _ = pump.await;
-                }
-            });
-            if tokio::time::timeout(LATE_WRITERS_GRACE, &mut drained)
+    /// Waits for process `supervised` to end, lets its output pumps finish (a grace for
+    /// descendants still writing, then what the pipes hold), and reports its end: named an
+    /// out-of-memory kill when the sandbox's notification claims it.
+    async fn supervise(
+        self: Arc<Self>,
+        supervised: Arc<ManagedProcess>,
+        exit_rx: tokio::sync::oneshot::Receiver<ExitStatus>,
+        mut pumps: Vec<tokio::task::JoinHandle<()>>,
+        exited: watch::Sender<bool>,
+    ) {
+        let status = exit_rx.await.ok();
+        // Before draining output: the notification must still be within its window.
+        let oom_limit = self
+            .oom
+            .as_ref()
+            .filter(|oom| ended_killed(status.as_ref()) && oom.claim())
+            .map(|oom| oom.limit_mb());
+        supervised.done.send_replace(true);
+        let aborts: Vec<_> = pumps.iter().map(|pump| pump.abort_handle()).collect();
+        let mut drained = std::pin::pin!(async {
+            for pump in &mut pumps {
+                let _ = pump.await;
+            }
+        });
+        if tokio::time::timeout(LATE_WRITERS_GRACE, &mut drained)
+            .await
+            .is_err()
+        {
+            exited.send_replace(true);
+            if tokio::time::timeout(DELIVERY_AFTER_EXIT, &mut drained)
                 .await
                 .is_err()
             {
-                exited.send_replace(true);
-                if tokio::time::timeout(DELIVERY_AFTER_EXIT, &mut drained)
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!(
-                        pid = supervised.pid,
-                        "output read after the process ended found no stream reading it"
-                    );
-                    for pump in &aborts {
-                        pump.abort();
-                    }
-                }
-            }
-            lock(&manager.processes).remove(&supervised.pid);
-            let mut end = EndInfo::from(status);
-            if let Some(limit_mb) = oom_limit {
-                name_oom_kill(&mut end, limit_mb);
                 tracing::warn!(
                     pid = supervised.pid,
-                    limit_mb,
-                    "process killed: out of memory{}",
-                    limit_text(limit_mb)
+                    "output read after the process ended found no stream reading it"
                 );
+                for pump in &aborts {
+                    pump.abort();
+                }
             }
-            tracing::info!(pid = supervised.pid, status = %end.status, "process ended");
-            supervised.finish(end).await;
-        });
-        Ok((process, rx))
+        }
+        lock(&self.processes).remove(&supervised.pid);
+        let mut end = EndInfo::from(status);
+        if let Some(limit_mb) = oom_limit {
+            name_oom_kill(&mut end, limit_mb);
+            tracing::warn!(
+                pid = supervised.pid,
+                limit_mb,
+                "process killed: out of memory{}",
+                limit_text(limit_mb)
+            );
+        }
+        tracing::info!(pid = supervised.pid, status = %end.status, "process ended");
+        supervised.finish(end).await;
     }
+}
+
+/// The process's standard streams: a terminal for all three, or a pipe each (stdin a pipe
+/// only when asked for, else `/dev/null`). Returns the child's ends, ours, and which of the
+/// child's ends each of its descriptors 0, 1 and 2 takes.
+fn open_stdio(spec: &SpawnSpec) -> io::Result<(Vec<OwnedFd>, ChildIo, [usize; 3])> {
+    let mut child_ends: Vec<OwnedFd> = Vec::new();
+    let mut parent = ChildIo {
+        stdin: None,
+        stdout: None,
+        stderr: None,
+        pty: None,
+    };
+    if let Some(size) = spec.pty {
+        let (master, slave) = open_pty(size)?;
+        parent.pty = Some(master);
+        child_ends.push(slave);
+        return Ok((child_ends, parent, [0, 0, 0]));
+    }
+    if spec.stdin {
+        let (read, write) = pipe()?;
+        child_ends.push(read);
+        parent.stdin = Some(write);
+    } else {
+        child_ends.push(dev_null()?);
+    }
+    let (out_read, out_write) = pipe()?;
+    let (err_read, err_write) = pipe()?;
+    child_ends.push(out_write);
+    child_ends.push(err_write);
+    parent.stdout = Some(out_read);
+    parent.stderr = Some(err_read);
+    Ok((child_ends, parent, [0, 1, 2]))
+}
+
+/// One task per output stream of `process` (its stdout and stderr pipes, or its terminal),
+/// each handing what it reads to the process's subscribers.
+fn start_pumps(
+    [stdout, stderr]: [Option<OwnedFd>; 2],
+    pty: Option<&AsyncFd<OwnedFd>>,
+    process: &Arc<ManagedProcess>,
+    exit_seen: watch::Receiver<bool>,
+) -> io::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut pumps = Vec::new();
+    for (fd, channel) in [(stdout, Channel::Stdout), (stderr, Channel::Stderr)] {
+        if let Some(fd) = fd {
+            let fd = nonblocking(fd)?;
+            pumps.push(tokio::spawn(pump(
+                fd,
+                channel,
+                process.clone(),
+                exit_seen.clone(),
+            )));
+        }
+    }
+    if let Some(master) = pty {
+        // The master is shared between writers and this reader; reading needs its own
+        // registration, so duplicate the descriptor.
+        let reader = nonblocking(master.get_ref().try_clone()?)?;
+        pumps.push(tokio::spawn(pump(
+            reader,
+            Channel::Pty,
+            process.clone(),
+            exit_seen,
+        )));
+    }
+    Ok(pumps)
 }
 
 #[cfg(test)]
