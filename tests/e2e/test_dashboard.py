@@ -196,6 +196,11 @@ def test_dashboard_in_a_browser(sandbar, browser):
         page.fill("#filter input[name=metadata]", "suite=dashboard")
         page.wait_for_selector(f"tr[data-sandbox='{sandbox_id}']")
         _shot(page, "sandboxes")
+        # Usable at a phone's width: nothing wider than the screen but the scrolled tables.
+        page.set_viewport_size({"width": 390, "height": 844})
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        _shot(page, "sandboxes-phone")
+        page.set_viewport_size({"width": 1280, "height": 720})
 
         # Killed from its page: back to the list, and gone from the API.
         page.goto(f"/dashboard/sandboxes/{sandbox_id}")

@@ -67,12 +67,22 @@ pub(crate) async fn serve(Path(name): Path<String>, headers: HeaderMap) -> Respo
         .get(header::ACCEPT_ENCODING)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(',').any(|e| e.trim().starts_with("gzip")));
-    let body = if gzip_ok { &asset.gzipped[..] } else { asset.plain };
+    let body = if gzip_ok {
+        &asset.gzipped[..]
+    } else {
+        asset.plain
+    };
     let mut response = body.to_vec().into_response();
     let h = response.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type(asset.name)));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(content_type(asset.name)),
+    );
     // Assets change only with the binary; an hour spares reloads without pinning old ones.
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("public, max-age=3600"));
+    h.insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("public, max-age=3600"),
+    );
     h.insert(header::VARY, HeaderValue::from_static("accept-encoding"));
     if gzip_ok {
         h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
@@ -81,12 +91,21 @@ pub(crate) async fn serve(Path(name): Path<String>, headers: HeaderMap) -> Respo
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn every_library_is_embedded_with_its_gzip() {
-        for name in ["htmx.min.js", "xterm.js", "xterm.css", "addon-attach.js", "addon-fit.js", "app.js", "app.css"] {
+        for name in [
+            "htmx.min.js",
+            "xterm.js",
+            "xterm.css",
+            "addon-attach.js",
+            "addon-fit.js",
+            "app.js",
+            "app.css",
+        ] {
             let asset = ASSETS.iter().find(|a| a.name == name).unwrap();
             assert!(!asset.plain.is_empty());
             assert!(asset.gzipped.len() < asset.plain.len(), "{name}");

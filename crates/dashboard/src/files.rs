@@ -77,7 +77,12 @@ pub(crate) async fn entries(link: &mut AgentLink, dir: &str) -> Result<Vec<Entry
     Ok(entries)
 }
 
-async fn listing(state: &Dashboard, signed: &Signed, id: &str, dir: &str) -> Result<Markup, PageError> {
+async fn listing(
+    state: &Dashboard,
+    signed: &Signed,
+    id: &str,
+    dir: &str,
+) -> Result<Markup, PageError> {
     let mut link = AgentLink::open(&state.inner.sandboxes, &signed.team, id).await?;
     let entries = entries(&mut link, dir).await?;
     Ok(views::file_list(id, dir, &entries))

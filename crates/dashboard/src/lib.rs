@@ -68,7 +68,10 @@ impl Dashboard {
             .route("/", get(pages::overview))
             .route("/login", get(pages::login_form).post(pages::login))
             .route("/logout", post(pages::logout))
-            .route("/sandboxes", get(pages::sandboxes).post(pages::create_sandbox))
+            .route(
+                "/sandboxes",
+                get(pages::sandboxes).post(pages::create_sandbox),
+            )
             .route("/sandboxes/rows", get(pages::sandbox_rows))
             .route("/sandboxes/{id}", get(pages::sandbox))
             .route("/sandboxes/{id}/state", get(pages::sandbox_state))

@@ -135,7 +135,8 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
         failed_builds: templates
             .into_iter()
             .filter(|t| {
-                t.team_id.as_deref() == Some(&signed.team.id) && t.build_status == BuildStatus::Error
+                t.team_id.as_deref() == Some(&signed.team.id)
+                    && t.build_status == BuildStatus::Error
             })
             .collect(),
         recent: all.into_iter().take(10).collect(),
@@ -152,7 +153,11 @@ pub(crate) struct FilterQuery {
 /// `key=value` pairs separated by `separator`; blanks skipped.
 fn parse_pairs(text: &str, separator: char) -> Result<BTreeMap<String, String>, PageError> {
     let mut out = BTreeMap::new();
-    for part in text.split(separator).map(str::trim).filter(|p| !p.is_empty()) {
+    for part in text
+        .split(separator)
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
         let (k, v) = part.split_once('=').ok_or_else(|| {
             PageError::bad_request(format!("metadata '{part}' is not of the form key=value"))
         })?;
@@ -351,7 +356,7 @@ pub(crate) async fn templates(State(state): State<Dashboard>, signed: Signed) ->
         } else {
             Vec::new()
         };
-        builds.sort_by(|a, b| b.created_at.cmp(&a.created_at));
+        builds.sort_by_key(|b| std::cmp::Reverse(b.created_at));
         with_builds.push((t, builds));
     }
     views::templates(&signed.csrf, &with_builds).into_response()
@@ -417,7 +422,9 @@ pub(crate) async fn create_key(
         .create_api_key(&signed.team, &form.name, None)
         .await
         .map_err(|e| match e {
-            sandbar_core::CreateCredentialError::BadName(_) => PageError::bad_request(e.to_string()),
+            sandbar_core::CreateCredentialError::BadName(_) => {
+                PageError::bad_request(e.to_string())
+            }
             other => PageError::new(StatusCode::BAD_REQUEST, other.to_string()),
         })?;
     let list = auth
@@ -470,7 +477,10 @@ pub(crate) async fn not_found(headers: HeaderMap, uri: axum::http::Uri) -> Respo
     }
 }
 
-pub(crate) async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+pub(crate) async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
     (
         StatusCode::METHOD_NOT_ALLOWED,
         axum::Json(serde_json::json!({
@@ -482,6 +492,7 @@ pub(crate) async fn method_not_allowed(method: axum::http::Method, uri: axum::ht
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

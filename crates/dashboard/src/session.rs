@@ -118,7 +118,9 @@ impl Sessions {
     fn find(&self, id: &str) -> Option<(Credential, String)> {
         let mut map = self.lock();
         match map.get(id) {
-            Some(s) if s.started.elapsed() < LIFETIME => Some((s.credential.clone(), s.csrf.clone())),
+            Some(s) if s.started.elapsed() < LIFETIME => {
+                Some((s.credential.clone(), s.csrf.clone()))
+            }
             Some(_) => {
                 map.remove(id);
                 None
@@ -255,6 +257,7 @@ impl Dashboard {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -276,7 +279,10 @@ mod tests {
             HeaderValue::from_static("a=1; sandbar_dashboard=xyz; b=2"),
         );
         assert_eq!(session_id(&headers), Some("xyz"));
-        headers.insert(header::COOKIE, HeaderValue::from_static("sandbar_dashboardx=1"));
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("sandbar_dashboardx=1"),
+        );
         assert_eq!(session_id(&headers), None);
     }
 

@@ -58,10 +58,16 @@ pub(crate) async fn open(
     upgrade: WebSocketUpgrade,
 ) -> Response {
     if !csrf_matches(&query.csrf, &signed.csrf) || !same_origin(&headers) {
-        return PageError::new(StatusCode::FORBIDDEN, "terminal refused: not from this dashboard")
-            .into_response();
+        return PageError::new(
+            StatusCode::FORBIDDEN,
+            "terminal refused: not from this dashboard",
+        )
+        .into_response();
     }
-    let size = (query.cols.unwrap_or(80).clamp(10, 500), query.rows.unwrap_or(24).clamp(4, 200));
+    let size = (
+        query.cols.unwrap_or(80).clamp(10, 500),
+        query.rows.unwrap_or(24).clamp(4, 200),
+    );
     let start = async {
         let mut output = AgentLink::open(&state.inner.sandboxes, &signed.team, &id).await?;
         let input = AgentLink::open(&state.inner.sandboxes, &signed.team, &id).await?;
@@ -88,7 +94,10 @@ fn envelope(message: &serde_json::Value) -> Vec<u8> {
     out
 }
 
-async fn start_shell(link: &mut AgentLink, (cols, rows): (u16, u16)) -> Result<Incoming, AgentError> {
+async fn start_shell(
+    link: &mut AgentLink,
+    (cols, rows): (u16, u16),
+) -> Result<Incoming, AgentError> {
     let start = serde_json::json!({
         "process": {
             "cmd": "/bin/bash",
@@ -257,6 +266,7 @@ async fn resize(input: &mut AgentLink, pid: u32, size: &[u8]) -> Result<(), Agen
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 

@@ -30,7 +30,8 @@ pub(crate) fn page(
     extra_head: Markup,
     body: Markup,
 ) -> Markup {
-    let headers = signed_in.map(|(csrf, _)| serde_json::json!({ "X-CSRF-Token": csrf }).to_string());
+    let headers =
+        signed_in.map(|(csrf, _)| serde_json::json!({ "X-CSRF-Token": csrf }).to_string());
     html! {
         (DOCTYPE)
         html lang="en" {
