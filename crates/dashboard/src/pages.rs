@@ -166,9 +166,20 @@ fn parse_pairs(text: &str, separator: char) -> Result<BTreeMap<String, String>, 
     Ok(out)
 }
 
-/// `GET /sandboxes`.
-pub(crate) async fn sandboxes(signed: Signed, Query(filter): Query<FilterQuery>) -> Markup {
-    views::sandboxes(&signed.csrf, &filter.metadata)
+/// `GET /sandboxes`: the first rows come with the page; the page then polls them.
+pub(crate) async fn sandboxes(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Query(filter): Query<FilterQuery>,
+) -> Response {
+    let listed = match parse_pairs(&filter.metadata, ',') {
+        Ok(metadata) => all_sandboxes(&state, &signed, metadata).await,
+        Err(e) => Err(e),
+    };
+    match listed {
+        Ok(items) => views::sandboxes(&signed.csrf, &filter.metadata, &items).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Sandboxes, e),
+    }
 }
 
 /// `GET /sandboxes/rows?metadata=`: the table, polled by the list page.

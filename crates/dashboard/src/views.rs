@@ -185,7 +185,7 @@ pub(crate) fn overview(csrf: &str, o: &Overview) -> Markup {
     )
 }
 
-pub(crate) fn sandboxes(csrf: &str, filter: &str) -> Markup {
+pub(crate) fn sandboxes(csrf: &str, filter: &str, items: &[Sandbox]) -> Markup {
     page(
         "Sandboxes",
         Some((csrf, Nav::Sandboxes)),
@@ -208,7 +208,7 @@ pub(crate) fn sandboxes(csrf: &str, filter: &str) -> Markup {
                 }
             }
             div #rows hx-get="/dashboard/sandboxes/rows" hx-trigger="every 1s" hx-include="#filter" {
-                p.muted { "Loading…" }
+                (sandbox_table(items))
             }
         },
     )
