@@ -90,6 +90,8 @@ def test_session_cookie_and_csrf_are_required(sandbar):
     assert "script-src 'self';" in csp and "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
     reply = httpx.post(f"{url}/dashboard/keys", data={"name": "x"})
     assert reply.status_code == 401, reply.text
+    reply = httpx.get(f"{url}/dashboard", headers={"Accept": "text/html"})
+    assert reply.status_code == 303 and reply.headers["location"] == "/dashboard/login"
 
     # A wrong key is refused with the API's words; the right one gets a strict cookie.
     reply = httpx.post(f"{url}/dashboard/login", data={"key": "e2b_" + "0" * 40})
