@@ -81,7 +81,12 @@ impl Dashboard {
             .route("/sandboxes/{id}/kill", post(pages::kill))
             .route("/sandboxes/{id}/files", get(files::list))
             .route("/sandboxes/{id}/files/download", get(files::download))
-            .route("/sandboxes/{id}/files/upload", post(files::upload))
+            .route(
+                "/sandboxes/{id}/files/upload",
+                // Streamed to the agent as it arrives: the sandbox's disk quota bounds it,
+                // not the 2 MB axum holds other bodies to.
+                post(files::upload).layer(axum::extract::DefaultBodyLimit::disable()),
+            )
             .route("/sandboxes/{id}/files/delete", post(files::delete))
             .route("/sandboxes/{id}/terminal", get(terminal::open))
             .route("/templates", get(pages::templates))
