@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Installs the host packages Sandbar needs (Debian/Ubuntu, as root): mmdebstrap builds the default
 # template, nftables and iproute2 wire sandbox networks, util-linux provides mount and nsenter,
-# btrfs-progs makes the pool that holds sandbox disks under quota.
+# btrfs-progs makes the pool that holds sandbox disks under quota; npm installs the dashboard's
+# front-end libraries, which the build embeds.
 # Pass --test to also install what the test suite and benchmark use (the custom-template tests run
 # local registries with docker-registry, build images with umoci from busybox-static, push them with
 # skopeo, and make the registry password with htpasswd from apache2-utils; the store's tests and the
-# PostgreSQL e2e test start throwaway clusters with postgresql-15's initdb and pg_ctl).
+# PostgreSQL e2e test start throwaway clusters with postgresql-15's initdb and pg_ctl; the
+# dashboard's tests drive Debian's chromium with Playwright, which never downloads a browser).
 set -euo pipefail
 
 packages=(mmdebstrap nftables iproute2 util-linux ca-certificates btrfs-progs)
+command -v npm >/dev/null || packages+=(nodejs npm)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils postgresql-15)
-  command -v npm >/dev/null || packages+=(nodejs npm)
+  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils postgresql-15 chromium)
 fi
 
 missing=()
@@ -29,4 +31,12 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The dashboard's htmx and xterm.js, pinned by its package-lock.json; the build embeds them.
+web="$(cd "$(dirname "$0")/.." && pwd)/crates/dashboard/web"
+# Installed again only when the lock file changed since the last install.
+if ! cmp -s "$web/package-lock.json" "$web/node_modules/.installed-lock.json" 2>/dev/null; then
+  npm ci --prefix "$web" --no-audit --no-fund --silent
+  cp "$web/package-lock.json" "$web/node_modules/.installed-lock.json"
 fi

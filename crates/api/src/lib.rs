@@ -167,8 +167,18 @@ pub fn routers(state: AppState, metrics: &MetricsAccess) -> Routers {
     });
     // Route layers run after routing, so `observe` sees the matched route template; it is
     // outermost so that it also counts what the edge answers.
+    // The dashboard sits behind the edge like the API: a request addressed to a sandbox
+    // (by header or Host) goes to the sandbox whatever its path.
+    let dashboard = sandbar_dashboard::Dashboard::new(
+        state.auth.clone(),
+        state.sandboxes.clone(),
+        state.templates.clone(),
+        state.builds.clone(),
+    )
+    .router();
     let app = api
         .merge(operator)
+        .nest_service("/dashboard", dashboard)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             edge::route_to_sandbox,

@@ -1,0 +1,205 @@
+//! Requests to a sandbox's agent, made the way the edge makes them: over the agent's Unix
+//! socket, holding the sandbox's agent lease so that a pause closes the connection before it
+//! freezes the sandbox, and with the sandbox's own agent token.
+
+use axum::body::Body;
+use axum::http::{HeaderValue, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use sandbar_core::{HangUp, Sandboxes, Team};
+
+use crate::error::PageError;
+
+/// `Authorization: Basic base64("user:")`: the dashboard acts as the sandbox's default user,
+/// as the SDKs do unless told otherwise.
+const AS_USER: &str = "Basic dXNlcjo=";
+
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AgentError {
+    #[error(transparent)]
+    Sandbox(#[from] sandbar_core::SandboxError),
+    #[error("sandbox '{0}' is not running")]
+    NotRunning(String),
+    #[error("cannot reach the agent of sandbox '{id}': {source}")]
+    Unreachable { id: String, source: std::io::Error },
+    #[error("request to the agent of sandbox '{id}' failed: {source}")]
+    Exchange { id: String, source: hyper::Error },
+    #[error("the agent of sandbox '{id}' answered {status}: {message}")]
+    Refused {
+        id: String,
+        status: StatusCode,
+        message: String,
+    },
+    #[error("unexpected answer from the agent of sandbox '{id}': {detail}")]
+    Malformed { id: String, detail: String },
+}
+
+impl From<AgentError> for PageError {
+    fn from(e: AgentError) -> Self {
+        match e {
+            AgentError::Sandbox(s) => s.into(),
+            AgentError::NotRunning(_) => PageError::new(StatusCode::CONFLICT, e.to_string()),
+            AgentError::Refused { status, .. } => PageError::new(
+                if status.is_client_error() {
+                    status
+                } else {
+                    StatusCode::BAD_GATEWAY
+                },
+                e.to_string(),
+            ),
+            _ => PageError::new(StatusCode::BAD_GATEWAY, e.to_string()),
+        }
+    }
+}
+
+/// A connection to one sandbox's agent, for one team.
+pub(crate) struct AgentLink {
+    pub sandbox_id: String,
+    token: String,
+    sender: hyper::client::conn::http1::SendRequest<Body>,
+}
+
+impl AgentLink {
+    /// Opens a connection to the agent of `team`'s sandbox `id`: a sandbox of another team
+    /// is not found, as through the API.
+    pub(crate) async fn open(
+        sandboxes: &Sandboxes,
+        team: &Team,
+        id: &str,
+    ) -> Result<Self, AgentError> {
+        let sandbox = sandboxes.get(team, id).await?;
+        let route = sandboxes
+            .route(id)
+            .ok_or_else(|| AgentError::NotRunning(id.to_owned()))?;
+        let unreachable = |source| AgentError::Unreachable {
+            id: id.to_owned(),
+            source,
+        };
+        let stream = tokio::net::UnixStream::connect(&route.endpoint.agent_socket)
+            .await
+            .map_err(unreachable)?;
+        let hang_up = HangUp::of(&stream).map_err(unreachable)?;
+        let mut lease = route.agent;
+        if lease.is_ending() {
+            drop(stream);
+            hang_up.hang_up().await;
+            return Err(AgentError::NotRunning(id.to_owned()));
+        }
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|source| AgentError::Exchange {
+                id: id.to_owned(),
+                source,
+            })?;
+        tokio::spawn(async move {
+            let mut connection = Box::pin(connection.with_upgrades());
+            tokio::select! {
+                _ = &mut connection => {}
+                () = lease.ending() => {}
+            }
+            drop(connection);
+            hang_up.hang_up().await;
+            drop(lease);
+        });
+        Ok(Self {
+            sandbox_id: id.to_owned(),
+            token: sandbox.envd_access_token,
+            sender,
+        })
+    }
+
+    /// Sends `request` (its path and query only) with the agent's token and user.
+    pub(crate) async fn send(
+        &mut self,
+        mut request: Request<Body>,
+    ) -> Result<Response<Incoming>, AgentError> {
+        let headers = request.headers_mut();
+        if let Ok(token) = HeaderValue::from_str(&self.token) {
+            headers.insert("x-access-token", token);
+        }
+        headers.insert(
+            axum::http::header::AUTHORIZATION,
+            HeaderValue::from_static(AS_USER),
+        );
+        headers.insert(
+            axum::http::header::HOST,
+            HeaderValue::from_static("localhost"),
+        );
+        self.sender
+            .ready()
+            .await
+            .map_err(|source| self.exchange(source))?;
+        self.sender
+            .send_request(request)
+            .await
+            .map_err(|source| self.exchange(source))
+    }
+
+    fn exchange(&self, source: hyper::Error) -> AgentError {
+        AgentError::Exchange {
+            id: self.sandbox_id.clone(),
+            source,
+        }
+    }
+
+    /// A unary Connect call with a JSON body; the JSON answer.
+    pub(crate) async fn call(
+        &mut self,
+        method: &str,
+        body: &serde_json::Value,
+    ) -> Result<serde_json::Value, AgentError> {
+        let request = Request::post(method)
+            .header("content-type", "application/json")
+            .header("connect-protocol-version", "1")
+            .body(Body::from(body.to_string()))
+            .map_err(|e| self.malformed(e.to_string()))?;
+        let response = self.send(request).await?;
+        let status = response.status();
+        let bytes = read_all(response, &self.sandbox_id).await?;
+        let value: serde_json::Value = if bytes.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_slice(&bytes).map_err(|e| self.malformed(e.to_string()))?
+        };
+        if !status.is_success() {
+            return Err(self.refused(status, &value));
+        }
+        Ok(value)
+    }
+
+    pub(crate) fn refused(&self, status: StatusCode, body: &serde_json::Value) -> AgentError {
+        let message = body
+            .get("message")
+            .and_then(|m| m.as_str())
+            .map_or_else(|| body.to_string(), str::to_owned);
+        AgentError::Refused {
+            id: self.sandbox_id.clone(),
+            status,
+            message,
+        }
+    }
+
+    pub(crate) fn malformed(&self, detail: String) -> AgentError {
+        AgentError::Malformed {
+            id: self.sandbox_id.clone(),
+            detail,
+        }
+    }
+}
+
+/// The whole body of an agent's answer.
+pub(crate) async fn read_all(
+    response: Response<Incoming>,
+    sandbox_id: &str,
+) -> Result<bytes::Bytes, AgentError> {
+    use http_body_util::BodyExt;
+    response
+        .into_body()
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|source| AgentError::Exchange {
+            id: sandbox_id.to_owned(),
+            source,
+        })
+}

@@ -1,0 +1,86 @@
+//! How a failed action is answered: an error box with the API's own message, swapped by
+//! htmx into the page's `#errors` area (see `assets/app.js`, which lets htmx swap 4xx and 5xx
+//! answers).
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use maud::html;
+use sandbar_core::{CreateSandboxError, SandboxError};
+
+#[derive(Debug)]
+pub(crate) struct PageError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl PageError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// A failure of the server itself; what went wrong is in the server's log, not shown to
+    /// the tenant.
+    pub(crate) fn internal() -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal error; the server's log has the cause",
+        )
+    }
+
+    pub(crate) fn logged(context: &str, error: &dyn std::fmt::Display) -> Self {
+        tracing::error!(error = %error, "dashboard: {context}");
+        Self::internal()
+    }
+}
+
+impl IntoResponse for PageError {
+    fn into_response(self) -> Response {
+        let body = html! { div.error role="alert" { (self.message) } };
+        let mut response = (self.status, body).into_response();
+        let headers = response.headers_mut();
+        headers.insert("hx-retarget", HeaderValue::from_static("#errors"));
+        headers.insert("hx-reswap", HeaderValue::from_static("innerHTML"));
+        response
+    }
+}
+
+impl From<SandboxError> for PageError {
+    fn from(e: SandboxError) -> Self {
+        match e {
+            SandboxError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            SandboxError::TimeoutTooLong { .. } => Self::bad_request(e.to_string()),
+            SandboxError::Conflict { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SandboxError::ConcurrencyLimit { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            SandboxError::NoCapacity { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
+            SandboxError::Store(ref s) => Self::logged("sandbox operation", s),
+            other => Self::logged("sandbox operation", &other),
+        }
+    }
+}
+
+impl From<CreateSandboxError> for PageError {
+    fn from(e: CreateSandboxError) -> Self {
+        match e {
+            CreateSandboxError::Runtime(ref r) => Self::logged("sandbox create", r),
+            CreateSandboxError::Store(ref s) => Self::logged("sandbox create", s),
+            CreateSandboxError::ConcurrencyLimit { .. } => {
+                Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            CreateSandboxError::NoCapacity { .. } => {
+                Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
+            }
+            other => Self::bad_request(other.to_string()),
+        }
+    }
+}

@@ -1,0 +1,519 @@
+//! Page and action handlers: each parses its input, makes one typed call into the core with
+//! the session's team, and renders the answer.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use maud::Markup;
+use sandbar_core::{
+    BuildStatus, CreateSandbox, ListQuery, NetworkConfig, SandboxLogQuery, SandboxState,
+};
+use serde::Deserialize;
+
+use crate::Dashboard;
+use crate::error::PageError;
+use crate::session::{self, Credential, Mutating, Signed};
+use crate::views::{self, Nav};
+
+/// Sandboxes listed at most on one page; the list is for people, not for scripts.
+const LIST_LIMIT: usize = 500;
+/// Log lines shown on a sandbox's page.
+const LOG_TAIL: u32 = 200;
+
+fn full_page_error(signed: &Signed, nav: Nav, error: PageError) -> Response {
+    (
+        error.status,
+        views::error_page(Some((&signed.csrf, nav)), &error.message),
+    )
+        .into_response()
+}
+
+/// Tells htmx to load `to` as a new page.
+fn go_to(to: &str) -> Response {
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    if let Ok(value) = HeaderValue::from_str(to) {
+        response.headers_mut().insert("hx-redirect", value);
+    }
+    response
+}
+
+pub(crate) async fn login_form() -> Markup {
+    views::login(None)
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct LoginForm {
+    key: String,
+}
+
+/// `POST /login`: checks the key or token with the core's auth and starts a session.
+pub(crate) async fn login(
+    State(state): State<Dashboard>,
+    axum::Form(form): axum::Form<LoginForm>,
+) -> Response {
+    let credential = Credential::parse(&form.key);
+    match credential.team(&state.inner.auth).await {
+        Ok(_) => {
+            let id = state.sessions().start(credential);
+            let mut response = Redirect::to("/dashboard/").into_response();
+            response
+                .headers_mut()
+                .insert(header::SET_COOKIE, session::cookie(&id));
+            response
+        }
+        Err(sandbar_core::AuthError::Store(e)) => {
+            tracing::error!(error = %e, "dashboard: cannot check a sign-in");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                views::login(Some("the server cannot check keys now; try again")),
+            )
+                .into_response()
+        }
+        Err(e) => (StatusCode::UNAUTHORIZED, views::login(Some(&e.to_string()))).into_response(),
+    }
+}
+
+/// `POST /logout`.
+pub(crate) async fn logout(State(state): State<Dashboard>, Mutating(signed): Mutating) -> Response {
+    state.sessions().end(&signed.session_id);
+    let mut response = go_to("/dashboard/login");
+    response
+        .headers_mut()
+        .insert(header::SET_COOKIE, session::cleared_cookie());
+    response
+}
+
+async fn all_sandboxes(
+    state: &Dashboard,
+    signed: &Signed,
+    metadata: BTreeMap<String, String>,
+) -> Result<Vec<sandbar_core::Sandbox>, PageError> {
+    let query = ListQuery {
+        metadata,
+        states: None,
+        limit: LIST_LIMIT,
+        next_token: None,
+        ascending: false,
+        started_after: None,
+        template: None,
+    };
+    state
+        .inner
+        .sandboxes
+        .list(&signed.team, &query)
+        .await
+        .map(|page| page.items)
+        .map_err(|e| match e {
+            sandbar_core::ListSandboxesError::BadToken(_) => PageError::bad_request(e.to_string()),
+            other => PageError::logged("sandbox list", &other),
+        })
+}
+
+/// `GET /`: the Overview.
+pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let all = match all_sandboxes(&state, &signed, BTreeMap::new()).await {
+        Ok(all) => all,
+        Err(e) => return full_page_error(&signed, Nav::Overview, e),
+    };
+    let templates = match state.inner.templates.list(&signed.team).await {
+        Ok(t) => t,
+        Err(e) => {
+            return full_page_error(&signed, Nav::Overview, PageError::logged("templates", &e));
+        }
+    };
+    let running = all
+        .iter()
+        .filter(|s| s.state() == SandboxState::Running)
+        .count();
+    let overview = views::Overview {
+        running,
+        paused: all.len() - running,
+        memory: state.inner.sandboxes.memory(),
+        disks: state.inner.sandboxes.disks(),
+        failed_builds: templates
+            .into_iter()
+            .filter(|t| {
+                t.team_id.as_deref() == Some(&signed.team.id)
+                    && t.build_status == BuildStatus::Error
+            })
+            .collect(),
+        recent: all.into_iter().take(10).collect(),
+    };
+    views::overview(&signed.csrf, &overview).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct FilterQuery {
+    #[serde(default)]
+    metadata: String,
+}
+
+/// `key=value` pairs separated by `separator`; blanks skipped.
+fn parse_pairs(text: &str, separator: char) -> Result<BTreeMap<String, String>, PageError> {
+    let mut out = BTreeMap::new();
+    for part in text
+        .split(separator)
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = part.split_once('=').ok_or_else(|| {
+            PageError::bad_request(format!("metadata '{part}' is not of the form key=value"))
+        })?;
+        out.insert(k.trim().to_owned(), v.trim().to_owned());
+    }
+    Ok(out)
+}
+
+/// `GET /sandboxes`: the first rows come with the page; the page then polls them.
+pub(crate) async fn sandboxes(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Query(filter): Query<FilterQuery>,
+) -> Response {
+    let listed = match parse_pairs(&filter.metadata, ',') {
+        Ok(metadata) => all_sandboxes(&state, &signed, metadata).await,
+        Err(e) => Err(e),
+    };
+    match listed {
+        Ok(items) => views::sandboxes(&signed.csrf, &filter.metadata, &items).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Sandboxes, e),
+    }
+}
+
+/// `GET /sandboxes/rows?metadata=`: the table, polled by the list page.
+pub(crate) async fn sandbox_rows(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Query(filter): Query<FilterQuery>,
+) -> Result<Markup, PageError> {
+    let metadata = parse_pairs(&filter.metadata, ',')?;
+    let items = all_sandboxes(&state, &signed, metadata).await?;
+    Ok(views::sandbox_table(&items))
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct CreateForm {
+    template: String,
+    #[serde(default)]
+    timeout: String,
+    #[serde(default)]
+    metadata: String,
+}
+
+fn timeout_secs(text: &str, default: u64) -> Result<u64, PageError> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Ok(default);
+    }
+    text.parse::<u64>()
+        .ok()
+        .filter(|t| *t <= i32::MAX as u64)
+        .ok_or_else(|| {
+            PageError::bad_request(format!(
+                "timeout must be a whole number of seconds, got '{text}'"
+            ))
+        })
+}
+
+/// `POST /sandboxes`: creates one and opens its page.
+pub(crate) async fn create_sandbox(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    axum::Form(form): axum::Form<CreateForm>,
+) -> Result<Response, PageError> {
+    let metadata = parse_pairs(&form.metadata.replace('\r', ""), '\n')?;
+    sandbar_core::inputs::check_metadata(&metadata)
+        .map_err(|e| PageError::bad_request(e.to_string()))?;
+    let request = CreateSandbox {
+        template: form.template.trim().to_owned(),
+        timeout_secs: timeout_secs(&form.timeout, 300)?,
+        metadata,
+        env_vars: BTreeMap::new(),
+        allow_internet_access: true,
+        network: NetworkConfig::default(),
+        auto_pause: false,
+        auto_resume: false,
+        auto_pause_files_only: false,
+        volume_mounts: Vec::new(),
+    };
+    let sandbox = state.inner.sandboxes.create(&signed.team, request).await?;
+    Ok(go_to(&format!("/dashboard/sandboxes/{}", sandbox.id)))
+}
+
+/// `GET /sandboxes/{id}`.
+pub(crate) async fn sandbox(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+) -> Response {
+    let sandboxes = &state.inner.sandboxes;
+    let sandbox = match sandboxes.get(&signed.team, &id).await {
+        Ok(s) => s,
+        Err(e) => return full_page_error(&signed, Nav::Sandboxes, e.into()),
+    };
+    let metrics = sandboxes
+        .metrics(&signed.team, &id, None, None)
+        .await
+        .unwrap_or_default();
+    let query = SandboxLogQuery {
+        forward: false,
+        limit: LOG_TAIL,
+        ..SandboxLogQuery::default()
+    };
+    let mut logs = sandboxes
+        .logs(&signed.team, &id, &query)
+        .await
+        .unwrap_or_default();
+    logs.reverse();
+    views::sandbox(&signed.csrf, &sandbox, &metrics, &logs).into_response()
+}
+
+/// `GET /sandboxes/{id}/state`: the state fragment; a sandbox gone sends the page back to
+/// the list.
+pub(crate) async fn sandbox_state(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    match state.inner.sandboxes.get(&signed.team, &id).await {
+        Ok(s) => Ok(views::sandbox_state(&s).into_response()),
+        Err(sandbar_core::SandboxError::NotFound(_)) => Ok(go_to("/dashboard/sandboxes")),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn state_after(state: &Dashboard, signed: &Signed, id: &str) -> Result<Markup, PageError> {
+    let sandbox = state.inner.sandboxes.get(&signed.team, id).await?;
+    Ok(views::sandbox_state(&sandbox))
+}
+
+/// `POST /sandboxes/{id}/pause`: keeps memory, as the SDK's `pause()` does.
+pub(crate) async fn pause(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Markup, PageError> {
+    state.inner.sandboxes.pause(&signed.team, &id, true).await?;
+    state_after(&state, &signed, &id).await
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct TimeoutForm {
+    #[serde(default)]
+    timeout: String,
+}
+
+/// `POST /sandboxes/{id}/resume`.
+pub(crate) async fn resume(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Markup, PageError> {
+    state
+        .inner
+        .sandboxes
+        .resume(&signed.team, &id, 300, true, true)
+        .await?;
+    state_after(&state, &signed, &id).await
+}
+
+/// `POST /sandboxes/{id}/extend` (form: `timeout`, seconds from now).
+pub(crate) async fn extend(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+    axum::Form(form): axum::Form<TimeoutForm>,
+) -> Result<Markup, PageError> {
+    let secs = timeout_secs(&form.timeout, 300)?;
+    state
+        .inner
+        .sandboxes
+        .set_timeout(&signed.team, &id, secs)
+        .await?;
+    state_after(&state, &signed, &id).await
+}
+
+/// `POST /sandboxes/{id}/kill`: back to the list.
+pub(crate) async fn kill(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    state.inner.sandboxes.kill(&signed.team, &id).await?;
+    Ok(go_to("/dashboard/sandboxes"))
+}
+
+/// `GET /templates`: the team's templates and the built-in ones, with their builds.
+pub(crate) async fn templates(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let list = match state.inner.templates.list(&signed.team).await {
+        Ok(list) => list,
+        Err(e) => {
+            return full_page_error(&signed, Nav::Templates, PageError::logged("templates", &e));
+        }
+    };
+    let mut with_builds = Vec::with_capacity(list.len());
+    for t in list {
+        // Builds of another team's public template are that team's business.
+        let own = t.team_id.as_deref().is_none_or(|o| o == signed.team.id);
+        let mut builds = if own {
+            state
+                .inner
+                .builds
+                .builds_of(&t.id)
+                .await
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        builds.sort_by_key(|b| std::cmp::Reverse(b.created_at));
+        with_builds.push((t, builds));
+    }
+    views::templates(&signed.csrf, &with_builds).into_response()
+}
+
+async fn build_and_log(
+    state: &Dashboard,
+    signed: &Signed,
+    template: &str,
+    build: &str,
+) -> Result<(sandbar_core::BuildRecord, Vec<sandbar_core::BuildLogEntry>), PageError> {
+    state
+        .inner
+        .builds
+        .status(&signed.team, template, build, 0, 10_000, None)
+        .await
+        .map_err(|e| PageError::new(StatusCode::NOT_FOUND, e.to_string()))
+}
+
+/// `GET /templates/{template}/builds/{build}`.
+pub(crate) async fn build(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path((template, build)): Path<(String, String)>,
+) -> Response {
+    match build_and_log(&state, &signed, &template, &build).await {
+        Ok((record, logs)) => views::build(&signed.csrf, &record, &logs).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Templates, e),
+    }
+}
+
+/// `GET /templates/{template}/builds/{build}/log`: polled while the build runs.
+pub(crate) async fn build_log(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path((template, build)): Path<(String, String)>,
+) -> Result<Markup, PageError> {
+    let (record, logs) = build_and_log(&state, &signed, &template, &build).await?;
+    Ok(views::build_log(&record, &logs))
+}
+
+/// `GET /keys`.
+pub(crate) async fn keys(State(state): State<Dashboard>, signed: Signed) -> Response {
+    match state.inner.auth.list_api_keys(&signed.team).await {
+        Ok(list) => views::keys(&signed.csrf, &list, None).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Keys, PageError::logged("api keys", &e)),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct KeyForm {
+    name: String,
+}
+
+/// `POST /keys`: the new key is in this answer only.
+pub(crate) async fn create_key(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    axum::Form(form): axum::Form<KeyForm>,
+) -> Result<Markup, PageError> {
+    let auth = &state.inner.auth;
+    let created = auth
+        .create_api_key(&signed.team, &form.name, None)
+        .await
+        .map_err(|e| match e {
+            sandbar_core::CreateCredentialError::BadName(_) => {
+                PageError::bad_request(e.to_string())
+            }
+            other => PageError::new(StatusCode::BAD_REQUEST, other.to_string()),
+        })?;
+    let list = auth
+        .list_api_keys(&signed.team)
+        .await
+        .map_err(|e| PageError::logged("api keys", &e))?;
+    Ok(views::key_list(
+        &list,
+        Some((&created.info.name, &created.key)),
+    ))
+}
+
+/// `POST /keys/{key}/revoke`.
+pub(crate) async fn revoke_key(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(key): Path<String>,
+) -> Result<Markup, PageError> {
+    let auth = &state.inner.auth;
+    auth.delete_api_key(&signed.team, &key)
+        .await
+        .map_err(|e| match e {
+            sandbar_core::DeleteApiKeyError::NotFound(_) => {
+                PageError::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            other => PageError::logged("api key revoke", &other),
+        })?;
+    let list = auth
+        .list_api_keys(&signed.team)
+        .await
+        .map_err(|e| PageError::logged("api keys", &e))?;
+    Ok(views::key_list(&list, None))
+}
+
+/// Any other path: a page for a browser, the JSON error otherwise.
+pub(crate) async fn not_found(headers: HeaderMap, uri: axum::http::Uri) -> Response {
+    let message = format!("no dashboard page at '{}'", uri.path());
+    let wants_page = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("text/html"));
+    if wants_page {
+        (StatusCode::NOT_FOUND, views::error_page(None, &message)).into_response()
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            axum::Json(serde_json::json!({ "code": 404, "message": message })),
+        )
+            .into_response()
+    }
+}
+
+pub(crate) async fn method_not_allowed(
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+) -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        axum::Json(serde_json::json!({
+            "code": 405,
+            "message": format!("{method} is not allowed on '{}'", uri.path()),
+        })),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_pairs_parse_and_refuse_malformed() {
+        let pairs = parse_pairs("a=1, b = two ,", ',').unwrap();
+        assert_eq!(pairs.get("a").map(String::as_str), Some("1"));
+        assert_eq!(pairs.get("b").map(String::as_str), Some("two"));
+        assert!(parse_pairs("nokey", ',').is_err());
+        assert!(timeout_secs("abc", 1).is_err());
+        assert_eq!(timeout_secs("", 7).unwrap(), 7);
+    }
+}

@@ -1,0 +1,497 @@
+//! The pages and fragments, as maud templates: every interpolated value is escaped by maud
+//! (`&`, `<`, `>`, `"` and `'` in text and in quoted attributes), and nothing here marks
+//! tenant data as pre-escaped.
+
+use chrono::{DateTime, Utc};
+use maud::{DOCTYPE, Markup, html};
+use sandbar_core::{
+    ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxLogEntry, Template,
+};
+
+use crate::files::Entry;
+
+/// htmx without inline styles or evaluated code, so the CSP needs neither.
+const HTMX_CONFIG: &str = r#"{"includeIndicatorStyles":false,"allowEval":false,"allowScriptTags":false,"selfRequestsOnly":true}"#;
+
+/// Which page a signed-in page is, for its navigation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nav {
+    Overview,
+    Sandboxes,
+    Templates,
+    Keys,
+}
+
+/// A whole page. `csrf` is the session's token when signed in: htmx sends it with every
+/// request the page makes.
+pub(crate) fn page(
+    title: &str,
+    signed_in: Option<(&str, Nav)>,
+    extra_head: Markup,
+    body: Markup,
+) -> Markup {
+    let headers =
+        signed_in.map(|(csrf, _)| serde_json::json!({ "X-CSRF-Token": csrf }).to_string());
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                meta name="htmx-config" content=(HTMX_CONFIG);
+                title { (title) " · Sandbar" }
+                link rel="stylesheet" href="/dashboard/assets/app.css";
+                script src="/dashboard/assets/htmx.min.js" defer {}
+                script src="/dashboard/assets/app.js" defer {}
+                (extra_head)
+            }
+            body hx-headers=[headers] {
+                header {
+                    strong { "Sandbar" }
+                    @if let Some((_, nav)) = signed_in {
+                        nav {
+                            a href="/dashboard/" aria-current=[(nav == Nav::Overview).then_some("page")] { "Overview" }
+                            a href="/dashboard/sandboxes" aria-current=[(nav == Nav::Sandboxes).then_some("page")] { "Sandboxes" }
+                            a href="/dashboard/templates" aria-current=[(nav == Nav::Templates).then_some("page")] { "Templates" }
+                            a href="/dashboard/keys" aria-current=[(nav == Nav::Keys).then_some("page")] { "API keys" }
+                        }
+                        button #sign-out hx-post="/dashboard/logout" { "Sign out" }
+                    }
+                }
+                main {
+                    div #errors aria-live="polite" {}
+                    (body)
+                }
+            }
+        }
+    }
+}
+
+/// A page that only says what went wrong.
+pub(crate) fn error_page(signed_in: Option<(&str, Nav)>, message: &str) -> Markup {
+    page(
+        "Error",
+        signed_in,
+        html! {},
+        html! {
+            div.error role="alert" { (message) }
+            p { a href="/dashboard/" { "Back to the overview" } }
+        },
+    )
+}
+
+pub(crate) fn login(message: Option<&str>) -> Markup {
+    page(
+        "Sign in",
+        None,
+        html! {},
+        html! {
+            div.login {
+                h1 { "Sign in" }
+                @if let Some(message) = message {
+                    div.error role="alert" { (message) }
+                }
+                form method="post" action="/dashboard/login" {
+                    label {
+                        "Team API key (e2b_…) or access token (sk_e2b_…)"
+                        input #key type="password" name="key" autocomplete="off" required autofocus;
+                    }
+                    p { button type="submit" { "Sign in" } }
+                }
+            }
+        },
+    )
+}
+
+fn ago(at: DateTime<Utc>) -> String {
+    let secs = (Utc::now() - at).num_seconds().max(0);
+    match secs {
+        0..60 => format!("{secs}s"),
+        60..3600 => format!("{}m", secs / 60),
+        3600..86400 => format!("{}h{}m", secs / 3600, secs % 3600 / 60),
+        _ => format!("{}d", secs / 86400),
+    }
+}
+
+fn when(at: DateTime<Utc>) -> String {
+    at.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{} MiB", bytes >> 20)
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+fn state_name(sandbox: &Sandbox) -> &'static str {
+    sandbox.state().as_str()
+}
+
+fn template_name(sandbox: &Sandbox) -> &str {
+    sandbox.alias.as_deref().unwrap_or(&sandbox.template_id)
+}
+
+/// What the Overview shows.
+#[derive(Debug)]
+pub(crate) struct Overview {
+    pub running: usize,
+    pub paused: usize,
+    pub memory: Option<sandbar_core::MemoryReport>,
+    pub disks: sandbar_core::DiskReport,
+    pub failed_builds: Vec<Template>,
+    pub recent: Vec<Sandbox>,
+}
+
+pub(crate) fn overview(csrf: &str, o: &Overview) -> Markup {
+    page(
+        "Overview",
+        Some((csrf, Nav::Overview)),
+        html! {},
+        html! {
+            h1 { "Overview" }
+            div.cards {
+                div.card #running-count { b { (o.running) } "running sandboxes" }
+                div.card #paused-count { b { (o.paused) } "paused sandboxes" }
+                @if let Some(m) = &o.memory {
+                    div.card { b { (gib(m.promised_bytes)) } "memory promised of " (gib(m.promise_limit_bytes)) " (" (gib(m.available_bytes)) " available)" }
+                }
+                @if let Some(pool) = &o.disks.pool {
+                    div.card { b { (gib(o.disks.pool_promised_bytes)) } "disk promised of " (gib(o.disks.pool_promise_limit_bytes)) " (" (gib(pool.free_bytes)) " free)" }
+                }
+            }
+            p.muted { "Memory and disk are the node's: every team's sandboxes share them." }
+            h2 { "Recent sandboxes" }
+            (sandbox_table(&o.recent))
+            h2 { "Recent failures" }
+            @if o.failed_builds.is_empty() {
+                p.muted { "No failed template builds." }
+            } @else {
+                div.scroll { table {
+                    thead { tr { th { "Template" } th { "Build" } th { "Error" } } }
+                    tbody {
+                        @for t in &o.failed_builds {
+                            tr {
+                                td { (t.aliases.first().unwrap_or(&t.id)) }
+                                td { a href=(format!("/dashboard/templates/{}/builds/{}", t.id, t.build_id)) { (t.build_id) } }
+                                td { (t.build_error.as_deref().unwrap_or("")) }
+                            }
+                        }
+                    }
+                } }
+            }
+        },
+    )
+}
+
+pub(crate) fn sandboxes(csrf: &str, filter: &str, items: &[Sandbox]) -> Markup {
+    page(
+        "Sandboxes",
+        Some((csrf, Nav::Sandboxes)),
+        html! {},
+        html! {
+            h1 { "Sandboxes" }
+            details #create {
+                summary { "New sandbox" }
+                form.row #create-form hx-post="/dashboard/sandboxes" {
+                    label { "Template" input name="template" value="base" required; }
+                    label { "Timeout (s)" input name="timeout" type="number" value="300" min="1"; }
+                    label { "Metadata (key=value, one a line)" textarea name="metadata" rows="2" {} }
+                    button type="submit" { "Create" }
+                }
+            }
+            form.row #filter method="get" action="/dashboard/sandboxes" {
+                label { "Metadata filter (key=value, comma-separated)"
+                    input name="metadata" value=(filter) hx-get="/dashboard/sandboxes/rows"
+                        hx-trigger="input changed delay:300ms" hx-target="#rows" hx-include="#filter";
+                }
+            }
+            div #rows hx-get="/dashboard/sandboxes/rows" hx-trigger="every 1s" hx-include="#filter" {
+                (sandbox_table(items))
+            }
+        },
+    )
+}
+
+pub(crate) fn sandbox_table(items: &[Sandbox]) -> Markup {
+    html! {
+        @if items.is_empty() {
+            p.muted #no-sandboxes { "No sandboxes." }
+        } @else {
+            div.scroll { table #sandbox-table {
+                thead { tr { th { "Sandbox" } th { "State" } th { "Template" } th { "Age" } th { "Ends" } th.wide { "Metadata" } } }
+                tbody {
+                    @for s in items {
+                        tr data-sandbox=(s.id) {
+                            td { a.mono href=(format!("/dashboard/sandboxes/{}", s.id)) { (s.id) } }
+                            td.(format!("state-{}", state_name(s))) { (state_name(s)) }
+                            td { (template_name(s)) }
+                            td { (ago(s.started_at)) }
+                            td { (when(s.end_at)) }
+                            td.wide.mono {
+                                @for (k, v) in &s.metadata { span.meta { (k) "=" (v) } " " }
+                            }
+                        }
+                    }
+                }
+            } }
+        }
+    }
+}
+
+/// The sandbox's page: details, actions, chart, log, files and terminal.
+pub(crate) fn sandbox(
+    csrf: &str,
+    s: &Sandbox,
+    metrics: &[MetricPoint],
+    logs: &[SandboxLogEntry],
+) -> Markup {
+    let socket = format!("/dashboard/sandboxes/{}/terminal?csrf={}", s.id, csrf);
+    page(
+        &s.id,
+        Some((csrf, Nav::Sandboxes)),
+        html! {
+            link rel="stylesheet" href="/dashboard/assets/xterm.css";
+            script src="/dashboard/assets/xterm.js" defer {}
+            script src="/dashboard/assets/addon-fit.js" defer {}
+            script src="/dashboard/assets/addon-attach.js" defer {}
+        },
+        html! {
+            h1 { "Sandbox " span.mono { (s.id) } }
+            (sandbox_state(s))
+            h2 { "Details" }
+            div.scroll { table {
+                tbody {
+                    tr { th { "Template" } td { (template_name(s)) " " span.muted.mono { (s.template_id) } } }
+                    tr { th { "Started" } td { (when(s.started_at)) " (" (ago(s.started_at)) " ago)" } }
+                    tr { th { "CPU / memory / disk" } td { (s.cpu_count) " vCPU, " (s.memory_mb) " MiB, " (s.disk_size_mb) " MiB" } }
+                    tr { th { "Internet" } td { (if s.allow_internet_access { "allowed" } else { "cut" }) } }
+                    tr { th { "Metadata" } td #metadata .mono {
+                        @for (k, v) in &s.metadata { div { (k) "=" (v) } }
+                    } }
+                }
+            } }
+            h2 { "CPU and memory" }
+            (chart(metrics))
+            h2 { "Terminal" }
+            button #open-terminal data-open-terminal { "Open terminal" }
+            div #terminal hidden data-socket=(socket) {}
+            h2 { "Files" }
+            div #files hx-get=(format!("/dashboard/sandboxes/{}/files", s.id)) hx-trigger="load" {
+                p.muted { "Loading…" }
+            }
+            h2 { "Log" }
+            pre #log { @for l in logs { (when(l.at)) " " (format!("{:?}", l.level).to_lowercase()) " " (l.message) "\n" } }
+        },
+    )
+}
+
+/// The state and action buttons, polled so a pause from elsewhere shows.
+pub(crate) fn sandbox_state(s: &Sandbox) -> Markup {
+    let base = format!("/dashboard/sandboxes/{}", s.id);
+    let state = state_name(s);
+    html! {
+        section #state hx-get=(format!("{base}/state")) hx-trigger="every 1s" hx-swap="outerHTML" {
+            p {
+                "State: " span #sandbox-state .(format!("state-{state}")) { (state) }
+                " · ends " span #ends { (when(s.end_at)) }
+            }
+            div.row {
+                @if state == "running" {
+                    button #pause hx-post=(format!("{base}/pause")) hx-target="#state" hx-swap="outerHTML" { "Pause" }
+                } @else {
+                    button #resume hx-post=(format!("{base}/resume")) hx-target="#state" hx-swap="outerHTML" { "Resume" }
+                }
+                form.row #extend-form hx-post=(format!("{base}/extend")) hx-target="#state" hx-swap="outerHTML" {
+                    input name="timeout" type="number" value="300" min="1" aria-label="seconds from now";
+                    button #extend type="submit" { "Set timeout" }
+                }
+                button.danger #kill hx-post=(format!("{base}/kill")) { "Kill" }
+            }
+        }
+    }
+}
+
+/// CPU (percent) and memory (of the limit) as two lines of an SVG drawn on the server.
+fn chart(points: &[MetricPoint]) -> Markup {
+    if points.len() < 2 {
+        return html! { p.muted #chart { "Not enough samples yet (one every few seconds)." } };
+    }
+    let n = points.len() - 1;
+    let line = |value: &dyn Fn(&MetricPoint) -> f64| -> String {
+        points
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let x = i as f64 * 300.0 / n as f64;
+                let y = 100.0 - value(p).clamp(0.0, 100.0);
+                format!("{x:.1},{y:.1}")
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let cpu = line(&|p| p.cpu_used_pct);
+    let mem = line(&|p| {
+        if p.mem_total == 0 {
+            0.0
+        } else {
+            p.mem_used as f64 * 100.0 / p.mem_total as f64
+        }
+    });
+    let last = &points[n];
+    html! {
+        svg.chart #chart viewBox="0 0 300 100" preserveAspectRatio="none" role="img" aria-label="CPU and memory use" {
+            polyline.cpu points=(cpu) {}
+            polyline.mem points=(mem) {}
+        }
+        p.muted { "CPU " (format!("{:.1}", last.cpu_used_pct)) "% (blue) · memory " (mib(last.mem_used)) " of " (mib(last.mem_total)) " (green)" }
+    }
+}
+
+pub(crate) fn file_list(id: &str, dir: &str, entries: &[Entry]) -> Markup {
+    let base = format!("/dashboard/sandboxes/{id}/files");
+    let query = |path: &str| {
+        url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("path", path)
+            .finish()
+    };
+    let parent = match dir.trim_end_matches('/').rsplit_once('/') {
+        Some(("", _)) => Some("/".to_owned()),
+        Some((p, _)) => Some(p.to_owned()),
+        None => None,
+    };
+    html! {
+        p { "Directory " code #cwd { (dir) } }
+        @if let Some(parent) = parent {
+            p { a href="#" hx-get=(format!("{base}?{}", query(&parent))) hx-target="#files" { "↑ up" } }
+        }
+        form.row #upload-form hx-post=(format!("{base}/upload")) hx-encoding="multipart/form-data" hx-target="#files" {
+            input type="hidden" name="dir" value=(dir);
+            input #upload-file type="file" name="file" required;
+            button type="submit" { "Upload" }
+        }
+        div.scroll { table #file-table {
+            thead { tr { th { "Name" } th { "Size" } th {} } }
+            tbody {
+                @for e in entries {
+                    tr data-name=(e.name) {
+                        @if e.is_dir {
+                            td { a href="#" hx-get=(format!("{base}?{}", query(&e.path))) hx-target="#files" { (e.name) "/" } }
+                            td {}
+                        } @else {
+                            td { a.download href=(format!("{base}/download?{}", query(&e.path))) download { (e.name) } }
+                            td { (e.size) }
+                        }
+                        td {
+                            button.danger.delete hx-post=(format!("{base}/delete")) hx-target="#files"
+                                hx-vals=(serde_json::json!({ "path": e.path }).to_string()) { "Delete" }
+                        }
+                    }
+                }
+            }
+        } }
+    }
+}
+
+pub(crate) fn templates(csrf: &str, list: &[(Template, Vec<BuildRecord>)]) -> Markup {
+    page(
+        "Templates",
+        Some((csrf, Nav::Templates)),
+        html! {},
+        html! {
+            h1 { "Templates" }
+            div.scroll { table #template-table {
+                thead { tr { th { "Template" } th { "Status" } th { "Resources" } th.wide { "Updated" } th { "Builds" } } }
+                tbody {
+                    @for (t, builds) in list {
+                        tr {
+                            td { (t.aliases.first().unwrap_or(&t.id)) br; span.muted.mono { (t.id) } }
+                            td { (t.build_status.as_str()) }
+                            td { (t.cpu_count) " vCPU, " (t.memory_mb) " MiB" }
+                            td.wide { (when(t.updated_at)) }
+                            td {
+                                @for b in builds.iter().take(5) {
+                                    div { a.mono href=(format!("/dashboard/templates/{}/builds/{}", t.id, b.id)) { (b.id) } " " (b.status.as_str()) }
+                                }
+                            }
+                        }
+                    }
+                }
+            } }
+        },
+    )
+}
+
+pub(crate) fn build(csrf: &str, build: &BuildRecord, logs: &[BuildLogEntry]) -> Markup {
+    page(
+        "Build",
+        Some((csrf, Nav::Templates)),
+        html! {},
+        html! {
+            h1 { "Build " span.mono { (build.id) } }
+            p { "Template " span.mono { (build.template_id) } }
+            (build_log(build, logs))
+        },
+    )
+}
+
+/// The build's status and log, polled every second until the build ends.
+pub(crate) fn build_log(build: &BuildRecord, logs: &[BuildLogEntry]) -> Markup {
+    let url = format!(
+        "/dashboard/templates/{}/builds/{}/log",
+        build.template_id, build.id
+    );
+    let status = build.status.as_str();
+    let going = matches!(status, "waiting" | "building");
+    html! {
+        section #build-log hx-get=[going.then_some(url)] hx-trigger=[going.then_some("every 1s")] hx-swap="outerHTML" {
+            p { "Status: " b #build-status { (status) } }
+            @if let Some(f) = &build.failure { div.error { (f.message) } }
+            pre { @for l in logs { (when(l.timestamp)) " " (l.message) "\n" } }
+        }
+    }
+}
+
+pub(crate) fn keys(csrf: &str, list: &[ApiKeyInfo], created: Option<(&str, &str)>) -> Markup {
+    page(
+        "API keys",
+        Some((csrf, Nav::Keys)),
+        html! {},
+        html! {
+            h1 { "API keys" }
+            form.row #key-form hx-post="/dashboard/keys" hx-target="#keys" hx-swap="outerHTML" {
+                label { "Name" input name="name" required; }
+                button type="submit" { "Create key" }
+            }
+            (key_list(list, created))
+        },
+    )
+}
+
+pub(crate) fn key_list(list: &[ApiKeyInfo], created: Option<(&str, &str)>) -> Markup {
+    html! {
+        section #keys {
+            @if let Some((name, key)) = created {
+                div.notice #new-key {
+                    "Key " b { (name) } " created. Copy it now: it is not shown again."
+                    pre.mono #new-key-value { (key) }
+                }
+            }
+            div.scroll { table #key-table {
+                thead { tr { th { "Name" } th { "Key" } th.wide { "Created" } th.wide { "Last used" } th {} } }
+                tbody {
+                    @for k in list {
+                        tr data-key=(k.name) {
+                            td { (k.name) }
+                            td.mono { (k.mask.display()) }
+                            td.wide { (when(k.created_at)) }
+                            td.wide { (k.last_used.map(when).unwrap_or_else(|| "never".to_owned())) }
+                            td { button.danger.revoke hx-post=(format!("/dashboard/keys/{}/revoke", k.id)) hx-target="#keys" hx-swap="outerHTML" { "Revoke" } }
+                        }
+                    }
+                }
+            } }
+        }
+    }
+}

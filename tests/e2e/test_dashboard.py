@@ -1,0 +1,287 @@
+"""The web dashboard under /dashboard, driven in Debian's chromium by Playwright (headless,
+never a downloaded browser): sign-in, sandboxes made, listed, paused and killed through the
+pages, a command run in the terminal, files uploaded and downloaded, keys made and revoked,
+sign-out; a second team sees none of the first one's; the session cookie and the CSRF token
+are required, and tenant text is shown escaped. A screenshot of each page is kept under the
+e2e log dir."""
+
+import json
+import re
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from e2e_util import LOG_DIR, unique
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = LOG_DIR / "dashboard"
+# Tenant-controlled text that would run if a page rendered it unescaped.
+XSS = "<script>window.__pwned=1</script>"
+XSS_FILE = "<script>x=1.txt"
+
+
+def _cli(sandbar, *args: str) -> str:
+    done = subprocess.run(
+        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        # Root in a container has no user namespace for chromium's own sandbox.
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def _signed_in(browser, sandbar, key: str):
+    context = browser.new_context(base_url=sandbar.url, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(15_000)
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto("/dashboard/")
+    assert page.url.endswith("/dashboard/login")
+    page.fill("#key", key)
+    page.click("button[type=submit]")
+    page.wait_for_url(re.compile(r"/dashboard/$"))
+    return context, page, errors
+
+
+def _wait_js(page, expression: str, timeout: float = 15.0) -> None:
+    """Polls `expression` from outside the page: the page's CSP forbids the string evaluation
+    Playwright's own wait_for_function does inside it."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.1)
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def _kill(sandbar, sandbox_id: str, key: str) -> None:
+    httpx.delete(f"{sandbar.url}/sandboxes/{sandbox_id}", headers={"X-API-Key": key}, timeout=30)
+
+
+def test_session_cookie_and_csrf_are_required(sandbar):
+    url = sandbar.url
+    # No session: a page load goes to the sign-in form; anything else is 401.
+    reply = httpx.get(f"{url}/dashboard/keys", headers={"Accept": "text/html"})
+    assert reply.status_code == 303 and reply.headers["location"] == "/dashboard/login"
+    assert reply.headers["x-frame-options"] == "DENY"
+    csp = reply.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
+    reply = httpx.post(f"{url}/dashboard/keys", data={"name": "x"})
+    assert reply.status_code == 401, reply.text
+    reply = httpx.get(f"{url}/dashboard", headers={"Accept": "text/html"})
+    assert reply.status_code == 303 and reply.headers["location"] == "/dashboard/login"
+
+    # A wrong key is refused with the API's words; the right one gets a strict cookie.
+    reply = httpx.post(f"{url}/dashboard/login", data={"key": "e2b_" + "0" * 40})
+    assert reply.status_code == 401 and "invalid api key" in reply.text
+    reply = httpx.post(f"{url}/dashboard/login", data={"key": sandbar.api_key})
+    assert reply.status_code == 303, reply.text
+    cookie = reply.headers["set-cookie"]
+    for part in ("HttpOnly", "SameSite=Strict", "Path=/dashboard"):
+        assert part in cookie, cookie
+    session = cookie.split(";")[0]
+    page = httpx.get(f"{url}/dashboard/keys", headers={"Cookie": session})
+    assert page.status_code == 200
+    csrf = re.search(r'X-CSRF-Token&quot;:&quot;([0-9a-f]+)', page.text).group(1)
+
+    # A forged or missing CSRF token changes nothing.
+    name = unique("forged")
+    for headers in ({"Cookie": session, "X-CSRF-Token": "0" * len(csrf)}, {"Cookie": session}):
+        reply = httpx.post(f"{url}/dashboard/keys", data={"name": name}, headers=headers)
+        assert reply.status_code == 403, reply.text
+    keys = httpx.get(f"{url}/api-keys", headers={"Authorization": f"Bearer {_access_token(sandbar)}"}).json()
+    assert name not in [k["name"] for k in keys]
+
+    # The cookie is no credential for the API or the edge.
+    reply = httpx.get(f"{url}/v2/sandboxes", headers={"Cookie": session})
+    assert reply.status_code == 401, reply.text
+
+    # Unknown paths answer a page or JSON, never a crash.
+    reply = httpx.get(f"{url}/dashboard/no/such/page", headers={"Cookie": session})
+    assert reply.status_code == 404 and reply.json()["code"] == 404
+    reply = httpx.get(f"{url}/dashboard/sandboxes/%00%ff/files?path=%00", headers={"Cookie": session})
+    assert reply.status_code in (400, 404), reply.text
+    reply = httpx.get(f"{url}/dashboard/assets/..%2f..%2fetc%2fpasswd")
+    assert reply.status_code == 404
+
+    # Sign-out ends the session on the server.
+    reply = httpx.post(f"{url}/dashboard/logout", headers={"Cookie": session, "X-CSRF-Token": csrf})
+    assert reply.status_code == 204 and "Max-Age=0" in reply.headers["set-cookie"]
+    assert httpx.get(f"{url}/dashboard/keys", headers={"Cookie": session}).status_code == 401
+
+
+def _access_token(sandbar) -> str:
+    return json.loads((sandbar.data_dir / "credentials.json").read_text())["accessToken"]
+
+
+def test_dashboard_in_a_browser(sandbar, browser):
+    context, page, errors = _signed_in(browser, sandbar, sandbar.api_key)
+    sandbox_id = None
+    try:
+        _shot(page, "overview")
+        assert page.locator("#running-count").is_visible()
+
+        # Create a sandbox through the page, with hostile metadata.
+        page.goto("/dashboard/sandboxes")
+        page.click("#create summary")
+        page.fill("#create-form textarea[name=metadata]", f"xss={XSS}\nsuite=dashboard")
+        page.fill("#create-form input[name=timeout]", "120")
+        page.click("#create-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/dashboard/sandboxes/[a-z0-9]+$"), timeout=60_000)
+        sandbox_id = page.url.rsplit("/", 1)[1]
+        assert page.locator("#metadata").inner_text().count(XSS) == 1
+        assert page.evaluate("window.__pwned") is None
+        assert page.locator("#sandbox-state").inner_text() == "running"
+
+        # The terminal runs a command and shows its output.
+        page.click("#open-terminal")
+        page.wait_for_selector("#terminal[data-connected='1']")
+        page.click("#terminal")
+        page.keyboard.type("echo dash-$((6*7))\n")
+        _wait_js(page, "document.querySelector('#terminal .xterm-rows').textContent.includes('dash-42')")
+
+        # Files: upload one with a hostile name, see it listed, download it, delete it.
+        page.wait_for_selector("#file-table")
+        # Past the 2 MB axum holds ordinary bodies to: the upload is streamed.
+        content = b"uploaded through the dashboard\n" * 100_000
+        page.set_input_files("#upload-file", files=[{"name": XSS_FILE, "mimeType": "text/plain", "buffer": content}])
+        page.click("#upload-form button[type=submit]")
+        row = page.locator("#file-table tr", has_text=XSS_FILE)
+        row.wait_for()
+        assert page.evaluate("window.__pwned") is None
+        with page.expect_download() as download:
+            row.locator("a.download").click()
+        # The browser makes the name safe for its disk (`<`, `>` become `_`).
+        assert download.value.suggested_filename.endswith("script_x=1.txt")
+        assert open(download.value.path(), "rb").read() == content
+        _shot(page, "sandbox")
+        row.locator("button.delete").click()
+        row.wait_for(state="detached")
+
+        # Paused elsewhere (through the API): the page shows it; resumed from the page.
+        reply = httpx.post(
+            f"{sandbar.url}/sandboxes/{sandbox_id}/pause", headers={"X-API-Key": sandbar.api_key}, timeout=60
+        )
+        assert reply.status_code == 204, reply.text
+        _wait_js(page, "document.querySelector('#sandbox-state').textContent === 'paused'", 5)
+        _shot(page, "sandbox-paused")
+        page.click("#resume")
+        _wait_js(page, "document.querySelector('#sandbox-state').textContent === 'running'", 30)
+
+        # The list shows it, and the metadata filter keeps it or leaves it out.
+        page.goto("/dashboard/sandboxes")
+        page.wait_for_selector(f"tr[data-sandbox='{sandbox_id}']")
+        assert page.evaluate("window.__pwned") is None
+        page.fill("#filter input[name=metadata]", "suite=nothing-like-it")
+        page.wait_for_selector(f"tr[data-sandbox='{sandbox_id}']", state="detached")
+        page.fill("#filter input[name=metadata]", "suite=dashboard")
+        page.wait_for_selector(f"tr[data-sandbox='{sandbox_id}']")
+        _shot(page, "sandboxes")
+        # Usable at a phone's width: nothing wider than the screen but the scrolled tables.
+        page.set_viewport_size({"width": 390, "height": 844})
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        _shot(page, "sandboxes-phone")
+        page.set_viewport_size({"width": 1280, "height": 720})
+
+        # Killed from its page: back to the list, and gone from the API.
+        page.goto(f"/dashboard/sandboxes/{sandbox_id}")
+        page.click("#kill")
+        page.wait_for_url(re.compile(r"/dashboard/sandboxes$"))
+        reply = httpx.get(f"{sandbar.url}/sandboxes/{sandbox_id}", headers={"X-API-Key": sandbar.api_key})
+        assert reply.status_code == 404
+        sandbox_id = None
+
+        # An action that fails shows the API's message in the error box.
+        page.goto("/dashboard/sandboxes")
+        page.click("#create summary")
+        page.fill("#create-form input[name=template]", "no-such-template-here")
+        page.click("#create-form button[type=submit]")
+        page.wait_for_selector("#errors .error")
+        assert "no-such-template-here" in page.locator("#errors .error").inner_text()
+
+        # Templates, and the base template's build with its log.
+        page.goto("/dashboard/templates")
+        _shot(page, "templates")
+        page.locator("#template-table a.mono").first.click()
+        page.wait_for_selector("#build-status")
+        assert page.locator("#build-status").inner_text() in ("ready", "building", "waiting", "error")
+        _shot(page, "build")
+
+        # A key made on the page works until it is revoked there.
+        name = unique("dash")
+        page.goto("/dashboard/keys")
+        page.fill("#key-form input[name=name]", name)
+        page.click("#key-form button[type=submit]")
+        key = page.locator("#new-key-value").inner_text().strip()
+        assert key.startswith("e2b_")
+        assert httpx.get(f"{sandbar.url}/v2/sandboxes", headers={"X-API-Key": key}).status_code == 200
+        _shot(page, "keys")
+        page.locator(f"tr[data-key='{name}'] button.revoke").click()
+        page.wait_for_selector(f"tr[data-key='{name}']", state="detached")
+        assert httpx.get(f"{sandbar.url}/v2/sandboxes", headers={"X-API-Key": key}).status_code == 401
+
+        # Sign out: the pages ask for a key again.
+        page.click("#sign-out")
+        page.wait_for_url(re.compile(r"/dashboard/login$"))
+        page.goto("/dashboard/sandboxes")
+        assert page.url.endswith("/dashboard/login")
+        _shot(page, "login")
+        assert errors == []
+    finally:
+        if sandbox_id:
+            _kill(sandbar, sandbox_id, sandbar.api_key)
+        context.close()
+
+
+def test_second_team_sees_none_of_the_first_ones(sandbar, browser, sandbox):
+    team = json.loads(_cli(sandbar, "team", "create", unique("dashteam")))
+    context, page, _ = _signed_in(browser, sandbar, team["apiKey"])
+    try:
+        page.goto("/dashboard/sandboxes")
+        page.wait_for_selector("#no-sandboxes")
+        assert sandbox.sandbox_id not in page.content()
+        for path in (
+            f"/dashboard/sandboxes/{sandbox.sandbox_id}",
+            f"/dashboard/sandboxes/{sandbox.sandbox_id}/files",
+            f"/dashboard/sandboxes/{sandbox.sandbox_id}/files/download?path=/etc/hostname",
+        ):
+            reply = page.request.get(path)
+            assert reply.status == 404, (path, reply.status)
+        # Its own actions on the first team's sandbox are refused too.
+        csrf = re.search(r'X-CSRF-Token&quot;:&quot;([0-9a-f]+)', page.content()) or re.search(
+            r'"X-CSRF-Token":"([0-9a-f]+)"', page.content()
+        )
+        reply = page.request.post(
+            f"/dashboard/sandboxes/{sandbox.sandbox_id}/kill", headers={"X-CSRF-Token": csrf.group(1)}
+        )
+        assert reply.status == 404
+        assert sandbox.is_running()
+        page.goto("/dashboard/keys")
+        listed = page.locator("#key-table tbody tr").all_inner_texts()
+        assert len(listed) == 1, listed
+        page.goto("/dashboard/")
+        assert page.locator("#running-count b").inner_text() == "0"
+    finally:
+        context.close()
