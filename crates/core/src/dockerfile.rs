@@ -412,6 +412,7 @@ pub fn to_build(
                 .collect(),
             force: false,
             start_cmd,
+            start_user: None,
             ready_cmd: None,
         },
         uses_context,
