@@ -385,12 +385,10 @@ def test_java_environment_variables(sbx):
     )
     assert shown(both.format("GLOBAL_VAR"), GLOBAL_VAR="overwrite") == "overwrite overwrite"
     assert shown(both.format("GLOBAL_VAR")) == "from-create from-create"
-    # A process the code starts gets them too, quotes, newlines and all.
-    child = (
-        'new String(new ProcessBuilder("printenv", "FOO").start().getInputStream()'
-        ".readAllBytes())"
-    )
-    assert shown(child, FOO="it's \"q\"\n$HOME") == "it's \"q\"\n$HOME\n"
+    # Quotes, backslashes and newlines as given.
+    value = "it's \"q\"\\n\n$HOME"
+    assert shown('System.getenv("FOO").equals(System.getProperty("FOO"))', FOO=value) == "true"
+    assert shown('System.getenv("FOO")', FOO=value) == value
     # The kernel's state went on through all of it.
     assert shown("x") == "40"
 
@@ -464,19 +462,23 @@ def test_contexts_are_independent(sbx):
 
 
 def test_kernels_run_as_root_in_home_user(sbx):
+    # The default bash context went to /tmp in an earlier test: a new one starts in the
+    # default directory too.
+    bash = sbx.create_code_context(language="bash")
     cases = [
-        ("python", "import os\nprint(os.getuid(), os.getcwd())"),
-        ("bash", "echo $(id -u) $(pwd)"),
-        ("js", "console.log(process.getuid(), process.cwd())"),
-        ("r", 'cat(Sys.info()[["effective_user"]], getwd(), "\\n")'),
+        ({"language": "python"}, "import os\nprint(os.getuid(), os.getcwd())"),
+        ({"context": bash}, "echo $(id -u) $(pwd)"),
+        ({"language": "js"}, "console.log(process.getuid(), process.cwd())"),
+        ({"language": "r"}, 'cat(Sys.info()[["effective_user"]], getwd(), "\\n")'),
     ]
     for language, code in cases:
-        execution = sbx.run_code(code, language=language)
+        execution = sbx.run_code(code, **language)
         assert execution.error is None, (language, execution.error)
         assert "".join(execution.logs.stdout).split() in (
             ["0", "/home/user"],
             ["root", "/home/user"],
         ), language
+    sbx.remove_code_context(bash)
     java = sbx.run_code('System.getProperty("user.name") + " " + System.getProperty("user.dir")', language="java")
     assert java.text == "root /home/user"
     # What E2B's own test does: a context in root's home.
