@@ -59,8 +59,8 @@ struct Context {
     id: String,
     language: String,
     cwd: String,
-    /// Held for a whole execution: a context runs one at a time, in order. `None` until the
-    /// context's first execution for a default context of a language not used yet.
+    /// Held for a whole execution: a context runs one at a time, in order. `None` in a
+    /// default context whose language has not run yet.
     kernel: tokio::sync::Mutex<Option<Kernel>>,
 }
 
@@ -81,8 +81,9 @@ pub struct Server {
     /// first, then those created.
     contexts: std::sync::Mutex<Vec<Arc<Context>>>,
     /// The context each language's requests without a context run in: one for every
-    /// language served, listed from the start as E2B's are, its kernel started on the
-    /// language's first use (only Python's at once) so that an idle sandbox runs one kernel.
+    /// language served, listed from the start (E2B's server lists Python's and JavaScript's
+    /// at once), its kernel started on the language's first use (only Python's at once), so
+    /// that an idle sandbox runs one kernel.
     defaults: tokio::sync::Mutex<HashMap<String, String>>,
     ready: AtomicBool,
 }
