@@ -20,6 +20,7 @@ import pytest
 from e2b import InvalidArgumentException, NotFoundException, SandboxException, TimeoutException
 
 from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter.charts import ChartType
 
 from e2e_util import TEMPLATE_WAIT_S, checkpoints_off
 
@@ -109,6 +110,113 @@ def test_matplotlib_gives_a_png_and_a_chart(sbx):
     chart = figures[0].chart
     assert chart is not None and chart.title == "growth"
     assert chart.elements[0].points == [(1.0, 4.0), (2.0, 5.0), (3.0, 6.0)]
+
+
+PIL_IMAGE = (
+    "import numpy\n"
+    "from PIL import Image\n"
+    "imarray = numpy.random.rand(16, 16, 3) * 255\n"
+    "image = Image.fromarray(imarray.astype('uint8')).convert('RGBA')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("shown", "main"),
+    [
+        ("image.show()\nprint('Image shown.')", False),
+        ("display(image)", False),
+        ("image.save('test.png')\nprint('Image saved.')", False),
+        ("image", True),
+    ],
+)
+def test_pil_images_give_a_png(sbx, shown, main):
+    execution = sbx.run_code(PIL_IMAGE + shown)
+    assert execution.error is None, execution.error
+    image = execution.results[0]
+    assert base64.b64decode(image.png).startswith(PNG_MAGIC)
+    assert image.is_main_result is main
+
+
+BOX_PLOT = """
+import matplotlib.pyplot as plt
+
+data = {
+    'Class A': [85, 90, 78, 92, 88],
+    'Class B': [95, 89, 76, 91, 84, 87],
+    'Class C': [75, 82, 88, 79, 86]
+}
+fig, ax = plt.subplots(figsize=(10, 6))
+ax.set_title('Exam Scores Distribution')
+ax.set_xlabel('Class')
+ax.set_ylabel('Score')
+ax.boxplot(data.values(), labels=data.keys(), patch_artist=True)
+plt.tight_layout()
+plt.show()
+"""
+
+
+def test_a_box_and_whisker_chart_is_extracted(sbx):
+    chart = sbx.run_code(BOX_PLOT).results[0].chart
+    assert chart is not None
+    assert chart.type == ChartType.BOX_AND_WHISKER
+    assert (chart.title, chart.x_label, chart.y_label) == ("Exam Scores Distribution", "Class", "Score")
+    boxes = chart.elements
+    assert [b.label for b in boxes] == ["Class A", "Class B", "Class C"]
+    assert [b.min for b in boxes] == [78, 84, 75]
+    assert [b.first_quartile for b in boxes] == [85, 84.75, 79]
+    assert [b.median for b in boxes] == [88, 88, 82]
+    assert [b.third_quartile for b in boxes] == [90, 90.5, 86]
+    assert [b.max for b in boxes] == [92, 95, 88]
+    assert [b.outliers for b in boxes] == [[], [76], []]
+
+
+def test_bar_pie_scatter_and_super_charts_are_extracted(sbx):
+    bar = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.bar(['A', 'B', 'C'], [100, 200, 300], label='Sold')\n"
+        "plt.title('Sales')\nplt.show()"
+    ).results[0].chart
+    assert bar.type == ChartType.BAR and bar.title == "Sales"
+    assert [(b.label, b.value, b.group) for b in bar.elements] == [
+        ("A", 100, "Sold"),
+        ("B", 200, "Sold"),
+        ("C", 300, "Sold"),
+    ]
+    pie = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "fig, ax = plt.subplots()\n"
+        "ax.pie([90, 10], labels=['No', 'Yes'], startangle=90)\n"
+        "plt.title('Early?')\nplt.show()"
+    ).results[0].chart
+    assert pie.type == ChartType.PIE and pie.title == "Early?"
+    assert [(p.label, p.angle, p.radius) for p in pie.elements] == [("No", 324, 1), ("Yes", 36, 1)]
+    scatter = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "plt.scatter([1, 2, 3], [3, 2, 1], label='points')\n"
+        "plt.xlabel('A')\nplt.show()"
+    ).results[0].chart
+    assert scatter.type == ChartType.SCATTER and scatter.x_label == "A"
+    assert scatter.elements[0].label == "points"
+    assert scatter.elements[0].points == [(1.0, 3.0), (2.0, 2.0), (3.0, 1.0)]
+    both = sbx.run_code(
+        "import matplotlib.pyplot as plt\n"
+        "fig, axs = plt.subplots(1, 2)\n"
+        "fig.suptitle('Two')\n"
+        "axs[0].plot([1, 2], [3, 4])\naxs[0].set_title('Line')\n"
+        "axs[1].scatter([1, 2], [3, 4])\naxs[1].set_title('Dots')\n"
+        "plt.show()"
+    ).results[0].chart
+    assert both.type == ChartType.SUPERCHART and both.title == "Two"
+    assert [(c.type, c.title) for c in both.elements] == [
+        (ChartType.LINE, "Line"),
+        (ChartType.SCATTER, "Dots"),
+    ]
+
+
+def test_lists_and_dicts_give_json(sbx):
+    result = sbx.run_code("import numpy\n{'a': [1, 2], 3: numpy.int64(4)}").results[0]
+    assert result.json == {"a": [1, 2], "3": 4}
+    assert sbx.run_code("[1, 'two']").results[0].json == [1, "two"]
 
 
 def test_dataframes_latex_and_json(sbx):
@@ -261,11 +369,28 @@ def test_environment_variables_in_other_languages(sbx, language, read, unset):
     assert shown(read.replace("CALL_VAR", "GLOBAL_VAR")) == "from-create from-create"
 
 
-def test_java_sees_the_sandbox_environment_and_refuses_per_call_variables(sbx):
-    assert sbx.run_code('System.getenv("GLOBAL_VAR")', language="java").text == "from-create"
-    refused = sbx.run_code("1", language="java", envs={"CALL_VAR": "x"})
-    assert refused.error.name == "EnvironmentError"
-    assert "give them when the sandbox is created" in refused.error.value
+def test_java_environment_variables(sbx):
+    # As E2B's server does, the variables are system properties too: its own tests read them
+    # with System.getProperty.
+    def shown(code, **envs):
+        execution = sbx.run_code(code, language="java", envs=envs or None)
+        assert execution.error is None, execution.error
+        return execution.text
+
+    both = 'System.getenv("{0}") + " " + System.getProperty("{0}")'
+    assert shown(both.format("GLOBAL_VAR")) == "from-create from-create"
+    assert shown(both.format("FOO"), FOO="bar") == "bar bar"
+    assert shown('System.getenv("FOO") + " " + System.getProperty("FOO", "default")') == (
+        "null default"
+    )
+    assert shown(both.format("GLOBAL_VAR"), GLOBAL_VAR="overwrite") == "overwrite overwrite"
+    assert shown(both.format("GLOBAL_VAR")) == "from-create from-create"
+    # Quotes, backslashes and newlines as given.
+    value = "it's \"q\"\\n\n$HOME"
+    assert shown('System.getenv("FOO").equals(System.getProperty("FOO"))', FOO=value) == "true"
+    assert shown('System.getenv("FOO")', FOO=value) == value
+    # The kernel's state went on through all of it.
+    assert shown("x") == "40"
 
 
 def test_a_context_per_language(sbx):
@@ -334,6 +459,83 @@ def test_contexts_are_independent(sbx):
         sbx.run_code("1", context=ctx)
     with pytest.raises(InvalidArgumentException):
         sbx.run_code("1", context=ctx, language="python")
+
+
+def test_kernels_run_as_root_in_home_user(sbx):
+    # The default bash context went to /tmp in an earlier test: a new one starts in the
+    # default directory too.
+    bash = sbx.create_code_context(language="bash")
+    cases = [
+        ({"language": "python"}, "import os\nprint(os.getuid(), os.getcwd())"),
+        ({"context": bash}, "echo $(id -u) $(pwd)"),
+        ({"language": "js"}, "console.log(process.getuid(), process.cwd())"),
+        ({"language": "r"}, 'cat(Sys.info()[["effective_user"]], getwd(), "\\n")'),
+    ]
+    for language, code in cases:
+        execution = sbx.run_code(code, **language)
+        assert execution.error is None, (language, execution.error)
+        assert "".join(execution.logs.stdout).split() in (
+            ["0", "/home/user"],
+            ["root", "/home/user"],
+        ), language
+    sbx.remove_code_context(bash)
+    java = sbx.run_code('System.getProperty("user.name") + " " + System.getProperty("user.dir")', language="java")
+    assert java.text == "root /home/user"
+    # What E2B's own test does: a context in root's home.
+    ctx = sbx.create_code_context(language="python", cwd="/root")
+    try:
+        assert sbx.list_code_contexts()[-1].id == ctx.id
+        assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "/root"
+    finally:
+        sbx.remove_code_context(ctx)
+
+
+def test_files_a_kernel_writes_stay_usable_by_user(sbx):
+    sbx.run_code("open('/home/user/from-kernel.txt', 'w').write('kernel')")
+    try:
+        # Root's, readable by all (umask 022) as on E2B; the user reads it, and may remove it
+        # from their home.
+        owner = sbx.commands.run("stat -c '%U %a' /home/user/from-kernel.txt")
+        assert owner.stdout.strip() == "root 644"
+        assert sbx.files.read("/home/user/from-kernel.txt") == "kernel"
+        assert sbx.commands.run("cat /home/user/from-kernel.txt").stdout == "kernel"
+        # And the other way round: what the user writes, the kernel reads.
+        sbx.files.write("/home/user/from-user.txt", "user")
+        assert sbx.run_code("open('/home/user/from-user.txt').read()").text == "user"
+    finally:
+        sbx.commands.run("rm -f /home/user/from-kernel.txt /home/user/from-user.txt")
+    assert sbx.commands.run("ls /home/user").stdout.split().count("from-kernel.txt") == 0
+
+
+def test_default_contexts_of_every_language_are_listed_before_their_kernels_start(
+    sandbar, interpreter_template
+):
+    sandbox = Sandbox.create(timeout=120)
+    try:
+        contexts = sandbox.list_code_contexts()
+        languages = [c.language for c in contexts]
+        assert languages[:2] == ["python", "javascript"], languages
+        assert set(languages) == {"python", "javascript", "typescript", "r", "java", "bash"}
+        assert {c.cwd for c in contexts} == {"/home/user"}
+        # Listed, not started: an idle sandbox runs the Python kernel only.
+        running = sandbox.commands.run("ps -eo args", user="root").stdout
+        assert "ipykernel" in running
+        for other in ("kernel.js", "IRkernel", "jjava", "bash_kernel"):
+            assert other not in running, running
+        # A language's first execution runs in its listed context; a Java kernel's first
+        # output is there however soon the execution follows its start.
+        hello = sandbox.run_code('System.out.println("Hello, World!")', language="java", timeout=60)
+        assert hello.error is None, hello.error
+        assert hello.logs.stdout == ["Hello, World!\n"]
+        assert [c.id for c in sandbox.list_code_contexts()] == [c.id for c in contexts]
+        # A context just created is the last of the list, with what it was created with.
+        created = sandbox.create_code_context()
+        last = sandbox.list_code_contexts()[-1]
+        assert (last.id, last.language, last.cwd) == (created.id, "python", "/home/user")
+        sandbox.remove_code_context(created)
+        assert created.id not in [c.id for c in sandbox.list_code_contexts()]
+    finally:
+        Sandbox.kill(sandbox.sandbox_id)
 
 
 def test_a_kernel_that_exits_is_replaced(sbx):

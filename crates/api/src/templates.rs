@@ -561,6 +561,7 @@ pub(crate) async fn start_build(
                 steps,
                 force: body.force,
                 start_cmd: body.start_cmd,
+                start_user: None,
                 ready_cmd: body.ready_cmd,
             },
         )

@@ -477,6 +477,7 @@ impl<'a> Mapping<'a> {
                     .collect(),
                 force: false,
                 start_cmd,
+                start_user: None,
                 ready_cmd: None,
             },
             uses_context: self.uses_context,

@@ -142,7 +142,12 @@ fn other_kernels(args: &Args) -> (BTreeMap<String, KernelCommand>, BTreeMap<Stri
                         &jar.display().to_string(),
                         "{connection_file}",
                     ]),
-                    env: Vec::new(),
+                    // The kernel's code may write the map behind `System.getenv()`, which is
+                    // how environment variables reach a running JVM (see `env_code`).
+                    env: vec![(
+                        "JJAVA_JVM_OPTS".to_owned(),
+                        "--add-opens=java.base/java.util=ALL-UNNAMED".to_owned(),
+                    )],
                     // JeroMQ, the kernel's ZeroMQ, has no Unix socket transport.
                     tcp: true,
                     interrupt_by_message: true,

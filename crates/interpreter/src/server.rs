@@ -59,7 +59,8 @@ struct Context {
     id: String,
     language: String,
     cwd: String,
-    /// Held for a whole execution: a context runs one at a time, in order.
+    /// Held for a whole execution: a context runs one at a time, in order. `None` in a
+    /// default context whose language has not run yet.
     kernel: tokio::sync::Mutex<Option<Kernel>>,
 }
 
@@ -76,8 +77,13 @@ impl Context {
 #[derive(Debug)]
 pub struct Server {
     config: Config,
-    contexts: std::sync::Mutex<HashMap<String, Arc<Context>>>,
-    /// The context each language's requests without a context run in, made on first use.
+    /// In the order they were made, as `GET /contexts` lists them: the default contexts
+    /// first, then those created.
+    contexts: std::sync::Mutex<Vec<Arc<Context>>>,
+    /// The context each language's requests without a context run in: one for every
+    /// language served, listed from the start (E2B's server lists Python's and JavaScript's
+    /// at once), its kernel started on the language's first use (only Python's at once), so
+    /// that an idle sandbox runs one kernel.
     defaults: tokio::sync::Mutex<HashMap<String, String>>,
     ready: AtomicBool,
 }
@@ -136,12 +142,39 @@ fn new_context_id() -> String {
     )
 }
 
+/// The order of the default contexts in the list: E2B's server makes Python's and
+/// JavaScript's first.
+fn default_rank(language: &str) -> (usize, &str) {
+    let rank = ["python", "javascript", "typescript"]
+        .iter()
+        .position(|l| *l == language)
+        .unwrap_or(3);
+    (rank, language)
+}
+
 impl Server {
     pub fn new(config: Config) -> Arc<Server> {
+        let mut languages: Vec<&String> = config.kernels.keys().collect();
+        languages.sort_by_key(|l| default_rank(l));
+        let contexts: Vec<Arc<Context>> = languages
+            .into_iter()
+            .map(|language| {
+                Arc::new(Context {
+                    id: new_context_id(),
+                    language: language.clone(),
+                    cwd: config.default_cwd.clone(),
+                    kernel: tokio::sync::Mutex::new(None),
+                })
+            })
+            .collect();
+        let defaults = contexts
+            .iter()
+            .map(|c| (c.language.clone(), c.id.clone()))
+            .collect();
         Arc::new(Server {
             config,
-            contexts: std::sync::Mutex::default(),
-            defaults: tokio::sync::Mutex::default(),
+            contexts: std::sync::Mutex::new(contexts),
+            defaults: tokio::sync::Mutex::new(defaults),
             ready: AtomicBool::new(false),
         })
     }
@@ -158,9 +191,19 @@ impl Server {
 
     /// Starts the default Python kernel; `/health` answers 200 from then on.
     pub async fn start_default(self: &Arc<Self>) -> Result<(), String> {
-        self.default_context("python")
+        let context = self
+            .default_context("python")
             .await
             .map_err(|e| e.to_string())?;
+        let mut kernel = context.kernel.lock().await;
+        if kernel.is_none() {
+            *kernel = Some(
+                self.start_kernel(&context.language, &context.cwd)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        drop(kernel);
         self.ready.store(true, Ordering::Release);
         Ok(())
     }
@@ -183,7 +226,8 @@ impl Server {
 
     /// Starts a kernel with the sandbox's environment as it is now in its process's own:
     /// a kernel started after the sandbox got it (any but the default Python one) needs no
-    /// code to set it, which a Java kernel could not run.
+    /// code to set it. The kernel command's own variables come last, so a sandbox's cannot
+    /// undo what the kernel needs.
     async fn start_kernel(&self, language: &str, cwd: &str) -> Result<Kernel, ApiError> {
         let mut command = self.kernel_command(language)?.clone();
         let sandbox_env = self
@@ -192,9 +236,13 @@ impl Server {
             .as_deref()
             .and_then(read_sandbox_env);
         if let Some(env) = &sandbox_env {
-            command
-                .env
-                .extend(env.vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+            let own = std::mem::take(&mut command.env);
+            command.env = env
+                .vars
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .chain(own)
+                .collect();
         }
         let mut kernel = Kernel::start(
             &command,
@@ -203,7 +251,13 @@ impl Server {
         )
         .await
         .map_err(|e| ApiError::Kernel(e.to_string()))?;
-        kernel.sandbox_env = sandbox_env;
+        // A JVM's system properties hold the variables too (E2B's tests read them with
+        // `System.getProperty`): they are set by code, at the kernel's first execution.
+        if sandbox_env_code_needed_at_start(language) {
+            kernel.sandbox_env = None;
+        } else {
+            kernel.sandbox_env = sandbox_env;
+        }
         Ok(kernel)
     }
 
@@ -224,7 +278,7 @@ impl Server {
         self.contexts
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(context.id.clone(), context.clone());
+            .push(context.clone());
         Ok(context)
     }
 
@@ -232,16 +286,29 @@ impl Server {
         self.contexts
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .get(id)
+            .iter()
+            .find(|c| c.id == id)
             .cloned()
     }
 
+    /// The language's default context; one removed is made again, its kernel started by
+    /// its first execution.
     async fn default_context(&self, language: &str) -> Result<Arc<Context>, ApiError> {
+        self.kernel_command(language)?;
         let mut defaults = self.defaults.lock().await;
         if let Some(context) = defaults.get(language).and_then(|id| self.context(id)) {
             return Ok(context);
         }
-        let context = self.new_context(language, &self.config.default_cwd).await?;
+        let context = Arc::new(Context {
+            id: new_context_id(),
+            language: language.to_owned(),
+            cwd: self.config.default_cwd.clone(),
+            kernel: tokio::sync::Mutex::new(None),
+        });
+        self.contexts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(context.clone());
         defaults.insert(language.to_owned(), context.id.clone());
         Ok(context)
     }
@@ -279,21 +346,21 @@ async fn create_context(
 
 async fn list_contexts(State(server): State<Arc<Server>>) -> Json<Vec<ContextInfo>> {
     let contexts = server.contexts.lock().unwrap_or_else(|e| e.into_inner());
-    let mut list: Vec<ContextInfo> = contexts.values().map(|c| c.describe()).collect();
-    list.sort_by(|a, b| a.id.cmp(&b.id));
-    Json(list)
+    Json(contexts.iter().map(|c| c.describe()).collect())
 }
 
 async fn delete_context(
     State(server): State<Arc<Server>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let context = server
-        .contexts
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&id)
-        .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
+    let context = {
+        let mut contexts = server.contexts.lock().unwrap_or_else(|e| e.into_inner());
+        let at = contexts
+            .iter()
+            .position(|c| c.id == id)
+            .ok_or_else(|| ApiError::NotFound(format!("context {id} not found")))?;
+        contexts.remove(at)
+    };
     if let Some(kernel) = context.kernel.lock().await.take() {
         kernel.shutdown().await;
     }
@@ -378,11 +445,16 @@ async fn run_execution(
     if !guard.as_mut().is_some_and(Kernel::is_alive) {
         // A kernel that exited (the code ended its process, or it ran out of memory) is
         // replaced, as a Jupyter server restarts a dead kernel: the state is gone, the
-        // context goes on.
-        if let Some(dead) = guard.take() {
-            dead.shutdown().await;
+        // context goes on. A default context's kernel starts here at its first use.
+        match guard.take() {
+            Some(dead) => {
+                dead.shutdown().await;
+                tracing::warn!(context = %context.id, "the context's kernel is not running; starting a new one");
+            }
+            None => {
+                tracing::info!(context = %context.id, language = %context.language, "starting the context's kernel");
+            }
         }
-        tracing::warn!(context = %context.id, "the context's kernel is not running; starting a new one");
         match server.start_kernel(&context.language, &context.cwd).await {
             Ok(kernel) => *guard = Some(kernel),
             Err(e) => {
@@ -432,8 +504,7 @@ async fn run_execution(
                 &Output::Error {
                     name: "EnvironmentError".into(),
                     value: format!(
-                        "a {} kernel cannot change its environment variables; give them when \
-                         the sandbox is created",
+                        "a {} kernel cannot take environment variables for one execution",
                         context.language
                     ),
                     traceback: String::new(),
@@ -598,8 +669,15 @@ fn sandbox_env_code(language: &str, env: &BTreeMap<String, String>) -> Option<St
                 r_named_list(env.iter())
             ));
         }
+        "java" => {
+            return Some(format!(
+                "{{\n{}{JAVA_WRITABLE_ENV}  for (java.util.Map.Entry<String, String> var : vars.entrySet()) {{\n    \
+                 if (writable != null) writable.put(var.getKey(), var.getValue());\n    \
+                 System.setProperty(var.getKey(), var.getValue());\n  }}\n}}\n",
+                java_vars(env)
+            ));
+        }
         "python" | "bash" => {}
-        // Java cannot change its own process's environment.
         _ => return None,
     }
     if language == "bash" {
@@ -665,6 +743,35 @@ fn env_code(language: &str, env: &BTreeMap<String, String>) -> Option<(String, S
                 .to_owned();
             return Some((set, restore));
         }
+        // The earlier values (of the environment and of the system properties) wait in the
+        // system properties under a key of their own, as an object no `getProperty` shows.
+        "java" => {
+            let set = format!(
+                "{{\n{}{JAVA_WRITABLE_ENV}  java.util.Map<String, String[]> saved = new java.util.HashMap<>();\n  \
+                 for (java.util.Map.Entry<String, String> var : vars.entrySet()) {{\n    \
+                 String k = var.getKey();\n    \
+                 saved.put(k, new String[] {{System.getenv(k), System.getProperty(k)}});\n    \
+                 if (writable != null) writable.put(k, var.getValue());\n    \
+                 System.setProperty(k, var.getValue());\n  }}\n  \
+                 System.getProperties().put(\"{JAVA_SAVED_KEY}\", saved);\n}}\n",
+                java_vars(env)
+            );
+            let restore = format!(
+                "{{\n{JAVA_WRITABLE_ENV}  Object stash = System.getProperties().remove(\"{JAVA_SAVED_KEY}\");\n  \
+                 if (stash instanceof java.util.Map) {{\n    \
+                 @SuppressWarnings(\"unchecked\")\n    \
+                 java.util.Map<String, String[]> saved = (java.util.Map<String, String[]>) stash;\n    \
+                 for (java.util.Map.Entry<String, String[]> entry : saved.entrySet()) {{\n      \
+                 String k = entry.getKey();\n      \
+                 String[] was = entry.getValue();\n      \
+                 if (writable != null) {{\n        \
+                 if (was[0] == null) writable.remove(k);\n        \
+                 else writable.put(k, was[0]);\n      }}\n      \
+                 if (was[1] == null) System.clearProperty(k);\n      \
+                 else System.setProperty(k, was[1]);\n    }}\n  }}\n}}\n"
+            );
+            return Some((set, restore));
+        }
         "python" | "bash" => {}
         _ => return None,
     }
@@ -695,6 +802,45 @@ fn env_code(language: &str, env: &BTreeMap<String, String>) -> Option<(String, S
                    del _sandbar_saved_env, _sandbar_k, _sandbar_v\n"
         .to_owned();
     Some((set, restore))
+}
+
+/// Where a Java kernel keeps the values an execution's variables replace.
+const JAVA_SAVED_KEY: &str = "sandbar.saved-env";
+
+/// Java statements that declare `writable`: the map behind `System.getenv()` (and what a
+/// `ProcessBuilder` starts with), or null where the JVM does not open `java.util` to the
+/// kernel's code (see the Java kernel's `JJAVA_JVM_OPTS`). Inside a block, so nothing is
+/// declared where the user's code would see it.
+const JAVA_WRITABLE_ENV: &str = "  java.util.Map<String, String> writable = null;\n  \
+     try {\n    \
+     java.util.Map<String, String> env = System.getenv();\n    \
+     java.lang.reflect.Field field = env.getClass().getDeclaredField(\"m\");\n    \
+     field.setAccessible(true);\n    \
+     @SuppressWarnings(\"unchecked\")\n    \
+     java.util.Map<String, String> inner = (java.util.Map<String, String>) field.get(env);\n    \
+     writable = inner;\n  \
+     } catch (Exception ignored) {\n  }\n";
+
+/// `vars`, a Java map of `env` declared in a block. A JSON string is also a Java string
+/// literal: serde_json writes `\"`, `\\`, `\n`, `\r` and `\t` as such, never `\u` escapes of
+/// a quote, a backslash or a line end, which Java would read before the literal.
+fn java_vars(env: &BTreeMap<String, String>) -> String {
+    let mut code =
+        "  java.util.Map<String, String> vars = new java.util.LinkedHashMap<>();\n".to_owned();
+    for (name, value) in env {
+        code.push_str(&format!(
+            "  vars.put({}, {});\n",
+            json_string(name),
+            json_string(value)
+        ));
+    }
+    code
+}
+
+/// Whether a kernel started with the sandbox's environment in its process still needs the
+/// code of [`sandbox_env_code`] run: a JVM keeps the variables in its system properties too.
+fn sandbox_env_code_needed_at_start(language: &str) -> bool {
+    language == "java"
 }
 
 fn json_object(env: &BTreeMap<String, String>) -> String {
@@ -827,10 +973,72 @@ mod tests {
     }
 
     #[test]
-    fn java_cannot_change_its_environment() {
-        let env = BTreeMap::from([("A".to_owned(), "1".to_owned())]);
-        assert_eq!(env_code("java", &env), None);
-        assert_eq!(sandbox_env_code("java", &env), None);
+    fn java_sets_the_environment_and_the_properties_and_puts_both_back() {
+        let env = BTreeMap::from([("A".to_owned(), "it's \"x\"\n\\".to_owned())]);
+        let (set, restore) = env_code("java", &env).unwrap();
+        assert!(set.contains(r#"vars.put("A", "it's \"x\"\n\\");"#), "{set}");
+        assert!(set.contains("getDeclaredField(\"m\")"), "{set}");
+        assert!(
+            set.contains("System.setProperty(k, var.getValue())"),
+            "{set}"
+        );
+        assert!(set.contains(JAVA_SAVED_KEY), "{set}");
+        assert!(restore.contains("System.clearProperty(k)"), "{restore}");
+        assert!(restore.contains("writable.remove(k)"), "{restore}");
+        assert!(restore.contains(JAVA_SAVED_KEY), "{restore}");
+        // One block each: nothing is declared where the user's code would see it.
+        for code in [&set, &restore] {
+            assert!(code.starts_with("{\n") && code.ends_with("}\n"), "{code}");
+        }
+        let for_good = sandbox_env_code("java", &env).unwrap();
+        assert!(
+            for_good.contains("System.setProperty(var.getKey()"),
+            "{for_good}"
+        );
+        assert!(!for_good.contains(JAVA_SAVED_KEY), "{for_good}");
+        assert!(sandbox_env_code_needed_at_start("java"));
+        assert!(!sandbox_env_code_needed_at_start("python"));
+    }
+
+    #[test]
+    fn every_served_language_has_a_default_context_python_first() {
+        let command = KernelCommand {
+            argv: vec!["true".into()],
+            env: Vec::new(),
+            tcp: false,
+            interrupt_by_message: false,
+        };
+        let kernels = ["bash", "java", "javascript", "python", "r", "typescript"]
+            .into_iter()
+            .map(|l| (l.to_owned(), command.clone()))
+            .collect();
+        let server = Server::new(Config {
+            default_cwd: "/home/user".into(),
+            runtime_dir: "/nonexistent".into(),
+            kernels,
+            unavailable: BTreeMap::new(),
+            sandbox_env: None,
+        });
+        let listed: Vec<String> = server
+            .contexts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| c.language.clone())
+            .collect();
+        assert_eq!(
+            listed,
+            ["python", "javascript", "typescript", "bash", "java", "r"]
+        );
+        // None of their kernels runs until used.
+        assert!(
+            server
+                .contexts
+                .lock()
+                .unwrap()
+                .iter()
+                .all(|c| c.kernel.try_lock().unwrap().is_none())
+        );
     }
 
     #[test]

@@ -283,6 +283,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         user: "user".into(),
         workdir: "/app".into(),
         start_cmd: Some("serve".into()),
+        start_user: None,
         ready_cmd: None,
         snapshot: None,
         started: None,

@@ -40,7 +40,12 @@ test('runCode keeps state, streams output and returns rich results with the npm 
     assert.equal(wd.results[0].text, '[1] "/tmp"');
     await sbx.removeCodeContext(rCtx);
 
+    // Every language's default context is listed, the one just created last.
+    const listed = (await sbx.listCodeContexts()).map((c) => c.language);
+    assert.ok(listed.includes('python') && listed.includes('javascript'), listed.join());
     const ctx = await sbx.createCodeContext({ language: 'bash', cwd: '/tmp' });
+    const last = (await sbx.listCodeContexts()).at(-1);
+    assert.equal(last.id, ctx.id);
     const bash = await sbx.runCode('pwd', { context: ctx });
     assert.deepEqual(bash.logs.stdout, ['/tmp\n']);
     await sbx.removeCodeContext(ctx);

@@ -106,6 +106,9 @@ pub struct BuildSpec {
     /// Ignore the layer cache for the whole build.
     pub force: bool,
     pub start_cmd: Option<String>,
+    /// See [`crate::TemplateImage::start_user`]; only built-in templates set it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_user: Option<String>,
     pub ready_cmd: Option<String>,
 }
 

@@ -99,9 +99,14 @@ pub struct TemplateImage {
     pub user: String,
     /// Default working directory.
     pub workdir: String,
-    /// Runs in every new sandbox of the template, as `user` in `workdir`.
+    /// Runs in every new sandbox of the template, as `user` (or `start_user`) in `workdir`.
     #[serde(default)]
     pub start_cmd: Option<String>,
+    /// The user `start_cmd` runs as when not `user`: a built-in template's server that must
+    /// be root while the sandbox's commands run as `user` by default. No build request sets
+    /// it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_user: Option<String>,
     /// Must succeed (after `start_cmd` started) before a new sandbox is handed out.
     #[serde(default)]
     pub ready_cmd: Option<String>,
@@ -197,6 +202,7 @@ mod capture_tests {
             user: "user".into(),
             workdir: "/home/user".into(),
             start_cmd: Some("serve".into()),
+            start_user: None,
             ready_cmd: None,
             snapshot: None,
             started: Some(StartedImage {
@@ -224,6 +230,7 @@ mod capture_tests {
             user: "user".into(),
             workdir: "/home/user".into(),
             start_cmd: Some("serve".into()),
+            start_user: None,
             ready_cmd: Some("curl".into()),
             snapshot: None,
             started: None,

@@ -268,6 +268,7 @@ impl Sandboxes {
             // With its memory the processes come back running: nothing is started again;
             // a snapshot of the files boots like the template did.
             start_cmd: base.start_cmd.clone().filter(|_| !memory),
+            start_user: base.start_user.clone().filter(|_| !memory),
             ready_cmd: base.ready_cmd.clone().filter(|_| !memory),
             snapshot: Some(SnapshotImage {
                 checkpoint: parts.checkpoint.clone(),

@@ -24,9 +24,10 @@ pub const INTERPRETER_PORT: u16 = sandbar_core::network::CODE_INTERPRETER_PORT;
 pub const BUILTIN_UPLOADS: &str = "builtin";
 const VENV: &str = "/opt/sandbar/interpreter";
 /// Its root's layer name; always `interpreter/v{INTERPRETER_ROOT.version}`.
-pub const INTERPRETER_LAYER: &str = "interpreter/v3";
+pub const INTERPRETER_LAYER: &str = "interpreter/v4";
 const SERVER_PATH: &str = "/usr/local/bin/sandbar-interpreter";
-const STARTUP_DIR: &str = "/home/user/.ipython/profile_default/startup/";
+/// Root's profile: the kernels run as root (see [`build_spec`]).
+const STARTUP_DIR: &str = "/root/.ipython/profile_default/startup/";
 const STARTUP_NAME: &str = "00-sandbar.py";
 const STARTUP_SCRIPT: &str = include_str!("interpreter/ipython_startup.py");
 const JS_KERNEL_DIR: &str = "/opt/sandbar/js/";
@@ -34,11 +35,13 @@ const JS_KERNEL_NAME: &str = "kernel.js";
 const JS_KERNEL: &str = include_str!("interpreter/js_kernel.js");
 
 /// The template's root: the default template's packages plus the venv module, and a Python
-/// environment owned by the sandbox's user (so `pip install` in a kernel works as on E2B) with
-/// pinned packages from PyPI, taken as wheels only (no package's code runs while it
-/// installs). Built on the host like the default root, so the build needs the host's network
-/// and resolver, not a sandbox's. matplotlib's font cache is made now, not at a sandbox's
-/// first plot.
+/// environment owned by the sandbox's user (so `pip install` works from the user's commands
+/// as well as from the kernels, which run as root) with pinned packages from PyPI, taken as
+/// wheels only (no package's code runs while it installs). matplotlib is E2B's 3.10, whose
+/// `boxplot` still takes the `labels` E2B's chart examples pass. Built on the host like the
+/// default root, so the build needs the host's network and resolver, not a sandbox's.
+/// matplotlib's font cache is made now for root and the user, not at a sandbox's first
+/// plot.
 ///
 /// The other languages' kernels, started only on a language's first use:
 /// - JavaScript and TypeScript: Debian's Node.js running this crate's kernel script
@@ -56,7 +59,7 @@ const JS_KERNEL: &str = include_str!("interpreter/js_kernel.js");
 ///   kernel evaluates with jshell).
 pub const INTERPRETER_ROOT: RootRecipe = RootRecipe {
     name: "interpreter",
-    version: 3,
+    version: 4,
     packages: "bash,python3,ca-certificates,sudo,procps,curl,git,iproute2,coreutils,python3-venv,\
                nodejs,r-cran-irkernel,openjdk-17-jdk-headless",
     hooks: &[
@@ -71,11 +74,13 @@ pub const INTERPRETER_ROOT: RootRecipe = RootRecipe {
          --no-cache-dir --only-binary=:all: \
          --disable-pip-version-check --progress-bar off \
          ipykernel==7.4.0 ipython==9.18.1 bash_kernel==0.10.0 numpy==2.4.6 pandas==3.1.1 \
-         matplotlib==3.11.2 pydantic==2.14.4 e2b-charts==1.0.0 scipy==1.17.1 \
+         matplotlib==3.10.9 pydantic==2.14.4 e2b-charts==1.0.0 scipy==1.17.1 \
          scikit-learn==1.9.1 jjava==1.0a8; \
          status=$?; rm -f \"$1/tmp/.host-ca.crt\"; exit $status",
         "--customize-hook=chroot \"$1\" chown -R user:user /opt/sandbar/interpreter",
-        "--customize-hook=chroot \"$1\" su user -c '/opt/sandbar/interpreter/bin/python -c \"import matplotlib.pyplot\"'",
+        // For root, who runs the kernels, and for the user's own scripts.
+        "--customize-hook=chroot \"$1\" env HOME=/root PYTHONDONTWRITEBYTECODE=1 /opt/sandbar/interpreter/bin/python -c 'import matplotlib.pyplot' \
+         && chroot \"$1\" su user -c '/opt/sandbar/interpreter/bin/python -c \"import matplotlib.pyplot\"'",
         // tslab, as the comment above says; the CA file as for pip.
         "--customize-hook=cp /etc/ssl/certs/ca-certificates.crt \"$1/tmp/.host-ca.crt\" \
          || cp \"$1/etc/ssl/certs/ca-certificates.crt\" \"$1/tmp/.host-ca.crt\"; \
@@ -201,13 +206,16 @@ pub fn build_spec(files_hash: &str) -> BuildSpec {
         },
         steps: vec![
             copy("sandbar-interpreter", SERVER_PATH, "root", files_hash),
-            copy(STARTUP_NAME, STARTUP_DIR, "user", files_hash),
+            copy(STARTUP_NAME, STARTUP_DIR, "root", files_hash),
             copy(JS_KERNEL_NAME, JS_KERNEL_DIR, "root", files_hash),
         ],
         force: false,
         start_cmd: Some(format!(
             "{SERVER_PATH} --listen 0.0.0.0:{INTERPRETER_PORT} --python {VENV}/bin/python"
         )),
+        // Root, as E2B's kernels are: its kernels run as root with the server's
+        // environment, root's own (`HOME=/root`), as the agent gives root's commands.
+        start_user: Some("root".into()),
         ready_cmd: Some(format!(
             "curl -sf -o /dev/null http://127.0.0.1:{INTERPRETER_PORT}/health"
         )),

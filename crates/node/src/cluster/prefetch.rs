@@ -176,6 +176,7 @@ mod tests {
                 user: "user".into(),
                 workdir: "/home/user".into(),
                 start_cmd: None,
+                start_user: None,
                 ready_cmd: None,
                 snapshot: None,
                 started: None,

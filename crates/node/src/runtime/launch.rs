@@ -302,15 +302,18 @@ impl LinuxRuntime {
         endpoint: &Endpoint,
     ) -> Result<(), RuntimeError> {
         let id = &spec.sandbox_id;
-        let exec = |command| agent_client::Exec {
+        let exec = |command, user| agent_client::Exec {
             token: &spec.envd_access_token,
-            user: &spec.image.user,
+            user,
             command,
             envs: &spec.env_vars,
             cwd: Some(&spec.image.workdir),
         };
         if let Some(start) = &spec.image.start_cmd {
-            agent_client::start_detached(&endpoint.agent_socket, &exec(start))
+            // As the agent starts any command of that user: root's confined by the
+            // sandbox's namespaces, cgroups and seccomp like every other.
+            let user = spec.image.start_user.as_deref().unwrap_or(&spec.image.user);
+            agent_client::start_detached(&endpoint.agent_socket, &exec(start, user))
                 .await
                 .map_err(|e| RuntimeError::NotReady {
                     sandbox_id: id.clone(),
@@ -324,11 +327,15 @@ impl LinuxRuntime {
         let mut last;
         loop {
             let mut output = Vec::new();
-            let code = agent_client::run(&endpoint.agent_socket, &exec(ready), |b| {
-                if output.len() < 4096 {
-                    output.extend_from_slice(b);
-                }
-            })
+            let code = agent_client::run(
+                &endpoint.agent_socket,
+                &exec(ready, &spec.image.user),
+                |b| {
+                    if output.len() < 4096 {
+                        output.extend_from_slice(b);
+                    }
+                },
+            )
             .await
             .map_err(|e| RuntimeError::NotReady {
                 sandbox_id: id.clone(),

@@ -93,6 +93,7 @@ pub fn image() -> TemplateImage {
         user: "user".into(),
         workdir: "/home/user".into(),
         start_cmd: None,
+        start_user: None,
         ready_cmd: None,
         snapshot: None,
         started: None,

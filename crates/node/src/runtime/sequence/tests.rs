@@ -143,6 +143,7 @@ fn spec(id: &str, start_cmd: bool) -> LaunchSpec {
             user: "user".into(),
             workdir: "/home/user".into(),
             start_cmd: start_cmd.then(|| "server".to_owned()),
+            start_user: None,
             ready_cmd: None,
             snapshot: None,
             started: None,
