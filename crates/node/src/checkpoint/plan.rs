@@ -464,6 +464,11 @@ struct FoundExternals {
     agent_digest: Option<String>,
 }
 
+/// CRIU's name for a file it is told is external: mount id and inode, in hex.
+fn criu_file_key(stat: &ObjectStat) -> String {
+    format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino)
+}
+
 impl FoundExternals {
     /// Records one object a task holds from outside the sandbox's own mounts, or refuses it.
     fn add_held(
@@ -496,8 +501,7 @@ impl FoundExternals {
             (Placed::Library, digest) => digest.map(str::to_owned),
             _ => None,
         };
-        // CRIU's name for a file it is told is external: mount id and inode, in hex.
-        let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
+        let key = criu_file_key(stat);
         if !self.seen.insert(key.clone()) {
             return Ok(());
         }
@@ -523,7 +527,7 @@ impl FoundExternals {
         stat: &ObjectStat,
     ) -> Result<(), PlanError> {
         let HeldObject(task, table, name) = held;
-        let key = format!("file[{:x}:{:x}]", stat.mnt_id, stat.ino);
+        let key = criu_file_key(stat);
         if self.seen.contains(&key) {
             return Ok(());
         }

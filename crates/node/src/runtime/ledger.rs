@@ -20,6 +20,16 @@ pub(super) enum Refusal {
     Tasks(#[from] crate::resources::tasks::TasksRefusal),
 }
 
+impl Refusal {
+    /// The runtime's answer to a start of sandbox `id` refused for this reason.
+    fn of_sandbox(self, id: &str) -> RuntimeError {
+        RuntimeError::NoCapacity {
+            sandbox_id: id.to_owned(),
+            message: self.to_string(),
+        }
+    }
+}
+
 /// What the node has promised to live sandboxes, and the rule for promising more.
 #[derive(Debug)]
 pub(super) struct ResourceLedger {
@@ -225,10 +235,7 @@ impl LinuxRuntime {
                 self.host_tasks(),
                 oom_now,
             )
-            .map_err(|refusal| RuntimeError::NoCapacity {
-                sandbox_id: id.to_owned(),
-                message: refusal.to_string(),
-            })
+            .map_err(|refusal| refusal.of_sandbox(id))
     }
 
     /// Whether the host can start sandbox `id` (a warm boot, which is granted no memory of its
@@ -236,10 +243,7 @@ impl LinuxRuntime {
     pub(super) fn admit_start(&self, id: &str) -> Result<(), RuntimeError> {
         self.ledger
             .admit_beside_promised(self.memory_view().as_ref(), self.host_tasks(), 0)
-            .map_err(|refusal| RuntimeError::NoCapacity {
-                sandbox_id: id.to_owned(),
-                message: refusal.to_string(),
-            })
+            .map_err(|refusal| refusal.of_sandbox(id))
     }
 
     /// The host's memory as sandboxes may have it: within their common cgroup's limit.

@@ -223,12 +223,27 @@ impl LinuxRuntime {
         from: RestoreFrom,
     ) -> Result<i32, RuntimeError> {
         let criu = self.criu_for_restore(id).await?;
-        let images_bytes: u64 = from.header.images.iter().map(|i| i.size).sum();
-        let (dir, header, log) = (from.images.clone(), from.header.clone(), from.log.clone());
-        let layers = from.layers.clone();
+        let RestoreFrom {
+            images: dir,
+            header,
+            layers,
+            userns,
+            netns,
+            log,
+            etc,
+            boot_id,
+        } = from;
+        let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
         let started = std::time::Instant::now();
         let undo_mounts = || self.unmount_restore(id, layers.len());
-        let aids = match self.mount_for_restore(id, from).await {
+        let mounts = HostMounts {
+            layers: layers.clone(),
+            userns,
+            netns,
+            etc,
+            boot_id,
+        };
+        let aids = match self.mount_for_restore(id, &header, mounts).await {
             Ok(aids) => aids,
             Err(e) => {
                 undo_mounts();
@@ -278,17 +293,16 @@ impl LinuxRuntime {
     async fn mount_for_restore(
         &self,
         id: &str,
-        from: RestoreFrom,
+        header: &crate::checkpoint::Header,
+        mounts: HostMounts,
     ) -> Result<RestoreAids, RuntimeError> {
-        let RestoreFrom {
-            header,
+        let HostMounts {
             layers,
             userns,
             netns: prepared,
             etc,
             boot_id,
-            ..
-        } = from;
+        } = mounts;
         let sandbox_dir = self.disks.path(id);
         let sysfs = self.places.restored_sysfs(id);
         let volumes_dir = self.places.restored_volumes_dir(id);
@@ -520,6 +534,15 @@ pub(super) fn restore_deadline(images_bytes: u64) -> Duration {
 /// What [`LinuxRuntime::run_restore`] restores, and into what.
 /// A file of `/etc` written into a restored sandbox's root: name, content, mode.
 pub(super) type EtcFile = (&'static str, String, u32);
+
+/// What a restore mounts or binds on the host for CRIU, taken from its [`RestoreFrom`].
+struct HostMounts {
+    layers: Vec<PathBuf>,
+    userns: std::os::fd::OwnedFd,
+    netns: PreparedNetns,
+    etc: Option<(u32, Vec<EtcFile>)>,
+    boot_id: Option<String>,
+}
 
 /// What the host holds for a restore while CRIU runs; its mounts are undone by
 /// `unmount_restore` once it is dropped.

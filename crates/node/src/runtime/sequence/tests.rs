@@ -10,7 +10,7 @@ use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage
 use super::*;
 use crate::resources::cgroups::CpuPriority;
 use crate::resources::memory::MemoryRule;
-use crate::runtime::host_fake::{HostState, RecordingHost};
+use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
 use crate::runtime::ledger::ResourceLedger;
 use crate::runtime::restore::SlotRestore;
 
@@ -205,26 +205,30 @@ impl Node {
         (0..).find(|s| !taken.contains(s)).unwrap()
     }
 
-    /// Launches sandbox `id` as the node does: memory granted and a slot claimed in an
-    /// opening, the boot, then a commit or the undoing of what the boot left.
-    async fn launch(
-        &self,
-        id: &str,
-        kept: Option<&Handle>,
-        start_cmd: bool,
-    ) -> Result<Handle, RuntimeError> {
-        let spec = spec(id, start_cmd);
+    /// Opens an operation on sandbox `spec` as the node does: memory granted, a slot claimed
+    /// from the namespace pool (which takes it from the set), the image's layers in use.
+    fn open(&self, spec: &LaunchSpec) -> (Opening<'_>, u32, FakeNetns) {
+        let id = &spec.sandbox_id;
         let mut opening = self.holdings.opening(id);
         opening.hold_memory(self.ledger.regrant(id, MEMORY_MB, 0));
         let slot = self.free_slot();
-        // Claimed from the namespace pool, which takes the slot from the set.
         let netns = self.host.prepare_slot(slot);
         self.slots.lock().unwrap().insert(slot);
         opening.hold_slot(SlotHold::taken(&self.slots, slot));
         opening.use_layers(spec.image.layers.clone());
-        let booted = boot(&self.host, &spec, netns, id_map(slot), limits(), kept).await;
+        (opening, slot, netns)
+    }
+
+    /// Commits the opening of a boot or restore that worked, or undoes what it left.
+    async fn finish(
+        &self,
+        opening: Opening<'_>,
+        slot: u32,
+        outcome: Result<(Handle, Endpoint), BootFailure>,
+        keep_files: bool,
+    ) -> Result<Handle, RuntimeError> {
         self.host.fail_nothing();
-        match booted {
+        match outcome {
             Ok((handle, _)) => {
                 opening.commit();
                 Ok(handle)
@@ -236,23 +240,31 @@ impl Node {
                 opening,
                 slot,
                 failure,
-                kept.is_some(),
+                keep_files,
             )
             .await),
         }
+    }
+
+    /// Launches sandbox `id` as the node does: an opening, the boot, then a commit or the
+    /// undoing of what the boot left.
+    async fn launch(
+        &self,
+        id: &str,
+        kept: Option<&Handle>,
+        start_cmd: bool,
+    ) -> Result<Handle, RuntimeError> {
+        let spec = spec(id, start_cmd);
+        let (opening, slot, netns) = self.open(&spec);
+        let booted = boot(&self.host, &spec, netns, id_map(slot), limits(), kept).await;
+        self.finish(opening, slot, booted, kept.is_some()).await
     }
 
     /// Restores sandbox `id` from a staged checkpoint as the node does for a snapshot
     /// (`kept`: `None`) or a checkpoint carried from a lost node (its kept handle).
     async fn restore(&self, id: &str, kept: Option<&Handle>) -> Result<Handle, RuntimeError> {
         let spec = spec(id, false);
-        let mut opening = self.holdings.opening(id);
-        opening.hold_memory(self.ledger.regrant(id, MEMORY_MB, 0));
-        let slot = self.free_slot();
-        let netns = self.host.prepare_slot(slot);
-        self.slots.lock().unwrap().insert(slot);
-        opening.hold_slot(SlotHold::taken(&self.slots, slot));
-        opening.use_layers(spec.image.layers.clone());
+        let (opening, slot, netns) = self.open(&spec);
         let disk = match kept {
             None => DiskSource::Fresh { size_mb: 512 },
             Some(kept) => DiskSource::Kept {
@@ -269,23 +281,7 @@ impl Node {
             staged(),
         )
         .await;
-        self.host.fail_nothing();
-        match restored {
-            Ok((handle, _)) => {
-                opening.commit();
-                Ok(handle)
-            }
-            Err(failure) => Err(undo_failed_boot(
-                &self.host,
-                &self.holdings,
-                &self.slots,
-                opening,
-                slot,
-                failure,
-                kept.is_some(),
-            )
-            .await),
-        }
+        self.finish(opening, slot, restored, kept.is_some()).await
     }
 
     async fn stop(&self, id: &str, handle: &Handle) {
