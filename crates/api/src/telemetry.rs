@@ -179,6 +179,72 @@ impl MemoryGauges {
     }
 }
 
+/// What `/metrics` says of sandboxes' disk I/O: each one's rates, and what all did.
+#[derive(Default)]
+struct DiskIoGauges {
+    limits: Family<DirectionLabels, Gauge>,
+    op_limits: Family<DirectionLabels, Gauge>,
+    bytes: Family<DirectionLabels, Gauge>,
+    ops: Family<DirectionLabels, Gauge>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+impl DiskIoGauges {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "sandbox_disk_limit_bytes_per_second",
+            "What each sandbox may read or write per second on the disks under the data \
+             directory; 0 for no limit",
+            self.limits.clone(),
+        );
+        registry.register(
+            "sandbox_disk_limit_ops_per_second",
+            "Read or write operations each sandbox may make per second; 0 for no limit",
+            self.op_limits.clone(),
+        );
+        registry.register(
+            "sandbox_disk_bytes",
+            "Bytes the sandboxes running now have read or written since they started",
+            self.bytes.clone(),
+        );
+        registry.register(
+            "sandbox_disk_ops",
+            "Read or write operations of the sandboxes running now since they started",
+            self.ops.clone(),
+        );
+    }
+
+    fn set(&self, report: &sandbar_core::DiskIoReport) {
+        let gauge = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+        for (direction, limit, op_limit, bytes, ops) in [
+            (
+                "read",
+                report.read_bytes_limit,
+                report.read_ops_limit,
+                report.read_bytes,
+                report.read_ops,
+            ),
+            (
+                "write",
+                report.write_bytes_limit,
+                report.write_ops_limit,
+                report.write_bytes,
+                report.write_ops,
+            ),
+        ] {
+            let labels = DirectionLabels { direction };
+            self.limits.get_or_create(&labels).set(gauge(limit));
+            self.op_limits.get_or_create(&labels).set(gauge(op_limit));
+            self.bytes.get_or_create(&labels).set(gauge(bytes));
+            self.ops.get_or_create(&labels).set(gauge(ops));
+        }
+    }
+}
+
 #[derive(Default)]
 struct WarmPoolGauges {
     target: Gauge,
@@ -250,6 +316,7 @@ pub(crate) struct Telemetry {
     disks: DiskGauges,
     memory: MemoryGauges,
     warm: WarmPoolGauges,
+    disk_io: DiskIoGauges,
     /// Two scrapes at once must not both add the same kills or takes.
     oom_sync: std::sync::Mutex<()>,
 }
@@ -320,6 +387,8 @@ impl Telemetry {
         memory.register(&mut registry);
         let warm = WarmPoolGauges::default();
         warm.register(&mut registry);
+        let disk_io = DiskIoGauges::default();
+        disk_io.register(&mut registry);
         Self {
             registry,
             sandboxes,
@@ -332,6 +401,7 @@ impl Telemetry {
             disks,
             memory,
             warm,
+            disk_io,
             oom_sync: std::sync::Mutex::new(()),
         }
     }
@@ -380,6 +450,9 @@ impl Telemetry {
         self.disks.set(&self.sandboxes.disks());
         if let Some(memory) = self.sandboxes.memory() {
             self.memory.set(&memory);
+        }
+        if let Some(io) = self.sandboxes.disk_io() {
+            self.disk_io.set(&io);
         }
         let mut out = String::new();
         encode(&mut out, &self.registry)?;

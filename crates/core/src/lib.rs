@@ -55,7 +55,7 @@ pub use model::{
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
-    AdoptedCheckpoint, AgentLogChunk, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError,
+    AdoptedCheckpoint, AgentLogChunk, DiskIoReport, Endpoint, LaunchSpec, MemoryReport, Runtime, RuntimeError,
     RuntimeHandle, SnapshotParts, TakenOver, WarmPoolReport,
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};

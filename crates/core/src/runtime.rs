@@ -102,6 +102,22 @@ pub struct RuntimeStats {
     pub oom_kills: u64,
 }
 
+/// Sandboxes' disk I/O on this node: the rates each is held to and what all running ones
+/// have done so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskIoReport {
+    /// Per-sandbox limits per second; 0 where not limited.
+    pub read_bytes_limit: u64,
+    pub write_bytes_limit: u64,
+    pub read_ops_limit: u64,
+    pub write_ops_limit: u64,
+    /// Cumulative, over the sandboxes whose cgroups exist now.
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub read_ops: u64,
+    pub write_ops: u64,
+}
+
 /// The host's memory and what sandboxes may use of it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct MemoryReport {
@@ -204,6 +220,11 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Sandboxes kept booted ahead of demand; `None` where the runtime keeps none.
     fn warm_pool(&self) -> Option<WarmPoolReport> {
+        None
+    }
+
+    /// Sandboxes' disk rates and what they read and wrote; `None` where not measured.
+    fn disk_io(&self) -> Option<DiskIoReport> {
         None
     }
 

@@ -954,6 +954,11 @@ impl Sandboxes {
         self.runtime.warm_pool()
     }
 
+    /// The sandboxes' disk rates and what they read and wrote.
+    pub fn disk_io(&self) -> Option<crate::runtime::DiskIoReport> {
+        self.runtime.disk_io()
+    }
+
     /// The node's disks as measured now.
     pub fn disks(&self) -> crate::disks::DiskReport {
         self.runtime.disks()

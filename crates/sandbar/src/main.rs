@@ -229,6 +229,20 @@ struct ServeArgs {
     /// adopted after a restart keep the limit they started with.
     #[arg(long, env = "SANDBAR_SANDBOX_BANDWIDTH_MBIT", default_value_t = 100)]
     sandbox_bandwidth_mbit: u32,
+    /// What each sandbox may read from the disks under the data directory (its disk, layers
+    /// and volumes), in MiB/s; 0 for no limit. Direct I/O and the writes an fsync flushes are
+    /// held to the write rates; on cgroup v1 the kernel's background writeback is not.
+    #[arg(long, env = "SANDBAR_SANDBOX_DISK_READ_MBPS", default_value_t = 200)]
+    sandbox_disk_read_mbps: u64,
+    /// What each sandbox may write to those disks, in MiB/s; 0 for no limit.
+    #[arg(long, env = "SANDBAR_SANDBOX_DISK_WRITE_MBPS", default_value_t = 100)]
+    sandbox_disk_write_mbps: u64,
+    /// Read operations per second each sandbox may make on those disks; 0 for no limit.
+    #[arg(long, env = "SANDBAR_SANDBOX_DISK_READ_IOPS", default_value_t = 4000)]
+    sandbox_disk_read_iops: u64,
+    /// Write operations per second each sandbox may make on those disks; 0 for no limit.
+    #[arg(long, env = "SANDBAR_SANDBOX_DISK_WRITE_IOPS", default_value_t = 2000)]
+    sandbox_disk_write_iops: u64,
     /// The CRIU binary that checkpoints paused sandboxes to disk (4.1.1 with the patches of
     /// scripts/criu, installed by scripts/install-criu.sh); "" turns checkpoints off. When it
     /// is missing or fails its checks, pauses keep sandboxes frozen in memory until it passes
@@ -900,6 +914,12 @@ fn node_config(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<NodeConfig> 
         agent_log_rotate_bytes: args.agent_log_rotate_mb << 20,
         ready_timeout: std::time::Duration::from_secs(args.ready_timeout_secs),
         sandbox_bandwidth_mbit: args.sandbox_bandwidth_mbit,
+        sandbox_io: sandbar_node::resources::io::IoRates::from_flags(
+            args.sandbox_disk_read_mbps,
+            args.sandbox_disk_write_mbps,
+            args.sandbox_disk_read_iops,
+            args.sandbox_disk_write_iops,
+        ),
         memory_reserve_mb: args.memory_reserve_mb,
         sandboxes_memory_limit_mb: args.sandbox_memory_limit_mb,
         memory_overcommit: args.memory_overcommit,

@@ -5,7 +5,12 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::resources::io::{IoCounts, IoThrottle};
+
 const PARENT: &str = "sandbar";
+/// v1 controllers a node works without: no freezer means no pause in memory, no blkio no
+/// disk rates, and cpuacct often shares the cpu hierarchy.
+const OPTIONAL_V1_CONTROLLERS: [&str; 3] = ["freezer", "cpuacct", "blkio"];
 const ROOT: &str = "/sys/fs/cgroup";
 /// How long a kill waits for a sandbox's processes to be gone: killed tasks take a moment
 /// to exit and be reaped, longer on a loaded host, before their cgroup is empty.
@@ -99,8 +104,16 @@ pub fn parse_oom_kills(text: &str) -> Option<u64> {
     })
 }
 
+/// Makes, limits, freezes and removes the cgroups of sandboxes.
 #[derive(Debug, Clone)]
-pub enum CgroupDriver {
+pub struct CgroupDriver {
+    hierarchy: Hierarchy,
+    /// The disk rates every sandbox gets, set once the node knows its devices.
+    io: IoThrottle,
+}
+
+#[derive(Debug, Clone)]
+enum Hierarchy {
     /// One directory per controller hierarchy.
     V1 {
         controllers: Vec<(&'static str, PathBuf)>,
@@ -215,12 +228,12 @@ impl CgroupDriver {
                     )));
                 }
             }
-            return Ok(CgroupDriver::V2 {
+            return Ok(Self::with_hierarchy(Hierarchy::V2 {
                 root: root.to_owned(),
-            });
+            }));
         }
         let mut controllers = Vec::new();
-        for name in ["memory", "cpu", "pids", "freezer", "cpuacct"] {
+        for name in ["memory", "cpu", "pids", "freezer", "cpuacct", "blkio"] {
             let dir = root.join(name);
             if dir.join("cgroup.procs").exists() {
                 // Where cpu and cpuacct share a hierarchy, the cpu directory is already it.
@@ -232,42 +245,77 @@ impl CgroupDriver {
                     continue;
                 }
                 controllers.push((name, dir));
-            } else if name != "freezer" && name != "cpuacct" {
+            } else if !OPTIONAL_V1_CONTROLLERS.contains(&name) {
                 return Err(CgroupError::Unsupported(format!(
                     "cgroup v1 controller {name} is not mounted at {}",
                     dir.display()
                 )));
             }
         }
-        Ok(CgroupDriver::V1 { controllers })
+        Ok(Self::with_hierarchy(Hierarchy::V1 { controllers }))
+    }
+
+    fn with_hierarchy(hierarchy: Hierarchy) -> Self {
+        Self {
+            hierarchy,
+            io: IoThrottle::default(),
+        }
+    }
+
+    /// Holds every sandbox made from now on to `io` (and those whose limits are set again).
+    /// Returns whether this host can: v1 needs the blkio controller mounted, v2 the io one.
+    pub fn set_io_throttle(&mut self, io: IoThrottle) -> bool {
+        let able = match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers.iter().any(|(name, _)| *name == "blkio"),
+            Hierarchy::V2 { root } => std::fs::read_to_string(root.join("cgroup.controllers"))
+                .is_ok_and(|c| c.split_whitespace().any(|c| c == "io")),
+        };
+        if able {
+            self.io = io;
+        }
+        able
+    }
+
+    /// The disk rates sandboxes get.
+    pub fn io_throttle(&self) -> &IoThrottle {
+        &self.io
+    }
+
+    /// The controllers a v2 parent hands its children: io only where it is held to rates.
+    fn v2_subtree(&self) -> &'static str {
+        if self.io.is_active() {
+            "+memory +cpu +pids +io"
+        } else {
+            "+memory +cpu +pids"
+        }
     }
 
     pub fn version(&self) -> u8 {
-        match self {
-            CgroupDriver::V1 { .. } => 1,
-            CgroupDriver::V2 { .. } => 2,
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => 1,
+            Hierarchy::V2 { .. } => 2,
         }
     }
 
     fn dirs(&self, sandbox_id: &str) -> Vec<(&'static str, PathBuf)> {
-        match self {
-            CgroupDriver::V1 { controllers } => controllers
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .map(|(name, dir)| (*name, dir.join(PARENT).join(sandbox_id)))
                 .collect(),
-            CgroupDriver::V2 { root } => vec![("unified", root.join(PARENT).join(sandbox_id))],
+            Hierarchy::V2 { root } => vec![("unified", root.join(PARENT).join(sandbox_id))],
         }
     }
 
     /// Names of the sandbox cgroups that exist in any hierarchy: a server killed while it
     /// booted a sandbox can leave some before the sandbox had a disk.
     pub fn names(&self) -> std::collections::BTreeSet<String> {
-        let parents: Vec<PathBuf> = match self {
-            CgroupDriver::V1 { controllers } => controllers
+        let parents: Vec<PathBuf> = match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .map(|(_, dir)| dir.join(PARENT))
                 .collect(),
-            CgroupDriver::V2 { root } => vec![root.join(PARENT)],
+            Hierarchy::V2 { root } => vec![root.join(PARENT)],
         };
         parents
             .iter()
@@ -286,9 +334,9 @@ impl CgroupDriver {
     /// here: ~12 ms through `cgroup.procs`, ~0.1 ms through `tasks`). A process that has
     /// one thread moves whole either way.
     pub fn join_files(&self, sandbox_id: &str) -> Vec<PathBuf> {
-        let file = match self {
-            CgroupDriver::V1 { .. } => "tasks",
-            CgroupDriver::V2 { .. } => "cgroup.procs",
+        let file = match &self.hierarchy {
+            Hierarchy::V1 { .. } => "tasks",
+            Hierarchy::V2 { .. } => "cgroup.procs",
         };
         self.dirs(sandbox_id)
             .into_iter()
@@ -307,15 +355,15 @@ impl CgroupDriver {
     }
 
     pub fn create(&self, sandbox_id: &str, limits: Limits) -> Result<(), CgroupError> {
-        if let CgroupDriver::V2 { root } = self {
+        if let Hierarchy::V2 { root } = &self.hierarchy {
             // Controllers must be enabled on every ancestor for the leaf to get the files.
-            write(&root.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+            write(&root.join("cgroup.subtree_control"), self.v2_subtree())?;
             let parent = root.join(PARENT);
             std::fs::create_dir_all(&parent).map_err(|source| CgroupError::Create {
                 path: parent.clone(),
                 source,
             })?;
-            write(&parent.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+            write(&parent.join("cgroup.subtree_control"), self.v2_subtree())?;
         }
         for (_, dir) in self.dirs(sandbox_id) {
             std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
@@ -374,11 +422,58 @@ impl CgroupDriver {
                         &limits.cpu_priority.weight().to_string(),
                     )?;
                     write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
+                    if self.io.is_active() {
+                        for device in &self.io.devices {
+                            write(&dir.join("io.max"), &self.io.rates.v2_line(*device))?;
+                        }
+                    }
+                }
+                "blkio" if self.io.is_active() => {
+                    for device in &self.io.devices {
+                        for (file, line) in self.io.rates.v1_lines(*device) {
+                            write(&dir.join(file), &line)?;
+                        }
+                    }
                 }
                 _ => {}
             }
         }
         Ok(())
+    }
+
+    /// What sandbox `sandbox_id`, or all sandboxes together when it is `None`, read and wrote
+    /// on disk: cumulative, for the groups that exist now.
+    pub fn io_counts(&self, sandbox_id: Option<&str>) -> Option<IoCounts> {
+        let dir = |base: &Path| match sandbox_id {
+            Some(id) => base.join(PARENT).join(id),
+            None => base.join(PARENT),
+        };
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => {
+                let base = &controllers.iter().find(|(name, _)| *name == "blkio")?.1;
+                let dir = dir(base);
+                // The parent's recursive files include its children's I/O; a leaf's own
+                // files are all of its I/O.
+                let read = |file: &str| {
+                    std::fs::read_to_string(dir.join(format!("{file}_recursive")))
+                        .or_else(|_| std::fs::read_to_string(dir.join(file)))
+                        .ok()
+                };
+                let (read_bytes, write_bytes) =
+                    IoCounts::v1_sums(&read("blkio.throttle.io_service_bytes")?);
+                let (read_ops, write_ops) = IoCounts::v1_sums(&read("blkio.throttle.io_serviced")?);
+                Some(IoCounts {
+                    read_bytes,
+                    write_bytes,
+                    read_ops,
+                    write_ops,
+                })
+            }
+            Hierarchy::V2 { root } => {
+                let text = std::fs::read_to_string(dir(root).join("io.stat")).ok()?;
+                Some(IoCounts::from_v2(&text))
+            }
+        }
     }
 
     /// Gives sandbox `from`'s cgroups the name `to`; its processes stay in them.
@@ -403,9 +498,9 @@ impl CgroupDriver {
     /// How many of the sandbox's processes the kernel killed for reaching its memory limit;
     /// `None` once its cgroup is gone (or on a kernel without the count).
     pub fn oom_kills(&self, sandbox_id: &str) -> Option<u64> {
-        let file = match self {
-            CgroupDriver::V1 { .. } => "memory.oom_control",
-            CgroupDriver::V2 { .. } => "memory.events",
+        let file = match &self.hierarchy {
+            Hierarchy::V1 { .. } => "memory.oom_control",
+            Hierarchy::V2 { .. } => "memory.events",
         };
         parse_oom_kills(&std::fs::read_to_string(self.memory_dir(sandbox_id)?.join(file)).ok()?)
     }
@@ -414,7 +509,7 @@ impl CgroupDriver {
     /// (before it kills), for the sandbox's agent: v1's `cgroup.event_control` registration.
     /// v2 has no such registration, so `None` there.
     pub fn oom_notifier(&self, sandbox_id: &str) -> Result<Option<OwnedFd>, CgroupError> {
-        let CgroupDriver::V1 { .. } = self else {
+        let Hierarchy::V1 { .. } = &self.hierarchy else {
             return Ok(None);
         };
         let Some(dir) = self.memory_dir(sandbox_id) else {
@@ -450,13 +545,13 @@ impl CgroupDriver {
     /// The directory and file that freeze the sandbox, with the values for frozen and
     /// thawed.
     fn freezer(&self, sandbox_id: &str) -> Option<(PathBuf, &'static str, &'static str)> {
-        match self {
-            CgroupDriver::V1 { .. } => self
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => self
                 .dirs(sandbox_id)
                 .into_iter()
                 .find(|(name, _)| *name == "freezer")
                 .map(|(_, dir)| (dir.join("freezer.state"), "FROZEN", "THAWED")),
-            CgroupDriver::V2 { .. } => self
+            Hierarchy::V2 { .. } => self
                 .dirs(sandbox_id)
                 .into_iter()
                 .next()
@@ -472,8 +567,8 @@ impl CgroupDriver {
                 .find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
         };
         let dirs = self.dirs(sandbox_id);
-        match self {
-            CgroupDriver::V1 { .. } => {
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => {
                 let cpu_ns = dirs
                     .iter()
                     .find_map(|(_, d)| read(d.join("cpuacct.usage"))?.trim().parse().ok())?;
@@ -485,7 +580,7 @@ impl CgroupDriver {
                     memory_cache,
                 })
             }
-            CgroupDriver::V2 { .. } => {
+            Hierarchy::V2 { .. } => {
                 let dir = &dirs.first()?.1;
                 let cpu = read(dir.join("cpu.stat"))?;
                 let (memory_used, memory_cache) = memory_use(dir, false)?;
@@ -500,16 +595,16 @@ impl CgroupDriver {
 
     /// The cgroup holding every sandbox's (memory controller), made if missing.
     fn sandboxes_memory_dir(&self) -> Result<PathBuf, CgroupError> {
-        let dir = match self {
-            CgroupDriver::V1 { controllers } => controllers
+        let dir = match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .find(|(name, _)| *name == "memory")
                 .map(|(_, dir)| dir.join(PARENT))
                 .ok_or_else(|| {
                     CgroupError::Unsupported("cgroup v1 has no memory controller".into())
                 })?,
-            CgroupDriver::V2 { root } => {
-                write(&root.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+            Hierarchy::V2 { root } => {
+                write(&root.join("cgroup.subtree_control"), self.v2_subtree())?;
                 root.join(PARENT)
             }
         };
@@ -517,8 +612,8 @@ impl CgroupDriver {
             path: dir.clone(),
             source,
         })?;
-        if let CgroupDriver::V2 { .. } = self {
-            write(&dir.join("cgroup.subtree_control"), "+memory +cpu +pids")?;
+        if let Hierarchy::V2 { .. } = &self.hierarchy {
+            write(&dir.join("cgroup.subtree_control"), self.v2_subtree())?;
         }
         Ok(dir)
     }
@@ -528,23 +623,23 @@ impl CgroupDriver {
     /// services and the agents' bookkeeping outside never feel the pressure.
     pub fn limit_sandboxes_memory(&self, bytes: u64) -> Result<(), CgroupError> {
         let dir = self.sandboxes_memory_dir()?;
-        match self {
-            CgroupDriver::V1 { .. } => write_v1_memory_limit(&dir, bytes),
-            CgroupDriver::V2 { .. } => write(&dir.join("memory.max"), &bytes.to_string()),
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => write_v1_memory_limit(&dir, bytes),
+            Hierarchy::V2 { .. } => write(&dir.join("memory.max"), &bytes.to_string()),
         }
     }
 
     /// What all sandboxes together may use and use now, page cache excluded (the kernel
     /// reclaims it before it kills).
     pub fn sandboxes_memory(&self) -> Option<SandboxesMemory> {
-        let dir = match self {
-            CgroupDriver::V1 { controllers } => controllers
+        let dir = match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .find(|(name, _)| *name == "memory")
                 .map(|(_, dir)| dir.join(PARENT))?,
-            CgroupDriver::V2 { root } => root.join(PARENT),
+            Hierarchy::V2 { root } => root.join(PARENT),
         };
-        let v1 = matches!(self, CgroupDriver::V1 { .. });
+        let v1 = matches!(&self.hierarchy, Hierarchy::V1 { .. });
         let limit_file = if v1 {
             "memory.limit_in_bytes"
         } else {
@@ -560,11 +655,11 @@ impl CgroupDriver {
 
     /// Whether every process of the sandbox is frozen.
     pub fn is_frozen(&self, sandbox_id: &str) -> bool {
-        match self {
-            CgroupDriver::V1 { .. } => self.freezer(sandbox_id).is_some_and(|(file, _, _)| {
+        match &self.hierarchy {
+            Hierarchy::V1 { .. } => self.freezer(sandbox_id).is_some_and(|(file, _, _)| {
                 std::fs::read_to_string(file).is_ok_and(|s| s.trim() == "FROZEN")
             }),
-            CgroupDriver::V2 { .. } => self.dirs(sandbox_id).first().is_some_and(|(_, dir)| {
+            Hierarchy::V2 { .. } => self.dirs(sandbox_id).first().is_some_and(|(_, dir)| {
                 std::fs::read_to_string(dir.join("cgroup.events"))
                     .is_ok_and(|s| s.lines().any(|l| l.trim() == "frozen 1"))
             }),
@@ -582,7 +677,7 @@ impl CgroupDriver {
             if self.is_frozen(sandbox_id) {
                 return Ok(());
             }
-            if let CgroupDriver::V1 { .. } = self {
+            if let Hierarchy::V1 { .. } = &self.hierarchy {
                 // A v1 freeze that met a task in an uninterruptible wait stays FREEZING until
                 // asked again.
                 let _ = std::fs::write(&file, frozen);
@@ -632,7 +727,7 @@ impl CgroupDriver {
         }
         // Frozen tasks do not act on SIGKILL until they run again.
         let _ = self.thaw(sandbox_id);
-        if let CgroupDriver::V2 { .. } = self {
+        if let Hierarchy::V2 { .. } = &self.hierarchy {
             let _ = std::fs::write(census.join("cgroup.kill"), "1");
         }
         let left = settle(KILL_PATIENCE, KILL_POLL, || self.kill_members(sandbox_id)).await;

@@ -118,6 +118,8 @@ pub struct NodeConfig {
     pub ready_timeout: Duration,
     /// Bandwidth of each sandbox in each direction, in Mbit/s; 0 for no limit.
     pub sandbox_bandwidth_mbit: u32,
+    /// Disk rates of each sandbox on the devices under its files.
+    pub sandbox_io: crate::resources::io::IoRates,
 }
 
 /// Ids a sandbox has (uids and gids 0..65535 inside, as in an ordinary system).
@@ -260,7 +262,7 @@ impl LinuxRuntime {
         if let Some(criu) = &config.criu {
             Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
         }
-        let cgroups = CgroupDriver::detect()?;
+        let mut cgroups = CgroupDriver::detect()?;
         let shaping = crate::net::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
         match shaping {
             Some(_) => tracing::info!(
@@ -307,6 +309,11 @@ impl LinuxRuntime {
         if !disks.enforces_quotas() {
             tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
         }
+        crate::resources::io::hold_sandboxes_to(
+            &mut cgroups,
+            config.sandbox_io,
+            &[disks.dir(), &config.data_dir],
+        );
         for dir in [config.data_dir.join("run"), config.data_dir.join("logs")] {
             std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
                 path: dir.clone(),
@@ -933,6 +940,21 @@ impl Runtime for LinuxRuntime {
 
     fn is_paused(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> bool {
         self.cgroups.is_frozen(sandbox_id)
+    }
+
+    fn disk_io(&self) -> Option<sandbar_core::DiskIoReport> {
+        let counts = self.cgroups.io_counts(None)?;
+        let rates = self.cgroups.io_throttle().rates;
+        Some(sandbar_core::DiskIoReport {
+            read_bytes_limit: rates.read_bytes,
+            write_bytes_limit: rates.write_bytes,
+            read_ops_limit: rates.read_ops,
+            write_ops_limit: rates.write_ops,
+            read_bytes: counts.read_bytes,
+            write_bytes: counts.write_bytes,
+            read_ops: counts.read_ops,
+            write_ops: counts.write_ops,
+        })
     }
 
     fn memory(&self) -> Option<sandbar_core::MemoryReport> {
