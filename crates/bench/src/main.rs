@@ -13,6 +13,7 @@
 
 mod baseline;
 mod client;
+mod control_plane;
 mod first_commands;
 mod layers;
 mod memory;
@@ -136,6 +137,9 @@ enum Mode {
     /// Time one template layer through a cluster's layer store: archive and push (what a
     /// node does after a build), download and unpack (what another does before a create).
     Layers(layers::LayersArgs),
+    /// Creates per second one API host and one database place, with nodes whose runtime
+    /// answers launches at once (no sandbox boots), for 1, 2, 4… nodes.
+    ControlPlane(control_plane::ControlPlaneArgs),
 }
 
 /// Latencies of one create→first-output request, split into its parts.
@@ -662,6 +666,7 @@ async fn main() -> ExitCode {
     match args.command.take() {
         Some(Mode::Pull(pull)) => return pull::main(pull).await,
         Some(Mode::Layers(layers)) => return layers::main(layers).await,
+        Some(Mode::ControlPlane(plane)) => return control_plane::main(plane).await,
         None => {}
     }
     let Some(api_key) = args.api_key.as_deref() else {
