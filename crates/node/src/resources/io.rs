@@ -152,8 +152,12 @@ fn mount_source(mountinfo: &str, dir: &Path) -> Option<PathBuf> {
             let mount_point = PathBuf::from(unescape(fields.get(4)?));
             let after = fields.iter().position(|f| *f == "-")?;
             let source = fields.get(after + 2)?;
-            dir.starts_with(&mount_point)
-                .then(|| (mount_point.as_os_str().len(), PathBuf::from(unescape(source))))
+            dir.starts_with(&mount_point).then(|| {
+                (
+                    mount_point.as_os_str().len(),
+                    PathBuf::from(unescape(source)),
+                )
+            })
         })
         .max_by_key(|(len, _)| *len)
         .map(|(_, source)| source)
@@ -284,7 +288,10 @@ mod tests {
             ("blkio.throttle.write_bps_device", "7:3 104857600".into())
         );
         assert_eq!(v1[2], ("blkio.throttle.read_iops_device", "7:3 0".into()));
-        assert_eq!(v1[3], ("blkio.throttle.write_iops_device", "7:3 2000".into()));
+        assert_eq!(
+            v1[3],
+            ("blkio.throttle.write_iops_device", "7:3 2000".into())
+        );
         assert_eq!(
             rates.v2_line(device),
             "7:3 rbps=209715200 wbps=104857600 riops=max wiops=2000"
