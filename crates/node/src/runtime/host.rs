@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
@@ -13,8 +14,11 @@ use sandbar_jail::IdMap;
 
 use super::handle::{Handle, is_alive};
 use super::launch::BootSpec;
+use super::launch::Launcher;
+use super::restore::Restorer;
 use super::restore::SlotRestore;
-use super::{LinuxRuntime, kill_err, sandbox_err};
+use super::state::NodeState;
+use super::{kill_err, sandbox_err};
 use crate::checkpoint::HostSocket;
 use crate::net::netns::PreparedNetns;
 use crate::resources::cgroups::{CgroupError, Limits};
@@ -116,7 +120,7 @@ pub(super) trait HostOps: Sync {
 
 /// [`HostOps`] on this host: its cgroups, disk pool, nftables, network namespaces and
 /// `/proc`.
-pub(super) struct LinuxHost<'a>(pub(super) &'a LinuxRuntime);
+pub(super) struct LinuxHost<'a>(pub(super) &'a Arc<NodeState>);
 
 /// How long a killed sandbox's PID 1 is waited for.
 const INIT_EXIT_PATIENCE: Duration = Duration::from_millis(2500);
@@ -184,7 +188,9 @@ impl HostOps for LinuxHost<'_> {
         netns: &PreparedNetns,
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
-        self.0.spawn_jailed(boot, dir, netns, id_map).await
+        Launcher::of(self.0)
+            .spawn_jailed(boot, dir, netns, id_map)
+            .await
     }
 
     async fn restore_processes(
@@ -194,7 +200,9 @@ impl HostOps for LinuxHost<'_> {
         id_map: IdMap,
         restore: SlotRestore,
     ) -> Result<i32, RuntimeError> {
-        self.0.restore_processes(spec, netns, id_map, restore).await
+        Restorer::of(self.0)
+            .restore_processes(spec, netns, id_map, restore)
+            .await
     }
 
     async fn wait_agent(&self, sandbox_id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
@@ -214,7 +222,9 @@ impl HostOps for LinuxHost<'_> {
         spec: &LaunchSpec,
         endpoint: &Endpoint,
     ) -> Result<(), RuntimeError> {
-        self.0.start_and_wait_ready(spec, endpoint).await
+        Launcher::of(self.0)
+            .start_and_wait_ready(spec, endpoint)
+            .await
     }
 
     async fn kill_processes(

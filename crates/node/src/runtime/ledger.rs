@@ -217,7 +217,7 @@ fn promised_mb(granted: &BTreeMap<String, Granted>) -> u64 {
     granted.values().map(|g| u64::from(g.memory_mb)).sum()
 }
 
-impl LinuxRuntime {
+impl NodeState {
     /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
     /// cannot start it now: what is short is the memory the host really has, the ceilings
     /// promised in all (see [`crate::resources::memory`]), or the host's tasks ([`crate::resources::tasks`]).
