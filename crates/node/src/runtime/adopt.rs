@@ -1,7 +1,16 @@
 //! Taking sandboxes over: those a restarted server finds still running, paused to disk or
 //! released, and those carried from another node.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use sandbar_core::{AdoptedCheckpoint, Endpoint, RuntimeError, RuntimeHandle};
+
+use super::handle::{Handle, Phase, is_alive, parse_handle, start_ticks};
+use super::launch::Launcher;
+use super::pausing::{Pauser, SnapshotOrigin};
+use super::state::NodeState;
+use super::{is_nsfs, sandbox_err};
 
 /// Adopts sandboxes this process did not start: those a restarted server finds, and those
 /// taken over from another node.

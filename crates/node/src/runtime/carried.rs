@@ -2,7 +2,18 @@
 //! elsewhere fetches the checkpoint of its processes, checks that it can restore it here, and
 //! restores it into a slot of its own at the sandbox's next boot.
 
-use super::*;
+use std::path::Path;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{CarriedCheckpoint, Handle};
+use super::host::LinuxHost;
+use super::launch::Launcher;
+use super::pausing::{SnapshotOrigin, check_criu_version};
+use super::restore::SlotRestore;
+use super::{SANDBOX_IDS, host, sandbox_err, sequence};
 
 impl Launcher {
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore

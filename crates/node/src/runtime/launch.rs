@@ -1,7 +1,26 @@
 //! Booting a sandbox: its cgroups, disk, network namespace and jailed agent, the template's
 //! start and ready commands, and its egress rules.
 
-use super::*;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{Handle, parse_handle};
+use super::holdings::SlotHold;
+use super::host::LinuxHost;
+use super::layers::LayerKeeper;
+use super::snapshot::is_snapshot_key;
+use super::state::NodeState;
+use super::warm_boot::WarmKeeper;
+use super::{SANDBOX_IDS, agent_client, reset_oom_score_adj, sandbox_err, sequence};
 
 /// Launches sandboxes: fresh, on kept files, from a snapshot or a checkpoint carried
 /// here, and the agent and start commands of each.

@@ -1,6 +1,15 @@
 //! Template layers as the runtime keeps them: what live sandboxes run on and the collector.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use sandbar_core::{RuntimeError, RuntimeHandle};
+
+use super::handle::parse_handle;
+use super::in_flight::InFlightGuard;
+use super::snapshot::FRESH_SNAPSHOT;
+use super::state::NodeState;
+use super::{SANDBOX_IDS, sandbox_err};
 
 /// Keeps the node's layers: its store, the cluster's where one is configured, the layers
 /// builds commit and the collection of those nothing keeps.

@@ -2,11 +2,21 @@
 //! against the host's memory and tasks, and the sandboxes' out-of-memory kills. Disk admission
 //! is the pool's (`crate::storage::disks`), asked from here so every start passes one place.
 
+use std::sync::Mutex;
+
+use sandbar_core::RuntimeError;
+
+use crate::storage::disks::DiskError;
+
+use super::handle::{Handle, Phase};
+use super::holdings::{NodeSandbox, SlotHold};
+use super::sandbox_err;
+use super::state::NodeState;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::*;
 use crate::resources::memory::{HostMemory, MemoryRule};
 use crate::resources::tasks::HostTasks;
 use crate::storage::disks::DiskPromise;

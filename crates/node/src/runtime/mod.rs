@@ -5,26 +5,19 @@
 //! the host. The sandbox is not a child of the server, so it outlives a server restart; its
 //! [`Handle`] in the store is how a restarted server finds it again.
 
-use std::collections::BTreeSet;
-use std::net::{IpAddr, Ipv4Addr};
-use std::os::fd::AsRawFd;
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{
     AdoptedCheckpoint, AgentLogChunk, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError,
     RuntimeHandle, SnapshotParts,
 };
-use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
-use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use crate::net::netns::{NetnsPool, PreparedNetns, SlotSet};
-use crate::net::network::{Network, NetworkError};
-use crate::resources::cgroups::{CgroupDriver, CgroupError, Limits};
-use crate::storage::disks::{DiskError, DiskPool, PoolConfig};
+use crate::net::network::NetworkError;
+use crate::resources::cgroups::CgroupError;
+use crate::storage::disks::DiskError;
 
 mod adopt;
 pub(crate) mod agent_client;
@@ -50,19 +43,15 @@ mod stats;
 pub mod warm;
 mod warm_boot;
 
-pub(crate) use in_flight::{InFlight, InFlightGuard};
+pub(crate) use in_flight::InFlightGuard;
+pub use layers::LayerKeeper;
 
 use adopt::Adopter;
-use agent_copies::*;
-use carried::*;
-use handle::*;
-use holdings::{Holdings, NodeSandbox, SlotHold};
-use host::LinuxHost;
-use launch::*;
-pub use layers::LayerKeeper;
-use pausing::*;
-use restore::*;
-use snapshot::*;
+use handle::{is_alive, parse_handle};
+use launch::Launcher;
+use pausing::Pauser;
+use restore::Restorer;
+use snapshot::Snapshotter;
 use state::NodeState;
 use stats::NodeReports;
 use warm_boot::WarmKeeper;
@@ -473,6 +462,11 @@ fn is_nsfs(path: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsRawFd;
+
+    use super::agent_copies::collect_agent_copies;
+    use super::handle::{Handle, is_alive, start_ticks};
+
     #[test]
     #[allow(clippy::unwrap_used)]
     fn agent_copies_are_kept_while_something_uses_them() {
@@ -519,8 +513,6 @@ mod tests {
         // SAFETY: the mapping made above, unmapped once.
         unsafe { libc::munmap(at, 5) };
     }
-
-    use super::*;
 
     #[test]
     fn own_start_time_is_readable_and_stable() {

@@ -1,7 +1,19 @@
 //! Pausing to disk and back: CRIU dumps of frozen sandboxes, their kept namespaces and the
 //! restores.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{RuntimeError, RuntimeHandle};
+use sandbar_jail::LISTENER_FD;
+use serde::{Deserialize, Serialize};
+
+use super::handle::{Handle, Phase, is_alive, parse_handle};
+use super::host::LinuxHost;
+use super::state::NodeState;
+use super::{ns_inode, sandbox_err, sequence};
 
 /// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
 /// processes keeping their files.

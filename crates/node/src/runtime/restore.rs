@@ -1,7 +1,21 @@
 //! Restoring a checkpointed sandbox with CRIU: the host-side mounts its root, sysfs, boot id
 //! and volumes need, the descriptors handed to CRIU, and the restore itself.
 
-use super::*;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::IdMap;
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{Handle, Phase, parse_handle, start_ticks};
+use super::pausing::{TCP_CLOSE, check_criu_version, run_criu};
+use super::state::NodeState;
+use super::{agent_client, sandbox_err};
 
 /// Restores sandboxes paused to disk from their checkpoint.
 #[derive(Debug, Clone)]

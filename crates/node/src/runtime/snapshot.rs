@@ -1,7 +1,24 @@
 //! Snapshots: a running sandbox copied (memory and files) into a template image, and
 //! sandboxes restored from one.
 
-use super::*;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle, SnapshotParts};
+
+use crate::net::netns::PreparedNetns;
+
+use super::carried::stage_checkpoint;
+use super::handle::{Handle, is_alive, parse_handle};
+use super::host::LinuxHost;
+use super::launch::{Launcher, default_workdir};
+use super::pausing::{
+    HOST_SOCKETS_PATIENCE, Pauser, SNAPSHOT_ORIGIN, SnapshotOrigin, check_criu_version,
+};
+use super::restore::SlotRestore;
+use super::state::NodeState;
+use super::{SANDBOX_IDS, agent_client, host, ns_inode, sandbox_err, sequence};
 
 /// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
 #[derive(Debug, Clone)]

@@ -1,7 +1,29 @@
 //! What every part of the node shares: its configuration, host resources and records of the
 //! sandboxes it holds.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::IdMap;
+
+use crate::net::netns::{NetnsPool, SlotSet};
+use crate::net::network::Network;
+use crate::resources::cgroups::{CgroupDriver, Limits};
+use crate::storage::disks::{DiskPool, PoolConfig};
+
+use super::agent_copies::{
+    AgentLibrary, agent_libraries, collect_agent_copies, keep_agent, kept_agent_copies,
+};
+use super::handle::{Handle, parse_handle};
+use super::holdings::Holdings;
+use super::host::LinuxHost;
+use super::in_flight::InFlight;
+use super::pausing::{ORPHANED_CRIU_WAIT, remove_spent_checkpoints};
+use super::{NodeConfig, NodeError, SANDBOX_IDS, ledger, ns_inode, places, sandbox_err, sequence};
 
 #[derive(Debug)]
 pub(super) struct NodeState {

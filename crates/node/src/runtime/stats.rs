@@ -1,7 +1,11 @@
 //! What the node reports of its sandboxes and itself: usage, memory, disks, the warm pool and
 //! agent logs.
 
-use super::*;
+use std::sync::Arc;
+
+use sandbar_core::AgentLogChunk;
+
+use super::state::NodeState;
 
 /// Reports what the node's sandboxes use and what the node has left.
 #[derive(Debug, Clone)]

@@ -1,6 +1,18 @@
 //! Sandboxes booted ahead of demand (see [`crate::runtime::warm`]) and how a create takes one.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_jail::AgentConfig;
+
+use crate::resources::cgroups::Limits;
+
+use super::handle::{Handle, is_alive, start_ticks};
+use super::holdings::SlotHold;
+use super::launch::{BootSpec, Launcher, default_workdir};
+use super::state::NodeState;
+use super::{agent_client, holdings, sandbox_err};
 
 /// Boots sandboxes ahead of demand into the warm pool and hands them to creates.
 #[derive(Debug, Clone)]
