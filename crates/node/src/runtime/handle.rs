@@ -199,7 +199,9 @@ pub(super) fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, R
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use sandbar_core::RuntimeHandle;
+
+    use super::{HANDLE_VERSION, Handle, Phase, parse_handle};
 
     #[test]
     fn handles_written_with_flags_read_as_their_phase() {

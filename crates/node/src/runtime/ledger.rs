@@ -2,24 +2,20 @@
 //! against the host's memory and tasks, and the sandboxes' out-of-memory kills. Disk admission
 //! is the pool's (`crate::storage::disks`), asked from here so every start passes one place.
 
-use std::sync::Mutex;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use sandbar_core::RuntimeError;
 
-use crate::storage::disks::DiskError;
+use crate::resources::memory::{HostMemory, MemoryRule};
+use crate::resources::tasks::HostTasks;
+use crate::storage::disks::{DiskError, DiskPromise};
 
 use super::handle::{Handle, Phase};
 use super::holdings::{NodeSandbox, SlotHold};
 use super::sandbox_err;
 use super::state::NodeState;
-
-use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use crate::resources::memory::{HostMemory, MemoryRule};
-use crate::resources::tasks::HostTasks;
-use crate::storage::disks::DiskPromise;
 
 /// Why the node cannot start another sandbox now.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -331,7 +327,12 @@ impl NodeState {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+
+    use crate::resources::memory::{HostMemory, MemoryRule};
+    use crate::resources::tasks::HostTasks;
+
+    use super::{MemoryGrant, Refusal, ResourceLedger};
 
     fn rule() -> MemoryRule {
         MemoryRule {

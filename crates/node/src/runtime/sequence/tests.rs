@@ -4,12 +4,23 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage};
+use sandbar_core::{
+    BuildStatus, EgressRules, Endpoint, LaunchSpec, RuntimeError, Template, TemplateImage,
+};
+use sandbar_jail::IdMap;
 
-use super::*;
-use crate::resources::cgroups::CpuPriority;
+use super::{
+    BootFailure, boot, dump_frozen, restore_in_slot, settle_and_freeze, stop, teardown,
+    undo_failed_boot,
+};
+use crate::net::netns::SlotSet;
+use crate::resources::cgroups::{CpuPriority, Limits};
 use crate::resources::memory::MemoryRule;
+use crate::runtime::handle::{Handle, Phase};
+use crate::runtime::holdings::{Holdings, Opening, SlotHold};
+use crate::runtime::host::{DiskSource, HostOps};
 use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
 use crate::runtime::ledger::ResourceLedger;
 use crate::runtime::restore::SlotRestore;
