@@ -25,16 +25,18 @@ use super::in_flight::InFlight;
 use super::pausing::{ORPHANED_CRIU_WAIT, remove_spent_checkpoints};
 use super::{NodeConfig, NodeError, SANDBOX_IDS, ledger, ns_inode, places, sandbox_err, sequence};
 
+/// The node's configuration, host resources and records, shared by every part of
+/// [`super::LinuxRuntime`] through an [`Arc`].
 #[derive(Debug)]
 pub(super) struct NodeState {
     pub(super) config: NodeConfig,
     pub(super) cgroups: CgroupDriver,
-    pub(super) network: std::sync::Arc<Network>,
-    pub(super) netns_pool: std::sync::Arc<NetnsPool>,
-    pub(super) egress: std::sync::Arc<crate::net::egress::Egress>,
+    pub(super) network: Arc<Network>,
+    pub(super) netns_pool: Arc<NetnsPool>,
+    pub(super) egress: Arc<crate::net::egress::Egress>,
     pub(super) disks: DiskPool,
     /// Memory granted to sandboxes and the rule for granting more.
-    pub(super) ledger: std::sync::Arc<ledger::ResourceLedger>,
+    pub(super) ledger: Arc<ledger::ResourceLedger>,
     /// What each sandbox on this node holds: its slot, memory grant, disk promise and layers.
     pub(super) holdings: Holdings,
     pub(super) slots: SlotSet,
@@ -70,11 +72,10 @@ pub(super) struct NodeState {
     pub(super) verified_images: Mutex<BTreeSet<PathBuf>>,
     /// The cluster's layer store, where one is configured: layers this node lacks are
     /// fetched from it before a sandbox boots on them.
-    pub(super) shared_layers:
-        std::sync::OnceLock<std::sync::Arc<crate::cluster::shared_layers::SharedLayers>>,
+    pub(super) shared_layers: std::sync::OnceLock<Arc<crate::cluster::shared_layers::SharedLayers>>,
     /// Build sandboxes being launched or removed in tasks of their own (a build dropped
     /// where it stands leaves them to finish): the server's stop waits for them.
-    pub(super) build_sandboxes_settling: std::sync::Arc<InFlight>,
+    pub(super) build_sandboxes_settling: Arc<InFlight>,
 }
 
 impl NodeState {
@@ -487,7 +488,7 @@ impl NodeState {
     /// Waits for the dumps and restores a server that died left running, so that what they
     /// leave (a sealed or abandoned checkpoint, a restored or killed sandbox) can be judged
     /// once they are done. One still running after a long wait is killed.
-    pub(super) async fn wait_for_orphaned_criu(criu: &Path, data_dir: &Path) {
+    async fn wait_for_orphaned_criu(criu: &Path, data_dir: &Path) {
         let mut waited = Duration::ZERO;
         loop {
             let pids = crate::checkpoint::criu_in_flight(criu, data_dir);
