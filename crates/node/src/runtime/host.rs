@@ -15,6 +15,7 @@ use sandbar_jail::IdMap;
 use super::handle::{Handle, is_alive};
 use super::launch::BootSpec;
 use super::launch::Launcher;
+use super::pausing::Pauser;
 use super::restore::Restorer;
 use super::restore::SlotRestore;
 use super::state::NodeState;
@@ -30,6 +31,18 @@ pub(super) enum DiskSource {
     Fresh { size_mb: u32 },
     /// The files it kept, owned by the ids starting at `id_base` until now.
     Kept { id_base: u32 },
+}
+
+/// One CRIU dump of a frozen sandbox: its init, the CRIU that runs it, the sandbox's freezer,
+/// where its images go and what its plan told CRIU about the host.
+pub(super) struct CriuDump<'a> {
+    pub(super) init: &'a Handle,
+    pub(super) criu: &'a crate::checkpoint::Criu,
+    pub(super) freezer: &'a Path,
+    pub(super) images: &'a Path,
+    pub(super) plan: &'a crate::checkpoint::DumpPlan,
+    /// A snapshot's dump leaves the processes running; a checkpoint's ends them.
+    pub(super) leave_running: bool,
 }
 
 /// What the node's sequences ask of the host for one sandbox. Each call that makes
@@ -99,6 +112,20 @@ pub(super) trait HostOps: Sync {
         sandbox_id: &str,
         init: Option<&Handle>,
     ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// Runs CRIU's dump of the frozen sandbox; when it fails, the processes stay frozen as
+    /// they were.
+    fn dump(
+        &self,
+        sandbox_id: &str,
+        dump: &CriuDump<'_>,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// Kills what a dump that ended the processes left in the sandbox's cgroup.
+    fn kill_leftovers(
+        &self,
+        sandbox_id: &str,
+    ) -> impl Future<Output = Result<(), CgroupError>> + Send;
+    /// Drops the page cache the sandbox's cgroup still holds once its processes are gone.
+    fn empty_memory(&self, sandbox_id: &str);
     fn remove_egress(&self, slot: u32) -> impl Future<Output = ()> + Send;
     /// Takes the slot's network down so the slot can be prepared for another sandbox.
     fn release_slot(&self, slot: u32) -> impl Future<Output = ()> + Send;
@@ -250,6 +277,18 @@ impl HostOps for LinuxHost<'_> {
             }
         }
         Ok(())
+    }
+
+    async fn dump(&self, sandbox_id: &str, dump: &CriuDump<'_>) -> Result<(), RuntimeError> {
+        Pauser::of(self.0).run_dump(sandbox_id, dump).await
+    }
+
+    async fn kill_leftovers(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        self.0.cgroups.kill_all(sandbox_id).await
+    }
+
+    fn empty_memory(&self, sandbox_id: &str) {
+        self.0.cgroups.empty_memory(sandbox_id);
     }
 
     async fn remove_egress(&self, slot: u32) {

@@ -271,12 +271,6 @@ impl NodeState {
         self.ledger.regrant(id, memory_mb, oom_now)
     }
 
-    /// Gives back sandbox `id`'s memory, counting its out-of-memory kills since the grant
-    /// while its cgroup is still there to read.
-    pub(super) fn give_back_memory(&self, id: &str, memory: MemoryGrant) {
-        memory.give_back(self.cgroups.oom_kills(id));
-    }
-
     /// Gives sandbox `id` what an earlier server left it in `phase`, with no admission: its
     /// disk and the layers `h` names always, its slot unless released, its memory while its
     /// processes run.

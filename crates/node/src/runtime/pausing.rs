@@ -11,7 +11,7 @@ use sandbar_jail::LISTENER_FD;
 use serde::{Deserialize, Serialize};
 
 use super::handle::{Handle, Phase, is_alive, parse_handle};
-use super::host::LinuxHost;
+use super::host::{CriuDump, HostOps, LinuxHost};
 use super::state::NodeState;
 use super::{ns_inode, sandbox_err, sequence};
 
@@ -188,24 +188,33 @@ impl Pauser {
         let plan = self.plan_dump(id, h, netns_inode).await?;
         crate::checkpoint::write_plan(images, &plan)
             .map_err(|e| sandbox_err(id, format!("cannot write {}: {e}", images.display())))?;
-        self.run_dump(id, h, criu, freezer, images, &plan, leave_running)
+        LinuxHost(&self.node)
+            .dump(
+                id,
+                &CriuDump {
+                    init: h,
+                    criu,
+                    freezer,
+                    images,
+                    plan: &plan,
+                    leave_running,
+                },
+            )
             .await?;
         Ok(plan)
     }
 
-    /// Runs `criu dump` of sandbox `id` by `plan`, bounded by the time its memory takes to
-    /// write; a failure names what the sandbox still held from the host.
-    #[allow(clippy::too_many_arguments)]
-    async fn run_dump(
-        &self,
-        id: &str,
-        h: &Handle,
-        criu: &crate::checkpoint::Criu,
-        freezer: &Path,
-        images: &Path,
-        plan: &crate::checkpoint::DumpPlan,
-        leave_running: bool,
-    ) -> Result<(), RuntimeError> {
+    /// Runs `criu dump` of sandbox `id` by `dump.plan`, bounded by the time its memory takes
+    /// to write; a failure names what the sandbox still held from the host.
+    pub(super) async fn run_dump(&self, id: &str, dump: &CriuDump<'_>) -> Result<(), RuntimeError> {
+        let CriuDump {
+            init: h,
+            criu,
+            freezer,
+            images,
+            plan,
+            leave_running,
+        } = *dump;
         let mut command = criu.command();
         command
             .arg("dump")
@@ -283,14 +292,7 @@ impl Pauser {
     /// What is left of sandbox `id` once a dump ended its processes: anything that escaped
     /// the dump, the memory its cgroup still holds, its memory grant and its agent socket.
     pub(super) async fn end_dumped(&self, id: &str) {
-        if let Err(err) = self.node.cgroups.kill_all(id).await {
-            tracing::warn!(sandbox_id = %id, error = %err, "processes left after the checkpoint");
-        }
-        self.node.cgroups.empty_memory(id);
-        if let Some(memory) = self.node.holdings.take_memory(id) {
-            self.node.give_back_memory(id, memory);
-        }
-        let _ = std::fs::remove_file(self.node.places.socket_path(id));
+        sequence::end_dumped(&LinuxHost(&self.node), &self.node.holdings, id).await;
     }
 }
 
