@@ -700,12 +700,12 @@ fn share_layers(
     let shared = Arc::new(sandbar_node::cluster::shared_layers::SharedLayers::new(
         blobs,
         store.clone(),
-        runtime.layer_store().clone(),
+        runtime.layers().layer_store().clone(),
         node_id.unwrap_or("local").to_owned(),
     ));
     shared.sweep_staging();
     tracing::info!(layer_store = %shared.location(), "template layers are shared through the layer store");
-    runtime.use_shared_layers(shared.clone());
+    runtime.layers().use_shared_layers(shared.clone());
     if args.cluster.layer_store_collect_secs > 0 {
         let every = std::time::Duration::from_secs(args.cluster.layer_store_collect_secs);
         let collector = sandbar_node::cluster::shared_collector::SharedCollector::new(
@@ -957,7 +957,7 @@ fn start_background_work(
     node_lease: Option<&sandbar_core::cluster::NodeLease>,
 ) {
     tokio::spawn(sandboxes.clone().run_reaper());
-    if node_lease.is_some() && runtime.shared_layers().is_some() {
+    if node_lease.is_some() && runtime.layers().shared_layers().is_some() {
         // So that a paused sandbox can be resumed on another node if this one is lost.
         tokio::spawn(sandboxes.clone().run_file_sharing());
     }
@@ -1048,7 +1048,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         templates: &templates,
         builds: &builds,
         store: store.as_ref(),
-        layers: runtime.layer_store(),
+        layers: runtime.layers().layer_store(),
         disk_size_mb: args.base_disk_mb,
         in_cluster: node_lease.is_some(),
     };

@@ -78,7 +78,7 @@ impl NodeBuilder {
         image_cache_bytes: u64,
     ) -> Self {
         let images_root = data_dir.join("images");
-        let layers_dir = runtime.layer_store().images_dir().to_owned();
+        let layers_dir = runtime.layers().layer_store().images_dir().to_owned();
         Self {
             templates_dir: data_dir.join("templates"),
             mirror,
@@ -113,7 +113,7 @@ impl NodeBuilder {
     }
 
     fn store(&self) -> &LayerStore {
-        self.runtime.layer_store()
+        self.runtime.layers().layer_store()
     }
 
     fn pin(&self, build_id: &str, layer: &str) {
@@ -141,7 +141,7 @@ impl NodeBuilder {
                 .flatten()
                 .cloned(),
         );
-        self.runtime.layers_to_keep(&keep)
+        self.runtime.layers().layers_to_keep(&keep)
     }
 
     async fn start_from_source(
@@ -190,7 +190,7 @@ impl NodeBuilder {
                     BuildFailure::at(BASE_STEP, format!("template '{reference}' has no image"))
                 })?;
                 log.info(Some(BASE_STEP), format!("FROM template {reference}"));
-                if let Some(shared) = self.runtime.shared_layers() {
+                if let Some(shared) = self.runtime.layers().shared_layers() {
                     shared
                         .ensure(&base.layers)
                         .await
@@ -976,7 +976,7 @@ impl Drop for BuildSandbox {
         let runtime = self.runtime.clone();
         let id = std::mem::take(&mut self.id);
         // Taken before this one's drops, so the count never passes through zero meanwhile.
-        let in_flight = runtime.build_sandbox_in_flight();
+        let in_flight = runtime.layers().build_sandbox_in_flight();
         tokio.spawn(async move {
             destroy_build_sandbox(&runtime, &id, &handle).await;
             drop(in_flight);
@@ -993,7 +993,7 @@ async fn launch_build_sandbox(
 ) -> Result<(BuildSandbox, sandbar_core::Endpoint), LaunchBuildSandboxError> {
     let id = spec.sandbox_id.clone();
     let sandbox_id = id.clone();
-    let alive = runtime.build_sandbox_in_flight();
+    let alive = runtime.layers().build_sandbox_in_flight();
     tokio::spawn(async move {
         let (handle, endpoint) = runtime
             .launch(spec)
@@ -1078,6 +1078,7 @@ impl crate::build::build_step::StepHost for RunStepHost<'_> {
         };
         self.builder
             .runtime
+            .layers()
             .commit_layer(&sandbox.sandbox.id, &handle, self.key)
             .await
             .map_err(StepCommitError::Commit)?;
@@ -1099,7 +1100,7 @@ impl Builder for NodeBuilder {
             build_id: &job.build_id,
         };
         let mut result = self.build_inner(&job, &log).await;
-        if let (Ok(image), Some(shared)) = (&result, self.runtime.shared_layers()) {
+        if let (Ok(image), Some(shared)) = (&result, self.runtime.layers().shared_layers()) {
             // Published before the template is ready, so every node can start it as soon as
             // any API host sees it ready.
             log.info(
@@ -1162,7 +1163,7 @@ impl Builder for NodeBuilder {
         let runtime = self.runtime.clone();
         let image_layers = self.image_layers.clone();
         let _ = tokio::task::spawn_blocking(move || {
-            runtime.collect_layers(&keep);
+            runtime.layers().collect_layers(&keep);
             image_layers.collect(&keep);
         })
         .await;

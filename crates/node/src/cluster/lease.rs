@@ -39,7 +39,7 @@ async fn measure(
     let held: usize = sandboxes.count_by_status().iter().map(|(_, n)| n).sum();
     let templates = match store.templates().await {
         Ok(templates) => {
-            let layers = runtime.layer_store();
+            let layers = runtime.layers().layer_store();
             templates
                 .into_iter()
                 .filter(|t| {

@@ -119,7 +119,7 @@ async fn pass(
         .filter(|s| s.state() == SandboxState::Running)
         .map(|s| (s.template_id.as_str(), s.node_id.as_str()));
     let templates = store.templates().await?;
-    let layers = runtime.layer_store();
+    let layers = runtime.layers().layer_store();
     let wanted = templates_to_fetch(
         running,
         &templates,

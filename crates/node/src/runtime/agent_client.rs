@@ -442,7 +442,10 @@ async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), Age
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::*;
+    use super::{
+        AgentCallError, Init, MAX_ENVELOPE, init_answered, init_bytes, oversized, send_init,
+        take_envelope,
+    };
 
     /// What an agent reads of a `send_init` on `theirs`, after answering with `answer`
     /// (nothing when `None`, closing at once).

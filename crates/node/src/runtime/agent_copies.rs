@@ -1,6 +1,10 @@
 //! The content-addressed copies of the agent binary that sandboxes run.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use super::NodeError;
 
 /// Copies the agent binary to `<data>/agents/<sha256>` (once) and returns that path and the
 /// digest: sandboxes run the copy, so a checkpoint's processes map a file that stays as it was

@@ -151,7 +151,10 @@ impl AgentLog {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::io::Write;
+    use std::path::Path;
+
+    use super::AgentLog;
 
     fn append(path: &Path, text: &str) {
         let mut file = std::fs::OpenOptions::new()

@@ -2,9 +2,20 @@
 //! elsewhere fetches the checkpoint of its processes, checks that it can restore it here, and
 //! restores it into a slot of its own at the sandbox's next boot.
 
-use super::*;
+use std::path::Path;
 
-impl LinuxRuntime {
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{CarriedCheckpoint, Handle};
+use super::host::LinuxHost;
+use super::launch::Launcher;
+use super::pausing::{SnapshotOrigin, check_criu_version};
+use super::restore::SlotRestore;
+use super::{SANDBOX_IDS, host, sandbox_err, sequence};
+
+impl Launcher {
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
     /// it: its images intact, the CRIU that made it, the agent its processes ran present
     /// here, and no volume (volumes stay with the node that was lost).
@@ -13,11 +24,11 @@ impl LinuxRuntime {
         id: &str,
         blob: &sandbar_core::LayerBlob,
     ) -> Result<CarriedCheckpoint, RuntimeError> {
-        let Some(shared) = self.shared_layers.get() else {
+        let Some(shared) = self.node.shared_layers.get() else {
             return Err(sandbox_err(id, "this node has no layer store"));
         };
-        let criu = self.criu_for_restore(id).await?;
-        let dir = self.places.carried_checkpoint_dir(id);
+        let criu = self.node.criu_for_restore(id).await?;
+        let dir = self.node.places.carried_checkpoint_dir(id);
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
         shared
@@ -26,8 +37,8 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, e))?;
         let checked = {
             let dir = dir.clone();
-            let agents = self.places.agents_dir();
-            let libraries = self.library_sources();
+            let agents = self.node.places.agents_dir();
+            let libraries = self.node.library_sources();
             tokio::task::spawn_blocking(move || -> Result<_, String> {
                 // Everything below is read by path: a checkpoint is regular files only, so
                 // no entry of the archive can lead a read anywhere else.
@@ -76,7 +87,7 @@ impl LinuxRuntime {
         };
         let (header, origin) = checked;
         check_criu_version(id, &criu, &header)?;
-        self.set_verified(&dir, true);
+        self.node.set_verified(&dir, true);
         Ok(CarriedCheckpoint {
             origin_id_base: origin.id_base,
         })
@@ -95,11 +106,11 @@ impl LinuxRuntime {
         let id = &spec.sandbox_id;
         let slot = netns.slot;
         let started = std::time::Instant::now();
-        let id_map = self.id_map(slot);
+        let id_map = self.node.id_map(slot);
         let bare = |e: RuntimeError| (None, e);
-        let source = self.places.carried_checkpoint_dir(id);
-        let work = self.places.checkpoint_dir(id);
-        let verify = !self.is_verified(&source);
+        let source = self.node.places.carried_checkpoint_dir(id);
+        let work = self.node.places.checkpoint_dir(id);
+        let verify = !self.node.is_verified(&source);
         let header = {
             let (source, work) = (source.clone(), work.clone());
             let (from, to) = (carried.origin_id_base, id_map.host_base);
@@ -109,11 +120,11 @@ impl LinuxRuntime {
                 .map_err(|e| bare(sandbox_err(id, e)))?
         };
         let restored = sequence::restore_in_slot(
-            &LinuxHost(self),
+            &LinuxHost(&self.node),
             spec,
             netns,
             id_map,
-            self.limits_of(spec),
+            self.node.limits_of(spec),
             host::DiskSource::Kept {
                 id_base: kept.id_base.unwrap_or(0),
             },
@@ -127,7 +138,7 @@ impl LinuxRuntime {
         )
         .await;
         let _ = crate::storage::disks::remove_tree(&source);
-        self.set_verified(&source, false);
+        self.node.set_verified(&source, false);
         let (handle, endpoint) = restored?;
         tracing::info!(
             sandbox_id = %id,

@@ -1,7 +1,11 @@
 //! What the store keeps of a sandbox for this runtime, and how a live process is told from a
 //! recycled PID.
 
-use super::*;
+use sandbar_core::{LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::IdMap;
+use serde::{Deserialize, Serialize};
+
+use super::sandbox_err;
 
 /// Where a sandbox's processes are, as this node last left them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,7 +199,9 @@ pub(super) fn parse_handle(id: &str, handle: &RuntimeHandle) -> Result<Handle, R
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use sandbar_core::RuntimeHandle;
+
+    use super::{HANDLE_VERSION, Handle, Phase, parse_handle};
 
     #[test]
     fn handles_written_with_flags_read_as_their_phase() {

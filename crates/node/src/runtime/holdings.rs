@@ -319,7 +319,9 @@ impl Drop for Opening<'_> {
 #[cfg(test)]
 mod tests {
     use super::super::ledger::ResourceLedger;
-    use super::*;
+    use crate::net::netns::SlotSet;
+
+    use super::{Holdings, NodeSandbox, SlotHold};
     use crate::resources::memory::MemoryRule;
     use std::sync::Arc;
 

@@ -6,6 +6,7 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
@@ -13,8 +14,12 @@ use sandbar_jail::IdMap;
 
 use super::handle::{Handle, is_alive};
 use super::launch::BootSpec;
+use super::launch::Launcher;
+use super::pausing::Pauser;
+use super::restore::Restorer;
 use super::restore::SlotRestore;
-use super::{LinuxRuntime, kill_err, sandbox_err};
+use super::state::NodeState;
+use super::{kill_err, sandbox_err};
 use crate::checkpoint::HostSocket;
 use crate::net::netns::PreparedNetns;
 use crate::resources::cgroups::{CgroupError, Limits};
@@ -26,6 +31,18 @@ pub(super) enum DiskSource {
     Fresh { size_mb: u32 },
     /// The files it kept, owned by the ids starting at `id_base` until now.
     Kept { id_base: u32 },
+}
+
+/// One CRIU dump of a frozen sandbox: its init, the CRIU that runs it, the sandbox's freezer,
+/// where its images go and what its plan told CRIU about the host.
+pub(super) struct CriuDump<'a> {
+    pub(super) init: &'a Handle,
+    pub(super) criu: &'a crate::checkpoint::Criu,
+    pub(super) freezer: &'a Path,
+    pub(super) images: &'a Path,
+    pub(super) plan: &'a crate::checkpoint::DumpPlan,
+    /// A snapshot's dump leaves the processes running; a checkpoint's ends them.
+    pub(super) leave_running: bool,
 }
 
 /// What the node's sequences ask of the host for one sandbox. Each call that makes
@@ -95,6 +112,20 @@ pub(super) trait HostOps: Sync {
         sandbox_id: &str,
         init: Option<&Handle>,
     ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// Runs CRIU's dump of the frozen sandbox; when it fails, the processes stay frozen as
+    /// they were.
+    fn dump(
+        &self,
+        sandbox_id: &str,
+        dump: &CriuDump<'_>,
+    ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
+    /// Kills what a dump that ended the processes left in the sandbox's cgroup.
+    fn kill_leftovers(
+        &self,
+        sandbox_id: &str,
+    ) -> impl Future<Output = Result<(), CgroupError>> + Send;
+    /// Drops the page cache the sandbox's cgroup still holds once its processes are gone.
+    fn empty_memory(&self, sandbox_id: &str);
     fn remove_egress(&self, slot: u32) -> impl Future<Output = ()> + Send;
     /// Takes the slot's network down so the slot can be prepared for another sandbox.
     fn release_slot(&self, slot: u32) -> impl Future<Output = ()> + Send;
@@ -116,7 +147,7 @@ pub(super) trait HostOps: Sync {
 
 /// [`HostOps`] on this host: its cgroups, disk pool, nftables, network namespaces and
 /// `/proc`.
-pub(super) struct LinuxHost<'a>(pub(super) &'a LinuxRuntime);
+pub(super) struct LinuxHost<'a>(pub(super) &'a Arc<NodeState>);
 
 /// How long a killed sandbox's PID 1 is waited for.
 const INIT_EXIT_PATIENCE: Duration = Duration::from_millis(2500);
@@ -184,7 +215,9 @@ impl HostOps for LinuxHost<'_> {
         netns: &PreparedNetns,
         id_map: IdMap,
     ) -> Result<i32, RuntimeError> {
-        self.0.spawn_jailed(boot, dir, netns, id_map).await
+        Launcher::of(self.0)
+            .spawn_jailed(boot, dir, netns, id_map)
+            .await
     }
 
     async fn restore_processes(
@@ -194,7 +227,9 @@ impl HostOps for LinuxHost<'_> {
         id_map: IdMap,
         restore: SlotRestore,
     ) -> Result<i32, RuntimeError> {
-        self.0.restore_processes(spec, netns, id_map, restore).await
+        Restorer::of(self.0)
+            .restore_processes(spec, netns, id_map, restore)
+            .await
     }
 
     async fn wait_agent(&self, sandbox_id: &str, slot: u32) -> Result<Endpoint, RuntimeError> {
@@ -214,7 +249,9 @@ impl HostOps for LinuxHost<'_> {
         spec: &LaunchSpec,
         endpoint: &Endpoint,
     ) -> Result<(), RuntimeError> {
-        self.0.start_and_wait_ready(spec, endpoint).await
+        Launcher::of(self.0)
+            .start_and_wait_ready(spec, endpoint)
+            .await
     }
 
     async fn kill_processes(
@@ -240,6 +277,18 @@ impl HostOps for LinuxHost<'_> {
             }
         }
         Ok(())
+    }
+
+    async fn dump(&self, sandbox_id: &str, dump: &CriuDump<'_>) -> Result<(), RuntimeError> {
+        Pauser::of(self.0).run_dump(sandbox_id, dump).await
+    }
+
+    async fn kill_leftovers(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        self.0.cgroups.kill_all(sandbox_id).await
+    }
+
+    fn empty_memory(&self, sandbox_id: &str) {
+        self.0.cgroups.empty_memory(sandbox_id);
     }
 
     async fn remove_egress(&self, slot: u32) {

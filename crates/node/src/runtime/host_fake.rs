@@ -13,7 +13,7 @@ use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
 use sandbar_jail::IdMap;
 
 use super::handle::Handle;
-use super::host::{DiskSource, HostOps};
+use super::host::{CriuDump, DiskSource, HostOps};
 use super::launch::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
@@ -259,6 +259,35 @@ impl HostOps for RecordingHost {
             s.frozen.remove(id);
         });
         Ok(())
+    }
+
+    async fn dump(&self, id: &str, dump: &CriuDump<'_>) -> Result<(), RuntimeError> {
+        assert!(
+            self.state.lock().unwrap().frozen.contains(id),
+            "{id} dumped while not frozen"
+        );
+        self.call("dump", id)?;
+        if !dump.leave_running {
+            // CRIU ends the tree it dumped; the cgroup stays frozen, empty.
+            self.change(|s| {
+                s.agents.remove(id);
+            });
+        }
+        Ok(())
+    }
+
+    async fn kill_leftovers(&self, id: &str) -> Result<(), CgroupError> {
+        self.call("kill_leftovers", id)
+            .map_err(|e| CgroupError::Unsupported(e.to_string()))?;
+        self.change(|s| {
+            s.agents.remove(id);
+            s.frozen.remove(id);
+        });
+        Ok(())
+    }
+
+    fn empty_memory(&self, id: &str) {
+        let _ = self.call("empty_memory", id);
     }
 
     async fn remove_egress(&self, slot: u32) {

@@ -47,7 +47,10 @@ impl Drop for InFlightGuard {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::InFlight;
 
     #[tokio::test]
     async fn settles_once_every_guard_is_gone_and_not_before() {

@@ -1,7 +1,41 @@
 //! Booting a sandbox: its cgroups, disk, network namespace and jailed agent, the template's
 //! start and ready commands, and its egress rules.
 
-use super::*;
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{Handle, parse_handle};
+use super::holdings::SlotHold;
+use super::host::LinuxHost;
+use super::layers::LayerKeeper;
+use super::snapshot::is_snapshot_key;
+use super::state::NodeState;
+use super::warm_boot::WarmKeeper;
+use super::{SANDBOX_IDS, agent_client, reset_oom_score_adj, sandbox_err, sequence};
+
+/// Launches sandboxes: fresh, on kept files, from a snapshot or a checkpoint carried
+/// here, and the agent and start commands of each.
+#[derive(Debug, Clone)]
+pub(super) struct Launcher {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl Launcher {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
 
 /// The server's nice value, which sandboxes start with whichever thread forks them: the
 /// main thread's (its id is the process id), which no pool lowers.
@@ -9,7 +43,7 @@ fn server_nice() -> i32 {
     rustix::process::getpriority_process(Some(rustix::process::getpid())).unwrap_or(0)
 }
 
-impl LinuxRuntime {
+impl Launcher {
     /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
     pub(super) async fn spawn_jailed(
         &self,
@@ -20,7 +54,7 @@ impl LinuxRuntime {
     ) -> Result<i32, RuntimeError> {
         let id = boot.id;
         let jail = self.jail_spec(boot, dir, netns.slot, id_map)?;
-        let socket = self.places.socket_path(id);
+        let socket = self.node.places.socket_path(id);
         let _ = std::fs::remove_file(&socket);
         let listener = netns
             .listen_at(&socket)
@@ -28,7 +62,7 @@ impl LinuxRuntime {
         let log = self.open_agent_log(id, boot.kept, id_map)?;
         // Without it the sandbox runs as well; its out-of-memory kills are only not named in
         // the ended process's error.
-        let oom_events = self.cgroups.oom_notifier(id).unwrap_or_else(|e| {
+        let oom_events = self.node.cgroups.oom_notifier(id).unwrap_or_else(|e| {
             tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
             None
         });
@@ -41,7 +75,7 @@ impl LinuxRuntime {
         let child = command.spawn().map_err(|e| {
             sandbox_err(
                 id,
-                format!("start agent {}: {e}", self.agent_exec.display()),
+                format!("start agent {}: {e}", self.node.agent_exec.display()),
             )
         })?;
         // The agent holds its own copy now; ours would keep the socket accepting after the
@@ -62,19 +96,18 @@ impl LinuxRuntime {
         id_map: IdMap,
     ) -> Result<JailSpec, RuntimeError> {
         let id = boot.id;
-        let template_layers =
-            self.layers
-                .stack(boot.layers)
-                .map_err(|message| RuntimeError::TemplateMissing {
-                    template_id: format!("{} ({message})", boot.template_id),
-                })?;
+        let template_layers = self.node.layers.stack(boot.layers).map_err(|message| {
+            RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", boot.template_id),
+            }
+        })?;
         let volumes = boot
             .volumes
             .iter()
             .map(|m| {
                 Ok(sandbar_jail::VolumeBind {
                     source: crate::storage::volumes::volume_dir(
-                        &self.config.data_dir,
+                        &self.node.config.data_dir,
                         &m.team_id,
                         &m.volume_id,
                     )
@@ -87,17 +120,18 @@ impl LinuxRuntime {
             template_layers,
             sandbox_dir: dir.to_owned(),
             hostname: "e2b.local".into(),
-            cgroup_join: self.cgroups.join_files(id),
+            cgroup_join: self.node.cgroups.join_files(id),
             // The gateway: the firewall redirects DNS sent there to the server's resolver.
             nameservers: vec![
-                self.network
+                self.node
+                    .network
                     .addrs(slot)
                     .map_err(|e| sandbox_err(id, e))?
                     .host
                     .to_string(),
             ],
             id_map,
-            pty_max: self.config.pty_max,
+            pty_max: self.node.config.pty_max,
             volumes,
             agent: boot.agent.clone(),
             boot_id: Some(boot.boot_id.to_owned()),
@@ -115,9 +149,9 @@ impl LinuxRuntime {
         kept: bool,
         id_map: IdMap,
     ) -> Result<std::fs::File, RuntimeError> {
-        let log_path = self.places.log_path(id);
+        let log_path = self.node.places.log_path(id);
         if !kept {
-            self.remove_log(id);
+            self.node.remove_log(id);
         }
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -143,7 +177,7 @@ impl LinuxRuntime {
             oom_events: oom_fd,
         } = handed;
         let server_nice = server_nice();
-        let mut command = tokio::process::Command::new(&self.agent_exec);
+        let mut command = tokio::process::Command::new(&self.node.agent_exec);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.
             .arg0("sandbar-agent")
@@ -237,7 +271,7 @@ impl LinuxRuntime {
             .await
             .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
         line.trim().parse().map_err(|_| {
-            let log = std::fs::read_to_string(self.places.log_path(id)).unwrap_or_default();
+            let log = std::fs::read_to_string(self.node.places.log_path(id)).unwrap_or_default();
             sandbox_err(
                 id,
                 format!(
@@ -247,53 +281,29 @@ impl LinuxRuntime {
             )
         })
     }
+}
 
-    /// Ends sandbox `id` on this node: its processes, its files and log, and everything its
-    /// owner holds.
-    pub(super) async fn teardown(
-        &self,
-        id: &str,
-        handle: Option<&Handle>,
-    ) -> Result<(), RuntimeError> {
-        sequence::teardown(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
-    }
-
-    /// Ends the processes of sandbox `id` and gives back what they held (its slot and
-    /// memory); its disk, layers and agent log stay.
-    pub(super) async fn stop(&self, id: &str, handle: Option<&Handle>) -> Result<(), RuntimeError> {
-        sequence::stop(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
-    }
-
-    /// The cgroup limits of sandbox `spec` once it is someone's.
-    pub(super) fn limits_of(&self, spec: &LaunchSpec) -> Limits {
-        Limits {
-            cpu_count: spec.cpu_count,
-            memory_mb: spec.memory_mb,
-            pids_max: self.config.pids_max,
-            cpu_priority: crate::resources::cgroups::CpuPriority::Normal,
-        }
-    }
-
+impl Launcher {
     pub(super) async fn launch_in(
         &self,
         spec: &LaunchSpec,
         netns: PreparedNetns,
         kept: Option<&Handle>,
     ) -> Result<(Handle, Endpoint), sequence::BootFailure> {
-        let id_map = self.id_map(netns.slot);
+        let id_map = self.node.id_map(netns.slot);
         sequence::boot(
-            &LinuxHost(self),
+            &LinuxHost(&self.node),
             spec,
             netns,
             id_map,
-            self.limits_of(spec),
+            self.node.limits_of(spec),
             kept,
         )
         .await
     }
 }
 
-impl LinuxRuntime {
+impl Launcher {
     /// Starts the template's start command in the background, then runs its ready command
     /// until it succeeds.
     pub(super) async fn start_and_wait_ready(
@@ -323,7 +333,7 @@ impl LinuxRuntime {
         let Some(ready) = &spec.image.ready_cmd else {
             return Ok(());
         };
-        let deadline = tokio::time::Instant::now() + self.config.ready_timeout;
+        let deadline = tokio::time::Instant::now() + self.node.config.ready_timeout;
         let mut last;
         loop {
             let mut output = Vec::new();
@@ -357,34 +367,9 @@ impl LinuxRuntime {
             sandbox_id: id.clone(),
             message: format!(
                 "the ready command '{ready}' did not succeed within {} s (last: {last})",
-                self.config.ready_timeout.as_secs()
+                self.node.config.ready_timeout.as_secs()
             ),
         })
-    }
-}
-
-impl LinuxRuntime {
-    /// Installs `rules` for slot `slot`; an isolated sandbox needs none (its interface name
-    /// already cuts it off).
-    pub(super) async fn apply_egress(
-        &self,
-        id: &str,
-        slot: u32,
-        egress: bool,
-        rules: &EgressRules,
-    ) -> Result<(), RuntimeError> {
-        let addrs = self.network.addrs(slot).map_err(|e| sandbox_err(id, e))?;
-        let none = EgressRules::default();
-        let wanted = if egress { rules } else { &none };
-        self.egress
-            .apply(
-                slot,
-                addrs.sandbox,
-                &crate::net::network::iface_name(slot, egress),
-                wanted,
-            )
-            .await
-            .map_err(|e| sandbox_err(id, e))
     }
 }
 
@@ -437,16 +422,17 @@ pub(super) fn default_workdir<'a>(user: &str, workdir: &'a str) -> Option<&'a st
     Some(workdir).filter(|w| *w != format!("/home/{user}"))
 }
 
-impl LinuxRuntime {
+impl Launcher {
     /// Whether a template's capture can be restored here: without CRIU or with its
     /// checkpoint gone, the sandbox boots on the same layers and runs the start command.
     fn can_restore_capture(&self, checkpoint: &str) -> bool {
-        let usable = self.criu.get().is_some()
+        let usable = self.node.criu.get().is_some()
             && checkpoint
                 .strip_prefix("checkpoint/")
                 .filter(|key| is_snapshot_key(key))
-                .is_some_and(|key| self.places.snapshots_dir().join(key).is_dir())
+                .is_some_and(|key| self.node.places.snapshots_dir().join(key).is_dir())
             && !self
+                .node
                 .unrestorable_captures
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
@@ -479,19 +465,23 @@ impl LinuxRuntime {
             .as_ref()
             .map(|k| parse_handle(&id, k))
             .transpose()?;
-        self.fetch_missing_layers(&spec.template.id, &spec.image.parts())
+        LayerKeeper::of(&self.node)
+            .fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
-        let _creating = self.warm.creating();
-        let mut opening = self.holdings.opening(&id);
-        opening.hold_memory(self.grant_memory(&id, spec.memory_mb)?);
+        let _creating = self.node.warm.creating();
+        let mut opening = self.node.holdings.opening(&id);
+        opening.hold_memory(self.node.grant_memory(&id, spec.memory_mb)?);
         if kept.is_none() {
-            opening.hold_disk(self.admit_disk(&id, spec.disk_size_mb).await?);
+            opening.hold_disk(self.node.admit_disk(&id, spec.disk_size_mb).await?);
         }
         let warm = crate::runtime::warm::WarmKey::of(&spec)
             .filter(|_| may_take_warm)
-            .and_then(|key| self.warm.take(&key));
+            .and_then(|key| self.node.warm.take(&key));
         if let Some(warm) = warm {
-            match self.take_warm(&spec, &warm, &mut opening).await {
+            match WarmKeeper::of(&self.node)
+                .take_warm(&spec, &warm, &mut opening)
+                .await
+            {
                 Ok((handle, endpoint)) => {
                     opening.commit();
                     return Ok((handle.to_runtime(&id)?, endpoint));
@@ -512,7 +502,7 @@ impl LinuxRuntime {
                 }
             }
         }
-        let netns = match self.netns_pool.claim(spec.allow_internet_access).await {
+        let netns = match self.node.netns_pool.claim(spec.allow_internet_access).await {
             Some(Ok(netns)) => netns,
             Some(Err(err)) => return Err(sandbox_err(&id, err)),
             None => {
@@ -523,7 +513,7 @@ impl LinuxRuntime {
             }
         };
         let slot = netns.slot;
-        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.hold_slot(SlotHold::taken(&self.node.slots, slot));
         opening.use_layers(spec.image.layers.clone());
         let checkpoint = spec
             .image
@@ -533,7 +523,8 @@ impl LinuxRuntime {
             .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint));
         // A checkpoint carried from a lost node, while it is still here to restore.
         let carried = kept.as_ref().and_then(|k| k.carried.clone()).filter(|_| {
-            self.places
+            self.node
+                .places
                 .carried_checkpoint_dir(&id)
                 .join(crate::checkpoint::HEADER_FILE)
                 .is_file()
@@ -555,9 +546,9 @@ impl LinuxRuntime {
         // A sandbox booted on kept files keeps them (and the layers under them, which the
         // opening gives back) for another try.
         let err = sequence::undo_failed_boot(
-            &LinuxHost(self),
-            &self.holdings,
-            &self.slots,
+            &LinuxHost(&self.node),
+            &self.node.holdings,
+            &self.node.slots,
             opening,
             slot,
             failure,
@@ -570,7 +561,8 @@ impl LinuxRuntime {
             // A capture only saves the start command's time: the sandbox boots and
             // runs it instead, now and from now on.
             tracing::warn!(sandbox_id = %id, checkpoint, error = %err, "cannot restore the template's capture; booting and running its start command");
-            self.unrestorable_captures
+            self.node
+                .unrestorable_captures
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(checkpoint.to_owned());
@@ -579,7 +571,7 @@ impl LinuxRuntime {
         if let (Some(kept), Some(_)) = (&kept, &carried) {
             // The files outlived the restore; its processes start afresh on them.
             tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");
-            self.forget_checkpoint(&id);
+            self.node.forget_checkpoint(&id);
             self.give_kept_files_back(&id, slot, kept).await?;
             return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
         }
@@ -594,8 +586,8 @@ impl LinuxRuntime {
         slot: u32,
         kept: &Handle,
     ) -> Result<(), RuntimeError> {
-        let upper = self.disks.path(id).join(sandbar_jail::layout::UPPER);
-        let (from, to) = (self.id_map(slot).host_base, kept.id_base.unwrap_or(0));
+        let upper = self.node.disks.path(id).join(sandbar_jail::layout::UPPER);
+        let (from, to) = (self.node.id_map(slot).host_base, kept.id_base.unwrap_or(0));
         tokio::task::spawn_blocking(move || {
             crate::storage::layers::move_owners(&upper, from, to, SANDBOX_IDS)
         })

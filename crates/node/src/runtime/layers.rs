@@ -1,10 +1,34 @@
 //! Template layers as the runtime keeps them: what live sandboxes run on and the collector.
 
-use super::*;
+use std::collections::BTreeSet;
+use std::sync::Arc;
 
-impl LinuxRuntime {
+use sandbar_core::{RuntimeError, RuntimeHandle};
+
+use super::handle::parse_handle;
+use super::in_flight::InFlightGuard;
+use super::snapshot::FRESH_SNAPSHOT;
+use super::state::NodeState;
+use super::{SANDBOX_IDS, sandbox_err};
+
+/// Keeps the node's layers: its store, the cluster's where one is configured, the layers
+/// builds commit and the collection of those nothing keeps.
+#[derive(Debug, Clone)]
+pub struct LayerKeeper {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl LayerKeeper {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
+
+impl LayerKeeper {
     pub fn layer_store(&self) -> &crate::storage::layers::LayerStore {
-        &self.layers
+        &self.node.layers
     }
 
     /// Shares this node's layers through the cluster's layer store from now on.
@@ -12,7 +36,7 @@ impl LinuxRuntime {
         &self,
         shared: std::sync::Arc<crate::cluster::shared_layers::SharedLayers>,
     ) {
-        if self.shared_layers.set(shared).is_err() {
+        if self.node.shared_layers.set(shared).is_err() {
             tracing::warn!("the layer store was already set; the second one is ignored");
         }
     }
@@ -20,7 +44,7 @@ impl LinuxRuntime {
     pub fn shared_layers(
         &self,
     ) -> Option<&std::sync::Arc<crate::cluster::shared_layers::SharedLayers>> {
-        self.shared_layers.get()
+        self.node.shared_layers.get()
     }
 
     /// Fetches from the layer store the layers of `layers` this node lacks, if there is a
@@ -30,7 +54,7 @@ impl LinuxRuntime {
         template_id: &str,
         layers: &[String],
     ) -> Result<(), RuntimeError> {
-        let Some(shared) = self.shared_layers.get() else {
+        let Some(shared) = self.node.shared_layers.get() else {
             return Ok(());
         };
         shared
@@ -41,13 +65,18 @@ impl LinuxRuntime {
             })
     }
 
+    /// Counts a build sandbox's launch or removal running in a task of its own.
+    pub(crate) fn build_sandbox_in_flight(&self) -> InFlightGuard {
+        self.node.build_sandboxes_settling.enter()
+    }
+
     /// Layers live sandboxes run on.
     pub fn layers_of_live_sandboxes(&self) -> Vec<String> {
-        self.holdings.layers_in_use()
+        self.node.holdings.layers_in_use()
     }
 }
 
-impl LinuxRuntime {
+impl LayerKeeper {
     /// Stops a build sandbox and makes its writable layer the step layer `key`: owners
     /// shifted into the sandbox id range every sandbox maps, read-only from now on.
     pub async fn commit_layer(
@@ -57,14 +86,14 @@ impl LinuxRuntime {
         key: &str,
     ) -> Result<(), RuntimeError> {
         let h = parse_handle(id, handle)?;
-        self.stop(id, Some(&h)).await?;
-        self.remove_log(id);
+        self.node.stop(id, Some(&h)).await?;
+        self.node.remove_log(id);
         // The disk becomes a layer, which the template now holds.
-        drop(self.holdings.remove(id));
+        drop(self.node.holdings.remove(id));
         let base = h.id_base.unwrap_or(0);
-        let dir = self.disks.path(id);
-        let target = self.layers.steps_dir().join(key);
-        let disks = self.disks.clone();
+        let dir = self.node.disks.path(id);
+        let target = self.node.layers.steps_dir().join(key);
+        let disks = self.node.disks.clone();
         let owned_id = id.to_owned();
         tokio::task::spawn_blocking(move || -> std::io::Result<()> {
             crate::storage::layers::seal_layer(&dir, base, SANDBOX_IDS)?;
@@ -85,6 +114,7 @@ impl LinuxRuntime {
         let mut keep: BTreeSet<String> = keep.iter().cloned().collect();
         keep.extend(self.layers_of_live_sandboxes());
         let mut fresh = self
+            .node
             .fresh_snapshots
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -96,8 +126,8 @@ impl LinuxRuntime {
     /// Removes step layers and checkpoints that `keep` (see [`Self::layers_to_keep`]) does
     /// not name. Image layers are a cache with a limit of its own (`image_layers`).
     pub fn collect_layers(&self, keep: &BTreeSet<String>) {
-        let steps = self.layers.steps_dir().to_owned();
-        let snapshots = self.places.snapshots_dir();
+        let steps = self.node.layers.steps_dir().to_owned();
+        let snapshots = self.node.places.snapshots_dir();
         for (dir, kind) in [
             (steps.as_path(), "layer"),
             (snapshots.as_path(), "checkpoint"),
@@ -112,7 +142,8 @@ impl LinuxRuntime {
                 }
                 let path = entry.path();
                 let removed = if kind == "layer" {
-                    self.disks
+                    self.node
+                        .disks
                         .remove_at(&steps, &name)
                         .map_err(|e| e.to_string())
                 } else {

@@ -3,13 +3,19 @@
 //! is the pool's (`crate::storage::disks`), asked from here so every start passes one place.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
-use super::*;
+use sandbar_core::RuntimeError;
+
 use crate::resources::memory::{HostMemory, MemoryRule};
 use crate::resources::tasks::HostTasks;
-use crate::storage::disks::DiskPromise;
+use crate::storage::disks::{DiskError, DiskPromise};
+
+use super::handle::{Handle, Phase};
+use super::holdings::{NodeSandbox, SlotHold};
+use super::sandbox_err;
+use super::state::NodeState;
 
 /// Why the node cannot start another sandbox now.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -217,7 +223,7 @@ fn promised_mb(granted: &BTreeMap<String, Granted>) -> u64 {
     granted.values().map(|g| u64::from(g.memory_mb)).sum()
 }
 
-impl LinuxRuntime {
+impl NodeState {
     /// Counts `memory_mb` (the sandbox's ceiling) for sandbox `id`, or says why the node
     /// cannot start it now: what is short is the memory the host really has, the ceilings
     /// promised in all (see [`crate::resources::memory`]), or the host's tasks ([`crate::resources::tasks`]).
@@ -263,12 +269,6 @@ impl LinuxRuntime {
     pub(super) fn regrant_memory(&self, id: &str, memory_mb: u32) -> MemoryGrant {
         let oom_now = self.cgroups.oom_kills(id).unwrap_or(0);
         self.ledger.regrant(id, memory_mb, oom_now)
-    }
-
-    /// Gives back sandbox `id`'s memory, counting its out-of-memory kills since the grant
-    /// while its cgroup is still there to read.
-    pub(super) fn give_back_memory(&self, id: &str, memory: MemoryGrant) {
-        memory.give_back(self.cgroups.oom_kills(id));
     }
 
     /// Gives sandbox `id` what an earlier server left it in `phase`, with no admission: its
@@ -321,7 +321,12 @@ impl LinuxRuntime {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+
+    use crate::resources::memory::{HostMemory, MemoryRule};
+    use crate::resources::tasks::HostTasks;
+
+    use super::{MemoryGrant, Refusal, ResourceLedger};
 
     fn rule() -> MemoryRule {
         MemoryRule {

@@ -1,42 +1,39 @@
 //! Pausing to disk and back: CRIU dumps of frozen sandboxes, their kept namespaces and the
 //! restores.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{RuntimeError, RuntimeHandle};
+use sandbar_jail::LISTENER_FD;
+use serde::{Deserialize, Serialize};
+
+use super::handle::{Handle, Phase, is_alive, parse_handle};
+use super::host::{CriuDump, HostOps, LinuxHost};
+use super::state::NodeState;
+use super::{ns_inode, sandbox_err, sequence};
+
+/// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
+/// processes keeping their files.
+#[derive(Debug, Clone)]
+pub(super) struct Pauser {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl Pauser {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
 
 /// How long a pause waits for the agent to close its ends of connections from the host.
 pub(super) const HOST_SOCKETS_PATIENCE: Duration = Duration::from_secs(2);
 
-impl LinuxRuntime {
-    /// The network namespace a checkpointed sandbox's processes are restored into; the one
-    /// its PID 1 joined at boot, kept alive by a bind mount.
-    pub(super) fn keep_netns(&self, id: &str, pid: i32) -> std::io::Result<PathBuf> {
-        for kind in ["net", "user"] {
-            let target = self.places.kept_ns(id, kind);
-            let source = PathBuf::from(format!("/proc/{pid}/ns/{kind}"));
-            if ns_inode(&target).is_some() && ns_inode(&target) == ns_inode(&source) {
-                continue;
-            }
-            let _ = sandbar_jail::host::unmount(&target);
-            sandbar_jail::host::bind_file(&source, &target)?;
-        }
-        Ok(self.places.kept_ns(id, "net"))
-    }
-
-    /// Removes a sandbox's checkpoint and the namespaces kept for it; nothing if it has none.
-    pub(super) fn forget_checkpoint(&self, id: &str) {
-        self.unmount_restore_aids(id);
-        self.set_verified(&self.places.checkpoint_dir(id), false);
-        for kind in ["net", "user"] {
-            let kept = self.places.kept_ns(id, kind);
-            while sandbar_jail::host::unmount(&kept).is_ok() {}
-            let _ = std::fs::remove_file(&kept);
-        }
-        let _ = std::fs::remove_dir_all(self.places.checkpoint_dir(id));
-        let carried = self.places.carried_checkpoint_dir(id);
-        self.set_verified(&carried, false);
-        let _ = crate::storage::disks::remove_tree(&carried);
-    }
-
+impl Pauser {
     /// Dumps the frozen sandbox `id` with CRIU, which ends its processes.
     pub(super) async fn dump(
         &self,
@@ -44,26 +41,29 @@ impl LinuxRuntime {
         h: &Handle,
     ) -> Result<crate::checkpoint::Header, RuntimeError> {
         let criu = self
+            .node
             .criu
             .get()
             .ok_or_else(|| sandbox_err(id, "this node cannot checkpoint sandboxes"))?;
         if !is_alive(h) {
             return Err(sandbox_err(id, "the sandbox's processes are gone"));
         }
-        if !self.cgroups.is_frozen(id) {
+        if !self.node.cgroups.is_frozen(id) {
             return Err(sandbox_err(id, "the sandbox is not frozen"));
         }
         let freezer = self
+            .node
             .cgroups
             .freezer_dir(id)
             .ok_or_else(|| sandbox_err(id, "the freezer controller is not mounted"))?;
         let netns = self
+            .node
             .keep_netns(id, h.pid)
             .map_err(|e| sandbox_err(id, format!("cannot keep its network namespace: {e}")))?;
         let netns_inode =
             ns_inode(&netns).ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
-        let dir = self.places.checkpoint_dir(id);
-        self.set_verified(&dir, false);
+        let dir = self.node.places.checkpoint_dir(id);
+        self.node.set_verified(&dir, false);
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", dir.display())))?;
@@ -77,7 +77,7 @@ impl LinuxRuntime {
                 return Err(e);
             }
         };
-        let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
+        let (version, digest) = (criu.version.clone(), self.node.agent_digest.clone());
         let sealing = std::time::Instant::now();
         let sealed_dir = dir.clone();
         let sealed = tokio::task::spawn_blocking(move || {
@@ -86,7 +86,7 @@ impl LinuxRuntime {
         .await
         .map_err(|e| sandbox_err(id, e))?
         .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))?;
-        self.set_verified(&dir, true);
+        self.node.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, seal_us = sealing.elapsed().as_micros() as u64, "checkpoint sealed");
         Ok(sealed)
     }
@@ -99,24 +99,30 @@ impl LinuxRuntime {
         h: &Handle,
         netns_inode: u64,
     ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
-        let tasks = self.cgroups.members(id);
+        let tasks = self.node.cgroups.members(id);
         let pid = h.pid;
         let volumes = h
             .volumes
             .iter()
             .map(|v| {
-                crate::storage::volumes::volume_dir(&self.config.data_dir, &v.team_id, &v.volume_id)
-                    .map(|source| (PathBuf::from(&v.path), source))
-                    .map_err(|e| sandbox_err(id, e))
+                crate::storage::volumes::volume_dir(
+                    &self.node.config.data_dir,
+                    &v.team_id,
+                    &v.volume_id,
+                )
+                .map(|source| (PathBuf::from(&v.path), source))
+                .map_err(|e| sandbox_err(id, e))
             })
             .collect::<Result<Vec<_>, _>>()?;
         let placed = self
+            .node
             .placed_files(id)
             .map_err(|e| sandbox_err(id, format!("cannot read the node's own files: {e}")))?;
-        let kernel = self.kernel_filesystems.clone();
-        let mut layer_dirs = vec![self.disks.path(id).join(sandbar_jail::layout::UPPER)];
+        let kernel = self.node.kernel_filesystems.clone();
+        let mut layer_dirs = vec![self.node.disks.path(id).join(sandbar_jail::layout::UPPER)];
         layer_dirs.extend(
-            self.layers
+            self.node
+                .layers
                 .stack(&h.layers)
                 .map_err(|e| sandbox_err(id, e))?,
         );
@@ -182,24 +188,33 @@ impl LinuxRuntime {
         let plan = self.plan_dump(id, h, netns_inode).await?;
         crate::checkpoint::write_plan(images, &plan)
             .map_err(|e| sandbox_err(id, format!("cannot write {}: {e}", images.display())))?;
-        self.run_dump(id, h, criu, freezer, images, &plan, leave_running)
+        LinuxHost(&self.node)
+            .dump(
+                id,
+                &CriuDump {
+                    init: h,
+                    criu,
+                    freezer,
+                    images,
+                    plan: &plan,
+                    leave_running,
+                },
+            )
             .await?;
         Ok(plan)
     }
 
-    /// Runs `criu dump` of sandbox `id` by `plan`, bounded by the time its memory takes to
-    /// write; a failure names what the sandbox still held from the host.
-    #[allow(clippy::too_many_arguments)]
-    async fn run_dump(
-        &self,
-        id: &str,
-        h: &Handle,
-        criu: &crate::checkpoint::Criu,
-        freezer: &Path,
-        images: &Path,
-        plan: &crate::checkpoint::DumpPlan,
-        leave_running: bool,
-    ) -> Result<(), RuntimeError> {
+    /// Runs `criu dump` of sandbox `id` by `dump.plan`, bounded by the time its memory takes
+    /// to write; a failure names what the sandbox still held from the host.
+    pub(super) async fn run_dump(&self, id: &str, dump: &CriuDump<'_>) -> Result<(), RuntimeError> {
+        let CriuDump {
+            init: h,
+            criu,
+            freezer,
+            images,
+            plan,
+            leave_running,
+        } = *dump;
         let mut command = criu.command();
         command
             .arg("dump")
@@ -254,7 +269,7 @@ impl LinuxRuntime {
             return Ok(());
         }
         let mut errors = crate::checkpoint::log_errors(&images.join(crate::checkpoint::DUMP_LOG));
-        let held = crate::checkpoint::host_unix_sockets(&self.cgroups.members(id));
+        let held = crate::checkpoint::host_unix_sockets(&self.node.cgroups.members(id));
         if !held.is_empty() {
             errors = format!(
                 "{errors}; from the host: {}",
@@ -271,70 +286,13 @@ impl LinuxRuntime {
             format!("{what} failed ({status}): {errors}"),
         ))
     }
+}
 
-    /// Waits for the dumps and restores a server that died left running, so that what they
-    /// leave (a sealed or abandoned checkpoint, a restored or killed sandbox) can be judged
-    /// once they are done. One still running after a long wait is killed.
-    pub(super) async fn wait_for_orphaned_criu(criu: &Path, data_dir: &Path) {
-        let mut waited = Duration::ZERO;
-        loop {
-            let pids = crate::checkpoint::criu_in_flight(criu, data_dir);
-            if pids.is_empty() {
-                return;
-            }
-            if waited.is_zero() {
-                tracing::warn!(
-                    ?pids,
-                    "waiting for checkpoint work a previous server left running"
-                );
-            }
-            if waited >= ORPHANED_CRIU_WAIT {
-                tracing::error!(
-                    ?pids,
-                    "checkpoint work a previous server left does not end; killing it"
-                );
-                for pid in pids {
-                    // SAFETY: kill(2) on a PID just read from /proc; at worst it is gone.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            waited += Duration::from_millis(20);
-        }
-    }
-
+impl Pauser {
     /// What is left of sandbox `id` once a dump ended its processes: anything that escaped
     /// the dump, the memory its cgroup still holds, its memory grant and its agent socket.
     pub(super) async fn end_dumped(&self, id: &str) {
-        if let Err(err) = self.cgroups.kill_all(id).await {
-            tracing::warn!(sandbox_id = %id, error = %err, "processes left after the checkpoint");
-        }
-        self.cgroups.empty_memory(id);
-        if let Some(memory) = self.holdings.take_memory(id) {
-            self.give_back_memory(id, memory);
-        }
-        let _ = std::fs::remove_file(self.places.socket_path(id));
-    }
-
-    pub(super) fn is_verified(&self, images: &Path) -> bool {
-        self.verified_images
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(images)
-    }
-
-    pub(super) fn set_verified(&self, images: &Path, verified: bool) {
-        let mut set = self
-            .verified_images
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if verified {
-            set.insert(images.to_owned());
-        } else {
-            set.remove(images);
-        }
+        sequence::end_dumped(&LinuxHost(&self.node), &self.node.holdings, id).await;
     }
 }
 
@@ -436,7 +394,7 @@ pub(super) fn check_criu_version(
     Ok(())
 }
 
-impl LinuxRuntime {
+impl Pauser {
     pub(super) async fn checkpoint_sandbox(
         &self,
         sandbox_id: &str,
@@ -448,7 +406,7 @@ impl LinuxRuntime {
         }
         let started = std::time::Instant::now();
         sequence::dump_frozen(
-            &LinuxHost(self),
+            &LinuxHost(&self.node),
             sandbox_id,
             HOST_SOCKETS_PATIENCE,
             |e| sandbox_err(sandbox_id, e),
@@ -481,79 +439,77 @@ impl LinuxRuntime {
     }
 }
 
-impl LinuxRuntime {
-    pub(super) async fn adopt_checkpointed_sandbox(
+impl Pauser {
+    pub(super) async fn pause(
         &self,
         sandbox_id: &str,
         handle: &RuntimeHandle,
-    ) -> Result<AdoptedCheckpoint, RuntimeError> {
+    ) -> Result<(), RuntimeError> {
         let h = parse_handle(sandbox_id, handle)?;
-        let dir = self.places.checkpoint_dir(sandbox_id);
-        if h.phase == Phase::Checkpointed {
-            // The server may have died during a restore (CRIU was waited for at start): its
-            // host-side mounts are left over, and the restore finished or not.
-            self.unmount_restore(sandbox_id, h.layers.len());
-            if let Some(restored) = self.finished_restore(sandbox_id, &h) {
-                return Ok(restored);
-            }
-            if let Err(e) = self.cgroups.kill_all(sandbox_id).await {
-                return Err(sandbox_err(
-                    sandbox_id,
-                    format!("cannot end what an unfinished restore started: {e}"),
-                ));
-            }
-            crate::checkpoint::clear_restore(&dir);
-            let _ = std::fs::remove_file(self.places.socket_path(sandbox_id));
-        } else {
-            if is_alive(&h) {
-                return Err(sandbox_err(sandbox_id, "its processes still run"));
-            }
-            // The dump ended the processes: if the server died before sealing it, it is
-            // sealed now, and what `checkpoint` does after a dump is done here.
-            if !dir.join(crate::checkpoint::HEADER_FILE).exists() {
-                let criu = self
-                    .criu
-                    .get_or_probe()
-                    .await
-                    .ok_or_else(|| sandbox_err(sandbox_id, "this node cannot checkpoint"))?;
-                let (version, digest) = (criu.version.clone(), self.agent_digest.clone());
-                let sealed_dir = dir.clone();
-                tokio::task::spawn_blocking(move || {
-                    crate::checkpoint::seal_finished_dump(&sealed_dir, version, digest)
-                })
-                .await
-                .map_err(|e| sandbox_err(sandbox_id, e))?
-                .map_err(|e| sandbox_err(sandbox_id, e))?;
-                tracing::info!(
-                    sandbox_id,
-                    "sealed a checkpoint whose dump outlived the server"
-                );
-            }
-            self.end_dumped(sandbox_id).await;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
-        let header_dir = dir.clone();
-        tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&header_dir, false))
+        sequence::settle_and_freeze(&LinuxHost(&self.node), sandbox_id, HOST_SOCKETS_PATIENCE)
             .await
-            .map_err(|e| sandbox_err(sandbox_id, e))?
-            .map_err(|e| sandbox_err(sandbox_id, e))?;
-        for kind in ["net", "user"] {
-            let kept = self.places.kept_ns(sandbox_id, kind);
-            if !is_nsfs(&kept) {
-                return Err(sandbox_err(
-                    sandbox_id,
-                    format!("its kept namespace {} is gone", kept.display()),
-                ));
-            }
+            .map(drop)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    pub(super) async fn resume(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<(), RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if !is_alive(&h) {
+            return Err(sandbox_err(sandbox_id, "the sandbox's processes are gone"));
         }
-        self.adopt_holdings(sandbox_id, &h, Phase::Checkpointed);
-        let checkpointed = Handle {
+        self.node
+            .cgroups
+            .thaw(sandbox_id)
+            .map_err(|e| sandbox_err(sandbox_id, e))
+    }
+
+    pub(super) async fn release(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        if h.phase == Phase::Released {
+            return Ok(handle.clone());
+        }
+        // Its disk and layers stay held: the kept writable layer only makes sense on top of
+        // them.
+        self.node.stop(sandbox_id, Some(&h)).await?;
+        // Namespaces kept by an earlier checkpoint would hold its old network alive.
+        self.node.forget_checkpoint(sandbox_id);
+        let released = Handle {
             pid: 0,
             start_ticks: 0,
-            phase: Phase::Checkpointed,
+            phase: Phase::Released,
             ..h
         };
-        Ok(AdoptedCheckpoint::Checkpointed(
-            checkpointed.to_runtime(sandbox_id)?,
-        ))
+        released.to_runtime(sandbox_id)
+    }
+
+    pub(super) async fn discard_checkpoint(&self, sandbox_id: &str) {
+        let dir = self.node.places.checkpoint_dir(sandbox_id);
+        self.node.set_verified(&dir, false);
+        // Deleting the images of a large sandbox takes a while (a tenth of a second per GiB)
+        // and nothing needs to wait for it: they are moved aside at once and removed behind.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let spent = dir.with_file_name(format!("{SPENT_PREFIX}{sandbox_id}-{nanos}"));
+        match std::fs::rename(&dir, &spent) {
+            Ok(()) => {
+                tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&spent));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => {
+                let _ = crate::storage::disks::remove_tree(&dir);
+            }
+        }
     }
 }

@@ -1,83 +1,64 @@
 //! Restoring a checkpointed sandbox with CRIU: the host-side mounts its root, sysfs, boot id
 //! and volumes need, the descriptors handed to CRIU, and the restore itself.
 
-use super::*;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::IdMap;
+
+use crate::net::netns::PreparedNetns;
+
+use super::handle::{Handle, Phase, parse_handle, start_ticks};
+use super::pausing::{TCP_CLOSE, check_criu_version, run_criu};
+use super::state::NodeState;
+use super::{agent_client, sandbox_err};
+
+/// Restores sandboxes paused to disk from their checkpoint.
+#[derive(Debug, Clone)]
+pub(super) struct Restorer {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl Restorer {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
 
 /// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens
 /// early.
 pub(super) const INHERITED_FD_BASE: i32 = 200;
 
-impl LinuxRuntime {
-    /// The host-side mounts a restore of sandbox `id` makes (its root over `layers` layers,
-    /// a sysfs of its network namespace, its volumes), gone.
-    pub(super) fn unmount_restore(&self, id: &str, layers: usize) {
-        sandbar_jail::host::unmount_root(&self.disks.path(id), layers);
-        self.unmount_restore_aids(id);
-    }
-
-    /// The mounts outside the sandbox's directory that a restore of sandbox `id` makes for
-    /// CRIU (its sysfs, its boot id, its volumes), gone with their mount points.
-    pub(super) fn unmount_restore_aids(&self, id: &str) {
-        for dir in [
-            self.places.restored_sysfs(id),
-            self.places.restored_boot_id_dir(id),
-        ] {
-            let _ = sandbar_jail::host::unmount(&dir);
-            let _ = std::fs::remove_dir(&dir);
-        }
-        let volumes = self.places.restored_volumes_dir(id);
-        if let Ok(entries) = std::fs::read_dir(&volumes) {
-            for entry in entries.flatten() {
-                let _ = sandbar_jail::host::unmount(&entry.path());
-                let _ = std::fs::remove_dir(entry.path());
-            }
-            let _ = std::fs::remove_dir(&volumes);
-        }
-    }
-
-    /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
-    /// during ran to its end: CRIU wrote its statistics, and the PID 1 it wrote lives in the
-    /// sandbox's cgroup.
-    pub(super) fn finished_restore(&self, id: &str, h: &Handle) -> Option<AdoptedCheckpoint> {
-        let pid = crate::checkpoint::finished_restore(&self.places.checkpoint_dir(id))?;
-        if !self.cgroups.members(id).contains(&pid) {
-            return None;
-        }
-        let running = Handle {
-            pid,
-            start_ticks: start_ticks(pid)?,
-            phase: Phase::Running,
-            ..h.clone()
-        };
-        let endpoint = self.endpoint(id, h.slot).ok()?;
-        let runtime_handle = running.to_runtime(id).ok()?;
-        self.adopt_holdings(id, h, Phase::Running);
-        tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
-        Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
-    }
-
+impl Restorer {
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
     /// returns its new PID 1.
     pub(super) async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id).await?;
-        let dir = self.places.checkpoint_dir(id);
+        let criu = self.node.criu_for_restore(id).await?;
+        let dir = self.node.places.checkpoint_dir(id);
         let read_dir = dir.clone();
         let started = std::time::Instant::now();
-        let verify = !self.is_verified(&dir);
+        let verify = !self.node.is_verified(&dir);
         let header =
             tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, verify))
                 .await
                 .map_err(|e| sandbox_err(id, e))?
                 .map_err(|e| sandbox_err(id, e))?;
-        self.set_verified(&dir, true);
+        self.node.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
         check_criu_version(id, &criu, &header)?;
         let layers = self
+            .node
             .layers
             .stack(&h.layers)
             .map_err(|e| sandbox_err(id, e))?;
-        let netns_path = self.places.kept_ns(id, "net");
-        let userns_path = self.places.kept_ns(id, "user");
+        let netns_path = self.node.places.kept_ns(id, "net");
+        let userns_path = self.node.places.kept_ns(id, "user");
         let slot = h.slot;
         let opened = tokio::task::spawn_blocking(move || -> Result<_, String> {
             let netns: std::os::fd::OwnedFd = std::fs::File::open(&netns_path)
@@ -109,7 +90,7 @@ impl LinuxRuntime {
                 layers,
                 userns,
                 netns: prepared,
-                log: self.places.log_path(id),
+                log: self.node.places.log_path(id),
                 etc: None,
                 boot_id: h.boot_id.clone(),
             },
@@ -129,14 +110,17 @@ impl LinuxRuntime {
     ) -> Result<i32, RuntimeError> {
         let id = &spec.sandbox_id;
         let (log_path, log) = self.log_for_restore(id, &restore.header, id_map.host_base)?;
-        let layers = self.layers.stack(&spec.image.layers).map_err(|message| {
-            RuntimeError::TemplateMissing {
+        let layers = self
+            .node
+            .layers
+            .stack(&spec.image.layers)
+            .map_err(|message| RuntimeError::TemplateMissing {
                 template_id: format!("{} ({message})", spec.template.id),
-            }
-        })?;
+            })?;
         let userns = sandbar_jail::host::new_user_namespace(id_map)
             .map_err(|e| sandbox_err(id, format!("cannot make its user namespace: {e}")))?;
         let gateway = self
+            .node
             .network
             .addrs(netns.slot)
             .map_err(|e| sandbox_err(id, e))?
@@ -192,7 +176,7 @@ impl LinuxRuntime {
                 _ => None,
             })
             .unwrap_or(0);
-        let log_path = self.places.log_path(id);
+        let log_path = self.node.places.log_path(id);
         let log = std::fs::File::create(&log_path)
             .and_then(|log| {
                 std::os::unix::fs::fchown(&log, Some(owner), Some(owner))?;
@@ -202,18 +186,9 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
         Ok((log_path, log))
     }
+}
 
-    /// A checkpoint made before a restart may find CRIU installed only since: probed again.
-    pub(super) async fn criu_for_restore(
-        &self,
-        id: &str,
-    ) -> Result<std::sync::Arc<crate::checkpoint::Criu>, RuntimeError> {
-        self.criu
-            .get_or_probe()
-            .await
-            .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))
-    }
-
+impl Restorer {
     /// Mounts what the restore of sandbox `id` needs on the host (its root, a sysfs of its
     /// network namespace, its agent's listener), runs `criu restore` from its cgroups and
     /// returns the restored PID 1; the host-side mounts are gone afterwards either way.
@@ -222,7 +197,7 @@ impl LinuxRuntime {
         id: &str,
         from: RestoreFrom,
     ) -> Result<i32, RuntimeError> {
-        let criu = self.criu_for_restore(id).await?;
+        let criu = self.node.criu_for_restore(id).await?;
         let RestoreFrom {
             images: dir,
             header,
@@ -235,7 +210,7 @@ impl LinuxRuntime {
         } = from;
         let images_bytes: u64 = header.images.iter().map(|i| i.size).sum();
         let started = std::time::Instant::now();
-        let undo_mounts = || self.unmount_restore(id, layers.len());
+        let undo_mounts = || self.node.unmount_restore(id, layers.len());
         let mounts = HostMounts {
             layers: layers.clone(),
             userns,
@@ -277,7 +252,7 @@ impl LinuxRuntime {
         if !status.success() {
             let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
             // Whatever CRIU had started is in the sandbox's cgroups.
-            let _ = self.cgroups.kill_all(id).await;
+            let _ = self.node.cgroups.kill_all(id).await;
             return Err(sandbox_err(
                 id,
                 format!("restore failed ({status}): {errors}"),
@@ -303,10 +278,10 @@ impl LinuxRuntime {
             etc,
             boot_id,
         } = mounts;
-        let sandbox_dir = self.disks.path(id);
-        let sysfs = self.places.restored_sysfs(id);
-        let volumes_dir = self.places.restored_volumes_dir(id);
-        let socket = self.places.socket_path(id);
+        let sandbox_dir = self.node.disks.path(id);
+        let sysfs = self.node.places.restored_sysfs(id);
+        let volumes_dir = self.node.places.restored_volumes_dir(id);
+        let socket = self.node.places.socket_path(id);
         let volumes: Vec<(PathBuf, PathBuf)> = header
             .externals
             .iter()
@@ -324,7 +299,7 @@ impl LinuxRuntime {
             .iter()
             .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
             .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
-        let boot_id_dir = self.places.restored_boot_id_dir(id);
+        let boot_id_dir = self.node.places.restored_boot_id_dir(id);
         tokio::task::spawn_blocking(move || -> Result<_, String> {
             sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                 .map_err(|e| format!("cannot mount its root again: {e}"))?;
@@ -390,10 +365,10 @@ impl LinuxRuntime {
         log: &Path,
         aids: &RestoreAids,
     ) -> Result<CriuInputs, RuntimeError> {
-        let agents = self.places.agents_dir();
-        let mut layer_dirs = vec![self.disks.path(id).join(sandbar_jail::layout::UPPER)];
+        let agents = self.node.places.agents_dir();
+        let mut layer_dirs = vec![self.node.disks.path(id).join(sandbar_jail::layout::UPPER)];
         layer_dirs.extend(layers.iter().cloned());
-        let libraries = self.library_sources();
+        let libraries = self.node.library_sources();
         let sources = crate::checkpoint::PlacedSources {
             agents: &agents,
             log: Some(log),
@@ -437,6 +412,7 @@ impl LinuxRuntime {
         inputs: &CriuInputs,
     ) -> tokio::process::Command {
         let joins: Vec<std::ffi::CString> = self
+            .node
             .cgroups
             .join_files(id)
             .iter()
@@ -452,7 +428,7 @@ impl LinuxRuntime {
             .arg(crate::checkpoint::RESTORE_LOG)
             .arg("-v2")
             .arg("--root")
-            .arg(self.disks.path(id).join(sandbar_jail::layout::ROOT))
+            .arg(self.node.disks.path(id).join(sandbar_jail::layout::ROOT))
             .arg("--restore-detached")
             .arg(TCP_CLOSE)
             .arg("--manage-cgroups=ignore")
@@ -516,7 +492,7 @@ impl LinuxRuntime {
             // failed attempt started has not run any of the sandbox's code yet.
             let errors = crate::checkpoint::log_errors(&dir.join(crate::checkpoint::RESTORE_LOG));
             tracing::warn!(sandbox_id = %id, error = %errors, ?outcome, "restore failed; trying again");
-            let _ = self.cgroups.kill_all(id).await;
+            let _ = self.node.cgroups.kill_all(id).await;
             crate::checkpoint::clear_restore(dir);
         }
     }
@@ -631,7 +607,7 @@ pub(super) struct SlotRestore {
     pub(super) boot_id: Option<String>,
 }
 
-impl LinuxRuntime {
+impl Restorer {
     pub(super) async fn restore_sandbox(
         &self,
         sandbox_id: &str,
@@ -641,11 +617,11 @@ impl LinuxRuntime {
         if h.phase != Phase::Checkpointed {
             return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
         }
-        let mut opening = self.holdings.opening(sandbox_id);
-        opening.hold_memory(self.grant_memory(sandbox_id, h.memory_mb)?);
+        let mut opening = self.node.holdings.opening(sandbox_id);
+        opening.hold_memory(self.node.grant_memory(sandbox_id, h.memory_mb)?);
         let started = std::time::Instant::now();
         // Joining a frozen cgroup would freeze CRIU itself.
-        let restored = match self.cgroups.thaw(sandbox_id) {
+        let restored = match self.node.cgroups.thaw(sandbox_id) {
             Ok(()) => self.undump(sandbox_id, &h).await,
             Err(e) => Err(sandbox_err(sandbox_id, e)),
         };
@@ -656,11 +632,11 @@ impl LinuxRuntime {
             phase: Phase::Running,
             ..h
         };
-        let endpoint = self.endpoint(sandbox_id, h.slot)?;
+        let endpoint = self.node.endpoint(sandbox_id, h.slot)?;
         if let Err(e) =
             agent_client::wait_healthy(&endpoint.agent_socket, Duration::from_secs(10)).await
         {
-            let _ = self.cgroups.kill_all(sandbox_id).await;
+            let _ = self.node.cgroups.kill_all(sandbox_id).await;
             return Err(sandbox_err(
                 sandbox_id,
                 format!("the restored agent does not answer: {e}"),

@@ -288,5 +288,19 @@ where
     dump().await
 }
 
+/// Ends what is left of sandbox `id` once a dump ended its processes: anything that escaped
+/// the dump, the memory its cgroup still holds, its memory grant and its agent socket. Its
+/// slot, disk and cgroups stay for the restore.
+pub(super) async fn end_dumped<H: HostOps>(host: &H, holdings: &Holdings, id: &str) {
+    if let Err(err) = host.kill_leftovers(id).await {
+        tracing::warn!(sandbox_id = %id, error = %err, "processes left after the checkpoint");
+    }
+    host.empty_memory(id);
+    if let Some(memory) = holdings.take_memory(id) {
+        memory.give_back(host.oom_kills(id));
+    }
+    host.remove_agent_socket(id);
+}
+
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,38 @@
 //! Snapshots: a running sandbox copied (memory and files) into a template image, and
 //! sandboxes restored from one.
 
-use super::*;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle, SnapshotParts};
+
+use crate::net::netns::PreparedNetns;
+
+use super::carried::stage_checkpoint;
+use super::handle::{Handle, is_alive, parse_handle};
+use super::host::LinuxHost;
+use super::launch::{Launcher, default_workdir};
+use super::pausing::{
+    HOST_SOCKETS_PATIENCE, Pauser, SNAPSHOT_ORIGIN, SnapshotOrigin, check_criu_version,
+};
+use super::restore::SlotRestore;
+use super::state::NodeState;
+use super::{SANDBOX_IDS, agent_client, host, ns_inode, sandbox_err, sequence};
+
+/// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
+#[derive(Debug, Clone)]
+pub(super) struct Snapshotter {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl Snapshotter {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
 
 /// How long the collector leaves a new snapshot's parts alone at most.
 pub(super) const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
@@ -23,7 +54,7 @@ pub(super) fn is_snapshot_key(key: &str) -> bool {
     key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
 }
 
-impl LinuxRuntime {
+impl Snapshotter {
     /// Copies sandbox `id` into a snapshot: frozen, its processes dumped (left running) and
     /// its writable layer snapshotted, then thawed; the copies are made into a layer and a
     /// checkpoint after it runs again.
@@ -34,7 +65,7 @@ impl LinuxRuntime {
         agent_token: &str,
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
-        let criu = self.criu.get();
+        let criu = self.node.criu.get();
         let criu = match (criu.as_deref(), memory) {
             (Some(criu), true) => Some(criu),
             (None, true) => {
@@ -58,11 +89,14 @@ impl LinuxRuntime {
             checkpoint_bytes: 0,
         };
         self.keep_from_collector(&parts);
-        let images = self.places.snapshots_dir().join(&key);
-        let layer_dir = self.layers.steps_dir().join(&key);
+        let images = self.node.places.snapshots_dir().join(&key);
+        let layer_dir = self.node.layers.steps_dir().join(&key);
         let discard = || {
             let _ = crate::storage::disks::remove_tree(&images);
-            let _ = self.disks.remove_at(self.layers.steps_dir(), &key);
+            let _ = self
+                .node
+                .disks
+                .remove_at(self.node.layers.steps_dir(), &key);
         };
         if memory {
             std::fs::create_dir_all(&images)
@@ -81,7 +115,7 @@ impl LinuxRuntime {
         let origin = SnapshotOrigin {
             id_base: base,
             access_token: agent_token.to_owned(),
-            log: self.places.log_path(id),
+            log: self.node.places.log_path(id),
         };
         match self
             .seal_snapshot(id, &layer_dir, &images, base, origin, with_memory)
@@ -94,7 +128,7 @@ impl LinuxRuntime {
             }
         }
         if memory {
-            self.set_verified(&images, true);
+            self.node.set_verified(&images, true);
         }
         tracing::info!(
             sandbox_id = %id,
@@ -107,7 +141,8 @@ impl LinuxRuntime {
 
     /// Keeps the collector off a new snapshot's parts until a template holds them.
     fn keep_from_collector(&self, parts: &SnapshotParts) {
-        self.fresh_snapshots
+        self.node
+            .fresh_snapshots
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .extend(
@@ -131,20 +166,20 @@ impl LinuxRuntime {
         Result<Option<crate::checkpoint::DumpPlan>, RuntimeError>,
         Duration,
     ) {
-        let Some(freezer) = self.cgroups.freezer_dir(id) else {
+        let Some(freezer) = self.node.cgroups.freezer_dir(id) else {
             return (
                 Err(sandbox_err(id, "the freezer controller is not mounted")),
                 Duration::ZERO,
             );
         };
-        let was_frozen = self.cgroups.is_frozen(id);
-        let host = LinuxHost(self);
+        let was_frozen = self.node.cgroups.is_frozen(id);
+        let host = LinuxHost(&self.node);
         if criu.is_some() && !was_frozen {
             // A dump cannot hold the agent's end of a connection from the host.
             if let Err(e) = sequence::settle_and_freeze(&host, id, HOST_SOCKETS_PATIENCE).await {
                 return (Err(sandbox_err(id, e)), Duration::ZERO);
             }
-        } else if !was_frozen && let Err(e) = self.cgroups.freeze(id).await {
+        } else if !was_frozen && let Err(e) = self.node.cgroups.freeze(id).await {
             return (Err(sandbox_err(id, e)), Duration::ZERO);
         }
         let held_since = std::time::Instant::now();
@@ -156,7 +191,7 @@ impl LinuxRuntime {
             || self.copy_frozen(id, h, criu, &freezer, images, key),
         )
         .await;
-        if !was_frozen && let Err(e) = self.cgroups.thaw(id) {
+        if !was_frozen && let Err(e) = self.node.cgroups.thaw(id) {
             tracing::error!(sandbox_id = %id, error = %e, "cannot thaw after a snapshot");
         }
         (copied, held_since.elapsed())
@@ -174,7 +209,7 @@ impl LinuxRuntime {
         origin: SnapshotOrigin,
         with_memory: Option<(crate::checkpoint::DumpPlan, String)>,
     ) -> Result<u64, RuntimeError> {
-        let agent_digest = self.agent_digest.clone();
+        let agent_digest = self.node.agent_digest.clone();
         let (layer_dir, images) = (layer_dir.to_owned(), images.to_owned());
         tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
             crate::storage::layers::seal_layer(&layer_dir, base, SANDBOX_IDS)?;
@@ -213,16 +248,17 @@ impl LinuxRuntime {
                 let netns_inode = ns_inode(Path::new(&format!("/proc/{}/ns/net", h.pid)))
                     .ok_or_else(|| sandbox_err(id, "its network namespace is gone"))?;
                 Some(
-                    self.dump_into(id, h, criu, freezer, images, netns_inode, true)
+                    Pauser::of(&self.node)
+                        .dump_into(id, h, criu, freezer, images, netns_inode, true)
                         .await?,
                 )
             }
             None => None,
         };
-        let disks = self.disks.clone();
+        let disks = self.node.disks.clone();
         let (owned_id, steps, owned_key) = (
             id.to_owned(),
-            self.layers.steps_dir().to_owned(),
+            self.node.layers.steps_dir().to_owned(),
             key.to_owned(),
         );
         tokio::task::spawn_blocking(move || disks.snapshot(&owned_id, &steps, &owned_key))
@@ -231,7 +267,9 @@ impl LinuxRuntime {
             .map_err(|e| sandbox_err(id, format!("cannot copy its files: {e}")))?;
         Ok(plan)
     }
+}
 
+impl Launcher {
     /// Starts sandbox `spec` from the snapshot `snapshot`: a fresh writable layer on the
     /// snapshot's layers, and the snapshot's processes restored into it with the new
     /// sandbox's id range, network, cgroups, token and environment.
@@ -244,9 +282,9 @@ impl LinuxRuntime {
         let id = &spec.sandbox_id;
         let slot = netns.slot;
         let started = std::time::Instant::now();
-        let id_map = self.id_map(slot);
+        let id_map = self.node.id_map(slot);
         let bare = |e: RuntimeError| (None, e);
-        let criu = self.criu_for_restore(id).await.map_err(bare)?;
+        let criu = self.node.criu_for_restore(id).await.map_err(bare)?;
         let key = checkpoint
             .strip_prefix("checkpoint/")
             .filter(|k| is_snapshot_key(k))
@@ -257,9 +295,9 @@ impl LinuxRuntime {
                 ))
             })?
             .to_owned();
-        let source = self.places.snapshots_dir().join(&key);
-        let work = self.places.checkpoint_dir(id);
-        let verify = !self.is_verified(&source);
+        let source = self.node.places.snapshots_dir().join(&key);
+        let work = self.node.places.checkpoint_dir(id);
+        let verify = !self.node.is_verified(&source);
         let prepared = {
             let (source, work) = (source.clone(), work.clone());
             let to = id_map.host_base;
@@ -280,7 +318,7 @@ impl LinuxRuntime {
             .map_err(|e| bare(sandbox_err(id, e)))?
         };
         let (header, origin) = prepared;
-        self.set_verified(&source, true);
+        self.node.set_verified(&source, true);
         // Its restore is the new sandbox's first boot.
         let boot_id = header
             .externals
@@ -288,15 +326,15 @@ impl LinuxRuntime {
             .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
             .then(sandbar_core::ids::new_uuid);
         check_criu_version(id, &criu, &header).map_err(bare)?;
-        if header.agent_digest != self.agent_digest {
+        if header.agent_digest != self.node.agent_digest {
             tracing::debug!(sandbox_id = %id, "the snapshot runs an older agent build");
         }
         let (handle, endpoint) = sequence::restore_in_slot(
-            &LinuxHost(self),
+            &LinuxHost(&self.node),
             spec,
             netns,
             id_map,
-            self.limits_of(spec),
+            self.node.limits_of(spec),
             host::DiskSource::Fresh {
                 size_mb: spec.disk_size_mb,
             },
@@ -338,5 +376,55 @@ impl LinuxRuntime {
             "sandbox restored from a snapshot"
         );
         Ok((handle, endpoint))
+    }
+}
+
+impl Snapshotter {
+    pub(super) async fn snapshot(
+        &self,
+        sandbox_id: &str,
+        handle: &RuntimeHandle,
+        agent_token: &str,
+        memory: bool,
+    ) -> Result<SnapshotParts, RuntimeError> {
+        let h = parse_handle(sandbox_id, handle)?;
+        self.take_snapshot(sandbox_id, &h, agent_token, memory)
+            .await
+    }
+
+    pub(super) fn snapshot_recorded(&self, parts: &SnapshotParts) {
+        let names: Vec<&String> = std::iter::once(&parts.layer)
+            .chain(parts.checkpoint.as_ref())
+            .collect();
+        self.node
+            .fresh_snapshots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(name, _)| !names.contains(&name));
+        // Recorded: other nodes may start it once its parts are in the layer store. Until
+        // then it starts only here.
+        if let Some(shared) = self.node.shared_layers.get().cloned() {
+            let names: Vec<String> = names.into_iter().cloned().collect();
+            tokio::spawn(async move {
+                if let Err(e) = shared.publish(&names).await {
+                    tracing::warn!(error = %e, "cannot publish a snapshot to the layer store; it starts only on this node");
+                }
+            });
+        }
+    }
+
+    pub(super) async fn discard_snapshot(&self, parts: &SnapshotParts) {
+        self.snapshot_recorded(parts);
+        if let Some(key) = parts
+            .checkpoint
+            .as_deref()
+            .and_then(|c| c.strip_prefix("checkpoint/"))
+            && is_snapshot_key(key)
+        {
+            let dir = self.node.places.snapshots_dir().join(key);
+            self.node.set_verified(&dir, false);
+            let _ =
+                tokio::task::spawn_blocking(move || crate::storage::disks::remove_tree(&dir)).await;
+        }
     }
 }

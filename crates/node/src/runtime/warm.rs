@@ -408,7 +408,13 @@ impl Drop for CreateGuard<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::time::{Duration, Instant};
+
+    use sandbar_jail::IdMap;
+
+    use super::{
+        DEMAND_WINDOW, FORGET_AFTER, Job, QUIET, QUIET_WHEN_LOW, WarmKey, WarmPool, WarmSandbox,
+    };
 
     fn key(layer: &str) -> WarmKey {
         WarmKey {

@@ -1,19 +1,45 @@
 //! Sandboxes booted ahead of demand (see [`crate::runtime::warm`]) and how a create takes one.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_jail::AgentConfig;
+
+use crate::resources::cgroups::Limits;
+
+use super::handle::{Handle, is_alive, start_ticks};
+use super::holdings::SlotHold;
+use super::launch::{BootSpec, Launcher, default_workdir};
+use super::state::NodeState;
+use super::{agent_client, holdings, sandbox_err};
+
+/// Boots sandboxes ahead of demand into the warm pool and hands them to creates.
+#[derive(Debug, Clone)]
+pub(super) struct WarmKeeper {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl WarmKeeper {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
 
 /// How long a warm sandbox's agent may take to answer after its boot.
 pub(super) const WARM_AGENT_PATIENCE: Duration = Duration::from_secs(15);
 
-impl LinuxRuntime {
+impl WarmKeeper {
     /// Keeps sandboxes booted for the image creates last asked for, in the background, from
     /// now on. Called once the sandboxes recorded before a restart are recovered: the
     /// recovery sweeps every unrecorded sandbox, and warm ones are never recorded.
-    pub fn start_warm_pool(self: &std::sync::Arc<Self>) {
-        if self.warm.target() == 0 {
+    pub(super) fn start_warm_pool(&self) {
+        if self.node.warm.target() == 0 {
             return;
         }
-        let runtime = std::sync::Arc::downgrade(self);
+        let runtime = Arc::downgrade(&self.node);
         let refill = async move {
             loop {
                 let Some(node) = runtime.upgrade() else {
@@ -34,9 +60,11 @@ impl LinuxRuntime {
                         let pool = &node.warm;
                         pool.wait(Duration::from_secs(1)).await;
                     }
-                    crate::runtime::warm::Job::Retire(warm) => node.retire_warm(&warm).await,
+                    crate::runtime::warm::Job::Retire(warm) => {
+                        WarmKeeper::of(&node).retire_warm(&warm).await
+                    }
                     crate::runtime::warm::Job::Boot(key) => {
-                        if let Err(err) = node.boot_warm(&key).await {
+                        if let Err(err) = WarmKeeper::of(&node).boot_warm(&key).await {
                             drop(working);
                             tracing::warn!(error = %err, "cannot boot a warm sandbox");
                             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -79,13 +107,14 @@ impl LinuxRuntime {
             crate::runtime::warm::NAME_PREFIX,
             &sandbar_core::ids::new_secret("")[..16]
         );
-        self.admit_start(&name)?;
-        let mut opening = self.holdings.opening(&name);
+        self.node.admit_start(&name)?;
+        let mut opening = self.node.holdings.opening(&name);
         opening.hold_disk(
-            self.admit_disk(&name, crate::runtime::warm::BOOT_DISK_MB)
+            self.node
+                .admit_disk(&name, crate::runtime::warm::BOOT_DISK_MB)
                 .await?,
         );
-        let netns = match self.netns_pool.claim(true).await {
+        let netns = match self.node.netns_pool.claim(true).await {
             Some(Ok(netns)) => netns,
             Some(Err(err)) => return Err(sandbox_err(&name, err)),
             None => {
@@ -96,24 +125,26 @@ impl LinuxRuntime {
             }
         };
         let slot = netns.slot;
-        opening.hold_slot(SlotHold::taken(&self.slots, slot));
+        opening.hold_slot(SlotHold::taken(&self.node.slots, slot));
         opening.use_layers(key.layers.clone());
-        let id_map = self.id_map(slot);
+        let id_map = self.node.id_map(slot);
         let token = sandbar_core::ids::new_secret("");
         let boot_id = sandbar_core::ids::new_uuid();
         let booted = async {
-            self.cgroups
+            self.node
+                .cgroups
                 .create(
                     &name,
                     Limits {
                         cpu_count: 1,
                         memory_mb: crate::runtime::warm::BOOT_MEMORY_MB,
-                        pids_max: self.config.pids_max,
+                        pids_max: self.node.config.pids_max,
                         cpu_priority: crate::resources::cgroups::CpuPriority::Background,
                     },
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
             let dir = self
+                .node
                 .disks
                 .create(&name, crate::runtime::warm::BOOT_DISK_MB, id_map.host_base)
                 .map_err(|e| sandbox_err(&name, e))?;
@@ -132,7 +163,9 @@ impl LinuxRuntime {
                 kept: false,
                 boot_id: &boot_id,
             };
-            let pid = self.spawn_jailed(&boot, &dir, &netns, id_map).await?;
+            let pid = Launcher::of(&self.node)
+                .spawn_jailed(&boot, &dir, &netns, id_map)
+                .await?;
             let warm = crate::runtime::warm::WarmSandbox {
                 name: name.clone(),
                 key: key.clone(),
@@ -143,7 +176,7 @@ impl LinuxRuntime {
                 token: token.clone(),
                 boot_id: boot_id.clone(),
             };
-            agent_client::wait_healthy(&self.places.socket_path(&name), WARM_AGENT_PATIENCE)
+            agent_client::wait_healthy(&self.node.places.socket_path(&name), WARM_AGENT_PATIENCE)
                 .await
                 .map_err(|e| sandbox_err(&name, e))?;
             Ok::<_, RuntimeError>(warm)
@@ -154,12 +187,12 @@ impl LinuxRuntime {
             Ok(warm) => {
                 tracing::debug!(warm = %warm.name, slot, "warm sandbox booted");
                 opening.commit();
-                self.warm.put(warm);
+                self.node.warm.put(warm);
                 Ok(())
             }
             Err(err) => {
                 let handle = Handle::warm(slot, id_map, 0, 0);
-                if let Err(cleanup) = self.teardown(&name, Some(&handle)).await {
+                if let Err(cleanup) = self.node.teardown(&name, Some(&handle)).await {
                     tracing::error!(warm = %name, error = %cleanup, "cannot clean up a warm sandbox");
                 }
                 Err(err)
@@ -169,7 +202,7 @@ impl LinuxRuntime {
 
     pub(super) async fn retire_warm(&self, warm: &crate::runtime::warm::WarmSandbox) {
         let handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
-        if let Err(err) = self.teardown(&warm.name, Some(&handle)).await {
+        if let Err(err) = self.node.teardown(&warm.name, Some(&handle)).await {
             tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
         }
     }
@@ -204,15 +237,18 @@ impl LinuxRuntime {
             }
         };
         let taken = async {
-            self.cgroups
+            self.node
+                .cgroups
                 .rename(&warm.name, id)
                 .map_err(|e| sandbox_err(id, e))?;
             name = id;
             self.give_warm_to(spec, warm, opening)?;
             // Before the agent hands anything out: the sandbox never has a moment without
             // its rules.
-            self.apply_egress(id, warm.slot, true, &spec.egress).await?;
-            let endpoint = self.endpoint(id, warm.slot)?;
+            self.node
+                .apply_egress(id, warm.slot, true, &spec.egress)
+                .await?;
+            let endpoint = self.node.endpoint(id, warm.slot)?;
             agent_client::init_answered(handing_over)
                 .await
                 .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
@@ -225,7 +261,9 @@ impl LinuxRuntime {
             );
             handle.start_ticks = warm.start_ticks;
             if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
-                self.start_and_wait_ready(spec, &endpoint).await?;
+                Launcher::of(&self.node)
+                    .start_and_wait_ready(spec, &endpoint)
+                    .await?;
             }
             Ok::<_, RuntimeError>(endpoint)
         }
@@ -243,9 +281,9 @@ impl LinuxRuntime {
             Err(err) => {
                 // Whatever was renamed already goes under the sandbox's id, the rest under
                 // the warm name.
-                let _ = self.teardown(name, Some(&handle)).await;
+                let _ = self.node.teardown(name, Some(&handle)).await;
                 for rest in [warm.name.as_str(), id] {
-                    let _ = self.teardown(rest, None).await;
+                    let _ = self.node.teardown(rest, None).await;
                 }
                 Err(err)
             }
@@ -266,13 +304,13 @@ impl LinuxRuntime {
         // What the agent logged while it waited is no part of this sandbox's life. Emptied
         // before the agent is handed its sandbox, as the agent then writes the new log's
         // first line.
-        let log = self.places.log_path(&warm.name);
+        let log = self.node.places.log_path(&warm.name);
         std::fs::OpenOptions::new()
             .write(true)
             .open(&log)
             .and_then(|f| f.set_len(0))
             .map_err(|e| fail(&format!("empty {}: {e}", log.display())))?;
-        let mut stream = agent_client::connect(&self.places.socket_path(&warm.name))
+        let mut stream = agent_client::connect(&self.node.places.socket_path(&warm.name))
             .await
             .map_err(|e| fail(&e))?;
         agent_client::send_init(
@@ -301,27 +339,32 @@ impl LinuxRuntime {
     ) -> Result<(), RuntimeError> {
         let id = spec.sandbox_id.as_str();
         // The sandbox's slot from now on: a failure tears it down under the new id.
-        if let Some(slot) = self.holdings.take_slot(&warm.name) {
+        if let Some(slot) = self.node.holdings.take_slot(&warm.name) {
             opening.hold_slot(slot);
         }
-        self.cgroups
-            .apply_limits(id, self.limits_of(spec))
+        self.node
+            .cgroups
+            .apply_limits(id, self.node.limits_of(spec))
             .map_err(|e| sandbox_err(id, e))?;
-        self.disks
+        self.node
+            .disks
             .hand_over(&warm.name, id, spec.disk_size_mb)
             .map_err(|e| sandbox_err(id, e))?;
         for (from, to) in [
             (
-                self.places.socket_path(&warm.name),
-                self.places.socket_path(id),
+                self.node.places.socket_path(&warm.name),
+                self.node.places.socket_path(id),
             ),
-            (self.places.log_path(&warm.name), self.places.log_path(id)),
+            (
+                self.node.places.log_path(&warm.name),
+                self.node.places.log_path(id),
+            ),
         ] {
             std::fs::rename(&from, &to)
                 .map_err(|e| sandbox_err(id, format!("rename {}: {e}", from.display())))?;
         }
         // The warm name's disk promise went with its disk; its layers are the sandbox's.
-        drop(self.holdings.remove(&warm.name));
+        drop(self.node.holdings.remove(&warm.name));
         opening.use_layers(spec.image.layers.clone());
         Ok(())
     }

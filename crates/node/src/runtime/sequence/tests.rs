@@ -4,15 +4,27 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use sandbar_core::{BuildStatus, EgressRules, LaunchSpec, Template, TemplateImage};
+use sandbar_core::{
+    BuildStatus, EgressRules, Endpoint, LaunchSpec, RuntimeError, Template, TemplateImage,
+};
+use sandbar_jail::IdMap;
 
-use super::*;
-use crate::resources::cgroups::CpuPriority;
+use super::{
+    BootFailure, boot, dump_frozen, end_dumped, restore_in_slot, settle_and_freeze, stop, teardown,
+    undo_failed_boot,
+};
+use crate::net::netns::SlotSet;
+use crate::resources::cgroups::{CpuPriority, Limits};
 use crate::resources::memory::MemoryRule;
+use crate::runtime::handle::{Handle, Phase};
+use crate::runtime::holdings::{Holdings, Opening, SlotHold};
+use crate::runtime::host::{CriuDump, DiskSource, HostOps};
 use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
 use crate::runtime::ledger::ResourceLedger;
 use crate::runtime::restore::SlotRestore;
+use crate::runtime::sandbox_err;
 
 const PATIENCE: Duration = Duration::from_secs(1);
 
@@ -296,6 +308,45 @@ impl Node {
             .unwrap();
     }
 
+    /// Pauses sandbox `id` to disk as the node does: frozen once settled, dumped (again after
+    /// a thaw if a connection from the host was in the way), then what the dump left ended.
+    async fn pause_to_disk(&self, id: &str, handle: &Handle) -> Result<(), RuntimeError> {
+        settle_and_freeze(&self.host, id, PATIENCE)
+            .await
+            .map_err(|e| sandbox_err(id, e))?;
+        let criu = crate::checkpoint::Criu {
+            path: PathBuf::from("/usr/sbin/criu"),
+            version: "4.1.1".into(),
+            kdat_dir: PathBuf::from("/run/criu"),
+        };
+        let plan = crate::checkpoint::DumpPlan {
+            args: Vec::new(),
+            externals: Vec::new(),
+            listener_inode: 1,
+            agent_digest: None,
+        };
+        let freezer = PathBuf::from(format!("/freezer/{id}"));
+        let images = PathBuf::from(format!("/checkpoints/{id}"));
+        let dump = CriuDump {
+            init: handle,
+            criu: &criu,
+            freezer: &freezer,
+            images: &images,
+            plan: &plan,
+            leave_running: false,
+        };
+        dump_frozen(
+            &self.host,
+            id,
+            PATIENCE,
+            |e| sandbox_err(id, e),
+            || self.host.dump(id, &dump),
+        )
+        .await?;
+        end_dumped(&self.host, &self.holdings, id).await;
+        Ok(())
+    }
+
     /// Nothing is held by the node or made on the host.
     fn is_empty(&self) -> bool {
         self.host.state().is_empty()
@@ -424,6 +475,51 @@ async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
         node.teardown("s", Some(&released)).await;
         assert!(node.is_empty(), "{step}: {:?}", node.host.state());
     }
+}
+
+#[tokio::test]
+async fn a_pause_to_disk_freezes_dumps_then_ends_what_the_dump_left() {
+    let node = Node::new();
+    let handle = node.launch("s", None, false).await.unwrap();
+    node.host.forget_calls();
+    node.pause_to_disk("s", &handle).await.unwrap();
+    assert_eq!(
+        node.host.calls(),
+        [
+            "sockets",
+            "freeze",
+            "dump",
+            "kill_leftovers",
+            "empty_memory",
+            "oom_kills",
+            "remove_agent_socket",
+        ]
+    );
+    let state = node.host.state();
+    assert!(state.agents.is_empty() && state.frozen.is_empty());
+    assert_eq!(node.ledger.promised_mb(), 0);
+    // The restore boots in the slot, disk and cgroups the sandbox kept.
+    assert_eq!(slots_taken(&node.slots).len(), 1);
+    assert_eq!(state.disks.len(), 1);
+    assert_eq!(state.cgroups.len(), 1);
+}
+
+#[tokio::test]
+async fn a_failed_dump_leaves_the_sandbox_frozen_and_thawable() {
+    let node = Node::new();
+    let handle = node.launch("s", None, false).await.unwrap();
+    let promised = node.ledger.promised_mb();
+    node.host.forget_calls();
+    node.host.fail_next("dump");
+    let err = node.pause_to_disk("s", &handle).await.unwrap_err();
+    assert!(err.to_string().contains("dump failed"), "{err}");
+    // No connection from the host was held: the dump is not tried again.
+    assert_eq!(node.host.calls(), ["sockets", "freeze", "dump", "sockets"]);
+    let state = node.host.state();
+    assert!(state.frozen.contains("s") && state.agents.contains("s"));
+    assert_eq!(node.ledger.promised_mb(), promised);
+    node.host.thaw("s").unwrap();
+    assert!(node.host.state().frozen.is_empty());
 }
 
 #[tokio::test]

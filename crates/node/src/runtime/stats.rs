@@ -1,0 +1,145 @@
+//! What the node reports of its sandboxes and itself: usage, memory, disks, the warm pool and
+//! agent logs.
+
+use std::sync::Arc;
+
+use sandbar_core::AgentLogChunk;
+
+use super::state::NodeState;
+
+/// Reports what the node's sandboxes use and what the node has left.
+#[derive(Debug, Clone)]
+pub(super) struct NodeReports {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl NodeReports {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
+
+impl NodeReports {
+    pub(super) fn agent_log(
+        &self,
+        sandbox_id: &str,
+        offset: u64,
+        max: usize,
+    ) -> Option<AgentLogChunk> {
+        let log = crate::runtime::agent_log::AgentLog::new(self.node.places.log_path(sandbox_id));
+        // Checked where the server reads the log, every few seconds while the sandbox runs.
+        // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
+        let rotated = log.rotate_if_over(self.node.config.agent_log_rotate_bytes, || {
+            !self.node.cgroups.is_frozen(sandbox_id)
+        });
+        if let Err(e) = rotated {
+            tracing::warn!(sandbox_id, error = %e, "cannot rotate the agent log");
+        }
+        log.read(offset, max)
+    }
+
+    pub(super) fn stats(&self, sandbox_id: &str) -> Option<sandbar_core::runtime::RuntimeStats> {
+        let cgroup = self.node.cgroups.stats(sandbox_id)?;
+        let disk = self.node.disks.usage(sandbox_id);
+        Some(sandbar_core::runtime::RuntimeStats {
+            cpu_ns: cgroup.cpu_ns,
+            memory_used: cgroup.memory_used,
+            memory_cache: cgroup.memory_cache,
+            disk_used: disk.map_or(0, |d| d.used),
+            disk_total: disk.map_or(0, |d| d.total),
+            oom_kills: self.node.cgroups.oom_kills(sandbox_id).unwrap_or(0),
+        })
+    }
+
+    pub(super) fn is_paused(&self, sandbox_id: &str) -> bool {
+        self.node.cgroups.is_frozen(sandbox_id)
+    }
+
+    pub(super) fn disk_io(&self) -> Option<sandbar_core::DiskIoReport> {
+        let counts = self.node.cgroups.io_counts(None)?;
+        let rates = self.node.cgroups.io_throttle().rates;
+        Some(sandbar_core::DiskIoReport {
+            read_bytes_limit: rates.read_bytes,
+            write_bytes_limit: rates.write_bytes,
+            read_ops_limit: rates.read_ops,
+            write_ops_limit: rates.write_ops,
+            read_bytes: counts.read_bytes,
+            write_bytes: counts.write_bytes,
+            read_ops: counts.read_ops,
+            write_ops: counts.write_ops,
+        })
+    }
+
+    pub(super) fn memory(&self) -> Option<sandbar_core::MemoryReport> {
+        let host = self.node.memory_view()?;
+        let promised = self.node.ledger.promised_mb();
+        Some(sandbar_core::MemoryReport {
+            total_bytes: host.total_mb << 20,
+            available_bytes: host.available_mb << 20,
+            promised_bytes: promised << 20,
+            promise_limit_bytes: self.node.ledger.memory_rule().promise_limit_mb(&host) << 20,
+            overcommit: self.node.ledger.memory_rule().overcommit,
+            stalled_percent: host.stalled_percent,
+        })
+    }
+
+    pub(super) fn warm_pool(&self) -> Option<sandbar_core::WarmPoolReport> {
+        let report = self.node.warm.report();
+        Some(sandbar_core::WarmPoolReport {
+            target: report.target as u64,
+            waiting: report.waiting as u64,
+            taken: report.taken,
+            missed: report.missed,
+        })
+    }
+
+    pub(super) fn data_disk(&self) -> Option<sandbar_core::DiskSpace> {
+        let data_dir = &self.node.config.data_dir;
+        let space = crate::storage::disks::Space::of(data_dir).ok()?;
+        Some(sandbar_core::DiskSpace {
+            path: data_dir.clone(),
+            size_bytes: space.size,
+            free_bytes: space.free,
+            reserve_bytes: self.node.config.data_reserve_bytes,
+            read_only: space.read_only,
+        })
+    }
+
+    pub(super) fn disks(&self) -> sandbar_core::DiskReport {
+        let pool = self.node.disks.report();
+        sandbar_core::DiskReport {
+            data: self.data_disk(),
+            pool: pool.map(|p| sandbar_core::DiskSpace {
+                path: self.node.disks.dir().to_path_buf(),
+                size_bytes: p.space.size,
+                free_bytes: p.space.free,
+                reserve_bytes: p.reserve,
+                read_only: p.space.read_only,
+            }),
+            pool_promised_bytes: pool.map_or(0, |p| p.promised),
+            pool_promise_limit_bytes: pool.map_or(0, |p| p.promise_limit),
+            pool_holds: pool.map(|p| {
+                let disk = u64::from(self.node.config.default_disk_mb) << 20;
+                let holds = crate::storage::disks::PoolHolds::of(
+                    p.space.size,
+                    p.reserve,
+                    p.overcommit,
+                    disk,
+                );
+                sandbar_core::PoolHolds {
+                    default_disk_bytes: disk,
+                    filled: holds.filled,
+                    admitted: holds.promised,
+                }
+            }),
+        }
+    }
+
+    pub(super) fn oom_kills(&self) -> u64 {
+        self.node
+            .ledger
+            .oom_kills(|id| self.node.cgroups.oom_kills(id))
+    }
+}
