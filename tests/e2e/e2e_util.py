@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import secrets
 import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import httpx
 
@@ -122,6 +126,85 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+
+
+@contextlib.contextmanager
+def stand_in_internet(
+    ns_prefix: str, link_prefix: str, subnet: str, served: Sequence[str], workdir_prefix: str
+) -> Iterator[Tuple[str, int, str]]:
+    """A network namespace `<ns_prefix><random>` that stands in for the internet: joined to the
+    host by a veth pair on a free /30 of `<subnet>.x`, holding each of `served` on its loopback
+    behind a /32 host route that is checked to lead there. Skips the test where any of `served`
+    is already routed on this host. Yields (namespace, a free port, a fresh working directory);
+    removes the routes, the namespace, the link and the directory after."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    routes = sh("ip", "-4", "route").stdout + sh("ip", "-4", "addr").stdout
+    for address in served:
+        if address in routes:
+            pytest.skip(f"{address} is already routed on this host")
+    for _ in range(50):
+        r = random.randint(1, 254)
+        if f"{subnet}.{r}." not in routes:
+            break
+    else:
+        pytest.skip(f"no free {subnet}.x.0/30 subnet")
+    suffix = secrets.token_hex(3)
+    ns = f"{ns_prefix}{suffix}"
+    host_if, ns_if = f"{link_prefix}h{suffix}", f"{link_prefix}n{suffix}"
+    host_ip, ns_ip = f"{subnet}.{r}.1", f"{subnet}.{r}.2"
+    port = random.randint(20000, 30000)
+    workdir = tempfile.mkdtemp(prefix=workdir_prefix)
+    routed = []
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", ns)
+        sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
+        sh("ip", "-n", ns, "link", "set", ns_if, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        for address in served:
+            sh("ip", "-n", ns, "addr", "add", f"{address}/32", "dev", "lo")
+            sh("ip", "route", "add", f"{address}/32", "via", ns_ip, "dev", host_if)
+            routed.append(address)
+            got = sh("ip", "-4", "route", "get", address).stdout
+            assert f"dev {host_if}" in got, f"{address} would not go to the test namespace: {got}"
+        yield ns, port, workdir
+    finally:
+        for address in routed:
+            sh("ip", "route", "del", f"{address}/32", check=False)
+        sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", host_if, check=False)
+        subprocess.run(["rm", "-rf", workdir], check=False)
+
+
+@contextlib.contextmanager
+def running_in_namespace(ns: str, argv: Sequence[str], output=subprocess.DEVNULL) -> Iterator[subprocess.Popen]:
+    """`argv` run inside the network namespace `ns`, its output and errors to `output`; killed
+    after."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def wait_until(
@@ -710,3 +793,13 @@ def checkpoints_off(server: "SandbarServer") -> Optional[str]:
         return None
     off = [l for l in text.splitlines() if "checkpoints are off" in l]
     return re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+
+
+def require_checkpoints(server: "SandbarServer", what: str = "checkpoint") -> None:
+    """Skips the test where the server cannot `what` for want of a usable CRIU."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    reason = checkpoints_off(server)
+    if reason:
+        pytest.skip(f"the server cannot {what}: {reason}")

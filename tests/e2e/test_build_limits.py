@@ -16,7 +16,6 @@ import gzip
 import hashlib
 import io
 import json
-import subprocess
 import tarfile
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import List, Set
 import httpx
 import pytest
 
-from e2e_util import UPLOAD_TTL_S, UPLOADS_PER_TEAM, unique, wait_until
+from e2e_util import UPLOADS_PER_TEAM, UPLOAD_TTL_S, sandbar_cli, unique, wait_until
 
 # The server's own caps on a step's output (crates/node/src/build/build_output.rs).
 LINE_BYTES = 8 << 10
@@ -36,21 +35,10 @@ RSS_SLACK_KIB = 16 << 10
 _BUILT: Set[str] = set()
 
 
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def team(sandbar) -> dict:
     """A team of its own, so the count cap sees only this module's uploads."""
-    return json.loads(_cli(sandbar, "team", "create", unique("limits"), "--requests-per-minute", "0"))
+    return json.loads(sandbar_cli(sandbar, "team", "create", unique("limits"), "--requests-per-minute", "0"))
 
 
 @pytest.fixture(scope="module", autouse=True)
