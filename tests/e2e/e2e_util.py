@@ -35,6 +35,8 @@ METRICS_TOKEN = "e2e-metrics-" + uuid.uuid4().hex
 METRICS_HEADERS = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 DEFAULT_DOMAIN = "sandbar.localhost"
 ENVD_PORT = 49983
+# Where the SDK sends its requests.
+SDK_URL_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -184,6 +186,22 @@ def stand_in_internet(
         sh("ip", "netns", "del", ns, check=False)
         sh("ip", "link", "del", host_if, check=False)
         subprocess.run(["rm", "-rf", workdir], check=False)
+
+
+@contextlib.contextmanager
+def stand_in_web(
+    ns_prefix: str, link_prefix: str, subnet: str, served: Sequence[str], workdir_prefix: str, marker_prefix: str
+) -> Iterator[Tuple[str, int, str, Path]]:
+    """A [`stand_in_internet`] serving HTTP on every one of `served` from its working directory,
+    whose `marker.txt` holds a random marker. Yields (namespace, port, marker, the server's access
+    log)."""
+    with stand_in_internet(ns_prefix, link_prefix, subnet, served, workdir_prefix) as (ns, port, webroot):
+        marker = marker_prefix + secrets.token_hex(8)
+        Path(webroot, "marker.txt").write_text(marker)
+        log_path = Path(webroot) / "access.log"
+        server = ["python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot]
+        with open(log_path, "wb") as log, running_in_namespace(ns, server, output=log):
+            yield ns, port, marker, log_path
 
 
 @contextlib.contextmanager
@@ -793,6 +811,35 @@ def checkpoints_off(server: "SandbarServer") -> Optional[str]:
         return None
     off = [l for l in text.splitlines() if "checkpoints are off" in l]
     return re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+
+
+@contextlib.contextmanager
+def shared_server_set_aside(shared: "SandbarServer", shared_base: Path) -> Iterator[None]:
+    """Stops the suite's shared server so that a module can run its own, which borrows the
+    default template built at `shared_base` (skipping the module where there is none); after,
+    points the SDK back at the shared server and starts it again."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    if not (shared_base / "complete").exists():
+        pytest.skip(f"no built default template at {shared_base} to borrow")
+    shared.stop(kill9=False)
+    old_env = {k: os.environ.get(k) for k in SDK_URL_VARS}
+    try:
+        yield
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shared.start()
+        shared.wait_healthy(timeout=60)
+
+
+def point_sdk_at(url: str) -> None:
+    for k in SDK_URL_VARS:
+        os.environ[k] = url
 
 
 def require_checkpoints(server: "SandbarServer", what: str = "checkpoint") -> None:

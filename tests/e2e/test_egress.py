@@ -12,14 +12,13 @@ resolver (`fake_dns`), never a real one.
 import secrets
 import shlex
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.sandbox.network import ALL_TRAFFIC
 
-from e2e_util import running_in_namespace, stand_in_internet, wait_until
+from e2e_util import stand_in_web, wait_until
 
 PUBLIC_A, PUBLIC_B, PUBLIC_C, PUBLIC_D = ("192.88.99.21", "192.88.99.22", "192.88.99.23", "192.88.99.24")
 PRIVATE = ("10.255.78.7", "100.100.100.200", "168.63.129.16")
@@ -47,16 +46,11 @@ def resolve_cmd(name):
 def internet():
     """A namespace serving HTTP on PUBLIC_* and PRIVATE, reached through /32 host routes."""
     served_all = (PUBLIC_A, PUBLIC_B, PUBLIC_C, PUBLIC_D, *PRIVATE)
-    with stand_in_internet("sbtest-egr-", "sbte", "10.253", served_all, "sbtest-egr-www-") as (ns, port, webroot):
-        marker = "egress-" + secrets.token_hex(8)
-        Path(webroot, "marker.txt").write_text(marker)
-        log_path = Path(webroot) / "access.log"
-        server = ["python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot]
-        with open(log_path, "wb") as log, running_in_namespace(ns, server, output=log):
-            for served in served_all:
-                url = f"http://{served}:{port}/marker.txt"
-                wait_until(lambda: httpx.get(url, timeout=2).text == marker, timeout=20, message=f"the web server on {served}")
-            yield {"port": port, "marker": marker, "log": log_path}
+    with stand_in_web("sbtest-egr-", "sbte", "10.253", served_all, "sbtest-egr-www-", "egress-") as (ns, port, marker, log_path):
+        for served in served_all:
+            url = f"http://{served}:{port}/marker.txt"
+            wait_until(lambda: httpx.get(url, timeout=2).text == marker, timeout=20, message=f"the web server on {served}")
+        yield {"port": port, "marker": marker, "log": log_path}
 
 
 def url_of(internet, host, path="marker.txt"):

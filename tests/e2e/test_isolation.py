@@ -26,10 +26,9 @@ from e2e_util import (
     REPO_ROOT,
     host_links,
     host_mounts_mentioning,
-    running_in_namespace,
     sandbox_cgroup_dirs,
     sh,
-    stand_in_internet,
+    stand_in_web,
     wait_until,
 )
 
@@ -473,27 +472,22 @@ FAKE_PRIVATE_IPS = ("10.255.77.7", "100.100.100.200", "168.63.129.16")
 def fake_internet():
     """A network namespace with a web server on several addresses, reached through /32 routes."""
     served_all = (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS)
-    with stand_in_internet("sbtest-inet-", "sbt", "10.254", served_all, "sbtest-www-") as (ns, port, webroot):
-        marker = "internet-" + secrets.token_hex(8)
-        Path(webroot, "marker.txt").write_text(marker)
-        log_path = Path(webroot) / "access.log"
-        server = ["python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot]
-        with open(log_path, "wb") as log, running_in_namespace(ns, server, output=log):
-            url = f"http://{FAKE_PUBLIC_IP}:{port}/marker.txt"
-            wait_until(
-                lambda: httpx.get(url, timeout=2).text == marker,
-                timeout=20,
-                message="the web server in the test namespace",
-            )
-            yield {
-                "ip": FAKE_PUBLIC_IP,
-                "port": port,
-                "url": url,
-                "marker": marker,
-                "log": log_path,
-                "ns": ns,
-                "private_ips": FAKE_PRIVATE_IPS,
-            }
+    with stand_in_web("sbtest-inet-", "sbt", "10.254", served_all, "sbtest-www-", "internet-") as (ns, port, marker, log_path):
+        url = f"http://{FAKE_PUBLIC_IP}:{port}/marker.txt"
+        wait_until(
+            lambda: httpx.get(url, timeout=2).text == marker,
+            timeout=20,
+            message="the web server in the test namespace",
+        )
+        yield {
+            "ip": FAKE_PUBLIC_IP,
+            "port": port,
+            "url": url,
+            "marker": marker,
+            "log": log_path,
+            "ns": ns,
+            "private_ips": FAKE_PRIVATE_IPS,
+        }
 
 
 def test_egress_allowed_by_default(sandbox, fake_internet):
