@@ -7,6 +7,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import re
 import signal
 import socket
@@ -811,6 +812,41 @@ def checkpoints_off(server: "SandbarServer") -> Optional[str]:
         return None
     off = [l for l in text.splitlines() if "checkpoints are off" in l]
     return re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+
+
+JS_DIR = Path(__file__).resolve().parent / "js"
+
+
+def node_binary() -> str:
+    """The `node` to run the JS tests with, once the npm SDK is installed beside them."""
+    node = shutil.which("node")
+    assert node, "node is required for the JS tests (install nodejs)"
+    assert (JS_DIR / "node_modules" / "e2b").is_dir(), f"the npm e2b SDK is not installed: run `npm ci --prefix {JS_DIR}`"
+    return node
+
+
+def sdk_env(server: "SandbarServer", **extra: str) -> Dict[str, str]:
+    """This process's environment with the SDK pointed at `server`, and `extra`."""
+    return dict(
+        os.environ,
+        E2B_API_URL=server.url,
+        E2B_SANDBOX_URL=server.url,
+        E2B_API_KEY=server.api_key,
+        **extra,
+    )
+
+
+def run_node_test(server: "SandbarServer", name: str, timeout: float = 180, **extra_env: str) -> None:
+    """Runs js/`name` under node's test runner against `server`; fails the test where it fails."""
+    result = subprocess.run(
+        [node_binary(), "--test", "--test-reporter=spec", str(JS_DIR / name)],
+        cwd=JS_DIR,
+        env=sdk_env(server, **extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"node test failed:\n{result.stdout}\n{result.stderr}"
 
 
 @contextlib.contextmanager
