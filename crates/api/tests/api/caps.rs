@@ -11,11 +11,11 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use sandbar_api::router;
 use sandbar_core::TeamCaps;
-use sandbar_core::auth::TeamLimits;
+use sandbar_core::auth::{Credentials, TeamLimits};
+use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Value, json};
 
 use common::{FakeRuntime, Setup};
-use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 
 const MIB: u64 = 1 << 20;
 
@@ -34,9 +34,7 @@ struct Harness {
     dir: tempfile::TempDir,
     app: axum::Router,
     runtime: Arc<FakeRuntime>,
-    team_id: String,
-    key: String,
-    token: String,
+    creds: Credentials,
 }
 
 struct Reply {
@@ -54,12 +52,9 @@ async fn harness(caps: TeamCaps) -> Harness {
         ..Setup::default()
     })
     .await;
-    let creds = &server.credentials;
     Harness {
         app: router(server.state()),
-        team_id: creds.team_id.clone(),
-        key: creds.api_key.clone(),
-        token: creds.access_token.clone(),
+        creds: server.credentials,
         dir: server.dir,
         runtime: server.runtime,
     }
@@ -78,7 +73,7 @@ impl Harness {
         Request::builder()
             .method(method)
             .uri(path)
-            .header("X-API-Key", &self.key)
+            .header("X-API-Key", &self.creds.api_key)
             .header("content-type", "application/json")
             .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
             .expect("request")
@@ -92,7 +87,10 @@ impl Harness {
         Request::builder()
             .method("POST")
             .uri("/api-keys")
-            .header("Authorization", format!("Bearer {}", self.token))
+            .header(
+                "Authorization",
+                format!("Bearer {}", self.creds.access_token),
+            )
             .header("content-type", "application/json")
             .body(Body::from(r#"{"name":"more"}"#))
             .expect("request")
@@ -135,7 +133,10 @@ impl Harness {
     /// The team's reply at a cap: the status, and the message naming the limit.
     fn assert_refused(&self, reply: &Reply, status: StatusCode, limit: &str) {
         let message = common::error_message(reply.status, &reply.body, status).unwrap_or_default();
-        let expected = format!("team {} has reached its limit of {limit}", self.team_id);
+        let expected = format!(
+            "team {} has reached its limit of {limit}",
+            self.creds.team_id
+        );
         assert!(
             message.starts_with(&expected),
             "{message:?} is not {expected:?}…"
@@ -354,7 +355,7 @@ async fn volume_bytes_past_the_cap_answer_507_to_writes_and_new_volumes() {
     );
     // What a sandbox writes into a mounted volume counts too: past the cap, no new volume.
     let id = data.body["volumeID"].as_str().expect("id");
-    let team_dir = h.dir.path().join("volumes").join(&h.team_id);
+    let team_dir = h.dir.path().join("volumes").join(&h.creds.team_id);
     std::fs::write(
         team_dir.join(id).join("from-a-sandbox"),
         vec![b'y'; MIB as usize],

@@ -9,10 +9,11 @@ use std::collections::BTreeSet;
 
 use axum::http::StatusCode;
 use sandbar_api::router;
+use sandbar_core::auth::Credentials;
+use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Map, Value, json};
 
 use common::{Cred, Setup};
-use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 
 /// The endpoints of E2B's API reference (method, path) that the document must describe.
 const SEED_ENDPOINTS: &[(&str, &str)] = &[
@@ -152,9 +153,7 @@ struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
     doc: Value,
-    team_id: String,
-    key: String,
-    token: String,
+    creds: Credentials,
 }
 
 struct Reply {
@@ -169,13 +168,10 @@ async fn harness() -> Harness {
         ..Setup::default()
     })
     .await;
-    let creds = &server.credentials;
     Harness {
         app: router(server.state()),
         doc: document(),
-        team_id: creds.team_id.clone(),
-        key: creds.api_key.clone(),
-        token: creds.access_token.clone(),
+        creds: server.credentials,
         _dir: server.dir,
     }
 }
@@ -207,11 +203,11 @@ impl Harness {
     }
 
     fn key(&self) -> Cred<'_> {
-        Cred::Key(&self.key)
+        Cred::Key(&self.creds.api_key)
     }
 
     fn bearer(&self) -> Cred<'_> {
-        Cred::Bearer(&self.token)
+        Cred::Bearer(&self.creds.access_token)
     }
 }
 
@@ -573,20 +569,7 @@ async fn template_answers_match_their_schemas() {
             Some(json!({"name": "contract", "tags": ["v1"]})),
         )
         .await;
-    assert_eq!(
-        requested.status,
-        StatusCode::ACCEPTED,
-        "{:?}",
-        requested.body
-    );
-    let template_id = requested.body["templateID"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    let build_id = requested.body["buildID"]
-        .as_str()
-        .expect("build")
-        .to_owned();
+    let (template_id, build_id) = common::requested_build(requested.status, &requested.body);
     let v2 = h
         .checked(
             "POST",
@@ -657,7 +640,7 @@ async fn template_answers_match_their_schemas() {
             "GET",
             logs_t,
             &format!("/templates/{template_id}/builds/{build_id}/logs?direction=backward&limit=5"),
-            Cred::Bearer(&h.token),
+            Cred::Bearer(&h.creds.access_token),
             None,
         )
         .await;
@@ -841,7 +824,7 @@ async fn key_token_team_and_volume_answers_match_their_schemas() {
     );
 
     let k = h.key();
-    let team = &h.team_id;
+    let team = &h.creds.team_id;
     for (template, uri, status) in [
         (
             "/teams/{teamID}/metrics",

@@ -387,20 +387,7 @@ impl Harness {
                 Some(&format!(r#"{{"name":"{name}"}}"#)),
             )
             .await;
-        assert_eq!(
-            requested.status,
-            StatusCode::ACCEPTED,
-            "{:?}",
-            requested.body
-        );
-        let template_id = requested.body["templateID"]
-            .as_str()
-            .expect("template")
-            .to_owned();
-        let build_id = requested.body["buildID"]
-            .as_str()
-            .expect("build")
-            .to_owned();
+        let (template_id, build_id) = common::requested_build(requested.status, &requested.body);
         if start {
             let started = self
                 .api(

@@ -344,3 +344,15 @@ pub fn retry_after(headers: &HeaderMap) -> u64 {
         .parse()
         .expect("seconds")
 }
+
+/// The template and build IDs of an accepted build request's answer.
+pub fn requested_build(status: StatusCode, body: &Value) -> (String, String) {
+    assert_eq!(status, StatusCode::ACCEPTED, "{body:?}");
+    let id = |field: &str| {
+        body[field]
+            .as_str()
+            .unwrap_or_else(|| panic!("{field} in {body:?}"))
+            .to_owned()
+    };
+    (id("templateID"), id("buildID"))
+}
