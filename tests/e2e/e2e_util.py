@@ -266,6 +266,15 @@ def sandbar_cgroup_parents() -> List[Path]:
     return parents
 
 
+def rss_kib(pid: int) -> int:
+    """The resident memory of process `pid`, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
 def sandbox_cgroup_dirs(sandbox_id: Optional[str] = None) -> Set[str]:
     """Existing per-sandbox cgroup directories (optionally only for one sandbox)."""
     found = set()
