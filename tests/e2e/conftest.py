@@ -306,6 +306,12 @@ def registry():
         reg.close()
 
 
+@pytest.fixture(scope="module")
+def tiny1(registry) -> str:
+    """The fixture image `e2e/tiny:1` on the open local registry."""
+    return registry.image("e2e/tiny:1")
+
+
 @pytest.fixture(scope="session")
 def base_template(sandbar) -> dict:
     return sandbar.base_template or sandbar.wait_base_template()

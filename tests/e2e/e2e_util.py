@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
+import secrets
+import shutil
 import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import httpx
 
@@ -31,6 +36,8 @@ METRICS_TOKEN = "e2e-metrics-" + uuid.uuid4().hex
 METRICS_HEADERS = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 DEFAULT_DOMAIN = "sandbar.localhost"
 ENVD_PORT = 49983
+# Where the SDK sends its requests.
+SDK_URL_VARS = ("E2B_API_URL", "E2B_SANDBOX_URL")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -124,6 +131,101 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+
+
+@contextlib.contextmanager
+def stand_in_internet(
+    ns_prefix: str, link_prefix: str, subnet: str, served: Sequence[str], workdir_prefix: str
+) -> Iterator[Tuple[str, int, str]]:
+    """A network namespace `<ns_prefix><random>` that stands in for the internet: joined to the
+    host by a veth pair on a free /30 of `<subnet>.x`, holding each of `served` on its loopback
+    behind a /32 host route that is checked to lead there. Skips the test where any of `served`
+    is already routed on this host. Yields (namespace, a free port, a fresh working directory);
+    removes the routes, the namespace, the link and the directory after."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    routes = sh("ip", "-4", "route").stdout + sh("ip", "-4", "addr").stdout
+    for address in served:
+        if address in routes:
+            pytest.skip(f"{address} is already routed on this host")
+    for _ in range(50):
+        r = random.randint(1, 254)
+        if f"{subnet}.{r}." not in routes:
+            break
+    else:
+        pytest.skip(f"no free {subnet}.x.0/30 subnet")
+    suffix = secrets.token_hex(3)
+    ns = f"{ns_prefix}{suffix}"
+    host_if, ns_if = f"{link_prefix}h{suffix}", f"{link_prefix}n{suffix}"
+    host_ip, ns_ip = f"{subnet}.{r}.1", f"{subnet}.{r}.2"
+    port = random.randint(20000, 30000)
+    workdir = tempfile.mkdtemp(prefix=workdir_prefix)
+    routed = []
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        sh("ip", "link", "set", ns_if, "netns", ns)
+        sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
+        sh("ip", "link", "set", host_if, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
+        sh("ip", "-n", ns, "link", "set", ns_if, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
+        for address in served:
+            sh("ip", "-n", ns, "addr", "add", f"{address}/32", "dev", "lo")
+            sh("ip", "route", "add", f"{address}/32", "via", ns_ip, "dev", host_if)
+            routed.append(address)
+            got = sh("ip", "-4", "route", "get", address).stdout
+            assert f"dev {host_if}" in got, f"{address} would not go to the test namespace: {got}"
+        yield ns, port, workdir
+    finally:
+        for address in routed:
+            sh("ip", "route", "del", f"{address}/32", check=False)
+        sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", host_if, check=False)
+        subprocess.run(["rm", "-rf", workdir], check=False)
+
+
+@contextlib.contextmanager
+def stand_in_web(
+    ns_prefix: str, link_prefix: str, subnet: str, served: Sequence[str], workdir_prefix: str, marker_prefix: str
+) -> Iterator[Tuple[str, int, str, Path]]:
+    """A [`stand_in_internet`] serving HTTP on every one of `served` from its working directory,
+    whose `marker.txt` holds a random marker. Yields (namespace, port, marker, the server's access
+    log)."""
+    with stand_in_internet(ns_prefix, link_prefix, subnet, served, workdir_prefix) as (ns, port, webroot):
+        marker = marker_prefix + secrets.token_hex(8)
+        Path(webroot, "marker.txt").write_text(marker)
+        log_path = Path(webroot) / "access.log"
+        server = ["python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot]
+        with open(log_path, "wb") as log, running_in_namespace(ns, server, output=log):
+            yield ns, port, marker, log_path
+
+
+@contextlib.contextmanager
+def running_in_namespace(ns: str, argv: Sequence[str], output=subprocess.DEVNULL) -> Iterator[subprocess.Popen]:
+    """`argv` run inside the network namespace `ns`, its output and errors to `output`; killed
+    after."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", ns, *argv],
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def wait_until(
     predicate: Callable[[], object],
     timeout: float,
@@ -162,6 +264,15 @@ def sandbar_cgroup_parents() -> List[Path]:
         if (CGROUP_ROOT / "sandbar").is_dir():
             parents.append(CGROUP_ROOT / "sandbar")
     return parents
+
+
+def rss_kib(pid: int) -> int:
+    """The resident memory of process `pid`, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def sandbox_cgroup_dirs(sandbox_id: Optional[str] = None) -> Set[str]:
@@ -710,3 +821,77 @@ def checkpoints_off(server: "SandbarServer") -> Optional[str]:
         return None
     off = [l for l in text.splitlines() if "checkpoints are off" in l]
     return re.sub(r"\x1b\[[0-9;]*m", "", off[-1]) if off else "no CRIU probe line in the server log"
+
+
+JS_DIR = Path(__file__).resolve().parent / "js"
+
+
+def node_binary() -> str:
+    """The `node` to run the JS tests with, once the npm SDK is installed beside them."""
+    node = shutil.which("node")
+    assert node, "node is required for the JS tests (install nodejs)"
+    assert (JS_DIR / "node_modules" / "e2b").is_dir(), f"the npm e2b SDK is not installed: run `npm ci --prefix {JS_DIR}`"
+    return node
+
+
+def sdk_env(server: "SandbarServer", **extra: str) -> Dict[str, str]:
+    """This process's environment with the SDK pointed at `server`, and `extra`."""
+    return dict(
+        os.environ,
+        E2B_API_URL=server.url,
+        E2B_SANDBOX_URL=server.url,
+        E2B_API_KEY=server.api_key,
+        **extra,
+    )
+
+
+def run_node_test(server: "SandbarServer", name: str, timeout: float = 180, **extra_env: str) -> None:
+    """Runs js/`name` under node's test runner against `server`; fails the test where it fails."""
+    result = subprocess.run(
+        [node_binary(), "--test", "--test-reporter=spec", str(JS_DIR / name)],
+        cwd=JS_DIR,
+        env=sdk_env(server, **extra_env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert result.returncode == 0, f"node test failed:\n{result.stdout}\n{result.stderr}"
+
+
+@contextlib.contextmanager
+def shared_server_set_aside(shared: "SandbarServer", shared_base: Path) -> Iterator[None]:
+    """Stops the suite's shared server so that a module can run its own, which borrows the
+    default template built at `shared_base` (skipping the module where there is none); after,
+    points the SDK back at the shared server and starts it again."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    if not (shared_base / "complete").exists():
+        pytest.skip(f"no built default template at {shared_base} to borrow")
+    shared.stop(kill9=False)
+    old_env = {k: os.environ.get(k) for k in SDK_URL_VARS}
+    try:
+        yield
+    finally:
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shared.start()
+        shared.wait_healthy(timeout=60)
+
+
+def point_sdk_at(url: str) -> None:
+    for k in SDK_URL_VARS:
+        os.environ[k] = url
+
+
+def require_checkpoints(server: "SandbarServer", what: str = "checkpoint") -> None:
+    """Skips the test where the server cannot `what` for want of a usable CRIU."""
+    # The benchmarks import this module without pytest installed.
+    import pytest
+
+    reason = checkpoints_off(server)
+    if reason:
+        pytest.skip(f"the server cannot {what}: {reason}")

@@ -477,11 +477,6 @@ def builds(sandbar):
         b.delete_all()
 
 
-@pytest.fixture(scope="module")
-def tiny1(registry) -> str:
-    return registry.image("e2e/tiny:1")
-
-
 @dataclass
 class HostileImages:
     etc_link: str  # top layer: etc -> <victim>

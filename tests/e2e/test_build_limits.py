@@ -16,7 +16,6 @@ import gzip
 import hashlib
 import io
 import json
-import subprocess
 import tarfile
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import List, Set
 import httpx
 import pytest
 
-from e2e_util import UPLOAD_TTL_S, UPLOADS_PER_TEAM, unique, wait_until
+from e2e_util import UPLOADS_PER_TEAM, UPLOAD_TTL_S, rss_kib, sandbar_cli, unique, wait_until
 
 # The server's own caps on a step's output (crates/node/src/build/build_output.rs).
 LINE_BYTES = 8 << 10
@@ -36,21 +35,10 @@ RSS_SLACK_KIB = 16 << 10
 _BUILT: Set[str] = set()
 
 
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def team(sandbar) -> dict:
     """A team of its own, so the count cap sees only this module's uploads."""
-    return json.loads(_cli(sandbar, "team", "create", unique("limits"), "--requests-per-minute", "0"))
+    return json.loads(sandbar_cli(sandbar, "team", "create", unique("limits"), "--requests-per-minute", "0"))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -139,14 +127,6 @@ def test_uploads_are_capped_per_team_and_removed_after_their_ttl(sandbar, team):
             local.client.close()
 
 
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def _build(api: httpx.Client, command: str, timeout: float = 120) -> tuple:
     name = unique("noisy")
     _BUILT.add(name)
@@ -193,13 +173,13 @@ def test_a_step_printing_a_gigabyte_without_newlines_leaves_the_server_flat(sand
         _, _, warm = _build(api, "head -c 67108864 /dev/zero | tr '\\0' a")
         assert warm["status"] == "ready", warm
 
-        before = _rss_kib(pid)
+        before = rss_kib(pid)
         peak = [before]
         done = threading.Event()
 
         def sample():
             while not done.wait(0.1):
-                peak[0] = max(peak[0], _rss_kib(pid))
+                peak[0] = max(peak[0], rss_kib(pid))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -210,7 +190,7 @@ def test_a_step_printing_a_gigabyte_without_newlines_leaves_the_server_flat(sand
             done.set()
             sampler.join()
         took = time.monotonic() - started
-        after = _rss_kib(pid)
+        after = rss_kib(pid)
         print(
             f"\n[e2e] 1 GiB step in {took:.1f} s; server VmRSS {before} KiB before, "
             f"{peak[0]} KiB at most, {after} KiB after"

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -24,25 +23,14 @@ from typing import Dict, List, Optional, Tuple
 import httpx
 import pytest
 
-from e2e_util import sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import sandbar_cli, sandbox_cgroup_dirs, unique, wait_until
 
 CANCELLED = "the build was cancelled by request"
 STEP_LIMIT_S = 5
 
 
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
-
-
 def _team(sandbar, name: str) -> dict:
-    return json.loads(_cli(sandbar, "team", "create", unique(name), "--requests-per-minute", "0"))
+    return json.loads(sandbar_cli(sandbar, "team", "create", unique(name), "--requests-per-minute", "0"))
 
 
 class Tenant:

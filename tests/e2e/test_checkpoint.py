@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 from e2b import PtySize, Sandbox, SandboxException
 
-from e2e_util import COUNTER, checkpoints_off, read_count, sandbox_cgroup_dirs, wait_until
+from e2e_util import COUNTER, read_count, require_checkpoints, sandbox_cgroup_dirs, wait_until
 
 
 @pytest.fixture(scope="module")
 def checkpoints(sandbar):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     return sandbar
 
 

@@ -17,19 +17,14 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox, SandboxException, Volume
 
-from e2e_util import checkpoints_off, unique, wait_until
+from e2e_util import require_checkpoints, unique, wait_until
+from test_checkpoint import header_of
 
 
 @pytest.fixture(scope="module")
 def checkpoints(sandbar):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     return sandbar
-
-
-def header_of(sandbar, sandbox_id: str) -> Path:
-    return sandbar.data_dir / "checkpoints" / sandbox_id / "header"
 
 
 def gone(sandbar, sandbox_id: str) -> bool:

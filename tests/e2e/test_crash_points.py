@@ -18,9 +18,9 @@ from e2b import Sandbox
 from e2e_util import (
     COUNTER,
     DATA_DIR,
-    checkpoints_off,
     host_mounts_mentioning,
     read_count,
+    require_checkpoints,
     sandbox_cgroup_dirs,
     state_of,
     wait_until,
@@ -30,9 +30,7 @@ from test_checkpoint import header_of, wait_checkpointed
 
 @pytest.fixture(scope="module")
 def crashable(sandbar):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     yield sandbar
     # Whatever happened, the next module gets an unarmed server.
     if sandbar.extra_env or sandbar.proc is None or sandbar.proc.poll() is not None:

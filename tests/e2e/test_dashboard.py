@@ -7,13 +7,12 @@ e2e log dir."""
 
 import json
 import re
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from e2e_util import LOG_DIR, unique
+from e2e_util import LOG_DIR, sandbar_cli, unique
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -22,17 +21,6 @@ SHOTS = LOG_DIR / "dashboard"
 # Tenant-controlled text that would run if a page rendered it unescaped.
 XSS = "<script>window.__pwned=1</script>"
 XSS_FILE = "<script>x=1.txt"
-
-
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +244,7 @@ def test_dashboard_in_a_browser(sandbar, browser):
 
 
 def test_second_team_sees_none_of_the_first_ones(sandbar, browser, sandbox):
-    team = json.loads(_cli(sandbar, "team", "create", unique("dashteam")))
+    team = json.loads(sandbar_cli(sandbar, "team", "create", unique("dashteam")))
     context, page, _ = _signed_in(browser, sandbar, team["apiKey"])
     try:
         page.goto("/dashboard/sandboxes")

@@ -32,7 +32,17 @@ import httpx
 import pytest
 
 import conftest
-from e2e_util import BASE_ROOT, METRICS_HEADERS, SANDBAR_BIN, SandbarServer, free_port, private_binaries, wait_until
+from e2e_util import (
+    BASE_ROOT,
+    METRICS_HEADERS,
+    SANDBAR_BIN,
+    SandbarServer,
+    free_port,
+    point_sdk_at,
+    private_binaries,
+    shared_server_set_aside,
+    wait_until,
+)
 
 FS_MIB = 3072
 POOL_GB = 1
@@ -152,31 +162,18 @@ class SmallDisk:
 def disk(sandbar):
     if os.geteuid() != 0:
         pytest.skip("needs root")
-    if not (SHARED_BASE / "complete").exists():
-        pytest.skip(f"no built default template at {SHARED_BASE} to borrow")
-    shared = sandbar
-    shared.stop(kill9=False)
-    env_keys = ("E2B_API_URL", "E2B_SANDBOX_URL")
-    old_env = {k: os.environ.get(k) for k in env_keys}
-    small = SmallDisk()
-    try:
-        small.make()
-        small.server.start()
-        small.server.wait_healthy(timeout=60)
-        small.server.wait_base_template()
-        for k in env_keys:
-            os.environ[k] = small.server.url
-        yield small
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        problems = small.cleanup()
-        shared.start()
-        shared.wait_healthy(timeout=60)
-        assert not problems, "; ".join(problems)
+    with shared_server_set_aside(sandbar, SHARED_BASE):
+        small = SmallDisk()
+        try:
+            small.make()
+            small.server.start()
+            small.server.wait_healthy(timeout=60)
+            small.server.wait_base_template()
+            point_sdk_at(small.server.url)
+            yield small
+        finally:
+            problems = small.cleanup()
+            assert not problems, "; ".join(problems)
 
 
 def create(api: httpx.Client) -> httpx.Response:

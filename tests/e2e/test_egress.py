@@ -9,27 +9,19 @@ retired 6to4 relay range and on private, shared and metadata addresses, each rea
 resolver (`fake_dns`), never a real one.
 """
 
-import random
 import secrets
 import shlex
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 from e2b.sandbox.network import ALL_TRAFFIC
 
-from e2e_util import wait_until
+from e2e_util import stand_in_web, wait_until
 
 PUBLIC_A, PUBLIC_B, PUBLIC_C, PUBLIC_D = ("192.88.99.21", "192.88.99.22", "192.88.99.23", "192.88.99.24")
 PRIVATE = ("10.255.78.7", "100.100.100.200", "168.63.129.16")
-
-
-def _sh(*args, check=True):
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
 
 
 def run_rc(sbx, cmd, timeout=60):
@@ -54,69 +46,11 @@ def resolve_cmd(name):
 def internet():
     """A namespace serving HTTP on PUBLIC_* and PRIVATE, reached through /32 host routes."""
     served_all = (PUBLIC_A, PUBLIC_B, PUBLIC_C, PUBLIC_D, *PRIVATE)
-    routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
-    for served in served_all:
-        if served in routes:
-            pytest.skip(f"{served} is already routed on this host")
-    for _ in range(50):
-        r = random.randint(1, 254)
-        if f"10.253.{r}." not in routes:
-            break
-    else:
-        pytest.skip("no free 10.253.x.0/30 subnet")
-    suffix = secrets.token_hex(3)
-    ns = f"sbtest-egr-{suffix}"
-    host_if, ns_if = f"sbteh{suffix}", f"sbten{suffix}"
-    host_ip, ns_ip = f"10.253.{r}.1", f"10.253.{r}.2"
-    port = random.randint(20000, 30000)
-    webroot = tempfile.mkdtemp(prefix="sbtest-egr-www-")
-    marker = "egress-" + secrets.token_hex(8)
-    Path(webroot, "marker.txt").write_text(marker)
-    log_path = Path(webroot) / "access.log"
-    proc = log = None
-    routed = []
-    try:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
-        _sh("ip", "link", "set", host_if, "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
-        _sh("ip", "-n", ns, "link", "set", ns_if, "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
-        for served in served_all:
-            _sh("ip", "-n", ns, "addr", "add", f"{served}/32", "dev", "lo")
-            _sh("ip", "route", "add", f"{served}/32", "via", ns_ip, "dev", host_if)
-            routed.append(served)
-            got = _sh("ip", "-4", "route", "get", served).stdout
-            assert f"dev {host_if}" in got, f"{served} would not go to the test namespace: {got}"
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    with stand_in_web("sbtest-egr-", "sbte", "10.253", served_all, "sbtest-egr-www-", "egress-") as (ns, port, marker, log_path):
         for served in served_all:
             url = f"http://{served}:{port}/marker.txt"
             wait_until(lambda: httpx.get(url, timeout=2).text == marker, timeout=20, message=f"the web server on {served}")
         yield {"port": port, "marker": marker, "log": log_path}
-    finally:
-        if proc is not None:
-            proc.kill()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if log is not None:
-            log.close()
-        for served in routed:
-            _sh("ip", "route", "del", f"{served}/32", check=False)
-        _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", host_if, check=False)
-        subprocess.run(["rm", "-rf", webroot], check=False)
 
 
 def url_of(internet, host, path="marker.txt"):

@@ -7,12 +7,10 @@ creates (`sbtest-inet-*`), which stands in for "the internet".
 
 import errno
 import os
-import random
 import secrets
 import shlex
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +27,8 @@ from e2e_util import (
     host_links,
     host_mounts_mentioning,
     sandbox_cgroup_dirs,
+    sh,
+    stand_in_web,
     wait_until,
 )
 
@@ -459,10 +459,6 @@ def test_sys_is_read_only(sandbox):
 # ---- network ------------------------------------------------------------------------
 
 
-def _sh(*args, check=True):
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
 # Addresses the fake internet serves. The "public" one is a retired relay range that no real
 # route needs here; the others stand for what sandboxes must not reach beyond the host: a
 # private network, a shared-address-space (cloud metadata) address and Azure's wire server.
@@ -475,52 +471,8 @@ FAKE_PRIVATE_IPS = ("10.255.77.7", "100.100.100.200", "168.63.129.16")
 @pytest.fixture(scope="module")
 def fake_internet():
     """A network namespace with a web server on several addresses, reached through /32 routes."""
-    routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
-    for served in (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS):
-        if served in routes:
-            pytest.skip(f"{served} is already routed on this host")
-    for _ in range(50):
-        r = random.randint(1, 254)
-        if f"10.254.{r}." not in routes:
-            break
-    else:
-        pytest.skip("no free 10.254.x.0/30 subnet")
-    suffix = secrets.token_hex(3)
-    ns = f"sbtest-inet-{suffix}"
-    host_if, ns_if = f"sbth{suffix}", f"sbtn{suffix}"
-    host_ip, ns_ip = f"10.254.{r}.1", f"10.254.{r}.2"
-    port = random.randint(20000, 30000)
-    webroot = tempfile.mkdtemp(prefix="sbtest-www-")
-    marker = "internet-" + secrets.token_hex(8)
-    Path(webroot, "marker.txt").write_text(marker)
-    log_path = Path(webroot) / "access.log"
-    proc = None
-    log = None
-    routed = []
-    try:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
-        _sh("ip", "link", "set", host_if, "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
-        _sh("ip", "-n", ns, "link", "set", ns_if, "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
-        for served in (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS):
-            _sh("ip", "-n", ns, "addr", "add", f"{served}/32", "dev", "lo")
-            _sh("ip", "route", "add", f"{served}/32", "via", ns_ip, "dev", host_if)
-            routed.append(served)
-            got = _sh("ip", "-4", "route", "get", served).stdout
-            assert f"dev {host_if}" in got, f"{served} would not go to the test namespace: {got}"
-        log = open(log_path, "wb")
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "python3", "-m", "http.server", str(port), "--bind", "0.0.0.0", "--directory", webroot],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    served_all = (FAKE_PUBLIC_IP, *FAKE_PRIVATE_IPS)
+    with stand_in_web("sbtest-inet-", "sbt", "10.254", served_all, "sbtest-www-", "internet-") as (ns, port, marker, log_path):
         url = f"http://{FAKE_PUBLIC_IP}:{port}/marker.txt"
         wait_until(
             lambda: httpx.get(url, timeout=2).text == marker,
@@ -536,20 +488,6 @@ def fake_internet():
             "ns": ns,
             "private_ips": FAKE_PRIVATE_IPS,
         }
-    finally:
-        if proc is not None:
-            proc.kill()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if log is not None:
-            log.close()
-        for served in routed:
-            _sh("ip", "route", "del", f"{served}/32", check=False)
-        _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", host_if, check=False)
-        subprocess.run(["rm", "-rf", webroot], check=False)
 
 
 def test_egress_allowed_by_default(sandbox, fake_internet):
@@ -680,7 +618,7 @@ def test_sandbox_cannot_reach_host_server(sandbox, sandbar):
         targets.add(gw)
     # host-side addresses of other sandbox links: a few, since the node keeps many (its
     # warm sandboxes and wired namespaces), all alike
-    out = _sh("ip", "-4", "-o", "addr", "show").stdout
+    out = sh("ip", "-4", "-o", "addr", "show").stdout
     others = sorted(
         parts[3].split("/")[0]
         for parts in (line.split() for line in out.splitlines())

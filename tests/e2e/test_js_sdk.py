@@ -1,34 +1,6 @@
 """The official npm `e2b` SDK against the same server, through node's test runner."""
 
-import os
-import shutil
-import subprocess
-from pathlib import Path
-
-JS_DIR = Path(__file__).resolve().parent / "js"
-
-
-def run_node_test(sandbar, name: str):
-    node = shutil.which("node")
-    assert node, "node is required for the JS SDK test (install nodejs)"
-    assert (JS_DIR / "node_modules" / "e2b").is_dir(), (
-        f"the npm e2b SDK is not installed: run `npm ci --prefix {JS_DIR}`"
-    )
-    env = dict(
-        os.environ,
-        E2B_API_URL=sandbar.url,
-        E2B_SANDBOX_URL=sandbar.url,
-        E2B_API_KEY=sandbar.api_key,
-    )
-    result = subprocess.run(
-        [node, "--test", "--test-reporter=spec", str(JS_DIR / name)],
-        cwd=JS_DIR,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert result.returncode == 0, f"node test failed:\n{result.stdout}\n{result.stderr}"
+from e2e_util import run_node_test
 
 
 def test_js_sdk_end_to_end(sandbar):

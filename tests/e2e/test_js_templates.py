@@ -4,25 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 from e2b import Template
 
-from e2e_util import unique
+from e2e_util import JS_DIR, node_binary, run_node_test, sdk_env, unique
 
-JS_DIR = Path(__file__).resolve().parent / "js"
 CLI = JS_DIR / "node_modules" / "@e2b" / "cli" / "dist" / "index.js"
-
-
-def _node() -> str:
-    node = shutil.which("node")
-    assert node, "node is required for the JS tests (install nodejs)"
-    assert (JS_DIR / "node_modules" / "e2b").is_dir(), f"run `npm ci --prefix {JS_DIR}`"
-    return node
 
 
 def _delete_templates(sandbar, *names: str) -> None:
@@ -48,41 +37,27 @@ def _listed(sandbar, name: str) -> list:
 
 
 def test_js_sdk_template_build(sandbar, registry):
-    node = _node()
     name = unique("js")
-    env = dict(
-        os.environ,
-        E2B_API_URL=sandbar.url,
-        E2B_SANDBOX_URL=sandbar.url,
-        E2B_API_KEY=sandbar.api_key,
-        SANDBAR_E2E_TINY_IMAGE=registry.image("e2e/tiny:1"),
-        SANDBAR_E2E_TEMPLATE_NAME=name,
-    )
     try:
-        result = subprocess.run(
-            [node, "--test", "--test-reporter=spec", str(JS_DIR / "templates.test.mjs")],
-            cwd=JS_DIR,
-            env=env,
-            capture_output=True,
-            text=True,
+        run_node_test(
+            sandbar,
+            "templates.test.mjs",
             timeout=400,
+            SANDBAR_E2E_TINY_IMAGE=registry.image("e2e/tiny:1"),
+            SANDBAR_E2E_TEMPLATE_NAME=name,
         )
-        assert result.returncode == 0, f"node test failed:\n{result.stdout}\n{result.stderr}"
     finally:
         _delete_templates(sandbar, name, f"{name}-fail")
 
 
 @pytest.fixture
 def cli(sandbar, tmp_path):
-    node = _node()
+    node = node_binary()
     assert CLI.is_file(), f"the npm @e2b/cli is not installed: run `npm ci --prefix {JS_DIR}`"
     home = tmp_path / "home"
     home.mkdir()
-    env = dict(
-        os.environ,
-        E2B_API_URL=sandbar.url,
-        E2B_SANDBOX_URL=sandbar.url,
-        E2B_API_KEY=sandbar.api_key,
+    env = sdk_env(
+        sandbar,
         E2B_DOMAIN=sandbar.domain,
         E2B_VALIDATE_API_KEY="false",
         # No update check against the npm registry, no user config from the real home.

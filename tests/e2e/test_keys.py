@@ -2,28 +2,16 @@
 the API and with the operator's `sandbar team`/`sandbar key` commands, used by the SDK."""
 
 import json
-import subprocess
 
 import httpx
 import pytest
 from e2b import AuthenticationException, Sandbox
 
-from e2e_util import unique
+from e2e_util import sandbar_cli, unique
 
 
 def _access_token(sandbar) -> str:
     return json.loads((sandbar.data_dir / "credentials.json").read_text())["accessToken"]
-
-
-def _cli(sandbar, *args: str) -> str:
-    done = subprocess.run(
-        [str(sandbar.binary), *args, "--data-dir", str(sandbar.data_dir)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"sandbar {' '.join(args)}: {done.stderr}"
-    return done.stdout
 
 
 def _kill(sandbar, sandbox_id: str, api_key: str) -> None:
@@ -61,12 +49,12 @@ def test_api_key_made_through_the_api_works_until_deleted(sandbar):
 
 def test_cli_team_is_isolated_limited_and_revocable_while_serving(sandbar, sandbox, track_sandbox_id):
     name = unique("team")
-    team = json.loads(_cli(sandbar, "team", "create", name))
+    team = json.loads(sandbar_cli(sandbar, "team", "create", name))
     assert team["apiKey"].startswith("e2b_") and team["accessToken"].startswith("sk_e2b_")
-    assert team["teamID"] in _cli(sandbar, "team", "list")
-    made = json.loads(_cli(sandbar, "key", "create", team["teamID"], "--name", "cli-e2e"))
+    assert team["teamID"] in sandbar_cli(sandbar, "team", "list")
+    made = json.loads(sandbar_cli(sandbar, "key", "create", team["teamID"], "--name", "cli-e2e"))
     key = made["key"]
-    assert made["id"] in _cli(sandbar, "key", "list", name)
+    assert made["id"] in sandbar_cli(sandbar, "key", "list", name)
     headers = {"X-API-Key": key}
 
     # The new team's key works and sees nothing of the first team's.
@@ -82,7 +70,7 @@ def test_cli_team_is_isolated_limited_and_revocable_while_serving(sandbar, sandb
         assert sandbox.is_running()
 
         # A limit set by the operator applies to the running server's next request.
-        _cli(sandbar, "team", "set-limits", team["teamID"], "--max-sandboxes", "1")
+        sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--max-sandboxes", "1")
         reply = httpx.post(
             f"{sandbar.url}/sandboxes", headers=headers, json={"templateID": "base", "timeout": 60}, timeout=60
         )
@@ -95,7 +83,7 @@ def test_cli_team_is_isolated_limited_and_revocable_while_serving(sandbar, sandb
         _kill(sandbar, other.sandbox_id, key)
 
     # So does a revoked key.
-    _cli(sandbar, "key", "revoke", made["id"])
+    sandbar_cli(sandbar, "key", "revoke", made["id"])
     reply = httpx.get(f"{sandbar.url}/v2/sandboxes", headers=headers, timeout=30)
     assert reply.status_code == 401, reply.text
     with pytest.raises(AuthenticationException):

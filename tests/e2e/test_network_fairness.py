@@ -11,11 +11,7 @@ Rates are compared with the rate the server configured (read from the qdisc on t
 a sandbox's veth pair) with a generous margin; nothing here times latency.
 """
 
-import random
 import re
-import secrets
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +19,7 @@ import httpx
 import pytest
 from e2b import CommandExitException
 
-from e2e_util import wait_until
+from e2e_util import running_in_namespace, sh, stand_in_internet, wait_until
 from netflood import FLOOD, SINK
 
 SINK_ADDR = "192.88.99.31"
@@ -34,67 +30,14 @@ FLOOD_SECS = 8
 # Not on an ordinary user's PATH.
 TC = "/usr/sbin/tc"
 
-def _sh(*args, check=True):
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
 @pytest.fixture(scope="module")
 def internet():
     """A namespace counting what reaches SINK_ADDR, through a /32 host route; removed at the end."""
-    routes = _sh("ip", "-4", "route").stdout + _sh("ip", "-4", "addr").stdout
-    if SINK_ADDR in routes:
-        pytest.skip(f"{SINK_ADDR} is already routed on this host")
-    for _ in range(50):
-        r = random.randint(1, 254)
-        if f"10.253.{r}." not in routes:
-            break
-    else:
-        pytest.skip("no free 10.253.x.0/30 subnet")
-    suffix = secrets.token_hex(3)
-    ns = f"sbtest-nf-{suffix}"
-    host_if, ns_if = f"sbtfh{suffix}", f"sbtfn{suffix}"
-    host_ip, ns_ip = f"10.253.{r}.1", f"10.253.{r}.2"
-    port = random.randint(20000, 30000)
-    workdir = tempfile.mkdtemp(prefix="sbtest-nf-")
-    state = Path(workdir, "counts")
-    proc = None
-    routed = False
-    try:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _sh("ip", "link", "set", ns_if, "netns", ns)
-        _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
-        _sh("ip", "link", "set", host_if, "up")
-        _sh("ip", "-n", ns, "addr", "add", f"{ns_ip}/30", "dev", ns_if)
-        _sh("ip", "-n", ns, "link", "set", ns_if, "up")
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "-n", ns, "route", "add", "default", "via", host_ip)
-        _sh("ip", "-n", ns, "addr", "add", f"{SINK_ADDR}/32", "dev", "lo")
-        _sh("ip", "route", "add", f"{SINK_ADDR}/32", "via", ns_ip, "dev", host_if)
-        routed = True
-        got = _sh("ip", "-4", "route", "get", SINK_ADDR).stdout
-        assert f"dev {host_if}" in got, f"{SINK_ADDR} would not go to the test namespace: {got}"
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", ns, "python3", "-c", SINK, str(port), str(state)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        wait_until(state.exists, timeout=10, message="the sink to start")
-        yield {"port": port, "state": state}
-    finally:
-        if proc is not None:
-            proc.kill()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if routed:
-            _sh("ip", "route", "del", f"{SINK_ADDR}/32", check=False)
-        _sh("ip", "netns", "del", ns, check=False)
-        _sh("ip", "link", "del", host_if, check=False)
-        subprocess.run(["rm", "-rf", workdir], check=False)
+    with stand_in_internet("sbtest-nf-", "sbtf", "10.253", (SINK_ADDR,), "sbtest-nf-") as (ns, port, workdir):
+        state = Path(workdir, "counts")
+        with running_in_namespace(ns, ["python3", "-c", SINK, str(port), str(state)]):
+            wait_until(state.exists, timeout=10, message="the sink to start")
+            yield {"port": port, "state": state}
 
 
 def counts(internet):
@@ -108,7 +51,7 @@ def host_link(sbx):
     inside = sbx.commands.run("ip -o -4 addr show eth0").stdout.split()[3].split("/")[0]
     a, b, c, d = (int(x) for x in inside.split("."))
     gateway = f"{a}.{b}.{c}.{d - 1}"
-    for line in _sh("ip", "-o", "-4", "addr", "show").stdout.splitlines():
+    for line in sh("ip", "-o", "-4", "addr", "show").stdout.splitlines():
         fields = line.split()
         if fields[3].split("/")[0] == gateway:
             return fields[1].split("@")[0]
@@ -132,7 +75,7 @@ def inside_tbf(sbx):
 
 
 def host_tbf(link):
-    return tbf(_sh("tc", "-s", "qdisc", "show", "dev", link).stdout)
+    return tbf(sh("tc", "-s", "qdisc", "show", "dev", link).stdout)
 
 
 def configured_rate(sbx):

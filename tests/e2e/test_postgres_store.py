@@ -22,7 +22,15 @@ from pathlib import Path
 import pytest
 
 import conftest
-from e2e_util import BASE_ROOT, SANDBAR_BIN, SandbarServer, free_port, private_binaries
+from e2e_util import (
+    BASE_ROOT,
+    SANDBAR_BIN,
+    SandbarServer,
+    free_port,
+    point_sdk_at,
+    private_binaries,
+    shared_server_set_aside,
+)
 
 PG_BIN = Path(os.environ.get("SANDBAR_PG_BIN") or "/usr/lib/postgresql/15/bin")
 SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
@@ -82,70 +90,57 @@ class Cluster:
 def pg_server(sandbar):
     if not (PG_BIN / "initdb").exists():
         pytest.skip(f"no PostgreSQL binaries in {PG_BIN} (scripts/install-deps.sh --test installs them)")
-    if not (SHARED_BASE / "complete").exists():
-        pytest.skip(f"no built default template at {SHARED_BASE} to borrow")
-    shared = sandbar
-    shared.stop(kill9=False)
-    env_keys = ("E2B_API_URL", "E2B_SANDBOX_URL")
-    old_env = {k: os.environ.get(k) for k in env_keys}
-    cluster = Cluster()
-    tag = uuid.uuid4().hex[:10]
-    data_dir = Path(f"/var/tmp/sandbar-e2e-pg-{tag}")
-    base = data_dir / "templates" / SHARED_BASE.name
-    binary, _ = private_binaries(SANDBAR_BIN)
-    server = SandbarServer(
-        binary,
-        data_dir,
-        Path("/tmp/sandbar-e2e-logs") / f"postgres-store-{tag}.log",
-        free_port(),
-        extra_args=[
-            "--database-url", cluster.url,
-            "--nameserver", conftest.FAKE_DNS.address,
-            # Nothing here measures disks or needs warm sandboxes; no pool image to allocate.
-            "--disk-quotas", "false",
-            "--netns-pool", "0",
-            "--warm-pool", "0",
-            "--criu", "",
-        ],
-    )
-    try:
-        cluster.start()
-        base.mkdir(parents=True)
-        sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
-        sh("mount", "-o", "remount,bind,ro", str(base))
-        server.start()
-        server.wait_healthy(timeout=60)
-        server.wait_base_template(timeout=60)
-        for k in env_keys:
-            os.environ[k] = server.url
-        yield server, cluster
-    finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        problems = []
-        if server.proc is not None:
-            try:
-                with server.client(timeout=30) as api:
-                    for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
-                        api.delete(f"/sandboxes/{s['sandboxID']}")
-            except Exception as e:  # noqa: BLE001 - cleanup goes on
-                problems.append(f"killing sandboxes: {e}")
-            try:
-                server.stop(kill9=False)
-            except Exception as e:  # noqa: BLE001
-                problems.append(f"stopping sandbar: {e}")
-                server.stop(kill9=True)
-        if base.exists() and sh("umount", str(base), check=False).returncode != 0:
-            sh("umount", "-l", str(base), check=False)
-        shutil.rmtree(data_dir, ignore_errors=True)
-        shutil.rmtree(binary.parent, ignore_errors=True)
-        cluster.stop()
-        shared.start()
-        shared.wait_healthy(timeout=60)
-        assert not problems, "; ".join(problems)
+    with shared_server_set_aside(sandbar, SHARED_BASE):
+        cluster = Cluster()
+        tag = uuid.uuid4().hex[:10]
+        data_dir = Path(f"/var/tmp/sandbar-e2e-pg-{tag}")
+        base = data_dir / "templates" / SHARED_BASE.name
+        binary, _ = private_binaries(SANDBAR_BIN)
+        server = SandbarServer(
+            binary,
+            data_dir,
+            Path("/tmp/sandbar-e2e-logs") / f"postgres-store-{tag}.log",
+            free_port(),
+            extra_args=[
+                "--database-url", cluster.url,
+                "--nameserver", conftest.FAKE_DNS.address,
+                # Nothing here measures disks or needs warm sandboxes; no pool image to allocate.
+                "--disk-quotas", "false",
+                "--netns-pool", "0",
+                "--warm-pool", "0",
+                "--criu", "",
+            ],
+        )
+        try:
+            cluster.start()
+            base.mkdir(parents=True)
+            sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
+            sh("mount", "-o", "remount,bind,ro", str(base))
+            server.start()
+            server.wait_healthy(timeout=60)
+            server.wait_base_template(timeout=60)
+            point_sdk_at(server.url)
+            yield server, cluster
+        finally:
+            problems = []
+            if server.proc is not None:
+                try:
+                    with server.client(timeout=30) as api:
+                        for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
+                            api.delete(f"/sandboxes/{s['sandboxID']}")
+                except Exception as e:  # noqa: BLE001 - cleanup goes on
+                    problems.append(f"killing sandboxes: {e}")
+                try:
+                    server.stop(kill9=False)
+                except Exception as e:  # noqa: BLE001
+                    problems.append(f"stopping sandbar: {e}")
+                    server.stop(kill9=True)
+            if base.exists() and sh("umount", str(base), check=False).returncode != 0:
+                sh("umount", "-l", str(base), check=False)
+            shutil.rmtree(data_dir, ignore_errors=True)
+            shutil.rmtree(binary.parent, ignore_errors=True)
+            cluster.stop()
+            assert not problems, "; ".join(problems)
 
 
 def test_sandboxes_survive_a_restart_with_records_in_postgres(pg_server):

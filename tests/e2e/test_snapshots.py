@@ -15,16 +15,14 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxException
 
-from e2e_util import COUNTER, checkpoints_off, read_count, unique, wait_until
+from e2e_util import COUNTER, read_count, require_checkpoints, unique, wait_until
 
 SERVER = "python3 -m http.server 8000 --bind 0.0.0.0 --directory /home/user/www"
 
 
 @pytest.fixture(scope="module")
 def criu(sandbar):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    require_checkpoints(sandbar, "snapshot memory")
     return sandbar
 
 

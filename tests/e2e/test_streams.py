@@ -33,6 +33,7 @@ from e2b import Sandbox, Volume
 from e2e_util import (
     UPLOAD_TTL_S,
     VOLUME_REQUESTS_PER_MINUTE,
+    rss_kib,
     sandbar_cli,
     sandbox_cgroup_dirs,
     unique,
@@ -44,23 +45,15 @@ SPARSE_BYTES = 4 << 30
 WRITE_BYTES = 200 << 20
 
 
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
 def _while_sampling(pid: int, work: Callable[[], object]) -> Tuple[object, int, int]:
     """Runs `work` while sampling the server's VmRSS; its result, the RSS before and the peak."""
-    before = _rss_kib(pid)
+    before = rss_kib(pid)
     peak = [before]
     done = threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _rss_kib(pid))
+            peak[0] = max(peak[0], rss_kib(pid))
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -70,7 +63,7 @@ def _while_sampling(pid: int, work: Callable[[], object]) -> Tuple[object, int, 
     finally:
         done.set()
         sampler.join()
-    return result, before, max(peak[0], _rss_kib(pid))
+    return result, before, max(peak[0], rss_kib(pid))
 
 
 @pytest.fixture

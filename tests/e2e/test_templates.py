@@ -270,11 +270,6 @@ def _delete_built_templates(sandbar):
     _BUILT.clear()
 
 
-@pytest.fixture(scope="module")
-def tiny1(registry) -> str:
-    return registry.image("e2e/tiny:1")
-
-
 @dataclass
 class GoodTemplate:
     name: str

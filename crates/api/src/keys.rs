@@ -16,7 +16,7 @@ use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{JsonBody, PathParam};
 use crate::openapi::CommonErrors;
-use utoipa::ToSchema;
+use utoipa::{IntoResponses, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -192,6 +192,34 @@ impl From<&TeamView> for TeamBody {
     }
 }
 
+/// What an operation for the team in `X-Team-ID` answers when that header is wrong.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum TeamHeaderErrors {
+    #[response(status = 400, description = "Invalid `X-Team-ID` header")]
+    InvalidHeader(ErrorBody),
+    #[response(
+        status = 403,
+        description = "The user is not a member of the team in `X-Team-ID`"
+    )]
+    NotAMember(ErrorBody),
+}
+
+/// As [`TeamHeaderErrors`], for operations that take a name as well.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum NamedTeamHeaderErrors {
+    #[response(status = 400, description = "Invalid name or `X-Team-ID` header")]
+    Invalid(ErrorBody),
+    #[response(
+        status = 403,
+        description = "The user is not a member of the team in `X-Team-ID`"
+    )]
+    NotAMember(ErrorBody),
+}
+
 #[utoipa::path(
     get,
     path = "/api-keys",
@@ -200,8 +228,7 @@ impl From<&TeamView> for TeamBody {
     security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
     responses(
         (status = 200, description = "The team's API keys, masked", body = Vec<ApiKeyBody>),
-        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        TeamHeaderErrors,
         CommonErrors,
     )
 )]
@@ -222,8 +249,7 @@ pub(crate) async fn list_api_keys(
     request_body = NameBody,
     responses(
         (status = 201, description = "The new key, with its value shown this once", body = ApiKeyBody),
-        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        NamedTeamHeaderErrors,
         CommonErrors,
     )
 )]
@@ -249,8 +275,7 @@ pub(crate) async fn create_api_key(
     request_body = NameBody,
     responses(
         (status = 200, description = "The key was renamed"),
-        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        NamedTeamHeaderErrors,
         (status = 404, description = "No such key in the team", body = ErrorBody),
         CommonErrors,
     )
@@ -274,8 +299,7 @@ pub(crate) async fn rename_api_key(
     params(("apiKeyID" = String, Path, description = "The key's ID")),
     responses(
         (status = 204, description = "The key was deleted"),
-        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        TeamHeaderErrors,
         (status = 404, description = "No such key in the team", body = ErrorBody),
         CommonErrors,
     )
@@ -298,8 +322,7 @@ pub(crate) async fn delete_api_key(
     request_body = NameBody,
     responses(
         (status = 201, description = "The new token, with its value shown this once", body = AccessTokenBody),
-        (status = 400, description = "Invalid name or `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        NamedTeamHeaderErrors,
         CommonErrors,
     )
 )]
@@ -321,8 +344,7 @@ pub(crate) async fn create_access_token(
     params(("accessTokenID" = String, Path, description = "The token's ID")),
     responses(
         (status = 204, description = "The token was deleted"),
-        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        TeamHeaderErrors,
         (status = 404, description = "No such token of the user", body = ErrorBody),
         CommonErrors,
     )
@@ -344,8 +366,7 @@ pub(crate) async fn delete_access_token(
     security(("AccessTokenAuth" = []), ("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = [])),
     responses(
         (status = 200, description = "The user's teams", body = Vec<TeamBody>),
-        (status = 400, description = "Invalid `X-Team-ID` header", body = ErrorBody),
-        (status = 403, description = "The user is not a member of the team in `X-Team-ID`", body = ErrorBody),
+        TeamHeaderErrors,
         CommonErrors,
     )
 )]

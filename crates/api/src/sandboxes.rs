@@ -7,6 +7,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{CreateSandbox, EgressConfig, ListQuery, SandboxState, Team};
+use utoipa::IntoResponses;
 
 use crate::AppState;
 use crate::dto::SandboxStateName;
@@ -167,6 +168,30 @@ async fn create(
     Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))).into_response())
 }
 
+/// How starting a sandbox fails, in either API version.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum CreateErrors {
+    #[response(
+        status = 400,
+        description = "Invalid or unsupported request, or a limit of the team exceeded"
+    )]
+    Invalid(ErrorBody),
+    #[response(status = 404, description = "No such template or volume")]
+    NotFound(ErrorBody),
+    #[response(status = 409, description = "The template's build has not finished")]
+    NotBuilt(ErrorBody),
+    #[response(
+        status = 501,
+        description = "Volume mounts were asked of a server without volume storage"
+    )]
+    NoVolumeStorage(ErrorBody),
+    #[response(status = 503, description = "No capacity to start the sandbox",
+        headers(("Retry-After" = u64, description = "Seconds until capacity is expected back")))]
+    NoCapacity(ErrorBody),
+}
+
 #[utoipa::path(
     post,
     path = "/v2/sandboxes",
@@ -176,12 +201,7 @@ async fn create(
     request_body = NewSandbox,
     responses(
         (status = 201, description = "The sandbox was started", body = SandboxCreated),
-        (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
-        (status = 404, description = "No such template or volume", body = ErrorBody),
-        (status = 409, description = "The template's build has not finished", body = ErrorBody),
-        (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
+        CreateErrors,
         CommonErrors,
     )
 )]
@@ -204,12 +224,7 @@ pub(crate) async fn create_v2(
     request_body = NewSandbox,
     responses(
         (status = 201, description = "The sandbox was started", body = SandboxCreated),
-        (status = 400, description = "Invalid or unsupported request, or a limit of the team exceeded", body = ErrorBody),
-        (status = 404, description = "No such template or volume", body = ErrorBody),
-        (status = 409, description = "The template's build has not finished", body = ErrorBody),
-        (status = 501, description = "Volume mounts were asked of a server without volume storage", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
+        CreateErrors,
         CommonErrors,
     )
 )]
@@ -551,6 +566,28 @@ async fn connect(
     Ok((status, Json(SandboxCreated::from(&sandbox))))
 }
 
+/// How connecting to a sandbox fails, in either API version.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum ConnectErrors {
+    #[response(
+        status = 400,
+        description = "Invalid timeout, or longer than the team allows"
+    )]
+    Invalid(ErrorBody),
+    #[response(status = 404, description = "No such sandbox")]
+    NotFound(ErrorBody),
+    #[response(
+        status = 409,
+        description = "A transition under way did not finish within a minute"
+    )]
+    Busy(ErrorBody),
+    #[response(status = 503, description = "No capacity to start the sandbox again",
+        headers(("Retry-After" = u64, description = "Seconds until capacity is expected back")))]
+    NoCapacity(ErrorBody),
+}
+
 #[utoipa::path(
     post,
     path = "/v2/sandboxes/{sandboxID}/connect",
@@ -562,11 +599,7 @@ async fn connect(
     responses(
         (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
-        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
-        (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox again", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
+        ConnectErrors,
         CommonErrors,
     )
 )]
@@ -590,11 +623,7 @@ pub(crate) async fn connect_v2(
     responses(
         (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
-        (status = 400, description = "Invalid timeout, or longer than the team allows", body = ErrorBody),
-        (status = 404, description = "No such sandbox", body = ErrorBody),
-        (status = 409, description = "A transition under way did not finish within a minute", body = ErrorBody),
-        (status = 503, description = "No capacity to start the sandbox again", body = ErrorBody,
-            headers(("Retry-After" = u64, description = "Seconds until capacity is expected back"))),
+        ConnectErrors,
         CommonErrors,
     )
 )]

@@ -11,7 +11,7 @@ use sandbar_core::builds::{
     RequestBuild, StepKind,
 };
 use serde::{Deserialize, Serialize};
-use utoipa::ToSchema;
+use utoipa::{IntoResponses, ToSchema};
 
 use crate::AppState;
 use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, rfc3339};
@@ -224,6 +224,19 @@ pub(crate) struct RequestBuildBody {
     min_free_disk_mb: Option<u64>,
 }
 
+/// How requesting a build of the SDK's flow fails, in either API version.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum RequestBuildErrors {
+    #[response(status = 400, description = "Invalid name, tags or resources")]
+    Invalid(ErrorBody),
+    #[response(status = 404, description = "No such template")]
+    NotFound(ErrorBody),
+    #[response(status = 409, description = "The name belongs to another template")]
+    NameTaken(ErrorBody),
+}
+
 /// `POST /v3/templates`: registers a template build of the SDK's build flow.
 #[utoipa::path(
     post,
@@ -234,9 +247,7 @@ pub(crate) struct RequestBuildBody {
     request_body = RequestBuildBody,
     responses(
         (status = 202, description = "The template and its build were registered", body = BuildRequestedBody),
-        (status = 400, description = "Invalid name, tags or resources", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
-        (status = 409, description = "The name belongs to another template", body = ErrorBody),
+        RequestBuildErrors,
         CommonErrors,
     )
 )]
@@ -258,9 +269,7 @@ pub(crate) async fn request_build_v3(
     request_body = RequestBuildBody,
     responses(
         (status = 202, description = "The template and its build were registered", body = BuildRequestedBody),
-        (status = 400, description = "Invalid name, tags or resources", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
-        (status = 409, description = "The name belongs to another template", body = ErrorBody),
+        RequestBuildErrors,
         CommonErrors,
     )
 )]
@@ -813,6 +822,21 @@ pub(crate) struct UpdateBody {
     public: Option<bool>,
 }
 
+/// How changing a template fails, in either API version.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum UpdateErrors {
+    #[response(status = 409, description = "The template's build has not finished")]
+    NotBuilt(ErrorBody),
+    #[response(status = 400, description = "Invalid request")]
+    Invalid(ErrorBody),
+    #[response(status = 403, description = "A built-in template cannot be changed")]
+    BuiltIn(ErrorBody),
+    #[response(status = 404, description = "No such template")]
+    NotFound(ErrorBody),
+}
+
 #[utoipa::path(
     patch,
     path = "/templates/{templateID}",
@@ -823,10 +847,7 @@ pub(crate) struct UpdateBody {
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
-        (status = 409, description = "The template's build has not finished", body = ErrorBody),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        UpdateErrors,
         CommonErrors,
     )
 )]
@@ -849,10 +870,7 @@ pub(crate) async fn update(
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
-        (status = 409, description = "The template's build has not finished", body = ErrorBody),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        UpdateErrors,
         CommonErrors,
     )
 )]
@@ -1026,6 +1044,19 @@ async fn dockerfile_build(
     Ok((StatusCode::ACCEPTED, Json(item)))
 }
 
+/// How a Dockerfile build of a new or existing template fails.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum DockerfileErrors {
+    #[response(status = 400, description = "Invalid Dockerfile, name or resources")]
+    Invalid(ErrorBody),
+    #[response(status = 404, description = "No such template")]
+    NotFound(ErrorBody),
+    #[response(status = 409, description = "The alias belongs to another template")]
+    AliasTaken(ErrorBody),
+}
+
 /// `POST /templates`: a new template from a Dockerfile.
 #[utoipa::path(
     post,
@@ -1036,9 +1067,7 @@ async fn dockerfile_build(
     request_body = DockerfileBody,
     responses(
         (status = 202, description = "The template and its build were registered; start the build next", body = TemplateItem),
-        (status = 400, description = "Invalid Dockerfile, name or resources", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
-        (status = 409, description = "The alias belongs to another template", body = ErrorBody),
+        DockerfileErrors,
         CommonErrors,
     )
 )]
@@ -1061,9 +1090,7 @@ pub(crate) async fn create_from_dockerfile(
     request_body = DockerfileBody,
     responses(
         (status = 202, description = "The template and its build were registered; start the build next", body = TemplateItem),
-        (status = 400, description = "Invalid Dockerfile, name or resources", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
-        (status = 409, description = "The alias belongs to another template", body = ErrorBody),
+        DockerfileErrors,
         CommonErrors,
     )
 )]

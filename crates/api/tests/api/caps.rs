@@ -9,17 +9,13 @@ use std::sync::atomic::Ordering;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, TeamCaps, Templates, Volumes};
-use sandbar_node::storage::volumes::HostVolumes;
-use sandbar_store::SqliteStore;
+use sandbar_api::router;
+use sandbar_core::TeamCaps;
+use sandbar_core::auth::{Credentials, TeamLimits};
+use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
-use common::FakeRuntime;
+use common::{FakeRuntime, Setup};
 
 const MIB: u64 = 1 << 20;
 
@@ -38,9 +34,7 @@ struct Harness {
     dir: tempfile::TempDir,
     app: axum::Router,
     runtime: Arc<FakeRuntime>,
-    team_id: String,
-    key: String,
-    token: String,
+    creds: Credentials,
 }
 
 struct Reply {
@@ -49,79 +43,28 @@ struct Reply {
 }
 
 async fn harness(caps: TeamCaps) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    let creds = auth
-        .bootstrap(
-            None,
-            TeamLimits {
-                max_concurrent_sandboxes: 100,
-                max_sandbox_timeout_secs: 3600,
-                requests_per_minute: 0,
-                max_vcpu: 0,
-                max_memory_mb: 0,
-                max_disk_mb: 0,
-                caps,
-            },
-        )
-        .await
-        .expect("bootstrap")
-        .expect("first start");
-    let templates = Templates::new(store.clone());
-    templates
-        .register(&common::base_template(Utc::now()))
-        .await
-        .expect("template");
-    let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
-    let volumes = Arc::new(Volumes::new(store.clone(), Arc::new(host), [7; 32]));
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(
-        Sandboxes::new(
-            store.clone(),
-            runtime.clone(),
-            templates.clone(),
-            SandboxesConfig::default(),
-        )
-        .with_volumes(volumes),
-    );
-    let app = router(AppState {
-        auth,
-        sandboxes,
-        builds: common::builds(store.clone(), &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let server = common::serve(Setup {
+        limits: TeamLimits {
+            caps,
+            ..common::LIMITS
+        },
+        volumes: Some(DEFAULT_CONTENT_REQUESTS_PER_MINUTE),
+        ..Setup::default()
+    })
+    .await;
     Harness {
-        dir,
-        app,
-        runtime,
-        team_id: creds.team_id,
-        key: creds.api_key,
-        token: creds.access_token,
+        app: router(server.state()),
+        creds: server.credentials,
+        dir: server.dir,
+        runtime: server.runtime,
     }
 }
 
 async fn send(app: axum::Router, request: Request<Body>) -> Reply {
-    let response = app.oneshot(request).await.expect("call");
-    let status = response.status();
-    let raw = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let answer = common::send(&app, request).await;
     Reply {
-        status,
-        body: serde_json::from_slice(&raw).unwrap_or(Value::Null),
+        status: answer.status,
+        body: answer.json_or_null(),
     }
 }
 
@@ -130,7 +73,7 @@ impl Harness {
         Request::builder()
             .method(method)
             .uri(path)
-            .header("X-API-Key", &self.key)
+            .header("X-API-Key", &self.creds.api_key)
             .header("content-type", "application/json")
             .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
             .expect("request")
@@ -144,7 +87,10 @@ impl Harness {
         Request::builder()
             .method("POST")
             .uri("/api-keys")
-            .header("Authorization", format!("Bearer {}", self.token))
+            .header(
+                "Authorization",
+                format!("Bearer {}", self.creds.access_token),
+            )
             .header("content-type", "application/json")
             .body(Body::from(r#"{"name":"more"}"#))
             .expect("request")
@@ -186,13 +132,11 @@ impl Harness {
 
     /// The team's reply at a cap: the status, and the message naming the limit.
     fn assert_refused(&self, reply: &Reply, status: StatusCode, limit: &str) {
-        assert_eq!(reply.status, status, "{:?}", reply.body);
-        assert_eq!(
-            reply.body["code"].as_u64(),
-            Some(u64::from(status.as_u16()))
+        let message = common::error_message(reply.status, &reply.body, status).unwrap_or_default();
+        let expected = format!(
+            "team {} has reached its limit of {limit}",
+            self.creds.team_id
         );
-        let message = reply.body["message"].as_str().unwrap_or_default();
-        let expected = format!("team {} has reached its limit of {limit}", self.team_id);
         assert!(
             message.starts_with(&expected),
             "{message:?} is not {expected:?}…"
@@ -411,7 +355,7 @@ async fn volume_bytes_past_the_cap_answer_507_to_writes_and_new_volumes() {
     );
     // What a sandbox writes into a mounted volume counts too: past the cap, no new volume.
     let id = data.body["volumeID"].as_str().expect("id");
-    let team_dir = h.dir.path().join("volumes").join(&h.team_id);
+    let team_dir = h.dir.path().join("volumes").join(&h.creds.team_id);
     std::fs::write(
         team_dir.join(id).join("from-a-sandbox"),
         vec![b'y'; MIB as usize],

@@ -10,51 +10,19 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::{TimeDelta, Utc};
-use http_body_util::BodyExt;
 use sandbar_api::cluster::{ClusterRouting, NODE_SECRET_HEADER};
-use sandbar_api::{AppState, ClusterRole, EdgeConfig, router};
+use sandbar_api::{AppState, ClusterRole, router};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::cluster::NoLocalNode;
 use sandbar_core::{
-    Auth, BuildStatus, LayerBlob, NodeDirectory, NodeRecord, NodeReport, RateLimits, Sandboxes,
+    Auth, BuildStatus, LayerBlob, NodeDirectory, NodeRecord, NodeReport, Sandboxes,
     SandboxesConfig, Store, Templates,
 };
-use sandbar_store::SqliteStore;
 use serde_json::Value;
-use tower::ServiceExt;
 
-use common::FakeRuntime;
+use common::{FakeRuntime, HangingBuilder, KEY};
 
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 const SECRET: &str = "0123456789abcdef0123456789abcdef-cluster";
-
-/// A node's builder: its builds end only when cancelled.
-struct EndlessBuilder;
-
-#[async_trait::async_trait]
-impl sandbar_core::Builder for EndlessBuilder {
-    async fn build(
-        &self,
-        _: sandbar_core::BuildJob,
-        _: sandbar_core::BuildLog,
-    ) -> Result<sandbar_core::TemplateImage, sandbar_core::BuildFailure> {
-        std::future::pending().await
-    }
-    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
-        false
-    }
-    async fn store_upload(
-        &self,
-        _: &str,
-        _: &str,
-        _: &str,
-        _: sandbar_core::builds::UploadBody,
-        _: u64,
-    ) -> Result<(), sandbar_core::builds::UploadError> {
-        Ok(())
-    }
-    async fn collect_garbage(&self, _: &[String]) {}
-}
 
 struct Node {
     id: String,
@@ -73,12 +41,7 @@ struct Cluster {
 fn limits(max: u32) -> TeamLimits {
     TeamLimits {
         max_concurrent_sandboxes: max,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
+        ..common::LIMITS
     }
 }
 
@@ -100,31 +63,30 @@ fn state(
         },
     )
     .with_cluster(directory);
+    let builds = if node_id.is_empty() {
+        common::builds(store.clone(), &templates)
+    } else {
+        common::builds_with(
+            store.clone(),
+            &templates,
+            Arc::new(HangingBuilder::default()),
+        )
+        .on_node(node_id.into())
+    };
     AppState {
-        auth: Auth::new(store.clone()),
-        sandboxes: Arc::new(sandboxes),
-        builds: if node_id.is_empty() {
-            common::builds(store.clone(), &templates)
-        } else {
-            common::builds_with(store.clone(), &templates, Arc::new(EndlessBuilder))
-                .on_node(node_id.into())
-        },
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
         cluster: Some(cluster),
+        ..common::state(
+            Auth::new(store.clone()),
+            Arc::new(sandboxes),
+            builds,
+            templates,
+        )
     }
 }
 
 async fn cluster(team_limit: u32) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store: Arc<dyn Store> = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
+    let store: Arc<dyn Store> = common::open_store(&dir).await;
     Auth::new(store.clone())
         .bootstrap(Some(KEY), limits(team_limit))
         .await
@@ -240,23 +202,9 @@ impl Cluster {
     }
 
     async fn call(&self, method: &str, path: &str, body: Option<&str>) -> (StatusCode, Value) {
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("X-API-Key", KEY)
-            .header("content-type", "application/json")
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        let response = self.api.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let body = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        (status, body)
+        let request = common::json_request(method, path, Some(KEY), body);
+        let answer = common::send(&self.api, request).await;
+        (answer.status, answer.json_or_null())
     }
 
     async fn create(&self) -> (StatusCode, Value) {

@@ -7,28 +7,12 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::{
-    Auth, LimitChanges, RateLimits, Sandboxes, SandboxesConfig, TeamAdminError, Templates,
-};
-use sandbar_store::SqliteStore;
+use sandbar_api::router;
+use sandbar_core::{Auth, LimitChanges, TeamAdminError};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use common::FakeRuntime;
-
-const LIMITS: TeamLimits = TeamLimits {
-    max_concurrent_sandboxes: 100,
-    max_sandbox_timeout_secs: 3600,
-    requests_per_minute: 0,
-    max_vcpu: 0,
-    max_memory_mb: 0,
-    max_disk_mb: 0,
-    caps: sandbar_core::TeamCaps::DEFAULT,
-};
+use common::{Cred, FakeRuntime, LIMITS, Reply, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -40,108 +24,23 @@ struct Harness {
     token: String,
 }
 
-/// How a request authenticates.
-#[derive(Clone, Copy)]
-enum Cred<'a> {
-    None,
-    Key(&'a str),
-    Bearer(&'a str),
-    BearerTeam(&'a str, &'a str),
-}
-
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
-}
-
 async fn harness() -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    let creds = auth
-        .bootstrap(None, LIMITS)
-        .await
-        .expect("bootstrap")
-        .expect("first start");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime.clone(),
-        templates.clone(),
-        SandboxesConfig::default(),
-    ));
-    let app = router(AppState {
-        auth: auth.clone(),
-        sandboxes,
-        builds: common::builds(store.clone(), &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let server = common::serve(Setup::default()).await;
+    let creds = &server.credentials;
     Harness {
-        _dir: dir,
-        app,
-        auth,
-        runtime,
-        team_id: creds.team_id,
-        key: creds.api_key,
-        token: creds.access_token,
+        app: router(server.state()),
+        team_id: creds.team_id.clone(),
+        key: creds.api_key.clone(),
+        token: creds.access_token.clone(),
+        _dir: server.dir,
+        auth: server.auth,
+        runtime: server.runtime,
     }
 }
 
 impl Harness {
     async fn call(&self, method: &str, path: &str, cred: Cred<'_>, body: Option<&str>) -> Reply {
-        let mut request = Request::builder().method(method).uri(path);
-        match cred {
-            Cred::None => {}
-            Cred::Key(k) => request = request.header("X-API-Key", k),
-            Cred::Bearer(t) => request = request.header("Authorization", format!("Bearer {t}")),
-            Cred::BearerTeam(t, team) => {
-                request = request
-                    .header("Authorization", format!("Bearer {t}"))
-                    .header("X-Team-ID", team);
-            }
-        }
-        if body.is_some() {
-            request = request.header("content-type", "application/json");
-        }
-        let request = request
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let body = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| panic!("{method} {path}: body is not JSON: {bytes:?}"))
-        };
-        Reply {
-            status,
-            headers,
-            body,
-        }
+        common::call(&self.app, method, path, cred, body).await
     }
 
     fn bearer(&self) -> Cred<'_> {
@@ -175,12 +74,7 @@ impl Harness {
 }
 
 fn assert_error(reply: &Reply, status: StatusCode, mentions: &str) {
-    assert_eq!(reply.status, status, "{:?}", reply.body);
-    assert_eq!(
-        reply.body["code"].as_u64(),
-        Some(u64::from(status.as_u16()))
-    );
-    let message = reply.body["message"].as_str().expect("message");
+    let message = common::error_message(reply.status, &reply.body, status).expect("message");
     assert!(
         message.to_lowercase().contains(&mentions.to_lowercase()),
         "{message:?} does not mention {mentions:?}"
@@ -627,11 +521,7 @@ async fn changed_limits_apply_to_the_next_request() {
         .expect("set");
     let refused = create().await;
     assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "1 concurrent");
-    let wait: u64 = refused.headers["retry-after"]
-        .to_str()
-        .expect("ascii")
-        .parse()
-        .expect("seconds");
+    let wait = common::retry_after(&refused.headers);
     assert!((1..=30).contains(&wait), "{wait}");
     assert_eq!(h.runtime.launches(), 1);
 

@@ -10,22 +10,15 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
+use sandbar_api::router;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::{SandboxRecords, TeamRecords, TemplateRecords};
-use sandbar_core::{
-    Auth, Builds, CreateSandbox, RateLimits, SandboxError, SandboxState, Sandboxes,
-    SandboxesConfig, Team, Templates,
-};
+use sandbar_core::store::{SandboxRecords, TemplateRecords};
+use sandbar_core::{Builds, CreateSandbox, SandboxError, SandboxState, Sandboxes, Team};
 use sandbar_store::SqliteStore;
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
-use common::FakeRuntime;
-
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+use common::{Cred, FakeRuntime, KEY, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -39,66 +32,26 @@ struct Harness {
 }
 
 async fn harness(gated: &[&'static str]) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let limits = TeamLimits {
-        max_concurrent_sandboxes: 20,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    let auth = Auth::new(store.clone());
-    let credentials = auth
-        .bootstrap(Some(KEY), limits)
-        .await
-        .expect("bootstrap")
-        .expect("a new team");
-    let team = store
-        .team(&credentials.team_id)
-        .await
-        .expect("read")
-        .expect("the team");
-    let templates = Templates::new(store.clone());
-    templates
-        .register(&common::base_template(Utc::now()))
-        .await
-        .expect("template");
     let (runtime, arrived) = FakeRuntime::gated(gated);
-    let runtime = Arc::new(runtime);
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime.clone(),
-        templates.clone(),
-        SandboxesConfig::default(),
-    ));
-    let builds = common::builds(store.clone(), &templates);
-    let app = router(AppState {
-        auth,
-        sandboxes: sandboxes.clone(),
-        builds: builds.clone(),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let server = common::serve(Setup {
+        key: Some(KEY),
+        limits: TeamLimits {
+            max_concurrent_sandboxes: 20,
+            ..common::LIMITS
+        },
+        runtime: Arc::new(runtime),
+        ..Setup::default()
+    })
+    .await;
     Harness {
-        _dir: dir,
-        store,
-        team,
-        sandboxes,
-        builds,
-        runtime,
+        app: router(server.state()),
+        team: server.team().await,
+        _dir: server.dir,
+        store: server.store,
+        sandboxes: server.sandboxes,
+        builds: server.builds,
+        runtime: server.runtime,
         arrived,
-        app,
     }
 }
 
@@ -141,18 +94,9 @@ impl Harness {
             .map(|s| s.state())
     }
 
-    async fn call(&self, method: &str, uri: &str, body: Option<&str>) -> axum::response::Response {
-        let mut request = Request::builder()
-            .method(method)
-            .uri(uri)
-            .header("X-API-Key", KEY);
-        if body.is_some() {
-            request = request.header("content-type", "application/json");
-        }
-        let request = request
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        self.app.clone().oneshot(request).await.expect("call")
+    async fn call(&self, method: &str, uri: &str, body: Option<&str>) -> common::Answer {
+        let request = common::request(method, uri, Cred::Key(KEY), body.map(str::to_owned));
+        common::send(&self.app, request).await
     }
 }
 
@@ -384,7 +328,7 @@ async fn a_kill_on_the_wire_answers_204_during_a_pause() {
     pause.await.expect("pause").expect("paused");
     assert_eq!(kill.await.expect("kill"), StatusCode::NO_CONTENT);
     let gone = h.call("GET", &format!("/sandboxes/{id}"), None).await;
-    assert_eq!(gone.status(), StatusCode::NOT_FOUND);
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
@@ -412,7 +356,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
     // As the SDK sends it: the whole snapshot ID, its colon encoded.
     let uri = format!("/templates/{}", unnamed.snapshot_id.replace(':', "%3A"));
     let deleted = h.call("DELETE", &uri, None).await;
-    assert_eq!(deleted.status(), StatusCode::NO_CONTENT);
+    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
     assert!(
         h.store
             .template(&unnamed.template_id)
@@ -433,7 +377,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
     );
     // A template that is not a snapshot is not deleted through a tag.
     let refused = h.call("DELETE", "/templates/base:default", None).await;
-    assert_eq!(refused.status(), StatusCode::NOT_FOUND);
+    assert_eq!(refused.status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
@@ -444,28 +388,15 @@ async fn capacity_refusals_say_when_to_retry() {
     let refused = h
         .call("POST", "/v2/sandboxes", Some(r#"{"templateID": "base"}"#))
         .await;
-    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let wait: u64 = refused
-        .headers()
-        .get("retry-after")
-        .expect("Retry-After")
-        .to_str()
-        .expect("ascii")
-        .parse()
-        .expect("seconds");
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    let wait = common::retry_after(&refused.headers);
     // The running sandbox ends within 30 s; a client may retry then.
     assert!((1..=30).contains(&wait), "{wait}");
     assert!(
-        refused.headers().get("should-retry").is_none(),
+        refused.headers.get("should-retry").is_none(),
         "a capacity refusal may be retried"
     );
-    let body = refused
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    let body: serde_json::Value = serde_json::from_slice(&refused.bytes).expect("json");
     assert_eq!(body["code"], 503);
     assert!(
         body["message"]

@@ -6,20 +6,15 @@ use std::time::Duration;
 
 use crate::common;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::StoredSecret;
-use sandbar_core::store::{SandboxLogRecords, SandboxRecords, TeamRecords};
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Team, Templates};
+use sandbar_api::router;
+use sandbar_core::store::{SandboxLogRecords, SandboxRecords};
+use sandbar_core::{Sandboxes, SandboxesConfig};
 use sandbar_store::SqliteStore;
 use serde_json::Value;
-use tower::ServiceExt;
 
-use common::FakeRuntime;
+use common::{FakeRuntime, KEY, OTHER_KEY, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -30,93 +25,21 @@ struct Harness {
     team_id: String,
 }
 
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
-const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
-
 async fn harness(config: SandboxesConfig) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    auth.bootstrap(
-        Some(KEY),
-        TeamLimits {
-            max_concurrent_sandboxes: 100,
-            max_sandbox_timeout_secs: 3600,
-            requests_per_minute: 0,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            caps: sandbar_core::TeamCaps::DEFAULT,
-        },
-    )
-    .await
-    .expect("bootstrap");
-    let team_id = store
-        .team_by_api_key_hash(&sandbar_core::auth::hash_secret(KEY))
-        .await
-        .expect("team")
-        .expect("the bootstrapped team")
-        .id;
-    let other = Team {
-        id: "other-team".into(),
-        name: "other".into(),
-        slug: "other".into(),
-        max_concurrent_sandboxes: 5,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    store.insert_team(&other).await.expect("team");
-    store
-        .insert_api_key(&StoredSecret {
-            id: "k2".into(),
-            team_id: other.id.clone(),
-            name: "k".into(),
-            secret_hash: sandbar_core::auth::hash_secret(OTHER_KEY),
-            mask_prefix: "11".into(),
-            mask_suffix: "1111".into(),
-            created_at: Utc::now(),
-        })
-        .await
-        .expect("key");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime.clone(),
-        templates.clone(),
+    let server = common::serve(Setup {
+        key: Some(KEY),
         config,
-    ));
-    let app = router(AppState {
-        auth,
-        sandboxes: sandboxes.clone(),
-        builds: common::builds(store.clone(), &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+        other_team: true,
+        ..Setup::default()
+    })
+    .await;
     Harness {
-        _dir: dir,
-        app,
-        runtime,
-        sandboxes,
-        store,
-        team_id,
+        app: router(server.state()),
+        team_id: server.credentials.team_id,
+        _dir: server.dir,
+        runtime: server.runtime,
+        sandboxes: server.sandboxes,
+        store: server.store,
     }
 }
 
@@ -128,31 +51,15 @@ struct Reply {
 
 impl Harness {
     async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
-        let mut request = Request::builder().method(method).uri(path);
-        if let Some(key) = key {
-            request = request.header("X-API-Key", key);
-        }
-        let request = request
-            .header("content-type", "application/json")
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let body = if bytes.is_empty() {
+        let answer = common::send(&self.app, common::json_request(method, path, key, body)).await;
+        let body = if answer.bytes.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(&bytes).expect("JSON body")
+            serde_json::from_slice(&answer.bytes).expect("JSON body")
         };
         Reply {
-            status,
-            headers,
+            status: answer.status,
+            headers: answer.headers,
             body,
         }
     }
@@ -182,12 +89,7 @@ impl Harness {
 }
 
 fn assert_error(reply: &Reply, status: StatusCode, mentions: &str) {
-    assert_eq!(reply.status, status, "{:?}", reply.body);
-    assert_eq!(
-        reply.body["code"].as_u64(),
-        Some(u64::from(status.as_u16()))
-    );
-    let message = reply.body["message"].as_str().expect("message");
+    let message = common::error_message(reply.status, &reply.body, status).expect("message");
     assert!(message.contains(mentions), "{message:?} lacks {mentions:?}");
 }
 
@@ -636,10 +538,6 @@ async fn the_concurrency_limit_answer_says_when_to_retry() {
         .await;
     assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "limit");
     // Seconds until the team's next sandbox ends, within a minute.
-    let retry_after: u64 = refused.headers["retry-after"]
-        .to_str()
-        .expect("ascii")
-        .parse()
-        .expect("seconds");
+    let retry_after = common::retry_after(&refused.headers);
     assert!((1..=60).contains(&retry_after), "{retry_after}");
 }

@@ -5,10 +5,8 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode, header};
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, MetricsAccess, Routers, router, routers};
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Templates};
-use sandbar_store::SqliteStore;
+use sandbar_api::{AppState, MetricsAccess, Routers, router, routers};
+use sandbar_core::{Auth, SandboxesConfig, Templates};
 use tower::ServiceExt;
 
 use crate::common;
@@ -16,29 +14,16 @@ use crate::common;
 const TOKEN: &str = "metrics-token-5b1f";
 
 async fn state(dir: &tempfile::TempDir) -> AppState {
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
+    let store = common::open_store(dir).await;
     let templates = Templates::new(store.clone());
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
+    let sandboxes = common::sandboxes(
+        &store,
         Arc::new(common::FakeRuntime::default()),
-        templates.clone(),
+        &templates,
         SandboxesConfig::default(),
-    ));
-    AppState {
-        auth: Auth::new(store.clone()),
-        sandboxes,
-        builds: common::builds(store, &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    }
+    );
+    let builds = common::builds(store.clone(), &templates);
+    common::state(Auth::new(store), Arc::new(sandboxes), builds, templates)
 }
 
 /// Status, `WWW-Authenticate` and body of `GET /metrics` with `authorization`, if any.
@@ -50,26 +35,15 @@ async fn scrape(
     if let Some(value) = authorization {
         request = request.header(header::AUTHORIZATION, value);
     }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::empty()).expect("request"))
-        .await
-        .expect("call");
-    let status = response.status();
-    let challenge = response
-        .headers()
+    let answer = common::send(app, request.body(Body::empty()).expect("request")).await;
+    let challenge = answer
+        .headers
         .get(header::WWW_AUTHENTICATE)
         .map(|v| v.to_str().expect("header").to_owned());
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
     (
-        status,
+        answer.status,
         challenge,
-        String::from_utf8_lossy(&body).into_owned(),
+        String::from_utf8_lossy(&answer.bytes).into_owned(),
     )
 }
 

@@ -8,19 +8,11 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Templates};
-use sandbar_store::SqliteStore;
+use sandbar_api::router;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tower::ServiceExt;
 
-use common::FakeRuntime;
-
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
+use common::{FakeRuntime, KEY, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -34,87 +26,36 @@ struct Reply {
 }
 
 async fn harness() -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    auth.bootstrap(
-        Some(KEY),
-        TeamLimits {
-            max_concurrent_sandboxes: 100,
-            max_sandbox_timeout_secs: 3600,
-            requests_per_minute: 0,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            caps: sandbar_core::TeamCaps::DEFAULT,
-        },
-    )
-    .await
-    .expect("bootstrap");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime.clone(),
-        templates.clone(),
-        SandboxesConfig::default(),
-    ));
-    let templates_for_builds = templates.clone();
-    let app = router(AppState {
-        auth,
-        sandboxes,
-        builds: common::builds(store.clone(), &templates_for_builds),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let server = common::serve(Setup {
+        key: Some(KEY),
+        ..Setup::default()
+    })
+    .await;
     Harness {
-        _dir: dir,
-        app,
-        runtime,
+        app: router(server.state()),
+        _dir: server.dir,
+        runtime: server.runtime,
     }
 }
 
 impl Harness {
     async fn send(&self, request: Request<Body>) -> Reply {
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let body = if bytes.is_empty() {
+        let answer = common::send(&self.app, request).await;
+        let body = if answer.bytes.is_empty() {
             Value::Null
         } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()))
+            serde_json::from_slice(&answer.bytes)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&answer.bytes).into()))
         };
-        Reply { status, body }
+        Reply {
+            status: answer.status,
+            body,
+        }
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("X-API-Key", KEY)
-            .header("content-type", "application/json")
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        self.send(request).await
+        self.send(common::json_request(method, path, Some(KEY), body))
+            .await
     }
 
     async fn create(&self, network: Value) -> Value {
@@ -130,12 +71,7 @@ impl Harness {
 }
 
 fn assert_refused(reply: &Reply, status: StatusCode, mentions: &str) {
-    assert_eq!(reply.status, status, "{:?}", reply.body);
-    assert_eq!(
-        reply.body["code"].as_u64(),
-        Some(u64::from(status.as_u16()))
-    );
-    let message = reply.body["message"].as_str().unwrap_or_default();
+    let message = common::error_message(reply.status, &reply.body, status).unwrap_or_default();
     assert!(
         message.contains(mentions),
         "message '{message}' should mention '{mentions}'"

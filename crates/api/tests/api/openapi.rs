@@ -6,21 +6,14 @@
 use crate::common;
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Templates, Volumes};
-use sandbar_node::storage::volumes::HostVolumes;
-use sandbar_store::SqliteStore;
+use axum::http::StatusCode;
+use sandbar_api::router;
+use sandbar_core::auth::Credentials;
+use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Map, Value, json};
-use tower::ServiceExt;
 
-use common::FakeRuntime;
+use common::{Cred, Setup};
 
 /// The endpoints of E2B's API reference (method, path) that the document must describe.
 const SEED_ENDPOINTS: &[(&str, &str)] = &[
@@ -160,16 +153,7 @@ struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
     doc: Value,
-    team_id: String,
-    key: String,
-    token: String,
-}
-
-#[derive(Clone, Copy)]
-enum Cred<'a> {
-    None,
-    Key(&'a str),
-    Bearer(&'a str),
+    creds: Credentials,
 }
 
 struct Reply {
@@ -179,92 +163,28 @@ struct Reply {
 }
 
 async fn harness() -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    let creds = auth
-        .bootstrap(
-            None,
-            TeamLimits {
-                max_concurrent_sandboxes: 100,
-                max_sandbox_timeout_secs: 3600,
-                requests_per_minute: 0,
-                max_vcpu: 0,
-                max_memory_mb: 0,
-                max_disk_mb: 0,
-                caps: sandbar_core::TeamCaps::DEFAULT,
-            },
-        )
-        .await
-        .expect("bootstrap")
-        .expect("first start");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
-    let volumes = Arc::new(Volumes::new(store.clone(), Arc::new(host), [7; 32]));
-    let sandboxes = Arc::new(
-        Sandboxes::new(
-            store.clone(),
-            Arc::new(FakeRuntime::default()),
-            templates.clone(),
-            SandboxesConfig::default(),
-        )
-        .with_volumes(volumes),
-    );
-    let app = router(AppState {
-        auth,
-        sandboxes,
-        builds: common::builds(store.clone(), &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
+    let server = common::serve(Setup {
+        volumes: Some(DEFAULT_CONTENT_REQUESTS_PER_MINUTE),
+        ..Setup::default()
+    })
+    .await;
     Harness {
-        _dir: dir,
-        app,
+        app: router(server.state()),
         doc: document(),
-        team_id: creds.team_id,
-        key: creds.api_key,
-        token: creds.access_token,
+        creds: server.credentials,
+        _dir: server.dir,
     }
 }
 
 impl Harness {
     async fn call(&self, method: &str, uri: &str, cred: Cred<'_>, body: Option<Value>) -> Reply {
-        let mut request = Request::builder().method(method).uri(uri);
-        match cred {
-            Cred::None => {}
-            Cred::Key(k) => request = request.header("X-API-Key", k),
-            Cred::Bearer(t) => request = request.header("Authorization", format!("Bearer {t}")),
+        let request = common::request(method, uri, cred, body.map(|b| b.to_string()));
+        let answer = common::send(&self.app, request).await;
+        Reply {
+            status: answer.status,
+            body: answer.json_or_null(),
+            raw: answer.bytes.to_vec(),
         }
-        if body.is_some() {
-            request = request.header("content-type", "application/json");
-        }
-        let request = request
-            .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
-            .expect("request");
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let raw = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes()
-            .to_vec();
-        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
-        Reply { status, body, raw }
     }
 
     /// Calls `uri` (an instance of the documented `template`) and checks the answer against
@@ -283,11 +203,11 @@ impl Harness {
     }
 
     fn key(&self) -> Cred<'_> {
-        Cred::Key(&self.key)
+        Cred::Key(&self.creds.api_key)
     }
 
     fn bearer(&self) -> Cred<'_> {
-        Cred::Bearer(&self.token)
+        Cred::Bearer(&self.creds.access_token)
     }
 }
 
@@ -649,20 +569,7 @@ async fn template_answers_match_their_schemas() {
             Some(json!({"name": "contract", "tags": ["v1"]})),
         )
         .await;
-    assert_eq!(
-        requested.status,
-        StatusCode::ACCEPTED,
-        "{:?}",
-        requested.body
-    );
-    let template_id = requested.body["templateID"]
-        .as_str()
-        .expect("id")
-        .to_owned();
-    let build_id = requested.body["buildID"]
-        .as_str()
-        .expect("build")
-        .to_owned();
+    let (template_id, build_id) = common::requested_build(requested.status, &requested.body);
     let v2 = h
         .checked(
             "POST",
@@ -733,7 +640,7 @@ async fn template_answers_match_their_schemas() {
             "GET",
             logs_t,
             &format!("/templates/{template_id}/builds/{build_id}/logs?direction=backward&limit=5"),
-            Cred::Bearer(&h.token),
+            Cred::Bearer(&h.creds.access_token),
             None,
         )
         .await;
@@ -917,7 +824,7 @@ async fn key_token_team_and_volume_answers_match_their_schemas() {
     );
 
     let k = h.key();
-    let team = &h.team_id;
+    let team = &h.creds.team_id;
     for (template, uri, status) in [
         (
             "/teams/{teamID}/metrics",

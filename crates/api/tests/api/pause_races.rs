@@ -7,59 +7,32 @@ use crate::common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::Utc;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::TeamRecords;
-use sandbar_core::{Auth, CreateSandbox, Sandboxes, SandboxesConfig, Team, Templates};
-use sandbar_store::SqliteStore;
+use sandbar_core::{CreateSandbox, Sandboxes, SandboxesConfig, Team};
 use serde_json::json;
 
-use common::FakeRuntime;
+use common::{FakeRuntime, Setup};
 
 /// A team with a sandbox paused in memory, on a real SQLite store and `runtime`, whose pause
 /// grace is over at once.
 async fn paused_sandbox(
     runtime: Arc<FakeRuntime>,
 ) -> (tempfile::TempDir, Arc<Sandboxes>, Team, String) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let limits = TeamLimits {
-        max_concurrent_sandboxes: 10,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    let credentials = Auth::new(store.clone())
-        .bootstrap(None, limits)
-        .await
-        .expect("bootstrap")
-        .expect("a new team");
-    let team = store
-        .team(&credentials.team_id)
-        .await
-        .expect("read")
-        .expect("the team");
-    let templates = Templates::new(store.clone());
-    templates
-        .register(&common::base_template(Utc::now()))
-        .await
-        .expect("template");
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime,
-        templates,
-        SandboxesConfig {
+    let server = common::serve(Setup {
+        limits: TeamLimits {
+            max_concurrent_sandboxes: 10,
+            ..common::LIMITS
+        },
+        config: SandboxesConfig {
             pause_grace: Duration::ZERO,
             ..SandboxesConfig::default()
         },
-    ));
+        runtime,
+        ..Setup::default()
+    })
+    .await;
+    let team = server.team().await;
+    let sandboxes = server.sandboxes;
     let sandbox = sandboxes
         .create(
             &team,
@@ -76,7 +49,7 @@ async fn paused_sandbox(
         .pause(&team, &sandbox.id, true)
         .await
         .expect("pause");
-    (dir, sandboxes, team, sandbox.id)
+    (server.dir, sandboxes, team, sandbox.id)
 }
 
 #[tokio::test]

@@ -8,19 +8,15 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, MetricsAccess, routers};
+use sandbar_api::{MetricsAccess, routers};
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::StoredSecret;
-use sandbar_core::store::{TeamRecords, TemplateRecords};
-use sandbar_core::{
-    Auth, BuildStatus, RateLimits, Sandboxes, SandboxesConfig, Team, Template, Templates,
-};
+use sandbar_core::store::TemplateRecords;
+use sandbar_core::{BuildStatus, Template, Templates};
 use sandbar_store::SqliteStore;
 use serde_json::Value;
 use tower::ServiceExt;
 
-use common::FakeRuntime;
+use common::{Cred, FakeRuntime, HangingBuilder, KEY, Reply, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -31,113 +27,44 @@ struct Harness {
     key: String,
 }
 
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
-
 async fn harness(limits: TeamLimits) -> Harness {
     harness_with(limits, Arc::new(common::RefusingBuilder)).await
 }
 
 async fn harness_with(limits: TeamLimits, builder: Arc<dyn sandbar_core::Builder>) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    auth.bootstrap(Some(KEY), limits).await.expect("bootstrap");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(Sandboxes::new(
-        store.clone(),
-        runtime.clone(),
-        templates.clone(),
-        SandboxesConfig::default(),
-    ));
-    let templates_handle = templates.clone();
-    let templates_for_builds = templates.clone();
+    let server = common::serve(Setup {
+        key: Some(KEY),
+        limits,
+        builder,
+        ..Setup::default()
+    })
+    .await;
     let metrics = MetricsAccess {
         token: Some(Arc::from(SCRAPE_TOKEN)),
         own_listener: false,
     };
-    let app = routers(
-        AppState {
-            auth,
-            sandboxes,
-            builds: common::builds_with(store.clone(), &templates_for_builds, builder),
-            templates,
-            rate_limits: Arc::new(RateLimits::default()),
-            edge: Arc::new(EdgeConfig {
-                domain: "sandbar.localhost".into(),
-            }),
-            cluster: None,
-        },
-        &metrics,
-    )
-    .main;
     Harness {
-        _dir: dir,
-        app,
-        templates: templates_handle,
-        runtime,
-        store,
+        app: routers(server.state(), &metrics).main,
+        _dir: server.dir,
+        templates: server.templates,
+        runtime: server.runtime,
+        store: server.store,
         key: KEY.into(),
     }
 }
 
-const GENEROUS: TeamLimits = TeamLimits {
-    max_concurrent_sandboxes: 100,
-    max_sandbox_timeout_secs: 3600,
-    requests_per_minute: 0,
-    max_vcpu: 0,
-    max_memory_mb: 0,
-    max_disk_mb: 0,
-    caps: sandbar_core::TeamCaps::DEFAULT,
-};
-
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
-}
+const GENEROUS: TeamLimits = common::LIMITS;
 
 impl Harness {
     async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
-        let mut request = Request::builder().method(method).uri(path);
-        if let Some(key) = key {
-            request = request.header("X-API-Key", key);
-        }
-        if body.is_some() {
-            request = request.header("content-type", "application/json");
-        }
-        let request = request
-            .body(Body::from(body.unwrap_or("").to_owned()))
-            .expect("request");
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let bytes = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        let body = if bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&bytes)
-                .unwrap_or_else(|_| panic!("{method} {path}: body is not JSON: {bytes:?}"))
-        };
-        Reply {
-            status,
-            headers,
+        common::call(
+            &self.app,
+            method,
+            path,
+            key.map_or(Cred::None, Cred::Key),
             body,
-        }
+        )
+        .await
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
@@ -159,16 +86,8 @@ impl Harness {
 }
 
 fn assert_error_body(reply: &Reply, status: StatusCode) {
-    assert_eq!(reply.status, status, "{:?}", reply.body);
-    assert_eq!(
-        reply.body["code"].as_u64(),
-        Some(u64::from(status.as_u16()))
-    );
-    assert!(
-        reply.body["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty())
-    );
+    let message = common::error_message(reply.status, &reply.body, status);
+    assert!(message.is_some_and(|m| !m.is_empty()));
 }
 
 #[tokio::test]
@@ -441,32 +360,8 @@ async fn timeouts_kill_and_unknown_ids() {
 async fn another_teams_sandbox_is_invisible() {
     let h = harness(GENEROUS).await;
     let id = h.create(r#"{"templateID":"base"}"#).await;
-    let other = Team {
-        id: "other-team".into(),
-        name: "other".into(),
-        slug: "other".into(),
-        max_concurrent_sandboxes: 5,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    h.store.insert_team(&other).await.expect("team");
-    let other_key = "e2b_1111111111111111111111111111111111111111";
-    h.store
-        .insert_api_key(&StoredSecret {
-            id: "k2".into(),
-            team_id: other.id.clone(),
-            name: "k".into(),
-            secret_hash: sandbar_core::auth::hash_secret(other_key),
-            mask_prefix: "11".into(),
-            mask_suffix: "1111".into(),
-            created_at: Utc::now(),
-        })
-        .await
-        .expect("key");
+    common::add_other_team(&h.store).await;
+    let other_key = common::OTHER_KEY;
     let path = format!("/sandboxes/{id}");
     assert_error_body(
         &h.call("GET", &path, Some(other_key), None).await,
@@ -481,49 +376,6 @@ async fn another_teams_sandbox_is_invisible() {
     assert_eq!(h.api("GET", &path, None).await.status, StatusCode::OK);
 }
 
-/// A builder whose builds never end on their own; counts the builds it began and those
-/// dropped unfinished, as a cancel drops them.
-#[derive(Debug, Default)]
-struct HangingBuilder {
-    began: std::sync::atomic::AtomicUsize,
-    dropped: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-struct CountsDrop(Arc<std::sync::atomic::AtomicUsize>);
-
-impl Drop for CountsDrop {
-    fn drop(&mut self) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-#[async_trait::async_trait]
-impl sandbar_core::Builder for HangingBuilder {
-    async fn build(
-        &self,
-        _: sandbar_core::BuildJob,
-        _: sandbar_core::BuildLog,
-    ) -> Result<sandbar_core::TemplateImage, sandbar_core::BuildFailure> {
-        self.began.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let _work = CountsDrop(self.dropped.clone());
-        std::future::pending().await
-    }
-    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
-        false
-    }
-    async fn store_upload(
-        &self,
-        _: &str,
-        _: &str,
-        _: &str,
-        _: sandbar_core::builds::UploadBody,
-        _: u64,
-    ) -> Result<(), sandbar_core::builds::UploadError> {
-        Ok(())
-    }
-    async fn collect_garbage(&self, _: &[String]) {}
-}
-
 impl Harness {
     /// Requests a build of a new template `name`, and starts it from `base` unless `start`
     /// is false; its template and build IDs.
@@ -535,20 +387,7 @@ impl Harness {
                 Some(&format!(r#"{{"name":"{name}"}}"#)),
             )
             .await;
-        assert_eq!(
-            requested.status,
-            StatusCode::ACCEPTED,
-            "{:?}",
-            requested.body
-        );
-        let template_id = requested.body["templateID"]
-            .as_str()
-            .expect("template")
-            .to_owned();
-        let build_id = requested.body["buildID"]
-            .as_str()
-            .expect("build")
-            .to_owned();
+        let (template_id, build_id) = common::requested_build(requested.status, &requested.body);
         if start {
             let started = self
                 .api(
@@ -603,32 +442,8 @@ async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their
     .expect("the first build began");
     assert_eq!(builder.began.load(Ordering::SeqCst), 1);
 
-    let other = Team {
-        id: "other-team".into(),
-        name: "other".into(),
-        slug: "other".into(),
-        max_concurrent_sandboxes: 5,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    h.store.insert_team(&other).await.expect("team");
-    let other_key = "e2b_1111111111111111111111111111111111111111";
-    h.store
-        .insert_api_key(&StoredSecret {
-            id: "k2".into(),
-            team_id: other.id.clone(),
-            name: "k".into(),
-            secret_hash: sandbar_core::auth::hash_secret(other_key),
-            mask_prefix: "11".into(),
-            mask_suffix: "1111".into(),
-            created_at: Utc::now(),
-        })
-        .await
-        .expect("key");
+    common::add_other_team(&h.store).await;
+    let other_key = common::OTHER_KEY;
     let running_path = format!("/templates/{running_template}/builds/{running}");
     assert_error_body(
         &h.call("DELETE", &running_path, Some(other_key), None).await,
@@ -725,11 +540,7 @@ async fn team_limits_answer_429() {
     }
     let refused = limited.api("GET", "/v2/sandboxes", None).await;
     assert_error_body(&refused, StatusCode::TOO_MANY_REQUESTS);
-    let wait: u64 = refused.headers["retry-after"]
-        .to_str()
-        .expect("ascii")
-        .parse()
-        .expect("secs");
+    let wait = common::retry_after(&refused.headers);
     assert!((1..=60).contains(&wait));
 }
 
@@ -743,15 +554,9 @@ async fn edge_answers_502_for_unknown_sandboxes() {
         .header("E2b-Sandbox-Port", "49983")
         .body(Body::from("{}"))
         .expect("request");
-    let response = h.app.clone().oneshot(request).await.expect("call");
-    assert_eq!(response.status(), StatusCode::BAD_GATEWAY);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    assert!(String::from_utf8_lossy(&body).contains("sandbox was not found"));
+    let answer = common::send(&h.app, request).await;
+    assert_eq!(answer.status, StatusCode::BAD_GATEWAY);
+    assert!(String::from_utf8_lossy(&answer.bytes).contains("sandbox was not found"));
 
     let by_host = Request::builder()
         .uri("/health")
@@ -938,15 +743,9 @@ async fn scrape(h: &Harness) -> String {
         .header("authorization", format!("Bearer {SCRAPE_TOKEN}"))
         .body(Body::empty())
         .expect("request");
-    let response = h.app.clone().oneshot(request).await.expect("call");
-    assert_eq!(response.status(), StatusCode::OK);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    String::from_utf8(body.to_vec()).expect("utf-8")
+    let answer = common::send(&h.app, request).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    String::from_utf8(answer.bytes.to_vec()).expect("utf-8")
 }
 
 #[tokio::test]

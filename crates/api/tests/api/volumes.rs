@@ -7,22 +7,10 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use chrono::Utc;
-use http_body_util::BodyExt;
-use sandbar_api::{AppState, EdgeConfig, router};
-use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::StoredSecret;
-use sandbar_core::store::TeamRecords;
-use sandbar_core::{Auth, RateLimits, Sandboxes, SandboxesConfig, Team, Templates, Volumes};
-use sandbar_node::storage::volumes::HostVolumes;
-use sandbar_store::SqliteStore;
+use sandbar_api::router;
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
-use common::FakeRuntime;
-
-const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
-const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
+use common::{FakeRuntime, KEY, OTHER_KEY, Setup};
 
 struct Harness {
     dir: tempfile::TempDir,
@@ -43,116 +31,40 @@ async fn harness() -> Harness {
 
 /// A harness whose content API holds each team to `per_minute` requests.
 async fn harness_with_rate(per_minute: u32) -> Harness {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let store = Arc::new(
-        SqliteStore::open(&dir.path().join("db"))
-            .await
-            .expect("open"),
-    );
-    let auth = Auth::new(store.clone());
-    auth.bootstrap(
-        Some(KEY),
-        TeamLimits {
-            max_concurrent_sandboxes: 100,
-            max_sandbox_timeout_secs: 3600,
-            requests_per_minute: 0,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            caps: sandbar_core::TeamCaps::DEFAULT,
-        },
-    )
-    .await
-    .expect("bootstrap");
-    let other = Team {
-        id: "other-team".into(),
-        name: "other".into(),
-        slug: "other".into(),
-        max_concurrent_sandboxes: 5,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
-    store.insert_team(&other).await.expect("team");
-    store
-        .insert_api_key(&StoredSecret {
-            id: "k2".into(),
-            team_id: other.id.clone(),
-            name: "k".into(),
-            secret_hash: sandbar_core::auth::hash_secret(OTHER_KEY),
-            mask_prefix: "11".into(),
-            mask_suffix: "1111".into(),
-            created_at: Utc::now(),
-        })
-        .await
-        .expect("key");
-    let templates = Templates::new(store.clone());
-    let now = Utc::now();
-    templates
-        .register(&common::base_template(now))
-        .await
-        .expect("template");
-    let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
-    let volumes = Arc::new(
-        Volumes::new(store.clone(), Arc::new(host), [7; 32]).with_content_rate(per_minute),
-    );
-    let runtime = Arc::new(FakeRuntime::default());
-    let sandboxes = Arc::new(
-        Sandboxes::new(
-            store.clone(),
-            runtime.clone(),
-            templates.clone(),
-            SandboxesConfig::default(),
-        )
-        .with_volumes(volumes),
-    );
-    let app = router(AppState {
-        auth,
-        sandboxes,
-        builds: common::builds(store.clone(), &templates),
-        templates,
-        rate_limits: Arc::new(RateLimits::default()),
-        edge: Arc::new(EdgeConfig {
-            domain: "sandbar.localhost".into(),
-        }),
-        cluster: None,
-    });
-    Harness { dir, app, runtime }
+    let server = common::serve(Setup {
+        key: Some(KEY),
+        volumes: Some(per_minute),
+        other_team: true,
+        ..Setup::default()
+    })
+    .await;
+    Harness {
+        app: router(server.state()),
+        dir: server.dir,
+        runtime: server.runtime,
+    }
 }
 
 impl Harness {
     async fn send(&self, request: Request<Body>) -> Reply {
-        let response = self.app.clone().oneshot(request).await.expect("call");
-        let status = response.status();
-        let headers = response.headers().clone();
-        let raw = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes()
-            .to_vec();
-        let body = serde_json::from_slice(&raw).unwrap_or(Value::Null);
+        let answer = common::send(&self.app, request).await;
         Reply {
-            status,
-            headers,
-            body,
-            raw,
+            status: answer.status,
+            body: answer.json_or_null(),
+            headers: answer.headers,
+            raw: answer.bytes.to_vec(),
         }
     }
 
     async fn call(&self, method: &str, path: &str, key: &str, body: Option<Value>) -> Reply {
-        let request = Request::builder()
-            .method(method)
-            .uri(path)
-            .header("X-API-Key", key)
-            .header("content-type", "application/json")
-            .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
-            .expect("request");
-        self.send(request).await
+        let body = body.map(|b| b.to_string());
+        self.send(common::json_request(
+            method,
+            path,
+            Some(key),
+            body.as_deref(),
+        ))
+        .await
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
@@ -191,12 +103,7 @@ impl Harness {
 }
 
 fn assert_error(reply: &Reply, status: StatusCode, needle: &str) {
-    assert_eq!(reply.status, status, "{:?}", reply.body);
-    assert_eq!(
-        reply.body["code"].as_u64(),
-        Some(u64::from(status.as_u16()))
-    );
-    let message = reply.body["message"].as_str().unwrap_or_default();
+    let message = common::error_message(reply.status, &reply.body, status).unwrap_or_default();
     assert!(message.contains(needle), "{message:?} lacks {needle:?}");
 }
 
@@ -842,11 +749,7 @@ async fn the_content_api_holds_a_team_to_its_rate() {
         StatusCode::TOO_MANY_REQUESTS,
         "5 volume content requests per minute",
     );
-    let retry: u64 = limited.headers["retry-after"]
-        .to_str()
-        .expect("retry-after")
-        .parse()
-        .expect("seconds");
+    let retry = common::retry_after(&limited.headers);
     assert!((1..=12).contains(&retry), "Retry-After {retry}");
     // The team's control plane is another bucket.
     assert_eq!(h.api("GET", "/volumes", None).await.status, StatusCode::OK);

@@ -2,11 +2,17 @@
 // Each suite uses a part of it.
 #![allow(dead_code)]
 
+pub mod app;
 pub mod runtime;
 
+pub use app::{
+    Answer, Cred, KEY, LIMITS, OTHER_KEY, Reply, Setup, add_other_team, call, error_message,
+    json_request, open_store, request, requested_build, retry_after, sandboxes, send, serve, state,
+};
 pub use runtime::FakeRuntime;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use sandbar_core::builds::{BuildFailure, BuildJob, BuildLog, UploadBody, UploadError};
 use sandbar_core::{
@@ -25,6 +31,45 @@ impl Builder for RefusingBuilder {
             message: format!("build {} refused by the test builder", job.build_id),
             step: None,
         })
+    }
+    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
+        false
+    }
+    async fn store_upload(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: UploadBody,
+        _: u64,
+    ) -> Result<(), UploadError> {
+        Ok(())
+    }
+    async fn collect_garbage(&self, _: &[String]) {}
+}
+
+/// A builder whose builds never end on their own; counts the builds it began and those
+/// dropped unfinished, as a cancel drops them.
+#[derive(Debug, Default)]
+pub struct HangingBuilder {
+    pub began: AtomicUsize,
+    pub dropped: Arc<AtomicUsize>,
+}
+
+struct CountsDrop(Arc<AtomicUsize>);
+
+impl Drop for CountsDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait::async_trait]
+impl Builder for HangingBuilder {
+    async fn build(&self, _: BuildJob, _: BuildLog) -> Result<TemplateImage, BuildFailure> {
+        self.began.fetch_add(1, Ordering::SeqCst);
+        let _work = CountsDrop(self.dropped.clone());
+        std::future::pending().await
     }
     async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
         false
