@@ -6,12 +6,19 @@ use sandbar_core::{
     TemplateImage,
 };
 use sqlx::Row;
+use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, insert_err, json_opt, micros, time, to_json};
+use crate::{err, insert_err, json_opt, micros, time, to_json};
+
+/// Template builds, tags and build logs, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteBuilds {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl BuildRecords for SqliteStore {
+impl BuildRecords for SqliteBuilds {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)

@@ -3,8 +3,15 @@
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
 use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time};
+use crate::{err, micros, time};
+
+/// Layers published to the layer store, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteLayerBlobs {
+    pub(crate) pool: SqlitePool,
+}
 
 /// The insert of a record; one of a name already recorded is kept or replaced.
 macro_rules! insert_layer_blob {
@@ -22,7 +29,7 @@ const REPLACE: &str = insert_layer_blob!(
      node_id = excluded.node_id, published_at = excluded.published_at"
 );
 
-impl SqliteStore {
+impl SqliteLayerBlobs {
     async fn insert_layer_blob(
         &self,
         blob: &LayerBlob,
@@ -42,7 +49,7 @@ impl SqliteStore {
 }
 
 #[async_trait::async_trait]
-impl LayerBlobRecords for SqliteStore {
+impl LayerBlobRecords for SqliteLayerBlobs {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
         self.insert_layer_blob(blob, KEEP_FIRST).await
     }

@@ -3,11 +3,18 @@
 use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time, to_json};
+use crate::{err, micros, time, to_json};
+
+/// Nodes and their leases, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteNodes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl NodeRecords for SqliteStore {
+impl NodeRecords for SqliteNodes {
     async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES (?, ?, ?, ?, ?) \

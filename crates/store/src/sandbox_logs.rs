@@ -5,11 +5,18 @@ use sandbar_core::store::SandboxLogRecords;
 use sandbar_core::{LogLevel, SandboxLogEntry, SandboxLogQuery, StoreError};
 
 use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time, to_json};
+use crate::{err, micros, time, to_json};
+
+/// Sandbox logs, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteSandboxLogs {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl SandboxLogRecords for SqliteStore {
+impl SandboxLogRecords for SqliteSandboxLogs {
     async fn open_sandbox_log(
         &self,
         sandbox_id: &str,

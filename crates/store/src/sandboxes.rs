@@ -6,12 +6,19 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 use sqlx::Row;
+use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, insert_err, micros, time};
+use crate::{err, insert_err, micros, time};
+
+/// Sandboxes and their volume mounts, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteSandboxes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl SandboxRecords for SqliteStore {
+impl SandboxRecords for SqliteSandboxes {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)

@@ -4,11 +4,18 @@ use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
 
 use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err};
+use crate::err;
+
+/// Team activity buckets, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteTeamMetrics {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl TeamMetricRecords for SqliteStore {
+impl TeamMetricRecords for SqliteTeamMetrics {
     async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         for b in buckets {

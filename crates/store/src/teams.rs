@@ -5,11 +5,18 @@ use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
 use sandbar_core::{StoreError, Team, TeamCaps};
 use sqlx::Row;
+use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, insert_err, micros, time};
+use crate::{err, insert_err, micros, time};
 
-impl SqliteStore {
+/// Teams, members, API keys and access tokens, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteTeams {
+    pub(crate) pool: SqlitePool,
+}
+
+impl SqliteTeams {
     /// Teams made before names had namespaces get a slug from their name, in the order they
     /// were made, so the oldest keeps the plain one.
     pub(crate) async fn give_teams_slugs(&self) -> Result<(), StoreError> {
@@ -74,7 +81,7 @@ impl SqliteStore {
 }
 
 #[async_trait::async_trait]
-impl TeamRecords for SqliteStore {
+impl TeamRecords for SqliteTeams {
     async fn team_count(&self) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
             .fetch_one(&self.pool)

@@ -4,11 +4,18 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
 use sqlx::Row;
+use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, json_opt, micros, time, to_json};
+use crate::{err, json_opt, micros, time, to_json};
 
-impl SqliteStore {
+/// Templates and their names, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteTemplates {
+    pub(crate) pool: SqlitePool,
+}
+
+impl SqliteTemplates {
     fn templates_from_rows(rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
         rows.iter().map(Self::template_from_row).collect()
     }
@@ -47,7 +54,7 @@ impl SqliteStore {
 }
 
 #[async_trait::async_trait]
-impl TemplateRecords for SqliteStore {
+impl TemplateRecords for SqliteTemplates {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         sqlx::query(

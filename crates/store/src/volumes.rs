@@ -3,12 +3,19 @@
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
 use sqlx::Row;
+use sqlx::SqlitePool;
 use sqlx::sqlite::SqliteRow;
 
-use crate::{SqliteStore, err, micros, time};
+use crate::{err, micros, time};
+
+/// Volumes, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteVolumes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl VolumeRecords for SqliteStore {
+impl VolumeRecords for SqliteVolumes {
     async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "INSERT INTO volumes (id, team_id, name, token_hash, created_at) VALUES (?, ?, ?, ?, ?) \

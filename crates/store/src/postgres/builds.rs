@@ -6,9 +6,16 @@ use sandbar_core::{
     BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, LogLevel, StoreError,
     TemplateImage,
 };
+use sqlx::PgPool;
 
-use super::{PgStore, big, json_of, u32_of};
+use super::{big, json_of, records_where, u32_of};
 use crate::{err, insert_err, to_json};
+
+/// Template builds, tags and build logs, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgBuilds {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct BuildRow {
@@ -69,7 +76,7 @@ struct BuildLogRow {
 }
 
 #[async_trait::async_trait]
-impl BuildRecords for PgStore {
+impl BuildRecords for PgBuilds {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)
@@ -130,23 +137,24 @@ impl BuildRecords for PgStore {
     }
 
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
-        Ok(self
-            .records_where::<BuildRow, _>("SELECT * FROM template_builds WHERE id = $1", Some(id))
-            .await?
-            .pop())
+        Ok(records_where::<BuildRow, _>(
+            &self.pool,
+            "SELECT * FROM template_builds WHERE id = $1",
+            Some(id),
+        )
+        .await?
+        .pop())
     }
 
     async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
-        self.records_where::<BuildRow, _>(
-            "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
+        records_where::<BuildRow, _>(&self.pool, "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
             Some(template_id),
         )
         .await
     }
 
     async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
-        self.records_where::<BuildRow, _>(
-            "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
+        records_where::<BuildRow, _>(&self.pool, "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
             None,
         )
         .await

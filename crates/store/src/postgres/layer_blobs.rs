@@ -3,9 +3,15 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::err;
+
+/// Layers published to the layer store, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgLayerBlobs {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct LayerBlobRow {
@@ -32,7 +38,7 @@ const REPLACE: &str = insert_layer_blob!(
      node_id = excluded.node_id, published_at = excluded.published_at"
 );
 
-impl PgStore {
+impl PgLayerBlobs {
     async fn insert_layer_blob(
         &self,
         blob: &LayerBlob,
@@ -52,7 +58,7 @@ impl PgStore {
 }
 
 #[async_trait::async_trait]
-impl LayerBlobRecords for PgStore {
+impl LayerBlobRecords for PgLayerBlobs {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
         self.insert_layer_blob(blob, KEEP_FIRST).await
     }

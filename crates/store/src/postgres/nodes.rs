@@ -3,9 +3,15 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::{err, to_json};
+
+/// Nodes and their leases, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgNodes {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct NodeRow {
@@ -17,7 +23,7 @@ struct NodeRow {
 }
 
 #[async_trait::async_trait]
-impl NodeRecords for PgStore {
+impl NodeRecords for PgNodes {
     async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES ($1, $2, $3, $4, $5) \

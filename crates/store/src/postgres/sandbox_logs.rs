@@ -4,9 +4,16 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxLogRecords;
 use sandbar_core::{LogLevel, SandboxLogEntry, SandboxLogQuery, StoreError};
 use sqlx::PgConnection;
+use sqlx::PgPool;
 
-use super::{PgStore, big};
+use super::big;
 use crate::{err, to_json};
+
+/// Sandbox logs, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgSandboxLogs {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct LogRow {
@@ -17,7 +24,7 @@ struct LogRow {
 }
 
 #[async_trait::async_trait]
-impl SandboxLogRecords for PgStore {
+impl SandboxLogRecords for PgSandboxLogs {
     async fn open_sandbox_log(
         &self,
         sandbox_id: &str,

@@ -5,9 +5,16 @@ use std::str::FromStr;
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
+use sqlx::PgPool;
 
-use super::{PgStore, json_of, u32_of};
+use super::{json_of, u32_of};
 use crate::{err, insert_err, to_json};
+
+/// Sandboxes and their volume mounts, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgSandboxes {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct SandboxRow {
@@ -80,7 +87,7 @@ struct MountRow {
 }
 
 #[async_trait::async_trait]
-impl SandboxRecords for PgStore {
+impl SandboxRecords for PgSandboxes {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)

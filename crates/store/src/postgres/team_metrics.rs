@@ -2,9 +2,16 @@
 
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
+use sqlx::PgPool;
 
-use super::{PgStore, u32_of};
+use super::u32_of;
 use crate::err;
+
+/// Team activity buckets, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTeamMetrics {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct BucketRow {
@@ -14,7 +21,7 @@ struct BucketRow {
 }
 
 #[async_trait::async_trait]
-impl TeamMetricRecords for PgStore {
+impl TeamMetricRecords for PgTeamMetrics {
     async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
         // Rows are locked in one order by every host, so two hosts adding the same buckets
         // wait for each other instead of deadlocking.

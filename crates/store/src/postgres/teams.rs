@@ -4,9 +4,16 @@ use chrono::{DateTime, Utc};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
 use sandbar_core::{StoreError, Team, TeamCaps};
+use sqlx::PgPool;
 
-use super::{PgStore, big, u32_of, u64_of};
+use super::{big, u32_of, u64_of};
 use crate::{err, insert_err};
+
+/// Teams, members, API keys and access tokens, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTeams {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct TeamRow {
@@ -124,7 +131,7 @@ macro_rules! api_key_query {
     };
 }
 
-impl PgStore {
+impl PgTeams {
     /// `slug_of(name)`, or with `-2`, `-3`, … after it when a team has it already. Two hosts
     /// may pick the same one at once: the unique slug makes the later insert a conflict.
     async fn free_slug(&self, name: &str) -> Result<String, StoreError> {
@@ -178,7 +185,7 @@ impl PgStore {
 }
 
 #[async_trait::async_trait]
-impl TeamRecords for PgStore {
+impl TeamRecords for PgTeams {
     async fn team_count(&self) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
             .fetch_one(&self.pool)

@@ -3,9 +3,16 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
+use sqlx::PgPool;
 
-use super::{PgStore, json_of, u32_of, u64_of};
+use super::{json_of, records_where, u32_of, u64_of};
 use crate::{err, to_json};
+
+/// Templates and their names, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTemplates {
+    pub(crate) pool: PgPool,
+}
 
 /// A row selected by a `template_query!`.
 #[derive(sqlx::FromRow)]
@@ -80,7 +87,7 @@ macro_rules! template_query {
 }
 
 #[async_trait::async_trait]
-impl TemplateRecords for PgStore {
+impl TemplateRecords for PgTemplates {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         sqlx::query(
@@ -129,10 +136,13 @@ impl TemplateRecords for PgStore {
     }
 
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
-        Ok(self
-            .records_where::<TemplateRow, _>(template_query!("WHERE t.id = $1"), Some(id))
-            .await?
-            .pop())
+        Ok(records_where::<TemplateRow, _>(
+            &self.pool,
+            template_query!("WHERE t.id = $1"),
+            Some(id),
+        )
+        .await?
+        .pop())
     }
 
     async fn template_by_name(
@@ -153,7 +163,8 @@ impl TemplateRecords for PgStore {
     }
 
     async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        self.records_where::<TemplateRow, _>(
+        records_where::<TemplateRow, _>(
+            &self.pool,
             template_query!(
                 "JOIN template_aliases a ON a.template_id = t.id
                  WHERE a.alias = $1 AND a.scope != '' AND t.public
@@ -165,7 +176,8 @@ impl TemplateRecords for PgStore {
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        self.records_where::<TemplateRow, _>(
+        records_where::<TemplateRow, _>(
+            &self.pool,
             template_query!("ORDER BY t.created_at DESC, t.id COLLATE \"C\""),
             None,
         )

@@ -3,9 +3,15 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::err;
+
+/// Volumes, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgVolumes {
+    pub(crate) pool: PgPool,
+}
 
 #[derive(sqlx::FromRow)]
 struct VolumeRow {
@@ -29,7 +35,7 @@ impl From<VolumeRow> for Volume {
 }
 
 #[async_trait::async_trait]
-impl VolumeRecords for PgStore {
+impl VolumeRecords for PgVolumes {
     async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
         // The (team, name) constraint decides between two hosts creating the same name.
         let done = sqlx::query(
