@@ -109,6 +109,7 @@ mod layer_blobs;
 mod nodes;
 mod postgres;
 mod request_counts;
+mod rows;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;

@@ -6,20 +6,12 @@ use sandbar_core::{LayerBlob, StoreError};
 use sqlx::PgPool;
 
 use crate::err;
+use crate::rows::LayerBlobRow;
 
 /// Layers published to the layer store, in PostgreSQL.
 #[derive(Debug, Clone)]
 pub struct PgLayerBlobs {
     pub(crate) pool: PgPool,
-}
-
-#[derive(sqlx::FromRow)]
-struct LayerBlobRow {
-    layer: String,
-    digest: String,
-    size_bytes: i64,
-    node_id: String,
-    published_at: DateTime<Utc>,
 }
 
 /// The insert of a record; one of a name already recorded is kept or replaced.
@@ -77,32 +69,21 @@ impl LayerBlobRecords for PgLayerBlobs {
     }
 
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows =
-            sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs WHERE layer = ANY($1)")
-                .bind(layers)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(err)?;
-        rows.into_iter().map(LayerBlobRow::into_blob).collect()
+        let rows = sqlx::query_as::<_, LayerBlobRow<DateTime<Utc>>>(
+            "SELECT * FROM layer_blobs WHERE layer = ANY($1)",
+        )
+        .bind(layers)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 
     async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs")
+        let rows = sqlx::query_as::<_, LayerBlobRow<DateTime<Utc>>>("SELECT * FROM layer_blobs")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.into_iter().map(LayerBlobRow::into_blob).collect()
-    }
-}
-
-impl LayerBlobRow {
-    fn into_blob(self) -> Result<LayerBlob, StoreError> {
-        Ok(LayerBlob {
-            layer: self.layer,
-            digest: self.digest,
-            size_bytes: u64::try_from(self.size_bytes).map_err(err)?,
-            node_id: self.node_id,
-            published_at: self.published_at,
-        })
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 }

@@ -158,23 +158,3 @@ impl PgStore {
         }
     }
 }
-
-/// A count or size the records hold as `u32`.
-fn u32_of(value: i64, what: &str, id: &str) -> Result<u32, StoreError> {
-    u32::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
-}
-
-/// A count the records hold as `u64`.
-fn u64_of(value: i64, what: &str, id: &str) -> Result<u64, StoreError> {
-    u64::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
-}
-
-/// A `u64` as a BIGINT, saturating: nothing the store keeps comes near the limit.
-fn big(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-fn json_of<T: serde::de::DeserializeOwned>(text: Option<String>) -> Result<Option<T>, StoreError> {
-    text.map(|t| serde_json::from_str(&t).map_err(err))
-        .transpose()
-}

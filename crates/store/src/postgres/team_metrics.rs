@@ -4,20 +4,13 @@ use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
 use sqlx::PgPool;
 
-use super::u32_of;
 use crate::err;
+use crate::rows::BucketRow;
 
 /// Team activity buckets, in PostgreSQL.
 #[derive(Debug, Clone)]
 pub struct PgTeamMetrics {
     pub(crate) pool: PgPool,
-}
-
-#[derive(sqlx::FromRow)]
-struct BucketRow {
-    bucket: i64,
-    concurrent: i64,
-    starts: i64,
 }
 
 #[async_trait::async_trait]
@@ -62,14 +55,7 @@ impl TeamMetricRecords for PgTeamMetrics {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| {
-            Ok(TeamMetricBucket {
-                team_id: team_id.to_owned(),
-                bucket: r.bucket,
-                concurrent: u32_of(r.concurrent, "concurrency", team_id)?,
-                starts: u32_of(r.starts, "starts", team_id)?,
-            })
-        })
+        .map(|r| r.of_team(team_id))
         .collect()
     }
 

@@ -3,121 +3,16 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
-use sandbar_core::{StoreError, Team, TeamCaps};
+use sandbar_core::{StoreError, Team};
 use sqlx::PgPool;
 
-use super::{big, u32_of, u64_of};
+use crate::rows::{AccessTokenRow, ApiKeyRow, TeamMemberRow, TeamRow, big, free_slug, u64_of};
 use crate::{err, insert_err};
 
 /// Teams, members, API keys and access tokens, in PostgreSQL.
 #[derive(Debug, Clone)]
 pub struct PgTeams {
     pub(crate) pool: PgPool,
-}
-
-#[derive(sqlx::FromRow)]
-struct TeamRow {
-    id: String,
-    name: String,
-    slug: String,
-    max_concurrent_sandboxes: i64,
-    max_sandbox_timeout_secs: i64,
-    requests_per_minute: i64,
-    max_vcpu: i64,
-    max_memory_mb: i64,
-    max_disk_mb: i64,
-    max_snapshots: i64,
-    max_snapshot_mb: i64,
-    max_templates: i64,
-    max_volumes: i64,
-    max_volume_mb: i64,
-    max_tags_per_template: i64,
-    max_api_keys: i64,
-}
-
-impl TryFrom<TeamRow> for Team {
-    type Error = StoreError;
-
-    fn try_from(r: TeamRow) -> Result<Self, StoreError> {
-        let id = r.id.as_str();
-        Ok(Team {
-            max_concurrent_sandboxes: u32_of(r.max_concurrent_sandboxes, "team limit", id)?,
-            max_sandbox_timeout_secs: u64_of(r.max_sandbox_timeout_secs, "team limit", id)?,
-            requests_per_minute: u32_of(r.requests_per_minute, "team limit", id)?,
-            max_vcpu: u32_of(r.max_vcpu, "team limit", id)?,
-            max_memory_mb: u32_of(r.max_memory_mb, "team limit", id)?,
-            max_disk_mb: u32_of(r.max_disk_mb, "team limit", id)?,
-            caps: TeamCaps {
-                max_snapshots: u32_of(r.max_snapshots, "team limit", id)?,
-                max_snapshot_mb: u32_of(r.max_snapshot_mb, "team limit", id)?,
-                max_templates: u32_of(r.max_templates, "team limit", id)?,
-                max_volumes: u32_of(r.max_volumes, "team limit", id)?,
-                max_volume_mb: u32_of(r.max_volume_mb, "team limit", id)?,
-                max_tags_per_template: u32_of(r.max_tags_per_template, "team limit", id)?,
-                max_api_keys: u32_of(r.max_api_keys, "team limit", id)?,
-            },
-            name: r.name,
-            slug: r.slug,
-            id: r.id,
-        })
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct TeamMemberRow {
-    #[sqlx(flatten)]
-    team: TeamRow,
-    is_default: bool,
-}
-
-#[derive(sqlx::FromRow)]
-struct SecretRow {
-    id: String,
-    team_id: String,
-    name: String,
-    secret_hash: String,
-    mask_prefix: String,
-    mask_suffix: String,
-    created_at: DateTime<Utc>,
-}
-
-impl From<SecretRow> for StoredSecret {
-    fn from(r: SecretRow) -> Self {
-        StoredSecret {
-            id: r.id,
-            team_id: r.team_id,
-            name: r.name,
-            secret_hash: r.secret_hash,
-            mask_prefix: r.mask_prefix,
-            mask_suffix: r.mask_suffix,
-            created_at: r.created_at,
-        }
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct ApiKeyRow {
-    #[sqlx(flatten)]
-    secret: SecretRow,
-    created_by: Option<String>,
-    last_used: Option<DateTime<Utc>>,
-}
-
-impl From<ApiKeyRow> for StoredApiKey {
-    fn from(r: ApiKeyRow) -> Self {
-        StoredApiKey {
-            secret: r.secret.into(),
-            created_by: r.created_by,
-            last_used: r.last_used,
-        }
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct AccessTokenRow {
-    #[sqlx(flatten)]
-    secret: SecretRow,
-    user_id: String,
 }
 
 /// An API key query: the columns an [`ApiKeyRow`] reads, then `$rest`. A literal, so the SQL
@@ -135,21 +30,15 @@ impl PgTeams {
     /// `slug_of(name)`, or with `-2`, `-3`, … after it when a team has it already. Two hosts
     /// may pick the same one at once: the unique slug makes the later insert a conflict.
     async fn free_slug(&self, name: &str) -> Result<String, StoreError> {
-        let base = sandbar_core::model::slug_of(name);
-        let mut candidate = base.clone();
-        for n in 2.. {
-            let taken = sqlx::query("SELECT 1 FROM teams WHERE slug = $1")
-                .bind(&candidate)
+        free_slug(name, |candidate| async move {
+            Ok(sqlx::query("SELECT 1 FROM teams WHERE slug = $1")
+                .bind(candidate)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(err)?
-                .is_some();
-            if !taken {
-                break;
-            }
-            candidate = format!("{base}-{n}");
-        }
-        Ok(candidate)
+                .is_some())
+        })
+        .await
     }
 
     /// API keys and access tokens share one shape; only their table differs.
@@ -268,11 +157,12 @@ impl TeamRecords for PgTeams {
         &self,
         hash: &str,
     ) -> Result<Option<(StoredApiKey, Team)>, StoreError> {
-        let Some(key) = sqlx::query_as::<_, ApiKeyRow>(api_key_query!("WHERE key_hash = $1"))
-            .bind(hash)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?
+        let Some(key) =
+            sqlx::query_as::<_, ApiKeyRow<DateTime<Utc>>>(api_key_query!("WHERE key_hash = $1"))
+                .bind(hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
         else {
             return Ok(None);
         };
@@ -317,16 +207,18 @@ impl TeamRecords for PgTeams {
     }
 
     async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
-        Ok(sqlx::query_as::<_, ApiKeyRow>(api_key_query!(
-            "WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\""
-        ))
-        .bind(team_id)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(err)?
-        .into_iter()
-        .map(StoredApiKey::from)
-        .collect())
+        Ok(
+            sqlx::query_as::<_, ApiKeyRow<DateTime<Utc>>>(api_key_query!(
+                "WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\""
+            ))
+            .bind(team_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(StoredApiKey::from)
+            .collect(),
+        )
     }
 
     async fn rename_api_key(
@@ -403,7 +295,7 @@ impl TeamRecords for PgTeams {
         &self,
         hash: &str,
     ) -> Result<Option<StoredAccessToken>, StoreError> {
-        Ok(sqlx::query_as::<_, AccessTokenRow>(
+        Ok(sqlx::query_as::<_, AccessTokenRow<DateTime<Utc>>>(
             "SELECT id, team_id, name, token_hash AS secret_hash, mask_prefix, mask_suffix, created_at, user_id
              FROM access_tokens WHERE token_hash = $1 AND user_id IS NOT NULL",
         )
@@ -411,10 +303,7 @@ impl TeamRecords for PgTeams {
         .fetch_optional(&self.pool)
         .await
         .map_err(err)?
-        .map(|r| StoredAccessToken {
-            secret: r.secret.into(),
-            user_id: r.user_id,
-        }))
+        .map(StoredAccessToken::from))
     }
 
     async fn delete_access_token(&self, user_id: &str, id: &str) -> Result<bool, StoreError> {
@@ -437,7 +326,7 @@ impl TeamRecords for PgTeams {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| Ok((Team::try_from(r.team)?, r.is_default)))
+        .map(<(Team, bool)>::try_from)
         .collect()
     }
 
