@@ -2,10 +2,10 @@
 
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
-use sqlx::Row;
 use sqlx::SqlitePool;
 
-use crate::{err, micros, time};
+use crate::rows::LayerBlobRow;
+use crate::{err, micros};
 
 /// Layers published to the layer store, in SQLite.
 #[derive(Debug, Clone)]
@@ -68,32 +68,21 @@ impl LayerBlobRecords for SqliteLayerBlobs {
     }
 
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, LayerBlobRow<i64>>(
             "SELECT * FROM layer_blobs WHERE layer IN (SELECT value FROM json_each(?))",
         )
         .bind(serde_json::to_string(layers).map_err(err)?)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        rows.iter().map(layer_blob_of).collect()
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 
     async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM layer_blobs")
+        let rows = sqlx::query_as::<_, LayerBlobRow<i64>>("SELECT * FROM layer_blobs")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.iter().map(layer_blob_of).collect()
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
-}
-
-fn layer_blob_of(row: &sqlx::sqlite::SqliteRow) -> Result<LayerBlob, StoreError> {
-    let size: i64 = row.try_get("size_bytes").map_err(err)?;
-    Ok(LayerBlob {
-        layer: row.try_get("layer").map_err(err)?,
-        digest: row.try_get("digest").map_err(err)?,
-        size_bytes: u64::try_from(size).map_err(err)?,
-        node_id: row.try_get("node_id").map_err(err)?,
-        published_at: time(row.try_get("published_at").map_err(err)?),
-    })
 }

@@ -11,10 +11,8 @@ use std::path::Path;
 
 use chrono::{DateTime, Utc};
 use sandbar_core::StoreError;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-};
-use sqlx::{Row, SqlitePool};
+use sqlx::SqlitePool;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
@@ -70,15 +68,6 @@ fn insert_err<'a>(what: &'static str, id: &'a str) -> impl FnOnce(sqlx::Error) -
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(err)
-}
-
-fn json_opt<T: serde::de::DeserializeOwned>(
-    row: &SqliteRow,
-    column: &str,
-) -> Result<Option<T>, StoreError> {
-    let text: Option<String> = row.try_get(column).map_err(err)?;
-    text.map(|t| serde_json::from_str(&t).map_err(err))
-        .transpose()
 }
 
 fn micros(t: DateTime<Utc>) -> i64 {

@@ -1,5 +1,6 @@
-//! What both databases read back, whatever their dialect: the rows their queries select and
-//! how each becomes the core's record, with the checks on the counts and sizes in it. The
+//! What both databases read back and bind, whatever their dialect: the rows their queries
+//! select and how each becomes the core's record, with the checks on the counts and sizes in
+//! it, and the values of the columns every statement on a table lists in the same order. The
 //! rows are generic over how a database reads a timestamp ([`Stamp`]), which is all that
 //! differs between the two once a row is selected; the SQL stays with each backend.
 
@@ -12,6 +13,10 @@ use sandbar_core::{
     NodeRecord, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxStatus,
     StoreError, Team, TeamCaps, TeamMetricBucket, Template, TemplateImage, Volume, VolumeMount,
 };
+
+use sandbar_core::auth::TeamLimits;
+use sqlx::query::Query;
+use sqlx::{Database, Encode, Type};
 
 use crate::{err, time};
 
@@ -51,6 +56,76 @@ impl Aliases for Vec<String> {
     fn sorted(self) -> Result<Vec<String>, StoreError> {
         Ok(self)
     }
+}
+
+/// `query` with `values` bound, in order.
+pub(crate) fn bind_all<'q, DB, V>(
+    query: Query<'q, DB, DB::Arguments>,
+    values: impl IntoIterator<Item = V>,
+) -> Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    V: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    values
+        .into_iter()
+        .fold(query, |query, value| query.bind(value))
+}
+
+/// A team's limit columns, in the order every statement on `teams` lists them.
+pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 13] {
+    [
+        i64::from(limits.max_concurrent_sandboxes),
+        big(limits.max_sandbox_timeout_secs),
+        i64::from(limits.requests_per_minute),
+        i64::from(limits.max_vcpu),
+        i64::from(limits.max_memory_mb),
+        i64::from(limits.max_disk_mb),
+        i64::from(limits.caps.max_snapshots),
+        i64::from(limits.caps.max_snapshot_mb),
+        i64::from(limits.caps.max_templates),
+        i64::from(limits.caps.max_volumes),
+        i64::from(limits.caps.max_volume_mb),
+        i64::from(limits.caps.max_tags_per_template),
+        i64::from(limits.caps.max_api_keys),
+    ]
+}
+
+/// A team's own limits.
+pub(crate) fn team_limits(team: &Team) -> TeamLimits {
+    TeamLimits {
+        max_concurrent_sandboxes: team.max_concurrent_sandboxes,
+        max_sandbox_timeout_secs: team.max_sandbox_timeout_secs,
+        requests_per_minute: team.requests_per_minute,
+        max_vcpu: team.max_vcpu,
+        max_memory_mb: team.max_memory_mb,
+        max_disk_mb: team.max_disk_mb,
+        caps: team.caps,
+    }
+}
+
+/// `query` with a secret's columns bound as every insert of an API key or access token lists
+/// them: id, team, name, hash, mask and when it was made (`created_at`, as the database keeps
+/// a time).
+pub(crate) fn bind_secret<'q, DB, T>(
+    query: Query<'q, DB, DB::Arguments>,
+    secret: &StoredSecret,
+    created_at: T,
+) -> Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    String: for<'t> Encode<'t, DB> + Type<DB>,
+    T: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let text = [
+        &secret.id,
+        &secret.team_id,
+        &secret.name,
+        &secret.secret_hash,
+        &secret.mask_prefix,
+        &secret.mask_suffix,
+    ];
+    bind_all(query, text.map(String::clone)).bind(created_at)
 }
 
 /// A count or size the records hold as `u32`.
@@ -129,6 +204,21 @@ pub(crate) struct TeamRow {
     name: String,
     /// Empty on teams made before names had namespaces, until the store gives them one.
     slug: Option<String>,
+    #[sqlx(flatten)]
+    limits: LimitsRow,
+}
+
+impl TryFrom<TeamRow> for Team {
+    type Error = StoreError;
+
+    fn try_from(r: TeamRow) -> Result<Self, StoreError> {
+        r.limits.into_team(r.id, r.name, r.slug)
+    }
+}
+
+/// A team's limit columns, which no other table has, so a join can select them as they are.
+#[derive(sqlx::FromRow)]
+pub(crate) struct LimitsRow {
     max_concurrent_sandboxes: i64,
     max_sandbox_timeout_secs: i64,
     requests_per_minute: i64,
@@ -144,31 +234,52 @@ pub(crate) struct TeamRow {
     max_api_keys: i64,
 }
 
-impl TryFrom<TeamRow> for Team {
+impl LimitsRow {
+    fn into_team(self, id: String, name: String, slug: Option<String>) -> Result<Team, StoreError> {
+        let limit = |value: i64| u32_of(value, "team limit", &id);
+        Ok(Team {
+            max_concurrent_sandboxes: limit(self.max_concurrent_sandboxes)?,
+            max_sandbox_timeout_secs: u64_of(self.max_sandbox_timeout_secs, "team limit", &id)?,
+            requests_per_minute: limit(self.requests_per_minute)?,
+            max_vcpu: limit(self.max_vcpu)?,
+            max_memory_mb: limit(self.max_memory_mb)?,
+            max_disk_mb: limit(self.max_disk_mb)?,
+            caps: TeamCaps {
+                max_snapshots: limit(self.max_snapshots)?,
+                max_snapshot_mb: limit(self.max_snapshot_mb)?,
+                max_templates: limit(self.max_templates)?,
+                max_volumes: limit(self.max_volumes)?,
+                max_volume_mb: limit(self.max_volume_mb)?,
+                max_tags_per_template: limit(self.max_tags_per_template)?,
+                max_api_keys: limit(self.max_api_keys)?,
+            },
+            name,
+            slug: slug.unwrap_or_default(),
+            id,
+        })
+    }
+}
+
+/// An API key with its team's name, slug and limits, in one row: the team's id is the key's.
+#[derive(sqlx::FromRow)]
+pub(crate) struct KeyTeamRow<T> {
+    #[sqlx(flatten)]
+    key: ApiKeyRow<T>,
+    team_name: String,
+    team_slug: Option<String>,
+    #[sqlx(flatten)]
+    limits: LimitsRow,
+}
+
+impl<T: Stamp> TryFrom<KeyTeamRow<T>> for (StoredApiKey, Team) {
     type Error = StoreError;
 
-    fn try_from(r: TeamRow) -> Result<Self, StoreError> {
-        let id = &r.id;
-        Ok(Team {
-            max_concurrent_sandboxes: u32_of(r.max_concurrent_sandboxes, "team limit", id)?,
-            max_sandbox_timeout_secs: u64_of(r.max_sandbox_timeout_secs, "team limit", id)?,
-            requests_per_minute: u32_of(r.requests_per_minute, "team limit", id)?,
-            max_vcpu: u32_of(r.max_vcpu, "team limit", id)?,
-            max_memory_mb: u32_of(r.max_memory_mb, "team limit", id)?,
-            max_disk_mb: u32_of(r.max_disk_mb, "team limit", id)?,
-            caps: TeamCaps {
-                max_snapshots: u32_of(r.max_snapshots, "team limit", id)?,
-                max_snapshot_mb: u32_of(r.max_snapshot_mb, "team limit", id)?,
-                max_templates: u32_of(r.max_templates, "team limit", id)?,
-                max_volumes: u32_of(r.max_volumes, "team limit", id)?,
-                max_volume_mb: u32_of(r.max_volume_mb, "team limit", id)?,
-                max_tags_per_template: u32_of(r.max_tags_per_template, "team limit", id)?,
-                max_api_keys: u32_of(r.max_api_keys, "team limit", id)?,
-            },
-            name: r.name,
-            slug: r.slug.unwrap_or_default(),
-            id: r.id,
-        })
+    fn try_from(r: KeyTeamRow<T>) -> Result<Self, StoreError> {
+        let key = StoredApiKey::from(r.key);
+        let team = r
+            .limits
+            .into_team(key.secret.team_id.clone(), r.team_name, r.team_slug)?;
+        Ok((key, team))
     }
 }
 
@@ -293,7 +404,7 @@ impl<T: Stamp> TryFrom<BuildRow<T>> for BuildRecord {
 /// A build with one of its tags.
 #[derive(sqlx::FromRow)]
 pub(crate) struct TaggedBuildRow<T> {
-    tag: String,
+    pub(crate) tag: String,
     #[sqlx(flatten)]
     build: BuildRow<T>,
 }

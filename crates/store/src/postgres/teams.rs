@@ -6,7 +6,10 @@ use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRec
 use sandbar_core::{StoreError, Team};
 use sqlx::PgPool;
 
-use crate::rows::{AccessTokenRow, ApiKeyRow, TeamMemberRow, TeamRow, big, free_slug, u64_of};
+use crate::rows::{
+    AccessTokenRow, ApiKeyRow, TeamMemberRow, TeamRow, bind_all, bind_secret, free_slug,
+    limit_columns, team_limits, u64_of,
+};
 use crate::{err, insert_err};
 
 /// Teams, members, API keys and access tokens, in PostgreSQL.
@@ -48,14 +51,7 @@ impl PgTeams {
         what: &'static str,
         secret: &StoredSecret,
     ) -> Result<(), StoreError> {
-        sqlx::query(insert)
-            .bind(&secret.id)
-            .bind(&secret.team_id)
-            .bind(&secret.name)
-            .bind(&secret.secret_hash)
-            .bind(&secret.mask_prefix)
-            .bind(&secret.mask_suffix)
-            .bind(secret.created_at)
+        bind_secret(sqlx::query(insert), secret, secret.created_at)
             .execute(&self.pool)
             .await
             .map_err(insert_err(what, &secret.id))?;
@@ -84,29 +80,17 @@ impl TeamRecords for PgTeams {
     }
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
-        sqlx::query(
+        let query = sqlx::query(
             "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
         )
         .bind(&team.id)
         .bind(&team.name)
-        .bind(&team.slug)
-        .bind(i64::from(team.max_concurrent_sandboxes))
-        .bind(big(team.max_sandbox_timeout_secs))
-        .bind(i64::from(team.requests_per_minute))
-        .bind(i64::from(team.max_vcpu))
-        .bind(i64::from(team.max_memory_mb))
-        .bind(i64::from(team.max_disk_mb))
-        .bind(i64::from(team.caps.max_snapshots))
-        .bind(i64::from(team.caps.max_snapshot_mb))
-        .bind(i64::from(team.caps.max_templates))
-        .bind(i64::from(team.caps.max_volumes))
-        .bind(i64::from(team.caps.max_volume_mb))
-        .bind(i64::from(team.caps.max_tags_per_template))
-        .bind(i64::from(team.caps.max_api_keys))
-        .bind(Utc::now())
-        .execute(&self.pool)
-        .await
-        .map_err(insert_err("team", &team.id))?;
+        .bind(&team.slug);
+        bind_all(query, limit_columns(&team_limits(team)))
+            .bind(Utc::now())
+            .execute(&self.pool)
+            .await
+            .map_err(insert_err("team", &team.id))?;
         Ok(())
     }
 
@@ -188,16 +172,13 @@ impl TeamRecords for PgTeams {
 
     async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError> {
         let s = &key.secret;
-        sqlx::query(
-            "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at, created_by, last_used) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        bind_secret(
+            sqlx::query(
+                "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at, created_by, last_used) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            ),
+            s,
+            s.created_at,
         )
-        .bind(&s.id)
-        .bind(&s.team_id)
-        .bind(&s.name)
-        .bind(&s.secret_hash)
-        .bind(&s.mask_prefix)
-        .bind(&s.mask_suffix)
-        .bind(s.created_at)
         .bind(&key.created_by)
         .bind(key.last_used)
         .execute(&self.pool)
@@ -274,16 +255,13 @@ impl TeamRecords for PgTeams {
 
     async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError> {
         let s = &token.secret;
-        sqlx::query(
-            "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at, user_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        bind_secret(
+            sqlx::query(
+                "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at, user_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            ),
+            s,
+            s.created_at,
         )
-        .bind(&s.id)
-        .bind(&s.team_id)
-        .bind(&s.name)
-        .bind(&s.secret_hash)
-        .bind(&s.mask_prefix)
-        .bind(&s.mask_suffix)
-        .bind(s.created_at)
         .bind(&token.user_id)
         .execute(&self.pool)
         .await
@@ -345,22 +323,12 @@ impl TeamRecords for PgTeams {
     }
 
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
+        let done = bind_all(
+            sqlx::query(
+                "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
+            ),
+            limit_columns(limits),
         )
-        .bind(i64::from(limits.max_concurrent_sandboxes))
-        .bind(big(limits.max_sandbox_timeout_secs))
-        .bind(i64::from(limits.requests_per_minute))
-        .bind(i64::from(limits.max_vcpu))
-        .bind(i64::from(limits.max_memory_mb))
-        .bind(i64::from(limits.max_disk_mb))
-        .bind(i64::from(limits.caps.max_snapshots))
-        .bind(i64::from(limits.caps.max_snapshot_mb))
-        .bind(i64::from(limits.caps.max_templates))
-        .bind(i64::from(limits.caps.max_volumes))
-        .bind(i64::from(limits.caps.max_volume_mb))
-        .bind(i64::from(limits.caps.max_tags_per_template))
-        .bind(i64::from(limits.caps.max_api_keys))
         .bind(id)
         .execute(&self.pool)
         .await
