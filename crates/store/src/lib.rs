@@ -1,8 +1,10 @@
 //! SQLite and PostgreSQL implementations of [`sandbar_core::Store`]. This file holds the
-//! SQLite pool, its migrations and the conversions every table shares; each aggregate's
-//! records are a type of their own in a module of their own (`SqliteTeams` in `teams`, …),
-//! and [`Records`], in `compose`, puts one of each together as the store. [`PgStore`], in
-//! `postgres`, keeps the same records in a database several API hosts can share.
+//! SQLite pool, its migrations and the error and time conversions both databases use; each
+//! aggregate's records are a type of their own in a module of their own (`SqliteTeams` in
+//! `teams`, …), and [`Records`], in `compose`, puts one of each together as the store.
+//! `rows` holds the rows both databases read back and how each becomes a record.
+//! [`PgStore`], in `postgres`, keeps the same records in a database several API hosts can
+//! share.
 //!
 //! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
 //! integers; maps are stored as JSON text.
