@@ -1,17 +1,20 @@
 //! Template builds, tags and build logs.
 
 use sandbar_core::store::BuildRecords;
-use sandbar_core::{
-    BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, LogLevel, StoreError,
-    TemplateImage,
-};
-use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, insert_err, json_opt, micros, time, to_json};
+use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, build_log_page};
+use crate::{err, insert_err, micros, to_json};
+
+/// Template builds, tags and build logs, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteBuilds {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl BuildRecords for SqliteStore {
+impl BuildRecords for SqliteBuilds {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)
@@ -72,33 +75,38 @@ impl BuildRecords for SqliteStore {
     }
 
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
-        let row = sqlx::query("SELECT * FROM template_builds WHERE id = ?")
+        sqlx::query_as::<_, BuildRow<i64>>("SELECT * FROM template_builds WHERE id = ?")
             .bind(id)
             .fetch_optional(&self.pool)
             .await
-            .map_err(err)?;
-        row.as_ref().map(build_from_row).transpose()
+            .map_err(err)?
+            .map(BuildRecord::try_from)
+            .transpose()
     }
 
     async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
-        let rows = sqlx::query(
+        sqlx::query_as::<_, BuildRow<i64>>(
             "SELECT * FROM template_builds WHERE template_id = ? ORDER BY created_at DESC, id",
         )
         .bind(template_id)
         .fetch_all(&self.pool)
         .await
-        .map_err(err)?;
-        rows.iter().map(build_from_row).collect()
+        .map_err(err)?
+        .into_iter()
+        .map(BuildRecord::try_from)
+        .collect()
     }
 
     async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
-        let rows = sqlx::query(
+        sqlx::query_as::<_, BuildRow<i64>>(
             "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at",
         )
         .fetch_all(&self.pool)
         .await
-        .map_err(err)?;
-        rows.iter().map(build_from_row).collect()
+        .map_err(err)?
+        .into_iter()
+        .map(BuildRecord::try_from)
+        .collect()
     }
 
     async fn set_build_tags(
@@ -145,7 +153,7 @@ impl BuildRecords for SqliteStore {
         &self,
         template_id: &str,
     ) -> Result<Vec<(String, BuildRecord)>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, TaggedBuildRow<i64>>(
             "SELECT t.tag AS tag, b.* FROM build_tags t JOIN template_builds b ON b.id = t.build_id
              WHERE t.template_id = ? AND b.status = 'ready' ORDER BY t.tag, b.finished_at DESC",
         )
@@ -154,13 +162,12 @@ impl BuildRecords for SqliteStore {
         .await
         .map_err(err)?;
         let mut out: Vec<(String, BuildRecord)> = Vec::new();
-        for row in &rows {
-            let tag: String = row.try_get("tag").map_err(err)?;
+        for row in rows {
             // Only the newest build per tag is what the tag names.
-            if out.last().is_some_and(|(t, _)| *t == tag) {
+            if out.last().is_some_and(|(t, _)| *t == row.tag) {
                 continue;
             }
-            out.push((tag, build_from_row(row)?));
+            out.push(row.try_into()?);
         }
         Ok(out)
     }
@@ -170,7 +177,7 @@ impl BuildRecords for SqliteStore {
         template_id: &str,
         tag: &str,
     ) -> Result<Option<BuildRecord>, StoreError> {
-        let row = sqlx::query(
+        sqlx::query_as::<_, BuildRow<i64>>(
             "SELECT b.* FROM template_builds b JOIN build_tags t ON t.build_id = b.id
              WHERE t.template_id = ? AND t.tag = ? AND b.status = 'ready'
              ORDER BY b.finished_at DESC LIMIT 1",
@@ -179,8 +186,9 @@ impl BuildRecords for SqliteStore {
         .bind(tag)
         .fetch_optional(&self.pool)
         .await
-        .map_err(err)?;
-        row.as_ref().map(build_from_row).transpose()
+        .map_err(err)?
+        .map(BuildRecord::try_from)
+        .transpose()
     }
 
     async fn append_build_log(
@@ -211,56 +219,13 @@ impl BuildRecords for SqliteStore {
         limit: u64,
         min_level: Option<LogLevel>,
     ) -> Result<Vec<BuildLogEntry>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, BuildLogRow<i64>>(
             "SELECT at, level, step, message FROM build_logs WHERE build_id = ? ORDER BY seq",
         )
         .bind(build_id)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        let mut out = Vec::new();
-        for row in &rows {
-            let level: String = row.try_get("level").map_err(err)?;
-            let level = LogLevel::parse(&level).unwrap_or(LogLevel::Info);
-            if min_level.is_some_and(|min| level < min) {
-                continue;
-            }
-            out.push(BuildLogEntry {
-                timestamp: time(row.try_get("at").map_err(err)?),
-                level,
-                step: row.try_get("step").map_err(err)?,
-                message: row.try_get("message").map_err(err)?,
-            });
-        }
-        Ok(out
-            .into_iter()
-            .skip(offset.min(usize::MAX as u64) as usize)
-            .take(limit.min(usize::MAX as u64) as usize)
-            .collect())
+        Ok(build_log_page(rows, offset, limit, min_level))
     }
-}
-
-fn build_from_row(row: &SqliteRow) -> Result<BuildRecord, StoreError> {
-    let id: String = row.try_get("id").map_err(err)?;
-    let status: String = row.try_get("status").map_err(err)?;
-    Ok(BuildRecord {
-        template_id: row.try_get("template_id").map_err(err)?,
-        team_id: row.try_get("team_id").map_err(err)?,
-        status: BuildStatus::parse(&status)
-            .ok_or_else(|| err(format!("build {id} has unknown status {status}")))?,
-        failure: json_opt::<BuildFailure>(row, "failure")?,
-        spec: json_opt::<BuildSpec>(row, "spec")?,
-        image: json_opt::<TemplateImage>(row, "image")?,
-        cpu_count: row.try_get("cpu_count").map_err(err)?,
-        memory_mb: row.try_get("memory_mb").map_err(err)?,
-        disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
-        created_at: time(row.try_get("created_at").map_err(err)?),
-        updated_at: time(row.try_get("updated_at").map_err(err)?),
-        finished_at: row
-            .try_get::<Option<i64>, _>("finished_at")
-            .map_err(err)?
-            .map(time),
-        node_id: row.try_get("node_id").map_err(err)?,
-        id,
-    })
 }

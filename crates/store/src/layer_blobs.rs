@@ -2,9 +2,16 @@
 
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
-use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time};
+use crate::rows::LayerBlobRow;
+use crate::{err, micros};
+
+/// Layers published to the layer store, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteLayerBlobs {
+    pub(crate) pool: SqlitePool,
+}
 
 /// The insert of a record; one of a name already recorded is kept or replaced.
 macro_rules! insert_layer_blob {
@@ -22,7 +29,7 @@ const REPLACE: &str = insert_layer_blob!(
      node_id = excluded.node_id, published_at = excluded.published_at"
 );
 
-impl SqliteStore {
+impl SqliteLayerBlobs {
     async fn insert_layer_blob(
         &self,
         blob: &LayerBlob,
@@ -42,7 +49,7 @@ impl SqliteStore {
 }
 
 #[async_trait::async_trait]
-impl LayerBlobRecords for SqliteStore {
+impl LayerBlobRecords for SqliteLayerBlobs {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
         self.insert_layer_blob(blob, KEEP_FIRST).await
     }
@@ -61,32 +68,21 @@ impl LayerBlobRecords for SqliteStore {
     }
 
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, LayerBlobRow<i64>>(
             "SELECT * FROM layer_blobs WHERE layer IN (SELECT value FROM json_each(?))",
         )
         .bind(serde_json::to_string(layers).map_err(err)?)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        rows.iter().map(layer_blob_of).collect()
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 
     async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM layer_blobs")
+        let rows = sqlx::query_as::<_, LayerBlobRow<i64>>("SELECT * FROM layer_blobs")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.iter().map(layer_blob_of).collect()
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
-}
-
-fn layer_blob_of(row: &sqlx::sqlite::SqliteRow) -> Result<LayerBlob, StoreError> {
-    let size: i64 = row.try_get("size_bytes").map_err(err)?;
-    Ok(LayerBlob {
-        layer: row.try_get("layer").map_err(err)?,
-        digest: row.try_get("digest").map_err(err)?,
-        size_bytes: u64::try_from(size).map_err(err)?,
-        node_id: row.try_get("node_id").map_err(err)?,
-        published_at: time(row.try_get("published_at").map_err(err)?),
-    })
 }

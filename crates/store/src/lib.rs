@@ -1,7 +1,10 @@
 //! SQLite and PostgreSQL implementations of [`sandbar_core::Store`]. This file holds the
-//! SQLite pool, its migrations and the conversions every table shares; each aggregate's
-//! records are in a module of its own. [`PgStore`], in `postgres`, keeps the same records in
-//! a database several API hosts can share.
+//! SQLite pool, its migrations and the error and time conversions both databases use; each
+//! aggregate's records are a type of their own in a module of their own (`SqliteTeams` in
+//! `teams`, …), and [`Records`], in `compose`, puts one of each together as the store.
+//! `rows` holds the rows both databases read back and how each becomes a record.
+//! [`PgStore`], in `postgres`, keeps the same records in a database several API hosts can
+//! share.
 //!
 //! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
 //! integers; maps are stored as JSON text.
@@ -10,10 +13,8 @@ use std::path::Path;
 
 use chrono::{DateTime, Utc};
 use sandbar_core::StoreError;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-};
-use sqlx::{Row, SqlitePool};
+use sqlx::SqlitePool;
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
@@ -28,12 +29,28 @@ pub enum OpenStoreError {
     Slugs { path: String, source: StoreError },
 }
 
-pub use postgres::{ConnectStoreError, PgStore, redacted_url};
+pub use compose::{Backend, Records};
+pub use postgres::{ConnectStoreError, PgBackend, PgStore, redacted_url};
 
+/// The SQLite database's aggregate types.
 #[derive(Debug, Clone)]
-pub struct SqliteStore {
-    pool: SqlitePool,
+pub enum SqliteBackend {}
+
+impl Backend for SqliteBackend {
+    type Teams = SqliteTeams;
+    type Templates = SqliteTemplates;
+    type Builds = SqliteBuilds;
+    type Sandboxes = SqliteSandboxes;
+    type Volumes = SqliteVolumes;
+    type SandboxLogs = SqliteSandboxLogs;
+    type TeamMetrics = SqliteTeamMetrics;
+    type Nodes = SqliteNodes;
+    type LayerBlobs = SqliteLayerBlobs;
+    type RequestCounts = SqliteRequestCounts;
 }
+
+/// The records kept in one SQLite file.
+pub type SqliteStore = Records<SqliteBackend>;
 
 fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
@@ -53,15 +70,6 @@ fn insert_err<'a>(what: &'static str, id: &'a str) -> impl FnOnce(sqlx::Error) -
 
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(err)
-}
-
-fn json_opt<T: serde::de::DeserializeOwned>(
-    row: &SqliteRow,
-    column: &str,
-) -> Result<Option<T>, StoreError> {
-    let text: Option<String> = row.try_get(column).map_err(err)?;
-    text.map(|t| serde_json::from_str(&t).map_err(err))
-        .transpose()
 }
 
 fn micros(t: DateTime<Utc>) -> i64 {
@@ -87,16 +95,29 @@ macro_rules! template_query {
 }
 
 mod builds;
+mod compose;
 mod layer_blobs;
 mod nodes;
 mod postgres;
 mod request_counts;
+mod rows;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
 mod teams;
 mod templates;
 mod volumes;
+
+use builds::SqliteBuilds;
+use layer_blobs::SqliteLayerBlobs;
+use nodes::SqliteNodes;
+use request_counts::SqliteRequestCounts;
+use sandbox_logs::SqliteSandboxLogs;
+use sandboxes::SqliteSandboxes;
+use team_metrics::SqliteTeamMetrics;
+use teams::SqliteTeams;
+use templates::SqliteTemplates;
+use volumes::SqliteVolumes;
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
@@ -126,8 +147,9 @@ impl SqliteStore {
                 path: shown.clone(),
                 source,
             })?;
-        let store = Self { pool };
+        let store = Self::on_pool(pool);
         store
+            .teams
             .give_teams_slugs()
             .await
             .map_err(|source| OpenStoreError::Slugs {
@@ -135,6 +157,21 @@ impl SqliteStore {
                 source,
             })?;
         Ok(store)
+    }
+
+    fn on_pool(pool: SqlitePool) -> Self {
+        Records {
+            teams: SqliteTeams { pool: pool.clone() },
+            templates: SqliteTemplates { pool: pool.clone() },
+            builds: SqliteBuilds { pool: pool.clone() },
+            sandboxes: SqliteSandboxes { pool: pool.clone() },
+            volumes: SqliteVolumes { pool: pool.clone() },
+            sandbox_logs: SqliteSandboxLogs { pool: pool.clone() },
+            team_metrics: SqliteTeamMetrics { pool: pool.clone() },
+            nodes: SqliteNodes { pool: pool.clone() },
+            layer_blobs: SqliteLayerBlobs { pool: pool.clone() },
+            request_counts: SqliteRequestCounts { pool },
+        }
     }
 }
 

@@ -2,12 +2,19 @@
 
 use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
-use sqlx::Row;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time, to_json};
+use crate::rows::NodeRow;
+use crate::{err, micros, to_json};
+
+/// Nodes and their leases, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteNodes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl NodeRecords for SqliteStore {
+impl NodeRecords for SqliteNodes {
     async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES (?, ?, ?, ?, ?) \
@@ -26,22 +33,11 @@ impl NodeRecords for SqliteStore {
     }
 
     async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM nodes ORDER BY id")
+        let rows = sqlx::query_as::<_, NodeRow<i64>>("SELECT * FROM nodes ORDER BY id")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.iter()
-            .map(|row| {
-                let report: String = row.try_get("report").map_err(err)?;
-                Ok(NodeRecord {
-                    id: row.try_get("id").map_err(err)?,
-                    url: row.try_get("url").map_err(err)?,
-                    started_at: time(row.try_get("started_at").map_err(err)?),
-                    lease_until: time(row.try_get("lease_until").map_err(err)?),
-                    report: serde_json::from_str(&report).map_err(err)?,
-                })
-            })
-            .collect()
+        rows.into_iter().map(NodeRecord::try_from).collect()
     }
 
     async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {

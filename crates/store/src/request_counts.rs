@@ -2,11 +2,18 @@
 
 use sandbar_core::StoreError;
 use sandbar_core::store::RequestCountRecords;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err};
+use crate::err;
+
+/// Requests counted per team and minute across a cluster's processes, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteRequestCounts {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl RequestCountRecords for SqliteStore {
+impl RequestCountRecords for SqliteRequestCounts {
     async fn add_team_requests(
         &self,
         window: i64,

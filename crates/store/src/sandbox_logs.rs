@@ -2,14 +2,20 @@
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxLogRecords;
-use sandbar_core::{LogLevel, SandboxLogEntry, SandboxLogQuery, StoreError};
+use sandbar_core::{SandboxLogEntry, SandboxLogQuery, StoreError};
+use sqlx::SqlitePool;
 
-use sqlx::Row;
+use crate::rows::{SandboxLogRow, level_rank, log_cursor_micros};
+use crate::{err, micros, to_json};
 
-use crate::{SqliteStore, err, micros, time, to_json};
+/// Sandbox logs, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteSandboxLogs {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl SandboxLogRecords for SqliteStore {
+impl SandboxLogRecords for SqliteSandboxLogs {
     async fn open_sandbox_log(
         &self,
         sandbox_id: &str,
@@ -111,37 +117,21 @@ impl SandboxLogRecords for SqliteStore {
         const BACKWARD: &str = "SELECT at, level, message, fields FROM sandbox_logs \
              WHERE sandbox_id = ? AND level >= ? AND (? IS NULL OR at <= ?) \
              AND (? IS NULL OR instr(message, ?) > 0) ORDER BY at DESC, seq DESC LIMIT ?";
-        let cursor = query.cursor_ms.map(|ms| {
-            if query.forward {
-                ms.saturating_mul(1000)
-            } else {
-                // The whole millisecond the cursor names.
-                ms.saturating_mul(1000).saturating_add(999)
-            }
-        });
-        let q = sqlx::query(if query.forward { FORWARD } else { BACKWARD })
-            .bind(sandbox_id)
-            .bind(query.min_level.map(level_rank).unwrap_or(0))
-            .bind(cursor)
-            .bind(cursor)
-            .bind(&query.search)
-            .bind(&query.search);
+        let cursor = log_cursor_micros(query);
+        let q =
+            sqlx::query_as::<_, SandboxLogRow<i64>>(if query.forward { FORWARD } else { BACKWARD })
+                .bind(sandbox_id)
+                .bind(query.min_level.map(level_rank).unwrap_or(0))
+                .bind(cursor)
+                .bind(cursor)
+                .bind(&query.search)
+                .bind(&query.search);
         let rows = q
             .bind(i64::from(query.limit))
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.iter()
-            .map(|row| {
-                let fields: String = row.try_get("fields").map_err(err)?;
-                Ok(SandboxLogEntry {
-                    at: time(row.try_get("at").map_err(err)?),
-                    level: level_of_rank(row.try_get("level").map_err(err)?),
-                    message: row.try_get("message").map_err(err)?,
-                    fields: serde_json::from_str(&fields).map_err(err)?,
-                })
-            })
-            .collect()
+        rows.into_iter().map(SandboxLogEntry::try_from).collect()
     }
 
     async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -151,24 +141,6 @@ impl SandboxLogRecords for SqliteStore {
             .await
             .map_err(err)?;
         Ok(result.rows_affected())
-    }
-}
-
-fn level_rank(level: LogLevel) -> i64 {
-    match level {
-        LogLevel::Debug => 0,
-        LogLevel::Info => 1,
-        LogLevel::Warn => 2,
-        LogLevel::Error => 3,
-    }
-}
-
-fn level_of_rank(rank: i64) -> LogLevel {
-    match rank {
-        i64::MIN..=0 => LogLevel::Debug,
-        1 => LogLevel::Info,
-        2 => LogLevel::Warn,
-        _ => LogLevel::Error,
     }
 }
 

@@ -1,17 +1,21 @@
 //! Sandboxes and their volume mounts.
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
-use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, insert_err, micros, time};
+use crate::rows::{MountRow, SandboxRow};
+use crate::{err, insert_err, micros};
+
+/// Sandboxes and their volume mounts, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteSandboxes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl SandboxRecords for SqliteStore {
+impl SandboxRecords for SqliteSandboxes {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)
@@ -53,31 +57,33 @@ impl SandboxRecords for SqliteStore {
     }
 
     async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
-        let row = sqlx::query("SELECT * FROM sandboxes WHERE id = ?")
+        let row = sqlx::query_as::<_, SandboxRow<i64>>("SELECT * FROM sandboxes WHERE id = ?")
             .bind(id)
             .fetch_optional(&self.pool)
             .await
             .map_err(err)?;
-        row.as_ref().map(sandbox_from_row).transpose()
+        row.map(Sandbox::try_from).transpose()
     }
 
     async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, SandboxRow<i64>>(
             "SELECT * FROM sandboxes WHERE team_id = ? ORDER BY started_at DESC, id DESC",
         )
         .bind(team_id)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        rows.iter().map(sandbox_from_row).collect()
+        rows.into_iter().map(Sandbox::try_from).collect()
     }
 
     async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM sandboxes ORDER BY started_at DESC, id DESC")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(err)?;
-        rows.iter().map(sandbox_from_row).collect()
+        let rows = sqlx::query_as::<_, SandboxRow<i64>>(
+            "SELECT * FROM sandboxes ORDER BY started_at DESC, id DESC",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.into_iter().map(Sandbox::try_from).collect()
     }
 
     async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError> {
@@ -157,63 +163,16 @@ impl SandboxRecords for SqliteStore {
     }
 
     async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {
-        let rows = sqlx::query(
+        Ok(sqlx::query_as::<_, MountRow>(
             "SELECT m.volume_id, v.team_id, m.name, m.path FROM sandbox_volumes m \
              JOIN volumes v ON v.id = m.volume_id WHERE m.sandbox_id = ? ORDER BY m.position",
         )
         .bind(sandbox_id)
         .fetch_all(&self.pool)
         .await
-        .map_err(err)?;
-        rows.iter()
-            .map(|row| {
-                Ok(VolumeMount {
-                    volume_id: row.try_get("volume_id").map_err(err)?,
-                    team_id: row.try_get("team_id").map_err(err)?,
-                    name: row.try_get("name").map_err(err)?,
-                    path: row.try_get("path").map_err(err)?,
-                })
-            })
-            .collect()
+        .map_err(err)?
+        .into_iter()
+        .map(VolumeMount::from)
+        .collect())
     }
-}
-
-fn sandbox_from_row(row: &SqliteRow) -> Result<Sandbox, StoreError> {
-    let id: String = row.try_get("id").map_err(err)?;
-    let status: String = row.try_get("status").map_err(err)?;
-    let metadata: String = row.try_get("metadata").map_err(err)?;
-    let env_vars: String = row.try_get("env_vars").map_err(err)?;
-    let handle: String = row.try_get("handle").map_err(err)?;
-    let network: String = row.try_get("network").map_err(err)?;
-    let image: Option<String> = row.try_get("image").map_err(err)?;
-    let status = SandboxStatus::parse(&status)
-        .ok_or_else(|| err(format!("sandbox {id} has unknown status {status}")))?;
-    Ok(Sandbox {
-        team_id: row.try_get("team_id").map_err(err)?,
-        template_id: row.try_get("template_id").map_err(err)?,
-        alias: row.try_get("alias").map_err(err)?,
-        started_at: time(row.try_get("started_at").map_err(err)?),
-        end_at: time(row.try_get("end_at").map_err(err)?),
-        cpu_count: row.try_get("cpu_count").map_err(err)?,
-        memory_mb: row.try_get("memory_mb").map_err(err)?,
-        disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
-        metadata: serde_json::from_str(&metadata).map_err(err)?,
-        env_vars: serde_json::from_str(&env_vars).map_err(err)?,
-        allow_internet_access: row.try_get("allow_internet_access").map_err(err)?,
-        network: serde_json::from_str(&network).map_err(err)?,
-        traffic_access_token: row.try_get("traffic_access_token").map_err(err)?,
-        auto_pause: row.try_get("auto_pause").map_err(err)?,
-        auto_resume: row.try_get("auto_resume").map_err(err)?,
-        auto_pause_memory: row.try_get("auto_pause_memory").map_err(err)?,
-        image: image
-            .map(|i| serde_json::from_str(&i))
-            .transpose()
-            .map_err(err)?,
-        envd_access_token: row.try_get("envd_access_token").map_err(err)?,
-        envd_version: row.try_get("envd_version").map_err(err)?,
-        status,
-        handle: RuntimeHandle(serde_json::Value::from_str(&handle).map_err(err)?),
-        node_id: row.try_get("node_id").map_err(err)?,
-        id,
-    })
 }

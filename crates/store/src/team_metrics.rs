@@ -2,13 +2,19 @@
 
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
+use sqlx::SqlitePool;
 
-use sqlx::Row;
+use crate::err;
+use crate::rows::BucketRow;
 
-use crate::{SqliteStore, err};
+/// Team activity buckets, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteTeamMetrics {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl TeamMetricRecords for SqliteStore {
+impl TeamMetricRecords for SqliteTeamMetrics {
     async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         for b in buckets {
@@ -34,7 +40,7 @@ impl TeamMetricRecords for SqliteStore {
         start: i64,
         end: i64,
     ) -> Result<Vec<TeamMetricBucket>, StoreError> {
-        let rows = sqlx::query(
+        let rows = sqlx::query_as::<_, BucketRow>(
             "SELECT bucket, concurrent, starts FROM team_metrics WHERE team_id = ? AND bucket >= ? AND bucket <= ? ORDER BY bucket",
         )
         .bind(team_id)
@@ -43,16 +49,7 @@ impl TeamMetricRecords for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        rows.iter()
-            .map(|row| {
-                Ok(TeamMetricBucket {
-                    team_id: team_id.to_owned(),
-                    bucket: row.try_get("bucket").map_err(err)?,
-                    concurrent: row.try_get("concurrent").map_err(err)?,
-                    starts: row.try_get("starts").map_err(err)?,
-                })
-            })
-            .collect()
+        rows.into_iter().map(|r| r.of_team(team_id)).collect()
     }
 
     async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {

@@ -4,50 +4,19 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
 use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, json_opt, micros, time, to_json};
+use crate::rows::TemplateRow;
+use crate::{err, micros, to_json};
 
-impl SqliteStore {
-    fn templates_from_rows(rows: &[SqliteRow]) -> Result<Vec<Template>, StoreError> {
-        rows.iter().map(Self::template_from_row).collect()
-    }
-
-    /// A row selected by a `template_query!`.
-    fn template_from_row(row: &SqliteRow) -> Result<Template, StoreError> {
-        let id: String = row.try_get("id").map_err(err)?;
-        let status: String = row.try_get("build_status").map_err(err)?;
-        let mut aliases: Vec<String> = json_opt(row, "aliases")?.unwrap_or_default();
-        aliases.sort();
-        Ok(Template {
-            aliases,
-            team_id: row.try_get("team_id").map_err(err)?,
-            namespace: row.try_get("namespace").map_err(err)?,
-            public: row.try_get("public").map_err(err)?,
-            build_id: row.try_get("build_id").map_err(err)?,
-            build_status: BuildStatus::parse(&status)
-                .ok_or_else(|| err(format!("template {id} has unknown build status {status}")))?,
-            build_error: row.try_get("build_error").map_err(err)?,
-            cpu_count: row.try_get("cpu_count").map_err(err)?,
-            memory_mb: row.try_get("memory_mb").map_err(err)?,
-            disk_size_mb: row.try_get("disk_size_mb").map_err(err)?,
-            envd_version: row.try_get("envd_version").map_err(err)?,
-            image: json_opt::<TemplateImage>(row, "image")?,
-            created_at: time(row.try_get("created_at").map_err(err)?),
-            updated_at: time(row.try_get("updated_at").map_err(err)?),
-            last_spawned_at: row
-                .try_get::<Option<i64>, _>("last_spawned_at")
-                .map_err(err)?
-                .map(time),
-            spawn_count: row.try_get::<i64, _>("spawn_count").map_err(err)? as u64,
-            build_count: row.try_get::<i64, _>("build_count").map_err(err)? as u64,
-            id,
-        })
-    }
+/// Templates and their names, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteTemplates {
+    pub(crate) pool: SqlitePool,
 }
 
 #[async_trait::async_trait]
-impl TemplateRecords for SqliteStore {
+impl TemplateRecords for SqliteTemplates {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         sqlx::query(
@@ -94,15 +63,14 @@ impl TemplateRecords for SqliteStore {
     }
 
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query(template_query!("WHERE t.id = ?"))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?;
-        match row {
-            Some(row) => Ok(Some(Self::template_from_row(&row)?)),
-            None => Ok(None),
-        }
+        let row = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
+            "WHERE t.id = ?"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        row.map(Template::try_from).transpose()
     }
 
     async fn template_by_name(
@@ -110,7 +78,7 @@ impl TemplateRecords for SqliteStore {
         team_id: Option<&str>,
         alias: &str,
     ) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query(template_query!(
+        let row = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
             "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?"
         ))
         .bind(team_id.unwrap_or(""))
@@ -118,14 +86,11 @@ impl TemplateRecords for SqliteStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(err)?;
-        match row {
-            Some(row) => Ok(Some(Self::template_from_row(&row)?)),
-            None => Ok(None),
-        }
+        row.map(Template::try_from).transpose()
     }
 
     async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query(template_query!(
+        let rows = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
             "JOIN template_aliases a ON a.template_id = t.id
              WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id"
         ))
@@ -133,15 +98,17 @@ impl TemplateRecords for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        Self::templates_from_rows(&rows)
+        rows.into_iter().map(Template::try_from).collect()
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query(template_query!("ORDER BY t.created_at DESC, t.id"))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(err)?;
-        Self::templates_from_rows(&rows)
+        let rows = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
+            "ORDER BY t.created_at DESC, t.id"
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.into_iter().map(Template::try_from).collect()
     }
 
     async fn set_template_build(

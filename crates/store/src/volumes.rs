@@ -2,13 +2,19 @@
 
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
-use sqlx::Row;
-use sqlx::sqlite::SqliteRow;
+use sqlx::SqlitePool;
 
-use crate::{SqliteStore, err, micros, time};
+use crate::rows::VolumeRow;
+use crate::{err, micros};
+
+/// Volumes, in SQLite.
+#[derive(Debug, Clone)]
+pub struct SqliteVolumes {
+    pub(crate) pool: SqlitePool,
+}
 
 #[async_trait::async_trait]
-impl VolumeRecords for SqliteStore {
+impl VolumeRecords for SqliteVolumes {
     async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "INSERT INTO volumes (id, team_id, name, token_hash, created_at) VALUES (?, ?, ?, ?, ?) \
@@ -26,12 +32,12 @@ impl VolumeRecords for SqliteStore {
     }
 
     async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
-        let row = sqlx::query("SELECT * FROM volumes WHERE id = ?")
+        let row = sqlx::query_as::<_, VolumeRow<i64>>("SELECT * FROM volumes WHERE id = ?")
             .bind(id)
             .fetch_optional(&self.pool)
             .await
             .map_err(err)?;
-        row.as_ref().map(volume_from_row).transpose()
+        Ok(row.map(Volume::from))
     }
 
     async fn volume_by_name(
@@ -39,22 +45,26 @@ impl VolumeRecords for SqliteStore {
         team_id: &str,
         name: &str,
     ) -> Result<Option<Volume>, StoreError> {
-        let row = sqlx::query("SELECT * FROM volumes WHERE team_id = ? AND name = ?")
-            .bind(team_id)
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?;
-        row.as_ref().map(volume_from_row).transpose()
+        let row = sqlx::query_as::<_, VolumeRow<i64>>(
+            "SELECT * FROM volumes WHERE team_id = ? AND name = ?",
+        )
+        .bind(team_id)
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(row.map(Volume::from))
     }
 
     async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
-        let rows = sqlx::query("SELECT * FROM volumes WHERE team_id = ? ORDER BY created_at, id")
-            .bind(team_id)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(err)?;
-        rows.iter().map(volume_from_row).collect()
+        let rows = sqlx::query_as::<_, VolumeRow<i64>>(
+            "SELECT * FROM volumes WHERE team_id = ? ORDER BY created_at, id",
+        )
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(rows.into_iter().map(Volume::from).collect())
     }
 
     async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError> {
@@ -75,14 +85,4 @@ impl VolumeRecords for SqliteStore {
             .map_err(err)?;
         Ok(())
     }
-}
-
-fn volume_from_row(row: &SqliteRow) -> Result<Volume, StoreError> {
-    Ok(Volume {
-        id: row.try_get("id").map_err(err)?,
-        team_id: row.try_get("team_id").map_err(err)?,
-        name: row.try_get("name").map_err(err)?,
-        token_hash: row.try_get("token_hash").map_err(err)?,
-        created_at: time(row.try_get("created_at").map_err(err)?),
-    })
 }

@@ -126,6 +126,11 @@ impl Fixture {
         }
     }
 
+    /// The store and a second host's on the same database.
+    async fn two_hosts(&self) -> [Arc<dyn Store>; 2] {
+        [self.store.clone(), self.second_host().await]
+    }
+
     /// Records a team the way a server from before team caps did: without their columns.
     async fn insert_team_without_caps(&self, id: &str) {
         match &self.backend {
@@ -338,11 +343,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         .set_sandbox_status(&sandbox.id, SandboxStatus::Paused, None)
         .await
         .expect("pause");
-    let paused = store
-        .sandbox(&sandbox.id)
-        .await
-        .expect("read")
-        .expect("found");
+    let paused = stored_sandbox(&store, &sandbox.id).await;
     assert_eq!(
         (paused.state(), paused.status, paused.auto_pause),
         (SandboxState::Paused, SandboxStatus::Paused, true)
@@ -354,11 +355,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         .set_sandbox_status(&sandbox.id, SandboxStatus::Shelved, Some(&released))
         .await
         .expect("pause without memory");
-    let shelved = store
-        .sandbox(&sandbox.id)
-        .await
-        .expect("read")
-        .expect("found");
+    let shelved = stored_sandbox(&store, &sandbox.id).await;
     assert_eq!(
         (shelved.state(), shelved.status, &shelved.handle),
         (SandboxState::Paused, SandboxStatus::Shelved, &released)
@@ -367,11 +364,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         .set_sandbox_status(&sandbox.id, SandboxStatus::Running, Some(&sandbox.handle))
         .await
         .expect("boot again");
-    let loaded = store
-        .sandbox(&sandbox.id)
-        .await
-        .expect("get")
-        .expect("found");
+    let loaded = stored_sandbox(&store, &sandbox.id).await;
     assert_eq!(loaded.metadata, sandbox.metadata);
     assert_eq!(loaded.handle, sandbox.handle);
     assert_eq!(loaded.status, SandboxStatus::Running);
@@ -399,11 +392,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         .set_sandbox_network(&sandbox.id, &network, false)
         .await
         .expect("update network");
-    let updated = store
-        .sandbox(&sandbox.id)
-        .await
-        .expect("get")
-        .expect("found");
+    let updated = stored_sandbox(&store, &sandbox.id).await;
     assert_eq!(updated.network, network);
     assert!(!updated.allow_internet_access);
     // The template moves on to a new root; the sandbox still runs on the old one.
@@ -547,6 +536,34 @@ fn build(id: &str, template_id: &str, status: BuildStatus, at: DateTime<Utc>) ->
     }
 }
 
+/// The node a build is recorded on.
+async fn build_node(store: &Arc<dyn Store>, id: &str) -> Option<String> {
+    store.build(id).await.expect("read").and_then(|b| b.node_id)
+}
+
+/// A recorded sandbox, which must be there.
+async fn stored_sandbox(store: &Arc<dyn Store>, id: &str) -> Sandbox {
+    store.sandbox(id).await.expect("read").expect("found")
+}
+
+/// A sandbox of `team_id` recorded on `node_id`.
+fn sandbox_on(id: &str, team_id: &str, node_id: &str, started_at: DateTime<Utc>) -> Sandbox {
+    Sandbox {
+        node_id: node_id.into(),
+        ..sandbox(id, team_id, started_at)
+    }
+}
+
+fn volume_named(id: &str, team_id: &str, name: &str, created_at: DateTime<Utc>) -> Volume {
+    Volume {
+        id: id.into(),
+        team_id: team_id.into(),
+        name: name.into(),
+        token_hash: format!("hash-{id}"),
+        created_at,
+    }
+}
+
 fn log_line(at: DateTime<Utc>, level: LogLevel, message: &str) -> SandboxLogEntry {
     SandboxLogEntry {
         at,
@@ -589,13 +606,7 @@ async fn duplicates_are_conflicts(f: Fixture) {
         store.insert_team(&same_slug).await,
         Err(StoreError::Conflict { what: "team", .. })
     ));
-    let volume = Volume {
-        id: "vol1".into(),
-        team_id: team.id.clone(),
-        name: "data".into(),
-        token_hash: "h".into(),
-        created_at: Utc::now(),
-    };
+    let volume = volume_named("vol1", &team.id, "data", Utc::now());
     assert!(store.insert_volume(&volume).await.expect("first volume"));
     let same_name = Volume {
         id: "vol2".into(),
@@ -763,41 +774,13 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     let mut running = waiting.clone();
     running.node_id = Some("n1".into());
     store.update_build(&running).await.expect("update");
-    assert_eq!(
-        store
-            .build("b-wait")
-            .await
-            .expect("read")
-            .and_then(|b| b.node_id),
-        Some("n1".into())
-    );
+    assert_eq!(build_node(&store, "b-wait").await, Some("n1".into()));
     // A waiting build may be given to another node; a started or ended one is not.
-    assert!(
-        store
-            .assign_waiting_build("b-wait", "n2")
-            .await
-            .expect("assign")
-    );
-    assert_eq!(
-        store
-            .build("b-wait")
-            .await
-            .expect("read")
-            .and_then(|b| b.node_id),
-        Some("n2".into())
-    );
-    assert!(
-        !store
-            .assign_waiting_build("b-new", "n2")
-            .await
-            .expect("assign a ready one")
-    );
-    assert!(
-        !store
-            .assign_waiting_build("nope", "n2")
-            .await
-            .expect("assign a missing one")
-    );
+    for (id, assigned) in [("b-wait", true), ("b-new", false), ("nope", false)] {
+        let done = store.assign_waiting_build(id, "n2").await.expect("assign");
+        assert_eq!(done, assigned, "{id}");
+    }
+    assert_eq!(build_node(&store, "b-wait").await, Some("n2".into()));
     let mut done = running.clone();
     done.status = BuildStatus::Error;
     done.failure = Some(sandbar_core::BuildFailure::at("2", "exit 1"));
@@ -1040,13 +1023,7 @@ async fn volumes_and_mounts(f: Fixture) {
         ("vol-b", "second", t0 + TimeDelta::seconds(1)),
         ("vol-a", "first", t0),
     ] {
-        let v = Volume {
-            id: id.into(),
-            team_id: team.id.clone(),
-            name: name.into(),
-            token_hash: format!("hash-{id}"),
-            created_at: at,
-        };
+        let v = volume_named(id, &team.id, name, at);
         assert!(store.insert_volume(&v).await.expect("insert"));
     }
     assert_eq!(
@@ -1223,20 +1200,14 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
 }
 
 async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
-    let hosts = [f.store.clone(), f.second_host().await];
+    let hosts = f.two_hosts().await;
     let owner = team(&hosts[0], "Racers").await;
     let t0 = micros(Utc::now());
 
     // The same volume name from both hosts at once: one of them has it.
     let created = futures_join(hosts.iter().enumerate().map(|(i, store)| {
         let store = store.clone();
-        let volume = Volume {
-            id: format!("vol-{i}"),
-            team_id: owner.id.clone(),
-            name: "shared".into(),
-            token_hash: "h".into(),
-            created_at: t0,
-        };
+        let volume = volume_named(&format!("vol-{i}"), &owner.id, "shared", t0);
         tokio::spawn(async move { store.insert_volume(&volume).await.expect("insert") })
     }))
     .await;
@@ -1322,8 +1293,7 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
     assert_eq!(nodes, vec![other, renewed], "one row per node, by id");
 
     let t = team(store, "nodes").await;
-    let mut s = sandbox("sbx-on-n2", &t.id, now);
-    s.node_id = "n2".into();
+    let s = sandbox_on("sbx-on-n2", &t.id, "n2", now);
     store.insert_sandbox(&s).await.expect("insert");
     assert_eq!(
         store.sandbox_node("sbx-on-n2").await.expect("node"),
@@ -1331,43 +1301,20 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
     );
     assert_eq!(store.sandbox_node("missing").await.expect("node"), None);
     // A take-over moves it only from the node it is on.
-    assert!(
-        !store
-            .move_sandbox("sbx-on-n2", "n1", "n3")
-            .await
-            .expect("move")
-    );
-    assert!(
-        store
-            .move_sandbox("sbx-on-n2", "n2", "n1")
-            .await
-            .expect("move")
-    );
-    assert!(
-        !store
-            .move_sandbox("sbx-on-n2", "n2", "n3")
-            .await
-            .expect("move again")
-    );
-    assert!(
-        !store
-            .move_sandbox("missing", "n2", "n1")
-            .await
-            .expect("move missing")
-    );
+    for (id, from, to, moved) in [
+        ("sbx-on-n2", "n1", "n3", false),
+        ("sbx-on-n2", "n2", "n1", true),
+        ("sbx-on-n2", "n2", "n3", false),
+        ("missing", "n2", "n1", false),
+    ] {
+        let done = store.move_sandbox(id, from, to).await.expect("move");
+        assert_eq!(done, moved, "{id} from {from} to {to}");
+    }
     assert_eq!(
         store.sandbox_node("sbx-on-n2").await.expect("node"),
         Some("n1".into())
     );
-    assert_eq!(
-        store
-            .sandbox("sbx-on-n2")
-            .await
-            .expect("read")
-            .expect("there")
-            .node_id,
-        "n1"
-    );
+    assert_eq!(stored_sandbox(store, "sbx-on-n2").await.node_id, "n1");
 }
 
 async fn team_slots_are_claimed_across_nodes(f: Fixture) {
@@ -1388,9 +1335,10 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
         ("sb-paused", "n2", SandboxStatus::Paused),
         ("sb-lost", "n9", SandboxStatus::Running),
     ] {
-        let mut s = sandbox(id, &t.id, now);
-        s.node_id = node.into();
-        s.status = status;
+        let s = Sandbox {
+            status,
+            ..sandbox_on(id, &t.id, node, now)
+        };
         store.insert_sandbox(&s).await.expect("insert");
     }
     let take = |c: SlotClaim, limit: usize, live: Vec<String>| {
@@ -1407,8 +1355,7 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
     assert!(take(claim("b", "n2"), 3, live.clone()).await);
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     // Recorded running, a's claim stops counting twice: still full.
-    let mut a = sandbox("a", &t.id, now);
-    a.node_id = "n1".into();
+    let a = sandbox_on("a", &t.id, "n1", now);
     store.insert_sandbox(&a).await.expect("insert a");
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     store.release_team_slot("a").await.expect("release");
@@ -1544,17 +1491,11 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
 }
 
 async fn request_counts_add_up_over_hosts(f: Fixture) {
-    let hosts = [f.store.clone(), f.second_host().await];
+    let hosts = f.two_hosts().await;
     // Both hosts add at once: every request is counted once, whoever added last sees all.
     let added = futures_join((0..20).map(|i| {
         let store = hosts[i % 2].clone();
-        tokio::spawn(async move {
-            store
-                .add_team_requests(100, &[("t1".into(), 3)])
-                .await
-                .expect("add")[0]
-                .1
-        })
+        tokio::spawn(async move { requests_total(&store, 100, "t1", 3).await })
     }))
     .await;
     assert_eq!(added.iter().max(), Some(&60));
@@ -1562,29 +1503,16 @@ async fn request_counts_add_up_over_hosts(f: Fixture) {
     seen.sort_unstable();
     seen.dedup();
     assert_eq!(seen.len(), 20, "each add saw its own total: {added:?}");
+    assert_eq!(requests_total(&hosts[0], 100, "t1", 0).await, 60);
     assert_eq!(
-        hosts[0]
-            .add_team_requests(100, &[("t1".into(), 0)])
-            .await
-            .expect("read")[0]
-            .1,
-        60
+        requests_total(&hosts[1], 100, "t2", 1).await,
+        1,
+        "other team"
     );
     assert_eq!(
-        hosts[1]
-            .add_team_requests(100, &[("t2".into(), 1)])
-            .await
-            .expect("other team")[0]
-            .1,
-        1
-    );
-    assert_eq!(
-        hosts[0]
-            .add_team_requests(101, &[("t1".into(), 1)])
-            .await
-            .expect("next minute")[0]
-            .1,
-        1
+        requests_total(&hosts[0], 101, "t1", 1).await,
+        1,
+        "next minute"
     );
     // Several teams in one statement, each with its own total.
     let mut batch = hosts[1]
@@ -1594,19 +1522,21 @@ async fn request_counts_add_up_over_hosts(f: Fixture) {
     batch.sort();
     assert_eq!(batch, [("t1".to_owned(), 2), ("t2".to_owned(), 5)]);
     assert_eq!(hosts[1].prune_team_requests(101).await.expect("prune"), 2);
-    assert_eq!(
-        hosts[0]
-            .add_team_requests(100, &[("t1".into(), 0)])
-            .await
-            .expect("read")[0]
-            .1,
-        0,
-        "pruned"
-    );
+    assert_eq!(requests_total(&hosts[0], 100, "t1", 0).await, 0, "pruned");
+}
+
+/// Adds `n` requests of `team` in minute `window`; the team's total for it.
+async fn requests_total(store: &Arc<dyn Store>, window: i64, team: &str, n: u64) -> u64 {
+    let totals = store
+        .add_team_requests(window, &[(team.into(), n)])
+        .await
+        .expect("add");
+    assert_eq!(totals.len(), 1, "{totals:?}");
+    totals[0].1
 }
 
 async fn two_hosts_starting_on_an_empty_database_make_one_first_team(f: Fixture) {
-    let hosts = [f.store.clone(), f.second_host().await];
+    let hosts = f.two_hosts().await;
     let key = "e2b_00112233445566778899aabbccddeeff00112233";
     // Both read an empty database before either writes: each tries to make the team.
     let started = futures_join(hosts.iter().map(|store| {

@@ -2,74 +2,21 @@
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::BuildRecords;
-use sandbar_core::{
-    BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, LogLevel, StoreError,
-    TemplateImage,
-};
+use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
+use sqlx::PgPool;
 
-use super::{PgStore, big, json_of, u32_of};
+use super::records_where;
+use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, big, build_log_page};
 use crate::{err, insert_err, to_json};
 
-#[derive(sqlx::FromRow)]
-struct BuildRow {
-    id: String,
-    template_id: String,
-    team_id: Option<String>,
-    status: String,
-    failure: Option<String>,
-    spec: Option<String>,
-    image: Option<String>,
-    cpu_count: i64,
-    memory_mb: i64,
-    disk_size_mb: i64,
-    created_at: DateTime<Utc>,
-    updated_at: DateTime<Utc>,
-    finished_at: Option<DateTime<Utc>>,
-    node_id: Option<String>,
-}
-
-impl TryFrom<BuildRow> for BuildRecord {
-    type Error = StoreError;
-
-    fn try_from(r: BuildRow) -> Result<Self, StoreError> {
-        let id = r.id;
-        Ok(BuildRecord {
-            status: BuildStatus::parse(&r.status)
-                .ok_or_else(|| err(format!("build {id} has unknown status {}", r.status)))?,
-            failure: json_of::<BuildFailure>(r.failure)?,
-            spec: json_of::<BuildSpec>(r.spec)?,
-            image: json_of::<TemplateImage>(r.image)?,
-            cpu_count: u32_of(r.cpu_count, "cpu count", &id)?,
-            memory_mb: u32_of(r.memory_mb, "memory", &id)?,
-            disk_size_mb: u32_of(r.disk_size_mb, "disk size", &id)?,
-            template_id: r.template_id,
-            team_id: r.team_id,
-            created_at: r.created_at,
-            updated_at: r.updated_at,
-            finished_at: r.finished_at,
-            node_id: r.node_id,
-            id,
-        })
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct TaggedBuildRow {
-    tag: String,
-    #[sqlx(flatten)]
-    build: BuildRow,
-}
-
-#[derive(sqlx::FromRow)]
-struct BuildLogRow {
-    at: DateTime<Utc>,
-    level: String,
-    step: Option<String>,
-    message: String,
+/// Template builds, tags and build logs, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgBuilds {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl BuildRecords for PgStore {
+impl BuildRecords for PgBuilds {
     async fn insert_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO template_builds (id, template_id, team_id, status, failure, spec, image, cpu_count, memory_mb, disk_size_mb, created_at, updated_at, finished_at, node_id)
@@ -130,23 +77,24 @@ impl BuildRecords for PgStore {
     }
 
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
-        Ok(self
-            .records_where::<BuildRow, _>("SELECT * FROM template_builds WHERE id = $1", Some(id))
-            .await?
-            .pop())
+        Ok(records_where::<BuildRow<DateTime<Utc>>, _>(
+            &self.pool,
+            "SELECT * FROM template_builds WHERE id = $1",
+            Some(id),
+        )
+        .await?
+        .pop())
     }
 
     async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
-        self.records_where::<BuildRow, _>(
-            "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
+        records_where::<BuildRow<DateTime<Utc>>, _>(&self.pool, "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
             Some(template_id),
         )
         .await
     }
 
     async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
-        self.records_where::<BuildRow, _>(
-            "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
+        records_where::<BuildRow<DateTime<Utc>>, _>(&self.pool, "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
             None,
         )
         .await
@@ -193,7 +141,7 @@ impl BuildRecords for PgStore {
         template_id: &str,
     ) -> Result<Vec<(String, BuildRecord)>, StoreError> {
         // Only the newest build per tag is what the tag names.
-        sqlx::query_as::<_, TaggedBuildRow>(
+        sqlx::query_as::<_, TaggedBuildRow<DateTime<Utc>>>(
             "SELECT DISTINCT ON (t.tag COLLATE \"C\") t.tag, b.*
              FROM build_tags t JOIN template_builds b ON b.id = t.build_id
              WHERE t.template_id = $1 AND b.status = 'ready'
@@ -204,7 +152,7 @@ impl BuildRecords for PgStore {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| Ok((r.tag, BuildRecord::try_from(r.build)?)))
+        .map(<(String, BuildRecord)>::try_from)
         .collect()
     }
 
@@ -213,7 +161,7 @@ impl BuildRecords for PgStore {
         template_id: &str,
         tag: &str,
     ) -> Result<Option<BuildRecord>, StoreError> {
-        sqlx::query_as::<_, BuildRow>(
+        sqlx::query_as::<_, BuildRow<DateTime<Utc>>>(
             "SELECT b.* FROM template_builds b JOIN build_tags t ON t.build_id = b.id
              WHERE t.template_id = $1 AND t.tag = $2 AND b.status = 'ready'
              ORDER BY b.finished_at DESC NULLS LAST LIMIT 1",
@@ -255,26 +203,13 @@ impl BuildRecords for PgStore {
         limit: u64,
         min_level: Option<LogLevel>,
     ) -> Result<Vec<BuildLogEntry>, StoreError> {
-        // Levels are names, so the minimum is applied here, before the offset, as SQLite's
-        // store does.
-        let rows = sqlx::query_as::<_, BuildLogRow>(
+        let rows = sqlx::query_as::<_, BuildLogRow<DateTime<Utc>>>(
             "SELECT at, level, step, message FROM build_logs WHERE build_id = $1 ORDER BY seq",
         )
         .bind(build_id)
         .fetch_all(&self.pool)
         .await
         .map_err(err)?;
-        Ok(rows
-            .into_iter()
-            .map(|r| BuildLogEntry {
-                timestamp: r.at,
-                level: LogLevel::parse(&r.level).unwrap_or(LogLevel::Info),
-                step: r.step,
-                message: r.message,
-            })
-            .filter(|e| min_level.is_none_or(|min| e.level >= min))
-            .skip(usize::try_from(offset).unwrap_or(usize::MAX))
-            .take(usize::try_from(limit).unwrap_or(usize::MAX))
-            .collect())
+        Ok(build_log_page(rows, offset, limit, min_level))
     }
 }

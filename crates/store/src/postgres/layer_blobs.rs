@@ -3,17 +3,15 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::err;
+use crate::rows::LayerBlobRow;
 
-#[derive(sqlx::FromRow)]
-struct LayerBlobRow {
-    layer: String,
-    digest: String,
-    size_bytes: i64,
-    node_id: String,
-    published_at: DateTime<Utc>,
+/// Layers published to the layer store, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgLayerBlobs {
+    pub(crate) pool: PgPool,
 }
 
 /// The insert of a record; one of a name already recorded is kept or replaced.
@@ -32,7 +30,7 @@ const REPLACE: &str = insert_layer_blob!(
      node_id = excluded.node_id, published_at = excluded.published_at"
 );
 
-impl PgStore {
+impl PgLayerBlobs {
     async fn insert_layer_blob(
         &self,
         blob: &LayerBlob,
@@ -52,7 +50,7 @@ impl PgStore {
 }
 
 #[async_trait::async_trait]
-impl LayerBlobRecords for PgStore {
+impl LayerBlobRecords for PgLayerBlobs {
     async fn record_layer_blob(&self, blob: &LayerBlob) -> Result<(), StoreError> {
         self.insert_layer_blob(blob, KEEP_FIRST).await
     }
@@ -71,32 +69,21 @@ impl LayerBlobRecords for PgStore {
     }
 
     async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows =
-            sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs WHERE layer = ANY($1)")
-                .bind(layers)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(err)?;
-        rows.into_iter().map(LayerBlobRow::into_blob).collect()
+        let rows = sqlx::query_as::<_, LayerBlobRow<DateTime<Utc>>>(
+            "SELECT * FROM layer_blobs WHERE layer = ANY($1)",
+        )
+        .bind(layers)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 
     async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
-        let rows = sqlx::query_as::<_, LayerBlobRow>("SELECT * FROM layer_blobs")
+        let rows = sqlx::query_as::<_, LayerBlobRow<DateTime<Utc>>>("SELECT * FROM layer_blobs")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?;
-        rows.into_iter().map(LayerBlobRow::into_blob).collect()
-    }
-}
-
-impl LayerBlobRow {
-    fn into_blob(self) -> Result<LayerBlob, StoreError> {
-        Ok(LayerBlob {
-            layer: self.layer,
-            digest: self.digest,
-            size_bytes: u64::try_from(self.size_bytes).map_err(err)?,
-            node_id: self.node_id,
-            published_at: self.published_at,
-        })
+        rows.into_iter().map(LayerBlob::try_from).collect()
     }
 }

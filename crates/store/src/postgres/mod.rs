@@ -12,7 +12,7 @@ use sandbar_core::StoreError;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use crate::err;
+use crate::{Backend, Records, err};
 
 mod builds;
 mod layer_blobs;
@@ -24,6 +24,17 @@ mod team_metrics;
 mod teams;
 mod templates;
 mod volumes;
+
+use builds::PgBuilds;
+use layer_blobs::PgLayerBlobs;
+use nodes::PgNodes;
+use request_counts::PgRequestCounts;
+use sandbox_logs::PgSandboxLogs;
+use sandboxes::PgSandboxes;
+use team_metrics::PgTeamMetrics;
+use teams::PgTeams;
+use templates::PgTemplates;
+use volumes::PgVolumes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -38,10 +49,25 @@ pub enum ConnectStoreError {
     },
 }
 
+/// The PostgreSQL database's aggregate types.
 #[derive(Debug, Clone)]
-pub struct PgStore {
-    pool: PgPool,
+pub enum PgBackend {}
+
+impl Backend for PgBackend {
+    type Teams = PgTeams;
+    type Templates = PgTemplates;
+    type Builds = PgBuilds;
+    type Sandboxes = PgSandboxes;
+    type Volumes = PgVolumes;
+    type SandboxLogs = PgSandboxLogs;
+    type TeamMetrics = PgTeamMetrics;
+    type Nodes = PgNodes;
+    type LayerBlobs = PgLayerBlobs;
+    type RequestCounts = PgRequestCounts;
 }
+
+/// The records kept in one PostgreSQL database.
+pub type PgStore = Records<PgBackend>;
 
 /// `url` without its password, to be shown in errors and logs.
 pub fn redacted_url(url: &str) -> String {
@@ -57,29 +83,29 @@ pub fn redacted_url(url: &str) -> String {
     }
 }
 
-impl PgStore {
-    /// The rows `query` selects, with `key` as its one parameter when given, as records.
-    async fn records_where<R, T>(
-        &self,
-        query: &'static str,
-        key: Option<&str>,
-    ) -> Result<Vec<T>, StoreError>
-    where
-        R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
-        T: TryFrom<R, Error = StoreError>,
-    {
-        let mut q = sqlx::query_as::<_, R>(query);
-        if let Some(key) = key {
-            q = q.bind(key.to_owned());
-        }
-        q.fetch_all(&self.pool)
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(T::try_from)
-            .collect()
+/// The rows `query` selects, with `key` as its one parameter when given, as records.
+async fn records_where<R, T>(
+    pool: &PgPool,
+    query: &'static str,
+    key: Option<&str>,
+) -> Result<Vec<T>, StoreError>
+where
+    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    T: TryFrom<R, Error = StoreError>,
+{
+    let mut q = sqlx::query_as::<_, R>(query);
+    if let Some(key) = key {
+        q = q.bind(key.to_owned());
     }
+    q.fetch_all(pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(T::try_from)
+        .collect()
+}
 
+impl PgStore {
     /// Connects to the database at `url` (`postgres://…`; `?host=/dir` for a Unix socket) and
     /// applies pending migrations. Hosts starting together are safe: the migrator holds an
     /// advisory lock while it runs.
@@ -108,31 +134,27 @@ impl PgStore {
                 url: shown.clone(),
                 source,
             })?;
-        Ok(Self { pool })
+        Ok(Self::on_pool(pool))
     }
 
     /// Closes the pool's connections; the store is unusable after.
     pub async fn close(&self) {
-        self.pool.close().await;
+        // Every aggregate holds the same pool.
+        self.teams.pool.close().await;
     }
-}
 
-/// A count or size the records hold as `u32`.
-fn u32_of(value: i64, what: &str, id: &str) -> Result<u32, StoreError> {
-    u32::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
-}
-
-/// A count the records hold as `u64`.
-fn u64_of(value: i64, what: &str, id: &str) -> Result<u64, StoreError> {
-    u64::try_from(value).map_err(|_| err(format!("{what} of {id} out of range: {value}")))
-}
-
-/// A `u64` as a BIGINT, saturating: nothing the store keeps comes near the limit.
-fn big(value: u64) -> i64 {
-    i64::try_from(value).unwrap_or(i64::MAX)
-}
-
-fn json_of<T: serde::de::DeserializeOwned>(text: Option<String>) -> Result<Option<T>, StoreError> {
-    text.map(|t| serde_json::from_str(&t).map_err(err))
-        .transpose()
+    fn on_pool(pool: PgPool) -> Self {
+        Records {
+            teams: PgTeams { pool: pool.clone() },
+            templates: PgTemplates { pool: pool.clone() },
+            builds: PgBuilds { pool: pool.clone() },
+            sandboxes: PgSandboxes { pool: pool.clone() },
+            volumes: PgVolumes { pool: pool.clone() },
+            sandbox_logs: PgSandboxLogs { pool: pool.clone() },
+            team_metrics: PgTeamMetrics { pool: pool.clone() },
+            nodes: PgNodes { pool: pool.clone() },
+            layer_blobs: PgLayerBlobs { pool: pool.clone() },
+            request_counts: PgRequestCounts { pool },
+        }
+    }
 }

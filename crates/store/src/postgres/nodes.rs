@@ -3,21 +3,19 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
+use sqlx::PgPool;
 
-use super::PgStore;
+use crate::rows::NodeRow;
 use crate::{err, to_json};
 
-#[derive(sqlx::FromRow)]
-struct NodeRow {
-    id: String,
-    url: String,
-    started_at: DateTime<Utc>,
-    lease_until: DateTime<Utc>,
-    report: String,
+/// Nodes and their leases, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgNodes {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl NodeRecords for PgStore {
+impl NodeRecords for PgNodes {
     async fn renew_node(&self, node: &NodeRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO nodes (id, url, started_at, lease_until, report) VALUES ($1, $2, $3, $4, $5) \
@@ -36,20 +34,12 @@ impl NodeRecords for PgStore {
     }
 
     async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
-        sqlx::query_as::<_, NodeRow>("SELECT * FROM nodes ORDER BY id COLLATE \"C\"")
+        sqlx::query_as::<_, NodeRow<DateTime<Utc>>>("SELECT * FROM nodes ORDER BY id COLLATE \"C\"")
             .fetch_all(&self.pool)
             .await
             .map_err(err)?
             .into_iter()
-            .map(|r| {
-                Ok(NodeRecord {
-                    report: serde_json::from_str(&r.report).map_err(err)?,
-                    id: r.id,
-                    url: r.url,
-                    started_at: r.started_at,
-                    lease_until: r.lease_until,
-                })
-            })
+            .map(NodeRecord::try_from)
             .collect()
     }
 

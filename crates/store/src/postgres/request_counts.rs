@@ -2,12 +2,18 @@
 
 use sandbar_core::StoreError;
 use sandbar_core::store::RequestCountRecords;
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::err;
 
+/// Requests counted per team and minute across a cluster's processes, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgRequestCounts {
+    pub(crate) pool: PgPool,
+}
+
 #[async_trait::async_trait]
-impl RequestCountRecords for PgStore {
+impl RequestCountRecords for PgRequestCounts {
     async fn add_team_requests(
         &self,
         window: i64,

@@ -2,22 +2,21 @@
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxLogRecords;
-use sandbar_core::{LogLevel, SandboxLogEntry, SandboxLogQuery, StoreError};
+use sandbar_core::{SandboxLogEntry, SandboxLogQuery, StoreError};
 use sqlx::PgConnection;
+use sqlx::PgPool;
 
-use super::{PgStore, big};
+use crate::rows::{SandboxLogRow, big, level_rank, log_cursor_micros};
 use crate::{err, to_json};
 
-#[derive(sqlx::FromRow)]
-struct LogRow {
-    at: DateTime<Utc>,
-    level: i64,
-    message: String,
-    fields: String,
+/// Sandbox logs, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgSandboxLogs {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl SandboxLogRecords for PgStore {
+impl SandboxLogRecords for PgSandboxLogs {
     async fn open_sandbox_log(
         &self,
         sandbox_id: &str,
@@ -122,34 +121,22 @@ impl SandboxLogRecords for PgStore {
         const BACKWARD: &str = "SELECT at, level, message, fields FROM sandbox_logs \
              WHERE sandbox_id = $1 AND level >= $2 AND ($3::timestamptz IS NULL OR at <= $3) \
              AND ($4::text IS NULL OR strpos(message, $4) > 0) ORDER BY at DESC, seq DESC LIMIT $5";
-        let cursor = query.cursor_ms.map(|ms| {
-            let us = if query.forward {
-                ms.saturating_mul(1000)
-            } else {
-                // The whole millisecond the cursor names.
-                ms.saturating_mul(1000).saturating_add(999)
-            };
-            DateTime::from_timestamp_micros(us).unwrap_or_default()
-        });
-        let rows = sqlx::query_as::<_, LogRow>(if query.forward { FORWARD } else { BACKWARD })
-            .bind(sandbox_id)
-            .bind(query.min_level.map(level_rank).unwrap_or(0))
-            .bind(cursor)
-            .bind(&query.search)
-            .bind(i64::from(query.limit))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(err)?;
-        rows.into_iter()
-            .map(|r| {
-                Ok(SandboxLogEntry {
-                    at: r.at,
-                    level: level_of_rank(r.level),
-                    message: r.message,
-                    fields: serde_json::from_str(&r.fields).map_err(err)?,
-                })
-            })
-            .collect()
+        let cursor = log_cursor_micros(query)
+            .map(|us| DateTime::from_timestamp_micros(us).unwrap_or_default());
+        let rows = sqlx::query_as::<_, SandboxLogRow<DateTime<Utc>>>(if query.forward {
+            FORWARD
+        } else {
+            BACKWARD
+        })
+        .bind(sandbox_id)
+        .bind(query.min_level.map(level_rank).unwrap_or(0))
+        .bind(cursor)
+        .bind(&query.search)
+        .bind(i64::from(query.limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?;
+        rows.into_iter().map(SandboxLogEntry::try_from).collect()
     }
 
     async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
@@ -159,24 +146,6 @@ impl SandboxLogRecords for PgStore {
             .await
             .map_err(err)?;
         Ok(result.rows_affected())
-    }
-}
-
-fn level_rank(level: LogLevel) -> i64 {
-    match level {
-        LogLevel::Debug => 0,
-        LogLevel::Info => 1,
-        LogLevel::Warn => 2,
-        LogLevel::Error => 3,
-    }
-}
-
-fn level_of_rank(rank: i64) -> LogLevel {
-    match rank {
-        i64::MIN..=0 => LogLevel::Debug,
-        1 => LogLevel::Info,
-        2 => LogLevel::Warn,
-        _ => LogLevel::Error,
     }
 }
 

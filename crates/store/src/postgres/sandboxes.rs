@@ -1,86 +1,21 @@
 //! Sandboxes and their volume mounts.
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
+use sqlx::PgPool;
 
-use super::{PgStore, json_of, u32_of};
+use crate::rows::{MountRow, SandboxRow};
 use crate::{err, insert_err, to_json};
 
-#[derive(sqlx::FromRow)]
-struct SandboxRow {
-    id: String,
-    team_id: String,
-    template_id: String,
-    alias: Option<String>,
-    started_at: DateTime<Utc>,
-    end_at: DateTime<Utc>,
-    cpu_count: i64,
-    memory_mb: i64,
-    disk_size_mb: i64,
-    metadata: String,
-    env_vars: String,
-    allow_internet_access: bool,
-    envd_access_token: String,
-    envd_version: String,
-    status: String,
-    handle: String,
-    network: String,
-    traffic_access_token: Option<String>,
-    auto_pause: bool,
-    auto_resume: bool,
-    auto_pause_memory: bool,
-    image: Option<String>,
-    node_id: String,
-}
-
-impl TryFrom<SandboxRow> for Sandbox {
-    type Error = StoreError;
-
-    fn try_from(r: SandboxRow) -> Result<Self, StoreError> {
-        let id = r.id;
-        let status = SandboxStatus::parse(&r.status)
-            .ok_or_else(|| err(format!("sandbox {id} has unknown status {}", r.status)))?;
-        Ok(Sandbox {
-            cpu_count: u32_of(r.cpu_count, "cpu count", &id)?,
-            memory_mb: u32_of(r.memory_mb, "memory", &id)?,
-            disk_size_mb: u32_of(r.disk_size_mb, "disk size", &id)?,
-            team_id: r.team_id,
-            template_id: r.template_id,
-            alias: r.alias,
-            started_at: r.started_at,
-            end_at: r.end_at,
-            metadata: serde_json::from_str(&r.metadata).map_err(err)?,
-            env_vars: serde_json::from_str(&r.env_vars).map_err(err)?,
-            allow_internet_access: r.allow_internet_access,
-            network: serde_json::from_str(&r.network).map_err(err)?,
-            traffic_access_token: r.traffic_access_token,
-            auto_pause: r.auto_pause,
-            auto_resume: r.auto_resume,
-            auto_pause_memory: r.auto_pause_memory,
-            image: json_of(r.image)?,
-            envd_access_token: r.envd_access_token,
-            envd_version: r.envd_version,
-            status,
-            handle: RuntimeHandle(serde_json::Value::from_str(&r.handle).map_err(err)?),
-            node_id: r.node_id,
-            id,
-        })
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct MountRow {
-    volume_id: String,
-    team_id: String,
-    name: String,
-    path: String,
+/// Sandboxes and their volume mounts, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgSandboxes {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl SandboxRecords for PgStore {
+impl SandboxRecords for PgSandboxes {
     async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)
@@ -116,7 +51,7 @@ impl SandboxRecords for PgStore {
     }
 
     async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
-        sqlx::query_as::<_, SandboxRow>("SELECT * FROM sandboxes WHERE id = $1")
+        sqlx::query_as::<_, SandboxRow<DateTime<Utc>>>("SELECT * FROM sandboxes WHERE id = $1")
             .bind(id)
             .fetch_optional(&self.pool)
             .await
@@ -126,7 +61,7 @@ impl SandboxRecords for PgStore {
     }
 
     async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError> {
-        sqlx::query_as::<_, SandboxRow>(
+        sqlx::query_as::<_, SandboxRow<DateTime<Utc>>>(
             "SELECT * FROM sandboxes WHERE team_id = $1 ORDER BY started_at DESC, id COLLATE \"C\" DESC",
         )
         .bind(team_id)
@@ -139,7 +74,7 @@ impl SandboxRecords for PgStore {
     }
 
     async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError> {
-        sqlx::query_as::<_, SandboxRow>(
+        sqlx::query_as::<_, SandboxRow<DateTime<Utc>>>(
             "SELECT * FROM sandboxes ORDER BY started_at DESC, id COLLATE \"C\" DESC",
         )
         .fetch_all(&self.pool)
@@ -237,12 +172,7 @@ impl SandboxRecords for PgStore {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| VolumeMount {
-            volume_id: r.volume_id,
-            team_id: r.team_id,
-            name: r.name,
-            path: r.path,
-        })
+        .map(VolumeMount::from)
         .collect())
     }
 }

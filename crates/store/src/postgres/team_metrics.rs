@@ -2,19 +2,19 @@
 
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
+use sqlx::PgPool;
 
-use super::{PgStore, u32_of};
 use crate::err;
+use crate::rows::BucketRow;
 
-#[derive(sqlx::FromRow)]
-struct BucketRow {
-    bucket: i64,
-    concurrent: i64,
-    starts: i64,
+/// Team activity buckets, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTeamMetrics {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl TeamMetricRecords for PgStore {
+impl TeamMetricRecords for PgTeamMetrics {
     async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
         // Rows are locked in one order by every host, so two hosts adding the same buckets
         // wait for each other instead of deadlocking.
@@ -55,14 +55,7 @@ impl TeamMetricRecords for PgStore {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| {
-            Ok(TeamMetricBucket {
-                team_id: team_id.to_owned(),
-                bucket: r.bucket,
-                concurrent: u32_of(r.concurrent, "concurrency", team_id)?,
-                starts: u32_of(r.starts, "starts", team_id)?,
-            })
-        })
+        .map(|r| r.of_team(team_id))
         .collect()
     }
 

@@ -3,114 +3,19 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
-use sandbar_core::{StoreError, Team, TeamCaps};
+use sandbar_core::{StoreError, Team};
+use sqlx::PgPool;
 
-use super::{PgStore, big, u32_of, u64_of};
+use crate::rows::{
+    AccessTokenRow, ApiKeyRow, TeamMemberRow, TeamRow, bind_all, bind_secret, free_slug,
+    limit_columns, team_limits, u64_of,
+};
 use crate::{err, insert_err};
 
-#[derive(sqlx::FromRow)]
-struct TeamRow {
-    id: String,
-    name: String,
-    slug: String,
-    max_concurrent_sandboxes: i64,
-    max_sandbox_timeout_secs: i64,
-    requests_per_minute: i64,
-    max_vcpu: i64,
-    max_memory_mb: i64,
-    max_disk_mb: i64,
-    max_snapshots: i64,
-    max_snapshot_mb: i64,
-    max_templates: i64,
-    max_volumes: i64,
-    max_volume_mb: i64,
-    max_tags_per_template: i64,
-    max_api_keys: i64,
-}
-
-impl TryFrom<TeamRow> for Team {
-    type Error = StoreError;
-
-    fn try_from(r: TeamRow) -> Result<Self, StoreError> {
-        let id = r.id.as_str();
-        Ok(Team {
-            max_concurrent_sandboxes: u32_of(r.max_concurrent_sandboxes, "team limit", id)?,
-            max_sandbox_timeout_secs: u64_of(r.max_sandbox_timeout_secs, "team limit", id)?,
-            requests_per_minute: u32_of(r.requests_per_minute, "team limit", id)?,
-            max_vcpu: u32_of(r.max_vcpu, "team limit", id)?,
-            max_memory_mb: u32_of(r.max_memory_mb, "team limit", id)?,
-            max_disk_mb: u32_of(r.max_disk_mb, "team limit", id)?,
-            caps: TeamCaps {
-                max_snapshots: u32_of(r.max_snapshots, "team limit", id)?,
-                max_snapshot_mb: u32_of(r.max_snapshot_mb, "team limit", id)?,
-                max_templates: u32_of(r.max_templates, "team limit", id)?,
-                max_volumes: u32_of(r.max_volumes, "team limit", id)?,
-                max_volume_mb: u32_of(r.max_volume_mb, "team limit", id)?,
-                max_tags_per_template: u32_of(r.max_tags_per_template, "team limit", id)?,
-                max_api_keys: u32_of(r.max_api_keys, "team limit", id)?,
-            },
-            name: r.name,
-            slug: r.slug,
-            id: r.id,
-        })
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct TeamMemberRow {
-    #[sqlx(flatten)]
-    team: TeamRow,
-    is_default: bool,
-}
-
-#[derive(sqlx::FromRow)]
-struct SecretRow {
-    id: String,
-    team_id: String,
-    name: String,
-    secret_hash: String,
-    mask_prefix: String,
-    mask_suffix: String,
-    created_at: DateTime<Utc>,
-}
-
-impl From<SecretRow> for StoredSecret {
-    fn from(r: SecretRow) -> Self {
-        StoredSecret {
-            id: r.id,
-            team_id: r.team_id,
-            name: r.name,
-            secret_hash: r.secret_hash,
-            mask_prefix: r.mask_prefix,
-            mask_suffix: r.mask_suffix,
-            created_at: r.created_at,
-        }
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct ApiKeyRow {
-    #[sqlx(flatten)]
-    secret: SecretRow,
-    created_by: Option<String>,
-    last_used: Option<DateTime<Utc>>,
-}
-
-impl From<ApiKeyRow> for StoredApiKey {
-    fn from(r: ApiKeyRow) -> Self {
-        StoredApiKey {
-            secret: r.secret.into(),
-            created_by: r.created_by,
-            last_used: r.last_used,
-        }
-    }
-}
-
-#[derive(sqlx::FromRow)]
-struct AccessTokenRow {
-    #[sqlx(flatten)]
-    secret: SecretRow,
-    user_id: String,
+/// Teams, members, API keys and access tokens, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTeams {
+    pub(crate) pool: PgPool,
 }
 
 /// An API key query: the columns an [`ApiKeyRow`] reads, then `$rest`. A literal, so the SQL
@@ -124,25 +29,19 @@ macro_rules! api_key_query {
     };
 }
 
-impl PgStore {
+impl PgTeams {
     /// `slug_of(name)`, or with `-2`, `-3`, … after it when a team has it already. Two hosts
     /// may pick the same one at once: the unique slug makes the later insert a conflict.
     async fn free_slug(&self, name: &str) -> Result<String, StoreError> {
-        let base = sandbar_core::model::slug_of(name);
-        let mut candidate = base.clone();
-        for n in 2.. {
-            let taken = sqlx::query("SELECT 1 FROM teams WHERE slug = $1")
-                .bind(&candidate)
+        free_slug(name, |candidate| async move {
+            Ok(sqlx::query("SELECT 1 FROM teams WHERE slug = $1")
+                .bind(candidate)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(err)?
-                .is_some();
-            if !taken {
-                break;
-            }
-            candidate = format!("{base}-{n}");
-        }
-        Ok(candidate)
+                .is_some())
+        })
+        .await
     }
 
     /// API keys and access tokens share one shape; only their table differs.
@@ -152,14 +51,7 @@ impl PgStore {
         what: &'static str,
         secret: &StoredSecret,
     ) -> Result<(), StoreError> {
-        sqlx::query(insert)
-            .bind(&secret.id)
-            .bind(&secret.team_id)
-            .bind(&secret.name)
-            .bind(&secret.secret_hash)
-            .bind(&secret.mask_prefix)
-            .bind(&secret.mask_suffix)
-            .bind(secret.created_at)
+        bind_secret(sqlx::query(insert), secret, secret.created_at)
             .execute(&self.pool)
             .await
             .map_err(insert_err(what, &secret.id))?;
@@ -178,7 +70,7 @@ impl PgStore {
 }
 
 #[async_trait::async_trait]
-impl TeamRecords for PgStore {
+impl TeamRecords for PgTeams {
     async fn team_count(&self) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
             .fetch_one(&self.pool)
@@ -188,29 +80,17 @@ impl TeamRecords for PgStore {
     }
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
-        sqlx::query(
+        let query = sqlx::query(
             "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
         )
         .bind(&team.id)
         .bind(&team.name)
-        .bind(&team.slug)
-        .bind(i64::from(team.max_concurrent_sandboxes))
-        .bind(big(team.max_sandbox_timeout_secs))
-        .bind(i64::from(team.requests_per_minute))
-        .bind(i64::from(team.max_vcpu))
-        .bind(i64::from(team.max_memory_mb))
-        .bind(i64::from(team.max_disk_mb))
-        .bind(i64::from(team.caps.max_snapshots))
-        .bind(i64::from(team.caps.max_snapshot_mb))
-        .bind(i64::from(team.caps.max_templates))
-        .bind(i64::from(team.caps.max_volumes))
-        .bind(i64::from(team.caps.max_volume_mb))
-        .bind(i64::from(team.caps.max_tags_per_template))
-        .bind(i64::from(team.caps.max_api_keys))
-        .bind(Utc::now())
-        .execute(&self.pool)
-        .await
-        .map_err(insert_err("team", &team.id))?;
+        .bind(&team.slug);
+        bind_all(query, limit_columns(&team_limits(team)))
+            .bind(Utc::now())
+            .execute(&self.pool)
+            .await
+            .map_err(insert_err("team", &team.id))?;
         Ok(())
     }
 
@@ -261,11 +141,12 @@ impl TeamRecords for PgStore {
         &self,
         hash: &str,
     ) -> Result<Option<(StoredApiKey, Team)>, StoreError> {
-        let Some(key) = sqlx::query_as::<_, ApiKeyRow>(api_key_query!("WHERE key_hash = $1"))
-            .bind(hash)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?
+        let Some(key) =
+            sqlx::query_as::<_, ApiKeyRow<DateTime<Utc>>>(api_key_query!("WHERE key_hash = $1"))
+                .bind(hash)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(err)?
         else {
             return Ok(None);
         };
@@ -291,16 +172,13 @@ impl TeamRecords for PgStore {
 
     async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError> {
         let s = &key.secret;
-        sqlx::query(
-            "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at, created_by, last_used) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        bind_secret(
+            sqlx::query(
+                "INSERT INTO api_keys (id, team_id, name, key_hash, mask_prefix, mask_suffix, created_at, created_by, last_used) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            ),
+            s,
+            s.created_at,
         )
-        .bind(&s.id)
-        .bind(&s.team_id)
-        .bind(&s.name)
-        .bind(&s.secret_hash)
-        .bind(&s.mask_prefix)
-        .bind(&s.mask_suffix)
-        .bind(s.created_at)
         .bind(&key.created_by)
         .bind(key.last_used)
         .execute(&self.pool)
@@ -310,16 +188,18 @@ impl TeamRecords for PgStore {
     }
 
     async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
-        Ok(sqlx::query_as::<_, ApiKeyRow>(api_key_query!(
-            "WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\""
-        ))
-        .bind(team_id)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(err)?
-        .into_iter()
-        .map(StoredApiKey::from)
-        .collect())
+        Ok(
+            sqlx::query_as::<_, ApiKeyRow<DateTime<Utc>>>(api_key_query!(
+                "WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\""
+            ))
+            .bind(team_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(StoredApiKey::from)
+            .collect(),
+        )
     }
 
     async fn rename_api_key(
@@ -375,16 +255,13 @@ impl TeamRecords for PgStore {
 
     async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError> {
         let s = &token.secret;
-        sqlx::query(
-            "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at, user_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        bind_secret(
+            sqlx::query(
+                "INSERT INTO access_tokens (id, team_id, name, token_hash, mask_prefix, mask_suffix, created_at, user_id) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            ),
+            s,
+            s.created_at,
         )
-        .bind(&s.id)
-        .bind(&s.team_id)
-        .bind(&s.name)
-        .bind(&s.secret_hash)
-        .bind(&s.mask_prefix)
-        .bind(&s.mask_suffix)
-        .bind(s.created_at)
         .bind(&token.user_id)
         .execute(&self.pool)
         .await
@@ -396,7 +273,7 @@ impl TeamRecords for PgStore {
         &self,
         hash: &str,
     ) -> Result<Option<StoredAccessToken>, StoreError> {
-        Ok(sqlx::query_as::<_, AccessTokenRow>(
+        Ok(sqlx::query_as::<_, AccessTokenRow<DateTime<Utc>>>(
             "SELECT id, team_id, name, token_hash AS secret_hash, mask_prefix, mask_suffix, created_at, user_id
              FROM access_tokens WHERE token_hash = $1 AND user_id IS NOT NULL",
         )
@@ -404,10 +281,7 @@ impl TeamRecords for PgStore {
         .fetch_optional(&self.pool)
         .await
         .map_err(err)?
-        .map(|r| StoredAccessToken {
-            secret: r.secret.into(),
-            user_id: r.user_id,
-        }))
+        .map(StoredAccessToken::from))
     }
 
     async fn delete_access_token(&self, user_id: &str, id: &str) -> Result<bool, StoreError> {
@@ -430,7 +304,7 @@ impl TeamRecords for PgStore {
         .await
         .map_err(err)?
         .into_iter()
-        .map(|r| Ok((Team::try_from(r.team)?, r.is_default)))
+        .map(<(Team, bool)>::try_from)
         .collect()
     }
 
@@ -449,22 +323,12 @@ impl TeamRecords for PgStore {
     }
 
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
-        let done = sqlx::query(
-            "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
+        let done = bind_all(
+            sqlx::query(
+                "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
+            ),
+            limit_columns(limits),
         )
-        .bind(i64::from(limits.max_concurrent_sandboxes))
-        .bind(big(limits.max_sandbox_timeout_secs))
-        .bind(i64::from(limits.requests_per_minute))
-        .bind(i64::from(limits.max_vcpu))
-        .bind(i64::from(limits.max_memory_mb))
-        .bind(i64::from(limits.max_disk_mb))
-        .bind(i64::from(limits.caps.max_snapshots))
-        .bind(i64::from(limits.caps.max_snapshot_mb))
-        .bind(i64::from(limits.caps.max_templates))
-        .bind(i64::from(limits.caps.max_volumes))
-        .bind(i64::from(limits.caps.max_volume_mb))
-        .bind(i64::from(limits.caps.max_tags_per_template))
-        .bind(i64::from(limits.caps.max_api_keys))
         .bind(id)
         .execute(&self.pool)
         .await

@@ -3,65 +3,16 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
+use sqlx::PgPool;
 
-use super::{PgStore, json_of, u32_of, u64_of};
+use super::records_where;
+use crate::rows::{TemplateRow, big};
 use crate::{err, to_json};
 
-/// A row selected by a `template_query!`.
-#[derive(sqlx::FromRow)]
-struct TemplateRow {
-    id: String,
-    team_id: Option<String>,
-    namespace: Option<String>,
-    public: bool,
-    build_id: String,
-    build_status: String,
-    build_error: Option<String>,
-    cpu_count: i64,
-    memory_mb: i64,
-    disk_size_mb: i64,
-    envd_version: String,
-    image: Option<String>,
-    created_at: DateTime<Utc>,
-    updated_at: DateTime<Utc>,
-    last_spawned_at: Option<DateTime<Utc>>,
-    spawn_count: i64,
-    build_count: i64,
-    /// Sorted byte-wise, as SQLite sorts them.
-    aliases: Vec<String>,
-}
-
-impl TryFrom<TemplateRow> for Template {
-    type Error = StoreError;
-
-    fn try_from(r: TemplateRow) -> Result<Self, StoreError> {
-        let id = r.id;
-        Ok(Template {
-            build_status: BuildStatus::parse(&r.build_status).ok_or_else(|| {
-                err(format!(
-                    "template {id} has unknown build status {}",
-                    r.build_status
-                ))
-            })?,
-            cpu_count: u32_of(r.cpu_count, "cpu count", &id)?,
-            memory_mb: u32_of(r.memory_mb, "memory", &id)?,
-            disk_size_mb: u32_of(r.disk_size_mb, "disk size", &id)?,
-            spawn_count: u64_of(r.spawn_count, "spawn count", &id)?,
-            build_count: u64_of(r.build_count, "build count", &id)?,
-            image: json_of::<TemplateImage>(r.image)?,
-            aliases: r.aliases,
-            team_id: r.team_id,
-            namespace: r.namespace,
-            public: r.public,
-            build_id: r.build_id,
-            build_error: r.build_error,
-            envd_version: r.envd_version,
-            created_at: r.created_at,
-            updated_at: r.updated_at,
-            last_spawned_at: r.last_spawned_at,
-            id,
-        })
-    }
+/// Templates and their names, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgTemplates {
+    pub(crate) pool: PgPool,
 }
 
 /// A template query: the template (`t`) with its names and its owner's slug, which
@@ -80,7 +31,7 @@ macro_rules! template_query {
 }
 
 #[async_trait::async_trait]
-impl TemplateRecords for PgStore {
+impl TemplateRecords for PgTemplates {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         sqlx::query(
@@ -105,8 +56,8 @@ impl TemplateRecords for PgStore {
         .bind(t.created_at)
         .bind(t.updated_at)
         .bind(t.last_spawned_at)
-        .bind(super::big(t.spawn_count))
-        .bind(super::big(t.build_count))
+        .bind(big(t.spawn_count))
+        .bind(big(t.build_count))
         .execute(&mut *tx)
         .await
         .map_err(err)?;
@@ -129,10 +80,13 @@ impl TemplateRecords for PgStore {
     }
 
     async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
-        Ok(self
-            .records_where::<TemplateRow, _>(template_query!("WHERE t.id = $1"), Some(id))
-            .await?
-            .pop())
+        Ok(records_where::<TemplateRow<DateTime<Utc>, Vec<String>>, _>(
+            &self.pool,
+            template_query!("WHERE t.id = $1"),
+            Some(id),
+        )
+        .await?
+        .pop())
     }
 
     async fn template_by_name(
@@ -140,7 +94,7 @@ impl TemplateRecords for PgStore {
         team_id: Option<&str>,
         alias: &str,
     ) -> Result<Option<Template>, StoreError> {
-        sqlx::query_as::<_, TemplateRow>(template_query!(
+        sqlx::query_as::<_, TemplateRow<DateTime<Utc>, Vec<String>>>(template_query!(
             "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = $1 AND a.alias = $2"
         ))
         .bind(team_id.unwrap_or(""))
@@ -153,7 +107,8 @@ impl TemplateRecords for PgStore {
     }
 
     async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        self.records_where::<TemplateRow, _>(
+        records_where::<TemplateRow<DateTime<Utc>, Vec<String>>, _>(
+            &self.pool,
             template_query!(
                 "JOIN template_aliases a ON a.template_id = t.id
                  WHERE a.alias = $1 AND a.scope != '' AND t.public
@@ -165,7 +120,8 @@ impl TemplateRecords for PgStore {
     }
 
     async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        self.records_where::<TemplateRow, _>(
+        records_where::<TemplateRow<DateTime<Utc>, Vec<String>>, _>(
+            &self.pool,
             template_query!("ORDER BY t.created_at DESC, t.id COLLATE \"C\""),
             None,
         )

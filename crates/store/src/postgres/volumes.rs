@@ -3,33 +3,19 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
+use sqlx::PgPool;
 
-use super::PgStore;
 use crate::err;
+use crate::rows::VolumeRow;
 
-#[derive(sqlx::FromRow)]
-struct VolumeRow {
-    id: String,
-    team_id: String,
-    name: String,
-    token_hash: String,
-    created_at: DateTime<Utc>,
-}
-
-impl From<VolumeRow> for Volume {
-    fn from(r: VolumeRow) -> Self {
-        Volume {
-            id: r.id,
-            team_id: r.team_id,
-            name: r.name,
-            token_hash: r.token_hash,
-            created_at: r.created_at,
-        }
-    }
+/// Volumes, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgVolumes {
+    pub(crate) pool: PgPool,
 }
 
 #[async_trait::async_trait]
-impl VolumeRecords for PgStore {
+impl VolumeRecords for PgVolumes {
     async fn insert_volume(&self, v: &Volume) -> Result<bool, StoreError> {
         // The (team, name) constraint decides between two hosts creating the same name.
         let done = sqlx::query(
@@ -49,7 +35,7 @@ impl VolumeRecords for PgStore {
 
     async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
         Ok(
-            sqlx::query_as::<_, VolumeRow>("SELECT * FROM volumes WHERE id = $1")
+            sqlx::query_as::<_, VolumeRow<DateTime<Utc>>>("SELECT * FROM volumes WHERE id = $1")
                 .bind(id)
                 .fetch_optional(&self.pool)
                 .await
@@ -63,21 +49,19 @@ impl VolumeRecords for PgStore {
         team_id: &str,
         name: &str,
     ) -> Result<Option<Volume>, StoreError> {
-        Ok(
-            sqlx::query_as::<_, VolumeRow>(
-                "SELECT * FROM volumes WHERE team_id = $1 AND name = $2",
-            )
-            .bind(team_id)
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(err)?
-            .map(Volume::from),
+        Ok(sqlx::query_as::<_, VolumeRow<DateTime<Utc>>>(
+            "SELECT * FROM volumes WHERE team_id = $1 AND name = $2",
         )
+        .bind(team_id)
+        .bind(name)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?
+        .map(Volume::from))
     }
 
     async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
-        Ok(sqlx::query_as::<_, VolumeRow>(
+        Ok(sqlx::query_as::<_, VolumeRow<DateTime<Utc>>>(
             "SELECT * FROM volumes WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\"",
         )
         .bind(team_id)
