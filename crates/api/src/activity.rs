@@ -141,7 +141,11 @@ pub(crate) async fn logs_v1(
         min_level: None,
         search: None,
     };
-    let entries = state.sandboxes.logs(&team, &sandbox_id, &request).await?;
+    let entries = state
+        .sandboxes
+        .activity()
+        .logs(&team, &sandbox_id, &request)
+        .await?;
     Ok(Json(SandboxLogs {
         logs: entries
             .iter()
@@ -222,7 +226,11 @@ pub(crate) async fn logs_v2(
         min_level,
         search: search.map(str::to_owned),
     };
-    let entries = state.sandboxes.logs(&team, &sandbox_id, &request).await?;
+    let entries = state
+        .sandboxes
+        .activity()
+        .logs(&team, &sandbox_id, &request)
+        .await?;
     Ok(Json(SandboxLogsV2 {
         logs: entries.iter().map(entry_json).collect(),
     }))
@@ -269,6 +277,7 @@ pub(crate) async fn team_metrics(
     let (start, end) = interval(&query)?;
     let points = state
         .sandboxes
+        .activity()
         .team_metrics(&team, &team_id, start, end)
         .await?;
     Ok(Json(
@@ -325,6 +334,7 @@ pub(crate) async fn team_metric_max(
     let (start, end) = interval(&query)?;
     let max = state
         .sandboxes
+        .activity()
         .team_metric_max(&team, &team_id, metric, start, end)
         .await?;
     Ok(Json(TeamMetricMax {

@@ -34,7 +34,7 @@ pub(crate) async fn refuse_writes_without_room(
     next: Next,
 ) -> Response {
     if writes_data(request.method(), route.as_ref().map(MatchedPath::as_str))
-        && let Err(full) = state.sandboxes.room_to_write()
+        && let Err(full) = state.sandboxes.health().room_to_write()
         && crate::extract::team_of(&state, request.headers())
             .await
             .is_ok()

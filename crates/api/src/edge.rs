@@ -123,6 +123,7 @@ pub(crate) async fn route_to_sandbox(
             };
             match state
                 .sandboxes
+                .routes()
                 .route_or_wake(&target.sandbox_id, lets_through)
                 .await
             {
@@ -225,6 +226,7 @@ impl Presented {
 fn refused_or_missing(state: &AppState, target: &Target, presented: &Presented) -> Response {
     let access = state
         .sandboxes
+        .routes()
         .user_port_access_any_state(&target.sandbox_id);
     if crate::traffic::needs_agent_token(target.port, &presented.path)
         && let Some(expected) = access.as_ref().and_then(|a| a.envd_access_token.as_deref())
@@ -324,7 +326,7 @@ impl CutReason {
     /// sandbox no longer running; `None` while it runs.
     fn gone(&self) -> Option<String> {
         let id = &self.sandbox_id;
-        match self.sandboxes.status_of(id) {
+        match self.sandboxes.routes().status_of(id) {
             Some(SandboxStatus::Running | SandboxStatus::Snapshotting) => None,
             None | Some(SandboxStatus::Stopping) => Some(format!(
                 "The sandbox was not found: the sandbox was killed or reached its end of life (sandbox '{id}')"
@@ -482,6 +484,7 @@ fn signed_file_route(
     let check = signed.check();
     let (sandbox_id, route) = state
         .sandboxes
+        .routes()
         .route_by_token(|token| check.made_with(token))
         .ok_or_else(|| {
             ApiError::new(

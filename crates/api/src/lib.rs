@@ -228,12 +228,12 @@ async fn health(
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
     let detail = query.is_ok_and(|q| q.detail);
-    let problems = state.sandboxes.health_problems();
+    let problems = state.sandboxes.health().health_problems();
     if problems.is_empty() && !detail {
         return axum::http::StatusCode::NO_CONTENT.into_response();
     }
     let disk_pool = if detail {
-        DiskPoolReport::of(&state.sandboxes.disks())
+        DiskPoolReport::of(&state.sandboxes.health().disks())
     } else {
         None
     };

@@ -149,6 +149,7 @@ pub(crate) async fn update_network(
     let egress = egress_config(&body)?;
     state
         .sandboxes
+        .lifecycle()
         .update_network(
             &team,
             &sandbox_id,
@@ -164,7 +165,7 @@ async fn create(
     team: &Team,
     request: CreateSandbox,
 ) -> Result<Response, ApiError> {
-    let sandbox = state.sandboxes.create(team, request).await?;
+    let sandbox = state.sandboxes.registry().create(team, request).await?;
     Ok((StatusCode::CREATED, Json(SandboxCreated::from(&sandbox))).into_response())
 }
 
@@ -351,7 +352,7 @@ pub(crate) async fn list_v2(
             .filter(|t| !t.is_empty())
             .map(str::to_owned),
     };
-    let page = state.sandboxes.list(&team, &list).await?;
+    let page = state.sandboxes.registry().list(&team, &list).await?;
     let items: Vec<ListedSandbox> = page.items.iter().map(ListedSandbox::from).collect();
     let mut headers = HeaderMap::new();
     if let Some(token) = page.next_token
@@ -400,7 +401,7 @@ pub(crate) async fn list_v1(
     };
     let mut items = Vec::new();
     loop {
-        let page = state.sandboxes.list(&team, &list).await?;
+        let page = state.sandboxes.registry().list(&team, &list).await?;
         items.extend(page.items.iter().map(ListedSandbox::from));
         match page.next_token {
             Some(token) => list.next_token = Some(token),
@@ -429,7 +430,7 @@ pub(crate) async fn detail(
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
 ) -> Result<Json<SandboxDetail>, ApiError> {
-    let sandbox = state.sandboxes.get(&team, &sandbox_id).await?;
+    let sandbox = state.sandboxes.registry().get(&team, &sandbox_id).await?;
     let mounts = crate::volumes::sandbox_mounts(&state, &sandbox.id).await?;
     Ok(Json(
         SandboxDetail::from(&sandbox).with_volume_mounts(mounts),
@@ -456,7 +457,7 @@ pub(crate) async fn kill(
     ApiKeyTeam(team): ApiKeyTeam,
     PathParam(sandbox_id): PathParam<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.sandboxes.kill(&team, &sandbox_id).await?;
+    state.sandboxes.lifecycle().kill(&team, &sandbox_id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -485,6 +486,7 @@ pub(crate) async fn set_timeout(
     let timeout = non_negative("timeout", body.timeout)?;
     state
         .sandboxes
+        .lifecycle()
         .set_timeout(&team, &sandbox_id, timeout)
         .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -520,6 +522,7 @@ pub(crate) async fn refresh(
     }
     state
         .sandboxes
+        .lifecycle()
         .extend(&team, &sandbox_id, duration.max(MIN_REFRESH_SECS) as u64)
         .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -556,6 +559,7 @@ async fn connect(
     let timeout = non_negative("timeout", timeout.unwrap_or(DEFAULT_TIMEOUT_V2))?;
     let (sandbox, resumed) = state
         .sandboxes
+        .lifecycle()
         .resume(team, sandbox_id, timeout, false, memory.unwrap_or(true))
         .await?;
     let status = if resumed {
@@ -720,6 +724,7 @@ pub(crate) async fn metrics(
     }
     let points = state
         .sandboxes
+        .activity()
         .metrics(&team, &sandbox_id, start, end)
         .await?;
     Ok(Json(points.iter().map(metric_json).collect()))
@@ -764,7 +769,11 @@ pub(crate) async fn batch_metrics(
             ids.len()
         )));
     }
-    let latest = state.sandboxes.latest_metrics(&team, &ids).await?;
+    let latest = state
+        .sandboxes
+        .activity()
+        .latest_metrics(&team, &ids)
+        .await?;
     let sandboxes = latest
         .iter()
         .map(|(id, p)| (id.clone(), metric_json(p)))
@@ -808,6 +817,7 @@ pub(crate) async fn pause(
 ) -> Result<StatusCode, ApiError> {
     state
         .sandboxes
+        .lifecycle()
         .pause(&team, &sandbox_id, body.memory.unwrap_or(true))
         .await?;
     Ok(StatusCode::NO_CONTENT)
@@ -854,6 +864,7 @@ pub(crate) async fn resume(
     let timeout = non_negative("timeout", body.timeout.unwrap_or(DEFAULT_TIMEOUT_V1))?;
     let (sandbox, _) = state
         .sandboxes
+        .lifecycle()
         .resume(
             &team,
             &sandbox_id,

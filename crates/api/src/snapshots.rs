@@ -73,6 +73,7 @@ pub(crate) async fn create(
 ) -> Result<(StatusCode, Json<SnapshotView>), ApiError> {
     let info = state
         .sandboxes
+        .snapshots()
         .snapshot(
             &team,
             &sandbox_id,
@@ -116,7 +117,11 @@ pub(crate) async fn list(
         limit: limit as usize,
         next_token: text("nextToken"),
     };
-    let (snapshots, next) = state.sandboxes.list_snapshots(&team, &filter).await?;
+    let (snapshots, next) = state
+        .sandboxes
+        .snapshots()
+        .list_snapshots(&team, &filter)
+        .await?;
     let mut headers = HeaderMap::new();
     if let Some(token) = next
         && let Ok(value) = HeaderValue::from_str(&token)
@@ -181,6 +186,7 @@ pub(crate) async fn fork(
         .ok_or_else(|| ApiError::bad_request(format!("count {count} is outside 1..=100")))?;
     let results = state
         .sandboxes
+        .snapshots()
         .fork(&team, &sandbox_id, timeout, count)
         .await?;
     let views = results

@@ -427,7 +427,7 @@ impl Telemetry {
     }
 
     fn render(&self) -> Result<String, std::fmt::Error> {
-        for (status, count) in self.sandboxes.count_by_status() {
+        for (status, count) in self.sandboxes.health().count_by_status() {
             let count = i64::try_from(count).unwrap_or(i64::MAX);
             self.by_state
                 .get_or_create(&StateLabels {
@@ -438,20 +438,20 @@ impl Telemetry {
         // The runtime's count only grows; a scrape adds what happened since the last.
         {
             let _one_at_a_time = self.oom_sync.lock().unwrap_or_else(|e| e.into_inner());
-            let kills = self.sandboxes.oom_kills();
+            let kills = self.sandboxes.health().oom_kills();
             let counted = self.oom_kills.get();
             if kills > counted {
                 self.oom_kills.inc_by(kills - counted);
             }
-            if let Some(warm) = self.sandboxes.warm_pool() {
+            if let Some(warm) = self.sandboxes.health().warm_pool() {
                 self.warm.set(&warm);
             }
         }
-        self.disks.set(&self.sandboxes.disks());
-        if let Some(memory) = self.sandboxes.memory() {
+        self.disks.set(&self.sandboxes.health().disks());
+        if let Some(memory) = self.sandboxes.health().memory() {
             self.memory.set(&memory);
         }
-        if let Some(io) = self.sandboxes.disk_io() {
+        if let Some(io) = self.sandboxes.health().disk_io() {
             self.disk_io.set(&io);
         }
         let mut out = String::new();

@@ -51,7 +51,7 @@ pub(crate) fn admit(
     port: u16,
     request: &mut Request,
 ) -> Result<(), ApiError> {
-    let Some(access) = state.sandboxes.user_port_access(sandbox_id) else {
+    let Some(access) = state.sandboxes.routes().user_port_access(sandbox_id) else {
         return Ok(());
     };
     if let Some(expected) = &access.traffic_access_token {

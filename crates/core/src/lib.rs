@@ -60,9 +60,10 @@ pub use runtime::{
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{
-    CreateSandbox, CreateSandboxError, ListQuery, ListSandboxesError, MetricPoint, Page, Route,
-    SandboxError, Sandboxes, SandboxesConfig, TakeOverError, UpdateNetworkError, UserPortAccess,
-    WakeKeys,
+    CreateSandbox, CreateSandboxError, EdgeRoutes, Lifecycle, ListQuery, ListSandboxesError,
+    MetricPoint, NodeHealth, Page, Reaper, Recovery, Route, SandboxActivity, SandboxError,
+    SandboxRegistry, Sandboxes, SandboxesConfig, Snapshots, TakeOverError, UpdateNetworkError,
+    UserPortAccess, WakeKeys,
 };
 pub use store::{Store, StoreError};
 pub use team_metrics::{

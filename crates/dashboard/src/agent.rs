@@ -67,8 +67,9 @@ impl AgentLink {
         team: &Team,
         id: &str,
     ) -> Result<Self, AgentError> {
-        let sandbox = sandboxes.get(team, id).await?;
+        let sandbox = sandboxes.registry().get(team, id).await?;
         let route = sandboxes
+            .routes()
             .route(id)
             .ok_or_else(|| AgentError::NotRunning(id.to_owned()))?;
         let unreachable = |source| AgentError::Unreachable {

@@ -102,6 +102,7 @@ async fn all_sandboxes(
     state
         .inner
         .sandboxes
+        .registry()
         .list(&signed.team, &query)
         .await
         .map(|page| page.items)
@@ -130,8 +131,8 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
     let overview = views::Overview {
         running,
         paused: all.len() - running,
-        memory: state.inner.sandboxes.memory(),
-        disks: state.inner.sandboxes.disks(),
+        memory: state.inner.sandboxes.health().memory(),
+        disks: state.inner.sandboxes.health().disks(),
         failed_builds: templates
             .into_iter()
             .filter(|t| {
@@ -238,7 +239,12 @@ pub(crate) async fn create_sandbox(
         auto_pause_files_only: false,
         volume_mounts: Vec::new(),
     };
-    let sandbox = state.inner.sandboxes.create(&signed.team, request).await?;
+    let sandbox = state
+        .inner
+        .sandboxes
+        .registry()
+        .create(&signed.team, request)
+        .await?;
     Ok(go_to(&format!("/dashboard/sandboxes/{}", sandbox.id)))
 }
 
@@ -249,11 +255,12 @@ pub(crate) async fn sandbox(
     Path(id): Path<String>,
 ) -> Response {
     let sandboxes = &state.inner.sandboxes;
-    let sandbox = match sandboxes.get(&signed.team, &id).await {
+    let sandbox = match sandboxes.registry().get(&signed.team, &id).await {
         Ok(s) => s,
         Err(e) => return full_page_error(&signed, Nav::Sandboxes, e.into()),
     };
     let metrics = sandboxes
+        .activity()
         .metrics(&signed.team, &id, None, None)
         .await
         .unwrap_or_default();
@@ -263,6 +270,7 @@ pub(crate) async fn sandbox(
         ..SandboxLogQuery::default()
     };
     let mut logs = sandboxes
+        .activity()
         .logs(&signed.team, &id, &query)
         .await
         .unwrap_or_default();
@@ -277,7 +285,13 @@ pub(crate) async fn sandbox_state(
     signed: Signed,
     Path(id): Path<String>,
 ) -> Result<Response, PageError> {
-    match state.inner.sandboxes.get(&signed.team, &id).await {
+    match state
+        .inner
+        .sandboxes
+        .registry()
+        .get(&signed.team, &id)
+        .await
+    {
         Ok(s) => Ok(views::sandbox_state(&s).into_response()),
         Err(sandbar_core::SandboxError::NotFound(_)) => Ok(go_to("/dashboard/sandboxes")),
         Err(e) => Err(e.into()),
@@ -285,7 +299,12 @@ pub(crate) async fn sandbox_state(
 }
 
 async fn state_after(state: &Dashboard, signed: &Signed, id: &str) -> Result<Markup, PageError> {
-    let sandbox = state.inner.sandboxes.get(&signed.team, id).await?;
+    let sandbox = state
+        .inner
+        .sandboxes
+        .registry()
+        .get(&signed.team, id)
+        .await?;
     Ok(views::sandbox_state(&sandbox))
 }
 
@@ -295,7 +314,12 @@ pub(crate) async fn pause(
     Mutating(signed): Mutating,
     Path(id): Path<String>,
 ) -> Result<Markup, PageError> {
-    state.inner.sandboxes.pause(&signed.team, &id, true).await?;
+    state
+        .inner
+        .sandboxes
+        .lifecycle()
+        .pause(&signed.team, &id, true)
+        .await?;
     state_after(&state, &signed, &id).await
 }
 
@@ -314,6 +338,7 @@ pub(crate) async fn resume(
     state
         .inner
         .sandboxes
+        .lifecycle()
         .resume(&signed.team, &id, 300, true, true)
         .await?;
     state_after(&state, &signed, &id).await
@@ -330,6 +355,7 @@ pub(crate) async fn extend(
     state
         .inner
         .sandboxes
+        .lifecycle()
         .set_timeout(&signed.team, &id, secs)
         .await?;
     state_after(&state, &signed, &id).await
@@ -341,7 +367,12 @@ pub(crate) async fn kill(
     Mutating(signed): Mutating,
     Path(id): Path<String>,
 ) -> Result<Response, PageError> {
-    state.inner.sandboxes.kill(&signed.team, &id).await?;
+    state
+        .inner
+        .sandboxes
+        .lifecycle()
+        .kill(&signed.team, &id)
+        .await?;
     Ok(go_to("/dashboard/sandboxes"))
 }
 

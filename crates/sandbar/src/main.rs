@@ -877,7 +877,7 @@ async fn start_sandboxes(
         sandboxes = sandboxes.with_cluster(nodes);
     }
     let sandboxes = Arc::new(sandboxes);
-    let adopted = sandboxes.recover().await?;
+    let adopted = sandboxes.recovery().recover().await?;
     if adopted > 0 {
         tracing::info!(count = adopted, "adopted running sandboxes");
     }
@@ -956,10 +956,10 @@ fn start_background_work(
     builds: &Builds,
     node_lease: Option<&sandbar_core::cluster::NodeLease>,
 ) {
-    tokio::spawn(sandboxes.clone().run_reaper());
+    tokio::spawn(sandboxes.reaper().clone().run());
     if node_lease.is_some() && runtime.layers().shared_layers().is_some() {
         // So that a paused sandbox can be resumed on another node if this one is lost.
-        tokio::spawn(sandboxes.clone().run_file_sharing());
+        tokio::spawn(sandboxes.recovery().clone().run_file_sharing());
     }
     if let Some(lease) = node_lease {
         // Renewed once before serving, so API hosts can place sandboxes here at once.

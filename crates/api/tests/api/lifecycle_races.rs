@@ -58,6 +58,7 @@ async fn harness(gated: &[&'static str]) -> Harness {
 impl Harness {
     async fn create(&self, timeout_secs: u64, auto_pause: bool) -> String {
         self.sandboxes
+            .registry()
             .create(
                 &self.team,
                 CreateSandbox {
@@ -88,6 +89,7 @@ impl Harness {
 
     async fn state(&self, id: &str) -> Option<SandboxState> {
         self.sandboxes
+            .registry()
             .get(&self.team, id)
             .await
             .ok()
@@ -116,6 +118,7 @@ async fn a_create_whose_request_goes_away_mid_launch_gives_its_team_slot_back() 
         let sandboxes = sandboxes.clone();
         async move {
             sandboxes
+                .registry()
                 .create(
                     &team,
                     CreateSandbox {
@@ -151,24 +154,29 @@ async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
     ];
     let reaper = tokio::spawn({
         let sandboxes = h.sandboxes.clone();
-        async move { sandboxes.reap_expired().await }
+        async move { sandboxes.reaper().reap_expired().await }
     });
     let (_, first) = h.arrival().await;
     let rest: Vec<&String> = ids.iter().filter(|id| **id != first).collect();
     // The reaper holds the first; the others were picked with it but not yet reached.
     h.sandboxes
+        .lifecycle()
         .set_timeout(&h.team, rest[0], 300)
         .await
         .expect("a new timeout");
     let (_, resumed) = h
         .sandboxes
+        .lifecycle()
         .resume(&h.team, rest[1], 300, false, true)
         .await
         .expect("a connect");
     assert!(!resumed, "a running sandbox is connected to, not resumed");
     // The one it reached is gone for every caller already.
     assert!(matches!(
-        h.sandboxes.set_timeout(&h.team, &first, 300).await,
+        h.sandboxes
+            .lifecycle()
+            .set_timeout(&h.team, &first, 300)
+            .await,
         Err(SandboxError::NotFound(_))
     ));
     h.open_gate();
@@ -178,10 +186,13 @@ async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
     assert_eq!(h.state(&first).await, None);
     for id in rest {
         assert_eq!(h.state(id).await, Some(SandboxState::Running), "{id}");
-        assert!(h.sandboxes.route(id).is_some(), "{id} is routed to");
+        assert!(
+            h.sandboxes.routes().route(id).is_some(),
+            "{id} is routed to"
+        );
     }
     // And they stay: the next round finds nothing due.
-    h.sandboxes.reap_expired().await;
+    h.sandboxes.reaper().reap_expired().await;
     assert_eq!(h.runtime.destroyed().len(), 1);
 }
 
@@ -195,22 +206,29 @@ async fn a_pause_at_the_timeout_leaves_alone_a_sandbox_extended_first() {
     ];
     let reaper = tokio::spawn({
         let sandboxes = h.sandboxes.clone();
-        async move { sandboxes.reap_expired().await }
+        async move { sandboxes.reaper().reap_expired().await }
     });
     let (_, first) = h.arrival().await;
     let rest: Vec<String> = ids.iter().filter(|id| **id != first).cloned().collect();
     h.sandboxes
+        .lifecycle()
         .set_timeout(&h.team, &rest[0], 300)
         .await
         .expect("a new timeout");
     h.sandboxes
+        .lifecycle()
         .resume(&h.team, &rest[1], 300, false, true)
         .await
         .expect("a connect");
     // A connect to the one being paused waits for the pause, then resumes it.
     let connect = tokio::spawn({
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), first.clone());
-        async move { sandboxes.resume(&team, &id, 300, false, true).await }
+        async move {
+            sandboxes
+                .lifecycle()
+                .resume(&team, &id, 300, false, true)
+                .await
+        }
     });
     still_waiting(&connect, "a connect during a pause").await;
     h.open_gate();
@@ -226,10 +244,19 @@ async fn a_pause_at_the_timeout_leaves_alone_a_sandbox_extended_first() {
 async fn two_connects_to_a_paused_sandbox_both_succeed() {
     let mut h = harness(&["resume"]).await;
     let id = h.create(300, false).await;
-    h.sandboxes.pause(&h.team, &id, true).await.expect("pause");
+    h.sandboxes
+        .lifecycle()
+        .pause(&h.team, &id, true)
+        .await
+        .expect("pause");
     let connect = |h: &Harness| {
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
-        tokio::spawn(async move { sandboxes.resume(&team, &id, 120, false, true).await })
+        tokio::spawn(async move {
+            sandboxes
+                .lifecycle()
+                .resume(&team, &id, 120, false, true)
+                .await
+        })
     };
     let first = connect(&h);
     assert_eq!(h.arrival().await, ("resume", id.clone()));
@@ -241,7 +268,7 @@ async fn two_connects_to_a_paused_sandbox_both_succeed() {
     // 201 for the one that resumed it, 200 for the one that found it running.
     assert!(first_resumed && !second_resumed);
     assert_eq!(sandbox.state(), SandboxState::Running);
-    assert!(h.sandboxes.route(&id).is_some());
+    assert!(h.sandboxes.routes().route(&id).is_some());
 }
 
 /// Starts `transition` on a fresh sandbox whose runtime stops it at `gate`, kills the sandbox
@@ -250,18 +277,28 @@ async fn kill_during(gate: &'static str) {
     let mut h = harness(&[gate]).await;
     let id = h.create(300, false).await;
     if gate == "resume" {
-        h.sandboxes.pause(&h.team, &id, true).await.expect("pause");
+        h.sandboxes
+            .lifecycle()
+            .pause(&h.team, &id, true)
+            .await
+            .expect("pause");
     }
     let transition = {
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
         tokio::spawn(async move {
             match gate {
-                "pause" => sandboxes.pause(&team, &id, true).await.map(|_| ()),
+                "pause" => sandboxes
+                    .lifecycle()
+                    .pause(&team, &id, true)
+                    .await
+                    .map(|_| ()),
                 "resume" => sandboxes
+                    .lifecycle()
                     .resume(&team, &id, 60, false, true)
                     .await
                     .map(|_| ()),
                 _ => sandboxes
+                    .snapshots()
                     .snapshot(&team, &id, None, false)
                     .await
                     .map(|_| ())
@@ -272,7 +309,7 @@ async fn kill_during(gate: &'static str) {
     assert_eq!(h.arrival().await, (gate, id.clone()));
     let kill = {
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
-        tokio::spawn(async move { sandboxes.kill(&team, &id).await })
+        tokio::spawn(async move { sandboxes.lifecycle().kill(&team, &id).await })
     };
     still_waiting(&kill, &format!("a kill during a {gate}")).await;
     h.open_gate();
@@ -309,7 +346,7 @@ async fn a_kill_on_the_wire_answers_204_during_a_pause() {
     let id = h.create(300, false).await;
     let pause = {
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), id.clone());
-        tokio::spawn(async move { sandboxes.pause(&team, &id, true).await })
+        tokio::spawn(async move { sandboxes.lifecycle().pause(&team, &id, true).await })
     };
     h.arrival().await;
     let app = h.app.clone();
@@ -337,6 +374,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
     let id = h.create(300, false).await;
     let unnamed = h
         .sandboxes
+        .snapshots()
         .snapshot(&h.team, &id, None, false)
         .await
         .expect("snapshot");
@@ -346,6 +384,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
     );
     let named = h
         .sandboxes
+        .snapshots()
         .snapshot(&h.team, &id, Some("kept"), false)
         .await
         .expect("named snapshot");

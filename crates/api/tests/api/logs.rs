@@ -280,7 +280,7 @@ async fn the_reaper_reads_agent_lines_while_the_sandbox_runs_and_caps_each_log()
     let mut config = SandboxesConfig::default();
     config.activity.log_lines_per_sandbox = 5;
     let h = harness(config).await;
-    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    let reaper = tokio::spawn(h.sandboxes.reaper().clone().run());
     let id = h.create(r#"{"templateID":"base"}"#).await;
     let lines: String = (0..10)
         .map(|i| format!("2026-01-01T00:01:{i:02}Z  INFO sandbar_agent: line {i}\n"))
@@ -319,7 +319,7 @@ async fn ended_logs_are_pruned_after_the_retention_period() {
     let path = format!("/v2/sandboxes/{id}/logs");
     assert_eq!(h.get(&path).await.status, StatusCode::OK);
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    let reaper = tokio::spawn(h.sandboxes.reaper().clone().run());
     let mut status = StatusCode::OK;
     for _ in 0..100 {
         status = h.get(&path).await.status;
@@ -381,7 +381,7 @@ async fn team_metrics_count_starts_and_concurrency_for_the_own_team_only() {
     assert!(rate.body["value"].as_f64().expect("rate") > 0.0);
 
     // Written by the reaper's flush, the numbers stay the same.
-    let reaper = tokio::spawn(h.sandboxes.clone().run_reaper());
+    let reaper = tokio::spawn(h.sandboxes.reaper().clone().run());
     tokio::time::sleep(Duration::from_millis(100)).await;
     reaper.abort();
     let again = h

@@ -34,6 +34,7 @@ async fn paused_sandbox(
     let team = server.team().await;
     let sandboxes = server.sandboxes;
     let sandbox = sandboxes
+        .registry()
         .create(
             &team,
             CreateSandbox {
@@ -46,6 +47,7 @@ async fn paused_sandbox(
         .await
         .expect("create");
     sandboxes
+        .lifecycle()
         .pause(&team, &sandbox.id, true)
         .await
         .expect("pause");
@@ -60,12 +62,13 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
     .await;
     let reaper = {
         let sandboxes = sandboxes.clone();
-        tokio::spawn(async move { sandboxes.checkpoint_paused().await })
+        tokio::spawn(async move { sandboxes.lifecycle().checkpoint_paused().await })
     };
     // The resume arrives while the dump runs: it waits for it, then restores from what the
     // dump left rather than thawing processes that are gone.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (resumed, woke) = sandboxes
+        .lifecycle()
         .resume(&team, &id, 300, true, true)
         .await
         .expect("resume");
@@ -78,9 +81,9 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
 async fn a_refused_checkpoint_leaves_the_sandbox_paused_in_memory_and_is_not_tried_again() {
     let runtime = Arc::new(FakeRuntime::refusing_checkpoints());
     let (_dir, sandboxes, team, id) = paused_sandbox(runtime.clone()).await;
-    assert!(sandboxes.health_problems().is_empty());
+    assert!(sandboxes.health().health_problems().is_empty());
     for _ in 0..5 {
-        sandboxes.checkpoint_paused().await;
+        sandboxes.lifecycle().checkpoint_paused().await;
     }
     // Asked once: what the sandbox holds does not change while it is frozen.
     assert_eq!(
@@ -89,18 +92,19 @@ async fn a_refused_checkpoint_leaves_the_sandbox_paused_in_memory_and_is_not_tri
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
-    let kept = sandboxes.get(&team, &id).await.expect("get");
+    let kept = sandboxes.registry().get(&team, &id).await.expect("get");
     assert_eq!(kept.status.name(), "paused");
     assert_eq!(
-        sandboxes.health_problems(),
+        sandboxes.health().health_problems(),
         [
             "1 paused sandbox stays in memory: its checkpoint to disk was refused or did not finish; each sandbox's log says why"
         ]
     );
     // Resumed from memory, it no longer counts.
     sandboxes
+        .lifecycle()
         .resume(&team, &id, 300, true, true)
         .await
         .expect("resume");
-    assert!(sandboxes.health_problems().is_empty());
+    assert!(sandboxes.health().health_problems().is_empty());
 }

@@ -5,23 +5,27 @@ use std::sync::Arc;
 
 use chrono::{TimeDelta, Utc};
 
-use super::{CHECKPOINT_ATTEMPTS, SandboxError, Sandboxes, TransitionError};
+use super::lifecycle::Lifecycle;
+use super::{CHECKPOINT_ATTEMPTS, SandboxError, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{Sandbox, Team};
-use crate::runtime::{RuntimeError, RuntimeHandle};
+use crate::runtime::RuntimeError;
 
-impl Sandboxes {
+impl Lifecycle {
     /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
     /// only its files are kept. `Conflict` if it is not running.
     pub async fn pause(&self, team: &Team, id: &str, memory: bool) -> Result<(), SandboxError> {
-        let sandbox = self.get(team, id).await?;
+        let sandbox = self.shared.get(team, id).await?;
         self.pause_sandbox(&sandbox, memory).await
     }
 
     async fn pause_sandbox(&self, sandbox: &Sandbox, memory: bool) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
-        match self.claim(id, SandboxStatus::can_pause, SandboxStatus::Pausing) {
+        match self
+            .shared
+            .claim(id, SandboxStatus::can_pause, SandboxStatus::Pausing)
+        {
             Ok(_) => {}
             Err(Some(status)) if status.is_paused() => {
                 return Err(SandboxError::Conflict {
@@ -47,26 +51,31 @@ impl Sandboxes {
     ) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
         // Before anything stops: the agent has to be running to close its ends.
-        self.end_agent_links(id).await;
+        self.shared.end_agent_links(id).await;
         if !memory {
             return self.shelve(sandbox).await;
         }
-        if let Err(err) = self.runtime.pause(id, &sandbox.handle).await {
-            self.set_status(id, SandboxStatus::Running, None);
+        if let Err(err) = self.shared.runtime.pause(id, &sandbox.handle).await {
+            self.shared.set_status(id, SandboxStatus::Running, None);
             return Err(err.into());
         }
         crate::faults::crash_point("pause.frozen");
-        if let Err(err) = self.transition(id, SandboxStatus::Paused, None).await {
+        if let Err(err) = self
+            .shared
+            .transition(id, SandboxStatus::Paused, None)
+            .await
+        {
             // The store still says running: thaw so both agree.
-            let _ = self.runtime.resume(id, &sandbox.handle).await;
-            self.set_status(id, SandboxStatus::Running, None);
+            let _ = self.shared.runtime.resume(id, &sandbox.handle).await;
+            self.shared.set_status(id, SandboxStatus::Running, None);
             return Err(err.into());
         }
-        if let Some(entry) = self.live().get_mut(id) {
+        if let Some(entry) = self.shared.live().get_mut(id) {
             entry.paused_at = Some(Utc::now());
             entry.checkpoint_failures = 0;
         }
-        self.activity
+        self.shared
+            .activity
             .event(id, LogLevel::Info, "sandbox paused", &[])
             .await;
         tracing::info!(sandbox_id = %id, "sandbox paused");
@@ -77,10 +86,12 @@ impl Sandboxes {
     async fn shelve(&self, sandbox: &Sandbox) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
         // The agent's last lines, before its processes end.
-        self.activity
-            .ingest_agent_log(self.runtime.as_ref(), id)
+        self.shared
+            .activity
+            .ingest_agent_log(self.shared.runtime.as_ref(), id)
             .await;
         let handle = match self
+            .shared
             .release_recorded(id, &sandbox.handle, SandboxStatus::Running)
             .await
         {
@@ -88,22 +99,25 @@ impl Sandboxes {
             Err(err) => {
                 // Still running if the release failed early; if its processes are gone, the
                 // reaper stops it like any dead sandbox.
-                self.set_status(id, SandboxStatus::Running, None);
+                self.shared.set_status(id, SandboxStatus::Running, None);
                 return Err(err);
             }
         };
-        if let Some(entry) = self.live().get_mut(id) {
+        if let Some(entry) = self.shared.live().get_mut(id) {
             entry.endpoint = None;
         }
         if let Err(err) = self
+            .shared
             .transition(id, SandboxStatus::Shelved, Some(&handle))
             .await
         {
             // Its processes are gone whatever the store says.
-            self.set_status(id, SandboxStatus::Shelved, Some(&handle));
+            self.shared
+                .set_status(id, SandboxStatus::Shelved, Some(&handle));
             return Err(err.into());
         }
-        self.activity
+        self.shared
+            .activity
             .event(
                 id,
                 LogLevel::Info,
@@ -115,43 +129,17 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// Ends the processes of sandbox `id` (handle `handle`) and keeps only its files. It is
-    /// recorded `pausing` meanwhile, so a restart in between finishes the job rather than
-    /// taking it for dead; if the release fails the store says `before` again. The caller
-    /// records the result.
-    pub(super) async fn release_recorded(
-        &self,
-        id: &str,
-        handle: &RuntimeHandle,
-        before: SandboxStatus,
-    ) -> Result<RuntimeHandle, SandboxError> {
-        self.record(id, SandboxStatus::Pausing, Some(handle))
-            .await?;
-        match self.runtime.release(id, handle).await {
-            Ok(released) => {
-                crate::faults::crash_point("pause.released");
-                Ok(released)
-            }
-            Err(err) => {
-                if let Err(err) = self.record(id, before, Some(handle)).await {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox as it was");
-                }
-                Err(err.into())
-            }
-        }
-    }
-
     /// Starts [`Self::checkpoint_paused`] beside the caller unless one still runs: the
     /// reaper goes on ending other sandboxes however long a dump takes. The node bounds each
     /// step of a checkpoint itself (its plan, the dump, the seal) and gives back a sandbox
     /// whose dump it abandons still paused in memory, so nothing here cancels one half-way.
-    pub fn spawn_checkpoint_paused(self: &Arc<Self>) {
+    pub fn spawn_checkpoint_paused(&self) {
         use std::sync::atomic::Ordering;
-        if self.checkpoint_running.swap(true, Ordering::AcqRel) {
+        if self.shared.checkpoint_running.swap(true, Ordering::AcqRel) {
             return;
         }
         let this = self.clone();
-        let running = self.checkpoint_running.clone();
+        let running = self.shared.checkpoint_running.clone();
         tokio::spawn(async move {
             // Cleared however the task ends, a panic included.
             struct Clear(Arc<std::sync::atomic::AtomicBool>);
@@ -168,11 +156,12 @@ impl Sandboxes {
     /// Checkpoints to disk the sandbox frozen in memory longest, once its grace has passed:
     /// one per round, since a dump holds a CPU while it runs.
     pub async fn checkpoint_paused(&self) {
-        let Ok(grace) = TimeDelta::from_std(self.config.pause_grace) else {
+        let Ok(grace) = TimeDelta::from_std(self.shared.config.pause_grace) else {
             return;
         };
         let due = Utc::now() - grace;
         let next = self
+            .shared
             .live()
             .iter()
             .filter(|(_, l)| {
@@ -184,16 +173,16 @@ impl Sandboxes {
         let Some((_, id)) = next else { return };
         // Asked only once a sandbox is due: a node without CRIU may look for one installed
         // since, which it limits in time, but no round of the reaper should start a look.
-        if !self.runtime.checkpoints_ready().await {
+        if !self.shared.runtime.checkpoints_ready().await {
             return;
         }
         // A checkpoint writes about the sandbox's memory to the data disk: without room for
         // that, the sandbox stays frozen in memory rather than leave a half-written dump.
-        let handle = self.live().get(&id).map(|l| l.handle.clone());
+        let handle = self.shared.live().get(&id).map(|l| l.handle.clone());
         let memory = handle
-            .and_then(|h| self.runtime.stats(&id, &h))
+            .and_then(|h| self.shared.runtime.stats(&id, &h))
             .map_or(0, |s| s.memory_used);
-        if !self.data_disk().data_has_room_for(memory) {
+        if !self.shared.data_disk().data_has_room_for(memory) {
             tracing::debug!(sandbox_id = %id, memory, "no room on the data disk to checkpoint the paused sandbox; it stays in memory");
             return;
         }
@@ -204,7 +193,7 @@ impl Sandboxes {
     /// [`CHECKPOINT_ATTEMPTS`] failures it is not tried again until its next pause.
     async fn checkpoint_sandbox(&self, id: &str) {
         let handle = {
-            let mut live = self.live();
+            let mut live = self.shared.live();
             let Some(entry) = live.get_mut(id) else {
                 return;
             };
@@ -217,6 +206,7 @@ impl Sandboxes {
         let result = async {
             // Recorded first, so a restart after a crash in the middle looks at what is left.
             match self
+                .shared
                 .transition(id, SandboxStatus::Checkpointing, None)
                 .await
             {
@@ -224,26 +214,29 @@ impl Sandboxes {
                 Err(TransitionError::Refused { .. }) => return Ok(None),
                 claimed => claimed?,
             };
-            Ok::<_, SandboxError>(Some(self.runtime.checkpoint(id, &handle).await?))
+            Ok::<_, SandboxError>(Some(self.shared.runtime.checkpoint(id, &handle).await?))
         }
         .await;
         match result {
             Ok(None) => {}
             Ok(Some(checkpointed)) => {
-                if let Some(entry) = self.live().get_mut(id) {
+                if let Some(entry) = self.shared.live().get_mut(id) {
                     entry.endpoint = None;
                 }
                 if let Err(err) = self
+                    .shared
                     .transition(id, SandboxStatus::Checkpointed, Some(&checkpointed))
                     .await
                 {
                     // A restart finds it recorded as checkpointing, with its processes gone
                     // and a complete checkpoint: it is adopted as checkpointed then.
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
-                    self.set_status(id, SandboxStatus::Checkpointed, Some(&checkpointed));
+                    self.shared
+                        .set_status(id, SandboxStatus::Checkpointed, Some(&checkpointed));
                 }
                 let ms = started.elapsed().as_millis() as u64;
-                self.activity
+                self.shared
+                    .activity
                     .event(
                         id,
                         LogLevel::Info,
@@ -260,7 +253,7 @@ impl Sandboxes {
                     err,
                     SandboxError::Runtime(RuntimeError::Uncheckpointable { .. })
                 );
-                if let Some(entry) = self.live().get_mut(id) {
+                if let Some(entry) = self.shared.live().get_mut(id) {
                     entry.checkpoint_failures = if refused {
                         CHECKPOINT_ATTEMPTS
                     } else {
@@ -268,13 +261,17 @@ impl Sandboxes {
                     };
                 }
                 // Not claimed (another caller had it): nothing to give back.
-                if self.status_of(id) == Some(SandboxStatus::Checkpointing)
-                    && let Err(err) = self.transition(id, SandboxStatus::Paused, None).await
+                if self.shared.status_of(id) == Some(SandboxStatus::Checkpointing)
+                    && let Err(err) = self
+                        .shared
+                        .transition(id, SandboxStatus::Paused, None)
+                        .await
                 {
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the sandbox paused");
-                    self.set_status(id, SandboxStatus::Paused, None);
+                    self.shared.set_status(id, SandboxStatus::Paused, None);
                 }
-                self.activity
+                self.shared
+                    .activity
                     .event(
                         id,
                         LogLevel::Warn,

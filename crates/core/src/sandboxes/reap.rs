@@ -6,18 +6,50 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{
-    METRICS_EVERY_ROUNDS, PRUNE_EVERY_ROUNDS, Sandboxes, TEAM_METRICS_EVERY_ROUNDS, expired,
-};
+use chrono::Utc;
+
+use super::activity::SandboxActivity;
+use super::lifecycle::Lifecycle;
+use super::shared::Shared;
+use super::{Claim, Live, METRICS_EVERY_ROUNDS, PRUNE_EVERY_ROUNDS, TEAM_METRICS_EVERY_ROUNDS};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
+use crate::runtime::RuntimeHandle;
 
-impl Sandboxes {
+/// Whether a sandbox's end has passed, read at the moment of the check.
+fn expired(live: &Live) -> bool {
+    live.end_at <= Utc::now()
+}
+
+/// The background rounds over the live sandboxes: expiry, checkpoints of paused ones,
+/// clean-up of dead ones, and the samples, agent logs and team metrics written on the way.
+#[derive(Clone, Debug)]
+pub struct Reaper {
+    shared: Arc<Shared>,
+    /// Pauses sandboxes that time out with `autoPause`, and checkpoints paused ones.
+    lifecycle: Lifecycle,
+    /// Samples the sandboxes and logs their out-of-memory kills.
+    activity: SandboxActivity,
+}
+
+impl Reaper {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        lifecycle: Lifecycle,
+        activity: SandboxActivity,
+    ) -> Self {
+        Self {
+            shared,
+            lifecycle,
+            activity,
+        }
+    }
+
     /// Stops every sandbox whose end time has passed.
     pub async fn reap_expired(&self) {
-        let to_pause = self.running_where(|_, l| expired(l) && l.auto_pause);
+        let to_pause = self.shared.running_where(|_, l| expired(l) && l.auto_pause);
         for (id, _) in to_pause {
-            let sandbox = match self.store.sandbox(&id).await {
+            let sandbox = match self.shared.store.sandbox(&id).await {
                 Ok(Some(sandbox)) => sandbox,
                 Ok(None) => continue,
                 Err(err) => {
@@ -26,7 +58,7 @@ impl Sandboxes {
                 }
             };
             // Claimed under the lock an extend takes: one that came first keeps it running.
-            let claimed = self.claim_where(
+            let claimed = self.shared.claim_where(
                 &id,
                 |l| l.status == SandboxStatus::Running && expired(l) && l.auto_pause,
                 SandboxStatus::Pausing,
@@ -34,10 +66,14 @@ impl Sandboxes {
             if claimed.is_err() {
                 continue;
             }
-            self.activity
+            self.shared
+                .activity
                 .event(&id, LogLevel::Info, "sandbox timed out: pausing", &[])
                 .await;
-            let paused = self.pause_marked(&sandbox, sandbox.auto_pause_memory).await;
+            let paused = self
+                .lifecycle
+                .pause_marked(&sandbox, sandbox.auto_pause_memory)
+                .await;
             match paused {
                 Ok(()) => tracing::info!(sandbox_id = %id, "sandbox timed out: paused"),
                 Err(err) => {
@@ -45,7 +81,9 @@ impl Sandboxes {
                 }
             }
         }
-        let due = self.running_where(|_, l| expired(l) && !l.auto_pause);
+        let due = self
+            .shared
+            .running_where(|_, l| expired(l) && !l.auto_pause);
         self.stop_all(
             due,
             |l, _| l.status == SandboxStatus::Running && expired(l) && !l.auto_pause,
@@ -60,9 +98,10 @@ impl Sandboxes {
     pub async fn reap_dead(&self) {
         // Checked outside the registry lock: each check reads /proc.
         let dead = self
+            .shared
             .running_where(|_, _| true)
             .into_iter()
-            .filter(|(id, handle)| !self.runtime.is_alive(id, handle))
+            .filter(|(id, handle)| !self.shared.runtime.is_alive(id, handle))
             .collect();
         // Unless it was paused, shelved or resumed meanwhile: its handle would differ.
         self.stop_all(
@@ -77,43 +116,45 @@ impl Sandboxes {
     /// Reads new agent log lines of every running sandbox.
     async fn ingest_agent_logs(&self) {
         let ids: Vec<String> = self
+            .shared
             .live()
             .iter()
             .filter(|(_, l)| l.status == SandboxStatus::Running)
             .map(|(id, _)| id.clone())
             .collect();
         for id in ids {
-            self.activity
-                .ingest_agent_log(self.runtime.as_ref(), &id)
+            self.shared
+                .activity
+                .ingest_agent_log(self.shared.runtime.as_ref(), &id)
                 .await;
         }
     }
 
     async fn flush_team_metrics(&self) {
         let mut running: HashMap<String, u32> = HashMap::new();
-        for l in self.live().values() {
+        for l in self.shared.live().values() {
             if l.status.holds_a_slot() {
                 *running.entry(l.team_id.clone()).or_default() += 1;
             }
         }
-        self.activity.flush_team_metrics(running).await;
+        self.shared.activity.flush_team_metrics(running).await;
     }
 
     /// Expires sandboxes about twice a second and looks for dead ones every few seconds,
     /// forever.
-    pub async fn run_reaper(self: Arc<Self>) {
+    pub async fn run(self) {
         let mut tick = tokio::time::interval(Duration::from_millis(500));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         for round in 0u64.. {
             tick.tick().await;
             self.reap_expired().await;
-            self.spawn_checkpoint_paused();
+            self.lifecycle.spawn_checkpoint_paused();
             if round % 10 == 0 {
                 self.reap_dead().await;
             }
             if round % METRICS_EVERY_ROUNDS == 0 {
-                for (id, killed) in self.sample_metrics() {
-                    self.log_oom_kills(&id, killed).await;
+                for (id, killed) in self.activity.sample_metrics() {
+                    self.activity.log_oom_kills(&id, killed).await;
                 }
                 self.ingest_agent_logs().await;
             }
@@ -121,7 +162,34 @@ impl Sandboxes {
                 self.flush_team_metrics().await;
             }
             if round % PRUNE_EVERY_ROUNDS == 0 {
-                self.activity.prune().await;
+                self.shared.activity.prune().await;
+            }
+        }
+    }
+
+    /// Stops each of `sandboxes` that `still` holds for when its turn comes, logging why; one
+    /// failure does not hold up the rest. The reaper picks its sandboxes before it stops
+    /// them: a request in between (an extend, a pause, a kill) wins over it.
+    async fn stop_all(
+        &self,
+        sandboxes: Vec<(String, RuntimeHandle)>,
+        still: impl Fn(&Live, &RuntimeHandle) -> bool,
+        why: &str,
+        level: LogLevel,
+    ) {
+        for (id, picked) in sandboxes {
+            let Claim::Claimed { previous, handle } =
+                self.shared.claim_stop(&id, |l| still(l, &picked))
+            else {
+                continue;
+            };
+            match self
+                .shared
+                .finish_stop(&id, Some(previous), &handle, level, why)
+                .await
+            {
+                Ok(()) => tracing::info!(sandbox_id = %id, "{why}: stopped"),
+                Err(err) => tracing::error!(sandbox_id = %id, error = %err, "{why}: cannot stop"),
             }
         }
     }

@@ -1,24 +1,38 @@
 //! After a restart: taking back every recorded sandbox in the status the store gives it,
 //! finishing what the server died in the middle of, and cleaning up what cannot be kept.
 
-use super::{Live, Sandboxes, TransitionError};
+use std::sync::Arc;
+
+use super::shared::Shared;
+use super::{Live, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::Sandbox;
 use crate::runtime::{AdoptedCheckpoint, Endpoint, RuntimeHandle};
 use crate::store::StoreError;
 
-impl Sandboxes {
+/// Takes sandboxes back: after a restart, those this node recorded; in a cluster, the paused
+/// ones of a lost node, from the copies of their files it shared.
+#[derive(Clone, Debug)]
+pub struct Recovery {
+    pub(super) shared: Arc<Shared>,
+}
+
+impl Recovery {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
     /// After a restart: takes back every recorded sandbox that still runs, and cleans up the
     /// rest. Expired ones are left for the reaper so their end is logged like any other.
     pub async fn recover(&self) -> Result<usize, StoreError> {
         let mut adopted = 0;
         // Other nodes of a cluster record theirs in the same store; rows without a node are
         // from before nodes had names and belong to whoever runs on their data.
-        let mut recorded = self.store.all_sandboxes().await?;
-        recorded.retain(|s| s.node_id == self.config.node_id || s.node_id.is_empty());
+        let mut recorded = self.shared.store.all_sandboxes().await?;
+        recorded.retain(|s| s.node_id == self.shared.config.node_id || s.node_id.is_empty());
         let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
-        match self.runtime.sweep(&ids).await {
+        match self.shared.runtime.sweep(&ids).await {
             Ok(0) => {}
             Ok(n) => tracing::warn!(count = n, "removed unrecorded sandboxes"),
             Err(err) => tracing::error!(error = %err, "cannot sweep unrecorded sandboxes"),
@@ -27,6 +41,7 @@ impl Sandboxes {
             if sandbox.status == SandboxStatus::Pausing {
                 // The server died while ending its processes to keep its files: finish that.
                 match self
+                    .shared
                     .release_recorded(&sandbox.id, &sandbox.handle, sandbox.status)
                     .await
                 {
@@ -49,11 +64,11 @@ impl Sandboxes {
                 continue;
             }
             if sandbox.status == SandboxStatus::Checkpointing
-                && self.runtime.is_alive(&sandbox.id, &sandbox.handle)
+                && self.shared.runtime.is_alive(&sandbox.id, &sandbox.handle)
             {
                 // The server died during the dump, before it ended the processes: what the
                 // dump wrote is incomplete, and the sandbox is still frozen in memory.
-                self.runtime.discard_checkpoint(&sandbox.id).await;
+                self.shared.runtime.discard_checkpoint(&sandbox.id).await;
                 self.recover_to(&sandbox, SandboxStatus::Paused, None)
                     .await?;
                 sandbox.status = SandboxStatus::Paused;
@@ -65,7 +80,12 @@ impl Sandboxes {
                 self.adopt_checkpointed(&sandbox).await?;
                 continue;
             }
-            match self.runtime.adopt(&sandbox.id, &sandbox.handle).await {
+            match self
+                .shared
+                .runtime
+                .adopt(&sandbox.id, &sandbox.handle)
+                .await
+            {
                 Ok(Some(endpoint)) => {
                     if self
                         .take_back(&sandbox, endpoint, "sandbox adopted after a server restart")
@@ -76,18 +96,26 @@ impl Sandboxes {
                 }
                 Ok(None) => {
                     tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
-                    self.activity
+                    self.shared
+                        .activity
                         .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
                         .await;
-                    self.activity
-                        .ingest_agent_log(self.runtime.as_ref(), &sandbox.id)
+                    self.shared
+                        .activity
+                        .ingest_agent_log(self.shared.runtime.as_ref(), &sandbox.id)
                         .await;
-                    if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                    if let Err(err) = self
+                        .shared
+                        .runtime
+                        .destroy(&sandbox.id, &sandbox.handle)
+                        .await
+                    {
                         tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
                     }
-                    self.live().remove(&sandbox.id);
-                    self.store.delete_sandbox(&sandbox.id).await?;
-                    self.activity
+                    self.shared.live().remove(&sandbox.id);
+                    self.shared.store.delete_sandbox(&sandbox.id).await?;
+                    self.shared
+                        .activity
                         .close(
                             &sandbox.id,
                             LogLevel::Error,
@@ -97,7 +125,7 @@ impl Sandboxes {
                 }
                 Err(err) => {
                     // Not routed to until a restart adopts it, as before it was recovered.
-                    self.live().remove(&sandbox.id);
+                    self.shared.live().remove(&sandbox.id);
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot adopt sandbox");
                 }
             }
@@ -110,6 +138,7 @@ impl Sandboxes {
     /// restored any more is lost, and cleaned up.
     async fn adopt_checkpointed(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
         let handle = match self
+            .shared
             .runtime
             .adopt_checkpointed(&sandbox.id, &sandbox.handle)
             .await
@@ -122,7 +151,12 @@ impl Sandboxes {
                 // The memory is lost (a host reboot ends the namespaces a checkpoint is
                 // restored into), the files need not be: the sandbox stays paused with them
                 // and boots afresh on them when resumed.
-                match self.runtime.release(&sandbox.id, &sandbox.handle).await {
+                match self
+                    .shared
+                    .runtime
+                    .release(&sandbox.id, &sandbox.handle)
+                    .await
+                {
                     Ok(released) => {
                         tracing::warn!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; its files are kept");
                         self.recover_to(sandbox, SandboxStatus::Shelved, Some(&released))
@@ -133,7 +167,7 @@ impl Sandboxes {
                             ..sandbox.clone()
                         };
                         self.adopt_shelved(&shelved).await?;
-                        self.activity
+                        self.shared.activity
                             .event(
                                 &sandbox.id,
                                 LogLevel::Warn,
@@ -148,15 +182,22 @@ impl Sandboxes {
                     }
                 }
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
-                self.activity
+                self.shared
+                    .activity
                     .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
                     .await;
-                if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+                if let Err(err) = self
+                    .shared
+                    .runtime
+                    .destroy(&sandbox.id, &sandbox.handle)
+                    .await
+                {
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
                 }
-                self.live().remove(&sandbox.id);
-                self.store.delete_sandbox(&sandbox.id).await?;
-                self.activity
+                self.shared.live().remove(&sandbox.id);
+                self.shared.store.delete_sandbox(&sandbox.id).await?;
+                self.shared
+                    .activity
                     .close(
                         &sandbox.id,
                         LogLevel::Error,
@@ -170,20 +211,22 @@ impl Sandboxes {
             self.recover_to(sandbox, SandboxStatus::Checkpointed, Some(&handle))
                 .await?;
         }
-        self.live().insert(
+        self.shared.live().insert(
             sandbox.id.clone(),
             Live::recorded(
-                &self.signers,
+                &self.shared.signers,
                 sandbox,
                 handle,
                 None,
                 SandboxStatus::Checkpointed,
             ),
         );
-        self.activity
+        self.shared
+            .activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
             .await;
-        self.activity
+        self.shared
+            .activity
             .event(
                 &sandbox.id,
                 LogLevel::Info,
@@ -204,7 +247,7 @@ impl Sandboxes {
     ) -> Result<(), StoreError> {
         self.recover_to(sandbox, SandboxStatus::Running, Some(&handle))
             .await?;
-        self.runtime.discard_checkpoint(&sandbox.id).await;
+        self.shared.runtime.discard_checkpoint(&sandbox.id).await;
         let mut running = sandbox.clone();
         running.handle = handle;
         running.status = SandboxStatus::Running;
@@ -233,18 +276,23 @@ impl Sandboxes {
     ) -> Result<bool, StoreError> {
         if let Err(err) = self.restore_network(sandbox).await {
             tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
-            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+            if let Err(err) = self
+                .shared
+                .runtime
+                .destroy(&sandbox.id, &sandbox.handle)
+                .await
+            {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
             }
-            self.live().remove(&sandbox.id);
-            self.store.delete_sandbox(&sandbox.id).await?;
+            self.shared.live().remove(&sandbox.id);
+            self.shared.store.delete_sandbox(&sandbox.id).await?;
             return Ok(false);
         }
         let status = self.settle(sandbox).await?;
-        self.live().insert(
+        self.shared.live().insert(
             sandbox.id.clone(),
             Live::recorded(
-                &self.signers,
+                &self.shared.signers,
                 sandbox,
                 sandbox.handle.clone(),
                 Some(endpoint),
@@ -252,10 +300,12 @@ impl Sandboxes {
             ),
         );
         // Sandboxes from before logs were kept get a log from now on.
-        self.activity
+        self.shared
+            .activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
             .await;
-        self.activity
+        self.shared
+            .activity
             .event(&sandbox.id, LogLevel::Info, event, &[])
             .await;
         Ok(true)
@@ -265,32 +315,40 @@ impl Sandboxes {
     /// files); one whose files are gone is cleaned up.
     pub(super) async fn adopt_shelved(&self, sandbox: &Sandbox) -> Result<(), StoreError> {
         if let Err(err) = self
+            .shared
             .runtime
             .adopt_released(&sandbox.id, &sandbox.handle)
             .await
         {
             tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
-            if let Err(err) = self.runtime.destroy(&sandbox.id, &sandbox.handle).await {
+            if let Err(err) = self
+                .shared
+                .runtime
+                .destroy(&sandbox.id, &sandbox.handle)
+                .await
+            {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
             }
-            self.live().remove(&sandbox.id);
-            self.store.delete_sandbox(&sandbox.id).await?;
-            self.activity
+            self.shared.live().remove(&sandbox.id);
+            self.shared.store.delete_sandbox(&sandbox.id).await?;
+            self.shared
+                .activity
                 .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
                 .await;
             return Ok(());
         }
-        self.live().insert(
+        self.shared.live().insert(
             sandbox.id.clone(),
             Live::recorded(
-                &self.signers,
+                &self.shared.signers,
                 sandbox,
                 sandbox.handle.clone(),
                 None,
                 SandboxStatus::Shelved,
             ),
         );
-        self.activity
+        self.shared
+            .activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
             .await;
         Ok(())
@@ -300,11 +358,16 @@ impl Sandboxes {
     /// the server died in the middle of is finished in the direction the store says: a
     /// sandbox recorded paused is frozen again, one recorded running is thawed.
     async fn settle(&self, sandbox: &Sandbox) -> Result<SandboxStatus, StoreError> {
-        let frozen = self.runtime.is_paused(&sandbox.id, &sandbox.handle);
+        let frozen = self.shared.runtime.is_paused(&sandbox.id, &sandbox.handle);
         match (sandbox.status == SandboxStatus::Paused, frozen) {
             (true, true) => Ok(SandboxStatus::Paused),
             (false, false) => Ok(SandboxStatus::Running),
-            (true, false) => match self.runtime.pause(&sandbox.id, &sandbox.handle).await {
+            (true, false) => match self
+                .shared
+                .runtime
+                .pause(&sandbox.id, &sandbox.handle)
+                .await
+            {
                 Ok(()) => Ok(SandboxStatus::Paused),
                 Err(err) => {
                     tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot pause again; recording it running");
@@ -314,7 +377,12 @@ impl Sandboxes {
                 }
             },
             (false, true) => {
-                if let Err(err) = self.runtime.resume(&sandbox.id, &sandbox.handle).await {
+                if let Err(err) = self
+                    .shared
+                    .runtime
+                    .resume(&sandbox.id, &sandbox.handle)
+                    .await
+                {
                     tracing::warn!(sandbox_id = %sandbox.id, error = %err, "cannot thaw; recording it paused");
                     self.recover_to(sandbox, SandboxStatus::Paused, None)
                         .await?;
@@ -336,14 +404,14 @@ impl Sandboxes {
         handle: Option<&RuntimeHandle>,
     ) -> Result<(), StoreError> {
         let id = sandbox.id.as_str();
-        let entered = self.live().get(id).map(|l| l.status);
+        let entered = self.shared.live().get(id).map(|l| l.status);
         let from = match entered {
             Some(status) => status,
             None => {
-                self.live().insert(
+                self.shared.live().insert(
                     id.to_owned(),
                     Live::recorded(
-                        &self.signers,
+                        &self.shared.signers,
                         sandbox,
                         sandbox.handle.clone(),
                         None,
@@ -359,12 +427,12 @@ impl Sandboxes {
         };
         let Some((last, through)) = path.split_last() else {
             // Already there: only its handle changed.
-            return self.record(id, to, handle).await;
+            return self.shared.record(id, to, handle).await;
         };
         for step in through {
-            self.set_status(id, *step, None);
+            self.shared.set_status(id, *step, None);
         }
-        match self.transition(id, *last, handle).await {
+        match self.shared.transition(id, *last, handle).await {
             Ok(_) => Ok(()),
             Err(TransitionError::Store(err)) => Err(err),
             Err(refused @ TransitionError::Refused { .. }) => {
@@ -372,5 +440,22 @@ impl Sandboxes {
                 Ok(())
             }
         }
+    }
+
+    /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when
+    /// it starts.
+    async fn restore_network(&self, sandbox: &Sandbox) -> Result<(), String> {
+        let rules = sandbox
+            .network
+            .validate(sandbox.allow_internet_access)
+            .map_err(|e| e.to_string())?;
+        if rules.is_empty() {
+            return Ok(());
+        }
+        self.shared
+            .runtime
+            .update_network(&sandbox.id, &sandbox.handle, &rules)
+            .await
+            .map_err(|e| e.to_string())
     }
 }

@@ -1,9 +1,13 @@
 //! Snapshots of running sandboxes and forks: a sandbox's files and processes copied into a
 //! template that new sandboxes start from with those processes already running.
 
+use std::sync::Arc;
+
 use chrono::Utc;
 
-use super::{CreateSandbox, CreateSandboxError, SandboxError, Sandboxes};
+use super::registry::SandboxRegistry;
+use super::shared::Shared;
+use super::{CreateSandbox, CreateSandboxError, SandboxError};
 use crate::builds::{BuildRecord, SnapshotImage, TemplateImage, split_name, valid_name};
 use crate::caps::{CapError, check_bytes, check_count};
 use crate::ids;
@@ -109,7 +113,19 @@ pub enum ForkResult {
     Failed(CreateSandboxError),
 }
 
-impl Sandboxes {
+/// Copies of running sandboxes: snapshot templates of a team, and forks.
+#[derive(Clone, Debug)]
+pub struct Snapshots {
+    shared: Arc<Shared>,
+    /// Starts the forks.
+    registry: SandboxRegistry,
+}
+
+impl Snapshots {
+    pub(super) fn new(shared: Arc<Shared>, registry: SandboxRegistry) -> Self {
+        Self { shared, registry }
+    }
+
     /// Copies a running sandbox's files and processes into a snapshot template of the team,
     /// named `name` when given (a snapshot of that name gets the new copy as its latest
     /// build). The sandbox is held still while it is copied and runs on afterwards.
@@ -121,14 +137,14 @@ impl Sandboxes {
         memory: bool,
     ) -> Result<SnapshotInfo, SnapshotError> {
         let name = name.filter(|n| !n.is_empty());
-        let _turn = self.snapshot_gate.enter(&team.id).await;
+        let _turn = self.shared.snapshot_gate.enter(&team.id).await;
         let existing = match name {
             Some(name) => self.snapshot_named(team, name).await?,
             None => None,
         };
         self.check_snapshot_caps(team, existing.as_ref(), None)
             .await?;
-        let sandbox = self.get(team, id).await.map_err(not_found(id))?;
+        let sandbox = self.shared.get(team, id).await.map_err(not_found(id))?;
         let (image, parts) = self.capture(&sandbox, memory).await?;
         // Its size is known only now: one past the cap is not kept.
         let recorded = match self
@@ -143,13 +159,13 @@ impl Sandboxes {
         };
         match recorded {
             Ok(template) => {
-                self.runtime.snapshot_recorded(&parts);
+                self.shared.runtime.snapshot_recorded(&parts);
                 tracing::info!(sandbox_id = %id, template_id = %template.id, "snapshot created");
                 SnapshotInfo::of(&template)
                     .ok_or_else(|| SnapshotError::NoImage(sandbox.id.clone()))
             }
             Err(err) => {
-                self.runtime.discard_snapshot(&parts).await;
+                self.shared.runtime.discard_snapshot(&parts).await;
                 Err(err)
             }
         }
@@ -169,6 +185,7 @@ impl Sandboxes {
             return Ok(());
         }
         let kept: Vec<u64> = self
+            .shared
             .store
             .templates()
             .await?
@@ -202,10 +219,21 @@ impl Sandboxes {
             return Err(SnapshotError::BadName(name.to_owned()));
         }
         // A built-in template's name stays unambiguous in every namespace.
-        if self.store.template_by_name(None, name).await?.is_some() {
+        if self
+            .shared
+            .store
+            .template_by_name(None, name)
+            .await?
+            .is_some()
+        {
             return Err(SnapshotError::NameTaken(name.to_owned()));
         }
-        match self.store.template_by_name(Some(&team.id), name).await? {
+        match self
+            .shared
+            .store
+            .template_by_name(Some(&team.id), name)
+            .await?
+        {
             None => Ok(None),
             Some(t) if t.image.as_ref().is_some_and(|i| i.snapshot.is_some()) => Ok(Some(t)),
             Some(_) => Err(SnapshotError::NameTaken(name.to_owned())),
@@ -224,14 +252,15 @@ impl Sandboxes {
             .image
             .clone()
             .ok_or_else(|| SnapshotError::NoImage(id.to_owned()))?;
-        if memory && !self.runtime.checkpoints_ready().await {
+        if memory && !self.shared.runtime.checkpoints_ready().await {
             return Err(SnapshotError::NoCheckpoints(id.to_owned()));
         }
-        if memory && !self.store.sandbox_volumes(id).await?.is_empty() {
+        if memory && !self.shared.store.sandbox_volumes(id).await?.is_empty() {
             return Err(SnapshotError::HasVolumes(id.to_owned()));
         }
         if let Err(status) =
-            self.claim(id, SandboxStatus::can_snapshot, SandboxStatus::Snapshotting)
+            self.shared
+                .claim(id, SandboxStatus::can_snapshot, SandboxStatus::Snapshotting)
         {
             return Err(match status {
                 None => SnapshotError::NotFound(id.to_owned()),
@@ -242,18 +271,20 @@ impl Sandboxes {
             });
         }
         if memory {
-            self.end_agent_links(id).await;
+            self.shared.end_agent_links(id).await;
         }
         let handle = self
+            .shared
             .live()
             .get(id)
             .map(|l| l.handle.clone())
             .unwrap_or_else(|| sandbox.handle.clone());
         let taken = self
+            .shared
             .runtime
             .snapshot(id, &handle, &sandbox.envd_access_token, memory)
             .await;
-        self.set_status(id, SandboxStatus::Running, None);
+        self.shared.set_status(id, SandboxStatus::Running, None);
         let parts = taken.map_err(|source| SnapshotError::Runtime {
             id: id.to_owned(),
             source,
@@ -324,8 +355,9 @@ impl Sandboxes {
                 build_count: 1,
             },
         };
-        self.store.upsert_template(&template).await?;
-        self.store
+        self.shared.store.upsert_template(&template).await?;
+        self.shared
+            .store
             .insert_build(&BuildRecord {
                 id: build_id,
                 template_id: template.id.clone(),
@@ -354,6 +386,7 @@ impl Sandboxes {
     ) -> Result<(Vec<SnapshotInfo>, Option<String>), SnapshotError> {
         let wanted_name = query.name.as_deref().map(|n| split_name(n).0);
         let mut found: Vec<SnapshotInfo> = self
+            .shared
             .store
             .templates()
             .await?
@@ -407,9 +440,10 @@ impl Sandboxes {
             }
             .into());
         }
-        let source = self.get(team, id).await.map_err(not_found(id))?;
+        let source = self.shared.get(team, id).await.map_err(not_found(id))?;
         let egress = source.network.validate(source.allow_internet_access)?;
         let template = self
+            .shared
             .store
             .template(&source.template_id)
             .await?
@@ -437,6 +471,7 @@ impl Sandboxes {
                 volume_mounts: Vec::new(),
             };
             let started = self
+                .registry
                 .create_from(team, request, template.clone(), egress.clone())
                 .await;
             results.push(match started {
@@ -449,7 +484,7 @@ impl Sandboxes {
         }
         // The forks run on the copy's layer, which the node keeps while they live; its
         // checkpoint is spent.
-        self.runtime.discard_snapshot(&parts).await;
+        self.shared.runtime.discard_snapshot(&parts).await;
         tracing::info!(sandbox_id = %id, count, "sandbox forked");
         Ok(results)
     }

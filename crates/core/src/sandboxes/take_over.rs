@@ -3,10 +3,10 @@
 //! that node is lost, another takes the sandbox over from the copies, to restore its
 //! processes at the resume, or, without a usable checkpoint, to boot afresh on its files.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use super::{SandboxError, Sandboxes};
+use super::SandboxError;
+use super::recover::Recovery;
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::{LayerBlob, Sandbox, Team};
@@ -46,15 +46,15 @@ enum SharedCopy {
     Checkpoint,
 }
 
-impl Sandboxes {
+impl Recovery {
     /// Copies, one at a time, the files of sandboxes paused here to the layer store, and the
     /// checkpoints of those paused to disk, for as long as the process runs. Does nothing where the runtime has no layer store.
-    pub async fn run_file_sharing(self: Arc<Self>) {
+    pub async fn run_file_sharing(self) {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let next = self.live().iter().find_map(|(id, l)| {
+            let next = self.shared.live().iter().find_map(|(id, l)| {
                 let files_due = l.files_shared_at != Some(l.wakes);
                 let memory_due =
                     l.status == SandboxStatus::Checkpointed && l.memory_shared_at != Some(l.wakes);
@@ -76,16 +76,16 @@ impl Sandboxes {
     /// its `wakes`-th wake; tried once per pause (the checkpoint once it exists), whatever
     /// comes of it: a copy that fails is not retried in a loop, the next pause makes a new one.
     async fn share_copy_of(&self, id: &str, wakes: u64, copy: SharedCopy) {
-        let Some(handle) = self.live().get(id).map(|l| l.handle.clone()) else {
+        let Some(handle) = self.shared.live().get(id).map(|l| l.handle.clone()) else {
             return;
         };
         let copied = match copy {
-            SharedCopy::Files => self.runtime.share_files(id, &handle).await,
-            SharedCopy::Checkpoint => self.runtime.share_checkpoint(id, &handle).await,
+            SharedCopy::Files => self.shared.runtime.share_files(id, &handle).await,
+            SharedCopy::Checkpoint => self.shared.runtime.share_checkpoint(id, &handle).await,
         };
-        let _recording = self.shared_files.lock().await;
+        let _recording = self.shared.shared_files.lock().await;
         let current = {
-            let mut live = self.live();
+            let mut live = self.shared.live();
             let Some(entry) = live.get_mut(id) else {
                 return;
             };
@@ -97,30 +97,13 @@ impl Sandboxes {
         };
         match copied {
             Ok(Some(blob)) if current => {
-                if let Err(err) = self.store.replace_layer_blob(&blob).await {
+                if let Err(err) = self.shared.store.replace_layer_blob(&blob).await {
                     tracing::warn!(sandbox_id = %id, layer = %blob.layer, error = %err, "cannot record the copy of a paused sandbox");
                 }
             }
             Ok(_) => {}
             Err(err) => {
                 tracing::warn!(sandbox_id = %id, error = %err, "cannot copy a paused sandbox to the layer store");
-            }
-        }
-    }
-
-    /// Forgets the copy of a sandbox's files made while it was paused: it is waking, and
-    /// what it writes from now on would not be in it.
-    pub(super) async fn forget_shared_files(&self, id: &str) {
-        if self.nodes.is_none() {
-            return;
-        }
-        let _recording = self.shared_files.lock().await;
-        for name in [
-            LayerBlob::sandbox_files(id),
-            LayerBlob::sandbox_checkpoint(id),
-        ] {
-            if let Err(err) = self.store.delete_layer_blob(&name).await {
-                tracing::warn!(sandbox_id = %id, layer = %name, error = %err, "cannot forget the copy of a woken sandbox");
             }
         }
     }
@@ -133,11 +116,11 @@ impl Sandboxes {
         team: &Team,
         id: &str,
     ) -> Result<(), SandboxError> {
-        if self.nodes.is_none() || self.live().contains_key(id) {
+        if self.shared.nodes.get().is_none() || self.shared.live().contains_key(id) {
             return Ok(());
         }
-        match self.store.sandbox(id).await? {
-            Some(row) if row.team_id == team.id && row.node_id != self.config.node_id => {
+        match self.shared.store.sandbox(id).await? {
+            Some(row) if row.team_id == team.id && row.node_id != self.shared.config.node_id => {
                 Ok(self.take_over(id, &row.node_id).await?)
             }
             // Not this team's, or not recorded: the resume answers not found.
@@ -150,11 +133,11 @@ impl Sandboxes {
     /// (only if it is still recorded on `from_node`, so two nodes never both take it) and
     /// keeps it paused without memory, ready to resume. Nothing to do if it is here already.
     pub async fn take_over(&self, id: &str, from_node: &str) -> Result<(), TakeOverError> {
-        let _one_at_a_time = self.take_overs.lock().await;
-        if self.live().contains_key(id) {
+        let _one_at_a_time = self.shared.take_overs.lock().await;
+        if self.shared.live().contains_key(id) {
             return Ok(());
         }
-        let Some(nodes) = &self.nodes else {
+        let Some(nodes) = self.shared.nodes.get() else {
             return Err(TakeOverError::NotInCluster(id.to_owned()));
         };
         if nodes.is_live(from_node) {
@@ -164,6 +147,7 @@ impl Sandboxes {
             });
         }
         let sandbox = self
+            .shared
             .store
             .sandbox(id)
             .await?
@@ -185,6 +169,7 @@ impl Sandboxes {
             LayerBlob::sandbox_checkpoint(id),
         );
         let copies = self
+            .shared
             .store
             .layer_blobs(&[files_name.clone(), memory_name.clone()])
             .await?;
@@ -200,24 +185,31 @@ impl Sandboxes {
             handle,
             with_memory,
         } = self
+            .shared
             .runtime
             .take_over_files(&sandbox, files, memory)
             .await?;
-        let me = self.config.node_id.as_str();
-        let claimed = self.store.move_sandbox(id, from_node, me).await;
+        let me = self.shared.config.node_id.as_str();
+        let claimed = self.shared.store.move_sandbox(id, from_node, me).await;
         if !matches!(claimed, Ok(true)) {
-            if let Err(err) = self.runtime.destroy(id, &handle).await {
+            if let Err(err) = self.shared.runtime.destroy(id, &handle).await {
                 tracing::warn!(sandbox_id = %id, error = %err, "cannot remove the files of a sandbox another node took");
             }
             return match claimed {
                 Err(err) => Err(err.into()),
                 _ => Err(TakeOverError::Moved {
                     id: id.to_owned(),
-                    node: self.store.sandbox_node(id).await?.unwrap_or_default(),
+                    node: self
+                        .shared
+                        .store
+                        .sandbox_node(id)
+                        .await?
+                        .unwrap_or_default(),
                 }),
             };
         }
-        self.record(id, SandboxStatus::Shelved, Some(&handle))
+        self.shared
+            .record(id, SandboxStatus::Shelved, Some(&handle))
             .await?;
         let taken = Sandbox {
             handle,
@@ -226,7 +218,7 @@ impl Sandboxes {
             ..sandbox
         };
         self.adopt_shelved(&taken).await?;
-        self.activity
+        self.shared.activity
             .event(
                 id,
                 LogLevel::Warn,

@@ -36,7 +36,12 @@ async fn measure(
     builds: &Builds,
 ) -> NodeReport {
     let memory = runtime.memory().unwrap_or_default();
-    let held: usize = sandboxes.count_by_status().iter().map(|(_, n)| n).sum();
+    let held: usize = sandboxes
+        .health()
+        .count_by_status()
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
     let templates = match store.templates().await {
         Ok(templates) => {
             let layers = runtime.layers().layer_store();

@@ -1,21 +1,76 @@
-//! Resource samples of running and paused sandboxes, and the out-of-memory kills they show.
+//! What sandboxes leave behind: their logs, the team metrics, resource samples of running and
+//! paused sandboxes, and the out-of-memory kills those show.
+
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 
-use super::{METRICS_KEPT, MetricPoint, SandboxError, Sandboxes};
+use super::shared::Shared;
+use super::{METRICS_KEPT, MetricPoint, SandboxError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::Team;
 use crate::runtime::RuntimeHandle;
+use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
+use crate::team_metrics::{TeamMetric, TeamMetricMax, TeamMetricPoint, TeamMetricsError};
 
-impl Sandboxes {
+/// What sandboxes leave behind: their logs, their resource samples and the team metrics.
+#[derive(Clone, Debug)]
+pub struct SandboxActivity {
+    shared: Arc<Shared>,
+}
+
+impl SandboxActivity {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// A team's sandbox's log, also after the sandbox ended (for the retention period).
+    pub async fn logs(
+        &self,
+        team: &Team,
+        id: &str,
+        query: &SandboxLogQuery,
+    ) -> Result<Vec<SandboxLogEntry>, SandboxLogsError> {
+        self.shared.activity.logs(team, id, query).await
+    }
+
+    /// `team_id`'s activity from `start` to `end` (Unix seconds); only `team`'s own.
+    pub async fn team_metrics(
+        &self,
+        team: &Team,
+        team_id: &str,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<Vec<TeamMetricPoint>, TeamMetricsError> {
+        self.shared
+            .activity
+            .team_metrics(team, team_id, start, end)
+            .await
+    }
+
+    /// The largest value of `metric` for `team_id` from `start` to `end`.
+    pub async fn team_metric_max(
+        &self,
+        team: &Team,
+        team_id: &str,
+        metric: TeamMetric,
+        start: Option<i64>,
+        end: Option<i64>,
+    ) -> Result<TeamMetricMax, TeamMetricsError> {
+        self.shared
+            .activity
+            .team_metric_max(team, team_id, metric, start, end)
+            .await
+    }
+
     /// Tells a sandbox's log, and the server's, that the kernel killed `killed` of its
     /// processes for lack of memory. The agent names the processes it sees killed at the
     /// sandbox's limit; only the kernel's count also covers kills with the host short of
     /// memory, which signal nothing to the sandbox.
     pub(super) async fn log_oom_kills(&self, id: &str, killed: u64) {
         tracing::warn!(sandbox_id = %id, killed, "the kernel killed sandbox processes for lack of memory");
-        self.activity
+        self.shared.activity
             .event(
                 id,
                 LogLevel::Warn,
@@ -32,6 +87,7 @@ impl Sandboxes {
     /// killed for lack of memory since the last sample, with how many.
     pub fn sample_metrics(&self) -> Vec<(String, u64)> {
         let targets: Vec<(String, RuntimeHandle, u32, u32, u32)> = self
+            .shared
             .live()
             .iter()
             .filter(|(_, l)| {
@@ -52,10 +108,14 @@ impl Sandboxes {
             .collect();
         let now = std::time::Instant::now();
         let at = Utc::now();
-        let mut metrics = self.metrics.lock().unwrap_or_else(|e| e.into_inner());
+        let mut metrics = self
+            .shared
+            .metrics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         let mut killed = Vec::new();
         for (id, handle, cpu_count, memory_mb, disk_size_mb) in targets {
-            let Some(stats) = self.runtime.stats(&id, &handle) else {
+            let Some(stats) = self.shared.runtime.stats(&id, &handle) else {
                 continue;
             };
             let series = metrics.entry(id.clone()).or_default();
@@ -107,7 +167,7 @@ impl Sandboxes {
         start: Option<DateTime<Utc>>,
         end: Option<DateTime<Utc>>,
     ) -> Result<Vec<MetricPoint>, SandboxError> {
-        self.get(team, id).await?;
+        self.shared.get(team, id).await?;
         Ok(self.metric_points(id, start, end))
     }
 
@@ -119,7 +179,7 @@ impl Sandboxes {
     ) -> Result<Vec<(String, MetricPoint)>, SandboxError> {
         let mut out = Vec::new();
         for id in ids {
-            if self.get(team, id).await.is_err() {
+            if self.shared.get(team, id).await.is_err() {
                 continue;
             }
             if let Some(point) = self.metric_points(id, None, None).pop() {
@@ -135,7 +195,8 @@ impl Sandboxes {
         start: Option<DateTime<Utc>>,
         end: Option<DateTime<Utc>>,
     ) -> Vec<MetricPoint> {
-        self.metrics
+        self.shared
+            .metrics
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(id)
