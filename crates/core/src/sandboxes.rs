@@ -39,6 +39,7 @@ mod routes;
 mod shared;
 mod signers;
 mod snapshots;
+mod spawns;
 mod take_over;
 pub use activity::SandboxActivity;
 pub use health::NodeHealth;

@@ -203,8 +203,13 @@ impl<B: Backend> TemplateRecords for Records<B> {
         self.templates.delete_template(id).await
     }
 
-    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
-        self.templates.record_template_spawn(id, at).await
+    async fn record_template_spawns(
+        &self,
+        id: &str,
+        count: u32,
+        last: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        self.templates.record_template_spawns(id, count, last).await
     }
 
     async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {

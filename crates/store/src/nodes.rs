@@ -82,8 +82,8 @@ impl NodeRecords for SqliteNodes {
              + (SELECT count(*) FROM slot_claims WHERE team_id = ?2 AND sandbox_id <> ?1 \
                 AND (node_id = ?3 OR node_id IN (SELECT value FROM json_each(?5))) \
                 AND claimed_until >= ?7 \
-                AND sandbox_id NOT IN (SELECT id FROM sandboxes \
-                  WHERE status IN (SELECT value FROM json_each(?6)))) < ?8 \
+                AND NOT EXISTS (SELECT 1 FROM sandboxes s WHERE s.id = slot_claims.sandbox_id \
+                  AND s.status IN (SELECT value FROM json_each(?6)))) < ?8 \
              ON CONFLICT (sandbox_id) DO UPDATE SET claimed_until = excluded.claimed_until",
         )
         .bind(&claim.sandbox_id)

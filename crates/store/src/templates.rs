@@ -218,11 +218,18 @@ impl TemplateRecords for SqliteTemplates {
         Ok(layers)
     }
 
-    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+    async fn record_template_spawns(
+        &self,
+        id: &str,
+        count: u32,
+        last: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE templates SET spawn_count = spawn_count + 1, last_spawned_at = ? WHERE id = ?",
+            "UPDATE templates SET spawn_count = spawn_count + ?1, \
+             last_spawned_at = max(COALESCE(last_spawned_at, ?2), ?2) WHERE id = ?3",
         )
-        .bind(micros(at))
+        .bind(count)
+        .bind(micros(last))
         .bind(id)
         .execute(&self.pool)
         .await

@@ -310,6 +310,27 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     );
     assert_eq!(by_alias.aliases, vec!["base".to_owned()]);
 
+    // Spawns written in batches add up, and the latest time stays the latest.
+    let later = now + TimeDelta::seconds(5);
+    store
+        .record_template_spawns(&template.id, 3, later)
+        .await
+        .expect("spawns");
+    store
+        .record_template_spawns(&template.id, 2, now)
+        .await
+        .expect("spawns");
+    let spawned = store
+        .template_by_name(None, "base")
+        .await
+        .expect("query")
+        .expect("found");
+    assert_eq!(spawned.spawn_count, 5);
+    assert_eq!(
+        spawned.last_spawned_at.map(|t| t.timestamp_micros()),
+        Some(later.timestamp_micros())
+    );
+
     let sandbox = Sandbox {
         id: "iaaaaaaaaaaaaaaaaaaaa".into(),
         team_id: creds.team_id.clone(),

@@ -231,16 +231,11 @@ impl SandboxRegistry {
     }
 
     /// Counts a spawn of `template_id`: a statistic nothing waits for, written after the
-    /// first command had its chance.
+    /// first command had its chance, together with the spawns around it.
     fn record_spawn_later(&self, template_id: &str, started_at: DateTime<Utc>) {
-        let store = self.shared.store.clone();
-        let template_id = template_id.to_owned();
-        tokio::spawn(async move {
-            tokio::time::sleep(AFTER_CREATE_QUIET).await;
-            if let Err(err) = store.record_template_spawn(&template_id, started_at).await {
-                tracing::warn!(%template_id, error = %err, "cannot record template spawn");
-            }
-        });
+        self.shared
+            .spawns
+            .add(&self.shared.store, template_id, started_at);
     }
 
     /// The first lines of a new sandbox's log, and its start in the team's metrics.

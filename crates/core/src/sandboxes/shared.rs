@@ -10,6 +10,7 @@ use std::time::Duration;
 use chrono::{TimeDelta, Utc};
 
 use super::signers::Signers;
+use super::spawns::SpawnTally;
 use super::{
     AGENT_LINKS_PATIENCE, CAPACITY_WAIT_SECS, Claim, CreateSandboxError, Live, MetricSeries,
     SandboxError, SandboxesConfig, TransitionError, slot_wait, transition_plan,
@@ -55,6 +56,8 @@ pub(super) struct Shared {
     pub(super) checkpoint_running: Arc<AtomicBool>,
     /// Held by a snapshot from counting the team's snapshots to recording its own.
     pub(super) snapshot_gate: TeamGate,
+    /// Template spawn counts waiting to be written.
+    pub(super) spawns: Arc<SpawnTally>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -82,6 +85,7 @@ impl Shared {
             signers: Signers::default(),
             network_updates: tokio::sync::Mutex::new(()),
             snapshot_gate: TeamGate::default(),
+            spawns: Arc::default(),
             metrics: Mutex::new(HashMap::new()),
             volumes: OnceLock::new(),
             nodes: OnceLock::new(),

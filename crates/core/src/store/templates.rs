@@ -34,7 +34,13 @@ pub trait TemplateRecords: Send + Sync {
     ) -> Result<(), StoreError>;
     /// Removes a template with its names, builds, tags and logs.
     async fn delete_template(&self, id: &str) -> Result<(), StoreError>;
-    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
+    /// Adds `count` spawns of template `id`, the latest at `last`.
+    async fn record_template_spawns(
+        &self,
+        id: &str,
+        count: u32,
+        last: DateTime<Utc>,
+    ) -> Result<(), StoreError>;
     /// Every layer named by a successful build that a template or tag still points at, or
     /// that a recorded sandbox booted from.
     async fn layers_in_use(&self) -> Result<Vec<String>, StoreError>;

@@ -88,7 +88,8 @@ impl NodeRecords for PgNodes {
                 AND (node_id = $3 OR node_id = ANY($4)) AND status = ANY($5)) \
              + (SELECT count(*) FROM slot_claims WHERE team_id = $1 AND sandbox_id <> $2 \
                 AND (node_id = $3 OR node_id = ANY($4)) AND claimed_until >= now() \
-                AND sandbox_id NOT IN (SELECT id FROM sandboxes WHERE status = ANY($5)))",
+                AND NOT EXISTS (SELECT 1 FROM sandboxes s WHERE s.id = slot_claims.sandbox_id \
+                  AND s.status = ANY($5)))",
         )
         .bind(&claim.team_id)
         .bind(&claim.sandbox_id)

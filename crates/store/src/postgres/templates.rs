@@ -228,12 +228,18 @@ impl TemplateRecords for PgTemplates {
         Ok(layers)
     }
 
-    async fn record_template_spawn(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+    async fn record_template_spawns(
+        &self,
+        id: &str,
+        count: u32,
+        last: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE templates SET spawn_count = spawn_count + 1,
-               last_spawned_at = GREATEST(COALESCE(last_spawned_at, $1), $1) WHERE id = $2",
+            "UPDATE templates SET spawn_count = spawn_count + $1,
+               last_spawned_at = GREATEST(COALESCE(last_spawned_at, $2), $2) WHERE id = $3",
         )
-        .bind(at)
+        .bind(i64::from(count))
+        .bind(last)
         .bind(id)
         .execute(&self.pool)
         .await
