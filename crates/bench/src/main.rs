@@ -302,6 +302,28 @@ async fn run(
     cgroups: CgroupVersion,
     results: &mut Results,
 ) -> anyhow::Result<()> {
+    ensure_base_template_ready(api).await?;
+    if !args.no_baseline {
+        measure_baselines(args, results).await?;
+    }
+    measure_sequential(args, api, results).await?;
+    if !args.no_baseline {
+        measure_paired_with_unshare(args, api, results).await;
+    }
+    if args.cpu_hogs > 0 {
+        measure_next_to_cpu_hogs(args, api, results).await?;
+    }
+    for &crowd in &args.crowd {
+        measure_next_to_idle_crowd(args, api, crowd, results).await?;
+    }
+    measure_concurrent(args, api, results).await?;
+    if args.idle == 0 {
+        return Ok(());
+    }
+    measure_idle_memory(args, api, cgroups, results).await
+}
+
+async fn ensure_base_template_ready(api: &Api) -> anyhow::Result<()> {
     if !api
         .base_template_ready()
         .await
@@ -309,26 +331,30 @@ async fn run(
     {
         bail!("the server has no ready template aliased 'base' yet");
     }
+    Ok(())
+}
 
-    if !args.no_baseline {
-        let rootfs = args
-            .rootfs
-            .clone()
-            .unwrap_or_else(|| args.data_dir.join("templates/base-v2/rootfs"));
-        eprintln!(
-            "baseline: fork+exec, unshare and runc run of /bin/true, {} times each",
-            args.iterations
-        );
-        let fork = baseline::fork_exec(args.warmup, args.iterations).await?;
-        results.row("fork+exec `/bin/true`", &fork);
-        match baseline::unshare(args.warmup, args.iterations).await {
-            Ok(samples) => results.row("`unshare -muinpf --mount-proc /bin/true`", &samples),
-            Err(e) => eprintln!("warning: unshare baseline skipped: {e:#}"),
-        }
-        let runc = baseline::runc(&rootfs, args.warmup, args.iterations).await?;
-        results.row("`runc run` `/bin/true` (template rootfs, read-only)", &runc);
+async fn measure_baselines(args: &Args, results: &mut Results) -> anyhow::Result<()> {
+    let rootfs = args
+        .rootfs
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join("templates/base-v2/rootfs"));
+    eprintln!(
+        "baseline: fork+exec, unshare and runc run of /bin/true, {} times each",
+        args.iterations
+    );
+    let fork = baseline::fork_exec(args.warmup, args.iterations).await?;
+    results.row("fork+exec `/bin/true`", &fork);
+    match baseline::unshare(args.warmup, args.iterations).await {
+        Ok(samples) => results.row("`unshare -muinpf --mount-proc /bin/true`", &samples),
+        Err(e) => eprintln!("warning: unshare baseline skipped: {e:#}"),
     }
+    let runc = baseline::runc(&rootfs, args.warmup, args.iterations).await?;
+    results.row("`runc run` `/bin/true` (template rootfs, read-only)", &runc);
+    Ok(())
+}
 
+async fn measure_sequential(args: &Args, api: &Api, results: &mut Results) -> anyhow::Result<()> {
     eprintln!(
         "latency: {} sequential create→first output",
         args.iterations
@@ -337,77 +363,92 @@ async fn run(
     results.row("create→first output, c=1", &seq.total);
     results.row("  create (`POST /v2/sandboxes` → 201), c=1", &seq.create);
     results.row("  Start → first stdout, c=1", &seq.start);
+    Ok(())
+}
 
-    if !args.no_baseline {
-        eprintln!(
-            "latency: {} pairs of unshare and create→first output, by turns",
-            args.iterations
-        );
-        match paired_with_unshare(api, args.warmup, args.iterations).await {
-            Ok((unshare, create)) => {
-                results.row(PAIRED_UNSHARE, &unshare);
-                results.row(PAIRED_CREATE, &create);
-            }
-            Err(e) => eprintln!("warning: paired series skipped: {e:#}"),
+/// A failed paired series only leaves its rows out: the other series still stand.
+async fn measure_paired_with_unshare(args: &Args, api: &Api, results: &mut Results) {
+    eprintln!(
+        "latency: {} pairs of unshare and create→first output, by turns",
+        args.iterations
+    );
+    match paired_with_unshare(api, args.warmup, args.iterations).await {
+        Ok((unshare, create)) => {
+            results.row(PAIRED_UNSHARE, &unshare);
+            results.row(PAIRED_CREATE, &create);
         }
+        Err(e) => eprintln!("warning: paired series skipped: {e:#}"),
     }
+}
 
-    if args.cpu_hogs > 0 {
-        eprintln!(
-            "latency: {} sequential create→first output next to {} CPU-burning sandboxes",
-            args.iterations, args.cpu_hogs
-        );
-        let loaded = latency_next_to(api, args, |hogs| async move {
-            for _ in 0..args.cpu_hogs {
-                let sandbox = hogs.create().await?;
-                hogs.start_cpu_hog(&sandbox)
-                    .await
-                    .with_context(|| format!("start a busy loop in {}", sandbox.id))?;
+async fn measure_next_to_cpu_hogs(
+    args: &Args,
+    api: &Api,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    eprintln!(
+        "latency: {} sequential create→first output next to {} CPU-burning sandboxes",
+        args.iterations, args.cpu_hogs
+    );
+    let loaded = latency_next_to(api, args, |hogs| async move {
+        for _ in 0..args.cpu_hogs {
+            let sandbox = hogs.create().await?;
+            hogs.start_cpu_hog(&sandbox)
+                .await
+                .with_context(|| format!("start a busy loop in {}", sandbox.id))?;
+        }
+        // Let the loops reach full speed before measuring.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        Ok(())
+    })
+    .await?;
+    results.row(
+        format!(
+            "create→first output, c=1, next to {} CPU-burning sandboxes",
+            args.cpu_hogs
+        ),
+        &loaded.total,
+    );
+    Ok(())
+}
+
+async fn measure_next_to_idle_crowd(
+    args: &Args,
+    api: &Api,
+    crowd: usize,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    eprintln!(
+        "latency: {} sequential create→first output next to {crowd} idle sandboxes",
+        args.iterations
+    );
+    let crowded = latency_next_to(api, args, |idle| async move {
+        let started = Instant::now();
+        let mut made = 0;
+        while made < crowd {
+            let batch = (crowd - made).min(16);
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..batch {
+                let idle = idle.clone();
+                tasks.spawn(async move { idle.create().await });
             }
-            // Let the loops reach full speed before measuring.
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            Ok(())
-        })
-        .await?;
-        results.row(
-            format!(
-                "create→first output, c=1, next to {} CPU-burning sandboxes",
-                args.cpu_hogs
-            ),
-            &loaded.total,
-        );
-    }
-
-    for &crowd in &args.crowd {
-        eprintln!(
-            "latency: {} sequential create→first output next to {crowd} idle sandboxes",
-            args.iterations
-        );
-        let crowded = latency_next_to(api, args, |idle| async move {
-            let started = Instant::now();
-            let mut made = 0;
-            while made < crowd {
-                let batch = (crowd - made).min(16);
-                let mut tasks = tokio::task::JoinSet::new();
-                for _ in 0..batch {
-                    let idle = idle.clone();
-                    tasks.spawn(async move { idle.create().await });
-                }
-                while let Some(joined) = tasks.join_next().await {
-                    joined.map_err(anyhow::Error::from).and_then(|r| r)?;
-                }
-                made += batch;
+            while let Some(joined) = tasks.join_next().await {
+                joined.map_err(anyhow::Error::from).and_then(|r| r)?;
             }
-            eprintln!("  {crowd} idle sandboxes made in {:.1?}", started.elapsed());
-            Ok(())
-        })
-        .await?;
-        results.row(
-            format!("create→first output, c=1, next to {crowd} idle sandboxes"),
-            &crowded.total,
-        );
-    }
+            made += batch;
+        }
+        eprintln!("  {crowd} idle sandboxes made in {:.1?}", started.elapsed());
+        Ok(())
+    })
+    .await?;
+    results.row(
+        format!("create→first output, c=1, next to {crowd} idle sandboxes"),
+        &crowded.total,
+    );
+    Ok(())
+}
 
+async fn measure_concurrent(args: &Args, api: &Api, results: &mut Results) -> anyhow::Result<()> {
     let c = args.concurrency;
     eprintln!(
         "latency: {} rounds of {c} simultaneous create→first output",
@@ -421,10 +462,15 @@ async fn run(
     );
     results.row(format!("  Start → first stdout, c={c}"), &par.start);
     results.row(format!("  wall time of a round of {c}"), &walls);
+    Ok(())
+}
 
-    if args.idle == 0 {
-        return Ok(());
-    }
+async fn measure_idle_memory(
+    args: &Args,
+    api: &Api,
+    cgroups: CgroupVersion,
+    results: &mut Results,
+) -> anyhow::Result<()> {
     eprintln!(
         "memory: {} idle sandboxes, {} times",
         args.idle, args.idle_cycles
@@ -433,7 +479,7 @@ async fn run(
         api,
         cgroups,
         args.idle,
-        c,
+        args.concurrency,
         Duration::from_millis(args.settle_ms),
         args.idle_cycles,
     )
@@ -466,6 +512,20 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(out, "## Machine\n\n{machine}");
+    write_latency_table(&mut out, results);
+    if let Some(m) = &results.idle {
+        write_idle_memory(&mut out, m, &results.idle_cycles);
+    }
+    write_latency_goals(&mut out, results);
+    if let Some(m) = &results.idle {
+        write_idle_memory_goals(&mut out, m);
+    }
+    write_parameters(&mut out, args);
+    out
+}
+
+fn write_latency_table(out: &mut String, results: &Results) {
+    use std::fmt::Write;
     let _ = writeln!(
         out,
         "## Latency (ms)\n\n| measurement | n | p50 | p95 | p99 | mean | min | max |\n|---|--:|--:|--:|--:|--:|--:|--:|"
@@ -484,59 +544,64 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
             }
         }
     }
-    if let Some(m) = &results.idle {
+}
+
+fn write_idle_memory(out: &mut String, m: &IdleMemory, idle_cycles: &[IdleMemory]) {
+    use std::fmt::Write;
+    let _ = writeln!(
+        out,
+        "\n## Idle memory ({} sandboxes, MiB per sandbox, median of {} cycles)\n\n| measurement | MiB |\n|---|--:|",
+        m.n,
+        idle_cycles.len()
+    );
+    for (name, value) in [
+        (
+            "estimate: kernel growth + memory cgroup usage, / N",
+            m.kernel + m.cgroup_usage,
+        ),
+        ("host MemAvailable drop / N", m.host_available_drop),
+        (
+            "kernel SUnreclaim+KernelStack+PageTables+Percpu growth / N",
+            m.kernel,
+        ),
+        (
+            "memory cgroup usage / N (page cache included)",
+            m.cgroup_usage,
+        ),
+        ("memory cgroup anonymous (rss) / N", m.cgroup_anon),
+        ("agent (PID 1) VmRSS, mean", m.agent_rss),
+        ("agent (PID 1) PSS, mean", m.agent_pss),
+        ("VmRSS of all sandbox processes, mean", m.all_processes_rss),
+    ] {
+        let _ = writeln!(out, "| {name} | {value:.2} |");
+    }
+    if let Some(regained) = m.host_available_regained {
         let _ = writeln!(
             out,
-            "\n## Idle memory ({} sandboxes, MiB per sandbox, median of {} cycles)\n\n| measurement | MiB |\n|---|--:|",
-            m.n,
-            results.idle_cycles.len()
-        );
-        for (name, value) in [
-            (
-                "estimate: kernel growth + memory cgroup usage, / N",
-                m.kernel + m.cgroup_usage,
-            ),
-            ("host MemAvailable drop / N", m.host_available_drop),
-            (
-                "kernel SUnreclaim+KernelStack+PageTables+Percpu growth / N",
-                m.kernel,
-            ),
-            (
-                "memory cgroup usage / N (page cache included)",
-                m.cgroup_usage,
-            ),
-            ("memory cgroup anonymous (rss) / N", m.cgroup_anon),
-            ("agent (PID 1) VmRSS, mean", m.agent_rss),
-            ("agent (PID 1) PSS, mean", m.agent_pss),
-            ("VmRSS of all sandbox processes, mean", m.all_processes_rss),
-        ] {
-            let _ = writeln!(out, "| {name} | {value:.2} |");
-        }
-        if let Some(regained) = m.host_available_regained {
-            let _ = writeln!(
-                out,
-                "| host MemAvailable regained after killing them / N | {regained:.2} |"
-            );
-        }
-        let _ = writeln!(out, "| processes per idle sandbox | {:.1} |", m.processes);
-        let cycles: Vec<String> = results
-            .idle_cycles
-            .iter()
-            .map(|c| {
-                format!(
-                    "{:.2}/{}",
-                    c.host_available_drop,
-                    c.host_available_regained
-                        .map_or_else(|| "–".into(), |r| format!("{r:.2}"))
-                )
-            })
-            .collect();
-        let _ = writeln!(
-            out,
-            "\nMemAvailable drop/regained per sandbox in each cycle (MiB): {}",
-            cycles.join(", ")
+            "| host MemAvailable regained after killing them / N | {regained:.2} |"
         );
     }
+    let _ = writeln!(out, "| processes per idle sandbox | {:.1} |", m.processes);
+    let cycles: Vec<String> = idle_cycles
+        .iter()
+        .map(|c| {
+            format!(
+                "{:.2}/{}",
+                c.host_available_drop,
+                c.host_available_regained
+                    .map_or_else(|| "–".into(), |r| format!("{r:.2}"))
+            )
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "\nMemAvailable drop/regained per sandbox in each cycle (MiB): {}",
+        cycles.join(", ")
+    );
+}
+
+fn write_latency_goals(out: &mut String, results: &Results) {
+    use std::fmt::Write;
     let _ = writeln!(out, "\n## Goals\n");
     let create = results.find("create→first output, c=1");
     let runc = results.find("`runc run`");
@@ -587,21 +652,27 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
             }
         );
     }
-    if let Some(m) = &results.idle {
-        let verdict = |mib: f64| if mib < 5.0 { "met" } else { "not met" };
-        let estimate = m.kernel + m.cgroup_usage;
-        let _ = writeln!(
-            out,
-            "- host memory per idle sandbox (kernel growth + cgroup usage) {estimate:.2} MiB vs 5 MiB: {}",
-            verdict(estimate)
-        );
-        let _ = writeln!(
-            out,
-            "- host MemAvailable drop per idle sandbox {:.2} MiB vs 5 MiB: {} (host-wide: disturbed by anything else running)",
-            m.host_available_drop,
-            verdict(m.host_available_drop)
-        );
-    }
+}
+
+fn write_idle_memory_goals(out: &mut String, m: &IdleMemory) {
+    use std::fmt::Write;
+    let verdict = |mib: f64| if mib < 5.0 { "met" } else { "not met" };
+    let estimate = m.kernel + m.cgroup_usage;
+    let _ = writeln!(
+        out,
+        "- host memory per idle sandbox (kernel growth + cgroup usage) {estimate:.2} MiB vs 5 MiB: {}",
+        verdict(estimate)
+    );
+    let _ = writeln!(
+        out,
+        "- host MemAvailable drop per idle sandbox {:.2} MiB vs 5 MiB: {} (host-wide: disturbed by anything else running)",
+        m.host_available_drop,
+        verdict(m.host_available_drop)
+    );
+}
+
+fn write_parameters(out: &mut String, args: &Args) {
+    use std::fmt::Write;
     let _ = writeln!(
         out,
         "\nParameters: --iterations {} --rounds {} --concurrency {} --idle {} --idle-cycles {} --warmup {} --think-ms {}",
@@ -613,7 +684,6 @@ fn report(args: &Args, machine: &str, results: &Results) -> String {
         args.warmup,
         args.think_ms
     );
-    out
 }
 
 async fn first_commands_main(args: &Args, api: &Api) -> ExitCode {
