@@ -13,12 +13,13 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::net::netns::PreparedNetns;
 
-use super::handle::{Handle, parse_handle};
-use super::holdings::SlotHold;
+use super::handle::{CarriedCheckpoint, Handle, parse_handle};
+use super::holdings::{Opening, SlotHold};
 use super::host::LinuxHost;
 use super::layers::LayerKeeper;
 use super::snapshot::is_snapshot_key;
 use super::state::NodeState;
+use super::warm::WarmSandbox;
 use super::warm_boot::WarmKeeper;
 use super::{SANDBOX_IDS, agent_client, reset_oom_score_adj, sandbox_err, sequence};
 
@@ -469,73 +470,22 @@ impl Launcher {
             .fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
         let _creating = self.node.warm.creating();
-        let mut opening = self.node.holdings.opening(&id);
-        opening.hold_memory(self.node.grant_memory(&id, spec.memory_mb)?);
-        if kept.is_none() {
-            opening.hold_disk(self.node.admit_disk(&id, spec.disk_size_mb).await?);
+        let mut opening = self.open_holdings(&spec, kept.is_none()).await?;
+        if let Some(warm) = self.take_warm_sandbox(&spec, may_take_warm) {
+            return match self.launch_on_warm(&spec, &warm, opening).await? {
+                Some(launched) => Ok(launched),
+                None => Box::pin(self.launch_sandbox_from(spec, false)).await,
+            };
         }
-        let warm = crate::runtime::warm::WarmKey::of(&spec)
-            .filter(|_| may_take_warm)
-            .and_then(|key| self.node.warm.take(&key));
-        if let Some(warm) = warm {
-            match WarmKeeper::of(&self.node)
-                .take_warm(&spec, &warm, &mut opening)
-                .await
-            {
-                Ok((handle, endpoint)) => {
-                    opening.commit();
-                    return Ok((handle.to_runtime(&id)?, endpoint));
-                }
-                // The template's own start or ready command failed: a fresh boot would only
-                // fail the same way, as late again.
-                Err(err @ RuntimeError::NotReady { .. }) => return Err(err),
-                // The sandbox is booted afresh instead; the failed take gave back all it held.
-                Err(err) => {
-                    tracing::warn!(
-                        sandbox_id = %id,
-                        warm = %warm.name,
-                        error = %err,
-                        "cannot take a warm sandbox"
-                    );
-                    drop(opening);
-                    return Box::pin(self.launch_sandbox_from(spec, false)).await;
-                }
-            }
-        }
-        let netns = match self.node.netns_pool.claim(spec.allow_internet_access).await {
-            Some(Ok(netns)) => netns,
-            Some(Err(err)) => return Err(sandbox_err(&id, err)),
-            None => {
-                return Err(RuntimeError::NoCapacity {
-                    sandbox_id: id,
-                    message: "no free network slot on this node".into(),
-                });
-            }
-        };
+        let netns = self.claim_netns(&id, spec.allow_internet_access).await?;
         let slot = netns.slot;
         opening.hold_slot(SlotHold::taken(&self.node.slots, slot));
         opening.use_layers(spec.image.layers.clone());
-        let checkpoint = spec
-            .image
-            .snapshot
-            .as_ref()
-            .and_then(|s| s.checkpoint.as_deref())
-            .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint));
-        // A checkpoint carried from a lost node, while it is still here to restore.
-        let carried = kept.as_ref().and_then(|k| k.carried.clone()).filter(|_| {
-            self.node
-                .places
-                .carried_checkpoint_dir(&id)
-                .join(crate::checkpoint::HEADER_FILE)
-                .is_file()
-        });
-        let launched = match (checkpoint, &kept, &carried) {
-            (Some(checkpoint), None, _) => self.launch_restored(&spec, netns, checkpoint).await,
-            (_, Some(kept), Some(carried)) => {
-                self.launch_carried(&spec, netns, kept, carried).await
-            }
-            _ => self.launch_in(&spec, netns, kept.as_ref()).await,
-        };
+        let checkpoint = self.restorable_checkpoint(&spec);
+        let carried = self.carried_checkpoint(&id, kept.as_ref());
+        let launched = self
+            .boot_in(&spec, netns, checkpoint, kept.as_ref(), carried.as_ref())
+            .await;
         let failure = match launched {
             Ok((handle, endpoint)) => {
                 opening.commit();
@@ -555,7 +505,141 @@ impl Launcher {
             kept.is_some(),
         )
         .await;
-        if let (Some(checkpoint), None) = (checkpoint, &kept)
+        let relaunch = self
+            .relaunch_after_failed_restore(
+                &spec,
+                checkpoint,
+                kept.as_ref(),
+                carried.is_some(),
+                slot,
+                &err,
+            )
+            .await?;
+        if relaunch {
+            return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
+        }
+        Err(err)
+    }
+
+    /// Opens the holdings of sandbox `spec` with its memory and, if `with_disk`, its disk.
+    async fn open_holdings(
+        &self,
+        spec: &LaunchSpec,
+        with_disk: bool,
+    ) -> Result<Opening<'_>, RuntimeError> {
+        let id = &spec.sandbox_id;
+        let mut opening = self.node.holdings.opening(id);
+        opening.hold_memory(self.node.grant_memory(id, spec.memory_mb)?);
+        if with_disk {
+            opening.hold_disk(self.node.admit_disk(id, spec.disk_size_mb).await?);
+        }
+        Ok(opening)
+    }
+
+    fn take_warm_sandbox(&self, spec: &LaunchSpec, may_take_warm: bool) -> Option<WarmSandbox> {
+        crate::runtime::warm::WarmKey::of(spec)
+            .filter(|_| may_take_warm)
+            .and_then(|key| self.node.warm.take(&key))
+    }
+
+    /// Launches sandbox `spec` on the `warm` sandbox taken for it; `None` when the sandbox is
+    /// to boot afresh instead, the failed take having given back all it held.
+    async fn launch_on_warm(
+        &self,
+        spec: &LaunchSpec,
+        warm: &WarmSandbox,
+        mut opening: Opening<'_>,
+    ) -> Result<Option<(RuntimeHandle, Endpoint)>, RuntimeError> {
+        let id = &spec.sandbox_id;
+        match WarmKeeper::of(&self.node)
+            .take_warm(spec, warm, &mut opening)
+            .await
+        {
+            Ok((handle, endpoint)) => {
+                opening.commit();
+                Ok(Some((handle.to_runtime(id)?, endpoint)))
+            }
+            // The template's own start or ready command failed: a fresh boot would only
+            // fail the same way, as late again.
+            Err(err @ RuntimeError::NotReady { .. }) => Err(err),
+            Err(err) => {
+                tracing::warn!(
+                    sandbox_id = %id,
+                    warm = %warm.name,
+                    error = %err,
+                    "cannot take a warm sandbox"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    async fn claim_netns(
+        &self,
+        id: &str,
+        allow_internet_access: bool,
+    ) -> Result<PreparedNetns, RuntimeError> {
+        match self.node.netns_pool.claim(allow_internet_access).await {
+            Some(Ok(netns)) => Ok(netns),
+            Some(Err(err)) => Err(sandbox_err(id, err)),
+            None => Err(RuntimeError::NoCapacity {
+                sandbox_id: id.to_owned(),
+                message: "no free network slot on this node".into(),
+            }),
+        }
+    }
+
+    /// The checkpoint sandbox `spec` is restored from, leaving out a template's capture this
+    /// node cannot restore.
+    fn restorable_checkpoint<'s>(&self, spec: &'s LaunchSpec) -> Option<&'s str> {
+        spec.image
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.checkpoint.as_deref())
+            .filter(|checkpoint| !spec.image.is_capture() || self.can_restore_capture(checkpoint))
+    }
+
+    /// A checkpoint carried from a lost node, while it is still here to restore.
+    fn carried_checkpoint(&self, id: &str, kept: Option<&Handle>) -> Option<CarriedCheckpoint> {
+        kept.and_then(|k| k.carried.clone()).filter(|_| {
+            self.node
+                .places
+                .carried_checkpoint_dir(id)
+                .join(crate::checkpoint::HEADER_FILE)
+                .is_file()
+        })
+    }
+
+    /// Boots sandbox `spec` in `netns`: restored from its `checkpoint` when it has no kept
+    /// files, from the `carried` checkpoint on its `kept` files, or else afresh.
+    async fn boot_in(
+        &self,
+        spec: &LaunchSpec,
+        netns: PreparedNetns,
+        checkpoint: Option<&str>,
+        kept: Option<&Handle>,
+        carried: Option<&CarriedCheckpoint>,
+    ) -> Result<(Handle, Endpoint), sequence::BootFailure> {
+        match (checkpoint, kept, carried) {
+            (Some(checkpoint), None, _) => self.launch_restored(spec, netns, checkpoint).await,
+            (_, Some(kept), Some(carried)) => self.launch_carried(spec, netns, kept, carried).await,
+            _ => self.launch_in(spec, netns, kept).await,
+        }
+    }
+
+    /// Whether sandbox `spec`, whose restore failed with `err`, is to be launched again
+    /// without the restore, which would only fail the same way.
+    async fn relaunch_after_failed_restore(
+        &self,
+        spec: &LaunchSpec,
+        checkpoint: Option<&str>,
+        kept: Option<&Handle>,
+        carried: bool,
+        slot: u32,
+        err: &RuntimeError,
+    ) -> Result<bool, RuntimeError> {
+        let id = &spec.sandbox_id;
+        if let (Some(checkpoint), None) = (checkpoint, kept)
             && spec.image.is_capture()
         {
             // A capture only saves the start command's time: the sandbox boots and
@@ -566,16 +650,16 @@ impl Launcher {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(checkpoint.to_owned());
-            return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
+            return Ok(true);
         }
-        if let (Some(kept), Some(_)) = (&kept, &carried) {
+        if let (Some(kept), true) = (kept, carried) {
             // The files outlived the restore; its processes start afresh on them.
             tracing::warn!(sandbox_id = %id, error = %err, "cannot restore the checkpoint carried from a lost node; booting afresh on its files");
-            self.node.forget_checkpoint(&id);
-            self.give_kept_files_back(&id, slot, kept).await?;
-            return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
+            self.node.forget_checkpoint(id);
+            self.give_kept_files_back(id, slot, kept).await?;
+            return Ok(true);
         }
-        Err(err)
+        Ok(false)
     }
 
     /// Moves the kept files of sandbox `id` back to the ids of its kept handle, from those

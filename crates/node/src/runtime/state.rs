@@ -81,195 +81,34 @@ pub(super) struct NodeState {
 impl NodeState {
     /// Checks the host and prepares the node's directories and firewall.
     pub(super) async fn open(config: NodeConfig) -> Result<Self, NodeError> {
-        std::fs::metadata(&config.agent_bin).map_err(|source| NodeError::AgentMissing {
-            path: config.agent_bin.clone(),
-            source,
-        })?;
+        check_agent(&config)?;
         // Before anything looks at sandboxes, checkpoints or agent copies.
         if let Some(criu) = &config.criu {
             Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
         }
         let mut cgroups = CgroupDriver::detect()?;
-        let shaping = crate::net::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
-        match shaping {
-            Some(_) => tracing::info!(
-                mbit = config.sandbox_bandwidth_mbit,
-                "each sandbox's network is limited to this rate in each direction"
-            ),
-            None => tracing::warn!("sandbox bandwidth is not limited"),
-        }
-        let network = std::sync::Arc::new(
-            Network::new(config.network_base, config.network_prefix_len).with_shaping(shaping),
-        );
-        let last_id =
-            u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
-        if last_id > u64::from(u32::MAX - 1) {
-            return Err(NodeError::IdRange {
-                base: config.id_base,
-                slots: network.capacity(),
-            });
-        }
-        let allowed_private = config
-            .allowed_private
-            .iter()
-            .map(|range| crate::net::network::parse_range(range))
-            .collect::<Result<Vec<_>, _>>()?;
-        let upstreams = crate::net::dns::parse_upstreams(&config.nameservers)?;
-        let egress = crate::net::egress::Egress::new();
-        let resolver = crate::net::dns::Resolver::start(upstreams, egress.clone()).await?;
-        network
-            .init(&crate::net::network::FirewallConfig {
-                resolver_port: resolver.port,
-                allowed_private,
-            })
-            .await?;
-        let disks = DiskPool::open(&PoolConfig {
-            dir: config.data_dir.join("sandboxes"),
-            image: config.data_dir.join("sandboxes.img"),
-            size_bytes: config.disk_pool_bytes,
-            smallest_disk_bytes: u64::from(config.default_disk_mb) << 20,
-            quotas: config.disk_quotas,
-            reserve_bytes: config.disk_pool_reserve_bytes,
-            overcommit: config.disk_overcommit,
-        })
-        .await?;
-        if !disks.enforces_quotas() {
-            tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
-        }
-        crate::resources::io::hold_sandboxes_to(
-            &mut cgroups,
-            config.sandbox_io,
-            &[disks.dir(), &config.data_dir],
-        );
-        for dir in [config.data_dir.join("run"), config.data_dir.join("logs")] {
-            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
-                path: dir.clone(),
-                source,
-            })?;
-            // Agent sockets and sandbox layers are the host's business only.
-            use std::os::unix::fs::PermissionsExt;
-            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
-        }
+        let network = open_network(&config)?;
+        let egress = start_firewall(&config, &network).await?;
+        let disks = open_disks(&config, &mut cgroups).await?;
+        make_private_dirs(&config.data_dir)?;
         tracing::info!(cgroup_version = cgroups.version(), "node ready");
-        let memory_rule = crate::resources::memory::MemoryRule {
-            reserve_mb: config.memory_reserve_mb,
-            overcommit: config.memory_overcommit,
-            pressure_limit_percent: config.memory_pressure_limit_percent,
-        };
-        if let Some(host) = crate::resources::memory::HostMemory::read() {
-            let together_mb = config
-                .sandboxes_memory_limit_mb
-                .unwrap_or_else(|| host.total_mb.saturating_sub(config.memory_reserve_mb));
-            match cgroups.limit_sandboxes_memory(together_mb << 20) {
-                Ok(()) => tracing::info!(
-                    limit_mb = together_mb,
-                    "all sandboxes together may use this much memory; beyond it the kernel reclaims and kills among their processes only"
-                ),
-                Err(e) => tracing::warn!(
-                    limit_mb = together_mb,
-                    error = %e,
-                    "cannot limit the memory of all sandboxes together; pressure may reach the server"
-                ),
-            }
-            let host = cgroups.sandboxes_memory().map_or(host, |together| {
-                host.within(together, memory_rule.reserve_mb)
-            });
-            tracing::info!(
-                memory_limits_mb = memory_rule.promise_limit_mb(&host),
-                overcommit = memory_rule.overcommit,
-                "the memory limits of all sandboxes may add up to this; each start needs the host's reserve free"
-            );
-        }
-        // Image layers live on the pool, whose accounting then sees them; a dot name keeps
-        // them out of the sweep of unknown sandboxes.
-        let layers = crate::storage::layers::LayerStore::new(
-            config.data_dir.join("templates"),
-            config.data_dir.join("sandboxes").join(".images"),
-            config.data_dir.join("sandboxes").join(".layers"),
-        )
-        .with_legacy_images_dir(config.data_dir.join("images").join("layers"))
-        .with_checkpoints_dir(config.data_dir.join("snapshots"));
-        for dir in [layers.steps_dir(), layers.images_dir()] {
-            std::fs::create_dir_all(dir).map_err(|source| NodeError::Io {
-                path: dir.to_owned(),
-                source,
-            })?;
-        }
+        let memory_rule = limit_sandboxes_memory(&config, &mut cgroups);
+        let layers = open_layers(&config.data_dir)?;
         let slots = SlotSet::default();
         let netns_pool = NetnsPool::new(network.clone(), slots.clone(), config.netns_pool);
         netns_pool.refill();
-        let (agent_exec, agent_digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
-        let agent_libraries = agent_libraries(&agent_exec);
-        for removed in collect_agent_copies(&config.data_dir, &agent_digest) {
-            tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
-        }
-        let agent_copies = kept_agent_copies(&config.data_dir);
-        let mount_dir = PathBuf::from(format!(
-            "/run/sandbar-{}",
-            &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
-                config.data_dir.as_os_str().as_encoded_bytes()
-            ))[..12]
-        ));
-        for dir in [
-            config.data_dir.join("checkpoints"),
-            config.data_dir.join("snapshots"),
-            mount_dir.clone(),
-        ] {
-            std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
-                path: dir.clone(),
-                source,
-            })?;
-        }
-        remove_spent_checkpoints(&config.data_dir.join("checkpoints"));
-        {
-            use std::os::unix::fs::PermissionsExt;
-            for private in ["checkpoints", "snapshots"] {
-                let _ = std::fs::set_permissions(
-                    config.data_dir.join(private),
-                    std::fs::Permissions::from_mode(0o700),
-                );
-            }
-            // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
-            let _ = std::fs::set_permissions(&mount_dir, std::fs::Permissions::from_mode(0o711));
-        }
-        // CRIU's kernel probe is cached per boot: an earlier boot's cache may describe another
-        // kernel.
-        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
-            .map(|id| id.trim().to_owned())
-            .unwrap_or_default();
-        let kdat_dir = mount_dir.join(format!("criu-{boot_id}"));
-        if let Ok(entries) = std::fs::read_dir(&mount_dir) {
-            for entry in entries.flatten() {
-                if entry.file_name().to_string_lossy().starts_with("criu-")
-                    && entry.path() != kdat_dir
-                {
-                    let _ = std::fs::remove_dir_all(entry.path());
-                }
-            }
-        }
-        {
-            use std::os::unix::fs::DirBuilderExt;
-            let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
-        }
-        let kernel_filesystems =
-            crate::checkpoint::KernelFilesystems::probe().map_err(|source| NodeError::Io {
-                path: PathBuf::from("/proc/self/fd"),
-                source,
-            })?;
-        let criu = crate::checkpoint::criu_cell::CriuCell::at_start(
-            config.criu.clone(),
-            kdat_dir.clone(),
-            config.criu_reprobe,
-        )
-        .await;
+        let agent = keep_agent_copies(&config)?;
+        let mount_dir = mount_dir_of(&config.data_dir);
+        make_checkpoint_dirs(&config.data_dir, &mount_dir)?;
+        let (kernel_filesystems, criu) = probe_checkpointing(&config, &mount_dir).await?;
         Ok(Self {
             criu,
             warm: crate::runtime::warm::WarmPool::new(config.warm_pool, config.warm_pool_max),
-            agent_exec,
-            agent_digest,
+            agent_exec: agent.exec,
+            agent_digest: agent.digest,
             kernel_filesystems,
-            agent_libraries,
-            agent_copies,
+            agent_libraries: agent.libraries,
+            agent_copies: agent.copies,
             places: places::NodePlaces {
                 data_dir: config.data_dir.clone(),
                 mount_dir,
@@ -579,4 +418,261 @@ impl NodeState {
             .await
             .ok_or_else(|| sandbox_err(id, "this node cannot restore checkpoints"))
     }
+}
+
+fn check_agent(config: &NodeConfig) -> Result<(), NodeError> {
+    std::fs::metadata(&config.agent_bin).map_err(|source| NodeError::AgentMissing {
+        path: config.agent_bin.clone(),
+        source,
+    })?;
+    Ok(())
+}
+
+/// The sandboxes' address range, shaped to the configured bandwidth; every slot in it must
+/// have user and group ids below the kernel's last.
+fn open_network(config: &NodeConfig) -> Result<Arc<Network>, NodeError> {
+    let shaping = crate::net::shaping::Shaping::from_mbit(config.sandbox_bandwidth_mbit);
+    match shaping {
+        Some(_) => tracing::info!(
+            mbit = config.sandbox_bandwidth_mbit,
+            "each sandbox's network is limited to this rate in each direction"
+        ),
+        None => tracing::warn!("sandbox bandwidth is not limited"),
+    }
+    let network = std::sync::Arc::new(
+        Network::new(config.network_base, config.network_prefix_len).with_shaping(shaping),
+    );
+    let last_id =
+        u64::from(config.id_base) + u64::from(network.capacity()) * u64::from(SANDBOX_IDS);
+    if last_id > u64::from(u32::MAX - 1) {
+        return Err(NodeError::IdRange {
+            base: config.id_base,
+            slots: network.capacity(),
+        });
+    }
+    Ok(network)
+}
+
+/// Starts the sandboxes' resolver and the firewall that sends their lookups to it.
+async fn start_firewall(
+    config: &NodeConfig,
+    network: &Network,
+) -> Result<Arc<crate::net::egress::Egress>, NodeError> {
+    let allowed_private = config
+        .allowed_private
+        .iter()
+        .map(|range| crate::net::network::parse_range(range))
+        .collect::<Result<Vec<_>, _>>()?;
+    let upstreams = crate::net::dns::parse_upstreams(&config.nameservers)?;
+    let egress = crate::net::egress::Egress::new();
+    let resolver = crate::net::dns::Resolver::start(upstreams, egress.clone()).await?;
+    network
+        .init(&crate::net::network::FirewallConfig {
+            resolver_port: resolver.port,
+            allowed_private,
+        })
+        .await?;
+    Ok(egress)
+}
+
+/// Opens the sandboxes' disk pool and holds their disk rates on it and on the data directory.
+async fn open_disks(
+    config: &NodeConfig,
+    cgroups: &mut CgroupDriver,
+) -> Result<DiskPool, NodeError> {
+    let disks = DiskPool::open(&PoolConfig {
+        dir: config.data_dir.join("sandboxes"),
+        image: config.data_dir.join("sandboxes.img"),
+        size_bytes: config.disk_pool_bytes,
+        smallest_disk_bytes: u64::from(config.default_disk_mb) << 20,
+        quotas: config.disk_quotas,
+        reserve_bytes: config.disk_pool_reserve_bytes,
+        overcommit: config.disk_overcommit,
+    })
+    .await?;
+    if !disks.enforces_quotas() {
+        tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
+    }
+    crate::resources::io::hold_sandboxes_to(
+        cgroups,
+        config.sandbox_io,
+        &[disks.dir(), &config.data_dir],
+    );
+    Ok(disks)
+}
+
+fn make_private_dirs(data_dir: &Path) -> Result<(), NodeError> {
+    for dir in [data_dir.join("run"), data_dir.join("logs")] {
+        std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+        // Agent sockets and sandbox layers are the host's business only.
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+    }
+    Ok(())
+}
+
+/// Limits the memory of all sandboxes together, where the host's memory can be read, and
+/// gives the rule for granting memory to each.
+fn limit_sandboxes_memory(
+    config: &NodeConfig,
+    cgroups: &mut CgroupDriver,
+) -> crate::resources::memory::MemoryRule {
+    let memory_rule = crate::resources::memory::MemoryRule {
+        reserve_mb: config.memory_reserve_mb,
+        overcommit: config.memory_overcommit,
+        pressure_limit_percent: config.memory_pressure_limit_percent,
+    };
+    if let Some(host) = crate::resources::memory::HostMemory::read() {
+        let together_mb = config
+            .sandboxes_memory_limit_mb
+            .unwrap_or_else(|| host.total_mb.saturating_sub(config.memory_reserve_mb));
+        match cgroups.limit_sandboxes_memory(together_mb << 20) {
+            Ok(()) => tracing::info!(
+                limit_mb = together_mb,
+                "all sandboxes together may use this much memory; beyond it the kernel reclaims and kills among their processes only"
+            ),
+            Err(e) => tracing::warn!(
+                limit_mb = together_mb,
+                error = %e,
+                "cannot limit the memory of all sandboxes together; pressure may reach the server"
+            ),
+        }
+        let host = cgroups.sandboxes_memory().map_or(host, |together| {
+            host.within(together, memory_rule.reserve_mb)
+        });
+        tracing::info!(
+            memory_limits_mb = memory_rule.promise_limit_mb(&host),
+            overcommit = memory_rule.overcommit,
+            "the memory limits of all sandboxes may add up to this; each start needs the host's reserve free"
+        );
+    }
+    memory_rule
+}
+
+fn open_layers(data_dir: &Path) -> Result<crate::storage::layers::LayerStore, NodeError> {
+    // Image layers live on the pool, whose accounting then sees them; a dot name keeps
+    // them out of the sweep of unknown sandboxes.
+    let layers = crate::storage::layers::LayerStore::new(
+        data_dir.join("templates"),
+        data_dir.join("sandboxes").join(".images"),
+        data_dir.join("sandboxes").join(".layers"),
+    )
+    .with_legacy_images_dir(data_dir.join("images").join("layers"))
+    .with_checkpoints_dir(data_dir.join("snapshots"));
+    for dir in [layers.steps_dir(), layers.images_dir()] {
+        std::fs::create_dir_all(dir).map_err(|source| NodeError::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+    }
+    Ok(layers)
+}
+
+/// The agent binary sandboxes run, as [`keep_agent`] keeps it, and what a dump plan needs
+/// to know of it and of the copies earlier builds left.
+struct KeptAgent {
+    exec: PathBuf,
+    digest: String,
+    libraries: Vec<AgentLibrary>,
+    copies: Vec<(crate::checkpoint::FileIdentity, String)>,
+}
+
+fn keep_agent_copies(config: &NodeConfig) -> Result<KeptAgent, NodeError> {
+    let (exec, digest) = keep_agent(&config.agent_bin, &config.data_dir)?;
+    let libraries = agent_libraries(&exec);
+    for removed in collect_agent_copies(&config.data_dir, &digest) {
+        tracing::info!(agent = %removed.display(), "removed an agent copy nothing uses");
+    }
+    let copies = kept_agent_copies(&config.data_dir);
+    Ok(KeptAgent {
+        exec,
+        digest,
+        libraries,
+        copies,
+    })
+}
+
+/// One mount directory per data directory, so that two servers on one host keep apart.
+fn mount_dir_of(data_dir: &Path) -> PathBuf {
+    PathBuf::from(format!(
+        "/run/sandbar-{}",
+        &hex::encode(<sha2::Sha256 as sha2::Digest>::digest(
+            data_dir.as_os_str().as_encoded_bytes()
+        ))[..12]
+    ))
+}
+
+fn make_checkpoint_dirs(data_dir: &Path, mount_dir: &Path) -> Result<(), NodeError> {
+    for dir in [
+        data_dir.join("checkpoints"),
+        data_dir.join("snapshots"),
+        mount_dir.to_owned(),
+    ] {
+        std::fs::create_dir_all(&dir).map_err(|source| NodeError::Io {
+            path: dir.clone(),
+            source,
+        })?;
+    }
+    remove_spent_checkpoints(&data_dir.join("checkpoints"));
+    use std::os::unix::fs::PermissionsExt;
+    for private in ["checkpoints", "snapshots"] {
+        let _ = std::fs::set_permissions(
+            data_dir.join(private),
+            std::fs::Permissions::from_mode(0o700),
+        );
+    }
+    // Traversable, not listable: a restored sandbox's root task opens its sysfs here.
+    let _ = std::fs::set_permissions(mount_dir, std::fs::Permissions::from_mode(0o711));
+    Ok(())
+}
+
+/// What checkpoints need of the kernel: where it keeps objects without a path, and CRIU
+/// once it passed its probe.
+async fn probe_checkpointing(
+    config: &NodeConfig,
+    mount_dir: &Path,
+) -> Result<
+    (
+        crate::checkpoint::KernelFilesystems,
+        crate::checkpoint::criu_cell::CriuCell,
+    ),
+    NodeError,
+> {
+    let kdat_dir = make_kdat_dir(mount_dir);
+    let kernel_filesystems =
+        crate::checkpoint::KernelFilesystems::probe().map_err(|source| NodeError::Io {
+            path: PathBuf::from("/proc/self/fd"),
+            source,
+        })?;
+    let criu = crate::checkpoint::criu_cell::CriuCell::at_start(
+        config.criu.clone(),
+        kdat_dir.clone(),
+        config.criu_reprobe,
+    )
+    .await;
+    Ok((kernel_filesystems, criu))
+}
+
+/// The directory for CRIU's kernel probe of this boot.
+fn make_kdat_dir(mount_dir: &Path) -> PathBuf {
+    // CRIU's kernel probe is cached per boot: an earlier boot's cache may describe another
+    // kernel.
+    let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|id| id.trim().to_owned())
+        .unwrap_or_default();
+    let kdat_dir = mount_dir.join(format!("criu-{boot_id}"));
+    if let Ok(entries) = std::fs::read_dir(mount_dir) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with("criu-") && entry.path() != kdat_dir
+            {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    use std::os::unix::fs::DirBuilderExt;
+    let _ = std::fs::DirBuilder::new().mode(0o700).create(&kdat_dir);
+    kdat_dir
 }
