@@ -136,7 +136,7 @@ impl NodeState {
         if !disks.enforces_quotas() {
             tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
         }
-        crate::resources::io::hold_sandboxes_to(
+        crate::resources::cgroups::hold_sandboxes_to(
             &mut cgroups,
             config.sandbox_io,
             &[disks.dir(), &config.data_dir],
