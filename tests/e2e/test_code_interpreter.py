@@ -692,7 +692,7 @@ def test_a_snapshot_keeps_the_kernel_state(sandbar, interpreter_template):
 
 
 def test_the_npm_sdk(sandbar, interpreter_template):
-    from test_js_sdk import JS_DIR, run_node_test
+    from e2e_util import JS_DIR, run_node_test
 
     assert (JS_DIR / "node_modules" / "@e2b" / "code-interpreter").is_dir(), (
         f"the npm code interpreter SDK is not installed: run `npm ci --prefix {JS_DIR}`"

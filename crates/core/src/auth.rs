@@ -3,20 +3,18 @@
 
 use std::sync::Arc;
 
-use chrono::Utc;
+use chrono::{TimeDelta, Utc};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::ids::{self, API_KEY_PREFIX};
-use crate::keys::{LAST_USED_RESOLUTION, same_hash};
 use crate::model::Team;
-use crate::store::{Store, StoreError, StoredSecret};
+use crate::secrets::same_hash;
+use crate::store::{Store, StoreError};
 
-/// Hex SHA-256 of a secret: keys are long and random, so a fast hash is enough to make a
-/// leaked database useless for authentication.
-pub fn hash_secret(secret: &str) -> String {
-    hex::encode(Sha256::digest(secret.as_bytes()))
-}
+pub use crate::secrets::hash_secret;
+
+/// How stale an API key's `lastUsed` may get: the store is written at most this often per key.
+pub const LAST_USED_RESOLUTION: TimeDelta = TimeDelta::seconds(5);
 
 /// The first credentials of an installation, written once for the operator.
 #[derive(Debug, Clone, Serialize)]
@@ -59,19 +57,6 @@ pub struct Auth {
 impl std::fmt::Debug for Auth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Auth").finish_non_exhaustive()
-    }
-}
-
-pub(crate) fn stored(team_id: &str, name: &str, secret: &str, prefix: &str) -> StoredSecret {
-    let value = &secret[prefix.len()..];
-    StoredSecret {
-        id: ids::new_uuid(),
-        team_id: team_id.to_owned(),
-        name: name.to_owned(),
-        secret_hash: hash_secret(secret),
-        mask_prefix: value[..2].to_owned(),
-        mask_suffix: value[value.len() - 4..].to_owned(),
-        created_at: Utc::now(),
     }
 }
 

@@ -24,7 +24,7 @@ pub use crate::model::builds::{
     BASE_STEP, BuildFailure, BuildLogEntry, BuildRecord, BuildSource, BuildSpec, BuildStep,
     FINALIZE_STEP, LogLevel, RegistryCredentials, StepKind,
 };
-pub use crate::model::templates::{SnapshotImage, StartedImage, TemplateImage};
+pub use crate::model::templates::{SnapshotImage, StartedImage, TemplateImage, split_name};
 
 /// One build handed to a [`Builder`].
 #[derive(Debug, Clone)]
@@ -495,14 +495,6 @@ impl std::fmt::Debug for Builds {
         f.debug_struct("Builds")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// Splits `name[:tag]`.
-pub fn split_name(name: &str) -> (&str, Option<&str>) {
-    match name.split_once(':') {
-        Some((n, t)) => (n, Some(t)),
-        None => (name, None),
     }
 }
 

@@ -8,7 +8,7 @@ use parse_dockerfile::{
     RunInstruction, Source,
 };
 
-use crate::builds::{BuildSource, BuildSpec, BuildStep, StepKind};
+use crate::model::builds::{BuildSource, BuildSpec, BuildStep, StepKind};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DockerfileError {

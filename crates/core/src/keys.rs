@@ -5,28 +5,19 @@
 //! member of the teams it was made for. API keys belong to a team and remember the user who
 //! created them. Secrets are shown once, at creation; every later read shows a [`Mask`].
 
-use chrono::{DateTime, TimeDelta, Utc};
-use subtle::ConstantTimeEq;
+use chrono::{DateTime, Utc};
 
-use crate::auth::{Auth, AuthError, TeamLimits, hash_secret, stored};
+use crate::auth::{Auth, AuthError, TeamLimits};
 use crate::ids::{self, ACCESS_TOKEN_PREFIX, API_KEY_PREFIX};
 use crate::model::Team;
+use crate::secrets::{hash_secret, same_hash, stored};
 use crate::store::{StoreError, StoredAccessToken, StoredApiKey, StoredSecret};
 
 /// Hex characters after a secret's prefix (see [`ids::new_secret`]).
 pub const SECRET_VALUE_LEN: usize = 40;
 
-/// How stale an API key's `lastUsed` may get: the store is written at most this often per key.
-pub const LAST_USED_RESOLUTION: TimeDelta = TimeDelta::seconds(5);
-
 /// Longest name accepted for a key, a token or a team.
 pub const MAX_NAME_LEN: usize = 256;
-
-/// Compares two secret hashes without an early exit, so response times say nothing about
-/// how much of a guess matched.
-pub(crate) fn same_hash(a: &str, b: &str) -> bool {
-    bool::from(a.as_bytes().ct_eq(b.as_bytes()))
-}
 
 /// What may be shown of a secret after its creation, in E2B's shape.
 #[derive(Debug, Clone, PartialEq, Eq)]

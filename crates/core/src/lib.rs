@@ -25,6 +25,7 @@ pub mod network;
 pub mod runtime;
 pub mod sandbox_logs;
 pub mod sandboxes;
+mod secrets;
 pub mod store;
 pub mod team_metrics;
 pub mod templates;

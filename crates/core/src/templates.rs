@@ -97,7 +97,7 @@ impl Templates {
         if !valid_reference(reference) {
             return Err(TemplateError::BadReference(reference.to_owned()));
         }
-        let (name, tag) = crate::builds::split_name(reference);
+        let (name, tag) = crate::model::templates::split_name(reference);
         let mut template = find_template(self.store.as_ref(), team, name)
             .await?
             .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;

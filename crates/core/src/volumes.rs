@@ -17,11 +17,11 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::auth::hash_secret;
 use crate::builds::UploadBody;
 use crate::caps::{CapError, check_bytes, check_count};
 use crate::ids;
 use crate::model::Team;
+use crate::secrets::hash_secret;
 use crate::store::{Store, StoreError};
 
 /// Most mounts one sandbox may ask for.

@@ -13,20 +13,12 @@ use crate::agent::{AgentLink, read_all};
 use crate::error::PageError;
 use crate::session::{Mutating, Signed};
 use crate::views;
+use crate::views::Entry;
 
 #[derive(Debug, Deserialize)]
 pub(crate) struct PathQuery {
     #[serde(default)]
     path: Option<String>,
-}
-
-/// One entry of a listed directory.
-#[derive(Debug)]
-pub(crate) struct Entry {
-    pub name: String,
-    pub path: String,
-    pub is_dir: bool,
-    pub size: u64,
 }
 
 fn query_path(path: Option<String>) -> String {

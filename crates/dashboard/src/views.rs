@@ -8,10 +8,17 @@ use sandbar_core::{
     ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxLogEntry, Template,
 };
 
-use crate::files::Entry;
-
 /// htmx without inline styles or evaluated code, so the CSP needs neither.
 const HTMX_CONFIG: &str = r#"{"includeIndicatorStyles":false,"allowEval":false,"allowScriptTags":false,"selfRequestsOnly":true}"#;
+
+/// One entry of a listed directory.
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub name: String,
+    pub path: String,
+    pub is_dir: bool,
+    pub size: u64,
+}
 
 /// Which page a signed-in page is, for its navigation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

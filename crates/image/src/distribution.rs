@@ -19,6 +19,7 @@
 //!   error codes are only compared with the ones that mean "not found" or "not authorized".
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -31,7 +32,7 @@ use reqwest::{Method, Response, StatusCode};
 use serde::Deserialize;
 use url::Url;
 
-use crate::registry::{PullError, RegistryAuth};
+use crate::pull_error::PullError;
 use crate::registry_address::{Destination, RegistryPolicy, RegistryRefused, ResolveError};
 
 const MAX_REDIRECTS: usize = 10;
@@ -43,6 +44,22 @@ const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 const READ_TIMEOUT: Duration = Duration::from_secs(120);
 const USER_AGENT: &str = concat!("sandbar/", env!("CARGO_PKG_VERSION"));
+
+/// Credentials for one registry.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RegistryAuth {
+    pub username: String,
+    pub password: String,
+}
+
+impl fmt::Debug for RegistryAuth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegistryAuth")
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
 
 /// Error codes of the distribution spec that mean the image is not there.
 const NOT_FOUND_CODES: [&str; 5] = [

@@ -10,6 +10,7 @@
 
 pub mod blob_store;
 mod distribution;
+mod pull_error;
 pub mod registry;
 pub mod registry_address;
 pub mod unpack;

@@ -14,13 +14,13 @@
 //! a crash leaves only `.tmp-*` names, removed by [`ImageCache::new`].
 
 use std::collections::HashMap;
-use std::fmt;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use oci_client::Reference;
@@ -33,8 +33,10 @@ use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
 use url::Url;
 
+pub use crate::distribution::RegistryAuth;
 use crate::distribution::Session;
-use crate::registry_address::{RegistryPolicy, RegistryRefused};
+pub use crate::pull_error::PullError;
+use crate::registry_address::{Destination, RegistryPolicy, RegistryRefused, ResolveError};
 
 use crate::unpack::{ByteBudget, UnpackError, UnpackStats, apply_layer_within};
 
@@ -66,22 +68,6 @@ const MAX_CONFIG_BYTES: u64 = 16 << 20;
 const PARALLEL_LAYERS: usize = 3;
 const STAGING_PREFIX: &str = ".tmp-";
 
-/// Credentials for one registry.
-#[derive(Clone, PartialEq, Eq)]
-pub struct RegistryAuth {
-    pub username: String,
-    pub password: String,
-}
-
-impl fmt::Debug for RegistryAuth {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RegistryAuth")
-            .field("username", &self.username)
-            .field("password", &"<redacted>")
-            .finish()
-    }
-}
-
 /// What an image asks for at run time, from its config.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ImageConfig {
@@ -109,43 +95,6 @@ pub struct PulledImage {
     /// Bottom (first applied) first.
     pub layers: Vec<PulledLayer>,
     pub config: ImageConfig,
-}
-
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum PullError {
-    #[error("bad image reference `{reference}`: {reason}")]
-    BadReference { reference: String, reason: String },
-    #[error(
-        "not authorized to pull {reference}: wrong or missing credentials (or no such repository)"
-    )]
-    Unauthorized { reference: String },
-    #[error("registry of {reference} is unreachable: {reason}")]
-    Unreachable { reference: String, reason: String },
-    /// The registry, its token service or a redirect resolves to an address the server may
-    /// not contact.
-    #[error(transparent)]
-    Refused(#[from] RegistryRefused),
-    #[error("image {reference} not found")]
-    NotFound { reference: String },
-    #[error("image {reference} has no manifest for {platform}")]
-    NoPlatform { reference: String, platform: String },
-    #[error("digest mismatch: expected {expected}, got {actual}")]
-    DigestMismatch { expected: String, actual: String },
-    #[error("image {reference} is not supported: {what}")]
-    Unsupported { reference: String, what: String },
-    #[error("unpacking a layer: {0}")]
-    Unpack(#[source] UnpackError),
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
-    /// The registry answered, but not with anything usable. The message never carries what
-    /// the registry wrote.
-    #[error("registry error pulling {reference}: {message}")]
-    Registry { reference: String, message: String },
 }
 
 /// A content-addressed cache of unpacked image layers, shared by every pull.
@@ -1122,6 +1071,39 @@ pub(crate) fn registry_url(image: &Reference, policy: &RegistryPolicy) -> Result
         reference: image.whole(),
         reason: format!("registry `{registry}` is not a host: {e}"),
     })
+}
+
+/// A name lookup made only to answer a build request early; the pull checks again anyway.
+const EARLY_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl RegistryPolicy {
+    /// Whether the registry of an image reference may be contacted, decided before a build is
+    /// queued so the caller learns it at once. References that do not parse and names that do
+    /// not resolve (soon) pass: the pull reports those, and checks every connection again.
+    pub async fn check_reference(&self, reference: &str) -> Result<(), RegistryRefused> {
+        let Ok(image) = parse_reference(reference) else {
+            return Ok(());
+        };
+        let Some(destination) = registry_url(&image, self)
+            .ok()
+            .as_ref()
+            .and_then(Destination::of)
+        else {
+            return Ok(());
+        };
+        if let Some(address) = destination.literal {
+            return self.check(&destination.host, destination.port, address);
+        }
+        match tokio::time::timeout(
+            EARLY_LOOKUP_TIMEOUT,
+            self.resolve(&destination.host, destination.port),
+        )
+        .await
+        {
+            Ok(Err(ResolveError::Refused(refused))) => Err(refused),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Whether a registry (`host` or `host:port`) is reached over plain HTTP.

@@ -28,8 +28,6 @@ use url::{Host, Url};
 /// How long a list of the host's addresses is trusted before it is read again: interfaces
 /// come and go (sandboxes' veth pairs, VPNs), and reading them costs one netlink dump.
 const HOST_ADDRESSES_TTL: Duration = Duration::from_secs(5);
-/// A name lookup made only to answer a build request early; the pull checks again anyway.
-const EARLY_LOOKUP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One entry of the operator's list: a host (name or address) on every port, or on one. An
 /// address also covers the names that resolve to it: the connection ends up at the same place.
@@ -496,34 +494,6 @@ impl RegistryPolicy {
             (true, None) => Err(ResolveError::NoAddress {
                 host: host.to_owned(),
             }),
-        }
-    }
-
-    /// Whether the registry of an image reference may be contacted, decided before a build is
-    /// queued so the caller learns it at once. References that do not parse and names that do
-    /// not resolve (soon) pass: the pull reports those, and checks every connection again.
-    pub async fn check_reference(&self, reference: &str) -> Result<(), RegistryRefused> {
-        let Ok(image) = crate::registry::parse_reference(reference) else {
-            return Ok(());
-        };
-        let Some(destination) = crate::registry::registry_url(&image, self)
-            .ok()
-            .as_ref()
-            .and_then(Destination::of)
-        else {
-            return Ok(());
-        };
-        if let Some(address) = destination.literal {
-            return self.check(&destination.host, destination.port, address);
-        }
-        match tokio::time::timeout(
-            EARLY_LOOKUP_TIMEOUT,
-            self.resolve(&destination.host, destination.port),
-        )
-        .await
-        {
-            Ok(Err(ResolveError::Refused(refused))) => Err(refused),
-            _ => Ok(()),
         }
     }
 }

@@ -92,7 +92,7 @@ pub struct Kernel {
     ipc_prefix: PathBuf,
     readers: Vec<tokio::task::JoinHandle<()>>,
     /// The sandbox environment last set in the kernel (see `Config::sandbox_env`).
-    pub sandbox_env: Option<crate::server::SandboxEnv>,
+    pub sandbox_env: Option<crate::sandbox_env::SandboxEnv>,
 }
 
 impl std::fmt::Debug for Kernel {

@@ -4,6 +4,7 @@
 
 pub mod kernel;
 pub mod output;
+pub mod sandbox_env;
 pub mod server;
 
 pub use kernel::KernelCommand;

@@ -22,6 +22,7 @@ use tokio::sync::mpsc;
 
 use crate::kernel::{Kernel, KernelCommand, Replies};
 use crate::output::{Output, map_message};
+pub use crate::sandbox_env::SandboxEnv;
 
 /// How often a quiet execution sends a keepalive line.
 const KEEPALIVE: Duration = Duration::from_secs(1);
@@ -45,13 +46,6 @@ pub struct Config {
     /// Kernels running since before the sandbox got them (restored from the template's
     /// capture) get them set before their next execution.
     pub sandbox_env: Option<PathBuf>,
-}
-
-/// The sandbox's environment and when its agent wrote it: a new write is a new sandbox.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SandboxEnv {
-    written: std::time::SystemTime,
-    vars: BTreeMap<String, String>,
 }
 
 #[derive(Debug)]

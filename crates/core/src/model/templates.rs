@@ -13,6 +13,14 @@ pub const INTERPRETER_TEMPLATE_ALIAS: &str = "code-interpreter-v1";
 pub const BUILT_IN_TEMPLATE_ALIASES: [&str; 2] =
     [DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS];
 
+/// Splits `name[:tag]`.
+pub fn split_name(name: &str) -> (&str, Option<&str>) {
+    match name.split_once(':') {
+        Some((n, t)) => (n, Some(t)),
+        None => (name, None),
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BuildStatus {

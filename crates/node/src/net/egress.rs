@@ -21,10 +21,8 @@ use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::RData;
 use sandbar_core::EgressRules;
 
-use crate::net::network::{NetworkError, TABLE, run};
+use crate::net::network::{EGRESS_MAP, NetworkError, TABLE, run};
 
-/// The verdict map the forward chain looks sandboxes' interfaces up in.
-pub const EGRESS_MAP: &str = "egress";
 /// A resolved address stays allowed at least this long, even with a shorter TTL: clients
 /// commonly connect a little after resolving, and many cache answers past tiny TTLs.
 const MIN_RESOLVED_LIFETIME: Duration = Duration::from_secs(60);

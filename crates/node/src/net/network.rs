@@ -18,6 +18,8 @@ pub const IFACE_PREFIX: &str = "sbx";
 const EGRESS_MARK: char = 'e';
 const ISOLATED_MARK: char = 'i';
 pub(crate) const TABLE: &str = "sandbar";
+/// The verdict map the forward chain looks sandboxes' interfaces up in.
+pub const EGRESS_MAP: &str = "egress";
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -280,7 +282,7 @@ table inet {TABLE} {{
 }}
 ",
             cidr = self.cidr(),
-            map = crate::net::egress::EGRESS_MAP,
+            map = EGRESS_MAP,
         )
     }
 

@@ -5,7 +5,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::resources::io::{IoCounts, IoThrottle};
+use crate::resources::io::{IoCounts, IoRates, IoThrottle};
 
 const PARENT: &str = "sandbar";
 /// v1 controllers a node works without: no freezer means no pause in memory, no blkio no
@@ -793,6 +793,41 @@ async fn settle(patience: Duration, every: Duration, mut left: impl FnMut() -> u
             return remaining;
         }
         tokio::time::sleep(every).await;
+    }
+}
+
+/// Holds every sandbox `cgroups` makes to `rates` on the disks under `dirs`, and says so.
+pub fn hold_sandboxes_to(cgroups: &mut CgroupDriver, rates: IoRates, dirs: &[&Path]) {
+    if rates.is_unlimited() {
+        tracing::warn!("sandbox disk rates are not limited");
+        return;
+    }
+    let throttle = IoThrottle::for_dirs(rates, dirs);
+    if throttle.devices.is_empty() {
+        tracing::warn!(
+            "sandbox disk rates are not limited: no block device found under the data directory"
+        );
+        return;
+    }
+    let devices = throttle
+        .devices
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(" ");
+    if cgroups.set_io_throttle(throttle) {
+        tracing::info!(
+            devices,
+            read_bytes_per_s = rates.read_bytes,
+            write_bytes_per_s = rates.write_bytes,
+            read_ops_per_s = rates.read_ops,
+            write_ops_per_s = rates.write_ops,
+            "each sandbox's disk I/O is limited to these rates (0: no limit)"
+        );
+    } else {
+        tracing::warn!(
+            "sandbox disk rates are not limited: the host has no blkio (cgroup v1) or io (v2) controller"
+        );
     }
 }
 

@@ -10,8 +10,6 @@
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use crate::resources::cgroups::CgroupDriver;
-
 /// Rates per second, each `0` for no limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IoRates {
@@ -103,41 +101,6 @@ impl IoThrottle {
     /// Whether anything is limited.
     pub fn is_active(&self) -> bool {
         !self.rates.is_unlimited() && !self.devices.is_empty()
-    }
-}
-
-/// Holds every sandbox `cgroups` makes to `rates` on the disks under `dirs`, and says so.
-pub fn hold_sandboxes_to(cgroups: &mut CgroupDriver, rates: IoRates, dirs: &[&Path]) {
-    if rates.is_unlimited() {
-        tracing::warn!("sandbox disk rates are not limited");
-        return;
-    }
-    let throttle = IoThrottle::for_dirs(rates, dirs);
-    if throttle.devices.is_empty() {
-        tracing::warn!(
-            "sandbox disk rates are not limited: no block device found under the data directory"
-        );
-        return;
-    }
-    let devices = throttle
-        .devices
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(" ");
-    if cgroups.set_io_throttle(throttle) {
-        tracing::info!(
-            devices,
-            read_bytes_per_s = rates.read_bytes,
-            write_bytes_per_s = rates.write_bytes,
-            read_ops_per_s = rates.read_ops,
-            write_ops_per_s = rates.write_ops,
-            "each sandbox's disk I/O is limited to these rates (0: no limit)"
-        );
-    } else {
-        tracing::warn!(
-            "sandbox disk rates are not limited: the host has no blkio (cgroup v1) or io (v2) controller"
-        );
     }
 }
 

@@ -493,7 +493,7 @@ async fn open_disks(
     if !disks.enforces_quotas() {
         tracing::warn!("disk quotas are off: diskSizeMB is not enforced");
     }
-    crate::resources::io::hold_sandboxes_to(
+    crate::resources::cgroups::hold_sandboxes_to(
         cgroups,
         config.sandbox_io,
         &[disks.dir(), &config.data_dir],
