@@ -152,117 +152,25 @@ impl Kernel {
         runtime_dir: &Path,
         patience: Duration,
     ) -> Result<Kernel, StartError> {
-        let name = format!("kernel-{}", new_id());
-        // Unix sockets in the sandbox's own files rather than loopback TCP: a checkpoint
-        // restores a connection between two of its processes over a Unix socket as it was,
-        // where a restore closes TCP connections and ZeroMQ does not reconnect them.
-        let ipc_prefix = runtime_dir.join(format!("{name}-ipc"));
-        let connection_file = runtime_dir.join(format!("{name}.json"));
-        let file_error = |source| StartError::ConnectionFile {
-            path: connection_file.clone(),
-            source,
-        };
-        let (transport, ip, [stdin_port, control_port, hb_port, shell_port, iopub_port]) =
-            if command.tcp {
-                (
-                    jupyter_protocol::connection_info::Transport::TCP,
-                    std::net::Ipv4Addr::LOCALHOST.to_string(),
-                    free_loopback_ports().map_err(file_error)?,
-                )
-            } else {
-                (
-                    jupyter_protocol::connection_info::Transport::IPC,
-                    ipc_prefix.display().to_string(),
-                    [1, 2, 3, 4, 5],
-                )
-            };
-        let info = ConnectionInfo {
-            transport,
-            ip,
-            stdin_port,
-            control_port,
-            hb_port,
-            shell_port,
-            iopub_port,
-            signature_scheme: "hmac-sha256".into(),
-            key: new_id(),
-            kernel_name: None,
-        };
-        std::fs::create_dir_all(runtime_dir).map_err(file_error)?;
-        let body = serde_json::to_vec(&info).unwrap_or_default();
-        write_private(&connection_file, &body).map_err(file_error)?;
-
-        let program = command.argv.first().cloned().unwrap_or_default();
-        let args = command
-            .argv
-            .iter()
-            .skip(1)
-            .map(|a| a.replace("{connection_file}", &connection_file.display().to_string()));
-        let mut process = tokio::process::Command::new(&program);
-        process
-            .args(args)
-            .envs(command.env.iter().map(|(k, v)| (k, v)))
-            .current_dir(cwd)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            // Its own group, so whatever the code started goes with it.
-            .process_group(0)
-            .kill_on_drop(true);
-        // SAFETY: only prctl, which is async-signal-safe, between fork and exec.
-        unsafe {
-            process.pre_exec(|| {
-                // A server that dies by any means takes its kernels along; the signal goes
-                // when the forking thread exits, and a runtime worker lives as long as the
-                // server.
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))?;
-                Ok(())
-            });
-        }
-        let mut child = process.spawn().map_err(|source| {
-            remove_files(&connection_file, &ipc_prefix);
-            StartError::Spawn {
-                program: program.clone(),
-                cwd: cwd.display().to_string(),
-                source,
-            }
-        })?;
+        let files = KernelFiles::new(runtime_dir);
+        let info = files.write_connection_info(command, runtime_dir)?;
+        let mut child = spawn_kernel(command, cwd, &files)?;
         if command.tcp {
             let ports = [info.shell_port, info.iopub_port, info.control_port];
             if let Err(e) = wait_listening(&mut child, &ports, patience).await {
                 kill_group(&child);
-                remove_files(&connection_file, &ipc_prefix);
+                files.remove();
                 return Err(e);
             }
         }
         let session = new_id();
         let routes: Routes = Arc::default();
-        let identity =
-            jupyter_zmq_client::peer_identity_for_session(&session).map_err(StartError::Connect)?;
-        // Connecting is bounded too, so a kernel that never accepts is started again rather
-        // than waited for until the client gives up.
-        let connecting = async {
-            let shell = jupyter_zmq_client::create_client_shell_connection_with_identity(
-                &info, &session, identity,
-            )
-            .await?;
-            let iopub =
-                jupyter_zmq_client::create_client_iopub_connection(&info, "", &session).await?;
-            Ok((shell, iopub))
-        };
-        let (shell, mut iopub) = match tokio::time::timeout(patience, connecting).await {
-            Ok(Ok(connected)) => connected,
-            Ok(Err(e)) => {
+        let (shell, mut iopub) = match connect(&info, &session, patience).await {
+            Ok(connected) => connected,
+            Err(e) => {
                 kill_group(&child);
-                remove_files(&connection_file, &ipc_prefix);
-                return Err(StartError::Connect(e));
-            }
-            Err(_) => {
-                kill_group(&child);
-                remove_files(&connection_file, &ipc_prefix);
-                return Err(StartError::NotAnswering(patience));
+                files.remove();
+                return Err(e);
             }
         };
         let (shell_send, mut shell_recv) = shell.split();
@@ -287,8 +195,8 @@ impl Kernel {
             connection,
             interrupt_by_message: command.interrupt_by_message,
             routes,
-            connection_file,
-            ipc_prefix,
+            connection_file: files.connection_file,
+            ipc_prefix: files.ipc_prefix,
             readers,
             sandbox_env: None,
         };
@@ -559,6 +467,148 @@ fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
         .mode(0o600)
         .open(path)?;
     file.write_all(body)
+}
+
+/// The files a kernel is started with: its connection file, and the prefix of its sockets.
+struct KernelFiles {
+    connection_file: PathBuf,
+    ipc_prefix: PathBuf,
+}
+
+impl KernelFiles {
+    fn new(runtime_dir: &Path) -> Self {
+        let name = format!("kernel-{}", new_id());
+        Self {
+            // Unix sockets in the sandbox's own files rather than loopback TCP: a checkpoint
+            // restores a connection between two of its processes over a Unix socket as it
+            // was, where a restore closes TCP connections and ZeroMQ does not reconnect them.
+            ipc_prefix: runtime_dir.join(format!("{name}-ipc")),
+            connection_file: runtime_dir.join(format!("{name}.json")),
+        }
+    }
+
+    fn error(&self, source: std::io::Error) -> StartError {
+        StartError::ConnectionFile {
+            path: self.connection_file.clone(),
+            source,
+        }
+    }
+
+    /// Chooses the kernel's channels and writes them, with a new key, where it reads them.
+    fn write_connection_info(
+        &self,
+        command: &KernelCommand,
+        runtime_dir: &Path,
+    ) -> Result<ConnectionInfo, StartError> {
+        let (transport, ip, [stdin_port, control_port, hb_port, shell_port, iopub_port]) =
+            if command.tcp {
+                (
+                    jupyter_protocol::connection_info::Transport::TCP,
+                    std::net::Ipv4Addr::LOCALHOST.to_string(),
+                    free_loopback_ports().map_err(|e| self.error(e))?,
+                )
+            } else {
+                (
+                    jupyter_protocol::connection_info::Transport::IPC,
+                    self.ipc_prefix.display().to_string(),
+                    [1, 2, 3, 4, 5],
+                )
+            };
+        let info = ConnectionInfo {
+            transport,
+            ip,
+            stdin_port,
+            control_port,
+            hb_port,
+            shell_port,
+            iopub_port,
+            signature_scheme: "hmac-sha256".into(),
+            key: new_id(),
+            kernel_name: None,
+        };
+        std::fs::create_dir_all(runtime_dir).map_err(|e| self.error(e))?;
+        let body = serde_json::to_vec(&info).unwrap_or_default();
+        write_private(&self.connection_file, &body).map_err(|e| self.error(e))?;
+        Ok(info)
+    }
+
+    fn remove(&self) {
+        remove_files(&self.connection_file, &self.ipc_prefix);
+    }
+}
+
+/// Starts the kernel's process in a group of its own, killed with the server.
+fn spawn_kernel(
+    command: &KernelCommand,
+    cwd: &Path,
+    files: &KernelFiles,
+) -> Result<tokio::process::Child, StartError> {
+    let program = command.argv.first().cloned().unwrap_or_default();
+    let connection_file = files.connection_file.display().to_string();
+    let args = command
+        .argv
+        .iter()
+        .skip(1)
+        .map(|a| a.replace("{connection_file}", &connection_file));
+    let mut process = tokio::process::Command::new(&program);
+    process
+        .args(args)
+        .envs(command.env.iter().map(|(k, v)| (k, v)))
+        .current_dir(cwd)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        // Its own group, so whatever the code started goes with it.
+        .process_group(0)
+        .kill_on_drop(true);
+    // SAFETY: only prctl, which is async-signal-safe, between fork and exec.
+    unsafe {
+        process.pre_exec(|| {
+            // A server that dies by any means takes its kernels along; the signal goes
+            // when the forking thread exits, and a runtime worker lives as long as the
+            // server.
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            Ok(())
+        });
+    }
+    process.spawn().map_err(|source| {
+        files.remove();
+        StartError::Spawn {
+            program: program.clone(),
+            cwd: cwd.display().to_string(),
+            source,
+        }
+    })
+}
+
+/// Opens the shell and iopub channels of the kernel described by `info`. Bounded too, so a
+/// kernel that never accepts is started again rather than waited for until the client gives up.
+async fn connect(
+    info: &ConnectionInfo,
+    session: &str,
+    patience: Duration,
+) -> Result<
+    (
+        jupyter_zmq_client::ClientShellConnection,
+        jupyter_zmq_client::ClientIoPubConnection,
+    ),
+    StartError,
+> {
+    let identity =
+        jupyter_zmq_client::peer_identity_for_session(session).map_err(StartError::Connect)?;
+    let connecting = async {
+        let shell = jupyter_zmq_client::create_client_shell_connection_with_identity(
+            info, session, identity,
+        )
+        .await?;
+        let iopub = jupyter_zmq_client::create_client_iopub_connection(info, "", session).await?;
+        Ok((shell, iopub))
+    };
+    match tokio::time::timeout(patience, connecting).await {
+        Ok(Ok(connected)) => Ok(connected),
+        Ok(Err(e)) => Err(StartError::Connect(e)),
+        Err(_) => Err(StartError::NotAnswering(patience)),
+    }
 }
 
 #[cfg(test)]
