@@ -646,17 +646,7 @@ async fn remove_superseded_bases(store: &dyn sandbar_core::Store, templates_dir:
 
 /// The default template: one Debian layer, the `user` account, its home as working directory.
 fn base_image() -> TemplateImage {
-    TemplateImage {
-        layers: vec![sandbar_node::build::templates::BASE_LAYER.into()],
-        env: Default::default(),
-        user: "user".into(),
-        workdir: "/home/user".into(),
-        start_cmd: None,
-        start_user: None,
-        ready_cmd: None,
-        snapshot: None,
-        started: None,
-    }
+    TemplateImage::of_layers(vec![sandbar_node::build::templates::BASE_LAYER.into()])
 }
 
 /// The binary `name` beside the server's own, unless `given`.

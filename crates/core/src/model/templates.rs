@@ -141,6 +141,22 @@ pub struct StartedImage {
 }
 
 impl TemplateImage {
+    /// An image of `layers` that runs as `user` in its home, with no start command: what
+    /// the default template is.
+    pub fn of_layers(layers: Vec<String>) -> Self {
+        Self {
+            layers,
+            env: BTreeMap::new(),
+            user: "user".into(),
+            workdir: "/home/user".into(),
+            start_cmd: None,
+            start_user: None,
+            ready_cmd: None,
+            snapshot: None,
+            started: None,
+        }
+    }
+
     /// The image a new sandbox of this one starts from on a node that can restore: the
     /// capture's layer on top, and its checkpoint to restore as a snapshot's. `started` stays
     /// set: a runtime that cannot restore the checkpoint boots on the same layers and runs

@@ -262,7 +262,7 @@ impl CgroupDriver {
         }
     }
 
-    /// Holds every sandbox made from now on to `io` (and those whose limits are set again).
+    /// Holds every sandbox made from now on to `io`.
     /// Returns whether this host can: v1 needs the blkio controller mounted, v2 the io one.
     pub fn set_io_throttle(&mut self, io: IoThrottle) -> bool {
         let able = match &self.hierarchy {
@@ -371,7 +371,30 @@ impl CgroupDriver {
                 source,
             })?;
         }
+        self.throttle_io(sandbox_id)?;
         self.apply_limits(sandbox_id, limits)
+    }
+
+    /// Holds a new sandbox's groups to the node's disk rates. Only at creation: the rates are
+    /// the same for every sandbox, so a warm sandbox taken by a create keeps them as they are.
+    fn throttle_io(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        if !self.io.is_active() {
+            return Ok(());
+        }
+        for (name, dir) in self.dirs(sandbox_id) {
+            for device in &self.io.devices {
+                match name {
+                    "blkio" => {
+                        for (file, line) in self.io.rates.v1_lines(*device) {
+                            write(&dir.join(file), &line)?;
+                        }
+                    }
+                    "unified" => write(&dir.join("io.max"), &self.io.rates.v2_line(*device))?,
+                    _ => {}
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sets the limits of an existing sandbox's cgroups.
@@ -422,18 +445,6 @@ impl CgroupDriver {
                         &limits.cpu_priority.weight().to_string(),
                     )?;
                     write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
-                    if self.io.is_active() {
-                        for device in &self.io.devices {
-                            write(&dir.join("io.max"), &self.io.rates.v2_line(*device))?;
-                        }
-                    }
-                }
-                "blkio" if self.io.is_active() => {
-                    for device in &self.io.devices {
-                        for (file, line) in self.io.rates.v1_lines(*device) {
-                            write(&dir.join(file), &line)?;
-                        }
-                    }
                 }
                 _ => {}
             }

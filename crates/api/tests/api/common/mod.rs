@@ -132,17 +132,7 @@ pub fn builds_with(
 }
 
 pub fn image() -> TemplateImage {
-    TemplateImage {
-        layers: vec!["base/v1".into()],
-        env: Default::default(),
-        user: "user".into(),
-        workdir: "/home/user".into(),
-        start_cmd: None,
-        start_user: None,
-        ready_cmd: None,
-        snapshot: None,
-        started: None,
-    }
+    TemplateImage::of_layers(vec!["base/v1".into()])
 }
 
 /// The public `base` template every harness registers, ready, built at `now`.
