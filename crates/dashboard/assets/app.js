@@ -35,13 +35,23 @@ function startTerminal(box) {
     "&cols=" + term.cols + "&rows=" + term.rows;
   var socket = new WebSocket(url);
   socket.binaryType = "arraybuffer";
+  var opened = false;
   socket.addEventListener("open", function () {
+    opened = true;
     term.loadAddon(new AttachAddon.AttachAddon(socket));
     box.dataset.connected = "1";
     term.focus();
   });
   socket.addEventListener("close", function () {
     box.dataset.connected = "";
+    // A refused handshake carries no reason to the page; say so and let the user retry.
+    term.write(opened ? "\r\n[the terminal closed]\r\n" : "[the terminal could not connect]\r\n");
+    box.dataset.closed = opened ? "closed" : "refused";
+    var button = document.getElementById("open-terminal");
+    if (button) {
+      button.hidden = false;
+      button.textContent = "Reconnect terminal";
+    }
   });
   window.addEventListener("resize", function () {
     fit.fit();
@@ -63,6 +73,12 @@ document.addEventListener("click", function (event) {
   var button = event.target.closest("[data-open-terminal]");
   if (button) {
     var box = document.getElementById("terminal");
+    if (box.dataset.closed) {
+      // A fresh terminal for a fresh shell: the closed one is dropped.
+      box.innerHTML = "";
+      delete box.dataset.started;
+      delete box.dataset.closed;
+    }
     box.hidden = false;
     button.hidden = true;
     startTerminal(box);

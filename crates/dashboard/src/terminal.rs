@@ -25,6 +25,10 @@ use crate::session::{Signed, csrf_matches};
 /// Marks a resize message from the page (bytes no terminal input starts with).
 pub(crate) const RESIZE: &[u8] = b"\xffR";
 
+/// How long the agent may take to start the shell: the sandbox decides how fast its agent
+/// answers, so the wait is bounded like every other wait on a sandbox.
+const SHELL_START: std::time::Duration = std::time::Duration::from_secs(20);
+
 #[derive(Debug, Deserialize)]
 pub(crate) struct TerminalQuery {
     csrf: String,
@@ -74,13 +78,27 @@ pub(crate) async fn open(
         let stream = start_shell(&mut output, size).await?;
         Ok::<_, AgentError>((output, input, stream))
     };
-    match start.await {
+    let started = match tokio::time::timeout(SHELL_START, start).await {
+        Ok(started) => started.map_err(PageError::from),
+        Err(_) => Err(PageError::new(
+            StatusCode::GATEWAY_TIMEOUT,
+            format!(
+                "the agent of sandbox '{id}' did not start a shell within {}s",
+                SHELL_START.as_secs()
+            ),
+        )),
+    };
+    match started {
         Ok((output, input, stream)) => upgrade.on_upgrade(move |socket| async move {
             bridge(socket, stream, input).await;
             // The output link goes with the shell.
             drop(output);
         }),
-        Err(e) => PageError::from(e).into_response(),
+        Err(e) => {
+            // The browser sees only a failed handshake, so the reason goes to the log.
+            tracing::warn!(sandbox_id = %id, error = %e.message, "terminal not opened");
+            e.into_response()
+        }
     }
 }
 
