@@ -53,6 +53,22 @@ phase "python and npm packages"
 python3 -m pytest tests/deploy -q -p no:cacheprovider
 phase "deploy checks"
 
+# A fresh clone builds into a target directory kept on this machine between runs, so that
+# only what changed is compiled again; a checkout with its own target/ keeps it. The cache is
+# dropped when it outgrows its bound (cargo keeps every old artifact) or the disk runs short.
+build_cache=${SANDBAR_BUILD_CACHE:-/var/cache/sandbar-build/target}
+if [[ ! -e target && $build_cache != none ]]; then
+  mkdir -p "$build_cache"
+  cache_gib=$(( $(du -sk "$build_cache" | cut -f1) >> 20 ))
+  free_gib=$(( $(stat -f -c '%a * %S' "$build_cache") / (1 << 30) ))
+  if (( cache_gib > 30 || free_gib < 40 )); then
+    echo "test.sh: dropping the build cache (${cache_gib} GiB, ${free_gib} GiB free)" >&2
+    rm -rf "$build_cache" && mkdir -p "$build_cache"
+  fi
+  ln -s "$build_cache" target
+fi
+phase "build cache"
+
 cargo fmt --all -- --check
 cargo clippy --release --all-targets -- -D warnings
 phase "fmt and clippy"
