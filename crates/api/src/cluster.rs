@@ -129,7 +129,7 @@ fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Des
 /// How an API host reaches the cluster's nodes.
 pub struct ClusterRouting {
     nodes: Arc<NodeDirectory>,
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     secret: Arc<str>,
     client: Client<HttpConnector, Body>,
     owners: Mutex<HashMap<String, (String, Instant)>>,
@@ -215,7 +215,7 @@ impl ClusterRouting {
             return TemplateReach::Local;
         };
         let parts = image.parts();
-        match self.store.layer_blobs(&parts).await {
+        match self.store.layer_blobs.layer_blobs(&parts).await {
             Ok(published) if published.len() == parts.len() => TemplateReach::Shared,
             Ok(_) => TemplateReach::Local,
             Err(e) => {
@@ -225,7 +225,7 @@ impl ClusterRouting {
         }
     }
 
-    pub fn new(nodes: Arc<NodeDirectory>, store: Arc<dyn Store>, secret: Arc<str>) -> Self {
+    pub fn new(nodes: Arc<NodeDirectory>, store: Arc<Store>, secret: Arc<str>) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(2)));
@@ -280,6 +280,7 @@ impl ClusterRouting {
         }
         let sandboxes = self
             .store
+            .sandboxes
             .all_sandboxes()
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
@@ -304,6 +305,7 @@ impl ClusterRouting {
         }
         let node = self
             .store
+            .nodes
             .sandbox_node(sandbox_id)
             .await
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
@@ -347,7 +349,12 @@ impl ClusterRouting {
     /// live; otherwise the keeper, which answers for a build nobody runs (a start there finds
     /// no files the lost node held, a cancel of a build never started ends it).
     async fn build_node(&self, build_id: &str) -> Result<NodeRecord, ApiError> {
-        let build = self.store.build(build_id).await.map_err(store_failed)?;
+        let build = self
+            .store
+            .builds
+            .build(build_id)
+            .await
+            .map_err(store_failed)?;
         build
             .and_then(|b| b.node_id)
             .and_then(|id| self.live_node(&id))
@@ -360,12 +367,14 @@ impl ClusterRouting {
     async fn files_node(&self, template_id: &str) -> Result<NodeRecord, ApiError> {
         let waiting = match self
             .store
+            .templates
             .template(template_id)
             .await
             .map_err(store_failed)?
         {
             Some(template) if !template.build_id.is_empty() => self
                 .store
+                .builds
                 .build(&template.build_id)
                 .await
                 .map_err(store_failed)?
@@ -393,7 +402,12 @@ impl ClusterRouting {
             return;
         };
         if node.id != keeper.id {
-            match self.store.assign_waiting_build(build_id, &node.id).await {
+            match self
+                .store
+                .builds
+                .assign_waiting_build(build_id, &node.id)
+                .await
+            {
                 Ok(true) => {}
                 Ok(false) => return,
                 Err(e) => {

@@ -117,7 +117,7 @@ impl Builder for NoBuilds {
 }
 
 fn state(
-    store: &Arc<dyn Store>,
+    store: &Arc<Store>,
     runtime: Arc<dyn Runtime>,
     node_id: &str,
     directory: &Arc<NodeDirectory>,
@@ -211,7 +211,7 @@ impl Drop for Cluster {
 }
 
 /// A single server, API and node in one (no cluster).
-async fn single_host(store: &Arc<dyn Store>) -> anyhow::Result<Cluster> {
+async fn single_host(store: &Arc<Store>) -> anyhow::Result<Cluster> {
     let directory = Arc::new(NodeDirectory::new(store.clone()));
     let app = router(state(store, Arc::new(InstantRuntime), "", &directory, None));
     Ok(Cluster {
@@ -220,7 +220,7 @@ async fn single_host(store: &Arc<dyn Store>) -> anyhow::Result<Cluster> {
     })
 }
 
-async fn cluster(store: &Arc<dyn Store>, nodes: usize) -> anyhow::Result<Cluster> {
+async fn cluster(store: &Arc<Store>, nodes: usize) -> anyhow::Result<Cluster> {
     if nodes == 0 {
         return single_host(store).await;
     }
@@ -276,7 +276,7 @@ async fn cluster(store: &Arc<dyn Store>, nodes: usize) -> anyhow::Result<Cluster
                             ..NodeReport::default()
                         },
                     };
-                    if let Err(e) = store.renew_node(&record).await {
+                    if let Err(e) = store.nodes.renew_node(&record).await {
                         eprintln!("warning: lease of {id} not renewed: {e}");
                     }
                 }
@@ -347,7 +347,7 @@ async fn hammer(
 async fn open_store(
     args: &ControlPlaneArgs,
     dir: &tempfile::TempDir,
-) -> anyhow::Result<Arc<dyn Store>> {
+) -> anyhow::Result<Arc<Store>> {
     Ok(match &args.database_url {
         Some(url) => Arc::new(sandbar_store::PgStore::connect(url).await?),
         None => Arc::new(sandbar_store::SqliteStore::open(&dir.path().join("sandbar.db")).await?),

@@ -51,7 +51,7 @@ struct Counter {
 }
 
 pub(crate) struct Activity {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     config: ActivityConfig,
     /// Team activity not yet written, by team and bucket.
     pending: Mutex<HashMap<(String, i64), Counter>>,
@@ -81,7 +81,7 @@ fn bucket_of(at: DateTime<Utc>) -> i64 {
 }
 
 impl Activity {
-    pub(crate) fn new(store: Arc<dyn Store>, config: ActivityConfig) -> Self {
+    pub(crate) fn new(store: Arc<Store>, config: ActivityConfig) -> Self {
         Self {
             store,
             config,
@@ -110,6 +110,7 @@ impl Activity {
     ) {
         if let Err(err) = self
             .store
+            .sandbox_logs
             .open_sandbox_log(sandbox_id, team_id, at, entries)
             .await
         {
@@ -148,6 +149,7 @@ impl Activity {
                 _ = hurry.notified() => {}
             }
             if let Err(err) = store
+                .sandbox_logs
                 .open_sandbox_log(&sandbox_id, &team_id, at, &entries)
                 .await
             {
@@ -182,6 +184,7 @@ impl Activity {
         let entry = SandboxLogEntry::event(Utc::now(), level, message, fields);
         if let Err(err) = self
             .store
+            .sandbox_logs
             .append_sandbox_logs(
                 sandbox_id,
                 std::slice::from_ref(&entry),
@@ -198,7 +201,12 @@ impl Activity {
     pub(crate) async fn close(&self, sandbox_id: &str, level: LogLevel, message: &str) {
         self.event(sandbox_id, level, message, &[]).await;
         self.offsets().remove(sandbox_id);
-        if let Err(err) = self.store.end_sandbox_log(sandbox_id, Utc::now()).await {
+        if let Err(err) = self
+            .store
+            .sandbox_logs
+            .end_sandbox_log(sandbox_id, Utc::now())
+            .await
+        {
             tracing::warn!(sandbox_id, error = %err, "cannot close sandbox log");
         }
     }
@@ -236,7 +244,7 @@ impl Activity {
         if buckets.is_empty() {
             return;
         }
-        if let Err(err) = self.store.add_team_metrics(&buckets).await {
+        if let Err(err) = self.store.team_metrics.add_team_metrics(&buckets).await {
             tracing::warn!(error = %err, "cannot write team metrics");
         }
     }
@@ -249,7 +257,7 @@ impl Activity {
         let cached = self.offsets().get(sandbox_id).copied();
         let offset = match cached {
             Some(offset) => offset,
-            None => match self.store.sandbox_log_offset(sandbox_id).await {
+            None => match self.store.sandbox_logs.sandbox_log_offset(sandbox_id).await {
                 Ok(offset) => offset,
                 Err(err) => {
                     tracing::warn!(sandbox_id, error = %err, "cannot read agent log offset");
@@ -291,6 +299,7 @@ impl Activity {
         let next = chunk.start.max(offset) + consumed as u64;
         match self
             .store
+            .sandbox_logs
             .append_sandbox_logs(
                 sandbox_id,
                 &entries,
@@ -310,12 +319,17 @@ impl Activity {
     pub(crate) async fn prune(&self) {
         let cutoff =
             Utc::now() - TimeDelta::from_std(self.config.retention).unwrap_or(TimeDelta::MAX / 2);
-        match self.store.prune_sandbox_logs(cutoff).await {
+        match self.store.sandbox_logs.prune_sandbox_logs(cutoff).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(sandboxes = n, "pruned old sandbox logs"),
             Err(err) => tracing::warn!(error = %err, "cannot prune sandbox logs"),
         }
-        if let Err(err) = self.store.prune_team_metrics(cutoff.timestamp()).await {
+        if let Err(err) = self
+            .store
+            .team_metrics
+            .prune_team_metrics(cutoff.timestamp())
+            .await
+        {
             tracing::warn!(error = %err, "cannot prune team metrics");
         }
     }
@@ -328,11 +342,15 @@ impl Activity {
         query: &SandboxLogQuery,
     ) -> Result<Vec<SandboxLogEntry>, SandboxLogsError> {
         self.opened(sandbox_id).await;
-        match self.store.sandbox_log_team(sandbox_id).await? {
+        match self.store.sandbox_logs.sandbox_log_team(sandbox_id).await? {
             Some(owner) if owner == team.id => {}
             _ => return Err(SandboxLogsError::NotFound(sandbox_id.to_owned())),
         }
-        Ok(self.store.sandbox_logs(sandbox_id, query).await?)
+        Ok(self
+            .store
+            .sandbox_logs
+            .sandbox_logs(sandbox_id, query)
+            .await?)
     }
 
     /// The interval a team metrics read covers: both ends default (the retention period up
@@ -383,7 +401,11 @@ impl Activity {
     ) -> Result<Vec<TeamMetricBucket>, TeamMetricsError> {
         // The first point covers its whole step, which may begin before `start`.
         let start = start - start.rem_euclid(step_for(start, end));
-        let mut buckets = self.store.team_metrics(team_id, start, end).await?;
+        let mut buckets = self
+            .store
+            .team_metrics
+            .team_metrics(team_id, start, end)
+            .await?;
         let unwritten: Vec<TeamMetricBucket> = self
             .pending()
             .iter()

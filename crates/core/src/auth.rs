@@ -49,7 +49,7 @@ pub use crate::model::teams::TeamLimits;
 
 #[derive(Clone)]
 pub struct Auth {
-    pub(crate) store: Arc<dyn Store>,
+    pub(crate) store: Arc<Store>,
     /// Held from counting a team's API keys to recording a new one.
     pub(crate) key_gate: Arc<crate::caps::TeamGate>,
 }
@@ -61,7 +61,7 @@ impl std::fmt::Debug for Auth {
 }
 
 impl Auth {
-    pub fn new(store: Arc<dyn Store>) -> Self {
+    pub fn new(store: Arc<Store>) -> Self {
         Self {
             store,
             key_gate: Arc::default(),
@@ -80,7 +80,7 @@ impl Auth {
         {
             return Err(AuthError::MalformedRequestedKey);
         }
-        if self.store.team_count().await? > 0 {
+        if self.store.teams.team_count().await? > 0 {
             return Ok(None);
         }
         let inserted = self
@@ -90,7 +90,7 @@ impl Auth {
             Ok(inserted) => inserted,
             // Another host of a cluster started on the same empty store at the same moment
             // and made the first team (or its key) first: that team is the one there is.
-            Err(StoreError::Conflict { .. }) if self.store.team_count().await? > 0 => {
+            Err(StoreError::Conflict { .. }) if self.store.teams.team_count().await? > 0 => {
                 return Ok(None);
             }
             Err(e) => return Err(e.into()),
@@ -111,6 +111,7 @@ impl Auth {
         let hash = hash_secret(key);
         let (stored, team) = self
             .store
+            .teams
             .api_key_by_hash(&hash)
             .await?
             .filter(|(stored, _)| same_hash(&stored.secret.secret_hash, &hash))
@@ -122,7 +123,10 @@ impl Auth {
         {
             // Bounded to one write per key every few seconds, so busy keys do not serialize
             // every request on the database's write lock.
-            self.store.touch_api_key(&stored.secret.id, now).await?;
+            self.store
+                .teams
+                .touch_api_key(&stored.secret.id, now)
+                .await?;
         }
         Ok(team)
     }
@@ -133,6 +137,7 @@ impl Auth {
             .ok_or(AuthError::MissingAccessToken)?;
         let user = self.user_for_access_token(Some(token)).await?;
         self.store
+            .teams
             .team(&user.token_team_id)
             .await?
             .ok_or(AuthError::InvalidAccessToken)

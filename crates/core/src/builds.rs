@@ -470,7 +470,7 @@ impl OwnBuildError for CancelBuildError {
 /// The build service: requests, uploads, the queue and its records.
 #[derive(Clone)]
 pub struct Builds {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     builder: Arc<dyn Builder>,
     config: BuildsConfig,
     queue: Arc<BuildQueue>,
@@ -562,7 +562,7 @@ pub fn valid_files_hash(hash: &str) -> bool {
 impl Builds {
     /// `finished` is notified whenever a build ends (see [`crate::Templates::build_finished`]).
     pub fn new(
-        store: Arc<dyn Store>,
+        store: Arc<Store>,
         builder: Arc<dyn Builder>,
         config: BuildsConfig,
         finished: Arc<Notify>,
@@ -620,6 +620,7 @@ impl Builds {
     pub async fn recover(&self, lost: impl Fn(Option<&str>) -> bool) -> Result<usize, StoreError> {
         let stale: Vec<BuildRecord> = self
             .store
+            .builds
             .unfinished_builds()
             .await?
             .into_iter()
@@ -665,11 +666,21 @@ impl Builds {
         let resources = self.requested_resources(team, request.cpu_count, request.memory_mb)?;
         let now = Utc::now();
         // A built-in template's name stays unambiguous in every namespace.
-        if self.store.template_by_name(None, name).await?.is_some() {
+        if self
+            .store
+            .templates
+            .template_by_name(None, name)
+            .await?
+            .is_some()
+        {
             return Err(RequestBuildError::BadName(full.clone()));
         }
         let _turn = self.cap_gate.enter(&team.id).await;
-        let existing = self.store.template_by_name(Some(&team.id), name).await?;
+        let existing = self
+            .store
+            .templates
+            .template_by_name(Some(&team.id), name)
+            .await?;
         self.check_request_caps(team, existing.as_ref(), &tags)
             .await?;
         let template = match existing {
@@ -732,6 +743,7 @@ impl Builds {
             None => {
                 let kept = self
                     .store
+                    .templates
                     .templates()
                     .await?
                     .iter()
@@ -803,8 +815,9 @@ impl Builds {
         // rebuilding brings an E2B template the current envd.
         template.envd_version = self.config.envd_version.to_owned();
         template.updated_at = now;
-        self.store.upsert_template(&template).await?;
+        self.store.templates.upsert_template(&template).await?;
         self.store
+            .builds
             .insert_build(&BuildRecord {
                 id: build_id.clone(),
                 template_id: template.id.clone(),
@@ -823,6 +836,7 @@ impl Builds {
             })
             .await?;
         self.store
+            .builds
             .set_build_tags(&template.id, &build_id, &tags)
             .await?;
         Ok(BuildRequested {
@@ -846,6 +860,7 @@ impl Builds {
         }
         let mut names: std::collections::BTreeSet<String> = self
             .store
+            .builds
             .template_tags(template_id)
             .await?
             .into_iter()
@@ -866,6 +881,7 @@ impl Builds {
 
     async fn own_template(&self, team: &Team, template_id: &str) -> Result<Template, StoreError> {
         self.store
+            .templates
             .template(template_id)
             .await?
             .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
@@ -885,6 +901,7 @@ impl Builds {
     ) -> Result<(Template, BuildRecord), E> {
         let Some(template) = self
             .store
+            .templates
             .template(template_id)
             .await?
             .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
@@ -892,6 +909,7 @@ impl Builds {
             return Err(E::template_not_found(template_id));
         };
         self.store
+            .builds
             .build(build_id)
             .await?
             .filter(|b| b.template_id == template.id)
@@ -959,7 +977,13 @@ impl Builds {
             )
             .await?;
         // The template may have been deleted while its files arrived: they go with it.
-        if self.store.template(&grant.template_id).await?.is_none() {
+        if self
+            .store
+            .templates
+            .template(&grant.template_id)
+            .await?
+            .is_none()
+        {
             self.builder
                 .forget_template_uploads(&grant.team_id, &grant.template_id);
         }
@@ -1037,8 +1061,9 @@ impl Builds {
         build.status = BuildStatus::Building;
         build.updated_at = Utc::now();
         build.node_id = self.node_id.clone();
-        self.store.update_build(&build).await?;
+        self.store.builds.update_build(&build).await?;
         self.store
+            .templates
             .set_template_build(&template.id, BuildStatus::Building, None)
             .await?;
         let job = BuildJob {
@@ -1111,6 +1136,7 @@ impl Builds {
         spec.ready_cmd = request.ready_cmd;
         let mut build = self
             .store
+            .builds
             .build(&requested.build_id)
             .await?
             .ok_or_else(|| StoreError::NotFound {
@@ -1118,7 +1144,7 @@ impl Builds {
                 id: requested.build_id.clone(),
             })?;
         build.spec = Some(spec);
-        self.store.update_build(&build).await?;
+        self.store.builds.update_build(&build).await?;
         Ok(requested)
     }
 
@@ -1187,13 +1213,13 @@ impl Builds {
             finished_at: None,
             node_id: self.node_id.clone(),
         };
-        self.store.insert_build(&build).await?;
+        self.store.builds.insert_build(&build).await?;
         let mut template = template.clone();
         template.build_id = build.id.clone();
         template.build_status = BuildStatus::Building;
         template.build_count += 1;
         template.updated_at = now;
-        self.store.upsert_template(&template).await?;
+        self.store.templates.upsert_template(&template).await?;
         let job = BuildJob {
             build_id: build.id.clone(),
             template_id: template.id.clone(),
@@ -1222,6 +1248,7 @@ impl Builds {
         if let Some(tag) = tag.filter(|t| *t != "default") {
             let build = self
                 .store
+                .builds
                 .tagged_build(&template.id, tag)
                 .await?
                 .ok_or_else(|| {
@@ -1257,7 +1284,7 @@ impl Builds {
             let writer = tokio::spawn(async move {
                 let mut seq: u64 = 0;
                 while let Some(entry) = rx.recv().await {
-                    if let Err(e) = store.append_build_log(&build_id, seq, &entry).await {
+                    if let Err(e) = store.builds.append_build_log(&build_id, seq, &entry).await {
                         tracing::warn!(error = %e, "cannot record a build log line");
                     }
                     seq += 1;
@@ -1397,6 +1424,7 @@ impl Builds {
         }
         // Never started (or left by a run of the server that is gone): nothing runs it.
         self.store
+            .builds
             .append_build_log(
                 &build.id,
                 0,
@@ -1417,7 +1445,12 @@ impl Builds {
         build: &BuildRecord,
         outcome: Result<TemplateImage, BuildFailure>,
     ) -> Result<(), StoreError> {
-        let mut record = self.store.build(&build.id).await?.unwrap_or(build.clone());
+        let mut record = self
+            .store
+            .builds
+            .build(&build.id)
+            .await?
+            .unwrap_or(build.clone());
         let now = Utc::now();
         record.updated_at = now;
         record.finished_at = Some(now);
@@ -1426,8 +1459,9 @@ impl Builds {
                 tracing::info!(build_id = %record.id, "build ready");
                 record.status = BuildStatus::Ready;
                 record.image = Some(image.clone());
-                self.store.update_build(&record).await?;
+                self.store.builds.update_build(&record).await?;
                 self.store
+                    .templates
                     .set_template_image(&record.template_id, &record.id, &image)
                     .await?;
             }
@@ -1435,11 +1469,12 @@ impl Builds {
                 tracing::info!(build_id = %record.id, reason = %failure.message, "build failed");
                 record.status = BuildStatus::Error;
                 record.failure = Some(failure.clone());
-                self.store.update_build(&record).await?;
-                if let Some(t) = self.store.template(&record.template_id).await?
+                self.store.builds.update_build(&record).await?;
+                if let Some(t) = self.store.templates.template(&record.template_id).await?
                     && t.build_id == record.id
                 {
                     self.store
+                        .templates
                         .set_template_build(
                             &record.template_id,
                             BuildStatus::Error,
@@ -1466,7 +1501,7 @@ impl Builds {
 
     /// Asks the builder to drop layers no template build still refers to.
     pub async fn collect_garbage(&self) {
-        match self.store.layers_in_use().await {
+        match self.store.templates.layers_in_use().await {
             Ok(in_use) => self.builder.collect_garbage(&in_use).await,
             Err(e) => tracing::warn!(error = %e, "cannot list layers in use"),
         }
@@ -1485,6 +1520,7 @@ impl Builds {
         let build = self.visible_build(team, template_id, build_id).await?;
         let logs = self
             .store
+            .builds
             .build_logs(&build.id, offset, limit, min_level)
             .await?;
         Ok((build, logs))
@@ -1498,11 +1534,13 @@ impl Builds {
     ) -> Result<BuildRecord, BuildLookupError> {
         let template = self
             .store
+            .templates
             .template(template_id)
             .await?
             .filter(|t| t.team_id.as_deref().is_none_or(|o| o == team.id))
             .ok_or_else(|| BuildLookupError::TemplateNotFound(template_id.to_owned()))?;
         self.store
+            .builds
             .build(build_id)
             .await?
             .filter(|b| b.template_id == template.id)
@@ -1514,11 +1552,14 @@ impl Builds {
 
     /// All log lines of a build (for cursor-based reading).
     pub async fn all_logs(&self, build_id: &str) -> Result<Vec<BuildLogEntry>, StoreError> {
-        self.store.build_logs(build_id, 0, u64::MAX, None).await
+        self.store
+            .builds
+            .build_logs(build_id, 0, u64::MAX, None)
+            .await
     }
 
     pub async fn builds_of(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
-        self.store.template_builds(template_id).await
+        self.store.builds.template_builds(template_id).await
     }
 
     /// `DELETE /templates/{id}`: running sandboxes keep their layers (the node holds them
@@ -1542,7 +1583,7 @@ impl Builds {
             }
             (found, _) => found?,
         };
-        self.store.delete_template(&template.id).await?;
+        self.store.templates.delete_template(&template.id).await?;
         self.contexts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -1563,7 +1604,7 @@ impl Builds {
         let mut template = self.find_own(team, template_id).await?;
         template.public = public;
         template.updated_at = Utc::now();
-        self.store.upsert_template(&template).await?;
+        self.store.templates.upsert_template(&template).await?;
         Ok(template)
     }
 
@@ -1585,9 +1626,10 @@ impl Builds {
         }
         let template = self.find_own(team, name).await?;
         let build = match tag.filter(|t| *t != "default") {
-            Some(tag) => self.store.tagged_build(&template.id, tag).await?,
+            Some(tag) => self.store.builds.tagged_build(&template.id, tag).await?,
             None => self
                 .store
+                .builds
                 .template_builds(&template.id)
                 .await?
                 .into_iter()
@@ -1602,8 +1644,12 @@ impl Builds {
         self.check_tag_cap::<TemplateAdminError>(team, &template.id, &tags)
             .await?;
         // A tag names one build: moving it takes it off the build it named before.
-        self.store.delete_build_tags(&template.id, &tags).await?;
         self.store
+            .builds
+            .delete_build_tags(&template.id, &tags)
+            .await?;
+        self.store
+            .builds
             .set_build_tags(&template.id, &build.id, &tags)
             .await?;
         Ok((build.id, tags))
@@ -1620,7 +1666,13 @@ impl Builds {
         if tags.is_empty() {
             return Err(TemplateAdminError::Invalid("tags must not be empty".into()));
         }
-        if self.store.delete_build_tags(&template.id, tags).await? == 0 {
+        if self
+            .store
+            .builds
+            .delete_build_tags(&template.id, tags)
+            .await?
+            == 0
+        {
             return Err(TemplateAdminError::NotFound(format!(
                 "{name}:{}",
                 tags.join(",")
@@ -1637,7 +1689,7 @@ impl Builds {
         template_id: &str,
     ) -> Result<Vec<(String, BuildRecord)>, TemplateAdminError> {
         let template = self.find_own(team, template_id).await?;
-        Ok(self.store.template_tags(&template.id).await?)
+        Ok(self.store.builds.template_tags(&template.id).await?)
     }
 
     async fn find_own(&self, team: &Team, reference: &str) -> Result<Template, TemplateAdminError> {

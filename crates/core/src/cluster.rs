@@ -17,7 +17,7 @@ pub const LEASE_LENGTH: Duration = Duration::from_secs(10);
 
 /// The nodes of the cluster as the store last listed them.
 pub struct NodeDirectory {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     nodes: RwLock<Vec<NodeRecord>>,
 }
 
@@ -30,7 +30,7 @@ impl std::fmt::Debug for NodeDirectory {
 }
 
 impl NodeDirectory {
-    pub fn new(store: Arc<dyn Store>) -> Self {
+    pub fn new(store: Arc<Store>) -> Self {
         Self {
             store,
             nodes: RwLock::new(Vec::new()),
@@ -43,7 +43,7 @@ impl NodeDirectory {
 
     /// Reads the nodes from the store again.
     pub async fn refresh(&self) -> Result<(), StoreError> {
-        let nodes = self.store.nodes().await?;
+        let nodes = self.store.nodes.nodes().await?;
         *self.nodes.write().unwrap_or_else(|e| e.into_inner()) = nodes;
         Ok(())
     }

@@ -387,7 +387,7 @@ impl Auth {
         let mut team = Team {
             id: ids::new_uuid(),
             name: name.to_owned(),
-            slug: self.store.free_team_slug(name).await?,
+            slug: self.store.teams.free_team_slug(name).await?,
             max_concurrent_sandboxes: 0,
             max_sandbox_timeout_secs: 0,
             requests_per_minute: 0,
@@ -397,14 +397,18 @@ impl Auth {
             caps: limits.caps,
         };
         team.apply(limits);
-        self.store.insert_team(&team).await?;
+        self.store.teams.insert_team(&team).await?;
         let user_id = ids::new_uuid();
-        self.store.insert_user(&user_id, &team.id, true).await?;
+        self.store
+            .teams
+            .insert_user(&user_id, &team.id, true)
+            .await?;
         let api_key = requested_api_key
             .map(str::to_owned)
             .unwrap_or_else(|| ids::new_secret(API_KEY_PREFIX));
         let access_token = ids::new_secret(ACCESS_TOKEN_PREFIX);
         self.store
+            .teams
             .insert_team_api_key(&StoredApiKey {
                 secret: stored(&team.id, "default", &api_key, API_KEY_PREFIX),
                 created_by: None,
@@ -412,6 +416,7 @@ impl Auth {
             })
             .await?;
         self.store
+            .teams
             .insert_user_access_token(&StoredAccessToken {
                 secret: stored(&team.id, "default", &access_token, ACCESS_TOKEN_PREFIX),
                 user_id,
@@ -429,6 +434,7 @@ impl Auth {
         let hash = hash_secret(token);
         let stored = self
             .store
+            .teams
             .access_token_by_hash(&hash)
             .await?
             .filter(|t| same_hash(&t.secret.secret_hash, &hash))
@@ -449,6 +455,7 @@ impl Auth {
     ) -> Result<Team, TeamAccessError> {
         let wanted = team_id.unwrap_or(&user.token_team_id);
         self.store
+            .teams
             .user_teams(&user.id)
             .await?
             .into_iter()
@@ -460,6 +467,7 @@ impl Auth {
     pub async fn list_api_keys(&self, team: &Team) -> Result<Vec<ApiKeyInfo>, StoreError> {
         Ok(self
             .store
+            .teams
             .team_api_keys(&team.id)
             .await?
             .iter()
@@ -481,9 +489,9 @@ impl Auth {
             last_used: None,
         };
         let _turn = self.key_gate.enter(&team.id).await;
-        let have = self.store.team_api_keys(&team.id).await?.len();
+        let have = self.store.teams.team_api_keys(&team.id).await?.len();
         crate::caps::check_count(team, "API keys", team.caps.max_api_keys, have)?;
-        self.store.insert_team_api_key(&stored).await?;
+        self.store.teams.insert_team_api_key(&stored).await?;
         Ok(CreatedApiKey {
             info: ApiKeyInfo::from(&stored),
             key,
@@ -497,7 +505,7 @@ impl Auth {
         name: &str,
     ) -> Result<(), RenameApiKeyError> {
         let name = check_name(name).map_err(RenameApiKeyError::BadName)?;
-        if self.store.rename_api_key(&team.id, id, &name).await? {
+        if self.store.teams.rename_api_key(&team.id, id, &name).await? {
             Ok(())
         } else {
             Err(RenameApiKeyError::NotFound(id.to_owned()))
@@ -507,7 +515,7 @@ impl Auth {
     /// Deletes one of the team's keys; it stops working with the next request. The team's
     /// last key may go too, as in E2B: its access tokens can still create new ones.
     pub async fn delete_api_key(&self, team: &Team, id: &str) -> Result<(), DeleteApiKeyError> {
-        if self.store.delete_api_key(Some(&team.id), id).await? {
+        if self.store.teams.delete_api_key(Some(&team.id), id).await? {
             Ok(())
         } else {
             Err(DeleteApiKeyError::NotFound(id.to_owned()))
@@ -524,6 +532,7 @@ impl Auth {
         let token = ids::new_secret(ACCESS_TOKEN_PREFIX);
         let secret = stored(&user.token_team_id, &name, &token, ACCESS_TOKEN_PREFIX);
         self.store
+            .teams
             .insert_user_access_token(&StoredAccessToken {
                 secret: secret.clone(),
                 user_id: user.id.clone(),
@@ -543,7 +552,7 @@ impl Auth {
         user: &User,
         id: &str,
     ) -> Result<(), DeleteAccessTokenError> {
-        if self.store.delete_access_token(&user.id, id).await? {
+        if self.store.teams.delete_access_token(&user.id, id).await? {
             Ok(())
         } else {
             Err(DeleteAccessTokenError::NotFound(id.to_owned()))
@@ -552,9 +561,10 @@ impl Auth {
 
     pub async fn teams_of(&self, user: &User) -> Result<Vec<TeamView>, StoreError> {
         let mut views = Vec::new();
-        for (team, is_default) in self.store.user_teams(&user.id).await? {
+        for (team, is_default) in self.store.teams.user_teams(&user.id).await? {
             let api_key = self
                 .store
+                .teams
                 .team_api_keys(&team.id)
                 .await?
                 .iter()
@@ -583,6 +593,7 @@ impl Auth {
             .await?;
         let api_key_id = self
             .store
+            .teams
             .team_api_keys(&team.id)
             .await?
             .first()
@@ -597,16 +608,17 @@ impl Auth {
     }
 
     pub async fn all_teams(&self) -> Result<Vec<Team>, StoreError> {
-        self.store.teams().await
+        self.store.teams.teams().await
     }
 
     /// A team by id, or by name when exactly one team has it.
     pub async fn find_team(&self, reference: &str) -> Result<Team, TeamAdminError> {
-        if let Some(team) = self.store.team(reference).await? {
+        if let Some(team) = self.store.teams.team(reference).await? {
             return Ok(team);
         }
         let mut named = self
             .store
+            .teams
             .teams()
             .await?
             .into_iter()
@@ -628,7 +640,7 @@ impl Auth {
         let mut team = self.find_team(reference).await?;
         let limits = team.limits().with(changes);
         limits.validate()?;
-        if !self.store.set_team_limits(&team.id, &limits).await? {
+        if !self.store.teams.set_team_limits(&team.id, &limits).await? {
             return Err(TeamAdminError::NotFound(reference.to_owned()));
         }
         team.apply(limits);
@@ -659,7 +671,7 @@ impl Auth {
 
     /// The operator's `key revoke`: any team's key.
     pub async fn revoke_api_key(&self, id: &str) -> Result<(), DeleteApiKeyError> {
-        if self.store.delete_api_key(None, id).await? {
+        if self.store.teams.delete_api_key(None, id).await? {
             Ok(())
         } else {
             Err(DeleteApiKeyError::NotFound(id.to_owned()))

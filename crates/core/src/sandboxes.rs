@@ -489,7 +489,7 @@ impl std::fmt::Debug for Sandboxes {
 
 impl Sandboxes {
     pub fn new(
-        store: Arc<dyn Store>,
+        store: Arc<Store>,
         runtime: Arc<dyn Runtime>,
         templates: Templates,
         config: SandboxesConfig,

@@ -26,7 +26,7 @@ pub enum TemplateError {
 
 #[derive(Clone)]
 pub struct Templates {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     build_finished: Arc<Notify>,
 }
 
@@ -49,33 +49,40 @@ fn valid_reference(reference: &str) -> bool {
 /// caller's namespace, then among other teams' public templates (when only one has it).
 /// What the caller may not see is not found, exactly like what does not exist.
 pub(crate) async fn find_template(
-    store: &dyn Store,
+    store: &Store,
     team: &Team,
     name: &str,
 ) -> Result<Option<Template>, StoreError> {
     // Most creates name a template (`base`), not an ID: one statement fewer for them.
     if crate::ids::is_template_id(name)
-        && let Some(template) = store.template(name).await?
+        && let Some(template) = store.templates.template(name).await?
         && template.visible_to(&team.id)
     {
         return Ok(Some(template));
     }
     if let Some((namespace, alias)) = name.split_once('/') {
-        let Some(owner) = store.team_by_slug(namespace).await? else {
+        let Some(owner) = store.teams.team_by_slug(namespace).await? else {
             return Ok(None);
         };
-        let found = store.template_by_name(Some(&owner.id), alias).await?;
+        let found = store
+            .templates
+            .template_by_name(Some(&owner.id), alias)
+            .await?;
         return Ok(found.filter(|t| t.visible_to(&team.id)));
     }
     // No team may take a built-in's name, so looking there first changes no answer and
     // saves the default template's creates a query.
-    if let Some(built_in) = store.template_by_name(None, name).await? {
+    if let Some(built_in) = store.templates.template_by_name(None, name).await? {
         return Ok(Some(built_in));
     }
-    if let Some(own) = store.template_by_name(Some(&team.id), name).await? {
+    if let Some(own) = store
+        .templates
+        .template_by_name(Some(&team.id), name)
+        .await?
+    {
         return Ok(Some(own));
     }
-    let mut public = store.public_templates_named(name).await?;
+    let mut public = store.templates.public_templates_named(name).await?;
     Ok(if public.len() == 1 {
         public.pop()
     } else {
@@ -84,7 +91,7 @@ pub(crate) async fn find_template(
 }
 
 impl Templates {
-    pub fn new(store: Arc<dyn Store>) -> Self {
+    pub fn new(store: Arc<Store>) -> Self {
         Self {
             store,
             build_finished: Arc::new(Notify::new()),
@@ -104,6 +111,7 @@ impl Templates {
         if let Some(tag) = tag.filter(|t| *t != "default") {
             let build = self
                 .store
+                .builds
                 .tagged_build(&template.id, tag)
                 .await?
                 .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
@@ -154,6 +162,7 @@ impl Templates {
             }
             current = self
                 .store
+                .templates
                 .template(&current.id)
                 .await?
                 .ok_or_else(|| TemplateError::NotFound(current.id.clone()))?;
@@ -163,6 +172,7 @@ impl Templates {
     pub async fn list(&self, team: &Team) -> Result<Vec<Template>, TemplateError> {
         Ok(self
             .store
+            .templates
             .templates()
             .await?
             .into_iter()
@@ -174,7 +184,7 @@ impl Templates {
 
     /// Registers a template (or refreshes an existing one) before its build starts.
     pub async fn register(&self, template: &Template) -> Result<(), TemplateError> {
-        self.store.upsert_template(template).await?;
+        self.store.templates.upsert_template(template).await?;
         Ok(())
     }
 
@@ -184,7 +194,7 @@ impl Templates {
     }
 
     pub async fn template(&self, id: &str) -> Result<Option<Template>, TemplateError> {
-        Ok(self.store.template(id).await?)
+        Ok(self.store.templates.template(id).await?)
     }
 }
 

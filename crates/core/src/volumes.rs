@@ -459,7 +459,7 @@ fn mount_path(raw: &str) -> Result<String, MountPathError> {
 }
 
 pub struct Volumes {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     host: Arc<dyn VolumeHost>,
     token_key: [u8; 32],
     /// Held shared from resolving a create's mounts until they are recorded, and exclusively
@@ -480,7 +480,7 @@ impl std::fmt::Debug for Volumes {
 pub type MountGuard<'a> = tokio::sync::RwLockReadGuard<'a, ()>;
 
 impl Volumes {
-    pub fn new(store: Arc<dyn Store>, host: Arc<dyn VolumeHost>, token_key: [u8; 32]) -> Self {
+    pub fn new(store: Arc<Store>, host: Arc<dyn VolumeHost>, token_key: [u8; 32]) -> Self {
         Self {
             store,
             host,
@@ -518,10 +518,16 @@ impl Volumes {
         };
         volume.token_hash = hash_secret(&self.token(&volume));
         let _turn = self.cap_gate.enter(&team.id).await;
-        if self.store.volume_by_name(&team.id, name).await?.is_some() {
+        if self
+            .store
+            .volumes
+            .volume_by_name(&team.id, name)
+            .await?
+            .is_some()
+        {
             return Err(CreateVolumeError::NameTaken(name.to_owned()));
         }
-        let kept = self.store.team_volumes(&team.id).await?;
+        let kept = self.store.volumes.team_volumes(&team.id).await?;
         check_count(team, "volumes", team.caps.max_volumes, kept.len())?;
         if team.caps.max_volume_mb != 0 {
             let used = self
@@ -541,7 +547,7 @@ impl Volumes {
                 volume_id: volume.id.clone(),
                 source,
             })?;
-        if !self.store.insert_volume(&volume).await? {
+        if !self.store.volumes.insert_volume(&volume).await? {
             self.remove_storage(&volume).await;
             return Err(CreateVolumeError::NameTaken(name.to_owned()));
         }
@@ -550,12 +556,12 @@ impl Volumes {
     }
 
     pub async fn list(&self, team: &Team) -> Result<Vec<Volume>, StoreError> {
-        self.store.team_volumes(&team.id).await
+        self.store.volumes.team_volumes(&team.id).await
     }
 
     /// A team's volume; another team's is reported as not found.
     pub async fn get(&self, team: &Team, id: &str) -> Result<Volume, GetVolumeError> {
-        match self.store.volume(id).await? {
+        match self.store.volumes.volume(id).await? {
             Some(v) if v.team_id == team.id => Ok(v),
             _ => Err(GetVolumeError::NotFound(id.to_owned())),
         }
@@ -563,17 +569,24 @@ impl Volumes {
 
     pub async fn delete(&self, team: &Team, id: &str) -> Result<(), DeleteVolumeError> {
         let _exclusive = self.mounting.write().await;
-        let volume = match self.store.volume(id).await? {
+        let volume = match self.store.volumes.volume(id).await? {
             Some(v) if v.team_id == team.id => v,
             _ => return Err(DeleteVolumeError::NotFound(id.to_owned())),
         };
-        if let Some(sandbox_id) = self.store.volume_users(id).await?.into_iter().next() {
+        if let Some(sandbox_id) = self
+            .store
+            .volumes
+            .volume_users(id)
+            .await?
+            .into_iter()
+            .next()
+        {
             return Err(DeleteVolumeError::InUse {
                 volume_id: id.to_owned(),
                 sandbox_id,
             });
         }
-        self.store.delete_volume(id).await?;
+        self.store.volumes.delete_volume(id).await?;
         self.remove_storage(&volume).await;
         tracing::info!(volume_id = %id, "volume deleted");
         Ok(())
@@ -643,7 +656,10 @@ impl Volumes {
         let guard = self.mounting.read().await;
         for (index, mount) in mounts.iter_mut().enumerate() {
             let volume = if valid_name(&mount.name) {
-                self.store.volume_by_name(&team.id, &mount.name).await?
+                self.store
+                    .volumes
+                    .volume_by_name(&team.id, &mount.name)
+                    .await?
             } else {
                 None
             };
@@ -660,7 +676,7 @@ impl Volumes {
 
     /// The mounts recorded with a sandbox.
     pub async fn sandbox_mounts(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {
-        self.store.sandbox_volumes(sandbox_id).await
+        self.store.sandboxes.sandbox_volumes(sandbox_id).await
     }
 
     /// The volume a content request names, if `token` is its token. Unknown volumes and wrong
@@ -674,6 +690,7 @@ impl Volumes {
         let token = token.ok_or_else(unauthorized)?;
         let volume = self
             .store
+            .volumes
             .volume(volume_id)
             .await?
             .ok_or_else(unauthorized)?;
@@ -831,13 +848,13 @@ impl Volumes {
     /// Writes from sandboxes that mount the volume are not held back here: they count
     /// towards the cap, which then refuses the team's next volume and content write.
     async fn check_room(&self, volume: &Volume, adding: u64) -> Result<(), VolumeContentError> {
-        let Some(team) = self.store.team(&volume.team_id).await? else {
+        let Some(team) = self.store.teams.team(&volume.team_id).await? else {
             return Ok(());
         };
         if team.caps.max_volume_mb == 0 {
             return Ok(());
         }
-        let kept = self.store.team_volumes(&team.id).await?;
+        let kept = self.store.volumes.team_volumes(&team.id).await?;
         let used = self
             .usage(&kept)
             .await

@@ -171,7 +171,7 @@ fn read_secret(path: &Path) -> anyhow::Result<Arc<str>> {
 
 /// What an API host needs beyond the store: where it listens and serves from.
 pub struct ApiHost {
-    pub store: Arc<dyn Store>,
+    pub store: Arc<Store>,
     pub auth: Auth,
     pub secret: Arc<str>,
     pub domain: String,
@@ -223,7 +223,7 @@ pub async fn api_router(host: ApiHost) -> anyhow::Result<sandbar_api::Routers> {
         )
         .with_cluster(nodes.clone()),
     );
-    let store_for_limits = store.clone();
+    let store_for_limits = store.request_counts.clone();
     let routing = Arc::new(ClusterRouting::new(nodes, store, host.secret));
     Ok(sandbar_api::routers(
         AppState {

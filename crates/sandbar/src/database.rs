@@ -35,12 +35,12 @@ impl DatabaseArgs {
 }
 
 /// Connects to the PostgreSQL database at `url`, migrating it first.
-pub async fn connect_postgres(url: &str) -> anyhow::Result<Arc<dyn Store>> {
+pub async fn connect_postgres(url: &str) -> anyhow::Result<Arc<Store>> {
     Ok(Arc::new(PgStore::connect(url).await?))
 }
 
 /// Opens (creating it if needed) the SQLite database at `path`.
-pub async fn open_sqlite(path: &Path) -> anyhow::Result<Arc<dyn Store>> {
+pub async fn open_sqlite(path: &Path) -> anyhow::Result<Arc<Store>> {
     let store = SqliteStore::open(path)
         .await
         .with_context(|| format!("cannot open {}", path.display()))?;

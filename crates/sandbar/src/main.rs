@@ -434,7 +434,7 @@ fn volume_token_key(data_dir: &Path) -> anyhow::Result<[u8; 32]> {
 struct Builtins<'a> {
     templates: &'a Templates,
     builds: &'a Builds,
-    store: &'a dyn sandbar_core::Store,
+    store: &'a sandbar_core::Store,
     layers: &'a sandbar_node::storage::layers::LayerStore,
     disk_size_mb: u32,
     /// A node of a cluster: a built-in template another node built is not rebuilt here.
@@ -452,7 +452,10 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
         disk_size_mb,
         in_cluster,
     } = *b;
-    let existing = store.template_by_name(None, DEFAULT_TEMPLATE_ALIAS).await?;
+    let existing = store
+        .templates
+        .template_by_name(None, DEFAULT_TEMPLATE_ALIAS)
+        .await?;
     let template = builtin_template(
         existing,
         DEFAULT_TEMPLATE_ALIAS,
@@ -498,10 +501,10 @@ async fn ensure_base_template(b: &Builtins<'_>, envd_version: &str) -> anyhow::R
 /// Publishes the layers of every ready template this node holds that the layer store lacks:
 /// templates built before the store was configured, or whose publication was interrupted.
 async fn publish_templates_on_disk(
-    store: Arc<dyn sandbar_core::Store>,
+    store: Arc<sandbar_core::Store>,
     shared: Arc<sandbar_node::cluster::shared_layers::SharedLayers>,
 ) {
-    let templates = match store.templates().await {
+    let templates = match store.templates.templates().await {
         Ok(templates) => templates,
         Err(e) => {
             tracing::warn!(error = %e, "cannot list templates to publish their layers");
@@ -588,6 +591,7 @@ async fn ensure_interpreter_template(
         tokio::task::spawn_blocking(move || interpreter::stage_files(&uploads, &bin)).await??;
     let spec = interpreter::build_spec(&files_hash);
     let existing = store
+        .templates
         .template_by_name(None, sandbar_core::INTERPRETER_TEMPLATE_ALIAS)
         .await?;
     let template = builtin_template(
@@ -599,7 +603,7 @@ async fn ensure_interpreter_template(
         disk_size_mb,
         sandbar_jail::ENVD_VERSION,
     );
-    let last = store.build(&template.build_id).await?;
+    let last = store.builds.build(&template.build_id).await?;
     let built =
         last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
     if in_cluster && built && !image_on_disk(&template, layers) {
@@ -620,8 +624,8 @@ async fn ensure_interpreter_template(
 /// Removes the roots of earlier `base` recipes once nothing names them: templates built on
 /// an old root, sandboxes running or paused on it and tagged builds keep it. Runs at start,
 /// before anything is served, so no create can be resolving a template that names one.
-async fn remove_superseded_bases(store: &dyn sandbar_core::Store, templates_dir: &Path) {
-    let keep: std::collections::BTreeSet<String> = match store.layers_in_use().await {
+async fn remove_superseded_bases(store: &sandbar_core::Store, templates_dir: &Path) {
+    let keep: std::collections::BTreeSet<String> = match store.templates.layers_in_use().await {
         Ok(layers) => layers.into_iter().collect(),
         Err(e) => {
             tracing::warn!(error = %e, "cannot list layers in use; earlier built-in roots are kept");
@@ -664,7 +668,7 @@ fn sibling_binary(given: Option<&PathBuf>, name: &str) -> anyhow::Result<PathBuf
 async fn open_store(
     postgres_url: Option<&str>,
     data_dir: &Path,
-) -> anyhow::Result<Arc<dyn sandbar_core::Store>> {
+) -> anyhow::Result<Arc<sandbar_core::Store>> {
     match postgres_url {
         Some(url) => {
             let store = database::connect_postgres(url).await?;
@@ -680,7 +684,7 @@ async fn open_store(
 /// node of a cluster) and the publication of what this node holds.
 fn share_layers(
     args: &ServeArgs,
-    store: &Arc<dyn sandbar_core::Store>,
+    store: &Arc<sandbar_core::Store>,
     runtime: &Arc<LinuxRuntime>,
     node_id: Option<&str>,
 ) -> anyhow::Result<()> {
@@ -689,7 +693,7 @@ fn share_layers(
     };
     let shared = Arc::new(sandbar_node::cluster::shared_layers::SharedLayers::new(
         blobs,
-        store.clone(),
+        store.layer_blobs.clone(),
         runtime.layers().layer_store().clone(),
         node_id.unwrap_or("local").to_owned(),
     ));
@@ -723,7 +727,7 @@ fn share_layers(
 /// failed, unused layers collected, and the sweeper of expired uploads.
 async fn start_builds(
     args: &ServeArgs,
-    store: &Arc<dyn sandbar_core::Store>,
+    store: &Arc<sandbar_core::Store>,
     runtime: &Arc<LinuxRuntime>,
     templates: &Templates,
     data_dir: &Path,
@@ -789,6 +793,7 @@ async fn start_builds(
     let live: Vec<String> = match node_id {
         None => Vec::new(),
         Some(node_id) => store
+            .nodes
             .nodes()
             .await?
             .into_iter()
@@ -823,7 +828,7 @@ async fn start_builds(
 /// and the sandboxes an earlier server left adopted (or swept).
 async fn start_sandboxes(
     args: &ServeArgs,
-    store: &Arc<dyn sandbar_core::Store>,
+    store: &Arc<sandbar_core::Store>,
     runtime: &Arc<LinuxRuntime>,
     templates: &Templates,
     data_dir: &Path,
@@ -940,7 +945,7 @@ fn prepare_data_dir(args: &ServeArgs) -> anyhow::Result<Option<&str>> {
 /// What runs beside the requests: the reaper, and on a node of a cluster the sharing of
 /// paused sandboxes' files and the renewal of the node's lease.
 fn start_background_work(
-    store: &Arc<dyn sandbar_core::Store>,
+    store: &Arc<sandbar_core::Store>,
     runtime: &Arc<LinuxRuntime>,
     sandboxes: &Arc<Sandboxes>,
     builds: &Builds,
@@ -1116,10 +1121,10 @@ fn check_asked_pool(args: &ServeArgs) -> anyhow::Result<()> {
 /// shared, else in this process.
 fn rate_limits(
     shared_database: bool,
-    store: &Arc<dyn sandbar_core::Store>,
+    store: &Arc<sandbar_core::Store>,
 ) -> Arc<sandbar_core::RateLimits> {
     if shared_database {
-        sandbar_core::RateLimits::shared_through(store.clone())
+        sandbar_core::RateLimits::shared_through(store.request_counts.clone())
     } else {
         Arc::new(sandbar_core::RateLimits::default())
     }

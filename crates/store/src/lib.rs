@@ -1,7 +1,7 @@
 //! SQLite and PostgreSQL implementations of [`sandbar_core::Store`]. This file holds the
 //! SQLite pool, its migrations and the error and time conversions both databases use; each
 //! aggregate's records are a type of their own in a module of their own (`SqliteTeams` in
-//! `teams`, …), and [`Records`], in `compose`, puts one of each together as the store.
+//! `teams`, …), and [`SqliteStore::open`] hands one of each to the core as its `Store`.
 //! `rows` holds the rows both databases read back and how each becomes a record.
 //! [`PgStore`], in `postgres`, keeps the same records in a database several API hosts can
 //! share.
@@ -10,9 +10,10 @@
 //! integers; maps are stored as JSON text.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use sandbar_core::StoreError;
+use sandbar_core::{Store, StoreError};
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
@@ -29,28 +30,11 @@ pub enum OpenStoreError {
     Slugs { path: String, source: StoreError },
 }
 
-pub use compose::{Backend, Records};
-pub use postgres::{ConnectStoreError, PgBackend, PgStore, redacted_url};
+pub use postgres::{ConnectStoreError, PgStore, redacted_url};
 
-/// The SQLite database's aggregate types.
-#[derive(Debug, Clone)]
-pub enum SqliteBackend {}
-
-impl Backend for SqliteBackend {
-    type Teams = SqliteTeams;
-    type Templates = SqliteTemplates;
-    type Builds = SqliteBuilds;
-    type Sandboxes = SqliteSandboxes;
-    type Volumes = SqliteVolumes;
-    type SandboxLogs = SqliteSandboxLogs;
-    type TeamMetrics = SqliteTeamMetrics;
-    type Nodes = SqliteNodes;
-    type LayerBlobs = SqliteLayerBlobs;
-    type RequestCounts = SqliteRequestCounts;
-}
-
-/// The records kept in one SQLite file.
-pub type SqliteStore = Records<SqliteBackend>;
+/// The records kept in one SQLite file: [`SqliteStore::open`] makes the core's `Store` of it.
+#[derive(Debug)]
+pub enum SqliteStore {}
 
 fn err(e: impl std::fmt::Display) -> StoreError {
     StoreError::Backend(e.to_string())
@@ -95,7 +79,6 @@ macro_rules! template_query {
 }
 
 mod builds;
-mod compose;
 mod layer_blobs;
 mod nodes;
 mod postgres;
@@ -121,7 +104,7 @@ use volumes::SqliteVolumes;
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
-    pub async fn open(path: &Path) -> Result<Self, OpenStoreError> {
+    pub async fn open(path: &Path) -> Result<Store, OpenStoreError> {
         let shown = path.display().to_string();
         let options = SqliteConnectOptions::new()
             .filename(path)
@@ -147,30 +130,28 @@ impl SqliteStore {
                 path: shown.clone(),
                 source,
             })?;
-        let store = Self::on_pool(pool);
-        store
-            .teams
+        SqliteTeams { pool: pool.clone() }
             .give_teams_slugs()
             .await
             .map_err(|source| OpenStoreError::Slugs {
                 path: shown,
                 source,
             })?;
-        Ok(store)
+        Ok(Self::on_pool(pool))
     }
 
-    fn on_pool(pool: SqlitePool) -> Self {
-        Records {
-            teams: SqliteTeams { pool: pool.clone() },
-            templates: SqliteTemplates { pool: pool.clone() },
-            builds: SqliteBuilds { pool: pool.clone() },
-            sandboxes: SqliteSandboxes { pool: pool.clone() },
-            volumes: SqliteVolumes { pool: pool.clone() },
-            sandbox_logs: SqliteSandboxLogs { pool: pool.clone() },
-            team_metrics: SqliteTeamMetrics { pool: pool.clone() },
-            nodes: SqliteNodes { pool: pool.clone() },
-            layer_blobs: SqliteLayerBlobs { pool: pool.clone() },
-            request_counts: SqliteRequestCounts { pool },
+    fn on_pool(pool: SqlitePool) -> Store {
+        Store {
+            teams: Arc::new(SqliteTeams { pool: pool.clone() }),
+            templates: Arc::new(SqliteTemplates { pool: pool.clone() }),
+            builds: Arc::new(SqliteBuilds { pool: pool.clone() }),
+            sandboxes: Arc::new(SqliteSandboxes { pool: pool.clone() }),
+            volumes: Arc::new(SqliteVolumes { pool: pool.clone() }),
+            sandbox_logs: Arc::new(SqliteSandboxLogs { pool: pool.clone() }),
+            team_metrics: Arc::new(SqliteTeamMetrics { pool: pool.clone() }),
+            nodes: Arc::new(SqliteNodes { pool: pool.clone() }),
+            layer_blobs: Arc::new(SqliteLayerBlobs { pool: pool.clone() }),
+            request_counts: Arc::new(SqliteRequestCounts { pool }),
         }
     }
 }
@@ -178,7 +159,6 @@ impl SqliteStore {
 #[cfg(test)]
 mod tests {
     use sandbar_core::SandboxStatus;
-    use sandbar_core::store::SandboxRecords;
     use sqlx::migrate::Migrator;
 
     use super::*;
@@ -236,6 +216,7 @@ mod tests {
         database_before_statuses(&path).await;
         let store = SqliteStore::open(&path).await.expect("open and migrate");
         let mut statuses: Vec<(String, SandboxStatus)> = store
+            .sandboxes
             .all_sandboxes()
             .await
             .expect("read")
@@ -257,6 +238,7 @@ mod tests {
             ]
         );
         let kept = store
+            .sandboxes
             .sandbox("checkpoint")
             .await
             .expect("read")

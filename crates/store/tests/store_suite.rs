@@ -69,7 +69,7 @@ suite!(
 
 /// A store under test, with what it keeps its data in.
 struct Fixture {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     backend: Backend,
 }
 
@@ -115,7 +115,7 @@ impl Fixture {
     }
 
     /// Another store on the same database, as a second API host would open it.
-    async fn second_host(&self) -> Arc<dyn Store> {
+    async fn second_host(&self) -> Arc<Store> {
         match &self.backend {
             Backend::Sqlite(dir) => Arc::new(
                 SqliteStore::open(&dir.path().join("db.sqlite"))
@@ -127,7 +127,7 @@ impl Fixture {
     }
 
     /// The store and a second host's on the same database.
-    async fn two_hosts(&self) -> [Arc<dyn Store>; 2] {
+    async fn two_hosts(&self) -> [Arc<Store>; 2] {
         [self.store.clone(), self.second_host().await]
     }
 
@@ -264,7 +264,7 @@ async fn malformed_requested_key_is_refused(f: Fixture) {
         matches!(refused, Err(AuthError::MalformedRequestedKey)),
         "{refused:?}"
     );
-    assert_eq!(store.team_count().await.expect("count"), 0);
+    assert_eq!(store.teams.team_count().await.expect("count"), 0);
 }
 
 async fn templates_and_sandboxes_round_trip(f: Fixture) {
@@ -281,7 +281,11 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         build_status: BuildStatus::Building,
         ..template("tpl0000000000000000a", None, "base")
     };
-    store.upsert_template(&template).await.expect("upsert");
+    store
+        .templates
+        .upsert_template(&template)
+        .await
+        .expect("upsert");
     let image = sandbar_core::TemplateImage {
         layers: vec!["base/v1".into(), "layer/ab".into()],
         env: [("A".to_owned(), "1".to_owned())].into(),
@@ -294,10 +298,12 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         started: None,
     };
     store
+        .templates
         .set_template_image(&template.id, "b", &image)
         .await
         .expect("ready");
     let by_alias = store
+        .templates
         .template_by_name(None, "base")
         .await
         .expect("query")
@@ -305,7 +311,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     assert_eq!(by_alias.build_status, BuildStatus::Ready);
     assert_eq!(by_alias.image.as_ref(), Some(&image));
     assert_eq!(
-        store.layers_in_use().await.expect("layers"),
+        store.templates.layers_in_use().await.expect("layers"),
         vec!["base/v1".to_owned(), "layer/ab".to_owned()]
     );
     assert_eq!(by_alias.aliases, vec!["base".to_owned()]);
@@ -313,14 +319,17 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     // Spawns written in batches add up, and the latest time stays the latest.
     let later = now + TimeDelta::seconds(5);
     store
+        .templates
         .record_template_spawns(&template.id, 3, later)
         .await
         .expect("spawns");
     store
+        .templates
         .record_template_spawns(&template.id, 2, now)
         .await
         .expect("spawns");
     let spawned = store
+        .templates
         .template_by_name(None, "base")
         .await
         .expect("query")
@@ -359,8 +368,13 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         image: Some(image.clone()),
         node_id: "n1".into(),
     };
-    store.insert_sandbox(&sandbox).await.expect("insert");
     store
+        .sandboxes
+        .insert_sandbox(&sandbox)
+        .await
+        .expect("insert");
+    store
+        .sandboxes
         .set_sandbox_status(&sandbox.id, SandboxStatus::Paused, None)
         .await
         .expect("pause");
@@ -373,6 +387,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     assert_eq!(paused.image.as_ref(), Some(&image));
     let released = RuntimeHandle(serde_json::json!({"pid": 0}));
     store
+        .sandboxes
         .set_sandbox_status(&sandbox.id, SandboxStatus::Shelved, Some(&released))
         .await
         .expect("pause without memory");
@@ -382,6 +397,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         (SandboxState::Paused, SandboxStatus::Shelved, &released)
     );
     store
+        .sandboxes
         .set_sandbox_status(&sandbox.id, SandboxStatus::Running, Some(&sandbox.handle))
         .await
         .expect("boot again");
@@ -395,6 +411,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     );
     assert_eq!(
         store
+            .sandboxes
             .team_sandboxes(&creds.team_id)
             .await
             .expect("list")
@@ -410,6 +427,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         dns_servers: None,
     };
     store
+        .sandboxes
         .set_sandbox_network(&sandbox.id, &network, false)
         .await
         .expect("update network");
@@ -422,21 +440,33 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         ..image.clone()
     };
     store
+        .templates
         .set_template_image(&template.id, "c", &rebuilt)
         .await
         .expect("rebuilt");
     assert_eq!(
-        store.layers_in_use().await.expect("layers"),
+        store.templates.layers_in_use().await.expect("layers"),
         vec![
             "base/v1".to_owned(),
             "base/v2".to_owned(),
             "layer/ab".to_owned()
         ]
     );
-    store.delete_sandbox(&sandbox.id).await.expect("delete");
-    assert!(store.sandbox(&sandbox.id).await.expect("get").is_none());
+    store
+        .sandboxes
+        .delete_sandbox(&sandbox.id)
+        .await
+        .expect("delete");
+    assert!(
+        store
+            .sandboxes
+            .sandbox(&sandbox.id)
+            .await
+            .expect("get")
+            .is_none()
+    );
     assert_eq!(
-        store.layers_in_use().await.expect("layers"),
+        store.templates.layers_in_use().await.expect("layers"),
         vec!["base/v2".to_owned()]
     );
 }
@@ -458,6 +488,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
     assert_eq!(two.slug, "acme-corp-2");
     assert_eq!(
         store
+            .teams
             .team_by_slug("acme-corp-2")
             .await
             .expect("slug")
@@ -466,10 +497,12 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
     );
     let named = |id: &str, team: &str| template(id, Some(team), "app");
     store
+        .templates
         .upsert_template(&named("tpl-one", &one.id))
         .await
         .expect("one's");
     store
+        .templates
         .upsert_template(&named("tpl-two", &two.id))
         .await
         .expect("two's");
@@ -478,6 +511,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
         (&two, "tpl-two", "acme-corp-2"),
     ] {
         let found = store
+            .templates
             .template_by_name(Some(&team.id), "app")
             .await
             .expect("query")
@@ -487,6 +521,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
     }
     assert!(
         store
+            .templates
             .template_by_name(None, "app")
             .await
             .expect("query")
@@ -494,6 +529,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
     );
     assert!(
         store
+            .templates
             .public_templates_named("app")
             .await
             .expect("query")
@@ -502,7 +538,7 @@ async fn names_are_per_team_and_teams_have_unique_slugs(f: Fixture) {
 }
 
 /// A team made through the core, as the server makes them.
-async fn team(store: &Arc<dyn Store>, name: &str) -> Team {
+async fn team(store: &Arc<Store>, name: &str) -> Team {
     Auth::new(store.clone())
         .create_team(name, LIMITS)
         .await
@@ -558,13 +594,23 @@ fn build(id: &str, template_id: &str, status: BuildStatus, at: DateTime<Utc>) ->
 }
 
 /// The node a build is recorded on.
-async fn build_node(store: &Arc<dyn Store>, id: &str) -> Option<String> {
-    store.build(id).await.expect("read").and_then(|b| b.node_id)
+async fn build_node(store: &Arc<Store>, id: &str) -> Option<String> {
+    store
+        .builds
+        .build(id)
+        .await
+        .expect("read")
+        .and_then(|b| b.node_id)
 }
 
 /// A recorded sandbox, which must be there.
-async fn stored_sandbox(store: &Arc<dyn Store>, id: &str) -> Sandbox {
-    store.sandbox(id).await.expect("read").expect("found")
+async fn stored_sandbox(store: &Arc<Store>, id: &str) -> Sandbox {
+    store
+        .sandboxes
+        .sandbox(id)
+        .await
+        .expect("read")
+        .expect("found")
 }
 
 /// A sandbox of `team_id` recorded on `node_id`.
@@ -603,19 +649,20 @@ async fn duplicates_are_conflicts(f: Fixture) {
     let store = f.store;
     let team = team(&store, "Dups").await;
     let s = sandbox("isandbox", &team.id, Utc::now());
-    store.insert_sandbox(&s).await.expect("first");
+    store.sandboxes.insert_sandbox(&s).await.expect("first");
     assert!(matches!(
-        store.insert_sandbox(&s).await,
+        store.sandboxes.insert_sandbox(&s).await,
         Err(StoreError::Conflict { what: "sandbox", ref id }) if id == "isandbox"
     ));
     store
+        .templates
         .upsert_template(&template("tpl", None, "t"))
         .await
         .expect("template");
     let b = build("b1", "tpl", BuildStatus::Waiting, Utc::now());
-    store.insert_build(&b).await.expect("first build");
+    store.builds.insert_build(&b).await.expect("first build");
     assert!(matches!(
-        store.insert_build(&b).await,
+        store.builds.insert_build(&b).await,
         Err(StoreError::Conflict { what: "build", .. })
     ));
     // Two hosts that picked the same slug for two new teams: the later one conflicts.
@@ -624,16 +671,28 @@ async fn duplicates_are_conflicts(f: Fixture) {
         ..team.clone()
     };
     assert!(matches!(
-        store.insert_team(&same_slug).await,
+        store.teams.insert_team(&same_slug).await,
         Err(StoreError::Conflict { what: "team", .. })
     ));
     let volume = volume_named("vol1", &team.id, "data", Utc::now());
-    assert!(store.insert_volume(&volume).await.expect("first volume"));
+    assert!(
+        store
+            .volumes
+            .insert_volume(&volume)
+            .await
+            .expect("first volume")
+    );
     let same_name = Volume {
         id: "vol2".into(),
         ..volume.clone()
     };
-    assert!(!store.insert_volume(&same_name).await.expect("second"));
+    assert!(
+        !store
+            .volumes
+            .insert_volume(&same_name)
+            .await
+            .expect("second")
+    );
 }
 
 async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) {
@@ -645,6 +704,7 @@ async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) 
         ("key-a", "hash-a", t0 + TimeDelta::seconds(1)),
     ] {
         store
+            .teams
             .insert_team_api_key(&StoredApiKey {
                 secret: StoredSecret {
                     id: id.into(),
@@ -662,6 +722,7 @@ async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) 
             .expect("insert key");
     }
     let listed: Vec<String> = store
+        .teams
         .team_api_keys(&team.id)
         .await
         .expect("list")
@@ -672,10 +733,19 @@ async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) 
     assert_eq!(listed, vec!["key-b".to_owned(), "key-a".to_owned()]);
 
     let later = t0 + TimeDelta::seconds(30);
-    store.touch_api_key("key-b", later).await.expect("touch");
+    store
+        .teams
+        .touch_api_key("key-b", later)
+        .await
+        .expect("touch");
     // A host whose touch lands late must not move the last use back.
-    store.touch_api_key("key-b", t0).await.expect("late touch");
+    store
+        .teams
+        .touch_api_key("key-b", t0)
+        .await
+        .expect("late touch");
     let (key, owner) = store
+        .teams
         .api_key_by_hash("hash-b")
         .await
         .expect("lookup")
@@ -686,25 +756,35 @@ async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) 
 
     assert!(
         store
+            .teams
             .rename_api_key(&team.id, "key-b", "renamed")
             .await
             .expect("rename")
     );
     assert!(
         !store
+            .teams
             .rename_api_key("other", "key-b", "x")
             .await
             .expect("rename")
     );
     assert!(
         !store
+            .teams
             .delete_api_key(Some("other"), "key-b")
             .await
             .expect("delete")
     );
-    assert!(store.delete_api_key(None, "key-b").await.expect("delete"));
     assert!(
         store
+            .teams
+            .delete_api_key(None, "key-b")
+            .await
+            .expect("delete")
+    );
+    assert!(
+        store
+            .teams
             .api_key_by_hash("hash-b")
             .await
             .expect("lookup")
@@ -715,6 +795,7 @@ async fn api_keys_list_oldest_first_and_last_use_only_moves_forward(f: Fixture) 
 async fn builds_tags_and_build_logs(f: Fixture) {
     let store = f.store;
     store
+        .templates
         .upsert_template(&template("tpl", None, "t"))
         .await
         .expect("template");
@@ -733,22 +814,26 @@ async fn builds_tags_and_build_logs(f: Fixture) {
         t0 + TimeDelta::seconds(9),
     );
     for b in [&old, &new, &waiting] {
-        store.insert_build(b).await.expect("insert");
+        store.builds.insert_build(b).await.expect("insert");
     }
     let tags = |t: &[&str]| t.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
     store
+        .builds
         .set_build_tags("tpl", "b-old", &tags(&["v1", "latest"]))
         .await
         .expect("tag old");
     store
+        .builds
         .set_build_tags("tpl", "b-new", &tags(&["latest", "v2"]))
         .await
         .expect("tag new");
     store
+        .builds
         .set_build_tags("tpl", "b-new", &tags(&["v2"]))
         .await
         .expect("tagging again is no change");
     let listed: Vec<(String, String)> = store
+        .builds
         .template_tags("tpl")
         .await
         .expect("tags")
@@ -765,6 +850,7 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     );
     assert_eq!(
         store
+            .builds
             .tagged_build("tpl", "latest")
             .await
             .expect("tagged")
@@ -773,6 +859,7 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     );
     assert_eq!(
         store
+            .builds
             .template_builds("tpl")
             .await
             .expect("builds")
@@ -783,6 +870,7 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     );
     assert_eq!(
         store
+            .builds
             .unfinished_builds()
             .await
             .expect("unfinished")
@@ -794,21 +882,29 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     // The node that runs it is recorded when it starts.
     let mut running = waiting.clone();
     running.node_id = Some("n1".into());
-    store.update_build(&running).await.expect("update");
+    store.builds.update_build(&running).await.expect("update");
     assert_eq!(build_node(&store, "b-wait").await, Some("n1".into()));
     // A waiting build may be given to another node; a started or ended one is not.
     for (id, assigned) in [("b-wait", true), ("b-new", false), ("nope", false)] {
-        let done = store.assign_waiting_build(id, "n2").await.expect("assign");
+        let done = store
+            .builds
+            .assign_waiting_build(id, "n2")
+            .await
+            .expect("assign");
         assert_eq!(done, assigned, "{id}");
     }
     assert_eq!(build_node(&store, "b-wait").await, Some("n2".into()));
     let mut done = running.clone();
     done.status = BuildStatus::Error;
     done.failure = Some(sandbar_core::BuildFailure::at("2", "exit 1"));
-    store.update_build(&done).await.expect("update");
-    assert_eq!(store.build("b-wait").await.expect("read"), Some(done));
+    store.builds.update_build(&done).await.expect("update");
+    assert_eq!(
+        store.builds.build("b-wait").await.expect("read"),
+        Some(done)
+    );
     assert_eq!(
         store
+            .builds
             .delete_build_tags("tpl", &tags(&["latest", "nope"]))
             .await
             .expect("untag"),
@@ -828,6 +924,7 @@ async fn builds_tags_and_build_logs(f: Fixture) {
             step: Some("1".into()),
         };
         store
+            .builds
             .append_build_log("b-new", seq, &entry)
             .await
             .expect("log");
@@ -837,16 +934,22 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     assert_eq!(
         messages(
             store
+                .builds
                 .build_logs("b-new", 1, 10, Some(LogLevel::Info))
                 .await
                 .expect("logs")
         ),
         vec!["failed", "cleanup"]
     );
-    store.delete_template("tpl").await.expect("delete");
-    assert!(store.build("b-new").await.expect("read").is_none());
+    store
+        .templates
+        .delete_template("tpl")
+        .await
+        .expect("delete");
+    assert!(store.builds.build("b-new").await.expect("read").is_none());
     assert!(
         store
+            .builds
             .build_logs("b-new", 0, 10, None)
             .await
             .expect("logs")
@@ -854,6 +957,7 @@ async fn builds_tags_and_build_logs(f: Fixture) {
     );
     assert!(
         store
+            .templates
             .template_by_name(None, "t")
             .await
             .expect("read")
@@ -866,6 +970,7 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
     let t0 = micros(Utc::now());
     let at = |ms: i64| t0 + TimeDelta::milliseconds(ms);
     store
+        .sandbox_logs
         .open_sandbox_log(
             "isb",
             "team",
@@ -875,6 +980,7 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
         .await
         .expect("open");
     store
+        .sandbox_logs
         .open_sandbox_log(
             "isb",
             "other",
@@ -885,6 +991,7 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
         .expect("opening again keeps the first");
     assert_eq!(
         store
+            .sandbox_logs
             .sandbox_log_team("isb")
             .await
             .expect("team")
@@ -892,6 +999,7 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
         Some("team")
     );
     store
+        .sandbox_logs
         .append_sandbox_logs(
             "isb",
             &[
@@ -905,14 +1013,23 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
         .await
         .expect("append");
     store
+        .sandbox_logs
         .append_sandbox_logs("nobody", &[log_line(at(1), LogLevel::Info, "x")], None, 3)
         .await
         .expect("a log never opened takes nothing");
-    assert_eq!(store.sandbox_log_offset("isb").await.expect("offset"), 4096);
+    assert_eq!(
+        store
+            .sandbox_logs
+            .sandbox_log_offset("isb")
+            .await
+            .expect("offset"),
+        4096
+    );
     let read = |query: SandboxLogQuery| {
         let store = store.clone();
         async move {
             store
+                .sandbox_logs
                 .sandbox_logs("isb", &query)
                 .await
                 .expect("read")
@@ -953,27 +1070,44 @@ async fn sandbox_logs_keep_the_newest_lines_and_search_case_sensitively(f: Fixtu
         .await,
         vec!["hello again"]
     );
-    store.end_sandbox_log("isb", t0).await.expect("end");
+    store
+        .sandbox_logs
+        .end_sandbox_log("isb", t0)
+        .await
+        .expect("end");
     assert_eq!(
-        store.prune_sandbox_logs(t0).await.expect("prune"),
+        store
+            .sandbox_logs
+            .prune_sandbox_logs(t0)
+            .await
+            .expect("prune"),
         0,
         "ended exactly at the cut"
     );
     assert_eq!(
         store
+            .sandbox_logs
             .prune_sandbox_logs(t0 + TimeDelta::seconds(1))
             .await
             .expect("prune"),
         1
     );
     assert!(read(SandboxLogQuery::default()).await.is_empty());
-    assert!(store.sandbox_log_team("isb").await.expect("team").is_none());
+    assert!(
+        store
+            .sandbox_logs
+            .sandbox_log_team("isb")
+            .await
+            .expect("team")
+            .is_none()
+    );
 }
 
 async fn concurrent_log_appends_number_every_line_once(f: Fixture) {
     let store = f.store;
     let t0 = micros(Utc::now());
     store
+        .sandbox_logs
         .open_sandbox_log("isb", "team", t0, &[])
         .await
         .expect("open");
@@ -984,6 +1118,7 @@ async fn concurrent_log_appends_number_every_line_once(f: Fixture) {
                 for i in 0..5 {
                     let line = log_line(t0, LogLevel::Info, &format!("{w}-{i}"));
                     store
+                        .sandbox_logs
                         .append_sandbox_logs("isb", &[line.clone(), line], None, 1000)
                         .await
                         .expect("append");
@@ -995,6 +1130,7 @@ async fn concurrent_log_appends_number_every_line_once(f: Fixture) {
         writer.await.expect("writer");
     }
     let lines = store
+        .sandbox_logs
         .sandbox_logs("isb", &SandboxLogQuery::default())
         .await
         .expect("read");
@@ -1010,6 +1146,7 @@ async fn team_metrics_merge_buckets(f: Fixture) {
         starts,
     };
     store
+        .team_metrics
         .add_team_metrics(&[
             bucket("a", 10, 3, 1),
             bucket("a", 5, 1, 1),
@@ -1018,20 +1155,40 @@ async fn team_metrics_merge_buckets(f: Fixture) {
         .await
         .expect("add");
     store
+        .team_metrics
         .add_team_metrics(&[bucket("a", 10, 2, 4)])
         .await
         .expect("merge");
     assert_eq!(
-        store.team_metrics("a", 0, 10).await.expect("read"),
+        store
+            .team_metrics
+            .team_metrics("a", 0, 10)
+            .await
+            .expect("read"),
         vec![bucket("a", 5, 1, 1), bucket("a", 10, 3, 5)]
     );
     assert_eq!(
-        store.team_metrics("a", 6, 9).await.expect("read"),
+        store
+            .team_metrics
+            .team_metrics("a", 6, 9)
+            .await
+            .expect("read"),
         Vec::new()
     );
-    assert_eq!(store.prune_team_metrics(10).await.expect("prune"), 2);
     assert_eq!(
-        store.team_metrics("a", 0, 100).await.expect("read"),
+        store
+            .team_metrics
+            .prune_team_metrics(10)
+            .await
+            .expect("prune"),
+        2
+    );
+    assert_eq!(
+        store
+            .team_metrics
+            .team_metrics("a", 0, 100)
+            .await
+            .expect("read"),
         vec![bucket("a", 10, 3, 5)]
     );
 }
@@ -1045,10 +1202,11 @@ async fn volumes_and_mounts(f: Fixture) {
         ("vol-a", "first", t0),
     ] {
         let v = volume_named(id, &team.id, name, at);
-        assert!(store.insert_volume(&v).await.expect("insert"));
+        assert!(store.volumes.insert_volume(&v).await.expect("insert"));
     }
     assert_eq!(
         store
+            .volumes
             .team_volumes(&team.id)
             .await
             .expect("list")
@@ -1058,12 +1216,14 @@ async fn volumes_and_mounts(f: Fixture) {
         vec!["vol-a", "vol-b"]
     );
     let found = store
+        .volumes
         .volume_by_name(&team.id, "second")
         .await
         .expect("by name")
         .expect("found");
     assert_eq!(found.created_at, t0 + TimeDelta::seconds(1));
     store
+        .sandboxes
         .insert_sandbox(&sandbox("isb", &team.id, t0))
         .await
         .expect("sandbox");
@@ -1082,25 +1242,48 @@ async fn volumes_and_mounts(f: Fixture) {
         },
     ];
     store
+        .sandboxes
         .insert_sandbox_volumes("isb", &mounts)
         .await
         .expect("mount");
-    assert_eq!(store.sandbox_volumes("isb").await.expect("mounts"), mounts);
     assert_eq!(
-        store.volume_users("vol-a").await.expect("users"),
+        store
+            .sandboxes
+            .sandbox_volumes("isb")
+            .await
+            .expect("mounts"),
+        mounts
+    );
+    assert_eq!(
+        store.volumes.volume_users("vol-a").await.expect("users"),
         vec!["isb".to_owned()]
     );
     // A mounted volume stays: the mount's reference to it holds the row.
-    let refused = store.delete_volume("vol-a").await;
+    let refused = store.volumes.delete_volume("vol-a").await;
     assert!(
         matches!(&refused, Err(StoreError::Backend(message))
             if message.to_lowercase().contains("foreign key constraint")),
         "{refused:?}"
     );
-    store.delete_sandbox("isb").await.expect("delete sandbox");
-    assert!(store.volume_users("vol-a").await.expect("users").is_empty());
-    store.delete_volume("vol-a").await.expect("delete volume");
-    assert!(store.volume("vol-a").await.expect("read").is_none());
+    store
+        .sandboxes
+        .delete_sandbox("isb")
+        .await
+        .expect("delete sandbox");
+    assert!(
+        store
+            .volumes
+            .volume_users("vol-a")
+            .await
+            .expect("users")
+            .is_empty()
+    );
+    store
+        .volumes
+        .delete_volume("vol-a")
+        .await
+        .expect("delete volume");
+    assert!(store.volumes.volume("vol-a").await.expect("read").is_none());
 }
 
 async fn teams_members_and_limits(f: Fixture) {
@@ -1108,15 +1291,17 @@ async fn teams_members_and_limits(f: Fixture) {
     let one = team(&store, "One").await;
     let two = team(&store, "Two").await;
     store
+        .teams
         .insert_user("user-1", &one.id, true)
         .await
         .expect("user");
-    let again = store.insert_user("user-1", &two.id, false).await;
+    let again = store.teams.insert_user("user-1", &two.id, false).await;
     assert!(
         matches!(&again, Err(StoreError::Conflict { what: "user", id }) if id == "user-1"),
         "{again:?}"
     );
     let teams: Vec<(String, bool)> = store
+        .teams
         .user_teams("user-1")
         .await
         .expect("teams")
@@ -1135,17 +1320,24 @@ async fn teams_members_and_limits(f: Fixture) {
     };
     assert!(
         store
+            .teams
             .set_team_limits(&two.id, &limits)
             .await
             .expect("limits")
     );
     assert!(
         !store
+            .teams
             .set_team_limits("nobody", &limits)
             .await
             .expect("limits")
     );
-    let read = store.team(&two.id).await.expect("read").expect("found");
+    let read = store
+        .teams
+        .team(&two.id)
+        .await
+        .expect("read")
+        .expect("found");
     assert_eq!(
         (
             read.max_concurrent_sandboxes,
@@ -1156,6 +1348,7 @@ async fn teams_members_and_limits(f: Fixture) {
     );
     assert_eq!(
         store
+            .teams
             .teams()
             .await
             .expect("teams")
@@ -1164,7 +1357,7 @@ async fn teams_members_and_limits(f: Fixture) {
             .collect::<Vec<_>>(),
         vec![one.id, two.id]
     );
-    assert_eq!(store.team_count().await.expect("count"), 2);
+    assert_eq!(store.teams.team_count().await.expect("count"), 2);
 }
 
 async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
@@ -1186,29 +1379,33 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
     let limits = TeamLimits { caps, ..LIMITS };
     assert!(
         store
+            .teams
             .set_team_limits(&made.team.id, &limits)
             .await
             .expect("limits")
     );
     // Every way a team is read carries them: by id, in the list, with a key, by slug.
     let by_id = store
+        .teams
         .team(&made.team.id)
         .await
         .expect("read")
         .expect("found");
     assert_eq!(by_id.caps, caps);
-    let listed = store.teams().await.expect("teams");
+    let listed = store.teams.teams().await.expect("teams");
     assert_eq!(
         listed.iter().find(|t| t.id == made.team.id).map(|t| t.caps),
         Some(caps)
     );
     let (_, with_key) = store
+        .teams
         .api_key_by_hash(&sandbar_core::auth::hash_secret(&made.api_key))
         .await
         .expect("key")
         .expect("found");
     assert_eq!(with_key.caps, caps);
     let by_slug = store
+        .teams
         .team_by_slug(&made.team.slug)
         .await
         .expect("slug")
@@ -1216,7 +1413,12 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
     assert_eq!(by_slug.caps, caps);
 
     f.insert_team_without_caps("old-team").await;
-    let old = store.team("old-team").await.expect("read").expect("found");
+    let old = store
+        .teams
+        .team("old-team")
+        .await
+        .expect("read")
+        .expect("found");
     assert_eq!(old.caps, TeamCaps::DEFAULT);
 }
 
@@ -1229,13 +1431,13 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
     let created = futures_join(hosts.iter().enumerate().map(|(i, store)| {
         let store = store.clone();
         let volume = volume_named(&format!("vol-{i}"), &owner.id, "shared", t0);
-        tokio::spawn(async move { store.insert_volume(&volume).await.expect("insert") })
+        tokio::spawn(async move { store.volumes.insert_volume(&volume).await.expect("insert") })
     }))
     .await;
     assert_eq!(created.iter().filter(|c| **c).count(), 1, "{created:?}");
 
     // The same new team slug picked by both: the later insert is a conflict.
-    let slug = hosts[1].free_team_slug("Racers").await.expect("slug");
+    let slug = hosts[1].teams.free_team_slug("Racers").await.expect("slug");
     assert_eq!(slug, "racers-2");
     let twin = |id: &str| Team {
         id: id.into(),
@@ -1245,7 +1447,7 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
     let results = futures_join(hosts.iter().enumerate().map(|(i, store)| {
         let store = store.clone();
         let team = twin(&format!("twin-{i}"));
-        tokio::spawn(async move { store.insert_team(&team).await })
+        tokio::spawn(async move { store.teams.insert_team(&team).await })
     }))
     .await;
     assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 1);
@@ -1257,6 +1459,7 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
 
     // Both hosts append to one sandbox's log: every line numbered once.
     hosts[0]
+        .sandbox_logs
         .open_sandbox_log("isb", &owner.id, t0, &[])
         .await
         .expect("open");
@@ -1266,6 +1469,7 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
             for i in 0..10 {
                 let line = log_line(t0, LogLevel::Info, &format!("line {i}"));
                 store
+                    .sandbox_logs
                     .append_sandbox_logs("isb", &[line], None, 1000)
                     .await
                     .expect("append");
@@ -1274,6 +1478,7 @@ async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {
     }))
     .await;
     let lines = hosts[1]
+        .sandbox_logs
         .sandbox_logs("isb", &SandboxLogQuery::default())
         .await
         .expect("read");
@@ -1295,12 +1500,16 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
             ..NodeReport::default()
         },
     };
-    store.renew_node(&first).await.expect("record");
+    store.nodes.renew_node(&first).await.expect("record");
     let other = NodeRecord {
         id: "n1".into(),
         ..first.clone()
     };
-    store.renew_node(&other).await.expect("record another");
+    store
+        .nodes
+        .renew_node(&other)
+        .await
+        .expect("record another");
     let renewed = NodeRecord {
         lease_until: now + TimeDelta::seconds(20),
         report: NodeReport {
@@ -1309,18 +1518,21 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
         },
         ..first.clone()
     };
-    store.renew_node(&renewed).await.expect("renew");
-    let nodes = store.nodes().await.expect("nodes");
+    store.nodes.renew_node(&renewed).await.expect("renew");
+    let nodes = store.nodes.nodes().await.expect("nodes");
     assert_eq!(nodes, vec![other, renewed], "one row per node, by id");
 
     let t = team(store, "nodes").await;
     let s = sandbox_on("sbx-on-n2", &t.id, "n2", now);
-    store.insert_sandbox(&s).await.expect("insert");
+    store.sandboxes.insert_sandbox(&s).await.expect("insert");
     assert_eq!(
-        store.sandbox_node("sbx-on-n2").await.expect("node"),
+        store.nodes.sandbox_node("sbx-on-n2").await.expect("node"),
         Some("n2".into())
     );
-    assert_eq!(store.sandbox_node("missing").await.expect("node"), None);
+    assert_eq!(
+        store.nodes.sandbox_node("missing").await.expect("node"),
+        None
+    );
     // A take-over moves it only from the node it is on.
     for (id, from, to, moved) in [
         ("sbx-on-n2", "n1", "n3", false),
@@ -1328,11 +1540,11 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
         ("sbx-on-n2", "n2", "n3", false),
         ("missing", "n2", "n1", false),
     ] {
-        let done = store.move_sandbox(id, from, to).await.expect("move");
+        let done = store.nodes.move_sandbox(id, from, to).await.expect("move");
         assert_eq!(done, moved, "{id} from {from} to {to}");
     }
     assert_eq!(
-        store.sandbox_node("sbx-on-n2").await.expect("node"),
+        store.nodes.sandbox_node("sbx-on-n2").await.expect("node"),
         Some("n1".into())
     );
     assert_eq!(stored_sandbox(store, "sbx-on-n2").await.node_id, "n1");
@@ -1360,12 +1572,13 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
             status,
             ..sandbox_on(id, &t.id, node, now)
         };
-        store.insert_sandbox(&s).await.expect("insert");
+        store.sandboxes.insert_sandbox(&s).await.expect("insert");
     }
     let take = |c: SlotClaim, limit: usize, live: Vec<String>| {
         let store = store.clone();
         async move {
             store
+                .nodes
                 .claim_team_slot(&c, limit, &live, &statuses)
                 .await
                 .expect("claim")
@@ -1377,33 +1590,34 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     // Recorded running, a's claim stops counting twice: still full.
     let a = sandbox_on("a", &t.id, "n1", now);
-    store.insert_sandbox(&a).await.expect("insert a");
+    store.sandboxes.insert_sandbox(&a).await.expect("insert a");
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
-    store.release_team_slot("a").await.expect("release");
+    store.nodes.release_team_slot("a").await.expect("release");
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     // Let go of b (its start failed): room again.
-    store.release_team_slot("b").await.expect("release");
+    store.nodes.release_team_slot("b").await.expect("release");
     assert!(take(claim("c", "n1"), 3, live.clone()).await);
     // An expired claim counts for nothing; nor do a lost node's claims and rows.
-    store.release_team_slot("c").await.expect("release");
+    store.nodes.release_team_slot("c").await.expect("release");
     let stale = SlotClaim {
         until: now - TimeDelta::seconds(1),
         ..claim("stale", "n2")
     };
     assert!(take(stale, 3, live.clone()).await);
     assert!(take(claim("d", "n1"), 3, live.clone()).await);
-    store.release_team_slot("d").await.expect("release");
+    store.nodes.release_team_slot("d").await.expect("release");
     assert!(
         take(claim("e", "n1"), 2, vec!["n1".into()]).await,
         "n2's sandboxes are not counted once n2 is lost"
     );
-    store.release_team_slot("e").await.expect("release");
+    store.nodes.release_team_slot("e").await.expect("release");
     // A resume's claim, for a sandbox recorded paused, counts until it is recorded running;
     // claiming again for the same sandbox renews its claim.
     assert!(take(claim("sb-paused", "n2"), 3, live.clone()).await);
     assert!(take(claim("sb-paused", "n2"), 3, live.clone()).await);
     assert!(!take(claim("f", "n1"), 3, live.clone()).await);
     store
+        .nodes
         .release_team_slot("never-claimed")
         .await
         .expect("release nothing");
@@ -1425,6 +1639,7 @@ async fn racing_claims_never_pass_the_limit(f: Fixture) {
             };
             tokio::spawn(async move {
                 store
+                    .nodes
                     .claim_team_slot(&claim, 3, &live, &["running"])
                     .await
                     .expect("claim")
@@ -1448,20 +1663,33 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
         node_id: "n1".into(),
         published_at: now,
     };
-    store.record_layer_blob(&first).await.expect("record");
+    store
+        .layer_blobs
+        .record_layer_blob(&first)
+        .await
+        .expect("record");
     let again = LayerBlob {
         digest: format!("sha256:{}", "b".repeat(64)),
         node_id: "n2".into(),
         ..first.clone()
     };
-    store.record_layer_blob(&again).await.expect("record again");
+    store
+        .layer_blobs
+        .record_layer_blob(&again)
+        .await
+        .expect("record again");
     let base = LayerBlob {
         layer: "base/v2".into(),
         ..again.clone()
     };
-    store.record_layer_blob(&base).await.expect("record base");
+    store
+        .layer_blobs
+        .record_layer_blob(&base)
+        .await
+        .expect("record base");
 
     let mut found = store
+        .layer_blobs
         .layer_blobs(&["base/v2".into(), "layer/00ff".into(), "image/absent".into()])
         .await
         .expect("read");
@@ -1471,39 +1699,61 @@ async fn published_layers_keep_their_first_record(f: Fixture) {
         vec![base, first],
         "the first record stays; absent layers are left out"
     );
-    assert!(store.layer_blobs(&[]).await.expect("read none").is_empty());
+    assert!(
+        store
+            .layer_blobs
+            .layer_blobs(&[])
+            .await
+            .expect("read none")
+            .is_empty()
+    );
 
     // A paused sandbox's files: each pause's copy replaces the last; a resume forgets it.
     let files = LayerBlob {
         layer: "files/isbx".into(),
         ..again.clone()
     };
-    store.replace_layer_blob(&files).await.expect("first copy");
+    store
+        .layer_blobs
+        .replace_layer_blob(&files)
+        .await
+        .expect("first copy");
     let newer = LayerBlob {
         digest: format!("sha256:{}", "c".repeat(64)),
         size_bytes: 7,
         ..files.clone()
     };
-    store.replace_layer_blob(&newer).await.expect("newer copy");
+    store
+        .layer_blobs
+        .replace_layer_blob(&newer)
+        .await
+        .expect("newer copy");
     let read = store
+        .layer_blobs
         .layer_blobs(&["files/isbx".into()])
         .await
         .expect("read");
     assert_eq!(read, vec![newer.clone()]);
     // The collector reads every record at once.
-    let mut all = store.all_layer_blobs().await.expect("read all");
+    let mut all = store.layer_blobs.all_layer_blobs().await.expect("read all");
     all.sort_by(|a, b| a.layer.cmp(&b.layer));
     let mut names: Vec<&str> = all.iter().map(|b| b.layer.as_str()).collect();
     names.dedup();
     assert_eq!(names.len(), all.len(), "one record per name");
     assert!(all.contains(&newer), "{all:?}");
-    store.delete_layer_blob("files/isbx").await.expect("forget");
     store
+        .layer_blobs
+        .delete_layer_blob("files/isbx")
+        .await
+        .expect("forget");
+    store
+        .layer_blobs
         .delete_layer_blob("files/isbx")
         .await
         .expect("forget again");
     assert!(
         store
+            .layer_blobs
             .layer_blobs(&["files/isbx".into()])
             .await
             .expect("read")
@@ -1537,18 +1787,27 @@ async fn request_counts_add_up_over_hosts(f: Fixture) {
     );
     // Several teams in one statement, each with its own total.
     let mut batch = hosts[1]
+        .request_counts
         .add_team_requests(102, &[("t1".into(), 2), ("t2".into(), 5)])
         .await
         .expect("batch");
     batch.sort();
     assert_eq!(batch, [("t1".to_owned(), 2), ("t2".to_owned(), 5)]);
-    assert_eq!(hosts[1].prune_team_requests(101).await.expect("prune"), 2);
+    assert_eq!(
+        hosts[1]
+            .request_counts
+            .prune_team_requests(101)
+            .await
+            .expect("prune"),
+        2
+    );
     assert_eq!(requests_total(&hosts[0], 100, "t1", 0).await, 0, "pruned");
 }
 
 /// Adds `n` requests of `team` in minute `window`; the team's total for it.
-async fn requests_total(store: &Arc<dyn Store>, window: i64, team: &str, n: u64) -> u64 {
+async fn requests_total(store: &Arc<Store>, window: i64, team: &str, n: u64) -> u64 {
     let totals = store
+        .request_counts
         .add_team_requests(window, &[(team.into(), n)])
         .await
         .expect("add");

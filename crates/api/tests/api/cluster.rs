@@ -32,7 +32,7 @@ struct Node {
 
 struct Cluster {
     _dir: tempfile::TempDir,
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     directory: Arc<NodeDirectory>,
     api: axum::Router,
     nodes: Vec<Node>,
@@ -46,7 +46,7 @@ fn limits(max: u32) -> TeamLimits {
 }
 
 fn state(
-    store: &Arc<dyn Store>,
+    store: &Arc<Store>,
     runtime: Arc<dyn sandbar_core::Runtime>,
     node_id: &str,
     directory: Arc<NodeDirectory>,
@@ -86,7 +86,7 @@ fn state(
 
 async fn cluster(team_limit: u32) -> Cluster {
     let dir = tempfile::tempdir().expect("tempdir");
-    let store: Arc<dyn Store> = common::open_store(&dir).await;
+    let store: Arc<Store> = common::open_store(&dir).await;
     Auth::new(store.clone())
         .bootstrap(Some(KEY), limits(team_limit))
         .await
@@ -151,6 +151,7 @@ impl Cluster {
         let now = Utc::now();
         let url = &self.nodes.iter().find(|n| n.id == node).expect("node").url;
         self.store
+            .nodes
             .renew_node(&NodeRecord {
                 id: node.into(),
                 url: url.clone(),
@@ -173,6 +174,7 @@ impl Cluster {
     async fn renew_builds(&self, node: &str, slots: u32, running: u32) {
         let mut record = self
             .store
+            .nodes
             .nodes()
             .await
             .expect("nodes")
@@ -184,12 +186,13 @@ impl Cluster {
             running,
             waiting: 0,
         };
-        self.store.renew_node(&record).await.expect("renew");
+        self.store.nodes.renew_node(&record).await.expect("renew");
         self.directory.refresh().await.expect("refresh");
     }
 
     async fn build_node(&self, build_id: &str) -> Option<String> {
         self.store
+            .builds
             .build(build_id)
             .await
             .expect("read")
@@ -318,7 +321,12 @@ async fn a_sandbox_killed_while_its_node_is_lost_is_forgotten() {
     let (status, body) = c.call("DELETE", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
     assert!(
-        c.store.sandbox(&id).await.expect("read").is_none(),
+        c.store
+            .sandboxes
+            .sandbox(&id)
+            .await
+            .expect("read")
+            .is_none(),
         "the record is gone, so the node removes the sandbox when it returns"
     );
     c.renew("n2", 4, 60, &[&base]).await;
@@ -462,14 +470,22 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
         node_id: "n2".into(),
         published_at: Utc::now(),
     };
-    c.store.replace_layer_blob(&files).await.expect("record");
+    c.store
+        .layer_blobs
+        .replace_layer_blob(&files)
+        .await
+        .expect("record");
     // And the checkpoint of its processes, once it was paused to disk.
     let memory = LayerBlob {
         layer: format!("memory/{id}"),
         digest: format!("sha256:{}", "e".repeat(64)),
         ..files.clone()
     };
-    c.store.replace_layer_blob(&memory).await.expect("record");
+    c.store
+        .layer_blobs
+        .replace_layer_blob(&memory)
+        .await
+        .expect("record");
 
     let connect = format!("/sandboxes/{id}/connect");
     c.renew("n2", 4, -1, &[&base]).await;
@@ -477,7 +493,7 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
     assert!(status.is_success(), "{status} {body}");
     assert_eq!(body["clientID"], "n1", "{body}");
     assert_eq!(
-        c.store.sandbox_node(&id).await.expect("node"),
+        c.store.nodes.sandbox_node(&id).await.expect("node"),
         Some("n1".into())
     );
     assert_eq!(
@@ -494,6 +510,7 @@ async fn a_paused_sandbox_of_a_lost_node_is_taken_over_by_a_live_one() {
     );
     assert!(
         c.store
+            .layer_blobs
             .layer_blobs(&[files.layer.clone(), memory.layer.clone()])
             .await
             .expect("read")
@@ -527,7 +544,7 @@ async fn a_paused_sandbox_of_a_lost_node_without_a_copy_is_reported_lost() {
     let message = body["message"].as_str().expect("message");
     assert!(message.contains("before a copy of its files"), "{message}");
     assert_eq!(
-        c.store.sandbox_node(&id).await.expect("node"),
+        c.store.nodes.sandbox_node(&id).await.expect("node"),
         Some("n2".into()),
         "still n2's"
     );
@@ -568,6 +585,7 @@ async fn a_node_fails_only_its_own_and_lost_nodes_unfinished_builds() {
         ("b-unnamed", None),
     ] {
         c.store
+            .builds
             .insert_build(&unfinished(id, node))
             .await
             .expect("insert");
@@ -582,7 +600,15 @@ async fn a_node_fails_only_its_own_and_lost_nodes_unfinished_builds() {
     assert_eq!(failed, 2);
     let status = |id: &'static str| {
         let store = c.store.clone();
-        async move { store.build(id).await.expect("read").expect("build").status }
+        async move {
+            store
+                .builds
+                .build(id)
+                .await
+                .expect("read")
+                .expect("build")
+                .status
+        }
     };
     assert_eq!(status("b-mine").await, BuildStatus::Error);
     assert_eq!(status("b-lost").await, BuildStatus::Error);
@@ -659,6 +685,7 @@ async fn a_build_goes_to_the_node_with_a_free_slot_and_its_files_start_and_cance
     assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
     let build = c
         .store
+        .builds
         .build(&build_id)
         .await
         .expect("read")

@@ -11,10 +11,9 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use sandbar_api::router;
+use sandbar_core::Store;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::{SandboxRecords, TemplateRecords};
 use sandbar_core::{Builds, CreateSandbox, SandboxError, SandboxState, Sandboxes, Team};
-use sandbar_store::SqliteStore;
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
@@ -22,7 +21,7 @@ use common::{Cred, FakeRuntime, KEY, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
-    store: Arc<SqliteStore>,
+    store: Arc<Store>,
     team: Team,
     sandboxes: Arc<Sandboxes>,
     builds: Builds,
@@ -322,7 +321,14 @@ async fn kill_during(gate: &'static str) {
         .unwrap_or_else(|e| panic!("kill during a {gate}: {e}"));
     assert_eq!(h.state(&id).await, None, "killed during a {gate}");
     assert_eq!(h.runtime.destroyed(), vec![id.clone()]);
-    assert!(h.store.sandbox(&id).await.expect("read").is_none());
+    assert!(
+        h.store
+            .sandboxes
+            .sandbox(&id)
+            .await
+            .expect("read")
+            .is_none()
+    );
 }
 
 #[tokio::test]
@@ -398,6 +404,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
     assert_eq!(deleted.status, StatusCode::NO_CONTENT);
     assert!(
         h.store
+            .templates
             .template(&unnamed.template_id)
             .await
             .expect("read")
@@ -409,6 +416,7 @@ async fn snapshots_are_deleted_by_their_snapshot_id() {
         .expect("delete the named snapshot");
     assert!(
         h.store
+            .templates
             .template(&named.template_id)
             .await
             .expect("read")

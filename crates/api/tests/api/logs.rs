@@ -9,9 +9,8 @@ use crate::common;
 use axum::http::StatusCode;
 use chrono::Utc;
 use sandbar_api::router;
-use sandbar_core::store::{SandboxLogRecords, SandboxRecords};
+use sandbar_core::Store;
 use sandbar_core::{Sandboxes, SandboxesConfig};
-use sandbar_store::SqliteStore;
 use serde_json::Value;
 
 use common::{FakeRuntime, KEY, OTHER_KEY, Setup};
@@ -21,7 +20,7 @@ struct Harness {
     app: axum::Router,
     runtime: Arc<FakeRuntime>,
     sandboxes: Arc<Sandboxes>,
-    store: Arc<SqliteStore>,
+    store: Arc<Store>,
     team_id: String,
 }
 
@@ -302,10 +301,17 @@ async fn the_reaper_reads_agent_lines_while_the_sandbox_runs_and_caps_each_log()
         "only the newest lines are kept"
     );
     // Read once: the offset is remembered in the store.
-    assert_eq!(h.store.sandbox_log_offset(&id).await.expect("offset"), {
-        let logs = h.runtime.agent_logs.lock().expect("lock");
-        logs[&id].len() as u64
-    });
+    assert_eq!(
+        h.store
+            .sandbox_logs
+            .sandbox_log_offset(&id)
+            .await
+            .expect("offset"),
+        {
+            let logs = h.runtime.agent_logs.lock().expect("lock");
+            logs[&id].len() as u64
+        }
+    );
 }
 
 #[tokio::test]
@@ -476,6 +482,7 @@ async fn refreshes_keep_a_sandbox_at_least_fifteen_seconds() {
         let store = h.store.clone();
         async move {
             store
+                .sandboxes
                 .sandbox(&id)
                 .await
                 .expect("get")

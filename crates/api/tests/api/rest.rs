@@ -9,10 +9,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use chrono::Utc;
 use sandbar_api::{MetricsAccess, routers};
+use sandbar_core::Store;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, Template, Templates};
-use sandbar_store::SqliteStore;
 use serde_json::Value;
 use tower::ServiceExt;
 
@@ -23,7 +22,7 @@ struct Harness {
     app: axum::Router,
     templates: Templates,
     runtime: Arc<FakeRuntime>,
-    store: Arc<SqliteStore>,
+    store: Arc<Store>,
     key: String,
 }
 
@@ -618,6 +617,7 @@ async fn create_waits_for_a_building_template() {
     );
     assert_eq!(h.launched(), 0);
     h.store
+        .templates
         .set_template_image(&id, "b2", &common::image())
         .await
         .expect("finish");
@@ -633,6 +633,7 @@ async fn create_from_a_failed_template_says_why() {
     let h = harness(GENEROUS).await;
     let id = building_template(&h, "broken").await;
     h.store
+        .templates
         .set_template_build(&id, BuildStatus::Error, Some("mirror unreachable"))
         .await
         .expect("finish");

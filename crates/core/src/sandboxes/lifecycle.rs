@@ -110,7 +110,13 @@ impl Lifecycle {
                 None => None,
             }
         };
-        if let Err(err) = self.shared.store.set_sandbox_end(id, end_at).await {
+        if let Err(err) = self
+            .shared
+            .store
+            .sandboxes
+            .set_sandbox_end(id, end_at)
+            .await
+        {
             if let Some(before) = before
                 && let Some(entry) = self.shared.live().get_mut(id)
                 && entry.end_at == end_at
@@ -197,6 +203,7 @@ impl Lifecycle {
             })?;
         self.shared
             .store
+            .sandboxes
             .set_sandbox_network(id, &network, allow_internet_access)
             .await?;
         self.shared
@@ -378,7 +385,7 @@ impl Lifecycle {
         let end_at = Utc::now() + seconds(timeout_secs);
         let booted = if matches!(from, SandboxStatus::Shelved | SandboxStatus::Checkpointed) {
             let booted = async {
-                self.shared.store.set_sandbox_end(&id, end_at).await?;
+                self.shared.store.sandboxes.set_sandbox_end(&id, end_at).await?;
                 let (handle, endpoint) = if from == SandboxStatus::Shelved {
                     self.boot_again(&sandbox).await?
                 } else {
@@ -428,7 +435,11 @@ impl Lifecycle {
             }
         } else {
             let result = async {
-                self.shared.store.set_sandbox_end(&id, end_at).await?;
+                self.shared
+                    .store
+                    .sandboxes
+                    .set_sandbox_end(&id, end_at)
+                    .await?;
                 self.shared.runtime.resume(&id, &sandbox.handle).await?;
                 crate::faults::crash_point("resume.thawed");
                 if let Some(entry) = self.shared.live().get_mut(&id) {
@@ -471,7 +482,12 @@ impl Lifecycle {
         &self,
         sandbox: &Sandbox,
     ) -> Result<(RuntimeHandle, Endpoint), SandboxError> {
-        let template = self.shared.store.template(&sandbox.template_id).await?;
+        let template = self
+            .shared
+            .store
+            .templates
+            .template(&sandbox.template_id)
+            .await?;
         let image = match (
             &sandbox.image,
             template.as_ref().and_then(|t| t.image.clone()),
@@ -526,7 +542,12 @@ impl Lifecycle {
             allow_internet_access: !egress.is_isolated(),
             egress,
             envd_access_token: sandbox.envd_access_token.clone(),
-            volumes: self.shared.store.sandbox_volumes(&sandbox.id).await?,
+            volumes: self
+                .shared
+                .store
+                .sandboxes
+                .sandbox_volumes(&sandbox.id)
+                .await?,
             kept: Some(sandbox.handle.clone()),
         };
         Ok(self.shared.runtime.launch(spec).await?)

@@ -49,7 +49,7 @@ impl Reaper {
     pub async fn reap_expired(&self) {
         let to_pause = self.shared.running_where(|_, l| expired(l) && l.auto_pause);
         for (id, _) in to_pause {
-            let sandbox = match self.shared.store.sandbox(&id).await {
+            let sandbox = match self.shared.store.sandboxes.sandbox(&id).await {
                 Ok(Some(sandbox)) => sandbox,
                 Ok(None) => continue,
                 Err(err) => {

@@ -29,7 +29,7 @@ impl Recovery {
         let mut adopted = 0;
         // Other nodes of a cluster record theirs in the same store; rows without a node are
         // from before nodes had names and belong to whoever runs on their data.
-        let mut recorded = self.shared.store.all_sandboxes().await?;
+        let mut recorded = self.shared.store.sandboxes.all_sandboxes().await?;
         recorded.retain(|s| s.node_id == self.shared.config.node_id || s.node_id.is_empty());
         let ids: Vec<String> = recorded.iter().map(|s| s.id.clone()).collect();
         match self.shared.runtime.sweep(&ids).await {
@@ -113,7 +113,11 @@ impl Recovery {
                         tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
                     }
                     self.shared.live().remove(&sandbox.id);
-                    self.shared.store.delete_sandbox(&sandbox.id).await?;
+                    self.shared
+                        .store
+                        .sandboxes
+                        .delete_sandbox(&sandbox.id)
+                        .await?;
                     self.shared
                         .activity
                         .close(
@@ -195,7 +199,11 @@ impl Recovery {
                     tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
                 }
                 self.shared.live().remove(&sandbox.id);
-                self.shared.store.delete_sandbox(&sandbox.id).await?;
+                self.shared
+                    .store
+                    .sandboxes
+                    .delete_sandbox(&sandbox.id)
+                    .await?;
                 self.shared
                     .activity
                     .close(
@@ -285,7 +293,11 @@ impl Recovery {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
             }
             self.shared.live().remove(&sandbox.id);
-            self.shared.store.delete_sandbox(&sandbox.id).await?;
+            self.shared
+                .store
+                .sandboxes
+                .delete_sandbox(&sandbox.id)
+                .await?;
             return Ok(false);
         }
         let status = self.settle(sandbox).await?;
@@ -330,7 +342,11 @@ impl Recovery {
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
             }
             self.shared.live().remove(&sandbox.id);
-            self.shared.store.delete_sandbox(&sandbox.id).await?;
+            self.shared
+                .store
+                .sandboxes
+                .delete_sandbox(&sandbox.id)
+                .await?;
             self.shared
                 .activity
                 .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")

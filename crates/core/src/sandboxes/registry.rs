@@ -188,12 +188,17 @@ impl SandboxRegistry {
         mounts: &[VolumeMount],
     ) -> Result<(), CreateSandboxError> {
         let id = &sandbox.id;
-        let recorded = match self.shared.store.insert_sandbox(sandbox).await {
+        let recorded = match self.shared.store.sandboxes.insert_sandbox(sandbox).await {
             Ok(()) if mounts.is_empty() => Ok(()),
             Ok(()) => {
-                let mounted = self.shared.store.insert_sandbox_volumes(id, mounts).await;
+                let mounted = self
+                    .shared
+                    .store
+                    .sandboxes
+                    .insert_sandbox_volumes(id, mounts)
+                    .await;
                 if mounted.is_err()
-                    && let Err(err) = self.shared.store.delete_sandbox(id).await
+                    && let Err(err) = self.shared.store.sandboxes.delete_sandbox(id).await
                 {
                     tracing::error!(sandbox_id = %id, error = %err, "cannot remove half-recorded sandbox");
                 }
@@ -341,7 +346,7 @@ impl SandboxRegistry {
             .filter(|(_, l)| l.status == SandboxStatus::Stopping)
             .map(|(id, _)| id.clone())
             .collect();
-        let mut sandboxes = self.shared.store.team_sandboxes(&team.id).await?;
+        let mut sandboxes = self.shared.store.sandboxes.team_sandboxes(&team.id).await?;
         if query.ascending {
             sandboxes.reverse();
         }

@@ -81,12 +81,14 @@ impl EdgeRoutes {
         let mut sandbox = self
             .shared
             .store
+            .sandboxes
             .sandbox(id)
             .await?
             .ok_or_else(not_running)?;
         let team = self
             .shared
             .store
+            .teams
             .team(&sandbox.team_id)
             .await?
             .ok_or_else(not_running)?;

@@ -30,7 +30,7 @@ use crate::volumes::Volumes;
 
 /// The state behind every part of [`super::Sandboxes`], held once in an `Arc`.
 pub(super) struct Shared {
-    pub(super) store: Arc<dyn Store>,
+    pub(super) store: Arc<Store>,
     pub(super) runtime: Arc<dyn Runtime>,
     pub(super) templates: Templates,
     pub(super) config: SandboxesConfig,
@@ -70,7 +70,7 @@ impl std::fmt::Debug for Shared {
 
 impl Shared {
     pub(super) fn new(
-        store: Arc<dyn Store>,
+        store: Arc<Store>,
         runtime: Arc<dyn Runtime>,
         templates: Templates,
         config: SandboxesConfig,
@@ -137,6 +137,7 @@ impl Shared {
         };
         if self
             .store
+            .nodes
             .claim_team_slot(
                 &claim,
                 team.max_concurrent_sandboxes as usize,
@@ -215,7 +216,7 @@ impl Shared {
             .live()
             .get(id)
             .is_some_and(|l| l.status == SandboxStatus::Stopping);
-        match self.store.sandbox(id).await? {
+        match self.store.sandboxes.sandbox(id).await? {
             Some(sandbox) if sandbox.team_id == team.id && !stopping => Ok(sandbox),
             _ => Err(SandboxError::NotFound(id.to_owned())),
         }
@@ -329,7 +330,10 @@ impl Shared {
         status: SandboxStatus,
         handle: Option<&RuntimeHandle>,
     ) -> Result<(), StoreError> {
-        self.store.set_sandbox_status(id, status, handle).await
+        self.store
+            .sandboxes
+            .set_sandbox_status(id, status, handle)
+            .await
     }
 
     /// Moves sandbox `id` to `to` if the lifecycle allows it from the status the registry
@@ -357,7 +361,11 @@ impl Shared {
             (from, plan)
         };
         if plan.record
-            && let Err(err) = self.store.set_sandbox_status(id, to, handle).await
+            && let Err(err) = self
+                .store
+                .sandboxes
+                .set_sandbox_status(id, to, handle)
+                .await
         {
             if plan.claim {
                 self.set_status(id, from, None);
@@ -425,7 +433,7 @@ impl Shared {
             }
             return Err(err.into());
         }
-        let deleted = self.store.delete_sandbox(id).await;
+        let deleted = self.store.sandboxes.delete_sandbox(id).await;
         self.live().remove(id);
         self.metrics
             .lock()
@@ -448,7 +456,7 @@ impl Shared {
             LayerBlob::sandbox_files(id),
             LayerBlob::sandbox_checkpoint(id),
         ] {
-            if let Err(err) = self.store.delete_layer_blob(&name).await {
+            if let Err(err) = self.store.layer_blobs.delete_layer_blob(&name).await {
                 tracing::warn!(sandbox_id = %id, layer = %name, error = %err, "cannot forget the copy of a woken sandbox");
             }
         }
@@ -501,7 +509,7 @@ const SLOT_CLAIM_LENGTH: TimeDelta = TimeDelta::minutes(10);
 /// Lets go of a claimed slot when dropped, in the background (the sandbox's record, or its
 /// failure to start, is what the other nodes go by from then on).
 pub(super) struct SlotClaimGuard {
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     sandbox_id: String,
 }
 
@@ -510,7 +518,7 @@ impl Drop for SlotClaimGuard {
         let store = self.store.clone();
         let id = std::mem::take(&mut self.sandbox_id);
         tokio::spawn(async move {
-            if let Err(err) = store.release_team_slot(&id).await {
+            if let Err(err) = store.nodes.release_team_slot(&id).await {
                 tracing::warn!(sandbox_id = %id, error = %err, "cannot let go of a claimed slot; it lapses by itself");
             }
         });

@@ -187,6 +187,7 @@ impl Snapshots {
         let kept: Vec<u64> = self
             .shared
             .store
+            .templates
             .templates()
             .await?
             .iter()
@@ -222,6 +223,7 @@ impl Snapshots {
         if self
             .shared
             .store
+            .templates
             .template_by_name(None, name)
             .await?
             .is_some()
@@ -231,6 +233,7 @@ impl Snapshots {
         match self
             .shared
             .store
+            .templates
             .template_by_name(Some(&team.id), name)
             .await?
         {
@@ -255,7 +258,15 @@ impl Snapshots {
         if memory && !self.shared.runtime.checkpoints_ready().await {
             return Err(SnapshotError::NoCheckpoints(id.to_owned()));
         }
-        if memory && !self.shared.store.sandbox_volumes(id).await?.is_empty() {
+        if memory
+            && !self
+                .shared
+                .store
+                .sandboxes
+                .sandbox_volumes(id)
+                .await?
+                .is_empty()
+        {
             return Err(SnapshotError::HasVolumes(id.to_owned()));
         }
         if let Err(status) =
@@ -355,9 +366,14 @@ impl Snapshots {
                 build_count: 1,
             },
         };
-        self.shared.store.upsert_template(&template).await?;
         self.shared
             .store
+            .templates
+            .upsert_template(&template)
+            .await?;
+        self.shared
+            .store
+            .builds
             .insert_build(&BuildRecord {
                 id: build_id,
                 template_id: template.id.clone(),
@@ -388,6 +404,7 @@ impl Snapshots {
         let mut found: Vec<SnapshotInfo> = self
             .shared
             .store
+            .templates
             .templates()
             .await?
             .iter()
@@ -445,6 +462,7 @@ impl Snapshots {
         let template = self
             .shared
             .store
+            .templates
             .template(&source.template_id)
             .await?
             .ok_or_else(|| SnapshotError::NoImage(id.to_owned()))?;

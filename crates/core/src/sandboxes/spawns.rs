@@ -20,12 +20,7 @@ pub(super) struct SpawnTally {
 impl SpawnTally {
     /// Counts a spawn of `template_id` at `at`. The first spawn after a write schedules the
     /// next, after the quiet a create's first command gets; the ones until then join it.
-    pub(super) fn add(
-        self: &Arc<Self>,
-        store: &Arc<dyn Store>,
-        template_id: &str,
-        at: DateTime<Utc>,
-    ) {
+    pub(super) fn add(self: &Arc<Self>, store: &Arc<Store>, template_id: &str, at: DateTime<Utc>) {
         if self.count(template_id, at) {
             let tally = self.clone();
             let store = store.clone();
@@ -47,10 +42,11 @@ impl SpawnTally {
     }
 
     /// Writes what was counted; a failed write is logged, the counts are a statistic.
-    async fn write(&self, store: &Arc<dyn Store>) {
+    async fn write(&self, store: &Arc<Store>) {
         let batch = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for (template_id, (count, last)) in batch {
             if let Err(err) = store
+                .templates
                 .record_template_spawns(&template_id, count, last)
                 .await
             {

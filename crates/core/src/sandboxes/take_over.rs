@@ -97,7 +97,13 @@ impl Recovery {
         };
         match copied {
             Ok(Some(blob)) if current => {
-                if let Err(err) = self.shared.store.replace_layer_blob(&blob).await {
+                if let Err(err) = self
+                    .shared
+                    .store
+                    .layer_blobs
+                    .replace_layer_blob(&blob)
+                    .await
+                {
                     tracing::warn!(sandbox_id = %id, layer = %blob.layer, error = %err, "cannot record the copy of a paused sandbox");
                 }
             }
@@ -119,7 +125,7 @@ impl Recovery {
         if self.shared.nodes.get().is_none() || self.shared.live().contains_key(id) {
             return Ok(());
         }
-        match self.shared.store.sandbox(id).await? {
+        match self.shared.store.sandboxes.sandbox(id).await? {
             Some(row) if row.team_id == team.id && row.node_id != self.shared.config.node_id => {
                 Ok(self.take_over(id, &row.node_id).await?)
             }
@@ -149,6 +155,7 @@ impl Recovery {
         let sandbox = self
             .shared
             .store
+            .sandboxes
             .sandbox(id)
             .await?
             .ok_or_else(|| TakeOverError::NotFound(id.to_owned()))?;
@@ -171,6 +178,7 @@ impl Recovery {
         let copies = self
             .shared
             .store
+            .layer_blobs
             .layer_blobs(&[files_name.clone(), memory_name.clone()])
             .await?;
         let files = copies
@@ -190,7 +198,12 @@ impl Recovery {
             .take_over_files(&sandbox, files, memory)
             .await?;
         let me = self.shared.config.node_id.as_str();
-        let claimed = self.shared.store.move_sandbox(id, from_node, me).await;
+        let claimed = self
+            .shared
+            .store
+            .nodes
+            .move_sandbox(id, from_node, me)
+            .await;
         if !matches!(claimed, Ok(true)) {
             if let Err(err) = self.shared.runtime.destroy(id, &handle).await {
                 tracing::warn!(sandbox_id = %id, error = %err, "cannot remove the files of a sandbox another node took");
@@ -202,6 +215,7 @@ impl Recovery {
                     node: self
                         .shared
                         .store
+                        .nodes
                         .sandbox_node(id)
                         .await?
                         .unwrap_or_default(),

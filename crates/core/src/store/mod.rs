@@ -1,6 +1,8 @@
-//! What the core needs from persistent storage: one trait per aggregate, and [`Store`], all
-//! of them together, which the services hold as `Arc<dyn Store>`. A backend implements each
-//! trait; a service that needs only part of the store can name only that part.
+//! What the core needs from persistent storage: one trait per aggregate, and [`Store`], a
+//! handle to each, which the services hold. A backend implements each trait; a service that
+//! needs only part of the store can name only that part.
+
+use std::sync::Arc;
 
 mod builds;
 mod layer_blobs;
@@ -37,33 +39,25 @@ pub enum StoreError {
     Backend(String),
 }
 
-/// All of the store's aggregates: what a backend implements and the services hold.
-pub trait Store:
-    TeamRecords
-    + TemplateRecords
-    + BuildRecords
-    + SandboxRecords
-    + VolumeRecords
-    + SandboxLogRecords
-    + TeamMetricRecords
-    + NodeRecords
-    + LayerBlobRecords
-    + RequestCountRecords
-    + 'static
-{
+/// All of the store's aggregates, one handle each: what the services hold. A caller names
+/// the aggregate that keeps the records it needs (`store.teams.team_by_slug(…)`), so each
+/// backend implements ten small traits and no type answers for all of them.
+#[derive(Clone)]
+pub struct Store {
+    pub teams: Arc<dyn TeamRecords>,
+    pub templates: Arc<dyn TemplateRecords>,
+    pub builds: Arc<dyn BuildRecords>,
+    pub sandboxes: Arc<dyn SandboxRecords>,
+    pub volumes: Arc<dyn VolumeRecords>,
+    pub sandbox_logs: Arc<dyn SandboxLogRecords>,
+    pub team_metrics: Arc<dyn TeamMetricRecords>,
+    pub nodes: Arc<dyn NodeRecords>,
+    pub layer_blobs: Arc<dyn LayerBlobRecords>,
+    pub request_counts: Arc<dyn RequestCountRecords>,
 }
 
-impl<T> Store for T where
-    T: TeamRecords
-        + TemplateRecords
-        + BuildRecords
-        + SandboxRecords
-        + VolumeRecords
-        + SandboxLogRecords
-        + TeamMetricRecords
-        + NodeRecords
-        + LayerBlobRecords
-        + RequestCountRecords
-        + 'static
-{
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").finish_non_exhaustive()
+    }
 }

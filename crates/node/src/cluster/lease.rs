@@ -12,7 +12,7 @@ use crate::LinuxRuntime;
 /// Renews the lease for as long as the process runs. A renewal that fails is tried again at
 /// the next tick: the lease outlives several missed renewals.
 pub async fn renew_forever(
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     lease: NodeLease,
     runtime: Arc<LinuxRuntime>,
     sandboxes: Arc<Sandboxes>,
@@ -23,14 +23,18 @@ pub async fn renew_forever(
     loop {
         ticks.tick().await;
         let report = measure(store.as_ref(), &runtime, &sandboxes, &builds).await;
-        if let Err(e) = store.renew_node(&lease.record(report, Utc::now())).await {
+        if let Err(e) = store
+            .nodes
+            .renew_node(&lease.record(report, Utc::now()))
+            .await
+        {
             tracing::warn!(node_id = %lease.id, error = %e, "cannot renew the node's lease");
         }
     }
 }
 
 async fn measure(
-    store: &dyn Store,
+    store: &Store,
     runtime: &LinuxRuntime,
     sandboxes: &Sandboxes,
     builds: &Builds,
@@ -42,7 +46,7 @@ async fn measure(
         .iter()
         .map(|(_, n)| n)
         .sum();
-    let templates = match store.templates().await {
+    let templates = match store.templates.templates().await {
         Ok(templates) => {
             let layers = runtime.layers().layer_store();
             templates

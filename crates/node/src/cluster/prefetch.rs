@@ -90,7 +90,7 @@ pub fn room_to_fetch(disks: &DiskReport, bytes: u64) -> bool {
 /// Fetches the layers of templates in use elsewhere, every [`PREFETCH_EVERY`], for as long
 /// as the process runs.
 pub async fn run(
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     runtime: Arc<LinuxRuntime>,
     shared: Arc<SharedLayers>,
     node_id: String,
@@ -108,17 +108,17 @@ pub async fn run(
 /// One look: fetches what it finds one template at a time, so a create's own fetch never
 /// waits behind more than one of these.
 async fn pass(
-    store: &dyn Store,
+    store: &Store,
     runtime: &LinuxRuntime,
     shared: &SharedLayers,
     node_id: &str,
 ) -> Result<(), sandbar_core::StoreError> {
-    let sandboxes = store.all_sandboxes().await?;
+    let sandboxes = store.sandboxes.all_sandboxes().await?;
     let running = sandboxes
         .iter()
         .filter(|s| s.state() == SandboxState::Running)
         .map(|s| (s.template_id.as_str(), s.node_id.as_str()));
-    let templates = store.templates().await?;
+    let templates = store.templates.templates().await?;
     let layers = runtime.layers().layer_store();
     let wanted = templates_to_fetch(
         running,
@@ -128,7 +128,7 @@ async fn pass(
         PREFETCH_MOST,
     );
     for want in wanted {
-        let published = store.layer_blobs(&want.missing).await?;
+        let published = store.layer_blobs.layer_blobs(&want.missing).await?;
         if published.len() < want.missing.len() {
             // Part of it lives only on the node that made it: a create there is the way.
             continue;

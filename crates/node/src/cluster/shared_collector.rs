@@ -34,7 +34,7 @@ pub struct Collected {
 
 pub struct SharedCollector {
     shared: Arc<SharedLayers>,
-    store: Arc<dyn Store>,
+    store: Arc<Store>,
     /// Record names and blob digests seen unneeded in the last pass.
     unneeded_records: HashSet<String>,
     unneeded_tags: HashSet<String>,
@@ -52,7 +52,7 @@ impl std::fmt::Debug for SharedCollector {
 }
 
 impl SharedCollector {
-    pub fn new(shared: Arc<SharedLayers>, store: Arc<dyn Store>, grace: Duration) -> Self {
+    pub fn new(shared: Arc<SharedLayers>, store: Arc<Store>, grace: Duration) -> Self {
         Self {
             shared,
             store,
@@ -88,7 +88,7 @@ impl SharedCollector {
         let needed = self.needed_names().await?;
         let young =
             Utc::now() - chrono::Duration::from_std(self.grace).unwrap_or(chrono::Duration::MAX);
-        let records = self.store.all_layer_blobs().await?;
+        let records = self.store.layer_blobs.all_layer_blobs().await?;
         let mut unneeded = HashSet::new();
         // What the records kept name; a record made since is seen by the next pass, before
         // its blob's tag could go.
@@ -99,7 +99,10 @@ impl SharedCollector {
                 continue;
             }
             if self.unneeded_records.contains(&record.layer) {
-                self.store.delete_layer_blob(&record.layer).await?;
+                self.store
+                    .layer_blobs
+                    .delete_layer_blob(&record.layer)
+                    .await?;
                 done.records_deleted += 1;
             } else {
                 recorded.insert(record.digest, record.size_bytes);
@@ -141,12 +144,12 @@ impl SharedCollector {
     /// Every name a template or a sandbox still needs from the store.
     async fn needed_names(&self) -> Result<HashSet<String>, StoreError> {
         let mut needed = HashSet::new();
-        for template in self.store.templates().await? {
+        for template in self.store.templates.templates().await? {
             if let Some(image) = &template.image {
                 needed.extend(image.parts());
             }
         }
-        for sandbox in self.store.all_sandboxes().await? {
+        for sandbox in self.store.sandboxes.all_sandboxes().await? {
             needed.insert(LayerBlob::sandbox_files(&sandbox.id));
             needed.insert(LayerBlob::sandbox_checkpoint(&sandbox.id));
         }
@@ -156,6 +159,7 @@ impl SharedCollector {
     async fn recorded_digests(&self) -> Result<HashMap<String, u64>, StoreError> {
         Ok(self
             .store
+            .layer_blobs
             .all_layer_blobs()
             .await?
             .into_iter()

@@ -7,12 +7,13 @@
 //! SQLite compares them, whatever the database's locale.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
-use sandbar_core::StoreError;
+use sandbar_core::{Store, StoreError};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use crate::{Backend, Records, err};
+use crate::err;
 
 mod builds;
 mod layer_blobs;
@@ -49,25 +50,10 @@ pub enum ConnectStoreError {
     },
 }
 
-/// The PostgreSQL database's aggregate types.
-#[derive(Debug, Clone)]
-pub enum PgBackend {}
-
-impl Backend for PgBackend {
-    type Teams = PgTeams;
-    type Templates = PgTemplates;
-    type Builds = PgBuilds;
-    type Sandboxes = PgSandboxes;
-    type Volumes = PgVolumes;
-    type SandboxLogs = PgSandboxLogs;
-    type TeamMetrics = PgTeamMetrics;
-    type Nodes = PgNodes;
-    type LayerBlobs = PgLayerBlobs;
-    type RequestCounts = PgRequestCounts;
-}
-
-/// The records kept in one PostgreSQL database.
-pub type PgStore = Records<PgBackend>;
+/// The records kept in one PostgreSQL database: [`PgStore::connect`] makes the core's
+/// `Store` of it.
+#[derive(Debug)]
+pub enum PgStore {}
 
 /// `url` without its password, to be shown in errors and logs.
 pub fn redacted_url(url: &str) -> String {
@@ -109,7 +95,7 @@ impl PgStore {
     /// Connects to the database at `url` (`postgres://…`; `?host=/dir` for a Unix socket) and
     /// applies pending migrations. Hosts starting together are safe: the migrator holds an
     /// advisory lock while it runs.
-    pub async fn connect(url: &str) -> Result<Self, ConnectStoreError> {
+    pub async fn connect(url: &str) -> Result<Store, ConnectStoreError> {
         let shown = redacted_url(url);
         let options = PgConnectOptions::from_str(url)
             .map_err(|source| ConnectStoreError::Url {
@@ -137,24 +123,18 @@ impl PgStore {
         Ok(Self::on_pool(pool))
     }
 
-    /// Closes the pool's connections; the store is unusable after.
-    pub async fn close(&self) {
-        // Every aggregate holds the same pool.
-        self.teams.pool.close().await;
-    }
-
-    fn on_pool(pool: PgPool) -> Self {
-        Records {
-            teams: PgTeams { pool: pool.clone() },
-            templates: PgTemplates { pool: pool.clone() },
-            builds: PgBuilds { pool: pool.clone() },
-            sandboxes: PgSandboxes { pool: pool.clone() },
-            volumes: PgVolumes { pool: pool.clone() },
-            sandbox_logs: PgSandboxLogs { pool: pool.clone() },
-            team_metrics: PgTeamMetrics { pool: pool.clone() },
-            nodes: PgNodes { pool: pool.clone() },
-            layer_blobs: PgLayerBlobs { pool: pool.clone() },
-            request_counts: PgRequestCounts { pool },
+    fn on_pool(pool: PgPool) -> Store {
+        Store {
+            teams: Arc::new(PgTeams { pool: pool.clone() }),
+            templates: Arc::new(PgTemplates { pool: pool.clone() }),
+            builds: Arc::new(PgBuilds { pool: pool.clone() }),
+            sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
+            volumes: Arc::new(PgVolumes { pool: pool.clone() }),
+            sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
+            team_metrics: Arc::new(PgTeamMetrics { pool: pool.clone() }),
+            nodes: Arc::new(PgNodes { pool: pool.clone() }),
+            layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
+            request_counts: Arc::new(PgRequestCounts { pool }),
         }
     }
 }

@@ -8,8 +8,9 @@ use axum::http::{HeaderMap, Request, StatusCode};
 use chrono::Utc;
 use http_body_util::BodyExt;
 use sandbar_api::{AppState, EdgeConfig};
+use sandbar_core::Store;
 use sandbar_core::auth::{Credentials, TeamLimits, hash_secret};
-use sandbar_core::store::{StoredSecret, TeamRecords};
+use sandbar_core::store::StoredSecret;
 use sandbar_core::{
     Auth, Builder, Builds, RateLimits, Runtime, Sandboxes, SandboxesConfig, Team, TeamCaps,
     Templates, Volumes,
@@ -39,7 +40,7 @@ pub const LIMITS: TeamLimits = TeamLimits {
     caps: TeamCaps::DEFAULT,
 };
 
-pub async fn open_store(dir: &TempDir) -> Arc<SqliteStore> {
+pub async fn open_store(dir: &TempDir) -> Arc<Store> {
     Arc::new(
         SqliteStore::open(&dir.path().join("db"))
             .await
@@ -57,7 +58,7 @@ pub async fn register_base(templates: &Templates) {
 
 /// The sandbox service on `runtime`, before any volumes or cluster are added to it.
 pub fn sandboxes(
-    store: &Arc<SqliteStore>,
+    store: &Arc<Store>,
     runtime: Arc<dyn Runtime>,
     templates: &Templates,
     config: SandboxesConfig,
@@ -66,7 +67,7 @@ pub fn sandboxes(
 }
 
 /// Volumes kept on the host under `dir`.
-pub fn volumes(dir: &TempDir, store: &Arc<SqliteStore>) -> Volumes {
+pub fn volumes(dir: &TempDir, store: &Arc<Store>) -> Volumes {
     let host = HostVolumes::open(&dir.path().join("volumes")).expect("volumes");
     Volumes::new(store.clone(), Arc::new(host), [7; 32])
 }
@@ -103,7 +104,7 @@ impl Default for Setup {
 /// public `base` template.
 pub struct Server {
     pub dir: TempDir,
-    pub store: Arc<SqliteStore>,
+    pub store: Arc<Store>,
     pub auth: Auth,
     pub templates: Templates,
     pub runtime: Arc<FakeRuntime>,
@@ -162,6 +163,7 @@ impl Server {
 
     pub async fn team(&self) -> Team {
         self.store
+            .teams
             .team(&self.credentials.team_id)
             .await
             .expect("read")
@@ -190,7 +192,7 @@ pub fn state(
 }
 
 /// Adds a second team, `other-team`, whose key is [`OTHER_KEY`].
-pub async fn add_other_team(store: &SqliteStore) {
+pub async fn add_other_team(store: &Store) {
     let other = Team {
         id: "other-team".into(),
         name: "other".into(),
@@ -203,8 +205,9 @@ pub async fn add_other_team(store: &SqliteStore) {
         max_disk_mb: 0,
         caps: TeamCaps::DEFAULT,
     };
-    store.insert_team(&other).await.expect("team");
+    store.teams.insert_team(&other).await.expect("team");
     store
+        .teams
         .insert_api_key(&StoredSecret {
             id: "k2".into(),
             team_id: other.id.clone(),

@@ -100,16 +100,12 @@ impl RegistryCheck for RefusingRegistry {
     }
 }
 
-pub fn builds(store: Arc<dyn Store>, templates: &Templates) -> Builds {
+pub fn builds(store: Arc<Store>, templates: &Templates) -> Builds {
     builds_with(store, templates, Arc::new(RefusingBuilder))
 }
 
 /// The build service of [`builds`], running its builds on `builder`: one build at a time.
-pub fn builds_with(
-    store: Arc<dyn Store>,
-    templates: &Templates,
-    builder: Arc<dyn Builder>,
-) -> Builds {
+pub fn builds_with(store: Arc<Store>, templates: &Templates, builder: Arc<dyn Builder>) -> Builds {
     Builds::new(
         store,
         builder,
