@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use sandbar_core::{AdoptedCheckpoint, Endpoint, RuntimeError, RuntimeHandle};
 
+use super::criu_runs::SnapshotOrigin;
 use super::handle::{Handle, Phase, is_alive, parse_handle, start_ticks};
 use super::launch::Launcher;
-use super::pausing::{Pauser, SnapshotOrigin};
+use super::pausing::Pauser;
 use super::state::NodeState;
 use super::{is_nsfs, sandbox_err};
 

@@ -8,12 +8,12 @@ use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
 
 use crate::net::netns::PreparedNetns;
 
+use super::criu_runs::{SnapshotOrigin, check_criu_version};
 use super::handle::{CarriedCheckpoint, Handle};
 use super::host::LinuxHost;
 use super::launch::Launcher;
-use super::pausing::{SnapshotOrigin, check_criu_version};
 use super::restore::SlotRestore;
-use super::{SANDBOX_IDS, host, sandbox_err, sequence};
+use super::{SANDBOX_IDS, host_ops, sandbox_err, sequence};
 
 impl Launcher {
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
@@ -125,7 +125,7 @@ impl Launcher {
             netns,
             id_map,
             self.node.limits_of(spec),
-            host::DiskSource::Kept {
+            host_ops::DiskSource::Kept {
                 id_base: kept.id_base.unwrap_or(0),
             },
             SlotRestore {

@@ -12,9 +12,10 @@ use std::sync::Mutex;
 use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
 use sandbar_jail::IdMap;
 
+use super::criu_runs::CriuDump;
 use super::handle::Handle;
-use super::host::{CriuDump, DiskSource, HostOps};
-use super::launch::BootSpec;
+use super::host_ops::{DiskSource, HostOps};
+use super::jailed::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
 use crate::resources::cgroups::{CgroupError, Limits};

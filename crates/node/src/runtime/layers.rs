@@ -7,9 +7,16 @@ use sandbar_core::{RuntimeError, RuntimeHandle};
 
 use super::handle::parse_handle;
 use super::in_flight::InFlightGuard;
-use super::snapshot::FRESH_SNAPSHOT;
 use super::state::NodeState;
 use super::{SANDBOX_IDS, sandbox_err};
+
+/// How long the collector leaves a new snapshot's parts alone at most.
+pub(super) const FRESH_SNAPSHOT: std::time::Duration = std::time::Duration::from_secs(600);
+
+/// Whether `key` names a snapshot's checkpoint (the 32 hex digits a snapshot is given).
+pub(super) fn is_snapshot_key(key: &str) -> bool {
+    key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
+}
 
 /// Keeps the node's layers: its store, the cluster's where one is configured, the layers
 /// builds commit and the collection of those nothing keeps.

@@ -19,17 +19,21 @@ use crate::net::network::NetworkError;
 use crate::resources::cgroups::CgroupError;
 use crate::storage::disks::DiskError;
 
+mod admission;
 mod adopt;
 pub(crate) mod agent_client;
 mod agent_copies;
 pub mod agent_log;
 mod carried;
+mod criu_runs;
 mod handle;
 mod holdings;
 mod host;
 #[cfg(test)]
 mod host_fake;
+mod host_ops;
 mod in_flight;
+mod jailed;
 mod launch;
 mod layers;
 mod ledger;

@@ -12,8 +12,8 @@ use sandbar_jail::IdMap;
 
 use crate::net::netns::PreparedNetns;
 
+use super::criu_runs::{TCP_CLOSE, check_criu_version, run_criu};
 use super::handle::{Handle, Phase, parse_handle, start_ticks};
-use super::pausing::{TCP_CLOSE, check_criu_version, run_criu};
 use super::state::NodeState;
 use super::{agent_client, sandbox_err};
 

@@ -11,8 +11,8 @@ use sandbar_jail::IdMap;
 
 use super::handle::{Handle, Phase};
 use super::holdings::{Holdings, Opening, SlotHold};
-use super::host::{DiskSource, HostOps};
-use super::launch::BootSpec;
+use super::host_ops::{DiskSource, HostOps};
+use super::jailed::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
 use crate::net::netns::SlotSet;

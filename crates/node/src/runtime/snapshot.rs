@@ -10,15 +10,16 @@ use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle, SnapshotPa
 use crate::net::netns::PreparedNetns;
 
 use super::carried::stage_checkpoint;
+use super::criu_runs::{SNAPSHOT_ORIGIN, SnapshotOrigin, check_criu_version};
 use super::handle::{Handle, is_alive, parse_handle};
 use super::host::LinuxHost;
-use super::launch::{Launcher, default_workdir};
-use super::pausing::{
-    HOST_SOCKETS_PATIENCE, Pauser, SNAPSHOT_ORIGIN, SnapshotOrigin, check_criu_version,
-};
+use super::jailed::default_workdir;
+use super::launch::Launcher;
+use super::layers::is_snapshot_key;
+use super::pausing::{HOST_SOCKETS_PATIENCE, Pauser};
 use super::restore::SlotRestore;
 use super::state::NodeState;
-use super::{SANDBOX_IDS, agent_client, host, ns_inode, sandbox_err, sequence};
+use super::{SANDBOX_IDS, agent_client, host_ops, ns_inode, sandbox_err, sequence};
 
 /// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
 #[derive(Debug, Clone)]
@@ -34,9 +35,6 @@ impl Snapshotter {
     }
 }
 
-/// How long the collector leaves a new snapshot's parts alone at most.
-pub(super) const FRESH_SNAPSHOT: Duration = Duration::from_secs(600);
-
 /// A new snapshot's name: unique to this sandbox, moment and process.
 fn new_snapshot_key(id: &str) -> String {
     use sha2::Digest;
@@ -48,10 +46,6 @@ fn new_snapshot_key(id: &str) -> String {
         std::process::id()
     )))[..32]
         .to_owned()
-}
-
-pub(super) fn is_snapshot_key(key: &str) -> bool {
-    key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
 }
 
 impl Snapshotter {
@@ -335,7 +329,7 @@ impl Launcher {
             netns,
             id_map,
             self.node.limits_of(spec),
-            host::DiskSource::Fresh {
+            host_ops::DiskSource::Fresh {
                 size_mb: spec.disk_size_mb,
             },
             SlotRestore {

@@ -18,12 +18,11 @@ use crate::storage::disks::{DiskPool, PoolConfig};
 use super::agent_copies::{
     AgentLibrary, agent_libraries, collect_agent_copies, keep_agent, kept_agent_copies,
 };
-use super::handle::{Handle, parse_handle};
+use super::criu_runs::{ORPHANED_CRIU_WAIT, remove_spent_checkpoints};
+use super::handle::parse_handle;
 use super::holdings::Holdings;
-use super::host::LinuxHost;
 use super::in_flight::InFlight;
-use super::pausing::{ORPHANED_CRIU_WAIT, remove_spent_checkpoints};
-use super::{NodeConfig, NodeError, SANDBOX_IDS, ledger, ns_inode, places, sandbox_err, sequence};
+use super::{NodeConfig, NodeError, SANDBOX_IDS, ledger, ns_inode, places, sandbox_err};
 
 /// The node's configuration, host resources and records, shared by every part of
 /// [`super::LinuxRuntime`] through an [`Arc`].
@@ -60,7 +59,7 @@ pub(super) struct NodeState {
     pub(super) places: places::NodePlaces,
     /// Snapshot parts not yet kept by a template: the core records the template just after
     /// making them (and says so), and the collector must not take them in between. Entries
-    /// older than [`FRESH_SNAPSHOT`] are dropped whatever happened.
+    /// older than [`FRESH_SNAPSHOT`](super::layers::FRESH_SNAPSHOT) are dropped whatever happened.
     pub(super) fresh_snapshots: Mutex<Vec<(String, std::time::Instant)>>,
     /// Captures of templates whose restore failed here: their sandboxes boot and run the
     /// start command instead, until the process restarts.
@@ -244,26 +243,6 @@ impl NodeState {
                 .await?;
         }
         Ok(())
-    }
-
-    /// Ends sandbox `id` on this node: its processes, its files and log, and everything its
-    /// owner holds.
-    pub(super) async fn teardown(
-        self: &Arc<Self>,
-        id: &str,
-        handle: Option<&Handle>,
-    ) -> Result<(), RuntimeError> {
-        sequence::teardown(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
-    }
-
-    /// Ends the processes of sandbox `id` and gives back what they held (its slot and
-    /// memory); its disk, layers and agent log stay.
-    pub(super) async fn stop(
-        self: &Arc<Self>,
-        id: &str,
-        handle: Option<&Handle>,
-    ) -> Result<(), RuntimeError> {
-        sequence::stop(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
     }
 
     /// The cgroup limits of sandbox `spec` once it is someone's.

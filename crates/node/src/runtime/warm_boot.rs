@@ -10,7 +10,7 @@ use crate::resources::cgroups::Limits;
 
 use super::handle::{Handle, is_alive, start_ticks};
 use super::holdings::SlotHold;
-use super::launch::{BootSpec, Launcher, default_workdir};
+use super::jailed::{BootSpec, Jailer, default_workdir};
 use super::state::NodeState;
 use super::{agent_client, holdings, sandbox_err};
 
@@ -163,7 +163,7 @@ impl WarmKeeper {
                 kept: false,
                 boot_id: &boot_id,
             };
-            let pid = Launcher::of(&self.node)
+            let pid = Jailer::of(&self.node)
                 .spawn_jailed(&boot, &dir, &netns, id_map)
                 .await?;
             let warm = crate::runtime::warm::WarmSandbox {
@@ -261,7 +261,7 @@ impl WarmKeeper {
             );
             handle.start_ticks = warm.start_ticks;
             if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
-                Launcher::of(&self.node)
+                Jailer::of(&self.node)
                     .start_and_wait_ready(spec, &endpoint)
                     .await?;
             }
@@ -375,7 +375,7 @@ impl WarmKeeper {
 const REFILL_NICE: i32 = 19;
 
 /// Lowers the calling thread's priority to [`REFILL_NICE`] where the jails it forks can take
-/// the server's priority back (`CAP_SYS_NICE`, see `launch::server_nice`); without that,
+/// the server's priority back (`CAP_SYS_NICE`, see `jailed::server_nice`); without that,
 /// sandboxes would inherit the low priority, so the thread keeps the server's.
 fn run_refills_in_background() {
     use rustix::thread::{CapabilitySet, capabilities};

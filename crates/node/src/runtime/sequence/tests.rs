@@ -18,10 +18,11 @@ use super::{
 use crate::net::netns::SlotSet;
 use crate::resources::cgroups::{CpuPriority, Limits};
 use crate::resources::memory::MemoryRule;
+use crate::runtime::criu_runs::CriuDump;
 use crate::runtime::handle::{Handle, Phase};
 use crate::runtime::holdings::{Holdings, Opening, SlotHold};
-use crate::runtime::host::{CriuDump, DiskSource, HostOps};
 use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
+use crate::runtime::host_ops::{DiskSource, HostOps};
 use crate::runtime::ledger::ResourceLedger;
 use crate::runtime::restore::SlotRestore;
 use crate::runtime::sandbox_err;

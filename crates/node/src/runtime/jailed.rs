@@ -1,0 +1,397 @@
+//! The jailed agent: started as a sandbox's PID 1 in fresh namespaces, with its descriptors,
+//! log and configuration, then the template's start and ready commands run through it. The
+//! host seam (`host.rs`) calls it; the launch flows above decide when.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::net::netns::PreparedNetns;
+
+use super::state::NodeState;
+use super::{agent_client, reset_oom_score_adj, sandbox_err};
+
+/// Starts sandboxes' agents and their templates' start commands.
+#[derive(Debug, Clone)]
+pub(super) struct Jailer {
+    pub(super) node: Arc<NodeState>,
+}
+
+impl Jailer {
+    pub(super) fn of(node: &Arc<NodeState>) -> Self {
+        Self {
+            node: Arc::clone(node),
+        }
+    }
+}
+
+/// The server's nice value, which sandboxes start with whichever thread forks them: the
+/// main thread's (its id is the process id), which no pool lowers.
+fn server_nice() -> i32 {
+    rustix::process::getpriority_process(Some(rustix::process::getpid())).unwrap_or(0)
+}
+
+impl Jailer {
+    /// Starts the agent in fresh namespaces and returns the host PID of the sandbox's init.
+    pub(super) async fn spawn_jailed(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        netns: &PreparedNetns,
+        id_map: IdMap,
+    ) -> Result<i32, RuntimeError> {
+        let id = boot.id;
+        let jail = self.jail_spec(boot, dir, netns.slot, id_map)?;
+        let socket = self.node.places.socket_path(id);
+        let _ = std::fs::remove_file(&socket);
+        let listener = netns
+            .listen_at(&socket)
+            .map_err(|e| sandbox_err(id, format!("bind {}: {e}", socket.display())))?;
+        let log = self.open_agent_log(id, boot.kept, id_map)?;
+        // Without it the sandbox runs as well; its out-of-memory kills are only not named in
+        // the ended process's error.
+        let oom_events = self.node.cgroups.oom_notifier(id).unwrap_or_else(|e| {
+            tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
+            None
+        });
+        let handed = AgentDescriptors {
+            listener: listener.as_raw_fd(),
+            netns: netns.netns.as_raw_fd(),
+            oom_events: oom_events.as_ref().map(|fd| fd.as_raw_fd()),
+        };
+        let mut command = self.agent_command(log, handed);
+        let child = command.spawn().map_err(|e| {
+            sandbox_err(
+                id,
+                format!("start agent {}: {e}", self.node.agent_exec.display()),
+            )
+        })?;
+        // The agent holds its own copy now; ours would keep the socket accepting after the
+        // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
+        // end with the sandbox's processes.
+        drop(listener);
+        drop(oom_events);
+        self.boot_child(id, child, &jail).await
+    }
+
+    /// How the agent jails sandbox `boot`: its layers and writable directory `dir`, cgroups,
+    /// name server, ids, volumes and identity.
+    fn jail_spec(
+        &self,
+        boot: &BootSpec<'_>,
+        dir: &Path,
+        slot: u32,
+        id_map: IdMap,
+    ) -> Result<JailSpec, RuntimeError> {
+        let id = boot.id;
+        let template_layers = self.node.layers.stack(boot.layers).map_err(|message| {
+            RuntimeError::TemplateMissing {
+                template_id: format!("{} ({message})", boot.template_id),
+            }
+        })?;
+        let volumes = boot
+            .volumes
+            .iter()
+            .map(|m| {
+                Ok(sandbar_jail::VolumeBind {
+                    source: crate::storage::volumes::volume_dir(
+                        &self.node.config.data_dir,
+                        &m.team_id,
+                        &m.volume_id,
+                    )
+                    .map_err(|e| sandbox_err(id, e))?,
+                    target: m.path.clone().into(),
+                })
+            })
+            .collect::<Result<_, RuntimeError>>()?;
+        Ok(JailSpec {
+            template_layers,
+            sandbox_dir: dir.to_owned(),
+            hostname: "e2b.local".into(),
+            cgroup_join: self.node.cgroups.join_files(id),
+            // The gateway: the firewall redirects DNS sent there to the server's resolver.
+            nameservers: vec![
+                self.node
+                    .network
+                    .addrs(slot)
+                    .map_err(|e| sandbox_err(id, e))?
+                    .host
+                    .to_string(),
+            ],
+            id_map,
+            pty_max: self.node.config.pty_max,
+            volumes,
+            agent: boot.agent.clone(),
+            boot_id: Some(boot.boot_id.to_owned()),
+            // A new writable layer makes a new machine; kept files keep the one they hold.
+            machine_id: (!boot.kept).then(sandbar_core::ids::new_machine_id),
+        })
+    }
+
+    /// The agent log of sandbox `id`, owned by its root. A sandbox booted again on its kept
+    /// files goes on with its log: the lines read so far are counted by offset. Appending,
+    /// so a warm sandbox's log can be emptied when it is taken while its agent writes on.
+    fn open_agent_log(
+        &self,
+        id: &str,
+        kept: bool,
+        id_map: IdMap,
+    ) -> Result<std::fs::File, RuntimeError> {
+        let log_path = self.node.places.log_path(id);
+        if !kept {
+            self.node.remove_log(id);
+        }
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|e| sandbox_err(id, format!("create {}: {e}", log_path.display())))?;
+        // The restored root task reopens the log through its descriptor with its own rights.
+        std::os::unix::fs::fchown(&log, Some(id_map.host_base), Some(id_map.host_base))
+            .map_err(|e| sandbox_err(id, format!("chown {}: {e}", log_path.display())))?;
+        Ok(log)
+    }
+
+    /// `sandbar-agent boot`, with stderr to `log` and `handed` at the numbers the agent
+    /// expects, in a session of its own and with nothing else of the server's.
+    fn agent_command(
+        &self,
+        log: std::fs::File,
+        handed: AgentDescriptors,
+    ) -> tokio::process::Command {
+        let AgentDescriptors {
+            listener: listener_fd,
+            netns: netns_fd,
+            oom_events: oom_fd,
+        } = handed;
+        let server_nice = server_nice();
+        let mut command = tokio::process::Command::new(&self.node.agent_exec);
+        command
+            // Sandboxes read PID 1's command line: it must not name a host path.
+            .arg0("sandbar-agent")
+            .arg("boot")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .env_clear()
+            .env("RUST_LOG", "info");
+        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
+        // functions (setsid, dup2, close_range) on descriptors that exist in the child.
+        unsafe {
+            command.pre_exec(move || {
+                // A new session keeps terminal signals aimed at the server off the sandbox.
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Forked by the warm pool's low-priority thread: the sandbox gets the
+                // server's priority back (the pool's thread only lowers itself where this
+                // is allowed).
+                if libc::getpriority(libc::PRIO_PROCESS, 0) != server_nice {
+                    libc::setpriority(libc::PRIO_PROCESS, 0, server_nice);
+                }
+                // The server protects itself from the OOM killer; a sandbox must not inherit
+                // that. Written with privilege, 0 is also the floor no process of the sandbox
+                // can go below.
+                reset_oom_score_adj();
+                // Out of the way first: the eventfd may sit where the others go.
+                let oom_high = match oom_fd {
+                    Some(fd) => {
+                        let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, OOM_EVENTS_FD + 1);
+                        if high < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Some(high)
+                    }
+                    None => None,
+                };
+                if libc::dup2(listener_fd, LISTENER_FD) < 0 || libc::dup2(netns_fd, NETNS_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some(fd) = oom_high
+                    && libc::dup2(fd, OOM_EVENTS_FD) < 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Descriptors the server inherited without close-on-exec (from whoever
+                // started it) must not reach the sandbox, where they would be host files a
+                // checkpoint cannot carry. Marked rather than closed: the spawner's own
+                // error-reporting pipe must stay open until exec.
+                libc::syscall(
+                    libc::SYS_close_range,
+                    (if oom_fd.is_some() {
+                        OOM_EVENTS_FD + 1
+                    } else {
+                        NETNS_FD + 1
+                    }) as libc::c_uint,
+                    libc::c_uint::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
+                Ok(())
+            });
+        }
+        command
+    }
+
+    /// Sends the started agent its jail and reads back the host PID of the sandbox's init,
+    /// which it prints once the sandbox runs; the boot process then exits.
+    async fn boot_child(
+        &self,
+        id: &str,
+        mut child: tokio::process::Child,
+        jail: &JailSpec,
+    ) -> Result<i32, RuntimeError> {
+        let payload = serde_json::to_vec(jail).map_err(|e| sandbox_err(id, e))?;
+        if let Some(mut stdin) = child.stdin.take() {
+            stdin
+                .write_all(&payload)
+                .await
+                .map_err(|e| sandbox_err(id, format!("send jail spec: {e}")))?;
+        }
+        let mut line = String::new();
+        if let Some(stdout) = child.stdout.take() {
+            BufReader::new(stdout)
+                .read_line(&mut line)
+                .await
+                .map_err(|e| sandbox_err(id, format!("read sandbox pid: {e}")))?;
+        }
+        let status = child
+            .wait()
+            .await
+            .map_err(|e| sandbox_err(id, format!("wait for boot: {e}")))?;
+        line.trim().parse().map_err(|_| {
+            let log = std::fs::read_to_string(self.node.places.log_path(id)).unwrap_or_default();
+            sandbox_err(
+                id,
+                format!(
+                    "boot exited with {status} before starting the sandbox: {}",
+                    log.trim()
+                ),
+            )
+        })
+    }
+}
+
+impl Jailer {
+    /// Starts the template's start command in the background, then runs its ready command
+    /// until it succeeds.
+    pub(super) async fn start_and_wait_ready(
+        &self,
+        spec: &LaunchSpec,
+        endpoint: &Endpoint,
+    ) -> Result<(), RuntimeError> {
+        let id = &spec.sandbox_id;
+        let exec = |command, user| agent_client::Exec {
+            token: &spec.envd_access_token,
+            user,
+            command,
+            envs: &spec.env_vars,
+            cwd: Some(&spec.image.workdir),
+        };
+        if let Some(start) = &spec.image.start_cmd {
+            // As the agent starts any command of that user: root's confined by the
+            // sandbox's namespaces, cgroups and seccomp like every other.
+            let user = spec.image.start_user.as_deref().unwrap_or(&spec.image.user);
+            agent_client::start_detached(&endpoint.agent_socket, &exec(start, user))
+                .await
+                .map_err(|e| RuntimeError::NotReady {
+                    sandbox_id: id.clone(),
+                    message: format!("cannot run the start command: {e}"),
+                })?;
+        }
+        let Some(ready) = &spec.image.ready_cmd else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + self.node.config.ready_timeout;
+        let mut last;
+        loop {
+            let mut output = Vec::new();
+            let code = agent_client::run(
+                &endpoint.agent_socket,
+                &exec(ready, &spec.image.user),
+                |b| {
+                    if output.len() < 4096 {
+                        output.extend_from_slice(b);
+                    }
+                },
+            )
+            .await
+            .map_err(|e| RuntimeError::NotReady {
+                sandbox_id: id.clone(),
+                message: format!("cannot run the ready command: {e}"),
+            })?;
+            if code == 0 {
+                return Ok(());
+            }
+            last = format!(
+                "exit code {code}: {}",
+                String::from_utf8_lossy(&output).trim()
+            );
+            if tokio::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(RuntimeError::NotReady {
+            sandbox_id: id.clone(),
+            message: format!(
+                "the ready command '{ready}' did not succeed within {} s (last: {last})",
+                self.node.config.ready_timeout.as_secs()
+            ),
+        })
+    }
+}
+
+/// The descriptors the agent is started with, as numbers valid in the server until it is.
+#[derive(Clone, Copy)]
+pub(super) struct AgentDescriptors {
+    listener: i32,
+    netns: i32,
+    oom_events: Option<i32>,
+}
+
+/// What booting a sandbox needs beyond its slot and directory.
+pub(super) struct BootSpec<'a> {
+    pub(super) id: &'a str,
+    /// Named when a layer is missing.
+    pub(super) template_id: &'a str,
+    pub(super) layers: &'a [String],
+    pub(super) volumes: &'a [sandbar_core::VolumeMount],
+    pub(super) agent: AgentConfig,
+    /// Booted again on kept files: its log goes on, and its machine id is the one they hold.
+    pub(super) kept: bool,
+    /// What the sandbox reads as the kernel's boot id.
+    pub(super) boot_id: &'a str,
+}
+
+impl<'a> BootSpec<'a> {
+    pub(super) fn of(spec: &'a LaunchSpec, boot_id: &'a str) -> Self {
+        BootSpec {
+            id: &spec.sandbox_id,
+            template_id: &spec.template.id,
+            layers: &spec.image.layers,
+            volumes: &spec.volumes,
+            agent: AgentConfig {
+                access_token: Some(spec.envd_access_token.clone()),
+                default_user: spec.image.user.clone(),
+                env_vars: spec.env_vars.clone(),
+                default_workdir: default_workdir(&spec.image.user, &spec.image.workdir)
+                    .map(str::to_owned),
+                memory_limit_mb: Some(spec.memory_mb),
+            },
+            kept: spec.kept.is_some(),
+            boot_id,
+        }
+    }
+}
+
+/// The agent's default working directory for an image: none when it is the user's home,
+/// which leaves each user in their own.
+pub(super) fn default_workdir<'a>(user: &str, workdir: &'a str) -> Option<&'a str> {
+    Some(workdir).filter(|w| *w != format!("/home/{user}"))
+}
