@@ -543,8 +543,12 @@ mod tests {
         let pairs = parse_pairs("a=1, b = two ,", ',').unwrap();
         assert_eq!(pairs.get("a").map(String::as_str), Some("1"));
         assert_eq!(pairs.get("b").map(String::as_str), Some("two"));
-        assert!(parse_pairs("nokey", ',').is_err());
-        assert!(timeout_secs("abc", 1).is_err());
+        let refused = parse_pairs("nokey", ',').unwrap_err();
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert!(refused.message.contains("'nokey'"), "{}", refused.message);
+        let refused = timeout_secs("abc", 1).unwrap_err();
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert!(refused.message.contains("'abc'"), "{}", refused.message);
         assert_eq!(timeout_secs("", 7).unwrap(), 7);
     }
 }
