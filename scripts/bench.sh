@@ -8,6 +8,7 @@
 #   SANDBAR_BENCH_POOL_GB   size of the sandbox disk pool made on the first start (default 9,
 #                           enough for 1,000 idle sandboxes; the server's own default takes
 #                           half the free space, which a benchmark does not need)
+#   SANDBAR_BENCH_MAX_SANDBOXES  the team's sandbox limit (default 1100, room for `--crowd 1000`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,6 +20,7 @@ fi
 data_dir="${SANDBAR_BENCH_DATA_DIR:-/var/tmp/sandbar-bench}"
 ready_timeout="${SANDBAR_BENCH_READY_TIMEOUT:-600}"
 pool_gb="${SANDBAR_BENCH_POOL_GB:-9}"
+max_sandboxes="${SANDBAR_BENCH_MAX_SANDBOXES:-1100}"
 # Registered on the first start of a data directory only, so it never changes.
 api_key="e2b_78b389cd3477e8e0738f8909e035846bc6bfc143"
 
@@ -53,16 +55,16 @@ trap stop_server EXIT
 trap 'exit 130' INT TERM
 
 mkdir -p "$data_dir"
-# Room for `--crowd 1000`: the first start's team gets it from --max-sandboxes, a team made
-# by an earlier run from set-limits.
+# Room for the crowd: the first start's team gets it from --max-sandboxes, a team made by an
+# earlier run from set-limits.
 if [[ -f "$data_dir/sandbar.db" ]]; then
   for team in $(./target/release/sandbar team list --data-dir "$data_dir" | awk '{print $1}'); do
-    ./target/release/sandbar team set-limits "$team" --max-sandboxes 1100 --data-dir "$data_dir" >/dev/null
+    ./target/release/sandbar team set-limits "$team" --max-sandboxes "$max_sandboxes" --data-dir "$data_dir" >/dev/null
   done
 fi
 SANDBAR_API_KEY="$api_key" RUST_LOG="${RUST_LOG:-warn}" \
   ./target/release/sandbar serve --listen "127.0.0.1:$port" --data-dir "$data_dir" \
-  --max-sandboxes 1100 --disk-pool-gb "$pool_gb" >"$log" 2>&1 &
+  --max-sandboxes "$max_sandboxes" --disk-pool-gb "$pool_gb" >"$log" 2>&1 &
 server_pid=$!
 
 echo "bench.sh: server on $url (data in $data_dir), waiting for the 'base' template" >&2

@@ -1,5 +1,6 @@
 """Disk rates: each sandbox is held to the server's per-sandbox read and write rates on the
-disks under its files, root inside cannot lift them, and /metrics reports them.
+disks under its files, or to its team's where the operator set them; root inside cannot lift
+them, and /metrics reports them.
 
 Only direct I/O is measured: it is what the kernel holds to a group's rate on every cgroup
 version (on v1 the kernel's own writeback of buffered pages is not attributed to the writer).
@@ -9,13 +10,14 @@ machine may make I/O slower, never faster than the limit.
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from e2e_util import METRICS_HEADERS
+from e2e_util import METRICS_HEADERS, sandbar_cli, unique
 
 # The throttle lets a short burst through before it starts to account, and dd's own clock
 # starts before its first write: a measured rate may be a little above the limit.
@@ -87,17 +89,49 @@ def test_root_in_a_sandbox_cannot_lift_its_limit(sandbar, limits):
                 sbx.commands.run(f"echo '7:0 0' > {path}", user="root")
             assert refused.value.exit_code != 0
         # The limit is still the server's, read from the host side of its cgroup.
-        for candidate in (
-            f"/sys/fs/cgroup/blkio/sandbar/{sbx.sandbox_id}/blkio.throttle.write_bps_device",
-            f"/sys/fs/cgroup/sandbar/{sbx.sandbox_id}/io.max",
-        ):
-            try:
-                text = open(candidate).read()
-            except OSError:
-                continue
-            assert str(limits[1]) in text, text
-            break
-        else:
-            raise AssertionError(f"no disk limit file for {sbx.sandbox_id} on the host")
+        assert str(limits[1]) in _host_write_limit(sbx.sandbox_id)
+    finally:
+        sbx.kill()
+
+
+def _host_write_limit(sandbox_id: str) -> str:
+    """The write limit the host holds sandbox `sandbox_id` to, as its cgroup file says it."""
+    for candidate in (
+        f"/sys/fs/cgroup/blkio/sandbar/{sandbox_id}/blkio.throttle.write_bps_device",
+        f"/sys/fs/cgroup/sandbar/{sandbox_id}/io.max",
+    ):
+        try:
+            return open(candidate).read()
+        except OSError:
+            continue
+    raise AssertionError(f"no disk limit file for {sandbox_id} on the host")
+
+
+def test_a_team_s_own_rates_hold_its_sandboxes(sandbar, limits):
+    team = json.loads(sandbar_cli(sandbar, "team", "create", unique("disk-rates"), "--disk-write-mbps", "40"))
+    key = team["apiKey"]
+    team_limit = 40 << 20
+    # Taken from the warm pool, which booted it at the server's rates: the take sets the team's.
+    sbx = Sandbox.create(api_key=key, timeout=120)
+    try:
+        assert str(team_limit) in _host_write_limit(sbx.sandbox_id)
+        wrote = sbx.commands.run(
+            "dd if=/dev/zero of=/home/user/rate bs=1M count=80 oflag=direct 2>&1", timeout=120
+        )
+        write_rate = _dd_rate(wrote.stdout)
+        # Below the server's own limit: only the team's rate holds it here.
+        assert write_rate <= team_limit * MARGIN < limits[1], (
+            f"wrote at {write_rate / 2**20:.0f} MiB/s, the team's limit is 40 MiB/s"
+        )
+        print(f"\n[disk-io] team write {write_rate / 2**20:.0f} MiB/s (limit 40)")
+    finally:
+        sbx.kill()
+    # Set back to the server's own: the team's next sandbox gets the server's rate.
+    sandbar_cli(sandbar, "team", "set-limits", team["teamID"], "--disk-write-mbps", "0")
+    shown = json.loads(sandbar_cli(sandbar, "team", "show", team["teamID"]))
+    assert shown["diskWriteMBps"] == 0
+    sbx = Sandbox.create(api_key=key, timeout=120)
+    try:
+        assert str(limits[1]) in _host_write_limit(sbx.sandbox_id)
     finally:
         sbx.kill()

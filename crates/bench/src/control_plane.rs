@@ -367,6 +367,7 @@ async fn run(args: &ControlPlaneArgs) -> anyhow::Result<()> {
                 max_vcpu: 0,
                 max_memory_mb: 0,
                 max_disk_mb: 0,
+                disk_rates: sandbar_core::DiskRates::NODE,
                 caps: sandbar_core::TeamCaps::DEFAULT,
             },
         )

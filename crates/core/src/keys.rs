@@ -132,6 +132,10 @@ pub struct LimitChanges {
     pub max_vcpu: Option<u32>,
     pub max_memory_mb: Option<u32>,
     pub max_disk_mb: Option<u32>,
+    pub disk_read_mbps: Option<u32>,
+    pub disk_write_mbps: Option<u32>,
+    pub disk_read_iops: Option<u32>,
+    pub disk_write_iops: Option<u32>,
     pub max_snapshots: Option<u32>,
     pub max_snapshot_mb: Option<u32>,
     pub max_templates: Option<u32>,
@@ -150,6 +154,10 @@ impl LimitChanges {
             self.max_vcpu,
             self.max_memory_mb,
             self.max_disk_mb,
+            self.disk_read_mbps,
+            self.disk_write_mbps,
+            self.disk_read_iops,
+            self.disk_write_iops,
             self.max_snapshots,
             self.max_snapshot_mb,
             self.max_templates,
@@ -296,6 +304,11 @@ impl TeamLimits {
         check_limit("max-vcpu", self.max_vcpu.into(), 0, 1024)?;
         check_limit("max-memory-mb", self.max_memory_mb.into(), 0, 1 << 24)?;
         check_limit("max-disk-mb", self.max_disk_mb.into(), 0, 1 << 24)?;
+        let rates = &self.disk_rates;
+        check_limit("disk-read-mbps", rates.read_mbps.into(), 0, 1 << 20)?;
+        check_limit("disk-write-mbps", rates.write_mbps.into(), 0, 1 << 20)?;
+        check_limit("disk-read-iops", rates.read_iops.into(), 0, 1 << 24)?;
+        check_limit("disk-write-iops", rates.write_iops.into(), 0, 1 << 24)?;
         let caps = &self.caps;
         for (field, value) in [
             ("max-snapshots", caps.max_snapshots),
@@ -331,6 +344,17 @@ impl TeamLimits {
         if let Some(v) = changes.max_disk_mb {
             self.max_disk_mb = v;
         }
+        let rates = &mut self.disk_rates;
+        for (change, field) in [
+            (changes.disk_read_mbps, &mut rates.read_mbps),
+            (changes.disk_write_mbps, &mut rates.write_mbps),
+            (changes.disk_read_iops, &mut rates.read_iops),
+            (changes.disk_write_iops, &mut rates.write_iops),
+        ] {
+            if let Some(v) = change {
+                *field = v;
+            }
+        }
         let caps = &mut self.caps;
         for (change, field) in [
             (changes.max_snapshots, &mut caps.max_snapshots),
@@ -361,6 +385,7 @@ impl Team {
             max_vcpu: self.max_vcpu,
             max_memory_mb: self.max_memory_mb,
             max_disk_mb: self.max_disk_mb,
+            disk_rates: self.disk_rates,
             caps: self.caps,
         }
     }
@@ -372,6 +397,7 @@ impl Team {
         self.max_vcpu = limits.max_vcpu;
         self.max_memory_mb = limits.max_memory_mb;
         self.max_disk_mb = limits.max_disk_mb;
+        self.disk_rates = limits.disk_rates;
         self.caps = limits.caps;
     }
 }
@@ -394,6 +420,7 @@ impl Auth {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            disk_rates: limits.disk_rates,
             caps: limits.caps,
         };
         team.apply(limits);
@@ -748,6 +775,7 @@ mod tests {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            disk_rates: Default::default(),
             caps: crate::model::TeamCaps::DEFAULT,
         };
         assert!(base.validate().is_ok());
@@ -792,6 +820,39 @@ mod tests {
             too_many.validate(),
             Err(TeamAdminError::BadLimit {
                 field: "max-tags-per-template",
+                ..
+            })
+        ));
+        let rated = base.with(LimitChanges {
+            disk_write_mbps: Some(50),
+            disk_read_iops: Some(900),
+            ..LimitChanges::default()
+        });
+        assert_eq!(
+            rated.disk_rates,
+            crate::model::DiskRates {
+                read_mbps: 0,
+                write_mbps: 50,
+                read_iops: 900,
+                write_iops: 0,
+            }
+        );
+        assert!(rated.validate().is_ok());
+        assert!(
+            !LimitChanges {
+                disk_write_iops: Some(1),
+                ..LimitChanges::default()
+            }
+            .is_empty()
+        );
+        let too_fast = base.with(LimitChanges {
+            disk_read_mbps: Some((1 << 20) + 1),
+            ..LimitChanges::default()
+        });
+        assert!(matches!(
+            too_fast.validate(),
+            Err(TeamAdminError::BadLimit {
+                field: "disk-read-mbps",
                 ..
             })
         ));

@@ -50,7 +50,7 @@ pub use keys::{
 pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
-    BUILT_IN_TEMPLATE_ALIASES, BuildSlotUse, BuildStatus, DEFAULT_TEMPLATE_ALIAS,
+    BUILT_IN_TEMPLATE_ALIASES, BuildSlotUse, BuildStatus, DEFAULT_TEMPLATE_ALIAS, DiskRates,
     INTERPRETER_TEMPLATE_ALIAS, LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxState,
     SlotClaim, Team, TeamCaps, Template,
 };

@@ -229,6 +229,7 @@ mod tests {
             max_vcpu: 0,
             max_memory_mb: 0,
             max_disk_mb: 0,
+            disk_rates: Default::default(),
             caps: crate::model::TeamCaps::DEFAULT,
         }
     }

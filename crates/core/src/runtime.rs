@@ -45,6 +45,8 @@ pub struct LaunchSpec {
     pub cpu_count: u32,
     pub memory_mb: u32,
     pub disk_size_mb: u32,
+    /// The team's rates for the sandbox's disk I/O (0: the node's own).
+    pub disk_rates: crate::model::DiskRates,
     pub env_vars: BTreeMap<String, String>,
     /// Whether the sandbox may reach anything outside; false isolates it entirely.
     pub allow_internet_access: bool,

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::bail;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, TeamCaps};
+use sandbar_core::{Auth, DiskRates, TeamCaps};
 
 use crate::database::{self, DatabaseArgs};
 
@@ -42,6 +42,22 @@ pub struct Limits {
     /// Disk, in MiB, one sandbox (or template build) may have; 0 for no team limit.
     #[arg(long)]
     max_disk_mb: Option<u32>,
+    /// MiB/s each of the team's sandboxes may read from disk; 0 for the server's
+    /// `--sandbox-disk-read-mbps`.
+    #[arg(long)]
+    disk_read_mbps: Option<u32>,
+    /// MiB/s each of the team's sandboxes may write to disk; 0 for the server's
+    /// `--sandbox-disk-write-mbps`.
+    #[arg(long)]
+    disk_write_mbps: Option<u32>,
+    /// Disk reads per second each of the team's sandboxes may issue; 0 for the server's
+    /// `--sandbox-disk-read-iops`.
+    #[arg(long)]
+    disk_read_iops: Option<u32>,
+    /// Disk writes per second each of the team's sandboxes may issue; 0 for the server's
+    /// `--sandbox-disk-write-iops`.
+    #[arg(long)]
+    disk_write_iops: Option<u32>,
     /// Snapshots the team may keep (default 100); 0 for no cap.
     #[arg(long)]
     max_snapshots: Option<u32>,
@@ -75,6 +91,10 @@ impl Limits {
             max_vcpu: self.max_vcpu,
             max_memory_mb: self.max_memory_mb,
             max_disk_mb: self.max_disk_mb,
+            disk_read_mbps: self.disk_read_mbps,
+            disk_write_mbps: self.disk_write_mbps,
+            disk_read_iops: self.disk_read_iops,
+            disk_write_iops: self.disk_write_iops,
             max_snapshots: self.max_snapshots,
             max_snapshot_mb: self.max_snapshot_mb,
             max_templates: self.max_templates,
@@ -149,6 +169,7 @@ const NEW_TEAM_LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    disk_rates: DiskRates::NODE,
     caps: TeamCaps::DEFAULT,
 };
 
@@ -172,13 +193,17 @@ async fn open(data: &DataDir) -> anyhow::Result<Auth> {
 fn print_limits(t: &sandbar_core::Team) -> String {
     let c = &t.caps;
     format!(
-        "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={} max-snapshots={} max-snapshot-mb={} max-templates={} max-volumes={} max-volume-mb={} max-tags-per-template={} max-api-keys={}",
+        "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={} disk-read-mbps={} disk-write-mbps={} disk-read-iops={} disk-write-iops={} max-snapshots={} max-snapshot-mb={} max-templates={} max-volumes={} max-volume-mb={} max-tags-per-template={} max-api-keys={}",
         t.max_concurrent_sandboxes,
         t.max_sandbox_timeout_secs,
         t.requests_per_minute,
         t.max_vcpu,
         t.max_memory_mb,
         t.max_disk_mb,
+        t.disk_rates.read_mbps,
+        t.disk_rates.write_mbps,
+        t.disk_rates.read_iops,
+        t.disk_rates.write_iops,
         c.max_snapshots,
         c.max_snapshot_mb,
         c.max_templates,
@@ -229,6 +254,10 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
                     "maxVcpu": t.max_vcpu,
                     "maxMemoryMB": t.max_memory_mb,
                     "maxDiskMB": t.max_disk_mb,
+                    "diskReadMBps": t.disk_rates.read_mbps,
+                    "diskWriteMBps": t.disk_rates.write_mbps,
+                    "diskReadIops": t.disk_rates.read_iops,
+                    "diskWriteIops": t.disk_rates.write_iops,
                     "maxSnapshots": c.max_snapshots,
                     "maxSnapshotMB": c.max_snapshot_mb,
                     "maxTemplates": c.max_templates,

@@ -1203,6 +1203,7 @@ async fn bootstrap_first_team(
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        disk_rates: sandbar_core::DiskRates::default(),
         caps: sandbar_core::TeamCaps::DEFAULT,
     };
     let credentials_path = data_dir.join("credentials.json");

@@ -9,8 +9,8 @@ use std::str::FromStr;
 use chrono::{DateTime, Utc};
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret};
 use sandbar_core::{
-    BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, LayerBlob, LogLevel,
-    NodeRecord, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxStatus,
+    BuildFailure, BuildLogEntry, BuildRecord, BuildSpec, BuildStatus, DiskRates, LayerBlob,
+    LogLevel, NodeRecord, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxStatus,
     StoreError, Team, TeamCaps, TeamMetricBucket, Template, TemplateImage, Volume, VolumeMount,
 };
 
@@ -73,7 +73,7 @@ where
 }
 
 /// A team's limit columns, in the order every statement on `teams` lists them.
-pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 13] {
+pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 17] {
     [
         i64::from(limits.max_concurrent_sandboxes),
         big(limits.max_sandbox_timeout_secs),
@@ -88,6 +88,10 @@ pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 13] {
         i64::from(limits.caps.max_volume_mb),
         i64::from(limits.caps.max_tags_per_template),
         i64::from(limits.caps.max_api_keys),
+        i64::from(limits.disk_rates.read_mbps),
+        i64::from(limits.disk_rates.write_mbps),
+        i64::from(limits.disk_rates.read_iops),
+        i64::from(limits.disk_rates.write_iops),
     ]
 }
 
@@ -100,6 +104,7 @@ pub(crate) fn team_limits(team: &Team) -> TeamLimits {
         max_vcpu: team.max_vcpu,
         max_memory_mb: team.max_memory_mb,
         max_disk_mb: team.max_disk_mb,
+        disk_rates: team.disk_rates,
         caps: team.caps,
     }
 }
@@ -232,6 +237,10 @@ pub(crate) struct LimitsRow {
     max_volume_mb: i64,
     max_tags_per_template: i64,
     max_api_keys: i64,
+    disk_read_mbps: i64,
+    disk_write_mbps: i64,
+    disk_read_iops: i64,
+    disk_write_iops: i64,
 }
 
 impl LimitsRow {
@@ -252,6 +261,12 @@ impl LimitsRow {
                 max_volume_mb: limit(self.max_volume_mb)?,
                 max_tags_per_template: limit(self.max_tags_per_template)?,
                 max_api_keys: limit(self.max_api_keys)?,
+            },
+            disk_rates: DiskRates {
+                read_mbps: limit(self.disk_read_mbps)?,
+                write_mbps: limit(self.disk_write_mbps)?,
+                read_iops: limit(self.disk_read_iops)?,
+                write_iops: limit(self.disk_write_iops)?,
             },
             name,
             slug: slug.unwrap_or_default(),

@@ -92,7 +92,7 @@ impl TeamRecords for SqliteTeams {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         let query = sqlx::query(
-            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, disk_read_mbps, disk_write_mbps, disk_read_iops, disk_write_iops, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(&team.id)
         .bind(&team.name)
@@ -155,7 +155,7 @@ impl TeamRecords for SqliteTeams {
     ) -> Result<Option<(StoredApiKey, Team)>, StoreError> {
         // One statement, not two: this runs for every request with an API key.
         sqlx::query_as::<_, KeyTeamRow<i64>>(
-            "SELECT k.id, k.team_id, k.name, k.key_hash AS secret_hash, k.mask_prefix, k.mask_suffix, k.created_at, k.created_by, k.last_used, t.name AS team_name, t.slug AS team_slug, t.max_concurrent_sandboxes, t.max_sandbox_timeout_secs, t.requests_per_minute, t.max_vcpu, t.max_memory_mb, t.max_disk_mb, t.max_snapshots, t.max_snapshot_mb, t.max_templates, t.max_volumes, t.max_volume_mb, t.max_tags_per_template, t.max_api_keys FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.key_hash = ?",
+            "SELECT k.id, k.team_id, k.name, k.key_hash AS secret_hash, k.mask_prefix, k.mask_suffix, k.created_at, k.created_by, k.last_used, t.name AS team_name, t.slug AS team_slug, t.max_concurrent_sandboxes, t.max_sandbox_timeout_secs, t.requests_per_minute, t.max_vcpu, t.max_memory_mb, t.max_disk_mb, t.max_snapshots, t.max_snapshot_mb, t.max_templates, t.max_volumes, t.max_volume_mb, t.max_tags_per_template, t.max_api_keys, t.disk_read_mbps, t.disk_write_mbps, t.disk_read_iops, t.disk_write_iops FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.key_hash = ?",
         )
         .bind(hash)
         .fetch_optional(&self.pool)
@@ -329,7 +329,7 @@ impl TeamRecords for SqliteTeams {
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
         let done = bind_all(
             sqlx::query(
-                "UPDATE teams SET max_concurrent_sandboxes = ?, max_sandbox_timeout_secs = ?, requests_per_minute = ?, max_vcpu = ?, max_memory_mb = ?, max_disk_mb = ?, max_snapshots = ?, max_snapshot_mb = ?, max_templates = ?, max_volumes = ?, max_volume_mb = ?, max_tags_per_template = ?, max_api_keys = ? WHERE id = ?",
+                "UPDATE teams SET max_concurrent_sandboxes = ?, max_sandbox_timeout_secs = ?, requests_per_minute = ?, max_vcpu = ?, max_memory_mb = ?, max_disk_mb = ?, max_snapshots = ?, max_snapshot_mb = ?, max_templates = ?, max_volumes = ?, max_volume_mb = ?, max_tags_per_template = ?, max_api_keys = ?, disk_read_mbps = ?, disk_write_mbps = ?, disk_read_iops = ?, disk_write_iops = ? WHERE id = ?",
             ),
             limit_columns(limits),
         )

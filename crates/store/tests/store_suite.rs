@@ -190,6 +190,7 @@ const LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    disk_rates: sandbar_core::DiskRates::NODE,
     caps: sandbar_core::TeamCaps::DEFAULT,
 };
 
@@ -1316,6 +1317,12 @@ async fn teams_members_and_limits(f: Fixture) {
         max_vcpu: 4,
         max_memory_mb: 4096,
         max_disk_mb: 8192,
+        disk_rates: sandbar_core::DiskRates {
+            read_mbps: 1,
+            write_mbps: 2,
+            read_iops: 3,
+            write_iops: u32::MAX,
+        },
         caps: sandbar_core::TeamCaps::DEFAULT,
     };
     assert!(
@@ -1346,6 +1353,7 @@ async fn teams_members_and_limits(f: Fixture) {
         ),
         (u32::MAX, u64::from(u32::MAX) + 1, 8192)
     );
+    assert_eq!(read.disk_rates, limits.disk_rates);
     assert_eq!(
         store
             .teams

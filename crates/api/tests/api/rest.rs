@@ -510,6 +510,7 @@ async fn team_limits_answer_429() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        disk_rates: sandbar_core::DiskRates::NODE,
         caps: sandbar_core::TeamCaps::DEFAULT,
     })
     .await;
@@ -528,6 +529,7 @@ async fn team_limits_answer_429() {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        disk_rates: sandbar_core::DiskRates::NODE,
         caps: sandbar_core::TeamCaps::DEFAULT,
     })
     .await;

@@ -18,7 +18,7 @@ pub use nodes::{BuildSlotUse, NodeRecord, NodeReport, SlotClaim};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;
-pub use teams::{Team, TeamCaps, TeamLimits, slug_of};
+pub use teams::{DiskRates, Team, TeamCaps, TeamLimits, slug_of};
 pub use templates::{
     BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
     SnapshotImage, StartedImage, Template, TemplateImage,

@@ -16,6 +16,8 @@ pub struct Team {
     pub max_vcpu: u32,
     pub max_memory_mb: u32,
     pub max_disk_mb: u32,
+    /// The rates each of its sandboxes' disk I/O is held to.
+    pub disk_rates: DiskRates,
     /// Ceilings on what the team keeps.
     pub caps: TeamCaps,
 }
@@ -30,7 +32,28 @@ pub struct TeamLimits {
     pub max_vcpu: u32,
     pub max_memory_mb: u32,
     pub max_disk_mb: u32,
+    pub disk_rates: DiskRates,
     pub caps: TeamCaps,
+}
+
+/// The rates one sandbox's disk I/O is held to, each 0 for the node's own rate (its
+/// `--sandbox-disk-*` flags): an operator raises or lowers them for a team.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DiskRates {
+    pub read_mbps: u32,
+    pub write_mbps: u32,
+    pub read_iops: u32,
+    pub write_iops: u32,
+}
+
+impl DiskRates {
+    /// The node's own rate for every one: what a team gets unless the operator says otherwise.
+    pub const NODE: DiskRates = DiskRates {
+        read_mbps: 0,
+        write_mbps: 0,
+        read_iops: 0,
+        write_iops: 0,
+    };
 }
 
 /// Ceilings on what a team keeps, as opposed to what one sandbox may have: each answers a

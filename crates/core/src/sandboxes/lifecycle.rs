@@ -531,6 +531,15 @@ impl Lifecycle {
             })?;
         let mut env_vars = image.env.clone();
         env_vars.extend(sandbox.env_vars.clone());
+        // The team's rates as they are now, as a new sandbox of the team would get them.
+        let disk_rates = self
+            .shared
+            .store
+            .teams
+            .team(&sandbox.team_id)
+            .await?
+            .map(|team| team.disk_rates)
+            .unwrap_or_default();
         let spec = LaunchSpec {
             sandbox_id: sandbox.id.clone(),
             template,
@@ -538,6 +547,7 @@ impl Lifecycle {
             cpu_count: sandbox.cpu_count,
             memory_mb: sandbox.memory_mb,
             disk_size_mb: sandbox.disk_size_mb,
+            disk_rates,
             env_vars,
             allow_internet_access: !egress.is_isolated(),
             egress,

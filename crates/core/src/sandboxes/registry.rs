@@ -103,6 +103,10 @@ impl SandboxRegistry {
         };
         let booted_from = image.clone();
         let spec = launch_spec(&id, &request, &template, image, egress, mounts.clone());
+        let spec = LaunchSpec {
+            disk_rates: team.disk_rates,
+            ..spec
+        };
         let token = spec.envd_access_token.clone();
         let (handle, endpoint) =
             self.shared
@@ -448,6 +452,7 @@ fn launch_spec(
         cpu_count: template.cpu_count,
         memory_mb: template.memory_mb,
         disk_size_mb: template.disk_size_mb,
+        disk_rates: Default::default(),
         env_vars,
         allow_internet_access: !egress.is_isolated(),
         egress,

@@ -385,6 +385,7 @@ impl NodeBuilder {
             cpu_count: job.cpu_count,
             memory_mb: job.memory_mb,
             disk_size_mb: self.build_disk_mb(job.disk_size_mb),
+            disk_rates: Default::default(),
             env_vars: state.env.clone(),
             allow_internet_access: true,
             egress: EgressRules::default(),

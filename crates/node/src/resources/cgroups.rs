@@ -25,6 +25,8 @@ pub struct Limits {
     pub memory_mb: u32,
     pub pids_max: u32,
     pub cpu_priority: CpuPriority,
+    /// Its disk rates: the node's, or its team's where the team sets them.
+    pub io: IoRates,
 }
 
 /// The sandbox's share of the CPU when the cores are contended, on top of its quota.
@@ -371,13 +373,22 @@ impl CgroupDriver {
                 source,
             })?;
         }
-        self.throttle_io(sandbox_id)?;
+        // A new group has no limit on any disk: only a rate to hold it to is written.
+        if !limits.io.is_unlimited() {
+            self.throttle_io(sandbox_id, limits.io)?;
+        }
         self.apply_limits(sandbox_id, limits)
     }
 
-    /// Holds a new sandbox's groups to the node's disk rates. Only at creation: the rates are
-    /// the same for every sandbox, so a warm sandbox taken by a create keeps them as they are.
-    fn throttle_io(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+    /// The node's own disk rates, which a sandbox gets unless its team sets others.
+    pub fn io_rates(&self) -> IoRates {
+        self.io.rates
+    }
+
+    /// Holds sandbox `sandbox_id`'s groups to `rates` on the node's disks (a rate of 0 lifts
+    /// that limit). Set when the groups are made, and again when a warm sandbox is taken by
+    /// a team with rates of its own.
+    pub fn throttle_io(&self, sandbox_id: &str, rates: IoRates) -> Result<(), CgroupError> {
         if !self.io.is_active() {
             return Ok(());
         }
@@ -385,11 +396,11 @@ impl CgroupDriver {
             for device in &self.io.devices {
                 match name {
                     "blkio" => {
-                        for (file, line) in self.io.rates.v1_lines(*device) {
+                        for (file, line) in rates.v1_lines(*device) {
                             write(&dir.join(file), &line)?;
                         }
                     }
-                    "unified" => write(&dir.join("io.max"), &self.io.rates.v2_line(*device))?,
+                    "unified" => write(&dir.join("io.max"), &rates.v2_line(*device))?,
                     _ => {}
                 }
             }
@@ -809,10 +820,7 @@ async fn settle(patience: Duration, every: Duration, mut left: impl FnMut() -> u
 
 /// Holds every sandbox `cgroups` makes to `rates` on the disks under `dirs`, and says so.
 pub fn hold_sandboxes_to(cgroups: &mut CgroupDriver, rates: IoRates, dirs: &[&Path]) {
-    if rates.is_unlimited() {
-        tracing::warn!("sandbox disk rates are not limited");
-        return;
-    }
+    // The disks are found even with no rate of the node's own: a team's rates need them.
     let throttle = IoThrottle::for_dirs(rates, dirs);
     if throttle.devices.is_empty() {
         tracing::warn!(
@@ -833,7 +841,7 @@ pub fn hold_sandboxes_to(cgroups: &mut CgroupDriver, rates: IoRates, dirs: &[&Pa
             write_bytes_per_s = rates.write_bytes,
             read_ops_per_s = rates.read_ops,
             write_ops_per_s = rates.write_ops,
-            "each sandbox's disk I/O is limited to these rates (0: no limit)"
+            "each sandbox's disk I/O is limited to these rates unless its team sets its own (0: no limit)"
         );
     } else {
         tracing::warn!(

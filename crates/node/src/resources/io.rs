@@ -7,6 +7,7 @@
 //! writer's group and is not held to its rate; on v2, with the memory and io controllers in one
 //! hierarchy, it is.
 
+use sandbar_core::DiskRates;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
@@ -32,6 +33,18 @@ impl IoRates {
 
     pub fn is_unlimited(&self) -> bool {
         *self == Self::default()
+    }
+
+    /// These rates with a team's own in place of each one it sets (MiB/s and operations/s;
+    /// 0 keeps this one).
+    pub fn with_team(self, team: &DiskRates) -> Self {
+        let pick = |own: u64, theirs: u64| if theirs == 0 { own } else { theirs };
+        Self {
+            read_bytes: pick(self.read_bytes, u64::from(team.read_mbps) << 20),
+            write_bytes: pick(self.write_bytes, u64::from(team.write_mbps) << 20),
+            read_ops: pick(self.read_ops, u64::from(team.read_iops)),
+            write_ops: pick(self.write_ops, u64::from(team.write_iops)),
+        }
     }
 
     /// The v1 files (`blkio.throttle.*`) with what each gets for `device`; a rate of 0 is
@@ -99,8 +112,9 @@ impl IoThrottle {
     }
 
     /// Whether anything is limited.
+    /// Whether there is a disk to hold sandboxes on: with none, no rate is written.
     pub fn is_active(&self) -> bool {
-        !self.rates.is_unlimited() && !self.devices.is_empty()
+        !self.devices.is_empty()
     }
 }
 
@@ -258,6 +272,27 @@ mod tests {
         assert_eq!(
             rates.v2_line(device),
             "7:3 rbps=209715200 wbps=104857600 riops=max wiops=2000"
+        );
+    }
+
+    #[test]
+    fn a_team_s_rates_replace_only_those_it_sets() {
+        let node = IoRates::from_flags(200, 100, 4000, 2000);
+        assert_eq!(node.with_team(&DiskRates::default()), node);
+        let team = DiskRates {
+            read_mbps: 0,
+            write_mbps: 50,
+            read_iops: 0,
+            write_iops: 10,
+        };
+        assert_eq!(
+            node.with_team(&team),
+            IoRates::from_flags(200, 50, 4000, 10)
+        );
+        // A node without rates of its own still holds a team that sets some.
+        assert_eq!(
+            IoRates::default().with_team(&team),
+            IoRates::from_flags(0, 50, 0, 10)
         );
     }
 

@@ -252,6 +252,7 @@ impl NodeState {
             memory_mb: spec.memory_mb,
             pids_max: self.config.pids_max,
             cpu_priority: crate::resources::cgroups::CpuPriority::Normal,
+            io: self.cgroups.io_rates().with_team(&spec.disk_rates),
         }
     }
 

@@ -140,6 +140,7 @@ impl WarmKeeper {
                         memory_mb: crate::runtime::warm::BOOT_MEMORY_MB,
                         pids_max: self.node.config.pids_max,
                         cpu_priority: crate::resources::cgroups::CpuPriority::Background,
+                        io: self.node.cgroups.io_rates(),
                     },
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
@@ -342,10 +343,18 @@ impl WarmKeeper {
         if let Some(slot) = self.node.holdings.take_slot(&warm.name) {
             opening.hold_slot(slot);
         }
+        let limits = self.node.limits_of(spec);
         self.node
             .cgroups
-            .apply_limits(id, self.node.limits_of(spec))
+            .apply_limits(id, limits)
             .map_err(|e| sandbox_err(id, e))?;
+        // Booted with the node's disk rates; a team with rates of its own gets them now.
+        if limits.io != self.node.cgroups.io_rates() {
+            self.node
+                .cgroups
+                .throttle_io(id, limits.io)
+                .map_err(|e| sandbox_err(id, e))?;
+        }
         self.node
             .disks
             .hand_over(&warm.name, id, spec.disk_size_mb)

@@ -81,7 +81,7 @@ impl TeamRecords for PgTeams {
 
     async fn insert_team(&self, team: &Team) -> Result<(), StoreError> {
         let query = sqlx::query(
-            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
+            "INSERT INTO teams (id, name, slug, max_concurrent_sandboxes, max_sandbox_timeout_secs, requests_per_minute, max_vcpu, max_memory_mb, max_disk_mb, max_snapshots, max_snapshot_mb, max_templates, max_volumes, max_volume_mb, max_tags_per_template, max_api_keys, disk_read_mbps, disk_write_mbps, disk_read_iops, disk_write_iops, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)",
         )
         .bind(&team.id)
         .bind(&team.name)
@@ -325,7 +325,7 @@ impl TeamRecords for PgTeams {
     async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
         let done = bind_all(
             sqlx::query(
-                "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13 WHERE id = $14",
+                "UPDATE teams SET max_concurrent_sandboxes = $1, max_sandbox_timeout_secs = $2, requests_per_minute = $3, max_vcpu = $4, max_memory_mb = $5, max_disk_mb = $6, max_snapshots = $7, max_snapshot_mb = $8, max_templates = $9, max_volumes = $10, max_volume_mb = $11, max_tags_per_template = $12, max_api_keys = $13, disk_read_mbps = $14, disk_write_mbps = $15, disk_read_iops = $16, disk_write_iops = $17 WHERE id = $18",
             ),
             limit_columns(limits),
         )

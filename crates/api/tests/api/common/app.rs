@@ -37,6 +37,7 @@ pub const LIMITS: TeamLimits = TeamLimits {
     max_vcpu: 0,
     max_memory_mb: 0,
     max_disk_mb: 0,
+    disk_rates: sandbar_core::DiskRates::NODE,
     caps: TeamCaps::DEFAULT,
 };
 
@@ -203,6 +204,7 @@ pub async fn add_other_team(store: &Store) {
         max_vcpu: 0,
         max_memory_mb: 0,
         max_disk_mb: 0,
+        disk_rates: sandbar_core::DiskRates::NODE,
         caps: TeamCaps::DEFAULT,
     };
     store.teams.insert_team(&other).await.expect("team");

@@ -164,6 +164,7 @@ fn spec(id: &str, start_cmd: bool) -> LaunchSpec {
         cpu_count: 1,
         memory_mb: MEMORY_MB,
         disk_size_mb: 512,
+        disk_rates: Default::default(),
         env_vars: BTreeMap::new(),
         allow_internet_access: true,
         egress: EgressRules::default(),
@@ -181,6 +182,7 @@ fn limits() -> Limits {
         memory_mb: MEMORY_MB,
         pids_max: 100,
         cpu_priority: CpuPriority::Normal,
+        io: Default::default(),
     }
 }
 
