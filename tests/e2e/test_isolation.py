@@ -671,8 +671,8 @@ def test_sandbox_loopback_is_its_own(sandbox, sandbar):
 
 def test_memory_admission_counts_limits_up_to_the_overcommit_ratio(sandbar):
     """Memory limits are ceilings, not reservations: sandboxes are admitted while the host has
-    memory available and their limits stay within the overcommit ratio (25x) of its memory.
-    A template with 8 GiB sandboxes reaches the ratio in about 70 creates."""
+    memory available and their limits stay within the overcommit ratio (50x) of its memory.
+    A template with 8 GiB sandboxes reaches the ratio in about 140 creates."""
     from e2b import Template
 
     headers = {"X-API-Key": sandbar.api_key}
@@ -698,7 +698,7 @@ def test_memory_admission_counts_limits_up_to_the_overcommit_ratio(sandbar):
             break
         assert refusal is not None, f"{len(created)} sandboxes of 8 GiB were admitted past the ratio"
         assert refusal.status_code == 503, refusal.text
-        assert "memory" in refusal.json()["message"] and "25x" in refusal.json()["message"], refusal.text
+        assert "memory" in refusal.json()["message"] and "50x" in refusal.json()["message"], refusal.text
         assert int(refusal.headers["retry-after"]) > 0
         assert len(created) * (8192 << 20) <= limit
         assert len(created) * (8192 << 20) > total, "admission still counted limits as reservations"
