@@ -25,7 +25,8 @@ max_sandboxes="${SANDBAR_BENCH_MAX_SANDBOXES:-1100}"
 api_key="e2b_78b389cd3477e8e0738f8909e035846bc6bfc143"
 
 ./scripts/install-deps.sh --test
-cargo build --release --bin sandbar --bin sandbar-agent --bin sandbar-bench
+# The same build as the test suite's (every target at once), so one shares the other's artifacts.
+cargo build --release --workspace --all-targets
 
 # A free port on 127.0.0.1: nothing accepts a connection on it.
 port=""

@@ -209,7 +209,6 @@ async fn main() -> anyhow::Result<()> {
     server
         .start_default()
         .await
-        .map_err(anyhow::Error::msg)
         .context("cannot start the default Python kernel")?;
     tracing::info!("the default Python kernel is ready");
     serving.await.context("the server stopped")??;

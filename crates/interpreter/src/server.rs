@@ -89,6 +89,11 @@ struct ContextInfo {
     cwd: String,
 }
 
+/// Why the default kernel did not start.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct StartDefaultError(#[from] ApiError);
+
 #[derive(Debug, thiserror::Error)]
 enum ApiError {
     #[error("{0}")]
@@ -184,18 +189,11 @@ impl Server {
     }
 
     /// Starts the default Python kernel; `/health` answers 200 from then on.
-    pub async fn start_default(self: &Arc<Self>) -> Result<(), String> {
-        let context = self
-            .default_context("python")
-            .await
-            .map_err(|e| e.to_string())?;
+    pub async fn start_default(self: &Arc<Self>) -> Result<(), StartDefaultError> {
+        let context = self.default_context("python").await?;
         let mut kernel = context.kernel.lock().await;
         if kernel.is_none() {
-            *kernel = Some(
-                self.start_kernel(&context.language, &context.cwd)
-                    .await
-                    .map_err(|e| e.to_string())?,
-            );
+            *kernel = Some(self.start_kernel(&context.language, &context.cwd).await?);
         }
         drop(kernel);
         self.ready.store(true, Ordering::Release);

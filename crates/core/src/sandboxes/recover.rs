@@ -8,7 +8,7 @@ use super::{Live, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::Sandbox;
-use crate::runtime::{AdoptedCheckpoint, Endpoint, RuntimeHandle};
+use crate::runtime::{AdoptedCheckpoint, Endpoint, RuntimeError, RuntimeHandle};
 use crate::store::StoreError;
 
 /// Takes sandboxes back: after a restart, those this node recorded; in a cluster, the paused
@@ -460,18 +460,26 @@ impl Recovery {
 
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when
     /// it starts.
-    async fn restore_network(&self, sandbox: &Sandbox) -> Result<(), String> {
+    async fn restore_network(&self, sandbox: &Sandbox) -> Result<(), RestoreNetworkError> {
         let rules = sandbox
             .network
-            .validate(sandbox.allow_internet_access)
-            .map_err(|e| e.to_string())?;
+            .validate(sandbox.allow_internet_access)?;
         if rules.is_empty() {
             return Ok(());
         }
         self.shared
             .runtime
             .update_network(&sandbox.id, &sandbox.handle, &rules)
-            .await
-            .map_err(|e| e.to_string())
+            .await?;
+        Ok(())
     }
+}
+
+/// Why an adopted sandbox's egress rules could not be applied again.
+#[derive(Debug, thiserror::Error)]
+enum RestoreNetworkError {
+    #[error("its recorded network is no longer valid: {0}")]
+    Invalid(#[from] crate::network::NetworkConfigError),
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
 }
