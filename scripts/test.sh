@@ -61,7 +61,7 @@ if [[ ! -e target && $build_cache != none ]]; then
   mkdir -p "$build_cache"
   cache_gib=$(( $(du -sk "$build_cache" | cut -f1) >> 20 ))
   free_gib=$(( $(stat -f -c '%a * %S' "$build_cache") / (1 << 30) ))
-  if (( cache_gib > 30 || free_gib < 40 )); then
+  if (( cache_gib > 30 || free_gib < 30 )); then
     echo "test.sh: dropping the build cache (${cache_gib} GiB, ${free_gib} GiB free)" >&2
     rm -rf "$build_cache" && mkdir -p "$build_cache"
   fi

@@ -461,9 +461,7 @@ impl Recovery {
     /// Applies an adopted sandbox's egress rules again: the node rewrites its firewall when
     /// it starts.
     async fn restore_network(&self, sandbox: &Sandbox) -> Result<(), RestoreNetworkError> {
-        let rules = sandbox
-            .network
-            .validate(sandbox.allow_internet_access)?;
+        let rules = sandbox.network.validate(sandbox.allow_internet_access)?;
         if rules.is_empty() {
             return Ok(());
         }
