@@ -102,11 +102,15 @@ impl SandboxRegistry {
             _ => image,
         };
         let booted_from = image.clone();
-        let spec = launch_spec(&id, &request, &template, image, egress, mounts.clone());
-        let spec = LaunchSpec {
-            disk_rates: team.disk_rates,
-            ..spec
-        };
+        let spec = launch_spec(
+            &id,
+            team,
+            &request,
+            &template,
+            image,
+            egress,
+            mounts.clone(),
+        );
         let token = spec.envd_access_token.clone();
         let (handle, endpoint) =
             self.shared
@@ -435,9 +439,11 @@ fn parse_page_token(token: &str) -> Option<(i64, String)> {
     Some((micros.parse().ok()?, id.to_owned()))
 }
 
-/// What the node needs to start sandbox `id` of `template` from `image` for `request`.
+/// What the node needs to start sandbox `id` of `template` from `image` for `team`'s
+/// `request`.
 fn launch_spec(
     id: &str,
+    team: &Team,
     request: &CreateSandbox,
     template: &Template,
     image: TemplateImage,
@@ -452,7 +458,7 @@ fn launch_spec(
         cpu_count: template.cpu_count,
         memory_mb: template.memory_mb,
         disk_size_mb: template.disk_size_mb,
-        disk_rates: Default::default(),
+        disk_rates: team.disk_rates,
         env_vars,
         allow_internet_access: !egress.is_isolated(),
         egress,
