@@ -65,7 +65,7 @@ struct InstantRuntime;
 impl Runtime for InstantRuntime {
     async fn launch(&self, _: LaunchSpec) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         Ok((
-            RuntimeHandle(serde_json::json!({})),
+            RuntimeHandle::unstarted(0),
             Endpoint {
                 agent_socket: "/nonexistent/agent.sock".into(),
                 address: IpAddr::V4(Ipv4Addr::LOCALHOST),

@@ -56,8 +56,9 @@ pub use model::{
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{
-    AdoptedCheckpoint, AgentLogChunk, DiskIoReport, Endpoint, LaunchSpec, MemoryReport, Runtime,
-    RuntimeError, RuntimeHandle, SnapshotParts, TakenOver, WarmPoolReport,
+    AdoptedCheckpoint, AgentLogChunk, CarriedCheckpoint, DiskIoReport, Endpoint, HandlePhase,
+    HandleVolume, LaunchSpec, MemoryReport, Runtime, RuntimeError, RuntimeHandle, SnapshotParts,
+    TakenOver, WarmPoolReport,
 };
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 pub use sandboxes::{

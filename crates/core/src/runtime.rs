@@ -4,11 +4,15 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
-
 use crate::builds::TemplateImage;
 use crate::model::Template;
 use crate::network::EgressRules;
+
+mod handle;
+
+pub use handle::{
+    CarriedCheckpoint, HANDLE_VERSION, HandlePhase, HandleVolume, RuntimeHandle, StoredHandleError,
+};
 
 /// A sandbox laid out on this node from what a lost node shared.
 #[derive(Debug, Clone)]
@@ -19,12 +23,6 @@ pub struct TakenOver {
     /// starting them afresh.
     pub with_memory: bool,
 }
-
-/// Runtime-specific facts about a running sandbox (process, cgroups, network slot), kept in
-/// the store so a restarted server can find and clean up the sandbox. Opaque to the core.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-#[serde(transparent)]
-pub struct RuntimeHandle(pub serde_json::Value);
 
 /// How the edge reaches a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -158,7 +158,7 @@ impl SqliteStore {
 
 #[cfg(test)]
 mod tests {
-    use sandbar_core::SandboxStatus;
+    use sandbar_core::{HandlePhase, SandboxStatus};
     use sqlx::migrate::Migrator;
 
     use super::*;
@@ -187,20 +187,32 @@ mod tests {
             ..Migrator::DEFAULT
         };
         before.run(&pool).await.expect("migrate to 12");
-        for (id, state, paused_as) in [
-            ("running", "running", None),
-            ("old-pause", "paused", None),
-            ("memory", "paused", Some("memory")),
-            ("files", "paused", Some("files")),
-            ("checkpointing", "paused", Some("checkpointing")),
-            ("checkpoint", "paused", Some("checkpoint")),
-            ("releasing", "paused", Some("releasing")),
+        let flags = |more: &str| format!(r#"{{"pid": 7, "start_ticks": 9, "slot": 2{more}}}"#);
+        for (id, state, paused_as, handle) in [
+            ("running", "running", None, flags("")),
+            ("old-pause", "paused", None, "null".to_owned()),
+            ("memory", "paused", Some("memory"), flags("")),
+            (
+                "files",
+                "paused",
+                Some("files"),
+                flags(r#", "released": true"#),
+            ),
+            ("checkpointing", "paused", Some("checkpointing"), flags("")),
+            (
+                "checkpoint",
+                "paused",
+                Some("checkpoint"),
+                flags(r#", "checkpointed": true"#),
+            ),
+            ("releasing", "paused", Some("releasing"), flags("")),
         ] {
             sqlx::query(
-                "INSERT INTO sandboxes (id, team_id, template_id, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, paused_as) VALUES (?, 't', 'base', 0, 0, 1, 512, 1024, '{}', '{}', 1, 'token', '0.6.4', ?, '{\"pid\": 7, \"checkpointed\": true}', ?)",
+                "INSERT INTO sandboxes (id, team_id, template_id, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, state, handle, paused_as) VALUES (?, 't', 'base', 0, 0, 1, 512, 1024, '{}', '{}', 1, 'token', '0.6.4', ?, ?, ?)",
             )
             .bind(id)
             .bind(state)
+            .bind(handle)
             .bind(paused_as)
             .execute(&pool)
             .await
@@ -237,12 +249,21 @@ mod tests {
                 want("running", SandboxStatus::Running),
             ]
         );
-        let kept = store
-            .sandboxes
-            .sandbox("checkpoint")
-            .await
-            .expect("read")
-            .expect("kept");
-        assert_eq!(kept.handle.0["checkpointed"], serde_json::json!(true));
+        let phase_of = |id: &'static str| {
+            let store = &store;
+            async move {
+                let kept = store.sandboxes.sandbox(id).await.expect("read");
+                kept.expect("kept").handle.phase
+            }
+        };
+        // The flags of the first handle layout become its phase; a null becomes a handle of
+        // nothing launched, which every runtime refuses.
+        assert_eq!(phase_of("checkpoint").await, HandlePhase::Checkpointed);
+        assert_eq!(phase_of("files").await, HandlePhase::Released);
+        assert_eq!(phase_of("running").await, HandlePhase::Running);
+        assert_eq!(phase_of("old-pause").await, HandlePhase::Unlaunched);
+        let running = store.sandboxes.sandbox("running").await.expect("read");
+        let running = running.expect("kept").handle;
+        assert_eq!((running.pid, running.start_ticks, running.slot), (7, 9, 2));
     }
 }

@@ -4,8 +4,6 @@
 //! rows are generic over how a database reads a timestamp ([`Stamp`]), which is all that
 //! differs between the two once a row is selected; the SQL stays with each backend.
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret};
 use sandbar_core::{
@@ -578,7 +576,8 @@ impl<T: Stamp> TryFrom<SandboxRow<T>> for Sandbox {
             envd_access_token: r.envd_access_token,
             envd_version: r.envd_version,
             status,
-            handle: RuntimeHandle(serde_json::Value::from_str(&r.handle).map_err(err)?),
+            handle: RuntimeHandle::from_stored(&r.handle)
+                .map_err(|e| err(format!("sandbox {id} has a bad handle: {e}")))?,
             node_id: r.node_id,
             id,
         })

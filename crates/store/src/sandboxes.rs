@@ -36,7 +36,7 @@ impl SandboxRecords for SqliteSandboxes {
         .bind(&s.envd_access_token)
         .bind(&s.envd_version)
         .bind(s.status.name())
-        .bind(s.handle.0.to_string())
+        .bind(s.handle.to_stored())
         .bind(serde_json::to_string(&s.network).map_err(err)?)
         .bind(&s.traffic_access_token)
         .bind(s.auto_pause)
@@ -124,7 +124,7 @@ impl SandboxRecords for SqliteSandboxes {
         };
         let mut query = sqlx::query(query).bind(status.name());
         if let Some(handle) = handle {
-            query = query.bind(handle.0.to_string());
+            query = query.bind(handle.to_stored());
         }
         query.bind(id).execute(&self.pool).await.map_err(err)?;
         Ok(())

@@ -362,7 +362,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
         envd_access_token: "t".into(),
         envd_version: "0.5.7".into(),
         status: SandboxStatus::Running,
-        handle: RuntimeHandle(serde_json::json!({"pid": 5})),
+        handle: RuntimeHandle::warm(3, 100_000, 5, 77),
         auto_pause: true,
         auto_resume: false,
         auto_pause_memory: false,
@@ -386,7 +386,10 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     );
     assert!(!paused.auto_pause_memory);
     assert_eq!(paused.image.as_ref(), Some(&image));
-    let released = RuntimeHandle(serde_json::json!({"pid": 0}));
+    let released = RuntimeHandle {
+        phase: sandbar_core::HandlePhase::Released,
+        ..RuntimeHandle::unstarted(3)
+    };
     store
         .sandboxes
         .set_sandbox_status(&sandbox.id, SandboxStatus::Shelved, Some(&released))
@@ -566,7 +569,7 @@ fn sandbox(id: &str, team_id: &str, started_at: DateTime<Utc>) -> Sandbox {
         envd_access_token: "token".into(),
         envd_version: "0.5.7".into(),
         status: SandboxStatus::Running,
-        handle: RuntimeHandle(serde_json::json!({"pid": 1})),
+        handle: RuntimeHandle::unstarted(1),
         auto_pause: false,
         auto_resume: false,
         auto_pause_memory: true,

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::{CreateSandbox, Sandboxes, SandboxesConfig, Team};
-use serde_json::json;
 
 use common::{FakeRuntime, Setup};
 
@@ -73,7 +72,7 @@ async fn a_resume_during_a_checkpoint_restores_from_it() {
         .await
         .expect("resume");
     assert!(woke);
-    assert_eq!(resumed.handle.0["checkpointed"], json!(false));
+    assert_eq!(resumed.handle.phase, sandbar_core::HandlePhase::Running);
     reaper.await.expect("the reaper ran to its end");
 }
 

@@ -2,13 +2,12 @@
 //! found running at a restart is counted again: the node-wide side of [`super::ledger`],
 //! kept apart so the ledger itself knows nothing of the node.
 
-use sandbar_core::RuntimeError;
+use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
 
 use crate::resources::memory::HostMemory;
 use crate::resources::tasks::HostTasks;
 use crate::storage::disks::{DiskError, DiskPromise};
 
-use super::handle::{Handle, Phase};
 use super::holdings::{NodeSandbox, SlotHold};
 use super::ledger::MemoryGrant;
 use super::sandbox_err;
@@ -65,12 +64,14 @@ impl NodeState {
     /// Gives sandbox `id` what an earlier server left it in `phase`, with no admission: its
     /// disk and the layers `h` names always, its slot unless released, its memory while its
     /// processes run.
-    pub(super) fn adopt_holdings(&self, id: &str, h: &Handle, phase: Phase) {
+    pub(super) fn adopt_holdings(&self, id: &str, h: &RuntimeHandle, phase: HandlePhase) {
         self.holdings.adopt(
             id,
             NodeSandbox {
-                slot: (phase != Phase::Released).then(|| SlotHold::retaken(&self.slots, h.slot)),
-                memory: (phase == Phase::Running).then(|| self.regrant_memory(id, h.memory_mb)),
+                slot: (phase != HandlePhase::Released)
+                    .then(|| SlotHold::retaken(&self.slots, h.slot)),
+                memory: (phase == HandlePhase::Running)
+                    .then(|| self.regrant_memory(id, h.memory_mb)),
                 disk: self.disks.adopt(id),
                 layers: h.layers.clone(),
             },

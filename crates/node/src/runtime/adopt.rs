@@ -4,10 +4,10 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use sandbar_core::{AdoptedCheckpoint, Endpoint, RuntimeError, RuntimeHandle};
+use sandbar_core::{AdoptedCheckpoint, Endpoint, HandlePhase, RuntimeError, RuntimeHandle};
 
 use super::criu_runs::SnapshotOrigin;
-use super::handle::{Handle, Phase, is_alive, parse_handle, start_ticks};
+use super::handle::{is_alive, launched, start_ticks};
 use super::launch::Launcher;
 use super::pausing::Pauser;
 use super::state::NodeState;
@@ -34,13 +34,13 @@ impl Adopter {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<AdoptedCheckpoint, RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
+        let h = launched(sandbox_id, handle)?;
         let dir = self.node.places.checkpoint_dir(sandbox_id);
-        if h.phase == Phase::Checkpointed {
+        if h.phase == HandlePhase::Checkpointed {
             // The server may have died during a restore (CRIU was waited for at start): its
             // host-side mounts are left over, and the restore finished or not.
             self.node.unmount_restore(sandbox_id, h.layers.len());
-            if let Some(restored) = self.finished_restore(sandbox_id, &h) {
+            if let Some(restored) = self.finished_restore(sandbox_id, h) {
                 return Ok(restored);
             }
             if let Err(e) = self.node.cgroups.kill_all(sandbox_id).await {
@@ -52,7 +52,7 @@ impl Adopter {
             crate::checkpoint::clear_restore(&dir);
             let _ = std::fs::remove_file(self.node.places.socket_path(sandbox_id));
         } else {
-            if is_alive(&h) {
+            if is_alive(h) {
                 return Err(sandbox_err(sandbox_id, "its processes still run"));
             }
             // The dump ended the processes: if the server died before sealing it, it is
@@ -94,35 +94,37 @@ impl Adopter {
             }
         }
         self.node
-            .adopt_holdings(sandbox_id, &h, Phase::Checkpointed);
-        let checkpointed = Handle {
+            .adopt_holdings(sandbox_id, h, HandlePhase::Checkpointed);
+        let checkpointed = RuntimeHandle {
             pid: 0,
             start_ticks: 0,
-            phase: Phase::Checkpointed,
-            ..h
+            phase: HandlePhase::Checkpointed,
+            ..h.clone()
         };
-        Ok(AdoptedCheckpoint::Checkpointed(
-            checkpointed.to_runtime(sandbox_id)?,
-        ))
+        Ok(AdoptedCheckpoint::Checkpointed(checkpointed))
     }
 
     /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died
     /// during ran to its end: CRIU wrote its statistics, and the PID 1 it wrote lives in the
     /// sandbox's cgroup.
-    pub(super) fn finished_restore(&self, id: &str, h: &Handle) -> Option<AdoptedCheckpoint> {
+    pub(super) fn finished_restore(
+        &self,
+        id: &str,
+        h: &RuntimeHandle,
+    ) -> Option<AdoptedCheckpoint> {
         let pid = crate::checkpoint::finished_restore(&self.node.places.checkpoint_dir(id))?;
         if !self.node.cgroups.members(id).contains(&pid) {
             return None;
         }
-        let running = Handle {
+        let running = RuntimeHandle {
             pid,
             start_ticks: start_ticks(pid)?,
-            phase: Phase::Running,
+            phase: HandlePhase::Running,
             ..h.clone()
         };
         let endpoint = self.node.endpoint(id, h.slot).ok()?;
-        let runtime_handle = running.to_runtime(id).ok()?;
-        self.node.adopt_holdings(id, h, Phase::Running);
+        let runtime_handle = running;
+        self.node.adopt_holdings(id, h, HandlePhase::Running);
         tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
         Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
     }
@@ -149,7 +151,7 @@ impl Adopter {
         let Some(shared) = self.node.shared_layers.get() else {
             return Ok(None);
         };
-        let h = parse_handle(sandbox_id, handle)?;
+        let h = launched(sandbox_id, handle)?;
         let upper = self
             .node
             .disks
@@ -170,8 +172,8 @@ impl Adopter {
         let Some(shared) = self.node.shared_layers.get() else {
             return Ok(None);
         };
-        let h = parse_handle(sandbox_id, handle)?;
-        if h.phase != Phase::Checkpointed {
+        let h = launched(sandbox_id, handle)?;
+        if h.phase != HandlePhase::Checkpointed {
             return Ok(None);
         }
         let images = self.node.places.checkpoint_dir(sandbox_id);
@@ -236,8 +238,8 @@ impl Adopter {
                 }
             },
         };
-        let origin = parse_handle(id, &sandbox.handle).ok();
-        let handle = Handle {
+        let origin = launched(id, &sandbox.handle).ok();
+        let handle = RuntimeHandle {
             // The files carry the ids they have inside the sandbox: a boot on them moves
             // them to the range of the slot it gets.
             id_base: Some(0),
@@ -247,18 +249,17 @@ impl Adopter {
                 .as_ref()
                 .map(|image| image.layers.clone())
                 .unwrap_or_default(),
-            phase: Phase::Released,
+            phase: HandlePhase::Released,
             // A restored sandbox goes on with the boot it had.
-            boot_id: carried.as_ref().and(origin.and_then(|h| h.boot_id)),
+            boot_id: carried.as_ref().and(origin.and_then(|h| h.boot_id.clone())),
             carried,
-            ..Handle::unstarted(0)
+            ..RuntimeHandle::unstarted(0)
         };
-        let runtime_handle = handle.to_runtime(id)?;
         opening.use_layers(handle.layers.clone());
         opening.commit();
         Ok(sandbar_core::TakenOver {
             with_memory: handle.carried.is_some(),
-            handle: runtime_handle,
+            handle,
         })
     }
 
@@ -267,19 +268,20 @@ impl Adopter {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<(), RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
+        let h = launched(sandbox_id, handle)?;
         let upper = self
             .node
             .disks
             .path(sandbox_id)
             .join(sandbar_jail::layout::UPPER);
-        if h.phase != Phase::Released || !upper.is_dir() {
+        if h.phase != HandlePhase::Released || !upper.is_dir() {
             return Err(sandbox_err(
                 sandbox_id,
                 format!("no kept files at {}", upper.display()),
             ));
         }
-        self.node.adopt_holdings(sandbox_id, &h, Phase::Released);
+        self.node
+            .adopt_holdings(sandbox_id, h, HandlePhase::Released);
         Ok(())
     }
 
@@ -288,14 +290,14 @@ impl Adopter {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<Option<Endpoint>, RuntimeError> {
-        let handle = parse_handle(sandbox_id, handle)?;
-        if !is_alive(&handle) {
+        let handle = launched(sandbox_id, handle)?;
+        if !is_alive(handle) {
             return Ok(None);
         }
         // A checkpoint it was restored from, if the server died before discarding it.
         let _ = crate::storage::disks::remove_tree(&self.node.places.checkpoint_dir(sandbox_id));
         self.node
-            .adopt_holdings(sandbox_id, &handle, Phase::Running);
+            .adopt_holdings(sandbox_id, handle, HandlePhase::Running);
         Ok(Some(self.node.endpoint(sandbox_id, handle.slot)?))
     }
 }

@@ -4,12 +4,11 @@
 
 use std::path::Path;
 
-use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{CarriedCheckpoint, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 
 use crate::net::netns::PreparedNetns;
 
 use super::criu_runs::{SnapshotOrigin, check_criu_version};
-use super::handle::{CarriedCheckpoint, Handle};
 use super::host::LinuxHost;
 use super::launch::Launcher;
 use super::restore::SlotRestore;
@@ -100,9 +99,9 @@ impl Launcher {
         &self,
         spec: &LaunchSpec,
         netns: PreparedNetns,
-        kept: &Handle,
+        kept: &RuntimeHandle,
         carried: &CarriedCheckpoint,
-    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+    ) -> Result<(RuntimeHandle, Endpoint), (Option<RuntimeHandle>, RuntimeError)> {
         let id = &spec.sandbox_id;
         let slot = netns.slot;
         let started = std::time::Instant::now();

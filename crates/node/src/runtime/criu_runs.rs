@@ -6,17 +6,16 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use sandbar_core::RuntimeError;
+use sandbar_core::{RuntimeError, RuntimeHandle};
 use serde::{Deserialize, Serialize};
 
-use super::handle::Handle;
 use super::sandbox_err;
 use crate::resources::cgroups::CgroupDriver;
 
 /// One CRIU dump of a frozen sandbox: its init, the CRIU that runs it, the sandbox's freezer,
 /// where its images go and what its plan told CRIU about the host.
 pub(super) struct CriuDump<'a> {
-    pub(super) init: &'a Handle,
+    pub(super) init: &'a RuntimeHandle,
     pub(super) criu: &'a crate::checkpoint::Criu,
     pub(super) freezer: &'a Path,
     pub(super) images: &'a Path,

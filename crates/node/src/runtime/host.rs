@@ -4,11 +4,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 use super::criu_runs::{CriuDump, run_dump};
-use super::handle::{Handle, is_alive};
+use super::handle::is_alive;
 use super::host_ops::{DiskSource, HostOps};
 use super::jailed::{BootSpec, Jailer};
 use super::restore::{Restorer, SlotRestore};
@@ -130,7 +130,7 @@ impl HostOps for LinuxHost<'_> {
     async fn kill_processes(
         &self,
         sandbox_id: &str,
-        init: Option<&Handle>,
+        init: Option<&RuntimeHandle>,
     ) -> Result<(), RuntimeError> {
         let init = init.filter(|h| is_alive(h));
         if let Some(h) = init {
@@ -211,7 +211,7 @@ impl NodeState {
     pub(super) async fn teardown(
         self: &Arc<Self>,
         id: &str,
-        handle: Option<&Handle>,
+        handle: Option<&RuntimeHandle>,
     ) -> Result<(), RuntimeError> {
         sequence::teardown(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
     }
@@ -221,7 +221,7 @@ impl NodeState {
     pub(super) async fn stop(
         self: &Arc<Self>,
         id: &str,
-        handle: Option<&Handle>,
+        handle: Option<&RuntimeHandle>,
     ) -> Result<(), RuntimeError> {
         sequence::stop(&LinuxHost(self), &self.holdings, &self.slots, id, handle).await
     }

@@ -9,11 +9,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 use super::criu_runs::CriuDump;
-use super::handle::Handle;
 use super::host_ops::{DiskSource, HostOps};
 use super::jailed::BootSpec;
 use super::restore::SlotRestore;
@@ -253,7 +252,11 @@ impl HostOps for RecordingHost {
         self.call("start_and_ready", &spec.sandbox_id)
     }
 
-    async fn kill_processes(&self, id: &str, _: Option<&Handle>) -> Result<(), RuntimeError> {
+    async fn kill_processes(
+        &self,
+        id: &str,
+        _: Option<&RuntimeHandle>,
+    ) -> Result<(), RuntimeError> {
         self.call("kill_processes", id)?;
         self.change(|s| {
             s.agents.remove(id);

@@ -7,11 +7,10 @@
 use std::future::Future;
 use std::path::{Path, PathBuf};
 
-use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{EgressRules, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 use super::criu_runs::CriuDump;
-use super::handle::Handle;
 use super::jailed::BootSpec;
 use super::restore::SlotRestore;
 use crate::checkpoint::HostSocket;
@@ -91,7 +90,7 @@ pub(super) trait HostOps: Sync {
     fn kill_processes(
         &self,
         sandbox_id: &str,
-        init: Option<&Handle>,
+        init: Option<&RuntimeHandle>,
     ) -> impl Future<Output = Result<(), RuntimeError>> + Send;
     /// Runs CRIU's dump of the frozen sandbox; when it fails, the processes stay frozen as
     /// they were.

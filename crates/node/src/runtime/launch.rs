@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_core::{CarriedCheckpoint, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 
 use crate::net::netns::PreparedNetns;
 
-use super::handle::{CarriedCheckpoint, Handle, parse_handle};
+use super::handle::launched;
 use super::holdings::{Opening, SlotHold};
 use super::host::LinuxHost;
 use super::layers::LayerKeeper;
@@ -37,8 +37,8 @@ impl Launcher {
         &self,
         spec: &LaunchSpec,
         netns: PreparedNetns,
-        kept: Option<&Handle>,
-    ) -> Result<(Handle, Endpoint), sequence::BootFailure> {
+        kept: Option<&RuntimeHandle>,
+    ) -> Result<(RuntimeHandle, Endpoint), sequence::BootFailure> {
         let id_map = self.node.id_map(netns.slot);
         sequence::boot(
             &LinuxHost(&self.node),
@@ -90,11 +90,7 @@ impl Launcher {
         may_take_warm: bool,
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.clone();
-        let kept = spec
-            .kept
-            .as_ref()
-            .map(|k| parse_handle(&id, k))
-            .transpose()?;
+        let kept = spec.kept.as_ref().map(|k| launched(&id, k)).transpose()?;
         LayerKeeper::of(&self.node)
             .fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
@@ -111,14 +107,14 @@ impl Launcher {
         opening.hold_slot(SlotHold::taken(&self.node.slots, slot));
         opening.use_layers(spec.image.layers.clone());
         let checkpoint = self.restorable_checkpoint(&spec);
-        let carried = self.carried_checkpoint(&id, kept.as_ref());
+        let carried = self.carried_checkpoint(&id, kept);
         let launched = self
-            .boot_in(&spec, netns, checkpoint, kept.as_ref(), carried.as_ref())
+            .boot_in(&spec, netns, checkpoint, kept, carried.as_ref())
             .await;
         let failure = match launched {
             Ok((handle, endpoint)) => {
                 opening.commit();
-                return Ok((handle.to_runtime(&id)?, endpoint));
+                return Ok((handle, endpoint));
             }
             Err(failure) => failure,
         };
@@ -135,14 +131,7 @@ impl Launcher {
         )
         .await;
         let relaunch = self
-            .relaunch_after_failed_restore(
-                &spec,
-                checkpoint,
-                kept.as_ref(),
-                carried.is_some(),
-                slot,
-                &err,
-            )
+            .relaunch_after_failed_restore(&spec, checkpoint, kept, carried.is_some(), slot, &err)
             .await?;
         if relaunch {
             return Box::pin(self.launch_sandbox_from(spec, may_take_warm)).await;
@@ -186,7 +175,7 @@ impl Launcher {
         {
             Ok((handle, endpoint)) => {
                 opening.commit();
-                Ok(Some((handle.to_runtime(id)?, endpoint)))
+                Ok(Some((handle, endpoint)))
             }
             // The template's own start or ready command failed: a fresh boot would only
             // fail the same way, as late again.
@@ -229,7 +218,11 @@ impl Launcher {
     }
 
     /// A checkpoint carried from a lost node, while it is still here to restore.
-    fn carried_checkpoint(&self, id: &str, kept: Option<&Handle>) -> Option<CarriedCheckpoint> {
+    fn carried_checkpoint(
+        &self,
+        id: &str,
+        kept: Option<&RuntimeHandle>,
+    ) -> Option<CarriedCheckpoint> {
         kept.and_then(|k| k.carried.clone()).filter(|_| {
             self.node
                 .places
@@ -246,9 +239,9 @@ impl Launcher {
         spec: &LaunchSpec,
         netns: PreparedNetns,
         checkpoint: Option<&str>,
-        kept: Option<&Handle>,
+        kept: Option<&RuntimeHandle>,
         carried: Option<&CarriedCheckpoint>,
-    ) -> Result<(Handle, Endpoint), sequence::BootFailure> {
+    ) -> Result<(RuntimeHandle, Endpoint), sequence::BootFailure> {
         match (checkpoint, kept, carried) {
             (Some(checkpoint), None, _) => self.launch_restored(spec, netns, checkpoint).await,
             (_, Some(kept), Some(carried)) => self.launch_carried(spec, netns, kept, carried).await,
@@ -262,7 +255,7 @@ impl Launcher {
         &self,
         spec: &LaunchSpec,
         checkpoint: Option<&str>,
-        kept: Option<&Handle>,
+        kept: Option<&RuntimeHandle>,
         carried: bool,
         slot: u32,
         err: &RuntimeError,
@@ -297,7 +290,7 @@ impl Launcher {
         &self,
         id: &str,
         slot: u32,
-        kept: &Handle,
+        kept: &RuntimeHandle,
     ) -> Result<(), RuntimeError> {
         let upper = self.node.disks.path(id).join(sandbar_jail::layout::UPPER);
         let (from, to) = (self.node.id_map(slot).host_base, kept.id_base.unwrap_or(0));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use sandbar_core::{RuntimeError, RuntimeHandle};
 
-use super::handle::parse_handle;
+use super::handle::launched;
 use super::in_flight::InFlightGuard;
 use super::state::NodeState;
 use super::{SANDBOX_IDS, sandbox_err};
@@ -92,8 +92,8 @@ impl LayerKeeper {
         handle: &RuntimeHandle,
         key: &str,
     ) -> Result<(), RuntimeError> {
-        let h = parse_handle(id, handle)?;
-        self.node.stop(id, Some(&h)).await?;
+        let h = launched(id, handle)?;
+        self.node.stop(id, Some(h)).await?;
         self.node.remove_log(id);
         // The disk becomes a layer, which the template now holds.
         drop(self.node.holdings.remove(id));

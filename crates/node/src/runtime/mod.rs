@@ -3,7 +3,7 @@
 //! A sandbox is the agent binary started with `boot`: it joins the sandbox's cgroups, unshares
 //! its namespaces and forks the sandbox's PID 1, then the node wires the network namespace to
 //! the host. The sandbox is not a child of the server, so it outlives a server restart; its
-//! [`Handle`] in the store is how a restarted server finds it again.
+//! [`RuntimeHandle`] in the store is how a restarted server finds it again.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -51,7 +51,7 @@ pub(crate) use in_flight::InFlightGuard;
 pub use layers::LayerKeeper;
 
 use adopt::Adopter;
-use handle::{is_alive, parse_handle};
+use handle::{is_alive, launched};
 use launch::Launcher;
 use pausing::Pauser;
 use restore::Restorer;
@@ -271,12 +271,12 @@ impl Runtime for LinuxRuntime {
     }
 
     async fn destroy(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
-        let handle = parse_handle(sandbox_id, handle).ok();
-        self.node.teardown(sandbox_id, handle.as_ref()).await
+        let handle = launched(sandbox_id, handle).ok();
+        self.node.teardown(sandbox_id, handle).await
     }
 
-    fn is_alive(&self, sandbox_id: &str, handle: &RuntimeHandle) -> bool {
-        parse_handle(sandbox_id, handle).is_ok_and(|h| is_alive(&h))
+    fn is_alive(&self, _sandbox_id: &str, handle: &RuntimeHandle) -> bool {
+        is_alive(handle)
     }
 
     async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {
@@ -475,7 +475,8 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     use super::agent_copies::collect_agent_copies;
-    use super::handle::{Handle, is_alive, start_ticks};
+    use super::handle::{is_alive, start_ticks};
+    use sandbar_core::RuntimeHandle;
 
     #[test]
     #[allow(clippy::unwrap_used)]
@@ -529,15 +530,15 @@ mod tests {
         let pid = std::process::id() as i32;
         let first = start_ticks(pid).expect("own stat");
         assert_eq!(start_ticks(pid), Some(first));
-        assert!(is_alive(&Handle {
+        assert!(is_alive(&RuntimeHandle {
             pid,
             start_ticks: first,
-            ..Handle::unstarted(0)
+            ..RuntimeHandle::unstarted(0)
         }));
-        assert!(!is_alive(&Handle {
+        assert!(!is_alive(&RuntimeHandle {
             pid,
             start_ticks: first + 1,
-            ..Handle::unstarted(0)
+            ..RuntimeHandle::unstarted(0)
         }));
     }
 }

@@ -5,11 +5,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandbar_core::{RuntimeError, RuntimeHandle};
+use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
 use sandbar_jail::LISTENER_FD;
 
 use super::criu_runs::{CriuDump, PLAN_DEADLINE, SPENT_PREFIX};
-use super::handle::{Handle, Phase, is_alive, parse_handle};
+use super::handle::{is_alive, launched};
 use super::host::LinuxHost;
 use super::host_ops::HostOps;
 use super::state::NodeState;
@@ -38,7 +38,7 @@ impl Pauser {
     pub(super) async fn dump(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
     ) -> Result<crate::checkpoint::Header, RuntimeError> {
         let criu = self
             .node
@@ -96,7 +96,7 @@ impl Pauser {
     async fn plan_dump(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
         netns_inode: u64,
     ) -> Result<crate::checkpoint::DumpPlan, RuntimeError> {
         let tasks = self.node.cgroups.members(id);
@@ -178,7 +178,7 @@ impl Pauser {
     pub(super) async fn dump_into(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
         criu: &crate::checkpoint::Criu,
         freezer: &Path,
         images: &Path,
@@ -219,8 +219,8 @@ impl Pauser {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if h.phase == Phase::Checkpointed {
+        let h = launched(sandbox_id, handle)?;
+        if h.phase == HandlePhase::Checkpointed {
             return Ok(handle.clone());
         }
         let started = std::time::Instant::now();
@@ -229,14 +229,14 @@ impl Pauser {
             sandbox_id,
             HOST_SOCKETS_PATIENCE,
             |e| sandbox_err(sandbox_id, e),
-            || self.dump(sandbox_id, &h),
+            || self.dump(sandbox_id, h),
         )
         .await?;
         let dumped_in = started.elapsed();
         sandbar_core::faults::crash_point("checkpoint.dumped");
         // CRIU ended the tree after the dump; anything that escaped it would run on.
         for _ in 0..250 {
-            if !is_alive(&h) {
+            if !is_alive(h) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -248,13 +248,13 @@ impl Pauser {
             release_us = (started.elapsed() - dumped_in).as_micros() as u64,
             "checkpoint timings"
         );
-        let checkpointed = Handle {
+        let checkpointed = RuntimeHandle {
             pid: 0,
             start_ticks: 0,
-            phase: Phase::Checkpointed,
-            ..h
+            phase: HandlePhase::Checkpointed,
+            ..h.clone()
         };
-        checkpointed.to_runtime(sandbox_id)
+        Ok(checkpointed)
     }
 }
 
@@ -264,8 +264,8 @@ impl Pauser {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<(), RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if !is_alive(&h) {
+        let h = launched(sandbox_id, handle)?;
+        if !is_alive(h) {
             return Err(sandbox_err(sandbox_id, "the sandbox is not running"));
         }
         sequence::settle_and_freeze(&LinuxHost(&self.node), sandbox_id, HOST_SOCKETS_PATIENCE)
@@ -279,8 +279,8 @@ impl Pauser {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<(), RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if !is_alive(&h) {
+        let h = launched(sandbox_id, handle)?;
+        if !is_alive(h) {
             return Err(sandbox_err(sandbox_id, "the sandbox's processes are gone"));
         }
         self.node
@@ -294,22 +294,22 @@ impl Pauser {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if h.phase == Phase::Released {
+        let h = launched(sandbox_id, handle)?;
+        if h.phase == HandlePhase::Released {
             return Ok(handle.clone());
         }
         // Its disk and layers stay held: the kept writable layer only makes sense on top of
         // them.
-        self.node.stop(sandbox_id, Some(&h)).await?;
+        self.node.stop(sandbox_id, Some(h)).await?;
         // Namespaces kept by an earlier checkpoint would hold its old network alive.
         self.node.forget_checkpoint(sandbox_id);
-        let released = Handle {
+        let released = RuntimeHandle {
             pid: 0,
             start_ticks: 0,
-            phase: Phase::Released,
-            ..h
+            phase: HandlePhase::Released,
+            ..h.clone()
         };
-        released.to_runtime(sandbox_id)
+        Ok(released)
     }
 
     pub(super) async fn discard_checkpoint(&self, sandbox_id: &str) {

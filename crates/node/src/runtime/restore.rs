@@ -7,13 +7,13 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_core::{Endpoint, HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 use crate::net::netns::PreparedNetns;
 
 use super::criu_runs::{TCP_CLOSE, check_criu_version, run_criu};
-use super::handle::{Handle, Phase, parse_handle, start_ticks};
+use super::handle::{launched, start_ticks};
 use super::state::NodeState;
 use super::{agent_client, sandbox_err};
 
@@ -38,7 +38,7 @@ pub(super) const INHERITED_FD_BASE: i32 = 200;
 impl Restorer {
     /// Restores the checkpointed sandbox `id` into its kept network namespace and cgroups;
     /// returns its new PID 1.
-    pub(super) async fn undump(&self, id: &str, h: &Handle) -> Result<i32, RuntimeError> {
+    pub(super) async fn undump(&self, id: &str, h: &RuntimeHandle) -> Result<i32, RuntimeError> {
         let criu = self.node.criu_for_restore(id).await?;
         let dir = self.node.places.checkpoint_dir(id);
         let read_dir = dir.clone();
@@ -613,8 +613,8 @@ impl Restorer {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        if h.phase != Phase::Checkpointed {
+        let h = launched(sandbox_id, handle)?;
+        if h.phase != HandlePhase::Checkpointed {
             return Err(sandbox_err(sandbox_id, "the sandbox is not checkpointed"));
         }
         let mut opening = self.node.holdings.opening(sandbox_id);
@@ -622,15 +622,15 @@ impl Restorer {
         let started = std::time::Instant::now();
         // Joining a frozen cgroup would freeze CRIU itself.
         let restored = match self.node.cgroups.thaw(sandbox_id) {
-            Ok(()) => self.undump(sandbox_id, &h).await,
+            Ok(()) => self.undump(sandbox_id, h).await,
             Err(e) => Err(sandbox_err(sandbox_id, e)),
         };
         let pid = restored?;
-        let running = Handle {
+        let running = RuntimeHandle {
             pid,
             start_ticks: start_ticks(pid).unwrap_or_default(),
-            phase: Phase::Running,
-            ..h
+            phase: HandlePhase::Running,
+            ..h.clone()
         };
         let endpoint = self.node.endpoint(sandbox_id, h.slot)?;
         if let Err(e) =
@@ -651,6 +651,6 @@ impl Restorer {
         sandbar_core::faults::crash_point("restore.restored");
         // The images stay until the sandbox is recorded running (`discard_checkpoint`): a
         // restart before that finds the finished restore beside them.
-        Ok((running.to_runtime(sandbox_id)?, endpoint))
+        Ok((running, endpoint))
     }
 }

@@ -6,10 +6,11 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{Endpoint, HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
+
+use super::handle::start_ticks;
 use sandbar_jail::IdMap;
 
-use super::handle::{Handle, Phase};
 use super::holdings::{Holdings, Opening, SlotHold};
 use super::host_ops::{DiskSource, HostOps};
 use super::jailed::BootSpec;
@@ -20,7 +21,7 @@ use crate::resources::cgroups::{CgroupError, Limits};
 
 /// What a boot that failed leaves: the handle of what it started, if it got that far, and
 /// why it failed.
-pub(super) type BootFailure = (Option<Handle>, RuntimeError);
+pub(super) type BootFailure = (Option<RuntimeHandle>, RuntimeError);
 
 /// Boots sandbox `spec` in `netns` on a fresh disk, or on its kept files (`kept`, the handle
 /// it had): cgroups, disk, egress rules, then the agent, which must answer; then the
@@ -32,8 +33,8 @@ pub(super) async fn boot<H: HostOps>(
     netns: H::Netns,
     id_map: IdMap,
     limits: Limits,
-    kept: Option<&Handle>,
-) -> Result<(Handle, Endpoint), BootFailure> {
+    kept: Option<&RuntimeHandle>,
+) -> Result<(RuntimeHandle, Endpoint), BootFailure> {
     let id = &spec.sandbox_id;
     let slot = H::netns_slot(&netns);
     let started = Instant::now();
@@ -64,7 +65,14 @@ pub(super) async fn boot<H: HostOps>(
     // The agent holds the namespace now; ours must not keep it alive after the sandbox.
     drop(netns);
     let spawned = started.elapsed();
-    let handle = Handle::running(pid, slot, id_map, spec, Some(boot_id));
+    let handle = RuntimeHandle::running(
+        pid,
+        start_ticks(pid).unwrap_or_default(),
+        slot,
+        id_map.host_base,
+        spec,
+        Some(boot_id),
+    );
     let endpoint = match host.wait_agent(id, slot).await {
         Ok(endpoint) => endpoint,
         Err(e) => return Err((Some(handle), e)),
@@ -96,7 +104,7 @@ pub(super) async fn restore_in_slot<H: HostOps>(
     limits: Limits,
     disk: DiskSource,
     restore: SlotRestore,
-) -> Result<(Handle, Endpoint), BootFailure> {
+) -> Result<(RuntimeHandle, Endpoint), BootFailure> {
     let id = &spec.sandbox_id;
     let slot = H::netns_slot(&netns);
     host.create_cgroups(id, limits).map_err(|e| (None, e))?;
@@ -111,7 +119,14 @@ pub(super) async fn restore_in_slot<H: HostOps>(
         .restore_processes(spec, netns, id_map, restore)
         .await
         .map_err(|e| (None, e))?;
-    let handle = Handle::running(pid, slot, id_map, spec, boot_id);
+    let handle = RuntimeHandle::running(
+        pid,
+        start_ticks(pid).unwrap_or_default(),
+        slot,
+        id_map.host_base,
+        spec,
+        boot_id,
+    );
     match host.wait_agent(id, slot).await {
         Ok(endpoint) => Ok((handle, endpoint)),
         Err(e) => Err((Some(handle), e)),
@@ -132,7 +147,7 @@ pub(super) async fn undo_failed_boot<H: HostOps>(
 ) -> RuntimeError {
     let (handle, err) = failure;
     let id = opening.sandbox_id().to_owned();
-    let handle = handle.unwrap_or_else(|| Handle::unstarted(slot));
+    let handle = handle.unwrap_or_else(|| RuntimeHandle::unstarted(slot));
     let cleanup = if keep_files {
         stop(host, holdings, slots, &id, Some(&handle)).await
     } else {
@@ -152,11 +167,11 @@ pub(super) async fn stop<H: HostOps>(
     holdings: &Holdings,
     slots: &SlotSet,
     id: &str,
-    handle: Option<&Handle>,
+    handle: Option<&RuntimeHandle>,
 ) -> Result<(), RuntimeError> {
     let ended = holdings.end_processes(id);
     // A released sandbox's slot went back to the node and may be another sandbox's now.
-    let handle = handle.filter(|h| h.phase != Phase::Released);
+    let handle = handle.filter(|h| h.phase != HandlePhase::Released);
     host.kill_processes(id, handle).await?;
     if let Some(slot) = slot_to_unwire(holdings, slots, id, ended.slot.as_ref(), handle) {
         host.remove_egress(slot).await;
@@ -179,7 +194,7 @@ pub(super) async fn teardown<H: HostOps>(
     holdings: &Holdings,
     slots: &SlotSet,
     id: &str,
-    handle: Option<&Handle>,
+    handle: Option<&RuntimeHandle>,
 ) -> Result<(), RuntimeError> {
     stop(host, holdings, slots, id, handle).await?;
     host.remove_records(id);
@@ -196,7 +211,7 @@ fn slot_to_unwire(
     slots: &SlotSet,
     id: &str,
     held: Option<&SlotHold>,
-    handle: Option<&Handle>,
+    handle: Option<&RuntimeHandle>,
 ) -> Option<u32> {
     if let Some(held) = held {
         return Some(held.slot());

@@ -11,7 +11,7 @@ use crate::net::netns::PreparedNetns;
 
 use super::carried::stage_checkpoint;
 use super::criu_runs::{SNAPSHOT_ORIGIN, SnapshotOrigin, check_criu_version};
-use super::handle::{Handle, is_alive, parse_handle};
+use super::handle::{is_alive, launched};
 use super::host::LinuxHost;
 use super::jailed::default_workdir;
 use super::launch::Launcher;
@@ -55,7 +55,7 @@ impl Snapshotter {
     pub(super) async fn take_snapshot(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
         agent_token: &str,
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
@@ -152,7 +152,7 @@ impl Snapshotter {
     async fn copy_held_still(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
         criu: Option<&crate::checkpoint::Criu>,
         images: &Path,
         key: &str,
@@ -227,7 +227,7 @@ impl Snapshotter {
     pub(super) async fn copy_frozen(
         &self,
         id: &str,
-        h: &Handle,
+        h: &RuntimeHandle,
         criu: Option<&crate::checkpoint::Criu>,
         freezer: &Path,
         images: &Path,
@@ -272,7 +272,7 @@ impl Launcher {
         spec: &LaunchSpec,
         netns: PreparedNetns,
         checkpoint: &str,
-    ) -> Result<(Handle, Endpoint), (Option<Handle>, RuntimeError)> {
+    ) -> Result<(RuntimeHandle, Endpoint), (Option<RuntimeHandle>, RuntimeError)> {
         let id = &spec.sandbox_id;
         let slot = netns.slot;
         let started = std::time::Instant::now();
@@ -381,8 +381,8 @@ impl Snapshotter {
         agent_token: &str,
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
-        let h = parse_handle(sandbox_id, handle)?;
-        self.take_snapshot(sandbox_id, &h, agent_token, memory)
+        let h = launched(sandbox_id, handle)?;
+        self.take_snapshot(sandbox_id, h, agent_token, memory)
             .await
     }
 

@@ -19,7 +19,7 @@ use super::agent_copies::{
     AgentLibrary, agent_libraries, collect_agent_copies, keep_agent, kept_agent_copies,
 };
 use super::criu_runs::{ORPHANED_CRIU_WAIT, remove_spent_checkpoints};
-use super::handle::parse_handle;
+use super::handle::launched;
 use super::holdings::Holdings;
 use super::in_flight::InFlight;
 use super::{NodeConfig, NodeError, SANDBOX_IDS, ledger, ns_inode, places, sandbox_err};
@@ -227,7 +227,7 @@ impl NodeState {
         handle: &RuntimeHandle,
         rules: &EgressRules,
     ) -> Result<(), RuntimeError> {
-        let handle = parse_handle(sandbox_id, handle)?;
+        let handle = launched(sandbox_id, handle)?;
         let open = !rules.is_isolated();
         // Rules first when opening, the name first when closing: never more open than either.
         if open {

@@ -3,12 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
+use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::AgentConfig;
 
 use crate::resources::cgroups::Limits;
 
-use super::handle::{Handle, is_alive, start_ticks};
+use super::handle::{is_alive, start_ticks};
 use super::holdings::SlotHold;
 use super::jailed::{BootSpec, Jailer, default_workdir};
 use super::state::NodeState;
@@ -192,7 +192,7 @@ impl WarmKeeper {
                 Ok(())
             }
             Err(err) => {
-                let handle = Handle::warm(slot, id_map, 0, 0);
+                let handle = RuntimeHandle::warm(slot, id_map.host_base, 0, 0);
                 if let Err(cleanup) = self.node.teardown(&name, Some(&handle)).await {
                     tracing::error!(warm = %name, error = %cleanup, "cannot clean up a warm sandbox");
                 }
@@ -202,7 +202,8 @@ impl WarmKeeper {
     }
 
     pub(super) async fn retire_warm(&self, warm: &crate::runtime::warm::WarmSandbox) {
-        let handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        let handle =
+            RuntimeHandle::warm(warm.slot, warm.id_map.host_base, warm.pid, warm.start_ticks);
         if let Err(err) = self.node.teardown(&warm.name, Some(&handle)).await {
             tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
         }
@@ -216,10 +217,11 @@ impl WarmKeeper {
         spec: &LaunchSpec,
         warm: &crate::runtime::warm::WarmSandbox,
         opening: &mut holdings::Opening<'_>,
-    ) -> Result<(Handle, Endpoint), RuntimeError> {
+    ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.as_str();
         let started = std::time::Instant::now();
-        let mut handle = Handle::warm(warm.slot, warm.id_map, warm.pid, warm.start_ticks);
+        let mut handle =
+            RuntimeHandle::warm(warm.slot, warm.id_map.host_base, warm.pid, warm.start_ticks);
         if !is_alive(&handle) {
             self.retire_warm(warm).await;
             return Err(sandbox_err(id, format!("warm sandbox {} died", warm.name)));
@@ -253,10 +255,11 @@ impl WarmKeeper {
             agent_client::init_answered(handing_over)
                 .await
                 .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
-            handle = Handle::running(
+            handle = RuntimeHandle::running(
                 warm.pid,
+                start_ticks(warm.pid).unwrap_or_default(),
                 warm.slot,
-                warm.id_map,
+                warm.id_map.host_base,
                 spec,
                 Some(warm.boot_id.clone()),
             );

@@ -36,7 +36,7 @@ impl SandboxRecords for PgSandboxes {
         .bind(&s.envd_access_token)
         .bind(&s.envd_version)
         .bind(s.status.name())
-        .bind(s.handle.0.to_string())
+        .bind(s.handle.to_stored())
         .bind(to_json(&s.network)?)
         .bind(&s.traffic_access_token)
         .bind(s.auto_pause)
@@ -122,7 +122,7 @@ impl SandboxRecords for PgSandboxes {
             "UPDATE sandboxes SET status = $1, handle = COALESCE($2, handle) WHERE id = $3",
         )
         .bind(status.name())
-        .bind(handle.map(|h| h.0.to_string()))
+        .bind(handle.map(RuntimeHandle::to_stored))
         .bind(id)
         .execute(&self.pool)
         .await

@@ -10,10 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use sandbar_core::{
-    AgentLogChunk, EgressRules, Endpoint, LaunchSpec, Runtime, RuntimeError, RuntimeHandle,
-    SnapshotParts,
+    AgentLogChunk, EgressRules, Endpoint, HandlePhase, LaunchSpec, Runtime, RuntimeError,
+    RuntimeHandle, SnapshotParts,
 };
-use serde_json::json;
 use tokio::sync::{Semaphore, mpsc};
 
 /// The first line of every agent log, as a booted agent writes it.
@@ -68,7 +67,15 @@ fn refuse(sandbox_id: &str, message: &str) -> RuntimeError {
 }
 
 fn checkpointed(handle: &RuntimeHandle) -> bool {
-    handle.0["checkpointed"] == json!(true)
+    handle.phase == HandlePhase::Checkpointed
+}
+
+/// A handle in `phase`, as the fake hands them out.
+fn in_phase(phase: HandlePhase) -> RuntimeHandle {
+    RuntimeHandle {
+        phase,
+        ..RuntimeHandle::unstarted(0)
+    }
 }
 
 impl FakeRuntime {
@@ -156,7 +163,7 @@ impl Runtime for FakeRuntime {
         self.pass("launch", &spec.sandbox_id).await;
         self.agent_writes(&spec.sandbox_id, AGENT_STARTED);
         self.launched.lock().expect("lock").push(spec);
-        Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
+        Ok((in_phase(HandlePhase::Running), endpoint()))
     }
 
     async fn destroy(&self, sandbox_id: &str, _: &RuntimeHandle) -> Result<(), RuntimeError> {
@@ -201,8 +208,8 @@ impl Runtime for FakeRuntime {
 
     async fn adopt_released(&self, _: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         assert_eq!(
-            handle.0["released"],
-            json!(true),
+            handle.phase,
+            HandlePhase::Released,
             "only released files are adopted"
         );
         Ok(())
@@ -219,7 +226,7 @@ impl Runtime for FakeRuntime {
             .expect("lock")
             .push((sandbox.id.clone(), checkpoint.map(|c| c.layer.clone())));
         Ok(sandbar_core::TakenOver {
-            handle: RuntimeHandle(json!({"released": true})),
+            handle: in_phase(HandlePhase::Released),
             with_memory: checkpoint.is_some(),
         })
     }
@@ -271,7 +278,7 @@ impl Runtime for FakeRuntime {
             });
         }
         tokio::time::sleep(dump_time).await;
-        Ok(RuntimeHandle(json!({"checkpointed": true})))
+        Ok(in_phase(HandlePhase::Checkpointed))
     }
 
     async fn restore(
@@ -282,7 +289,7 @@ impl Runtime for FakeRuntime {
         if !checkpointed(handle) {
             return Err(refuse(sandbox_id, "the sandbox is not checkpointed"));
         }
-        Ok((RuntimeHandle(json!({"checkpointed": false})), endpoint()))
+        Ok((in_phase(HandlePhase::Running), endpoint()))
     }
 
     fn agent_log(&self, sandbox_id: &str, offset: u64, max: usize) -> Option<AgentLogChunk> {

@@ -19,13 +19,13 @@ use crate::net::netns::SlotSet;
 use crate::resources::cgroups::{CpuPriority, Limits};
 use crate::resources::memory::MemoryRule;
 use crate::runtime::criu_runs::CriuDump;
-use crate::runtime::handle::{Handle, Phase};
 use crate::runtime::holdings::{Holdings, Opening, SlotHold};
 use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
 use crate::runtime::host_ops::{DiskSource, HostOps};
 use crate::runtime::ledger::ResourceLedger;
 use crate::runtime::restore::SlotRestore;
 use crate::runtime::sandbox_err;
+use sandbar_core::{HandlePhase, RuntimeHandle};
 
 const PATIENCE: Duration = Duration::from_secs(1);
 
@@ -239,9 +239,9 @@ impl Node {
         &self,
         opening: Opening<'_>,
         slot: u32,
-        outcome: Result<(Handle, Endpoint), BootFailure>,
+        outcome: Result<(RuntimeHandle, Endpoint), BootFailure>,
         keep_files: bool,
-    ) -> Result<Handle, RuntimeError> {
+    ) -> Result<RuntimeHandle, RuntimeError> {
         self.host.fail_nothing();
         match outcome {
             Ok((handle, _)) => {
@@ -266,9 +266,9 @@ impl Node {
     async fn launch(
         &self,
         id: &str,
-        kept: Option<&Handle>,
+        kept: Option<&RuntimeHandle>,
         start_cmd: bool,
-    ) -> Result<Handle, RuntimeError> {
+    ) -> Result<RuntimeHandle, RuntimeError> {
         let spec = spec(id, start_cmd);
         let (opening, slot, netns) = self.open(&spec);
         let booted = boot(&self.host, &spec, netns, id_map(slot), limits(), kept).await;
@@ -277,7 +277,11 @@ impl Node {
 
     /// Restores sandbox `id` from a staged checkpoint as the node does for a snapshot
     /// (`kept`: `None`) or a checkpoint carried from a lost node (its kept handle).
-    async fn restore(&self, id: &str, kept: Option<&Handle>) -> Result<Handle, RuntimeError> {
+    async fn restore(
+        &self,
+        id: &str,
+        kept: Option<&RuntimeHandle>,
+    ) -> Result<RuntimeHandle, RuntimeError> {
         let spec = spec(id, false);
         let (opening, slot, netns) = self.open(&spec);
         let disk = match kept {
@@ -299,13 +303,13 @@ impl Node {
         self.finish(opening, slot, restored, kept.is_some()).await
     }
 
-    async fn stop(&self, id: &str, handle: &Handle) {
+    async fn stop(&self, id: &str, handle: &RuntimeHandle) {
         stop(&self.host, &self.holdings, &self.slots, id, Some(handle))
             .await
             .unwrap();
     }
 
-    async fn teardown(&self, id: &str, handle: Option<&Handle>) {
+    async fn teardown(&self, id: &str, handle: Option<&RuntimeHandle>) {
         teardown(&self.host, &self.holdings, &self.slots, id, handle)
             .await
             .unwrap();
@@ -313,7 +317,7 @@ impl Node {
 
     /// Pauses sandbox `id` to disk as the node does: frozen once settled, dumped (again after
     /// a thaw if a connection from the host was in the way), then what the dump left ended.
-    async fn pause_to_disk(&self, id: &str, handle: &Handle) -> Result<(), RuntimeError> {
+    async fn pause_to_disk(&self, id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         settle_and_freeze(&self.host, id, PATIENCE)
             .await
             .map_err(|e| sandbox_err(id, e))?;
@@ -455,8 +459,8 @@ async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
         let node = Node::new();
         let first = node.launch("s", None, true).await.unwrap();
         node.stop("s", &first).await;
-        let released = Handle {
-            phase: Phase::Released,
+        let released = RuntimeHandle {
+            phase: HandlePhase::Released,
             ..first
         };
         node.host.fail_next(step);
@@ -552,7 +556,7 @@ async fn a_stop_by_a_handle_naming_a_slot_another_sandbox_holds_leaves_its_netwo
     let node = Node::new();
     let held = node.launch("holder", None, false).await.unwrap();
     // A sandbox found after a restart, never adopted, whose handle names the same slot.
-    let stale = Handle::unstarted(held.slot);
+    let stale = RuntimeHandle::unstarted(held.slot);
     node.host.forget_calls();
     stop(
         &node.host,
@@ -613,8 +617,8 @@ async fn a_carried_restore_that_fails_keeps_the_files_it_was_taken_over_with() {
         let node = Node::new();
         let first = node.launch("s", None, false).await.unwrap();
         node.stop("s", &first).await;
-        let released = Handle {
-            phase: Phase::Released,
+        let released = RuntimeHandle {
+            phase: HandlePhase::Released,
             ..first
         };
         node.host.fail_next(step);
@@ -671,13 +675,13 @@ proptest::proptest! {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(async {
             let node = Node::new();
-            let mut sandboxes: BTreeMap<String, Handle> = BTreeMap::new();
+            let mut sandboxes: BTreeMap<String, RuntimeHandle> = BTreeMap::new();
             for op in ops {
                 match op {
                     Op::Launch { id, fail, start_cmd } => {
                         let id = format!("s{id}");
                         let kept = match sandboxes.get(&id) {
-                            Some(h) if h.phase == Phase::Released => Some(h.clone()),
+                            Some(h) if h.phase == HandlePhase::Released => Some(h.clone()),
                             Some(_) => continue,
                             None => None,
                         };
@@ -691,7 +695,7 @@ proptest::proptest! {
                     Op::Restore { id, fail } => {
                         let id = format!("s{id}");
                         let kept = match sandboxes.get(&id) {
-                            Some(h) if h.phase == Phase::Released => Some(h.clone()),
+                            Some(h) if h.phase == HandlePhase::Released => Some(h.clone()),
                             Some(_) => continue,
                             None => None,
                         };
@@ -704,14 +708,14 @@ proptest::proptest! {
                     }
                     Op::Release(id) => {
                         let id = format!("s{id}");
-                        if let Some(h) = sandboxes.get_mut(&id).filter(|h| h.phase == Phase::Running) {
+                        if let Some(h) = sandboxes.get_mut(&id).filter(|h| h.phase == HandlePhase::Running) {
                             node.stop(&id, h).await;
-                            h.phase = Phase::Released;
+                            h.phase = HandlePhase::Released;
                         }
                     }
                     Op::FreezeThaw(id) => {
                         let id = format!("s{id}");
-                        if sandboxes.get(&id).is_some_and(|h| h.phase == Phase::Running) {
+                        if sandboxes.get(&id).is_some_and(|h| h.phase == HandlePhase::Running) {
                             settle_and_freeze(&node.host, &id, Duration::ZERO).await.unwrap();
                             node.host.thaw(&id).unwrap();
                         }
@@ -726,7 +730,7 @@ proptest::proptest! {
                 let state = node.host.state();
                 let running: BTreeSet<String> = sandboxes
                     .iter()
-                    .filter(|(_, h)| h.phase == Phase::Running)
+                    .filter(|(_, h)| h.phase == HandlePhase::Running)
                     .map(|(id, _)| id.clone())
                     .collect();
                 let known: BTreeSet<String> = sandboxes.keys().cloned().collect();
