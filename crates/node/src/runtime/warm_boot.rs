@@ -257,13 +257,12 @@ impl WarmKeeper {
                 .map_err(|e| sandbox_err(id, format!("cannot hand the agent its sandbox: {e}")))?;
             handle = RuntimeHandle::running(
                 warm.pid,
-                start_ticks(warm.pid).unwrap_or_default(),
+                warm.start_ticks,
                 warm.slot,
                 warm.id_map.host_base,
                 spec,
                 Some(warm.boot_id.clone()),
             );
-            handle.start_ticks = warm.start_ticks;
             if spec.image.start_cmd.is_some() || spec.image.ready_cmd.is_some() {
                 Jailer::of(&self.node)
                     .start_and_wait_ready(spec, &endpoint)
