@@ -382,8 +382,7 @@ impl Snapshotter {
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
         let h = launched(sandbox_id, handle)?;
-        self.take_snapshot(sandbox_id, h, agent_token, memory)
-            .await
+        self.take_snapshot(sandbox_id, h, agent_token, memory).await
     }
 
     pub(super) fn snapshot_recorded(&self, parts: &SnapshotParts) {
