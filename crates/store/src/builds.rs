@@ -2,15 +2,14 @@
 
 use sandbar_core::store::BuildRecords;
 use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
-use sqlx::SqlitePool;
 
 use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, build_log_page};
-use crate::{err, insert_err, micros, to_json};
+use crate::{SqliteDb, err, insert_err, micros, to_json};
 
 /// Template builds, tags and build logs, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteBuilds {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -34,7 +33,7 @@ impl BuildRecords for SqliteBuilds {
         .bind(micros(b.updated_at))
         .bind(b.finished_at.map(micros))
         .bind(&b.node_id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(insert_err("build", &b.id))?;
         Ok(())
@@ -52,7 +51,7 @@ impl BuildRecords for SqliteBuilds {
         .bind(b.finished_at.map(micros))
         .bind(&b.node_id)
         .bind(&b.id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -68,7 +67,7 @@ impl BuildRecords for SqliteBuilds {
         )
         .bind(node_id)
         .bind(build_id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(assigned.rows_affected() == 1)
@@ -77,7 +76,7 @@ impl BuildRecords for SqliteBuilds {
     async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
         sqlx::query_as::<_, BuildRow<i64>>("SELECT * FROM template_builds WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)?
             .map(BuildRecord::try_from)
@@ -89,7 +88,7 @@ impl BuildRecords for SqliteBuilds {
             "SELECT * FROM template_builds WHERE template_id = ? ORDER BY created_at DESC, id",
         )
         .bind(template_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?
         .into_iter()
@@ -101,7 +100,7 @@ impl BuildRecords for SqliteBuilds {
         sqlx::query_as::<_, BuildRow<i64>>(
             "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?
         .into_iter()
@@ -115,7 +114,7 @@ impl BuildRecords for SqliteBuilds {
         build_id: &str,
         tags: &[String],
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         for tag in tags {
             sqlx::query(
                 "INSERT INTO build_tags (template_id, build_id, tag) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
@@ -141,7 +140,7 @@ impl BuildRecords for SqliteBuilds {
             removed += sqlx::query("DELETE FROM build_tags WHERE template_id = ? AND tag = ?")
                 .bind(template_id)
                 .bind(tag)
-                .execute(&self.pool)
+                .execute(&self.db.writes)
                 .await
                 .map_err(err)?
                 .rows_affected();
@@ -158,7 +157,7 @@ impl BuildRecords for SqliteBuilds {
              WHERE t.template_id = ? AND b.status = 'ready' ORDER BY t.tag, b.finished_at DESC",
         )
         .bind(template_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         let mut out: Vec<(String, BuildRecord)> = Vec::new();
@@ -184,7 +183,7 @@ impl BuildRecords for SqliteBuilds {
         )
         .bind(template_id)
         .bind(tag)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?
         .map(BuildRecord::try_from)
@@ -206,7 +205,7 @@ impl BuildRecords for SqliteBuilds {
         .bind(entry.level.as_str())
         .bind(&entry.step)
         .bind(&entry.message)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -223,7 +222,7 @@ impl BuildRecords for SqliteBuilds {
             "SELECT at, level, step, message FROM build_logs WHERE build_id = ? ORDER BY seq",
         )
         .bind(build_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         Ok(build_log_page(rows, offset, limit, min_level))

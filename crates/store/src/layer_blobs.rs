@@ -2,15 +2,14 @@
 
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
-use sqlx::SqlitePool;
 
 use crate::rows::LayerBlobRow;
-use crate::{err, micros};
+use crate::{SqliteDb, err, micros};
 
 /// Layers published to the layer store, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteLayerBlobs {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 /// The insert of a record; one of a name already recorded is kept or replaced.
@@ -41,7 +40,7 @@ impl SqliteLayerBlobs {
             .bind(i64::try_from(blob.size_bytes).map_err(err)?)
             .bind(&blob.node_id)
             .bind(micros(blob.published_at))
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
@@ -61,7 +60,7 @@ impl LayerBlobRecords for SqliteLayerBlobs {
     async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM layer_blobs WHERE layer = ?")
             .bind(layer)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
@@ -72,7 +71,7 @@ impl LayerBlobRecords for SqliteLayerBlobs {
             "SELECT * FROM layer_blobs WHERE layer IN (SELECT value FROM json_each(?))",
         )
         .bind(serde_json::to_string(layers).map_err(err)?)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(LayerBlob::try_from).collect()
@@ -80,7 +79,7 @@ impl LayerBlobRecords for SqliteLayerBlobs {
 
     async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
         let rows = sqlx::query_as::<_, LayerBlobRow<i64>>("SELECT * FROM layer_blobs")
-            .fetch_all(&self.pool)
+            .fetch_all(&self.db.reads)
             .await
             .map_err(err)?;
         rows.into_iter().map(LayerBlob::try_from).collect()

@@ -115,45 +115,72 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
             .busy_timeout(std::time::Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(options)
+        // Made first: it creates the file and migrates it before any reader opens it.
+        let writes = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
             .await
             .map_err(|source| OpenStoreError::Open {
                 path: shown.clone(),
                 source,
             })?;
         sqlx::migrate!("./migrations")
-            .run(&pool)
+            .run(&writes)
             .await
             .map_err(|source| OpenStoreError::Migrate {
                 path: shown.clone(),
                 source,
             })?;
-        SqliteTeams { pool: pool.clone() }
+        // A write sent to a reader fails (`query_only`) rather than meeting the writer in
+        // the busy handler: the store's tests run every statement, so none can slip there.
+        let reads = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.pragma("query_only", "ON"))
+            .await
+            .map_err(|source| OpenStoreError::Open {
+                path: shown.clone(),
+                source,
+            })?;
+        let db = SqliteDb { reads, writes };
+        SqliteTeams { db: db.clone() }
             .give_teams_slugs()
             .await
             .map_err(|source| OpenStoreError::Slugs {
                 path: shown,
                 source,
             })?;
-        Ok(Self::on_pool(pool))
+        Ok(Self::on(db))
     }
 
-    fn on_pool(pool: SqlitePool) -> Store {
+    fn on(db: SqliteDb) -> Store {
         Store {
-            teams: Arc::new(SqliteTeams { pool: pool.clone() }),
-            templates: Arc::new(SqliteTemplates { pool: pool.clone() }),
-            builds: Arc::new(SqliteBuilds { pool: pool.clone() }),
-            sandboxes: Arc::new(SqliteSandboxes { pool: pool.clone() }),
-            volumes: Arc::new(SqliteVolumes { pool: pool.clone() }),
-            sandbox_logs: Arc::new(SqliteSandboxLogs { pool: pool.clone() }),
-            team_metrics: Arc::new(SqliteTeamMetrics { pool: pool.clone() }),
-            nodes: Arc::new(SqliteNodes { pool: pool.clone() }),
-            layer_blobs: Arc::new(SqliteLayerBlobs { pool: pool.clone() }),
-            request_counts: Arc::new(SqliteRequestCounts { pool }),
+            teams: Arc::new(SqliteTeams { db: db.clone() }),
+            templates: Arc::new(SqliteTemplates { db: db.clone() }),
+            builds: Arc::new(SqliteBuilds { db: db.clone() }),
+            sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
+            volumes: Arc::new(SqliteVolumes { db: db.clone() }),
+            sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
+            team_metrics: Arc::new(SqliteTeamMetrics { db: db.clone() }),
+            nodes: Arc::new(SqliteNodes { db: db.clone() }),
+            layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),
+            request_counts: Arc::new(SqliteRequestCounts { db }),
         }
     }
+}
+
+/// The connections to one SQLite file, by what a statement does with it.
+///
+/// SQLite lets one connection write at a time. Writers on several connections meet in
+/// SQLite's busy handler, which sleeps 1, 2, 5, 10, 15, 20, 25 … ms between tries however
+/// soon the lock frees: under 50 creates at once, that sleep was a create's slowest 60–70
+/// ms. On a single connection, writers wait their turn in the pool's queue instead, each
+/// woken the moment the one before it is done. Readers never wait for a writer (WAL), so
+/// they keep several connections of their own.
+#[derive(Debug, Clone)]
+pub(crate) struct SqliteDb {
+    pub(crate) reads: SqlitePool,
+    /// Every statement or transaction that writes, and only those.
+    pub(crate) writes: SqlitePool,
 }
 
 #[cfg(test)]

@@ -2,15 +2,14 @@
 
 use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
-use sqlx::SqlitePool;
 
 use crate::rows::NodeRow;
-use crate::{err, micros, to_json};
+use crate::{SqliteDb, err, micros, to_json};
 
 /// Nodes and their leases, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteNodes {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -26,7 +25,7 @@ impl NodeRecords for SqliteNodes {
         .bind(micros(node.started_at))
         .bind(micros(node.lease_until))
         .bind(to_json(&node.report)?)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -34,7 +33,7 @@ impl NodeRecords for SqliteNodes {
 
     async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
         let rows = sqlx::query_as::<_, NodeRow<i64>>("SELECT * FROM nodes ORDER BY id")
-            .fetch_all(&self.pool)
+            .fetch_all(&self.db.reads)
             .await
             .map_err(err)?;
         rows.into_iter().map(NodeRecord::try_from).collect()
@@ -43,7 +42,7 @@ impl NodeRecords for SqliteNodes {
     async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
         sqlx::query_scalar("SELECT node_id FROM sandboxes WHERE id = ?")
             .bind(sandbox_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)
     }
@@ -58,7 +57,7 @@ impl NodeRecords for SqliteNodes {
             .bind(to)
             .bind(sandbox_id)
             .bind(from)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(moved.rows_affected() == 1)
@@ -94,7 +93,7 @@ impl NodeRecords for SqliteNodes {
         .bind(serde_json::to_string(slot_statuses).map_err(err)?)
         .bind(micros(chrono::Utc::now()))
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(claimed.rows_affected() == 1)
@@ -103,7 +102,7 @@ impl NodeRecords for SqliteNodes {
     async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = ?")
             .bind(sandbox_id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())

@@ -2,14 +2,14 @@
 
 use sandbar_core::StoreError;
 use sandbar_core::store::RequestCountRecords;
-use sqlx::SqlitePool;
 
+use crate::SqliteDb;
 use crate::err;
 
 /// Requests counted per team and minute across a cluster's processes, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteRequestCounts {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -31,7 +31,7 @@ impl RequestCountRecords for SqliteRequestCounts {
         )
         .bind(window)
         .bind(serde_json::to_string(counts).map_err(err)?)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.writes)
         .await
         .map_err(err)?;
         rows.into_iter()
@@ -42,7 +42,7 @@ impl RequestCountRecords for SqliteRequestCounts {
     async fn prune_team_requests(&self, window: i64) -> Result<u64, StoreError> {
         let done = sqlx::query("DELETE FROM team_request_windows WHERE window_start < ?")
             .bind(window)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(done.rows_affected())

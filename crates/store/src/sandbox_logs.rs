@@ -3,15 +3,14 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxLogRecords;
 use sandbar_core::{SandboxLogEntry, SandboxLogQuery, StoreError};
-use sqlx::SqlitePool;
 
 use crate::rows::{SandboxLogRow, level_rank, log_cursor_micros};
-use crate::{err, micros, to_json};
+use crate::{SqliteDb, err, micros, to_json};
 
 /// Sandbox logs, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteSandboxLogs {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -23,7 +22,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
         at: DateTime<Utc>,
         entries: &[SandboxLogEntry],
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         let opened = sqlx::query(
             "INSERT INTO sandbox_log_sources (sandbox_id, team_id, created_at, next_seq) VALUES (?, ?, ?, ?) ON CONFLICT (sandbox_id) DO NOTHING",
         )
@@ -44,7 +43,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
     async fn sandbox_log_team(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
         sqlx::query_scalar("SELECT team_id FROM sandbox_log_sources WHERE sandbox_id = ?")
             .bind(sandbox_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)
     }
@@ -54,7 +53,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
             "SELECT agent_log_offset FROM sandbox_log_sources WHERE sandbox_id = ?",
         )
         .bind(sandbox_id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?;
         Ok(offset.unwrap_or(0).max(0) as u64)
@@ -67,7 +66,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
         agent_log_offset: Option<u64>,
         keep: u64,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         let next: Option<i64> = sqlx::query_scalar(
             "UPDATE sandbox_log_sources SET next_seq = next_seq + ?, agent_log_offset = COALESCE(?, agent_log_offset) WHERE sandbox_id = ? RETURNING next_seq",
         )
@@ -99,7 +98,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
         )
         .bind(micros(at))
         .bind(sandbox_id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -128,7 +127,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
                 .bind(&query.search);
         let rows = q
             .bind(i64::from(query.limit))
-            .fetch_all(&self.pool)
+            .fetch_all(&self.db.reads)
             .await
             .map_err(err)?;
         rows.into_iter().map(SandboxLogEntry::try_from).collect()
@@ -137,7 +136,7 @@ impl SandboxLogRecords for SqliteSandboxLogs {
     async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM sandbox_log_sources WHERE ended_at < ?")
             .bind(micros(before))
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(result.rows_affected())

@@ -3,15 +3,14 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
-use sqlx::SqlitePool;
 
 use crate::rows::{MountRow, SandboxRow};
-use crate::{err, insert_err, micros};
+use crate::{SqliteDb, err, insert_err, micros};
 
 /// Sandboxes and their volume mounts, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteSandboxes {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -50,7 +49,7 @@ impl SandboxRecords for SqliteSandboxes {
                 .map_err(err)?,
         )
         .bind(&s.node_id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(insert_err("sandbox", &s.id))?;
         Ok(())
@@ -59,7 +58,7 @@ impl SandboxRecords for SqliteSandboxes {
     async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
         let row = sqlx::query_as::<_, SandboxRow<i64>>("SELECT * FROM sandboxes WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)?;
         row.map(Sandbox::try_from).transpose()
@@ -70,7 +69,7 @@ impl SandboxRecords for SqliteSandboxes {
             "SELECT * FROM sandboxes WHERE team_id = ? ORDER BY started_at DESC, id DESC",
         )
         .bind(team_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(Sandbox::try_from).collect()
@@ -80,7 +79,7 @@ impl SandboxRecords for SqliteSandboxes {
         let rows = sqlx::query_as::<_, SandboxRow<i64>>(
             "SELECT * FROM sandboxes ORDER BY started_at DESC, id DESC",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(Sandbox::try_from).collect()
@@ -90,7 +89,7 @@ impl SandboxRecords for SqliteSandboxes {
         sqlx::query("UPDATE sandboxes SET end_at = ? WHERE id = ?")
             .bind(micros(end_at))
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
@@ -106,7 +105,7 @@ impl SandboxRecords for SqliteSandboxes {
             .bind(serde_json::to_string(network).map_err(err)?)
             .bind(allow_internet_access)
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
@@ -126,14 +125,14 @@ impl SandboxRecords for SqliteSandboxes {
         if let Some(handle) = handle {
             query = query.bind(handle.to_stored());
         }
-        query.bind(id).execute(&self.pool).await.map_err(err)?;
+        query.bind(id).execute(&self.db.writes).await.map_err(err)?;
         Ok(())
     }
 
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM sandboxes WHERE id = ?")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
@@ -144,7 +143,7 @@ impl SandboxRecords for SqliteSandboxes {
         sandbox_id: &str,
         mounts: &[VolumeMount],
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         for (position, m) in mounts.iter().enumerate() {
             sqlx::query(
                 "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
@@ -168,7 +167,7 @@ impl SandboxRecords for SqliteSandboxes {
              JOIN volumes v ON v.id = m.volume_id WHERE m.sandbox_id = ? ORDER BY m.position",
         )
         .bind(sandbox_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?
         .into_iter()

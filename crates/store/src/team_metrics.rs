@@ -2,21 +2,21 @@
 
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
-use sqlx::SqlitePool;
 
+use crate::SqliteDb;
 use crate::err;
 use crate::rows::BucketRow;
 
 /// Team activity buckets, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteTeamMetrics {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
 impl TeamMetricRecords for SqliteTeamMetrics {
     async fn add_team_metrics(&self, buckets: &[TeamMetricBucket]) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         for b in buckets {
             sqlx::query(
                 "INSERT INTO team_metrics (team_id, bucket, concurrent, starts) VALUES (?, ?, ?, ?) \
@@ -46,7 +46,7 @@ impl TeamMetricRecords for SqliteTeamMetrics {
         .bind(team_id)
         .bind(start)
         .bind(end)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(|r| r.of_team(team_id)).collect()
@@ -55,7 +55,7 @@ impl TeamMetricRecords for SqliteTeamMetrics {
     async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < ?")
             .bind(before)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(result.rows_affected())

@@ -5,18 +5,17 @@ use sandbar_core::auth::TeamLimits;
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
 use sandbar_core::{StoreError, Team};
 use sqlx::Row;
-use sqlx::SqlitePool;
 
 use crate::rows::{
     AccessTokenRow, ApiKeyRow, KeyTeamRow, TeamMemberRow, TeamRow, bind_all, bind_secret,
     free_slug, limit_columns, team_limits,
 };
-use crate::{err, insert_err, micros};
+use crate::{SqliteDb, err, insert_err, micros};
 
 /// Teams, members, API keys and access tokens, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteTeams {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 impl SqliteTeams {
@@ -25,7 +24,7 @@ impl SqliteTeams {
     pub(crate) async fn give_teams_slugs(&self) -> Result<(), StoreError> {
         let rows =
             sqlx::query("SELECT id, name FROM teams WHERE slug IS NULL ORDER BY created_at, id")
-                .fetch_all(&self.pool)
+                .fetch_all(&self.db.reads)
                 .await
                 .map_err(err)?;
         for row in &rows {
@@ -35,7 +34,7 @@ impl SqliteTeams {
             sqlx::query("UPDATE teams SET slug = ? WHERE id = ?")
                 .bind(&slug)
                 .bind(&id)
-                .execute(&self.pool)
+                .execute(&self.db.writes)
                 .await
                 .map_err(err)?;
         }
@@ -47,7 +46,7 @@ impl SqliteTeams {
         free_slug(name, |candidate| async move {
             Ok(sqlx::query("SELECT 1 FROM teams WHERE slug = ?")
                 .bind(candidate)
-                .fetch_optional(&self.pool)
+                .fetch_optional(&self.db.reads)
                 .await
                 .map_err(err)?
                 .is_some())
@@ -58,7 +57,7 @@ impl SqliteTeams {
     async fn one_team(&self, query: &'static str, key: &str) -> Result<Option<Team>, StoreError> {
         sqlx::query_as::<_, TeamRow>(query)
             .bind(key)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)?
             .map(Team::try_from)
@@ -73,7 +72,7 @@ impl SqliteTeams {
         secret: &StoredSecret,
     ) -> Result<(), StoreError> {
         bind_secret(sqlx::query(insert), secret, micros(secret.created_at))
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(insert_err(what, &secret.id))?;
         Ok(())
@@ -84,7 +83,7 @@ impl SqliteTeams {
 impl TeamRecords for SqliteTeams {
     async fn team_count(&self) -> Result<u64, StoreError> {
         let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM teams")
-            .fetch_one(&self.pool)
+            .fetch_one(&self.db.reads)
             .await
             .map_err(err)?;
         Ok(n as u64)
@@ -99,7 +98,7 @@ impl TeamRecords for SqliteTeams {
         .bind(&team.slug);
         bind_all(query, limit_columns(&team_limits(team)))
             .bind(micros(Utc::now()))
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(insert_err("team", &team.id))?;
         Ok(())
@@ -158,7 +157,7 @@ impl TeamRecords for SqliteTeams {
             "SELECT k.id, k.team_id, k.name, k.key_hash AS secret_hash, k.mask_prefix, k.mask_suffix, k.created_at, k.created_by, k.last_used, t.name AS team_name, t.slug AS team_slug, t.max_concurrent_sandboxes, t.max_sandbox_timeout_secs, t.requests_per_minute, t.max_vcpu, t.max_memory_mb, t.max_disk_mb, t.max_snapshots, t.max_snapshot_mb, t.max_templates, t.max_volumes, t.max_volume_mb, t.max_tags_per_template, t.max_api_keys, t.disk_read_mbps, t.disk_write_mbps, t.disk_read_iops, t.disk_write_iops FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.key_hash = ?",
         )
         .bind(hash)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?
         .map(<(StoredApiKey, Team)>::try_from)
@@ -172,7 +171,7 @@ impl TeamRecords for SqliteTeams {
         )
         .bind(micros(at))
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -189,7 +188,7 @@ impl TeamRecords for SqliteTeams {
         )
         .bind(&key.created_by)
         .bind(key.last_used.map(micros))
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(insert_err("api key", &s.id))?;
         Ok(())
@@ -200,7 +199,7 @@ impl TeamRecords for SqliteTeams {
             "SELECT id, team_id, name, key_hash AS secret_hash, mask_prefix, mask_suffix, created_at, created_by, last_used FROM api_keys WHERE team_id = ? ORDER BY created_at, id",
         )
         .bind(team_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?
         .into_iter()
@@ -218,7 +217,7 @@ impl TeamRecords for SqliteTeams {
             .bind(name)
             .bind(id)
             .bind(team_id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(done.rows_affected() > 0)
@@ -229,7 +228,7 @@ impl TeamRecords for SqliteTeams {
             sqlx::query("DELETE FROM api_keys WHERE id = ? AND (?2 IS NULL OR team_id = ?2)")
                 .bind(id)
                 .bind(team_id)
-                .execute(&self.pool)
+                .execute(&self.db.writes)
                 .await
                 .map_err(err)?;
         Ok(done.rows_affected() > 0)
@@ -241,7 +240,7 @@ impl TeamRecords for SqliteTeams {
         team_id: &str,
         is_default: bool,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         sqlx::query("INSERT INTO users (id, created_at) VALUES (?, ?)")
             .bind(id)
             .bind(micros(Utc::now()))
@@ -268,7 +267,7 @@ impl TeamRecords for SqliteTeams {
             micros(s.created_at),
         )
         .bind(&token.user_id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(insert_err("access token", &s.id))?;
         Ok(())
@@ -283,7 +282,7 @@ impl TeamRecords for SqliteTeams {
              FROM access_tokens WHERE token_hash = ? AND user_id IS NOT NULL",
         )
         .bind(hash)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?
         .map(StoredAccessToken::from))
@@ -293,7 +292,7 @@ impl TeamRecords for SqliteTeams {
         let done = sqlx::query("DELETE FROM access_tokens WHERE id = ? AND user_id = ?")
             .bind(id)
             .bind(user_id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(done.rows_affected() > 0)
@@ -304,7 +303,7 @@ impl TeamRecords for SqliteTeams {
             "SELECT t.*, m.is_default FROM teams t JOIN team_members m ON m.team_id = t.id WHERE m.user_id = ? ORDER BY t.created_at, t.id",
         )
         .bind(user_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?
         .into_iter()
@@ -318,7 +317,7 @@ impl TeamRecords for SqliteTeams {
 
     async fn teams(&self) -> Result<Vec<Team>, StoreError> {
         sqlx::query_as::<_, TeamRow>("SELECT * FROM teams ORDER BY created_at, id")
-            .fetch_all(&self.pool)
+            .fetch_all(&self.db.reads)
             .await
             .map_err(err)?
             .into_iter()
@@ -334,7 +333,7 @@ impl TeamRecords for SqliteTeams {
             limit_columns(limits),
         )
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(done.rows_affected() > 0)

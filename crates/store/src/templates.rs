@@ -4,21 +4,20 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
 use sqlx::Row;
-use sqlx::SqlitePool;
 
 use crate::rows::TemplateRow;
-use crate::{err, micros, to_json};
+use crate::{SqliteDb, err, micros, to_json};
 
 /// Templates and their names, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteTemplates {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
 impl TemplateRecords for SqliteTemplates {
     async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         sqlx::query(
             "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
              VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -67,7 +66,7 @@ impl TemplateRecords for SqliteTemplates {
             "WHERE t.id = ?"
         ))
         .bind(id)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?;
         row.map(Template::try_from).transpose()
@@ -83,7 +82,7 @@ impl TemplateRecords for SqliteTemplates {
         ))
         .bind(team_id.unwrap_or(""))
         .bind(alias)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?;
         row.map(Template::try_from).transpose()
@@ -95,7 +94,7 @@ impl TemplateRecords for SqliteTemplates {
              WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id"
         ))
         .bind(alias)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(Template::try_from).collect()
@@ -105,7 +104,7 @@ impl TemplateRecords for SqliteTemplates {
         let rows = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
             "ORDER BY t.created_at DESC, t.id"
         ))
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         rows.into_iter().map(Template::try_from).collect()
@@ -124,7 +123,7 @@ impl TemplateRecords for SqliteTemplates {
         .bind(error)
         .bind(micros(Utc::now()))
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
@@ -150,14 +149,14 @@ impl TemplateRecords for SqliteTemplates {
         .bind(build_id)
         .bind(build_id)
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())
     }
 
     async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin().await.map_err(err)?;
+        let mut tx = self.db.writes.begin().await.map_err(err)?;
         for statement in [
             "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = ?)",
             "DELETE FROM build_tags WHERE template_id = ?",
@@ -182,7 +181,7 @@ impl TemplateRecords for SqliteTemplates {
              SELECT b.image FROM template_builds b JOIN build_tags t ON t.build_id = b.id
              WHERE b.image IS NOT NULL",
         )
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         let mut layers = Vec::new();
@@ -205,7 +204,7 @@ impl TemplateRecords for SqliteTemplates {
         // node has adopted them again (at start) must not take their roots away. The
         // checkpoint they were made from is not theirs to keep.
         let sandboxes = sqlx::query("SELECT image FROM sandboxes WHERE image IS NOT NULL")
-            .fetch_all(&self.pool)
+            .fetch_all(&self.db.reads)
             .await
             .map_err(err)?;
         for row in &sandboxes {
@@ -231,7 +230,7 @@ impl TemplateRecords for SqliteTemplates {
         .bind(count)
         .bind(micros(last))
         .bind(id)
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(())

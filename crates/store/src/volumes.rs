@@ -2,15 +2,14 @@
 
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
-use sqlx::SqlitePool;
 
 use crate::rows::VolumeRow;
-use crate::{err, micros};
+use crate::{SqliteDb, err, micros};
 
 /// Volumes, in SQLite.
 #[derive(Debug, Clone)]
 pub struct SqliteVolumes {
-    pub(crate) pool: SqlitePool,
+    pub(crate) db: SqliteDb,
 }
 
 #[async_trait::async_trait]
@@ -25,7 +24,7 @@ impl VolumeRecords for SqliteVolumes {
         .bind(&v.name)
         .bind(&v.token_hash)
         .bind(micros(v.created_at))
-        .execute(&self.pool)
+        .execute(&self.db.writes)
         .await
         .map_err(err)?;
         Ok(done.rows_affected() == 1)
@@ -34,7 +33,7 @@ impl VolumeRecords for SqliteVolumes {
     async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
         let row = sqlx::query_as::<_, VolumeRow<i64>>("SELECT * FROM volumes WHERE id = ?")
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(&self.db.reads)
             .await
             .map_err(err)?;
         Ok(row.map(Volume::from))
@@ -50,7 +49,7 @@ impl VolumeRecords for SqliteVolumes {
         )
         .bind(team_id)
         .bind(name)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&self.db.reads)
         .await
         .map_err(err)?;
         Ok(row.map(Volume::from))
@@ -61,7 +60,7 @@ impl VolumeRecords for SqliteVolumes {
             "SELECT * FROM volumes WHERE team_id = ? ORDER BY created_at, id",
         )
         .bind(team_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)?;
         Ok(rows.into_iter().map(Volume::from).collect())
@@ -72,7 +71,7 @@ impl VolumeRecords for SqliteVolumes {
             "SELECT DISTINCT sandbox_id FROM sandbox_volumes WHERE volume_id = ? ORDER BY sandbox_id",
         )
         .bind(volume_id)
-        .fetch_all(&self.pool)
+        .fetch_all(&self.db.reads)
         .await
         .map_err(err)
     }
@@ -80,7 +79,7 @@ impl VolumeRecords for SqliteVolumes {
     async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
         sqlx::query("DELETE FROM volumes WHERE id = ?")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&self.db.writes)
             .await
             .map_err(err)?;
         Ok(())
