@@ -95,6 +95,11 @@ struct Args {
     /// once per number given (comma-separated; the server's team limit must allow them).
     #[arg(long, value_delimiter = ',')]
     crowd: Vec<usize>,
+    /// Seconds to wait after a crowd is made before measuring next to it: the server refills
+    /// its warm pool after the burst that made the crowd, and those boots are not the
+    /// crowd's cost (0: measure at once).
+    #[arg(long, default_value_t = 15)]
+    crowd_settle_secs: u64,
     /// Instead of the latency series: this many create→first command→kill cycles next to
     /// `--first-commands-next-to` idle sandboxes, every command's output compared byte for
     /// byte (the crowd's first commands included); fails on any difference.
@@ -422,6 +427,7 @@ async fn measure_next_to_idle_crowd(
         "latency: {} sequential create→first output next to {crowd} idle sandboxes",
         args.iterations
     );
+    let settle_secs = args.crowd_settle_secs;
     let crowded = latency_next_to(api, args, |idle| async move {
         let started = Instant::now();
         let mut made = 0;
@@ -438,6 +444,7 @@ async fn measure_next_to_idle_crowd(
             made += batch;
         }
         eprintln!("  {crowd} idle sandboxes made in {:.1?}", started.elapsed());
+        tokio::time::sleep(Duration::from_secs(settle_secs)).await;
         Ok(())
     })
     .await?;
