@@ -108,16 +108,22 @@ impl SandboxActivity {
             .collect();
         let now = std::time::Instant::now();
         let at = Utc::now();
+        // Read before the samples' lock is taken: a few files a sandbox, which at a thousand
+        // sandboxes would keep a reader of the samples waiting for tens of milliseconds.
+        let sampled: Vec<_> = targets
+            .into_iter()
+            .filter_map(|(id, handle, cpu_count, memory_mb, disk_size_mb)| {
+                let stats = self.shared.runtime.stats(&id, &handle)?;
+                Some((id, stats, cpu_count, memory_mb, disk_size_mb))
+            })
+            .collect();
         let mut metrics = self
             .shared
             .metrics
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let mut killed = Vec::new();
-        for (id, handle, cpu_count, memory_mb, disk_size_mb) in targets {
-            let Some(stats) = self.shared.runtime.stats(&id, &handle) else {
-                continue;
-            };
+        for (id, stats, cpu_count, memory_mb, disk_size_mb) in sampled {
             let series = metrics.entry(id.clone()).or_default();
             if let Some(before) = series.oom_kills
                 && stats.oom_kills > before

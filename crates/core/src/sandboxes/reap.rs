@@ -96,13 +96,18 @@ impl Reaper {
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
     /// answer), so they stop being listed and routed to.
     pub async fn reap_dead(&self) {
-        // Checked outside the registry lock: each check reads /proc.
-        let dead = self
-            .shared
-            .running_where(|_, _| true)
-            .into_iter()
-            .filter(|(id, handle)| !self.shared.runtime.is_alive(id, handle))
-            .collect();
+        // Checked outside the registry lock, and off the async runtime's threads: each check
+        // reads /proc, a thousand of them some milliseconds that requests would wait behind.
+        let running = self.shared.running_where(|_, _| true);
+        let runtime = Arc::clone(&self.shared.runtime);
+        let dead = tokio::task::spawn_blocking(move || {
+            running
+                .into_iter()
+                .filter(|(id, handle)| !runtime.is_alive(id, handle))
+                .collect()
+        })
+        .await
+        .unwrap_or_default();
         // Unless it was paused, shelved or resumed meanwhile: its handle would differ.
         self.stop_all(
             dead,
@@ -153,7 +158,12 @@ impl Reaper {
                 self.reap_dead().await;
             }
             if round % METRICS_EVERY_ROUNDS == 0 {
-                for (id, killed) in self.activity.sample_metrics() {
+                // Reads a few cgroup files a sandbox: at a thousand sandboxes, tens of
+                // milliseconds that would hold one of the async runtime's threads, and the
+                // requests queued on it, every time.
+                let activity = self.activity.clone();
+                let sampled = tokio::task::spawn_blocking(move || activity.sample_metrics());
+                for (id, killed) in sampled.await.unwrap_or_default() {
                     self.activity.log_oom_kills(&id, killed).await;
                 }
                 self.ingest_agent_logs().await;
