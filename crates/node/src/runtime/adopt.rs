@@ -123,10 +123,9 @@ impl Adopter {
             ..h.clone()
         };
         let endpoint = self.node.endpoint(id, h.slot).ok()?;
-        let runtime_handle = running;
         self.node.adopt_holdings(id, h, HandlePhase::Running);
         tracing::info!(sandbox_id = %id, pid, "a restore finished while the server was down");
-        Some(AdoptedCheckpoint::Restored(runtime_handle, endpoint))
+        Some(AdoptedCheckpoint::Restored(running, endpoint))
     }
 
     pub(super) async fn sweep(&self, recorded: &[String]) -> Result<usize, RuntimeError> {

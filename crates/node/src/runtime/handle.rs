@@ -1,7 +1,8 @@
 //! How a sandbox's handle is checked before the node acts on it, and how a live process is
 //! told from a recycled PID.
 
-use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
+use sandbar_core::{LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_jail::IdMap;
 
 /// The handle of sandbox `id`, if a runtime launched anything for it: a handle of nothing
 /// launched names no process and no slot the node could act on.
@@ -9,13 +10,26 @@ pub(super) fn launched<'a>(
     id: &str,
     handle: &'a RuntimeHandle,
 ) -> Result<&'a RuntimeHandle, RuntimeError> {
-    if handle.phase == HandlePhase::Unlaunched {
+    if !handle.is_launched() {
         return Err(RuntimeError::BadHandle {
             sandbox_id: id.to_owned(),
             message: "nothing was launched for it".to_owned(),
         });
     }
     Ok(handle)
+}
+
+/// The handle of sandbox `spec` whose PID 1, `pid`, was just started or restored in `slot`
+/// with root at `id_map`'s host range and the boot id `boot_id`.
+pub(super) fn booted(
+    pid: i32,
+    slot: u32,
+    id_map: IdMap,
+    spec: &LaunchSpec,
+    boot_id: Option<String>,
+) -> RuntimeHandle {
+    let ticks = start_ticks(pid).unwrap_or_default();
+    RuntimeHandle::running(pid, ticks, slot, id_map.host_base, spec, boot_id)
 }
 
 /// State letter and start time (field 22, clock ticks since boot) of `/proc/PID/stat`.
@@ -54,9 +68,10 @@ mod tests {
     }
 
     #[test]
-    fn only_the_process_that_started_then_is_alive() {
+    fn own_start_time_is_readable_and_stable() {
         let me = std::process::id() as i32;
         let ticks = start_ticks(me).expect("own stat");
+        assert_eq!(start_ticks(me), Some(ticks));
         let mine = RuntimeHandle::warm(0, 0, me, ticks);
         assert!(is_alive(&mine));
         assert!(!is_alive(&RuntimeHandle::warm(0, 0, me, ticks + 1)));

@@ -475,8 +475,6 @@ mod tests {
     use std::os::fd::AsRawFd;
 
     use super::agent_copies::collect_agent_copies;
-    use super::handle::{is_alive, start_ticks};
-    use sandbar_core::RuntimeHandle;
 
     #[test]
     #[allow(clippy::unwrap_used)]
@@ -523,22 +521,5 @@ mod tests {
         }
         // SAFETY: the mapping made above, unmapped once.
         unsafe { libc::munmap(at, 5) };
-    }
-
-    #[test]
-    fn own_start_time_is_readable_and_stable() {
-        let pid = std::process::id() as i32;
-        let first = start_ticks(pid).expect("own stat");
-        assert_eq!(start_ticks(pid), Some(first));
-        assert!(is_alive(&RuntimeHandle {
-            pid,
-            start_ticks: first,
-            ..RuntimeHandle::unstarted(0)
-        }));
-        assert!(!is_alive(&RuntimeHandle {
-            pid,
-            start_ticks: first + 1,
-            ..RuntimeHandle::unstarted(0)
-        }));
     }
 }

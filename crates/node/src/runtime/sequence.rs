@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use sandbar_core::{Endpoint, HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
 
-use super::handle::start_ticks;
+use super::handle::booted;
 use sandbar_jail::IdMap;
 
 use super::holdings::{Holdings, Opening, SlotHold};
@@ -65,14 +65,7 @@ pub(super) async fn boot<H: HostOps>(
     // The agent holds the namespace now; ours must not keep it alive after the sandbox.
     drop(netns);
     let spawned = started.elapsed();
-    let handle = RuntimeHandle::running(
-        pid,
-        start_ticks(pid).unwrap_or_default(),
-        slot,
-        id_map.host_base,
-        spec,
-        Some(boot_id),
-    );
+    let handle = booted(pid, slot, id_map, spec, Some(boot_id));
     let endpoint = match host.wait_agent(id, slot).await {
         Ok(endpoint) => endpoint,
         Err(e) => return Err((Some(handle), e)),
@@ -119,14 +112,7 @@ pub(super) async fn restore_in_slot<H: HostOps>(
         .restore_processes(spec, netns, id_map, restore)
         .await
         .map_err(|e| (None, e))?;
-    let handle = RuntimeHandle::running(
-        pid,
-        start_ticks(pid).unwrap_or_default(),
-        slot,
-        id_map.host_base,
-        spec,
-        boot_id,
-    );
+    let handle = booted(pid, slot, id_map, spec, boot_id);
     match host.wait_agent(id, slot).await {
         Ok(endpoint) => Ok((handle, endpoint)),
         Err(e) => Err((Some(handle), e)),

@@ -17,7 +17,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sandbar_core::LaunchSpec;
+use sandbar_core::{LaunchSpec, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 /// Prefix of a warm sandbox's name, never the prefix of a sandbox id.
@@ -100,6 +100,13 @@ pub enum Job {
     Retire(Box<WarmSandbox>),
     /// Nothing until a create asks for something.
     Wait,
+}
+
+impl WarmSandbox {
+    /// Its handle while it waits in the pool.
+    pub(crate) fn handle(&self) -> RuntimeHandle {
+        RuntimeHandle::warm(self.slot, self.id_map.host_base, self.pid, self.start_ticks)
+    }
 }
 
 impl PartialEq for WarmSandbox {

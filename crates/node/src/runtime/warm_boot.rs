@@ -202,8 +202,7 @@ impl WarmKeeper {
     }
 
     pub(super) async fn retire_warm(&self, warm: &crate::runtime::warm::WarmSandbox) {
-        let handle =
-            RuntimeHandle::warm(warm.slot, warm.id_map.host_base, warm.pid, warm.start_ticks);
+        let handle = warm.handle();
         if let Err(err) = self.node.teardown(&warm.name, Some(&handle)).await {
             tracing::error!(warm = %warm.name, error = %err, "cannot tear down a warm sandbox");
         }
@@ -220,8 +219,7 @@ impl WarmKeeper {
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
         let id = spec.sandbox_id.as_str();
         let started = std::time::Instant::now();
-        let mut handle =
-            RuntimeHandle::warm(warm.slot, warm.id_map.host_base, warm.pid, warm.start_ticks);
+        let mut handle = warm.handle();
         if !is_alive(&handle) {
             self.retire_warm(warm).await;
             return Err(sandbox_err(id, format!("warm sandbox {} died", warm.name)));
