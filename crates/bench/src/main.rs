@@ -452,6 +452,14 @@ async fn measure_next_to_idle_crowd(
         format!("create→first output, c=1, next to {crowd} idle sandboxes"),
         &crowded.total,
     );
+    results.row(
+        format!("  create (`POST /v2/sandboxes` → 201), next to {crowd}"),
+        &crowded.create,
+    );
+    results.row(
+        format!("  Start → first stdout, next to {crowd}"),
+        &crowded.start,
+    );
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::builds::LogLevel;
 use crate::model::Team;
-use crate::runtime::Runtime;
+use crate::runtime::{AgentLogChunk, Runtime};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, parse_agent_line};
 use crate::store::Store;
 use crate::team_metrics::{
@@ -42,7 +42,14 @@ impl Default for ActivityConfig {
 }
 
 /// Most bytes of one agent log read per round; the rest waits for the next round.
-const AGENT_LOG_READ_MAX: usize = 256 * 1024;
+pub(crate) const AGENT_LOG_READ_MAX: usize = 256 * 1024;
+
+/// One agent log to read in a round over all of them: from where.
+#[derive(Debug, Clone)]
+pub(crate) struct AgentLogRead {
+    pub(crate) sandbox_id: String,
+    pub(crate) offset: u64,
+}
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Counter {
@@ -254,19 +261,63 @@ impl Activity {
     pub(crate) async fn ingest_agent_log(&self, runtime: &dyn Runtime, sandbox_id: &str) {
         self.opened(sandbox_id).await;
         let _one_at_a_time = self.ingesting.lock().await;
-        let cached = self.offsets().get(sandbox_id).copied();
-        let offset = match cached {
-            Some(offset) => offset,
-            None => match self.store.sandbox_logs.sandbox_log_offset(sandbox_id).await {
-                Ok(offset) => offset,
-                Err(err) => {
-                    tracing::warn!(sandbox_id, error = %err, "cannot read agent log offset");
-                    return;
-                }
-            },
+        let Some(offset) = self.agent_log_offset(sandbox_id).await else {
+            return;
         };
-        let Some(chunk) = runtime.agent_log(sandbox_id, offset, AGENT_LOG_READ_MAX) else {
-            self.offsets().insert(sandbox_id.to_owned(), offset);
+        let chunk = runtime.agent_log(sandbox_id, offset, AGENT_LOG_READ_MAX);
+        self.store_agent_log(sandbox_id, offset, chunk).await;
+    }
+
+    /// Where each of `sandbox_ids`' agent logs is to be read from next, for a round that
+    /// reads them all at once; a log whose offset cannot be read is left out.
+    pub(crate) async fn agent_log_reads(&self, sandbox_ids: Vec<String>) -> Vec<AgentLogRead> {
+        let mut reads = Vec::with_capacity(sandbox_ids.len());
+        for sandbox_id in sandbox_ids {
+            self.opened(&sandbox_id).await;
+            if let Some(offset) = self.agent_log_offset(&sandbox_id).await {
+                reads.push(AgentLogRead { sandbox_id, offset });
+            }
+        }
+        reads
+    }
+
+    /// Stores what a round read from each log at the offset `reads` gave, unless another
+    /// reader (a kill, a pause) moved that log's offset on meanwhile: the lines are then
+    /// stored already, or will be at the next round.
+    pub(crate) async fn ingest_agent_logs_read(
+        &self,
+        read: Vec<(AgentLogRead, Option<AgentLogChunk>)>,
+    ) {
+        for (AgentLogRead { sandbox_id, offset }, chunk) in read {
+            let _one_at_a_time = self.ingesting.lock().await;
+            if self.offsets().get(&sandbox_id).copied() == Some(offset) {
+                self.store_agent_log(&sandbox_id, offset, chunk).await;
+            }
+        }
+    }
+
+    /// How far the sandbox's agent log was read, from the cache or else the store (and
+    /// cached then); `None` if the store cannot say.
+    async fn agent_log_offset(&self, sandbox_id: &str) -> Option<u64> {
+        if let Some(offset) = self.offsets().get(sandbox_id).copied() {
+            return Some(offset);
+        }
+        match self.store.sandbox_logs.sandbox_log_offset(sandbox_id).await {
+            Ok(offset) => {
+                self.offsets().insert(sandbox_id.to_owned(), offset);
+                Some(offset)
+            }
+            Err(err) => {
+                tracing::warn!(sandbox_id, error = %err, "cannot read agent log offset");
+                None
+            }
+        }
+    }
+
+    /// Stores the whole lines of `chunk`, read from `offset`, and moves the offset past them.
+    /// The caller holds `ingesting`.
+    async fn store_agent_log(&self, sandbox_id: &str, offset: u64, chunk: Option<AgentLogChunk>) {
+        let Some(chunk) = chunk else {
             return;
         };
         let bytes = chunk.bytes;
@@ -278,7 +329,6 @@ impl Activity {
             None => 0,
         };
         if consumed == 0 && skipped == 0 {
-            self.offsets().insert(sandbox_id.to_owned(), offset);
             return;
         }
         let now = Utc::now();

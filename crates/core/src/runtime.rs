@@ -418,6 +418,11 @@ pub trait Runtime: Send + Sync + 'static {
         None
     }
 
+    /// Called once on the thread that reads every sandbox's liveness, usage and agent log,
+    /// before its first read. A runtime may lower that thread's CPU priority: a round over a
+    /// thousand sandboxes then takes only the cycles requests leave.
+    fn prepare_sampling_thread(&self) {}
+
     /// After a restart: whether the sandbox still runs, and if so how to reach it.
     async fn adopt(
         &self,

@@ -36,6 +36,7 @@ mod reap;
 mod recover;
 mod registry;
 mod routes;
+mod sampling;
 mod shared;
 mod signers;
 mod snapshots;

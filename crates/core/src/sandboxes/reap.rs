@@ -10,8 +10,10 @@ use chrono::Utc;
 
 use super::activity::SandboxActivity;
 use super::lifecycle::Lifecycle;
+use super::sampling::SamplingThread;
 use super::shared::Shared;
 use super::{Claim, Live, METRICS_EVERY_ROUNDS, PRUNE_EVERY_ROUNDS, TEAM_METRICS_EVERY_ROUNDS};
+use crate::activity::AGENT_LOG_READ_MAX;
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::runtime::RuntimeHandle;
@@ -30,6 +32,8 @@ pub struct Reaper {
     lifecycle: Lifecycle,
     /// Samples the sandboxes and logs their out-of-memory kills.
     activity: SandboxActivity,
+    /// Where the reads that cover every sandbox run, off the async runtime's threads.
+    sampling: Arc<SamplingThread>,
 }
 
 impl Reaper {
@@ -39,6 +43,10 @@ impl Reaper {
         activity: SandboxActivity,
     ) -> Self {
         Self {
+            sampling: Arc::new(SamplingThread::new({
+                let runtime = Arc::clone(&shared.runtime);
+                move || runtime.prepare_sampling_thread()
+            })),
             shared,
             lifecycle,
             activity,
@@ -96,18 +104,20 @@ impl Reaper {
     /// Cleans up sandboxes whose processes died on their own (their agent can no longer
     /// answer), so they stop being listed and routed to.
     pub async fn reap_dead(&self) {
-        // Checked outside the registry lock, and off the async runtime's threads: each check
-        // reads /proc, a thousand of them some milliseconds that requests would wait behind.
+        // Checked outside the registry lock, on the sampling thread: each check reads /proc,
+        // a thousand of them some milliseconds that requests would wait behind.
         let running = self.shared.running_where(|_, _| true);
         let runtime = Arc::clone(&self.shared.runtime);
-        let dead = tokio::task::spawn_blocking(move || {
-            running
-                .into_iter()
-                .filter(|(id, handle)| !runtime.is_alive(id, handle))
-                .collect()
-        })
-        .await
-        .unwrap_or_default();
+        let dead = self
+            .sampling
+            .run(move || {
+                running
+                    .into_iter()
+                    .filter(|(id, handle)| !runtime.is_alive(id, handle))
+                    .collect()
+            })
+            .await
+            .unwrap_or_default();
         // Unless it was paused, shelved or resumed meanwhile: its handle would differ.
         self.stop_all(
             dead,
@@ -118,7 +128,8 @@ impl Reaper {
         .await;
     }
 
-    /// Reads new agent log lines of every running sandbox.
+    /// Reads new agent log lines of every running sandbox: the files on the sampling thread,
+    /// then the lines into the store.
     async fn ingest_agent_logs(&self) {
         let ids: Vec<String> = self
             .shared
@@ -127,12 +138,23 @@ impl Reaper {
             .filter(|(_, l)| l.status == SandboxStatus::Running)
             .map(|(id, _)| id.clone())
             .collect();
-        for id in ids {
-            self.shared
-                .activity
-                .ingest_agent_log(self.shared.runtime.as_ref(), &id)
-                .await;
-        }
+        let reads = self.shared.activity.agent_log_reads(ids).await;
+        let runtime = Arc::clone(&self.shared.runtime);
+        let read = self
+            .sampling
+            .run(move || {
+                reads
+                    .into_iter()
+                    .map(|read| {
+                        let chunk =
+                            runtime.agent_log(&read.sandbox_id, read.offset, AGENT_LOG_READ_MAX);
+                        (read, chunk)
+                    })
+                    .collect()
+            })
+            .await
+            .unwrap_or_default();
+        self.shared.activity.ingest_agent_logs_read(read).await;
     }
 
     async fn flush_team_metrics(&self) {
@@ -162,7 +184,7 @@ impl Reaper {
                 // milliseconds that would hold one of the async runtime's threads, and the
                 // requests queued on it, every time.
                 let activity = self.activity.clone();
-                let sampled = tokio::task::spawn_blocking(move || activity.sample_metrics());
+                let sampled = self.sampling.run(move || activity.sample_metrics());
                 for (id, killed) in sampled.await.unwrap_or_default() {
                     self.activity.log_oom_kills(&id, killed).await;
                 }

@@ -19,7 +19,10 @@ use std::sync::{Arc, Mutex};
 use rtnetlink::packet_route::link::{InfoData, InfoVeth};
 use rtnetlink::{LinkUnspec, LinkVeth, RouteMessageBuilder};
 
-use crate::net::network::{Network, NetworkError, SlotAddrs, if_index, iface_name, link_index};
+use crate::net::network::{
+    Network, NetworkError, SlotAddrs, if_index, iface_name, link_index, netlink_connection,
+    netlink_runtime,
+};
 
 /// Per-namespace settings that give sandbox users what owning the namespace used to: low
 /// ports (web servers on 80) and unprivileged ICMP sockets (`ping`).
@@ -264,7 +267,9 @@ struct NewNamespace {
 /// namespace alone, and sockets stay in the namespace they were made in, so the thread opens
 /// everything the node needs there and ends. No other thread of the server changes namespace.
 async fn new_namespace() -> Result<NewNamespace, NetworkError> {
-    let runtime = tokio::runtime::Handle::current();
+    // Started here, if not yet, rather than from the thread below: a thread starts in its
+    // creator's network namespace, and the netlink thread must not hold a sandbox's.
+    netlink_runtime().map_err(NetworkError::Socket)?;
     let (sender, receiver) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("netns-new".into())
@@ -290,15 +295,13 @@ async fn new_namespace() -> Result<NewNamespace, NetworkError> {
                 }
                 // SAFETY: a new descriptor nothing else owns.
                 let agent_socket = unsafe { OwnedFd::from_raw_fd(raw) };
-                // The netlink socket registers with the runtime's reactor as it is created.
-                let _entered = runtime.enter();
-                let connection = rtnetlink::new_connection()?;
-                Ok((netns, lo, agent_socket, connection))
+                let handle = netlink_connection()?;
+                Ok((netns, lo, agent_socket, handle))
             })();
             let _ = sender.send(made);
         })
         .map_err(NetworkError::Socket)?;
-    let (netns, lo, agent_socket, (connection, handle, _)) = receiver
+    let (netns, lo, agent_socket, handle) = receiver
         .await
         .map_err(|_| {
             NetworkError::Socket(std::io::Error::other(
@@ -306,7 +309,6 @@ async fn new_namespace() -> Result<NewNamespace, NetworkError> {
             ))
         })?
         .map_err(NetworkError::Socket)?;
-    tokio::spawn(connection);
     Ok(NewNamespace {
         netns,
         handle,

@@ -330,12 +330,7 @@ table inet {TABLE} {{
     /// One netlink connection in the host's namespace, opened on first use and shared.
     pub(crate) async fn host_netlink(&self) -> Result<Handle, NetworkError> {
         self.host
-            .get_or_try_init(|| async {
-                let (connection, handle, _) =
-                    rtnetlink::new_connection().map_err(NetworkError::Socket)?;
-                tokio::spawn(connection);
-                Ok(handle)
-            })
+            .get_or_try_init(|| async { netlink_connection().map_err(NetworkError::Socket) })
             .await
             .cloned()
     }
@@ -355,6 +350,45 @@ table inet {TABLE} {{
             }
         }
     }
+}
+
+/// The runtime that serves every netlink socket of the node, on a thread of its own.
+///
+/// The kernel handles a netlink request inside the `sendmsg` that carries it, and adding or
+/// removing a veth pair waits there for RCU grace periods: several milliseconds, longer on a
+/// host with a thousand interfaces. Polled on the server's async runtime, those waits held
+/// one of its worker threads each time, and the requests queued on it. Here they hold only
+/// this thread; the callers await answers over a channel.
+pub(crate) fn netlink_runtime() -> std::io::Result<&'static tokio::runtime::Handle> {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Handle> = std::sync::OnceLock::new();
+    static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    if let Some(handle) = RUNTIME.get() {
+        return Ok(handle);
+    }
+    let _one_start = STARTING.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(handle) = RUNTIME.get() {
+        return Ok(handle);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    let handle = runtime.handle().clone();
+    std::thread::Builder::new()
+        .name("netlink".into())
+        .spawn(move || runtime.block_on(std::future::pending::<()>()))?;
+    Ok(RUNTIME.get_or_init(|| handle))
+}
+
+/// A netlink connection in the calling thread's network namespace, served by the node's
+/// netlink thread (see [`netlink_runtime`]).
+pub(crate) fn netlink_connection() -> std::io::Result<Handle> {
+    let runtime = netlink_runtime()?;
+    // The socket registers with the reactor of the runtime entered as it is created.
+    let _entered = runtime.enter();
+    let (connection, handle, _) = rtnetlink::new_connection()?;
+    runtime.spawn(connection);
+    Ok(handle)
 }
 
 pub(crate) async fn link_index(handle: &Handle, name: &str) -> Result<u32, rtnetlink::Error> {

@@ -296,6 +296,10 @@ impl Runtime for LinuxRuntime {
         self.reports.agent_log(sandbox_id, offset, max)
     }
 
+    fn prepare_sampling_thread(&self) {
+        stats::run_sampling_in_background();
+    }
+
     async fn pause(&self, sandbox_id: &str, handle: &RuntimeHandle) -> Result<(), RuntimeError> {
         self.pauser.pause(sandbox_id, handle).await
     }
