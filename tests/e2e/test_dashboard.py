@@ -274,6 +274,13 @@ def test_dashboard_in_a_browser(sandbar, browser):
         context.close()
 
 
+def _csrf(page) -> str:
+    found = re.search(r'X-CSRF-Token&quot;:&quot;([0-9a-f]+)', page.content()) or re.search(
+        r'"X-CSRF-Token":"([0-9a-f]+)"', page.content()
+    )
+    return found.group(1)
+
+
 def test_second_team_sees_none_of_the_first_ones(sandbar, browser, sandbox):
     team = json.loads(sandbar_cli(sandbar, "team", "create", unique("dashteam")))
     context, page, _ = _signed_in(browser, sandbar, team["apiKey"])
@@ -289,11 +296,8 @@ def test_second_team_sees_none_of_the_first_ones(sandbar, browser, sandbox):
             reply = page.request.get(path)
             assert reply.status == 404, (path, reply.status)
         # Its own actions on the first team's sandbox are refused too.
-        csrf = re.search(r'X-CSRF-Token&quot;:&quot;([0-9a-f]+)', page.content()) or re.search(
-            r'"X-CSRF-Token":"([0-9a-f]+)"', page.content()
-        )
         reply = page.request.post(
-            f"/dashboard/sandboxes/{sandbox.sandbox_id}/kill", headers={"X-CSRF-Token": csrf.group(1)}
+            f"/dashboard/sandboxes/{sandbox.sandbox_id}/kill", headers={"X-CSRF-Token": _csrf(page)}
         )
         assert reply.status == 404
         assert sandbox.is_running()
@@ -303,4 +307,73 @@ def test_second_team_sees_none_of_the_first_ones(sandbar, browser, sandbox):
         page.goto("/dashboard/")
         assert page.locator("#running-count b").inner_text() == "0"
     finally:
+        context.close()
+
+
+def test_snapshot_fork_and_usage_pages(sandbar, browser, make_sandbox):
+    """A running sandbox's page takes a snapshot and a fork; the snapshots page lists the
+    snapshot, starts a sandbox from it and deletes it; the usage page shows the team's
+    limits. Each started copy holds the file the source wrote."""
+    source = make_sandbox(metadata={"suite": "dashboard-copies"})
+    source.files.write("/home/user/copied.txt", "written before the copy\n")
+    context, page, errors = _signed_in(browser, sandbar, sandbar.api_key)
+    started = []
+    try:
+        page.goto(f"/dashboard/sandboxes/{source.sandbox_id}")
+        page.click("#snapshot")
+        page.wait_for_url(re.compile(r"/dashboard/snapshots$"), timeout=120_000)
+        row = page.locator("#snapshot-table tbody tr", has_text=source.sandbox_id)
+        row.wait_for()
+        snapshot_template = row.get_attribute("data-snapshot")
+        _shot(page, "snapshots")
+
+        # A sandbox started from the snapshot holds the source's file.
+        row.locator("button.start-from").click()
+        page.wait_for_url(re.compile(r"/dashboard/sandboxes/[a-z0-9]+$"), timeout=120_000)
+        started.append(page.url.rsplit("/", 1)[1])
+        assert started[-1] != source.sandbox_id
+
+        # A fork from the source's page opens the fork, which holds the file too.
+        page.goto(f"/dashboard/sandboxes/{source.sandbox_id}")
+        page.click("#fork")
+        page.wait_for_url(lambda url: url.rsplit("/", 1)[1] not in (source.sandbox_id, started[-1]) and "/sandboxes/" in url, timeout=120_000)
+        started.append(page.url.rsplit("/", 1)[1])
+        assert page.locator("#sandbox-state").inner_text() == "running"
+
+        from e2b import Sandbox
+
+        for sandbox_id in started:
+            copy = Sandbox.connect(sandbox_id)
+            assert copy.files.read("/home/user/copied.txt") == "written before the copy\n", sandbox_id
+        # The source ran on through both.
+        assert source.commands.run("echo still-$((6*7))").stdout.strip() == "still-42"
+
+        # Deleted from the snapshots page: gone from the API's list too.
+        page.goto("/dashboard/snapshots")
+        page.locator(f"tr[data-snapshot='{snapshot_template}'] button.delete-snapshot").click()
+        page.wait_for_selector(f"tr[data-snapshot='{snapshot_template}']", state="detached")
+        listed = httpx.get(
+            f"{sandbar.url}/snapshots", headers={"X-API-Key": sandbar.api_key}, params={"sandboxID": source.sandbox_id}
+        )
+        assert listed.status_code == 200 and listed.json() == [], listed.text
+
+        # A paused sandbox offers neither: only running sandboxes are copied.
+        source.pause()
+        page.goto(f"/dashboard/sandboxes/{source.sandbox_id}")
+        assert page.locator("#snapshot").count() == 0 and page.locator("#fork").count() == 0
+        # Asked anyway, the action is refused with the core's reason, for the error box.
+        reply = page.request.post(
+            f"/dashboard/sandboxes/{source.sandbox_id}/fork", headers={"X-CSRF-Token": _csrf(page)}
+        )
+        assert reply.status == 409 and "paused" in reply.text(), (reply.status, reply.text())
+        assert reply.headers.get("hx-retarget") == "#errors"
+
+        page.goto("/dashboard/usage")
+        assert page.locator("#limits").is_visible()
+        assert "sandboxes at once" in page.locator("#usage-peak").inner_text()
+        _shot(page, "usage")
+        assert errors == []
+    finally:
+        for sandbox_id in started:
+            _kill(sandbar, sandbox_id, sandbar.api_key)
         context.close()

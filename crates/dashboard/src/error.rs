@@ -5,7 +5,10 @@
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use maud::html;
-use sandbar_core::{CreateSandboxError, SandboxError};
+use sandbar_core::builds::TemplateAdminError;
+use sandbar_core::runtime::RuntimeError;
+use sandbar_core::sandboxes::SnapshotError;
+use sandbar_core::{CapError, CreateSandboxError, SandboxError};
 
 #[derive(Debug)]
 pub(crate) struct PageError {
@@ -81,6 +84,50 @@ impl From<CreateSandboxError> for PageError {
                 Self::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string())
             }
             other => Self::bad_request(other.to_string()),
+        }
+    }
+}
+
+impl From<CapError> for PageError {
+    fn from(e: CapError) -> Self {
+        match e {
+            CapError::Count { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+            CapError::Bytes { .. } => Self::new(StatusCode::INSUFFICIENT_STORAGE, e.to_string()),
+        }
+    }
+}
+
+impl From<SnapshotError> for PageError {
+    fn from(e: SnapshotError) -> Self {
+        match e {
+            SnapshotError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            SnapshotError::BadName(_) | SnapshotError::BadCount(_) | SnapshotError::Network(_) => {
+                Self::bad_request(e.to_string())
+            }
+            SnapshotError::NotRunning { .. }
+            | SnapshotError::NameTaken(_)
+            | SnapshotError::HasVolumes(_)
+            | SnapshotError::NoImage(_)
+            | SnapshotError::Runtime {
+                source: RuntimeError::Uncheckpointable { .. },
+                ..
+            } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            SnapshotError::NoCheckpoints(_) => Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string()),
+            SnapshotError::Sandbox(s) => s.into(),
+            SnapshotError::Cap(c) => c.into(),
+            other => Self::logged("snapshot", &other),
+        }
+    }
+}
+
+impl From<TemplateAdminError> for PageError {
+    fn from(e: TemplateAdminError) -> Self {
+        match e {
+            TemplateAdminError::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            TemplateAdminError::BuiltIn(_) => Self::new(StatusCode::FORBIDDEN, e.to_string()),
+            TemplateAdminError::Invalid(_) => Self::bad_request(e.to_string()),
+            TemplateAdminError::Cap(c) => c.into(),
+            TemplateAdminError::Store(ref s) => Self::logged("template", s),
         }
     }
 }

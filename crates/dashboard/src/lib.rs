@@ -79,6 +79,11 @@ impl Dashboard {
             .route("/sandboxes/{id}/resume", post(pages::resume))
             .route("/sandboxes/{id}/extend", post(pages::extend))
             .route("/sandboxes/{id}/kill", post(pages::kill))
+            .route("/sandboxes/{id}/snapshot", post(pages::snapshot))
+            .route("/sandboxes/{id}/fork", post(pages::fork))
+            .route("/snapshots", get(pages::snapshots))
+            .route("/snapshots/{template}/delete", post(pages::delete_snapshot))
+            .route("/usage", get(pages::usage))
             .route("/sandboxes/{id}/files", get(files::list))
             .route("/sandboxes/{id}/files/download", get(files::download))
             .route(

@@ -7,6 +7,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::Markup;
+use sandbar_core::sandboxes::{ForkResult, SnapshotQuery};
 use sandbar_core::{
     BuildStatus, CreateSandbox, ListQuery, NetworkConfig, SandboxLogQuery, SandboxState,
 };
@@ -374,6 +375,97 @@ pub(crate) async fn kill(
         .kill(&signed.team, &id)
         .await?;
     Ok(go_to("/dashboard/sandboxes"))
+}
+
+/// `POST /sandboxes/{id}/snapshot`: a snapshot of the running sandbox, which runs on; the
+/// snapshots page opens.
+pub(crate) async fn snapshot(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    state
+        .inner
+        .sandboxes
+        .snapshots()
+        .snapshot(&signed.team, &id, None, true)
+        .await?;
+    Ok(go_to("/dashboard/snapshots"))
+}
+
+/// Seconds a fork started from the dashboard lives, as a sandbox created there.
+const FORK_TIMEOUT_SECS: u64 = 300;
+
+/// `POST /sandboxes/{id}/fork`: one fork of the running sandbox, opened.
+pub(crate) async fn fork(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    let forks = state
+        .inner
+        .sandboxes
+        .snapshots()
+        .fork(&signed.team, &id, FORK_TIMEOUT_SECS, 1)
+        .await?;
+    match forks.into_iter().next() {
+        Some(ForkResult::Started(fork)) => Ok(go_to(&format!("/dashboard/sandboxes/{}", fork.id))),
+        Some(ForkResult::Failed(e)) => Err(e.into()),
+        None => Err(PageError::logged("fork", &format!("sandbox {id}: no fork was attempted"))),
+    }
+}
+
+/// `GET /snapshots`: the team's snapshots, newest first.
+pub(crate) async fn snapshots(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let query = SnapshotQuery {
+        sandbox_id: None,
+        name: None,
+        limit: LIST_LIMIT,
+        next_token: None,
+    };
+    match state
+        .inner
+        .sandboxes
+        .snapshots()
+        .list_snapshots(&signed.team, &query)
+        .await
+    {
+        Ok((list, _)) => views::snapshots(&signed.csrf, &list).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Snapshots, e.into()),
+    }
+}
+
+/// `POST /snapshots/{template}/delete`: sandboxes started from it keep running.
+pub(crate) async fn delete_snapshot(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(template): Path<String>,
+) -> Result<Response, PageError> {
+    state
+        .inner
+        .builds
+        .delete_template(&signed.team, &template)
+        .await?;
+    Ok(go_to("/dashboard/snapshots"))
+}
+
+/// How far back the usage page looks.
+const USAGE_DAYS: i64 = 7;
+
+/// `GET /usage`: the team's concurrent sandboxes and starts over the last week.
+pub(crate) async fn usage(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let end = chrono::Utc::now().timestamp();
+    let start = end - USAGE_DAYS * 24 * 3600;
+    let points = state
+        .inner
+        .sandboxes
+        .activity()
+        .team_metrics(&signed.team, &signed.team.id, Some(start), Some(end))
+        .await;
+    match points {
+        Ok(points) => views::usage(&signed.csrf, &signed.team, USAGE_DAYS, &points).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Usage, PageError::logged("usage", &e)),
+    }
 }
 
 /// `GET /templates`: the team's templates and the built-in ones, with their builds.

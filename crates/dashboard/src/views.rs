@@ -4,8 +4,10 @@
 
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
+use sandbar_core::sandboxes::SnapshotInfo;
 use sandbar_core::{
-    ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxLogEntry, Template,
+    ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxLogEntry, Team, Template,
+    TeamMetricPoint,
 };
 
 /// htmx without inline styles or evaluated code, so the CSP needs neither.
@@ -26,6 +28,8 @@ pub(crate) enum Nav {
     Overview,
     Sandboxes,
     Templates,
+    Snapshots,
+    Usage,
     Keys,
 }
 
@@ -60,6 +64,8 @@ pub(crate) fn page(
                             a href="/dashboard/" aria-current=[(nav == Nav::Overview).then_some("page")] { "Overview" }
                             a href="/dashboard/sandboxes" aria-current=[(nav == Nav::Sandboxes).then_some("page")] { "Sandboxes" }
                             a href="/dashboard/templates" aria-current=[(nav == Nav::Templates).then_some("page")] { "Templates" }
+                            a href="/dashboard/snapshots" aria-current=[(nav == Nav::Snapshots).then_some("page")] { "Snapshots" }
+                            a href="/dashboard/usage" aria-current=[(nav == Nav::Usage).then_some("page")] { "Usage" }
                             a href="/dashboard/keys" aria-current=[(nav == Nav::Keys).then_some("page")] { "API keys" }
                         }
                         button #sign-out hx-post="/dashboard/logout" { "Sign out" }
@@ -314,6 +320,10 @@ pub(crate) fn sandbox_state(s: &Sandbox) -> Markup {
                     input name="timeout" type="number" value="300" min="1" aria-label="seconds from now";
                     button #extend type="submit" { "Set timeout" }
                 }
+                @if state == "running" {
+                    button #snapshot hx-post=(format!("{base}/snapshot")) hx-disabled-elt="this" { "Snapshot" }
+                    button #fork hx-post=(format!("{base}/fork")) hx-disabled-elt="this" { "Fork" }
+                }
                 button.danger #kill hx-post=(format!("{base}/kill")) { "Kill" }
             }
         }
@@ -500,5 +510,109 @@ pub(crate) fn key_list(list: &[ApiKeyInfo], created: Option<(&str, &str)>) -> Ma
                 }
             } }
         }
+    }
+}
+
+/// The team's snapshots, each with a form that starts a sandbox from it.
+pub(crate) fn snapshots(csrf: &str, list: &[SnapshotInfo]) -> Markup {
+    page(
+        "Snapshots",
+        Some((csrf, Nav::Snapshots)),
+        html! {},
+        html! {
+            h1 { "Snapshots" }
+            @if list.is_empty() {
+                p.muted #no-snapshots { "No snapshots yet: a running sandbox's page has a Snapshot button." }
+            } @else {
+                div.scroll { table #snapshot-table {
+                    thead { tr { th { "Snapshot" } th { "Of sandbox" } th.wide { "Taken" } th { "" } } }
+                    tbody {
+                        @for s in list {
+                            tr data-snapshot=(s.template_id) {
+                                td { span.mono { (s.snapshot_id) } }
+                                td { a.mono href=(format!("/dashboard/sandboxes/{}", s.sandbox_id)) { (s.sandbox_id) } }
+                                td.wide { (when(s.created_at)) " (" (ago(s.created_at)) " ago)" }
+                                td { div.row {
+                                    form hx-post="/dashboard/sandboxes" {
+                                        input type="hidden" name="template" value=(s.template_id);
+                                        button.start-from type="submit" hx-disabled-elt="this" { "Start a sandbox" }
+                                    }
+                                    button.danger.delete-snapshot hx-post=(format!("/dashboard/snapshots/{}/delete", s.template_id)) { "Delete" }
+                                } }
+                            }
+                        }
+                    }
+                } }
+            }
+        },
+    )
+}
+
+/// The team's concurrent sandboxes and start rate over the last `days`, and its limits.
+pub(crate) fn usage(csrf: &str, team: &Team, days: i64, points: &[TeamMetricPoint]) -> Markup {
+    let peak = points.iter().map(|p| p.concurrent_sandboxes).max().unwrap_or(0);
+    let peak_rate = points
+        .iter()
+        .map(|p| p.sandbox_start_rate)
+        .fold(0.0_f64, f64::max);
+    page(
+        "Usage",
+        Some((csrf, Nav::Usage)),
+        html! {},
+        html! {
+            h1 { "Usage" }
+            h2 { "Limits" }
+            div.scroll { table #limits { tbody {
+                tr { th { "Sandboxes at once" } td { (team.max_concurrent_sandboxes) } }
+                tr { th { "Longest sandbox timeout" } td { (team.max_sandbox_timeout_secs) " s" } }
+                tr { th { "API requests a minute" } td { (or_unlimited(team.requests_per_minute, "")) } }
+                tr { th { "vCPU a sandbox" } td { (or_unlimited(team.max_vcpu, "")) } }
+                tr { th { "Memory a sandbox" } td { (or_unlimited(team.max_memory_mb, " MiB")) } }
+                tr { th { "Disk a sandbox" } td { (or_unlimited(team.max_disk_mb, " MiB")) } }
+            } } }
+            h2 { "Last " (days) " days" }
+            p #usage-peak { "Peak: " (peak) " sandboxes at once, " (format!("{:.2}", peak_rate * 60.0)) " starts a minute." }
+            (series_chart(
+                "concurrent sandboxes",
+                &points.iter().map(|p| f64::from(p.concurrent_sandboxes)).collect::<Vec<_>>(),
+            ))
+            (series_chart(
+                "sandbox starts a second",
+                &points.iter().map(|p| p.sandbox_start_rate).collect::<Vec<_>>(),
+            ))
+            @if let (Some(first), Some(last)) = (points.first(), points.last()) {
+                p.muted { (when(first.at)) " to " (when(last.at)) }
+            }
+        },
+    )
+}
+
+/// One series as a line scaled to its own maximum, drawn on the server.
+fn series_chart(label: &str, values: &[f64]) -> Markup {
+    if values.len() < 2 {
+        return html! { p.muted { "No " (label) " recorded yet." } };
+    }
+    let top = values.iter().copied().fold(0.0_f64, f64::max).max(f64::MIN_POSITIVE);
+    let n = (values.len() - 1) as f64;
+    let points = values
+        .iter()
+        .enumerate()
+        .map(|(i, v)| format!("{:.1},{:.1}", i as f64 * 300.0 / n, 100.0 - v / top * 100.0))
+        .collect::<Vec<_>>()
+        .join(" ");
+    html! {
+        svg.chart viewBox="0 0 300 100" preserveAspectRatio="none" role="img" aria-label=(label) {
+            polyline.cpu points=(points) {}
+        }
+        p.muted { (label) ", up to " (format!("{top:.2}")) }
+    }
+}
+
+/// A team limit where 0 leaves only the server's own.
+fn or_unlimited(limit: u32, unit: &str) -> String {
+    if limit == 0 {
+        "no team limit (the server's own)".to_owned()
+    } else {
+        format!("{limit}{unit}")
     }
 }
