@@ -368,6 +368,11 @@ def test_snapshot_fork_and_usage_pages(sandbar, browser, make_sandbox):
         assert reply.status == 409 and "paused" in reply.text(), (reply.status, reply.text())
         assert reply.headers.get("hx-retarget") == "#errors"
 
+        # The events page lists what happened to them, the newest first.
+        page.goto("/dashboard/events")
+        page.wait_for_selector(f"#event-table tr[data-sandbox='{started[-1]}'][data-event='sandbox.lifecycle.created']")
+        _shot(page, "events")
+
         page.goto("/dashboard/usage")
         assert page.locator("#limits").is_visible()
         assert "sandboxes at once" in page.locator("#usage-peak").inner_text()

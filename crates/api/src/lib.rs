@@ -11,6 +11,7 @@ mod disk_guard;
 mod dto;
 mod edge;
 mod error;
+mod events;
 mod extract;
 mod keys;
 mod openapi;
@@ -101,6 +102,7 @@ fn rest_routes() -> OpenApiRouter<AppState> {
         .merge(keys::routes())
         .merge(volumes::routes())
         .merge(activity::routes())
+        .merge(events::routes())
 }
 
 /// The OpenAPI document of the REST API, as `GET /openapi.json` serves it.

@@ -34,6 +34,7 @@ use crate::error::ErrorBody;
     modifiers(&SecuritySchemes),
     tags(
         (name = "sandboxes", description = "Sandbox lifecycle, logs and metrics"),
+        (name = "events", description = "Sandbox lifecycle events"),
         (name = "templates", description = "Templates, builds and tags"),
         (name = "volumes", description = "Persistent volumes"),
         (name = "auth", description = "API keys, access tokens and teams"),

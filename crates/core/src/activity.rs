@@ -6,17 +6,18 @@
 //! written once per bucket.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::{Notify, watch};
 
 use crate::builds::LogLevel;
-use crate::model::Team;
+use crate::model::{SandboxEvent, SandboxEventQuery, Team};
 use crate::runtime::{AgentLogChunk, Runtime};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, parse_agent_line};
 use crate::store::Store;
+use crate::store::StoreError;
 use crate::team_metrics::{
     BUCKET_SECS, TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
     fold, max_of, step_for,
@@ -40,6 +41,12 @@ impl Default for ActivityConfig {
         }
     }
 }
+
+/// Lifecycle events that may wait to be written; beyond it one is dropped (and logged)
+/// rather than hold up the sandbox operation that made it.
+const EVENTS_WAITING_MAX: usize = 10_000;
+/// Most events written in one transaction.
+const EVENTS_PER_WRITE: usize = 256;
 
 /// Most bytes of one agent log read per round; the rest waits for the next round.
 pub(crate) const AGENT_LOG_READ_MAX: usize = 256 * 1024;
@@ -70,6 +77,9 @@ pub(crate) struct Activity {
     /// Logs not yet written, by sandbox: a create answers before its log is, and anything
     /// else done with that log has it written at once and waits until it is.
     opening: Arc<Mutex<HashMap<String, PendingOpen>>>,
+    /// Lifecycle events on their way to the store, written in the order they were made by
+    /// one task (started with the first event).
+    events: OnceLock<Option<tokio::sync::mpsc::Sender<SandboxEvent>>>,
 }
 
 #[derive(Clone)]
@@ -96,7 +106,46 @@ impl Activity {
             offsets: Mutex::new(HashMap::new()),
             ingesting: tokio::sync::Mutex::new(()),
             opening: Arc::default(),
+            events: OnceLock::new(),
         }
+    }
+
+    /// Records a lifecycle event. It is written in order by one task, off the path of the
+    /// operation that made it; a reader may see it a few milliseconds later.
+    pub(crate) fn sandbox_event(&self, event: SandboxEvent) {
+        let Some(queue) = self.events.get_or_init(|| self.start_event_writer()) else {
+            return;
+        };
+        if let Err(err) = queue.try_send(event) {
+            tracing::warn!(error = %err, "sandbox event dropped: too many waiting to be written");
+        }
+    }
+
+    fn start_event_writer(&self) -> Option<tokio::sync::mpsc::Sender<SandboxEvent>> {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!("sandbox events are not recorded: no async runtime");
+            return None;
+        };
+        let (queue, mut waiting) = tokio::sync::mpsc::channel(EVENTS_WAITING_MAX);
+        let store = Arc::clone(&self.store);
+        runtime.spawn(async move {
+            let mut batch = Vec::with_capacity(EVENTS_PER_WRITE);
+            while waiting.recv_many(&mut batch, EVENTS_PER_WRITE).await > 0 {
+                if let Err(err) = store.sandbox_events.add_sandbox_events(&batch).await {
+                    tracing::warn!(events = batch.len(), error = %err, "cannot store sandbox events");
+                }
+                batch.clear();
+            }
+        });
+        Some(queue)
+    }
+
+    /// A page of a team's lifecycle events.
+    pub(crate) async fn sandbox_events(
+        &self,
+        query: &SandboxEventQuery,
+    ) -> Result<Vec<SandboxEvent>, StoreError> {
+        self.store.sandbox_events.sandbox_events(query).await
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<(String, i64), Counter>> {
@@ -369,6 +418,11 @@ impl Activity {
     pub(crate) async fn prune(&self) {
         let cutoff =
             Utc::now() - TimeDelta::from_std(self.config.retention).unwrap_or(TimeDelta::MAX / 2);
+        match self.store.sandbox_events.prune_sandbox_events(cutoff).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(events = n, "pruned old sandbox events"),
+            Err(err) => tracing::warn!(error = %err, "cannot prune sandbox events"),
+        }
         match self.store.sandbox_logs.prune_sandbox_logs(cutoff).await {
             Ok(0) => {}
             Ok(n) => tracing::info!(sandboxes = n, "pruned old sandbox logs"),

@@ -112,7 +112,9 @@ impl From<SnapshotError> for PageError {
                 source: RuntimeError::Uncheckpointable { .. },
                 ..
             } => Self::new(StatusCode::CONFLICT, e.to_string()),
-            SnapshotError::NoCheckpoints(_) => Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string()),
+            SnapshotError::NoCheckpoints(_) => {
+                Self::new(StatusCode::NOT_IMPLEMENTED, e.to_string())
+            }
             SnapshotError::Sandbox(s) => s.into(),
             SnapshotError::Cap(c) => c.into(),
             other => Self::logged("snapshot", &other),

@@ -84,6 +84,7 @@ impl Dashboard {
             .route("/snapshots", get(pages::snapshots))
             .route("/snapshots/{template}/delete", post(pages::delete_snapshot))
             .route("/usage", get(pages::usage))
+            .route("/events", get(pages::events))
             .route("/sandboxes/{id}/files", get(files::list))
             .route("/sandboxes/{id}/files/download", get(files::download))
             .route(

@@ -411,7 +411,10 @@ pub(crate) async fn fork(
     match forks.into_iter().next() {
         Some(ForkResult::Started(fork)) => Ok(go_to(&format!("/dashboard/sandboxes/{}", fork.id))),
         Some(ForkResult::Failed(e)) => Err(e.into()),
-        None => Err(PageError::logged("fork", &format!("sandbox {id}: no fork was attempted"))),
+        None => Err(PageError::logged(
+            "fork",
+            &format!("sandbox {id}: no fork was attempted"),
+        )),
     }
 }
 
@@ -447,6 +450,23 @@ pub(crate) async fn delete_snapshot(
         .delete_template(&signed.team, &template)
         .await?;
     Ok(go_to("/dashboard/snapshots"))
+}
+
+/// Events shown on the events page.
+const EVENTS_SHOWN: u32 = 100;
+
+/// `GET /events`: the team's latest sandbox lifecycle events, newest first.
+pub(crate) async fn events(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let events = state
+        .inner
+        .sandboxes
+        .activity()
+        .events(&signed.team, None, &[], 0, EVENTS_SHOWN, false)
+        .await;
+    match events {
+        Ok(events) => views::events(&signed.csrf, &events).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Events, PageError::logged("events", &e)),
+    }
 }
 
 /// How far back the usage page looks.

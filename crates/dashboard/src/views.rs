@@ -6,8 +6,8 @@ use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 use sandbar_core::sandboxes::SnapshotInfo;
 use sandbar_core::{
-    ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxLogEntry, Team, Template,
-    TeamMetricPoint,
+    ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxEvent, SandboxLogEntry,
+    Team, TeamMetricPoint, Template,
 };
 
 /// htmx without inline styles or evaluated code, so the CSP needs neither.
@@ -29,6 +29,7 @@ pub(crate) enum Nav {
     Sandboxes,
     Templates,
     Snapshots,
+    Events,
     Usage,
     Keys,
 }
@@ -65,6 +66,7 @@ pub(crate) fn page(
                             a href="/dashboard/sandboxes" aria-current=[(nav == Nav::Sandboxes).then_some("page")] { "Sandboxes" }
                             a href="/dashboard/templates" aria-current=[(nav == Nav::Templates).then_some("page")] { "Templates" }
                             a href="/dashboard/snapshots" aria-current=[(nav == Nav::Snapshots).then_some("page")] { "Snapshots" }
+                            a href="/dashboard/events" aria-current=[(nav == Nav::Events).then_some("page")] { "Events" }
                             a href="/dashboard/usage" aria-current=[(nav == Nav::Usage).then_some("page")] { "Usage" }
                             a href="/dashboard/keys" aria-current=[(nav == Nav::Keys).then_some("page")] { "API keys" }
                         }
@@ -550,7 +552,11 @@ pub(crate) fn snapshots(csrf: &str, list: &[SnapshotInfo]) -> Markup {
 
 /// The team's concurrent sandboxes and start rate over the last `days`, and its limits.
 pub(crate) fn usage(csrf: &str, team: &Team, days: i64, points: &[TeamMetricPoint]) -> Markup {
-    let peak = points.iter().map(|p| p.concurrent_sandboxes).max().unwrap_or(0);
+    let peak = points
+        .iter()
+        .map(|p| p.concurrent_sandboxes)
+        .max()
+        .unwrap_or(0);
     let peak_rate = points
         .iter()
         .map(|p| p.sandbox_start_rate)
@@ -592,7 +598,11 @@ fn series_chart(label: &str, values: &[f64]) -> Markup {
     if values.len() < 2 {
         return html! { p.muted { "No " (label) " recorded yet." } };
     }
-    let top = values.iter().copied().fold(0.0_f64, f64::max).max(f64::MIN_POSITIVE);
+    let top = values
+        .iter()
+        .copied()
+        .fold(0.0_f64, f64::max)
+        .max(f64::MIN_POSITIVE);
     let n = (values.len() - 1) as f64;
     let points = values
         .iter()
@@ -615,4 +625,34 @@ fn or_unlimited(limit: u32, unit: &str) -> String {
     } else {
         format!("{limit}{unit}")
     }
+}
+
+/// The team's latest lifecycle events, newest first.
+pub(crate) fn events(csrf: &str, events: &[SandboxEvent]) -> Markup {
+    page(
+        "Events",
+        Some((csrf, Nav::Events)),
+        html! {},
+        html! {
+            h1 { "Events" }
+            p.muted { "The latest " (events.len()) ", also at " span.mono { "GET /events/sandboxes" } "." }
+            @if events.is_empty() {
+                p.muted #no-events { "No sandbox events yet." }
+            } @else {
+                div.scroll { table #event-table {
+                    thead { tr { th { "When" } th { "Event" } th { "Sandbox" } th.wide { "Template" } } }
+                    tbody {
+                        @for e in events {
+                            tr data-event=(e.event_type.as_str()) data-sandbox=(e.sandbox_id) {
+                                td { (when(e.timestamp)) }
+                                td { (e.event_type.as_str().trim_start_matches("sandbox.lifecycle.")) }
+                                td { a.mono href=(format!("/dashboard/sandboxes/{}", e.sandbox_id)) { (e.sandbox_id) } }
+                                td.wide.mono { (e.sandbox_template_id) }
+                            }
+                        }
+                    }
+                } }
+            }
+        },
+    )
 }

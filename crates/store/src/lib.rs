@@ -84,6 +84,7 @@ mod nodes;
 mod postgres;
 mod request_counts;
 mod rows;
+mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
@@ -95,6 +96,7 @@ use builds::SqliteBuilds;
 use layer_blobs::SqliteLayerBlobs;
 use nodes::SqliteNodes;
 use request_counts::SqliteRequestCounts;
+use sandbox_events::SqliteSandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::SqliteSandboxes;
 use team_metrics::SqliteTeamMetrics;
@@ -160,6 +162,7 @@ impl SqliteStore {
             sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
             volumes: Arc::new(SqliteVolumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
+            sandbox_events: Arc::new(SqliteSandboxEvents { db: db.clone() }),
             team_metrics: Arc::new(SqliteTeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
             layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),

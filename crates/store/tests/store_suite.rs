@@ -13,9 +13,9 @@ use sandbar_core::auth::{Auth, AuthError, TeamLimits};
 use sandbar_core::store::{StoredApiKey, StoredSecret};
 use sandbar_core::{
     BuildLogEntry, BuildRecord, BuildStatus, EgressConfig, LayerBlob, LogLevel, NetworkConfig,
-    NodeRecord, NodeReport, RuntimeHandle, Sandbox, SandboxLogEntry, SandboxLogQuery, SandboxState,
-    SandboxStatus, SlotClaim, Store, StoreError, Team, TeamCaps, TeamMetricBucket, Template,
-    Volume, VolumeMount,
+    NodeRecord, NodeReport, RuntimeHandle, Sandbox, SandboxEvent, SandboxEventQuery,
+    SandboxEventType, SandboxLogEntry, SandboxLogQuery, SandboxState, SandboxStatus, SlotClaim,
+    Store, StoreError, Team, TeamCaps, TeamMetricBucket, Template, Volume, VolumeMount,
 };
 use sandbar_store::{PgStore, SqliteStore};
 use sqlx::Connection;
@@ -55,6 +55,7 @@ suite!(
     sandbox_logs_keep_the_newest_lines_and_search_case_sensitively,
     concurrent_log_appends_number_every_line_once,
     team_metrics_merge_buckets,
+    sandbox_events_page_filter_and_prune,
     volumes_and_mounts,
     teams_members_and_limits,
     team_caps_round_trip_and_old_teams_get_the_defaults,
@@ -1194,6 +1195,102 @@ async fn team_metrics_merge_buckets(f: Fixture) {
             .await
             .expect("read"),
         vec![bucket("a", 10, 3, 5)]
+    );
+}
+
+async fn sandbox_events_page_filter_and_prune(f: Fixture) {
+    let store = f.store;
+    let start = micros(Utc::now() - TimeDelta::hours(2));
+    let mut a = sandbox("ievents0a", "team-a", start);
+    a.metadata.insert("k".into(), "v".into());
+    let b = sandbox("ievents0b", "team-a", start);
+    let other = sandbox("ievents0c", "team-b", start);
+    let at = |minutes: i64| start + TimeDelta::minutes(minutes);
+    let written = [
+        SandboxEvent::of(SandboxEventType::Created, &a, at(0)),
+        SandboxEvent::of(SandboxEventType::Created, &b, at(1)),
+        SandboxEvent::of(SandboxEventType::Created, &other, at(2)),
+        SandboxEvent::of(SandboxEventType::Paused, &a, at(3)),
+        SandboxEvent::of(SandboxEventType::Killed, &a, at(90)),
+    ];
+    store
+        .sandbox_events
+        .add_sandbox_events(&written[..2])
+        .await
+        .expect("add");
+    store
+        .sandbox_events
+        .add_sandbox_events(&written[2..])
+        .await
+        .expect("add more");
+    let read =
+        |sandbox_id: Option<&str>, types: Vec<SandboxEventType>, offset, limit, ascending| {
+            let query = SandboxEventQuery {
+                team_id: "team-a".into(),
+                sandbox_id: sandbox_id.map(str::to_owned),
+                types,
+                offset,
+                limit,
+                ascending,
+            };
+            let store = Arc::clone(&store);
+            async move {
+                store
+                    .sandbox_events
+                    .sandbox_events(&query)
+                    .await
+                    .expect("read")
+            }
+        };
+    // Read back whole, in the order added, and only the team's.
+    assert_eq!(
+        read(None, vec![], 0, 100, true).await,
+        vec![
+            written[0].clone(),
+            written[1].clone(),
+            written[3].clone(),
+            written[4].clone()
+        ]
+    );
+    assert_eq!(
+        read(Some("ievents0a"), vec![], 0, 100, false).await,
+        vec![written[4].clone(), written[3].clone(), written[0].clone()]
+    );
+    assert_eq!(
+        read(None, vec![], 1, 2, false).await,
+        vec![written[3].clone(), written[1].clone()]
+    );
+    assert_eq!(
+        read(
+            None,
+            vec![SandboxEventType::Paused, SandboxEventType::Killed],
+            0,
+            100,
+            true
+        )
+        .await,
+        vec![written[3].clone(), written[4].clone()]
+    );
+    assert_eq!(
+        written[4]
+            .event_data
+            .execution
+            .as_ref()
+            .map(|e| e.execution_time),
+        Some(90 * 60 * 1000)
+    );
+    // Pruned by when they happened.
+    assert_eq!(
+        store
+            .sandbox_events
+            .prune_sandbox_events(at(60))
+            .await
+            .expect("prune"),
+        4
+    );
+    assert_eq!(
+        read(None, vec![], 0, 100, true).await,
+        vec![written[4].clone()]
     );
 }
 

@@ -5,6 +5,7 @@
 pub mod builds;
 pub mod layer_blobs;
 pub mod nodes;
+pub mod sandbox_events;
 pub mod sandbox_logs;
 pub mod sandboxes;
 pub mod team_metrics;
@@ -15,6 +16,10 @@ pub mod volumes;
 pub use builds::{BuildFailure, BuildLogEntry, BuildRecord, LogLevel};
 pub use layer_blobs::LayerBlob;
 pub use nodes::{BuildSlotUse, NodeRecord, NodeReport, SlotClaim};
+pub use sandbox_events::{
+    SANDBOX_EVENT_VERSION, SandboxEvent, SandboxEventData, SandboxEventQuery, SandboxEventType,
+    SandboxExecution,
+};
 pub use sandbox_logs::{SandboxLogEntry, SandboxLogQuery};
 pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;

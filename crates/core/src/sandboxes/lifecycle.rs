@@ -11,6 +11,7 @@ use super::shared::Shared;
 use super::{Claim, SandboxError, TRANSITION_PATIENCE, UpdateNetworkError, seconds};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
+use crate::model::SandboxEventType;
 use crate::model::{BuildStatus, Sandbox, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig};
 use crate::runtime::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
@@ -49,6 +50,8 @@ impl Lifecycle {
                 &[("endAt", end_at.to_rfc3339())],
             )
             .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Updated, &sandbox);
         Ok(())
     }
 
@@ -74,6 +77,8 @@ impl Lifecycle {
                     &[("endAt", wanted.to_rfc3339())],
                 )
                 .await;
+            self.shared
+                .lifecycle_event(SandboxEventType::Updated, &sandbox);
         }
         Ok(sandbox)
     }
@@ -190,7 +195,7 @@ impl Lifecycle {
         };
         let network = NetworkConfig {
             egress,
-            ..sandbox.network
+            ..sandbox.network.clone()
         };
         let rules = network.validate(allow_internet_access)?;
         self.shared
@@ -210,6 +215,8 @@ impl Lifecycle {
             .activity
             .event(id, LogLevel::Info, "sandbox network updated", &[])
             .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Updated, &sandbox);
         tracing::info!(sandbox_id = %id, "sandbox network updated");
         Ok(())
     }
@@ -472,6 +479,8 @@ impl Lifecycle {
                 &[("by", by.to_owned()), ("endAt", end_at.to_rfc3339())],
             )
             .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Resumed, &sandbox);
         tracing::info!(sandbox_id = %id, "sandbox resumed");
         Ok(sandbox)
     }

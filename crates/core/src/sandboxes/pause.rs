@@ -9,6 +9,7 @@ use super::lifecycle::Lifecycle;
 use super::{CHECKPOINT_ATTEMPTS, SandboxError, TransitionError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
+use crate::model::SandboxEventType;
 use crate::model::{Sandbox, Team};
 use crate::runtime::RuntimeError;
 
@@ -78,6 +79,8 @@ impl Lifecycle {
             .activity
             .event(id, LogLevel::Info, "sandbox paused", &[])
             .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Paused, sandbox);
         tracing::info!(sandbox_id = %id, "sandbox paused");
         Ok(())
     }
@@ -125,6 +128,8 @@ impl Lifecycle {
                 &[("memory", "false".to_owned())],
             )
             .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Paused, sandbox);
         tracing::info!(sandbox_id = %id, "sandbox paused without memory");
         Ok(())
     }
@@ -243,6 +248,9 @@ impl Lifecycle {
                         "sandbox checkpointed to disk",
                         &[("ms", ms.to_string())],
                     )
+                    .await;
+                self.shared
+                    .lifecycle_event_of(SandboxEventType::Checkpointed, id)
                     .await;
                 tracing::info!(sandbox_id = %id, ms, "sandbox checkpointed to disk");
             }

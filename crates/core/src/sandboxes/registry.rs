@@ -13,6 +13,7 @@ use crate::agent_links::AgentLinks;
 use crate::builds::LogLevel;
 use crate::ids;
 use crate::lifecycle::SandboxStatus;
+use crate::model::SandboxEventType;
 use crate::model::{Sandbox, SandboxState, Team, Template, TemplateImage};
 use crate::network::EgressRules;
 use crate::runtime::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
@@ -270,6 +271,8 @@ impl SandboxRegistry {
                 &[("startupMs", startup_ms.to_string())],
             ),
         ];
+        self.shared
+            .lifecycle_event(SandboxEventType::Created, sandbox);
         self.shared.activity.open_soon(
             &sandbox.id,
             &sandbox.team_id,

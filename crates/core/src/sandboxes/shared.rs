@@ -22,7 +22,7 @@ use crate::caps::TeamGate;
 use crate::cluster::NodeDirectory;
 use crate::disks::DiskReport;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{LayerBlob, Sandbox, SlotClaim, Team};
+use crate::model::{LayerBlob, Sandbox, SandboxEvent, SandboxEventType, SlotClaim, Team};
 use crate::runtime::{Runtime, RuntimeHandle};
 use crate::store::{Store, StoreError};
 use crate::templates::Templates;
@@ -410,6 +410,23 @@ impl Shared {
         }
     }
 
+    /// Records lifecycle event `event_type` of `sandbox`, as it is now.
+    pub(super) fn lifecycle_event(&self, event_type: SandboxEventType, sandbox: &Sandbox) {
+        self.activity
+            .sandbox_event(SandboxEvent::of(event_type, sandbox, Utc::now()));
+    }
+
+    /// The same for a sandbox known by ID, whose record is read from the store.
+    pub(super) async fn lifecycle_event_of(&self, event_type: SandboxEventType, id: &str) {
+        match self.store.sandboxes.sandbox(id).await {
+            Ok(Some(sandbox)) => self.lifecycle_event(event_type, &sandbox),
+            Ok(None) => {}
+            Err(err) => {
+                tracing::warn!(sandbox_id = %id, error = %err, "sandbox event not recorded: cannot read the sandbox");
+            }
+        }
+    }
+
     /// Destroys a sandbox claimed for stopping (`previous`: the status it had, if managed
     /// here) and ends its log with `event`.
     pub(super) async fn finish_stop(
@@ -427,6 +444,8 @@ impl Shared {
         self.activity
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
+        // Read for its `killed` event while it is still recorded.
+        let ending = self.store.sandboxes.sandbox(id).await.ok().flatten();
         if let Err(err) = self.runtime.destroy(id, handle).await {
             if let Some(previous) = previous {
                 self.set_status(id, previous, None);
@@ -440,6 +459,9 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
         deleted?;
+        if let Some(ending) = &ending {
+            self.lifecycle_event(SandboxEventType::Killed, ending);
+        }
         self.activity.close(id, level, event).await;
         tracing::info!(sandbox_id = %id, "sandbox stopped");
         Ok(())

@@ -8,6 +8,7 @@ mod builds;
 mod layer_blobs;
 mod nodes;
 mod request_counts;
+mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
@@ -19,6 +20,7 @@ pub use builds::BuildRecords;
 pub use layer_blobs::LayerBlobRecords;
 pub use nodes::NodeRecords;
 pub use request_counts::RequestCountRecords;
+pub use sandbox_events::SandboxEventRecords;
 pub use sandbox_logs::SandboxLogRecords;
 pub use sandboxes::SandboxRecords;
 pub use team_metrics::TeamMetricRecords;
@@ -50,6 +52,7 @@ pub struct Store {
     pub sandboxes: Arc<dyn SandboxRecords>,
     pub volumes: Arc<dyn VolumeRecords>,
     pub sandbox_logs: Arc<dyn SandboxLogRecords>,
+    pub sandbox_events: Arc<dyn SandboxEventRecords>,
     pub team_metrics: Arc<dyn TeamMetricRecords>,
     pub nodes: Arc<dyn NodeRecords>,
     pub layer_blobs: Arc<dyn LayerBlobRecords>,

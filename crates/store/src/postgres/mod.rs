@@ -19,6 +19,7 @@ mod builds;
 mod layer_blobs;
 mod nodes;
 mod request_counts;
+mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
@@ -30,6 +31,7 @@ use builds::PgBuilds;
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
+use sandbox_events::PgSandboxEvents;
 use sandbox_logs::PgSandboxLogs;
 use sandboxes::PgSandboxes;
 use team_metrics::PgTeamMetrics;
@@ -131,6 +133,7 @@ impl PgStore {
             sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
             volumes: Arc::new(PgVolumes { pool: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
+            sandbox_events: Arc::new(PgSandboxEvents { pool: pool.clone() }),
             team_metrics: Arc::new(PgTeamMetrics { pool: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
             layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
