@@ -164,6 +164,8 @@ def sandbar():
             "--volume-requests-per-minute", str(VOLUME_REQUESTS_PER_MINUTE),
             # The rotation test writes three times this through process starts.
             "--agent-log-rotate-mb", str(AGENT_LOG_ROTATE_MB),
+            # The webhook receiver runs on 127.0.0.1, and its retries are waited for.
+            "--webhook-allow-private", "--webhook-retry-secs", "1",
             *registry_ports().allow_args(),
         ],
     )

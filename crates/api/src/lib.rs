@@ -22,6 +22,8 @@ mod telemetry;
 mod templates;
 mod traffic;
 mod volumes;
+mod webhook_transport;
+mod webhooks;
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 pub use edge::EdgeConfig;
+pub use webhook_transport::HttpWebhookTransport;
 
 /// Everything handlers need, cheap to clone.
 #[derive(Clone, Debug)]
@@ -103,6 +106,7 @@ fn rest_routes() -> OpenApiRouter<AppState> {
         .merge(volumes::routes())
         .merge(activity::routes())
         .merge(events::routes())
+        .merge(webhooks::routes())
 }
 
 /// The OpenAPI document of the REST API, as `GET /openapi.json` serves it.

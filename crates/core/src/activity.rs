@@ -22,6 +22,7 @@ use crate::team_metrics::{
     BUCKET_SECS, TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
     fold, max_of, step_for,
 };
+use crate::webhooks::Webhooks;
 
 /// How much of the logs and metrics is kept.
 #[derive(Debug, Clone)]
@@ -80,6 +81,8 @@ pub(crate) struct Activity {
     /// Lifecycle events on their way to the store, written in the order they were made by
     /// one task (started with the first event).
     events: OnceLock<Option<tokio::sync::mpsc::Sender<SandboxEvent>>>,
+    /// Where stored events are delivered, once the server has set it.
+    webhooks: Arc<OnceLock<Webhooks>>,
 }
 
 #[derive(Clone)]
@@ -107,6 +110,19 @@ impl Activity {
             ingesting: tokio::sync::Mutex::new(()),
             opening: Arc::default(),
             events: OnceLock::new(),
+            webhooks: Arc::default(),
+        }
+    }
+
+    pub(crate) fn webhooks(&self) -> Option<&Webhooks> {
+        self.webhooks.get()
+    }
+
+    /// Delivers every event stored from now on to the webhooks of its team; the first
+    /// call wins.
+    pub(crate) fn deliver_to(&self, webhooks: Webhooks) {
+        if self.webhooks.set(webhooks).is_err() {
+            tracing::warn!("sandbox events already go to webhooks");
         }
     }
 
@@ -128,11 +144,21 @@ impl Activity {
         };
         let (queue, mut waiting) = tokio::sync::mpsc::channel(EVENTS_WAITING_MAX);
         let store = Arc::clone(&self.store);
+        let webhooks = Arc::clone(&self.webhooks);
         runtime.spawn(async move {
             let mut batch = Vec::with_capacity(EVENTS_PER_WRITE);
             while waiting.recv_many(&mut batch, EVENTS_PER_WRITE).await > 0 {
-                if let Err(err) = store.sandbox_events.add_sandbox_events(&batch).await {
-                    tracing::warn!(events = batch.len(), error = %err, "cannot store sandbox events");
+                match store.sandbox_events.add_sandbox_events(&batch).await {
+                    // Delivered once stored: a receiver never hears of an event the API
+                    // cannot show.
+                    Ok(()) => {
+                        if let Some(webhooks) = webhooks.get() {
+                            webhooks.dispatch(&batch).await;
+                        }
+                    }
+                    Err(err) => {
+                        tracing::warn!(events = batch.len(), error = %err, "cannot store sandbox events");
+                    }
                 }
                 batch.clear();
             }

@@ -30,6 +30,7 @@ pub mod store;
 pub mod team_metrics;
 pub mod templates;
 pub mod volumes;
+pub mod webhooks;
 
 pub use activity::ActivityConfig;
 pub use agent_links::{AgentLease, HangUp};

@@ -513,6 +513,16 @@ impl Sandboxes {
         }
     }
 
+    /// The teams' webhooks, once the server has set them up.
+    pub fn webhooks(&self) -> Option<&crate::webhooks::Webhooks> {
+        self.shared.activity.webhooks()
+    }
+
+    /// Delivers the sandboxes' lifecycle events to their teams' webhooks from now on.
+    pub fn deliver_events_to(&self, webhooks: crate::webhooks::Webhooks) {
+        self.shared.activity.deliver_to(webhooks);
+    }
+
     /// Shares the store with the nodes in `nodes`: a team's limit counts its sandboxes on
     /// every live node, and running sandboxes of lost nodes are not listed. Given once,
     /// while the server is built.

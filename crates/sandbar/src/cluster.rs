@@ -214,15 +214,20 @@ pub async fn api_router(host: ApiHost) -> anyhow::Result<sandbar_api::Routers> {
         },
         templates.build_finished(),
     );
-    let sandboxes = Arc::new(
-        Sandboxes::new(
-            store.clone(),
-            elsewhere,
-            templates.clone(),
-            SandboxesConfig::default(),
-        )
-        .with_cluster(nodes.clone()),
-    );
+    let sandboxes = Sandboxes::new(
+        store.clone(),
+        elsewhere,
+        templates.clone(),
+        SandboxesConfig::default(),
+    )
+    .with_cluster(nodes.clone());
+    // Registered here; the nodes, which record the events, deliver them.
+    sandboxes.deliver_events_to(sandbar_core::webhooks::Webhooks::new(
+        store.clone(),
+        Arc::new(sandbar_api::HttpWebhookTransport::new(false)),
+        sandbar_core::webhooks::WebhookConfig::default(),
+    ));
+    let sandboxes = Arc::new(sandboxes);
     let store_for_limits = store.request_counts.clone();
     let routing = Arc::new(ClusterRouting::new(nodes, store, host.secret));
     Ok(sandbar_api::routers(

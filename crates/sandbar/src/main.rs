@@ -258,6 +258,13 @@ struct ServeArgs {
     /// takes milliseconds) before it is checkpointed to disk and its memory freed.
     #[arg(long, env = "SANDBAR_PAUSE_GRACE_SECS", default_value_t = 10)]
     pause_grace_secs: u64,
+    /// Seconds between the attempts to deliver an event to a webhook that failed (3 retries).
+    #[arg(long, env = "SANDBAR_WEBHOOK_RETRY_SECS", default_value_t = 10)]
+    webhook_retry_secs: u64,
+    /// Let webhooks deliver to loopback and private addresses (a receiver on this host or
+    /// its network); by default only public addresses are reached.
+    #[arg(long, env = "SANDBAR_WEBHOOK_ALLOW_PRIVATE", default_value_t = false)]
+    webhook_allow_private: bool,
     /// Enforce each sandbox's diskSizeMB (inodes included) with a btrfs pool in
     /// `<data-dir>/sandboxes.img`; without it, sandbox disks are unbounded.
     #[arg(long, env = "SANDBAR_DISK_QUOTAS", default_value_t = true, action = clap::ArgAction::Set)]
@@ -872,6 +879,16 @@ async fn start_sandboxes(
         );
         sandboxes = sandboxes.with_cluster(nodes);
     }
+    sandboxes.deliver_events_to(sandbar_core::webhooks::Webhooks::new(
+        store.clone(),
+        Arc::new(sandbar_api::HttpWebhookTransport::new(
+            args.webhook_allow_private,
+        )),
+        sandbar_core::webhooks::WebhookConfig {
+            backoff: std::time::Duration::from_secs(args.webhook_retry_secs),
+            ..Default::default()
+        },
+    ));
     let sandboxes = Arc::new(sandboxes);
     let adopted = sandboxes.recovery().recover().await?;
     if adopted > 0 {

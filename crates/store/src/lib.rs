@@ -91,6 +91,7 @@ mod team_metrics;
 mod teams;
 mod templates;
 mod volumes;
+mod webhooks;
 
 use builds::SqliteBuilds;
 use layer_blobs::SqliteLayerBlobs;
@@ -103,6 +104,7 @@ use team_metrics::SqliteTeamMetrics;
 use teams::SqliteTeams;
 use templates::SqliteTemplates;
 use volumes::SqliteVolumes;
+use webhooks::SqliteWebhooks;
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
@@ -163,6 +165,7 @@ impl SqliteStore {
             volumes: Arc::new(SqliteVolumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
             sandbox_events: Arc::new(SqliteSandboxEvents { db: db.clone() }),
+            webhooks: Arc::new(SqliteWebhooks { db: db.clone() }),
             team_metrics: Arc::new(SqliteTeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
             layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),

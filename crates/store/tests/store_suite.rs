@@ -56,6 +56,7 @@ suite!(
     concurrent_log_appends_number_every_line_once,
     team_metrics_merge_buckets,
     sandbox_events_page_filter_and_prune,
+    webhooks_are_capped_per_team_and_keep_their_newest_deliveries,
     volumes_and_mounts,
     teams_members_and_limits,
     team_caps_round_trip_and_old_teams_get_the_defaults,
@@ -1292,6 +1293,89 @@ async fn sandbox_events_page_filter_and_prune(f: Fixture) {
         read(None, vec![], 0, 100, true).await,
         vec![written[4].clone()]
     );
+}
+
+async fn webhooks_are_capped_per_team_and_keep_their_newest_deliveries(f: Fixture) {
+    use sandbar_core::webhooks::{Webhook, WebhookDelivery};
+    let store = f.store;
+    let now = micros(Utc::now());
+    let hook = |id: &str, team: &str| Webhook {
+        id: id.into(),
+        team_id: team.into(),
+        name: format!("hook {id}"),
+        url: "https://receiver.example/hook".into(),
+        enabled: true,
+        events: vec![SandboxEventType::Created, SandboxEventType::Killed],
+        secret: "a-secret-of-enough-bytes".into(),
+        created_at: now,
+    };
+    let hooks = &store.webhooks;
+    assert!(
+        hooks
+            .add_webhook(&hook("w1", "team-a"), 2)
+            .await
+            .expect("add")
+    );
+    assert!(
+        hooks
+            .add_webhook(&hook("w2", "team-a"), 2)
+            .await
+            .expect("add")
+    );
+    assert!(
+        !hooks
+            .add_webhook(&hook("w3", "team-a"), 2)
+            .await
+            .expect("add past the cap")
+    );
+    assert!(
+        hooks
+            .add_webhook(&hook("w4", "team-b"), 2)
+            .await
+            .expect("another team's")
+    );
+    let listed = hooks.webhooks("team-a").await.expect("list");
+    assert_eq!(listed, vec![hook("w1", "team-a"), hook("w2", "team-a")]);
+    assert_eq!(hooks.webhook("team-b", "w1").await.expect("get"), None);
+    let mut changed = hook("w1", "team-a");
+    changed.enabled = false;
+    changed.events = vec![SandboxEventType::Paused];
+    changed.url = "http://elsewhere.example/".into();
+    assert!(hooks.update_webhook(&changed).await.expect("update"));
+    assert_eq!(
+        hooks.webhook("team-a", "w1").await.expect("get"),
+        Some(changed.clone())
+    );
+    let attempt = |n: u32| WebhookDelivery {
+        id: "d1".into(),
+        webhook_id: "w1".into(),
+        event_id: format!("e{n}"),
+        event_type: SandboxEventType::Paused,
+        attempt: n,
+        status_code: (n > 1).then_some(200),
+        error: (n == 1).then(|| "refused".to_owned()),
+        at: now,
+    };
+    for n in 1..=4 {
+        hooks
+            .add_webhook_delivery(&attempt(n), 3)
+            .await
+            .expect("log");
+    }
+    let log = hooks.webhook_deliveries("w1", 10).await.expect("log");
+    assert_eq!(log, vec![attempt(4), attempt(3), attempt(2)]);
+    assert!(
+        !hooks
+            .delete_webhook("team-b", "w1")
+            .await
+            .expect("not theirs")
+    );
+    assert!(hooks.delete_webhook("team-a", "w1").await.expect("delete"));
+    assert_eq!(
+        hooks.webhook_deliveries("w1", 10).await.expect("log"),
+        vec![]
+    );
+    assert!(!hooks.update_webhook(&changed).await.expect("gone"));
 }
 
 async fn volumes_and_mounts(f: Fixture) {

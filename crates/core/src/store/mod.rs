@@ -15,6 +15,7 @@ mod team_metrics;
 mod teams;
 mod templates;
 mod volumes;
+mod webhooks;
 
 pub use builds::BuildRecords;
 pub use layer_blobs::LayerBlobRecords;
@@ -27,6 +28,7 @@ pub use team_metrics::TeamMetricRecords;
 pub use teams::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRecords};
 pub use templates::TemplateRecords;
 pub use volumes::VolumeRecords;
+pub use webhooks::WebhookRecords;
 
 /// Why a store operation failed. Lookups that may find nothing answer `Ok(None)` (or
 /// `false`); `NotFound` is for a record an operation needed and did not find.
@@ -53,6 +55,7 @@ pub struct Store {
     pub volumes: Arc<dyn VolumeRecords>,
     pub sandbox_logs: Arc<dyn SandboxLogRecords>,
     pub sandbox_events: Arc<dyn SandboxEventRecords>,
+    pub webhooks: Arc<dyn WebhookRecords>,
     pub team_metrics: Arc<dyn TeamMetricRecords>,
     pub nodes: Arc<dyn NodeRecords>,
     pub layer_blobs: Arc<dyn LayerBlobRecords>,

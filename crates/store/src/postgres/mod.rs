@@ -26,6 +26,7 @@ mod team_metrics;
 mod teams;
 mod templates;
 mod volumes;
+mod webhooks;
 
 use builds::PgBuilds;
 use layer_blobs::PgLayerBlobs;
@@ -38,6 +39,7 @@ use team_metrics::PgTeamMetrics;
 use teams::PgTeams;
 use templates::PgTemplates;
 use volumes::PgVolumes;
+use webhooks::PgWebhooks;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -134,6 +136,7 @@ impl PgStore {
             volumes: Arc::new(PgVolumes { pool: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
             sandbox_events: Arc::new(PgSandboxEvents { pool: pool.clone() }),
+            webhooks: Arc::new(PgWebhooks { pool: pool.clone() }),
             team_metrics: Arc::new(PgTeamMetrics { pool: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
             layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),

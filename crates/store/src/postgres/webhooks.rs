@@ -1,0 +1,157 @@
+//! Webhooks and their delivery log.
+
+use sandbar_core::StoreError;
+use sandbar_core::store::WebhookRecords;
+use sandbar_core::webhooks::{Webhook, WebhookDelivery};
+use sqlx::PgPool;
+
+use crate::webhooks::{DeliveryRow, WebhookRow, events_json};
+use crate::{err, micros};
+
+/// Webhooks, in PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PgWebhooks {
+    pub(crate) pool: PgPool,
+}
+
+#[async_trait::async_trait]
+impl WebhookRecords for PgWebhooks {
+    async fn add_webhook(
+        &self,
+        webhook: &Webhook,
+        max_per_team: usize,
+    ) -> Result<bool, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        // Two hosts adding a team's webhooks at once count one after the other.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('webhooks:' || $1))")
+            .bind(&webhook.team_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
+        let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM webhooks WHERE team_id = $1")
+            .bind(&webhook.team_id)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(err)?;
+        if usize::try_from(count).unwrap_or(usize::MAX) >= max_per_team {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO webhooks (id, team_id, name, url, enabled, events, secret, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&webhook.id)
+        .bind(&webhook.team_id)
+        .bind(&webhook.name)
+        .bind(&webhook.url)
+        .bind(webhook.enabled)
+        .bind(events_json(webhook)?)
+        .bind(&webhook.secret)
+        .bind(micros(webhook.created_at))
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        tx.commit().await.map_err(err)?;
+        Ok(true)
+    }
+
+    async fn webhooks(&self, team_id: &str) -> Result<Vec<Webhook>, StoreError> {
+        sqlx::query_as::<_, WebhookRow>("SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks WHERE team_id = $1 ORDER BY created_at, id")
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(WebhookRow::webhook)
+        .collect()
+    }
+
+    async fn webhook(&self, team_id: &str, id: &str) -> Result<Option<Webhook>, StoreError> {
+        sqlx::query_as::<_, WebhookRow>("SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks WHERE team_id = $1 AND id = $2")
+        .bind(team_id)
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(err)?
+        .map(WebhookRow::webhook)
+        .transpose()
+    }
+
+    async fn update_webhook(&self, webhook: &Webhook) -> Result<bool, StoreError> {
+        let result = sqlx::query(
+            "UPDATE webhooks SET name = $1, url = $2, enabled = $3, events = $4, secret = $5 \
+             WHERE team_id = $6 AND id = $7",
+        )
+        .bind(&webhook.name)
+        .bind(&webhook.url)
+        .bind(webhook.enabled)
+        .bind(events_json(webhook)?)
+        .bind(&webhook.secret)
+        .bind(&webhook.team_id)
+        .bind(&webhook.id)
+        .execute(&self.pool)
+        .await
+        .map_err(err)?;
+        Ok(result.rows_affected() > 0)
+    }
+
+    async fn delete_webhook(&self, team_id: &str, id: &str) -> Result<bool, StoreError> {
+        let result = sqlx::query("DELETE FROM webhooks WHERE team_id = $1 AND id = $2")
+            .bind(team_id)
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
+        Ok(result.rows_affected() > 0)
+    }
+
+    async fn add_webhook_delivery(
+        &self,
+        delivery: &WebhookDelivery,
+        keep: u32,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(err)?;
+        sqlx::query(
+            "INSERT INTO webhook_deliveries (id, webhook_id, event_id, event_type, attempt, status_code, error, at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&delivery.id)
+        .bind(&delivery.webhook_id)
+        .bind(&delivery.event_id)
+        .bind(delivery.event_type.as_str())
+        .bind(i64::from(delivery.attempt))
+        .bind(delivery.status_code.map(i64::from))
+        .bind(&delivery.error)
+        .bind(micros(delivery.at))
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        sqlx::query(
+            "DELETE FROM webhook_deliveries WHERE webhook_id = $1 AND seq <= \
+             (SELECT seq FROM webhook_deliveries WHERE webhook_id = $2 ORDER BY seq DESC LIMIT 1 OFFSET $3)",
+        )
+        .bind(&delivery.webhook_id)
+        .bind(&delivery.webhook_id)
+        .bind(i64::from(keep))
+        .execute(&mut *tx)
+        .await
+        .map_err(err)?;
+        tx.commit().await.map_err(err)
+    }
+
+    async fn webhook_deliveries(
+        &self,
+        webhook_id: &str,
+        limit: u32,
+    ) -> Result<Vec<WebhookDelivery>, StoreError> {
+        sqlx::query_as::<_, DeliveryRow>("SELECT id, webhook_id, event_id, event_type, attempt, status_code, error, at FROM webhook_deliveries WHERE webhook_id = $1 ORDER BY seq DESC LIMIT $2")
+        .bind(webhook_id)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(err)?
+        .into_iter()
+        .map(DeliveryRow::delivery)
+        .collect()
+    }
+}
