@@ -895,3 +895,18 @@ def require_checkpoints(server: "SandbarServer", what: str = "checkpoint") -> No
     reason = checkpoints_off(server)
     if reason:
         pytest.skip(f"the server cannot {what}: {reason}")
+
+
+def destroy_volume(url: str, api_key: str, volume_id: str, name: str) -> None:
+    """Removes a test's volume whatever the order its fixtures end in: a sandbox still
+    mounting it (its fixture not yet torn down) would make the delete a 409 and leak the
+    volume, so those sandboxes are killed first."""
+    headers = {"X-API-Key": api_key}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as api:
+        for listed in api.get("/v2/sandboxes", params={"limit": 100}).json():
+            sandbox_id = listed.get("sandboxID")
+            detail = api.get(f"/sandboxes/{sandbox_id}")
+            mounts = detail.json().get("volumeMounts") or [] if detail.status_code == 200 else []
+            if any(m.get("name") == name for m in mounts):
+                api.delete(f"/sandboxes/{sandbox_id}")
+        api.delete(f"/volumes/{volume_id}")

@@ -382,3 +382,125 @@ def test_snapshot_fork_and_usage_pages(sandbar, browser, make_sandbox):
         for sandbox_id in started:
             _kill(sandbar, sandbox_id, sandbar.api_key)
         context.close()
+
+
+def test_webhooks_page_registers_shows_deliveries_and_deletes(sandbar, browser, make_sandbox):
+    from test_webhooks import Receiver
+
+    receiver = Receiver()
+    receiver.fail_first = False
+    context, page, errors = _signed_in(browser, sandbar, sandbar.api_key)
+    name = unique("pagehook")
+    try:
+        page.goto("/dashboard/webhooks")
+        page.click("#webhook-create summary")
+        page.fill("#webhook-form input[name=name]", name)
+        page.fill("#webhook-form input[name=url]", receiver.url)
+        page.fill("#webhook-form input[name=secret]", "a-secret-for-the-page")
+        for unticked in ("updated", "paused", "resumed", "checkpointed"):
+            page.uncheck(f"#webhook-form input[name={unticked}]")
+        page.click("#webhook-form button[type=submit]")
+        hook = page.locator(f"section.webhook[data-webhook='{name}']")
+        hook.wait_for()
+        assert "created killed" in hook.inner_text()
+
+        sbx = make_sandbox()
+        sbx.kill()
+        deadline = time.monotonic() + 20
+        while len(receiver.events(sbx.sandbox_id)) < 2:
+            assert time.monotonic() < deadline, receiver.requests
+            time.sleep(0.1)
+        page.reload()
+        delivered = page.locator(f"section.webhook[data-webhook='{name}'] tr.delivery[data-delivered='true']")
+        assert delivered.count() >= 2
+        _shot(page, "webhooks")
+
+        # A refused registration shows the core's reason.
+        page.click("#webhook-create summary")
+        page.fill("#webhook-form input[name=name]", unique("badhook"))
+        page.fill("#webhook-form input[name=url]", "ftp://127.0.0.1/hook")
+        page.fill("#webhook-form input[name=secret]", "a-secret-for-the-page")
+        page.evaluate("document.querySelector('#webhook-form input[name=url]').type = 'text'")
+        page.click("#webhook-form button[type=submit]")
+        page.wait_for_selector("#errors .error")
+        assert "http or https" in page.locator("#errors .error").inner_text()
+
+        hook.locator("button.delete-webhook").click()
+        page.wait_for_selector(f"section.webhook[data-webhook='{name}']", state="detached")
+        assert errors == []
+    finally:
+        for h in httpx.get(f"{sandbar.url}/events/webhooks", headers={"X-API-Key": sandbar.api_key}).json():
+            if h["name"] == name:
+                httpx.delete(f"{sandbar.url}/events/webhooks/{h['id']}", headers={"X-API-Key": sandbar.api_key})
+        receiver.close()
+        context.close()
+
+
+def test_a_template_from_a_pasted_dockerfile_builds_on_its_page(sandbar, browser, tiny1, make_sandbox):
+    context, page, errors = _signed_in(browser, sandbar, sandbar.api_key)
+    name = unique("pasted")
+    try:
+        page.goto("/dashboard/templates")
+        page.click("#template-create summary")
+        page.fill("#dockerfile-form input[name=name]", name)
+        page.fill("#dockerfile-form textarea[name=dockerfile]", f"FROM {tiny1}\nRUN echo from-the-page > /page.txt\n")
+        page.click("#dockerfile-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/dashboard/templates/[a-z0-9]+/builds/[a-z0-9-]+$"), timeout=30_000)
+        _wait_js(page, "['ready', 'error'].includes(document.querySelector('#build-status').textContent)", 180)
+        assert page.locator("#build-status").inner_text() == "ready", page.locator("#build-log").inner_text()
+        _shot(page, "build-from-page")
+        sbx = make_sandbox(template=name)
+        assert sbx.commands.run("cat /page.txt").stdout == "from-the-page\n"
+
+        # A COPY has no context to copy from here: refused with the reason, nothing built.
+        page.goto("/dashboard/templates")
+        page.click("#template-create summary")
+        refused = unique("pasted-copy")
+        page.fill("#dockerfile-form input[name=name]", refused)
+        page.fill("#dockerfile-form textarea[name=dockerfile]", f"FROM {tiny1}\nCOPY app.txt /app/\n")
+        page.click("#dockerfile-form button[type=submit]")
+        page.wait_for_selector("#errors .error")
+        assert "build context" in page.locator("#errors .error").inner_text()
+        listed = httpx.get(f"{sandbar.url}/templates", headers={"X-API-Key": sandbar.api_key}).json()
+        assert refused not in [a for t in listed for a in t.get("aliases", [])]
+        assert errors == []
+    finally:
+        context.close()
+
+
+def test_volumes_page_makes_browses_downloads_and_deletes(sandbar, browser, make_sandbox):
+    context, page, errors = _signed_in(browser, sandbar, sandbar.api_key)
+    name = unique("pagevol")
+    try:
+        page.goto("/dashboard/volumes")
+        page.fill("#volume-form input[name=name]", name)
+        page.click("#volume-form button[type=submit]")
+        row = page.locator(f"#volume-table tr[data-volume='{name}']")
+        row.wait_for()
+
+        # Filled from a sandbox that mounts it, with a hostile file name.
+        sbx = make_sandbox(volume_mounts={"/mnt/vol": name})
+        sbx.commands.run(f"mkdir -p /mnt/vol/dir && printf 'in the volume\\n' > '/mnt/vol/dir/{XSS_FILE}'")
+        sbx.kill()
+
+        row.locator("a").click()
+        page.wait_for_selector("#volume-files tr[data-entry='dir'] a.open-dir")
+        page.click("#volume-files tr[data-entry='dir'] a.open-dir")
+        assert page.locator("#volume-dir").inner_text() == "/dir"
+        file_row = page.locator("#volume-files tr", has_text=XSS_FILE)
+        file_row.wait_for()
+        assert page.evaluate("window.__pwned") is None
+        with page.expect_download() as download:
+            file_row.locator("a.download").click()
+        assert open(download.value.path(), "rb").read() == b"in the volume\n"
+        _shot(page, "volume")
+        # Paths that leave the volume are refused.
+        reply = page.request.get(f"{page.url.split('?')[0]}/download?path=/../../etc/hostname")
+        assert reply.status in (400, 404), reply.status
+
+        page.goto("/dashboard/volumes")
+        page.locator(f"#volume-table tr[data-volume='{name}'] button.delete-volume").click()
+        page.wait_for_selector(f"#volume-table tr[data-volume='{name}']", state="detached")
+        assert errors == []
+    finally:
+        context.close()

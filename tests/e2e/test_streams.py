@@ -33,6 +33,7 @@ from e2b import Sandbox, Volume
 from e2e_util import (
     UPLOAD_TTL_S,
     VOLUME_REQUESTS_PER_MINUTE,
+    destroy_volume,
     rss_kib,
     sandbar_cli,
     sandbox_cgroup_dirs,
@@ -79,7 +80,7 @@ def volume(sandbar, volume_api):
         yield vol
     finally:
         try:
-            Volume.destroy(vol.volume_id)
+            destroy_volume(sandbar.url, sandbar.api_key, vol.volume_id, vol.name)
         except Exception:  # noqa: BLE001 - teardown must not mask the test result
             pass
 

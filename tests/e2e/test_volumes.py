@@ -11,7 +11,7 @@ import pytest
 from e2b import Sandbox, Volume
 from e2b.exceptions import NotFoundException, VolumeException
 
-from e2e_util import DATA_DIR, unique
+from e2e_util import DATA_DIR, destroy_volume, unique
 
 
 @pytest.fixture
@@ -26,15 +26,15 @@ def make_volume(sandbar):
 
     def _make(prefix="vol"):
         vol = Volume.create(unique(prefix))
-        made.append(vol.volume_id)
+        made.append(vol)
         return vol
 
     try:
         yield _make
     finally:
-        for vid in made:
+        for vol in made:
             try:
-                Volume.destroy(vid)
+                destroy_volume(sandbar.url, sandbar.api_key, vol.volume_id, vol.name)
             except Exception:  # noqa: BLE001 - teardown must not mask the test result
                 pass
 

@@ -133,3 +133,85 @@ impl From<TemplateAdminError> for PageError {
         }
     }
 }
+
+impl From<sandbar_core::builds::RequestBuildError> for PageError {
+    fn from(e: sandbar_core::builds::RequestBuildError) -> Self {
+        use sandbar_core::builds::RequestBuildError as E;
+        match e {
+            E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::TemplateNotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Cap(c) => c.into(),
+            E::Store(ref s) => Self::logged("template build", s),
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+impl From<sandbar_core::builds::StartBuildError> for PageError {
+    fn from(e: sandbar_core::builds::StartBuildError) -> Self {
+        use sandbar_core::builds::StartBuildError as E;
+        match e {
+            E::TemplateNotFound(_) | E::BuildNotFound { .. } => {
+                Self::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            E::AlreadyStarted(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Invalid(_) | E::RegistryRefused { .. } => Self::bad_request(e.to_string()),
+            E::Store(ref s) => Self::logged("template build", s),
+        }
+    }
+}
+
+impl From<sandbar_core::CreateVolumeError> for PageError {
+    fn from(e: sandbar_core::CreateVolumeError) -> Self {
+        use sandbar_core::CreateVolumeError as E;
+        match e {
+            E::BadName(_) => Self::bad_request(e.to_string()),
+            E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Cap(c) => c.into(),
+            other => Self::logged("volume create", &other),
+        }
+    }
+}
+
+impl From<sandbar_core::GetVolumeError> for PageError {
+    fn from(e: sandbar_core::GetVolumeError) -> Self {
+        use sandbar_core::GetVolumeError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Store(ref s) => Self::logged("volume", s),
+        }
+    }
+}
+
+impl From<sandbar_core::DeleteVolumeError> for PageError {
+    fn from(e: sandbar_core::DeleteVolumeError) -> Self {
+        use sandbar_core::DeleteVolumeError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::InUse { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
+            E::Store(ref s) => Self::logged("volume delete", s),
+        }
+    }
+}
+
+impl From<sandbar_core::VolumeContentError> for PageError {
+    fn from(e: sandbar_core::VolumeContentError) -> Self {
+        use sandbar_core::VolumeContentError as E;
+        use sandbar_core::VolumeIoError as Io;
+        let status = match &e {
+            E::Io {
+                source: Io::NotFound(_),
+                ..
+            } => StatusCode::NOT_FOUND,
+            E::Io {
+                source: Io::Io { .. },
+                ..
+            }
+            | E::Store(_) => return Self::logged("volume content", &e),
+            E::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            E::Cap(c) => return c.clone().into(),
+            _ => StatusCode::BAD_REQUEST,
+        };
+        Self::new(status, e.to_string())
+    }
+}

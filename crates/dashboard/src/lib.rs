@@ -84,7 +84,16 @@ impl Dashboard {
             .route("/snapshots", get(pages::snapshots))
             .route("/snapshots/{template}/delete", post(pages::delete_snapshot))
             .route("/usage", get(pages::usage))
+            .route("/volumes", get(pages::volumes).post(pages::create_volume))
+            .route("/volumes/{id}", get(pages::volume))
+            .route("/volumes/{id}/download", get(pages::volume_download))
+            .route("/volumes/{id}/delete", post(pages::delete_volume))
             .route("/events", get(pages::events))
+            .route(
+                "/webhooks",
+                get(pages::webhooks).post(pages::create_webhook),
+            )
+            .route("/webhooks/{id}/delete", post(pages::delete_webhook))
             .route("/sandboxes/{id}/files", get(files::list))
             .route("/sandboxes/{id}/files/download", get(files::download))
             .route(
@@ -95,7 +104,10 @@ impl Dashboard {
             )
             .route("/sandboxes/{id}/files/delete", post(files::delete))
             .route("/sandboxes/{id}/terminal", get(terminal::open))
-            .route("/templates", get(pages::templates))
+            .route(
+                "/templates",
+                get(pages::templates).post(pages::create_template),
+            )
             .route("/templates/{template}/builds/{build}", get(pages::build))
             .route(
                 "/templates/{template}/builds/{build}/log",

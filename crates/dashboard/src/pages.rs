@@ -469,6 +469,247 @@ pub(crate) async fn events(State(state): State<Dashboard>, signed: Signed) -> Re
     }
 }
 
+/// Attempts shown under each webhook.
+const DELIVERIES_SHOWN: u32 = 10;
+
+fn webhooks_of(state: &Dashboard) -> Result<&sandbar_core::webhooks::Webhooks, PageError> {
+    state.inner.sandboxes.webhooks().ok_or_else(|| {
+        PageError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "webhooks are not set up on this server",
+        )
+    })
+}
+
+/// `GET /webhooks`: the team's webhooks, each with its latest delivery attempts.
+pub(crate) async fn webhooks(State(state): State<Dashboard>, signed: Signed) -> Response {
+    match webhook_list(&state, &signed).await {
+        Ok(list) => views::webhooks(&signed.csrf, &list).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Webhooks, e),
+    }
+}
+
+async fn webhook_list(
+    state: &Dashboard,
+    signed: &Signed,
+) -> Result<
+    Vec<(
+        sandbar_core::webhooks::Webhook,
+        Vec<sandbar_core::webhooks::WebhookDelivery>,
+    )>,
+    PageError,
+> {
+    let webhooks = webhooks_of(state)?;
+    let mut list = Vec::new();
+    for hook in webhooks.list(&signed.team).await.map_err(webhook_error)? {
+        let log = webhooks
+            .deliveries(&signed.team, &hook.id, DELIVERIES_SHOWN)
+            .await
+            .map_err(webhook_error)?;
+        list.push((hook, log));
+    }
+    Ok(list)
+}
+
+fn webhook_error(e: sandbar_core::webhooks::WebhookError) -> PageError {
+    use sandbar_core::webhooks::WebhookError as E;
+    match e {
+        E::NotFound(_) => PageError::new(StatusCode::NOT_FOUND, e.to_string()),
+        E::Invalid(_) => PageError::bad_request(e.to_string()),
+        E::TooMany { .. } => PageError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+        E::Store(s) => PageError::logged("webhooks", &s),
+    }
+}
+
+/// The registration form: one checkbox per event type.
+#[derive(Debug, Deserialize)]
+pub(crate) struct WebhookForm {
+    name: String,
+    url: String,
+    secret: String,
+    created: Option<String>,
+    updated: Option<String>,
+    paused: Option<String>,
+    resumed: Option<String>,
+    checkpointed: Option<String>,
+    killed: Option<String>,
+}
+
+/// `POST /webhooks`: registers one; the page is shown again.
+pub(crate) async fn create_webhook(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    axum::Form(form): axum::Form<WebhookForm>,
+) -> Result<Response, PageError> {
+    use sandbar_core::SandboxEventType as T;
+    let events = [
+        (T::Created, &form.created),
+        (T::Updated, &form.updated),
+        (T::Paused, &form.paused),
+        (T::Resumed, &form.resumed),
+        (T::Checkpointed, &form.checkpointed),
+        (T::Killed, &form.killed),
+    ]
+    .into_iter()
+    .filter(|(_, ticked)| ticked.is_some())
+    .map(|(t, _)| t)
+    .collect();
+    let change = sandbar_core::webhooks::WebhookChange {
+        name: Some(form.name.trim().to_owned()),
+        url: Some(form.url.trim().to_owned()),
+        enabled: Some(true),
+        events: Some(events),
+        secret: Some(form.secret),
+    };
+    webhooks_of(&state)?
+        .create(&signed.team, change)
+        .await
+        .map_err(webhook_error)?;
+    Ok(go_to("/dashboard/webhooks"))
+}
+
+/// `POST /webhooks/{id}/delete`.
+pub(crate) async fn delete_webhook(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    webhooks_of(&state)?
+        .delete(&signed.team, &id)
+        .await
+        .map_err(webhook_error)?;
+    Ok(go_to("/dashboard/webhooks"))
+}
+
+fn volumes_of(state: &Dashboard) -> Result<&std::sync::Arc<sandbar_core::Volumes>, PageError> {
+    state.inner.sandboxes.volumes().ok_or_else(|| {
+        PageError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "volumes are not offered by this server",
+        )
+    })
+}
+
+/// `GET /volumes`: the team's volumes.
+pub(crate) async fn volumes(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let listed = match volumes_of(&state) {
+        Ok(volumes) => volumes
+            .list(&signed.team)
+            .await
+            .map_err(|e| PageError::logged("volumes", &e)),
+        Err(e) => Err(e),
+    };
+    match listed {
+        Ok(list) => views::volumes(&signed.csrf, &list).into_response(),
+        Err(e) => full_page_error(&signed, Nav::Volumes, e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct VolumeForm {
+    name: String,
+}
+
+/// `POST /volumes`: a new volume, then the list.
+pub(crate) async fn create_volume(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    axum::Form(form): axum::Form<VolumeForm>,
+) -> Result<Response, PageError> {
+    volumes_of(&state)?
+        .create(&signed.team, form.name.trim())
+        .await?;
+    Ok(go_to("/dashboard/volumes"))
+}
+
+/// `POST /volumes/{id}/delete`: refused while a sandbox mounts it.
+pub(crate) async fn delete_volume(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    Path(id): Path<String>,
+) -> Result<Response, PageError> {
+    volumes_of(&state)?.delete(&signed.team, &id).await?;
+    Ok(go_to("/dashboard/volumes"))
+}
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct VolumePathQuery {
+    #[serde(default)]
+    path: Option<String>,
+}
+
+/// `GET /volumes/{id}?path=`: a directory of the volume.
+pub(crate) async fn volume(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+    Query(query): Query<VolumePathQuery>,
+) -> Response {
+    let dir = query.path.unwrap_or_else(|| "/".to_owned());
+    let listed = async {
+        let volumes = volumes_of(&state)?;
+        let volume = volumes.get(&signed.team, &id).await?;
+        let path = sandbar_core::Volumes::parse_path(&volume, &dir)?;
+        let entries = volumes.list_dir(&volume, path, 1).await?;
+        Ok::<_, PageError>((volume, entries))
+    }
+    .await;
+    match listed {
+        Ok((volume, mut entries)) => {
+            entries.sort_by(|a, b| a.name.cmp(&b.name));
+            views::volume(&signed.csrf, &volume, &dir, &entries).into_response()
+        }
+        Err(e) => full_page_error(&signed, Nav::Volumes, e),
+    }
+}
+
+/// Bytes read from a volume file per chunk of a download.
+const DOWNLOAD_CHUNK: usize = 64 * 1024;
+
+/// `GET /volumes/{id}/download?path=`: one file, streamed as it is read.
+pub(crate) async fn volume_download(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+    Query(query): Query<VolumePathQuery>,
+) -> Result<Response, PageError> {
+    let raw = query
+        .path
+        .ok_or_else(|| PageError::bad_request("path is required"))?;
+    let volumes = volumes_of(&state)?;
+    let volume = volumes.get(&signed.team, &id).await?;
+    let path = sandbar_core::Volumes::parse_path(&volume, &raw)?;
+    let name = raw.rsplit('/').next().unwrap_or("download").to_owned();
+    let file = volumes.read(&volume, path).await?;
+    let chunks = futures_util::stream::unfold(file.reader, |mut reader| async move {
+        use tokio::io::AsyncReadExt;
+        let mut chunk = vec![0u8; DOWNLOAD_CHUNK];
+        match reader.read(&mut chunk).await {
+            Ok(0) => None,
+            Ok(n) => {
+                chunk.truncate(n);
+                Some((Ok::<_, std::io::Error>(bytes::Bytes::from(chunk)), reader))
+            }
+            Err(e) => Some((Err(e), reader)),
+        }
+    });
+    let mut response = axum::body::Body::from_stream(chunks).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    if let Ok(length) = HeaderValue::from_str(&file.size.to_string()) {
+        headers.insert(header::CONTENT_LENGTH, length);
+    }
+    // The name is the tenant's: sent only percent-encoded, never as raw header text.
+    let encoded = percent_encoding::utf8_percent_encode(&name, percent_encoding::NON_ALPHANUMERIC);
+    if let Ok(value) = HeaderValue::from_str(&format!("attachment; filename*=UTF-8''{encoded}")) {
+        headers.insert(header::CONTENT_DISPOSITION, value);
+    }
+    Ok(response)
+}
+
 /// How far back the usage page looks.
 const USAGE_DAYS: i64 = 7;
 
@@ -514,6 +755,53 @@ pub(crate) async fn templates(State(state): State<Dashboard>, signed: Signed) ->
         with_builds.push((t, builds));
     }
     views::templates(&signed.csrf, &with_builds).into_response()
+}
+
+/// The Dockerfile form of the templates page.
+#[derive(Debug, Deserialize)]
+pub(crate) struct DockerfileForm {
+    name: String,
+    dockerfile: String,
+}
+
+/// `POST /templates`: a new template from a pasted Dockerfile (no build context: a `COPY`
+/// is refused with the reason), built at once; its build's page opens.
+pub(crate) async fn create_template(
+    State(state): State<Dashboard>,
+    Mutating(signed): Mutating,
+    axum::Form(form): axum::Form<DockerfileForm>,
+) -> Result<Response, PageError> {
+    let name = form.name.trim();
+    let builds = &state.inner.builds;
+    let requested = builds
+        .request_dockerfile(
+            &signed.team,
+            None,
+            sandbar_core::builds::DockerfileRequest {
+                dockerfile: form.dockerfile.replace('\r', ""),
+                alias: (!name.is_empty()).then(|| name.to_owned()),
+                start_cmd: None,
+                ready_cmd: None,
+                cpu_count: None,
+                memory_mb: None,
+            },
+        )
+        .await?;
+    let template_id = &requested.template.id;
+    let started = builds
+        .start_dockerfile(&signed.team, template_id, &requested.build_id)
+        .await;
+    if let Err(refused) = started {
+        // Nothing to build it from: the template registered a moment ago goes too.
+        if let Err(err) = builds.delete_template(&signed.team, template_id).await {
+            tracing::warn!(template_id = %template_id, error = %err, "cannot remove a template whose build was refused");
+        }
+        return Err(refused.into());
+    }
+    Ok(go_to(&format!(
+        "/dashboard/templates/{template_id}/builds/{}",
+        requested.build_id
+    )))
 }
 
 async fn build_and_log(

@@ -29,7 +29,9 @@ pub(crate) enum Nav {
     Sandboxes,
     Templates,
     Snapshots,
+    Volumes,
     Events,
+    Webhooks,
     Usage,
     Keys,
 }
@@ -66,7 +68,9 @@ pub(crate) fn page(
                             a href="/dashboard/sandboxes" aria-current=[(nav == Nav::Sandboxes).then_some("page")] { "Sandboxes" }
                             a href="/dashboard/templates" aria-current=[(nav == Nav::Templates).then_some("page")] { "Templates" }
                             a href="/dashboard/snapshots" aria-current=[(nav == Nav::Snapshots).then_some("page")] { "Snapshots" }
+                            a href="/dashboard/volumes" aria-current=[(nav == Nav::Volumes).then_some("page")] { "Volumes" }
                             a href="/dashboard/events" aria-current=[(nav == Nav::Events).then_some("page")] { "Events" }
+                            a href="/dashboard/webhooks" aria-current=[(nav == Nav::Webhooks).then_some("page")] { "Webhooks" }
                             a href="/dashboard/usage" aria-current=[(nav == Nav::Usage).then_some("page")] { "Usage" }
                             a href="/dashboard/keys" aria-current=[(nav == Nav::Keys).then_some("page")] { "API keys" }
                         }
@@ -420,6 +424,16 @@ pub(crate) fn templates(csrf: &str, list: &[(Template, Vec<BuildRecord>)]) -> Ma
         html! {},
         html! {
             h1 { "Templates" }
+            details #template-create {
+                summary { "New template from a Dockerfile" }
+                form #dockerfile-form hx-post="/dashboard/templates" {
+                    label { "Name" input name="name" required placeholder="my-template"; }
+                    label { "Dockerfile (no build context: COPY needs the SDK or CLI)"
+                        textarea name="dockerfile" rows="8" required spellcheck="false" { "FROM \nRUN " }
+                    }
+                    button type="submit" hx-disabled-elt="this" { "Build" }
+                }
+            }
             div.scroll { table #template-table {
                 thead { tr { th { "Template" } th { "Status" } th { "Resources" } th.wide { "Updated" } th { "Builds" } } }
                 tbody {
@@ -648,6 +662,157 @@ pub(crate) fn events(csrf: &str, events: &[SandboxEvent]) -> Markup {
                                 td { (e.event_type.as_str().trim_start_matches("sandbox.lifecycle.")) }
                                 td { a.mono href=(format!("/dashboard/sandboxes/{}", e.sandbox_id)) { (e.sandbox_id) } }
                                 td.wide.mono { (e.sandbox_template_id) }
+                            }
+                        }
+                    }
+                } }
+            }
+        },
+    )
+}
+
+/// The team's webhooks with a form to register one, each with its latest attempts.
+pub(crate) fn webhooks(
+    csrf: &str,
+    list: &[(
+        sandbar_core::webhooks::Webhook,
+        Vec<sandbar_core::webhooks::WebhookDelivery>,
+    )],
+) -> Markup {
+    page(
+        "Webhooks",
+        Some((csrf, Nav::Webhooks)),
+        html! {},
+        html! {
+            h1 { "Webhooks" }
+            details #webhook-create {
+                summary { "Register a webhook" }
+                form #webhook-form hx-post="/dashboard/webhooks" {
+                    label { "Name" input name="name" required; }
+                    label { "URL" input name="url" type="url" required placeholder="https://…"; }
+                    label { "Signature secret (8 to 256 bytes)" input name="secret" type="password" required minlength="8"; }
+                    fieldset {
+                        legend { "Events" }
+                        @for name in ["created", "updated", "paused", "resumed", "checkpointed", "killed"] {
+                            label.inline { input type="checkbox" name=(name) checked; " " (name) }
+                        }
+                    }
+                    button type="submit" { "Register" }
+                }
+            }
+            @if list.is_empty() {
+                p.muted #no-webhooks { "No webhooks yet." }
+            }
+            @for (hook, log) in list {
+                section.webhook data-webhook=(hook.name) {
+                    h2 { (hook.name) " " span.muted { (if hook.enabled { "enabled" } else { "disabled" }) } }
+                    p.mono { (hook.url) }
+                    p.muted { @for e in &hook.events { (e.as_str().trim_start_matches("sandbox.lifecycle.")) " " } }
+                    button.danger.delete-webhook hx-post=(format!("/dashboard/webhooks/{}/delete", hook.id)) { "Delete" }
+                    @if log.is_empty() {
+                        p.muted { "Nothing delivered yet." }
+                    } @else {
+                        div.scroll { table.deliveries {
+                            thead { tr { th { "When" } th { "Event" } th { "Attempt" } th { "Answer" } } }
+                            tbody {
+                                @for d in log {
+                                    tr.delivery data-delivered=(d.delivered()) {
+                                        td { (when(d.at)) }
+                                        td { (d.event_type.as_str().trim_start_matches("sandbox.lifecycle.")) }
+                                        td { (d.attempt) }
+                                        td {
+                                            @if let Some(code) = d.status_code { (code) }
+                                            @if let Some(error) = &d.error { " " (error) }
+                                        }
+                                    }
+                                }
+                            }
+                        } }
+                    }
+                }
+            }
+        },
+    )
+}
+
+/// The team's volumes, with a form to make one.
+pub(crate) fn volumes(csrf: &str, list: &[sandbar_core::Volume]) -> Markup {
+    page(
+        "Volumes",
+        Some((csrf, Nav::Volumes)),
+        html! {},
+        html! {
+            h1 { "Volumes" }
+            form.row #volume-form hx-post="/dashboard/volumes" {
+                label { "Name" input name="name" required; }
+                button type="submit" { "Create volume" }
+            }
+            @if list.is_empty() {
+                p.muted #no-volumes { "No volumes yet." }
+            } @else {
+                div.scroll { table #volume-table {
+                    thead { tr { th { "Name" } th { "ID" } th.wide { "Created" } th {} } }
+                    tbody {
+                        @for v in list {
+                            tr data-volume=(v.name) {
+                                td { a href=(format!("/dashboard/volumes/{}", v.id)) { (v.name) } }
+                                td.mono { (v.id) }
+                                td.wide { (when(v.created_at)) }
+                                td { button.danger.delete-volume hx-post=(format!("/dashboard/volumes/{}/delete", v.id)) { "Delete" } }
+                            }
+                        }
+                    }
+                } }
+            }
+        },
+    )
+}
+
+/// One directory of a volume: subdirectories to open, files to download.
+pub(crate) fn volume(
+    csrf: &str,
+    volume: &sandbar_core::Volume,
+    dir: &str,
+    entries: &[sandbar_core::volumes::EntryStat],
+) -> Markup {
+    let base = format!("/dashboard/volumes/{}", volume.id);
+    let encode = |p: &str| {
+        percent_encoding::utf8_percent_encode(p, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
+    let parent = dir
+        .trim_end_matches('/')
+        .rsplit_once('/')
+        .map(|(p, _)| if p.is_empty() { "/" } else { p });
+    page(
+        &volume.name,
+        Some((csrf, Nav::Volumes)),
+        html! {},
+        html! {
+            h1 { "Volume " (volume.name) }
+            p { "Directory " span.mono #volume-dir { (dir) }
+                @if let Some(parent) = parent { " · " a href=(format!("{base}?path={}", encode(parent))) { "up" } }
+            }
+            @if entries.is_empty() {
+                p.muted #empty-dir { "Empty." }
+            } @else {
+                div.scroll { table #volume-files {
+                    thead { tr { th { "Name" } th { "Size" } th.wide { "Modified" } } }
+                    tbody {
+                        @for e in entries {
+                            tr data-entry=(e.name) {
+                                td {
+                                    @match e.kind {
+                                        sandbar_core::volumes::EntryKind::Directory => {
+                                            a.open-dir href=(format!("{base}?path={}", encode(&e.path))) { (e.name) "/" }
+                                        }
+                                        sandbar_core::volumes::EntryKind::File => {
+                                            a.download href=(format!("{base}/download?path={}", encode(&e.path))) { (e.name) }
+                                        }
+                                        _ => { (e.name) }
+                                    }
+                                }
+                                td { (e.size) }
+                                td.wide { (when(e.mtime)) }
                             }
                         }
                     }
