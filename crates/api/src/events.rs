@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use axum::Json;
 use axum::extract::State;
-use sandbar_core::{SandboxEvent, SandboxEventType};
+use sandbar_core::{SandboxEvent, SandboxEventQuery, SandboxEventType};
 use serde::Serialize;
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
@@ -20,8 +20,6 @@ use crate::openapi::CommonErrors;
 /// Events returned when `limit` is not given, and the most one page holds.
 const DEFAULT_EVENT_LIMIT: i64 = 10;
 const MAX_EVENT_LIMIT: i64 = 100;
-/// Most `types` one query may name: each is one of a handful of names.
-const MAX_EVENT_TYPES: usize = 16;
 
 /// A change in a sandbox's life.
 #[derive(Debug, Serialize, ToSchema)]
@@ -91,76 +89,56 @@ impl From<&SandboxEvent> for SandboxEventView {
     }
 }
 
-/// What both event reads take: `offset`, `limit`, `orderAsc` and any number of `types`.
-struct EventPage {
-    types: Vec<SandboxEventType>,
-    offset: u32,
-    limit: u32,
-    ascending: bool,
-}
-
-impl EventPage {
-    fn of(query: &QueryPairs) -> Result<Self, ApiError> {
-        let offset = query
-            .int_in("offset", 0..=i64::from(i32::MAX))?
-            .unwrap_or(0);
-        let limit = query
-            .int_in("limit", 1..=MAX_EVENT_LIMIT)?
-            .unwrap_or(DEFAULT_EVENT_LIMIT);
-        let ascending = match query.get("orderAsc") {
-            None | Some("false") => false,
-            Some("true") => true,
-            Some(other) => {
-                return Err(ApiError::bad_request(format!(
-                    "query parameter orderAsc must be true or false, got '{other}'"
-                )));
-            }
-        };
-        let mut types = Vec::new();
-        for (_, name) in query.0.iter().filter(|(k, _)| k == "types") {
-            let parsed = SandboxEventType::parse(name).ok_or_else(|| {
-                ApiError::bad_request(format!(
-                    "unknown event type '{name}': use one of {}",
-                    SandboxEventType::ALL
-                        .map(SandboxEventType::as_str)
-                        .join(", ")
-                ))
-            })?;
-            if !types.contains(&parsed) {
-                types.push(parsed);
-            }
-            if types.len() > MAX_EVENT_TYPES {
-                return Err(ApiError::bad_request("too many event types"));
-            }
+/// The query both event reads take: `offset`, `limit`, `orderAsc` and any number of
+/// `types`.
+fn event_query(
+    query: &QueryPairs,
+    sandbox_id: Option<String>,
+) -> Result<SandboxEventQuery, ApiError> {
+    let offset = query
+        .int_in("offset", 0..=i64::from(i32::MAX))?
+        .unwrap_or(0);
+    let limit = query
+        .int_in("limit", 1..=MAX_EVENT_LIMIT)?
+        .unwrap_or(DEFAULT_EVENT_LIMIT);
+    let ascending = match query.get("orderAsc") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "query parameter orderAsc must be true or false, got '{other}'"
+            )));
         }
-        Ok(Self {
-            types,
-            offset: u32::try_from(offset).unwrap_or(u32::MAX),
-            limit: u32::try_from(limit).unwrap_or(1),
-            ascending,
-        })
+    };
+    let mut types = Vec::new();
+    for (_, name) in query.0.iter().filter(|(k, _)| k == "types") {
+        let parsed = SandboxEventType::parse(name).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "unknown event type '{name}': use one of {}",
+                SandboxEventType::ALL
+                    .map(SandboxEventType::as_str)
+                    .join(", ")
+            ))
+        })?;
+        if !types.contains(&parsed) {
+            types.push(parsed);
+        }
     }
+    Ok(SandboxEventQuery {
+        sandbox_id,
+        types,
+        offset: u32::try_from(offset).unwrap_or(u32::MAX),
+        limit: u32::try_from(limit).unwrap_or(1),
+        ascending,
+    })
 }
 
 async fn read_events(
     state: &AppState,
     team: &sandbar_core::Team,
-    sandbox_id: Option<&str>,
-    query: &QueryPairs,
+    query: SandboxEventQuery,
 ) -> Result<Json<Vec<SandboxEventView>>, ApiError> {
-    let page = EventPage::of(query)?;
-    let events = state
-        .sandboxes
-        .activity()
-        .events(
-            team,
-            sandbox_id,
-            &page.types,
-            page.offset,
-            page.limit,
-            page.ascending,
-        )
-        .await?;
+    let events = state.sandboxes.activity().events(team, &query).await?;
     Ok(Json(events.iter().map(SandboxEventView::from).collect()))
 }
 
@@ -188,7 +166,7 @@ pub(crate) async fn team_events(
     TeamAuth(team): TeamAuth,
     query: QueryPairs,
 ) -> Result<Json<Vec<SandboxEventView>>, ApiError> {
-    read_events(&state, &team, None, &query).await
+    read_events(&state, &team, event_query(&query, None)?).await
 }
 
 /// `GET /events/sandboxes/{sandboxID}`: one sandbox's lifecycle events, also after it ended.
@@ -217,7 +195,7 @@ pub(crate) async fn sandbox_events(
     PathParam(sandbox_id): PathParam<String>,
     query: QueryPairs,
 ) -> Result<Json<Vec<SandboxEventView>>, ApiError> {
-    read_events(&state, &team, Some(&sandbox_id), &query).await
+    read_events(&state, &team, event_query(&query, Some(sandbox_id))?).await
 }
 
 pub(crate) fn routes() -> OpenApiRouter<AppState> {

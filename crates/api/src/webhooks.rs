@@ -64,18 +64,6 @@ pub(crate) struct WebhookBody {
 
 impl WebhookBody {
     fn change(self) -> Result<WebhookChange, ApiError> {
-        if let Some(url) = &self.url {
-            let parsed = url::Url::parse(url)
-                .map_err(|e| ApiError::bad_request(format!("invalid url '{url}': {e}")))?;
-            if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
-                return Err(ApiError::bad_request(format!(
-                    "url must be an http or https URL with a host, got '{url}'"
-                )));
-            }
-            if !parsed.username().is_empty() || parsed.password().is_some() {
-                return Err(ApiError::bad_request("url must not carry credentials"));
-            }
-        }
         let events = self
             .events
             .map(|names| {

@@ -13,11 +13,10 @@ use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::{Notify, watch};
 
 use crate::builds::LogLevel;
-use crate::model::{SandboxEvent, SandboxEventQuery, Team};
+use crate::model::{SandboxEvent, Team};
 use crate::runtime::{AgentLogChunk, Runtime};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, parse_agent_line};
 use crate::store::Store;
-use crate::store::StoreError;
 use crate::team_metrics::{
     BUCKET_SECS, TeamMetric, TeamMetricBucket, TeamMetricMax, TeamMetricPoint, TeamMetricsError,
     fold, max_of, step_for,
@@ -164,14 +163,6 @@ impl Activity {
             }
         });
         Some(queue)
-    }
-
-    /// A page of a team's lifecycle events.
-    pub(crate) async fn sandbox_events(
-        &self,
-        query: &SandboxEventQuery,
-    ) -> Result<Vec<SandboxEvent>, StoreError> {
-        self.store.sandbox_events.sandbox_events(query).await
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<(String, i64), Counter>> {

@@ -153,15 +153,23 @@ fn check_name(name: &str) -> Result<(), WebhookError> {
 
 /// The URL's form only; where it leads is the transport's to check at each attempt.
 fn check_url(url: &str) -> Result<(), WebhookError> {
-    let lower = url.to_ascii_lowercase();
-    if url.len() > MAX_URL_LEN
-        || !(lower.starts_with("http://") || lower.starts_with("https://"))
-        || url.chars().any(|c| c.is_whitespace() || c.is_control())
-    {
+    let shown: String = url.chars().take(100).collect();
+    if url.len() > MAX_URL_LEN {
         return Err(WebhookError::Invalid(format!(
-            "url must be an http or https URL of at most {MAX_URL_LEN} characters, got '{}'",
-            url.chars().take(100).collect::<String>()
+            "url must be at most {MAX_URL_LEN} characters, got '{shown}…'"
         )));
+    }
+    let parsed = url::Url::parse(url)
+        .map_err(|e| WebhookError::Invalid(format!("invalid url '{shown}': {e}")))?;
+    if !matches!(parsed.scheme(), "http" | "https") || parsed.host_str().is_none() {
+        return Err(WebhookError::Invalid(format!(
+            "url must be an http or https URL with a host, got '{shown}'"
+        )));
+    }
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(WebhookError::Invalid(
+            "url must not carry credentials".into(),
+        ));
     }
     Ok(())
 }
@@ -490,6 +498,12 @@ mod tests {
             Err(WebhookError::Invalid(_))
         ));
         assert!(check_url("https://receiver.example/hook").is_ok());
+        assert!(
+            matches!(check_url("not a url"), Err(WebhookError::Invalid(m)) if m.contains("invalid url"))
+        );
+        assert!(
+            matches!(check_url("http://u:p@receiver.example/"), Err(WebhookError::Invalid(m)) if m.contains("credentials"))
+        );
         assert!(
             matches!(check_secret("short"), Err(WebhookError::Invalid(m)) if m.contains("signatureSecret"))
         );

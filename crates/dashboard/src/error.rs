@@ -215,3 +215,15 @@ impl From<sandbar_core::VolumeContentError> for PageError {
         Self::new(status, e.to_string())
     }
 }
+
+impl From<sandbar_core::webhooks::WebhookError> for PageError {
+    fn from(e: sandbar_core::webhooks::WebhookError) -> Self {
+        use sandbar_core::webhooks::WebhookError as E;
+        match e {
+            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+            E::Invalid(_) => Self::bad_request(e.to_string()),
+            E::TooMany { .. } => Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
+            E::Store(ref s) => Self::logged("webhooks", s),
+        }
+    }
+}

@@ -9,7 +9,8 @@ use axum::response::{IntoResponse, Redirect, Response};
 use maud::Markup;
 use sandbar_core::sandboxes::{ForkResult, SnapshotQuery};
 use sandbar_core::{
-    BuildStatus, CreateSandbox, ListQuery, NetworkConfig, SandboxLogQuery, SandboxState,
+    BuildStatus, CreateSandbox, ListQuery, NetworkConfig, SandboxEventQuery, SandboxLogQuery,
+    SandboxState,
 };
 use serde::Deserialize;
 
@@ -461,7 +462,13 @@ pub(crate) async fn events(State(state): State<Dashboard>, signed: Signed) -> Re
         .inner
         .sandboxes
         .activity()
-        .events(&signed.team, None, &[], 0, EVENTS_SHOWN, false)
+        .events(
+            &signed.team,
+            &SandboxEventQuery {
+                limit: EVENTS_SHOWN,
+                ..SandboxEventQuery::default()
+            },
+        )
         .await;
     match events {
         Ok(events) => views::events(&signed.csrf, &events).into_response(),
@@ -501,24 +508,13 @@ async fn webhook_list(
 > {
     let webhooks = webhooks_of(state)?;
     let mut list = Vec::new();
-    for hook in webhooks.list(&signed.team).await.map_err(webhook_error)? {
+    for hook in webhooks.list(&signed.team).await? {
         let log = webhooks
             .deliveries(&signed.team, &hook.id, DELIVERIES_SHOWN)
-            .await
-            .map_err(webhook_error)?;
+            .await?;
         list.push((hook, log));
     }
     Ok(list)
-}
-
-fn webhook_error(e: sandbar_core::webhooks::WebhookError) -> PageError {
-    use sandbar_core::webhooks::WebhookError as E;
-    match e {
-        E::NotFound(_) => PageError::new(StatusCode::NOT_FOUND, e.to_string()),
-        E::Invalid(_) => PageError::bad_request(e.to_string()),
-        E::TooMany { .. } => PageError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string()),
-        E::Store(s) => PageError::logged("webhooks", &s),
-    }
 }
 
 /// The registration form: one checkbox per event type.
@@ -561,10 +557,7 @@ pub(crate) async fn create_webhook(
         events: Some(events),
         secret: Some(form.secret),
     };
-    webhooks_of(&state)?
-        .create(&signed.team, change)
-        .await
-        .map_err(webhook_error)?;
+    webhooks_of(&state)?.create(&signed.team, change).await?;
     Ok(go_to("/dashboard/webhooks"))
 }
 
@@ -574,10 +567,7 @@ pub(crate) async fn delete_webhook(
     Mutating(signed): Mutating,
     Path(id): Path<String>,
 ) -> Result<Response, PageError> {
-    webhooks_of(&state)?
-        .delete(&signed.team, &id)
-        .await
-        .map_err(webhook_error)?;
+    webhooks_of(&state)?.delete(&signed.team, &id).await?;
     Ok(go_to("/dashboard/webhooks"))
 }
 
@@ -605,16 +595,11 @@ pub(crate) async fn volumes(State(state): State<Dashboard>, signed: Signed) -> R
     }
 }
 
-#[derive(Debug, Deserialize)]
-pub(crate) struct VolumeForm {
-    name: String,
-}
-
 /// `POST /volumes`: a new volume, then the list.
 pub(crate) async fn create_volume(
     State(state): State<Dashboard>,
     Mutating(signed): Mutating,
-    axum::Form(form): axum::Form<VolumeForm>,
+    axum::Form(form): axum::Form<NameForm>,
 ) -> Result<Response, PageError> {
     volumes_of(&state)?
         .create(&signed.team, form.name.trim())
@@ -848,8 +833,9 @@ pub(crate) async fn keys(State(state): State<Dashboard>, signed: Signed) -> Resp
     }
 }
 
+/// A form that only names what it makes (an API key, a volume).
 #[derive(Debug, Deserialize)]
-pub(crate) struct KeyForm {
+pub(crate) struct NameForm {
     name: String,
 }
 
@@ -857,7 +843,7 @@ pub(crate) struct KeyForm {
 pub(crate) async fn create_key(
     State(state): State<Dashboard>,
     Mutating(signed): Mutating,
-    axum::Form(form): axum::Form<KeyForm>,
+    axum::Form(form): axum::Form<NameForm>,
 ) -> Result<Markup, PageError> {
     let auth = &state.inner.auth;
     let created = auth

@@ -64,6 +64,17 @@ fn time(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or_default()
 }
 
+/// A webhook query: every column of `webhooks` as `WebhookRow` reads them, then `$rest`. A
+/// literal, so the SQL stays static; both dialects use it.
+macro_rules! webhook_query {
+    ($rest:literal) => {
+        concat!(
+            "SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks ",
+            $rest
+        )
+    };
+}
+
 /// A template query: the template (`t`) with its owner's slug, which namespaces its names
 /// (`tm`, joined on the owner), then `$rest`. A literal, so the SQL stays static.
 macro_rules! template_query {

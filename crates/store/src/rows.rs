@@ -13,8 +13,10 @@ use sandbar_core::{
 };
 
 use sandbar_core::auth::TeamLimits;
+use sandbar_core::webhooks::{Webhook, WebhookDelivery};
+use sandbar_core::{SandboxEvent, SandboxEventQuery, SandboxEventType};
 use sqlx::query::Query;
-use sqlx::{Database, Encode, Type};
+use sqlx::{Database, Encode, QueryBuilder, Type};
 
 use crate::{err, time};
 
@@ -708,4 +710,178 @@ impl<T: Stamp> TryFrom<LayerBlobRow<T>> for LayerBlob {
             published_at: r.published_at.utc(),
         })
     }
+}
+
+/// `query` with an event's columns bound as its insert lists them: id, team, sandbox, type,
+/// when (microseconds), and the event as served (JSON), which is what a read gives back.
+pub(crate) fn bind_event<'q, DB>(
+    query: Query<'q, DB, DB::Arguments>,
+    event: &SandboxEvent,
+) -> Result<Query<'q, DB, DB::Arguments>, StoreError>
+where
+    DB: Database,
+    String: for<'t> Encode<'t, DB> + Type<DB>,
+    i64: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let body = serde_json::to_string(event).map_err(err)?;
+    let text = [
+        event.id.clone(),
+        event.sandbox_team_id.clone(),
+        event.sandbox_id.clone(),
+        event.event_type.as_str().to_owned(),
+    ];
+    Ok(bind_all(query, text)
+        .bind(event.timestamp.timestamp_micros())
+        .bind(body))
+}
+
+pub(crate) fn event_of(body: &str) -> Result<SandboxEvent, StoreError> {
+    serde_json::from_str(body).map_err(|e| err(format!("unreadable sandbox event: {e}")))
+}
+
+/// The select of a page of team `team_id`'s events, the same in both dialects: bodies, in
+/// the order the events were added (or its reverse).
+pub(crate) fn events_page<DB>(team_id: &str, query: &SandboxEventQuery) -> QueryBuilder<DB>
+where
+    DB: Database,
+    DB::Arguments: Default,
+    String: for<'t> Encode<'t, DB> + Type<DB>,
+    i64: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let mut sql = QueryBuilder::new("SELECT body FROM sandbox_events WHERE team_id = ");
+    sql.push_bind(team_id.to_owned());
+    if let Some(sandbox_id) = &query.sandbox_id {
+        sql.push(" AND sandbox_id = ").push_bind(sandbox_id.clone());
+    }
+    if !query.types.is_empty() {
+        sql.push(" AND type IN (");
+        let mut types = sql.separated(", ");
+        for t in &query.types {
+            types.push_bind(t.as_str().to_owned());
+        }
+        sql.push(")");
+    }
+    sql.push(if query.ascending {
+        " ORDER BY seq ASC"
+    } else {
+        " ORDER BY seq DESC"
+    })
+    .push(" LIMIT ")
+    .push_bind(i64::from(query.limit))
+    .push(" OFFSET ")
+    .push_bind(i64::from(query.offset));
+    sql
+}
+
+/// A webhook as both databases select it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct WebhookRow {
+    id: String,
+    team_id: String,
+    name: String,
+    url: String,
+    enabled: bool,
+    events: String,
+    secret: String,
+    created_at: i64,
+}
+
+fn event_type_of(name: &str, what: &str, id: &str) -> Result<SandboxEventType, StoreError> {
+    SandboxEventType::parse(name)
+        .ok_or_else(|| err(format!("{what} {id}: unknown event type '{name}'")))
+}
+
+impl WebhookRow {
+    pub(crate) fn webhook(self) -> Result<Webhook, StoreError> {
+        let names: Vec<String> = serde_json::from_str(&self.events).map_err(err)?;
+        let events = names
+            .iter()
+            .map(|n| event_type_of(n, "webhook", &self.id))
+            .collect::<Result<_, _>>()?;
+        Ok(Webhook {
+            id: self.id,
+            team_id: self.team_id,
+            name: self.name,
+            url: self.url,
+            enabled: self.enabled,
+            events,
+            secret: self.secret,
+            created_at: time(self.created_at),
+        })
+    }
+}
+
+/// `query` with what a team may change of a webhook bound in the order both its insert and
+/// its update list them: name, url, enabled, events (a JSON array of names), secret.
+pub(crate) fn bind_webhook_settings<'q, DB>(
+    query: Query<'q, DB, DB::Arguments>,
+    webhook: &Webhook,
+) -> Result<Query<'q, DB, DB::Arguments>, StoreError>
+where
+    DB: Database,
+    String: for<'t> Encode<'t, DB> + Type<DB>,
+    bool: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let names: Vec<&str> = webhook.events.iter().map(|e| e.as_str()).collect();
+    let events = serde_json::to_string(&names).map_err(err)?;
+    Ok(query
+        .bind(webhook.name.clone())
+        .bind(webhook.url.clone())
+        .bind(webhook.enabled)
+        .bind(events)
+        .bind(webhook.secret.clone()))
+}
+
+/// An attempt as both databases select it.
+#[derive(sqlx::FromRow)]
+pub(crate) struct DeliveryRow {
+    id: String,
+    webhook_id: String,
+    event_id: String,
+    event_type: String,
+    attempt: i64,
+    status_code: Option<i64>,
+    error: Option<String>,
+    at: i64,
+}
+
+impl DeliveryRow {
+    pub(crate) fn delivery(self) -> Result<WebhookDelivery, StoreError> {
+        Ok(WebhookDelivery {
+            event_type: event_type_of(&self.event_type, "delivery", &self.id)?,
+            id: self.id,
+            webhook_id: self.webhook_id,
+            event_id: self.event_id,
+            attempt: u32::try_from(self.attempt).unwrap_or(u32::MAX),
+            status_code: self.status_code.and_then(|c| u16::try_from(c).ok()),
+            error: self.error,
+            at: time(self.at),
+        })
+    }
+}
+
+/// `query` with an attempt's columns bound as its insert lists them: id, webhook, event,
+/// type, attempt, status, error, when (microseconds).
+pub(crate) fn bind_delivery<'q, DB>(
+    query: Query<'q, DB, DB::Arguments>,
+    delivery: &WebhookDelivery,
+) -> Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    String: for<'t> Encode<'t, DB> + Type<DB>,
+    i64: for<'t> Encode<'t, DB> + Type<DB>,
+    Option<i64>: for<'t> Encode<'t, DB> + Type<DB>,
+    Option<String>: for<'t> Encode<'t, DB> + Type<DB>,
+{
+    let text = [
+        delivery.id.clone(),
+        delivery.webhook_id.clone(),
+        delivery.event_id.clone(),
+        delivery.event_type.as_str().to_owned(),
+    ];
+    bind_all(query, text)
+        .bind(i64::from(delivery.attempt))
+        .bind(delivery.status_code.map(i64::from))
+        .bind(delivery.error.clone())
+        .bind(delivery.at.timestamp_micros())
 }

@@ -3,9 +3,10 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxEventRecords;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, StoreError};
+use sqlx::Sqlite;
 
-use crate::SqliteDb;
-use crate::err;
+use crate::rows::{bind_event, event_of, events_page};
+use crate::{SqliteDb, err, micros};
 
 /// Sandbox lifecycle events, in SQLite.
 #[derive(Debug, Clone)]
@@ -13,40 +14,17 @@ pub struct SqliteSandboxEvents {
     pub(crate) db: SqliteDb,
 }
 
-/// The stored form of an event: its columns, then its body as served.
-pub(crate) fn event_columns(event: &SandboxEvent) -> Result<(i64, String), StoreError> {
-    let body = serde_json::to_string(event).map_err(err)?;
-    Ok((event.timestamp.timestamp_micros(), body))
-}
-
-pub(crate) fn event_of(body: &str) -> Result<SandboxEvent, StoreError> {
-    serde_json::from_str(body).map_err(|e| err(format!("unreadable sandbox event: {e}")))
-}
-
-/// How a page of events is ordered: by when each was added.
-pub(crate) fn order_of(query: &SandboxEventQuery) -> &'static str {
-    if query.ascending {
-        " ORDER BY seq ASC"
-    } else {
-        " ORDER BY seq DESC"
-    }
-}
-
 #[async_trait::async_trait]
 impl SandboxEventRecords for SqliteSandboxEvents {
     async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError> {
         let mut tx = self.db.writes.begin().await.map_err(err)?;
         for event in events {
-            let (at, body) = event_columns(event)?;
-            sqlx::query(
-                "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES (?, ?, ?, ?, ?, ?)",
-            )
-            .bind(&event.id)
-            .bind(&event.sandbox_team_id)
-            .bind(&event.sandbox_id)
-            .bind(event.event_type.as_str())
-            .bind(at)
-            .bind(body)
+            bind_event(
+                sqlx::query(
+                    "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES (?, ?, ?, ?, ?, ?)",
+                ),
+                event,
+            )?
             .execute(&mut *tx)
             .await
             .map_err(err)?;
@@ -56,26 +34,10 @@ impl SandboxEventRecords for SqliteSandboxEvents {
 
     async fn sandbox_events(
         &self,
+        team_id: &str,
         query: &SandboxEventQuery,
     ) -> Result<Vec<SandboxEvent>, StoreError> {
-        let mut sql = sqlx::QueryBuilder::new("SELECT body FROM sandbox_events WHERE team_id = ");
-        sql.push_bind(&query.team_id);
-        if let Some(sandbox_id) = &query.sandbox_id {
-            sql.push(" AND sandbox_id = ").push_bind(sandbox_id);
-        }
-        if !query.types.is_empty() {
-            sql.push(" AND type IN (");
-            let mut types = sql.separated(", ");
-            for t in &query.types {
-                types.push_bind(t.as_str());
-            }
-            sql.push(")");
-        }
-        sql.push(order_of(query))
-            .push(" LIMIT ")
-            .push_bind(i64::from(query.limit))
-            .push(" OFFSET ")
-            .push_bind(i64::from(query.offset));
+        let mut sql = events_page::<Sqlite>(team_id, query);
         let bodies: Vec<(String,)> = sql
             .build_query_as()
             .fetch_all(&self.db.reads)
@@ -86,7 +48,7 @@ impl SandboxEventRecords for SqliteSandboxEvents {
 
     async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM sandbox_events WHERE at < ?")
-            .bind(before.timestamp_micros())
+            .bind(micros(before))
             .execute(&self.db.writes)
             .await
             .map_err(err)?;

@@ -1227,7 +1227,6 @@ async fn sandbox_events_page_filter_and_prune(f: Fixture) {
     let read =
         |sandbox_id: Option<&str>, types: Vec<SandboxEventType>, offset, limit, ascending| {
             let query = SandboxEventQuery {
-                team_id: "team-a".into(),
                 sandbox_id: sandbox_id.map(str::to_owned),
                 types,
                 offset,
@@ -1238,7 +1237,7 @@ async fn sandbox_events_page_filter_and_prune(f: Fixture) {
             async move {
                 store
                     .sandbox_events
-                    .sandbox_events(&query)
+                    .sandbox_events("team-a", &query)
                     .await
                     .expect("read")
             }

@@ -131,9 +131,8 @@ impl SandboxEvent {
 }
 
 /// Which of a team's events to read.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SandboxEventQuery {
-    pub team_id: String,
     /// Only this sandbox's.
     pub sandbox_id: Option<String>,
     /// Only these types; empty for all.

@@ -9,7 +9,7 @@ use super::shared::Shared;
 use super::{METRICS_KEPT, MetricPoint, SandboxError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
-use crate::model::{SandboxEvent, SandboxEventQuery, SandboxEventType, Team};
+use crate::model::{SandboxEvent, SandboxEventQuery, Team};
 use crate::runtime::RuntimeHandle;
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
 use crate::store::StoreError;
@@ -36,26 +36,18 @@ impl SandboxActivity {
         self.shared.activity.logs(team, id, query).await
     }
 
-    /// A page of `team`'s lifecycle events (of one sandbox, when given), also of sandboxes
-    /// that ended, for the retention period. Another team's sandbox has none.
+    /// A page of `team`'s lifecycle events, also of sandboxes that ended, for the retention
+    /// period. Another team's sandbox has none.
     pub async fn events(
         &self,
         team: &Team,
-        sandbox_id: Option<&str>,
-        types: &[SandboxEventType],
-        offset: u32,
-        limit: u32,
-        ascending: bool,
+        query: &SandboxEventQuery,
     ) -> Result<Vec<SandboxEvent>, StoreError> {
-        let query = SandboxEventQuery {
-            team_id: team.id.clone(),
-            sandbox_id: sandbox_id.map(str::to_owned),
-            types: types.to_vec(),
-            offset,
-            limit,
-            ascending,
-        };
-        self.shared.activity.sandbox_events(&query).await
+        self.shared
+            .store
+            .sandbox_events
+            .sandbox_events(&team.id, query)
+            .await
     }
 
     /// `team_id`'s activity from `start` to `end` (Unix seconds); only `team`'s own.

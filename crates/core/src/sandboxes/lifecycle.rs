@@ -147,6 +147,7 @@ impl Lifecycle {
                             id,
                             Some(previous),
                             &handle,
+                            Some(&sandbox),
                             LogLevel::Info,
                             "sandbox killed",
                         )
@@ -158,7 +159,14 @@ impl Lifecycle {
                     let sandbox = self.shared.get(team, id).await?;
                     return self
                         .shared
-                        .finish_stop(id, None, &sandbox.handle, LogLevel::Info, "sandbox killed")
+                        .finish_stop(
+                            id,
+                            None,
+                            &sandbox.handle,
+                            Some(&sandbox),
+                            LogLevel::Info,
+                            "sandbox killed",
+                        )
                         .await;
                 }
                 Claim::Stopping | Claim::Declined => {

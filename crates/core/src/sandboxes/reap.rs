@@ -217,7 +217,7 @@ impl Reaper {
             };
             match self
                 .shared
-                .finish_stop(&id, Some(previous), &handle, level, why)
+                .finish_stop(&id, Some(previous), &handle, None, level, why)
                 .await
             {
                 Ok(()) => tracing::info!(sandbox_id = %id, "{why}: stopped"),

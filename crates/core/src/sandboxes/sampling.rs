@@ -66,16 +66,10 @@ impl SamplingThread {
         let job: Job = Box::new(move || {
             let _ = answer.send(read());
         });
-        // The thread runs until the last sender is dropped, so a send fails only if the
-        // thread is gone some other way: then the job runs on the blocking pool.
-        let sent = jobs.send(job).map_err(|mpsc::SendError(job)| job);
-        match sent {
-            Ok(()) => answered.await.ok(),
-            Err(job) => {
-                let _ = tokio::task::spawn_blocking(job).await;
-                answered.await.ok()
-            }
-        }
+        // The thread outlives every panic of a job and runs until the last sender is
+        // dropped, so the send cannot fail while `self` holds the sender.
+        jobs.send(job).ok()?;
+        answered.await.ok()
     }
 }
 

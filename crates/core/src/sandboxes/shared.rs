@@ -428,12 +428,14 @@ impl Shared {
     }
 
     /// Destroys a sandbox claimed for stopping (`previous`: the status it had, if managed
-    /// here) and ends its log with `event`.
+    /// here) and ends its log with `event`. `record` is the sandbox's record when the caller
+    /// read it already (its `killed` event is made from it); else it is read here.
     pub(super) async fn finish_stop(
         &self,
         id: &str,
         previous: Option<SandboxStatus>,
         handle: &RuntimeHandle,
+        record: Option<&Sandbox>,
         level: LogLevel,
         event: &str,
     ) -> Result<(), SandboxError> {
@@ -445,7 +447,11 @@ impl Shared {
             .ingest_agent_log(self.runtime.as_ref(), id)
             .await;
         // Read for its `killed` event while it is still recorded.
-        let ending = self.store.sandboxes.sandbox(id).await.ok().flatten();
+        let read = match record {
+            Some(_) => None,
+            None => self.store.sandboxes.sandbox(id).await.ok().flatten(),
+        };
+        let ending = record.or(read.as_ref());
         if let Err(err) = self.runtime.destroy(id, handle).await {
             if let Some(previous) = previous {
                 self.set_status(id, previous, None);
@@ -459,7 +465,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(id);
         deleted?;
-        if let Some(ending) = &ending {
+        if let Some(ending) = ending {
             self.lifecycle_event(SandboxEventType::Killed, ending);
         }
         self.activity.close(id, level, event).await;

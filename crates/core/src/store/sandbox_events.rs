@@ -9,9 +9,10 @@ use crate::model::{SandboxEvent, SandboxEventQuery};
 pub trait SandboxEventRecords: Send + Sync {
     /// Appends `events`, kept in the order given.
     async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError>;
-    /// A page of a team's events, in the order they were added (or its reverse).
+    /// A page of team `team_id`'s events, in the order they were added (or its reverse).
     async fn sandbox_events(
         &self,
+        team_id: &str,
         query: &SandboxEventQuery,
     ) -> Result<Vec<SandboxEvent>, StoreError>;
     /// Removes events older than `before`; returns how many.

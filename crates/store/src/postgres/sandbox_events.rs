@@ -3,10 +3,10 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxEventRecords;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, StoreError};
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres};
 
-use crate::err;
-use crate::sandbox_events::{event_columns, event_of, order_of};
+use crate::rows::{bind_event, event_of, events_page};
+use crate::{err, micros};
 
 /// Sandbox lifecycle events, in PostgreSQL.
 #[derive(Debug, Clone)]
@@ -19,16 +19,12 @@ impl SandboxEventRecords for PgSandboxEvents {
     async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
         for event in events {
-            let (at, body) = event_columns(event)?;
-            sqlx::query(
-                "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&event.id)
-            .bind(&event.sandbox_team_id)
-            .bind(&event.sandbox_id)
-            .bind(event.event_type.as_str())
-            .bind(at)
-            .bind(body)
+            bind_event(
+                sqlx::query(
+                    "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES ($1, $2, $3, $4, $5, $6)",
+                ),
+                event,
+            )?
             .execute(&mut *tx)
             .await
             .map_err(err)?;
@@ -38,22 +34,10 @@ impl SandboxEventRecords for PgSandboxEvents {
 
     async fn sandbox_events(
         &self,
+        team_id: &str,
         query: &SandboxEventQuery,
     ) -> Result<Vec<SandboxEvent>, StoreError> {
-        let mut sql = sqlx::QueryBuilder::new("SELECT body FROM sandbox_events WHERE team_id = ");
-        sql.push_bind(&query.team_id);
-        if let Some(sandbox_id) = &query.sandbox_id {
-            sql.push(" AND sandbox_id = ").push_bind(sandbox_id);
-        }
-        if !query.types.is_empty() {
-            let types: Vec<&str> = query.types.iter().map(|t| t.as_str()).collect();
-            sql.push(" AND type = ANY(").push_bind(types).push(")");
-        }
-        sql.push(order_of(query))
-            .push(" LIMIT ")
-            .push_bind(i64::from(query.limit))
-            .push(" OFFSET ")
-            .push_bind(i64::from(query.offset));
+        let mut sql = events_page::<Postgres>(team_id, query);
         let bodies: Vec<(String,)> = sql
             .build_query_as()
             .fetch_all(&self.pool)
@@ -64,7 +48,7 @@ impl SandboxEventRecords for PgSandboxEvents {
 
     async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
         let result = sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
-            .bind(before.timestamp_micros())
+            .bind(micros(before))
             .execute(&self.pool)
             .await
             .map_err(err)?;

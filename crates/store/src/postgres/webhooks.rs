@@ -5,7 +5,7 @@ use sandbar_core::store::WebhookRecords;
 use sandbar_core::webhooks::{Webhook, WebhookDelivery};
 use sqlx::PgPool;
 
-use crate::webhooks::{DeliveryRow, WebhookRow, events_json};
+use crate::rows::{DeliveryRow, WebhookRow, bind_delivery, bind_webhook_settings};
 use crate::{err, micros};
 
 /// Webhooks, in PostgreSQL.
@@ -36,27 +36,25 @@ impl WebhookRecords for PgWebhooks {
         if usize::try_from(count).unwrap_or(usize::MAX) >= max_per_team {
             return Ok(false);
         }
-        sqlx::query(
+        let insert = sqlx::query(
             "INSERT INTO webhooks (id, team_id, name, url, enabled, events, secret, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
         )
         .bind(&webhook.id)
-        .bind(&webhook.team_id)
-        .bind(&webhook.name)
-        .bind(&webhook.url)
-        .bind(webhook.enabled)
-        .bind(events_json(webhook)?)
-        .bind(&webhook.secret)
-        .bind(micros(webhook.created_at))
-        .execute(&mut *tx)
-        .await
-        .map_err(err)?;
+        .bind(&webhook.team_id);
+        bind_webhook_settings(insert, webhook)?
+            .bind(micros(webhook.created_at))
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
         tx.commit().await.map_err(err)?;
         Ok(true)
     }
 
     async fn webhooks(&self, team_id: &str) -> Result<Vec<Webhook>, StoreError> {
-        sqlx::query_as::<_, WebhookRow>("SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks WHERE team_id = $1 ORDER BY created_at, id")
+        sqlx::query_as::<_, WebhookRow>(webhook_query!(
+            "WHERE team_id = $1 ORDER BY created_at, id"
+        ))
         .bind(team_id)
         .fetch_all(&self.pool)
         .await
@@ -67,31 +65,27 @@ impl WebhookRecords for PgWebhooks {
     }
 
     async fn webhook(&self, team_id: &str, id: &str) -> Result<Option<Webhook>, StoreError> {
-        sqlx::query_as::<_, WebhookRow>("SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks WHERE team_id = $1 AND id = $2")
-        .bind(team_id)
-        .bind(id)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(err)?
-        .map(WebhookRow::webhook)
-        .transpose()
+        sqlx::query_as::<_, WebhookRow>(webhook_query!("WHERE team_id = $1 AND id = $2"))
+            .bind(team_id)
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(err)?
+            .map(WebhookRow::webhook)
+            .transpose()
     }
 
     async fn update_webhook(&self, webhook: &Webhook) -> Result<bool, StoreError> {
-        let result = sqlx::query(
+        let update = sqlx::query(
             "UPDATE webhooks SET name = $1, url = $2, enabled = $3, events = $4, secret = $5 \
              WHERE team_id = $6 AND id = $7",
-        )
-        .bind(&webhook.name)
-        .bind(&webhook.url)
-        .bind(webhook.enabled)
-        .bind(events_json(webhook)?)
-        .bind(&webhook.secret)
-        .bind(&webhook.team_id)
-        .bind(&webhook.id)
-        .execute(&self.pool)
-        .await
-        .map_err(err)?;
+        );
+        let result = bind_webhook_settings(update, webhook)?
+            .bind(&webhook.team_id)
+            .bind(&webhook.id)
+            .execute(&self.pool)
+            .await
+            .map_err(err)?;
         Ok(result.rows_affected() > 0)
     }
 
@@ -111,18 +105,13 @@ impl WebhookRecords for PgWebhooks {
         keep: u32,
     ) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await.map_err(err)?;
-        sqlx::query(
-            "INSERT INTO webhook_deliveries (id, webhook_id, event_id, event_type, attempt, status_code, error, at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        bind_delivery(
+            sqlx::query(
+                "INSERT INTO webhook_deliveries (id, webhook_id, event_id, event_type, attempt, status_code, error, at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+            ),
+            delivery,
         )
-        .bind(&delivery.id)
-        .bind(&delivery.webhook_id)
-        .bind(&delivery.event_id)
-        .bind(delivery.event_type.as_str())
-        .bind(i64::from(delivery.attempt))
-        .bind(delivery.status_code.map(i64::from))
-        .bind(&delivery.error)
-        .bind(micros(delivery.at))
         .execute(&mut *tx)
         .await
         .map_err(err)?;
@@ -144,7 +133,10 @@ impl WebhookRecords for PgWebhooks {
         webhook_id: &str,
         limit: u32,
     ) -> Result<Vec<WebhookDelivery>, StoreError> {
-        sqlx::query_as::<_, DeliveryRow>("SELECT id, webhook_id, event_id, event_type, attempt, status_code, error, at FROM webhook_deliveries WHERE webhook_id = $1 ORDER BY seq DESC LIMIT $2")
+        sqlx::query_as::<_, DeliveryRow>(
+            "SELECT id, webhook_id, event_id, event_type, attempt, status_code, error, at \
+             FROM webhook_deliveries WHERE webhook_id = $1 ORDER BY seq DESC LIMIT $2",
+        )
         .bind(webhook_id)
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
