@@ -191,15 +191,7 @@ pub(crate) async fn logs_v2(
     let limit = query
         .int_in("limit", 0..=DEFAULT_LOG_LIMIT)?
         .unwrap_or(DEFAULT_LOG_LIMIT);
-    let forward = match query.get("direction") {
-        None | Some("forward") => true,
-        Some("backward") => false,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "direction must be forward or backward, got '{other}'"
-            )));
-        }
-    };
+    let forward = query.forward()?;
     let min_level = query
         .get("level")
         .map(|l| {
@@ -210,7 +202,7 @@ pub(crate) async fn logs_v2(
             })
         })
         .transpose()?;
-    let search = query.get("search").filter(|s| !s.is_empty());
+    let search = query.non_empty("search");
     if let Some(search) = search
         && search.chars().count() > MAX_SEARCH_LEN
     {

@@ -24,6 +24,15 @@ pub(crate) fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Millis, true)
 }
 
+/// The headers of a page: `X-Next-Token` with the next page's cursor, none on the last page.
+pub(crate) fn next_token_header(token: Option<&str>) -> axum::http::HeaderMap {
+    let mut headers = axum::http::HeaderMap::new();
+    if let Some(value) = token.and_then(|t| axum::http::HeaderValue::from_str(t).ok()) {
+        headers.insert("X-Next-Token", value);
+    }
+    headers
+}
+
 /// Body of `POST /sandboxes` and `POST /v2/sandboxes`; unknown fields are ignored.
 #[derive(Debug, Deserialize, ToSchema)]
 pub(crate) struct NewSandbox {

@@ -166,6 +166,33 @@ impl QueryPairs {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The parameter's value, with an empty one read as absent.
+    pub fn non_empty(&self, key: &str) -> Option<&str> {
+        self.get(key).filter(|v| !v.is_empty())
+    }
+
+    /// Every value of a list parameter, given comma-separated, repeated, or both.
+    pub fn list(&self, key: &str) -> Vec<&str> {
+        self.0
+            .iter()
+            .filter(|(k, _)| k == key)
+            .flat_map(|(_, v)| v.split(','))
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+            .collect()
+    }
+
+    /// Whether a log read goes `forward` (the default) or `backward` from its cursor.
+    pub fn forward(&self) -> Result<bool, ApiError> {
+        match self.get("direction") {
+            None | Some("forward") => Ok(true),
+            Some("backward") => Ok(false),
+            Some(other) => Err(ApiError::bad_request(format!(
+                "direction must be forward or backward, got '{other}'"
+            ))),
+        }
+    }
+
     /// An optional integer parameter within `range`.
     pub fn int_in(
         &self,

@@ -4,17 +4,17 @@ use std::collections::BTreeMap;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sandbar_core::{CreateSandbox, EgressConfig, ListQuery, SandboxState, Team};
 use utoipa::IntoResponses;
 
 use crate::AppState;
-use crate::dto::SandboxStateName;
 use crate::dto::{
     ListedSandbox, NetworkConfig, NewSandbox, RefreshBody, SandboxCreated, SandboxDetail,
     TimeoutBody,
 };
+use crate::dto::{SandboxStateName, next_token_header};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
 use crate::openapi::CommonErrors;
@@ -41,12 +41,15 @@ fn non_negative(field: &str, value: i64) -> Result<u64, ApiError> {
     }
 }
 
+/// Options this server cannot honour are refused rather than ignored, since a client relying
+/// on them would be misled.
+fn unsupported<T>(what: &str) -> Result<T, ApiError> {
+    Err(ApiError::bad_request(format!(
+        "{what} is not supported by this server"
+    )))
+}
+
 fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandbox, ApiError> {
-    let unsupported = |what: &str| {
-        Err(ApiError::bad_request(format!(
-            "{what} is not supported by this server"
-        )))
-    };
     let auto_resume = body
         .auto_resume
         .as_ref()
@@ -100,14 +103,8 @@ fn validate_create(body: NewSandbox, default_timeout: i64) -> Result<CreateSandb
     })
 }
 
-/// The egress part of a network config; options this server cannot honour are refused rather
-/// than ignored, since a client relying on them would be misled.
+/// The egress part of a network config.
 fn egress_config(network: &NetworkConfig) -> Result<EgressConfig, ApiError> {
-    let unsupported = |what: &str| {
-        Err(ApiError::bad_request(format!(
-            "{what} is not supported by this server"
-        )))
-    };
     if network.egress_proxy.as_ref().is_some_and(|v| !v.is_null()) {
         return unsupported("network.egressProxy");
     }
@@ -260,14 +257,7 @@ fn metadata_filter(query: &QueryPairs) -> Result<BTreeMap<String, String>, ApiEr
 }
 
 fn state_filter(query: &QueryPairs) -> Result<Option<Vec<SandboxState>>, ApiError> {
-    let values: Vec<&str> = query
-        .0
-        .iter()
-        .filter(|(k, _)| k == "state")
-        .flat_map(|(_, v)| v.split(','))
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .collect();
+    let values = query.list("state");
     if values.is_empty() {
         return Ok(None);
     }
@@ -285,7 +275,7 @@ fn state_filter(query: &QueryPairs) -> Result<Option<Vec<SandboxState>>, ApiErro
 /// `startedAfter` as an RFC 3339 date-time. A `+` of an offset the client left unencoded
 /// arrives as a space.
 fn started_after(query: &QueryPairs) -> Result<Option<chrono::DateTime<chrono::Utc>>, ApiError> {
-    let Some(raw) = query.get("startedAfter").filter(|v| !v.is_empty()) else {
+    let Some(raw) = query.non_empty("startedAfter") else {
         return Ok(None);
     };
     chrono::DateTime::parse_from_rfc3339(&raw.replace(' ', "+"))
@@ -342,24 +332,13 @@ pub(crate) async fn list_v2(
         states: state_filter(&query)?,
         ascending,
         limit: limit as usize,
-        next_token: query
-            .get("nextToken")
-            .filter(|t| !t.is_empty())
-            .map(str::to_owned),
+        next_token: query.non_empty("nextToken").map(str::to_owned),
         started_after: started_after(&query)?,
-        template: query
-            .get("template")
-            .filter(|t| !t.is_empty())
-            .map(str::to_owned),
+        template: query.non_empty("template").map(str::to_owned),
     };
     let page = state.sandboxes.registry().list(&team, &list).await?;
     let items: Vec<ListedSandbox> = page.items.iter().map(ListedSandbox::from).collect();
-    let mut headers = HeaderMap::new();
-    if let Some(token) = page.next_token
-        && let Ok(value) = HeaderValue::from_str(&token)
-    {
-        headers.insert("X-Next-Token", value);
-    }
+    let mut headers = next_token_header(page.next_token.as_deref());
     if list
         .states
         .as_ref()
@@ -752,12 +731,8 @@ pub(crate) async fn batch_metrics(
     query: QueryPairs,
 ) -> Result<Json<SandboxesMetrics>, ApiError> {
     let ids: Vec<String> = query
-        .0
-        .iter()
-        .filter(|(k, _)| k == "sandbox_ids")
-        .flat_map(|(_, v)| v.split(','))
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
+        .list("sandbox_ids")
+        .into_iter()
         .map(str::to_owned)
         .collect();
     if ids.is_empty() {

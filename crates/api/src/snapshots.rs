@@ -2,14 +2,14 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use sandbar_core::sandboxes::{ForkResult, SnapshotInfo, SnapshotQuery};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::AppState;
-use crate::dto::SandboxCreated;
+use crate::dto::{SandboxCreated, next_token_header};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
 use crate::openapi::CommonErrors;
@@ -110,7 +110,7 @@ pub(crate) async fn list(
     query: QueryPairs,
 ) -> Result<Response, ApiError> {
     let limit = query.int_in("limit", 1..=MAX_PAGE)?.unwrap_or(MAX_PAGE);
-    let text = |name: &str| query.get(name).filter(|v| !v.is_empty()).map(str::to_owned);
+    let text = |name: &str| query.non_empty(name).map(str::to_owned);
     let filter = SnapshotQuery {
         sandbox_id: text("sandboxID"),
         name: text("name"),
@@ -122,14 +122,8 @@ pub(crate) async fn list(
         .snapshots()
         .list_snapshots(&team, &filter)
         .await?;
-    let mut headers = HeaderMap::new();
-    if let Some(token) = next
-        && let Ok(value) = HeaderValue::from_str(&token)
-    {
-        headers.insert("X-Next-Token", value);
-    }
     let body: Vec<SnapshotView> = snapshots.iter().map(SnapshotView::from).collect();
-    Ok((headers, Json(body)).into_response())
+    Ok((next_token_header(next.as_deref()), Json(body)).into_response())
 }
 
 #[derive(Debug, Deserialize, ToSchema)]

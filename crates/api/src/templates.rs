@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{IntoResponses, ToSchema};
 
 use crate::AppState;
-use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, rfc3339};
+use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, next_token_header, rfc3339};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs, TeamAuth};
 use crate::openapi::CommonErrors;
@@ -686,15 +686,7 @@ pub(crate) async fn build_logs(
     let limit = query.int_in("limit", 0..=100)?.unwrap_or(100) as usize;
     let cursor = query.int_in("cursor", 0..=i64::MAX)?;
     let level = level_param(&query)?;
-    let forward = match query.get("direction").unwrap_or("forward") {
-        "forward" => true,
-        "backward" => false,
-        other => {
-            return Err(ApiError::bad_request(format!(
-                "direction must be forward or backward, got '{other}'"
-            )));
-        }
-    };
+    let forward = query.forward()?;
     let mut logs: Vec<BuildLogEntry> = state
         .builds
         .all_logs(&build.id)
@@ -782,13 +774,8 @@ pub(crate) async fn detail(
         spawn_count: template.spawn_count,
         builds: page,
     };
-    let mut response = Json(body).into_response();
-    if start + limit < builds.len()
-        && let Ok(v) = (start + limit).to_string().parse()
-    {
-        response.headers_mut().insert("x-next-token", v);
-    }
-    Ok(response)
+    let next = (start + limit < builds.len()).then(|| (start + limit).to_string());
+    Ok((next_token_header(next.as_deref()), Json(body)).into_response())
 }
 
 #[utoipa::path(
