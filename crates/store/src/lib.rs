@@ -1,10 +1,10 @@
 //! SQLite and PostgreSQL implementations of [`sandbar_core::Store`]. This file holds the
 //! SQLite pool, its migrations and the error and time conversions both databases use; each
-//! aggregate's records are a type of their own in a module of their own (`SqliteTeams` in
-//! `teams`, …), and [`SqliteStore::open`] hands one of each to the core as its `Store`.
-//! `rows` holds the rows both databases read back and how each becomes a record.
-//! [`PgStore`], in `postgres`, keeps the same records in a database several API hosts can
-//! share.
+//! aggregate's records are a type of their own in a module of their own (`Teams` in `teams`,
+//! …), generic over the database (`backend`), and [`SqliteStore::open`] hands one of each to
+//! the core as its `Store`. `rows` holds the rows both databases read back and how each
+//! becomes a record. [`PgStore`], in `postgres`, keeps the same records in a database
+//! several API hosts can share.
 //!
 //! Timestamps are stored as microseconds since the Unix epoch so they sort and compare as
 //! integers; maps are stored as JSON text.
@@ -89,6 +89,8 @@ macro_rules! template_query {
     };
 }
 
+#[macro_use]
+mod backend;
 mod builds;
 mod layer_blobs;
 mod nodes;
@@ -112,7 +114,7 @@ use sandbox_events::SqliteSandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::SqliteSandboxes;
 use team_metrics::SqliteTeamMetrics;
-use teams::SqliteTeams;
+use teams::Teams;
 use templates::SqliteTemplates;
 use volumes::SqliteVolumes;
 use webhooks::SqliteWebhooks;
@@ -129,7 +131,10 @@ impl SqliteStore {
             // crash (only on power loss), and saves an fsync per write on the create path.
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
-            .busy_timeout(std::time::Duration::from_secs(5));
+            .busy_timeout(std::time::Duration::from_secs(5))
+            // PostgreSQL's byte-wise collation, under its name, so the statements both
+            // databases share can ask for it; SQLite's own text order is the same.
+            .collation("C", |a: &str, b: &str| a.cmp(b));
         // Made first: it creates the file and migrates it before any reader opens it.
         let writes = SqlitePoolOptions::new()
             .max_connections(1)
@@ -157,7 +162,7 @@ impl SqliteStore {
                 source,
             })?;
         let db = SqliteDb { reads, writes };
-        SqliteTeams { db: db.clone() }
+        Teams { db: db.clone() }
             .give_teams_slugs()
             .await
             .map_err(|source| OpenStoreError::Slugs {
@@ -169,7 +174,7 @@ impl SqliteStore {
 
     fn on(db: SqliteDb) -> Store {
         Store {
-            teams: Arc::new(SqliteTeams { db: db.clone() }),
+            teams: Arc::new(Teams { db: db.clone() }),
             templates: Arc::new(SqliteTemplates { db: db.clone() }),
             builds: Arc::new(SqliteBuilds { db: db.clone() }),
             sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
@@ -263,6 +268,35 @@ mod tests {
             .expect("insert");
         }
         pool.close().await;
+    }
+
+    /// The shared statements rely on SQLite taking PostgreSQL's numbered parameters, a
+    /// number used twice being one value, and on a "C" collation sorting as SQLite's own.
+    #[tokio::test]
+    async fn sqlite_takes_numbered_parameters_and_the_c_collation() {
+        let options = SqliteConnectOptions::new()
+            .in_memory(true)
+            .collation("C", |a: &str, b: &str| a.cmp(b));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .expect("open");
+        let (sum, text): (i64, String) = sqlx::query_as("SELECT $2 + $2 + $1, $3")
+            .bind(1_i64)
+            .bind(20_i64)
+            .bind("three")
+            .fetch_one(&pool)
+            .await
+            .expect("numbered parameters");
+        assert_eq!((sum, text.as_str()), (41, "three"));
+        let sorted: Vec<String> = sqlx::query_scalar(
+            "SELECT x FROM (SELECT 'b' AS x UNION ALL SELECT 'B' UNION ALL SELECT 'a') ORDER BY x COLLATE \"C\"",
+        )
+        .fetch_all(&pool)
+        .await
+        .expect("collation");
+        assert_eq!(sorted, ["B", "a", "b"]);
     }
 
     #[tokio::test]

@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::err;
+use crate::teams::Teams;
 
 mod builds;
 mod layer_blobs;
@@ -23,7 +24,6 @@ mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
-mod teams;
 mod templates;
 mod volumes;
 mod webhooks;
@@ -36,7 +36,6 @@ use sandbox_events::PgSandboxEvents;
 use sandbox_logs::PgSandboxLogs;
 use sandboxes::PgSandboxes;
 use team_metrics::PgTeamMetrics;
-use teams::PgTeams;
 use templates::PgTemplates;
 use volumes::PgVolumes;
 use webhooks::PgWebhooks;
@@ -129,7 +128,7 @@ impl PgStore {
 
     fn on_pool(pool: PgPool) -> Store {
         Store {
-            teams: Arc::new(PgTeams { pool: pool.clone() }),
+            teams: Arc::new(Teams { db: pool.clone() }),
             templates: Arc::new(PgTemplates { pool: pool.clone() }),
             builds: Arc::new(PgBuilds { pool: pool.clone() }),
             sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
