@@ -83,6 +83,20 @@ impl Harness {
         send(self.app.clone(), self.request(method, path, body)).await
     }
 
+    /// Sends all `requests` at once; their statuses, sorted.
+    async fn race(&self, requests: impl IntoIterator<Item = Request<Body>>) -> Vec<StatusCode> {
+        let racing: Vec<_> = requests
+            .into_iter()
+            .map(|request| tokio::spawn(send(self.app.clone(), request)))
+            .collect();
+        let mut statuses = Vec::new();
+        for task in racing {
+            statuses.push(task.await.expect("task").status);
+        }
+        statuses.sort();
+        statuses
+    }
+
     fn new_key_request(&self) -> Request<Body> {
         Request::builder()
             .method("POST")
@@ -306,21 +320,15 @@ async fn volumes_past_the_count_answer_429_and_racing_creates_take_one_slot() {
     })
     .await;
     assert_eq!(h.volume("first").await.status, StatusCode::CREATED);
-    let racing: Vec<_> = (0..4)
-        .map(|n| {
-            let request = h.request(
+    let statuses = h
+        .race((0..4).map(|n| {
+            h.request(
                 "POST",
                 "/volumes",
                 Some(json!({"name": format!("race{n}")})),
-            );
-            tokio::spawn(send(h.app.clone(), request))
-        })
-        .collect();
-    let mut statuses = Vec::new();
-    for task in racing {
-        statuses.push(task.await.expect("task").status);
-    }
-    statuses.sort();
+            )
+        }))
+        .await;
     assert_eq!(
         statuses,
         [
@@ -373,14 +381,7 @@ async fn api_keys_past_the_count_answer_429_and_racing_creates_take_one_slot() {
         ..ROOMY
     })
     .await;
-    let racing: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(send(h.app.clone(), h.new_key_request())))
-        .collect();
-    let mut statuses = Vec::new();
-    for task in racing {
-        statuses.push(task.await.expect("task").status);
-    }
-    statuses.sort();
+    let statuses = h.race((0..3).map(|_| h.new_key_request())).await;
     assert_eq!(
         statuses,
         [

@@ -524,25 +524,18 @@ async fn refreshes_keep_a_sandbox_at_least_fifteen_seconds() {
 #[tokio::test]
 async fn the_concurrency_limit_answer_says_when_to_retry() {
     let h = harness(SandboxesConfig::default()).await;
-    for _ in 0..5 {
-        let r = h
-            .call(
-                "POST",
-                "/v2/sandboxes",
-                Some(OTHER_KEY),
-                Some(r#"{"templateID":"base"}"#),
-            )
-            .await;
-        assert_eq!(r.status, StatusCode::CREATED);
-    }
-    let refused = h
-        .call(
+    let create = || {
+        h.call(
             "POST",
             "/v2/sandboxes",
             Some(OTHER_KEY),
             Some(r#"{"templateID":"base"}"#),
         )
-        .await;
+    };
+    for _ in 0..5 {
+        assert_eq!(create().await.status, StatusCode::CREATED);
+    }
+    let refused = create().await;
     assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "limit");
     // Seconds until the team's next sandbox ends, within a minute.
     let retry_after = common::retry_after(&refused.headers);

@@ -202,6 +202,26 @@ impl Harness {
         reply
     }
 
+    /// [`Self::checked`], and the answer's status must be `status`.
+    async fn expect(
+        &self,
+        status: u16,
+        method: &str,
+        template: &str,
+        uri: &str,
+        cred: Cred<'_>,
+        body: Option<Value>,
+    ) -> Reply {
+        let reply = self.checked(method, template, uri, cred, body).await;
+        assert_eq!(
+            reply.status.as_u16(),
+            status,
+            "{method} {uri}: {:?}",
+            reply.body
+        );
+        reply
+    }
+
     fn key(&self) -> Cred<'_> {
         Cred::Key(&self.creds.api_key)
     }
@@ -380,7 +400,8 @@ async fn sandbox_answers_match_their_schemas() {
     h.checked("GET", "/health", "/health", Cred::None, None)
         .await;
     let created = h
-        .checked(
+        .expect(
+            201,
             "POST",
             "/sandboxes",
             "/sandboxes",
@@ -388,10 +409,10 @@ async fn sandbox_answers_match_their_schemas() {
             Some(json!({"templateID": "base", "timeout": 60, "metadata": {"a": "b"}})),
         )
         .await;
-    assert_eq!(created.status, StatusCode::CREATED, "{:?}", created.body);
     let id = created.body["sandboxID"].as_str().expect("id").to_owned();
     let v2 = h
-        .checked(
+        .expect(
+            201,
             "POST",
             "/v2/sandboxes",
             "/v2/sandboxes",
@@ -402,7 +423,6 @@ async fn sandbox_answers_match_their_schemas() {
             ),
         )
         .await;
-    assert_eq!(v2.status, StatusCode::CREATED, "{:?}", v2.body);
     let v2_id = v2.body["sandboxID"].as_str().expect("id").to_owned();
 
     let one = "/sandboxes/{sandboxID}";
@@ -449,13 +469,17 @@ async fn sandbox_answers_match_their_schemas() {
             400,
         ),
     ] {
-        let reply = h.checked("GET", template, &uri, k, None).await;
-        assert_eq!(reply.status.as_u16(), status, "GET {uri}: {:?}", reply.body);
+        h.expect(status, "GET", template, &uri, k, None).await;
     }
-    let unauthenticated = h
-        .checked("GET", "/v2/sandboxes", "/v2/sandboxes", Cred::None, None)
-        .await;
-    assert_eq!(unauthenticated.status, StatusCode::UNAUTHORIZED);
+    h.expect(
+        401,
+        "GET",
+        "/v2/sandboxes",
+        "/v2/sandboxes",
+        Cred::None,
+        None,
+    )
+    .await;
 
     for (method, template, body, status) in [
         (
@@ -509,124 +533,99 @@ async fn sandbox_answers_match_their_schemas() {
         ("DELETE", "/sandboxes/{sandboxID}", None, 404),
     ] {
         let uri = template.replace("{sandboxID}", &id);
-        let reply = h.checked(method, template, &uri, k, body).await;
-        assert_eq!(
-            reply.status.as_u16(),
-            status,
-            "{method} {uri}: {:?}",
-            reply.body
-        );
+        h.expect(status, method, template, &uri, k, body).await;
     }
-    let reply = h
-        .checked("DELETE", one, &format!("/sandboxes/{v2_id}"), k, None)
+    h.expect(204, "DELETE", one, &format!("/sandboxes/{v2_id}"), k, None)
         .await;
-    assert_eq!(reply.status, StatusCode::NO_CONTENT);
 }
 
 #[tokio::test]
 async fn template_answers_match_their_schemas() {
     let h = harness().await;
     let k = h.key();
-    let list = h.checked("GET", "/templates", "/templates", k, None).await;
-    assert_eq!(list.status, StatusCode::OK);
     let t = "/templates/{templateID}";
-    let detail = h
-        .checked("GET", t, "/templates/base?limit=1", k, None)
-        .await;
-    assert_eq!(detail.status, StatusCode::OK, "{:?}", detail.body);
-    let missing = h.checked("GET", t, "/templates/nonexistent", k, None).await;
-    assert_eq!(missing.status, StatusCode::NOT_FOUND);
     let alias = "/templates/aliases/{alias}";
-    assert_eq!(
-        h.checked("GET", alias, "/templates/aliases/base", k, None)
-            .await
-            .status,
-        200
-    );
-    assert_eq!(
-        h.checked("GET", alias, "/templates/aliases/nope", k, None)
-            .await
-            .status,
-        404
-    );
+    for (template, uri, status) in [
+        ("/templates", "/templates", 200),
+        (t, "/templates/base?limit=1", 200),
+        (t, "/templates/nonexistent", 404),
+        (alias, "/templates/aliases/base", 200),
+        (alias, "/templates/aliases/nope", 404),
+    ] {
+        h.expect(status, "GET", template, uri, k, None).await;
+    }
 
-    let bad = h
-        .checked(
-            "POST",
-            "/v3/templates",
-            "/v3/templates",
-            k,
-            Some(json!({"name": "x", "bogus": 1})),
-        )
-        .await;
-    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    let v3 = "/v3/templates";
+    h.expect(
+        400,
+        "POST",
+        v3,
+        v3,
+        k,
+        Some(json!({"name": "x", "bogus": 1})),
+    )
+    .await;
     let requested = h
         .checked(
             "POST",
-            "/v3/templates",
-            "/v3/templates",
+            v3,
+            v3,
             k,
             Some(json!({"name": "contract", "tags": ["v1"]})),
         )
         .await;
     let (template_id, build_id) = common::requested_build(requested.status, &requested.body);
-    let v2 = h
-        .checked(
-            "POST",
-            "/v2/templates",
-            "/v2/templates",
-            k,
-            Some(json!({"alias": "contract-two"})),
-        )
-        .await;
-    assert_eq!(v2.status, StatusCode::ACCEPTED, "{:?}", v2.body);
+    h.expect(
+        202,
+        "POST",
+        "/v2/templates",
+        "/v2/templates",
+        k,
+        Some(json!({"alias": "contract-two"})),
+    )
+    .await;
 
-    let files = "/templates/{templateID}/files/{hash}";
     let hash = "0".repeat(64);
-    let link = h
-        .checked(
-            "GET",
-            files,
-            &format!("/templates/{template_id}/files/{hash}"),
-            k,
-            None,
-        )
-        .await;
-    assert_eq!(link.status, StatusCode::CREATED, "{:?}", link.body);
-    let upload = "/upload/templates/{templateID}/files/{hash}";
-    let refused = h
-        .checked(
-            "PUT",
-            upload,
-            &format!("/upload/templates/{template_id}/files/{hash}?token=forged"),
-            Cred::None,
-            None,
-        )
-        .await;
-    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    h.expect(
+        201,
+        "GET",
+        "/templates/{templateID}/files/{hash}",
+        &format!("/templates/{template_id}/files/{hash}"),
+        k,
+        None,
+    )
+    .await;
+    h.expect(
+        403,
+        "PUT",
+        "/upload/templates/{templateID}/files/{hash}",
+        &format!("/upload/templates/{template_id}/files/{hash}?token=forged"),
+        Cred::None,
+        None,
+    )
+    .await;
 
     let start = "/v2/templates/{templateID}/builds/{buildID}";
     let uri = format!("/v2/templates/{template_id}/builds/{build_id}");
-    let invalid = h.checked("POST", start, &uri, k, Some(json!({}))).await;
-    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
-    let started = h
-        .checked(
-            "POST",
-            start,
-            &uri,
-            k,
-            Some(json!({"fromImage": "busybox:1", "steps": [{"type": "RUN", "args": ["true"]}]})),
-        )
-        .await;
-    assert_eq!(started.status, StatusCode::ACCEPTED, "{:?}", started.body);
+    h.expect(400, "POST", start, &uri, k, Some(json!({}))).await;
+    h.expect(
+        202,
+        "POST",
+        start,
+        &uri,
+        k,
+        Some(json!({"fromImage": "busybox:1", "steps": [{"type": "RUN", "args": ["true"]}]})),
+    )
+    .await;
     // The test builder refuses the build: wait for the failure, whose status has a reason.
     let status_t = "/templates/{templateID}/builds/{buildID}/status";
     let status_uri = format!("/templates/{template_id}/builds/{build_id}/status?level=info");
     let mut last = Value::Null;
     for _ in 0..100 {
-        let reply = h.checked("GET", status_t, &status_uri, k, None).await;
-        assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
-        last = reply.body;
+        last = h
+            .expect(200, "GET", status_t, &status_uri, k, None)
+            .await
+            .body;
         if last["status"] == "error" {
             break;
         }
@@ -635,42 +634,38 @@ async fn template_answers_match_their_schemas() {
     assert_eq!(last["status"], "error", "{last}");
     assert!(last["reason"]["message"].is_string(), "{last}");
     let logs_t = "/templates/{templateID}/builds/{buildID}/logs";
-    let logs = h
-        .checked(
-            "GET",
-            logs_t,
-            &format!("/templates/{template_id}/builds/{build_id}/logs?direction=backward&limit=5"),
-            Cred::Bearer(&h.creds.access_token),
-            None,
-        )
-        .await;
-    assert_eq!(logs.status, StatusCode::OK, "{:?}", logs.body);
-    let none = h
-        .checked(
-            "GET",
-            logs_t,
-            &format!("/templates/{template_id}/builds/nope/logs"),
-            k,
-            None,
-        )
-        .await;
-    assert_eq!(none.status, StatusCode::NOT_FOUND);
+    h.expect(
+        200,
+        "GET",
+        logs_t,
+        &format!("/templates/{template_id}/builds/{build_id}/logs?direction=backward&limit=5"),
+        h.bearer(),
+        None,
+    )
+    .await;
+    h.expect(
+        404,
+        "GET",
+        logs_t,
+        &format!("/templates/{template_id}/builds/nope/logs"),
+        k,
+        None,
+    )
+    .await;
 
     let with_builds = h
-        .checked("GET", t, &format!("/templates/{template_id}"), k, None)
+        .expect(200, "GET", t, &format!("/templates/{template_id}"), k, None)
         .await;
-    assert_eq!(with_builds.status, StatusCode::OK, "{:?}", with_builds.body);
     assert_eq!(with_builds.body["builds"].as_array().map(Vec::len), Some(1));
-    let tags = h
-        .checked(
-            "GET",
-            "/templates/{templateID}/tags",
-            &format!("/templates/{template_id}/tags"),
-            k,
-            None,
-        )
-        .await;
-    assert_eq!(tags.status, StatusCode::OK, "{:?}", tags.body);
+    h.expect(
+        200,
+        "GET",
+        "/templates/{templateID}/tags",
+        &format!("/templates/{template_id}/tags"),
+        k,
+        None,
+    )
+    .await;
     let assigned = h
         .checked(
             "POST",
@@ -691,18 +686,16 @@ async fn template_answers_match_their_schemas() {
         )
         .await;
     assert!(removed.status.is_client_error() || removed.status == StatusCode::NO_CONTENT);
-    for v in ["/templates/{templateID}", "/v2/templates/{templateID}"] {
+    for v in [t, "/v2/templates/{templateID}"] {
         let uri = v.replace("{templateID}", &template_id);
-        let patched = h
-            .checked("PATCH", v, &uri, k, Some(json!({"public": false})))
+        h.expect(200, "PATCH", v, &uri, k, Some(json!({"public": false})))
             .await;
-        assert_eq!(patched.status, StatusCode::OK, "{:?}", patched.body);
     }
-    let builtin = h.checked("DELETE", t, "/templates/base", k, None).await;
-    assert_eq!(builtin.status, StatusCode::FORBIDDEN, "{:?}", builtin.body);
+    h.expect(403, "DELETE", t, "/templates/base", k, None).await;
 
     let dockerfile = h
-        .checked(
+        .expect(
+            202,
             "POST",
             "/templates",
             "/templates",
@@ -710,12 +703,6 @@ async fn template_answers_match_their_schemas() {
             Some(json!({"dockerfile": "FROM busybox:1\nRUN true", "alias": "from-dockerfile"})),
         )
         .await;
-    assert_eq!(
-        dockerfile.status,
-        StatusCode::ACCEPTED,
-        "{:?}",
-        dockerfile.body
-    );
     let docker_id = dockerfile.body["templateID"]
         .as_str()
         .expect("id")
@@ -724,16 +711,15 @@ async fn template_answers_match_their_schemas() {
         .as_str()
         .expect("build")
         .to_owned();
-    let rebuilt = h
-        .checked(
-            "POST",
-            t,
-            &format!("/templates/{docker_id}"),
-            h.bearer(),
-            Some(json!({"dockerfile": "FROM busybox:1"})),
-        )
-        .await;
-    assert_eq!(rebuilt.status, StatusCode::ACCEPTED, "{:?}", rebuilt.body);
+    h.expect(
+        202,
+        "POST",
+        t,
+        &format!("/templates/{docker_id}"),
+        h.bearer(),
+        Some(json!({"dockerfile": "FROM busybox:1"})),
+    )
+    .await;
     let go = h
         .checked(
             "POST",
@@ -746,10 +732,8 @@ async fn template_answers_match_their_schemas() {
     assert!(go.status == StatusCode::ACCEPTED || go.status.is_client_error());
 
     for id in [template_id, docker_id] {
-        let deleted = h
-            .checked("DELETE", t, &format!("/templates/{id}"), k, None)
+        h.expect(204, "DELETE", t, &format!("/templates/{id}"), k, None)
             .await;
-        assert_eq!(deleted.status, StatusCode::NO_CONTENT, "{:?}", deleted.body);
     }
 }
 
@@ -757,51 +741,39 @@ async fn template_answers_match_their_schemas() {
 async fn key_token_team_and_volume_answers_match_their_schemas() {
     let h = harness().await;
     let b = h.bearer();
-    let listed = h.checked("GET", "/api-keys", "/api-keys", b, None).await;
-    assert_eq!(listed.status, StatusCode::OK);
+    let keys = "/api-keys";
+    h.expect(200, "GET", keys, keys, b, None).await;
     let made = h
-        .checked(
+        .expect(
+            201,
             "POST",
-            "/api-keys",
-            "/api-keys",
+            keys,
+            keys,
             b,
             Some(json!({"name": "contract"})),
         )
         .await;
-    assert_eq!(made.status, StatusCode::CREATED, "{:?}", made.body);
     let key_id = made.body["id"].as_str().expect("id").to_owned();
     let one = "/api-keys/{apiKeyID}";
-    let renamed = h
-        .checked(
-            "PATCH",
-            one,
-            &format!("/api-keys/{key_id}"),
-            b,
-            Some(json!({"name": "renamed"})),
-        )
-        .await;
-    assert_eq!(renamed.status, StatusCode::OK);
-    let listed = h.checked("GET", "/api-keys", "/api-keys", b, None).await;
+    let key_uri = format!("/api-keys/{key_id}");
+    h.expect(
+        200,
+        "PATCH",
+        one,
+        &key_uri,
+        b,
+        Some(json!({"name": "renamed"})),
+    )
+    .await;
+    let listed = h.checked("GET", keys, keys, b, None).await;
     assert!(listed.body.as_array().expect("keys").len() >= 2);
-    assert_eq!(
-        h.checked("DELETE", one, &format!("/api-keys/{key_id}"), b, None)
-            .await
-            .status,
-        204
-    );
-    assert_eq!(
-        h.checked("DELETE", one, &format!("/api-keys/{key_id}"), b, None)
-            .await
-            .status,
-        404
-    );
-    let no_bearer = h
-        .checked("GET", "/api-keys", "/api-keys", h.key(), None)
-        .await;
-    assert_eq!(no_bearer.status, StatusCode::UNAUTHORIZED);
+    h.expect(204, "DELETE", one, &key_uri, b, None).await;
+    h.expect(404, "DELETE", one, &key_uri, b, None).await;
+    h.expect(401, "GET", keys, keys, h.key(), None).await;
 
     let token = h
-        .checked(
+        .expect(
+            201,
             "POST",
             "/access-tokens",
             "/access-tokens",
@@ -809,19 +781,17 @@ async fn key_token_team_and_volume_answers_match_their_schemas() {
             Some(json!({"name": "contract"})),
         )
         .await;
-    assert_eq!(token.status, StatusCode::CREATED, "{:?}", token.body);
     let token_id = token.body["id"].as_str().expect("id");
-    let t = "/access-tokens/{accessTokenID}";
-    assert_eq!(
-        h.checked("DELETE", t, &format!("/access-tokens/{token_id}"), b, None)
-            .await
-            .status,
-        204
-    );
-    assert_eq!(
-        h.checked("GET", "/teams", "/teams", b, None).await.status,
-        200
-    );
+    h.expect(
+        204,
+        "DELETE",
+        "/access-tokens/{accessTokenID}",
+        &format!("/access-tokens/{token_id}"),
+        b,
+        None,
+    )
+    .await;
+    h.expect(200, "GET", "/teams", "/teams", b, None).await;
 
     let k = h.key();
     let team = &h.creds.team_id;
@@ -853,57 +823,22 @@ async fn key_token_team_and_volume_answers_match_their_schemas() {
             404,
         ),
     ] {
-        let reply = h.checked("GET", template, &uri, k, None).await;
-        assert_eq!(reply.status.as_u16(), status, "GET {uri}: {:?}", reply.body);
+        h.expect(status, "GET", template, &uri, k, None).await;
     }
-    let bad = h
-        .checked(
-            "POST",
-            "/volumes",
-            "/volumes",
-            k,
-            Some(json!({"name": "no spaces"})),
-        )
+    let volumes = "/volumes";
+    let new_volume = |name: &str| Some(json!({ "name": name }));
+    h.expect(400, "POST", volumes, volumes, k, new_volume("no spaces"))
         .await;
-    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     let volume = h
-        .checked(
-            "POST",
-            "/volumes",
-            "/volumes",
-            k,
-            Some(json!({"name": "contract"})),
-        )
+        .expect(201, "POST", volumes, volumes, k, new_volume("contract"))
         .await;
-    assert_eq!(volume.status, StatusCode::CREATED, "{:?}", volume.body);
-    let taken = h
-        .checked(
-            "POST",
-            "/volumes",
-            "/volumes",
-            k,
-            Some(json!({"name": "contract"})),
-        )
+    h.expect(409, "POST", volumes, volumes, k, new_volume("contract"))
         .await;
-    assert_eq!(taken.status, StatusCode::CONFLICT);
     let id = volume.body["volumeID"].as_str().expect("id");
     let v = "/volumes/{volumeID}";
-    assert_eq!(
-        h.checked("GET", "/volumes", "/volumes", k, None)
-            .await
-            .status,
-        200
-    );
-    assert_eq!(
-        h.checked("GET", v, &format!("/volumes/{id}"), k, None)
-            .await
-            .status,
-        200
-    );
-    assert_eq!(
-        h.checked("DELETE", v, &format!("/volumes/{id}"), k, None)
-            .await
-            .status,
-        204
-    );
+    h.expect(200, "GET", volumes, volumes, k, None).await;
+    h.expect(200, "GET", v, &format!("/volumes/{id}"), k, None)
+        .await;
+    h.expect(204, "DELETE", v, &format!("/volumes/{id}"), k, None)
+        .await;
 }

@@ -20,33 +20,49 @@ use sandbar_core::{
     Templates,
 };
 
+/// Implements [`Builder`] for a test builder from its build alone, as an async function of
+/// the builder and the job: the HTTP surface under test never finds or keeps an upload.
+macro_rules! builder_without_uploads {
+    ($builder:ty, $build:path) => {
+        #[async_trait::async_trait]
+        impl Builder for $builder {
+            async fn build(
+                &self,
+                job: BuildJob,
+                _: BuildLog,
+            ) -> Result<TemplateImage, BuildFailure> {
+                $build(self, job).await
+            }
+            async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
+                false
+            }
+            async fn store_upload(
+                &self,
+                _: &str,
+                _: &str,
+                _: &str,
+                _: UploadBody,
+                _: u64,
+            ) -> Result<(), UploadError> {
+                Ok(())
+            }
+            async fn collect_garbage(&self, _: &[String]) {}
+        }
+    };
+}
+
 /// A builder that fails every build: these tests exercise the HTTP surface, not builds.
 #[derive(Debug, Default)]
 pub struct RefusingBuilder;
 
-#[async_trait::async_trait]
-impl Builder for RefusingBuilder {
-    async fn build(&self, job: BuildJob, _: BuildLog) -> Result<TemplateImage, BuildFailure> {
-        Err(BuildFailure {
-            message: format!("build {} refused by the test builder", job.build_id),
-            step: None,
-        })
-    }
-    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
-        false
-    }
-    async fn store_upload(
-        &self,
-        _: &str,
-        _: &str,
-        _: &str,
-        _: UploadBody,
-        _: u64,
-    ) -> Result<(), UploadError> {
-        Ok(())
-    }
-    async fn collect_garbage(&self, _: &[String]) {}
+async fn refuse(_: &RefusingBuilder, job: BuildJob) -> Result<TemplateImage, BuildFailure> {
+    Err(BuildFailure {
+        message: format!("build {} refused by the test builder", job.build_id),
+        step: None,
+    })
 }
+
+builder_without_uploads!(RefusingBuilder, refuse);
 
 /// A builder whose builds never end on their own; counts the builds it began and those
 /// dropped unfinished, as a cancel drops them.
@@ -64,28 +80,13 @@ impl Drop for CountsDrop {
     }
 }
 
-#[async_trait::async_trait]
-impl Builder for HangingBuilder {
-    async fn build(&self, _: BuildJob, _: BuildLog) -> Result<TemplateImage, BuildFailure> {
-        self.began.fetch_add(1, Ordering::SeqCst);
-        let _work = CountsDrop(self.dropped.clone());
-        std::future::pending().await
-    }
-    async fn has_upload(&self, _: &str, _: &str, _: &str) -> bool {
-        false
-    }
-    async fn store_upload(
-        &self,
-        _: &str,
-        _: &str,
-        _: &str,
-        _: UploadBody,
-        _: u64,
-    ) -> Result<(), UploadError> {
-        Ok(())
-    }
-    async fn collect_garbage(&self, _: &[String]) {}
+async fn hang(builder: &HangingBuilder, _: BuildJob) -> Result<TemplateImage, BuildFailure> {
+    builder.began.fetch_add(1, Ordering::SeqCst);
+    let _work = CountsDrop(builder.dropped.clone());
+    std::future::pending().await
 }
+
+builder_without_uploads!(HangingBuilder, hang);
 
 /// Refuses images from the registry `refused.test`, as the node's rule refuses loopback.
 #[derive(Debug)]
