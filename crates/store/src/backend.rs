@@ -22,6 +22,10 @@ pub(crate) trait Backend {
     fn writes(&self) -> &Pool<Self::Db>;
 
     fn time(t: DateTime<Utc>) -> Self::Time;
+
+    /// `sqlite` or `postgres`, whichever is this database's: for the part of a statement
+    /// their dialects write differently.
+    fn either<T>(sqlite: T, postgres: T) -> T;
 }
 
 impl Backend for SqliteDb {
@@ -38,6 +42,10 @@ impl Backend for SqliteDb {
 
     fn time(t: DateTime<Utc>) -> i64 {
         crate::micros(t)
+    }
+
+    fn either<T>(sqlite: T, _: T) -> T {
+        sqlite
     }
 }
 
@@ -56,6 +64,10 @@ impl Backend for PgPool {
 
     fn time(t: DateTime<Utc>) -> DateTime<Utc> {
         t
+    }
+
+    fn either<T>(_: T, postgres: T) -> T {
+        postgres
     }
 }
 

@@ -75,20 +75,6 @@ macro_rules! webhook_query {
     };
 }
 
-/// A template query: the template (`t`) with its owner's slug, which namespaces its names
-/// (`tm`, joined on the owner), then `$rest`. A literal, so the SQL stays static.
-macro_rules! template_query {
-    ($rest:literal) => {
-        concat!(
-            // The names come in the same statement: every create reads its template.
-            "SELECT t.*, tm.slug AS namespace,
-               (SELECT json_group_array(n.alias) FROM template_aliases n WHERE n.template_id = t.id) AS aliases
-             FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
-            $rest
-        )
-    };
-}
-
 #[macro_use]
 mod backend;
 mod builds;
@@ -106,7 +92,7 @@ mod templates;
 mod volumes;
 mod webhooks;
 
-use builds::SqliteBuilds;
+use builds::Builds;
 use layer_blobs::SqliteLayerBlobs;
 use nodes::SqliteNodes;
 use request_counts::SqliteRequestCounts;
@@ -115,7 +101,7 @@ use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::SqliteSandboxes;
 use team_metrics::SqliteTeamMetrics;
 use teams::Teams;
-use templates::SqliteTemplates;
+use templates::Templates;
 use volumes::SqliteVolumes;
 use webhooks::SqliteWebhooks;
 
@@ -175,8 +161,8 @@ impl SqliteStore {
     fn on(db: SqliteDb) -> Store {
         Store {
             teams: Arc::new(Teams { db: db.clone() }),
-            templates: Arc::new(SqliteTemplates { db: db.clone() }),
-            builds: Arc::new(SqliteBuilds { db: db.clone() }),
+            templates: Arc::new(Templates { db: db.clone() }),
+            builds: Arc::new(Builds { db: db.clone() }),
             sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
             volumes: Arc::new(SqliteVolumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),

@@ -467,7 +467,7 @@ pub(crate) fn build_log_page<T: Stamp>(
         .collect()
 }
 
-/// A row selected by a backend's `template_query!`.
+/// A row selected by `template_query!`.
 #[derive(sqlx::FromRow)]
 pub(crate) struct TemplateRow<T, A> {
     id: String,

@@ -3,236 +3,286 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
-use sqlx::Row;
+use sqlx::PgPool;
 
-use crate::rows::TemplateRow;
-use crate::{SqliteDb, err, micros, to_json};
+use crate::backend::Backend;
+use crate::rows::{Aliases, TemplateRow, big};
+use crate::{SqliteDb, err, to_json};
 
-/// Templates and their names, in SQLite.
+/// Templates and their names, in either database.
 #[derive(Debug, Clone)]
-pub struct SqliteTemplates {
-    pub(crate) db: SqliteDb,
+pub struct Templates<B> {
+    pub(crate) db: B,
 }
 
-#[async_trait::async_trait]
-impl TemplateRecords for SqliteTemplates {
-    async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
-        let mut tx = self.db.writes.begin().await.map_err(err)?;
-        sqlx::query(
-            "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-             ON CONFLICT(id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
-               build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
-               memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
-               image = excluded.image, updated_at = excluded.updated_at, build_count = excluded.build_count",
+/// How a database gathers a template's names into the one column `template_query!` selects.
+trait GathersNames {
+    type Names: Aliases;
+}
+
+// SQLite has no arrays: a JSON array, sorted as it is read.
+impl GathersNames for SqliteDb {
+    type Names = Option<String>;
+}
+
+impl GathersNames for PgPool {
+    type Names = Vec<String>;
+}
+
+/// A template query on backend `$b`: the template (`t`) with its names and its owner's slug,
+/// which namespaces its names (`tm`, joined on the owner), then `$rest`. Literals, so the SQL
+/// stays static.
+macro_rules! template_query {
+    ($b:ty, $rest:literal) => {
+        // The names come in the same statement: every create reads its template.
+        <$b as Backend>::either(
+            concat!(
+                "SELECT t.*, tm.slug AS namespace,
+                   (SELECT json_group_array(n.alias) FROM template_aliases n WHERE n.template_id = t.id) AS aliases
+                 FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
+                $rest
+            ),
+            concat!(
+                "SELECT t.*, tm.slug AS namespace,
+                   ARRAY(SELECT n.alias FROM template_aliases n WHERE n.template_id = t.id
+                         ORDER BY n.alias COLLATE \"C\") AS aliases
+                 FROM templates t LEFT JOIN teams tm ON tm.id = t.team_id ",
+                $rest
+            ),
         )
-        .bind(&t.id)
-        .bind(&t.team_id)
-        .bind(t.public)
-        .bind(&t.build_id)
-        .bind(t.build_status.as_str())
-        .bind(&t.build_error)
-        .bind(t.cpu_count)
-        .bind(t.memory_mb)
-        .bind(t.disk_size_mb)
-        .bind(&t.envd_version)
-        .bind(t.image.as_ref().map(to_json).transpose()?)
-        .bind(micros(t.created_at))
-        .bind(micros(t.updated_at))
-        .bind(t.last_spawned_at.map(micros))
-        .bind(t.spawn_count as i64)
-        .bind(t.build_count as i64)
-        .execute(&mut *tx)
-        .await
-        .map_err(err)?;
-        for alias in &t.aliases {
+    };
+}
+
+on_both! {
+    type Row = TemplateRow<Time, <B as GathersNames>::Names>;
+
+    #[async_trait::async_trait]
+    impl TemplateRecords for Templates<B> {
+        async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
+            let mut tx = self.db.writes().begin().await.map_err(err)?;
             sqlx::query(
-                "INSERT INTO template_aliases (scope, alias, template_id) VALUES (?, ?, ?)
-                 ON CONFLICT(scope, alias) DO UPDATE SET template_id = excluded.template_id",
+                "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
+                 ON CONFLICT (id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
+                   build_status = excluded.build_status, build_error = excluded.build_error, cpu_count = excluded.cpu_count,
+                   memory_mb = excluded.memory_mb, disk_size_mb = excluded.disk_size_mb, envd_version = excluded.envd_version,
+                   image = excluded.image, updated_at = excluded.updated_at, build_count = excluded.build_count",
             )
-            .bind(t.team_id.as_deref().unwrap_or(""))
-            .bind(alias)
             .bind(&t.id)
+            .bind(&t.team_id)
+            .bind(t.public)
+            .bind(&t.build_id)
+            .bind(t.build_status.as_str())
+            .bind(&t.build_error)
+            .bind(i64::from(t.cpu_count))
+            .bind(i64::from(t.memory_mb))
+            .bind(i64::from(t.disk_size_mb))
+            .bind(&t.envd_version)
+            .bind(t.image.as_ref().map(to_json).transpose()?)
+            .bind(B::time(t.created_at))
+            .bind(B::time(t.updated_at))
+            .bind(t.last_spawned_at.map(B::time))
+            .bind(big(t.spawn_count))
+            .bind(big(t.build_count))
             .execute(&mut *tx)
             .await
             .map_err(err)?;
-        }
-        tx.commit().await.map_err(err)?;
-        Ok(())
-    }
-
-    async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
-            "WHERE t.id = ?"
-        ))
-        .bind(id)
-        .fetch_optional(&self.db.reads)
-        .await
-        .map_err(err)?;
-        row.map(Template::try_from).transpose()
-    }
-
-    async fn template_by_name(
-        &self,
-        team_id: Option<&str>,
-        alias: &str,
-    ) -> Result<Option<Template>, StoreError> {
-        let row = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
-            "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = ? AND a.alias = ?"
-        ))
-        .bind(team_id.unwrap_or(""))
-        .bind(alias)
-        .fetch_optional(&self.db.reads)
-        .await
-        .map_err(err)?;
-        row.map(Template::try_from).transpose()
-    }
-
-    async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
-            "JOIN template_aliases a ON a.template_id = t.id
-             WHERE a.alias = ? AND a.scope != '' AND t.public ORDER BY t.created_at, t.id"
-        ))
-        .bind(alias)
-        .fetch_all(&self.db.reads)
-        .await
-        .map_err(err)?;
-        rows.into_iter().map(Template::try_from).collect()
-    }
-
-    async fn templates(&self) -> Result<Vec<Template>, StoreError> {
-        let rows = sqlx::query_as::<_, TemplateRow<i64, Option<String>>>(template_query!(
-            "ORDER BY t.created_at DESC, t.id"
-        ))
-        .fetch_all(&self.db.reads)
-        .await
-        .map_err(err)?;
-        rows.into_iter().map(Template::try_from).collect()
-    }
-
-    async fn set_template_build(
-        &self,
-        id: &str,
-        status: BuildStatus,
-        error: Option<&str>,
-    ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE templates SET build_status = ?, build_error = ?, updated_at = ? WHERE id = ?",
-        )
-        .bind(status.as_str())
-        .bind(error)
-        .bind(micros(Utc::now()))
-        .bind(id)
-        .execute(&self.db.writes)
-        .await
-        .map_err(err)?;
-        Ok(())
-    }
-
-    async fn set_template_image(
-        &self,
-        id: &str,
-        build_id: &str,
-        image: &TemplateImage,
-    ) -> Result<(), StoreError> {
-        // Only the latest build also sets the template's status: an older build finishing
-        // late still becomes the image, but must not hide a newer build's progress.
-        sqlx::query(
-            "UPDATE templates SET image = ?, ready_build_id = ?, updated_at = ?,
-               build_status = CASE WHEN build_id = ? THEN 'ready' ELSE build_status END,
-               build_error = CASE WHEN build_id = ? THEN NULL ELSE build_error END
-             WHERE id = ?",
-        )
-        .bind(to_json(image)?)
-        .bind(build_id)
-        .bind(micros(Utc::now()))
-        .bind(build_id)
-        .bind(build_id)
-        .bind(id)
-        .execute(&self.db.writes)
-        .await
-        .map_err(err)?;
-        Ok(())
-    }
-
-    async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
-        let mut tx = self.db.writes.begin().await.map_err(err)?;
-        for statement in [
-            "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = ?)",
-            "DELETE FROM build_tags WHERE template_id = ?",
-            "DELETE FROM template_builds WHERE template_id = ?",
-            "DELETE FROM template_aliases WHERE template_id = ?",
-            "DELETE FROM templates WHERE id = ?",
-        ] {
-            sqlx::query(statement)
-                .bind(id)
+            // A name taken by another template of the namespace moves to this one; the
+            // (scope, alias) key makes two hosts naming at once end with one owner.
+            for alias in &t.aliases {
+                sqlx::query(
+                    "INSERT INTO template_aliases (scope, alias, template_id) VALUES ($1, $2, $3)
+                     ON CONFLICT (scope, alias) DO UPDATE SET template_id = excluded.template_id",
+                )
+                .bind(t.team_id.as_deref().unwrap_or(""))
+                .bind(alias)
+                .bind(&t.id)
                 .execute(&mut *tx)
                 .await
                 .map_err(err)?;
+            }
+            tx.commit().await.map_err(err)?;
+            Ok(())
         }
-        tx.commit().await.map_err(err)?;
-        Ok(())
-    }
 
-    async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT image FROM templates WHERE image IS NOT NULL
-             UNION ALL
-             SELECT b.image FROM template_builds b JOIN build_tags t ON t.build_id = b.id
-             WHERE b.image IS NOT NULL",
-        )
-        .fetch_all(&self.db.reads)
-        .await
-        .map_err(err)?;
-        let mut layers = Vec::new();
-        for row in &rows {
-            let text: String = row.try_get("image").map_err(err)?;
-            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
-            layers.extend(image.layers);
-            // A snapshot's checkpoint lives as long as its layers.
-            // A capture's checkpoint lives as long as the image naming it.
-            layers.extend(image.snapshot.and_then(|s| s.checkpoint));
-            layers.extend(
-                image
-                    .started
-                    .into_iter()
-                    .flat_map(|s| [s.layer, s.checkpoint]),
-            );
+        async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
+            sqlx::query_as::<_, Row>(template_query!(B, "WHERE t.id = $1"))
+                .bind(id)
+                .fetch_optional(self.db.reads())
+                .await
+                .map_err(err)?
+                .map(Template::try_from)
+                .transpose()
         }
-        // Recorded sandboxes (running, paused, shelved, checkpointed) keep the layers they
-        // booted from even after their template moved on: a collection that runs before the
-        // node has adopted them again (at start) must not take their roots away. The
-        // checkpoint they were made from is not theirs to keep.
-        let sandboxes = sqlx::query("SELECT image FROM sandboxes WHERE image IS NOT NULL")
-            .fetch_all(&self.db.reads)
+
+        async fn template_by_name(
+            &self,
+            team_id: Option<&str>,
+            alias: &str,
+        ) -> Result<Option<Template>, StoreError> {
+            sqlx::query_as::<_, Row>(template_query!(
+                B,
+                "JOIN template_aliases a ON a.template_id = t.id WHERE a.scope = $1 AND a.alias = $2"
+            ))
+            .bind(team_id.unwrap_or(""))
+            .bind(alias)
+            .fetch_optional(self.db.reads())
+            .await
+            .map_err(err)?
+            .map(Template::try_from)
+            .transpose()
+        }
+
+        async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
+            sqlx::query_as::<_, Row>(template_query!(
+                B,
+                "JOIN template_aliases a ON a.template_id = t.id
+                 WHERE a.alias = $1 AND a.scope != '' AND t.public
+                 ORDER BY t.created_at, t.id COLLATE \"C\""
+            ))
+            .bind(alias)
+            .fetch_all(self.db.reads())
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(Template::try_from)
+            .collect()
+        }
+
+        async fn templates(&self) -> Result<Vec<Template>, StoreError> {
+            sqlx::query_as::<_, Row>(template_query!(
+                B,
+                "ORDER BY t.created_at DESC, t.id COLLATE \"C\""
+            ))
+            .fetch_all(self.db.reads())
+            .await
+            .map_err(err)?
+            .into_iter()
+            .map(Template::try_from)
+            .collect()
+        }
+
+        async fn set_template_build(
+            &self,
+            id: &str,
+            status: BuildStatus,
+            error: Option<&str>,
+        ) -> Result<(), StoreError> {
+            sqlx::query(
+                "UPDATE templates SET build_status = $1, build_error = $2, updated_at = $3 WHERE id = $4",
+            )
+            .bind(status.as_str())
+            .bind(error)
+            .bind(B::time(Utc::now()))
+            .bind(id)
+            .execute(self.db.writes())
             .await
             .map_err(err)?;
-        for row in &sandboxes {
-            let text: String = row.try_get("image").map_err(err)?;
-            let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
-            layers.extend(image.layers);
+            Ok(())
         }
-        layers.sort();
-        layers.dedup();
-        Ok(layers)
-    }
 
-    async fn record_template_spawns(
-        &self,
-        id: &str,
-        count: u32,
-        last: DateTime<Utc>,
-    ) -> Result<(), StoreError> {
-        sqlx::query(
-            "UPDATE templates SET spawn_count = spawn_count + ?1, \
-             last_spawned_at = max(COALESCE(last_spawned_at, ?2), ?2) WHERE id = ?3",
-        )
-        .bind(count)
-        .bind(micros(last))
-        .bind(id)
-        .execute(&self.db.writes)
-        .await
-        .map_err(err)?;
-        Ok(())
+        async fn set_template_image(
+            &self,
+            id: &str,
+            build_id: &str,
+            image: &TemplateImage,
+        ) -> Result<(), StoreError> {
+            // Only the latest build also sets the template's status: an older build finishing
+            // late still becomes the image, but must not hide a newer build's progress. One
+            // statement, so the comparison and the write see the same row.
+            sqlx::query(
+                "UPDATE templates SET image = $1, ready_build_id = $2, updated_at = $3,
+                   build_status = CASE WHEN build_id = $2 THEN 'ready' ELSE build_status END,
+                   build_error = CASE WHEN build_id = $2 THEN NULL ELSE build_error END
+                 WHERE id = $4",
+            )
+            .bind(to_json(image)?)
+            .bind(build_id)
+            .bind(B::time(Utc::now()))
+            .bind(id)
+            .execute(self.db.writes())
+            .await
+            .map_err(err)?;
+            Ok(())
+        }
+
+        async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
+            let mut tx = self.db.writes().begin().await.map_err(err)?;
+            for statement in [
+                "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = $1)",
+                "DELETE FROM build_tags WHERE template_id = $1",
+                "DELETE FROM template_builds WHERE template_id = $1",
+                "DELETE FROM template_aliases WHERE template_id = $1",
+                "DELETE FROM templates WHERE id = $1",
+            ] {
+                sqlx::query(statement)
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(err)?;
+            }
+            tx.commit().await.map_err(err)?;
+            Ok(())
+        }
+
+        async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
+            // One statement: one snapshot of templates, tags and sandboxes, so a layer moving
+            // from one to another while another host writes is seen in at least one of them.
+            let rows: Vec<(String, bool)> = sqlx::query_as(
+                "SELECT image, TRUE AS with_checkpoint FROM templates WHERE image IS NOT NULL
+                 UNION ALL
+                 SELECT b.image, TRUE FROM template_builds b JOIN build_tags t ON t.build_id = b.id
+                 WHERE b.image IS NOT NULL
+                 UNION ALL
+                 SELECT image, FALSE FROM sandboxes WHERE image IS NOT NULL",
+            )
+            .fetch_all(self.db.reads())
+            .await
+            .map_err(err)?;
+            let mut layers = Vec::new();
+            for (text, with_checkpoint) in rows {
+                let image: TemplateImage = serde_json::from_str(&text).map_err(err)?;
+                layers.extend(image.layers);
+                // A snapshot's checkpoint lives as long as its layers. Recorded sandboxes
+                // (running, paused, shelved, checkpointed) keep the layers they booted from
+                // even after their template moved on: a collection that runs before the node
+                // has adopted them again (at start) must not take their roots away. The
+                // checkpoint they were made from is not theirs to keep.
+                if with_checkpoint {
+                    layers.extend(image.snapshot.and_then(|s| s.checkpoint));
+                    // A capture's layer and checkpoint live as long as the image naming it.
+                    layers.extend(
+                        image
+                            .started
+                            .into_iter()
+                            .flat_map(|s| [s.layer, s.checkpoint]),
+                    );
+                }
+            }
+            layers.sort();
+            layers.dedup();
+            Ok(layers)
+        }
+
+        async fn record_template_spawns(
+            &self,
+            id: &str,
+            count: u32,
+            last: DateTime<Utc>,
+        ) -> Result<(), StoreError> {
+            // A CASE, as SQLite has no GREATEST: the newest spawn wins, whatever the order.
+            sqlx::query(
+                "UPDATE templates SET spawn_count = spawn_count + $1,
+                   last_spawned_at = CASE WHEN last_spawned_at IS NULL OR last_spawned_at < $2 THEN $2 ELSE last_spawned_at END
+                 WHERE id = $3",
+            )
+            .bind(i64::from(count))
+            .bind(B::time(last))
+            .bind(id)
+            .execute(self.db.writes())
+            .await
+            .map_err(err)?;
+            Ok(())
+        }
     }
 }

@@ -9,14 +9,14 @@
 use std::str::FromStr;
 use std::sync::Arc;
 
-use sandbar_core::{Store, StoreError};
+use sandbar_core::Store;
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use crate::err;
+use crate::builds::Builds;
 use crate::teams::Teams;
+use crate::templates::Templates;
 
-mod builds;
 mod layer_blobs;
 mod nodes;
 mod request_counts;
@@ -24,11 +24,9 @@ mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
-mod templates;
 mod volumes;
 mod webhooks;
 
-use builds::PgBuilds;
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
@@ -36,7 +34,6 @@ use sandbox_events::PgSandboxEvents;
 use sandbox_logs::PgSandboxLogs;
 use sandboxes::PgSandboxes;
 use team_metrics::PgTeamMetrics;
-use templates::PgTemplates;
 use volumes::PgVolumes;
 use webhooks::PgWebhooks;
 
@@ -70,28 +67,6 @@ pub fn redacted_url(url: &str) -> String {
         }
         Err(_) => "(unparsable url)".to_owned(),
     }
-}
-
-/// The rows `query` selects, with `key` as its one parameter when given, as records.
-async fn records_where<R, T>(
-    pool: &PgPool,
-    query: &'static str,
-    key: Option<&str>,
-) -> Result<Vec<T>, StoreError>
-where
-    R: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
-    T: TryFrom<R, Error = StoreError>,
-{
-    let mut q = sqlx::query_as::<_, R>(query);
-    if let Some(key) = key {
-        q = q.bind(key.to_owned());
-    }
-    q.fetch_all(pool)
-        .await
-        .map_err(err)?
-        .into_iter()
-        .map(T::try_from)
-        .collect()
 }
 
 impl PgStore {
@@ -129,8 +104,8 @@ impl PgStore {
     fn on_pool(pool: PgPool) -> Store {
         Store {
             teams: Arc::new(Teams { db: pool.clone() }),
-            templates: Arc::new(PgTemplates { pool: pool.clone() }),
-            builds: Arc::new(PgBuilds { pool: pool.clone() }),
+            templates: Arc::new(Templates { db: pool.clone() }),
+            builds: Arc::new(Builds { db: pool.clone() }),
             sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
             volumes: Arc::new(PgVolumes { pool: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
