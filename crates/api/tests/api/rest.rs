@@ -92,25 +92,17 @@ fn assert_error_body(reply: &Reply, status: StatusCode) {
 #[tokio::test]
 async fn api_key_is_required_and_checked() {
     let h = harness(GENEROUS).await;
-    assert_error_body(
-        &h.call("GET", "/v2/sandboxes", None, None).await,
-        StatusCode::UNAUTHORIZED,
-    );
     let wrong = "e2b_ffffffffffffffffffffffffffffffffffffffff";
-    assert_error_body(
-        &h.call("GET", "/v2/sandboxes", Some(wrong), None).await,
-        StatusCode::UNAUTHORIZED,
-    );
-    assert_error_body(
-        &h.call(
-            "POST",
-            "/v2/sandboxes",
-            Some(wrong),
-            Some(r#"{"templateID":"base"}"#),
-        )
-        .await,
-        StatusCode::UNAUTHORIZED,
-    );
+    for (method, key, body) in [
+        ("GET", None, None),
+        ("GET", Some(wrong), None),
+        ("POST", Some(wrong), Some(r#"{"templateID":"base"}"#)),
+    ] {
+        assert_error_body(
+            &h.call(method, "/v2/sandboxes", key, body).await,
+            StatusCode::UNAUTHORIZED,
+        );
+    }
     assert_eq!(h.launched(), 0);
     assert_eq!(
         h.api("GET", "/v2/sandboxes", None).await.status,
@@ -302,45 +294,32 @@ async fn timeouts_kill_and_unknown_ids() {
     let after = end(&h.api("GET", &format!("/sandboxes/{id}"), None).await);
     assert!(after > before);
 
-    assert_error_body(
-        &h.api(
-            "POST",
-            &format!("/sandboxes/{id}/timeout"),
-            Some(r#"{"timeout":-5}"#),
-        )
-        .await,
-        StatusCode::BAD_REQUEST,
-    );
-    assert_error_body(
-        &h.api(
-            "POST",
-            &format!("/sandboxes/{id}/refreshes"),
-            Some(r#"{"duration":3601}"#),
-        )
-        .await,
-        StatusCode::BAD_REQUEST,
-    );
+    for (path, body) in [
+        (format!("/sandboxes/{id}/timeout"), r#"{"timeout":-5}"#),
+        (format!("/sandboxes/{id}/refreshes"), r#"{"duration":3601}"#),
+    ] {
+        assert_error_body(
+            &h.api("POST", &path, Some(body)).await,
+            StatusCode::BAD_REQUEST,
+        );
+    }
     let connect = h
         .api("POST", &format!("/v2/sandboxes/{id}/connect"), Some("{}"))
         .await;
     assert_eq!(connect.status, StatusCode::OK);
     assert_eq!(connect.body["sandboxID"], id.as_str());
 
-    for (method, path) in [
-        ("GET", "/sandboxes/inope"),
-        ("DELETE", "/sandboxes/inope"),
-        ("POST", "/v2/sandboxes/inope/connect"),
+    for (method, path, body) in [
+        ("GET", "/sandboxes/inope", "{}"),
+        ("DELETE", "/sandboxes/inope", "{}"),
+        ("POST", "/v2/sandboxes/inope/connect", "{}"),
+        ("POST", "/sandboxes/inope/timeout", r#"{"timeout":5}"#),
     ] {
         assert_error_body(
-            &h.api(method, path, Some("{}")).await,
+            &h.api(method, path, Some(body)).await,
             StatusCode::NOT_FOUND,
         );
     }
-    assert_error_body(
-        &h.api("POST", "/sandboxes/inope/timeout", Some(r#"{"timeout":5}"#))
-            .await,
-        StatusCode::NOT_FOUND,
-    );
 
     assert_eq!(
         h.api("DELETE", &format!("/sandboxes/{id}"), None)
@@ -362,14 +341,12 @@ async fn another_teams_sandbox_is_invisible() {
     common::add_other_team(&h.store).await;
     let other_key = common::OTHER_KEY;
     let path = format!("/sandboxes/{id}");
-    assert_error_body(
-        &h.call("GET", &path, Some(other_key), None).await,
-        StatusCode::NOT_FOUND,
-    );
-    assert_error_body(
-        &h.call("DELETE", &path, Some(other_key), None).await,
-        StatusCode::NOT_FOUND,
-    );
+    for method in ["GET", "DELETE"] {
+        assert_error_body(
+            &h.call(method, &path, Some(other_key), None).await,
+            StatusCode::NOT_FOUND,
+        );
+    }
     let list = h.call("GET", "/v2/sandboxes", Some(other_key), None).await;
     assert_eq!(list.body.as_array().map(Vec::len), Some(0));
     assert_eq!(h.api("GET", &path, None).await.status, StatusCode::OK);
@@ -410,6 +387,17 @@ impl Harness {
             .await;
         assert_eq!(reply.status, StatusCode::OK, "{:?}", reply.body);
         reply.body
+    }
+
+    /// Cancels a build, which then reports itself cancelled by request.
+    async fn cancel(&self, template_id: &str, build_id: &str) {
+        let path = format!("/templates/{template_id}/builds/{build_id}");
+        assert_eq!(
+            self.api("DELETE", &path, None).await.status,
+            StatusCode::NO_CONTENT
+        );
+        let status = self.build_status(template_id, build_id).await;
+        assert!(says_cancelled(&status), "{status}");
     }
 }
 
@@ -453,25 +441,14 @@ async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their
         "building"
     );
 
-    let waiting_path = format!("/templates/{waiting_template}/builds/{waiting}");
-    assert_eq!(
-        h.api("DELETE", &waiting_path, None).await.status,
-        StatusCode::NO_CONTENT
-    );
-    let status = h.build_status(&waiting_template, &waiting).await;
-    assert!(says_cancelled(&status), "{status}");
+    h.cancel(&waiting_template, &waiting).await;
     assert_eq!(
         builder.began.load(Ordering::SeqCst),
         1,
         "the waiting build never began"
     );
 
-    assert_eq!(
-        h.api("DELETE", &running_path, None).await.status,
-        StatusCode::NO_CONTENT
-    );
-    let status = h.build_status(&running_template, &running).await;
-    assert!(says_cancelled(&status), "{status}");
+    h.cancel(&running_template, &running).await;
     assert_eq!(
         builder.dropped.load(Ordering::SeqCst),
         1,
@@ -482,13 +459,7 @@ async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their
         StatusCode::CONFLICT,
     );
 
-    let idle_path = format!("/templates/{idle_template}/builds/{idle}");
-    assert_eq!(
-        h.api("DELETE", &idle_path, None).await.status,
-        StatusCode::NO_CONTENT
-    );
-    let status = h.build_status(&idle_template, &idle).await;
-    assert!(says_cancelled(&status), "{status}");
+    h.cancel(&idle_template, &idle).await;
     assert_error_body(
         &h.api(
             "DELETE",
@@ -505,13 +476,7 @@ async fn builds_are_cancelled_waiting_running_or_never_started_and_only_by_their
 async fn team_limits_answer_429() {
     let h = harness(TeamLimits {
         max_concurrent_sandboxes: 2,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        disk_rates: sandbar_core::DiskRates::NODE,
-        caps: sandbar_core::TeamCaps::DEFAULT,
+        ..GENEROUS
     })
     .await;
     h.create(r#"{"templateID":"base"}"#).await;
@@ -524,13 +489,8 @@ async fn team_limits_answer_429() {
 
     let limited = harness(TeamLimits {
         max_concurrent_sandboxes: 2,
-        max_sandbox_timeout_secs: 3600,
         requests_per_minute: 3,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        disk_rates: sandbar_core::DiskRates::NODE,
-        caps: sandbar_core::TeamCaps::DEFAULT,
+        ..GENEROUS
     })
     .await;
     for _ in 0..3 {

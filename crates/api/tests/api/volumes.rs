@@ -444,32 +444,25 @@ async fn content_api_refuses_bad_tokens_and_bad_input() {
     let (other_id, _) = h.volume("d").await;
     let t = Some(token.as_str());
     let base = format!("/volumecontent/{id}");
-    for bad in [None, Some("vol_0000"), Some("")] {
+    let listing = format!("{base}/dir?path=/");
+    // One volume's token opens no other volume; unknown volumes answer the same.
+    for (path, token, needle) in [
+        (listing.clone(), None, id.as_str()),
+        (listing.clone(), Some("vol_0000"), &id),
+        (listing, Some(""), &id),
+        (
+            format!("/volumecontent/{other_id}/dir?path=/"),
+            t,
+            &other_id,
+        ),
+        ("/volumecontent/unknown/dir?path=/".to_owned(), t, "unknown"),
+    ] {
         assert_error(
-            &h.content("GET", &format!("{base}/dir?path=/"), bad, vec![])
-                .await,
+            &h.content("GET", &path, token, vec![]).await,
             StatusCode::UNAUTHORIZED,
-            &id,
+            needle,
         );
     }
-    // One volume's token opens no other volume; unknown volumes answer the same.
-    assert_error(
-        &h.content(
-            "GET",
-            &format!("/volumecontent/{other_id}/dir?path=/"),
-            t,
-            vec![],
-        )
-        .await,
-        StatusCode::UNAUTHORIZED,
-        &other_id,
-    );
-    assert_error(
-        &h.content("GET", "/volumecontent/unknown/dir?path=/", t, vec![])
-            .await,
-        StatusCode::UNAUTHORIZED,
-        "unknown",
-    );
     let cases = [
         ("GET", format!("{base}/file"), "path is required"),
         ("GET", format!("{base}/file?path=../x"), "'..'"),
