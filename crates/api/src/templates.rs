@@ -787,9 +787,7 @@ pub(crate) async fn detail(
     params(("templateID" = String, Path, description = "The template's ID or alias")),
     responses(
         (status = 204, description = "The template and its builds were deleted"),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        ChangeErrors,
         CommonErrors,
     )
 )]
@@ -809,19 +807,26 @@ pub(crate) struct UpdateBody {
     public: Option<bool>,
 }
 
-/// How changing a template fails, in either API version.
+/// How changing a template, its tags or its settings fails.
 #[derive(IntoResponses)]
 // Never constructed: it only names answers for the document.
 #[allow(dead_code)]
-enum UpdateErrors {
-    #[response(status = 409, description = "The template's build has not finished")]
-    NotBuilt(ErrorBody),
+enum ChangeErrors {
     #[response(status = 400, description = "Invalid request")]
     Invalid(ErrorBody),
     #[response(status = 403, description = "A built-in template cannot be changed")]
     BuiltIn(ErrorBody),
     #[response(status = 404, description = "No such template")]
     NotFound(ErrorBody),
+}
+
+/// How changing a template's settings fails besides [`ChangeErrors`], in either API version.
+#[derive(IntoResponses)]
+// Never constructed: it only names answers for the document.
+#[allow(dead_code)]
+enum UpdateErrors {
+    #[response(status = 409, description = "The template's build has not finished")]
+    NotBuilt(ErrorBody),
 }
 
 #[utoipa::path(
@@ -834,6 +839,7 @@ enum UpdateErrors {
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
+        ChangeErrors,
         UpdateErrors,
         CommonErrors,
     )
@@ -857,6 +863,7 @@ pub(crate) async fn update(
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
+        ChangeErrors,
         UpdateErrors,
         CommonErrors,
     )
@@ -903,9 +910,7 @@ pub(crate) struct AssignTagsBody {
     request_body = AssignTagsBody,
     responses(
         (status = 201, description = "The tags now name the target's build", body = TagsAssigned),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        ChangeErrors,
         CommonErrors,
     )
 )]
@@ -939,9 +944,7 @@ pub(crate) struct DeleteTagsBody {
     request_body = DeleteTagsBody,
     responses(
         (status = 204, description = "The tags were removed"),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        ChangeErrors,
         CommonErrors,
     )
 )]
@@ -967,9 +970,7 @@ pub(crate) async fn delete_tags(
     params(("templateID" = String, Path, description = "The template's ID or alias")),
     responses(
         (status = 200, description = "The template's tags and the builds they name", body = Vec<TemplateTag>),
-        (status = 400, description = "Invalid request", body = ErrorBody),
-        (status = 403, description = "A built-in template cannot be changed", body = ErrorBody),
-        (status = 404, description = "No such template", body = ErrorBody),
+        ChangeErrors,
         CommonErrors,
     )
 )]
