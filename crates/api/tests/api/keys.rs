@@ -66,6 +66,20 @@ impl Harness {
         reply.body
     }
 
+    /// Changes the team's limits; the team as changed.
+    async fn set_limits(&self, changes: LimitChanges) -> sandbar_core::Team {
+        self.auth
+            .set_team_limits(&self.team_id, changes)
+            .await
+            .expect("set")
+    }
+
+    /// Starts a sandbox described by `body` with the team's key.
+    async fn create(&self, body: &str) -> Reply {
+        self.call("POST", "/v2/sandboxes", Cred::Key(&self.key), Some(body))
+            .await
+    }
+
     async fn sandboxes_status(&self, key: &str) -> StatusCode {
         self.call("GET", "/v2/sandboxes", Cred::Key(key), None)
             .await
@@ -447,19 +461,8 @@ async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
             "diskSizeMB",
         ),
     ] {
-        let team = h
-            .auth
-            .set_team_limits(&h.team_id, changes)
-            .await
-            .expect("set");
-        let reply = h
-            .call(
-                "POST",
-                "/v2/sandboxes",
-                Cred::Key(&h.key),
-                Some(r#"{"templateID":"base"}"#),
-            )
-            .await;
+        h.set_limits(changes).await;
+        let reply = h.create(r#"{"templateID":"base"}"#).await;
         assert_error(&reply, StatusCode::BAD_REQUEST, field);
         let reply = h
             .call(
@@ -471,72 +474,42 @@ async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
             .await;
         assert_error(&reply, StatusCode::BAD_REQUEST, field);
         // Back to no ceilings for the next field.
-        h.auth
-            .set_team_limits(
-                &team.id,
-                LimitChanges {
-                    max_vcpu: Some(0),
-                    max_memory_mb: Some(0),
-                    max_disk_mb: Some(0),
-                    ..LimitChanges::default()
-                },
-            )
-            .await
-            .expect("reset");
+        h.set_limits(LimitChanges {
+            max_vcpu: Some(0),
+            max_memory_mb: Some(0),
+            max_disk_mb: Some(0),
+            ..LimitChanges::default()
+        })
+        .await;
     }
     assert_eq!(h.runtime.launches(), 0);
-    let reply = h
-        .call(
-            "POST",
-            "/v2/sandboxes",
-            Cred::Key(&h.key),
-            Some(r#"{"templateID":"base"}"#),
-        )
-        .await;
+    let reply = h.create(r#"{"templateID":"base"}"#).await;
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
 }
 
 #[tokio::test]
 async fn changed_limits_apply_to_the_next_request() {
     let h = harness().await;
-    let create = || async {
-        h.call(
-            "POST",
-            "/v2/sandboxes",
-            Cred::Key(&h.key),
-            Some(r#"{"templateID":"base","timeout":30}"#),
-        )
-        .await
-    };
+    let create = || h.create(r#"{"templateID":"base","timeout":30}"#);
     assert_eq!(create().await.status, StatusCode::CREATED);
-    h.auth
-        .set_team_limits(
-            &h.team_id,
-            LimitChanges {
-                max_concurrent_sandboxes: Some(1),
-                ..LimitChanges::default()
-            },
-        )
-        .await
-        .expect("set");
+    h.set_limits(LimitChanges {
+        max_concurrent_sandboxes: Some(1),
+        ..LimitChanges::default()
+    })
+    .await;
     let refused = create().await;
     assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "1 concurrent");
     let wait = common::retry_after(&refused.headers);
     assert!((1..=30).contains(&wait), "{wait}");
     assert_eq!(h.runtime.launches(), 1);
 
-    h.auth
-        .set_team_limits(
-            &h.team_id,
-            LimitChanges {
-                max_sandbox_timeout_secs: Some(10),
-                max_concurrent_sandboxes: Some(5),
-                requests_per_minute: Some(2),
-                ..LimitChanges::default()
-            },
-        )
-        .await
-        .expect("set");
+    h.set_limits(LimitChanges {
+        max_sandbox_timeout_secs: Some(10),
+        max_concurrent_sandboxes: Some(5),
+        requests_per_minute: Some(2),
+        ..LimitChanges::default()
+    })
+    .await;
     assert_error(&create().await, StatusCode::BAD_REQUEST, "timeout");
     assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
     let limited = h
@@ -605,14 +578,7 @@ async fn operator_limits_are_range_checked() {
 async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
     let h = harness().await;
     let key = Cred::Key(&h.key);
-    let sandbox = h
-        .call(
-            "POST",
-            "/v2/sandboxes",
-            key,
-            Some(r#"{"templateID":"base"}"#),
-        )
-        .await;
+    let sandbox = h.create(r#"{"templateID":"base"}"#).await;
     let sandbox_id = sandbox.body["sandboxID"].as_str().expect("id").to_owned();
     let build = h
         .call("POST", "/v3/templates", key, Some(r#"{"name":"ranges"}"#))
@@ -692,25 +658,20 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
 #[tokio::test]
 async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
     let h = harness().await;
-    h.auth
-        .set_team_limits(
-            &h.team_id,
-            LimitChanges {
-                max_concurrent_sandboxes: Some(1),
-                ..LimitChanges::default()
-            },
-        )
-        .await
-        .expect("set");
+    h.set_limits(LimitChanges {
+        max_concurrent_sandboxes: Some(1),
+        ..LimitChanges::default()
+    })
+    .await;
     let key = Cred::Key(&h.key);
     let create = r#"{"templateID":"base","timeout":30}"#;
-    let first = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    let first = h.create(create).await;
     let first_id = first.body["sandboxID"].as_str().expect("id").to_owned();
     let paused = h
         .call("POST", &format!("/sandboxes/{first_id}/pause"), key, None)
         .await;
     assert_eq!(paused.status, StatusCode::NO_CONTENT, "{:?}", paused.body);
-    let second = h.call("POST", "/v2/sandboxes", key, Some(create)).await;
+    let second = h.create(create).await;
     assert_eq!(second.status, StatusCode::CREATED, "{:?}", second.body);
     let second_id = second.body["sandboxID"].as_str().expect("id").to_owned();
 
@@ -745,16 +706,11 @@ async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
 #[tokio::test]
 async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry() {
     let h = harness().await;
-    h.auth
-        .set_team_limits(
-            &h.team_id,
-            LimitChanges {
-                max_concurrent_sandboxes: Some(1),
-                ..LimitChanges::default()
-            },
-        )
-        .await
-        .expect("set");
+    h.set_limits(LimitChanges {
+        max_concurrent_sandboxes: Some(1),
+        ..LimitChanges::default()
+    })
+    .await;
     let key = Cred::Key(&h.key);
     let sleeper = h
         .call(
@@ -775,14 +731,7 @@ async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry()
         .call("POST", &format!("/sandboxes/{sleeper_id}/pause"), key, None)
         .await;
     assert_eq!(paused.status, StatusCode::NO_CONTENT, "{:?}", paused.body);
-    let other = h
-        .call(
-            "POST",
-            "/v2/sandboxes",
-            key,
-            Some(r#"{"templateID":"base","timeout":30}"#),
-        )
-        .await;
+    let other = h.create(r#"{"templateID":"base","timeout":30}"#).await;
     assert_eq!(other.status, StatusCode::CREATED, "{:?}", other.body);
 
     let request = Request::builder()
