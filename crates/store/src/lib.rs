@@ -64,17 +64,6 @@ fn time(us: i64) -> DateTime<Utc> {
     DateTime::from_timestamp_micros(us).unwrap_or_default()
 }
 
-/// A webhook query: every column of `webhooks` as `WebhookRow` reads them, then `$rest`. A
-/// literal, so the SQL stays static; both dialects use it.
-macro_rules! webhook_query {
-    ($rest:literal) => {
-        concat!(
-            "SELECT id, team_id, name, url, enabled, events, secret, created_at FROM webhooks ",
-            $rest
-        )
-    };
-}
-
 #[macro_use]
 mod backend;
 mod builds;
@@ -96,14 +85,14 @@ use builds::Builds;
 use layer_blobs::SqliteLayerBlobs;
 use nodes::SqliteNodes;
 use request_counts::SqliteRequestCounts;
-use sandbox_events::SqliteSandboxEvents;
+use sandbox_events::SandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::SqliteSandboxes;
 use team_metrics::SqliteTeamMetrics;
 use teams::Teams;
 use templates::Templates;
 use volumes::SqliteVolumes;
-use webhooks::SqliteWebhooks;
+use webhooks::Webhooks;
 
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
@@ -166,8 +155,8 @@ impl SqliteStore {
             sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
             volumes: Arc::new(SqliteVolumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
-            sandbox_events: Arc::new(SqliteSandboxEvents { db: db.clone() }),
-            webhooks: Arc::new(SqliteWebhooks { db: db.clone() }),
+            sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
+            webhooks: Arc::new(Webhooks { db: db.clone() }),
             team_metrics: Arc::new(SqliteTeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
             layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),

@@ -3,55 +3,57 @@
 use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxEventRecords;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, StoreError};
-use sqlx::Sqlite;
 
+use crate::backend::Backend;
 use crate::rows::{bind_event, event_of, events_page};
-use crate::{SqliteDb, err, micros};
+use crate::{err, micros};
 
-/// Sandbox lifecycle events, in SQLite.
+/// Sandbox lifecycle events, in either database. Both keep their times as microseconds.
 #[derive(Debug, Clone)]
-pub struct SqliteSandboxEvents {
-    pub(crate) db: SqliteDb,
+pub struct SandboxEvents<B> {
+    pub(crate) db: B,
 }
 
-#[async_trait::async_trait]
-impl SandboxEventRecords for SqliteSandboxEvents {
-    async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError> {
-        let mut tx = self.db.writes.begin().await.map_err(err)?;
-        for event in events {
-            bind_event(
-                sqlx::query(
-                    "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES (?, ?, ?, ?, ?, ?)",
-                ),
-                event,
-            )?
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
+on_both! {
+    #[async_trait::async_trait]
+    impl SandboxEventRecords for SandboxEvents<B> {
+        async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError> {
+            let mut tx = self.db.writes().begin().await.map_err(err)?;
+            for event in events {
+                bind_event(
+                    sqlx::query(
+                        "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES ($1, $2, $3, $4, $5, $6)",
+                    ),
+                    event,
+                )?
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+            }
+            tx.commit().await.map_err(err)
         }
-        tx.commit().await.map_err(err)
-    }
 
-    async fn sandbox_events(
-        &self,
-        team_id: &str,
-        query: &SandboxEventQuery,
-    ) -> Result<Vec<SandboxEvent>, StoreError> {
-        let mut sql = events_page::<Sqlite>(team_id, query);
-        let bodies: Vec<(String,)> = sql
-            .build_query_as()
-            .fetch_all(&self.db.reads)
-            .await
-            .map_err(err)?;
-        bodies.iter().map(|(body,)| event_of(body)).collect()
-    }
+        async fn sandbox_events(
+            &self,
+            team_id: &str,
+            query: &SandboxEventQuery,
+        ) -> Result<Vec<SandboxEvent>, StoreError> {
+            let mut sql = events_page::<<B as Backend>::Db>(team_id, query);
+            let bodies: Vec<(String,)> = sql
+                .build_query_as()
+                .fetch_all(self.db.reads())
+                .await
+                .map_err(err)?;
+            bodies.iter().map(|(body,)| event_of(body)).collect()
+        }
 
-    async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-        let result = sqlx::query("DELETE FROM sandbox_events WHERE at < ?")
-            .bind(micros(before))
-            .execute(&self.db.writes)
-            .await
-            .map_err(err)?;
-        Ok(result.rows_affected())
+        async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
+            let result = sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
+                .bind(micros(before))
+                .execute(self.db.writes())
+                .await
+                .map_err(err)?;
+            Ok(result.rows_affected())
+        }
     }
 }

@@ -14,28 +14,26 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builds::Builds;
+use crate::sandbox_events::SandboxEvents;
 use crate::teams::Teams;
 use crate::templates::Templates;
+use crate::webhooks::Webhooks;
 
 mod layer_blobs;
 mod nodes;
 mod request_counts;
-mod sandbox_events;
 mod sandbox_logs;
 mod sandboxes;
 mod team_metrics;
 mod volumes;
-mod webhooks;
 
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
-use sandbox_events::PgSandboxEvents;
 use sandbox_logs::PgSandboxLogs;
 use sandboxes::PgSandboxes;
 use team_metrics::PgTeamMetrics;
 use volumes::PgVolumes;
-use webhooks::PgWebhooks;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -109,8 +107,8 @@ impl PgStore {
             sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
             volumes: Arc::new(PgVolumes { pool: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
-            sandbox_events: Arc::new(PgSandboxEvents { pool: pool.clone() }),
-            webhooks: Arc::new(PgWebhooks { pool: pool.clone() }),
+            sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
+            webhooks: Arc::new(Webhooks { db: pool.clone() }),
             team_metrics: Arc::new(PgTeamMetrics { pool: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
             layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
