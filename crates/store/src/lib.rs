@@ -87,7 +87,7 @@ use nodes::SqliteNodes;
 use request_counts::SqliteRequestCounts;
 use sandbox_events::SandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
-use sandboxes::SqliteSandboxes;
+use sandboxes::Sandboxes;
 use team_metrics::SqliteTeamMetrics;
 use teams::Teams;
 use templates::Templates;
@@ -152,7 +152,7 @@ impl SqliteStore {
             teams: Arc::new(Teams { db: db.clone() }),
             templates: Arc::new(Templates { db: db.clone() }),
             builds: Arc::new(Builds { db: db.clone() }),
-            sandboxes: Arc::new(SqliteSandboxes { db: db.clone() }),
+            sandboxes: Arc::new(Sandboxes { db: db.clone() }),
             volumes: Arc::new(SqliteVolumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),

@@ -15,6 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builds::Builds;
 use crate::sandbox_events::SandboxEvents;
+use crate::sandboxes::Sandboxes;
 use crate::teams::Teams;
 use crate::templates::Templates;
 use crate::webhooks::Webhooks;
@@ -23,7 +24,6 @@ mod layer_blobs;
 mod nodes;
 mod request_counts;
 mod sandbox_logs;
-mod sandboxes;
 mod team_metrics;
 mod volumes;
 
@@ -31,7 +31,6 @@ use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
 use sandbox_logs::PgSandboxLogs;
-use sandboxes::PgSandboxes;
 use team_metrics::PgTeamMetrics;
 use volumes::PgVolumes;
 
@@ -104,7 +103,7 @@ impl PgStore {
             teams: Arc::new(Teams { db: pool.clone() }),
             templates: Arc::new(Templates { db: pool.clone() }),
             builds: Arc::new(Builds { db: pool.clone() }),
-            sandboxes: Arc::new(PgSandboxes { pool: pool.clone() }),
+            sandboxes: Arc::new(Sandboxes { db: pool.clone() }),
             volumes: Arc::new(PgVolumes { pool: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
