@@ -13,7 +13,7 @@ use crate::extract::{PathParam, QueryPairs, TeamAuth};
 use crate::openapi::CommonErrors;
 use serde::Serialize;
 use std::collections::BTreeMap;
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -228,6 +228,21 @@ pub(crate) async fn logs_v2(
     }))
 }
 
+/// The interval of the team metrics' reads, as the document describes it; [`interval`]
+/// reads it.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+// Never constructed: the interval is read from the query's pairs.
+#[allow(dead_code)]
+struct IntervalParams {
+    /// Unix seconds: the interval's start
+    #[param(minimum = 0, maximum = 253402300799_i64)]
+    start: Option<i64>,
+    /// Unix seconds: the interval's end
+    #[param(minimum = 0, maximum = 253402300799_i64)]
+    end: Option<i64>,
+}
+
 fn interval(query: &QueryPairs) -> Result<(Option<i64>, Option<i64>), ApiError> {
     let start = query.int_in("start", 0..=MAX_UNIX_SECS)?;
     let end = query.int_in("end", 0..=MAX_UNIX_SECS)?;
@@ -250,8 +265,7 @@ fn interval(query: &QueryPairs) -> Result<(Option<i64>, Option<i64>), ApiError> 
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
         ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
-        ("start" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's start"),
-        ("end" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's end"),
+        IntervalParams,
     ),
     responses(
         (status = 200, description = "The team's samples, oldest first", body = Vec<TeamMetricPoint>),
@@ -295,8 +309,7 @@ pub(crate) async fn team_metrics(
     params(
         ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
         ("metric" = String, Query, pattern = "^(concurrent_sandboxes|sandbox_start_rate)$", description = "`concurrent_sandboxes` or `sandbox_start_rate`"),
-        ("start" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's start"),
-        ("end" = Option<i64>, Query, minimum = 0, maximum = 253402300799_i64, description = "Unix seconds: the interval's end"),
+        IntervalParams,
     ),
     responses(
         (status = 200, description = "The metric's largest value in the interval", body = TeamMetricMax),

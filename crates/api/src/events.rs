@@ -7,7 +7,7 @@ use axum::Json;
 use axum::extract::State;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, SandboxEventType};
 use serde::Serialize;
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
@@ -89,6 +89,25 @@ impl From<&SandboxEvent> for SandboxEventView {
     }
 }
 
+/// The query both event reads take, as the document describes it; [`event_query`] reads it.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+// Never constructed: the query is read from its pairs, as `types` may repeat.
+#[allow(dead_code)]
+struct EventParams {
+    /// Events to skip (default 0)
+    #[param(minimum = 0)]
+    offset: Option<i32>,
+    /// Most events returned (default 10)
+    #[param(minimum = 1, maximum = 100)]
+    limit: Option<i32>,
+    /// Oldest first (default: newest first)
+    #[param(rename = "orderAsc")]
+    order_asc: Option<bool>,
+    /// Only events of these types; repeat for several
+    types: Option<Vec<String>>,
+}
+
 /// The query both event reads take: `offset`, `limit`, `orderAsc` and any number of
 /// `types`.
 fn event_query(
@@ -149,12 +168,7 @@ async fn read_events(
     tag = "events",
     operation_id = "getSandboxesEvents",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(
-        ("offset" = Option<i32>, Query, minimum = 0, description = "Events to skip (default 0)"),
-        ("limit" = Option<i32>, Query, minimum = 1, maximum = 100, description = "Most events returned (default 10)"),
-        ("orderAsc" = Option<bool>, Query, description = "Oldest first (default: newest first)"),
-        ("types" = Option<Vec<String>>, Query, description = "Only events of these types; repeat for several"),
-    ),
+    params(EventParams),
     responses(
         (status = 200, description = "A page of the team's events", body = Vec<SandboxEventView>),
         (status = 400, description = "Invalid query parameter", body = ErrorBody),
@@ -178,10 +192,7 @@ pub(crate) async fn team_events(
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
         ("sandboxID" = String, Path, description = "The sandbox's ID"),
-        ("offset" = Option<i32>, Query, minimum = 0, description = "Events to skip (default 0)"),
-        ("limit" = Option<i32>, Query, minimum = 1, maximum = 100, description = "Most events returned (default 10)"),
-        ("orderAsc" = Option<bool>, Query, description = "Oldest first (default: newest first)"),
-        ("types" = Option<Vec<String>>, Query, description = "Only events of these types; repeat for several"),
+        EventParams,
     ),
     responses(
         (status = 200, description = "A page of the sandbox's events; none for a sandbox of another team", body = Vec<SandboxEventView>),
