@@ -91,7 +91,7 @@ use sandboxes::Sandboxes;
 use team_metrics::SqliteTeamMetrics;
 use teams::Teams;
 use templates::Templates;
-use volumes::SqliteVolumes;
+use volumes::Volumes;
 use webhooks::Webhooks;
 
 impl SqliteStore {
@@ -153,7 +153,7 @@ impl SqliteStore {
             templates: Arc::new(Templates { db: db.clone() }),
             builds: Arc::new(Builds { db: db.clone() }),
             sandboxes: Arc::new(Sandboxes { db: db.clone() }),
-            volumes: Arc::new(SqliteVolumes { db: db.clone() }),
+            volumes: Arc::new(Volumes { db: db.clone() }),
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
             webhooks: Arc::new(Webhooks { db: db.clone() }),

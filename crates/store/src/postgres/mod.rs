@@ -18,6 +18,7 @@ use crate::sandbox_events::SandboxEvents;
 use crate::sandboxes::Sandboxes;
 use crate::teams::Teams;
 use crate::templates::Templates;
+use crate::volumes::Volumes;
 use crate::webhooks::Webhooks;
 
 mod layer_blobs;
@@ -25,14 +26,12 @@ mod nodes;
 mod request_counts;
 mod sandbox_logs;
 mod team_metrics;
-mod volumes;
 
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
 use sandbox_logs::PgSandboxLogs;
 use team_metrics::PgTeamMetrics;
-use volumes::PgVolumes;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -104,7 +103,7 @@ impl PgStore {
             templates: Arc::new(Templates { db: pool.clone() }),
             builds: Arc::new(Builds { db: pool.clone() }),
             sandboxes: Arc::new(Sandboxes { db: pool.clone() }),
-            volumes: Arc::new(PgVolumes { pool: pool.clone() }),
+            volumes: Arc::new(Volumes { db: pool.clone() }),
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
             webhooks: Arc::new(Webhooks { db: pool.clone() }),
