@@ -10,7 +10,7 @@ use crate::dto::LogLevelName;
 use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{PathParam, QueryPairs, TeamAuth};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, SandboxPath};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use utoipa::{IntoParams, ToSchema};
@@ -113,7 +113,7 @@ fn entry_json(entry: &sandbar_core::SandboxLogEntry) -> SandboxLogEntry {
     operation_id = "getSandboxLogs",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        SandboxPath,
         ("start" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch of the first line"),
         ("limit" = Option<i32>, Query, minimum = 0, description = "Most lines returned (default 1000)"),
     ),
@@ -167,7 +167,7 @@ pub(crate) async fn logs_v1(
     operation_id = "getV2SandboxLogs",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        SandboxPath,
         ("cursor" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch to start from"),
         ("limit" = Option<i32>, Query, minimum = 0, maximum = 1000, description = "Most lines returned (default 1000)"),
         ("direction" = Option<String>, Query, pattern = "^(forward|backward)$", description = "`forward` (default) or `backward` from the cursor"),

@@ -15,7 +15,7 @@ use crate::AppState;
 use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{PathParam, QueryPairs, TeamAuth};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, SandboxPath};
 
 /// Events returned when `limit` is not given, and the most one page holds.
 const DEFAULT_EVENT_LIMIT: i64 = 10;
@@ -191,7 +191,7 @@ pub(crate) async fn team_events(
     operation_id = "getSandboxEvents",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        SandboxPath,
         EventParams,
     ),
     responses(

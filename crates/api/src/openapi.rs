@@ -16,7 +16,7 @@ use utoipa::openapi::response::{Response, ResponseBuilder};
 use utoipa::openapi::schema::{ObjectBuilder, Type};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Ref, RefOr};
-use utoipa::{IntoResponses, Modify, OpenApi};
+use utoipa::{IntoParams, IntoResponses, Modify, OpenApi};
 
 use crate::error::ErrorBody;
 
@@ -113,6 +113,42 @@ impl IntoResponses for CommonErrors {
             ),
         ])
     }
+}
+
+// The path parameters below are never constructed: handlers take them as a `PathParam`,
+// and these only describe them, once for every path they stand in.
+
+/// The `{sandboxID}` of a sandbox's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct SandboxPath {
+    /// The sandbox's ID
+    #[param(rename = "sandboxID")]
+    sandbox_id: String,
+}
+
+/// The `{templateID}` of a template's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct TemplatePath {
+    /// The template's ID or alias
+    #[param(rename = "templateID")]
+    template_id: String,
+}
+
+/// The `{templateID}` and `{buildID}` of a build's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct BuildPath {
+    /// The template's ID or alias
+    #[param(rename = "templateID")]
+    template_id: String,
+    /// The build's ID
+    #[param(rename = "buildID")]
+    build_id: String,
 }
 
 /// The generated document as JSON, built once.

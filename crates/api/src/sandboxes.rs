@@ -17,7 +17,7 @@ use crate::dto::{
 use crate::dto::{SandboxStateName, next_token_header};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, SandboxPath};
 
 /// Default lifetime when a v2 create names none (E2B's documented default).
 const DEFAULT_TIMEOUT_V2: i64 = 300;
@@ -128,7 +128,7 @@ fn egress_config(network: &NetworkConfig) -> Result<EgressConfig, ApiError> {
     tag = "sandboxes",
     operation_id = "putSandboxNetwork",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body = NetworkConfig,
     responses(
         (status = 204, description = "The egress rules were replaced"),
@@ -396,7 +396,7 @@ pub(crate) async fn list_v1(
     tag = "sandboxes",
     operation_id = "getSandbox",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     responses(
         (status = 200, description = "The sandbox", body = SandboxDetail),
         (status = 400, description = "Invalid request", body = ErrorBody),
@@ -422,7 +422,7 @@ pub(crate) async fn detail(
     tag = "sandboxes",
     operation_id = "deleteSandbox",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     responses(
         (status = 204, description = "The sandbox was killed (after a pause, resume or snapshot under way finished)"),
         (status = 400, description = "Invalid request", body = ErrorBody),
@@ -446,7 +446,7 @@ pub(crate) async fn kill(
     tag = "sandboxes",
     operation_id = "postSandboxTimeout",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body = TimeoutBody,
     responses(
         (status = 204, description = "The sandbox's end was moved"),
@@ -477,7 +477,7 @@ pub(crate) async fn set_timeout(
     tag = "sandboxes",
     operation_id = "postSandboxRefreshes",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body = RefreshBody,
     responses(
         (status = 204, description = "The sandbox is kept alive"),
@@ -578,7 +578,7 @@ enum ConnectErrors {
     operation_id = "postV2SandboxConnect",
     security(("ApiKeyAuth" = [])),
     request_body = OptionalTimeoutConnectBody,
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     responses(
         (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
@@ -602,7 +602,7 @@ pub(crate) async fn connect_v2(
     operation_id = "postSandboxConnect",
     security(("ApiKeyAuth" = [])),
     request_body = ConnectBody,
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     responses(
         (status = 200, description = "The sandbox was running (or another request resumed it meanwhile)", body = SandboxCreated),
         (status = 201, description = "The sandbox was paused and has been resumed", body = SandboxCreated),
@@ -677,7 +677,7 @@ fn unix_param(
     operation_id = "getSandboxMetrics",
     security(("ApiKeyAuth" = [])),
     params(
-        ("sandboxID" = String, Path, description = "The sandbox's ID"),
+        SandboxPath,
         ("start" = Option<i64>, Query, minimum = 0, maximum = 8589934588_i64, description = "Unix seconds: the interval's start"),
         ("end" = Option<i64>, Query, minimum = 0, maximum = 8589934588_i64, description = "Unix seconds: the interval's end"),
     ),
@@ -774,7 +774,7 @@ pub(crate) struct PauseBody {
     tag = "sandboxes",
     operation_id = "postSandboxPause",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body(content = Option<PauseBody>),
     responses(
         (status = 204, description = "The sandbox was paused, with its memory or (memory: false) only its files"),
@@ -818,7 +818,7 @@ pub(crate) struct ResumeBody {
     tag = "sandboxes",
     operation_id = "postSandboxResume",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body(content = Option<ResumeBody>),
     responses(
         (status = 201, description = "The sandbox was resumed", body = SandboxCreated),

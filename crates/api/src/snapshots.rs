@@ -12,7 +12,7 @@ use crate::AppState;
 use crate::dto::{SandboxCreated, next_token_header};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, SandboxPath};
 
 const DEFAULT_FORK_TIMEOUT: i64 = 15;
 const MAX_PAGE: i64 = 100;
@@ -54,7 +54,7 @@ impl From<&SnapshotInfo> for SnapshotView {
     tag = "sandboxes",
     operation_id = "postSandboxSnapshots",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body(content = Option<SnapshotBody>),
     responses(
         (status = 201, description = "The snapshot was created", body = SnapshotView),
@@ -154,7 +154,7 @@ pub(crate) struct ForkView {
     tag = "sandboxes",
     operation_id = "postSandboxFork",
     security(("ApiKeyAuth" = [])),
-    params(("sandboxID" = String, Path, description = "The sandbox's ID")),
+    params(SandboxPath),
     request_body(content = Option<ForkBody>),
     responses(
         (status = 201, description = "The sandbox was snapshotted and the forks attempted", body = Vec<ForkView>),

@@ -17,7 +17,7 @@ use crate::AppState;
 use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, next_token_header, rfc3339};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs, TeamAuth};
-use crate::openapi::CommonErrors;
+use crate::openapi::{BuildPath, CommonErrors, TemplatePath};
 
 /// `GET /templates/aliases/{alias}`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -331,7 +331,7 @@ fn external_base(headers: &HeaderMap) -> String {
     tag = "templates",
     operation_id = "getTemplateFiles",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias"), ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files")),
+    params(TemplatePath, ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files")),
     responses(
         (status = 201, description = "Whether the files are stored, and where to upload them if not", body = FileLink),
         (status = 400, description = "Invalid hash", body = ErrorBody),
@@ -363,7 +363,7 @@ pub(crate) async fn file_link(
     operation_id = "putTemplateFiles",
     security(()),
     params(
-        ("templateID" = String, Path, description = "The template's ID or alias"),
+        TemplatePath,
         ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files"),
         ("token" = String, Query, description = "The token of the link `GET /templates/{templateID}/files/{hash}` gave"),
     ),
@@ -505,7 +505,7 @@ fn parse_step(index: usize, step: StepBody) -> Result<BuildStep, ApiError> {
     tag = "templates",
     operation_id = "postV2TemplateBuild",
     security(("ApiKeyAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID")),
+    params(BuildPath),
     request_body = StartBuildBody,
     responses(
         (status = 202, description = "The build was started"),
@@ -608,7 +608,7 @@ fn level_param(query: &QueryPairs) -> Result<Option<LogLevel>, ApiError> {
     operation_id = "getTemplateBuildStatus",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID"),
+        BuildPath,
         ("logsOffset" = Option<i64>, Query, minimum = 0, maximum = 4294967295_i64, description = "Index of the first log line returned (default 0)"),
         ("limit" = Option<i32>, Query, minimum = 0, maximum = 100, description = "Most log lines returned (default 100)"),
         ("level" = Option<LogLevelName>, Query, description = "Lowest level of the lines returned"),
@@ -659,7 +659,7 @@ pub(crate) async fn build_status(
     operation_id = "getTemplateBuildLogs",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID"),
+        BuildPath,
         ("cursor" = Option<i64>, Query, minimum = 0, description = "Milliseconds since the epoch to start from"),
         ("limit" = Option<i32>, Query, minimum = 0, maximum = 100, description = "Most lines returned (default 100)"),
         ("direction" = Option<String>, Query, pattern = "^(forward|backward)$", description = "`forward` (default) or `backward` from the cursor"),
@@ -729,7 +729,7 @@ fn build_json(b: &BuildRecord) -> TemplateBuild {
     operation_id = "getTemplate",
     security(("ApiKeyAuth" = [])),
     params(
-        ("templateID" = String, Path, description = "The template's ID or alias"),
+        TemplatePath,
         ("nextToken" = Option<String>, Query, pattern = "^[0-9]+$", description = "Cursor from the previous page's `X-Next-Token`"),
         ("limit" = Option<i32>, Query, minimum = 1, maximum = 100, description = "Builds per page (default 100)"),
     ),
@@ -784,7 +784,7 @@ pub(crate) async fn detail(
     tag = "templates",
     operation_id = "deleteTemplate",
     security(("ApiKeyAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    params(TemplatePath),
     responses(
         (status = 204, description = "The template and its builds were deleted"),
         ChangeErrors,
@@ -835,7 +835,7 @@ enum UpdateErrors {
     tag = "templates",
     operation_id = "patchTemplate",
     security(("ApiKeyAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    params(TemplatePath),
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
@@ -859,7 +859,7 @@ pub(crate) async fn update(
     tag = "templates",
     operation_id = "patchV2Template",
     security(("ApiKeyAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    params(TemplatePath),
     request_body = UpdateBody,
     responses(
         (status = 200, description = "The template's names", body = TemplateNames),
@@ -967,7 +967,7 @@ pub(crate) async fn delete_tags(
     tag = "templates",
     operation_id = "getTemplateTags",
     security(("ApiKeyAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    params(TemplatePath),
     responses(
         (status = 200, description = "The template's tags and the builds they name", body = Vec<TemplateTag>),
         ChangeErrors,
@@ -1074,7 +1074,7 @@ pub(crate) async fn create_from_dockerfile(
     tag = "templates",
     operation_id = "postTemplate",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias")),
+    params(TemplatePath),
     request_body = DockerfileBody,
     responses(
         (status = 202, description = "The template and its build were registered; start the build next", body = TemplateItem),
@@ -1098,7 +1098,7 @@ pub(crate) async fn rebuild_from_dockerfile(
     tag = "templates",
     operation_id = "postTemplateBuild",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("templateID" = String, Path, description = "The template's ID or alias"), ("buildID" = String, Path, description = "The build's ID")),
+    params(BuildPath),
     responses(
         (status = 202, description = "The build was started"),
         (status = 400, description = "Invalid request", body = ErrorBody),
