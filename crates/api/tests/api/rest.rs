@@ -251,16 +251,14 @@ async fn list_paginates_and_filters() {
     created.sort();
     assert_eq!(seen, created);
 
-    let encoded = h
-        .api("GET", "/v2/sandboxes?metadata=n%3D3%26group%3Dg", None)
-        .await;
-    assert_eq!(encoded.body.as_array().map(Vec::len), Some(1));
-    let running = h
-        .api("GET", "/v2/sandboxes?state=running%2Cpaused", None)
-        .await;
-    assert_eq!(running.body.as_array().map(Vec::len), Some(6));
-    let v1 = h.api("GET", "/sandboxes", None).await;
-    assert_eq!(v1.body.as_array().map(Vec::len), Some(6));
+    for (path, count) in [
+        ("/v2/sandboxes?metadata=n%3D3%26group%3Dg", 1),
+        ("/v2/sandboxes?state=running%2Cpaused", 6),
+        ("/sandboxes", 6),
+    ] {
+        let listed = h.api("GET", path, None).await;
+        assert_eq!(listed.body.as_array().map(Vec::len), Some(count), "{path}");
+    }
 
     for bad in [
         "limit=0",
