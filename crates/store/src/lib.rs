@@ -88,7 +88,7 @@ use request_counts::SqliteRequestCounts;
 use sandbox_events::SandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::Sandboxes;
-use team_metrics::SqliteTeamMetrics;
+use team_metrics::TeamMetrics;
 use teams::Teams;
 use templates::Templates;
 use volumes::Volumes;
@@ -157,7 +157,7 @@ impl SqliteStore {
             sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
             webhooks: Arc::new(Webhooks { db: db.clone() }),
-            team_metrics: Arc::new(SqliteTeamMetrics { db: db.clone() }),
+            team_metrics: Arc::new(TeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
             layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),
             request_counts: Arc::new(SqliteRequestCounts { db }),

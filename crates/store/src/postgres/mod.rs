@@ -16,6 +16,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::builds::Builds;
 use crate::sandbox_events::SandboxEvents;
 use crate::sandboxes::Sandboxes;
+use crate::team_metrics::TeamMetrics;
 use crate::teams::Teams;
 use crate::templates::Templates;
 use crate::volumes::Volumes;
@@ -25,13 +26,11 @@ mod layer_blobs;
 mod nodes;
 mod request_counts;
 mod sandbox_logs;
-mod team_metrics;
 
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use request_counts::PgRequestCounts;
 use sandbox_logs::PgSandboxLogs;
-use team_metrics::PgTeamMetrics;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -107,7 +106,7 @@ impl PgStore {
             sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
             webhooks: Arc::new(Webhooks { db: pool.clone() }),
-            team_metrics: Arc::new(PgTeamMetrics { pool: pool.clone() }),
+            team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
             layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
             request_counts: Arc::new(PgRequestCounts { pool }),
