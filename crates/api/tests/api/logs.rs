@@ -175,72 +175,48 @@ async fn v2_logs_page_both_ways_and_filter_by_level_and_text() {
     h.call("DELETE", &format!("/sandboxes/{id}"), Some(KEY), None)
         .await;
     let v2 = format!("/v2/sandboxes/{id}/logs");
-    let forward = h.messages(&format!("{v2}?limit=2")).await;
-    assert_eq!(forward, ["agent started", "Disk Full"]);
-    let newest = h
-        .messages(&format!("{v2}?direction=backward&limit=1"))
-        .await;
-    assert_eq!(newest, ["sandbox killed"]);
     // 2026-01-01T00:00:02Z in milliseconds.
     let cursor = 1_767_225_602_000_i64;
-    assert_eq!(
-        h.messages(&format!("{v2}?direction=backward&cursor={cursor}"))
-            .await,
-        ["Disk Full", "agent started"]
-    );
-    assert_eq!(
-        h.messages(&format!("{v2}?cursor={cursor}&limit=2")).await,
-        ["Disk Full", "disk full retry"]
-    );
-    assert_eq!(
-        h.messages(&format!("{v2}?level=error")).await,
-        ["Disk Full"]
-    );
-    assert_eq!(
-        h.messages(&format!("{v2}?level=warn&search=Disk")).await,
-        ["Disk Full"]
-    );
-    // Case-sensitive, and the plain line is kept as it was.
-    assert_eq!(
-        h.messages(&format!("{v2}?search=disk")).await,
-        ["disk full retry"]
-    );
-    assert_eq!(
-        h.messages(&format!("{v2}?search=tracing")).await,
-        ["not a tracing line"]
-    );
-    assert!(h.messages(&format!("{v2}?limit=0")).await.is_empty());
-
-    for (query, mentions) in [
-        ("cursor=-1", "cursor"),
-        ("cursor=soon", "cursor"),
-        ("limit=1001", "limit"),
-        ("limit=-1", "limit"),
-        ("direction=sideways", "direction"),
-        ("level=loud", "level"),
-    ] {
-        assert_error(
-            &h.get(&format!("{v2}?{query}")).await,
-            StatusCode::BAD_REQUEST,
-            mentions,
+    let pages: [(String, &[&str]); 9] = [
+        ("limit=2".into(), &["agent started", "Disk Full"]),
+        ("direction=backward&limit=1".into(), &["sandbox killed"]),
+        (
+            format!("direction=backward&cursor={cursor}"),
+            &["Disk Full", "agent started"],
+        ),
+        (
+            format!("cursor={cursor}&limit=2"),
+            &["Disk Full", "disk full retry"],
+        ),
+        ("level=error".into(), &["Disk Full"]),
+        ("level=warn&search=Disk".into(), &["Disk Full"]),
+        // Case-sensitive, and the plain line is kept as it was.
+        ("search=disk".into(), &["disk full retry"]),
+        ("search=tracing".into(), &["not a tracing line"]),
+        ("limit=0".into(), &[]),
+    ];
+    for (query, expected) in pages {
+        assert_eq!(
+            h.messages(&format!("{v2}?{query}")).await,
+            expected,
+            "{query}"
         );
     }
+
     let long = "x".repeat(257);
-    assert_error(
-        &h.get(&format!("{v2}?search={long}")).await,
-        StatusCode::BAD_REQUEST,
-        "search",
-    );
-    assert_error(
-        &h.get(&format!("/sandboxes/{id}/logs?start=-5")).await,
-        StatusCode::BAD_REQUEST,
-        "start",
-    );
-    assert_error(
-        &h.get(&format!("/sandboxes/{id}/logs?limit=x")).await,
-        StatusCode::BAD_REQUEST,
-        "limit",
-    );
+    for (path, mentions) in [
+        (format!("{v2}?cursor=-1"), "cursor"),
+        (format!("{v2}?cursor=soon"), "cursor"),
+        (format!("{v2}?limit=1001"), "limit"),
+        (format!("{v2}?limit=-1"), "limit"),
+        (format!("{v2}?direction=sideways"), "direction"),
+        (format!("{v2}?level=loud"), "level"),
+        (format!("{v2}?search={long}"), "search"),
+        (format!("/sandboxes/{id}/logs?start=-5"), "start"),
+        (format!("/sandboxes/{id}/logs?limit=x"), "limit"),
+    ] {
+        assert_error(&h.get(&path).await, StatusCode::BAD_REQUEST, mentions);
+    }
 }
 
 #[tokio::test]
