@@ -84,7 +84,7 @@ mod webhooks;
 use builds::Builds;
 use layer_blobs::SqliteLayerBlobs;
 use nodes::SqliteNodes;
-use request_counts::SqliteRequestCounts;
+use request_counts::RequestCounts;
 use sandbox_events::SandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
 use sandboxes::Sandboxes;
@@ -160,7 +160,7 @@ impl SqliteStore {
             team_metrics: Arc::new(TeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
             layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),
-            request_counts: Arc::new(SqliteRequestCounts { db }),
+            request_counts: Arc::new(RequestCounts { db }),
         }
     }
 }

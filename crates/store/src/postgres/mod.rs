@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builds::Builds;
+use crate::request_counts::RequestCounts;
 use crate::sandbox_events::SandboxEvents;
 use crate::sandboxes::Sandboxes;
 use crate::team_metrics::TeamMetrics;
@@ -24,12 +25,10 @@ use crate::webhooks::Webhooks;
 
 mod layer_blobs;
 mod nodes;
-mod request_counts;
 mod sandbox_logs;
 
 use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
-use request_counts::PgRequestCounts;
 use sandbox_logs::PgSandboxLogs;
 
 #[derive(Debug, thiserror::Error)]
@@ -109,7 +108,7 @@ impl PgStore {
             team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
             layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
-            request_counts: Arc::new(PgRequestCounts { pool }),
+            request_counts: Arc::new(RequestCounts { db: pool }),
         }
     }
 }
