@@ -12,9 +12,8 @@ use utoipa::IntoResponses;
 use crate::AppState;
 use crate::dto::{
     ListedSandbox, NetworkConfig, NewSandbox, RefreshBody, SandboxCreated, SandboxDetail,
-    TimeoutBody,
+    SandboxStateName, TimeoutBody, next_token_header,
 };
-use crate::dto::{SandboxStateName, next_token_header};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
 use crate::openapi::{CommonErrors, SandboxPath};
