@@ -82,7 +82,7 @@ mod volumes;
 mod webhooks;
 
 use builds::Builds;
-use layer_blobs::SqliteLayerBlobs;
+use layer_blobs::LayerBlobs;
 use nodes::SqliteNodes;
 use request_counts::RequestCounts;
 use sandbox_events::SandboxEvents;
@@ -159,7 +159,7 @@ impl SqliteStore {
             webhooks: Arc::new(Webhooks { db: db.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: db.clone() }),
             nodes: Arc::new(SqliteNodes { db: db.clone() }),
-            layer_blobs: Arc::new(SqliteLayerBlobs { db: db.clone() }),
+            layer_blobs: Arc::new(LayerBlobs { db: db.clone() }),
             request_counts: Arc::new(RequestCounts { db }),
         }
     }

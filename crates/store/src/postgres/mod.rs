@@ -14,6 +14,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builds::Builds;
+use crate::layer_blobs::LayerBlobs;
 use crate::request_counts::RequestCounts;
 use crate::sandbox_events::SandboxEvents;
 use crate::sandboxes::Sandboxes;
@@ -23,11 +24,9 @@ use crate::templates::Templates;
 use crate::volumes::Volumes;
 use crate::webhooks::Webhooks;
 
-mod layer_blobs;
 mod nodes;
 mod sandbox_logs;
 
-use layer_blobs::PgLayerBlobs;
 use nodes::PgNodes;
 use sandbox_logs::PgSandboxLogs;
 
@@ -107,7 +106,7 @@ impl PgStore {
             webhooks: Arc::new(Webhooks { db: pool.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
             nodes: Arc::new(PgNodes { pool: pool.clone() }),
-            layer_blobs: Arc::new(PgLayerBlobs { pool: pool.clone() }),
+            layer_blobs: Arc::new(LayerBlobs { db: pool.clone() }),
             request_counts: Arc::new(RequestCounts { db: pool }),
         }
     }
