@@ -536,23 +536,14 @@ async fn building_template(h: &Harness, alias: &str) -> String {
     h.templates
         .register(&Template {
             id: id.clone(),
-            team_id: None,
-            namespace: None,
             aliases: vec![alias.into()],
-            public: true,
             build_id: "b2".into(),
             build_status: BuildStatus::Building,
-            build_error: None,
             cpu_count: 1,
             memory_mb: 256,
             disk_size_mb: 1024,
-            envd_version: "0.5.7".into(),
             image: None,
-            created_at: now,
-            updated_at: now,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 1,
+            ..common::base_template(now)
         })
         .await
         .expect("register");
