@@ -83,7 +83,7 @@ mod webhooks;
 
 use builds::Builds;
 use layer_blobs::LayerBlobs;
-use nodes::SqliteNodes;
+use nodes::Nodes;
 use request_counts::RequestCounts;
 use sandbox_events::SandboxEvents;
 use sandbox_logs::SqliteSandboxLogs;
@@ -158,7 +158,7 @@ impl SqliteStore {
             sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
             webhooks: Arc::new(Webhooks { db: db.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: db.clone() }),
-            nodes: Arc::new(SqliteNodes { db: db.clone() }),
+            nodes: Arc::new(Nodes { db: db.clone() }),
             layer_blobs: Arc::new(LayerBlobs { db: db.clone() }),
             request_counts: Arc::new(RequestCounts { db }),
         }

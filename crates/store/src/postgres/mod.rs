@@ -15,6 +15,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builds::Builds;
 use crate::layer_blobs::LayerBlobs;
+use crate::nodes::Nodes;
 use crate::request_counts::RequestCounts;
 use crate::sandbox_events::SandboxEvents;
 use crate::sandboxes::Sandboxes;
@@ -24,10 +25,8 @@ use crate::templates::Templates;
 use crate::volumes::Volumes;
 use crate::webhooks::Webhooks;
 
-mod nodes;
 mod sandbox_logs;
 
-use nodes::PgNodes;
 use sandbox_logs::PgSandboxLogs;
 
 #[derive(Debug, thiserror::Error)]
@@ -105,7 +104,7 @@ impl PgStore {
             sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
             webhooks: Arc::new(Webhooks { db: pool.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
-            nodes: Arc::new(PgNodes { pool: pool.clone() }),
+            nodes: Arc::new(Nodes { db: pool.clone() }),
             layer_blobs: Arc::new(LayerBlobs { db: pool.clone() }),
             request_counts: Arc::new(RequestCounts { db: pool }),
         }
