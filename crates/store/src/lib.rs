@@ -86,7 +86,7 @@ use layer_blobs::LayerBlobs;
 use nodes::Nodes;
 use request_counts::RequestCounts;
 use sandbox_events::SandboxEvents;
-use sandbox_logs::SqliteSandboxLogs;
+use sandbox_logs::SandboxLogs;
 use sandboxes::Sandboxes;
 use team_metrics::TeamMetrics;
 use teams::Teams;
@@ -154,7 +154,7 @@ impl SqliteStore {
             builds: Arc::new(Builds { db: db.clone() }),
             sandboxes: Arc::new(Sandboxes { db: db.clone() }),
             volumes: Arc::new(Volumes { db: db.clone() }),
-            sandbox_logs: Arc::new(SqliteSandboxLogs { db: db.clone() }),
+            sandbox_logs: Arc::new(SandboxLogs { db: db.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
             webhooks: Arc::new(Webhooks { db: db.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: db.clone() }),

@@ -18,16 +18,13 @@ use crate::layer_blobs::LayerBlobs;
 use crate::nodes::Nodes;
 use crate::request_counts::RequestCounts;
 use crate::sandbox_events::SandboxEvents;
+use crate::sandbox_logs::SandboxLogs;
 use crate::sandboxes::Sandboxes;
 use crate::team_metrics::TeamMetrics;
 use crate::teams::Teams;
 use crate::templates::Templates;
 use crate::volumes::Volumes;
 use crate::webhooks::Webhooks;
-
-mod sandbox_logs;
-
-use sandbox_logs::PgSandboxLogs;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -100,7 +97,7 @@ impl PgStore {
             builds: Arc::new(Builds { db: pool.clone() }),
             sandboxes: Arc::new(Sandboxes { db: pool.clone() }),
             volumes: Arc::new(Volumes { db: pool.clone() }),
-            sandbox_logs: Arc::new(PgSandboxLogs { pool: pool.clone() }),
+            sandbox_logs: Arc::new(SandboxLogs { db: pool.clone() }),
             sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
             webhooks: Arc::new(Webhooks { db: pool.clone() }),
             team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
