@@ -94,6 +94,33 @@ use templates::Templates;
 use volumes::Volumes;
 use webhooks::Webhooks;
 
+/// A database the core's `Store` can be made on.
+trait Records {
+    /// One of each aggregate's records, on this database.
+    fn store(self) -> Store;
+}
+
+on_both! {
+    impl Records for B {
+        fn store(self) -> Store {
+            Store {
+                teams: Arc::new(Teams { db: self.clone() }),
+                templates: Arc::new(Templates { db: self.clone() }),
+                builds: Arc::new(Builds { db: self.clone() }),
+                sandboxes: Arc::new(Sandboxes { db: self.clone() }),
+                volumes: Arc::new(Volumes { db: self.clone() }),
+                sandbox_logs: Arc::new(SandboxLogs { db: self.clone() }),
+                sandbox_events: Arc::new(SandboxEvents { db: self.clone() }),
+                webhooks: Arc::new(Webhooks { db: self.clone() }),
+                team_metrics: Arc::new(TeamMetrics { db: self.clone() }),
+                nodes: Arc::new(Nodes { db: self.clone() }),
+                layer_blobs: Arc::new(LayerBlobs { db: self.clone() }),
+                request_counts: Arc::new(RequestCounts { db: self }),
+            }
+        }
+    }
+}
+
 impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
     pub async fn open(path: &Path) -> Result<Store, OpenStoreError> {
@@ -144,24 +171,7 @@ impl SqliteStore {
                 path: shown,
                 source,
             })?;
-        Ok(Self::on(db))
-    }
-
-    fn on(db: SqliteDb) -> Store {
-        Store {
-            teams: Arc::new(Teams { db: db.clone() }),
-            templates: Arc::new(Templates { db: db.clone() }),
-            builds: Arc::new(Builds { db: db.clone() }),
-            sandboxes: Arc::new(Sandboxes { db: db.clone() }),
-            volumes: Arc::new(Volumes { db: db.clone() }),
-            sandbox_logs: Arc::new(SandboxLogs { db: db.clone() }),
-            sandbox_events: Arc::new(SandboxEvents { db: db.clone() }),
-            webhooks: Arc::new(Webhooks { db: db.clone() }),
-            team_metrics: Arc::new(TeamMetrics { db: db.clone() }),
-            nodes: Arc::new(Nodes { db: db.clone() }),
-            layer_blobs: Arc::new(LayerBlobs { db: db.clone() }),
-            request_counts: Arc::new(RequestCounts { db }),
-        }
+        Ok(db.store())
     }
 }
 

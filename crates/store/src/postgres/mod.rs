@@ -7,24 +7,11 @@
 //! SQLite compares them, whatever the database's locale.
 
 use std::str::FromStr;
-use std::sync::Arc;
 
 use sandbar_core::Store;
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
-use crate::builds::Builds;
-use crate::layer_blobs::LayerBlobs;
-use crate::nodes::Nodes;
-use crate::request_counts::RequestCounts;
-use crate::sandbox_events::SandboxEvents;
-use crate::sandbox_logs::SandboxLogs;
-use crate::sandboxes::Sandboxes;
-use crate::team_metrics::TeamMetrics;
-use crate::teams::Teams;
-use crate::templates::Templates;
-use crate::volumes::Volumes;
-use crate::webhooks::Webhooks;
+use crate::Records;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectStoreError {
@@ -87,23 +74,6 @@ impl PgStore {
                 url: shown.clone(),
                 source,
             })?;
-        Ok(Self::on_pool(pool))
-    }
-
-    fn on_pool(pool: PgPool) -> Store {
-        Store {
-            teams: Arc::new(Teams { db: pool.clone() }),
-            templates: Arc::new(Templates { db: pool.clone() }),
-            builds: Arc::new(Builds { db: pool.clone() }),
-            sandboxes: Arc::new(Sandboxes { db: pool.clone() }),
-            volumes: Arc::new(Volumes { db: pool.clone() }),
-            sandbox_logs: Arc::new(SandboxLogs { db: pool.clone() }),
-            sandbox_events: Arc::new(SandboxEvents { db: pool.clone() }),
-            webhooks: Arc::new(Webhooks { db: pool.clone() }),
-            team_metrics: Arc::new(TeamMetrics { db: pool.clone() }),
-            nodes: Arc::new(Nodes { db: pool.clone() }),
-            layer_blobs: Arc::new(LayerBlobs { db: pool.clone() }),
-            request_counts: Arc::new(RequestCounts { db: pool }),
-        }
+        Ok(pool.store())
     }
 }
