@@ -78,12 +78,14 @@ macro_rules! on_both {
     ($($items:item)*) => {
         const _: () = {
             type B = crate::SqliteDb;
+            // Not every aggregate keeps a time.
             #[allow(dead_code)]
             type Time = <B as crate::backend::Backend>::Time;
             $($items)*
         };
         const _: () = {
             type B = sqlx::PgPool;
+            // Not every aggregate keeps a time.
             #[allow(dead_code)]
             type Time = <B as crate::backend::Backend>::Time;
             $($items)*

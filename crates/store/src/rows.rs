@@ -2,7 +2,7 @@
 //! select and how each becomes the core's record, with the checks on the counts and sizes in
 //! it, and the values of the columns every statement on a table lists in the same order. The
 //! rows are generic over how a database reads a timestamp ([`Stamp`]), which is all that
-//! differs between the two once a row is selected; the SQL stays with each backend.
+//! differs between the two once a row is selected; the SQL is in each aggregate's module.
 
 use chrono::{DateTime, Utc};
 use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret};

@@ -1,6 +1,7 @@
 //! PostgreSQL implementation of [`sandbar_core::Store`], for several API hosts sharing one
-//! database. Same records and semantics as the SQLite store: unique violations are conflicts,
-//! lists come in the same order, and what SQLite writes in one transaction is one here too.
+//! database: its connection and migrations, on which the records and their statements are the
+//! SQLite store's (`backend`). Same semantics: unique violations are conflicts, lists come in
+//! the same order, and what SQLite writes in one transaction is one here too.
 //!
 //! Timestamps are `timestamptz` (microseconds, as the SQLite store keeps them); JSON documents
 //! are text, written and read whole. Text sort keys are compared byte-wise (`COLLATE "C"`), as
