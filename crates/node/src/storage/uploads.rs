@@ -813,6 +813,18 @@ mod tests {
         encoder.finish().unwrap()
     }
 
+    /// Stores one gzip stream as TEAM's upload `n` under a 1 MiB limit.
+    async fn store_gzip(up: &Uploads, n: u8, gzip: Vec<u8>) -> Result<(), UploadError> {
+        up.store(
+            TEAM,
+            TEMPLATE,
+            &hash(n),
+            Box::pin(std::io::Cursor::new(gzip)),
+            1 << 20,
+        )
+        .await
+    }
+
     #[tokio::test]
     async fn gzip_uploads_are_kept_decompressed_and_charged_as_such() {
         let tmp = tempfile::tempdir().unwrap();
@@ -821,26 +833,10 @@ mod tests {
         // The same content compressed at two moments: different bytes, one tar kept.
         let (first, second) = (gzip(&tar, 1), gzip(&tar, 2));
         assert_ne!(first, second);
-        up.store(
-            TEAM,
-            TEMPLATE,
-            &hash(1),
-            Box::pin(std::io::Cursor::new(first)),
-            1 << 20,
-        )
-        .await
-        .unwrap();
+        store_gzip(&up, 1, first).await.unwrap();
         let kept = up.path(TEAM, &hash(1)).unwrap();
         assert_eq!(std::fs::read(&kept).unwrap(), tar);
-        up.store(
-            TEAM,
-            TEMPLATE,
-            &hash(1),
-            Box::pin(std::io::Cursor::new(second)),
-            1 << 20,
-        )
-        .await
-        .unwrap();
+        store_gzip(&up, 1, second).await.unwrap();
         assert_eq!(std::fs::read(&kept).unwrap(), tar);
         assert_eq!(up.usage(TEAM), (100_000, 1));
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1)]);
@@ -848,32 +844,14 @@ mod tests {
         // A small stream that inflates past what the team may keep is refused whole.
         let bomb = gzip(&vec![0u8; 2 << 20], 0);
         assert!(bomb.len() < 64 << 10);
-        let err = up
-            .store(
-                TEAM,
-                TEMPLATE,
-                &hash(2),
-                Box::pin(std::io::Cursor::new(bomb)),
-                1 << 20,
-            )
-            .await
-            .unwrap_err();
+        let err = store_gzip(&up, 2, bomb).await.unwrap_err();
         assert!(matches!(err, UploadError::TeamBytes { .. }), "{err}");
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1)]);
         assert_eq!(up.usage(TEAM), (100_000, 1));
 
         let mut corrupt = gzip(&tar, 0);
         corrupt.truncate(corrupt.len() / 2);
-        let err = up
-            .store(
-                TEAM,
-                TEMPLATE,
-                &hash(3),
-                Box::pin(std::io::Cursor::new(corrupt)),
-                1 << 20,
-            )
-            .await
-            .unwrap_err();
+        let err = store_gzip(&up, 3, corrupt).await.unwrap_err();
         assert!(matches!(err, UploadError::Corrupt { .. }), "{err}");
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1)]);
     }

@@ -309,6 +309,17 @@ impl Node {
             .unwrap();
     }
 
+    /// Launches sandbox `id` and stops it, returning the handle to its kept files as the
+    /// node records it once released.
+    async fn launched_and_released(&self, id: &str, start_cmd: bool) -> RuntimeHandle {
+        let first = self.launch(id, None, start_cmd).await.unwrap();
+        self.stop(id, &first).await;
+        RuntimeHandle {
+            phase: HandlePhase::Released,
+            ..first
+        }
+    }
+
     async fn teardown(&self, id: &str, handle: Option<&RuntimeHandle>) {
         teardown(&self.host, &self.holdings, &self.slots, id, handle)
             .await
@@ -457,12 +468,7 @@ async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
 async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
     for step in BOOT_STEPS {
         let node = Node::new();
-        let first = node.launch("s", None, true).await.unwrap();
-        node.stop("s", &first).await;
-        let released = RuntimeHandle {
-            phase: HandlePhase::Released,
-            ..first
-        };
+        let released = node.launched_and_released("s", true).await;
         node.host.fail_next(step);
         node.launch("s", Some(&released), true).await.unwrap_err();
         let state = node.host.state();
@@ -615,12 +621,7 @@ async fn a_restore_failing_at_any_step_leaves_nothing_behind() {
 async fn a_carried_restore_that_fails_keeps_the_files_it_was_taken_over_with() {
     for step in RESTORE_STEPS {
         let node = Node::new();
-        let first = node.launch("s", None, false).await.unwrap();
-        node.stop("s", &first).await;
-        let released = RuntimeHandle {
-            phase: HandlePhase::Released,
-            ..first
-        };
+        let released = node.launched_and_released("s", false).await;
         node.host.fail_next(step);
         node.restore("s", Some(&released)).await.unwrap_err();
         assert_eq!(node.host.state().disks, ["s".to_owned()].into(), "{step}");
