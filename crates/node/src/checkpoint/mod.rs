@@ -1034,6 +1034,18 @@ mod tests {
 
     use super::*;
 
+    /// A named pipe at `path`, readable and writable by its owner only.
+    pub(super) fn make_fifo(path: &Path) {
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            path,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+    }
+
     #[test]
     fn host_mounts_and_the_boot_id_are_external_and_the_rest_is_dumped() {
         let mountinfo = "\
@@ -1243,14 +1255,7 @@ mod tests {
     fn a_fifo_where_the_log_should_be_is_refused_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("s1.log");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &fifo,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        make_fifo(&fifo);
         let mut h = header();
         h.externals = vec![External::Placed {
             key: "file[1b:11]".into(),

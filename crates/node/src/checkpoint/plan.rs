@@ -991,14 +991,7 @@ mod tests {
         use std::os::fd::AsRawFd;
         let dir = tempfile::tempdir().unwrap();
         let fifo = dir.path().join("fifo");
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            &fifo,
-            rustix::fs::FileType::Fifo,
-            rustix::fs::Mode::from_raw_mode(0o600),
-            0,
-        )
-        .unwrap();
+        crate::checkpoint::tests::make_fifo(&fifo);
         // Read and write, so that this open does not wait for a writer.
         let held = std::fs::OpenOptions::new()
             .read(true)
