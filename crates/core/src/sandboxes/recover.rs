@@ -96,35 +96,14 @@ impl Recovery {
                 }
                 Ok(None) => {
                     tracing::warn!(sandbox_id = %sandbox.id, "sandbox died while the server was down");
-                    self.shared
-                        .activity
-                        .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-                        .await;
+                    self.open_log(&sandbox).await;
                     self.shared
                         .activity
                         .ingest_agent_log(self.shared.runtime.as_ref(), &sandbox.id)
                         .await;
-                    if let Err(err) = self
-                        .shared
-                        .runtime
-                        .destroy(&sandbox.id, &sandbox.handle)
-                        .await
-                    {
-                        tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up dead sandbox");
-                    }
-                    self.shared.live().remove(&sandbox.id);
-                    self.shared
-                        .store
-                        .sandboxes
-                        .delete_sandbox(&sandbox.id)
+                    self.remove(&sandbox, "cannot clean up dead sandbox")
                         .await?;
-                    self.shared
-                        .activity
-                        .close(
-                            &sandbox.id,
-                            LogLevel::Error,
-                            "sandbox died while the server was down",
-                        )
+                    self.close_log_lost(&sandbox, "sandbox died while the server was down")
                         .await;
                 }
                 Err(err) => {
@@ -186,31 +165,10 @@ impl Recovery {
                     }
                 }
                 tracing::error!(sandbox_id = %sandbox.id, error = %err, "checkpointed sandbox cannot be restored; removing it");
-                self.shared
-                    .activity
-                    .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-                    .await;
-                if let Err(err) = self
-                    .shared
-                    .runtime
-                    .destroy(&sandbox.id, &sandbox.handle)
-                    .await
-                {
-                    tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up checkpointed sandbox");
-                }
-                self.shared.live().remove(&sandbox.id);
-                self.shared
-                    .store
-                    .sandboxes
-                    .delete_sandbox(&sandbox.id)
+                self.open_log(sandbox).await;
+                self.remove(sandbox, "cannot clean up checkpointed sandbox")
                     .await?;
-                self.shared
-                    .activity
-                    .close(
-                        &sandbox.id,
-                        LogLevel::Error,
-                        "sandbox lost: its checkpoint cannot be restored",
-                    )
+                self.close_log_lost(sandbox, "sandbox lost: its checkpoint cannot be restored")
                     .await;
                 return Ok(());
             }
@@ -229,10 +187,7 @@ impl Recovery {
                 SandboxStatus::Checkpointed,
             ),
         );
-        self.shared
-            .activity
-            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-            .await;
+        self.open_log(sandbox).await;
         self.shared
             .activity
             .event(
@@ -284,20 +239,7 @@ impl Recovery {
     ) -> Result<bool, StoreError> {
         if let Err(err) = self.restore_network(sandbox).await {
             tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot restore egress rules; stopping the sandbox");
-            if let Err(err) = self
-                .shared
-                .runtime
-                .destroy(&sandbox.id, &sandbox.handle)
-                .await
-            {
-                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot stop sandbox");
-            }
-            self.shared.live().remove(&sandbox.id);
-            self.shared
-                .store
-                .sandboxes
-                .delete_sandbox(&sandbox.id)
-                .await?;
+            self.remove(sandbox, "cannot stop sandbox").await?;
             return Ok(false);
         }
         let status = self.settle(sandbox).await?;
@@ -311,11 +253,7 @@ impl Recovery {
                 status,
             ),
         );
-        // Sandboxes from before logs were kept get a log from now on.
-        self.shared
-            .activity
-            .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
-            .await;
+        self.open_log(sandbox).await;
         self.shared
             .activity
             .event(&sandbox.id, LogLevel::Info, event, &[])
@@ -333,24 +271,9 @@ impl Recovery {
             .await
         {
             tracing::error!(sandbox_id = %sandbox.id, error = %err, "paused sandbox lost its files; removing it");
-            if let Err(err) = self
-                .shared
-                .runtime
-                .destroy(&sandbox.id, &sandbox.handle)
-                .await
-            {
-                tracing::error!(sandbox_id = %sandbox.id, error = %err, "cannot clean up paused sandbox");
-            }
-            self.shared.live().remove(&sandbox.id);
-            self.shared
-                .store
-                .sandboxes
-                .delete_sandbox(&sandbox.id)
+            self.remove(sandbox, "cannot clean up paused sandbox")
                 .await?;
-            self.shared
-                .activity
-                .close(&sandbox.id, LogLevel::Error, "sandbox lost its files")
-                .await;
+            self.close_log_lost(sandbox, "sandbox lost its files").await;
             return Ok(());
         }
         self.shared.live().insert(
@@ -363,11 +286,45 @@ impl Recovery {
                 SandboxStatus::Shelved,
             ),
         );
+        self.open_log(sandbox).await;
+        Ok(())
+    }
+
+    /// Ends a sandbox that cannot be taken back: its processes and files (`cleanup_failed`
+    /// is logged when they cannot be removed, as the record goes regardless), its place in
+    /// the registry and its record.
+    async fn remove(&self, sandbox: &Sandbox, cleanup_failed: &str) -> Result<(), StoreError> {
+        if let Err(err) = self
+            .shared
+            .runtime
+            .destroy(&sandbox.id, &sandbox.handle)
+            .await
+        {
+            tracing::error!(sandbox_id = %sandbox.id, error = %err, "{cleanup_failed}");
+        }
+        self.shared.live().remove(&sandbox.id);
+        self.shared
+            .store
+            .sandboxes
+            .delete_sandbox(&sandbox.id)
+            .await
+    }
+
+    /// Opens the log of a sandbox taken back or lost after a restart: sandboxes from before
+    /// logs were kept get one from now on.
+    async fn open_log(&self, sandbox: &Sandbox) {
         self.shared
             .activity
             .open(&sandbox.id, &sandbox.team_id, sandbox.started_at, &[])
             .await;
-        Ok(())
+    }
+
+    /// Closes the log of a sandbox that was lost, saying why.
+    async fn close_log_lost(&self, sandbox: &Sandbox, why: &str) {
+        self.shared
+            .activity
+            .close(&sandbox.id, LogLevel::Error, why)
+            .await;
     }
 
     /// After a restart: makes the stored state and the processes agree. A pause or resume
