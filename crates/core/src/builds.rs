@@ -443,29 +443,24 @@ trait OwnBuildError: From<StoreError> {
     fn build_not_found(template_id: &str, build_id: &str) -> Self;
 }
 
-impl OwnBuildError for StartBuildError {
-    fn template_not_found(template_id: &str) -> Self {
-        Self::TemplateNotFound(template_id.to_owned())
-    }
-    fn build_not_found(template_id: &str, build_id: &str) -> Self {
-        Self::BuildNotFound {
-            template_id: template_id.to_owned(),
-            build_id: build_id.to_owned(),
+/// For the error enums whose not-found variants are spelled alike.
+macro_rules! own_build_error {
+    ($($error:ty),+) => {$(
+        impl OwnBuildError for $error {
+            fn template_not_found(template_id: &str) -> Self {
+                Self::TemplateNotFound(template_id.to_owned())
+            }
+            fn build_not_found(template_id: &str, build_id: &str) -> Self {
+                Self::BuildNotFound {
+                    template_id: template_id.to_owned(),
+                    build_id: build_id.to_owned(),
+                }
+            }
         }
-    }
+    )+};
 }
 
-impl OwnBuildError for CancelBuildError {
-    fn template_not_found(template_id: &str) -> Self {
-        Self::TemplateNotFound(template_id.to_owned())
-    }
-    fn build_not_found(template_id: &str, build_id: &str) -> Self {
-        Self::BuildNotFound {
-            template_id: template_id.to_owned(),
-            build_id: build_id.to_owned(),
-        }
-    }
-}
+own_build_error!(StartBuildError, CancelBuildError);
 
 /// The build service: requests, uploads, the queue and its records.
 #[derive(Clone)]
