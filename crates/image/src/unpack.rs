@@ -484,16 +484,7 @@ impl Unpacker {
         self.make_room(parent.as_fd(), base, path, false, name)?;
         // The target is stored as written: it is only ever resolved inside the sandbox.
         rfs::symlinkat(target, &parent, base).map_err(errno_at(name))?;
-        if self.chown {
-            rfs::chownat(
-                &parent,
-                base,
-                Some(Uid::from_raw(meta.uid)),
-                Some(Gid::from_raw(meta.gid)),
-                AtFlags::SYMLINK_NOFOLLOW,
-            )
-            .map_err(errno_at(name))?;
-        }
+        self.chown_by_name(&parent, base, meta, name)?;
         rfs::utimensat(&parent, base, &timestamps(meta), AtFlags::SYMLINK_NOFOLLOW)
             .map_err(errno_at(name))?;
         self.stats.symlinks += 1;
@@ -560,16 +551,7 @@ impl Unpacker {
             .map_err(errno_at(name))?;
         // Opening a FIFO would block, so it is changed by name: it was created just above in a
         // directory nothing else writes to, so the name still refers to it.
-        if self.chown {
-            rfs::chownat(
-                &parent,
-                base,
-                Some(Uid::from_raw(meta.uid)),
-                Some(Gid::from_raw(meta.gid)),
-                AtFlags::SYMLINK_NOFOLLOW,
-            )
-            .map_err(errno_at(name))?;
-        }
+        self.chown_by_name(&parent, base, meta, name)?;
         rfs::chmodat(
             &parent,
             base,
@@ -631,6 +613,28 @@ impl Unpacker {
 
     /// Opens the directory that holds an entry, creating missing directories (root-owned, 0755)
     /// on the way. Any symlink on the way is an error.
+    /// Gives `base` in `parent` its recorded owner when owners are kept, without following
+    /// it: for a link or FIFO, which cannot be opened to be changed.
+    fn chown_by_name(
+        &self,
+        parent: &OwnedFd,
+        base: &[u8],
+        meta: &Meta,
+        name: &str,
+    ) -> Result<(), UnpackError> {
+        if !self.chown {
+            return Ok(());
+        }
+        rfs::chownat(
+            parent,
+            base,
+            Some(Uid::from_raw(meta.uid)),
+            Some(Gid::from_raw(meta.gid)),
+            AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(errno_at(name))
+    }
+
     fn parent(&mut self, parents: &[&[u8]], name: &str) -> Result<OwnedFd, UnpackError> {
         let path = parents.join(&b'/');
         if let Some((cached, fd)) = &self.parent_cache
