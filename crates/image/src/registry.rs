@@ -1654,28 +1654,23 @@ mod tests {
             let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             listener.local_addr().unwrap().port()
         };
-        let tmp = tempfile::tempdir().unwrap();
-        let cache = ImageCache::new(
-            tmp.path().to_owned(),
-            allowing(&[&format!("127.0.0.1:{port}")]),
-        );
-        let err = cache
-            .pull(&format!("127.0.0.1:{port}/tiny:1"), None, &|_| {})
-            .await
-            .unwrap_err();
+        let policy = allowing(&[&format!("127.0.0.1:{port}")]);
+        let err = failed_pull(policy.clone(), &format!("127.0.0.1:{port}/tiny:1")).await;
         assert!(matches!(err, PullError::Unreachable { .. }), "{err}");
-        let err = cache
-            .pull("Not A Reference", None, &|_| {})
-            .await
-            .unwrap_err();
+        let err = failed_pull(policy, "Not A Reference").await;
         assert!(matches!(err, PullError::BadReference { .. }), "{err}");
     }
 
-    async fn refused_pull(policy: Arc<RegistryPolicy>, reference: &str) -> RegistryRefused {
+    /// What pulling `reference` into an empty cache under `policy` fails with.
+    async fn failed_pull(policy: Arc<RegistryPolicy>, reference: &str) -> PullError {
         let tmp = tempfile::tempdir().unwrap();
         let cache = ImageCache::new(tmp.path().to_owned(), policy);
-        match cache.pull(reference, None, &|_| {}).await {
-            Err(PullError::Refused(refused)) => refused,
+        cache.pull(reference, None, &|_| {}).await.unwrap_err()
+    }
+
+    async fn refused_pull(policy: Arc<RegistryPolicy>, reference: &str) -> RegistryRefused {
+        match failed_pull(policy, reference).await {
+            PullError::Refused(refused) => refused,
             other => panic!("{reference}: {other:?}"),
         }
     }
@@ -1734,13 +1729,8 @@ mod tests {
             "",
         ))
         .await;
-        let tmp = tempfile::tempdir().unwrap();
         let policy = allowing(&[&format!("127.0.0.1:{port}"), &format!("127.0.0.1:{target}")]);
-        let cache = ImageCache::new(tmp.path().to_owned(), policy);
-        let err = cache
-            .pull(&format!("127.0.0.1:{port}/x/y:1"), None, &|_| {})
-            .await
-            .unwrap_err();
+        let err = failed_pull(policy, &format!("127.0.0.1:{port}/x/y:1")).await;
         assert!(matches!(err, PullError::NotFound { .. }), "{err}");
         assert_eq!(target_hits.load(Ordering::SeqCst), 1);
     }
@@ -1772,15 +1762,8 @@ mod tests {
         ] {
             let (port, hits) =
                 fixed_server(response(status, "", &format!("<h1>{marker}</h1>"))).await;
-            let tmp = tempfile::tempdir().unwrap();
-            let cache = ImageCache::new(
-                tmp.path().to_owned(),
-                allowing(&[&format!("127.0.0.1:{port}")]),
-            );
-            let err = cache
-                .pull(&format!("127.0.0.1:{port}/x/y:1"), None, &|_| {})
-                .await
-                .unwrap_err();
+            let policy = allowing(&[&format!("127.0.0.1:{port}")]);
+            let err = failed_pull(policy, &format!("127.0.0.1:{port}/x/y:1")).await;
             let text = err.to_string();
             assert!(!text.contains(marker), "{text}");
             let code = &status[..3];
