@@ -427,16 +427,9 @@ impl BlobStore {
                 .await?;
             upload = self.next_location(&response)?;
         }
-        let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
-        if actual != digest {
-            // The file changed under the upload, or the caller's digest is wrong; the registry
-            // would refuse the closing PUT anyway.
-            return Err(BlobStoreError::DigestMismatch {
-                location: self.location.clone(),
-                digest: digest.to_owned(),
-                actual,
-            });
-        }
+        // The file changed under the upload, or the caller's digest is wrong; the registry
+        // would refuse the closing PUT anyway.
+        self.check_digest(digest, hasher)?;
         upload.query_pairs_mut().append_pair("digest", digest);
         self.expect(
             Method::PUT,
@@ -539,6 +532,11 @@ impl BlobStore {
             return Err(wrong_size());
         }
         file.sync_all().await.map_err(io)?;
+        self.check_digest(digest, hasher)
+    }
+
+    /// Refuses content that `hasher` has read all of unless its digest is `digest`.
+    fn check_digest(&self, digest: &str, hasher: Sha256) -> Result<(), BlobStoreError> {
         let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
         if actual != digest {
             return Err(BlobStoreError::DigestMismatch {
