@@ -223,14 +223,15 @@ async fn signed_urls() {
     let file = dir.path().join("signed.txt");
     std::fs::write(&file, "secret").unwrap();
     let path = file.to_str().unwrap();
-    let exp = chrono_like_now() + 60;
-    let sig = sandbar_agent::auth::file_signature(
-        path,
-        sandbar_agent::auth::FileOperation::Read,
-        "",
-        TOKEN,
-        Some(exp),
-    );
+    let sign =
+        |operation, exp| sandbar_agent::auth::file_signature(path, operation, "", TOKEN, Some(exp));
+    let signed_query = |sig: &str, exp: i64| {
+        format!(
+            "path={}&signature={}&signature_expiration={exp}",
+            enc(&file),
+            percent_encode(sig)
+        )
+    };
     let get = |query: String| {
         http::Request::builder()
             .method("GET")
@@ -238,36 +239,17 @@ async fn signed_urls() {
             .body(full(Bytes::new()))
             .unwrap()
     };
-    let (status, _, body) = agent
-        .send(get(format!(
-            "path={}&signature={}&signature_expiration={exp}",
-            enc(&file),
-            percent_encode(&sig)
-        )))
-        .await;
+    let exp = chrono_like_now() + 60;
+    let sig = sign(sandbar_agent::auth::FileOperation::Read, exp);
+    let (status, _, body) = agent.send(get(signed_query(&sig, exp))).await;
     assert_eq!(status, 200);
     assert_eq!(&body[..], b"secret");
 
     // Wrong operation, wrong expiration, missing signature: all refused.
-    let write_sig = sandbar_agent::auth::file_signature(
-        path,
-        sandbar_agent::auth::FileOperation::Write,
-        "",
-        TOKEN,
-        Some(exp),
-    );
+    let write_sig = sign(sandbar_agent::auth::FileOperation::Write, exp);
     for query in [
-        format!(
-            "path={}&signature={}&signature_expiration={exp}",
-            enc(&file),
-            percent_encode(&write_sig)
-        ),
-        format!(
-            "path={}&signature={}&signature_expiration={}",
-            enc(&file),
-            percent_encode(&sig),
-            exp + 1
-        ),
+        signed_query(&write_sig, exp),
+        signed_query(&sig, exp + 1),
         format!("path={}", enc(&file)),
     ] {
         let (status, _, body) = agent.send(get(query.clone())).await;
@@ -276,20 +258,8 @@ async fn signed_urls() {
 
     // Expired.
     let old = chrono_like_now() - 10;
-    let expired = sandbar_agent::auth::file_signature(
-        path,
-        sandbar_agent::auth::FileOperation::Read,
-        "",
-        TOKEN,
-        Some(old),
-    );
-    let (status, _, _) = agent
-        .send(get(format!(
-            "path={}&signature={}&signature_expiration={old}",
-            enc(&file),
-            percent_encode(&expired)
-        )))
-        .await;
+    let expired = sign(sandbar_agent::auth::FileOperation::Read, old);
+    let (status, _, _) = agent.send(get(signed_query(&expired, old))).await;
     assert_eq!(status, 401);
 
     // Signed upload.
