@@ -753,14 +753,7 @@ impl CgroupDriver {
             let _ = std::fs::write(census.join("cgroup.kill"), "1");
         }
         let left = settle(KILL_PATIENCE, KILL_POLL, || self.kill_members(sandbox_id)).await;
-        if left == 0 {
-            Ok(())
-        } else {
-            Err(CgroupError::Lingering {
-                sandbox_id: sandbox_id.to_owned(),
-                processes: left,
-            })
-        }
+        none_left(sandbox_id, left)
     }
 
     /// Sends SIGKILL to every process listed in the sandbox's cgroup; returns how many.
@@ -794,14 +787,7 @@ impl CgroupDriver {
             }
         })
         .await;
-        if left == 0 {
-            Ok(())
-        } else {
-            Err(CgroupError::Lingering {
-                sandbox_id: sandbox_id.to_owned(),
-                processes: left,
-            })
-        }
+        none_left(sandbox_id, left)
     }
 }
 
@@ -847,6 +833,19 @@ pub fn hold_sandboxes_to(cgroups: &mut CgroupDriver, rates: IoRates, dirs: &[&Pa
         tracing::warn!(
             "sandbox disk rates are not limited: the host has no blkio (cgroup v1) or io (v2) controller"
         );
+    }
+}
+
+/// Refuses the `left` processes of sandbox `sandbox_id` still there once [`KILL_PATIENCE`]
+/// has passed.
+fn none_left(sandbox_id: &str, left: usize) -> Result<(), CgroupError> {
+    if left == 0 {
+        Ok(())
+    } else {
+        Err(CgroupError::Lingering {
+            sandbox_id: sandbox_id.to_owned(),
+            processes: left,
+        })
     }
 }
 
