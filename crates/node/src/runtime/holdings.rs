@@ -322,19 +322,6 @@ mod tests {
     use crate::net::netns::SlotSet;
 
     use super::{Holdings, NodeSandbox, SlotHold};
-    use crate::resources::memory::MemoryRule;
-    use std::sync::Arc;
-
-    fn ledger() -> Arc<ResourceLedger> {
-        Arc::new(ResourceLedger::new(
-            MemoryRule {
-                reserve_mb: 0,
-                overcommit: 1,
-                pressure_limit_percent: 100.0,
-            },
-            None,
-        ))
-    }
 
     fn slots_taken(slots: &SlotSet) -> Vec<u32> {
         slots
@@ -351,7 +338,11 @@ mod tests {
 
     #[test]
     fn a_failed_opening_gives_back_what_it_added_and_only_that() {
-        let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ledger());
+        let (holdings, slots, ledger) = (
+            Holdings::default(),
+            SlotSet::default(),
+            ResourceLedger::unreserved(),
+        );
         // A released sandbox: files on two layers, no slot, no memory.
         holdings.adopt(
             "s",
@@ -380,7 +371,11 @@ mod tests {
 
     #[test]
     fn a_committed_opening_keeps_all_until_the_owner_is_removed() {
-        let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ledger());
+        let (holdings, slots, ledger) = (
+            Holdings::default(),
+            SlotSet::default(),
+            ResourceLedger::unreserved(),
+        );
         let mut boot = holdings.opening("s");
         boot.hold_memory(ledger.regrant("s", 256, 0));
         boot.hold_slot(take(&slots, 7));
@@ -423,7 +418,11 @@ mod tests {
 
     #[test]
     fn an_opening_dropped_after_its_owner_was_removed_touches_nothing_else() {
-        let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ledger());
+        let (holdings, slots, ledger) = (
+            Holdings::default(),
+            SlotSet::default(),
+            ResourceLedger::unreserved(),
+        );
         let mut boot = holdings.opening("s");
         boot.hold_memory(ledger.regrant("s", 256, 0));
         boot.hold_slot(take(&slots, 1));
@@ -490,7 +489,7 @@ mod tests {
         /// and nothing is left once every owner is removed.
         #[test]
         fn the_indexes_follow_the_owners(steps in proptest::collection::vec(step(), 1..40)) {
-            let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ledger());
+            let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ResourceLedger::unreserved());
             for step in steps {
                 match step {
                     Step::Open { id, memory, slot, layers, succeeds } => {

@@ -213,6 +213,22 @@ impl ResourceLedger {
     }
 }
 
+#[cfg(test)]
+impl ResourceLedger {
+    /// A ledger that keeps no memory back, promises it once and minds no pressure: for
+    /// tests whose host has room for all they launch.
+    pub(super) fn unreserved() -> Arc<Self> {
+        Arc::new(ResourceLedger::new(
+            MemoryRule {
+                reserve_mb: 0,
+                overcommit: 1,
+                pressure_limit_percent: 100.0,
+            },
+            None,
+        ))
+    }
+}
+
 fn promised_mb(granted: &BTreeMap<String, Granted>) -> u64 {
     granted.values().map(|g| u64::from(g.memory_mb)).sum()
 }

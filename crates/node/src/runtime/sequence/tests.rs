@@ -17,7 +17,6 @@ use super::{
 };
 use crate::net::netns::SlotSet;
 use crate::resources::cgroups::{CpuPriority, Limits};
-use crate::resources::memory::MemoryRule;
 use crate::runtime::criu_runs::CriuDump;
 use crate::runtime::holdings::{Holdings, Opening, SlotHold};
 use crate::runtime::host_fake::{FakeNetns, HostState, RecordingHost};
@@ -115,17 +114,6 @@ async fn a_dump_failed_on_a_host_connection_thaws_settles_and_dumps_again() {
     );
 }
 
-fn ledger() -> Arc<ResourceLedger> {
-    Arc::new(ResourceLedger::new(
-        MemoryRule {
-            reserve_mb: 0,
-            overcommit: 1,
-            pressure_limit_percent: 100.0,
-        },
-        None,
-    ))
-}
-
 fn spec(id: &str, start_cmd: bool) -> LaunchSpec {
     let now = chrono::Utc::now();
     LaunchSpec {
@@ -211,7 +199,7 @@ impl Node {
             host: RecordingHost::default(),
             holdings: Holdings::default(),
             slots: SlotSet::default(),
-            ledger: ledger(),
+            ledger: ResourceLedger::unreserved(),
         }
     }
 
