@@ -185,13 +185,9 @@ impl Snapshots {
             return Ok(());
         }
         let kept: Vec<u64> = self
-            .shared
-            .store
-            .templates
-            .templates()
+            .team_templates(team)
             .await?
             .iter()
-            .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
             .filter(|t| existing.is_none_or(|e| e.id != t.id))
             .filter_map(|t| t.image.as_ref()?.snapshot.as_ref())
             .map(|s| s.checkpoint_bytes)
@@ -207,6 +203,13 @@ impl Snapshots {
             adding,
         )?;
         Ok(())
+    }
+
+    /// The templates `team` owns, its snapshots among them.
+    async fn team_templates(&self, team: &Team) -> Result<Vec<Template>, StoreError> {
+        let mut templates = self.shared.store.templates.templates().await?;
+        templates.retain(|t| t.team_id.as_deref() == Some(team.id.as_str()));
+        Ok(templates)
     }
 
     /// The team's snapshot template named `name`, if there is one; an error when the name is
@@ -402,13 +405,9 @@ impl Snapshots {
     ) -> Result<(Vec<SnapshotInfo>, Option<String>), SnapshotError> {
         let wanted_name = query.name.as_deref().map(|n| split_name(n).0);
         let mut found: Vec<SnapshotInfo> = self
-            .shared
-            .store
-            .templates
-            .templates()
+            .team_templates(team)
             .await?
             .iter()
-            .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
             .filter(|t| wanted_name.is_none_or(|n| t.id == n || t.aliases.iter().any(|a| a == n)))
             .filter_map(SnapshotInfo::of)
             .filter(|s| {
