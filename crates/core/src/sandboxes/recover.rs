@@ -177,16 +177,7 @@ impl Recovery {
             self.recover_to(sandbox, SandboxStatus::Checkpointed, Some(&handle))
                 .await?;
         }
-        self.shared.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(
-                &self.shared.signers,
-                sandbox,
-                handle,
-                None,
-                SandboxStatus::Checkpointed,
-            ),
-        );
+        self.enter(sandbox, handle, None, SandboxStatus::Checkpointed);
         self.open_log(sandbox).await;
         self.shared
             .activity
@@ -243,16 +234,7 @@ impl Recovery {
             return Ok(false);
         }
         let status = self.settle(sandbox).await?;
-        self.shared.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(
-                &self.shared.signers,
-                sandbox,
-                sandbox.handle.clone(),
-                Some(endpoint),
-                status,
-            ),
-        );
+        self.enter(sandbox, sandbox.handle.clone(), Some(endpoint), status);
         self.open_log(sandbox).await;
         self.shared
             .activity
@@ -276,18 +258,29 @@ impl Recovery {
             self.close_log_lost(sandbox, "sandbox lost its files").await;
             return Ok(());
         }
-        self.shared.live().insert(
-            sandbox.id.clone(),
-            Live::recorded(
-                &self.shared.signers,
-                sandbox,
-                sandbox.handle.clone(),
-                None,
-                SandboxStatus::Shelved,
-            ),
+        self.enter(
+            sandbox,
+            sandbox.handle.clone(),
+            None,
+            SandboxStatus::Shelved,
         );
         self.open_log(sandbox).await;
         Ok(())
+    }
+
+    /// Enters `sandbox` in the registry as the store recorded it, with the handle, endpoint
+    /// and status it has now.
+    fn enter(
+        &self,
+        sandbox: &Sandbox,
+        handle: RuntimeHandle,
+        endpoint: Option<Endpoint>,
+        status: SandboxStatus,
+    ) {
+        self.shared.live().insert(
+            sandbox.id.clone(),
+            Live::recorded(&self.shared.signers, sandbox, handle, endpoint, status),
+        );
     }
 
     /// Ends a sandbox that cannot be taken back: its processes and files (`cleanup_failed`
@@ -381,16 +374,7 @@ impl Recovery {
         let from = match entered {
             Some(status) => status,
             None => {
-                self.shared.live().insert(
-                    id.to_owned(),
-                    Live::recorded(
-                        &self.shared.signers,
-                        sandbox,
-                        sandbox.handle.clone(),
-                        None,
-                        sandbox.status,
-                    ),
-                );
+                self.enter(sandbox, sandbox.handle.clone(), None, sandbox.status);
                 sandbox.status
             }
         };
