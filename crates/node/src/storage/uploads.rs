@@ -603,6 +603,11 @@ mod tests {
         Box::pin(std::io::Cursor::new(vec![b'x'; bytes]))
     }
 
+    /// Stores `bytes` bytes as TEAM's upload `n` for TEMPLATE, under `limit`.
+    async fn store_body(up: &Uploads, n: u8, bytes: usize, limit: u64) -> Result<(), UploadError> {
+        up.store(TEAM, TEMPLATE, &hash(n), body(bytes), limit).await
+    }
+
     fn uploads(dir: &Path, bytes: u64, count: usize, ttl: Duration) -> Uploads {
         Uploads::open(
             dir.to_owned(),
@@ -630,25 +635,16 @@ mod tests {
     async fn a_team_keeps_a_bounded_count_of_uploads() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 1 << 20, 2, Duration::from_secs(60));
-        up.store(TEAM, TEMPLATE, &hash(1), body(10), 100)
-            .await
-            .unwrap();
-        up.store(TEAM, TEMPLATE, &hash(2), body(10), 100)
-            .await
-            .unwrap();
-        let err = up
-            .store(TEAM, TEMPLATE, &hash(3), body(10), 100)
-            .await
-            .unwrap_err();
+        store_body(&up, 1, 10, 100).await.unwrap();
+        store_body(&up, 2, 10, 100).await.unwrap();
+        let err = store_body(&up, 3, 10, 100).await.unwrap_err();
         assert!(
             matches!(&err, UploadError::TeamCount { limit: 2, hash: h } if *h == hash(3)),
             "{err}"
         );
         assert!(err.to_string().contains("2 uploads"), "{err}");
         // Sending a kept upload again replaces it and is not one more.
-        up.store(TEAM, TEMPLATE, &hash(2), body(20), 100)
-            .await
-            .unwrap();
+        store_body(&up, 2, 20, 100).await.unwrap();
         // Another team has its own count.
         up.store("team-2", TEMPLATE, &hash(3), body(10), 100)
             .await
@@ -661,13 +657,8 @@ mod tests {
     async fn a_team_keeps_a_bounded_number_of_bytes() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 100, 10, Duration::from_secs(60));
-        up.store(TEAM, TEMPLATE, &hash(1), body(60), 1000)
-            .await
-            .unwrap();
-        let err = up
-            .store(TEAM, TEMPLATE, &hash(2), body(50), 1000)
-            .await
-            .unwrap_err();
+        store_body(&up, 1, 60, 1000).await.unwrap();
+        let err = store_body(&up, 2, 50, 1000).await.unwrap_err();
         assert!(
             matches!(&err, UploadError::TeamBytes { limit: 100, .. }),
             "{err}"
@@ -676,9 +667,7 @@ mod tests {
         // Nothing of the refused upload is left or counted.
         assert_eq!(files_of(tmp.path(), TEAM), vec![hash(1)]);
         assert_eq!(up.usage(TEAM), (60, 1));
-        up.store(TEAM, TEMPLATE, &hash(2), body(40), 1000)
-            .await
-            .unwrap();
+        store_body(&up, 2, 40, 1000).await.unwrap();
         // The per-upload limit still applies on its own.
         let err = up
             .store("team-2", TEMPLATE, &hash(3), body(11), 10)
@@ -693,12 +682,8 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let ttl = Duration::from_secs(60);
         let up = uploads(tmp.path(), 1 << 20, 10, ttl);
-        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
-            .await
-            .unwrap();
-        up.store(TEAM, TEMPLATE, &hash(2), body(1), 10)
-            .await
-            .unwrap();
+        store_body(&up, 1, 1, 10).await.unwrap();
+        store_body(&up, 2, 1, 10).await.unwrap();
         let start = SystemTime::now();
         // Answering "present" is not a use: the time to live still runs.
         assert!(up.contains_at(TEAM, TEMPLATE, &hash(1), start + ttl / 2));
@@ -719,9 +704,7 @@ mod tests {
             "the empty team directory went"
         );
         // A reopened store reads ages from the files.
-        up.store(TEAM, TEMPLATE, &hash(3), body(1), 10)
-            .await
-            .unwrap();
+        store_body(&up, 3, 1, 10).await.unwrap();
         let reopened = uploads(tmp.path(), 1 << 20, 10, ttl);
         assert!(reopened.contains(TEAM, TEMPLATE, &hash(3)));
         assert_eq!(reopened.sweep_at(SystemTime::now() + ttl * 2), 1);
@@ -731,9 +714,7 @@ mod tests {
     async fn an_upload_goes_when_the_last_build_holding_it_ends() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 1 << 20, 10, Duration::from_secs(3600));
-        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
-            .await
-            .unwrap();
+        store_body(&up, 1, 1, 10).await.unwrap();
         let t = SystemTime::now() + Duration::from_secs(1);
         let second = Duration::from_secs(1);
         up.hold_at(TEAM, &[hash(1)], t);
@@ -755,12 +736,8 @@ mod tests {
     async fn uploads_go_with_the_last_template_they_belong_to() {
         let tmp = tempfile::tempdir().unwrap();
         let up = uploads(tmp.path(), 1 << 20, 10, Duration::from_secs(3600));
-        up.store(TEAM, TEMPLATE, &hash(1), body(1), 10)
-            .await
-            .unwrap();
-        up.store(TEAM, TEMPLATE, &hash(2), body(1), 10)
-            .await
-            .unwrap();
+        store_body(&up, 1, 1, 10).await.unwrap();
+        store_body(&up, 2, 1, 10).await.unwrap();
         // The same files asked for by a second template belong to both.
         assert!(up.contains(TEAM, "template-2", &hash(2)));
         up.store(TEAM, "template-2", &hash(3), body(1), 10)
