@@ -318,10 +318,21 @@ impl Drop for Opening<'_> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::super::ledger::ResourceLedger;
     use crate::net::netns::SlotSet;
 
     use super::{Holdings, NodeSandbox, SlotHold};
+
+    /// A node's holdings, slots and ledger with nothing held yet.
+    fn fresh() -> (Holdings, SlotSet, Arc<ResourceLedger>) {
+        (
+            Holdings::default(),
+            SlotSet::default(),
+            ResourceLedger::unreserved(),
+        )
+    }
 
     fn slots_taken(slots: &SlotSet) -> Vec<u32> {
         slots
@@ -338,11 +349,7 @@ mod tests {
 
     #[test]
     fn a_failed_opening_gives_back_what_it_added_and_only_that() {
-        let (holdings, slots, ledger) = (
-            Holdings::default(),
-            SlotSet::default(),
-            ResourceLedger::unreserved(),
-        );
+        let (holdings, slots, ledger) = fresh();
         // A released sandbox: files on two layers, no slot, no memory.
         holdings.adopt(
             "s",
@@ -371,11 +378,7 @@ mod tests {
 
     #[test]
     fn a_committed_opening_keeps_all_until_the_owner_is_removed() {
-        let (holdings, slots, ledger) = (
-            Holdings::default(),
-            SlotSet::default(),
-            ResourceLedger::unreserved(),
-        );
+        let (holdings, slots, ledger) = fresh();
         let mut boot = holdings.opening("s");
         boot.hold_memory(ledger.regrant("s", 256, 0));
         boot.hold_slot(take(&slots, 7));
@@ -418,11 +421,7 @@ mod tests {
 
     #[test]
     fn an_opening_dropped_after_its_owner_was_removed_touches_nothing_else() {
-        let (holdings, slots, ledger) = (
-            Holdings::default(),
-            SlotSet::default(),
-            ResourceLedger::unreserved(),
-        );
+        let (holdings, slots, ledger) = fresh();
         let mut boot = holdings.opening("s");
         boot.hold_memory(ledger.regrant("s", 256, 0));
         boot.hold_slot(take(&slots, 1));
@@ -489,7 +488,7 @@ mod tests {
         /// and nothing is left once every owner is removed.
         #[test]
         fn the_indexes_follow_the_owners(steps in proptest::collection::vec(step(), 1..40)) {
-            let (holdings, slots, ledger) = (Holdings::default(), SlotSet::default(), ResourceLedger::unreserved());
+            let (holdings, slots, ledger) = fresh();
             for step in steps {
                 match step {
                     Step::Open { id, memory, slot, layers, succeeds } => {
