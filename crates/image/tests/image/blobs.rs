@@ -45,6 +45,19 @@ fn open_store(registry: &Registry) -> BlobStore {
     .unwrap()
 }
 
+/// A registry of its own, its files in a temporary directory, and the store of its test
+/// repository; none, with a note on stderr, where `docker-registry` is missing.
+fn anonymous_registry() -> Option<(tempfile::TempDir, Registry, BlobStore)> {
+    if !have("docker-registry") {
+        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+        return None;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let registry = Registry::start(tmp.path(), None);
+    let store = open_store(&registry);
+    Some((tmp, registry, store))
+}
+
 fn digest_of(data: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(data)))
 }
@@ -63,13 +76,9 @@ fn payload() -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushes_in_chunks_and_fetches_what_it_pushed() {
-    if !have("docker-registry") {
-        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+    let Some((tmp, registry, store)) = anonymous_registry() else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let registry = Registry::start(tmp.path(), None);
-    let store = open_store(&registry);
+    };
 
     let data = payload();
     let digest = digest_of(&data);
@@ -161,13 +170,9 @@ async fn pushes_with_credentials_and_is_refused_without() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_what_it_keeps_and_lets_go_of_it() {
-    if !have("docker-registry") {
-        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+    let Some((tmp, _registry, store)) = anonymous_registry() else {
         return;
-    }
-    let tmp = tempfile::tempdir().unwrap();
-    let registry = Registry::start(tmp.path(), None);
-    let store = open_store(&registry);
+    };
     assert!(
         store.kept().await.unwrap().is_empty(),
         "a repository never pushed to"
