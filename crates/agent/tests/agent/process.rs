@@ -11,11 +11,7 @@ use serde_json::json;
 async fn start_streams_start_data_end() {
     let agent = Agent::start().await;
     let mut frames = agent
-        .stream(
-            "process.Process/Start",
-            json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"]}, "stdin": false}),
-            &[],
-        )
+        .start_process(json!({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "echo hi"]}, "stdin": false}))
         .await;
     let pid = started(&mut frames).await;
     assert!(pid > 1);
@@ -91,11 +87,7 @@ async fn stdin_send_input_and_close() {
 async fn stdin_false_reads_eof() {
     let agent = Agent::start().await;
     let mut frames = agent
-        .stream(
-            "process.Process/Start",
-            json!({"process": {"cmd": "/bin/cat"}, "stdin": false}),
-            &[],
-        )
+        .start_process(json!({"process": {"cmd": "/bin/cat"}, "stdin": false}))
         .await;
     started(&mut frames).await;
     let out = frames.finish().await;
@@ -107,11 +99,7 @@ async fn stdin_false_reads_eof() {
 async fn list_and_kill() {
     let agent = Agent::start().await;
     let mut frames = agent
-        .stream(
-            "process.Process/Start",
-            json!({"process": {"cmd": "/bin/sleep", "args": ["100"]}, "tag": "sleeper", "stdin": false}),
-            &[],
-        )
+        .start_process(json!({"process": {"cmd": "/bin/sleep", "args": ["100"]}, "tag": "sleeper", "stdin": false}))
         .await;
     let pid = started(&mut frames).await;
     let (status, list) = agent.unary("process.Process/List", json!({})).await;
@@ -153,11 +141,7 @@ async fn list_and_kill() {
 async fn connect_reattaches_after_disconnect() {
     let agent = Agent::start().await;
     let mut frames = agent
-        .stream(
-            "process.Process/Start",
-            json!({"process": {"cmd": "/bin/bash", "args": ["-c", "read x; echo got $x"]}, "stdin": true}),
-            &[],
-        )
+        .start_process(json!({"process": {"cmd": "/bin/bash", "args": ["-c", "read x; echo got $x"]}, "stdin": true}))
         .await;
     let pid = started(&mut frames).await;
     drop(frames);
@@ -301,11 +285,7 @@ async fn background_descendant_does_not_hold_the_stream() {
 async fn stream_input_feeds_stdin() {
     let agent = Agent::start().await;
     let mut frames = agent
-        .stream(
-            "process.Process/Start",
-            json!({"process": {"cmd": "/bin/cat"}, "stdin": true}),
-            &[],
-        )
+        .start_process(json!({"process": {"cmd": "/bin/cat"}, "stdin": true}))
         .await;
     let pid = started(&mut frames).await;
     let mut body = Vec::new();

@@ -111,6 +111,12 @@ impl Agent {
         (status.as_u16(), value)
     }
 
+    /// Starts the process `msg` asks for, with no extra headers, and returns a reader of its
+    /// stream's envelopes.
+    pub async fn start_process(&self, msg: Value) -> Frames {
+        self.stream("process.Process/Start", msg, &[]).await
+    }
+
     /// Opens a server stream and returns a reader of its envelopes.
     pub async fn stream(&self, method: &str, msg: Value, headers: &[(&str, &str)]) -> Frames {
         let mut req = self
