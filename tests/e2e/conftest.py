@@ -85,6 +85,21 @@ _REGISTRY_PORTS = None
 EXTRA_LOGS: dict = {}
 
 
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium, headless, driven by Playwright (the dashboard's tests)."""
+    from playwright.sync_api import sync_playwright
+
+    (LOG_DIR / "dashboard").mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        # Root in a container has no user namespace for chromium's own sandbox.
+        b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
 def registry_ports():
     """The local registries' ports, reserved once by whichever fixture asks first: the server
     must be told to allow them (it refuses pulls from loopback otherwise) before the registries

@@ -910,3 +910,12 @@ def destroy_volume(url: str, api_key: str, volume_id: str, name: str) -> None:
             if any(m.get("name") == name for m in mounts):
                 api.delete(f"/sandboxes/{sandbox_id}")
         api.delete(f"/volumes/{volume_id}")
+
+
+def wait_js(page, expression: str, timeout: float = 15.0) -> None:
+    """Polls `expression` in a Playwright page from outside it: the dashboard's CSP forbids the
+    string evaluation Playwright's own wait_for_function does inside the page."""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.1)

@@ -26,6 +26,7 @@ alone holding the machine-wide lock.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -39,7 +40,7 @@ import pytest
 
 import cluster as cl
 import conftest
-from e2e_util import DATA_DIR, SANDBAR_BIN, acquire_run_lock, wait_until
+from e2e_util import DATA_DIR, LOG_DIR, SANDBAR_BIN, acquire_run_lock, wait_js, wait_until
 
 FLEET = 40
 # One tenant build at a time per node, so one endless build fills a node's build slots.
@@ -833,3 +834,98 @@ def test_a_build_goes_to_the_node_with_a_free_build_slot(cluster, tmp_path):
         for client, _ in made:
             client.close()
         a.close()
+
+
+def _dashboard_session(client: httpx.Client, key: str) -> str:
+    """Signs in to the dashboard with `key`; the CSRF token of the session's pages."""
+    r = client.post("/dashboard/login", data={"key": key}, follow_redirects=False)
+    assert r.status_code == 303 and "sandbar_dashboard" in client.cookies, f"sign-in: {r.status_code} {r.text[:200]}"
+    page = client.get("/dashboard/").text
+    return re.search(r'X-CSRF-Token&quot;:&quot;([0-9a-f]+)', page).group(1)
+
+
+@needs_roles
+def test_the_dashboard_on_an_api_host_reaches_the_nodes(cluster, fleet, browser):
+    """Through an API host, the dashboard lists the nodes, and a sandbox's page, its terminal
+    (a WebSocket), a create and a kill are carried to the nodes with the session the API host
+    checked; a client's own vouching headers never reach a node."""
+    api1 = cluster["api1"]
+    other = _team(cluster, "dash-other")
+    # One of the fleet's sandboxes on each node.
+    on = {}
+    for sid in fleet.sandboxes:
+        on.setdefault(fleet.node_of(sid), sid)
+        if len(on) == 2:
+            break
+    assert set(on) == {"n1", "n2"}, f"the fleet is on {sorted(on)} only"
+
+    context = browser.new_context(base_url=api1.url)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    errors = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    created = None
+    try:
+        page.goto("/dashboard/login")
+        page.fill("#key", cl.API_KEY)
+        page.click("button[type=submit]")
+        page.wait_for_url(re.compile(r"/dashboard/$"))
+
+        page.goto("/dashboard/nodes")
+        for node in ("n1", "n2"):
+            row = page.locator(f"tr[data-node='{node}']")
+            assert row.locator(".node-state").inner_text().startswith("live"), row.inner_text()
+            assert int(row.locator(".node-sandboxes").inner_text()) >= 1, row.inner_text()
+        assert "base" in page.locator("tr[data-node='n1'] .node-templates").inner_text()
+        page.screenshot(path=str(LOG_DIR / "dashboard" / "cluster-nodes.png"), full_page=True)
+
+        # A sandbox on each node: its page comes from that node, and its terminal runs there.
+        for node, sid in sorted(on.items()):
+            page.goto(f"/dashboard/sandboxes/{sid}")
+            assert page.locator("#sandbox-state").inner_text() == "running"
+            page.click("#open-terminal")
+            wait_js(page, "document.querySelector('#terminal').dataset.connected === '1'", 30)
+            page.click("#terminal")
+            page.keyboard.type(f"echo {node}-$((6*7)) > /tmp/dash; cat /tmp/dash\n")
+            wait_js(page, f"document.querySelector('#terminal .xterm-rows').textContent.includes('{node}-42')")
+            assert fleet.sandboxes[sid].files.read("/tmp/dash") == f"{node}-42\n"
+
+        # Created from the page: placed on a node, then killed from its page.
+        page.goto("/dashboard/sandboxes")
+        page.click("#create summary")
+        page.fill("#create-form input[name=timeout]", "120")
+        page.click("#create-form button[type=submit]")
+        page.wait_for_url(re.compile(r"/dashboard/sandboxes/[a-z0-9]+$"), timeout=60_000)
+        created = page.url.rsplit("/", 1)[1]
+        assert fleet.node_of(created) in ("n1", "n2")
+        assert page.locator("#sandbox-state").inner_text() == "running"
+        page.click("#kill")
+        page.wait_for_url(re.compile(r"/dashboard/sandboxes$"))
+        with api1.client() as api:
+            assert api.get(f"/sandboxes/{created}").status_code == 404
+        created = None
+        assert errors == []
+    finally:
+        if created:
+            with api1.client() as api:
+                api.delete(f"/sandboxes/{created}")
+        context.close()
+
+    # Another team's session, with the first team's key in the headers a node would trust:
+    # the API host replaces them with its own session's, so the node finds no such sandbox.
+    sid = next(iter(on.values()))
+    forged = {"x-sandbar-dashboard-credential": cl.API_KEY, "x-sandbar-dashboard-session": "x",
+              "x-sandbar-dashboard-csrf": "x"}
+    with httpx.Client(base_url=api1.url, timeout=30) as client:
+        csrf = _dashboard_session(client, other["apiKey"])
+        r = client.get(f"/dashboard/sandboxes/{sid}", headers=forged)
+        assert r.status_code == 404, f"another team's session saw the sandbox: {r.status_code} {r.text[:300]}"
+        r = client.post(f"/dashboard/sandboxes/{sid}/kill", headers={**forged, "x-csrf-token": csrf})
+        assert r.status_code == 404, f"another team's session killed the sandbox: {r.status_code} {r.text[:300]}"
+        # A forged CSRF token is refused on the API host, before any node hears of it.
+        r = client.post(f"/dashboard/sandboxes/{sid}/kill", headers={"x-csrf-token": "0" * 64})
+        assert r.status_code == 403, f"{r.status_code} {r.text[:300]}"
+    # Without a session: nothing is forwarded.
+    r = httpx.get(f"{api1.url}/dashboard/sandboxes/{sid}", headers=forged, timeout=30)
+    assert r.status_code == 401, f"{r.status_code} {r.text[:300]}"
+    assert fleet.sandboxes[sid].is_running()

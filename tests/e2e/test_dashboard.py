@@ -14,28 +14,14 @@ import httpx
 import pytest
 
 from e2e_util import LOG_DIR, sandbar_cli, unique
+from e2e_util import wait_js as _wait_js
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
-CHROMIUM = "/usr/bin/chromium"
 SHOTS = LOG_DIR / "dashboard"
 # Tenant-controlled text that would run if a page rendered it unescaped.
 XSS = "<script>window.__pwned=1</script>"
 XSS_FILE = "<script>x=1.txt"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        # Root in a container has no user namespace for chromium's own sandbox.
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def _signed_in(browser, sandbar, key: str):
@@ -74,15 +60,6 @@ def _open_terminal(page, sandbar, errors) -> None:
         message = f"terminal attempt {attempt} ended '{state}'; page errors: {errors}; server: {reasons[-3:]}"
         assert attempt == 1, message
         warnings.warn(message)
-
-
-def _wait_js(page, expression: str, timeout: float = 15.0) -> None:
-    """Polls `expression` from outside the page: the page's CSP forbids the string evaluation
-    Playwright's own wait_for_function does inside it."""
-    deadline = time.monotonic() + timeout
-    while not page.evaluate(expression):
-        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
-        time.sleep(0.1)
 
 
 def _shot(page, name: str) -> None:

@@ -31,6 +31,8 @@ use hyper_util::rt::TokioExecutor;
 use sandbar_core::cluster::{TemplateReach, build_placement_order, placement_order};
 use sandbar_core::{NodeDirectory, NodeRecord, Store};
 
+use sandbar_dashboard::{Dashboard, VouchedSession};
+
 use crate::AppState;
 use crate::error::ApiError;
 
@@ -63,6 +65,9 @@ pub(crate) async fn require_node_secret(
         .into_response();
     }
     request.headers_mut().remove(NODE_SECRET_HEADER);
+    if let Some(vouched) = VouchedSession::take_from(request.headers_mut()) {
+        request.extensions_mut().insert(vouched);
+    }
     next.run(request).await
 }
 
@@ -86,6 +91,20 @@ enum Destination {
     Build(String),
     /// Ask each node for the latest metrics of its sandboxes among those named.
     LatestMetrics,
+    /// A dashboard request that acts on a node, once the API host checked its session.
+    Dashboard(DashboardTo),
+}
+
+/// Where a dashboard request goes in a cluster: what it acts on lives on a node, as for the
+/// API request it stands for. Pages that only read the store are answered here.
+#[derive(Debug, PartialEq, Eq)]
+enum DashboardTo {
+    /// A sandbox's page, state, actions, files and terminal: to the node that holds it.
+    Sandbox(String),
+    /// A new sandbox: placed like an API create.
+    NewSandbox,
+    /// Volumes, a template built from a pasted Dockerfile, a snapshot's removal: to the keeper.
+    Keeper,
 }
 
 fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Destination {
@@ -93,6 +112,20 @@ fn destination(method: &Method, path: &str, edge_sandbox: Option<String>) -> Des
         return Destination::Sandbox(id);
     }
     let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if let ["dashboard", page @ ..] = segments.as_slice() {
+        return match page {
+            ["sandboxes"] if method == Method::POST => {
+                Destination::Dashboard(DashboardTo::NewSandbox)
+            }
+            ["sandboxes", "rows"] => Destination::Here,
+            ["sandboxes", id, ..] => Destination::Dashboard(DashboardTo::Sandbox((*id).to_owned())),
+            ["volumes", ..] => Destination::Dashboard(DashboardTo::Keeper),
+            ["templates"] | ["snapshots", _, "delete"] if method == Method::POST => {
+                Destination::Dashboard(DashboardTo::Keeper)
+            }
+            _ => Destination::Here,
+        };
+    }
     let rest = match segments.as_slice() {
         ["v2", "sandboxes", rest @ ..] | ["sandboxes", rest @ ..] => Some(rest),
         _ => None,
@@ -424,7 +457,28 @@ impl ClusterRouting {
     /// Sends `request` to `node` with the secret added; the Host header stays the client's,
     /// which host-based routing on the node reads.
     async fn send(&self, node: &NodeRecord, request: Request) -> Result<Response, ApiError> {
+        self.send_as(node, request, None).await
+    }
+
+    /// [`Self::send`], handing the node a dashboard session this host checked. Whatever
+    /// vouched-session headers the client sent are removed first, so only this host's reach
+    /// the node. A WebSocket upgrade (the dashboard's terminal) is carried through: once the
+    /// node switches protocols, the two upgraded connections are joined.
+    async fn send_as(
+        &self,
+        node: &NodeRecord,
+        mut request: Request,
+        vouched: Option<&VouchedSession>,
+    ) -> Result<Response, ApiError> {
+        let client_upgrade =
+            is_upgrade(request.headers()).then(|| hyper::upgrade::on(&mut request));
         let (mut parts, body) = request.into_parts();
+        for name in VouchedSession::HEADERS {
+            parts.headers.remove(name);
+        }
+        if let Some(vouched) = vouched {
+            vouched.write_to(&mut parts.headers);
+        }
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let uri: Uri = format!("{}{path}", node.url.trim_end_matches('/'))
             .parse()
@@ -450,15 +504,21 @@ impl ClusterRouting {
                 )
             })?,
         );
-        for name in [
-            header::CONNECTION,
-            header::TE,
-            header::TRAILER,
-            header::UPGRADE,
-        ] {
+        let hop_by_hop = if client_upgrade.is_some() {
+            [header::TE, header::TRAILER].as_slice()
+        } else {
+            [
+                header::CONNECTION,
+                header::TE,
+                header::TRAILER,
+                header::UPGRADE,
+            ]
+            .as_slice()
+        };
+        for name in hop_by_hop {
             parts.headers.remove(name);
         }
-        let response = self
+        let mut response = self
             .client
             .request(Request::from_parts(parts, body))
             .await
@@ -468,6 +528,14 @@ impl ClusterRouting {
                     format!("cannot reach node '{}' at {}: {e}", node.id, node.url),
                 )
             })?;
+        if let Some(client_upgrade) = client_upgrade
+            && response.status() == StatusCode::SWITCHING_PROTOCOLS
+        {
+            let node_upgrade = hyper::upgrade::on(&mut response);
+            tokio::spawn(join_upgraded(client_upgrade, node_upgrade));
+            let (parts, _) = response.into_parts();
+            return Ok(Response::from_parts(parts, Body::empty()));
+        }
         let (mut parts, body) = response.into_parts();
         parts.headers.remove(header::CONNECTION);
         parts.headers.remove(header::TRANSFER_ENCODING);
@@ -477,7 +545,7 @@ impl ClusterRouting {
 
 /// An API host's router in front of the edge and the REST API (see the module's comment).
 pub(crate) async fn forward_to_nodes(
-    State(state): State<AppState>,
+    State((state, dashboard)): State<(AppState, Dashboard)>,
     request: Request,
     next: Next,
 ) -> Response {
@@ -523,6 +591,108 @@ pub(crate) async fn forward_to_nodes(
             Err(e) => Err(e),
         }
         .unwrap_or_else(IntoResponse::into_response),
+        Destination::Dashboard(to) => {
+            dashboard_to_nodes(&state, &dashboard, &cluster, to, request, next).await
+        }
+    }
+}
+
+/// A dashboard request whose work is on a node: its session is checked here, where sessions
+/// live, and the node is handed the session with the request. Errors come in the dashboard's
+/// form, for its error box.
+async fn dashboard_to_nodes(
+    state: &AppState,
+    dashboard: &Dashboard,
+    cluster: &ClusterRouting,
+    to: DashboardTo,
+    request: Request,
+    next: Next,
+) -> Response {
+    let (vouched, team) = match dashboard.vouch(request.method(), request.headers()).await {
+        Ok(checked) => checked,
+        Err(answer) => return answer,
+    };
+    let sent = match to {
+        DashboardTo::Sandbox(id) => match cluster.owner(&id).await {
+            Ok(Some(node_id)) => match cluster.live_node(&node_id) {
+                Some(node) => cluster.send_as(&node, request, Some(&vouched)).await,
+                None => Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("sandbox '{id}' is on node '{node_id}', which is not answering"),
+                )),
+            },
+            // Unknown to the store too: the dashboard here says so.
+            Ok(None) => return next.run(request).await,
+            Err(e) => Err(e),
+        },
+        DashboardTo::Keeper => match cluster.keeper() {
+            Some(node) => cluster.send_as(&node, request, Some(&vouched)).await,
+            None => Err(no_nodes()),
+        },
+        DashboardTo::NewSandbox => {
+            place_from_dashboard(state, cluster, &team, &vouched, request).await
+        }
+    };
+    sent.unwrap_or_else(|e| sandbar_dashboard::error_answer(e.status, e.message))
+}
+
+/// A sandbox created from the dashboard's form, placed as an API create of its template.
+async fn place_from_dashboard(
+    state: &AppState,
+    cluster: &ClusterRouting,
+    team: &sandbar_core::Team,
+    vouched: &VouchedSession,
+    request: Request,
+) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let body = read_create_body(body).await?;
+    let name = url::form_urlencoded::parse(&body)
+        .find(|(field, _)| field == "template")
+        .map(|(_, value)| value.trim().to_owned())
+        .filter(|value| !value.is_empty())
+        .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned());
+    let (template, reach) = match state.templates.resolve(team, &name).await {
+        Ok(template) => {
+            let reach = cluster.reach_of(&template).await;
+            (template.id, reach)
+        }
+        // The node gives the answer the dashboard shows for an unknown template.
+        Err(_) => (name, TemplateReach::Local),
+    };
+    let order = placement_order(
+        &cluster.nodes.live(),
+        &template,
+        reach,
+        |node| cluster.pending_on(node),
+        Utc::now(),
+    );
+    send_create_in_order(cluster, order, &parts, &body, Some(vouched)).await
+}
+
+fn is_upgrade(headers: &axum::http::HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
+}
+
+/// Copies both ways between a client's upgraded connection and the node's, until either
+/// side closes.
+async fn join_upgraded(client: hyper::upgrade::OnUpgrade, node: hyper::upgrade::OnUpgrade) {
+    let (client, node) = match tokio::try_join!(client, node) {
+        Ok(both) => both,
+        Err(e) => {
+            tracing::debug!(error = %e, "an upgraded connection through the API host did not open");
+            return;
+        }
+    };
+    let mut client = hyper_util::rt::TokioIo::new(client);
+    let mut node = hyper_util::rt::TokioIo::new(node);
+    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut node).await {
+        tracing::debug!(error = %e, "an upgraded connection through the API host ended");
     }
 }
 
@@ -734,14 +904,7 @@ async fn place(
     request: Request,
 ) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
-    let body = axum::body::to_bytes(body, CREATE_BODY_LIMIT)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is larger than the limit of {CREATE_BODY_LIMIT} bytes"),
-            )
-        })?;
+    let body = read_create_body(body).await?;
     let name = template_name(&body);
     let remembered = placement_key(&parts.headers, &name);
     let cached = cluster
@@ -783,6 +946,29 @@ async fn place(
             now,
         )
     };
+    send_create_in_order(cluster, order, &parts, &body, None).await
+}
+
+async fn read_create_body(body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, CREATE_BODY_LIMIT)
+        .await
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is larger than the limit of {CREATE_BODY_LIMIT} bytes"),
+            )
+        })
+}
+
+/// Offers a create to each node of `order` in turn until one takes it or refuses it for a
+/// reason other than room.
+async fn send_create_in_order(
+    cluster: &ClusterRouting,
+    order: Vec<NodeRecord>,
+    parts: &axum::http::request::Parts,
+    body: &Bytes,
+    vouched: Option<&VouchedSession>,
+) -> Result<Response, ApiError> {
     let mut last = None;
     for node in order {
         let mut attempt = Request::new(Body::from(body.clone()));
@@ -791,7 +977,7 @@ async fn place(
         *attempt.version_mut() = parts.version;
         *attempt.headers_mut() = parts.headers.clone();
         cluster.count_pending(&node.id);
-        match cluster.send(&node, attempt).await {
+        match cluster.send_as(&node, attempt, vouched).await {
             Ok(response) if response.status() == StatusCode::SERVICE_UNAVAILABLE => {
                 last = Some(Ok(response));
             }

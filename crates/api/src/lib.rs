@@ -180,11 +180,10 @@ pub fn routers(state: AppState, metrics: &MetricsAccess) -> Routers {
         state.sandboxes.clone(),
         state.templates.clone(),
         state.builds.clone(),
-    )
-    .router();
+    );
     let app = api
         .merge(operator)
-        .nest_service("/dashboard", dashboard)
+        .nest_service("/dashboard", dashboard.clone().router())
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             edge::route_to_sandbox,
@@ -192,7 +191,7 @@ pub fn routers(state: AppState, metrics: &MetricsAccess) -> Routers {
     let app = match &state.cluster {
         None => app,
         Some(ClusterRole::Api(_)) => app.layer(axum::middleware::from_fn_with_state(
-            state.clone(),
+            (state.clone(), dashboard),
             cluster::forward_to_nodes,
         )),
         Some(ClusterRole::Node { secret }) => app.layer(axum::middleware::from_fn_with_state(

@@ -74,6 +74,11 @@ impl NodeDirectory {
                 .any(|n| n.id == id && n.is_live(Utc::now()))
     }
 
+    /// Every node the store lists, lost ones too.
+    pub fn all(&self) -> Vec<NodeRecord> {
+        self.read().clone()
+    }
+
     pub fn live(&self) -> Vec<NodeRecord> {
         let now = Utc::now();
         self.read()

@@ -338,6 +338,8 @@ pub struct Page<T> {
     pub next_token: Option<String>,
     /// Running sandboxes matching the filters on every page.
     pub running_total: usize,
+    /// Sandboxes matching the filters on every page, in any state.
+    pub total: usize,
 }
 
 /// Where the edge sends a request for a running sandbox.

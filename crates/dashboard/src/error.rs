@@ -227,3 +227,9 @@ impl From<sandbar_core::webhooks::WebhookError> for PageError {
         }
     }
 }
+
+/// An answer in the dashboard's error form (shown in the page's error box), for a request the
+/// dashboard's handlers never saw: one an API host could not forward to a node.
+pub fn error_answer(status: StatusCode, message: impl Into<String>) -> Response {
+    PageError::new(status, message).into_response()
+}

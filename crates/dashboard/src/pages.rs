@@ -7,10 +7,9 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::Markup;
-use sandbar_core::sandboxes::{ForkResult, SnapshotQuery};
+use sandbar_core::sandboxes::{ForkResult, Page, SnapshotQuery};
 use sandbar_core::{
     BuildStatus, CreateSandbox, ListQuery, NetworkConfig, SandboxEventQuery, SandboxLogQuery,
-    SandboxState,
 };
 use serde::Deserialize;
 
@@ -19,8 +18,12 @@ use crate::error::PageError;
 use crate::session::{self, Credential, Mutating, Signed};
 use crate::views::{self, Nav};
 
-/// Sandboxes listed at most on one page; the list is for people, not for scripts.
+/// Snapshots listed at most on one page; the list is for people, not for scripts.
 const LIST_LIMIT: usize = 500;
+/// Sandboxes on one page of the list, as the API's own largest page.
+const LIST_PAGE: usize = 100;
+/// Sandboxes the Overview shows.
+const RECENT: usize = 10;
 /// Log lines shown on a sandbox's page.
 const LOG_TAIL: u32 = 200;
 
@@ -87,16 +90,20 @@ pub(crate) async fn logout(State(state): State<Dashboard>, Mutating(signed): Mut
     response
 }
 
-async fn all_sandboxes(
+/// One page of the team's sandboxes matching `metadata`, newest first, after `next` (a page
+/// token as the API gives them; empty for the first page).
+async fn sandbox_page(
     state: &Dashboard,
     signed: &Signed,
     metadata: BTreeMap<String, String>,
-) -> Result<Vec<sandbar_core::Sandbox>, PageError> {
+    next: &str,
+    limit: usize,
+) -> Result<Page<sandbar_core::Sandbox>, PageError> {
     let query = ListQuery {
         metadata,
         states: None,
-        limit: LIST_LIMIT,
-        next_token: None,
+        limit,
+        next_token: Some(next.to_owned()).filter(|t| !t.is_empty()),
         ascending: false,
         started_after: None,
         template: None,
@@ -107,7 +114,6 @@ async fn all_sandboxes(
         .registry()
         .list(&signed.team, &query)
         .await
-        .map(|page| page.items)
         .map_err(|e| match e {
             sandbar_core::ListSandboxesError::BadToken(_) => PageError::bad_request(e.to_string()),
             other => PageError::logged("sandbox list", &other),
@@ -116,8 +122,8 @@ async fn all_sandboxes(
 
 /// `GET /`: the Overview.
 pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> Response {
-    let all = match all_sandboxes(&state, &signed, BTreeMap::new()).await {
-        Ok(all) => all,
+    let recent = match sandbox_page(&state, &signed, BTreeMap::new(), "", RECENT).await {
+        Ok(page) => page,
         Err(e) => return full_page_error(&signed, Nav::Overview, e),
     };
     let templates = match state.inner.templates.list(&signed.team).await {
@@ -126,13 +132,9 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
             return full_page_error(&signed, Nav::Overview, PageError::logged("templates", &e));
         }
     };
-    let running = all
-        .iter()
-        .filter(|s| s.state() == SandboxState::Running)
-        .count();
     let overview = views::Overview {
-        running,
-        paused: all.len() - running,
+        running: recent.running_total,
+        paused: recent.total - recent.running_total,
         memory: state.inner.sandboxes.health().memory(),
         disks: state.inner.sandboxes.health().disks(),
         failed_builds: templates
@@ -142,7 +144,7 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
                     && t.build_status == BuildStatus::Error
             })
             .collect(),
-        recent: all.into_iter().take(10).collect(),
+        recent: recent.items,
     };
     views::overview(&signed.csrf, &overview).into_response()
 }
@@ -151,6 +153,9 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
 pub(crate) struct FilterQuery {
     #[serde(default)]
     metadata: String,
+    /// The page token of the page shown; empty for the first.
+    #[serde(default)]
+    next: String,
 }
 
 /// `key=value` pairs separated by `separator`; blanks skipped.
@@ -176,11 +181,13 @@ pub(crate) async fn sandboxes(
     Query(filter): Query<FilterQuery>,
 ) -> Response {
     let listed = match parse_pairs(&filter.metadata, ',') {
-        Ok(metadata) => all_sandboxes(&state, &signed, metadata).await,
+        Ok(metadata) => sandbox_page(&state, &signed, metadata, &filter.next, LIST_PAGE).await,
         Err(e) => Err(e),
     };
     match listed {
-        Ok(items) => views::sandboxes(&signed.csrf, &filter.metadata, &items).into_response(),
+        Ok(page) => {
+            views::sandboxes(&signed.csrf, &filter.metadata, &filter.next, &page).into_response()
+        }
         Err(e) => full_page_error(&signed, Nav::Sandboxes, e),
     }
 }
@@ -192,8 +199,8 @@ pub(crate) async fn sandbox_rows(
     Query(filter): Query<FilterQuery>,
 ) -> Result<Markup, PageError> {
     let metadata = parse_pairs(&filter.metadata, ',')?;
-    let items = all_sandboxes(&state, &signed, metadata).await?;
-    Ok(views::sandbox_table(&items))
+    let page = sandbox_page(&state, &signed, metadata, &filter.next, LIST_PAGE).await?;
+    Ok(views::sandbox_rows(&filter.metadata, &filter.next, &page))
 }
 
 #[derive(Debug, Deserialize)]
@@ -712,6 +719,73 @@ pub(crate) async fn usage(State(state): State<Dashboard>, signed: Signed) -> Res
         Ok(points) => views::usage(&signed.csrf, &signed.team, USAGE_DAYS, &points).into_response(),
         Err(e) => full_page_error(&signed, Nav::Usage, PageError::logged("usage", &e)),
     }
+}
+
+/// `GET /nodes`: the cluster's nodes with their leases and gauges, or this host alone.
+pub(crate) async fn nodes(State(state): State<Dashboard>, signed: Signed) -> Response {
+    let health = state.inner.sandboxes.health();
+    let Some(records) = health.cluster_nodes() else {
+        let disks = health.disks();
+        let pool = disks.pool.as_ref();
+        let row = views::NodeRow {
+            id: "this host".to_owned(),
+            lease_until: None,
+            started_at: None,
+            sandboxes: health.count_by_status().iter().map(|(_, n)| n).sum(),
+            memory: health.memory().unwrap_or_default(),
+            disk_pool_bytes: pool.map_or(0, |p| p.size_bytes),
+            disk_pool_free_bytes: pool.map_or(0, |p| p.free_bytes),
+            disk_promised_bytes: disks.pool_promised_bytes,
+            disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
+            builds: None,
+            templates: None,
+        };
+        return views::nodes(&signed.csrf, false, &[row]).into_response();
+    };
+    // Another team's private template on a node is that team's business: only the ones this
+    // team can use are named.
+    let usable: BTreeMap<String, String> = match state.inner.templates.list(&signed.team).await {
+        Ok(list) => list
+            .into_iter()
+            .map(|t| {
+                let name = t.aliases.first().cloned().unwrap_or_else(|| t.id.clone());
+                (t.id, name)
+            })
+            .collect(),
+        Err(e) => return full_page_error(&signed, Nav::Nodes, PageError::logged("templates", &e)),
+    };
+    let rows: Vec<views::NodeRow> = records
+        .into_iter()
+        .map(|n| {
+            let report = n.report;
+            views::NodeRow {
+                id: n.id,
+                lease_until: Some(n.lease_until),
+                started_at: Some(n.started_at),
+                sandboxes: usize::try_from(report.sandboxes).unwrap_or(usize::MAX),
+                memory: sandbar_core::MemoryReport {
+                    total_bytes: report.memory_total_bytes,
+                    available_bytes: report.memory_available_bytes,
+                    promised_bytes: report.memory_promised_bytes,
+                    promise_limit_bytes: report.memory_promise_limit_bytes,
+                    ..Default::default()
+                },
+                disk_pool_bytes: report.disk_pool_bytes,
+                disk_pool_free_bytes: report.disk_pool_free_bytes,
+                disk_promised_bytes: report.disk_promised_bytes,
+                disk_promise_limit_bytes: report.disk_promise_limit_bytes,
+                builds: Some(report.builds),
+                templates: Some(
+                    report
+                        .templates
+                        .iter()
+                        .filter_map(|id| usable.get(id).cloned())
+                        .collect(),
+                ),
+            }
+        })
+        .collect();
+    views::nodes(&signed.csrf, true, &rows).into_response()
 }
 
 /// `GET /templates`: the team's templates and the built-in ones, with their builds.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use rand::RngCore;
 use sandbar_core::Team;
@@ -190,11 +190,125 @@ pub(crate) fn sign_in_first(headers: &HeaderMap) -> Response {
     }
 }
 
+/// A session that an API host of a cluster checked (its cookie and, for a change, its CSRF
+/// token) before forwarding the request to the node that holds the sandbox: sessions live in
+/// the API host's memory, so the node is handed what the session holds and checks the
+/// credential again itself, as it checks the API key of a forwarded API request.
+///
+/// It travels in headers that the API host sets on every forwarded request (removing any the
+/// client sent) and that a node reads only once the cluster's secret was presented, so only
+/// an API host can vouch for a session.
+#[derive(Clone)]
+pub struct VouchedSession {
+    credential: Credential,
+    session_id: String,
+    csrf: String,
+}
+
+impl std::fmt::Debug for VouchedSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VouchedSession")
+            .field("credential", &self.credential)
+            .finish_non_exhaustive()
+    }
+}
+
+const VOUCHED_CREDENTIAL: &str = "x-sandbar-dashboard-credential";
+const VOUCHED_SESSION: &str = "x-sandbar-dashboard-session";
+const VOUCHED_CSRF: &str = "x-sandbar-dashboard-csrf";
+
+impl VouchedSession {
+    /// The headers that carry a vouched session, for an API host to remove from what a client
+    /// sent before it forwards anything.
+    pub const HEADERS: [&'static str; 3] = [VOUCHED_CREDENTIAL, VOUCHED_SESSION, VOUCHED_CSRF];
+
+    /// Writes the session into a forwarded request's headers.
+    pub fn write_to(&self, headers: &mut HeaderMap) {
+        let secret = match &self.credential {
+            Credential::ApiKey(s) | Credential::AccessToken(s) => s,
+        };
+        for (name, value) in [
+            (VOUCHED_CREDENTIAL, secret.as_str()),
+            (VOUCHED_SESSION, self.session_id.as_str()),
+            (VOUCHED_CSRF, self.csrf.as_str()),
+        ] {
+            if let Ok(value) = HeaderValue::from_str(value) {
+                headers.insert(name, value);
+            }
+        }
+    }
+
+    /// Takes a vouched session out of a request's headers; a node calls it only after the
+    /// cluster's secret was checked.
+    pub fn take_from(headers: &mut HeaderMap) -> Option<Self> {
+        let mut take = |name| {
+            headers
+                .remove(name)
+                .and_then(|v| v.to_str().ok().map(str::to_owned))
+        };
+        let credential = take(VOUCHED_CREDENTIAL);
+        let session_id = take(VOUCHED_SESSION);
+        let csrf = take(VOUCHED_CSRF);
+        Some(Self {
+            credential: Credential::parse(&credential?),
+            session_id: session_id?,
+            csrf: csrf?,
+        })
+    }
+}
+
+impl Dashboard {
+    /// Checks a request's session as the dashboard's own handlers would (the cookie, the
+    /// credential still valid and, for anything but a read, the CSRF token), for an API host
+    /// about to forward it to a node, with the session's team. The error is the answer to
+    /// give instead.
+    pub async fn vouch(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+    ) -> Result<(VouchedSession, Team), Response> {
+        let mut parts = Request::new(()).into_parts().0;
+        parts.method = method.clone();
+        parts.headers = headers.clone();
+        let signed = if method == Method::GET || method == Method::HEAD {
+            Signed::from_request_parts(&mut parts, self).await?
+        } else {
+            Mutating::from_request_parts(&mut parts, self).await?.0
+        };
+        let credential = self
+            .inner
+            .sessions
+            .find(&signed.session_id)
+            .map(|(credential, _)| credential)
+            .ok_or_else(|| sign_in_first(headers))?;
+        let vouched = VouchedSession {
+            credential,
+            session_id: signed.session_id,
+            csrf: signed.csrf,
+        };
+        Ok((vouched, signed.team))
+    }
+}
+
 impl FromRequestParts<Dashboard> for Signed {
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, state: &Dashboard) -> Result<Self, Response> {
         let sessions = &state.inner.sessions;
+        if let Some(vouched) = parts.extensions.get::<VouchedSession>() {
+            return match vouched.credential.team(&state.inner.auth).await {
+                Ok(team) => Ok(Signed {
+                    team,
+                    session_id: vouched.session_id.clone(),
+                    csrf: vouched.csrf.clone(),
+                }),
+                Err(sandbar_core::AuthError::Store(e)) => {
+                    tracing::error!(error = %e, "dashboard: cannot check a vouched session's credential");
+                    Err(PageError::internal().into_response())
+                }
+                Err(_) => Err(sign_in_first(&parts.headers)),
+            };
+        }
         let Some(id) = session_id(&parts.headers) else {
             return Err(sign_in_first(&parts.headers));
         };
@@ -304,5 +418,26 @@ mod tests {
             sessions.find(&b).unwrap().0,
             Credential::AccessToken(_)
         ));
+    }
+
+    #[test]
+    fn a_vouched_session_goes_through_headers_whole_or_not_at_all() {
+        let vouched = VouchedSession {
+            credential: Credential::parse("sk_e2b_abc"),
+            session_id: "s1".into(),
+            csrf: "c1".into(),
+        };
+        let mut headers = HeaderMap::new();
+        vouched.write_to(&mut headers);
+        let read = VouchedSession::take_from(&mut headers).unwrap();
+        assert!(matches!(&read.credential, Credential::AccessToken(t) if t == "sk_e2b_abc"));
+        assert_eq!((read.session_id.as_str(), read.csrf.as_str()), ("s1", "c1"));
+        assert!(headers.is_empty(), "taken out: {headers:?}");
+
+        // A part missing vouches for nothing, and the rest is still removed.
+        vouched.write_to(&mut headers);
+        headers.remove(VOUCHED_CSRF);
+        assert!(VouchedSession::take_from(&mut headers).is_none());
+        assert!(headers.is_empty(), "taken out: {headers:?}");
     }
 }

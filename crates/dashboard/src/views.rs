@@ -4,7 +4,7 @@
 
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
-use sandbar_core::sandboxes::SnapshotInfo;
+use sandbar_core::sandboxes::{Page, SnapshotInfo};
 use sandbar_core::{
     ApiKeyInfo, BuildLogEntry, BuildRecord, MetricPoint, Sandbox, SandboxEvent, SandboxLogEntry,
     Team, TeamMetricPoint, Template,
@@ -33,6 +33,7 @@ pub(crate) enum Nav {
     Events,
     Webhooks,
     Usage,
+    Nodes,
     Keys,
 }
 
@@ -72,6 +73,7 @@ pub(crate) fn page(
                             a href="/dashboard/events" aria-current=[(nav == Nav::Events).then_some("page")] { "Events" }
                             a href="/dashboard/webhooks" aria-current=[(nav == Nav::Webhooks).then_some("page")] { "Webhooks" }
                             a href="/dashboard/usage" aria-current=[(nav == Nav::Usage).then_some("page")] { "Usage" }
+                            a href="/dashboard/nodes" aria-current=[(nav == Nav::Nodes).then_some("page")] { "Nodes" }
                             a href="/dashboard/keys" aria-current=[(nav == Nav::Keys).then_some("page")] { "API keys" }
                         }
                         button #sign-out hx-post="/dashboard/logout" { "Sign out" }
@@ -204,7 +206,7 @@ pub(crate) fn overview(csrf: &str, o: &Overview) -> Markup {
     )
 }
 
-pub(crate) fn sandboxes(csrf: &str, filter: &str, items: &[Sandbox]) -> Markup {
+pub(crate) fn sandboxes(csrf: &str, filter: &str, next: &str, listed: &Page<Sandbox>) -> Markup {
     page(
         "Sandboxes",
         Some((csrf, Nav::Sandboxes)),
@@ -222,15 +224,43 @@ pub(crate) fn sandboxes(csrf: &str, filter: &str, items: &[Sandbox]) -> Markup {
             }
             form.row #filter method="get" action="/dashboard/sandboxes" {
                 label { "Metadata filter (key=value, comma-separated)"
+                    // A new filter starts again from the first page.
                     input name="metadata" value=(filter) hx-get="/dashboard/sandboxes/rows"
-                        hx-trigger="input changed delay:300ms" hx-target="#rows" hx-include="#filter";
+                        hx-trigger="input changed delay:300ms" hx-target="#rows" hx-include="#filter-metadata";
                 }
+                input #filter-metadata type="hidden" name="next" value="";
             }
-            div #rows hx-get="/dashboard/sandboxes/rows" hx-trigger="every 1s" hx-include="#filter" {
-                (sandbox_table(items))
+            div #rows hx-get="/dashboard/sandboxes/rows" hx-trigger="every 1s"
+                hx-include="#filter input[name=metadata], #filter-page" {
+                (sandbox_rows(filter, next, listed))
             }
         },
     )
+}
+
+/// The polled part of the list: one page of rows and the links to the first and next pages.
+/// It carries the token of the page it shows, which the next poll sends back: a filter
+/// changed since answers the first page, and the polls follow it there.
+pub(crate) fn sandbox_rows(filter: &str, next: &str, listed: &Page<Sandbox>) -> Markup {
+    let link = |token: &str| {
+        let mut query = url::form_urlencoded::Serializer::new(String::new());
+        if !filter.is_empty() {
+            query.append_pair("metadata", filter);
+        }
+        if !token.is_empty() {
+            query.append_pair("next", token);
+        }
+        format!("/dashboard/sandboxes?{}", query.finish())
+    };
+    html! {
+        input #filter-page type="hidden" name="next" value=(next);
+        p.muted #list-count {
+            (listed.items.len()) " shown of " (listed.total) " (" (listed.running_total) " running)"
+            @if !next.is_empty() { " · " a #first-page href=(link("")) { "First page" } }
+            @if let Some(token) = &listed.next_token { " · " a #next-page href=(link(token)) { "Next page" } }
+        }
+        (sandbox_table(&listed.items))
+    }
 }
 
 pub(crate) fn sandbox_table(items: &[Sandbox]) -> Markup {
@@ -820,4 +850,81 @@ pub(crate) fn volume(
             }
         },
     )
+}
+
+/// One node as the Nodes page shows it. On a single host the server is its one node, with no
+/// lease.
+#[derive(Debug)]
+pub(crate) struct NodeRow {
+    pub id: String,
+    /// When the lease ends (a past time: lost since then); `None` on a single host.
+    pub lease_until: Option<DateTime<Utc>>,
+    pub started_at: Option<DateTime<Utc>>,
+    pub sandboxes: usize,
+    pub memory: sandbar_core::MemoryReport,
+    pub disk_pool_bytes: u64,
+    pub disk_pool_free_bytes: u64,
+    pub disk_promised_bytes: u64,
+    pub disk_promise_limit_bytes: u64,
+    pub builds: Option<sandbar_core::BuildSlotUse>,
+    /// Names of the templates the team can use whose layers the node holds; `None` where the
+    /// node does not report them.
+    pub templates: Option<Vec<String>>,
+}
+
+pub(crate) fn nodes(csrf: &str, clustered: bool, rows: &[NodeRow]) -> Markup {
+    let now = Utc::now();
+    page(
+        "Nodes",
+        Some((csrf, Nav::Nodes)),
+        html! {},
+        html! {
+            h1 { "Nodes" }
+            @if clustered {
+                p.muted { "The cluster's nodes as this API host last read them from the database (every second). A node whose lease ran out is lost: its sandboxes wait for it or for a take-over." }
+            } @else {
+                p.muted { "A single host: this server is its own node." }
+            }
+            div.scroll { table #node-table {
+                thead { tr {
+                    th { "Node" } th { "State" } th { "Sandboxes" } th { "Memory promised / limit" }
+                    th { "Memory available / total" } th { "Disk promised / limit" } th { "Disk pool free / size" }
+                    th { "Builds running / waiting / slots" } th { "Templates present" }
+                } }
+                tbody {
+                    @for n in rows {
+                        tr data-node=(n.id) {
+                            td.mono { (n.id) }
+                            td.node-state {
+                                @match n.lease_until {
+                                    None => { "running" }
+                                    Some(until) if until > now => { "live" small.muted { " (lease " (ago_until(now, until)) ", started " (ago(n.started_at.unwrap_or(now))) " ago)" } }
+                                    Some(until) => { "lost" small.muted { " (since " (when(until)) ")" } }
+                                }
+                            }
+                            td.node-sandboxes { (n.sandboxes) }
+                            td { (gib(n.memory.promised_bytes)) " / " (gib(n.memory.promise_limit_bytes)) }
+                            td { (gib(n.memory.available_bytes)) " / " (gib(n.memory.total_bytes)) }
+                            td { (gib(n.disk_promised_bytes)) " / " (gib(n.disk_promise_limit_bytes)) }
+                            td { (gib(n.disk_pool_free_bytes)) " / " (gib(n.disk_pool_bytes)) }
+                            td { @match n.builds {
+                                Some(b) => { (b.running) " / " (b.waiting) " / " (b.slots) }
+                                None => { "—" }
+                            } }
+                            td.node-templates { @match &n.templates {
+                                Some(names) if names.is_empty() => { "none" }
+                                Some(names) => { (names.join(", ")) }
+                                None => { "—" }
+                            } }
+                        }
+                    }
+                }
+            } }
+            p.muted { "Memory and disk are each node's: every team's sandboxes share them. Only templates your team can use are named." }
+        },
+    )
+}
+
+fn ago_until(now: DateTime<Utc>, until: DateTime<Utc>) -> String {
+    format!("{}s left", (until - now).num_seconds().max(0))
 }

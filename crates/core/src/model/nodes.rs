@@ -32,6 +32,12 @@ pub struct NodeReport {
     /// Memory limits of its sandboxes together, and how far they may add up.
     pub memory_promised_bytes: u64,
     pub memory_promise_limit_bytes: u64,
+    /// Its sandbox disk pool: size and free space, the sandboxes' disk quotas together and
+    /// how far they may add up. Zero from a node that does not report them.
+    pub disk_pool_bytes: u64,
+    pub disk_pool_free_bytes: u64,
+    pub disk_promised_bytes: u64,
+    pub disk_promise_limit_bytes: u64,
     /// Sandboxes it holds in any status.
     pub sandboxes: u32,
     /// Templates whose every layer is on its disk, by id: creates of them need no pull.

@@ -7,6 +7,7 @@ use super::CHECKPOINT_ATTEMPTS;
 use super::shared::Shared;
 use crate::disks::{DiskFull, DiskReport};
 use crate::lifecycle::SandboxStatus;
+use crate::model::NodeRecord;
 use crate::runtime::{DiskIoReport, MemoryReport, WarmPoolReport};
 
 /// The node's own state, as the health check, the metrics and the dashboard show it.
@@ -23,6 +24,12 @@ impl NodeHealth {
     /// Processes killed for reaching their sandbox's memory limit (see [`crate::runtime::Runtime::oom_kills`]).
     pub fn oom_kills(&self) -> u64 {
         self.shared.runtime.oom_kills()
+    }
+
+    /// The cluster's nodes as this host last read them from the store, or `None` on a single
+    /// host.
+    pub fn cluster_nodes(&self) -> Option<Vec<NodeRecord>> {
+        self.shared.nodes.get().map(|nodes| nodes.all())
     }
 
     /// The node's memory as measured now.

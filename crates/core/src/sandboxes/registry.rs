@@ -403,6 +403,7 @@ impl SandboxRegistry {
             .iter()
             .filter(|s| s.state() == SandboxState::Running)
             .count();
+        let total = filtered.len();
         let mut matching = filtered.into_iter().filter(|s| match &after {
             None => true,
             Some((micros, id)) => {
@@ -424,6 +425,7 @@ impl SandboxRegistry {
             items,
             next_token,
             running_total,
+            total,
         })
     }
 }

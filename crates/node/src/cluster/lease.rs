@@ -40,6 +40,8 @@ async fn measure(
     builds: &Builds,
 ) -> NodeReport {
     let memory = runtime.memory().unwrap_or_default();
+    let disks = runtime.disks();
+    let pool = disks.pool.as_ref();
     let held: usize = sandboxes
         .health()
         .count_by_status()
@@ -69,6 +71,10 @@ async fn measure(
         memory_available_bytes: memory.available_bytes,
         memory_promised_bytes: memory.promised_bytes,
         memory_promise_limit_bytes: memory.promise_limit_bytes,
+        disk_pool_bytes: pool.map_or(0, |p| p.size_bytes),
+        disk_pool_free_bytes: pool.map_or(0, |p| p.free_bytes),
+        disk_promised_bytes: disks.pool_promised_bytes,
+        disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
         sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
         templates,
         builds: builds.slot_use(),
