@@ -172,7 +172,7 @@ def _server_cpu_and_rss(pid: int):
 def _open_dashboards(browser, sandbar, cookie, count):
     """Leaves OPEN_DASHBOARDS pages on the list (each polls its rows every second) for
     OPEN_SECONDS, against the same span with none open."""
-    pid = sandbar.pid()
+    pid = sandbar.pid
     cpu0, rss0 = _server_cpu_and_rss(pid)
     time.sleep(OPEN_SECONDS)
     cpu1, rss1 = _server_cpu_and_rss(pid)
