@@ -132,6 +132,7 @@ def test_dashboard_in_a_browser(sandbar, browser):
     try:
         _shot(page, "overview")
         assert page.locator("#running-count").is_visible()
+        assert float(page.locator("#create-rate b").inner_text()) >= 0
 
         # Create a sandbox through the page, with hostile metadata.
         page.goto("/dashboard/sandboxes")
@@ -150,6 +151,15 @@ def test_dashboard_in_a_browser(sandbar, browser):
         page.click("#terminal")
         page.keyboard.type("echo dash-$((6*7))\n")
         _wait_js(page, "document.querySelector('#terminal .xterm-rows').textContent.includes('dash-42')")
+
+        # The chart and the log are polled; the log's filters apply to what is polled.
+        _wait_js(page, "document.querySelector('#chart .disk') !== null", 30)
+        page.fill("#log-filter input[name=search]", "no-line-says-this")
+        page.wait_for_selector("#no-log")
+        page.select_option("#log-filter select[name=level]", "error")
+        page.fill("#log-filter input[name=search]", "")
+        page.wait_for_selector("#log-box")
+        assert page.locator("#log-filter select[name=level]").input_value() == "error"
 
         # Files: upload one with a hostile name, see it listed, download it, delete it.
         page.wait_for_selector("#file-table")
@@ -434,7 +444,11 @@ def test_a_template_from_a_pasted_dockerfile_builds_on_its_page(sandbar, browser
         page.click("#template-create summary")
         refused = unique("pasted-copy")
         page.fill("#dockerfile-form input[name=name]", refused)
-        page.fill("#dockerfile-form textarea[name=dockerfile]", f"FROM {tiny1}\nCOPY app.txt /app/\n")
+        # Loaded from a file this time: the page reads it into the text that is sent.
+        dockerfile = f"FROM {tiny1}\nCOPY app.txt /app/\n"
+        page.set_input_files("#dockerfile-file", files=[{"name": "Dockerfile", "mimeType": "text/plain",
+                                                         "buffer": dockerfile.encode()}])
+        _wait_js(page, f"document.querySelector('#dockerfile').value === {json.dumps(dockerfile)}")
         page.click("#dockerfile-form button[type=submit]")
         page.wait_for_selector("#errors .error")
         assert "build context" in page.locator("#errors .error").inner_text()

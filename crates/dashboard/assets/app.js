@@ -84,3 +84,23 @@ document.addEventListener("click", function (event) {
     startTerminal(box);
   }
 });
+
+// A file input with data-load-into fills the named text area with the file's text, so a
+// Dockerfile on disk goes the way a pasted one does. Files over 1 MiB are refused here; the
+// server holds the form to its own limit anyway.
+document.addEventListener("change", function (event) {
+  var input = event.target.closest("input[type=file][data-load-into]");
+  if (!input || !input.files || input.files.length === 0) {
+    return;
+  }
+  var target = document.getElementById(input.dataset.loadInto);
+  var file = input.files[0];
+  if (file.size > 1048576) {
+    document.getElementById("errors").innerHTML =
+      '<div class="error" role="alert">the file is larger than 1 MiB</div>';
+    return;
+  }
+  file.text().then(function (text) {
+    target.value = text;
+  });
+});

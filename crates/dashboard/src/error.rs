@@ -72,6 +72,17 @@ impl From<SandboxError> for PageError {
     }
 }
 
+impl From<sandbar_core::SandboxLogsError> for PageError {
+    fn from(e: sandbar_core::SandboxLogsError) -> Self {
+        match e {
+            sandbar_core::SandboxLogsError::NotFound(_) => {
+                Self::new(StatusCode::NOT_FOUND, e.to_string())
+            }
+            sandbar_core::SandboxLogsError::Store(ref s) => Self::logged("sandbox log", s),
+        }
+    }
+}
+
 impl From<CreateSandboxError> for PageError {
     fn from(e: CreateSandboxError) -> Self {
         match e {

@@ -76,6 +76,8 @@ impl Dashboard {
             .route("/sandboxes/rows", get(pages::sandbox_rows))
             .route("/sandboxes/{id}", get(pages::sandbox))
             .route("/sandboxes/{id}/state", get(pages::sandbox_state))
+            .route("/sandboxes/{id}/chart", get(pages::sandbox_chart))
+            .route("/sandboxes/{id}/log", get(pages::sandbox_log))
             .route("/sandboxes/{id}/pause", post(pages::pause))
             .route("/sandboxes/{id}/resume", post(pages::resume))
             .route("/sandboxes/{id}/extend", post(pages::extend))

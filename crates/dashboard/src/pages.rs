@@ -132,7 +132,30 @@ pub(crate) async fn overview(State(state): State<Dashboard>, signed: Signed) -> 
             return full_page_error(&signed, Nav::Overview, PageError::logged("templates", &e));
         }
     };
+    // The team's start rate is kept in buckets of a few seconds: their mean over the last
+    // minute, in starts a minute.
+    let now = chrono::Utc::now().timestamp();
+    let creates_per_minute = match state
+        .inner
+        .sandboxes
+        .activity()
+        .team_metrics(&signed.team, &signed.team.id, Some(now - 60), Some(now))
+        .await
+    {
+        Ok(points) if !points.is_empty() => {
+            points.iter().map(|p| p.sandbox_start_rate).sum::<f64>() * 60.0 / points.len() as f64
+        }
+        Ok(_) => 0.0,
+        Err(e) => {
+            return full_page_error(
+                &signed,
+                Nav::Overview,
+                PageError::logged("team metrics", &e),
+            );
+        }
+    };
     let overview = views::Overview {
+        creates_per_minute,
         running: recent.running_total,
         paused: recent.total - recent.running_total,
         memory: state.inner.sandboxes.health().memory(),
@@ -273,18 +296,77 @@ pub(crate) async fn sandbox(
         .metrics(&signed.team, &id, None, None)
         .await
         .unwrap_or_default();
+    let logs = log_tail(&state, &signed, &id, &LogFilter::default())
+        .await
+        .unwrap_or_default();
+    views::sandbox(&signed.csrf, &sandbox, &metrics, &logs).into_response()
+}
+
+/// `GET /sandboxes/{id}/chart`: the chart, polled by the sandbox's page.
+pub(crate) async fn sandbox_chart(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+) -> Result<Markup, PageError> {
+    let metrics = state
+        .inner
+        .sandboxes
+        .activity()
+        .metrics(&signed.team, &id, None, None)
+        .await?;
+    Ok(views::live_chart(&id, &metrics))
+}
+
+/// The log filters of a sandbox's page; blank fields filter nothing.
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct LogFilter {
+    #[serde(default)]
+    level: String,
+    #[serde(default)]
+    search: String,
+}
+
+/// The newest [`LOG_TAIL`] lines that pass `filter`, oldest first.
+async fn log_tail(
+    state: &Dashboard,
+    signed: &Signed,
+    id: &str,
+    filter: &LogFilter,
+) -> Result<Vec<sandbar_core::SandboxLogEntry>, PageError> {
+    let min_level = match filter.level.trim() {
+        "" => None,
+        level => Some(sandbar_core::LogLevel::parse(level).ok_or_else(|| {
+            PageError::bad_request(format!(
+                "log level '{level}' is not one of debug, info, warn, error"
+            ))
+        })?),
+    };
     let query = SandboxLogQuery {
         forward: false,
         limit: LOG_TAIL,
+        min_level,
+        search: Some(filter.search.clone()).filter(|s| !s.is_empty()),
         ..SandboxLogQuery::default()
     };
-    let mut logs = sandboxes
+    let mut logs = state
+        .inner
+        .sandboxes
         .activity()
-        .logs(&signed.team, &id, &query)
-        .await
-        .unwrap_or_default();
+        .logs(&signed.team, id, &query)
+        .await?;
     logs.reverse();
-    views::sandbox(&signed.csrf, &sandbox, &metrics, &logs).into_response()
+    Ok(logs)
+}
+
+/// `GET /sandboxes/{id}/log?level=&search=`: the log, polled by the sandbox's page.
+pub(crate) async fn sandbox_log(
+    State(state): State<Dashboard>,
+    signed: Signed,
+    Path(id): Path<String>,
+    Query(filter): Query<LogFilter>,
+) -> Result<Markup, PageError> {
+    let logs = log_tail(&state, &signed, &id, &filter).await?;
+    Ok(views::live_log(&id, &logs))
 }
 
 /// `GET /sandboxes/{id}/state`: the state fragment; a sandbox gone sends the page back to

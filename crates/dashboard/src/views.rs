@@ -157,6 +157,7 @@ fn template_name(sandbox: &Sandbox) -> &str {
 /// What the Overview shows.
 #[derive(Debug)]
 pub(crate) struct Overview {
+    pub creates_per_minute: f64,
     pub running: usize,
     pub paused: usize,
     pub memory: Option<sandbar_core::MemoryReport>,
@@ -175,6 +176,7 @@ pub(crate) fn overview(csrf: &str, o: &Overview) -> Markup {
             div.cards {
                 div.card #running-count { b { (o.running) } "running sandboxes" }
                 div.card #paused-count { b { (o.paused) } "paused sandboxes" }
+                div.card #create-rate { b { (format!("{:.1}", o.creates_per_minute)) } "creates a minute (last minute)" }
                 @if let Some(m) = &o.memory {
                     div.card { b { (gib(m.promised_bytes)) } "memory promised of " (gib(m.promise_limit_bytes)) " (" (gib(m.available_bytes)) " available)" }
                 }
@@ -321,8 +323,8 @@ pub(crate) fn sandbox(
                     } }
                 }
             } }
-            h2 { "CPU and memory" }
-            (chart(metrics))
+            h2 { "CPU, memory and disk" }
+            (live_chart(&s.id, metrics))
             h2 { "Terminal" }
             button #open-terminal data-open-terminal { "Open terminal" }
             div #terminal hidden data-socket=(socket) {}
@@ -331,7 +333,21 @@ pub(crate) fn sandbox(
                 p.muted { "Loading…" }
             }
             h2 { "Log" }
-            pre #log { @for l in logs { (when(l.at)) " " (format!("{:?}", l.level).to_lowercase()) " " (l.message) "\n" } }
+            form.row #log-filter {
+                label { "Level at least"
+                    select name="level" hx-get=(format!("/dashboard/sandboxes/{}/log", s.id)) hx-target="#log-box"
+                        hx-swap="outerHTML" hx-include="#log-filter" {
+                        option value="" { "any" }
+                        @for level in ["debug", "info", "warn", "error"] { option value=(level) { (level) } }
+                    }
+                }
+                label { "Message contains"
+                    input name="search" type="search" hx-get=(format!("/dashboard/sandboxes/{}/log", s.id))
+                        hx-trigger="input changed delay:300ms" hx-target="#log-box" hx-swap="outerHTML"
+                        hx-include="#log-filter";
+                }
+            }
+            (live_log(&s.id, logs))
         },
     )
 }
@@ -366,7 +382,30 @@ pub(crate) fn sandbox_state(s: &Sandbox) -> Markup {
     }
 }
 
-/// CPU (percent) and memory (of the limit) as two lines of an SVG drawn on the server.
+/// The chart, polled every two seconds (a sample is taken every few).
+pub(crate) fn live_chart(id: &str, points: &[MetricPoint]) -> Markup {
+    html! {
+        div #chart-box hx-get=(format!("/dashboard/sandboxes/{id}/chart")) hx-trigger="every 2s" hx-swap="outerHTML" {
+            (chart(points))
+        }
+    }
+}
+
+/// The log's newest lines, oldest first, polled every two seconds with the page's filters.
+pub(crate) fn live_log(id: &str, logs: &[SandboxLogEntry]) -> Markup {
+    html! {
+        div #log-box hx-get=(format!("/dashboard/sandboxes/{id}/log")) hx-trigger="every 2s"
+            hx-swap="outerHTML" hx-include="#log-filter" {
+            @if logs.is_empty() {
+                p.muted #no-log { "No log lines match." }
+            }
+            pre #log { @for l in logs { (when(l.at)) " " (l.level.as_str()) " " (l.message) "\n" } }
+        }
+    }
+}
+
+/// CPU (percent), memory (of the limit) and disk (of the quota) as three lines of an SVG drawn
+/// on the server.
 fn chart(points: &[MetricPoint]) -> Markup {
     if points.len() < 2 {
         return html! { p.muted #chart { "Not enough samples yet (one every few seconds)." } };
@@ -385,20 +424,28 @@ fn chart(points: &[MetricPoint]) -> Markup {
             .join(" ")
     };
     let cpu = line(&|p| p.cpu_used_pct);
-    let mem = line(&|p| {
-        if p.mem_total == 0 {
-            0.0
-        } else {
-            p.mem_used as f64 * 100.0 / p.mem_total as f64
-        }
-    });
+    let mem = line(&|p| share(p.mem_used, p.mem_total));
+    let disk = line(&|p| share(p.disk_used, p.disk_total));
     let last = &points[n];
     html! {
-        svg.chart #chart viewBox="0 0 300 100" preserveAspectRatio="none" role="img" aria-label="CPU and memory use" {
+        svg.chart #chart viewBox="0 0 300 100" preserveAspectRatio="none" role="img" aria-label="CPU, memory and disk use" {
             polyline.cpu points=(cpu) {}
             polyline.mem points=(mem) {}
+            polyline.disk points=(disk) {}
         }
-        p.muted { "CPU " (format!("{:.1}", last.cpu_used_pct)) "% (blue) · memory " (mib(last.mem_used)) " of " (mib(last.mem_total)) " (green)" }
+        p.muted #chart-last {
+            "CPU " (format!("{:.1}", last.cpu_used_pct)) "% (blue) · memory " (mib(last.mem_used)) " of "
+            (mib(last.mem_total)) " (green) · disk " (mib(last.disk_used)) " of " (mib(last.disk_total)) " (orange)"
+        }
+    }
+}
+
+/// `used` as a percentage of `total`, 0 when nothing is known of the total.
+fn share(used: u64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        used as f64 * 100.0 / total as f64
     }
 }
 
@@ -459,8 +506,10 @@ pub(crate) fn templates(csrf: &str, list: &[(Template, Vec<BuildRecord>)]) -> Ma
                 form #dockerfile-form hx-post="/dashboard/templates" {
                     label { "Name" input name="name" required placeholder="my-template"; }
                     label { "Dockerfile (no build context: COPY needs the SDK or CLI)"
-                        textarea name="dockerfile" rows="8" required spellcheck="false" { "FROM \nRUN " }
+                        textarea #dockerfile name="dockerfile" rows="8" required spellcheck="false" { "FROM \nRUN " }
                     }
+                    // Read in the browser into the text above, which is what is sent.
+                    label { "or load it from a file" input #dockerfile-file type="file" data-load-into="dockerfile"; }
                     button type="submit" hx-disabled-elt="this" { "Build" }
                 }
             }
