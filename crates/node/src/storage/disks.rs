@@ -1345,17 +1345,27 @@ fn empty_into(
                 pending.push(name);
                 continue;
             }
-            *moved += 1;
-            let fresh = OsString::from(format!(".removing-{moved}"));
-            let fresh_c = CString::new(fresh.as_bytes()).map_err(std::io::Error::other)?;
-            match rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str()) {
-                Ok(()) => pending.push(fresh),
-                // A mount point cannot be moved; it stays where it is, untouched.
-                Err(rustix::io::Errno::BUSY) => {
-                    *kept += 1;
-                    left.insert(name);
+            // The name it moves to may be taken: by a directory an interrupted removal of the
+            // same tree moved there, or by one the tree itself holds under that name. Such a
+            // name is skipped, never replaced.
+            loop {
+                *moved += 1;
+                let fresh = OsString::from(format!(".removing-{moved}"));
+                if rustix::fs::statat(top, fresh.as_os_str(), AtFlags::SYMLINK_NOFOLLOW).is_ok() {
+                    continue;
                 }
-                Err(e) => return Err(e.into()),
+                let fresh_c = CString::new(fresh.as_bytes()).map_err(std::io::Error::other)?;
+                match rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str()) {
+                    Ok(()) => pending.push(fresh),
+                    Err(rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY) => continue,
+                    // A mount point cannot be moved; it stays where it is, untouched.
+                    Err(rustix::io::Errno::BUSY) => {
+                        *kept += 1;
+                        left.insert(name);
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                break;
             }
         }
         if std::ptr::eq(dir, top) {
@@ -1609,6 +1619,22 @@ mod tests {
                 .to_string()
                 .contains("read-only")
         );
+    }
+
+    #[test]
+    fn a_removal_goes_past_names_an_interrupted_one_left() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let top = tmp.path().join("tree");
+        // What a removal stopped halfway leaves at the top (nested directories moved up under
+        // its names), beside a tree it had not reached yet.
+        for dir in [".removing-1/a/b", ".removing-2", "usr/lib/x", "etc/deep/er"] {
+            std::fs::create_dir_all(top.join(dir)).expect("mkdir");
+        }
+        for file in [".removing-1/a/b/f", "usr/lib/x/g", "etc/deep/er/h"] {
+            std::fs::write(top.join(file), b"x").expect("write");
+        }
+        remove_tree(&top).expect("remove");
+        assert!(!top.exists());
     }
 
     #[test]
