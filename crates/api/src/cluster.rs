@@ -243,6 +243,24 @@ impl std::fmt::Debug for ClusterRouting {
 impl ClusterRouting {
     /// Whether any node can start `template`: every layer published, and the checkpoint of
     /// a snapshot or capture too.
+    /// The template a create of `name` by `team` places, and how its layers reach a node. A
+    /// name that resolves to nothing is placed as itself: the node gives the answer a single
+    /// host gives.
+    async fn template_to_place(
+        &self,
+        state: &AppState,
+        team: &sandbar_core::Team,
+        name: String,
+    ) -> (String, TemplateReach) {
+        match state.templates.resolve(team, &name).await {
+            Ok(template) => {
+                let reach = self.reach_of(&template).await;
+                (template.id, reach)
+            }
+            Err(_) => (name, TemplateReach::Local),
+        }
+    }
+
     async fn reach_of(&self, template: &sandbar_core::Template) -> TemplateReach {
         let Some(image) = &template.image else {
             return TemplateReach::Local;
@@ -616,10 +634,7 @@ async fn dashboard_to_nodes(
         DashboardTo::Sandbox(id) => match cluster.owner(&id).await {
             Ok(Some(node_id)) => match cluster.live_node(&node_id) {
                 Some(node) => cluster.send_as(&node, request, Some(&vouched)).await,
-                None => Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("sandbox '{id}' is on node '{node_id}', which is not answering"),
-                )),
+                None => Err(node_lost(cluster, &id, &node_id)),
             },
             // Unknown to the store too: the dashboard here says so.
             Ok(None) => return next.run(request).await,
@@ -651,14 +666,7 @@ async fn place_from_dashboard(
         .map(|(_, value)| value.trim().to_owned())
         .filter(|value| !value.is_empty())
         .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned());
-    let (template, reach) = match state.templates.resolve(team, &name).await {
-        Ok(template) => {
-            let reach = cluster.reach_of(&template).await;
-            (template.id, reach)
-        }
-        // The node gives the answer the dashboard shows for an unknown template.
-        Err(_) => (name, TemplateReach::Local),
-    };
+    let (template, reach) = cluster.template_to_place(state, team, name).await;
     let order = placement_order(
         &cluster.nodes.live(),
         &template,
@@ -803,20 +811,23 @@ async fn to_sandbox(
             }
             Ok(response)
         }
-        None => {
-            let since = cluster
-                .nodes
-                .node(&node_id)
-                .map(|n| format!(" since {}", n.lease_until.to_rfc3339()))
-                .unwrap_or_default();
-            Err(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                format!(
-                    "The sandbox was not found: sandbox '{sandbox_id}' is on node '{node_id}', which has not answered{since}"
-                ),
-            ))
-        }
+        None => Err(node_lost(cluster, sandbox_id, &node_id)),
     }
+}
+
+/// The answer for a sandbox whose node holds no lease.
+fn node_lost(cluster: &ClusterRouting, sandbox_id: &str, node_id: &str) -> ApiError {
+    let since = cluster
+        .nodes
+        .node(node_id)
+        .map(|n| format!(" since {}", n.lease_until.to_rfc3339()))
+        .unwrap_or_default();
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        format!(
+            "The sandbox was not found: sandbox '{sandbox_id}' is on node '{node_id}', which has not answered{since}"
+        ),
+    )
 }
 
 /// `GET /sandboxes/metrics?sandbox_ids=…`: the IDs split by the node that holds each, one
@@ -919,13 +930,7 @@ async fn place(
         None => {
             // Checked here too, so nothing unauthenticated costs a node anything.
             let team = crate::extract::team_of(state, &parts.headers).await?;
-            let (id, reach) = match state.templates.resolve(&team, &name).await {
-                Ok(template) => {
-                    let reach = cluster.reach_of(&template).await;
-                    (template.id, reach)
-                }
-                Err(_) => (name, TemplateReach::Local),
-            };
+            let (id, reach) = cluster.template_to_place(state, &team, name).await;
             let mut templates = cluster.templates.lock().unwrap_or_else(|e| e.into_inner());
             templates.retain(|_, (_, _, at)| at.elapsed() < OWNER_TTL);
             templates.insert(remembered, (id.clone(), reach, Instant::now()));

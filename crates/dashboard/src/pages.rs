@@ -807,19 +807,11 @@ pub(crate) async fn usage(State(state): State<Dashboard>, signed: Signed) -> Res
 pub(crate) async fn nodes(State(state): State<Dashboard>, signed: Signed) -> Response {
     let health = state.inner.sandboxes.health();
     let Some(records) = health.cluster_nodes() else {
-        let disks = health.disks();
-        let pool = disks.pool.as_ref();
         let row = views::NodeRow {
             id: "this host".to_owned(),
             lease_until: None,
             started_at: None,
-            sandboxes: health.count_by_status().iter().map(|(_, n)| n).sum(),
-            memory: health.memory().unwrap_or_default(),
-            disk_pool_bytes: pool.map_or(0, |p| p.size_bytes),
-            disk_pool_free_bytes: pool.map_or(0, |p| p.free_bytes),
-            disk_promised_bytes: disks.pool_promised_bytes,
-            disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
-            builds: None,
+            report: health.report(),
             templates: None,
         };
         return views::nodes(&signed.csrf, false, &[row]).into_response();
@@ -838,33 +830,18 @@ pub(crate) async fn nodes(State(state): State<Dashboard>, signed: Signed) -> Res
     };
     let rows: Vec<views::NodeRow> = records
         .into_iter()
-        .map(|n| {
-            let report = n.report;
-            views::NodeRow {
-                id: n.id,
-                lease_until: Some(n.lease_until),
-                started_at: Some(n.started_at),
-                sandboxes: usize::try_from(report.sandboxes).unwrap_or(usize::MAX),
-                memory: sandbar_core::MemoryReport {
-                    total_bytes: report.memory_total_bytes,
-                    available_bytes: report.memory_available_bytes,
-                    promised_bytes: report.memory_promised_bytes,
-                    promise_limit_bytes: report.memory_promise_limit_bytes,
-                    ..Default::default()
-                },
-                disk_pool_bytes: report.disk_pool_bytes,
-                disk_pool_free_bytes: report.disk_pool_free_bytes,
-                disk_promised_bytes: report.disk_promised_bytes,
-                disk_promise_limit_bytes: report.disk_promise_limit_bytes,
-                builds: Some(report.builds),
-                templates: Some(
-                    report
-                        .templates
-                        .iter()
-                        .filter_map(|id| usable.get(id).cloned())
-                        .collect(),
-                ),
-            }
+        .map(|n| views::NodeRow {
+            templates: Some(
+                n.report
+                    .templates
+                    .iter()
+                    .filter_map(|id| usable.get(id).cloned())
+                    .collect(),
+            ),
+            id: n.id,
+            lease_until: Some(n.lease_until),
+            started_at: Some(n.started_at),
+            report: n.report,
         })
         .collect();
     views::nodes(&signed.csrf, true, &rows).into_response()

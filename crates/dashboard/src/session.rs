@@ -165,6 +165,8 @@ fn session_id(headers: &HeaderMap) -> Option<&str> {
 #[derive(Debug)]
 pub(crate) struct Signed {
     pub team: Team,
+    /// What signed in, checked again for this request.
+    pub credential: Credential,
     pub session_id: String,
     pub csrf: String,
 }
@@ -275,14 +277,8 @@ impl Dashboard {
         } else {
             Mutating::from_request_parts(&mut parts, self).await?.0
         };
-        let credential = self
-            .inner
-            .sessions
-            .find(&signed.session_id)
-            .map(|(credential, _)| credential)
-            .ok_or_else(|| sign_in_first(headers))?;
         let vouched = VouchedSession {
-            credential,
+            credential: signed.credential,
             session_id: signed.session_id,
             csrf: signed.csrf,
         };
@@ -295,39 +291,37 @@ impl FromRequestParts<Dashboard> for Signed {
 
     async fn from_request_parts(parts: &mut Parts, state: &Dashboard) -> Result<Self, Response> {
         let sessions = &state.inner.sessions;
-        if let Some(vouched) = parts.extensions.get::<VouchedSession>() {
-            return match vouched.credential.team(&state.inner.auth).await {
-                Ok(team) => Ok(Signed {
-                    team,
-                    session_id: vouched.session_id.clone(),
-                    csrf: vouched.csrf.clone(),
-                }),
-                Err(sandbar_core::AuthError::Store(e)) => {
-                    tracing::error!(error = %e, "dashboard: cannot check a vouched session's credential");
-                    Err(PageError::internal().into_response())
-                }
-                Err(_) => Err(sign_in_first(&parts.headers)),
-            };
-        }
-        let Some(id) = session_id(&parts.headers) else {
-            return Err(sign_in_first(&parts.headers));
-        };
-        let Some((credential, csrf)) = sessions.find(id) else {
-            return Err(sign_in_first(&parts.headers));
+        let (credential, session_id, csrf) = match parts.extensions.get::<VouchedSession>() {
+            Some(vouched) => (
+                vouched.credential.clone(),
+                vouched.session_id.clone(),
+                vouched.csrf.clone(),
+            ),
+            None => {
+                let Some(id) = session_id(&parts.headers) else {
+                    return Err(sign_in_first(&parts.headers));
+                };
+                let Some((credential, csrf)) = sessions.find(id) else {
+                    return Err(sign_in_first(&parts.headers));
+                };
+                (credential, id.to_owned(), csrf)
+            }
         };
         match credential.team(&state.inner.auth).await {
             Ok(team) => Ok(Signed {
                 team,
-                session_id: id.to_owned(),
+                credential,
+                session_id,
                 csrf,
             }),
             Err(sandbar_core::AuthError::Store(e)) => {
                 tracing::error!(error = %e, "dashboard: cannot check a session's credential");
                 Err(PageError::internal().into_response())
             }
-            // Revoked since sign-in: the session goes with it.
+            // Revoked since sign-in: the session goes with it (a node, handed the session by
+            // an API host, holds none to end).
             Err(_) => {
-                sessions.end(id);
+                sessions.end(&session_id);
                 Err(sign_in_first(&parts.headers))
             }
         }

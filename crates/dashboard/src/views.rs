@@ -902,20 +902,15 @@ pub(crate) fn volume(
 }
 
 /// One node as the Nodes page shows it. On a single host the server is its one node, with no
-/// lease.
+/// lease and no build slots reported.
 #[derive(Debug)]
 pub(crate) struct NodeRow {
     pub id: String,
     /// When the lease ends (a past time: lost since then); `None` on a single host.
     pub lease_until: Option<DateTime<Utc>>,
     pub started_at: Option<DateTime<Utc>>,
-    pub sandboxes: usize,
-    pub memory: sandbar_core::MemoryReport,
-    pub disk_pool_bytes: u64,
-    pub disk_pool_free_bytes: u64,
-    pub disk_promised_bytes: u64,
-    pub disk_promise_limit_bytes: u64,
-    pub builds: Option<sandbar_core::BuildSlotUse>,
+    /// What the node measured of itself; its template ids are not shown, `templates` is.
+    pub report: sandbar_core::NodeReport,
     /// Names of the templates the team can use whose layers the node holds; `None` where the
     /// node does not report them.
     pub templates: Option<Vec<String>>,
@@ -951,15 +946,15 @@ pub(crate) fn nodes(csrf: &str, clustered: bool, rows: &[NodeRow]) -> Markup {
                                     Some(until) => { "lost" small.muted { " (since " (when(until)) ")" } }
                                 }
                             }
-                            td.node-sandboxes { (n.sandboxes) }
-                            td { (gib(n.memory.promised_bytes)) " / " (gib(n.memory.promise_limit_bytes)) }
-                            td { (gib(n.memory.available_bytes)) " / " (gib(n.memory.total_bytes)) }
-                            td { (gib(n.disk_promised_bytes)) " / " (gib(n.disk_promise_limit_bytes)) }
-                            td { (gib(n.disk_pool_free_bytes)) " / " (gib(n.disk_pool_bytes)) }
-                            td { @match n.builds {
-                                Some(b) => { (b.running) " / " (b.waiting) " / " (b.slots) }
-                                None => { "—" }
-                            } }
+                            @let r = &n.report;
+                            td.node-sandboxes { (r.sandboxes) }
+                            td { (gib(r.memory_promised_bytes)) " / " (gib(r.memory_promise_limit_bytes)) }
+                            td { (gib(r.memory_available_bytes)) " / " (gib(r.memory_total_bytes)) }
+                            td { (gib(r.disk_promised_bytes)) " / " (gib(r.disk_promise_limit_bytes)) }
+                            td { (gib(r.disk_pool_free_bytes)) " / " (gib(r.disk_pool_bytes)) }
+                            td { @if clustered {
+                                (r.builds.running) " / " (r.builds.waiting) " / " (r.builds.slots)
+                            } @else { "—" } }
                             td.node-templates { @match &n.templates {
                                 Some(names) if names.is_empty() => { "none" }
                                 Some(names) => { (names.join(", ")) }

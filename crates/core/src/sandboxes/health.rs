@@ -7,7 +7,7 @@ use super::CHECKPOINT_ATTEMPTS;
 use super::shared::Shared;
 use crate::disks::{DiskFull, DiskReport};
 use crate::lifecycle::SandboxStatus;
-use crate::model::NodeRecord;
+use crate::model::{NodeRecord, NodeReport};
 use crate::runtime::{DiskIoReport, MemoryReport, WarmPoolReport};
 
 /// The node's own state, as the health check, the metrics and the dashboard show it.
@@ -30,6 +30,27 @@ impl NodeHealth {
     /// host.
     pub fn cluster_nodes(&self) -> Option<Vec<NodeRecord>> {
         self.shared.nodes.get().map(|nodes| nodes.all())
+    }
+
+    /// What this node measures of itself: memory, disk pool and the sandboxes it holds. The
+    /// templates it holds and its build slots are the node's to add.
+    pub fn report(&self) -> NodeReport {
+        let memory = self.memory().unwrap_or_default();
+        let disks = self.disks();
+        let pool = disks.pool.as_ref();
+        let held: usize = self.count_by_status().iter().map(|(_, n)| n).sum();
+        NodeReport {
+            memory_total_bytes: memory.total_bytes,
+            memory_available_bytes: memory.available_bytes,
+            memory_promised_bytes: memory.promised_bytes,
+            memory_promise_limit_bytes: memory.promise_limit_bytes,
+            disk_pool_bytes: pool.map_or(0, |p| p.size_bytes),
+            disk_pool_free_bytes: pool.map_or(0, |p| p.free_bytes),
+            disk_promised_bytes: disks.pool_promised_bytes,
+            disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
+            sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
+            ..NodeReport::default()
+        }
     }
 
     /// The node's memory as measured now.

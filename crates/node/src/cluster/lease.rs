@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use sandbar_core::cluster::{LEASE_RENEWAL, NodeLease};
-use sandbar_core::{Builds, NodeReport, Runtime, Sandboxes, Store};
+use sandbar_core::{Builds, NodeReport, Sandboxes, Store};
 
 use crate::LinuxRuntime;
 
@@ -39,15 +39,6 @@ async fn measure(
     sandboxes: &Sandboxes,
     builds: &Builds,
 ) -> NodeReport {
-    let memory = runtime.memory().unwrap_or_default();
-    let disks = runtime.disks();
-    let pool = disks.pool.as_ref();
-    let held: usize = sandboxes
-        .health()
-        .count_by_status()
-        .iter()
-        .map(|(_, n)| n)
-        .sum();
     let templates = match store.templates.templates().await {
         Ok(templates) => {
             let layers = runtime.layers().layer_store();
@@ -67,16 +58,8 @@ async fn measure(
         }
     };
     NodeReport {
-        memory_total_bytes: memory.total_bytes,
-        memory_available_bytes: memory.available_bytes,
-        memory_promised_bytes: memory.promised_bytes,
-        memory_promise_limit_bytes: memory.promise_limit_bytes,
-        disk_pool_bytes: pool.map_or(0, |p| p.size_bytes),
-        disk_pool_free_bytes: pool.map_or(0, |p| p.free_bytes),
-        disk_promised_bytes: disks.pool_promised_bytes,
-        disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
-        sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
         templates,
         builds: builds.slot_use(),
+        ..sandboxes.health().report()
     }
 }
