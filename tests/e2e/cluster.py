@@ -99,6 +99,7 @@ LAYER_REGISTRY_PORT = 5000
 LAYER_STORE = f"http://{BRIDGE_ADDR}:{LAYER_REGISTRY_PORT}/sandbar/layers"
 # Every node's serve flags besides its identity.
 NODE_FLAGS = [
+    "--without-desktop",
     "--warm-pool", "2",
     "--netns-pool", "1",
     "--disk-pool-gb", "2",

@@ -183,6 +183,7 @@ def sandbar():
             "--webhook-allow-private", "--webhook-retry-secs", "1",
             *registry_ports().allow_args(),
         ],
+        desktop=True,
     )
     print(
         f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "

@@ -453,9 +453,19 @@ def stop_server(proc: subprocess.Popen, kill9: bool, timeout: float) -> bool:
 class SandbarServer:
     """One `sandbar serve` process on a fixed port and data dir; can be restarted."""
 
-    def __init__(self, binary: Path, data_dir: Path, log_path: Path, port: int, extra_args: Optional[List[str]] = None):
+    def __init__(
+        self,
+        binary: Path,
+        data_dir: Path,
+        log_path: Path,
+        port: int,
+        extra_args: Optional[List[str]] = None,
+        desktop: bool = False,
+    ):
         self.binary = binary
-        self.extra_args = list(extra_args or [])
+        # Only the shared server's tests use the desktop template, whose root is the largest
+        # to build; every other server goes without.
+        self.extra_args = list(extra_args or []) + ([] if desktop else ["--without-desktop"])
         self.data_dir = data_dir
         self.log_path = log_path
         self.port = port

@@ -51,9 +51,10 @@ pub use keys::{
 pub use lifecycle::SandboxStatus;
 pub use limits::{RateLimited, RateLimits};
 pub use model::{
-    BUILT_IN_TEMPLATE_ALIASES, BuildSlotUse, BuildStatus, DEFAULT_TEMPLATE_ALIAS, DiskRates,
-    INTERPRETER_TEMPLATE_ALIAS, LayerBlob, NodeRecord, NodeReport, Sandbox, SandboxEvent,
-    SandboxEventQuery, SandboxEventType, SandboxState, SlotClaim, Team, TeamCaps, Template,
+    BUILT_IN_TEMPLATE_ALIASES, BuildSlotUse, BuildStatus, DEFAULT_TEMPLATE_ALIAS,
+    DESKTOP_TEMPLATE_ALIAS, DiskRates, INTERPRETER_TEMPLATE_ALIAS, LayerBlob, NodeRecord,
+    NodeReport, Sandbox, SandboxEvent, SandboxEventQuery, SandboxEventType, SandboxState,
+    SlotClaim, Team, TeamCaps, Template,
 };
 pub use network::{EgressConfig, EgressRules, NetworkConfig, NetworkConfigError};
 pub use runtime::{

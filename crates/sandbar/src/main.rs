@@ -68,6 +68,10 @@ struct ServeArgs {
     /// not offered.
     #[arg(long, env = "SANDBAR_INTERPRETER_BIN")]
     interpreter_bin: Option<PathBuf>,
+    /// Do not offer the built-in `desktop` template (E2B's Desktop SDKs' default), whose root
+    /// takes about 1.1 GB of disk and a few minutes to build on first start.
+    #[arg(long, env = "SANDBAR_WITHOUT_DESKTOP")]
+    without_desktop: bool,
     /// Private IPv4 range sandboxes are numbered from, one /30 each.
     #[arg(long, env = "SANDBAR_NETWORK", default_value = "10.213.0.0/16")]
     network: String,
@@ -577,12 +581,64 @@ fn builtin_template(
     template
 }
 
-/// Registers the built-in `code-interpreter-v1` template and builds it in the background
-/// unless its last good build followed the same recipe with the same files.
-async fn ensure_interpreter_template(
-    b: &Builtins<'_>,
+/// A built-in template the server builds from a recipe of its own and captures once started:
+/// the code interpreter and the desktop.
+struct CapturedBuiltin {
+    alias: &'static str,
+    /// A ceiling, so an idle sandbox costs no more than it uses.
+    memory_mb: u32,
+    spec: sandbar_core::BuildSpec,
+}
+
+/// The captured built-in templates this server offers, their files staged for their builds;
+/// staged files of earlier recipes are removed. The interpreter is left out, with the reason
+/// logged, when its server binary cannot be read; the desktop when `without_desktop`.
+fn captured_builtins(
     data_dir: &Path,
     interpreter_bin: &Path,
+    without_desktop: bool,
+) -> Vec<CapturedBuiltin> {
+    use sandbar_node::build::{builtin_files, desktop, interpreter};
+    let uploads = data_dir.join("uploads");
+    let mut offered = Vec::new();
+    match interpreter::stage_files(&uploads, interpreter_bin) {
+        Ok(files_hash) => offered.push((
+            CapturedBuiltin {
+                alias: sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
+                // Python, two Node.js kernels (each with TypeScript's compiler), R and a JVM in
+                // one sandbox reach about 1 GiB.
+                memory_mb: 2048,
+                spec: interpreter::build_spec(&files_hash),
+            },
+            files_hash,
+        )),
+        Err(e) => tracing::warn!(error = %e, "the code interpreter template is not offered"),
+    }
+    if !without_desktop {
+        match desktop::stage_files(&uploads) {
+            Ok(files_hash) => offered.push((
+                CapturedBuiltin {
+                    alias: sandbar_core::DESKTOP_TEMPLATE_ALIAS,
+                    // The session idles in about 200 MiB; a browser with a few pages open takes
+                    // the rest.
+                    memory_mb: 2048,
+                    spec: desktop::build_spec(&files_hash),
+                },
+                files_hash,
+            )),
+            Err(e) => tracing::warn!(error = %e, "the desktop template is not offered"),
+        }
+    }
+    let staged: Vec<&str> = offered.iter().map(|(_, hash)| hash.as_str()).collect();
+    builtin_files::remove_all_but(&uploads, &staged);
+    offered.into_iter().map(|(builtin, _)| builtin).collect()
+}
+
+/// Registers a captured built-in template and builds it in the background unless its last
+/// good build followed the same recipe with the same files.
+async fn ensure_captured_template(
+    b: &Builtins<'_>,
+    builtin: CapturedBuiltin,
 ) -> anyhow::Result<()> {
     let Builtins {
         templates,
@@ -592,22 +648,16 @@ async fn ensure_interpreter_template(
         disk_size_mb,
         in_cluster,
     } = *b;
-    use sandbar_node::build::interpreter;
-    let uploads = data_dir.join("uploads");
-    let bin = interpreter_bin.to_owned();
-    let files_hash =
-        tokio::task::spawn_blocking(move || interpreter::stage_files(&uploads, &bin)).await??;
-    let spec = interpreter::build_spec(&files_hash);
-    let existing = store
-        .templates
-        .template_by_name(None, sandbar_core::INTERPRETER_TEMPLATE_ALIAS)
-        .await?;
+    let CapturedBuiltin {
+        alias,
+        memory_mb,
+        spec,
+    } = builtin;
+    let existing = store.templates.template_by_name(None, alias).await?;
     let template = builtin_template(
         existing,
-        sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
-        // Python, two Node.js kernels (each with TypeScript's compiler), R and a JVM in one
-        // sandbox reach about 1 GiB; limits are ceilings, so an idle one costs no more.
-        2048,
+        alias,
+        memory_mb,
         disk_size_mb,
         sandbar_jail::ENVD_VERSION,
     );
@@ -615,17 +665,17 @@ async fn ensure_interpreter_template(
     let built =
         last.is_some_and(|b| b.status == BuildStatus::Ready && b.spec.as_ref() == Some(&spec));
     if in_cluster && built && !image_on_disk(&template, layers) {
-        tracing::info!(template_id = %template.id, "code interpreter template is not on this node's disk yet");
+        tracing::info!(template_id = %template.id, "built-in template '{alias}' is not on this node's disk yet");
         return Ok(());
     }
     let current = built && image_on_disk(&template, layers);
     templates.register(&template).await?;
     if current {
-        tracing::info!(template_id = %template.id, "code interpreter template 'code-interpreter-v1' is cached");
+        tracing::info!(template_id = %template.id, "built-in template '{alias}' is cached");
         return Ok(());
     }
     let build_id = builds.start_builtin(&template, spec, None).await?;
-    tracing::info!(template_id = %template.id, %build_id, "building the code interpreter template 'code-interpreter-v1' in the background");
+    tracing::info!(template_id = %template.id, %build_id, "building the built-in template '{alias}' in the background");
     Ok(())
 }
 
@@ -1076,12 +1126,22 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         node_id.as_deref(),
     )
     .await?;
-    // After the sweep of unrecorded sandboxes, which would take its build sandbox for one.
-    if let Err(e) = ensure_interpreter_template(&builtins, &data_dir, &interpreter_bin).await {
-        tracing::warn!(
-            error = format!("{e:#}"),
-            "the code interpreter template is not offered"
-        );
+    // After the sweep of unrecorded sandboxes, which would take their build sandboxes for
+    // ones of its own.
+    let captured = tokio::task::spawn_blocking({
+        let data_dir = data_dir.clone();
+        let without_desktop = args.without_desktop;
+        move || captured_builtins(&data_dir, &interpreter_bin, without_desktop)
+    })
+    .await?;
+    for builtin in captured {
+        let alias = builtin.alias;
+        if let Err(e) = ensure_captured_template(&builtins, builtin).await {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "the built-in template '{alias}' is not offered"
+            );
+        }
     }
     runtime.start_warm_pool();
     start_background_work(

@@ -25,7 +25,7 @@ pub use sandboxes::{Sandbox, SandboxState};
 pub use team_metrics::TeamMetricBucket;
 pub use teams::{DiskRates, Team, TeamCaps, TeamLimits, slug_of};
 pub use templates::{
-    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS,
-    SnapshotImage, StartedImage, Template, TemplateImage,
+    BUILT_IN_TEMPLATE_ALIASES, BuildStatus, DEFAULT_TEMPLATE_ALIAS, DESKTOP_TEMPLATE_ALIAS,
+    INTERPRETER_TEMPLATE_ALIAS, SnapshotImage, StartedImage, Template, TemplateImage,
 };
 pub use volumes::{Volume, VolumeMount};

@@ -9,9 +9,14 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_TEMPLATE_ALIAS: &str = "base";
 /// Alias of the built-in template E2B's code interpreter SDKs create by default.
 pub const INTERPRETER_TEMPLATE_ALIAS: &str = "code-interpreter-v1";
+/// Alias of the built-in template E2B's Desktop SDKs create by default.
+pub const DESKTOP_TEMPLATE_ALIAS: &str = "desktop";
 /// Names no team may give a template of its own.
-pub const BUILT_IN_TEMPLATE_ALIASES: [&str; 2] =
-    [DEFAULT_TEMPLATE_ALIAS, INTERPRETER_TEMPLATE_ALIAS];
+pub const BUILT_IN_TEMPLATE_ALIASES: [&str; 3] = [
+    DEFAULT_TEMPLATE_ALIAS,
+    INTERPRETER_TEMPLATE_ALIAS,
+    DESKTOP_TEMPLATE_ALIAS,
+];
 
 /// Splits `name[:tag]`.
 pub fn split_name(name: &str) -> (&str, Option<&str>) {

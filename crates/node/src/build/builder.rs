@@ -151,11 +151,7 @@ impl NodeBuilder {
     ) -> Result<State, BuildFailure> {
         match &job.spec.source {
             BuildSource::Builtin { layer } => {
-                let recipe = if layer == crate::build::templates::BASE_LAYER {
-                    &crate::build::templates::BASE
-                } else if layer == crate::build::interpreter::INTERPRETER_LAYER {
-                    &crate::build::interpreter::INTERPRETER_ROOT
-                } else {
+                let Some(recipe) = crate::build::templates::built_in_root(layer) else {
                     return Err(BuildFailure::at(
                         BASE_STEP,
                         format!("unknown built-in root '{layer}'"),

@@ -10,18 +10,15 @@
 //! namespace and placed by a `COPY` step, so the layer cache keys them by content like any
 //! upload; nothing of the recipe comes from a tenant.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use sandbar_core::builds::{BuildSource, BuildSpec, BuildStep, StepKind};
-use sha2::{Digest, Sha256};
+use sandbar_core::builds::{BuildSource, BuildSpec};
 
+use crate::build::builtin_files::{self, StageError, StagedFile, copy};
 use crate::build::templates::RootRecipe;
 
 /// Where the server listens inside the sandbox (the SDKs' `JUPYTER_PORT`).
 pub const INTERPRETER_PORT: u16 = sandbar_core::network::CODE_INTERPRETER_PORT;
-/// The upload namespace the builder reads built-in templates' files from.
-pub const BUILTIN_UPLOADS: &str = "builtin";
 const VENV: &str = "/opt/sandbar/interpreter";
 /// Its root's layer name; always `interpreter/v{INTERPRETER_ROOT.version}`.
 pub const INTERPRETER_LAYER: &str = "interpreter/v4";
@@ -117,85 +114,22 @@ pub const INTERPRETER_ROOT: RootRecipe = RootRecipe {
     ],
 };
 
-#[derive(Debug, thiserror::Error)]
-pub enum StageError {
-    #[error("cannot read {path}: {source}")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("cannot write {path}: {source}")]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-}
-
-/// Writes the files the recipe copies (a tar holding the server binary and the startup
-/// script) into the built-in upload namespace under `uploads_dir`, removes earlier ones, and
-/// returns the upload's hash.
+/// Stages the files the recipe copies (the server binary, the IPython startup script and the
+/// JavaScript kernel's script) in the built-in upload namespace under `uploads_dir` and returns
+/// the upload's hash.
 pub fn stage_files(uploads_dir: &Path, interpreter_bin: &Path) -> Result<String, StageError> {
     let binary = std::fs::read(interpreter_bin).map_err(|source| StageError::Read {
         path: interpreter_bin.to_owned(),
         source,
     })?;
-    let archive = files_archive(&binary).map_err(|source| StageError::Write {
-        path: uploads_dir.to_owned(),
-        source,
-    })?;
-    let hash = hex::encode(Sha256::digest(&archive));
-    let dir = uploads_dir.join(BUILTIN_UPLOADS);
-    let write_error = |path: &Path| {
-        let path = path.to_owned();
-        move |source| StageError::Write { path, source }
-    };
-    std::fs::create_dir_all(&dir).map_err(write_error(&dir))?;
-    let target = dir.join(&hash);
-    if !target.is_file() {
-        let staging = dir.join(format!(".staging-{hash}"));
-        let mut file = std::fs::File::create(&staging).map_err(write_error(&staging))?;
-        file.write_all(&archive)
-            .and_then(|()| file.sync_all())
-            .map_err(write_error(&staging))?;
-        std::fs::rename(&staging, &target).map_err(write_error(&target))?;
-    }
-    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-        if entry.file_name() != hash.as_str() {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-    Ok(hash)
-}
-
-fn files_archive(binary: &[u8]) -> std::io::Result<Vec<u8>> {
-    let mut archive = tar::Builder::new(Vec::new());
-    for (name, mode, body) in [
-        ("sandbar-interpreter", 0o755, binary),
-        (STARTUP_NAME, 0o644, STARTUP_SCRIPT.as_bytes()),
-        (JS_KERNEL_NAME, 0o644, JS_KERNEL.as_bytes()),
-    ] {
-        let mut header = tar::Header::new_gnu();
-        header.set_size(body.len() as u64);
-        header.set_mode(mode);
-        // Fixed, so the same files always make the same archive and hit the layer cache.
-        header.set_mtime(0);
-        header.set_cksum();
-        archive.append_data(&mut header, name, body)?;
-    }
-    archive.into_inner()
-}
-
-fn copy(src: &str, dest: &str, owner: &str, files_hash: &str) -> BuildStep {
-    BuildStep {
-        kind: StepKind::Copy {
-            src: src.to_owned(),
-            dest: dest.to_owned(),
-            owner: Some(owner.to_owned()),
-            mode: None,
-            files_hash: files_hash.to_owned(),
-        },
-        force: false,
-    }
+    builtin_files::stage(
+        uploads_dir,
+        &[
+            StagedFile::new("sandbar-interpreter", 0o755, &binary),
+            StagedFile::new(STARTUP_NAME, 0o644, STARTUP_SCRIPT.as_bytes()),
+            StagedFile::new(JS_KERNEL_NAME, 0o644, JS_KERNEL.as_bytes()),
+        ],
+    )
 }
 
 /// The template's recipe; `files_hash` names the staged files (see [`stage_files`]).
@@ -228,23 +162,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn staging_is_deterministic_and_replaces_earlier_files() {
+    fn the_staged_upload_holds_the_three_files() {
         let tmp = tempfile::tempdir().unwrap();
         let bin = tmp.path().join("bin");
         std::fs::write(&bin, b"one").unwrap();
         let uploads = tmp.path().join("uploads");
-        let first = stage_files(&uploads, &bin).unwrap();
-        assert_eq!(stage_files(&uploads, &bin).unwrap(), first);
-        assert!(sandbar_core::builds::valid_files_hash(&first));
-        std::fs::write(&bin, b"two").unwrap();
-        let second = stage_files(&uploads, &bin).unwrap();
-        assert_ne!(first, second);
-        let left: Vec<_> = std::fs::read_dir(uploads.join(BUILTIN_UPLOADS))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(left, vec![second.clone()]);
-        let archive = std::fs::read(uploads.join(BUILTIN_UPLOADS).join(&second)).unwrap();
+        let hash = stage_files(&uploads, &bin).unwrap();
+        let archive =
+            std::fs::read(uploads.join(builtin_files::BUILTIN_UPLOADS).join(&hash)).unwrap();
         let mut names = Vec::new();
         for entry in tar::Archive::new(archive.as_slice()).entries().unwrap() {
             names.push(entry.unwrap().path().unwrap().display().to_string());
@@ -287,7 +212,7 @@ mod tests {
         assert!(spec.start_cmd.unwrap().contains("49999"));
         assert!(spec.ready_cmd.unwrap().contains("/health"));
         assert!(spec.steps.iter().all(
-            |s| !matches!(&s.kind, StepKind::Copy { files_hash, .. } if files_hash.len() != 64)
+            |s| !matches!(&s.kind, sandbar_core::builds::StepKind::Copy { files_hash, .. } if files_hash.len() != 64)
         ));
     }
 }

@@ -350,8 +350,19 @@ pub enum RemoveBaseError {
 }
 
 /// The built-in roots this node builds; any other version of theirs is an earlier recipe.
-fn built_in_roots() -> [&'static RootRecipe; 2] {
-    [&BASE, &crate::build::interpreter::INTERPRETER_ROOT]
+fn built_in_roots() -> [&'static RootRecipe; 3] {
+    [
+        &BASE,
+        &crate::build::interpreter::INTERPRETER_ROOT,
+        &crate::build::desktop::DESKTOP_ROOT,
+    ]
+}
+
+/// The recipe of the built-in root named by the layer `layer` (`base/v2`, …).
+pub fn built_in_root(layer: &str) -> Option<&'static RootRecipe> {
+    built_in_roots()
+        .into_iter()
+        .find(|recipe| recipe.layer() == layer)
 }
 
 /// The kind and recipe version of a directory in the templates directory that holds a
@@ -454,6 +465,19 @@ fn on_path(tool: &str) -> bool {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_layer_store_knows_every_built_in_root() {
+        let names: Vec<_> = built_in_roots().iter().map(|recipe| recipe.name).collect();
+        assert_eq!(names, crate::storage::layers::BUILT_IN_ROOTS);
+        for recipe in built_in_roots() {
+            assert_eq!(
+                built_in_root(&recipe.layer()).map(|r| r.name),
+                Some(recipe.name)
+            );
+        }
+        assert!(built_in_root("desktop/v0").is_none());
+    }
 
     #[test]
     fn the_layer_name_follows_the_recipe_version() {

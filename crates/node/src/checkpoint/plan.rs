@@ -383,6 +383,21 @@ pub struct DumpPlan {
     pub agent_digest: Option<String>,
 }
 
+/// Where CRIU looks for the directories inotify watches on the sandbox's root. An overlay
+/// cannot open a file by its handle, which is how CRIU finds a watched directory's path, so
+/// without these a desktop session (its fonts, menus, applications and home watched by its
+/// programs) could not be dumped. The scan is only given to a sandbox without volumes: then
+/// every directory it walks belongs to the sandbox alone, whose processes are frozen for the
+/// dump, so nothing can swap a directory for a link while CRIU walks it. A tree made to be
+/// slow to walk only runs the dump into its deadline.
+const WATCHED_TREES: [&str; 5] = [
+    "/home",
+    "/root",
+    "/usr/share",
+    "/usr/local/share",
+    "/etc/xdg",
+];
+
 /// What the node knows of one sandbox when it plans its dump.
 #[derive(Debug)]
 pub struct PlanInput<'a> {
@@ -433,6 +448,11 @@ pub fn plan_dump(proc: &dyn ProcView, input: &PlanInput<'_>) -> Result<DumpPlan,
     }
     let mut args = found.args;
     args.push(format!("--external=net[{}]:extnet", input.netns_inode));
+    if input.volumes.is_empty() {
+        for path in WATCHED_TREES {
+            args.push(format!("--irmap-scan-path={path}"));
+        }
+    }
     Ok(DumpPlan {
         args,
         externals: found.externals,
@@ -747,6 +767,15 @@ mod tests {
     }
 
     fn plan(proc: &FakeProc, tasks: &[i32]) -> Result<DumpPlan, PlanError> {
+        let volumes = vec![(PathBuf::from("/data"), PathBuf::from("/pool/.volumes/t/v"))];
+        plan_with_volumes(proc, tasks, &volumes)
+    }
+
+    fn plan_with_volumes(
+        proc: &FakeProc,
+        tasks: &[i32],
+        volumes: &[(PathBuf, PathBuf)],
+    ) -> Result<DumpPlan, PlanError> {
         let kernel = KernelFilesystems::of([PIPES, (0, 8)], MEMORY);
         let placed = PlacedFiles {
             agents: vec![
@@ -762,7 +791,6 @@ mod tests {
             log: LOG,
             libraries: Vec::new(),
         };
-        let volumes = vec![(PathBuf::from("/data"), PathBuf::from("/pool/.volumes/t/v"))];
         plan_dump(
             proc,
             &PlanInput {
@@ -770,12 +798,31 @@ mod tests {
                 tasks,
                 netns_inode: 99,
                 listener_fd: LISTENER_FD,
-                volumes: &volumes,
+                volumes,
                 kernel: &kernel,
                 placed: &placed,
                 layers: &FakeLayers,
             },
         )
+    }
+
+    #[test]
+    fn watched_directories_are_looked_for_only_where_the_sandbox_alone_writes() {
+        let scans = |plan: &DumpPlan| {
+            plan.args
+                .iter()
+                .filter(|a| a.starts_with("--irmap-scan-path="))
+                .count()
+        };
+        // A volume is shared with sandboxes the dump does not freeze.
+        assert_eq!(scans(&plan(&sandbox(), &[1]).unwrap()), 0);
+        let alone = plan_with_volumes(&sandbox(), &[1], &[]).unwrap();
+        assert_eq!(scans(&alone), WATCHED_TREES.len());
+        assert!(
+            alone
+                .args
+                .contains(&"--irmap-scan-path=/usr/share".to_owned())
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@ use sandbar_core::LayerBlob;
 use sandbar_core::store::LayerBlobRecords;
 use sandbar_image::{BlobStore, BlobStoreError};
 
-use crate::storage::layers::LayerStore;
+use crate::storage::layers::{BUILT_IN_ROOTS, LayerStore};
 
 /// Where archives and layers in transit are kept, beside where they end up (a dot name,
 /// which the layer collectors skip).
@@ -96,10 +96,10 @@ fn placement(layers: &LayerStore, layer: &str) -> Option<Placement> {
             inside: PathBuf::new(),
             marker: None,
         }),
-        "layer" | "base" | "interpreter" => Some(Placement {
+        kind if kind == "layer" || BUILT_IN_ROOTS.contains(&kind) => Some(Placement {
             unit: path.parent()?.to_owned(),
             inside: PathBuf::from(path.file_name()?),
-            marker: matches!(kind, "base" | "interpreter").then_some("complete"),
+            marker: BUILT_IN_ROOTS.contains(&kind).then_some("complete"),
         }),
         _ => None,
     }

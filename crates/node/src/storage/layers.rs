@@ -14,6 +14,10 @@ use std::path::{Component, Path, PathBuf};
 
 use sandbar_fs::{Dir, Kind, Links, Tree};
 
+/// The kinds of layer that are built-in roots the node builds itself, each in
+/// `<templates>/<kind>-v<version>/rootfs` (see `crate::build::templates::RootRecipe`).
+pub const BUILT_IN_ROOTS: [&str; 3] = ["base", "interpreter", "desktop"];
+
 /// Where the node keeps layers.
 #[derive(Debug, Clone)]
 pub struct LayerStore {
@@ -93,8 +97,9 @@ impl LayerStore {
     pub fn path(&self, name: &str) -> Option<PathBuf> {
         let (kind, id) = name.split_once('/')?;
         match kind {
-            "base" | "interpreter"
-                if id.starts_with('v') && id[1..].bytes().all(|c| c.is_ascii_digit()) =>
+            kind if BUILT_IN_ROOTS.contains(&kind)
+                && id.starts_with('v')
+                && id[1..].bytes().all(|c| c.is_ascii_digit()) =>
             {
                 Some(
                     self.templates_dir
