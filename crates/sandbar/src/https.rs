@@ -33,6 +33,31 @@ pub struct Https {
     pub certificate: Arc<ReloadableCertificate>,
 }
 
+impl Https {
+    /// Binds the HTTPS listener and serves `app` on it until `shutdown`, in a task of its own.
+    pub async fn start(
+        self,
+        app: axum::Router,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+        let Self {
+            address,
+            certificate,
+        } = self;
+        let listener = sandbar_tls::TlsListener::bind(address, certificate.clone()).await?;
+        let info = certificate.info();
+        tracing::info!(
+            address = %listener.local_addr().unwrap_or(address),
+            cert = %certificate.certificate_path().display(),
+            serial = %info.serial,
+            subject = %info.subject,
+            not_after = %info.not_after.date(),
+            "serving HTTPS (HTTP/1.1 and HTTP/2); SIGHUP reads the certificate again"
+        );
+        Ok(tokio::spawn(listener.serve(app, shutdown)))
+    }
+}
+
 impl TlsArgs {
     /// The HTTPS listener the flags ask for, its certificate loaded; none without
     /// --tls-listen.

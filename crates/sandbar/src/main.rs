@@ -1292,22 +1292,7 @@ async fn serve_until_stopped(
         None => None,
     };
     let https = match https {
-        Some(https::Https {
-            address,
-            certificate,
-        }) => {
-            let listener = sandbar_tls::TlsListener::bind(address, certificate.clone()).await?;
-            let info = certificate.info();
-            tracing::info!(
-                address = %listener.local_addr().unwrap_or(address),
-                cert = %certificate.certificate_path().display(),
-                serial = %info.serial,
-                subject = %info.subject,
-                not_after = %info.not_after.date(),
-                "serving HTTPS (HTTP/1.1 and HTTP/2); SIGHUP reads the certificate again"
-            );
-            Some(tokio::spawn(listener.serve(app.clone(), shutdown_signal())))
-        }
+        Some(https) => Some(https.start(app.clone(), shutdown_signal()).await?),
         None => None,
     };
     tracing::info!(%address, "{serving}");
