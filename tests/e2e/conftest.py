@@ -38,6 +38,7 @@ from e2e_util import (
     FakeDns,
     acquire_run_lock,
     DATA_DIR,
+    DEFAULT_DOMAIN,
     LOG_DIR,
     SANDBAR_BIN,
     SandbarServer,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use http::header::{HOST, HeaderValue};
+use http::{Uri, Version};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -197,11 +198,14 @@ async fn stop_asked(stopping: &mut watch::Receiver<bool>) {
     let _ = stopping.wait_for(|stop| *stop).await;
 }
 
-/// A request as the handlers read it on the plain listener. HTTP/2 names the host in the
-/// `:authority` pseudo-header, not in `Host`, which Host-based routing to sandboxes reads
-/// and which a request forwarded to a sandbox over HTTP/1.1 needs. `X-Forwarded-Proto` says
-/// the request came over HTTPS, for the URLs the API hands back to the client, whatever a
-/// client claims.
+/// A request as the handlers read it on the plain listener: HTTP/1.1. The app passes requests
+/// on to sandboxes and nodes as they came, over HTTP/1.1 connections, and hyper sends no body
+/// at all on such a connection for a request that says HTTP/2 and has no length (a streamed
+/// one, as a Connect call's); and HTTP/2 names the host in the `:authority` pseudo-header,
+/// not in `Host`, which Host-based routing to sandboxes reads. So an HTTP/2 request becomes
+/// the HTTP/1.1 request it stands for: `Host` from the authority, the path alone as its
+/// target, version 1.1. The answer still goes back over HTTP/2. `X-Forwarded-Proto` says the
+/// request came over HTTPS, for the URLs the API hands back, whatever a client claims.
 fn as_served(mut request: http::Request<Incoming>) -> http::Request<Body> {
     if !request.headers().contains_key(HOST)
         && let Some(host) = request
@@ -210,6 +214,12 @@ fn as_served(mut request: http::Request<Incoming>) -> http::Request<Body> {
             .and_then(|authority| HeaderValue::from_str(authority.as_str()).ok())
     {
         request.headers_mut().insert(HOST, host);
+    }
+    if request.version() == Version::HTTP_2 {
+        if let Some(target) = request.uri().path_and_query().cloned() {
+            *request.uri_mut() = Uri::from(target);
+        }
+        *request.version_mut() = Version::HTTP_11;
     }
     request
         .headers_mut()

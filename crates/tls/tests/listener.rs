@@ -7,10 +7,11 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
-use axum::http::{HeaderMap, Request, StatusCode, Version};
-use axum::routing::get;
-use http_body_util::{BodyExt, Empty};
-use hyper::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, Response, StatusCode, Uri, Version};
+use axum::routing::{get, post};
+use http_body_util::{BodyExt, Empty, StreamBody};
+use hyper::body::{Bytes, Frame};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
@@ -24,8 +25,8 @@ use tokio_rustls::client::TlsStream;
 const DOMAIN: &str = "example.test";
 const API: &str = "api.example.test";
 
-/// What the handlers saw of a request: its version, Host and X-Forwarded-Proto.
-async fn echo(version: Version, headers: HeaderMap) -> String {
+/// What the handlers saw of a request: its version, Host, X-Forwarded-Proto and target.
+async fn echo(version: Version, uri: Uri, headers: HeaderMap) -> String {
     let header = |name: &str| {
         headers
             .get(name)
@@ -34,7 +35,7 @@ async fn echo(version: Version, headers: HeaderMap) -> String {
             .to_owned()
     };
     format!(
-        "{version:?} {} {}",
+        "{version:?} {} {} {uri}",
         header("host"),
         header("x-forwarded-proto")
     )
@@ -62,11 +63,36 @@ async fn upgrade(request: Request<Body>) -> axum::response::Response {
         .expect("response")
 }
 
-fn app() -> Router {
+/// Passes the request on as the edge passes one to a sandbox: as it came, over an HTTP/1.1
+/// connection of its own.
+async fn forward(State(upstream): State<SocketAddr>, request: Request<Body>) -> Response<Body> {
+    let stream = TcpStream::connect(upstream).await.expect("upstream");
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .expect("handshake");
+    tokio::spawn(connection);
+    let answer = sender.send_request(request).await.expect("forwarded");
+    answer.map(Body::new)
+}
+
+fn app(upstream: SocketAddr) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
         .route("/echo", get(echo))
         .route("/upgrade", get(upgrade))
+        .route("/forward", post(forward))
+        .with_state(upstream)
+}
+
+/// What a sandbox answers: the body it was sent.
+async fn upstream() -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let app = Router::new().route("/forward", post(|body: Bytes| async move { body }));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    address
 }
 
 /// A CA and its leaf for [`DOMAIN`] in a directory of their own.
@@ -95,7 +121,7 @@ async fn serve(dir: &Path, handshake_timeout: Duration) -> Server {
         .with_handshake_timeout(handshake_timeout);
     let address = listener.local_addr().expect("address");
     let (stop, stopped) = oneshot::channel::<()>();
-    let served = tokio::spawn(listener.serve(app(), async move {
+    let served = tokio::spawn(listener.serve(app(upstream().await), async move {
         let _ = stopped.await;
     }));
     Server {
@@ -171,7 +197,7 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
     // A client's own claim of the scheme is replaced by what the connection is.
     assert_eq!(
         get_http1(&mut h1, "/echo").await,
-        format!("HTTP/1.1 {API} https")
+        format!("HTTP/1.1 {API} https /echo")
     );
 
     let tls = handshake(server.address, &trusting(dir.path(), &[b"h2", b"http/1.1"]))
@@ -184,7 +210,7 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
             .expect("http/2");
     tokio::spawn(connection);
     // HTTP/2 names the host in :authority only.
-    let request = Request::get(format!("https://{API}/echo"))
+    let request = Request::get(format!("https://{API}/echo?x=1"))
         .body(Empty::<Bytes>::new())
         .expect("request");
     assert!(!request.headers().contains_key("host"));
@@ -196,7 +222,38 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
         .await
         .expect("body")
         .to_bytes();
-    assert_eq!(body, format!("HTTP/2.0 {API} https").as_bytes());
+    // The app reads the HTTP/1.1 request it stands for.
+    assert_eq!(body, format!("HTTP/1.1 {API} https /echo?x=1").as_bytes());
+}
+
+#[tokio::test]
+async fn a_streamed_http2_body_reaches_what_the_app_forwards_over_http1() {
+    let dir = issued();
+    let server = serve(dir.path(), Duration::from_secs(10)).await;
+    let tls = handshake(server.address, &trusting(dir.path(), &[b"h2"]))
+        .await
+        .expect("handshake");
+    let (mut h2, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("http/2");
+    tokio::spawn(connection);
+    // No length known: a Connect call's body, as the SDKs stream it.
+    let chunks = ["a message ", "in two parts"]
+        .map(|chunk| Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(chunk))));
+    let body = StreamBody::new(futures_util::stream::iter(chunks));
+    let request = Request::post(format!("https://{API}/forward"))
+        .body(body)
+        .expect("request");
+    let response = h2.send_request(request).await.expect("response");
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    assert_eq!(body, "a message in two parts");
 }
 
 #[tokio::test]
