@@ -56,12 +56,8 @@ from e2b import Sandbox
 sbx = Sandbox.create(timeout=120)
 print(json.dumps({"created": sbx.sandbox_id}), flush=True)
 try:
-    handle = sbx.commands.run(
-        "for i in $(seq 1 30); do echo line-$i; sleep 0.2; done",
-        background=True,
-        on_stdout=lambda line: print(json.dumps({"line": line}), flush=True),
-    )
-    result = handle.wait()
+    handle = sbx.commands.run("for i in $(seq 1 30); do echo line-$i; sleep 0.2; done", background=True)
+    result = handle.wait(on_stdout=lambda line: print(json.dumps({"line": line}), flush=True))
     print(json.dumps({"exit_code": result.exit_code, "stdout": result.stdout}), flush=True)
 finally:
     sbx.kill()
