@@ -22,7 +22,7 @@ EXAMPLE_VALUES = ROOT / "deploy" / "kubernetes" / "values-example.yaml"
 SYSTEMD = ROOT / "deploy" / "systemd"
 SERVER_SOURCES = [
     ROOT / "crates" / "sandbar" / "src" / name
-    for name in ("main.rs", "cluster.rs", "database.rs")
+    for name in ("main.rs", "cluster.rs", "database.rs", "https.rs")
 ]
 # The oldest Kubernetes the chart is documented for, and the newest the schemas bundle.
 KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]

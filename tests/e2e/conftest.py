@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -37,9 +38,11 @@ from e2e_util import (
     FakeDns,
     acquire_run_lock,
     DATA_DIR,
+    DEFAULT_DOMAIN,
     LOG_DIR,
     SANDBAR_BIN,
     SandbarServer,
+    TlsClientNamespace,
     UPLOAD_TTL_S,
     UPLOADS_PER_TEAM,
     VOLUME_REQUESTS_PER_MINUTE,
@@ -50,6 +53,7 @@ from e2e_util import (
     host_mounts_mentioning,
     host_netns,
     kill_all_listed,
+    make_tls_files,
     other_sandbar_servers,
     private_binaries,
     record_sandbox_creation,
@@ -161,6 +165,14 @@ def sandbar():
 
     log_path = LOG_DIR / f"sandbar-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     binary, _agent = private_binaries(SANDBAR_BIN, interpreter=True)
+    # HTTPS beside plain HTTP, with a CA of this run's own made as an operator would make it
+    # (test_tls.py reaches it as the SDKs do with only E2B_DOMAIN set).
+    tls_dir = Path(tempfile.mkdtemp(prefix="sandbar-e2e-tls-"))
+    make_tls_files(binary, DEFAULT_DOMAIN, tls_dir)
+    port = free_port()
+    tls_port = free_port()
+    while tls_port == port:
+        tls_port = free_port()
     global FAKE_DNS
     FAKE_DNS = FakeDns()
     # Small disks keep the disk-exhaustion probes fast, and a small pool leaves the host room
@@ -170,7 +182,7 @@ def sandbar():
         binary,
         DATA_DIR,
         log_path,
-        free_port(),
+        port,
         # A short pause grace lets the checkpoint tests see sandboxes written to disk soon;
         # the freezer tests resume well within it. Pulls may reach the local registries only.
         extra_args=[
@@ -182,9 +194,13 @@ def sandbar():
             # The webhook receiver runs on 127.0.0.1, and its retries are waited for.
             "--webhook-allow-private", "--webhook-retry-secs", "1",
             *registry_ports().allow_args(),
+            "--tls-listen", f"127.0.0.1:{tls_port}",
+            "--tls-cert", str(tls_dir / "cert.pem"), "--tls-key", str(tls_dir / "key.pem"),
         ],
         desktop=True,
     )
+    server.tls_port = tls_port
+    server.tls_dir = tls_dir
     print(
         f"\n[e2e] sandbar {SANDBAR_BIN} (copied to {binary.parent}) on {server.url}, "
         f"data dir {DATA_DIR}, log {log_path}",
@@ -199,6 +215,7 @@ def sandbar():
     except Exception as e:
         server.stop(kill9=True)
         shutil.rmtree(binary.parent, ignore_errors=True)
+        shutil.rmtree(tls_dir, ignore_errors=True)
         lock.close()
         pytest.exit(f"could not start sandbar: {e}", returncode=3)
 
@@ -279,6 +296,7 @@ def sandbar():
             found, notes = leaks()
         problems.extend(found)
         shutil.rmtree(binary.parent, ignore_errors=True)
+        shutil.rmtree(tls_dir, ignore_errors=True)
         lock.close()
         for n in notes:
             print(f"[e2e] warning (another sandbar server is running): {n}", file=sys.stderr)
@@ -290,6 +308,19 @@ def sandbar():
             except OSError:
                 pass
             pytest.fail("resource leaks after the run:\n  " + "\n  ".join(problems) + "\n" + tail)
+
+
+@pytest.fixture(scope="session")
+def tls_client_ns(sandbar):
+    """A network namespace whose clients reach the shared server only as the SDKs do with
+    `E2B_DOMAIN=sandbar.localhost`: https://api.sandbar.localhost and
+    https://<port>-<id>.sandbar.localhost on port 443, through DNS. Offers .run(argv, env),
+    .popen(argv, env), .env(**vars) (no E2B settings of this process) and .ca_path. Removed
+    at the end of the session, on failure too (see e2e_util.TlsClientNamespace)."""
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"tls-relay-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    with TlsClientNamespace(sandbar.tls_port, sandbar.domain, sandbar.tls_dir / "ca.pem", log) as ns:
+        yield ns
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -471,6 +472,10 @@ class SandbarServer:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.domain = DEFAULT_DOMAIN
+        # The HTTPS listener's port and the directory of its CA and certificate, where the
+        # server has one (`--tls-listen`).
+        self.tls_port: Optional[int] = None
+        self.tls_dir: Optional[Path] = None
         self.proc: Optional[subprocess.Popen] = None
         self.api_key = TEST_API_KEY
         self.base_template: Optional[dict] = None
@@ -736,23 +741,26 @@ FAKE_DNS_SUFFIX = "sandbar-test."
 
 
 class FakeDns:
-    """A tiny DNS server on 127.0.0.1 (UDP and TCP) answering A queries from a table.
+    """A tiny DNS server (UDP and TCP, on 127.0.0.1 and a free port unless told) answering A
+    queries from a table.
 
     The server under test uses it as its upstream resolver; tests set `records` (lower-case
-    name without the trailing dot -> IPv4 address) while it runs.
+    name without the trailing dot -> IPv4 address) while it runs. A `*.<name>` record answers
+    every name under `<name>`.
     """
 
-    def __init__(self):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
         import socket
         import threading
 
         self.records: dict = {}
         self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.udp.bind(("127.0.0.1", 0))
+        self.udp.bind((host, port))
+        self.host = host
         self.port = self.udp.getsockname()[1]
         self.tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.tcp.bind(("127.0.0.1", self.port))
+        self.tcp.bind((host, self.port))
         self.tcp.listen(16)
         self.queries: List[str] = []
         self._stop = False
@@ -761,7 +769,19 @@ class FakeDns:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    def lookup(self, name: str) -> Optional[str]:
+        """The address of `name`: its own record, else the wildcard record of the nearest
+        name above it."""
+        if name in self.records:
+            return self.records[name]
+        labels = name.split(".")
+        for i in range(1, len(labels)):
+            address = self.records.get("*." + ".".join(labels[i:]))
+            if address is not None:
+                return address
+        return None
 
     def answer(self, query: bytes) -> bytes:
         import struct
@@ -778,7 +798,7 @@ class FakeDns:
         question = query[12 : pos + 5]
         name = ".".join(labels).lower()
         self.queries.append(name)
-        address = self.records.get(name)
+        address = self.lookup(name)
         if address is None:
             return qid + b"\x81\x83" + struct.pack("!HHHH", 1, 0, 0, 0) + question
         if qtype != 1:
@@ -929,3 +949,125 @@ def wait_js(page, expression: str, timeout: float = 15.0) -> None:
     while not page.evaluate(expression):
         assert time.monotonic() < deadline, f"timed out waiting for {expression}"
         time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------
+# HTTPS clients that know only the domain
+# --------------------------------------------------------------------------
+
+# The test CA and certificate the shared server serves HTTPS with (`sandbar cert`).
+TLS_FILES = ("ca.pem", "ca-key.pem", "cert.pem", "key.pem")
+# The address of a TLS client namespace, on its loopback: no route leads to it from outside,
+# and it collides with no range the server or the other tests use (10.213/16 sandboxes,
+# 10.214-216 and 10.231 the cluster tests, 10.250 the node's unit tests, 10.253-254 the
+# stand-in internets).
+TLS_CLIENT_ADDRESS = "10.237.0.1"
+
+
+def make_tls_files(binary: Path, domain: str, out: Path, force: bool = False) -> str:
+    """`sandbar cert --domain <domain> --out <out>`: its output."""
+    argv = [str(binary), "cert", "--domain", domain, "--out", str(out)]
+    if force:
+        argv.append("--force")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"sandbar cert failed: {done.stderr}"
+    return done.stdout
+
+
+class TlsClientNamespace:
+    """A network namespace `sbtest-tls-<random>` in which `<domain>`, `api.<domain>` and
+    `<port>-<id>.<domain>` all resolve (through a resolver of its own) to an address whose
+    port 443 is the shared server's HTTPS listener, as are 127.0.0.1:443 (where browsers send
+    `*.localhost` without asking DNS). Its only interface is its loopback, so nothing run in it
+    can reach any other host. See netns_relay.py.
+
+    `run(argv, env)` runs a program inside it; `ca_path` is the CA to trust.
+    """
+
+    def __init__(self, https_port: int, domain: str, ca_path: Path, log_path: Path):
+        self.https_port = https_port
+        self.domain = domain
+        self.ca_path = ca_path
+        self.log_path = log_path
+        self.name = "sbtest-tls-" + secrets.token_hex(3)
+        self.etc = Path("/etc/netns") / self.name
+        self._relay: Optional[subprocess.Popen] = None
+        self._made_etc_netns = False
+
+    def __enter__(self) -> "TlsClientNamespace":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        sh("ip", "netns", "add", self.name)
+        sh("ip", "-n", self.name, "link", "set", "lo", "up")
+        sh("ip", "-n", self.name, "addr", "add", f"{TLS_CLIENT_ADDRESS}/32", "dev", "lo")
+        links = sh("ip", "-n", self.name, "-o", "link", "show").stdout.splitlines()
+        assert len(links) == 1 and ": lo:" in links[0], f"the namespace must hold only its loopback: {links}"
+        self._made_etc_netns = not Path("/etc/netns").exists()
+        self.etc.mkdir(parents=True)
+        # `ip netns exec` binds these over /etc/resolv.conf and /etc/hosts inside it.
+        (self.etc / "resolv.conf").write_text(f"nameserver {TLS_CLIENT_ADDRESS}\noptions timeout:2 attempts:2\n")
+        (self.etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+        relay = Path(__file__).resolve().parent / "netns_relay.py"
+        log = open(self.log_path, "ab")
+        self._relay = subprocess.Popen(
+            [
+                sys.executable, str(relay), "--netns", self.name, "--address", TLS_CLIENT_ADDRESS,
+                "--upstream", f"127.0.0.1:{self.https_port}", "--domain", self.domain,
+            ],
+            stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        log.close()
+        ready = self._relay.stdout.readline() if self._relay.stdout else b""
+        assert ready.strip() == b"ready", f"the namespace's relay did not start: {self.log_tail()}"
+
+    def env(self, **extra: str) -> Dict[str, str]:
+        """An environment with nothing of this process's E2B settings: PATH, HOME and `extra`."""
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
+        env.update(extra)
+        return env
+
+    def argv(self, argv: Sequence[str]) -> List[str]:
+        return ["ip", "netns", "exec", self.name, *argv]
+
+    def run(self, argv: Sequence[str], env: Dict[str, str], timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+        """`argv` run inside the namespace with exactly `env`; waited for."""
+        return subprocess.run(self.argv(argv), env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+    def popen(self, argv: Sequence[str], env: Dict[str, str], **kwargs) -> subprocess.Popen:
+        """`argv` started inside the namespace with exactly `env`."""
+        return subprocess.Popen(self.argv(argv), env=env, start_new_session=True, **kwargs)
+
+    def log_tail(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-4000:]
+        except OSError:
+            return "(no relay log)"
+
+    def close(self) -> None:
+        if self._relay is not None:
+            self._relay.kill()
+            try:
+                self._relay.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            if self._relay.stdout:
+                self._relay.stdout.close()
+            self._relay = None
+        # Whatever a test started in the namespace and left running (it holds the namespace).
+        for pid in sh("ip", "netns", "pids", self.name, check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        sh("ip", "netns", "del", self.name, check=False)
+        shutil.rmtree(self.etc, ignore_errors=True)
+        if self._made_etc_netns:
+            with contextlib.suppress(OSError):
+                Path("/etc/netns").rmdir()

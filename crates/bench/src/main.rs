@@ -8,6 +8,8 @@
 //!
 //! Every sandbox it creates is killed before it exits, on failure too.
 //!
+//! `sandbar-bench tls` times TLS handshakes and what HTTPS adds to a request (see `tls.rs`).
+//!
 //! `sandbar-bench pull` instead times an image pull into an empty cache against
 //! `skopeo copy` + `umoci unpack` of the same image (see `pull.rs`); it needs no server.
 
@@ -19,6 +21,7 @@ mod layers;
 mod memory;
 mod pull;
 mod stats;
+mod tls;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -145,6 +148,10 @@ enum Mode {
     /// Creates per second one API host and one database place, with nodes whose runtime
     /// answers launches at once (no sandbox boots), for 1, 2, 4… nodes.
     ControlPlane(control_plane::ControlPlaneArgs),
+    /// What HTTPS costs against a server with --listen and --tls-listen: TLS handshakes, and
+    /// each request on a kept-alive connection, plain HTTP/1.1 against HTTPS over HTTP/1.1
+    /// and HTTP/2.
+    Tls(tls::TlsArgs),
 }
 
 /// Latencies of one create→first-output request, split into its parts.
@@ -748,6 +755,7 @@ async fn main() -> ExitCode {
         Some(Mode::Pull(pull)) => return pull::main(pull).await,
         Some(Mode::Layers(layers)) => return layers::main(layers).await,
         Some(Mode::ControlPlane(plane)) => return control_plane::main(plane).await,
+        Some(Mode::Tls(tls)) => return tls::main(tls).await,
         None => {}
     }
     let Some(api_key) = args.api_key.as_deref() else {

@@ -20,6 +20,7 @@ use sandbar_node::{LinuxRuntime, NodeConfig};
 mod admin;
 mod cluster;
 mod database;
+mod https;
 mod session;
 
 #[derive(Parser, Debug)]
@@ -43,6 +44,9 @@ enum Command {
     /// Manage a team's API keys (works while the server runs).
     #[command(subcommand)]
     Key(admin::KeyCommand),
+    /// Make a local CA and a wildcard certificate for a domain, for trials of HTTPS
+    /// (--tls-listen) where no public CA vouches for the domain.
+    Cert(https::CertArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -57,6 +61,8 @@ struct ServeArgs {
     database: database::DatabaseArgs,
     #[command(flatten)]
     cluster: cluster::ClusterArgs,
+    #[command(flatten)]
+    tls: https::TlsArgs,
     /// Domain for Host-based routing: `{port}-{sandboxID}.{domain}`.
     #[arg(long, env = "SANDBAR_DOMAIN", default_value = "sandbar.localhost")]
     domain: String,
@@ -331,6 +337,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve(*args).await,
         Command::Team(command) => admin::team(command).await,
         Command::Key(command) => admin::key(command).await,
+        Command::Cert(args) => https::cert(&args),
     }
 }
 
@@ -1060,6 +1067,10 @@ fn node_lease(
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    // Before the long start (a template build may come first): a bad certificate is told at
+    // once, and a SIGHUP meanwhile must not end the server.
+    let https = args.tls.load()?;
+    https::reload_on_hangup(https.as_ref().map(|h| h.certificate.clone()))?;
     let metrics = metrics_access(&args)?;
     if let Some(point) = sandbar_core::faults::check_armed().map_err(anyhow::Error::msg)? {
         tracing::warn!(point, "armed to abort at a crash point (a testing aid)");
@@ -1069,7 +1080,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let postgres_url = prepare_data_dir(&args)?;
     if args.cluster.role == cluster::Role::Api {
-        return serve_api(args).await;
+        return serve_api(args, https).await;
     }
     check_asked_pool(&args)?;
     let node_lease = node_lease(&args)?;
@@ -1168,9 +1179,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     );
     let metrics_listener = args.metrics_listen.zip(routers.metrics);
     serve_until_stopped(
-        args.listen,
+        Listeners {
+            plain: args.listen,
+            https,
+            metrics: metrics_listener,
+        },
         routers.main,
-        metrics_listener,
         "sandbar is serving",
     )
     .await?;
@@ -1209,7 +1223,7 @@ fn rate_limits(
 }
 
 /// An API host: no sandboxes, no builds, no host lock (several may share a machine).
-async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
+async fn serve_api(args: ServeArgs, https: Option<https::Https>) -> anyhow::Result<()> {
     let metrics = metrics_access(&args)?;
     let url = args
         .database
@@ -1234,9 +1248,12 @@ async fn serve_api(args: ServeArgs) -> anyhow::Result<()> {
     })
     .await?;
     serve_until_stopped(
-        args.listen,
+        Listeners {
+            plain: args.listen,
+            https,
+            metrics: args.metrics_listen.zip(routers.metrics),
+        },
         routers.main,
-        args.metrics_listen.zip(routers.metrics),
         "sandbar is serving as an API host of a cluster",
     )
     .await
@@ -1292,14 +1309,28 @@ async fn bootstrap_first_team(
     Ok(())
 }
 
-/// Serves `app` on `address`, and the metrics router on its own address if there is one,
-/// until SIGTERM or SIGINT.
-async fn serve_until_stopped(
-    address: SocketAddr,
-    app: axum::Router,
+/// Where a server listens.
+struct Listeners {
+    /// Plain HTTP, for the API, the edge and the dashboard.
+    plain: SocketAddr,
+    /// The same over HTTPS.
+    https: Option<https::Https>,
+    /// `/metrics` on its own address.
     metrics: Option<(SocketAddr, axum::Router)>,
+}
+
+/// Serves `app` on the plain address and, if asked, over HTTPS, and the metrics router on
+/// its own address if there is one, until SIGTERM or SIGINT.
+async fn serve_until_stopped(
+    listeners: Listeners,
+    app: axum::Router,
     serving: &'static str,
 ) -> anyhow::Result<()> {
+    let Listeners {
+        plain: address,
+        https,
+        metrics,
+    } = listeners;
     let listener = tokio::net::TcpListener::bind(address)
         .await
         .with_context(|| format!("cannot listen on {address}"))?
@@ -1320,10 +1351,17 @@ async fn serve_until_stopped(
         }
         None => None,
     };
+    let https = match https {
+        Some(https) => Some(https.start(app.clone(), shutdown_signal()).await?),
+        None => None,
+    };
     tracing::info!(%address, "{serving}");
     axum::serve(listener, app)
         .with_graceful_shutdown(shutdown_signal())
         .await?;
+    if let Some(https) = https {
+        https.await.context("the HTTPS listener failed")?;
+    }
     if let Some(metrics) = metrics {
         metrics.await.context("the metrics listener failed")??;
     }
