@@ -7,13 +7,14 @@
 # local registries with docker-registry, build images with umoci from busybox-static, push them with
 # skopeo, and make the registry password with htpasswd from apache2-utils; the store's tests and the
 # PostgreSQL e2e test start throwaway clusters with postgresql-15's initdb and pg_ctl; the
-# dashboard's tests drive Debian's chromium with Playwright, which never downloads a browser).
+# dashboard's and desktop stream's tests drive Debian's chromium with Playwright, which never
+# downloads a browser, and trust the test CA through an NSS database made with libnss3-tools' certutil).
 set -euo pipefail
 
 packages=(mmdebstrap nftables iproute2 util-linux ca-certificates btrfs-progs)
 command -v npm >/dev/null || packages+=(nodejs npm)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils postgresql-15 chromium)
+  packages+=(python3-pip runc procps docker-registry umoci skopeo busybox-static apache2-utils postgresql-15 chromium libnss3-tools)
 fi
 
 missing=()

@@ -2,13 +2,17 @@
 screen, mouse and keyboard, screenshots, opening files and applications, window listing and
 the noVNC stream.
 
-The stream is viewed over HTTPS in `test_tls.py`'s client namespace (see
-`test_the_stream_is_viewed_over_https_with_its_key`)."""
+The stream is viewed in Debian's chromium over HTTPS, from the client namespace of
+`test_tls.py` where the stream's https://6080-<id>.<domain> address reaches the server, as a
+browser given the SDK's `get_url` would (`test_the_stream_is_viewed_over_https_with_its_key`)."""
 
 from __future__ import annotations
 
 import io
+import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image, ImageChops
@@ -16,9 +20,10 @@ from PIL import Image, ImageChops
 from e2b import CommandExitException
 from e2b_desktop import Sandbox
 
-from e2e_util import TEMPLATE_WAIT_S, run_node_test
+from e2e_util import LOG_DIR, TEMPLATE_WAIT_S, run_node_test
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+VIEWER = Path(__file__).with_name("stream_viewer.py")
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +155,33 @@ def test_the_stream_starts_with_a_key_and_stops(desk):
 
 def test_the_js_desktop_sdk_drives_it_too(sandbar, desktop_template):
     run_node_test(sandbar, "desktop.test.mjs", timeout=240)
+
+
+def test_the_stream_is_viewed_over_https_with_its_key(desk, tls_client_ns):
+    desk.stream.start(require_auth=True)
+    try:
+        key = desk.stream.get_auth_key()
+        url = desk.stream.get_url(auth_key=key)
+        assert url.startswith(f"https://6080-{desk.sandbox_id}.{tls_client_ns.domain}/vnc.html?")
+        shots = LOG_DIR / "desktop-stream"
+        # Two viewers with the key at once, then one without it and one with a wrong one.
+        result = tls_client_ns.run(
+            [sys.executable, str(VIEWER), str(tls_client_ns.ca_path), str(shots),
+             url, url, desk.stream.get_url(), desk.stream.get_url(auth_key="not-the-key")],
+            env=tls_client_ns.env(),
+            timeout=150,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        viewers = [json.loads(line) for line in result.stdout.splitlines()]
+        assert len(viewers) == 4, result.stdout
+        for viewer in viewers[:2]:
+            assert viewer["http_status"] == 200, viewer
+            assert viewer["connected"], viewer
+            # The desktop's own pixels, at the screen's size: not a blank or error page.
+            assert (viewer["width"], viewer["height"]) == (1024, 768), viewer
+            assert viewer["colours"] > 8, viewer
+        no_key, wrong_key = viewers[2:]
+        assert no_key["asks_password"] and no_key["colours"] == 0, no_key
+        assert not wrong_key["connected"] and wrong_key["colours"] == 0, wrong_key
+    finally:
+        desk.stream.stop()

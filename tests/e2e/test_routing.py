@@ -1,6 +1,8 @@
 """Routing of requests to sandboxes: user ports by header and by Host, envd health and auth."""
 
 import secrets
+import socket
+from urllib.parse import urlparse
 
 import httpx
 import pytest
@@ -70,6 +72,67 @@ def test_user_port_request_body_and_query_pass_through(web_sandbox, sandbar):
     # http.server answers 501 to POST: the method must reach the upstream unchanged
     r = httpx.post(sandbar.url + "/", content=b"abc", headers=_headers(sbx.sandbox_id, 8000), timeout=10)
     assert r.status_code == 501
+
+
+# A server that switches to its own protocol on an upgrade and then echoes in capitals, from
+# Python's standard library alone (the default template has no WebSocket package).
+UPGRADING_SERVER = r"""
+import socket
+server = socket.socket()
+server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind(("0.0.0.0", 8765))
+server.listen()
+while True:
+    conn, _ = server.accept()
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = conn.recv(1024)
+        if not chunk:
+            break
+        head += chunk
+    if b"upgrade: shout" in head.lower():
+        conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: shout\r\n\r\n")
+        while True:
+            data = conn.recv(1024)
+            if not data:
+                break
+            conn.sendall(data.upper())
+    else:
+        conn.sendall(b"HTTP/1.1 426 Upgrade Required\r\ncontent-length: 0\r\n\r\n")
+    conn.close()
+"""
+
+
+def test_a_port_switches_protocols_through_the_edge(sandbox, sandbar):
+    """WebSockets (noVNC's stream, a dev server's reload) need the upgrade carried to the
+    sandbox's port and the two connections joined after its 101."""
+    sandbox.files.write("/home/user/upgrading.py", UPGRADING_SERVER)
+    h = sandbox.commands.run("python3 /home/user/upgrading.py", background=True, timeout=0)
+    host = f"8765-{sandbox.sandbox_id}.{sandbar.domain}"
+    address = urlparse(sandbar.url)
+    try:
+        wait_until(
+            lambda: httpx.get(sandbar.url + "/", headers={"Host": host}, timeout=5).status_code == 426,
+            timeout=30,
+            interval=0.5,
+            message="the upgrading server through the edge",
+        )
+        with socket.create_connection((address.hostname, address.port), timeout=10) as conn:
+            conn.sendall(
+                f"GET /shout HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\nUpgrade: shout\r\n\r\n".encode()
+            )
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(1024)
+            assert head.startswith(b"HTTP/1.1 101"), head
+            for word in (b"hello", b"through the edge"):
+                conn.sendall(word)
+                got = b""
+                while len(got) < len(word):
+                    got += conn.recv(1024)
+                assert got == word.upper()
+    finally:
+        h.kill()
 
 
 def test_closed_port_in_live_sandbox(sandbox, sandbar):

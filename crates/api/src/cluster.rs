@@ -489,7 +489,7 @@ impl ClusterRouting {
         vouched: Option<&VouchedSession>,
     ) -> Result<Response, ApiError> {
         let client_upgrade =
-            is_upgrade(request.headers()).then(|| hyper::upgrade::on(&mut request));
+            crate::upgrade::is_upgrade(request.headers()).then(|| hyper::upgrade::on(&mut request));
         let (mut parts, body) = request.into_parts();
         for name in VouchedSession::HEADERS {
             parts.headers.remove(name);
@@ -550,7 +550,7 @@ impl ClusterRouting {
             && response.status() == StatusCode::SWITCHING_PROTOCOLS
         {
             let node_upgrade = hyper::upgrade::on(&mut response);
-            tokio::spawn(join_upgraded(client_upgrade, node_upgrade));
+            tokio::spawn(crate::upgrade::join_upgraded(client_upgrade, node_upgrade));
             let (parts, _) = response.into_parts();
             return Ok(Response::from_parts(parts, Body::empty()));
         }
@@ -675,33 +675,6 @@ async fn place_from_dashboard(
         Utc::now(),
     );
     send_create_in_order(cluster, order, &parts, &body, Some(vouched)).await
-}
-
-fn is_upgrade(headers: &axum::http::HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|token| token.trim().eq_ignore_ascii_case("upgrade"))
-}
-
-/// Copies both ways between a client's upgraded connection and the node's, until either
-/// side closes.
-async fn join_upgraded(client: hyper::upgrade::OnUpgrade, node: hyper::upgrade::OnUpgrade) {
-    let (client, node) = match tokio::try_join!(client, node) {
-        Ok(both) => both,
-        Err(e) => {
-            tracing::debug!(error = %e, "an upgraded connection through the API host did not open");
-            return;
-        }
-    };
-    let mut client = hyper_util::rt::TokioIo::new(client);
-    let mut node = hyper_util::rt::TokioIo::new(node);
-    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut node).await {
-        tracing::debug!(error = %e, "an upgraded connection through the API host ended");
-    }
 }
 
 fn no_nodes() -> ApiError {

@@ -512,12 +512,15 @@ fn unreachable(target: &Target, socket: &Path, e: std::io::Error) -> ApiError {
     )
 }
 
-/// Headers that describe one hop's connection, not the message.
-fn strip_hop_headers(headers: &mut HeaderMap) {
+/// Headers that describe one hop's connection, not the message; an upgrade's `Connection`
+/// and `Upgrade` go on to the sandbox, which answers the switch itself.
+fn strip_hop_headers(headers: &mut HeaderMap, upgrading: bool) {
+    if !upgrading {
+        headers.remove(header::CONNECTION);
+        headers.remove(header::UPGRADE);
+    }
     for name in [
-        header::CONNECTION,
         header::TRANSFER_ENCODING,
-        header::UPGRADE,
         header::TE,
         header::TRAILER,
         header::PROXY_AUTHORIZATION,
@@ -528,14 +531,19 @@ fn strip_hop_headers(headers: &mut HeaderMap) {
     }
 }
 
+/// Sends `request` to a sandbox over `stream`: to its agent (`agent`) or to a port of its
+/// own. A port's server may switch protocols (a WebSocket); the upgraded connections are
+/// then joined for as long as both ends keep them.
 async fn forward<S>(
     stream: S,
-    request: Request,
+    mut request: Request,
     agent: Option<AgentConnection>,
 ) -> Result<Response, ApiError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let client_upgrade = (agent.is_none() && crate::upgrade::is_upgrade(request.headers()))
+        .then(|| hyper::upgrade::on(&mut request));
     let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
         .map_err(|e| {
@@ -547,7 +555,7 @@ where
     let cut = agent.as_ref().map(|a| a.cut.clone());
     tokio::spawn(async move {
         let ended = match agent {
-            None => connection.await,
+            None => connection.with_upgrades().await,
             Some(AgentConnection {
                 mut lease, hang_up, ..
             }) => {
@@ -568,7 +576,7 @@ where
         }
     });
     let (mut parts, body) = request.into_parts();
-    strip_hop_headers(&mut parts.headers);
+    strip_hop_headers(&mut parts.headers, client_upgrade.is_some());
     let path = parts
         .uri
         .path_and_query()
@@ -578,15 +586,23 @@ where
         .parse()
         .map_err(|_| ApiError::bad_request("invalid request path"))?;
     let upstream = hyper::Request::from_parts(parts, body);
-    let response = sender.send_request(upstream).await.map_err(|e| {
+    let mut response = sender.send_request(upstream).await.map_err(|e| {
         let message = match cut.as_ref().and_then(CutReason::gone) {
             Some(gone) => format!("{gone}: {e}"),
             None => format!("sandbox request failed: {e}"),
         };
         ApiError::new(StatusCode::BAD_GATEWAY, message)
     })?;
+    if let Some(client_upgrade) = client_upgrade
+        && response.status() == StatusCode::SWITCHING_PROTOCOLS
+    {
+        let sandbox_upgrade = hyper::upgrade::on(&mut response);
+        tokio::spawn(crate::upgrade::join_upgraded(client_upgrade, sandbox_upgrade));
+        let (parts, _) = response.into_parts();
+        return Ok(Response::from_parts(parts, Body::empty()));
+    }
     let (mut parts, body) = response.into_parts();
-    strip_hop_headers(&mut parts.headers);
+    strip_hop_headers(&mut parts.headers, false);
     let content_type = parts
         .headers
         .get(header::CONTENT_TYPE)

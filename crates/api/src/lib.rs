@@ -21,6 +21,7 @@ mod stream_end;
 mod telemetry;
 mod templates;
 mod traffic;
+mod upgrade;
 mod volumes;
 mod webhook_transport;
 mod webhooks;

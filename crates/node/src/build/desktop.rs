@@ -9,7 +9,8 @@
 //! its memory, so a create restores a desktop that is already drawn. The SDKs still start
 //! `Xvfb` and `startxfce4` after each create; the template's wrappers of both keep the running
 //! ones when they match what is asked for (see `desktop/Xvfb`), and start the asked-for ones
-//! otherwise (another screen size, DPI or display).
+//! otherwise (another screen size, DPI or display). A wrapper of `xdpyinfo`, which the SDKs
+//! check the display with, waits while such a replacement is deciding.
 
 use std::path::Path;
 
@@ -28,6 +29,7 @@ const START_PATH: &str = "/opt/sandbar/desktop/";
 const START_SCRIPT: &str = include_str!("desktop/start-session.sh");
 const XVFB_WRAPPER: &str = include_str!("desktop/Xvfb");
 const XFCE_WRAPPER: &str = include_str!("desktop/startxfce4");
+const XDPYINFO_WRAPPER: &str = include_str!("desktop/xdpyinfo");
 /// Ahead of `/usr/bin` on every user's `PATH`.
 const WRAPPERS_DIR: &str = "/usr/local/bin/";
 
@@ -63,7 +65,7 @@ pub const DESKTOP_ROOT: RootRecipe = RootRecipe {
     ],
 };
 
-/// Stages the files the recipe copies (the start command and the two wrappers) in the
+/// Stages the files the recipe copies (the start command and the three wrappers) in the
 /// built-in upload namespace under `uploads_dir` and returns the upload's hash.
 pub fn stage_files(uploads_dir: &Path) -> Result<String, StageError> {
     builtin_files::stage(
@@ -72,6 +74,7 @@ pub fn stage_files(uploads_dir: &Path) -> Result<String, StageError> {
             StagedFile::new(START_NAME, 0o755, START_SCRIPT.as_bytes()),
             StagedFile::new("Xvfb", 0o755, XVFB_WRAPPER.as_bytes()),
             StagedFile::new("startxfce4", 0o755, XFCE_WRAPPER.as_bytes()),
+            StagedFile::new("xdpyinfo", 0o755, XDPYINFO_WRAPPER.as_bytes()),
         ],
     )
 }
@@ -86,6 +89,7 @@ pub fn build_spec(files_hash: &str) -> BuildSpec {
             copy(START_NAME, START_PATH, "root", files_hash),
             copy("Xvfb", WRAPPERS_DIR, "root", files_hash),
             copy("startxfce4", WRAPPERS_DIR, "root", files_hash),
+            copy("xdpyinfo", WRAPPERS_DIR, "root", files_hash),
         ],
         force: false,
         start_cmd: Some(format!("{START_PATH}{START_NAME}")),
@@ -178,9 +182,11 @@ mod tests {
             "pkill",
             format!("#!/bin/sh\necho \"$*\" >> {}\n", killed.display()),
         );
-        script("pgrep", "#!/bin/sh\nexit 1\n".into());
+        // The server and session it is asked to stop never go away here.
+        script("pgrep", "#!/bin/sh\nexit 0\n".into());
         let wrapper = bin.join("Xvfb");
-        std::fs::write(&wrapper, XVFB_WRAPPER).unwrap();
+        let fake = bin.join("xdpyinfo").display().to_string();
+        std::fs::write(&wrapper, XVFB_WRAPPER.replace("/usr/bin/xdpyinfo", &fake)).unwrap();
         let status = std::process::Command::new("sh")
             .arg(&wrapper)
             .args(args)
@@ -222,7 +228,7 @@ mod tests {
                        resolution:    96x96 dots per inch\n  depth of root window:    24 planes";
         let (status, killed) = run_xvfb_wrapper(running, &SDK_ARGS);
         assert_eq!(status, 1);
-        assert!(killed.starts_with("-x -u "), "{killed}");
+        assert!(killed.starts_with("-u "), "the server goes first: {killed}");
         assert!(killed.contains("xfce4-session"), "{killed}");
         assert!(killed.contains("-f ^/usr/bin/Xvfb :0( |$)"), "{killed}");
         assert!(killed.contains("-KILL"), "{killed}");

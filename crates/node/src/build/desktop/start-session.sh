@@ -5,7 +5,7 @@
 export DISPLAY=:0
 /usr/bin/Xvfb :0 -ac -screen 0 1024x768x24 -retro -dpi 96 -nolisten tcp -nolisten unix &
 tries=0
-until xdpyinfo -display :0 >/dev/null 2>&1; do
+until /usr/bin/xdpyinfo -display :0 >/dev/null 2>&1; do
   tries=$((tries + 1))
   if [ "$tries" -gt 100 ]; then
     echo "the X server did not start on :0" >&2
