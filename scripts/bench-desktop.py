@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""The desktop template against a running server, through E2B's Desktop SDK: create → first
+screenshot, a click → a screenshot that shows it, and the memory of idle desktops (their
+memory cgroups, read on this host).
+
+    E2B_API_URL=http://127.0.0.1:3000 E2B_SANDBOX_URL=http://127.0.0.1:3000 \\
+    E2B_API_KEY=e2b_... python3 scripts/bench-desktop.py [--creates 10] [--clicks 20] [--idle 5]
+
+Run it as root on the server's host for the memory figures (cgroup v1 `memory.usage_in_bytes`
+under `/sys/fs/cgroup/memory/sandbar/<id>`, v2 `memory.current`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+from pathlib import Path
+
+from e2b_desktop import Sandbox
+from PIL import Image, ImageChops
+
+
+def summary(name: str, samples: list) -> str:
+    samples = sorted(samples)
+    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
+    return f"| {name} | {len(samples)} | {statistics.median(samples):.0f} | {p95:.0f} |"
+
+
+def cgroup_bytes(sandbox_id: str):
+    for path in (
+        Path("/sys/fs/cgroup/memory/sandbar") / sandbox_id / "memory.usage_in_bytes",
+        Path("/sys/fs/cgroup/sandbar") / sandbox_id / "memory.current",
+    ):
+        try:
+            return int(path.read_text())
+        except OSError:
+            continue
+    return None
+
+
+def shot(desk: Sandbox) -> Image.Image:
+    return Image.open(io.BytesIO(bytes(desk.screenshot()))).convert("RGB")
+
+
+def differs(a: Image.Image, b: Image.Image) -> bool:
+    return ImageChops.difference(a, b).getbbox() is not None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--creates", type=int, default=10)
+    parser.add_argument("--clicks", type=int, default=20)
+    parser.add_argument("--idle", type=int, default=5)
+    args = parser.parse_args()
+
+    creates, first_shots = [], []
+    for _ in range(args.creates):
+        started = time.monotonic()
+        desk = Sandbox.create(timeout=120)
+        created = time.monotonic()
+        desk.screenshot()
+        done = time.monotonic()
+        creates.append((created - started) * 1000)
+        first_shots.append((done - started) * 1000)
+        desk.kill()
+    print(f"{len(creates)} creates done", flush=True)
+
+    # A right click on the desktop opens its menu, a click elsewhere closes it: each right
+    # click timed until a screenshot shows the menu.
+    desk = Sandbox.create(timeout=300)
+    clicks = []
+    try:
+        for _ in range(args.clicks):
+            before = shot(desk)
+            started = time.monotonic()
+            desk.right_click(400, 400)
+            while not differs(before, shot(desk)):
+                if time.monotonic() - started > 10:
+                    raise SystemExit("a right click showed nothing on the screen within 10 s")
+            clicks.append((time.monotonic() - started) * 1000)
+            # A click elsewhere on the desktop closes the menu.
+            desk.left_click(900, 650)
+            time.sleep(0.5)
+    finally:
+        desk.kill()
+
+    idle = [Sandbox.create(timeout=300) for _ in range(args.idle)]
+    try:
+        time.sleep(10)
+        memory = [cgroup_bytes(d.sandbox_id) for d in idle]
+    finally:
+        for d in idle:
+            d.kill()
+
+    print("| measure (ms) | n | p50 | p95 |")
+    print("|---|--:|--:|--:|")
+    print(summary("create (SDK: create, Xvfb and session checked)", creates))
+    print(summary("create → first screenshot", first_shots))
+    print(summary("right click → screenshot showing the menu", clicks))
+    known = [m for m in memory if m is not None]
+    if known:
+        mib = [m / (1 << 20) for m in known]
+        print(f"\nidle desktop memory (cgroup, after 10 s): median {statistics.median(mib):.0f} MiB, "
+              f"max {max(mib):.0f} MiB over {len(mib)} sandboxes")
+
+
+if __name__ == "__main__":
+    main()
