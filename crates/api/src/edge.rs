@@ -597,7 +597,10 @@ where
         && response.status() == StatusCode::SWITCHING_PROTOCOLS
     {
         let sandbox_upgrade = hyper::upgrade::on(&mut response);
-        tokio::spawn(crate::upgrade::join_upgraded(client_upgrade, sandbox_upgrade));
+        tokio::spawn(crate::upgrade::join_upgraded(
+            client_upgrade,
+            sandbox_upgrade,
+        ));
         let (parts, _) = response.into_parts();
         return Ok(Response::from_parts(parts, Body::empty()));
     }

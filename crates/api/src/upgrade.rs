@@ -44,7 +44,10 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert(header::UPGRADE, "websocket".parse().expect("value"));
         assert!(!is_upgrade(&headers));
-        headers.insert(header::CONNECTION, "keep-alive, Upgrade".parse().expect("value"));
+        headers.insert(
+            header::CONNECTION,
+            "keep-alive, Upgrade".parse().expect("value"),
+        );
         assert!(is_upgrade(&headers));
         headers.remove(header::UPGRADE);
         assert!(!is_upgrade(&headers));
