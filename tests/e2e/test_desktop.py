@@ -127,6 +127,26 @@ def test_open_shows_a_file_in_an_editor(desk):
     until(lambda: desk.get_application_windows("mousepad"), what="the editor's window")
 
 
+def test_open_shows_a_url_in_the_browser(desk):
+    # A page the sandbox serves itself: nothing leaves the sandbox.
+    desk.files.write("/home/user/site/index.html", "<title>served-inside</title><h1>hello</h1>\n")
+    server = desk.commands.run(
+        "python3 -m http.server 8123 --bind 127.0.0.1", cwd="/home/user/site", background=True, timeout=0
+    )
+    try:
+        desk.open("http://127.0.0.1:8123/")
+        until(
+            lambda: any(
+                "served-inside" in desk.get_window_title(w) for w in desk.get_application_windows("firefox")
+            ),
+            timeout=120,
+            what="the page's title in the browser's window",
+        )
+    finally:
+        desk.commands.run("pkill -x firefox-esr; true")
+        server.kill()
+
+
 def test_another_screen_size_and_dpi_come_from_the_create(sandbar, desktop_template):
     sandbox = Sandbox.create(resolution=(1280, 720), dpi=120, timeout=120)
     try:
