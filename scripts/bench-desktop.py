@@ -13,31 +13,18 @@ under `/sys/fs/cgroup/memory/sandbar/<id>`, v2 `memory.current`).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import statistics
 import time
-from pathlib import Path
 
 from e2b_desktop import Sandbox
 from PIL import Image, ImageChops
+import bench_common
+from bench_common import cgroup_bytes
 
-
-def summary(name: str, samples: list) -> str:
-    samples = sorted(samples)
-    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
-    return f"| {name} | {len(samples)} | {statistics.median(samples):.0f} | {p95:.0f} |"
-
-
-def cgroup_bytes(sandbox_id: str):
-    for path in (
-        Path("/sys/fs/cgroup/memory/sandbar") / sandbox_id / "memory.usage_in_bytes",
-        Path("/sys/fs/cgroup/sandbar") / sandbox_id / "memory.current",
-    ):
-        try:
-            return int(path.read_text())
-        except OSError:
-            continue
-    return None
+# Whole milliseconds.
+summary = functools.partial(bench_common.summary, digits=0)
 
 
 def shot(desk: Sandbox) -> Image.Image:

@@ -15,27 +15,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from e2b_code_interpreter import Sandbox
-
-
-def summary(name: str, samples: list) -> str:
-    samples = sorted(samples)
-    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
-    return f"| {name} | {len(samples)} | {statistics.median(samples):.1f} | {p95:.1f} |"
-
-
-def cgroup_bytes(sandbox_id: str):
-    for path in (
-        Path("/sys/fs/cgroup/memory/sandbar") / sandbox_id / "memory.usage_in_bytes",
-        Path("/sys/fs/cgroup/sandbar") / sandbox_id / "memory.current",
-    ):
-        try:
-            return int(path.read_text())
-        except OSError:
-            continue
-    return None
+from bench_common import cgroup_bytes, summary
 
 
 def main() -> None:

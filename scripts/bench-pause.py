@@ -21,19 +21,17 @@ which restores its processes) and forks it N times with `count` 1.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
-import statistics
 import subprocess
 import time
 
 import httpx
 from e2b import Sandbox
+import bench_common
 
-
-def summary(name: str, samples: list) -> str:
-    samples = sorted(samples)
-    p95 = samples[min(len(samples) - 1, int(len(samples) * 0.95))]
-    return f"| {name} | {len(samples)} | {statistics.median(samples):.2f} | {p95:.2f} |"
+# Milliseconds with 2 decimals.
+summary = functools.partial(bench_common.summary, digits=2)
 
 
 def cycle(api: httpx.Client, sandbox_id: str, n: int):

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageChops
 
-from e2b import CommandExitException
 from e2b_desktop import Sandbox
 
-from e2e_util import LOG_DIR, TEMPLATE_WAIT_S, run_node_test
+from e2e_util import LOG_DIR, TEMPLATE_WAIT_S, run_node_test, wait_until
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VIEWER = Path(__file__).with_name("stream_viewer.py")
@@ -54,22 +53,6 @@ def changed(before: Image.Image, after: Image.Image) -> int:
     return diff.histogram()[255]
 
 
-def until(check, timeout: float = 15.0, interval: float = 0.3, what: str = "the condition"):
-    """Retries `check` until it gives a true value; a command that fails meanwhile (xdotool
-    finding no window yet) counts as not yet."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            value = check()
-        except CommandExitException:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout} s")
-        time.sleep(interval)
-
-
 def test_the_default_template_is_the_desktop(desk, desktop_template):
     assert desk.get_info().template_id == desktop_template["templateID"]
 
@@ -84,13 +67,14 @@ def test_the_screen_has_the_default_size_and_a_drawn_desktop(desk):
 
 def test_a_command_typed_in_a_terminal_writes_a_file(desk):
     desk.launch("xfce4-terminal")
-    windows = until(lambda: desk.get_application_windows("xfce4-terminal"), what="a terminal window")
-    until(lambda: desk.get_current_window_id() in windows, what="the terminal has the focus")
+    windows = wait_until(lambda: desk.get_application_windows("xfce4-terminal"), timeout=15, message="a terminal window")
+    wait_until(lambda: desk.get_current_window_id() in windows, timeout=15, message="the terminal has the focus")
     desk.write("echo typed-into-the-desktop > /tmp/typed.txt")
     desk.press("enter")
-    text = until(
+    text = wait_until(
         lambda: desk.files.exists("/tmp/typed.txt") and desk.files.read("/tmp/typed.txt"),
-        what="the typed command's file",
+        timeout=15,
+        message="the typed command's file",
     )
     assert text == "typed-into-the-desktop\n"
     assert "Terminal" in desk.get_window_title(windows[0])
@@ -102,29 +86,29 @@ def test_mouse_and_keys_change_the_screen(desk):
     before = image(bytes(desk.screenshot()))
     # A right click on the desktop opens its menu.
     desk.right_click(300, 300)
-    menu = until(lambda: (lambda s: changed(before, s) > 2000 and s)(image(bytes(desk.screenshot()))), what="the menu")
+    menu = wait_until(lambda: (lambda s: changed(before, s) > 2000 and s)(image(bytes(desk.screenshot()))), timeout=15, message="the menu")
     desk.press("esc")
-    until(lambda: changed(before, image(bytes(desk.screenshot()))) < changed(before, menu), what="the menu closes")
+    wait_until(lambda: changed(before, image(bytes(desk.screenshot()))) < changed(before, menu), timeout=15, message="the menu closes")
 
     # A scroll in a terminal full of lines moves its view.
     desk.write("seq 1 400\n")
     time.sleep(0.5)
     bottom = image(bytes(desk.screenshot()))
     desk.scroll("up", 10)
-    until(lambda: changed(bottom, image(bytes(desk.screenshot()))) > 1000, what="the terminal scrolls")
+    wait_until(lambda: changed(bottom, image(bytes(desk.screenshot()))) > 1000, timeout=15, message="the terminal scrolls")
 
     # A drag across the terminal's lines selects them, which shows.
     geometry = desk.commands.run(f"xdotool getwindowgeometry {desk.get_current_window_id()}").stdout
     x, y = (int(v) for v in geometry.split("Position: ")[1].split(" ")[0].split(","))
     before_drag = image(bytes(desk.screenshot()))
     desk.drag((x + 10, y + 15), (x + 250, y + 80))
-    until(lambda: changed(before_drag, image(bytes(desk.screenshot()))) > 500, what="the selection shows")
+    wait_until(lambda: changed(before_drag, image(bytes(desk.screenshot()))) > 500, timeout=15, message="the selection shows")
 
 
 def test_open_shows_a_file_in_an_editor(desk):
     desk.files.write("/home/user/notes.txt", "notes from the test\n")
     desk.open("/home/user/notes.txt")
-    until(lambda: desk.get_application_windows("mousepad"), what="the editor's window")
+    wait_until(lambda: desk.get_application_windows("mousepad"), timeout=15, message="the editor's window")
 
 
 def test_open_shows_a_url_in_the_browser(desk):
@@ -135,12 +119,12 @@ def test_open_shows_a_url_in_the_browser(desk):
     )
     try:
         desk.open("http://127.0.0.1:8123/")
-        until(
+        wait_until(
             lambda: any(
                 "served-inside" in desk.get_window_title(w) for w in desk.get_application_windows("firefox")
             ),
             timeout=120,
-            what="the page's title in the browser's window",
+            message="the page's title in the browser's window",
         )
     finally:
         desk.commands.run("pkill -x firefox-esr; true")

@@ -241,8 +241,6 @@ impl std::fmt::Debug for ClusterRouting {
 }
 
 impl ClusterRouting {
-    /// Whether any node can start `template`: every layer published, and the checkpoint of
-    /// a snapshot or capture too.
     /// The template a create of `name` by `team` places, and how its layers reach a node. A
     /// name that resolves to nothing is placed as itself: the node gives the answer a single
     /// host gives.
@@ -261,6 +259,8 @@ impl ClusterRouting {
         }
     }
 
+    /// Whether any node can start `template`: every layer published, and the checkpoint of
+    /// a snapshot or capture too.
     async fn reach_of(&self, template: &sandbar_core::Template) -> TemplateReach {
         let Some(image) = &template.image else {
             return TemplateReach::Local;

@@ -607,38 +607,38 @@ fn captured_builtins(
 ) -> Vec<CapturedBuiltin> {
     use sandbar_node::build::{builtin_files, desktop, interpreter};
     let uploads = data_dir.join("uploads");
-    let mut offered = Vec::new();
-    match interpreter::stage_files(&uploads, interpreter_bin) {
-        Ok(files_hash) => offered.push((
-            CapturedBuiltin {
-                alias: sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
-                // Python, two Node.js kernels (each with TypeScript's compiler), R and a JVM in
-                // one sandbox reach about 1 GiB.
-                memory_mb: 2048,
-                spec: interpreter::build_spec(&files_hash),
-            },
-            files_hash,
-        )),
-        Err(e) => tracing::warn!(error = %e, "the code interpreter template is not offered"),
-    }
+    let mut recipes = vec![(
+        sandbar_core::INTERPRETER_TEMPLATE_ALIAS,
+        interpreter::stage_files(&uploads, interpreter_bin),
+        interpreter::build_spec as fn(&str) -> sandbar_core::BuildSpec,
+    )];
     if !without_desktop {
-        match desktop::stage_files(&uploads) {
-            Ok(files_hash) => offered.push((
-                CapturedBuiltin {
-                    alias: sandbar_core::DESKTOP_TEMPLATE_ALIAS,
-                    // The session idles in about 200 MiB; a browser with a few pages open takes
-                    // the rest.
+        recipes.push((
+            sandbar_core::DESKTOP_TEMPLATE_ALIAS,
+            desktop::stage_files(&uploads),
+            desktop::build_spec,
+        ));
+    }
+    let mut staged = Vec::new();
+    let mut offered = Vec::new();
+    for (alias, files, spec) in recipes {
+        match files {
+            Ok(files_hash) => {
+                offered.push(CapturedBuiltin {
+                    alias,
+                    // The interpreter's Python, two Node.js kernels, R and a JVM reach about
+                    // 1 GiB; an idle desktop takes about 100 MiB and a browser the rest.
                     memory_mb: 2048,
-                    spec: desktop::build_spec(&files_hash),
-                },
-                files_hash,
-            )),
-            Err(e) => tracing::warn!(error = %e, "the desktop template is not offered"),
+                    spec: spec(&files_hash),
+                });
+                staged.push(files_hash);
+            }
+            Err(e) => tracing::warn!(error = %e, "the built-in template '{alias}' is not offered"),
         }
     }
-    let staged: Vec<&str> = offered.iter().map(|(_, hash)| hash.as_str()).collect();
+    let staged: Vec<&str> = staged.iter().map(String::as_str).collect();
     builtin_files::remove_all_but(&uploads, &staged);
-    offered.into_iter().map(|(builtin, _)| builtin).collect()
+    offered
 }
 
 /// Registers a captured built-in template and builds it in the background unless its last

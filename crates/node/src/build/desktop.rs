@@ -197,7 +197,8 @@ mod tests {
         (status.code().unwrap_or(-1), killed)
     }
 
-    const SDK_ARGS: [&str; 11] = [
+    /// What the SDKs run after each create, at their default size and DPI.
+    const SDK_ARGS: [&str; 12] = [
         ":0",
         "-ac",
         "-screen",
@@ -209,13 +210,20 @@ mod tests {
         "-nolisten",
         "tcp",
         "-nolisten",
+        "unix",
     ];
+
+    /// The lines of `xdpyinfo` the wrapper reads, for a 24-bit screen of `size` at 96 DPI.
+    fn xdpyinfo_of(size: &str) -> String {
+        format!(
+            "  dimensions:    {size} pixels (271x203 millimeters)\n  \
+             resolution:    96x96 dots per inch\n  depth of root window:    24 planes"
+        )
+    }
 
     #[test]
     fn the_xvfb_wrapper_keeps_a_server_of_the_asked_geometry() {
-        let running = "  dimensions:    1024x768 pixels (271x203 millimeters)\n  \
-                       resolution:    96x96 dots per inch\n  depth of root window:    24 planes";
-        let (status, killed) = run_xvfb_wrapper(running, &SDK_ARGS);
+        let (status, killed) = run_xvfb_wrapper(&xdpyinfo_of("1024x768"), &SDK_ARGS);
         assert_eq!(status, 0);
         assert_eq!(killed, "", "nothing is stopped");
     }
@@ -224,9 +232,7 @@ mod tests {
     fn the_xvfb_wrapper_stops_a_server_of_another_geometry() {
         // The fake server never goes away, so the wrapper gives up after its bounded wait,
         // having asked both the session and the server to end, then by force.
-        let running = "  dimensions:    800x600 pixels (211x158 millimeters)\n  \
-                       resolution:    96x96 dots per inch\n  depth of root window:    24 planes";
-        let (status, killed) = run_xvfb_wrapper(running, &SDK_ARGS);
+        let (status, killed) = run_xvfb_wrapper(&xdpyinfo_of("800x600"), &SDK_ARGS);
         assert_eq!(status, 1);
         assert!(killed.starts_with("-u "), "the server goes first: {killed}");
         assert!(killed.contains("xfce4-session"), "{killed}");

@@ -1347,17 +1347,21 @@ fn empty_into(
             }
             // The name it moves to may be taken: by a directory an interrupted removal of the
             // same tree moved there, or by one the tree itself holds under that name. Such a
-            // name is skipped, never replaced.
+            // name is skipped, never replaced (a plain rename would replace an empty
+            // directory).
             loop {
                 *moved += 1;
                 let fresh = OsString::from(format!(".removing-{moved}"));
-                if rustix::fs::statat(top, fresh.as_os_str(), AtFlags::SYMLINK_NOFOLLOW).is_ok() {
-                    continue;
-                }
                 let fresh_c = CString::new(fresh.as_bytes()).map_err(std::io::Error::other)?;
-                match rustix::fs::renameat(dir, name.as_os_str(), top, fresh_c.as_c_str()) {
+                match rustix::fs::renameat_with(
+                    dir,
+                    name.as_os_str(),
+                    top,
+                    fresh_c.as_c_str(),
+                    rustix::fs::RenameFlags::NOREPLACE,
+                ) {
                     Ok(()) => pending.push(fresh),
-                    Err(rustix::io::Errno::EXIST | rustix::io::Errno::NOTEMPTY) => continue,
+                    Err(rustix::io::Errno::EXIST) => continue,
                     // A mount point cannot be moved; it stays where it is, untouched.
                     Err(rustix::io::Errno::BUSY) => {
                         *kept += 1;
