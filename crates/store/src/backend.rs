@@ -3,11 +3,16 @@
 //! compiles their trait impls once for each database, so the SQL, the bindings and the
 //! reading of rows are written once.
 
+use std::future::Future;
+
 use chrono::{DateTime, Utc};
-use sqlx::{PgPool, Pool, Postgres, Sqlite};
+use sandbar_core::StoreError;
+use sqlx::query::{Query, QueryAs};
+use sqlx::{Database, FromRow, PgPool, Pool, Postgres, Sqlite};
 
 use crate::SqliteDb;
 use crate::rows::Stamp;
+use crate::{err, insert_err};
 
 /// A database the records are kept in.
 pub(crate) trait Backend {
@@ -92,3 +97,102 @@ macro_rules! on_both {
         };
     };
 }
+
+/// A statement that writes, run on the writer of its database. Every write goes through here
+/// or a transaction begun on [`Backend::writes`], so none can land on a SQLite reader.
+pub(crate) trait Write<B: Backend> {
+    /// Runs the statement and answers how many rows it changed.
+    fn write(self, db: &B) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Runs an insert of `what` `id`: a row already holding its key is a
+    /// [`StoreError::Conflict`] naming it.
+    fn insert(
+        self,
+        db: &B,
+        what: &'static str,
+        id: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A statement that reads rows of `R`, run on a reader, each row turned into the record it
+/// holds.
+pub(crate) trait Read<B: Backend, R> {
+    fn all<T>(self, db: &B) -> impl Future<Output = Result<Vec<T>, StoreError>> + Send
+    where
+        T: TryFrom<R, Error: Into<StoreError>> + Send;
+
+    fn one<T>(self, db: &B) -> impl Future<Output = Result<Option<T>, StoreError>> + Send
+    where
+        T: TryFrom<R, Error: Into<StoreError>> + Send;
+}
+
+/// [`Write`] and [`Read`] for one database: the same text for both, compiled against each
+/// one's concrete types.
+macro_rules! statement_runners {
+    ($backend:ty) => {
+        impl<'q> Write<$backend>
+            for Query<
+                'q,
+                <$backend as Backend>::Db,
+                <<$backend as Backend>::Db as Database>::Arguments,
+            >
+        {
+            async fn write(self, db: &$backend) -> Result<u64, StoreError> {
+                Ok(self
+                    .execute(db.writes())
+                    .await
+                    .map_err(err)?
+                    .rows_affected())
+            }
+
+            async fn insert(
+                self,
+                db: &$backend,
+                what: &'static str,
+                id: &str,
+            ) -> Result<(), StoreError> {
+                self.execute(db.writes())
+                    .await
+                    .map_err(insert_err(what, id))?;
+                Ok(())
+            }
+        }
+
+        impl<'q, R> Read<$backend, R>
+            for QueryAs<
+                'q,
+                <$backend as Backend>::Db,
+                R,
+                <<$backend as Backend>::Db as Database>::Arguments,
+            >
+        where
+            R: for<'r> FromRow<'r, <<$backend as Backend>::Db as Database>::Row> + Send + Unpin,
+        {
+            async fn all<T>(self, db: &$backend) -> Result<Vec<T>, StoreError>
+            where
+                T: TryFrom<R, Error: Into<StoreError>> + Send,
+            {
+                self.fetch_all(db.reads())
+                    .await
+                    .map_err(err)?
+                    .into_iter()
+                    .map(|row| T::try_from(row).map_err(Into::into))
+                    .collect()
+            }
+
+            async fn one<T>(self, db: &$backend) -> Result<Option<T>, StoreError>
+            where
+                T: TryFrom<R, Error: Into<StoreError>> + Send,
+            {
+                self.fetch_optional(db.reads())
+                    .await
+                    .map_err(err)?
+                    .map(|row| T::try_from(row).map_err(Into::into))
+                    .transpose()
+            }
+        }
+    };
+}
+
+statement_runners!(SqliteDb);
+statement_runners!(PgPool);

@@ -4,9 +4,9 @@ use sandbar_core::store::BuildRecords;
 use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, big, build_log_page};
-use crate::{SqliteDb, err, insert_err, to_json};
+use crate::{SqliteDb, err, to_json};
 
 /// Template builds, tags and build logs, in either database.
 #[derive(Debug, Clone)]
@@ -65,9 +65,7 @@ on_both! {
             .bind(B::time(b.updated_at))
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(insert_err("build", &b.id))?;
+            .insert(&self.db, "build", &b.id).await?;
             Ok(())
         }
 
@@ -83,9 +81,7 @@ on_both! {
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
             .bind(&b.id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 
@@ -99,20 +95,16 @@ on_both! {
             )
             .bind(node_id)
             .bind(build_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
-            Ok(assigned.rows_affected() == 1)
+            .write(&self.db)
+            .await?;
+            Ok(assigned == 1)
         }
 
         async fn build(&self, id: &str) -> Result<Option<BuildRecord>, StoreError> {
             sqlx::query_as::<_, BuildRow<Time>>("SELECT * FROM template_builds WHERE id = $1")
                 .bind(id)
-                .fetch_optional(self.db.reads())
+                .one(&self.db)
                 .await
-                .map_err(err)?
-                .map(BuildRecord::try_from)
-                .transpose()
         }
 
         async fn template_builds(&self, template_id: &str) -> Result<Vec<BuildRecord>, StoreError> {
@@ -120,24 +112,14 @@ on_both! {
                 "SELECT * FROM template_builds WHERE template_id = $1 ORDER BY created_at DESC, id COLLATE \"C\"",
             )
             .bind(template_id)
-            .fetch_all(self.db.reads())
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(BuildRecord::try_from)
-            .collect()
+            .all(&self.db).await
         }
 
         async fn unfinished_builds(&self) -> Result<Vec<BuildRecord>, StoreError> {
             sqlx::query_as::<_, BuildRow<Time>>(
                 "SELECT * FROM template_builds WHERE status IN ('waiting', 'building') ORDER BY created_at, id COLLATE \"C\"",
             )
-            .fetch_all(self.db.reads())
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(BuildRecord::try_from)
-            .collect()
+            .all(&self.db).await
         }
 
         async fn set_build_tags(
@@ -206,11 +188,8 @@ on_both! {
             )
             .bind(template_id)
             .bind(tag)
-            .fetch_optional(self.db.reads())
+            .one(&self.db)
             .await
-            .map_err(err)?
-            .map(BuildRecord::try_from)
-            .transpose()
         }
 
         async fn append_build_log(
@@ -228,9 +207,7 @@ on_both! {
             .bind(entry.level.as_str())
             .bind(&entry.step)
             .bind(&entry.message)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 

@@ -5,7 +5,7 @@ use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::LayerBlobRow;
 use crate::{SqliteDb, err};
 
@@ -68,9 +68,8 @@ on_both! {
                 .bind(i64::try_from(blob.size_bytes).map_err(err)?)
                 .bind(&blob.node_id)
                 .bind(B::time(blob.published_at))
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
     }
@@ -88,9 +87,8 @@ on_both! {
         async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
             sqlx::query("DELETE FROM layer_blobs WHERE layer = $1")
                 .bind(layer)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
 
@@ -104,12 +102,8 @@ on_both! {
 
         async fn all_layer_blobs(&self) -> Result<Vec<LayerBlob>, StoreError> {
             sqlx::query_as::<_, LayerBlobRow<Time>>("SELECT * FROM layer_blobs")
-                .fetch_all(self.db.reads())
+                .all(&self.db)
                 .await
-                .map_err(err)?
-                .into_iter()
-                .map(LayerBlob::try_from)
-                .collect()
         }
     }
 }

@@ -5,7 +5,7 @@ use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::NodeRow;
 use crate::{SqliteDb, err, micros, to_json};
 
@@ -131,20 +131,14 @@ on_both! {
             .bind(B::time(node.started_at))
             .bind(B::time(node.lease_until))
             .bind(to_json(&node.report)?)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 
         async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
             sqlx::query_as::<_, NodeRow<Time>>("SELECT * FROM nodes ORDER BY id COLLATE \"C\"")
-                .fetch_all(self.db.reads())
+                .all(&self.db)
                 .await
-                .map_err(err)?
-                .into_iter()
-                .map(NodeRecord::try_from)
-                .collect()
         }
 
         async fn sandbox_node(&self, sandbox_id: &str) -> Result<Option<String>, StoreError> {
@@ -161,15 +155,13 @@ on_both! {
             from: &str,
             to: &str,
         ) -> Result<bool, StoreError> {
-            let moved =
-                sqlx::query("UPDATE sandboxes SET node_id = $1 WHERE id = $2 AND node_id = $3")
-                    .bind(to)
-                    .bind(sandbox_id)
-                    .bind(from)
-                    .execute(self.db.writes())
-                    .await
-                    .map_err(err)?;
-            Ok(moved.rows_affected() == 1)
+            let moved = sqlx::query("UPDATE sandboxes SET node_id = $1 WHERE id = $2 AND node_id = $3")
+                .bind(to)
+                .bind(sandbox_id)
+                .bind(from)
+                .write(&self.db)
+                .await?;
+            Ok(moved == 1)
         }
 
         async fn claim_team_slot(
@@ -185,9 +177,8 @@ on_both! {
         async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
             sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = $1")
                 .bind(sandbox_id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
     }

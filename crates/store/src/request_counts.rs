@@ -4,7 +4,7 @@ use sandbar_core::StoreError;
 use sandbar_core::store::RequestCountRecords;
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::Write;
 use crate::{SqliteDb, err};
 
 /// Requests counted per team and minute across a cluster's processes, in either database.
@@ -85,10 +85,9 @@ on_both! {
         async fn prune_team_requests(&self, window: i64) -> Result<u64, StoreError> {
             let done = sqlx::query("DELETE FROM team_request_windows WHERE window_start < $1")
                 .bind(window)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(done.rows_affected())
+                .write(&self.db)
+                .await?;
+            Ok(done)
         }
     }
 }

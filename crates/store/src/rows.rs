@@ -791,22 +791,24 @@ fn event_type_of(name: &str, what: &str, id: &str) -> Result<SandboxEventType, S
         .ok_or_else(|| err(format!("{what} {id}: unknown event type '{name}'")))
 }
 
-impl WebhookRow {
-    pub(crate) fn webhook(self) -> Result<Webhook, StoreError> {
-        let names: Vec<String> = serde_json::from_str(&self.events).map_err(err)?;
+impl TryFrom<WebhookRow> for Webhook {
+    type Error = StoreError;
+
+    fn try_from(r: WebhookRow) -> Result<Self, StoreError> {
+        let names: Vec<String> = serde_json::from_str(&r.events).map_err(err)?;
         let events = names
             .iter()
-            .map(|n| event_type_of(n, "webhook", &self.id))
+            .map(|n| event_type_of(n, "webhook", &r.id))
             .collect::<Result<_, _>>()?;
         Ok(Webhook {
-            id: self.id,
-            team_id: self.team_id,
-            name: self.name,
-            url: self.url,
-            enabled: self.enabled,
+            id: r.id,
+            team_id: r.team_id,
+            name: r.name,
+            url: r.url,
+            enabled: r.enabled,
             events,
-            secret: self.secret,
-            created_at: time(self.created_at),
+            secret: r.secret,
+            created_at: time(r.created_at),
         })
     }
 }
@@ -845,17 +847,19 @@ pub(crate) struct DeliveryRow {
     at: i64,
 }
 
-impl DeliveryRow {
-    pub(crate) fn delivery(self) -> Result<WebhookDelivery, StoreError> {
+impl TryFrom<DeliveryRow> for WebhookDelivery {
+    type Error = StoreError;
+
+    fn try_from(r: DeliveryRow) -> Result<Self, StoreError> {
         Ok(WebhookDelivery {
-            event_type: event_type_of(&self.event_type, "delivery", &self.id)?,
-            id: self.id,
-            webhook_id: self.webhook_id,
-            event_id: self.event_id,
-            attempt: u32::try_from(self.attempt).unwrap_or(u32::MAX),
-            status_code: self.status_code.and_then(|c| u16::try_from(c).ok()),
-            error: self.error,
-            at: time(self.at),
+            event_type: event_type_of(&r.event_type, "delivery", &r.id)?,
+            id: r.id,
+            webhook_id: r.webhook_id,
+            event_id: r.event_id,
+            attempt: u32::try_from(r.attempt).unwrap_or(u32::MAX),
+            status_code: r.status_code.and_then(|c| u16::try_from(c).ok()),
+            error: r.error,
+            at: time(r.at),
         })
     }
 }

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxEventRecords;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, StoreError};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Write};
 use crate::rows::{bind_event, event_of, events_page};
 use crate::{err, micros};
 
@@ -50,10 +50,9 @@ on_both! {
         async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
             let result = sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
                 .bind(micros(before))
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(result.rows_affected())
+                .write(&self.db)
+                .await?;
+            Ok(result)
         }
     }
 }

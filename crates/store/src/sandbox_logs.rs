@@ -5,7 +5,7 @@ use sandbar_core::store::SandboxLogRecords;
 use sandbar_core::{SandboxLogEntry, SandboxLogQuery, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{SandboxLogRow, big, level_rank, log_cursor_micros};
 use crate::{SqliteDb, err, time, to_json};
 
@@ -155,19 +155,13 @@ on_both! {
             tx.commit().await.map_err(err)
         }
 
-        async fn end_sandbox_log(
-            &self,
-            sandbox_id: &str,
-            at: DateTime<Utc>,
-        ) -> Result<(), StoreError> {
+        async fn end_sandbox_log(&self, sandbox_id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
             sqlx::query(
                 "UPDATE sandbox_log_sources SET ended_at = $1 WHERE sandbox_id = $2 AND ended_at IS NULL",
             )
             .bind(B::time(at))
             .bind(sandbox_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 
@@ -187,21 +181,16 @@ on_both! {
                 .bind(log_cursor_micros(query).map(Self::cursor))
                 .bind(&query.search)
                 .bind(i64::from(query.limit))
-                .fetch_all(self.db.reads())
+                .all(&self.db)
                 .await
-                .map_err(err)?
-                .into_iter()
-                .map(SandboxLogEntry::try_from)
-                .collect()
         }
 
         async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
             let result = sqlx::query("DELETE FROM sandbox_log_sources WHERE ended_at < $1")
                 .bind(B::time(before))
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(result.rows_affected())
+                .write(&self.db)
+                .await?;
+            Ok(result)
         }
     }
 }

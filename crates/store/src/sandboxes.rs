@@ -4,9 +4,9 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{MountRow, SandboxRow};
-use crate::{err, insert_err, to_json};
+use crate::{err, to_json};
 
 /// Sandboxes and their volume mounts, in either database.
 #[derive(Debug, Clone)]
@@ -45,20 +45,15 @@ on_both! {
             .bind(s.auto_pause_memory)
             .bind(s.image.as_ref().map(to_json).transpose()?)
             .bind(&s.node_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(insert_err("sandbox", &s.id))?;
+            .insert(&self.db, "sandbox", &s.id).await?;
             Ok(())
         }
 
         async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
             sqlx::query_as::<_, SandboxRow<Time>>("SELECT * FROM sandboxes WHERE id = $1")
                 .bind(id)
-                .fetch_optional(self.db.reads())
+                .one(&self.db)
                 .await
-                .map_err(err)?
-                .map(Sandbox::try_from)
-                .transpose()
         }
 
         async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError> {
@@ -66,33 +61,23 @@ on_both! {
                 "SELECT * FROM sandboxes WHERE team_id = $1 ORDER BY started_at DESC, id COLLATE \"C\" DESC",
             )
             .bind(team_id)
-            .fetch_all(self.db.reads())
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(Sandbox::try_from)
-            .collect()
+            .all(&self.db).await
         }
 
         async fn all_sandboxes(&self) -> Result<Vec<Sandbox>, StoreError> {
             sqlx::query_as::<_, SandboxRow<Time>>(
                 "SELECT * FROM sandboxes ORDER BY started_at DESC, id COLLATE \"C\" DESC",
             )
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(Sandbox::try_from)
-            .collect()
         }
 
         async fn set_sandbox_end(&self, id: &str, end_at: DateTime<Utc>) -> Result<(), StoreError> {
             sqlx::query("UPDATE sandboxes SET end_at = $1 WHERE id = $2")
                 .bind(B::time(end_at))
                 .bind(id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
 
@@ -102,15 +87,12 @@ on_both! {
             network: &NetworkConfig,
             allow_internet_access: bool,
         ) -> Result<(), StoreError> {
-            sqlx::query(
-                "UPDATE sandboxes SET network = $1, allow_internet_access = $2 WHERE id = $3",
-            )
-            .bind(to_json(network)?)
-            .bind(allow_internet_access)
-            .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            sqlx::query("UPDATE sandboxes SET network = $1, allow_internet_access = $2 WHERE id = $3")
+                .bind(to_json(network)?)
+                .bind(allow_internet_access)
+                .bind(id)
+                .write(&self.db)
+                .await?;
             Ok(())
         }
 
@@ -127,18 +109,16 @@ on_both! {
             .bind(status.name())
             .bind(handle.map(RuntimeHandle::to_stored))
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db)
+            .await?;
             Ok(())
         }
 
         async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
             sqlx::query("DELETE FROM sandboxes WHERE id = $1")
                 .bind(id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
 
@@ -166,17 +146,13 @@ on_both! {
         }
 
         async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {
-            Ok(sqlx::query_as::<_, MountRow>(
+            sqlx::query_as::<_, MountRow>(
                 "SELECT m.volume_id, v.team_id, m.name, m.path FROM sandbox_volumes m \
                  JOIN volumes v ON v.id = m.volume_id WHERE m.sandbox_id = $1 ORDER BY m.position",
             )
             .bind(sandbox_id)
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(VolumeMount::from)
-            .collect())
         }
     }
 }

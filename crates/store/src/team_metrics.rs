@@ -3,7 +3,7 @@
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Write};
 use crate::err;
 use crate::rows::BucketRow;
 
@@ -65,10 +65,9 @@ on_both! {
         async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
             let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
                 .bind(before)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(result.rows_affected())
+                .write(&self.db)
+                .await?;
+            Ok(result)
         }
     }
 }

@@ -6,7 +6,7 @@ use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRec
 use sandbar_core::{StoreError, Team};
 use sqlx::Row;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{
     AccessTokenRow, ApiKeyRow, KeyTeamRow, TeamMemberRow, TeamRow, bind_all, bind_secret,
     free_slug, limit_columns, team_limits, u64_of,
@@ -60,18 +60,11 @@ on_both! {
             .await
         }
 
-        async fn one_team(
-            &self,
-            query: &'static str,
-            key: &str,
-        ) -> Result<Option<Team>, StoreError> {
+        async fn one_team(&self, query: &'static str, key: &str) -> Result<Option<Team>, StoreError> {
             sqlx::query_as::<_, TeamRow>(query)
                 .bind(key)
-                .fetch_optional(self.db.reads())
+                .one(&self.db)
                 .await
-                .map_err(err)?
-                .map(Team::try_from)
-                .transpose()
         }
 
         /// API keys and access tokens share one shape; only their table differs.
@@ -82,9 +75,8 @@ on_both! {
             secret: &StoredSecret,
         ) -> Result<(), StoreError> {
             bind_secret(sqlx::query(insert), secret, B::time(secret.created_at))
-                .execute(self.db.writes())
-                .await
-                .map_err(insert_err(what, &secret.id))?;
+                .insert(&self.db, what, &secret.id)
+                .await?;
             Ok(())
         }
     }
@@ -108,9 +100,8 @@ on_both! {
             .bind(&team.slug);
             bind_all(query, limit_columns(&team_limits(team)))
                 .bind(B::time(Utc::now()))
-                .execute(self.db.writes())
-                .await
-                .map_err(insert_err("team", &team.id))?;
+                .insert(&self.db, "team", &team.id)
+                .await?;
             Ok(())
         }
 
@@ -182,9 +173,7 @@ on_both! {
             )
             .bind(B::time(at))
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 
@@ -199,23 +188,16 @@ on_both! {
             )
             .bind(&key.created_by)
             .bind(key.last_used.map(B::time))
-            .execute(self.db.writes())
-            .await
-            .map_err(insert_err("api key", &s.id))?;
+            .insert(&self.db, "api key", &s.id).await?;
             Ok(())
         }
 
         async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
-            Ok(sqlx::query_as::<_, ApiKeyRow<Time>>(
+            sqlx::query_as::<_, ApiKeyRow<Time>>(
                 "SELECT id, team_id, name, key_hash AS secret_hash, mask_prefix, mask_suffix, created_at, created_by, last_used FROM api_keys WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\"",
             )
             .bind(team_id)
-            .fetch_all(self.db.reads())
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(StoredApiKey::from)
-            .collect())
+            .all(&self.db).await
         }
 
         async fn rename_api_key(
@@ -228,27 +210,21 @@ on_both! {
                 .bind(name)
                 .bind(id)
                 .bind(team_id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(done.rows_affected() > 0)
+                .write(&self.db)
+                .await?;
+            Ok(done > 0)
         }
 
-        async fn delete_api_key(
-            &self,
-            team_id: Option<&str>,
-            id: &str,
-        ) -> Result<bool, StoreError> {
+        async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError> {
             // The cast gives PostgreSQL the type of a parameter it may only see as NULL.
             let done = sqlx::query(
                 "DELETE FROM api_keys WHERE id = $1 AND (CAST($2 AS TEXT) IS NULL OR team_id = $2)",
             )
             .bind(id)
             .bind(team_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
-            Ok(done.rows_affected() > 0)
+            .write(&self.db)
+            .await?;
+            Ok(done > 0)
         }
 
         async fn insert_user(
@@ -264,22 +240,17 @@ on_both! {
                 .execute(&mut *tx)
                 .await
                 .map_err(insert_err("user", id))?;
-            sqlx::query(
-                "INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)",
-            )
-            .bind(team_id)
-            .bind(id)
-            .bind(is_default)
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
+            sqlx::query("INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)")
+                .bind(team_id)
+                .bind(id)
+                .bind(is_default)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
             tx.commit().await.map_err(err)
         }
 
-        async fn insert_user_access_token(
-            &self,
-            token: &StoredAccessToken,
-        ) -> Result<(), StoreError> {
+        async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError> {
             let s = &token.secret;
             bind_secret(
                 sqlx::query(
@@ -289,9 +260,7 @@ on_both! {
                 B::time(s.created_at),
             )
             .bind(&token.user_id)
-            .execute(self.db.writes())
-            .await
-            .map_err(insert_err("access token", &s.id))?;
+            .insert(&self.db, "access token", &s.id).await?;
             Ok(())
         }
 
@@ -314,10 +283,9 @@ on_both! {
             let done = sqlx::query("DELETE FROM access_tokens WHERE id = $1 AND user_id = $2")
                 .bind(id)
                 .bind(user_id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(done.rows_affected() > 0)
+                .write(&self.db)
+                .await?;
+            Ok(done > 0)
         }
 
         async fn user_teams(&self, user_id: &str) -> Result<Vec<(Team, bool)>, StoreError> {
@@ -339,15 +307,9 @@ on_both! {
         }
 
         async fn teams(&self) -> Result<Vec<Team>, StoreError> {
-            sqlx::query_as::<_, TeamRow>(
-                "SELECT * FROM teams ORDER BY created_at, id COLLATE \"C\"",
-            )
-            .fetch_all(self.db.reads())
-            .await
-            .map_err(err)?
-            .into_iter()
-            .map(Team::try_from)
-            .collect()
+            sqlx::query_as::<_, TeamRow>("SELECT * FROM teams ORDER BY created_at, id COLLATE \"C\"")
+                .all(&self.db)
+                .await
         }
 
         async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {
@@ -358,10 +320,8 @@ on_both! {
                 limit_columns(limits),
             )
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
-            Ok(done.rows_affected() > 0)
+            .write(&self.db).await?;
+            Ok(done > 0)
         }
     }
 }

@@ -5,7 +5,7 @@ use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
 use sqlx::PgPool;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{Aliases, TemplateRow, big};
 use crate::{SqliteDb, err, to_json};
 
@@ -108,11 +108,8 @@ on_both! {
         async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
             sqlx::query_as::<_, Row>(template_query!(B, "WHERE t.id = $1"))
                 .bind(id)
-                .fetch_optional(self.db.reads())
+                .one(&self.db)
                 .await
-                .map_err(err)?
-                .map(Template::try_from)
-                .transpose()
         }
 
         async fn template_by_name(
@@ -126,11 +123,8 @@ on_both! {
             ))
             .bind(team_id.unwrap_or(""))
             .bind(alias)
-            .fetch_optional(self.db.reads())
+            .one(&self.db)
             .await
-            .map_err(err)?
-            .map(Template::try_from)
-            .transpose()
         }
 
         async fn public_templates_named(&self, alias: &str) -> Result<Vec<Template>, StoreError> {
@@ -141,12 +135,8 @@ on_both! {
                  ORDER BY t.created_at, t.id COLLATE \"C\""
             ))
             .bind(alias)
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(Template::try_from)
-            .collect()
         }
 
         async fn templates(&self) -> Result<Vec<Template>, StoreError> {
@@ -154,12 +144,8 @@ on_both! {
                 B,
                 "ORDER BY t.created_at DESC, t.id COLLATE \"C\""
             ))
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(Template::try_from)
-            .collect()
         }
 
         async fn set_template_build(
@@ -175,9 +161,7 @@ on_both! {
             .bind(error)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
 
@@ -200,9 +184,8 @@ on_both! {
             .bind(build_id)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db)
+            .await?;
             Ok(())
         }
 
@@ -279,9 +262,7 @@ on_both! {
             .bind(i64::from(count))
             .bind(B::time(last))
             .bind(id)
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
+            .write(&self.db).await?;
             Ok(())
         }
     }

@@ -3,7 +3,7 @@
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::err;
 use crate::rows::VolumeRow;
 
@@ -27,10 +27,8 @@ on_both! {
             .bind(&v.name)
             .bind(&v.token_hash)
             .bind(B::time(v.created_at))
-            .execute(self.db.writes())
-            .await
-            .map_err(err)?;
-            Ok(done.rows_affected() == 1)
+            .write(&self.db).await?;
+            Ok(done == 1)
         }
 
         async fn volume(&self, id: &str) -> Result<Option<Volume>, StoreError> {
@@ -61,16 +59,12 @@ on_both! {
         }
 
         async fn team_volumes(&self, team_id: &str) -> Result<Vec<Volume>, StoreError> {
-            Ok(sqlx::query_as::<_, VolumeRow<Time>>(
+            sqlx::query_as::<_, VolumeRow<Time>>(
                 "SELECT * FROM volumes WHERE team_id = $1 ORDER BY created_at, id COLLATE \"C\"",
             )
             .bind(team_id)
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(Volume::from)
-            .collect())
         }
 
         async fn volume_users(&self, volume_id: &str) -> Result<Vec<String>, StoreError> {
@@ -86,9 +80,8 @@ on_both! {
         async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
             sqlx::query("DELETE FROM volumes WHERE id = $1")
                 .bind(id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
             Ok(())
         }
     }

@@ -5,7 +5,7 @@ use sandbar_core::store::WebhookRecords;
 use sandbar_core::webhooks::{Webhook, WebhookDelivery};
 use sqlx::{PgConnection, PgPool, SqliteConnection};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Read, Write};
 use crate::rows::{DeliveryRow, WebhookRow, bind_delivery, bind_webhook_settings};
 use crate::{SqliteDb, err, micros};
 
@@ -55,12 +55,11 @@ on_both! {
         ) -> Result<bool, StoreError> {
             let mut tx = self.db.writes().begin().await.map_err(err)?;
             Self::lock_team(&mut tx, &webhook.team_id).await?;
-            let (count,): (i64,) =
-                sqlx::query_as("SELECT COUNT(*) FROM webhooks WHERE team_id = $1")
-                    .bind(&webhook.team_id)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(err)?;
+            let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM webhooks WHERE team_id = $1")
+                .bind(&webhook.team_id)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(err)?;
             if usize::try_from(count).unwrap_or(usize::MAX) >= max_per_team {
                 return Ok(false);
             }
@@ -84,23 +83,16 @@ on_both! {
                 "WHERE team_id = $1 ORDER BY created_at, id"
             ))
             .bind(team_id)
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(WebhookRow::webhook)
-            .collect()
         }
 
         async fn webhook(&self, team_id: &str, id: &str) -> Result<Option<Webhook>, StoreError> {
             sqlx::query_as::<_, WebhookRow>(webhook_query!("WHERE team_id = $1 AND id = $2"))
                 .bind(team_id)
                 .bind(id)
-                .fetch_optional(self.db.reads())
+                .one(&self.db)
                 .await
-                .map_err(err)?
-                .map(WebhookRow::webhook)
-                .transpose()
         }
 
         async fn update_webhook(&self, webhook: &Webhook) -> Result<bool, StoreError> {
@@ -111,20 +103,18 @@ on_both! {
             let result = bind_webhook_settings(update, webhook)?
                 .bind(&webhook.team_id)
                 .bind(&webhook.id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(result.rows_affected() > 0)
+                .write(&self.db)
+                .await?;
+            Ok(result > 0)
         }
 
         async fn delete_webhook(&self, team_id: &str, id: &str) -> Result<bool, StoreError> {
             let result = sqlx::query("DELETE FROM webhooks WHERE team_id = $1 AND id = $2")
                 .bind(team_id)
                 .bind(id)
-                .execute(self.db.writes())
-                .await
-                .map_err(err)?;
-            Ok(result.rows_affected() > 0)
+                .write(&self.db)
+                .await?;
+            Ok(result > 0)
         }
 
         async fn add_webhook_delivery(
@@ -167,12 +157,8 @@ on_both! {
             )
             .bind(webhook_id)
             .bind(i64::from(limit))
-            .fetch_all(self.db.reads())
+            .all(&self.db)
             .await
-            .map_err(err)?
-            .into_iter()
-            .map(DeliveryRow::delivery)
-            .collect()
         }
     }
 }
