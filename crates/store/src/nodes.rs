@@ -155,12 +155,13 @@ on_both! {
             from: &str,
             to: &str,
         ) -> Result<bool, StoreError> {
-            let moved = sqlx::query("UPDATE sandboxes SET node_id = $1 WHERE id = $2 AND node_id = $3")
-                .bind(to)
-                .bind(sandbox_id)
-                .bind(from)
-                .write(&self.db)
-                .await?;
+            let moved =
+                sqlx::query("UPDATE sandboxes SET node_id = $1 WHERE id = $2 AND node_id = $3")
+                    .bind(to)
+                    .bind(sandbox_id)
+                    .bind(from)
+                    .write(&self.db)
+                    .await?;
             Ok(moved == 1)
         }
 

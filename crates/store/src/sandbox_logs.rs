@@ -155,7 +155,11 @@ on_both! {
             tx.commit().await.map_err(err)
         }
 
-        async fn end_sandbox_log(&self, sandbox_id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        async fn end_sandbox_log(
+            &self,
+            sandbox_id: &str,
+            at: DateTime<Utc>,
+        ) -> Result<(), StoreError> {
             sqlx::query(
                 "UPDATE sandbox_log_sources SET ended_at = $1 WHERE sandbox_id = $2 AND ended_at IS NULL",
             )

@@ -6,7 +6,7 @@ use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreEr
 
 use crate::backend::{Backend, Read, Write};
 use crate::rows::{MountRow, SandboxRow};
-use crate::{err, to_json};
+use crate::{err, insert_err, to_json};
 
 /// Sandboxes and their volume mounts, in either database.
 #[derive(Debug, Clone)]
@@ -17,8 +17,12 @@ pub struct Sandboxes<B> {
 on_both! {
     #[async_trait::async_trait]
     impl SandboxRecords for Sandboxes<B> {
-        async fn insert_sandbox(&self, s: &Sandbox) -> Result<(), StoreError> {
-            sqlx::query(
+        async fn insert_sandbox(
+            &self,
+            s: &Sandbox,
+            mounts: &[VolumeMount],
+        ) -> Result<(), StoreError> {
+            let insert = sqlx::query(
                 "INSERT INTO sandboxes (id, team_id, template_id, alias, started_at, end_at, cpu_count, memory_mb, disk_size_mb, metadata, env_vars, allow_internet_access, envd_access_token, envd_version, status, handle, network, traffic_access_token, auto_pause, auto_resume, auto_pause_memory, image, node_id)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)",
             )
@@ -44,9 +48,31 @@ on_both! {
             .bind(s.auto_resume)
             .bind(s.auto_pause_memory)
             .bind(s.image.as_ref().map(to_json).transpose()?)
-            .bind(&s.node_id)
-            .insert(&self.db, "sandbox", &s.id).await?;
-            Ok(())
+            .bind(&s.node_id);
+            if mounts.is_empty() {
+                return insert.insert(&self.db, "sandbox", &s.id).await;
+            }
+            // One transaction: a sandbox is never recorded without the volumes it mounts.
+            let mut tx = self.db.writes().begin().await.map_err(err)?;
+            insert
+                .execute(&mut *tx)
+                .await
+                .map_err(insert_err("sandbox", &s.id))?;
+            for (position, m) in mounts.iter().enumerate() {
+                sqlx::query(
+                    "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
+                     VALUES ($1, $2, $3, $4, $5)",
+                )
+                .bind(&s.id)
+                .bind(i64::try_from(position).map_err(err)?)
+                .bind(&m.volume_id)
+                .bind(&m.name)
+                .bind(&m.path)
+                .execute(&mut *tx)
+                .await
+                .map_err(err)?;
+            }
+            tx.commit().await.map_err(err)
         }
 
         async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
@@ -87,12 +113,14 @@ on_both! {
             network: &NetworkConfig,
             allow_internet_access: bool,
         ) -> Result<(), StoreError> {
-            sqlx::query("UPDATE sandboxes SET network = $1, allow_internet_access = $2 WHERE id = $3")
-                .bind(to_json(network)?)
-                .bind(allow_internet_access)
-                .bind(id)
-                .write(&self.db)
-                .await?;
+            sqlx::query(
+                "UPDATE sandboxes SET network = $1, allow_internet_access = $2 WHERE id = $3",
+            )
+            .bind(to_json(network)?)
+            .bind(allow_internet_access)
+            .bind(id)
+            .write(&self.db)
+            .await?;
             Ok(())
         }
 
@@ -120,29 +148,6 @@ on_both! {
                 .write(&self.db)
                 .await?;
             Ok(())
-        }
-
-        async fn insert_sandbox_volumes(
-            &self,
-            sandbox_id: &str,
-            mounts: &[VolumeMount],
-        ) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for (position, m) in mounts.iter().enumerate() {
-                sqlx::query(
-                    "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
-                     VALUES ($1, $2, $3, $4, $5)",
-                )
-                .bind(sandbox_id)
-                .bind(i64::try_from(position).map_err(err)?)
-                .bind(&m.volume_id)
-                .bind(&m.name)
-                .bind(&m.path)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)
         }
 
         async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {

@@ -60,7 +60,11 @@ on_both! {
             .await
         }
 
-        async fn one_team(&self, query: &'static str, key: &str) -> Result<Option<Team>, StoreError> {
+        async fn one_team(
+            &self,
+            query: &'static str,
+            key: &str,
+        ) -> Result<Option<Team>, StoreError> {
             sqlx::query_as::<_, TeamRow>(query)
                 .bind(key)
                 .one(&self.db)
@@ -215,7 +219,11 @@ on_both! {
             Ok(done > 0)
         }
 
-        async fn delete_api_key(&self, team_id: Option<&str>, id: &str) -> Result<bool, StoreError> {
+        async fn delete_api_key(
+            &self,
+            team_id: Option<&str>,
+            id: &str,
+        ) -> Result<bool, StoreError> {
             // The cast gives PostgreSQL the type of a parameter it may only see as NULL.
             let done = sqlx::query(
                 "DELETE FROM api_keys WHERE id = $1 AND (CAST($2 AS TEXT) IS NULL OR team_id = $2)",
@@ -240,17 +248,22 @@ on_both! {
                 .execute(&mut *tx)
                 .await
                 .map_err(insert_err("user", id))?;
-            sqlx::query("INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)")
-                .bind(team_id)
-                .bind(id)
-                .bind(is_default)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
+            sqlx::query(
+                "INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)",
+            )
+            .bind(team_id)
+            .bind(id)
+            .bind(is_default)
+            .execute(&mut *tx)
+            .await
+            .map_err(err)?;
             tx.commit().await.map_err(err)
         }
 
-        async fn insert_user_access_token(&self, token: &StoredAccessToken) -> Result<(), StoreError> {
+        async fn insert_user_access_token(
+            &self,
+            token: &StoredAccessToken,
+        ) -> Result<(), StoreError> {
             let s = &token.secret;
             bind_secret(
                 sqlx::query(
@@ -307,9 +320,11 @@ on_both! {
         }
 
         async fn teams(&self) -> Result<Vec<Team>, StoreError> {
-            sqlx::query_as::<_, TeamRow>("SELECT * FROM teams ORDER BY created_at, id COLLATE \"C\"")
-                .all(&self.db)
-                .await
+            sqlx::query_as::<_, TeamRow>(
+                "SELECT * FROM teams ORDER BY created_at, id COLLATE \"C\"",
+            )
+            .all(&self.db)
+            .await
         }
 
         async fn set_team_limits(&self, id: &str, limits: &TeamLimits) -> Result<bool, StoreError> {

@@ -55,11 +55,12 @@ on_both! {
         ) -> Result<bool, StoreError> {
             let mut tx = self.db.writes().begin().await.map_err(err)?;
             Self::lock_team(&mut tx, &webhook.team_id).await?;
-            let (count,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM webhooks WHERE team_id = $1")
-                .bind(&webhook.team_id)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(err)?;
+            let (count,): (i64,) =
+                sqlx::query_as("SELECT COUNT(*) FROM webhooks WHERE team_id = $1")
+                    .bind(&webhook.team_id)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(err)?;
             if usize::try_from(count).unwrap_or(usize::MAX) >= max_per_team {
                 return Ok(false);
             }

@@ -373,7 +373,7 @@ async fn templates_and_sandboxes_round_trip(f: Fixture) {
     };
     store
         .sandboxes
-        .insert_sandbox(&sandbox)
+        .insert_sandbox(&sandbox, &[])
         .await
         .expect("insert");
     store
@@ -655,9 +655,13 @@ async fn duplicates_are_conflicts(f: Fixture) {
     let store = f.store;
     let team = team(&store, "Dups").await;
     let s = sandbox("isandbox", &team.id, Utc::now());
-    store.sandboxes.insert_sandbox(&s).await.expect("first");
+    store
+        .sandboxes
+        .insert_sandbox(&s, &[])
+        .await
+        .expect("first");
     assert!(matches!(
-        store.sandboxes.insert_sandbox(&s).await,
+        store.sandboxes.insert_sandbox(&s, &[]).await,
         Err(StoreError::Conflict { what: "sandbox", ref id }) if id == "isandbox"
     ));
     store
@@ -1406,11 +1410,6 @@ async fn volumes_and_mounts(f: Fixture) {
         .expect("by name")
         .expect("found");
     assert_eq!(found.created_at, t0 + TimeDelta::seconds(1));
-    store
-        .sandboxes
-        .insert_sandbox(&sandbox("isb", &team.id, t0))
-        .await
-        .expect("sandbox");
     let mounts = vec![
         VolumeMount {
             volume_id: "vol-b".into(),
@@ -1425,11 +1424,35 @@ async fn volumes_and_mounts(f: Fixture) {
             path: "/a".into(),
         },
     ];
+    // A mount of a volume that does not exist fails the whole insert: no sandbox is left
+    // recorded without its mounts.
+    let missing = VolumeMount {
+        volume_id: "vol-missing".into(),
+        team_id: team.id.clone(),
+        name: "missing".into(),
+        path: "/m".into(),
+    };
+    let half = [mounts[0].clone(), missing];
+    assert!(matches!(
+        store
+            .sandboxes
+            .insert_sandbox(&sandbox("isb", &team.id, t0), &half)
+            .await,
+        Err(StoreError::Backend(_))
+    ));
+    assert!(
+        store
+            .sandboxes
+            .sandbox("isb")
+            .await
+            .expect("read")
+            .is_none()
+    );
     store
         .sandboxes
-        .insert_sandbox_volumes("isb", &mounts)
+        .insert_sandbox(&sandbox("isb", &team.id, t0), &mounts)
         .await
-        .expect("mount");
+        .expect("sandbox with its mounts");
     assert_eq!(
         store
             .sandboxes
@@ -1715,7 +1738,11 @@ async fn nodes_renew_their_leases_and_sandboxes_name_their_node(f: Fixture) {
 
     let t = team(store, "nodes").await;
     let s = sandbox_on("sbx-on-n2", &t.id, "n2", now);
-    store.sandboxes.insert_sandbox(&s).await.expect("insert");
+    store
+        .sandboxes
+        .insert_sandbox(&s, &[])
+        .await
+        .expect("insert");
     assert_eq!(
         store.nodes.sandbox_node("sbx-on-n2").await.expect("node"),
         Some("n2".into())
@@ -1763,7 +1790,11 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
             status,
             ..sandbox_on(id, &t.id, node, now)
         };
-        store.sandboxes.insert_sandbox(&s).await.expect("insert");
+        store
+            .sandboxes
+            .insert_sandbox(&s, &[])
+            .await
+            .expect("insert");
     }
     let take = |c: SlotClaim, limit: usize, live: Vec<String>| {
         let store = store.clone();
@@ -1781,7 +1812,11 @@ async fn team_slots_are_claimed_across_nodes(f: Fixture) {
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     // Recorded running, a's claim stops counting twice: still full.
     let a = sandbox_on("a", &t.id, "n1", now);
-    store.sandboxes.insert_sandbox(&a).await.expect("insert a");
+    store
+        .sandboxes
+        .insert_sandbox(&a, &[])
+        .await
+        .expect("insert a");
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);
     store.nodes.release_team_slot("a").await.expect("release");
     assert!(!take(claim("c", "n1"), 3, live.clone()).await);

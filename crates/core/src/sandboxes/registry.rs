@@ -196,26 +196,14 @@ impl SandboxRegistry {
         sandbox: &Sandbox,
         mounts: &[VolumeMount],
     ) -> Result<(), CreateSandboxError> {
-        let id = &sandbox.id;
-        let recorded = match self.shared.store.sandboxes.insert_sandbox(sandbox).await {
-            Ok(()) if mounts.is_empty() => Ok(()),
-            Ok(()) => {
-                let mounted = self
-                    .shared
-                    .store
-                    .sandboxes
-                    .insert_sandbox_volumes(id, mounts)
-                    .await;
-                if mounted.is_err()
-                    && let Err(err) = self.shared.store.sandboxes.delete_sandbox(id).await
-                {
-                    tracing::error!(sandbox_id = %id, error = %err, "cannot remove half-recorded sandbox");
-                }
-                mounted
-            }
-            Err(err) => Err(err),
-        };
+        let recorded = self
+            .shared
+            .store
+            .sandboxes
+            .insert_sandbox(sandbox, mounts)
+            .await;
         if let Err(err) = recorded {
+            let id = &sandbox.id;
             if let Err(destroy) = self.shared.runtime.destroy(id, &sandbox.handle).await {
                 tracing::error!(sandbox_id = %id, error = %destroy, "cannot clean up unrecorded sandbox");
             }

@@ -10,7 +10,12 @@ use crate::runtime::RuntimeHandle;
 
 #[async_trait::async_trait]
 pub trait SandboxRecords: Send + Sync {
-    async fn insert_sandbox(&self, sandbox: &Sandbox) -> Result<(), StoreError>;
+    /// Records a sandbox with the volumes it mounts, in order, all or nothing.
+    async fn insert_sandbox(
+        &self,
+        sandbox: &Sandbox,
+        mounts: &[VolumeMount],
+    ) -> Result<(), StoreError>;
     async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError>;
     /// A team's sandboxes, newest first.
     async fn team_sandboxes(&self, team_id: &str) -> Result<Vec<Sandbox>, StoreError>;
@@ -31,11 +36,5 @@ pub trait SandboxRecords: Send + Sync {
         handle: Option<&RuntimeHandle>,
     ) -> Result<(), StoreError>;
     async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError>;
-    /// Records a sandbox's mounts, in order; the sandbox must be recorded already.
-    async fn insert_sandbox_volumes(
-        &self,
-        sandbox_id: &str,
-        mounts: &[VolumeMount],
-    ) -> Result<(), StoreError>;
     async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError>;
 }
