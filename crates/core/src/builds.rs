@@ -543,11 +543,7 @@ pub(crate) fn valid_name(name: &str) -> bool {
 }
 
 fn valid_tag(tag: &str) -> bool {
-    !tag.is_empty()
-        && tag.len() <= 128
-        && tag
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"-_.".contains(&c))
+    crate::ids::is_plain_name(tag, 128, b"-_.")
 }
 
 pub fn valid_files_hash(hash: &str) -> bool {

@@ -233,11 +233,7 @@ impl NodeLease {
 /// Node ids name hosts in URLs, logs and the store: short, and only characters that need no
 /// quoting anywhere.
 pub fn valid_node_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 63
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+    crate::ids::is_plain_name(id, 63, b"-_.")
 }
 
 #[cfg(test)]

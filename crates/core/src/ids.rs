@@ -29,6 +29,15 @@ pub fn is_template_id(s: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
+/// Whether `s` is 1 to `max` bytes long, each an ASCII letter, a digit or one of `also`: the
+/// form of the names that stand in URLs, paths and logs without quoting.
+pub(crate) fn is_plain_name(s: &str, max: usize, also: &[u8]) -> bool {
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || also.contains(&b))
+}
+
 /// A random UUID (version 4) in its canonical text form.
 pub fn new_uuid() -> String {
     let mut b: [u8; 16] = rand::rng().random();

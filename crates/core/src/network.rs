@@ -130,12 +130,7 @@ impl DomainPattern {
         }
         let labels: Vec<&str> = name.split('.').collect();
         let label_ok = |l: &&str| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.bytes()
-                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'_')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
+            crate::ids::is_plain_name(l, 63, b"-_") && !l.starts_with('-') && !l.ends_with('-')
         };
         if !labels.iter().all(label_ok) {
             return None;

@@ -196,10 +196,7 @@ pub trait Runtime: Send + Sync + 'static {
         _handle: &RuntimeHandle,
         _rules: &EgressRules,
     ) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot enforce egress rules".into(),
-        })
+        Err(unsupported(sandbox_id, "enforce egress rules"))
     }
 
     /// What the sandbox uses now: cumulative CPU time, memory, disk.
@@ -244,18 +241,12 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Freezes every process of the sandbox in place, memory kept.
     async fn pause(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot pause sandboxes".into(),
-        })
+        Err(unsupported(sandbox_id, "pause sandboxes"))
     }
 
     /// Lets a paused sandbox run again.
     async fn resume(&self, sandbox_id: &str, _handle: &RuntimeHandle) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot resume sandboxes".into(),
-        })
+        Err(unsupported(sandbox_id, "resume sandboxes"))
     }
 
     /// Ends the sandbox's processes and releases its memory, network slot and cgroups, but
@@ -265,10 +256,10 @@ pub trait Runtime: Send + Sync + 'static {
         sandbox_id: &str,
         _handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot pause sandboxes without their memory".into(),
-        })
+        Err(unsupported(
+            sandbox_id,
+            "pause sandboxes without their memory",
+        ))
     }
 
     /// After a restart: takes back the kept files of a released sandbox (see
@@ -317,10 +308,10 @@ pub trait Runtime: Send + Sync + 'static {
         _files: &crate::model::LayerBlob,
         _checkpoint: Option<&crate::model::LayerBlob>,
     ) -> Result<TakenOver, RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox.id.clone(),
-            message: "this runtime cannot take over sandboxes of other nodes".into(),
-        })
+        Err(unsupported(
+            &sandbox.id,
+            "take over sandboxes of other nodes",
+        ))
     }
 
     /// Copies a running sandbox's files and, with `memory`, its processes into a snapshot
@@ -336,10 +327,7 @@ pub trait Runtime: Send + Sync + 'static {
         _agent_token: &str,
         _memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot snapshot sandboxes".into(),
-        })
+        Err(unsupported(sandbox_id, "snapshot sandboxes"))
     }
 
     /// A template now keeps the snapshot's parts: until then the node keeps them from its
@@ -368,10 +356,7 @@ pub trait Runtime: Send + Sync + 'static {
         sandbox_id: &str,
         _handle: &RuntimeHandle,
     ) -> Result<RuntimeHandle, RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot checkpoint sandboxes".into(),
-        })
+        Err(unsupported(sandbox_id, "checkpoint sandboxes"))
     }
 
     /// Restores a checkpointed sandbox, running, and says how to reach it. On failure it
@@ -381,10 +366,7 @@ pub trait Runtime: Send + Sync + 'static {
         sandbox_id: &str,
         _handle: &RuntimeHandle,
     ) -> Result<(RuntimeHandle, Endpoint), RuntimeError> {
-        Err(RuntimeError::Sandbox {
-            sandbox_id: sandbox_id.to_owned(),
-            message: "this runtime cannot restore checkpoints".into(),
-        })
+        Err(unsupported(sandbox_id, "restore checkpoints"))
     }
 
     /// After a restart: takes back a sandbox recorded as checkpointed, or as being
@@ -429,4 +411,12 @@ pub trait Runtime: Send + Sync + 'static {
         sandbox_id: &str,
         handle: &RuntimeHandle,
     ) -> Result<Option<Endpoint>, RuntimeError>;
+}
+
+/// The error of an operation a runtime does not offer: `what` completes "this runtime cannot".
+fn unsupported(sandbox_id: &str, what: &str) -> RuntimeError {
+    RuntimeError::Sandbox {
+        sandbox_id: sandbox_id.to_owned(),
+        message: format!("this runtime cannot {what}"),
+    }
 }

@@ -37,11 +37,7 @@ impl std::fmt::Debug for Templates {
 }
 
 fn valid_reference(reference: &str) -> bool {
-    !reference.is_empty()
-        && reference.len() <= 256
-        && reference
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"-_./:".contains(&c))
+    crate::ids::is_plain_name(reference, 256, b"-_./:")
 }
 
 /// The template `team` may use that `name` (no tag) means: an ID; `namespace/alias` in that

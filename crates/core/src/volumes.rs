@@ -418,11 +418,7 @@ fn hmac_sha256(key: &[u8; 32], message: &[u8]) -> [u8; 32] {
 }
 
 fn valid_name(name: &str) -> bool {
-    !name.is_empty()
-        && name.len() <= MAX_NAME_LEN
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    crate::ids::is_plain_name(name, MAX_NAME_LEN, b"_-")
 }
 
 /// Checks a mount point: absolute, normalised, not `/` and not in the kernel's trees.

@@ -84,6 +84,31 @@ pub struct Template {
 }
 
 impl Template {
+    /// A ready template of `sandbox`'s team and resources whose sandboxes start from `image`,
+    /// made at `at`; its id, names and build are the caller's to fill in.
+    pub fn of_sandbox(sandbox: &super::Sandbox, image: TemplateImage, at: DateTime<Utc>) -> Self {
+        Template {
+            id: String::new(),
+            team_id: Some(sandbox.team_id.clone()),
+            namespace: None,
+            aliases: Vec::new(),
+            public: false,
+            build_id: String::new(),
+            build_status: BuildStatus::Ready,
+            build_error: None,
+            cpu_count: sandbox.cpu_count,
+            memory_mb: sandbox.memory_mb,
+            disk_size_mb: sandbox.disk_size_mb,
+            envd_version: sandbox.envd_version.clone(),
+            image: Some(image),
+            created_at: at,
+            updated_at: at,
+            last_spawned_at: None,
+            spawn_count: 0,
+            build_count: 0,
+        }
+    }
+
     pub fn visible_to(&self, team_id: &str) -> bool {
         self.public || self.team_id.as_deref().is_none_or(|owner| owner == team_id)
     }

@@ -12,7 +12,7 @@ use super::{Claim, SandboxError, TRANSITION_PATIENCE, UpdateNetworkError, second
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::SandboxEventType;
-use crate::model::{BuildStatus, Sandbox, Team, Template};
+use crate::model::{Sandbox, Team, Template};
 use crate::network::{EgressConfig, NetworkConfig};
 use crate::runtime::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 
@@ -517,25 +517,11 @@ impl Lifecycle {
                 }));
             }
         };
+        // A template removed since: the sandbox still boots on what it recorded.
         let template = template.unwrap_or_else(|| Template {
             id: sandbox.template_id.clone(),
-            team_id: Some(sandbox.team_id.clone()),
-            namespace: None,
             aliases: sandbox.alias.iter().cloned().collect(),
-            public: false,
-            build_id: String::new(),
-            build_status: BuildStatus::Ready,
-            build_error: None,
-            cpu_count: sandbox.cpu_count,
-            memory_mb: sandbox.memory_mb,
-            disk_size_mb: sandbox.disk_size_mb,
-            envd_version: sandbox.envd_version.clone(),
-            image: Some(image.clone()),
-            created_at: sandbox.started_at,
-            updated_at: sandbox.started_at,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 0,
+            ..Template::of_sandbox(sandbox, image.clone(), sandbox.started_at)
         });
         let egress = sandbox
             .network

@@ -353,20 +353,9 @@ impl Snapshots {
                 team_id: Some(team.id.clone()),
                 namespace: Some(team.slug.clone()),
                 aliases: name.map(str::to_owned).into_iter().collect(),
-                public: false,
                 build_id: build_id.clone(),
-                build_status: BuildStatus::Ready,
-                build_error: None,
-                cpu_count: sandbox.cpu_count,
-                memory_mb: sandbox.memory_mb,
-                disk_size_mb: sandbox.disk_size_mb,
-                envd_version: sandbox.envd_version.clone(),
-                image: Some(image.clone()),
-                created_at: now,
-                updated_at: now,
-                last_spawned_at: None,
-                spawn_count: 0,
                 build_count: 1,
+                ..Template::of_sandbox(sandbox, image.clone(), now)
             },
         };
         self.shared
