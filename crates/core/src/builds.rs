@@ -1232,22 +1232,9 @@ impl Builds {
         team: &Team,
         reference: &str,
     ) -> Result<Template, StartBuildError> {
-        let (name, tag) = split_name(reference);
-        let mut template = crate::templates::find_template(self.store.as_ref(), team, name)
+        crate::templates::find_tagged_template(self.store.as_ref(), team, reference)
             .await?
-            .ok_or_else(|| StartBuildError::Invalid(format!("template '{reference}' not found")))?;
-        if let Some(tag) = tag.filter(|t| *t != "default") {
-            let build = self
-                .store
-                .builds
-                .tagged_build(&template.id, tag)
-                .await?
-                .ok_or_else(|| {
-                    StartBuildError::Invalid(format!("template '{reference}' not found"))
-                })?;
-            template.image = build.image;
-        }
-        Ok(template)
+            .ok_or_else(|| StartBuildError::Invalid(format!("template '{reference}' not found")))
     }
 
     fn spawn(&self, build: BuildRecord, job: BuildJob) {

@@ -86,6 +86,26 @@ pub(crate) async fn find_template(
     })
 }
 
+/// The template `reference` (`name`, `name:default` or `name:<tag>`) names for `team`, if
+/// any; with a tag, its image is the one of the newest successful build so tagged.
+pub(crate) async fn find_tagged_template(
+    store: &Store,
+    team: &Team,
+    reference: &str,
+) -> Result<Option<Template>, StoreError> {
+    let (name, tag) = crate::model::templates::split_name(reference);
+    let Some(mut template) = find_template(store, team, name).await? else {
+        return Ok(None);
+    };
+    if let Some(tag) = tag.filter(|t| *t != "default") {
+        let Some(build) = store.builds.tagged_build(&template.id, tag).await? else {
+            return Ok(None);
+        };
+        template.image = build.image;
+    }
+    Ok(Some(template))
+}
+
 impl Templates {
     pub fn new(store: Arc<Store>) -> Self {
         Self {
@@ -100,20 +120,9 @@ impl Templates {
         if !valid_reference(reference) {
             return Err(TemplateError::BadReference(reference.to_owned()));
         }
-        let (name, tag) = crate::model::templates::split_name(reference);
-        let mut template = find_template(self.store.as_ref(), team, name)
+        find_tagged_template(self.store.as_ref(), team, reference)
             .await?
-            .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
-        if let Some(tag) = tag.filter(|t| *t != "default") {
-            let build = self
-                .store
-                .builds
-                .tagged_build(&template.id, tag)
-                .await?
-                .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))?;
-            template.image = build.image;
-        }
-        Ok(template)
+            .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))
     }
 
     /// Waits until `template` has finished building, up to `patience`, and returns it fresh.
