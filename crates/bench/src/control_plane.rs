@@ -168,26 +168,15 @@ fn state(
 }
 
 fn base_template() -> Template {
-    let now = Utc::now();
     Template {
-        id: TEMPLATE.into(),
-        team_id: None,
-        namespace: None,
         aliases: vec!["base".into()],
         public: true,
         build_id: "b".into(),
         build_status: BuildStatus::Ready,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 2048,
         envd_version: "0.5.7".into(),
         image: Some(TemplateImage::of_layers(vec!["base/v1".into()])),
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
         build_count: 1,
+        ..Template::unbuilt(TEMPLATE.into(), 2, 512, 2048, Utc::now())
     }
 }
 

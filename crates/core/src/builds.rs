@@ -766,24 +766,17 @@ impl Builds {
         now: chrono::DateTime<Utc>,
     ) -> Template {
         Template {
-            id: crate::ids::new_template_id(),
             team_id: Some(team.id.clone()),
             namespace: Some(team.slug.clone()),
             aliases: vec![name.to_owned()],
-            public: false,
-            build_id: String::new(),
-            build_status: BuildStatus::Waiting,
-            build_error: None,
-            cpu_count: resources.cpu_count,
-            memory_mb: resources.memory_mb,
-            disk_size_mb: self.config.disk_size_mb,
             envd_version: self.config.envd_version.to_owned(),
-            image: None,
-            created_at: now,
-            updated_at: now,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 0,
+            ..Template::unbuilt(
+                crate::ids::new_template_id(),
+                resources.cpu_count,
+                resources.memory_mb,
+                self.config.disk_size_mb,
+                now,
+            )
         }
     }
 

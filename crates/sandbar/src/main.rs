@@ -562,24 +562,16 @@ fn builtin_template(
 ) -> Template {
     let now = Utc::now();
     let mut template = existing.unwrap_or_else(|| Template {
-        id: sandbar_core::ids::new_template_id(),
-        team_id: None,
-        namespace: None,
         aliases: vec![alias.into()],
         public: true,
         build_id: sandbar_core::ids::new_uuid(),
-        build_status: BuildStatus::Waiting,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb,
-        disk_size_mb,
-        envd_version: envd_version.into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
-        build_count: 0,
+        ..Template::unbuilt(
+            sandbar_core::ids::new_template_id(),
+            2,
+            memory_mb,
+            disk_size_mb,
+            now,
+        )
     });
     template.envd_version = envd_version.into();
     template.disk_size_mb = disk_size_mb;

@@ -198,26 +198,14 @@ const LIMITS: TeamLimits = TeamLimits {
 
 /// A private, built template named `alias`, owned by `team_id` (`None`: built in).
 fn template(id: &str, team_id: Option<&str>, alias: &str) -> Template {
-    let now = Utc::now();
     Template {
-        id: id.into(),
         team_id: team_id.map(str::to_owned),
-        namespace: None,
         aliases: vec![alias.into()],
-        public: false,
         build_id: "b".into(),
         build_status: BuildStatus::Ready,
-        build_error: None,
-        cpu_count: 2,
-        memory_mb: 512,
-        disk_size_mb: 1024,
         envd_version: "0.5.7".into(),
-        image: None,
-        created_at: now,
-        updated_at: now,
-        last_spawned_at: None,
-        spawn_count: 0,
         build_count: 1,
+        ..Template::unbuilt(id.into(), 2, 512, 1024, Utc::now())
     }
 }
 

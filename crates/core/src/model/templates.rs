@@ -84,28 +84,52 @@ pub struct Template {
 }
 
 impl Template {
-    /// A ready template of `sandbox`'s team and resources whose sandboxes start from `image`,
-    /// made at `at`; its id, names and build are the caller's to fill in.
-    pub fn of_sandbox(sandbox: &super::Sandbox, image: TemplateImage, at: DateTime<Utc>) -> Self {
+    /// A template `id` of these resources, made at `at` and not built or used since: private,
+    /// unnamed and waiting for its first build; the caller sets what else it knows.
+    pub fn unbuilt(
+        id: String,
+        cpu_count: u32,
+        memory_mb: u32,
+        disk_size_mb: u32,
+        at: DateTime<Utc>,
+    ) -> Self {
         Template {
-            id: String::new(),
-            team_id: Some(sandbox.team_id.clone()),
+            id,
+            team_id: None,
             namespace: None,
             aliases: Vec::new(),
             public: false,
             build_id: String::new(),
-            build_status: BuildStatus::Ready,
+            build_status: BuildStatus::Waiting,
             build_error: None,
-            cpu_count: sandbox.cpu_count,
-            memory_mb: sandbox.memory_mb,
-            disk_size_mb: sandbox.disk_size_mb,
-            envd_version: sandbox.envd_version.clone(),
-            image: Some(image),
+            cpu_count,
+            memory_mb,
+            disk_size_mb,
+            envd_version: String::new(),
+            image: None,
             created_at: at,
             updated_at: at,
             last_spawned_at: None,
             spawn_count: 0,
             build_count: 0,
+        }
+    }
+
+    /// A ready template of `sandbox`'s team and resources whose sandboxes start from `image`,
+    /// made at `at`; its id, names and build are the caller's to fill in.
+    pub fn of_sandbox(sandbox: &super::Sandbox, image: TemplateImage, at: DateTime<Utc>) -> Self {
+        Template {
+            team_id: Some(sandbox.team_id.clone()),
+            build_status: BuildStatus::Ready,
+            envd_version: sandbox.envd_version.clone(),
+            image: Some(image),
+            ..Template::unbuilt(
+                String::new(),
+                sandbox.cpu_count,
+                sandbox.memory_mb,
+                sandbox.disk_size_mb,
+                at,
+            )
         }
     }
 

@@ -348,24 +348,16 @@ impl NodeBuilder {
         LaunchSpec {
             sandbox_id: id.to_owned(),
             template: Template {
-                id: job.template_id.clone(),
                 team_id: job.team_id.clone(),
-                namespace: None,
-                aliases: Vec::new(),
-                public: false,
                 build_id: job.build_id.clone(),
                 build_status: sandbar_core::BuildStatus::Building,
-                build_error: None,
-                cpu_count: job.cpu_count,
-                memory_mb: job.memory_mb,
-                disk_size_mb: job.disk_size_mb,
-                envd_version: String::new(),
-                image: None,
-                created_at: now,
-                updated_at: now,
-                last_spawned_at: None,
-                spawn_count: 0,
-                build_count: 0,
+                ..Template::unbuilt(
+                    job.template_id.clone(),
+                    job.cpu_count,
+                    job.memory_mb,
+                    job.disk_size_mb,
+                    now,
+                )
             },
             image: TemplateImage {
                 layers: state.layers.clone(),

@@ -156,28 +156,12 @@ mod tests {
     use sandbar_core::DiskSpace;
 
     fn template(id: &str, layers: &[&str]) -> Template {
-        let now = chrono::Utc::now();
         Template {
-            id: id.into(),
-            team_id: None,
-            namespace: None,
-            aliases: Vec::new(),
-            public: false,
-            build_id: String::new(),
             build_status: sandbar_core::BuildStatus::Ready,
-            build_error: None,
-            cpu_count: 1,
-            memory_mb: 512,
-            disk_size_mb: 512,
-            envd_version: String::new(),
             image: Some(sandbar_core::TemplateImage::of_layers(
                 layers.iter().map(|l| (*l).to_owned()).collect(),
             )),
-            created_at: now,
-            updated_at: now,
-            last_spawned_at: None,
-            spawn_count: 0,
-            build_count: 0,
+            ..Template::unbuilt(id.into(), 1, 512, 512, chrono::Utc::now())
         }
     }
 
