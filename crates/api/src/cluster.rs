@@ -52,12 +52,7 @@ pub(crate) async fn require_node_secret(
     mut request: Request,
     next: Next,
 ) -> Response {
-    let presented = request
-        .headers()
-        .get(NODE_SECRET_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| sandbar_envd::secrets_equal(v, &secret));
-    if !presented {
+    if !crate::extract::carries_secret(request.headers(), NODE_SECRET_HEADER, &secret) {
         return ApiError::new(
             StatusCode::UNAUTHORIZED,
             "this is a node of a sandbar cluster: it answers its API hosts only",
@@ -1052,6 +1047,13 @@ mod tests {
         destination(&method, path, None)
     }
 
+    /// Checks each request's destination, naming the request that goes astray.
+    fn assert_destinations(cases: &[(Method, &str, Destination)]) {
+        for (method, path, expected) in cases {
+            assert_eq!(&dest(method.clone(), path), expected, "{method} {path}");
+        }
+    }
+
     #[test]
     fn sandbox_paths_go_to_the_sandbox_s_node() {
         for path in [
@@ -1075,16 +1077,19 @@ mod tests {
 
     #[test]
     fn creates_are_placed_and_listings_answered_here() {
-        assert_eq!(dest(Method::POST, "/sandboxes"), Destination::NewSandbox);
-        assert_eq!(dest(Method::POST, "/v2/sandboxes"), Destination::NewSandbox);
-        assert_eq!(dest(Method::GET, "/v2/sandboxes"), Destination::Here);
-        assert_eq!(
-            dest(Method::GET, "/sandboxes/metrics"),
-            Destination::LatestMetrics
-        );
-        assert_eq!(dest(Method::GET, "/templates"), Destination::Here);
-        assert_eq!(dest(Method::GET, "/api-keys"), Destination::Here);
-        assert_eq!(dest(Method::GET, "/health"), Destination::Here);
+        assert_destinations(&[
+            (Method::POST, "/sandboxes", Destination::NewSandbox),
+            (Method::POST, "/v2/sandboxes", Destination::NewSandbox),
+            (Method::GET, "/v2/sandboxes", Destination::Here),
+            (
+                Method::GET,
+                "/sandboxes/metrics",
+                Destination::LatestMetrics,
+            ),
+            (Method::GET, "/templates", Destination::Here),
+            (Method::GET, "/api-keys", Destination::Here),
+            (Method::GET, "/health", Destination::Here),
+        ]);
     }
 
     #[test]
@@ -1111,57 +1116,37 @@ mod tests {
 
     #[test]
     fn template_writes_follow_their_build_and_volumes_go_to_the_keeper() {
-        for path in [
-            "/v3/templates",
-            "/v2/templates",
-            "/templates",
-            "/templates/t",
-        ] {
-            assert_eq!(dest(Method::POST, path), Destination::NewBuild, "{path}");
-        }
-        assert_eq!(
-            dest(Method::GET, "/templates/t/files/h"),
-            Destination::TemplateFiles("t".into())
-        );
-        assert_eq!(
-            dest(Method::PUT, "/upload/templates/t/files/h"),
-            Destination::TemplateFiles("t".into())
-        );
-        assert_eq!(
-            dest(Method::POST, "/v2/templates/t/builds/b"),
-            Destination::Build("b".into())
-        );
-        // A Dockerfile build's start, and a cancel of either kind.
-        assert_eq!(
-            dest(Method::POST, "/templates/t/builds/b"),
-            Destination::Build("b".into())
-        );
-        assert_eq!(
-            dest(Method::DELETE, "/templates/t/builds/b"),
-            Destination::Build("b".into())
-        );
-        // Status and logs are in the store.
-        assert_eq!(
-            dest(Method::GET, "/templates/t/builds/b/status"),
-            Destination::Here
-        );
-        assert_eq!(
-            dest(Method::GET, "/templates/t/builds/b/logs"),
-            Destination::Here
-        );
-        assert_eq!(dest(Method::GET, "/templates/t"), Destination::Here);
-        // Administration stays with the keeper.
-        assert_eq!(dest(Method::POST, "/templates/tags"), Destination::Keeper);
-        assert_eq!(dest(Method::DELETE, "/templates/tags"), Destination::Keeper);
-        assert_eq!(dest(Method::DELETE, "/templates/t"), Destination::Keeper);
-        assert_eq!(dest(Method::PATCH, "/templates/t"), Destination::Keeper);
-        assert_eq!(dest(Method::PATCH, "/v2/templates/t"), Destination::Keeper);
-        assert_eq!(dest(Method::PUT, "/upload/other"), Destination::Keeper);
-        assert_eq!(dest(Method::GET, "/volumes"), Destination::Keeper);
-        assert_eq!(
-            dest(Method::GET, "/volumecontent/v/file"),
-            Destination::Keeper
-        );
+        let files = || Destination::TemplateFiles("t".into());
+        let build = || Destination::Build("b".into());
+        assert_destinations(&[
+            (Method::POST, "/v3/templates", Destination::NewBuild),
+            (Method::POST, "/v2/templates", Destination::NewBuild),
+            (Method::POST, "/templates", Destination::NewBuild),
+            (Method::POST, "/templates/t", Destination::NewBuild),
+            (Method::GET, "/templates/t/files/h", files()),
+            (Method::PUT, "/upload/templates/t/files/h", files()),
+            (Method::POST, "/v2/templates/t/builds/b", build()),
+            // A Dockerfile build's start, and a cancel of either kind.
+            (Method::POST, "/templates/t/builds/b", build()),
+            (Method::DELETE, "/templates/t/builds/b", build()),
+            // Status and logs are in the store.
+            (
+                Method::GET,
+                "/templates/t/builds/b/status",
+                Destination::Here,
+            ),
+            (Method::GET, "/templates/t/builds/b/logs", Destination::Here),
+            (Method::GET, "/templates/t", Destination::Here),
+            // Administration stays with the keeper.
+            (Method::POST, "/templates/tags", Destination::Keeper),
+            (Method::DELETE, "/templates/tags", Destination::Keeper),
+            (Method::DELETE, "/templates/t", Destination::Keeper),
+            (Method::PATCH, "/templates/t", Destination::Keeper),
+            (Method::PATCH, "/v2/templates/t", Destination::Keeper),
+            (Method::PUT, "/upload/other", Destination::Keeper),
+            (Method::GET, "/volumes", Destination::Keeper),
+            (Method::GET, "/volumecontent/v/file", Destination::Keeper),
+        ]);
     }
 
     #[test]

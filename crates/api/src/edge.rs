@@ -134,14 +134,14 @@ pub(crate) async fn route_to_sandbox(
                 Err(SandboxError::ConcurrencyLimit {
                     retry_after_secs, ..
                 }) => {
-                    let mut busy = ApiError::new(
+                    let busy = ApiError::retry_later(
                         StatusCode::TOO_MANY_REQUESTS,
                         format!(
                             "sandbox '{}' is paused and cannot be resumed now; try again later",
                             target.sandbox_id
                         ),
+                        retry_after_secs,
                     );
-                    busy.retry_after = Some(retry_after_secs);
                     return mark(busy.into_response(), target.port);
                 }
                 Err(_) => {

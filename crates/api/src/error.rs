@@ -50,12 +50,29 @@ impl ApiError {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
+    /// A refusal that a client may send again after `retry_after_secs`.
+    pub fn retry_later(
+        status: StatusCode,
+        message: impl Into<String>,
+        retry_after_secs: u64,
+    ) -> Self {
+        Self {
+            retry_after: Some(retry_after_secs),
+            ..Self::new(status, message)
+        }
+    }
+
     /// 503 for want of capacity: the request was fine and may be sent again after
     /// `retry_after_secs`.
     fn unavailable(message: String, retry_after_secs: u64) -> Self {
-        let mut error = Self::new(StatusCode::SERVICE_UNAVAILABLE, message);
-        error.retry_after = Some(retry_after_secs);
-        error
+        Self::retry_later(StatusCode::SERVICE_UNAVAILABLE, message, retry_after_secs)
+    }
+
+    /// 429 for a rate that is spent; Retry-After has whole seconds, rounded up so a client
+    /// never retries too early.
+    fn rate_limited(message: String, retry_after: std::time::Duration) -> Self {
+        let secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+        Self::retry_later(StatusCode::TOO_MANY_REQUESTS, message, secs)
     }
 
     /// 507: the request was fine, the data disk has no room for what it would write.
@@ -130,11 +147,7 @@ impl From<sandbar_core::CapError> for ApiError {
 
 impl From<RateLimited> for ApiError {
     fn from(e: RateLimited) -> Self {
-        let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
-        // Retry-After has whole seconds; round up so a client never retries too early.
-        error.retry_after =
-            Some(e.retry_after.as_secs() + u64::from(e.retry_after.subsec_nanos() > 0));
-        error
+        Self::rate_limited(e.to_string(), e.retry_after)
     }
 }
 
@@ -162,11 +175,11 @@ impl From<CreateSandboxError> for ApiError {
             | CreateSandboxError::ResourceLimit { .. } => Self::bad_request(e.to_string()),
             CreateSandboxError::ConcurrencyLimit {
                 retry_after_secs, ..
-            } => {
-                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
-                error.retry_after = Some(retry_after_secs);
-                error
-            }
+            } => Self::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                e.to_string(),
+                retry_after_secs,
+            ),
             CreateSandboxError::NoCapacity {
                 retry_after_secs, ..
             } => Self::unavailable(e.to_string(), retry_after_secs),
@@ -184,11 +197,11 @@ impl From<SandboxError> for ApiError {
             SandboxError::Conflict { .. } => Self::new(StatusCode::CONFLICT, e.to_string()),
             SandboxError::ConcurrencyLimit {
                 retry_after_secs, ..
-            } => {
-                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
-                error.retry_after = Some(retry_after_secs);
-                error
-            }
+            } => Self::retry_later(
+                StatusCode::TOO_MANY_REQUESTS,
+                e.to_string(),
+                retry_after_secs,
+            ),
             SandboxError::NoCapacity {
                 retry_after_secs, ..
             } => Self::unavailable(e.to_string(), retry_after_secs),
@@ -402,25 +415,26 @@ impl From<sandbar_core::RenameApiKeyError> for ApiError {
     }
 }
 
-impl From<sandbar_core::DeleteApiKeyError> for ApiError {
-    fn from(e: sandbar_core::DeleteApiKeyError) -> Self {
-        use sandbar_core::DeleteApiKeyError as E;
-        match e {
-            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
-            E::Store(ref s) => Self::internal(s),
+/// Errors of a lookup by id whose only failures are an unknown id and the store's.
+macro_rules! not_found_or_store {
+    ($($error:path),+ $(,)?) => {$(
+        impl From<$error> for ApiError {
+            fn from(e: $error) -> Self {
+                use $error as E;
+                match e {
+                    E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
+                    E::Store(ref s) => Self::internal(s),
+                }
+            }
         }
-    }
+    )+};
 }
 
-impl From<sandbar_core::DeleteAccessTokenError> for ApiError {
-    fn from(e: sandbar_core::DeleteAccessTokenError) -> Self {
-        use sandbar_core::DeleteAccessTokenError as E;
-        match e {
-            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
-            E::Store(ref s) => Self::internal(s),
-        }
-    }
-}
+not_found_or_store!(
+    sandbar_core::DeleteApiKeyError,
+    sandbar_core::DeleteAccessTokenError,
+    sandbar_core::GetVolumeError,
+);
 
 impl From<sandbar_core::CreateVolumeError> for ApiError {
     fn from(e: sandbar_core::CreateVolumeError) -> Self {
@@ -430,16 +444,6 @@ impl From<sandbar_core::CreateVolumeError> for ApiError {
             E::NameTaken(_) => Self::new(StatusCode::CONFLICT, e.to_string()),
             E::Cap(c) => c.into(),
             E::Host { .. } => Self::internal(&e),
-            E::Store(ref s) => Self::internal(s),
-        }
-    }
-}
-
-impl From<sandbar_core::GetVolumeError> for ApiError {
-    fn from(e: sandbar_core::GetVolumeError) -> Self {
-        use sandbar_core::GetVolumeError as E;
-        match e {
-            E::NotFound(_) => Self::new(StatusCode::NOT_FOUND, e.to_string()),
             E::Store(ref s) => Self::internal(s),
         }
     }
@@ -476,11 +480,7 @@ impl From<sandbar_core::VolumeContentError> for ApiError {
             E::BadPath { .. } | E::BadRequest { .. } | E::Upload { .. } => StatusCode::BAD_REQUEST,
             E::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             E::RateLimited { retry_after, .. } => {
-                let mut error = Self::new(StatusCode::TOO_MANY_REQUESTS, e.to_string());
-                // Whole seconds, rounded up so a client never retries too early.
-                error.retry_after =
-                    Some(retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0));
-                return error;
+                return Self::rate_limited(e.to_string(), *retry_after);
             }
             E::Io { source, .. } => match source {
                 Io::NotFound(_) => StatusCode::NOT_FOUND,

@@ -13,6 +13,15 @@ use crate::error::ApiError;
 /// The team authenticated by the `X-API-Key` header.
 pub(crate) struct ApiKeyTeam(pub Team);
 
+/// Whether header `name` holds `secret`, compared in constant time so that a wrong guess
+/// tells nothing of how much of it was right.
+pub(crate) fn carries_secret(headers: &HeaderMap, name: &str, secret: &str) -> bool {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|given| sandbar_envd::secrets_equal(given, secret))
+}
+
 fn api_key(headers: &HeaderMap) -> Option<&str> {
     headers
         .get("x-api-key")

@@ -9,6 +9,7 @@ use sandbar_core::network::{CODE_INTERPRETER_PORT, masked_host};
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::extract::carries_secret;
 
 /// The header E2B's proxy reads the traffic access token from.
 pub(crate) const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
@@ -55,11 +56,7 @@ pub(crate) fn admit(
         return Ok(());
     };
     if let Some(expected) = &access.traffic_access_token {
-        let given = request
-            .headers()
-            .get(TRAFFIC_TOKEN_HEADER)
-            .and_then(|v| v.to_str().ok());
-        if !given.is_some_and(|given| sandbar_envd::secrets_equal(given, expected)) {
+        if !carries_secret(request.headers(), TRAFFIC_TOKEN_HEADER, expected) {
             return Err(needs_token(sandbox_id, port));
         }
         // The token is for the edge; the service in the sandbox has no use for it.
@@ -67,14 +64,9 @@ pub(crate) fn admit(
     }
     if needs_agent_token(port, request.uri().path())
         && let Some(expected) = &access.envd_access_token
+        && !carries_secret(request.headers(), ACCESS_TOKEN_HEADER, expected)
     {
-        let given = request
-            .headers()
-            .get(ACCESS_TOKEN_HEADER)
-            .and_then(|v| v.to_str().ok());
-        if !given.is_some_and(|given| sandbar_envd::secrets_equal(given, expected)) {
-            return Err(needs_access_token(sandbox_id, port));
-        }
+        return Err(needs_access_token(sandbox_id, port));
     }
     if let Some(mask) = &access.mask_request_host {
         let host = HeaderValue::from_str(&masked_host(mask, port)).map_err(|_| {

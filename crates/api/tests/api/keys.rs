@@ -24,6 +24,13 @@ struct Harness {
     token: String,
 }
 
+/// Changes of a single limit, the others left as they are.
+fn one_limit(change: impl FnOnce(&mut LimitChanges)) -> LimitChanges {
+    let mut changes = LimitChanges::default();
+    change(&mut changes);
+    changes
+}
+
 async fn harness() -> Harness {
     let server = common::serve(Setup::default()).await;
     let creds = &server.credentials;
@@ -439,27 +446,9 @@ async fn teams_list_the_users_teams_with_a_masked_key() {
 async fn resource_limits_refuse_creates_and_builds_naming_the_field() {
     let h = harness().await;
     for (changes, field) in [
-        (
-            LimitChanges {
-                max_vcpu: Some(1),
-                ..LimitChanges::default()
-            },
-            "cpuCount",
-        ),
-        (
-            LimitChanges {
-                max_memory_mb: Some(256),
-                ..LimitChanges::default()
-            },
-            "memoryMB",
-        ),
-        (
-            LimitChanges {
-                max_disk_mb: Some(512),
-                ..LimitChanges::default()
-            },
-            "diskSizeMB",
-        ),
+        (one_limit(|c| c.max_vcpu = Some(1)), "cpuCount"),
+        (one_limit(|c| c.max_memory_mb = Some(256)), "memoryMB"),
+        (one_limit(|c| c.max_disk_mb = Some(512)), "diskSizeMB"),
     ] {
         h.set_limits(changes).await;
         let reply = h.create(r#"{"templateID":"base"}"#).await;
@@ -492,11 +481,8 @@ async fn changed_limits_apply_to_the_next_request() {
     let h = harness().await;
     let create = || h.create(r#"{"templateID":"base","timeout":30}"#);
     assert_eq!(create().await.status, StatusCode::CREATED);
-    h.set_limits(LimitChanges {
-        max_concurrent_sandboxes: Some(1),
-        ..LimitChanges::default()
-    })
-    .await;
+    h.set_limits(one_limit(|c| c.max_concurrent_sandboxes = Some(1)))
+        .await;
     let refused = create().await;
     assert_error(&refused, StatusCode::TOO_MANY_REQUESTS, "1 concurrent");
     let wait = common::retry_after(&refused.headers);
@@ -535,26 +521,14 @@ async fn operator_limits_are_range_checked() {
     let h = harness().await;
     for (changes, expected) in [
         (
-            LimitChanges {
-                max_concurrent_sandboxes: Some(0),
-                ..LimitChanges::default()
-            },
+            one_limit(|c| c.max_concurrent_sandboxes = Some(0)),
             "max-sandboxes",
         ),
         (
-            LimitChanges {
-                max_sandbox_timeout_secs: Some(0),
-                ..LimitChanges::default()
-            },
+            one_limit(|c| c.max_sandbox_timeout_secs = Some(0)),
             "max-timeout-secs",
         ),
-        (
-            LimitChanges {
-                max_vcpu: Some(5000),
-                ..LimitChanges::default()
-            },
-            "max-vcpu",
-        ),
+        (one_limit(|c| c.max_vcpu = Some(5000)), "max-vcpu"),
     ] {
         let result = h.auth.set_team_limits(&h.team_id, changes).await;
         assert!(
@@ -658,11 +632,8 @@ async fn every_range_of_the_documented_limits_is_enforced_naming_the_field() {
 #[tokio::test]
 async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
     let h = harness().await;
-    h.set_limits(LimitChanges {
-        max_concurrent_sandboxes: Some(1),
-        ..LimitChanges::default()
-    })
-    .await;
+    h.set_limits(one_limit(|c| c.max_concurrent_sandboxes = Some(1)))
+        .await;
     let key = Cred::Key(&h.key);
     let create = r#"{"templateID":"base","timeout":30}"#;
     let first = h.create(create).await;
@@ -706,11 +677,8 @@ async fn a_paused_sandbox_frees_its_slot_and_must_win_one_back_to_resume() {
 #[tokio::test]
 async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry() {
     let h = harness().await;
-    h.set_limits(LimitChanges {
-        max_concurrent_sandboxes: Some(1),
-        ..LimitChanges::default()
-    })
-    .await;
+    h.set_limits(one_limit(|c| c.max_concurrent_sandboxes = Some(1)))
+        .await;
     let key = Cred::Key(&h.key);
     let sleeper = h
         .call(

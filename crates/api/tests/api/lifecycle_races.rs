@@ -99,6 +99,52 @@ impl Harness {
         let request = common::request(method, uri, Cred::Key(KEY), body.map(str::to_owned));
         common::send(&self.app, request).await
     }
+
+    /// Starts three sandboxes that expire as soon as they start and a reaper round over them,
+    /// and waits until the round holds the first it reached at the gate.
+    async fn reaper_holding_one_of_three(&mut self, auto_pause: bool) -> HeldRound {
+        let mut ids = Vec::new();
+        for _ in 0..3 {
+            ids.push(self.create(0, auto_pause).await);
+        }
+        let reaper = tokio::spawn({
+            let sandboxes = self.sandboxes.clone();
+            async move { sandboxes.reaper().reap_expired().await }
+        });
+        let (_, first) = self.arrival().await;
+        let rest = ids.iter().filter(|id| **id != first).cloned().collect();
+        HeldRound {
+            ids,
+            first,
+            rest,
+            reaper,
+        }
+    }
+
+    /// Gives `rest[0]` a new timeout and connects to `rest[1]`; whether the connect resumed.
+    async fn extend_one_and_connect_to_another(&self, rest: &[String]) -> bool {
+        self.sandboxes
+            .lifecycle()
+            .set_timeout(&self.team, &rest[0], 300)
+            .await
+            .expect("a new timeout");
+        let (_, resumed) = self
+            .sandboxes
+            .lifecycle()
+            .resume(&self.team, &rest[1], 300, false, true)
+            .await
+            .expect("a connect");
+        resumed
+    }
+}
+
+/// A reaper round stopped at the gate on `first`; the `rest` were picked with it but not yet
+/// reached.
+struct HeldRound {
+    ids: Vec<String>,
+    first: String,
+    rest: Vec<String>,
+    reaper: tokio::task::JoinHandle<()>,
 }
 
 /// Waits a moment and checks that `task` is still waiting.
@@ -145,30 +191,13 @@ async fn a_create_whose_request_goes_away_mid_launch_gives_its_team_slot_back() 
 #[tokio::test]
 async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
     let mut h = harness(&["destroy"]).await;
-    // Expired as soon as they start.
-    let ids = [
-        h.create(0, false).await,
-        h.create(0, false).await,
-        h.create(0, false).await,
-    ];
-    let reaper = tokio::spawn({
-        let sandboxes = h.sandboxes.clone();
-        async move { sandboxes.reaper().reap_expired().await }
-    });
-    let (_, first) = h.arrival().await;
-    let rest: Vec<&String> = ids.iter().filter(|id| **id != first).collect();
-    // The reaper holds the first; the others were picked with it but not yet reached.
-    h.sandboxes
-        .lifecycle()
-        .set_timeout(&h.team, rest[0], 300)
-        .await
-        .expect("a new timeout");
-    let (_, resumed) = h
-        .sandboxes
-        .lifecycle()
-        .resume(&h.team, rest[1], 300, false, true)
-        .await
-        .expect("a connect");
+    let HeldRound {
+        first,
+        rest,
+        reaper,
+        ..
+    } = h.reaper_holding_one_of_three(false).await;
+    let resumed = h.extend_one_and_connect_to_another(&rest).await;
     assert!(!resumed, "a running sandbox is connected to, not resumed");
     // The one it reached is gone for every caller already.
     assert!(matches!(
@@ -183,7 +212,7 @@ async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
 
     assert_eq!(h.runtime.destroyed(), vec![first.clone()]);
     assert_eq!(h.state(&first).await, None);
-    for id in rest {
+    for id in &rest {
         assert_eq!(h.state(id).await, Some(SandboxState::Running), "{id}");
         assert!(
             h.sandboxes.routes().route(id).is_some(),
@@ -198,27 +227,13 @@ async fn an_extend_wins_over_a_reaper_that_has_not_reached_its_sandbox() {
 #[tokio::test]
 async fn a_pause_at_the_timeout_leaves_alone_a_sandbox_extended_first() {
     let mut h = harness(&["pause"]).await;
-    let ids = [
-        h.create(0, true).await,
-        h.create(0, true).await,
-        h.create(0, true).await,
-    ];
-    let reaper = tokio::spawn({
-        let sandboxes = h.sandboxes.clone();
-        async move { sandboxes.reaper().reap_expired().await }
-    });
-    let (_, first) = h.arrival().await;
-    let rest: Vec<String> = ids.iter().filter(|id| **id != first).cloned().collect();
-    h.sandboxes
-        .lifecycle()
-        .set_timeout(&h.team, &rest[0], 300)
-        .await
-        .expect("a new timeout");
-    h.sandboxes
-        .lifecycle()
-        .resume(&h.team, &rest[1], 300, false, true)
-        .await
-        .expect("a connect");
+    let HeldRound {
+        ids,
+        first,
+        rest,
+        reaper,
+    } = h.reaper_holding_one_of_three(true).await;
+    h.extend_one_and_connect_to_another(&rest).await;
     // A connect to the one being paused waits for the pause, then resumes it.
     let connect = tokio::spawn({
         let (sandboxes, team, id) = (h.sandboxes.clone(), h.team.clone(), first.clone());
