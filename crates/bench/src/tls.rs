@@ -145,6 +145,23 @@ async fn kept_http2(
     Ok(Kept::Http2(sender))
 }
 
+/// How long each of `n` runs of `once` takes, one after another. What a run leaves (a
+/// connection) is dropped after its time is taken.
+async fn timed<T, F, Fut>(n: usize, mut once: F) -> anyhow::Result<Vec<Duration>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut took = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        let left = once().await?;
+        took.push(started.elapsed());
+        drop(left);
+    }
+    Ok(took)
+}
+
 /// How long `n` handshakes take one after another, each on a new TCP connection (its
 /// connect included, as a client pays it).
 async fn handshakes(
@@ -152,14 +169,7 @@ async fn handshakes(
     connector: &TlsConnector,
     n: usize,
 ) -> anyhow::Result<Vec<Duration>> {
-    let mut took = Vec::with_capacity(n);
-    for _ in 0..n {
-        let started = Instant::now();
-        let stream = handshake(args.https, connector, &args.host).await?;
-        took.push(started.elapsed());
-        drop(stream);
-    }
-    Ok(took)
+    timed(n, || handshake(args.https, connector, &args.host)).await
 }
 
 /// What a new client pays for its first answer: TCP connect, handshake, one HTTP/1.1 request.
@@ -170,27 +180,18 @@ async fn first_requests(
     connector: &TlsConnector,
     n: usize,
 ) -> anyhow::Result<Vec<Duration>> {
-    let mut took = Vec::with_capacity(n);
-    for _ in 0..n {
-        let started = Instant::now();
+    timed(n, || async {
         let stream = handshake(args.https, connector, &args.host).await?;
         let mut kept = kept_http1(TokioIo::new(stream)).await?;
         kept.get(&args.path, &args.host).await?;
-        took.push(started.elapsed());
-    }
-    Ok(took)
+        Ok(kept)
+    })
+    .await
 }
 
 /// TCP connects alone, the part of a handshake's time that is not TLS.
 async fn connects(address: SocketAddr, n: usize) -> anyhow::Result<Vec<Duration>> {
-    let mut took = Vec::with_capacity(n);
-    for _ in 0..n {
-        let started = Instant::now();
-        let stream = tcp(address).await?;
-        took.push(started.elapsed());
-        drop(stream);
-    }
-    Ok(took)
+    timed(n, || tcp(address)).await
 }
 
 /// Full handshakes per second with `concurrency` clients at once for `secs`.
