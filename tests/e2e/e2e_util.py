@@ -397,6 +397,30 @@ def record_sandbox_creation() -> Callable[[], None]:
     return undo
 
 
+def kill_quietly(sandbox_id: str) -> None:
+    """Kills a sandbox through the SDK in a teardown: a failure there must not mask the test's
+    result."""
+    from e2b import Sandbox
+
+    try:
+        Sandbox.kill(sandbox_id)
+    except Exception:  # noqa: BLE001 - teardown must not mask the test result
+        pass
+
+
+@contextlib.contextmanager
+def created_sandbox(sandbox_cls=None, **create_kwargs) -> Iterator:
+    """A sandbox made with `sandbox_cls.create(**create_kwargs)` (the Python SDK's `Sandbox`
+    unless another SDK's class is given), killed when the block ends."""
+    if sandbox_cls is None:
+        from e2b import Sandbox as sandbox_cls
+    sandbox = sandbox_cls.create(**create_kwargs)
+    try:
+        yield sandbox
+    finally:
+        kill_quietly(sandbox.sandbox_id)
+
+
 def host_mounts_mentioning(text: str) -> List[str]:
     return [line for line in _read("/proc/self/mounts").splitlines() if text in line]
 

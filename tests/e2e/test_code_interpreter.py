@@ -22,7 +22,7 @@ from e2b import InvalidArgumentException, NotFoundException, SandboxException, T
 from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType
 
-from e2e_util import TEMPLATE_WAIT_S, checkpoints_off
+from e2e_util import TEMPLATE_WAIT_S, checkpoints_off, created_sandbox
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -34,14 +34,8 @@ def interpreter_template(sandbar):
 
 @pytest.fixture(scope="module")
 def sbx(sandbar, interpreter_template):
-    sandbox = Sandbox.create(timeout=300, envs={"GLOBAL_VAR": "from-create"})
-    try:
+    with created_sandbox(Sandbox, timeout=300, envs={"GLOBAL_VAR": "from-create"}) as sandbox:
         yield sandbox
-    finally:
-        try:
-            Sandbox.kill(sandbox.sandbox_id)
-        except Exception:  # noqa: BLE001 - teardown must not mask the result
-            pass
 
 
 def test_the_default_template_is_the_interpreter(sbx, interpreter_template):

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from conftest import _kill_quietly
-from e2e_util import checkpoints_off, state_of, wait_until
+from e2e_util import checkpoints_off, kill_quietly, state_of, wait_until
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -38,7 +37,7 @@ def pair(sandbar):
         yield made
     finally:
         for sbx in made:
-            _kill_quietly(sbx.sandbox_id)
+            kill_quietly(sbx.sandbox_id)
 
 
 def test_each_sandbox_has_its_own_boot_and_machine_id(pair):
@@ -109,4 +108,4 @@ def test_forks_and_snapshot_sandboxes_are_new_machines(sandbar, pair):
         assert identity(source) == (boot, machine)
     finally:
         for f in forks:
-            _kill_quietly(f.sandbox_id)
+            kill_quietly(f.sandbox_id)
