@@ -249,11 +249,7 @@ def sandbar():
                 problems.append(f"sandboxes still listed after kill: {sorted(remaining)}")
         except Exception as e:  # noqa: BLE001
             problems.append(f"cleanup through the API failed: {e!r}")
-        try:
-            server.stop(kill9=False)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"stopping sandbar: {e}")
-            server.stop(kill9=True)
+        server.stop_in_teardown(problems)
         _SERVER = None
         undo_recording()
         for k, v in old_env.items():

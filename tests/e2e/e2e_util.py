@@ -29,6 +29,8 @@ TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
 # The default template's root under <data dir>/templates: `base-v{BASE_RECIPE_VERSION}` of
 # crates/node/src/build/templates.rs.
 BASE_ROOT = "base-v2"
+# The default template the shared server builds, which a module's own server may borrow.
+SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
 
 # Fixed key registered on the first start of the data dir.
 TEST_API_KEY = "e2b_" + "5a4db0e2e0" * 4
@@ -133,7 +135,7 @@ def free_port() -> int:
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
@@ -304,19 +306,53 @@ def host_netns() -> Set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _readlink(p: str) -> str:
+def readlink_or_empty(p: str) -> str:
+    """The target of the link `p`; "" where it cannot be read (a process gone, say)."""
     try:
         return os.readlink(p)
     except OSError:
         return ""
 
 
-def _read(p: str) -> str:
+def read_or_empty(p: str) -> str:
+    """The text of the file `p`; "" where it cannot be read."""
     try:
         with open(p, "r", errors="replace") as f:
             return f.read()
     except OSError:
         return ""
+
+
+def mounts_under(path: Path, mountinfo: str = "/proc/self/mountinfo") -> List[str]:
+    """Mount points at or below `path`, deepest first, in the mount namespace `mountinfo`
+    describes (this process's unless told)."""
+    prefix = str(path)
+    points = []
+    for line in read_or_empty(mountinfo).splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    return sorted(points, key=lambda p: p.count("/"), reverse=True)
+
+
+def unmount_under(path: Path) -> List[str]:
+    """Unmounts everything at or below `path`, deepest first (lazily where a plain unmount
+    fails); returns the mount points still there."""
+    for point in mounts_under(path):
+        if sh("umount", point, check=False).returncode != 0:
+            sh("umount", "-l", point, check=False)
+    return mounts_under(path)
+
+
+def bind_shared_base(data_dir: Path) -> None:
+    """Binds the default template the shared server built (SHARED_BASE) read-only into
+    `data_dir`, for a server of a module's own to start on without building it again."""
+    base = data_dir / "templates" / SHARED_BASE.name
+    base.mkdir(parents=True)
+    sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
+    sh("mount", "-o", "remount,bind,ro", str(base))
 
 
 def all_pids() -> Set[int]:
@@ -333,16 +369,16 @@ def sandbox_like_processes(data_dir: Path, baseline: Iterable[int], ours: Iterab
     """
     baseline = set(baseline)
     ours = set(ours)
-    own_pidns = _readlink("/proc/self/ns/pid")
+    own_pidns = readlink_or_empty("/proc/self/ns/pid")
     data = str(data_dir)
     found = {}
     for pid in all_pids():
         if pid in baseline or pid == os.getpid():
             continue
-        cg = _read(f"/proc/{pid}/cgroup")
-        root = _readlink(f"/proc/{pid}/root")
-        cwd = _readlink(f"/proc/{pid}/cwd")
-        pidns = _readlink(f"/proc/{pid}/ns/pid")
+        cg = read_or_empty(f"/proc/{pid}/cgroup")
+        root = readlink_or_empty(f"/proc/{pid}/root")
+        cwd = readlink_or_empty(f"/proc/{pid}/cwd")
+        pidns = readlink_or_empty(f"/proc/{pid}/ns/pid")
         if not (cg or root or pidns):
             continue  # already gone
         reasons = []
@@ -356,7 +392,7 @@ def sandbox_like_processes(data_dir: Path, baseline: Iterable[int], ours: Iterab
         if pidns and own_pidns and pidns != own_pidns:
             reasons.append("other pid namespace")
         if reasons:
-            cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+            cmd = read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
             found[pid] = {"desc": f"{cmd!r} ({', '.join(reasons)})", "mine": mine}
     return found
 
@@ -368,7 +404,7 @@ def other_sandbar_servers(exclude: Iterable[int] = ()) -> List[int]:
     for pid in all_pids():
         if pid in exclude:
             continue
-        cmd = _read(f"/proc/{pid}/cmdline").split("\0")
+        cmd = read_or_empty(f"/proc/{pid}/cmdline").split("\0")
         if len(cmd) >= 2 and os.path.basename(cmd[0]) == "sandbar" and "serve" in cmd[1:]:
             pids.append(pid)
     return pids
@@ -422,7 +458,7 @@ def created_sandbox(sandbox_cls=None, **create_kwargs) -> Iterator:
 
 
 def host_mounts_mentioning(text: str) -> List[str]:
-    return [line for line in _read("/proc/self/mounts").splitlines() if text in line]
+    return [line for line in read_or_empty("/proc/self/mounts").splitlines() if text in line]
 
 
 # --------------------------------------------------------------------------
@@ -628,6 +664,24 @@ class SandbarServer:
         if self._log_file:
             self._log_file.close()
             self._log_file = None
+
+    def stop_in_teardown(self, problems: List[str]) -> None:
+        """Stops the server with SIGTERM or, where that fails (noted in `problems`), SIGKILL."""
+        try:
+            self.stop(kill9=False)
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            problems.append(f"stopping sandbar: {e}")
+            self.stop(kill9=True)
+
+    def delete_sandboxes_in_teardown(self, problems: List[str]) -> None:
+        """Deletes every running or paused sandbox through the API; a failure is noted in
+        `problems`."""
+        try:
+            with self.client(timeout=30) as api:
+                for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
+                    api.delete(f"/sandboxes/{s['sandboxID']}")
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            problems.append(f"killing sandboxes: {e}")
 
     def restart(self, kill9: bool = False, downtime: float = 0.0) -> None:
         """Stop the server (SIGKILL or SIGTERM) and start it again on the same port and data dir."""
