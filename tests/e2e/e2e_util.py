@@ -346,6 +346,21 @@ def unmount_under(path: Path) -> List[str]:
     return mounts_under(path)
 
 
+def module_server(data_dir: Path, log_name: str, nameserver: str, extra_args: Sequence[str]) -> SandbarServer:
+    """A server of a module's own on `data_dir` and a free port, from private copies of the
+    binaries (the caller removes `server.binary.parent`), resolving through `nameserver`, with
+    `extra_args`. It keeps no namespaces or sandboxes booted ahead of demand, which would take
+    the memory and disk of the ones under test, and does without CRIU."""
+    binary, _ = private_binaries(SANDBAR_BIN)
+    return SandbarServer(
+        binary,
+        data_dir,
+        LOG_DIR / f"{log_name}.log",
+        free_port(),
+        extra_args=[*extra_args, "--nameserver", nameserver, "--netns-pool", "0", "--warm-pool", "0", "--criu", ""],
+    )
+
+
 def bind_shared_base(data_dir: Path) -> None:
     """Binds the default template the shared server built (SHARED_BASE) read-only into
     `data_dir`, for a server of a module's own to start on without building it again."""

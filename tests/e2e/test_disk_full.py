@@ -34,13 +34,11 @@ import pytest
 import conftest
 from e2e_util import (
     METRICS_HEADERS,
-    SANDBAR_BIN,
     SHARED_BASE,
-    SandbarServer,
     bind_shared_base,
     free_port,
+    module_server,
     point_sdk_at,
-    private_binaries,
     sh,
     shared_server_set_aside,
     unmount_under,
@@ -78,25 +76,20 @@ class SmallDisk:
         self.data_dir = self.mount / "data"
         self.pool = self.data_dir / "sandboxes"
         self.filler = self.mount / "filler"
-        self.binary, _ = private_binaries(SANDBAR_BIN)
-        self.server = SandbarServer(
-            self.binary,
+        # The checks measure the pool's free space to a few MiB: the server boots no
+        # sandboxes ahead of demand to share the 1 GiB pool with the ones under test.
+        self.server = module_server(
             self.data_dir,
-            Path("/tmp/sandbar-e2e-logs") / f"disk-full-{tag}.log",
-            free_port(),
-            extra_args=[
+            f"disk-full-{tag}",
+            conftest.FAKE_DNS.address,
+            [
                 "--base-disk-mb", str(DISK_MB),
                 "--disk-pool-gb", str(POOL_GB),
                 "--disk-pool-reserve-mb", str(POOL_RESERVE_MB),
                 "--data-disk-reserve-mb", str(DATA_RESERVE_MB),
-                "--nameserver", conftest.FAKE_DNS.address,
-                "--netns-pool", "0",
-                # The checks measure the pool's free space to a few MiB; sandboxes booted
-                # ahead of demand would share the 1 GiB pool with the ones under test.
-                "--warm-pool", "0",
-                "--criu", "",
             ],
         )
+        self.binary = self.server.binary
 
     def make(self) -> None:
         with open(self.image, "wb") as f:

@@ -23,13 +23,10 @@ import pytest
 
 import conftest
 from e2e_util import (
-    SANDBAR_BIN,
     SHARED_BASE,
-    SandbarServer,
     bind_shared_base,
-    free_port,
+    module_server,
     point_sdk_at,
-    private_binaries,
     sh,
     shared_server_set_aside,
     unmount_under,
@@ -92,21 +89,12 @@ def pg_server(sandbar):
         cluster = Cluster()
         tag = uuid.uuid4().hex[:10]
         data_dir = Path(f"/var/tmp/sandbar-e2e-pg-{tag}")
-        binary, _ = private_binaries(SANDBAR_BIN)
-        server = SandbarServer(
-            binary,
+        server = module_server(
             data_dir,
-            Path("/tmp/sandbar-e2e-logs") / f"postgres-store-{tag}.log",
-            free_port(),
-            extra_args=[
-                "--database-url", cluster.url,
-                "--nameserver", conftest.FAKE_DNS.address,
-                # Nothing here measures disks or needs warm sandboxes; no pool image to allocate.
-                "--disk-quotas", "false",
-                "--netns-pool", "0",
-                "--warm-pool", "0",
-                "--criu", "",
-            ],
+            f"postgres-store-{tag}",
+            conftest.FAKE_DNS.address,
+            # Nothing here measures disks; no pool image to allocate.
+            ["--database-url", cluster.url, "--disk-quotas", "false"],
         )
         try:
             cluster.start()
@@ -123,7 +111,7 @@ def pg_server(sandbar):
                 server.stop_in_teardown(problems)
             unmount_under(data_dir)
             shutil.rmtree(data_dir, ignore_errors=True)
-            shutil.rmtree(binary.parent, ignore_errors=True)
+            shutil.rmtree(server.binary.parent, ignore_errors=True)
             cluster.stop()
             assert not problems, "; ".join(problems)
 
