@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -822,6 +824,56 @@ def state_of(sandbar, sandbox_id: str) -> str:
 
 def unique(prefix: str = "e2e") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def add_tar_entry(tar: tarfile.TarFile, name: str, kind: str = "file", data: bytes = b"x\n", target: str = "") -> None:
+    """Adds to `tar` an entry of `kind` ("dir", "file" holding `data`, "symlink" or "hardlink" to
+    `target`, or "chardev", /dev/mem's numbers) with a fixed mtime."""
+    ti = tarfile.TarInfo(name)
+    ti.mtime = 1_700_000_000
+    ti.mode = 0o644
+    if kind == "dir":
+        ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(ti)
+    elif kind == "file":
+        ti.size = len(data)
+        tar.addfile(ti, io.BytesIO(data))
+    elif kind == "symlink":
+        ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, target, 0o777
+        tar.addfile(ti)
+    elif kind == "hardlink":
+        ti.type, ti.linkname = tarfile.LNKTYPE, target
+        tar.addfile(ti)
+    elif kind == "chardev":
+        ti.type, ti.devmajor, ti.devminor = tarfile.CHRTYPE, 1, 1
+        tar.addfile(ti)
+    else:
+        raise ValueError(kind)
+
+
+def wait_build_end(
+    api: httpx.Client,
+    template_id: str,
+    build_id: str,
+    timeout: float,
+    interval: float = 0.25,
+    params: Optional[dict] = None,
+) -> dict:
+    """Polls a template build's status (asked with `params`, by default for all its log lines)
+    until it is ready or failed; returns that status."""
+    params = {"logsOffset": 0} if params is None else params
+
+    def ended():
+        s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params=params)
+        assert s.status_code == 200, f"{s.status_code} {s.text}"
+        return s.json() if s.json()["status"] in ("ready", "error") else None
+
+    return wait_until(ended, timeout=timeout, interval=interval, message=f"build {build_id} to end")
+
+
+def build_log_messages(status: dict) -> List[str]:
+    """The messages of the log lines a build status holds."""
+    return [e.get("message", "") for e in status.get("logEntries") or []]
 
 
 # --------------------------------------------------------------------------
