@@ -718,6 +718,23 @@ class Host:
         headers = {"X-API-Key": API_KEY, **(kw.pop("headers", None) or {})}
         return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 30), **kw)
 
+    def wait_placement(self, nodes: Set[str], timeout: float = 30) -> None:
+        """Creates (and kills) sandboxes through this API host until each of `nodes` took one:
+        an API host learns of nodes from the database, so it places nothing on a node it has
+        not seen yet."""
+        seen: Set[str] = set()
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while not nodes <= seen:
+                r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
+                if r.status_code == 201:
+                    seen.add(r.json()["clientID"])
+                    assert client.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
+                else:
+                    assert r.status_code == 503, f"create through {self.name}: {r.status_code} {r.text}"
+                    time.sleep(0.3)
+                assert time.monotonic() < deadline, f"{self.name} placed on {sorted(seen)} only within {timeout}s"
+
 
 class Cluster:
     """The bridge, PostgreSQL, and the machines named in `names` (a subset of HOSTS)."""

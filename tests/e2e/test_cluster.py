@@ -278,23 +278,6 @@ def _template_id(host: cl.Host, alias: str) -> str:
         return next(t["templateID"] for t in r.json() if alias in (t.get("aliases") or []) + (t.get("names") or []))
 
 
-def _wait_placement(api: cl.Host, nodes: Set[str], timeout: float = 30) -> None:
-    """Creates (and kills) sandboxes through `api` until each of `nodes` took one: an API host
-    learns of nodes from the database, so it places nothing on a node it has not seen yet."""
-    seen: Set[str] = set()
-    deadline = time.monotonic() + timeout
-    with api.client() as client:
-        while not nodes <= seen:
-            r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
-            if r.status_code == 201:
-                seen.add(r.json()["clientID"])
-                assert client.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
-            else:
-                assert r.status_code == 503, f"create through {api.name}: {r.status_code} {r.text}"
-                time.sleep(0.3)
-            assert time.monotonic() < deadline, f"{api.name} placed on {sorted(seen)} only within {timeout}s"
-
-
 @pytest.fixture(scope="module")
 def fleet(cluster):
     """40 sandboxes created through api1, all killed at the end."""
@@ -569,7 +552,7 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     _wait_node(cluster, n1)
 
     for api in (api1, api2):
-        _wait_placement(api, {"n1"})
+        api.wait_placement({"n1"})
 
     def settled():
         listed = fleet.running("api1")

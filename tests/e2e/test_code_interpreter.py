@@ -22,7 +22,7 @@ from e2b import InvalidArgumentException, NotFoundException, SandboxException, T
 from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType
 
-from e2e_util import TEMPLATE_WAIT_S, checkpoints_off, created_sandbox
+from e2e_util import TEMPLATE_WAIT_S, checkpoints_off, created_sandbox, require_checkpoints
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -665,8 +665,7 @@ def test_sandboxes_restored_from_the_capture_share_no_state(sandbar, interpreter
 
 
 def test_a_snapshot_keeps_the_kernel_state(sandbar, interpreter_template):
-    if reason := checkpoints_off(sandbar):
-        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    require_checkpoints(sandbar, "snapshot memory")
     source = Sandbox.create(timeout=120)
     copy = None
     try:
