@@ -59,6 +59,7 @@ from e2e_util import (
     other_sandbar_servers,
     private_binaries,
     record_sandbox_creation,
+    restore_environ,
     sandbox_cgroup_dirs,
     sandbox_like_processes,
 )
@@ -252,11 +253,7 @@ def sandbar():
         server.stop_in_teardown(problems)
         _SERVER = None
         undo_recording()
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old_env)
 
         # Leak checks: resources may take a moment to disappear. Resources that
         # cannot be tied to this run only count when no other Sandbar server is

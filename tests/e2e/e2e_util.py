@@ -1048,13 +1048,18 @@ def shared_server_set_aside(shared: "SandbarServer", shared_base: Path) -> Itera
     try:
         yield
     finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old_env)
         shared.start()
         shared.wait_healthy(timeout=60)
+
+
+def restore_environ(saved: Dict[str, Optional[str]]) -> None:
+    """Puts environment variables back as `saved` has them (None: unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def point_sdk_at(url: str) -> None:

@@ -31,6 +31,7 @@ from e2e_util import (
     private_binaries,
     read_or_empty,
     readlink_or_empty,
+    restore_environ,
     unmount_under,
     wait_until,
 )
@@ -215,8 +216,4 @@ def test_interrupted_base_builds_leave_nothing_and_the_next_start_builds_base(fi
         finally:
             sbx.kill()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(saved)
