@@ -40,7 +40,7 @@ import pytest
 
 import cluster as cl
 import conftest
-from e2e_util import DATA_DIR, LOG_DIR, SANDBAR_BIN, acquire_run_lock, wait_js, wait_until
+from e2e_util import DATA_DIR, LOG_DIR, SANDBAR_BIN, acquire_run_lock, read_or_empty, wait_js, wait_until
 
 FLEET = 40
 # One tenant build at a time per node, so one endless build fills a node's build slots.
@@ -608,7 +608,7 @@ def _live_on(node: str) -> Set[str]:
     for rel in cl.cgroup_hierarchies():
         parent = (cl.CGROUP_ROOT / rel if rel else cl.CGROUP_ROOT) / (cl.PREFIX + node) / "sandbar"
         if parent.is_dir():
-            out.update(d.name for d in parent.iterdir() if d.is_dir() and cl._read(d / "cgroup.procs").strip())
+            out.update(d.name for d in parent.iterdir() if d.is_dir() and read_or_empty(d / "cgroup.procs").strip())
     return out
 
 
