@@ -36,7 +36,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import tarfile
 import tempfile
@@ -46,6 +45,7 @@ import uuid
 from pathlib import Path
 
 from e2b import Template
+from bench_common import row_p90, timed
 
 PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # The SDK polls the build's status every 0.2 s; a finer poll keeps that out of the numbers.
@@ -178,17 +178,8 @@ def push_variant(registry: str, layers: list[Path], nonce: str) -> str:
     return f"{registry}/{repo}:{nonce}"
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1000
-
-
 def row(name: str, samples: list) -> str:
-    samples = sorted(samples)
-    p90 = samples[min(len(samples) - 1, int(len(samples) * 0.9))]
-    p50 = statistics.median(samples)
-    return f"| {name} | {len(samples)} | {p50:.0f} | {p90:.0f} | {samples[0]:.0f} |"
+    return row_p90(name, samples, digits=0)
 
 
 def main() -> None:

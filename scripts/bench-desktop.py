@@ -21,7 +21,7 @@ import time
 from e2b_desktop import Sandbox
 from PIL import Image, ImageChops
 import bench_common
-from bench_common import cgroup_bytes
+from bench_common import creates_then_first_use, idle_memory_mib
 
 # Whole milliseconds.
 summary = functools.partial(bench_common.summary, digits=0)
@@ -42,16 +42,9 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=5)
     args = parser.parse_args()
 
-    creates, first_shots = [], []
-    for _ in range(args.creates):
-        started = time.monotonic()
-        desk = Sandbox.create(timeout=120)
-        created = time.monotonic()
-        desk.screenshot()
-        done = time.monotonic()
-        creates.append((created - started) * 1000)
-        first_shots.append((done - started) * 1000)
-        desk.kill()
+    creates, first_shots = creates_then_first_use(
+        lambda: Sandbox.create(timeout=120), lambda desk: desk.screenshot(), args.creates
+    )
     print(f"{len(creates)} creates done", flush=True)
 
     # A right click on the desktop opens its menu, a click elsewhere closes it: each right
@@ -73,22 +66,14 @@ def main() -> None:
     finally:
         desk.kill()
 
-    idle = [Sandbox.create(timeout=300) for _ in range(args.idle)]
-    try:
-        time.sleep(10)
-        memory = [cgroup_bytes(d.sandbox_id) for d in idle]
-    finally:
-        for d in idle:
-            d.kill()
+    mib = idle_memory_mib(lambda: Sandbox.create(timeout=300), args.idle, settle_s=10)
 
     print("| measure (ms) | n | p50 | p95 |")
     print("|---|--:|--:|--:|")
     print(summary("create (SDK: create, Xvfb and session checked)", creates))
     print(summary("create → first screenshot", first_shots))
     print(summary("right click → screenshot showing the menu", clicks))
-    known = [m for m in memory if m is not None]
-    if known:
-        mib = [m / (1 << 20) for m in known]
+    if mib:
         print(f"\nidle desktop memory (cgroup, after 10 s): median {statistics.median(mib):.0f} MiB, "
               f"max {max(mib):.0f} MiB over {len(mib)} sandboxes")
 

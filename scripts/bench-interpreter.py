@@ -17,7 +17,7 @@ import statistics
 import time
 
 from e2b_code_interpreter import Sandbox
-from bench_common import cgroup_bytes, summary
+from bench_common import creates_then_first_use, idle_memory_mib, summary
 
 
 def main() -> None:
@@ -27,16 +27,10 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=5)
     args = parser.parse_args()
 
-    first_results, creates = [], []
-    for _ in range(args.creates):
-        started = time.monotonic()
-        sbx = Sandbox.create(timeout=120)
-        created = time.monotonic()
+    def two(sbx: Sandbox) -> None:
         assert sbx.run_code("1+1").text == "2"
-        done = time.monotonic()
-        creates.append((created - started) * 1000)
-        first_results.append((done - started) * 1000)
-        sbx.kill()
+
+    creates, first_results = creates_then_first_use(lambda: Sandbox.create(timeout=120), two, args.creates)
 
     sbx = Sandbox.create(timeout=300)
     try:
@@ -49,26 +43,17 @@ def main() -> None:
     finally:
         sbx.kill()
 
-    idle = [Sandbox.create(timeout=300) for _ in range(args.idle)]
-    try:
-        for s in idle:
-            s.run_code("1+1")
-        time.sleep(5)
-        usage = [cgroup_bytes(s.sandbox_id) for s in idle]
-    finally:
-        for s in idle:
-            s.kill()
+    mib = idle_memory_mib(lambda: Sandbox.create(timeout=300), args.idle, settle_s=5, use=lambda s: s.run_code("1+1"))
 
     print("| measure | n | p50 ms | p95 ms |")
     print("|---|---|---|---|")
     print(summary("create (returns once the default kernel runs)", creates))
     print(summary("create → first run_code('1+1') result", first_results))
     print(summary("run_code('1+1') round trip, warm kernel", trips))
-    known = [u for u in usage if u is not None]
-    if known:
+    if mib:
         print(
             f"\nidle interpreter sandbox, memory cgroup usage (page cache included): "
-            f"median {statistics.median(known) / 2**20:.1f} MiB over {len(known)} sandboxes"
+            f"median {statistics.median(mib):.1f} MiB over {len(mib)} sandboxes"
         )
 
 

@@ -34,16 +34,29 @@ import bench_common
 summary = functools.partial(bench_common.summary, digits=2)
 
 
+def timed_post(api: httpx.Client, path: str, expect: int, body=None):
+    """POSTs `body` to `path` and checks the answer's status is `expect`; the answer and the
+    milliseconds it took."""
+    t = time.perf_counter()
+    r = api.post(path, json=body)
+    ms = (time.perf_counter() - t) * 1000
+    assert r.status_code == expect, r.text
+    return r, ms
+
+
+def pause_ms(api: httpx.Client, sandbox_id: str) -> float:
+    return timed_post(api, f"/sandboxes/{sandbox_id}/pause", 204)[1]
+
+
+def resume_ms(api: httpx.Client, sandbox_id: str) -> float:
+    return timed_post(api, f"/v2/sandboxes/{sandbox_id}/connect", 201, {"timeout": 300})[1]
+
+
 def cycle(api: httpx.Client, sandbox_id: str, n: int):
     pauses, resumes = [], []
     for _ in range(n):
-        t = time.perf_counter()
-        assert api.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
-        pauses.append((time.perf_counter() - t) * 1000)
-        t = time.perf_counter()
-        r = api.post(f"/v2/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
-        assert r.status_code == 201, r.text
-        resumes.append((time.perf_counter() - t) * 1000)
+        pauses.append(pause_ms(api, sandbox_id))
+        resumes.append(resume_ms(api, sandbox_id))
     return pauses, resumes
 
 
@@ -61,17 +74,21 @@ def checkpoint_ms(api: httpx.Client, sandbox_id: str, seen: int):
 def from_disk(api: httpx.Client, sandbox_id: str, n: int):
     dumps, restores = [], []
     for i in range(n):
-        assert api.post(f"/sandboxes/{sandbox_id}/pause").status_code == 204
+        pause_ms(api, sandbox_id)
         deadline = time.monotonic() + 120
         while (ms := checkpoint_ms(api, sandbox_id, i)) is None:
             assert time.monotonic() < deadline, "the server did not checkpoint the sandbox"
             time.sleep(0.05)
         dumps.append(ms)
-        t = time.perf_counter()
-        r = api.post(f"/v2/sandboxes/{sandbox_id}/connect", json={"timeout": 300})
-        assert r.status_code == 201, r.text
-        restores.append((time.perf_counter() - t) * 1000)
+        restores.append(resume_ms(api, sandbox_id))
     return dumps, restores
+
+
+def create_ms(api: httpx.Client, template_id: str) -> float:
+    """Times a create of a sandbox of `template_id` (a template or a snapshot), then kills it."""
+    r, ms = timed_post(api, "/v2/sandboxes", 201, {"templateID": template_id, "timeout": 60})
+    api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    return ms
 
 
 def snapshots(api: httpx.Client, sandbox_id: str, n: int):
@@ -79,21 +96,14 @@ def snapshots(api: httpx.Client, sandbox_id: str, n: int):
     made = []
     try:
         for _ in range(n):
-            t = time.perf_counter()
-            r = api.post(f"/sandboxes/{sandbox_id}/snapshots", json={})
-            assert r.status_code == 201, r.text
-            takes.append((time.perf_counter() - t) * 1000)
+            r, ms = timed_post(api, f"/sandboxes/{sandbox_id}/snapshots", 201, {})
+            takes.append(ms)
             snapshot_id = r.json()["snapshotID"]
             made.append(snapshot_id.split(":")[0])
-            t = time.perf_counter()
-            r = api.post("/v2/sandboxes", json={"templateID": snapshot_id, "timeout": 60})
-            assert r.status_code == 201, r.text
-            creates.append((time.perf_counter() - t) * 1000)
-            api.delete(f"/sandboxes/{r.json()['sandboxID']}")
-            t = time.perf_counter()
-            r = api.post(f"/sandboxes/{sandbox_id}/fork", json={"count": 1, "timeout": 60})
-            assert r.status_code == 201 and r.json()[0].get("sandbox"), r.text
-            forks.append((time.perf_counter() - t) * 1000)
+            creates.append(create_ms(api, snapshot_id))
+            r, ms = timed_post(api, f"/sandboxes/{sandbox_id}/fork", 201, {"count": 1, "timeout": 60})
+            assert r.json()[0].get("sandbox"), r.text
+            forks.append(ms)
             api.delete(f"/sandboxes/{r.json()[0]['sandbox']['sandboxID']}")
     finally:
         for template_id in made:
@@ -149,13 +159,7 @@ def main() -> None:
         timeout=60,
     )
     rows = []
-    creates = []
-    for _ in range(args.iterations):
-        t = time.perf_counter()
-        r = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 60})
-        assert r.status_code == 201, r.text
-        creates.append((time.perf_counter() - t) * 1000)
-        api.delete(f"/sandboxes/{r.json()['sandboxID']}")
+    creates = [create_ms(api, "base") for _ in range(args.iterations)]
     rows.append(summary("create (`POST /v2/sandboxes`)", creates))
     hold = "python3 -c 'import time; b = bytearray({} << 20); [b.__setitem__(i, 1) for i in range(0, len(b), 4096)]; time.sleep(3600)'"
     cases = [("idle", "base", 0), ("100 MiB resident", "base", 100)]

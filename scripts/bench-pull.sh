@@ -17,6 +17,8 @@
 #   TMPDIR                parent of the temporary directory (default /var/tmp: the fixture,
 #                         the registry's storage and every pull's output go there)
 set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "$0")/common.sh"
 cd "$(dirname "$0")/.."
 
 if [[ $EUID -ne 0 ]]; then
@@ -52,19 +54,9 @@ bench=./target/release/sandbar-bench
 
 # --- registry -------------------------------------------------------------------------------
 
-# A port nothing accepts connections on; docker-registry failing to bind it anyway (another
-# process took it meanwhile) is caught below and retried with another one.
-free_port() {
-  local candidate
-  for _ in $(seq 1 50); do
-    candidate=$((20000 + RANDOM % 40000))
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
-      echo "$candidate"
-      return 0
-    fi
-  done
-  return 1
-}
+# free_port (common.sh) gives a port nothing accepts connections on; docker-registry failing
+# to bind it anyway (another process took it meanwhile) is caught below and retried with
+# another one.
 
 start_registry() {
   local port secret deadline

@@ -13,23 +13,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 from e2b import Sandbox, Template
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1000
-
-
-def row(name: str, samples: list) -> str:
-    samples = sorted(samples)
-    p90 = samples[min(len(samples) - 1, int(len(samples) * 0.9))]
-    return f"| {name} | {len(samples)} | {statistics.median(samples):.1f} | {p90:.1f} | {samples[0]:.1f} |"
+from bench_common import row_p90 as row, timed
 
 
 def first_output(template: str) -> None:

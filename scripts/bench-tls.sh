@@ -9,6 +9,8 @@
 #   SANDBAR_BIN_DIR  where `sandbar` and `sandbar-bench` are (default target/release)
 #   SANDBAR_PG_BIN   PostgreSQL's binaries (default /usr/lib/postgresql/15/bin)
 set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "$0")/common.sh"
 cd "$(dirname "$0")/.."
 
 bin_dir="${SANDBAR_BIN_DIR:-target/release}"
@@ -19,19 +21,6 @@ for program in "$bin_dir/sandbar" "$bin_dir/sandbar-bench" "$pg_bin/initdb" "$pg
     exit 1
   fi
 done
-
-free_port() {
-  local candidate
-  for _ in $(seq 1 50); do
-    candidate=$((20000 + RANDOM % 40000))
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
-      echo "$candidate"
-      return
-    fi
-  done
-  echo "bench-tls.sh: no free port found" >&2
-  exit 1
-}
 
 work="$(mktemp -d -t sandbar-bench-tls.XXXXXX)"
 chmod 0755 "$work"

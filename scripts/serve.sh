@@ -2,14 +2,10 @@
 # Builds Sandbar and starts it with the default template (built on first start, then cached).
 # Arguments are passed to `sandbar serve`; see `target/release/sandbar serve --help`.
 set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "$0")/common.sh"
 # Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
-if [[ $EUID -ne 0 ]]; then
-  if command -v sudo >/dev/null 2>&1; then
-    exec sudo "$0" "$@"
-  fi
-  echo "$(basename "$0"): run it as root" >&2
-  exit 1
-fi
+as_root "$@"
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 # CRIU lets paused sandboxes go to disk and makes snapshots and forks possible; built once

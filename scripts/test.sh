@@ -4,14 +4,10 @@
 # Python SDK.
 # Needs root (sandboxes use namespaces, cgroups and nftables).
 set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "$0")/common.sh"
 # Sandboxes need root (namespaces, cgroups, nftables); run as another user, this asks sudo.
-if [[ $EUID -ne 0 ]]; then
-  if command -v sudo >/dev/null 2>&1; then
-    exec sudo "$0" "$@"
-  fi
-  echo "$(basename "$0"): run it as root" >&2
-  exit 1
-fi
+as_root "$@"
 cd "$(dirname "$0")/.."
 
 # How long each phase took, printed at the end (also after a failure) to see where a run's

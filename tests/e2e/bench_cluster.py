@@ -62,21 +62,6 @@ def wait_node(c: cl.Cluster, node: cl.Host, timeout: float = 90) -> None:
         time.sleep(0.2)
 
 
-def wait_placement(api: cl.Host, nodes: set, timeout: float = 60) -> None:
-    seen: set = set()
-    deadline = time.monotonic() + timeout
-    with api.client() as client:
-        while not nodes <= seen:
-            r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
-            if r.status_code == 201:
-                seen.add(r.json()["clientID"])
-                client.delete(f"/sandboxes/{r.json()['sandboxID']}")
-            else:
-                time.sleep(0.3)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{api.name} placed on {sorted(seen)} only")
-
-
 def wait_base_template(api: cl.Host, timeout: float = 120) -> None:
     """The first node registers (or builds) `base` once it serves; the bench needs it ready."""
     deadline = time.monotonic() + timeout
@@ -168,7 +153,7 @@ def measure_scaling(c: cl.Cluster, names, args) -> int:
     c["api1"].start(role="api")
     c["api1"].wait_healthy(timeout=60)
     wait_base_template(c["api1"])
-    wait_placement(c["api1"], set(names))
+    c["api1"].wait_placement(set(names), timeout=60)
     live = list(names)
     while live:
         bench(f"Through the API host, {len(live)} node(s) of {args.node_cpu} cores each",
@@ -223,7 +208,7 @@ def measure_two(c: cl.Cluster, pinned: bool, args) -> int:
     wait_node(c, c["n2"])
     c["api1"].wait_healthy(timeout=60)
     wait_base_template(c["api1"])
-    wait_placement(c["api1"], {"n1", "n2"})
+    c["api1"].wait_placement({"n1", "n2"}, timeout=60)
     bench("Through the API host, two nodes", c["api1"].url, args)
     if not pinned:
         bench("Node n1 directly (no API host)", c["n1"].url, args,

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
-from e2e_util import serving_pid, stop_server
+from e2e_util import read_or_empty, readlink_or_empty, serving_pid, stop_server
 
 PREFIX = "sbtest-cl-"
 BRIDGE_NS = PREFIX + "br"
@@ -140,21 +140,6 @@ def _stop_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
 
 
-def _read(path) -> str:
-    try:
-        with open(path, "r", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _readlink(path) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
-
-
 def _pids() -> List[int]:
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
@@ -175,7 +160,7 @@ def cgroup_hierarchies() -> Optional[List[str]]:
     when /sys/fs/cgroup is the v2 unified hierarchy, else one entry per v1 (or hybrid v2)
     mount, such as "memory" or "cpu,cpuacct"."""
     found = []
-    for line in _read("/proc/self/mountinfo").splitlines():
+    for line in read_or_empty("/proc/self/mountinfo").splitlines():
         fields = line.split()
         sep = fields.index("-")
         mountpoint, fstype = fields[4], fields[sep + 1]
@@ -209,8 +194,8 @@ def make_host_cgroups(name: str) -> None:
         d.mkdir(exist_ok=True)
         # A new cpuset starts with no CPUs and no memory nodes; give it its parent's.
         for f in ("cpuset.cpus", "cpuset.mems"):
-            if (d / f).exists() and not _read(d / f).strip():
-                (d / f).write_text(_read(d.parent / f).strip() or "\n")
+            if (d / f).exists() and not read_or_empty(d / f).strip():
+                (d / f).write_text(read_or_empty(d.parent / f).strip() or "\n")
     if cgroup_hierarchies() == [""]:
         # v2: the node enables memory, cpu and pids in its root, which needs them here.
         try:
@@ -238,7 +223,7 @@ def our_cgroup_dirs() -> List[Path]:
 def cgroup_pids(dirs: List[Path]) -> List[int]:
     pids = set()
     for d in dirs:
-        for line in _read(d / "cgroup.procs").split():
+        for line in read_or_empty(d / "cgroup.procs").split():
             if line.isdigit():
                 pids.add(int(line))
     return sorted(pids)
@@ -278,8 +263,8 @@ def pids_in_namespaces(net_inodes, mnt_inodes) -> List[int]:
     for pid in _pids():
         if pid == me:
             continue
-        net = _readlink(f"/proc/{pid}/ns/net")
-        mnt = _readlink(f"/proc/{pid}/ns/mnt")
+        net = readlink_or_empty(f"/proc/{pid}/ns/net")
+        mnt = readlink_or_empty(f"/proc/{pid}/ns/mnt")
         if any(net == f"net:[{i}]" for i in net_inodes) or any(mnt == f"mnt:[{i}]" for i in mnt_inodes):
             found.append(pid)
     return found
@@ -288,15 +273,15 @@ def pids_in_namespaces(net_inodes, mnt_inodes) -> List[int]:
 def pids_of_binaries(paths: List[str]) -> List[int]:
     found = []
     for pid in _pids():
-        exe = _readlink(f"/proc/{pid}/exe").replace(" (deleted)", "")
+        exe = readlink_or_empty(f"/proc/{pid}/exe").replace(" (deleted)", "")
         if exe and any(exe == p or exe.startswith(p.rstrip("/") + "/") for p in paths):
             found.append(pid)
     return found
 
 
 def describe(pid: int) -> str:
-    cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
-    return f"{pid}: {cmd[:160] or _readlink(f'/proc/{pid}/exe')}"
+    cmd = read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+    return f"{pid}: {cmd[:160] or readlink_or_empty(f'/proc/{pid}/exe')}"
 
 
 def kill_all(pids: List[int]) -> None:
@@ -318,10 +303,10 @@ def _cluster_processes(binaries_dir: Optional[str] = None) -> List[int]:
     mnt = set()
     # Holders and servers are in our network namespaces; their mount namespaces hold the rest.
     for pid in pids_in_namespaces(net, []):
-        m = _readlink(f"/proc/{pid}/ns/mnt")
+        m = readlink_or_empty(f"/proc/{pid}/ns/mnt")
         if m.startswith("mnt:["):
             mnt.add(int(m[5:-1]))
-    own_mnt = _readlink("/proc/self/ns/mnt")
+    own_mnt = readlink_or_empty("/proc/self/ns/mnt")
     mnt.discard(int(own_mnt[5:-1]) if own_mnt.startswith("mnt:[") else -1)
     pids = set(pids_in_namespaces(net, mnt))
     pids.update(cgroup_pids(our_cgroup_dirs()))
@@ -333,8 +318,8 @@ def _cluster_processes(binaries_dir: Optional[str] = None) -> List[int]:
 
 def _postgres_pids() -> List[int]:
     pg = str(ROOT / "pg")
-    return [p for p in _pids() if pg in _read(f"/proc/{p}/cmdline").replace("\0", " ")
-            or _readlink(f"/proc/{p}/cwd").startswith(pg)]
+    return [p for p in _pids() if pg in read_or_empty(f"/proc/{p}/cmdline").replace("\0", " ")
+            or readlink_or_empty(f"/proc/{p}/cwd").startswith(pg)]
 
 
 def stop_postgres(immediate: bool = True) -> None:
@@ -351,7 +336,7 @@ def stop_postgres(immediate: bool = True) -> None:
 def unmount_in(holder: int, under: List[str]) -> None:
     """Unmounts, deepest first, every mount of the holder's mount namespace under `under`."""
     points = []
-    for line in _read(f"/proc/{holder}/mountinfo").splitlines():
+    for line in read_or_empty(f"/proc/{holder}/mountinfo").splitlines():
         mp = line.split()[4].replace("\\040", " ")
         if any(mp == u or mp.startswith(u.rstrip("/") + "/") for u in under):
             points.append(mp)
@@ -431,11 +416,11 @@ def all_mount_lines() -> List[str]:
     directory."""
     seen, out = set(), []
     for pid in _pids():
-        ns = _readlink(f"/proc/{pid}/ns/mnt")
+        ns = readlink_or_empty(f"/proc/{pid}/ns/mnt")
         if not ns or ns in seen:
             continue
         seen.add(ns)
-        out.extend(l for l in _read(f"/proc/{pid}/mountinfo").splitlines() if str(ROOT) in l)
+        out.extend(l for l in read_or_empty(f"/proc/{pid}/mountinfo").splitlines() if str(ROOT) in l)
     return out
 
 
@@ -733,6 +718,23 @@ class Host:
         headers = {"X-API-Key": API_KEY, **(kw.pop("headers", None) or {})}
         return httpx.Client(base_url=self.url, headers=headers, timeout=kw.pop("timeout", 30), **kw)
 
+    def wait_placement(self, nodes: Set[str], timeout: float = 30) -> None:
+        """Creates (and kills) sandboxes through this API host until each of `nodes` took one:
+        an API host learns of nodes from the database, so it places nothing on a node it has
+        not seen yet."""
+        seen: Set[str] = set()
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while not nodes <= seen:
+                r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
+                if r.status_code == 201:
+                    seen.add(r.json()["clientID"])
+                    assert client.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
+                else:
+                    assert r.status_code == 503, f"create through {self.name}: {r.status_code} {r.text}"
+                    time.sleep(0.3)
+                assert time.monotonic() < deadline, f"{self.name} placed on {sorted(seen)} only within {timeout}s"
+
 
 class Cluster:
     """The bridge, PostgreSQL, and the machines named in `names` (a subset of HOSTS)."""
@@ -884,9 +886,9 @@ class Cluster:
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--reap-after"]:
         pid = int(argv[1])
-        start = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[19:20]
+        start = read_or_empty(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[19:20]
         while True:
-            now = _read(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[19:20]
+            now = read_or_empty(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()[19:20]
             if not now or now != start:
                 break
             time.sleep(1)

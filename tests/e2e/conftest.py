@@ -48,15 +48,18 @@ from e2e_util import (
     VOLUME_REQUESTS_PER_MINUTE,
     AGENT_LOG_ROTATE_MB,
     all_pids,
+    created_sandbox,
     free_port,
     host_links,
     host_mounts_mentioning,
     host_netns,
     kill_all_listed,
+    kill_quietly,
     make_tls_files,
     other_sandbar_servers,
     private_binaries,
     record_sandbox_creation,
+    restore_environ,
     sandbox_cgroup_dirs,
     sandbox_like_processes,
 )
@@ -247,18 +250,10 @@ def sandbar():
                 problems.append(f"sandboxes still listed after kill: {sorted(remaining)}")
         except Exception as e:  # noqa: BLE001
             problems.append(f"cleanup through the API failed: {e!r}")
-        try:
-            server.stop(kill9=False)
-        except Exception as e:  # noqa: BLE001
-            problems.append(f"stopping sandbar: {e}")
-            server.stop(kill9=True)
+        server.stop_in_teardown(problems)
         _SERVER = None
         undo_recording()
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old_env)
 
         # Leak checks: resources may take a moment to disappear. Resources that
         # cannot be tied to this run only count when no other Sandbar server is
@@ -366,25 +361,11 @@ def base_template(sandbar) -> dict:
     return sandbar.base_template or sandbar.wait_base_template()
 
 
-def _kill_quietly(sandbox_id: str) -> None:
-    from e2b import Sandbox
-
-    try:
-        Sandbox.kill(sandbox_id)
-    except Exception:  # noqa: BLE001 - teardown must not mask the test result
-        pass
-
-
 @pytest.fixture
 def sandbox(sandbar):
     """A fresh sandbox from the default template (timeout 120 s), always killed afterwards."""
-    from e2b import Sandbox
-
-    sbx = Sandbox.create(timeout=120)
-    try:
+    with created_sandbox(timeout=120) as sbx:
         yield sbx
-    finally:
-        _kill_quietly(sbx.sandbox_id)
 
 
 @pytest.fixture
@@ -404,7 +385,7 @@ def make_sandbox(sandbar):
         yield _make
     finally:
         for sbx in created:
-            _kill_quietly(sbx.sandbox_id)
+            kill_quietly(sbx.sandbox_id)
 
 
 @pytest.fixture
@@ -420,4 +401,4 @@ def track_sandbox_id(sandbar):
         yield _track
     finally:
         for sid in ids:
-            _kill_quietly(sid)
+            kill_quietly(sid)

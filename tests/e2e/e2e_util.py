@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import uuid
@@ -29,6 +31,8 @@ TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
 # The default template's root under <data dir>/templates: `base-v{BASE_RECIPE_VERSION}` of
 # crates/node/src/build/templates.rs.
 BASE_ROOT = "base-v2"
+# The default template the shared server builds, which a module's own server may borrow.
+SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
 
 # Fixed key registered on the first start of the data dir.
 TEST_API_KEY = "e2b_" + "5a4db0e2e0" * 4
@@ -133,7 +137,7 @@ def free_port() -> int:
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
+    return subprocess.run(list(args), capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
@@ -304,19 +308,68 @@ def host_netns() -> Set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _readlink(p: str) -> str:
+def readlink_or_empty(p: str) -> str:
+    """The target of the link `p`; "" where it cannot be read (a process gone, say)."""
     try:
         return os.readlink(p)
     except OSError:
         return ""
 
 
-def _read(p: str) -> str:
+def read_or_empty(p: str) -> str:
+    """The text of the file `p`; "" where it cannot be read."""
     try:
         with open(p, "r", errors="replace") as f:
             return f.read()
     except OSError:
         return ""
+
+
+def mounts_under(path: Path, mountinfo: str = "/proc/self/mountinfo") -> List[str]:
+    """Mount points at or below `path`, deepest first, in the mount namespace `mountinfo`
+    describes (this process's unless told)."""
+    prefix = str(path)
+    points = []
+    for line in read_or_empty(mountinfo).splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+            if point == prefix or point.startswith(prefix + "/"):
+                points.append(point)
+    return sorted(points, key=lambda p: p.count("/"), reverse=True)
+
+
+def unmount_under(path: Path) -> List[str]:
+    """Unmounts everything at or below `path`, deepest first (lazily where a plain unmount
+    fails); returns the mount points still there."""
+    for point in mounts_under(path):
+        if sh("umount", point, check=False).returncode != 0:
+            sh("umount", "-l", point, check=False)
+    return mounts_under(path)
+
+
+def module_server(data_dir: Path, log_name: str, nameserver: str, extra_args: Sequence[str]) -> SandbarServer:
+    """A server of a module's own on `data_dir` and a free port, from private copies of the
+    binaries (the caller removes `server.binary.parent`), resolving through `nameserver`, with
+    `extra_args`. It keeps no namespaces or sandboxes booted ahead of demand, which would take
+    the memory and disk of the ones under test, and does without CRIU."""
+    binary, _ = private_binaries(SANDBAR_BIN)
+    return SandbarServer(
+        binary,
+        data_dir,
+        LOG_DIR / f"{log_name}.log",
+        free_port(),
+        extra_args=[*extra_args, "--nameserver", nameserver, "--netns-pool", "0", "--warm-pool", "0", "--criu", ""],
+    )
+
+
+def bind_shared_base(data_dir: Path) -> None:
+    """Binds the default template the shared server built (SHARED_BASE) read-only into
+    `data_dir`, for a server of a module's own to start on without building it again."""
+    base = data_dir / "templates" / SHARED_BASE.name
+    base.mkdir(parents=True)
+    sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
+    sh("mount", "-o", "remount,bind,ro", str(base))
 
 
 def all_pids() -> Set[int]:
@@ -333,16 +386,16 @@ def sandbox_like_processes(data_dir: Path, baseline: Iterable[int], ours: Iterab
     """
     baseline = set(baseline)
     ours = set(ours)
-    own_pidns = _readlink("/proc/self/ns/pid")
+    own_pidns = readlink_or_empty("/proc/self/ns/pid")
     data = str(data_dir)
     found = {}
     for pid in all_pids():
         if pid in baseline or pid == os.getpid():
             continue
-        cg = _read(f"/proc/{pid}/cgroup")
-        root = _readlink(f"/proc/{pid}/root")
-        cwd = _readlink(f"/proc/{pid}/cwd")
-        pidns = _readlink(f"/proc/{pid}/ns/pid")
+        cg = read_or_empty(f"/proc/{pid}/cgroup")
+        root = readlink_or_empty(f"/proc/{pid}/root")
+        cwd = readlink_or_empty(f"/proc/{pid}/cwd")
+        pidns = readlink_or_empty(f"/proc/{pid}/ns/pid")
         if not (cg or root or pidns):
             continue  # already gone
         reasons = []
@@ -356,7 +409,7 @@ def sandbox_like_processes(data_dir: Path, baseline: Iterable[int], ours: Iterab
         if pidns and own_pidns and pidns != own_pidns:
             reasons.append("other pid namespace")
         if reasons:
-            cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+            cmd = read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
             found[pid] = {"desc": f"{cmd!r} ({', '.join(reasons)})", "mine": mine}
     return found
 
@@ -368,7 +421,7 @@ def other_sandbar_servers(exclude: Iterable[int] = ()) -> List[int]:
     for pid in all_pids():
         if pid in exclude:
             continue
-        cmd = _read(f"/proc/{pid}/cmdline").split("\0")
+        cmd = read_or_empty(f"/proc/{pid}/cmdline").split("\0")
         if len(cmd) >= 2 and os.path.basename(cmd[0]) == "sandbar" and "serve" in cmd[1:]:
             pids.append(pid)
     return pids
@@ -397,8 +450,32 @@ def record_sandbox_creation() -> Callable[[], None]:
     return undo
 
 
+def kill_quietly(sandbox_id: str) -> None:
+    """Kills a sandbox through the SDK in a teardown: a failure there must not mask the test's
+    result."""
+    from e2b import Sandbox
+
+    try:
+        Sandbox.kill(sandbox_id)
+    except Exception:  # noqa: BLE001 - teardown must not mask the test result
+        pass
+
+
+@contextlib.contextmanager
+def created_sandbox(sandbox_cls=None, **create_kwargs) -> Iterator:
+    """A sandbox made with `sandbox_cls.create(**create_kwargs)` (the Python SDK's `Sandbox`
+    unless another SDK's class is given), killed when the block ends."""
+    if sandbox_cls is None:
+        from e2b import Sandbox as sandbox_cls
+    sandbox = sandbox_cls.create(**create_kwargs)
+    try:
+        yield sandbox
+    finally:
+        kill_quietly(sandbox.sandbox_id)
+
+
 def host_mounts_mentioning(text: str) -> List[str]:
-    return [line for line in _read("/proc/self/mounts").splitlines() if text in line]
+    return [line for line in read_or_empty("/proc/self/mounts").splitlines() if text in line]
 
 
 # --------------------------------------------------------------------------
@@ -605,6 +682,24 @@ class SandbarServer:
             self._log_file.close()
             self._log_file = None
 
+    def stop_in_teardown(self, problems: List[str]) -> None:
+        """Stops the server with SIGTERM or, where that fails (noted in `problems`), SIGKILL."""
+        try:
+            self.stop(kill9=False)
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            problems.append(f"stopping sandbar: {e}")
+            self.stop(kill9=True)
+
+    def delete_sandboxes_in_teardown(self, problems: List[str]) -> None:
+        """Deletes every running or paused sandbox through the API; a failure is noted in
+        `problems`."""
+        try:
+            with self.client(timeout=30) as api:
+                for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
+                    api.delete(f"/sandboxes/{s['sandboxID']}")
+        except Exception as e:  # noqa: BLE001 - teardown goes on
+            problems.append(f"killing sandboxes: {e}")
+
     def restart(self, kill9: bool = False, downtime: float = 0.0) -> None:
         """Stop the server (SIGKILL or SIGTERM) and start it again on the same port and data dir."""
         self.stop(kill9=kill9)
@@ -729,6 +824,56 @@ def state_of(sandbar, sandbox_id: str) -> str:
 
 def unique(prefix: str = "e2e") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def add_tar_entry(tar: tarfile.TarFile, name: str, kind: str = "file", data: bytes = b"x\n", target: str = "") -> None:
+    """Adds to `tar` an entry of `kind` ("dir", "file" holding `data`, "symlink" or "hardlink" to
+    `target`, or "chardev", /dev/mem's numbers) with a fixed mtime."""
+    ti = tarfile.TarInfo(name)
+    ti.mtime = 1_700_000_000
+    ti.mode = 0o644
+    if kind == "dir":
+        ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+        tar.addfile(ti)
+    elif kind == "file":
+        ti.size = len(data)
+        tar.addfile(ti, io.BytesIO(data))
+    elif kind == "symlink":
+        ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, target, 0o777
+        tar.addfile(ti)
+    elif kind == "hardlink":
+        ti.type, ti.linkname = tarfile.LNKTYPE, target
+        tar.addfile(ti)
+    elif kind == "chardev":
+        ti.type, ti.devmajor, ti.devminor = tarfile.CHRTYPE, 1, 1
+        tar.addfile(ti)
+    else:
+        raise ValueError(kind)
+
+
+def wait_build_end(
+    api: httpx.Client,
+    template_id: str,
+    build_id: str,
+    timeout: float,
+    interval: float = 0.25,
+    params: Optional[dict] = None,
+) -> dict:
+    """Polls a template build's status (asked with `params`, by default for all its log lines)
+    until it is ready or failed; returns that status."""
+    params = {"logsOffset": 0} if params is None else params
+
+    def ended():
+        s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params=params)
+        assert s.status_code == 200, f"{s.status_code} {s.text}"
+        return s.json() if s.json()["status"] in ("ready", "error") else None
+
+    return wait_until(ended, timeout=timeout, interval=interval, message=f"build {build_id} to end")
+
+
+def build_log_messages(status: dict) -> List[str]:
+    """The messages of the log lines a build status holds."""
+    return [e.get("message", "") for e in status.get("logEntries") or []]
 
 
 # --------------------------------------------------------------------------
@@ -903,13 +1048,18 @@ def shared_server_set_aside(shared: "SandbarServer", shared_base: Path) -> Itera
     try:
         yield
     finally:
-        for k, v in old_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old_env)
         shared.start()
         shared.wait_healthy(timeout=60)
+
+
+def restore_environ(saved: Dict[str, Optional[str]]) -> None:
+    """Puts environment variables back as `saved` has them (None: unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def point_sdk_at(url: str) -> None:

@@ -31,7 +31,6 @@ import shutil
 import stat
 import tarfile
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -39,11 +38,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import httpx
 import pytest
 
-from e2e_util import unique
+from e2e_util import add_tar_entry, build_log_messages, unique, wait_build_end
 
 # A failing or succeeding build of a tiny image ends well within this.
 BUILD_TIMEOUT = 120
-MTIME = 1_700_000_000
 VICTIM_PARENT = Path("/var/tmp")
 # The user the USER steps add (the image has only root, the prerequisites add `user`).
 NEW_USER = "tenant"
@@ -213,23 +211,6 @@ def host_shadow() -> bytes:
 # --------------------------------------------------------------------------
 
 
-def _entry(tar: tarfile.TarFile, name: str, kind: str = "file", data: bytes = b"", target: str = "", mode: int = 0o644) -> None:
-    ti = tarfile.TarInfo(name)
-    ti.mtime = MTIME
-    ti.mode = mode
-    if kind == "dir":
-        ti.type, ti.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(ti)
-    elif kind == "file":
-        ti.size = len(data)
-        tar.addfile(ti, io.BytesIO(data))
-    elif kind == "symlink":
-        ti.type, ti.linkname, ti.mode = tarfile.SYMTYPE, target, 0o777
-        tar.addfile(ti)
-    else:
-        raise ValueError(kind)
-
-
 Entries = Sequence[Tuple[str, str, object]]
 
 
@@ -239,11 +220,11 @@ def make_tar(entries: Entries, compress: bool = True) -> bytes:
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name, kind, value in entries:
             if kind == "symlink":
-                _entry(tar, name, "symlink", target=str(value))
+                add_tar_entry(tar, name, "symlink", target=str(value))
             elif kind == "file":
-                _entry(tar, name, "file", data=value if isinstance(value, bytes) else str(value).encode())
+                add_tar_entry(tar, name, "file", data=value if isinstance(value, bytes) else str(value).encode())
             else:
-                _entry(tar, name, "dir")
+                add_tar_entry(tar, name, "dir")
     return gzip.compress(raw.getvalue(), mtime=0) if compress else raw.getvalue()
 
 
@@ -306,16 +287,8 @@ class Builds:
         return f"upload refused: {put.text}" if put.status_code >= 400 else ""
 
     def _wait(self, api: httpx.Client, name: str, template_id: str, build_id: str, early: str) -> Outcome:
-        deadline = time.monotonic() + BUILD_TIMEOUT
-        while True:
-            s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params={"logsOffset": 0})
-            assert s.status_code == 200, f"{s.status_code} {s.text}"
-            body = s.json()
-            if body["status"] in ("ready", "error"):
-                break
-            assert time.monotonic() < deadline, f"build {name!r} did not end within {BUILD_TIMEOUT}s"
-            time.sleep(0.2)
-        logs = "\n".join(e.get("message", "") for e in body.get("logEntries") or [])
+        body = wait_build_end(api, template_id, build_id, timeout=BUILD_TIMEOUT, interval=0.2)
+        logs = "\n".join(build_log_messages(body))
         reason = (body.get("reason") or {}).get("message", "") or ""
         message = "\n".join(m for m in (early, reason) if m)
         return Outcome(name, body["status"], message, logs, template_id)
@@ -383,6 +356,16 @@ def assert_failure_names(outcome: Outcome, names: Sequence[str]) -> None:
     assert any(n in outcome.message for n in names), (
         f"the failure does not name any of {list(names)}: " + outcome.describe()
     )
+
+
+def sandbox_of(outcome: Outcome, victim: Victim, make_sandbox, names: Sequence[str]):
+    """After a build: the victim is untouched; a build that did not succeed names the offending
+    path (one of `names`) and gives None, one that did a sandbox of its template."""
+    victim.assert_untouched(outcome.describe())
+    if not outcome.ready:
+        assert_failure_names(outcome, names)
+        return None
+    return make_sandbox(template=outcome.name, timeout=60)
 
 
 # --------------------------------------------------------------------------
@@ -524,11 +507,9 @@ def test_context_file_under_a_link_to_a_host_dir(sandbar, tiny1, builds, victim,
     """The context holds `hostlink -> <victim>` and then `hostlink/x`."""
     archive = make_tar([("hostlink", "symlink", victim.path()), ("hostlink/x", "file", b"planted by a tenant\n")])
     outcome = builds.steps([copy_step(src, dest)], archive, from_image=tiny1)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["hostlink"])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["hostlink"])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     assert_no_host_bytes(sbx, outcome, [dest, "/var/tmp"], victim.needles())
     victim.assert_untouched("starting a sandbox of " + outcome.name)
 
@@ -578,11 +559,9 @@ def test_second_source_writes_through_a_link_from_the_first(sandbar, tiny1, buil
         _, owner, mode = WRITE_CASES[case]
         steps = [copy_step("s*", "/app/", owner, mode)]
     outcome = builds.steps(steps, archive, from_image=tiny1)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["hostlink"])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["hostlink"])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     assert_no_host_bytes(sbx, outcome, ["/app", "/var/tmp"], victim.needles())
     victim.assert_untouched("starting a sandbox of " + outcome.name)
 
@@ -616,11 +595,9 @@ def test_copy_reads_root_only_files_through_a_link(sandbar, tiny1, builds, victi
         ]
     )
     outcome = builds.steps([copy_step(src, dest)], archive, from_image=tiny1)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, [src.split("/")[0]])
+    sbx = sandbox_of(outcome, victim, make_sandbox, [src.split("/")[0]])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     needles = victim.needles()
     if shadow:
         needles["/etc/shadow"] = shadow
@@ -653,11 +630,9 @@ def test_dockerfile_copy_through_links(sandbar, tiny1, builds, victim, make_sand
         ]
     )
     outcome = builds.dockerfile(f"FROM {tiny1}\n" + DOCKERFILE_CASES[case], context)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["hostlink"])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["hostlink"])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     assert_no_host_bytes(sbx, outcome, ["/leak", "/app", "/var/tmp"], victim.needles())
     victim.assert_untouched("starting a sandbox of " + outcome.name)
 
@@ -679,11 +654,9 @@ def test_image_etc_link_to_a_host_dir(sandbar, hostile_images, builds, victim, m
         workdir_step("/"),
     ]
     outcome = builds.steps(steps, archive, from_image=hostile_images.etc_link)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["/etc", "etc/", victim.path()])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["/etc", "etc/", victim.path()])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     problems = host_bytes_in(sbx, ["/etc", "/var/tmp", "/home"], victim.needles())
     line = sh(sbx, f"grep '^{NEW_USER}:' /etc/passwd").strip()
     if not line or line.endswith("/bin/bash"):
@@ -712,11 +685,9 @@ def test_image_tmp_and_home_links(sandbar, hostile_images, builds, victim, make_
         workdir_step("/"),
     ]
     outcome = builds.steps(steps, archive, from_image=hostile_images.dir_links)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["/home", "home/", "/tmp", victim.path()])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["/home", "home/", "/tmp", victim.path()])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     problems = host_bytes_in(sbx, ["/home", "/under-tmp", "/var/tmp", "/etc"], victim.needles())
     problems += below_a_hidden_link(sbx, victim, "/home/sub")
     if sh(sbx, "cat /home/sub/file.txt") != "a file under the links\n":
@@ -758,11 +729,9 @@ def test_image_links_to_host_paths_as_destinations(sandbar, hostile_images, buil
         workdir_step("/"),
     ]
     outcome = builds.steps(steps, archive, from_image=hostile_images.host_links)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["escdir", "escfile", "escrel", victim.path()])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["escdir", "escfile", "escrel", victim.path()])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     needles = victim.needles()
     shadow = host_shadow()
     if shadow:
@@ -788,10 +757,8 @@ def test_image_link_loop_as_destination(sandbar, hostile_images, builds, victim,
     """`loopa -> loopb -> loopa`: a COPY to /loopa/file cannot resolve."""
     archive = make_tar([("file.txt", "file", b"a file into a loop\n")])
     outcome = builds.steps([copy_step("file.txt", "/loopa/file")], archive, from_image=hostile_images.host_links)
-    victim.assert_untouched(outcome.describe())
-    if not outcome.ready:
-        assert_failure_names(outcome, ["loopa", "loopb"])
+    sbx = sandbox_of(outcome, victim, make_sandbox, ["loopa", "loopb"])
+    if sbx is None:
         return
-    sbx = make_sandbox(template=outcome.name, timeout=60)
     assert sh(sbx, "readlink /loopa").strip() == "loopb", "the link loop was not kept in the template"
     victim.assert_untouched("starting a sandbox of " + outcome.name)

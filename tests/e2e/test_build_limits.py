@@ -25,7 +25,7 @@ from typing import List, Set
 import httpx
 import pytest
 
-from e2e_util import UPLOADS_PER_TEAM, UPLOAD_TTL_S, rss_kib, sandbar_cli, unique, wait_until
+from e2e_util import UPLOADS_PER_TEAM, UPLOAD_TTL_S, rss_kib, sandbar_cli, unique, wait_build_end, wait_until
 
 # The server's own caps on a step's output (crates/node/src/build/build_output.rs).
 LINE_BYTES = 8 << 10
@@ -138,17 +138,8 @@ def _build(api: httpx.Client, command: str, timeout: float = 120) -> tuple:
         json={"fromTemplate": "base", "steps": [{"type": "RUN", "args": [command], "force": True}]},
     )
     assert r.status_code == 202, f"POST build: {r.status_code} {r.text}"
-
-    def finished():
-        # No log lines while waiting: what the server holds is what is measured.
-        s = api.get(
-            f"/templates/{template_id}/builds/{build_id}/status",
-            params={"logsOffset": 4294967295, "limit": 0},
-        )
-        assert s.status_code == 200, f"{s.status_code} {s.text}"
-        return s.json() if s.json()["status"] in ("ready", "error") else None
-
-    status = wait_until(finished, timeout=timeout, interval=0.25, message=f"build {build_id} to end")
+    # No log lines while waiting: what the server holds is what is measured.
+    status = wait_build_end(api, template_id, build_id, timeout, params={"logsOffset": 4294967295, "limit": 0})
     return template_id, build_id, status
 
 

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import httpx
 import pytest
 
-from e2e_util import sandbar_cli, sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import build_log_messages, sandbar_cli, sandbox_cgroup_dirs, unique, wait_until
 
 CANCELLED = "the build was cancelled by request"
 STEP_LIMIT_S = 5
@@ -105,10 +105,6 @@ def _processes_running(command: str) -> Dict[int, str]:
     return found
 
 
-def _log_messages(status: dict) -> List[str]:
-    return [e.get("message", "") for e in status.get("logEntries") or []]
-
-
 def test_one_team_s_sleeping_builds_neither_delay_another_team_nor_outlive_a_cancel(sandbar, base_template, tenants):
     a, b = tenants
     sleeper = _sleeper()
@@ -122,7 +118,7 @@ def test_one_team_s_sleeping_builds_neither_delay_another_team_nor_outlive_a_can
     ready_in = time.monotonic() - started
     print(f"\n[e2e] B's one-step build ended ({status['status']}) {ready_in:.1f} s after it was started")
     assert status["status"] == "ready", status
-    assert "hi" in _log_messages(b.status(b_template, b_build)), _log_messages(status)
+    assert "hi" in build_log_messages(b.status(b_template, b_build)), build_log_messages(status)
 
     # Only one of A's builds runs; the others wait for it.
     running = _processes_running(sleeper)
@@ -147,7 +143,7 @@ def test_one_team_s_sleeping_builds_neither_delay_another_team_nor_outlive_a_can
         s = a.status(template_id, build_id)
         assert s["status"] == "error", s
         assert s["reason"]["message"] == CANCELLED, s
-        assert CANCELLED in _log_messages(s), _log_messages(s)
+        assert CANCELLED in build_log_messages(s), build_log_messages(s)
     r = a.api.delete(f"/templates/{a_builds[0][0]}/builds/{a_builds[0][1]}")
     assert r.status_code == 409, f"a second cancel: {r.status_code} {r.text}"
 
@@ -188,7 +184,7 @@ def test_a_step_past_the_step_limit_fails_its_build_and_leaves_nothing(sandbar, 
     expected = f"step 1 (RUN {sleeper}) exceeded the {STEP_LIMIT_S} s step limit"
     assert status["status"] == "error", status
     assert status["reason"]["message"] == expected, status
-    assert expected in _log_messages(a.status(template_id, build_id))
+    assert expected in build_log_messages(a.status(template_id, build_id))
     assert took >= STEP_LIMIT_S
     assert not _processes_running(sleeper), "the step's process outlived its build"
     wait_until(

@@ -40,7 +40,7 @@ import pytest
 
 import cluster as cl
 import conftest
-from e2e_util import DATA_DIR, LOG_DIR, SANDBAR_BIN, acquire_run_lock, wait_js, wait_until
+from e2e_util import DATA_DIR, LOG_DIR, SANDBAR_BIN, acquire_run_lock, read_or_empty, wait_js, wait_until
 
 FLEET = 40
 # One tenant build at a time per node, so one endless build fills a node's build slots.
@@ -276,23 +276,6 @@ def _template_id(host: cl.Host, alias: str) -> str:
         r = api.get("/templates")
         assert r.status_code == 200, f"templates through {host.name}: {r.status_code} {r.text}"
         return next(t["templateID"] for t in r.json() if alias in (t.get("aliases") or []) + (t.get("names") or []))
-
-
-def _wait_placement(api: cl.Host, nodes: Set[str], timeout: float = 30) -> None:
-    """Creates (and kills) sandboxes through `api` until each of `nodes` took one: an API host
-    learns of nodes from the database, so it places nothing on a node it has not seen yet."""
-    seen: Set[str] = set()
-    deadline = time.monotonic() + timeout
-    with api.client() as client:
-        while not nodes <= seen:
-            r = client.post("/sandboxes", json={"templateID": "base", "timeout": 30})
-            if r.status_code == 201:
-                seen.add(r.json()["clientID"])
-                assert client.delete(f"/sandboxes/{r.json()['sandboxID']}").status_code == 204
-            else:
-                assert r.status_code == 503, f"create through {api.name}: {r.status_code} {r.text}"
-                time.sleep(0.3)
-            assert time.monotonic() < deadline, f"{api.name} placed on {sorted(seen)} only within {timeout}s"
 
 
 @pytest.fixture(scope="module")
@@ -569,7 +552,7 @@ def test_kill9_of_a_node_and_its_return(cluster, fleet):
     _wait_node(cluster, n1)
 
     for api in (api1, api2):
-        _wait_placement(api, {"n1"})
+        api.wait_placement({"n1"})
 
     def settled():
         listed = fleet.running("api1")
@@ -625,7 +608,7 @@ def _live_on(node: str) -> Set[str]:
     for rel in cl.cgroup_hierarchies():
         parent = (cl.CGROUP_ROOT / rel if rel else cl.CGROUP_ROOT) / (cl.PREFIX + node) / "sandbar"
         if parent.is_dir():
-            out.update(d.name for d in parent.iterdir() if d.is_dir() and cl._read(d / "cgroup.procs").strip())
+            out.update(d.name for d in parent.iterdir() if d.is_dir() and read_or_empty(d / "cgroup.procs").strip())
     return out
 
 

@@ -22,7 +22,7 @@ from e2b import InvalidArgumentException, NotFoundException, SandboxException, T
 from e2b_code_interpreter import Sandbox
 from e2b_code_interpreter.charts import ChartType
 
-from e2e_util import TEMPLATE_WAIT_S, checkpoints_off
+from e2e_util import TEMPLATE_WAIT_S, checkpoints_off, created_sandbox, require_checkpoints
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -34,14 +34,8 @@ def interpreter_template(sandbar):
 
 @pytest.fixture(scope="module")
 def sbx(sandbar, interpreter_template):
-    sandbox = Sandbox.create(timeout=300, envs={"GLOBAL_VAR": "from-create"})
-    try:
+    with created_sandbox(Sandbox, timeout=300, envs={"GLOBAL_VAR": "from-create"}) as sandbox:
         yield sandbox
-    finally:
-        try:
-            Sandbox.kill(sandbox.sandbox_id)
-        except Exception:  # noqa: BLE001 - teardown must not mask the result
-            pass
 
 
 def test_the_default_template_is_the_interpreter(sbx, interpreter_template):
@@ -170,42 +164,38 @@ def test_a_box_and_whisker_chart_is_extracted(sbx):
     assert [b.outliers for b in boxes] == [[], [76], []]
 
 
+def _chart_of(sbx, *lines: str):
+    """The chart of the first result of `lines` of pyplot code, run between
+    `import matplotlib.pyplot as plt` and `plt.show()`."""
+    return sbx.run_code("\n".join(["import matplotlib.pyplot as plt", *lines, "plt.show()"])).results[0].chart
+
+
 def test_bar_pie_scatter_and_super_charts_are_extracted(sbx):
-    bar = sbx.run_code(
-        "import matplotlib.pyplot as plt\n"
-        "plt.bar(['A', 'B', 'C'], [100, 200, 300], label='Sold')\n"
-        "plt.title('Sales')\nplt.show()"
-    ).results[0].chart
+    bar = _chart_of(sbx, "plt.bar(['A', 'B', 'C'], [100, 200, 300], label='Sold')", "plt.title('Sales')")
     assert bar.type == ChartType.BAR and bar.title == "Sales"
     assert [(b.label, b.value, b.group) for b in bar.elements] == [
         ("A", 100, "Sold"),
         ("B", 200, "Sold"),
         ("C", 300, "Sold"),
     ]
-    pie = sbx.run_code(
-        "import matplotlib.pyplot as plt\n"
-        "fig, ax = plt.subplots()\n"
-        "ax.pie([90, 10], labels=['No', 'Yes'], startangle=90)\n"
-        "plt.title('Early?')\nplt.show()"
-    ).results[0].chart
+    pie = _chart_of(
+        sbx, "fig, ax = plt.subplots()", "ax.pie([90, 10], labels=['No', 'Yes'], startangle=90)", "plt.title('Early?')"
+    )
     assert pie.type == ChartType.PIE and pie.title == "Early?"
     assert [(p.label, p.angle, p.radius) for p in pie.elements] == [("No", 324, 1), ("Yes", 36, 1)]
-    scatter = sbx.run_code(
-        "import matplotlib.pyplot as plt\n"
-        "plt.scatter([1, 2, 3], [3, 2, 1], label='points')\n"
-        "plt.xlabel('A')\nplt.show()"
-    ).results[0].chart
+    scatter = _chart_of(sbx, "plt.scatter([1, 2, 3], [3, 2, 1], label='points')", "plt.xlabel('A')")
     assert scatter.type == ChartType.SCATTER and scatter.x_label == "A"
     assert scatter.elements[0].label == "points"
     assert scatter.elements[0].points == [(1.0, 3.0), (2.0, 2.0), (3.0, 1.0)]
-    both = sbx.run_code(
-        "import matplotlib.pyplot as plt\n"
-        "fig, axs = plt.subplots(1, 2)\n"
-        "fig.suptitle('Two')\n"
-        "axs[0].plot([1, 2], [3, 4])\naxs[0].set_title('Line')\n"
-        "axs[1].scatter([1, 2], [3, 4])\naxs[1].set_title('Dots')\n"
-        "plt.show()"
-    ).results[0].chart
+    both = _chart_of(
+        sbx,
+        "fig, axs = plt.subplots(1, 2)",
+        "fig.suptitle('Two')",
+        "axs[0].plot([1, 2], [3, 4])",
+        "axs[0].set_title('Line')",
+        "axs[1].scatter([1, 2], [3, 4])",
+        "axs[1].set_title('Dots')",
+    )
     assert both.type == ChartType.SUPERCHART and both.title == "Two"
     assert [(c.type, c.title) for c in both.elements] == [
         (ChartType.LINE, "Line"),
@@ -671,8 +661,7 @@ def test_sandboxes_restored_from_the_capture_share_no_state(sandbar, interpreter
 
 
 def test_a_snapshot_keeps_the_kernel_state(sandbar, interpreter_template):
-    if reason := checkpoints_off(sandbar):
-        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    require_checkpoints(sandbar, "snapshot memory")
     source = Sandbox.create(timeout=120)
     copy = None
     try:

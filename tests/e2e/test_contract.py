@@ -111,6 +111,28 @@ def _record_created(case, response) -> None:
         _created.append(path.format(made))
 
 
+def _call(sandbar, headers, case, timeout: float):
+    """Sends `case`; counts the answer's status and notes what it created, for the cleanup."""
+    response = case.call(base_url=sandbar.url, headers=headers, timeout=timeout)
+    _statuses[response.status_code] = _statuses.get(response.status_code, 0) + 1
+    _record_created(case, response)
+    return response
+
+
+def _conforms(case, response, failures: list, label: str) -> bool:
+    """Whether the answer keeps the contract; where it does not, a failure under `label`, with
+    the request, goes to `failures`."""
+    try:
+        case.validate_response(response, checks=CHECKS)
+        return True
+    except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - all are reported
+        failures.append(
+            f"{label}: {e}\n  request: {response.request.method} {response.request.url} "
+            f"body={(response.request.body or b'')[:300]!r}"
+        )
+        return False
+
+
 def _fuzz(sandbar, headers, operation, mode, failures, **fixed) -> None:
     """Up to EXAMPLES_PER_OPERATION generated requests; the first failure is recorded."""
     label = f"{operation.method.upper()} {operation.path} ({mode}{', ' + str(fixed) if fixed else ''})"
@@ -126,16 +148,7 @@ def _fuzz(sandbar, headers, operation, mode, failures, **fixed) -> None:
     def probe(case):
         if found:
             return
-        response = case.call(base_url=sandbar.url, headers=headers, timeout=60)
-        _statuses[response.status_code] = _statuses.get(response.status_code, 0) + 1
-        _record_created(case, response)
-        try:
-            case.validate_response(response, checks=CHECKS)
-        except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - all are reported
-            found.append(
-                f"{label}: {e}\n  request: {response.request.method} {response.request.url} "
-                f"body={(response.request.body or b'')[:300]!r}"
-            )
+        _conforms(case, _call(sandbar, headers, case, timeout=60), found, label)
 
     try:
         probe()
@@ -151,12 +164,8 @@ def _fuzz(sandbar, headers, operation, mode, failures, **fixed) -> None:
 def _new_sandbox(sandbar, headers, schema, failures) -> str | None:
     """A real sandbox, made through a checked request."""
     case = schema["/v2/sandboxes"]["POST"].Case(body={"templateID": "base", "timeout": 120})
-    response = case.call(base_url=sandbar.url, headers=headers, timeout=120)
-    _record_created(case, response)
-    try:
-        case.validate_response(response, checks=CHECKS)
-    except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - all are reported
-        failures.append(f"POST /v2/sandboxes (base): {e}")
+    response = _call(sandbar, headers, case, timeout=120)
+    if not _conforms(case, response, failures, "POST /v2/sandboxes (base)"):
         return None
     assert response.status_code == 201, response.text
     return response.json()["sandboxID"]
@@ -164,13 +173,8 @@ def _new_sandbox(sandbar, headers, schema, failures) -> str | None:
 
 def _call_checked(sandbar, headers, operation, path_parameters, body, failures) -> None:
     case = operation.Case(path_parameters=path_parameters, body=body)
-    response = case.call(base_url=sandbar.url, headers=headers, timeout=120)
-    _statuses[response.status_code] = _statuses.get(response.status_code, 0) + 1
-    _record_created(case, response)
-    try:
-        case.validate_response(response, checks=CHECKS)
-    except (Exception, BaseExceptionGroup) as e:  # noqa: BLE001 - all are reported
-        failures.append(f"{operation.method.upper()} {operation.path} ({body}): {e}")
+    response = _call(sandbar, headers, case, timeout=120)
+    _conforms(case, response, failures, f"{operation.method.upper()} {operation.path} ({body})")
 
 
 def test_every_operation_keeps_the_contract(sandbar):

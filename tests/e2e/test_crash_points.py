@@ -75,12 +75,23 @@ def criu_processes() -> list:
     return found
 
 
-def counting_sandbox(make_sandbox):
+def armed_counting_sandbox(crashable, make_sandbox, point: str):
+    """Restarts the server set to abort at `point` (see arm), then makes a sandbox on it that
+    holds a file and counts in /tmp/count; the sandbox and its count so far."""
+    arm(crashable, point)
     sbx = make_sandbox(timeout=300)
     sbx.files.write("/home/user/kept.bin", bytes(range(256)) * 64)
     sbx.commands.run(COUNTER, background=True)
     wait_until(lambda: sbx.commands.run("test -s /tmp/count").exit_code == 0, timeout=10)
     return sbx, read_count(sbx)
+
+
+def state_after_crash(crashable, point: str, sandbox_id: str) -> str:
+    """Waits for the armed server to abort at `point` and starts it unarmed (see
+    expect_crash_and_restart); no CRIU process is left then. The sandbox's state after."""
+    expect_crash_and_restart(crashable, point)
+    assert criu_processes() == []
+    return state_of(crashable, sandbox_id)
 
 
 def assert_whole_and_running(sbx_id: str, before: int) -> Sandbox:
@@ -104,8 +115,7 @@ def assert_nothing_left(sbx: Sandbox) -> None:
 
 
 def test_crash_after_freezing_leaves_it_running(crashable, make_sandbox):
-    arm(crashable, "pause.frozen")
-    sbx, before = counting_sandbox(make_sandbox)
+    sbx, before = armed_counting_sandbox(crashable, make_sandbox, "pause.frozen")
     with pytest.raises(Exception):
         sbx.pause()
     expect_crash_and_restart(crashable, "pause.frozen")
@@ -115,8 +125,7 @@ def test_crash_after_freezing_leaves_it_running(crashable, make_sandbox):
 
 
 def test_crash_during_a_pause_without_memory_keeps_the_files(crashable, make_sandbox):
-    arm(crashable, "pause.released")
-    sbx, _ = counting_sandbox(make_sandbox)
+    sbx, _ = armed_counting_sandbox(crashable, make_sandbox, "pause.released")
     with pytest.raises(Exception):
         sbx.pause(mode="filesystem")
     expect_crash_and_restart(crashable, "pause.released")
@@ -128,8 +137,7 @@ def test_crash_during_a_pause_without_memory_keeps_the_files(crashable, make_san
 
 
 def test_crash_after_thawing_leaves_it_paused(crashable, make_sandbox):
-    arm(crashable, "resume.thawed")
-    sbx, before = counting_sandbox(make_sandbox)
+    sbx, before = armed_counting_sandbox(crashable, make_sandbox, "resume.thawed")
     assert sbx.pause() is True
     with pytest.raises(Exception):
         Sandbox.connect(sbx.sandbox_id, timeout=120)
@@ -141,13 +149,10 @@ def test_crash_after_thawing_leaves_it_paused(crashable, make_sandbox):
 
 @pytest.mark.parametrize("point", ["checkpoint.dumping", "checkpoint.dumped"])
 def test_crash_during_a_checkpoint_finishes_it(crashable, make_sandbox, point):
-    arm(crashable, point)
-    sbx, before = counting_sandbox(make_sandbox)
+    sbx, before = armed_counting_sandbox(crashable, make_sandbox, point)
     assert sbx.pause() is True
     # The checkpoint starts after the pause grace, in the background.
-    expect_crash_and_restart(crashable, point)
-    assert criu_processes() == []
-    assert state_of(crashable, sbx.sandbox_id) == "paused"
+    assert state_after_crash(crashable, point, sbx.sandbox_id) == "paused"
     # The dump ran to its end on its own and was sealed at the restart.
     wait_checkpointed(crashable, sbx.sandbox_id)
     assert_nothing_left(assert_whole_and_running(sbx.sandbox_id, before))
@@ -155,16 +160,13 @@ def test_crash_during_a_checkpoint_finishes_it(crashable, make_sandbox, point):
 
 @pytest.mark.parametrize("point", ["restore.restoring", "restore.restored"])
 def test_crash_during_a_restore_finishes_it(crashable, make_sandbox, point):
-    arm(crashable, point)
-    sbx, before = counting_sandbox(make_sandbox)
+    sbx, before = armed_counting_sandbox(crashable, make_sandbox, point)
     assert sbx.pause() is True
     wait_checkpointed(crashable, sbx.sandbox_id)
     with pytest.raises(Exception):
         Sandbox.connect(sbx.sandbox_id, timeout=120)
-    expect_crash_and_restart(crashable, point)
-    assert criu_processes() == []
     # The restore ran to its end on its own: the sandbox runs, its checkpoint spent.
-    assert state_of(crashable, sbx.sandbox_id) == "running"
+    assert state_after_crash(crashable, point, sbx.sandbox_id) == "running"
     assert not header_of(crashable, sbx.sandbox_id).exists()
     sbx = assert_whole_and_running(sbx.sandbox_id, before)
     # It pauses and resumes like any other afterwards.
@@ -178,14 +180,11 @@ def test_crash_during_a_restore_finishes_it(crashable, make_sandbox, point):
 def test_crash_during_a_snapshot_leaves_it_running_and_no_snapshot(crashable, make_sandbox, point):
     snapshots_dir = DATA_DIR / "snapshots"
     snapshot_dirs = set(snapshots_dir.iterdir()) if snapshots_dir.exists() else set()
-    arm(crashable, point)
-    sbx, before = counting_sandbox(make_sandbox)
+    sbx, before = armed_counting_sandbox(crashable, make_sandbox, point)
     with pytest.raises(Exception):
         sbx.create_snapshot()
-    expect_crash_and_restart(crashable, point)
-    assert criu_processes() == []
     # Held still for the dump when the server died: thawed again at the restart.
-    assert state_of(crashable, sbx.sandbox_id) == "running"
+    assert state_after_crash(crashable, point, sbx.sandbox_id) == "running"
     with crashable.client() as api:
         listed = api.get("/snapshots", params={"sandboxID": sbx.sandbox_id})
         assert listed.status_code == 200 and listed.json() == [], listed.text

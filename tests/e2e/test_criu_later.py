@@ -15,15 +15,14 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox, SandboxException
 
-from e2e_util import checkpoints_off
+from e2e_util import require_checkpoints
 
 INSTALLED = Path("/usr/local/sbin/criu")
 
 
 @pytest.fixture
 def criu_missing_at_start(sandbar):
-    if checkpoints_off(sandbar):
-        pytest.skip(f"the server cannot checkpoint: {checkpoints_off(sandbar)}")
+    require_checkpoints(sandbar)
     later = Path(tempfile.mkdtemp(prefix="sandbar-e2e-criu-")) / "criu"
     usual = list(sandbar.extra_args)
     sandbar.extra_args = usual + ["--criu", str(later), "--criu-reprobe-secs", "1"]

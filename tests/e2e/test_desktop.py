@@ -19,7 +19,7 @@ from PIL import Image, ImageChops
 
 from e2b_desktop import Sandbox
 
-from e2e_util import LOG_DIR, TEMPLATE_WAIT_S, run_node_test, wait_until
+from e2e_util import LOG_DIR, TEMPLATE_WAIT_S, created_sandbox, run_node_test, wait_until
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 VIEWER = Path(__file__).with_name("stream_viewer.py")
@@ -32,14 +32,8 @@ def desktop_template(sandbar):
 
 @pytest.fixture(scope="module")
 def desk(sandbar, desktop_template):
-    sandbox = Sandbox.create(timeout=600)
-    try:
+    with created_sandbox(Sandbox, timeout=600) as sandbox:
         yield sandbox
-    finally:
-        try:
-            Sandbox.kill(sandbox.sandbox_id)
-        except Exception:  # noqa: BLE001 - teardown must not mask the result
-            pass
 
 
 def image(png: bytes) -> Image.Image:

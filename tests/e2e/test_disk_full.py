@@ -33,14 +33,15 @@ import pytest
 
 import conftest
 from e2e_util import (
-    BASE_ROOT,
     METRICS_HEADERS,
-    SANDBAR_BIN,
-    SandbarServer,
+    SHARED_BASE,
+    bind_shared_base,
     free_port,
+    module_server,
     point_sdk_at,
-    private_binaries,
+    sh,
     shared_server_set_aside,
+    unmount_under,
     wait_until,
 )
 
@@ -49,22 +50,6 @@ POOL_GB = 1
 DISK_MB = 384
 POOL_RESERVE_MB = 128
 DATA_RESERVE_MB = 64
-SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
-
-
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
-def mounts_under(path: Path) -> list:
-    prefix = str(path)
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split(" ")[4])
-            if point == prefix or point.startswith(prefix + "/"):
-                found.append(point)
-    return sorted(found, key=lambda p: p.count("/"), reverse=True)
 
 
 def free_bytes(path: Path) -> int:
@@ -91,25 +76,20 @@ class SmallDisk:
         self.data_dir = self.mount / "data"
         self.pool = self.data_dir / "sandboxes"
         self.filler = self.mount / "filler"
-        self.binary, _ = private_binaries(SANDBAR_BIN)
-        self.server = SandbarServer(
-            self.binary,
+        # The checks measure the pool's free space to a few MiB: the server boots no
+        # sandboxes ahead of demand to share the 1 GiB pool with the ones under test.
+        self.server = module_server(
             self.data_dir,
-            Path("/tmp/sandbar-e2e-logs") / f"disk-full-{tag}.log",
-            free_port(),
-            extra_args=[
+            f"disk-full-{tag}",
+            conftest.FAKE_DNS.address,
+            [
                 "--base-disk-mb", str(DISK_MB),
                 "--disk-pool-gb", str(POOL_GB),
                 "--disk-pool-reserve-mb", str(POOL_RESERVE_MB),
                 "--data-disk-reserve-mb", str(DATA_RESERVE_MB),
-                "--nameserver", conftest.FAKE_DNS.address,
-                "--netns-pool", "0",
-                # The checks measure the pool's free space to a few MiB; sandboxes booted
-                # ahead of demand would share the 1 GiB pool with the ones under test.
-                "--warm-pool", "0",
-                "--criu", "",
             ],
         )
+        self.binary = self.server.binary
 
     def make(self) -> None:
         with open(self.image, "wb") as f:
@@ -117,10 +97,7 @@ class SmallDisk:
         sh("mkfs.ext4", "-q", "-F", "-m", "0", str(self.image))
         self.mount.mkdir()
         sh("mount", "-o", "loop", str(self.image), str(self.mount))
-        base = self.data_dir / "templates" / SHARED_BASE.name
-        base.mkdir(parents=True)
-        sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
-        sh("mount", "-o", "remount,bind,ro", str(base))
+        bind_shared_base(self.data_dir)
 
     def fill(self) -> None:
         """Takes every free block of the data filesystem but one MiB, from the host."""
@@ -134,21 +111,9 @@ class SmallDisk:
         problems = []
         self.free()
         if self.server.proc is not None:
-            try:
-                with self.server.client(timeout=30) as api:
-                    for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
-                        api.delete(f"/sandboxes/{s['sandboxID']}")
-            except Exception as e:  # noqa: BLE001 - cleanup goes on
-                problems.append(f"killing sandboxes: {e}")
-            try:
-                self.server.stop(kill9=False)
-            except Exception as e:  # noqa: BLE001
-                problems.append(f"stopping sandbar: {e}")
-                self.server.stop(kill9=True)
-        for point in mounts_under(self.mount):
-            if sh("umount", point, check=False).returncode != 0:
-                sh("umount", "-l", point, check=False)
-        left = mounts_under(self.mount)
+            self.server.delete_sandboxes_in_teardown(problems)
+            self.server.stop_in_teardown(problems)
+        left = unmount_under(self.mount)
         if left:
             problems.append(f"mounts left under {self.mount}: {left}")
         else:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from e2b import CommandExitException, Sandbox
 
-from e2e_util import DATA_DIR, REPO_ROOT, sandbox_cgroup_dirs, wait_until
+from e2e_util import DATA_DIR, REPO_ROOT, created_sandbox, sandbox_cgroup_dirs, wait_until
 
 SANDBOX_IDS = 65536
 
@@ -55,13 +55,6 @@ def py_json(sbx, code, *args, user="root", timeout=60):
     lines = [l for l in out.splitlines() if l.strip()]
     assert rc == 0 and lines, f"probe script failed (exit {rc}): {out[-2000:]} {err[-2000:]}"
     return json.loads(lines[-1])
-
-
-def _kill_quietly(sbx):
-    try:
-        Sandbox.kill(sbx.sandbox_id)
-    except Exception:  # noqa: BLE001 - teardown must not mask results
-        pass
 
 
 def host_pids_running(argv):
@@ -127,21 +120,15 @@ def create_raw(sandbar, track, disk_mb=None, timeout=300):
 @pytest.fixture(scope="module")
 def box(sandbar):
     """A sandbox shared by the probes that only look."""
-    sbx = Sandbox.create(timeout=900)
-    try:
+    with created_sandbox(timeout=900) as sbx:
         yield sbx
-    finally:
-        _kill_quietly(sbx)
 
 
 @pytest.fixture(scope="module")
 def box2(sandbar):
     """A second shared sandbox, the neighbour."""
-    sbx = Sandbox.create(timeout=900)
-    try:
+    with created_sandbox(timeout=900) as sbx:
         yield sbx
-    finally:
-        _kill_quietly(sbx)
 
 
 # --------------------------------------------------------------------------
@@ -632,11 +619,8 @@ EXTRA_ERRNOS = {"setns_user": {"EINVAL"}}
 
 @pytest.fixture(scope="module")
 def syscall_results(sandbar):
-    sbx = Sandbox.create(timeout=300)
-    try:
+    with created_sandbox(timeout=300) as sbx:
         return py_json(sbx, SYSCALL_PROBES, timeout=120)
-    finally:
-        _kill_quietly(sbx)
 
 
 @pytest.fixture(scope="module")

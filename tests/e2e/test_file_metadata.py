@@ -11,21 +11,15 @@ from e2b import FileType, FilesystemEventType, InvalidArgumentException, Sandbox
 from e2b.sandbox.filesystem.filesystem import WriteEntry
 from packaging.version import Version
 
-from e2e_util import ENVD_PORT, unique, wait_until
+from e2e_util import ENVD_PORT, created_sandbox, unique, wait_until
 
 REPORTED_ENVD = Version("0.6.4")
 
 
 @pytest.fixture(scope="module")
 def sbx(sandbar):
-    sandbox = Sandbox.create(timeout=180)
-    try:
+    with created_sandbox(timeout=180) as sandbox:
         yield sandbox
-    finally:
-        try:
-            Sandbox.kill(sandbox.sandbox_id)
-        except Exception:  # noqa: BLE001 - teardown must not mask the test result
-            pass
 
 
 @pytest.fixture

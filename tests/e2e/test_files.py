@@ -273,6 +273,13 @@ def _routing_headers(sbx):
     return {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
 
 
+def _post_file(sbx, url: str, path: str, payload: bytes, content_type: str = "text/plain") -> httpx.Response:
+    """A multipart upload of `payload` as `path` to the signed `url`, with the routing headers."""
+    return httpx.post(
+        url, files={"file": (path, payload, content_type)}, headers=_routing_headers(sbx), timeout=30
+    )
+
+
 def test_download_url_plain_http(sandbox):
     sandbox.files.write("/home/user/dl.txt", "download me")
     url = sandbox.download_url("/home/user/dl.txt")
@@ -324,12 +331,7 @@ def test_download_url_rejects_bad_or_expired_signature(sandbox):
 def test_upload_url(sandbox):
     url = sandbox.upload_url("/home/user/uploaded/via-url.txt")
     payload = b"uploaded through a signed URL\n"
-    r = httpx.post(
-        url,
-        files={"file": ("/home/user/uploaded/via-url.txt", payload, "application/octet-stream")},
-        headers=_routing_headers(sandbox),
-        timeout=30,
-    )
+    r = _post_file(sandbox, url, "/home/user/uploaded/via-url.txt", payload, "application/octet-stream")
     assert r.status_code == 200, f"{r.status_code} {r.text}"
     body = r.json()
     assert isinstance(body, list) and body and body[0]["path"] == "/home/user/uploaded/via-url.txt"
@@ -365,22 +367,12 @@ def test_a_signed_url_is_not_turned_into_roots_by_a_basic_header(sandbox):
 def test_upload_url_signature_is_bound_to_path(sandbox):
     url = sandbox.upload_url("/home/user/allowed.txt")
     wrong = url.replace("allowed.txt", "sneaky.txt")
-    r = httpx.post(
-        wrong,
-        files={"file": ("/home/user/sneaky.txt", b"x", "text/plain")},
-        headers=_routing_headers(sandbox),
-        timeout=30,
-    )
+    r = _post_file(sandbox, wrong, "/home/user/sneaky.txt", b"x")
     assert r.status_code in (401, 403), f"{r.status_code} {r.text}"
     assert not sandbox.files.exists("/home/user/sneaky.txt")
     # a read signature cannot be used to write
     read_url = sandbox.download_url("/home/user/allowed.txt")
-    r = httpx.post(
-        read_url,
-        files={"file": ("/home/user/allowed.txt", b"x", "text/plain")},
-        headers=_routing_headers(sandbox),
-        timeout=30,
-    )
+    r = _post_file(sandbox, read_url, "/home/user/allowed.txt", b"x")
     assert r.status_code in (401, 403), f"{r.status_code} {r.text}"
     assert not sandbox.files.exists("/home/user/allowed.txt")
 

@@ -11,7 +11,6 @@ uses (about 3-5 minutes in all).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import time
@@ -28,7 +27,12 @@ from e2e_util import (
     acquire_run_lock,
     all_pids,
     free_port,
+    mounts_under,
     private_binaries,
+    read_or_empty,
+    readlink_or_empty,
+    restore_environ,
+    unmount_under,
     wait_until,
 )
 
@@ -38,73 +42,41 @@ BUILD_RUNNING = "base: installing essential packages"
 BUILD_WAIT_S = 600
 
 
-def _read(path: str) -> str:
-    try:
-        with open(path, "r", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mounts_under(path: Path) -> List[str]:
-    """Mount points of this process's mount namespace at or below `path`, deepest first."""
-    prefix = str(path)
-    points = []
-    for line in _read("/proc/self/mountinfo").splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            point = _unescape(fields[4])
-            if point == prefix or point.startswith(prefix + "/"):
-                points.append(point)
-    return sorted(points, key=lambda p: p.count("/"), reverse=True)
-
-
 def build_processes(data_dir: Path) -> Dict[int, str]:
     """Processes of a base build in `data_dir`: mmdebstrap and unshare name the data dir on
     their command line, what they start runs chrooted into it or in their PID namespace."""
     found = {}
-    own_pidns = _link("/proc/self/ns/pid")
+    own_pidns = readlink_or_empty("/proc/self/ns/pid")
     for pid in all_pids():
-        cmd = _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
-        root = _link(f"/proc/{pid}/root")
-        cwd = _link(f"/proc/{pid}/cwd")
+        cmd = read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+        root = readlink_or_empty(f"/proc/{pid}/root")
+        cwd = readlink_or_empty(f"/proc/{pid}/cwd")
         if str(data_dir) in cmd or root.startswith(str(data_dir)) or cwd.startswith(str(data_dir)):
             if pid != os.getpid():
                 found[pid] = cmd or "(no command line)"
     # Anything in the PID namespace of a build process found above is part of the build.
-    namespaces = {_link(f"/proc/{p}/ns/pid") for p in found} - {own_pidns, ""}
+    namespaces = {readlink_or_empty(f"/proc/{p}/ns/pid") for p in found} - {own_pidns, ""}
     if namespaces:
         for pid in all_pids():
-            if _link(f"/proc/{pid}/ns/pid") in namespaces:
-                found.setdefault(pid, _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip())
+            if readlink_or_empty(f"/proc/{pid}/ns/pid") in namespaces:
+                found.setdefault(pid, read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip())
     return found
 
 
 def build_pid_namespaces(data_dir: Path) -> set:
-    own = _link("/proc/self/ns/pid")
+    own = readlink_or_empty("/proc/self/ns/pid")
     return {
         ns
-        for ns in (_link(f"/proc/{p}/ns/pid") for p in build_processes(data_dir))
+        for ns in (readlink_or_empty(f"/proc/{p}/ns/pid") for p in build_processes(data_dir))
         if ns and ns != own
     }
 
 
 def processes_in(namespaces: set) -> Dict[int, str]:
     return {
-        pid: _read(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
+        pid: read_or_empty(f"/proc/{pid}/cmdline").replace("\0", " ").strip()
         for pid in all_pids()
-        if _link(f"/proc/{pid}/ns/pid") in namespaces
+        if readlink_or_empty(f"/proc/{pid}/ns/pid") in namespaces
     }
 
 
@@ -122,7 +94,7 @@ class FirstStart:
         )
 
     def log(self) -> str:
-        return _read(str(self.log_path))
+        return read_or_empty(str(self.log_path))
 
     def log_since_start(self) -> str:
         text = self.log()
@@ -141,11 +113,7 @@ class FirstStart:
 
     def cleanup(self) -> List[str]:
         problems = []
-        try:
-            self.server.stop(kill9=False)
-        except Exception as e:  # noqa: BLE001 - cleanup must go on
-            problems.append(f"stopping sandbar: {e}")
-            self.server.stop(kill9=True)
+        self.server.stop_in_teardown(problems)
         for pid in build_processes(self.data_dir):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -153,9 +121,7 @@ class FirstStart:
             except OSError:
                 pass
         time.sleep(0.5)
-        for point in mounts_under(self.data_dir):
-            os.system(f"umount -l '{point}' 2>/dev/null")
-        left = mounts_under(self.data_dir)
+        left = unmount_under(self.data_dir)
         if left:
             problems.append(f"mounts under {self.data_dir} could not be removed: {left}")
         else:
@@ -184,12 +150,7 @@ def build_mounts(data_dir: Path) -> List[str]:
     """What the build's processes see mounted in the root it builds (their own mount table)."""
     partial = str(data_dir / "templates" / f".{BASE_ROOT}.partial")
     for pid in build_processes(data_dir):
-        points = [
-            _unescape(line.split(" ")[4])
-            for line in _read(f"/proc/{pid}/mountinfo").splitlines()
-            if len(line.split(" ")) > 4
-        ]
-        inside = [p for p in points if p.startswith(partial + "/")]
+        inside = [p for p in mounts_under(Path(partial), f"/proc/{pid}/mountinfo") if p != partial]
         if inside:
             return inside
     return []
@@ -255,8 +216,4 @@ def test_interrupted_base_builds_leave_nothing_and_the_next_start_builds_base(fi
         finally:
             sbx.kill()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(saved)

@@ -11,8 +11,7 @@ import pytest
 from e2b import Sandbox
 from e2b.exceptions import GitAuthException, GitUpstreamException, InvalidArgumentException
 
-from conftest import _kill_quietly
-from e2e_util import wait_until
+from e2e_util import created_sandbox, wait_until
 
 HOME = "/home/user"
 REMOTE = f"{HOME}/remote.git"
@@ -88,11 +87,8 @@ def sh(sbx: Sandbox, cmd: str) -> str:
 
 @pytest.fixture(scope="module")
 def sbx(sandbar):
-    sandbox = Sandbox.create(timeout=300)
-    try:
+    with created_sandbox(timeout=300) as sandbox:
         yield sandbox
-    finally:
-        _kill_quietly(sandbox.sandbox_id)
 
 
 def test_the_default_template_has_git_curl_certificates_and_procps(sbx):

@@ -285,12 +285,16 @@ def test_process_count_is_capped(sandbox, sandbar, user):
     assert count < 3000, f"{count} processes could be forked as {user}: no pids cap"
     assert err == str(errno.EAGAIN), f"fork failed with errno {err}, expected EAGAIN from the pids cap"
     assert count >= 50, f"only {count} forks succeeded; the cap is unreasonably low"
-    # the sandbox recovers
+    _assert_recovers(sandbox, sandbar, "the fork loop", command_timeout=20, timeout=60, interval=1)
+
+
+def _assert_recovers(sandbox, sandbar, after: str, command_timeout: float, timeout: float, interval: float) -> None:
+    """The sandbox answers a command again within `timeout`, and the server is healthy."""
     wait_until(
-        lambda: sandbox.commands.run("echo ok", timeout=20).stdout == "ok\n",
-        timeout=60,
-        interval=1,
-        message="the sandbox to answer after the fork loop",
+        lambda: sandbox.commands.run("echo ok", timeout=command_timeout).stdout == "ok\n",
+        timeout=timeout,
+        interval=interval,
+        message=f"the sandbox to answer after {after}",
     )
     assert httpx.get(sandbar.url + "/health", timeout=10).status_code in (200, 204)
 
@@ -313,13 +317,7 @@ def test_fork_bomb_is_contained(sandbox, sandbar):
     except SandboxException:
         pass
     assert time.monotonic() - start < 60
-    wait_until(
-        lambda: sandbox.commands.run("echo ok", timeout=10).stdout == "ok\n",
-        timeout=90,
-        interval=2,
-        message="the sandbox to answer after the fork bomb",
-    )
-    assert httpx.get(sandbar.url + "/health", timeout=10).status_code in (200, 204)
+    _assert_recovers(sandbox, sandbar, "the fork bomb", command_timeout=10, timeout=90, interval=2)
     assert sandbar.proc is not None and sandbar.proc.poll() is None
 
 

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from conftest import _kill_quietly
-from e2e_util import checkpoints_off, state_of, wait_until
+from e2e_util import kill_quietly, require_checkpoints, state_of, wait_until
 
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
@@ -38,7 +37,7 @@ def pair(sandbar):
         yield made
     finally:
         for sbx in made:
-            _kill_quietly(sbx.sandbox_id)
+            kill_quietly(sbx.sandbox_id)
 
 
 def test_each_sandbox_has_its_own_boot_and_machine_id(pair):
@@ -64,9 +63,7 @@ def test_a_resume_with_memory_keeps_both_ids(pair):
 
 
 def test_a_resume_from_a_checkpoint_keeps_both_ids(sandbar, pair):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     sbx = pair[1]
     before = identity(sbx)
     assert sbx.pause() is True
@@ -93,9 +90,7 @@ def test_a_resume_without_memory_is_a_new_boot_of_the_same_machine(sandbar, pair
 
 
 def test_forks_and_snapshot_sandboxes_are_new_machines(sandbar, pair):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    require_checkpoints(sandbar, "snapshot memory")
     source = pair[1]
     boot, machine = identity(source)
     forks = [f for f in source.fork(count=2, timeout=60) if hasattr(f, "sandbox_id")]
@@ -109,4 +104,4 @@ def test_forks_and_snapshot_sandboxes_are_new_machines(sandbar, pair):
         assert identity(source) == (boot, machine)
     finally:
         for f in forks:
-            _kill_quietly(f.sandbox_id)
+            kill_quietly(f.sandbox_id)

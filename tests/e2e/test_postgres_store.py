@@ -23,21 +23,16 @@ import pytest
 
 import conftest
 from e2e_util import (
-    BASE_ROOT,
-    SANDBAR_BIN,
-    SandbarServer,
-    free_port,
+    SHARED_BASE,
+    bind_shared_base,
+    module_server,
     point_sdk_at,
-    private_binaries,
+    sh,
     shared_server_set_aside,
+    unmount_under,
 )
 
 PG_BIN = Path(os.environ.get("SANDBAR_PG_BIN") or "/usr/lib/postgresql/15/bin")
-SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
-
-
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check, stdin=subprocess.DEVNULL)
 
 
 def as_postgres(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -94,28 +89,16 @@ def pg_server(sandbar):
         cluster = Cluster()
         tag = uuid.uuid4().hex[:10]
         data_dir = Path(f"/var/tmp/sandbar-e2e-pg-{tag}")
-        base = data_dir / "templates" / SHARED_BASE.name
-        binary, _ = private_binaries(SANDBAR_BIN)
-        server = SandbarServer(
-            binary,
+        server = module_server(
             data_dir,
-            Path("/tmp/sandbar-e2e-logs") / f"postgres-store-{tag}.log",
-            free_port(),
-            extra_args=[
-                "--database-url", cluster.url,
-                "--nameserver", conftest.FAKE_DNS.address,
-                # Nothing here measures disks or needs warm sandboxes; no pool image to allocate.
-                "--disk-quotas", "false",
-                "--netns-pool", "0",
-                "--warm-pool", "0",
-                "--criu", "",
-            ],
+            f"postgres-store-{tag}",
+            conftest.FAKE_DNS.address,
+            # Nothing here measures disks; no pool image to allocate.
+            ["--database-url", cluster.url, "--disk-quotas", "false"],
         )
         try:
             cluster.start()
-            base.mkdir(parents=True)
-            sh("mount", "--bind", "-o", "ro", str(SHARED_BASE), str(base))
-            sh("mount", "-o", "remount,bind,ro", str(base))
+            bind_shared_base(data_dir)
             server.start()
             server.wait_healthy(timeout=60)
             server.wait_base_template(timeout=60)
@@ -124,21 +107,11 @@ def pg_server(sandbar):
         finally:
             problems = []
             if server.proc is not None:
-                try:
-                    with server.client(timeout=30) as api:
-                        for s in api.get("/v2/sandboxes", params={"state": "running,paused"}).json():
-                            api.delete(f"/sandboxes/{s['sandboxID']}")
-                except Exception as e:  # noqa: BLE001 - cleanup goes on
-                    problems.append(f"killing sandboxes: {e}")
-                try:
-                    server.stop(kill9=False)
-                except Exception as e:  # noqa: BLE001
-                    problems.append(f"stopping sandbar: {e}")
-                    server.stop(kill9=True)
-            if base.exists() and sh("umount", str(base), check=False).returncode != 0:
-                sh("umount", "-l", str(base), check=False)
+                server.delete_sandboxes_in_teardown(problems)
+                server.stop_in_teardown(problems)
+            unmount_under(data_dir)
             shutil.rmtree(data_dir, ignore_errors=True)
-            shutil.rmtree(binary.parent, ignore_errors=True)
+            shutil.rmtree(server.binary.parent, ignore_errors=True)
             cluster.stop()
             assert not problems, "; ".join(problems)
 

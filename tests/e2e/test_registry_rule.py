@@ -16,7 +16,7 @@ from typing import Iterator, Tuple
 
 import pytest
 
-from e2e_util import unique, wait_until
+from e2e_util import build_log_messages, unique, wait_build_end
 
 BUILD_TIMEOUT = 300
 
@@ -128,14 +128,8 @@ def test_an_allowed_local_registry_still_serves_pulls(sandbar, registry):
                 json={"fromImage": registry.image("e2e/tiny:1")},
             )
             assert r.status_code == 202, f"POST build: {r.status_code} {r.text}"
-
-            def finished():
-                s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params={"logsOffset": 0})
-                assert s.status_code == 200, f"{s.status_code} {s.text}"
-                return s.json() if s.json()["status"] in ("ready", "error") else None
-
-            status = wait_until(finished, timeout=BUILD_TIMEOUT, interval=0.5, message=f"build {build_id} to end")
-            logs = "\n".join(e.get("message", "") for e in status.get("logEntries") or [])
+            status = wait_build_end(api, template_id, build_id, timeout=BUILD_TIMEOUT, interval=0.5)
+            logs = "\n".join(build_log_messages(status))
             assert status["status"] == "ready", f"{status.get('reason')}\n{logs}"
         finally:
             api.delete(f"/templates/{template_id}")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery
 
-from e2e_util import COUNTER, ENVD_PORT, checkpoints_off, read_count, sandbox_cgroup_dirs, unique, wait_until
+from e2e_util import COUNTER, ENVD_PORT, read_count, require_checkpoints, sandbox_cgroup_dirs, unique, wait_until
 
 
 def _now():
@@ -101,9 +101,7 @@ def test_restart_keeps_sandboxes_paused_without_memory(make_sandbox, sandbar):
 def test_kill9_while_checkpointed_then_resume(make_sandbox, sandbar):
     from test_checkpoint import header_of, wait_checkpointed
 
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     tag = unique("restartckpt")
     sbx = make_sandbox(timeout=120, metadata={"restart-tag": tag})
     sbx.commands.run(COUNTER, background=True)
@@ -131,9 +129,7 @@ def test_a_checkpoint_whose_namespaces_died_keeps_its_files(make_sandbox, sandba
 
     from test_checkpoint import header_of, wait_checkpointed
 
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     sbx = make_sandbox(timeout=120)
     sbx.files.write("/home/user/kept.txt", "kept across the reboot")
     sbx.commands.run(COUNTER, background=True)
@@ -188,9 +184,7 @@ def _restart_as_if_killed_mid_checkpoint(sandbar, sandbox_id: str) -> None:
 def test_crash_mid_checkpoint_is_resolved_either_way(make_sandbox, sandbar):
     from test_checkpoint import header_of, wait_checkpointed
 
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot checkpoint: {reason}")
+    require_checkpoints(sandbar)
     # Died before the dump ended the processes: the partial checkpoint goes, the sandbox is
     # still frozen in memory.
     alive = make_sandbox(timeout=120)
@@ -284,9 +278,7 @@ def test_paused_sandbox_survives_kill9_and_resumes(make_sandbox, sandbar):
 
 
 def test_snapshot_survives_kill9_and_starts_sandboxes(make_sandbox, sandbar):
-    reason = checkpoints_off(sandbar)
-    if reason:
-        pytest.skip(f"the server cannot snapshot memory: {reason}")
+    require_checkpoints(sandbar, "snapshot memory")
     source = make_sandbox(timeout=300)
     source.files.write("/home/user/kept.txt", "kept")
     source.commands.run(COUNTER, background=True)

@@ -32,6 +32,15 @@ def _listed_ids(query=None, limit=None):
     return ids
 
 
+def _unknown(sandbox_id: str) -> bool:
+    """Whether get_info answers SandboxNotFoundException for the sandbox."""
+    try:
+        Sandbox.get_info(sandbox_id)
+        return False
+    except SandboxNotFoundException:
+        return True
+
+
 def test_create_default_template(sandbox, base_template):
     info = sandbox.get_info()
     assert info.sandbox_id == sandbox.sandbox_id
@@ -163,15 +172,7 @@ def test_expiry(make_sandbox):
     sbx = make_sandbox(timeout=3)
     sid = sbx.sandbox_id
     wait_until(lambda: not sbx.is_running(request_timeout=5), timeout=20, interval=0.5, message="sandbox to expire")
-
-    def gone():
-        try:
-            Sandbox.get_info(sid)
-            return False
-        except SandboxNotFoundException:
-            return True
-
-    wait_until(gone, timeout=10, message="get_info to raise SandboxNotFoundException")
+    wait_until(lambda: _unknown(sid), timeout=10, message="get_info to raise SandboxNotFoundException")
     assert sid not in _listed_ids()
     assert Sandbox.kill(sid) is False
     with pytest.raises(SandboxException):
@@ -187,15 +188,7 @@ def test_sandbox_that_dies_is_cleaned_up(make_sandbox):
     assert pids, f"no host processes found for {sid}"
     # The lowest host PID is the sandbox's init; killing it ends the whole PID namespace.
     os.kill(pids[0], signal.SIGKILL)
-
-    def gone():
-        try:
-            Sandbox.get_info(sid)
-            return False
-        except SandboxNotFoundException:
-            return True
-
-    wait_until(gone, timeout=20, interval=0.5, message="the dead sandbox to be cleaned up")
+    wait_until(lambda: _unknown(sid), timeout=20, interval=0.5, message="the dead sandbox to be cleaned up")
     assert sid not in _listed_ids()
     assert sandbox_cgroup_dirs(sid) == set()
 

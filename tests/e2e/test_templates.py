@@ -30,6 +30,8 @@ from e2b import BuildException, Sandbox, Template, wait_for_file
 
 from e2e_util import (
     CREATED_IDS,
+    add_tar_entry,
+    build_log_messages,
     checkpoints_off,
     all_pids,
     host_mounts_mentioning,
@@ -37,6 +39,7 @@ from e2e_util import (
     sandbox_cgroup_dirs,
     sandbox_like_processes,
     unique,
+    wait_build_end,
     wait_until,
 )
 
@@ -566,29 +569,6 @@ def test_ready_cmd_that_never_succeeds_fails_the_build(sandbar, tiny1, good_temp
 # --------------------------------------------------------------------------
 
 
-def _tar_entry(tar: tarfile.TarFile, name: str, kind: str = "file", data: bytes = b"x\n", target: str = "") -> None:
-    ti = tarfile.TarInfo(name)
-    ti.mtime = 1_700_000_000
-    ti.mode = 0o644
-    if kind == "dir":
-        ti.type, ti.mode = tarfile.DIRTYPE, 0o755
-        tar.addfile(ti)
-    elif kind == "file":
-        ti.size = len(data)
-        tar.addfile(ti, io.BytesIO(data))
-    elif kind == "symlink":
-        ti.type, ti.linkname = tarfile.SYMTYPE, target
-        tar.addfile(ti)
-    elif kind == "hardlink":
-        ti.type, ti.linkname = tarfile.LNKTYPE, target
-        tar.addfile(ti)
-    elif kind == "chardev":
-        ti.type, ti.devmajor, ti.devminor = tarfile.CHRTYPE, 1, 1
-        tar.addfile(ti)
-    else:
-        raise ValueError(kind)
-
-
 def hostile_archive(case: str, canary: Path, token: str):
     """(gzip tar bytes, text the failure reason must contain) for one kind of bad entry."""
     deep_up = "../" * 16 + str(canary).lstrip("/")
@@ -607,10 +587,10 @@ def hostile_archive(case: str, canary: Path, token: str):
     bad, named = entries[case]
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.GNU_FORMAT) as tar:
-        _tar_entry(tar, "ctx", "dir")
-        _tar_entry(tar, "ctx/ok.txt", "file", b"ok\n")
+        add_tar_entry(tar, "ctx", "dir")
+        add_tar_entry(tar, "ctx/ok.txt", "file", b"ok\n")
         for name, kind, target in bad:
-            _tar_entry(tar, name, kind, target=target)
+            add_tar_entry(tar, name, kind, target=target)
     return gzip.compress(raw.getvalue()), named
 
 
@@ -671,15 +651,9 @@ def test_hostile_upload_archive_fails_the_build(sandbar, base_template, good_tem
                 },
             )
             assert r.status_code == 202, f"POST build: {r.status_code} {r.text}"
+            status = wait_build_end(api, template_id, build_id, timeout=FAILURE_TIMEOUT, interval=0.5)
 
-            def finished():
-                s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params={"logsOffset": 0})
-                assert s.status_code == 200, f"{s.status_code} {s.text}"
-                return s.json() if s.json()["status"] in ("ready", "error") else None
-
-            status = wait_until(finished, timeout=FAILURE_TIMEOUT, interval=0.5, message=f"build {build_id} to end")
-
-        logs = "\n".join(e.get("message", "") for e in status.get("logEntries") or [])
+        logs = "\n".join(build_log_messages(status))
         assert status["status"] == "error", f"{case}: the build succeeded:\n{logs}"
         reason = (status.get("reason") or {}).get("message", "")
         assert named in reason or named in early, (
@@ -712,17 +686,6 @@ def test_hostile_upload_archive_fails_the_build(sandbar, base_template, good_tem
 # --------------------------------------------------------------------------
 
 
-def _wait_build(api, template_id: str, build_id: str, timeout: float = BUILD_TIMEOUT) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = api.get(f"/templates/{template_id}/builds/{build_id}/status", params={"logsOffset": 0})
-        assert s.status_code == 200, f"{s.status_code} {s.text}"
-        if s.json()["status"] in ("ready", "error"):
-            return s.json()
-        time.sleep(0.2)
-    raise AssertionError(f"build {build_id} did not finish in {timeout} s")
-
-
 def test_dockerfile_build_with_context_and_access_token(sandbar, tiny1, make_sandbox):
     name = unique("dockerfile")
     dockerfile = (
@@ -732,7 +695,7 @@ def test_dockerfile_build_with_context_and_access_token(sandbar, tiny1, make_san
     )
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        _tar_entry(tar, "app.txt", data=f"{name}\n".encode())
+        add_tar_entry(tar, "app.txt", data=f"{name}\n".encode())
     context = buf.getvalue()
     context_hash = hashlib.sha256(context).hexdigest()
     token = __import__("json").loads((sandbar.data_dir / "credentials.json").read_text())["accessToken"]
@@ -746,7 +709,7 @@ def test_dockerfile_build_with_context_and_access_token(sandbar, tiny1, make_san
         assert httpx.put(link["url"], content=context, timeout=60).status_code < 300
         r = bearer.post(f"/templates/{template_id}/builds/{build_id}")
         assert r.status_code == 202, f"{r.status_code} {r.text}"
-        status = _wait_build(bearer, template_id, build_id)
+        status = wait_build_end(bearer, template_id, build_id, timeout=BUILD_TIMEOUT)
         assert status["status"] == "ready", status
     sbx = make_sandbox(template=name)
     assert run(sbx, "cat /app/app.txt /built.txt") == f"{name}\nbuilt-plain\n"

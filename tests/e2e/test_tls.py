@@ -22,7 +22,7 @@ from typing import List
 
 import pytest
 
-from e2e_util import CREATED_IDS, JS_DIR, make_tls_files, node_binary, wait_until
+from e2e_util import CREATED_IDS, JS_DIR, kill_quietly, make_tls_files, node_binary, wait_until
 
 # The Python SDK's quick start, and what the SDK made of the domain.
 QUICK_START = r"""
@@ -87,14 +87,9 @@ def remember_created(output: str) -> List[str]:
     return ids
 
 
-def kill_quietly(ids: List[str]) -> None:
-    from e2b import Sandbox
-
+def kill_all_quietly(ids: List[str]) -> None:
     for sandbox_id in ids:
-        try:
-            Sandbox.kill(sandbox_id)
-        except Exception:  # noqa: BLE001 - teardown must not mask the test result
-            pass
+        kill_quietly(sandbox_id)
 
 
 def served_leaf(sandbar) -> bytes:
@@ -130,7 +125,7 @@ def test_the_python_sdk_quick_start_with_only_the_domain(sandbar, tls_client_ns)
         assert said["envd_url"] == f"https://49983-{ids[0]}.{sandbar.domain}"
         assert said["done"] is True
     finally:
-        kill_quietly(ids)
+        kill_all_quietly(ids)
 
 
 def test_the_js_sdk_quick_start_with_only_the_domain(sandbar, tls_client_ns):
@@ -144,7 +139,7 @@ def test_the_js_sdk_quick_start_with_only_the_domain(sandbar, tls_client_ns):
         assert done.returncode == 0, f"node test failed:\n{done.stdout}\n{done.stderr}"
         assert ids, done.stdout
     finally:
-        kill_quietly(ids)
+        kill_all_quietly(ids)
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(sandbar, tls_client_ns):
@@ -199,7 +194,7 @@ def test_sighup_serves_a_new_certificate_under_a_live_command_stream(sandbar, tl
         if client.poll() is None:
             client.kill()
             client.wait(timeout=10)
-        kill_quietly(ids)
+        kill_all_quietly(ids)
     stderr = client.stderr.read() if client.stderr else ""
     text = "".join(output)
     assert client.returncode == 0, f"the client failed:\n{text}\n{stderr[-3000:]}"
