@@ -708,9 +708,13 @@ impl Builds {
             });
         }
         for (field, value, max) in [
-            ("cpuCount", cpu, team.max_vcpu),
-            ("memoryMB", memory, team.max_memory_mb),
-            ("diskSizeMB", self.config.disk_size_mb, team.max_disk_mb),
+            ("cpuCount", cpu, team.limits.max_vcpu),
+            ("memoryMB", memory, team.limits.max_memory_mb),
+            (
+                "diskSizeMB",
+                self.config.disk_size_mb,
+                team.limits.max_disk_mb,
+            ),
         ] {
             if max != 0 && value > max {
                 return Err(RequestBuildError::TeamLimit { field, value, max });
@@ -741,11 +745,11 @@ impl Builds {
                     .filter(|t| t.team_id.as_deref() == Some(team.id.as_str()))
                     .filter(|t| t.image.as_ref().is_none_or(|i| i.snapshot.is_none()))
                     .count();
-                check_count(team, "templates", team.caps.max_templates, kept)?;
+                check_count(team, "templates", team.limits.caps.max_templates, kept)?;
                 check_count(
                     team,
                     "tags per template",
-                    team.caps.max_tags_per_template,
+                    team.limits.caps.max_tags_per_template,
                     tags.len().saturating_sub(1),
                 )?;
                 Ok(())
@@ -838,7 +842,7 @@ impl Builds {
         template_id: &str,
         adding: &[String],
     ) -> Result<(), E> {
-        let limit = team.caps.max_tags_per_template;
+        let limit = team.limits.caps.max_tags_per_template;
         if limit == 0 || adding.is_empty() {
             return Ok(());
         }

@@ -116,14 +116,16 @@ mod tests {
             id: "t1".into(),
             name: "t".into(),
             slug: "t".into(),
-            max_concurrent_sandboxes: 1,
-            max_sandbox_timeout_secs: 1,
-            requests_per_minute: 0,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            disk_rates: Default::default(),
-            caps: TeamCaps::DEFAULT,
+            limits: crate::model::TeamLimits {
+                max_concurrent_sandboxes: 1,
+                max_sandbox_timeout_secs: 1,
+                requests_per_minute: 0,
+                max_vcpu: 0,
+                max_memory_mb: 0,
+                max_disk_mb: 0,
+                disk_rates: Default::default(),
+                caps: TeamCaps::DEFAULT,
+            },
         }
     }
 

@@ -376,32 +376,6 @@ impl TeamLimits {
     }
 }
 
-impl Team {
-    pub fn limits(&self) -> TeamLimits {
-        TeamLimits {
-            max_concurrent_sandboxes: self.max_concurrent_sandboxes,
-            max_sandbox_timeout_secs: self.max_sandbox_timeout_secs,
-            requests_per_minute: self.requests_per_minute,
-            max_vcpu: self.max_vcpu,
-            max_memory_mb: self.max_memory_mb,
-            max_disk_mb: self.max_disk_mb,
-            disk_rates: self.disk_rates,
-            caps: self.caps,
-        }
-    }
-
-    fn apply(&mut self, limits: TeamLimits) {
-        self.max_concurrent_sandboxes = limits.max_concurrent_sandboxes;
-        self.max_sandbox_timeout_secs = limits.max_sandbox_timeout_secs;
-        self.requests_per_minute = limits.requests_per_minute;
-        self.max_vcpu = limits.max_vcpu;
-        self.max_memory_mb = limits.max_memory_mb;
-        self.max_disk_mb = limits.max_disk_mb;
-        self.disk_rates = limits.disk_rates;
-        self.caps = limits.caps;
-    }
-}
-
 impl Auth {
     /// Creates a team, a user who is its member, an API key and an access token.
     pub(crate) async fn insert_team_with_credentials(
@@ -410,20 +384,12 @@ impl Auth {
         limits: TeamLimits,
         requested_api_key: Option<&str>,
     ) -> Result<(Team, String, String), StoreError> {
-        let mut team = Team {
+        let team = Team {
             id: ids::new_uuid(),
             name: name.to_owned(),
             slug: self.store.teams.free_team_slug(name).await?,
-            max_concurrent_sandboxes: 0,
-            max_sandbox_timeout_secs: 0,
-            requests_per_minute: 0,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            disk_rates: limits.disk_rates,
-            caps: limits.caps,
+            limits,
         };
-        team.apply(limits);
         self.store.teams.insert_team(&team).await?;
         let user_id = ids::new_uuid();
         self.store
@@ -517,7 +483,7 @@ impl Auth {
         };
         let _turn = self.key_gate.enter(&team.id).await;
         let have = self.store.teams.team_api_keys(&team.id).await?.len();
-        crate::caps::check_count(team, "API keys", team.caps.max_api_keys, have)?;
+        crate::caps::check_count(team, "API keys", team.limits.caps.max_api_keys, have)?;
         self.store.teams.insert_team_api_key(&stored).await?;
         Ok(CreatedApiKey {
             info: ApiKeyInfo::from(&stored),
@@ -665,12 +631,12 @@ impl Auth {
         changes: LimitChanges,
     ) -> Result<Team, TeamAdminError> {
         let mut team = self.find_team(reference).await?;
-        let limits = team.limits().with(changes);
+        let limits = team.limits.with(changes);
         limits.validate()?;
         if !self.store.teams.set_team_limits(&team.id, &limits).await? {
             return Err(TeamAdminError::NotFound(reference.to_owned()));
         }
-        team.apply(limits);
+        team.limits = limits;
         Ok(team)
     }
 

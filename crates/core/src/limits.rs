@@ -114,7 +114,7 @@ impl RateLimits {
 
     /// Counts one request of `team`; teams with a limit of 0 are never limited.
     pub fn check(&self, team: &Team) -> Result<(), RateLimited> {
-        let Some(per_minute) = NonZeroU32::new(team.requests_per_minute) else {
+        let Some(per_minute) = NonZeroU32::new(team.limits.requests_per_minute) else {
             return Ok(());
         };
         let limiter = {
@@ -223,14 +223,16 @@ mod tests {
             slug: "team".into(),
             id: "t".into(),
             name: "t".into(),
-            max_concurrent_sandboxes: 1,
-            max_sandbox_timeout_secs: 1,
-            requests_per_minute: per_minute,
-            max_vcpu: 0,
-            max_memory_mb: 0,
-            max_disk_mb: 0,
-            disk_rates: Default::default(),
-            caps: crate::model::TeamCaps::DEFAULT,
+            limits: crate::model::TeamLimits {
+                max_concurrent_sandboxes: 1,
+                max_sandbox_timeout_secs: 1,
+                requests_per_minute: per_minute,
+                max_vcpu: 0,
+                max_memory_mb: 0,
+                max_disk_mb: 0,
+                disk_rates: Default::default(),
+                caps: crate::model::TeamCaps::DEFAULT,
+            },
         }
     }
 

@@ -524,8 +524,8 @@ impl Volumes {
             return Err(CreateVolumeError::NameTaken(name.to_owned()));
         }
         let kept = self.store.volumes.team_volumes(&team.id).await?;
-        check_count(team, "volumes", team.caps.max_volumes, kept.len())?;
-        if team.caps.max_volume_mb != 0 {
+        check_count(team, "volumes", team.limits.caps.max_volumes, kept.len())?;
+        if team.limits.caps.max_volume_mb != 0 {
             let used = self
                 .usage(&kept)
                 .await
@@ -533,7 +533,7 @@ impl Volumes {
                     volume_id: volume.id.clone(),
                     source,
                 })?;
-            check_bytes(team, "volumes", team.caps.max_volume_mb, used, None)?;
+            check_bytes(team, "volumes", team.limits.caps.max_volume_mb, used, None)?;
         }
         let host = self.host.clone();
         let (team_id, volume_id) = (volume.team_id.clone(), volume.id.clone());
@@ -847,7 +847,7 @@ impl Volumes {
         let Some(team) = self.store.teams.team(&volume.team_id).await? else {
             return Ok(());
         };
-        if team.caps.max_volume_mb == 0 {
+        if team.limits.caps.max_volume_mb == 0 {
             return Ok(());
         }
         let kept = self.store.volumes.team_volumes(&team.id).await?;
@@ -861,7 +861,7 @@ impl Volumes {
         check_bytes(
             &team,
             "volumes",
-            team.caps.max_volume_mb,
+            team.limits.caps.max_volume_mb,
             used,
             Some(adding),
         )?;

@@ -662,12 +662,12 @@ pub(crate) fn usage(csrf: &str, team: &Team, days: i64, points: &[TeamMetricPoin
             h1 { "Usage" }
             h2 { "Limits" }
             div.scroll { table #limits { tbody {
-                tr { th { "Sandboxes at once" } td { (team.max_concurrent_sandboxes) } }
-                tr { th { "Longest sandbox timeout" } td { (team.max_sandbox_timeout_secs) " s" } }
-                tr { th { "API requests a minute" } td { (or_unlimited(team.requests_per_minute, "")) } }
-                tr { th { "vCPU a sandbox" } td { (or_unlimited(team.max_vcpu, "")) } }
-                tr { th { "Memory a sandbox" } td { (or_unlimited(team.max_memory_mb, " MiB")) } }
-                tr { th { "Disk a sandbox" } td { (or_unlimited(team.max_disk_mb, " MiB")) } }
+                tr { th { "Sandboxes at once" } td { (team.limits.max_concurrent_sandboxes) } }
+                tr { th { "Longest sandbox timeout" } td { (team.limits.max_sandbox_timeout_secs) " s" } }
+                tr { th { "API requests a minute" } td { (or_unlimited(team.limits.requests_per_minute, "")) } }
+                tr { th { "vCPU a sandbox" } td { (or_unlimited(team.limits.max_vcpu, "")) } }
+                tr { th { "Memory a sandbox" } td { (or_unlimited(team.limits.max_memory_mb, " MiB")) } }
+                tr { th { "Disk a sandbox" } td { (or_unlimited(team.limits.max_disk_mb, " MiB")) } }
             } } }
             h2 { "Last " (days) " days" }
             p #usage-peak { "Peak: " (peak) " sandboxes at once, " (format!("{:.2}", peak_rate * 60.0)) " starts a minute." }

@@ -191,19 +191,19 @@ async fn open(data: &DataDir) -> anyhow::Result<Auth> {
 }
 
 fn print_limits(t: &sandbar_core::Team) -> String {
-    let c = &t.caps;
+    let c = &t.limits.caps;
     format!(
         "max-sandboxes={} max-timeout-secs={} requests-per-minute={} max-vcpu={} max-memory-mb={} max-disk-mb={} disk-read-mbps={} disk-write-mbps={} disk-read-iops={} disk-write-iops={} max-snapshots={} max-snapshot-mb={} max-templates={} max-volumes={} max-volume-mb={} max-tags-per-template={} max-api-keys={}",
-        t.max_concurrent_sandboxes,
-        t.max_sandbox_timeout_secs,
-        t.requests_per_minute,
-        t.max_vcpu,
-        t.max_memory_mb,
-        t.max_disk_mb,
-        t.disk_rates.read_mbps,
-        t.disk_rates.write_mbps,
-        t.disk_rates.read_iops,
-        t.disk_rates.write_iops,
+        t.limits.max_concurrent_sandboxes,
+        t.limits.max_sandbox_timeout_secs,
+        t.limits.requests_per_minute,
+        t.limits.max_vcpu,
+        t.limits.max_memory_mb,
+        t.limits.max_disk_mb,
+        t.limits.disk_rates.read_mbps,
+        t.limits.disk_rates.write_mbps,
+        t.limits.disk_rates.read_iops,
+        t.limits.disk_rates.write_iops,
         c.max_snapshots,
         c.max_snapshot_mb,
         c.max_templates,
@@ -241,23 +241,23 @@ pub async fn team(command: TeamCommand) -> anyhow::Result<()> {
         TeamCommand::Show { team, data } => {
             let auth = open(&data).await?;
             let t = auth.find_team(&team).await?;
-            let c = &t.caps;
+            let c = &t.limits.caps;
             println!(
                 "{}",
                 serde_json::to_string_pretty(&serde_json::json!({
                     "teamID": t.id,
                     "name": t.name,
                     "slug": t.slug,
-                    "maxSandboxes": t.max_concurrent_sandboxes,
-                    "maxTimeoutSecs": t.max_sandbox_timeout_secs,
-                    "requestsPerMinute": t.requests_per_minute,
-                    "maxVcpu": t.max_vcpu,
-                    "maxMemoryMB": t.max_memory_mb,
-                    "maxDiskMB": t.max_disk_mb,
-                    "diskReadMBps": t.disk_rates.read_mbps,
-                    "diskWriteMBps": t.disk_rates.write_mbps,
-                    "diskReadIops": t.disk_rates.read_iops,
-                    "diskWriteIops": t.disk_rates.write_iops,
+                    "maxSandboxes": t.limits.max_concurrent_sandboxes,
+                    "maxTimeoutSecs": t.limits.max_sandbox_timeout_secs,
+                    "requestsPerMinute": t.limits.requests_per_minute,
+                    "maxVcpu": t.limits.max_vcpu,
+                    "maxMemoryMB": t.limits.max_memory_mb,
+                    "maxDiskMB": t.limits.max_disk_mb,
+                    "diskReadMBps": t.limits.disk_rates.read_mbps,
+                    "diskWriteMBps": t.limits.disk_rates.write_mbps,
+                    "diskReadIops": t.limits.disk_rates.read_iops,
+                    "diskWriteIops": t.limits.disk_rates.write_iops,
                     "maxSnapshots": c.max_snapshots,
                     "maxSnapshotMB": c.max_snapshot_mb,
                     "maxTemplates": c.max_templates,

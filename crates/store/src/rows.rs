@@ -98,14 +98,14 @@ pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 17] {
 /// A team's own limits.
 pub(crate) fn team_limits(team: &Team) -> TeamLimits {
     TeamLimits {
-        max_concurrent_sandboxes: team.max_concurrent_sandboxes,
-        max_sandbox_timeout_secs: team.max_sandbox_timeout_secs,
-        requests_per_minute: team.requests_per_minute,
-        max_vcpu: team.max_vcpu,
-        max_memory_mb: team.max_memory_mb,
-        max_disk_mb: team.max_disk_mb,
-        disk_rates: team.disk_rates,
-        caps: team.caps,
+        max_concurrent_sandboxes: team.limits.max_concurrent_sandboxes,
+        max_sandbox_timeout_secs: team.limits.max_sandbox_timeout_secs,
+        requests_per_minute: team.limits.requests_per_minute,
+        max_vcpu: team.limits.max_vcpu,
+        max_memory_mb: team.limits.max_memory_mb,
+        max_disk_mb: team.limits.max_disk_mb,
+        disk_rates: team.limits.disk_rates,
+        caps: team.limits.caps,
     }
 }
 
@@ -246,7 +246,7 @@ pub(crate) struct LimitsRow {
 impl LimitsRow {
     fn into_team(self, id: String, name: String, slug: Option<String>) -> Result<Team, StoreError> {
         let limit = |value: i64| u32_of(value, "team limit", &id);
-        Ok(Team {
+        let limits = TeamLimits {
             max_concurrent_sandboxes: limit(self.max_concurrent_sandboxes)?,
             max_sandbox_timeout_secs: u64_of(self.max_sandbox_timeout_secs, "team limit", &id)?,
             requests_per_minute: limit(self.requests_per_minute)?,
@@ -268,6 +268,9 @@ impl LimitsRow {
                 read_iops: limit(self.disk_read_iops)?,
                 write_iops: limit(self.disk_write_iops)?,
             },
+        };
+        Ok(Team {
+            limits,
             name,
             slug: slug.unwrap_or_default(),
             id,

@@ -1541,13 +1541,13 @@ async fn teams_members_and_limits(f: Fixture) {
         .expect("found");
     assert_eq!(
         (
-            read.max_concurrent_sandboxes,
-            read.max_sandbox_timeout_secs,
-            read.max_disk_mb
+            read.limits.max_concurrent_sandboxes,
+            read.limits.max_sandbox_timeout_secs,
+            read.limits.max_disk_mb
         ),
         (u32::MAX, u64::from(u32::MAX) + 1, 8192)
     );
-    assert_eq!(read.disk_rates, limits.disk_rates);
+    assert_eq!(read.limits.disk_rates, limits.disk_rates);
     assert_eq!(
         store
             .teams
@@ -1568,7 +1568,7 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
         .create_team("Capped", LIMITS)
         .await
         .expect("team");
-    assert_eq!(made.team.caps, TeamCaps::DEFAULT);
+    assert_eq!(made.team.limits.caps, TeamCaps::DEFAULT);
     let caps = TeamCaps {
         max_snapshots: 1,
         max_snapshot_mb: 2,
@@ -1593,10 +1593,13 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
         .await
         .expect("read")
         .expect("found");
-    assert_eq!(by_id.caps, caps);
+    assert_eq!(by_id.limits.caps, caps);
     let listed = store.teams.teams().await.expect("teams");
     assert_eq!(
-        listed.iter().find(|t| t.id == made.team.id).map(|t| t.caps),
+        listed
+            .iter()
+            .find(|t| t.id == made.team.id)
+            .map(|t| t.limits.caps),
         Some(caps)
     );
     let (_, with_key) = store
@@ -1605,14 +1608,14 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
         .await
         .expect("key")
         .expect("found");
-    assert_eq!(with_key.caps, caps);
+    assert_eq!(with_key.limits.caps, caps);
     let by_slug = store
         .teams
         .team_by_slug(&made.team.slug)
         .await
         .expect("slug")
         .expect("found");
-    assert_eq!(by_slug.caps, caps);
+    assert_eq!(by_slug.limits.caps, caps);
 
     f.insert_team_without_caps("old-team").await;
     let old = store
@@ -1621,7 +1624,7 @@ async fn team_caps_round_trip_and_old_teams_get_the_defaults(f: Fixture) {
         .await
         .expect("read")
         .expect("found");
-    assert_eq!(old.caps, TeamCaps::DEFAULT);
+    assert_eq!(old.limits.caps, TeamCaps::DEFAULT);
 }
 
 async fn two_hosts_on_one_database_settle_their_races(f: Fixture) {

@@ -545,7 +545,7 @@ async fn operator_limits_are_range_checked() {
         "{result:?}"
     );
     let team = h.auth.find_team("default").await.expect("by name");
-    assert_eq!(team.limits(), LIMITS);
+    assert_eq!(team.limits, LIMITS);
 }
 
 #[tokio::test]

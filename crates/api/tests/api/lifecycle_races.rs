@@ -157,7 +157,7 @@ async fn still_waiting<T>(task: &tokio::task::JoinHandle<T>, what: &str) {
 async fn a_create_whose_request_goes_away_mid_launch_gives_its_team_slot_back() {
     let mut h = harness(&["launch"]).await;
     let mut one_at_a_time = h.team.clone();
-    one_at_a_time.max_concurrent_sandboxes = 1;
+    one_at_a_time.limits.max_concurrent_sandboxes = 1;
     let sandboxes = h.sandboxes.clone();
     let create = |team: sandbar_core::Team| {
         let sandboxes = sandboxes.clone();

@@ -8,6 +8,12 @@ pub struct Team {
     /// The team's namespace in template and snapshot names (`slug/name:tag`): unique, made
     /// from the name when the team is made.
     pub slug: String,
+    pub limits: TeamLimits,
+}
+
+/// What an operator sets on a team (`sandbar team set-limits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TeamLimits {
     pub max_concurrent_sandboxes: u32,
     pub max_sandbox_timeout_secs: u64,
     /// API requests allowed per minute; 0 means no limit.
@@ -19,20 +25,6 @@ pub struct Team {
     /// The rates each of its sandboxes' disk I/O is held to.
     pub disk_rates: DiskRates,
     /// Ceilings on what the team keeps.
-    pub caps: TeamCaps,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TeamLimits {
-    pub max_concurrent_sandboxes: u32,
-    pub max_sandbox_timeout_secs: u64,
-    /// 0 means no limit.
-    pub requests_per_minute: u32,
-    /// Per-sandbox ceilings; 0 leaves only the server's own limits.
-    pub max_vcpu: u32,
-    pub max_memory_mb: u32,
-    pub max_disk_mb: u32,
-    pub disk_rates: DiskRates,
     pub caps: TeamCaps,
 }
 

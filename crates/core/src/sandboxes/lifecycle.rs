@@ -84,10 +84,10 @@ impl Lifecycle {
     }
 
     fn check_timeout(&self, team: &Team, timeout_secs: u64) -> Result<(), SandboxError> {
-        if timeout_secs > team.max_sandbox_timeout_secs {
+        if timeout_secs > team.limits.max_sandbox_timeout_secs {
             return Err(SandboxError::TimeoutTooLong {
                 requested: timeout_secs,
-                max: team.max_sandbox_timeout_secs,
+                max: team.limits.max_sandbox_timeout_secs,
             });
         }
         Ok(())
@@ -286,7 +286,7 @@ impl Lifecycle {
                 self.shared.set_status(id, from, None);
                 return Err(SandboxError::ConcurrencyLimit {
                     id: id.to_owned(),
-                    limit: team.max_concurrent_sandboxes,
+                    limit: team.limits.max_concurrent_sandboxes,
                     retry_after_secs,
                 });
             }
@@ -541,7 +541,7 @@ impl Lifecycle {
             .teams
             .team(&sandbox.team_id)
             .await?
-            .map(|team| team.disk_rates)
+            .map(|team| team.limits.disk_rates)
             .unwrap_or_default();
         let spec = LaunchSpec {
             sandbox_id: sandbox.id.clone(),

@@ -43,10 +43,10 @@ impl SandboxRegistry {
         team: &Team,
         request: CreateSandbox,
     ) -> Result<Sandbox, CreateSandboxError> {
-        if request.timeout_secs > team.max_sandbox_timeout_secs {
+        if request.timeout_secs > team.limits.max_sandbox_timeout_secs {
             return Err(CreateSandboxError::TimeoutTooLong {
                 requested: request.timeout_secs,
-                max: team.max_sandbox_timeout_secs,
+                max: team.limits.max_sandbox_timeout_secs,
             });
         }
         let egress = request.network.validate(request.allow_internet_access)?;
@@ -292,9 +292,9 @@ impl SandboxRegistry {
             .values()
             .filter(|l| l.team_id == team.id && l.status.holds_a_slot())
             .count();
-        if active >= team.max_concurrent_sandboxes as usize {
+        if active >= team.limits.max_concurrent_sandboxes as usize {
             return Err(CreateSandboxError::ConcurrencyLimit {
-                limit: team.max_concurrent_sandboxes,
+                limit: team.limits.max_concurrent_sandboxes,
                 retry_after_secs: slot_wait(&live, team),
             });
         }
@@ -451,7 +451,7 @@ fn launch_spec(
         cpu_count: template.cpu_count,
         memory_mb: template.memory_mb,
         disk_size_mb: template.disk_size_mb,
-        disk_rates: team.disk_rates,
+        disk_rates: team.limits.disk_rates,
         env_vars,
         allow_internet_access: !egress.is_isolated(),
         egress,
@@ -465,9 +465,9 @@ fn launch_spec(
 /// A team's per-sandbox ceilings (0: none) against what the template would get.
 fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandboxError> {
     for (field, value, max) in [
-        ("cpuCount", template.cpu_count, team.max_vcpu),
-        ("memoryMB", template.memory_mb, team.max_memory_mb),
-        ("diskSizeMB", template.disk_size_mb, team.max_disk_mb),
+        ("cpuCount", template.cpu_count, team.limits.max_vcpu),
+        ("memoryMB", template.memory_mb, team.limits.max_memory_mb),
+        ("diskSizeMB", template.disk_size_mb, team.limits.max_disk_mb),
     ] {
         if max != 0 && value > max {
             return Err(CreateSandboxError::ResourceLimit {

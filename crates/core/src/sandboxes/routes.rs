@@ -100,7 +100,7 @@ impl EdgeRoutes {
                     tracing::warn!(sandbox_id = %id, team_id = %team.id, "not resumed by traffic: the team is at its concurrency limit");
                     return Err(SandboxError::ConcurrencyLimit {
                         id: id.to_owned(),
-                        limit: team.max_concurrent_sandboxes,
+                        limit: team.limits.max_concurrent_sandboxes,
                         retry_after_secs,
                     });
                 }

@@ -140,7 +140,7 @@ impl Shared {
             .nodes
             .claim_team_slot(
                 &claim,
-                team.max_concurrent_sandboxes as usize,
+                team.limits.max_concurrent_sandboxes as usize,
                 &live,
                 &slot_statuses,
             )
@@ -152,7 +152,7 @@ impl Shared {
             }))
         } else {
             Err(CreateSandboxError::ConcurrencyLimit {
-                limit: team.max_concurrent_sandboxes,
+                limit: team.limits.max_concurrent_sandboxes,
                 retry_after_secs: CAPACITY_WAIT_SECS.unsigned_abs(),
             })
         }
@@ -190,7 +190,7 @@ impl Shared {
                 l.team_id == team.id && (l.status.holds_a_slot() || id.as_str() == resuming)
             })
             .count();
-        if active > team.max_concurrent_sandboxes as usize {
+        if active > team.limits.max_concurrent_sandboxes as usize {
             Err(slot_wait(&live, team))
         } else {
             Ok(())

@@ -180,7 +180,7 @@ impl Snapshots {
         existing: Option<&Template>,
         adding: Option<u64>,
     ) -> Result<(), SnapshotError> {
-        let caps = &team.caps;
+        let caps = &team.limits.caps;
         if caps.max_snapshots == 0 && caps.max_snapshot_mb == 0 {
             return Ok(());
         }
@@ -438,10 +438,10 @@ impl Snapshots {
         if !(1..=MAX_FORKS).contains(&count) {
             return Err(SnapshotError::BadCount(count));
         }
-        if timeout_secs > team.max_sandbox_timeout_secs {
+        if timeout_secs > team.limits.max_sandbox_timeout_secs {
             return Err(SandboxError::TimeoutTooLong {
                 requested: timeout_secs,
-                max: team.max_sandbox_timeout_secs,
+                max: team.limits.max_sandbox_timeout_secs,
             }
             .into());
         }

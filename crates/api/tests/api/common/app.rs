@@ -198,14 +198,10 @@ pub async fn add_other_team(store: &Store) {
         id: "other-team".into(),
         name: "other".into(),
         slug: "other".into(),
-        max_concurrent_sandboxes: 5,
-        max_sandbox_timeout_secs: 3600,
-        requests_per_minute: 0,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        disk_rates: sandbar_core::DiskRates::NODE,
-        caps: TeamCaps::DEFAULT,
+        limits: TeamLimits {
+            max_concurrent_sandboxes: 5,
+            ..LIMITS
+        },
     };
     store.teams.insert_team(&other).await.expect("team");
     store
