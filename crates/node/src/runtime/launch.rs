@@ -15,7 +15,7 @@ use super::layers::is_snapshot_key;
 use super::state::NodeState;
 use super::warm::WarmSandbox;
 use super::warm_boot::WarmKeeper;
-use super::{SANDBOX_IDS, sandbox_err, sequence};
+use super::{SANDBOX_IDS, run_blocking, sandbox_err, sequence};
 
 /// Launches sandboxes: fresh, on kept files, from a snapshot or a checkpoint carried
 /// here, and the agent and start commands of each.
@@ -294,16 +294,10 @@ impl Launcher {
     ) -> Result<(), RuntimeError> {
         let upper = self.node.disks.path(id).join(sandbar_jail::layout::UPPER);
         let (from, to) = (self.node.id_map(slot).host_base, kept.id_base.unwrap_or(0));
-        tokio::task::spawn_blocking(move || {
+        run_blocking(id, move || {
             crate::storage::layers::move_owners(&upper, from, to, SANDBOX_IDS)
+                .map_err(|e| format!("cannot give its kept files their ids back: {e}"))
         })
         .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| {
-            sandbox_err(
-                id,
-                format!("cannot give its kept files their ids back: {e}"),
-            )
-        })
     }
 }

@@ -160,6 +160,22 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
+/// Runs `work` for sandbox `id` off the async threads, as file and mount work must; its
+/// failure, or the thread's, is the sandbox's error.
+async fn run_blocking<T, E>(
+    id: &str,
+    work: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, RuntimeError>
+where
+    T: Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, e))
+}
+
 /// A kill's cgroup error: processes that outlived it are the client's to retry, anything
 /// else is the node's failure.
 fn kill_err(id: &str, err: crate::resources::cgroups::CgroupError) -> RuntimeError {
