@@ -729,6 +729,13 @@ mod tests {
         proc
     }
 
+    /// The refusal of a plan of the sandbox holding `object` more, as entry `name` of `table`.
+    fn refusal_of(table: Table, name: &str, link: &str, object: ObjectStat) -> PlanError {
+        let err = plan(&sandbox_holding(table, name, link, object), &[1, 7]).unwrap_err();
+        assert!(err.is_refusal(), "{link}: {err}");
+        err
+    }
+
     fn sandbox() -> FakeProc {
         let mut proc = FakeProc::default();
         proc.hold(
@@ -904,14 +911,12 @@ mod tests {
                 "a character device (such as a terminal)",
             ),
         ] {
-            let proc = sandbox_holding(
+            let err = refusal_of(
                 Table::Fd,
                 "4",
                 "/etc/shadow",
                 stat(kind, (0, 70), 1234, 555),
             );
-            let err = plan(&proc, &[1, 7]).unwrap_err();
-            assert!(err.is_refusal());
             assert!(matches!(&err, PlanError::Foreign { what: w, .. } if *w == what));
             assert!(!err.to_string().contains("shadow"), "{err}");
         }
@@ -919,13 +924,12 @@ mod tests {
 
     #[test]
     fn a_linked_file_on_the_memory_filesystem_is_not_anonymous() {
-        let proc = sandbox_holding(
+        refusal_of(
             Table::Fd,
             "7f00-7f01",
             "/dev/shm/x",
             stat(ObjectKind::File, MEMORY, 5, 777),
         );
-        assert!(plan(&proc, &[1, 7]).unwrap_err().is_refusal());
     }
 
     #[test]
@@ -964,22 +968,19 @@ mod tests {
             ("/usr/lib/../lib/libc.so.6", libc),
             ("usr/lib/libc.so.6", libc),
         ] {
-            let proc = sandbox_holding(Table::MapFiles, "7f00-7f01", link, object);
-            let err = plan(&proc, &[1, 7]).unwrap_err();
-            assert!(err.is_refusal(), "{link}");
+            let err = refusal_of(Table::MapFiles, "7f00-7f01", link, object);
             assert!(!err.to_string().contains("libc"), "{err}");
         }
     }
 
     #[test]
     fn a_file_that_looks_like_the_agent_by_name_is_still_refused() {
-        let proc = sandbox_holding(
+        refusal_of(
             Table::Fd,
             "4",
             "/var/lib/sandbar/agents/abc",
             stat(ObjectKind::File, (0, 70), AGENT.ino, 556),
         );
-        assert!(plan(&proc, &[1, 7]).unwrap_err().is_refusal());
     }
 
     #[test]

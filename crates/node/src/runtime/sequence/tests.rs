@@ -453,6 +453,16 @@ const BOOT_STEPS: [&str; 6] = [
     "start_and_ready",
 ];
 
+/// A stop's steps; a teardown's begin with them.
+const STOP_STEPS: [&str; 6] = [
+    "kill_processes",
+    "remove_egress",
+    "release_slot",
+    "oom_kills",
+    "remove_cgroups",
+    "remove_agent_socket",
+];
+
 #[tokio::test]
 async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
     let node = Node::new();
@@ -471,16 +481,7 @@ async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
     node.teardown("s", Some(&handle)).await;
     assert_eq!(
         node.host.calls(),
-        [
-            "kill_processes",
-            "remove_egress",
-            "release_slot",
-            "oom_kills",
-            "remove_cgroups",
-            "remove_agent_socket",
-            "remove_records",
-            "remove_disk",
-        ]
+        [&STOP_STEPS[..], &["remove_records", "remove_disk"]].concat()
     );
     assert!(node.is_empty(), "{:?}", node.host.state());
 }
@@ -600,17 +601,7 @@ async fn a_stop_gives_back_slot_and_memory_and_keeps_the_disk() {
     let handle = node.launch("s", None, false).await.unwrap();
     node.host.forget_calls();
     node.stop("s", &handle).await;
-    assert_eq!(
-        node.host.calls(),
-        [
-            "kill_processes",
-            "remove_egress",
-            "release_slot",
-            "oom_kills",
-            "remove_cgroups",
-            "remove_agent_socket",
-        ]
-    );
+    assert_eq!(node.host.calls(), STOP_STEPS);
     assert!(slots_taken(&node.slots).is_empty());
     assert_eq!(node.ledger.promised_mb(), 0);
     assert_eq!(node.host.state().disks.len(), 1);
