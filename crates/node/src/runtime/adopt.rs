@@ -2,7 +2,6 @@
 //! released, and those carried from another node.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use sandbar_core::{AdoptedCheckpoint, Endpoint, HandlePhase, RuntimeError, RuntimeHandle};
 
@@ -10,22 +9,12 @@ use super::criu_runs::SnapshotOrigin;
 use super::handle::{is_alive, launched, start_ticks};
 use super::launch::Launcher;
 use super::pausing::Pauser;
-use super::state::NodeState;
 use super::{is_nsfs, run_blocking, sandbox_err};
 
-/// Adopts sandboxes this process did not start: those a restarted server finds, and those
-/// taken over from another node.
-#[derive(Debug, Clone)]
-pub(super) struct Adopter {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Adopter {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Adopts sandboxes this process did not start: those a restarted server finds, and those
+    /// taken over from another node.
+    pub(super) struct Adopter;
 }
 
 impl Adopter {

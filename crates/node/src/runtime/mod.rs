@@ -19,6 +19,26 @@ use crate::net::network::NetworkError;
 use crate::resources::cgroups::CgroupError;
 use crate::storage::disks::DiskError;
 
+/// Declares one part of the node's work on sandboxes: a handle on the node's state, made
+/// `of` it, so that each part is cheap to make wherever it is needed.
+macro_rules! node_part {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident;) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone)]
+        $vis struct $name {
+            pub(super) node: std::sync::Arc<$crate::runtime::state::NodeState>,
+        }
+
+        impl $name {
+            pub(super) fn of(node: &std::sync::Arc<$crate::runtime::state::NodeState>) -> Self {
+                Self {
+                    node: std::sync::Arc::clone(node),
+                }
+            }
+        }
+    };
+}
+
 mod admission;
 mod adopt;
 pub(crate) mod agent_client;

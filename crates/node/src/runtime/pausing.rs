@@ -2,7 +2,6 @@
 //! restores.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
@@ -12,22 +11,12 @@ use super::criu_runs::{CriuDump, PLAN_DEADLINE, SPENT_PREFIX};
 use super::handle::{is_alive, launched};
 use super::host::LinuxHost;
 use super::host_ops::HostOps;
-use super::state::NodeState;
 use super::{ns_inode, run_blocking, sandbox_err, sequence};
 
-/// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
-/// processes keeping their files.
-#[derive(Debug, Clone)]
-pub(super) struct Pauser {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Pauser {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
+    /// processes keeping their files.
+    pub(super) struct Pauser;
 }
 
 /// How long a pause waits for the agent to close its ends of connections from the host.

@@ -4,7 +4,6 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
@@ -14,21 +13,11 @@ use crate::net::netns::PreparedNetns;
 
 use super::criu_runs::{TCP_CLOSE, check_criu_version, run_criu};
 use super::handle::{launched, start_ticks};
-use super::state::NodeState;
 use super::{agent_client, run_blocking, sandbox_err};
 
-/// Restores sandboxes paused to disk from their checkpoint.
-#[derive(Debug, Clone)]
-pub(super) struct Restorer {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Restorer {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Restores sandboxes paused to disk from their checkpoint.
+    pub(super) struct Restorer;
 }
 
 /// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens

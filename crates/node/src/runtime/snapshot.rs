@@ -2,7 +2,6 @@
 //! sandboxes restored from one.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle, SnapshotParts};
@@ -18,21 +17,11 @@ use super::launch::Launcher;
 use super::layers::is_snapshot_key;
 use super::pausing::{HOST_SOCKETS_PATIENCE, Pauser};
 use super::restore::SlotRestore;
-use super::state::NodeState;
 use super::{SANDBOX_IDS, agent_client, host_ops, ns_inode, run_blocking, sandbox_err, sequence};
 
-/// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
-#[derive(Debug, Clone)]
-pub(super) struct Snapshotter {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Snapshotter {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
+    pub(super) struct Snapshotter;
 }
 
 /// A new snapshot's name: unique to this sandbox, moment and process.
