@@ -183,8 +183,17 @@ async fn get_http1(
         .expect("request");
     let response = sender.send_request(request).await.expect("response");
     assert_eq!(response.status(), StatusCode::OK);
-    let body = response.into_body().collect().await.expect("body");
-    String::from_utf8(body.to_bytes().to_vec()).expect("utf-8")
+    String::from_utf8(body_of(response).await.to_vec()).expect("utf-8")
+}
+
+/// The whole body of `response`.
+async fn body_of(response: Response<hyper::body::Incoming>) -> Bytes {
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
 }
 
 /// An HTTP/2 connection over `tls`.
@@ -227,12 +236,7 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
     assert!(!request.headers().contains_key("host"));
     let response = h2.send_request(request).await.expect("response");
     assert_eq!(response.version(), Version::HTTP_2);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     // The app reads the HTTP/1.1 request it stands for.
     assert_eq!(body, format!("HTTP/1.1 {API} https /echo?x=1").as_bytes());
 }
@@ -254,12 +258,7 @@ async fn a_streamed_http2_body_reaches_what_the_app_forwards_over_http1() {
         .expect("request");
     let response = h2.send_request(request).await.expect("response");
     assert_eq!(response.status(), StatusCode::OK);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     assert_eq!(body, "a message in two parts");
 }
 
