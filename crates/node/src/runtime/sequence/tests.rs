@@ -54,11 +54,18 @@ async fn a_connection_held_past_the_patience_is_frozen_and_reported() {
     assert_eq!(host.calls().last(), Some(&"freeze"));
 }
 
+/// Dumps sandbox "s" of `host` by `dump` as a pause does, a host error told as text.
+async fn dump_s<Fut>(host: &RecordingHost, dump: impl FnMut() -> Fut) -> Result<u8, String>
+where
+    Fut: Future<Output = Result<u8, String>>,
+{
+    dump_frozen(host, "s", PATIENCE, |e| e.to_string(), dump).await
+}
+
 #[tokio::test]
 async fn a_dump_that_works_touches_nothing_else() {
     let host = RecordingHost::default();
-    let out: Result<u8, String> =
-        dump_frozen(&host, "s", PATIENCE, |e| e.to_string(), || async { Ok(7) }).await;
+    let out = dump_s(&host, || async { Ok(7) }).await;
     assert_eq!(out, Ok(7));
     assert!(host.calls().is_empty());
 }
@@ -67,16 +74,10 @@ async fn a_dump_that_works_touches_nothing_else() {
 async fn a_failed_dump_without_host_connections_is_not_tried_again() {
     let host = RecordingHost::holding_sockets(&[0]);
     let tries = RefCell::new(0);
-    let out: Result<u8, String> = dump_frozen(
-        &host,
-        "s",
-        PATIENCE,
-        |e| e.to_string(),
-        || {
-            *tries.borrow_mut() += 1;
-            async { Err("dump failed".to_owned()) }
-        },
-    )
+    let out = dump_s(&host, || {
+        *tries.borrow_mut() += 1;
+        async { Err("dump failed".to_owned()) }
+    })
     .await;
     assert_eq!(out, Err("dump failed".to_owned()));
     assert_eq!(*tries.borrow(), 1);
@@ -88,23 +89,17 @@ async fn a_dump_failed_on_a_host_connection_thaws_settles_and_dumps_again() {
     // Held at the failure, still held at the first look after the thaw, then closed.
     let host = RecordingHost::holding_sockets(&[1, 1, 0]);
     let tries = RefCell::new(0);
-    let out: Result<u8, String> = dump_frozen(
-        &host,
-        "s",
-        PATIENCE,
-        |e| e.to_string(),
-        || {
-            *tries.borrow_mut() += 1;
-            let first = *tries.borrow() == 1;
-            async move {
-                if first {
-                    Err("unix: Unix socket 0 not found".to_owned())
-                } else {
-                    Ok(1)
-                }
+    let out = dump_s(&host, || {
+        *tries.borrow_mut() += 1;
+        let first = *tries.borrow() == 1;
+        async move {
+            if first {
+                Err("unix: Unix socket 0 not found".to_owned())
+            } else {
+                Ok(1)
             }
-        },
-    )
+        }
+    })
     .await;
     assert_eq!(out, Ok(1));
     assert_eq!(*tries.borrow(), 2);
