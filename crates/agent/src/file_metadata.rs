@@ -424,24 +424,19 @@ mod tests {
         let dir = scratch();
         let magic = dir.path().join("magic");
         std::os::unix::fs::symlink("/proc/self/exe", &magic).unwrap();
-        let through_magic = read_at(&magic);
+        assert_read_fails(&magic, io::ErrorKind::InvalidInput);
+        assert_read_fails(&dir.path().join("missing"), io::ErrorKind::NotFound);
+    }
+
+    /// Reading the metadata at `at` fails with an error of `kind` that names it.
+    fn assert_read_fails(at: &Path, kind: io::ErrorKind) {
+        let read = read_at(at);
         assert!(
             matches!(
-                &through_magic,
-                Err(ReadMetadataError::Io { path, source })
-                    if *path == magic && source.kind() == io::ErrorKind::InvalidInput
+                &read,
+                Err(ReadMetadataError::Io { path, source }) if path == at && source.kind() == kind
             ),
-            "{through_magic:?}"
-        );
-        let missing = dir.path().join("missing");
-        let absent = read_at(&missing);
-        assert!(
-            matches!(
-                &absent,
-                Err(ReadMetadataError::Io { path, source })
-                    if *path == missing && source.kind() == io::ErrorKind::NotFound
-            ),
-            "{absent:?}"
+            "{read:?}"
         );
     }
 }

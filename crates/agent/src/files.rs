@@ -136,6 +136,17 @@ fn pick_user(
     Ok((user, accounts))
 }
 
+/// The answer to a download whose file `what` (open, stat) failed on.
+fn unreadable(path: &Path, what: &str, e: &std::io::Error) -> Response {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        return json_error(
+            StatusCode::NOT_FOUND,
+            format!("path '{}' does not exist", path.display()),
+        );
+    }
+    json_error(io_status(e), format!("{what} '{}': {e}", path.display()))
+}
+
 fn io_status(e: &std::io::Error) -> StatusCode {
     match e.kind() {
         std::io::ErrorKind::NotFound => StatusCode::NOT_FOUND,
@@ -194,23 +205,11 @@ pub async fn download(
     };
     let file = match opened {
         Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return json_error(
-                StatusCode::NOT_FOUND,
-                format!("path '{}' does not exist", path.display()),
-            );
-        }
-        Err(e) => return json_error(io_status(&e), format!("open '{}': {e}", path.display())),
+        Err(e) => return unreadable(&path, "open", &e),
     };
     let meta = match file.metadata() {
         Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return json_error(
-                StatusCode::NOT_FOUND,
-                format!("path '{}' does not exist", path.display()),
-            );
-        }
-        Err(e) => return json_error(io_status(&e), format!("stat '{}': {e}", path.display())),
+        Err(e) => return unreadable(&path, "stat", &e),
     };
     if meta.is_dir() {
         return json_error(

@@ -729,18 +729,14 @@ impl ProcessManager {
         // The command's arguments are left out: they may carry secrets.
         tracing::info!(pid, cmd = %spec.cmd, "process started");
 
-        let pty = parent
-            .pty
-            .map(nonblocking)
-            .transpose()
-            .map_err(io_err)?
-            .map(Arc::new);
-        let stdin = parent
-            .stdin
-            .map(nonblocking)
-            .transpose()
-            .map_err(io_err)?
-            .map(Arc::new);
+        let shared_async = |fd: Option<OwnedFd>| {
+            fd.map(nonblocking)
+                .transpose()
+                .map(|fd| fd.map(Arc::new))
+                .map_err(io_err)
+        };
+        let pty = shared_async(parent.pty)?;
+        let stdin = shared_async(parent.stdin)?;
         let (done, _) = watch::channel(false);
         let process = Arc::new(ManagedProcess {
             pid,

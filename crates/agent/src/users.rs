@@ -59,14 +59,8 @@ pub struct Accounts {
 /// Parses `/etc/passwd` content; malformed lines are skipped rather than failing the lookup,
 /// since a single bad line must not lock everyone out.
 pub fn parse_passwd(content: &str) -> Vec<User> {
-    content
-        .lines()
-        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(':').collect();
-            if fields.len() < 7 {
-                return None;
-            }
+    records(content, 7)
+        .filter_map(|fields| {
             Some(User {
                 name: fields[0].to_owned(),
                 uid: fields[2].parse().ok()?,
@@ -80,14 +74,8 @@ pub fn parse_passwd(content: &str) -> Vec<User> {
 
 /// Parses `/etc/group` content, skipping malformed lines.
 pub fn parse_group(content: &str) -> Vec<Group> {
-    content
-        .lines()
-        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
-        .filter_map(|line| {
-            let fields: Vec<&str> = line.split(':').collect();
-            if fields.len() < 3 {
-                return None;
-            }
+    records(content, 3)
+        .filter_map(|fields| {
             let members = fields
                 .get(3)
                 .map(|m| {
@@ -104,6 +92,16 @@ pub fn parse_group(content: &str) -> Vec<Group> {
             })
         })
         .collect()
+}
+
+/// The colon-separated fields of each record of a passwd-style file with at least `fields`
+/// of them; blank lines, comments and shorter lines are skipped.
+fn records(content: &str, fields: usize) -> impl Iterator<Item = Vec<&str>> {
+    content
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.starts_with('#'))
+        .map(|line| line.split(':').collect::<Vec<&str>>())
+        .filter(move |record| record.len() >= fields)
 }
 
 fn read_optional(path: &Path) -> Result<String, UserError> {

@@ -655,29 +655,7 @@ pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-
-    /// A listener on 127.0.0.1 that counts connections and answers each with a 404.
-    async fn counting_server() -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = Arc::clone(&hits);
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                counter.fetch_add(1, Ordering::SeqCst);
-                let mut buf = [0u8; 4096];
-                let _ = stream.read(&mut buf).await;
-                let _ = stream
-                    .write_all(
-                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-                    )
-                    .await;
-            }
-        });
-        (port, hits)
-    }
+    use crate::test_server::fixed_server;
 
     fn session(registry: &str) -> Session {
         let policy = Arc::new(
@@ -689,7 +667,10 @@ mod tests {
     #[tokio::test]
     async fn a_registry_reached_over_https_never_leads_to_plain_http() {
         use std::sync::atomic::Ordering;
-        let (port, hits) = counting_server().await;
+        let (port, hits) = fixed_server(
+            "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".into(),
+        )
+        .await;
         let plain = Url::parse(&format!("http://127.0.0.1:{port}/v2/x/y/manifests/1")).unwrap();
         // A redirect hop, a token service or an upload location on plain http.
         let secure = session("https://127.0.0.1:1/");

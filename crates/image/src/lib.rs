@@ -13,6 +13,8 @@ mod distribution;
 mod pull_error;
 pub mod registry;
 pub mod registry_address;
+#[cfg(test)]
+mod test_server;
 pub mod unpack;
 
 pub use blob_store::{BlobStore, BlobStoreError};

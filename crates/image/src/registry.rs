@@ -427,38 +427,21 @@ impl ImageCache {
                 path,
             });
         }
+        // A cached layer is downloaded again only for its owner to prove access to it.
         if unpacked {
             progress(format!(
                 "verifying access to cached layer {}",
                 short(diff_id)
             ));
-            let blob = self
-                .download(registry, descriptor, name, budget.limit())
-                .await?;
-            let blob_path = blob.0.clone();
-            let expected = diff_hex.to_owned();
-            let limit = budget.limit();
-            tokio::task::spawn_blocking(move || verify_diff_id(&blob_path, &expected, limit))
-                .await
-                .map_err(|e| PullError::Io {
-                    path: path.clone(),
-                    source: io::Error::other(e),
-                })??;
-            drop(blob);
-            self.record_proof(proof.as_deref())?;
-            return Ok(PulledLayer {
-                diff_id: diff_id.to_owned(),
-                path,
-            });
+        } else {
+            progress(format!(
+                "pulling layer {} ({})",
+                short(diff_id),
+                descriptor
+                    .size
+                    .map_or_else(|| "size unknown".to_owned(), human_size)
+            ));
         }
-
-        progress(format!(
-            "pulling layer {} ({})",
-            short(diff_id),
-            descriptor
-                .size
-                .map_or_else(|| "size unknown".to_owned(), human_size)
-        ));
         let blob = self
             .download(registry, descriptor, name, budget.limit())
             .await?;
@@ -466,8 +449,12 @@ impl ImageCache {
         let layers_dir = self.layers_dir();
         let expected = diff_hex.to_owned();
         let budget = budget.clone();
-        let stats = tokio::task::spawn_blocking(move || {
-            unpack_blob(&blob_path, &layers_dir, &expected, &budget)
+        let unpacked_stats = tokio::task::spawn_blocking(move || {
+            if unpacked {
+                verify_diff_id(&blob_path, &expected, budget.limit()).map(|()| None)
+            } else {
+                unpack_blob(&blob_path, &layers_dir, &expected, &budget).map(Some)
+            }
         })
         .await
         .map_err(|e| PullError::Io {
@@ -476,12 +463,14 @@ impl ImageCache {
         })??;
         drop(blob);
         self.record_proof(proof.as_deref())?;
-        progress(format!(
-            "layer {} unpacked ({} files, {})",
-            short(diff_id),
-            stats.files,
-            human_size(stats.bytes)
-        ));
+        if let Some(stats) = unpacked_stats {
+            progress(format!(
+                "layer {} unpacked ({} files, {})",
+                short(diff_id),
+                stats.files,
+                human_size(stats.bytes)
+            ));
+        }
         Ok(PulledLayer {
             diff_id: diff_id.to_owned(),
             path,
@@ -678,7 +667,14 @@ impl<R: Read> Read for Capped<R> {
 
 /// Checks that `blob` decompresses to the layer `diff_hex` names.
 fn verify_diff_id(blob: &Path, diff_hex: &str, limit: u64) -> Result<(), PullError> {
-    let mut tar = open_layer_stream(blob, limit)?;
+    check_layer_digest(open_layer_stream(blob, limit)?, diff_hex)
+}
+
+/// Reads what is left of `tar` and checks that the whole stream hashes to `diff_hex`.
+fn check_layer_digest(
+    mut tar: HashingReader<Box<dyn Read>>,
+    diff_hex: &str,
+) -> Result<(), PullError> {
     io::copy(&mut tar, &mut io::sink()).map_err(|e| PullError::Unpack(UnpackError::Tar(e)))?;
     let actual = hex::encode(tar.hasher.finalize());
     if actual != diff_hex {
@@ -709,14 +705,7 @@ fn unpack_blob(
         .map_err(io_at(&staging.path))?;
     let stats = apply_layer_within(&mut tar, &staging.path, budget).map_err(PullError::Unpack)?;
     // The digest covers the whole stream, including the padding after the end of the archive.
-    io::copy(&mut tar, &mut io::sink()).map_err(|e| PullError::Unpack(UnpackError::Tar(e)))?;
-    let actual = hex::encode(tar.hasher.finalize());
-    if actual != diff_hex {
-        return Err(PullError::DigestMismatch {
-            expected: format!("sha256:{diff_hex}"),
-            actual: format!("sha256:{actual}"),
-        });
-    }
+    check_layer_digest(tar, diff_hex)?;
 
     // The layer's name promises a complete layer, also after a power cut.
     let dir = File::open(&staging.path).map_err(io_at(&staging.path))?;
@@ -1186,11 +1175,10 @@ fn io_at(path: &Path) -> impl FnOnce(io::Error) -> PullError + '_ {
 mod tests {
     use super::*;
     use std::io::Write as _;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use tokio::io::AsyncReadExt;
+    use std::sync::atomic::Ordering;
 
     use crate::registry_address::RefusedRange;
+    use crate::test_server::fixed_server;
 
     /// A policy allowing the given registries (plain HTTP on loopback needs no listing).
     fn allowing(registries: &[&str]) -> Arc<RegistryPolicy> {
@@ -1562,32 +1550,6 @@ mod tests {
         assert_eq!(std::fs::read_dir(cache.blobs_dir()).unwrap().count(), 0);
         let mode = std::fs::metadata(&layers).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
-    }
-
-    /// Answers every request with the same response; counts the requests.
-    async fn fixed_server(response: String) -> (u16, Arc<AtomicUsize>) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let hits = Arc::new(AtomicUsize::new(0));
-        let counter = Arc::clone(&hits);
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                counter.fetch_add(1, Ordering::SeqCst);
-                let response = response.clone();
-                tokio::spawn(async move {
-                    let mut request = Vec::new();
-                    let mut buf = [0u8; 1024];
-                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match stream.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => request.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let _ = stream.write_all(response.as_bytes()).await;
-                });
-            }
-        });
-        (port, hits)
     }
 
     fn response(status: &str, extra_headers: &str, body: &str) -> String {

@@ -431,8 +431,7 @@ impl Unpacker {
         meta: &Meta,
         name: &str,
     ) -> Result<(), UnpackError> {
-        let parent = self.parent(parents, name)?;
-        self.make_room(parent.as_fd(), base, path, false, name)?;
+        let parent = self.parent_with_room(parents, base, path, name)?;
         let fd = rfs::openat(
             &parent,
             base,
@@ -480,8 +479,7 @@ impl Unpacker {
                 what: "symbolic link target too long",
             });
         }
-        let parent = self.parent(parents, name)?;
-        self.make_room(parent.as_fd(), base, path, false, name)?;
+        let parent = self.parent_with_room(parents, base, path, name)?;
         // The target is stored as written: it is only ever resolved inside the sandbox.
         rfs::symlinkat(target, &parent, base).map_err(errno_at(name))?;
         self.chown_by_name(&parent, base, meta, name)?;
@@ -523,8 +521,7 @@ impl Unpacker {
             return Ok(());
         }
 
-        let parent = self.parent(parents, name)?;
-        self.make_room(parent.as_fd(), base, path, false, name)?;
+        let parent = self.parent_with_room(parents, base, path, name)?;
         rfs::linkat(
             &target_parent,
             *target_base,
@@ -545,8 +542,7 @@ impl Unpacker {
         meta: &Meta,
         name: &str,
     ) -> Result<(), UnpackError> {
-        let parent = self.parent(parents, name)?;
-        self.make_room(parent.as_fd(), base, path, false, name)?;
+        let parent = self.parent_with_room(parents, base, path, name)?;
         rfs::mknodat(&parent, base, FileType::Fifo, Mode::from_raw_mode(0o600), 0)
             .map_err(errno_at(name))?;
         // Opening a FIFO would block, so it is changed by name: it was created just above in a
@@ -696,6 +692,19 @@ impl Unpacker {
             Mode::empty(),
             sandbar_fs::Links::Refused,
         )
+    }
+
+    /// Opens the directory that holds a non-directory entry, its name there cleared for it.
+    fn parent_with_room(
+        &mut self,
+        parents: &[&[u8]],
+        base: &[u8],
+        path: &[u8],
+        name: &str,
+    ) -> Result<OwnedFd, UnpackError> {
+        let parent = self.parent(parents, name)?;
+        self.make_room(parent.as_fd(), base, path, false, name)?;
+        Ok(parent)
     }
 
     /// Clears the way for an entry: a later entry replaces an earlier one of the same name,

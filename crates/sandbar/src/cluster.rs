@@ -124,19 +124,24 @@ impl ClusterArgs {
     }
 }
 
-/// `username:password` from a private file.
-fn read_credentials(path: &Path) -> anyhow::Result<sandbar_image::RegistryAuth> {
+/// The text of the file at `path`, which holds `what` and so must be readable by its owner
+/// alone.
+fn read_private(path: &Path, what: &str) -> anyhow::Result<String> {
     use std::os::unix::fs::PermissionsExt;
     let meta =
         std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
     if meta.permissions().mode() & 0o077 != 0 {
         bail!(
-            "{} is readable by other users: credentials must be private (chmod 600)",
+            "{} is readable by other users: {what} must be private (chmod 600)",
             path.display()
         );
     }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+}
+
+/// `username:password` from a private file.
+fn read_credentials(path: &Path) -> anyhow::Result<sandbar_image::RegistryAuth> {
+    let text = read_private(path, "credentials")?;
     let (username, password) = text
         .trim_end_matches(['\r', '\n'])
         .split_once(':')
@@ -148,17 +153,7 @@ fn read_credentials(path: &Path) -> anyhow::Result<sandbar_image::RegistryAuth> 
 }
 
 fn read_secret(path: &Path) -> anyhow::Result<Arc<str>> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
-        bail!(
-            "{} is readable by other users: the cluster secret must be private (chmod 600)",
-            path.display()
-        );
-    }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = read_private(path, "the cluster secret")?;
     let secret = text.trim();
     if secret.len() < 32 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
         bail!(

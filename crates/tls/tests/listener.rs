@@ -183,8 +183,32 @@ async fn get_http1(
         .expect("request");
     let response = sender.send_request(request).await.expect("response");
     assert_eq!(response.status(), StatusCode::OK);
-    let body = response.into_body().collect().await.expect("body");
-    String::from_utf8(body.to_bytes().to_vec()).expect("utf-8")
+    String::from_utf8(body_of(response).await.to_vec()).expect("utf-8")
+}
+
+/// The whole body of `response`.
+async fn body_of(response: Response<hyper::body::Incoming>) -> Bytes {
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes()
+}
+
+/// An HTTP/2 connection over `tls`.
+async fn http2<B>(tls: TlsStream<TcpStream>) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (sender, connection) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .expect("http/2");
+    tokio::spawn(connection);
+    sender
 }
 
 #[tokio::test]
@@ -204,11 +228,7 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
         .await
         .expect("handshake");
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
-    let (mut h2, connection) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
-            .await
-            .expect("http/2");
-    tokio::spawn(connection);
+    let mut h2 = http2(tls).await;
     // HTTP/2 names the host in :authority only.
     let request = Request::get(format!("https://{API}/echo?x=1"))
         .body(Empty::<Bytes>::new())
@@ -216,12 +236,7 @@ async fn http1_and_http2_answer_on_one_port_with_the_host_the_edge_reads() {
     assert!(!request.headers().contains_key("host"));
     let response = h2.send_request(request).await.expect("response");
     assert_eq!(response.version(), Version::HTTP_2);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     // The app reads the HTTP/1.1 request it stands for.
     assert_eq!(body, format!("HTTP/1.1 {API} https /echo?x=1").as_bytes());
 }
@@ -233,11 +248,7 @@ async fn a_streamed_http2_body_reaches_what_the_app_forwards_over_http1() {
     let tls = handshake(server.address, &trusting(dir.path(), &[b"h2"]))
         .await
         .expect("handshake");
-    let (mut h2, connection) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
-            .await
-            .expect("http/2");
-    tokio::spawn(connection);
+    let mut h2 = http2(tls).await;
     // No length known: a Connect call's body, as the SDKs stream it.
     let chunks = ["a message ", "in two parts"]
         .map(|chunk| Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(chunk))));
@@ -247,12 +258,7 @@ async fn a_streamed_http2_body_reaches_what_the_app_forwards_over_http1() {
         .expect("request");
     let response = h2.send_request(request).await.expect("response");
     assert_eq!(response.status(), StatusCode::OK);
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
+    let body = body_of(response).await;
     assert_eq!(body, "a message in two parts");
 }
 

@@ -9,6 +9,21 @@ use common::*;
 use http_body_util::{BodyExt, StreamBody};
 use serde_json::{Value, json};
 
+/// Posts `parts` to `uri` as a multipart form, one file field per part.
+async fn post_multipart(
+    agent: &Agent,
+    uri: &str,
+    parts: &[(&str, &[u8])],
+) -> (http::StatusCode, http::HeaderMap, Bytes) {
+    let (ct, body) = multipart(parts);
+    let req = agent
+        .request("POST", uri)
+        .header("content-type", ct)
+        .body(full(body))
+        .unwrap();
+    agent.send(req).await
+}
+
 fn multipart(parts: &[(&str, &[u8])]) -> (String, Vec<u8>) {
     let boundary = "sandbar-test-boundary";
     let mut body = Vec::new();
@@ -46,13 +61,12 @@ async fn multipart_upload_then_download() {
     let agent = Agent::start().await;
     let dir = tempfile::tempdir().unwrap();
     let dest = dir.path().join("nested/deeper/a.txt");
-    let (ct, body) = multipart(&[(dest.to_str().unwrap(), b"hello world")]);
-    let req = agent
-        .request("POST", &format!("/files?path={}", enc(&dest)))
-        .header("content-type", ct)
-        .body(full(body))
-        .unwrap();
-    let (status, _, resp) = agent.send(req).await;
+    let (status, _, resp) = post_multipart(
+        &agent,
+        &format!("/files?path={}", enc(&dest)),
+        &[(dest.to_str().unwrap(), b"hello world")],
+    )
+    .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
     let written: Value = serde_json::from_slice(&resp).unwrap();
     assert_eq!(
@@ -83,24 +97,22 @@ async fn multipart_several_files_and_duplicates() {
     let dir = tempfile::tempdir().unwrap();
     let a = dir.path().join("a");
     let b = dir.path().join("b");
-    let (ct, body) = multipart(&[(a.to_str().unwrap(), b"A"), (b.to_str().unwrap(), b"B")]);
-    let req = agent
-        .request("POST", "/files")
-        .header("content-type", ct)
-        .body(full(body))
-        .unwrap();
-    let (status, _, resp) = agent.send(req).await;
+    let (status, _, resp) = post_multipart(
+        &agent,
+        "/files",
+        &[(a.to_str().unwrap(), b"A"), (b.to_str().unwrap(), b"B")],
+    )
+    .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
     assert_eq!(std::fs::read(&a).unwrap(), b"A");
     assert_eq!(std::fs::read(&b).unwrap(), b"B");
 
-    let (ct, body) = multipart(&[(a.to_str().unwrap(), b"1"), (a.to_str().unwrap(), b"2")]);
-    let req = agent
-        .request("POST", "/files")
-        .header("content-type", ct)
-        .body(full(body))
-        .unwrap();
-    let (status, _, resp) = agent.send(req).await;
+    let (status, _, resp) = post_multipart(
+        &agent,
+        "/files",
+        &[(a.to_str().unwrap(), b"1"), (a.to_str().unwrap(), b"2")],
+    )
+    .await;
     assert_eq!(status, 400);
     let err: Value = serde_json::from_slice(&resp).unwrap();
     assert_eq!(err["code"], 400);

@@ -9,7 +9,7 @@ use crate::common;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::{Registry, have};
+use common::{Registry, have, htpasswd};
 use sandbar_image::{BlobStore, BlobStoreError, RegistryAuth, RegistryPolicy};
 use sha2::{Digest, Sha256};
 
@@ -136,13 +136,7 @@ async fn pushes_with_credentials_and_is_refused_without() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let users = tmp.path().join("htpasswd");
-    let output = Command::new("htpasswd")
-        .args(["-Bbn", "node", "s3cret"])
-        .output()
-        .unwrap();
-    assert!(output.status.success());
-    std::fs::write(&users, output.stdout).unwrap();
+    let users = htpasswd(tmp.path(), "node", "s3cret");
     let registry = Registry::start(tmp.path(), Some(&users));
     let location = format!("http://{}/sandbar/layers", registry.host());
     let data = b"layer bytes\n".to_vec();

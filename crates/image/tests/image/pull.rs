@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-use common::{Registry, have};
+use common::{Registry, have, htpasswd};
 use sandbar_image::{ImageCache, PullError, PulledImage, RegistryAuth, RegistryPolicy};
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -558,13 +558,7 @@ async fn authenticates_with_basic_credentials() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let users = tmp.path().join("htpasswd");
-    let output = Command::new("htpasswd")
-        .args(["-Bbn", "puller", "s3cret"])
-        .output()
-        .unwrap();
-    assert!(output.status.success());
-    std::fs::write(&users, output.stdout).unwrap();
+    let users = htpasswd(tmp.path(), "puller", "s3cret");
     let registry = Registry::start(tmp.path(), Some(&users));
 
     let (tar, diff_id) = layer(|b| add_file(b, "private", 0o600, b"for puller only\n"));

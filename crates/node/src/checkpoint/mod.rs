@@ -1318,24 +1318,22 @@ mod tests {
         assert_eq!(read_header(dir.path(), true).unwrap(), h);
         std::fs::write(dir.path().join("pages-1.img"), b"PAGES").unwrap();
         assert!(read_header(dir.path(), false).is_ok());
-        let changed = read_header(dir.path(), true);
-        assert!(
-            matches!(
-                &changed,
-                Err(HeaderError::Invalid { reason, .. })
-                    if reason == "the images do not match their checksum"
-            ),
-            "{changed:?}"
+        assert_invalid(
+            read_header(dir.path(), true),
+            "the images do not match their checksum",
         );
         std::fs::write(dir.path().join("pages-1.img"), b"pages!").unwrap();
-        let grown = read_header(dir.path(), false);
+        assert_invalid(
+            read_header(dir.path(), false),
+            "image pages-1.img has 6 bytes, 5 recorded",
+        );
+    }
+
+    /// `read` found the checkpoint invalid for `why`.
+    fn assert_invalid(read: Result<Header, HeaderError>, why: &str) {
         assert!(
-            matches!(
-                &grown,
-                Err(HeaderError::Invalid { reason, .. })
-                    if reason == "image pages-1.img has 6 bytes, 5 recorded"
-            ),
-            "{grown:?}"
+            matches!(&read, Err(HeaderError::Invalid { reason, .. }) if reason == why),
+            "{read:?}"
         );
     }
 

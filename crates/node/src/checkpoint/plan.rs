@@ -722,6 +722,20 @@ mod tests {
     }
 
     /// A booted sandbox: the agent (PID 1) maps its binary, writes its log and listens.
+    /// The sandbox with its task 7 holding `object` more, as entry `name` of `table`.
+    fn sandbox_holding(table: Table, name: &str, link: &str, object: ObjectStat) -> FakeProc {
+        let mut proc = sandbox();
+        proc.hold(7, table, name, held(link, object));
+        proc
+    }
+
+    /// The refusal of a plan of the sandbox holding `object` more, as entry `name` of `table`.
+    fn refusal_of(table: Table, name: &str, link: &str, object: ObjectStat) -> PlanError {
+        let err = plan(&sandbox_holding(table, name, link, object), &[1, 7]).unwrap_err();
+        assert!(err.is_refusal(), "{link}: {err}");
+        err
+    }
+
     fn sandbox() -> FakeProc {
         let mut proc = FakeProc::default();
         proc.hold(
@@ -897,15 +911,12 @@ mod tests {
                 "a character device (such as a terminal)",
             ),
         ] {
-            let mut proc = sandbox();
-            proc.hold(
-                7,
+            let err = refusal_of(
                 Table::Fd,
                 "4",
-                held("/etc/shadow", stat(kind, (0, 70), 1234, 555)),
+                "/etc/shadow",
+                stat(kind, (0, 70), 1234, 555),
             );
-            let err = plan(&proc, &[1, 7]).unwrap_err();
-            assert!(err.is_refusal());
             assert!(matches!(&err, PlanError::Foreign { what: w, .. } if *w == what));
             assert!(!err.to_string().contains("shadow"), "{err}");
         }
@@ -913,14 +924,12 @@ mod tests {
 
     #[test]
     fn a_linked_file_on_the_memory_filesystem_is_not_anonymous() {
-        let mut proc = sandbox();
-        proc.hold(
-            7,
+        refusal_of(
             Table::Fd,
             "7f00-7f01",
-            held("/dev/shm/x", stat(ObjectKind::File, MEMORY, 5, 777)),
+            "/dev/shm/x",
+            stat(ObjectKind::File, MEMORY, 5, 777),
         );
-        assert!(plan(&proc, &[1, 7]).unwrap_err().is_refusal());
     }
 
     #[test]
@@ -959,37 +968,28 @@ mod tests {
             ("/usr/lib/../lib/libc.so.6", libc),
             ("usr/lib/libc.so.6", libc),
         ] {
-            let mut proc = sandbox();
-            proc.hold(7, Table::MapFiles, "7f00-7f01", held(link, object));
-            let err = plan(&proc, &[1, 7]).unwrap_err();
-            assert!(err.is_refusal(), "{link}");
+            let err = refusal_of(Table::MapFiles, "7f00-7f01", link, object);
             assert!(!err.to_string().contains("libc"), "{err}");
         }
     }
 
     #[test]
     fn a_file_that_looks_like_the_agent_by_name_is_still_refused() {
-        let mut proc = sandbox();
-        proc.hold(
-            7,
+        refusal_of(
             Table::Fd,
             "4",
-            held(
-                "/var/lib/sandbar/agents/abc",
-                stat(ObjectKind::File, (0, 70), AGENT.ino, 556),
-            ),
+            "/var/lib/sandbar/agents/abc",
+            stat(ObjectKind::File, (0, 70), AGENT.ino, 556),
         );
-        assert!(plan(&proc, &[1, 7]).unwrap_err().is_refusal());
     }
 
     #[test]
     fn the_plan_looks_and_never_opens() {
-        let mut proc = sandbox();
-        proc.hold(
-            7,
+        let proc = sandbox_holding(
             Table::Fd,
             "4",
-            held("/tmp/fifo", stat(ObjectKind::Fifo, (0, 60), 5, 300)),
+            "/tmp/fifo",
+            stat(ObjectKind::Fifo, (0, 60), 5, 300),
         );
         plan(&proc, &[1, 7]).unwrap();
         let calls = proc.calls.lock().unwrap();

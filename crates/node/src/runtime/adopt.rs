@@ -2,7 +2,6 @@
 //! released, and those carried from another node.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use sandbar_core::{AdoptedCheckpoint, Endpoint, HandlePhase, RuntimeError, RuntimeHandle};
 
@@ -10,22 +9,12 @@ use super::criu_runs::SnapshotOrigin;
 use super::handle::{is_alive, launched, start_ticks};
 use super::launch::Launcher;
 use super::pausing::Pauser;
-use super::state::NodeState;
-use super::{is_nsfs, sandbox_err};
+use super::{is_nsfs, run_blocking, sandbox_err};
 
-/// Adopts sandboxes this process did not start: those a restarted server finds, and those
-/// taken over from another node.
-#[derive(Debug, Clone)]
-pub(super) struct Adopter {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Adopter {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Adopts sandboxes this process did not start: those a restarted server finds, and those
+    /// taken over from another node.
+    pub(super) struct Adopter;
 }
 
 impl Adopter {
@@ -66,12 +55,10 @@ impl Adopter {
                     .ok_or_else(|| sandbox_err(sandbox_id, "this node cannot checkpoint"))?;
                 let (version, digest) = (criu.version.clone(), self.node.agent_digest.clone());
                 let sealed_dir = dir.clone();
-                tokio::task::spawn_blocking(move || {
+                run_blocking(sandbox_id, move || {
                     crate::checkpoint::seal_finished_dump(&sealed_dir, version, digest)
                 })
-                .await
-                .map_err(|e| sandbox_err(sandbox_id, e))?
-                .map_err(|e| sandbox_err(sandbox_id, e))?;
+                .await?;
                 tracing::info!(
                     sandbox_id,
                     "sealed a checkpoint whose dump outlived the server"
@@ -80,10 +67,10 @@ impl Adopter {
             Pauser::of(&self.node).end_dumped(sandbox_id).await;
         }
         let header_dir = dir.clone();
-        tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&header_dir, false))
-            .await
-            .map_err(|e| sandbox_err(sandbox_id, e))?
-            .map_err(|e| sandbox_err(sandbox_id, e))?;
+        run_blocking(sandbox_id, move || {
+            crate::checkpoint::read_header(&header_dir, false)
+        })
+        .await?;
         for kind in ["net", "user"] {
             let kept = self.node.places.kept_ns(sandbox_id, kind);
             if !is_nsfs(&kept) {

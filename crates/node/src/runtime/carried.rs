@@ -12,7 +12,7 @@ use super::criu_runs::{SnapshotOrigin, check_criu_version};
 use super::host::LinuxHost;
 use super::launch::Launcher;
 use super::restore::SlotRestore;
-use super::{SANDBOX_IDS, host_ops, sandbox_err, sequence};
+use super::{SANDBOX_IDS, host_ops, run_blocking, sandbox_err, sequence};
 
 impl Launcher {
     /// Fetches the checkpoint `blob` of sandbox `id` and checks that this node can restore
@@ -38,7 +38,7 @@ impl Launcher {
             let dir = dir.clone();
             let agents = self.node.places.agents_dir();
             let libraries = self.node.library_sources();
-            tokio::task::spawn_blocking(move || -> Result<_, String> {
+            run_blocking(id, move || -> Result<_, String> {
                 // Everything below is read by path: a checkpoint is regular files only, so
                 // no entry of the archive can lead a read anywhere else.
                 for entry in
@@ -80,9 +80,7 @@ impl Launcher {
                 .map_err(|e| e.to_string())?;
                 Ok((header, origin))
             })
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-            .map_err(|e| sandbox_err(id, e))?
+            .await?
         };
         let (header, origin) = checked;
         check_criu_version(id, &criu, &header)?;
@@ -113,10 +111,11 @@ impl Launcher {
         let header = {
             let (source, work) = (source.clone(), work.clone());
             let (from, to) = (carried.origin_id_base, id_map.host_base);
-            tokio::task::spawn_blocking(move || stage_checkpoint(&source, &work, verify, from, to))
-                .await
-                .map_err(|e| bare(sandbox_err(id, e)))?
-                .map_err(|e| bare(sandbox_err(id, e)))?
+            run_blocking(id, move || {
+                stage_checkpoint(&source, &work, verify, from, to)
+            })
+            .await
+            .map_err(bare)?
         };
         let restored = sequence::restore_in_slot(
             &LinuxHost(&self.node),

@@ -13,7 +13,7 @@ use super::host_ops::{DiskSource, HostOps};
 use super::jailed::{BootSpec, Jailer};
 use super::restore::{Restorer, SlotRestore};
 use super::state::NodeState;
-use super::{kill_err, sandbox_err, sequence};
+use super::{kill_err, run_blocking, sandbox_err, sequence};
 use crate::checkpoint::HostSocket;
 use crate::net::netns::PreparedNetns;
 use crate::resources::cgroups::{CgroupError, Limits};
@@ -198,10 +198,7 @@ impl HostOps for LinuxHost<'_> {
     async fn remove_disk(&self, sandbox_id: &str) -> Result<(), RuntimeError> {
         let disks = self.0.disks.clone();
         let owned_id = sandbox_id.to_owned();
-        tokio::task::spawn_blocking(move || disks.remove(&owned_id))
-            .await
-            .map_err(|e| sandbox_err(sandbox_id, e))?
-            .map_err(|e| sandbox_err(sandbox_id, e))
+        run_blocking(sandbox_id, move || disks.remove(&owned_id)).await
     }
 }
 

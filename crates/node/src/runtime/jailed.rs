@@ -5,7 +5,6 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
@@ -14,21 +13,11 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::net::netns::PreparedNetns;
 
-use super::state::NodeState;
 use super::{agent_client, reset_oom_score_adj, sandbox_err};
 
-/// Starts sandboxes' agents and their templates' start commands.
-#[derive(Debug, Clone)]
-pub(super) struct Jailer {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Jailer {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Starts sandboxes' agents and their templates' start commands.
+    pub(super) struct Jailer;
 }
 
 /// The server's nice value, which sandboxes start with whichever thread forks them: the

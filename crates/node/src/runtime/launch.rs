@@ -1,8 +1,6 @@
 //! Booting a sandbox: its cgroups, disk, network namespace and jailed agent, the template's
 //! start and ready commands, and its egress rules.
 
-use std::sync::Arc;
-
 use sandbar_core::{CarriedCheckpoint, Endpoint, LaunchSpec, RuntimeError, RuntimeHandle};
 
 use crate::net::netns::PreparedNetns;
@@ -12,24 +10,14 @@ use super::holdings::{Opening, SlotHold};
 use super::host::LinuxHost;
 use super::layers::LayerKeeper;
 use super::layers::is_snapshot_key;
-use super::state::NodeState;
 use super::warm::WarmSandbox;
 use super::warm_boot::WarmKeeper;
-use super::{SANDBOX_IDS, sandbox_err, sequence};
+use super::{SANDBOX_IDS, run_blocking, sandbox_err, sequence};
 
-/// Launches sandboxes: fresh, on kept files, from a snapshot or a checkpoint carried
-/// here, and the agent and start commands of each.
-#[derive(Debug, Clone)]
-pub(super) struct Launcher {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Launcher {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Launches sandboxes: fresh, on kept files, from a snapshot or a checkpoint carried
+    /// here, and the agent and start commands of each.
+    pub(super) struct Launcher;
 }
 
 impl Launcher {
@@ -294,16 +282,10 @@ impl Launcher {
     ) -> Result<(), RuntimeError> {
         let upper = self.node.disks.path(id).join(sandbar_jail::layout::UPPER);
         let (from, to) = (self.node.id_map(slot).host_base, kept.id_base.unwrap_or(0));
-        tokio::task::spawn_blocking(move || {
+        run_blocking(id, move || {
             crate::storage::layers::move_owners(&upper, from, to, SANDBOX_IDS)
+                .map_err(|e| format!("cannot give its kept files their ids back: {e}"))
         })
         .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| {
-            sandbox_err(
-                id,
-                format!("cannot give its kept files their ids back: {e}"),
-            )
-        })
     }
 }

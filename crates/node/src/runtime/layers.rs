@@ -1,13 +1,11 @@
 //! Template layers as the runtime keeps them: what live sandboxes run on and the collector.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
 use sandbar_core::{RuntimeError, RuntimeHandle};
 
 use super::handle::launched;
 use super::in_flight::InFlightGuard;
-use super::state::NodeState;
 use super::{SANDBOX_IDS, sandbox_err};
 
 /// How long the collector leaves a new snapshot's parts alone at most.
@@ -18,19 +16,10 @@ pub(super) fn is_snapshot_key(key: &str) -> bool {
     key.len() == 32 && key.bytes().all(|c| c.is_ascii_hexdigit())
 }
 
-/// Keeps the node's layers: its store, the cluster's where one is configured, the layers
-/// builds commit and the collection of those nothing keeps.
-#[derive(Debug, Clone)]
-pub struct LayerKeeper {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl LayerKeeper {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Keeps the node's layers: its store, the cluster's where one is configured, the layers
+    /// builds commit and the collection of those nothing keeps.
+    pub struct LayerKeeper;
 }
 
 impl LayerKeeper {

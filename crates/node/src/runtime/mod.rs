@@ -19,6 +19,26 @@ use crate::net::network::NetworkError;
 use crate::resources::cgroups::CgroupError;
 use crate::storage::disks::DiskError;
 
+/// Declares one part of the node's work on sandboxes: a handle on the node's state, made
+/// `of` it, so that each part is cheap to make wherever it is needed.
+macro_rules! node_part {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident;) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone)]
+        $vis struct $name {
+            pub(super) node: std::sync::Arc<$crate::runtime::state::NodeState>,
+        }
+
+        impl $name {
+            pub(super) fn of(node: &std::sync::Arc<$crate::runtime::state::NodeState>) -> Self {
+                Self {
+                    node: std::sync::Arc::clone(node),
+                }
+            }
+        }
+    };
+}
+
 mod admission;
 mod adopt;
 pub(crate) mod agent_client;
@@ -158,6 +178,22 @@ fn sandbox_err(id: &str, message: impl std::fmt::Display) -> RuntimeError {
         sandbox_id: id.to_owned(),
         message: message.to_string(),
     }
+}
+
+/// Runs `work` for sandbox `id` off the async threads, as file and mount work must; its
+/// failure, or the thread's, is the sandbox's error.
+async fn run_blocking<T, E>(
+    id: &str,
+    work: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, RuntimeError>
+where
+    T: Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| sandbox_err(id, e))?
+        .map_err(|e| sandbox_err(id, e))
 }
 
 /// A kill's cgroup error: processes that outlived it are the client's to retry, anything

@@ -2,7 +2,6 @@
 //! restores.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
@@ -12,22 +11,12 @@ use super::criu_runs::{CriuDump, PLAN_DEADLINE, SPENT_PREFIX};
 use super::handle::{is_alive, launched};
 use super::host::LinuxHost;
 use super::host_ops::HostOps;
-use super::state::NodeState;
-use super::{ns_inode, sandbox_err, sequence};
+use super::{ns_inode, run_blocking, sandbox_err, sequence};
 
-/// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
-/// processes keeping their files.
-#[derive(Debug, Clone)]
-pub(super) struct Pauser {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Pauser {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Pauses sandboxes: freezes them, dumps them to disk as a checkpoint, or stops their
+    /// processes keeping their files.
+    pub(super) struct Pauser;
 }
 
 /// How long a pause waits for the agent to close its ends of connections from the host.
@@ -80,12 +69,11 @@ impl Pauser {
         let (version, digest) = (criu.version.clone(), self.node.agent_digest.clone());
         let sealing = std::time::Instant::now();
         let sealed_dir = dir.clone();
-        let sealed = tokio::task::spawn_blocking(move || {
+        let sealed = run_blocking(id, move || {
             crate::checkpoint::seal(&sealed_dir, version, digest, plan)
+                .map_err(|e| format!("cannot write the checkpoint header: {e}"))
         })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, format!("cannot write the checkpoint header: {e}")))?;
+        .await?;
         self.node.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, seal_us = sealing.elapsed().as_micros() as u64, "checkpoint sealed");
         Ok(sealed)

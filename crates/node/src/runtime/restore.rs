@@ -4,7 +4,6 @@
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
@@ -14,21 +13,11 @@ use crate::net::netns::PreparedNetns;
 
 use super::criu_runs::{TCP_CLOSE, check_criu_version, run_criu};
 use super::handle::{launched, start_ticks};
-use super::state::NodeState;
-use super::{agent_client, sandbox_err};
+use super::{agent_client, run_blocking, sandbox_err};
 
-/// Restores sandboxes paused to disk from their checkpoint.
-#[derive(Debug, Clone)]
-pub(super) struct Restorer {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Restorer {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Restores sandboxes paused to disk from their checkpoint.
+    pub(super) struct Restorer;
 }
 
 /// Where a restored sandbox's inherited descriptors start: above anything CRIU itself opens
@@ -44,11 +33,10 @@ impl Restorer {
         let read_dir = dir.clone();
         let started = std::time::Instant::now();
         let verify = !self.node.is_verified(&dir);
-        let header =
-            tokio::task::spawn_blocking(move || crate::checkpoint::read_header(&read_dir, verify))
-                .await
-                .map_err(|e| sandbox_err(id, e))?
-                .map_err(|e| sandbox_err(id, e))?;
+        let header = run_blocking(id, move || {
+            crate::checkpoint::read_header(&read_dir, verify)
+        })
+        .await?;
         self.node.set_verified(&dir, true);
         tracing::debug!(sandbox_id = %id, verify_us = started.elapsed().as_micros() as u64, "checkpoint verified");
         check_criu_version(id, &criu, &header)?;
@@ -60,7 +48,7 @@ impl Restorer {
         let netns_path = self.node.places.kept_ns(id, "net");
         let userns_path = self.node.places.kept_ns(id, "user");
         let slot = h.slot;
-        let opened = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let opened = run_blocking(id, move || -> Result<_, String> {
             let netns: std::os::fd::OwnedFd = std::fs::File::open(&netns_path)
                 .map_err(|e| format!("open {}: {e}", netns_path.display()))?
                 .into();
@@ -78,9 +66,7 @@ impl Restorer {
                 userns,
             ))
         })
-        .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, e))?;
+        .await?;
         let (prepared, userns) = opened;
         self.run_restore(
             id,
@@ -300,7 +286,7 @@ impl Restorer {
             .any(|e| matches!(e, crate::checkpoint::External::BootId { .. }))
             .then(|| boot_id.unwrap_or_else(sandbar_core::ids::new_uuid));
         let boot_id_dir = self.node.places.restored_boot_id_dir(id);
-        tokio::task::spawn_blocking(move || -> Result<_, String> {
+        run_blocking(id, move || -> Result<_, String> {
             sandbar_jail::host::mount_root_mapped(&sandbox_dir, &layers, &userns)
                 .map_err(|e| format!("cannot mount its root again: {e}"))?;
             if !volumes.is_empty() {
@@ -350,8 +336,6 @@ impl Restorer {
             })
         })
         .await
-        .map_err(|e| sandbox_err(id, e))?
-        .map_err(|e| sandbox_err(id, e))
     }
 
     /// CRIU's arguments for the checkpoint's external mounts and the descriptors it is handed

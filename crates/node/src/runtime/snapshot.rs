@@ -2,7 +2,6 @@
 //! sandboxes restored from one.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, LaunchSpec, RuntimeError, RuntimeHandle, SnapshotParts};
@@ -18,21 +17,11 @@ use super::launch::Launcher;
 use super::layers::is_snapshot_key;
 use super::pausing::{HOST_SOCKETS_PATIENCE, Pauser};
 use super::restore::SlotRestore;
-use super::state::NodeState;
-use super::{SANDBOX_IDS, agent_client, host_ops, ns_inode, sandbox_err, sequence};
+use super::{SANDBOX_IDS, agent_client, host_ops, ns_inode, run_blocking, sandbox_err, sequence};
 
-/// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
-#[derive(Debug, Clone)]
-pub(super) struct Snapshotter {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl Snapshotter {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Makes and discards snapshots of sandboxes: their files and, when asked, their memory.
+    pub(super) struct Snapshotter;
 }
 
 /// A new snapshot's name: unique to this sandbox, moment and process.
@@ -255,10 +244,12 @@ impl Snapshotter {
             self.node.layers.steps_dir().to_owned(),
             key.to_owned(),
         );
-        tokio::task::spawn_blocking(move || disks.snapshot(&owned_id, &steps, &owned_key))
-            .await
-            .map_err(|e| sandbox_err(id, e))?
-            .map_err(|e| sandbox_err(id, format!("cannot copy its files: {e}")))?;
+        run_blocking(id, move || {
+            disks
+                .snapshot(&owned_id, &steps, &owned_key)
+                .map_err(|e| format!("cannot copy its files: {e}"))
+        })
+        .await?;
         Ok(plan)
     }
 }
@@ -295,7 +286,7 @@ impl Launcher {
         let prepared = {
             let (source, work) = (source.clone(), work.clone());
             let to = id_map.host_base;
-            tokio::task::spawn_blocking(move || -> Result<_, String> {
+            run_blocking(id, move || -> Result<_, String> {
                 let origin: SnapshotOrigin = serde_json::from_slice(
                     &std::fs::read(source.join(SNAPSHOT_ORIGIN))
                         .map_err(|e| format!("the snapshot has no origin: {e}"))?,
@@ -308,8 +299,7 @@ impl Launcher {
                 Ok((header, origin))
             })
             .await
-            .map_err(|e| bare(sandbox_err(id, e)))?
-            .map_err(|e| bare(sandbox_err(id, e)))?
+            .map_err(bare)?
         };
         let (header, origin) = prepared;
         self.node.set_verified(&source, true);

@@ -1,24 +1,11 @@
 //! What the node reports of its sandboxes and itself: usage, memory, disks, the warm pool and
 //! agent logs.
 
-use std::sync::Arc;
-
 use sandbar_core::AgentLogChunk;
 
-use super::state::NodeState;
-
-/// Reports what the node's sandboxes use and what the node has left.
-#[derive(Debug, Clone)]
-pub(super) struct NodeReports {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl NodeReports {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Reports what the node's sandboxes use and what the node has left.
+    pub(super) struct NodeReports;
 }
 
 impl NodeReports {

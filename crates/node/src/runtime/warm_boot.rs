@@ -11,21 +11,11 @@ use crate::resources::cgroups::Limits;
 use super::handle::{is_alive, start_ticks};
 use super::holdings::SlotHold;
 use super::jailed::{BootSpec, Jailer, default_workdir};
-use super::state::NodeState;
 use super::{agent_client, holdings, sandbox_err};
 
-/// Boots sandboxes ahead of demand into the warm pool and hands them to creates.
-#[derive(Debug, Clone)]
-pub(super) struct WarmKeeper {
-    pub(super) node: Arc<NodeState>,
-}
-
-impl WarmKeeper {
-    pub(super) fn of(node: &Arc<NodeState>) -> Self {
-        Self {
-            node: Arc::clone(node),
-        }
-    }
+node_part! {
+    /// Boots sandboxes ahead of demand into the warm pool and hands them to creates.
+    pub(super) struct WarmKeeper;
 }
 
 /// How long a warm sandbox's agent may take to answer after its boot.

@@ -467,6 +467,14 @@ mod tests {
         }
     }
 
+    /// A lower and an upper layer in `root`, with these directories in each.
+    fn two_layers(root: &Path, lower_dirs: &[&str], upper_dirs: &[&str]) -> (PathBuf, PathBuf) {
+        let (lower, upper) = (root.join("lower"), root.join("upper"));
+        mkdirs(&lower, lower_dirs);
+        mkdirs(&upper, upper_dirs);
+        (lower, upper)
+    }
+
     #[test]
     fn owners_move_with_few_descriptors_however_many_directories() {
         let name = concat!(
@@ -557,10 +565,7 @@ mod tests {
     #[test]
     fn lookups_see_the_top_layer_first_and_follow_links_inside_the_image() {
         let tmp = tempfile::tempdir().unwrap();
-        let lower = tmp.path().join("lower");
-        let upper = tmp.path().join("upper");
-        mkdirs(&lower, &["usr/bin", "etc"]);
-        mkdirs(&upper, &["etc"]);
+        let (lower, upper) = two_layers(tmp.path(), &["usr/bin", "etc"], &["etc"]);
         std::fs::write(lower.join("etc/passwd"), "root:x:0:0::/root:/bin/sh\n").unwrap();
         std::fs::write(upper.join("etc/passwd"), "root:x:0:0::/root:/bin/bash\n").unwrap();
         std::os::unix::fs::symlink("usr/bin", lower.join("bin")).unwrap();
@@ -584,10 +589,7 @@ mod tests {
     #[test]
     fn whiteouts_and_opaque_directories_hide_lower_entries() {
         let tmp = tempfile::tempdir().unwrap();
-        let lower = tmp.path().join("lower");
-        let upper = tmp.path().join("upper");
-        mkdirs(&lower, &["etc", "opt/data"]);
-        mkdirs(&upper, &["etc", "opt/data"]);
+        let (lower, upper) = two_layers(tmp.path(), &["etc", "opt/data"], &["etc", "opt/data"]);
         std::fs::write(lower.join("etc/motd"), "hi").unwrap();
         std::fs::write(lower.join("opt/data/old.txt"), "old").unwrap();
         let whiteout =

@@ -13,6 +13,18 @@ pub fn have(program: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
 }
 
+/// Writes a file of one user, `user` with `password`, for [`Registry::start`] in `dir`.
+pub fn htpasswd(dir: &Path, user: &str, password: &str) -> PathBuf {
+    let users = dir.join("htpasswd");
+    let output = Command::new("htpasswd")
+        .args(["-Bbn", user, password])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    std::fs::write(&users, output.stdout).unwrap();
+    users
+}
+
 /// The registry process, killed when the test ends however it ends.
 pub struct Registry {
     child: Child,

@@ -54,11 +54,18 @@ async fn a_connection_held_past_the_patience_is_frozen_and_reported() {
     assert_eq!(host.calls().last(), Some(&"freeze"));
 }
 
+/// Dumps sandbox "s" of `host` by `dump` as a pause does, a host error told as text.
+async fn dump_s<Fut>(host: &RecordingHost, dump: impl FnMut() -> Fut) -> Result<u8, String>
+where
+    Fut: Future<Output = Result<u8, String>>,
+{
+    dump_frozen(host, "s", PATIENCE, |e| e.to_string(), dump).await
+}
+
 #[tokio::test]
 async fn a_dump_that_works_touches_nothing_else() {
     let host = RecordingHost::default();
-    let out: Result<u8, String> =
-        dump_frozen(&host, "s", PATIENCE, |e| e.to_string(), || async { Ok(7) }).await;
+    let out = dump_s(&host, || async { Ok(7) }).await;
     assert_eq!(out, Ok(7));
     assert!(host.calls().is_empty());
 }
@@ -67,16 +74,10 @@ async fn a_dump_that_works_touches_nothing_else() {
 async fn a_failed_dump_without_host_connections_is_not_tried_again() {
     let host = RecordingHost::holding_sockets(&[0]);
     let tries = RefCell::new(0);
-    let out: Result<u8, String> = dump_frozen(
-        &host,
-        "s",
-        PATIENCE,
-        |e| e.to_string(),
-        || {
-            *tries.borrow_mut() += 1;
-            async { Err("dump failed".to_owned()) }
-        },
-    )
+    let out = dump_s(&host, || {
+        *tries.borrow_mut() += 1;
+        async { Err("dump failed".to_owned()) }
+    })
     .await;
     assert_eq!(out, Err("dump failed".to_owned()));
     assert_eq!(*tries.borrow(), 1);
@@ -88,23 +89,17 @@ async fn a_dump_failed_on_a_host_connection_thaws_settles_and_dumps_again() {
     // Held at the failure, still held at the first look after the thaw, then closed.
     let host = RecordingHost::holding_sockets(&[1, 1, 0]);
     let tries = RefCell::new(0);
-    let out: Result<u8, String> = dump_frozen(
-        &host,
-        "s",
-        PATIENCE,
-        |e| e.to_string(),
-        || {
-            *tries.borrow_mut() += 1;
-            let first = *tries.borrow() == 1;
-            async move {
-                if first {
-                    Err("unix: Unix socket 0 not found".to_owned())
-                } else {
-                    Ok(1)
-                }
+    let out = dump_s(&host, || {
+        *tries.borrow_mut() += 1;
+        let first = *tries.borrow() == 1;
+        async move {
+            if first {
+                Err("unix: Unix socket 0 not found".to_owned())
+            } else {
+                Ok(1)
             }
-        },
-    )
+        }
+    })
     .await;
     assert_eq!(out, Ok(1));
     assert_eq!(*tries.borrow(), 2);
@@ -362,6 +357,64 @@ impl Node {
     }
 }
 
+/// How a test starts a sandbox: booted from its image (running its start command or not), or
+/// restored from a checkpoint.
+#[derive(Debug, Clone, Copy)]
+enum Start {
+    Boot { start_cmd: bool },
+    Restore,
+}
+
+impl Start {
+    fn steps(self) -> &'static [&'static str] {
+        match self {
+            Start::Boot { .. } => &BOOT_STEPS,
+            Start::Restore => &RESTORE_STEPS,
+        }
+    }
+
+    fn start_cmd(self) -> bool {
+        matches!(self, Start::Boot { start_cmd: true })
+    }
+}
+
+impl Node {
+    async fn start(
+        &self,
+        id: &str,
+        kept: Option<&RuntimeHandle>,
+        how: Start,
+    ) -> Result<RuntimeHandle, RuntimeError> {
+        match how {
+            Start::Boot { start_cmd } => self.launch(id, kept, start_cmd).await,
+            Start::Restore => self.restore(id, kept).await,
+        }
+    }
+
+    /// Starts sandbox `s{id}` of `sandboxes` as `how` says, on its kept files if it was
+    /// released, failing at its step `fail` if there is one; a started sandbox is left alone.
+    async fn start_op(
+        &self,
+        sandboxes: &mut BTreeMap<String, RuntimeHandle>,
+        id: usize,
+        fail: usize,
+        how: Start,
+    ) {
+        let id = format!("s{id}");
+        let kept = match sandboxes.get(&id) {
+            Some(h) if h.phase == HandlePhase::Released => Some(h.clone()),
+            Some(_) => return,
+            None => None,
+        };
+        if let Some(step) = how.steps().get(fail) {
+            self.host.fail_next(step);
+        }
+        if let Ok(handle) = self.start(&id, kept.as_ref(), how).await {
+            sandboxes.insert(id, handle);
+        }
+    }
+}
+
 fn staged() -> SlotRestore {
     SlotRestore {
         work: PathBuf::from("/checkpoints/staged"),
@@ -395,6 +448,16 @@ const BOOT_STEPS: [&str; 6] = [
     "start_and_ready",
 ];
 
+/// A stop's steps; a teardown's begin with them.
+const STOP_STEPS: [&str; 6] = [
+    "kill_processes",
+    "remove_egress",
+    "release_slot",
+    "oom_kills",
+    "remove_cgroups",
+    "remove_agent_socket",
+];
+
 #[tokio::test]
 async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
     let node = Node::new();
@@ -413,16 +476,7 @@ async fn a_boot_makes_its_parts_in_order_and_a_teardown_removes_them() {
     node.teardown("s", Some(&handle)).await;
     assert_eq!(
         node.host.calls(),
-        [
-            "kill_processes",
-            "remove_egress",
-            "release_slot",
-            "oom_kills",
-            "remove_cgroups",
-            "remove_agent_socket",
-            "remove_records",
-            "remove_disk",
-        ]
+        [&STOP_STEPS[..], &["remove_records", "remove_disk"]].concat()
     );
     assert!(node.is_empty(), "{:?}", node.host.state());
 }
@@ -434,16 +488,17 @@ async fn a_boot_without_a_start_command_runs_none() {
     assert_eq!(node.host.calls(), BOOT_STEPS[..5]);
 }
 
-#[tokio::test]
-async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
-    for step in BOOT_STEPS {
+/// Fails a fresh sandbox's start at each of its steps in turn: the error names the step, the
+/// steps before it ran in order, and nothing is left behind.
+async fn each_failed_step_leaves_nothing_behind(how: Start) {
+    for &step in how.steps() {
         let node = Node::new();
         node.host.fail_next(step);
-        let err = node.launch("s", None, true).await.unwrap_err();
+        let err = node.start("s", None, how).await.unwrap_err();
         assert!(err.to_string().contains(step), "{step}: {err}");
         let calls = node.host.calls();
         let failed_at = calls.iter().position(|c| *c == step).unwrap();
-        assert_eq!(calls[..failed_at], BOOT_STEPS[..failed_at], "{step}");
+        assert_eq!(calls[..failed_at], how.steps()[..failed_at], "{step}");
         assert!(
             node.is_empty(),
             "after {step} failed: {:?}",
@@ -452,13 +507,14 @@ async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
     }
 }
 
-#[tokio::test]
-async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
-    for step in BOOT_STEPS {
+/// Fails a start on a released sandbox's kept files at each of its steps in turn: the files
+/// stay, with the layers under them, and nothing else does until the sandbox is torn down.
+async fn each_failed_step_on_kept_files_keeps_them_and_nothing_else(how: Start) {
+    for &step in how.steps() {
         let node = Node::new();
-        let released = node.launched_and_released("s", true).await;
+        let released = node.launched_and_released("s", how.start_cmd()).await;
         node.host.fail_next(step);
-        node.launch("s", Some(&released), true).await.unwrap_err();
+        node.start("s", Some(&released), how).await.unwrap_err();
         let state = node.host.state();
         assert_eq!(
             state,
@@ -471,11 +527,22 @@ async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
         );
         assert!(slots_taken(&node.slots).is_empty(), "{step}");
         assert_eq!(node.ledger.promised_mb(), 0, "{step}");
-        // The kept files' layers are what the failed boot found.
+        // The kept files' layers are what the failed start found.
         assert_eq!(node.holdings.layers_in_use(), ["layer/base".to_owned()]);
         node.teardown("s", Some(&released)).await;
         assert!(node.is_empty(), "{step}: {:?}", node.host.state());
     }
+}
+
+#[tokio::test]
+async fn a_boot_failing_at_any_step_leaves_nothing_behind() {
+    each_failed_step_leaves_nothing_behind(Start::Boot { start_cmd: true }).await;
+}
+
+#[tokio::test]
+async fn a_failed_boot_on_kept_files_keeps_them_and_nothing_else() {
+    each_failed_step_on_kept_files_keeps_them_and_nothing_else(Start::Boot { start_cmd: true })
+        .await;
 }
 
 #[tokio::test]
@@ -529,17 +596,7 @@ async fn a_stop_gives_back_slot_and_memory_and_keeps_the_disk() {
     let handle = node.launch("s", None, false).await.unwrap();
     node.host.forget_calls();
     node.stop("s", &handle).await;
-    assert_eq!(
-        node.host.calls(),
-        [
-            "kill_processes",
-            "remove_egress",
-            "release_slot",
-            "oom_kills",
-            "remove_cgroups",
-            "remove_agent_socket",
-        ]
-    );
+    assert_eq!(node.host.calls(), STOP_STEPS);
     assert!(slots_taken(&node.slots).is_empty());
     assert_eq!(node.ledger.promised_mb(), 0);
     assert_eq!(node.host.state().disks.len(), 1);
@@ -592,33 +649,12 @@ async fn a_restore_makes_its_parts_in_order_and_a_teardown_removes_them() {
 
 #[tokio::test]
 async fn a_restore_failing_at_any_step_leaves_nothing_behind() {
-    for step in RESTORE_STEPS {
-        let node = Node::new();
-        node.host.fail_next(step);
-        let err = node.restore("s", None).await.unwrap_err();
-        assert!(err.to_string().contains(step), "{step}: {err}");
-        assert!(
-            node.is_empty(),
-            "after {step} failed: {:?}",
-            node.host.state()
-        );
-    }
+    each_failed_step_leaves_nothing_behind(Start::Restore).await;
 }
 
 #[tokio::test]
 async fn a_carried_restore_that_fails_keeps_the_files_it_was_taken_over_with() {
-    for step in RESTORE_STEPS {
-        let node = Node::new();
-        let released = node.launched_and_released("s", false).await;
-        node.host.fail_next(step);
-        node.restore("s", Some(&released)).await.unwrap_err();
-        assert_eq!(node.host.state().disks, ["s".to_owned()].into(), "{step}");
-        assert!(node.host.state().agents.is_empty(), "{step}");
-        assert!(slots_taken(&node.slots).is_empty(), "{step}");
-        assert_eq!(node.ledger.promised_mb(), 0, "{step}");
-        node.teardown("s", Some(&released)).await;
-        assert!(node.is_empty(), "{step}: {:?}", node.host.state());
-    }
+    each_failed_step_on_kept_files_keeps_them_and_nothing_else(Start::Restore).await;
 }
 
 #[derive(Debug, Clone)]
@@ -668,32 +704,10 @@ proptest::proptest! {
             for op in ops {
                 match op {
                     Op::Launch { id, fail, start_cmd } => {
-                        let id = format!("s{id}");
-                        let kept = match sandboxes.get(&id) {
-                            Some(h) if h.phase == HandlePhase::Released => Some(h.clone()),
-                            Some(_) => continue,
-                            None => None,
-                        };
-                        if let Some(step) = BOOT_STEPS.get(fail) {
-                            node.host.fail_next(step);
-                        }
-                        if let Ok(handle) = node.launch(&id, kept.as_ref(), start_cmd).await {
-                            sandboxes.insert(id, handle);
-                        }
+                        node.start_op(&mut sandboxes, id, fail, Start::Boot { start_cmd }).await;
                     }
                     Op::Restore { id, fail } => {
-                        let id = format!("s{id}");
-                        let kept = match sandboxes.get(&id) {
-                            Some(h) if h.phase == HandlePhase::Released => Some(h.clone()),
-                            Some(_) => continue,
-                            None => None,
-                        };
-                        if let Some(step) = RESTORE_STEPS.get(fail) {
-                            node.host.fail_next(step);
-                        }
-                        if let Ok(handle) = node.restore(&id, kept.as_ref()).await {
-                            sandboxes.insert(id, handle);
-                        }
+                        node.start_op(&mut sandboxes, id, fail, Start::Restore).await;
                     }
                     Op::Release(id) => {
                         let id = format!("s{id}");
