@@ -347,19 +347,7 @@ async fn run(args: &ControlPlaneArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let store = open_store(args, &dir).await?;
     Auth::new(store.clone())
-        .bootstrap(
-            Some(KEY),
-            TeamLimits {
-                max_concurrent_sandboxes: 1_000_000,
-                max_sandbox_timeout_secs: 24 * 3600,
-                requests_per_minute: 0,
-                max_vcpu: 0,
-                max_memory_mb: 0,
-                max_disk_mb: 0,
-                disk_rates: sandbar_core::DiskRates::NODE,
-                caps: sandbar_core::TeamCaps::DEFAULT,
-            },
-        )
+        .bootstrap(Some(KEY), TeamLimits::new(1_000_000, 24 * 3600, 0))
         .await?;
     // An empty database is expected: the key and the template are made here.
     Templates::new(store.clone())

@@ -8,8 +8,8 @@
 use std::path::PathBuf;
 
 use anyhow::bail;
+use sandbar_core::Auth;
 use sandbar_core::auth::TeamLimits;
-use sandbar_core::{Auth, DiskRates, TeamCaps};
 
 use crate::database::{self, DatabaseArgs};
 
@@ -162,16 +162,7 @@ pub enum KeyCommand {
 }
 
 /// Limits of a team made by `team create`: those `sandbar serve` gives its first team.
-const NEW_TEAM_LIMITS: TeamLimits = TeamLimits {
-    max_concurrent_sandboxes: 100,
-    max_sandbox_timeout_secs: 86_400,
-    requests_per_minute: 6000,
-    max_vcpu: 0,
-    max_memory_mb: 0,
-    max_disk_mb: 0,
-    disk_rates: DiskRates::NODE,
-    caps: TeamCaps::DEFAULT,
-};
+const NEW_TEAM_LIMITS: TeamLimits = TeamLimits::new(100, 86_400, 6000);
 
 async fn open(data: &DataDir) -> anyhow::Result<Auth> {
     if let Some(url) = data.database.postgres_url()? {

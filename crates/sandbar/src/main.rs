@@ -1283,16 +1283,7 @@ async fn bootstrap_first_team(
     let requested_key = std::env::var("SANDBAR_API_KEY")
         .ok()
         .filter(|k| !k.is_empty());
-    let limits = TeamLimits {
-        max_concurrent_sandboxes: args.max_sandboxes,
-        max_sandbox_timeout_secs: args.max_timeout,
-        requests_per_minute: args.rate_limit,
-        max_vcpu: 0,
-        max_memory_mb: 0,
-        max_disk_mb: 0,
-        disk_rates: sandbar_core::DiskRates::default(),
-        caps: sandbar_core::TeamCaps::DEFAULT,
-    };
+    let limits = TeamLimits::new(args.max_sandboxes, args.max_timeout, args.rate_limit);
     let credentials_path = data_dir.join("credentials.json");
     if let Some(credentials) = auth.bootstrap(requested_key.as_deref(), limits).await? {
         write_credentials(&credentials_path, &credentials)?;

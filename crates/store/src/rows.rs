@@ -95,20 +95,6 @@ pub(crate) fn limit_columns(limits: &TeamLimits) -> [i64; 17] {
     ]
 }
 
-/// A team's own limits.
-pub(crate) fn team_limits(team: &Team) -> TeamLimits {
-    TeamLimits {
-        max_concurrent_sandboxes: team.limits.max_concurrent_sandboxes,
-        max_sandbox_timeout_secs: team.limits.max_sandbox_timeout_secs,
-        requests_per_minute: team.limits.requests_per_minute,
-        max_vcpu: team.limits.max_vcpu,
-        max_memory_mb: team.limits.max_memory_mb,
-        max_disk_mb: team.limits.max_disk_mb,
-        disk_rates: team.limits.disk_rates,
-        caps: team.limits.caps,
-    }
-}
-
 /// `query` with a secret's columns bound as every insert of an API key or access token lists
 /// them: id, team, name, hash, mask and when it was made (`created_at`, as the database keeps
 /// a time).

@@ -9,7 +9,7 @@ use sqlx::Row;
 use crate::backend::{Backend, Read, Write};
 use crate::rows::{
     AccessTokenRow, ApiKeyRow, KeyTeamRow, TeamMemberRow, TeamRow, bind_all, bind_secret,
-    free_slug, limit_columns, team_limits, u64_of,
+    free_slug, limit_columns, u64_of,
 };
 use crate::{SqliteDb, err, insert_err};
 
@@ -102,7 +102,7 @@ on_both! {
             .bind(&team.id)
             .bind(&team.name)
             .bind(&team.slug);
-            bind_all(query, limit_columns(&team_limits(team)))
+            bind_all(query, limit_columns(&team.limits))
                 .bind(B::time(Utc::now()))
                 .insert(&self.db, "team", &team.id)
                 .await?;

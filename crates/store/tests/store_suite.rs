@@ -185,16 +185,7 @@ impl Fixture {
     }
 }
 
-const LIMITS: TeamLimits = TeamLimits {
-    max_concurrent_sandboxes: 10,
-    max_sandbox_timeout_secs: 3600,
-    requests_per_minute: 0,
-    max_vcpu: 0,
-    max_memory_mb: 0,
-    max_disk_mb: 0,
-    disk_rates: sandbar_core::DiskRates::NODE,
-    caps: sandbar_core::TeamCaps::DEFAULT,
-};
+const LIMITS: TeamLimits = TeamLimits::new(10, 3600, 0);
 
 /// A private, built template named `alias`, owned by `team_id` (`None`: built in).
 fn template(id: &str, team_id: Option<&str>, alias: &str) -> Template {

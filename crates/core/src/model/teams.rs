@@ -28,6 +28,28 @@ pub struct TeamLimits {
     pub caps: TeamCaps,
 }
 
+impl TeamLimits {
+    /// Limits on a team's sandboxes, their number, lifetime and API requests a minute (0 for
+    /// none), and nothing else beyond the server's own: the limits of a team the operator has
+    /// not tuned.
+    pub const fn new(
+        max_concurrent_sandboxes: u32,
+        max_sandbox_timeout_secs: u64,
+        requests_per_minute: u32,
+    ) -> Self {
+        TeamLimits {
+            max_concurrent_sandboxes,
+            max_sandbox_timeout_secs,
+            requests_per_minute,
+            max_vcpu: 0,
+            max_memory_mb: 0,
+            max_disk_mb: 0,
+            disk_rates: DiskRates::NODE,
+            caps: TeamCaps::DEFAULT,
+        }
+    }
+}
+
 /// The rates one sandbox's disk I/O is held to, each 0 for the node's own rate (its
 /// `--sandbox-disk-*` flags): an operator raises or lowers them for a team.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -12,8 +12,8 @@ use sandbar_core::Store;
 use sandbar_core::auth::{Credentials, TeamLimits, hash_secret};
 use sandbar_core::store::StoredSecret;
 use sandbar_core::{
-    Auth, Builder, Builds, RateLimits, Runtime, Sandboxes, SandboxesConfig, Team, TeamCaps,
-    Templates, Volumes,
+    Auth, Builder, Builds, RateLimits, Runtime, Sandboxes, SandboxesConfig, Team, Templates,
+    Volumes,
 };
 use sandbar_node::storage::volumes::HostVolumes;
 use sandbar_store::SqliteStore;
@@ -30,16 +30,7 @@ pub const KEY: &str = "e2b_0123456789abcdef0123456789abcdef01234567";
 pub const OTHER_KEY: &str = "e2b_1111111111111111111111111111111111111111";
 
 /// Limits no test reaches unless it lowers one.
-pub const LIMITS: TeamLimits = TeamLimits {
-    max_concurrent_sandboxes: 100,
-    max_sandbox_timeout_secs: 3600,
-    requests_per_minute: 0,
-    max_vcpu: 0,
-    max_memory_mb: 0,
-    max_disk_mb: 0,
-    disk_rates: sandbar_core::DiskRates::NODE,
-    caps: TeamCaps::DEFAULT,
-};
+pub const LIMITS: TeamLimits = TeamLimits::new(100, 3600, 0);
 
 pub async fn open_store(dir: &TempDir) -> Arc<Store> {
     Arc::new(
