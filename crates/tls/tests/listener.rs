@@ -330,9 +330,18 @@ async fn a_reload_serves_new_handshakes_the_new_certificate_and_leaves_open_conn
 
     // The connection made before the reload goes on.
     assert_eq!(get_http1(&mut kept, "/health").await, "ok");
+    // A new handshake gets the new certificate, which the old CA did not sign.
+    let refused = http1(server.address, old.path())
+        .await
+        .expect_err("the old CA must not verify the new certificate");
     assert!(
-        http1(server.address, old.path()).await.is_err(),
-        "a new handshake must get the new certificate, which the old CA did not sign"
+        matches!(
+            refused
+                .get_ref()
+                .and_then(|e| e.downcast_ref::<rustls::Error>()),
+            Some(rustls::Error::InvalidCertificate(_))
+        ),
+        "refused for another reason: {refused}"
     );
     let mut fresh = http1(server.address, new.path()).await.expect("new CA");
     assert_eq!(get_http1(&mut fresh, "/health").await, "ok");
@@ -393,6 +402,9 @@ async fn a_stop_closes_idle_connections_and_ends_the_server() {
         .await
         .expect("the server ends")
         .expect("joined");
-    assert!(TcpStream::connect(server.address).await.is_err());
+    let refused = TcpStream::connect(server.address)
+        .await
+        .expect_err("nothing listens once the server ended");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused);
     drop(silent);
 }
