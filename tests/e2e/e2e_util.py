@@ -32,7 +32,7 @@ TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
 # crates/node/src/build/templates.rs.
 BASE_ROOT = "base-v2"
 # The default template the shared server builds, which a module's own server may borrow.
-SHARED_BASE = Path("/var/tmp/sandbar-e2e/templates") / BASE_ROOT
+SHARED_BASE = DATA_DIR / "templates" / BASE_ROOT
 
 # Fixed key registered on the first start of the data dir.
 TEST_API_KEY = "e2b_" + "5a4db0e2e0" * 4
