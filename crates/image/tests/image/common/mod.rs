@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used, dead_code)]
 
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -75,13 +76,18 @@ impl Registry {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let registry = Registry {
+        let mut registry = Registry {
             child,
             port,
             storage,
         };
+        // Ready when it answers HTTP, not when its port first accepts: a registry still
+        // starting, or another process on a port picked twice, resets the first requests.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        while !answers_http(port) {
+            if let Ok(Some(status)) = registry.child.try_wait() {
+                panic!("registry on port {port} exited before it answered: {status}");
+            }
             assert!(Instant::now() < deadline, "registry did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -101,6 +107,20 @@ impl Registry {
             .join(hex)
             .join("data")
     }
+}
+
+/// Whether a server on `port` answers `GET /v2/` with an HTTP status line (any status: an
+/// authenticating registry answers 401).
+fn answers_http(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut head = [0u8; 5];
+    stream
+        .write_all(b"GET /v2/ HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+        .and_then(|()| stream.read_exact(&mut head))
+        .is_ok_and(|()| &head == b"HTTP/")
 }
 
 impl Drop for Registry {
