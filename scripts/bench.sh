@@ -10,6 +10,8 @@
 #                           half the free space, which a benchmark does not need)
 #   SANDBAR_BENCH_MAX_SANDBOXES  the team's sandbox limit (default 1100, room for `--crowd 1000`)
 set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "$0")/common.sh"
 cd "$(dirname "$0")/.."
 
 if [[ $EUID -ne 0 ]]; then
@@ -28,19 +30,7 @@ api_key="e2b_78b389cd3477e8e0738f8909e035846bc6bfc143"
 # The same build as the test suite's (every target at once), so one shares the other's artifacts.
 cargo build --release --workspace --all-targets
 
-# A free port on 127.0.0.1: nothing accepts a connection on it.
-port=""
-for _ in $(seq 1 50); do
-  candidate=$((20000 + RANDOM % 40000))
-  if ! (exec 3<>"/dev/tcp/127.0.0.1/$candidate") 2>/dev/null; then
-    port=$candidate
-    break
-  fi
-done
-if [[ -z "$port" ]]; then
-  echo "bench.sh: no free port found" >&2
-  exit 1
-fi
+port="$(free_port)"
 url="http://127.0.0.1:$port"
 
 log="$(mktemp -t sandbar-bench-server.XXXXXX.log)"

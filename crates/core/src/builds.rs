@@ -707,18 +707,11 @@ impl Builds {
                 value: memory,
             });
         }
-        for (field, value, max) in [
-            ("cpuCount", cpu, team.limits.max_vcpu),
-            ("memoryMB", memory, team.limits.max_memory_mb),
-            (
-                "diskSizeMB",
-                self.config.disk_size_mb,
-                team.limits.max_disk_mb,
-            ),
-        ] {
-            if max != 0 && value > max {
-                return Err(RequestBuildError::TeamLimit { field, value, max });
-            }
+        if let Some((field, value, max)) =
+            team.limits
+                .exceeded_by(cpu, memory, self.config.disk_size_mb)
+        {
+            return Err(RequestBuildError::TeamLimit { field, value, max });
         }
         Ok(BuildResources {
             cpu_count: cpu,

@@ -127,16 +127,27 @@ impl ClusterArgs {
 /// The text of the file at `path`, which holds `what` and so must be readable by its owner
 /// alone.
 fn read_private(path: &Path, what: &str) -> anyhow::Result<String> {
+    use std::io::Read;
     use std::os::unix::fs::PermissionsExt;
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
-    if meta.permissions().mode() & 0o077 != 0 {
+    let cannot_read = || format!("cannot read {}", path.display());
+    // Opened once: the mode checked is that of the file read.
+    let mut file = std::fs::File::open(path).with_context(cannot_read)?;
+    if file
+        .metadata()
+        .with_context(cannot_read)?
+        .permissions()
+        .mode()
+        & 0o077
+        != 0
+    {
         bail!(
             "{} is readable by other users: {what} must be private (chmod 600)",
             path.display()
         );
     }
-    std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
+    let mut text = String::new();
+    file.read_to_string(&mut text).with_context(cannot_read)?;
+    Ok(text)
 }
 
 /// `username:password` from a private file.

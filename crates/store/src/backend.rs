@@ -98,8 +98,9 @@ macro_rules! on_both {
     };
 }
 
-/// A statement that writes, run on the writer of its database. Every write goes through here
-/// or a transaction begun on [`Backend::writes`], so none can land on a SQLite reader.
+/// A statement that writes, run on the writer of its database. Every write goes through here,
+/// a transaction begun on [`Backend::writes`], or (for an `INSERT … RETURNING`) a fetch on
+/// it, so none can land on a SQLite reader.
 pub(crate) trait Write<B: Backend> {
     /// Runs the statement and answers how many rows it changed.
     fn write(self, db: &B) -> impl Future<Output = Result<u64, StoreError>> + Send;

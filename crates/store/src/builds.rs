@@ -22,10 +22,8 @@ impl Builds<SqliteDb> {
             removed += sqlx::query("DELETE FROM build_tags WHERE template_id = $1 AND tag = $2")
                 .bind(template_id)
                 .bind(tag)
-                .execute(&self.db.writes)
-                .await
-                .map_err(err)?
-                .rows_affected();
+                .write(&self.db)
+                .await?;
         }
         Ok(removed)
     }
@@ -33,13 +31,11 @@ impl Builds<SqliteDb> {
 
 impl Builds<PgPool> {
     async fn delete_tags(&self, template_id: &str, tags: &[String]) -> Result<u64, StoreError> {
-        let done = sqlx::query("DELETE FROM build_tags WHERE template_id = $1 AND tag = ANY($2)")
+        sqlx::query("DELETE FROM build_tags WHERE template_id = $1 AND tag = ANY($2)")
             .bind(template_id)
             .bind(tags)
-            .execute(&self.db)
+            .write(&self.db)
             .await
-            .map_err(err)?;
-        Ok(done.rows_affected())
     }
 }
 

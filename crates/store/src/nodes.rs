@@ -48,10 +48,9 @@ impl Nodes<SqliteDb> {
         .bind(serde_json::to_string(slot_statuses).map_err(err)?)
         .bind(micros(Utc::now()))
         .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-        .execute(&self.db.writes)
-        .await
-        .map_err(err)?;
-        Ok(claimed.rows_affected() == 1)
+        .write(&self.db)
+        .await?;
+        Ok(claimed == 1)
     }
 }
 

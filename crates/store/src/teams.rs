@@ -35,9 +35,8 @@ impl Teams<SqliteDb> {
             sqlx::query("UPDATE teams SET slug = $1 WHERE id = $2")
                 .bind(&slug)
                 .bind(&id)
-                .execute(&self.db.writes)
-                .await
-                .map_err(err)?;
+                .write(&self.db)
+                .await?;
         }
         Ok(())
     }

@@ -48,6 +48,24 @@ impl TeamLimits {
             caps: TeamCaps::DEFAULT,
         }
     }
+
+    /// The first of one sandbox's resources above this team's ceiling for it: its API name
+    /// (`cpuCount`, `memoryMB`, `diskSizeMB`), the value asked for and the ceiling. A ceiling
+    /// of 0 holds nothing back.
+    pub fn exceeded_by(
+        &self,
+        cpu_count: u32,
+        memory_mb: u32,
+        disk_size_mb: u32,
+    ) -> Option<(&'static str, u32, u32)> {
+        [
+            ("cpuCount", cpu_count, self.max_vcpu),
+            ("memoryMB", memory_mb, self.max_memory_mb),
+            ("diskSizeMB", disk_size_mb, self.max_disk_mb),
+        ]
+        .into_iter()
+        .find(|&(_, value, max)| max != 0 && value > max)
+    }
 }
 
 /// The rates one sandbox's disk I/O is held to, each 0 for the node's own rate (its
@@ -131,7 +149,29 @@ pub fn slug_of(name: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::slug_of;
+    use super::{TeamLimits, slug_of};
+
+    #[test]
+    fn the_first_resource_over_its_ceiling_is_named_and_a_zero_ceiling_holds_nothing() {
+        let open = TeamLimits::new(1, 1, 0);
+        assert_eq!(open.exceeded_by(64, 1 << 20, 1 << 20), None);
+        let held = TeamLimits {
+            max_vcpu: 2,
+            max_memory_mb: 1024,
+            max_disk_mb: 4096,
+            ..open
+        };
+        assert_eq!(held.exceeded_by(2, 1024, 4096), None);
+        assert_eq!(held.exceeded_by(3, 2048, 4096), Some(("cpuCount", 3, 2)));
+        assert_eq!(
+            held.exceeded_by(2, 2048, 8192),
+            Some(("memoryMB", 2048, 1024))
+        );
+        assert_eq!(
+            held.exceeded_by(1, 512, 8192),
+            Some(("diskSizeMB", 8192, 4096))
+        );
+    }
 
     #[test]
     fn slugs_are_lower_case_letters_digits_and_single_dashes() {

@@ -464,21 +464,19 @@ fn launch_spec(
 
 /// A team's per-sandbox ceilings (0: none) against what the template would get.
 fn check_resources(team: &Team, template: &Template) -> Result<(), CreateSandboxError> {
-    for (field, value, max) in [
-        ("cpuCount", template.cpu_count, team.limits.max_vcpu),
-        ("memoryMB", template.memory_mb, team.limits.max_memory_mb),
-        ("diskSizeMB", template.disk_size_mb, team.limits.max_disk_mb),
-    ] {
-        if max != 0 && value > max {
-            return Err(CreateSandboxError::ResourceLimit {
-                template_id: template.id.clone(),
-                field,
-                value,
-                max,
-            });
-        }
+    match team.limits.exceeded_by(
+        template.cpu_count,
+        template.memory_mb,
+        template.disk_size_mb,
+    ) {
+        Some((field, value, max)) => Err(CreateSandboxError::ResourceLimit {
+            template_id: template.id.clone(),
+            field,
+            value,
+            max,
+        }),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// A sandbox counted against its team's concurrency before it is recorded. Dropped before
