@@ -34,6 +34,7 @@ use sandbar_core::{NodeDirectory, NodeRecord, Store};
 use sandbar_dashboard::{Dashboard, VouchedSession};
 
 use crate::AppState;
+use crate::dto::NewSandbox;
 use crate::error::ApiError;
 
 /// The header that carries the cluster's shared secret from API hosts to nodes.
@@ -882,9 +883,28 @@ async fn place(
     cluster: &ClusterRouting,
     request: Request,
 ) -> Result<Response, ApiError> {
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let body = read_create_body(body).await?;
-    let name = template_name(&body);
+    let create = match crate::sandboxes::checked_create(&body) {
+        Ok(create) => create,
+        Err(refused) => {
+            // A single host authenticates before it reads the body: so does this one.
+            crate::extract::team_of(state, &parts.headers).await?;
+            return Err(refused);
+        }
+    };
+    let forwarded = Bytes::from(serde_json::to_vec(&create).map_err(|e| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!(
+                "cannot encode the create of template {}: {e}",
+                create.template_id
+            ),
+        )
+    })?);
+    // The length of what the client sent, not of what goes on.
+    parts.headers.remove(axum::http::header::CONTENT_LENGTH);
+    let name = create.template_id.clone();
     let remembered = placement_key(&parts.headers, &name);
     let cached = cluster
         .templates
@@ -908,7 +928,7 @@ async fn place(
     let now = Utc::now();
     let live = cluster.nodes.live();
     // Volumes live on the keeper: a sandbox that mounts one can start only there.
-    let order = if mounts_volumes(&body) {
+    let order = if mounts_volumes(&create) {
         cluster.keeper().into_iter().collect()
     } else {
         placement_order(
@@ -919,7 +939,7 @@ async fn place(
             now,
         )
     };
-    send_create_in_order(cluster, order, &parts, &body, None).await
+    send_create_in_order(cluster, order, &parts, &forwarded, None).await
 }
 
 async fn read_create_body(body: Body) -> Result<Bytes, ApiError> {
@@ -978,27 +998,11 @@ fn is_resume(path: &str, sandbox_id: &str) -> bool {
     matches!(segments.as_slice(), ["sandboxes", id, "resume" | "connect"] if *id == sandbox_id)
 }
 
-/// The template a create body names (the default one when it names none).
-fn template_name(body: &Bytes) -> String {
-    #[derive(serde::Deserialize)]
-    struct Create {
-        #[serde(rename = "templateID")]
-        template_id: Option<String>,
-    }
-    serde_json::from_slice::<Create>(body)
-        .ok()
-        .and_then(|c| c.template_id)
-        .unwrap_or_else(|| sandbar_core::DEFAULT_TEMPLATE_ALIAS.to_owned())
-}
-
-/// Whether a create body asks for volume mounts.
-fn mounts_volumes(body: &Bytes) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Create {
-        #[serde(rename = "volumeMounts", default)]
-        volume_mounts: Vec<serde_json::Value>,
-    }
-    serde_json::from_slice::<Create>(body).is_ok_and(|c| !c.volume_mounts.is_empty())
+fn mounts_volumes(create: &NewSandbox) -> bool {
+    create
+        .volume_mounts
+        .as_ref()
+        .is_some_and(|mounts| !mounts.is_empty())
 }
 
 /// What a resolved template is remembered under: the request's credentials and the name.
@@ -1094,14 +1098,16 @@ mod tests {
 
     #[test]
     fn creates_with_volume_mounts_are_told_apart() {
-        let with = Bytes::from_static(
-            br#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/data"}]}"#,
-        );
-        let without = Bytes::from_static(br#"{"templateID":"base","volumeMounts":[]}"#);
-        assert!(mounts_volumes(&with));
-        assert!(!mounts_volumes(&without));
-        assert!(!mounts_volumes(&Bytes::from_static(b"{}")));
-        assert!(!mounts_volumes(&Bytes::from_static(b"not json")));
+        let checked =
+            |body: &str| crate::sandboxes::checked_create(body.as_bytes()).expect("a valid create");
+        let with = r#"{"templateID":"base","volumeMounts":[{"name":"v","path":"/data"}]}"#;
+        assert!(mounts_volumes(&checked(with)));
+        assert!(!mounts_volumes(&checked(
+            r#"{"templateID":"base","volumeMounts":[]}"#
+        )));
+        assert!(!mounts_volumes(&checked(r#"{"templateID":"base"}"#)));
+        let refused = crate::sandboxes::checked_create(b"not json").expect_err("not json");
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
     }
 
     #[test]

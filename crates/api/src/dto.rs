@@ -34,7 +34,9 @@ pub(crate) fn next_token_header(token: Option<&str>) -> axum::http::HeaderMap {
 }
 
 /// Body of `POST /sandboxes` and `POST /v2/sandboxes`; unknown fields are ignored.
-#[derive(Debug, Deserialize, ToSchema)]
+// Serialized when the API host of a cluster forwards a create it has checked: an absent field
+// goes as `null`, which reads back as absent.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
 pub(crate) struct NewSandbox {
     /// Template ID or alias (`name:tag` picks a tagged build).
     #[serde(rename = "templateID")]
@@ -67,7 +69,7 @@ pub(crate) struct NewSandbox {
 
 /// `SandboxNetworkConfig` on create, and (with `allow_internet_access`) the body of
 /// `PUT /sandboxes/{id}/network`, `SandboxNetworkUpdateConfig`.
-#[derive(Debug, Deserialize, Default, ToSchema)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default, ToSchema)]
 pub(crate) struct NetworkConfig {
     #[serde(rename = "allowOut")]
     pub allow_out: Option<Vec<String>>,

@@ -140,15 +140,19 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
 
     async fn from_request(req: Request, _state: &AppState) -> Result<Self, ApiError> {
         let bytes = read_bounded_body(req).await?;
-        let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
-            b"{}"
-        } else {
-            &bytes
-        };
-        serde_json::from_slice(text)
-            .map(JsonBody)
-            .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
+        json_body(&bytes).map(JsonBody)
     }
+}
+
+/// `bytes` read as a JSON request body of `T`, refused as [`JsonBody`] refuses it.
+pub(crate) fn json_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let text: &[u8] = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}"
+    } else {
+        bytes
+    };
+    serde_json::from_slice(text)
+        .map_err(|e| ApiError::bad_request(format!("invalid request body: {e}")))
 }
 
 /// Decoded query pairs, in order, repeated keys kept.

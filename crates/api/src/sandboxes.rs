@@ -234,6 +234,16 @@ pub(crate) async fn create_v1(
     create(&state, &team, request).await
 }
 
+/// A create body read and checked as the create handlers read and check it, for the API host
+/// of a cluster: a node is offered only a create it would take, and the typed value is what
+/// goes to it.
+pub(crate) fn checked_create(bytes: &[u8]) -> Result<NewSandbox, ApiError> {
+    let body: NewSandbox = crate::extract::json_body(bytes)?;
+    // The default only fills in an absent timeout, and either version's is valid.
+    validate_create(body.clone(), DEFAULT_TIMEOUT_V2)?;
+    Ok(body)
+}
+
 /// The `metadata` filter arrives as `k=v&k2=v2` whose keys and values were URL-encoded before
 /// the whole string was encoded again as one query value: undo both.
 fn metadata_filter(query: &QueryPairs) -> Result<BTreeMap<String, String>, ApiError> {

@@ -712,3 +712,61 @@ async fn with_every_build_slot_free_builds_go_to_the_first_node_by_id() {
     let second = requested["buildID"].as_str().expect("build").to_owned();
     assert_eq!(c.build_node(&second).await.as_deref(), Some("n2"));
 }
+
+#[tokio::test]
+async fn the_api_host_refuses_a_create_a_node_would_refuse_and_sends_none() {
+    let c = cluster(10).await;
+    let body = r#"{"templateID":"base","autoResume":{"enabled":true}}"#;
+    let (status, refused) = c.call("POST", "/sandboxes", Some(body)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    assert!(
+        refused["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("autoResume needs autoPause")),
+        "{refused}"
+    );
+    let (status, refused) = c.call("POST", "/v2/sandboxes", Some("{not json")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{refused}");
+    // Without a key the answer is the single host's: who is asking comes first.
+    let anonymous = common::json_request("POST", "/sandboxes", None, Some("{not json"));
+    assert_eq!(
+        common::send(&c.api, anonymous).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    for node in &c.nodes {
+        assert_eq!(node.runtime.launches(), 0, "{} was sent a create", node.id);
+    }
+}
+
+#[tokio::test]
+async fn a_forwarded_create_is_the_checked_one_whatever_length_the_client_sent() {
+    let c = cluster(10).await;
+    // Spaces and a field the API does not know: the node gets a shorter body than the
+    // client's Content-Length says.
+    let body = r#"{ "templateID" : "base",  "timeout": 120,
+        "envVars": {"GREETING": "hello"}, "metadata": {"owner": "tests"},
+        "notAField": [1, 2, 3] }"#;
+    let request = Request::builder()
+        .method("POST")
+        .uri("/v2/sandboxes")
+        .header("X-API-Key", KEY)
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(Body::from(body))
+        .expect("request");
+    let answer = common::send(&c.api, request).await;
+    let created = answer.json_or_null();
+    assert_eq!(answer.status, StatusCode::CREATED, "{created}");
+    let launched = c.node("n2").runtime.launched.lock().expect("lock").clone();
+    let [spec] = launched.as_slice() else {
+        panic!("one launch on n2, got {}", launched.len());
+    };
+    assert_eq!(
+        spec.env_vars.get("GREETING").map(String::as_str),
+        Some("hello")
+    );
+    let id = created["sandboxID"].as_str().expect("id");
+    let (status, detail) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{detail}");
+    assert_eq!(detail["metadata"]["owner"], "tests", "{detail}");
+}
