@@ -10,7 +10,7 @@ use crate::dto::LogLevelName;
 use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{PathParam, QueryPairs, TeamAuth};
-use crate::openapi::{CommonErrors, SandboxPath};
+use crate::openapi::{CommonErrors, SandboxPath, TeamPath};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use utoipa::{IntoParams, ToSchema};
@@ -264,7 +264,7 @@ fn interval(query: &QueryPairs) -> Result<(Option<i64>, Option<i64>), ApiError> 
     operation_id = "getTeamMetrics",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
+        TeamPath,
         IntervalParams,
     ),
     responses(
@@ -307,7 +307,7 @@ pub(crate) async fn team_metrics(
     operation_id = "getTeamMetricsMax",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("teamID" = String, Path, description = "The team's ID; it must be the caller's"),
+        TeamPath,
         ("metric" = String, Query, pattern = "^(concurrent_sandboxes|sandbox_start_rate)$", description = "`concurrent_sandboxes` or `sandbox_start_rate`"),
         IntervalParams,
     ),

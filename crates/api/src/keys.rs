@@ -15,7 +15,7 @@ use crate::AppState;
 use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{JsonBody, PathParam};
-use crate::openapi::CommonErrors;
+use crate::openapi::{ApiKeyPath, CommonErrors};
 use utoipa::{IntoResponses, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -271,7 +271,7 @@ pub(crate) async fn create_api_key(
     tag = "auth",
     operation_id = "patchApiKey",
     security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
-    params(("apiKeyID" = String, Path, description = "The key's ID")),
+    params(ApiKeyPath),
     request_body = NameBody,
     responses(
         (status = 200, description = "The key was renamed"),
@@ -296,7 +296,7 @@ pub(crate) async fn rename_api_key(
     tag = "auth",
     operation_id = "deleteApiKey",
     security(("AuthProviderBearerAuth" = [], "AuthProviderTeamAuth" = []), ("AccessTokenAuth" = [])),
-    params(("apiKeyID" = String, Path, description = "The key's ID")),
+    params(ApiKeyPath),
     responses(
         (status = 204, description = "The key was deleted"),
         TeamHeaderErrors,

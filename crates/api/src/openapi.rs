@@ -138,6 +138,59 @@ pub(crate) struct TemplatePath {
     template_id: String,
 }
 
+/// The `{templateID}` and `{hash}` of a template's files' path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct FilesPath {
+    /// The template's ID or alias
+    #[param(rename = "templateID")]
+    template_id: String,
+    /// SHA-256 of the files
+    #[param(pattern = "^[0-9a-fA-F]{64}$")]
+    hash: String,
+}
+
+/// The `{volumeID}` of a volume's path (not a path inside the volume).
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct VolumeIdPath {
+    /// The volume's ID
+    #[param(rename = "volumeID")]
+    volume_id: String,
+}
+
+/// The `{webhookID}` of a webhook's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct WebhookPath {
+    /// The webhook's ID
+    #[param(rename = "webhookID")]
+    webhook_id: String,
+}
+
+/// The `{apiKeyID}` of an API key's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct ApiKeyPath {
+    /// The key's ID
+    #[param(rename = "apiKeyID")]
+    api_key_id: String,
+}
+
+/// The `{teamID}` of a team's path.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)]
+pub(crate) struct TeamPath {
+    /// The team's ID; it must be the caller's
+    #[param(rename = "teamID")]
+    team_id: String,
+}
+
 /// The `{templateID}` and `{buildID}` of a build's path.
 #[derive(IntoParams)]
 #[into_params(parameter_in = Path)]

@@ -17,7 +17,7 @@ use crate::AppState;
 use crate::dto::{BuildStatusName, LogLevelName, TemplateItem, next_token_header, rfc3339};
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs, TeamAuth};
-use crate::openapi::{BuildPath, CommonErrors, TemplatePath};
+use crate::openapi::{BuildPath, CommonErrors, FilesPath, TemplatePath};
 
 /// `GET /templates/aliases/{alias}`.
 #[derive(Debug, Serialize, ToSchema)]
@@ -331,7 +331,7 @@ fn external_base(headers: &HeaderMap) -> String {
     tag = "templates",
     operation_id = "getTemplateFiles",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(TemplatePath, ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files")),
+    params(FilesPath),
     responses(
         (status = 201, description = "Whether the files are stored, and where to upload them if not", body = FileLink),
         (status = 400, description = "Invalid hash", body = ErrorBody),
@@ -363,8 +363,7 @@ pub(crate) async fn file_link(
     operation_id = "putTemplateFiles",
     security(()),
     params(
-        TemplatePath,
-        ("hash" = String, Path, pattern = "^[0-9a-fA-F]{64}$", description = "SHA-256 of the files"),
+        FilesPath,
         ("token" = String, Query, description = "The token of the link `GET /templates/{templateID}/files/{hash}` gave"),
     ),
     request_body(content = Vec<u8>, content_type = "application/octet-stream", description = "A tar archive of the files"),

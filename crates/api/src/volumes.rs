@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::AppState;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{ApiKeyTeam, JsonBody, PathParam, QueryPairs};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, VolumeIdPath};
 use utoipa::ToSchema;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -246,7 +246,7 @@ pub(crate) async fn create(
     tag = "volumes",
     operation_id = "getVolume",
     security(("ApiKeyAuth" = [])),
-    params(("volumeID" = String, Path, description = "The volume's ID")),
+    params(VolumeIdPath),
     responses(
         (status = 200, description = "The volume", body = VolumeAndToken),
         (status = 400, description = "Invalid request", body = ErrorBody),
@@ -271,7 +271,7 @@ pub(crate) async fn detail(
     tag = "volumes",
     operation_id = "deleteVolume",
     security(("ApiKeyAuth" = [])),
-    params(("volumeID" = String, Path, description = "The volume's ID")),
+    params(VolumeIdPath),
     responses(
         (status = 204, description = "The volume was deleted"),
         (status = 400, description = "Invalid request", body = ErrorBody),

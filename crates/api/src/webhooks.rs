@@ -15,7 +15,7 @@ use crate::AppState;
 use crate::dto::rfc3339;
 use crate::error::{ApiError, ErrorBody};
 use crate::extract::{JsonBody, PathParam, QueryPairs, TeamAuth};
-use crate::openapi::CommonErrors;
+use crate::openapi::{CommonErrors, WebhookPath};
 
 /// A registered webhook; its secret is never shown.
 #[derive(Debug, Serialize, ToSchema)]
@@ -179,7 +179,7 @@ pub(crate) async fn list(
     tag = "events",
     operation_id = "getWebhook",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("webhookID" = String, Path, description = "The webhook's ID")),
+    params(WebhookPath),
     responses(
         (status = 200, description = "The webhook", body = WebhookView),
         (status = 404, description = "No such webhook", body = ErrorBody),
@@ -202,7 +202,7 @@ pub(crate) async fn detail(
     tag = "events",
     operation_id = "patchWebhook",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("webhookID" = String, Path, description = "The webhook's ID")),
+    params(WebhookPath),
     request_body = WebhookBody,
     responses(
         (status = 200, description = "The webhook as it is now", body = WebhookView),
@@ -228,7 +228,7 @@ pub(crate) async fn update(
     tag = "events",
     operation_id = "deleteWebhook",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
-    params(("webhookID" = String, Path, description = "The webhook's ID")),
+    params(WebhookPath),
     responses(
         (status = 200, description = "The webhook was removed"),
         (status = 404, description = "No such webhook", body = ErrorBody),
@@ -256,7 +256,7 @@ const MAX_DELIVERY_LIMIT: i64 = 1000;
     operation_id = "getWebhookDeliveries",
     security(("ApiKeyAuth" = []), ("AccessTokenAuth" = [])),
     params(
-        ("webhookID" = String, Path, description = "The webhook's ID"),
+        WebhookPath,
         ("limit" = Option<i32>, Query, minimum = 1, maximum = 1000, description = "Most attempts returned (default 100)"),
     ),
     responses(
