@@ -110,19 +110,25 @@ pub(crate) async fn download(
         let json = serde_json::from_slice(&body).unwrap_or(serde_json::Value::Null);
         return Err(link.refused(status, &json).into());
     }
+    Ok(attachment(Body::new(answer.into_body()), &path))
+}
+
+/// `body` as a download of the file at `path`: an attachment of no particular type, named
+/// after the path's last part.
+pub(crate) fn attachment(body: Body, path: &str) -> Response {
     let name = path.rsplit('/').next().unwrap_or("download");
-    let encoded = percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC);
-    let disposition = format!("attachment; filename*=UTF-8''{encoded}");
-    let mut response = Body::new(answer.into_body()).into_response();
+    let mut response = body.into_response();
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
-    if let Ok(value) = HeaderValue::from_str(&disposition) {
+    // The name is the tenant's: sent only percent-encoded, never as raw header text.
+    let encoded = percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC);
+    if let Ok(value) = HeaderValue::from_str(&format!("attachment; filename*=UTF-8''{encoded}")) {
         headers.insert(header::CONTENT_DISPOSITION, value);
     }
-    Ok(response)
+    response
 }
 
 /// `POST /sandboxes/{id}/files/upload` (multipart: `dir`, then `file`): streams the file to

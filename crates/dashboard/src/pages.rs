@@ -15,6 +15,7 @@ use serde::Deserialize;
 
 use crate::Dashboard;
 use crate::error::PageError;
+use crate::files;
 use crate::session::{self, Credential, Mutating, Signed};
 use crate::views::{self, Nav};
 
@@ -753,7 +754,6 @@ pub(crate) async fn volume_download(
     let volumes = volumes_of(&state)?;
     let volume = volumes.get(&signed.team, &id).await?;
     let path = sandbar_core::Volumes::parse_path(&volume, &raw)?;
-    let name = raw.rsplit('/').next().unwrap_or("download").to_owned();
     let file = volumes.read(&volume, path).await?;
     let chunks = futures_util::stream::unfold(file.reader, |mut reader| async move {
         use tokio::io::AsyncReadExt;
@@ -767,19 +767,11 @@ pub(crate) async fn volume_download(
             Err(e) => Some((Err(e), reader)),
         }
     });
-    let mut response = axum::body::Body::from_stream(chunks).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/octet-stream"),
-    );
+    let mut response = files::attachment(axum::body::Body::from_stream(chunks), &raw);
     if let Ok(length) = HeaderValue::from_str(&file.size.to_string()) {
-        headers.insert(header::CONTENT_LENGTH, length);
-    }
-    // The name is the tenant's: sent only percent-encoded, never as raw header text.
-    let encoded = percent_encoding::utf8_percent_encode(&name, percent_encoding::NON_ALPHANUMERIC);
-    if let Ok(value) = HeaderValue::from_str(&format!("attachment; filename*=UTF-8''{encoded}")) {
-        headers.insert(header::CONTENT_DISPOSITION, value);
+        response
+            .headers_mut()
+            .insert(header::CONTENT_LENGTH, length);
     }
     Ok(response)
 }
