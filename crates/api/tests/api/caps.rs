@@ -15,7 +15,7 @@ use sandbar_core::auth::{Credentials, TeamLimits};
 use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Value, json};
 
-use common::{FakeRuntime, Setup};
+use common::{Cred, FakeRuntime, Setup};
 
 const MIB: u64 = 1 << 20;
 
@@ -98,16 +98,12 @@ impl Harness {
     }
 
     fn new_key_request(&self) -> Request<Body> {
-        Request::builder()
-            .method("POST")
-            .uri("/api-keys")
-            .header(
-                "Authorization",
-                format!("Bearer {}", self.creds.access_token),
-            )
-            .header("content-type", "application/json")
-            .body(Body::from(r#"{"name":"more"}"#))
-            .expect("request")
+        common::request(
+            "POST",
+            "/api-keys",
+            Cred::Bearer(&self.creds.access_token),
+            Some(r#"{"name":"more"}"#.to_owned()),
+        )
     }
 
     async fn sandbox(&self) -> String {

@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::StatusCode;
 use sandbar_api::router;
 use sandbar_core::Store;
 use sandbar_core::auth::TeamLimits;
@@ -373,12 +372,7 @@ async fn a_kill_on_the_wire_answers_204_during_a_pause() {
     let app = h.app.clone();
     let uri = format!("/sandboxes/{id}");
     let kill = tokio::spawn(async move {
-        let request = Request::builder()
-            .method("DELETE")
-            .uri(uri)
-            .header("X-API-Key", KEY)
-            .body(Body::empty())
-            .expect("request");
+        let request = common::request("DELETE", &uri, Cred::Key(KEY), None);
         app.oneshot(request).await.expect("call").status()
     });
     still_waiting(&kill, "DELETE during a pause").await;

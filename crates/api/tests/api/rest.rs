@@ -690,11 +690,7 @@ async fn undecodable_path_parameters_get_json_errors() {
 const SCRAPE_TOKEN: &str = "scrape-token";
 
 async fn scrape(h: &Harness) -> String {
-    let request = Request::builder()
-        .uri("/metrics")
-        .header("authorization", format!("Bearer {SCRAPE_TOKEN}"))
-        .body(Body::empty())
-        .expect("request");
+    let request = common::request("GET", "/metrics", Cred::Bearer(SCRAPE_TOKEN), None);
     let answer = common::send(&h.app, request).await;
     assert_eq!(answer.status, StatusCode::OK);
     String::from_utf8(answer.bytes.to_vec()).expect("utf-8")

@@ -10,7 +10,7 @@ use axum::http::{Request, StatusCode};
 use sandbar_api::router;
 use serde_json::{Value, json};
 
-use common::{FakeRuntime, KEY, OTHER_KEY, Setup};
+use common::{Cred, FakeRuntime, KEY, OTHER_KEY, Setup};
 
 struct Harness {
     dir: tempfile::TempDir,
@@ -405,13 +405,12 @@ async fn content_api_reads_writes_lists_and_removes() {
         .await;
     assert_eq!(stat.body["type"], "directory");
 
-    let patch = Request::builder()
-        .method("PATCH")
-        .uri(format!("{base}/path?path=/dir/f.txt"))
-        .header("Authorization", format!("Bearer {token}"))
-        .header("content-type", "application/json")
-        .body(Body::from(r#"{"mode": 420, "uid": 0}"#))
-        .expect("request");
+    let patch = common::request(
+        "PATCH",
+        &format!("{base}/path?path=/dir/f.txt"),
+        Cred::Bearer(&token),
+        Some(r#"{"mode": 420, "uid": 0}"#.to_owned()),
+    );
     let patched = h.send(patch).await;
     assert_eq!(patched.status, StatusCode::OK, "{:?}", patched.body);
     assert_eq!(
