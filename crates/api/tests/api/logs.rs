@@ -13,7 +13,7 @@ use sandbar_core::Store;
 use sandbar_core::{Sandboxes, SandboxesConfig};
 use serde_json::Value;
 
-use common::{FakeRuntime, KEY, OTHER_KEY, Setup};
+use common::{FakeRuntime, KEY, OTHER_KEY, Reply, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
@@ -42,24 +42,13 @@ async fn harness(config: SandboxesConfig) -> Harness {
     }
 }
 
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
-}
-
 impl Harness {
     async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
         let answer = common::send(&self.app, common::json_request(method, path, key, body)).await;
-        let body = if answer.bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&answer.bytes).expect("JSON body")
-        };
         Reply {
             status: answer.status,
+            body: common::json_body(method, path, &answer.bytes),
             headers: answer.headers,
-            body,
         }
     }
 
