@@ -4,7 +4,7 @@ use sandbar_core::store::BuildRecords;
 use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, big, build_log_page};
 use crate::{SqliteDb, err, to_json};
 
@@ -124,20 +124,15 @@ on_both! {
             build_id: &str,
             tags: &[String],
         ) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for tag in tags {
+            let inserts = tags.iter().map(|tag| {
                 sqlx::query(
                     "INSERT INTO build_tags (template_id, build_id, tag) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
                 )
                 .bind(template_id)
                 .bind(build_id)
                 .bind(tag)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)?;
-            Ok(())
+            });
+            self.db.write_all(inserts.collect()).await
         }
 
         async fn delete_build_tags(
