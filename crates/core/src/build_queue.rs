@@ -269,6 +269,12 @@ mod tests {
         per_team: 1,
     };
 
+    /// One build at a time in all.
+    const ONE_SLOT: BuildLimits = BuildLimits {
+        total: 1,
+        per_team: 1,
+    };
+
     /// What the scheduler keeps between choices: the builds running and waiting, and whose
     /// started last.
     #[derive(Default)]
@@ -323,28 +329,24 @@ mod tests {
 
     #[test]
     fn a_team_with_a_hundred_waiting_builds_delays_another_team_by_at_most_one_turn() {
-        let limits = BuildLimits {
-            total: 1,
-            per_team: 1,
-        };
         let mut queue = Queue::default();
         queue.queue("a", 100);
-        assert_eq!(queue.start_all(limits), ["a0"]);
+        assert_eq!(queue.start_all(ONE_SLOT), ["a0"]);
         // b's one build arrives behind a's hundred.
         queue.queue("b", 1);
         queue.finish(&team("a"));
         assert_eq!(
-            queue.start_all(limits),
+            queue.start_all(ONE_SLOT),
             ["b0"],
             "the freed slot goes to b, whose turn it is"
         );
         // b may also come before a in the order: it is still served within one turn.
         let mut queue = Queue::default();
         queue.queue("z", 100);
-        queue.start_all(limits);
+        queue.start_all(ONE_SLOT);
         queue.queue("b", 1);
         queue.finish(&team("z"));
-        assert_eq!(queue.start_all(limits), ["b0"]);
+        assert_eq!(queue.start_all(ONE_SLOT), ["b0"]);
     }
 
     #[test]
@@ -388,17 +390,13 @@ mod tests {
 
     #[test]
     fn teams_take_turns_for_freed_slots() {
-        let limits = BuildLimits {
-            total: 1,
-            per_team: 1,
-        };
         let mut queue = Queue::default();
         for name in ["a", "b", "c"] {
             queue.queue(name, 3);
         }
         let mut order = Vec::new();
         loop {
-            let started = queue.start_all(limits);
+            let started = queue.start_all(ONE_SLOT);
             let Some(build) = started.first() else { break };
             order.push(build.clone());
             queue.finish(&team(&build[..1]));
@@ -454,18 +452,18 @@ mod tests {
         let mut a1 = queue.enqueue(team("a"), "a1");
         let mut b0 = queue.enqueue(team("b"), "b0");
         let a0_slot = a0.try_recv().expect("a0 starts at once");
-        let waiting = a1.try_recv();
-        assert!(
-            matches!(waiting, Err(TryRecvError::Empty)),
-            "a1 waits behind a's cap: {waiting:?}"
+        assert_eq!(
+            a1.try_recv().err(),
+            Some(TryRecvError::Empty),
+            "a1 waits behind a's cap"
         );
         let b0_slot = b0.try_recv().expect("b0 takes the second slot");
         assert_eq!(queue.counts(), (1, 2));
         drop(b0_slot);
-        let waiting = a1.try_recv();
-        assert!(
-            matches!(waiting, Err(TryRecvError::Empty)),
-            "a is still at its cap: {waiting:?}"
+        assert_eq!(
+            a1.try_recv().err(),
+            Some(TryRecvError::Empty),
+            "a is still at its cap"
         );
         drop(a0_slot);
         let _a1_slot = a1.try_recv().expect("a1 starts once a0 ended");
@@ -474,10 +472,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_reported_slot_use_leaves_the_server_s_builds_out() {
-        let queue = BuildQueue::new(BuildLimits {
-            total: 1,
-            per_team: 1,
-        });
+        let queue = BuildQueue::new(ONE_SLOT);
         let _base = queue.enqueue(BuildOwner::Server, "base");
         let _a0 = queue.enqueue(team("a"), "a0");
         let _a1 = queue.enqueue(team("a"), "a1");
@@ -489,10 +484,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_withdrawn_or_abandoned_build_never_holds_a_slot() {
-        let queue = BuildQueue::new(BuildLimits {
-            total: 1,
-            per_team: 1,
-        });
+        let queue = BuildQueue::new(ONE_SLOT);
         let mut a0 = queue.enqueue(team("a"), "a0");
         let slot = a0.try_recv().expect("a0 starts at once");
         let b0 = queue.enqueue(team("b"), "b0");
@@ -504,11 +496,7 @@ mod tests {
         drop(b0);
         drop(slot);
         // Withdrawn, c0 is out of the queue for good: its turn is closed, not just pending.
-        let withdrawn = c0.try_recv();
-        assert!(
-            matches!(withdrawn, Err(TryRecvError::Closed)),
-            "{withdrawn:?}"
-        );
+        assert_eq!(c0.try_recv().err(), Some(TryRecvError::Closed));
         let _d0 = d0.try_recv().expect("d0 gets the slot b0 and c0 left");
         assert_eq!(queue.counts(), (0, 1));
     }
