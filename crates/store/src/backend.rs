@@ -138,6 +138,16 @@ pub(crate) trait Transact: Backend {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
+/// Rows removed by their key.
+pub(crate) trait Delete: Backend {
+    /// Runs `delete`, a statement whose one parameter is a key, for `key`.
+    fn delete(
+        &self,
+        delete: &'static str,
+        key: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
 /// A statement that reads rows of `R`, run on a reader, each row turned into the record it
 /// holds.
 pub(crate) trait Read<B: Backend, R> {
@@ -150,7 +160,7 @@ pub(crate) trait Read<B: Backend, R> {
         T: TryFrom<R, Error: Into<StoreError>> + Send;
 }
 
-/// [`Write`], [`Transact`] and [`Read`] for one database: the same text for both, compiled against each
+/// [`Write`], [`Transact`], [`Delete`] and [`Read`] for one database: the same text for both, compiled against each
 /// one's concrete types.
 macro_rules! statement_runners {
     ($backend:ty) => {
@@ -213,6 +223,13 @@ macro_rules! statement_runners {
                 }
             }
         };
+
+        impl Delete for $backend {
+            async fn delete(&self, delete: &'static str, key: &str) -> Result<(), StoreError> {
+                sqlx::query(delete).bind(key).write(self).await?;
+                Ok(())
+            }
+        }
 
         impl<'q, R> Read<$backend, R>
             for QueryAs<

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 
-use crate::backend::{Backend, Read, Transact, Write};
+use crate::backend::{Backend, Delete, Read, Transact, Write};
 use crate::rows::{MountRow, SandboxRow};
 use crate::{err, to_json};
 
@@ -139,11 +139,9 @@ on_both! {
         }
 
         async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-            sqlx::query("DELETE FROM sandboxes WHERE id = $1")
-                .bind(id)
-                .write(&self.db)
-                .await?;
-            Ok(())
+            self.db
+                .delete("DELETE FROM sandboxes WHERE id = $1", id)
+                .await
         }
 
         async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {
