@@ -47,11 +47,10 @@ on_both! {
         }
 
         async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-            let result = sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
+            sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
                 .bind(micros(before))
                 .write(&self.db)
-                .await?;
-            Ok(result)
+                .await
         }
     }
 }

@@ -59,11 +59,10 @@ on_both! {
         }
 
         async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
-            let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
+            sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
                 .bind(before)
                 .write(&self.db)
-                .await?;
-            Ok(result)
+                .await
         }
     }
 }
