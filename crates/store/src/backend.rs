@@ -105,6 +105,18 @@ pub(crate) trait Write<B: Backend> {
     /// Runs the statement and answers how many rows it changed.
     fn write(self, db: &B) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
+    /// Runs the statement, whichever rows it changed.
+    fn run(self, db: &B) -> impl Future<Output = Result<(), StoreError>> + Send
+    where
+        Self: Sized,
+    {
+        let write = self.write(db);
+        async move {
+            write.await?;
+            Ok(())
+        }
+    }
+
     /// Runs an insert of `what` `id`: a row already holding its key is a
     /// [`StoreError::Conflict`] naming it.
     fn insert(
@@ -226,8 +238,7 @@ macro_rules! statement_runners {
 
         impl Delete for $backend {
             async fn delete(&self, delete: &'static str, key: &str) -> Result<(), StoreError> {
-                sqlx::query(delete).bind(key).write(self).await?;
-                Ok(())
+                sqlx::query(delete).bind(key).run(self).await
             }
         }
 

@@ -61,8 +61,7 @@ on_both! {
             .bind(B::time(b.updated_at))
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
-            .insert(&self.db, "build", &b.id).await?;
-            Ok(())
+            .insert(&self.db, "build", &b.id).await
         }
 
         async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
@@ -77,8 +76,7 @@ on_both! {
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
             .bind(&b.id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn assign_waiting_build(
@@ -198,8 +196,7 @@ on_both! {
             .bind(entry.level.as_str())
             .bind(&entry.step)
             .bind(&entry.message)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn build_logs(

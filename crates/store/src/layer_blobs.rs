@@ -68,9 +68,8 @@ on_both! {
                 .bind(i64::try_from(blob.size_bytes).map_err(err)?)
                 .bind(&blob.node_id)
                 .bind(B::time(blob.published_at))
-                .write(&self.db)
-                .await?;
-            Ok(())
+                .run(&self.db)
+                .await
         }
     }
 

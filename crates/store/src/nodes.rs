@@ -130,8 +130,7 @@ on_both! {
             .bind(B::time(node.started_at))
             .bind(B::time(node.lease_until))
             .bind(to_json(&node.report)?)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {

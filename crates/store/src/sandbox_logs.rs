@@ -165,8 +165,7 @@ on_both! {
             )
             .bind(B::time(at))
             .bind(sandbox_id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn sandbox_logs(

@@ -98,9 +98,8 @@ on_both! {
             sqlx::query("UPDATE sandboxes SET end_at = $1 WHERE id = $2")
                 .bind(B::time(end_at))
                 .bind(id)
-                .write(&self.db)
-                .await?;
-            Ok(())
+                .run(&self.db)
+                .await
         }
 
         async fn set_sandbox_network(
@@ -115,9 +114,8 @@ on_both! {
             .bind(to_json(network)?)
             .bind(allow_internet_access)
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn set_sandbox_status(
@@ -133,9 +131,8 @@ on_both! {
             .bind(status.name())
             .bind(handle.map(RuntimeHandle::to_stored))
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {

@@ -79,8 +79,7 @@ on_both! {
         ) -> Result<(), StoreError> {
             bind_secret(sqlx::query(insert), secret, B::time(secret.created_at))
                 .insert(&self.db, what, &secret.id)
-                .await?;
-            Ok(())
+                .await
         }
     }
 
@@ -104,8 +103,7 @@ on_both! {
             bind_all(query, limit_columns(&team.limits))
                 .bind(B::time(Utc::now()))
                 .insert(&self.db, "team", &team.id)
-                .await?;
-            Ok(())
+                .await
         }
 
         async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
@@ -176,8 +174,7 @@ on_both! {
             )
             .bind(B::time(at))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError> {
@@ -191,8 +188,7 @@ on_both! {
             )
             .bind(&key.created_by)
             .bind(key.last_used.map(B::time))
-            .insert(&self.db, "api key", &s.id).await?;
-            Ok(())
+            .insert(&self.db, "api key", &s.id).await
         }
 
         async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
@@ -265,8 +261,7 @@ on_both! {
                 B::time(s.created_at),
             )
             .bind(&token.user_id)
-            .insert(&self.db, "access token", &s.id).await?;
-            Ok(())
+            .insert(&self.db, "access token", &s.id).await
         }
 
         async fn access_token_by_hash(

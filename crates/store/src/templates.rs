@@ -155,8 +155,7 @@ on_both! {
             .bind(error)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn set_template_image(
@@ -178,9 +177,8 @@ on_both! {
             .bind(build_id)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
@@ -249,8 +247,7 @@ on_both! {
             .bind(i64::from(count))
             .bind(B::time(last))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
     }
 }
