@@ -133,7 +133,7 @@ impl BuildQueue {
     }
 
     fn lock(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.state)
     }
 
     /// Queues build `build_id`; the receiver gets its slot when its turn comes.
