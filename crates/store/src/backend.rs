@@ -172,8 +172,8 @@ pub(crate) trait Read<B: Backend, R> {
         T: TryFrom<R, Error: Into<StoreError>> + Send;
 }
 
-/// [`Write`], [`Transact`], [`Delete`] and [`Read`] for one database: the same text for both, compiled against each
-/// one's concrete types.
+/// [`Write`], [`Transact`], [`Delete`] and [`Read`] for one database: the same text for both,
+/// compiled against each one's concrete types.
 macro_rules! statement_runners {
     ($backend:ty) => {
         impl<'q> Write<$backend> for Statement<'q, $backend> {
