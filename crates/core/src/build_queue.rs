@@ -294,9 +294,9 @@ mod tests {
         }
 
         /// The server's `builds` wait, in that order.
-        fn queue_server(&mut self, builds: [&str; 2]) {
-            self.waiting
-                .insert(BuildOwner::Server, builds.map(str::to_owned).into());
+        fn queue_server(&mut self, builds: &[&str]) {
+            let builds = builds.iter().map(|b| (*b).to_owned()).collect();
+            self.waiting.insert(BuildOwner::Server, builds);
         }
 
         /// Starts builds as `next_build` chooses until none may start; returns them in order.
@@ -410,7 +410,7 @@ mod tests {
     #[test]
     fn server_builds_take_no_tenant_slot_and_wait_for_none() {
         let mut queue = Queue::default();
-        queue.queue_server(["base", "interpreter"]);
+        queue.queue_server(&["base", "interpreter"]);
         queue.queue("a", 3);
         queue.queue("b", 1);
         let mut started = queue.start_all(LIMITS);
@@ -421,7 +421,7 @@ mod tests {
             running: BTreeMap::from([(team("a"), 1), (team("b"), 1)]),
             ..Queue::default()
         };
-        queue.queue_server(["base", "interpreter"]);
+        queue.queue_server(&["base", "interpreter"]);
         assert_eq!(queue.start_all(LIMITS), ["base", "interpreter"]);
     }
 
