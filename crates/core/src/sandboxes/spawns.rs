@@ -55,11 +55,6 @@ impl SpawnTally {
             }
         }
     }
-
-    #[cfg(test)]
-    fn pending(&self) -> HashMap<String, (u32, DateTime<Utc>)> {
-        lock(&self.pending).clone()
-    }
 }
 
 #[cfg(test)]
@@ -80,7 +75,7 @@ mod tests {
             [true, false, false],
             "one write is scheduled per window"
         );
-        let pending = tally.pending();
+        let pending = lock(&tally.pending).clone();
         assert_eq!(pending["a"], (2, late));
         assert_eq!(pending["b"], (1, early));
     }
