@@ -13,6 +13,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 use tokio::sync::{Notify, watch};
 
 use crate::builds::LogLevel;
+use crate::lock;
 use crate::model::{SandboxEvent, Team};
 use crate::runtime::{AgentLogChunk, Runtime};
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError, parse_agent_line};
@@ -88,11 +89,6 @@ pub(crate) struct Activity {
 struct PendingOpen {
     hurry: Arc<Notify>,
     written: watch::Receiver<bool>,
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Each map is changed by single inserts and removes, whole even after a panic.
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn bucket_of(at: DateTime<Utc>) -> i64 {

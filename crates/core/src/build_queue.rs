@@ -133,7 +133,7 @@ impl BuildQueue {
     }
 
     fn lock(&self) -> MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.state)
     }
 
     /// Queues build `build_id`; the receiver gets its slot when its turn comes.
@@ -269,87 +269,98 @@ mod tests {
         per_team: 1,
     };
 
-    /// Starts builds as `next_build` chooses until none may start; returns them in order.
-    fn start_all(
-        running: &mut BTreeMap<BuildOwner, usize>,
-        waiting: &mut BTreeMap<BuildOwner, VecDeque<String>>,
-        last: &mut Option<BuildOwner>,
-        limits: BuildLimits,
-    ) -> Vec<String> {
-        let mut started = Vec::new();
-        while let Some((owner, _)) = next_build(running, waiting, last.as_ref(), limits) {
-            let owner = owner.clone();
-            let build = waiting
-                .get_mut(&owner)
-                .and_then(VecDeque::pop_front)
-                .expect("the chosen owner has a waiting build");
-            *running.entry(owner.clone()).or_default() += 1;
-            *last = Some(owner);
-            started.push(build);
-        }
-        started
+    /// One build at a time in all.
+    const ONE_SLOT: BuildLimits = BuildLimits {
+        total: 1,
+        per_team: 1,
+    };
+
+    /// What the scheduler keeps between choices: the builds running and waiting, and whose
+    /// started last.
+    #[derive(Default)]
+    struct Queue {
+        running: BTreeMap<BuildOwner, usize>,
+        waiting: BTreeMap<BuildOwner, VecDeque<String>>,
+        last: Option<BuildOwner>,
     }
 
-    fn finish(running: &mut BTreeMap<BuildOwner, usize>, owner: &BuildOwner) {
-        let count = running
-            .get_mut(owner)
-            .expect("the owner has a running build");
-        *count -= 1;
+    impl Queue {
+        /// Team `name`'s builds `{name}0` to `{name}{count - 1}` wait, in that order.
+        fn queue(&mut self, name: &str, count: usize) {
+            self.waiting.insert(
+                team(name),
+                (0..count).map(|i| format!("{name}{i}")).collect(),
+            );
+        }
+
+        /// The server's `builds` wait, in that order.
+        fn queue_server(&mut self, builds: &[&str]) {
+            let builds = builds.iter().map(|b| (*b).to_owned()).collect();
+            self.waiting.insert(BuildOwner::Server, builds);
+        }
+
+        /// Starts builds as `next_build` chooses until none may start; returns them in order.
+        fn start_all(&mut self, limits: BuildLimits) -> Vec<String> {
+            let mut started = Vec::new();
+            while let Some((owner, _)) =
+                next_build(&self.running, &self.waiting, self.last.as_ref(), limits)
+            {
+                let owner = owner.clone();
+                let build = self
+                    .waiting
+                    .get_mut(&owner)
+                    .and_then(VecDeque::pop_front)
+                    .expect("the chosen owner has a waiting build");
+                *self.running.entry(owner.clone()).or_default() += 1;
+                self.last = Some(owner);
+                started.push(build);
+            }
+            started
+        }
+
+        fn finish(&mut self, owner: &BuildOwner) {
+            let count = self
+                .running
+                .get_mut(owner)
+                .expect("the owner has a running build");
+            *count -= 1;
+        }
     }
 
     #[test]
     fn a_team_with_a_hundred_waiting_builds_delays_another_team_by_at_most_one_turn() {
-        let limits = BuildLimits {
-            total: 1,
-            per_team: 1,
-        };
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(team("a"), (0..100).map(|i| format!("a{i}")).collect());
-        let mut last = None;
-        assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, limits),
-            ["a0"]
-        );
+        let mut queue = Queue::default();
+        queue.queue("a", 100);
+        assert_eq!(queue.start_all(ONE_SLOT), ["a0"]);
         // b's one build arrives behind a's hundred.
-        waiting.insert(team("b"), VecDeque::from(["b0".to_owned()]));
-        finish(&mut running, &team("a"));
+        queue.queue("b", 1);
+        queue.finish(&team("a"));
         assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, limits),
+            queue.start_all(ONE_SLOT),
             ["b0"],
             "the freed slot goes to b, whose turn it is"
         );
         // b may also come before a in the order: it is still served within one turn.
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(team("z"), (0..100).map(|i| format!("z{i}")).collect());
-        let mut last = None;
-        start_all(&mut running, &mut waiting, &mut last, limits);
-        waiting.insert(team("b"), VecDeque::from(["b0".to_owned()]));
-        finish(&mut running, &team("z"));
-        assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, limits),
-            ["b0"]
-        );
+        let mut queue = Queue::default();
+        queue.queue("z", 100);
+        queue.start_all(ONE_SLOT);
+        queue.queue("b", 1);
+        queue.finish(&team("z"));
+        assert_eq!(queue.start_all(ONE_SLOT), ["b0"]);
     }
 
     #[test]
     fn with_free_slots_another_team_starts_at_once_whatever_one_team_queued() {
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(team("a"), (0..100).map(|i| format!("a{i}")).collect());
-        let mut last = None;
+        let mut queue = Queue::default();
+        queue.queue("a", 100);
         assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, LIMITS),
+            queue.start_all(LIMITS),
             ["a0"],
             "one team holds one slot, the other stays free"
         );
-        waiting.insert(team("b"), VecDeque::from(["b0".to_owned()]));
-        assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, LIMITS),
-            ["b0"]
-        );
-        assert_eq!(waiting[&team("a")].len(), 99);
+        queue.queue("b", 1);
+        assert_eq!(queue.start_all(LIMITS), ["b0"]);
+        assert_eq!(queue.waiting[&team("a")].len(), 99);
     }
 
     #[test]
@@ -358,48 +369,37 @@ mod tests {
             total: 8,
             per_team: 2,
         };
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(team("a"), (0..5).map(|i| format!("a{i}")).collect());
-        waiting.insert(team("b"), (0..3).map(|i| format!("b{i}")).collect());
-        let mut last = None;
-        let started = start_all(&mut running, &mut waiting, &mut last, limits);
+        let mut queue = Queue::default();
+        queue.queue("a", 5);
+        queue.queue("b", 3);
+        let started = queue.start_all(limits);
         assert_eq!(started, ["a0", "b0", "a1", "b1"]);
-        assert_eq!(running[&team("a")], 2);
-        assert_eq!(running[&team("b")], 2);
-        finish(&mut running, &team("a"));
+        assert_eq!(queue.running[&team("a")], 2);
+        assert_eq!(queue.running[&team("b")], 2);
+        queue.finish(&team("a"));
         assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, limits),
+            queue.start_all(limits),
             ["a2"],
             "a's next build, in arrival order; b stays at its cap"
         );
-        finish(&mut running, &team("b"));
-        finish(&mut running, &team("b"));
-        assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, limits),
-            ["b2"]
-        );
-        assert!(waiting[&team("a")].iter().eq(["a3", "a4"]));
+        queue.finish(&team("b"));
+        queue.finish(&team("b"));
+        assert_eq!(queue.start_all(limits), ["b2"]);
+        assert!(queue.waiting[&team("a")].iter().eq(["a3", "a4"]));
     }
 
     #[test]
     fn teams_take_turns_for_freed_slots() {
-        let limits = BuildLimits {
-            total: 1,
-            per_team: 1,
-        };
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
+        let mut queue = Queue::default();
         for name in ["a", "b", "c"] {
-            waiting.insert(team(name), (0..3).map(|i| format!("{name}{i}")).collect());
+            queue.queue(name, 3);
         }
-        let mut last = None;
         let mut order = Vec::new();
         loop {
-            let started = start_all(&mut running, &mut waiting, &mut last, limits);
+            let started = queue.start_all(ONE_SLOT);
             let Some(build) = started.first() else { break };
             order.push(build.clone());
-            finish(&mut running, &team(&build[..1]));
+            queue.finish(&team(&build[..1]));
         }
         assert_eq!(
             order,
@@ -409,30 +409,20 @@ mod tests {
 
     #[test]
     fn server_builds_take_no_tenant_slot_and_wait_for_none() {
-        let mut running = BTreeMap::new();
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(
-            BuildOwner::Server,
-            VecDeque::from(["base".to_owned(), "interpreter".to_owned()]),
-        );
-        waiting.insert(team("a"), (0..3).map(|i| format!("a{i}")).collect());
-        waiting.insert(team("b"), VecDeque::from(["b0".to_owned()]));
-        let mut last = None;
-        let mut started = start_all(&mut running, &mut waiting, &mut last, LIMITS);
+        let mut queue = Queue::default();
+        queue.queue_server(&["base", "interpreter"]);
+        queue.queue("a", 3);
+        queue.queue("b", 1);
+        let mut started = queue.start_all(LIMITS);
         started.sort();
         assert_eq!(started, ["a0", "b0", "base", "interpreter"]);
-        assert_eq!(running[&BuildOwner::Server], 2);
-        let mut running = BTreeMap::from([(team("a"), 1), (team("b"), 1)]);
-        let mut waiting: BTreeMap<BuildOwner, VecDeque<String>> = BTreeMap::new();
-        waiting.insert(
-            BuildOwner::Server,
-            VecDeque::from(["base".to_owned(), "interpreter".to_owned()]),
-        );
-        let mut last = None;
-        assert_eq!(
-            start_all(&mut running, &mut waiting, &mut last, LIMITS),
-            ["base", "interpreter"]
-        );
+        assert_eq!(queue.running[&BuildOwner::Server], 2);
+        let mut queue = Queue {
+            running: BTreeMap::from([(team("a"), 1), (team("b"), 1)]),
+            ..Queue::default()
+        };
+        queue.queue_server(&["base", "interpreter"]);
+        assert_eq!(queue.start_all(LIMITS), ["base", "interpreter"]);
     }
 
     #[test]
@@ -462,18 +452,18 @@ mod tests {
         let mut a1 = queue.enqueue(team("a"), "a1");
         let mut b0 = queue.enqueue(team("b"), "b0");
         let a0_slot = a0.try_recv().expect("a0 starts at once");
-        let waiting = a1.try_recv();
-        assert!(
-            matches!(waiting, Err(TryRecvError::Empty)),
-            "a1 waits behind a's cap: {waiting:?}"
+        assert_eq!(
+            a1.try_recv().err(),
+            Some(TryRecvError::Empty),
+            "a1 waits behind a's cap"
         );
         let b0_slot = b0.try_recv().expect("b0 takes the second slot");
         assert_eq!(queue.counts(), (1, 2));
         drop(b0_slot);
-        let waiting = a1.try_recv();
-        assert!(
-            matches!(waiting, Err(TryRecvError::Empty)),
-            "a is still at its cap: {waiting:?}"
+        assert_eq!(
+            a1.try_recv().err(),
+            Some(TryRecvError::Empty),
+            "a is still at its cap"
         );
         drop(a0_slot);
         let _a1_slot = a1.try_recv().expect("a1 starts once a0 ended");
@@ -482,10 +472,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_reported_slot_use_leaves_the_server_s_builds_out() {
-        let queue = BuildQueue::new(BuildLimits {
-            total: 1,
-            per_team: 1,
-        });
+        let queue = BuildQueue::new(ONE_SLOT);
         let _base = queue.enqueue(BuildOwner::Server, "base");
         let _a0 = queue.enqueue(team("a"), "a0");
         let _a1 = queue.enqueue(team("a"), "a1");
@@ -497,10 +484,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_withdrawn_or_abandoned_build_never_holds_a_slot() {
-        let queue = BuildQueue::new(BuildLimits {
-            total: 1,
-            per_team: 1,
-        });
+        let queue = BuildQueue::new(ONE_SLOT);
         let mut a0 = queue.enqueue(team("a"), "a0");
         let slot = a0.try_recv().expect("a0 starts at once");
         let b0 = queue.enqueue(team("b"), "b0");
@@ -512,11 +496,7 @@ mod tests {
         drop(b0);
         drop(slot);
         // Withdrawn, c0 is out of the queue for good: its turn is closed, not just pending.
-        let withdrawn = c0.try_recv();
-        assert!(
-            matches!(withdrawn, Err(TryRecvError::Closed)),
-            "{withdrawn:?}"
-        );
+        assert_eq!(c0.try_recv().err(), Some(TryRecvError::Closed));
         let _d0 = d0.try_recv().expect("d0 gets the slot b0 and c0 left");
         assert_eq!(queue.counts(), (0, 1));
     }

@@ -17,6 +17,7 @@ use tokio::sync::{Notify, watch};
 
 use crate::build_queue::{BuildLimits, BuildOwner, BuildQueue};
 use crate::caps::check_count;
+use crate::lock;
 use crate::model::{BUILT_IN_TEMPLATE_ALIASES, BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
@@ -342,10 +343,7 @@ struct LiveEntry {
 
 impl Drop for LiveEntry {
     fn drop(&mut self) {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.build_id);
+        lock(&self.live).remove(&self.build_id);
     }
 }
 
@@ -637,7 +635,7 @@ impl Builds {
     /// Stops running builds (their sandboxes go with the builder's cleanup) and records them
     /// as failed.
     pub async fn shutdown(&self) {
-        let mut tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut tasks = std::mem::take(&mut *lock(&self.tasks));
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
         // Only this node's: other nodes' builds go on.
@@ -914,12 +912,9 @@ impl Builds {
             .await
             .map_err(|_| UploadLinkError::TemplateNotFound(template_id.to_owned()))?;
         let present = self.builder.has_upload(&team.id, &template.id, hash).await;
-        self.contexts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(template_id.to_owned(), hash.to_owned());
+        lock(&self.contexts).insert(template_id.to_owned(), hash.to_owned());
         let token = crate::ids::new_secret("");
-        let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+        let mut grants = lock(&self.grants);
         let now = tokio::time::Instant::now();
         grants.retain(|_, g| g.expires > now);
         grants.insert(
@@ -942,7 +937,7 @@ impl Builds {
         body: UploadBody,
     ) -> Result<(), UploadLinkError> {
         let grant = {
-            let mut grants = self.grants.lock().unwrap_or_else(|p| p.into_inner());
+            let mut grants = lock(&self.grants);
             grants.remove(token)
         };
         let grant = grant
@@ -1148,12 +1143,7 @@ impl Builds {
                 "build '{build_id}' has no Dockerfile; start it with POST /v2/templates/{template_id}/builds/{build_id}"
             ))
         })?;
-        let context = self
-            .contexts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&template.id)
-            .cloned();
+        let context = lock(&self.contexts).get(&template.id).cloned();
         for (i, step) in spec.steps.iter_mut().enumerate() {
             if let StepKind::Copy { files_hash, .. } = &mut step.kind {
                 *files_hash = context.clone().ok_or_else(|| {
@@ -1232,13 +1222,10 @@ impl Builds {
         // Held from the queue on, so a build waiting for a slot keeps its files.
         let hold = UploadHold::new(self.builder.clone(), job.clone());
         let (cancel, mut cancelled) = watch::channel(false);
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(build.id.clone(), Arc::new(cancel));
+        lock(&self.live).insert(build.id.clone(), Arc::new(cancel));
         let owner = BuildOwner::of(job.team_id.as_deref());
         let turn = self.queue.enqueue(owner, &build.id);
-        let mut tasks = self.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        let mut tasks = lock(&self.tasks);
         while tasks.try_join_next().is_some() {}
         tasks.spawn(async move {
             let _live = LiveEntry {
@@ -1266,9 +1253,7 @@ impl Builds {
             let sink_cap = cap.clone();
             let sink = tx.clone();
             let log = BuildLog::new(move |entry| {
-                let kept = sink_cap
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
+                let kept = lock(&sink_cap)
                     .admit(&entry);
                 if kept {
                     let _ = sink.send(entry);
@@ -1325,7 +1310,7 @@ impl Builds {
                     step: None,
                 });
             }
-            let note = cap.lock().unwrap_or_else(|p| p.into_inner()).note();
+            let note = lock(&cap).note();
             if let Some(note) = note {
                 let _ = tx.send(BuildLogEntry {
                     timestamp: Utc::now(),
@@ -1363,12 +1348,7 @@ impl Builds {
                 status: build.status.as_str(),
             });
         }
-        let live = self
-            .live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(build_id)
-            .cloned();
+        let live = lock(&self.live).get(build_id).cloned();
         if let Some(cancel) = live {
             cancel.send_replace(true);
             // The builder's cleanup is bounded by what dropping its work costs; the wait
@@ -1552,10 +1532,7 @@ impl Builds {
             (found, _) => found?,
         };
         self.store.templates.delete_template(&template.id).await?;
-        self.contexts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&template.id);
+        lock(&self.contexts).remove(&template.id);
         if let Some(team_id) = &template.team_id {
             self.builder.forget_template_uploads(team_id, &template.id);
         }

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use crate::lock;
 use crate::model::Team;
 
 const MIB: u64 = 1024 * 1024;
@@ -97,7 +98,7 @@ impl TeamGate {
     /// Waits for the team's turn; it lasts as long as the guard.
     pub async fn enter(&self, team_id: &str) -> tokio::sync::OwnedMutexGuard<()> {
         let lock = {
-            let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
+            let mut teams = lock(&self.teams);
             // Locks nobody holds or waits for are dropped, so the map follows active teams.
             teams.retain(|_, l| Arc::strong_count(l) > 1);
             teams.entry(team_id.to_owned()).or_default().clone()

@@ -319,14 +319,19 @@ mod tests {
         assert_eq!(counts, [20, 20]);
     }
 
-    #[test]
-    fn only_nodes_holding_a_local_template_are_tried_the_roomiest_first() {
-        let nodes = [
+    /// Four live nodes, b and d holding template `tpl`, roomiest c, a, d, b.
+    fn two_holding_tpl() -> [NodeRecord; 4] {
+        [
             node("a", 4, &[], 10),
             node("b", 2, &["tpl"], 10),
             node("c", 8, &[], 10),
             node("d", 3, &["tpl"], 10),
-        ];
+        ]
+    }
+
+    #[test]
+    fn only_nodes_holding_a_local_template_are_tried_the_roomiest_first() {
+        let nodes = two_holding_tpl();
         let order = placement_order(&nodes, "tpl", Local, |_| 0, Utc::now());
         assert_eq!(ids(order), ["d", "b"]);
         let unknown = placement_order(&nodes, "other", Local, |_| 0, Utc::now());
@@ -335,12 +340,7 @@ mod tests {
 
     #[test]
     fn a_shared_template_goes_anywhere_holders_counting_the_margin_more() {
-        let nodes = [
-            node("a", 4, &[], 10),
-            node("b", 2, &["tpl"], 10),
-            node("c", 8, &[], 10),
-            node("d", 3, &["tpl"], 10),
-        ];
+        let nodes = two_holding_tpl();
         // The margin (a third of a GiB here) does not make up d's GiB less than a.
         let order = placement_order(&nodes, "tpl", Shared, |_| 0, Utc::now());
         assert_eq!(ids(order), ["c", "a", "d", "b"]);

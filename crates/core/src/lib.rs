@@ -32,6 +32,15 @@ pub mod templates;
 pub mod volumes;
 pub mod webhooks;
 
+/// `mutex`, taken even when a panic poisoned it. What the core guards is plain data changed
+/// in single steps (an insert, a remove, a count), whole after a panic: refusing every later
+/// caller would turn one panic into an outage.
+pub(crate) fn lock<T: ?Sized>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub use activity::ActivityConfig;
 pub use agent_links::{AgentLease, HangUp};
 pub use auth::{Auth, AuthError, Credentials};

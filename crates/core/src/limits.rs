@@ -15,6 +15,7 @@ use std::time::Duration;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
+use crate::lock;
 use crate::model::Team;
 use crate::store::RequestCountRecords;
 
@@ -118,7 +119,7 @@ impl RateLimits {
             return Ok(());
         };
         let limiter = {
-            let mut limiters = self.limiters.lock().unwrap_or_else(|e| e.into_inner());
+            let mut limiters = lock(&self.limiters);
             let entry = limiters.entry(team.id.clone()).or_insert_with(|| {
                 (
                     per_minute.get(),
@@ -154,7 +155,7 @@ impl SharedCounts {
         per_minute: u32,
         (window, left): (i64, Duration),
     ) -> Result<(), RateLimited> {
-        let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut teams = lock(&self.teams);
         let minute = teams.entry(team.id.clone()).or_default();
         if minute.window != window {
             *minute = TeamMinute {
@@ -177,7 +178,7 @@ impl SharedCounts {
     /// current minute.
     async fn share_once(&self, window: i64) {
         let batch: Vec<(String, u64)> = {
-            let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
+            let mut teams = lock(&self.teams);
             teams.retain(|_, minute| minute.window >= window - 1);
             // Teams with nothing new are asked too: what other processes admitted counts
             // against what this one admits next.
@@ -191,7 +192,7 @@ impl SharedCounts {
             return;
         }
         let added = self.store.add_team_requests(window, &batch).await;
-        let mut teams = self.teams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut teams = lock(&self.teams);
         match added {
             Ok(totals) => {
                 for (team, total) in totals {

@@ -20,6 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::builds::UploadBody;
 use crate::caps::{CapError, check_bytes, check_count};
 use crate::ids;
+use crate::lock;
 use crate::model::Team;
 use crate::secrets::hash_secret;
 use crate::store::{Store, StoreError};
@@ -387,10 +388,7 @@ impl ContentRate {
         let Some(per_minute) = self.per_minute else {
             return Ok(());
         };
-        let bucket = self
-            .buckets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let bucket = lock(&self.buckets)
             .entry(team_id.to_owned())
             .or_insert_with(|| Arc::new(RateLimiter::direct(Quota::per_minute(per_minute))))
             .clone();

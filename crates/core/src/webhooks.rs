@@ -15,6 +15,7 @@ use chrono::{DateTime, Utc};
 use sha2::{Digest, Sha256};
 
 use crate::ids;
+use crate::lock;
 use crate::model::{SandboxEvent, SandboxEventType, Team};
 use crate::store::{Store, StoreError};
 
@@ -352,7 +353,7 @@ impl Webhooks {
     fn queues(
         &self,
     ) -> std::sync::MutexGuard<'_, HashMap<String, tokio::sync::mpsc::Sender<SandboxEvent>>> {
-        self.inner.queues.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.inner.queues)
     }
 
     /// Queues stored events for every enabled webhook of their team that asked for their

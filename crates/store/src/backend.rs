@@ -8,7 +8,7 @@ use std::future::Future;
 use chrono::{DateTime, Utc};
 use sandbar_core::StoreError;
 use sqlx::query::{Query, QueryAs};
-use sqlx::{Database, FromRow, PgPool, Pool, Postgres, Sqlite};
+use sqlx::{Database, FromRow, PgPool, Pool, Postgres, Sqlite, Transaction};
 
 use crate::SqliteDb;
 use crate::rows::Stamp;
@@ -99,11 +99,23 @@ macro_rules! on_both {
 }
 
 /// A statement that writes, run on the writer of its database. Every write goes through here,
-/// a transaction begun on [`Backend::writes`], or (for an `INSERT … RETURNING`) a fetch on
-/// it, so none can land on a SQLite reader.
+/// [`Transact`], a transaction begun on [`Backend::writes`], or (for an `INSERT … RETURNING`)
+/// a fetch on it, so none can land on a SQLite reader.
 pub(crate) trait Write<B: Backend> {
     /// Runs the statement and answers how many rows it changed.
     fn write(self, db: &B) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Runs the statement, whichever rows it changed.
+    fn run(self, db: &B) -> impl Future<Output = Result<(), StoreError>> + Send
+    where
+        Self: Sized,
+    {
+        let write = self.write(db);
+        async move {
+            write.await?;
+            Ok(())
+        }
+    }
 
     /// Runs an insert of `what` `id`: a row already holding its key is a
     /// [`StoreError::Conflict`] naming it.
@@ -112,6 +124,39 @@ pub(crate) trait Write<B: Backend> {
         db: &B,
         what: &'static str,
         id: &str,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// A statement that writes, as [`Write`] and [`Transact`] run it on database `B`.
+pub(crate) type Statement<'q, B> =
+    Query<'q, <B as Backend>::Db, <<B as Backend>::Db as Database>::Arguments>;
+
+/// Statements that write together or not at all: one transaction on the writer.
+pub(crate) trait Transact: Backend {
+    /// Runs `statements` in order.
+    fn write_all(
+        &self,
+        statements: Vec<Statement<'_, Self>>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Runs an insert of `what` `id`, then the `rest` that goes with it: a row already holding
+    /// the insert's key is a [`StoreError::Conflict`] naming it.
+    fn insert_with(
+        &self,
+        insert: Statement<'_, Self>,
+        what: &'static str,
+        id: &str,
+        rest: Vec<Statement<'_, Self>>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// Rows removed by their key.
+pub(crate) trait Delete: Backend {
+    /// Runs `delete`, a statement whose one parameter is a key, for `key`.
+    fn delete(
+        &self,
+        delete: &'static str,
+        key: &str,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
@@ -127,17 +172,11 @@ pub(crate) trait Read<B: Backend, R> {
         T: TryFrom<R, Error: Into<StoreError>> + Send;
 }
 
-/// [`Write`] and [`Read`] for one database: the same text for both, compiled against each
-/// one's concrete types.
+/// [`Write`], [`Transact`], [`Delete`] and [`Read`] for one database: the same text for both,
+/// compiled against each one's concrete types.
 macro_rules! statement_runners {
     ($backend:ty) => {
-        impl<'q> Write<$backend>
-            for Query<
-                'q,
-                <$backend as Backend>::Db,
-                <<$backend as Backend>::Db as Database>::Arguments,
-            >
-        {
+        impl<'q> Write<$backend> for Statement<'q, $backend> {
             async fn write(self, db: &$backend) -> Result<u64, StoreError> {
                 Ok(self
                     .execute(db.writes())
@@ -156,6 +195,50 @@ macro_rules! statement_runners {
                     .await
                     .map_err(insert_err(what, id))?;
                 Ok(())
+            }
+        }
+
+        const _: () = {
+            /// Runs `statements` in `tx`, in order, then commits it.
+            async fn commit_after(
+                mut tx: Transaction<'static, <$backend as Backend>::Db>,
+                statements: Vec<Statement<'_, $backend>>,
+            ) -> Result<(), StoreError> {
+                for statement in statements {
+                    statement.execute(&mut *tx).await.map_err(err)?;
+                }
+                tx.commit().await.map_err(err)
+            }
+
+            impl Transact for $backend {
+                async fn write_all(
+                    &self,
+                    statements: Vec<Statement<'_, Self>>,
+                ) -> Result<(), StoreError> {
+                    let tx = self.writes().begin().await.map_err(err)?;
+                    commit_after(tx, statements).await
+                }
+
+                async fn insert_with(
+                    &self,
+                    insert: Statement<'_, Self>,
+                    what: &'static str,
+                    id: &str,
+                    rest: Vec<Statement<'_, Self>>,
+                ) -> Result<(), StoreError> {
+                    let mut tx = self.writes().begin().await.map_err(err)?;
+                    insert
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(insert_err(what, id))?;
+                    commit_after(tx, rest).await
+                }
+            }
+        };
+
+        impl Delete for $backend {
+            async fn delete(&self, delete: &'static str, key: &str) -> Result<(), StoreError> {
+                sqlx::query(delete).bind(key).run(self).await
             }
         }
 

@@ -4,7 +4,7 @@ use sandbar_core::store::BuildRecords;
 use sandbar_core::{BuildLogEntry, BuildRecord, LogLevel, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{BuildLogRow, BuildRow, TaggedBuildRow, big, build_log_page};
 use crate::{SqliteDb, err, to_json};
 
@@ -61,8 +61,7 @@ on_both! {
             .bind(B::time(b.updated_at))
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
-            .insert(&self.db, "build", &b.id).await?;
-            Ok(())
+            .insert(&self.db, "build", &b.id).await
         }
 
         async fn update_build(&self, b: &BuildRecord) -> Result<(), StoreError> {
@@ -77,8 +76,7 @@ on_both! {
             .bind(b.finished_at.map(B::time))
             .bind(&b.node_id)
             .bind(&b.id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn assign_waiting_build(
@@ -124,20 +122,15 @@ on_both! {
             build_id: &str,
             tags: &[String],
         ) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for tag in tags {
+            let inserts = tags.iter().map(|tag| {
                 sqlx::query(
                     "INSERT INTO build_tags (template_id, build_id, tag) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING",
                 )
                 .bind(template_id)
                 .bind(build_id)
                 .bind(tag)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)?;
-            Ok(())
+            });
+            self.db.write_all(inserts.collect()).await
         }
 
         async fn delete_build_tags(
@@ -203,8 +196,7 @@ on_both! {
             .bind(entry.level.as_str())
             .bind(&entry.step)
             .bind(&entry.message)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn build_logs(

@@ -5,7 +5,7 @@ use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Delete, Read, Write};
 use crate::rows::LayerBlobRow;
 use crate::{SqliteDb, err};
 
@@ -68,9 +68,8 @@ on_both! {
                 .bind(i64::try_from(blob.size_bytes).map_err(err)?)
                 .bind(&blob.node_id)
                 .bind(B::time(blob.published_at))
-                .write(&self.db)
-                .await?;
-            Ok(())
+                .run(&self.db)
+                .await
         }
     }
 
@@ -85,11 +84,9 @@ on_both! {
         }
 
         async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
-            sqlx::query("DELETE FROM layer_blobs WHERE layer = $1")
-                .bind(layer)
-                .write(&self.db)
-                .await?;
-            Ok(())
+            self.db
+                .delete("DELETE FROM layer_blobs WHERE layer = $1", layer)
+                .await
         }
 
         async fn layer_blobs(&self, layers: &[String]) -> Result<Vec<LayerBlob>, StoreError> {

@@ -125,6 +125,10 @@ impl SqliteStore {
     /// Opens (creating if needed) the database file and applies pending migrations.
     pub async fn open(path: &Path) -> Result<Store, OpenStoreError> {
         let shown = path.display().to_string();
+        let cannot_open = |source| OpenStoreError::Open {
+            path: shown.clone(),
+            source,
+        };
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
@@ -142,10 +146,7 @@ impl SqliteStore {
             .max_connections(1)
             .connect_with(options.clone())
             .await
-            .map_err(|source| OpenStoreError::Open {
-                path: shown.clone(),
-                source,
-            })?;
+            .map_err(cannot_open)?;
         sqlx::migrate!("./migrations")
             .run(&writes)
             .await
@@ -159,10 +160,7 @@ impl SqliteStore {
             .max_connections(4)
             .connect_with(options.pragma("query_only", "ON"))
             .await
-            .map_err(|source| OpenStoreError::Open {
-                path: shown.clone(),
-                source,
-            })?;
+            .map_err(cannot_open)?;
         let db = SqliteDb { reads, writes };
         Teams { db: db.clone() }
             .give_teams_slugs()

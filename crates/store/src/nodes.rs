@@ -5,7 +5,7 @@ use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Delete, Read, Write};
 use crate::rows::NodeRow;
 use crate::{SqliteDb, err, micros, to_json};
 
@@ -130,8 +130,7 @@ on_both! {
             .bind(B::time(node.started_at))
             .bind(B::time(node.lease_until))
             .bind(to_json(&node.report)?)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
@@ -175,11 +174,9 @@ on_both! {
         }
 
         async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
-            sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = $1")
-                .bind(sandbox_id)
-                .write(&self.db)
-                .await?;
-            Ok(())
+            self.db
+                .delete("DELETE FROM slot_claims WHERE sandbox_id = $1", sandbox_id)
+                .await
         }
     }
 }

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxEventRecords;
 use sandbar_core::{SandboxEvent, SandboxEventQuery, StoreError};
 
-use crate::backend::{Backend, Write};
+use crate::backend::{Backend, Transact, Write};
 use crate::rows::{bind_event, event_of, events_page};
 use crate::{err, micros};
 
@@ -18,19 +18,18 @@ on_both! {
     #[async_trait::async_trait]
     impl SandboxEventRecords for SandboxEvents<B> {
         async fn add_sandbox_events(&self, events: &[SandboxEvent]) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for event in events {
-                bind_event(
-                    sqlx::query(
-                        "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES ($1, $2, $3, $4, $5, $6)",
-                    ),
-                    event,
-                )?
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)
+            let inserts = events
+                .iter()
+                .map(|event| {
+                    bind_event(
+                        sqlx::query(
+                            "INSERT INTO sandbox_events (id, team_id, sandbox_id, type, at, body) VALUES ($1, $2, $3, $4, $5, $6)",
+                        ),
+                        event,
+                    )
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            self.db.write_all(inserts).await
         }
 
         async fn sandbox_events(
@@ -48,11 +47,10 @@ on_both! {
         }
 
         async fn prune_sandbox_events(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-            let result = sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
+            sqlx::query("DELETE FROM sandbox_events WHERE at < $1")
                 .bind(micros(before))
                 .write(&self.db)
-                .await?;
-            Ok(result)
+                .await
         }
     }
 }

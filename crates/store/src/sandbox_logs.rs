@@ -165,8 +165,7 @@ on_both! {
             )
             .bind(B::time(at))
             .bind(sandbox_id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn sandbox_logs(
@@ -190,11 +189,10 @@ on_both! {
         }
 
         async fn prune_sandbox_logs(&self, before: DateTime<Utc>) -> Result<u64, StoreError> {
-            let result = sqlx::query("DELETE FROM sandbox_log_sources WHERE ended_at < $1")
+            sqlx::query("DELETE FROM sandbox_log_sources WHERE ended_at < $1")
                 .bind(B::time(before))
                 .write(&self.db)
-                .await?;
-            Ok(result)
+                .await
         }
     }
 }

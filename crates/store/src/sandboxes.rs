@@ -4,9 +4,9 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Delete, Read, Transact, Write};
 use crate::rows::{MountRow, SandboxRow};
-use crate::{err, insert_err, to_json};
+use crate::{err, to_json};
 
 /// Sandboxes and their volume mounts, in either database.
 #[derive(Debug, Clone)]
@@ -52,27 +52,23 @@ on_both! {
             if mounts.is_empty() {
                 return insert.insert(&self.db, "sandbox", &s.id).await;
             }
+            let mounts = mounts
+                .iter()
+                .enumerate()
+                .map(|(position, m)| {
+                    Ok(sqlx::query(
+                        "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
+                         VALUES ($1, $2, $3, $4, $5)",
+                    )
+                    .bind(&s.id)
+                    .bind(i64::try_from(position).map_err(err)?)
+                    .bind(&m.volume_id)
+                    .bind(&m.name)
+                    .bind(&m.path))
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
             // One transaction: a sandbox is never recorded without the volumes it mounts.
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            insert
-                .execute(&mut *tx)
-                .await
-                .map_err(insert_err("sandbox", &s.id))?;
-            for (position, m) in mounts.iter().enumerate() {
-                sqlx::query(
-                    "INSERT INTO sandbox_volumes (sandbox_id, position, volume_id, name, path) \
-                     VALUES ($1, $2, $3, $4, $5)",
-                )
-                .bind(&s.id)
-                .bind(i64::try_from(position).map_err(err)?)
-                .bind(&m.volume_id)
-                .bind(&m.name)
-                .bind(&m.path)
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)
+            self.db.insert_with(insert, "sandbox", &s.id, mounts).await
         }
 
         async fn sandbox(&self, id: &str) -> Result<Option<Sandbox>, StoreError> {
@@ -102,9 +98,8 @@ on_both! {
             sqlx::query("UPDATE sandboxes SET end_at = $1 WHERE id = $2")
                 .bind(B::time(end_at))
                 .bind(id)
-                .write(&self.db)
-                .await?;
-            Ok(())
+                .run(&self.db)
+                .await
         }
 
         async fn set_sandbox_network(
@@ -119,9 +114,8 @@ on_both! {
             .bind(to_json(network)?)
             .bind(allow_internet_access)
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn set_sandbox_status(
@@ -137,17 +131,14 @@ on_both! {
             .bind(status.name())
             .bind(handle.map(RuntimeHandle::to_stored))
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-            sqlx::query("DELETE FROM sandboxes WHERE id = $1")
-                .bind(id)
-                .write(&self.db)
-                .await?;
-            Ok(())
+            self.db
+                .delete("DELETE FROM sandboxes WHERE id = $1", id)
+                .await
         }
 
         async fn sandbox_volumes(&self, sandbox_id: &str) -> Result<Vec<VolumeMount>, StoreError> {

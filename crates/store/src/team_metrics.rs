@@ -3,7 +3,7 @@
 use sandbar_core::store::TeamMetricRecords;
 use sandbar_core::{StoreError, TeamMetricBucket};
 
-use crate::backend::{Backend, Write};
+use crate::backend::{Backend, Transact, Write};
 use crate::err;
 use crate::rows::BucketRow;
 
@@ -21,8 +21,7 @@ on_both! {
             // buckets wait for each other instead of deadlocking.
             let mut sorted: Vec<&TeamMetricBucket> = buckets.iter().collect();
             sorted.sort_by(|a, b| (&a.team_id, a.bucket).cmp(&(&b.team_id, b.bucket)));
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for b in sorted {
+            let upserts = sorted.into_iter().map(|b| {
                 // A CASE, as SQLite has no GREATEST.
                 sqlx::query(
                     "INSERT INTO team_metrics (team_id, bucket, concurrent, starts) VALUES ($1, $2, $3, $4) \
@@ -35,11 +34,8 @@ on_both! {
                 .bind(b.bucket)
                 .bind(i64::from(b.concurrent))
                 .bind(i64::from(b.starts))
-                .execute(&mut *tx)
-                .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)
+            });
+            self.db.write_all(upserts.collect()).await
         }
 
         async fn team_metrics(
@@ -63,11 +59,10 @@ on_both! {
         }
 
         async fn prune_team_metrics(&self, before: i64) -> Result<u64, StoreError> {
-            let result = sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
+            sqlx::query("DELETE FROM team_metrics WHERE bucket < $1")
                 .bind(before)
                 .write(&self.db)
-                .await?;
-            Ok(result)
+                .await
         }
     }
 }

@@ -6,12 +6,12 @@ use sandbar_core::store::{StoredAccessToken, StoredApiKey, StoredSecret, TeamRec
 use sandbar_core::{StoreError, Team};
 use sqlx::Row;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{
     AccessTokenRow, ApiKeyRow, KeyTeamRow, TeamMemberRow, TeamRow, bind_all, bind_secret,
     free_slug, limit_columns, u64_of,
 };
-use crate::{SqliteDb, err, insert_err};
+use crate::{SqliteDb, err};
 
 /// Teams, members, API keys and access tokens, in either database.
 #[derive(Debug, Clone)]
@@ -79,8 +79,7 @@ on_both! {
         ) -> Result<(), StoreError> {
             bind_secret(sqlx::query(insert), secret, B::time(secret.created_at))
                 .insert(&self.db, what, &secret.id)
-                .await?;
-            Ok(())
+                .await
         }
     }
 
@@ -104,8 +103,7 @@ on_both! {
             bind_all(query, limit_columns(&team.limits))
                 .bind(B::time(Utc::now()))
                 .insert(&self.db, "team", &team.id)
-                .await?;
-            Ok(())
+                .await
         }
 
         async fn insert_api_key(&self, key: &StoredSecret) -> Result<(), StoreError> {
@@ -176,8 +174,7 @@ on_both! {
             )
             .bind(B::time(at))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn insert_team_api_key(&self, key: &StoredApiKey) -> Result<(), StoreError> {
@@ -191,8 +188,7 @@ on_both! {
             )
             .bind(&key.created_by)
             .bind(key.last_used.map(B::time))
-            .insert(&self.db, "api key", &s.id).await?;
-            Ok(())
+            .insert(&self.db, "api key", &s.id).await
         }
 
         async fn team_api_keys(&self, team_id: &str) -> Result<Vec<StoredApiKey>, StoreError> {
@@ -240,23 +236,16 @@ on_both! {
             team_id: &str,
             is_default: bool,
         ) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            sqlx::query("INSERT INTO users (id, created_at) VALUES ($1, $2)")
+            let user = sqlx::query("INSERT INTO users (id, created_at) VALUES ($1, $2)")
                 .bind(id)
-                .bind(B::time(Utc::now()))
-                .execute(&mut *tx)
-                .await
-                .map_err(insert_err("user", id))?;
-            sqlx::query(
+                .bind(B::time(Utc::now()));
+            let member = sqlx::query(
                 "INSERT INTO team_members (team_id, user_id, is_default) VALUES ($1, $2, $3)",
             )
             .bind(team_id)
             .bind(id)
-            .bind(is_default)
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
-            tx.commit().await.map_err(err)
+            .bind(is_default);
+            self.db.insert_with(user, "user", id, vec![member]).await
         }
 
         async fn insert_user_access_token(
@@ -272,8 +261,7 @@ on_both! {
                 B::time(s.created_at),
             )
             .bind(&token.user_id)
-            .insert(&self.db, "access token", &s.id).await?;
-            Ok(())
+            .insert(&self.db, "access token", &s.id).await
         }
 
         async fn access_token_by_hash(

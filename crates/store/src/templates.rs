@@ -5,7 +5,7 @@ use sandbar_core::store::TemplateRecords;
 use sandbar_core::{BuildStatus, StoreError, Template, TemplateImage};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{Aliases, TemplateRow, big};
 use crate::{SqliteDb, err, to_json};
 
@@ -59,8 +59,7 @@ on_both! {
     #[async_trait::async_trait]
     impl TemplateRecords for Templates<B> {
         async fn upsert_template(&self, t: &Template) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            sqlx::query(
+            let upsert = sqlx::query(
                 "INSERT INTO templates (id, team_id, public, build_id, build_status, build_error, cpu_count, memory_mb, disk_size_mb, envd_version, image, created_at, updated_at, last_spawned_at, spawn_count, build_count)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)
                  ON CONFLICT (id) DO UPDATE SET team_id = excluded.team_id, public = excluded.public, build_id = excluded.build_id,
@@ -83,13 +82,10 @@ on_both! {
             .bind(B::time(t.updated_at))
             .bind(t.last_spawned_at.map(B::time))
             .bind(big(t.spawn_count))
-            .bind(big(t.build_count))
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
+            .bind(big(t.build_count));
             // A name taken by another template of the namespace moves to this one; the
             // (scope, alias) key makes two hosts naming at once end with one owner.
-            for alias in &t.aliases {
+            let names = t.aliases.iter().map(|alias| {
                 sqlx::query(
                     "INSERT INTO template_aliases (scope, alias, template_id) VALUES ($1, $2, $3)
                      ON CONFLICT (scope, alias) DO UPDATE SET template_id = excluded.template_id",
@@ -97,12 +93,10 @@ on_both! {
                 .bind(t.team_id.as_deref().unwrap_or(""))
                 .bind(alias)
                 .bind(&t.id)
-                .execute(&mut *tx)
+            });
+            self.db
+                .write_all(std::iter::once(upsert).chain(names).collect())
                 .await
-                .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)?;
-            Ok(())
         }
 
         async fn template(&self, id: &str) -> Result<Option<Template>, StoreError> {
@@ -161,8 +155,7 @@ on_both! {
             .bind(error)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
 
         async fn set_template_image(
@@ -184,28 +177,20 @@ on_both! {
             .bind(build_id)
             .bind(B::time(Utc::now()))
             .bind(id)
-            .write(&self.db)
-            .await?;
-            Ok(())
+            .run(&self.db)
+            .await
         }
 
         async fn delete_template(&self, id: &str) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            for statement in [
+            let deletes = [
                 "DELETE FROM build_logs WHERE build_id IN (SELECT id FROM template_builds WHERE template_id = $1)",
                 "DELETE FROM build_tags WHERE template_id = $1",
                 "DELETE FROM template_builds WHERE template_id = $1",
                 "DELETE FROM template_aliases WHERE template_id = $1",
                 "DELETE FROM templates WHERE id = $1",
-            ] {
-                sqlx::query(statement)
-                    .bind(id)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(err)?;
-            }
-            tx.commit().await.map_err(err)?;
-            Ok(())
+            ]
+            .map(|statement| sqlx::query(statement).bind(id));
+            self.db.write_all(deletes.into()).await
         }
 
         async fn layers_in_use(&self) -> Result<Vec<String>, StoreError> {
@@ -262,8 +247,7 @@ on_both! {
             .bind(i64::from(count))
             .bind(B::time(last))
             .bind(id)
-            .write(&self.db).await?;
-            Ok(())
+            .run(&self.db).await
         }
     }
 }

@@ -5,7 +5,7 @@ use sandbar_core::store::WebhookRecords;
 use sandbar_core::webhooks::{Webhook, WebhookDelivery};
 use sqlx::{PgConnection, PgPool, SqliteConnection};
 
-use crate::backend::{Backend, Read, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{DeliveryRow, WebhookRow, bind_delivery, bind_webhook_settings};
 use crate::{SqliteDb, err, micros};
 
@@ -123,28 +123,21 @@ on_both! {
             delivery: &WebhookDelivery,
             keep: u32,
         ) -> Result<(), StoreError> {
-            let mut tx = self.db.writes().begin().await.map_err(err)?;
-            bind_delivery(
+            let insert = bind_delivery(
                 sqlx::query(
                     "INSERT INTO webhook_deliveries (id, webhook_id, event_id, event_type, attempt, status_code, error, at) \
                      VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                 ),
                 delivery,
-            )
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
-            sqlx::query(
+            );
+            let prune = sqlx::query(
                 "DELETE FROM webhook_deliveries WHERE webhook_id = $1 AND seq <= \
                  (SELECT seq FROM webhook_deliveries WHERE webhook_id = $2 ORDER BY seq DESC LIMIT 1 OFFSET $3)",
             )
             .bind(&delivery.webhook_id)
             .bind(&delivery.webhook_id)
-            .bind(i64::from(keep))
-            .execute(&mut *tx)
-            .await
-            .map_err(err)?;
-            tx.commit().await.map_err(err)
+            .bind(i64::from(keep));
+            self.db.write_all(vec![insert, prune]).await
         }
 
         async fn webhook_deliveries(

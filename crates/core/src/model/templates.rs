@@ -272,10 +272,10 @@ pub struct SnapshotImage {
 mod capture_tests {
     use super::*;
 
-    #[test]
-    fn the_parts_of_an_image_name_every_layer_and_checkpoint_once() {
-        let image = TemplateImage {
-            layers: vec!["base/v2".into(), "layer/a".into()],
+    /// An image of `layers`, run as `user` in its home and started by `serve`.
+    fn serving(layers: [&str; 2]) -> TemplateImage {
+        TemplateImage {
+            layers: layers.map(str::to_owned).into(),
             env: BTreeMap::new(),
             user: "user".into(),
             workdir: "/home/user".into(),
@@ -283,11 +283,19 @@ mod capture_tests {
             start_user: None,
             ready_cmd: None,
             snapshot: None,
+            started: None,
+        }
+    }
+
+    #[test]
+    fn the_parts_of_an_image_name_every_layer_and_checkpoint_once() {
+        let image = TemplateImage {
             started: Some(StartedImage {
                 layer: "layer/b".into(),
                 checkpoint: "checkpoint/c".into(),
                 sandbox_id: "s".into(),
             }),
+            ..serving(["base/v2", "layer/a"])
         };
         let all = ["base/v2", "layer/a", "layer/b", "checkpoint/c"];
         assert_eq!(image.parts(), all);
@@ -303,15 +311,8 @@ mod capture_tests {
     #[test]
     fn a_capture_is_restored_on_its_layer_and_keeps_the_start_command() {
         let image = TemplateImage {
-            layers: vec!["interpreter/v2".into(), "step/a".into()],
-            env: BTreeMap::new(),
-            user: "user".into(),
-            workdir: "/home/user".into(),
-            start_cmd: Some("serve".into()),
-            start_user: None,
             ready_cmd: Some("curl".into()),
-            snapshot: None,
-            started: None,
+            ..serving(["interpreter/v2", "step/a"])
         };
         assert_eq!(image.restored_from_capture(), None);
         let captured = TemplateImage {

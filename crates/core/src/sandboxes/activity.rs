@@ -9,6 +9,7 @@ use super::shared::Shared;
 use super::{METRICS_KEPT, MetricPoint, SandboxError};
 use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
+use crate::lock;
 use crate::model::{SandboxEvent, SandboxEventQuery, Team};
 use crate::runtime::RuntimeHandle;
 use crate::sandbox_logs::{SandboxLogEntry, SandboxLogQuery, SandboxLogsError};
@@ -132,11 +133,7 @@ impl SandboxActivity {
                 Some((id, stats, cpu_count, memory_mb, disk_size_mb))
             })
             .collect();
-        let mut metrics = self
-            .shared
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut metrics = lock(&self.shared.metrics);
         let mut killed = Vec::new();
         for (id, stats, cpu_count, memory_mb, disk_size_mb) in sampled {
             let series = metrics.entry(id.clone()).or_default();
@@ -216,10 +213,7 @@ impl SandboxActivity {
         start: Option<DateTime<Utc>>,
         end: Option<DateTime<Utc>>,
     ) -> Vec<MetricPoint> {
-        self.shared
-            .metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.shared.metrics)
             .get(id)
             .map(|series| {
                 series

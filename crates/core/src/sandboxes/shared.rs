@@ -22,6 +22,7 @@ use crate::caps::TeamGate;
 use crate::cluster::NodeDirectory;
 use crate::disks::DiskReport;
 use crate::lifecycle::SandboxStatus;
+use crate::lock;
 use crate::model::{LayerBlob, Sandbox, SandboxEvent, SandboxEventType, SlotClaim, Team};
 use crate::runtime::{Runtime, RuntimeHandle};
 use crate::store::{Store, StoreError};
@@ -96,9 +97,7 @@ impl Shared {
     }
 
     pub(super) fn live(&self) -> MutexGuard<'_, HashMap<String, Live>> {
-        // A panic while holding this lock leaves plain data behind, still consistent enough to
-        // serve: recover it rather than poisoning every later request.
-        self.live.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.live)
     }
 
     /// Whether a sandbox is listed: its node holds its lease (always, on a single host), or
@@ -460,10 +459,7 @@ impl Shared {
         }
         let deleted = self.store.sandboxes.delete_sandbox(id).await;
         self.live().remove(id);
-        self.metrics
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(id);
+        lock(&self.metrics).remove(id);
         deleted?;
         if let Some(ending) = ending {
             self.lifecycle_event(SandboxEventType::Killed, ending);

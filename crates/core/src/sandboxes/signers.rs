@@ -4,7 +4,9 @@
 //! anyone may send one, so the check runs on a copy of the list taken under a lock held for
 //! an `Arc` clone: never under the registry's lock, which every request to a sandbox takes.
 
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::lock;
 
 /// A sandbox's id and its token, held only as long as the registry holds the token.
 type ListedToken = (String, Weak<str>);
@@ -24,7 +26,7 @@ impl Signers {
         if token.is_empty() {
             return token;
         }
-        let mut listed = self.listed.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut listed = lock(&self.listed);
         // Copied only if a search holds the current list.
         let entries = Arc::make_mut(&mut *listed);
         entries.retain(|(_, held)| held.strong_count() > 0);
@@ -35,19 +37,11 @@ impl Signers {
     /// The sandbox whose token `made` says made a signature; no lock is held while `made`
     /// runs.
     pub(crate) fn find(&self, made: impl Fn(&str) -> bool) -> Option<String> {
-        let listed = Arc::clone(&self.listed.lock().unwrap_or_else(PoisonError::into_inner));
+        let listed = Arc::clone(&lock(&self.listed));
         listed.iter().find_map(|(id, token)| {
             let token = token.upgrade()?;
             made(&token).then(|| id.clone())
         })
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.listed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
     }
 }
 
@@ -68,7 +62,7 @@ mod tests {
         assert_eq!(signers.find(|t| t == "token-a"), None);
         // Dead entries go when the next token is listed.
         let _third = signers.list("c", "token-c");
-        assert_eq!(signers.len(), 2);
+        assert_eq!(lock(&signers.listed).len(), 2);
         drop(second);
     }
 

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use chrono::{DateTime, Utc};
 
+use crate::lock;
 use crate::store::Store;
 
 use super::AFTER_CREATE_QUIET;
@@ -33,7 +34,7 @@ impl SpawnTally {
 
     /// Adds one spawn; true when it is the first since the last write.
     fn count(&self, template_id: &str, at: DateTime<Utc>) -> bool {
-        let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pending = lock(&self.pending);
         let first = pending.is_empty();
         let entry = pending.entry(template_id.to_owned()).or_insert((0, at));
         entry.0 = entry.0.saturating_add(1);
@@ -43,7 +44,7 @@ impl SpawnTally {
 
     /// Writes what was counted; a failed write is logged, the counts are a statistic.
     async fn write(&self, store: &Arc<Store>) {
-        let batch = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let batch = std::mem::take(&mut *lock(&self.pending));
         for (template_id, (count, last)) in batch {
             if let Err(err) = store
                 .templates
@@ -53,14 +54,6 @@ impl SpawnTally {
                 tracing::warn!(%template_id, count, error = %err, "cannot record template spawns");
             }
         }
-    }
-
-    #[cfg(test)]
-    fn pending(&self) -> HashMap<String, (u32, DateTime<Utc>)> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
     }
 }
 
@@ -82,7 +75,7 @@ mod tests {
             [true, false, false],
             "one write is scheduled per window"
         );
-        let pending = tally.pending();
+        let pending = lock(&tally.pending).clone();
         assert_eq!(pending["a"], (2, late));
         assert_eq!(pending["b"], (1, early));
     }
