@@ -111,6 +111,20 @@ impl Agent {
         (status.as_u16(), value)
     }
 
+    /// Unary call that must succeed; returns its answer.
+    pub async fn unary_ok(&self, method: &str, msg: Value) -> Value {
+        let (status, body) = self.unary(method, msg).await;
+        assert_eq!(status, 200, "{method}: {body}");
+        body
+    }
+
+    /// Unary call that must be refused because what it names is not there.
+    pub async fn unary_not_found(&self, method: &str, msg: Value) {
+        let (status, body) = self.unary(method, msg).await;
+        assert_eq!(status, 404, "{method}: {body}");
+        assert_eq!(body["code"], "not_found");
+    }
+
     /// Starts the process `msg` asks for, with no extra headers, and returns a reader of its
     /// stream's envelopes.
     pub async fn start_process(&self, msg: Value) -> Frames {
