@@ -64,18 +64,8 @@ async fn stdin_send_input_and_close() {
     let msg = json!({"process": {"cmd": "/bin/cat"}, "stdin": true});
     let mut frames = agent.stream("process.Process/Start", msg, &[]).await;
     let pid = started(&mut frames).await;
-    agent
-        .unary_ok(
-            "process.Process/SendInput",
-            json!({"process": {"pid": pid}, "input": {"stdin": b64(b"hello\n")}}),
-        )
-        .await;
-    agent
-        .unary_ok(
-            "process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
-        .await;
+    agent.send_stdin(pid, b"hello\n").await;
+    agent.close_stdin(pid).await;
     let out = frames.finish().await;
     assert_eq!(out.stdout, b"hello\n");
     assert_eq!(out.exit_code(), 0);
@@ -147,12 +137,7 @@ async fn connect_reattaches_after_disconnect() {
         )
         .await;
     assert_eq!(started(&mut attached).await, pid);
-    agent
-        .unary_ok(
-            "process.Process/SendInput",
-            json!({"process": {"pid": pid}, "input": {"stdin": b64(b"again\n")}}),
-        )
-        .await;
+    agent.send_stdin(pid, b"again\n").await;
     let out = attached.finish().await;
     assert_eq!(out.stdout, b"got again\n");
     assert_eq!(out.exit_code(), 0);
@@ -299,12 +284,7 @@ async fn stream_input_feeds_stdin() {
         .unwrap();
     let (status, _, resp) = agent.send(req).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
-    agent
-        .unary_ok(
-            "process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
-        .await;
+    agent.close_stdin(pid).await;
     let out = frames.finish().await;
     assert_eq!(out.stdout, b"one two\n");
 }

@@ -125,6 +125,24 @@ impl Agent {
         assert_eq!(body["code"], "not_found");
     }
 
+    /// Writes `input` to the stdin of process `pid`.
+    pub async fn send_stdin(&self, pid: u64, input: &[u8]) {
+        self.unary_ok(
+            "process.Process/SendInput",
+            json!({"process": {"pid": pid}, "input": {"stdin": b64(input)}}),
+        )
+        .await;
+    }
+
+    /// Closes the stdin of process `pid`.
+    pub async fn close_stdin(&self, pid: u64) {
+        self.unary_ok(
+            "process.Process/CloseStdin",
+            json!({"process": {"pid": pid}}),
+        )
+        .await;
+    }
+
     /// Starts the process `msg` asks for, with no extra headers, and returns a reader of its
     /// stream's envelopes.
     pub async fn start_process(&self, msg: Value) -> Frames {
