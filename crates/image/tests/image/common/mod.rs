@@ -14,7 +14,7 @@ pub fn have(program: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
 }
 
-/// `docker-registry` and the Debian package that installs it, for [`have_all`].
+// The programs the tests run, each with the Debian package that installs it, for `have_all`.
 pub const DOCKER_REGISTRY: (&str, &str) = ("docker-registry", "docker-registry");
 pub const SKOPEO: (&str, &str) = ("skopeo", "skopeo");
 pub const HTPASSWD: (&str, &str) = ("htpasswd", "apache2-utils");
