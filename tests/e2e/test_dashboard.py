@@ -371,6 +371,14 @@ def test_snapshot_fork_and_usage_pages(sandbar, browser, make_sandbox):
         context.close()
 
 
+def _fill_webhook_form(page, name, url):
+    """Opens the page's form for a new webhook and fills in its name, URL and a secret."""
+    page.click("#webhook-create summary")
+    page.fill("#webhook-form input[name=name]", name)
+    page.fill("#webhook-form input[name=url]", url)
+    page.fill("#webhook-form input[name=secret]", "a-secret-for-the-page")
+
+
 def test_webhooks_page_registers_shows_deliveries_and_deletes(sandbar, browser, make_sandbox):
     from test_webhooks import Receiver
 
@@ -380,10 +388,7 @@ def test_webhooks_page_registers_shows_deliveries_and_deletes(sandbar, browser, 
     name = unique("pagehook")
     try:
         page.goto("/dashboard/webhooks")
-        page.click("#webhook-create summary")
-        page.fill("#webhook-form input[name=name]", name)
-        page.fill("#webhook-form input[name=url]", receiver.url)
-        page.fill("#webhook-form input[name=secret]", "a-secret-for-the-page")
+        _fill_webhook_form(page, name, receiver.url)
         for unticked in ("updated", "paused", "resumed", "checkpointed"):
             page.uncheck(f"#webhook-form input[name={unticked}]")
         page.click("#webhook-form button[type=submit]")
@@ -403,10 +408,7 @@ def test_webhooks_page_registers_shows_deliveries_and_deletes(sandbar, browser, 
         _shot(page, "webhooks")
 
         # A refused registration shows the core's reason.
-        page.click("#webhook-create summary")
-        page.fill("#webhook-form input[name=name]", unique("badhook"))
-        page.fill("#webhook-form input[name=url]", "ftp://127.0.0.1/hook")
-        page.fill("#webhook-form input[name=secret]", "a-secret-for-the-page")
+        _fill_webhook_form(page, unique("badhook"), "ftp://127.0.0.1/hook")
         page.evaluate("document.querySelector('#webhook-form input[name=url]').type = 'text'")
         page.click("#webhook-form button[type=submit]")
         page.wait_for_selector("#errors .error")

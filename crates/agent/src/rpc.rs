@@ -81,6 +81,16 @@ fn fs_error(e: FsError) -> ConnectError {
     }
 }
 
+/// Runs `work`, which may walk a whole tree, on a thread where blocking is allowed.
+async fn off_the_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, FsError> + Send + 'static,
+) -> Result<T, ConnectError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ConnectError::internal(e.to_string()))?
+        .map_err(fs_error)
+}
+
 fn process_error(e: ProcessError) -> ConnectError {
     let message = e.to_string();
     match e {
@@ -339,8 +349,7 @@ impl Process for Services {
         request: ServiceRequest<'_, pp::ConnectRequest>,
     ) -> ServiceResult<ServiceStream<pp::ConnectResponse>> {
         let request = request.to_owned_message();
-        let selector = selector(request.process.as_option())?;
-        let process = self.state.processes.get(&selector).map_err(process_error)?;
+        let process = self.process(request.process.as_option())?;
         let rx = process.subscribe();
         Ok(Response::new(process_stream(
             process.pid,
@@ -467,8 +476,7 @@ impl Process for Services {
             let message = message?.to_owned_message();
             match message.event {
                 Some(Event::Start(start)) => {
-                    let selector = selector(start.process.as_option())?;
-                    process = Some(self.state.processes.get(&selector).map_err(process_error)?);
+                    process = Some(self.process(start.process.as_option())?);
                 }
                 Some(Event::Data(data)) => {
                     let process = process.as_ref().ok_or_else(|| {
@@ -646,11 +654,7 @@ impl Filesystem for Services {
         let (user, accounts) = self.user(ctx.headers())?;
         let path = resolve_path(request.path, &user);
         let depth = request.depth;
-        let entries =
-            tokio::task::spawn_blocking(move || crate::fs::list_dir(&path, depth, &accounts))
-                .await
-                .map_err(|e| ConnectError::internal(e.to_string()))?
-                .map_err(fs_error)?;
+        let entries = off_the_runtime(move || crate::fs::list_dir(&path, depth, &accounts)).await?;
         Response::ok(fsp::ListDirResponse {
             entries,
             ..Default::default()
@@ -664,10 +668,7 @@ impl Filesystem for Services {
     ) -> ServiceResult<fsp::RemoveResponse> {
         let (user, _) = self.user(ctx.headers())?;
         let path = resolve_path(request.path, &user);
-        tokio::task::spawn_blocking(move || crate::fs::remove(&path))
-            .await
-            .map_err(|e| ConnectError::internal(e.to_string()))?
-            .map_err(fs_error)?;
+        off_the_runtime(move || crate::fs::remove(&path)).await?;
         Response::ok(fsp::RemoveResponse::default())
     }
 

@@ -135,24 +135,19 @@ async fn run(args: LayersArgs) -> anyhow::Result<()> {
             );
         }
     }
-    let publish: Vec<Duration> = samples
-        .archive
-        .iter()
-        .zip(&samples.push)
-        .map(|(a, b)| *a + *b)
-        .collect();
-    let fetch: Vec<Duration> = samples
-        .fetch
-        .iter()
-        .zip(&samples.unpack)
-        .map(|(a, b)| *a + *b)
-        .collect();
+    let publish = paired_sums(&samples.archive, &samples.push);
+    let fetch = paired_sums(&samples.fetch, &samples.unpack);
     for (name, series) in [("publish", &publish), ("fetch+unpack", &fetch)] {
         if let Some(s) = summarize(series) {
             println!("  {name:>14}: p50 {:>7.0} ms", s.p50);
         }
     }
     Ok(())
+}
+
+/// The time of each round's two steps together: `first` and `then` hold one sample a round.
+fn paired_sums(first: &[Duration], then: &[Duration]) -> Vec<Duration> {
+    first.iter().zip(then).map(|(a, b)| *a + *b).collect()
 }
 
 /// `host:port` of an `http[s]://host:port` address.

@@ -147,6 +147,38 @@ impl BlobStore {
         }
     }
 
+    /// An answer of the registry this store cannot make sense of, `message` saying how.
+    fn unexpected_answer(&self, message: impl Into<String>) -> BlobStoreError {
+        self.registry_error(PullError::Registry {
+            reference: self.location.clone(),
+            message: message.into(),
+        })
+    }
+
+    /// The URL of `path` in the repository.
+    fn url(&self, path: &str) -> Result<Url, BlobStoreError> {
+        self.session.url(path).map_err(|e| self.registry_error(e))
+    }
+
+    /// Sends a request; the answer, whatever its status.
+    async fn call(
+        &self,
+        method: Method,
+        url: Url,
+        headers: &[(HeaderName, HeaderValue)],
+        body: Option<Bytes>,
+    ) -> Result<reqwest::Response, BlobStoreError> {
+        self.session
+            .call(method, url, headers, body)
+            .await
+            .map_err(|e| self.registry_error(e))
+    }
+
+    /// The registry's refusal that `response` is, described.
+    async fn refusal(&self, response: reqwest::Response) -> BlobStoreError {
+        self.registry_error(self.session.status_error(response).await)
+    }
+
     fn blob_url(&self, digest: &str) -> Result<Url, BlobStoreError> {
         if !is_sha256_digest(digest) {
             return Err(BlobStoreError::BadLocation {
@@ -154,23 +186,17 @@ impl BlobStore {
                 reason: format!("`{digest}` is not a sha256 digest"),
             });
         }
-        self.session
-            .url(&format!("blobs/{digest}"))
-            .map_err(|e| self.registry_error(e))
+        self.url(&format!("blobs/{digest}"))
     }
 
     /// Whether the repository holds `digest`.
     pub async fn contains(&self, digest: &str) -> Result<bool, BlobStoreError> {
         let url = self.blob_url(digest)?;
-        let response = self
-            .session
-            .call(Method::HEAD, url, &[], None)
-            .await
-            .map_err(|e| self.registry_error(e))?;
+        let response = self.call(Method::HEAD, url, &[], None).await?;
         match response.status() {
             StatusCode::OK => Ok(true),
             StatusCode::NOT_FOUND => Ok(false),
-            _ => Err(self.registry_error(self.session.status_error(response).await)),
+            _ => Err(self.refusal(response).await),
         }
     }
 
@@ -215,10 +241,7 @@ impl BlobStore {
                 "size": size,
             }],
         });
-        let url = self
-            .session
-            .url(&format!("manifests/{tag}"))
-            .map_err(|e| self.registry_error(e))?;
+        let url = self.url(&format!("manifests/{tag}"))?;
         self.expect(
             Method::PUT,
             url,
@@ -236,35 +259,26 @@ impl BlobStore {
         let mut digests = Vec::new();
         let mut last: Option<String> = None;
         loop {
-            let mut url = self
-                .session
-                .url("tags/list")
-                .map_err(|e| self.registry_error(e))?;
+            let mut url = self.url("tags/list")?;
             url.query_pairs_mut()
                 .append_pair("n", &PAGE.to_string())
                 .extend_pairs(last.as_ref().map(|l| ("last", l.as_str())));
-            let response = self
-                .session
-                .call(Method::GET, url, &[], None)
-                .await
-                .map_err(|e| self.registry_error(e))?;
+            let response = self.call(Method::GET, url, &[], None).await?;
             match response.status() {
                 StatusCode::OK => {}
                 // Nothing was ever pushed to the repository.
                 StatusCode::NOT_FOUND => return Ok(digests),
-                _ => return Err(self.registry_error(self.session.status_error(response).await)),
+                _ => return Err(self.refusal(response).await),
             }
             #[derive(serde::Deserialize)]
             struct Tags {
                 #[serde(default)]
                 tags: Option<Vec<String>>,
             }
-            let page: Tags = response.json().await.map_err(|e| {
-                self.registry_error(PullError::Registry {
-                    reference: self.location.clone(),
-                    message: format!("an unreadable tag list: {e}"),
-                })
-            })?;
+            let page: Tags = response
+                .json()
+                .await
+                .map_err(|e| self.unexpected_answer(format!("an unreadable tag list: {e}")))?;
             let tags = page.tags.unwrap_or_default();
             let full = tags.len() >= PAGE;
             last = tags.last().cloned();
@@ -283,23 +297,16 @@ impl BlobStore {
     pub async fn let_go(&self, digest: &str) -> Result<bool, BlobStoreError> {
         self.blob_url(digest)?;
         let tag = format!("sha256-{}", digest.trim_start_matches("sha256:"));
-        let url = self
-            .session
-            .url(&format!("manifests/{tag}"))
-            .map_err(|e| self.registry_error(e))?;
+        let url = self.url(&format!("manifests/{tag}"))?;
         let accept = [(
             reqwest::header::ACCEPT,
             HeaderValue::from_static(MANIFEST_TYPE),
         )];
-        let response = self
-            .session
-            .call(Method::HEAD, url, &accept, None)
-            .await
-            .map_err(|e| self.registry_error(e))?;
+        let response = self.call(Method::HEAD, url, &accept, None).await?;
         match response.status() {
             StatusCode::OK => {}
             StatusCode::NOT_FOUND => return Ok(false),
-            _ => return Err(self.registry_error(self.session.status_error(response).await)),
+            _ => return Err(self.refusal(response).await),
         }
         // Registries delete manifests by their own digest, not by tag.
         let manifest = response
@@ -308,28 +315,16 @@ impl BlobStore {
             .and_then(|v| v.to_str().ok())
             .filter(|d| is_sha256_digest(d))
             .map(str::to_owned)
-            .ok_or_else(|| {
-                self.registry_error(PullError::Registry {
-                    reference: self.location.clone(),
-                    message: format!("tag {tag} has no manifest digest"),
-                })
-            })?;
-        let url = self
-            .session
-            .url(&format!("manifests/{manifest}"))
-            .map_err(|e| self.registry_error(e))?;
-        let response = self
-            .session
-            .call(Method::DELETE, url, &[], None)
-            .await
-            .map_err(|e| self.registry_error(e))?;
+            .ok_or_else(|| self.unexpected_answer(format!("tag {tag} has no manifest digest")))?;
+        let url = self.url(&format!("manifests/{manifest}"))?;
+        let response = self.call(Method::DELETE, url, &[], None).await?;
         match response.status() {
             StatusCode::ACCEPTED | StatusCode::OK | StatusCode::NOT_FOUND => Ok(true),
             StatusCode::METHOD_NOT_ALLOWED => Err(BlobStoreError::DeletesDisabled {
                 location: self.location.clone(),
                 digest: digest.to_owned(),
             }),
-            _ => Err(self.registry_error(self.session.status_error(response).await)),
+            _ => Err(self.refusal(response).await),
         }
     }
 
@@ -343,13 +338,9 @@ impl BlobStore {
         body: Bytes,
         expected: StatusCode,
     ) -> Result<reqwest::Response, BlobStoreError> {
-        let response = self
-            .session
-            .call(method, url, headers, Some(body))
-            .await
-            .map_err(|e| self.registry_error(e))?;
+        let response = self.call(method, url, headers, Some(body)).await?;
         if response.status() != expected {
-            return Err(self.registry_error(self.session.status_error(response).await));
+            return Err(self.refusal(response).await);
         }
         Ok(response)
     }
@@ -371,10 +362,7 @@ impl BlobStore {
 
     /// Opens an upload session; its URL.
     async fn start_upload(&self) -> Result<Url, BlobStoreError> {
-        let start = self
-            .session
-            .url("blobs/uploads/")
-            .map_err(|e| self.registry_error(e))?;
+        let start = self.url("blobs/uploads/")?;
         let response = self
             .expect(
                 Method::POST,
@@ -448,15 +436,8 @@ impl BlobStore {
             .headers()
             .get(LOCATION)
             .and_then(|l| l.to_str().ok())
-            .ok_or_else(|| {
-                self.registry_error(PullError::Registry {
-                    reference: self.location.clone(),
-                    message: "an upload answer without a location".into(),
-                })
-            })?;
-        self.session
-            .url(location)
-            .map_err(|e| self.registry_error(e))
+            .ok_or_else(|| self.unexpected_answer("an upload answer without a location"))?;
+        self.url(location)
     }
 
     /// Downloads `digest`, which is `size` bytes, into a new file at `dest`; on any failure,

@@ -574,6 +574,17 @@ mod tests {
             .map_err(|e| e.range)
     }
 
+    /// Checks each case of `cases` (host, port, the address it resolves to, the verdict).
+    fn check_all(rule: &AddressRule, cases: &[(&str, u16, &str, Result<(), RefusedRange>)]) {
+        for (host, port, address, judged) in cases {
+            assert_eq!(
+                check(rule, host, *port, address),
+                *judged,
+                "{host}:{port} at {address}"
+            );
+        }
+    }
+
     #[test]
     fn special_addresses_are_refused() {
         let rule = rule(&[]);
@@ -630,25 +641,22 @@ mod tests {
 
     #[test]
     fn host_and_sandbox_addresses_are_refused() {
-        let rule = rule(&[]);
-        assert_eq!(
-            check(&rule, "x.test", 443, HOST_V4),
-            Err(RefusedRange::HostAddress)
-        );
-        assert_eq!(
-            check(&rule, "x.test", 443, HOST_V6),
-            Err(RefusedRange::HostAddress)
-        );
-        assert_eq!(
-            check(&rule, "x.test", 443, "10.213.0.1"),
-            Err(RefusedRange::SandboxNetwork(
-                "10.213.0.0/16".parse().unwrap()
-            ))
-        );
-        // Private ranges that are neither the host's nor the sandboxes' are private still.
-        assert_eq!(
-            check(&rule, "x.test", 443, "10.214.0.1"),
-            Err(RefusedRange::Private)
+        let sandboxes = "10.213.0.0/16".parse().unwrap();
+        check_all(
+            &rule(&[]),
+            &[
+                ("x.test", 443, HOST_V4, Err(RefusedRange::HostAddress)),
+                ("x.test", 443, HOST_V6, Err(RefusedRange::HostAddress)),
+                (
+                    "x.test",
+                    443,
+                    "10.213.0.1",
+                    Err(RefusedRange::SandboxNetwork(sandboxes)),
+                ),
+                // Private ranges that are neither the host's nor the sandboxes' are private
+                // still.
+                ("x.test", 443, "10.214.0.1", Err(RefusedRange::Private)),
+            ],
         );
     }
 
@@ -840,16 +848,15 @@ mod tests {
     #[test]
     fn the_operator_list_allows_the_new_ranges_too() {
         let rule = rule(&["registry.lan", "10.0.0.9:5000", "[fd12::1]"]);
-        assert_eq!(check(&rule, "registry.lan", 443, "192.168.1.2"), Ok(()));
-        assert_eq!(check(&rule, "10.0.0.9", 5000, "10.0.0.9"), Ok(()));
-        assert_eq!(
-            check(&rule, "10.0.0.9", 5001, "10.0.0.9"),
-            Err(RefusedRange::Private)
-        );
-        assert_eq!(check(&rule, "mirror.test", 80, "fd12::1"), Ok(()));
-        assert_eq!(
-            check(&rule, "mirror.test", 80, "fd12::2"),
-            Err(RefusedRange::Private)
+        check_all(
+            &rule,
+            &[
+                ("registry.lan", 443, "192.168.1.2", Ok(())),
+                ("10.0.0.9", 5000, "10.0.0.9", Ok(())),
+                ("10.0.0.9", 5001, "10.0.0.9", Err(RefusedRange::Private)),
+                ("mirror.test", 80, "fd12::1", Ok(())),
+                ("mirror.test", 80, "fd12::2", Err(RefusedRange::Private)),
+            ],
         );
     }
 
@@ -863,40 +870,37 @@ mod tests {
     #[test]
     fn the_operator_list_overrides() {
         let host_wide = rule(&["127.0.0.1", "Registry.LAN", "[::1]:5000"]);
-        assert_eq!(check(&host_wide, "127.0.0.1", 1, "127.0.0.1"), Ok(()));
-        assert_eq!(check(&host_wide, "127.0.0.1", 65535, "127.0.0.1"), Ok(()));
-        // A name the operator listed may resolve to anything, on any port.
-        assert_eq!(
-            check(&host_wide, "registry.lan", 5000, "10.213.0.9"),
-            Ok(())
-        );
-        assert_eq!(check(&host_wide, "REGISTRY.lan.", 443, HOST_V4), Ok(()));
-        // A listed address also covers other names resolving to it.
-        assert_eq!(
-            check(&host_wide, "elsewhere.test", 80, "::ffff:127.0.0.1"),
-            Ok(())
-        );
-        assert_eq!(check(&host_wide, "[::1]", 5000, "::1"), Ok(()));
-        assert_eq!(
-            check(&host_wide, "[::1]", 5001, "::1"),
-            Err(RefusedRange::Loopback)
+        check_all(
+            &host_wide,
+            &[
+                ("127.0.0.1", 1, "127.0.0.1", Ok(())),
+                ("127.0.0.1", 65535, "127.0.0.1", Ok(())),
+                // A name the operator listed may resolve to anything, on any port.
+                ("registry.lan", 5000, "10.213.0.9", Ok(())),
+                ("REGISTRY.lan.", 443, HOST_V4, Ok(())),
+                // A listed address also covers other names resolving to it.
+                ("elsewhere.test", 80, "::ffff:127.0.0.1", Ok(())),
+                ("[::1]", 5000, "::1", Ok(())),
+                ("[::1]", 5001, "::1", Err(RefusedRange::Loopback)),
+            ],
         );
 
         let one_port = rule(&["127.0.0.1:5000", "localhost:6000"]);
-        assert_eq!(check(&one_port, "127.0.0.1", 5000, "127.0.0.1"), Ok(()));
-        assert_eq!(
-            check(&one_port, "127.0.0.1", 5001, "127.0.0.1"),
-            Err(RefusedRange::Loopback)
-        );
-        assert_eq!(check(&one_port, "localhost", 6000, "::1"), Ok(()));
-        assert_eq!(
-            check(&one_port, "localhost", 6001, "127.0.0.1"),
-            Err(RefusedRange::Loopback)
-        );
-        // Other hosts are not allowed by someone else's entry.
-        assert_eq!(
-            check(&one_port, "metadata.test", 80, "169.254.169.254"),
-            Err(RefusedRange::LinkLocal)
+        check_all(
+            &one_port,
+            &[
+                ("127.0.0.1", 5000, "127.0.0.1", Ok(())),
+                ("127.0.0.1", 5001, "127.0.0.1", Err(RefusedRange::Loopback)),
+                ("localhost", 6000, "::1", Ok(())),
+                ("localhost", 6001, "127.0.0.1", Err(RefusedRange::Loopback)),
+                // Other hosts are not allowed by someone else's entry.
+                (
+                    "metadata.test",
+                    80,
+                    "169.254.169.254",
+                    Err(RefusedRange::LinkLocal),
+                ),
+            ],
         );
     }
 

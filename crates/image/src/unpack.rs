@@ -293,6 +293,19 @@ struct Meta {
     capability: Option<Vec<u8>>,
 }
 
+/// Where an archive entry goes in the layer.
+#[derive(Clone, Copy)]
+struct Place<'a> {
+    /// The directories above it, from the layer's root down.
+    parents: &'a [&'a [u8]],
+    /// Its own name in the last of them.
+    base: &'a [u8],
+    /// Its whole path in the layer.
+    path: &'a [u8],
+    /// Its path as the archive spells it, for errors and logs.
+    name: &'a str,
+}
+
 struct Unpacker {
     root: OwnedFd,
     flavor: Flavor,
@@ -361,32 +374,38 @@ impl Unpacker {
             return self.whiteout(parents, base, &name);
         }
 
+        let at = Place {
+            parents,
+            base,
+            path: &path,
+            name: &name,
+        };
         if is_dir {
-            return self.directory(parents, base, path, meta, &name);
+            return self.directory(at, meta);
         }
         match kind {
             tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse => {
-                self.file(entry, parents, base, &path, &meta, &name)
+                self.file(entry, at, &meta)
             }
             tar::EntryType::Symlink => {
                 let target = entry
                     .link_name_bytes()
                     .map(|t| t.into_owned())
                     .unwrap_or_default();
-                self.symlink(parents, base, &path, &target, &meta, &name)
+                self.symlink(at, &target, &meta)
             }
             tar::EntryType::Link => {
                 let target = entry
                     .link_name_bytes()
                     .map(|t| t.into_owned())
                     .unwrap_or_default();
-                self.hardlink(parents, base, &path, &target, &name)
+                self.hardlink(at, &target)
             }
             tar::EntryType::Fifo => {
                 if self.flavor == Flavor::Upload {
                     return Err(UnpackError::Device { entry: name });
                 }
-                self.fifo(parents, base, &path, &meta, &name)
+                self.fifo(at, &meta)
             }
             tar::EntryType::Char | tar::EntryType::Block => {
                 if self.flavor == Flavor::Upload {
@@ -405,19 +424,13 @@ impl Unpacker {
         }
     }
 
-    fn directory(
-        &mut self,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: Vec<u8>,
-        meta: Meta,
-        name: &str,
-    ) -> Result<(), UnpackError> {
-        let parent = self.parent(parents, name)?;
-        if !self.make_room(parent.as_fd(), base, &path, true, name)? {
-            rfs::mkdirat(&parent, base, Mode::from_raw_mode(0o755)).map_err(errno_at(name))?;
+    fn directory(&mut self, at: Place<'_>, meta: Meta) -> Result<(), UnpackError> {
+        let parent = self.parent(at.parents, at.name)?;
+        if !self.make_room(parent.as_fd(), at, true)? {
+            rfs::mkdirat(&parent, at.base, Mode::from_raw_mode(0o755))
+                .map_err(errno_at(at.name))?;
         }
-        self.dirs.insert(path, meta);
+        self.dirs.insert(at.path.to_vec(), meta);
         self.stats.dirs += 1;
         Ok(())
     }
@@ -425,13 +438,11 @@ impl Unpacker {
     fn file<R: Read>(
         &mut self,
         entry: &mut tar::Entry<'_, R>,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: &[u8],
+        at: Place<'_>,
         meta: &Meta,
-        name: &str,
     ) -> Result<(), UnpackError> {
-        let parent = self.parent_with_room(parents, base, path, name)?;
+        let Place { base, name, .. } = at;
+        let parent = self.parent_with_room(at)?;
         let fd = rfs::openat(
             &parent,
             base,
@@ -461,15 +472,8 @@ impl Unpacker {
         Ok(())
     }
 
-    fn symlink(
-        &mut self,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: &[u8],
-        target: &[u8],
-        meta: &Meta,
-        name: &str,
-    ) -> Result<(), UnpackError> {
+    fn symlink(&mut self, at: Place<'_>, target: &[u8], meta: &Meta) -> Result<(), UnpackError> {
+        let Place { base, name, .. } = at;
         if target.is_empty() {
             return Err(io_at(name, invalid_data("symbolic link without a target")));
         }
@@ -479,24 +483,20 @@ impl Unpacker {
                 what: "symbolic link target too long",
             });
         }
-        let parent = self.parent_with_room(parents, base, path, name)?;
+        let parent = self.parent_with_room(at)?;
         // The target is stored as written: it is only ever resolved inside the sandbox.
         rfs::symlinkat(target, &parent, base).map_err(errno_at(name))?;
-        self.chown_by_name(&parent, base, meta, name)?;
+        self.chown_by_name(&parent, at, meta)?;
         rfs::utimensat(&parent, base, &timestamps(meta), AtFlags::SYMLINK_NOFOLLOW)
             .map_err(errno_at(name))?;
         self.stats.symlinks += 1;
         Ok(())
     }
 
-    fn hardlink(
-        &mut self,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: &[u8],
-        target: &[u8],
-        name: &str,
-    ) -> Result<(), UnpackError> {
+    fn hardlink(&mut self, at: Place<'_>, target: &[u8]) -> Result<(), UnpackError> {
+        let Place {
+            base, path, name, ..
+        } = at;
         let outside = || UnpackError::LinkOutside {
             entry: name.to_owned(),
             target: lossy(target),
@@ -521,7 +521,7 @@ impl Unpacker {
             return Ok(());
         }
 
-        let parent = self.parent_with_room(parents, base, path, name)?;
+        let parent = self.parent_with_room(at)?;
         rfs::linkat(
             &target_parent,
             *target_base,
@@ -534,20 +534,14 @@ impl Unpacker {
         Ok(())
     }
 
-    fn fifo(
-        &mut self,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: &[u8],
-        meta: &Meta,
-        name: &str,
-    ) -> Result<(), UnpackError> {
-        let parent = self.parent_with_room(parents, base, path, name)?;
+    fn fifo(&mut self, at: Place<'_>, meta: &Meta) -> Result<(), UnpackError> {
+        let Place { base, name, .. } = at;
+        let parent = self.parent_with_room(at)?;
         rfs::mknodat(&parent, base, FileType::Fifo, Mode::from_raw_mode(0o600), 0)
             .map_err(errno_at(name))?;
         // Opening a FIFO would block, so it is changed by name: it was created just above in a
         // directory nothing else writes to, so the name still refers to it.
-        self.chown_by_name(&parent, base, meta, name)?;
+        self.chown_by_name(&parent, at, meta)?;
         rfs::chmodat(
             &parent,
             base,
@@ -614,21 +608,20 @@ impl Unpacker {
     fn chown_by_name(
         &self,
         parent: &OwnedFd,
-        base: &[u8],
+        at: Place<'_>,
         meta: &Meta,
-        name: &str,
     ) -> Result<(), UnpackError> {
         if !self.chown {
             return Ok(());
         }
         rfs::chownat(
             parent,
-            base,
+            at.base,
             Some(Uid::from_raw(meta.uid)),
             Some(Gid::from_raw(meta.gid)),
             AtFlags::SYMLINK_NOFOLLOW,
         )
-        .map_err(errno_at(name))
+        .map_err(errno_at(at.name))
     }
 
     fn parent(&mut self, parents: &[&[u8]], name: &str) -> Result<OwnedFd, UnpackError> {
@@ -695,15 +688,9 @@ impl Unpacker {
     }
 
     /// Opens the directory that holds a non-directory entry, its name there cleared for it.
-    fn parent_with_room(
-        &mut self,
-        parents: &[&[u8]],
-        base: &[u8],
-        path: &[u8],
-        name: &str,
-    ) -> Result<OwnedFd, UnpackError> {
-        let parent = self.parent(parents, name)?;
-        self.make_room(parent.as_fd(), base, path, false, name)?;
+    fn parent_with_room(&mut self, at: Place<'_>) -> Result<OwnedFd, UnpackError> {
+        let parent = self.parent(at.parents, at.name)?;
+        self.make_room(parent.as_fd(), at, false)?;
         Ok(parent)
     }
 
@@ -713,11 +700,12 @@ impl Unpacker {
     fn make_room(
         &mut self,
         parent: BorrowedFd<'_>,
-        base: &[u8],
-        path: &[u8],
+        at: Place<'_>,
         want_dir: bool,
-        name: &str,
     ) -> Result<bool, UnpackError> {
+        let Place {
+            base, path, name, ..
+        } = at;
         let stat = match rfs::statat(parent, base, AtFlags::SYMLINK_NOFOLLOW) {
             Ok(stat) => stat,
             Err(Errno::NOENT) => return Ok(false),
@@ -1107,6 +1095,16 @@ mod tests {
             extract_upload(tar.as_slice(), &self.dest)
         }
 
+        /// Why `tar` is refused as an upload (`upload`) or as a layer.
+        fn refused(&self, tar: Vec<u8>, upload: bool) -> UnpackError {
+            if upload {
+                self.upload(tar)
+            } else {
+                self.layer(tar)
+            }
+            .unwrap_err()
+        }
+
         fn path(&self, name: &str) -> PathBuf {
             self.dest.join(name)
         }
@@ -1359,12 +1357,7 @@ mod tests {
                 tar.file("ok", "fine")
                     .raw(&name, kind, b"target", b"data", |_| {});
                 let tar = tar.bytes();
-                let err = if upload {
-                    sb.upload(tar)
-                } else {
-                    sb.layer(tar)
-                }
-                .unwrap_err();
+                let err = sb.refused(tar, upload);
                 let shown = String::from_utf8_lossy(&name).into_owned();
                 assert!(
                     matches!(&err, UnpackError::UnsafePath { entry } if *entry == shown),
@@ -1438,12 +1431,7 @@ mod tests {
                     .symlink("via-link", &canary)
                     .hardlink("link", &target);
                 let tar = tar.bytes();
-                let err = if upload {
-                    sb.upload(tar)
-                } else {
-                    sb.layer(tar)
-                }
-                .unwrap_err();
+                let err = sb.refused(tar, upload);
                 let shown = String::from_utf8_lossy(&target).into_owned();
                 assert!(
                     matches!(&err, UnpackError::LinkOutside { entry, target }

@@ -295,9 +295,10 @@ pub fn boot() -> Result<Booted, BootError> {
                 });
             drop(mapped_rx);
             return match ready {
-                Ok(()) => enter(&spec, template, sysfs, volumes, boot_id),
+                Ok(()) => build_and_lock(&spec, template, sysfs, volumes, boot_id)
+                    .inspect_err(report_failure),
                 Err(err) => {
-                    let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
+                    report_failure(&err);
                     std::process::exit(1)
                 }
             };
@@ -316,7 +317,7 @@ pub fn boot() -> Result<Booted, BootError> {
         .and_then(|()| sys::signal_ready(&mapped_tx).map_err(BootError::syscall("resume PID 1")));
     drop((mapped_tx, template, sysfs, volumes, boot_id));
     if let Err(err) = result {
-        let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
+        report_failure(&err);
         // SAFETY: the child is our own, not yet reaped; without its id maps it is useless.
         unsafe { libc::kill(child, libc::SIGKILL) };
         std::process::exit(1);
@@ -379,21 +380,12 @@ fn map_ids(
     Ok(())
 }
 
-/// Step 3, the sandbox's PID 1.
-fn enter(
-    spec: &JailSpec,
-    template: Vec<OwnedFd>,
-    sysfs: OwnedFd,
-    volumes: Vec<OwnedFd>,
-    boot_id: Option<OwnedFd>,
-) -> Result<Booted, BootError> {
-    let result = build_and_lock(spec, template, sysfs, volumes, boot_id);
-    if let Err(err) = &result {
-        let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
-    }
-    result
+/// Says why the boot failed on stderr, which the node made the sandbox's agent log.
+fn report_failure(err: &BootError) {
+    let _ = writeln!(std::io::stderr(), "sandbox boot failed: {err}");
 }
 
+/// Step 3, the sandbox's PID 1.
 fn build_and_lock(
     spec: &JailSpec,
     template: Vec<OwnedFd>,

@@ -12,24 +12,28 @@ const CHILD: &str = "SANDBAR_TEST_FEW_DESCRIPTORS";
 /// output, with room to spare, and far fewer than the tree has directories.
 pub(crate) const LIMIT: u64 = 64;
 
-/// A tree with more directories in one directory, and nested deeper, than [`LIMIT`].
-pub(crate) fn crowded_tree(root: &Path) {
+/// A tree with more directories in one directory, and nested deeper, than [`LIMIT`]; returns
+/// the path, within `root`, of the file at the bottom of its deepest directory.
+fn crowded_tree(root: &Path) -> PathBuf {
     for wide in 0..400 {
         let dir = root.join(format!("wide{wide:03}"));
         std::fs::create_dir_all(dir.join("inner")).unwrap();
         std::fs::write(dir.join("file"), b"w").unwrap();
     }
-    let mut deep: PathBuf = root.join("deep");
+    let mut deep = PathBuf::from("deep");
     for _ in 0..200 {
         deep.push("d");
     }
-    std::fs::create_dir_all(&deep).unwrap();
-    std::fs::write(deep.join("leaf"), b"leaf").unwrap();
+    std::fs::create_dir_all(root.join(&deep)).unwrap();
+    let leaf = deep.join("leaf");
+    std::fs::write(root.join(&leaf), b"leaf").unwrap();
+    leaf
 }
 
 /// In the parent: runs `test` (`module_path!()` and the test's name) again in a child and
-/// asserts it passed. In the child: lowers the limit and runs `body`.
-pub(crate) fn run(test: &str, body: impl FnOnce()) {
+/// asserts it passed. In the child: lowers the limit, makes a crowded tree in a temporary
+/// directory and runs `body` on it, with the tree's root and its deepest file.
+pub(crate) fn run_on_crowded_tree(test: &str, body: impl FnOnce(&Path, &Path)) {
     // Test names leave out the crate's.
     let test = test.split_once("::").map_or(test, |(_, name)| name);
     if std::env::var_os(CHILD).is_some() {
@@ -39,7 +43,9 @@ pub(crate) fn run(test: &str, body: impl FnOnce()) {
         };
         // SAFETY: setrlimit reads the struct, which lives for the call.
         assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
-        body();
+        let tmp = tempfile::tempdir().unwrap();
+        let leaf = crowded_tree(tmp.path());
+        body(tmp.path(), &leaf);
         return;
     }
     let output = std::process::Command::new(std::env::current_exe().unwrap())

@@ -3,6 +3,7 @@
 use crate::common;
 
 use std::io::{Read as _, Write as _};
+use std::path::Path;
 
 use bytes::Bytes;
 use common::*;
@@ -20,6 +21,15 @@ async fn post_multipart(
         .request("POST", uri)
         .header("content-type", ct)
         .body(full(body))
+        .unwrap();
+    agent.send(req).await
+}
+
+/// Downloads the file at `path` with the access token and no other header.
+async fn download(agent: &Agent, path: &Path) -> (http::StatusCode, http::HeaderMap, Bytes) {
+    let req = agent
+        .request("GET", &format!("/files?path={}", enc(path)))
+        .body(full(Bytes::new()))
         .unwrap();
     agent.send(req).await
 }
@@ -75,11 +85,7 @@ async fn multipart_upload_then_download() {
     );
     assert_eq!(std::fs::read(&dest).unwrap(), b"hello world");
 
-    let req = agent
-        .request("GET", &format!("/files?path={}", enc(&dest)))
-        .body(full(Bytes::new()))
-        .unwrap();
-    let (status, headers, data) = agent.send(req).await;
+    let (status, headers, data) = download(&agent, &dest).await;
     assert_eq!(status, 200);
     assert_eq!(&data[..], b"hello world");
     assert_eq!(headers["content-type"], "application/octet-stream");
@@ -166,21 +172,13 @@ async fn download_errors() {
     let agent = Agent::start().await;
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("missing");
-    let req = agent
-        .request("GET", &format!("/files?path={}", enc(&missing)))
-        .body(full(Bytes::new()))
-        .unwrap();
-    let (status, _, body) = agent.send(req).await;
+    let (status, _, body) = download(&agent, &missing).await;
     assert_eq!(status, 404);
     let err: Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(err["code"], 404);
     assert!(err["message"].as_str().unwrap().contains("missing"));
 
-    let req = agent
-        .request("GET", &format!("/files?path={}", enc(dir.path())))
-        .body(full(Bytes::new()))
-        .unwrap();
-    let (status, _, _) = agent.send(req).await;
+    let (status, _, _) = download(&agent, dir.path()).await;
     assert_eq!(status, 400);
 }
 

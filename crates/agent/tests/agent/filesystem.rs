@@ -13,13 +13,12 @@ async fn make_stat_list_move_remove() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().to_str().unwrap().to_owned();
 
-    let (status, body) = agent
-        .unary(
+    let body = agent
+        .unary_ok(
             "filesystem.Filesystem/MakeDir",
             json!({"path": format!("{root}/a/b")}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     assert_eq!(body["entry"]["type"], "FILE_TYPE_DIRECTORY");
     assert_eq!(body["entry"]["name"], "b");
     assert_eq!(
@@ -43,13 +42,12 @@ async fn make_stat_list_move_remove() {
     std::fs::write(dir.path().join("a/b/f.txt"), "12345").unwrap();
     std::fs::write(dir.path().join("top.txt"), "x").unwrap();
 
-    let (status, body) = agent
-        .unary(
+    let body = agent
+        .unary_ok(
             "filesystem.Filesystem/Stat",
             json!({"path": format!("{root}/a/b/f.txt")}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     let entry = &body["entry"];
     assert_eq!(entry["type"], "FILE_TYPE_FILE");
     assert_eq!(entry["size"], "5");
@@ -74,10 +72,9 @@ async fn make_stat_list_move_remove() {
         v.sort();
         v
     };
-    let (status, body) = agent
-        .unary("filesystem.Filesystem/ListDir", json!({"path": root}))
+    let body = agent
+        .unary_ok("filesystem.Filesystem/ListDir", json!({"path": root}))
         .await;
-    assert_eq!(status, 200, "{body}");
     assert_eq!(names(&body), vec!["/a", "/top.txt"]);
     let (_, body) = agent
         .unary(
@@ -94,33 +91,29 @@ async fn make_stat_list_move_remove() {
         .await;
     assert_eq!(names(&body), vec!["/a", "/a/b", "/a/b/f.txt", "/top.txt"]);
 
-    let (status, body) = agent
-        .unary(
+    let body = agent
+        .unary_ok(
             "filesystem.Filesystem/Move",
             json!({"source": format!("{root}/top.txt"), "destination": format!("{root}/moved/top2.txt")}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     assert_eq!(body["entry"]["name"], "top2.txt");
     assert!(dir.path().join("moved/top2.txt").exists());
     assert!(!dir.path().join("top.txt").exists());
 
-    let (status, _) = agent
-        .unary(
+    agent
+        .unary_ok(
             "filesystem.Filesystem/Remove",
             json!({"path": format!("{root}/a")}),
         )
         .await;
-    assert_eq!(status, 200);
     assert!(!dir.path().join("a").exists());
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_not_found(
             "filesystem.Filesystem/Stat",
             json!({"path": format!("{root}/a")}),
         )
         .await;
-    assert_eq!(status, 404);
-    assert_eq!(body["code"], "not_found");
     // What is not there is removed already, like `rm -rf`; so is what is under it.
     for gone in [format!("{root}/a"), format!("{root}/a/b/c")] {
         let (status, body) = agent
@@ -133,10 +126,9 @@ async fn make_stat_list_move_remove() {
 #[tokio::test]
 async fn relative_paths_resolve_against_home() {
     let agent = Agent::start().await;
-    let (status, body) = agent
-        .unary("filesystem.Filesystem/Stat", json!({"path": "."}))
+    let body = agent
+        .unary_ok("filesystem.Filesystem/Stat", json!({"path": "."}))
         .await;
-    assert_eq!(status, 200, "{body}");
     assert_eq!(body["entry"]["path"], "/root");
 }
 
@@ -145,25 +137,23 @@ async fn polling_watcher_sees_created_file() {
     let agent = Agent::start().await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("sub")).unwrap();
-    let (status, body) = agent
-        .unary(
+    let body = agent
+        .unary_ok(
             "filesystem.Filesystem/CreateWatcher",
             json!({"path": dir.path().to_str().unwrap(), "recursive": true}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     let id = body["watcherId"].as_str().unwrap().to_owned();
     std::fs::write(dir.path().join("sub/new.txt"), "x").unwrap();
 
     let mut seen = Vec::new();
     for _ in 0..50 {
-        let (status, body) = agent
-            .unary(
+        let body = agent
+            .unary_ok(
                 "filesystem.Filesystem/GetWatcherEvents",
                 json!({"watcherId": id}),
             )
             .await;
-        assert_eq!(status, 200, "{body}");
         if let Some(events) = body["events"].as_array() {
             seen.extend(events.iter().cloned());
         }
@@ -180,21 +170,18 @@ async fn polling_watcher_sees_created_file() {
             .any(|e| e["name"] == "sub/new.txt" && e["type"] == "EVENT_TYPE_CREATE"),
         "{seen:?}"
     );
-    let (status, _) = agent
-        .unary(
+    agent
+        .unary_ok(
             "filesystem.Filesystem/RemoveWatcher",
             json!({"watcherId": id}),
         )
         .await;
-    assert_eq!(status, 200);
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_not_found(
             "filesystem.Filesystem/GetWatcherEvents",
             json!({"watcherId": id}),
         )
         .await;
-    assert_eq!(status, 404);
-    assert_eq!(body["code"], "not_found");
 }
 
 #[tokio::test]

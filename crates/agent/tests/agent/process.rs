@@ -64,20 +64,8 @@ async fn stdin_send_input_and_close() {
     let msg = json!({"process": {"cmd": "/bin/cat"}, "stdin": true});
     let mut frames = agent.stream("process.Process/Start", msg, &[]).await;
     let pid = started(&mut frames).await;
-    let (status, body) = agent
-        .unary(
-            "process.Process/SendInput",
-            json!({"process": {"pid": pid}, "input": {"stdin": b64(b"hello\n")}}),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
-    let (status, body) = agent
-        .unary(
-            "process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
-        .await;
-    assert_eq!(status, 200, "{body}");
+    agent.send_stdin(pid, b"hello\n").await;
+    agent.close_stdin(pid).await;
     let out = frames.finish().await;
     assert_eq!(out.stdout, b"hello\n");
     assert_eq!(out.exit_code(), 0);
@@ -102,8 +90,7 @@ async fn list_and_kill() {
         .start_process(json!({"process": {"cmd": "/bin/sleep", "args": ["100"]}, "tag": "sleeper", "stdin": false}))
         .await;
     let pid = started(&mut frames).await;
-    let (status, list) = agent.unary("process.Process/List", json!({})).await;
-    assert_eq!(status, 200);
+    let list = agent.unary_ok("process.Process/List", json!({})).await;
     let entry = list["processes"]
         .as_array()
         .unwrap()
@@ -114,27 +101,24 @@ async fn list_and_kill() {
     assert_eq!(entry["tag"], "sleeper");
     assert_eq!(entry["config"]["cmd"], "/bin/sleep");
 
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_ok(
             "process.Process/SendSignal",
             json!({"process": {"tag": "sleeper"}, "signal": "SIGNAL_SIGKILL"}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     let out = frames.finish().await;
     let end = out.end.unwrap();
     assert_eq!(end["exitCode"], -1);
     assert_eq!(end["status"], "signal: killed");
     assert!(end.get("exited").is_none());
 
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_not_found(
             "process.Process/SendSignal",
             json!({"process": {"pid": pid}, "signal": "SIGNAL_SIGTERM"}),
         )
         .await;
-    assert_eq!(status, 404);
-    assert_eq!(body["code"], "not_found");
 }
 
 #[tokio::test]
@@ -153,13 +137,7 @@ async fn connect_reattaches_after_disconnect() {
         )
         .await;
     assert_eq!(started(&mut attached).await, pid);
-    let (status, _) = agent
-        .unary(
-            "process.Process/SendInput",
-            json!({"process": {"pid": pid}, "input": {"stdin": b64(b"again\n")}}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    agent.send_stdin(pid, b"again\n").await;
     let out = attached.finish().await;
     assert_eq!(out.stdout, b"got again\n");
     assert_eq!(out.exit_code(), 0);
@@ -187,20 +165,18 @@ async fn pty_input_output_and_resize() {
     });
     let mut frames = agent.stream("process.Process/Start", msg, &[]).await;
     let pid = started(&mut frames).await;
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_ok(
             "process.Process/Update",
             json!({"process": {"pid": pid}, "pty": {"size": {"cols": 120, "rows": 40}}}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
-    let (status, body) = agent
-        .unary(
+    agent
+        .unary_ok(
             "process.Process/SendInput",
             json!({"process": {"pid": pid}, "input": {"pty": b64(b"stty size; test -t 0 && echo is-a-tty; exit 0\n")}}),
         )
         .await;
-    assert_eq!(status, 200, "{body}");
     let out = frames.finish().await;
     let text = String::from_utf8_lossy(&out.pty);
     assert!(
@@ -308,13 +284,7 @@ async fn stream_input_feeds_stdin() {
         .unwrap();
     let (status, _, resp) = agent.send(req).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&resp));
-    let (status, _) = agent
-        .unary(
-            "process.Process/CloseStdin",
-            json!({"process": {"pid": pid}}),
-        )
-        .await;
-    assert_eq!(status, 200);
+    agent.close_stdin(pid).await;
     let out = frames.finish().await;
     assert_eq!(out.stdout, b"one two\n");
 }

@@ -6,10 +6,11 @@
 
 use crate::common;
 
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use common::{Registry, have, htpasswd};
+use common::{DOCKER_REGISTRY, HTPASSWD, Registry, have_all, registry_with_user};
 use sandbar_image::{BlobStore, BlobStoreError, RegistryAuth, RegistryPolicy};
 use sha2::{Digest, Sha256};
 
@@ -48,14 +49,23 @@ fn open_store(registry: &Registry) -> BlobStore {
 /// A registry of its own, its files in a temporary directory, and the store of its test
 /// repository; none, with a note on stderr, where `docker-registry` is missing.
 fn anonymous_registry() -> Option<(tempfile::TempDir, Registry, BlobStore)> {
-    if !have("docker-registry") {
-        eprintln!("skipping: needs docker-registry (apt-get install docker-registry)");
+    if !have_all(&[DOCKER_REGISTRY]) {
         return None;
     }
     let tmp = tempfile::tempdir().unwrap();
     let registry = Registry::start(tmp.path(), None);
     let store = open_store(&registry);
     Some((tmp, registry, store))
+}
+
+/// Fetches blob `digest`, whose content is `data`, from `store` into `dest`, and checks that
+/// all of it arrived.
+async fn assert_fetches(store: &BlobStore, digest: &str, data: &[u8], dest: &Path) {
+    store
+        .fetch_to(digest, data.len() as u64, dest)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(dest).unwrap(), data);
 }
 
 fn digest_of(data: &[u8]) -> String {
@@ -96,12 +106,7 @@ async fn pushes_in_chunks_and_fetches_what_it_pushed() {
     // A second push of the same content finds it there.
     store.push_file(&source, &digest).await.unwrap();
 
-    let fetched = tmp.path().join("fetched.tar");
-    store
-        .fetch_to(&digest, data.len() as u64, &fetched)
-        .await
-        .unwrap();
-    assert_eq!(std::fs::read(&fetched).unwrap(), data);
+    assert_fetches(&store, &digest, &data, &tmp.path().join("fetched.tar")).await;
 
     // A recorded size that is not the blob's leaves nothing behind.
     let short = tmp.path().join("short.tar");
@@ -129,15 +134,10 @@ async fn pushes_in_chunks_and_fetches_what_it_pushed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushes_with_credentials_and_is_refused_without() {
-    if !["docker-registry", "htpasswd"].into_iter().all(have) {
-        eprintln!(
-            "skipping: needs docker-registry and htpasswd (apt-get install docker-registry apache2-utils)"
-        );
+    if !have_all(&[DOCKER_REGISTRY, HTPASSWD]) {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let users = htpasswd(tmp.path(), "node", "s3cret");
-    let registry = Registry::start(tmp.path(), Some(&users));
+    let (tmp, registry) = registry_with_user("node", "s3cret");
     let location = format!("http://{}/sandbar/layers", registry.host());
     let data = b"layer bytes\n".to_vec();
     let digest = digest_of(&data);
@@ -154,12 +154,7 @@ async fn pushes_with_credentials_and_is_refused_without() {
     };
     let store = BlobStore::new(&location, Some(&credentials), loopback_allowed()).unwrap();
     store.push_file(&source, &digest).await.unwrap();
-    let fetched = tmp.path().join("fetched");
-    store
-        .fetch_to(&digest, data.len() as u64, &fetched)
-        .await
-        .unwrap();
-    assert_eq!(std::fs::read(&fetched).unwrap(), data);
+    assert_fetches(&store, &digest, &data, &tmp.path().join("fetched")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

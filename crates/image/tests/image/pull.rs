@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-use common::{Registry, have, htpasswd};
+use common::{DOCKER_REGISTRY, HTPASSWD, Registry, SKOPEO, have_all, registry_with_user};
 use sandbar_image::{ImageCache, PullError, PulledImage, RegistryAuth, RegistryPolicy};
 use serde_json::json;
 use sha2::{Digest, Sha256};
@@ -224,16 +224,32 @@ async fn pull(
     (result, progress.lines())
 }
 
+/// [`pull`] on behalf of `owner`, within 1 GiB.
+async fn pull_as(
+    cache: &ImageCache,
+    owner: &str,
+    reference: &str,
+) -> (Result<PulledImage, PullError>, Vec<String>) {
+    let progress = Progress::default();
+    let result = cache
+        .pull_for(
+            owner,
+            reference,
+            None,
+            &|line| progress.0.lock().unwrap().push(line),
+            1 << 30,
+        )
+        .await;
+    (result, progress.lines())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pulls_from_a_local_registry() {
-    let missing: Vec<&str> = ["docker-registry", "skopeo"]
-        .into_iter()
-        .filter(|p| !have(p))
-        .collect();
-    if !missing.is_empty() || !Path::new(BUSYBOX).is_file() {
-        eprintln!(
-            "skipping: needs docker-registry, skopeo and {BUSYBOX} (apt-get install docker-registry skopeo busybox-static); missing {missing:?}"
-        );
+    if !have_all(&[DOCKER_REGISTRY, SKOPEO]) {
+        return;
+    }
+    if !Path::new(BUSYBOX).is_file() {
+        eprintln!("skipping: needs {BUSYBOX} (apt-get install busybox-static)");
         return;
     }
 
@@ -390,43 +406,21 @@ async fn pulls_from_a_local_registry() {
 
     // Another owner reuses the unpacked layers only after downloading and checking them, so
     // a forged image naming a cached layer's diff id gets nothing.
-    let owned = Progress::default();
-    let as_b = cache
-        .pull_for(
-            "team-b",
-            &reference,
-            None,
-            &|l| owned.0.lock().unwrap().push(l),
-            1 << 30,
-        )
-        .await
-        .unwrap();
-    assert_eq!(as_b.layers, image.layers);
+    let (as_b, owned) = pull_as(&cache, "team-b", &reference).await;
+    assert_eq!(as_b.unwrap().layers, image.layers);
     assert_eq!(
         owned
-            .lines()
             .iter()
             .filter(|l| l.starts_with("verifying access"))
             .count(),
         2,
-        "{:?}",
-        owned.lines()
+        "{owned:?}"
     );
-    let again_b = Progress::default();
-    cache
-        .pull_for(
-            "team-b",
-            &reference,
-            None,
-            &|l| again_b.0.lock().unwrap().push(l),
-            1 << 30,
-        )
-        .await
-        .unwrap();
+    let (again, again_b) = pull_as(&cache, "team-b", &reference).await;
+    again.unwrap();
     assert!(
-        !again_b.lines().iter().any(|l| l.starts_with("verifying")),
-        "{:?}",
-        again_b.lines()
+        !again_b.iter().any(|l| l.starts_with("verifying")),
+        "{again_b:?}"
     );
     let forged_ref = format!("{host}/tiny:forged");
     let err = cache
@@ -548,18 +542,10 @@ fn check_overlay(tmp: &Path, image: &PulledImage) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn authenticates_with_basic_credentials() {
-    if !["docker-registry", "skopeo", "htpasswd"]
-        .into_iter()
-        .all(have)
-    {
-        eprintln!(
-            "skipping: needs docker-registry, skopeo and htpasswd (apt-get install docker-registry skopeo apache2-utils)"
-        );
+    if !have_all(&[DOCKER_REGISTRY, SKOPEO, HTPASSWD]) {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let users = htpasswd(tmp.path(), "puller", "s3cret");
-    let registry = Registry::start(tmp.path(), Some(&users));
+    let (tmp, registry) = registry_with_user("puller", "s3cret");
 
     let (tar, diff_id) = layer(|b| add_file(b, "private", 0o600, b"for puller only\n"));
     let mut oci = Layout::new(tmp.path().join("layout"));

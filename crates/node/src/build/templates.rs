@@ -480,6 +480,25 @@ mod tests {
     }
 
     #[test]
+    fn every_built_in_root_extends_the_default_one() {
+        for recipe in built_in_roots() {
+            assert!(
+                recipe.packages.starts_with(BASE.packages),
+                "{}",
+                recipe.name
+            );
+            assert!(
+                recipe
+                    .hooks
+                    .iter()
+                    .all(|h| h.starts_with("--customize-hook=")),
+                "{}",
+                recipe.name
+            );
+        }
+    }
+
+    #[test]
     fn the_layer_name_follows_the_recipe_version() {
         assert_eq!(BASE_LAYER, format!("base/v{BASE_RECIPE_VERSION}"));
         assert!(BASE_PACKAGES.split(',').any(|p| p == "git"));

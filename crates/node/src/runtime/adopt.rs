@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use sandbar_core::{AdoptedCheckpoint, Endpoint, HandlePhase, RuntimeError, RuntimeHandle};
 
 use super::criu_runs::SnapshotOrigin;
-use super::handle::{is_alive, launched, start_ticks};
+use super::handle::{is_alive, launched, start_ticks, without_processes};
 use super::launch::Launcher;
 use super::pausing::Pauser;
 use super::{is_nsfs, run_blocking, sandbox_err};
@@ -82,13 +82,10 @@ impl Adopter {
         }
         self.node
             .adopt_holdings(sandbox_id, h, HandlePhase::Checkpointed);
-        let checkpointed = RuntimeHandle {
-            pid: 0,
-            start_ticks: 0,
-            phase: HandlePhase::Checkpointed,
-            ..h.clone()
-        };
-        Ok(AdoptedCheckpoint::Checkpointed(checkpointed))
+        Ok(AdoptedCheckpoint::Checkpointed(without_processes(
+            h,
+            HandlePhase::Checkpointed,
+        )))
     }
 
     /// The checkpointed sandbox `id` (handle `h`) running, if a restore the server died

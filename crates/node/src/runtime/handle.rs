@@ -1,7 +1,7 @@
 //! How a sandbox's handle is checked before the node acts on it, and how a live process is
 //! told from a recycled PID.
 
-use sandbar_core::{LaunchSpec, RuntimeError, RuntimeHandle};
+use sandbar_core::{HandlePhase, LaunchSpec, RuntimeError, RuntimeHandle};
 use sandbar_jail::IdMap;
 
 /// The handle of sandbox `id`, if a runtime launched anything for it: a handle of nothing
@@ -17,6 +17,17 @@ pub(super) fn launched<'a>(
         });
     }
     Ok(handle)
+}
+
+/// Handle `h` once its sandbox's processes are gone and it is in `phase`: it names no process,
+/// and the rest of what it records stays for the sandbox's return.
+pub(super) fn without_processes(h: &RuntimeHandle, phase: HandlePhase) -> RuntimeHandle {
+    RuntimeHandle {
+        pid: 0,
+        start_ticks: 0,
+        phase,
+        ..h.clone()
+    }
 }
 
 /// The handle of sandbox `spec` whose PID 1, `pid`, was just started or restored in `slot`

@@ -8,7 +8,7 @@ use sandbar_core::{HandlePhase, RuntimeError, RuntimeHandle};
 use sandbar_jail::LISTENER_FD;
 
 use super::criu_runs::{CriuDump, PLAN_DEADLINE, SPENT_PREFIX};
-use super::handle::{is_alive, launched};
+use super::handle::{is_alive, launched, without_processes};
 use super::host::LinuxHost;
 use super::host_ops::HostOps;
 use super::{ns_inode, run_blocking, sandbox_err, sequence};
@@ -236,13 +236,7 @@ impl Pauser {
             release_us = (started.elapsed() - dumped_in).as_micros() as u64,
             "checkpoint timings"
         );
-        let checkpointed = RuntimeHandle {
-            pid: 0,
-            start_ticks: 0,
-            phase: HandlePhase::Checkpointed,
-            ..h.clone()
-        };
-        Ok(checkpointed)
+        Ok(without_processes(h, HandlePhase::Checkpointed))
     }
 }
 
@@ -291,13 +285,7 @@ impl Pauser {
         self.node.stop(sandbox_id, Some(h)).await?;
         // Namespaces kept by an earlier checkpoint would hold its old network alive.
         self.node.forget_checkpoint(sandbox_id);
-        let released = RuntimeHandle {
-            pid: 0,
-            start_ticks: 0,
-            phase: HandlePhase::Released,
-            ..h.clone()
-        };
-        Ok(released)
+        Ok(without_processes(h, HandlePhase::Released))
     }
 
     pub(super) async fn discard_checkpoint(&self, sandbox_id: &str) {

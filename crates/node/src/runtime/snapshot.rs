@@ -41,13 +41,14 @@ impl Snapshotter {
     /// Copies sandbox `id` into a snapshot: frozen, its processes dumped (left running) and
     /// its writable layer snapshotted, then thawed; the copies are made into a layer and a
     /// checkpoint after it runs again.
-    pub(super) async fn take_snapshot(
+    pub(super) async fn snapshot(
         &self,
         id: &str,
-        h: &RuntimeHandle,
+        handle: &RuntimeHandle,
         agent_token: &str,
         memory: bool,
     ) -> Result<SnapshotParts, RuntimeError> {
+        let h = launched(id, handle)?;
         let criu = self.node.criu.get();
         let criu = match (criu.as_deref(), memory) {
             (Some(criu), true) => Some(criu),
@@ -364,17 +365,6 @@ impl Launcher {
 }
 
 impl Snapshotter {
-    pub(super) async fn snapshot(
-        &self,
-        sandbox_id: &str,
-        handle: &RuntimeHandle,
-        agent_token: &str,
-        memory: bool,
-    ) -> Result<SnapshotParts, RuntimeError> {
-        let h = launched(sandbox_id, handle)?;
-        self.take_snapshot(sandbox_id, h, agent_token, memory).await
-    }
-
     pub(super) fn snapshot_recorded(&self, parts: &SnapshotParts) {
         let names: Vec<&String> = std::iter::once(&parts.layer)
             .chain(parts.checkpoint.as_ref())

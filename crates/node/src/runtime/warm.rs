@@ -431,6 +431,16 @@ mod tests {
         }
     }
 
+    /// Records `times` creates asking for image `layer`, `apart` from each other from `from`
+    /// on, as taking from the pool does: the image becomes the one last asked for.
+    fn count_creates(pool: &WarmPool, layer: &str, times: u32, from: Instant, apart: Duration) {
+        let mut state = pool.state();
+        for i in 0..times {
+            state.count_create(&key(layer), from + apart * i);
+        }
+        state.wanted = Some(key(layer));
+    }
+
     fn warm(name: &str, key: WarmKey) -> WarmSandbox {
         WarmSandbox {
             name: name.into(),
@@ -524,13 +534,7 @@ mod tests {
     fn a_burst_raises_its_image_to_the_burst_and_a_quarter_more_within_the_ceiling() {
         let pool = WarmPool::new(2, 16);
         let now = Instant::now();
-        {
-            let mut state = pool.state();
-            for i in 0..8 {
-                state.count_create(&key("a"), now + Duration::from_millis(i * 10));
-            }
-            state.wanted = Some(key("a"));
-        }
+        count_creates(&pool, "a", 8, now, Duration::from_millis(10));
         let targets = pool
             .state()
             .targets(2, 16, now + Duration::from_millis(100));
@@ -549,13 +553,7 @@ mod tests {
     fn once_creates_stop_the_extra_sandboxes_are_retired_down_to_the_floor() {
         let pool = WarmPool::new(2, 16);
         let now = Instant::now();
-        {
-            let mut state = pool.state();
-            for i in 0..4 {
-                state.count_create(&key("a"), now + Duration::from_millis(i));
-            }
-            state.wanted = Some(key("a"));
-        }
+        count_creates(&pool, "a", 4, now, Duration::from_millis(1));
         for i in 0..5 {
             pool.put(warm(&format!("w{i}"), key("a")));
         }
@@ -574,14 +572,9 @@ mod tests {
     fn each_image_asked_for_lately_keeps_its_own_and_a_forgotten_one_keeps_none() {
         let pool = WarmPool::new(1, 16);
         let now = Instant::now();
-        {
-            let mut state = pool.state();
-            for i in 0..3 {
-                state.count_create(&key("b"), now + Duration::from_millis(i));
-            }
-            state.count_create(&key("a"), now + Duration::from_millis(10));
-            state.wanted = Some(key("a"));
-        }
+        count_creates(&pool, "b", 3, now, Duration::from_millis(1));
+        let latest = now + Duration::from_millis(10);
+        count_creates(&pool, "a", 1, latest, Duration::ZERO);
         let soon = now + Duration::from_millis(20);
         assert_eq!(
             pool.state().targets(1, 16, soon),

@@ -265,23 +265,18 @@ mod tests {
             module_path!(),
             "::a_layer_of_many_directories_is_archived_with_few_descriptors"
         );
-        crate::few_descriptors::run(name, || {
-            let tmp = tempfile::tempdir().unwrap();
-            crate::few_descriptors::crowded_tree(tmp.path());
+        crate::few_descriptors::run_on_crowded_tree(name, |root, leaf| {
             let mut archive = Vec::new();
-            write_layer(tmp.path(), &mut archive).unwrap();
+            write_layer(root, &mut archive).unwrap();
             let mut names = Vec::new();
             for entry in tar::Archive::new(archive.as_slice()).entries().unwrap() {
                 names.push(entry.unwrap().path().unwrap().into_owned());
             }
-            let leaf = std::iter::repeat_n("d", 200)
-                .fold(PathBuf::from("deep"), |p, d| p.join(d))
-                .join("leaf");
-            assert!(names.contains(&leaf));
+            assert!(names.iter().any(|n| n == leaf));
             assert!(names.contains(&PathBuf::from("wide399/inner")));
             // Every directory precedes what it holds.
             let position = |p: &Path| names.iter().position(|n| n == p).unwrap();
-            assert!(position(Path::new("deep/d")) < position(&leaf));
+            assert!(position(Path::new("deep/d")) < position(leaf));
         });
     }
 

@@ -481,25 +481,19 @@ mod tests {
             module_path!(),
             "::owners_move_with_few_descriptors_however_many_directories"
         );
-        crate::few_descriptors::run(name, || {
-            let tmp = tempfile::tempdir().unwrap();
-            crate::few_descriptors::crowded_tree(tmp.path());
+        crate::few_descriptors::run_on_crowded_tree(name, |root, leaf| {
             // SAFETY: getuid and getgid cannot fail.
             let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-            let leaf = tmp
-                .path()
-                .join(std::iter::repeat_n("d", 200).fold(PathBuf::from("deep"), |p, d| p.join(d)))
-                .join("leaf");
             if uid == 0 {
-                move_owners(tmp.path(), 0, 100_000, 65_536).unwrap();
-                for moved in [leaf.as_path(), &tmp.path().join("wide399/inner")] {
-                    let meta = std::fs::symlink_metadata(moved).unwrap();
+                move_owners(root, 0, 100_000, 65_536).unwrap();
+                for moved in [root.join(leaf), root.join("wide399/inner")] {
+                    let meta = std::fs::symlink_metadata(&moved).unwrap();
                     assert_eq!((meta.uid(), meta.gid()), (100_000, 100_000), "{moved:?}");
                 }
             } else {
                 // Without the right to give files away, ids move onto themselves.
                 let from = uid.min(gid);
-                move_owners(tmp.path(), from, from, uid.max(gid) - from + 1).unwrap();
+                move_owners(root, from, from, uid.max(gid) - from + 1).unwrap();
             }
         });
     }

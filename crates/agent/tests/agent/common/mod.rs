@@ -111,6 +111,38 @@ impl Agent {
         (status.as_u16(), value)
     }
 
+    /// Unary call that must succeed; returns its answer.
+    pub async fn unary_ok(&self, method: &str, msg: Value) -> Value {
+        let (status, body) = self.unary(method, msg).await;
+        assert_eq!(status, 200, "{method}: {body}");
+        body
+    }
+
+    /// Unary call that must be refused because what it names is not there.
+    pub async fn unary_not_found(&self, method: &str, msg: Value) {
+        let (status, body) = self.unary(method, msg).await;
+        assert_eq!(status, 404, "{method}: {body}");
+        assert_eq!(body["code"], "not_found");
+    }
+
+    /// Writes `input` to the stdin of process `pid`.
+    pub async fn send_stdin(&self, pid: u64, input: &[u8]) {
+        self.unary_ok(
+            "process.Process/SendInput",
+            json!({"process": {"pid": pid}, "input": {"stdin": b64(input)}}),
+        )
+        .await;
+    }
+
+    /// Closes the stdin of process `pid`.
+    pub async fn close_stdin(&self, pid: u64) {
+        self.unary_ok(
+            "process.Process/CloseStdin",
+            json!({"process": {"pid": pid}}),
+        )
+        .await;
+    }
+
     /// Starts the process `msg` asks for, with no extra headers, and returns a reader of its
     /// stream's envelopes.
     pub async fn start_process(&self, msg: Value) -> Frames {

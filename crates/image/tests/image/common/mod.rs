@@ -14,6 +14,36 @@ pub fn have(program: &str) -> bool {
         .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
 }
 
+// The programs the tests run, each with the Debian package that installs it, for `have_all`.
+pub const DOCKER_REGISTRY: (&str, &str) = ("docker-registry", "docker-registry");
+pub const SKOPEO: (&str, &str) = ("skopeo", "skopeo");
+pub const HTPASSWD: (&str, &str) = ("htpasswd", "apache2-utils");
+
+/// Whether every program of `tools` (each with the Debian package that installs it) is on
+/// PATH; where one is missing, a note on stderr says that the test is skipped.
+pub fn have_all(tools: &[(&str, &str)]) -> bool {
+    if tools.iter().all(|(program, _)| have(program)) {
+        return true;
+    }
+    let programs: Vec<&str> = tools.iter().map(|(program, _)| *program).collect();
+    let packages: Vec<&str> = tools.iter().map(|(_, package)| *package).collect();
+    eprintln!(
+        "skipping: needs {} (apt-get install {})",
+        programs.join(", "),
+        packages.join(" ")
+    );
+    false
+}
+
+/// A registry of its own that only `user` with `password` may use, its files in a temporary
+/// directory.
+pub fn registry_with_user(user: &str, password: &str) -> (tempfile::TempDir, Registry) {
+    let tmp = tempfile::tempdir().unwrap();
+    let users = htpasswd(tmp.path(), user, password);
+    let registry = Registry::start(tmp.path(), Some(&users));
+    (tmp, registry)
+}
+
 /// Writes a file of one user, `user` with `password`, for [`Registry::start`] in `dir`.
 pub fn htpasswd(dir: &Path, user: &str, password: &str) -> PathBuf {
     let users = dir.join("htpasswd");
