@@ -15,7 +15,7 @@
 //! recorded by the keeper, whose lock per team counts the team's templates and tags against
 //! its caps.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderValue, Method, StatusCode, Uri, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use chrono::Utc;
+use chrono::{DateTime, TimeDelta, Utc};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -162,8 +162,8 @@ pub struct ClusterRouting {
     secret: Arc<str>,
     client: Client<HttpConnector, Body>,
     owners: Mutex<HashMap<String, (String, Instant)>>,
-    /// Creates sent to each node, and when the first of them went: counted against its
-    /// headroom until its next report can show them.
+    /// Creates sent to each node, and when: counted against its headroom until a report
+    /// measured after them shows them.
     pending: InFlight,
     /// Builds given to each node: counted against its build slots until its report can show
     /// them, which is only once the client started the build (after its uploads).
@@ -193,10 +193,10 @@ const SIGNERS_TTL: Duration = Duration::from_secs(1);
 const BUILD_START_WINDOW: Duration = Duration::from_secs(30);
 
 /// Work this API host sent each node recently, which the node's report may not show yet:
-/// counted from the first of a series for `window`, then forgotten.
+/// each sending counts for `window`, then is forgotten.
 struct InFlight {
     window: Duration,
-    sent: Mutex<HashMap<String, (u64, Instant)>>,
+    sent: Mutex<HashMap<String, VecDeque<DateTime<Utc>>>>,
 }
 
 impl InFlight {
@@ -207,24 +207,35 @@ impl InFlight {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, (u64, Instant)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VecDeque<DateTime<Utc>>>> {
         self.sent.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn on(&self, node: &str) -> u64 {
-        match self.lock().get(node) {
-            Some((count, first)) if first.elapsed() < self.window => *count,
-            _ => 0,
-        }
+    fn window_start(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        now - TimeDelta::from_std(self.window).unwrap_or(TimeDelta::MAX)
+    }
+
+    /// What was sent to `node` within the window and, when the node says when it measured
+    /// its report, after that: a report already counts what came before it.
+    fn on(&self, node: &str, measured_at: Option<DateTime<Utc>>) -> u64 {
+        let start = self.window_start(Utc::now());
+        let since = measured_at.map_or(start, |measured| measured.max(start));
+        self.lock().get(node).map_or(0, |sent| {
+            // Oldest first, so the recent ones are at the back.
+            let recent = sent.iter().rev().take_while(|at| **at > since).count();
+            u64::try_from(recent).unwrap_or(u64::MAX)
+        })
     }
 
     fn count(&self, node: &str) {
+        let now = Utc::now();
+        let start = self.window_start(now);
         let mut sent = self.lock();
-        let entry = sent.entry(node.to_owned()).or_insert((0, Instant::now()));
-        if entry.1.elapsed() >= self.window {
-            *entry = (0, Instant::now());
+        let times = sent.entry(node.to_owned()).or_default();
+        while times.front().is_some_and(|at| *at <= start) {
+            times.pop_front();
         }
-        entry.0 += 1;
+        times.push_back(now);
     }
 }
 
@@ -374,8 +385,8 @@ impl ClusterRouting {
     }
 
     /// Creates sent to `node` recently enough that its report may not show them yet.
-    fn pending_on(&self, node: &str) -> u64 {
-        self.pending.on(node)
+    fn pending_on(&self, node: &NodeRecord) -> u64 {
+        self.pending.on(&node.id, node.report.measured_at)
     }
 
     fn count_pending(&self, node: &str) {
@@ -441,7 +452,9 @@ impl ClusterRouting {
     async fn place_build(&self, build_id: &str, keeper: &NodeRecord) {
         let order = build_placement_order(
             &self.nodes.live(),
-            |node| self.pending_builds.on(node),
+            // A build shows in a node's report only once its files are uploaded and it
+            // starts, so the report's time says nothing of it: the window alone counts.
+            |node| self.pending_builds.on(node, None),
             Utc::now(),
         );
         let Some(node) = order.into_iter().next() else {
@@ -1160,10 +1173,35 @@ mod tests {
         let sent = InFlight::new(Duration::from_secs(60));
         sent.count("a");
         sent.count("a");
-        assert_eq!(sent.on("a"), 2);
-        assert_eq!(sent.on("b"), 0);
+        assert_eq!(sent.on("a", None), 2);
+        assert_eq!(sent.on("b", None), 0);
         let gone = InFlight::new(Duration::ZERO);
         gone.count("a");
-        assert_eq!(gone.on("a"), 0);
+        assert_eq!(gone.on("a", None), 0);
+    }
+
+    #[test]
+    fn work_in_flight_counts_only_what_came_after_the_report() {
+        let sent = InFlight::new(Duration::from_secs(60));
+        let before = Utc::now() - TimeDelta::seconds(1);
+        sent.count("a");
+        let between = Utc::now();
+        std::thread::sleep(Duration::from_millis(2));
+        sent.count("a");
+        assert_eq!(sent.on("a", Some(before)), 2, "a report older than both");
+        assert_eq!(
+            sent.on("a", Some(between)),
+            1,
+            "a report that counted the first"
+        );
+        assert_eq!(
+            sent.on("a", Some(Utc::now())),
+            0,
+            "a report that counted both"
+        );
+        // A report from before the window does not bring back what the window forgot.
+        let gone = InFlight::new(Duration::ZERO);
+        gone.count("a");
+        assert_eq!(gone.on("a", Some(before)), 0);
     }
 }

@@ -125,7 +125,7 @@ pub struct PlacementScore {
 /// How a create of a template would suit a live node, or `None` when the node has no room
 /// at all (its report shows less headroom than one start costs, or no memory): such a node
 /// is never tried. `pending` counts the creates sent to it that its report does not show
-/// yet.
+/// yet: those sent after the report was measured.
 ///
 /// The score is the node's headroom share: what its report measured, less
 /// [`START_COST_BYTES`] for each sandbox it holds or was sent, over its memory;
@@ -159,7 +159,7 @@ pub fn placement_order(
     nodes: &[NodeRecord],
     template: &str,
     reach: TemplateReach,
-    pending: impl Fn(&str) -> u64,
+    pending: impl Fn(&NodeRecord) -> u64,
     now: DateTime<Utc>,
 ) -> Vec<NodeRecord> {
     let live: Vec<&NodeRecord> = nodes.iter().filter(|n| n.is_live(now)).collect();
@@ -170,7 +170,7 @@ pub fn placement_order(
     let mut ranked: Vec<(i64, &NodeRecord)> = live
         .into_iter()
         .filter(|n| !holders_only || holds(n))
-        .filter_map(|n| placement_score(n, template, pending(&n.id)).map(|s| (s.score, n)))
+        .filter_map(|n| placement_score(n, template, pending(n)).map(|s| (s.score, n)))
         .collect();
     ranked.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.id.cmp(&b.1.id)));
     ranked.into_iter().map(|(_, n)| n.clone()).collect()
@@ -371,7 +371,7 @@ mod tests {
     #[test]
     fn creates_in_flight_count_against_a_node_until_it_reports_them() {
         let nodes = [node("a", 4, &[], 10), node("b", 3, &[], 10)];
-        let busy_a = |id: &str| if id == "a" { 32 } else { 0 };
+        let busy_a = |n: &NodeRecord| if n.id == "a" { 32 } else { 0 };
         assert_eq!(
             ids(placement_order(&nodes, "x", Local, busy_a, Utc::now())),
             ["b", "a"]

@@ -170,8 +170,8 @@ impl Cluster {
         self.directory.refresh().await.expect("refresh");
     }
 
-    /// Renews `node`'s lease with `running` of its `slots` build slots taken.
-    async fn renew_builds(&self, node: &str, slots: u32, running: u32) {
+    /// Renews `node`'s lease with its last report changed by `change`.
+    async fn renew_changed(&self, node: &str, change: impl FnOnce(&mut NodeReport)) {
         let mut record = self
             .store
             .nodes
@@ -181,13 +181,30 @@ impl Cluster {
             .into_iter()
             .find(|n| n.id == node)
             .expect("node");
-        record.report.builds = sandbar_core::BuildSlotUse {
-            slots,
-            running,
-            waiting: 0,
-        };
+        change(&mut record.report);
         self.store.nodes.renew_node(&record).await.expect("renew");
         self.directory.refresh().await.expect("refresh");
+    }
+
+    /// Renews `node`'s lease with `running` of its `slots` build slots taken.
+    async fn renew_builds(&self, node: &str, slots: u32, running: u32) {
+        self.renew_changed(node, |report| {
+            report.builds = sandbar_core::BuildSlotUse {
+                slots,
+                running,
+                waiting: 0,
+            };
+        })
+        .await;
+    }
+
+    /// Renews `node`'s lease with a report that counted `sandboxes` just now.
+    async fn renew_counted(&self, node: &str, sandboxes: u32) {
+        self.renew_changed(node, |report| {
+            report.sandboxes = sandboxes;
+            report.measured_at = Some(Utc::now());
+        })
+        .await;
     }
 
     async fn build_node(&self, build_id: &str) -> Option<String> {
@@ -769,4 +786,29 @@ async fn a_forwarded_create_is_the_checked_one_whatever_length_the_client_sent()
     let (status, detail) = c.call("GET", &format!("/sandboxes/{id}"), None).await;
     assert_eq!(status, StatusCode::OK, "{detail}");
     assert_eq!(detail["metadata"]["owner"], "tests", "{detail}");
+}
+
+#[tokio::test]
+async fn a_create_a_node_s_report_already_counts_is_not_counted_again() {
+    let c = cluster(10).await;
+    let base = common::base_template(Utc::now()).id;
+    // Alike nodes whose reports were measured before any create: placement alternates,
+    // the first by id.
+    c.renew("n1", 4, 60, &[&base]).await;
+    c.renew_counted("n1", 0).await;
+    c.renew_counted("n2", 0).await;
+    let mut landed = Vec::new();
+    for _ in 0..2 {
+        let (status, created) = c.create().await;
+        assert_eq!(status, StatusCode::CREATED, "{created}");
+        landed.push(created["clientID"].as_str().expect("node").to_owned());
+    }
+    assert_eq!(landed, ["n1", "n2"]);
+    // n1 reports again and counts its sandbox; n2's report is older than its create. Each
+    // holds one: the tie goes to n1 again, where counting n1's sandbox twice (reported and
+    // sent) would send it to n2.
+    c.renew_counted("n1", 1).await;
+    let (status, created) = c.create().await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["clientID"], "n1", "{created}");
 }

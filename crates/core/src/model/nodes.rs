@@ -44,6 +44,9 @@ pub struct NodeReport {
     pub templates: Vec<String>,
     /// Its tenants' build slots and how many builds hold or wait for one: where builds go.
     pub builds: BuildSlotUse,
+    /// When the node counted its sandboxes, by its clock: a create sent to it later is not
+    /// in `sandboxes`, one sent earlier is. `None` from a node that does not say.
+    pub measured_at: Option<DateTime<Utc>>,
 }
 
 /// A node's build slots as its build queue counts them (the server's own builds of its

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use chrono::Utc;
+
 use super::CHECKPOINT_ATTEMPTS;
 use super::shared::Shared;
 use crate::disks::{DiskFull, DiskReport};
@@ -38,6 +40,7 @@ impl NodeHealth {
         let memory = self.memory().unwrap_or_default();
         let disks = self.disks();
         let pool = disks.pool.as_ref();
+        let measured_at = Utc::now();
         let held: usize = self.count_by_status().iter().map(|(_, n)| n).sum();
         NodeReport {
             memory_total_bytes: memory.total_bytes,
@@ -49,6 +52,7 @@ impl NodeHealth {
             disk_promised_bytes: disks.pool_promised_bytes,
             disk_promise_limit_bytes: disks.pool_promise_limit_bytes,
             sandboxes: u32::try_from(held).unwrap_or(u32::MAX),
+            measured_at: Some(measured_at),
             ..NodeReport::default()
         }
     }
