@@ -40,8 +40,9 @@ use crate::error::ApiError;
 /// The header that carries the cluster's shared secret from API hosts to nodes.
 pub const NODE_SECRET_HEADER: &str = "x-sandbar-node-secret";
 
-/// The largest create body an API host reads to place it (E2B's bodies are a few KiB).
-const CREATE_BODY_LIMIT: usize = 2 << 20;
+/// The largest answer of a node that an API host reads to learn from it (the new sandbox's or
+/// build's id; E2B's answers are a few KiB).
+const NODE_ANSWER_LIMIT: usize = 2 << 20;
 /// How long an API host trusts what it read of a sandbox's node: ownership changes only when
 /// a sandbox moves, and a stale answer costs one failed hop.
 const OWNER_TTL: Duration = Duration::from_secs(2);
@@ -195,14 +196,14 @@ const BUILD_START_WINDOW: Duration = Duration::from_secs(30);
 /// Work this API host sent each node recently, which the node's report may not show yet:
 /// each sending counts for `window`, then is forgotten.
 struct InFlight {
-    window: Duration,
+    window: TimeDelta,
     sent: Mutex<HashMap<String, VecDeque<DateTime<Utc>>>>,
 }
 
 impl InFlight {
     fn new(window: Duration) -> Self {
         Self {
-            window,
+            window: TimeDelta::from_std(window).unwrap_or(TimeDelta::MAX),
             sent: Mutex::new(HashMap::new()),
         }
     }
@@ -212,7 +213,8 @@ impl InFlight {
     }
 
     fn window_start(&self, now: DateTime<Utc>) -> DateTime<Utc> {
-        now - TimeDelta::from_std(self.window).unwrap_or(TimeDelta::MAX)
+        now.checked_sub_signed(self.window)
+            .unwrap_or(DateTime::<Utc>::MIN_UTC)
     }
 
     /// What was sent to `node` within the window and, when the node says when it measured
@@ -669,7 +671,7 @@ async fn place_from_dashboard(
     request: Request,
 ) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
-    let body = read_create_body(body).await?;
+    let body = crate::extract::read_bounded_body(body).await?;
     let name = url::form_urlencoded::parse(&body)
         .find(|(field, _)| field == "template")
         .map(|(_, value)| value.trim().to_owned())
@@ -712,7 +714,7 @@ async fn new_build(cluster: &ClusterRouting, request: Request) -> Result<Respons
         return Ok(response);
     }
     let (parts, body) = response.into_parts();
-    let bytes = axum::body::to_bytes(body, CREATE_BODY_LIMIT)
+    let bytes = axum::body::to_bytes(body, NODE_ANSWER_LIMIT)
         .await
         .map_err(|e| {
             ApiError::new(
@@ -897,7 +899,7 @@ async fn place(
     request: Request,
 ) -> Result<Response, ApiError> {
     let (mut parts, body) = request.into_parts();
-    let body = read_create_body(body).await?;
+    let body = crate::extract::read_bounded_body(body).await?;
     let create = match crate::sandboxes::checked_create(&body) {
         Ok(create) => create,
         Err(refused) => {
@@ -953,17 +955,6 @@ async fn place(
         )
     };
     send_create_in_order(cluster, order, &parts, &forwarded, None).await
-}
-
-async fn read_create_body(body: Body) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, CREATE_BODY_LIMIT)
-        .await
-        .map_err(|_| {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is larger than the limit of {CREATE_BODY_LIMIT} bytes"),
-            )
-        })
 }
 
 /// Offers a create to each node of `order` in turn until one takes it or refuses it for a
@@ -1041,7 +1032,7 @@ async fn remember_created(cluster: &ClusterRouting, node_id: &str, response: Res
         sandbox_id: String,
     }
     let (parts, body) = response.into_parts();
-    match axum::body::to_bytes(body, CREATE_BODY_LIMIT).await {
+    match axum::body::to_bytes(body, NODE_ANSWER_LIMIT).await {
         Ok(bytes) => {
             if let Ok(created) = serde_json::from_slice::<Created>(&bytes) {
                 cluster.remember_owner(&created.sandbox_id, node_id);

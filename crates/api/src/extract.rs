@@ -1,6 +1,6 @@
 //! Request extractors that fail with the API's JSON error body instead of axum's plain text.
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::HeaderMap;
 use axum::http::request::Parts;
@@ -97,7 +97,7 @@ pub(crate) const JSON_BODY_LIMIT: usize = 2 << 20;
 const OVERSIZED_DRAIN_LIMIT: usize = 64 << 20;
 
 /// Reads a body of at most [`JSON_BODY_LIMIT`] bytes; a larger one is a 413 naming the limit.
-async fn read_bounded_body(req: Request) -> Result<Bytes, ApiError> {
+pub(crate) async fn read_bounded_body(body: Body) -> Result<Bytes, ApiError> {
     use futures_util::StreamExt;
     let too_large = || {
         ApiError::new(
@@ -109,7 +109,7 @@ async fn read_bounded_body(req: Request) -> Result<Bytes, ApiError> {
             ),
         )
     };
-    let mut stream = req.into_body().into_data_stream();
+    let mut stream = body.into_data_stream();
     let mut body = bytes::BytesMut::new();
     while let Some(chunk) = stream.next().await {
         let chunk =
@@ -139,7 +139,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for JsonBody<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, _state: &AppState) -> Result<Self, ApiError> {
-        let bytes = read_bounded_body(req).await?;
+        let bytes = read_bounded_body(req.into_body()).await?;
         json_body(&bytes).map(JsonBody)
     }
 }

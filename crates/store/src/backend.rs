@@ -150,16 +150,6 @@ pub(crate) trait Transact: Backend {
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
-/// Rows removed by their key.
-pub(crate) trait Delete: Backend {
-    /// Runs `delete`, a statement whose one parameter is a key, for `key`.
-    fn delete(
-        &self,
-        delete: &'static str,
-        key: &str,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-}
-
 /// A statement that reads rows of `R`, run on a reader, each row turned into the record it
 /// holds.
 pub(crate) trait Read<B: Backend, R> {
@@ -172,7 +162,7 @@ pub(crate) trait Read<B: Backend, R> {
         T: TryFrom<R, Error: Into<StoreError>> + Send;
 }
 
-/// [`Write`], [`Transact`], [`Delete`] and [`Read`] for one database: the same text for both,
+/// [`Write`], [`Transact`] and [`Read`] for one database: the same text for both,
 /// compiled against each one's concrete types.
 macro_rules! statement_runners {
     ($backend:ty) => {
@@ -235,12 +225,6 @@ macro_rules! statement_runners {
                 }
             }
         };
-
-        impl Delete for $backend {
-            async fn delete(&self, delete: &'static str, key: &str) -> Result<(), StoreError> {
-                sqlx::query(delete).bind(key).run(self).await
-            }
-        }
 
         impl<'q, R> Read<$backend, R>
             for QueryAs<

@@ -5,7 +5,7 @@ use sandbar_core::store::LayerBlobRecords;
 use sandbar_core::{LayerBlob, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Delete, Read, Write};
+use crate::backend::{Backend, Read, Write};
 use crate::rows::LayerBlobRow;
 use crate::{SqliteDb, err};
 
@@ -84,8 +84,9 @@ on_both! {
         }
 
         async fn delete_layer_blob(&self, layer: &str) -> Result<(), StoreError> {
-            self.db
-                .delete("DELETE FROM layer_blobs WHERE layer = $1", layer)
+            sqlx::query("DELETE FROM layer_blobs WHERE layer = $1")
+                .bind(layer)
+                .run(&self.db)
                 .await
         }
 

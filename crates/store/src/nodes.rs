@@ -5,7 +5,7 @@ use sandbar_core::store::NodeRecords;
 use sandbar_core::{NodeRecord, SlotClaim, StoreError};
 use sqlx::PgPool;
 
-use crate::backend::{Backend, Delete, Read, Write};
+use crate::backend::{Backend, Read, Write};
 use crate::rows::NodeRow;
 use crate::{SqliteDb, err, micros, to_json};
 
@@ -174,8 +174,9 @@ on_both! {
         }
 
         async fn release_team_slot(&self, sandbox_id: &str) -> Result<(), StoreError> {
-            self.db
-                .delete("DELETE FROM slot_claims WHERE sandbox_id = $1", sandbox_id)
+            sqlx::query("DELETE FROM slot_claims WHERE sandbox_id = $1")
+                .bind(sandbox_id)
+                .run(&self.db)
                 .await
         }
     }

@@ -4,7 +4,7 @@ use chrono::{DateTime, Utc};
 use sandbar_core::store::SandboxRecords;
 use sandbar_core::{NetworkConfig, RuntimeHandle, Sandbox, SandboxStatus, StoreError, VolumeMount};
 
-use crate::backend::{Backend, Delete, Read, Transact, Write};
+use crate::backend::{Backend, Read, Transact, Write};
 use crate::rows::{MountRow, SandboxRow};
 use crate::{err, to_json};
 
@@ -136,8 +136,9 @@ on_both! {
         }
 
         async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-            self.db
-                .delete("DELETE FROM sandboxes WHERE id = $1", id)
+            sqlx::query("DELETE FROM sandboxes WHERE id = $1")
+                .bind(id)
+                .run(&self.db)
                 .await
         }
 

@@ -3,7 +3,7 @@
 use sandbar_core::store::VolumeRecords;
 use sandbar_core::{StoreError, Volume};
 
-use crate::backend::{Backend, Delete, Read, Write};
+use crate::backend::{Backend, Read, Write};
 use crate::err;
 use crate::rows::VolumeRow;
 
@@ -78,8 +78,9 @@ on_both! {
         }
 
         async fn delete_volume(&self, id: &str) -> Result<(), StoreError> {
-            self.db
-                .delete("DELETE FROM volumes WHERE id = $1", id)
+            sqlx::query("DELETE FROM volumes WHERE id = $1")
+                .bind(id)
+                .run(&self.db)
                 .await
         }
     }
