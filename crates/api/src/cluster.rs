@@ -259,7 +259,7 @@ impl ClusterRouting {
         team: &sandbar_core::Team,
         name: String,
     ) -> (String, TemplateReach) {
-        match state.templates.resolve(team, &name).await {
+        match state.templates.resolve_to_start(team, &name).await {
             Ok(template) => {
                 let reach = self.reach_of(&template).await;
                 (template.id, reach)

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
-use chrono::{TimeDelta, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use serde::Serialize;
 
 use crate::ids::{self, API_KEY_PREFIX};
+use crate::lookup_cache::LookupCache;
 use crate::model::Team;
 use crate::secrets::same_hash;
 use crate::store::{Store, StoreError};
@@ -52,6 +53,17 @@ pub struct Auth {
     pub(crate) store: Arc<Store>,
     /// Held from counting a team's API keys to recording a new one.
     pub(crate) key_gate: Arc<crate::caps::TeamGate>,
+    /// Valid API keys by the hash of their secret, kept while the store's lookup generation
+    /// holds: a revoked key or a changed limit moves it.
+    pub(crate) keys: Arc<LookupCache<String, KnownKey>>,
+}
+
+/// What a valid API key was found to be.
+#[derive(Debug, Clone)]
+pub(crate) struct KnownKey {
+    id: String,
+    last_used: Option<DateTime<Utc>>,
+    team: Team,
 }
 
 impl std::fmt::Debug for Auth {
@@ -65,6 +77,7 @@ impl Auth {
         Self {
             store,
             key_gate: Arc::default(),
+            keys: Arc::default(),
         }
     }
 
@@ -102,33 +115,44 @@ impl Auth {
         }))
     }
 
-    /// The team of an API key, read from the store on every call so that a revoked key or a
-    /// changed limit applies to the very next request.
+    /// The team of an API key. A revoked key or a changed limit applies to the very next
+    /// request: an answer is kept only while the store's lookup generation holds.
     pub async fn team_for_api_key(&self, key: Option<&str>) -> Result<Team, AuthError> {
         let key = key
             .filter(|k| !k.is_empty())
             .ok_or(AuthError::MissingApiKey)?;
         let hash = hash_secret(key);
-        let (stored, team) = self
-            .store
-            .teams
-            .api_key_by_hash(&hash)
-            .await?
-            .filter(|(stored, _)| same_hash(&stored.secret.secret_hash, &hash))
-            .ok_or(AuthError::InvalidApiKey)?;
+        let generation = self.store.lookups.lookup_generation().await?;
+        let known = match self.keys.get(generation, hash.as_str()) {
+            Ok(known) => known,
+            Err(miss) => {
+                let (stored, team) = self
+                    .store
+                    .teams
+                    .api_key_by_hash(&hash)
+                    .await?
+                    .filter(|(stored, _)| same_hash(&stored.secret.secret_hash, &hash))
+                    .ok_or(AuthError::InvalidApiKey)?;
+                let known = KnownKey {
+                    id: stored.secret.id,
+                    last_used: stored.last_used,
+                    team,
+                };
+                self.keys.put(miss, hash.clone(), known.clone());
+                known
+            }
+        };
         let now = Utc::now();
-        if stored
+        if known
             .last_used
             .is_none_or(|last| now - last >= LAST_USED_RESOLUTION)
         {
             // Bounded to one write per key every few seconds, so busy keys do not serialize
             // every request on the database's write lock.
-            self.store
-                .teams
-                .touch_api_key(&stored.secret.id, now)
-                .await?;
+            self.store.teams.touch_api_key(&known.id, now).await?;
+            self.keys.update(hash.as_str(), |k| k.last_used = Some(now));
         }
-        Ok(team)
+        Ok(known.team)
     }
 
     pub async fn team_for_access_token(&self, token: Option<&str>) -> Result<Team, AuthError> {

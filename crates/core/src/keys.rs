@@ -509,6 +509,7 @@ impl Auth {
     /// last key may go too, as in E2B: its access tokens can still create new ones.
     pub async fn delete_api_key(&self, team: &Team, id: &str) -> Result<(), DeleteApiKeyError> {
         if self.store.teams.delete_api_key(Some(&team.id), id).await? {
+            self.keys.forget_all();
             Ok(())
         } else {
             Err(DeleteApiKeyError::NotFound(id.to_owned()))
@@ -624,7 +625,7 @@ impl Auth {
     }
 
     /// The operator's `team set-limits`; a running server applies them from its next request
-    /// of the team on, since it reads the team with every credential check.
+    /// of the team on, since the change moves the store's lookup generation.
     pub async fn set_team_limits(
         &self,
         reference: &str,
@@ -636,6 +637,7 @@ impl Auth {
         if !self.store.teams.set_team_limits(&team.id, &limits).await? {
             return Err(TeamAdminError::NotFound(reference.to_owned()));
         }
+        self.keys.forget_all();
         team.limits = limits;
         Ok(team)
     }
@@ -665,6 +667,7 @@ impl Auth {
     /// The operator's `key revoke`: any team's key.
     pub async fn revoke_api_key(&self, id: &str) -> Result<(), DeleteApiKeyError> {
         if self.store.teams.delete_api_key(None, id).await? {
+            self.keys.forget_all();
             Ok(())
         } else {
             Err(DeleteApiKeyError::NotFound(id.to_owned()))

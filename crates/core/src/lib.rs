@@ -20,6 +20,7 @@ pub mod inputs;
 pub mod keys;
 pub mod lifecycle;
 pub mod limits;
+mod lookup_cache;
 pub mod model;
 pub mod network;
 pub mod runtime;

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
+use crate::lookup_cache::LookupCache;
 use crate::model::{BuildStatus, Team, Template};
 use crate::store::{Store, StoreError};
 
@@ -28,6 +29,9 @@ pub enum TemplateError {
 pub struct Templates {
     store: Arc<Store>,
     build_finished: Arc<Notify>,
+    /// What a team's reference resolved to for a start, kept while the store's lookup
+    /// generation holds (a build, a name or a visibility change moves it).
+    to_start: Arc<LookupCache<(String, String), Template>>,
 }
 
 impl std::fmt::Debug for Templates {
@@ -111,6 +115,7 @@ impl Templates {
         Self {
             store,
             build_finished: Arc::new(Notify::new()),
+            to_start: Arc::default(),
         }
     }
 
@@ -123,6 +128,27 @@ impl Templates {
         find_tagged_template(self.store.as_ref(), team, reference)
             .await?
             .ok_or_else(|| TemplateError::NotFound(reference.to_owned()))
+    }
+
+    /// What [`resolve`](Self::resolve) answers, for a start: kept in memory while the
+    /// store's lookup generation holds, so that the creates of a template read one row, or
+    /// none, instead of the template. Its spawn count and last spawn may lag; everything a
+    /// start reads (image, resources, build status, names, visibility) is current.
+    pub async fn resolve_to_start(
+        &self,
+        team: &Team,
+        reference: &str,
+    ) -> Result<Template, TemplateError> {
+        let generation = self.store.lookups.lookup_generation().await?;
+        let key = (team.id.clone(), reference.to_owned());
+        match self.to_start.get(generation, &key) {
+            Ok(template) => Ok(template),
+            Err(miss) => {
+                let template = self.resolve(team, reference).await?;
+                self.to_start.put(miss, key, template.clone());
+                Ok(template)
+            }
+        }
     }
 
     /// Waits until `template` has finished building, up to `patience`, and returns it fresh.

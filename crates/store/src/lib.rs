@@ -13,6 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
+use sandbar_core::store::LookupGenerations;
 use sandbar_core::{Store, StoreError};
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -68,6 +69,7 @@ fn time(us: i64) -> DateTime<Utc> {
 mod backend;
 mod builds;
 mod layer_blobs;
+mod lookups;
 mod nodes;
 mod postgres;
 mod request_counts;
@@ -96,13 +98,14 @@ use webhooks::Webhooks;
 
 /// A database the core's `Store` can be made on.
 trait Records {
-    /// One of each aggregate's records, on this database.
-    fn store(self) -> Store;
+    /// One of each aggregate's records, on this database, with what its cached lookups are
+    /// compared against.
+    fn store(self, lookups: Arc<dyn LookupGenerations>) -> Store;
 }
 
 on_both! {
     impl Records for B {
-        fn store(self) -> Store {
+        fn store(self, lookups: Arc<dyn LookupGenerations>) -> Store {
             Store {
                 teams: Arc::new(Teams { db: self.clone() }),
                 templates: Arc::new(Templates { db: self.clone() }),
@@ -116,6 +119,7 @@ on_both! {
                 nodes: Arc::new(Nodes { db: self.clone() }),
                 layer_blobs: Arc::new(LayerBlobs { db: self.clone() }),
                 request_counts: Arc::new(RequestCounts { db: self }),
+                lookups,
             }
         }
     }
@@ -169,7 +173,8 @@ impl SqliteStore {
                 path: shown,
                 source,
             })?;
-        Ok(db.store())
+        let lookups = Arc::new(lookups::SqliteLookups { db: db.clone() });
+        Ok(db.store(lookups))
     }
 }
 

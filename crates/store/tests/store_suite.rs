@@ -67,6 +67,7 @@ suite!(
     request_counts_add_up_over_hosts,
     team_slots_are_claimed_across_nodes,
     racing_claims_never_pass_the_limit,
+    the_lookup_generation_moves_with_what_cached_lookups_read_from_any_host,
 );
 
 /// A store under test, with what it keeps its data in.
@@ -2052,4 +2053,146 @@ async fn futures_join<T>(tasks: impl IntoIterator<Item = tokio::task::JoinHandle
         out.push(task.await.expect("task"));
     }
     out
+}
+
+/// The lookup generation another host reads, once it is steady: a PostgreSQL host answers a
+/// new one on every read until its listener is up.
+async fn steady_generation(store: &Arc<Store>) -> u64 {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let first = store.lookups.lookup_generation().await.expect("generation");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        if store.lookups.lookup_generation().await.expect("generation") == first {
+            return first;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the generation never settled"
+        );
+    }
+}
+
+/// Whether `store`'s generation moves from `before` within a few seconds (a notification
+/// reaches a PostgreSQL host a moment after the commit).
+async fn moved(store: &Arc<Store>, before: u64) -> bool {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+    while tokio::time::Instant::now() < deadline {
+        if store.lookups.lookup_generation().await.expect("generation") != before {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    false
+}
+
+async fn the_lookup_generation_moves_with_what_cached_lookups_read_from_any_host(f: Fixture) {
+    let [writer, reader] = f.two_hosts().await;
+    let team = team(&writer, "cached").await;
+    let auth = Auth::new(writer.clone());
+    let key = auth.create_api_key(&team, "k", None).await.expect("key");
+    writer
+        .templates
+        .upsert_template(&template("cached-tpl", Some(&team.id), "mine"))
+        .await
+        .expect("template");
+    writer
+        .builds
+        .insert_build(&build(
+            "cached-b",
+            "cached-tpl",
+            BuildStatus::Building,
+            Utc::now(),
+        ))
+        .await
+        .expect("build");
+
+    // What no cached answer depends on, and changes with every create or request.
+    let quiet = steady_generation(&reader).await;
+    writer
+        .teams
+        .touch_api_key(&key.info.id, Utc::now())
+        .await
+        .expect("touch");
+    writer
+        .templates
+        .record_template_spawns("cached-tpl", 3, Utc::now())
+        .await
+        .expect("spawns");
+    writer
+        .sandboxes
+        .insert_sandbox(&sandbox("cached-sbx", &team.id, Utc::now()), &[])
+        .await
+        .expect("sandbox");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(
+        reader
+            .lookups
+            .lookup_generation()
+            .await
+            .expect("generation"),
+        quiet,
+        "key uses, spawn counts and sandboxes leave cached lookups alone"
+    );
+
+    let mut limits = team.limits;
+    limits.max_concurrent_sandboxes += 1;
+    let mut renamed = template("cached-tpl", Some(&team.id), "renamed");
+    renamed.public = true;
+    let mut finished = build("cached-b", "cached-tpl", BuildStatus::Ready, Utc::now());
+    finished.finished_at = Some(Utc::now());
+    moves(&reader, "a new team", async {
+        Auth::new(writer.clone())
+            .create_team("another", LIMITS)
+            .await
+            .map(|_| ())
+    })
+    .await;
+    moves(&reader, "a team's limits", async {
+        writer.teams.set_team_limits(&team.id, &limits).await
+    })
+    .await;
+    moves(&reader, "a new key", async {
+        auth.create_api_key(&team, "k2", None).await.map(|_| ())
+    })
+    .await;
+    moves(&reader, "a deleted key", async {
+        writer
+            .teams
+            .delete_api_key(Some(&team.id), &key.info.id)
+            .await
+    })
+    .await;
+    moves(&reader, "a template's names and visibility", async {
+        writer.templates.upsert_template(&renamed).await
+    })
+    .await;
+    moves(&reader, "a build's status", async {
+        writer.builds.update_build(&finished).await
+    })
+    .await;
+    moves(&reader, "a build's tags", async {
+        writer
+            .builds
+            .set_build_tags("cached-tpl", "cached-b", &["v1".to_owned()])
+            .await
+    })
+    .await;
+    moves(&reader, "a deleted template", async {
+        writer.templates.delete_template("cached-tpl").await
+    })
+    .await;
+}
+
+/// Makes `change` once `reader`'s generation is steady, and checks that it moved.
+async fn moves<T, E: std::fmt::Debug>(
+    reader: &Arc<Store>,
+    what: &str,
+    change: impl std::future::Future<Output = Result<T, E>>,
+) {
+    let before = steady_generation(reader).await;
+    change.await.expect(what);
+    assert!(
+        moved(reader, before).await,
+        "{what} did not move the lookup generation"
+    );
 }

@@ -717,3 +717,48 @@ async fn traffic_to_a_paused_sandbox_without_a_free_slot_is_told_when_to_retry()
         .await;
     assert_eq!(detail.body["state"], "paused");
 }
+
+/// The admin commands change the records from a process of their own: what the server keeps
+/// of a key, its team and a template must not outlive such a change by one request.
+#[tokio::test]
+async fn a_change_made_by_another_process_applies_to_the_servers_next_request() {
+    let h = harness().await;
+    let create = r#"{"templateID": "base", "timeout": 120}"#;
+    // Twice each, so that the second answer can come from what the server kept.
+    for _ in 0..2 {
+        assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::OK);
+        assert_eq!(h.create(create).await.status, StatusCode::CREATED);
+    }
+    let admin_store = common::open_store(&h._dir).await;
+    let admin = Auth::new(admin_store.clone());
+
+    admin
+        .set_team_limits(
+            &h.team_id,
+            one_limit(|c| c.max_sandbox_timeout_secs = Some(60)),
+        )
+        .await
+        .expect("set limits");
+    assert_error(&h.create(create).await, StatusCode::BAD_REQUEST, "60");
+
+    let base = admin_store
+        .templates
+        .template_by_name(None, "base")
+        .await
+        .expect("read")
+        .expect("base");
+    admin_store
+        .templates
+        .delete_template(&base.id)
+        .await
+        .expect("delete");
+    assert_error(
+        &h.create(r#"{"templateID": "base", "timeout": 30}"#).await,
+        StatusCode::NOT_FOUND,
+        "base",
+    );
+
+    let key_id = h.keys().await[0]["id"].as_str().expect("id").to_owned();
+    admin.revoke_api_key(&key_id).await.expect("revoke");
+    assert_eq!(h.sandboxes_status(&h.key).await, StatusCode::UNAUTHORIZED);
+}

@@ -53,7 +53,7 @@ impl SandboxRegistry {
         let template = self
             .shared
             .templates
-            .resolve(team, &request.template)
+            .resolve_to_start(team, &request.template)
             .await?;
         let template = self
             .shared

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 mod builds;
 mod layer_blobs;
+mod lookups;
 mod nodes;
 mod request_counts;
 mod sandbox_events;
@@ -19,6 +20,7 @@ mod webhooks;
 
 pub use builds::BuildRecords;
 pub use layer_blobs::LayerBlobRecords;
+pub use lookups::LookupGenerations;
 pub use nodes::NodeRecords;
 pub use request_counts::RequestCountRecords;
 pub use sandbox_events::SandboxEventRecords;
@@ -52,7 +54,7 @@ impl From<std::convert::Infallible> for StoreError {
 
 /// All of the store's aggregates, one handle each: what the services hold. A caller names
 /// the aggregate that keeps the records it needs (`store.teams.team_by_slug(…)`), so each
-/// backend implements ten small traits and no type answers for all of them.
+/// backend implements a small trait for each and no type answers for all of them.
 #[derive(Clone)]
 pub struct Store {
     pub teams: Arc<dyn TeamRecords>,
@@ -67,6 +69,7 @@ pub struct Store {
     pub nodes: Arc<dyn NodeRecords>,
     pub layer_blobs: Arc<dyn LayerBlobRecords>,
     pub request_counts: Arc<dyn RequestCountRecords>,
+    pub lookups: Arc<dyn LookupGenerations>,
 }
 
 impl std::fmt::Debug for Store {

@@ -75,6 +75,7 @@ impl PgStore {
                 url: shown.clone(),
                 source,
             })?;
-        Ok(pool.store())
+        let lookups = crate::lookups::LookupWatch::start(&pool);
+        Ok(pool.store(lookups))
     }
 }
