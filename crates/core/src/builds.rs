@@ -974,12 +974,7 @@ impl Builds {
         build_id: &str,
         spec: BuildSpec,
     ) -> Result<(), StartBuildError> {
-        let (template, build) = self
-            .own_build::<StartBuildError>(team, template_id, build_id)
-            .await?;
-        if build.status != BuildStatus::Waiting {
-            return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
-        }
+        let (template, build) = self.waiting_build(team, template_id, build_id).await?;
         let base = match &spec.source {
             BuildSource::Template { reference } => {
                 let base = self.resolve_base(team, reference).await?;
@@ -1018,13 +1013,27 @@ impl Builds {
                 )));
             }
         }
-        if let Some((reference, reason)) = self.registry_refusal(&spec.source).await {
-            return Err(StartBuildError::RegistryRefused { reference, reason });
-        }
         self.launch(team, &template, build, spec, base).await
     }
 
-    /// Marks the build running and queues it.
+    /// The team's build `build_id` of `template_id`, which must not have started yet.
+    async fn waiting_build(
+        &self,
+        team: &Team,
+        template_id: &str,
+        build_id: &str,
+    ) -> Result<(Template, BuildRecord), StartBuildError> {
+        let (template, build) = self
+            .own_build::<StartBuildError>(team, template_id, build_id)
+            .await?;
+        if build.status != BuildStatus::Waiting {
+            return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
+        }
+        Ok((template, build))
+    }
+
+    /// Refuses a source the registry policy forbids; otherwise marks the build running and
+    /// queues it.
     async fn launch(
         &self,
         team: &Team,
@@ -1033,6 +1042,9 @@ impl Builds {
         spec: BuildSpec,
         base: Option<TemplateImage>,
     ) -> Result<(), StartBuildError> {
+        if let Some((reference, reason)) = self.registry_refusal(&spec.source).await {
+            return Err(StartBuildError::RegistryRefused { reference, reason });
+        }
         build.spec = Some(spec.clone());
         build.status = BuildStatus::Building;
         build.updated_at = Utc::now();
@@ -1042,19 +1054,30 @@ impl Builds {
             .templates
             .set_template_build(&template.id, BuildStatus::Building, None)
             .await?;
-        let job = BuildJob {
+        let job = self.job_of(&build, Some(team.id.clone()), spec, base);
+        self.spawn(build, job);
+        Ok(())
+    }
+
+    /// What the builder is given to run `build`, sized as the build was recorded.
+    fn job_of(
+        &self,
+        build: &BuildRecord,
+        team_id: Option<String>,
+        spec: BuildSpec,
+        base: Option<TemplateImage>,
+    ) -> BuildJob {
+        BuildJob {
             build_id: build.id.clone(),
-            template_id: template.id.clone(),
-            team_id: Some(team.id.clone()),
+            template_id: build.template_id.clone(),
+            team_id,
             spec,
             base,
             cpu_count: build.cpu_count,
             memory_mb: build.memory_mb,
             disk_size_mb: build.disk_size_mb,
             step_timeout: self.config.step_timeout,
-        };
-        self.spawn(build, job);
-        Ok(())
+        }
     }
 
     /// `POST /templates` and `POST /templates/{id}`: a Dockerfile build, parsed now (a bad
@@ -1132,12 +1155,7 @@ impl Builds {
         template_id: &str,
         build_id: &str,
     ) -> Result<(), StartBuildError> {
-        let (template, build) = self
-            .own_build::<StartBuildError>(team, template_id, build_id)
-            .await?;
-        if build.status != BuildStatus::Waiting {
-            return Err(StartBuildError::AlreadyStarted(build_id.to_owned()));
-        }
+        let (template, build) = self.waiting_build(team, template_id, build_id).await?;
         let mut spec = build.spec.clone().ok_or_else(|| {
             StartBuildError::Invalid(format!(
                 "build '{build_id}' has no Dockerfile; start it with POST /v2/templates/{template_id}/builds/{build_id}"
@@ -1153,9 +1171,6 @@ impl Builds {
                     ))
                 })?;
             }
-        }
-        if let Some((reference, reason)) = self.registry_refusal(&spec.source).await {
-            return Err(StartBuildError::RegistryRefused { reference, reason });
         }
         self.launch(team, &template, build, spec, None).await
     }
@@ -1191,17 +1206,7 @@ impl Builds {
         template.build_count += 1;
         template.updated_at = now;
         self.store.templates.upsert_template(&template).await?;
-        let job = BuildJob {
-            build_id: build.id.clone(),
-            template_id: template.id.clone(),
-            team_id: None,
-            spec,
-            base,
-            cpu_count: build.cpu_count,
-            memory_mb: build.memory_mb,
-            disk_size_mb: build.disk_size_mb,
-            step_timeout: self.config.step_timeout,
-        };
+        let job = self.job_of(&build, None, spec, base);
         let id = build.id.clone();
         self.spawn(build, job);
         Ok(id)

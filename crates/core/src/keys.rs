@@ -326,53 +326,40 @@ impl TeamLimits {
 
     /// These limits with the given ones changed.
     pub fn with(mut self, changes: LimitChanges) -> Self {
-        if let Some(v) = changes.max_concurrent_sandboxes {
-            self.max_concurrent_sandboxes = v;
-        }
-        if let Some(v) = changes.max_sandbox_timeout_secs {
-            self.max_sandbox_timeout_secs = v;
-        }
-        if let Some(v) = changes.requests_per_minute {
-            self.requests_per_minute = v;
-        }
-        if let Some(v) = changes.max_vcpu {
-            self.max_vcpu = v;
-        }
-        if let Some(v) = changes.max_memory_mb {
-            self.max_memory_mb = v;
-        }
-        if let Some(v) = changes.max_disk_mb {
-            self.max_disk_mb = v;
-        }
-        let rates = &mut self.disk_rates;
-        for (change, field) in [
-            (changes.disk_read_mbps, &mut rates.read_mbps),
-            (changes.disk_write_mbps, &mut rates.write_mbps),
-            (changes.disk_read_iops, &mut rates.read_iops),
-            (changes.disk_write_iops, &mut rates.write_iops),
-        ] {
-            if let Some(v) = change {
-                *field = v;
-            }
-        }
-        let caps = &mut self.caps;
-        for (change, field) in [
-            (changes.max_snapshots, &mut caps.max_snapshots),
-            (changes.max_snapshot_mb, &mut caps.max_snapshot_mb),
-            (changes.max_templates, &mut caps.max_templates),
-            (changes.max_volumes, &mut caps.max_volumes),
-            (changes.max_volume_mb, &mut caps.max_volume_mb),
-            (
-                changes.max_tags_per_template,
-                &mut caps.max_tags_per_template,
-            ),
-            (changes.max_api_keys, &mut caps.max_api_keys),
-        ] {
-            if let Some(v) = change {
-                *field = v;
-            }
-        }
+        set_given(
+            &mut self.max_concurrent_sandboxes,
+            changes.max_concurrent_sandboxes,
+        );
+        set_given(
+            &mut self.max_sandbox_timeout_secs,
+            changes.max_sandbox_timeout_secs,
+        );
+        set_given(&mut self.requests_per_minute, changes.requests_per_minute);
+        set_given(&mut self.max_vcpu, changes.max_vcpu);
+        set_given(&mut self.max_memory_mb, changes.max_memory_mb);
+        set_given(&mut self.max_disk_mb, changes.max_disk_mb);
+        set_given(&mut self.disk_rates.read_mbps, changes.disk_read_mbps);
+        set_given(&mut self.disk_rates.write_mbps, changes.disk_write_mbps);
+        set_given(&mut self.disk_rates.read_iops, changes.disk_read_iops);
+        set_given(&mut self.disk_rates.write_iops, changes.disk_write_iops);
+        set_given(&mut self.caps.max_snapshots, changes.max_snapshots);
+        set_given(&mut self.caps.max_snapshot_mb, changes.max_snapshot_mb);
+        set_given(&mut self.caps.max_templates, changes.max_templates);
+        set_given(&mut self.caps.max_volumes, changes.max_volumes);
+        set_given(&mut self.caps.max_volume_mb, changes.max_volume_mb);
+        set_given(
+            &mut self.caps.max_tags_per_template,
+            changes.max_tags_per_template,
+        );
+        set_given(&mut self.caps.max_api_keys, changes.max_api_keys);
         self
+    }
+}
+
+/// Replaces `field` with `change` where one was given.
+fn set_given<T>(field: &mut T, change: Option<T>) {
+    if let Some(value) = change {
+        *field = value;
     }
 }
 

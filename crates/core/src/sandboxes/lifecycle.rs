@@ -40,19 +40,7 @@ impl Lifecycle {
         self.check_timeout(team, timeout_secs)?;
         let sandbox = self.shared.get(team, id).await?;
         let end_at = Utc::now() + seconds(timeout_secs);
-        self.set_end(&sandbox, end_at).await?;
-        self.shared
-            .activity
-            .event(
-                id,
-                LogLevel::Info,
-                "sandbox timeout set",
-                &[("endAt", end_at.to_rfc3339())],
-            )
-            .await;
-        self.shared
-            .lifecycle_event(SandboxEventType::Updated, &sandbox);
-        Ok(())
+        self.move_end(&sandbox, end_at, "sandbox timeout set").await
     }
 
     /// Extends the end time to `timeout_secs` from now unless it is already later.
@@ -66,19 +54,9 @@ impl Lifecycle {
         let mut sandbox = self.shared.get(team, id).await?;
         let wanted = Utc::now() + seconds(timeout_secs);
         if wanted > sandbox.end_at {
-            self.set_end(&sandbox, wanted).await?;
+            self.move_end(&sandbox, wanted, "sandbox timeout extended")
+                .await?;
             sandbox.end_at = wanted;
-            self.shared
-                .activity
-                .event(
-                    id,
-                    LogLevel::Info,
-                    "sandbox timeout extended",
-                    &[("endAt", wanted.to_rfc3339())],
-                )
-                .await;
-            self.shared
-                .lifecycle_event(SandboxEventType::Updated, &sandbox);
         }
         Ok(sandbox)
     }
@@ -96,8 +74,14 @@ impl Lifecycle {
     /// Moves a sandbox's end. The registry changes first, under the lock the reaper claims an
     /// expired sandbox with: either the reaper then sees the new end and leaves the sandbox
     /// running, or it claimed the sandbox first and the extend fails (a stop is not found, a
-    /// pause is a conflict that a connect waits out).
-    async fn set_end(&self, sandbox: &Sandbox, end_at: DateTime<Utc>) -> Result<(), SandboxError> {
+    /// pause is a conflict that a connect waits out). A move that took is told in the
+    /// sandbox's log as `message` and as an update event.
+    async fn move_end(
+        &self,
+        sandbox: &Sandbox,
+        end_at: DateTime<Utc>,
+        message: &str,
+    ) -> Result<(), SandboxError> {
         let id = sandbox.id.as_str();
         let before = {
             let mut live = self.shared.live();
@@ -130,6 +114,17 @@ impl Lifecycle {
             }
             return Err(err.into());
         }
+        self.shared
+            .activity
+            .event(
+                id,
+                LogLevel::Info,
+                message,
+                &[("endAt", end_at.to_rfc3339())],
+            )
+            .await;
+        self.shared
+            .lifecycle_event(SandboxEventType::Updated, sandbox);
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use crate::builds::LogLevel;
 use crate::lifecycle::SandboxStatus;
 use crate::model::SandboxEventType;
 use crate::model::{Sandbox, Team};
-use crate::runtime::RuntimeError;
+use crate::runtime::{RuntimeError, RuntimeHandle};
 
 impl Lifecycle {
     /// Pauses a running sandbox: frozen in place when `memory`, else its processes end and
@@ -106,19 +106,8 @@ impl Lifecycle {
                 return Err(err);
             }
         };
-        if let Some(entry) = self.shared.live().get_mut(id) {
-            entry.endpoint = None;
-        }
-        if let Err(err) = self
-            .shared
-            .transition(id, SandboxStatus::Shelved, Some(&handle))
-            .await
-        {
-            // Its processes are gone whatever the store says.
-            self.shared
-                .set_status(id, SandboxStatus::Shelved, Some(&handle));
-            return Err(err.into());
-        }
+        self.record_processes_ended(id, SandboxStatus::Shelved, &handle)
+            .await?;
         self.shared
             .activity
             .event(
@@ -132,6 +121,25 @@ impl Lifecycle {
             .lifecycle_event(SandboxEventType::Paused, sandbox);
         tracing::info!(sandbox_id = %id, "sandbox paused without memory");
         Ok(())
+    }
+
+    /// Records that sandbox `id`'s processes ended, leaving it `status` with `handle`: its
+    /// endpoint goes, and the registry holds the new status even where the store could not
+    /// be told, since the processes are gone whatever the store says.
+    async fn record_processes_ended(
+        &self,
+        id: &str,
+        status: SandboxStatus,
+        handle: &RuntimeHandle,
+    ) -> Result<(), TransitionError> {
+        if let Some(entry) = self.shared.live().get_mut(id) {
+            entry.endpoint = None;
+        }
+        let recorded = self.shared.transition(id, status, Some(handle)).await;
+        if recorded.is_err() {
+            self.shared.set_status(id, status, Some(handle));
+        }
+        recorded.map(drop)
     }
 
     /// Starts [`Self::checkpoint_paused`] beside the caller unless one still runs: the
@@ -225,19 +233,13 @@ impl Lifecycle {
         match result {
             Ok(None) => {}
             Ok(Some(checkpointed)) => {
-                if let Some(entry) = self.shared.live().get_mut(id) {
-                    entry.endpoint = None;
-                }
                 if let Err(err) = self
-                    .shared
-                    .transition(id, SandboxStatus::Checkpointed, Some(&checkpointed))
+                    .record_processes_ended(id, SandboxStatus::Checkpointed, &checkpointed)
                     .await
                 {
                     // A restart finds it recorded as checkpointing, with its processes gone
                     // and a complete checkpoint: it is adopted as checkpointed then.
                     tracing::error!(sandbox_id = %id, error = %err, "cannot record the checkpoint");
-                    self.shared
-                        .set_status(id, SandboxStatus::Checkpointed, Some(&checkpointed));
                 }
                 let ms = started.elapsed().as_millis() as u64;
                 self.shared
