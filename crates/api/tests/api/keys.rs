@@ -87,6 +87,24 @@ impl Harness {
             .await
     }
 
+    /// Deletes the credential `id` at `path`: from then on a `GET` of the probe's path with
+    /// it is refused with `refusal`, and a second delete finds nothing.
+    async fn revoke(&self, path: &str, id: &str, probe: (&str, Cred<'_>), refusal: &str) {
+        let deleted = self.call("DELETE", path, self.bearer(), None).await;
+        assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+        let (probe_path, credential) = probe;
+        assert_error(
+            &self.call("GET", probe_path, credential, None).await,
+            StatusCode::UNAUTHORIZED,
+            refusal,
+        );
+        assert_error(
+            &self.call("DELETE", path, self.bearer(), None).await,
+            StatusCode::NOT_FOUND,
+            id,
+        );
+    }
+
     async fn sandboxes_status(&self, key: &str) -> StatusCode {
         self.call("GET", "/v2/sandboxes", Cred::Key(key), None)
             .await
@@ -158,21 +176,13 @@ async fn api_keys_are_listed_masked_created_once_renamed_and_deleted() {
     assert_eq!(renamed.status, StatusCode::OK, "{:?}", renamed.body);
     assert!(h.keys().await.iter().any(|k| k["name"] == "deploy"));
 
-    let deleted = h
-        .call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
-        .await;
-    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
-    assert_error(
-        &h.call("GET", "/v2/sandboxes", Cred::Key(&key), None).await,
-        StatusCode::UNAUTHORIZED,
-        "invalid api key",
-    );
-    assert_error(
-        &h.call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
-            .await,
-        StatusCode::NOT_FOUND,
+    h.revoke(
+        &format!("/api-keys/{id}"),
         &id,
-    );
+        ("/v2/sandboxes", Cred::Key(&key)),
+        "invalid api key",
+    )
+    .await;
     assert_eq!(h.keys().await.len(), 1);
 }
 
@@ -396,21 +406,13 @@ async fn access_tokens_are_created_once_and_stop_working_when_deleted() {
     let keys = h.call("GET", "/api-keys", Cred::Bearer(&token), None).await;
     assert_eq!(keys.body.as_array().map(Vec::len), Some(1));
 
-    let deleted = h
-        .call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
-        .await;
-    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
-    assert_error(
-        &h.call("GET", "/api-keys", Cred::Bearer(&token), None).await,
-        StatusCode::UNAUTHORIZED,
-        "invalid access token",
-    );
-    assert_error(
-        &h.call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
-            .await,
-        StatusCode::NOT_FOUND,
+    h.revoke(
+        &format!("/access-tokens/{id}"),
         &id,
-    );
+        ("/api-keys", Cred::Bearer(&token)),
+        "invalid access token",
+    )
+    .await;
     // The template endpoints that take an access token refuse it as well.
     assert_error(
         &h.call(
