@@ -15,7 +15,7 @@ use sandbar_core::auth::{Credentials, TeamLimits};
 use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Value, json};
 
-use common::{Cred, FakeRuntime, Setup};
+use common::{Cred, FakeRuntime, Reply, Setup};
 
 const MIB: u64 = 1 << 20;
 
@@ -37,11 +37,6 @@ struct Harness {
     creds: Credentials,
 }
 
-struct Reply {
-    status: StatusCode,
-    body: Value,
-}
-
 async fn harness(caps: TeamCaps) -> Harness {
     let server = common::serve(Setup {
         limits: TeamLimits {
@@ -61,11 +56,7 @@ async fn harness(caps: TeamCaps) -> Harness {
 }
 
 async fn send(app: axum::Router, request: Request<Body>) -> Reply {
-    let answer = common::send(&app, request).await;
-    Reply {
-        status: answer.status,
-        body: answer.json_or_null(),
-    }
+    common::send(&app, request).await.reply()
 }
 
 impl Harness {

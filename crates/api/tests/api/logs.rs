@@ -44,12 +44,9 @@ async fn harness(config: SandboxesConfig) -> Harness {
 
 impl Harness {
     async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
-        let answer = common::send(&self.app, common::json_request(method, path, key, body)).await;
-        Reply {
-            status: answer.status,
-            body: common::json_body(method, path, &answer.bytes),
-            headers: answer.headers,
-        }
+        common::send(&self.app, common::json_request(method, path, key, body))
+            .await
+            .json_reply(method, path)
     }
 
     async fn get(&self, path: &str) -> Reply {

@@ -12,17 +12,12 @@ use sandbar_api::router;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::{FakeRuntime, KEY, Setup};
+use common::{FakeRuntime, KEY, Reply, Setup};
 
 struct Harness {
     _dir: tempfile::TempDir,
     app: axum::Router,
     runtime: Arc<FakeRuntime>,
-}
-
-struct Reply {
-    status: StatusCode,
-    body: Value,
 }
 
 async fn harness() -> Harness {
@@ -40,17 +35,7 @@ async fn harness() -> Harness {
 
 impl Harness {
     async fn send(&self, request: Request<Body>) -> Reply {
-        let answer = common::send(&self.app, request).await;
-        let body = if answer.bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&answer.bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&answer.bytes).into()))
-        };
-        Reply {
-            status: answer.status,
-            body,
-        }
+        common::send(&self.app, request).await.reply()
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<&str>) -> Reply {

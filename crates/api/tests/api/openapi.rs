@@ -13,7 +13,7 @@ use sandbar_core::auth::Credentials;
 use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Map, Value, json};
 
-use common::{Cred, Setup};
+use common::{Cred, Reply, Setup};
 
 /// The endpoints of E2B's API reference (method, path) that the document must describe.
 const SEED_ENDPOINTS: &[(&str, &str)] = &[
@@ -156,12 +156,6 @@ struct Harness {
     creds: Credentials,
 }
 
-struct Reply {
-    status: StatusCode,
-    body: Value,
-    raw: Vec<u8>,
-}
-
 async fn harness() -> Harness {
     let server = common::serve(Setup {
         volumes: Some(DEFAULT_CONTENT_REQUESTS_PER_MINUTE),
@@ -179,12 +173,7 @@ async fn harness() -> Harness {
 impl Harness {
     async fn call(&self, method: &str, uri: &str, cred: Cred<'_>, body: Option<Value>) -> Reply {
         let request = common::request(method, uri, cred, body.map(|b| b.to_string()));
-        let answer = common::send(&self.app, request).await;
-        Reply {
-            status: answer.status,
-            body: answer.json_or_null(),
-            raw: answer.bytes.to_vec(),
-        }
+        common::send(&self.app, request).await.reply()
     }
 
     /// Calls `uri` (an instance of the documented `template`) and checks the answer against

@@ -10,19 +10,12 @@ use axum::http::{Request, StatusCode};
 use sandbar_api::router;
 use serde_json::{Value, json};
 
-use common::{Cred, FakeRuntime, KEY, OTHER_KEY, Setup};
+use common::{Cred, FakeRuntime, KEY, OTHER_KEY, Reply, Setup};
 
 struct Harness {
     dir: tempfile::TempDir,
     app: axum::Router,
     runtime: Arc<FakeRuntime>,
-}
-
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
-    raw: Vec<u8>,
 }
 
 async fn harness() -> Harness {
@@ -47,13 +40,7 @@ async fn harness_with_rate(per_minute: u32) -> Harness {
 
 impl Harness {
     async fn send(&self, request: Request<Body>) -> Reply {
-        let answer = common::send(&self.app, request).await;
-        Reply {
-            status: answer.status,
-            body: answer.json_or_null(),
-            headers: answer.headers,
-            raw: answer.bytes.to_vec(),
-        }
+        common::send(&self.app, request).await.reply()
     }
 
     async fn call(&self, method: &str, path: &str, key: &str, body: Option<Value>) -> Reply {

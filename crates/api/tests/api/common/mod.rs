@@ -7,8 +7,7 @@ pub mod runtime;
 
 pub use app::{
     Answer, Cred, KEY, LIMITS, OTHER_KEY, Reply, Setup, add_other_team, call, error_message,
-    json_body, json_request, open_store, request, requested_build, retry_after, sandboxes, send,
-    serve, state,
+    json_request, open_store, request, requested_build, retry_after, sandboxes, send, serve, state,
 };
 pub use runtime::FakeRuntime;
 
