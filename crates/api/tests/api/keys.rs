@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use sandbar_api::router;
 use sandbar_core::{Auth, LimitChanges, TeamAdminError};
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -35,7 +34,7 @@ async fn harness() -> Harness {
     let server = common::serve(Setup::default()).await;
     let creds = &server.credentials;
     Harness {
-        app: router(server.state()),
+        app: server.app,
         team_id: creds.team_id.clone(),
         key: creds.api_key.clone(),
         token: creds.access_token.clone(),

@@ -8,7 +8,6 @@ use crate::common;
 
 use axum::http::StatusCode;
 use chrono::Utc;
-use sandbar_api::router;
 use sandbar_core::Store;
 use sandbar_core::{Sandboxes, SandboxesConfig};
 use serde_json::Value;
@@ -33,7 +32,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
     })
     .await;
     Harness {
-        app: router(server.state()),
+        app: server.app,
         team_id: server.credentials.team_id,
         _dir: server.dir,
         runtime: server.runtime,

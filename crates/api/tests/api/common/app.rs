@@ -103,6 +103,8 @@ pub struct Server {
     pub sandboxes: Arc<Sandboxes>,
     pub builds: Builds,
     pub credentials: Credentials,
+    /// The single host's router over these services.
+    pub app: axum::Router,
 }
 
 pub async fn serve(setup: Setup) -> Server {
@@ -130,15 +132,23 @@ pub async fn serve(setup: Setup) -> Server {
         sandboxes = sandboxes.with_volumes(Arc::new(volumes));
     }
     let builds = builds_with(store.clone(), &templates, setup.builder);
+    let sandboxes = Arc::new(sandboxes);
+    let app = sandbar_api::router(state(
+        auth.clone(),
+        sandboxes.clone(),
+        builds.clone(),
+        templates.clone(),
+    ));
     Server {
         dir,
         store,
         auth,
         templates,
         runtime: setup.runtime,
-        sandboxes: Arc::new(sandboxes),
+        sandboxes,
         builds,
         credentials,
+        app,
     }
 }
 
@@ -151,6 +161,11 @@ impl Server {
             self.builds.clone(),
             self.templates.clone(),
         )
+    }
+
+    /// Sends `request` to [`Self::app`] and reads the answer as [`Answer::reply`] does.
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        send(&self.app, request).await.reply()
     }
 
     pub async fn team(&self) -> Team {
