@@ -32,10 +32,12 @@ use axum::Router;
 use axum::routing::get;
 use sandbar_core::{Auth, Builds, RateLimits, Sandboxes, Templates};
 use utoipa::OpenApi;
+use utoipa::openapi::path::HttpMethod;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 pub use edge::EdgeConfig;
+use openapi::{OtherVersion, RouteOtherVersion};
 pub use webhook_transport::HttpWebhookTransport;
 
 /// Everything handlers need, cheap to clone.
@@ -61,13 +63,26 @@ pub enum ClusterRole {
 }
 
 /// The REST API with its description: every route here is registered from its handler's
-/// `#[utoipa::path]`, so the router and `/openapi.json` cannot disagree.
+/// `#[utoipa::path]`, or as another version of a route that is, so the router and
+/// `/openapi.json` cannot disagree.
 fn rest_routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
         .routes(routes!(health))
         .routes(routes!(openapi::serve))
-        .routes(routes!(sandboxes::list_v1, sandboxes::create_v1))
+        .routes(routes!(sandboxes::list_v1))
         .routes(routes!(sandboxes::list_v2, sandboxes::create_v2))
+        .other_version(
+            sandboxes::create_v1,
+            OtherVersion {
+                method: HttpMethod::Post,
+                documented_at: "/v2/sandboxes",
+                path: "/sandboxes",
+                operation_id: "postSandboxes",
+                summary: Some(
+                    "The 429 of a full team carries `Retry-After` with when its next sandbox ends.",
+                ),
+            },
+        )
         .routes(routes!(sandboxes::detail, sandboxes::kill))
         .routes(routes!(sandboxes::set_timeout))
         .routes(routes!(sandboxes::refresh))
@@ -83,8 +98,17 @@ fn rest_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(snapshots::fork))
         .routes(routes!(templates::list, templates::create_from_dockerfile))
         .routes(routes!(templates::alias))
-        .routes(routes!(templates::request_build_v3))
-        .routes(routes!(templates::request_build_v2))
+        .routes(routes!(templates::request_build))
+        .other_version(
+            templates::request_build,
+            OtherVersion {
+                method: HttpMethod::Post,
+                documented_at: "/v3/templates",
+                path: "/v2/templates",
+                operation_id: "postV2Templates",
+                summary: Some("`POST /v2/templates`: as v3, with the template named by `alias`."),
+            },
+        )
         .routes(routes!(templates::assign_tags, templates::delete_tags))
         .routes(routes!(templates::tags))
         .routes(routes!(
@@ -93,7 +117,16 @@ fn rest_routes() -> OpenApiRouter<AppState> {
             templates::delete,
             templates::update
         ))
-        .routes(routes!(templates::update_v2))
+        .other_version(
+            templates::update,
+            OtherVersion {
+                method: HttpMethod::Patch,
+                documented_at: "/templates/{templateID}",
+                path: "/v2/templates/{templateID}",
+                operation_id: "patchV2Template",
+                summary: None,
+            },
+        )
         .routes(routes!(templates::file_link))
         .routes(routes!(templates::upload))
         .routes(routes!(

@@ -8,16 +8,22 @@
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
+use axum::handler::Handler;
 use axum::http::header;
 use axum::response::IntoResponse;
+use axum::routing::on;
 use utoipa::openapi::content::ContentBuilder;
 use utoipa::openapi::header::HeaderBuilder;
+use utoipa::openapi::path::HttpMethod;
 use utoipa::openapi::response::{Response, ResponseBuilder};
 use utoipa::openapi::schema::{ObjectBuilder, Type};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{Ref, RefOr};
 use utoipa::{IntoParams, IntoResponses, Modify, OpenApi};
+use utoipa_axum::PathItemExt;
+use utoipa_axum::router::OpenApiRouter;
 
+use crate::AppState;
 use crate::error::ErrorBody;
 
 /// The document's fixed parts; paths and their schemas are added by the router.
@@ -112,6 +118,45 @@ impl IntoResponses for CommonErrors {
                 error("An unexpected server error").build().into(),
             ),
         ])
+    }
+}
+
+/// Another API version's route to an operation documented at a path of its own: the same
+/// handler serves both, and the document repeats that operation under this route's ID.
+pub(crate) struct OtherVersion {
+    pub method: HttpMethod,
+    pub documented_at: &'static str,
+    pub path: &'static str,
+    pub operation_id: &'static str,
+    /// Replaces the documented operation's summary.
+    pub summary: Option<&'static str>,
+}
+
+pub(crate) trait RouteOtherVersion {
+    /// Routes `handler` at `route.path` and documents it there; the documented operation must
+    /// already be routed.
+    fn other_version<H, T>(self, handler: H, route: OtherVersion) -> Self
+    where
+        H: Handler<T, AppState>,
+        T: 'static;
+}
+
+impl RouteOtherVersion for OpenApiRouter<AppState> {
+    fn other_version<H, T>(mut self, handler: H, route: OtherVersion) -> Self
+    where
+        H: Handler<T, AppState>,
+        T: 'static,
+    {
+        let paths = &mut self.get_openapi_mut().paths;
+        if let Some(documented) =
+            paths.get_path_operation(route.documented_at, route.method.clone())
+        {
+            let mut operation = documented.clone();
+            operation.operation_id = Some(route.operation_id.to_owned());
+            operation.summary = route.summary.map(str::to_owned);
+            paths.add_path_operation(route.path, vec![route.method.clone()], operation);
+        }
+        self.route(route.path, on(route.method.to_method_filter(), handler))
     }
 }
 

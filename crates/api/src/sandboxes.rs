@@ -211,20 +211,8 @@ pub(crate) async fn create_v2(
     create(&state, &team, request).await
 }
 
-/// The 429 of a full team carries `Retry-After` with when its next sandbox ends.
-#[utoipa::path(
-    post,
-    path = "/sandboxes",
-    tag = "sandboxes",
-    operation_id = "postSandboxes",
-    security(("ApiKeyAuth" = [])),
-    request_body = NewSandbox,
-    responses(
-        (status = 201, description = "The sandbox was started", body = SandboxCreated),
-        CreateErrors,
-        CommonErrors,
-    )
-)]
+/// `POST /sandboxes`: [`create_v2`] with v1's default timeout, documented as a copy of it
+/// (see `crate::rest_routes`).
 pub(crate) async fn create_v1(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,

@@ -251,45 +251,15 @@ enum RequestBuildErrors {
         CommonErrors,
     )
 )]
-pub(crate) async fn request_build_v3(
+pub(crate) async fn request_build(
     State(state): State<AppState>,
     ApiKeyTeam(team): ApiKeyTeam,
     JsonBody(body): JsonBody<RequestBuildBody>,
-) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
-    request_build(&state, &team, body).await
-}
-
-/// `POST /v2/templates`: as v3, with the template named by `alias`.
-#[utoipa::path(
-    post,
-    path = "/v2/templates",
-    tag = "templates",
-    operation_id = "postV2Templates",
-    security(("ApiKeyAuth" = [])),
-    request_body = RequestBuildBody,
-    responses(
-        (status = 202, description = "The template and its build were registered", body = BuildRequestedBody),
-        RequestBuildErrors,
-        CommonErrors,
-    )
-)]
-pub(crate) async fn request_build_v2(
-    State(state): State<AppState>,
-    ApiKeyTeam(team): ApiKeyTeam,
-    JsonBody(body): JsonBody<RequestBuildBody>,
-) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
-    request_build(&state, &team, body).await
-}
-
-async fn request_build(
-    state: &AppState,
-    team: &sandbar_core::Team,
-    body: RequestBuildBody,
 ) -> Result<(StatusCode, Json<BuildRequestedBody>), ApiError> {
     let requested = state
         .builds
         .request(
-            team,
+            &team,
             RequestBuild {
                 name: body.name.or(body.alias),
                 tags: body.tags,
@@ -849,42 +819,9 @@ pub(crate) async fn update(
     PathParam(template_id): PathParam<String>,
     JsonBody(body): JsonBody<UpdateBody>,
 ) -> Result<Json<TemplateNames>, ApiError> {
-    update_template(&state, &team, &template_id, body).await
-}
-
-#[utoipa::path(
-    patch,
-    path = "/v2/templates/{templateID}",
-    tag = "templates",
-    operation_id = "patchV2Template",
-    security(("ApiKeyAuth" = [])),
-    params(TemplatePath),
-    request_body = UpdateBody,
-    responses(
-        (status = 200, description = "The template's names", body = TemplateNames),
-        ChangeErrors,
-        UpdateErrors,
-        CommonErrors,
-    )
-)]
-pub(crate) async fn update_v2(
-    State(state): State<AppState>,
-    ApiKeyTeam(team): ApiKeyTeam,
-    PathParam(template_id): PathParam<String>,
-    JsonBody(body): JsonBody<UpdateBody>,
-) -> Result<Json<TemplateNames>, ApiError> {
-    update_template(&state, &team, &template_id, body).await
-}
-
-async fn update_template(
-    state: &AppState,
-    team: &sandbar_core::Team,
-    template_id: &str,
-    body: UpdateBody,
-) -> Result<Json<TemplateNames>, ApiError> {
     let template = match body.public {
-        Some(public) => state.builds.set_public(team, template_id, public).await?,
-        None => state.templates.resolve(team, template_id).await?,
+        Some(public) => state.builds.set_public(&team, &template_id, public).await?,
+        None => state.templates.resolve(&team, &template_id).await?,
     };
     Ok(Json(TemplateNames {
         names: template.names(),

@@ -4,18 +4,16 @@
 
 use crate::common;
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use sandbar_api::router;
 use sandbar_core::TeamCaps;
-use sandbar_core::auth::{Credentials, TeamLimits};
+use sandbar_core::auth::TeamLimits;
 use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Value, json};
 
-use common::{Cred, FakeRuntime, Setup};
+use common::{Cred, Reply, Server, Setup};
 
 const MIB: u64 = 1 << 20;
 
@@ -31,15 +29,7 @@ const ROOMY: TeamCaps = TeamCaps {
 };
 
 struct Harness {
-    dir: tempfile::TempDir,
-    app: axum::Router,
-    runtime: Arc<FakeRuntime>,
-    creds: Credentials,
-}
-
-struct Reply {
-    status: StatusCode,
-    body: Value,
+    server: Server,
 }
 
 async fn harness(caps: TeamCaps) -> Harness {
@@ -52,20 +42,11 @@ async fn harness(caps: TeamCaps) -> Harness {
         ..Setup::default()
     })
     .await;
-    Harness {
-        app: router(server.state()),
-        creds: server.credentials,
-        dir: server.dir,
-        runtime: server.runtime,
-    }
+    Harness { server }
 }
 
 async fn send(app: axum::Router, request: Request<Body>) -> Reply {
-    let answer = common::send(&app, request).await;
-    Reply {
-        status: answer.status,
-        body: answer.json_or_null(),
-    }
+    common::send(&app, request).await.reply()
 }
 
 impl Harness {
@@ -73,21 +54,21 @@ impl Harness {
         Request::builder()
             .method(method)
             .uri(path)
-            .header("X-API-Key", &self.creds.api_key)
+            .header("X-API-Key", &self.server.credentials.api_key)
             .header("content-type", "application/json")
             .body(Body::from(body.map(|b| b.to_string()).unwrap_or_default()))
             .expect("request")
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
-        send(self.app.clone(), self.request(method, path, body)).await
+        self.server.send(self.request(method, path, body)).await
     }
 
     /// Sends all `requests` at once; their statuses, sorted.
     async fn race(&self, requests: impl IntoIterator<Item = Request<Body>>) -> Vec<StatusCode> {
         let racing: Vec<_> = requests
             .into_iter()
-            .map(|request| tokio::spawn(send(self.app.clone(), request)))
+            .map(|request| tokio::spawn(send(self.server.app.clone(), request)))
             .collect();
         let mut statuses = Vec::new();
         for task in racing {
@@ -101,7 +82,7 @@ impl Harness {
         common::request(
             "POST",
             "/api-keys",
-            Cred::Bearer(&self.creds.access_token),
+            Cred::Bearer(&self.server.credentials.access_token),
             Some(r#"{"name":"more"}"#.to_owned()),
         )
     }
@@ -137,7 +118,7 @@ impl Harness {
             .header("Authorization", format!("Bearer {token}"))
             .body(Body::from(vec![b'x'; bytes]))
             .expect("request");
-        send(self.app.clone(), request).await
+        self.server.send(request).await
     }
 
     /// The team's reply at a cap: the status, and the message naming the limit.
@@ -145,7 +126,7 @@ impl Harness {
         let message = common::error_message(reply.status, &reply.body, status).unwrap_or_default();
         let expected = format!(
             "team {} has reached its limit of {limit}",
-            self.creds.team_id
+            self.server.credentials.team_id
         );
         assert!(
             message.starts_with(&expected),
@@ -198,7 +179,10 @@ async fn snapshot_memory_images_past_the_bytes_answer_507() {
     })
     .await;
     let id = h.sandbox().await;
-    h.runtime.snapshot_bytes.store(3 * MIB, Ordering::SeqCst);
+    h.server
+        .runtime
+        .snapshot_bytes
+        .store(3 * MIB, Ordering::SeqCst);
     assert_eq!(h.snapshot(&id, None).await.status, StatusCode::CREATED);
     // 3 MiB kept and 3 more would pass 5: the copy is taken, measured and let go.
     let refused = h.snapshot(&id, None).await;
@@ -215,9 +199,12 @@ async fn snapshot_memory_images_past_the_bytes_answer_507() {
     let listed = h.api("GET", "/snapshots", None).await;
     assert_eq!(listed.body.as_array().map(Vec::len), Some(1));
     // One that fits exactly is kept; then the cap is reached before anything is copied.
-    h.runtime.snapshot_bytes.store(2 * MIB, Ordering::SeqCst);
+    h.server
+        .runtime
+        .snapshot_bytes
+        .store(2 * MIB, Ordering::SeqCst);
     assert_eq!(h.snapshot(&id, None).await.status, StatusCode::CREATED);
-    h.runtime.snapshot_bytes.store(0, Ordering::SeqCst);
+    h.server.runtime.snapshot_bytes.store(0, Ordering::SeqCst);
     let full = h.snapshot(&id, None).await;
     h.assert_refused(
         &full,
@@ -359,7 +346,12 @@ async fn volume_bytes_past_the_cap_answer_507_to_writes_and_new_volumes() {
     );
     // What a sandbox writes into a mounted volume counts too: past the cap, no new volume.
     let id = data.body["volumeID"].as_str().expect("id");
-    let team_dir = h.dir.path().join("volumes").join(&h.creds.team_id);
+    let team_dir = h
+        .server
+        .dir
+        .path()
+        .join("volumes")
+        .join(&h.server.credentials.team_id);
     std::fs::write(
         team_dir.join(id).join("from-a-sandbox"),
         vec![b'y'; MIB as usize],
@@ -386,6 +378,6 @@ async fn api_keys_past_the_count_answer_429_and_racing_creates_take_one_slot() {
             StatusCode::TOO_MANY_REQUESTS
         ]
     );
-    let refused = send(h.app.clone(), h.new_key_request()).await;
+    let refused = h.server.send(h.new_key_request()).await;
     h.assert_refused(&refused, StatusCode::TOO_MANY_REQUESTS, "2 API keys");
 }

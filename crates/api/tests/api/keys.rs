@@ -7,7 +7,6 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use sandbar_api::router;
 use sandbar_core::{Auth, LimitChanges, TeamAdminError};
 use serde_json::{Value, json};
 use tower::ServiceExt;
@@ -35,7 +34,7 @@ async fn harness() -> Harness {
     let server = common::serve(Setup::default()).await;
     let creds = &server.credentials;
     Harness {
-        app: router(server.state()),
+        app: server.app,
         team_id: creds.team_id.clone(),
         key: creds.api_key.clone(),
         token: creds.access_token.clone(),
@@ -85,6 +84,24 @@ impl Harness {
     async fn create(&self, body: &str) -> Reply {
         self.call("POST", "/v2/sandboxes", Cred::Key(&self.key), Some(body))
             .await
+    }
+
+    /// Deletes the credential `id` at `path`: from then on a `GET` of the probe's path with
+    /// it is refused with `refusal`, and a second delete finds nothing.
+    async fn revoke(&self, path: &str, id: &str, probe: (&str, Cred<'_>), refusal: &str) {
+        let deleted = self.call("DELETE", path, self.bearer(), None).await;
+        assert_eq!(deleted.status, StatusCode::NO_CONTENT);
+        let (probe_path, credential) = probe;
+        assert_error(
+            &self.call("GET", probe_path, credential, None).await,
+            StatusCode::UNAUTHORIZED,
+            refusal,
+        );
+        assert_error(
+            &self.call("DELETE", path, self.bearer(), None).await,
+            StatusCode::NOT_FOUND,
+            id,
+        );
     }
 
     async fn sandboxes_status(&self, key: &str) -> StatusCode {
@@ -158,21 +175,13 @@ async fn api_keys_are_listed_masked_created_once_renamed_and_deleted() {
     assert_eq!(renamed.status, StatusCode::OK, "{:?}", renamed.body);
     assert!(h.keys().await.iter().any(|k| k["name"] == "deploy"));
 
-    let deleted = h
-        .call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
-        .await;
-    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
-    assert_error(
-        &h.call("GET", "/v2/sandboxes", Cred::Key(&key), None).await,
-        StatusCode::UNAUTHORIZED,
-        "invalid api key",
-    );
-    assert_error(
-        &h.call("DELETE", &format!("/api-keys/{id}"), h.bearer(), None)
-            .await,
-        StatusCode::NOT_FOUND,
+    h.revoke(
+        &format!("/api-keys/{id}"),
         &id,
-    );
+        ("/v2/sandboxes", Cred::Key(&key)),
+        "invalid api key",
+    )
+    .await;
     assert_eq!(h.keys().await.len(), 1);
 }
 
@@ -396,21 +405,13 @@ async fn access_tokens_are_created_once_and_stop_working_when_deleted() {
     let keys = h.call("GET", "/api-keys", Cred::Bearer(&token), None).await;
     assert_eq!(keys.body.as_array().map(Vec::len), Some(1));
 
-    let deleted = h
-        .call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
-        .await;
-    assert_eq!(deleted.status, StatusCode::NO_CONTENT);
-    assert_error(
-        &h.call("GET", "/api-keys", Cred::Bearer(&token), None).await,
-        StatusCode::UNAUTHORIZED,
-        "invalid access token",
-    );
-    assert_error(
-        &h.call("DELETE", &format!("/access-tokens/{id}"), h.bearer(), None)
-            .await,
-        StatusCode::NOT_FOUND,
+    h.revoke(
+        &format!("/access-tokens/{id}"),
         &id,
-    );
+        ("/api-keys", Cred::Bearer(&token)),
+        "invalid access token",
+    )
+    .await;
     // The template endpoints that take an access token refuse it as well.
     assert_error(
         &h.call(

@@ -9,7 +9,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use sandbar_api::router;
 use sandbar_core::Store;
 use sandbar_core::auth::TeamLimits;
 use sandbar_core::{Builds, CreateSandbox, SandboxError, SandboxState, Sandboxes, Team};
@@ -42,8 +41,8 @@ async fn harness(gated: &[&'static str]) -> Harness {
     })
     .await;
     Harness {
-        app: router(server.state()),
         team: server.team().await,
+        app: server.app,
         _dir: server.dir,
         store: server.store,
         sandboxes: server.sandboxes,

@@ -8,7 +8,6 @@ use crate::common;
 
 use axum::http::StatusCode;
 use chrono::Utc;
-use sandbar_api::router;
 use sandbar_core::Store;
 use sandbar_core::{Sandboxes, SandboxesConfig};
 use serde_json::Value;
@@ -33,7 +32,7 @@ async fn harness(config: SandboxesConfig) -> Harness {
     })
     .await;
     Harness {
-        app: router(server.state()),
+        app: server.app,
         team_id: server.credentials.team_id,
         _dir: server.dir,
         runtime: server.runtime,
@@ -44,12 +43,9 @@ async fn harness(config: SandboxesConfig) -> Harness {
 
 impl Harness {
     async fn call(&self, method: &str, path: &str, key: Option<&str>, body: Option<&str>) -> Reply {
-        let answer = common::send(&self.app, common::json_request(method, path, key, body)).await;
-        Reply {
-            status: answer.status,
-            body: common::json_body(method, path, &answer.bytes),
-            headers: answer.headers,
-        }
+        common::send(&self.app, common::json_request(method, path, key, body))
+            .await
+            .json_reply(method, path)
     }
 
     async fn get(&self, path: &str) -> Reply {

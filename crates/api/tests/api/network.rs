@@ -4,25 +4,15 @@
 
 use crate::common;
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use sandbar_api::router;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use common::{FakeRuntime, KEY, Setup};
+use common::{KEY, Reply, Server, Setup};
 
 struct Harness {
-    _dir: tempfile::TempDir,
-    app: axum::Router,
-    runtime: Arc<FakeRuntime>,
-}
-
-struct Reply {
-    status: StatusCode,
-    body: Value,
+    server: Server,
 }
 
 async fn harness() -> Harness {
@@ -31,30 +21,13 @@ async fn harness() -> Harness {
         ..Setup::default()
     })
     .await;
-    Harness {
-        app: router(server.state()),
-        _dir: server.dir,
-        runtime: server.runtime,
-    }
+    Harness { server }
 }
 
 impl Harness {
-    async fn send(&self, request: Request<Body>) -> Reply {
-        let answer = common::send(&self.app, request).await;
-        let body = if answer.bytes.is_empty() {
-            Value::Null
-        } else {
-            serde_json::from_slice(&answer.bytes)
-                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&answer.bytes).into()))
-        };
-        Reply {
-            status: answer.status,
-            body,
-        }
-    }
-
     async fn api(&self, method: &str, path: &str, body: Option<&str>) -> Reply {
-        self.send(common::json_request(method, path, Some(KEY), body))
+        self.server
+            .send(common::json_request(method, path, Some(KEY), body))
             .await
     }
 
@@ -66,7 +39,7 @@ impl Harness {
     }
 
     fn launched(&self) -> usize {
-        self.runtime.launches()
+        self.server.runtime.launches()
     }
 }
 
@@ -90,7 +63,7 @@ async fn egress_rules_reach_the_runtime_and_read_back() {
     assert!(created["trafficAccessToken"].is_null());
     let id = created["sandboxID"].as_str().expect("id").to_owned();
     {
-        let launched = h.runtime.launched.lock().expect("lock");
+        let launched = h.server.runtime.launched.lock().expect("lock");
         let spec = launched.last().expect("launched");
         assert!(spec.allow_internet_access);
         assert_eq!(spec.egress.allow_nets.len(), 2);
@@ -108,7 +81,7 @@ async fn egress_rules_reach_the_runtime_and_read_back() {
 
     // A sandbox without network settings has no rules and shows none.
     let plain = h.create(json!({})).await;
-    let launched = h.runtime.launches();
+    let launched = h.server.runtime.launches();
     assert_eq!(launched, 2);
     let detail = h
         .api(
@@ -134,7 +107,7 @@ async fn no_internet_access_without_allowed_destinations_isolates() {
     .to_string();
     let reply = h.api("POST", "/v2/sandboxes", Some(&body)).await;
     assert_eq!(reply.status, StatusCode::CREATED);
-    let launched = h.runtime.launched.lock().expect("lock");
+    let launched = h.server.runtime.launched.lock().expect("lock");
     assert!(!launched[0].allow_internet_access);
     assert!(launched[0].egress.is_isolated());
     // allow_internet_access: false is denyOut 0.0.0.0/0, which allowOut still overrides.
@@ -205,7 +178,7 @@ async fn network_update_replaces_rules() {
         .await;
     assert_eq!(reply.status, StatusCode::NO_CONTENT, "{:?}", reply.body);
     {
-        let updates = h.runtime.network_updates.lock().expect("lock");
+        let updates = h.server.runtime.network_updates.lock().expect("lock");
         let (updated, rules) = updates.last().expect("update");
         assert_eq!(updated, &id);
         assert!(rules.allows_domain("example.com"));
@@ -221,7 +194,7 @@ async fn network_update_replaces_rules() {
         .await;
     assert_eq!(reply.status, StatusCode::NO_CONTENT);
     {
-        let updates = h.runtime.network_updates.lock().expect("lock");
+        let updates = h.server.runtime.network_updates.lock().expect("lock");
         assert!(updates.last().expect("update").1.is_isolated());
     }
     let detail = h.api("GET", &format!("/sandboxes/{id}"), None).await;
@@ -249,7 +222,10 @@ async fn network_update_replaces_rules() {
         StatusCode::NOT_FOUND,
         "iaaaaaaaaaaaaaaaaaaaa",
     );
-    assert_eq!(h.runtime.network_updates.lock().expect("lock").len(), 2);
+    assert_eq!(
+        h.server.runtime.network_updates.lock().expect("lock").len(),
+        2
+    );
 }
 
 /// A one-shot HTTP server on 127.0.0.1 that answers each request with the Host header and
@@ -316,16 +292,21 @@ async fn private_user_ports_need_the_traffic_token() {
     assert!(!token.is_empty());
 
     assert_refused(
-        &h.send(user_port_request(id, port, None)).await,
+        &h.server.send(user_port_request(id, port, None)).await,
         StatusCode::FORBIDDEN,
         "e2b-traffic-access-token",
     );
     assert_refused(
-        &h.send(user_port_request(id, port, Some("wrong"))).await,
+        &h.server
+            .send(user_port_request(id, port, Some("wrong")))
+            .await,
         StatusCode::FORBIDDEN,
         id,
     );
-    let served = h.send(user_port_request(id, port, Some(token))).await;
+    let served = h
+        .server
+        .send(user_port_request(id, port, Some(token)))
+        .await;
     assert_eq!(served.status, StatusCode::OK, "{:?}", served.body);
     assert_eq!(
         served.body["host"],
@@ -353,7 +334,10 @@ async fn private_user_ports_need_the_traffic_token() {
     let public = h.create(json!({})).await;
     let public_id = public["sandboxID"].as_str().expect("id");
     assert!(public["trafficAccessToken"].is_null());
-    let served = h.send(user_port_request(public_id, port, None)).await;
+    let served = h
+        .server
+        .send(user_port_request(public_id, port, None))
+        .await;
     assert_eq!(served.status, StatusCode::OK);
     assert_eq!(
         served.body["host"],

@@ -8,12 +8,10 @@ use crate::common;
 use std::collections::BTreeSet;
 
 use axum::http::StatusCode;
-use sandbar_api::router;
-use sandbar_core::auth::Credentials;
 use sandbar_core::volumes::DEFAULT_CONTENT_REQUESTS_PER_MINUTE;
 use serde_json::{Map, Value, json};
 
-use common::{Cred, Setup};
+use common::{Cred, Reply, Server, Setup};
 
 /// The endpoints of E2B's API reference (method, path) that the document must describe.
 const SEED_ENDPOINTS: &[(&str, &str)] = &[
@@ -150,16 +148,8 @@ fn every_operation_declares_its_security_and_error_body() {
 }
 
 struct Harness {
-    _dir: tempfile::TempDir,
-    app: axum::Router,
+    server: Server,
     doc: Value,
-    creds: Credentials,
-}
-
-struct Reply {
-    status: StatusCode,
-    body: Value,
-    raw: Vec<u8>,
 }
 
 async fn harness() -> Harness {
@@ -169,22 +159,15 @@ async fn harness() -> Harness {
     })
     .await;
     Harness {
-        app: router(server.state()),
+        server,
         doc: document(),
-        creds: server.credentials,
-        _dir: server.dir,
     }
 }
 
 impl Harness {
     async fn call(&self, method: &str, uri: &str, cred: Cred<'_>, body: Option<Value>) -> Reply {
         let request = common::request(method, uri, cred, body.map(|b| b.to_string()));
-        let answer = common::send(&self.app, request).await;
-        Reply {
-            status: answer.status,
-            body: answer.json_or_null(),
-            raw: answer.bytes.to_vec(),
-        }
+        self.server.send(request).await
     }
 
     /// Calls `uri` (an instance of the documented `template`) and checks the answer against
@@ -223,11 +206,11 @@ impl Harness {
     }
 
     fn key(&self) -> Cred<'_> {
-        Cred::Key(&self.creds.api_key)
+        Cred::Key(&self.server.credentials.api_key)
     }
 
     fn bearer(&self) -> Cred<'_> {
-        Cred::Bearer(&self.creds.access_token)
+        Cred::Bearer(&self.server.credentials.access_token)
     }
 }
 
@@ -794,7 +777,7 @@ async fn key_token_team_and_volume_answers_match_their_schemas() {
     h.expect(200, "GET", "/teams", "/teams", b, None).await;
 
     let k = h.key();
-    let team = &h.creds.team_id;
+    let team = &h.server.credentials.team_id;
     for (template, uri, status) in [
         (
             "/teams/{teamID}/metrics",

@@ -3,26 +3,14 @@
 
 use crate::common;
 
-use std::sync::Arc;
-
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use sandbar_api::router;
 use serde_json::{Value, json};
 
-use common::{Cred, FakeRuntime, KEY, OTHER_KEY, Setup};
+use common::{Cred, KEY, OTHER_KEY, Reply, Server, Setup};
 
 struct Harness {
-    dir: tempfile::TempDir,
-    app: axum::Router,
-    runtime: Arc<FakeRuntime>,
-}
-
-struct Reply {
-    status: StatusCode,
-    headers: axum::http::HeaderMap,
-    body: Value,
-    raw: Vec<u8>,
+    server: Server,
 }
 
 async fn harness() -> Harness {
@@ -38,33 +26,20 @@ async fn harness_with_rate(per_minute: u32) -> Harness {
         ..Setup::default()
     })
     .await;
-    Harness {
-        app: router(server.state()),
-        dir: server.dir,
-        runtime: server.runtime,
-    }
+    Harness { server }
 }
 
 impl Harness {
-    async fn send(&self, request: Request<Body>) -> Reply {
-        let answer = common::send(&self.app, request).await;
-        Reply {
-            status: answer.status,
-            body: answer.json_or_null(),
-            headers: answer.headers,
-            raw: answer.bytes.to_vec(),
-        }
-    }
-
     async fn call(&self, method: &str, path: &str, key: &str, body: Option<Value>) -> Reply {
         let body = body.map(|b| b.to_string());
-        self.send(common::json_request(
-            method,
-            path,
-            Some(key),
-            body.as_deref(),
-        ))
-        .await
+        self.server
+            .send(common::json_request(
+                method,
+                path,
+                Some(key),
+                body.as_deref(),
+            ))
+            .await
     }
 
     async fn api(&self, method: &str, path: &str, body: Option<Value>) -> Reply {
@@ -76,7 +51,8 @@ impl Harness {
         if let Some(token) = token {
             request = request.header("Authorization", format!("Bearer {token}"));
         }
-        self.send(request.body(Body::from(body)).expect("request"))
+        self.server
+            .send(request.body(Body::from(body)).expect("request"))
             .await
     }
 
@@ -93,7 +69,7 @@ impl Harness {
     }
 
     fn volume_count(&self) -> usize {
-        std::fs::read_dir(self.dir.path().join("volumes"))
+        std::fs::read_dir(self.server.dir.path().join("volumes"))
             .expect("volumes dir")
             .flatten()
             .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
@@ -239,6 +215,7 @@ async fn mounts_are_resolved_recorded_and_block_deletion() {
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
     let sandbox = reply.body["sandboxID"].as_str().expect("id").to_owned();
     let launched: Vec<_> = h
+        .server
         .runtime
         .launched
         .lock()
@@ -336,7 +313,7 @@ async fn bad_mounts_are_refused_with_the_entry_named() {
         )
         .await;
     assert_error(&reply, StatusCode::BAD_REQUEST, "at most 16");
-    assert!(h.runtime.launched.lock().expect("lock").is_empty());
+    assert!(h.server.runtime.launched.lock().expect("lock").is_empty());
     assert_eq!(h.api("GET", "/v2/sandboxes", None).await.body, json!([]));
 }
 
@@ -411,7 +388,7 @@ async fn content_api_reads_writes_lists_and_removes() {
         Cred::Bearer(&token),
         Some(r#"{"mode": 420, "uid": 0}"#.to_owned()),
     );
-    let patched = h.send(patch).await;
+    let patched = h.server.send(patch).await;
     assert_eq!(patched.status, StatusCode::OK, "{:?}", patched.body);
     assert_eq!(
         (patched.body["mode"].clone(), patched.body["uid"].clone()),
@@ -506,7 +483,7 @@ async fn planted_symlinks_never_lead_out_of_the_volume() {
     let (neighbour, _) = h.volume("n").await;
     let t = Some(token.as_str());
     let base = format!("/volumecontent/{id}");
-    let root = std::fs::read_dir(h.dir.path().join("volumes"))
+    let root = std::fs::read_dir(h.server.dir.path().join("volumes"))
         .expect("volumes")
         .flatten()
         .find(|e| !e.file_name().to_string_lossy().starts_with('.'))
@@ -514,7 +491,7 @@ async fn planted_symlinks_never_lead_out_of_the_volume() {
         .path();
     let vol = root.join(&id);
     std::fs::write(root.join(&neighbour).join("secret"), "neighbour").expect("secret");
-    let outside = h.dir.path().join("outside.txt");
+    let outside = h.server.dir.path().join("outside.txt");
     std::fs::write(&outside, "host file").expect("outside");
     // What a sandbox could plant.
     std::os::unix::fs::symlink("/etc/shadow", vol.join("shadow")).expect("link");
@@ -568,7 +545,11 @@ async fn planted_symlinks_never_lead_out_of_the_volume() {
         .header("Authorization", format!("Bearer {token}"))
         .body(Body::from(r#"{"mode": 511}"#))
         .expect("request");
-    assert_error(&h.send(patch).await, StatusCode::BAD_REQUEST, "symlink");
+    assert_error(
+        &h.server.send(patch).await,
+        StatusCode::BAD_REQUEST,
+        "symlink",
+    );
     // Links inside the volume that stay inside are fine.
     let inside = h
         .content("GET", &format!("{base}/dir?path=/d/self"), t, vec![])
@@ -612,7 +593,7 @@ async fn special_files_are_refused_as_what_they_are() {
     let (id, token) = h.volume("f").await;
     let t = Some(token.as_str());
     let base = format!("/volumecontent/{id}");
-    let root = std::fs::read_dir(h.dir.path().join("volumes"))
+    let root = std::fs::read_dir(h.server.dir.path().join("volumes"))
         .expect("volumes")
         .flatten()
         .find(|e| !e.file_name().to_string_lossy().starts_with('.'))
@@ -665,7 +646,7 @@ async fn files_stream_in_and_out_and_a_cut_upload_leaves_nothing() {
             .body(body)
             .expect("request")
     };
-    let written = h.send(put(streamed(chunks.clone(), None))).await;
+    let written = h.server.send(put(streamed(chunks.clone(), None))).await;
     assert_eq!(written.status, StatusCode::CREATED, "{:?}", written.body);
     assert_eq!(written.body["size"], json!(whole.len()));
     let read = h
@@ -685,6 +666,7 @@ async fn files_stream_in_and_out_and_a_cut_upload_leaves_nothing() {
 
     // A body that breaks off is refused, and neither the target nor a staged file changes.
     let cut = h
+        .server
         .send(put(streamed(vec![vec![9; 1000]], Some("connection reset"))))
         .await;
     assert_error(&cut, StatusCode::BAD_REQUEST, "cannot read the upload");
@@ -715,7 +697,7 @@ async fn files_stream_in_and_out_and_a_cut_upload_leaves_nothing() {
         .headers_mut()
         .insert("content-length", (300u64 << 20).into());
     assert_error(
-        &h.send(too_big).await,
+        &h.server.send(too_big).await,
         StatusCode::PAYLOAD_TOO_LARGE,
         "268435456 bytes",
     );

@@ -103,6 +103,8 @@ pub struct Server {
     pub sandboxes: Arc<Sandboxes>,
     pub builds: Builds,
     pub credentials: Credentials,
+    /// The single host's router over these services.
+    pub app: axum::Router,
 }
 
 pub async fn serve(setup: Setup) -> Server {
@@ -130,15 +132,23 @@ pub async fn serve(setup: Setup) -> Server {
         sandboxes = sandboxes.with_volumes(Arc::new(volumes));
     }
     let builds = builds_with(store.clone(), &templates, setup.builder);
+    let sandboxes = Arc::new(sandboxes);
+    let app = sandbar_api::router(state(
+        auth.clone(),
+        sandboxes.clone(),
+        builds.clone(),
+        templates.clone(),
+    ));
     Server {
         dir,
         store,
         auth,
         templates,
         runtime: setup.runtime,
-        sandboxes: Arc::new(sandboxes),
+        sandboxes,
         builds,
         credentials,
+        app,
     }
 }
 
@@ -151,6 +161,11 @@ impl Server {
             self.builds.clone(),
             self.templates.clone(),
         )
+    }
+
+    /// Sends `request` to [`Self::app`] and reads the answer as [`Answer::reply`] does.
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        send(&self.app, request).await.reply()
     }
 
     pub async fn team(&self) -> Team {
@@ -222,6 +237,27 @@ impl Answer {
     pub fn json_or_null(&self) -> Value {
         serde_json::from_slice(&self.bytes).unwrap_or(Value::Null)
     }
+
+    /// The answer with its body as JSON, null where it is empty or not JSON.
+    pub fn reply(self) -> Reply {
+        Reply {
+            status: self.status,
+            body: self.json_or_null(),
+            raw: self.bytes.to_vec(),
+            headers: self.headers,
+        }
+    }
+
+    /// The answer to `method path` with its body as JSON, null where it is empty; any other
+    /// body fails the test.
+    pub fn json_reply(self, method: &str, path: &str) -> Reply {
+        Reply {
+            status: self.status,
+            body: json_body(method, path, &self.bytes),
+            raw: self.bytes.to_vec(),
+            headers: self.headers,
+        }
+    }
 }
 
 pub async fn send(app: &axum::Router, request: Request<Body>) -> Answer {
@@ -288,6 +324,8 @@ pub struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Value,
+    /// The body as it came.
+    pub raw: Vec<u8>,
 }
 
 /// Calls `method path` on `app` as [`request`] makes it, and reads the answer; a body that
@@ -299,12 +337,9 @@ pub async fn call(
     cred: Cred<'_>,
     body: Option<&str>,
 ) -> Reply {
-    let answer = send(app, request(method, path, cred, body.map(str::to_owned))).await;
-    Reply {
-        status: answer.status,
-        body: json_body(method, path, &answer.bytes),
-        headers: answer.headers,
-    }
+    send(app, request(method, path, cred, body.map(str::to_owned)))
+        .await
+        .json_reply(method, path)
 }
 
 /// Checks that `body` is the API's error answer for `expected` (its status and its `code`),
@@ -317,7 +352,7 @@ pub fn error_message(status: StatusCode, body: &Value, expected: StatusCode) -> 
 
 /// The body of the answer to `method path` as JSON, null where it is empty; any other body
 /// fails the test.
-pub fn json_body(method: &str, path: &str, bytes: &Bytes) -> Value {
+fn json_body(method: &str, path: &str, bytes: &Bytes) -> Value {
     if bytes.is_empty() {
         Value::Null
     } else {
