@@ -120,6 +120,8 @@ impl WarmKeeper {
         let id_map = self.node.id_map(slot);
         let token = sandbar_core::ids::new_secret("");
         let boot_id = sandbar_core::ids::new_uuid();
+        let started = std::time::Instant::now();
+        let mut spawned_at = std::time::Duration::ZERO;
         let booted = async {
             self.node
                 .cgroups
@@ -157,6 +159,7 @@ impl WarmKeeper {
             let pid = Jailer::of(&self.node)
                 .spawn_jailed(&boot, &dir, &netns, id_map)
                 .await?;
+            spawned_at = started.elapsed();
             let warm = crate::runtime::warm::WarmSandbox {
                 name: name.clone(),
                 key: key.clone(),
@@ -176,7 +179,13 @@ impl WarmKeeper {
         drop(netns);
         match booted {
             Ok(warm) => {
-                tracing::debug!(warm = %warm.name, slot, "warm sandbox booted");
+                tracing::debug!(
+                    warm = %warm.name,
+                    slot,
+                    spawned_us = spawned_at.as_micros() as u64,
+                    healthy_us = started.elapsed().as_micros() as u64,
+                    "warm sandbox booted"
+                );
                 opening.commit();
                 self.node.warm.put(warm);
                 Ok(())
