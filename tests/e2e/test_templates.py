@@ -564,6 +564,20 @@ def test_ready_cmd_that_never_succeeds_fails_the_build(sandbar, tiny1, good_temp
     assert_good_build_intact(good_template)
 
 
+def test_ready_cmd_that_never_ends_fails_the_build(sandbar, tiny1, good_template):
+    """A ready command that never exits is held to the ready timeout like one that fails."""
+    base = Baseline(sandbar)
+    template = Template().from_image(tiny1).set_start_cmd("sleep 3608", "sleep 3609")
+    b = build_fails(template, good_template.name, timeout=FAILURE_TIMEOUT)
+    assert b.elapsed < FAILURE_TIMEOUT
+    assert "did not end within" in str(b.error) + b.log_text(), f"{b.error}\n{b.log_text()}"
+    base.assert_clean(
+        extra=lambda: processes_matching("sleep 3608", base.pids)
+        + processes_matching("sleep 3609", base.pids)
+    )
+    assert_good_build_intact(good_template)
+
+
 # --------------------------------------------------------------------------
 # hostile upload archives, through the raw API
 # --------------------------------------------------------------------------

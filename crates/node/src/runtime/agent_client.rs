@@ -37,6 +37,8 @@ pub(crate) enum AgentCallError {
     },
     #[error("{0}")]
     InitAnswer(String),
+    #[error("the agent did not answer {what} within {waited_ms} ms")]
+    NoAnswer { what: &'static str, waited_ms: u128 },
 }
 
 fn connect_err(socket: &Path) -> impl FnOnce(std::io::Error) -> AgentCallError + '_ {
@@ -381,12 +383,29 @@ fn init_bytes(current_token: &str, init: &Init<'_>) -> Result<Vec<u8>, AgentCall
 /// Longest answer to `/init` read: its status line and headers.
 const INIT_ANSWER_MAX: usize = 16 * 1024;
 
-/// Reads the agent's answer to [`send_init`] (`Ok` for a 2xx status only), then hangs up as
-/// every call does (see [`Link`]).
-pub(crate) async fn init_answered(
+/// How long an agent may take to answer `/init`. It answers within a millisecond or so; one
+/// that has not answered by then is stuck (stopped, or starved), and a take of a warm sandbox
+/// gives it up for a boot of its own instead of holding the create.
+const INIT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Reads the agent's answer to [`send_init`] (`Ok` for a 2xx status only) for at most
+/// [`INIT_PATIENCE`], then hangs up as every call does (see [`Link`]).
+pub(crate) async fn init_answered(stream: tokio::net::UnixStream) -> Result<(), AgentCallError> {
+    init_answered_within(stream, INIT_PATIENCE).await
+}
+
+async fn init_answered_within(
     mut stream: tokio::net::UnixStream,
+    patience: Duration,
 ) -> Result<(), AgentCallError> {
-    let answered = read_init_answer(&mut stream).await;
+    let answered = tokio::time::timeout(patience, read_init_answer(&mut stream))
+        .await
+        .unwrap_or_else(|_| {
+            Err(AgentCallError::NoAnswer {
+                what: "/init",
+                waited_ms: patience.as_millis(),
+            })
+        });
     let hang_up = sandbar_core::HangUp::of(&stream).map_err(|source| AgentCallError::Io {
         what: "connection",
         source,
@@ -443,8 +462,8 @@ async fn read_init_answer(stream: &mut tokio::net::UnixStream) -> Result<(), Age
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::{
-        AgentCallError, Init, MAX_ENVELOPE, init_answered, init_bytes, oversized, send_init,
-        take_envelope,
+        AgentCallError, Init, MAX_ENVELOPE, init_answered, init_answered_within, init_bytes,
+        oversized, send_init, take_envelope,
     };
 
     /// What an agent reads of a `send_init` on `theirs`, after answering with `answer`
@@ -534,6 +553,24 @@ mod tests {
             garbled.unwrap_err().to_string(),
             "agent's answer to /init: invalid HTTP version"
         );
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_never_answers_init_is_given_up_on() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let patience = std::time::Duration::from_millis(50);
+        // Bounded here too, so that a wait without an end fails the test instead of hanging it.
+        let given_up = tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            init_answered_within(ours, patience),
+        )
+        .await
+        .expect("the wait for /init ends");
+        assert_eq!(
+            given_up.unwrap_err().to_string(),
+            "the agent did not answer /init within 50 ms"
+        );
+        drop(theirs);
     }
 
     #[test]

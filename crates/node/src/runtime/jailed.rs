@@ -286,12 +286,22 @@ impl Jailer {
             // As the agent starts any command of that user: root's confined by the
             // sandbox's namespaces, cgroups and seccomp like every other.
             let user = spec.image.start_user.as_deref().unwrap_or(&spec.image.user);
-            agent_client::start_detached(&endpoint.agent_socket, &exec(start, user))
-                .await
-                .map_err(|e| RuntimeError::NotReady {
-                    sandbox_id: id.clone(),
-                    message: format!("cannot run the start command: {e}"),
-                })?;
+            let start_exec = exec(start, user);
+            let started = tokio::time::timeout(
+                self.node.config.ready_timeout,
+                agent_client::start_detached(&endpoint.agent_socket, &start_exec),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(agent_client::AgentCallError::NoAnswer {
+                    what: "the start of the start command",
+                    waited_ms: self.node.config.ready_timeout.as_millis(),
+                })
+            });
+            started.map_err(|e| RuntimeError::NotReady {
+                sandbox_id: id.clone(),
+                message: format!("cannot run the start command: {e}"),
+            })?;
         }
         let Some(ready) = &spec.image.ready_cmd else {
             return Ok(());
@@ -300,20 +310,29 @@ impl Jailer {
         let mut last;
         loop {
             let mut output = Vec::new();
-            let code = agent_client::run(
-                &endpoint.agent_socket,
-                &exec(ready, &spec.image.user),
-                |b| {
-                    if output.len() < 4096 {
-                        output.extend_from_slice(b);
-                    }
-                },
-            )
-            .await
-            .map_err(|e| RuntimeError::NotReady {
-                sandbox_id: id.clone(),
-                message: format!("cannot run the ready command: {e}"),
-            })?;
+            // Each run too is held to the deadline: a ready command that never exits (the
+            // template's author wrote it) must not hold the create or the build forever.
+            let ready_exec = exec(ready, &spec.image.user);
+            let run = agent_client::run(&endpoint.agent_socket, &ready_exec, |b| {
+                if output.len() < 4096 {
+                    output.extend_from_slice(b);
+                }
+            });
+            let code = match tokio::time::timeout_at(deadline, run).await {
+                Ok(ran) => ran.map_err(|e| RuntimeError::NotReady {
+                    sandbox_id: id.clone(),
+                    message: format!("cannot run the ready command: {e}"),
+                })?,
+                Err(_) => {
+                    return Err(RuntimeError::NotReady {
+                        sandbox_id: id.clone(),
+                        message: format!(
+                            "the ready command '{ready}' did not end within {} s",
+                            self.node.config.ready_timeout.as_secs()
+                        ),
+                    });
+                }
+            };
             if code == 0 {
                 return Ok(());
             }

@@ -122,6 +122,8 @@ impl WarmKeeper {
         let boot_id = sandbar_core::ids::new_uuid();
         let started = std::time::Instant::now();
         let mut spawned_at = std::time::Duration::ZERO;
+        let mut cgroups_at = std::time::Duration::ZERO;
+        let mut disk_at = std::time::Duration::ZERO;
         let booted = async {
             self.node
                 .cgroups
@@ -136,11 +138,13 @@ impl WarmKeeper {
                     },
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
+            cgroups_at = started.elapsed();
             let dir = self
                 .node
                 .disks
                 .create(&name, crate::runtime::warm::BOOT_DISK_MB, id_map.host_base)
                 .map_err(|e| sandbox_err(&name, e))?;
+            disk_at = started.elapsed();
             let boot = BootSpec {
                 id: &name,
                 template_id: "(warm)",
@@ -182,6 +186,8 @@ impl WarmKeeper {
                 tracing::debug!(
                     warm = %warm.name,
                     slot,
+                    cgroups_us = cgroups_at.as_micros() as u64,
+                    disk_us = disk_at.as_micros() as u64,
                     spawned_us = spawned_at.as_micros() as u64,
                     healthy_us = started.elapsed().as_micros() as u64,
                     "warm sandbox booted"
