@@ -134,7 +134,9 @@ pub(crate) struct OtherVersion {
 
 pub(crate) trait RouteOtherVersion {
     /// Routes `handler` at `route.path` and documents it there; the documented operation must
-    /// already be routed.
+    /// already be routed. A route list that names an undocumented one is a mistake in this
+    /// crate, and stops the server at its start (and every test) rather than serving a path
+    /// `/openapi.json` does not describe.
     fn other_version<H, T>(self, handler: H, route: OtherVersion) -> Self
     where
         H: Handler<T, AppState>,
@@ -148,14 +150,17 @@ impl RouteOtherVersion for OpenApiRouter<AppState> {
         T: 'static,
     {
         let paths = &mut self.get_openapi_mut().paths;
-        if let Some(documented) =
-            paths.get_path_operation(route.documented_at, route.method.clone())
-        {
-            let mut operation = documented.clone();
-            operation.operation_id = Some(route.operation_id.to_owned());
-            operation.summary = route.summary.map(str::to_owned);
-            paths.add_path_operation(route.path, vec![route.method.clone()], operation);
-        }
+        let Some(documented) = paths.get_path_operation(route.documented_at, route.method.clone())
+        else {
+            panic!(
+                "{} is routed as another version of {}, which is not documented",
+                route.path, route.documented_at
+            );
+        };
+        let mut operation = documented.clone();
+        operation.operation_id = Some(route.operation_id.to_owned());
+        operation.summary = route.summary.map(str::to_owned);
+        paths.add_path_operation(route.path, vec![route.method.clone()], operation);
         self.route(route.path, on(route.method.to_method_filter(), handler))
     }
 }

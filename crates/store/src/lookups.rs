@@ -16,6 +16,7 @@ use sandbar_core::store::LookupGenerations;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 
+use crate::backend::Read;
 use crate::{SqliteDb, err};
 
 /// The channel the PostgreSQL triggers notify.
@@ -34,10 +35,13 @@ pub(crate) struct SqliteLookups {
 impl LookupGenerations for SqliteLookups {
     async fn lookup_generation(&self) -> Result<u64, StoreError> {
         let (generation,): (i64,) =
-            sqlx::query_as("SELECT generation FROM lookup_generation WHERE id = 1")
-                .fetch_one(&self.db.reads)
-                .await
-                .map_err(err)?;
+            sqlx::query_as::<_, (i64,)>("SELECT generation FROM lookup_generation WHERE id = 1")
+                .one(&self.db)
+                .await?
+                .ok_or_else(|| StoreError::NotFound {
+                    what: "lookup generation",
+                    id: "1".to_owned(),
+                })?;
         u64::try_from(generation).map_err(err)
     }
 }
