@@ -62,6 +62,17 @@ def _open_terminal(page, sandbar, errors) -> None:
         warnings.warn(message)
 
 
+def _wait_for_files(page) -> None:
+    """Waits for the files panel's listing; a panel still loading or showing a failure is
+    reported with what it and the error box say."""
+    try:
+        page.wait_for_selector("#file-table", timeout=30_000)
+    except playwright_api.TimeoutError:
+        panel = page.locator("#files").inner_html()
+        errors = page.locator("#errors").inner_text()
+        raise AssertionError(f"no file listing; the panel shows {panel!r}; the error box says {errors!r}") from None
+
+
 def _shot(page, name: str) -> None:
     page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
 
@@ -162,7 +173,7 @@ def test_dashboard_in_a_browser(sandbar, browser):
         assert page.locator("#log-filter select[name=level]").input_value() == "error"
 
         # Files: upload one with a hostile name, see it listed, download it, delete it.
-        page.wait_for_selector("#file-table")
+        _wait_for_files(page)
         # Past the 2 MB axum holds ordinary bodies to: the upload is streamed.
         content = b"uploaded through the dashboard\n" * 100_000
         page.set_input_files("#upload-file", files=[{"name": XSS_FILE, "mimeType": "text/plain", "buffer": content}])
@@ -188,6 +199,14 @@ def test_dashboard_in_a_browser(sandbar, browser):
         # The pause closed the terminal's connection; the page says so and offers it again.
         _wait_js(page, "document.querySelector('#terminal').dataset.closed === 'closed'", 10)
         assert "the terminal closed" in page.locator("#terminal .xterm-rows").inner_text()
+        # A listing while paused is said in the panel, which tries again by itself.
+        panel = page.evaluate(f"fetch('/dashboard/sandboxes/{sandbox_id}/files').then(async r => r.status + ' ' + await r.text())")
+        assert panel.startswith("200 ") and "Cannot list" in panel and "is not running" in panel, panel
+        assert 'hx-trigger="load delay:2s"' in panel, panel
+        exhausted = page.evaluate(
+            f"fetch('/dashboard/sandboxes/{sandbox_id}/files?failed=5').then(r => r.text())"
+        )
+        assert "files-retry" in exhausted and "load delay" not in exhausted, exhausted
         _shot(page, "sandbox-paused")
         page.click("#resume")
         _wait_js(page, "document.querySelector('#sandbox-state').textContent === 'running'", 30)

@@ -10,6 +10,13 @@ use sandbar_core::{HangUp, Sandboxes, Team};
 
 use crate::error::PageError;
 
+/// How long the dashboard waits for an agent to accept a connection or answer one unary call:
+/// the agent lives in the tenant's sandbox, so its silence must not hold a page's request.
+const AGENT_PATIENCE: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// The most a unary answer may hold; a listing of a very large directory stays far below it.
+const ANSWER_LIMIT: usize = 16 << 20;
+
 /// `Authorization: Basic base64("user:")`: the dashboard acts as the sandbox's default user,
 /// as the SDKs do unless told otherwise.
 const AS_USER: &str = "Basic dXNlcjo=";
@@ -32,6 +39,8 @@ pub(crate) enum AgentError {
     },
     #[error("unexpected answer from the agent of sandbox '{id}': {detail}")]
     Malformed { id: String, detail: String },
+    #[error("the agent of sandbox '{id}' did not {what} within {}s", AGENT_PATIENCE.as_secs())]
+    NoAnswer { id: String, what: &'static str },
 }
 
 impl From<AgentError> for PageError {
@@ -39,6 +48,9 @@ impl From<AgentError> for PageError {
         match e {
             AgentError::Sandbox(s) => s.into(),
             AgentError::NotRunning(_) => PageError::new(StatusCode::CONFLICT, e.to_string()),
+            AgentError::NoAnswer { .. } => {
+                PageError::new(StatusCode::GATEWAY_TIMEOUT, e.to_string())
+            }
             AgentError::Refused { status, .. } => PageError::new(
                 if status.is_client_error() {
                     status
@@ -63,6 +75,19 @@ impl AgentLink {
     /// Opens a connection to the agent of `team`'s sandbox `id`: a sandbox of another team
     /// is not found, as through the API.
     pub(crate) async fn open(
+        sandboxes: &Sandboxes,
+        team: &Team,
+        id: &str,
+    ) -> Result<Self, AgentError> {
+        tokio::time::timeout(AGENT_PATIENCE, Self::open_unbounded(sandboxes, team, id))
+            .await
+            .map_err(|_| AgentError::NoAnswer {
+                id: id.to_owned(),
+                what: "accept a connection",
+            })?
+    }
+
+    async fn open_unbounded(
         sandboxes: &Sandboxes,
         team: &Team,
         id: &str,
@@ -154,9 +179,17 @@ impl AgentLink {
             .header("connect-protocol-version", "1")
             .body(Body::from(body.to_string()))
             .map_err(|e| self.malformed(e.to_string()))?;
-        let response = self.send(request).await?;
-        let status = response.status();
-        let bytes = read_all(response, &self.sandbox_id).await?;
+        let exchange = async {
+            let response = self.send(request).await?;
+            let status = response.status();
+            Ok::<_, AgentError>((status, read_all(response, &self.sandbox_id).await?))
+        };
+        let (status, bytes) = tokio::time::timeout(AGENT_PATIENCE, exchange)
+            .await
+            .map_err(|_| AgentError::NoAnswer {
+                id: self.sandbox_id.clone(),
+                what: "answer a call",
+            })??;
         let value: serde_json::Value = if bytes.is_empty() {
             serde_json::Value::Null
         } else {
@@ -188,19 +221,57 @@ impl AgentLink {
     }
 }
 
-/// The whole body of an agent's answer.
-pub(crate) async fn read_all(
-    response: Response<Incoming>,
+/// The whole body of an agent's answer, refused past `ANSWER_LIMIT`: the answer is the
+/// tenant's to shape, the server's memory is not.
+pub(crate) async fn read_all<B>(
+    response: Response<B>,
     sandbox_id: &str,
-) -> Result<bytes::Bytes, AgentError> {
-    use http_body_util::BodyExt;
-    response
-        .into_body()
+) -> Result<bytes::Bytes, AgentError>
+where
+    B: hyper::body::Body<Data = bytes::Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use http_body_util::{BodyExt, LengthLimitError, Limited};
+    Limited::new(response.into_body(), ANSWER_LIMIT)
         .collect()
         .await
         .map(|c| c.to_bytes())
-        .map_err(|source| AgentError::Exchange {
-            id: sandbox_id.to_owned(),
-            source,
+        .map_err(|e| {
+            let detail = if e.is::<LengthLimitError>() {
+                format!("an answer longer than {ANSWER_LIMIT} bytes")
+            } else {
+                match e.downcast::<hyper::Error>() {
+                    Ok(source) => {
+                        return AgentError::Exchange {
+                            id: sandbox_id.to_owned(),
+                            source: *source,
+                        };
+                    }
+                    Err(other) => other.to_string(),
+                }
+            };
+            AgentError::Malformed {
+                id: sandbox_id.to_owned(),
+                detail,
+            }
         })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use http_body_util::Full;
+
+    #[tokio::test]
+    async fn an_answer_is_read_whole_up_to_the_limit_and_refused_past_it() {
+        let within = Response::new(Full::new(bytes::Bytes::from(vec![b'x'; ANSWER_LIMIT])));
+        assert_eq!(read_all(within, "sb1").await.unwrap().len(), ANSWER_LIMIT);
+        let past = Response::new(Full::new(bytes::Bytes::from(vec![b'x'; ANSWER_LIMIT + 1])));
+        let error = read_all(past, "sb1").await.unwrap_err();
+        assert!(
+            matches!(&error, AgentError::Malformed { id, detail } if id == "sb1" && detail.contains("longer than")),
+            "{error}"
+        );
+    }
 }

@@ -3,7 +3,7 @@
 
 use axum::body::Body;
 use axum::extract::{Multipart, Path, Query, State};
-use axum::http::{HeaderValue, Request, header};
+use axum::http::{HeaderValue, Request, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use maud::Markup;
 use serde::Deserialize;
@@ -20,6 +20,19 @@ pub(crate) struct PathQuery {
     #[serde(default)]
     path: Option<String>,
 }
+
+#[derive(Debug, Deserialize)]
+pub(crate) struct ListQuery {
+    #[serde(default)]
+    path: Option<String>,
+    /// How many listings of this panel failed in a row before this one.
+    #[serde(default)]
+    failed: u32,
+}
+
+/// How often the panel tries again by itself after the agent could not be reached, before
+/// it leaves the next try to the user.
+const LISTING_RETRIES: u32 = 5;
 
 fn query_path(path: Option<String>) -> String {
     match path.as_deref().map(str::trim) {
@@ -80,14 +93,24 @@ async fn listing(
     Ok(views::file_list(id, dir, &entries))
 }
 
-/// `GET /sandboxes/{id}/files?path=`: the listing fragment.
+/// `GET /sandboxes/{id}/files?path=`: the listing fragment. A listing the agent could not
+/// give (unreachable, slow, between a pause and a resume) is said in the panel itself, which
+/// tries again a few times, rather than leaving the panel loading.
 pub(crate) async fn list(
     State(state): State<Dashboard>,
     signed: Signed,
     Path(id): Path<String>,
-    Query(query): Query<PathQuery>,
+    Query(query): Query<ListQuery>,
 ) -> Result<Markup, PageError> {
-    listing(&state, &signed, &id, &query_path(query.path)).await
+    let dir = query_path(query.path);
+    match listing(&state, &signed, &id, &dir).await {
+        Err(e) if e.status.is_server_error() || e.status == StatusCode::CONFLICT => {
+            tracing::warn!(sandbox_id = %id, error = %e.message, failed = query.failed, "dashboard: files not listed");
+            let again = (query.failed < LISTING_RETRIES).then_some(query.failed + 1);
+            Ok(views::file_list_failed(&id, &dir, &e.message, again))
+        }
+        answer => answer,
+    }
 }
 
 /// `GET /sandboxes/{id}/files/download?path=`: the file, always as an attachment of no

@@ -449,6 +449,26 @@ fn share(used: u64, total: u64) -> f64 {
     }
 }
 
+/// The files panel when a listing failed: the reason, and a next try, made by the panel
+/// itself after a short wait while `again` names its number, else by the user's click.
+pub(crate) fn file_list_failed(id: &str, dir: &str, reason: &str, again: Option<u32>) -> Markup {
+    let retry = |failed: u32| {
+        let query = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("path", dir)
+            .append_pair("failed", &failed.to_string())
+            .finish();
+        format!("/dashboard/sandboxes/{id}/files?{query}")
+    };
+    html! {
+        p.error #files-failed role="alert" { "Cannot list " code { (dir) } ": " (reason) }
+        @if let Some(failed) = again {
+            p.muted hx-get=(retry(failed)) hx-trigger="load delay:2s" hx-target="#files" { "Trying again…" }
+        } @else {
+            button #files-retry hx-get=(retry(0)) hx-target="#files" { "Try again" }
+        }
+    }
+}
+
 pub(crate) fn file_list(id: &str, dir: &str, entries: &[Entry]) -> Markup {
     let base = format!("/dashboard/sandboxes/{id}/files");
     let query = |path: &str| {
