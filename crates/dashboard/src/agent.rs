@@ -43,6 +43,22 @@ pub(crate) enum AgentError {
     NoAnswer { id: String, what: &'static str },
 }
 
+impl AgentError {
+    /// Whether a later try may not meet this failure: the agent out of reach, silent, or
+    /// failing on its side, or the sandbox not running just now. Not a refusal of the request
+    /// itself, a garbled answer, or a sandbox the team does not have.
+    pub(crate) fn may_pass(&self) -> bool {
+        match self {
+            Self::NotRunning(_)
+            | Self::Unreachable { .. }
+            | Self::Exchange { .. }
+            | Self::NoAnswer { .. } => true,
+            Self::Refused { status, .. } => !status.is_client_error(),
+            Self::Sandbox(_) | Self::Malformed { .. } => false,
+        }
+    }
+}
+
 impl From<AgentError> for PageError {
     fn from(e: AgentError) -> Self {
         match e {
@@ -161,6 +177,25 @@ impl AgentLink {
             .map_err(|source| self.exchange(source))
     }
 
+    /// Sends `request`, whose body is already whole, and waits at most [`AGENT_PATIENCE`]
+    /// for the answer's status and headers. [`Self::send`] has no bound: an upload's body
+    /// streams through it for as long as the browser sends.
+    pub(crate) async fn answer_to(
+        &mut self,
+        request: Request<Body>,
+    ) -> Result<Response<Incoming>, AgentError> {
+        tokio::time::timeout(AGENT_PATIENCE, self.send(request))
+            .await
+            .map_err(|_| self.no_answer("answer a request"))?
+    }
+
+    fn no_answer(&self, what: &'static str) -> AgentError {
+        AgentError::NoAnswer {
+            id: self.sandbox_id.clone(),
+            what,
+        }
+    }
+
     fn exchange(&self, source: hyper::Error) -> AgentError {
         AgentError::Exchange {
             id: self.sandbox_id.clone(),
@@ -179,17 +214,9 @@ impl AgentLink {
             .header("connect-protocol-version", "1")
             .body(Body::from(body.to_string()))
             .map_err(|e| self.malformed(e.to_string()))?;
-        let exchange = async {
-            let response = self.send(request).await?;
-            let status = response.status();
-            Ok::<_, AgentError>((status, read_all(response, &self.sandbox_id).await?))
-        };
-        let (status, bytes) = tokio::time::timeout(AGENT_PATIENCE, exchange)
-            .await
-            .map_err(|_| AgentError::NoAnswer {
-                id: self.sandbox_id.clone(),
-                what: "answer a call",
-            })??;
+        let response = self.answer_to(request).await?;
+        let status = response.status();
+        let bytes = read_all(response, &self.sandbox_id).await?;
         let value: serde_json::Value = if bytes.is_empty() {
             serde_json::Value::Null
         } else {
@@ -221,8 +248,9 @@ impl AgentLink {
     }
 }
 
-/// The whole body of an agent's answer, refused past `ANSWER_LIMIT`: the answer is the
-/// tenant's to shape, the server's memory is not.
+/// The whole body of an agent's answer, refused past `ANSWER_LIMIT` or when it takes longer
+/// than [`AGENT_PATIENCE`]: the answer is the tenant's to shape, the server's memory and
+/// requests are not.
 pub(crate) async fn read_all<B>(
     response: Response<B>,
     sandbox_id: &str,
@@ -232,28 +260,30 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     use http_body_util::{BodyExt, LengthLimitError, Limited};
-    Limited::new(response.into_body(), ANSWER_LIMIT)
-        .collect()
-        .await
+    let collected = tokio::time::timeout(
+        AGENT_PATIENCE,
+        Limited::new(response.into_body(), ANSWER_LIMIT).collect(),
+    )
+    .await
+    .map_err(|_| AgentError::NoAnswer {
+        id: sandbox_id.to_owned(),
+        what: "finish an answer",
+    })?;
+    collected
         .map(|c| c.to_bytes())
-        .map_err(|e| {
-            let detail = if e.is::<LengthLimitError>() {
-                format!("an answer longer than {ANSWER_LIMIT} bytes")
-            } else {
-                match e.downcast::<hyper::Error>() {
-                    Ok(source) => {
-                        return AgentError::Exchange {
-                            id: sandbox_id.to_owned(),
-                            source: *source,
-                        };
-                    }
-                    Err(other) => other.to_string(),
-                }
-            };
-            AgentError::Malformed {
+        .map_err(|e| match e.downcast::<hyper::Error>() {
+            Ok(source) => AgentError::Exchange {
                 id: sandbox_id.to_owned(),
-                detail,
-            }
+                source: *source,
+            },
+            Err(other) => AgentError::Malformed {
+                id: sandbox_id.to_owned(),
+                detail: if other.is::<LengthLimitError>() {
+                    format!("an answer longer than {ANSWER_LIMIT} bytes")
+                } else {
+                    other.to_string()
+                },
+            },
         })
 }
 
@@ -262,6 +292,35 @@ where
 mod tests {
     use super::*;
     use http_body_util::Full;
+
+    #[test]
+    fn only_failures_a_later_try_may_not_meet_are_tried_again() {
+        let refused = |status| AgentError::Refused {
+            id: "sb1".into(),
+            status,
+            message: String::new(),
+        };
+        assert!(AgentError::NotRunning("sb1".into()).may_pass());
+        assert!(
+            AgentError::NoAnswer {
+                id: "sb1".into(),
+                what: "answer a request"
+            }
+            .may_pass()
+        );
+        assert!(refused(StatusCode::INTERNAL_SERVER_ERROR).may_pass());
+        assert!(!refused(StatusCode::NOT_FOUND).may_pass());
+        assert!(
+            !AgentError::Malformed {
+                id: "sb1".into(),
+                detail: String::new()
+            }
+            .may_pass()
+        );
+        assert!(
+            !AgentError::Sandbox(sandbar_core::SandboxError::NotFound("sb1".into())).may_pass()
+        );
+    }
 
     #[tokio::test]
     async fn an_answer_is_read_whole_up_to_the_limit_and_refused_past_it() {

@@ -3,13 +3,13 @@
 
 use axum::body::Body;
 use axum::extract::{Multipart, Path, Query, State};
-use axum::http::{HeaderValue, Request, StatusCode, header};
+use axum::http::{HeaderValue, Request, header};
 use axum::response::{IntoResponse, Response};
 use maud::Markup;
 use serde::Deserialize;
 
 use crate::Dashboard;
-use crate::agent::{AgentLink, read_all};
+use crate::agent::{AgentError, AgentLink, read_all};
 use crate::error::PageError;
 use crate::session::{Mutating, Signed};
 use crate::views;
@@ -49,7 +49,7 @@ fn agent_files_uri(path: &str) -> String {
 }
 
 /// The directory's entries, directories first.
-pub(crate) async fn entries(link: &mut AgentLink, dir: &str) -> Result<Vec<Entry>, PageError> {
+pub(crate) async fn entries(link: &mut AgentLink, dir: &str) -> Result<Vec<Entry>, AgentError> {
     let answer = link
         .call(
             "/filesystem.Filesystem/ListDir",
@@ -87,7 +87,7 @@ async fn listing(
     signed: &Signed,
     id: &str,
     dir: &str,
-) -> Result<Markup, PageError> {
+) -> Result<Markup, AgentError> {
     let mut link = AgentLink::open(&state.inner.sandboxes, &signed.team, id).await?;
     let entries = entries(&mut link, dir).await?;
     Ok(views::file_list(id, dir, &entries))
@@ -104,12 +104,13 @@ pub(crate) async fn list(
 ) -> Result<Markup, PageError> {
     let dir = query_path(query.path);
     match listing(&state, &signed, &id, &dir).await {
-        Err(e) if e.status.is_server_error() || e.status == StatusCode::CONFLICT => {
-            tracing::warn!(sandbox_id = %id, error = %e.message, failed = query.failed, "dashboard: files not listed");
+        Ok(listed) => Ok(listed),
+        Err(e) if e.may_pass() => {
+            tracing::warn!(sandbox_id = %id, error = %e, failed = query.failed, "dashboard: files not listed");
             let again = (query.failed < LISTING_RETRIES).then_some(query.failed + 1);
-            Ok(views::file_list_failed(&id, &dir, &e.message, again))
+            Ok(views::file_list_failed(&id, &dir, &e.to_string(), again))
         }
-        answer => answer,
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -126,7 +127,7 @@ pub(crate) async fn download(
     let request = Request::get(agent_files_uri(&path))
         .body(Body::empty())
         .map_err(|e| PageError::bad_request(format!("invalid path '{path}': {e}")))?;
-    let answer = link.send(request).await?;
+    let answer = link.answer_to(request).await?;
     let status = answer.status();
     if !status.is_success() {
         let body = read_all(answer, &id).await?;

@@ -34,7 +34,7 @@ pub(crate) struct SqliteLookups {
 #[async_trait::async_trait]
 impl LookupGenerations for SqliteLookups {
     async fn lookup_generation(&self) -> Result<u64, StoreError> {
-        let (generation,): (i64,) =
+        let (generation,) =
             sqlx::query_as::<_, (i64,)>("SELECT generation FROM lookup_generation WHERE id = 1")
                 .one(&self.db)
                 .await?
