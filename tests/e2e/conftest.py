@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -290,6 +291,10 @@ def sandbar():
             time.sleep(1)
             found, notes = leaks()
         problems.extend(found)
+        # A stopped server leaves its firewall table on purpose, for sandboxes that outlive
+        # it; with no sandbox interface left and no other server, the table is this run's.
+        if not other_sandbar_servers() and not host_links("sbx"):
+            subprocess.run(["nft", "delete", "table", "inet", "sandbar"], capture_output=True, check=False)
         shutil.rmtree(binary.parent, ignore_errors=True)
         shutil.rmtree(tls_dir, ignore_errors=True)
         lock.close()

@@ -28,6 +28,11 @@ const MAX_MESSAGE: usize = 65_535;
 pub enum DnsError {
     #[error("cannot bind the sandbox resolver: {0}")]
     Bind(std::io::Error),
+    #[error("cannot tag the sandbox resolver's {socket} socket for the firewall: {source}")]
+    Tag {
+        socket: &'static str,
+        source: std::io::Error,
+    },
     #[error("sandbox resolver upstream '{0}' is not an IP address")]
     Upstream(String),
 }
@@ -52,7 +57,8 @@ pub fn parse_upstreams(names: &[String]) -> Result<Vec<SocketAddr>, DnsError> {
 
 impl Resolver {
     /// Binds UDP and TCP on one free port of every host address and serves until the process
-    /// ends. The firewall lets only sandbox interfaces reach this port.
+    /// ends. The firewall lets only sandbox interfaces reach these sockets, which it tells
+    /// apart by [`tag_for_firewall`].
     /// `egress` decides which queries of sandboxes with rules are answered, and learns the
     /// addresses their allowed domains resolve to.
     pub async fn start(upstreams: Vec<SocketAddr>, egress: Arc<Egress>) -> Result<Self, DnsError> {
@@ -64,6 +70,14 @@ impl Resolver {
             let port = udp.local_addr().map_err(DnsError::Bind)?.port();
             match TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await {
                 Ok(tcp) => {
+                    tag_for_firewall(&udp).map_err(|source| DnsError::Tag {
+                        socket: "UDP",
+                        source,
+                    })?;
+                    tag_for_firewall(&tcp).map_err(|source| DnsError::Tag {
+                        socket: "TCP",
+                        source,
+                    })?;
                     let upstreams: Arc<[SocketAddr]> = upstreams.into();
                     let limit = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
                     tokio::spawn(serve_udp(
@@ -82,6 +96,32 @@ impl Resolver {
         Err(DnsError::Bind(last_error.unwrap_or_else(|| {
             std::io::Error::other("no port free for both UDP and TCP")
         })))
+    }
+}
+
+/// Marks a resolver socket so that the firewall's rules for the resolver match it and no
+/// other socket on its port. The firewall table outlives the server (sandboxes keep running
+/// through a restart and must stay fenced in), so a rule that went by the port alone would,
+/// once the server is gone, drop or admit traffic of whatever host process gets that port
+/// next. `IP_TRANSPARENT` is the tag because it changes nothing for a socket that no
+/// transparent-proxy rule sends packets to, and nftables can match it (`socket transparent`).
+fn tag_for_firewall(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
+    let on: libc::c_int = 1;
+    // SAFETY: the descriptor is a live socket owned by the caller, and the option's value is
+    // a c_int that lives across the call, with its size passed along.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_IP,
+            libc::IP_TRANSPARENT,
+            std::ptr::from_ref(&on).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 

@@ -466,29 +466,7 @@ impl NetnsPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Runs `test` on a thread of its own network namespace, so the veth pairs it makes never
-    /// touch the host's.
-    fn in_private_netns<F: std::future::Future<Output = ()>>(
-        test: impl FnOnce() -> F + Send + 'static,
-    ) {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: needs root to make network namespaces");
-            return;
-        }
-        std::thread::spawn(move || {
-            // SAFETY: unshare of the network namespace affects only this thread.
-            assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0);
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime")
-                .block_on(test());
-        })
-        .join()
-        .expect("test thread");
-    }
+    use crate::net::in_private_netns;
 
     fn in_netns<T: Send + 'static>(netns: &OwnedFd, f: impl FnOnce() -> T + Send + 'static) -> T {
         let netns = netns.try_clone().expect("dup netns");

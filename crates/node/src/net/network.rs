@@ -229,6 +229,9 @@ impl Network {
     /// part that changes per sandbox is the `egress` map, for sandboxes with their own rules
     /// (see `egress.rs`). Order for a new connection out of a sandbox: refused ranges, the
     /// sandbox's own allowed then denied destinations, then the node's default by name.
+    /// The table stays when the server stops, to keep running sandboxes fenced in; the rules
+    /// for the resolver therefore match its sockets (see `dns::tag_for_firewall`) as well as
+    /// its port, which another program may hold once the server is gone.
     fn ruleset(&self, firewall: &FirewallConfig) -> String {
         let p = IFACE_PREFIX;
         let e = EGRESS_MARK;
@@ -271,9 +274,9 @@ table inet {TABLE} {{
   chain input {{
     type filter hook input priority filter - 1; policy accept;
     iifname \"{p}*\" ct state established,related accept
-    iifname \"{p}{e}*\" meta l4proto {{ tcp, udp }} th dport {dns} accept
+    iifname \"{p}{e}*\" meta l4proto {{ tcp, udp }} th dport {dns} socket transparent 1 accept
     iifname \"{p}*\" drop
-    meta l4proto {{ tcp, udp }} th dport {dns} drop
+    meta l4proto {{ tcp, udp }} th dport {dns} socket transparent 1 drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -451,6 +454,75 @@ mod tests {
         }
     }
 
+    /// Whether a TCP connection from loopback to `port` is accepted within a second.
+    async fn loopback_connects(port: u16) -> bool {
+        let connect = tokio::net::TcpStream::connect((Ipv4Addr::LOCALHOST, port));
+        matches!(
+            tokio::time::timeout(std::time::Duration::from_secs(1), connect).await,
+            Ok(Ok(_))
+        )
+    }
+
+    #[test]
+    fn the_firewall_fences_the_resolver_and_nothing_else_on_its_port() {
+        crate::net::in_private_netns(|| async {
+            let lo = std::process::Command::new("ip")
+                .args(["link", "set", "lo", "up"])
+                .status()
+                .expect("run ip");
+            assert!(lo.success());
+            // The server's lifetime: a runtime of its own, on a thread that inherits this
+            // namespace, so that its end closes the resolver's sockets as a stop would.
+            let port = std::thread::spawn(|| {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                runtime.block_on(async {
+                    let egress = crate::net::egress::Egress::new();
+                    let resolver = crate::net::dns::Resolver::start(vec![], egress)
+                        .await
+                        .expect("resolver");
+                    Network::new(Ipv4Addr::new(10, 251, 0, 0), 24)
+                        .init(&FirewallConfig {
+                            resolver_port: resolver.port,
+                            allowed_private: vec![],
+                        })
+                        .await
+                        .expect("firewall");
+                    assert!(
+                        !loopback_connects(resolver.port).await,
+                        "the resolver answers a host connection on {}",
+                        resolver.port
+                    );
+                    resolver.port
+                })
+            })
+            .join()
+            .expect("server thread");
+
+            // The table stays behind, as it does for a stopped server; another program that
+            // now listens on the port is reached, over TCP and over UDP.
+            let tcp = std::net::TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).expect("tcp");
+            assert!(loopback_connects(port).await, "port {port} stays fenced");
+            drop(tcp);
+            let udp = tokio::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, port))
+                .await
+                .expect("udp");
+            let sender = tokio::net::UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
+                .await
+                .expect("sender");
+            sender
+                .send_to(b"x", (Ipv4Addr::LOCALHOST, port))
+                .await
+                .expect("send");
+            let mut buf = [0u8; 4];
+            let received =
+                tokio::time::timeout(std::time::Duration::from_secs(1), udp.recv(&mut buf)).await;
+            assert!(matches!(received, Ok(Ok(1))), "{received:?}");
+        });
+    }
+
     #[test]
     fn ruleset_refuses_private_ranges_and_redirects_dns() {
         let net = Network::new(Ipv4Addr::new(10, 213, 0, 0), 16);
@@ -463,6 +535,9 @@ mod tests {
         assert!(rules.contains("100.64.0.0/10"));
         assert!(rules.contains("168.63.129.16/32"));
         assert!(rules.contains("redirect to :40053"));
+        // The resolver's rules name its sockets, not only its port.
+        assert!(rules.contains("th dport 40053 socket transparent 1 accept"));
+        assert!(rules.contains("th dport 40053 socket transparent 1 drop"));
         // Refused ranges first, then the sandbox's own rules, then the default.
         let refuse = rules.find("0.0.0.0/8").expect("refuse rule");
         let own = rules.find("vmap @egress").expect("per-sandbox rules");
