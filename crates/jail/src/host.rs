@@ -82,6 +82,51 @@ pub fn mount_sysfs_of(netns: &Path, target: &Path) -> io::Result<()> {
     .map_err(|_| io::Error::other("the sysfs thread panicked"))?
 }
 
+/// Sysctls written through a procfs instance of the node's own, mounted nowhere.
+///
+/// Every network namespace that looks up a sysctl under the host's `/proc/sys/net` leaves a
+/// dentry for `net` and `ipv4` there, told apart from the others' only at compare time, so a
+/// lookup through the shared `/proc` walks one entry per namespace: with 1,000 sandboxes,
+/// each write cost a walk of thousands of entries. An instance has a dentry cache of its own,
+/// holding only what was looked up through it. What a write reaches is the network namespace
+/// of the calling thread, as through `/proc`.
+#[derive(Debug)]
+pub struct Sysctls {
+    proc: OwnedFd,
+}
+
+impl Sysctls {
+    pub fn new() -> io::Result<Self> {
+        Ok(Self {
+            proc: sys::detached_proc()?,
+        })
+    }
+
+    /// Writes `value` to the sysctl at `name` (as under `/proc/sys`, e.g.
+    /// `net/ipv4/ping_group_range`).
+    pub fn write(&self, name: &str, value: &str) -> io::Result<()> {
+        use std::io::Write;
+        let path = sys::cstring(&Path::new("sys").join(name))?;
+        // SAFETY: `proc` is an open directory and `path` a nul-terminated relative name; the
+        // result is checked before it is owned.
+        let fd = unsafe {
+            libc::openat(
+                self.proc.as_raw_fd(),
+                path.as_ptr(),
+                libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            return Err(io::Error::new(e.kind(), format!("/proc/sys/{name}: {e}")));
+        }
+        // SAFETY: openat returned a new descriptor that nothing else owns.
+        let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        file.write_all(value.as_bytes())
+            .map_err(|e| io::Error::new(e.kind(), format!("/proc/sys/{name}: {e}")))
+    }
+}
+
 /// Mounts at the directory `dir` (created if missing) a read-only filesystem holding only
 /// the file `boot_id` with `id`, as a sandbox's boot made it: what a restore binds back over
 /// the kernel's boot id. Returns the file's path; undone by [`unmount`] of `dir`.

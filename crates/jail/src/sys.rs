@@ -335,6 +335,15 @@ pub(crate) fn detached_sysfs_read_only() -> io::Result<OwnedFd> {
     )
 }
 
+/// A new, detached procfs instance.
+pub(crate) fn detached_proc() -> io::Result<OwnedFd> {
+    detached_filesystem(
+        c"proc",
+        &[],
+        MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+    )
+}
+
 /// A new, detached, read-only tmpfs holding only the file `name` with `content`, mode 0444:
 /// what a bind mount shows in place of a host file (the boot id). Made by host root, so the
 /// filesystem belongs to the host's user namespace and the file to host root, whom a

@@ -27,8 +27,8 @@ use crate::net::network::{
 /// Per-namespace settings that give sandbox users what owning the namespace used to: low
 /// ports (web servers on 80) and unprivileged ICMP sockets (`ping`).
 const SYSCTLS: &[(&str, &str)] = &[
-    ("/proc/sys/net/ipv4/ip_unprivileged_port_start", "0"),
-    ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+    ("net/ipv4/ip_unprivileged_port_start", "0"),
+    ("net/ipv4/ping_group_range", "0 2147483647"),
 ];
 
 /// A wired network namespace for one slot, waiting for a sandbox.
@@ -163,13 +163,31 @@ async fn create_veth(
     })?;
     // Reverse-path filtering drops packets whose source address does not belong to the slot
     // they arrive on.
-    let _ = std::fs::write(format!("/proc/sys/net/ipv4/conf/{iface}/rp_filter"), "1");
+    let _ = write_host_sysctl(&format!("net/ipv4/conf/{iface}/rp_filter"), "1");
     // Sandboxes have no IPv6 beyond their own namespace (the firewall drops it), so the host
     // end needs no link-local address. Without one, bringing a link up or down no longer
     // walks the host's IPv6 routing table, which holds routes for every sandbox link: each
     // start and stop would cost time in proportion to the sandboxes running.
-    let _ = std::fs::write(format!("/proc/sys/net/ipv6/conf/{iface}/disable_ipv6"), "1");
+    let _ = write_host_sysctl(&format!("net/ipv6/conf/{iface}/disable_ipv6"), "1");
     Ok(index)
+}
+
+/// Writes a sysctl of the host's network namespace (the caller's) through the node's own
+/// procfs instance (see `Sysctls`), made on first use; through `/proc` if none can be made.
+fn write_host_sysctl(name: &str, value: &str) -> std::io::Result<()> {
+    static HOST: std::sync::OnceLock<Option<sandbar_jail::host::Sysctls>> =
+        std::sync::OnceLock::new();
+    let own = HOST.get_or_init(|| match sandbar_jail::host::Sysctls::new() {
+        Ok(sysctls) => Some(sysctls),
+        Err(e) => {
+            tracing::warn!("cannot make a procfs instance for host sysctls: {e}");
+            None
+        }
+    });
+    match own {
+        Some(sysctls) => sysctls.write(name, value),
+        None => std::fs::write(Path::new("/proc/sys").join(name), value),
+    }
 }
 
 /// Gives the host end its address and, when shaped, its rate limit before it comes up.
@@ -280,9 +298,9 @@ async fn new_namespace() -> Result<NewNamespace, NetworkError> {
                     return Err(std::io::Error::last_os_error());
                 }
                 let netns: OwnedFd = std::fs::File::open("/proc/thread-self/ns/net")?.into();
-                for (path, value) in SYSCTLS {
-                    std::fs::write(path, value)
-                        .map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))?;
+                let sysctls = sandbar_jail::host::Sysctls::new()?;
+                for (name, value) in SYSCTLS {
+                    sysctls.write(name, value)?;
                 }
                 let lo = if_index("lo")?;
                 // SAFETY: socket() with constant arguments; the result is checked before it is
@@ -487,6 +505,12 @@ mod tests {
             let prepared = network.prepare(2, true).await.expect("prepare slot 2");
             assert_eq!(prepared.slot, 2);
             assert!(if_index("sbxe2").is_ok(), "host end exists");
+            let host_sysctl = |name: &str| {
+                let path = format!("/proc/sys/net/{name}");
+                std::fs::read_to_string(&path).expect(&path).trim().to_owned()
+            };
+            assert_eq!(host_sysctl("ipv4/conf/sbxe2/rp_filter"), "1");
+            assert_eq!(host_sysctl("ipv6/conf/sbxe2/disable_ipv6"), "1");
 
             let (port_start, ping, eth0, route) = in_netns(&prepared.netns, || {
                 let read = |p: &str| std::fs::read_to_string(p).expect(p).trim().to_owned();
