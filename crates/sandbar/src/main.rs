@@ -635,6 +635,31 @@ fn captured_builtins(
 
 /// Registers a captured built-in template and builds it in the background unless its last
 /// good build followed the same recipe with the same files.
+/// Makes sure each captured built-in template (the interpreter's, the desktop's) is offered;
+/// one that cannot be is left out with a warning, and the server starts without it.
+async fn offer_captured_builtins(
+    builtins: &Builtins<'_>,
+    data_dir: &Path,
+    interpreter_bin: PathBuf,
+    without_desktop: bool,
+) -> anyhow::Result<()> {
+    let captured = tokio::task::spawn_blocking({
+        let data_dir = data_dir.to_owned();
+        move || captured_builtins(&data_dir, &interpreter_bin, without_desktop)
+    })
+    .await?;
+    for builtin in captured {
+        let alias = builtin.alias;
+        if let Err(e) = ensure_captured_template(builtins, builtin).await {
+            tracing::warn!(
+                error = format!("{e:#}"),
+                "the built-in template '{alias}' is not offered"
+            );
+        }
+    }
+    Ok(())
+}
+
 async fn ensure_captured_template(
     b: &Builtins<'_>,
     builtin: CapturedBuiltin,
@@ -1131,21 +1156,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     .await?;
     // After the sweep of unrecorded sandboxes, which would take their build sandboxes for
     // ones of its own.
-    let captured = tokio::task::spawn_blocking({
-        let data_dir = data_dir.clone();
-        let without_desktop = args.without_desktop;
-        move || captured_builtins(&data_dir, &interpreter_bin, without_desktop)
-    })
-    .await?;
-    for builtin in captured {
-        let alias = builtin.alias;
-        if let Err(e) = ensure_captured_template(&builtins, builtin).await {
-            tracing::warn!(
-                error = format!("{e:#}"),
-                "the built-in template '{alias}' is not offered"
-            );
-        }
-    }
+    offer_captured_builtins(&builtins, &data_dir, interpreter_bin, args.without_desktop).await?;
     runtime.start_warm_pool();
     start_background_work(
         &store,

@@ -126,24 +126,7 @@ pub fn issue(domain: &str, dir: &Path, force: bool) -> Result<Issued, IssueError
     // A client whose clock is a little behind still accepts a certificate made just now.
     let not_before = now - time::Duration::hours(1);
 
-    let ca = match (exists(&files.ca)?, exists(&files.ca_key)?) {
-        (true, true) => Some(existing_ca(&files.ca, &files.ca_key)?),
-        (false, false) => None,
-        (true, false) if !force => {
-            return Err(IssueError::HalfCa {
-                present: files.ca.clone(),
-                missing: files.ca_key.clone(),
-            });
-        }
-        (false, true) if !force => {
-            return Err(IssueError::HalfCa {
-                present: files.ca_key.clone(),
-                missing: files.ca.clone(),
-            });
-        }
-        _ => None,
-    };
-    let (ca, made_ca) = match ca {
+    let (ca, made_ca) = match ca_on_disk(&files, force)? {
         Some(ca) => (ca, None),
         None => {
             let key = KeyPair::generate().map_err(failed("CA key"))?;
@@ -215,6 +198,23 @@ pub fn issue(domain: &str, dir: &Path, force: bool) -> Result<Issued, IssueError
         leaf_not_after,
         ..files
     })
+}
+
+/// The CA already in the directory, if both its files are there. With only one of them, an
+/// error naming both, unless `force` (then a new CA replaces the half one).
+fn ca_on_disk(files: &Issued, force: bool) -> Result<Option<Ca>, IssueError> {
+    match (exists(&files.ca)?, exists(&files.ca_key)?) {
+        (true, true) => Ok(Some(existing_ca(&files.ca, &files.ca_key)?)),
+        (true, false) if !force => Err(IssueError::HalfCa {
+            present: files.ca.clone(),
+            missing: files.ca_key.clone(),
+        }),
+        (false, true) if !force => Err(IssueError::HalfCa {
+            present: files.ca_key.clone(),
+            missing: files.ca.clone(),
+        }),
+        _ => Ok(None),
+    }
 }
 
 /// A CA that signs: its certificate as given, and its issuer.

@@ -507,7 +507,10 @@ mod tests {
             assert!(if_index("sbxe2").is_ok(), "host end exists");
             let host_sysctl = |name: &str| {
                 let path = format!("/proc/sys/net/{name}");
-                std::fs::read_to_string(&path).expect(&path).trim().to_owned()
+                std::fs::read_to_string(&path)
+                    .expect(&path)
+                    .trim()
+                    .to_owned()
             };
             assert_eq!(host_sysctl("ipv4/conf/sbxe2/rp_filter"), "1");
             assert_eq!(host_sysctl("ipv6/conf/sbxe2/disable_ipv6"), "1");
