@@ -366,10 +366,33 @@ pub type SlotSet = Arc<Mutex<std::collections::BTreeSet<u32>>>;
 /// Takes the lowest slot that neither this node nor anything else on the host uses.
 pub fn take_slot(slots: &SlotSet, capacity: u32) -> Option<u32> {
     let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
-    let free =
-        (0..capacity).find(|s| !slots.contains(s) && !crate::net::network::slot_in_use(*s))?;
+    let free = lowest_free(&slots, capacity, crate::net::network::slot_in_use)?;
     slots.insert(free);
     Some(free)
+}
+
+/// The lowest slot below `capacity` that is not in `taken` and that `in_use_elsewhere` does
+/// not claim. The set is walked once in order, the gaps between its slots being the only
+/// candidates: a lookup per slot of a full host cost a tree search for each of its sandboxes.
+fn lowest_free(
+    taken: &std::collections::BTreeSet<u32>,
+    capacity: u32,
+    in_use_elsewhere: impl Fn(u32) -> bool,
+) -> Option<u32> {
+    let mut candidate = 0;
+    for &next_taken in taken.iter().chain(std::iter::once(&capacity)) {
+        while candidate < next_taken.min(capacity) {
+            if !in_use_elsewhere(candidate) {
+                return Some(candidate);
+            }
+            candidate += 1;
+        }
+        candidate = candidate.max(next_taken.saturating_add(1));
+        if candidate >= capacity {
+            return None;
+        }
+    }
+    None
 }
 
 pub fn free_slot(slots: &SlotSet, slot: u32) {
@@ -496,6 +519,28 @@ mod tests {
         })
         .join()
         .expect("netns thread")
+    }
+
+    #[test]
+    fn the_lowest_free_slot_is_found_between_taken_ones() {
+        let taken = |slots: &[u32]| {
+            slots
+                .iter()
+                .copied()
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        let nowhere = |_| false;
+        assert_eq!(lowest_free(&taken(&[]), 4, nowhere), Some(0));
+        assert_eq!(lowest_free(&taken(&[0, 1, 3]), 4, nowhere), Some(2));
+        assert_eq!(lowest_free(&taken(&[0, 1, 2]), 4, nowhere), Some(3));
+        assert_eq!(lowest_free(&taken(&[0, 1, 2, 3]), 4, nowhere), None);
+        assert_eq!(lowest_free(&taken(&[]), 0, nowhere), None);
+        // A slot someone else on the host holds is passed over like a taken one.
+        assert_eq!(lowest_free(&taken(&[1]), 4, |s| s == 0 || s == 2), Some(3));
+        assert_eq!(lowest_free(&taken(&[1]), 3, |s| s != 1), None);
+        // Slots of the set past the capacity (a smaller network after a restart) do not count.
+        assert_eq!(lowest_free(&taken(&[0, 7]), 2, nowhere), Some(1));
+        assert_eq!(lowest_free(&taken(&[0, 1, 7]), 2, nowhere), None);
     }
 
     #[test]
