@@ -1,5 +1,6 @@
 //! Mounts the node makes on the host for a sandbox restored from a checkpoint: what the boot
-//! process and PID 1 make for a new sandbox, made again from outside.
+//! process and PID 1 make for a new sandbox, made again from outside; and the procfs
+//! instance the node writes network sysctls through.
 
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};

@@ -633,8 +633,6 @@ fn captured_builtins(
     offered
 }
 
-/// Registers a captured built-in template and builds it in the background unless its last
-/// good build followed the same recipe with the same files.
 /// Makes sure each captured built-in template (the interpreter's, the desktop's) is offered;
 /// one that cannot be is left out with a warning, and the server starts without it.
 async fn offer_captured_builtins(
@@ -660,6 +658,8 @@ async fn offer_captured_builtins(
     Ok(())
 }
 
+/// Registers a captured built-in template and builds it in the background unless its last
+/// good build followed the same recipe with the same files.
 async fn ensure_captured_template(
     b: &Builtins<'_>,
     builtin: CapturedBuiltin,

@@ -70,14 +70,8 @@ impl Resolver {
             let port = udp.local_addr().map_err(DnsError::Bind)?.port();
             match TcpListener::bind((Ipv4Addr::UNSPECIFIED, port)).await {
                 Ok(tcp) => {
-                    tag_for_firewall(&udp).map_err(|source| DnsError::Tag {
-                        socket: "UDP",
-                        source,
-                    })?;
-                    tag_for_firewall(&tcp).map_err(|source| DnsError::Tag {
-                        socket: "TCP",
-                        source,
-                    })?;
+                    tag_for_firewall(&udp, "UDP")?;
+                    tag_for_firewall(&tcp, "TCP")?;
                     let upstreams: Arc<[SocketAddr]> = upstreams.into();
                     let limit = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
                     tokio::spawn(serve_udp(
@@ -105,7 +99,10 @@ impl Resolver {
 /// once the server is gone, drop or admit traffic of whatever host process gets that port
 /// next. `IP_TRANSPARENT` is the tag because it changes nothing for a socket that no
 /// transparent-proxy rule sends packets to, and nftables can match it (`socket transparent`).
-fn tag_for_firewall(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
+fn tag_for_firewall(
+    socket: &impl std::os::fd::AsRawFd,
+    kind: &'static str,
+) -> Result<(), DnsError> {
     let on: libc::c_int = 1;
     // SAFETY: the descriptor is a live socket owned by the caller, and the option's value is
     // a c_int that lives across the call, with its size passed along.
@@ -121,7 +118,10 @@ fn tag_for_firewall(socket: &impl std::os::fd::AsRawFd) -> std::io::Result<()> {
     if rc == 0 {
         Ok(())
     } else {
-        Err(std::io::Error::last_os_error())
+        Err(DnsError::Tag {
+            socket: kind,
+            source: std::io::Error::last_os_error(),
+        })
     }
 }
 

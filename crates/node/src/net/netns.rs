@@ -173,21 +173,19 @@ async fn create_veth(
 }
 
 /// Writes a sysctl of the host's network namespace (the caller's) through the node's own
-/// procfs instance (see `Sysctls`), made on first use; through `/proc` if none can be made.
+/// procfs instance (see `Sysctls`), made on first use: the one way every sysctl is written,
+/// as a new namespace's are.
 fn write_host_sysctl(name: &str, value: &str) -> std::io::Result<()> {
     static HOST: std::sync::OnceLock<Option<sandbar_jail::host::Sysctls>> =
         std::sync::OnceLock::new();
-    let own = HOST.get_or_init(|| match sandbar_jail::host::Sysctls::new() {
-        Ok(sysctls) => Some(sysctls),
-        Err(e) => {
-            tracing::warn!("cannot make a procfs instance for host sysctls: {e}");
-            None
-        }
-    });
-    match own {
-        Some(sysctls) => sysctls.write(name, value),
-        None => std::fs::write(Path::new("/proc/sys").join(name), value),
-    }
+    HOST.get_or_init(|| {
+        sandbar_jail::host::Sysctls::new()
+            .inspect_err(|e| tracing::warn!("cannot make a procfs instance for host sysctls: {e}"))
+            .ok()
+    })
+    .as_ref()
+    .ok_or_else(|| std::io::Error::other(format!("/proc/sys/{name}: no procfs instance")))?
+    .write(name, value)
 }
 
 /// Gives the host end its address and, when shaped, its rate limit before it comes up.
