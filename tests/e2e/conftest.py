@@ -234,6 +234,9 @@ def sandbar():
     leftovers = kill_all_listed(server)
     if leftovers:
         print(f"[e2e] killed {len(leftovers)} sandboxes left from an earlier run", file=sys.stderr)
+    stale_templates = server.delete_leftover_templates()
+    if stale_templates:
+        print(f"[e2e] deleted {stale_templates} templates left from an earlier run", file=sys.stderr)
 
     try:
         yield server

@@ -31,6 +31,8 @@ TEMPLATE_WAIT_S = float(os.environ.get("SANDBAR_E2E_TEMPLATE_WAIT") or 900)
 # The default template's root under <data dir>/templates: `base-v{BASE_RECIPE_VERSION}` of
 # crates/node/src/build/templates.rs.
 BASE_ROOT = "base-v2"
+# The templates a server builds itself; a run's cleanup never deletes them.
+BUILTIN_TEMPLATE_NAMES = {"base", "code-interpreter-v1", "desktop"}
 # The default template the shared server builds, which a module's own server may borrow.
 SHARED_BASE = DATA_DIR / "templates" / BASE_ROOT
 
@@ -671,6 +673,20 @@ class SandbarServer:
                     f"{alias} template not ready within {timeout}s (last GET /templates: {last})\n" + self.log_tail()
                 )
             time.sleep(2)
+
+    def delete_leftover_templates(self) -> int:
+        """Deletes the templates an earlier run on this data dir built, built-ins aside. The data
+        dir outlives a run (it caches the built-in roots), and without this its team's templates
+        pile up across runs until builds meet the team's template cap."""
+        deleted = 0
+        with self.client(timeout=30) as api:
+            for t in api.get("/templates").json():
+                names = set(t.get("aliases") or []) | set(t.get("names") or [])
+                if names & BUILTIN_TEMPLATE_NAMES:
+                    continue
+                if api.delete(f"/templates/{t['templateID']}").status_code in (200, 204):
+                    deleted += 1
+        return deleted
 
     def stop(self, kill9: bool = False, timeout: float = 30) -> None:
         if self.proc is None:
