@@ -1,7 +1,8 @@
 //! The boot contract between a node and the agent it starts as a sandbox's PID 1.
 //!
-//! The node starts the agent binary with the argument `boot`, a serialised [`JailSpec`] on its
-//! standard input and the agent's listening socket as file descriptor [`LISTENER_FD`]. The
+//! The node starts the agent binary with the argument `boot` and a Unix socket as its standard
+//! input, over which it sends the agent's listening socket (which lands as file descriptor
+//! [`LISTENER_FD`]) and the other descriptors of [`handoff`], then a serialised [`JailSpec`]. The
 //! agent, still single-threaded, calls [`boot`]: it joins the sandbox's cgroups, clones the
 //! sandbox's PID 1 into a new user namespace and fresh other namespaces, gives it its id range
 //! and the id-mapped template (whose host PID the original process prints on standard output
@@ -10,6 +11,7 @@
 
 mod caps;
 mod fs;
+pub mod handoff;
 pub mod host;
 mod seccomp;
 mod sys;
@@ -217,6 +219,7 @@ const NAMESPACES: libc::c_int = libc::CLONE_NEWUSER
 ///
 /// Must be called before any thread is started: it forks.
 pub fn boot() -> Result<Booted, BootError> {
+    handoff::take_over_from_node()?;
     let mut raw = String::new();
     std::io::stdin()
         .read_to_string(&mut raw)

@@ -2,28 +2,22 @@
 //! log and configuration, then the template's start and ready commands run through it. The
 //! host seam (`host.rs`) calls it; the launch flows above decide when.
 
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 use sandbar_core::{Endpoint, LaunchSpec, RuntimeError};
-use sandbar_jail::{AgentConfig, IdMap, JailSpec, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
+use sandbar_jail::{AgentConfig, IdMap, JailSpec};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::net::netns::PreparedNetns;
 
-use super::{agent_client, reset_oom_score_adj, sandbox_err};
+use super::{agent_client, sandbox_err};
 
 node_part! {
     /// Starts sandboxes' agents and their templates' start commands.
     pub(super) struct Jailer;
-}
-
-/// The server's nice value, which sandboxes start with whichever thread forks them: the
-/// main thread's (its id is the process id), which no pool lowers.
-fn server_nice() -> i32 {
-    rustix::process::getpriority_process(Some(rustix::process::getpid())).unwrap_or(0)
 }
 
 impl Jailer {
@@ -49,24 +43,32 @@ impl Jailer {
             tracing::warn!(sandbox_id = id, error = %e, "out-of-memory kills will not be named");
             None
         });
-        let handed = AgentDescriptors {
-            listener: listener.as_raw_fd(),
-            netns: netns.netns.as_raw_fd(),
-            oom_events: oom_events.as_ref().map(|fd| fd.as_raw_fd()),
-        };
-        let mut command = self.agent_command(log, handed);
-        let child = command.spawn().map_err(|e| {
-            sandbox_err(
-                id,
-                format!("start agent {}: {e}", self.node.agent_exec.display()),
-            )
-        })?;
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()
+            .map_err(|e| sandbox_err(id, format!("make the boot socket: {e}")))?;
+        let child = self
+            .agent_command(log, theirs.into())
+            .spawn()
+            .map_err(|e| {
+                sandbox_err(
+                    id,
+                    format!("start agent {}: {e}", self.node.agent_exec.display()),
+                )
+            })?;
+        sandbar_jail::handoff::send_descriptors(
+            &ours,
+            sandbar_jail::handoff::Handed {
+                listener: listener.as_fd(),
+                netns: netns.netns.as_fd(),
+                oom_events: oom_events.as_ref().map(|fd| fd.as_fd()),
+            },
+        )
+        .map_err(|e| sandbox_err(id, format!("hand the boot its descriptors: {e}")))?;
         // The agent holds its own copy now; ours would keep the socket accepting after the
         // sandbox died and hang clients instead of refusing them. The namespace, likewise, must
         // end with the sandbox's processes.
         drop(listener);
         drop(oom_events);
-        self.boot_child(id, child, &jail).await
+        self.boot_child(id, child, ours, &jail).await
     }
 
     /// How the agent jails sandbox `boot`: its layers and writable directory `dir`, cgroups,
@@ -149,81 +151,20 @@ impl Jailer {
 
     /// `sandbar-agent boot`, with stderr to `log` and `handed` at the numbers the agent
     /// expects, in a session of its own and with nothing else of the server's.
-    fn agent_command(
-        &self,
-        log: std::fs::File,
-        handed: AgentDescriptors,
-    ) -> tokio::process::Command {
-        let AgentDescriptors {
-            listener: listener_fd,
-            netns: netns_fd,
-            oom_events: oom_fd,
-        } = handed;
-        let server_nice = server_nice();
+    /// The boot process's command: the agent binary, with `socket` as its standard input.
+    /// Nothing runs between fork and exec, so the standard library starts it with
+    /// `posix_spawn` and the server is never forked (see [`sandbar_jail::handoff`]).
+    fn agent_command(&self, log: std::fs::File, socket: OwnedFd) -> tokio::process::Command {
         let mut command = tokio::process::Command::new(&self.node.agent_exec);
         command
             // Sandboxes read PID 1's command line: it must not name a host path.
             .arg0("sandbar-agent")
             .arg("boot")
-            .stdin(Stdio::piped())
+            .stdin(Stdio::from(socket))
             .stdout(Stdio::piped())
             .stderr(Stdio::from(log))
             .env_clear()
             .env("RUST_LOG", "info");
-        // SAFETY: the closure runs between fork and exec and only calls async-signal-safe
-        // functions (setsid, dup2, close_range) on descriptors that exist in the child.
-        unsafe {
-            command.pre_exec(move || {
-                // A new session keeps terminal signals aimed at the server off the sandbox.
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Forked by the warm pool's low-priority thread: the sandbox gets the
-                // server's priority back (the pool's thread only lowers itself where this
-                // is allowed).
-                if libc::getpriority(libc::PRIO_PROCESS, 0) != server_nice {
-                    libc::setpriority(libc::PRIO_PROCESS, 0, server_nice);
-                }
-                // The server protects itself from the OOM killer; a sandbox must not inherit
-                // that. Written with privilege, 0 is also the floor no process of the sandbox
-                // can go below.
-                reset_oom_score_adj();
-                // Out of the way first: the eventfd may sit where the others go.
-                let oom_high = match oom_fd {
-                    Some(fd) => {
-                        let high = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, OOM_EVENTS_FD + 1);
-                        if high < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        Some(high)
-                    }
-                    None => None,
-                };
-                if libc::dup2(listener_fd, LISTENER_FD) < 0 || libc::dup2(netns_fd, NETNS_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                if let Some(fd) = oom_high
-                    && libc::dup2(fd, OOM_EVENTS_FD) < 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-                // Descriptors the server inherited without close-on-exec (from whoever
-                // started it) must not reach the sandbox, where they would be host files a
-                // checkpoint cannot carry. Marked rather than closed: the spawner's own
-                // error-reporting pipe must stay open until exec.
-                libc::syscall(
-                    libc::SYS_close_range,
-                    (if oom_fd.is_some() {
-                        OOM_EVENTS_FD + 1
-                    } else {
-                        NETNS_FD + 1
-                    }) as libc::c_uint,
-                    libc::c_uint::MAX,
-                    libc::CLOSE_RANGE_CLOEXEC,
-                );
-                Ok(())
-            });
-        }
         command
     }
 
@@ -233,15 +174,18 @@ impl Jailer {
         &self,
         id: &str,
         mut child: tokio::process::Child,
+        socket: std::os::unix::net::UnixStream,
         jail: &JailSpec,
     ) -> Result<i32, RuntimeError> {
         let payload = serde_json::to_vec(jail).map_err(|e| sandbox_err(id, e))?;
-        if let Some(mut stdin) = child.stdin.take() {
-            stdin
-                .write_all(&payload)
-                .await
-                .map_err(|e| sandbox_err(id, format!("send jail spec: {e}")))?;
-        }
+        let sent = async {
+            socket.set_nonblocking(true)?;
+            let mut socket = tokio::net::UnixStream::from_std(socket)?;
+            socket.write_all(&payload).await?;
+            socket.shutdown().await
+        };
+        sent.await
+            .map_err(|e| sandbox_err(id, format!("send jail spec: {e}")))?;
         let mut line = String::new();
         if let Some(stdout) = child.stdout.take() {
             BufReader::new(stdout)
@@ -353,14 +297,6 @@ impl Jailer {
             ),
         })
     }
-}
-
-/// The descriptors the agent is started with, as numbers valid in the server until it is.
-#[derive(Clone, Copy)]
-pub(super) struct AgentDescriptors {
-    listener: i32,
-    netns: i32,
-    oom_events: Option<i32>,
 }
 
 /// What booting a sandbox needs beyond its slot and directory.

@@ -210,22 +210,6 @@ fn kill_err(id: &str, err: crate::resources::cgroups::CgroupError) -> RuntimeErr
     }
 }
 
-/// Sets the calling process's `oom_score_adj` (and, for a privileged caller, its floor) to 0.
-/// Async-signal-safe: called between fork and exec.
-fn reset_oom_score_adj() {
-    // SAFETY: open, write and close on a static path and buffer.
-    unsafe {
-        let fd = libc::open(
-            c"/proc/self/oom_score_adj".as_ptr(),
-            libc::O_WRONLY | libc::O_CLOEXEC,
-        );
-        if fd >= 0 {
-            let _ = libc::write(fd, c"0".as_ptr().cast(), 1);
-            libc::close(fd);
-        }
-    }
-}
-
 /// The server's own `oom_score_adj`: when the host runs out of memory, the kernel kills
 /// sandbox processes and host services before the process that manages them.
 pub const SERVER_OOM_SCORE_ADJ: &str = "-900";

@@ -64,7 +64,7 @@ impl WarmKeeper {
             }
         };
         // A boot makes blocking system calls (cgroups, the btrfs subvolume and its quota,
-        // the fork of the jail) that take a thread for up to milliseconds. On a thread and
+        // the boot process's start) that take a thread for up to milliseconds. On a thread and
         // runtime of their own they never hold a worker that a request's task waits on.
         let spawned = std::thread::Builder::new()
             .name("warm-pool".into())
@@ -385,11 +385,11 @@ impl WarmKeeper {
 }
 
 /// Nice value of the thread that boots warm sandboxes: its own system calls (mounts, the
-/// btrfs subvolume and quota, the jail's fork) then take only cycles requests leave.
+/// btrfs subvolume and quota, the boot process's start) then take only cycles requests leave.
 const REFILL_NICE: i32 = 19;
 
 /// Lowers the calling thread's priority to [`REFILL_NICE`] where the jails it forks can take
-/// the server's priority back (`CAP_SYS_NICE`, see `jailed::server_nice`); without that,
+/// the server's priority back (`CAP_SYS_NICE`, see `sandbar_jail::handoff`); without that,
 /// sandboxes would inherit the low priority, so the thread keeps the server's.
 fn run_refills_in_background() {
     use rustix::thread::{CapabilitySet, capabilities};
