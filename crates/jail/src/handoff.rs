@@ -182,4 +182,93 @@ mod tests {
         assert_eq!(inode(fds[1].as_fd()), inode(b.as_fd()));
         assert!(fds[0].as_raw_fd() != a.as_raw_fd());
     }
+
+    const CHILD: &str = "SANDBAR_TEST_HANDOFF_CHILD";
+    /// Where the child's parent leaves a descriptor without close-on-exec, as a server's own
+    /// parent might.
+    const STRAY_FD: i32 = 9;
+
+    /// What the boot process holds after taking over: each open descriptor and what it is,
+    /// and whether it leads a session of its own.
+    fn report_after_take_over() -> String {
+        take_over_from_node().unwrap();
+        let mut fds: Vec<String> = std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| {
+                let fd = e.ok()?.file_name().into_string().ok()?;
+                let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+                Some(format!("{fd}={}", target.display()))
+            })
+            .collect();
+        fds.sort();
+        let leads = rustix::process::getsid(None).unwrap() == rustix::process::getpid();
+        format!("fds {}\nleads {leads}\n", fds.join(" "))
+    }
+
+    #[test]
+    fn a_boot_process_keeps_only_what_it_was_handed_and_leaves_the_session() {
+        if std::env::var_os(CHILD).is_some() {
+            print!("{}", report_after_take_over());
+            return;
+        }
+        let (node, boot) = UnixStream::pair().unwrap();
+        let (listener, _l) = UnixStream::pair().unwrap();
+        let (netns, _n) = UnixStream::pair().unwrap();
+        let stray = tempfile::tempfile().unwrap();
+        let stray_fd = stray.as_raw_fd();
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command
+            .args([
+                "handoff::tests::a_boot_process_keeps_only_what_it_was_handed_and_leaves_the_session",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .stdin(std::process::Stdio::from(OwnedFd::from(boot)));
+        // SAFETY: dup2 only, onto a descriptor the child owns nothing at.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut command, move || {
+                if libc::dup2(stray_fd, STRAY_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        send_descriptors(
+            &node,
+            Handed {
+                listener: listener.as_fd(),
+                netns: netns.as_fd(),
+                oom_events: None,
+            },
+        )
+        .unwrap();
+        drop(node);
+        let output = child.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&output.stdout);
+        assert!(output.status.success(), "{text}");
+        let fds = text
+            .lines()
+            // libtest prints the test's name on the same line first.
+            .find_map(|l| l.split_once("fds ").map(|(_, fds)| fds))
+            .unwrap_or_else(|| panic!("no report: {text}"));
+        let numbers: Vec<&str> = fds
+            .split(' ')
+            .filter_map(|f| f.split_once('=').map(|(n, _)| n))
+            .collect();
+        // 0-2 are the standard ones, 3 and 4 the handed ones; the highest is the listing's own.
+        assert_eq!(&numbers[..5], ["0", "1", "2", "3", "4"], "{fds}");
+        assert!(numbers.len() <= 6, "descriptors beyond the handed ones: {fds}");
+        assert!(!fds.contains(&format!("{STRAY_FD}=")), "the stray descriptor survived: {fds}");
+        let inode = |f: &UnixStream| rustix::fs::fstat(f).unwrap().st_ino;
+        for (fd, handed) in [(3, &listener), (4, &netns)] {
+            assert!(
+                fds.contains(&format!("{fd}=socket:[{}]", inode(handed))),
+                "descriptor {fd} is not the one handed: {fds}"
+            );
+        }
+        assert!(text.contains("leads true"), "{text}");
+    }
 }

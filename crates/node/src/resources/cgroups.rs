@@ -710,6 +710,15 @@ impl CgroupDriver {
         Err(CgroupError::Busy { path: file })
     }
 
+    /// Asks the freezer to stop every process of the sandbox at its next return to user space,
+    /// without waiting for that: a process in a system call finishes it first.
+    pub fn request_freeze(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+        let (file, frozen, _) = self.freezer(sandbox_id).ok_or_else(|| {
+            CgroupError::Unsupported("the freezer controller is not mounted".into())
+        })?;
+        write(&file, frozen)
+    }
+
     /// The cgroup directory whose freezer holds the sandbox (for CRIU's `--freeze-cgroup`).
     pub fn freezer_dir(&self, sandbox_id: &str) -> Option<PathBuf> {
         self.freezer(sandbox_id)

@@ -82,7 +82,10 @@ impl Launcher {
         LayerKeeper::of(&self.node)
             .fetch_missing_layers(&spec.template.id, &spec.image.parts())
             .await?;
-        let _creating = self.node.warm.creating();
+        let _creating = self
+            .node
+            .warm
+            .creating(|booting| self.node.cgroups.request_freeze(booting).is_ok());
         let mut opening = self.open_holdings(&spec, kept.is_none()).await?;
         if let Some(warm) = self.take_warm_sandbox(&spec, may_take_warm) {
             return match self.launch_on_warm(&spec, &warm, opening).await? {

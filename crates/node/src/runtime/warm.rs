@@ -34,6 +34,14 @@ pub const QUIET: Duration = Duration::from_millis(25);
 /// pool refilled rather than drained.
 pub const QUIET_WHEN_LOW: Duration = Duration::from_millis(2);
 
+/// How long a boot stays stopped after the last create it stopped for ends: a client sends
+/// its new sandbox's first command within a few milliseconds of the create's answer.
+pub const HOLD_AFTER_CREATE: Duration = Duration::from_millis(10);
+
+/// The most a boot is stopped for creates in all: creates that never pause must still see the
+/// pool refilled.
+pub const HOLD_BUDGET: Duration = Duration::from_millis(100);
+
 /// How far back creates count towards an image's demand.
 pub const DEMAND_WINDOW: Duration = Duration::from_secs(60);
 /// The span whose busiest occurrence in [`DEMAND_WINDOW`] sets an image's target: a round of
@@ -153,8 +161,19 @@ impl Demand {
     }
 }
 
+/// The boot under way, which creates stop while they run (see [`WarmPool::creating`]).
+#[derive(Debug)]
+struct Boot {
+    name: String,
+    /// Since when it is stopped, if it is.
+    held_since: Option<Instant>,
+    /// How long it was stopped before that.
+    held_for: Duration,
+}
+
 #[derive(Debug, Default)]
 struct State {
+    booting: Option<Boot>,
     waiting: Vec<WarmSandbox>,
     /// The image the last create that a warm sandbox could have served asked for.
     wanted: Option<WarmKey>,
@@ -176,6 +195,8 @@ pub struct WarmPool {
     ceiling: usize,
     state: Mutex<State>,
     wake: tokio::sync::Notify,
+    /// Raised when a create begins or ends.
+    activity: tokio::sync::Notify,
     /// Held while the pool boots or retires a sandbox, so a stop can wait for that to end.
     working: tokio::sync::Mutex<()>,
     closed: std::sync::atomic::AtomicBool,
@@ -200,6 +221,7 @@ impl WarmPool {
             ceiling: ceiling.max(target),
             state: Mutex::new(State::default()),
             wake: tokio::sync::Notify::new(),
+            activity: tokio::sync::Notify::new(),
             working: tokio::sync::Mutex::new(()),
             closed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -258,11 +280,90 @@ impl WarmPool {
     }
 
     /// Marks a create as under way until the returned guard is dropped.
-    pub fn creating(&self) -> CreateGuard<'_> {
+    ///
+    /// A boot's system calls (mounts, `pivot_root`, namespaces) hold a core for milliseconds
+    /// each on a kernel that does not preempt them, and cost more the more sandboxes a host
+    /// holds; a create that meets one waits. So the boot under way stops for creates: `hold`
+    /// is asked to stop it (it says whether it did), unless the pool is under half its target
+    /// (it must refill first) or the boot has been stopped for [`HOLD_BUDGET`] already. It runs
+    /// again once creates have been quiet for [`HOLD_AFTER_CREATE`]. `hold` is called under
+    /// the pool's lock, so it never lands after the boot has ended and been let go.
+    pub fn creating(&self, hold: impl FnOnce(&str) -> bool) -> CreateGuard<'_> {
+        let now = Instant::now();
         let mut state = self.state();
         state.creating += 1;
-        state.last_create = Some(Instant::now());
+        state.last_create = Some(now);
+        let low = state.waiting.len() * 2 < self.target;
+        if let Some(boot) = state.booting.as_mut()
+            && boot.held_since.is_none()
+            && boot.held_for < HOLD_BUDGET
+            && !low
+            && hold(&boot.name)
+        {
+            boot.held_since = Some(now);
+        }
+        drop(state);
+        self.activity.notify_waiters();
         CreateGuard { pool: self }
+    }
+
+    /// Makes the boot of warm sandbox `name` the one creates stop.
+    pub fn boot_started(&self, name: &str) {
+        self.state().booting = Some(Boot {
+            name: name.to_owned(),
+            held_since: None,
+            held_for: Duration::ZERO,
+        });
+    }
+
+    /// Ends the boot's turn; `release` lets it run again if a create had stopped it. Returns
+    /// how long creates had it stopped.
+    pub fn boot_ended(&self, release: impl FnOnce(&str)) -> Duration {
+        let Some(boot) = self.state().booting.take() else {
+            return Duration::ZERO;
+        };
+        match boot.held_since {
+            Some(since) => {
+                release(&boot.name);
+                boot.held_for + since.elapsed()
+            }
+            None => boot.held_for,
+        }
+    }
+
+    /// How long until the stopped boot may run again: `None` when it is not stopped.
+    pub fn release_in(&self, now: Instant) -> Option<Duration> {
+        let state = self.state();
+        let boot = state.booting.as_ref()?;
+        let since = boot.held_since?;
+        let left = HOLD_BUDGET.saturating_sub(boot.held_for + now.saturating_duration_since(since));
+        if left.is_zero() {
+            return Some(Duration::ZERO);
+        }
+        if state.creating > 0 {
+            return Some(left);
+        }
+        let quiet = state
+            .last_create
+            .map_or(HOLD_AFTER_CREATE, |last| now.saturating_duration_since(last));
+        Some(HOLD_AFTER_CREATE.saturating_sub(quiet).min(left))
+    }
+
+    /// Lets the stopped boot run again through `release`, if it still is stopped.
+    pub fn release(&self, now: Instant, release: impl FnOnce(&str)) {
+        let mut state = self.state();
+        if let Some(boot) = state.booting.as_mut()
+            && let Some(since) = boot.held_since.take()
+        {
+            boot.held_for += now.saturating_duration_since(since);
+            release(&boot.name);
+        }
+    }
+
+    /// Raised when a create begins or ends; enable a `notified()` before looking at the
+    /// pool, so that a change in between is not missed.
+    pub fn activity(&self) -> &tokio::sync::Notify {
+        &self.activity
     }
 
     /// How long to stay out of the way of creates before the next job: `None` when the
@@ -410,6 +511,8 @@ impl Drop for CreateGuard<'_> {
         let mut state = self.pool.state();
         state.creating = state.creating.saturating_sub(1);
         state.last_create = Some(Instant::now());
+        drop(state);
+        self.pool.activity.notify_waiters();
     }
 }
 
@@ -420,7 +523,8 @@ mod tests {
     use sandbar_jail::IdMap;
 
     use super::{
-        DEMAND_WINDOW, FORGET_AFTER, Job, QUIET, QUIET_WHEN_LOW, WarmKey, WarmPool, WarmSandbox,
+        DEMAND_WINDOW, FORGET_AFTER, HOLD_AFTER_CREATE, HOLD_BUDGET, Job, QUIET, QUIET_WHEN_LOW,
+        WarmKey, WarmPool, WarmSandbox,
     };
 
     fn key(layer: &str) -> WarmKey {
@@ -522,7 +626,7 @@ mod tests {
         pool.put(warm("w1", key("a")));
         let now = Instant::now();
         assert_eq!(pool.hold_off(now), None, "no create yet");
-        let guard = pool.creating();
+        let guard = pool.creating(|_| true);
         assert_eq!(pool.hold_off(Instant::now()), Some(QUIET));
         drop(guard);
         let after = pool.hold_off(Instant::now()).expect("just ended");
@@ -599,11 +703,90 @@ mod tests {
     fn a_pool_under_half_its_target_refills_after_a_short_pause() {
         let pool = WarmPool::new(4, 4);
         pool.put(warm("w1", key("a")));
-        let guard = pool.creating();
+        let guard = pool.creating(|_| true);
         assert_eq!(pool.hold_off(Instant::now()), Some(QUIET_WHEN_LOW));
         drop(guard);
         let after = pool.hold_off(Instant::now()).expect("just ended");
         assert!(after <= QUIET_WHEN_LOW);
         assert_eq!(pool.hold_off(Instant::now() + QUIET_WHEN_LOW), None);
+    }
+
+    /// A pool at its target with boot "b" under way.
+    fn pool_booting() -> WarmPool {
+        let pool = WarmPool::new(2, 2);
+        pool.put(warm("w1", key("a")));
+        pool.put(warm("w2", key("a")));
+        pool.boot_started("b");
+        pool
+    }
+
+    #[test]
+    fn a_create_stops_the_boot_under_way_until_creates_are_quiet() {
+        let pool = pool_booting();
+        let mut held = Vec::new();
+        let guard = pool.creating(|name| {
+            held.push(name.to_owned());
+            true
+        });
+        assert_eq!(held, ["b"]);
+        let now = Instant::now();
+        let wait = pool.release_in(now).expect("stopped");
+        assert!(wait > HOLD_AFTER_CREATE, "held while the create runs: {wait:?}");
+        drop(guard);
+        let ended = Instant::now();
+        assert!(pool.release_in(ended).expect("stopped") <= HOLD_AFTER_CREATE);
+        assert_eq!(
+            pool.release_in(ended + HOLD_AFTER_CREATE),
+            Some(Duration::ZERO)
+        );
+        let mut released = Vec::new();
+        pool.release(ended + HOLD_AFTER_CREATE, |name| released.push(name.to_owned()));
+        assert_eq!(released, ["b"]);
+        assert_eq!(pool.release_in(Instant::now()), None, "running again");
+        let held = pool.boot_ended(|_| panic!("a running boot is not let go twice"));
+        assert!(held >= HOLD_AFTER_CREATE, "{held:?}");
+    }
+
+    #[test]
+    fn a_pool_under_half_its_target_never_stops_its_boot() {
+        let pool = WarmPool::new(4, 4);
+        pool.put(warm("w1", key("a")));
+        pool.boot_started("b");
+        let _guard = pool.creating(|_| panic!("a refill that is needed first was stopped"));
+        assert_eq!(pool.release_in(Instant::now()), None);
+    }
+
+    #[test]
+    fn a_boot_is_stopped_for_creates_at_most_its_budget() {
+        let pool = pool_booting();
+        let guard = pool.creating(|_| true);
+        let start = Instant::now();
+        assert_eq!(
+            pool.release_in(start + HOLD_BUDGET),
+            Some(Duration::ZERO),
+            "released while the create still runs"
+        );
+        pool.release(start + HOLD_BUDGET, |_| {});
+        drop(guard);
+        let _next = pool.creating(|_| panic!("stopped past its budget"));
+        assert_eq!(pool.release_in(Instant::now()), None);
+    }
+
+    #[test]
+    fn a_boot_that_ends_while_stopped_is_let_go() {
+        let pool = pool_booting();
+        let _guard = pool.creating(|_| true);
+        let mut released = Vec::new();
+        pool.boot_ended(|name| released.push(name.to_owned()));
+        assert_eq!(released, ["b"]);
+        assert_eq!(pool.release_in(Instant::now()), None);
+    }
+
+    #[test]
+    fn a_boot_that_could_not_be_stopped_is_not_counted_as_stopped() {
+        let pool = pool_booting();
+        let _guard = pool.creating(|_| false);
+        assert_eq!(pool.release_in(Instant::now()), None);
+        pool.boot_ended(|_| panic!("nothing to let go"));
     }
 }

@@ -139,6 +139,8 @@ impl WarmKeeper {
                 )
                 .map_err(|e| sandbox_err(&name, e))?;
             cgroups_at = started.elapsed();
+            self.node.warm.boot_started(&name);
+            self.while_held().await;
             let dir = self
                 .node
                 .disks
@@ -160,6 +162,7 @@ impl WarmKeeper {
                 kept: false,
                 boot_id: &boot_id,
             };
+            self.while_held().await;
             let pid = Jailer::of(&self.node)
                 .spawn_jailed(&boot, &dir, &netns, id_map)
                 .await?;
@@ -178,8 +181,14 @@ impl WarmKeeper {
                 .await
                 .map_err(|e| sandbox_err(&name, e))?;
             Ok::<_, RuntimeError>(warm)
-        }
-        .await;
+        };
+        let booted = tokio::select! {
+            booted = booted => booted,
+            never = self.release_when_quiet() => match never {},
+        };
+        let held = self.node.warm.boot_ended(|held| {
+            let _ = self.node.cgroups.thaw(held);
+        });
         drop(netns);
         match booted {
             Ok(warm) => {
@@ -190,6 +199,7 @@ impl WarmKeeper {
                     disk_us = disk_at.as_micros() as u64,
                     spawned_us = spawned_at.as_micros() as u64,
                     healthy_us = started.elapsed().as_micros() as u64,
+                    held_us = held.as_micros() as u64,
                     "warm sandbox booted"
                 );
                 opening.commit();
@@ -202,6 +212,46 @@ impl WarmKeeper {
                     tracing::error!(warm = %name, error = %cleanup, "cannot clean up a warm sandbox");
                 }
                 Err(err)
+            }
+        }
+    }
+
+    /// Lets the boot under way run again whenever creates stopped it and have since been
+    /// quiet long enough (see [`crate::runtime::warm::WarmPool::creating`]); runs beside the
+    /// boot until the boot ends.
+    async fn release_when_quiet(&self) -> std::convert::Infallible {
+        let pool = &self.node.warm;
+        loop {
+            let change = pool.activity().notified();
+            tokio::pin!(change);
+            change.as_mut().enable();
+            match pool.release_in(std::time::Instant::now()) {
+                None => change.await,
+                Some(wait) if wait.is_zero() => {
+                    pool.release(std::time::Instant::now(), |held| {
+                        let _ = self.node.cgroups.thaw(held);
+                    });
+                }
+                Some(wait) => {
+                    let _ = tokio::time::timeout(wait, change).await;
+                }
+            }
+        }
+    }
+
+    /// Waits while creates have the boot under way stopped: its own steps on the server's
+    /// side wait with its processes.
+    async fn while_held(&self) {
+        let pool = &self.node.warm;
+        loop {
+            let change = pool.activity().notified();
+            tokio::pin!(change);
+            change.as_mut().enable();
+            match pool.release_in(std::time::Instant::now()) {
+                None => return,
+                Some(wait) => {
+                    let _ = tokio::time::timeout(wait.max(Duration::from_millis(1)), change).await;
+                }
             }
         }
     }
