@@ -235,7 +235,10 @@ mod tests {
                 Ok(())
             });
         }
-        let child = command.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        let child = command
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
         send_descriptors(
             &node,
             Handed {
@@ -260,8 +263,14 @@ mod tests {
             .collect();
         // 0-2 are the standard ones, 3 and 4 the handed ones; the highest is the listing's own.
         assert_eq!(&numbers[..5], ["0", "1", "2", "3", "4"], "{fds}");
-        assert!(numbers.len() <= 6, "descriptors beyond the handed ones: {fds}");
-        assert!(!fds.contains(&format!("{STRAY_FD}=")), "the stray descriptor survived: {fds}");
+        assert!(
+            numbers.len() <= 6,
+            "descriptors beyond the handed ones: {fds}"
+        );
+        assert!(
+            !fds.contains(&format!("{STRAY_FD}=")),
+            "the stray descriptor survived: {fds}"
+        );
         let inode = |f: &UnixStream| rustix::fs::fstat(f).unwrap().st_ino;
         for (fd, handed) in [(3, &listener), (4, &netns)] {
             assert!(

@@ -343,9 +343,9 @@ impl WarmPool {
         if state.creating > 0 {
             return Some(left);
         }
-        let quiet = state
-            .last_create
-            .map_or(HOLD_AFTER_CREATE, |last| now.saturating_duration_since(last));
+        let quiet = state.last_create.map_or(HOLD_AFTER_CREATE, |last| {
+            now.saturating_duration_since(last)
+        });
         Some(HOLD_AFTER_CREATE.saturating_sub(quiet).min(left))
     }
 
@@ -731,7 +731,10 @@ mod tests {
         assert_eq!(held, ["b"]);
         let now = Instant::now();
         let wait = pool.release_in(now).expect("stopped");
-        assert!(wait > HOLD_AFTER_CREATE, "held while the create runs: {wait:?}");
+        assert!(
+            wait > HOLD_AFTER_CREATE,
+            "held while the create runs: {wait:?}"
+        );
         drop(guard);
         let ended = Instant::now();
         assert!(pool.release_in(ended).expect("stopped") <= HOLD_AFTER_CREATE);
@@ -740,7 +743,9 @@ mod tests {
             Some(Duration::ZERO)
         );
         let mut released = Vec::new();
-        pool.release(ended + HOLD_AFTER_CREATE, |name| released.push(name.to_owned()));
+        pool.release(ended + HOLD_AFTER_CREATE, |name| {
+            released.push(name.to_owned())
+        });
         assert_eq!(released, ["b"]);
         assert_eq!(pool.release_in(Instant::now()), None, "running again");
         let held = pool.boot_ended(|_| panic!("a running boot is not let go twice"));
