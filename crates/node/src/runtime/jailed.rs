@@ -149,11 +149,10 @@ impl Jailer {
         Ok(log)
     }
 
-    /// `sandbar-agent boot`, with stderr to `log` and `handed` at the numbers the agent
-    /// expects, in a session of its own and with nothing else of the server's.
-    /// The boot process's command: the agent binary, with `socket` as its standard input.
-    /// Nothing runs between fork and exec, so the standard library starts it with
-    /// `posix_spawn` and the server is never forked (see [`sandbar_jail::handoff`]).
+    /// `sandbar-agent boot`, with `socket` as its standard input and stderr to `log`. Nothing
+    /// runs between fork and exec, so the standard library starts it with `posix_spawn` and
+    /// the server is never forked; the boot process takes over itself (see
+    /// [`sandbar_jail::handoff`]).
     fn agent_command(&self, log: std::fs::File, socket: OwnedFd) -> tokio::process::Command {
         let mut command = tokio::process::Command::new(&self.node.agent_exec);
         command
