@@ -236,7 +236,7 @@ def sandbar():
         print(f"[e2e] killed {len(leftovers)} sandboxes left from an earlier run", file=sys.stderr)
     stale_templates = server.delete_leftover_templates()
     if stale_templates:
-        print(f"[e2e] deleted {stale_templates} templates left from an earlier run", file=sys.stderr)
+        print(f"[e2e] deleted {stale_templates} templates and snapshots left from an earlier run", file=sys.stderr)
 
     try:
         yield server

@@ -675,16 +675,19 @@ class SandbarServer:
             time.sleep(2)
 
     def delete_leftover_templates(self) -> int:
-        """Deletes the templates an earlier run on this data dir built, built-ins aside. The data
-        dir outlives a run (it caches the built-in roots), and without this its team's templates
-        pile up across runs until builds meet the team's template cap."""
+        """Deletes the templates and snapshots an earlier run on this data dir left, built-ins
+        aside. The data dir outlives a run (it caches the built-in roots), and without this its
+        team's templates and snapshots pile up across runs until they meet the team's caps."""
         deleted = 0
         with self.client(timeout=30) as api:
+            ids = []
             for t in api.get("/templates").json():
                 names = set(t.get("aliases") or []) | set(t.get("names") or [])
-                if names & BUILTIN_TEMPLATE_NAMES:
-                    continue
-                if api.delete(f"/templates/{t['templateID']}").status_code in (200, 204):
+                if not names & BUILTIN_TEMPLATE_NAMES:
+                    ids.append(t["templateID"])
+            ids.extend(s["snapshotID"] for s in api.get("/snapshots", params={"limit": 100}).json())
+            for template_id in ids:
+                if api.delete(f"/templates/{template_id}").status_code in (200, 204):
                     deleted += 1
         return deleted
 
