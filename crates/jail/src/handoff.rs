@@ -24,6 +24,9 @@ use crate::{BootError, LISTENER_FD, NETNS_FD, OOM_EVENTS_FD};
 /// The descriptors a boot process is handed, in the order they arrive and land.
 const HANDED: [i32; 3] = [LISTENER_FD, NETNS_FD, OOM_EVENTS_FD];
 
+/// The boot step that takes them, as its errors name it.
+const RECEIVING: &str = "receive the node's descriptors";
+
 /// The one byte that carries the descriptors.
 const MARK: u8 = b'D';
 
@@ -93,9 +96,7 @@ pub(crate) fn take_over_from_node() -> Result<(), BootError> {
 /// Takes the descriptors the node sent on `socket` and leaves them where the boot expects
 /// them: the lowest free numbers, which the close above made [`HANDED`]'s.
 fn receive_descriptors(socket: BorrowedFd<'_>) -> Result<(), BootError> {
-    let refuse = |what: &str| {
-        BootError::syscall("receive the node's descriptors")(std::io::Error::other(what.to_owned()))
-    };
+    let refuse = |what: &str| BootError::syscall(RECEIVING)(std::io::Error::other(what.to_owned()));
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let mut byte = [0u8; 1];
@@ -105,7 +106,7 @@ fn receive_descriptors(socket: BorrowedFd<'_>) -> Result<(), BootError> {
         &mut control,
         RecvFlags::CMSG_CLOEXEC,
     )
-    .map_err(|e| BootError::syscall("receive the node's descriptors")(e.into()))?;
+    .map_err(|e| BootError::syscall(RECEIVING)(e.into()))?;
     if got.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
         return Err(refuse("more descriptors than a boot takes"));
     }

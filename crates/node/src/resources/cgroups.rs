@@ -691,10 +691,7 @@ impl CgroupDriver {
     /// Stops every process of the sandbox where it is (the cgroup freezer) and waits until
     /// the kernel reports them all frozen; their memory stays as it is.
     pub async fn freeze(&self, sandbox_id: &str) -> Result<(), CgroupError> {
-        let (file, frozen, thawed) = self.freezer(sandbox_id).ok_or_else(|| {
-            CgroupError::Unsupported("the freezer controller is not mounted".into())
-        })?;
-        write(&file, frozen)?;
+        let file = self.request_freeze(sandbox_id)?;
         for _ in 0..500 {
             if self.is_frozen(sandbox_id) {
                 return Ok(());
@@ -702,21 +699,23 @@ impl CgroupDriver {
             if let Hierarchy::V1 { .. } = &self.hierarchy {
                 // A v1 freeze that met a task in an uninterruptible wait stays FREEZING until
                 // asked again.
-                let _ = std::fs::write(&file, frozen);
+                let _ = self.request_freeze(sandbox_id);
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        let _ = std::fs::write(&file, thawed);
+        let _ = self.thaw(sandbox_id);
         Err(CgroupError::Busy { path: file })
     }
 
     /// Asks the freezer to stop every process of the sandbox at its next return to user space,
-    /// without waiting for that: a process in a system call finishes it first.
-    pub fn request_freeze(&self, sandbox_id: &str) -> Result<(), CgroupError> {
+    /// without waiting for that: a process in a system call finishes it first. Returns the
+    /// freezer's file.
+    pub fn request_freeze(&self, sandbox_id: &str) -> Result<PathBuf, CgroupError> {
         let (file, frozen, _) = self.freezer(sandbox_id).ok_or_else(|| {
             CgroupError::Unsupported("the freezer controller is not mounted".into())
         })?;
-        write(&file, frozen)
+        write(&file, frozen)?;
+        Ok(file)
     }
 
     /// The cgroup directory whose freezer holds the sandbox (for CRIU's `--freeze-cgroup`).

@@ -140,7 +140,7 @@ impl WarmKeeper {
                 .map_err(|e| sandbox_err(&name, e))?;
             cgroups_at = started.elapsed();
             self.node.warm.boot_started(&name);
-            self.while_held().await;
+            let _ = self.while_held().await;
             let dir = self
                 .node
                 .disks
@@ -162,7 +162,7 @@ impl WarmKeeper {
                 kept: false,
                 boot_id: &boot_id,
             };
-            self.while_held().await;
+            let _ = self.while_held().await;
             let pid = Jailer::of(&self.node)
                 .spawn_jailed(&boot, &dir, &netns, id_map)
                 .await?;
@@ -186,9 +186,7 @@ impl WarmKeeper {
             booted = booted => booted,
             never = self.release_when_quiet() => match never {},
         };
-        let held = self.node.warm.boot_ended(|held| {
-            let _ = self.node.cgroups.thaw(held);
-        });
+        let held = self.node.warm.boot_ended(|held| self.thaw(held));
         drop(netns);
         match booted {
             Ok(warm) => {
@@ -220,17 +218,31 @@ impl WarmKeeper {
     /// quiet long enough (see [`crate::runtime::warm::WarmPool::creating`]); runs beside the
     /// boot until the boot ends.
     async fn release_when_quiet(&self) -> std::convert::Infallible {
+        loop {
+            let change = self.node.warm.activity().notified();
+            tokio::pin!(change);
+            change.as_mut().enable();
+            if !self.while_held().await {
+                change.await;
+            }
+        }
+    }
+
+    /// Waits while creates have the boot under way stopped, and lets it run again once that
+    /// is due: its own steps on the server's side wait with its processes. Whichever of this
+    /// and [`Self::release_when_quiet`] comes first releases it. Returns whether it was
+    /// stopped.
+    async fn while_held(&self) -> bool {
         let pool = &self.node.warm;
         loop {
             let change = pool.activity().notified();
             tokio::pin!(change);
             change.as_mut().enable();
             match pool.release_in(std::time::Instant::now()) {
-                None => change.await,
+                None => return false,
                 Some(wait) if wait.is_zero() => {
-                    pool.release(std::time::Instant::now(), |held| {
-                        let _ = self.node.cgroups.thaw(held);
-                    });
+                    pool.release(std::time::Instant::now(), |held| self.thaw(held));
+                    return true;
                 }
                 Some(wait) => {
                     let _ = tokio::time::timeout(wait, change).await;
@@ -239,21 +251,10 @@ impl WarmKeeper {
         }
     }
 
-    /// Waits while creates have the boot under way stopped: its own steps on the server's
-    /// side wait with its processes.
-    async fn while_held(&self) {
-        let pool = &self.node.warm;
-        loop {
-            let change = pool.activity().notified();
-            tokio::pin!(change);
-            change.as_mut().enable();
-            match pool.release_in(std::time::Instant::now()) {
-                None => return,
-                Some(wait) => {
-                    let _ = tokio::time::timeout(wait.max(Duration::from_millis(1)), change).await;
-                }
-            }
-        }
+    /// Lets a boot that creates stopped run again; a boot whose cgroup is gone has nothing
+    /// left to thaw.
+    fn thaw(&self, held: &str) {
+        let _ = self.node.cgroups.thaw(held);
     }
 
     pub(super) async fn retire_warm(&self, warm: &crate::runtime::warm::WarmSandbox) {
