@@ -103,6 +103,10 @@ struct Args {
     /// crowd's cost (0: measure at once).
     #[arg(long, default_value_t = 15)]
     crowd_settle_secs: u64,
+    /// Appends every round trip of the crowd series to this CSV file (series, index, round
+    /// began, total, create, first output, kill; ms), to place a tail in time.
+    #[arg(long)]
+    samples_csv: Option<PathBuf>,
     /// Instead of the latency series: this many create→first command→kill cycles next to
     /// `--first-commands-next-to` idle sandboxes, every command's output compared byte for
     /// byte (the crowd's first commands included); fails on any difference.
@@ -160,6 +164,9 @@ struct Series {
     total: Vec<Duration>,
     create: Vec<Duration>,
     start: Vec<Duration>,
+    /// When each round began (since the Unix epoch) and how long killing its sandboxes took (untimed in the rows).
+    began: Vec<Duration>,
+    kill: Vec<Duration>,
 }
 
 impl Series {
@@ -167,6 +174,32 @@ impl Series {
         self.total.extend(other.total);
         self.create.extend(other.create);
         self.start.extend(other.start);
+        self.began.extend(other.began);
+        self.kill.extend(other.kill);
+    }
+
+    /// One line per round trip: when its round began (Unix time, ms), the
+    /// create→first output, the create, the first output and the round's kill, in ms.
+    fn write_samples(&self, name: &str, path: &std::path::Path) -> std::io::Result<()> {
+        use std::io::Write;
+        let mut out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)?;
+        let ms = |d: &Duration| d.as_secs_f64() * 1000.0;
+        for (i, total) in self.total.iter().enumerate() {
+            let round = |v: &Vec<Duration>| v.get(i).map_or(f64::NAN, ms);
+            writeln!(
+                out,
+                "{name},{i},{:.3},{:.3},{:.3},{:.3},{:.3}",
+                round(&self.began),
+                ms(total),
+                ms(&self.create[i]),
+                ms(&self.start[i]),
+                round(&self.kill),
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -195,6 +228,9 @@ async fn latency(
     let mut walls = Vec::with_capacity(rounds);
     for round in 0..warmup + rounds {
         let mut tasks = tokio::task::JoinSet::new();
+        let began = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         let started = Instant::now();
         for _ in 0..concurrency {
             let api = api.clone();
@@ -215,7 +251,13 @@ async fn latency(
             }
         }
         let wall = started.elapsed();
+        let killing = Instant::now();
         let leftovers = api.kill_all().await;
+        let killed = killing.elapsed();
+        for _ in 0..this.total.len() {
+            this.began.push(began);
+            this.kill.push(killed);
+        }
         if let Some(e) = failure {
             return Err(e);
         }
@@ -455,6 +497,11 @@ async fn measure_next_to_idle_crowd(
         Ok(())
     })
     .await?;
+    if let Some(path) = &args.samples_csv {
+        crowded
+            .write_samples(&format!("next to {crowd}"), path)
+            .with_context(|| format!("cannot write samples to {}", path.display()))?;
+    }
     results.row(
         format!("create→first output, c=1, next to {crowd} idle sandboxes"),
         &crowded.total,
