@@ -32,7 +32,7 @@ use clap::{Parser, Subcommand};
 
 use crate::client::Api;
 use crate::memory::{CgroupVersion, IdleMemory};
-use crate::stats::{Summary, summarize};
+use crate::stats::{Summary, ms, summarize};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -164,7 +164,8 @@ struct Series {
     total: Vec<Duration>,
     create: Vec<Duration>,
     start: Vec<Duration>,
-    /// When each round began (since the Unix epoch) and how long killing its sandboxes took (untimed in the rows).
+    /// Per round trip, its round's start (since the Unix epoch) and how long killing the
+    /// round's sandboxes took (not part of the timed rows).
     began: Vec<Duration>,
     kill: Vec<Duration>,
 }
@@ -178,25 +179,23 @@ impl Series {
         self.kill.extend(other.kill);
     }
 
-    /// One line per round trip: when its round began (Unix time, ms), the
-    /// create→first output, the create, the first output and the round's kill, in ms.
+    /// One line per round trip: when its round began (Unix time), the create→first output,
+    /// the create, the first output and the round's kill, all in ms.
     fn write_samples(&self, name: &str, path: &std::path::Path) -> std::io::Result<()> {
         use std::io::Write;
         let mut out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)?;
-        let ms = |d: &Duration| d.as_secs_f64() * 1000.0;
-        for (i, total) in self.total.iter().enumerate() {
-            let round = |v: &Vec<Duration>| v.get(i).map_or(f64::NAN, ms);
+        for i in 0..self.total.len() {
             writeln!(
                 out,
                 "{name},{i},{:.3},{:.3},{:.3},{:.3},{:.3}",
-                round(&self.began),
-                ms(total),
-                ms(&self.create[i]),
-                ms(&self.start[i]),
-                round(&self.kill),
+                ms(self.began[i]),
+                ms(self.total[i]),
+                ms(self.create[i]),
+                ms(self.start[i]),
+                ms(self.kill[i]),
             )?;
         }
         Ok(())

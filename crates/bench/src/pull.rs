@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 use sandbar_image::{ImageCache, PulledImage};
 use tokio::process::Command;
 
-use crate::stats::summarize;
+use crate::stats::{ms, summarize};
 
 /// Tag of the image inside the OCI layout `skopeo copy` writes.
 const LAYOUT_TAG: &str = "bench";
@@ -425,10 +425,6 @@ impl Bench<'_> {
         }
         Ok(())
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1000.0
 }
 
 fn mib(bytes: u64) -> f64 {

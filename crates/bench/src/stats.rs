@@ -15,7 +15,8 @@ pub struct Summary {
     pub max: f64,
 }
 
-fn ms(d: Duration) -> f64 {
+/// A duration in milliseconds, as every table here prints it.
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
