@@ -11,6 +11,7 @@ pub mod files;
 pub mod fs;
 mod http_error;
 pub mod identity;
+mod idle_trim;
 pub mod paths;
 pub mod process;
 pub mod reaper;
@@ -224,6 +225,7 @@ pub async fn serve_booted(
     // command's path.
     reaper::Reaper::global();
     exec::preload_trampoline();
+    idle_trim::start();
     let oom = oom_events.map(|fd| process::OomEvents::new(fd, config.memory_limit_mb));
     if let Some(oom) = &oom {
         tokio::spawn(oom.clone().watch());

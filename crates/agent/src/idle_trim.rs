@@ -1,0 +1,312 @@
+//! An idle agent gives up its page-table entries for code.
+//!
+//! Every agent on a host maps the same pages of its own binary and of the C library: about
+//! 5 MiB of code and read-only data stays mapped in each idle agent. The kernel's page aging
+//! (reclaim under memory pressure, and DAMON's access sampling where the host runs it) checks
+//! a shared page once for every process that maps it, holding the file's mapping lock, so a
+//! thousand idle agents make each check of those pages a thousand times dearer and make every
+//! exec and exit of the agent binary wait behind it. An agent that has been idle drops its
+//! entries for those pages; the pages stay in the page cache, and the agent's next request maps
+//! back the ones it needs with minor faults.
+//!
+//! A warm agent waiting in the pool trims too once it has waited a while; under load the pool
+//! hands agents out long before that. Looking costs one clock read every ten seconds, and a
+//! trim with the ranges known a few `madvise` calls.
+
+use std::ops::Range;
+use std::time::Duration;
+
+/// How often an agent looks at whether it has been idle.
+const CHECK_EVERY: Duration = Duration::from_secs(10);
+
+/// The CPU time an agent may have used since the last look and still count as idle. The
+/// reaper's sweep and a look cost microseconds; one command costs milliseconds.
+const IDLE_CPU: Duration = Duration::from_millis(5);
+
+/// Starts the thread that drops the agent's code mappings whenever it has been idle for a
+/// look. A plain thread, not a task: its wake-up touches a few pages of code, where one of
+/// the async runtime's maps back a good part of what the trim dropped.
+pub(crate) fn start() {
+    let started = std::thread::Builder::new()
+        .name("idle-trim".into())
+        .stack_size(64 * 1024)
+        .spawn(trim_while_idle);
+    if let Err(e) = started {
+        tracing::warn!(error = %e, "cannot start the idle trim");
+    }
+}
+
+fn trim_while_idle() {
+    // The code mappings, read from smaps at the first idle look after activity. While the
+    // agent stays idle they cannot change: loaded objects are never unmapped.
+    let mut code: Option<Vec<Range<usize>>> = None;
+    let mut before = process_cpu_time();
+    loop {
+        std::thread::sleep(CHECK_EVERY);
+        if process_cpu_time().saturating_sub(before) >= IDLE_CPU {
+            code = None;
+        } else {
+            // Each idle look trims again: the reaper's sweep maps pages back.
+            let ranges = match code.take() {
+                Some(ranges) => Ok(ranges),
+                None => std::fs::read_to_string("/proc/self/smaps").map(|s| droppable_code(&s)),
+            };
+            match ranges.and_then(|ranges| drop_mappings(&ranges).map(|()| ranges)) {
+                Ok(ranges) => code = Some(ranges),
+                Err(e) => tracing::debug!(error = %e, "cannot drop code mappings"),
+            }
+        }
+        // Read after the trim, so that the trim's own cost never reads as activity.
+        before = process_cpu_time();
+    }
+}
+
+fn process_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime only writes the timespec we pass a valid pointer to.
+    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) } != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(
+        u64::try_from(now.tv_sec).unwrap_or(0),
+        u32::try_from(now.tv_nsec).unwrap_or(0),
+    )
+}
+
+/// Drops this process's page-table entries for `ranges`, which [`droppable_code`] picked
+/// from its own `/proc/self/smaps`.
+fn drop_mappings(ranges: &[Range<usize>]) -> std::io::Result<()> {
+    for range in ranges {
+        // SAFETY: `range` is one of this process's own private, read-only mappings of a
+        // loaded ELF object holding no private (copied) page. Such a mapping is never
+        // unmapped while the process runs, and dropping its entries loses nothing: the next
+        // access maps the same page-cache page again.
+        let done = unsafe {
+            libc::madvise(
+                range.start as *mut libc::c_void,
+                range.end - range.start,
+                libc::MADV_DONTNEED,
+            )
+        };
+        if done != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// One mapping as `/proc/<pid>/smaps` describes it.
+#[derive(Debug, Default)]
+struct Mapping<'a> {
+    range: Range<usize>,
+    perms: &'a str,
+    path: &'a str,
+    resident_kb: u64,
+    anonymous_kb: u64,
+    locked: bool,
+}
+
+impl Mapping<'_> {
+    fn is_code(&self) -> bool {
+        self.perms.as_bytes().get(2) == Some(&b'x')
+    }
+
+    /// Private, not writable, backed by the file alone (no page of it was ever copied on
+    /// write: relocated data shows as anonymous), mapped in part, and not locked.
+    fn droppable(&self) -> bool {
+        let perms = self.perms.as_bytes();
+        perms.get(1) == Some(&b'-')
+            && perms.get(3) == Some(&b'p')
+            && self.resident_kb > 0
+            && self.anonymous_kb == 0
+            && !self.locked
+    }
+}
+
+fn parse_smaps(smaps: &str) -> Vec<Mapping<'_>> {
+    let mut mappings: Vec<Mapping<'_>> = Vec::new();
+    for line in smaps.lines() {
+        if let Some(mapping) = parse_header(line) {
+            mappings.push(mapping);
+            continue;
+        }
+        let Some(current) = mappings.last_mut() else {
+            continue;
+        };
+        let Some((key, value)) = line.split_once(':') else {
+            continue;
+        };
+        let kb = || {
+            value
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<u64>()
+                .ok()
+        };
+        match key {
+            "Rss" => current.resident_kb = kb().unwrap_or(0),
+            // Unreadable counts as copied, so that such a mapping is left alone.
+            "Anonymous" => current.anonymous_kb = kb().unwrap_or(u64::MAX),
+            "VmFlags" => current.locked = value.split_whitespace().any(|flag| flag == "lo"),
+            _ => {}
+        }
+    }
+    mappings
+}
+
+/// `start-end perms offset dev inode [path]`; `None` for any other line.
+fn parse_header(line: &str) -> Option<Mapping<'_>> {
+    let mut fields = line.split_whitespace();
+    let (start, end) = fields.next()?.split_once('-')?;
+    let range = usize::from_str_radix(start, 16).ok()?..usize::from_str_radix(end, 16).ok()?;
+    let perms = fields.next()?;
+    if perms.len() != 4 {
+        return None;
+    }
+    let _offset = fields.next()?;
+    let _device = fields.next()?;
+    let _inode = fields.next()?;
+    let path = fields.next().unwrap_or("");
+    Some(Mapping {
+        range,
+        perms,
+        path,
+        // A mapping whose counts are missing is never dropped.
+        anonymous_kb: u64::MAX,
+        ..Mapping::default()
+    })
+}
+
+/// The ranges whose entries may go: the droppable mappings of files that are mapped
+/// executable, which are the loaded ELF objects (the agent and its libraries). A data file
+/// some code maps, and may unmap at any time, is never one of them.
+fn droppable_code(smaps: &str) -> Vec<Range<usize>> {
+    let mappings = parse_smaps(smaps);
+    let code_files: Vec<&str> = mappings
+        .iter()
+        .filter(|m| m.path.starts_with('/') && m.is_code())
+        .map(|m| m.path)
+        .collect();
+    mappings
+        .into_iter()
+        .filter(|m| code_files.contains(&m.path) && m.droppable())
+        .map(|m| m.range)
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(header: &str, rss: u64, anonymous: u64, flags: &str) -> String {
+        format!(
+            "{header}\nSize: 100 kB\nRss: {rss} kB\nPss: 1 kB\nAnonymous: {anonymous} kB\nVmFlags: {flags}\n"
+        )
+    }
+
+    #[test]
+    fn only_clean_read_only_mappings_of_loaded_objects_are_dropped() {
+        let smaps = [
+            entry(
+                "1000-2000 r--p 00000000 00:20 7 /agents/abc",
+                448,
+                0,
+                "rd mr mw me",
+            ),
+            entry(
+                "2000-3000 r-xp 00001000 00:20 7 /agents/abc",
+                3092,
+                0,
+                "rd ex mr mw me",
+            ),
+            // Relocated read-only data: its pages were copied, dropping them would undo
+            // the relocations.
+            entry(
+                "3000-4000 r--p 00002000 00:20 7 /agents/abc",
+                376,
+                376,
+                "rd mr mw me",
+            ),
+            entry(
+                "4000-5000 rw-p 00003000 00:20 7 /agents/abc",
+                16,
+                16,
+                "rd wr mr mw me",
+            ),
+            entry("5000-6000 rw-p 00000000 00:00 0 [heap]", 128, 128, "rd wr"),
+            // A data file mapped read-only: not a loaded object, may be unmapped any time.
+            entry(
+                "6000-7000 r--p 00000000 08:01 9 /tmp/data.bin",
+                8,
+                0,
+                "rd mr mw me",
+            ),
+            // Nothing mapped: nothing to drop.
+            entry(
+                "7000-8000 r-xp 00000000 08:01 5 /usr/lib/libgcc_s.so.1",
+                0,
+                0,
+                "rd ex",
+            ),
+            // Locked pages refuse MADV_DONTNEED.
+            entry(
+                "8000-9000 r-xp 00000000 08:01 6 /usr/lib/libc.so.6",
+                768,
+                0,
+                "rd ex lo",
+            ),
+            entry(
+                "9000-a000 r--p 00000000 08:01 6 /usr/lib/libc.so.6",
+                152,
+                0,
+                "rd mr",
+            ),
+            // A shared mapping is another writer's, never ours to drop.
+            entry(
+                "a000-b000 r-xs 00000000 08:01 6 /usr/lib/libc.so.6",
+                4,
+                0,
+                "rd ex sh",
+            ),
+            entry("b000-c000 r-xp 00000000 00:00 0 [vdso]", 4, 0, "rd ex"),
+        ]
+        .concat();
+        assert_eq!(
+            droppable_code(&smaps),
+            vec![0x1000..0x2000, 0x2000..0x3000, 0x9000..0xa000]
+        );
+    }
+
+    #[test]
+    fn a_mapping_without_its_counts_is_kept() {
+        let smaps = "1000-2000 r-xp 00000000 08:01 6 /usr/lib/libc.so.6\nRss: 8 kB\n";
+        assert!(droppable_code(smaps).is_empty());
+    }
+
+    #[test]
+    fn this_process_can_drop_its_code_and_keep_running() {
+        let resident_code = || {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+            let code = droppable_code(&smaps);
+            let kb: u64 = parse_smaps(&smaps)
+                .iter()
+                .filter(|m| code.contains(&m.range))
+                .map(|m| m.resident_kb)
+                .sum();
+            (code, kb)
+        };
+        let (code, before_kb) = resident_code();
+        assert!(!code.is_empty(), "a running test maps some of its own code");
+        drop_mappings(&code).expect("trim");
+        // Reading smaps again runs code, which maps back only the pages it touches.
+        let (_, after_kb) = resident_code();
+        assert!(
+            after_kb < before_kb,
+            "{after_kb} kB of code still mapped after the trim, {before_kb} kB before"
+        );
+    }
+}
