@@ -10,8 +10,9 @@
 //! back the ones it needs with minor faults.
 //!
 //! A warm agent waiting in the pool trims too once it has waited a while; under load the pool
-//! hands agents out long before that. Looking costs one clock read every ten seconds, and a
-//! trim with the ranges known a few `madvise` calls.
+//! hands agents out long before that. A look every ten seconds costs a clock read and a
+//! count of page faults; a trim, with the ranges known, a dozen `madvise` calls, and only
+//! follows a wake-up that mapped pages back.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -22,6 +23,10 @@ const CHECK_EVERY: Duration = Duration::from_secs(10);
 /// The CPU time an agent may have used since the last look and still count as idle. The
 /// reaper's sweep and a look cost microseconds; one command costs milliseconds.
 const IDLE_CPU: Duration = Duration::from_millis(5);
+
+/// Minor faults since the last trim that an idle look lets pass without trimming again: the
+/// look's own sleep and clock read map back a few pages of code each time.
+const FAULTS_OF_A_LOOK: u64 = 16;
 
 /// Starts the thread that drops the agent's code mappings whenever it has been idle for a
 /// look. A plain thread, not a task: its wake-up touches a few pages of code, where one of
@@ -40,13 +45,18 @@ fn trim_while_idle() {
     // The code mappings, read from smaps at the first idle look after activity. While the
     // agent stays idle they cannot change: loaded objects are never unmapped.
     let mut code: Option<Vec<Range<usize>>> = None;
+    // The process's minor faults right after the last trim: few faults since, little mapped
+    // back, nothing worth a trim.
+    let mut faults_after_trim: Option<u64> = None;
     let mut before = process_cpu_time();
     loop {
         std::thread::sleep(CHECK_EVERY);
         if process_cpu_time().saturating_sub(before) >= IDLE_CPU {
             code = None;
-        } else {
-            // Each idle look trims again: the reaper's sweep maps pages back.
+            faults_after_trim = None;
+        } else if mapped_back(faults_after_trim, minor_faults()) {
+            // An idle agent still wakes now and then (the reaper's sweep, a runtime timer)
+            // and maps back what it runs, so each idle look trims again.
             let ranges = match code.take() {
                 Some(ranges) => Ok(ranges),
                 None => std::fs::read_to_string("/proc/self/smaps").map(|s| droppable_code(&s)),
@@ -55,10 +65,31 @@ fn trim_while_idle() {
                 Ok(ranges) => code = Some(ranges),
                 Err(e) => tracing::debug!(error = %e, "cannot drop code mappings"),
             }
+            faults_after_trim = minor_faults();
         }
         // Read after the trim, so that the trim's own cost never reads as activity.
         before = process_cpu_time();
     }
+}
+
+/// Whether the faults taken since the last trim (unknown counts as many) are more than a
+/// look's own.
+fn mapped_back(faults_after_trim: Option<u64>, faults_now: Option<u64>) -> bool {
+    match (faults_after_trim, faults_now) {
+        (Some(then), Some(now)) => now.saturating_sub(then) > FAULTS_OF_A_LOOK,
+        _ => true,
+    }
+}
+
+/// Page faults this process took that needed no read from disk, all threads together.
+fn minor_faults() -> Option<u64> {
+    // SAFETY: an all-zero rusage is a valid value of the plain C struct getrusage fills.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes the struct we pass a valid pointer to.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return None;
+    }
+    u64::try_from(usage.ru_minflt).ok()
 }
 
 fn process_cpu_time() -> Duration {
@@ -285,6 +316,17 @@ mod tests {
     fn a_mapping_without_its_counts_is_kept() {
         let smaps = "1000-2000 r-xp 00000000 08:01 6 /usr/lib/libc.so.6\nRss: 8 kB\n";
         assert!(droppable_code(smaps).is_empty());
+    }
+
+    #[test]
+    fn a_trim_follows_faults_beyond_those_of_a_look() {
+        let now = minor_faults().expect("getrusage");
+        assert!(now > 0, "a running process has faulted pages in");
+        assert!(!mapped_back(Some(100), Some(100)));
+        assert!(!mapped_back(Some(100), Some(100 + FAULTS_OF_A_LOOK)));
+        assert!(mapped_back(Some(100), Some(101 + FAULTS_OF_A_LOOK)));
+        assert!(mapped_back(None, Some(now)), "the first idle look trims");
+        assert!(mapped_back(Some(100), None), "an unknown count trims");
     }
 
     #[test]
