@@ -10,9 +10,9 @@
 //! back the ones it needs with minor faults.
 //!
 //! A warm agent waiting in the pool trims too once it has waited a while; under load the pool
-//! hands agents out long before that. A look every ten seconds costs a clock read and a
-//! count of page faults; a trim, with the ranges known, a dozen `madvise` calls, and only
-//! follows a wake-up that mapped pages back.
+//! hands agents out long before that. A look every ten seconds costs one `getrusage`; a
+//! trim, with the ranges known, a dozen `madvise` calls, and only follows a wake-up that
+//! mapped pages back.
 
 use std::ops::Range;
 use std::time::Duration;
@@ -41,34 +41,50 @@ pub(crate) fn start() {
     }
 }
 
+/// What the last trim dropped, and the process's minor faults right after it.
+struct Trimmed {
+    code: Vec<Range<usize>>,
+    faults_after: u64,
+}
+
 fn trim_while_idle() {
-    // The code mappings, read from smaps at the first idle look after activity. While the
-    // agent stays idle they cannot change: loaded objects are never unmapped.
-    let mut code: Option<Vec<Range<usize>>> = None;
-    // The process's minor faults right after the last trim: few faults since, little mapped
-    // back, nothing worth a trim.
-    let mut faults_after_trim: Option<u64> = None;
-    let mut before = process_cpu_time();
+    // Kept while the agent stays idle: loaded objects are never unmapped, so the ranges read
+    // from smaps at the first idle look after activity stay right.
+    let mut trimmed: Option<Trimmed> = None;
+    let mut before = usage();
     loop {
         std::thread::sleep(CHECK_EVERY);
-        if process_cpu_time().saturating_sub(before) >= IDLE_CPU {
-            code = None;
-            faults_after_trim = None;
-        } else if mapped_back(faults_after_trim, minor_faults()) {
+        let now = usage();
+        let idle = match (&before, &now) {
+            (Some(before), Some(now)) => now.cpu.saturating_sub(before.cpu) < IDLE_CPU,
+            _ => false,
+        };
+        let mut dropped = None;
+        if !idle {
+            trimmed = None;
+        } else if mapped_back(
+            trimmed.as_ref().map(|t| t.faults_after),
+            now.as_ref().map(|n| n.minor_faults),
+        ) {
             // An idle agent still wakes now and then (the reaper's sweep, a runtime timer)
-            // and maps back what it runs, so each idle look trims again.
-            let ranges = match code.take() {
-                Some(ranges) => Ok(ranges),
+            // and maps back what it runs, so an idle look trims again after such a wake-up.
+            let code = match trimmed.take() {
+                Some(t) => Ok(t.code),
                 None => std::fs::read_to_string("/proc/self/smaps").map(|s| droppable_code(&s)),
             };
-            match ranges.and_then(|ranges| drop_mappings(&ranges).map(|()| ranges)) {
-                Ok(ranges) => code = Some(ranges),
+            match code.and_then(|code| drop_mappings(&code).map(|()| code)) {
+                Ok(code) => dropped = Some(code),
                 Err(e) => tracing::debug!(error = %e, "cannot drop code mappings"),
             }
-            faults_after_trim = minor_faults();
         }
         // Read after the trim, so that the trim's own cost never reads as activity.
-        before = process_cpu_time();
+        before = usage();
+        if let (Some(code), Some(after)) = (dropped, &before) {
+            trimmed = Some(Trimmed {
+                code,
+                faults_after: after.minor_faults,
+            });
+        }
     }
 }
 
@@ -81,30 +97,28 @@ fn mapped_back(faults_after_trim: Option<u64>, faults_now: Option<u64>) -> bool 
     }
 }
 
-/// Page faults this process took that needed no read from disk, all threads together.
-fn minor_faults() -> Option<u64> {
+/// This process's CPU time and the page faults it took that needed no read from disk, all
+/// threads together: one `getrusage` a look.
+struct Usage {
+    cpu: Duration,
+    minor_faults: u64,
+}
+
+fn usage() -> Option<Usage> {
     // SAFETY: an all-zero rusage is a valid value of the plain C struct getrusage fills.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage only writes the struct we pass a valid pointer to.
     if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
         return None;
     }
-    u64::try_from(usage.ru_minflt).ok()
-}
-
-fn process_cpu_time() -> Duration {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
+    let time = |t: libc::timeval| {
+        Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
+            + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
     };
-    // SAFETY: clock_gettime only writes the timespec we pass a valid pointer to.
-    if unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut now) } != 0 {
-        return Duration::ZERO;
-    }
-    Duration::new(
-        u64::try_from(now.tv_sec).unwrap_or(0),
-        u32::try_from(now.tv_nsec).unwrap_or(0),
-    )
+    Some(Usage {
+        cpu: time(usage.ru_utime) + time(usage.ru_stime),
+        minor_faults: u64::try_from(usage.ru_minflt).ok()?,
+    })
 }
 
 /// Drops this process's page-table entries for `ranges`, which [`droppable_code`] picked
@@ -320,7 +334,7 @@ mod tests {
 
     #[test]
     fn a_trim_follows_faults_beyond_those_of_a_look() {
-        let now = minor_faults().expect("getrusage");
+        let now = usage().expect("getrusage").minor_faults;
         assert!(now > 0, "a running process has faulted pages in");
         assert!(!mapped_back(Some(100), Some(100)));
         assert!(!mapped_back(Some(100), Some(100 + FAULTS_OF_A_LOOK)));
