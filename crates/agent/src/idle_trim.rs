@@ -9,102 +9,162 @@
 //! entries for those pages; the pages stay in the page cache, and the agent's next request maps
 //! back the ones it needs with minor faults.
 //!
-//! A warm agent waiting in the pool trims too once it has waited a while; under load the pool
-//! hands agents out long before that. A look every ten seconds costs one `getrusage`; a
-//! trim, with the ranges known, a dozen `madvise` calls, and only follows a wake-up that
-//! mapped pages back.
+//! The looks run on the reaper's thread, which sleeps in `poll` until a child ends or a
+//! request arrives ([`note_activity`]). After a wake-up it looks again every ten seconds
+//! until a look finds the agent idle; it then trims once and sleeps with no timeout, so an
+//! idle agent runs nothing at all and maps back nothing between its trims. A warm agent
+//! waiting in the pool trims too once it has waited a look; under load the pool hands agents
+//! out long before that.
 
 use std::ops::Range;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-/// How often an agent looks at whether it has been idle.
-const CHECK_EVERY: Duration = Duration::from_secs(10);
+/// How long after a wake-up an agent looks at whether it has been idle, and between looks.
+const LOOK_EVERY: Duration = Duration::from_secs(10);
 
-/// The CPU time an agent may have used since the last look and still count as idle. The
-/// reaper's sweep and a look cost microseconds; one command costs milliseconds.
+/// The CPU time an agent may have used since the last look and still count as idle. A
+/// look and a reaped orphan cost microseconds; one command costs milliseconds.
 const IDLE_CPU: Duration = Duration::from_millis(5);
 
-/// Minor faults since the last trim that an idle look lets pass without trimming again: the
-/// look's own sleep and clock read map back a few pages of code each time.
-const FAULTS_OF_A_LOOK: u64 = 16;
+/// Set by a booted agent, whose code is shared with every other sandbox on its host.
+static ENABLED: AtomicBool = AtomicBool::new(false);
+/// Requests served so far.
+static REQUESTS: AtomicU64 = AtomicU64::new(0);
+/// Whether the reaper's thread sleeps with no timeout, so a request must wake it.
+static ASLEEP: AtomicBool = AtomicBool::new(false);
 
-/// Starts the thread that drops the agent's code mappings whenever it has been idle for a
-/// look. A plain thread, not a task: its wake-up touches a few pages of code, where one of
-/// the async runtime's maps back a good part of what the trim dropped.
-pub(crate) fn start() {
-    let started = std::thread::Builder::new()
-        .name("idle-trim".into())
-        .stack_size(64 * 1024)
-        .spawn(trim_while_idle);
-    if let Err(e) = started {
-        tracing::warn!(error = %e, "cannot start the idle trim");
+/// Makes this agent drop its code mappings whenever it has been idle for a look.
+pub(crate) fn enable() {
+    ENABLED.store(true, Ordering::SeqCst);
+    crate::reaper::wake();
+}
+
+/// Counts a request; one that finds the agent trimmed and asleep wakes it, so that the
+/// code the request maps back is dropped again once the agent is idle.
+pub(crate) fn note_activity() {
+    REQUESTS.fetch_add(1, Ordering::SeqCst);
+    if ASLEEP.load(Ordering::Relaxed) && ASLEEP.swap(false, Ordering::SeqCst) {
+        crate::reaper::wake();
     }
 }
 
-/// What the last trim dropped, and the process's minor faults right after it.
-struct Trimmed {
-    code: Vec<Range<usize>>,
-    faults_after: u64,
+/// Where the idle trim stands, kept by the reaper's thread.
+#[derive(Debug)]
+pub(crate) struct IdleTrim {
+    phase: Phase,
 }
 
-fn trim_while_idle() {
-    // Kept while the agent stays idle: loaded objects are never unmapped, so the ranges read
-    // from smaps at the first idle look after activity stay right.
-    let mut trimmed: Option<Trimmed> = None;
-    let mut before = usage();
-    loop {
-        std::thread::sleep(CHECK_EVERY);
-        let now = usage();
-        let idle = match (&before, &now) {
-            (Some(before), Some(now)) => now.cpu.saturating_sub(before.cpu) < IDLE_CPU,
-            _ => false,
-        };
-        let mut dropped = None;
-        if !idle {
-            trimmed = None;
-        } else if mapped_back(
-            trimmed.as_ref().map(|t| t.faults_after),
-            now.as_ref().map(|n| n.minor_faults),
-        ) {
-            // An idle agent still wakes now and then (the reaper's sweep, a runtime timer)
-            // and maps back what it runs, so an idle look trims again after such a wake-up.
-            let code = match trimmed.take() {
-                Some(t) => Ok(t.code),
-                None => std::fs::read_to_string("/proc/self/smaps").map(|s| droppable_code(&s)),
-            };
-            match code.and_then(|code| drop_mappings(&code).map(|()| code)) {
-                Ok(code) => dropped = Some(code),
-                Err(e) => tracing::debug!(error = %e, "cannot drop code mappings"),
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Something happened lately: the next look is due at `next_look`, measured against
+    /// the CPU time and requests at the last one.
+    Watching {
+        next_look: Instant,
+        cpu: Option<Duration>,
+        requests: u64,
+    },
+    /// Trimmed after an idle look; only a wake-up brings it back to watching.
+    Asleep,
+}
+
+impl Phase {
+    /// Watching from `now`, against the CPU time and requests of `now`.
+    fn watching(now: Instant, cpu: Option<Duration>, requests: u64) -> Self {
+        Phase::Watching {
+            next_look: now + LOOK_EVERY,
+            cpu,
+            requests,
+        }
+    }
+}
+
+/// What a wake-up asks of the reaper's thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Nothing,
+    /// The agent was idle since the last look: drop its code and sleep.
+    Trim,
+}
+
+impl IdleTrim {
+    pub(crate) fn new(now: Instant) -> Self {
+        Self {
+            phase: Phase::watching(now, cpu_time(), REQUESTS.load(Ordering::SeqCst)),
+        }
+    }
+
+    /// How long the reaper's thread may sleep before the next look; `None` when it need
+    /// not look again until woken (asleep, or not a booted agent).
+    pub(crate) fn patience(&self, now: Instant) -> Option<Duration> {
+        if !ENABLED.load(Ordering::Relaxed) {
+            return None;
+        }
+        self.until_look(now)
+    }
+
+    fn until_look(&self, now: Instant) -> Option<Duration> {
+        match self.phase {
+            Phase::Watching { next_look, .. } => Some(next_look.saturating_duration_since(now)),
+            Phase::Asleep => None,
+        }
+    }
+
+    /// Runs after every wake-up of the reaper's thread: a look when one is due, and the
+    /// trim when it finds the agent idle.
+    pub(crate) fn after_wake(&mut self, now: Instant) {
+        if !ENABLED.load(Ordering::Relaxed) {
+            return;
+        }
+        let requests = REQUESTS.load(Ordering::SeqCst);
+        if self.step(now, cpu_time(), requests) == Step::Trim {
+            if let Err(e) = trim() {
+                tracing::debug!(error = %e, "cannot drop code mappings");
+            }
+            ASLEEP.store(true, Ordering::SeqCst);
+            // A request that came in during the look did not know to wake the thread.
+            if REQUESTS.load(Ordering::SeqCst) != requests && ASLEEP.swap(false, Ordering::SeqCst) {
+                self.phase = Phase::watching(Instant::now(), cpu_time(), requests);
             }
         }
-        // Read after the trim, so that the trim's own cost never reads as activity.
-        before = usage();
-        if let (Some(code), Some(after)) = (dropped, &before) {
-            trimmed = Some(Trimmed {
-                code,
-                faults_after: after.minor_faults,
-            });
+    }
+
+    /// The decision, given the process's CPU time and requests served now.
+    fn step(&mut self, now: Instant, cpu_now: Option<Duration>, requests_now: u64) -> Step {
+        match self.phase {
+            // Anything that wakes a sleeping agent is activity.
+            Phase::Asleep => {
+                self.phase = Phase::watching(now, cpu_now, requests_now);
+                Step::Nothing
+            }
+            Phase::Watching { next_look, .. } if now < next_look => Step::Nothing,
+            Phase::Watching { cpu, requests, .. } => {
+                let idle = match (cpu, cpu_now) {
+                    (Some(then), Some(now)) => now.saturating_sub(then) < IDLE_CPU,
+                    _ => false,
+                } && requests == requests_now;
+                if idle {
+                    self.phase = Phase::Asleep;
+                    Step::Trim
+                } else {
+                    self.phase = Phase::watching(now, cpu_now, requests_now);
+                    Step::Nothing
+                }
+            }
         }
     }
 }
 
-/// Whether the faults taken since the last trim (unknown counts as many) are more than a
-/// look's own.
-fn mapped_back(faults_after_trim: Option<u64>, faults_now: Option<u64>) -> bool {
-    match (faults_after_trim, faults_now) {
-        (Some(then), Some(now)) => now.saturating_sub(then) > FAULTS_OF_A_LOOK,
-        _ => true,
-    }
+/// Drops the entries of every droppable mapping of code, read afresh from smaps: a trim is
+/// rare (once per spell of activity), and a library loaded or unloaded since the last one
+/// is then seen as it is.
+fn trim() -> std::io::Result<()> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    drop_mappings(&droppable_code(&smaps))
 }
 
-/// This process's CPU time and the page faults it took that needed no read from disk, all
-/// threads together: one `getrusage` a look.
-struct Usage {
-    cpu: Duration,
-    minor_faults: u64,
-}
-
-fn usage() -> Option<Usage> {
+/// This process's CPU time, all threads together.
+fn cpu_time() -> Option<Duration> {
     // SAFETY: an all-zero rusage is a valid value of the plain C struct getrusage fills.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: getrusage only writes the struct we pass a valid pointer to.
@@ -115,10 +175,7 @@ fn usage() -> Option<Usage> {
         Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
             + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
     };
-    Some(Usage {
-        cpu: time(usage.ru_utime) + time(usage.ru_stime),
-        minor_faults: u64::try_from(usage.ru_minflt).ok()?,
-    })
+    Some(time(usage.ru_utime) + time(usage.ru_stime))
 }
 
 /// Drops this process's page-table entries for `ranges`, which [`droppable_code`] picked
@@ -332,15 +389,72 @@ mod tests {
         assert!(droppable_code(smaps).is_empty());
     }
 
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn watching_from(start: Instant) -> IdleTrim {
+        IdleTrim {
+            phase: Phase::watching(start, Some(MS(100)), 7),
+        }
+    }
+
     #[test]
-    fn a_trim_follows_faults_beyond_those_of_a_look() {
-        let now = usage().expect("getrusage").minor_faults;
-        assert!(now > 0, "a running process has faulted pages in");
-        assert!(!mapped_back(Some(100), Some(100)));
-        assert!(!mapped_back(Some(100), Some(100 + FAULTS_OF_A_LOOK)));
-        assert!(mapped_back(Some(100), Some(101 + FAULTS_OF_A_LOOK)));
-        assert!(mapped_back(None, Some(now)), "the first idle look trims");
-        assert!(mapped_back(Some(100), None), "an unknown count trims");
+    fn a_wake_up_before_the_look_changes_nothing() {
+        let start = Instant::now();
+        let mut trim = watching_from(start);
+        let before = trim.phase;
+        assert_eq!(
+            trim.step(start + MS(9_999), Some(MS(100)), 7),
+            Step::Nothing
+        );
+        assert_eq!(trim.phase, before, "the look stays where it was due");
+    }
+
+    #[test]
+    fn an_idle_look_trims_and_sleeps_until_woken() {
+        let start = Instant::now();
+        let mut trim = watching_from(start);
+        assert_eq!(
+            trim.step(start + LOOK_EVERY, Some(MS(101)), 7),
+            Step::Trim,
+            "a millisecond of CPU and no request in a look is idle"
+        );
+        assert_eq!(trim.phase, Phase::Asleep);
+        assert_eq!(
+            trim.until_look(start + LOOK_EVERY),
+            None,
+            "no timeout asleep"
+        );
+    }
+
+    #[test]
+    fn a_busy_look_watches_another_look_from_there() {
+        let start = Instant::now();
+        for (cpu, requests) in [(Some(MS(100) + IDLE_CPU), 7), (Some(MS(100)), 8), (None, 7)] {
+            let mut trim = watching_from(start);
+            let look = start + LOOK_EVERY + MS(3);
+            assert_eq!(trim.step(look, cpu, requests), Step::Nothing);
+            assert_eq!(trim.phase, Phase::watching(look, cpu, requests));
+        }
+    }
+
+    #[test]
+    fn any_wake_up_of_a_sleeping_agent_starts_a_look() {
+        let start = Instant::now();
+        let mut trim = IdleTrim {
+            phase: Phase::Asleep,
+        };
+        assert_eq!(trim.step(start, Some(MS(5)), 9), Step::Nothing);
+        assert_eq!(trim.phase, Phase::watching(start, Some(MS(5)), 9));
+        assert_eq!(trim.until_look(start), Some(LOOK_EVERY));
+        assert_eq!(
+            trim.until_look(start + LOOK_EVERY + MS(1)),
+            Some(Duration::ZERO)
+        );
+    }
+
+    #[test]
+    fn the_process_cpu_time_is_known() {
+        assert!(cpu_time().is_some_and(|t| t > Duration::ZERO));
     }
 
     #[test]

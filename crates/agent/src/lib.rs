@@ -202,7 +202,17 @@ pub fn router_with(
             state.clone(),
             auth::require_token,
         ))
+        .layer(axum::middleware::from_fn(noted))
         .with_state(state)
+}
+
+/// Tells the idle trim of each request, before anything else runs for it.
+async fn noted(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    idle_trim::note_activity();
+    next.run(request).await
 }
 
 /// Serves the agent on a Unix socket until the listener fails.
@@ -225,7 +235,7 @@ pub async fn serve_booted(
     // command's path.
     reaper::Reaper::global();
     exec::preload_trampoline();
-    idle_trim::start();
+    idle_trim::enable();
     let oom = oom_events.map(|fd| process::OomEvents::new(fd, config.memory_limit_mb));
     if let Some(oom) = &oom {
         tokio::spawn(oom.clone().watch());

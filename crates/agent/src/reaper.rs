@@ -6,10 +6,13 @@
 //! everything and hands each status to whoever registered that pid.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
+
+use crate::idle_trim::IdleTrim;
 
 /// How a child ended, as reported by `waitpid`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,9 +25,7 @@ pub enum ExitStatus {
 
 type Waiters = HashMap<u32, oneshot::Sender<ExitStatus>>;
 
-/// How often children are reaped without a SIGCHLD.
-const SAFETY_SWEEP: Duration = Duration::from_secs(30);
-/// How often they are reaped when SIGCHLD cannot be listened for.
+/// How often children are reaped when SIGCHLD cannot be listened for.
 const POLL_WITHOUT_SIGNALS: Duration = Duration::from_secs(1);
 
 /// Process-wide registry of children awaiting their exit status.
@@ -50,6 +51,72 @@ impl SpawnGuard<'_> {
     }
 }
 
+/// The eventfd the reaper's thread sleeps on: written by the SIGCHLD handler and by
+/// [`wake`]. Set once, before the handler is registered, and never closed.
+static WAKEUP: OnceLock<OwnedFd> = OnceLock::new();
+
+/// Makes the reaper's thread run its loop once: reap, and let the idle trim look.
+pub(crate) fn wake() {
+    if let Some(fd) = WAKEUP.get() {
+        ring(fd.as_raw_fd());
+    }
+}
+
+/// Adds one to the eventfd `fd`. Async-signal-safe: a single `write`.
+fn ring(fd: i32) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a valid u64 to an eventfd this process owns; a full
+    // counter (EAGAIN) already means a wake-up is pending.
+    unsafe { libc::write(fd, (&raw const one).cast(), std::mem::size_of::<u64>()) };
+}
+
+/// An eventfd that SIGCHLD rings; `None` when either cannot be had.
+fn listen_for_children() -> Option<i32> {
+    // SAFETY: eventfd takes no pointers; the result is checked before it is owned.
+    let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if raw < 0 {
+        tracing::error!(
+            "cannot make the reaper's eventfd, polling only: {}",
+            std::io::Error::last_os_error()
+        );
+        return None;
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = WAKEUP
+        .get_or_init(|| unsafe { OwnedFd::from_raw_fd(raw) })
+        .as_raw_fd();
+    // SAFETY: the action only calls `write`, which is async-signal-safe, on a descriptor
+    // that stays open for the life of the process.
+    let registered = unsafe { signal_hook_registry::register(libc::SIGCHLD, move || ring(fd)) };
+    match registered {
+        Ok(_) => Some(fd),
+        Err(e) => {
+            tracing::error!("cannot listen for SIGCHLD, polling only: {e}");
+            None
+        }
+    }
+}
+
+/// Sleeps until `fd` is rung or `patience` (forever when `None`) has passed, and empties it.
+fn sleep_on(fd: i32, patience: Option<Duration>) {
+    let timeout = patience.map_or(-1, |p| {
+        // Rounded up, so that a look due in half a millisecond does not spin.
+        i32::try_from(p.as_millis().saturating_add(1)).unwrap_or(i32::MAX)
+    });
+    let mut poll = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let ready = unsafe { libc::poll(&mut poll, 1, timeout) };
+    if ready > 0 {
+        let mut count: u64 = 0;
+        // SAFETY: reads 8 bytes into a valid u64 from our own non-blocking eventfd.
+        unsafe { libc::read(fd, (&raw mut count).cast(), std::mem::size_of::<u64>()) };
+    }
+}
+
 impl Reaper {
     /// The process-wide reaper, started on first use. There must be exactly one per process
     /// because `waitpid(-1)` from two loops would steal each other's children.
@@ -59,10 +126,13 @@ impl Reaper {
             let reaper: &'static Reaper = Box::leak(Box::new(Reaper {
                 waiters: Mutex::new(HashMap::new()),
             }));
-            // A dedicated thread with its own runtime keeps the loop alive independently of
-            // whichever runtime first touched the reaper (tests create many runtimes).
+            // A plain thread that sleeps in `poll` between wake-ups: it runs no async
+            // runtime, whose timers would wake an idle agent and map back code the idle
+            // trim dropped, and it outlives whichever runtime first touched the reaper
+            // (tests create many).
             let spawned = std::thread::Builder::new()
                 .name("reaper".into())
+                .stack_size(128 * 1024)
                 .spawn(move || reaper.run());
             if let Err(e) = spawned {
                 tracing::error!("cannot start reaper thread: {e}");
@@ -78,50 +148,22 @@ impl Reaper {
         }
     }
 
+    /// Reaps whenever SIGCHLD (or [`wake`]) rings and runs the idle trim's looks in
+    /// between. Coalesced signals lose nothing: every wake-up reaps until no child is left,
+    /// and a child that ends after the last `waitpid` rings the eventfd again before the
+    /// next `poll`. So an idle agent's thread sleeps until something happens, with no
+    /// periodic sweep.
     fn run(&'static self) {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-        {
-            Ok(rt) => rt,
-            Err(e) => {
-                tracing::error!("cannot build reaper runtime: {e}");
-                return;
+        let wakeup = listen_for_children();
+        let mut trim = IdleTrim::new(Instant::now());
+        loop {
+            self.reap_all();
+            match wakeup {
+                Some(fd) => sleep_on(fd, trim.patience(Instant::now())),
+                None => std::thread::sleep(POLL_WITHOUT_SIGNALS),
             }
-        };
-        runtime.block_on(async move {
-            let mut signals =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::child()) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        tracing::error!("cannot listen for SIGCHLD, polling only: {e}");
-                        None
-                    }
-                };
-            // Coalesced SIGCHLDs lose nothing: every wake-up reaps until no child is left,
-            // and a signal that comes during a sweep is kept pending for the next `recv`.
-            // The sweep is only a safety net, and a sparse one: on a host of 2,000 sandboxes
-            // a sweep every second woke 2,000 agents a second, a tenth of the CPU.
-            let mut tick = tokio::time::interval(if signals.is_some() {
-                SAFETY_SWEEP
-            } else {
-                POLL_WITHOUT_SIGNALS
-            });
-            loop {
-                self.reap_all();
-                match signals.as_mut() {
-                    Some(sig) => {
-                        tokio::select! {
-                            _ = sig.recv() => {}
-                            _ = tick.tick() => {}
-                        }
-                    }
-                    None => {
-                        tick.tick().await;
-                    }
-                }
-            }
-        });
+            trim.after_wake(Instant::now());
+        }
     }
 
     fn reap_all(&self) {
