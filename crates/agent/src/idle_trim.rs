@@ -53,6 +53,9 @@ pub(crate) fn note_activity() {
 #[derive(Debug)]
 pub(crate) struct IdleTrim {
     phase: Phase,
+    /// The ranges of the last trim, kept until the next one: freeing them right after the
+    /// trim would run the allocator and map its code back.
+    trimmed: Vec<Range<usize>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,21 +94,22 @@ impl IdleTrim {
     pub(crate) fn new(now: Instant) -> Self {
         Self {
             phase: Phase::watching(now, cpu_time(), REQUESTS.load(Ordering::SeqCst)),
+            trimmed: Vec::new(),
         }
     }
 
-    /// How long the reaper's thread may sleep before the next look; `None` when it need
-    /// not look again until woken (asleep, or not a booted agent).
-    pub(crate) fn patience(&self, now: Instant) -> Option<Duration> {
+    /// When the reaper's thread must wake for the next look; `None` when it need not look
+    /// again until woken (asleep, or not a booted agent).
+    pub(crate) fn next_look(&self) -> Option<Instant> {
         if !ENABLED.load(Ordering::Relaxed) {
             return None;
         }
-        self.until_look(now)
+        self.look_due()
     }
 
-    fn until_look(&self, now: Instant) -> Option<Duration> {
+    fn look_due(&self) -> Option<Instant> {
         match self.phase {
-            Phase::Watching { next_look, .. } => Some(next_look.saturating_duration_since(now)),
+            Phase::Watching { next_look, .. } => Some(next_look),
             Phase::Asleep => None,
         }
     }
@@ -118,8 +122,14 @@ impl IdleTrim {
         }
         let requests = REQUESTS.load(Ordering::SeqCst);
         if self.step(now, cpu_time(), requests) == Step::Trim {
-            if let Err(e) = trim() {
-                tracing::debug!(error = %e, "cannot drop code mappings");
+            match droppable_now() {
+                Ok(code) => {
+                    self.trimmed = code;
+                    if let Err(e) = drop_mappings(&self.trimmed) {
+                        tracing::debug!(error = %e, "cannot drop code mappings");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "cannot read this agent's mappings"),
             }
             ASLEEP.store(true, Ordering::SeqCst);
             // A request that came in during the look did not know to wake the thread.
@@ -155,12 +165,12 @@ impl IdleTrim {
     }
 }
 
-/// Drops the entries of every droppable mapping of code, read afresh from smaps: a trim is
-/// rare (once per spell of activity), and a library loaded or unloaded since the last one
-/// is then seen as it is.
-fn trim() -> std::io::Result<()> {
-    let smaps = std::fs::read_to_string("/proc/self/smaps")?;
-    drop_mappings(&droppable_code(&smaps))
+/// The droppable mappings of code, read afresh from smaps: a trim is rare (once per spell
+/// of activity), and a library loaded or unloaded since the last one is then seen as it is.
+fn droppable_now() -> std::io::Result<Vec<Range<usize>>> {
+    Ok(droppable_code(&std::fs::read_to_string(
+        "/proc/self/smaps",
+    )?))
 }
 
 /// This process's CPU time, all threads together.
@@ -183,19 +193,17 @@ fn cpu_time() -> Option<Duration> {
 fn drop_mappings(ranges: &[Range<usize>]) -> std::io::Result<()> {
     for range in ranges {
         // SAFETY: `range` is one of this process's own private, read-only mappings of a
-        // loaded ELF object holding no private (copied) page. Such a mapping is never
-        // unmapped while the process runs, and dropping its entries loses nothing: the next
-        // access maps the same page-cache page again.
-        let done = unsafe {
-            libc::madvise(
-                range.start as *mut libc::c_void,
+        // loaded ELF object holding no private (copied) page, read from smaps just before.
+        // Such a mapping is never unmapped while the process runs, and dropping its entries
+        // loses nothing: the next access maps the same page-cache page again. rustix makes
+        // the call itself, so the C library's code it drops is not mapped back by the loop.
+        unsafe {
+            rustix::mm::madvise(
+                range.start as *mut std::ffi::c_void,
                 range.end - range.start,
-                libc::MADV_DONTNEED,
+                rustix::mm::Advice::LinuxDontNeed,
             )
-        };
-        if done != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        }?;
     }
     Ok(())
 }
@@ -394,6 +402,7 @@ mod tests {
     fn watching_from(start: Instant) -> IdleTrim {
         IdleTrim {
             phase: Phase::watching(start, Some(MS(100)), 7),
+            trimmed: Vec::new(),
         }
     }
 
@@ -419,11 +428,7 @@ mod tests {
             "a millisecond of CPU and no request in a look is idle"
         );
         assert_eq!(trim.phase, Phase::Asleep);
-        assert_eq!(
-            trim.until_look(start + LOOK_EVERY),
-            None,
-            "no timeout asleep"
-        );
+        assert_eq!(trim.look_due(), None, "no look due asleep");
     }
 
     #[test]
@@ -442,14 +447,11 @@ mod tests {
         let start = Instant::now();
         let mut trim = IdleTrim {
             phase: Phase::Asleep,
+            trimmed: Vec::new(),
         };
         assert_eq!(trim.step(start, Some(MS(5)), 9), Step::Nothing);
         assert_eq!(trim.phase, Phase::watching(start, Some(MS(5)), 9));
-        assert_eq!(trim.until_look(start), Some(LOOK_EVERY));
-        assert_eq!(
-            trim.until_look(start + LOOK_EVERY + MS(1)),
-            Some(Duration::ZERO)
-        );
+        assert_eq!(trim.look_due(), Some(start + LOOK_EVERY));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! everything and hands each status to whoever registered that pid.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -58,35 +58,32 @@ static WAKEUP: OnceLock<OwnedFd> = OnceLock::new();
 /// Makes the reaper's thread run its loop once: reap, and let the idle trim look.
 pub(crate) fn wake() {
     if let Some(fd) = WAKEUP.get() {
-        ring(fd.as_raw_fd());
+        ring(fd);
     }
 }
 
-/// Adds one to the eventfd `fd`. Async-signal-safe: a single `write`.
-fn ring(fd: i32) {
-    let one: u64 = 1;
-    // SAFETY: writes 8 bytes from a valid u64 to an eventfd this process owns; a full
-    // counter (EAGAIN) already means a wake-up is pending.
-    unsafe { libc::write(fd, (&raw const one).cast(), std::mem::size_of::<u64>()) };
+/// Adds one to the eventfd `fd`. Async-signal-safe: a single `write` system call, made by
+/// rustix without the C library.
+fn ring(fd: &OwnedFd) {
+    // A full counter (EAGAIN) already means a wake-up is pending.
+    let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
 }
 
 /// An eventfd that SIGCHLD rings; `None` when either cannot be had.
-fn listen_for_children() -> Option<i32> {
-    // SAFETY: eventfd takes no pointers; the result is checked before it is owned.
-    let raw = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if raw < 0 {
-        tracing::error!(
-            "cannot make the reaper's eventfd, polling only: {}",
-            std::io::Error::last_os_error()
-        );
-        return None;
-    }
-    // SAFETY: a fresh descriptor nothing else owns.
-    let fd = WAKEUP
-        .get_or_init(|| unsafe { OwnedFd::from_raw_fd(raw) })
-        .as_raw_fd();
-    // SAFETY: the action only calls `write`, which is async-signal-safe, on a descriptor
-    // that stays open for the life of the process.
+fn listen_for_children() -> Option<&'static OwnedFd> {
+    let made = rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    );
+    let fd: &'static OwnedFd = match made {
+        Ok(fd) => WAKEUP.get_or_init(|| fd),
+        Err(e) => {
+            tracing::error!("cannot make the reaper's eventfd, polling only: {e}");
+            return None;
+        }
+    };
+    // SAFETY: the action only makes one `write` system call, which is async-signal-safe,
+    // on a descriptor that stays open for the life of the process.
     let registered = unsafe { signal_hook_registry::register(libc::SIGCHLD, move || ring(fd)) };
     match registered {
         Ok(_) => Some(fd),
@@ -97,23 +94,19 @@ fn listen_for_children() -> Option<i32> {
     }
 }
 
-/// Sleeps until `fd` is rung or `patience` (forever when `None`) has passed, and empties it.
-fn sleep_on(fd: i32, patience: Option<Duration>) {
-    let timeout = patience.map_or(-1, |p| {
-        // Rounded up, so that a look due in half a millisecond does not spin.
-        i32::try_from(p.as_millis().saturating_add(1)).unwrap_or(i32::MAX)
+/// Sleeps until `fd` is rung or `deadline` (never when `None`) has come, and empties it.
+/// Through rustix's own system calls, and with no clock read when there is no deadline: after
+/// a trim, the C library's code stays unmapped.
+fn sleep_on(fd: &OwnedFd, deadline: Option<Instant>) {
+    let timeout = deadline.and_then(|d| {
+        // Rounded up, so that a look due in a fraction of a millisecond does not spin.
+        let left = d.saturating_duration_since(Instant::now()) + Duration::from_millis(1);
+        rustix::event::Timespec::try_from(left).ok()
     });
-    let mut poll = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd.
-    let ready = unsafe { libc::poll(&mut poll, 1, timeout) };
-    if ready > 0 {
-        let mut count: u64 = 0;
-        // SAFETY: reads 8 bytes into a valid u64 from our own non-blocking eventfd.
-        unsafe { libc::read(fd, (&raw mut count).cast(), std::mem::size_of::<u64>()) };
+    let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+    if rustix::event::poll(&mut fds, timeout.as_ref()).is_ok_and(|ready| ready > 0) {
+        let mut count = [0u8; 8];
+        let _ = rustix::io::read(fd, &mut count);
     }
 }
 
@@ -158,11 +151,13 @@ impl Reaper {
         let mut trim = IdleTrim::new(Instant::now());
         loop {
             self.reap_all();
+            // The look comes last before the sleep, so that what a trim drops is not mapped
+            // back by the loop's own work.
+            trim.after_wake(Instant::now());
             match wakeup {
-                Some(fd) => sleep_on(fd, trim.patience(Instant::now())),
+                Some(fd) => sleep_on(fd, trim.next_look()),
                 None => std::thread::sleep(POLL_WITHOUT_SIGNALS),
             }
-            trim.after_wake(Instant::now());
         }
     }
 
