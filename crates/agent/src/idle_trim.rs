@@ -101,7 +101,7 @@ impl IdleTrim {
     /// When the reaper's thread must wake for the next look; `None` when it need not look
     /// again until woken (asleep, or not a booted agent).
     pub(crate) fn next_look(&self) -> Option<Instant> {
-        if !ENABLED.load(Ordering::Relaxed) {
+        if !ENABLED.load(Ordering::SeqCst) {
             return None;
         }
         self.look_due()
@@ -117,11 +117,15 @@ impl IdleTrim {
     /// Runs after every wake-up of the reaper's thread: a look when one is due, and the
     /// trim when it finds the agent idle.
     pub(crate) fn after_wake(&mut self, now: Instant) {
-        if !ENABLED.load(Ordering::Relaxed) {
+        if !ENABLED.load(Ordering::SeqCst) {
             return;
         }
-        let requests = REQUESTS.load(Ordering::SeqCst);
-        if self.step(now, cpu_time(), requests) == Step::Trim {
+        let mut requests = 0;
+        let sample = || {
+            requests = REQUESTS.load(Ordering::SeqCst);
+            (cpu_time(), requests)
+        };
+        if self.step(now, sample) == Step::Trim {
             match droppable_now() {
                 Ok(code) => {
                     self.trimmed = code;
@@ -139,16 +143,20 @@ impl IdleTrim {
         }
     }
 
-    /// The decision, given the process's CPU time and requests served now.
-    fn step(&mut self, now: Instant, cpu_now: Option<Duration>, requests_now: u64) -> Step {
+    /// The decision, given `sample`, which reads the process's CPU time and requests served
+    /// now: called only when they count, so a wake-up before the look (a reaped child) reads
+    /// nothing.
+    fn step(&mut self, now: Instant, sample: impl FnOnce() -> (Option<Duration>, u64)) -> Step {
         match self.phase {
             // Anything that wakes a sleeping agent is activity.
             Phase::Asleep => {
+                let (cpu_now, requests_now) = sample();
                 self.phase = Phase::watching(now, cpu_now, requests_now);
                 Step::Nothing
             }
             Phase::Watching { next_look, .. } if now < next_look => Step::Nothing,
             Phase::Watching { cpu, requests, .. } => {
+                let (cpu_now, requests_now) = sample();
                 let idle = match (cpu, cpu_now) {
                     (Some(then), Some(now)) => now.saturating_sub(then) < IDLE_CPU,
                     _ => false,
@@ -412,7 +420,9 @@ mod tests {
         let mut trim = watching_from(start);
         let before = trim.phase;
         assert_eq!(
-            trim.step(start + MS(9_999), Some(MS(100)), 7),
+            trim.step(start + MS(9_999), || unreachable!(
+                "no sample before the look"
+            )),
             Step::Nothing
         );
         assert_eq!(trim.phase, before, "the look stays where it was due");
@@ -423,7 +433,7 @@ mod tests {
         let start = Instant::now();
         let mut trim = watching_from(start);
         assert_eq!(
-            trim.step(start + LOOK_EVERY, Some(MS(101)), 7),
+            trim.step(start + LOOK_EVERY, || (Some(MS(101)), 7)),
             Step::Trim,
             "a millisecond of CPU and no request in a look is idle"
         );
@@ -437,7 +447,7 @@ mod tests {
         for (cpu, requests) in [(Some(MS(100) + IDLE_CPU), 7), (Some(MS(100)), 8), (None, 7)] {
             let mut trim = watching_from(start);
             let look = start + LOOK_EVERY + MS(3);
-            assert_eq!(trim.step(look, cpu, requests), Step::Nothing);
+            assert_eq!(trim.step(look, || (cpu, requests)), Step::Nothing);
             assert_eq!(trim.phase, Phase::watching(look, cpu, requests));
         }
     }
@@ -449,7 +459,7 @@ mod tests {
             phase: Phase::Asleep,
             trimmed: Vec::new(),
         };
-        assert_eq!(trim.step(start, Some(MS(5)), 9), Step::Nothing);
+        assert_eq!(trim.step(start, || (Some(MS(5)), 9)), Step::Nothing);
         assert_eq!(trim.phase, Phase::watching(start, Some(MS(5)), 9));
         assert_eq!(trim.look_due(), Some(start + LOOK_EVERY));
     }
