@@ -60,6 +60,7 @@ mod ledger;
 mod pausing;
 mod places;
 mod restore;
+mod sampling_memo;
 mod sequence;
 mod snapshot;
 mod state;

@@ -75,6 +75,9 @@ pub(super) struct NodeState {
     /// Build sandboxes being launched or removed in tasks of their own (a build dropped
     /// where it stands leaves them to finish): the server's stop waits for them.
     pub(super) build_sandboxes_settling: Arc<InFlight>,
+    /// What sampling last found of each sandbox, so that idle ones are sampled cheaply.
+    pub(super) usage_readings: super::sampling_memo::UsageReadings,
+    pub(super) log_marks: super::sampling_memo::LogMarks,
 }
 
 impl NodeState {
@@ -117,6 +120,8 @@ impl NodeState {
             verified_images: Mutex::new(BTreeSet::new()),
             shared_layers: std::sync::OnceLock::new(),
             build_sandboxes_settling: Default::default(),
+            usage_readings: Default::default(),
+            log_marks: Default::default(),
             layers,
             config,
             cgroups,

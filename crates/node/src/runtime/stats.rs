@@ -16,18 +16,53 @@ impl NodeReports {
         max: usize,
     ) -> Option<AgentLogChunk> {
         let log = crate::runtime::agent_log::AgentLog::new(self.node.places.log_path(sandbox_id));
+        let marks = &self.node.log_marks;
+        let now = std::time::Instant::now();
+        let Some(shape) = log_shape(log.path()) else {
+            marks.forget(sandbox_id);
+            return None;
+        };
+        let limit = self.node.config.agent_log_rotate_bytes;
+        if shape.len <= limit && marks.nothing_new(sandbox_id, now, shape, offset) {
+            return Some(AgentLogChunk {
+                start: offset,
+                bytes: Vec::new(),
+            });
+        }
         // Checked where the server reads the log, every few seconds while the sandbox runs.
         // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
-        let rotated = log.rotate_if_over(self.node.config.agent_log_rotate_bytes, || {
-            !self.node.cgroups.is_frozen(sandbox_id)
-        });
-        if let Err(e) = rotated {
-            tracing::warn!(sandbox_id, error = %e, "cannot rotate the agent log");
+        let rotated = log.rotate_if_over(limit, || !self.node.cgroups.is_frozen(sandbox_id));
+        let shape = match rotated {
+            Ok(false) => Some(shape),
+            Ok(true) => log_shape(log.path()),
+            Err(e) => {
+                tracing::warn!(sandbox_id, error = %e, "cannot rotate the agent log");
+                None
+            }
+        };
+        let chunk = log.read(offset, max)?;
+        // Short of `max`, the read stopped at the end of the file, which is at or past the
+        // shape taken before it.
+        match shape {
+            Some(shape) if chunk.bytes.len() < max => {
+                let end = chunk.start + chunk.bytes.len() as u64;
+                marks.read_to_end(sandbox_id, now, shape, end);
+            }
+            _ => marks.forget(sandbox_id),
         }
-        log.read(offset, max)
+        Some(chunk)
     }
 
     pub(super) fn stats(&self, sandbox_id: &str) -> Option<sandbar_core::runtime::RuntimeStats> {
+        self.node.usage_readings.read(
+            sandbox_id,
+            std::time::Instant::now(),
+            self.node.cgroups.cpu_ns(sandbox_id),
+            || self.stats_in_full(sandbox_id),
+        )
+    }
+
+    fn stats_in_full(&self, sandbox_id: &str) -> Option<sandbar_core::runtime::RuntimeStats> {
         let cgroup = self.node.cgroups.stats(sandbox_id)?;
         let disk = self.node.disks.usage(sandbox_id);
         Some(sandbar_core::runtime::RuntimeStats {
@@ -143,4 +178,13 @@ pub(super) fn run_sampling_in_background() {
     {
         tracing::warn!(error = %err, "sampling runs at the server's priority");
     }
+}
+
+/// The agent log's size and modification time; `None` when there is none.
+fn log_shape(path: &std::path::Path) -> Option<super::sampling_memo::LogShape> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some(super::sampling_memo::LogShape {
+        len: meta.len(),
+        modified: meta.modified().ok()?,
+    })
 }
