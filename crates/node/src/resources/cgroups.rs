@@ -131,14 +131,12 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
-/// A sandbox's resource use as its cgroups count it.
+/// A sandbox's memory as its memory cgroup counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CgroupStats {
-    /// CPU time used since the sandbox started.
-    pub cpu_ns: u64,
+pub struct MemoryUse {
     /// Memory in use, page cache excluded.
-    pub memory_used: u64,
-    pub memory_cache: u64,
+    pub used: u64,
+    pub cache: u64,
 }
 
 /// Sets a v1 group's memory limit and, where swap is accounted, its memory+swap limit to the
@@ -610,16 +608,11 @@ impl CgroupDriver {
         }
     }
 
-    /// CPU time used so far and memory held now.
-    pub fn stats(&self, sandbox_id: &str) -> Option<CgroupStats> {
-        let cpu_ns = self.cpu_ns(sandbox_id)?;
+    /// Memory the sandbox holds now.
+    pub fn memory_use(&self, sandbox_id: &str) -> Option<MemoryUse> {
         let v1 = matches!(&self.hierarchy, Hierarchy::V1 { .. });
-        let (memory_used, memory_cache) = memory_use(&self.memory_dir(sandbox_id)?, v1)?;
-        Some(CgroupStats {
-            cpu_ns,
-            memory_used,
-            memory_cache,
-        })
+        let (used, cache) = memory_use(&self.memory_dir(sandbox_id)?, v1)?;
+        Some(MemoryUse { used, cache })
     }
 
     /// The cgroup holding every sandbox's (memory controller), made if missing.

@@ -98,14 +98,14 @@ pub(super) struct UsageReadings {
 
 impl UsageReadings {
     /// The sandbox's use at `now`: its last full reading when `cpu_ns` (its CPU time now) has
-    /// not moved since and that reading is recent, a new one from `read_in_full` otherwise.
-    /// `None` when the sandbox is gone.
+    /// not moved since and that reading is recent, a new one from `read_in_full` (given that
+    /// CPU time, so it is read once) otherwise. `None` when the sandbox is gone.
     pub(super) fn read(
         &self,
         sandbox_id: &str,
         now: Instant,
         cpu_ns: Option<u64>,
-        read_in_full: impl FnOnce() -> Option<RuntimeStats>,
+        read_in_full: impl FnOnce(u64) -> Option<RuntimeStats>,
     ) -> Option<RuntimeStats> {
         let cpu_ns = cpu_ns?;
         if let Some((stats, at)) = self.memo.get(sandbox_id, now)
@@ -114,7 +114,7 @@ impl UsageReadings {
         {
             return Some(stats);
         }
-        let Some(stats) = read_in_full() else {
+        let Some(stats) = read_in_full(cpu_ns) else {
             self.memo.forget(sandbox_id);
             return None;
         };
@@ -178,14 +178,14 @@ mod tests {
     fn an_idle_sandbox_is_read_in_full_once_per_period() {
         let readings = UsageReadings::default();
         let start = Instant::now();
-        let first = readings.read("a", start, Some(10), || Some(stats(10, 1)));
+        let first = readings.read("a", start, Some(10), |_| Some(stats(10, 1)));
         assert_eq!(first, Some(stats(10, 1)));
         let later = start + Duration::from_secs(2);
-        let kept = readings.read("a", later, Some(10), || panic!("read in full while idle"));
+        let kept = readings.read("a", later, Some(10), |_| panic!("read in full while idle"));
         assert_eq!(kept, Some(stats(10, 1)));
         let due = start + FULL_READING_EVERY;
         assert_eq!(
-            readings.read("a", due, Some(10), || Some(stats(10, 2))),
+            readings.read("a", due, Some(10), |_| Some(stats(10, 2))),
             Some(stats(10, 2))
         );
     }
@@ -194,9 +194,10 @@ mod tests {
     fn a_sandbox_that_used_cpu_is_read_in_full() {
         let readings = UsageReadings::default();
         let start = Instant::now();
-        readings.read("a", start, Some(10), || Some(stats(10, 1)));
-        let moved = readings.read("a", start + Duration::from_secs(2), Some(11), || {
-            Some(stats(11, 5))
+        readings.read("a", start, Some(10), |_| Some(stats(10, 1)));
+        // The full reading is handed the CPU time already read rather than reading it again.
+        let moved = readings.read("a", start + Duration::from_secs(2), Some(11), |cpu_ns| {
+            Some(stats(cpu_ns, 5))
         });
         assert_eq!(moved, Some(stats(11, 5)));
     }
@@ -205,10 +206,13 @@ mod tests {
     fn a_gone_sandbox_reads_nothing_and_is_forgotten() {
         let readings = UsageReadings::default();
         let start = Instant::now();
-        readings.read("a", start, Some(10), || Some(stats(10, 1)));
-        assert_eq!(readings.read("a", start, None, || Some(stats(10, 1))), None);
+        readings.read("a", start, Some(10), |_| Some(stats(10, 1)));
+        assert_eq!(
+            readings.read("a", start, None, |_| Some(stats(10, 1))),
+            None
+        );
         let soon = start + Duration::from_secs(1);
-        assert_eq!(readings.read("a", soon, Some(12), || None), None);
+        assert_eq!(readings.read("a", soon, Some(12), |_| None), None);
         assert!(readings.memo.ids().is_empty());
     }
 

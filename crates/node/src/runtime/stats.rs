@@ -29,9 +29,14 @@ impl NodeReports {
                 bytes: Vec::new(),
             });
         }
-        // Checked where the server reads the log, every few seconds while the sandbox runs.
+        // Checked where the server reads the log, every few seconds while the sandbox runs,
+        // and only past the limit (the size above already says whether it is).
         // A frozen sandbox's log is left alone: a checkpoint may be recording its size.
-        let rotated = log.rotate_if_over(limit, || !self.node.cgroups.is_frozen(sandbox_id));
+        let rotated = if shape.len > limit {
+            log.rotate_if_over(limit, || !self.node.cgroups.is_frozen(sandbox_id))
+        } else {
+            Ok(false)
+        };
         let shape = match rotated {
             Ok(false) => Some(shape),
             Ok(true) => log_shape(log.path()),
@@ -58,17 +63,22 @@ impl NodeReports {
             sandbox_id,
             std::time::Instant::now(),
             self.node.cgroups.cpu_ns(sandbox_id),
-            || self.stats_in_full(sandbox_id),
+            |cpu_ns| self.stats_in_full(sandbox_id, cpu_ns),
         )
     }
 
-    fn stats_in_full(&self, sandbox_id: &str) -> Option<sandbar_core::runtime::RuntimeStats> {
-        let cgroup = self.node.cgroups.stats(sandbox_id)?;
+    /// Everything but the CPU time, which the caller has just read.
+    fn stats_in_full(
+        &self,
+        sandbox_id: &str,
+        cpu_ns: u64,
+    ) -> Option<sandbar_core::runtime::RuntimeStats> {
+        let memory = self.node.cgroups.memory_use(sandbox_id)?;
         let disk = self.node.disks.usage(sandbox_id);
         Some(sandbar_core::runtime::RuntimeStats {
-            cpu_ns: cgroup.cpu_ns,
-            memory_used: cgroup.memory_used,
-            memory_cache: cgroup.memory_cache,
+            cpu_ns,
+            memory_used: memory.used,
+            memory_cache: memory.cache,
             disk_used: disk.map_or(0, |d| d.used),
             disk_total: disk.map_or(0, |d| d.total),
             oom_kills: self.node.cgroups.oom_kills(sandbox_id).unwrap_or(0),
