@@ -3,6 +3,8 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::resources::io::{IoCounts, IoRates, IoThrottle};
@@ -17,6 +19,15 @@ const ROOT: &str = "/sys/fs/cgroup";
 pub const KILL_PATIENCE: Duration = Duration::from_secs(5);
 /// Between two looks at a cgroup a kill is emptying.
 const KILL_POLL: Duration = Duration::from_millis(10);
+/// How the names of kept memory groups begin: no sandbox or warm name begins with a dot.
+const SPARE_PREFIX: &str = ".spare-";
+/// Kept memory groups at most: enough for a steady rate of creates and kills, few enough
+/// that a burst of kills leaves little behind (each costs the kernel some memory, and
+/// reclaim visits it).
+const MAX_SPARE_MEMORY_GROUPS: usize = 32;
+/// Charges a kept group may still carry once emptied: objects the kernel cannot reclaim yet.
+/// More than this and the group is removed rather than handed to another tenant's sandbox.
+const SPARE_LEFT_BYTES: u64 = 1 << 20;
 
 /// Resource limits of one sandbox.
 #[derive(Debug, Clone, Copy)]
@@ -110,8 +121,37 @@ pub fn parse_oom_kills(text: &str) -> Option<u64> {
 #[derive(Debug, Clone)]
 pub struct CgroupDriver {
     hierarchy: Hierarchy,
+    /// The group under each hierarchy's root that holds the sandboxes' groups.
+    parent: &'static str,
     /// The disk rates every sandbox gets, set once the node knows its devices.
     io: IoThrottle,
+    spares: Arc<SpareMemoryGroups>,
+}
+
+/// Memory cgroups of ended sandboxes, emptied and kept for the next ones (cgroup v1).
+///
+/// Removing a memory cgroup makes the kernel move its entries off the memory-aware object
+/// lists of every superblock on the host, and each sandbox mounts several: next to 1,000
+/// sandboxes that took about 7 ms of a kernel worker per kill, the largest cost a kill left
+/// to the creates around it. Renaming an emptied group costs the same at any count. On v2 a
+/// group's CPU, I/O and event counters live in the same directory and cannot be reset, so
+/// there groups are removed as before.
+#[derive(Debug, Default)]
+struct SpareMemoryGroups {
+    names: Mutex<Vec<String>>,
+    made: AtomicU64,
+}
+
+impl SpareMemoryGroups {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        // A poisoned list is still a list of names.
+        self.names.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn new_name(&self) -> String {
+        let n = self.made.fetch_add(1, Ordering::Relaxed);
+        format!("{SPARE_PREFIX}{}-{n}", std::process::id())
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -258,7 +298,9 @@ impl CgroupDriver {
     fn with_hierarchy(hierarchy: Hierarchy) -> Self {
         Self {
             hierarchy,
+            parent: PARENT,
             io: IoThrottle::default(),
+            spares: Arc::default(),
         }
     }
 
@@ -301,9 +343,9 @@ impl CgroupDriver {
         match &self.hierarchy {
             Hierarchy::V1 { controllers } => controllers
                 .iter()
-                .map(|(name, dir)| (*name, dir.join(PARENT).join(sandbox_id)))
+                .map(|(name, dir)| (*name, dir.join(self.parent).join(sandbox_id)))
                 .collect(),
-            Hierarchy::V2 { root } => vec![("unified", root.join(PARENT).join(sandbox_id))],
+            Hierarchy::V2 { root } => vec![("unified", root.join(self.parent).join(sandbox_id))],
         }
     }
 
@@ -313,9 +355,9 @@ impl CgroupDriver {
         let parents: Vec<PathBuf> = match &self.hierarchy {
             Hierarchy::V1 { controllers } => controllers
                 .iter()
-                .map(|(_, dir)| dir.join(PARENT))
+                .map(|(_, dir)| dir.join(self.parent))
                 .collect(),
-            Hierarchy::V2 { root } => vec![root.join(PARENT)],
+            Hierarchy::V2 { root } => vec![root.join(self.parent)],
         };
         parents
             .iter()
@@ -323,6 +365,7 @@ impl CgroupDriver {
             .flat_map(|entries| entries.flatten())
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|name| !name.starts_with(SPARE_PREFIX))
             .collect()
     }
 
@@ -358,14 +401,17 @@ impl CgroupDriver {
         if let Hierarchy::V2 { root } = &self.hierarchy {
             // Controllers must be enabled on every ancestor for the leaf to get the files.
             write(&root.join("cgroup.subtree_control"), self.v2_subtree())?;
-            let parent = root.join(PARENT);
+            let parent = root.join(self.parent);
             std::fs::create_dir_all(&parent).map_err(|source| CgroupError::Create {
                 path: parent.clone(),
                 source,
             })?;
             write(&parent.join("cgroup.subtree_control"), self.v2_subtree())?;
         }
-        for (_, dir) in self.dirs(sandbox_id) {
+        for (name, dir) in self.dirs(sandbox_id) {
+            if name == "memory" && self.take_spare_memory_group(&dir) {
+                continue;
+            }
             std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
                 path: dir.clone(),
                 source,
@@ -465,8 +511,8 @@ impl CgroupDriver {
     /// on disk: cumulative, for the groups that exist now.
     pub fn io_counts(&self, sandbox_id: Option<&str>) -> Option<IoCounts> {
         let dir = |base: &Path| match sandbox_id {
-            Some(id) => base.join(PARENT).join(id),
-            None => base.join(PARENT),
+            Some(id) => base.join(self.parent).join(id),
+            None => base.join(self.parent),
         };
         match &self.hierarchy {
             Hierarchy::V1 { controllers } => {
@@ -591,11 +637,15 @@ impl CgroupDriver {
                     .iter()
                     .find(|(name, _)| *name == "cpuacct")
                     .or_else(|| controllers.iter().find(|(name, _)| *name == "cpu"))?;
-                let file = base.1.join(PARENT).join(sandbox_id).join("cpuacct.usage");
+                let file = base
+                    .1
+                    .join(self.parent)
+                    .join(sandbox_id)
+                    .join("cpuacct.usage");
                 read(file)?.trim().parse().ok()
             }
             Hierarchy::V2 { root } => {
-                let cpu = read(root.join(PARENT).join(sandbox_id).join("cpu.stat"))?;
+                let cpu = read(root.join(self.parent).join(sandbox_id).join("cpu.stat"))?;
                 let usage_usec: u64 = cpu.lines().find_map(|l| {
                     l.strip_prefix("usage_usec")?
                         .strip_prefix(' ')?
@@ -621,13 +671,13 @@ impl CgroupDriver {
             Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .find(|(name, _)| *name == "memory")
-                .map(|(_, dir)| dir.join(PARENT))
+                .map(|(_, dir)| dir.join(self.parent))
                 .ok_or_else(|| {
                     CgroupError::Unsupported("cgroup v1 has no memory controller".into())
                 })?,
             Hierarchy::V2 { root } => {
                 write(&root.join("cgroup.subtree_control"), self.v2_subtree())?;
-                root.join(PARENT)
+                root.join(self.parent)
             }
         };
         std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Create {
@@ -658,8 +708,8 @@ impl CgroupDriver {
             Hierarchy::V1 { controllers } => controllers
                 .iter()
                 .find(|(name, _)| *name == "memory")
-                .map(|(_, dir)| dir.join(PARENT))?,
-            Hierarchy::V2 { root } => root.join(PARENT),
+                .map(|(_, dir)| dir.join(self.parent))?,
+            Hierarchy::V2 { root } => root.join(self.parent),
         };
         let v1 = matches!(&self.hierarchy, Hierarchy::V1 { .. });
         let limit_file = if v1 {
@@ -740,6 +790,132 @@ impl CgroupDriver {
         }
     }
 
+    /// Gives a new sandbox's memory group the directory `dir` by renaming a kept one there;
+    /// whether one was. A kept group that cannot be renamed is removed.
+    fn take_spare_memory_group(&self, dir: &Path) -> bool {
+        let Some(parent) = dir.parent() else {
+            return false;
+        };
+        loop {
+            let Some(spare) = self.spares.lock().pop() else {
+                return false;
+            };
+            let from = parent.join(&spare);
+            if std::fs::rename(&from, dir).is_ok() {
+                return true;
+            }
+            if dir.exists() {
+                // The sandbox's group is there already (left by a boot that failed): the
+                // spare stays one.
+                self.spares.lock().push(spare);
+                return false;
+            }
+            tracing::warn!(group = %from.display(), "a kept memory cgroup could not be reused");
+            let _ = std::fs::remove_dir(&from);
+        }
+    }
+
+    /// Keeps the memory group at `dir`, whose processes are all gone, for a later sandbox:
+    /// emptied of what the ended one left charged to it, its peaks reset, renamed to a spare
+    /// name. Whether it was kept; a group that killed for lack of memory keeps that in a
+    /// count nothing resets, so it is not.
+    fn keep_spare_memory_group(&self, dir: &Path) -> bool {
+        if !matches!(self.hierarchy, Hierarchy::V1 { .. })
+            || self.spares.lock().len() >= MAX_SPARE_MEMORY_GROUPS
+        {
+            return false;
+        }
+        let Some(parent) = dir.parent() else {
+            return false;
+        };
+        let still_held = std::fs::read_to_string(dir.join("cgroup.procs"))
+            .map_or(true, |procs| !procs.trim().is_empty());
+        let killed = std::fs::read_to_string(dir.join("memory.oom_control"))
+            .ok()
+            .and_then(|text| parse_oom_kills(&text))
+            .is_some_and(|kills| kills > 0);
+        if still_held || killed {
+            return false;
+        }
+        if std::fs::write(dir.join("memory.force_empty"), "0").is_err() {
+            return false;
+        }
+        let left = std::fs::read_to_string(dir.join("memory.usage_in_bytes"))
+            .ok()
+            .and_then(|text| text.trim().parse::<u64>().ok());
+        if left.is_none_or(|bytes| bytes > SPARE_LEFT_BYTES) {
+            return false;
+        }
+        for peak in [
+            "memory.max_usage_in_bytes",
+            "memory.failcnt",
+            "memory.memsw.max_usage_in_bytes",
+            "memory.memsw.failcnt",
+        ] {
+            let file = dir.join(peak);
+            if file.exists() && std::fs::write(&file, "0").is_err() {
+                return false;
+            }
+        }
+        let name = self.spares.new_name();
+        if std::fs::rename(dir, parent.join(&name)).is_err() {
+            return false;
+        }
+        self.spares.lock().push(name);
+        true
+    }
+
+    /// The v1 directory holding the sandboxes' memory groups.
+    fn memory_parent(&self) -> Option<PathBuf> {
+        match &self.hierarchy {
+            Hierarchy::V1 { controllers } => controllers
+                .iter()
+                .find(|(name, _)| *name == "memory")
+                .map(|(_, dir)| dir.join(self.parent)),
+            Hierarchy::V2 { .. } => None,
+        }
+    }
+
+    /// Takes up the memory groups an earlier server kept (an empty one, up to the bound)
+    /// and removes the others.
+    pub fn take_up_spare_memory_groups(&self) {
+        let Some(parent) = self.memory_parent() else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !name.starts_with(SPARE_PREFIX) {
+                continue;
+            }
+            // Checked and emptied as a sandbox's would be, under a name of this process.
+            let dir = entry.path();
+            if !self.keep_spare_memory_group(&dir)
+                && let Err(e) = std::fs::remove_dir(&dir)
+            {
+                tracing::warn!(group = %dir.display(), error = %e, "cannot remove a memory cgroup an earlier server kept");
+            }
+        }
+    }
+
+    /// Removes every kept memory group (at a clean stop: nothing of the server's is left).
+    pub fn remove_spare_memory_groups(&self) {
+        let Some(parent) = self.memory_parent() else {
+            return;
+        };
+        let spares = std::mem::take(&mut *self.spares.lock());
+        for spare in spares {
+            let _ = std::fs::remove_dir(parent.join(spare));
+        }
+    }
+
+    /// How many memory groups are kept for later sandboxes.
+    pub fn spare_memory_groups(&self) -> usize {
+        self.spares.lock().len()
+    }
+
     /// Lets a frozen sandbox run again.
     pub fn thaw(&self, sandbox_id: &str) -> Result<(), CgroupError> {
         match self.freezer(sandbox_id) {
@@ -777,14 +953,22 @@ impl CgroupDriver {
     /// Removes the sandbox's cgroups once they are empty, waiting at most [`KILL_PATIENCE`]:
     /// a killed task leaves its cgroup's list before it is done exiting, and the cgroup
     /// cannot be removed until it is.
+    ///
+    /// The memory group goes last, once the others are gone: only then have its processes
+    /// finished exiting, and only then may it be kept for another sandbox.
     pub async fn remove(&self, sandbox_id: &str) -> Result<(), CgroupError> {
         let left = settle(KILL_PATIENCE, KILL_POLL, || {
             let mut busy = false;
-            for (_, dir) in self.dirs(sandbox_id) {
-                match std::fs::remove_dir(&dir) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(_) => busy = true,
+            let (memory, others): (Vec<_>, Vec<_>) = self
+                .dirs(sandbox_id)
+                .into_iter()
+                .partition(|(name, _)| *name == "memory");
+            for (_, dir) in others {
+                busy |= !remove_group(&dir);
+            }
+            for (_, dir) in memory {
+                if !busy && !self.keep_spare_memory_group(&dir) {
+                    busy |= !remove_group(&dir);
                 }
             }
             if busy {
@@ -796,6 +980,14 @@ impl CgroupDriver {
         })
         .await;
         none_left(sandbox_id, left)
+    }
+}
+
+/// Removes the cgroup `dir`; whether it is gone.
+fn remove_group(dir: &Path) -> bool {
+    match std::fs::remove_dir(dir) {
+        Ok(()) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
     }
 }
 
@@ -891,6 +1083,162 @@ mod tests {
             Some(20_000),
             "the smallest"
         );
+    }
+
+    /// A driver over the host's own v1 hierarchies under a parent of this test's, whose
+    /// groups are all removed when it drops, even after a failed assertion; `None` where the
+    /// test cannot run (not root, or cgroup v2).
+    struct HostGroups {
+        driver: CgroupDriver,
+    }
+
+    impl HostGroups {
+        fn new(parent: &'static str) -> Option<Self> {
+            // SAFETY: geteuid has no preconditions.
+            if unsafe { libc::geteuid() } != 0 {
+                eprintln!("skipped: needs root to make cgroups");
+                return None;
+            }
+            let mut driver = CgroupDriver::detect().ok()?;
+            if driver.version() != 1 {
+                eprintln!("skipped: memory groups are kept on cgroup v1 only");
+                return None;
+            }
+            driver.parent = parent;
+            Some(Self { driver })
+        }
+
+        fn memory_dir(&self, name: &str) -> PathBuf {
+            self.driver
+                .memory_parent()
+                .expect("a v1 memory hierarchy")
+                .join(name)
+        }
+
+        /// Runs `script` with `sh` in sandbox `id`'s memory group until it ends.
+        fn run_in(&self, id: &str, script: &str) {
+            let tasks = self.memory_dir(id).join("tasks");
+            let status = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("echo $$ > {} && {script}", tasks.display()))
+                .status()
+                .expect("sh");
+            // A process the kernel killed for memory ends by a signal; that is the point.
+            let _ = status;
+        }
+
+        fn usage(&self, id: &str) -> u64 {
+            let text = std::fs::read_to_string(self.memory_dir(id).join("memory.usage_in_bytes"))
+                .expect("usage");
+            text.trim().parse().expect("a number")
+        }
+    }
+
+    impl Drop for HostGroups {
+        fn drop(&mut self) {
+            let Hierarchy::V1 { controllers } = &self.driver.hierarchy else {
+                return;
+            };
+            for (_, base) in controllers {
+                let parent = base.join(self.driver.parent);
+                if let Ok(entries) = std::fs::read_dir(&parent) {
+                    for entry in entries.flatten() {
+                        let _ = std::fs::remove_dir(entry.path());
+                    }
+                }
+                let _ = std::fs::remove_dir(&parent);
+            }
+        }
+    }
+
+    fn small_limits() -> Limits {
+        Limits {
+            cpu_count: 1,
+            memory_mb: 48,
+            pids_max: 64,
+            cpu_priority: CpuPriority::Normal,
+            io: IoRates::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_ended_sandboxs_memory_group_is_emptied_and_kept_for_the_next() {
+        let Some(host) = HostGroups::new("sandbar-unit-spares") else {
+            return;
+        };
+        let cg = &host.driver;
+        cg.create("first", small_limits()).expect("create");
+        let scratch = tempfile::tempdir_in("/var/tmp").expect("scratch");
+        let file = scratch.path().join("written");
+        // Page cache written from inside stays charged to the group after its process ends.
+        host.run_in(
+            "first",
+            &format!(
+                "dd if=/dev/zero of={} bs=1M count=8 conv=fsync status=none && cat {} > /dev/null",
+                file.display(),
+                file.display()
+            ),
+        );
+        assert!(host.usage("first") > 4 << 20, "the write was charged");
+        cg.remove("first").await.expect("remove");
+        assert!(!host.memory_dir("first").exists());
+        assert_eq!(cg.spare_memory_groups(), 1, "the emptied group is kept");
+        assert!(
+            cg.names().is_empty(),
+            "a kept group is no sandbox's: {:?}",
+            cg.names()
+        );
+
+        cg.create("second", small_limits()).expect("create");
+        assert_eq!(cg.spare_memory_groups(), 0, "the kept group was taken");
+        assert!(
+            host.usage("second") <= SPARE_LEFT_BYTES,
+            "the next sandbox starts with nothing of the last one's"
+        );
+        let peak =
+            std::fs::read_to_string(host.memory_dir("second").join("memory.max_usage_in_bytes"))
+                .expect("peak");
+        assert!(peak.trim().parse::<u64>().expect("a number") <= SPARE_LEFT_BYTES);
+        let limit =
+            std::fs::read_to_string(host.memory_dir("second").join("memory.limit_in_bytes"))
+                .expect("limit");
+        assert_eq!(limit.trim(), (48u64 << 20).to_string());
+        cg.remove("second").await.expect("remove");
+        assert_eq!(cg.spare_memory_groups(), 1);
+
+        // What a stopped server left is taken up by the next one.
+        let next = CgroupDriver {
+            spares: Arc::default(),
+            ..cg.clone()
+        };
+        next.take_up_spare_memory_groups();
+        assert_eq!(next.spare_memory_groups(), 1);
+        next.remove_spare_memory_groups();
+        assert_eq!(next.spare_memory_groups(), 0);
+        let left: Vec<_> = std::fs::read_dir(host.driver.memory_parent().expect("parent"))
+            .expect("parent")
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .collect();
+        assert!(left.is_empty(), "groups left after a clean stop: {left:?}");
+    }
+
+    #[tokio::test]
+    async fn a_memory_group_that_killed_is_removed_not_kept() {
+        let Some(host) = HostGroups::new("sandbar-unit-killed") else {
+            return;
+        };
+        let cg = &host.driver;
+        cg.create("greedy", small_limits()).expect("create");
+        host.run_in("greedy", "exec python3 -c 'b = bytearray(256 << 20)'");
+        assert_eq!(
+            cg.oom_kills("greedy"),
+            Some(1),
+            "the kernel killed the allocation"
+        );
+        cg.remove("greedy").await.expect("remove");
+        assert_eq!(cg.spare_memory_groups(), 0);
+        assert!(!host.memory_dir("greedy").exists());
     }
 
     #[test]

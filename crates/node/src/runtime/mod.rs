@@ -281,6 +281,7 @@ impl LinuxRuntime {
                 "build sandboxes were still being launched or removed at the stop; the next start removes them"
             );
         }
+        self.node.cgroups.remove_spare_memory_groups();
         self.node.disks.release_if_empty().await;
     }
 }

@@ -89,6 +89,7 @@ impl NodeState {
             Self::wait_for_orphaned_criu(criu, &config.data_dir).await;
         }
         let mut cgroups = CgroupDriver::detect()?;
+        cgroups.take_up_spare_memory_groups();
         let network = open_network(&config)?;
         let egress = start_firewall(&config, &network).await?;
         let disks = open_disks(&config, &mut cgroups).await?;
