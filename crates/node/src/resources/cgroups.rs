@@ -19,8 +19,13 @@ const ROOT: &str = "/sys/fs/cgroup";
 pub const KILL_PATIENCE: Duration = Duration::from_secs(5);
 /// Between two looks at a cgroup a kill is emptying.
 const KILL_POLL: Duration = Duration::from_millis(10);
-/// How the names of kept memory groups begin: no sandbox or warm name begins with a dot.
+/// How the names of the server's own groups begin: no sandbox or warm name begins with a dot.
+const OWN_PREFIX: &str = ".";
+/// How the names of kept memory groups begin.
 const SPARE_PREFIX: &str = ".spare-";
+/// How the name of the empty freezer group held frozen begins (see
+/// [`CgroupDriver::hold_freezer_checks_on`]).
+const FROZEN_ANCHOR_PREFIX: &str = ".frozen-";
 /// Kept memory groups at most: enough for a steady rate of creates and kills, few enough
 /// that a burst of kills leaves little behind (each costs the kernel some memory, and
 /// reclaim visits it).
@@ -367,7 +372,7 @@ impl CgroupDriver {
             .flat_map(|entries| entries.flatten())
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|name| !name.starts_with(SPARE_PREFIX))
+            .filter(|name| !name.starts_with(OWN_PREFIX))
             .collect()
     }
 
@@ -768,6 +773,53 @@ impl CgroupDriver {
         })?;
         write(&file, frozen)?;
         Ok(file)
+    }
+
+    /// The v1 freezer group held frozen by this process.
+    fn frozen_anchor(&self) -> Option<PathBuf> {
+        let Hierarchy::V1 { controllers } = &self.hierarchy else {
+            return None;
+        };
+        let (_, base) = controllers.iter().find(|(name, _)| *name == "freezer")?;
+        Some(
+            base.join(self.parent)
+                .join(format!("{FROZEN_ANCHOR_PREFIX}{}", std::process::id())),
+        )
+    }
+
+    /// Holds an empty v1 freezer group frozen for as long as the server runs, removing any an
+    /// earlier server left. The kernel switches its freezer checks on in running code (a
+    /// static key, patched on every CPU with a round of interrupts) when the first group
+    /// freezes and off when the last one thaws; each create stops the warm boot under way and
+    /// lets it go after, so without a group that stays frozen every create paid two such
+    /// patches. An empty group holds no task, so nothing is stopped by it. Whether it is held.
+    pub fn hold_freezer_checks_on(&self) -> bool {
+        let Some(anchor) = self.frozen_anchor() else {
+            return false;
+        };
+        let Some(parent) = anchor.parent() else {
+            return false;
+        };
+        if let Ok(entries) = std::fs::read_dir(parent) {
+            for entry in entries.flatten() {
+                if entry
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with(FROZEN_ANCHOR_PREFIX)
+                {
+                    let _ = std::fs::remove_dir(entry.path());
+                }
+            }
+        }
+        std::fs::create_dir_all(&anchor).is_ok()
+            && std::fs::write(anchor.join("freezer.state"), "FROZEN").is_ok()
+    }
+
+    /// Lets the freezer checks go off again (at a clean stop).
+    pub fn release_freezer_checks(&self) {
+        if let Some(anchor) = self.frozen_anchor() {
+            let _ = std::fs::remove_dir(anchor);
+        }
     }
 
     /// The cgroup directory whose freezer holds the sandbox (for CRIU's `--freeze-cgroup`).
@@ -1228,6 +1280,27 @@ mod tests {
             .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
             .collect();
         assert!(left.is_empty(), "groups left after a clean stop: {left:?}");
+    }
+
+    #[test]
+    fn an_empty_frozen_group_keeps_the_freezer_on_and_goes_at_the_stop() {
+        let Some(host) = HostGroups::new("sandbar-unit-frozen") else {
+            return;
+        };
+        let cg = &host.driver;
+        let anchor = cg.frozen_anchor().expect("a v1 freezer");
+        let stale = anchor.with_file_name(format!("{FROZEN_ANCHOR_PREFIX}1"));
+        std::fs::create_dir_all(&stale).expect("a group a killed server left");
+        assert!(cg.hold_freezer_checks_on());
+        assert!(!stale.exists(), "an earlier server's group is removed");
+        let state = std::fs::read_to_string(anchor.join("freezer.state")).expect("state");
+        assert_eq!(state.trim(), "FROZEN");
+        assert!(
+            cg.names().is_empty(),
+            "the server's own group is no sandbox's"
+        );
+        cg.release_freezer_checks();
+        assert!(!anchor.exists());
     }
 
     #[tokio::test]

@@ -282,6 +282,7 @@ impl LinuxRuntime {
             );
         }
         self.node.cgroups.remove_spare_memory_groups();
+        self.node.cgroups.release_freezer_checks();
         self.node.disks.release_if_empty().await;
     }
 }

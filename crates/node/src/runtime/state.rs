@@ -90,6 +90,7 @@ impl NodeState {
         }
         let mut cgroups = CgroupDriver::detect()?;
         cgroups.take_up_spare_memory_groups();
+        cgroups.hold_freezer_checks_on();
         let network = open_network(&config)?;
         let egress = start_firewall(&config, &network).await?;
         let disks = open_disks(&config, &mut cgroups).await?;
