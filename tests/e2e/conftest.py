@@ -62,6 +62,7 @@ from e2e_util import (
     record_sandbox_creation,
     restore_environ,
     sandbox_cgroup_dirs,
+    server_cgroup_dirs,
     sandbox_like_processes,
 )
 
@@ -164,6 +165,7 @@ def sandbar():
 
     baseline_pids = all_pids()
     baseline_cgroups = sandbox_cgroup_dirs()
+    baseline_server_cgroups = server_cgroup_dirs()
     baseline_links = host_links("sbx")
     baseline_netns = host_netns()
 
@@ -272,6 +274,9 @@ def sandbar():
                 out.append(f"cgroup dirs left: {sorted(mine)}")
             if new_cg - mine:
                 loose.append(f"cgroup dirs of unknown sandboxes left: {sorted(new_cg - mine)}")
+            own_cg = server_cgroup_dirs() - baseline_server_cgroups
+            if own_cg:
+                loose.append(f"the server's own cgroup dirs left after its stop: {sorted(own_cg)[:10]}")
             links = host_links("sbx") - baseline_links
             if links:
                 loose.append(f"host links left: {sorted(links)}")

@@ -283,13 +283,28 @@ def rss_kib(pid: int) -> int:
 
 
 def sandbox_cgroup_dirs(sandbox_id: Optional[str] = None) -> Set[str]:
-    """Existing per-sandbox cgroup directories (optionally only for one sandbox)."""
+    """Existing per-sandbox cgroup directories (optionally only for one sandbox). Groups whose
+    names begin with a dot are the server's own (memory groups kept for later sandboxes, the
+    freezer group it holds frozen), no sandbox's: see `server_cgroup_dirs`."""
     found = set()
     for parent in sandbar_cgroup_parents():
         try:
             for child in parent.iterdir():
+                if child.name.startswith("."):
+                    continue
                 if child.is_dir() and (sandbox_id is None or child.name == sandbox_id):
                     found.add(str(child))
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def server_cgroup_dirs() -> Set[str]:
+    """The server's own cgroup directories, which a clean stop removes."""
+    found = set()
+    for parent in sandbar_cgroup_parents():
+        try:
+            found.update(str(c) for c in parent.iterdir() if c.name.startswith(".") and c.is_dir())
         except FileNotFoundError:
             pass
     return found
