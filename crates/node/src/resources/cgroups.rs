@@ -140,7 +140,7 @@ pub struct CgroupDriver {
 /// Removing a memory cgroup makes the kernel move its entries off the memory-aware object
 /// lists of every superblock on the host, and each sandbox mounts several: next to 1,000
 /// sandboxes that took about 7 ms of a kernel worker per kill, the largest cost a kill left
-/// to the creates around it. Renaming an emptied group costs the same at any count. On v2 a
+/// to the creates around it. Renaming a group costs the same at any count. On v2 a
 /// group's CPU, I/O and event counters live in the same directory and cannot be reset, so
 /// there groups are removed as before.
 #[derive(Debug, Default)]
@@ -571,11 +571,16 @@ impl CgroupDriver {
     /// How many of the sandbox's processes the kernel killed for reaching its memory limit;
     /// `None` once its cgroup is gone (or on a kernel without the count).
     pub fn oom_kills(&self, sandbox_id: &str) -> Option<u64> {
+        self.oom_kills_in(&self.memory_dir(sandbox_id)?)
+    }
+
+    /// The OOM kill count of the memory group at `dir`.
+    fn oom_kills_in(&self, dir: &Path) -> Option<u64> {
         let file = match &self.hierarchy {
             Hierarchy::V1 { .. } => "memory.oom_control",
             Hierarchy::V2 { .. } => "memory.events",
         };
-        parse_oom_kills(&std::fs::read_to_string(self.memory_dir(sandbox_id)?.join(file)).ok()?)
+        parse_oom_kills(&std::fs::read_to_string(dir.join(file)).ok()?)
     }
 
     /// An eventfd the kernel signals each time the sandbox's memory cgroup runs out of memory
@@ -675,13 +680,9 @@ impl CgroupDriver {
     /// The cgroup holding every sandbox's (memory controller), made if missing.
     fn sandboxes_memory_dir(&self) -> Result<PathBuf, CgroupError> {
         let dir = match &self.hierarchy {
-            Hierarchy::V1 { controllers } => controllers
-                .iter()
-                .find(|(name, _)| *name == "memory")
-                .map(|(_, dir)| dir.join(self.parent))
-                .ok_or_else(|| {
-                    CgroupError::Unsupported("cgroup v1 has no memory controller".into())
-                })?,
+            Hierarchy::V1 { .. } => self.memory_parent().ok_or_else(|| {
+                CgroupError::Unsupported("cgroup v1 has no memory controller".into())
+            })?,
             Hierarchy::V2 { root } => {
                 write(&root.join("cgroup.subtree_control"), self.v2_subtree())?;
                 root.join(self.parent)
@@ -712,10 +713,7 @@ impl CgroupDriver {
     /// reclaims it before it kills).
     pub fn sandboxes_memory(&self) -> Option<SandboxesMemory> {
         let dir = match &self.hierarchy {
-            Hierarchy::V1 { controllers } => controllers
-                .iter()
-                .find(|(name, _)| *name == "memory")
-                .map(|(_, dir)| dir.join(self.parent))?,
+            Hierarchy::V1 { .. } => self.memory_parent()?,
             Hierarchy::V2 { root } => root.join(self.parent),
         };
         let v1 = matches!(&self.hierarchy, Hierarchy::V1 { .. });
@@ -777,14 +775,8 @@ impl CgroupDriver {
 
     /// The v1 freezer group held frozen by this process.
     fn frozen_anchor(&self) -> Option<PathBuf> {
-        let Hierarchy::V1 { controllers } = &self.hierarchy else {
-            return None;
-        };
-        let (_, base) = controllers.iter().find(|(name, _)| *name == "freezer")?;
-        Some(
-            base.join(self.parent)
-                .join(format!("{FROZEN_ANCHOR_PREFIX}{}", std::process::id())),
-        )
+        let parent = self.v1_parent("freezer")?;
+        Some(parent.join(format!("{FROZEN_ANCHOR_PREFIX}{}", std::process::id())))
     }
 
     /// Holds an empty v1 freezer group frozen for as long as the server runs, removing any an
@@ -871,8 +863,8 @@ impl CgroupDriver {
 
     /// Keeps the memory group at `dir`, whose processes are all gone, for a later sandbox:
     /// holding at most [`SPARE_LEFT_BYTES`] of what the ended one left charged to it, its
-    /// peaks reset, renamed to a spare name. Whether it was kept; a group that killed for lack of memory keeps that in a
-    /// count nothing resets, so it is not.
+    /// peaks reset, renamed to a spare name. Whether it was kept; a group that killed for
+    /// lack of memory keeps that in a count nothing resets, so it is not.
     fn keep_spare_memory_group(&self, dir: &Path) -> bool {
         if !matches!(self.hierarchy, Hierarchy::V1 { .. })
             || self.spares.lock().len() >= MAX_SPARE_MEMORY_GROUPS
@@ -884,10 +876,7 @@ impl CgroupDriver {
         };
         let still_held = std::fs::read_to_string(dir.join("cgroup.procs"))
             .map_or(true, |procs| !procs.trim().is_empty());
-        let killed = std::fs::read_to_string(dir.join("memory.oom_control"))
-            .ok()
-            .and_then(|text| parse_oom_kills(&text))
-            .is_some_and(|kills| kills > 0);
+        let killed = self.oom_kills_in(dir).is_some_and(|kills| kills > 0);
         if still_held || killed {
             return false;
         }
@@ -911,9 +900,9 @@ impl CgroupDriver {
             "memory.memsw.max_usage_in_bytes",
             "memory.memsw.failcnt",
         ] {
-            let file = dir.join(peak);
-            if file.exists() && std::fs::write(&file, "0").is_err() {
-                return false;
+            match std::fs::write(dir.join(peak), "0") {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return false,
+                _ => {}
             }
         }
         let name = self.spares.new_name();
@@ -924,15 +913,20 @@ impl CgroupDriver {
         true
     }
 
-    /// The v1 directory holding the sandboxes' memory groups.
-    fn memory_parent(&self) -> Option<PathBuf> {
+    /// The v1 directory of controller `controller` that holds the sandboxes' groups.
+    fn v1_parent(&self, controller: &str) -> Option<PathBuf> {
         match &self.hierarchy {
             Hierarchy::V1 { controllers } => controllers
                 .iter()
-                .find(|(name, _)| *name == "memory")
+                .find(|(name, _)| *name == controller)
                 .map(|(_, dir)| dir.join(self.parent)),
             Hierarchy::V2 { .. } => None,
         }
+    }
+
+    /// The v1 directory holding the sandboxes' memory groups.
+    fn memory_parent(&self) -> Option<PathBuf> {
+        self.v1_parent("memory")
     }
 
     /// Takes up the memory groups an earlier server kept (an empty one, up to the bound)
@@ -1177,13 +1171,12 @@ mod tests {
         /// Runs `script` with `sh` in sandbox `id`'s memory group until it ends.
         fn run_in(&self, id: &str, script: &str) {
             let tasks = self.memory_dir(id).join("tasks");
-            let status = std::process::Command::new("sh")
+            // A process the kernel killed for memory ends by a signal; its status is not asked.
+            std::process::Command::new("sh")
                 .arg("-c")
                 .arg(format!("echo $$ > {} && {script}", tasks.display()))
                 .status()
                 .expect("sh");
-            // A process the kernel killed for memory ends by a signal; that is the point.
-            let _ = status;
         }
 
         fn usage(&self, id: &str) -> u64 {
