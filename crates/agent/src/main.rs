@@ -92,8 +92,11 @@ fn boot_main() -> anyhow::Result<()> {
         .listener
         .set_nonblocking(true)
         .context("making the agent socket non-blocking")?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // One thread runs every request: an agent's work is I/O on a few descriptors, anything
+    // that blocks goes to the blocking pool, and each thread an idle agent keeps costs the
+    // host a kernel stack and lengthens every walk of the host's threads (`pivot_root` at
+    // each create walks them all). With the reaper that makes two threads per agent.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("building the async runtime")?;

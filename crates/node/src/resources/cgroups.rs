@@ -178,6 +178,16 @@ fn write(path: &Path, value: &str) -> Result<(), CgroupError> {
     })
 }
 
+/// Writes `value` unless the file already holds it. For a group's CPU bandwidth files: each
+/// write makes the kernel check every CPU group on the host against its parent's quota, so a
+/// write of what is already there costs time that grows with the number of sandboxes.
+fn write_if_changed(path: &Path, value: &str) -> Result<(), CgroupError> {
+    match std::fs::read_to_string(path) {
+        Ok(held) if held.trim() == value => Ok(()),
+        _ => write(path, value),
+    }
+}
+
 /// A sandbox's memory as its memory cgroup counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryUse {
@@ -478,9 +488,9 @@ impl CgroupDriver {
                     }
                 }
                 "cpu" => {
-                    write(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
+                    write_if_changed(&dir.join("cpu.cfs_period_us"), &period.to_string())?;
                     let quota_file = dir.join("cpu.cfs_quota_us");
-                    if let Err(refused) = write(&quota_file, &quota.to_string()) {
+                    if let Err(refused) = write_if_changed(&quota_file, &quota.to_string()) {
                         // v1 refuses a quota above an ancestor's, as when the node itself runs
                         // in a group held to less CPU than a sandbox asks for (a container's
                         // CPU limit): the sandbox gets what its ancestors allow.
@@ -501,7 +511,7 @@ impl CgroupDriver {
                     if swap.exists() {
                         write(&swap, "0")?;
                     }
-                    write(&dir.join("cpu.max"), &format!("{quota} {period}"))?;
+                    write_if_changed(&dir.join("cpu.max"), &format!("{quota} {period}"))?;
                     write(
                         &dir.join("cpu.weight"),
                         &limits.cpu_priority.weight().to_string(),
@@ -1105,6 +1115,31 @@ fn none_left(sandbox_id: &str, left: usize) -> Result<(), CgroupError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_bandwidth_value_already_held_is_not_written_again() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let quota = dir.path().join("cpu.cfs_quota_us");
+        std::fs::write(&quota, "200000\n").expect("quota");
+        let long_ago = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&quota)
+            .and_then(|f| f.set_modified(long_ago))
+            .expect("mtime");
+        let modified = || {
+            std::fs::metadata(&quota)
+                .and_then(|m| m.modified())
+                .expect("stat")
+        };
+
+        write_if_changed(&quota, "200000").expect("same value");
+        assert_eq!(modified(), long_ago, "a held value was written again");
+
+        write_if_changed(&quota, "100000").expect("new value");
+        assert_eq!(std::fs::read_to_string(&quota).expect("read"), "100000");
+        assert_ne!(modified(), long_ago);
+    }
 
     #[test]
     fn a_sandbox_quota_stays_within_its_ancestors() {
