@@ -685,6 +685,7 @@ impl Filesystem for Services {
             include_entry: request.include_entry,
             allow_network_mounts: request.allow_network_mounts,
         })
+        .await
         .map_err(watch_error)?;
         Ok(Response::new(watch_stream(
             rx,
@@ -708,6 +709,7 @@ impl Filesystem for Services {
                 include_entry: request.include_entry,
                 allow_network_mounts: request.allow_network_mounts,
             })
+            .await
             .map_err(watcher_error)?;
         Response::ok(fsp::CreateWatcherResponse {
             watcher_id,

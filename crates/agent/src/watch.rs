@@ -117,7 +117,16 @@ fn carries_entry(kind: EventType) -> bool {
 
 /// Starts watching; events arrive on the returned channel until it is dropped. Event names
 /// are relative to the watched directory.
-pub fn watch(spec: WatchSpec) -> Result<mpsc::Receiver<FilesystemEvent>, WatchError> {
+pub async fn watch(spec: WatchSpec) -> Result<mpsc::Receiver<FilesystemEvent>, WatchError> {
+    // A recursive watch walks the whole tree first, which may take seconds: on the blocking
+    // pool, so the agent's one request thread keeps serving everything else meanwhile.
+    let root = spec.root.clone();
+    tokio::task::spawn_blocking(move || start_watch(spec))
+        .await
+        .map_err(|e| FsError::from_io("watch", &root, std::io::Error::other(e)))?
+}
+
+fn start_watch(spec: WatchSpec) -> Result<mpsc::Receiver<FilesystemEvent>, WatchError> {
     let WatchSpec {
         root,
         recursive,
@@ -189,8 +198,14 @@ pub fn watch(spec: WatchSpec) -> Result<mpsc::Receiver<FilesystemEvent>, WatchEr
                     .mask
                     .intersects(EventMask::CREATE | EventMask::MOVED_TO)
             {
-                let mut new_dirs = vec![path.clone()];
-                subdirectories(&path, &mut new_dirs);
+                let top = path.clone();
+                let new_dirs = tokio::task::spawn_blocking(move || {
+                    let mut found = vec![top.clone()];
+                    subdirectories(&top, &mut found);
+                    found
+                })
+                .await
+                .unwrap_or_default();
                 for dir in new_dirs {
                     if let Ok(wd) = stream.watches().add(&dir, mask()) {
                         dirs.insert(wd, dir);
@@ -251,8 +266,8 @@ fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Watchers {
     /// Starts a watcher and returns its id.
-    pub fn create(&self, spec: WatchSpec) -> Result<String, WatcherError> {
-        let mut rx = watch(spec)?;
+    pub async fn create(&self, spec: WatchSpec) -> Result<String, WatcherError> {
+        let mut rx = watch(spec).await?;
         let events = Arc::new(std::sync::Mutex::new(Vec::new()));
         let sink = events.clone();
         let collector = tokio::spawn(async move {
@@ -321,6 +336,7 @@ mod tests {
             include_entry: true,
             allow_network_mounts: false,
         })
+        .await
         .unwrap();
         let mut next = async || {
             tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv())
