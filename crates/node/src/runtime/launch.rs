@@ -148,7 +148,7 @@ impl Launcher {
     fn take_warm_sandbox(&self, spec: &LaunchSpec, may_take_warm: bool) -> Option<WarmSandbox> {
         crate::runtime::warm::WarmKey::of(spec)
             .filter(|_| may_take_warm)
-            .and_then(|key| self.node.warm.take(&key))
+            .and_then(|key| self.node.warm.take(&key, spec.cpu_count))
     }
 
     /// Launches sandbox `spec` on the `warm` sandbox taken for it; `None` when the sandbox is

@@ -130,7 +130,7 @@ impl WarmKeeper {
                 .create(
                     &name,
                     Limits {
-                        cpu_count: 1,
+                        cpu_count: self.node.warm.cpu_count_for(key),
                         memory_mb: crate::runtime::warm::BOOT_MEMORY_MB,
                         pids_max: self.node.config.pids_max,
                         cpu_priority: crate::resources::cgroups::CpuPriority::Background,
