@@ -205,7 +205,7 @@ fn start_watch(spec: WatchSpec) -> Result<mpsc::Receiver<FilesystemEvent>, Watch
                     found
                 })
                 .await
-                .unwrap_or_default();
+                .unwrap_or_else(|_| vec![path.clone()]);
                 for dir in new_dirs {
                     if let Ok(wd) = stream.watches().add(&dir, mask()) {
                         dirs.insert(wd, dir);

@@ -43,7 +43,11 @@ pub struct PreparedNetns {
 }
 
 impl PreparedNetns {
-    /// Binds the agent socket at `path` and starts listening.
+    /// Binds the agent socket at `path` and starts listening, non-blocking: the agent polls
+    /// its listener and accepts from one request thread, and this open file is what it gets,
+    /// flags and all (through the boot's hand-off, or from CRIU at a restore). On a blocking
+    /// listener its `accept` would wait for the next connection with the one just accepted
+    /// unserved.
     pub fn listen_at(&self, path: &Path) -> std::io::Result<std::os::unix::net::UnixListener> {
         // SAFETY: sockaddr_un is plain old data; all-zero is a valid value to fill in.
         let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -72,8 +76,9 @@ impl PreparedNetns {
         if bound != 0 || unsafe { libc::listen(fd, 128) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let owned = self.agent_socket.try_clone()?;
-        Ok(std::os::unix::net::UnixListener::from(owned))
+        let listener = std::os::unix::net::UnixListener::from(self.agent_socket.try_clone()?);
+        listener.set_nonblocking(true)?;
+        Ok(listener)
     }
 }
 
@@ -586,6 +591,13 @@ mod tests {
             let path = dir.join("agent.sock");
             let _ = std::fs::remove_file(&path);
             let listener = prepared.listen_at(&path).expect("listen");
+            // SAFETY: F_GETFL on a descriptor the listener owns.
+            let flags = unsafe { libc::fcntl(listener.as_raw_fd(), libc::F_GETFL) };
+            assert_ne!(
+                flags & libc::O_NONBLOCK,
+                0,
+                "the agent's listener is non-blocking"
+            );
             std::os::unix::net::UnixStream::connect(&path).expect("connect from outside");
             drop(listener);
             std::fs::remove_dir_all(&dir).expect("cleanup");

@@ -495,7 +495,7 @@ impl CgroupDriver {
                         // in a group held to less CPU than a sandbox asks for (a container's
                         // CPU limit): the sandbox gets what its ancestors allow.
                         match ancestors_cpu_quota(&dir, period).filter(|q| *q < quota) {
-                            Some(allowed) => write(&quota_file, &allowed.to_string())?,
+                            Some(allowed) => write_if_changed(&quota_file, &allowed.to_string())?,
                             None => return Err(refused),
                         }
                     }

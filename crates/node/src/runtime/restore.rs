@@ -327,13 +327,6 @@ impl Restorer {
             let listener = prepared
                 .listen_at(&socket)
                 .map_err(|e| format!("bind {}: {e}", socket.display()))?;
-            // CRIU hands this open file to the agent in place of its own listener, flags and
-            // all. The agent's one request thread polls it and then accepts: on a blocking
-            // listener that accept would wait for the next connection with the one just
-            // accepted unserved, so the restored agent would never answer.
-            listener
-                .set_nonblocking(true)
-                .map_err(|e| format!("make {} non-blocking: {e}", socket.display()))?;
             Ok(RestoreAids {
                 netns: prepared,
                 listener,
